@@ -1,7 +1,35 @@
 """jaxgrpo: pure-JAX GRPO, λ-GRPO and FRPO for LLM post-training.
 
-Public API is re-exported here; the code lives in one module per topic.
+The public API is re-exported here; the code lives in one module per topic:
+
+- ``advantages``: group_advantages, group_baseline, rloo_advantages
+- ``process_sets``: prefix_hashes, process_set_sizes, process_rewards, process_advantages,
+  process_tree_stats (λ-GRPO)
+- ``kl``: kl_penalty, future_kl, frpo_advantages (FRPO)
+- ``losses``: policy_loss, policy_loss_terms, combine_terms, finalize_terms, LossTerms
+- ``config``: GRPOConfig, preset, PRESETS
+- ``objective``: rollout_advantages, objective_terms (config → kernels)
 """
 from jaxgrpo._version import __version__
+from jaxgrpo.advantages import group_advantages, group_baseline, rloo_advantages
+from jaxgrpo.config import PRESETS, GRPOConfig, preset
+from jaxgrpo.kl import frpo_advantages, future_kl, kl_penalty
+from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms, policy_loss, policy_loss_terms
+from jaxgrpo.objective import objective_terms, rollout_advantages
+from jaxgrpo.process_sets import (prefix_hashes, process_advantages, process_rewards,
+                                  process_set_sizes, process_tree_stats)
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    # advantages
+    "group_advantages", "group_baseline", "rloo_advantages",
+    # process sets (λ-GRPO)
+    "prefix_hashes", "process_set_sizes", "process_rewards", "process_advantages",
+    "process_tree_stats",
+    # KL and FRPO
+    "kl_penalty", "future_kl", "frpo_advantages",
+    # losses
+    "policy_loss", "policy_loss_terms", "combine_terms", "finalize_terms", "LossTerms",
+    # configuration
+    "GRPOConfig", "preset", "PRESETS", "rollout_advantages", "objective_terms",
+]
