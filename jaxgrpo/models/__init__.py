@@ -1,0 +1,54 @@
+"""Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX, and HF checkpoint I/O.
+
+See CONTRACT_MODELS.md / docs_models.md for the call contract.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgrpo.models.base import CausalLM, positions_from_mask
+from jaxgrpo.models.config import (GPT2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config, RopeScaling,
+                                   config_from_hf)
+from jaxgrpo.models.gpt2 import GPT2Model
+from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
+from jaxgrpo.models.llama import LlamaModel
+from jaxgrpo.models.log_probs import log_probs, token_log_probs
+
+
+def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32) -> CausalLM:
+  """A randomly initialised model of ``cfg``'s family.
+
+  Args:
+    cfg: ``GPT2Config`` → ``GPT2Model``; ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` → ``LlamaModel``.
+    rngs: ``nnx.Rngs`` with a ``params`` stream (weights ~ N(0, 0.02²), biases 0, norm scales 1).
+    dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
+      float32 regardless.
+    param_dtype: storage dtype of the parameters.
+  """
+  if isinstance(cfg, GPT2Config):
+    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+  if isinstance(cfg, LlamaConfig):
+    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+  raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")
+
+
+__all__ = [
+    "CausalLM",
+    "GPT2Config",
+    "GPT2Model",
+    "KVCache",
+    "LOGICAL_AXES",
+    "LlamaConfig",
+    "LlamaModel",
+    "ModelConfig",
+    "Qwen2Config",
+    "Qwen3Config",
+    "RopeScaling",
+    "build_model",
+    "config_from_hf",
+    "log_probs",
+    "positions_from_mask",
+    "repeat_cache",
+    "token_log_probs",
+]

@@ -1,0 +1,76 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, GELU-tanh ("gelu_new") MLP, MHA with biases.
+
+``x = wte[tokens] + wpe[positions]``; per block ``x += attn(ln_1(x))``, ``x += mlp(ln_2(x))`` with
+``mlp(h) = gelu_tanh(h·W_fc + b_fc)·W_proj + b_proj``; ``hidden = ln_f(x)``.
+HF's fused ``c_attn`` Conv1D weight [D, 3D] is split into q/k/v [D, H, K] by the checkpoint loader.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgrpo.models.base import CausalLM
+from jaxgrpo.models.config import GPT2Config
+from jaxgrpo.models.layers import Attention, LayerNorm, param
+
+__all__ = ["GPT2Model"]
+
+
+class GPT2MLP(nnx.Module):
+  """``gelu_tanh(x·fc + fc_bias)·proj + proj_bias``; fc [D,F] ("embed","mlp"), proj [F,D] ("mlp","embed")."""
+
+  def __init__(self, cfg: GPT2Config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    self.dtype = dtype
+    self.fc = param(rngs.params(), (D, F), ("embed", "mlp"), param_dtype)
+    self.fc_bias = param(None, (F,), ("mlp",), param_dtype, init="zeros")
+    self.proj = param(rngs.params(), (F, D), ("mlp", "embed"), param_dtype)
+    self.proj_bias = param(None, (D,), ("embed",), param_dtype, init="zeros")
+
+  def __call__(self, x):
+    h = jnp.einsum("bsd,df->bsf", x, self.fc[...].astype(self.dtype)) + self.fc_bias[...].astype(self.dtype)
+    h = jax.nn.gelu(h, approximate=True)
+    return jnp.einsum("bsf,fd->bsd", h, self.proj[...].astype(self.dtype)) + self.proj_bias[...].astype(self.dtype)
+
+
+class GPT2Block(nnx.Module):
+  def __init__(self, cfg: GPT2Config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    kw = dict(eps=cfg.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
+    self.ln_1 = LayerNorm(cfg.hidden_size, **kw)
+    self.attn = Attention(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads,
+                          head_dim=cfg.head_dim, qkv_bias=True, o_bias=True, qk_norm_eps=None, inv_freq=None,
+                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.ln_2 = LayerNorm(cfg.hidden_size, **kw)
+    self.mlp = GPT2MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x, positions, attention_mask, kv, valid, index):
+    y, kv = self.attn(self.ln_1(x), positions, attention_mask, kv, valid, index)
+    x = x + y
+    return x + self.mlp(self.ln_2(x)), kv
+
+
+class GPT2Model(CausalLM):
+  """GPT-2 causal LM. See ``CausalLM.__call__`` for the call contract.
+
+  Parameters: embed_tokens [V,D] ("vocab","embed"), wpe [P,D] (None,"embed"), per layer the
+  ``GPT2Block`` weights, final_norm, and lm_head [D,V] ("embed","vocab") only when untied.
+  """
+
+  def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    if not isinstance(config, GPT2Config):
+      raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+    self.config = config
+    self.dtype = dtype
+    V, D, P = config.vocab_size, config.hidden_size, config.max_position_embeddings
+    self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
+    self.wpe = param(rngs.params(), (P, D), (None, "embed"), param_dtype, stddev=0.01)
+    self.layers = nnx.List([GPT2Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                            for _ in range(config.num_layers)])
+    self.final_norm = LayerNorm(D, eps=config.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
+    self.lm_head = None if config.tie_word_embeddings else param(
+        rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
+
+  def _embed(self, tokens, positions):
+    x = jnp.take(self.embed_tokens[...], tokens, axis=0) + jnp.take(self.wpe[...], positions, axis=0)
+    return x.astype(self.dtype)

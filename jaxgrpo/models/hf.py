@@ -1,0 +1,337 @@
+"""Hugging Face checkpoints: ``load_hf`` / ``save_hf`` / ``load_tokenizer``, and the name maps.
+
+Each family has a table of ``Entry(path, hf_name, hf_shape, to_ours, to_hf)``: ``path`` is the
+parameter's path in the NNX state, ``to_ours`` turns the HF tensor into our layout using only
+NumPy *views* (reshape of a contiguous array, transpose, slicing), so that a memory-mapped
+safetensors tensor is never copied whole: each device shard is cut out of the view by
+``jax.make_array_from_callback``. Several entries may share one HF tensor (GPT-2's fused
+``c_attn``); ``to_hf`` gives each entry's HF-layout piece and pieces of one tensor are
+concatenated along the last axis in table order.
+
+Safetensors files are memory-mapped with ``numpy.memmap`` after parsing the (documented, JSON)
+file header ourselves: ``safetensors.safe_open`` copies each tensor it returns, whereas a memmap
+view lets a shard read only its own pages.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
+
+__all__ = ["DEFAULT_RULES", "load_hf", "save_hf", "load_tokenizer", "logical_to_spec", "hf_entries"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RULES: dict[str, str | None] = {
+    "vocab": "tensor", "embed": "fsdp", "mlp": "tensor", "heads": "tensor", "kv_heads": "tensor",
+}
+
+
+class Entry(NamedTuple):
+  path: tuple
+  hf_name: str
+  hf_shape: tuple[int, ...]
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _same():
+  return lambda a: a, lambda a: a
+
+
+def _transpose():
+  return lambda a: a.T, lambda a: a.T
+
+
+def _in_proj(n, k):
+  """HF Linear [n·k, D] → ours [D, n, k]."""
+  return (lambda a: a.reshape(n, k, a.shape[-1]).transpose(2, 0, 1),
+          lambda a: a.transpose(1, 2, 0).reshape(n * k, a.shape[0]))
+
+
+def _out_proj(h, k):
+  """HF Linear [D, h·k] → ours [h, k, D]."""
+  return (lambda a: a.reshape(a.shape[0], h, k).transpose(1, 2, 0),
+          lambda a: a.transpose(2, 0, 1).reshape(a.shape[2], h * k))
+
+
+def _bias_heads(n, k):
+  return lambda a: a.reshape(n, k), lambda a: a.reshape(n * k)
+
+
+def _gpt2_entries(cfg: GPT2Config) -> list[Entry]:
+  D, H, K, F, V, P = (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
+                      cfg.max_position_embeddings)
+  out = [
+      Entry(("embed_tokens",), "transformer.wte.weight", (V, D), *_same()),
+      Entry(("wpe",), "transformer.wpe.weight", (P, D), *_same()),
+      Entry(("final_norm", "scale"), "transformer.ln_f.weight", (D,), *_same()),
+      Entry(("final_norm", "bias"), "transformer.ln_f.bias", (D,), *_same()),
+  ]
+  for i in range(cfg.num_layers):
+    p = f"transformer.h.{i}."
+    L = ("layers", i)
+    for j, name in enumerate(("q", "k", "v")):
+      # Conv1D weight is [in, out] = [D, 3D]; columns j·D..(j+1)·D belong to q/k/v.
+      out.append(Entry(L + ("attn", name), p + "attn.c_attn.weight", (D, 3 * D),
+                       lambda a, j=j: a.reshape(D, 3, H, K)[:, j], lambda a: a.reshape(D, H * K)))
+      out.append(Entry(L + ("attn", name + "_bias"), p + "attn.c_attn.bias", (3 * D,),
+                       lambda a, j=j: a.reshape(3, H, K)[j], lambda a: a.reshape(H * K)))
+    out += [
+        Entry(L + ("attn", "o"), p + "attn.c_proj.weight", (D, D),
+              lambda a: a.reshape(H, K, D), lambda a: a.reshape(H * K, D)),
+        Entry(L + ("attn", "o_bias"), p + "attn.c_proj.bias", (D,), *_same()),
+        Entry(L + ("ln_1", "scale"), p + "ln_1.weight", (D,), *_same()),
+        Entry(L + ("ln_1", "bias"), p + "ln_1.bias", (D,), *_same()),
+        Entry(L + ("ln_2", "scale"), p + "ln_2.weight", (D,), *_same()),
+        Entry(L + ("ln_2", "bias"), p + "ln_2.bias", (D,), *_same()),
+        Entry(L + ("mlp", "fc"), p + "mlp.c_fc.weight", (D, F), *_same()),
+        Entry(L + ("mlp", "fc_bias"), p + "mlp.c_fc.bias", (F,), *_same()),
+        Entry(L + ("mlp", "proj"), p + "mlp.c_proj.weight", (F, D), *_same()),
+        Entry(L + ("mlp", "proj_bias"), p + "mlp.c_proj.bias", (D,), *_same()),
+    ]
+  if not cfg.tie_word_embeddings:
+    out.append(Entry(("lm_head",), "lm_head.weight", (V, D), *_transpose()))
+  return out
+
+
+def _llama_entries(cfg: LlamaConfig) -> list[Entry]:
+  D, H, N, K, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                      cfg.vocab_size)
+  out = [
+      Entry(("embed_tokens",), "model.embed_tokens.weight", (V, D), *_same()),
+      Entry(("final_norm", "scale"), "model.norm.weight", (D,), *_same()),
+  ]
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    L = ("layers", i)
+    out += [
+        Entry(L + ("input_norm", "scale"), p + "input_layernorm.weight", (D,), *_same()),
+        Entry(L + ("post_attention_norm", "scale"), p + "post_attention_layernorm.weight", (D,), *_same()),
+        Entry(L + ("attn", "q"), p + "self_attn.q_proj.weight", (H * K, D), *_in_proj(H, K)),
+        Entry(L + ("attn", "k"), p + "self_attn.k_proj.weight", (N * K, D), *_in_proj(N, K)),
+        Entry(L + ("attn", "v"), p + "self_attn.v_proj.weight", (N * K, D), *_in_proj(N, K)),
+        Entry(L + ("attn", "o"), p + "self_attn.o_proj.weight", (D, H * K), *_out_proj(H, K)),
+        Entry(L + ("mlp", "gate"), p + "mlp.gate_proj.weight", (F, D), *_transpose()),
+        Entry(L + ("mlp", "up"), p + "mlp.up_proj.weight", (F, D), *_transpose()),
+        Entry(L + ("mlp", "down"), p + "mlp.down_proj.weight", (D, F), *_transpose()),
+    ]
+    if cfg.qkv_bias:
+      out += [
+          Entry(L + ("attn", "q_bias"), p + "self_attn.q_proj.bias", (H * K,), *_bias_heads(H, K)),
+          Entry(L + ("attn", "k_bias"), p + "self_attn.k_proj.bias", (N * K,), *_bias_heads(N, K)),
+          Entry(L + ("attn", "v_bias"), p + "self_attn.v_proj.bias", (N * K,), *_bias_heads(N, K)),
+      ]
+    if cfg.o_bias:
+      out.append(Entry(L + ("attn", "o_bias"), p + "self_attn.o_proj.bias", (D,), *_same()))
+    if cfg.mlp_bias:
+      out += [
+          Entry(L + ("mlp", "gate_bias"), p + "mlp.gate_proj.bias", (F,), *_same()),
+          Entry(L + ("mlp", "up_bias"), p + "mlp.up_proj.bias", (F,), *_same()),
+          Entry(L + ("mlp", "down_bias"), p + "mlp.down_proj.bias", (D,), *_same()),
+      ]
+    if cfg.qk_norm:
+      out += [
+          Entry(L + ("attn", "q_norm", "scale"), p + "self_attn.q_norm.weight", (K,), *_same()),
+          Entry(L + ("attn", "k_norm", "scale"), p + "self_attn.k_norm.weight", (K,), *_same()),
+      ]
+  if not cfg.tie_word_embeddings:
+    out.append(Entry(("lm_head",), "lm_head.weight", (V, D), *_transpose()))
+  return out
+
+
+def hf_entries(cfg: ModelConfig) -> list[Entry]:
+  """The name map of ``cfg``'s family: one ``Entry`` per parameter of ``build_model(cfg)``."""
+  if isinstance(cfg, GPT2Config):
+    return _gpt2_entries(cfg)
+  if isinstance(cfg, LlamaConfig):
+    return _llama_entries(cfg)
+  raise TypeError(f"cfg must be a model config, got {type(cfg).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Safetensors, memory-mapped.
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _mmap_safetensors(path: str) -> dict[str, np.ndarray]:
+  """name → read-only NumPy view of the memory-mapped file (no tensor data is read here)."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+  data = np.memmap(path, dtype=np.uint8, mode="r")
+  base = 8 + n
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    if info["dtype"] not in _ST_DTYPES:
+      raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
+    start, end = info["data_offsets"]
+    dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+    out[name] = data[base + start:base + end].view(dtype).reshape(info["shape"])
+  return out
+
+
+def _read_checkpoint(directory: str) -> dict[str, np.ndarray]:
+  index = os.path.join(directory, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  elif os.path.exists(os.path.join(directory, "model.safetensors")):
+    files = ["model.safetensors"]
+  else:
+    raise ValueError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+  tensors = {}
+  for name in files:
+    tensors.update(_mmap_safetensors(os.path.join(directory, name)))
+  return tensors
+
+
+def _resolve(path: str | os.PathLike) -> str:
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    return path
+  if os.path.exists(path):
+    raise ValueError(f"path {path!r} must be a model directory, not a file")
+  try:
+    from huggingface_hub import snapshot_download
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+  except Exception as e:  # noqa: BLE001 - re-raised with the reason
+    raise ValueError(f"{path!r} is not a local directory and could not be fetched from the hub: {e}") from e
+
+
+def logical_to_spec(axes: tuple[str | None, ...], mesh: Mesh, rules: Mapping[str, str | None],
+                    shape: tuple[int, ...] | None = None, name: str = "") -> PartitionSpec:
+  """PartitionSpec for logical ``axes`` under ``rules`` (logical name → mesh axis or None).
+
+  Logical names missing from ``rules`` and mesh axes missing from ``mesh`` map to None. A mesh
+  axis used twice, or a dim not divisible by its mesh axis size, raises ValueError.
+  """
+  spec, used = [], set()
+  for i, a in enumerate(axes):
+    m = rules.get(a) if a is not None else None
+    if m is not None and m not in mesh.axis_names:
+      m = None
+    if m is not None:
+      if m in used:
+        raise ValueError(f"{name}: mesh axis {m!r} used twice in logical axes {axes}")
+      used.add(m)
+      if shape is not None and shape[i] % mesh.shape[m]:
+        raise ValueError(f"{name}: dim {i} ({a!r}, size {shape[i]}) is not divisible by mesh axis "
+                         f"{m!r} of size {mesh.shape[m]}; change the rules")
+    spec.append(m)
+  return PartitionSpec(*spec)
+
+
+def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh: Mesh | None = None,
+            rules: Mapping[str, str | None] | None = None):
+  """Load a HF causal-LM directory (or hub id, when reachable) into a ``jaxgrpo.models`` model.
+
+  Reads ``config.json`` (family from ``model_type``) and ``model.safetensors`` or the shards listed
+  in ``model.safetensors.index.json``, memory-mapped. With ``mesh``, each parameter is created
+  directly as a global array with ``NamedSharding(mesh, logical_to_spec(axes, mesh, rules))``
+  via ``jax.make_array_from_callback``: each device reads only its own shard from the mapped file.
+  Without a mesh, parameters go to the default device.
+
+  Args:
+    path: local model directory or hub id.
+    dtype: compute dtype. param_dtype: storage dtype (tensors are cast shard by shard).
+    mesh: optional ``jax.sharding.Mesh``.
+    rules: logical axis → mesh axis (default ``DEFAULT_RULES``).
+
+  Returns:
+    The model (its config on ``model.config``).
+
+  Raises:
+    ValueError: unknown model_type, missing tensor, or tensor of the wrong shape (named, with the
+      expected and found shapes).
+  """
+  from jaxgrpo.models import build_model
+
+  directory = _resolve(path)
+  cfg = config_from_hf(directory)
+  rules = DEFAULT_RULES if rules is None else dict(rules)
+  tensors = _read_checkpoint(directory)
+  abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+  graphdef, state = nnx.split(abstract)
+  flat = dict(nnx.to_flat_state(state))
+  entries = hf_entries(cfg)
+  missing_params = set(flat) - {e.path for e in entries}
+  if missing_params:  # a bug in the name map, not in the checkpoint
+    raise AssertionError(f"name map does not cover parameters {sorted(missing_params)}")
+  default_device = jax.devices()[0]
+  for e in entries:
+    name = e.hf_name
+    if name not in tensors and name.startswith("transformer.") and name[len("transformer."):] in tensors:
+      name = name[len("transformer."):]  # original OpenAI-GPT-2 checkpoints have no prefix
+    if name not in tensors:
+      raise ValueError(f"tensor {e.hf_name!r} is missing from the checkpoint in {directory}")
+    found = tuple(tensors[name].shape)
+    if found != tuple(e.hf_shape):
+      raise ValueError(f"tensor {e.hf_name!r} has shape {found}, expected {tuple(e.hf_shape)}")
+    view = e.to_ours(tensors[name])
+    var = flat[e.path]
+    if view.shape != tuple(var.shape):
+      raise AssertionError(f"name map gives {view.shape} for {e.path}, model has {var.shape}")
+    if mesh is None:
+      sharding = jax.sharding.SingleDeviceSharding(default_device)
+    else:
+      axes = var.get_metadata("out_sharding")
+      sharding = NamedSharding(mesh, logical_to_spec(axes, mesh, rules, view.shape, e.hf_name))
+    np_dtype = np.dtype(param_dtype)
+    array = jax.make_array_from_callback(
+        view.shape, sharding, lambda idx, view=view: np.ascontiguousarray(view[idx]).astype(np_dtype))
+    var.set_value(array)
+  model = nnx.merge(graphdef, state)
+  return model
+
+
+def save_hf(model, path: str | os.PathLike) -> None:
+  """Write ``model`` as a HF checkpoint: ``config.json`` + ``model.safetensors`` (parameter dtype).
+
+  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it with no missing or
+  unexpected weights. Sharded arrays are gathered to the host one at a time (single-process).
+  """
+  from safetensors.numpy import save_file
+
+  cfg = model.config
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  _, state = nnx.split(model)
+  flat = dict(nnx.to_flat_state(state))
+  pieces: dict[str, list[np.ndarray]] = {}
+  for e in hf_entries(cfg):
+    value = np.asarray(jax.device_get(flat[e.path].get_value()))
+    pieces.setdefault(e.hf_name, []).append(e.to_hf(value))
+  tensors = {}
+  for name, parts in pieces.items():
+    t = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    tensors[name] = np.ascontiguousarray(t)
+  hf_config = cfg.to_hf()
+  hf_config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+
+
+def load_tokenizer(path: str | os.PathLike):
+  """``transformers.AutoTokenizer.from_pretrained`` on the same directory (or hub id)."""
+  from transformers import AutoTokenizer
+
+  return AutoTokenizer.from_pretrained(_resolve(path))

@@ -1,0 +1,230 @@
+"""Layers shared by every family: annotated parameters, norms, RoPE, the KV cache and attention.
+
+Axis vocabulary: B batch, S new tokens, T cache slots / keys, D model width, H query heads,
+N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V vocab.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical axis name
+per dim (see ``LOGICAL_AXES``); ``eager_sharding=False`` so no mesh is needed at construction.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = [
+    "LOGICAL_AXES",
+    "param",
+    "RMSNorm",
+    "LayerNorm",
+    "KVCache",
+    "init_kv_cache",
+    "repeat_cache",
+    "apply_rope",
+    "Attention",
+]
+
+LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
+_NEG_INF = -1e30  # finite so that fully masked (padding) query rows give no NaN
+
+
+def param(key: jax.Array | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype,
+          init: str = "normal", stddev: float = 0.02) -> nnx.Param:
+  """An ``nnx.Param`` of ``shape``/``dtype`` annotated with logical ``axes`` (one name per dim).
+
+  init: "normal" (N(0, stddev²)), "zeros" or "ones".
+  """
+  if len(axes) != len(shape):
+    raise ValueError(f"axes {axes} must name every dim of shape {shape}")
+  for a in axes:
+    if a is not None and a not in LOGICAL_AXES:
+      raise ValueError(f"unknown logical axis {a!r}; expected one of {LOGICAL_AXES}")
+  if init == "normal":
+    value = (stddev * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  elif init == "zeros":
+    value = jnp.zeros(shape, dtype)
+  elif init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    raise ValueError(f"init must be 'normal', 'zeros' or 'ones', got {init!r}")
+  return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """``y = x / sqrt(mean(x², -1) + eps) * scale``, computed in float32, returned in ``dtype``.
+
+  scale: [size] (axis "norm"), initialised to ones (HF Llama/Qwen convention, no ``1 +``).
+  """
+
+  def __init__(self, size: int, *, eps: float, dtype, param_dtype):
+    self.scale = param(None, (size,), ("norm",), param_dtype, init="ones")
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+  """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis, in float32."""
+
+  def __init__(self, size: int, *, eps: float, dtype, param_dtype):
+    self.scale = param(None, (size,), ("norm",), param_dtype, init="ones")
+    self.bias = param(None, (size,), ("norm",), param_dtype, init="zeros")
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class KVCache(NamedTuple):
+  """Static-shape decoding cache (a pytree).
+
+  k, v: tuple over layers of [B, T, N, K] (compute dtype), T = max_len slots.
+  valid: bool[B, T], True on slots holding a real (non-padding) token.
+  index: int32 scalar, the next slot to write (same for every row; left-padding keeps rows aligned).
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  valid: jax.Array
+  index: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.valid.shape[1]
+
+
+def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                  dtype) -> KVCache:
+  """Empty cache: zeros, no valid slot, index 0."""
+  for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+    if not isinstance(value, int) or value <= 0:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  shape = (batch_size, max_len, num_kv_heads, head_dim)
+  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                 valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
+
+
+def repeat_cache(cache: KVCache, n: int) -> KVCache:
+  """Repeat every batch row ``n`` times consecutively (``jnp.repeat(x, n, axis=0)``): [B,...] → [B·n,...].
+
+  Used to share one prompt prefill across G samples of a group.
+  """
+  if not isinstance(n, int) or n <= 0:
+    raise ValueError(f"n must be a positive int, got {n!r}")
+  rep = lambda x: jnp.repeat(x, n, axis=0)
+  return KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)), valid=rep(cache.valid),
+                 index=cache.index)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotary embedding, HF "rotate_half" layout: pairs are (x[..., i], x[..., i + K/2]).
+
+  x: [B, S, H, K]; positions: int32 [B, S]; inv_freq: f32 [K/2].
+  ``y = x·cos(θ) + rotate_half(x)·sin(θ)``, θ = position · inv_freq, computed in float32.
+  """
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, K/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Multi-head / grouped-query self-attention, shared by every family.
+
+  Weights: q [D,H,K] ("embed","heads","head_dim"); k, v [D,N,K] ("embed","kv_heads","head_dim");
+  o [H,K,D] ("heads","head_dim","embed"); optional biases [H,K] / [N,K] / [D]; optional per-head
+  RMSNorm on q and k over K (Qwen3); optional RoPE (``inv_freq`` given).
+
+  ``softmax(q·kᵀ/√K + mask)`` with scores and softmax in float32; masked entries get -1e30.
+  """
+
+  def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               qkv_bias: bool, o_bias: bool, qk_norm_eps: float | None, inv_freq, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    D, H, N, K = hidden_size, num_heads, num_kv_heads, head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim = H, N, K
+    self.dtype = dtype
+    self.q = param(rngs.params(), (D, H, K), ("embed", "heads", "head_dim"), param_dtype)
+    self.k = param(rngs.params(), (D, N, K), ("embed", "kv_heads", "head_dim"), param_dtype)
+    self.v = param(rngs.params(), (D, N, K), ("embed", "kv_heads", "head_dim"), param_dtype)
+    self.o = param(rngs.params(), (H, K, D), ("heads", "head_dim", "embed"), param_dtype)
+    if qkv_bias:
+      self.q_bias = param(None, (H, K), ("heads", "head_dim"), param_dtype, init="zeros")
+      self.k_bias = param(None, (N, K), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+      self.v_bias = param(None, (N, K), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+    else:
+      self.q_bias = self.k_bias = self.v_bias = None
+    self.o_bias = param(None, (D,), ("embed",), param_dtype, init="zeros") if o_bias else None
+    if qk_norm_eps is not None:
+      self.q_norm = RMSNorm(K, eps=qk_norm_eps, dtype=dtype, param_dtype=param_dtype)
+      self.k_norm = RMSNorm(K, eps=qk_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    else:
+      self.q_norm = self.k_norm = None
+    self.inv_freq = None if inv_freq is None else tuple(float(f) for f in inv_freq)
+
+  def _proj(self, x, w, b):
+    y = jnp.einsum("bsd,dnk->bsnk", x, w[...].astype(self.dtype))
+    return y if b is None else y + b[...].astype(self.dtype)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+               cache_kv: tuple[jax.Array, jax.Array] | None, cache_valid: jax.Array | None,
+               cache_index: jax.Array | None):
+    """x: [B,S,D]; positions int32 [B,S]; attention_mask bool [B,S].
+
+    Without cache (``cache_kv`` None): causal attention among the S tokens, keys masked by
+    ``attention_mask``. With cache: k/v of the new tokens are written at slots
+    ``[cache_index, cache_index+S)`` of ``cache_kv`` ([B,T,N,K] each) and query i attends to the
+    slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
+    Returns (y [B,S,D], new (k, v) or None).
+    """
+    B, S, _ = x.shape
+    H, N, K = self.num_heads, self.num_kv_heads, self.head_dim
+    q = self._proj(x, self.q, self.q_bias)  # [B,S,H,K]
+    k = self._proj(x, self.k, self.k_bias)  # [B,S,N,K]
+    v = self._proj(x, self.v, self.v_bias)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.inv_freq is not None:
+      inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    if cache_kv is None:
+      keys, values = k, v
+      q_slot = jnp.arange(S)
+      k_slot = jnp.arange(S)
+      key_valid = attention_mask
+      new_kv = None
+    else:
+      ck, cv = cache_kv
+      zero = jnp.zeros((), jnp.int32)
+      keys = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, cache_index, zero, zero))
+      values = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, cache_index, zero, zero))
+      q_slot = cache_index + jnp.arange(S)
+      k_slot = jnp.arange(keys.shape[1])
+      key_valid = cache_valid
+      new_kv = (keys, values)
+    mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]  # [B,S,T]
+    q = q.reshape(B, S, N, H // N, K)
+    scores = jnp.einsum("bsngk,btnk->bngst", q, keys.astype(self.dtype),
+                        preferred_element_type=jnp.float32) * (K ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
+    y = jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(self.dtype))
+    if self.o_bias is not None:
+      y = y + self.o_bias[...].astype(self.dtype)
+    return y, new_kv

@@ -1,0 +1,85 @@
+"""One decoder for Llama 3.x, Qwen2/2.5 and Qwen3 (flags on the config, one code path).
+
+Per layer: ``x += attn(rms_1(x))``, ``x += down(silu(rms_2(x)·gate) * (rms_2(x)·up))``;
+attention is GQA with RoPE (llama3 frequency scaling when configured), optional q/k/v biases
+(Qwen2), optional per-head q/k RMSNorm before RoPE (Qwen3); ``hidden = rms_f(x)``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgrpo.models.base import CausalLM
+from jaxgrpo.models.config import LlamaConfig
+from jaxgrpo.models.layers import Attention, RMSNorm, param
+
+__all__ = ["LlamaModel"]
+
+
+class SwiGLU(nnx.Module):
+  """``(silu(x·gate) * (x·up))·down``; gate, up [D,F] ("embed","mlp"); down [F,D] ("mlp","embed")."""
+
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    self.dtype = dtype
+    self.gate = param(rngs.params(), (D, F), ("embed", "mlp"), param_dtype)
+    self.up = param(rngs.params(), (D, F), ("embed", "mlp"), param_dtype)
+    self.down = param(rngs.params(), (F, D), ("mlp", "embed"), param_dtype)
+    if cfg.mlp_bias:
+      self.gate_bias = param(None, (F,), ("mlp",), param_dtype, init="zeros")
+      self.up_bias = param(None, (F,), ("mlp",), param_dtype, init="zeros")
+      self.down_bias = param(None, (D,), ("embed",), param_dtype, init="zeros")
+    else:
+      self.gate_bias = self.up_bias = self.down_bias = None
+
+  def _mm(self, eq, x, w, b):
+    y = jnp.einsum(eq, x, w[...].astype(self.dtype))
+    return y if b is None else y + b[...].astype(self.dtype)
+
+  def __call__(self, x):
+    g = self._mm("bsd,df->bsf", x, self.gate, self.gate_bias)
+    u = self._mm("bsd,df->bsf", x, self.up, self.up_bias)
+    return self._mm("bsf,fd->bsd", jax.nn.silu(g) * u, self.down, self.down_bias)
+
+
+class LlamaBlock(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, **kw)
+    self.attn = Attention(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                          head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                          qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+                          inv_freq=cfg.rope_inv_freq(), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
+    self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x, positions, attention_mask, kv, valid, index):
+    y, kv = self.attn(self.input_norm(x), positions, attention_mask, kv, valid, index)
+    x = x + y
+    return x + self.mlp(self.post_attention_norm(x)), kv
+
+
+class LlamaModel(CausalLM):
+  """Llama / Qwen2 / Qwen3 causal LM. See ``CausalLM.__call__`` for the call contract.
+
+  Parameters: embed_tokens [V,D] ("vocab","embed"), per layer the ``LlamaBlock`` weights,
+  final_norm, and lm_head [D,V] ("embed","vocab") only when untied.
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    if not isinstance(config, LlamaConfig):
+      raise TypeError(f"config must be a LlamaConfig/Qwen2Config/Qwen3Config, got {type(config).__name__}")
+    self.config = config
+    self.dtype = dtype
+    V, D = config.vocab_size, config.hidden_size
+    self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
+    self.layers = nnx.List([LlamaBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                            for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(D, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    self.lm_head = None if config.tie_word_embeddings else param(
+        rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
+
+  def _embed(self, tokens, positions):
+    del positions  # RoPE is applied inside attention
+    return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)

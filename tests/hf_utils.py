@@ -1,0 +1,77 @@
+"""Tiny random Hugging Face models for tests (transformers + CPU torch; no downloads).
+
+``tiny_hf_config(family, tied=...)`` gives a config dict; ``make_tiny_hf(tmp_path, family, ...)``
+builds the torch model with random weights (biases and norm scales randomised too, so that a
+wrong mapping cannot hide behind zeros/ones), saves it with ``save_pretrained`` and returns
+``(directory, torch_model)``. ``hf_logits(model, tokens, mask)`` runs it on a left-padded batch
+with HF-consistent position ids.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+
+
+def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 128) -> dict:
+  """A 2-layer, width-32 (or 64) config dict of ``family`` (``model_type`` set)."""
+  if family == "gpt2":
+    return dict(model_type="gpt2", vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+  common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=tied, rms_norm_eps=1e-6)
+  if family == "llama":
+    return dict(model_type="llama", **common, rope_theta=500000.0,
+                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=16))
+  if family == "qwen2":
+    return dict(model_type="qwen2", **common, rope_theta=1000000.0)
+  if family == "qwen3":
+    return dict(model_type="qwen3", **common, head_dim=16, rope_theta=1000000.0)  # head_dim != D/H
+  raise ValueError(f"unknown family {family!r}")
+
+
+def build_hf_model(config: dict, seed: int = 0):
+  """The transformers CausalLM of ``config`` (float32, eval mode) with every weight randomised."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg = transformers.AutoConfig.for_model(**config)
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias") or "norm" in name or "ln_" in name:
+        p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+      else:
+        p.copy_(torch.randn_like(p) * 0.05)
+  return model
+
+
+def make_tiny_hf(directory, family: str, *, tied: bool = False, seed: int = 0):
+  """Build, randomise and ``save_pretrained`` a tiny model into ``directory``; returns (dir, model)."""
+  model = build_hf_model(tiny_hf_config(family, tied=tied), seed=seed)
+  model.save_pretrained(str(directory))
+  return str(directory), model
+
+
+def left_padded_batch(rng: np.random.Generator, batch: int, length: int, vocab: int, pads=None):
+  """tokens int32 [B, T] and bool mask [B, T] with ``pads[b]`` leading padding tokens per row."""
+  tokens = rng.integers(0, vocab, size=(batch, length)).astype(np.int32)
+  if pads is None:
+    pads = rng.integers(0, length // 2, size=batch)
+  mask = np.arange(length)[None, :] >= np.asarray(pads)[:, None]
+  return tokens, mask
+
+
+def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """float32 [B, T, V] logits of the HF model with position ids ``clip(cumsum(mask)-1, 0)``."""
+  import torch
+
+  positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
+  with torch.no_grad():
+    out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
+                attention_mask=torch.as_tensor(mask.astype(np.int64)),
+                position_ids=torch.as_tensor(positions, dtype=torch.long))
+  return out.logits.float().numpy()
