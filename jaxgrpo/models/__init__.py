@@ -11,6 +11,7 @@ from jaxgrpo.models.base import CausalLM, positions_from_mask
 from jaxgrpo.models.config import (GPT2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config, RopeScaling,
                                    config_from_hf)
 from jaxgrpo.models.gpt2 import GPT2Model
+from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to_spec, save_hf
 from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
 from jaxgrpo.models.llama import LlamaModel
 from jaxgrpo.models.log_probs import log_probs, token_log_probs
@@ -35,6 +36,7 @@ def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dt
 
 __all__ = [
     "CausalLM",
+    "DEFAULT_RULES",
     "GPT2Config",
     "GPT2Model",
     "KVCache",
@@ -47,8 +49,12 @@ __all__ = [
     "RopeScaling",
     "build_model",
     "config_from_hf",
+    "load_hf",
+    "load_tokenizer",
     "log_probs",
+    "logical_to_spec",
     "positions_from_mask",
     "repeat_cache",
+    "save_hf",
     "token_log_probs",
 ]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
 
@@ -252,7 +252,7 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
   Args:
     path: local model directory or hub id.
     dtype: compute dtype. param_dtype: storage dtype (tensors are cast shard by shard).
-    mesh: optional ``jax.sharding.Mesh``.
+    mesh: optional ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto`` (ValueError otherwise).
     rules: logical axis → mesh axis (default ``DEFAULT_RULES``).
 
   Returns:
@@ -264,6 +264,14 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
   """
   from jaxgrpo.models import build_model
 
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
+    if explicit:
+      raise ValueError(f"mesh axes {explicit} are not AxisType.Auto; the models rely on the compiler to "
+                       "propagate shardings: build the mesh with axis_types=(AxisType.Auto,) * ndim "
+                       "(jax.make_mesh defaults to Explicit)")
   directory = _resolve(path)
   cfg = config_from_hf(directory)
   rules = DEFAULT_RULES if rules is None else dict(rules)
