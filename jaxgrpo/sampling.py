@@ -1,0 +1,366 @@
+"""Autoregressive sampling: one jitted program that prefills each prompt once and decodes G samples.
+
+Data flow (axis names: B prompts, G samples per prompt, N = B*G rows, P prompt tokens, T new
+tokens, V vocabulary):
+
+    prompts [B, P] (left-padded) --prefill--> KV cache [B, P+T-1] --repeat_cache(G)--> [N, P+T-1]
+    --lax.while_loop over t (one token per row per step; exits once every row has finished)-->
+    Rollout(completions [N, T] right-padded, mask, log_probs, ...)
+
+The log-probs returned for the sampled tokens are exactly what `jaxgrpo.models.log_probs` recomputes
+for the concatenated sequence `[prompt_tokens, completions]` with the mask `[prompt_mask, mask]`
+at the same temperature: log_softmax(logits / temperature) over the *full* vocabulary, in float32,
+whatever top-k/top-p filtering was used to draw the token. The train step therefore sees
+`old_log_probs == log_probs(params_at_sampling_time)` up to float32 rounding.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo import models as _models
+
+__all__ = ["Rollout", "generate", "filter_logits"]
+
+
+class Rollout(NamedTuple):
+    """The output of `generate`. Row `b*G + g` is sample g of prompt b (N = B*G rows).
+
+    Attributes:
+      prompt_tokens: int32[N, P] — the prompt of each row (prompt b repeated G times), left-padded.
+      prompt_mask: bool[N, P] — True on real prompt tokens (False on the left padding).
+      completions: int32[N, T] — sampled tokens, right-padded with `pad_id` after the end.
+      mask: bool[N, T] — True on real completion tokens: every token up to and including the first
+        EOS (when one was sampled), all T tokens otherwise. `mask[:, t]` implies `mask[:, t-1]`.
+      log_probs: float32[N, T] — log π(token_t | prompt, tokens_<t) under the temperature-scaled
+        full softmax (see `generate`); 0 where `mask` is False.
+      group_ids: int32[N] — `b` for row `b*G + g` (which prompt the row belongs to).
+      num_steps: int32[] — how many token positions the decode loop produced (≤ T; smaller when
+        every row hit EOS early). Columns ≥ num_steps are padding in every row.
+    """
+
+    prompt_tokens: jax.Array
+    prompt_mask: jax.Array
+    completions: jax.Array
+    mask: jax.Array
+    log_probs: jax.Array
+    group_ids: jax.Array
+    num_steps: jax.Array
+
+
+def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """Top-k then top-p (nucleus) filtering: removed tokens get -inf, kept ones keep their value.
+
+    Applied to already temperature-scaled logits, in this order (as in transformers' sampling):
+      1. top_k > 0: keep tokens whose logit is >= the k-th largest logit (ties at the k-th value are
+         all kept); top_k = 0 keeps everything; top_k >= V keeps everything.
+      2. top_p < 1: with p = softmax(logits after step 1), sorted descending, keep the smallest
+         prefix whose total probability is >= top_p — i.e. token i of the sorted order is kept iff
+         sum_{j<i} p_j < top_p (so the most likely token is always kept) — plus every token tied
+         with the last kept logit.
+
+    Args:
+      logits: float[..., V] (computed in float32).
+      top_k: int >= 0 (static).
+      top_p: float in (0, 1] (static).
+
+    Returns:
+      float32[..., V]: the logits with removed entries set to -inf.
+    """
+    _check_top_k(top_k)
+    _check_top_p(top_p)
+    logits = jnp.asarray(logits, jnp.float32)
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [..., 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-logits, axis=-1)  # [..., V]
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative sum
+        kept = mass_before < top_p  # a prefix of the sorted order; position 0 always kept
+        # Smallest kept logit = threshold; everything >= it survives (ties included).
+        threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def generate(
+    model: nnx.Module,
+    prompt_tokens: jax.Array,
+    prompt_mask: jax.Array,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_ids: Sequence[int] = (),
+    pad_id: int,
+    key: jax.Array,
+) -> Rollout:
+    """Samples `num_samples` completions per prompt with a KV cache, in one jitted program.
+
+    Each prompt is prefilled once (B rows) and its cache shared by its G samples (`repeat_cache`).
+    The decode loop is a `lax.while_loop` producing one token per row per step; it stops once
+    every row has finished (sampled one of `eos_ids`, or reached `max_new_tokens`).
+
+    Token t of a row is drawn from
+      * temperature > 0: softmax(filter_logits(logits_t / temperature, top_k, top_p)), with
+        `jax.random.categorical` and the key `fold_in(key, t)`;
+      * temperature == 0: argmax(logits_t) (greedy; top_k/top_p are irrelevant).
+    Its log-prob is log_softmax(logits_t / temperature)[token] in float32 over the full vocabulary
+    (not the filtered distribution: this is what the train step recomputes with
+    `jaxgrpo.models.log_probs(..., temperature=temperature)`). With temperature == 0 the log-probs
+    are those of the unscaled softmax, log_softmax(logits_t)[token] (temperature 1).
+
+    Positions follow the contract: prompt token i of a row is at position cumsum(mask)[i] - 1, and
+    completion token t at position (number of real prompt tokens) + t.
+
+    Args:
+      model: a `jaxgrpo.models` decoder (any family).
+      prompt_tokens: int[B, P], left-padded prompts (B >= 1, P >= 1).
+      prompt_mask: bool[B, P], True on real tokens; each row is False...False True...True with at
+        least one True.
+      num_samples: G >= 1, samples per prompt.
+      max_new_tokens: T >= 1, completion length budget.
+      temperature: >= 0 (0 = greedy).
+      top_p: nucleus mass in (0, 1] (1 = off).
+      top_k: >= 0 (0 = off).
+      eos_ids: token ids that end a completion (included in the completion and its mask). Empty:
+        every completion has exactly T tokens.
+      pad_id: id written after the end of each completion.
+      key: a PRNG key (typed `jax.random.key` or raw uint32[2]); same key => same rollout.
+
+    Returns:
+      A `Rollout` with N = B*G rows; row b*G + g is sample g of prompt b.
+    """
+    prompt_tokens, prompt_mask = _check_prompts(prompt_tokens, prompt_mask)
+    num_samples = _check_int("num_samples", num_samples, minimum=1)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=1)
+    temperature = _check_temperature(temperature)
+    top_p = _check_top_p(top_p)
+    top_k = _check_top_k(top_k)
+    vocab_size = model.config.vocab_size
+    eos_ids = _check_eos_ids(eos_ids, vocab_size)
+    pad_id = _check_int("pad_id", pad_id, minimum=0)
+    key = _check_key(key)
+    total_len = prompt_tokens.shape[1] + max_new_tokens
+    max_positions = model.config.max_position_embeddings
+    if total_len > max_positions:
+        raise ValueError(
+            f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} = {total_len} "
+            f"exceeds the model's max_position_embeddings {max_positions}"
+        )
+    graphdef, state = nnx.split(model)
+    return _generate_jit(
+        graphdef,
+        state,
+        prompt_tokens,
+        prompt_mask,
+        key,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("num_samples", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids",
+                     "pad_id"),
+)
+def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens,
+                  temperature, top_p, top_k, eos_ids, pad_id) -> Rollout:
+    model = nnx.merge(graphdef, state)
+    batch, prompt_len = prompt_tokens.shape
+    n_rows = batch * num_samples
+
+    # Prefill: B rows, once per prompt. The last prompt column is real (left padding), so its
+    # hidden state gives the logits of the first completion token.
+    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)  # [B, P]
+    # The last sampled token is never fed back, so P + T - 1 slots suffice.
+    cache = model.init_cache(batch, prompt_len + max_new_tokens - 1)
+    hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
+    first_logits = model.logits(hidden[:, -1], out_dtype=jnp.float32)  # [B, V]
+    cache = _models.repeat_cache(cache, num_samples)  # [N, ...]
+    first_logits = jnp.repeat(first_logits, num_samples, axis=0)  # [N, V]
+    # Position of completion token 0 in every row.
+    start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
+
+    eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
+
+    def sample(t, logits):
+        """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N])."""
+        if temperature == 0.0:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            scaled = logits
+        else:
+            scaled = logits / temperature
+            filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+            token = jax.random.categorical(jax.random.fold_in(key, t), filtered, axis=-1)
+            token = token.astype(jnp.int32)
+        chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+        return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
+
+    def record(t, logits, carry):
+        """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
+        tokens, logps, lengths, done = carry
+        token, logp = sample(t, logits)
+        token = jnp.where(done, pad_id, token)
+        logp = jnp.where(done, 0.0, logp)
+        tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
+        logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
+        lengths = lengths + (~done).astype(jnp.int32)
+        if eos is not None:
+            done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
+        return tokens, logps, lengths, done, token
+
+    buffers = (
+        jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens
+        jnp.zeros((n_rows, max_new_tokens), jnp.float32),  # log-probs
+        jnp.zeros((n_rows,), jnp.int32),  # lengths (real tokens so far)
+        jnp.zeros((n_rows,), bool),  # done
+    )
+    *buffers, last_token = record(0, first_logits, buffers)
+
+    def cond(loop_carry):
+        t, _, _, buffers = loop_carry
+        return (t < max_new_tokens) & ~jnp.all(buffers[3])
+
+    def body(loop_carry):
+        t, cache, last_token, buffers = loop_carry
+        done = buffers[3]
+        # Feed token t-1 (at position start + t - 1) to get the logits of token t.
+        hidden, cache = model(
+            last_token[:, None],
+            (start_pos + t - 1)[:, None],
+            attention_mask=~done[:, None],
+            cache=cache,
+        )
+        logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)  # [N, V]
+        *buffers, last_token = record(t, logits, buffers)
+        return t + 1, cache, last_token, tuple(buffers)
+
+    num_steps, _, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
+    )
+    mask = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :] < lengths[:, None]  # [N, T]
+    return Rollout(
+        prompt_tokens=jnp.repeat(prompt_tokens, num_samples, axis=0),
+        prompt_mask=jnp.repeat(prompt_mask, num_samples, axis=0),
+        completions=tokens,
+        mask=mask,
+        log_probs=logps,
+        group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), num_samples),
+        num_steps=num_steps,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (trace-time; value checks on the prompt mask only when it is concrete).
+
+
+def _check_int(name: str, value, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise ValueError(f"temperature must be a Python float, got {temperature!r}")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    return temperature
+
+
+def _check_top_p(top_p) -> float:
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+        raise ValueError(f"top_p must be a Python float in (0, 1], got {top_p!r}")
+    top_p = float(top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filtering), got {top_p}")
+    return top_p
+
+
+def _check_top_k(top_k) -> int:
+    return _check_int("top_k", top_k, minimum=0)
+
+
+def _check_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    if isinstance(eos_ids, numbers.Integral) and not isinstance(eos_ids, bool):
+        eos_ids = (eos_ids,)
+    try:
+        ids = tuple(eos_ids)
+    except TypeError:
+        raise ValueError(f"eos_ids must be a sequence of token ids, got {eos_ids!r}") from None
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size:
+            raise ValueError(f"eos_ids must hold ints in [0, vocab_size={vocab_size}), got {ids!r}")
+        out.append(int(i))
+    return tuple(out)
+
+
+def _check_key(key) -> jax.Array:
+    key = jnp.asarray(key)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"key must be a single PRNG key, got a key array of shape {key.shape}")
+    elif key.dtype != jnp.uint32 or key.shape != (2,):
+        raise ValueError(
+            f"key must be a jax.random.key(...) or a raw uint32[2] PRNGKey, got {key.dtype}{list(key.shape)}"
+        )
+    return key
+
+
+def _check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
+    prompt_tokens = jnp.asarray(prompt_tokens)
+    prompt_mask = jnp.asarray(prompt_mask)
+    if prompt_tokens.ndim != 2:
+        raise ValueError(f"prompt_tokens must be int[B, P], got shape {prompt_tokens.shape}")
+    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+        raise ValueError(f"prompt_tokens must have an integer dtype, got {prompt_tokens.dtype}")
+    if prompt_mask.shape != prompt_tokens.shape:
+        raise ValueError(
+            f"prompt_mask must have the shape of prompt_tokens {prompt_tokens.shape}, got "
+            f"{prompt_mask.shape}"
+        )
+    if prompt_mask.dtype != jnp.bool_:
+        raise ValueError(f"prompt_mask must be bool, got {prompt_mask.dtype}")
+    if 0 in prompt_tokens.shape:
+        raise ValueError(f"prompt_tokens must be non-empty, got shape {prompt_tokens.shape}")
+    try:
+        mask_np = np.asarray(prompt_mask)
+    except jax.errors.TracerArrayConversionError:
+        mask_np = None  # traced (generate called under jit): values unknown, skip value checks
+    if mask_np is not None:
+        if not mask_np[:, -1].all():
+            bad = np.flatnonzero(~mask_np[:, -1])
+            raise ValueError(
+                f"prompt_mask must be left-padded with at least one real token per row (last column "
+                f"True); rows {bad.tolist()} are not"
+            )
+        if (mask_np[:, 1:] < mask_np[:, :-1]).any():
+            bad = np.flatnonzero((mask_np[:, 1:] < mask_np[:, :-1]).any(axis=1))
+            raise ValueError(
+                f"prompt_mask must be left-padded (False...False True...True); rows {bad.tolist()} "
+                "have a False after a True"
+            )
+    return prompt_tokens.astype(jnp.int32), prompt_mask
