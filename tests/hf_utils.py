@@ -18,7 +18,8 @@ def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 128) ->
   """A 2-layer, width-32 (or 64) config dict of ``family`` (``model_type`` set)."""
   if family == "gpt2":
     return dict(model_type="gpt2", vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                bos_token_id=0, eos_token_id=0)
   common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                 tie_word_embeddings=tied, rms_norm_eps=1e-6)
