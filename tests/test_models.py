@@ -173,3 +173,24 @@ def test_params_carry_logical_axes(tiny):
     axes = var.get_metadata("out_sharding")
     assert len(axes) == var.ndim, (path, axes)
     assert all(a is None or a in models.LOGICAL_AXES for a in axes), (path, axes)
+
+
+def test_log_probs_chunking_bounds_compiled_memory():
+  """The compiled temporaries shrink with chunking: no fp32 [B, T, V] buffer exists."""
+  cfg = models.Qwen3Config(vocab_size=8192, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                           head_dim=16, intermediate_size=64, tie_word_embeddings=True)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.build_model(cfg, rngs=nnx.Rngs(0))))
+  tokens = jax.ShapeDtypeStruct((4, 256), jnp.int32)
+  mask = jax.ShapeDtypeStruct((4, 256), jnp.bool_)
+
+  def temp_bytes(chunk):
+    f = lambda st, t, m: models.log_probs(nnx.merge(graphdef, st), t, m, chunk_size=chunk)
+    analysis = jax.jit(f).lower(state, tokens, mask).compile().memory_analysis()
+    if analysis is None:
+      pytest.skip("memory_analysis unavailable on this backend")
+    return analysis.temp_size_in_bytes
+
+  full_logits = 4 * 255 * 8192 * 4  # T-1 scored positions
+  unchunked, chunked = temp_bytes(None), temp_bytes(32)
+  assert unchunked >= full_logits
+  assert chunked < full_logits / 4, (chunked, full_logits)
