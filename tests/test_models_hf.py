@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,13 @@ from tests.hf_utils import FAMILIES, build_hf_model, hf_logits, left_padded_batc
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+@pytest.fixture(autouse=True)
+def _full_fp32_matmuls():
+  """Full-precision float32 dots on GPU/TPU for parity (no-op on CPU)."""
+  with jax.default_matmul_precision("float32"):
+    yield
+
 
 _BAD_LOAD_WORDS = ("missing", "unexpected", "not initialized", "newly initialized", "mismatch")
 

@@ -10,6 +10,13 @@ from jaxgrpo.models.layers import KVCache, init_kv_cache
 __all__ = ["CausalLM", "positions_from_mask"]
 
 
+def _apply_layer(layer, x, positions, attention_mask, kv, valid, index):
+  return layer(x, positions, attention_mask, kv, valid, index)
+
+
+_apply_layer_remat = nnx.remat(_apply_layer)
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   """Position ids for (left-)padded rows: ``clip(cumsum(mask, -1) - 1, 0)``; int32 [B,S] from bool [B,S]."""
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -19,8 +26,11 @@ class CausalLM(nnx.Module):
   """Base class. Subclasses set ``config``, ``dtype``, ``layers`` (an ``nnx.List``), ``final_norm``,
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
-  ``layer(x, positions, attention_mask, kv, valid, index) -> (x, kv)``.
+  ``layer(x, positions, attention_mask, kv, valid, index) -> (x, kv)``, under ``nnx.remat``
+  (activation checkpointing per layer: the backward pass recomputes the layer) when ``self.remat``.
   """
+
+  remat: bool = False
 
   def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     raise NotImplementedError
@@ -67,7 +77,8 @@ class CausalLM(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
-      x, kv = layer(x, positions, attention_mask, kv, valid, index)
+      apply = _apply_layer_remat if self.remat else _apply_layer
+      x, kv = apply(layer, x, positions, attention_mask, kv, valid, index)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])

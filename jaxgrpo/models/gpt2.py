@@ -57,11 +57,13 @@ class GPT2Model(CausalLM):
   ``GPT2Block`` weights, final_norm, and lm_head [D,V] ("embed","vocab") only when untied.
   """
 
-  def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+  def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+               remat: bool = False):
     if not isinstance(config, GPT2Config):
       raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
     self.config = config
     self.dtype = dtype
+    self.remat = bool(remat)
     V, D, P = config.vocab_size, config.hidden_size, config.max_position_embeddings
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.wpe = param(rngs.params(), (P, D), (None, "embed"), param_dtype, stddev=0.01)

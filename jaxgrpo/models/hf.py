@@ -240,7 +240,7 @@ def logical_to_spec(axes: tuple[str | None, ...], mesh: Mesh, rules: Mapping[str
 
 
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh: Mesh | None = None,
-            rules: Mapping[str, str | None] | None = None):
+            rules: Mapping[str, str | None] | None = None, remat: bool = False):
   """Load a HF causal-LM directory (or hub id, when reachable) into a ``jaxgrpo.models`` model.
 
   Reads ``config.json`` (family from ``model_type``) and ``model.safetensors`` or the shards listed
@@ -254,6 +254,7 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
     dtype: compute dtype. param_dtype: storage dtype (tensors are cast shard by shard).
     mesh: optional ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto`` (ValueError otherwise).
     rules: logical axis → mesh axis (default ``DEFAULT_RULES``).
+    remat: per-layer activation checkpointing (see ``build_model``).
 
   Returns:
     The model (its config on ``model.config``).
@@ -276,7 +277,8 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
   cfg = config_from_hf(directory)
   rules = DEFAULT_RULES if rules is None else dict(rules)
   tensors = _read_checkpoint(directory)
-  abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+  abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
+                                                     remat=remat))
   graphdef, state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(state))
   entries = hf_entries(cfg)

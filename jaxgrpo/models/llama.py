@@ -67,11 +67,13 @@ class LlamaModel(CausalLM):
   final_norm, and lm_head [D,V] ("embed","vocab") only when untied.
   """
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+               remat: bool = False):
     if not isinstance(config, LlamaConfig):
       raise TypeError(f"config must be a LlamaConfig/Qwen2Config/Qwen3Config, got {type(config).__name__}")
     self.config = config
     self.dtype = dtype
+    self.remat = bool(remat)
     V, D = config.vocab_size, config.hidden_size
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.layers = nnx.List([LlamaBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
