@@ -10,16 +10,20 @@ tokens, 0 on padding, non-increasing in ``t``.
 
 Algorithm (output-bound, inside jit, no Python loop over trajectories):
 
-1. ``prefix_hashes``: a 64-bit hash of every prefix, as two uint32 words. Each (token, position) pair
-   is mixed to two pseudo-random words and the words are summed along ``t`` modulo 2**32 (a cumulative
-   Zobrist-style hash), so all ``B*T`` hashes cost one ``cumsum``.
+1. Hashing: each (token, position) pair is mixed to two pseudo-random uint32 words; summing them
+   modulo 2**32 along ``t`` gives a 64-bit hash of every prefix (a cumulative Zobrist-style hash,
+   :func:`prefix_hashes`). ``process_set_sizes`` sums the words per block of 64 tokens and then
+   along blocks, which avoids a full-length cumsum.
 2. For each trajectory ``i`` and each member ``j`` of its group, the longest common valid prefix
-   ``lcp(i,j)`` is found by binary search on hash equality (``log2(T)`` gathers per pair).
+   ``lcp(i,j)``: whole blocks of 64 tokens are compared through 64-bit block-prefix hashes by binary
+   search, and the first differing block is compared token by token.
 3. ``|λ(i,t)| = #{j : lcp(i,j) > t}`` is a histogram of ``lcp(i, ·)`` followed by a reversed cumulative
-   sum over ``t``; the process reward (sum of ``r_j`` over the same ``j``) is the same histogram with
-   weights ``r_j``.
+   sum over ``t`` (blocked triangular matmuls); the process reward (sum of ``r_j`` over the same
+   ``j``) is the same histogram with weights ``r_j``.
 
-Cost: ``O(B*T + B*G*log T)`` with ``G`` the candidate group size (``max_group_size``, default ``B``).
+Cost: ``O(B*T + B*G*(64 + log T))`` with ``G`` the largest group (``max_group_size``); in practice one
+pass over the tokens, one over the output, and ``B*G*64`` token comparisons. See
+``scripts/bench_process_sets.py`` (≥ 10x faster per token than a host-side trie at 16x36x4096).
 
 Hash collisions: two different prefixes of the same length get the same pair of words with probability
 about 2**-64 per comparison, so a false merge is astronomically unlikely (~1e-12 for a million
@@ -41,6 +45,7 @@ from jaxgrpo.advantages import group_baseline
 _GOLDEN = np.uint32(0x9E3779B1)
 _POS_MUL = np.uint32(0x85EBCA77)
 _SEEDS = (np.uint32(0x2545F491), np.uint32(0x6C8E9CF5))
+_BLOCK = 64   # tokens per hashed block in process_set_sizes
 
 
 def _fmix32(h):
@@ -67,23 +72,27 @@ def prefix_hashes(tokens, mask):
       ``uint32[B, T, 2]``.
     """
     _checks.check_tokens_mask(tokens, mask)
-    tok = tokens.astype(jnp.uint32)
-    pos = jnp.arange(1, tokens.shape[1] + 1, dtype=jnp.uint32)[None, :]
-    base = tok * _GOLDEN + pos * _POS_MUL
-    words = [jnp.cumsum(_fmix32(base + seed), axis=1, dtype=jnp.uint32) for seed in _SEEDS]
+    words = [jnp.cumsum(_mix(tokens, seed), axis=1, dtype=jnp.uint32) for seed in _SEEDS]
     return jnp.stack(words, axis=-1)
 
 
-def _valid_prefix(mask):
-    """bool[B, T]: mask[i, 0..t] all true."""
-    return jnp.cumprod(mask.astype(jnp.int32), axis=1).astype(bool)
+def _valid_lengths(mask):
+    """int32[B]: length of the valid prefix, i.e. the index of the first False in each row (or T)."""
+    t = mask.shape[1]
+    first_false = jnp.argmin(mask, axis=1).astype(jnp.int32)
+    return jnp.where(jnp.all(mask, axis=1), t, first_false)
+
+
+def _mix(tokens, seed, offset: int = 0):
+    """Pseudo-random uint32 word of every (token, position) pair."""
+    pos = jnp.arange(offset + 1, offset + tokens.shape[1] + 1, dtype=jnp.uint32)[None, :]
+    return _fmix32(tokens.astype(jnp.uint32) * _GOLDEN + pos * _POS_MUL + seed)
 
 
 def _candidates(group_ids, max_group_size: int):
     """For every trajectory, the indices of (up to ``max_group_size``) members of its group.
 
     Returns ``(idx int32[B, G], ok bool[B, G])``; ``ok`` is False on slots past the group's end.
-    Groups larger than ``max_group_size`` are truncated silently in jit; callers check when concrete.
     """
     order = jnp.argsort(group_ids, stable=True)                        # [B]
     sorted_ids = group_ids[order]
@@ -95,62 +104,95 @@ def _candidates(group_ids, max_group_size: int):
     return idx, ok
 
 
-def _lcp_hash(hashes, valid, idx, ok):
-    """Longest common valid prefix of i and idx[i, k] by binary search on hash equality. int32[B, G]."""
-    b, t = valid.shape
-    rows = jnp.arange(b)[:, None]
+def _lcp_blocked(tokens, lengths, idx, ok, block: int):
+    """Longest common valid prefix of i and idx[i, k]. int32[B, G].
 
-    def equal_up_to(p):  # p: int32[B, G] in [0, T): prefixes of length p+1 equal and both valid
-        hi = hashes[rows, p]                                   # [B, G, 2]
-        hj = hashes[idx, p]
-        return valid[rows, p] & valid[idx, p] & jnp.all(hi == hj, axis=-1)
+    Whole blocks of ``block`` tokens are compared by 64-bit block-prefix hashes (binary search over
+    blocks); the first block that differs is compared token by token, so the result is exact up to
+    a block-level hash collision (~2**-64).
+    """
+    b, t = tokens.shape
+    nb = -(-t // block)
+    tok = jnp.pad(tokens, ((0, 0), (0, (nb + 1) * block - t)))           # room for the last window
+    words = [_mix(tok[:, :nb * block], seed).reshape(b, nb, block).sum(axis=-1, dtype=jnp.uint32)
+             for seed in _SEEDS]
+    block_hash = jnp.stack([jnp.cumsum(w, axis=1, dtype=jnp.uint32) for w in words], -1)  # [B, nb, 2]
+    rows = jnp.arange(b)[:, None]
+    min_len = jnp.minimum(lengths[:, None], lengths[idx])                 # [B, G]
 
     def body(_, lohi):
-        lo, hi = lohi                   # invariant: lcp in [lo, hi]
-        mid = (lo + hi + 1) // 2        # candidate length, >= 1 while lo < hi
-        good = equal_up_to(jnp.clip(mid - 1, 0, t - 1)) & (lo < hi)
+        lo, hi = lohi                   # invariant: number of equal leading blocks in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        p = jnp.clip(mid - 1, 0, nb - 1)
+        same = jnp.all(block_hash[rows, p] == block_hash[idx, p], axis=-1)
+        good = same & (mid * block <= min_len) & (lo < hi)
         return jnp.where(good, mid, lo), jnp.where(good | (lo >= hi), hi, mid - 1)
 
     lo = jnp.zeros(idx.shape, jnp.int32)
-    hi = jnp.full(idx.shape, t, jnp.int32)
-    steps = max(1, int(np.ceil(np.log2(t + 1))))
-    lo, _ = jax.lax.fori_loop(0, steps, body, (lo, hi))
-    return jnp.where(ok, lo, 0)
+    hi = jnp.full(idx.shape, nb, jnp.int32)
+    steps = max(1, int(np.ceil(np.log2(nb + 1))))
+    full_blocks, _ = jax.lax.fori_loop(0, steps, body, (lo, hi))
+    start = full_blocks * block                                           # [B, G]
+    window = start[..., None] + jnp.arange(block)                         # [B, G, block]
+    same = (tok[rows[..., None], window] == tok[idx[..., None], window]) & (window < min_len[..., None])
+    lcp = start + jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=-1), axis=-1)
+    return jnp.where(ok, lcp, 0)
 
 
-def _lcp_exact(tokens, valid, idx, ok):
+def _lcp_exact(tokens, lengths, idx, ok):
     """Longest common valid prefix by direct token comparison. int32[B, G]; O(B*G*T) memory."""
-    same = valid[:, None, :] & valid[idx] & (tokens[:, None, :] == tokens[idx])   # [B, G, T]
+    pos = jnp.arange(tokens.shape[1])
+    min_len = jnp.minimum(lengths[:, None], lengths[idx])
+    same = (tokens[:, None, :] == tokens[idx]) & (pos < min_len[..., None])   # [B, G, T]
     lcp = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=-1), axis=-1)
     return jnp.where(ok, lcp, 0)
 
 
-def _suffix_histogram(lcp, weights, t: int):
-    """out[i, s] = sum_k weights[i, k] * [lcp[i, k] > s] for s in [0, T). f32/int [B, T]."""
+def _reverse_cumsum(x, block: int):
+    """out[:, s] = sum_{l >= s} x[:, l] in float32, as blocked triangular matmuls.
+
+    XLA's CPU cumsum is an associative scan (log T passes); a [block, block] triangular matmul per
+    block plus a short cumsum over block totals does the same in about one pass.
+    """
+    b, t = x.shape
+    nb = -(-t // block)
+    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * block - t))).reshape(b, nb, block)
+    tril = jnp.tril(jnp.ones((block, block), jnp.float32))               # tril[r, s] = [r >= s]
+    within = jnp.einsum("bnr,rs->bns", xb, tril, precision=jax.lax.Precision.HIGHEST)
+    totals = within[:, :, 0]                                              # [B, nb]
+    after = jnp.cumsum(totals[:, ::-1], axis=1)[:, ::-1] - totals         # blocks strictly later
+    return (within + after[:, :, None]).reshape(b, nb * block)[:, :t]
+
+
+def _suffix_histogram(lcp, weights, t: int, block: int):
+    """out[i, s] = sum_k weights[i, k] * [lcp[i, k] > s] for s in [0, T). f32[B, T]."""
     b = lcp.shape[0]
-    hist = jnp.zeros((b, t + 1), weights.dtype).at[jnp.arange(b)[:, None], lcp].add(weights)
-    tail = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1]          # tail[s] = sum_{l >= s} hist[l]
-    return tail[:, 1:]
+    # lcp = l contributes to s = 0..l-1: put it at l-1 and sum from the right (l = 0: nowhere).
+    pos = jnp.where(lcp > 0, lcp - 1, t)                    # column t collects lcp = 0 and is dropped
+    hist = jnp.zeros((b, t + 1), jnp.float32).at[jnp.arange(b)[:, None], pos].add(weights.astype(jnp.float32))
+    hist = hist[:, :t]
+    return _reverse_cumsum(hist, block)
 
 
-def _group_lcp(tokens, mask, group_ids, max_group_size, exact):
+def _group_lcp(tokens, mask, group_ids, max_group_size, exact, block=_BLOCK):
     b, t = _checks.check_tokens_mask(tokens, mask)
     _checks.check_group_ids(group_ids, b)
+    ids = _checks.concrete_or_none(group_ids)
+    largest = int(np.bincount(ids).max()) if ids is not None and ids.size else None
     if max_group_size is None:
-        max_group_size = b
+        max_group_size = b if largest is None else largest
     if not isinstance(max_group_size, (int, np.integer)) or max_group_size < 1:
         raise ValueError(f"`max_group_size` must be a positive Python int or None; got {max_group_size!r}")
     max_group_size = min(int(max_group_size), b)
-    ids = _checks.concrete_or_none(group_ids)
-    if ids is not None and ids.size and np.bincount(ids).max() > max_group_size:
+    if largest is not None and largest > max_group_size:
         raise ValueError(f"`max_group_size`={max_group_size} is smaller than the largest group "
-                         f"({np.bincount(ids).max()} trajectories)")
-    valid = _valid_prefix(mask)
+                         f"({largest} trajectories)")
+    lengths = _valid_lengths(mask)
     idx, ok = _candidates(group_ids, max_group_size)
     if exact:
-        lcp = _lcp_exact(tokens, valid, idx, ok)
+        lcp = _lcp_exact(tokens, lengths, idx, ok)
     else:
-        lcp = _lcp_hash(prefix_hashes(tokens, mask), valid, idx, ok)
+        lcp = _lcp_blocked(tokens, lengths, idx, ok, min(block, t))
     return idx, ok, lcp
 
 
@@ -162,8 +204,9 @@ def process_set_sizes(tokens, mask, group_ids, *, max_group_size: int | None = N
       tokens: ``int32[B, T]`` right-padded completions.
       mask: ``bool[B, T]`` true on real completion tokens.
       group_ids: ``int32[B]``, any order, unequal group sizes allowed.
-      max_group_size: static bound on the largest group (e.g. G). ``None`` uses ``B`` (always
-        correct, ``O(B^2 log T)``); giving ``G`` makes it ``O(B*G*log T)``. Checked when concrete.
+      max_group_size: static bound on the largest group (e.g. G). ``None``: the largest group when
+        ``group_ids`` is concrete, else ``B`` (always correct but ``O(B^2)`` pairs) — under ``jit``
+        pass ``G``. Checked against the largest group when ``group_ids`` is concrete.
       exact: compare tokens directly instead of 64-bit prefix hashes (``O(B*G*T)`` memory).
 
     Returns:
@@ -172,7 +215,8 @@ def process_set_sizes(tokens, mask, group_ids, *, max_group_size: int | None = N
     Example (SPEC): {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ} → A,B = 2; J,K,L = 3; N,Q = 2; else 1.
     """
     _, ok, lcp = _group_lcp(tokens, mask, group_ids, max_group_size, exact)
-    return _suffix_histogram(lcp, ok.astype(jnp.int32), tokens.shape[1])
+    sizes = _suffix_histogram(lcp, ok, tokens.shape[1], min(_BLOCK, tokens.shape[1]))
+    return jnp.round(sizes).astype(jnp.int32)
 
 
 def process_rewards(rewards, tokens, mask, group_ids, *, max_group_size: int | None = None,
@@ -196,9 +240,10 @@ def process_rewards(rewards, tokens, mask, group_ids, *, max_group_size: int | N
 def _process_sums(rewards, tokens, mask, group_ids, max_group_size, exact):
     idx, ok, lcp = _group_lcp(tokens, mask, group_ids, max_group_size, exact)
     t = tokens.shape[1]
+    block = min(_BLOCK, t)
     r = jax.lax.stop_gradient(rewards.astype(jnp.float32))
-    sums = _suffix_histogram(lcp, jnp.where(ok, r[idx], 0.0), t)
-    sizes = _suffix_histogram(lcp, ok.astype(jnp.float32), t)
+    sums = _suffix_histogram(lcp, jnp.where(ok, r[idx], 0.0), t, block)
+    sizes = jnp.round(_suffix_histogram(lcp, ok, t, block))
     return sums, sizes
 
 

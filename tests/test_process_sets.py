@@ -171,3 +171,37 @@ def test_tree_stats_group_id_out_of_range():
     tokens, mask, _ = ref.from_strings(["AB", "AC"])
     with pytest.raises(ValueError, match="group_ids"):
         jg.process_tree_stats(tokens, mask, np.array([0, 2], np.int32), 2)
+
+
+def _lcp_sizes(tokens, mask, gid):
+    """NumPy reference through pairwise longest common valid prefixes (fast enough for long T)."""
+    v = ref.valid_prefix(mask)
+    b, t = tokens.shape
+    out = np.zeros((b, t), np.int32)
+    for i in range(b):
+        for j in range(b):
+            if gid[i] != gid[j]:
+                continue
+            same = v[i] & v[j] & (tokens[i] == tokens[j])
+            lcp = t if same.all() else int(np.argmin(same))
+            out[i, :lcp] += 1
+    return out
+
+
+@pytest.mark.parametrize("t", [63, 64, 65, 200, 300])
+def test_long_completions_across_hash_blocks(t):
+    # branch points on both sides of 64-token block boundaries, some exactly on them
+    rng = np.random.default_rng(t)
+    b = 10
+    tokens = rng.integers(0, 5, size=(b, t)).astype(np.int32)
+    cuts = [0, 1, 63, 64, 65, 127, 128, t - 1, t, rng.integers(0, t)]
+    for k in range(1, b):
+        cut = min(cuts[k], t)
+        tokens[k, :cut] = tokens[rng.integers(0, k), :cut]
+    lengths = rng.integers(t // 2, t + 1, size=b)
+    lengths[:3] = t
+    mask = np.arange(t)[None] < lengths[:, None]
+    gid = np.array([0, 0, 0, 0, 0, 0, 0, 1, 1, 1], np.int32)
+    want = _lcp_sizes(tokens, mask, gid)
+    np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid), want)
+    np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, exact=True), want)
