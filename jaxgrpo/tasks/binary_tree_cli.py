@@ -1,5 +1,6 @@
-#!/usr/bin/env python
 """λ-GRPO's binary-tree task (Table 1), every algorithm, many seeds, on the CPU in minutes.
+
+The command line of ``scripts/binary_tree.py`` (also ``python -m jaxgrpo.tasks.binary_tree_cli``)::
 
     python scripts/binary_tree.py                       # transformer policy, 20 seeds, the paper's 6 cells
     python scripts/binary_tree.py --policy tabular --optimizer sgd --lr 1.0
@@ -19,11 +20,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-try:
-    import jaxgrpo  # noqa: F401
-except ImportError:  # running from a source checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -52,7 +48,7 @@ def parse_cells(text: str) -> list[tuple[int, float]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="binary_tree.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--seeds", type=int, default=20, help="seeds per cell")
     p.add_argument("--seed-offset", type=int, default=0, help="first seed")
@@ -241,16 +237,14 @@ def table_md(summary) -> str:
 
 
 def plot(summary, res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure   # no pyplot: leaves the caller's backend alone
 
     cfg = summary["config"]
     cells = [tuple(c) for c in cfg["cells"]]
     ns = sorted({n for n, _ in cells})
     rs = sorted({r for _, r in cells}, reverse=True)
-    fig, axes = plt.subplots(len(ns), len(rs), figsize=(3.6 * len(rs), 2.8 * len(ns)), squeeze=False,
-                             sharex=True, sharey=True)
+    fig = Figure(figsize=(3.6 * len(rs), 2.8 * len(ns)))
+    axes = fig.subplots(len(ns), len(rs), squeeze=False, sharex=True, sharey=True)
     steps = np.arange(1, cfg["steps"] + 1)
     colors = {"grpo": "C3", "lambda_grpo": "C0", "frpo": "C1", "lambda_frpo": "C2", "dr_grpo": "C4"}
     for ax in axes.flat:
@@ -279,10 +273,12 @@ def plot(summary, res, path):
                  "(mean, 95% CI band)", y=0.005, va="bottom", fontsize=9)
     fig.tight_layout(rect=(0, 0.03, 1, 0.93))
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> dict:
+    """Run the sweep of ``argv`` (default ``sys.argv[1:]``); returns the ``results.json`` dict.
+
+    Bad flags exit with status 2 and a one-line message (no traceback)."""
     args = build_parser().parse_args(argv)
     try:
         cfg = resolve(args)
