@@ -25,18 +25,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
+from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec  # the one rules table lives in jaxgrpo.sharding
 
 __all__ = ["DEFAULT_RULES", "load_hf", "save_hf", "load_tokenizer", "logical_to_spec", "hf_entries"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_RULES: dict[str, str | None] = {
-    "vocab": "tensor", "embed": "fsdp", "mlp": "tensor", "heads": "tensor", "kv_heads": "tensor",
-}
-
 
 class Entry(NamedTuple):
   path: tuple
@@ -214,29 +210,6 @@ def _resolve(path: str | os.PathLike) -> str:
     return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
   except Exception as e:  # noqa: BLE001 - re-raised with the reason
     raise ValueError(f"{path!r} is not a local directory and could not be fetched from the hub: {e}") from e
-
-
-def logical_to_spec(axes: tuple[str | None, ...], mesh: Mesh, rules: Mapping[str, str | None],
-                    shape: tuple[int, ...] | None = None, name: str = "") -> PartitionSpec:
-  """PartitionSpec for logical ``axes`` under ``rules`` (logical name → mesh axis or None).
-
-  Logical names missing from ``rules`` and mesh axes missing from ``mesh`` map to None. A mesh
-  axis used twice, or a dim not divisible by its mesh axis size, raises ValueError.
-  """
-  spec, used = [], set()
-  for i, a in enumerate(axes):
-    m = rules.get(a) if a is not None else None
-    if m is not None and m not in mesh.axis_names:
-      m = None
-    if m is not None:
-      if m in used:
-        raise ValueError(f"{name}: mesh axis {m!r} used twice in logical axes {axes}")
-      used.add(m)
-      if shape is not None and shape[i] % mesh.shape[m]:
-        raise ValueError(f"{name}: dim {i} ({a!r}, size {shape[i]}) is not divisible by mesh axis "
-                         f"{m!r} of size {mesh.shape[m]}; change the rules")
-    spec.append(m)
-  return PartitionSpec(*spec)
 
 
 def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh: Mesh | None = None,
