@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxgrpo import models as _models
 
-__all__ = ["Rollout", "generate", "filter_logits"]
+__all__ = ["Rollout", "generate", "filter_logits", "sample_categorical"]
 
 
 class Rollout(NamedTuple):
@@ -92,6 +92,47 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
     return logits
 
 
+def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits), by inverting the CDF with a single uniform per row.
+
+    Equivalent in distribution to `jax.random.categorical(key, logits)` (entries at -inf are never
+    drawn), but it needs N random numbers instead of N*V Gumbel draws, which dominate a decode
+    step on CPU (N=128, V=32000: ~200 ms of threefry vs ~10 ms here). The vocabulary is cut into
+    ~sqrt(V) blocks: the block is found from the cumulative block masses, then the token within
+    the block from the block's own cumulative mass, so every cumulative sum is short (float32
+    rounding ~1e-7 relative; XLA's CPU cumsum is also slow on long axes). With u ~ U[0, 1) and
+    target = (1 - u) * total in (0, total], the first index whose cumulative mass reaches the
+    target always has positive probability. Resolution: probabilities below ~1e-7 of the row's
+    mass are not reproduced exactly (as with the float32 Gumbel sampler).
+
+    Args:
+      key: a PRNG key.
+      logits: float32[N, V], unnormalised; -inf for impossible tokens (at least one finite per row).
+
+    Returns:
+      int32[N].
+    """
+    n, vocab = logits.shape
+    block = max(1, math.isqrt(vocab - 1) + 1)  # ceil(sqrt(V))
+    num_blocks = -(-vocab // block)
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [N, V], 0 where -inf
+    probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab))).reshape(n, num_blocks, block)
+    block_mass = jnp.sum(probs, axis=-1)  # [N, nb]
+    cum = jnp.cumsum(block_mass, axis=-1)  # inclusive
+    before = jnp.concatenate([jnp.zeros((n, 1), cum.dtype), cum[:, :-1]], axis=-1)  # exclusive
+    u = jax.random.uniform(key, (n,), jnp.float32)  # [0, 1)
+    target = (1.0 - u) * cum[:, -1]  # (0, total]
+    b = jnp.minimum(jnp.sum(cum < target[:, None], axis=-1), num_blocks - 1)  # [N]
+    take = lambda x: jnp.take_along_axis(x, b[:, None], axis=-1)[:, 0]
+    # Position of the target inside block b, as a fraction of the block's mass: U(0, 1] given b.
+    frac = jnp.clip((target - take(before)) / take(block_mass), 0.0, 1.0)
+    inner = jnp.take_along_axis(probs, b[:, None, None], axis=1)[:, 0]  # [N, block]
+    inner_cum = jnp.cumsum(inner, axis=-1)
+    inner_target = jnp.maximum(frac * inner_cum[:, -1], jnp.finfo(jnp.float32).tiny)
+    j = jnp.minimum(jnp.sum(inner_cum < inner_target[:, None], axis=-1), block - 1)
+    return (b * block + j).astype(jnp.int32)
+
+
 def generate(
     model: nnx.Module,
     prompt_tokens: jax.Array,
@@ -114,7 +155,7 @@ def generate(
 
     Token t of a row is drawn from
       * temperature > 0: softmax(filter_logits(logits_t / temperature, top_k, top_p)), with
-        `jax.random.categorical` and the key `fold_in(key, t)`;
+        `sample_categorical` (one uniform per row) and the key `fold_in(key, t)`;
       * temperature == 0: argmax(logits_t) (greedy; top_k/top_p are irrelevant).
     Its log-prob is log_softmax(logits_t / temperature)[token] in float32 over the full vocabulary
     (not the filtered distribution: this is what the train step recomputes with
@@ -210,8 +251,7 @@ def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, num_sampl
         else:
             scaled = logits / temperature
             filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
-            token = jax.random.categorical(jax.random.fold_in(key, t), filtered, axis=-1)
-            token = token.astype(jnp.int32)
+            token = sample_categorical(jax.random.fold_in(key, t), filtered)
         chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
         return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxgrpo import models
 from jaxgrpo.models import hf as hf_io
-from jaxgrpo.sampling import Rollout, filter_logits, generate
+from jaxgrpo.sampling import Rollout, filter_logits, generate, sample_categorical
 from tests.hf_utils import FAMILIES, build_hf_model, tiny_hf_config
 
 VOCAB = 97
@@ -157,74 +157,137 @@ def test_filter_logits_keeps_ties_and_argmax():
     np.testing.assert_array_equal(filter_logits(logits), logits)
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 97, 300])
+def test_sample_categorical_frequencies(vocab):
+    """Empirical frequencies == softmax(logits) (5 binomial sd), never a -inf entry; rows with
+    sparse support (scattered and contiguous -inf), a peaked row and a one-hot row."""
+    rng = np.random.default_rng(vocab)
+    dists = rng.normal(size=(4, vocab)) * 2
+    if vocab > 2:
+        dists[0, rng.random(vocab) < 0.7] = -np.inf  # scattered holes
+        dists[0, 0] = 0.0
+        dists[1, : vocab // 2] = -np.inf  # a contiguous run of empty blocks
+        dists[2] *= 4  # peaked
+        dists[3, :] = -np.inf
+        dists[3, vocab - 1] = 1.0  # one-hot on the last (padded-block) entry
+    n = 20000
+    logits = jnp.asarray(np.repeat(dists, n, axis=0), jnp.float32)
+    draws = np.asarray(sample_categorical(jax.random.key(0), logits)).reshape(4, n)
+    assert draws.dtype == np.int32
+    for row, d in zip(dists, draws):
+        q = np.exp(row - row.max())
+        q /= q.sum()
+        counts = np.bincount(d, minlength=vocab)
+        assert counts[q == 0].sum() == 0
+        assert np.all(np.abs(counts / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2 / n)
+
+
 # ------------------------------------------------------------------------------------------------
-# Rollout structure and log-probs
+# Sampled rollouts. Compiles are the cost here, so tests share a few static configurations:
+# "sampled" (temperature 1, G=4, T=10) without and with EOS, and "greedy" (temperature 0).
+
+SAMPLED = dict(num_samples=4, max_new_tokens=10, temperature=1.0)
+GREEDY = dict(num_samples=2, max_new_tokens=8, temperature=0.0)
 
 
-def test_rollout_shapes_and_groups(qwen3):
+@pytest.fixture(scope="module")
+def sampled(qwen3):
+    """(prompts, mask, rollout without EOS, rollout with EOS, its eos ids), same key."""
     tokens, mask = _prompts(batch=3)
-    r = _generate(qwen3, tokens, mask, num_samples=4, max_new_tokens=5)
-    assert r.completions.shape == (12, 5) and r.completions.dtype == jnp.int32
-    assert r.mask.shape == (12, 5) and r.mask.dtype == jnp.bool_
-    assert r.log_probs.shape == (12, 5) and r.log_probs.dtype == jnp.float32
+    free = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
+    # EOS ids: the tokens at column 2 of every row, so every row stops within 3 tokens.
+    eos = tuple(sorted(set(np.asarray(free.completions[:, 2]).tolist())))
+    stopped = _generate(qwen3, tokens, mask, key=jax.random.key(3), eos_ids=eos, **SAMPLED)
+    return tokens, mask, free, stopped, eos
+
+
+def test_rollout_shapes_and_groups(sampled):
+    tokens, mask, r, _, _ = sampled
+    assert r.completions.shape == (12, 10) and r.completions.dtype == jnp.int32
+    assert r.mask.shape == (12, 10) and r.mask.dtype == jnp.bool_
+    assert r.log_probs.shape == (12, 10) and r.log_probs.dtype == jnp.float32
     np.testing.assert_array_equal(r.group_ids, np.repeat(np.arange(3), 4))
     np.testing.assert_array_equal(r.prompt_tokens, np.repeat(np.asarray(tokens), 4, axis=0))
     np.testing.assert_array_equal(r.prompt_mask, np.repeat(np.asarray(mask), 4, axis=0))
-    assert bool(r.mask.all()) and int(r.num_steps) == 5  # no EOS: every row has all 5 tokens
+    assert bool(r.mask.all()) and int(r.num_steps) == 10  # no EOS: every row has all 10 tokens
+
+
+def test_log_probs_equal_model_recomputation_sampled(qwen3, sampled):
+    """Returned log-probs == models.log_probs on [prompt, completion] (rows with and without EOS)."""
+    for r in sampled[2:4]:
+        want = np.where(np.asarray(r.mask), _recomputed_log_probs(qwen3, r, 1.0), 0.0)
+        np.testing.assert_allclose(np.asarray(r.log_probs), want, rtol=1e-5, atol=1e-5)
+        assert np.all(np.asarray(r.log_probs)[np.asarray(r.mask)] < 0)
 
 
 @pytest.mark.parametrize("family, temperature, top_k, top_p", [
-    ("qwen3", 1.0, 0, 1.0), ("qwen3", 0.7, 5, 0.9), ("qwen3", 0.0, 0, 1.0), ("gpt2", 0.7, 5, 0.9)])
+    ("qwen3", 0.7, 5, 0.9), ("qwen3", 0.0, 0, 1.0), ("gpt2", 0.7, 5, 0.9)])
 def test_log_probs_equal_model_recomputation(family, temperature, top_k, top_p, request):
+    """Also with temperature != 1, top-k/top-p filtering (full-softmax log-probs), greedy, GPT-2."""
     model = request.getfixturevalue(family)
     tokens, mask = _prompts(batch=3)
-    # A few EOS ids so that some rows end early (their padding must carry 0 log-prob).
-    r = _generate(model, tokens, mask, num_samples=3, max_new_tokens=10, temperature=temperature,
-                  top_k=top_k, top_p=top_p, eos_ids=(3, 5, 7, 11, 13))
+    r = _generate(model, tokens, mask, temperature=temperature, top_k=top_k, top_p=top_p,
+                  eos_ids=(3, 5, 7, 11, 13), num_samples=3, max_new_tokens=10)
     want = _recomputed_log_probs(model, r, temperature if temperature > 0 else 1.0)
-    want = np.where(np.asarray(r.mask), want, 0.0)
-    np.testing.assert_allclose(np.asarray(r.log_probs), want, rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(r.log_probs)[np.asarray(r.mask)] < 0)
+    np.testing.assert_allclose(np.asarray(r.log_probs), np.where(np.asarray(r.mask), want, 0.0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_eos_truncates_the_no_eos_rollout_and_stops_early(sampled):
+    """With the same key, EOS only truncates: row = no-EOS row up to and including its first EOS,
+    then pad / mask False / log-prob 0; the loop runs max(lengths) < T steps."""
+    _, _, free, r, eos = sampled
+    comp = np.asarray(free.completions)
+    lengths = np.isin(comp, eos).argmax(1) + 1
+    assert (lengths <= 3).all()
+    want_mask = np.arange(10)[None] < lengths[:, None]
+    np.testing.assert_array_equal(r.mask, want_mask)
+    np.testing.assert_array_equal(r.completions, np.where(want_mask, comp, PAD))
+    np.testing.assert_allclose(r.log_probs, np.where(want_mask, np.asarray(free.log_probs), 0.0),
+                               rtol=1e-6, atol=1e-6)
+    assert int(r.num_steps) == lengths.max() < 10
+
+
+def test_deterministic_given_key_and_keys_differ(qwen3, sampled):
+    tokens, mask, a, _, _ = sampled
+    b = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
+    c = _generate(qwen3, tokens, mask, key=jax.random.key(4), **SAMPLED)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert (np.asarray(a.completions) != np.asarray(c.completions)).any()
+    # Samples of the same prompt differ from each other (shared prefill, independent draws).
+    s = np.asarray(a.completions).reshape(3, 4, -1)
+    assert (s != s[:, :1]).any(axis=(1, 2)).all()
 
 
 def test_greedy_is_argmax_of_full_forward(qwen3):
-    """temperature 0: token t = argmax of the cache-free forward over prompt + tokens_<t."""
+    """temperature 0: token t = argmax of the cache-free forward over prompt + tokens_<t; the G
+    samples of a prompt are identical; top_k=1 at any temperature gives the same tokens."""
     tokens, mask = _prompts(batch=3)
-    r = _generate(qwen3, tokens, mask, num_samples=1, max_new_tokens=8, temperature=0.0)
-    full = np.concatenate([np.asarray(tokens), np.asarray(r.completions)], axis=1)
-    full_mask = np.concatenate([np.asarray(mask), np.ones(r.completions.shape, bool)], axis=1)
+    r = _generate(qwen3, tokens, mask, **GREEDY)
+    full = np.concatenate([np.asarray(r.prompt_tokens), np.asarray(r.completions)], axis=1)
+    full_mask = np.concatenate([np.asarray(r.prompt_mask), np.ones(r.completions.shape, bool)], 1)
     positions = models.positions_from_mask(jnp.asarray(full_mask))
     hidden, _ = qwen3(jnp.asarray(full), positions, attention_mask=jnp.asarray(full_mask))
     logits = np.asarray(qwen3.logits(hidden, out_dtype=jnp.float32))
     P = tokens.shape[1]
     np.testing.assert_array_equal(np.asarray(r.completions), logits[:, P - 1:-1].argmax(-1))
-
-
-def test_top_k_one_and_all_samples_equal_greedy(qwen3):
-    tokens, mask = _prompts(batch=2)
-    greedy = _generate(qwen3, tokens, mask, num_samples=3, temperature=0.0)
-    top1 = _generate(qwen3, tokens, mask, num_samples=3, temperature=1.3, top_k=1,
-                     key=jax.random.key(5))
-    np.testing.assert_array_equal(top1.completions, greedy.completions)
-    # Greedy: the G samples of a prompt are identical.
-    c = np.asarray(greedy.completions).reshape(2, 3, -1)
+    c = np.asarray(r.completions).reshape(3, 2, -1)
     assert (c == c[:, :1]).all()
+    top1 = _generate(qwen3, tokens, mask, **{**GREEDY, "temperature": 1.3}, top_k=1,
+                     key=jax.random.PRNGKey(5))  # also: a raw uint32[2] key works
+    np.testing.assert_array_equal(top1.completions, r.completions)
 
 
-def test_deterministic_given_key_and_keys_differ(qwen3):
-    tokens, mask = _prompts(batch=2)
-    a = _generate(qwen3, tokens, mask, num_samples=4, key=jax.random.key(1))
-    b = _generate(qwen3, tokens, mask, num_samples=4, key=jax.random.key(1))
-    c = _generate(qwen3, tokens, mask, num_samples=4, key=jax.random.key(2))
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-    assert (np.asarray(a.completions) != np.asarray(c.completions)).any()
-    # Samples of the same prompt differ from each other (shared prefill, independent draws).
-    s = np.asarray(a.completions).reshape(2, 4, -1)
-    assert (s != s[:, :1]).any(axis=(1, 2)).all()
-    # A raw uint32[2] key works too.
-    d = _generate(qwen3, tokens, mask, num_samples=4, key=jax.random.PRNGKey(1))
-    assert d.completions.shape == a.completions.shape
+def test_all_rows_finish_at_first_token(qwen3):
+    tokens, mask = _prompts(batch=3)
+    greedy = _generate(qwen3, tokens, mask, **GREEDY)
+    first = tuple(sorted(set(np.asarray(greedy.completions[:, 0]).tolist())))
+    r = _generate(qwen3, tokens, mask, **GREEDY, eos_ids=first)
+    assert int(r.num_steps) == 1
+    np.testing.assert_array_equal(r.mask, np.arange(8)[None].repeat(6, 0) < 1)
+    np.testing.assert_array_equal(np.asarray(r.completions)[:, 1:], PAD)
+    np.testing.assert_array_equal(r.completions[:, 0], greedy.completions[:, 0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,14 +303,16 @@ def _first_token_probs(model, tokens, mask, temperature):
     return logits, p / p.sum(-1, keepdims=True)
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 1.0), (0, 0.6)])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (6, 0.7)])
 def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p):
     tokens, mask = _prompts(batch=1)
     temperature, n = 1.5, 4000
     r = _generate(qwen3, tokens, mask, num_samples=n, max_new_tokens=1, temperature=temperature,
                   top_k=top_k, top_p=top_p)
+    assert r.completions.shape == (n, 1) and int(r.num_steps) == 1 and bool(r.mask.all())
     logits, p = _first_token_probs(qwen3, tokens, mask, temperature)
     keep = np.isfinite(_np_filter(logits / temperature, top_k, top_p))[0]
+    assert 1 < keep.sum() < VOCAB if top_k else keep.all()
     q = np.where(keep, p[0], 0.0)
     q /= q.sum()
     counts = np.bincount(np.asarray(r.completions[:, 0]), minlength=VOCAB)
@@ -258,47 +323,6 @@ def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p):
     # Log-probs are under the unfiltered temperature-scaled softmax.
     np.testing.assert_allclose(np.asarray(r.log_probs[:, 0]),
                                np.log(p[0])[np.asarray(r.completions[:, 0])], rtol=1e-5, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------------------------
-# EOS handling and early stop
-
-
-def test_eos_truncates_the_no_eos_rollout_and_stops_early(qwen3):
-    """With the same key, EOS only truncates: row = no-EOS row up to and including its first EOS,
-    then pad / mask False / log-prob 0; the loop runs max(lengths) steps."""
-    tokens, mask = _prompts(batch=3)
-    kw = dict(num_samples=4, max_new_tokens=12, temperature=1.0, key=jax.random.key(3))
-    free = _generate(qwen3, tokens, mask, **kw)
-    comp = np.asarray(free.completions)
-    # EOS ids: the tokens at column 2 of every row, so every row stops within 3 tokens.
-    eos = tuple(sorted(set(comp[:, 2].tolist())))
-    r = _generate(qwen3, tokens, mask, eos_ids=eos, **kw)
-    is_eos = np.isin(comp, eos)
-    lengths = is_eos.argmax(1) + 1
-    assert (lengths <= 3).all()
-    want_mask = np.arange(12)[None] < lengths[:, None]
-    np.testing.assert_array_equal(r.mask, want_mask)
-    np.testing.assert_array_equal(r.completions, np.where(want_mask, comp, PAD))
-    np.testing.assert_allclose(r.log_probs, np.where(want_mask, np.asarray(free.log_probs), 0.0),
-                               rtol=1e-6, atol=1e-6)
-    assert int(r.num_steps) == lengths.max() < 12
-
-
-def test_all_rows_finish_at_first_token(qwen3):
-    tokens, mask = _prompts(batch=2)
-    greedy = _generate(qwen3, tokens, mask, temperature=0.0, max_new_tokens=6)
-    first = tuple(sorted(set(np.asarray(greedy.completions[:, 0]).tolist())))
-    r = _generate(qwen3, tokens, mask, temperature=0.0, max_new_tokens=6, eos_ids=first)
-    assert int(r.num_steps) == 1
-    np.testing.assert_array_equal(r.mask, np.arange(6)[None].repeat(4, 0) < 1)
-    np.testing.assert_array_equal(np.asarray(r.completions)[:, 1:], PAD)
-
-
-def test_max_new_tokens_one(qwen3):
-    tokens, mask = _prompts(batch=2)
-    r = _generate(qwen3, tokens, mask, max_new_tokens=1, temperature=0.0)
-    assert r.completions.shape == (4, 1) and int(r.num_steps) == 1 and bool(r.mask.all())
 
 
 # ------------------------------------------------------------------------------------------------
