@@ -162,6 +162,14 @@ def test_misshaped_tensor_raises_with_both_shapes(tmp_path):
     models.load_hf(tmp_path)
 
 
+def test_unused_checkpoint_tensor_is_reported(tmp_path, caplog):
+  models.save_hf(_random_model("qwen2", True), tmp_path)
+  _rewrite(tmp_path, lambda t: t.__setitem__("model.extra_adapter.weight", np.zeros((2, 2), np.float32)))
+  with caplog.at_level(logging.WARNING, logger="jaxgrpo.models.hf"):
+    models.load_hf(tmp_path)
+  assert "model.extra_adapter.weight" in caplog.text
+
+
 def test_not_a_directory_raises(tmp_path):
   with pytest.raises(ValueError, match="not a local directory"):
     models.load_hf(str(tmp_path / "nope" / "absent-model"))

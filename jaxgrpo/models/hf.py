@@ -34,6 +34,10 @@ __all__ = ["DEFAULT_RULES", "load_hf", "save_hf", "load_tokenizer", "logical_to_
 
 logger = logging.getLogger(__name__)
 
+# Non-parameter buffers some checkpoints carry; never reported as unused.
+_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+
 class Entry(NamedTuple):
   path: tuple
   hf_name: str
@@ -281,8 +285,12 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
     array = jax.make_array_from_callback(
         view.shape, sharding, lambda idx, view=view: np.ascontiguousarray(view[idx]).astype(np_dtype))
     var.set_value(array)
-  model = nnx.merge(graphdef, state)
-  return model
+  used = {e.hf_name for e in entries} | {e.hf_name[len("transformer."):] for e in entries}
+  unused = sorted(n for n in tensors if n not in used and not n.endswith(_BUFFER_SUFFIXES))
+  if unused:
+    logger.warning("load_hf(%s): %d checkpoint tensors are not used by the %s model: %s", directory, len(unused),
+                   cfg.model_type, unused[:8])
+  return nnx.merge(graphdef, state)
 
 
 def save_hf(model, path: str | os.PathLike) -> None:
