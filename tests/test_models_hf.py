@@ -1,6 +1,7 @@
 """HF checkpoint I/O: save_hf → transformers, sharded checkpoints, mesh placement, clear errors."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ def _logits(model, tokens, mask):
   return np.asarray(model.logits(hidden), np.float32)
 
 
+@functools.lru_cache(maxsize=None)  # tests only read these models; building one costs seconds on CPU
 def _random_model(family, tied, seed=0):
   cfg = models.config_from_hf(tiny_hf_config(family, tied=tied))
   model = models.build_model(cfg, rngs=nnx.Rngs(seed))
