@@ -96,3 +96,32 @@ def test_config_validation_errors():
     models.config_from_hf({**FULL_CONFIGS["Qwen3-4B"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
   with pytest.raises(TypeError, match="cfg"):
     models.build_model({"model_type": "gpt2"}, rngs=nnx.Rngs(0))
+
+
+def test_bad_call_arguments_raise_naming_them():
+  cfg = models.GPT2Config(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, max_position_embeddings=8)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.build_model(cfg, rngs=nnx.Rngs(0))))
+
+  def call(fn):
+    return jax.eval_shape(lambda st: fn(nnx.merge(graphdef, st)), state)
+
+  with pytest.raises(ValueError, match="tokens"):
+    call(lambda m: m(np.zeros(4, np.int32), np.zeros(4, np.int32)))
+  with pytest.raises(TypeError, match="tokens"):
+    call(lambda m: m(np.zeros((2, 4), np.float32), np.zeros((2, 4), np.int32)))
+  with pytest.raises(ValueError, match="positions"):
+    call(lambda m: m(np.zeros((2, 4), np.int32), np.zeros((2, 3), np.int32)))
+  with pytest.raises(ValueError, match="attention_mask"):
+    call(lambda m: m(np.zeros((2, 4), np.int32), np.zeros((2, 4), np.int32), attention_mask=np.ones((2, 3), bool)))
+  with pytest.raises(ValueError, match="cache batch"):
+    call(lambda m: m(np.zeros((2, 4), np.int32), np.zeros((2, 4), np.int32), cache=m.init_cache(3, 8)))
+  with pytest.raises(ValueError, match="do not fit"):
+    call(lambda m: m(np.zeros((2, 4), np.int32), np.zeros((2, 4), np.int32), cache=m.init_cache(2, 3)))
+  with pytest.raises(ValueError, match="chunk_size"):
+    call(lambda m: models.log_probs(m, np.zeros((2, 4), np.int32), chunk_size=0))
+  with pytest.raises(ValueError, match="temperature"):
+    call(lambda m: models.log_probs(m, np.zeros((2, 4), np.int32), temperature=0.0))
+  with pytest.raises(ValueError, match="max_len"):
+    call(lambda m: m.init_cache(2, 0))
+  with pytest.raises(ValueError, match="n must"):
+    models.repeat_cache(models.KVCache(k=(), v=(), valid=np.ones((1, 2), bool), index=np.int32(0)), 0)

@@ -42,10 +42,10 @@ def token_log_probs(model, hidden: jax.Array, targets: jax.Array, *, temperature
     picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
     return picked - lse
 
+  if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
+    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
   if chunk_size is None or chunk_size >= T:
     return chunk_fn((hidden, targets))
-  if not isinstance(chunk_size, int) or chunk_size <= 0:
-    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
   n = -(-T // chunk_size)
   pad = n * chunk_size - T
   h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
