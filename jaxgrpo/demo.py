@@ -51,6 +51,9 @@ def build_tokenizer(extra_text: str = ""):
     words = set(re.findall(_WORD, INSTRUCTION + " What is plus minus times Answer " + extra_text))
     vocab_list = list(SPECIAL_TOKENS) + [chr(c) for c in range(32, 127)] + ["\n"]
     vocab_list += sorted(w for w in words if w not in vocab_list)
+    # reserved tokens up to a multiple of 64, so the vocabulary divides any tensor-parallel axis
+    reserved = [f"<|reserved_{i}|>" for i in range(-len(vocab_list) % 64)]
+    vocab_list += reserved
     vocab = {w: i for i, w in enumerate(vocab_list)}
     tok = Tokenizer(tk_models.WordLevel(vocab=vocab, unk_token=UNK))
     # known words first (longest first), then any single character: unknown words fall back to chars
@@ -58,9 +61,9 @@ def build_tokenizer(extra_text: str = ""):
     pattern = "|".join([re.escape(w) + r"(?![A-Za-z])" for w in known] + [r"[\s\S]"])
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + reserved)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, unk_token=UNK, eos_token=EOS,
-                                   additional_special_tokens=list(SPECIAL_TOKENS[3:]))
+                                   additional_special_tokens=list(SPECIAL_TOKENS[3:]) + reserved)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
