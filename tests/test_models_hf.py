@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from jaxgrpo import models
-from jaxgrpo.models import hf as hf_io
 from tests.hf_utils import FAMILIES, build_hf_model, hf_logits, left_padded_batch, tiny_hf_config
 
 torch = pytest.importorskip("torch")
