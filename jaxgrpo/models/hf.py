@@ -286,6 +286,8 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
         view.shape, sharding, lambda idx, view=view: np.ascontiguousarray(view[idx]).astype(np_dtype))
     var.set_value(array)
   used = {e.hf_name for e in entries} | {e.hf_name[len("transformer."):] for e in entries}
+  if cfg.tie_word_embeddings:
+    used.add("lm_head.weight")  # a tied checkpoint may still store the (identical) head; HF ignores it too
   unused = sorted(n for n in tensors if n not in used and not n.endswith(_BUFFER_SUFFIXES))
   if unused:
     logger.warning("load_hf(%s): %d checkpoint tensors are not used by the %s model: %s", directory, len(unused),
