@@ -1,0 +1,174 @@
+"""Shared pieces of the train-step tests: a tiny model, a random rollout batch, a hand-written
+full-batch reference update (no jaxgrpo loss/advantage code), and a runner for child processes.
+
+(No tests here; the ``test_`` prefix only marks the file as part of the train-step tests.)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+B, P, T, G = 16, 4, 12, 4
+
+
+def tiny_config():
+  from jaxgrpo.models import Qwen3Config
+  return Qwen3Config(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+                     intermediate_size=64, tie_word_embeddings=True)
+
+
+def tiny_model(seed=0, cfg=None):
+  from flax import nnx
+  from jaxgrpo.models import build_model
+  return build_model(cfg or tiny_config(), rngs=nnx.Rngs(seed))
+
+
+def make_batch(seed=0, b=B, p=P, t=T, g=G, vocab_small=3):
+  """A rollout-like batch with shared prefixes inside groups (small completion alphabet), ragged
+  completion lengths (one empty row), left-padded prompts, and rollout/reference log-probs."""
+  from jaxgrpo.train import Batch
+  rng = np.random.default_rng(seed)
+  groups = b // g
+  prompts = np.repeat(rng.integers(5, 128, (groups, p)), g, axis=0).astype(np.int32)
+  plen = np.repeat(rng.integers(1, p + 1, groups), g)
+  pmask = np.arange(p)[None] >= (p - plen)[:, None]
+  prompts = np.where(pmask, prompts, 0).astype(np.int32)
+  comp = rng.integers(0, vocab_small, (b, t)).astype(np.int32)
+  lens = rng.integers(1, t + 1, b)
+  lens[3] = 0
+  mask = np.arange(t)[None] < lens[:, None]
+  comp = np.where(mask, comp, 0).astype(np.int32)
+  old = np.where(mask, np.log(1.0 / 128) + 0.3 * rng.standard_normal((b, t)), 0).astype(np.float32)
+  ref = np.where(mask, old + 0.2 * rng.standard_normal((b, t)), 0).astype(np.float32)
+  rewards = rng.integers(0, 2, b).astype(np.float32) + 0.1 * rng.random(b).astype(np.float32)
+  gids = np.repeat(np.arange(groups), g).astype(np.int32)
+  return Batch(prompts, pmask, comp, mask, old, gids, rewards, ref)
+
+
+# ----------------------------------------------------------------------------- hand-written reference
+
+def ref_lambda_sizes(comp, mask, gids):
+  """Brute force |λ(i,t)|: rows of i's group with the same first t+1 tokens, both real."""
+  b, t = comp.shape
+  out = np.zeros((b, t), np.int64)
+  for i in range(b):
+    for s in range(t):
+      if not mask[i, s]:
+        continue
+      out[i, s] = sum(1 for j in range(b) if gids[j] == gids[i] and mask[j, s]
+                      and np.array_equal(comp[j, :s + 1], comp[i, :s + 1]))
+  return out
+
+
+def ref_advantages(config, batch):
+  """Group advantages (population or sample std), FRPO's cost-to-go, in NumPy."""
+  r = np.asarray(batch.rewards, np.float64)
+  gids = np.asarray(batch.group_ids)
+  a = np.zeros_like(r)
+  for gi in np.unique(gids):
+    sel = gids == gi
+    centred = r[sel] - r[sel].mean()
+    if config.advantage_scale == "group":
+      centred = centred / (r[sel].std(ddof=config.std_ddof) + config.std_eps)
+    a[sel] = centred
+  if config.kl_placement == "future" and config.beta > 0:
+    assert config.kl_estimator == "k1"
+    m = np.asarray(batch.mask)
+    delta = np.where(m, np.asarray(batch.old_logp, np.float64) - np.asarray(batch.ref_logp, np.float64), 0)
+    togo = np.cumsum(delta[:, ::-1], axis=1)[:, ::-1]
+    return (a[:, None] - config.beta * togo).astype(np.float32)
+  return a.astype(np.float32)
+
+
+def reference_update(model, batch, config, *, lr, max_grad_norm):
+  """Parameters after one plain SGD step on the full-batch loss, written out by hand.
+
+  Returns ``(new_params_flat {path: array}, metrics {name: float})``.
+  """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jaxgrpo.models import log_probs
+
+  graphdef, params = nnx.split(model)
+  tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
+  attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
+  m = jnp.asarray(batch.mask, jnp.float32)
+  old = jnp.asarray(batch.old_logp)
+  ref = jnp.asarray(batch.ref_logp)
+  adv = jnp.asarray(ref_advantages(config, batch))
+  adv = adv[:, None] * jnp.ones_like(m) if adv.ndim == 1 else adv
+  w = None
+  if config.process_weights:
+    sizes = ref_lambda_sizes(np.asarray(batch.completions), np.asarray(batch.mask), np.asarray(batch.group_ids))
+    w = jnp.asarray(np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0), jnp.float32)
+  b, t = m.shape
+  p = batch.prompt_tokens.shape[1]
+
+  def loss_fn(params):
+    model = nnx.merge(graphdef, params)
+    lp = log_probs(model, tokens, attn, chunk_size=None)[:, p:]
+    ratio = jnp.exp(lp - old)
+    s = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - config.clip_eps_low, 1 + config.clip_eps_high) * adv)
+    if config.dual_clip is not None:
+      s = jnp.where(adv < 0, jnp.maximum(s, config.dual_clip * adv), s)
+    per = -s
+    if config.kl_placement == "loss" and config.beta > 0:
+      assert config.kl_estimator == "k3"
+      d = lp - ref
+      per = per + config.beta * (jnp.exp(-d) + d - 1)
+    if w is not None:
+      per = per * w
+    per = per * m
+    if config.aggregation == "token-mean":
+      loss = per.sum() / m.sum()
+    elif config.aggregation == "seq-mean-token-mean":
+      rows = m.sum(1)
+      loss = jnp.sum(jnp.where(rows > 0, per.sum(1) / jnp.maximum(rows, 1), 0)) / jnp.sum(rows > 0)
+    else:
+      loss = per.sum() / (b * (config.max_tokens or t))
+    return loss, (ratio, lp)
+
+  (loss, (ratio, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  gnorm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+  scale = jnp.minimum(1.0, max_grad_norm / gnorm)
+  new = jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads)
+  # entropy of the policy at the completion positions, from the full logits
+  model = nnx.merge(graphdef, params)
+  hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+  logits = model.logits(hidden[:, p - 1:-1], out_dtype=jnp.float32)
+  logq = jax.nn.log_softmax(logits, -1)
+  ent = -jnp.sum(jnp.exp(logq) * logq, -1)
+  n = m.sum()
+  metrics = {"loss": loss, "grad_norm": gnorm, "entropy": jnp.sum(ent * m) / n,
+             "approx_kl": jnp.sum((ratio - 1 - jnp.log(ratio)) * m) / n}
+  flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}
+  return flat, {k: float(v) for k, v in metrics.items()}
+
+
+def flat_params(params):
+  from flax import nnx
+  return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
+
+
+# ----------------------------------------------------------------------------- child processes
+
+def run_child(code: str, *, devices: int, env: dict | None = None, timeout=600):
+  """Run ``code`` in a fresh Python with ``devices`` virtual CPU devices; returns stdout."""
+  e = dict(os.environ)
+  e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+  e["JAX_PLATFORMS"] = "cpu"
+  e["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, e.get("PYTHONPATH", "")])
+  e.update(env or {})
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=timeout,
+                        cwd=ROOT)
+  if proc.returncode != 0:
+    raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                         f"STDERR:\n{proc.stderr[-8000:]}")
+  return proc.stdout
