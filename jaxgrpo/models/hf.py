@@ -283,7 +283,7 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
       sharding = NamedSharding(mesh, logical_to_spec(axes, mesh, rules, view.shape, e.hf_name))
     np_dtype = np.dtype(param_dtype)
     array = jax.make_array_from_callback(
-        view.shape, sharding, lambda idx, view=view: np.ascontiguousarray(view[idx]).astype(np_dtype))
+        view.shape, sharding, lambda idx, view=view: np.array(view[idx], dtype=np_dtype, order="C"))
     var.set_value(array)
   used = {e.hf_name for e in entries} | {e.hf_name[len("transformer."):] for e in entries}
   if cfg.tie_word_embeddings:
