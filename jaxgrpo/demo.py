@@ -107,10 +107,18 @@ class SFTResult:
     seconds: float
 
 
-def _sft_batches(tokenizer, rows: Sequence[dict], *, seq_len: int):
-    """Full sequences ``prompt + solution + EOS`` (right-padded), and a loss mask on the completion."""
+def _noisy_answer(answer: str, rng: np.random.Generator) -> str:
+    return str(int(answer) + int(rng.choice([-10, -2, -1, 1, 2, 10])))
+
+
+def _sft_batches(tokenizer, rows: Sequence[dict], *, seq_len: int, noise: float = 0.0, seed: int = 0):
+    """Full sequences ``prompt + solution + EOS`` (right-padded), and a loss mask on the completion.
+    A fraction ``noise`` of the rows get a wrong answer (off by ±1, ±2 or ±10) in the solution."""
+    rng = np.random.default_rng([seed, 1])
     toks, loss_masks = [], []
     for r in rows:
+        if noise and rng.random() < noise:
+            r = {**r, "answer": _noisy_answer(r["answer"], rng)}
         prompt = tokenizer.apply_chat_template(build_messages(r["problem"]), tokenize=False,
                                                add_generation_prompt=True)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -130,8 +138,12 @@ def _sft_batches(tokenizer, rows: Sequence[dict], *, seq_len: int):
 
 def sft_warmup(model: nnx.Module, tokenizer, rows: Sequence[dict], *, steps: int, batch_size: int = 32,
                learning_rate: float = 3e-3, seed: int = 0, seq_len: int | None = None,
-               log_every: int = 0) -> SFTResult:
+               noise: float = 0.0, log_every: int = 0) -> SFTResult:
     """Supervised warm-up (cross-entropy on the completion tokens) of ``model`` in place.
+
+    ``noise``: the fraction of demonstrations whose answer is wrong (off by ±1, ±2 or ±10, consistent
+    between the equation and the box). The warm-up policy then spreads its mass over right and wrong
+    answers — high pass@k, low mean@k, like a base LLM — which RL with a verifier can sharpen.
 
     Uses ``jaxgrpo.models.log_probs`` (the same function the RL step differentiates) and AdamW with
     a cosine schedule; the jitted step is a plain function of ``(params, opt_state, batch)``.
@@ -144,8 +156,8 @@ def sft_warmup(model: nnx.Module, tokenizer, rows: Sequence[dict], *, steps: int
                                                             add_generation_prompt=True)
                               + solution_text(r["problem"], r["answer"]),
                               add_special_tokens=False)["input_ids"]) + 1 for r in rows]
-        seq_len = int(max(lens))
-    tokens, attn, loss_mask = _sft_batches(tokenizer, rows, seq_len=seq_len)
+        seq_len = int(max(lens)) + 1     # room for a noisy answer one digit longer
+    tokens, attn, loss_mask = _sft_batches(tokenizer, rows, seq_len=seq_len, noise=noise, seed=seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), steps,
                                                          learning_rate * 0.1), weight_decay=0.0)

@@ -39,7 +39,7 @@ from jaxgrpo.config import PRESETS, GRPOConfig, preset
 from jaxgrpo.evaluation import summarize_eval
 from jaxgrpo.sampling import generate
 
-__all__ = ["TrainerConfig", "TrainerState", "Trainer", "load_config", "config_from_dict"]
+__all__ = ["TrainerConfig", "TrainerState", "Trainer", "load_config", "config_from_dict", "evaluate_policy"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REWARD_FUNCTIONS = ("accuracy", "format")
@@ -74,12 +74,14 @@ class TrainerConfig:
       steps, seed, mesh (``"data=2,fsdp=2,tensor=2"``; "" = every device on fsdp), out,
       eval_every (0: only before and after training), eval_samples (k per problem),
       eval_pass_k, eval_temperature (None: temperature), eval_batch_prompts,
-      checkpoint_every (0: never), resume, log_every.
+      checkpoint_every (0: never), save_model (write the final policy and tokenizer to ``OUT/model``
+      as a Hugging Face directory), resume, log_every.
     Multi-host:
       distributed (call ``jax.distributed.initialize``), coordinator_address, num_processes, process_id.
     Demo (model/dataset ``"demo"``):
       demo_hidden_size, demo_layers, demo_max_operand, demo_train_size, demo_eval_size,
-      demo_sft_steps, demo_sft_lr, demo_sft_batch.
+      demo_sft_steps, demo_sft_lr, demo_sft_batch, demo_sft_noise (fraction of warm-up
+      demonstrations with a wrong answer; see ``jaxgrpo.demo.sft_warmup``).
     """
     model: str = "demo"
     dtype: str = "float32"
@@ -132,6 +134,7 @@ class TrainerConfig:
     eval_temperature: float | None = None
     eval_batch_prompts: int = 64
     checkpoint_every: int = 0
+    save_model: bool = False
     resume: bool = False
     log_every: int = 1
 
@@ -148,6 +151,7 @@ class TrainerConfig:
     demo_sft_steps: int = 400
     demo_sft_lr: float = 3e-3
     demo_sft_batch: int = 32
+    demo_sft_noise: float = 0.5
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -348,7 +352,8 @@ class Trainer:
             if cfg.model == "demo" and cfg.demo_sft_steps:
                 res = demo.sft_warmup(self.model, tok, train_rows, steps=cfg.demo_sft_steps,
                                       batch_size=cfg.demo_sft_batch, learning_rate=cfg.demo_sft_lr,
-                                      seed=cfg.seed, log_every=max(1, cfg.demo_sft_steps // 4))
+                                      seed=cfg.seed, noise=cfg.demo_sft_noise,
+                                      log_every=max(1, cfg.demo_sft_steps // 4))
                 self.log(f"supervised warm-up: {cfg.demo_sft_steps} steps in {res.seconds:.1f} s, "
                          f"final loss {res.losses[-1]:.3f}")
         else:
@@ -468,24 +473,13 @@ class Trainer:
         if self.eval_prompts is None:
             return {}
         cfg = self.config
-        k = cfg.eval_samples
-        temp = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
-        key = jax.random.key(cfg.seed + 1) if key is None else key
-        toks = self.eval_prompts.tokens
-        nb = min(cfg.eval_batch_prompts, len(toks))
-        correct = []
-        for start in range(0, len(toks), nb):
-            chunk = list(range(start, min(start + nb, len(toks))))
-            padded = chunk + [chunk[-1]] * (nb - len(chunk))          # one compiled shape
-            ro = self._sample([toks[i] for i in padded], num_samples=k, temperature=temp,
-                              key=jax.random.fold_in(key, start))
-            texts = self._decode(np.asarray(ro.completions), np.asarray(ro.mask))[:len(chunk) * k]
-            answers = [self.eval_examples[i].answer for i in chunk for _ in range(k)]
-            scores = self.accuracy(None, texts, answer=answers)
-            correct.append(np.asarray(scores).reshape(len(chunk), k) > 0.5)
-        out = summarize_eval(np.concatenate(correct), ks=cfg.eval_pass_k)
-        out.update({f"eval_{kk}": v for kk, v in self.accuracy.pop_counters().items()})
-        return out
+        return evaluate_policy(
+            self.policy(), self.tokenizer, self.eval_prompts.tokens, [e.answer for e in self.eval_examples],
+            accuracy=self.accuracy, k=cfg.eval_samples, pass_k=cfg.eval_pass_k,
+            temperature=cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature,
+            max_new_tokens=cfg.max_new_tokens, prompt_len=self.prompt_len, pad_id=self.pad_id,
+            eos_ids=self.eos_ids, batch_prompts=cfg.eval_batch_prompts, top_p=cfg.top_p, top_k=cfg.top_k,
+            key=jax.random.key(cfg.seed + 1) if key is None else key)
 
     # ------------------------------------------------------------------ the loop
     def train_step(self) -> dict[str, Any]:
@@ -550,11 +544,45 @@ class Trainer:
                 if self.checkpoint_fn is not None and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                                                        or step == cfg.steps):
                     self.checkpoint_fn(self.state, cfg)
+            if cfg.save_model and is_main:
+                models.save_hf(self.policy(), os.path.join(cfg.out, "model"))
+                self.tokenizer.save_pretrained(os.path.join(cfg.out, "model"))
         finally:
             if f is not None:
                 f.close()
             self.accuracy.close()
         return records
+
+
+def evaluate_policy(model, tokenizer, token_lists: Sequence[Sequence[int]], answers: Sequence[str], *,
+                    accuracy: Callable, k: int, pass_k: Sequence[int] = (1,), temperature: float,
+                    max_new_tokens: int, prompt_len: int, pad_id: int, eos_ids: Sequence[int],
+                    batch_prompts: int = 64, top_p: float = 1.0, top_k: int = 0, key) -> dict[str, float]:
+    """Samples ``k`` completions per prompt and scores them with ``accuracy`` (a reward function,
+    e.g. :class:`~jaxgrpo.rewards.MathAccuracy`) → ``{"eval_accuracy": mean@k, "eval_pass@j": ...}``
+    (unbiased estimator, :func:`jaxgrpo.evaluation.pass_at_k`) plus the verifier's counters.
+
+    Prompts go in batches of ``batch_prompts`` (the last one padded by repetition: one compiled shape).
+    """
+    nb = min(batch_prompts, len(token_lists))
+    correct = []
+    for start in range(0, len(token_lists), nb):
+        chunk = list(range(start, min(start + nb, len(token_lists))))
+        padded = chunk + [chunk[-1]] * (nb - len(chunk))
+        tokens, mask = data_lib.pad_left([token_lists[i] for i in padded], prompt_len, pad_id)
+        ro = generate(model, jnp.asarray(tokens), jnp.asarray(mask), num_samples=k, max_new_tokens=max_new_tokens,
+                      temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
+                      key=jax.random.fold_in(key, start))
+        comp, cmask = np.asarray(ro.completions), np.asarray(ro.mask)
+        texts = tokenizer.batch_decode([c[m].tolist() for c, m in zip(comp, cmask)], skip_special_tokens=True)
+        texts = texts[:len(chunk) * k]
+        gold = [answers[i] for i in chunk for _ in range(k)]
+        scores = accuracy([""] * len(texts), texts, answer=gold)
+        correct.append(np.asarray(scores).reshape(len(chunk), k) > 0.5)
+    out = summarize_eval(np.concatenate(correct), ks=pass_k)
+    if isinstance(accuracy, rewards_lib.CountingReward):
+        out.update({f"eval_{c}": v for c, v in accuracy.pop_counters().items()})
+    return out
 
 
 def _fmt(d: Mapping[str, float]) -> str:
