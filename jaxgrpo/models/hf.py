@@ -35,7 +35,7 @@ __all__ = ["DEFAULT_RULES", "load_hf", "save_hf", "load_tokenizer", "logical_to_
 logger = logging.getLogger(__name__)
 
 # Non-parameter buffers some checkpoints carry; never reported as unused.
-_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+_BUFFER_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 class Entry(NamedTuple):
