@@ -154,7 +154,7 @@ def logical_to_spec(axes: tuple[str | None, ...], mesh: Mesh, rules: Mapping[str
     size = math.prod(mesh.shape[m] for m in ms)
     if ms and shape is not None and shape[i] % size:
       raise ValueError(f"{name}: dim {i} ({a!r}, size {shape[i]}) is not divisible by mesh axis "
-                       f"{'×'.join(ms)} of size {size}; change the mesh or the rules")
+                       f"{'×'.join(map(repr, ms))} of size {size}; change the mesh or the rules")
     spec.append(None if not ms else ms[0] if len(ms) == 1 else ms)
   return PartitionSpec(*spec)
 

@@ -218,7 +218,9 @@ def init_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
   opt_sh = shd.tree_shardings(opt_abstract, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
   shardings = TrainState(param_sh, opt_sh, replicated)
-  params = jax.device_put(params, param_sh, may_alias=False)  # the step donates: never alias the model
+  params = jax.device_put(params, param_sh)
+  # the step donates its state: copy, so that the model's own arrays are never donated
+  params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   return graphdef, TrainState(params, opt_state, step), shardings

@@ -1,0 +1,110 @@
+"""The train step on 8 virtual CPU devices (child processes): sharding changes nothing, parameters and
+optimizer state really are sharded, and bad meshes / batches fail before anything is compiled."""
+from __future__ import annotations
+
+import pytest
+
+from test_train_common import run_child
+
+_EQUIVALENCE = r"""
+import sys
+import jax, numpy as np, optax
+from jax.sharding import PartitionSpec as P
+from test_train_common import G, flat_params, make_batch, tiny_model
+from jaxgrpo import sharding as shd, train
+from jaxgrpo.config import preset
+
+assert jax.device_count() == 8
+MESHES = ["data=1", "data=8", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4"]
+name = sys.argv[1]
+config = preset(name)
+model = tiny_model()
+# SGD with momentum: a sharded optimizer state, and an update linear in the gradient (Adam's
+# g/sqrt(v) turns last-bit differences of near-zero gradients into lr-sized ones)
+opt = optax.sgd(0.5, momentum=0.9)
+batch = make_batch()
+if not config.needs_reference:
+  batch = batch._replace(ref_logp=None)
+results = {}
+for spec in MESHES:
+  mesh = shd.make_mesh(spec, devices=jax.devices()[:1] if spec == "data=1" else None)
+  graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings,
+                               train_config=train.TrainConfig(micro_batches=2, group_size=G, chunk_size=8))
+  b = shd.place_batch(batch, mesh)
+  assert b.completions.sharding.spec == P(("data", "fsdp")), b.completions.sharding
+  for _ in range(2):
+    state, metrics = step(state, b)
+  assert step.traces == 1
+  if mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
+    f, t = mesh.shape["fsdp"], mesh.shape["tensor"]
+    layer = state.params["layers"][0]
+    trace = state.opt_state[0].trace["layers"][0]
+    _, adam_state, _ = train.init_train_state(model, optax.adamw(1e-3), mesh)
+    mu, nu = adam_state.opt_state[0].mu["layers"][0], adam_state.opt_state[0].nu["layers"][0]
+    for tree in (layer, trace, mu, nu):  # parameters, momentum, Adam's moments
+      gate, q, down = tree["mlp"]["gate"][...], tree["attn"]["q"][...], tree["mlp"]["down"][...]
+      assert gate.sharding.spec == P("fsdp", "tensor"), gate.sharding
+      assert q.sharding.spec == P("fsdp", "tensor", None), q.sharding
+      assert down.sharding.spec == P("tensor", "fsdp"), down.sharding
+      for w in (gate, q, down):
+        shard = w.addressable_shards[0].data.shape
+        assert np.prod(shard) * f * t == np.prod(w.shape), (w.shape, shard)
+    emb = state.params["embed_tokens"][...]
+    assert emb.sharding.spec == P("tensor", "fsdp") and emb.addressable_shards[0].data.shape == (128 // t, 32 // f)
+  results[spec] = flat_params(state.params)
+  print(spec, {k: round(float(v), 5) for k, v in metrics.items() if k in ("loss", "grad_norm")})
+
+base = results["data=1"]
+for spec in MESHES[1:]:
+  for k in base:
+    np.testing.assert_allclose(results[spec][k], base[k], rtol=1e-5, atol=1e-7, err_msg=f"{name} {spec} {k}")
+print("OK")
+"""
+
+_ERRORS = r"""
+import jax, numpy as np, optax, pytest
+from test_train_common import make_batch, tiny_config, tiny_model
+from jaxgrpo import sharding as shd, train
+from jaxgrpo.config import preset
+from jaxgrpo.models import build_model
+
+opt = optax.adam(1e-3)
+model = tiny_model()  # eager init compiles small programs: build it before counting
+batch = make_batch(b=12, g=4)._replace(ref_logp=None)
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+with pytest.raises(ValueError, match=r"has 4 devices .* but there are 8 devices"):
+  shd.make_mesh("data=2,fsdp=2")
+with pytest.raises(ValueError, match="unknown axis 'model'"):
+  shd.make_mesh("model=8")
+# heads not divisible by tensor: 4 heads over tensor=8
+with pytest.raises(ValueError, match=r"attn/[qk]: dim 1 \('(kv_)?heads', size 4\) is not divisible by mesh axis 'tensor' of size 8"):
+  train.init_train_state(model, opt, shd.make_mesh("tensor=8"))
+assert not compiles, compiles
+# batch not divisible across data x fsdp: 12 rows over data=4 x fsdp=2
+mesh = shd.make_mesh("data=4,fsdp=2")
+graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+step = train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=shardings)
+n = len(compiles)
+with pytest.raises(ValueError, match=r"batch size 12 is not divisible by the batch mesh axes \(data×fsdp = 8\)"):
+  shd.place_batch(batch, mesh)
+with pytest.raises(ValueError, match=r"batch size 12 is not divisible"):
+  step(state, batch)
+assert len(compiles) == n and step.traces == 0, compiles
+print("OK")
+"""
+
+
+@pytest.mark.subprocess
+def test_errors_before_compiling_8_devices():
+  assert run_child(_ERRORS, devices=8).strip().endswith("OK")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("name", ["grpo", "lambda_grpo", "frpo"])
+def test_sharding_changes_nothing_8_devices(name):
+  out = run_child(_EQUIVALENCE.replace("sys.argv[1]", repr(name)), devices=8)
+  assert out.strip().endswith("OK"), out
