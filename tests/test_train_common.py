@@ -159,14 +159,14 @@ def flat_params(params):
 
 # ----------------------------------------------------------------------------- child processes
 
-def run_child(code: str, *, devices: int, env: dict | None = None, timeout=600):
+def run_child(code: str, *, devices: int, args=(), env: dict | None = None, timeout=600):
   """Run ``code`` in a fresh Python with ``devices`` virtual CPU devices; returns stdout."""
   e = dict(os.environ)
   e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, e.get("PYTHONPATH", "")])
   e.update(env or {})
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=timeout,
+  proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=e, timeout=timeout,
                         cwd=ROOT)
   if proc.returncode != 0:
     raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"

@@ -1,0 +1,103 @@
+"""Two processes on localhost (gloo, 2 CPU devices each) reach the same parameters as one process with
+4 devices; each process feeds only its own rows of the batch."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_train_common import HERE, ROOT, run_child
+
+_CHILD = r"""
+import sys
+import jax, numpy as np, optax
+from jax.experimental import multihost_utils
+from jaxgrpo import distributed, sharding as shd, train
+from jaxgrpo.config import preset
+from test_train_common import G, make_batch, tiny_model
+
+nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+started = distributed.initialize(f"127.0.0.1:{port}" if nproc > 1 else None, nproc if nproc > 1 else None,
+                                 pid if nproc > 1 else None)
+assert started == (nproc > 1)
+assert jax.process_count() == nproc and jax.device_count() == 4, (jax.process_count(), jax.device_count())
+mesh = shd.make_mesh("fsdp=2,tensor=2")
+model = tiny_model()
+opt = optax.sgd(0.5, momentum=0.9)
+graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+step = train.make_train_step(graphdef, opt, preset("lambda_grpo"), mesh=mesh, shardings=shardings,
+                             train_config=train.TrainConfig(micro_batches=2, group_size=G, chunk_size=8))
+batch = make_batch()._replace(ref_logp=None)
+rows = shd.process_batch_rows(mesh, batch.completions.shape[0])
+if nproc > 1:
+  assert rows.stop - rows.start == batch.completions.shape[0] // nproc, rows
+local = train.Batch(*[None if x is None else x[rows] for x in batch])
+b = shd.place_batch(local, mesh, process_local=True)
+for _ in range(2):
+  state, metrics = step(state, b)
+flat = {"/".join(map(str, k)): v for k, v in __import__("flax").nnx.to_flat_state(state.params)}
+gathered = multihost_utils.process_allgather({k: v[...] for k, v in flat.items()}, tiled=True)
+if pid == 0:
+  np.savez(out, loss=float(metrics["loss"]), **{k: np.asarray(v) for k, v in gathered.items()})
+print("OK", rows, float(metrics["loss"]))
+"""
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_two_processes_match_one(tmp_path):
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
+  port = _free_port()
+  two = tmp_path / "two.npz"
+  procs = [subprocess.Popen([sys.executable, "-c", _CHILD, "2", str(i), str(port), str(two)], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  one = tmp_path / "one.npz"
+  out_one = run_child(_CHILD, devices=4, args=(1, 0, 0, one))
+  outs = []
+  for p in procs:
+    try:
+      so, se = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      so, se = p.communicate()
+    outs.append((p.returncode, so, se))
+  for rc, so, se in outs:
+    assert rc == 0, f"rc {rc}\n{so[-3000:]}\n{se[-6000:]}"
+  assert "OK slice(0, 8" in outs[0][1] and "OK slice(8, 16" in outs[1][1], outs
+  assert "OK" in out_one
+  a, b = np.load(two), np.load(one)
+  assert set(a.files) == set(b.files)
+  for k in a.files:
+    np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_initialize_flag_errors(monkeypatch):
+  from jaxgrpo import distributed
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+               "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.cluster_detected() is None
+  assert distributed.initialize() is False  # single process: nothing to start
+  with pytest.raises(ValueError, match="num_processes, process_id missing"):
+    distributed.initialize("127.0.0.1:1234")
+  with pytest.raises(ValueError, match="host:port"):
+    distributed.initialize("localhost", 2, 0)
+  with pytest.raises(ValueError, match=r"process_id must be in \[0, num_processes=2\)"):
+    distributed.initialize("127.0.0.1:1234", 2, 2)
+  monkeypatch.setenv("SLURM_JOB_ID", "7")
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert distributed.cluster_detected() == "slurm"
