@@ -126,21 +126,33 @@ def test_transformer_leaf_logp_matches_per_path_forward():
 # ----------------------------------------------------------------------------------------------------
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2)
+SHORT = dict(seeds=[0, 1], cells=[(1, -1.0), (2, -0.5)], steps=4, group_size=4)
 
 
 @pytest.mark.parametrize("algorithm", bt.ALGORITHMS)
 def test_short_run_deterministic_per_seed(algorithm):
-    pol = bt.make_policy("gpt2", **TINY)
-    kw = dict(seeds=[0, 1], cells=[(1, -1.0), (2, -0.5)], steps=4, group_size=4)
-    a = bt.run_sweep(algorithm, pol, bt.make_optimizer("adam", 1e-2), **kw)
-    b = bt.run_sweep(algorithm, pol, bt.make_optimizer("adam", 1e-2), **kw)
+    pol = bt.make_policy("tabular", init_scale=0.5)      # random init: seeds differ from step 0
+    a = bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+    b = bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
     assert a["target_prob"].shape == (2, 2, 4)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
         assert np.all(np.isfinite(a[k]))
     assert not np.array_equal(a["target_prob"][:, 0], a["target_prob"][:, 1])   # seeds differ
+    assert not np.allclose(a["target_prob"][:, :, 0], a["target_prob"][:, :, -1])  # it learns
+
+
+def test_transformer_run_deterministic_and_batch_independent():
+    pol = bt.make_policy("gpt2", **TINY)
+    opt = bt.make_optimizer("adam", 1e-2)
+    a = bt.run_sweep("lambda_frpo", pol, opt, **SHORT)
+    b = bt.run_sweep("lambda_frpo", pol, opt, **SHORT)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+        assert np.all(np.isfinite(a[k]))
+    assert not np.array_equal(a["target_prob"][:, 0], a["target_prob"][:, 1])
     # a seed's run does not depend on which other seeds share the batch
-    c = bt.run_sweep(algorithm, pol, bt.make_optimizer("adam", 1e-2), **{**kw, "seeds": [1]})
+    c = bt.run_sweep("lambda_frpo", pol, opt, **{**SHORT, "seeds": [1]})
     np.testing.assert_allclose(c["target_prob"][:, 0], a["target_prob"][:, 1], rtol=1e-5, atol=1e-6)
 
 
