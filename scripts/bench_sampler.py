@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
         assert hf_out.shape == (B * G, P + T), hf_out.shape
 
     ours, hf = [], []
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         t0 = time.perf_counter()
         run_ours()
         ours.append(time.perf_counter() - t0)
@@ -153,6 +153,8 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             run_hf()
             hf.append(time.perf_counter() - t0)
+        print(f"repeat {i}: jaxgrpo {ours[-1]:.2f}s" + (f", transformers {hf[-1]:.2f}s" if hf else ""),
+              flush=True)
 
     tokens = B * G * T
     ours_tps = tokens / statistics.median(ours)

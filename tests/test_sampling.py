@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -362,3 +361,31 @@ def test_bad_arguments_raise_naming_them(qwen3, kw, match):
 def test_bad_prompts_raise_naming_them(qwen3, tokens, mask, match):
     with pytest.raises(ValueError, match=match):
         _generate(qwen3, jnp.asarray(tokens), jnp.asarray(mask))
+
+
+# ------------------------------------------------------------------------------------------------
+# Composition under an outer jit, and the benchmark script
+
+
+@pytest.mark.slow
+def test_generate_under_outer_jit_equals_eager(qwen3):
+    tokens, mask = _prompts(batch=3)
+    eager = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
+    jitted = jax.jit(lambda t, m, k: _generate(qwen3, t, m, key=k, **SAMPLED))(
+        tokens, mask, jax.random.key(3))
+    for x, y in zip(eager, jitted):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_bench_sampler_smoke(capsys):
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_sampler.py")
+    spec = importlib.util.spec_from_file_location("bench_sampler", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(["--prompts", "2", "--samples", "2", "--new-tokens", "4", "--prompt-len", "4",
+                      "--repeats", "1", "--vocab", "256", "--hidden", "64", "--layers", "1",
+                      "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                      "--intermediate", "128"])
+    assert res["tokens"] == 16 and res["ours_tps"] > 0 and res["hf_tps"] > 0
+    assert "ratio (ours / transformers)" in capsys.readouterr().out
