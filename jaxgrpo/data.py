@@ -158,7 +158,7 @@ def examples_from_rows(rows: Sequence[Mapping[str, Any]], mapping=None) -> list[
     return out
 
 
-def _load_rows(source: str, split: str):
+def _load_rows(source: str, split: str, name: str | None = None):
     """Rows of a local jsonl/json/parquet file, a ``save_to_disk`` directory, or a hub dataset."""
     import datasets  # heavy; imported on use
 
@@ -180,24 +180,25 @@ def _load_rows(source: str, split: str):
                 raise ValueError(f"`split`: {split!r} not in the saved dataset {path}; splits: {list(ds)}")
             ds = ds[split]
         return ds
-    return datasets.load_dataset(path, split=split)            # a hub id
+    return datasets.load_dataset(path, name, split=split)      # a hub id (name: its config, e.g. "main")
 
 
-def load_math_dataset(source: str, *, split: str = "train", mapping=None,
-                      limit: int | None = None) -> list[MathExample]:
+def load_math_dataset(source: str, *, split: str = "train", mapping=None, limit: int | None = None,
+                      name: str | None = None) -> list[MathExample]:
     """Loads a math prompt set.
 
     Args:
       source: a hub id (``"knoveleng/open-rs"``, ``"BytedTsinghua-SIA/DAPO-Math-17k"``,
-        ``"openai/gsm8k"`` with its config in ``split`` handled by the hub, ``"HuggingFaceH4/MATH-500"``)
+        ``"openai/gsm8k"`` with ``name="main"``, ``"HuggingFaceH4/MATH-500"``)
         or a local path: ``.jsonl``/``.json``/``.parquet``/``.csv`` file, a ``save_to_disk`` directory,
         or a directory of data files.
       split: split of a hub dataset or ``DatasetDict`` (local files are one split).
       mapping: None/"auto" (detect a built-in layout), a name in :data:`MAPPINGS`, a
         ``{"prompt": col, "answer": col}`` dict, or a :class:`ColumnMapping`.
       limit: keep the first ``limit`` rows (None: all).
+      name: the hub dataset's configuration (``"main"`` for ``openai/gsm8k``).
     """
-    ds = _load_rows(source, split)
+    ds = _load_rows(source, split, name)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     return examples_from_rows(ds.to_list(), mapping)

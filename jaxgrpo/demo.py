@@ -26,7 +26,8 @@ from flax import nnx
 from jaxgrpo import models
 from jaxgrpo.data import INSTRUCTION, build_messages
 
-__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tokenizer", "arithmetic_rows", "solution_text",
+__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tokenizer", "arithmetic_rows", "arithmetic_split",
+           "solution_text",
            "tiny_model_config", "sft_warmup", "SFTResult"]
 
 PAD, UNK, EOS = "<|pad|>", "<|unk|>", "<|end|>"
@@ -86,10 +87,32 @@ def arithmetic_rows(num: int, *, seed: int, max_operand: int = 99, ops: str = "+
     return rows
 
 
-def solution_text(problem: str, answer: str) -> str:
-    """The warm-up target completion: ``"a+b=c. \\boxed{c}"``."""
+def arithmetic_split(train_size: int, eval_size: int, *, seed: int, max_operand: int = 19,
+                     ops: str = "+") -> tuple[list[dict], list[dict]]:
+    """Training and held-out problems over *disjoint* operand pairs: the ``(a, op, b)`` space is
+    shuffled with ``seed``; the first ``eval_size`` problems are held out (each once), the training
+    rows are drawn with replacement from the rest."""
+    space = [(a, op, b) for a in range(max_operand + 1) for b in range(max_operand + 1) for op in ops]
+    if eval_size >= len(space):
+        raise ValueError(f"`eval_size`={eval_size} leaves no training problems out of {len(space)}")
+    rng = np.random.default_rng([seed, 2])
+    order = rng.permutation(len(space))
+
+    def row(i):
+        a, op, b = space[i]
+        c = a + b if op == "+" else a - b if op == "-" else a * b
+        return {"problem": f"What is {a} {op} {b}?", "answer": str(c)}
+
+    held = [row(i) for i in order[:eval_size]]
+    rest = order[eval_size:]
+    train = [row(int(i)) for i in rng.choice(rest, size=train_size, replace=True)]
+    return train, held
+
+
+def solution_text(problem: str, answer: str, boxed: str | None = None) -> str:
+    """The warm-up target completion: ``"a+b=c. \\boxed{c}"`` (``boxed`` replaces the boxed value)."""
     expr = problem.removeprefix("What is ").removesuffix("?").replace(" ", "")
-    return f"{expr}={answer}. \\boxed{{{answer}}}"
+    return f"{expr}={answer}. \\boxed{{{answer if boxed is None else boxed}}}"
 
 
 def tiny_model_config(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2,
@@ -113,16 +136,15 @@ def _noisy_answer(answer: str, rng: np.random.Generator) -> str:
 
 def _sft_batches(tokenizer, rows: Sequence[dict], *, seq_len: int, noise: float = 0.0, seed: int = 0):
     """Full sequences ``prompt + solution + EOS`` (right-padded), and a loss mask on the completion.
-    A fraction ``noise`` of the rows get a wrong answer (off by ±1, ±2 or ±10) in the solution."""
+    A fraction ``noise`` of the rows box a wrong answer (the worked result off by ±1, ±2 or ±10)."""
     rng = np.random.default_rng([seed, 1])
     toks, loss_masks = [], []
     for r in rows:
-        if noise and rng.random() < noise:
-            r = {**r, "answer": _noisy_answer(r["answer"], rng)}
+        boxed = _noisy_answer(r["answer"], rng) if noise and rng.random() < noise else None
         prompt = tokenizer.apply_chat_template(build_messages(r["problem"]), tokenize=False,
                                                add_generation_prompt=True)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        c_ids = tokenizer(solution_text(r["problem"], r["answer"]), add_special_tokens=False)["input_ids"]
+        c_ids = tokenizer(solution_text(r["problem"], r["answer"], boxed), add_special_tokens=False)["input_ids"]
         c_ids = c_ids + [tokenizer.eos_token_id]
         ids = (p_ids + c_ids)[:seq_len]
         lm = ([False] * len(p_ids) + [True] * len(c_ids))[:seq_len]
@@ -141,9 +163,10 @@ def sft_warmup(model: nnx.Module, tokenizer, rows: Sequence[dict], *, steps: int
                noise: float = 0.0, log_every: int = 0) -> SFTResult:
     """Supervised warm-up (cross-entropy on the completion tokens) of ``model`` in place.
 
-    ``noise``: the fraction of demonstrations whose answer is wrong (off by ±1, ±2 or ±10, consistent
-    between the equation and the box). The warm-up policy then spreads its mass over right and wrong
-    answers — high pass@k, low mean@k, like a base LLM — which RL with a verifier can sharpen.
+    ``noise``: the fraction of demonstrations that box a wrong answer (the worked result off by ±1,
+    ±2 or ±10: ``"3+4=7. \\boxed{8}"``). The warm-up policy then often boxes something other than
+    what it computed — high pass@k, low mean@k, like a base LLM that does not commit to its own
+    reasoning — which RL with a verifier can fix.
 
     Uses ``jaxgrpo.models.log_probs`` (the same function the RL step differentiates) and AdamW with
     a cosine schedule; the jitted step is a plain function of ``(params, opt_state, batch)``.

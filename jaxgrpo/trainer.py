@@ -54,8 +54,10 @@ class TrainerConfig:
         + supervised warm-up, no downloads; see ``jaxgrpo.demo``).
       dtype, param_dtype: compute and storage dtypes (``float32``, ``bfloat16``).
       dataset: hub id or local file/dir (see ``jaxgrpo.data.load_math_dataset``), or ``"demo"``.
-      split, mapping: dataset split; column mapping (None: detect; a name; ``{prompt:, answer:}``).
-      eval_dataset, eval_split, eval_limit: held-out set (None: no evaluation), first ``eval_limit`` rows.
+      split, dataset_config, mapping: dataset split; hub configuration name (e.g. ``main`` for
+        ``openai/gsm8k``); column mapping (None: detect; a name; ``{prompt:, answer:}``).
+      eval_dataset, eval_dataset_config, eval_mapping, eval_split, eval_limit: held-out set (None:
+        no evaluation), its own mapping, first ``eval_limit`` rows.
       max_prompt_tokens: longer prompts are dropped (counted), never truncated.
       instruction: appended to each question (the papers' ``\\boxed{}`` instruction; None: none).
     Algorithm (paper symbols):
@@ -88,8 +90,11 @@ class TrainerConfig:
     param_dtype: str = "float32"
     dataset: str = "demo"
     split: str = "train"
+    dataset_config: str | None = None
     mapping: Any = None
     eval_dataset: str | None = None
+    eval_dataset_config: str | None = None
+    eval_mapping: Any = None
     eval_split: str = "test"
     eval_limit: int | None = None
     max_prompt_tokens: int = 512
@@ -145,7 +150,7 @@ class TrainerConfig:
 
     demo_hidden_size: int = 64
     demo_layers: int = 2
-    demo_max_operand: int = 29
+    demo_max_operand: int = 19
     demo_train_size: int = 4000
     demo_eval_size: int = 128
     demo_sft_steps: int = 400
@@ -273,7 +278,10 @@ class Trainer:
       config: the run.
       checkpoint_fn: called as ``checkpoint_fn(state: TrainerState, config)`` every
         ``checkpoint_every`` steps and after the last step (checkpointing is a later issue).
-      restore_fn: ``restore_fn(config) -> TrainerState | None`` used when ``config.resume``.
+      restore_fn: ``restore_fn(config, template) -> TrainerState | None`` used when ``config.resume``;
+        ``template`` is the freshly built state (shapes, dtypes, shardings of this mesh).
+      on_record: called with every metrics record (steps and evaluations), e.g. a
+        ``jaxgrpo.metrics.MetricsLogger`` or ``Checkpointer.observe`` (best checkpoint by eval metric).
       reward_fns: extra/replacement reward functions ``{name: (fn, weight)}`` (plain callables
         ``(prompts, completions, **columns) -> list[float]``); None: ``config.rewards``.
       log: print function for progress lines (None: silent).
@@ -281,10 +289,11 @@ class Trainer:
 
     def __init__(self, config: TrainerConfig, *, checkpoint_fn: Callable | None = None,
                  restore_fn: Callable | None = None, reward_fns: Mapping[str, tuple] | None = None,
-                 log: Callable[[str], None] | None = print):
+                 log: Callable[[str], None] | None = print, on_record: Callable[[dict], None] | None = None):
         self.config = cfg = config
         self.objective = cfg.objective()
         self.checkpoint_fn, self.restore_fn = checkpoint_fn, restore_fn
+        self.on_record = on_record
         self.log = log or (lambda s: None)
         self.mesh = shd.make_mesh(cfg.mesh or None)
         self._build_model_and_data()
@@ -314,7 +323,7 @@ class Trainer:
             if restore_fn is None:
                 raise ValueError("`resume` is set but no checkpoint restore is available (restore_fn=None); "
                                  "pass --no-resume")
-            restored = restore_fn(cfg)
+            restored = restore_fn(cfg, self.state)
             if restored is not None:
                 self.state = restored
                 self.iterator.restore(restored.data_position)
@@ -340,13 +349,8 @@ class Trainer:
         self.eos_ids = tuple(sorted({int(e) for e in ([eos] if isinstance(eos, int) else eos or [])}))
         if cfg.dataset == "demo":
             from jaxgrpo import demo
-            train_rows = demo.arithmetic_rows(cfg.demo_train_size, seed=cfg.seed, max_operand=cfg.demo_max_operand)
-            seen = {r["problem"] for r in train_rows}
-            pool = demo.arithmetic_rows(cfg.demo_eval_size * 8, seed=cfg.seed + 10_000,
-                                        max_operand=cfg.demo_max_operand)
-            eval_rows = [r for r in pool if r["problem"] not in seen][:cfg.demo_eval_size]
-            if len(eval_rows) < cfg.demo_eval_size:   # operand space nearly covered: accept overlap
-                eval_rows += pool[:cfg.demo_eval_size - len(eval_rows)]
+            train_rows, eval_rows = demo.arithmetic_split(cfg.demo_train_size, cfg.demo_eval_size, seed=cfg.seed,
+                                                          max_operand=cfg.demo_max_operand)
             train = data_lib.examples_from_rows(train_rows, "openrs")
             evals = data_lib.examples_from_rows(eval_rows, "openrs")
             if cfg.model == "demo" and cfg.demo_sft_steps:
@@ -357,11 +361,12 @@ class Trainer:
                 self.log(f"supervised warm-up: {cfg.demo_sft_steps} steps in {res.seconds:.1f} s, "
                          f"final loss {res.losses[-1]:.3f}")
         else:
-            train = data_lib.load_math_dataset(cfg.dataset, split=cfg.split, mapping=cfg.mapping)
+            train = data_lib.load_math_dataset(cfg.dataset, split=cfg.split, mapping=cfg.mapping,
+                                               name=cfg.dataset_config)
             evals = None
             if cfg.eval_dataset:
-                evals = data_lib.load_math_dataset(cfg.eval_dataset, split=cfg.eval_split, mapping=cfg.mapping,
-                                                   limit=cfg.eval_limit)
+                evals = data_lib.load_math_dataset(cfg.eval_dataset, split=cfg.eval_split, mapping=cfg.eval_mapping,
+                                                   limit=cfg.eval_limit, name=cfg.eval_dataset_config)
         self.prompts = data_lib.encode_prompts(tok, train, max_prompt_tokens=cfg.max_prompt_tokens,
                                                instruction=cfg.instruction)
         self.examples = [train[i] for i in self.prompts.kept]
@@ -397,8 +402,7 @@ class Trainer:
     def _score(self, indices, rollout) -> tuple[dict, np.ndarray, dict]:
         """Rewards of every rollout row; in multi-host runs each host scores its slice of rows."""
         g = self.config.group_size
-        comp, mask = np.asarray(rollout.completions), np.asarray(rollout.mask)
-        texts = self._decode(comp, mask)
+        texts = self._decode(rollout.completions, rollout.mask)
         prompts = [self.prompts.texts[i] for i in indices for _ in range(g)]
         columns = _rows_to_columns([self.examples[i] for i in indices], g)
         nproc, pid = jax.process_count(), jax.process_index()
@@ -429,10 +433,10 @@ class Trainer:
             indices = self.iterator.next(cfg.prompts_per_step)
             rollout = self._sample([self.prompts.tokens[i] for i in indices], num_samples=g,
                                    temperature=cfg.temperature, key=sub)
-            per_fn, total, c = self._score(indices, rollout)
+            host = _to_host(rollout._replace(num_steps=jnp.zeros(())))
+            per_fn, total, c = self._score(indices, host)
             for k, v in c.items():
                 counters[k] = counters.get(k, 0) + v
-            host = jax.tree.map(np.asarray, rollout._replace(num_steps=np.zeros(())))
             groups = np.arange(cfg.prompts_per_step)
             informative = rewards_lib.group_is_informative(total, np.asarray(host.group_ids), len(groups))
             if not self.objective.dynamic_sampling:
@@ -512,10 +516,15 @@ class Trainer:
         os.makedirs(cfg.out, exist_ok=True)
         records: list[dict] = []
         path = os.path.join(cfg.out, "metrics.jsonl")
+        if cfg.resume and is_main:   # drop records of steps after the restored checkpoint
+            from jaxgrpo.metrics import truncate_jsonl
+            truncate_jsonl(path, int(self.state.train.step))
         f = open(path, "a" if cfg.resume else "w") if is_main else None
 
         def emit(rec):
             records.append(rec)
+            if self.on_record is not None:
+                self.on_record(rec)
             if f is not None:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
@@ -573,7 +582,8 @@ def evaluate_policy(model, tokenizer, token_lists: Sequence[Sequence[int]], answ
         ro = generate(model, jnp.asarray(tokens), jnp.asarray(mask), num_samples=k, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tuple(eos_ids), pad_id=pad_id,
                       key=jax.random.fold_in(key, start))
-        comp, cmask = np.asarray(ro.completions), np.asarray(ro.mask)
+        ro = _to_host(ro._replace(num_steps=jnp.zeros(())))
+        comp, cmask = ro.completions, ro.mask
         texts = tokenizer.batch_decode([c[m].tolist() for c, m in zip(comp, cmask)], skip_special_tokens=True)
         texts = texts[:len(chunk) * k]
         gold = [answers[i] for i in chunk for _ in range(k)]
@@ -583,6 +593,14 @@ def evaluate_policy(model, tokenizer, token_lists: Sequence[Sequence[int]], answ
     if isinstance(accuracy, rewards_lib.CountingReward):
         out.update({f"eval_{c}": v for c, v in accuracy.pop_counters().items()})
     return out
+
+
+def _to_host(tree):
+    """NumPy copies of (possibly multi-host, sharded) arrays: every process gets the global values."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
 
 def _fmt(d: Mapping[str, float]) -> str:

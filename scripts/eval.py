@@ -33,7 +33,7 @@ def main(argv=None):
     p.add_argument("--mesh", default="", help="mesh spec, e.g. fsdp=-1 (default: every device on fsdp)")
     p.add_argument("--timeout", type=float, default=10.0, help="per-answer verifier timeout (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--demo-max-operand", type=int, default=29)
+    p.add_argument("--demo-max-operand", type=int, default=19)
     p.add_argument("--demo-eval-size", type=int, default=128)
     p.add_argument("--demo-train-size", type=int, default=4000)
     p.add_argument("--json", action="store_true", help="print one JSON object only")
@@ -50,10 +50,8 @@ def main(argv=None):
     tok = models.load_tokenizer(args.model)
     if args.dataset == "demo":
         from jaxgrpo import demo
-        seen = {r["problem"] for r in demo.arithmetic_rows(args.demo_train_size, seed=args.seed,
-                                                           max_operand=args.demo_max_operand)}
-        pool = demo.arithmetic_rows(args.demo_eval_size * 8, seed=args.seed + 10_000, max_operand=args.demo_max_operand)
-        rows = [r for r in pool if r["problem"] not in seen][:args.demo_eval_size]
+        _, rows = demo.arithmetic_split(args.demo_train_size, args.demo_eval_size, seed=args.seed,
+                                        max_operand=args.demo_max_operand)
         examples = data.examples_from_rows(rows, "openrs")
     else:
         mapping = yaml.safe_load(args.mapping) if args.mapping else None
