@@ -200,6 +200,10 @@ def _check_params_only(state):
                      "variable of the model, so it must hold only nnx.Param")
 
 
+def _copy_tree(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
 def init_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
                      rules: Mapping[str, Any] | None = None):
   """Split ``model`` once and place its parameters and a fresh optimizer state on ``mesh``.
@@ -220,7 +224,7 @@ def init_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
   shardings = TrainState(param_sh, opt_sh, replicated)
   params = jax.device_put(params, param_sh)
   # the step donates its state: copy, so that the model's own arrays are never donated
-  params = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=param_sh)(params)
+  params = jax.jit(_copy_tree, out_shardings=param_sh)(params)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   return graphdef, TrainState(params, opt_state, step), shardings

@@ -2,15 +2,12 @@
 4 devices; each process feeds only its own rows of the batch."""
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from test_train_common import HERE, ROOT, run_child
+from test_train_common import finish_child, start_child
 
 _CHILD = r"""
 import sys
@@ -56,28 +53,13 @@ def _free_port():
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_two_processes_match_one(tmp_path):
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
   port = _free_port()
-  two = tmp_path / "two.npz"
-  procs = [subprocess.Popen([sys.executable, "-c", _CHILD, "2", str(i), str(port), str(two)], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  one = tmp_path / "one.npz"
-  out_one = run_child(_CHILD, devices=4, args=(1, 0, 0, one))
-  outs = []
-  for p in procs:
-    try:
-      so, se = p.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-      p.kill()
-      so, se = p.communicate()
-    outs.append((p.returncode, so, se))
-  for rc, so, se in outs:
-    assert rc == 0, f"rc {rc}\n{so[-3000:]}\n{se[-6000:]}"
-  assert "OK slice(0, 8" in outs[0][1] and "OK slice(8, 16" in outs[1][1], outs
+  two, one = tmp_path / "two.npz", tmp_path / "one.npz"
+  procs = [start_child(_CHILD, devices=2, args=(2, i, port, two)) for i in range(2)]
+  single = start_child(_CHILD, devices=4, args=(1, 0, 0, one))
+  outs = [finish_child(p) for p in procs]
+  out_one = finish_child(single)
+  assert "OK slice(0, 8" in outs[0] and "OK slice(8, 16" in outs[1], outs
   assert "OK" in out_one
   a, b = np.load(two), np.load(one)
   assert set(a.files) == set(b.files)

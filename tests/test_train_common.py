@@ -159,16 +159,33 @@ def flat_params(params):
 
 # ----------------------------------------------------------------------------- child processes
 
-def run_child(code: str, *, devices: int, args=(), env: dict | None = None, timeout=600):
-  """Run ``code`` in a fresh Python with ``devices`` virtual CPU devices; returns stdout."""
+def child_env(devices: int) -> dict:
   e = dict(os.environ)
   e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, e.get("PYTHONPATH", "")])
-  e.update(env or {})
-  proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=e, timeout=timeout,
-                        cwd=ROOT)
+  return e
+
+
+def start_child(code: str, *, devices: int, args=()) -> subprocess.Popen:
+  """Start ``code`` in a fresh Python with ``devices`` virtual CPU devices (see :func:`finish_child`)."""
+  return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=child_env(devices), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_child(proc: subprocess.Popen, timeout=600) -> str:
+  """Wait for a child; its stdout, or AssertionError with its output when it failed."""
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
   if proc.returncode != 0:
-    raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"
-                         f"STDERR:\n{proc.stderr[-8000:]}")
-  return proc.stdout
+    raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{out[-4000:]}\n"
+                         f"STDERR:\n{err[-8000:]}")
+  return out
+
+
+def run_child(code: str, *, devices: int, args=(), timeout=600) -> str:
+  """Run ``code`` in a fresh Python with ``devices`` virtual CPU devices; returns stdout."""
+  return finish_child(start_child(code, devices=devices, args=args), timeout)

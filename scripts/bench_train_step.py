@@ -1,0 +1,160 @@
+"""Train-step throughput of grpo, lambda_grpo, frpo and lambda_frpo, and the model-FLOPs utilisation.
+
+A ~20M-parameter Qwen3-architecture model (vocab 32000, hidden 384, 4 layers, 8 heads / 4 kv heads,
+head_dim 32, intermediate 1536, tied embeddings), a batch of 64 completions (8 prompts × 8) of 256
+tokens after a 16-token prompt, float32. The presets are timed in alternation (round-robin, after one
+warm-up call each) and the median step time is reported, so that machine noise hits all alike. The
+matmul throughput of this machine is measured in the same run (a large float32 matmul, median) and
+used as the peak for the MFU.
+
+Model FLOPs per step (PaLM-style, no recomputation counted): ``6·N_layers·S_all`` for the decoder
+weights over every position, ``6·D·V·S_completion`` for the tied LM head (the step only projects the
+completion positions), and ``6·L·H·K·S²·B`` for attention scores and values (causal, half of the
+dense ``12·L·H·K·S`` per token), with ``S_all = B·(P+T)`` and ``S_completion = B·T``.
+
+  python scripts/bench_train_step.py                    # the documented configuration
+  python scripts/bench_train_step.py --rounds 3 --layers 2 --batch 16   # quicker
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxgrpo import sharding as shd
+from jaxgrpo import train
+from jaxgrpo.config import preset
+from jaxgrpo.models import Qwen3Config, build_model
+
+PRESETS = ("grpo", "lambda_grpo", "frpo", "lambda_frpo")
+
+
+def make_batch(rng, b, g, p, t, vocab):
+  """Groups whose completions share a random-length prefix (so λ sets are non-trivial), ragged lengths."""
+  groups = b // g
+  prompts = np.repeat(rng.integers(10, vocab, (groups, p)), g, axis=0).astype(np.int32)
+  base = np.repeat(rng.integers(10, vocab, (groups, t)), g, axis=0)
+  fresh = rng.integers(10, vocab, (b, t))
+  split = rng.integers(0, t // 2, b)
+  comp = np.where(np.arange(t)[None] < split[:, None], base, fresh).astype(np.int32)
+  lens = rng.integers(t // 4, t + 1, b)
+  lens[::g] = t  # one full-length completion per group: the bucket is T
+  mask = np.arange(t)[None] < lens[:, None]
+  comp = np.where(mask, comp, 0)
+  old = np.where(mask, -2.0 + 0.5 * rng.standard_normal((b, t)), 0).astype(np.float32)
+  ref = np.where(mask, old + 0.1 * rng.standard_normal((b, t)), 0).astype(np.float32)
+  return train.Batch(prompts, np.ones((b, p), bool), comp, mask, old,
+                     np.repeat(np.arange(groups), g).astype(np.int32),
+                     rng.integers(0, 2, b).astype(np.float32), ref)
+
+
+def matmul_flops_per_s(n=2048, reps=5):
+  """Median float32 matmul throughput (FLOP/s) of an n×n by n×n product on the default backend."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / statistics.median(times)
+
+
+def model_flops(cfg, b, p, t):
+  d, v, l = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+  h, k, n_kv, f = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size
+  per_layer = d * h * k * 2 + d * n_kv * k * 2 + 3 * d * f          # q, o, k, v, gate/up/down
+  s = p + t
+  dense = 6 * l * per_layer * b * s
+  head = 6 * d * v * b * t
+  attention = 6 * l * h * k * s * s * b                              # causal: half of 12·L·H·K·S per token
+  return dense + head + attention
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--vocab", type=int, default=32000)
+  ap.add_argument("--hidden", type=int, default=384)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--batch", type=int, default=64)
+  ap.add_argument("--group", type=int, default=8)
+  ap.add_argument("--prompt", type=int, default=16)
+  ap.add_argument("--length", type=int, default=256)
+  ap.add_argument("--micro-batches", type=int, default=4)
+  ap.add_argument("--chunk-size", type=int, default=128)
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--mesh", default="data=1", help="mesh spec over the first devices (default: one device)")
+  args = ap.parse_args(argv)
+
+  cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
+                    num_kv_heads=4, head_dim=32, intermediate_size=4 * args.hidden, tie_word_embeddings=True)
+  model = build_model(cfg, rngs=nnx.Rngs(0))
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+  spec = shd.parse_mesh_spec(args.mesh)
+  ndev = int(np.prod(list(spec.values())))
+  mesh = shd.make_mesh(args.mesh, devices=jax.devices()[:ndev])
+  opt = optax.adamw(1e-6)
+  tc = train.TrainConfig(micro_batches=args.micro_batches, chunk_size=args.chunk_size, group_size=args.group)
+  batch = make_batch(np.random.default_rng(0), args.batch, args.group, args.prompt, args.length, args.vocab)
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {ndev} device(s), mesh {args.mesh}")
+  print(f"model: {n_params / 1e6:.2f}M params; batch {args.batch}×({args.prompt}+{args.length}) tokens, "
+        f"{int(batch.mask.sum())} real completion tokens; K={args.micro_batches} micro-batches, "
+        f"chunk {args.chunk_size}")
+
+  steps, states, batches = {}, {}, {}
+  for name in PRESETS:
+    config = preset(name)
+    graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+    steps[name] = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+    b = batch if config.needs_reference else batch._replace(ref_logp=None)
+    batches[name] = shd.place_batch(b, mesh)
+    t0 = time.perf_counter()
+    state, metrics = steps[name](state, batches[name])
+    jax.block_until_ready(state)
+    print(f"{name:<12} compile + first step {time.perf_counter() - t0:6.1f} s  loss {float(metrics['loss']):+.4f}")
+    states[name] = state
+  ref_fn = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
+  ref_params = train.init_train_state(model, optax.identity(), mesh)[1].params  # the frozen reference
+  jax.block_until_ready(ref_fn(ref_params, batches["frpo"]))
+
+  peak_before = matmul_flops_per_s()
+  times = {name: [] for name in PRESETS}
+  ref_times = []
+  for r in range(args.rounds):
+    for name in PRESETS[r % len(PRESETS):] + PRESETS[:r % len(PRESETS)]:  # rotate the order each round
+      t0 = time.perf_counter()
+      states[name], metrics = steps[name](states[name], batches[name])
+      jax.block_until_ready(states[name])
+      times[name].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    jax.block_until_ready(ref_fn(ref_params, batches["frpo"]))
+    ref_times.append(time.perf_counter() - t0)
+  peak_after = matmul_flops_per_s()
+  peak = max(peak_before, peak_after)
+  assert all(s.traces == 1 for s in steps.values()), "a step was retraced"
+
+  flops = model_flops(cfg, args.batch, args.prompt, args.length)
+  completion_tokens = args.batch * args.length
+  base = statistics.median(times["grpo"])
+  print(f"\nmatmul throughput (f32 2048², median, max of before/after): {peak / 1e9:.1f} GFLOP/s "
+        f"(before {peak_before / 1e9:.1f}, after {peak_after / 1e9:.1f})")
+  print(f"model FLOPs per step: {flops / 1e12:.3f} TFLOP\n")
+  print(f"| preset | step time (median of {args.rounds}) | vs grpo | completion tokens/s | MFU |")
+  print("|---|---|---|---|---|")
+  for name in PRESETS:
+    med = statistics.median(times[name])
+    print(f"| {name} | {med:.3f} s (min {min(times[name]):.3f}) | {100 * (med / base - 1):+.1f}% | "
+          f"{completion_tokens / med:,.0f} | {100 * flops / med / peak:.1f}% |")
+  print(f"\nreference log-prob pass (frpo and any β>0 preset, once per rollout batch): "
+        f"{statistics.median(ref_times):.3f} s median")
+
+
+if __name__ == "__main__":
+  main()
