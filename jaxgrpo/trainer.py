@@ -153,10 +153,10 @@ class TrainerConfig:
     demo_max_operand: int = 19
     demo_train_size: int = 4000
     demo_eval_size: int = 128
-    demo_sft_steps: int = 400
+    demo_sft_steps: int = 800
     demo_sft_lr: float = 3e-3
     demo_sft_batch: int = 32
-    demo_sft_noise: float = 0.5
+    demo_sft_noise: float = 0.7
 
     def __post_init__(self):
         if self.preset not in PRESETS:
