@@ -106,6 +106,8 @@ class TrainConfig:
     tree_stats: compute the process-tree statistics for presets without λ weights too (the λ presets
       always report them: they come free from the weights).
     entropy: report the policy entropy (one extra pass over each logits chunk, no gradient).
+    compiler_options: XLA options for compiling the step and the reference pass (None: defaults),
+      e.g. ``{"xla_backend_optimization_level": 0}`` compiles about twice as fast on CPU (tests).
   """
   micro_batches: int = 1
   mini_batches: int = 1
@@ -115,6 +117,7 @@ class TrainConfig:
   group_size: int | None = None
   tree_stats: bool = False
   entropy: bool = True
+  compiler_options: Mapping[str, Any] | None = None
 
   def __post_init__(self):
     for name in ("micro_batches", "mini_batches"):
@@ -344,6 +347,10 @@ def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh,
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
+def _options(tc: TrainConfig):
+  return None if tc.compiler_options is None else dict(tc.compiler_options)
+
+
 class TrainStep:
   """The compiled train step; call as ``state, metrics = step(state, batch)``.
 
@@ -365,7 +372,8 @@ class TrainStep:
 
     replicated = NamedSharding(mesh, PartitionSpec())
     self.jitted = jax.jit(fn, in_shardings=(shardings, self.batch_sharding),
-                          out_shardings=(shardings, replicated), donate_argnums=0)
+                          out_shardings=(shardings, replicated), donate_argnums=0,
+                          compiler_options=_options(train_config))
 
   def check_batch(self, batch: Batch) -> None:
     """ValueError unless ``batch`` fits this step (shapes, divisibility over data×fsdp and K·M)."""
@@ -442,7 +450,7 @@ def make_reference_fn(graphdef, *, mesh: Mesh, param_shardings, train_config: Tr
                                    batch.mask, temperature=tc.temperature, chunk_size=tc.chunk_size)
     return logp
 
-  jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh)
+  jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=_options(tc))
 
   def reference_log_probs(ref_params, batch: Batch):
     shd.check_batch_divisible(np.shape(batch.completions)[0], mesh, rules)

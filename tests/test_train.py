@@ -18,6 +18,7 @@ from jaxgrpo.config import preset
 from jaxgrpo.models import log_probs
 
 LR, CLIP = 0.5, 0.05
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # (preset, overrides): one per aggregation mode, covering KL-in-loss, future-KL, λ weights, dual clip
 CASES = {
@@ -36,7 +37,8 @@ def _setup(name, overrides, micro, iters=1, mesh_spec="data=1"):
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
   step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings,
                                train_config=train.TrainConfig(micro_batches=micro, max_grad_norm=CLIP,
-                                                              group_size=G, chunk_size=5))
+                                                              group_size=G, chunk_size=5,
+                                                              compiler_options=FAST_COMPILE))
   return config, mesh, model, opt, step
 
 
@@ -113,7 +115,7 @@ def test_reference_fn_matches_model_log_probs():
   model = tiny_model(seed=3)
   graphdef, state, shardings = train.init_train_state(model, optax.sgd(0.1), mesh)
   ref_fn = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params,
-                                   train_config=train.TrainConfig(chunk_size=5))
+                                   train_config=train.TrainConfig(chunk_size=5, compiler_options=FAST_COMPILE))
   batch = make_batch()
   got = ref_fn(state.params, shd.place_batch(batch, mesh))
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], 1)

@@ -135,19 +135,23 @@ def reference_update(model, batch, config, *, lr, max_grad_norm):
       loss = per.sum() / (b * (config.max_tokens or t))
     return loss, (ratio, lp)
 
-  (loss, (ratio, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-  gnorm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
-  scale = jnp.minimum(1.0, max_grad_norm / gnorm)
-  new = jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads)
-  # entropy of the policy at the completion positions, from the full logits
-  model = nnx.merge(graphdef, params)
-  hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
-  logits = model.logits(hidden[:, p - 1:-1], out_dtype=jnp.float32)
-  logq = jax.nn.log_softmax(logits, -1)
-  ent = -jnp.sum(jnp.exp(logq) * logq, -1)
-  n = m.sum()
-  metrics = {"loss": loss, "grad_norm": gnorm, "entropy": jnp.sum(ent * m) / n,
-             "approx_kl": jnp.sum((ratio - 1 - jnp.log(ratio)) * m) / n}
+  def update(params):
+    (loss, (ratio, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    gnorm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, max_grad_norm / gnorm)
+    new = jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads)
+    # entropy of the policy at the completion positions, from the full logits
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+    logits = model.logits(hidden[:, p - 1:-1], out_dtype=jnp.float32)
+    logq = jax.nn.log_softmax(logits, -1)
+    ent = -jnp.sum(jnp.exp(logq) * logq, -1)
+    n = m.sum()
+    metrics = {"loss": loss, "grad_norm": gnorm, "entropy": jnp.sum(ent * m) / n,
+               "approx_kl": jnp.sum((ratio - 1 - jnp.log(ratio)) * m) / n}
+    return new, metrics
+
+  new, metrics = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params)
   flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}
   return flat, {k: float(v) for k, v in metrics.items()}
 

@@ -40,9 +40,11 @@ for spec in MESHES:
     f, t = mesh.shape["fsdp"], mesh.shape["tensor"]
     layer = state.params["layers"][0]
     trace = state.opt_state[0].trace["layers"][0]
-    _, adam_state, _ = train.init_train_state(model, optax.adamw(1e-3), mesh)
-    mu, nu = adam_state.opt_state[0].mu["layers"][0], adam_state.opt_state[0].nu["layers"][0]
-    for tree in (layer, trace, mu, nu):  # parameters, momentum, Adam's moments
+    trees = [layer, trace]  # parameters, momentum (and Adam's moments, once)
+    if name == "grpo":
+      _, adam_state, _ = train.init_train_state(model, optax.adamw(1e-3), mesh)
+      trees += [adam_state.opt_state[0].mu["layers"][0], adam_state.opt_state[0].nu["layers"][0]]
+    for tree in trees:
       gate, q, down = tree["mlp"]["gate"][...], tree["attn"]["q"][...], tree["mlp"]["down"][...]
       assert gate.sharding.spec == P("fsdp", "tensor"), gate.sharding
       assert q.sharding.spec == P("fsdp", "tensor", None), q.sharding
