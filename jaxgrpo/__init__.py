@@ -9,6 +9,15 @@ The public API is re-exported here; the code lives in one module per topic:
 - ``losses``: policy_loss, policy_loss_terms, combine_terms, finalize_terms, LossTerms
 - ``config``: GRPOConfig, preset, PRESETS
 - ``objective``: rollout_advantages, objective_terms (config → kernels)
+
+Re-exported from the larger subsystems (import the submodule for the rest):
+
+- ``jaxgrpo.models``: build_model, load_hf, save_hf, log_probs (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3)
+- ``jaxgrpo.sampling``: generate, Rollout
+- ``jaxgrpo.sharding`` / ``jaxgrpo.train``: make_mesh; the jitted train step (make_train_step, ...)
+- not imported here (heavier dependencies): ``jaxgrpo.trainer``, ``jaxgrpo.data``, ``jaxgrpo.rewards``,
+  ``jaxgrpo.evaluation``, ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.distributed``,
+  ``jaxgrpo.tasks.binary_tree``
 """
 from jaxgrpo._version import __version__
 from jaxgrpo.advantages import group_advantages, group_baseline, rloo_advantages
@@ -18,6 +27,11 @@ from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms, policy_loss
 from jaxgrpo.objective import objective_terms, rollout_advantages
 from jaxgrpo.process_sets import (prefix_hashes, process_advantages, process_rewards,
                                   process_set_sizes, process_tree_stats)
+from jaxgrpo import models, sampling, sharding, train  # noqa: E402  (subsystems, after the kernels)
+from jaxgrpo.models import build_model, load_hf, log_probs, save_hf
+from jaxgrpo.sampling import Rollout, generate
+from jaxgrpo.sharding import make_mesh
+from jaxgrpo.train import TrainConfig, TrainState, make_train_step
 
 __all__ = [
     "__version__",
@@ -32,4 +46,8 @@ __all__ = [
     "policy_loss", "policy_loss_terms", "combine_terms", "finalize_terms", "LossTerms",
     # configuration
     "GRPOConfig", "preset", "PRESETS", "rollout_advantages", "objective_terms",
+    # models, sampling, the train step
+    "models", "sampling", "sharding", "train",
+    "build_model", "load_hf", "save_hf", "log_probs", "generate", "Rollout",
+    "make_mesh", "make_train_step", "TrainConfig", "TrainState",
 ]
