@@ -260,7 +260,7 @@ def _reduce_updates(metrics):
   return out
 
 
-def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh, state: TrainState,
+def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh, rows_sh, state: TrainState,
              batch: Batch):
   b, t = batch.completions.shape
   mm, kk = tc.mini_batches, tc.micro_batches
@@ -284,7 +284,8 @@ def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh,
   rows = dict(prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask,
               completions=batch.completions, mask=batch.mask, old_logp=batch.old_logp, adv=adv,
               weights=weights, ref_logp=batch.ref_logp if kl_in_loss else None)
-  rows = jax.tree.map(lambda x: _split_rows(x, mm, kk), rows)                # [M, K, R, ...]
+  # [M, K, R, ...], R over data×fsdp: each device keeps its own rows
+  rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), rows_sh), rows)
 
   def micro_terms(p, mb, den):
     model = nnx.merge(graphdef, p)
@@ -366,9 +367,12 @@ class TrainStep:
     self.batch_sharding = shd.batch_sharding(mesh, rules)
     self.traces = 0
 
+    batch_spec = self.batch_sharding.spec
+    rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *batch_spec))
+
     def fn(state, batch):
       self.traces += 1
-      return _step_fn(graphdef, optimizer, config, train_config, shardings.params, state, batch)
+      return _step_fn(graphdef, optimizer, config, train_config, shardings.params, rows_sh, state, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     self.jitted = jax.jit(fn, in_shardings=(shardings, self.batch_sharding),
