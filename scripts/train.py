@@ -120,6 +120,8 @@ def plot_curves(metrics_path: str, png_path: str) -> bool:
 
 
 def main(argv=None):
+    import time
+    t_wall, t_cpu = time.perf_counter(), time.process_time()
     args, overrides = parse_args(argv)
     from jaxgrpo.trainer import Trainer, load_config
 
@@ -145,6 +147,8 @@ def main(argv=None):
             png = os.path.join(cfg.out, "curves.png")
             if plot_curves(os.path.join(cfg.out, "metrics.jsonl"), png):
                 print(f"wrote {png}")
+        print(f"total: {time.perf_counter() - t_wall:.0f} s wall, {time.process_time() - t_cpu:.0f} s CPU "
+              "(all threads of this process)")
     return records
 
 
