@@ -142,6 +142,18 @@ def test_short_run_deterministic_per_seed(algorithm):
     assert not np.allclose(a["target_prob"][:, :, 0], a["target_prob"][:, :, -1])  # it learns
 
 
+def test_algorithms_in_one_compilation_match_separate_runs():
+    pol = bt.make_policy("tabular", init_scale=0.5)
+    algos = ["grpo", "lambda_grpo", "frpo", "dr_grpo"]
+    multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+    assert multi["target_prob"].shape == (4, 2, 2, 4)
+    for i, a in enumerate(algos):
+        one = bt.run_sweep(a, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+        for k in one:
+            np.testing.assert_allclose(multi[k][i], one[k], rtol=1e-5, atol=1e-6, err_msg=f"{a}: {k}")
+    assert not np.allclose(multi["target_prob"][0], multi["target_prob"][1])   # the branches differ
+
+
 def test_transformer_run_deterministic_and_batch_independent():
     pol = bt.make_policy("gpt2", **TINY)
     opt = bt.make_optimizer("adam", 1e-2)
@@ -208,3 +220,26 @@ def test_bad_flags_one_line_error(argv, needle, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     assert needle in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# The phenomenon, end to end through the CLI (default transformer settings, fewer seeds and cells)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_transformer_reproduces_the_collapse(tmp_path):
+    summary = _script().main(["--seeds", "8", "--seed-offset", "500", "--cells", "1:-1.0,2:-1.5",
+                              "--algorithms", "grpo,lambda_grpo", "--quiet", "--no-plot",
+                              "--out", str(tmp_path)])
+    results = __import__("json").loads((tmp_path / "results.json").read_text())
+    assert results == __import__("json").loads(__import__("json").dumps(summary))
+    by = {(c["prefix_len"], c["neg_reward"], c["algorithm"]): c for c in results["cells"]}
+    for n, r in [(1, -1.0), (2, -1.5)]:
+        g, lam = by[(n, r, "grpo")], by[(n, r, "lambda_grpo")]
+        assert len(g["target_freq"]) == 8
+        assert g["mean"] == pytest.approx(np.mean(g["target_freq"]), abs=1e-4)
+        assert lam["mean"] > g["mean"] + 0.2, (n, r, g["mean"], lam["mean"])
+    g = by[(1, -1.0, "grpo")]
+    assert g["frac_seeds_sampling_target_early"] >= 0.5        # it samples T early ...
+    assert g["frac_seeds_below_0.1"] >= 0.5                    # ... then abandons it
+    assert (tmp_path / "table.md").read_text().count("\n| 1 | -1 |") == 1

@@ -35,6 +35,7 @@ Design (purejaxrl-style):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -203,7 +204,7 @@ class TransformerPolicy:
     ``params`` is the ``nnx.State`` of the model (``nnx.split`` once; pure functions of the state).
     """
     depth: int = 4
-    hidden_size: int = 64
+    hidden_size: int = 32
     num_layers: int = 2
     num_heads: int = 4
     vocab_size: int = 3
@@ -300,26 +301,38 @@ def _algorithm_config(algorithm: str | GRPOConfig) -> GRPOConfig:
     return preset(algorithm)
 
 
-def make_sweep(algorithm: str | GRPOConfig, policy, optimizer: optax.GradientTransformation, *,
-               depth: int, target_leaf: int, group_size: int, steps: int,
-               progress: Callable[[int], None] | None = None):
-    """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[C, S, steps]``.
+def make_sweep(algorithms: str | GRPOConfig | Sequence[str | GRPOConfig], policy,
+               optimizer: optax.GradientTransformation, *, depth: int, target_leaf: int, group_size: int,
+               steps: int, progress: Callable[[int], None] | None = None):
+    """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[(A,) C, S, steps]``.
 
-    Every (cell, seed) pair is an independent training run of ``steps`` GRPO steps with one group of
-    ``group_size`` trajectories per step. A seed fixes the policy's initial parameters and the sampling
-    keys (the same across cells and algorithms: common random numbers).
+    Every (algorithm, cell, seed) triple is an independent training run of ``steps`` steps with one
+    group of ``group_size`` trajectories per step. A seed fixes the policy's initial parameters and
+    the sampling keys (the same across cells and algorithms: common random numbers).
+
+    ``algorithms``: one preset name (or ``GRPOConfig``): outputs are ``[C, S, steps]``; or a sequence
+    of them: outputs are ``[A, C, S, steps]``. Several algorithms share one compilation: the policy's
+    forward/backward is ``vmap``-ped over them and each algorithm's loss (the library's
+    ``rollout_advantages`` → ``objective_terms`` → ``finalize_terms`` under its own config) is a
+    branch of ``lax.switch`` on the algorithm's index. Under ``vmap`` every branch is evaluated and
+    selected, which costs little: the branches see only ``[G, depth]`` arrays.
 
     Returned per-step metrics: ``target_freq`` (fraction of the group equal to the target),
     ``target_prob`` (π(target), the expected frequency), ``reward`` (group mean reward), ``loss``.
 
     ``progress``: called on the host with the step index (``jax.debug.callback``) after each step.
     """
-    config = _algorithm_config(algorithm)
-    if config.num_iterations != 1:
-        raise ValueError("the binary-tree task runs μ = 1 (one update per rollout batch)")
+    single = isinstance(algorithms, (str, GRPOConfig))
+    configs = [_algorithm_config(a) for a in ([algorithms] if single else algorithms)]
+    if not configs:
+        raise ValueError("no algorithm given")
+    for config in configs:
+        if config.num_iterations != 1:
+            raise ValueError("the binary-tree task runs μ = 1 (one update per rollout batch)")
     if group_size < 2:
         raise ValueError(f"group size must be >= 2; got {group_size}")
-    num_leaves = 2**depth
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int; got {steps!r}")
     actions = jnp.asarray(leaf_actions(depth))
     mask = jnp.ones((group_size, depth), bool)
     group_ids = jnp.zeros((group_size,), jnp.int32)
@@ -330,24 +343,35 @@ def make_sweep(algorithm: str | GRPOConfig, policy, optimizer: optax.GradientTra
         params = policy.init(jax.random.fold_in(key, 0))
         return (params, optimizer.init(params)), sg(policy.leaf_logp(params))
 
-    def step(carry, ref_table, rewards_table, key):
-        params, opt_state = carry
-        table, pullback = jax.vjp(policy.leaf_logp, params)            # [2^d, d]
-        seq_logp = jnp.sum(sg(table), axis=-1)                           # [2^d]
-        leaves = jax.random.categorical(key, seq_logp, shape=(group_size,))
-        tokens = actions[leaves]                                          # [G, d]
-        rewards = rewards_table[leaves]                                   # [G]
-        old_logp, ref_logp = sg(table)[leaves], ref_table[leaves]
+    def loss_and_grad(config, table, leaves, tokens, rewards, ref_logp):
+        """The library's objective for one sampled group; gradient w.r.t. the leaf log-prob table."""
+        old_logp = sg(table)[leaves]
         adv, weights = rollout_advantages(config, rewards, tokens, mask, group_ids, 1, old_logp=old_logp,
                                           ref_logp=ref_logp, max_group_size=group_size)
 
         def loss_fn(tab):
-            logp = tab[leaves]
+            logp = tab[leaves]                                            # [G, d]
             terms = objective_terms(config, logp, sg(logp), adv, mask, token_weights=weights,
                                     ref_logp=ref_logp)
             return finalize_terms(terms)
 
         (loss, _), g_table = jax.value_and_grad(loss_fn, has_aux=True)(table)
+        return loss, g_table
+
+    branches = [functools.partial(loss_and_grad, c) for c in configs]
+
+    def step(carry, ref_table, rewards_table, key, algo):
+        params, opt_state = carry
+        table, pullback = jax.vjp(policy.leaf_logp, params)             # [2^d, d]
+        seq_logp = jnp.sum(sg(table), axis=-1)                           # [2^d]
+        leaves = jax.random.categorical(key, seq_logp, shape=(group_size,))
+        tokens = actions[leaves]                                          # [G, d]
+        rewards = rewards_table[leaves]                                   # [G]
+        operands = (table, leaves, tokens, rewards, ref_table[leaves])
+        if len(branches) == 1:
+            loss, g_table = branches[0](*operands)
+        else:
+            loss, g_table = jax.lax.switch(algo, branches, *operands)
         (g_params,) = pullback(g_table)
         updates, opt_state = optimizer.update(g_params, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -359,25 +383,31 @@ def make_sweep(algorithm: str | GRPOConfig, policy, optimizer: optax.GradientTra
         }
         return (params, opt_state), metrics
 
-    # cells × seeds: the inner vmap is over seeds (carry, key), the outer over cells (carry, rewards).
-    vstep = jax.vmap(jax.vmap(step, in_axes=(0, 0, None, 0)), in_axes=(0, None, 0, None))
+    # algorithms × cells × seeds: seeds vary (carry, ref, key); cells (carry, rewards); algorithms
+    # (carry, index).
+    vstep = jax.vmap(step, in_axes=(0, 0, None, 0, None))
+    vstep = jax.vmap(vstep, in_axes=(0, None, 0, None, None))
+    vstep = jax.vmap(vstep, in_axes=(0, None, None, None, 0))
+    num_algos = len(configs)
 
     @jax.jit
     def run(seeds, rewards):
-        num_cells = rewards.shape[0]
+        lead = (num_algos, rewards.shape[0])
         carry, ref = jax.vmap(init)(seeds)
-        carry = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_cells,) + x.shape), carry)
+        carry = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), carry)
         keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(jax.random.key(s), 1), steps))(seeds)
+        algos = jnp.arange(num_algos)
 
         def body(c, xs):
             i, k = xs
-            c, m = vstep(c, ref, rewards, k)
+            c, m = vstep(c, ref, rewards, k, algos)
             if progress is not None:
                 jax.debug.callback(progress, i)
             return c, m
 
         _, metrics = jax.lax.scan(body, carry, (jnp.arange(steps), jnp.swapaxes(keys, 0, 1)))
-        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, -1), metrics)   # [C, S, steps]
+        metrics = jax.tree.map(lambda x: jnp.moveaxis(x, 0, -1), metrics)   # [A, C, S, steps]
+        return jax.tree.map(lambda x: x[0], metrics) if single else metrics
 
     return run
 
@@ -385,7 +415,8 @@ def make_sweep(algorithm: str | GRPOConfig, policy, optimizer: optax.GradientTra
 def run_sweep(algorithm, policy, optimizer, *, seeds: Sequence[int], cells: Sequence[tuple[int, float]],
               depth: int = 4, target: str = "LLRL", other_reward: float = 0.7, group_size: int = 16,
               steps: int = 250, progress=None) -> dict:
-    """Train every (cell, seed) under one algorithm; numpy arrays ``[C, S, steps]`` per metric."""
+    """Train every (cell, seed) under ``algorithm``: numpy arrays ``[C, S, steps]`` per metric, or
+    ``[A, C, S, steps]`` when ``algorithm`` is a sequence (one compilation for all; see :func:`make_sweep`)."""
     tasks = [TreeTask(depth=depth, target=target, prefix_len=n, neg_reward=r, other_reward=other_reward)
              for n, r in cells]
     rewards = np.stack([t.rewards() for t in tasks])
