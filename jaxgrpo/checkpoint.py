@@ -123,8 +123,9 @@ def _write_manifest(step_path: str, step: int, checksum: bool) -> None:
     os.replace(tmp, os.path.join(step_path, MANIFEST))
 
 
-def verify_step(step_path: str) -> None:
-    """Checks every file of a step directory against its manifest.
+def verify_step(step_path: str, *, checksum: bool = True) -> None:
+    """Checks every file of a step directory against its manifest (sizes; CRC32 too when ``checksum``
+    and recorded: every host reads every file, so large multi-host runs may prefer sizes only).
 
     Raises:
       CheckpointError: no manifest (an incomplete save), or a file missing, of the wrong size
@@ -147,7 +148,7 @@ def verify_step(step_path: str) -> None:
         size = os.path.getsize(full)
         if size != want["size"]:
             problems.append(f"{rel}: {size} bytes, expected {want['size']} (truncated or overwritten)")
-        elif "crc32" in want and _crc32(full) != want["crc32"]:
+        elif checksum and "crc32" in want and _crc32(full) != want["crc32"]:
             problems.append(f"{rel}: CRC32 differs from the one recorded at save time (corrupt)")
     if problems:
         raise CheckpointError(f"checkpoint {step_path} is corrupt:\n  " + "\n  ".join(problems))
@@ -236,7 +237,8 @@ class Checkpointer:
       async_save: write in a background thread; ``save`` returns once the arrays are copied to the
         host, so the next step (which donates the state) can start. The next save, :meth:`wait`
         and :meth:`close` wait for it.
-      checksum: record and verify CRC32 per file (sizes are always checked).
+      checksum: record and verify CRC32 per file (sizes are always checked). Verification reads the
+        whole checkpoint on every host: turn it off for very large multi-host checkpoints.
       log: message sink (None: silent); only the first host prints.
     """
 
@@ -389,7 +391,7 @@ class Checkpointer:
                                   f"complete steps: {steps}")
         path = os.path.join(self.directory, str(step))
         try:
-            verify_step(path)
+            verify_step(path, checksum=self.checksum)
         except CheckpointError as e:
             earlier = [s for s in steps if s < step]
             hint = (f"\nEarlier complete checkpoints: {earlier}. To resume from step {earlier[-1]}, move {path} "
