@@ -58,7 +58,16 @@ def parse_args(argv=None):
     p.add_argument("--mesh", help="mesh spec, e.g. data=2,fsdp=2,tensor=2 (default: every device on fsdp)")
     p.add_argument("--preset", help="grpo, dr_grpo, dapo, lambda_grpo, frpo, lambda_frpo")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                   help="resume from the latest checkpoint in --out (needs the checkpoint module)")
+                   help="resume from the latest complete checkpoint in OUT/checkpoints (default: on when "
+                        "there is one)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K checkpoints (default 3)")
+    p.add_argument("--best-metric", default="eval_accuracy",
+                   help="also keep the best checkpoint by this eval metric ('' : none; default eval_accuracy)")
+    p.add_argument("--sync-checkpoints", action="store_true", help="write checkpoints in the foreground")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="TensorBoard event files in OUT/tensorboard (default: on when tensorboardX is installed)")
+    p.add_argument("--wandb", default=None, metavar="PROJECT", help="log to this Weights & Biases project")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate N CPU devices (sets XLA_FLAGS before jax is imported; for testing)")
     p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
@@ -131,13 +140,38 @@ def main(argv=None):
         jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
                                    num_processes=cfg.num_processes, process_id=cfg.process_id)
     import jax
+    from jaxgrpo import checkpoint, metrics
+    if args.resume is None and not cfg.resume and checkpoint.has_checkpoint(cfg.out):
+        cfg = dataclasses.replace(cfg, resume=True)    # --resume is on by default when OUT has a checkpoint
+    if not cfg.resume and checkpoint.has_checkpoint(cfg.out):
+        raise SystemExit(f"{checkpoint.checkpoint_dir(cfg.out)} holds checkpoints of an earlier run and --no-resume "
+                         f"was given: use another --out, or delete them to start over (nothing was overwritten)")
     if jax.process_index() == 0:
         print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=1))
         print(f"objective: {cfg.objective()}")
         print(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}",
               flush=True)
-    trainer = Trainer(cfg, log=lambda s: print(s, flush=True) if jax.process_index() == 0 else None)
-    records = trainer.run()
+    is_main = jax.process_index() == 0
+    ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(cfg.out), max_to_keep=args.keep_checkpoints,
+                                   best_metric=args.best_metric or None, async_save=not args.sync_checkpoints,
+                                   log=lambda s: print(s, flush=True) if is_main else None)
+    trainer = Trainer(cfg, log=lambda s: print(s, flush=True) if is_main else None,
+                      checkpoint_fn=ckpt.checkpoint_fn, restore_fn=ckpt.restore_fn)
+    tensorboard = args.tensorboard
+    if tensorboard is None:
+        import importlib.util
+        tensorboard = importlib.util.find_spec("tensorboardX") is not None
+    logger = metrics.MetricsLogger(cfg.out, total_steps=cfg.steps, start_step=int(trainer.state.train.step),
+                                   progress=not args.no_progress, tensorboard=tensorboard,
+                                   wandb_project=args.wandb, config=cfg.to_dict())
+    trainer.on_record = lambda rec: (ckpt.observe(rec), logger(rec))
+    if not args.no_progress:
+        trainer.log = logger.write if is_main else (lambda s: None)
+    try:
+        records = trainer.run()
+    finally:
+        ckpt.close()       # waits for the last (asynchronous) save
+        logger.close()
     if jax.process_index() == 0:
         evals = [r for r in records if "eval_accuracy" in r]
         if len(evals) >= 2:
