@@ -277,7 +277,8 @@ class Trainer:
     Args:
       config: the run.
       checkpoint_fn: called as ``checkpoint_fn(state: TrainerState, config)`` every
-        ``checkpoint_every`` steps and after the last step (checkpointing is a later issue).
+        ``checkpoint_every`` steps and after the last step. The state's arrays are donated to the
+        next train step: the function must save or copy them before it returns.
       restore_fn: ``restore_fn(config, template) -> TrainerState | None`` used when ``config.resume``;
         ``template`` is the freshly built state (shapes, dtypes, shardings of this mesh).
       on_record: called with every metrics record (steps and evaluations), e.g. a

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,12 +58,18 @@ def test_cli_parses_flags_and_any_field():
 def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
     seen = []
     cfg = TrainerConfig(**{**TINY, "out": str(tmp_path / "a"), "checkpoint_every": 1})
-    tr = Trainer(cfg, checkpoint_fn=lambda state, c: seen.append((state, c)), log=None)
+
+    def hook(state, c):   # the arrays are donated to the next step: read what is needed now
+        seen.append((int(state.train.step), dict(state.data_position), jax.random.key_data(state.key).tolist(),
+                     len(jax.tree.leaves(state.train.opt_state)) > 0, c))
+
+    tr = Trainer(cfg, checkpoint_fn=hook, log=None)
     recs = tr.run()
-    assert [s.train.step for s, _ in seen] == [1, 2]
-    state, c = seen[-1]
-    assert c is cfg and set(state.data_position) >= {"epoch", "offset", "seed"}
-    assert state.data_position["offset"] == 4 or state.data_position["epoch"] > 0
+    assert [s[0] for s in seen] == [1, 2]
+    _, pos, key1, has_opt, c = seen[-1]
+    assert c is cfg and has_opt and set(pos) >= {"epoch", "offset", "seed"}
+    assert pos["offset"] == 4 and seen[0][1]["offset"] == 2          # 2 prompts per step
+    assert seen[0][2] != key1                                         # the key advances every step
     lines = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
     steps = [r for r in lines if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and lines == recs
@@ -76,7 +83,8 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
 
     tr = Trainer(TrainerConfig(**{**TINY, "out": str(tmp_path / "b")}), reward_fns={"broken": (broken, 1.0)},
                  log=None)
-    with pytest.raises(R.RewardError, match=r"'broken' failed on sample 0[\s\S]*prompt: '<\|user\|>What is"):
+    with pytest.raises(R.RewardError, match=r"'broken' failed on sample 0: ZeroDivisionError[\s\S]*"
+                       r"prompt: [\"']<\|user\|>What is \d+ \+ \d+\?[\s\S]*completion: [\s\S]*columns: \{'answer'"):
         tr.train_step()
 
     # dynamic sampling: an all-equal reward drops every group; refill gives up after max rounds
@@ -90,10 +98,10 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
 
 @pytest.mark.slow
 def test_short_demo_run_raises_reward(tmp_path):
-    cfg = TrainerConfig(**{**TINY, "demo_hidden_size": 64, "demo_layers": 2, "demo_train_size": 2000,
-                           "demo_sft_steps": 150, "demo_max_operand": 9, "group_size": 8,
-                           "prompts_per_step": 16, "max_new_tokens": 16, "learning_rate": 1e-3,
-                           "steps": 20, "demo_eval_size": 64, "eval_samples": 4,
+    cfg = TrainerConfig(**{**TINY, "demo_hidden_size": 64, "demo_layers": 2, "demo_train_size": 1000,
+                           "demo_sft_steps": 300, "demo_sft_noise": 0.7, "demo_max_operand": 9,
+                           "group_size": 8, "prompts_per_step": 16, "max_new_tokens": 16,
+                           "learning_rate": 2e-4, "steps": 20, "demo_eval_size": 20, "eval_samples": 4,
                            "out": str(tmp_path)})
     recs = Trainer(cfg, log=None).run()
     r = [x["reward_mean"] for x in recs if "reward_mean" in x]
@@ -107,7 +115,7 @@ def _run_cli(out, devices: int, mesh: str):
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config",
            os.path.join(ROOT, "scripts", "configs", "demo.yaml"), "--steps", "2", "--mesh", mesh,
-           "--out", str(out), "--no-plot", "--demo_sft_steps", "30", "--demo_hidden_size", "32",
+           "--out", str(out), "--no-plot", "--demo_sft_steps", "5", "--demo_hidden_size", "32",
            "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
            "--demo_eval_size", "8", "--eval_every", "0", "--eval_samples", "2", "--eval_pass_k", "[1, 2]",
            "--demo_train_size", "200", "--learning_rate", "1e-3"]
