@@ -117,7 +117,8 @@ def plot_curves(metrics_path: str, png_path: str) -> bool:
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     ax[0].plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], lw=1)
     ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
-    for key in sorted({k for r in evals for k in r if k.startswith("eval_pass@") or k == "eval_accuracy"}):
+    keys = {k for r in evals for k in r if k.startswith("eval_pass@") or k == "eval_accuracy"}
+    for key in sorted(keys - {"eval_pass@1"}):            # pass@1 equals mean@k
         ax[1].plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "o-",
                    label="mean@k" if key == "eval_accuracy" else key[5:])
     ax[1].set(xlabel="step", ylabel="held-out accuracy", title="evaluation", ylim=(0, 1))
