@@ -136,10 +136,9 @@ def main(argv=None):
     from jaxgrpo.trainer import Trainer, load_config
 
     cfg = load_config(args.config, overrides)
-    if cfg.distributed:
-        import jax
-        jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
-                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+    if cfg.distributed:   # before any JAX computation; arguments, then JAX_* variables, then TPU/Slurm/MPI
+        from jaxgrpo import distributed
+        distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     import jax
     from jaxgrpo import checkpoint, metrics
     if args.resume is None and not cfg.resume and checkpoint.has_checkpoint(cfg.out):
