@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import zlib
 from typing import Any, Callable, Mapping
 
@@ -256,7 +255,6 @@ class Checkpointer:
         self.log = (log if log is not None and self._is_main else (lambda s: None))
         self._metrics: dict[int, float] = {}
         self._saving_step: int | None = None
-        self._lock = threading.Lock()
         # report interrupted saves before Orbax removes their temporary directories
         complete_steps(self.directory, log=self.log)
         policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
