@@ -1,0 +1,84 @@
+"""Multi-host checkpoints: two processes (localhost, 2 CPU devices each, one fsdp=2 x tensor=2 mesh) save
+one checkpoint, each writing its own shards; it restores exactly in two processes again and in one
+process on a different mesh (1 device)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from test_train_common import finish_child, start_child
+
+_CHILD = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.experimental import multihost_utils
+from flax import nnx
+from jaxgrpo import distributed, sharding as shd, train
+from jaxgrpo.checkpoint import Checkpointer, verify_step
+from jaxgrpo.trainer import TrainerConfig, TrainerState
+from test_train_common import tiny_model
+
+nproc, pid, port, root, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+distributed.initialize(f"127.0.0.1:{port}" if nproc > 1 else None, nproc if nproc > 1 else None,
+                       pid if nproc > 1 else None)
+mesh = shd.make_mesh("fsdp=2,tensor=2" if jax.device_count() == 4 else "fsdp=1")
+opt = optax.adamw(1e-2)
+graphdef, fresh, sh = train.init_train_state(tiny_model(), opt, mesh)
+# the saved state: parameters and optimizer moments that differ from a fresh init
+upd = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.5 + 0.25, p), out_shardings=sh.params)
+params = upd(fresh.params)
+grads = jax.jit(lambda p: jax.tree.map(lambda x: jnp.sin(x), p), out_shardings=sh.params)(params)
+_, opt_state = jax.jit(opt.update, out_shardings=(sh.params, sh.opt_state))(grads, fresh.opt_state, params)
+want = TrainerState(train.TrainState(params, opt_state, jax.device_put(jnp.asarray(7, jnp.int32), sh.step)),
+                    jax.random.key(3), {"epoch": 1, "offset": 5, "seed": 0, "num_prompts": 10, "shuffle": True})
+cfg = TrainerConfig(steps=7)
+ck = Checkpointer(root, log=print)
+if mode == "save":
+    ck.save(want, cfg)
+    ck.close()
+    if pid == 0:
+        verify_step(root + "/7")
+    print("SAVED", jax.process_count())
+else:
+    got = ck.restore(TrainerState(fresh, jax.random.key(0), {}), cfg)
+    ck.close()
+    gather = lambda t: multihost_utils.process_allgather(t, tiled=True)
+    for name, a, b in (("params", got.train.params, want.train.params),
+                       ("opt_state", got.train.opt_state, want.train.opt_state)):
+        la, lb = jax.tree.leaves(gather(a)), jax.tree.leaves(gather(b))
+        assert len(la) == len(lb) > 0
+        assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)), name
+    leaf = jax.tree.leaves(got.train.params)[0]
+    assert leaf.sharding == jax.tree.leaves(fresh.params)[0].sharding      # placed on this run's mesh
+    assert int(got.train.step) == 7 and got.data_position["offset"] == 5
+    assert np.array_equal(jax.random.key_data(got.key), jax.random.key_data(jax.random.key(3)))
+    print("RESTORED", jax.process_count(), jax.device_count())
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two(root, mode):
+    port = _free_port()
+    procs = [start_child(_CHILD, devices=2, args=(2, i, port, root, mode)) for i in range(2)]
+    return [finish_child(p) for p in procs]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_two_hosts_save_each_their_shards_restore_on_two_hosts_and_on_one_device(tmp_path):
+    root = str(tmp_path / "ckpt")
+    outs = _two(root, "save")
+    assert all("SAVED 2" in o for o in outs), outs
+    per_process = sorted(d for d in os.listdir(os.path.join(root, "7", "params")) if d.startswith("ocdbt.process_"))
+    assert per_process == ["ocdbt.process_0", "ocdbt.process_1"]         # each host wrote its shards
+    outs = _two(root, "restore")
+    assert all("RESTORED 2 4" in o for o in outs), outs
+    out = finish_child(start_child(_CHILD, devices=1, args=(1, 0, 0, root, "restore")))
+    assert "RESTORED 1 1" in out
