@@ -132,21 +132,20 @@ SHORT = dict(seeds=[0, 1], cells=[(1, -1.0), (2, -0.5)], steps=4, group_size=4)
 @pytest.mark.parametrize("algorithm", bt.ALGORITHMS)
 def test_short_run_deterministic_per_seed(algorithm):
     pol = bt.make_policy("tabular", init_scale=0.5)      # random init: seeds differ from step 0
-    a = bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
-    b = bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
-    assert a["target_prob"].shape == (2, 2, 4)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
-        assert np.all(np.isfinite(a[k]))
-    assert not np.array_equal(a["target_prob"][:, 0], a["target_prob"][:, 1])   # seeds differ
-    assert not np.allclose(a["target_prob"][:, :, 0], a["target_prob"][:, :, -1])  # it learns
+    out = bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **{**SHORT, "seeds": [0, 1, 0]})
+    assert out["target_prob"].shape == (2, 3, 4)
+    for k in out:
+        np.testing.assert_array_equal(out[k][:, 0], out[k][:, 2])       # same seed, same run
+        assert np.all(np.isfinite(out[k]))
+    assert not np.array_equal(out["target_prob"][:, 0], out["target_prob"][:, 1])   # seeds differ
+    assert not np.allclose(out["target_prob"][:, :, 0], out["target_prob"][:, :, -1])  # it learns
 
 
 def test_algorithms_in_one_compilation_match_separate_runs():
     pol = bt.make_policy("tabular", init_scale=0.5)
-    algos = ["grpo", "lambda_grpo", "frpo", "dr_grpo"]
+    algos = ["lambda_grpo", "frpo"]
     multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
-    assert multi["target_prob"].shape == (4, 2, 2, 4)
+    assert multi["target_prob"].shape == (2, 2, 2, 4)
     for i, a in enumerate(algos):
         one = bt.run_sweep(a, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
         for k in one:
@@ -154,18 +153,16 @@ def test_algorithms_in_one_compilation_match_separate_runs():
     assert not np.allclose(multi["target_prob"][0], multi["target_prob"][1])   # the branches differ
 
 
+@pytest.mark.slow   # two compilations of the transformer's backward: ~15 s idle, > 60 s on a loaded CPU
 def test_transformer_run_deterministic_and_batch_independent():
     pol = bt.make_policy("gpt2", **TINY)
     opt = bt.make_optimizer("adam", 1e-2)
     a = bt.run_sweep("lambda_frpo", pol, opt, **SHORT)
-    b = bt.run_sweep("lambda_frpo", pol, opt, **SHORT)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
-        assert np.all(np.isfinite(a[k]))
-    assert not np.array_equal(a["target_prob"][:, 0], a["target_prob"][:, 1])
-    # a seed's run does not depend on which other seeds share the batch
+    assert np.all(np.isfinite(a["loss"])) and not np.array_equal(a["target_prob"][:, 0], a["target_prob"][:, 1])
+    # a separately compiled run of seed 1 alone reproduces seed 1 of the batch
     c = bt.run_sweep("lambda_frpo", pol, opt, **{**SHORT, "seeds": [1]})
-    np.testing.assert_allclose(c["target_prob"][:, 0], a["target_prob"][:, 1], rtol=1e-5, atol=1e-6)
+    for k in a:
+        np.testing.assert_allclose(c[k][:, 0], a[k][:, 1], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_first_step_samples_uniform_tree():
