@@ -169,8 +169,8 @@ def main(argv=None):
   o = ours(inp)
   print("versions: " + ", ".join(f"{k[9:]} {peer[k]}" for k in sorted(peer) if k.startswith("versions/")))
   print(f"inputs: B={inp['mask'].shape[0]} rows in groups of {int(inp['group_size'])}, T={inp['mask'].shape[1]}, "
-        f"{int(inp['mask'].sum())} real tokens, β={float(inp['beta'])}, ε={float(inp['epsilon_low'])}/"
-        f"{float(inp['epsilon_high'])}\n")
+        f"{int(inp['mask'].sum())} real tokens, β={float(inp['beta']):.4g}, ε={float(inp['epsilon_low']):.4g}/"
+        f"{float(inp['epsilon_high']):.4g}\n")
   print("| peer output | jaxgrpo | max abs diff | verdict | note |")
   print("| --- | --- | ---: | --- | --- |")
   rows = []
@@ -189,9 +189,9 @@ def main(argv=None):
   k1, k3, true = k1_loss_gradient_case()
   print("\nExpected gradient of a KL *loss term* over one categorical step, π = softmax([2, 0.5, -1, 0]), "
         "π_ref uniform (exact sum over actions):")
-  print(f"  k1 (Tunix's default kl_loss_mode='kl'): {np.round(np.asarray(k1), 6).tolist()}")
-  print(f"  k3 (TRL, verl low_var_kl, jaxgrpo default): {np.round(np.asarray(k3), 6).tolist()}")
-  print(f"  ∇θ KL(π_ref‖π) exactly:                   {np.round(np.asarray(true), 6).tolist()}")
+  print(f"  k1 (Tunix's default kl_loss_mode='kl'): {[round(float(v), 4) for v in np.asarray(k1).ravel()]}")
+  print(f"  k3 (TRL, verl low_var_kl, jaxgrpo default): {[round(float(v), 4) for v in np.asarray(k3).ravel()]}")
+  print(f"  ∇θ KL(π_ref‖π) exactly:                   {[round(float(v), 4) for v in np.asarray(true).ravel()]}")
   return rows
 
 

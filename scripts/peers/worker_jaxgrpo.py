@@ -75,19 +75,20 @@ def main():
       comps, mask = np.asarray(ro.completions), np.asarray(ro.mask)
       rewards = np.array([common.reward_ids(c[m]) for c, m in zip(comps, mask)], np.float32)
       batch = shd.place_batch(train.Batch.from_rollout(ro, rewards), mesh)
-      batch = batch._replace(ref_logp=ref_fn(ref_params, batch))
+      batch = batch._replace(ref_logp=jax.block_until_ready(ref_fn(ref_params, batch)))
+      t_ref = time.perf_counter()
       state, metrics = step(state, batch)
       jax.block_until_ready(state)
       t2 = time.perf_counter()
-      return state, (t2 - t0, t1 - t0, t2 - t1, float(metrics["loss"]))
+      return state, (t2 - t0, t1 - t0, t2 - t1, t_ref - t1, float(metrics["loss"]))
 
-    state, (w, wr, wu, _) = iteration(state, jax.random.key(0))
+    state, (w, *_) = iteration(state, jax.random.key(0))
     res["warmup_s"] = w
-    times, roll, upd = [], [], []
+    times, roll, upd, refs = [], [], [], []
     for r in range(repeats):
-      state, (t, tr, tu, loss) = iteration(state, jax.random.key(r + 1))
-      times.append(t); roll.append(tr); upd.append(tu)
-    res.update(times=times, rollout_s=roll, update_s=upd, tokens=n_tokens, loss=loss)
+      state, (t, tr, tu, tf, loss) = iteration(state, jax.random.key(r + 1))
+      times.append(t); roll.append(tr); upd.append(tu); refs.append(tf)
+    res.update(times=times, rollout_s=roll, update_s=upd, reward_and_ref_s=refs, tokens=n_tokens, loss=loss)
   common.report(res)
 
 
