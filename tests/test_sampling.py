@@ -17,7 +17,6 @@ import pytest
 from flax import nnx
 
 from jaxgrpo import models
-from jaxgrpo.models import hf as hf_io
 from jaxgrpo.sampling import Rollout, filter_logits, generate, sample_categorical
 from tests.hf_utils import FAMILIES, build_hf_model, tiny_hf_config
 
@@ -102,7 +101,7 @@ def test_greedy_matches_transformers_generate(family, tmp_path):
             if p.ndim >= 2:
                 p.mul_(4.0)
     hf_model.save_pretrained(str(tmp_path))
-    model = hf_io.load_hf(str(tmp_path))
+    model = models.load_hf(str(tmp_path))
 
     rng = np.random.default_rng(0)
     batch, prompt_len, new = 3, 8, 32
@@ -388,6 +387,20 @@ def test_generate_under_outer_jit_equals_eager(qwen3):
         tokens, mask, jax.random.key(3))
     for name in Rollout._fields:  # weights become constants of the outer jit: log-prob rounding
         np.testing.assert_allclose(getattr(eager, name), getattr(jitted, name), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_bfloat16_model_gives_float32_log_probs_matching_recomputation():
+    cfg = models.Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=8, intermediate_size=64,
+                             tie_word_embeddings=True, max_position_embeddings=128)
+    model = _scaled(models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                       param_dtype=jnp.bfloat16), 5.0)
+    tokens, mask = _prompts(batch=3)
+    r = _generate(model, tokens, mask, eos_ids=(3, 5), **SAMPLED)
+    assert r.log_probs.dtype == jnp.float32
+    want = np.where(np.asarray(r.mask), _recomputed_log_probs(model, r, 1.0), 0.0)
+    np.testing.assert_allclose(np.asarray(r.log_probs), want, atol=2e-2)
 
 
 @pytest.mark.slow
