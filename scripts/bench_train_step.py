@@ -14,6 +14,7 @@ dense ``12·L·H·K·S`` per token), with ``S_all = B·(P+T)`` and ``S_completio
 
   python scripts/bench_train_step.py                    # the documented configuration
   python scripts/bench_train_step.py --rounds 3 --layers 2 --batch 16   # quicker
+  python scripts/bench_train_step.py --overhead-only    # the presets' once-per-batch work alone
 """
 from __future__ import annotations
 
@@ -78,6 +79,39 @@ def model_flops(cfg, b, p, t):
   return dense + head + attention
 
 
+def rollout_overhead(batch, group, reps=20):
+  """Median seconds of each preset's once-per-batch work (advantages, future-KL, λ weights, tree stats)
+  at this batch, jitted alone: the only computation in which the presets' steps differ (besides
+  per-token vs per-sequence advantages in the loss)."""
+  from jaxgrpo.objective import rollout_advantages
+  from jaxgrpo.process_sets import process_tree_stats
+
+  b = batch.completions.shape[0]
+  out = {}
+  for name in PRESETS:
+    config = preset(name)
+
+    def fn(bt, config=config):
+      adv, w = rollout_advantages(config, bt.rewards, bt.completions, bt.mask, bt.group_ids, b // group,
+                                  old_logp=bt.old_logp, ref_logp=bt.ref_logp, max_group_size=group)
+      stats = {}
+      if w is not None:
+        sizes = jnp.where(w > 0, jnp.round(1.0 / jnp.where(w > 0, w, 1.0)), 0).astype(jnp.int32)
+        stats = process_tree_stats(bt.completions, bt.mask, bt.group_ids, b // group, sizes=sizes)
+      return adv, w, stats
+
+    f = jax.jit(fn)
+    bt = jax.device_put(batch)
+    jax.block_until_ready(f(bt))
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(bt))
+      times.append(time.perf_counter() - t0)
+    out[name] = statistics.median(times)
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--vocab", type=int, default=32000)
@@ -91,6 +125,8 @@ def main(argv=None):
   ap.add_argument("--chunk-size", type=int, default=128)
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--mesh", default="data=1", help="mesh spec over the first devices (default: one device)")
+  ap.add_argument("--overhead-only", action="store_true",
+                  help="only time each preset's once-per-batch work (advantages, λ weights, future-KL)")
   args = ap.parse_args(argv)
 
   cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
@@ -103,6 +139,11 @@ def main(argv=None):
   opt = optax.adamw(1e-6)
   tc = train.TrainConfig(micro_batches=args.micro_batches, chunk_size=args.chunk_size, group_size=args.group)
   batch = make_batch(np.random.default_rng(0), args.batch, args.group, args.prompt, args.length, args.vocab)
+  if args.overhead_only:
+    print(f"once-per-batch work at {args.batch}×{args.length} (G={args.group}), jitted alone, median of 20:")
+    for name, sec in rollout_overhead(batch, args.group).items():
+      print(f"  {name:<12} {1e3 * sec:8.2f} ms")
+    return
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {ndev} device(s), mesh {args.mesh}")
   print(f"model: {n_params / 1e6:.2f}M params; batch {args.batch}×({args.prompt}+{args.length}) tokens, "
         f"{int(batch.mask.sum())} real completion tokens; K={args.micro_batches} micro-batches, "
