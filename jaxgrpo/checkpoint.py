@@ -324,6 +324,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        """Waits for the running save, then releases the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
 
@@ -339,10 +340,12 @@ class Checkpointer:
         return complete_steps(self.directory, log=None)
 
     def latest_step(self) -> int | None:
+        """The latest complete step, or None."""
         s = self.steps()
         return s[-1] if s else None
 
     def read_meta(self, step: int) -> dict:
+        """The JSON ``meta`` item of ``step`` (step, key, data position, config, tree signatures)."""
         path = os.path.join(self.directory, str(step), "meta", "metadata")
         with open(path) as f:
             return json.load(f)

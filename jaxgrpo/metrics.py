@@ -19,7 +19,7 @@ import json
 import math
 import numbers
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 __all__ = ["MetricsLogger", "truncate_jsonl", "read_jsonl"]
 
@@ -143,6 +143,7 @@ class MetricsLogger:
             self.bar.refresh()
 
     def close(self) -> None:
+        """Closes the progress bar and flushes/finishes TensorBoard and W&B."""
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
@@ -171,7 +172,3 @@ def _wandb_id(out: str) -> str:
         f.write(rid)
     return rid
 
-
-def print_to(logger: MetricsLogger | None) -> Callable[[str], None]:
-    """A ``log`` function for the trainer that writes above the progress bar."""
-    return logger.write if logger is not None else (lambda s: print(s, flush=True))

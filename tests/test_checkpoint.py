@@ -206,6 +206,7 @@ def _tiny_demo_state(seed=0):
                                                                    "num_prompts": 8, "shuffle": True})
 
 
+@pytest.mark.slow
 def test_restore_params_only_into_a_module_and_a_tree(tmp_path):
     from jaxgrpo import demo, models
     cfg, graphdef, state = _tiny_demo_state(seed=1)
