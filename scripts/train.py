@@ -166,7 +166,7 @@ def main(argv=None):
                                    wandb_project=args.wandb, config=cfg.to_dict())
     trainer.on_record = lambda rec: (ckpt.observe(rec), logger(rec))
     if not args.no_progress:
-        trainer.log = logger.write if is_main else (lambda s: None)
+        trainer.log = ckpt.log = logger.write if is_main else (lambda s: None)   # above the progress bar
     try:
         records = trainer.run()
     finally:
