@@ -108,7 +108,7 @@ def test_transformer_leaf_logp_matches_per_path_forward():
     params = pol.init(jax.random.key(0))
     params = jax.tree.map(lambda x: x * 8.0, params)   # far from uniform, so the test can fail
     got = np.asarray(pol.leaf_logp(params))
-    model = nnx.merge(bt._graphdef_cache(pol), params)
+    model = nnx.merge(pol.graphdef(), params)
     acts = bt.leaf_actions(3)
     seqs = np.concatenate([np.full((8, 1), bt.BOS), acts[:, :-1]], axis=1)    # one row per leaf
     hidden, _ = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(3), seqs.shape))

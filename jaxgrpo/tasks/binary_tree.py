@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.losses import finalize_terms
@@ -215,22 +216,22 @@ class TransformerPolicy:
         return GPT2Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
                           num_heads=self.num_heads, max_position_embeddings=max(self.depth, 1))
 
-    def _build(self, key):
-        from flax import nnx
-
-        from jaxgrpo.models import build_model
-        return nnx.split(build_model(self.model_config, rngs=nnx.Rngs(params=key)))
-
     def init(self, key):
-        return self._build(key)[1]
+        """The ``nnx.State`` of a freshly initialised model (GPT-2 init: N(0, 0.02²) weights)."""
+        from jaxgrpo.models import build_model
+        return nnx.split(build_model(self.model_config, rngs=nnx.Rngs(params=key)))[1]
 
     def num_params(self) -> int:
         state = jax.eval_shape(self.init, jax.random.key(0))
         return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
 
+    def graphdef(self):
+        """The model's ``nnx.GraphDef``, built abstractly once per policy configuration."""
+        return _graphdef(self)
+
     def leaf_logp(self, params):
         """``f32[2**depth, depth]`` from one forward over the ``2**(depth-1)`` distinct input rows."""
-        model = _merge(self._graphdef(), params)
+        model = nnx.merge(self.graphdef(), params)
         d = self.depth
         rows = leaf_actions(d)[::2, :-1]                                   # [2^(d-1), d-1]
         inputs = np.concatenate([np.full((rows.shape[0], 1), BOS, np.int32), rows], axis=1)
@@ -243,26 +244,12 @@ class TransformerPolicy:
         leaves = np.arange(2**d)
         return logp[(leaves >> 1)[:, None], np.arange(d)[None, :], acts]  # [2^d, d]
 
-    def _graphdef(self):
-        return _graphdef_cache(self)
 
-
-_GRAPHDEFS: dict = {}
-
-
-def _graphdef_cache(policy: TransformerPolicy):
-    if policy not in _GRAPHDEFS:
-        from flax import nnx
-
-        from jaxgrpo.models import build_model
-        abstract = nnx.eval_shape(lambda: build_model(policy.model_config, rngs=nnx.Rngs(0)))
-        _GRAPHDEFS[policy] = nnx.split(abstract)[0]
-    return _GRAPHDEFS[policy]
-
-
-def _merge(graphdef, state):
-    from flax import nnx
-    return nnx.merge(graphdef, state)
+@functools.cache
+def _graphdef(policy: TransformerPolicy):
+    from jaxgrpo.models import build_model
+    abstract = nnx.eval_shape(lambda: build_model(policy.model_config, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)[0]
 
 
 def make_policy(name: str, depth: int = 4, **overrides):
