@@ -23,7 +23,7 @@ started = distributed.initialize(f"127.0.0.1:{port}" if nproc > 1 else None, npr
 assert started == (nproc > 1)
 assert jax.process_count() == nproc and jax.device_count() == 4, (jax.process_count(), jax.device_count())
 mesh = shd.make_mesh("fsdp=2,tensor=2")
-model = tiny_model()
+model = tiny_model(layers=1)
 opt = optax.sgd(0.5, momentum=0.9)
 graphdef, state, shardings = train.init_train_state(model, opt, mesh)
 step = train.make_train_step(graphdef, opt, preset("lambda_grpo"), mesh=mesh, shardings=shardings,

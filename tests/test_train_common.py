@@ -17,16 +17,16 @@ ROOT = os.path.dirname(HERE)
 B, P, T, G = 16, 4, 12, 4
 
 
-def tiny_config():
+def tiny_config(layers=2):
   from jaxgrpo.models import Qwen3Config
-  return Qwen3Config(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+  return Qwen3Config(vocab_size=128, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=4, head_dim=8,
                      intermediate_size=64, tie_word_embeddings=True)
 
 
-def tiny_model(seed=0, cfg=None):
+def tiny_model(seed=0, cfg=None, layers=2):
   from flax import nnx
   from jaxgrpo.models import build_model
-  return build_model(cfg or tiny_config(), rngs=nnx.Rngs(seed))
+  return build_model(cfg or tiny_config(layers), rngs=nnx.Rngs(seed))
 
 
 def make_batch(seed=0, b=B, p=P, t=T, g=G, vocab_small=3):
