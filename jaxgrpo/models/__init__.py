@@ -1,6 +1,6 @@
 """Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX, and HF checkpoint I/O.
 
-See CONTRACT_MODELS.md / docs_models.md for the call contract.
+See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints).
 """
 from __future__ import annotations
 

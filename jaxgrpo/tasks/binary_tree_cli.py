@@ -27,7 +27,7 @@ from jaxgrpo.tasks import binary_tree as bt
 
 ALGO_LABELS = {"grpo": "GRPO", "lambda_grpo": "λ-GRPO", "frpo": "FRPO", "lambda_frpo": "λ-FRPO",
                "dr_grpo": "Dr.GRPO"}
-#: Defaults per policy, chosen by the study in docs_binary_tree.md (optimizer, learning rate).
+#: Defaults per policy, chosen by the study in docs/binary_tree.md (optimizer, learning rate).
 #: gpt2-small's (Adam 1e-5, the paper's learning rate) was not validated here (no accelerator).
 POLICY_DEFAULTS = {"gpt2": ("sgd", 0.02), "gpt2-small": ("adam", 1e-5), "tabular": ("sgd", 1.0)}
 EARLY_STEPS = 20
