@@ -60,7 +60,7 @@ def test_step_matches_handwritten_and_micro_batches_change_nothing(aggregation):
   name, overrides = CASES[aggregation]
   config = preset(name, **overrides)
   assert config.aggregation == aggregation
-  want, want_metrics = reference_update(tiny_model(), make_batch(), config, lr=LR, max_grad_norm=CLIP)
+  want, want_metrics, _ = reference_update(tiny_model(), make_batch(), config, lr=LR, max_grad_norm=CLIP)
   assert want_metrics["grad_norm"] > CLIP  # clipping is exercised
   one, m1, _ = _run(name, overrides, micro=1)
   four, m4, _ = _run(name, overrides, micro=4)
@@ -108,6 +108,40 @@ def test_mu_updates_equal_repeated_steps_and_no_recompile():
   for k in twice:
     np.testing.assert_allclose(once[k], twice[k], rtol=1e-6, atol=1e-7, err_msg=str(k))
   assert m_once["approx_kl"] > 0  # the second update sees ratios != 1
+
+
+@pytest.mark.slow
+def test_mini_batches_are_sequential_updates_on_strided_rows():
+  """M=2: two SGD updates, on rows 0,2,4,… then 1,3,5,… (advantages from the whole batch)."""
+  config = preset("lambda_grpo")
+  batch = make_batch()._replace(ref_logp=None)
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  model = tiny_model()
+  opt = optax.sgd(LR)
+  graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings,
+                               train_config=train.TrainConfig(mini_batches=2, max_grad_norm=CLIP, group_size=G,
+                                                              chunk_size=5, compiler_options=FAST_COMPILE))
+  state, _ = step(state, shd.place_batch(batch, mesh))
+  b = batch.completions.shape[0]
+  full = make_batch()  # the reference reads (and, for λ-GRPO, ignores) ref_logp
+  _, _, first = reference_update(model, full, config, lr=LR, max_grad_norm=CLIP, rows=np.arange(0, b, 2))
+  nnx.update(model, first)
+  want, _, _ = reference_update(model, full, config, lr=LR, max_grad_norm=CLIP, rows=np.arange(1, b, 2))
+  got = flat_params(state.params)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
+
+
+def test_batch_from_rollout():
+  from jaxgrpo.sampling import Rollout
+  src = make_batch()
+  rollout = Rollout(src.prompt_tokens, src.prompt_mask, src.completions, src.mask, src.old_logp, src.group_ids,
+                    np.int32(src.completions.shape[1]))
+  batch = train.Batch.from_rollout(rollout, src.rewards)
+  for name in ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", "group_ids", "rewards"):
+    np.testing.assert_array_equal(np.asarray(getattr(batch, name)), getattr(src, name), err_msg=name)
+  assert batch.ref_logp is None
 
 
 def test_reference_fn_matches_model_log_probs():

@@ -86,10 +86,13 @@ def ref_advantages(config, batch):
   return a.astype(np.float32)
 
 
-def reference_update(model, batch, config, *, lr, max_grad_norm):
+def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
   """Parameters after one plain SGD step on the full-batch loss, written out by hand.
 
-  Returns ``(new_params_flat {path: array}, metrics {name: float})``.
+  rows: optional row indices: the advantages and λ weights come from the whole batch, the loss (and
+  its denominator) from these rows only — one PPO mini-batch.
+
+  Returns ``(new_params_flat {path: array}, metrics {name: float}, new nnx.State)``.
   """
   import jax
   import jax.numpy as jnp
@@ -108,6 +111,10 @@ def reference_update(model, batch, config, *, lr, max_grad_norm):
   if config.process_weights:
     sizes = ref_lambda_sizes(np.asarray(batch.completions), np.asarray(batch.mask), np.asarray(batch.group_ids))
     w = jnp.asarray(np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0), jnp.float32)
+  if rows is not None:
+    rows = np.asarray(rows)
+    tokens, attn, m, old, ref, adv = (x[rows] for x in (tokens, attn, m, old, ref, adv))
+    w = None if w is None else w[rows]
   b, t = m.shape
   p = batch.prompt_tokens.shape[1]
 
@@ -153,7 +160,7 @@ def reference_update(model, batch, config, *, lr, max_grad_norm):
 
   new, metrics = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params)
   flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}
-  return flat, {k: float(v) for k, v in metrics.items()}
+  return flat, {k: float(v) for k, v in metrics.items()}, new
 
 
 def flat_params(params):
