@@ -188,6 +188,18 @@ def _resolve_root(path: str) -> tuple[str, int | None]:
     return path, None
 
 
+def _resolve_step(path: str, step: int | None) -> tuple[str, int]:
+    """``(checkpoint root, step)``: ``step``, else the step named by ``path``, else the latest complete."""
+    root, path_step = _resolve_root(path)
+    step = path_step if step is None else step
+    if step is None:
+        steps = complete_steps(root, log=None)
+        if not steps:
+            raise CheckpointError(f"no complete checkpoint in {root}")
+        step = steps[-1]
+    return root, step
+
+
 # ----------------------------------------------------------------------------- tree checks
 
 def _abstract(tree):
@@ -437,13 +449,7 @@ def restore_params(path: str, target, *, step: int | None = None, verify: bool =
       CheckpointError: no complete checkpoint, corrupt files, or a parameter tree that differs
         from ``target`` (names the entries).
     """
-    root, path_step = _resolve_root(path)
-    step = path_step if step is None else step
-    steps = complete_steps(root, log=None)
-    if step is None:
-        if not steps:
-            raise CheckpointError(f"no complete checkpoint in {root}")
-        step = steps[-1]
+    root, step = _resolve_step(path, step)
     step_path = os.path.join(root, str(step))
     if verify:
         verify_step(step_path)
@@ -475,13 +481,7 @@ def load_policy(path: str, *, step: int | None = None):
     from jaxgrpo import models
     from jaxgrpo.trainer import DTYPES
 
-    root, path_step = _resolve_root(path)
-    step = path_step if step is None else step
-    steps = complete_steps(root, log=None)
-    if step is None:
-        if not steps:
-            raise CheckpointError(f"no complete checkpoint in {root}")
-        step = steps[-1]
+    root, step = _resolve_step(path, step)
     with open(os.path.join(root, str(step), "meta", "metadata")) as f:
         cfg = json.load(f)["config"]
     if cfg is None:

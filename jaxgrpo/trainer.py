@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
@@ -425,7 +424,7 @@ class Trainer:
         """Samples ``prompts_per_step`` groups (refilled under dynamic sampling) → (Batch, metrics)."""
         cfg, g = self.config, self.config.group_size
         need = cfg.prompts_per_step
-        kept_rows, kept_rewards, kept_fns, counters = [], [], [], {}
+        kept_rows, counters = [], {}
         dropped = rounds = 0
         spare = []                                   # uninformative groups, used only when refill fails
         while need > 0:

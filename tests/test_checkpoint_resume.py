@@ -10,7 +10,6 @@ The runs share a persistent XLA compilation cache, so only the first run of each
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
