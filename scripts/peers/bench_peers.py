@@ -127,17 +127,30 @@ def main(argv=None):
   ap.add_argument("--model", default=os.path.join(ROOT, ".peers/model"))
   ap.add_argument("--timeout", type=float, default=3600)
   ap.add_argument("--out", default=os.path.join(ROOT, ".peers/out/peers_bench.md"))
+  ap.add_argument("--parallel", action="store_true",
+                  help="run the implementations of a task at the same time (on a machine shared with other "
+                       "jobs, they then see the same load; the first to finish frees CPU for the others)")
+  ap.add_argument("--summarise", nargs="*", metavar="JSONL", help="only tabulate earlier raw results")
   args = ap.parse_args(argv)
   impls = args.impls.split(",")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   raw = os.path.splitext(args.out)[0] + ".jsonl"
   results = []
-  for r in range(args.rounds):
+  if args.summarise:
+    for path in args.summarise:
+      with open(path) as f:
+        results += [json.loads(line) for line in f if line.strip()]
+  for r in range(0 if args.summarise else args.rounds):
     order = impls[r % len(impls):] + impls[:r % len(impls)]
     for task in args.tasks.split(","):
-      for impl in order:
-        res = run_one(impl, task, args.repeats, args.model, args.timeout)
-        res["round"] = r
+      if args.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(order)) as pool:
+          batch = list(pool.map(lambda i: run_one(i, task, args.repeats, args.model, args.timeout), order))
+      else:
+        batch = (run_one(impl, task, args.repeats, args.model, args.timeout) for impl in order)
+      for impl, res in zip(order, batch):
+        res["round"], res["parallel"] = r, args.parallel
         results.append(res)
         with open(raw, "a") as f:
           f.write(json.dumps(res) + "\n")
@@ -145,7 +158,7 @@ def main(argv=None):
             f"times {[round(t, 1) for t in res['times']]} s, warm-up {res['warmup_s']:.1f} s, RSS {res['peak_rss_gb']:.2f} GB"
         print(f"[round {r}] {impl:8s} {task:6s} {msg} (load {res['load_before']:.1f})", flush=True)
   s = summarise(results)
-  text = table(s, [r["load_before"] for r in results])
+  text = table(s, [r["load_before"] for r in results if "load_before" in r])
   print("\n" + text)
   with open(args.out, "w") as f:
     f.write(text + "\n")
