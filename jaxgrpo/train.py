@@ -443,21 +443,30 @@ def make_reference_fn(graphdef, *, mesh: Mesh, param_shardings, train_config: Tr
 
   ``ref_params`` has the policy's structure and shardings (e.g. a copy of the initial parameters).
   Only needed when the preset has β > 0 (``config.needs_reference``): GRPO's KL term in the loss or
-  FRPO's future-KL; skip it otherwise.
+  FRPO's future-KL; skip it otherwise. The rows are processed in ``train_config.micro_batches``
+  sequential micro-batches (``lax.map``), exactly as the train step splits them, so the reference
+  pass never holds more activations or logits chunks than one micro-batch of the step.
   """
   tc = TrainConfig() if train_config is None else train_config
   bsh = shd.batch_sharding(mesh, rules)
+  rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
+  k = tc.micro_batches
 
   def fn(params, batch):
     model = nnx.merge(graphdef, params)
-    logp, _ = completion_log_probs(model, batch.prompt_tokens, batch.prompt_mask, batch.completions,
-                                   batch.mask, temperature=tc.temperature, chunk_size=tc.chunk_size)
-    return logp
+    cols = (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)
+    cols = [jax.lax.with_sharding_constraint(_split_rows(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
+
+    def one(mb):
+      return completion_log_probs(model, *mb, temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
+
+    logp = jax.lax.map(one, tuple(cols))                                  # [K, R, T]
+    return jnp.moveaxis(logp, 0, 1).reshape(batch.completions.shape)      # inverse of _split_rows
 
   jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=_options(tc))
 
   def reference_log_probs(ref_params, batch: Batch):
-    shd.check_batch_divisible(np.shape(batch.completions)[0], mesh, rules)
+    shd.check_batch_divisible(np.shape(batch.completions)[0], mesh, rules, splits=k)
     return jitted(ref_params, batch._replace(ref_logp=None))
 
   return reference_log_probs

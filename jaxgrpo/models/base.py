@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.layers import KVCache, init_kv_cache
+from jaxgrpo.models.layers import KVCache, dense, init_kv_cache
 
 __all__ = ["CausalLM", "positions_from_mask"]
 
@@ -96,10 +96,10 @@ class CausalLM(nnx.Module):
     out_dtype = self.dtype if out_dtype is None else out_dtype
     if self.lm_head is None:
       w = self.embed_tokens[...].astype(self.dtype)
-      out = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+      out = dense(h, w, transpose_w=True, preferred_element_type=jnp.float32)
     else:
       w = self.lm_head[...].astype(self.dtype)
-      out = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+      out = dense(h, w, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxgrpo.models.base import CausalLM
 from jaxgrpo.models.config import GPT2Config
-from jaxgrpo.models.layers import Attention, LayerNorm, param
+from jaxgrpo.models.layers import Attention, LayerNorm, dense, param
 
 __all__ = ["GPT2Model"]
 
@@ -29,9 +29,9 @@ class GPT2MLP(nnx.Module):
     self.proj_bias = param(None, (D,), ("embed",), param_dtype, init="zeros")
 
   def __call__(self, x):
-    h = jnp.einsum("bsd,df->bsf", x, self.fc[...].astype(self.dtype)) + self.fc_bias[...].astype(self.dtype)
+    h = dense(x, self.fc[...].astype(self.dtype)) + self.fc_bias[...].astype(self.dtype)
     h = jax.nn.gelu(h, approximate=True)
-    return jnp.einsum("bsf,fd->bsd", h, self.proj[...].astype(self.dtype)) + self.proj_bias[...].astype(self.dtype)
+    return dense(h, self.proj[...].astype(self.dtype)) + self.proj_bias[...].astype(self.dtype)
 
 
 class GPT2Block(nnx.Module):

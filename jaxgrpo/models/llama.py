@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxgrpo.models.base import CausalLM
 from jaxgrpo.models.config import LlamaConfig
-from jaxgrpo.models.layers import Attention, RMSNorm, param
+from jaxgrpo.models.layers import Attention, RMSNorm, dense, param
 
 __all__ = ["LlamaModel"]
 
@@ -33,14 +33,14 @@ class SwiGLU(nnx.Module):
     else:
       self.gate_bias = self.up_bias = self.down_bias = None
 
-  def _mm(self, eq, x, w, b):
-    y = jnp.einsum(eq, x, w[...].astype(self.dtype))
+  def _mm(self, x, w, b):
+    y = dense(x, w[...].astype(self.dtype))
     return y if b is None else y + b[...].astype(self.dtype)
 
   def __call__(self, x):
-    g = self._mm("bsd,df->bsf", x, self.gate, self.gate_bias)
-    u = self._mm("bsd,df->bsf", x, self.up, self.up_bias)
-    return self._mm("bsf,fd->bsd", jax.nn.silu(g) * u, self.down, self.down_bias)
+    g = self._mm(x, self.gate, self.gate_bias)
+    u = self._mm(x, self.up, self.up_bias)
+    return self._mm(jax.nn.silu(g) * u, self.down, self.down_bias)
 
 
 class LlamaBlock(nnx.Module):

@@ -9,6 +9,7 @@ import time
 
 PROMPTS, PROMPT_LEN, SAMPLES, NEW_TOKENS, VOCAB = 16, 32, 8, 128, 32000
 BETA, LR, MICRO = 0.04, 1e-6, 64          # KL coefficient, AdamW learning rate, rows per micro-batch
+CHUNK = 32  # jaxgrpo's log-prob chunk: 64 rows × 32 positions = 2048 tokens of f32 logits (262 MB) at a time
 if os.environ.get("PEERS_SMOKE"):         # a seconds-long run of the same code paths (not a benchmark)
   PROMPTS, NEW_TOKENS, MICRO = 2, 8, 8
 

@@ -60,7 +60,7 @@ def main():
     mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
     opt = optax.adamw(common.LR)
     rows = common.PROMPTS * common.SAMPLES
-    tc = train.TrainConfig(micro_batches=rows // common.MICRO, chunk_size=128, group_size=common.SAMPLES,
+    tc = train.TrainConfig(micro_batches=rows // common.MICRO, chunk_size=common.CHUNK, group_size=common.SAMPLES,
                            entropy=False)
     graphdef, state, shardings = train.init_train_state(model, opt, mesh)
     step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
