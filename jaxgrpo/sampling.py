@@ -130,6 +130,14 @@ def _largest_passing_value(x: jax.Array, passes) -> jax.Array:
     return _from_ordered_uint32(lo)
 
 
+def _block_size(vocab: int) -> int:
+    """A block length near sqrt(V) for `sample_categorical`: the divisor of V closest to sqrt(V)
+    within a factor 2 (no padding copy of the [N, V] probabilities), else ceil(sqrt(V))."""
+    root = max(1, math.isqrt(vocab - 1) + 1)
+    divisors = [d for d in range(max(1, root // 2), 2 * root + 1) if vocab % d == 0]
+    return min(divisors, key=lambda d: abs(d - root)) if divisors else root
+
+
 def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """One draw per row from softmax(logits), by inverting the CDF with a single uniform per row.
 
@@ -151,10 +159,12 @@ def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
       int32[N].
     """
     n, vocab = logits.shape
-    block = max(1, math.isqrt(vocab - 1) + 1)  # ceil(sqrt(V))
+    block = _block_size(vocab)
     num_blocks = -(-vocab // block)
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [N, V], 0 where -inf
-    probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab))).reshape(n, num_blocks, block)
+    if num_blocks * block != vocab:
+        probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab)))
+    probs = probs.reshape(n, num_blocks, block)
     block_mass = jnp.sum(probs, axis=-1)  # [N, nb]
     cum = jnp.cumsum(block_mass, axis=-1)  # inclusive
     before = jnp.concatenate([jnp.zeros((n, 1), cum.dtype), cum[:, :-1]], axis=-1)  # exclusive

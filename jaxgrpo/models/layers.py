@@ -30,6 +30,17 @@ __all__ = [
 
 LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
 _NEG_INF = -1e30  # finite so that fully masked (padding) query rows give no NaN
+_SMALL_QUERY_ROWS = 8  # S·G at most this: attention by multiply-and-reduce instead of a batched dot
+
+
+def _f32_operands_on_cpu(*xs, preferred_element_type=None):
+  """XLA:CPU has no bf16 × bf16 → f32 kernel for some dot layouts ("Unsupported element type for
+  DotThunk"): there, operands asked to accumulate in float32 are upcast first. Exact (a product of
+  two bf16 numbers is exact in float32) and CPU-only; accelerators keep the low-precision matmul."""
+  if (preferred_element_type == jnp.float32 and jax.default_backend() == "cpu"
+      and any(x.dtype != jnp.float32 for x in xs)):
+    return tuple(x.astype(jnp.float32) for x in xs)
+  return xs
 
 
 def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = False,
@@ -53,6 +64,7 @@ def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = 
     raise ValueError(f"dense: x's last {contract} dims {c} do not match w's contracted dims {wc}")
   size = lambda dims: int(np.prod(dims, dtype=np.int64))
   x2 = x.reshape(size(lead), size(c))
+  x2, w = _f32_operands_on_cpu(x2, w, preferred_element_type=preferred_element_type)
   if transpose_w:
     y = jnp.einsum("tc,oc->to", x2, w.reshape(size(out), size(c)), preferred_element_type=preferred_element_type)
   else:
@@ -119,7 +131,10 @@ class LayerNorm(nnx.Module):
 class KVCache(NamedTuple):
   """Static-shape decoding cache (a pytree).
 
-  k, v: tuple over layers of [B, T, N, K] (compute dtype), T = max_len slots.
+  k: tuple over layers of [B, N, K, T] keys, v: tuple over layers of [B, N, T, K] values (compute
+  dtype), T = max_len slots. Keys are stored transposed because that is the operand layout XLA's
+  dot wants for ``q·kᵀ`` (and values for ``p·v``): with [B, T, N, K] it copied (transposed) the
+  whole cache of every layer at every decode step, ~20% of the sampler's time on CPU.
   valid: bool[B, T], True on slots holding a real (non-padding) token.
   index: int32 scalar, the next slot to write (same for every row; left-padding keeps rows aligned).
   """
@@ -140,9 +155,10 @@ def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: 
   for name, value in (("batch_size", batch_size), ("max_len", max_len)):
     if not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
-  shape = (batch_size, max_len, num_kv_heads, head_dim)
-  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+  k_shape = (batch_size, num_kv_heads, head_dim, max_len)
+  v_shape = (batch_size, num_kv_heads, max_len, head_dim)
+  return KVCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
+                 v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)),
                  valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
 
 
@@ -218,7 +234,7 @@ class Attention(nnx.Module):
 
     Without cache (``cache_kv`` None): causal attention among the S tokens, keys masked by
     ``attention_mask``. With cache: k/v of the new tokens are written at slots
-    ``[cache_index, cache_index+S)`` of ``cache_kv`` ([B,T,N,K] each) and query i attends to the
+    ``[cache_index, cache_index+S)`` of ``cache_kv`` (keys [B,N,K,T], values [B,N,T,K]) and query i attends to the
     slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
     Returns (y [B,S,D], new (k, v) or None).
     """
@@ -232,28 +248,45 @@ class Attention(nnx.Module):
     if self.inv_freq is not None:
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    G = H // N
+    # Decoding (a few query rows per kv head): the B·N tiny matmuls are slow as a batched dot on
+    # CPU (~4 ms per layer and step at B=128); a broadcast multiply-and-reduce over the cache's
+    # [B,N,K,T] keys / [B,N,T,K] values is one vectorised loop, accumulated in float32.
+    small = cache_kv is not None and S * G <= _SMALL_QUERY_ROWS
     if cache_kv is None:
-      keys, values = k, v
-      q_slot = jnp.arange(S)
-      k_slot = jnp.arange(S)
+      keys, values = k, v                                                      # [B,S,N,K]
+      q_slot = k_slot = jnp.arange(S)
       key_valid = attention_mask
       new_kv = None
     else:
       ck, cv = cache_kv
       zero = jnp.zeros((), jnp.int32)
-      keys = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, cache_index, zero, zero))
-      values = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, cache_index, zero, zero))
-      q_slot = cache_index + jnp.arange(S)
-      k_slot = jnp.arange(keys.shape[1])
-      key_valid = cache_valid
+      keys = jax.lax.dynamic_update_slice(ck, jnp.transpose(k, (0, 2, 3, 1)).astype(ck.dtype),
+                                          (zero, zero, zero, cache_index))     # [B,N,K,T]
+      values = jax.lax.dynamic_update_slice(cv, jnp.transpose(v, (0, 2, 1, 3)).astype(cv.dtype),
+                                            (zero, zero, cache_index, zero))   # [B,N,T,K]
       new_kv = (keys, values)
+      q_slot = cache_index + jnp.arange(S)
+      k_slot = jnp.arange(values.shape[2])
+      key_valid = cache_valid
+      if not small:  # prefill: once per generate call; [B,T,N,K] as in the uncached path
+        keys, values = jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
     mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]  # [B,S,T]
-    q = q.reshape(B, S, N, H // N, K)
-    scores = jnp.einsum("bsngk,btnk->bngst", q, keys.astype(self.dtype),
-                        preferred_element_type=jnp.float32) * (K ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    q = q.reshape(B, S, N, G, K)
+    f32 = lambda x: x.astype(jnp.float32)
+    if small:
+      qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))                               # [B,N,G,S,K]
+      scores = jnp.sum(qt[..., None] * f32(keys)[:, :, None, None], axis=-2)   # [B,N,G,S,T]
+    else:
+      scores = jnp.einsum("bsngk,btnk->bngst", *_f32_operands_on_cpu(q, keys.astype(self.dtype),
+                          preferred_element_type=jnp.float32), preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * (K ** -0.5), _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
+    if small:
+      out = jnp.sum(f32(probs)[..., None] * f32(values)[:, :, None, None], axis=-2).astype(self.dtype)
+      out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)            # [B,N,G,S,K] -> [B,S,H,K]
+    else:
+      out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
     y = dense(out, self.o[...].astype(self.dtype), contract=2)
     if self.o_bias is not None:
       y = y + self.o_bias[...].astype(self.dtype)
