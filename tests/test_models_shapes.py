@@ -125,3 +125,23 @@ def test_bad_call_arguments_raise_naming_them():
     call(lambda m: m.init_cache(2, 0))
   with pytest.raises(ValueError, match="n must"):
     models.repeat_cache(models.KVCache(k=(), v=(), valid=np.ones((1, 2), bool), index=np.int32(0)), 0)
+
+
+def test_dense_matches_numpy_and_names_the_mismatch():
+  """``dense`` flattens token dims into one 2-D matmul; compare with a float64 NumPy tensordot."""
+  import jax.numpy as jnp
+  from jaxgrpo.models.layers import dense
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 4, 5)).astype(np.float32)
+  w = rng.normal(size=(4, 5, 6)).astype(np.float32)        # contract the last two dims of x
+  want = np.tensordot(x.astype(np.float64), w.astype(np.float64), axes=2)
+  np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), jnp.asarray(w), contract=2)), want, rtol=1e-5, atol=1e-5)
+  wt = rng.normal(size=(7, 5)).astype(np.float32)          # [O, C]: the tied-embedding head
+  want_t = np.einsum("abcd,od->abco", x.astype(np.float64), wt.astype(np.float64))
+  got_t = dense(jnp.asarray(x), jnp.asarray(wt), transpose_w=True)
+  np.testing.assert_allclose(np.asarray(got_t), want_t, rtol=1e-5, atol=1e-5)
+  got_bf16 = dense(jnp.asarray(x, jnp.bfloat16), jnp.asarray(wt, jnp.bfloat16), transpose_w=True,
+                   preferred_element_type=jnp.float32)
+  assert got_bf16.dtype == jnp.float32 and got_bf16.shape == (2, 3, 4, 7)
+  with pytest.raises(ValueError, match=r"dense: x's last 1 dims \(5,\) do not match w's contracted dims \(4,\)"):
+    dense(jnp.asarray(x), jnp.asarray(w))

@@ -144,13 +144,16 @@ def test_batch_from_rollout():
   assert batch.ref_logp is None
 
 
-def test_reference_fn_matches_model_log_probs():
+@pytest.mark.parametrize("micro", [1, 4])
+def test_reference_fn_matches_model_log_probs(micro):
+  """Also in micro-batches: rows split over K sequential passes come back in their own order."""
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   model = tiny_model(seed=3)
   graphdef, state, shardings = train.init_train_state(model, optax.sgd(0.1), mesh)
-  ref_fn = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params,
-                                   train_config=train.TrainConfig(chunk_size=5, compiler_options=FAST_COMPILE))
+  tc = train.TrainConfig(chunk_size=5, micro_batches=micro, compiler_options=FAST_COMPILE)
+  ref_fn = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
   batch = make_batch()
+  assert batch.completions.shape[0] % micro == 0
   got = ref_fn(state.params, shd.place_batch(batch, mesh))
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], 1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], 1)
