@@ -145,3 +145,5 @@ def test_dense_matches_numpy_and_names_the_mismatch():
   assert got_bf16.dtype == jnp.float32 and got_bf16.shape == (2, 3, 4, 7)
   with pytest.raises(ValueError, match=r"dense: x's last 1 dims \(5,\) do not match w's contracted dims \(4,\)"):
     dense(jnp.asarray(x), jnp.asarray(w))
+  with pytest.raises(ValueError, match=r"dense: contract must be an int in \[1, min\(x.ndim, w.ndim\)\] = \[1, 3\]; got 4"):
+    dense(jnp.asarray(x), jnp.asarray(w), contract=4)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 __all__ = [
@@ -54,6 +55,9 @@ def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = 
   backward: ~0.5 s per SwiGLU layer at 10k tokens × 1536). With one contracting dim the dot takes
   its operands as they are; the SwiGLU forward+backward ran 1.5× faster (``BENCHMARKS.md``).
   """
+  if not isinstance(contract, int) or isinstance(contract, bool) or not 1 <= contract <= min(x.ndim, w.ndim):
+    raise ValueError(f"dense: contract must be an int in [1, min(x.ndim, w.ndim)] = [1, {min(x.ndim, w.ndim)}]; "
+                     f"got {contract!r} for x {x.shape}, w {w.shape}")
   lead = x.shape[:x.ndim - contract]
   c = x.shape[x.ndim - contract:]
   if transpose_w:
@@ -62,13 +66,12 @@ def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = 
     wc, out = w.shape[:contract], w.shape[contract:]
   if tuple(wc) != tuple(c):
     raise ValueError(f"dense: x's last {contract} dims {c} do not match w's contracted dims {wc}")
-  size = lambda dims: int(np.prod(dims, dtype=np.int64))
-  x2 = x.reshape(size(lead), size(c))
+  x2 = x.reshape(math.prod(lead), math.prod(c))
   x2, w = _f32_operands_on_cpu(x2, w, preferred_element_type=preferred_element_type)
   if transpose_w:
-    y = jnp.einsum("tc,oc->to", x2, w.reshape(size(out), size(c)), preferred_element_type=preferred_element_type)
+    y = jnp.einsum("tc,oc->to", x2, w.reshape(math.prod(out), math.prod(c)), preferred_element_type=preferred_element_type)
   else:
-    y = jnp.dot(x2, w.reshape(size(c), size(out)), preferred_element_type=preferred_element_type)
+    y = jnp.dot(x2, w.reshape(math.prod(c), math.prod(out)), preferred_element_type=preferred_element_type)
   return y.reshape(*lead, *out)
 
 
@@ -234,8 +237,8 @@ class Attention(nnx.Module):
 
     Without cache (``cache_kv`` None): causal attention among the S tokens, keys masked by
     ``attention_mask``. With cache: k/v of the new tokens are written at slots
-    ``[cache_index, cache_index+S)`` of ``cache_kv`` (keys [B,N,K,T], values [B,N,T,K]) and query i attends to the
-    slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
+    ``[cache_index, cache_index+S)`` of ``cache_kv`` (keys [B,N,K,T], values [B,N,T,K]) and query i
+    attends to the slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
     Returns (y [B,S,D], new (k, v) or None).
     """
     B, S, _ = x.shape
