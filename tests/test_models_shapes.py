@@ -147,3 +147,17 @@ def test_dense_matches_numpy_and_names_the_mismatch():
     dense(jnp.asarray(x), jnp.asarray(w))
   with pytest.raises(ValueError, match=r"dense: contract must be an int in \[1, min\(x.ndim, w.ndim\)\] = \[1, 3\]; got 4"):
     dense(jnp.asarray(x), jnp.asarray(w), contract=4)
+
+
+def test_bench_projections_smoke_and_decode_attention_agrees(capsys):
+  """The benchmark's two decode attentions (batched einsum vs multiply-and-reduce) agree."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_projections.py")
+  spec = importlib.util.spec_from_file_location("bench_projections", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  res = bench.main(["--rows", "2", "--tokens", "8", "--hidden", "16", "--intermediate", "32",
+                    "--decode-rows", "4", "--slots", "8", "--repeats", "1"])
+  assert res["decode_err"] < 1e-5 and min(res["mlp"]) > 0
+  assert "baseline / jaxgrpo" in capsys.readouterr().out
