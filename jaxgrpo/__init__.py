@@ -19,35 +19,67 @@ Re-exported from the larger subsystems (import the submodule for the rest):
   ``jaxgrpo.evaluation``, ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.distributed``,
   ``jaxgrpo.tasks.binary_tree``
 """
+
+from jaxgrpo import models, sampling, sharding, train  # noqa: E402  (subsystems, after the kernels)
 from jaxgrpo._version import __version__
 from jaxgrpo.advantages import group_advantages, group_baseline, rloo_advantages
 from jaxgrpo.config import PRESETS, GRPOConfig, preset
 from jaxgrpo.kl import frpo_advantages, future_kl, kl_penalty
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms, policy_loss, policy_loss_terms
-from jaxgrpo.objective import objective_terms, rollout_advantages
-from jaxgrpo.process_sets import (prefix_hashes, process_advantages, process_rewards,
-                                  process_set_sizes, process_tree_stats)
-from jaxgrpo import models, sampling, sharding, train  # noqa: E402  (subsystems, after the kernels)
 from jaxgrpo.models import build_model, load_hf, log_probs, save_hf
+from jaxgrpo.objective import objective_terms, rollout_advantages
+from jaxgrpo.process_sets import (
+  prefix_hashes,
+  process_advantages,
+  process_rewards,
+  process_set_sizes,
+  process_tree_stats,
+)
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.sharding import make_mesh
 from jaxgrpo.train import TrainConfig, TrainState, make_train_step
 
 __all__ = [
-    "__version__",
-    # advantages
-    "group_advantages", "group_baseline", "rloo_advantages",
-    # process sets (λ-GRPO)
-    "prefix_hashes", "process_set_sizes", "process_rewards", "process_advantages",
-    "process_tree_stats",
-    # KL and FRPO
-    "kl_penalty", "future_kl", "frpo_advantages",
-    # losses
-    "policy_loss", "policy_loss_terms", "combine_terms", "finalize_terms", "LossTerms",
-    # configuration
-    "GRPOConfig", "preset", "PRESETS", "rollout_advantages", "objective_terms",
-    # models, sampling, the train step
-    "models", "sampling", "sharding", "train",
-    "build_model", "load_hf", "save_hf", "log_probs", "generate", "Rollout",
-    "make_mesh", "make_train_step", "TrainConfig", "TrainState",
+  "__version__",
+  # advantages
+  "group_advantages",
+  "group_baseline",
+  "rloo_advantages",
+  # process sets (λ-GRPO)
+  "prefix_hashes",
+  "process_set_sizes",
+  "process_rewards",
+  "process_advantages",
+  "process_tree_stats",
+  # KL and FRPO
+  "kl_penalty",
+  "future_kl",
+  "frpo_advantages",
+  # losses
+  "policy_loss",
+  "policy_loss_terms",
+  "combine_terms",
+  "finalize_terms",
+  "LossTerms",
+  # configuration
+  "GRPOConfig",
+  "preset",
+  "PRESETS",
+  "rollout_advantages",
+  "objective_terms",
+  # models, sampling, the train step
+  "models",
+  "sampling",
+  "sharding",
+  "train",
+  "build_model",
+  "load_hf",
+  "save_hf",
+  "log_probs",
+  "generate",
+  "Rollout",
+  "make_mesh",
+  "make_train_step",
+  "TrainConfig",
+  "TrainState",
 ]

@@ -12,6 +12,7 @@ preset             what it is
 ``lambda_frpo``    FRPO advantages with λ-GRPO's ``1/|λ|`` token weights (no paper has run it)
 =================  ==========================================================================
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,87 +27,88 @@ KL_PLACEMENTS = ("loss", "future")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
-    """The objective of one GRPO-family algorithm. Validated on construction.
+  """The objective of one GRPO-family algorithm. Validated on construction.
 
-    Attributes:
-      name: label (the preset's name, or "custom").
-      advantage_scale: ``"group"`` (a_i = (r_i - mean_g)/(std_g + eps)), ``"none"`` (Dr.GRPO) or
-        ``"batch"`` (std over the batch). See ``group_advantages``.
-      std_ddof: ddof of the std (0 = population std, FRPO; TRL and the λ-GRPO code use 1).
-      std_eps: eps added to the std (verl/Tunix 1e-6, TRL 1e-4).
-      process_weights: λ-GRPO — multiply each token term by ``1/|λ(i,t)|``.
-      beta: β, the KL coefficient (0 disables the reference model entirely).
-      kl_estimator: the KL estimator D: for ``kl_placement="loss"`` one of k1, k2, k3, forward_k3;
-        for ``"future"`` one of k1, k3, forward_k3.
-      kl_placement: ``"loss"`` (GRPO: ``+β·D(i,t)`` per token in the loss) or ``"future"`` (FRPO:
-        ``Â = sg(a_i - β·future_kl)`` in the advantage, no KL loss term).
-      clip_eps_low, clip_eps_high: ε_low, ε_high of the ratio clip.
-      dual_clip: c of the dual clip for negative advantages (None: off).
-      num_iterations: μ, policy updates per rollout batch (PPO-style; ratios differ from 1 when > 1).
-      aggregation: loss aggregation mode (see ``policy_loss``).
-      max_tokens: constant of ``seq-mean-token-sum-norm`` (None: the padded completion length).
-      dynamic_sampling: DAPO — drop groups whose rewards are all equal and refill (trainer).
-    """
-    name: str = "custom"
-    advantage_scale: str = "group"
-    std_ddof: int = 0
-    std_eps: float = 1e-6
-    process_weights: bool = False
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    kl_placement: str = "loss"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: float | None = None
-    num_iterations: int = 1
-    aggregation: str = "token-mean"
-    max_tokens: int | None = None
-    dynamic_sampling: bool = False
+  Attributes:
+    name: label (the preset's name, or "custom").
+    advantage_scale: ``"group"`` (a_i = (r_i - mean_g)/(std_g + eps)), ``"none"`` (Dr.GRPO) or
+      ``"batch"`` (std over the batch). See ``group_advantages``.
+    std_ddof: ddof of the std (0 = population std, FRPO; TRL and the λ-GRPO code use 1).
+    std_eps: eps added to the std (verl/Tunix 1e-6, TRL 1e-4).
+    process_weights: λ-GRPO — multiply each token term by ``1/|λ(i,t)|``.
+    beta: β, the KL coefficient (0 disables the reference model entirely).
+    kl_estimator: the KL estimator D: for ``kl_placement="loss"`` one of k1, k2, k3, forward_k3;
+      for ``"future"`` one of k1, k3, forward_k3.
+    kl_placement: ``"loss"`` (GRPO: ``+β·D(i,t)`` per token in the loss) or ``"future"`` (FRPO:
+      ``Â = sg(a_i - β·future_kl)`` in the advantage, no KL loss term).
+    clip_eps_low, clip_eps_high: ε_low, ε_high of the ratio clip.
+    dual_clip: c of the dual clip for negative advantages (None: off).
+    num_iterations: μ, policy updates per rollout batch (PPO-style; ratios differ from 1 when > 1).
+    aggregation: loss aggregation mode (see ``policy_loss``).
+    max_tokens: constant of ``seq-mean-token-sum-norm`` (None: the padded completion length).
+    dynamic_sampling: DAPO — drop groups whose rewards are all equal and refill (trainer).
+  """
 
-    def __post_init__(self):
-        _checks.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
-        _checks.check_choice(self.kl_placement, KL_PLACEMENTS, "kl_placement")
-        kinds = KL_KINDS if self.kl_placement == "loss" else FUTURE_KL_KINDS
-        _checks.check_choice(self.kl_estimator, kinds, "kl_estimator")
-        _checks.check_choice(self.aggregation, AGGREGATIONS, "aggregation")
-        if self.beta < 0:
-            raise ValueError(f"`beta` must be >= 0; got {self.beta}")
-        if self.std_ddof < 0 or self.std_eps < 0:
-            raise ValueError(f"`std_ddof` and `std_eps` must be >= 0; got {self.std_ddof}, {self.std_eps}")
-        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-            raise ValueError(f"clip ranges must be >= 0; got {self.clip_eps_low}, {self.clip_eps_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"`dual_clip` must be > 1 or None; got {self.dual_clip}")
-        if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
-            raise ValueError(f"`num_iterations` (μ) must be an int >= 1; got {self.num_iterations!r}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"`max_tokens` must be >= 1 or None; got {self.max_tokens}")
+  name: str = "custom"
+  advantage_scale: str = "group"
+  std_ddof: int = 0
+  std_eps: float = 1e-6
+  process_weights: bool = False
+  beta: float = 0.0
+  kl_estimator: str = "k3"
+  kl_placement: str = "loss"
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  dual_clip: float | None = None
+  num_iterations: int = 1
+  aggregation: str = "token-mean"
+  max_tokens: int | None = None
+  dynamic_sampling: bool = False
 
-    @property
-    def needs_reference(self) -> bool:
-        """Whether reference-model log-probs are needed (β > 0)."""
-        return self.beta > 0
+  def __post_init__(self):
+    _checks.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
+    _checks.check_choice(self.kl_placement, KL_PLACEMENTS, "kl_placement")
+    kinds = KL_KINDS if self.kl_placement == "loss" else FUTURE_KL_KINDS
+    _checks.check_choice(self.kl_estimator, kinds, "kl_estimator")
+    _checks.check_choice(self.aggregation, AGGREGATIONS, "aggregation")
+    if self.beta < 0:
+      raise ValueError(f"`beta` must be >= 0; got {self.beta}")
+    if self.std_ddof < 0 or self.std_eps < 0:
+      raise ValueError(f"`std_ddof` and `std_eps` must be >= 0; got {self.std_ddof}, {self.std_eps}")
+    if self.clip_eps_low < 0 or self.clip_eps_high < 0:
+      raise ValueError(f"clip ranges must be >= 0; got {self.clip_eps_low}, {self.clip_eps_high}")
+    if self.dual_clip is not None and self.dual_clip <= 1:
+      raise ValueError(f"`dual_clip` must be > 1 or None; got {self.dual_clip}")
+    if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
+      raise ValueError(f"`num_iterations` (μ) must be an int >= 1; got {self.num_iterations!r}")
+    if self.max_tokens is not None and self.max_tokens < 1:
+      raise ValueError(f"`max_tokens` must be >= 1 or None; got {self.max_tokens}")
 
-    def replace(self, **changes) -> "GRPOConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+  @property
+  def needs_reference(self) -> bool:
+    """Whether reference-model log-probs are needed (β > 0)."""
+    return self.beta > 0
+
+  def replace(self, **changes) -> "GRPOConfig":
+    """A copy with some fields changed (validated again)."""
+    return dataclasses.replace(self, **changes)
 
 
 PRESETS: dict[str, dict] = {
-    "grpo": dict(),
-    "dr_grpo": dict(advantage_scale="none", aggregation="seq-mean-token-sum-norm"),
-    "dapo": dict(clip_eps_high=0.28, dynamic_sampling=True),
-    "lambda_grpo": dict(process_weights=True),
-    "frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1"),
-    "lambda_frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1", process_weights=True),
+  "grpo": dict(),
+  "dr_grpo": dict(advantage_scale="none", aggregation="seq-mean-token-sum-norm"),
+  "dapo": dict(clip_eps_high=0.28, dynamic_sampling=True),
+  "lambda_grpo": dict(process_weights=True),
+  "frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1"),
+  "lambda_frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1", process_weights=True),
 }
 
 
 def preset(name: str, **overrides) -> GRPOConfig:
-    """The named preset (see the module table), with optional field overrides.
+  """The named preset (see the module table), with optional field overrides.
 
-    >>> preset("lambda_grpo", beta=0.04).process_weights
-    True
-    """
-    _checks.check_choice(name, tuple(PRESETS), "preset name")
-    return GRPOConfig(name=name, **{**PRESETS[name], **overrides})
+  >>> preset("lambda_grpo", beta=0.04).process_weights
+  True
+  """
+  _checks.check_choice(name, tuple(PRESETS), "preset name")
+  return GRPOConfig(name=name, **{**PRESETS[name], **overrides})

@@ -10,6 +10,7 @@ rows of the batch (:func:`jaxgrpo.sharding.process_batch_rows` and
   set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
 - CPU processes communicate through gloo (the default here), which is how the tests run it.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,9 +43,15 @@ def cluster_detected() -> str | None:
   return None
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, local_device_ids=None, cpu_collectives: str = "gloo",
-               initialization_timeout: int = 300) -> bool:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  local_device_ids=None,
+  cpu_collectives: str = "gloo",
+  initialization_timeout: int = 300,
+) -> bool:
   """Start JAX's distributed runtime when this is a multi-process run.
 
   Args:
@@ -72,8 +79,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if any(v is not None for v in explicit.values()):
     missing = [k for k, v in explicit.items() if v is None]
     if missing and cluster_detected() is None:
-      raise ValueError(f"distributed.initialize: {', '.join(missing)} missing; give coordinator_address "
-                       f"('host:port'), num_processes and process_id together (flags or {', '.join(_ENV)})")
+      raise ValueError(
+        f"distributed.initialize: {', '.join(missing)} missing; give coordinator_address "
+        f"('host:port'), num_processes and process_id together (flags or {', '.join(_ENV)})"
+      )
     if address is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", address):
       raise ValueError(f"coordinator_address must be 'host:port'; got {address!r}")
     if n is not None and (not isinstance(n, int) or n < 1):
@@ -83,8 +92,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if n == 1:
       return False
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(address, n, pid, local_device_ids=local_device_ids,
-                               initialization_timeout=initialization_timeout)
+    jax.distributed.initialize(
+      address, n, pid, local_device_ids=local_device_ids, initialization_timeout=initialization_timeout
+    )
     return True
   if cluster_detected() is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)

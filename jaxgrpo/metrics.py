@@ -13,6 +13,7 @@ and one per evaluation (``{"step", "eval_accuracy", ...}``) and writes them to `
 :func:`truncate_jsonl` drops records written after the checkpoint a run resumes from, so a resumed
 ``metrics.jsonl`` reads like an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,148 +28,162 @@ _BAR_FIELDS = (("reward_mean", "reward"), ("kl", "kl"), ("tokens_per_sec", "tok/
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Records of a metrics.jsonl; a final line cut short by a crash is skipped."""
-    out = []
-    if not os.path.exists(path):
-        return out
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                break
+  """Records of a metrics.jsonl; a final line cut short by a crash is skipped."""
+  out = []
+  if not os.path.exists(path):
     return out
+  with open(path) as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except ValueError:
+        break
+  return out
 
 
 def truncate_jsonl(path: str, last_step: int) -> int:
-    """Keeps the records of ``path`` with ``step <= last_step`` (and drops a partial last line);
-    rewrites the file atomically. Returns the number of records dropped."""
-    if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        lines = f.readlines()
-    keep, dropped = [], 0
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            dropped += 1
-            continue
-        if int(rec.get("step", 0)) <= last_step:
-            keep.append(json.dumps(rec) + "\n")
-        else:
-            dropped += 1
-    if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
-    return dropped
+  """Keeps the records of ``path`` with ``step <= last_step`` (and drops a partial last line);
+  rewrites the file atomically. Returns the number of records dropped."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = f.readlines()
+  keep, dropped = [], 0
+  for line in lines:
+    try:
+      rec = json.loads(line)
+    except ValueError:
+      dropped += 1
+      continue
+    if int(rec.get("step", 0)) <= last_step:
+      keep.append(json.dumps(rec) + "\n")
+    else:
+      dropped += 1
+  if dropped:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(keep)
+    os.replace(tmp, path)
+  return dropped
 
 
 def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, numbers.Real)
-            and not isinstance(v, bool) and math.isfinite(float(v))}
+  return {
+    k: float(v)
+    for k, v in record.items()
+    if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v))
+  }
 
 
 class MetricsLogger:
-    """Fans trainer records out to a progress bar, TensorBoard and (optionally) Weights & Biases.
+  """Fans trainer records out to a progress bar, TensorBoard and (optionally) Weights & Biases.
 
-    Args:
-      out: run directory (TensorBoard files go to ``out/tensorboard``).
-      total_steps: the run's ``steps`` (progress bar total).
-      start_step: the step the run starts or resumes from.
-      progress: show a tqdm progress bar.
-      tensorboard: write TensorBoard event files (needs ``tensorboardX``; ImportError with the
-        install hint when asked for and missing).
-      wandb_project: a W&B project name to log to (None: no W&B). Needs ``wandb``.
-      config: the run config (dict) recorded by W&B / TensorBoard.
-      is_main: log on this host (default: ``jax.process_index() == 0``).
-    """
+  Args:
+    out: run directory (TensorBoard files go to ``out/tensorboard``).
+    total_steps: the run's ``steps`` (progress bar total).
+    start_step: the step the run starts or resumes from.
+    progress: show a tqdm progress bar.
+    tensorboard: write TensorBoard event files (needs ``tensorboardX``; ImportError with the
+      install hint when asked for and missing).
+    wandb_project: a W&B project name to log to (None: no W&B). Needs ``wandb``.
+    config: the run config (dict) recorded by W&B / TensorBoard.
+    is_main: log on this host (default: ``jax.process_index() == 0``).
+  """
 
-    def __init__(self, out: str, *, total_steps: int, start_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True, wandb_project: str | None = None,
-                 config: Mapping[str, Any] | None = None, is_main: bool | None = None):
-        if is_main is None:
-            import jax
-            is_main = jax.process_index() == 0
-        self.is_main = is_main
-        self.bar = self.tb = self.wandb_run = None
-        if not is_main:
-            return
-        if progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError as e:
-                raise ImportError("TensorBoard logging needs tensorboardX: pip install 'jaxgrpo[logging]'") from e
-            # purge_step: events from a crashed run's steps after the resumed checkpoint are dropped
-            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1 if start_step else None)
-            if config is not None:
-                self.tb.add_text("config", "```\n" + json.dumps(dict(config), indent=1) + "\n```", 0)
-        if wandb_project:
-            try:
-                import wandb
-            except ImportError as e:
-                raise ImportError("Weights & Biases logging needs wandb: pip install 'jaxgrpo[logging]'") from e
-            self.wandb_run = wandb.init(project=wandb_project, config=dict(config or {}), dir=out,
-                                        resume="allow", id=_wandb_id(out))
+  def __init__(
+    self,
+    out: str,
+    *,
+    total_steps: int,
+    start_step: int = 0,
+    progress: bool = True,
+    tensorboard: bool = True,
+    wandb_project: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    is_main: bool | None = None,
+  ):
+    if is_main is None:
+      import jax
 
-    def write(self, message: str) -> None:
-        """A text line that does not break the progress bar."""
-        if not self.is_main:
-            return
-        if self.bar is not None:
-            self.bar.write(message)
-        else:
-            print(message, flush=True)
+      is_main = jax.process_index() == 0
+    self.is_main = is_main
+    self.bar = self.tb = self.wandb_run = None
+    if not is_main:
+      return
+    if progress:
+      from tqdm import tqdm
 
-    def __call__(self, record: Mapping[str, Any]) -> None:
-        if not self.is_main:
-            return
-        step = int(record.get("step", 0))
-        scalars = _scalars(record)
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(scalars, step=step)
-        if self.bar is not None and "loss" in record:   # a training step (eval records carry no loss)
-            self.bar.n = step
-            self.bar.set_postfix({name: f"{record[k]:.3g}" for k, name in _BAR_FIELDS if k in record},
-                                 refresh=False)
-            self.bar.refresh()
+      self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError as e:
+        raise ImportError("TensorBoard logging needs tensorboardX: pip install 'jaxgrpo[logging]'") from e
+      # purge_step: events from a crashed run's steps after the resumed checkpoint are dropped
+      self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+      if config is not None:
+        self.tb.add_text("config", "```\n" + json.dumps(dict(config), indent=1) + "\n```", 0)
+    if wandb_project:
+      try:
+        import wandb
+      except ImportError as e:
+        raise ImportError("Weights & Biases logging needs wandb: pip install 'jaxgrpo[logging]'") from e
+      self.wandb_run = wandb.init(
+        project=wandb_project, config=dict(config or {}), dir=out, resume="allow", id=_wandb_id(out)
+      )
 
-    def close(self) -> None:
-        """Closes the progress bar and flushes/finishes TensorBoard and W&B."""
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-        self.bar = self.tb = self.wandb_run = None
+  def write(self, message: str) -> None:
+    """A text line that does not break the progress bar."""
+    if not self.is_main:
+      return
+    if self.bar is not None:
+      self.bar.write(message)
+    else:
+      print(message, flush=True)
 
-    def __enter__(self):
-        return self
+  def __call__(self, record: Mapping[str, Any]) -> None:
+    if not self.is_main:
+      return
+    step = int(record.get("step", 0))
+    scalars = _scalars(record)
+    if self.tb is not None:
+      for k, v in scalars.items():
+        self.tb.add_scalar(k, v, step)
+      self.tb.flush()
+    if self.wandb_run is not None:
+      self.wandb_run.log(scalars, step=step)
+    if self.bar is not None and "loss" in record:  # a training step (eval records carry no loss)
+      self.bar.n = step
+      self.bar.set_postfix({name: f"{record[k]:.3g}" for k, name in _BAR_FIELDS if k in record}, refresh=False)
+      self.bar.refresh()
 
-    def __exit__(self, *exc):
-        self.close()
+  def close(self) -> None:
+    """Closes the progress bar and flushes/finishes TensorBoard and W&B."""
+    if self.bar is not None:
+      self.bar.close()
+    if self.tb is not None:
+      self.tb.close()
+    if self.wandb_run is not None:
+      self.wandb_run.finish()
+    self.bar = self.tb = self.wandb_run = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
 
 def _wandb_id(out: str) -> str:
-    """A stable W&B run id per output directory, so a resumed run continues the same W&B run."""
-    path = os.path.join(out, "wandb_run_id")
-    if os.path.exists(path):
-        with open(path) as f:
-            return f.read().strip()
-    import uuid
-    rid = uuid.uuid4().hex[:12]
-    os.makedirs(out, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(rid)
-    return rid
+  """A stable W&B run id per output directory, so a resumed run continues the same W&B run."""
+  path = os.path.join(out, "wandb_run_id")
+  if os.path.exists(path):
+    with open(path) as f:
+      return f.read().strip()
+  import uuid
 
+  rid = uuid.uuid4().hex[:12]
+  os.makedirs(out, exist_ok=True)
+  with open(path, "w") as f:
+    f.write(rid)
+  return rid

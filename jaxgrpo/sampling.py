@@ -13,6 +13,7 @@ at the same temperature: log_softmax(logits / temperature) over the *full* vocab
 whatever top-k/top-p filtering was used to draw the token. The train step therefore sees
 `old_log_probs == log_probs(params_at_sampling_time)` up to float32 rounding.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,330 +32,344 @@ __all__ = ["Rollout", "generate", "filter_logits", "sample_categorical"]
 
 
 class Rollout(NamedTuple):
-    """The output of `generate`. Row `b*G + g` is sample g of prompt b (N = B*G rows).
+  """The output of `generate`. Row `b*G + g` is sample g of prompt b (N = B*G rows).
 
-    Attributes:
-      prompt_tokens: int32[N, P] — the prompt of each row (prompt b repeated G times), left-padded.
-      prompt_mask: bool[N, P] — True on real prompt tokens (False on the left padding).
-      completions: int32[N, T] — sampled tokens, right-padded with `pad_id` after the end.
-      mask: bool[N, T] — True on real completion tokens: every token up to and including the first
-        EOS (when one was sampled), all T tokens otherwise. `mask[:, t]` implies `mask[:, t-1]`.
-      log_probs: float32[N, T] — log π(token_t | prompt, tokens_<t) under the temperature-scaled
-        full softmax (see `generate`); 0 where `mask` is False.
-      group_ids: int32[N] — `b` for row `b*G + g` (which prompt the row belongs to).
-      num_steps: int32[] — how many token positions the decode loop produced (≤ T; smaller when
-        every row hit EOS early). Columns ≥ num_steps are padding in every row.
-    """
+  Attributes:
+    prompt_tokens: int32[N, P] — the prompt of each row (prompt b repeated G times), left-padded.
+    prompt_mask: bool[N, P] — True on real prompt tokens (False on the left padding).
+    completions: int32[N, T] — sampled tokens, right-padded with `pad_id` after the end.
+    mask: bool[N, T] — True on real completion tokens: every token up to and including the first
+      EOS (when one was sampled), all T tokens otherwise. `mask[:, t]` implies `mask[:, t-1]`.
+    log_probs: float32[N, T] — log π(token_t | prompt, tokens_<t) under the temperature-scaled
+      full softmax (see `generate`); 0 where `mask` is False.
+    group_ids: int32[N] — `b` for row `b*G + g` (which prompt the row belongs to).
+    num_steps: int32[] — how many token positions the decode loop produced (≤ T; smaller when
+      every row hit EOS early). Columns ≥ num_steps are padding in every row.
+  """
 
-    prompt_tokens: jax.Array
-    prompt_mask: jax.Array
-    completions: jax.Array
-    mask: jax.Array
-    log_probs: jax.Array
-    group_ids: jax.Array
-    num_steps: jax.Array
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completions: jax.Array
+  mask: jax.Array
+  log_probs: jax.Array
+  group_ids: jax.Array
+  num_steps: jax.Array
 
 
 def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """Top-k then top-p (nucleus) filtering: removed tokens get -inf, kept ones keep their value.
+  """Top-k then top-p (nucleus) filtering: removed tokens get -inf, kept ones keep their value.
 
-    Applied to already temperature-scaled logits, in this order (as in transformers' sampling):
-      1. top_k > 0: keep tokens whose logit is >= the k-th largest logit (ties at the k-th value are
-         all kept); top_k = 0 keeps everything; top_k >= V keeps everything.
-      2. top_p < 1: with p = softmax(logits after step 1), sorted descending, keep the smallest
-         prefix whose total probability is >= top_p — i.e. token i of the sorted order is kept iff
-         sum_{j<i} p_j < top_p (so the most likely token is always kept) — plus every token tied
-         with the last kept logit.
+  Applied to already temperature-scaled logits, in this order (as in transformers' sampling):
+    1. top_k > 0: keep tokens whose logit is >= the k-th largest logit (ties at the k-th value are
+       all kept); top_k = 0 keeps everything; top_k >= V keeps everything.
+    2. top_p < 1: with p = softmax(logits after step 1), sorted descending, keep the smallest
+       prefix whose total probability is >= top_p — i.e. token i of the sorted order is kept iff
+       sum_{j<i} p_j < top_p (so the most likely token is always kept) — plus every token tied
+       with the last kept logit.
 
-    Both thresholds are found without sorting (XLA's CPU sort of a [128, 32000] array takes seconds):
-    a 32-step bisection over the order-preserving uint32 images of the float32 logits finds the
-    largest logit c with count(logits >= c) >= top_k, resp. mass(logits >= c) >= top_p; c is a
-    logit of the row, and exactly the smallest kept one of the definitions above. Cost: 32 passes
-    over [..., V] per filter.
+  Both thresholds are found without sorting (XLA's CPU sort of a [128, 32000] array takes seconds):
+  a 32-step bisection over the order-preserving uint32 images of the float32 logits finds the
+  largest logit c with count(logits >= c) >= top_k, resp. mass(logits >= c) >= top_p; c is a
+  logit of the row, and exactly the smallest kept one of the definitions above. Cost: 32 passes
+  over [..., V] per filter.
 
-    Args:
-      logits: float[..., V] (computed in float32).
-      top_k: int >= 0 (static).
-      top_p: float in (0, 1] (static).
+  Args:
+    logits: float[..., V] (computed in float32).
+    top_k: int >= 0 (static).
+    top_p: float in (0, 1] (static).
 
-    Returns:
-      float32[..., V]: the logits with removed entries set to -inf.
-    """
-    _check_top_k(top_k)
-    _check_top_p(top_p)
-    logits = jnp.asarray(logits, jnp.float32)
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        # Float counts: a float where-sum vectorises on CPU, an int/bool count does not (~4x slower).
-        threshold = _largest_passing_value(
-            logits, lambda v: jnp.sum(jnp.where(logits >= v, 1.0, 0.0), -1, keepdims=True) >= top_k)
-        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-    if top_p < 1.0:
-        probs = jax.nn.softmax(logits, axis=-1)
-        threshold = _largest_passing_value(
-            logits, lambda v: jnp.sum(jnp.where(logits >= v, probs, 0.0), -1, keepdims=True) >= top_p)
-        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-    return logits
+  Returns:
+    float32[..., V]: the logits with removed entries set to -inf.
+  """
+  _check_top_k(top_k)
+  _check_top_p(top_p)
+  logits = jnp.asarray(logits, jnp.float32)
+  vocab = logits.shape[-1]
+  if 0 < top_k < vocab:
+    # Float counts: a float where-sum vectorises on CPU, an int/bool count does not (~4x slower).
+    threshold = _largest_passing_value(
+      logits, lambda v: jnp.sum(jnp.where(logits >= v, 1.0, 0.0), -1, keepdims=True) >= top_k
+    )
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+  if top_p < 1.0:
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = _largest_passing_value(
+      logits, lambda v: jnp.sum(jnp.where(logits >= v, probs, 0.0), -1, keepdims=True) >= top_p
+    )
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+  return logits
 
 
 def _to_ordered_uint32(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (x < y iff key(x) < key(y)), for non-NaN x."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+  """float32 -> uint32 with the same order (x < y iff key(x) < key(y)), for non-NaN x."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
 def _from_ordered_uint32(key: jax.Array) -> jax.Array:
-    """Inverse of `_to_ordered_uint32` (keys between those of -inf and +inf are non-NaN floats)."""
-    bits = jnp.where(key >> 31 == 1, key ^ jnp.uint32(0x80000000), ~key)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+  """Inverse of `_to_ordered_uint32` (keys between those of -inf and +inf are non-NaN floats)."""
+  bits = jnp.where(key >> 31 == 1, key ^ jnp.uint32(0x80000000), ~key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _largest_passing_value(x: jax.Array, passes) -> jax.Array:
-    """Largest float32 v in [min(x), max(x)] (per row, [..., 1]) with passes(v) True.
+  """Largest float32 v in [min(x), max(x)] (per row, [..., 1]) with passes(v) True.
 
-    `passes` must be monotone (True up to some v*, False above) and True at min(x); when v* is
-    where a count or mass over {x >= v} drops, v* is an element of x. Bisection over the ordered
-    uint32 images of the floats: 32 steps cover every float exactly.
-    """
-    lo = _to_ordered_uint32(jnp.min(x, axis=-1, keepdims=True))
-    hi = _to_ordered_uint32(jnp.max(x, axis=-1, keepdims=True))
+  `passes` must be monotone (True up to some v*, False above) and True at min(x); when v* is
+  where a count or mass over {x >= v} drops, v* is an element of x. Bisection over the ordered
+  uint32 images of the floats: 32 steps cover every float exactly.
+  """
+  lo = _to_ordered_uint32(jnp.min(x, axis=-1, keepdims=True))
+  hi = _to_ordered_uint32(jnp.max(x, axis=-1, keepdims=True))
 
-    def step(_, bounds):
-        lo, hi = bounds
-        gap = hi - lo
-        mid = lo + (gap >> 1) + (gap & 1)  # ceil((lo + hi) / 2) without overflow
-        ok = passes(_from_ordered_uint32(mid))
-        return jnp.where(ok, mid, lo), jnp.where(ok | (mid == lo), hi, mid - 1)
+  def step(_, bounds):
+    lo, hi = bounds
+    gap = hi - lo
+    mid = lo + (gap >> 1) + (gap & 1)  # ceil((lo + hi) / 2) without overflow
+    ok = passes(_from_ordered_uint32(mid))
+    return jnp.where(ok, mid, lo), jnp.where(ok | (mid == lo), hi, mid - 1)
 
-    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
-    return _from_ordered_uint32(lo)
+  lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+  return _from_ordered_uint32(lo)
 
 
 def _block_size(vocab: int) -> int:
-    """A block length near sqrt(V) for `sample_categorical`: the divisor of V closest to sqrt(V)
-    within a factor 2 (no padding copy of the [N, V] probabilities), else ceil(sqrt(V))."""
-    root = max(1, math.isqrt(vocab - 1) + 1)
-    divisors = [d for d in range(max(1, root // 2), 2 * root + 1) if vocab % d == 0]
-    return min(divisors, key=lambda d: abs(d - root)) if divisors else root
+  """A block length near sqrt(V) for `sample_categorical`: the divisor of V closest to sqrt(V)
+  within a factor 2 (no padding copy of the [N, V] probabilities), else ceil(sqrt(V))."""
+  root = max(1, math.isqrt(vocab - 1) + 1)
+  divisors = [d for d in range(max(1, root // 2), 2 * root + 1) if vocab % d == 0]
+  return min(divisors, key=lambda d: abs(d - root)) if divisors else root
 
 
 def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """One draw per row from softmax(logits), by inverting the CDF with a single uniform per row.
+  """One draw per row from softmax(logits), by inverting the CDF with a single uniform per row.
 
-    Equivalent in distribution to `jax.random.categorical(key, logits)` (entries at -inf are never
-    drawn), but it needs N random numbers instead of N*V Gumbel draws, which dominate a decode
-    step on CPU (N=128, V=32000: ~200 ms of threefry vs ~10 ms here). The vocabulary is cut into
-    ~sqrt(V) blocks: the block is found from the cumulative block masses, then the token within
-    the block from the block's own cumulative mass, so every cumulative sum is short (float32
-    rounding ~1e-7 relative; XLA's CPU cumsum is also slow on long axes). With u ~ U[0, 1) and
-    target = (1 - u) * total in (0, total], the first index whose cumulative mass reaches the
-    target always has positive probability. Resolution: probabilities below ~1e-7 of the row's
-    mass are not reproduced exactly (as with the float32 Gumbel sampler).
+  Equivalent in distribution to `jax.random.categorical(key, logits)` (entries at -inf are never
+  drawn), but it needs N random numbers instead of N*V Gumbel draws, which dominate a decode
+  step on CPU (N=128, V=32000: ~200 ms of threefry vs ~10 ms here). The vocabulary is cut into
+  ~sqrt(V) blocks: the block is found from the cumulative block masses, then the token within
+  the block from the block's own cumulative mass, so every cumulative sum is short (float32
+  rounding ~1e-7 relative; XLA's CPU cumsum is also slow on long axes). With u ~ U[0, 1) and
+  target = (1 - u) * total in (0, total], the first index whose cumulative mass reaches the
+  target always has positive probability. Resolution: probabilities below ~1e-7 of the row's
+  mass are not reproduced exactly (as with the float32 Gumbel sampler).
 
-    Args:
-      key: a PRNG key.
-      logits: float32[N, V], unnormalised; -inf for impossible tokens (at least one finite per row).
+  Args:
+    key: a PRNG key.
+    logits: float32[N, V], unnormalised; -inf for impossible tokens (at least one finite per row).
 
-    Returns:
-      int32[N].
-    """
-    n, vocab = logits.shape
-    block = _block_size(vocab)
-    num_blocks = -(-vocab // block)
-    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [N, V], 0 where -inf
-    if num_blocks * block != vocab:
-        probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab)))
-    probs = probs.reshape(n, num_blocks, block)
-    block_mass = jnp.sum(probs, axis=-1)  # [N, nb]
-    cum = jnp.cumsum(block_mass, axis=-1)  # inclusive
-    before = jnp.concatenate([jnp.zeros((n, 1), cum.dtype), cum[:, :-1]], axis=-1)  # exclusive
-    u = jax.random.uniform(key, (n,), jnp.float32)  # [0, 1)
-    target = (1.0 - u) * cum[:, -1]  # (0, total]
-    b = jnp.minimum(jnp.sum(cum < target[:, None], axis=-1), num_blocks - 1)  # [N]
-    take = lambda x: jnp.take_along_axis(x, b[:, None], axis=-1)[:, 0]
-    # Position of the target inside block b, as a fraction of the block's mass: U(0, 1] given b.
-    frac = jnp.clip((target - take(before)) / take(block_mass), 0.0, 1.0)
-    inner = jnp.take_along_axis(probs, b[:, None, None], axis=1)[:, 0]  # [N, block]
-    inner_cum = jnp.cumsum(inner, axis=-1)
-    inner_target = jnp.maximum(frac * inner_cum[:, -1], jnp.finfo(jnp.float32).tiny)
-    j = jnp.minimum(jnp.sum(inner_cum < inner_target[:, None], axis=-1), block - 1)
-    return (b * block + j).astype(jnp.int32)
+  Returns:
+    int32[N].
+  """
+  n, vocab = logits.shape
+  block = _block_size(vocab)
+  num_blocks = -(-vocab // block)
+  probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [N, V], 0 where -inf
+  if num_blocks * block != vocab:
+    probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab)))
+  probs = probs.reshape(n, num_blocks, block)
+  block_mass = jnp.sum(probs, axis=-1)  # [N, nb]
+  cum = jnp.cumsum(block_mass, axis=-1)  # inclusive
+  before = jnp.concatenate([jnp.zeros((n, 1), cum.dtype), cum[:, :-1]], axis=-1)  # exclusive
+  u = jax.random.uniform(key, (n,), jnp.float32)  # [0, 1)
+  target = (1.0 - u) * cum[:, -1]  # (0, total]
+  b = jnp.minimum(jnp.sum(cum < target[:, None], axis=-1), num_blocks - 1)  # [N]
+  take = lambda x: jnp.take_along_axis(x, b[:, None], axis=-1)[:, 0]
+  # Position of the target inside block b, as a fraction of the block's mass: U(0, 1] given b.
+  frac = jnp.clip((target - take(before)) / take(block_mass), 0.0, 1.0)
+  inner = jnp.take_along_axis(probs, b[:, None, None], axis=1)[:, 0]  # [N, block]
+  inner_cum = jnp.cumsum(inner, axis=-1)
+  inner_target = jnp.maximum(frac * inner_cum[:, -1], jnp.finfo(jnp.float32).tiny)
+  j = jnp.minimum(jnp.sum(inner_cum < inner_target[:, None], axis=-1), block - 1)
+  return (b * block + j).astype(jnp.int32)
 
 
 def generate(
-    model: nnx.Module,
-    prompt_tokens: jax.Array,
-    prompt_mask: jax.Array,
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_ids: Sequence[int] = (),
-    pad_id: int,
-    key: jax.Array,
+  model: nnx.Module,
+  prompt_tokens: jax.Array,
+  prompt_mask: jax.Array,
+  *,
+  num_samples: int,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  eos_ids: Sequence[int] = (),
+  pad_id: int,
+  key: jax.Array,
 ) -> Rollout:
-    """Samples `num_samples` completions per prompt with a KV cache, in one jitted program.
+  """Samples `num_samples` completions per prompt with a KV cache, in one jitted program.
 
-    Each prompt is prefilled once (B rows) and its cache shared by its G samples (`repeat_cache`).
-    The decode loop is a `lax.while_loop` producing one token per row per step; it stops once
-    every row has finished (sampled one of `eos_ids`, or reached `max_new_tokens`).
+  Each prompt is prefilled once (B rows) and its cache shared by its G samples (`repeat_cache`).
+  The decode loop is a `lax.while_loop` producing one token per row per step; it stops once
+  every row has finished (sampled one of `eos_ids`, or reached `max_new_tokens`).
 
-    Token t of a row is drawn from
-      * temperature > 0: softmax(filter_logits(logits_t / temperature, top_k, top_p)), with
-        `sample_categorical` (one uniform per row) and the key `fold_in(key, t)`;
-      * temperature == 0: argmax(logits_t) (greedy; top_k/top_p are irrelevant).
-    Its log-prob is log_softmax(logits_t / temperature)[token] in float32 over the full vocabulary
-    (not the filtered distribution: this is what the train step recomputes with
-    `jaxgrpo.models.log_probs(..., temperature=temperature)`). With temperature == 0 the log-probs
-    are those of the unscaled softmax, log_softmax(logits_t)[token] (temperature 1).
+  Token t of a row is drawn from
+    * temperature > 0: softmax(filter_logits(logits_t / temperature, top_k, top_p)), with
+      `sample_categorical` (one uniform per row) and the key `fold_in(key, t)`;
+    * temperature == 0: argmax(logits_t) (greedy; top_k/top_p are irrelevant).
+  Its log-prob is log_softmax(logits_t / temperature)[token] in float32 over the full vocabulary
+  (not the filtered distribution: this is what the train step recomputes with
+  `jaxgrpo.models.log_probs(..., temperature=temperature)`). With temperature == 0 the log-probs
+  are those of the unscaled softmax, log_softmax(logits_t)[token] (temperature 1).
 
-    Positions follow the contract: prompt token i of a row is at position cumsum(mask)[i] - 1, and
-    completion token t at position (number of real prompt tokens) + t.
+  Positions follow the contract: prompt token i of a row is at position cumsum(mask)[i] - 1, and
+  completion token t at position (number of real prompt tokens) + t.
 
-    Args:
-      model: a `jaxgrpo.models` decoder (any family).
-      prompt_tokens: int[B, P], left-padded prompts (B >= 1, P >= 1).
-      prompt_mask: bool[B, P], True on real tokens; each row is False...False True...True with at
-        least one True.
-      num_samples: G >= 1, samples per prompt.
-      max_new_tokens: T >= 1, completion length budget.
-      temperature: >= 0 (0 = greedy).
-      top_p: nucleus mass in (0, 1] (1 = off).
-      top_k: >= 0 (0 = off).
-      eos_ids: token ids that end a completion (included in the completion and its mask). Empty:
-        every completion has exactly T tokens.
-      pad_id: id written after the end of each completion.
-      key: a PRNG key (typed `jax.random.key` or raw uint32[2]); same key => same rollout.
+  Args:
+    model: a `jaxgrpo.models` decoder (any family).
+    prompt_tokens: int[B, P], left-padded prompts (B >= 1, P >= 1).
+    prompt_mask: bool[B, P], True on real tokens; each row is False...False True...True with at
+      least one True.
+    num_samples: G >= 1, samples per prompt.
+    max_new_tokens: T >= 1, completion length budget.
+    temperature: >= 0 (0 = greedy).
+    top_p: nucleus mass in (0, 1] (1 = off).
+    top_k: >= 0 (0 = off).
+    eos_ids: token ids that end a completion (included in the completion and its mask). Empty:
+      every completion has exactly T tokens.
+    pad_id: id written after the end of each completion.
+    key: a PRNG key (typed `jax.random.key` or raw uint32[2]); same key => same rollout.
 
-    Returns:
-      A `Rollout` with N = B*G rows; row b*G + g is sample g of prompt b.
-    """
-    prompt_tokens, prompt_mask = _check_prompts(prompt_tokens, prompt_mask)
-    num_samples = _check_int("num_samples", num_samples, minimum=1)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=1)
-    temperature = _check_temperature(temperature)
-    top_p = _check_top_p(top_p)
-    top_k = _check_top_k(top_k)
-    vocab_size = model.config.vocab_size
-    eos_ids = _check_eos_ids(eos_ids, vocab_size)
-    pad_id = _check_int("pad_id", pad_id, minimum=0)
-    key = _check_key(key)
-    total_len = prompt_tokens.shape[1] + max_new_tokens
-    max_positions = model.config.max_position_embeddings
-    if total_len > max_positions:
-        raise ValueError(
-            f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} = {total_len} "
-            f"exceeds the model's max_position_embeddings {max_positions}"
-        )
-    graphdef, state = nnx.split(model)
-    return _generate_jit(
-        graphdef,
-        state,
-        prompt_tokens,
-        prompt_mask,
-        key,
-        num_samples=num_samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        eos_ids=eos_ids,
-        pad_id=pad_id,
+  Returns:
+    A `Rollout` with N = B*G rows; row b*G + g is sample g of prompt b.
+  """
+  prompt_tokens, prompt_mask = _check_prompts(prompt_tokens, prompt_mask)
+  num_samples = _check_int("num_samples", num_samples, minimum=1)
+  max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=1)
+  temperature = _check_temperature(temperature)
+  top_p = _check_top_p(top_p)
+  top_k = _check_top_k(top_k)
+  vocab_size = model.config.vocab_size
+  eos_ids = _check_eos_ids(eos_ids, vocab_size)
+  pad_id = _check_int("pad_id", pad_id, minimum=0)
+  key = _check_key(key)
+  total_len = prompt_tokens.shape[1] + max_new_tokens
+  max_positions = model.config.max_position_embeddings
+  if total_len > max_positions:
+    raise ValueError(
+      f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} = {total_len} "
+      f"exceeds the model's max_position_embeddings {max_positions}"
     )
+  graphdef, state = nnx.split(model)
+  return _generate_jit(
+    graphdef,
+    state,
+    prompt_tokens,
+    prompt_mask,
+    key,
+    num_samples=num_samples,
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    eos_ids=eos_ids,
+    pad_id=pad_id,
+  )
 
 
 @functools.partial(
-    jax.jit,
-    static_argnums=(0,),
-    static_argnames=("num_samples", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids",
-                     "pad_id"),
+  jax.jit,
+  static_argnums=(0,),
+  static_argnames=("num_samples", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "pad_id"),
 )
-def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens,
-                  temperature, top_p, top_k, eos_ids, pad_id) -> Rollout:
-    model = nnx.merge(graphdef, state)
-    batch, prompt_len = prompt_tokens.shape
-    n_rows = batch * num_samples
+def _generate_jit(
+  graphdef,
+  state,
+  prompt_tokens,
+  prompt_mask,
+  key,
+  *,
+  num_samples,
+  max_new_tokens,
+  temperature,
+  top_p,
+  top_k,
+  eos_ids,
+  pad_id,
+) -> Rollout:
+  model = nnx.merge(graphdef, state)
+  batch, prompt_len = prompt_tokens.shape
+  n_rows = batch * num_samples
 
-    # Prefill: B rows, once per prompt. The last prompt column is real (left padding), so its
-    # hidden state gives the logits of the first completion token.
-    positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)  # [B, P]
-    # The last sampled token is never fed back, so P + T - 1 slots suffice.
-    cache = model.init_cache(batch, prompt_len + max_new_tokens - 1)
-    hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
-    first_logits = model.logits(hidden[:, -1], out_dtype=jnp.float32)  # [B, V]
-    cache = _models.repeat_cache(cache, num_samples)  # [N, ...]
-    first_logits = jnp.repeat(first_logits, num_samples, axis=0)  # [N, V]
-    # Position of completion token 0 in every row.
-    start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
+  # Prefill: B rows, once per prompt. The last prompt column is real (left padding), so its
+  # hidden state gives the logits of the first completion token.
+  positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)  # [B, P]
+  # The last sampled token is never fed back, so P + T - 1 slots suffice.
+  cache = model.init_cache(batch, prompt_len + max_new_tokens - 1)
+  hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
+  first_logits = model.logits(hidden[:, -1], out_dtype=jnp.float32)  # [B, V]
+  cache = _models.repeat_cache(cache, num_samples)  # [N, ...]
+  first_logits = jnp.repeat(first_logits, num_samples, axis=0)  # [N, V]
+  # Position of completion token 0 in every row.
+  start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
 
-    eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
+  eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
 
-    def sample(t, logits):
-        """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N])."""
-        if temperature == 0.0:
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            scaled = logits
-        else:
-            scaled = logits / temperature
-            filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
-            token = sample_categorical(jax.random.fold_in(key, t), filtered)
-        chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
-        return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
+  def sample(t, logits):
+    """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N])."""
+    if temperature == 0.0:
+      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      scaled = logits
+    else:
+      scaled = logits / temperature
+      filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
+      token = sample_categorical(jax.random.fold_in(key, t), filtered)
+    chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
-    def record(t, logits, carry):
-        """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
-        tokens, logps, lengths, done = carry
-        token, logp = sample(t, logits)
-        token = jnp.where(done, pad_id, token)
-        logp = jnp.where(done, 0.0, logp)
-        tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
-        logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
-        lengths = lengths + (~done).astype(jnp.int32)
-        if eos is not None:
-            done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
-        return tokens, logps, lengths, done, token
+  def record(t, logits, carry):
+    """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
+    tokens, logps, lengths, done = carry
+    token, logp = sample(t, logits)
+    token = jnp.where(done, pad_id, token)
+    logp = jnp.where(done, 0.0, logp)
+    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
+    logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
+    lengths = lengths + (~done).astype(jnp.int32)
+    if eos is not None:
+      done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
+    return tokens, logps, lengths, done, token
 
-    buffers = (
-        jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens
-        jnp.zeros((n_rows, max_new_tokens), jnp.float32),  # log-probs
-        jnp.zeros((n_rows,), jnp.int32),  # lengths (real tokens so far)
-        jnp.zeros((n_rows,), bool),  # done
+  buffers = (
+    jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens
+    jnp.zeros((n_rows, max_new_tokens), jnp.float32),  # log-probs
+    jnp.zeros((n_rows,), jnp.int32),  # lengths (real tokens so far)
+    jnp.zeros((n_rows,), bool),  # done
+  )
+  *buffers, last_token = record(0, first_logits, buffers)
+
+  def cond(loop_carry):
+    t, _, _, buffers = loop_carry
+    return (t < max_new_tokens) & ~jnp.all(buffers[3])
+
+  def body(loop_carry):
+    t, cache, last_token, buffers = loop_carry
+    done = buffers[3]
+    # Feed token t-1 (at position start + t - 1) to get the logits of token t.
+    hidden, cache = model(
+      last_token[:, None],
+      (start_pos + t - 1)[:, None],
+      attention_mask=~done[:, None],
+      cache=cache,
     )
-    *buffers, last_token = record(0, first_logits, buffers)
+    logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)  # [N, V]
+    *buffers, last_token = record(t, logits, buffers)
+    return t + 1, cache, last_token, tuple(buffers)
 
-    def cond(loop_carry):
-        t, _, _, buffers = loop_carry
-        return (t < max_new_tokens) & ~jnp.all(buffers[3])
-
-    def body(loop_carry):
-        t, cache, last_token, buffers = loop_carry
-        done = buffers[3]
-        # Feed token t-1 (at position start + t - 1) to get the logits of token t.
-        hidden, cache = model(
-            last_token[:, None],
-            (start_pos + t - 1)[:, None],
-            attention_mask=~done[:, None],
-            cache=cache,
-        )
-        logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)  # [N, V]
-        *buffers, last_token = record(t, logits, buffers)
-        return t + 1, cache, last_token, tuple(buffers)
-
-    num_steps, _, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
-    )
-    mask = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :] < lengths[:, None]  # [N, T]
-    return Rollout(
-        prompt_tokens=jnp.repeat(prompt_tokens, num_samples, axis=0),
-        prompt_mask=jnp.repeat(prompt_mask, num_samples, axis=0),
-        completions=tokens,
-        mask=mask,
-        log_probs=logps,
-        group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), num_samples),
-        num_steps=num_steps,
-    )
+  num_steps, _, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
+    cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
+  )
+  mask = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :] < lengths[:, None]  # [N, T]
+  return Rollout(
+    prompt_tokens=jnp.repeat(prompt_tokens, num_samples, axis=0),
+    prompt_mask=jnp.repeat(prompt_mask, num_samples, axis=0),
+    completions=tokens,
+    mask=mask,
+    log_probs=logps,
+    group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), num_samples),
+    num_steps=num_steps,
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,93 +377,87 @@ def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, num_sampl
 
 
 def _check_int(name: str, value, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+  return int(value)
 
 
 def _check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise ValueError(f"temperature must be a Python float, got {temperature!r}")
-    temperature = float(temperature)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    return temperature
+  if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+    raise ValueError(f"temperature must be a Python float, got {temperature!r}")
+  temperature = float(temperature)
+  if not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+  return temperature
 
 
 def _check_top_p(top_p) -> float:
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
-        raise ValueError(f"top_p must be a Python float in (0, 1], got {top_p!r}")
-    top_p = float(top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filtering), got {top_p}")
-    return top_p
+  if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+    raise ValueError(f"top_p must be a Python float in (0, 1], got {top_p!r}")
+  top_p = float(top_p)
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filtering), got {top_p}")
+  return top_p
 
 
 def _check_top_k(top_k) -> int:
-    return _check_int("top_k", top_k, minimum=0)
+  return _check_int("top_k", top_k, minimum=0)
 
 
 def _check_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
-    if isinstance(eos_ids, numbers.Integral) and not isinstance(eos_ids, bool):
-        eos_ids = (eos_ids,)
-    try:
-        ids = tuple(eos_ids)
-    except TypeError:
-        raise ValueError(f"eos_ids must be a sequence of token ids, got {eos_ids!r}") from None
-    out = []
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size:
-            raise ValueError(f"eos_ids must hold ints in [0, vocab_size={vocab_size}), got {ids!r}")
-        out.append(int(i))
-    return tuple(out)
+  if isinstance(eos_ids, numbers.Integral) and not isinstance(eos_ids, bool):
+    eos_ids = (eos_ids,)
+  try:
+    ids = tuple(eos_ids)
+  except TypeError:
+    raise ValueError(f"eos_ids must be a sequence of token ids, got {eos_ids!r}") from None
+  out = []
+  for i in ids:
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size:
+      raise ValueError(f"eos_ids must hold ints in [0, vocab_size={vocab_size}), got {ids!r}")
+    out.append(int(i))
+  return tuple(out)
 
 
 def _check_key(key) -> jax.Array:
-    key = jnp.asarray(key)
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape != ():
-            raise ValueError(f"key must be a single PRNG key, got a key array of shape {key.shape}")
-    elif key.dtype != jnp.uint32 or key.shape != (2,):
-        raise ValueError(
-            f"key must be a jax.random.key(...) or a raw uint32[2] PRNGKey, got {key.dtype}{list(key.shape)}"
-        )
-    return key
+  key = jnp.asarray(key)
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"key must be a single PRNG key, got a key array of shape {key.shape}")
+  elif key.dtype != jnp.uint32 or key.shape != (2,):
+    raise ValueError(f"key must be a jax.random.key(...) or a raw uint32[2] PRNGKey, got {key.dtype}{list(key.shape)}")
+  return key
 
 
 def _check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
-    prompt_tokens = jnp.asarray(prompt_tokens)
-    prompt_mask = jnp.asarray(prompt_mask)
-    if prompt_tokens.ndim != 2:
-        raise ValueError(f"prompt_tokens must be int[B, P], got shape {prompt_tokens.shape}")
-    if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-        raise ValueError(f"prompt_tokens must have an integer dtype, got {prompt_tokens.dtype}")
-    if prompt_mask.shape != prompt_tokens.shape:
-        raise ValueError(
-            f"prompt_mask must have the shape of prompt_tokens {prompt_tokens.shape}, got "
-            f"{prompt_mask.shape}"
-        )
-    if prompt_mask.dtype != jnp.bool_:
-        raise ValueError(f"prompt_mask must be bool, got {prompt_mask.dtype}")
-    if 0 in prompt_tokens.shape:
-        raise ValueError(f"prompt_tokens must be non-empty, got shape {prompt_tokens.shape}")
-    try:
-        mask_np = np.asarray(prompt_mask)
-    except jax.errors.TracerArrayConversionError:
-        mask_np = None  # traced (generate called under jit): values unknown, skip value checks
-    if mask_np is not None:
-        if not mask_np[:, -1].all():
-            bad = np.flatnonzero(~mask_np[:, -1])
-            raise ValueError(
-                f"prompt_mask must be left-padded with at least one real token per row (last column "
-                f"True); rows {bad.tolist()} are not"
-            )
-        if (mask_np[:, 1:] < mask_np[:, :-1]).any():
-            bad = np.flatnonzero((mask_np[:, 1:] < mask_np[:, :-1]).any(axis=1))
-            raise ValueError(
-                f"prompt_mask must be left-padded (False...False True...True); rows {bad.tolist()} "
-                "have a False after a True"
-            )
-    return prompt_tokens.astype(jnp.int32), prompt_mask
+  prompt_tokens = jnp.asarray(prompt_tokens)
+  prompt_mask = jnp.asarray(prompt_mask)
+  if prompt_tokens.ndim != 2:
+    raise ValueError(f"prompt_tokens must be int[B, P], got shape {prompt_tokens.shape}")
+  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
+    raise ValueError(f"prompt_tokens must have an integer dtype, got {prompt_tokens.dtype}")
+  if prompt_mask.shape != prompt_tokens.shape:
+    raise ValueError(f"prompt_mask must have the shape of prompt_tokens {prompt_tokens.shape}, got {prompt_mask.shape}")
+  if prompt_mask.dtype != jnp.bool_:
+    raise ValueError(f"prompt_mask must be bool, got {prompt_mask.dtype}")
+  if 0 in prompt_tokens.shape:
+    raise ValueError(f"prompt_tokens must be non-empty, got shape {prompt_tokens.shape}")
+  try:
+    mask_np = np.asarray(prompt_mask)
+  except jax.errors.TracerArrayConversionError:
+    mask_np = None  # traced (generate called under jit): values unknown, skip value checks
+  if mask_np is not None:
+    if not mask_np[:, -1].all():
+      bad = np.flatnonzero(~mask_np[:, -1])
+      raise ValueError(
+        f"prompt_mask must be left-padded with at least one real token per row (last column "
+        f"True); rows {bad.tolist()} are not"
+      )
+    if (mask_np[:, 1:] < mask_np[:, :-1]).any():
+      bad = np.flatnonzero((mask_np[:, 1:] < mask_np[:, :-1]).any(axis=1))
+      raise ValueError(
+        f"prompt_mask must be left-padded (False...False True...True); rows {bad.tolist()} have a False after a True"
+      )
+  return prompt_tokens.astype(jnp.int32), prompt_mask

@@ -26,6 +26,7 @@ logical axis   mesh axis            which arrays
 Nothing is replicated silently: a dimension that does not divide its mesh axes raises ``ValueError``
 naming the parameter (or batch field), the axis and the sizes.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,32 +39,32 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
-    "BATCH_AXES",
-    "DEFAULT_RULES",
-    "MESH_AXES",
-    "batch_sharding",
-    "check_batch_divisible",
-    "logical_to_spec",
-    "make_mesh",
-    "parse_mesh_spec",
-    "place_batch",
-    "process_batch_rows",
-    "shard_tree",
-    "tree_shardings",
+  "BATCH_AXES",
+  "DEFAULT_RULES",
+  "MESH_AXES",
+  "batch_sharding",
+  "check_batch_divisible",
+  "logical_to_spec",
+  "make_mesh",
+  "parse_mesh_spec",
+  "place_batch",
+  "process_batch_rows",
+  "shard_tree",
+  "tree_shardings",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": BATCH_AXES,
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "mlp": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "norm": None,
+  "batch": BATCH_AXES,
+  "vocab": "tensor",
+  "embed": "fsdp",
+  "mlp": "tensor",
+  "heads": "tensor",
+  "kv_heads": "tensor",
+  "head_dim": None,
+  "norm": None,
 }
 
 
@@ -80,8 +81,10 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
     for part in spec.split(","):
       m = re.fullmatch(r"\s*(\w+)\s*=\s*(-?\d+)\s*", part)
       if not m:
-        raise ValueError(f"mesh spec {spec!r}: expected comma-separated axis=size pairs such as "
-                         f"'data=2,fsdp=2,tensor=2'; could not parse {part!r}")
+        raise ValueError(
+          f"mesh spec {spec!r}: expected comma-separated axis=size pairs such as "
+          f"'data=2,fsdp=2,tensor=2'; could not parse {part!r}"
+        )
       items.append((m.group(1), int(m.group(2))))
   elif isinstance(spec, Mapping):
     items = [(str(k), v) for k, v in spec.items()]
@@ -96,8 +99,9 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
       raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
     seen.add(name)
     if not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
-      raise ValueError(f"mesh spec {spec!r}: axis {name!r} must have size >= 1 (or -1: the remaining "
-                       f"devices); got {size!r}")
+      raise ValueError(
+        f"mesh spec {spec!r}: axis {name!r} must have size >= 1 (or -1: the remaining devices); got {size!r}"
+      )
     sizes[name] = int(size)
   if sum(s == -1 for s in sizes.values()) > 1:
     raise ValueError(f"mesh spec {spec!r}: at most one axis may be -1")
@@ -123,9 +127,11 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices=None) -> M
     sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
   shape = tuple(sizes[a] for a in MESH_AXES)
   if math.prod(shape) != n:
-    raise ValueError(f"mesh spec {spec!r} has {math.prod(shape)} devices "
-                     f"({' x '.join(f'{a}={s}' for a, s in zip(MESH_AXES, shape))}) but there are {n} "
-                     f"devices; the mesh must use every device (set one axis to -1 to fill)")
+    raise ValueError(
+      f"mesh spec {spec!r} has {math.prod(shape)} devices "
+      f"({' x '.join(f'{a}={s}' for a, s in zip(MESH_AXES, shape))}) but there are {n} "
+      f"devices; the mesh must use every device (set one axis to -1 to fill)"
+    )
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
@@ -135,8 +141,13 @@ def _mesh_axes(rule) -> tuple[str, ...]:
   return (rule,) if isinstance(rule, str) else tuple(rule)
 
 
-def logical_to_spec(axes: tuple[str | None, ...], mesh: Mesh, rules: Mapping[str, Any],
-                    shape: tuple[int, ...] | None = None, name: str = "") -> PartitionSpec:
+def logical_to_spec(
+  axes: tuple[str | None, ...],
+  mesh: Mesh,
+  rules: Mapping[str, Any],
+  shape: tuple[int, ...] | None = None,
+  name: str = "",
+) -> PartitionSpec:
   """PartitionSpec for logical ``axes`` under ``rules`` (logical name → mesh axis, tuple of mesh axes,
   or None).
 
@@ -153,8 +164,10 @@ def logical_to_spec(axes: tuple[str | None, ...], mesh: Mesh, rules: Mapping[str
       used.add(m)
     size = math.prod(mesh.shape[m] for m in ms)
     if ms and shape is not None and shape[i] % size:
-      raise ValueError(f"{name}: dim {i} ({a!r}, size {shape[i]}) is not divisible by mesh axis "
-                       f"{'×'.join(map(repr, ms))} of size {size}; change the mesh or the rules")
+      raise ValueError(
+        f"{name}: dim {i} ({a!r}, size {shape[i]}) is not divisible by mesh axis "
+        f"{'×'.join(map(repr, ms))} of size {size}; change the mesh or the rules"
+      )
     spec.append(None if not ms else ms[0] if len(ms) == 1 else ms)
   return PartitionSpec(*spec)
 
@@ -180,8 +193,10 @@ def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, Any] | None = None):
       shape = tuple(x.shape)
       if axes is None:
         if len(shape) >= 2:
-          raise ValueError(f"{name}: parameter of shape {shape} has no logical axes (out_sharding); "
-                           "annotate it instead of replicating it silently")
+          raise ValueError(
+            f"{name}: parameter of shape {shape} has no logical axes (out_sharding); "
+            "annotate it instead of replicating it silently"
+          )
         return NamedSharding(mesh, PartitionSpec())
       if len(axes) != len(shape):
         raise ValueError(f"{name}: logical axes {axes} do not match shape {shape}")
@@ -210,15 +225,18 @@ def batch_shards(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> int:
   return math.prod(mesh.shape[m] for m in _mesh_axes(rules.get("batch")) if m in mesh.axis_names)
 
 
-def check_batch_divisible(batch_size: int, mesh: Mesh, rules: Mapping[str, Any] | None = None, *,
-                          splits: int = 1, what: str = "batch") -> None:
+def check_batch_divisible(
+  batch_size: int, mesh: Mesh, rules: Mapping[str, Any] | None = None, *, splits: int = 1, what: str = "batch"
+) -> None:
   """ValueError unless ``batch_size`` rows split evenly into ``splits`` parts, each over
   ``data × fsdp``."""
   n = batch_shards(mesh, rules)
   if batch_size % (n * splits):
     extra = f" × {splits} micro/mini-batches" if splits > 1 else ""
-    raise ValueError(f"{what} size {batch_size} is not divisible by the batch mesh axes "
-                     f"(data×fsdp = {n}){extra} = {n * splits}; pad the batch or change the mesh")
+    raise ValueError(
+      f"{what} size {batch_size} is not divisible by the batch mesh axes "
+      f"(data×fsdp = {n}){extra} = {n * splits}; pad the batch or change the mesh"
+    )
 
 
 def place_batch(batch, mesh: Mesh, rules: Mapping[str, Any] | None = None, *, process_local: bool = False):
@@ -246,8 +264,9 @@ def place_batch(batch, mesh: Mesh, rules: Mapping[str, Any] | None = None, *, pr
     global_rows = local
   check_batch_divisible(global_rows, mesh, rules)
   if process_local and nproc > 1:
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        sharding, np.asarray(x), (global_rows,) + np.shape(x)[1:]), batch)
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), (global_rows,) + np.shape(x)[1:]), batch
+    )
   return jax.device_put(batch, sharding)
 
 
@@ -264,6 +283,8 @@ def process_batch_rows(mesh: Mesh, global_batch_size: int, rules: Mapping[str, A
   lo, hi = starts[0], stops[-1]
   covered = sum(b - a for a, b in zip(starts, stops))
   if covered != hi - lo:
-    raise ValueError(f"process {jax.process_index()}'s devices hold non-contiguous batch rows "
-                     f"{list(zip(starts, stops))}; order the mesh devices by process")
+    raise ValueError(
+      f"process {jax.process_index()}'s devices hold non-contiguous batch rows "
+      f"{list(zip(starts, stops))}; order the mesh devices by process"
+    )
   return slice(lo, hi)

@@ -18,6 +18,7 @@ so the split is the same on every mesh and stays local to each device's rows.
 The model is split once (``nnx.split``) and the step is a plain function of
 ``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,24 +31,24 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
 from jaxgrpo.models.base import positions_from_mask
 from jaxgrpo.objective import objective_terms, rollout_advantages
 from jaxgrpo.process_sets import process_set_sizes, process_tree_stats
-from jaxgrpo import sharding as shd
 
 __all__ = [
-    "Batch",
-    "TrainConfig",
-    "TrainState",
-    "TrainStep",
-    "bucket_length",
-    "completion_log_probs",
-    "init_train_state",
-    "make_reference_fn",
-    "make_train_step",
-    "pad_to_bucket",
+  "Batch",
+  "TrainConfig",
+  "TrainState",
+  "TrainStep",
+  "bucket_length",
+  "completion_log_probs",
+  "init_train_state",
+  "make_reference_fn",
+  "make_train_step",
+  "pad_to_bucket",
 ]
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -67,6 +68,7 @@ class Batch(NamedTuple):
     ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when the
       preset needs none (β = 0).
   """
+
   prompt_tokens: jax.Array
   prompt_mask: jax.Array
   completions: jax.Array
@@ -79,13 +81,22 @@ class Batch(NamedTuple):
   @classmethod
   def from_rollout(cls, rollout, rewards, ref_logp=None) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards."""
-    return cls(rollout.prompt_tokens, rollout.prompt_mask, rollout.completions, rollout.mask,
-               rollout.log_probs, rollout.group_ids, jnp.asarray(rewards, jnp.float32), ref_logp)
+    return cls(
+      rollout.prompt_tokens,
+      rollout.prompt_mask,
+      rollout.completions,
+      rollout.mask,
+      rollout.log_probs,
+      rollout.group_ids,
+      jnp.asarray(rewards, jnp.float32),
+      ref_logp,
+    )
 
 
 class TrainState(NamedTuple):
   """``params``: the model's ``nnx.State``; ``opt_state``: optax state; ``step``: ``int32[]`` calls
   of the train step so far."""
+
   params: Any
   opt_state: Any
   step: jax.Array
@@ -111,6 +122,7 @@ class TrainConfig:
     compiler_options: XLA options for compiling the step and the reference pass (None: defaults),
       e.g. ``{"xla_backend_optimization_level": 0}`` compiles about twice as fast on CPU (tests).
   """
+
   micro_batches: int = 1
   mini_batches: int = 1
   max_grad_norm: float | None = 1.0
@@ -138,6 +150,7 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------- log-probs
 
+
 def _chunked_logp_entropy(model, hidden, targets, temperature, chunk_size, with_entropy):
   """``(logp f32[B, T], entropy f32[B, T] or None)`` from hidden ``[B, T, D]``; the float32 logits
   exist one ``[B, C, V]`` chunk at a time and are recomputed in the backward pass."""
@@ -146,13 +159,13 @@ def _chunked_logp_entropy(model, hidden, targets, temperature, chunk_size, with_
   @jax.checkpoint
   def chunk(args):
     h, tgt = args
-    logits = model.logits(h, out_dtype=jnp.float32) / temperature       # [B, C, V] f32
+    logits = model.logits(h, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
     lse = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
     if not with_entropy:
       return logp, None
     sl, slse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
-    ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)    # H = lse - Σ p·z
+    ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
     return logp, ent
 
   if chunk_size is None or chunk_size >= t:
@@ -161,13 +174,22 @@ def _chunked_logp_entropy(model, hidden, targets, temperature, chunk_size, with_
   pad = n * chunk_size - t
   h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk_size, d).swapaxes(0, 1)
   tgt = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk_size).swapaxes(0, 1)
-  logp, ent = jax.lax.map(chunk, (h, tgt))                               # [n, B, C]
+  logp, ent = jax.lax.map(chunk, (h, tgt))  # [n, B, C]
   unchunk = lambda x: None if x is None else x.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
   return unchunk(logp), unchunk(ent)
 
 
-def completion_log_probs(model, prompt_tokens, prompt_mask, completions, mask, *, temperature=1.0,
-                         chunk_size: int | None = 256, with_entropy: bool = False):
+def completion_log_probs(
+  model,
+  prompt_tokens,
+  prompt_mask,
+  completions,
+  mask,
+  *,
+  temperature=1.0,
+  chunk_size: int | None = 256,
+  with_entropy: bool = False,
+):
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
   One forward over ``[prompt ‖ completion]`` (positions from the joint mask); only the T completion
@@ -185,12 +207,11 @@ def completion_log_probs(model, prompt_tokens, prompt_mask, completions, mask, *
   p = prompt_tokens.shape[1]
   if p < 1:
     raise ValueError(f"`prompt_tokens` must have at least one column; got shape {prompt_tokens.shape}")
-  tokens = jnp.concatenate([prompt_tokens, completions], axis=1).astype(jnp.int32)   # [B, P+T]
+  tokens = jnp.concatenate([prompt_tokens, completions], axis=1).astype(jnp.int32)  # [B, P+T]
   attn = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
   hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
-  h = hidden[:, p - 1:-1]                                                # predicts completions[:, t]
-  logp, ent = _chunked_logp_entropy(model, h, completions.astype(jnp.int32), temperature, chunk_size,
-                                    with_entropy)
+  h = hidden[:, p - 1 : -1]  # predicts completions[:, t]
+  logp, ent = _chunked_logp_entropy(model, h, completions.astype(jnp.int32), temperature, chunk_size, with_entropy)
   logp = jnp.where(mask, logp, 0.0)
   ent = None if ent is None else jnp.where(mask, ent, 0.0)
   return logp, ent
@@ -198,19 +219,23 @@ def completion_log_probs(model, prompt_tokens, prompt_mask, completions, mask, *
 
 # ----------------------------------------------------------------------------- state
 
+
 def _check_params_only(state):
   others = [p for p, v in nnx.to_flat_state(state) if not isinstance(v, nnx.Param)]
   if others:
-    raise ValueError(f"the model holds non-parameter state {others[:5]}; the train step optimizes every "
-                     "variable of the model, so it must hold only nnx.Param")
+    raise ValueError(
+      f"the model holds non-parameter state {others[:5]}; the train step optimizes every "
+      "variable of the model, so it must hold only nnx.Param"
+    )
 
 
 def _copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def init_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     rules: Mapping[str, Any] | None = None):
+def init_train_state(
+  model, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Mapping[str, Any] | None = None
+):
   """Split ``model`` once and place its parameters and a fresh optimizer state on ``mesh``.
 
   Returns:
@@ -237,6 +262,7 @@ def init_train_state(model, optimizer: optax.GradientTransformation, mesh: Mesh,
 
 # ----------------------------------------------------------------------------- the step
 
+
 def _split_rows(x, m: int, k: int):
   """``[B, ...] -> [M, K, B/(M·K), ...]`` with row ``i·(M·K) + m·K + k`` at ``[m, k, i]``."""
   if x is None:
@@ -262,17 +288,26 @@ def _reduce_updates(metrics):
   return out
 
 
-def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh, rows_sh, state: TrainState,
-             batch: Batch):
+def _step_fn(
+  graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh, rows_sh, state: TrainState, batch: Batch
+):
   b, t = batch.completions.shape
   mm, kk = tc.mini_batches, tc.micro_batches
   g = b if tc.group_size is None else min(tc.group_size, b)
   num_groups = b if tc.group_size is None else -(-b // g)
 
   # 1. once per rollout batch (no gradient): advantages, λ weights, tree statistics.
-  adv, weights = rollout_advantages(config, batch.rewards, batch.completions, batch.mask, batch.group_ids,
-                                    num_groups, old_logp=batch.old_logp, ref_logp=batch.ref_logp,
-                                    max_group_size=g)
+  adv, weights = rollout_advantages(
+    config,
+    batch.rewards,
+    batch.completions,
+    batch.mask,
+    batch.group_ids,
+    num_groups,
+    old_logp=batch.old_logp,
+    ref_logp=batch.ref_logp,
+    max_group_size=g,
+  )
   tree = {}
   sizes = None
   if weights is not None:  # 1/|λ| exactly; |λ| is a small integer, so round(1/w) recovers it
@@ -283,34 +318,50 @@ def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh,
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     tree = {f"tree/{k}": v for k, v in stats.items()}
   kl_in_loss = config.kl_placement == "loss" and config.beta > 0
-  rows = dict(prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask,
-              completions=batch.completions, mask=batch.mask, old_logp=batch.old_logp, adv=adv,
-              weights=weights, ref_logp=batch.ref_logp if kl_in_loss else None)
+  rows = dict(
+    prompt_tokens=batch.prompt_tokens,
+    prompt_mask=batch.prompt_mask,
+    completions=batch.completions,
+    mask=batch.mask,
+    old_logp=batch.old_logp,
+    adv=adv,
+    weights=weights,
+    ref_logp=batch.ref_logp if kl_in_loss else None,
+  )
   # [M, K, R, ...], R over data×fsdp: each device keeps its own rows
   rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), rows_sh), rows)
 
   def micro_terms(p, mb, den):
     model = nnx.merge(graphdef, p)
-    logp, ent = completion_log_probs(model, mb["prompt_tokens"], mb["prompt_mask"], mb["completions"],
-                                     mb["mask"], temperature=tc.temperature, chunk_size=tc.chunk_size,
-                                     with_entropy=tc.entropy)
-    terms = objective_terms(config, logp, mb["old_logp"], mb["adv"], mb["mask"],
-                            token_weights=mb["weights"], ref_logp=mb["ref_logp"])
+    logp, ent = completion_log_probs(
+      model,
+      mb["prompt_tokens"],
+      mb["prompt_mask"],
+      mb["completions"],
+      mb["mask"],
+      temperature=tc.temperature,
+      chunk_size=tc.chunk_size,
+      with_entropy=tc.entropy,
+    )
+    terms = objective_terms(
+      config, logp, mb["old_logp"], mb["adv"], mb["mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
+    )
     ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(ent)
     return terms.numerator / den, (terms, ent_sum)
 
   def denominator(mini):  # Σ_k denominator_k: depends on masks only, not on the parameters
     def one(mb):
       zeros = jnp.zeros_like(mb["old_logp"])
-      return objective_terms(config, zeros, mb["old_logp"], mb["adv"], mb["mask"],
-                             token_weights=mb["weights"], ref_logp=mb["ref_logp"]).denominator
+      return objective_terms(
+        config, zeros, mb["old_logp"], mb["adv"], mb["mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
+      ).denominator
+
     return jnp.sum(jax.vmap(one)(mini))
 
   example_mb = jax.tree.map(lambda x: x[0, 0], rows)
-  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, jnp.float32(1))[1][0], state.params,
-                               example_mb)
+  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, jnp.float32(1))[1][0], state.params, example_mb)
 
-  def update(carry, mini):                                                   # mini: [K, R, ...]
+  def update(carry, mini):  # mini: [K, R, ...]
     params, opt_state = carry
     den = denominator(mini)
     safe_den = jnp.where(den != 0, den, 1.0)
@@ -326,7 +377,8 @@ def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh,
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero_grads = jax.lax.with_sharding_constraint(zero_grads, param_sh)
     (grads, terms, ent), _ = jax.lax.scan(
-        accumulate, (zero_grads, _zero_terms(terms_shape), jnp.zeros((), jnp.float32)), mini)
+      accumulate, (zero_grads, _zero_terms(terms_shape), jnp.zeros((), jnp.float32)), mini
+    )
     grad_norm = optax.tree.norm(grads)
     if tc.max_grad_norm is not None:
       scale = jnp.where(grad_norm > tc.max_grad_norm, tc.max_grad_norm / jnp.maximum(grad_norm, 1e-30), 1.0)
@@ -343,8 +395,9 @@ def _step_fn(graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh,
   def epoch(carry, _):
     return jax.lax.scan(update, carry, rows)
 
-  (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), None,
-                                              length=config.num_iterations)
+  (params, opt_state), metrics = jax.lax.scan(
+    epoch, (state.params, state.opt_state), None, length=config.num_iterations
+  )
   metrics = _reduce_updates(metrics)
   metrics.update(tree)
   return TrainState(params, opt_state, state.step + 1), metrics
@@ -362,8 +415,9 @@ class TrainStep:
   never retrace or recompile).
   """
 
-  def __init__(self, graphdef, optimizer, config: GRPOConfig, mesh: Mesh, shardings: TrainState,
-               train_config: TrainConfig, rules):
+  def __init__(
+    self, graphdef, optimizer, config: GRPOConfig, mesh: Mesh, shardings: TrainState, train_config: TrainConfig, rules
+  ):
     self.config, self.train_config, self.mesh, self.rules = config, train_config, mesh, rules
     self.shardings = shardings
     self.batch_sharding = shd.batch_sharding(mesh, rules)
@@ -377,17 +431,29 @@ class TrainStep:
       return _step_fn(graphdef, optimizer, config, train_config, shardings.params, rows_sh, state, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    self.jitted = jax.jit(fn, in_shardings=(shardings, self.batch_sharding),
-                          out_shardings=(shardings, replicated), donate_argnums=0,
-                          compiler_options=_options(train_config))
+    self.jitted = jax.jit(
+      fn,
+      in_shardings=(shardings, self.batch_sharding),
+      out_shardings=(shardings, replicated),
+      donate_argnums=0,
+      compiler_options=_options(train_config),
+    )
 
   def check_batch(self, batch: Batch) -> None:
     """ValueError unless ``batch`` fits this step (shapes, divisibility over data×fsdp and K·M)."""
     if not isinstance(batch, Batch):
       raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
     b, t = np.shape(batch.completions)
-    expect = {"prompt_tokens": 2, "prompt_mask": 2, "completions": 2, "mask": 2, "old_logp": 2,
-              "group_ids": 1, "rewards": 1, "ref_logp": 2}
+    expect = {
+      "prompt_tokens": 2,
+      "prompt_mask": 2,
+      "completions": 2,
+      "mask": 2,
+      "old_logp": 2,
+      "group_ids": 1,
+      "rewards": 1,
+      "ref_logp": 2,
+    }
     for name, rank in expect.items():
       x = getattr(batch, name)
       if x is None:
@@ -397,13 +463,17 @@ class TrainStep:
         raise ValueError(f"batch.{name} must have rank {rank} and {b} rows; got shape {shape}")
     for name in ("mask", "old_logp") + (("ref_logp",) if batch.ref_logp is not None else ()):
       if np.shape(getattr(batch, name)) != (b, t):
-        raise ValueError(f"batch.{name} must have shape {(b, t)} like completions; got {np.shape(getattr(batch, name))}")
+        raise ValueError(
+          f"batch.{name} must have shape {(b, t)} like completions; got {np.shape(getattr(batch, name))}"
+        )
     if np.shape(batch.prompt_mask) != np.shape(batch.prompt_tokens):
-      raise ValueError(f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape "
-                       f"{np.shape(batch.prompt_tokens)}")
+      raise ValueError(
+        f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
+      )
     if self.config.needs_reference and batch.ref_logp is None:
-      raise ValueError(f"preset {self.config.name!r} (beta={self.config.beta}) needs batch.ref_logp: "
-                       "compute it with make_reference_fn")
+      raise ValueError(
+        f"preset {self.config.name!r} (beta={self.config.beta}) needs batch.ref_logp: compute it with make_reference_fn"
+      )
     tc = self.train_config
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
 
@@ -414,9 +484,16 @@ class TrainStep:
     return self.jitted(state, batch)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *, mesh: Mesh,
-                    shardings: TrainState, train_config: TrainConfig | None = None,
-                    rules: Mapping[str, Any] | None = None) -> TrainStep:
+def make_train_step(
+  graphdef,
+  optimizer: optax.GradientTransformation,
+  config: GRPOConfig,
+  *,
+  mesh: Mesh,
+  shardings: TrainState,
+  train_config: TrainConfig | None = None,
+  rules: Mapping[str, Any] | None = None,
+) -> TrainStep:
   """The jitted step ``(TrainState, Batch) -> (TrainState, metrics)`` for ``config`` on ``mesh``.
 
   Args:
@@ -439,8 +516,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
   return TrainStep(graphdef, optimizer, config, mesh, shardings, train_config, rules)
 
 
-def make_reference_fn(graphdef, *, mesh: Mesh, param_shardings, train_config: TrainConfig | None = None,
-                      rules: Mapping[str, Any] | None = None) -> Callable:
+def make_reference_fn(
+  graphdef,
+  *,
+  mesh: Mesh,
+  param_shardings,
+  train_config: TrainConfig | None = None,
+  rules: Mapping[str, Any] | None = None,
+) -> Callable:
   """Jitted ``(ref_params, batch) -> ref_logp f32[B, T]`` (batch-sharded) under the same mesh.
 
   ``ref_params`` has the policy's structure and shardings (e.g. a copy of the initial parameters).
@@ -462,8 +545,8 @@ def make_reference_fn(graphdef, *, mesh: Mesh, param_shardings, train_config: Tr
     def one(mb):
       return completion_log_probs(model, *mb, temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
 
-    logp = jax.lax.map(one, tuple(cols))                                  # [K, R, T]
-    return jnp.moveaxis(logp, 0, 1).reshape(batch.completions.shape)      # inverse of _split_rows
+    logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
+    return jnp.moveaxis(logp, 0, 1).reshape(batch.completions.shape)  # inverse of _split_rows
 
   jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=_options(tc))
 
@@ -475,6 +558,7 @@ def make_reference_fn(graphdef, *, mesh: Mesh, param_shardings, train_config: Tr
 
 
 # ----------------------------------------------------------------------------- bucketing
+
 
 def bucket_length(length: int, buckets=DEFAULT_BUCKETS) -> int:
   """The smallest bucket >= ``length`` (``length`` itself when it exceeds every bucket)."""
@@ -501,5 +585,9 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS) -> Batch:
       return x[:, :target]
     return np.pad(x, ((0, 0), (0, target - t)), constant_values=fill)
 
-  return batch._replace(completions=fit(batch.completions, 0), mask=fit(batch.mask, False),
-                        old_logp=fit(batch.old_logp, 0.0), ref_logp=fit(batch.ref_logp, 0.0))
+  return batch._replace(
+    completions=fit(batch.completions, 0),
+    mask=fit(batch.mask, False),
+    old_logp=fit(batch.old_logp, 0.0),
+    ref_logp=fit(batch.ref_logp, 0.0),
+  )

@@ -8,6 +8,7 @@ temporary buffers.
   python scripts/bench_log_probs.py                       # V=151936, D=256, 2 layers, B×T = 8×1024
   python scripts/bench_log_probs.py --dtype bfloat16 --chunk-size 256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from flax import nnx
 
 from jaxgrpo import models
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _compile(fn, *abstract_args):
@@ -30,8 +31,10 @@ def _describe(label: str, compiled) -> int:
   if m is None:
     print(f"{label:<28} memory_analysis() unavailable on {jax.default_backend()}")
     return 0
-  print(f"{label:<28} temp {m.temp_size_in_bytes / MIB:10.1f} MiB | args {m.argument_size_in_bytes / MIB:8.1f} MiB"
-        f" | out {m.output_size_in_bytes / MIB:8.1f} MiB")
+  print(
+    f"{label:<28} temp {m.temp_size_in_bytes / MIB:10.1f} MiB | args {m.argument_size_in_bytes / MIB:8.1f} MiB"
+    f" | out {m.output_size_in_bytes / MIB:8.1f} MiB"
+  )
   return m.temp_size_in_bytes
 
 
@@ -47,18 +50,29 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   dtype = jnp.dtype(args.dtype)
-  cfg = models.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
-                           num_kv_heads=2, head_dim=64, intermediate_size=2 * args.hidden, tie_word_embeddings=True)
+  cfg = models.Qwen3Config(
+    vocab_size=args.vocab,
+    hidden_size=args.hidden,
+    num_layers=args.layers,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=2 * args.hidden,
+    tie_word_embeddings=True,
+  )
   abstract = nnx.eval_shape(lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
   graphdef, state = nnx.split(abstract)
   tokens = jax.ShapeDtypeStruct((args.batch, args.length), jnp.int32)
   mask = jax.ShapeDtypeStruct((args.batch, args.length), jnp.bool_)
   full = args.batch * args.length * args.vocab * 4
-  print(f"backend={jax.default_backend()} V={args.vocab} D={args.hidden} L={args.layers} "
-        f"B×T={args.batch}×{args.length} dtype={args.dtype}; fp32 [B,T,V] logits = {full / MIB:.1f} MiB")
+  print(
+    f"backend={jax.default_backend()} V={args.vocab} D={args.hidden} L={args.layers} "
+    f"B×T={args.batch}×{args.length} dtype={args.dtype}; fp32 [B,T,V] logits = {full / MIB:.1f} MiB"
+  )
 
   results = {}
   for name, chunk in (("unchunked", None), (f"chunked({args.chunk_size})", args.chunk_size)):
+
     def fwd(st, t, m, chunk=chunk):
       return models.log_probs(nnx.merge(graphdef, st), t, m, chunk_size=chunk)
 

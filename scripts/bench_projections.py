@@ -14,6 +14,7 @@ the two variants alternating.
   python scripts/bench_projections.py
   python scripts/bench_projections.py --repeats 3 --rows 8      # quicker
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,10 @@ def decode_einsum(q, k_btnk, v_btnk):
 
 def decode_reduce(q, k_bnkt, v_bntk):
   """q [B,1,N,G,K]; keys [B,N,K,T], values [B,N,T,K]: multiply-and-reduce (as layers.Attention)."""
-  qt = jnp.transpose(q, (0, 2, 3, 1, 4))                                     # [B,N,G,S,K]
-  s = jnp.sum(qt[..., None] * k_bnkt[:, :, None, None], axis=-2)             # [B,N,G,S,T]
+  qt = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B,N,G,S,K]
+  s = jnp.sum(qt[..., None] * k_bnkt[:, :, None, None], axis=-2)  # [B,N,G,S,T]
   p = jax.nn.softmax(s, axis=-1)
-  out = jnp.sum(p[..., None] * v_bntk[:, :, None, None], axis=-2)            # [B,N,G,S,K]
+  out = jnp.sum(p[..., None] * v_bntk[:, :, None, None], axis=-2)  # [B,N,G,S,K]
   return jnp.transpose(out, (0, 3, 1, 2, 4))
 
 
@@ -99,10 +100,14 @@ def main(argv=None):
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, medians of {args.repeats}")
   print("| | baseline, ms | jaxgrpo, ms | baseline / jaxgrpo |")
   print("|---|---:|---:|---:|")
-  print(f"| SwiGLU fwd+bwd [{args.rows}×{args.tokens}, {d}→{f}]: einsum vs dense | {1e3 * mlp[0]:.1f} | "
-        f"{1e3 * mlp[1]:.1f} | {mlp[0] / mlp[1]:.2f}× |")
-  print(f"| decode attention, one layer [{b} rows, {t} slots]: [B,T,N,K] einsum vs [B,N,K,T] reduce | "
-        f"{1e3 * t_base:.2f} | {1e3 * t_new:.2f} | {t_base / t_new:.2f}× |")
+  print(
+    f"| SwiGLU fwd+bwd [{args.rows}×{args.tokens}, {d}→{f}]: einsum vs dense | {1e3 * mlp[0]:.1f} | "
+    f"{1e3 * mlp[1]:.1f} | {mlp[0] / mlp[1]:.2f}× |"
+  )
+  print(
+    f"| decode attention, one layer [{b} rows, {t} slots]: [B,T,N,K] einsum vs [B,N,K,T] reduce | "
+    f"{1e3 * t_base:.2f} | {1e3 * t_new:.2f} | {t_base / t_new:.2f}× |"
+  )
   print(f"(max |difference| of the two decode attentions: {err:.1e})")
   return {"mlp": mlp, "decode": (t_base, t_new), "decode_err": err}
 

@@ -16,6 +16,7 @@ dense ``12·L·H·K·S`` per token), with ``S_all = B·(P+T)`` and ``S_completio
   python scripts/bench_train_step.py --rounds 3 --layers 2 --batch 16   # quicker
   python scripts/bench_train_step.py --overhead-only    # the presets' once-per-batch work alone
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,16 @@ def make_batch(rng, b, g, p, t, vocab):
   comp = np.where(mask, comp, 0)
   old = np.where(mask, -2.0 + 0.5 * rng.standard_normal((b, t)), 0).astype(np.float32)
   ref = np.where(mask, old + 0.1 * rng.standard_normal((b, t)), 0).astype(np.float32)
-  return train.Batch(prompts, np.ones((b, p), bool), comp, mask, old,
-                     np.repeat(np.arange(groups), g).astype(np.int32),
-                     rng.integers(0, 2, b).astype(np.float32), ref)
+  return train.Batch(
+    prompts,
+    np.ones((b, p), bool),
+    comp,
+    mask,
+    old,
+    np.repeat(np.arange(groups), g).astype(np.int32),
+    rng.integers(0, 2, b).astype(np.float32),
+    ref,
+  )
 
 
 def matmul_flops_per_s(n=2048, reps=5):
@@ -65,17 +73,17 @@ def matmul_flops_per_s(n=2048, reps=5):
     t0 = time.perf_counter()
     f(a).block_until_ready()
     times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / statistics.median(times)
+  return 2 * n**3 / statistics.median(times)
 
 
 def model_flops(cfg, b, p, t):
   d, v, l = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
   h, k, n_kv, f = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size
-  per_layer = d * h * k * 2 + d * n_kv * k * 2 + 3 * d * f          # q, o, k, v, gate/up/down
+  per_layer = d * h * k * 2 + d * n_kv * k * 2 + 3 * d * f  # q, o, k, v, gate/up/down
   s = p + t
   dense = 6 * l * per_layer * b * s
   head = 6 * d * v * b * t
-  attention = 6 * l * h * k * s * s * b                              # causal: half of 12·L·H·K·S per token
+  attention = 6 * l * h * k * s * s * b  # causal: half of 12·L·H·K·S per token
   return dense + head + attention
 
 
@@ -92,8 +100,17 @@ def rollout_overhead(batch, group, reps=20):
     config = preset(name)
 
     def fn(bt, config=config):
-      adv, w = rollout_advantages(config, bt.rewards, bt.completions, bt.mask, bt.group_ids, b // group,
-                                  old_logp=bt.old_logp, ref_logp=bt.ref_logp, max_group_size=group)
+      adv, w = rollout_advantages(
+        config,
+        bt.rewards,
+        bt.completions,
+        bt.mask,
+        bt.group_ids,
+        b // group,
+        old_logp=bt.old_logp,
+        ref_logp=bt.ref_logp,
+        max_group_size=group,
+      )
       stats = {}
       if w is not None:
         sizes = jnp.where(w > 0, jnp.round(1.0 / jnp.where(w > 0, w, 1.0)), 0).astype(jnp.int32)
@@ -125,12 +142,23 @@ def main(argv=None):
   ap.add_argument("--chunk-size", type=int, default=128)
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--mesh", default="data=1", help="mesh spec over the first devices (default: one device)")
-  ap.add_argument("--overhead-only", action="store_true",
-                  help="only time each preset's once-per-batch work (advantages, λ weights, future-KL)")
+  ap.add_argument(
+    "--overhead-only",
+    action="store_true",
+    help="only time each preset's once-per-batch work (advantages, λ weights, future-KL)",
+  )
   args = ap.parse_args(argv)
 
-  cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
-                    num_kv_heads=4, head_dim=32, intermediate_size=4 * args.hidden, tie_word_embeddings=True)
+  cfg = Qwen3Config(
+    vocab_size=args.vocab,
+    hidden_size=args.hidden,
+    num_layers=args.layers,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    intermediate_size=4 * args.hidden,
+    tie_word_embeddings=True,
+  )
   model = build_model(cfg, rngs=nnx.Rngs(0))
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
   spec = shd.parse_mesh_spec(args.mesh)
@@ -145,9 +173,11 @@ def main(argv=None):
       print(f"  {name:<12} {1e3 * sec:8.2f} ms")
     return
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {ndev} device(s), mesh {args.mesh}")
-  print(f"model: {n_params / 1e6:.2f}M params; batch {args.batch}×({args.prompt}+{args.length}) tokens, "
-        f"{int(batch.mask.sum())} real completion tokens; K={args.micro_batches} micro-batches, "
-        f"chunk {args.chunk_size}")
+  print(
+    f"model: {n_params / 1e6:.2f}M params; batch {args.batch}×({args.prompt}+{args.length}) tokens, "
+    f"{int(batch.mask.sum())} real completion tokens; K={args.micro_batches} micro-batches, "
+    f"chunk {args.chunk_size}"
+  )
 
   steps, states, batches = {}, {}, {}
   for name in PRESETS:
@@ -169,7 +199,7 @@ def main(argv=None):
   times = {name: [] for name in PRESETS}
   ref_times = []
   for r in range(args.rounds):
-    for name in PRESETS[r % len(PRESETS):] + PRESETS[:r % len(PRESETS)]:  # rotate the order each round
+    for name in PRESETS[r % len(PRESETS) :] + PRESETS[: r % len(PRESETS)]:  # rotate the order each round
       t0 = time.perf_counter()
       states[name], metrics = steps[name](states[name], batches[name])
       jax.block_until_ready(states[name])
@@ -184,17 +214,23 @@ def main(argv=None):
   flops = model_flops(cfg, args.batch, args.prompt, args.length)
   completion_tokens = args.batch * args.length
   base = statistics.median(times["grpo"])
-  print(f"\nmatmul throughput (f32 2048², median, max of before/after): {peak / 1e9:.1f} GFLOP/s "
-        f"(before {peak_before / 1e9:.1f}, after {peak_after / 1e9:.1f})")
+  print(
+    f"\nmatmul throughput (f32 2048², median, max of before/after): {peak / 1e9:.1f} GFLOP/s "
+    f"(before {peak_before / 1e9:.1f}, after {peak_after / 1e9:.1f})"
+  )
   print(f"model FLOPs per step: {flops / 1e12:.3f} TFLOP\n")
   print(f"| preset | step time (median of {args.rounds}) | vs grpo | completion tokens/s | MFU |")
   print("|---|---|---|---|---|")
   for name in PRESETS:
     med = statistics.median(times[name])
-    print(f"| {name} | {med:.3f} s (min {min(times[name]):.3f}) | {100 * (med / base - 1):+.1f}% | "
-          f"{completion_tokens / med:,.0f} | {100 * flops / med / peak:.1f}% |")
-  print(f"\nreference log-prob pass (frpo and any β>0 preset, once per rollout batch): "
-        f"{statistics.median(ref_times):.3f} s median")
+    print(
+      f"| {name} | {med:.3f} s (min {min(times[name]):.3f}) | {100 * (med / base - 1):+.1f}% | "
+      f"{completion_tokens / med:,.0f} | {100 * flops / med / peak:.1f}% |"
+    )
+  print(
+    f"\nreference log-prob pass (frpo and any β>0 preset, once per rollout batch): "
+    f"{statistics.median(ref_times):.3f} s median"
+  )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained`` load
 Only the parameters are read (no optimizer state); the model is rebuilt from the config saved in the
 checkpoint. The checkpoint's files are verified against its manifest first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,21 +17,21 @@ import sys
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="run directory (OUT), its checkpoints/ directory, or one step directory")
-    p.add_argument("out", help="directory to write the Hugging Face model to")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
-    args = p.parse_args(argv)
-    from jaxgrpo.checkpoint import CheckpointError, export_hf
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("checkpoint", help="run directory (OUT), its checkpoints/ directory, or one step directory")
+  p.add_argument("out", help="directory to write the Hugging Face model to")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
+  args = p.parse_args(argv)
+  from jaxgrpo.checkpoint import CheckpointError, export_hf
 
-    try:
-        out = export_hf(args.checkpoint, args.out, step=args.step)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+  try:
+    out = export_hf(args.checkpoint, args.out, step=args.step)
+  except CheckpointError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"wrote {out}")
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

@@ -1,4 +1,5 @@
 """Brute-force NumPy references for the core kernels (independent of jaxgrpo's implementation)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,97 +7,101 @@ from hypothesis import strategies as st
 
 
 def valid_prefix(mask):
-    return np.cumprod(mask.astype(int), axis=1).astype(bool)
+  return np.cumprod(mask.astype(int), axis=1).astype(bool)
 
 
 def process_sets(tokens, mask, group_ids):
-    """list of lists: sets[i][t] = list of j in λ(i,t) (empty on padding)."""
-    b, t = tokens.shape
-    v = valid_prefix(mask)
-    out = []
-    for i in range(b):
-        row = []
-        for s in range(t):
-            if not v[i, s]:
-                row.append([])
-                continue
-            row.append([j for j in range(b) if group_ids[j] == group_ids[i] and v[j, s]
-                        and np.array_equal(tokens[j, :s + 1], tokens[i, :s + 1])])
-        out.append(row)
-    return out
+  """list of lists: sets[i][t] = list of j in λ(i,t) (empty on padding)."""
+  b, t = tokens.shape
+  v = valid_prefix(mask)
+  out = []
+  for i in range(b):
+    row = []
+    for s in range(t):
+      if not v[i, s]:
+        row.append([])
+        continue
+      row.append(
+        [
+          j
+          for j in range(b)
+          if group_ids[j] == group_ids[i] and v[j, s] and np.array_equal(tokens[j, : s + 1], tokens[i, : s + 1])
+        ]
+      )
+    out.append(row)
+  return out
 
 
 def sizes(tokens, mask, group_ids):
-    return np.array([[len(s) for s in row] for row in process_sets(tokens, mask, group_ids)], np.int32)
+  return np.array([[len(s) for s in row] for row in process_sets(tokens, mask, group_ids)], np.int32)
 
 
 def group_stats(rewards, group_ids, ddof=0, eps=1e-6, scale="group"):
-    """(mean_i, denom_i) per trajectory, by explicit loops."""
-    b = len(rewards)
-    mean = np.zeros(b)
-    denom = np.ones(b)
-    for i in range(b):
-        members = rewards[group_ids == group_ids[i]]
-        mean[i] = members.mean()
-        if scale == "group":
-            pool = members
-        elif scale == "batch":
-            pool = rewards
-        else:
-            continue
-        n = len(pool)
-        var = ((pool - pool.mean()) ** 2).sum() / (n - ddof) if n - ddof > 0 else 0.0
-        denom[i] = np.sqrt(var) + eps
-        if denom[i] == 0:
-            denom[i] = 1.0
-    return mean, denom
+  """(mean_i, denom_i) per trajectory, by explicit loops."""
+  b = len(rewards)
+  mean = np.zeros(b)
+  denom = np.ones(b)
+  for i in range(b):
+    members = rewards[group_ids == group_ids[i]]
+    mean[i] = members.mean()
+    if scale == "group":
+      pool = members
+    elif scale == "batch":
+      pool = rewards
+    else:
+      continue
+    n = len(pool)
+    var = ((pool - pool.mean()) ** 2).sum() / (n - ddof) if n - ddof > 0 else 0.0
+    denom[i] = np.sqrt(var) + eps
+    if denom[i] == 0:
+      denom[i] = 1.0
+  return mean, denom
 
 
 def process_rewards(rewards, tokens, mask, group_ids):
-    sets = process_sets(tokens, mask, group_ids)
-    return np.array([[rewards[s].mean() if s else 0.0 for s in row] for row in sets])
+  sets = process_sets(tokens, mask, group_ids)
+  return np.array([[rewards[s].mean() if s else 0.0 for s in row] for row in sets])
 
 
 @st.composite
 def groups(draw, max_b=10, max_t=7, vocab=3, max_groups=4):
-    """Random completions with shared prefixes, duplicates, unequal/singleton groups, padding."""
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    n_groups = draw(st.integers(1, max_groups))
-    group_ids = np.array(draw(st.lists(st.integers(0, n_groups - 1), min_size=b, max_size=b)), np.int32)
-    tokens = np.zeros((b, t), np.int32)
-    lengths = np.zeros(b, int)
-    for i in range(b):
-        row = np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=t, max_size=t)))
-        # branch off an earlier trajectory at a random point: long shared prefixes
-        if i and draw(st.booleans()):
-            parent = draw(st.integers(0, i - 1))
-            cut = draw(st.integers(0, t))
-            row[:cut] = tokens[parent, :cut]
-        tokens[i] = row
-        lengths[i] = draw(st.integers(0, t))
-        if i and draw(st.integers(0, 5)) == 0:   # exact duplicate
-            tokens[i], lengths[i] = tokens[i - 1], lengths[i - 1]
-    mask = np.arange(t)[None, :] < lengths[:, None]
-    rewards = np.array(draw(st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0]), min_size=b,
-                                     max_size=b)), np.float32)
-    # pad to one fixed shape (empty rows in an extra group, masked columns) so jitted kernels compile
-    # once per test; the padding is itself an edge case (all-padding rows, an empty group).
-    pad_b, pad_t = max_b - b, max_t - t
-    tokens = np.pad(tokens, ((0, pad_b), (0, pad_t)), constant_values=vocab)
-    mask = np.pad(mask, ((0, pad_b), (0, pad_t)))
-    group_ids = np.concatenate([group_ids, np.full(pad_b, max_groups, np.int32)])
-    rewards = np.concatenate([rewards, np.zeros(pad_b, np.float32)])
-    return tokens, mask, group_ids, rewards, max_groups + 1
+  """Random completions with shared prefixes, duplicates, unequal/singleton groups, padding."""
+  b = draw(st.integers(1, max_b))
+  t = draw(st.integers(1, max_t))
+  n_groups = draw(st.integers(1, max_groups))
+  group_ids = np.array(draw(st.lists(st.integers(0, n_groups - 1), min_size=b, max_size=b)), np.int32)
+  tokens = np.zeros((b, t), np.int32)
+  lengths = np.zeros(b, int)
+  for i in range(b):
+    row = np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=t, max_size=t)))
+    # branch off an earlier trajectory at a random point: long shared prefixes
+    if i and draw(st.booleans()):
+      parent = draw(st.integers(0, i - 1))
+      cut = draw(st.integers(0, t))
+      row[:cut] = tokens[parent, :cut]
+    tokens[i] = row
+    lengths[i] = draw(st.integers(0, t))
+    if i and draw(st.integers(0, 5)) == 0:  # exact duplicate
+      tokens[i], lengths[i] = tokens[i - 1], lengths[i - 1]
+  mask = np.arange(t)[None, :] < lengths[:, None]
+  rewards = np.array(draw(st.lists(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0]), min_size=b, max_size=b)), np.float32)
+  # pad to one fixed shape (empty rows in an extra group, masked columns) so jitted kernels compile
+  # once per test; the padding is itself an edge case (all-padding rows, an empty group).
+  pad_b, pad_t = max_b - b, max_t - t
+  tokens = np.pad(tokens, ((0, pad_b), (0, pad_t)), constant_values=vocab)
+  mask = np.pad(mask, ((0, pad_b), (0, pad_t)))
+  group_ids = np.concatenate([group_ids, np.full(pad_b, max_groups, np.int32)])
+  rewards = np.concatenate([rewards, np.zeros(pad_b, np.float32)])
+  return tokens, mask, group_ids, rewards, max_groups + 1
 
 
 def from_strings(seqs, group_ids=None):
-    """tokens/mask from strings of letters (the SPEC's worked examples)."""
-    t = max(len(s) for s in seqs)
-    tokens = np.zeros((len(seqs), t), np.int32)
-    mask = np.zeros((len(seqs), t), bool)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = [ord(c) for c in s]
-        mask[i, :len(s)] = True
-    gid = np.zeros(len(seqs), np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
-    return tokens, mask, gid
+  """tokens/mask from strings of letters (the SPEC's worked examples)."""
+  t = max(len(s) for s in seqs)
+  tokens = np.zeros((len(seqs), t), np.int32)
+  mask = np.zeros((len(seqs), t), bool)
+  for i, s in enumerate(seqs):
+    tokens[i, : len(s)] = [ord(c) for c in s]
+    mask[i, : len(s)] = True
+  gid = np.zeros(len(seqs), np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
+  return tokens, mask, gid

@@ -6,6 +6,7 @@ wrong mapping cannot hide behind zeros/ones), saves it with ``save_pretrained`` 
 ``(directory, torch_model)``. ``hf_logits(model, tokens, mask)`` runs it on a left-padded batch
 with HF-consistent position ids.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,16 +18,40 @@ FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
 def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 128) -> dict:
   """A 2-layer, width-32 (or 64) config dict of ``family`` (``model_type`` set)."""
   if family == "gpt2":
-    return dict(model_type="gpt2", vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                bos_token_id=0, eos_token_id=0)
-  common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    return dict(
+      model_type="gpt2",
+      vocab_size=vocab_size,
+      n_embd=32,
+      n_layer=2,
+      n_head=4,
+      n_positions=64,
+      tie_word_embeddings=tied,
+      resid_pdrop=0.0,
+      embd_pdrop=0.0,
+      attn_pdrop=0.0,
+      bos_token_id=0,
+      eos_token_id=0,
+    )
+  common = dict(
+    vocab_size=vocab_size,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=tied,
+    rms_norm_eps=1e-6,
+  )
   if family == "llama":
-    return dict(model_type="llama", **common, rope_theta=500000.0,
-                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                  original_max_position_embeddings=16))
+    return dict(
+      model_type="llama",
+      **common,
+      rope_theta=500000.0,
+      rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+      ),
+    )
   if family == "qwen2":
     return dict(model_type="qwen2", **common, rope_theta=1000000.0)
   if family == "qwen3":
@@ -72,7 +97,9 @@ def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
   positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
   with torch.no_grad():
-    out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
-                attention_mask=torch.as_tensor(mask.astype(np.int64)),
-                position_ids=torch.as_tensor(positions, dtype=torch.long))
+    out = model(
+      input_ids=torch.as_tensor(tokens, dtype=torch.long),
+      attention_mask=torch.as_tensor(mask.astype(np.int64)),
+      position_ids=torch.as_tensor(positions, dtype=torch.long),
+    )
   return out.logits.float().numpy()

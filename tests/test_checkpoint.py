@@ -4,6 +4,7 @@ restore, and HF export checked against transformers' logits.
 
 The trainer-level tests (exact resume, mesh change, SIGKILL) are in test_checkpoint_resume.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,242 +23,276 @@ from jaxgrpo.trainer import TrainerConfig, TrainerState
 
 
 def _state(step: int, seed: int = 0, shape=(4, 3)) -> TrainerState:
-    rng = np.random.default_rng([seed, step])
-    params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32),
-              "b": jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32)}
-    opt = optax.adam(1e-2)
-    opt_state = opt.init(params)
-    grads = jax.tree.map(jnp.ones_like, params)
-    _, opt_state = opt.update(grads, opt_state, params)        # non-trivial moments and count
-    key = jax.random.fold_in(jax.random.key(seed), step)
-    return TrainerState(TrainState(params, opt_state, jnp.asarray(step, jnp.int32)), key,
-                        {"epoch": 0, "offset": 2 * step, "seed": seed, "num_prompts": 64, "shuffle": True})
+  rng = np.random.default_rng([seed, step])
+  params = {
+    "w": jnp.asarray(rng.normal(size=shape), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32),
+  }
+  opt = optax.adam(1e-2)
+  opt_state = opt.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, opt_state = opt.update(grads, opt_state, params)  # non-trivial moments and count
+  key = jax.random.fold_in(jax.random.key(seed), step)
+  return TrainerState(
+    TrainState(params, opt_state, jnp.asarray(step, jnp.int32)),
+    key,
+    {"epoch": 0, "offset": 2 * step, "seed": seed, "num_prompts": 64, "shuffle": True},
+  )
 
 
 def _leaves_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
 def _assert_same_state(got: TrainerState, want: TrainerState):
-    assert _leaves_equal(got.train.params, want.train.params)
-    assert _leaves_equal(got.train.opt_state, want.train.opt_state)
-    assert int(got.train.step) == int(want.train.step)
-    assert np.array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
-    assert got.data_position == want.data_position
-    assert jax.tree.structure(got.train.opt_state) == jax.tree.structure(want.train.opt_state)
+  assert _leaves_equal(got.train.params, want.train.params)
+  assert _leaves_equal(got.train.opt_state, want.train.opt_state)
+  assert int(got.train.step) == int(want.train.step)
+  assert np.array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
+  assert got.data_position == want.data_position
+  assert jax.tree.structure(got.train.opt_state) == jax.tree.structure(want.train.opt_state)
 
 
 CFG = TrainerConfig(steps=5)
 
 
 def test_save_is_atomic_manifest_inside_and_exact_roundtrip(tmp_path, monkeypatch):
-    """Orbax 0.12.8 writes into ``<step>.orbax-checkpoint-tmp`` and renames; our manifest is written
-    into the temporary directory (the final one does not exist yet), so a renamed step always has it."""
-    seen = []
-    orig = ck.Checkpointer._finalized
+  """Orbax 0.12.8 writes into ``<step>.orbax-checkpoint-tmp`` and renames; our manifest is written
+  into the temporary directory (the final one does not exist yet), so a renamed step always has it."""
+  seen = []
+  orig = ck.Checkpointer._finalized
 
-    def spy(self):
-        step = self._saving_step
-        seen.append((os.path.isdir(os.path.join(self.directory, f"{step}{ck.TMP_SUFFIX}")),
-                     os.path.exists(os.path.join(self.directory, str(step)))))
-        orig(self)
+  def spy(self):
+    step = self._saving_step
+    seen.append(
+      (
+        os.path.isdir(os.path.join(self.directory, f"{step}{ck.TMP_SUFFIX}")),
+        os.path.exists(os.path.join(self.directory, str(step))),
+      )
+    )
+    orig(self)
 
-    monkeypatch.setattr(ck.Checkpointer, "_finalized", spy)
-    root = str(tmp_path / "ckpt")
-    states = {s: _state(s) for s in (1, 2)}
-    with ck.Checkpointer(root, log=None) as c:
-        for s in (1, 2):
-            assert c.save(states[s], CFG) == s
-    assert seen == [(True, False), (True, False)]          # callback ran before the rename
-    assert sorted(os.listdir(root)) == ["1", "2"]          # no temporary directory left
+  monkeypatch.setattr(ck.Checkpointer, "_finalized", spy)
+  root = str(tmp_path / "ckpt")
+  states = {s: _state(s) for s in (1, 2)}
+  with ck.Checkpointer(root, log=None) as c:
     for s in (1, 2):
-        ck.verify_step(os.path.join(root, str(s)))
-        assert os.path.exists(os.path.join(root, str(s), ck.MANIFEST))
-    c = ck.Checkpointer(root, log=None)
-    assert c.steps() == [1, 2] and c.latest_step() == 2
-    got = c.restore(_state(0), CFG)                         # template with other values, same tree
-    _assert_same_state(got, states[2])
-    _assert_same_state(c.restore(_state(0), CFG, step=1), states[1])
-    assert c.read_meta(2)["config"] == CFG.to_dict()
-    c.close()
+      assert c.save(states[s], CFG) == s
+  assert seen == [(True, False), (True, False)]  # callback ran before the rename
+  assert sorted(os.listdir(root)) == ["1", "2"]  # no temporary directory left
+  for s in (1, 2):
+    ck.verify_step(os.path.join(root, str(s)))
+    assert os.path.exists(os.path.join(root, str(s), ck.MANIFEST))
+  c = ck.Checkpointer(root, log=None)
+  assert c.steps() == [1, 2] and c.latest_step() == 2
+  got = c.restore(_state(0), CFG)  # template with other values, same tree
+  _assert_same_state(got, states[2])
+  _assert_same_state(c.restore(_state(0), CFG, step=1), states[1])
+  assert c.read_meta(2)["config"] == CFG.to_dict()
+  c.close()
 
 
 def test_interrupted_save_and_missing_manifest_are_ignored_with_a_message(tmp_path):
-    root = str(tmp_path / "ckpt")
-    with ck.Checkpointer(root, log=None) as c:
-        c.save(_state(1), CFG)
-        c.save(_state(2), CFG)
-    # a save killed before its rename: a temporary directory with partial contents
-    shutil.copytree(os.path.join(root, "2"), os.path.join(root, f"3{ck.TMP_SUFFIX}"))
-    os.remove(os.path.join(root, f"3{ck.TMP_SUFFIX}", ck.MANIFEST))
-    # a step directory without a manifest (killed between Orbax's rename and ... nothing: treated as incomplete)
-    shutil.copytree(os.path.join(root, "2"), os.path.join(root, "4"))
-    os.remove(os.path.join(root, "4", ck.MANIFEST))
-    msgs = []
-    assert ck.complete_steps(root, log=msgs.append) == [1, 2]
-    assert any("incomplete checkpoint save" in m and "3.orbax-checkpoint-tmp" in m for m in msgs)
-    assert any("4" in m and "did not complete" in m for m in msgs)
-    msgs.clear()
-    c = ck.Checkpointer(root, log=msgs.append)
-    assert any("incomplete" in m for m in msgs)
-    _assert_same_state(c.restore_fn(CFG, _state(0)), _state(2))
-    c.save(_state(3), CFG)                                   # the resumed run saves step 3 again
-    c.close()
-    assert not os.path.exists(os.path.join(root, f"3{ck.TMP_SUFFIX}"))   # Orbax cleaned the leftover up
-    # Orbax counts the manifest-less "4" as a step, so keeping the last 3 dropped step 1
-    assert ck.complete_steps(root, log=None) == [2, 3]
-    _assert_same_state(ck.Checkpointer(root, log=None).restore(_state(0), CFG, step=3), _state(3))
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(_state(1), CFG)
+    c.save(_state(2), CFG)
+  # a save killed before its rename: a temporary directory with partial contents
+  shutil.copytree(os.path.join(root, "2"), os.path.join(root, f"3{ck.TMP_SUFFIX}"))
+  os.remove(os.path.join(root, f"3{ck.TMP_SUFFIX}", ck.MANIFEST))
+  # a step directory without a manifest (killed between Orbax's rename and ... nothing: treated as incomplete)
+  shutil.copytree(os.path.join(root, "2"), os.path.join(root, "4"))
+  os.remove(os.path.join(root, "4", ck.MANIFEST))
+  msgs = []
+  assert ck.complete_steps(root, log=msgs.append) == [1, 2]
+  assert any("incomplete checkpoint save" in m and "3.orbax-checkpoint-tmp" in m for m in msgs)
+  assert any("4" in m and "did not complete" in m for m in msgs)
+  msgs.clear()
+  c = ck.Checkpointer(root, log=msgs.append)
+  assert any("incomplete" in m for m in msgs)
+  _assert_same_state(c.restore_fn(CFG, _state(0)), _state(2))
+  c.save(_state(3), CFG)  # the resumed run saves step 3 again
+  c.close()
+  assert not os.path.exists(os.path.join(root, f"3{ck.TMP_SUFFIX}"))  # Orbax cleaned the leftover up
+  # Orbax counts the manifest-less "4" as a step, so keeping the last 3 dropped step 1
+  assert ck.complete_steps(root, log=None) == [2, 3]
+  _assert_same_state(ck.Checkpointer(root, log=None).restore(_state(0), CFG, step=3), _state(3))
 
 
 def test_truncated_file_clear_error_nothing_changed_previous_resumes(tmp_path):
-    root = str(tmp_path / "ckpt")
-    with ck.Checkpointer(root, log=None) as c:
-        c.save(_state(1), CFG)
-        c.save(_state(2), CFG)
-    data = sorted((os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "2", "params")) for f in fs
-                   if os.sep + "d" + os.sep in os.path.join(d, f)), key=os.path.getsize)[-1]
-    with open(data, "r+b") as f:
-        f.truncate(os.path.getsize(data) // 2)
-    before = {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
-    c = ck.Checkpointer(root, log=None)
-    with pytest.raises(ck.CheckpointError) as e:
-        c.restore_fn(CFG, _state(0))
-    msg = str(e.value)
-    assert "corrupt" in msg and os.path.relpath(data, os.path.join(root, "2")) in msg and "truncated" in msg
-    assert "Earlier complete checkpoints: [1]" in msg
-    after = {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
-    assert after == before                                   # a failed restore changes nothing
-    _assert_same_state(c.restore(_state(0), CFG, step=1), _state(1))
-    os.rename(os.path.join(root, "2"), os.path.join(root, "2.corrupt"))   # what the message suggests
-    _assert_same_state(c.restore_fn(CFG, _state(0)), _state(1))
-    c.close()
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(_state(1), CFG)
+    c.save(_state(2), CFG)
+  data = sorted(
+    (
+      os.path.join(d, f)
+      for d, _, fs in os.walk(os.path.join(root, "2", "params"))
+      for f in fs
+      if os.sep + "d" + os.sep in os.path.join(d, f)
+    ),
+    key=os.path.getsize,
+  )[-1]
+  with open(data, "r+b") as f:
+    f.truncate(os.path.getsize(data) // 2)
+  before = {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+  c = ck.Checkpointer(root, log=None)
+  with pytest.raises(ck.CheckpointError) as e:
+    c.restore_fn(CFG, _state(0))
+  msg = str(e.value)
+  assert "corrupt" in msg and os.path.relpath(data, os.path.join(root, "2")) in msg and "truncated" in msg
+  assert "Earlier complete checkpoints: [1]" in msg
+  after = {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+  assert after == before  # a failed restore changes nothing
+  _assert_same_state(c.restore(_state(0), CFG, step=1), _state(1))
+  os.rename(os.path.join(root, "2"), os.path.join(root, "2.corrupt"))  # what the message suggests
+  _assert_same_state(c.restore_fn(CFG, _state(0)), _state(1))
+  c.close()
 
 
 def test_flipped_bytes_are_caught_by_the_checksum(tmp_path):
-    root = str(tmp_path / "ckpt")
-    with ck.Checkpointer(root, log=None) as c:
-        c.save(_state(1), CFG)
-    meta = os.path.join(root, "1", "meta", "metadata")
-    raw = bytearray(open(meta, "rb").read())
-    raw[len(raw) // 2] ^= 0x01
-    open(meta, "wb").write(bytes(raw))
-    with pytest.raises(ck.CheckpointError, match=r"meta/metadata: CRC32 differs"):
-        ck.verify_step(os.path.join(root, "1"))
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(_state(1), CFG)
+  meta = os.path.join(root, "1", "meta", "metadata")
+  raw = bytearray(open(meta, "rb").read())
+  raw[len(raw) // 2] ^= 0x01
+  open(meta, "wb").write(bytes(raw))
+  with pytest.raises(ck.CheckpointError, match=r"meta/metadata: CRC32 differs"):
+    ck.verify_step(os.path.join(root, "1"))
 
 
 def test_wrong_shapes_and_wrong_model_give_named_errors(tmp_path):
-    root = str(tmp_path / "ckpt")
-    with ck.Checkpointer(root, log=None) as c:
-        c.save(_state(1), CFG)
-        with pytest.raises(ck.CheckpointError) as e:
-            c.restore(_state(0, shape=(5, 3)), CFG)
-        assert "['w']: shape (4, 3) in the checkpoint, (5, 3) in the model" in str(e.value)
-        assert "Nothing was overwritten" in str(e.value)
-        other = _state(0)
-        other = other._replace(train=other.train._replace(params={**other.train.params, "extra": jnp.zeros(2)}))
-        with pytest.raises(ck.CheckpointError, match=r"\['extra'\]: in the running model, not in the checkpoint"):
-            c.restore(other, CFG)
-        with pytest.raises(ck.CheckpointError, match=r"config.demo_hidden_size: 64 in the checkpoint, 32 now"):
-            c.restore(_state(0), TrainerConfig(steps=5, demo_hidden_size=32))
-        msgs = []
-        c.log = msgs.append
-        c.restore(_state(0), TrainerConfig(steps=9))             # a harmless change is reported only
-        assert any("steps: 5 -> 9" in m for m in msgs)
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(_state(1), CFG)
+    with pytest.raises(ck.CheckpointError) as e:
+      c.restore(_state(0, shape=(5, 3)), CFG)
+    assert "['w']: shape (4, 3) in the checkpoint, (5, 3) in the model" in str(e.value)
+    assert "Nothing was overwritten" in str(e.value)
+    other = _state(0)
+    other = other._replace(train=other.train._replace(params={**other.train.params, "extra": jnp.zeros(2)}))
+    with pytest.raises(ck.CheckpointError, match=r"\['extra'\]: in the running model, not in the checkpoint"):
+      c.restore(other, CFG)
+    with pytest.raises(ck.CheckpointError, match=r"config.demo_hidden_size: 64 in the checkpoint, 32 now"):
+      c.restore(_state(0), TrainerConfig(steps=5, demo_hidden_size=32))
+    msgs = []
+    c.log = msgs.append
+    c.restore(_state(0), TrainerConfig(steps=9))  # a harmless change is reported only
+    assert any("steps: 5 -> 9" in m for m in msgs)
 
 
 def test_keeps_last_k_and_best_by_eval_metric(tmp_path):
-    root = str(tmp_path / "ckpt")
-    evals = {2: 0.9, 4: 0.1, 6: 0.5}
-    with ck.Checkpointer(root, max_to_keep=2, best_metric="eval_accuracy", log=None) as c:
-        for s in range(1, 8):
-            c.observe({"step": s, "loss": 0.0})
-            if s in evals:
-                c.observe({"step": s, "eval_accuracy": evals[s]})
-            c.save(_state(s), CFG)
-    assert ck.complete_steps(root, log=None) == [2, 6, 7]
-    root2 = str(tmp_path / "ckpt_min")
-    with ck.Checkpointer(root2, max_to_keep=1, best_metric="eval_accuracy", best_mode="min", log=None) as c:
-        for s in range(1, 8):
-            if s in evals:
-                c.observe({"step": s, "eval_accuracy": evals[s]})
-            c.save(_state(s), CFG)
-    assert ck.complete_steps(root2, log=None) == [4, 7]
+  root = str(tmp_path / "ckpt")
+  evals = {2: 0.9, 4: 0.1, 6: 0.5}
+  with ck.Checkpointer(root, max_to_keep=2, best_metric="eval_accuracy", log=None) as c:
+    for s in range(1, 8):
+      c.observe({"step": s, "loss": 0.0})
+      if s in evals:
+        c.observe({"step": s, "eval_accuracy": evals[s]})
+      c.save(_state(s), CFG)
+  assert ck.complete_steps(root, log=None) == [2, 6, 7]
+  root2 = str(tmp_path / "ckpt_min")
+  with ck.Checkpointer(root2, max_to_keep=1, best_metric="eval_accuracy", best_mode="min", log=None) as c:
+    for s in range(1, 8):
+      if s in evals:
+        c.observe({"step": s, "eval_accuracy": evals[s]})
+      c.save(_state(s), CFG)
+  assert ck.complete_steps(root2, log=None) == [4, 7]
 
 
 def test_sync_saving_writes_the_manifest_too(tmp_path):
-    root = str(tmp_path / "ckpt")
-    with ck.Checkpointer(root, async_save=False, log=None) as c:
-        c.save(_state(3), CFG)
-    ck.verify_step(os.path.join(root, "3"))
-    assert ck.has_checkpoint(str(tmp_path)) is False and ck.complete_steps(root, log=None) == [3]
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, async_save=False, log=None) as c:
+    c.save(_state(3), CFG)
+  ck.verify_step(os.path.join(root, "3"))
+  assert ck.has_checkpoint(str(tmp_path)) is False and ck.complete_steps(root, log=None) == [3]
 
 
 def _tiny_demo_state(seed=0):
-    from jaxgrpo import demo, models
-    from jaxgrpo import sharding as shd
-    from jaxgrpo import train as train_lib
-    tok = demo.build_tokenizer()
-    cfg = TrainerConfig(demo_hidden_size=32, demo_layers=1, seed=seed)
-    model = models.build_model(demo.tiny_model_config(len(tok), hidden_size=32, num_layers=1),
-                               rngs=nnx.Rngs(seed))
-    graphdef, ts, _ = train_lib.init_train_state(model, optax.adamw(1e-3), shd.make_mesh(None))
-    return cfg, graphdef, TrainerState(ts, jax.random.key(seed), {"epoch": 0, "offset": 0, "seed": seed,
-                                                                   "num_prompts": 8, "shuffle": True})
+  from jaxgrpo import demo, models
+  from jaxgrpo import sharding as shd
+  from jaxgrpo import train as train_lib
+
+  tok = demo.build_tokenizer()
+  cfg = TrainerConfig(demo_hidden_size=32, demo_layers=1, seed=seed)
+  model = models.build_model(demo.tiny_model_config(len(tok), hidden_size=32, num_layers=1), rngs=nnx.Rngs(seed))
+  graphdef, ts, _ = train_lib.init_train_state(model, optax.adamw(1e-3), shd.make_mesh(None))
+  return (
+    cfg,
+    graphdef,
+    TrainerState(ts, jax.random.key(seed), {"epoch": 0, "offset": 0, "seed": seed, "num_prompts": 8, "shuffle": True}),
+  )
 
 
 @pytest.mark.slow
 def test_restore_params_only_into_a_module_and_a_tree(tmp_path):
-    from jaxgrpo import demo, models
-    cfg, graphdef, state = _tiny_demo_state(seed=1)
-    root = str(tmp_path / "run" / "checkpoints")
-    with ck.Checkpointer(root, log=None) as c:
-        c.save(state, cfg)
-    fresh = models.build_model(demo.tiny_model_config(len(demo.build_tokenizer()), hidden_size=32, num_layers=1),
-                               rngs=nnx.Rngs(7))
-    assert not _leaves_equal(nnx.state(fresh), state.train.params)
-    out = ck.restore_params(str(tmp_path / "run"), fresh)       # a run directory works too
-    assert out is fresh and _leaves_equal(nnx.state(fresh), state.train.params)
-    tree = ck.restore_params(os.path.join(root, "0"), jax.tree.map(jnp.zeros_like, state.train.params))
-    assert _leaves_equal(tree, state.train.params)
-    model, tok, saved_cfg = ck.load_policy(root)
-    assert saved_cfg["demo_hidden_size"] == 32 and _leaves_equal(nnx.state(model), state.train.params)
-    wrong = models.build_model(demo.tiny_model_config(len(tok), hidden_size=64, num_layers=1), rngs=nnx.Rngs(0))
-    with pytest.raises(ck.CheckpointError, match=r"shape \(64, 32\) in the checkpoint|in the checkpoint, \("):
-        ck.restore_params(root, wrong)
+  from jaxgrpo import demo, models
+
+  cfg, graphdef, state = _tiny_demo_state(seed=1)
+  root = str(tmp_path / "run" / "checkpoints")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(state, cfg)
+  fresh = models.build_model(
+    demo.tiny_model_config(len(demo.build_tokenizer()), hidden_size=32, num_layers=1), rngs=nnx.Rngs(7)
+  )
+  assert not _leaves_equal(nnx.state(fresh), state.train.params)
+  out = ck.restore_params(str(tmp_path / "run"), fresh)  # a run directory works too
+  assert out is fresh and _leaves_equal(nnx.state(fresh), state.train.params)
+  tree = ck.restore_params(os.path.join(root, "0"), jax.tree.map(jnp.zeros_like, state.train.params))
+  assert _leaves_equal(tree, state.train.params)
+  model, tok, saved_cfg = ck.load_policy(root)
+  assert saved_cfg["demo_hidden_size"] == 32 and _leaves_equal(nnx.state(model), state.train.params)
+  wrong = models.build_model(demo.tiny_model_config(len(tok), hidden_size=64, num_layers=1), rngs=nnx.Rngs(0))
+  with pytest.raises(ck.CheckpointError, match=r"shape \(64, 32\) in the checkpoint|in the checkpoint, \("):
+    ck.restore_params(root, wrong)
 
 
 @pytest.mark.slow
 def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from jaxgrpo import models
-    cfg, graphdef, state = _tiny_demo_state(seed=2)
-    root = str(tmp_path / "run" / "checkpoints")
-    with ck.Checkpointer(root, log=None) as c:
-        c.save(state, cfg)
-    out = ck.export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    ids = tok(["What is 3 + 4?", "1+1=2"], padding=False)["input_ids"]
-    n = min(len(ids[0]), len(ids[1]))
-    tokens = np.asarray([ids[0][:n], ids[1][:n]], np.int64)
-    with torch.no_grad():
-        want = hf(torch.from_numpy(tokens)).logits.numpy()
-    jax_model = nnx.merge(graphdef, state.train.params)
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    hidden, _ = jax_model(jnp.asarray(tokens, jnp.int32), pos)
-    got = jax_model.logits(hidden)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
-    assert np.abs(want).max() > 1e-3                            # not trivially zero
-    # the CLI does the same
-    import subprocess
-    import sys
-    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root_dir, "scripts", "export_hf.py"), str(tmp_path / "run"),
-                        str(tmp_path / "hf2"), "--step", "0"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    hf2 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32).eval()
-    with torch.no_grad():
-        np.testing.assert_array_equal(hf2(torch.from_numpy(tokens)).logits.numpy(), want)
-    assert models.load_hf(str(tmp_path / "hf2")).config == jax_model.config
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from jaxgrpo import models
+
+  cfg, graphdef, state = _tiny_demo_state(seed=2)
+  root = str(tmp_path / "run" / "checkpoints")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(state, cfg)
+  out = ck.export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  ids = tok(["What is 3 + 4?", "1+1=2"], padding=False)["input_ids"]
+  n = min(len(ids[0]), len(ids[1]))
+  tokens = np.asarray([ids[0][:n], ids[1][:n]], np.int64)
+  with torch.no_grad():
+    want = hf(torch.from_numpy(tokens)).logits.numpy()
+  jax_model = nnx.merge(graphdef, state.train.params)
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  hidden, _ = jax_model(jnp.asarray(tokens, jnp.int32), pos)
+  got = jax_model.logits(hidden)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+  assert np.abs(want).max() > 1e-3  # not trivially zero
+  # the CLI does the same
+  import subprocess
+  import sys
+
+  root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(root_dir, "scripts", "export_hf.py"),
+      str(tmp_path / "run"),
+      str(tmp_path / "hf2"),
+      "--step",
+      "0",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  hf2 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32).eval()
+  with torch.no_grad():
+    np.testing.assert_array_equal(hf2(torch.from_numpy(tokens)).logits.numpy(), want)
+  assert models.load_hf(str(tmp_path / "hf2")).config == jax_model.config

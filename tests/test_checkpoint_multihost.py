@@ -1,13 +1,13 @@
 """Multi-host checkpoints: two processes (localhost, 2 CPU devices each, one fsdp=2 x tensor=2 mesh) save
 one checkpoint, each writing its own shards; it restores exactly in two processes again and in one
 process on a different mesh (1 device)."""
+
 from __future__ import annotations
 
 import os
 import socket
 
 import pytest
-
 from test_train_common import finish_child, start_child
 
 _CHILD = r"""
@@ -59,26 +59,26 @@ else:
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def _two(root, mode):
-    port = _free_port()
-    procs = [start_child(_CHILD, devices=2, args=(2, i, port, root, mode)) for i in range(2)]
-    return [finish_child(p) for p in procs]
+  port = _free_port()
+  procs = [start_child(_CHILD, devices=2, args=(2, i, port, root, mode)) for i in range(2)]
+  return [finish_child(p) for p in procs]
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_two_hosts_save_each_their_shards_restore_on_two_hosts_and_on_one_device(tmp_path):
-    root = str(tmp_path / "ckpt")
-    outs = _two(root, "save")
-    assert all("SAVED 2" in o for o in outs), outs
-    per_process = sorted(d for d in os.listdir(os.path.join(root, "7", "params")) if d.startswith("ocdbt.process_"))
-    assert per_process == ["ocdbt.process_0", "ocdbt.process_1"]         # each host wrote its shards
-    outs = _two(root, "restore")
-    assert all("RESTORED 2 4" in o for o in outs), outs
-    out = finish_child(start_child(_CHILD, devices=1, args=(1, 0, 0, root, "restore")))
-    assert "RESTORED 1 1" in out
+  root = str(tmp_path / "ckpt")
+  outs = _two(root, "save")
+  assert all("SAVED 2" in o for o in outs), outs
+  per_process = sorted(d for d in os.listdir(os.path.join(root, "7", "params")) if d.startswith("ocdbt.process_"))
+  assert per_process == ["ocdbt.process_0", "ocdbt.process_1"]  # each host wrote its shards
+  outs = _two(root, "restore")
+  assert all("RESTORED 2 4" in o for o in outs), outs
+  out = finish_child(start_child(_CHILD, devices=1, args=(1, 0, 0, root, "restore")))
+  assert "RESTORED 1 1" in out

@@ -8,6 +8,7 @@
 
 The runs share a persistent XLA compilation cache, so only the first run of each mesh compiles.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,13 +30,56 @@ from jaxgrpo.metrics import read_jsonl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 # tiny demo run with a short warm-up, so that rewards vary within groups and updates are non-zero
-ARGS = ["--model", "demo", "--dataset", "demo", "--demo-hidden-size", "32", "--demo-layers", "1",
-        "--demo-train-size", "64", "--demo-eval-size", "8", "--demo-sft-steps", "150", "--demo-sft-lr", "1e-2",
-        "--demo-sft-batch", "16", "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "16",
-        "--max-prompt-tokens", "64", "--learning-rate", "3e-4", "--temperature", "1.5", "--beta", "0.04",
-        "--chunk-size", "null", "--eval-every", "3",
-        "--eval-samples", "2", "--eval-pass-k", "[1]", "--reward-timeout-s", "null",
-        "--rewards", "{format: 1.0, accuracy: 1.0}", "--checkpoint-every", "1", "--no-plot", "--no-progress"]
+ARGS = [
+  "--model",
+  "demo",
+  "--dataset",
+  "demo",
+  "--demo-hidden-size",
+  "32",
+  "--demo-layers",
+  "1",
+  "--demo-train-size",
+  "64",
+  "--demo-eval-size",
+  "8",
+  "--demo-sft-steps",
+  "150",
+  "--demo-sft-lr",
+  "1e-2",
+  "--demo-sft-batch",
+  "16",
+  "--group-size",
+  "4",
+  "--prompts-per-step",
+  "2",
+  "--max-new-tokens",
+  "16",
+  "--max-prompt-tokens",
+  "64",
+  "--learning-rate",
+  "3e-4",
+  "--temperature",
+  "1.5",
+  "--beta",
+  "0.04",
+  "--chunk-size",
+  "null",
+  "--eval-every",
+  "3",
+  "--eval-samples",
+  "2",
+  "--eval-pass-k",
+  "[1]",
+  "--reward-timeout-s",
+  "null",
+  "--rewards",
+  "{format: 1.0, accuracy: 1.0}",
+  "--checkpoint-every",
+  "1",
+  "--no-plot",
+  "--no-progress",
+]
 TIMING = ("tokens_per_sec", "step_time", "rollout_time")
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -43,144 +87,155 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    e = dict(os.environ)
-    e.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             PYTHONUNBUFFERED="1")
-    e.pop("XLA_FLAGS", None)
-    return e
+  e = dict(os.environ)
+  e.update(
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    PYTHONUNBUFFERED="1",
+  )
+  e.pop("XLA_FLAGS", None)
+  return e
 
 
 def _train(env, out, steps, *extra, devices=None):
-    cmd = [sys.executable, TRAIN, *ARGS, "--out", str(out), "--steps", str(steps), *extra]
-    if devices:
-        cmd += ["--cpu-devices", str(devices)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return r.stdout
+  cmd = [sys.executable, TRAIN, *ARGS, "--out", str(out), "--steps", str(steps), *extra]
+  if devices:
+    cmd += ["--cpu-devices", str(devices)]
+  r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+  return r.stdout
 
 
 def _records(out):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(os.path.join(out, "metrics.jsonl"))]
 
 
 def _params(out):
-    model, _, _ = ck.load_policy(str(out))
-    from flax import nnx
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in
-            jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
+  model, _, _ = ck.load_policy(str(out))
+  from flax import nnx
+
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
 
 
 @pytest.fixture(scope="module")
 def straight(env, tmp_path_factory):
-    """The uninterrupted reference: 6 steps; plus a copy of a separate run stopped after 3 steps."""
-    base = tmp_path_factory.mktemp("runs")
-    _train(env, base / "straight", 6)
-    _train(env, base / "three", 3)
-    return base
+  """The uninterrupted reference: 6 steps; plus a copy of a separate run stopped after 3 steps."""
+  base = tmp_path_factory.mktemp("runs")
+  _train(env, base / "straight", 6)
+  _train(env, base / "three", 3)
+  return base
 
 
 def _assert_same_records(got, want, rtol=0.0, atol=0.0):
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want):
-        assert g.keys() == w.keys(), (g, w)
-        for k in w:
-            if rtol == 0.0 or not isinstance(w[k], float):
-                assert g[k] == w[k], (k, g, w)
-            else:
-                np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=f"{k} at step {w['step']}")
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys(), (g, w)
+    for k in w:
+      if rtol == 0.0 or not isinstance(w[k], float):
+        assert g[k] == w[k], (k, g, w)
+      else:
+        np.testing.assert_allclose(g[k], w[k], rtol=rtol, atol=atol, err_msg=f"{k} at step {w['step']}")
 
 
 def test_resume_is_exact(straight, env, tmp_path):
-    want = _records(straight / "straight")
-    updates = [r for r in want if "loss" in r]
-    assert [r["step"] for r in updates] == [1, 2, 3, 4, 5, 6]
-    assert all(r["grad_norm"] > 0 for r in updates) and any(r["kl"] > 0 for r in updates)   # real updates
-    run = tmp_path / "resumed"
-    shutil.copytree(straight / "three", run)
-    out = _train(env, run, 6)                         # no --resume: on by default when OUT has a checkpoint
-    assert re.search(r"resumed from checkpoint .*/checkpoints/3 \(step 3\)", out)
-    got = _records(run)
-    _assert_same_records([r for r in got if r["step"] > 3], [r for r in want if r["step"] > 3])
-    _assert_same_records(got, want)                   # steps 0-3 were kept, nothing duplicated
-    pa, pb = _params(straight / "straight"), _params(run)
-    assert pa.keys() == pb.keys()
-    for k in pa:
-        np.testing.assert_array_equal(pb[k], pa[k], err_msg=k)
-    p3 = _params(straight / "three")
-    assert any(not np.array_equal(p3[k], pa[k]) for k in pa)   # steps 4-6 did change the parameters
-    assert os.listdir(run / "tensorboard")                     # event files written
-    # --no-resume on a directory with checkpoints refuses instead of mixing two runs
-    r = subprocess.run([sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "6", "--no-resume"], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode != 0 and "holds checkpoints of an earlier run" in r.stderr
-    assert ck.complete_steps(str(run / "checkpoints"), log=None) == [4, 5, 6]
+  want = _records(straight / "straight")
+  updates = [r for r in want if "loss" in r]
+  assert [r["step"] for r in updates] == [1, 2, 3, 4, 5, 6]
+  assert all(r["grad_norm"] > 0 for r in updates) and any(r["kl"] > 0 for r in updates)  # real updates
+  run = tmp_path / "resumed"
+  shutil.copytree(straight / "three", run)
+  out = _train(env, run, 6)  # no --resume: on by default when OUT has a checkpoint
+  assert re.search(r"resumed from checkpoint .*/checkpoints/3 \(step 3\)", out)
+  got = _records(run)
+  _assert_same_records([r for r in got if r["step"] > 3], [r for r in want if r["step"] > 3])
+  _assert_same_records(got, want)  # steps 0-3 were kept, nothing duplicated
+  pa, pb = _params(straight / "straight"), _params(run)
+  assert pa.keys() == pb.keys()
+  for k in pa:
+    np.testing.assert_array_equal(pb[k], pa[k], err_msg=k)
+  p3 = _params(straight / "three")
+  assert any(not np.array_equal(p3[k], pa[k]) for k in pa)  # steps 4-6 did change the parameters
+  assert os.listdir(run / "tensorboard")  # event files written
+  # --no-resume on a directory with checkpoints refuses instead of mixing two runs
+  r = subprocess.run(
+    [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "6", "--no-resume"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+  )
+  assert r.returncode != 0 and "holds checkpoints of an earlier run" in r.stderr
+  assert ck.complete_steps(str(run / "checkpoints"), log=None) == [4, 5, 6]
 
 
 def test_resume_across_mesh_changes(straight, env, tmp_path):
-    """Stopped at 3 on 1 device -> steps 4-5 on 8 virtual devices (fsdp=8) -> step 6 on 1 device."""
-    run = tmp_path / "run"
-    shutil.copytree(straight / "three", run)
-    out = _train(env, run, 5, devices=8)
-    assert "devices: 8 (cpu)" in out and re.search(r"resumed from checkpoint \S+ \(step 3\)", out)
-    out = _train(env, run, 6)
-    assert "devices: 1 (cpu)" in out and re.search(r"resumed from checkpoint \S+ \(step 5\)", out)
-    # parameters within rtol 1e-5 (reductions split over 8 devices round differently)
-    pa, pb = _params(straight / "straight"), _params(run)
-    worst = max(float(np.max(np.abs(pb[k] - pa[k]))) for k in pa)
-    print(f"mesh change: largest parameter difference {worst:.2e}")
-    for k in pa:
-        np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    # the run stopped at 5 also evaluated at 5: compare the updates 4-6 and the final evaluation; the
-    # same sampled tokens and rewards, losses and KL (~1e-2, sums of ~100 terms) within 1e-5
-    pick = lambda recs: [r for r in recs if r["step"] > 3 and ("loss" in r or r["step"] == 6)]
-    _assert_same_records(pick(_records(run)), pick(_records(straight / "straight")), rtol=1e-5, atol=1e-5)
+  """Stopped at 3 on 1 device -> steps 4-5 on 8 virtual devices (fsdp=8) -> step 6 on 1 device."""
+  run = tmp_path / "run"
+  shutil.copytree(straight / "three", run)
+  out = _train(env, run, 5, devices=8)
+  assert "devices: 8 (cpu)" in out and re.search(r"resumed from checkpoint \S+ \(step 3\)", out)
+  out = _train(env, run, 6)
+  assert "devices: 1 (cpu)" in out and re.search(r"resumed from checkpoint \S+ \(step 5\)", out)
+  # parameters within rtol 1e-5 (reductions split over 8 devices round differently)
+  pa, pb = _params(straight / "straight"), _params(run)
+  worst = max(float(np.max(np.abs(pb[k] - pa[k]))) for k in pa)
+  print(f"mesh change: largest parameter difference {worst:.2e}")
+  for k in pa:
+    np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  # the run stopped at 5 also evaluated at 5: compare the updates 4-6 and the final evaluation; the
+  # same sampled tokens and rewards, losses and KL (~1e-2, sums of ~100 terms) within 1e-5
+  pick = lambda recs: [r for r in recs if r["step"] > 3 and ("loss" in r or r["step"] == 6)]
+  _assert_same_records(pick(_records(run)), pick(_records(straight / "straight")), rtol=1e-5, atol=1e-5)
 
 
 def test_sigkill_at_random_moments_then_resume(straight, env, tmp_path):
-    """One run killed with SIGKILL three times (after a random started checkpoint, with a random delay:
-    often while it is being written), resumed after each kill, then finished."""
-    rng = random.Random(1234)
-    want_params, want_records = _params(straight / "straight"), _records(straight / "straight")
-    run, ckdir = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
-    kills = sorted(rng.sample(range(1, 6), 3))
-    during_save, resumed_from = 0, []
-    for kill_after in kills:
-        done = ck.complete_steps(ckdir, log=None)
-        if done and done[-1] >= kill_after:
-            continue
-        delay = rng.choice([0.0, rng.uniform(0.0, 0.3)])
-        cmd = [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "6"]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                cwd=ROOT)
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith(f"checkpoint: step {kill_after} "):
-                time.sleep(delay)
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-        proc.wait(timeout=600)
-        proc.stdout.close()
-        assert proc.returncode == -signal.SIGKILL, "".join(lines[-30:])
-        if done:   # this run resumed from the latest complete checkpoint
-            m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", "".join(lines))
-            assert m and int(m.group(1)) == done[-1], "".join(lines[-30:])
-            resumed_from.append(done[-1])
-        _, tmps = ck._step_dirs(ckdir)
-        complete = ck.complete_steps(ckdir, log=None)
-        during_save += bool(tmps) or kill_after not in complete
-        # at most the step whose save was interrupted is lost
-        assert (complete[-1] if complete else 0) >= kill_after - 1, (complete, kill_after)
-        for s in complete:
-            ck.verify_step(os.path.join(ckdir, str(s)))
+  """One run killed with SIGKILL three times (after a random started checkpoint, with a random delay:
+  often while it is being written), resumed after each kill, then finished."""
+  rng = random.Random(1234)
+  want_params, want_records = _params(straight / "straight"), _records(straight / "straight")
+  run, ckdir = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
+  kills = sorted(rng.sample(range(1, 6), 3))
+  during_save, resumed_from = 0, []
+  for kill_after in kills:
     done = ck.complete_steps(ckdir, log=None)
-    out = _train(env, run, 6)
-    m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", out)
-    assert m and int(m.group(1)) == done[-1], out[-2000:]
-    got = _params(run)
-    for k in want_params:
-        np.testing.assert_array_equal(got[k], want_params[k], err_msg=k)
-    _assert_same_records(_records(run), want_records)
-    print(f"kills after checkpoints {kills}; {during_save} landed before that checkpoint was complete; "
-          f"resumed from {resumed_from + [done[-1]]}")
+    if done and done[-1] >= kill_after:
+      continue
+    delay = rng.choice([0.0, rng.uniform(0.0, 0.3)])
+    cmd = [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "6"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    lines = []
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith(f"checkpoint: step {kill_after} "):
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        break
+    proc.wait(timeout=600)
+    proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL, "".join(lines[-30:])
+    if done:  # this run resumed from the latest complete checkpoint
+      m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", "".join(lines))
+      assert m and int(m.group(1)) == done[-1], "".join(lines[-30:])
+      resumed_from.append(done[-1])
+    _, tmps = ck._step_dirs(ckdir)
+    complete = ck.complete_steps(ckdir, log=None)
+    during_save += bool(tmps) or kill_after not in complete
+    # at most the step whose save was interrupted is lost
+    assert (complete[-1] if complete else 0) >= kill_after - 1, (complete, kill_after)
+    for s in complete:
+      ck.verify_step(os.path.join(ckdir, str(s)))
+  done = ck.complete_steps(ckdir, log=None)
+  out = _train(env, run, 6)
+  m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", out)
+  assert m and int(m.group(1)) == done[-1], out[-2000:]
+  got = _params(run)
+  for k in want_params:
+    np.testing.assert_array_equal(got[k], want_params[k], err_msg=k)
+  _assert_same_records(_records(run), want_records)
+  print(
+    f"kills after checkpoints {kills}; {during_save} landed before that checkpoint was complete; "
+    f"resumed from {resumed_from + [done[-1]]}"
+  )

@@ -1,5 +1,6 @@
 """jaxgrpo.data: fixtures in every format load with the right mapping and template as expected;
 long prompts are dropped and counted; the iterator is deterministic and resumable; host slicing."""
+
 from __future__ import annotations
 
 import os
@@ -15,106 +16,109 @@ FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_tokenizer()
+  return build_tokenizer()
 
 
-@pytest.mark.parametrize("fname, prompt0, answer0, extra_col", [
+@pytest.mark.parametrize(
+  "fname, prompt0, answer0, extra_col",
+  [
     ("openrs.jsonl", "What is $\\frac{1}{2} + \\frac{1}{3}$?", "\\frac{5}{6}", "level"),
     ("math500.jsonl", "Find $\\sqrt{16}$.", "4", "unique_id"),
     ("dapo.parquet", [{"role": "user", "content": "What is 2 + 2?"}], "4", "data_source"),
     ("gsm8k_saved", "Tom has 3 apples and buys 4 more. How many apples does he have?", "7", "question"),
-])
+  ],
+)
 def test_fixture_loads_with_detected_mapping(fname, prompt0, answer0, extra_col):
-    ex = data.load_math_dataset(os.path.join(FIX, fname))
-    assert ex[0].prompt == prompt0 and ex[0].answer == answer0
-    assert extra_col in ex[0].columns
+  ex = data.load_math_dataset(os.path.join(FIX, fname))
+  assert ex[0].prompt == prompt0 and ex[0].answer == answer0
+  assert extra_col in ex[0].columns
 
 
 def test_gsm8k_answer_is_the_number_after_hashes():
-    ex = data.load_math_dataset(os.path.join(FIX, "gsm8k_saved"), mapping="gsm8k")
-    assert [e.answer for e in ex] == ["7", "2000"]
-    with pytest.raises(ValueError, match="####"):
-        data.gsm8k_final_answer("no marker 7")
+  ex = data.load_math_dataset(os.path.join(FIX, "gsm8k_saved"), mapping="gsm8k")
+  assert [e.answer for e in ex] == ["7", "2000"]
+  with pytest.raises(ValueError, match="####"):
+    data.gsm8k_final_answer("no marker 7")
 
 
 def test_named_and_dict_mappings():
-    a = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping="openrs")
-    b = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping={"prompt": "problem", "answer": "level"})
-    assert a[1].answer == "56" and b[1].answer == "Level 1"
-    d = data.load_math_dataset(os.path.join(FIX, "dapo.parquet"), mapping="dapo", limit=1)
-    assert len(d) == 1 and d[0].columns["reward_model"]["style"] == "rule-lighteval/MATH_v2"
+  a = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping="openrs")
+  b = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping={"prompt": "problem", "answer": "level"})
+  assert a[1].answer == "56" and b[1].answer == "Level 1"
+  d = data.load_math_dataset(os.path.join(FIX, "dapo.parquet"), mapping="dapo", limit=1)
+  assert len(d) == 1 and d[0].columns["reward_model"]["style"] == "rule-lighteval/MATH_v2"
 
 
 def test_missing_column_lists_found_and_expected():
-    with pytest.raises(ValueError) as e:
-        data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping={"prompt": "question", "answer": "answer"})
-    msg = str(e.value)
-    assert "question" in msg and "found" in msg and "problem" in msg and "level" in msg
-    with pytest.raises(ValueError, match="found"):
-        data.examples_from_rows([{"foo": 1, "bar": 2}])          # no built-in layout matches
-    with pytest.raises(ValueError, match="mapping"):
-        data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping="nope")
+  with pytest.raises(ValueError) as e:
+    data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping={"prompt": "question", "answer": "answer"})
+  msg = str(e.value)
+  assert "question" in msg and "found" in msg and "problem" in msg and "level" in msg
+  with pytest.raises(ValueError, match="found"):
+    data.examples_from_rows([{"foo": 1, "bar": 2}])  # no built-in layout matches
+  with pytest.raises(ValueError, match="mapping"):
+    data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"), mapping="nope")
 
 
 def test_template_appends_instruction_and_generation_prompt(tok):
-    ex = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"))
-    enc = data.encode_prompts(tok, ex, max_prompt_tokens=512)
-    expect = ("<|user|>Compute $7 \\times 8$.\n\n" + data.INSTRUCTION + "<|end|><|assistant|>")
-    assert enc.texts[1] == expect
-    assert tok.decode(enc.tokens[1]) == expect
-    chat = data.load_math_dataset(os.path.join(FIX, "dapo.parquet"))
-    enc = data.encode_prompts(tok, chat, max_prompt_tokens=512)
-    assert enc.texts[0] == "<|user|>What is 2 + 2?\n\n" + data.INSTRUCTION + "<|end|><|assistant|>"
-    # an instruction already present is not repeated
-    msgs = data.build_messages("Q\n\n" + data.INSTRUCTION)
-    assert msgs[0]["content"].count(data.INSTRUCTION) == 1
-    assert data.build_messages("Q", instruction=None) == [{"role": "user", "content": "Q"}]
+  ex = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"))
+  enc = data.encode_prompts(tok, ex, max_prompt_tokens=512)
+  expect = "<|user|>Compute $7 \\times 8$.\n\n" + data.INSTRUCTION + "<|end|><|assistant|>"
+  assert enc.texts[1] == expect
+  assert tok.decode(enc.tokens[1]) == expect
+  chat = data.load_math_dataset(os.path.join(FIX, "dapo.parquet"))
+  enc = data.encode_prompts(tok, chat, max_prompt_tokens=512)
+  assert enc.texts[0] == "<|user|>What is 2 + 2?\n\n" + data.INSTRUCTION + "<|end|><|assistant|>"
+  # an instruction already present is not repeated
+  msgs = data.build_messages("Q\n\n" + data.INSTRUCTION)
+  assert msgs[0]["content"].count(data.INSTRUCTION) == 1
+  assert data.build_messages("Q", instruction=None) == [{"role": "user", "content": "Q"}]
 
 
 def test_long_prompts_dropped_with_counted_warning_never_truncated(tok):
-    ex = data.load_math_dataset(os.path.join(FIX, "gsm8k_saved"))
-    lens = [len(t) for t in data.encode_prompts(tok, ex, max_prompt_tokens=10_000).tokens]
-    limit = min(lens)        # the longer prompt is dropped, the shorter kept whole
-    assert lens[0] != lens[1]
-    with pytest.warns(UserWarning, match="dropped 1 of 2"):
-        enc = data.encode_prompts(tok, ex, max_prompt_tokens=limit)
-    assert enc.num_dropped == 1 and len(enc.tokens[0]) == limit
-    assert enc.kept == [int(np.argmin(lens))]
-    with pytest.raises(ValueError, match="every prompt"), pytest.warns(UserWarning):
-        data.encode_prompts(tok, ex, max_prompt_tokens=3)
+  ex = data.load_math_dataset(os.path.join(FIX, "gsm8k_saved"))
+  lens = [len(t) for t in data.encode_prompts(tok, ex, max_prompt_tokens=10_000).tokens]
+  limit = min(lens)  # the longer prompt is dropped, the shorter kept whole
+  assert lens[0] != lens[1]
+  with pytest.warns(UserWarning, match="dropped 1 of 2"):
+    enc = data.encode_prompts(tok, ex, max_prompt_tokens=limit)
+  assert enc.num_dropped == 1 and len(enc.tokens[0]) == limit
+  assert enc.kept == [int(np.argmin(lens))]
+  with pytest.raises(ValueError, match="every prompt"), pytest.warns(UserWarning):
+    data.encode_prompts(tok, ex, max_prompt_tokens=3)
 
 
 def test_pad_left():
-    t, m = data.pad_left([[5, 6], [7]], 4, pad_id=0)
-    np.testing.assert_array_equal(t, [[0, 0, 5, 6], [0, 0, 0, 7]])
-    np.testing.assert_array_equal(m, [[0, 0, 1, 1], [0, 0, 0, 1]])
-    with pytest.raises(ValueError, match="length"):
-        data.pad_left([[1, 2, 3]], 2, pad_id=0)
+  t, m = data.pad_left([[5, 6], [7]], 4, pad_id=0)
+  np.testing.assert_array_equal(t, [[0, 0, 5, 6], [0, 0, 0, 7]])
+  np.testing.assert_array_equal(m, [[0, 0, 1, 1], [0, 0, 0, 1]])
+  with pytest.raises(ValueError, match="length"):
+    data.pad_left([[1, 2, 3]], 2, pad_id=0)
 
 
 def test_iterator_deterministic_epochs_and_exact_resume():
-    it = data.PromptIterator(5, seed=3)
-    first = np.concatenate([it.next(2) for _ in range(5)])           # two epochs
-    assert sorted(first[:5]) == list(range(5)) and sorted(first[5:]) == list(range(5))
-    assert not np.array_equal(first[:5], first[5:])                   # reshuffled per epoch
-    again = data.PromptIterator(5, seed=3)
-    np.testing.assert_array_equal(np.concatenate([again.next(3), again.next(7)]), first)
-    # resume from a saved position
-    a = data.PromptIterator(7, seed=1)
-    a.next(4)
-    saved = a.state()
-    rest = a.next(9)
-    b = data.PromptIterator(7, seed=1).restore(saved)
-    np.testing.assert_array_equal(b.next(9), rest)
-    with pytest.raises(ValueError, match="seed"):
-        data.PromptIterator(7, seed=2).restore(saved)
+  it = data.PromptIterator(5, seed=3)
+  first = np.concatenate([it.next(2) for _ in range(5)])  # two epochs
+  assert sorted(first[:5]) == list(range(5)) and sorted(first[5:]) == list(range(5))
+  assert not np.array_equal(first[:5], first[5:])  # reshuffled per epoch
+  again = data.PromptIterator(5, seed=3)
+  np.testing.assert_array_equal(np.concatenate([again.next(3), again.next(7)]), first)
+  # resume from a saved position
+  a = data.PromptIterator(7, seed=1)
+  a.next(4)
+  saved = a.state()
+  rest = a.next(9)
+  b = data.PromptIterator(7, seed=1).restore(saved)
+  np.testing.assert_array_equal(b.next(9), rest)
+  with pytest.raises(ValueError, match="seed"):
+    data.PromptIterator(7, seed=2).restore(saved)
 
 
 def test_host_slice_partitions_the_global_batch():
-    batch = np.arange(8)
-    parts = [data.host_slice(batch, p, 4) for p in range(4)]
-    np.testing.assert_array_equal(np.concatenate(parts), batch)
-    with pytest.raises(ValueError, match="divide"):
-        data.host_slice(np.arange(6), 0, 4)
-    with pytest.raises(ValueError, match="process_index"):
-        data.host_slice(batch, 4, 4)
+  batch = np.arange(8)
+  parts = [data.host_slice(batch, p, 4) for p in range(4)]
+  np.testing.assert_array_equal(np.concatenate(parts), batch)
+  with pytest.raises(ValueError, match="divide"):
+    data.host_slice(np.arange(6), 0, 4)
+  with pytest.raises(ValueError, match="process_index"):
+    data.host_slice(batch, 4, 4)

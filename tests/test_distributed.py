@@ -1,12 +1,12 @@
 """Two processes on localhost (gloo, 2 CPU devices each) reach the same parameters as one process with
 4 devices; each process feeds only its own rows of the batch."""
+
 from __future__ import annotations
 
 import socket
 
 import numpy as np
 import pytest
-
 from test_train_common import finish_child, start_child
 
 _CHILD = r"""
@@ -69,8 +69,16 @@ def test_two_processes_match_one(tmp_path):
 
 def test_initialize_flag_errors(monkeypatch):
   from jaxgrpo import distributed
-  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-               "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS"):
+
+  for name in (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "SLURM_JOB_ID",
+    "OMPI_COMM_WORLD_SIZE",
+    "TPU_WORKER_HOSTNAMES",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+  ):
     monkeypatch.delenv(name, raising=False)
   assert distributed.cluster_detected() is None
   assert distributed.initialize() is False  # single process: nothing to start

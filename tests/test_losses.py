@@ -1,3 +1,4 @@
+import core_refs as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import core_refs as ref
 import jaxgrpo as jg
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -13,192 +13,206 @@ AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def test_aggregations_hand_computed():
-    # ratio 1 and advantage -l make the per-token loss exactly l
-    l = np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
-    mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], bool)
-    lp = jnp.zeros((3, 3))
-    want = {"token-mean": 6 / 3, "seq-mean-token-mean": (1.5 + 3) / 2, "seq-mean-token-sum-norm": 6 / (3 * 3)}
-    for agg, w in want.items():
-        loss, metrics = jg.policy_loss(lp, lp, jnp.asarray(-l), mask, aggregation=agg)
-        assert float(loss) == pytest.approx(w), agg
-        assert float(metrics["tokens"]) == 3 and float(metrics["sequences"]) == 2
-    loss, _ = jg.policy_loss(lp, lp, jnp.asarray(-l), mask, aggregation="seq-mean-token-sum-norm", max_tokens=4)
-    assert float(loss) == pytest.approx(6 / 12)
+  # ratio 1 and advantage -l make the per-token loss exactly l
+  l = np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+  mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], bool)
+  lp = jnp.zeros((3, 3))
+  want = {"token-mean": 6 / 3, "seq-mean-token-mean": (1.5 + 3) / 2, "seq-mean-token-sum-norm": 6 / (3 * 3)}
+  for agg, w in want.items():
+    loss, metrics = jg.policy_loss(lp, lp, jnp.asarray(-l), mask, aggregation=agg)
+    assert float(loss) == pytest.approx(w), agg
+    assert float(metrics["tokens"]) == 3 and float(metrics["sequences"]) == 2
+  loss, _ = jg.policy_loss(lp, lp, jnp.asarray(-l), mask, aggregation="seq-mean-token-sum-norm", max_tokens=4)
+  assert float(loss) == pytest.approx(6 / 12)
 
 
 def _one_token_loss(ratio, adv, **kw):
-    logp = jnp.log(jnp.array([[ratio]], jnp.float32))
-    old = jnp.zeros((1, 1))
-    f = lambda lp: jg.policy_loss(lp, old, jnp.array([adv], jnp.float32), jnp.ones((1, 1), bool), **kw)[0]
-    return float(f(logp)), float(jax.grad(f)(logp)[0, 0]), jg.policy_loss(
-        logp, old, jnp.array([adv], jnp.float32), jnp.ones((1, 1), bool), **kw)[1]
+  logp = jnp.log(jnp.array([[ratio]], jnp.float32))
+  old = jnp.zeros((1, 1))
+  f = lambda lp: jg.policy_loss(lp, old, jnp.array([adv], jnp.float32), jnp.ones((1, 1), bool), **kw)[0]
+  return (
+    float(f(logp)),
+    float(jax.grad(f)(logp)[0, 0]),
+    jg.policy_loss(logp, old, jnp.array([adv], jnp.float32), jnp.ones((1, 1), bool), **kw)[1],
+  )
 
 
-@pytest.mark.parametrize("ratio, adv, want_loss, clipped, which", [
-    (1.1, 1.0, -1.1, False, None),       # inside the range, positive A: gradient flows
-    (1.5, 1.0, -1.2, True, "high"),      # above 1+ε with A>0: clipped, no gradient
-    (0.5, 1.0, -0.5, False, None),       # below 1-ε with A>0: min picks the unclipped term
-    (0.9, -1.0, 0.9, False, None),       # inside the range, negative A
-    (0.5, -1.0, 0.8, True, "low"),       # below 1-ε with A<0: clipped
-    (1.5, -1.0, 1.5, False, None),       # above 1+ε with A<0: unclipped (corrective gradient kept)
-])
+@pytest.mark.parametrize(
+  "ratio, adv, want_loss, clipped, which",
+  [
+    (1.1, 1.0, -1.1, False, None),  # inside the range, positive A: gradient flows
+    (1.5, 1.0, -1.2, True, "high"),  # above 1+ε with A>0: clipped, no gradient
+    (0.5, 1.0, -0.5, False, None),  # below 1-ε with A>0: min picks the unclipped term
+    (0.9, -1.0, 0.9, False, None),  # inside the range, negative A
+    (0.5, -1.0, 0.8, True, "low"),  # below 1-ε with A<0: clipped
+    (1.5, -1.0, 1.5, False, None),  # above 1+ε with A<0: unclipped (corrective gradient kept)
+  ],
+)
 def test_clipping_both_signs(ratio, adv, want_loss, clipped, which):
-    loss, grad, metrics = _one_token_loss(ratio, adv)
-    assert loss == pytest.approx(want_loss, rel=1e-6)
-    if clipped:
-        assert grad == 0.0
-        assert float(metrics[f"clip_frac_{which}"]) == 1.0
-    else:
-        assert grad == pytest.approx(-adv * ratio, rel=1e-5)   # d(-ρA)/dlogp = -ρA
-        assert float(metrics["clip_frac_low"]) == float(metrics["clip_frac_high"]) == 0.0
+  loss, grad, metrics = _one_token_loss(ratio, adv)
+  assert loss == pytest.approx(want_loss, rel=1e-6)
+  if clipped:
+    assert grad == 0.0
+    assert float(metrics[f"clip_frac_{which}"]) == 1.0
+  else:
+    assert grad == pytest.approx(-adv * ratio, rel=1e-5)  # d(-ρA)/dlogp = -ρA
+    assert float(metrics["clip_frac_low"]) == float(metrics["clip_frac_high"]) == 0.0
 
 
 def test_asymmetric_clip_and_dual_clip():
-    loss, grad, _ = _one_token_loss(1.25, 1.0, clip_eps_high=0.28)
-    assert loss == pytest.approx(-1.25) and grad != 0.0
-    loss, grad, _ = _one_token_loss(1.35, 1.0, clip_eps_high=0.28)
-    assert loss == pytest.approx(-1.28) and grad == 0.0
-    loss, grad, m = _one_token_loss(5.0, -1.0, dual_clip=3.0)
-    assert loss == pytest.approx(3.0) and grad == 0.0 and float(m["clip_frac_dual"]) == 1.0
-    loss, grad, m = _one_token_loss(2.0, -1.0, dual_clip=3.0)
-    assert loss == pytest.approx(2.0) and grad != 0.0 and float(m["clip_frac_dual"]) == 0.0
+  loss, grad, _ = _one_token_loss(1.25, 1.0, clip_eps_high=0.28)
+  assert loss == pytest.approx(-1.25) and grad != 0.0
+  loss, grad, _ = _one_token_loss(1.35, 1.0, clip_eps_high=0.28)
+  assert loss == pytest.approx(-1.28) and grad == 0.0
+  loss, grad, m = _one_token_loss(5.0, -1.0, dual_clip=3.0)
+  assert loss == pytest.approx(3.0) and grad == 0.0 and float(m["clip_frac_dual"]) == 1.0
+  loss, grad, m = _one_token_loss(2.0, -1.0, dual_clip=3.0)
+  assert loss == pytest.approx(2.0) and grad != 0.0 and float(m["clip_frac_dual"]) == 0.0
 
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_all_padding_gives_finite_loss_and_grads(agg):
-    lp = jnp.full((2, 3), -1.0)
-    mask = jnp.zeros((2, 3), bool)
-    f = lambda lp: jg.policy_loss(lp, lp - 0.1, jnp.array([1.0, -1.0]), mask, aggregation=agg,
-                                  kl=jg.kl_penalty(lp, lp + 0.3), beta=0.1)[0]
-    assert float(f(lp)) == 0.0
-    g = jax.grad(f)(lp)
-    assert np.all(np.isfinite(g)) and np.all(g == 0)
-    _, metrics = jg.policy_loss(lp, lp, jnp.zeros(2), mask, aggregation=agg)
-    assert all(np.isfinite(float(v)) for k, v in metrics.items() if not k.endswith(("_max", "_min")))
+  lp = jnp.full((2, 3), -1.0)
+  mask = jnp.zeros((2, 3), bool)
+  f = lambda lp: jg.policy_loss(
+    lp, lp - 0.1, jnp.array([1.0, -1.0]), mask, aggregation=agg, kl=jg.kl_penalty(lp, lp + 0.3), beta=0.1
+  )[0]
+  assert float(f(lp)) == 0.0
+  g = jax.grad(f)(lp)
+  assert np.all(np.isfinite(g)) and np.all(g == 0)
+  _, metrics = jg.policy_loss(lp, lp, jnp.zeros(2), mask, aggregation=agg)
+  assert all(np.isfinite(float(v)) for k, v in metrics.items() if not k.endswith(("_max", "_min")))
 
 
 def _random_batch(seed, b=6, t=5):
-    rng = np.random.default_rng(seed)
-    lp = rng.normal(size=(b, t)).astype(np.float32) * 0.3 - 1
-    old = lp + rng.normal(size=(b, t)).astype(np.float32) * 0.3
-    refl = lp + rng.normal(size=(b, t)).astype(np.float32) * 0.3
-    adv = rng.normal(size=(b, t)).astype(np.float32)
-    mask = np.arange(t)[None] < rng.integers(0, t + 1, size=(b, 1))
-    w = rng.uniform(0.1, 1, size=(b, t)).astype(np.float32)
-    return lp, old, refl, adv, mask, w
+  rng = np.random.default_rng(seed)
+  lp = rng.normal(size=(b, t)).astype(np.float32) * 0.3 - 1
+  old = lp + rng.normal(size=(b, t)).astype(np.float32) * 0.3
+  refl = lp + rng.normal(size=(b, t)).astype(np.float32) * 0.3
+  adv = rng.normal(size=(b, t)).astype(np.float32)
+  mask = np.arange(t)[None] < rng.integers(0, t + 1, size=(b, 1))
+  w = rng.uniform(0.1, 1, size=(b, t)).astype(np.float32)
+  return lp, old, refl, adv, mask, w
 
 
 @SETTINGS
 @given(st.integers(0, 10**6), st.sampled_from(AGGS), st.integers(1, 5), st.booleans())
 def test_two_micro_batches_equal_the_full_batch(seed, agg, split, per_token_adv):
-    lp, old, refl, adv, mask, w = _random_batch(seed)
-    if not per_token_adv:
-        adv = adv[:, 0]
-    kw = dict(aggregation=agg, beta=0.04, dual_clip=3.0, clip_eps_high=0.28)
+  lp, old, refl, adv, mask, w = _random_batch(seed)
+  if not per_token_adv:
+    adv = adv[:, 0]
+  kw = dict(aggregation=agg, beta=0.04, dual_clip=3.0, clip_eps_high=0.28)
 
-    def terms(sl):
-        return jg.policy_loss_terms(lp[sl], old[sl], adv[sl], mask[sl], token_weights=w[sl],
-                                    kl=jg.kl_penalty(lp[sl], refl[sl]), max_tokens=5, **kw)
-    full_loss, full_m = jg.finalize_terms(terms(slice(None)))
-    loss, m = jg.finalize_terms(jg.combine_terms(terms(slice(0, split)), terms(slice(split, None))))
-    np.testing.assert_allclose(loss, full_loss, rtol=1e-5, atol=1e-7)
-    for k in full_m:
-        np.testing.assert_allclose(m[k], full_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  def terms(sl):
+    return jg.policy_loss_terms(
+      lp[sl], old[sl], adv[sl], mask[sl], token_weights=w[sl], kl=jg.kl_penalty(lp[sl], refl[sl]), max_tokens=5, **kw
+    )
+
+  full_loss, full_m = jg.finalize_terms(terms(slice(None)))
+  loss, m = jg.finalize_terms(jg.combine_terms(terms(slice(0, split)), terms(slice(split, None))))
+  np.testing.assert_allclose(loss, full_loss, rtol=1e-5, atol=1e-7)
+  for k in full_m:
+    np.testing.assert_allclose(m[k], full_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_token_weights_multiply_policy_and_kl_terms_denominator_unchanged():
-    lp, old, refl, adv, mask, w = _random_batch(3)
-    mask[:] = True
-    kl = np.asarray(jg.kl_penalty(lp, refl))
-    ratio = np.exp(lp - old)
-    a = adv
-    s = np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
-    want = np.sum(w * (-s + 0.1 * kl)) / mask.sum()
-    got, _ = jg.policy_loss(lp, old, adv, mask, token_weights=w, kl=kl, beta=0.1)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+  lp, old, refl, adv, mask, w = _random_batch(3)
+  mask[:] = True
+  kl = np.asarray(jg.kl_penalty(lp, refl))
+  ratio = np.exp(lp - old)
+  a = adv
+  s = np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
+  want = np.sum(w * (-s + 0.1 * kl)) / mask.sum()
+  got, _ = jg.policy_loss(lp, old, adv, mask, token_weights=w, kl=kl, beta=0.1)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 # ------------------------------------------------------------- the λ-GRPO theorem
 
+
 def _prefix_ids(tokens, mask, gid):
-    """Unique id per (group, prefix) node at each position; -1 on padding."""
-    v = ref.valid_prefix(mask)
-    ids, table = np.full(tokens.shape, -1), {}
-    for i in range(tokens.shape[0]):
-        for t in range(tokens.shape[1]):
-            if v[i, t]:
-                ids[i, t] = table.setdefault((gid[i], tuple(tokens[i, :t + 1])), len(table))
-    return ids, len(table)
+  """Unique id per (group, prefix) node at each position; -1 on padding."""
+  v = ref.valid_prefix(mask)
+  ids, table = np.full(tokens.shape, -1), {}
+  for i in range(tokens.shape[0]):
+    for t in range(tokens.shape[1]):
+      if v[i, t]:
+        ids[i, t] = table.setdefault((gid[i], tuple(tokens[i, : t + 1])), len(table))
+  return ids, len(table)
 
 
 @settings(max_examples=25, deadline=None)
 @given(ref.groups(max_b=8, max_t=6, vocab=2, max_groups=3), st.integers(0, 10**6), st.sampled_from([0.0, 0.04]))
 def test_theorem_grpo_is_a_prm_and_lambda_grpo_counts_each_step_once(data, seed, beta):
-    tokens, mask, gid, rewards, ng = data
-    ids, n_nodes = _prefix_ids(tokens, mask, gid)
-    if n_nodes == 0:
-        return
-    rng = np.random.default_rng(seed)
-    theta0 = rng.normal(size=n_nodes).astype(np.float32) * 0.5 - 1.0
-    ref_theta = theta0 + rng.normal(size=n_nodes).astype(np.float32) * 0.3
-    idx = jnp.asarray(np.maximum(ids, 0))
-    real = ids >= 0
-    n_tok = real.sum()
+  tokens, mask, gid, rewards, ng = data
+  ids, n_nodes = _prefix_ids(tokens, mask, gid)
+  if n_nodes == 0:
+    return
+  rng = np.random.default_rng(seed)
+  theta0 = rng.normal(size=n_nodes).astype(np.float32) * 0.5 - 1.0
+  ref_theta = theta0 + rng.normal(size=n_nodes).astype(np.float32) * 0.3
+  idx = jnp.asarray(np.maximum(ids, 0))
+  real = ids >= 0
+  n_tok = real.sum()
 
-    # independent NumPy step advantages A(i,t) per node
-    mean, denom = ref.group_stats(rewards.astype(np.float64), gid)
-    r_proc = ref.process_rewards(rewards.astype(np.float64), tokens, mask, gid)
-    a_step = np.where(real, (r_proc - mean[:, None]) / denom[:, None], 0.0).astype(np.float32)
-    node_adv = np.zeros(n_nodes)
-    node_adv[ids[real]] = a_step[real]
+  # independent NumPy step advantages A(i,t) per node
+  mean, denom = ref.group_stats(rewards.astype(np.float64), gid)
+  r_proc = ref.process_rewards(rewards.astype(np.float64), tokens, mask, gid)
+  a_step = np.where(real, (r_proc - mean[:, None]) / denom[:, None], 0.0).astype(np.float32)
+  node_adv = np.zeros(n_nodes)
+  node_adv[ids[real]] = a_step[real]
 
-    def logp_of(theta):
-        return jnp.where(real, theta[idx], 0.0)
+  def logp_of(theta):
+    return jnp.where(real, theta[idx], 0.0)
 
-    def loss_with(adv, weights=None):
-        def f(theta):
-            lp = logp_of(theta)
-            kl = jg.kl_penalty(lp, logp_of(jnp.asarray(ref_theta)), "k3")
-            return jg.policy_loss(lp, jax.lax.stop_gradient(lp), adv, jnp.asarray(mask), token_weights=weights,
-                                  kl=kl, beta=beta)[0]
-        return f
+  def loss_with(adv, weights=None):
+    def f(theta):
+      lp = logp_of(theta)
+      kl = jg.kl_penalty(lp, logp_of(jnp.asarray(ref_theta)), "k3")
+      return jg.policy_loss(
+        lp, jax.lax.stop_gradient(lp), adv, jnp.asarray(mask), token_weights=weights, kl=kl, beta=beta
+      )[0]
 
-    a = jg.group_advantages(rewards, gid, ng)
-    grpo = loss_with(a)
-    prm = loss_with(jnp.asarray(a_step))
-    # GRPO == the PRM loss with token advantages A(i,t), value and gradient
-    np.testing.assert_allclose(grpo(theta0), prm(theta0), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(jax.grad(grpo)(theta0), jax.grad(prm)(theta0), rtol=1e-4, atol=1e-6)
+    return f
 
-    # λ-GRPO == the PRM loss with each step (node) counted once: -1/N Σ_u (ρ_u A_u - β D_u)
-    sizes = jg.process_set_sizes(tokens, mask, gid)
-    lam = loss_with(a, jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), 0.0))
-    d = theta0 - ref_theta
-    d_u = np.exp(-d) + d - 1
-    want_value = -(node_adv - beta * d_u).sum() / n_tok
-    want_grad = -(node_adv - beta * (1 - np.exp(-d))) / n_tok
-    np.testing.assert_allclose(lam(theta0), want_value, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(jax.grad(lam)(theta0), want_grad, rtol=1e-4, atol=1e-6)
+  a = jg.group_advantages(rewards, gid, ng)
+  grpo = loss_with(a)
+  prm = loss_with(jnp.asarray(a_step))
+  # GRPO == the PRM loss with token advantages A(i,t), value and gradient
+  np.testing.assert_allclose(grpo(theta0), prm(theta0), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(jax.grad(grpo)(theta0), jax.grad(prm)(theta0), rtol=1e-4, atol=1e-6)
+
+  # λ-GRPO == the PRM loss with each step (node) counted once: -1/N Σ_u (ρ_u A_u - β D_u)
+  sizes = jg.process_set_sizes(tokens, mask, gid)
+  lam = loss_with(a, jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), 0.0))
+  d = theta0 - ref_theta
+  d_u = np.exp(-d) + d - 1
+  want_value = -(node_adv - beta * d_u).sum() / n_tok
+  want_grad = -(node_adv - beta * (1 - np.exp(-d))) / n_tok
+  np.testing.assert_allclose(lam(theta0), want_value, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(jax.grad(lam)(theta0), want_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_lambda_grpo_with_all_sizes_one_is_grpo():
-    # distinct first tokens: every |λ| = 1
-    tokens, mask, gid = ref.from_strings(["ABC", "BCA", "CAB", "DD"], group_ids=[0, 0, 0, 1])
-    cfg_g, cfg_l = jg.preset("grpo"), jg.preset("lambda_grpo")
-    rewards = jnp.array([1.0, 0.0, 0.5, 1.0])
-    rng = np.random.default_rng(0)
-    lp = jnp.asarray(rng.normal(size=tokens.shape).astype(np.float32))
-    old = lp - 0.05
+  # distinct first tokens: every |λ| = 1
+  tokens, mask, gid = ref.from_strings(["ABC", "BCA", "CAB", "DD"], group_ids=[0, 0, 0, 1])
+  cfg_g, cfg_l = jg.preset("grpo"), jg.preset("lambda_grpo")
+  rewards = jnp.array([1.0, 0.0, 0.5, 1.0])
+  rng = np.random.default_rng(0)
+  lp = jnp.asarray(rng.normal(size=tokens.shape).astype(np.float32))
+  old = lp - 0.05
 
-    def loss(cfg, lp):
-        adv, w = jg.rollout_advantages(cfg, rewards, tokens, mask, gid, 2)
-        return jg.finalize_terms(jg.objective_terms(cfg, lp, old, adv, mask, token_weights=w))[0]
-    np.testing.assert_allclose(loss(cfg_l, lp), loss(cfg_g, lp), rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda x: loss(cfg_l, x))(lp), jax.grad(lambda x: loss(cfg_g, x))(lp),
-                               rtol=1e-6)
+  def loss(cfg, lp):
+    adv, w = jg.rollout_advantages(cfg, rewards, tokens, mask, gid, 2)
+    return jg.finalize_terms(jg.objective_terms(cfg, lp, old, adv, mask, token_weights=w))[0]
+
+  np.testing.assert_allclose(loss(cfg_l, lp), loss(cfg_g, lp), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda x: loss(cfg_l, x))(lp), jax.grad(lambda x: loss(cfg_g, x))(lp), rtol=1e-6)
 
 
-@pytest.mark.parametrize("kw, match", [
+@pytest.mark.parametrize(
+  "kw, match",
+  [
     (dict(logp=jnp.zeros((2,))), "logp"),
     (dict(old_logp=jnp.zeros((2, 4))), "old_logp"),
     (dict(advantages=jnp.zeros((3,))), "advantages"),
@@ -210,10 +224,10 @@ def test_lambda_grpo_with_all_sizes_one_is_grpo():
     (dict(token_weights=jnp.ones((2, 2))), "token_weights"),
     (dict(kl=jnp.ones((3, 3))), "kl"),
     (dict(clip_eps_low=-0.1), "clip"),
-])
+  ],
+)
 def test_policy_loss_bad_inputs(kw, match):
-    args = dict(logp=jnp.zeros((2, 3)), old_logp=jnp.zeros((2, 3)), advantages=jnp.zeros(2),
-                mask=jnp.ones((2, 3), bool))
-    args.update(kw)
-    with pytest.raises((ValueError, TypeError), match=match):
-        jg.policy_loss(args.pop("logp"), args.pop("old_logp"), args.pop("advantages"), args.pop("mask"), **args)
+  args = dict(logp=jnp.zeros((2, 3)), old_logp=jnp.zeros((2, 3)), advantages=jnp.zeros(2), mask=jnp.ones((2, 3), bool))
+  args.update(kw)
+  with pytest.raises((ValueError, TypeError), match=match):
+    jg.policy_loss(args.pop("logp"), args.pop("old_logp"), args.pop("advantages"), args.pop("mask"), **args)

@@ -1,4 +1,5 @@
 """Parity of the model ports with transformers' PyTorch models, KV cache, log_probs."""
+
 from __future__ import annotations
 
 import jax
@@ -86,7 +87,7 @@ def test_kv_cache_decoding_matches_full_forward(tiny_factory, family):
   h, cache = step(graphdef, state, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len], cache)
   got = [np.asarray(h)]
   for t in range(prompt_len, total):
-    h, cache = step(graphdef, state, tokens[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1], cache)
+    h, cache = step(graphdef, state, tokens[:, t : t + 1], positions[:, t : t + 1], mask[:, t : t + 1], cache)
     got.append(np.asarray(h))
   assert int(cache.index) == total
   got = np.concatenate(got, axis=1)
@@ -158,8 +159,9 @@ def test_bf16_stays_within_documented_tolerance(tiny_untied):
 
 
 def test_log_probs_gradient_is_finite_with_padding_and_remat_equal():
-  cfg = models.Qwen3Config(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=8, intermediate_size=64)
+  cfg = models.Qwen3Config(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64
+  )
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)), jnp.int32)
   mask = jnp.arange(9)[None, :] >= jnp.asarray([[0], [6]])
   grads = {}
@@ -189,8 +191,16 @@ def test_params_carry_logical_axes(tiny):
 
 def test_log_probs_chunking_bounds_compiled_memory():
   """The compiled temporaries shrink with chunking: no fp32 [B, T, V] buffer exists."""
-  cfg = models.Qwen3Config(vocab_size=8192, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                           head_dim=16, intermediate_size=64, tie_word_embeddings=True)
+  cfg = models.Qwen3Config(
+    vocab_size=8192,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+  )
   graphdef, state = nnx.split(nnx.eval_shape(lambda: models.build_model(cfg, rngs=nnx.Rngs(0))))
   tokens = jax.ShapeDtypeStruct((4, 256), jnp.int32)
   mask = jax.ShapeDtypeStruct((4, 256), jnp.bool_)

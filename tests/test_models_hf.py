@@ -1,4 +1,5 @@
 """HF checkpoint I/O: save_hf → transformers, sharded checkpoints, mesh placement, clear errors."""
+
 from __future__ import annotations
 
 import functools
@@ -20,6 +21,7 @@ from tests.hf_utils import FAMILIES, build_hf_model, hf_logits, left_padded_batc
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
 
 @pytest.fixture(autouse=True)
 def _full_fp32_matmuls():
@@ -243,6 +245,7 @@ def test_load_hf_places_shards_on_mesh(tmp_path):
   hf_model.save_pretrained(str(tmp_path))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                       env=env, timeout=300)
+  out = subprocess.run(
+    [sys.executable, "-c", _MESH_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+  )
   assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -4,6 +4,7 @@ recomputation, filtering against a NumPy reference, sampling statistics, early s
 Every reference is independent of the sampler: transformers' `generate` (torch), NumPy, or the
 model's full (cache-free) forward through `jaxgrpo.models.log_probs`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,66 +26,72 @@ PAD = 0
 
 
 def _scaled(model: nnx.Module, scale: float) -> nnx.Module:
-    """Multiplies every weight matrix (ndim >= 2) by `scale`: larger, well-separated logits."""
-    graphdef, state = nnx.split(model)
-    state = jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state)
-    return nnx.merge(graphdef, state)
+  """Multiplies every weight matrix (ndim >= 2) by `scale`: larger, well-separated logits."""
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state)
+  return nnx.merge(graphdef, state)
 
 
 def _qwen3(seed: int = 0, vocab: int = VOCAB) -> nnx.Module:
-    cfg = models.Qwen3Config(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4,
-                             num_kv_heads=2, head_dim=8, intermediate_size=64,
-                             tie_word_embeddings=True, max_position_embeddings=128)
-    return _scaled(models.build_model(cfg, rngs=nnx.Rngs(seed)), 5.0)
+  cfg = models.Qwen3Config(
+    vocab_size=vocab,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=128,
+  )
+  return _scaled(models.build_model(cfg, rngs=nnx.Rngs(seed)), 5.0)
 
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return _qwen3()
+  return _qwen3()
 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    cfg = models.GPT2Config(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
-                            max_position_embeddings=128)
-    return _scaled(models.build_model(cfg, rngs=nnx.Rngs(1)), 5.0)
+  cfg = models.GPT2Config(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=128)
+  return _scaled(models.build_model(cfg, rngs=nnx.Rngs(1)), 5.0)
 
 
 def _prompts(batch: int = 3, length: int = 6, seed: int = 0):
-    """Left-padded prompts: row b has `length - b` real tokens (ids 1..VOCAB-1), pad 0 on the left."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, VOCAB, size=(batch, length)).astype(np.int32)
-    n_real = np.maximum(length - np.arange(batch), 1)
-    mask = np.arange(length)[None, :] >= (length - n_real)[:, None]
-    tokens = np.where(mask, tokens, PAD).astype(np.int32)
-    return jnp.asarray(tokens), jnp.asarray(mask)
+  """Left-padded prompts: row b has `length - b` real tokens (ids 1..VOCAB-1), pad 0 on the left."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, VOCAB, size=(batch, length)).astype(np.int32)
+  n_real = np.maximum(length - np.arange(batch), 1)
+  mask = np.arange(length)[None, :] >= (length - n_real)[:, None]
+  tokens = np.where(mask, tokens, PAD).astype(np.int32)
+  return jnp.asarray(tokens), jnp.asarray(mask)
 
 
 def _generate(model, tokens, mask, **kw):
-    kw = {"num_samples": 2, "max_new_tokens": 8, "eos_ids": (), "pad_id": PAD,
-          "key": jax.random.key(0), **kw}
-    return generate(model, tokens, mask, **kw)
+  kw = {"num_samples": 2, "max_new_tokens": 8, "eos_ids": (), "pad_id": PAD, "key": jax.random.key(0), **kw}
+  return generate(model, tokens, mask, **kw)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _jit_log_probs(graphdef, state, tokens, mask, temperature):
-    return models.log_probs(nnx.merge(graphdef, state), tokens, mask, temperature=temperature)
+  return models.log_probs(nnx.merge(graphdef, state), tokens, mask, temperature=temperature)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _jit_logits(graphdef, state, tokens, mask):
-    """float32 [B, S, V] logits of a full, cache-free forward (positions from the mask)."""
-    model = nnx.merge(graphdef, state)
-    hidden, _ = model(tokens, models.positions_from_mask(mask), attention_mask=mask)
-    return model.logits(hidden, out_dtype=jnp.float32)
+  """float32 [B, S, V] logits of a full, cache-free forward (positions from the mask)."""
+  model = nnx.merge(graphdef, state)
+  hidden, _ = model(tokens, models.positions_from_mask(mask), attention_mask=mask)
+  return model.logits(hidden, out_dtype=jnp.float32)
 
 
 def _recomputed_log_probs(model, r: Rollout, temperature: float) -> np.ndarray:
-    """log_probs of the completion tokens from a full, cache-free forward of prompt + completion."""
-    full = jnp.concatenate([r.prompt_tokens, r.completions], axis=1)
-    full_mask = jnp.concatenate([r.prompt_mask, r.mask], axis=1)
-    lp = _jit_log_probs(*nnx.split(model), full, full_mask, temperature)
-    return np.asarray(lp[:, r.prompt_tokens.shape[1]:])
+  """log_probs of the completion tokens from a full, cache-free forward of prompt + completion."""
+  full = jnp.concatenate([r.prompt_tokens, r.completions], axis=1)
+  full_mask = jnp.concatenate([r.prompt_mask, r.mask], axis=1)
+  lp = _jit_log_probs(*nnx.split(model), full, full_mask, temperature)
+  return np.asarray(lp[:, r.prompt_tokens.shape[1] :])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,34 +100,49 @@ def _recomputed_log_probs(model, r: Rollout, temperature: float) -> np.ndarray:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers_generate(family, tmp_path):
-    """32 greedy tokens from left-padded prompts == HF generate(do_sample=False), token for token."""
-    torch = pytest.importorskip("torch")
-    hf_model = build_hf_model(tiny_hf_config(family, tied=family in ("gpt2", "qwen3")), seed=0)
-    with torch.no_grad():  # weights x4: logit std ~1, so top-1/top-2 margins are >> fp32 noise
-        for p in hf_model.parameters():
-            if p.ndim >= 2:
-                p.mul_(4.0)
-    hf_model.save_pretrained(str(tmp_path))
-    model = models.load_hf(str(tmp_path))
+  """32 greedy tokens from left-padded prompts == HF generate(do_sample=False), token for token."""
+  torch = pytest.importorskip("torch")
+  hf_model = build_hf_model(tiny_hf_config(family, tied=family in ("gpt2", "qwen3")), seed=0)
+  with torch.no_grad():  # weights x4: logit std ~1, so top-1/top-2 margins are >> fp32 noise
+    for p in hf_model.parameters():
+      if p.ndim >= 2:
+        p.mul_(4.0)
+  hf_model.save_pretrained(str(tmp_path))
+  model = models.load_hf(str(tmp_path))
 
-    rng = np.random.default_rng(0)
-    batch, prompt_len, new = 3, 8, 32
-    mask = np.arange(prompt_len)[None, :] >= np.array([0, 3, 6])[:, None]
-    tokens = np.where(mask, rng.integers(1, 128, size=(batch, prompt_len)), PAD).astype(np.int32)
-    with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=torch.as_tensor(tokens, dtype=torch.long),
-            attention_mask=torch.as_tensor(mask.astype(np.int64)), do_sample=False,
-            max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=PAD,
-            output_scores=True, return_dict_in_generate=True)
-    want = out.sequences[:, prompt_len:].numpy()
-    scores = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)
-    assert (scores[..., -1] - scores[..., -2]).min() > 1e-3, "near-tied logits: test not meaningful"
+  rng = np.random.default_rng(0)
+  batch, prompt_len, new = 3, 8, 32
+  mask = np.arange(prompt_len)[None, :] >= np.array([0, 3, 6])[:, None]
+  tokens = np.where(mask, rng.integers(1, 128, size=(batch, prompt_len)), PAD).astype(np.int32)
+  with torch.no_grad():
+    out = hf_model.generate(
+      input_ids=torch.as_tensor(tokens, dtype=torch.long),
+      attention_mask=torch.as_tensor(mask.astype(np.int64)),
+      do_sample=False,
+      max_new_tokens=new,
+      min_new_tokens=new,
+      eos_token_id=None,
+      pad_token_id=PAD,
+      output_scores=True,
+      return_dict_in_generate=True,
+    )
+  want = out.sequences[:, prompt_len:].numpy()
+  scores = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)
+  assert (scores[..., -1] - scores[..., -2]).min() > 1e-3, "near-tied logits: test not meaningful"
 
-    r = generate(model, jnp.asarray(tokens), jnp.asarray(mask), num_samples=2, max_new_tokens=new,
-                 temperature=0.0, eos_ids=(), pad_id=PAD, key=jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
-    assert bool(r.mask.all())
+  r = generate(
+    model,
+    jnp.asarray(tokens),
+    jnp.asarray(mask),
+    num_samples=2,
+    max_new_tokens=new,
+    temperature=0.0,
+    eos_ids=(),
+    pad_id=PAD,
+    key=jax.random.key(0),
+  )
+  np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
+  assert bool(r.mask.all())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,70 +150,71 @@ def test_greedy_matches_transformers_generate(family, tmp_path):
 
 
 def _np_filter(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """Row-by-row NumPy reference of top-k then top-p filtering (float64 probabilities)."""
-    out = np.array(logits, np.float64)
-    for row in out:
-        if 0 < top_k < row.size:
-            kth = np.sort(row)[::-1][top_k - 1]
-            row[row < kth] = -np.inf
-        if top_p < 1.0:
-            order = np.argsort(-row, kind="stable")
-            p = np.exp(row[order] - row[order[0]])
-            p /= p.sum()
-            kept, mass = [], 0.0
-            for idx, pi in zip(order, p):
-                if mass >= top_p:
-                    break
-                kept.append(idx)
-                mass += pi
-            threshold = row[kept].min()
-            row[row < threshold] = -np.inf
-    return out
+  """Row-by-row NumPy reference of top-k then top-p filtering (float64 probabilities)."""
+  out = np.array(logits, np.float64)
+  for row in out:
+    if 0 < top_k < row.size:
+      kth = np.sort(row)[::-1][top_k - 1]
+      row[row < kth] = -np.inf
+    if top_p < 1.0:
+      order = np.argsort(-row, kind="stable")
+      p = np.exp(row[order] - row[order[0]])
+      p /= p.sum()
+      kept, mass = [], 0.0
+      for idx, pi in zip(order, p):
+        if mass >= top_p:
+          break
+        kept.append(idx)
+        mass += pi
+      threshold = row[kept].min()
+      row[row < threshold] = -np.inf
+  return out
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9),
-                                          (7, 0.8), (0, 1e-6), (VOCAB + 3, 0.95)])
+@pytest.mark.parametrize(
+  "top_k, top_p", [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9), (7, 0.8), (0, 1e-6), (VOCAB + 3, 0.95)]
+)
 def test_filter_logits_matches_numpy(top_k, top_p):
-    rng = np.random.default_rng(top_k * 100 + int(top_p * 1000))
-    logits = rng.normal(size=(6, VOCAB)).astype(np.float32) * 3
-    got = np.asarray(filter_logits(jnp.asarray(logits), top_k=top_k, top_p=top_p))
-    want = _np_filter(logits, top_k, top_p)
-    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
-    np.testing.assert_array_equal(got[np.isfinite(got)], logits[np.isfinite(want)])
+  rng = np.random.default_rng(top_k * 100 + int(top_p * 1000))
+  logits = rng.normal(size=(6, VOCAB)).astype(np.float32) * 3
+  got = np.asarray(filter_logits(jnp.asarray(logits), top_k=top_k, top_p=top_p))
+  want = _np_filter(logits, top_k, top_p)
+  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+  np.testing.assert_array_equal(got[np.isfinite(got)], logits[np.isfinite(want)])
 
 
 def test_filter_logits_keeps_ties_and_argmax():
-    logits = jnp.array([[1.0, 3.0, 3.0, 0.0, 2.0]])
-    # top_k=1 keeps both tied maxima; a tiny top_p keeps the maxima only.
-    np.testing.assert_array_equal(np.isfinite(filter_logits(logits, top_k=1)), [[0, 1, 1, 0, 0]])
-    np.testing.assert_array_equal(np.isfinite(filter_logits(logits, top_p=1e-9)), [[0, 1, 1, 0, 0]])
-    # top_p=1 and top_k=0 change nothing.
-    np.testing.assert_array_equal(filter_logits(logits), logits)
+  logits = jnp.array([[1.0, 3.0, 3.0, 0.0, 2.0]])
+  # top_k=1 keeps both tied maxima; a tiny top_p keeps the maxima only.
+  np.testing.assert_array_equal(np.isfinite(filter_logits(logits, top_k=1)), [[0, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(np.isfinite(filter_logits(logits, top_p=1e-9)), [[0, 1, 1, 0, 0]])
+  # top_p=1 and top_k=0 change nothing.
+  np.testing.assert_array_equal(filter_logits(logits), logits)
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 97, pytest.param(300, marks=pytest.mark.slow)])
 def test_sample_categorical_frequencies(vocab):
-    """Empirical frequencies == softmax(logits) (5 binomial sd), never a -inf entry; rows with
-    sparse support (scattered and contiguous -inf), a peaked row and a one-hot row."""
-    rng = np.random.default_rng(vocab)
-    dists = rng.normal(size=(4, vocab)) * 2
-    if vocab > 2:
-        dists[0, rng.random(vocab) < 0.7] = -np.inf  # scattered holes
-        dists[0, 0] = 0.0
-        dists[1, : vocab // 2] = -np.inf  # a contiguous run of empty blocks
-        dists[2] *= 4  # peaked
-        dists[3, :] = -np.inf
-        dists[3, vocab - 1] = 1.0  # one-hot on the last (padded-block) entry
-    n = 20000
-    logits = jnp.asarray(np.repeat(dists, n, axis=0), jnp.float32)
-    draws = np.asarray(sample_categorical(jax.random.key(0), logits)).reshape(4, n)
-    assert draws.dtype == np.int32
-    for row, d in zip(dists, draws):
-        q = np.exp(row - row.max())
-        q /= q.sum()
-        counts = np.bincount(d, minlength=vocab)
-        assert counts[q == 0].sum() == 0
-        assert np.all(np.abs(counts / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2 / n)
+  """Empirical frequencies == softmax(logits) (5 binomial sd), never a -inf entry; rows with
+  sparse support (scattered and contiguous -inf), a peaked row and a one-hot row."""
+  rng = np.random.default_rng(vocab)
+  dists = rng.normal(size=(4, vocab)) * 2
+  if vocab > 2:
+    dists[0, rng.random(vocab) < 0.7] = -np.inf  # scattered holes
+    dists[0, 0] = 0.0
+    dists[1, : vocab // 2] = -np.inf  # a contiguous run of empty blocks
+    dists[2] *= 4  # peaked
+    dists[3, :] = -np.inf
+    dists[3, vocab - 1] = 1.0  # one-hot on the last (padded-block) entry
+  n = 20000
+  logits = jnp.asarray(np.repeat(dists, n, axis=0), jnp.float32)
+  draws = np.asarray(sample_categorical(jax.random.key(0), logits)).reshape(4, n)
+  assert draws.dtype == np.int32
+  for row, d in zip(dists, draws):
+    q = np.exp(row - row.max())
+    q /= q.sum()
+    counts = np.bincount(d, minlength=vocab)
+    assert counts[q == 0].sum() == 0
+    assert np.all(np.abs(counts / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2 / n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,102 +227,114 @@ GREEDY = dict(num_samples=2, max_new_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def sampled(qwen3):
-    """(prompts, mask, rollout without EOS, rollout with EOS, its eos ids), same key."""
-    tokens, mask = _prompts(batch=3)
-    free = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
-    # EOS ids: the tokens at column 2 of every row, so every row stops within 3 tokens.
-    eos = tuple(sorted(set(np.asarray(free.completions[:, 2]).tolist())))
-    stopped = _generate(qwen3, tokens, mask, key=jax.random.key(3), eos_ids=eos, **SAMPLED)
-    return tokens, mask, free, stopped, eos
+  """(prompts, mask, rollout without EOS, rollout with EOS, its eos ids), same key."""
+  tokens, mask = _prompts(batch=3)
+  free = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
+  # EOS ids: the tokens at column 2 of every row, so every row stops within 3 tokens.
+  eos = tuple(sorted(set(np.asarray(free.completions[:, 2]).tolist())))
+  stopped = _generate(qwen3, tokens, mask, key=jax.random.key(3), eos_ids=eos, **SAMPLED)
+  return tokens, mask, free, stopped, eos
 
 
 def test_rollout_shapes_and_groups(sampled):
-    tokens, mask, r, _, _ = sampled
-    assert r.completions.shape == (12, 10) and r.completions.dtype == jnp.int32
-    assert r.mask.shape == (12, 10) and r.mask.dtype == jnp.bool_
-    assert r.log_probs.shape == (12, 10) and r.log_probs.dtype == jnp.float32
-    np.testing.assert_array_equal(r.group_ids, np.repeat(np.arange(3), 4))
-    np.testing.assert_array_equal(r.prompt_tokens, np.repeat(np.asarray(tokens), 4, axis=0))
-    np.testing.assert_array_equal(r.prompt_mask, np.repeat(np.asarray(mask), 4, axis=0))
-    assert bool(r.mask.all()) and int(r.num_steps) == 10  # no EOS: every row has all 10 tokens
+  tokens, mask, r, _, _ = sampled
+  assert r.completions.shape == (12, 10) and r.completions.dtype == jnp.int32
+  assert r.mask.shape == (12, 10) and r.mask.dtype == jnp.bool_
+  assert r.log_probs.shape == (12, 10) and r.log_probs.dtype == jnp.float32
+  np.testing.assert_array_equal(r.group_ids, np.repeat(np.arange(3), 4))
+  np.testing.assert_array_equal(r.prompt_tokens, np.repeat(np.asarray(tokens), 4, axis=0))
+  np.testing.assert_array_equal(r.prompt_mask, np.repeat(np.asarray(mask), 4, axis=0))
+  assert bool(r.mask.all()) and int(r.num_steps) == 10  # no EOS: every row has all 10 tokens
 
 
 def test_log_probs_equal_model_recomputation_sampled(qwen3, sampled):
-    """Returned log-probs == models.log_probs on [prompt, completion] (rows with and without EOS)."""
-    for r in sampled[2:4]:
-        want = np.where(np.asarray(r.mask), _recomputed_log_probs(qwen3, r, 1.0), 0.0)
-        np.testing.assert_allclose(np.asarray(r.log_probs), want, rtol=1e-5, atol=1e-5)
-        assert np.all(np.asarray(r.log_probs)[np.asarray(r.mask)] < 0)
+  """Returned log-probs == models.log_probs on [prompt, completion] (rows with and without EOS)."""
+  for r in sampled[2:4]:
+    want = np.where(np.asarray(r.mask), _recomputed_log_probs(qwen3, r, 1.0), 0.0)
+    np.testing.assert_allclose(np.asarray(r.log_probs), want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(r.log_probs)[np.asarray(r.mask)] < 0)
 
 
-@pytest.mark.parametrize("family, temperature, top_k, top_p", [
+@pytest.mark.parametrize(
+  "family, temperature, top_k, top_p",
+  [
     ("qwen3", 0.7, 5, 0.9),
     pytest.param("qwen3", 0.0, 0, 1.0, marks=pytest.mark.slow),
-    pytest.param("gpt2", 0.7, 5, 0.9, marks=pytest.mark.slow)])
+    pytest.param("gpt2", 0.7, 5, 0.9, marks=pytest.mark.slow),
+  ],
+)
 def test_log_probs_equal_model_recomputation(family, temperature, top_k, top_p, request):
-    """Also with temperature != 1, top-k/top-p filtering (full-softmax log-probs), greedy, GPT-2."""
-    model = request.getfixturevalue(family)
-    tokens, mask = _prompts(batch=3)
-    r = _generate(model, tokens, mask, temperature=temperature, top_k=top_k, top_p=top_p,
-                  eos_ids=(3, 5, 7, 11, 13), num_samples=3, max_new_tokens=10)
-    want = _recomputed_log_probs(model, r, temperature if temperature > 0 else 1.0)
-    np.testing.assert_allclose(np.asarray(r.log_probs), np.where(np.asarray(r.mask), want, 0.0),
-                               rtol=1e-5, atol=1e-5)
+  """Also with temperature != 1, top-k/top-p filtering (full-softmax log-probs), greedy, GPT-2."""
+  model = request.getfixturevalue(family)
+  tokens, mask = _prompts(batch=3)
+  r = _generate(
+    model,
+    tokens,
+    mask,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    eos_ids=(3, 5, 7, 11, 13),
+    num_samples=3,
+    max_new_tokens=10,
+  )
+  want = _recomputed_log_probs(model, r, temperature if temperature > 0 else 1.0)
+  np.testing.assert_allclose(np.asarray(r.log_probs), np.where(np.asarray(r.mask), want, 0.0), rtol=1e-5, atol=1e-5)
 
 
 def test_eos_truncates_the_no_eos_rollout_and_stops_early(sampled):
-    """With the same key, EOS only truncates: row = no-EOS row up to and including its first EOS,
-    then pad / mask False / log-prob 0; the loop runs max(lengths) < T steps."""
-    _, _, free, r, eos = sampled
-    comp = np.asarray(free.completions)
-    lengths = np.isin(comp, eos).argmax(1) + 1
-    assert (lengths <= 3).all()
-    want_mask = np.arange(10)[None] < lengths[:, None]
-    np.testing.assert_array_equal(r.mask, want_mask)
-    np.testing.assert_array_equal(r.completions, np.where(want_mask, comp, PAD))
-    np.testing.assert_allclose(r.log_probs, np.where(want_mask, np.asarray(free.log_probs), 0.0),
-                               rtol=1e-6, atol=1e-6)
-    assert int(r.num_steps) == lengths.max() < 10
+  """With the same key, EOS only truncates: row = no-EOS row up to and including its first EOS,
+  then pad / mask False / log-prob 0; the loop runs max(lengths) < T steps."""
+  _, _, free, r, eos = sampled
+  comp = np.asarray(free.completions)
+  lengths = np.isin(comp, eos).argmax(1) + 1
+  assert (lengths <= 3).all()
+  want_mask = np.arange(10)[None] < lengths[:, None]
+  np.testing.assert_array_equal(r.mask, want_mask)
+  np.testing.assert_array_equal(r.completions, np.where(want_mask, comp, PAD))
+  np.testing.assert_allclose(r.log_probs, np.where(want_mask, np.asarray(free.log_probs), 0.0), rtol=1e-6, atol=1e-6)
+  assert int(r.num_steps) == lengths.max() < 10
 
 
 def test_deterministic_given_key_and_keys_differ(qwen3, sampled):
-    tokens, mask, a, _, _ = sampled
-    b = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
-    c = _generate(qwen3, tokens, mask, key=jax.random.key(4), **SAMPLED)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-    assert (np.asarray(a.completions) != np.asarray(c.completions)).any()
-    # Samples of the same prompt differ from each other (shared prefill, independent draws).
-    s = np.asarray(a.completions).reshape(3, 4, -1)
-    assert (s != s[:, :1]).any(axis=(1, 2)).all()
+  tokens, mask, a, _, _ = sampled
+  b = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
+  c = _generate(qwen3, tokens, mask, key=jax.random.key(4), **SAMPLED)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+  assert (np.asarray(a.completions) != np.asarray(c.completions)).any()
+  # Samples of the same prompt differ from each other (shared prefill, independent draws).
+  s = np.asarray(a.completions).reshape(3, 4, -1)
+  assert (s != s[:, :1]).any(axis=(1, 2)).all()
 
 
 def test_greedy_is_argmax_of_full_forward(qwen3):
-    """temperature 0: token t = argmax of the cache-free forward over prompt + tokens_<t; the G
-    samples of a prompt are identical; top_k=1 at any temperature gives the same tokens."""
-    tokens, mask = _prompts(batch=3)
-    r = _generate(qwen3, tokens, mask, **GREEDY)
-    full = np.concatenate([np.asarray(r.prompt_tokens), np.asarray(r.completions)], axis=1)
-    full_mask = np.concatenate([np.asarray(r.prompt_mask), np.ones(r.completions.shape, bool)], 1)
-    logits = np.asarray(_jit_logits(*nnx.split(qwen3), jnp.asarray(full), jnp.asarray(full_mask)))
-    P = tokens.shape[1]
-    np.testing.assert_array_equal(np.asarray(r.completions), logits[:, P - 1:-1].argmax(-1))
-    c = np.asarray(r.completions).reshape(3, 2, -1)
-    assert (c == c[:, :1]).all()
-    top1 = _generate(qwen3, tokens, mask, **{**GREEDY, "temperature": 1.3}, top_k=1,
-                     key=jax.random.PRNGKey(5))  # also: a raw uint32[2] key works
-    np.testing.assert_array_equal(top1.completions, r.completions)
+  """temperature 0: token t = argmax of the cache-free forward over prompt + tokens_<t; the G
+  samples of a prompt are identical; top_k=1 at any temperature gives the same tokens."""
+  tokens, mask = _prompts(batch=3)
+  r = _generate(qwen3, tokens, mask, **GREEDY)
+  full = np.concatenate([np.asarray(r.prompt_tokens), np.asarray(r.completions)], axis=1)
+  full_mask = np.concatenate([np.asarray(r.prompt_mask), np.ones(r.completions.shape, bool)], 1)
+  logits = np.asarray(_jit_logits(*nnx.split(qwen3), jnp.asarray(full), jnp.asarray(full_mask)))
+  P = tokens.shape[1]
+  np.testing.assert_array_equal(np.asarray(r.completions), logits[:, P - 1 : -1].argmax(-1))
+  c = np.asarray(r.completions).reshape(3, 2, -1)
+  assert (c == c[:, :1]).all()
+  top1 = _generate(
+    qwen3, tokens, mask, **{**GREEDY, "temperature": 1.3}, top_k=1, key=jax.random.PRNGKey(5)
+  )  # also: a raw uint32[2] key works
+  np.testing.assert_array_equal(top1.completions, r.completions)
 
 
 def test_all_rows_finish_at_first_token(qwen3):
-    tokens, mask = _prompts(batch=3)
-    greedy = _generate(qwen3, tokens, mask, **GREEDY)
-    first = tuple(sorted(set(np.asarray(greedy.completions[:, 0]).tolist())))
-    r = _generate(qwen3, tokens, mask, **GREEDY, eos_ids=first)
-    assert int(r.num_steps) == 1
-    np.testing.assert_array_equal(r.mask, np.arange(8)[None].repeat(6, 0) < 1)
-    np.testing.assert_array_equal(np.asarray(r.completions)[:, 1:], PAD)
-    np.testing.assert_array_equal(r.completions[:, 0], greedy.completions[:, 0])
+  tokens, mask = _prompts(batch=3)
+  greedy = _generate(qwen3, tokens, mask, **GREEDY)
+  first = tuple(sorted(set(np.asarray(greedy.completions[:, 0]).tolist())))
+  r = _generate(qwen3, tokens, mask, **GREEDY, eos_ids=first)
+  assert int(r.num_steps) == 1
+  np.testing.assert_array_equal(r.mask, np.arange(8)[None].repeat(6, 0) < 1)
+  np.testing.assert_array_equal(np.asarray(r.completions)[:, 1:], PAD)
+  np.testing.assert_array_equal(r.completions[:, 0], greedy.completions[:, 0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,40 +342,42 @@ def test_all_rows_finish_at_first_token(qwen3):
 
 
 def _first_token_probs(model, tokens, mask, temperature):
-    """softmax(logits / temperature) of the first completion token, from a cache-free forward."""
-    logits = np.asarray(_jit_logits(*nnx.split(model), tokens, mask)[:, -1], np.float64)
-    z = logits / temperature
-    p = np.exp(z - z.max(-1, keepdims=True))
-    return logits, p / p.sum(-1, keepdims=True)
+  """softmax(logits / temperature) of the first completion token, from a cache-free forward."""
+  logits = np.asarray(_jit_logits(*nnx.split(model), tokens, mask)[:, -1], np.float64)
+  z = logits / temperature
+  p = np.exp(z - z.max(-1, keepdims=True))
+  return logits, p / p.sum(-1, keepdims=True)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), pytest.param(6, 0.7, marks=pytest.mark.slow)])
 def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p):
-    tokens, mask = _prompts(batch=1)
-    temperature, n = 1.5, 4000
-    r = _generate(qwen3, tokens, mask, num_samples=n, max_new_tokens=1, temperature=temperature,
-                  top_k=top_k, top_p=top_p)
-    assert r.completions.shape == (n, 1) and int(r.num_steps) == 1 and bool(r.mask.all())
-    logits, p = _first_token_probs(qwen3, tokens, mask, temperature)
-    keep = np.isfinite(_np_filter(logits / temperature, top_k, top_p))[0]
-    assert 1 < keep.sum() < VOCAB if top_k else keep.all()
-    q = np.where(keep, p[0], 0.0)
-    q /= q.sum()
-    counts = np.bincount(np.asarray(r.completions[:, 0]), minlength=VOCAB)
-    assert counts[~keep].sum() == 0, "sampled a filtered-out token"
-    # Each frequency within 5 binomial standard deviations (plus a floor for tiny q).
-    sd = np.sqrt(q * (1 - q) / n)
-    assert np.all(np.abs(counts / n - q) <= 5 * sd + 2 / n)
-    # Log-probs are under the unfiltered temperature-scaled softmax.
-    np.testing.assert_allclose(np.asarray(r.log_probs[:, 0]),
-                               np.log(p[0])[np.asarray(r.completions[:, 0])], rtol=1e-5, atol=1e-5)
+  tokens, mask = _prompts(batch=1)
+  temperature, n = 1.5, 4000
+  r = _generate(qwen3, tokens, mask, num_samples=n, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+  assert r.completions.shape == (n, 1) and int(r.num_steps) == 1 and bool(r.mask.all())
+  logits, p = _first_token_probs(qwen3, tokens, mask, temperature)
+  keep = np.isfinite(_np_filter(logits / temperature, top_k, top_p))[0]
+  assert 1 < keep.sum() < VOCAB if top_k else keep.all()
+  q = np.where(keep, p[0], 0.0)
+  q /= q.sum()
+  counts = np.bincount(np.asarray(r.completions[:, 0]), minlength=VOCAB)
+  assert counts[~keep].sum() == 0, "sampled a filtered-out token"
+  # Each frequency within 5 binomial standard deviations (plus a floor for tiny q).
+  sd = np.sqrt(q * (1 - q) / n)
+  assert np.all(np.abs(counts / n - q) <= 5 * sd + 2 / n)
+  # Log-probs are under the unfiltered temperature-scaled softmax.
+  np.testing.assert_allclose(
+    np.asarray(r.log_probs[:, 0]), np.log(p[0])[np.asarray(r.completions[:, 0])], rtol=1e-5, atol=1e-5
+  )
 
 
 # ------------------------------------------------------------------------------------------------
 # Argument errors
 
 
-@pytest.mark.parametrize("kw, match", [
+@pytest.mark.parametrize(
+  "kw, match",
+  [
     (dict(num_samples=0), "num_samples"),
     (dict(num_samples=2.0), "num_samples"),
     (dict(max_new_tokens=0), "max_new_tokens"),
@@ -355,24 +392,28 @@ def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p):
     (dict(key=jnp.zeros((3,), jnp.uint32)), "key"),
     (dict(key=jax.random.split(jax.random.key(0), 2)), "key"),
     (dict(max_new_tokens=200), "max_position_embeddings"),
-])
+  ],
+)
 def test_bad_arguments_raise_naming_them(qwen3, kw, match):
-    tokens, mask = _prompts(batch=2)
-    with pytest.raises(ValueError, match=match):
-        _generate(qwen3, tokens, mask, **kw)
+  tokens, mask = _prompts(batch=2)
+  with pytest.raises(ValueError, match=match):
+    _generate(qwen3, tokens, mask, **kw)
 
 
-@pytest.mark.parametrize("tokens, mask, match", [
+@pytest.mark.parametrize(
+  "tokens, mask, match",
+  [
     (np.ones((4,), np.int32), np.ones((4,), bool), "prompt_tokens"),
     (np.ones((2, 4), np.float32), np.ones((2, 4), bool), "prompt_tokens"),
     (np.ones((2, 4), np.int32), np.ones((2, 3), bool), "prompt_mask"),
     (np.ones((2, 4), np.int32), np.ones((2, 4), np.int32), "prompt_mask"),
     (np.ones((2, 4), np.int32), np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool), "left-padded"),
     (np.ones((2, 4), np.int32), np.array([[1, 1, 1, 1], [0, 1, 0, 1]], bool), "left-padded"),
-])
+  ],
+)
 def test_bad_prompts_raise_naming_them(qwen3, tokens, mask, match):
-    with pytest.raises(ValueError, match=match):
-        _generate(qwen3, jnp.asarray(tokens), jnp.asarray(mask))
+  with pytest.raises(ValueError, match=match):
+    _generate(qwen3, jnp.asarray(tokens), jnp.asarray(mask))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,37 +422,67 @@ def test_bad_prompts_raise_naming_them(qwen3, tokens, mask, match):
 
 @pytest.mark.slow
 def test_generate_under_outer_jit_equals_eager(qwen3):
-    tokens, mask = _prompts(batch=3)
-    eager = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
-    jitted = jax.jit(lambda t, m, k: _generate(qwen3, t, m, key=k, **SAMPLED))(
-        tokens, mask, jax.random.key(3))
-    for name in Rollout._fields:  # weights become constants of the outer jit: log-prob rounding
-        np.testing.assert_allclose(getattr(eager, name), getattr(jitted, name), rtol=1e-6)
+  tokens, mask = _prompts(batch=3)
+  eager = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
+  jitted = jax.jit(lambda t, m, k: _generate(qwen3, t, m, key=k, **SAMPLED))(tokens, mask, jax.random.key(3))
+  for name in Rollout._fields:  # weights become constants of the outer jit: log-prob rounding
+    np.testing.assert_allclose(getattr(eager, name), getattr(jitted, name), rtol=1e-6)
 
 
 @pytest.mark.slow
 def test_bfloat16_model_gives_float32_log_probs_matching_recomputation():
-    cfg = models.Qwen3Config(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
-                             num_kv_heads=2, head_dim=8, intermediate_size=64,
-                             tie_word_embeddings=True, max_position_embeddings=128)
-    model = _scaled(models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-                                       param_dtype=jnp.bfloat16), 5.0)
-    tokens, mask = _prompts(batch=3)
-    r = _generate(model, tokens, mask, eos_ids=(3, 5), **SAMPLED)
-    assert r.log_probs.dtype == jnp.float32
-    want = np.where(np.asarray(r.mask), _recomputed_log_probs(model, r, 1.0), 0.0)
-    np.testing.assert_allclose(np.asarray(r.log_probs), want, atol=2e-2)
+  cfg = models.Qwen3Config(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=128,
+  )
+  model = _scaled(models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16), 5.0)
+  tokens, mask = _prompts(batch=3)
+  r = _generate(model, tokens, mask, eos_ids=(3, 5), **SAMPLED)
+  assert r.log_probs.dtype == jnp.float32
+  want = np.where(np.asarray(r.mask), _recomputed_log_probs(model, r, 1.0), 0.0)
+  np.testing.assert_allclose(np.asarray(r.log_probs), want, atol=2e-2)
 
 
 @pytest.mark.slow
 def test_bench_sampler_smoke(capsys):
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_sampler.py")
-    spec = importlib.util.spec_from_file_location("bench_sampler", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    res = bench.main(["--prompts", "2", "--samples", "2", "--new-tokens", "4", "--prompt-len", "4",
-                      "--repeats", "1", "--vocab", "256", "--hidden", "64", "--layers", "1",
-                      "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
-                      "--intermediate", "128"])
-    assert res["tokens"] == 16 and res["ours_tps"] > 0 and res["hf_tps"] > 0
-    assert "ratio (ours / transformers)" in capsys.readouterr().out
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_sampler.py")
+  spec = importlib.util.spec_from_file_location("bench_sampler", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  res = bench.main(
+    [
+      "--prompts",
+      "2",
+      "--samples",
+      "2",
+      "--new-tokens",
+      "4",
+      "--prompt-len",
+      "4",
+      "--repeats",
+      "1",
+      "--vocab",
+      "256",
+      "--hidden",
+      "64",
+      "--layers",
+      "1",
+      "--heads",
+      "2",
+      "--kv-heads",
+      "1",
+      "--head-dim",
+      "32",
+      "--intermediate",
+      "128",
+    ]
+  )
+  assert res["tokens"] == 16 and res["ours_tps"] > 0 and res["hf_tps"] > 0
+  assert "ratio (ours / transformers)" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Mesh specs, the rules table and placement helpers (in-process; multi-device cases use abstract meshes,
 the real 8-device runs are in test_train_sharded.py)."""
+
 from __future__ import annotations
 
 import jax
@@ -20,9 +21,13 @@ def test_parse_mesh_spec():
   assert shd.parse_mesh_spec(" tensor = 4 ") == {"data": 1, "fsdp": 1, "tensor": 4}
   assert shd.parse_mesh_spec({"fsdp": -1}) == {"data": 1, "fsdp": -1, "tensor": 1}
   assert shd.parse_mesh_spec(None) == {"data": 1, "fsdp": 1, "tensor": 1}
-  for bad, msg in [("data=2,data=2", "given twice"), ("pipeline=2", "unknown axis 'pipeline'"),
-                   ("data:2", "could not parse"), ("data=0", "size >= 1"),
-                   ("data=-1,fsdp=-1", "at most one axis")]:
+  for bad, msg in [
+    ("data=2,data=2", "given twice"),
+    ("pipeline=2", "unknown axis 'pipeline'"),
+    ("data:2", "could not parse"),
+    ("data=0", "size >= 1"),
+    ("data=-1,fsdp=-1", "at most one axis"),
+  ]:
     with pytest.raises(ValueError, match=msg):
       shd.parse_mesh_spec(bad)
 
@@ -46,7 +51,9 @@ def test_logical_to_spec_and_divisibility():
   assert shd.logical_to_spec(("embed", "heads", "head_dim"), mesh, rules, (8, 4, 3)) == P("fsdp", "tensor", None)
   assert shd.logical_to_spec(("batch", None), mesh, rules, (8, 5)) == P(("data", "fsdp"), None)
   assert shd.logical_to_spec(("norm",), mesh, rules, (7,)) == P(None)
-  with pytest.raises(ValueError, match=r"q: dim 1 \('heads', size 3\) is not divisible by mesh axis 'tensor' of size 2"):
+  with pytest.raises(
+    ValueError, match=r"q: dim 1 \('heads', size 3\) is not divisible by mesh axis 'tensor' of size 2"
+  ):
     shd.logical_to_spec(("embed", "heads", "head_dim"), mesh, rules, (8, 3, 4), "q")
   with pytest.raises(ValueError, match=r"'data'×'fsdp' of size 4"):
     shd.logical_to_spec(("batch",), mesh, rules, (6,), "rewards")
@@ -56,8 +63,9 @@ def test_logical_to_spec_and_divisibility():
 
 def test_tree_shardings_of_a_model_and_its_optimizer_state():
   import optax
-  from test_train_common import tiny_model
   from flax import nnx
+  from test_train_common import tiny_model
+
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   _, params = nnx.split(tiny_model())
   sh = shd.tree_shardings(params, mesh)

@@ -1,5 +1,6 @@
 """The train step on one device: against a hand-written full-batch update, micro-batch invariance for
 every aggregation mode, μ updates, no recompilation, the reference pass, bucketing and bad inputs."""
+
 from __future__ import annotations
 
 import functools
@@ -10,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-
 from test_train_common import G, flat_params, make_batch, reference_update, tiny_model
+
 from jaxgrpo import sharding as shd
 from jaxgrpo import train
 from jaxgrpo.config import preset
@@ -22,9 +23,9 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # (preset, overrides): one per aggregation mode, covering KL-in-loss, future-KL, λ weights, dual clip
 CASES = {
-    "token-mean": ("lambda_frpo", {}),
-    "seq-mean-token-mean": ("grpo", dict(beta=0.04, aggregation="seq-mean-token-mean", std_ddof=1)),
-    "seq-mean-token-sum-norm": ("dr_grpo", dict(dual_clip=3.0)),
+  "token-mean": ("lambda_frpo", {}),
+  "seq-mean-token-mean": ("grpo", dict(beta=0.04, aggregation="seq-mean-token-mean", std_ddof=1)),
+  "seq-mean-token-sum-norm": ("dr_grpo", dict(dual_clip=3.0)),
 }
 
 
@@ -35,10 +36,16 @@ def _setup(name, overrides, micro, iters=1, mesh_spec="data=1"):
   model = tiny_model()
   opt = optax.sgd(LR)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings,
-                               train_config=train.TrainConfig(micro_batches=micro, max_grad_norm=CLIP,
-                                                              group_size=G, chunk_size=5,
-                                                              compiler_options=FAST_COMPILE))
+  step = train.make_train_step(
+    graphdef,
+    opt,
+    config,
+    mesh=mesh,
+    shardings=shardings,
+    train_config=train.TrainConfig(
+      micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE
+    ),
+  )
   return config, mesh, model, opt, step
 
 
@@ -119,9 +126,16 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
   model = tiny_model()
   opt = optax.sgd(LR)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings,
-                               train_config=train.TrainConfig(mini_batches=2, max_grad_norm=CLIP, group_size=G,
-                                                              chunk_size=5, compiler_options=FAST_COMPILE))
+  step = train.make_train_step(
+    graphdef,
+    opt,
+    config,
+    mesh=mesh,
+    shardings=shardings,
+    train_config=train.TrainConfig(
+      mini_batches=2, max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE
+    ),
+  )
   state, _ = step(state, shd.place_batch(batch, mesh))
   b = batch.completions.shape[0]
   full = make_batch()  # the reference reads (and, for λ-GRPO, ignores) ref_logp
@@ -135,9 +149,17 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
 
 def test_batch_from_rollout():
   from jaxgrpo.sampling import Rollout
+
   src = make_batch()
-  rollout = Rollout(src.prompt_tokens, src.prompt_mask, src.completions, src.mask, src.old_logp, src.group_ids,
-                    np.int32(src.completions.shape[1]))
+  rollout = Rollout(
+    src.prompt_tokens,
+    src.prompt_mask,
+    src.completions,
+    src.mask,
+    src.old_logp,
+    src.group_ids,
+    np.int32(src.completions.shape[1]),
+  )
   batch = train.Batch.from_rollout(rollout, src.rewards)
   for name in ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", "group_ids", "rewards"):
     np.testing.assert_array_equal(np.asarray(getattr(batch, name)), getattr(src, name), err_msg=name)
@@ -157,7 +179,9 @@ def test_reference_fn_matches_model_log_probs(micro):
   got = ref_fn(state.params, shd.place_batch(batch, mesh))
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], 1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], 1)
-  want = np.where(batch.mask, np.asarray(log_probs(model, tokens, attn, chunk_size=None))[:, batch.prompt_tokens.shape[1]:], 0)
+  want = np.where(
+    batch.mask, np.asarray(log_probs(model, tokens, attn, chunk_size=None))[:, batch.prompt_tokens.shape[1] :], 0
+  )
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
@@ -169,9 +193,15 @@ def test_pad_to_bucket():
   out = train.pad_to_bucket(batch, buckets=(4, 8, 16))
   assert out.completions.shape == (16, 8) and out.ref_logp.shape == (16, 8)
   np.testing.assert_array_equal(out.mask, mask[:, :8])
-  out = train.pad_to_bucket(batch._replace(mask=mask[:, :6], completions=batch.completions[:, :6],
-                                           old_logp=batch.old_logp[:, :6], ref_logp=batch.ref_logp[:, :6]),
-                            buckets=(4, 8, 16))
+  out = train.pad_to_bucket(
+    batch._replace(
+      mask=mask[:, :6],
+      completions=batch.completions[:, :6],
+      old_logp=batch.old_logp[:, :6],
+      ref_logp=batch.ref_logp[:, :6],
+    ),
+    buckets=(4, 8, 16),
+  )
   assert out.completions.shape == (16, 8) and not out.mask[:, 6:].any()
   assert train.bucket_length(100, (64, 128)) == 128 and train.bucket_length(300, (64, 128)) == 300
 
@@ -181,8 +211,9 @@ def test_bad_inputs_raise_before_compiling():
   model = tiny_model()
   opt = optax.sgd(0.1)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-  step = train.make_train_step(graphdef, opt, preset("frpo"), mesh=mesh, shardings=shardings,
-                               train_config=train.TrainConfig(micro_batches=3))
+  step = train.make_train_step(
+    graphdef, opt, preset("frpo"), mesh=mesh, shardings=shardings, train_config=train.TrainConfig(micro_batches=3)
+  )
   batch = make_batch()
   with pytest.raises(ValueError, match="not divisible.*micro/mini-batches"):
     step(state, batch)  # 16 rows, 3 micro-batches

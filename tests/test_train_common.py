@@ -3,6 +3,7 @@ full-batch reference update (no jaxgrpo loss/advantage code), and a runner for c
 
 (No tests here; the ``test_`` prefix only marks the file as part of the train-step tests.)
 """
+
 from __future__ import annotations
 
 import os
@@ -19,13 +20,24 @@ B, P, T, G = 16, 4, 12, 4
 
 def tiny_config(layers=2):
   from jaxgrpo.models import Qwen3Config
-  return Qwen3Config(vocab_size=128, hidden_size=32, num_layers=layers, num_heads=4, num_kv_heads=4, head_dim=8,
-                     intermediate_size=64, tie_word_embeddings=True)
+
+  return Qwen3Config(
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=layers,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+  )
 
 
 def tiny_model(seed=0, cfg=None, layers=2):
   from flax import nnx
+
   from jaxgrpo.models import build_model
+
   return build_model(cfg or tiny_config(layers), rngs=nnx.Rngs(seed))
 
 
@@ -33,6 +45,7 @@ def make_batch(seed=0, b=B, p=P, t=T, g=G, vocab_small=3):
   """A rollout-like batch with shared prefixes inside groups (small completion alphabet), ragged
   completion lengths (one empty row), left-padded prompts, and rollout/reference log-probs."""
   from jaxgrpo.train import Batch
+
   rng = np.random.default_rng(seed)
   groups = b // g
   prompts = np.repeat(rng.integers(5, 128, (groups, p)), g, axis=0).astype(np.int32)
@@ -53,6 +66,7 @@ def make_batch(seed=0, b=B, p=P, t=T, g=G, vocab_small=3):
 
 # ----------------------------------------------------------------------------- hand-written reference
 
+
 def ref_lambda_sizes(comp, mask, gids):
   """Brute force |λ(i,t)|: rows of i's group with the same first t+1 tokens, both real."""
   b, t = comp.shape
@@ -61,8 +75,9 @@ def ref_lambda_sizes(comp, mask, gids):
     for s in range(t):
       if not mask[i, s]:
         continue
-      out[i, s] = sum(1 for j in range(b) if gids[j] == gids[i] and mask[j, s]
-                      and np.array_equal(comp[j, :s + 1], comp[i, :s + 1]))
+      out[i, s] = sum(
+        1 for j in range(b) if gids[j] == gids[i] and mask[j, s] and np.array_equal(comp[j, : s + 1], comp[i, : s + 1])
+      )
   return out
 
 
@@ -97,6 +112,7 @@ def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
   import jax
   import jax.numpy as jnp
   from flax import nnx
+
   from jaxgrpo.models import log_probs
 
   graphdef, params = nnx.split(model)
@@ -144,18 +160,22 @@ def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
 
   def update(params):
     (loss, (ratio, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    gnorm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+    gnorm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
     scale = jnp.minimum(1.0, max_grad_norm / gnorm)
     new = jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads)
     # entropy of the policy at the completion positions, from the full logits
     model = nnx.merge(graphdef, params)
     hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
-    logits = model.logits(hidden[:, p - 1:-1], out_dtype=jnp.float32)
+    logits = model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
     logq = jax.nn.log_softmax(logits, -1)
     ent = -jnp.sum(jnp.exp(logq) * logq, -1)
     n = m.sum()
-    metrics = {"loss": loss, "grad_norm": gnorm, "entropy": jnp.sum(ent * m) / n,
-               "approx_kl": jnp.sum((ratio - 1 - jnp.log(ratio)) * m) / n}
+    metrics = {
+      "loss": loss,
+      "grad_norm": gnorm,
+      "entropy": jnp.sum(ent * m) / n,
+      "approx_kl": jnp.sum((ratio - 1 - jnp.log(ratio)) * m) / n,
+    }
     return new, metrics
 
   new, metrics = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params)
@@ -165,10 +185,12 @@ def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
 
 def flat_params(params):
   from flax import nnx
+
   return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(params)}
 
 
 # ----------------------------------------------------------------------------- child processes
+
 
 def child_env(devices: int) -> dict:
   e = dict(os.environ)
@@ -180,8 +202,14 @@ def child_env(devices: int) -> dict:
 
 def start_child(code: str, *, devices: int, args=()) -> subprocess.Popen:
   """Start ``code`` in a fresh Python with ``devices`` virtual CPU devices (see :func:`finish_child`)."""
-  return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=child_env(devices), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    [sys.executable, "-c", code, *map(str, args)],
+    env=child_env(devices),
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def finish_child(proc: subprocess.Popen, timeout=600) -> str:
@@ -192,8 +220,7 @@ def finish_child(proc: subprocess.Popen, timeout=600) -> str:
     proc.kill()
     out, err = proc.communicate()
   if proc.returncode != 0:
-    raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{out[-4000:]}\n"
-                         f"STDERR:\n{err[-8000:]}")
+    raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-8000:]}")
   return out
 
 

@@ -1,9 +1,9 @@
 """The train step on 8 virtual CPU devices (child processes): sharding changes nothing, parameters and
 optimizer state really are sharded, and bad meshes / batches fail before anything is compiled."""
+
 from __future__ import annotations
 
 import pytest
-
 from test_train_common import finish_child, run_child, start_child
 
 _EQUIVALENCE = r"""

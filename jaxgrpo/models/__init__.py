@@ -2,14 +2,22 @@
 
 See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models.base import CausalLM, positions_from_mask
-from jaxgrpo.models.config import (GPT2Config, LlamaConfig, ModelConfig, Qwen2Config, Qwen3Config, RopeScaling,
-                                   config_from_hf)
+from jaxgrpo.models.config import (
+  GPT2Config,
+  LlamaConfig,
+  ModelConfig,
+  Qwen2Config,
+  Qwen3Config,
+  RopeScaling,
+  config_from_hf,
+)
 from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to_spec, save_hf
 from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
@@ -17,8 +25,9 @@ from jaxgrpo.models.llama import LlamaModel
 from jaxgrpo.models.log_probs import log_probs, token_log_probs
 
 
-def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-                remat: bool = False) -> CausalLM:
+def build_model(
+  cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+) -> CausalLM:
   """A randomly initialised model of ``cfg``'s family.
 
   Args:
@@ -38,26 +47,26 @@ def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dt
 
 
 __all__ = [
-    "CausalLM",
-    "DEFAULT_RULES",
-    "GPT2Config",
-    "GPT2Model",
-    "KVCache",
-    "LOGICAL_AXES",
-    "LlamaConfig",
-    "LlamaModel",
-    "ModelConfig",
-    "Qwen2Config",
-    "Qwen3Config",
-    "RopeScaling",
-    "build_model",
-    "config_from_hf",
-    "load_hf",
-    "load_tokenizer",
-    "log_probs",
-    "logical_to_spec",
-    "positions_from_mask",
-    "repeat_cache",
-    "save_hf",
-    "token_log_probs",
+  "CausalLM",
+  "DEFAULT_RULES",
+  "GPT2Config",
+  "GPT2Model",
+  "KVCache",
+  "LOGICAL_AXES",
+  "LlamaConfig",
+  "LlamaModel",
+  "ModelConfig",
+  "Qwen2Config",
+  "Qwen3Config",
+  "RopeScaling",
+  "build_model",
+  "config_from_hf",
+  "load_hf",
+  "load_tokenizer",
+  "log_probs",
+  "logical_to_spec",
+  "positions_from_mask",
+  "repeat_cache",
+  "save_hf",
+  "token_log_probs",
 ]

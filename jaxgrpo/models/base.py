@@ -1,4 +1,5 @@
 """The causal-LM skeleton every family shares: argument checks, cache bookkeeping, the head."""
+
 from __future__ import annotations
 
 import jax
@@ -35,8 +36,14 @@ class CausalLM(nnx.Module):
   def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     raise NotImplementedError
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, *, attention_mask: jax.Array | None = None,
-               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    cache: KVCache | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder.
 
     Args:

@@ -8,6 +8,7 @@ Common fields (all families): ``vocab_size`` (V), ``hidden_size`` (D), ``num_lay
 (``jaxgrpo.models.llama``); they differ only in HF defaults and in two flags:
 ``qkv_bias``/``o_bias`` (Qwen2 has q/k/v biases) and ``qk_norm`` (Qwen3 per-head RMSNorm).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
-    "RopeScaling",
-    "GPT2Config",
-    "LlamaConfig",
-    "Qwen2Config",
-    "Qwen3Config",
-    "ModelConfig",
-    "config_from_hf",
+  "RopeScaling",
+  "GPT2Config",
+  "LlamaConfig",
+  "Qwen2Config",
+  "Qwen3Config",
+  "ModelConfig",
+  "config_from_hf",
 ]
 
 
@@ -74,7 +75,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
   wavelen = 2 * math.pi / inv
   scaled = np.where(wavelen > low_wl, inv / scaling.factor, inv)
   smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-      scaling.high_freq_factor - scaling.low_freq_factor)
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
   smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
   is_medium = (wavelen >= high_wl) & (wavelen <= low_wl)
   return np.where(is_medium, smoothed, scaled).astype(np.float32)
@@ -129,37 +131,37 @@ class GPT2Config:
     if not d.get("scale_attn_weights", True):
       raise ValueError("GPT-2 scale_attn_weights=False is not supported")
     return cls(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["n_embd"],
-        num_layers=d["n_layer"],
-        num_heads=d["n_head"],
-        max_position_embeddings=d.get("n_positions", 1024),
-        intermediate_size=d.get("n_inner"),
-        layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
-        tie_word_embeddings=d.get("tie_word_embeddings", True),
-        bos_token_id=_tokens(d.get("bos_token_id")),
-        eos_token_id=_tokens(d.get("eos_token_id")),
+      vocab_size=d["vocab_size"],
+      hidden_size=d["n_embd"],
+      num_layers=d["n_layer"],
+      num_heads=d["n_head"],
+      max_position_embeddings=d.get("n_positions", 1024),
+      intermediate_size=d.get("n_inner"),
+      layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+      tie_word_embeddings=d.get("tie_word_embeddings", True),
+      bos_token_id=_tokens(d.get("bos_token_id")),
+      eos_token_id=_tokens(d.get("eos_token_id")),
     )
 
   def to_hf(self) -> dict:
     """The HF ``config.json`` dict (``GPT2LMHeadModel``)."""
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": self.vocab_size,
-        "n_embd": self.hidden_size,
-        "n_layer": self.num_layers,
-        "n_head": self.num_heads,
-        "n_positions": self.max_position_embeddings,
-        "n_inner": self.intermediate_size,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": self.layer_norm_epsilon,
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "bos_token_id": _jsonable_tokens(self.bos_token_id),
-        "eos_token_id": _jsonable_tokens(self.eos_token_id),
+      "architectures": ["GPT2LMHeadModel"],
+      "model_type": "gpt2",
+      "vocab_size": self.vocab_size,
+      "n_embd": self.hidden_size,
+      "n_layer": self.num_layers,
+      "n_head": self.num_heads,
+      "n_positions": self.max_position_embeddings,
+      "n_inner": self.intermediate_size,
+      "activation_function": "gelu_new",
+      "layer_norm_epsilon": self.layer_norm_epsilon,
+      "tie_word_embeddings": self.tie_word_embeddings,
+      "resid_pdrop": 0.0,
+      "embd_pdrop": 0.0,
+      "attn_pdrop": 0.0,
+      "bos_token_id": _jsonable_tokens(self.bos_token_id),
+      "eos_token_id": _jsonable_tokens(self.eos_token_id),
     }
 
 
@@ -174,10 +176,10 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
     return float(theta), None
   if rope_type == "llama3":
     return float(theta), RopeScaling(
-        factor=float(merged["factor"]),
-        low_freq_factor=float(merged["low_freq_factor"]),
-        high_freq_factor=float(merged["high_freq_factor"]),
-        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+      factor=float(merged["factor"]),
+      low_freq_factor=float(merged["low_freq_factor"]),
+      high_freq_factor=float(merged["high_freq_factor"]),
+      original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
     )
   raise ValueError(f"rope_type={rope_type!r} is not supported (only 'default' and 'llama3')")
 
@@ -218,10 +220,19 @@ class LlamaConfig:
     if self.head_dim is None:
       if self.hidden_size % self.num_heads:
         raise ValueError(
-            f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; give head_dim")
+          f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; give head_dim"
+        )
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "max_position_embeddings"):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "intermediate_size",
+      "max_position_embeddings",
+    ):
       _check_positive(name, getattr(self, name))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
@@ -243,27 +254,29 @@ class LlamaConfig:
       raise ValueError("use_sliding_window=True is not supported")
     theta, scaling = _rope_from_hf(d)
     return cls(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        num_layers=d["num_hidden_layers"],
-        num_heads=d["num_attention_heads"],
-        num_kv_heads=d.get("num_key_value_heads"),
-        head_dim=d.get("head_dim"),
-        intermediate_size=d["intermediate_size"],
-        max_position_embeddings=d.get("max_position_embeddings", 2048),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=d.get("tie_word_embeddings", False),
-        bos_token_id=_tokens(d.get("bos_token_id")),
-        eos_token_id=_tokens(d.get("eos_token_id")),
-        **cls._flags_from_hf(d),
+      vocab_size=d["vocab_size"],
+      hidden_size=d["hidden_size"],
+      num_layers=d["num_hidden_layers"],
+      num_heads=d["num_attention_heads"],
+      num_kv_heads=d.get("num_key_value_heads"),
+      head_dim=d.get("head_dim"),
+      intermediate_size=d["intermediate_size"],
+      max_position_embeddings=d.get("max_position_embeddings", 2048),
+      rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      tie_word_embeddings=d.get("tie_word_embeddings", False),
+      bos_token_id=_tokens(d.get("bos_token_id")),
+      eos_token_id=_tokens(d.get("eos_token_id")),
+      **cls._flags_from_hf(d),
     )
 
   def _flags_to_hf(self) -> dict:
     if self.qkv_bias != self.o_bias or self.qk_norm:
-      raise ValueError(f"{type(self).__name__} cannot express qkv_bias={self.qkv_bias}, "
-                       f"o_bias={self.o_bias}, qk_norm={self.qk_norm} in a HF config")
+      raise ValueError(
+        f"{type(self).__name__} cannot express qkv_bias={self.qkv_bias}, "
+        f"o_bias={self.o_bias}, qk_norm={self.qk_norm} in a HF config"
+      )
     return {"attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
   def to_hf(self) -> dict:
@@ -272,25 +285,25 @@ class LlamaConfig:
     if self.rope_scaling is not None:
       rope = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}
     return {
-        "architectures": [self.architecture],
-        "model_type": self.model_type,
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "num_hidden_layers": self.num_layers,
-        "num_attention_heads": self.num_heads,
-        "num_key_value_heads": self.num_kv_heads,
-        "head_dim": self.head_dim,
-        "intermediate_size": self.intermediate_size,
-        "max_position_embeddings": self.max_position_embeddings,
-        "rms_norm_eps": self.rms_norm_eps,
-        "hidden_act": "silu",
-        "rope_theta": self.rope_theta,
-        "rope_parameters": rope,
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "attention_dropout": 0.0,
-        "bos_token_id": _jsonable_tokens(self.bos_token_id),
-        "eos_token_id": _jsonable_tokens(self.eos_token_id),
-        **self._flags_to_hf(),
+      "architectures": [self.architecture],
+      "model_type": self.model_type,
+      "vocab_size": self.vocab_size,
+      "hidden_size": self.hidden_size,
+      "num_hidden_layers": self.num_layers,
+      "num_attention_heads": self.num_heads,
+      "num_key_value_heads": self.num_kv_heads,
+      "head_dim": self.head_dim,
+      "intermediate_size": self.intermediate_size,
+      "max_position_embeddings": self.max_position_embeddings,
+      "rms_norm_eps": self.rms_norm_eps,
+      "hidden_act": "silu",
+      "rope_theta": self.rope_theta,
+      "rope_parameters": rope,
+      "tie_word_embeddings": self.tie_word_embeddings,
+      "attention_dropout": 0.0,
+      "bos_token_id": _jsonable_tokens(self.bos_token_id),
+      "eos_token_id": _jsonable_tokens(self.eos_token_id),
+      **self._flags_to_hf(),
     }
 
   def rope_inv_freq(self) -> np.ndarray:

@@ -4,6 +4,7 @@
 ``mlp(h) = gelu_tanh(h·W_fc + b_fc)·W_proj + b_proj``; ``hidden = ln_f(x)``.
 HF's fused ``c_attn`` Conv1D weight [D, 3D] is split into q/k/v [D, H, K] by the checkpoint loader.
 """
+
 from __future__ import annotations
 
 import jax
@@ -38,9 +39,19 @@ class GPT2Block(nnx.Module):
   def __init__(self, cfg: GPT2Config, *, dtype, param_dtype, rngs: nnx.Rngs):
     kw = dict(eps=cfg.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
     self.ln_1 = LayerNorm(cfg.hidden_size, **kw)
-    self.attn = Attention(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads,
-                          head_dim=cfg.head_dim, qkv_bias=True, o_bias=True, qk_norm_eps=None, inv_freq=None,
-                          dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attn = Attention(
+      hidden_size=cfg.hidden_size,
+      num_heads=cfg.num_heads,
+      num_kv_heads=cfg.num_heads,
+      head_dim=cfg.head_dim,
+      qkv_bias=True,
+      o_bias=True,
+      qk_norm_eps=None,
+      inv_freq=None,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
     self.ln_2 = LayerNorm(cfg.hidden_size, **kw)
     self.mlp = GPT2MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -57,8 +68,9 @@ class GPT2Model(CausalLM):
   ``GPT2Block`` weights, final_norm, and lm_head [D,V] ("embed","vocab") only when untied.
   """
 
-  def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: bool = False):
+  def __init__(
+    self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+  ):
     if not isinstance(config, GPT2Config):
       raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
     self.config = config
@@ -67,11 +79,11 @@ class GPT2Model(CausalLM):
     V, D, P = config.vocab_size, config.hidden_size, config.max_position_embeddings
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.wpe = param(rngs.params(), (P, D), (None, "embed"), param_dtype, stddev=0.01)
-    self.layers = nnx.List([GPT2Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                            for _ in range(config.num_layers)])
+    self.layers = nnx.List(
+      [GPT2Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
+    )
     self.final_norm = LayerNorm(D, eps=config.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
-    self.lm_head = None if config.tie_word_embeddings else param(
-        rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
+    self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
 
   def _embed(self, tokens, positions):
     x = jnp.take(self.embed_tokens[...], tokens, axis=0) + jnp.take(self.wpe[...], positions, axis=0)

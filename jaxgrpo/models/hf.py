@@ -12,6 +12,7 @@ Safetensors files are memory-mapped with ``numpy.memmap`` after parsing the (doc
 file header ourselves: ``safetensors.safe_open`` copies each tensor it returns, whereas a memmap
 view lets a shard read only its own pages.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,14 +57,18 @@ def _transpose():
 
 def _in_proj(n, k):
   """HF Linear [n·k, D] → ours [D, n, k]."""
-  return (lambda a: a.reshape(n, k, a.shape[-1]).transpose(2, 0, 1),
-          lambda a: a.transpose(1, 2, 0).reshape(n * k, a.shape[0]))
+  return (
+    lambda a: a.reshape(n, k, a.shape[-1]).transpose(2, 0, 1),
+    lambda a: a.transpose(1, 2, 0).reshape(n * k, a.shape[0]),
+  )
 
 
 def _out_proj(h, k):
   """HF Linear [D, h·k] → ours [h, k, D]."""
-  return (lambda a: a.reshape(a.shape[0], h, k).transpose(1, 2, 0),
-          lambda a: a.transpose(2, 0, 1).reshape(a.shape[2], h * k))
+  return (
+    lambda a: a.reshape(a.shape[0], h, k).transpose(1, 2, 0),
+    lambda a: a.transpose(2, 0, 1).reshape(a.shape[2], h * k),
+  )
 
 
 def _bias_heads(n, k):
@@ -71,35 +76,56 @@ def _bias_heads(n, k):
 
 
 def _gpt2_entries(cfg: GPT2Config) -> list[Entry]:
-  D, H, K, F, V, P = (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size,
-                      cfg.max_position_embeddings)
+  D, H, K, F, V, P = (
+    cfg.hidden_size,
+    cfg.num_heads,
+    cfg.head_dim,
+    cfg.intermediate_size,
+    cfg.vocab_size,
+    cfg.max_position_embeddings,
+  )
   out = [
-      Entry(("embed_tokens",), "transformer.wte.weight", (V, D), *_same()),
-      Entry(("wpe",), "transformer.wpe.weight", (P, D), *_same()),
-      Entry(("final_norm", "scale"), "transformer.ln_f.weight", (D,), *_same()),
-      Entry(("final_norm", "bias"), "transformer.ln_f.bias", (D,), *_same()),
+    Entry(("embed_tokens",), "transformer.wte.weight", (V, D), *_same()),
+    Entry(("wpe",), "transformer.wpe.weight", (P, D), *_same()),
+    Entry(("final_norm", "scale"), "transformer.ln_f.weight", (D,), *_same()),
+    Entry(("final_norm", "bias"), "transformer.ln_f.bias", (D,), *_same()),
   ]
   for i in range(cfg.num_layers):
     p = f"transformer.h.{i}."
     L = ("layers", i)
     for j, name in enumerate(("q", "k", "v")):
       # Conv1D weight is [in, out] = [D, 3D]; columns j·D..(j+1)·D belong to q/k/v.
-      out.append(Entry(L + ("attn", name), p + "attn.c_attn.weight", (D, 3 * D),
-                       lambda a, j=j: a.reshape(D, 3, H, K)[:, j], lambda a: a.reshape(D, H * K)))
-      out.append(Entry(L + ("attn", name + "_bias"), p + "attn.c_attn.bias", (3 * D,),
-                       lambda a, j=j: a.reshape(3, H, K)[j], lambda a: a.reshape(H * K)))
+      out.append(
+        Entry(
+          L + ("attn", name),
+          p + "attn.c_attn.weight",
+          (D, 3 * D),
+          lambda a, j=j: a.reshape(D, 3, H, K)[:, j],
+          lambda a: a.reshape(D, H * K),
+        )
+      )
+      out.append(
+        Entry(
+          L + ("attn", name + "_bias"),
+          p + "attn.c_attn.bias",
+          (3 * D,),
+          lambda a, j=j: a.reshape(3, H, K)[j],
+          lambda a: a.reshape(H * K),
+        )
+      )
     out += [
-        Entry(L + ("attn", "o"), p + "attn.c_proj.weight", (D, D),
-              lambda a: a.reshape(H, K, D), lambda a: a.reshape(H * K, D)),
-        Entry(L + ("attn", "o_bias"), p + "attn.c_proj.bias", (D,), *_same()),
-        Entry(L + ("ln_1", "scale"), p + "ln_1.weight", (D,), *_same()),
-        Entry(L + ("ln_1", "bias"), p + "ln_1.bias", (D,), *_same()),
-        Entry(L + ("ln_2", "scale"), p + "ln_2.weight", (D,), *_same()),
-        Entry(L + ("ln_2", "bias"), p + "ln_2.bias", (D,), *_same()),
-        Entry(L + ("mlp", "fc"), p + "mlp.c_fc.weight", (D, F), *_same()),
-        Entry(L + ("mlp", "fc_bias"), p + "mlp.c_fc.bias", (F,), *_same()),
-        Entry(L + ("mlp", "proj"), p + "mlp.c_proj.weight", (F, D), *_same()),
-        Entry(L + ("mlp", "proj_bias"), p + "mlp.c_proj.bias", (D,), *_same()),
+      Entry(
+        L + ("attn", "o"), p + "attn.c_proj.weight", (D, D), lambda a: a.reshape(H, K, D), lambda a: a.reshape(H * K, D)
+      ),
+      Entry(L + ("attn", "o_bias"), p + "attn.c_proj.bias", (D,), *_same()),
+      Entry(L + ("ln_1", "scale"), p + "ln_1.weight", (D,), *_same()),
+      Entry(L + ("ln_1", "bias"), p + "ln_1.bias", (D,), *_same()),
+      Entry(L + ("ln_2", "scale"), p + "ln_2.weight", (D,), *_same()),
+      Entry(L + ("ln_2", "bias"), p + "ln_2.bias", (D,), *_same()),
+      Entry(L + ("mlp", "fc"), p + "mlp.c_fc.weight", (D, F), *_same()),
+      Entry(L + ("mlp", "fc_bias"), p + "mlp.c_fc.bias", (F,), *_same()),
+      Entry(L + ("mlp", "proj"), p + "mlp.c_proj.weight", (F, D), *_same()),
+      Entry(L + ("mlp", "proj_bias"), p + "mlp.c_proj.bias", (D,), *_same()),
     ]
   if not cfg.tie_word_embeddings:
     out.append(Entry(("lm_head",), "lm_head.weight", (V, D), *_transpose()))
@@ -107,44 +133,50 @@ def _gpt2_entries(cfg: GPT2Config) -> list[Entry]:
 
 
 def _llama_entries(cfg: LlamaConfig) -> list[Entry]:
-  D, H, N, K, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                      cfg.vocab_size)
+  D, H, N, K, F, V = (
+    cfg.hidden_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.intermediate_size,
+    cfg.vocab_size,
+  )
   out = [
-      Entry(("embed_tokens",), "model.embed_tokens.weight", (V, D), *_same()),
-      Entry(("final_norm", "scale"), "model.norm.weight", (D,), *_same()),
+    Entry(("embed_tokens",), "model.embed_tokens.weight", (V, D), *_same()),
+    Entry(("final_norm", "scale"), "model.norm.weight", (D,), *_same()),
   ]
   for i in range(cfg.num_layers):
     p = f"model.layers.{i}."
     L = ("layers", i)
     out += [
-        Entry(L + ("input_norm", "scale"), p + "input_layernorm.weight", (D,), *_same()),
-        Entry(L + ("post_attention_norm", "scale"), p + "post_attention_layernorm.weight", (D,), *_same()),
-        Entry(L + ("attn", "q"), p + "self_attn.q_proj.weight", (H * K, D), *_in_proj(H, K)),
-        Entry(L + ("attn", "k"), p + "self_attn.k_proj.weight", (N * K, D), *_in_proj(N, K)),
-        Entry(L + ("attn", "v"), p + "self_attn.v_proj.weight", (N * K, D), *_in_proj(N, K)),
-        Entry(L + ("attn", "o"), p + "self_attn.o_proj.weight", (D, H * K), *_out_proj(H, K)),
-        Entry(L + ("mlp", "gate"), p + "mlp.gate_proj.weight", (F, D), *_transpose()),
-        Entry(L + ("mlp", "up"), p + "mlp.up_proj.weight", (F, D), *_transpose()),
-        Entry(L + ("mlp", "down"), p + "mlp.down_proj.weight", (D, F), *_transpose()),
+      Entry(L + ("input_norm", "scale"), p + "input_layernorm.weight", (D,), *_same()),
+      Entry(L + ("post_attention_norm", "scale"), p + "post_attention_layernorm.weight", (D,), *_same()),
+      Entry(L + ("attn", "q"), p + "self_attn.q_proj.weight", (H * K, D), *_in_proj(H, K)),
+      Entry(L + ("attn", "k"), p + "self_attn.k_proj.weight", (N * K, D), *_in_proj(N, K)),
+      Entry(L + ("attn", "v"), p + "self_attn.v_proj.weight", (N * K, D), *_in_proj(N, K)),
+      Entry(L + ("attn", "o"), p + "self_attn.o_proj.weight", (D, H * K), *_out_proj(H, K)),
+      Entry(L + ("mlp", "gate"), p + "mlp.gate_proj.weight", (F, D), *_transpose()),
+      Entry(L + ("mlp", "up"), p + "mlp.up_proj.weight", (F, D), *_transpose()),
+      Entry(L + ("mlp", "down"), p + "mlp.down_proj.weight", (D, F), *_transpose()),
     ]
     if cfg.qkv_bias:
       out += [
-          Entry(L + ("attn", "q_bias"), p + "self_attn.q_proj.bias", (H * K,), *_bias_heads(H, K)),
-          Entry(L + ("attn", "k_bias"), p + "self_attn.k_proj.bias", (N * K,), *_bias_heads(N, K)),
-          Entry(L + ("attn", "v_bias"), p + "self_attn.v_proj.bias", (N * K,), *_bias_heads(N, K)),
+        Entry(L + ("attn", "q_bias"), p + "self_attn.q_proj.bias", (H * K,), *_bias_heads(H, K)),
+        Entry(L + ("attn", "k_bias"), p + "self_attn.k_proj.bias", (N * K,), *_bias_heads(N, K)),
+        Entry(L + ("attn", "v_bias"), p + "self_attn.v_proj.bias", (N * K,), *_bias_heads(N, K)),
       ]
     if cfg.o_bias:
       out.append(Entry(L + ("attn", "o_bias"), p + "self_attn.o_proj.bias", (D,), *_same()))
     if cfg.mlp_bias:
       out += [
-          Entry(L + ("mlp", "gate_bias"), p + "mlp.gate_proj.bias", (F,), *_same()),
-          Entry(L + ("mlp", "up_bias"), p + "mlp.up_proj.bias", (F,), *_same()),
-          Entry(L + ("mlp", "down_bias"), p + "mlp.down_proj.bias", (D,), *_same()),
+        Entry(L + ("mlp", "gate_bias"), p + "mlp.gate_proj.bias", (F,), *_same()),
+        Entry(L + ("mlp", "up_bias"), p + "mlp.up_proj.bias", (F,), *_same()),
+        Entry(L + ("mlp", "down_bias"), p + "mlp.down_proj.bias", (D,), *_same()),
       ]
     if cfg.qk_norm:
       out += [
-          Entry(L + ("attn", "q_norm", "scale"), p + "self_attn.q_norm.weight", (K,), *_same()),
-          Entry(L + ("attn", "k_norm", "scale"), p + "self_attn.k_norm.weight", (K,), *_same()),
+        Entry(L + ("attn", "q_norm", "scale"), p + "self_attn.q_norm.weight", (K,), *_same()),
+        Entry(L + ("attn", "k_norm", "scale"), p + "self_attn.k_norm.weight", (K,), *_same()),
       ]
   if not cfg.tie_word_embeddings:
     out.append(Entry(("lm_head",), "lm_head.weight", (V, D), *_transpose()))
@@ -164,8 +196,16 @@ def hf_entries(cfg: ModelConfig) -> list[Entry]:
 # Safetensors, memory-mapped.
 
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
 }
 
 
@@ -184,7 +224,7 @@ def _mmap_safetensors(path: str) -> dict[str, np.ndarray]:
       raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
     start, end = info["data_offsets"]
     dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-    out[name] = data[base + start:base + end].view(dtype).reshape(info["shape"])
+    out[name] = data[base + start : base + end].view(dtype).reshape(info["shape"])
   return out
 
 
@@ -211,13 +251,21 @@ def _resolve(path: str | os.PathLike) -> str:
     raise ValueError(f"path {path!r} must be a model directory, not a file")
   try:
     from huggingface_hub import snapshot_download
+
     return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
   except Exception as e:  # noqa: BLE001 - re-raised with the reason
     raise ValueError(f"{path!r} is not a local directory and could not be fetched from the hub: {e}") from e
 
 
-def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32, mesh: Mesh | None = None,
-            rules: Mapping[str, str | None] | None = None, remat: bool = False):
+def load_hf(
+  path: str | os.PathLike,
+  *,
+  dtype=jnp.float32,
+  param_dtype=jnp.float32,
+  mesh: Mesh | None = None,
+  rules: Mapping[str, str | None] | None = None,
+  remat: bool = False,
+):
   """Load a HF causal-LM directory (or hub id, when reachable) into a ``jaxgrpo.models`` model.
 
   Reads ``config.json`` (family from ``model_type``) and ``model.safetensors`` or the shards listed
@@ -247,15 +295,18 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
       raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
     if explicit:
-      raise ValueError(f"mesh axes {explicit} are not AxisType.Auto; the models rely on the compiler to "
-                       "propagate shardings: build the mesh with axis_types=(AxisType.Auto,) * ndim "
-                       "(jax.make_mesh defaults to Explicit)")
+      raise ValueError(
+        f"mesh axes {explicit} are not AxisType.Auto; the models rely on the compiler to "
+        "propagate shardings: build the mesh with axis_types=(AxisType.Auto,) * ndim "
+        "(jax.make_mesh defaults to Explicit)"
+      )
   directory = _resolve(path)
   cfg = config_from_hf(directory)
   rules = DEFAULT_RULES if rules is None else dict(rules)
   tensors = _read_checkpoint(directory)
-  abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                                     remat=remat))
+  abstract = nnx.eval_shape(
+    lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat)
+  )
   graphdef, state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(state))
   entries = hf_entries(cfg)
@@ -265,8 +316,8 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
   default_device = jax.devices()[0]
   for e in entries:
     name = e.hf_name
-    if name not in tensors and name.startswith("transformer.") and name[len("transformer."):] in tensors:
-      name = name[len("transformer."):]  # original OpenAI-GPT-2 checkpoints have no prefix
+    if name not in tensors and name.startswith("transformer.") and name[len("transformer.") :] in tensors:
+      name = name[len("transformer.") :]  # original OpenAI-GPT-2 checkpoints have no prefix
     if name not in tensors:
       raise ValueError(f"tensor {e.hf_name!r} is missing from the checkpoint in {directory}")
     found = tuple(tensors[name].shape)
@@ -283,15 +334,21 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float
       sharding = NamedSharding(mesh, logical_to_spec(axes, mesh, rules, view.shape, e.hf_name))
     np_dtype = np.dtype(param_dtype)
     array = jax.make_array_from_callback(
-        view.shape, sharding, lambda idx, view=view: np.array(view[idx], dtype=np_dtype, order="C"))
+      view.shape, sharding, lambda idx, view=view, np_dtype=np_dtype: np.array(view[idx], dtype=np_dtype, order="C")
+    )
     var.set_value(array)
-  used = {e.hf_name for e in entries} | {e.hf_name[len("transformer."):] for e in entries}
+  used = {e.hf_name for e in entries} | {e.hf_name[len("transformer.") :] for e in entries}
   if cfg.tie_word_embeddings:
     used.add("lm_head.weight")  # a tied checkpoint may still store the (identical) head; HF ignores it too
   unused = sorted(n for n in tensors if n not in used and not n.endswith(_BUFFER_SUFFIXES))
   if unused:
-    logger.warning("load_hf(%s): %d checkpoint tensors are not used by the %s model: %s", directory, len(unused),
-                   cfg.model_type, unused[:8])
+    logger.warning(
+      "load_hf(%s): %d checkpoint tensors are not used by the %s model: %s",
+      directory,
+      len(unused),
+      cfg.model_type,
+      unused[:8],
+    )
   return nnx.merge(graphdef, state)
 
 

@@ -6,27 +6,27 @@ N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V v
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical axis name
 per dim (see ``LOGICAL_AXES``); ``eager_sharding=False`` so no mesh is needed at construction.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 __all__ = [
-    "LOGICAL_AXES",
-    "param",
-    "RMSNorm",
-    "LayerNorm",
-    "KVCache",
-    "init_kv_cache",
-    "repeat_cache",
-    "apply_rope",
-    "Attention",
-    "dense",
+  "LOGICAL_AXES",
+  "param",
+  "RMSNorm",
+  "LayerNorm",
+  "KVCache",
+  "init_kv_cache",
+  "repeat_cache",
+  "apply_rope",
+  "Attention",
+  "dense",
 ]
 
 LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
@@ -38,14 +38,16 @@ def _f32_operands_on_cpu(*xs, preferred_element_type=None):
   """XLA:CPU has no bf16 × bf16 → f32 kernel for some dot layouts ("Unsupported element type for
   DotThunk"): there, operands asked to accumulate in float32 are upcast first. Exact (a product of
   two bf16 numbers is exact in float32) and CPU-only; accelerators keep the low-precision matmul."""
-  if (preferred_element_type == jnp.float32 and jax.default_backend() == "cpu"
-      and any(x.dtype != jnp.float32 for x in xs)):
+  if (
+    preferred_element_type == jnp.float32 and jax.default_backend() == "cpu" and any(x.dtype != jnp.float32 for x in xs)
+  ):
     return tuple(x.astype(jnp.float32) for x in xs)
   return xs
 
 
-def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = False,
-          preferred_element_type=None) -> jax.Array:
+def dense(
+  x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = False, preferred_element_type=None
+) -> jax.Array:
   """``x [..., *C] · w [*C, *O] → [..., *O]`` (``transpose_w``: ``w [*O, *C]``) as one 2-D matmul.
 
   The leading (token) dims of ``x`` and the last ``contract`` dims are each flattened to one, so
@@ -56,12 +58,14 @@ def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = 
   its operands as they are; the SwiGLU forward+backward ran 1.5× faster (``BENCHMARKS.md``).
   """
   if not isinstance(contract, int) or isinstance(contract, bool) or not 1 <= contract <= min(x.ndim, w.ndim):
-    raise ValueError(f"dense: contract must be an int in [1, min(x.ndim, w.ndim)] = [1, {min(x.ndim, w.ndim)}]; "
-                     f"got {contract!r} for x {x.shape}, w {w.shape}")
-  lead = x.shape[:x.ndim - contract]
-  c = x.shape[x.ndim - contract:]
+    raise ValueError(
+      f"dense: contract must be an int in [1, min(x.ndim, w.ndim)] = [1, {min(x.ndim, w.ndim)}]; "
+      f"got {contract!r} for x {x.shape}, w {w.shape}"
+    )
+  lead = x.shape[: x.ndim - contract]
+  c = x.shape[x.ndim - contract :]
   if transpose_w:
-    out, wc = w.shape[:w.ndim - contract], w.shape[w.ndim - contract:]
+    out, wc = w.shape[: w.ndim - contract], w.shape[w.ndim - contract :]
   else:
     wc, out = w.shape[:contract], w.shape[contract:]
   if tuple(wc) != tuple(c):
@@ -69,14 +73,22 @@ def dense(x: jax.Array, w: jax.Array, *, contract: int = 1, transpose_w: bool = 
   x2 = x.reshape(math.prod(lead), math.prod(c))
   x2, w = _f32_operands_on_cpu(x2, w, preferred_element_type=preferred_element_type)
   if transpose_w:
-    y = jnp.einsum("tc,oc->to", x2, w.reshape(math.prod(out), math.prod(c)), preferred_element_type=preferred_element_type)
+    y = jnp.einsum(
+      "tc,oc->to", x2, w.reshape(math.prod(out), math.prod(c)), preferred_element_type=preferred_element_type
+    )
   else:
     y = jnp.dot(x2, w.reshape(math.prod(c), math.prod(out)), preferred_element_type=preferred_element_type)
   return y.reshape(*lead, *out)
 
 
-def param(key: jax.Array | None, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype,
-          init: str = "normal", stddev: float = 0.02) -> nnx.Param:
+def param(
+  key: jax.Array | None,
+  shape: tuple[int, ...],
+  axes: tuple[str | None, ...],
+  dtype,
+  init: str = "normal",
+  stddev: float = 0.02,
+) -> nnx.Param:
   """An ``nnx.Param`` of ``shape``/``dtype`` annotated with logical ``axes`` (one name per dim).
 
   init: "normal" (N(0, stddev²)), "zeros" or "ones".
@@ -152,17 +164,19 @@ class KVCache(NamedTuple):
     return self.valid.shape[1]
 
 
-def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                  dtype) -> KVCache:
+def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
   """Empty cache: zeros, no valid slot, index 0."""
   for name, value in (("batch_size", batch_size), ("max_len", max_len)):
     if not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   k_shape = (batch_size, num_kv_heads, head_dim, max_len)
   v_shape = (batch_size, num_kv_heads, max_len, head_dim)
-  return KVCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
-                 v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)),
-                 valid=jnp.zeros((batch_size, max_len), bool), index=jnp.zeros((), jnp.int32))
+  return KVCache(
+    k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
+    v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)),
+    valid=jnp.zeros((batch_size, max_len), bool),
+    index=jnp.zeros((), jnp.int32),
+  )
 
 
 def repeat_cache(cache: KVCache, n: int) -> KVCache:
@@ -173,8 +187,7 @@ def repeat_cache(cache: KVCache, n: int) -> KVCache:
   if not isinstance(n, int) or n <= 0:
     raise ValueError(f"n must be a positive int, got {n!r}")
   rep = lambda x: jnp.repeat(x, n, axis=0)
-  return KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)), valid=rep(cache.valid),
-                 index=cache.index)
+  return KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)), valid=rep(cache.valid), index=cache.index)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -202,9 +215,21 @@ class Attention(nnx.Module):
   ``softmax(q·kᵀ/√K + mask)`` with scores and softmax in float32; masked entries get -1e30.
   """
 
-  def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               qkv_bias: bool, o_bias: bool, qk_norm_eps: float | None, inv_freq, dtype, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    *,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm_eps: float | None,
+    inv_freq,
+    dtype,
+    param_dtype,
+    rngs: nnx.Rngs,
+  ):
     D, H, N, K = hidden_size, num_heads, num_kv_heads, head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = H, N, K
     self.dtype = dtype
@@ -230,9 +255,15 @@ class Attention(nnx.Module):
     y = dense(x, w[...].astype(self.dtype))
     return y if b is None else y + b[...].astype(self.dtype)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-               cache_kv: tuple[jax.Array, jax.Array] | None, cache_valid: jax.Array | None,
-               cache_index: jax.Array | None):
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    attention_mask: jax.Array,
+    cache_kv: tuple[jax.Array, jax.Array] | None,
+    cache_valid: jax.Array | None,
+    cache_index: jax.Array | None,
+  ):
     """x: [B,S,D]; positions int32 [B,S]; attention_mask bool [B,S].
 
     Without cache (``cache_kv`` None): causal attention among the S tokens, keys masked by
@@ -257,17 +288,19 @@ class Attention(nnx.Module):
     # [B,N,K,T] keys / [B,N,T,K] values is one vectorised loop, accumulated in float32.
     small = cache_kv is not None and S * G <= _SMALL_QUERY_ROWS
     if cache_kv is None:
-      keys, values = k, v                                                      # [B,S,N,K]
+      keys, values = k, v  # [B,S,N,K]
       q_slot = k_slot = jnp.arange(S)
       key_valid = attention_mask
       new_kv = None
     else:
       ck, cv = cache_kv
       zero = jnp.zeros((), jnp.int32)
-      keys = jax.lax.dynamic_update_slice(ck, jnp.transpose(k, (0, 2, 3, 1)).astype(ck.dtype),
-                                          (zero, zero, zero, cache_index))     # [B,N,K,T]
-      values = jax.lax.dynamic_update_slice(cv, jnp.transpose(v, (0, 2, 1, 3)).astype(cv.dtype),
-                                            (zero, zero, cache_index, zero))   # [B,N,T,K]
+      keys = jax.lax.dynamic_update_slice(
+        ck, jnp.transpose(k, (0, 2, 3, 1)).astype(ck.dtype), (zero, zero, zero, cache_index)
+      )  # [B,N,K,T]
+      values = jax.lax.dynamic_update_slice(
+        cv, jnp.transpose(v, (0, 2, 1, 3)).astype(cv.dtype), (zero, zero, cache_index, zero)
+      )  # [B,N,T,K]
       new_kv = (keys, values)
       q_slot = cache_index + jnp.arange(S)
       k_slot = jnp.arange(values.shape[2])
@@ -278,16 +311,19 @@ class Attention(nnx.Module):
     q = q.reshape(B, S, N, G, K)
     f32 = lambda x: x.astype(jnp.float32)
     if small:
-      qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))                               # [B,N,G,S,K]
-      scores = jnp.sum(qt[..., None] * f32(keys)[:, :, None, None], axis=-2)   # [B,N,G,S,T]
+      qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))  # [B,N,G,S,K]
+      scores = jnp.sum(qt[..., None] * f32(keys)[:, :, None, None], axis=-2)  # [B,N,G,S,T]
     else:
-      scores = jnp.einsum("bsngk,btnk->bngst", *_f32_operands_on_cpu(q, keys.astype(self.dtype),
-                          preferred_element_type=jnp.float32), preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores * (K ** -0.5), _NEG_INF)
+      scores = jnp.einsum(
+        "bsngk,btnk->bngst",
+        *_f32_operands_on_cpu(q, keys.astype(self.dtype), preferred_element_type=jnp.float32),
+        preferred_element_type=jnp.float32,
+      )
+    scores = jnp.where(mask[:, None, None], scores * (K**-0.5), _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
     if small:
       out = jnp.sum(f32(probs)[..., None] * f32(values)[:, :, None, None], axis=-2).astype(self.dtype)
-      out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)            # [B,N,G,S,K] -> [B,S,H,K]
+      out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)  # [B,N,G,S,K] -> [B,S,H,K]
     else:
       out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
     y = dense(out, self.o[...].astype(self.dtype), contract=2)

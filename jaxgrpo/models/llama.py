@@ -4,6 +4,7 @@ Per layer: ``x += attn(rms_1(x))``, ``x += down(silu(rms_2(x)·gate) * (rms_2(x)
 attention is GQA with RoPE (llama3 frequency scaling when configured), optional q/k/v biases
 (Qwen2), optional per-head q/k RMSNorm before RoPE (Qwen3); ``hidden = rms_f(x)``.
 """
+
 from __future__ import annotations
 
 import jax
@@ -47,10 +48,19 @@ class LlamaBlock(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     self.input_norm = RMSNorm(cfg.hidden_size, **kw)
-    self.attn = Attention(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                          head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
-                          qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-                          inv_freq=cfg.rope_inv_freq(), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attn = Attention(
+      hidden_size=cfg.hidden_size,
+      num_heads=cfg.num_heads,
+      num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      qkv_bias=cfg.qkv_bias,
+      o_bias=cfg.o_bias,
+      qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+      inv_freq=cfg.rope_inv_freq(),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
     self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
     self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -67,8 +77,9 @@ class LlamaModel(CausalLM):
   final_norm, and lm_head [D,V] ("embed","vocab") only when untied.
   """
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: bool = False):
+  def __init__(
+    self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+  ):
     if not isinstance(config, LlamaConfig):
       raise TypeError(f"config must be a LlamaConfig/Qwen2Config/Qwen3Config, got {type(config).__name__}")
     self.config = config
@@ -76,11 +87,11 @@ class LlamaModel(CausalLM):
     self.remat = bool(remat)
     V, D = config.vocab_size, config.hidden_size
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
-    self.layers = nnx.List([LlamaBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                            for _ in range(config.num_layers)])
+    self.layers = nnx.List(
+      [LlamaBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
+    )
     self.final_norm = RMSNorm(D, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.lm_head = None if config.tie_word_embeddings else param(
-        rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
+    self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
 
   def _embed(self, tokens, positions):
     del positions  # RoPE is applied inside attention

@@ -1,4 +1,5 @@
 """Per-token log-probabilities without materialising the float32 [B, T, V] logits."""
+
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,9 @@ from jaxgrpo.models.base import positions_from_mask
 __all__ = ["log_probs", "token_log_probs"]
 
 
-def token_log_probs(model, hidden: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                    chunk_size: int | None = 256) -> jax.Array:
+def token_log_probs(
+  model, hidden: jax.Array, targets: jax.Array, *, temperature: float = 1.0, chunk_size: int | None = 256
+) -> jax.Array:
   """``out[b, t] = log_softmax(logits(hidden[b, t]) / temperature)[targets[b, t]]`` in float32.
 
   Args:
@@ -56,8 +58,14 @@ def token_log_probs(model, hidden: jax.Array, targets: jax.Array, *, temperature
   return out.swapaxes(0, 1).reshape(B, n * chunk_size)[:, :T]
 
 
-def log_probs(model, tokens: jax.Array, attention_mask: jax.Array | None = None, *, temperature: float = 1.0,
-              chunk_size: int | None = 256) -> jax.Array:
+def log_probs(
+  model,
+  tokens: jax.Array,
+  attention_mask: jax.Array | None = None,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int | None = 256,
+) -> jax.Array:
   """Per-token log-probabilities of a (left-)padded batch of sequences under ``model``.
 
   ``out[:, t] = log_softmax(logits(hidden[:, t-1]) / temperature)[tokens[:, t]]`` for t >= 1 where

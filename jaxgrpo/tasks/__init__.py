@@ -3,13 +3,37 @@
 - ``binary_tree``: the λ-GRPO paper's depth-4 binary-tree task (Sullivan & Koller, §4), with the whole
   training run in one ``jit`` and seeds × cells ``vmap``-ped.
 """
-from jaxgrpo.tasks.binary_tree import (ALGORITHMS, PAPER_CELLS, PAPER_TABLE1, POLICIES, TabularPolicy,
-                                       TransformerPolicy, TreeTask, leaf_actions, leaf_rewards,
-                                       make_optimizer, make_policy, make_sweep, run_sweep,
-                                       summarize_cell)
+
+from jaxgrpo.tasks.binary_tree import (
+  ALGORITHMS,
+  PAPER_CELLS,
+  PAPER_TABLE1,
+  POLICIES,
+  TabularPolicy,
+  TransformerPolicy,
+  TreeTask,
+  leaf_actions,
+  leaf_rewards,
+  make_optimizer,
+  make_policy,
+  make_sweep,
+  run_sweep,
+  summarize_cell,
+)
 
 __all__ = [
-    "ALGORITHMS", "PAPER_CELLS", "PAPER_TABLE1", "POLICIES", "TabularPolicy", "TransformerPolicy",
-    "TreeTask", "leaf_actions", "leaf_rewards", "make_optimizer", "make_policy", "make_sweep",
-    "run_sweep", "summarize_cell",
+  "ALGORITHMS",
+  "PAPER_CELLS",
+  "PAPER_TABLE1",
+  "POLICIES",
+  "TabularPolicy",
+  "TransformerPolicy",
+  "TreeTask",
+  "leaf_actions",
+  "leaf_rewards",
+  "make_optimizer",
+  "make_policy",
+  "make_sweep",
+  "run_sweep",
+  "summarize_cell",
 ]

@@ -32,6 +32,7 @@ Design (purejaxrl-style):
 - One ``jit`` per algorithm runs ``lax.scan`` over steps of a step ``vmap``-ped over cells
   (a cell = one ``(n, r_neg)``, i.e. one ``f32[2**depth]`` reward table) and seeds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,20 @@ from jaxgrpo.losses import finalize_terms
 from jaxgrpo.objective import objective_terms, rollout_advantages
 
 __all__ = [
-    "ALGORITHMS", "PAPER_CELLS", "PAPER_TABLE1", "POLICIES", "TabularPolicy", "TransformerPolicy",
-    "TreeTask", "leaf_actions", "leaf_rewards", "make_optimizer", "make_policy", "make_sweep",
-    "run_sweep", "summarize_cell",
+  "ALGORITHMS",
+  "PAPER_CELLS",
+  "PAPER_TABLE1",
+  "POLICIES",
+  "TabularPolicy",
+  "TransformerPolicy",
+  "TreeTask",
+  "leaf_actions",
+  "leaf_rewards",
+  "make_optimizer",
+  "make_policy",
+  "make_sweep",
+  "run_sweep",
+  "summarize_cell",
 ]
 
 L, R, BOS = 0, 1, 2
@@ -65,8 +77,12 @@ MAX_DEPTH = 12
 PAPER_CELLS: tuple[tuple[int, float], ...] = ((1, -0.5), (1, -1.0), (1, -1.5), (2, -0.5), (2, -1.0), (2, -1.5))
 #: λ-GRPO paper, Table 1: target frequency over the last 50 steps, mean of 5 seeds, (GRPO, λ-GRPO).
 PAPER_TABLE1: dict[tuple[int, float], tuple[float, float]] = {
-    (1, -0.5): (0.3995, 0.5663), (1, -1.0): (0.0000, 0.7535), (1, -1.5): (0.2000, 0.4463),
-    (2, -0.5): (0.1980, 0.4292), (2, -1.0): (0.0488, 0.3612), (2, -1.5): (0.0000, 0.3820),
+  (1, -0.5): (0.3995, 0.5663),
+  (1, -1.0): (0.0000, 0.7535),
+  (1, -1.5): (0.2000, 0.4463),
+  (2, -0.5): (0.1980, 0.4292),
+  (2, -1.0): (0.0488, 0.3612),
+  (2, -1.5): (0.0000, 0.3820),
 }
 
 
@@ -74,368 +90,446 @@ PAPER_TABLE1: dict[tuple[int, float], tuple[float, float]] = {
 # Environment
 # ----------------------------------------------------------------------------------------------------
 
+
 def parse_path(path: str | Sequence[int], depth: int | None = None) -> tuple[int, ...]:
-    """A path as a tuple of actions (0 = L, 1 = R) from ``"LLRL"`` or a sequence of 0/1."""
-    if isinstance(path, str):
-        bad = set(path.upper()) - {"L", "R"}
-        if bad:
-            raise ValueError(f"target path must be a string of L/R; got {path!r}")
-        acts = tuple(L if c == "L" else R for c in path.upper())
-    else:
-        acts = tuple(int(a) for a in path)
-        if any(a not in (L, R) for a in acts):
-            raise ValueError(f"target path actions must be 0 (L) or 1 (R); got {path!r}")
-    if depth is not None and len(acts) != depth:
-        raise ValueError(f"target path {path!r} has {len(acts)} actions but depth={depth}")
-    return acts
+  """A path as a tuple of actions (0 = L, 1 = R) from ``"LLRL"`` or a sequence of 0/1."""
+  if isinstance(path, str):
+    bad = set(path.upper()) - {"L", "R"}
+    if bad:
+      raise ValueError(f"target path must be a string of L/R; got {path!r}")
+    acts = tuple(L if c == "L" else R for c in path.upper())
+  else:
+    acts = tuple(int(a) for a in path)
+    if any(a not in (L, R) for a in acts):
+      raise ValueError(f"target path actions must be 0 (L) or 1 (R); got {path!r}")
+  if depth is not None and len(acts) != depth:
+    raise ValueError(f"target path {path!r} has {len(acts)} actions but depth={depth}")
+  return acts
 
 
 def path_str(actions: Sequence[int]) -> str:
-    """``(0, 0, 1, 0)`` → ``"LLRL"``."""
-    return "".join("LR"[int(a)] for a in actions)
+  """``(0, 0, 1, 0)`` → ``"LLRL"``."""
+  return "".join("LR"[int(a)] for a in actions)
 
 
 def leaf_index(actions: Sequence[int]) -> int:
-    """The leaf number of a path: its actions as a binary number, first action most significant."""
-    out = 0
-    for a in actions:
-        out = 2 * out + int(a)
-    return out
+  """The leaf number of a path: its actions as a binary number, first action most significant."""
+  out = 0
+  for a in actions:
+    out = 2 * out + int(a)
+  return out
 
 
 def leaf_actions(depth: int) -> np.ndarray:
-    """``int32[2**depth, depth]``: row ℓ holds the actions of leaf ℓ (bit ``depth-1-t`` of ℓ at step t)."""
-    _check_depth(depth)
-    leaves = np.arange(2**depth)[:, None]
-    shifts = np.arange(depth - 1, -1, -1)[None, :]
-    return ((leaves >> shifts) & 1).astype(np.int32)
+  """``int32[2**depth, depth]``: row ℓ holds the actions of leaf ℓ (bit ``depth-1-t`` of ℓ at step t)."""
+  _check_depth(depth)
+  leaves = np.arange(2**depth)[:, None]
+  shifts = np.arange(depth - 1, -1, -1)[None, :]
+  return ((leaves >> shifts) & 1).astype(np.int32)
 
 
-def leaf_rewards(depth: int, target: str | Sequence[int], prefix_len: int, neg_reward: float, *,
-                 other_reward: float = 0.7, target_reward: float = 1.0) -> np.ndarray:
-    """``f32[2**depth]``: the outcome reward of every leaf.
+def leaf_rewards(
+  depth: int,
+  target: str | Sequence[int],
+  prefix_len: int,
+  neg_reward: float,
+  *,
+  other_reward: float = 0.7,
+  target_reward: float = 1.0,
+) -> np.ndarray:
+  """``f32[2**depth]``: the outcome reward of every leaf.
 
-    ``target_reward`` for the target; ``neg_reward`` for the other leaves whose first ``prefix_len``
-    actions equal the target's; ``other_reward`` for the rest.
-    """
-    tgt = parse_path(target, depth)
-    if not 1 <= prefix_len <= depth:
-        raise ValueError(f"prefix length n must be in [1, depth={depth}]; got n={prefix_len}")
-    acts = leaf_actions(depth)
-    shares = np.all(acts[:, :prefix_len] == np.array(tgt[:prefix_len])[None, :], axis=1)
-    out = np.where(shares, neg_reward, other_reward).astype(np.float32)
-    out[leaf_index(tgt)] = target_reward
-    return out
+  ``target_reward`` for the target; ``neg_reward`` for the other leaves whose first ``prefix_len``
+  actions equal the target's; ``other_reward`` for the rest.
+  """
+  tgt = parse_path(target, depth)
+  if not 1 <= prefix_len <= depth:
+    raise ValueError(f"prefix length n must be in [1, depth={depth}]; got n={prefix_len}")
+  acts = leaf_actions(depth)
+  shares = np.all(acts[:, :prefix_len] == np.array(tgt[:prefix_len])[None, :], axis=1)
+  out = np.where(shares, neg_reward, other_reward).astype(np.float32)
+  out[leaf_index(tgt)] = target_reward
+  return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TreeTask:
-    """One binary-tree environment (a cell of the sweep is one ``(prefix_len, neg_reward)``).
+  """One binary-tree environment (a cell of the sweep is one ``(prefix_len, neg_reward)``).
 
-    Attributes:
-      depth: actions per trajectory (the paper: 4).
-      target: the target path, ``"LLRL"``-style or 0/1 actions (the paper does not say which; any
-        path is equivalent up to relabelling for the tabular policy).
-      prefix_len: n, the number of the target's first actions shared by the negative paths.
-      neg_reward: r_neg (< 0 in the paper; any float is accepted).
-      other_reward: the reward of paths off the target's n-prefix (0.7).
-      target_reward: the target's reward (1.0).
-    """
-    depth: int = 4
-    target: str = "LLRL"
-    prefix_len: int = 1
-    neg_reward: float = -1.0
-    other_reward: float = 0.7
-    target_reward: float = 1.0
+  Attributes:
+    depth: actions per trajectory (the paper: 4).
+    target: the target path, ``"LLRL"``-style or 0/1 actions (the paper does not say which; any
+      path is equivalent up to relabelling for the tabular policy).
+    prefix_len: n, the number of the target's first actions shared by the negative paths.
+    neg_reward: r_neg (< 0 in the paper; any float is accepted).
+    other_reward: the reward of paths off the target's n-prefix (0.7).
+    target_reward: the target's reward (1.0).
+  """
 
-    def __post_init__(self):
-        _check_depth(self.depth)
-        object.__setattr__(self, "target", path_str(parse_path(self.target, self.depth)))
-        if not 1 <= self.prefix_len <= self.depth:
-            raise ValueError(f"prefix length n must be in [1, depth={self.depth}]; got n={self.prefix_len}")
+  depth: int = 4
+  target: str = "LLRL"
+  prefix_len: int = 1
+  neg_reward: float = -1.0
+  other_reward: float = 0.7
+  target_reward: float = 1.0
 
-    @property
-    def target_leaf(self) -> int:
-        return leaf_index(parse_path(self.target))
+  def __post_init__(self):
+    _check_depth(self.depth)
+    object.__setattr__(self, "target", path_str(parse_path(self.target, self.depth)))
+    if not 1 <= self.prefix_len <= self.depth:
+      raise ValueError(f"prefix length n must be in [1, depth={self.depth}]; got n={self.prefix_len}")
 
-    def rewards(self) -> np.ndarray:
-        """``f32[2**depth]`` leaf rewards (see :func:`leaf_rewards`)."""
-        return leaf_rewards(self.depth, self.target, self.prefix_len, self.neg_reward,
-                            other_reward=self.other_reward, target_reward=self.target_reward)
+  @property
+  def target_leaf(self) -> int:
+    return leaf_index(parse_path(self.target))
+
+  def rewards(self) -> np.ndarray:
+    """``f32[2**depth]`` leaf rewards (see :func:`leaf_rewards`)."""
+    return leaf_rewards(
+      self.depth,
+      self.target,
+      self.prefix_len,
+      self.neg_reward,
+      other_reward=self.other_reward,
+      target_reward=self.target_reward,
+    )
 
 
 def _check_depth(depth):
-    if not isinstance(depth, (int, np.integer)) or not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"depth must be an int in [1, {MAX_DEPTH}]; got {depth!r}")
+  if not isinstance(depth, (int, np.integer)) or not 1 <= depth <= MAX_DEPTH:
+    raise ValueError(f"depth must be an int in [1, {MAX_DEPTH}]; got {depth!r}")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Policies: init(key) -> params, leaf_logp(params) -> f32[2**depth, depth]
 # ----------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class TabularPolicy:
-    """A softmax per internal tree node: ``params`` is ``f32[2**depth - 1, 2]`` logits (heap order).
+  """A softmax per internal tree node: ``params`` is ``f32[2**depth - 1, 2]`` logits (heap order).
 
-    Initialised to zeros (uniform) for every seed, so seeds differ only in their samples.
-    """
-    depth: int = 4
-    init_scale: float = 0.0
+  Initialised to zeros (uniform) for every seed, so seeds differ only in their samples.
+  """
 
-    def init(self, key):
-        shape = (2**self.depth - 1, 2)
-        return self.init_scale * jax.random.normal(key, shape, jnp.float32)
+  depth: int = 4
+  init_scale: float = 0.0
 
-    def leaf_logp(self, params):
-        """``f32[2**depth, depth]``: log π(a_t(ℓ) | a_<t(ℓ)) for every leaf ℓ and step t."""
-        acts = leaf_actions(self.depth)
-        leaves = np.arange(2**self.depth)[:, None]
-        steps = np.arange(self.depth)[None, :]
-        nodes = (2**steps - 1) + (leaves >> (self.depth - steps))            # [2^d, d]
-        logp = jax.nn.log_softmax(params.astype(jnp.float32), axis=-1)     # [nodes, 2]
-        return logp[nodes, acts]
+  def init(self, key):
+    shape = (2**self.depth - 1, 2)
+    return self.init_scale * jax.random.normal(key, shape, jnp.float32)
+
+  def leaf_logp(self, params):
+    """``f32[2**depth, depth]``: log π(a_t(ℓ) | a_<t(ℓ)) for every leaf ℓ and step t."""
+    acts = leaf_actions(self.depth)
+    leaves = np.arange(2**self.depth)[:, None]
+    steps = np.arange(self.depth)[None, :]
+    nodes = (2**steps - 1) + (leaves >> (self.depth - steps))  # [2^d, d]
+    logp = jax.nn.log_softmax(params.astype(jnp.float32), axis=-1)  # [nodes, 2]
+    return logp[nodes, acts]
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerPolicy:
-    """A randomly initialised GPT-2-architecture transformer from :mod:`jaxgrpo.models`.
+  """A randomly initialised GPT-2-architecture transformer from :mod:`jaxgrpo.models`.
 
-    Vocabulary ``{L: 0, R: 1, BOS: 2}`` (``vocab_size`` may be larger; extra ids are never used); the
-    root is the BOS token; every logit but L/R is masked to ``-inf`` before the log-softmax.
-    ``params`` is the ``nnx.State`` of the model (``nnx.split`` once; pure functions of the state).
-    """
-    depth: int = 4
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 4
-    vocab_size: int = 3
+  Vocabulary ``{L: 0, R: 1, BOS: 2}`` (``vocab_size`` may be larger; extra ids are never used); the
+  root is the BOS token; every logit but L/R is masked to ``-inf`` before the log-softmax.
+  ``params`` is the ``nnx.State`` of the model (``nnx.split`` once; pure functions of the state).
+  """
 
-    @property
-    def model_config(self):
-        from jaxgrpo.models import GPT2Config
-        return GPT2Config(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
-                          num_heads=self.num_heads, max_position_embeddings=max(self.depth, 1))
+  depth: int = 4
+  hidden_size: int = 32
+  num_layers: int = 2
+  num_heads: int = 4
+  vocab_size: int = 3
 
-    def init(self, key):
-        """The ``nnx.State`` of a freshly initialised model (GPT-2 init: N(0, 0.02²) weights)."""
-        from jaxgrpo.models import build_model
-        return nnx.split(build_model(self.model_config, rngs=nnx.Rngs(params=key)))[1]
+  @property
+  def model_config(self):
+    from jaxgrpo.models import GPT2Config
 
-    def num_params(self) -> int:
-        state = jax.eval_shape(self.init, jax.random.key(0))
-        return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
+    return GPT2Config(
+      vocab_size=self.vocab_size,
+      hidden_size=self.hidden_size,
+      num_layers=self.num_layers,
+      num_heads=self.num_heads,
+      max_position_embeddings=max(self.depth, 1),
+    )
 
-    def graphdef(self):
-        """The model's ``nnx.GraphDef``, built abstractly once per policy configuration."""
-        return _graphdef(self)
+  def init(self, key):
+    """The ``nnx.State`` of a freshly initialised model (GPT-2 init: N(0, 0.02²) weights)."""
+    from jaxgrpo.models import build_model
 
-    def leaf_logp(self, params):
-        """``f32[2**depth, depth]`` from one forward over the ``2**(depth-1)`` distinct input rows."""
-        model = nnx.merge(self.graphdef(), params)
-        d = self.depth
-        rows = leaf_actions(d)[::2, :-1]                                   # [2^(d-1), d-1]
-        inputs = np.concatenate([np.full((rows.shape[0], 1), BOS, np.int32), rows], axis=1)
-        positions = np.broadcast_to(np.arange(d, dtype=np.int32), inputs.shape)
-        hidden, _ = model(jnp.asarray(inputs), jnp.asarray(positions))   # [2^(d-1), d, D]
-        logits = model.logits(hidden, out_dtype=jnp.float32)                # [2^(d-1), d, V]
-        allowed = jnp.arange(logits.shape[-1]) < 2
-        logp = jax.nn.log_softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)[..., :2]
-        acts = leaf_actions(d)
-        leaves = np.arange(2**d)
-        return logp[(leaves >> 1)[:, None], np.arange(d)[None, :], acts]  # [2^d, d]
+    return nnx.split(build_model(self.model_config, rngs=nnx.Rngs(params=key)))[1]
+
+  def num_params(self) -> int:
+    state = jax.eval_shape(self.init, jax.random.key(0))
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
+
+  def graphdef(self):
+    """The model's ``nnx.GraphDef``, built abstractly once per policy configuration."""
+    return _graphdef(self)
+
+  def leaf_logp(self, params):
+    """``f32[2**depth, depth]`` from one forward over the ``2**(depth-1)`` distinct input rows."""
+    model = nnx.merge(self.graphdef(), params)
+    d = self.depth
+    rows = leaf_actions(d)[::2, :-1]  # [2^(d-1), d-1]
+    inputs = np.concatenate([np.full((rows.shape[0], 1), BOS, np.int32), rows], axis=1)
+    positions = np.broadcast_to(np.arange(d, dtype=np.int32), inputs.shape)
+    hidden, _ = model(jnp.asarray(inputs), jnp.asarray(positions))  # [2^(d-1), d, D]
+    logits = model.logits(hidden, out_dtype=jnp.float32)  # [2^(d-1), d, V]
+    allowed = jnp.arange(logits.shape[-1]) < 2
+    logp = jax.nn.log_softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)[..., :2]
+    acts = leaf_actions(d)
+    leaves = np.arange(2**d)
+    return logp[(leaves >> 1)[:, None], np.arange(d)[None, :], acts]  # [2^d, d]
 
 
 @functools.cache
 def _graphdef(policy: TransformerPolicy):
-    from jaxgrpo.models import build_model
-    abstract = nnx.eval_shape(lambda: build_model(policy.model_config, rngs=nnx.Rngs(0)))
-    return nnx.split(abstract)[0]
+  from jaxgrpo.models import build_model
+
+  abstract = nnx.eval_shape(lambda: build_model(policy.model_config, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract)[0]
 
 
 def make_policy(name: str, depth: int = 4, **overrides):
-    """``"gpt2"`` (small default transformer), ``"gpt2-small"`` (D=768, 12 layers, 12 heads, the
-    paper's size, random init) or ``"tabular"``. ``overrides`` replace dataclass fields."""
-    if name == "tabular":
-        return TabularPolicy(depth=depth, **overrides)
-    if name == "gpt2":
-        return TransformerPolicy(depth=depth, **overrides)
-    if name == "gpt2-small":
-        return TransformerPolicy(depth=depth, **{**dict(hidden_size=768, num_layers=12, num_heads=12),
-                                                 **overrides})
-    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+  """``"gpt2"`` (small default transformer), ``"gpt2-small"`` (D=768, 12 layers, 12 heads, the
+  paper's size, random init) or ``"tabular"``. ``overrides`` replace dataclass fields."""
+  if name == "tabular":
+    return TabularPolicy(depth=depth, **overrides)
+  if name == "gpt2":
+    return TransformerPolicy(depth=depth, **overrides)
+  if name == "gpt2-small":
+    return TransformerPolicy(depth=depth, **{**dict(hidden_size=768, num_layers=12, num_heads=12), **overrides})
+  raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
 
 
 def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
-    """``"adam"`` (optax defaults b1=0.9, b2=0.999, eps=1e-8) or ``"sgd"`` (plain, no momentum)."""
-    if not learning_rate > 0:
-        raise ValueError(f"learning rate must be > 0; got {learning_rate}")
-    if name == "adam":
-        return optax.adam(learning_rate)
-    if name == "sgd":
-        return optax.sgd(learning_rate)
-    raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
+  """``"adam"`` (optax defaults b1=0.9, b2=0.999, eps=1e-8) or ``"sgd"`` (plain, no momentum)."""
+  if not learning_rate > 0:
+    raise ValueError(f"learning rate must be > 0; got {learning_rate}")
+  if name == "adam":
+    return optax.adam(learning_rate)
+  if name == "sgd":
+    return optax.sgd(learning_rate)
+  raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Training: one jitted function per algorithm, scan over steps of a step vmapped over cells × seeds
 # ----------------------------------------------------------------------------------------------------
 
+
 def _algorithm_config(algorithm: str | GRPOConfig) -> GRPOConfig:
-    if isinstance(algorithm, GRPOConfig):
-        return algorithm
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-    return preset(algorithm)
+  if isinstance(algorithm, GRPOConfig):
+    return algorithm
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+  return preset(algorithm)
 
 
-def make_sweep(algorithms: str | GRPOConfig | Sequence[str | GRPOConfig], policy,
-               optimizer: optax.GradientTransformation, *, depth: int, target_leaf: int, group_size: int,
-               steps: int, progress: Callable[[int], None] | None = None):
-    """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[(A,) C, S, steps]``.
+def make_sweep(
+  algorithms: str | GRPOConfig | Sequence[str | GRPOConfig],
+  policy,
+  optimizer: optax.GradientTransformation,
+  *,
+  depth: int,
+  target_leaf: int,
+  group_size: int,
+  steps: int,
+  progress: Callable[[int], None] | None = None,
+):
+  """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[(A,) C, S, steps]``.
 
-    Every (algorithm, cell, seed) triple is an independent training run of ``steps`` steps with one
-    group of ``group_size`` trajectories per step. A seed fixes the policy's initial parameters and
-    the sampling keys (the same across cells and algorithms: common random numbers).
+  Every (algorithm, cell, seed) triple is an independent training run of ``steps`` steps with one
+  group of ``group_size`` trajectories per step. A seed fixes the policy's initial parameters and
+  the sampling keys (the same across cells and algorithms: common random numbers).
 
-    ``algorithms``: one preset name (or ``GRPOConfig``): outputs are ``[C, S, steps]``; or a sequence
-    of them: outputs are ``[A, C, S, steps]``. Several algorithms share one compilation: the policy's
-    forward/backward is ``vmap``-ped over them and each algorithm's loss (the library's
-    ``rollout_advantages`` → ``objective_terms`` → ``finalize_terms`` under its own config) is a
-    branch of ``lax.switch`` on the algorithm's index. Under ``vmap`` every branch is evaluated and
-    selected, which costs little: the branches see only ``[G, depth]`` arrays.
+  ``algorithms``: one preset name (or ``GRPOConfig``): outputs are ``[C, S, steps]``; or a sequence
+  of them: outputs are ``[A, C, S, steps]``. Several algorithms share one compilation: the policy's
+  forward/backward is ``vmap``-ped over them and each algorithm's loss (the library's
+  ``rollout_advantages`` → ``objective_terms`` → ``finalize_terms`` under its own config) is a
+  branch of ``lax.switch`` on the algorithm's index. Under ``vmap`` every branch is evaluated and
+  selected, which costs little: the branches see only ``[G, depth]`` arrays.
 
-    Returned per-step metrics: ``target_freq`` (fraction of the group equal to the target),
-    ``target_prob`` (π(target), the expected frequency), ``reward`` (group mean reward), ``loss``.
+  Returned per-step metrics: ``target_freq`` (fraction of the group equal to the target),
+  ``target_prob`` (π(target), the expected frequency), ``reward`` (group mean reward), ``loss``.
 
-    ``progress``: called on the host with the step index (``jax.debug.callback``) after each step.
-    """
-    single = isinstance(algorithms, (str, GRPOConfig))
-    configs = [_algorithm_config(a) for a in ([algorithms] if single else algorithms)]
-    if not configs:
-        raise ValueError("no algorithm given")
-    for config in configs:
-        if config.num_iterations != 1:
-            raise ValueError("the binary-tree task runs μ = 1 (one update per rollout batch)")
-    if group_size < 2:
-        raise ValueError(f"group size must be >= 2; got {group_size}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int; got {steps!r}")
-    actions = jnp.asarray(leaf_actions(depth))
-    mask = jnp.ones((group_size, depth), bool)
-    group_ids = jnp.zeros((group_size,), jnp.int32)
-    sg = jax.lax.stop_gradient
+  ``progress``: called on the host with the step index (``jax.debug.callback``) after each step.
+  """
+  single = isinstance(algorithms, (str, GRPOConfig))
+  configs = [_algorithm_config(a) for a in ([algorithms] if single else algorithms)]
+  if not configs:
+    raise ValueError("no algorithm given")
+  for config in configs:
+    if config.num_iterations != 1:
+      raise ValueError("the binary-tree task runs μ = 1 (one update per rollout batch)")
+  if group_size < 2:
+    raise ValueError(f"group size must be >= 2; got {group_size}")
+  if not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"steps must be a positive int; got {steps!r}")
+  actions = jnp.asarray(leaf_actions(depth))
+  mask = jnp.ones((group_size, depth), bool)
+  group_ids = jnp.zeros((group_size,), jnp.int32)
+  sg = jax.lax.stop_gradient
 
-    def init(seed):
-        key = jax.random.key(seed)
-        params = policy.init(jax.random.fold_in(key, 0))
-        return (params, optimizer.init(params)), sg(policy.leaf_logp(params))
+  def init(seed):
+    key = jax.random.key(seed)
+    params = policy.init(jax.random.fold_in(key, 0))
+    return (params, optimizer.init(params)), sg(policy.leaf_logp(params))
 
-    def loss_and_grad(config, table, leaves, tokens, rewards, ref_logp):
-        """The library's objective for one sampled group; gradient w.r.t. the leaf log-prob table."""
-        old_logp = sg(table)[leaves]
-        adv, weights = rollout_advantages(config, rewards, tokens, mask, group_ids, 1, old_logp=old_logp,
-                                          ref_logp=ref_logp, max_group_size=group_size)
+  def loss_and_grad(config, table, leaves, tokens, rewards, ref_logp):
+    """The library's objective for one sampled group; gradient w.r.t. the leaf log-prob table."""
+    old_logp = sg(table)[leaves]
+    adv, weights = rollout_advantages(
+      config, rewards, tokens, mask, group_ids, 1, old_logp=old_logp, ref_logp=ref_logp, max_group_size=group_size
+    )
 
-        def loss_fn(tab):
-            logp = tab[leaves]                                            # [G, d]
-            terms = objective_terms(config, logp, sg(logp), adv, mask, token_weights=weights,
-                                    ref_logp=ref_logp)
-            return finalize_terms(terms)
+    def loss_fn(tab):
+      logp = tab[leaves]  # [G, d]
+      terms = objective_terms(config, logp, sg(logp), adv, mask, token_weights=weights, ref_logp=ref_logp)
+      return finalize_terms(terms)
 
-        (loss, _), g_table = jax.value_and_grad(loss_fn, has_aux=True)(table)
-        return loss, g_table
+    (loss, _), g_table = jax.value_and_grad(loss_fn, has_aux=True)(table)
+    return loss, g_table
 
-    branches = [functools.partial(loss_and_grad, c) for c in configs]
+  branches = [functools.partial(loss_and_grad, c) for c in configs]
 
-    def step(carry, ref_table, rewards_table, key, algo):
-        params, opt_state = carry
-        table, pullback = jax.vjp(policy.leaf_logp, params)             # [2^d, d]
-        seq_logp = jnp.sum(sg(table), axis=-1)                           # [2^d]
-        leaves = jax.random.categorical(key, seq_logp, shape=(group_size,))
-        tokens = actions[leaves]                                          # [G, d]
-        rewards = rewards_table[leaves]                                   # [G]
-        operands = (table, leaves, tokens, rewards, ref_table[leaves])
-        if len(branches) == 1:
-            loss, g_table = branches[0](*operands)
-        else:
-            loss, g_table = jax.lax.switch(algo, branches, *operands)
-        (g_params,) = pullback(g_table)
-        updates, opt_state = optimizer.update(g_params, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {
-            "target_freq": jnp.mean((leaves == target_leaf).astype(jnp.float32)),
-            "target_prob": jnp.exp(seq_logp[target_leaf]),
-            "reward": jnp.mean(rewards),
-            "loss": loss,
-        }
-        return (params, opt_state), metrics
+  def step(carry, ref_table, rewards_table, key, algo):
+    params, opt_state = carry
+    table, pullback = jax.vjp(policy.leaf_logp, params)  # [2^d, d]
+    seq_logp = jnp.sum(sg(table), axis=-1)  # [2^d]
+    leaves = jax.random.categorical(key, seq_logp, shape=(group_size,))
+    tokens = actions[leaves]  # [G, d]
+    rewards = rewards_table[leaves]  # [G]
+    operands = (table, leaves, tokens, rewards, ref_table[leaves])
+    if len(branches) == 1:
+      loss, g_table = branches[0](*operands)
+    else:
+      loss, g_table = jax.lax.switch(algo, branches, *operands)
+    (g_params,) = pullback(g_table)
+    updates, opt_state = optimizer.update(g_params, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {
+      "target_freq": jnp.mean((leaves == target_leaf).astype(jnp.float32)),
+      "target_prob": jnp.exp(seq_logp[target_leaf]),
+      "reward": jnp.mean(rewards),
+      "loss": loss,
+    }
+    return (params, opt_state), metrics
 
-    # algorithms × cells × seeds: seeds vary (carry, ref, key); cells (carry, rewards); algorithms
-    # (carry, index).
-    vstep = jax.vmap(step, in_axes=(0, 0, None, 0, None))
-    vstep = jax.vmap(vstep, in_axes=(0, None, 0, None, None))
-    vstep = jax.vmap(vstep, in_axes=(0, None, None, None, 0))
-    num_algos = len(configs)
+  # algorithms × cells × seeds: seeds vary (carry, ref, key); cells (carry, rewards); algorithms
+  # (carry, index).
+  vstep = jax.vmap(step, in_axes=(0, 0, None, 0, None))
+  vstep = jax.vmap(vstep, in_axes=(0, None, 0, None, None))
+  vstep = jax.vmap(vstep, in_axes=(0, None, None, None, 0))
+  num_algos = len(configs)
 
-    @jax.jit
-    def run(seeds, rewards):
-        lead = (num_algos, rewards.shape[0])
-        carry, ref = jax.vmap(init)(seeds)
-        carry = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), carry)
-        keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(jax.random.key(s), 1), steps))(seeds)
-        algos = jnp.arange(num_algos)
+  @jax.jit
+  def run(seeds, rewards):
+    lead = (num_algos, rewards.shape[0])
+    carry, ref = jax.vmap(init)(seeds)
+    carry = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), carry)
+    keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(jax.random.key(s), 1), steps))(seeds)
+    algos = jnp.arange(num_algos)
 
-        def body(c, xs):
-            i, k = xs
-            c, m = vstep(c, ref, rewards, k, algos)
-            if progress is not None:
-                jax.debug.callback(progress, i)
-            return c, m
+    def body(c, xs):
+      i, k = xs
+      c, m = vstep(c, ref, rewards, k, algos)
+      if progress is not None:
+        jax.debug.callback(progress, i)
+      return c, m
 
-        _, metrics = jax.lax.scan(body, carry, (jnp.arange(steps), jnp.swapaxes(keys, 0, 1)))
-        metrics = jax.tree.map(lambda x: jnp.moveaxis(x, 0, -1), metrics)   # [A, C, S, steps]
-        return jax.tree.map(lambda x: x[0], metrics) if single else metrics
+    _, metrics = jax.lax.scan(body, carry, (jnp.arange(steps), jnp.swapaxes(keys, 0, 1)))
+    metrics = jax.tree.map(lambda x: jnp.moveaxis(x, 0, -1), metrics)  # [A, C, S, steps]
+    return jax.tree.map(lambda x: x[0], metrics) if single else metrics
 
-    return run
+  return run
 
 
-def run_sweep(algorithm, policy, optimizer, *, seeds: Sequence[int], cells: Sequence[tuple[int, float]],
-              depth: int = 4, target: str = "LLRL", other_reward: float = 0.7, group_size: int = 16,
-              steps: int = 250, progress=None) -> dict:
-    """Train every (cell, seed) under ``algorithm``: numpy arrays ``[C, S, steps]`` per metric, or
-    ``[A, C, S, steps]`` when ``algorithm`` is a sequence (one compilation for all; see :func:`make_sweep`)."""
-    tasks = [TreeTask(depth=depth, target=target, prefix_len=n, neg_reward=r, other_reward=other_reward)
-             for n, r in cells]
-    rewards = np.stack([t.rewards() for t in tasks])
-    run = make_sweep(algorithm, policy, optimizer, depth=depth, target_leaf=tasks[0].target_leaf,
-                     group_size=group_size, steps=steps, progress=progress)
-    out = run(jnp.asarray(np.asarray(seeds, np.int32)), jnp.asarray(rewards))
-    return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
+def run_sweep(
+  algorithm,
+  policy,
+  optimizer,
+  *,
+  seeds: Sequence[int],
+  cells: Sequence[tuple[int, float]],
+  depth: int = 4,
+  target: str = "LLRL",
+  other_reward: float = 0.7,
+  group_size: int = 16,
+  steps: int = 250,
+  progress=None,
+) -> dict:
+  """Train every (cell, seed) under ``algorithm``: numpy arrays ``[C, S, steps]`` per metric, or
+  ``[A, C, S, steps]`` when ``algorithm`` is a sequence (one compilation for all; see :func:`make_sweep`)."""
+  tasks = [
+    TreeTask(depth=depth, target=target, prefix_len=n, neg_reward=r, other_reward=other_reward) for n, r in cells
+  ]
+  rewards = np.stack([t.rewards() for t in tasks])
+  run = make_sweep(
+    algorithm,
+    policy,
+    optimizer,
+    depth=depth,
+    target_leaf=tasks[0].target_leaf,
+    group_size=group_size,
+    steps=steps,
+    progress=progress,
+  )
+  out = run(jnp.asarray(np.asarray(seeds, np.int32)), jnp.asarray(rewards))
+  return {k: np.asarray(v) for k, v in jax.device_get(out).items()}
 
 
 # ----------------------------------------------------------------------------------------------------
 # Summaries
 # ----------------------------------------------------------------------------------------------------
 
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-         10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
-         18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+_T975 = {
+  1: 12.706,
+  2: 4.303,
+  3: 3.182,
+  4: 2.776,
+  5: 2.571,
+  6: 2.447,
+  7: 2.365,
+  8: 2.306,
+  9: 2.262,
+  10: 2.228,
+  11: 2.201,
+  12: 2.179,
+  13: 2.160,
+  14: 2.145,
+  15: 2.131,
+  16: 2.120,
+  17: 2.110,
+  18: 2.101,
+  19: 2.093,
+  20: 2.086,
+  25: 2.060,
+  30: 2.042,
+  40: 2.021,
+  60: 2.000,
+  120: 1.980,
+}
 
 
 def t_quantile_975(df: int) -> float:
-    """Student-t 97.5% quantile (table; the next smaller tabulated df beyond 20, 1.96 beyond 120)."""
-    if df < 1:
-        return float("nan")
-    if df > 120:
-        return 1.96
-    return _T975[max(k for k in _T975 if k <= df)]
+  """Student-t 97.5% quantile (table; the next smaller tabulated df beyond 20, 1.96 beyond 120)."""
+  if df < 1:
+    return float("nan")
+  if df > 120:
+    return 1.96
+  return _T975[max(k for k in _T975 if k <= df)]
 
 
 def summarize_cell(per_seed: Sequence[float]) -> tuple[float, tuple[float, float]]:
-    """Mean and Student-t 95% confidence interval of per-seed values (CI = the mean when S = 1)."""
-    x = np.asarray(per_seed, np.float64)
-    m = float(x.mean())
-    if x.size < 2:
-        return m, (m, m)
-    half = t_quantile_975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return m, (m - half, m + half)
+  """Mean and Student-t 95% confidence interval of per-seed values (CI = the mean when S = 1)."""
+  x = np.asarray(per_seed, np.float64)
+  m = float(x.mean())
+  if x.size < 2:
+    return m, (m, m)
+  half = t_quantile_975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+  return m, (m - half, m + half)

@@ -18,6 +18,7 @@ each, 128 new tokens, temperature 1.0, no EOS stop):
           minus the same implementation's median sampler time).
 Writes a markdown table (and the raw JSON lines next to it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 IMPLS = {
-    "jaxgrpo": (sys.executable, "worker_jaxgrpo.py"),
-    "tunix": (os.path.join(ROOT, ".peers/tunix/bin/python"), "worker_tunix.py"),
-    "trl": (os.path.join(ROOT, ".peers/trl/bin/python"), "worker_trl.py"),
+  "jaxgrpo": (sys.executable, "worker_jaxgrpo.py"),
+  "tunix": (os.path.join(ROOT, ".peers/tunix/bin/python"), "worker_tunix.py"),
+  "trl": (os.path.join(ROOT, ".peers/trl/bin/python"), "worker_trl.py"),
 }
 
 
@@ -67,8 +68,13 @@ def summarise(results):
   for (impl, task), rs in by.items():
     times = [t for r in rs for t in r["times"]]
     med = statistics.median(times)
-    entry = {"median_s": med, "times": times, "tokens": rs[0]["tokens"], "rss": max(r["peak_rss_gb"] for r in rs),
-             "warmup_s": statistics.median(r["warmup_s"] for r in rs)}
+    entry = {
+      "median_s": med,
+      "times": times,
+      "tokens": rs[0]["tokens"],
+      "rss": max(r["peak_rss_gb"] for r in rs),
+      "warmup_s": statistics.median(r["warmup_s"] for r in rs),
+    }
     if "update_s" in rs[0]:
       entry["update_s"] = statistics.median(t for r in rs for t in r["update_s"])
       entry["rollout_s"] = statistics.median(t for r in rs for t in r["rollout_s"])
@@ -88,7 +94,10 @@ def table(s, loads):
   def fmt(x, f="{:.1f}"):
     return "—" if x is None else f.format(x)
 
-  lines = ["| | jaxgrpo | Tunix | TRL | jaxgrpo / Tunix | jaxgrpo / TRL |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+  lines = [
+    "| | jaxgrpo | Tunix | TRL | jaxgrpo / Tunix | jaxgrpo / TRL |",
+    "| --- | ---: | ---: | ---: | ---: | ---: |",
+  ]
 
   def row(name, vals, higher_better=True, f="{:.1f}"):
     o, t, h = vals
@@ -96,25 +105,35 @@ def table(s, loads):
     r2 = None if o is None or h is None else (o / h)
     lines.append(f"| {name} | {fmt(o, f)} | {fmt(t, f)} | {fmt(h, f)} | {fmt(r1, '{:.2f}×')} | {fmt(r2, '{:.2f}×')} |")
 
-  tps = [None if get(i, "sample", "median_s") is None else get(i, "sample", "tokens") / get(i, "sample", "median_s")
-         for i in IMPLS]
+  tps = [
+    None if get(i, "sample", "median_s") is None else get(i, "sample", "tokens") / get(i, "sample", "median_s")
+    for i in IMPLS
+  ]
   row("rollout tokens/s (median)", tps)
   row("sampler run, s (median)", [get(i, "sample", "median_s") for i in IMPLS], f="{:.1f}")
   row("sampler warm-up (compile), s", [get(i, "sample", "warmup_s") for i in IMPLS], f="{:.1f}")
   row("GRPO iteration, s (median)", [get(i, "iter", "median_s") for i in IMPLS], f="{:.1f}")
-  row("GRPO iterations/s", [None if get(i, "iter", "median_s") is None else 1 / get(i, "iter", "median_s")
-                            for i in IMPLS], f="{:.4f}")
+  row(
+    "GRPO iterations/s",
+    [None if get(i, "iter", "median_s") is None else 1 / get(i, "iter", "median_s") for i in IMPLS],
+    f="{:.4f}",
+  )
   upd = [get(i, "iter", "update_s") or get(i, "iter", "update_s_est") for i in IMPLS]
-  row("train-step tokens/s (update part)", [None if u is None else get(i, "iter", "tokens") / u
-                                            for i, u in zip(IMPLS, upd)])
+  row(
+    "train-step tokens/s (update part)",
+    [None if u is None else get(i, "iter", "tokens") / u for i, u in zip(IMPLS, upd)],
+  )
   row("peak RSS, sampler process, GB", [get(i, "sample", "rss") for i in IMPLS], f="{:.2f}")
   row("peak RSS, iteration process, GB", [get(i, "iter", "rss") for i in IMPLS], f="{:.2f}")
   lines.append("")
-  lines.append("Ratios are jaxgrpo / peer: above 1 is better for jaxgrpo in the throughput rows, below 1 in the "
-               "time and memory rows. Train-step tokens/s of Tunix and TRL is estimated as completion tokens / "
-               "(iteration − median sampler run).")
-  lines.append(f"Load average (1 min) at the start of the runs: {min(loads):.1f}–{max(loads):.1f} on "
-               f"{os.cpu_count()} cores.")
+  lines.append(
+    "Ratios are jaxgrpo / peer: above 1 is better for jaxgrpo in the throughput rows, below 1 in the "
+    "time and memory rows. Train-step tokens/s of Tunix and TRL is estimated as completion tokens / "
+    "(iteration − median sampler run)."
+  )
+  lines.append(
+    f"Load average (1 min) at the start of the runs: {min(loads):.1f}–{max(loads):.1f} on {os.cpu_count()} cores."
+  )
   return "\n".join(lines)
 
 
@@ -127,9 +146,12 @@ def main(argv=None):
   ap.add_argument("--model", default=os.path.join(ROOT, ".peers/model"))
   ap.add_argument("--timeout", type=float, default=3600)
   ap.add_argument("--out", default=os.path.join(ROOT, ".peers/out/peers_bench.md"))
-  ap.add_argument("--parallel", action="store_true",
-                  help="run the implementations of a task at the same time (on a machine shared with other "
-                       "jobs, they then see the same load; the first to finish frees CPU for the others)")
+  ap.add_argument(
+    "--parallel",
+    action="store_true",
+    help="run the implementations of a task at the same time (on a machine shared with other "
+    "jobs, they then see the same load; the first to finish frees CPU for the others)",
+  )
   ap.add_argument("--summarise", nargs="*", metavar="JSONL", help="only tabulate earlier raw results")
   args = ap.parse_args(argv)
   impls = args.impls.split(",")
@@ -141,12 +163,13 @@ def main(argv=None):
       with open(path) as f:
         results += [json.loads(line) for line in f if line.strip()]
   for r in range(0 if args.summarise else args.rounds):
-    order = impls[r % len(impls):] + impls[:r % len(impls)]
+    order = impls[r % len(impls) :] + impls[: r % len(impls)]
     for task in args.tasks.split(","):
       if args.parallel:
         from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(len(order)) as pool:
-          batch = list(pool.map(lambda i: run_one(i, task, args.repeats, args.model, args.timeout), order))
+          batch = list(pool.map(lambda i, task=task: run_one(i, task, args.repeats, args.model, args.timeout), order))
       else:
         batch = (run_one(impl, task, args.repeats, args.model, args.timeout) for impl in order)
       for impl, res in zip(order, batch):
@@ -154,8 +177,11 @@ def main(argv=None):
         results.append(res)
         with open(raw, "a") as f:
           f.write(json.dumps(res) + "\n")
-        msg = res.get("error", "")[-300:] if "error" in res else \
-            f"times {[round(t, 1) for t in res['times']]} s, warm-up {res['warmup_s']:.1f} s, RSS {res['peak_rss_gb']:.2f} GB"
+        msg = (
+          res.get("error", "")[-300:]
+          if "error" in res
+          else f"times {[round(t, 1) for t in res['times']]} s, warm-up {res['warmup_s']:.1f} s, RSS {res['peak_rss_gb']:.2f} GB"
+        )
         print(f"[round {r}] {impl:8s} {task:6s} {msg} (load {res['load_before']:.1f})", flush=True)
   s = summarise(results)
   text = table(s, [r["load_before"] for r in results if "load_before" in r])

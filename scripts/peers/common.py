@@ -1,4 +1,5 @@
 """Shared by the three benchmark workers (NumPy + stdlib only: imported inside every venv)."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,16 @@ import sys
 import time
 
 PROMPTS, PROMPT_LEN, SAMPLES, NEW_TOKENS, VOCAB = 16, 32, 8, 128, 32000
-BETA, LR, MICRO = 0.04, 1e-6, 64          # KL coefficient, AdamW learning rate, rows per micro-batch
+BETA, LR, MICRO = 0.04, 1e-6, 64  # KL coefficient, AdamW learning rate, rows per micro-batch
 CHUNK = 32  # jaxgrpo's log-prob chunk: 64 rows × 32 positions = 2048 tokens of f32 logits (262 MB) at a time
-if os.environ.get("PEERS_SMOKE"):         # a seconds-long run of the same code paths (not a benchmark)
+if os.environ.get("PEERS_SMOKE"):  # a seconds-long run of the same code paths (not a benchmark)
   PROMPTS, NEW_TOKENS, MICRO = 2, 8, 8
 
 
 def prompt_ids(seed: int = 0):
   """The shared prompts: int[16, 32] token ids in [2, 32000) (0 = pad, 1 = EOS are never drawn)."""
   import numpy as np
+
   return np.random.default_rng(seed).integers(2, VOCAB, (PROMPTS, PROMPT_LEN))
 
 

@@ -9,6 +9,7 @@ verdict: `equal` (≤ 2e-6 relative to the magnitude), or `differs` with the rea
 the case showing that a k1 KL *loss term* (Tunix's default `kl_loss_mode="kl"`) has zero expected
 gradient.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,18 +47,29 @@ def ours(inp):
   def loss_fn(aggregation, kind, lo_, hi_, dual=None, beta_=beta):
     def f(x):
       kl = None if kind is None else jg.kl_penalty(x, rp, kind)
-      return jg.policy_loss(x, olp, adv, mask, clip_eps_low=lo_, clip_eps_high=hi_, dual_clip=dual,
-                            aggregation=aggregation, kl=kl, beta=beta_ if kind else 0.0)[0]
+      return jg.policy_loss(
+        x,
+        olp,
+        adv,
+        mask,
+        clip_eps_low=lo_,
+        clip_eps_high=hi_,
+        dual_clip=dual,
+        aggregation=aggregation,
+        kl=kl,
+        beta=beta_ if kind else 0.0,
+      )[0]
+
     return f
 
   losses = {
-      "loss/token-mean/k3/0.2-0.28": loss_fn("token-mean", "k3", lo, hi),
-      "loss/seq-mean-token-mean/k3/0.2-0.28": loss_fn("seq-mean-token-mean", "k3", lo, hi),
-      "loss/seq-mean-token-sum-norm/k3/0.2-0.28": loss_fn("seq-mean-token-sum-norm", "k3", lo, hi),
-      "loss/token-mean/none/0.2-0.28": loss_fn("token-mean", None, lo, hi),
-      "loss/token-mean/k3/0.2-0.28/dual3": loss_fn("token-mean", "k3", lo, hi, 3.0),
-      "loss/seq-mean-token-mean/k3/0.2-0.28/dual3": loss_fn("seq-mean-token-mean", "k3", lo, hi, 3.0),
-      "loss/seq-mean-token-sum-norm/k3/0.2-0.28/dual3": loss_fn("seq-mean-token-sum-norm", "k3", lo, hi, 3.0),
+    "loss/token-mean/k3/0.2-0.28": loss_fn("token-mean", "k3", lo, hi),
+    "loss/seq-mean-token-mean/k3/0.2-0.28": loss_fn("seq-mean-token-mean", "k3", lo, hi),
+    "loss/seq-mean-token-sum-norm/k3/0.2-0.28": loss_fn("seq-mean-token-sum-norm", "k3", lo, hi),
+    "loss/token-mean/none/0.2-0.28": loss_fn("token-mean", None, lo, hi),
+    "loss/token-mean/k3/0.2-0.28/dual3": loss_fn("token-mean", "k3", lo, hi, 3.0),
+    "loss/seq-mean-token-mean/k3/0.2-0.28/dual3": loss_fn("seq-mean-token-mean", "k3", lo, hi, 3.0),
+    "loss/seq-mean-token-sum-norm/k3/0.2-0.28/dual3": loss_fn("seq-mean-token-sum-norm", "k3", lo, hi, 3.0),
   }
   for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
     for kind in ("k1", "k3"):
@@ -72,63 +84,81 @@ def ours(inp):
   return {k: np.asarray(v) for k, v in o.items()}
 
 
-BIAS_KL = ("TRL's default use_bias_correction_kl=True multiplies k3 by the ratio ρ=π/π_old "
-           "(DeepSeek-V3.2); jaxgrpo has no such option")
+BIAS_KL = (
+  "TRL's default use_bias_correction_kl=True multiplies k3 by the ratio ρ=π/π_old "
+  "(DeepSeek-V3.2); jaxgrpo has no such option"
+)
 
 # (peer key, our key, note)
 PAIRS = [
-    ("trl/advantages/scale=group", "adv/group/ddof=1/eps=0.0001", "TRL: std ddof=1, eps 1e-4"),
-    ("trl/advantages/scale=group", "adv/group/ddof=0/eps=1e-06", "our default (ddof=0, eps 1e-6) vs TRL's ddof=1, eps 1e-4"),
-    ("trl/advantages/scale=batch", "adv/batch/ddof=1/eps=0.0001", ""),
-    ("trl/advantages/scale=none", "adv/none", ""),
-    ("tunix/advantages/grpo", "adv/group/ddof=1/eps=1e-06", "Tunix: std ddof=1, eps 1e-6"),
-    ("tunix/advantages/grpo", "adv/group/ddof=0/eps=1e-06", "our default ddof=0 vs Tunix's ddof=1"),
-    ("tunix/advantages/drgrpo", "adv/none", ""),
-    ("tunix/advantages/rloo", "adv/rloo", ""),
-    ("verl/advantages/norm_by_std=True", "adv/group/ddof=1/eps=1e-06", "verl: torch.std (ddof=1), eps 1e-6"),
-    ("verl/advantages/norm_by_std=False", "adv/none", ""),
-    ("verl/advantages/rloo", "adv/rloo", ""),
-    ("trl/kl/k3", "kl/k3", ""),
-    ("tunix/kl/low_var_kl", "kl/k3", ""),
-    ("tunix/kl/kl", "kl/k1", ""),
-    ("tunix/kl/mse_kl", "kl/k2", ""),
-    ("verl/kl/low_var_kl", "kl/k3", "verl clamps k3 to ±10 (inactive here)"),
-    ("verl/kl/kl", "kl/k1", ""),
-    ("verl/kl/mse", "kl/k2", ""),
-    ("trl/loss/grpo/use_bias_correction_kl=False", "loss/seq-mean-token-mean/k3/0.2-0.28", ""),
-    ("trl/loss/bnpo/use_bias_correction_kl=False", "loss/token-mean/k3/0.2-0.28", ""),
-    ("trl/loss/dapo/use_bias_correction_kl=False", "loss/token-mean/k3/0.2-0.28", ""),
-    ("trl/loss/dr_grpo/use_bias_correction_kl=False", "loss/seq-mean-token-sum-norm/k3/0.2-0.28",
-     "max_completion_length = T"),
-    ("trl/loss/grpo", "loss/seq-mean-token-mean/k3/0.2-0.28", BIAS_KL),
-    ("trl/loss/dapo", "loss/token-mean/k3/0.2-0.28", BIAS_KL),
-    ("tunix/loss/grpo/token-mean/low_var_kl", "loss/token-mean/k3/0.2-0.2", ""),
-    ("tunix/loss/grpo/sequence-mean-token-mean/low_var_kl", "loss/seq-mean-token-mean/k3/0.2-0.2", ""),
-    ("tunix/loss/grpo/sequence-mean-token-scale/low_var_kl", "loss/seq-mean-token-sum-norm/k3/0.2-0.2", ""),
-    ("tunix/loss/grpo/sequence-mean-token-sum-norm/low_var_kl", "loss/token-mean×tokens/rows/k3/0.2-0.2",
-     "no jaxgrpo mode: Σ l·m / rows"),
-    ("tunix/loss/grpo/token-mean/kl", "loss/token-mean/k1/0.2-0.2", "Tunix default kl_loss_mode='kl' is k1"),
-    ("tunix/loss/grpo/sequence-mean-token-mean/kl", "loss/seq-mean-token-mean/k1/0.2-0.2", "Tunix's default config"),
-    ("tunix/loss/grpo/sequence-mean-token-mean/kl", "loss/seq-mean-token-mean/k3/0.2-0.2",
-     "Tunix's default KL is k1, ours k3"),
-    ("tunix/loss/dapo/token-mean/none", "loss/token-mean/none/0.2-0.28", ""),
-    ("tunix/loss/drgrpo/sequence-mean-token-scale/kl", "loss/seq-mean-token-sum-norm/k1/0.2-0.2",
-     "DrGRPOConfig inherits kl_loss_mode='kl' (k1)"),
-    ("verl/loss/token-mean", "loss/token-mean/k3/0.2-0.28/dual3", "verl's vanilla loss always dual-clips (c=3)"),
-    ("verl/loss/token-mean", "loss/token-mean/k3/0.2-0.28", "without our dual_clip=3"),
-    ("verl/loss/seq-mean-token-mean", "loss/seq-mean-token-mean/k3/0.2-0.28/dual3", ""),
-    ("verl/loss/seq-mean-token-sum-norm", "loss/seq-mean-token-sum-norm/k3/0.2-0.28/dual3", "horizon = T"),
+  ("trl/advantages/scale=group", "adv/group/ddof=1/eps=0.0001", "TRL: std ddof=1, eps 1e-4"),
+  (
+    "trl/advantages/scale=group",
+    "adv/group/ddof=0/eps=1e-06",
+    "our default (ddof=0, eps 1e-6) vs TRL's ddof=1, eps 1e-4",
+  ),
+  ("trl/advantages/scale=batch", "adv/batch/ddof=1/eps=0.0001", ""),
+  ("trl/advantages/scale=none", "adv/none", ""),
+  ("tunix/advantages/grpo", "adv/group/ddof=1/eps=1e-06", "Tunix: std ddof=1, eps 1e-6"),
+  ("tunix/advantages/grpo", "adv/group/ddof=0/eps=1e-06", "our default ddof=0 vs Tunix's ddof=1"),
+  ("tunix/advantages/drgrpo", "adv/none", ""),
+  ("tunix/advantages/rloo", "adv/rloo", ""),
+  ("verl/advantages/norm_by_std=True", "adv/group/ddof=1/eps=1e-06", "verl: torch.std (ddof=1), eps 1e-6"),
+  ("verl/advantages/norm_by_std=False", "adv/none", ""),
+  ("verl/advantages/rloo", "adv/rloo", ""),
+  ("trl/kl/k3", "kl/k3", ""),
+  ("tunix/kl/low_var_kl", "kl/k3", ""),
+  ("tunix/kl/kl", "kl/k1", ""),
+  ("tunix/kl/mse_kl", "kl/k2", ""),
+  ("verl/kl/low_var_kl", "kl/k3", "verl clamps k3 to ±10 (inactive here)"),
+  ("verl/kl/kl", "kl/k1", ""),
+  ("verl/kl/mse", "kl/k2", ""),
+  ("trl/loss/grpo/use_bias_correction_kl=False", "loss/seq-mean-token-mean/k3/0.2-0.28", ""),
+  ("trl/loss/bnpo/use_bias_correction_kl=False", "loss/token-mean/k3/0.2-0.28", ""),
+  ("trl/loss/dapo/use_bias_correction_kl=False", "loss/token-mean/k3/0.2-0.28", ""),
+  (
+    "trl/loss/dr_grpo/use_bias_correction_kl=False",
+    "loss/seq-mean-token-sum-norm/k3/0.2-0.28",
+    "max_completion_length = T",
+  ),
+  ("trl/loss/grpo", "loss/seq-mean-token-mean/k3/0.2-0.28", BIAS_KL),
+  ("trl/loss/dapo", "loss/token-mean/k3/0.2-0.28", BIAS_KL),
+  ("tunix/loss/grpo/token-mean/low_var_kl", "loss/token-mean/k3/0.2-0.2", ""),
+  ("tunix/loss/grpo/sequence-mean-token-mean/low_var_kl", "loss/seq-mean-token-mean/k3/0.2-0.2", ""),
+  ("tunix/loss/grpo/sequence-mean-token-scale/low_var_kl", "loss/seq-mean-token-sum-norm/k3/0.2-0.2", ""),
+  (
+    "tunix/loss/grpo/sequence-mean-token-sum-norm/low_var_kl",
+    "loss/token-mean×tokens/rows/k3/0.2-0.2",
+    "no jaxgrpo mode: Σ l·m / rows",
+  ),
+  ("tunix/loss/grpo/token-mean/kl", "loss/token-mean/k1/0.2-0.2", "Tunix default kl_loss_mode='kl' is k1"),
+  ("tunix/loss/grpo/sequence-mean-token-mean/kl", "loss/seq-mean-token-mean/k1/0.2-0.2", "Tunix's default config"),
+  (
+    "tunix/loss/grpo/sequence-mean-token-mean/kl",
+    "loss/seq-mean-token-mean/k3/0.2-0.2",
+    "Tunix's default KL is k1, ours k3",
+  ),
+  ("tunix/loss/dapo/token-mean/none", "loss/token-mean/none/0.2-0.28", ""),
+  (
+    "tunix/loss/drgrpo/sequence-mean-token-scale/kl",
+    "loss/seq-mean-token-sum-norm/k1/0.2-0.2",
+    "DrGRPOConfig inherits kl_loss_mode='kl' (k1)",
+  ),
+  ("verl/loss/token-mean", "loss/token-mean/k3/0.2-0.28/dual3", "verl's vanilla loss always dual-clips (c=3)"),
+  ("verl/loss/token-mean", "loss/token-mean/k3/0.2-0.28", "without our dual_clip=3"),
+  ("verl/loss/seq-mean-token-mean", "loss/seq-mean-token-mean/k3/0.2-0.28/dual3", ""),
+  ("verl/loss/seq-mean-token-sum-norm", "loss/seq-mean-token-sum-norm/k3/0.2-0.28/dual3", "horizon = T"),
 ]
 GRAD_PAIRS = [
-    ("trl/grad/grpo/use_bias_correction_kl=False", "grad/seq-mean-token-mean/k3/0.2-0.28"),
-    ("trl/grad/bnpo/use_bias_correction_kl=False", "grad/token-mean/k3/0.2-0.28"),
-    ("trl/grad/dapo/use_bias_correction_kl=False", "grad/token-mean/k3/0.2-0.28"),
-    ("trl/grad/dr_grpo/use_bias_correction_kl=False", "grad/seq-mean-token-sum-norm/k3/0.2-0.28"),
-    ("tunix/grad/grpo/token-mean/low_var_kl", "grad/token-mean/k3/0.2-0.2"),
-    ("tunix/grad/grpo/sequence-mean-token-mean/low_var_kl", "grad/seq-mean-token-mean/k3/0.2-0.2"),
-    ("tunix/grad/grpo/sequence-mean-token-scale/low_var_kl", "grad/seq-mean-token-sum-norm/k3/0.2-0.2"),
-    ("tunix/grad/grpo/sequence-mean-token-mean/kl", "grad/seq-mean-token-mean/k1/0.2-0.2"),
-    ("tunix/grad/dapo/token-mean/none", "grad/token-mean/none/0.2-0.28"),
+  ("trl/grad/grpo/use_bias_correction_kl=False", "grad/seq-mean-token-mean/k3/0.2-0.28"),
+  ("trl/grad/bnpo/use_bias_correction_kl=False", "grad/token-mean/k3/0.2-0.28"),
+  ("trl/grad/dapo/use_bias_correction_kl=False", "grad/token-mean/k3/0.2-0.28"),
+  ("trl/grad/dr_grpo/use_bias_correction_kl=False", "grad/seq-mean-token-sum-norm/k3/0.2-0.28"),
+  ("tunix/grad/grpo/token-mean/low_var_kl", "grad/token-mean/k3/0.2-0.2"),
+  ("tunix/grad/grpo/sequence-mean-token-mean/low_var_kl", "grad/seq-mean-token-mean/k3/0.2-0.2"),
+  ("tunix/grad/grpo/sequence-mean-token-scale/low_var_kl", "grad/seq-mean-token-sum-norm/k3/0.2-0.2"),
+  ("tunix/grad/grpo/sequence-mean-token-mean/kl", "grad/seq-mean-token-mean/k1/0.2-0.2"),
+  ("tunix/grad/dapo/token-mean/none", "grad/token-mean/none/0.2-0.28"),
 ]
 
 
@@ -149,6 +179,7 @@ def k1_loss_gradient_case():
       logp = jax.nn.log_softmax(th)
       p = jax.lax.stop_gradient(jnp.exp(logp))
       return jnp.sum(p * jg.kl_penalty(logp, ref, kind))
+
     return jax.grad(f)(theta)
 
   forward = jax.grad(lambda th: jnp.sum(jnp.exp(ref) * (ref - jax.nn.log_softmax(th))))(theta)
@@ -168,9 +199,11 @@ def main(argv=None):
       print(f"(missing {path})")
   o = ours(inp)
   print("versions: " + ", ".join(f"{k[9:]} {peer[k]}" for k in sorted(peer) if k.startswith("versions/")))
-  print(f"inputs: B={inp['mask'].shape[0]} rows in groups of {int(inp['group_size'])}, T={inp['mask'].shape[1]}, "
-        f"{int(inp['mask'].sum())} real tokens, β={float(inp['beta']):.4g}, ε={float(inp['epsilon_low']):.4g}/"
-        f"{float(inp['epsilon_high']):.4g}\n")
+  print(
+    f"inputs: B={inp['mask'].shape[0]} rows in groups of {int(inp['group_size'])}, T={inp['mask'].shape[1]}, "
+    f"{int(inp['mask'].sum())} real tokens, β={float(inp['beta']):.4g}, ε={float(inp['epsilon_low']):.4g}/"
+    f"{float(inp['epsilon_high']):.4g}\n"
+  )
   print("| peer output | jaxgrpo | max abs diff | verdict | note |")
   print("| --- | --- | ---: | --- | --- |")
   rows = []
@@ -187,8 +220,10 @@ def main(argv=None):
     rows.append((pk, ok, diff, verdict))
     print(f"| `{pk}` | `{ok}` | {diff:.1e} | {verdict} | {note} |")
   k1, k3, true = k1_loss_gradient_case()
-  print("\nExpected gradient of a KL *loss term* over one categorical step, π = softmax([2, 0.5, -1, 0]), "
-        "π_ref uniform (exact sum over actions):")
+  print(
+    "\nExpected gradient of a KL *loss term* over one categorical step, π = softmax([2, 0.5, -1, 0]), "
+    "π_ref uniform (exact sum over actions):"
+  )
   print(f"  k1 (Tunix's default kl_loss_mode='kl'): {[round(float(v), 4) for v in np.asarray(k1).ravel()]}")
   print(f"  k3 (TRL, verl low_var_kl, jaxgrpo default): {[round(float(v), 4) for v in np.asarray(k3).ravel()]}")
   print(f"  ∇θ KL(π_ref‖π) exactly:                   {[round(float(v), 4) for v in np.asarray(true).ravel()]}")

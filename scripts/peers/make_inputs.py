@@ -8,6 +8,7 @@ of the ratios outside the clip range on both sides, with advantages of both sign
 equal rewards (zero std: advantage 0, never NaN). float64 draws rounded to float32, stored float32. The loss comparisons
 use the fixed `advantages` (one per row), so that a loss difference is never an advantage one.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,24 +24,31 @@ def make(seed: int = 0) -> dict[str, np.ndarray]:
   lengths[::G] = T
   mask = np.arange(T)[None] < lengths[:, None]
   old_logp = -np.abs(rng.normal(1.5, 1.0, (B, T)))
-  logp = old_logp + rng.normal(0.0, 0.3, (B, T))          # |log ratio| ~ 0.3: many clipped tokens
+  logp = old_logp + rng.normal(0.0, 0.3, (B, T))  # |log ratio| ~ 0.3: many clipped tokens
   ref_logp = old_logp + rng.normal(0.0, 0.2, (B, T))
   rewards = rng.integers(0, 2, B).astype(np.float64) + 0.25 * rng.normal(size=B)
-  rewards[8:12] = 0.5                                       # group 2: all equal
-  advantages = rng.normal(0.0, 1.0, B)                      # fixed, for the loss comparisons
+  rewards[8:12] = 0.5  # group 2: all equal
+  advantages = rng.normal(0.0, 1.0, B)  # fixed, for the loss comparisons
   z = lambda x: np.where(mask, x, 0.0).astype(np.float32)
   return {
-      "logp": z(logp), "old_logp": z(old_logp), "ref_logp": z(ref_logp),
-      "mask": mask, "rewards": rewards.astype(np.float32), "advantages": advantages.astype(np.float32),
-      "group_ids": np.repeat(np.arange(B // G), G).astype(np.int32),
-      "group_size": np.int32(G), "epsilon_low": np.float32(0.2), "epsilon_high": np.float32(0.28),
-      "beta": np.float32(0.04),
+    "logp": z(logp),
+    "old_logp": z(old_logp),
+    "ref_logp": z(ref_logp),
+    "mask": mask,
+    "rewards": rewards.astype(np.float32),
+    "advantages": advantages.astype(np.float32),
+    "group_ids": np.repeat(np.arange(B // G), G).astype(np.int32),
+    "group_size": np.int32(G),
+    "epsilon_low": np.float32(0.2),
+    "epsilon_high": np.float32(0.28),
+    "beta": np.float32(0.04),
   }
 
 
 if __name__ == "__main__":
   out = sys.argv[1] if len(sys.argv) > 1 else ".peers/out/inputs.npz"
   import os
+
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   np.savez(out, **make())
   print(f"wrote {out}")

@@ -9,6 +9,7 @@ random ids is the text "t17 t2093 ..." and tokenizes back to exactly those ids i
 Token 0 is the pad token; token 1 is EOS. Every peer (jaxgrpo's `load_hf`, Tunix's Qwen3
 safetensors loader, transformers) loads these same weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,31 @@ def main(argv=None):
 
   torch.manual_seed(args.seed)
   cfg = transformers.Qwen3Config(
-      vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-      num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=args.intermediate,
-      tie_word_embeddings=True, max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6,
-      bos_token_id=None, eos_token_id=1, pad_token_id=0, torch_dtype="float32")
+    vocab_size=args.vocab,
+    hidden_size=args.hidden,
+    num_hidden_layers=args.layers,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    intermediate_size=args.intermediate,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=1,
+    pad_token_id=0,
+    torch_dtype="float32",
+  )
   model = transformers.Qwen3ForCausalLM(cfg).to(torch.float32).eval()
   n = sum(p.numel() for p in model.parameters())
   model.save_pretrained(args.out, safe_serialization=True)
 
   tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(args.vocab)}, unk_token="t0"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
-                                              unk_token="t0", padding_side="left")
+  fast = transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0", padding_side="left"
+  )
   fast.save_pretrained(args.out)
   print(f"saved {n / 1e6:.2f}M-parameter Qwen3 + word-level tokenizer to {args.out}")
 

@@ -1,7 +1,8 @@
 """Matmul throughput right now (jitted float32 2048² @ 2048², median of 5): how much of the CPU a run gets.
 
-    python scripts/peers/matmul_probe.py       # the project's idle 2-core machine: ≈167 GFLOP/s
+python scripts/peers/matmul_probe.py       # the project's idle 2-core machine: ≈167 GFLOP/s
 """
+
 import statistics
 import time
 

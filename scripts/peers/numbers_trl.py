@@ -15,6 +15,7 @@ verl: `verl.trainer.ppo.core_algos` (imported without Ray/vLLM): `compute_grpo_o
 `compute_policy_loss_vanilla(...) + β·agg_loss(kl)` (verl's vanilla loss always has the dual clip, c = 3).
 Every output key is `<peer>/<quantity>/<variant>`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -46,37 +47,50 @@ def trl_numbers(inp, model_dir) -> dict[str, np.ndarray]:
   runs += [("group", lt, bc) for lt in ("bnpo", "dr_grpo", "dapo") for bc in (True, False)]
   runs += [("group", "grpo", False)]
   for scale, loss_type, bias_kl in runs:
-      with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=b, num_generations=g,
-                          max_completion_length=t, beta=float(inp["beta"]), epsilon=float(inp["epsilon_low"]),
-                          epsilon_high=float(inp["epsilon_high"]), loss_type=loss_type, scale_rewards=scale,
-                          report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-                          use_bias_correction_kl=bias_kl)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds,
-                              processing_class=tok)
-      if loss_type == "grpo" and bias_kl:
-        rows = [{"prompt": prompts[i // g], "row": i} for i in range(b)]  # what RepeatSampler yields
-        trainer.model.train()
-        scored = trainer._generate_and_score_completions(rows)
-        out[f"trl/advantages/scale={scale}"] = scored["advantages"].detach().numpy()
-      if scale != "group":
-        continue
-      trainer.model.eval()
-      logp = torch.tensor(inp["logp"], requires_grad=True)
-      trainer._get_per_token_logps_and_entropies = (
-          lambda *a, **k: (logp, torch.zeros_like(logp), None))
-      mask = torch.tensor(inp["mask"], dtype=torch.int64)
-      inputs = {
-          "prompt_ids": torch.ones((b, 1), dtype=torch.int64), "prompt_mask": torch.ones((b, 1), dtype=torch.int64),
-          "completion_ids": torch.ones((b, t), dtype=torch.int64), "completion_mask": mask,
-          "old_per_token_logps": torch.tensor(inp["old_logp"]), "ref_per_token_logps": torch.tensor(inp["ref_logp"]),
-          "advantages": torch.tensor(inp["advantages"]), "num_items_in_batch": mask.sum(),
-      }
-      loss = trainer._compute_loss(trainer.model, inputs)
-      loss.backward()
-      key = f"{loss_type}" + ("" if bias_kl else "/use_bias_correction_kl=False")
-      out[f"trl/loss/{key}"] = loss.detach().numpy()
-      out[f"trl/grad/{key}"] = logp.grad.numpy()
+    with tempfile.TemporaryDirectory() as tmp:
+      args = GRPOConfig(
+        output_dir=tmp,
+        per_device_train_batch_size=b,
+        num_generations=g,
+        max_completion_length=t,
+        beta=float(inp["beta"]),
+        epsilon=float(inp["epsilon_low"]),
+        epsilon_high=float(inp["epsilon_high"]),
+        loss_type=loss_type,
+        scale_rewards=scale,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        use_bias_correction_kl=bias_kl,
+      )
+      trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds, processing_class=tok)
+    if loss_type == "grpo" and bias_kl:
+      rows = [{"prompt": prompts[i // g], "row": i} for i in range(b)]  # what RepeatSampler yields
+      trainer.model.train()
+      scored = trainer._generate_and_score_completions(rows)
+      out[f"trl/advantages/scale={scale}"] = scored["advantages"].detach().numpy()
+    if scale != "group":
+      continue
+    trainer.model.eval()
+    logp = torch.tensor(inp["logp"], requires_grad=True)
+    trainer._get_per_token_logps_and_entropies = lambda *a, logp=logp, **k: (logp, torch.zeros_like(logp), None)
+    mask = torch.tensor(inp["mask"], dtype=torch.int64)
+    inputs = {
+      "prompt_ids": torch.ones((b, 1), dtype=torch.int64),
+      "prompt_mask": torch.ones((b, 1), dtype=torch.int64),
+      "completion_ids": torch.ones((b, t), dtype=torch.int64),
+      "completion_mask": mask,
+      "old_per_token_logps": torch.tensor(inp["old_logp"]),
+      "ref_per_token_logps": torch.tensor(inp["ref_logp"]),
+      "advantages": torch.tensor(inp["advantages"]),
+      "num_items_in_batch": mask.sum(),
+    }
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    key = f"{loss_type}" + ("" if bias_kl else "/use_bias_correction_kl=False")
+    out[f"trl/loss/{key}"] = loss.detach().numpy()
+    out[f"trl/grad/{key}"] = logp.grad.numpy()
   lp, rp = torch.tensor(inp["logp"]), torch.tensor(inp["ref_logp"])
   out["trl/kl/k3"] = (torch.exp(rp - lp) - (rp - lp) - 1).numpy()  # the expression inside _compute_loss
   out["versions/trl"] = np.array(trl.__version__)
@@ -87,7 +101,9 @@ def trl_numbers(inp, model_dir) -> dict[str, np.ndarray]:
 
 def verl_numbers(inp) -> dict[str, np.ndarray]:
   from importlib.metadata import version
+
   from verl.trainer.ppo import core_algos as ca
+
   out = {"versions/verl": np.array(version("verl"))}
   b, t = inp["mask"].shape
   mask = torch.tensor(inp["mask"], dtype=torch.float32)
@@ -108,14 +124,22 @@ def verl_numbers(inp) -> dict[str, np.ndarray]:
     out[f"verl/kl/{kind}"] = ca.kl_penalty(lp, rp, kind).numpy()
   adv = torch.tensor(inp["advantages"])[:, None].expand(b, t)
   from omegaconf import OmegaConf
-  cfg = OmegaConf.create({"clip_ratio": float(inp["epsilon_low"]), "clip_ratio_low": float(inp["epsilon_low"]),
-                          "clip_ratio_high": float(inp["epsilon_high"]), "clip_ratio_c": 3.0,
-                          "global_batch_info": {}})
+
+  cfg = OmegaConf.create(
+    {
+      "clip_ratio": float(inp["epsilon_low"]),
+      "clip_ratio_low": float(inp["epsilon_low"]),
+      "clip_ratio_high": float(inp["epsilon_high"]),
+      "clip_ratio_c": 3.0,
+      "global_batch_info": {},
+    }
+  )
   kl = ca.kl_penalty(lp, rp, "low_var_kl")
   for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"):
     # verl's actor: policy_loss = pg_loss + kl_coef * agg_loss(kl, mask, mode)  (dual clip c = 3 is always on)
-    pg, _ = ca.compute_policy_loss_vanilla(old_log_prob=olp, log_prob=lp, advantages=adv, response_mask=mask,
-                                          loss_agg_mode=mode, config=cfg)
+    pg, _ = ca.compute_policy_loss_vanilla(
+      old_log_prob=olp, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=mode, config=cfg
+    )
     out[f"verl/loss/{mode}"] = (pg + float(inp["beta"]) * ca.agg_loss(kl, mask, mode)).numpy()
   return out
 
@@ -128,6 +152,7 @@ def main(argv=None):
     out.update(verl_numbers(inp))
   except Exception as e:  # noqa: BLE001
     import traceback
+
     traceback.print_exc()
     out["versions/verl"] = np.array(f"not importable: {type(e).__name__}: {e}")
   np.savez(argv[2], **out)

@@ -10,6 +10,7 @@ current-policy log-probs, and the old/reference log-probs and advantages go in t
 `TrainExample`. Gradients are taken with respect to those log-probs. Output keys:
 `tunix/<quantity>/<variant>`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   inp = dict(np.load(argv[0]))
   from tunix.rl import algo_core, common, function_registry
-  from tunix.rl.grpo import grpo_learner, dapo_learner, drgrpo_learner
+  from tunix.rl.grpo import dapo_learner, drgrpo_learner, grpo_learner
 
   g = int(inp["group_size"])
   out = {"versions/tunix": np.array(version("google-tunix")), "versions/tunix_jax": np.array(jax.__version__)}
@@ -49,10 +50,14 @@ def main(argv=None):
     common.compute_per_token_logps = lambda *a, **k: (logp, jnp.zeros((b, t, 4)))
     try:
       example = grpo_learner.TrainExample(
-          prompt_ids=jnp.ones((b, 1), jnp.int32), prompt_mask=jnp.ones((b, 1), jnp.int32),
-          completion_ids=jnp.ones((b, t), jnp.int32), completion_mask=mask,
-          advantages=jnp.asarray(inp["advantages"]), ref_per_token_logps=rp,
-          old_per_token_logps=jnp.asarray(inp["old_logp"]))
+        prompt_ids=jnp.ones((b, 1), jnp.int32),
+        prompt_mask=jnp.ones((b, 1), jnp.int32),
+        completion_ids=jnp.ones((b, t), jnp.int32),
+        completion_mask=mask,
+        advantages=jnp.asarray(inp["advantages"]),
+        ref_per_token_logps=rp,
+        old_per_token_logps=jnp.asarray(inp["old_logp"]),
+      )
       loss, _ = algo_core.grpo_loss_fn(Dummy(), example, config, pad_id=0, eos_id=1)
       return loss
     finally:
@@ -60,22 +65,30 @@ def main(argv=None):
 
   beta, eps, eps_high = float(inp["beta"]), float(inp["epsilon_low"]), float(inp["epsilon_high"])
   configs = {}
-  for mode in ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale", "seq-mean-token-sum",
-               "sequence-mean-token-sum-norm"):
+  for mode in (
+    "token-mean",
+    "sequence-mean-token-mean",
+    "sequence-mean-token-scale",
+    "seq-mean-token-sum",
+    "sequence-mean-token-sum-norm",
+  ):
     for kl_mode in ("kl", "low_var_kl"):
       configs[f"grpo/{mode}/{kl_mode}"] = grpo_learner.GRPOConfig(
-          num_generations=g, beta=beta, epsilon=eps, loss_agg_mode=mode, kl_loss_mode=kl_mode)
+        num_generations=g, beta=beta, epsilon=eps, loss_agg_mode=mode, kl_loss_mode=kl_mode
+      )
   configs["dapo/token-mean/none"] = dapo_learner.DAPOConfig(num_generations=g, epsilon=eps, epsilon_high=eps_high)
-  configs["drgrpo/sequence-mean-token-scale/kl"] = drgrpo_learner.DrGRPOConfig(num_generations=g, beta=beta,
-                                                                              epsilon=eps)
+  configs["drgrpo/sequence-mean-token-scale/kl"] = drgrpo_learner.DrGRPOConfig(
+    num_generations=g, beta=beta, epsilon=eps
+  )
   for key, config in configs.items():
     if not hasattr(config, "temperature"):
       object.__setattr__(config, "temperature", 1.0)
-    loss, grad = jax.value_and_grad(lambda x: loss_of(config, x))(lp)
+    loss, grad = jax.value_and_grad(lambda x, config=config: loss_of(config, x))(lp)
     out[f"tunix/loss/{key}"] = np.asarray(loss)
     out[f"tunix/grad/{key}"] = np.asarray(grad)
-  out["tunix/defaults/GRPOConfig"] = np.array(repr({f.name: getattr(grpo_learner.GRPOConfig(), f.name)
-                                                    for f in dataclasses.fields(grpo_learner.GRPOConfig)}))
+  out["tunix/defaults/GRPOConfig"] = np.array(
+    repr({f.name: getattr(grpo_learner.GRPOConfig(), f.name) for f in dataclasses.fields(grpo_learner.GRPOConfig)})
+  )
   np.savez(argv[1], **out)
   print(f"wrote {argv[1]}: {sorted(out)}")
 

@@ -11,6 +11,7 @@ iteration then REPEATS timed ones. The library has no public "one iteration" API
 trainer's data pipeline, so this composes `sampling.generate` + `train.make_reference_fn` +
 `train.make_train_step` exactly as `jaxgrpo.trainer` does.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,14 +20,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxgrpo import models, sharding as shd, train  # noqa: E402
+from jaxgrpo import models, train  # noqa: E402
+from jaxgrpo import sharding as shd
 from jaxgrpo.config import preset  # noqa: E402
 from jaxgrpo.sampling import generate  # noqa: E402
 
@@ -41,8 +42,19 @@ def main():
   n_tokens = common.PROMPTS * common.SAMPLES * common.NEW_TOKENS
 
   def rollout(m, key):
-    return generate(m, prompts, pmask, num_samples=common.SAMPLES, max_new_tokens=common.NEW_TOKENS,
-                    temperature=1.0, top_p=1.0, top_k=0, eos_ids=(), pad_id=0, key=key)
+    return generate(
+      m,
+      prompts,
+      pmask,
+      num_samples=common.SAMPLES,
+      max_new_tokens=common.NEW_TOKENS,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=0,
+      eos_ids=(),
+      pad_id=0,
+      key=key,
+    )
 
   res = {"impl": "jaxgrpo", "task": task, "load_s": load_s, "jax": jax.__version__}
   if task == "sample":
@@ -60,8 +72,9 @@ def main():
     mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
     opt = optax.adamw(common.LR)
     rows = common.PROMPTS * common.SAMPLES
-    tc = train.TrainConfig(micro_batches=rows // common.MICRO, chunk_size=common.CHUNK, group_size=common.SAMPLES,
-                           entropy=False)
+    tc = train.TrainConfig(
+      micro_batches=rows // common.MICRO, chunk_size=common.CHUNK, group_size=common.SAMPLES, entropy=False
+    )
     graphdef, state, shardings = train.init_train_state(model, opt, mesh)
     step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
     ref_fn = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
@@ -87,7 +100,10 @@ def main():
     times, roll, upd, refs = [], [], [], []
     for r in range(repeats):
       state, (t, tr, tu, tf, loss) = iteration(state, jax.random.key(r + 1))
-      times.append(t); roll.append(tr); upd.append(tu); refs.append(tf)
+      times.append(t)
+      roll.append(tr)
+      upd.append(tu)
+      refs.append(tf)
     res.update(times=times, rollout_s=roll, update_s=upd, reward_and_ref_s=refs, tokens=n_tokens, loss=loss)
   common.report(res)
 

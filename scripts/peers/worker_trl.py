@@ -11,6 +11,7 @@ generation batch, `min_new_tokens=128`) for 1 + REPEATS + 1 steps; iteration tim
 intervals between the reward function's calls (once per generation batch), the first one
 (start-up) reported as warm-up.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
@@ -30,8 +30,14 @@ def main():
   t0 = time.perf_counter()
   tok = transformers.AutoTokenizer.from_pretrained(model_dir)
   model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-  res = {"impl": "trl", "task": task, "load_s": time.perf_counter() - t0, "torch": torch.__version__,
-         "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__}
+  res = {
+    "impl": "trl",
+    "task": task,
+    "load_s": time.perf_counter() - t0,
+    "torch": torch.__version__,
+    "torch_threads": torch.get_num_threads(),
+    "transformers": transformers.__version__,
+  }
   n_tokens = common.PROMPTS * common.SAMPLES * common.NEW_TOKENS
   if task == "sample":
     ids = torch.tensor(common.prompt_ids(), dtype=torch.long)
@@ -39,9 +45,19 @@ def main():
 
     def run(n):
       with torch.inference_mode():
-        return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=None,
-                              top_p=1.0, num_return_sequences=common.SAMPLES, max_new_tokens=n, min_new_tokens=n,
-                              eos_token_id=None, pad_token_id=0)
+        return model.generate(
+          input_ids=ids,
+          attention_mask=mask,
+          do_sample=True,
+          temperature=1.0,
+          top_k=None,
+          top_p=1.0,
+          num_return_sequences=common.SAMPLES,
+          max_new_tokens=n,
+          min_new_tokens=n,
+          eos_token_id=None,
+          pad_token_id=0,
+        )
 
     t0 = time.perf_counter()
     run(4)
@@ -57,25 +73,47 @@ def main():
   else:
     import datasets
     import trl
+
     steps = repeats + 2
     texts = common.prompt_texts()
     ds = datasets.Dataset.from_dict({"prompt": texts * steps})
     clock = common.RewardClock(lambda prompts, completions, **kw: [common.reward_text(c) for c in completions])
     with tempfile.TemporaryDirectory() as tmp:
       args = trl.GRPOConfig(
-          output_dir=tmp, per_device_train_batch_size=common.MICRO,
-          gradient_accumulation_steps=common.PROMPTS * common.SAMPLES // common.MICRO,
-          num_generations=common.SAMPLES, max_completion_length=common.NEW_TOKENS, temperature=1.0, top_p=1.0,
-          top_k=0, generation_kwargs={"min_new_tokens": common.NEW_TOKENS}, beta=common.BETA,
-          learning_rate=common.LR, loss_type="grpo", max_steps=steps, logging_steps=1, report_to=[],
-          save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        output_dir=tmp,
+        per_device_train_batch_size=common.MICRO,
+        gradient_accumulation_steps=common.PROMPTS * common.SAMPLES // common.MICRO,
+        num_generations=common.SAMPLES,
+        max_completion_length=common.NEW_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        generation_kwargs={"min_new_tokens": common.NEW_TOKENS},
+        beta=common.BETA,
+        learning_rate=common.LR,
+        loss_type="grpo",
+        max_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+      )
       trainer = trl.GRPOTrainer(model=model, reward_funcs=clock, args=args, train_dataset=ds, processing_class=tok)
       t0 = time.perf_counter()
       trainer.train()
       total = time.perf_counter() - t0
     iv = clock.intervals()
-    res.update(warmup_s=(clock.stamps[0] - t0) + iv[0] if iv else total, times=iv[1:], tokens=n_tokens,
-               total_s=total, reward_calls=len(clock.stamps), trl=trl.__version__)
+    res.update(
+      warmup_s=(clock.stamps[0] - t0) + iv[0] if iv else total,
+      times=iv[1:],
+      tokens=n_tokens,
+      total_s=total,
+      reward_calls=len(clock.stamps),
+      trl=trl.__version__,
+    )
   common.report(res)
 
 

@@ -15,6 +15,7 @@ AdamW, one update per iteration, micro-batches of 8 prompts = 64 rows, 128-row r
 (called once per iteration, after the rollout), so the first interval holds the compile and is
 reported as warm-up.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,45 +24,67 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # noqa: E402
-
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import transformers  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 
 def load(model_dir, mesh):
-  from tunix.models.qwen3 import model as qwen3_model, params as qwen3_params
-  cfg = qwen3_model.ModelConfig(num_layers=4, vocab_size=common.VOCAB, embed_dim=384, hidden_dim=1536, num_heads=8,
-                                head_dim=32, num_kv_heads=4, rope_theta=1_000_000, norm_eps=1e-6,
-                                use_tied_embedding=True)
+  from tunix.models.qwen3 import model as qwen3_model
+  from tunix.models.qwen3 import params as qwen3_params
+
+  cfg = qwen3_model.ModelConfig(
+    num_layers=4,
+    vocab_size=common.VOCAB,
+    embed_dim=384,
+    hidden_dim=1536,
+    num_heads=8,
+    head_dim=32,
+    num_kv_heads=4,
+    rope_theta=1_000_000,
+    norm_eps=1e-6,
+    use_tied_embedding=True,
+  )
   with jax.set_mesh(mesh):
     return qwen3_params.create_model_from_safe_tensors(model_dir, cfg, mesh)
 
 
 def main():
   from importlib.metadata import version
+
   model_dir, task, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
   t0 = time.perf_counter()
   model = load(model_dir, mesh)
   tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-  res = {"impl": "tunix", "task": task, "load_s": time.perf_counter() - t0, "tunix": version("google-tunix"),
-         "jax": jax.__version__}
+  res = {
+    "impl": "tunix",
+    "task": task,
+    "load_s": time.perf_counter() - t0,
+    "tunix": version("google-tunix"),
+    "jax": jax.__version__,
+  }
   texts = common.prompt_texts()
   n_tokens = common.PROMPTS * common.SAMPLES * common.NEW_TOKENS
   if task == "sample":
     from tunix.generate import sampler as sampler_lib
-    cache = sampler_lib.CacheConfig(cache_size=256, num_layers=4,
-                                    num_kv_heads=4, head_dim=32)
+
+    cache = sampler_lib.CacheConfig(cache_size=256, num_layers=4, num_kv_heads=4, head_dim=32)
     sampler = sampler_lib.Sampler(transformer=model, tokenizer=tok, cache_config=cache)
     rows = [t for t in texts for _ in range(common.SAMPLES)]
 
     def run(seed):
-      out = sampler(input_strings=rows, max_generation_steps=common.NEW_TOKENS,
-                    max_prompt_length=common.PROMPT_LEN, temperature=1.0, top_p=1.0, top_k=None, echo=False,
-                    seed=seed)
+      out = sampler(
+        input_strings=rows,
+        max_generation_steps=common.NEW_TOKENS,
+        max_prompt_length=common.PROMPT_LEN,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=None,
+        echo=False,
+        seed=seed,
+      )
       jax.block_until_ready(out.tokens) if hasattr(out, "tokens") else None
       return out
 
@@ -80,21 +103,39 @@ def main():
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
     from tunix.rl.rollout import base_rollout
+
     ref = load(model_dir, mesh)
     steps = repeats + 2
     training = rl_cluster_lib.RLTrainingConfig(
-        actor_optimizer=optax.adamw(common.LR), eval_every_n_steps=10**6, max_steps=steps,
-        mini_batch_size=common.PROMPTS, train_micro_batch_size=common.MICRO // common.SAMPLES,
-        rollout_micro_batch_size=common.PROMPTS, compute_logps_micro_batch_size=common.MICRO // common.SAMPLES)
-    rollout = base_rollout.RolloutConfig(max_tokens_to_generate=common.NEW_TOKENS, max_prompt_length=common.PROMPT_LEN,
-                                         kv_cache_size=256, temperature=1.0,
-                                         top_p=1.0, top_k=None)
+      actor_optimizer=optax.adamw(common.LR),
+      eval_every_n_steps=10**6,
+      max_steps=steps,
+      mini_batch_size=common.PROMPTS,
+      train_micro_batch_size=common.MICRO // common.SAMPLES,
+      rollout_micro_batch_size=common.PROMPTS,
+      compute_logps_micro_batch_size=common.MICRO // common.SAMPLES,
+    )
+    rollout = base_rollout.RolloutConfig(
+      max_tokens_to_generate=common.NEW_TOKENS,
+      max_prompt_length=common.PROMPT_LEN,
+      kv_cache_size=256,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=None,
+    )
     roles = rl_cluster_lib.Role
     cluster = rl_cluster_lib.RLCluster(
-        actor=model, reference=ref, tokenizer=tok,
-        cluster_config=rl_cluster_lib.ClusterConfig(
-            role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
-            rollout_engine="vanilla", offload_to_cpu=False, training_config=training, rollout_config=rollout))
+      actor=model,
+      reference=ref,
+      tokenizer=tok,
+      cluster_config=rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine="vanilla",
+        offload_to_cpu=False,
+        training_config=training,
+        rollout_config=rollout,
+      ),
+    )
     clock = common.RewardClock(lambda prompts, completions, **kw: [common.reward_text(c) for c in completions])
     algo = grpo_learner.GRPOConfig(num_generations=common.SAMPLES, num_iterations=1, beta=common.BETA, epsilon=0.2)
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, reward_fns=clock, algo_config=algo)
@@ -104,8 +145,13 @@ def main():
       learner.train(ds)
     total = time.perf_counter() - t0
     iv = clock.intervals()
-    res.update(warmup_s=(clock.stamps[0] - t0) + iv[0] if iv else total, times=iv[1:], tokens=n_tokens,
-               total_s=total, reward_calls=len(clock.stamps))
+    res.update(
+      warmup_s=(clock.stamps[0] - t0) + iv[0] if iv else total,
+      times=iv[1:],
+      tokens=n_tokens,
+      total_s=total,
+      reward_calls=len(clock.stamps),
+    )
   common.report(res)
 
 
