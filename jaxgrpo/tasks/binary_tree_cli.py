@@ -29,6 +29,8 @@ from tqdm.auto import tqdm
 
 from jaxgrpo.tasks import binary_tree as bt
 
+__all__ = ["main", "build_parser", "resolve", "run", "summarize", "table_md", "plot", "parse_cells", "FlagError"]
+
 ALGO_LABELS = {"grpo": "GRPO", "lambda_grpo": "λ-GRPO", "frpo": "FRPO", "lambda_frpo": "λ-FRPO", "dr_grpo": "Dr.GRPO"}
 #: Defaults per policy, chosen by the study in docs/binary_tree.md (optimizer, learning rate).
 #: gpt2-small's (Adam 1e-5, the paper's learning rate) was not validated here (no accelerator).
