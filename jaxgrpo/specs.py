@@ -42,7 +42,7 @@ import re
 import types
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -466,8 +466,12 @@ def _convert(value, hint, path: str):
     if isinstance(value, str):
       return value
     raise _type_error(path, hint, value)
-  if origin is tuple:
-    (item, *_) = typing.get_args(hint)
+  if origin is typing.Literal:
+    if value in typing.get_args(hint):
+      return value
+    raise _type_error(path, hint, value)
+  if origin in (tuple, Sequence):
+    (item, *_) = typing.get_args(hint) or (Any,)
     if isinstance(value, (list, tuple)):
       return tuple(_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value))
     raise _type_error(path, hint, value)
@@ -483,7 +487,11 @@ def _convert(value, hint, path: str):
     if isinstance(value, Mapping):
       return _build(hint, value, path)
     raise _type_error(path, hint, value)
-  raise TypeError(f"config field `{path}`: unsupported annotation {hint!r}")  # a bug in a spec class
+  if isinstance(hint, type):
+    if isinstance(value, hint):
+      return value
+    raise _type_error(path, hint, value)
+  return value  # e.g. a Callable field of a library config: not written in YAML; its class checks it
 
 
 def _check_fields(spec, path: str) -> None:
