@@ -1,23 +1,22 @@
 """jaxgrpo: pure-JAX GRPO, λ-GRPO and FRPO for LLM post-training.
 
-The public API is re-exported here; the code lives in one module per topic:
+The package is layered, every import pointing down (README, "The library"):
 
-- ``advantages``: group_advantages, group_baseline, rloo_advantages
-- ``process_sets``: prefix_hashes, process_set_sizes, process_rewards, process_advantages,
-  process_tree_stats (λ-GRPO)
-- ``kl``: kl_penalty, future_kl, frpo_advantages (FRPO)
-- ``losses``: policy_loss, policy_loss_terms, combine_terms, finalize_terms, LossTerms
-- ``config``: GRPOConfig, preset, PRESETS
-- ``objective``: rollout_advantages, objective_terms (config → kernels)
+1. kernels — ``advantages``: group_advantages, group_baseline, rloo_advantages; ``process_sets``:
+   prefix_hashes, process_set_sizes, process_rewards, process_advantages, process_tree_stats
+   (λ-GRPO); ``kl``: kl_penalty, future_kl, frpo_advantages (FRPO); ``losses``: policy_loss,
+   policy_loss_terms, combine_terms, finalize_terms, LossTerms; ``config``: GRPOConfig, preset,
+   PRESETS; ``objective``: rollout_advantages, objective_terms (config → kernels).
+2. models/sampling — ``jaxgrpo.models``: build_model, load_hf, save_hf, log_probs (GPT-2, Llama 3.x,
+   Qwen2/2.5, Qwen3); ``jaxgrpo.sampling``: generate, Rollout; ``jaxgrpo.sharding``: make_mesh;
+   ``jaxgrpo.distributed``: multi-host start-up.
+3. train step — ``jaxgrpo.train``: make_train_step, TrainConfig, TrainState.
+4. iteration/trainer — ``jaxgrpo.data``, ``rewards``, ``evaluation``, ``tasks`` (binary_tree,
+   arithmetic), ``specs`` (the run config), ``builders`` (model and prompts from it), ``trainer``.
+   Services beside them: ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics`` (they import nothing of jaxgrpo).
 
-Re-exported from the larger subsystems (import the submodule for the rest):
-
-- ``jaxgrpo.models``: build_model, load_hf, save_hf, log_probs (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3)
-- ``jaxgrpo.sampling``: generate, Rollout
-- ``jaxgrpo.sharding`` / ``jaxgrpo.train``: make_mesh; the jitted train step (make_train_step, ...)
-- not imported here (heavier dependencies): ``jaxgrpo.trainer``, ``jaxgrpo.data``, ``jaxgrpo.rewards``,
-  ``jaxgrpo.evaluation``, ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.distributed``,
-  ``jaxgrpo.tasks.binary_tree``
+Layers 1–3 are re-exported here; import the modules of layer 4 and the services yourself (heavier
+dependencies: datasets, transformers' tokenizers, Orbax).
 """
 
 from jaxgrpo import models, sampling, sharding, train  # noqa: E402  (subsystems, after the kernels)

@@ -1,11 +1,17 @@
-"""Checkpoints of the whole training state that resume exactly and survive crashes; HF export.
+"""Checkpoints of a training state that resume exactly and survive crashes.
+
+A service below the trainer: it stores a :class:`Snapshot` (parameters, optimizer state, step, PRNG
+key, data position) with a :class:`RunMeta` — what the caller says identifies its run — and imports
+nothing of the layers above (the trainer, its config, the model builders). Rebuilding a model from a
+checkpoint's saved config is ``jaxgrpo.builders.load_policy``, which uses :func:`read_meta` and
+:func:`restore_params` from here.
 
 Layout (``OUT/checkpoints``, one Orbax ``CheckpointManager`` step directory per saved step)::
 
     OUT/checkpoints/<step>/params/      parameters          (Orbax standard item; each host writes its shards)
                           /opt_state/   optimizer state     (Orbax standard item)
-                          /meta/        JSON: step, PRNG key data + impl, data-iterator position,
-                                        resolved TrainerConfig, parameter shapes, jaxgrpo version
+                          /meta/        JSON: step, PRNG key data + impl, data position, the RunMeta
+                                        (identity, guarded settings, whole config), tree signatures
                           /jaxgrpo_manifest.json   size and CRC32 of every file above
 
 Crash safety, in two layers:
@@ -20,27 +26,30 @@ Crash safety, in two layers:
    :class:`CheckpointError` naming the file; a step without a manifest counts as incomplete
    (skipped with a message). Nothing on disk is changed by a failed restore.
 
-A restore also checks the parameter and optimizer-state tree against the running model (missing,
-unexpected and mis-shaped entries are named) before reading any array, and restores onto the
-running mesh: the target shardings come from the freshly built state, so a run saved on one mesh
-shape resumes on another.
+Before reading any array a restore compares the saved run with the running one: the parameter and
+optimizer-state trees (missing, unexpected and mis-shaped entries are named) and the
+``RunMeta.identity`` entries (what changes the parameter tree or the data order) must match; a
+changed ``RunMeta.guarded`` entry (e.g. the learning rate) is refused unless ``allow_changed=True``;
+other changes of ``RunMeta.config`` are reported. It restores onto the running mesh: the target
+shardings come from a freshly built template, so a run saved on one mesh shape resumes on another.
 
 Usage (what ``scripts/train.py`` does)::
 
-    ckpt = Checkpointer(os.path.join(cfg.out, "checkpoints"), max_to_keep=3, best_metric="eval_accuracy")
+    ckpt = Checkpointer(checkpoint_dir(out), max_to_keep=3, best_metric="eval_accuracy")
     trainer = Trainer(cfg, checkpoint_fn=ckpt.checkpoint_fn, restore_fn=ckpt.restore_fn,
                       on_record=ckpt.observe)
     trainer.run(); ckpt.close()
 
-Parameters only (evaluation, export): :func:`restore_params`, :func:`load_policy`, :func:`export_hf`.
+Parameters only (evaluation, export): :func:`restore_params` and :func:`read_meta`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,37 +60,97 @@ from flax import nnx
 __all__ = [
   "Checkpointer",
   "CheckpointError",
+  "Snapshot",
+  "RunMeta",
   "checkpoint_dir",
   "has_checkpoint",
   "complete_steps",
   "verify_step",
+  "read_meta",
   "restore_params",
-  "load_policy",
-  "export_hf",
   "MANIFEST",
+  "FORMAT",
 ]
 
 MANIFEST = "jaxgrpo_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_ITEMS = ("params", "opt_state", "meta")
-# config fields that change the parameter tree or the data order: a differing value is an error
-_IDENTITY_FIELDS = (
-  "model",
-  "param_dtype",
-  "dataset",
-  "split",
-  "seed",
-  "demo_hidden_size",
-  "demo_layers",
-  "demo_train_size",
-  "demo_max_operand",
-  "max_prompt_tokens",
-  "instruction",
-)
+#: Version of the ``meta`` item's layout. 2: the RunMeta (identity, guarded, config) of the caller.
+FORMAT = 2
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used: corrupt, incomplete, or not matching the running model."""
+
+
+class Snapshot(NamedTuple):
+  """What a checkpoint holds: everything an exact resume needs.
+
+  Attributes:
+    params: the parameter tree (arrays; any sharding).
+    opt_state: the optimizer state tree.
+    step: ``int32[]``, the number of completed steps.
+    key: the PRNG key of the next step (typed key array).
+    data_position: JSON-serialisable position of the data iterator.
+  """
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  key: jax.Array
+  data_position: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMeta:
+  """What the caller says about its run; stored with every checkpoint and compared on restore.
+
+  Every value must be JSON-serialisable. Nested mappings are compared leaf by leaf and named by
+  dotted keys (``{"model": {"hidden_size": 64}}`` → ``model.hidden_size``).
+
+  Attributes:
+    identity: entries that change the parameter tree or the data order (model, dataset, seed, ...):
+      a difference refuses the restore.
+    guarded: entries a resumed run should not silently change (e.g. learning rate, group size): a
+      difference refuses the restore unless the Checkpointer was built with ``allow_changed=True``.
+    config: the whole configuration (nested dicts allowed), stored for rebuilding the model;
+      differences in its leaves are reported.
+  """
+
+  identity: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  guarded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _json(x):
+  """``x`` as it reads back from JSON (tuples → lists, ...), for comparisons with saved values."""
+  return json.loads(json.dumps(x))
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}.{k}" if prefix else str(k)
+    if isinstance(v, Mapping) and v:
+      out.update(_flatten(v, key))
+    else:
+      out[key] = v
+  return out
+
+
+_ABSENT = object()
+
+
+def _differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """``"key: saved in the checkpoint, current now"`` for every leaf whose values differ (or that is
+  absent on one side); nested mappings are compared leaf by leaf, named by dotted keys."""
+  saved, current = _flatten(saved), _flatten(_json(dict(current)))
+  out = []
+  show = lambda v: "absent" if v is _ABSENT else repr(v)
+  for k in sorted(set(saved) | set(current)):
+    a, b = saved.get(k, _ABSENT), current.get(k, _ABSENT)
+    if a != b:
+      out.append(f"{k}: {show(a)} in the checkpoint, {show(b)} now")
+  return out
 
 
 # ----------------------------------------------------------------------------- files and manifests
@@ -266,7 +335,7 @@ def _handlers():
 
 
 class Checkpointer:
-  """Saves and restores :class:`jaxgrpo.trainer.TrainerState` + the resolved config with Orbax.
+  """Saves and restores :class:`Snapshot` s with their :class:`RunMeta`, with Orbax.
 
   Args:
     directory: checkpoint root (``checkpoint_dir(cfg.out)``).
@@ -280,6 +349,7 @@ class Checkpointer:
     checksum: record and verify CRC32 per file (sizes are always checked). Verification reads the
       whole checkpoint on every host: turn it off for very large multi-host checkpoints.
     log: message sink (None: silent); only the first host prints.
+    allow_changed: restore even when a ``RunMeta.guarded`` entry differs (the differences are logged).
   """
 
   def __init__(
@@ -292,6 +362,7 @@ class Checkpointer:
     async_save: bool = True,
     checksum: bool = True,
     log: Callable[[str], None] | None = print,
+    allow_changed: bool = False,
   ):
     if best_mode not in ("max", "min"):
       raise ValueError(f"`best_mode` must be 'max' or 'min'; got {best_mode!r}")
@@ -299,7 +370,7 @@ class Checkpointer:
       raise ValueError(f"`max_to_keep` must be a positive int or None; got {max_to_keep!r}")
     self.directory = os.path.abspath(os.fspath(directory))
     self.best_metric, self.best_mode, self.checksum = best_metric, best_mode, checksum
-    self.async_save = async_save
+    self.async_save, self.allow_changed = async_save, allow_changed
     self._is_main = jax.process_index() == 0
     self.log = log if log is not None and self._is_main else (lambda s: None)
     self._metrics: dict[int, float] = {}
@@ -340,21 +411,28 @@ class Checkpointer:
     if self.best_metric is not None and self.best_metric in record:
       self._metrics[int(record["step"])] = float(record[self.best_metric])
 
-  def save(self, state, config=None, *, metrics: Mapping[str, float] | None = None) -> int:
-    """Saves ``state`` (a TrainerState) and ``config`` (a TrainerConfig or dict) at ``state.train.step``."""
-    step = int(jax.device_get(state.train.step))
+  def save(self, snapshot: Snapshot, run: RunMeta | None = None, *, metrics: Mapping[str, float] | None = None) -> int:
+    """Saves ``snapshot`` and ``run`` at ``snapshot.step``; returns the step.
+
+    With ``async_save`` it returns once the arrays are copied to the host (they may be donated
+    right after); the files are written in the background.
+    """
+    step = int(jax.device_get(snapshot.step))
+    run = run or RunMeta()
     if metrics is None and step in self._metrics:
       metrics = {self.best_metric: self._metrics[step]}
-    cfg_dict = config.to_dict() if hasattr(config, "to_dict") else (dict(config) if config else None)
-    key = state.key
+    key = snapshot.key
     meta = {
+      "format": FORMAT,
       "step": step,
       "key_data": np.asarray(jax.random.key_data(key)).astype(np.uint32).tolist(),
       "key_impl": str(jax.random.key_impl(key)),
-      "data_position": dict(state.data_position),
-      "config": cfg_dict,
-      "params_signature": _signature(state.train.params),
-      "opt_state_signature": _signature(state.train.opt_state),
+      "data_position": dict(snapshot.data_position),
+      "identity": dict(run.identity),
+      "guarded": dict(run.guarded),
+      "config": dict(run.config),
+      "params_signature": _signature(snapshot.params),
+      "opt_state_signature": _signature(snapshot.opt_state),
       "process_count": jax.process_count(),
       "metrics": dict(metrics) if metrics else None,
     }
@@ -364,8 +442,8 @@ class Checkpointer:
     self.manager.save(
       step,
       args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state.train.params),
-        opt_state=ocp.args.StandardSave(state.train.opt_state),
+        params=ocp.args.StandardSave(snapshot.params),
+        opt_state=ocp.args.StandardSave(snapshot.opt_state),
         meta=ocp.args.JsonSave(meta),
       ),
       metrics=dict(metrics) if metrics else None,
@@ -377,9 +455,9 @@ class Checkpointer:
         _write_manifest(os.path.join(self.directory, str(step)), step, self.checksum)
     return step
 
-  def checkpoint_fn(self, state, config) -> None:
-    """The trainer's ``checkpoint_fn(state, config)`` hook."""
-    step = self.save(state, config)
+  def checkpoint_fn(self, snapshot: Snapshot, run: RunMeta | None = None) -> None:
+    """The trainer's ``checkpoint_fn(snapshot, run)`` hook: :meth:`save` and a log line."""
+    step = self.save(snapshot, run)
     self.log(
       f"checkpoint: step {step} -> {os.path.join(self.directory, str(step))}"
       + (" (writing in the background)" if self.async_save else "")
@@ -411,50 +489,78 @@ class Checkpointer:
     return s[-1] if s else None
 
   def read_meta(self, step: int) -> dict:
-    """The JSON ``meta`` item of ``step`` (step, key, data position, config, tree signatures)."""
-    path = os.path.join(self.directory, str(step), "meta", "metadata")
-    with open(path) as f:
-      return json.load(f)
+    """The JSON ``meta`` item of ``step`` (step, key, data position, run meta, tree signatures)."""
+    return read_meta(self.directory, step=step)
 
-  def _check(self, step: int, meta: dict, template, config) -> None:
-    problems = _compare_signatures(meta["params_signature"], _signature(template.train.params), "params")
-    problems += _compare_signatures(meta["opt_state_signature"], _signature(template.train.opt_state), "opt_state")
-    saved_cfg = meta.get("config") or {}
-    cur_cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
-    bad_cfg = [
-      f"config.{k}: {saved_cfg[k]!r} in the checkpoint, {cur_cfg[k]!r} now"
-      for k in _IDENTITY_FIELDS
-      if k in saved_cfg and k in cur_cfg and saved_cfg[k] != cur_cfg[k]
-    ]
-    if problems or bad_cfg:
-      shown = bad_cfg + problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+  def check_run(self, run: RunMeta, *, step: int | None = None) -> int | None:
+    """Compares ``run`` with the meta of ``step`` (None: the latest complete checkpoint) without
+    reading any array: the same identity and guarded-settings checks as :meth:`restore`, cheap
+    enough to run before the model is built. Returns the step, or None when there is no checkpoint.
+
+    Raises:
+      CheckpointError: another meta format, a different identity, or changed guarded settings
+        (unless ``allow_changed``).
+    """
+    steps = self.steps()
+    if step is None and not steps:
+      return None
+    step = steps[-1] if step is None else step
+    self._check(step, self.read_meta(step), None, run, report=False)
+    return step
+
+  def _check(self, step: int, meta: dict, template: Snapshot | None, run: RunMeta, *, report: bool = True) -> None:
+    where = os.path.join(self.directory, str(step))
+    if meta.get("format") != FORMAT:
       raise CheckpointError(
-        f"checkpoint {os.path.join(self.directory, str(step))} does not match the running model/config:\n  "
-        + "\n  ".join(shown)
-        + "\nNothing was overwritten; use another --out or matching settings."
+        f"checkpoint {where} has meta format {meta.get('format', 1)}, this jaxgrpo reads format {FORMAT} "
+        "(format 1 held the earlier flat TrainerConfig): resume it with the jaxgrpo version that wrote it, "
+        "or start a new run in another directory"
       )
+    problems = []
+    if template is not None:
+      problems += _compare_signatures(meta["params_signature"], _signature(template.params), "params")
+      problems += _compare_signatures(meta["opt_state_signature"], _signature(template.opt_state), "opt_state")
+    identity = _differences(meta["identity"], run.identity)
+    if problems or identity:
+      shown = identity + problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+      raise CheckpointError(
+        f"checkpoint {where} does not match the running model/config:\n  "
+        + "\n  ".join(shown)
+        + "\nNothing was overwritten; use another output directory or matching settings."
+      )
+    guarded = _differences(meta["guarded"], run.guarded)
+    if guarded and not self.allow_changed:
+      raise CheckpointError(
+        f"checkpoint {where} was written with other settings:\n  "
+        + "\n  ".join(guarded)
+        + "\nA resumed run would silently change them. Restore the checkpoint's values, or allow the change "
+        "explicitly (Checkpointer(allow_changed=True); scripts/train.py --allow-changed-config)."
+      )
+    if not report:
+      return
+    if guarded:
+      self.log("resuming with changed settings (allowed): " + "; ".join(guarded))
+    saved_cfg, cur_cfg = _flatten(meta["config"]), _flatten(_json(dict(run.config)))
     changed = [
-      f"{k}: {saved_cfg[k]!r} -> {cur_cfg[k]!r}"
-      for k in sorted(saved_cfg)
-      if k in cur_cfg and saved_cfg[k] != cur_cfg[k] and k != "resume"
+      f"{k}: {v!r} -> {cur_cfg[k]!r}" for k, v in sorted(saved_cfg.items()) if k in cur_cfg and cur_cfg[k] != v
     ]
     if changed:
       self.log("resuming with changed settings: " + ", ".join(changed))
 
-  def restore(self, template, config=None, *, step: int | None = None):
-    """The TrainerState saved at ``step`` (None: the latest complete one), placed like ``template``.
+  def restore(self, template: Snapshot, run: RunMeta | None = None, *, step: int | None = None) -> Snapshot:
+    """The snapshot saved at ``step`` (None: the latest complete one), placed like ``template``.
 
     Args:
-      template: a TrainerState of the running trainer (its arrays give shapes, dtypes and the
-        target shardings: restoring onto a different mesh works).
-      config: the running TrainerConfig (identity fields are compared; others reported).
+      template: a snapshot of the running program (its arrays give shapes, dtypes and the target
+        shardings: restoring onto a different mesh works; its values are not used).
+      run: the running run's meta, compared with the saved one (see the module docstring).
+      step: the step to restore (None: the latest complete one).
     Raises:
-      CheckpointError: no complete checkpoint, a corrupt one (names the file), or one that does
-        not match the model (names the entries). Nothing on disk is modified.
+      CheckpointError: no complete checkpoint, a corrupt one (names the file), one that does not
+        match the model or the run's identity, or changed guarded settings (names the entries).
+        Nothing on disk is modified.
     """
-    from jaxgrpo.train import TrainState
-    from jaxgrpo.trainer import TrainerState
-
+    run = run or RunMeta()
     steps = self.steps()
     if step is None:
       if not steps:
@@ -475,33 +581,49 @@ class Checkpointer:
       )
       raise CheckpointError(str(e) + hint) from None
     meta = self.read_meta(step)
-    self._check(step, meta, template, config)
+    self._check(step, meta, template, run)
     restored = self.manager.restore(
       step,
       args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(template.train.params)),
-        opt_state=ocp.args.StandardRestore(_abstract(template.train.opt_state)),
+        params=ocp.args.StandardRestore(_abstract(template.params)),
+        opt_state=ocp.args.StandardRestore(_abstract(template.opt_state)),
       ),
     )
     key = jax.random.wrap_key_data(np.asarray(meta["key_data"], np.uint32), impl=meta["key_impl"])
-    step_arr = jax.device_put(jnp.asarray(meta["step"], template.train.step.dtype), template.train.step.sharding)
+    step_arr = jax.device_put(jnp.asarray(meta["step"], template.step.dtype), template.step.sharding)
     self.log(f"resumed from checkpoint {path} (step {meta['step']})")
-    return TrainerState(
-      TrainState(restored["params"], restored["opt_state"], step_arr), key, dict(meta["data_position"])
-    )
+    return Snapshot(restored["params"], restored["opt_state"], step_arr, key, dict(meta["data_position"]))
 
-  def restore_fn(self, config, template=None):
-    """The trainer's ``restore_fn(config, template)`` hook: the latest complete state, or None
-    when there is no checkpoint yet (a fresh start)."""
-    if template is None:
-      raise ValueError("restore_fn needs the trainer's freshly built state as `template`")
+  def restore_fn(self, run: RunMeta | None, template: Snapshot) -> Snapshot | None:
+    """The trainer's ``restore_fn(run, template)`` hook: the latest complete snapshot, or None when
+    there is no checkpoint yet (a fresh start)."""
     if not self.steps():
       self.log(f"no complete checkpoint in {self.directory}: starting from step 0")
       return None
-    return self.restore(template, config)
+    return self.restore(template, run)
 
 
 # ----------------------------------------------------------------------------- parameters only
+
+
+def read_meta(path: str, *, step: int | None = None) -> dict:
+  """The JSON ``meta`` item of a checkpoint: ``{"format", "step", "key_data", "key_impl",
+  "data_position", "identity", "guarded", "config", "params_signature", "opt_state_signature",
+  "process_count", "metrics"}``.
+
+  Args:
+    path: a run directory, a checkpoint root or a step directory.
+    step: None: the step named by ``path``, else the latest complete one.
+  Raises:
+    CheckpointError: no complete checkpoint, or an unreadable meta item.
+  """
+  root, step = _resolve_step(path, step)
+  file = os.path.join(root, str(step), "meta", "metadata")
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"checkpoint {os.path.join(root, str(step))}: unreadable meta item ({e})") from e
 
 
 def restore_params(path: str, target, *, step: int | None = None, verify: bool = True):
@@ -523,8 +645,7 @@ def restore_params(path: str, target, *, step: int | None = None, verify: bool =
     verify_step(step_path)
   module = target if isinstance(target, nnx.Module) else None
   tree = nnx.state(module) if module is not None else target
-  with open(os.path.join(step_path, "meta", "metadata")) as f:
-    meta = json.load(f)
+  meta = read_meta(step_path)
   problems = _compare_signatures(meta["params_signature"], _signature(tree), "params", check_dtype=False)
   if problems:
     raise CheckpointError(f"checkpoint {step_path} does not match the model:\n  " + "\n  ".join(problems[:20]))
@@ -542,43 +663,3 @@ def restore_params(path: str, target, *, step: int | None = None, verify: bool =
     nnx.update(module, params)
     return module
   return params
-
-
-def load_policy(path: str, *, step: int | None = None):
-  """``(model, tokenizer, config_dict)``: the policy of a checkpoint, rebuilt from its saved config.
-
-  The model skeleton comes from the config (``demo`` → the demo tiny model; otherwise
-  ``config.json`` of the run's ``model`` directory), then the parameters are restored into it.
-  """
-  from jaxgrpo import models
-  from jaxgrpo.trainer import DTYPES
-
-  root, step = _resolve_step(path, step)
-  with open(os.path.join(root, str(step), "meta", "metadata")) as f:
-    cfg = json.load(f)["config"]
-  if cfg is None:
-    raise CheckpointError(f"checkpoint {root}/{step} holds no config: cannot rebuild the model")
-  dtype, param_dtype = DTYPES[cfg["dtype"]], DTYPES[cfg["param_dtype"]]
-  if cfg["model"] == "demo":
-    from jaxgrpo import demo
-
-    tokenizer = demo.build_tokenizer()
-    mcfg = demo.tiny_model_config(len(tokenizer), hidden_size=cfg["demo_hidden_size"], num_layers=cfg["demo_layers"])
-  else:
-    tokenizer = models.load_tokenizer(cfg["model"])
-    mcfg = models.config_from_hf(cfg["model"])
-  model = nnx.eval_shape(lambda: models.build_model(mcfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
-  graphdef, abstract = nnx.split(model)
-  params = restore_params(root, abstract, step=step)
-  return nnx.merge(graphdef, params), tokenizer, cfg
-
-
-def export_hf(checkpoint_dir: str, out_dir: str, *, step: int | None = None) -> str:
-  """Writes the policy of a checkpoint (default: the latest complete one) as a Hugging Face
-  directory (``save_hf`` + the tokenizer) that ``transformers`` loads; returns ``out_dir``."""
-  from jaxgrpo import models
-
-  model, tokenizer, _ = load_policy(checkpoint_dir, step=step)
-  models.save_hf(model, out_dir)
-  tokenizer.save_pretrained(out_dir)
-  return out_dir

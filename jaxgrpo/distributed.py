@@ -9,6 +9,9 @@ rows of the batch (:func:`jaxgrpo.sharding.process_batch_rows` and
 - Anything else: ``initialize("host0:1234", num_processes=N, process_id=i)`` on every process, or
   set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
 - CPU processes communicate through gloo (the default here), which is how the tests run it.
+
+:func:`to_host` brings (possibly sharded, multi-host) arrays to NumPy on every process: the
+trainer's rollouts and rewards, which each host decodes or scores in part, go through it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import os
 import re
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
-__all__ = ["cluster_detected", "initialize"]
+__all__ = ["cluster_detected", "initialize", "to_host"]
 
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -101,3 +106,15 @@ def initialize(
     jax.distributed.initialize(local_device_ids=local_device_ids, initialization_timeout=initialization_timeout)
     return True
   return False
+
+
+def to_host(tree):
+  """NumPy copies of a tree of arrays, the same global values on every process.
+
+  Single process: ``np.asarray`` of each leaf. Several processes: ``process_allgather(tiled=True)``,
+  which returns the global value of a sharded ``jax.Array`` and concatenates host-local arrays
+  (``[n, ...]`` per process → ``[P·n, ...]``, in process order) along their first axis.
+  """
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, tree)
+  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)

@@ -9,13 +9,25 @@ the probability that at least one of k samples drawn without replacement from th
 computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` (stable for large n). mean@k is the mean accuracy
 of k samples per problem, ``E_problems[c / n]`` with n = k samples (the λ-GRPO / FRPO papers'
 "mean@k"; pass@1 equals it).
+
+:func:`evaluate_policy` samples k completions per held-out prompt with ``jaxgrpo.sampling.generate``,
+scores them with a reward function and reports both (the trainer's evaluation and ``scripts/eval.py``).
 """
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["pass_at_k", "mean_at_k", "summarize_eval"]
+from jaxgrpo.data import pad_left
+from jaxgrpo.distributed import to_host
+from jaxgrpo.rewards import CountingReward
+from jaxgrpo.sampling import generate
+
+__all__ = ["pass_at_k", "mean_at_k", "summarize_eval", "evaluate_policy"]
 
 
 def _check(num_samples, num_correct):
@@ -35,9 +47,12 @@ def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
   """Unbiased pass@k per problem: ``1 - C(n-c, k) / C(n, k)``; float64 with the broadcast shape.
 
   Args:
-    num_samples: int, n samples per problem (scalar or ``[P]``); k <= n required.
-    num_correct: int, c correct samples per problem (``[P]``).
+    num_samples: n samples per problem, ``int`` or ``int[P]``; k <= n required.
+    num_correct: c correct samples per problem, ``int[P]``.
     k: int >= 1.
+
+  Returns:
+    ``f64[P]`` (the broadcast shape of the inputs).
   """
   n, c = _check(num_samples, num_correct)
   if not isinstance(k, (int, np.integer)) or k < 1:
@@ -55,21 +70,98 @@ def pass_at_k(num_samples, num_correct, k: int) -> np.ndarray:
 
 
 def mean_at_k(num_samples, num_correct) -> np.ndarray:
-  """Per-problem accuracy ``c / n`` (float64); its mean over problems is mean@k with n = k."""
+  """Per-problem accuracy ``c / n``: ``f64[P]`` from ``int`` or ``int[P]`` n and ``int[P]`` c; its mean
+  over problems is mean@k with n = k."""
   n, c = _check(num_samples, num_correct)
   return c.astype(np.float64) / n
 
 
 def summarize_eval(correct: np.ndarray, ks=(1,)) -> dict[str, float]:
-  """``correct`` bool ``[P, n]`` (n samples per problem) → ``{"eval_accuracy": mean@n,
+  """``correct`` ``bool[P, n]`` (n samples per problem) → ``{"eval_accuracy": mean@n,
   "eval_pass@k": ... for k in ks (k <= n)}``, averaged over the P problems."""
   correct = np.asarray(correct, bool)
   if correct.ndim != 2 or correct.shape[1] < 1:
-    raise ValueError(f"`correct` must be bool [P, n] with n >= 1; got shape {correct.shape}")
+    raise ValueError(f"`correct` must be bool[P, n] with n >= 1; got shape {correct.shape}")
   n = correct.shape[1]
   c = correct.sum(1)
   out = {"eval_accuracy": float(mean_at_k(n, c).mean())}
   for k in ks:
     if k <= n:
       out[f"eval_pass@{k}"] = float(pass_at_k(n, c, int(k)).mean())
+  return out
+
+
+def evaluate_policy(
+  model,
+  tokenizer,
+  token_lists: Sequence[Sequence[int]],
+  answers: Sequence[str],
+  *,
+  accuracy: Callable,
+  k: int,
+  pass_k: Sequence[int] = (1,),
+  temperature: float,
+  max_new_tokens: int,
+  prompt_len: int,
+  pad_id: int,
+  eos_ids: Sequence[int],
+  batch_prompts: int = 64,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  key: jax.Array,
+) -> dict[str, float]:
+  """mean@k and pass@j of ``model`` on held-out prompts.
+
+  Samples ``k`` completions per prompt (``jaxgrpo.sampling.generate``), decodes them, scores them
+  with ``accuracy`` (a reward function ``(prompts, completions, answer=...) -> list[float]``, e.g.
+  :class:`~jaxgrpo.rewards.MathAccuracy`; a score > 0.5 counts as correct) and returns
+  ``{"eval_accuracy": mean@k, "eval_pass@j": ... for j in pass_k}`` (the unbiased estimator,
+  :func:`pass_at_k`) plus the verifier's counters (``eval_<counter>``).
+
+  Args:
+    model: a ``jaxgrpo.models`` model.
+    tokenizer: its tokenizer (``batch_decode``).
+    token_lists: P prompts, each a list of token ids (chat template applied), at most ``prompt_len`` long.
+    answers: P ground-truth answers.
+    k: samples per prompt; ``pass_k``: the j (each <= k).
+    temperature, top_p, top_k, max_new_tokens: sampling (temperature 0: greedy).
+    prompt_len: the padded prompt length (left padding with ``pad_id``).
+    eos_ids: token ids that end a completion.
+    batch_prompts: prompts per ``generate`` call; the last batch is padded by repeating its last
+      prompt, so every call has one compiled shape ``int32[batch_prompts, prompt_len]``.
+    key: PRNG key; batch ``i`` samples with ``fold_in(key, i · batch_prompts)``.
+  """
+  if len(token_lists) != len(answers) or not token_lists:
+    raise ValueError(
+      f"`token_lists` and `answers` must be non-empty and of one length; got {len(token_lists)} and {len(answers)}"
+    )
+  nb = min(batch_prompts, len(token_lists))
+  correct = []
+  for start in range(0, len(token_lists), nb):
+    chunk = list(range(start, min(start + nb, len(token_lists))))
+    padded = chunk + [chunk[-1]] * (nb - len(chunk))
+    tokens, mask = pad_left([token_lists[i] for i in padded], prompt_len, pad_id)
+    rollout = generate(
+      model,
+      jnp.asarray(tokens),
+      jnp.asarray(mask),
+      num_samples=k,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      eos_ids=tuple(eos_ids),
+      pad_id=pad_id,
+      key=jax.random.fold_in(key, start),
+    )
+    rollout = to_host(rollout._replace(num_steps=jnp.zeros(())))
+    comp, cmask = rollout.completions, rollout.mask  # int32[nb·k, T], bool[nb·k, T]
+    texts = tokenizer.batch_decode([c[m].tolist() for c, m in zip(comp, cmask)], skip_special_tokens=True)
+    texts = texts[: len(chunk) * k]
+    gold = [answers[i] for i in chunk for _ in range(k)]
+    scores = accuracy([""] * len(texts), texts, answer=gold)
+    correct.append(np.asarray(scores).reshape(len(chunk), k) > 0.5)
+  out = summarize_eval(np.concatenate(correct), ks=pass_k)
+  if isinstance(accuracy, CountingReward):
+    out.update({f"eval_{c}": v for c, v in accuracy.pop_counters().items()})
   return out

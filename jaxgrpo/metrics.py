@@ -20,7 +20,11 @@ import json
 import math
 import numbers
 import os
+import uuid
 from typing import Any, Mapping
+
+import jax
+from tqdm import tqdm
 
 __all__ = ["MetricsLogger", "truncate_jsonl", "read_jsonl"]
 
@@ -103,16 +107,12 @@ class MetricsLogger:
     is_main: bool | None = None,
   ):
     if is_main is None:
-      import jax
-
       is_main = jax.process_index() == 0
     self.is_main = is_main
     self.bar = self.tb = self.wandb_run = None
     if not is_main:
       return
     if progress:
-      from tqdm import tqdm
-
       self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     if tensorboard:
       try:
@@ -180,8 +180,6 @@ def _wandb_id(out: str) -> str:
   if os.path.exists(path):
     with open(path) as f:
       return f.read().strip()
-  import uuid
-
   rid = uuid.uuid4().hex[:12]
   os.makedirs(out, exist_ok=True)
   with open(path, "w") as f:

@@ -12,12 +12,17 @@ temporary buffers.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo import models
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
+import _bench  # noqa: E402
 
 MIB = 2**20
 
@@ -66,7 +71,7 @@ def main(argv=None):
   mask = jax.ShapeDtypeStruct((args.batch, args.length), jnp.bool_)
   full = args.batch * args.length * args.vocab * 4
   print(
-    f"backend={jax.default_backend()} V={args.vocab} D={args.hidden} L={args.layers} "
+    f"{_bench.backend_line()}; V={args.vocab} D={args.hidden} L={args.layers} "
     f"B×T={args.batch}×{args.length} dtype={args.dtype}; fp32 [B,T,V] logits = {full / MIB:.1f} MiB"
   )
 

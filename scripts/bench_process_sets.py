@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
+import os
+import sys
 import time
 
+import jax
 import numpy as np
+
+import jaxgrpo as jg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
+import _bench  # noqa: E402
 
 
 def make_groups(prompts: int, group_size: int, length: int, seed: int = 0, vocab: int = 32000):
@@ -62,27 +69,14 @@ def trie_sizes(tokens: np.ndarray, mask: np.ndarray, group_ids: np.ndarray) -> n
   return out
 
 
-def _median_time(fn, repeats):
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
 
-  import jax
-
-  import jaxgrpo as jg
-
   sizes = [(2, 4, 64), (4, 6, 128)] if args.quick else [(4, 6, 1024), (16, 36, 1024), (16, 36, 4096), (64, 36, 4096)]
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {args.repeats} repeats, medians")
+  print(f"{_bench.backend_line()}; {args.repeats} repeats, medians")
   header = (
     f"{'prompts x G x T':>18} {'tokens':>9} {'trie s/tok':>11} {'ours(G) s/tok':>14} "
     f"{'ours(B) s/tok':>14} {'trie/ours(G)':>13} {'compile s':>10}"
@@ -100,12 +94,11 @@ def main():
     compile_s = time.perf_counter() - t0
     want = trie_sizes(tokens, mask, gid)
     assert np.array_equal(ours, want), "hashed sizes disagree with the trie"
-    t_trie = _median_time(
-      lambda tokens=tokens, mask=mask, gid=gid: trie_sizes(tokens, mask, gid), max(1, min(args.repeats, 3))
+    t_trie = _bench.median_time(
+      lambda tokens=tokens, mask=mask, gid=gid: trie_sizes(tokens, mask, gid), max(1, min(args.repeats, 3)), warmup=0
     )
-    t_ours = _median_time(lambda f=bounded, a=args_dev: f(*a).block_until_ready(), args.repeats)
-    unbounded(*args_dev).block_until_ready()
-    t_unb = _median_time(lambda f=unbounded, a=args_dev: f(*a).block_until_ready(), args.repeats)
+    t_ours = _bench.median_time(lambda f=bounded, a=args_dev: f(*a), args.repeats, warmup=0)  # compiled above
+    t_unb = _bench.median_time(lambda f=unbounded, a=args_dev: f(*a), args.repeats)
     rows.append((prompts, g, t, n, t_trie / n, t_ours / n, t_unb / n))
     print(
       f"{f'{prompts}x{g}x{t}':>18} {n:>9} {t_trie / n:>11.2e} {t_ours / n:>14.2e} {t_unb / n:>14.2e} "

@@ -18,25 +18,16 @@ the two variants alternating.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from jaxgrpo.models.layers import dense
 
-
-def _median_times(fns, args, repeats):
-  for f in fns:
-    jax.block_until_ready(f(*args))
-  times = [[] for _ in fns]
-  for _ in range(repeats):
-    for i, f in enumerate(fns):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      times[i].append(time.perf_counter() - t0)
-  return [statistics.median(t) for t in times]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
+import _bench  # noqa: E402
 
 
 def swiglu_einsum(x, wg, wu, wd):
@@ -82,7 +73,8 @@ def main(argv=None):
   x = jax.random.normal(ks[0], (args.rows, args.tokens, d))
   ws = [0.05 * jax.random.normal(k, s) for k, s in zip(ks[1:4], [(d, f), (d, f), (f, d)])]
   grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3)))
-  mlp = _median_times([grad(swiglu_einsum), grad(swiglu_dense)], (x, *ws), args.repeats)
+  mlp_fns = [grad(swiglu_einsum), grad(swiglu_dense)]
+  mlp = _bench.medians(_bench.alternating_times([lambda f=f: f(x, *ws) for f in mlp_fns], args.repeats, rotate=False))
 
   b, t, n, k = args.decode_rows, args.slots, args.kv_heads, args.head_dim
   g = args.heads // n
@@ -94,10 +86,10 @@ def main(argv=None):
   new_t = jax.jit(decode_reduce)
   kt, vt = jnp.transpose(kc, (0, 2, 3, 1)), jnp.transpose(vc, (0, 2, 1, 3))
   err = float(jnp.max(jnp.abs(base(q, kc, vc) - new(q, kc, vc))))
-  t_base = _median_times([base], (q, kc, vc), args.repeats)[0]
-  t_new = _median_times([new_t], (q, kt, vt), args.repeats)[0]
+  t_base = _bench.median_time(lambda: base(q, kc, vc), args.repeats)
+  t_new = _bench.median_time(lambda: new_t(q, kt, vt), args.repeats)
 
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, medians of {args.repeats}")
+  print(f"{_bench.backend_line()}; medians of {args.repeats}")
   print("| | baseline, ms | jaxgrpo, ms | baseline / jaxgrpo |")
   print("|---|---:|---:|---:|")
   print(

@@ -21,6 +21,7 @@ measured time per generated token position.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -29,6 +30,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxgrpo import models
+from jaxgrpo.sampling import generate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
+import _bench  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,35 +57,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def _median_time(fn, n: int) -> float:
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
-def measure_bandwidth(num_bytes: int = 256 * 2**20) -> float:
-  """Read bandwidth in bytes/s: a jitted float32 sum over `num_bytes` (median of 5 runs)."""
-  x = jnp.ones((num_bytes // 4,), jnp.float32)
-  f = jax.jit(jnp.sum)
-  f(x).block_until_ready()
-  return num_bytes / _median_time(lambda: f(x).block_until_ready(), 5)
-
-
-def measure_matmul_flops(n: int = 1024) -> float:
-  """Float32 matmul throughput in FLOP/s: a jitted [128, n] @ [n, 4n] (decode-like shape)."""
-  a = jnp.ones((128, n), jnp.float32)
-  b = jnp.ones((n, 4 * n), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  f(a, b).block_until_ready()
-  return 2 * 128 * n * 4 * n / _median_time(lambda: f(a, b).block_until_ready(), 5)
+def _torch():
+  """torch and transformers (the baseline; optional extras)."""
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise ImportError("bench_sampler's baseline needs torch and transformers: pip install 'jaxgrpo[test]'") from e
+  return torch, transformers
 
 
 def build_hf_model(args):
-  import torch
-  import transformers
+  torch, transformers = _torch()
 
   torch.manual_seed(args.seed)
   cfg = transformers.Qwen3Config(
@@ -99,10 +89,7 @@ def build_hf_model(args):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  import torch
-
-  from jaxgrpo import models
-  from jaxgrpo.sampling import generate
+  torch, _ = _torch()
 
   B, G, T, P = args.prompts, args.samples, args.new_tokens, args.prompt_len
   hf_model = build_hf_model(args)
@@ -163,24 +150,20 @@ def main(argv=None) -> dict:
     hf_out = run_hf()
     assert hf_out.shape == (B * G, P + T), hf_out.shape
 
-  ours, hf = [], []
-  for i in range(args.repeats):
-    t0 = time.perf_counter()
-    run_ours()
-    ours.append(time.perf_counter() - t0)
-    if not args.skip_hf:
-      t0 = time.perf_counter()
-      run_hf()
-      hf.append(time.perf_counter() - t0)
-    print(f"repeat {i}: jaxgrpo {ours[-1]:.2f}s" + (f", transformers {hf[-1]:.2f}s" if hf else ""), flush=True)
+  fns = [run_ours] if args.skip_hf else [run_ours, run_hf]
+  report = lambda r, t: print(
+    f"repeat {r}: jaxgrpo {t[0]:.2f}s" + (f", transformers {t[1]:.2f}s" if len(t) > 1 else ""), flush=True
+  )
+  times = _bench.alternating_times(fns, args.repeats, warmup=0, rotate=False, on_round=report)  # warm above
+  ours, hf = times[0], (times[1] if len(times) > 1 else [])
 
   tokens = B * G * T
   ours_tps = tokens / statistics.median(ours)
   hf_tps = tokens / statistics.median(hf) if hf else float("nan")
 
   # Floors for one decode step (N = B*G rows, one token each; static cache of P + T - 1 slots).
-  bandwidth = measure_bandwidth()
-  matmul_flops = measure_matmul_flops()
+  bandwidth = _bench.read_bandwidth()
+  matmul_flops = _bench.matmul_flops(128, 1024, 4096)  # decode-like: [rows, D] @ [D, 4D]
   cfg = model.config
   n_rows, cache_len = B * G, P + T - 1
   param_bytes = 4 * n_params

@@ -20,7 +20,9 @@ dense ``12·L·H·K·S`` per token), with ``S_all = B·(P+T)`` and ``S_completio
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -33,6 +35,11 @@ from jaxgrpo import sharding as shd
 from jaxgrpo import train
 from jaxgrpo.config import preset
 from jaxgrpo.models import Qwen3Config, build_model
+from jaxgrpo.objective import rollout_advantages
+from jaxgrpo.process_sets import process_tree_stats
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
+import _bench  # noqa: E402
 
 PRESETS = ("grpo", "lambda_grpo", "frpo", "lambda_frpo")
 
@@ -63,19 +70,6 @@ def make_batch(rng, b, g, p, t, vocab):
   )
 
 
-def matmul_flops_per_s(n=2048, reps=5):
-  """Median float32 matmul throughput (FLOP/s) of an n×n by n×n product on the default backend."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * n**3 / statistics.median(times)
-
-
 def model_flops(cfg, b, p, t):
   d, v, l = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
   h, k, n_kv, f = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size
@@ -91,9 +85,6 @@ def rollout_overhead(batch, group, reps=20):
   """Median seconds of each preset's once-per-batch work (advantages, future-KL, λ weights, tree stats)
   at this batch, jitted alone: the only computation in which the presets' steps differ (besides
   per-token vs per-sequence advantages in the loss)."""
-  from jaxgrpo.objective import rollout_advantages
-  from jaxgrpo.process_sets import process_tree_stats
-
   b = batch.completions.shape[0]
   out = {}
   for name in PRESETS:
@@ -119,13 +110,7 @@ def rollout_overhead(batch, group, reps=20):
 
     f = jax.jit(fn)
     bt = jax.device_put(batch)
-    jax.block_until_ready(f(bt))
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(bt))
-      times.append(time.perf_counter() - t0)
-    out[name] = statistics.median(times)
+    out[name] = _bench.median_time(lambda f=f, bt=bt: f(bt), reps)
   return out
 
 
@@ -172,7 +157,7 @@ def main(argv=None):
     for name, sec in rollout_overhead(batch, args.group).items():
       print(f"  {name:<12} {1e3 * sec:8.2f} ms")
     return
-  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), {ndev} device(s), mesh {args.mesh}")
+  print(f"{_bench.backend_line()}; {ndev} used, mesh {args.mesh}")
   print(
     f"model: {n_params / 1e6:.2f}M params; batch {args.batch}×({args.prompt}+{args.length}) tokens, "
     f"{int(batch.mask.sum())} real completion tokens; K={args.micro_batches} micro-batches, "
@@ -195,19 +180,20 @@ def main(argv=None):
   ref_params = train.init_train_state(model, optax.identity(), mesh)[1].params  # the frozen reference
   jax.block_until_ready(ref_fn(ref_params, batches["frpo"]))
 
-  peak_before = matmul_flops_per_s()
-  times = {name: [] for name in PRESETS}
-  ref_times = []
-  for r in range(args.rounds):
-    for name in PRESETS[r % len(PRESETS) :] + PRESETS[: r % len(PRESETS)]:  # rotate the order each round
-      t0 = time.perf_counter()
-      states[name], metrics = steps[name](states[name], batches[name])
-      jax.block_until_ready(states[name])
-      times[name].append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    jax.block_until_ready(ref_fn(ref_params, batches["frpo"]))
-    ref_times.append(time.perf_counter() - t0)
-  peak_after = matmul_flops_per_s()
+  peak_before = _bench.matmul_flops()
+
+  def step_of(name):
+    def run():
+      states[name], _ = steps[name](states[name], batches[name])
+      return states[name]
+
+    return run
+
+  # the presets and the reference pass round-robin, the order rotated every round
+  fns = [step_of(name) for name in PRESETS] + [lambda: ref_fn(ref_params, batches["frpo"])]
+  all_times = _bench.alternating_times(fns, args.rounds, warmup=0)  # each compiled and run once above
+  times, ref_times = dict(zip(PRESETS, all_times)), all_times[-1]
+  peak_after = _bench.matmul_flops()
   peak = max(peak_before, peak_after)
   assert all(s.traces == 1 for s in steps.values()), "a step was retraced"
 

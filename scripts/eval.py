@@ -1,25 +1,45 @@
 #!/usr/bin/env python
-"""Evaluate a Hugging Face model directory (or a checkpoint written as one, e.g. ``OUT/model`` of a
-run with ``--save_model true``) on a math set: mean@k and the unbiased pass@k.
+"""Evaluate a policy on a math set: mean@k and the unbiased pass@k.
 
-    python scripts/eval.py --model runs/demo/model --dataset demo -k 4 --pass-k 1 4
+The policy is a Hugging Face model directory (``--model``; e.g. ``OUT/model`` of a run with
+``--run.save_model true``) or a training checkpoint (``--checkpoint``: a run directory, its
+``checkpoints/`` or one step directory; the model is rebuilt from the config saved with it).
+
+    python scripts/eval.py --checkpoint runs/demo --arithmetic -k 4 --pass-k 1 4
+    python scripts/eval.py --model runs/demo/model --arithmetic -k 4 --pass-k 1 4
     python scripts/eval.py --model /ckpt/Qwen3-1.7B --dataset HuggingFaceH4/MATH-500 --split test \\
         -k 16 --pass-k 1 4 16 --temperature 1.0 --max-new-tokens 8192 --mesh fsdp=-1
 
-``--dataset demo`` is the demo's held-out arithmetic set (same seed as the training config).
+``--arithmetic`` is the arithmetic task's held-out set (``jaxgrpo.tasks.arithmetic``): with
+``--checkpoint`` the run's own task and seed, otherwise the ``--arithmetic-*`` sizes and ``--seed``
+(the demo's defaults: the held-out set of ``scripts/configs/demo.yaml``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
+import jax
+import yaml
 
-def main(argv=None):
+from jaxgrpo import builders, data, rewards, sharding
+from jaxgrpo.evaluation import evaluate_policy
+from jaxgrpo.specs import DTYPES, ModelSpec
+from jaxgrpo.tasks import arithmetic
+
+
+def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors + tokenizer)")
-  p.add_argument("--dataset", required=True, help="hub id, local jsonl/parquet/saved dir, or 'demo'")
+  policy = p.add_mutually_exclusive_group(required=True)
+  policy.add_argument("--model", help="HF model directory (config.json + safetensors + tokenizer) or hub id")
+  policy.add_argument("--checkpoint", help="a run directory, its checkpoints/ directory or one step directory")
+  p.add_argument("--step", type=int, default=None, help="with --checkpoint: the step (default: the latest complete)")
+  problems = p.add_mutually_exclusive_group(required=True)
+  problems.add_argument("--dataset", help="hub id or local jsonl/parquet/saved dir")
+  problems.add_argument("--arithmetic", action="store_true", help="the arithmetic task's held-out problems")
   p.add_argument("--split", default="test")
   p.add_argument("--mapping", default=None, help="openrs, dapo, gsm8k, math500, or a YAML {prompt:, answer:}")
   p.add_argument("--limit", type=int, default=None, help="first N problems")
@@ -30,45 +50,55 @@ def main(argv=None):
   p.add_argument("--max-new-tokens", type=int, default=1024)
   p.add_argument("--max-prompt-tokens", type=int, default=512)
   p.add_argument("--batch-prompts", type=int, default=64)
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--mesh", default="", help="mesh spec, e.g. fsdp=-1 (default: every device on fsdp)")
+  p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="with --model: compute and storage dtype")
+  p.add_argument("--mesh", default="", help="with --model: mesh spec, e.g. fsdp=-1 (default: every device on fsdp)")
   p.add_argument("--timeout", type=float, default=10.0, help="per-answer verifier timeout (s)")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--demo-max-operand", type=int, default=19)
-  p.add_argument("--demo-eval-size", type=int, default=128)
-  p.add_argument("--demo-train-size", type=int, default=4000)
+  p.add_argument("--seed", type=int, default=None, help="sampling seed and arithmetic split (default: the run's, or 0)")
   p.add_argument("--json", action="store_true", help="print one JSON object only")
-  args = p.parse_args(argv)
-
-  import jax
-  import yaml
-
-  from jaxgrpo import data, models, rewards, sharding, train, trainer
-
-  mesh = sharding.make_mesh(args.mesh or None)
-  dtype = trainer.DTYPES[args.dtype]
-  model = models.load_hf(args.model, dtype=dtype, param_dtype=dtype, mesh=mesh)
-  tok = models.load_tokenizer(args.model)
-  if args.dataset == "demo":
-    from jaxgrpo import demo
-
-    _, rows = demo.arithmetic_split(
-      args.demo_train_size, args.demo_eval_size, seed=args.seed, max_operand=args.demo_max_operand
+  defaults = arithmetic.ArithmeticTask()
+  for name in ("max_operand", "eval_size", "train_size"):
+    p.add_argument(
+      f"--arithmetic-{name.replace('_', '-')}",
+      type=int,
+      default=None,
+      help=f"arithmetic task {name} (default: the checkpoint's, else {getattr(defaults, name)})",
     )
-    examples = data.examples_from_rows(rows, "openrs")
-  else:
+  return p.parse_args(argv)
+
+
+def _policy(args):
+  """``(model, tokenizer, saved config or None)`` of ``--model`` or ``--checkpoint``."""
+  if args.checkpoint:
+    return builders.load_policy(args.checkpoint, step=args.step)
+  spec = ModelSpec(path=args.model, dtype=args.dtype, param_dtype=args.dtype)
+  model, tokenizer = builders.build_policy(spec, seed=0, mesh=sharding.make_mesh(args.mesh or None))
+  return model, tokenizer, None
+
+
+def _problems(args, saved, seed: int):
+  """The held-out examples: a dataset, or the arithmetic task's (the run's own task when known)."""
+  if not args.arithmetic:
     mapping = yaml.safe_load(args.mapping) if args.mapping else None
-    examples = data.load_math_dataset(args.dataset, split=args.split, mapping=mapping, limit=args.limit)
+    return data.load_math_dataset(args.dataset, split=args.split, mapping=mapping, limit=args.limit)
+  task = saved.data.arithmetic if saved is not None and saved.data.arithmetic is not None else None
+  task = task or arithmetic.ArithmeticTask()
+  given = {n: getattr(args, f"arithmetic_{n}") for n in ("max_operand", "eval_size", "train_size")}
+  task = dataclasses.replace(task, **{n: v for n, v in given.items() if v is not None})
+  _, rows = arithmetic.task_split(task, seed=seed)
+  return data.examples_from_rows(rows[: args.limit], "openrs")
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  model, tok, saved = _policy(args)
+  seed = args.seed if args.seed is not None else (saved.run.seed if saved is not None else 0)
+  examples = _problems(args, saved, seed)
   enc = data.encode_prompts(tok, examples, max_prompt_tokens=args.max_prompt_tokens)
   answers = [examples[i].answer for i in enc.kept]
-  longest = max(len(t) for t in enc.tokens)
-  prompt_len = train.bucket_length(longest, tuple(range(16, args.max_prompt_tokens + 16, 16)))
-  pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-  eos = tok.eos_token_id
-  eos_ids = tuple(sorted({int(e) for e in ([eos] if isinstance(eos, int) else eos or [])}))
+  pad_id, eos_ids = builders.special_ids(tok)
   accuracy = rewards.MathAccuracy(timeout_s=args.timeout)
   try:
-    out = trainer.evaluate_policy(
+    out = evaluate_policy(
       model,
       tok,
       enc.tokens,
@@ -78,12 +108,12 @@ def main(argv=None):
       pass_k=[k for k in args.pass_k if k <= args.samples],
       temperature=args.temperature,
       max_new_tokens=args.max_new_tokens,
-      prompt_len=prompt_len,
+      prompt_len=builders.prompt_length(enc.tokens, args.max_prompt_tokens),
       pad_id=pad_id,
       eos_ids=eos_ids,
       batch_prompts=args.batch_prompts,
       top_p=args.top_p,
-      key=jax.random.key(args.seed + 1),
+      key=jax.random.key(seed + 1),
     )
   finally:
     accuracy.close()
@@ -91,7 +121,9 @@ def main(argv=None):
   if args.json:
     print(json.dumps(out))
   else:
-    print(f"{args.model} on {args.dataset} ({len(answers)} problems, k={args.samples}, T={args.temperature})")
+    what = args.model or args.checkpoint
+    on = args.dataset or "the arithmetic task"
+    print(f"{what} on {on} ({len(answers)} problems, k={args.samples}, T={args.temperature})")
     for key, v in out.items():
       print(f"  {key}: {v:.4f}" if isinstance(v, float) else f"  {key}: {v}")
   return out

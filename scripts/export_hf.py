@@ -7,13 +7,17 @@ tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained`` load
     python scripts/export_hf.py runs/demo/checkpoints/40 runs/demo/hf   # a step directory
 
 Only the parameters are read (no optimizer state); the model is rebuilt from the config saved in the
-checkpoint. The checkpoint's files are verified against its manifest first.
+checkpoint (``jaxgrpo.builders.load_policy``). The checkpoint's files are verified against its
+manifest first.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from jaxgrpo.builders import export_hf
+from jaxgrpo.checkpoint import CheckpointError
 
 
 def main(argv=None) -> int:
@@ -22,8 +26,6 @@ def main(argv=None) -> int:
   p.add_argument("out", help="directory to write the Hugging Face model to")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
   args = p.parse_args(argv)
-  from jaxgrpo.checkpoint import CheckpointError, export_hf
-
   try:
     out = export_hf(args.checkpoint, args.out, step=args.step)
   except CheckpointError as e:

@@ -4,75 +4,76 @@
     python scripts/train.py --config scripts/configs/demo.yaml                 # offline CPU demo
     python scripts/train.py --config scripts/configs/lambda_grpo_openrs.yaml --mesh fsdp=-1 --out runs/x
 
-Every field of ``jaxgrpo.trainer.TrainerConfig`` can be overridden on the command line as
-``--field value`` (or ``--field=value``; dashes and underscores are interchangeable; values are
-parsed as YAML, so ``--rewards '{accuracy: 1.0, format: 0.1}'`` and ``--beta null`` work).
-The resolved config is printed at start and written to ``OUT/config.json``; metrics go to
-``OUT/metrics.jsonl`` (one JSON object per step and per evaluation) and ``OUT/curves.png``.
+Every field of ``jaxgrpo.specs.TrainerConfig`` can be overridden on the command line as
+``--section.field value`` (or ``--section.field=value``; dashes and underscores are interchangeable),
+e.g. ``--rollout.group_size 8 --objective.beta 0.04 --model.synthetic.hidden_size 32``. The old flat
+names are short forms (``--preset``, ``--steps``, ``--out``, ``--mesh``, ``--beta``, ``--group_size``,
+``--learning_rate``, ...; the table is ``jaxgrpo.specs.FLAT_KEYS``). Values are parsed as YAML, so
+``--reward.weights '{accuracy: 1.0, format: 0.1}'``, ``--optim.learning_rate 1e-6`` and ``--beta null``
+work. Every value is checked before anything is built. The resolved config is printed at start and
+written to ``OUT/config.json``; metrics go to ``OUT/metrics.jsonl`` (one JSON object per step and per
+evaluation) and ``OUT/curves.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.util
 import json
 import os
 import sys
-import typing
+import time
 
 
-def _field_types():
-  # imported lazily: XLA_FLAGS must be set before jax is imported
-  from jaxgrpo.trainer import TrainerConfig
+def _simulated_cpu_devices(argv) -> None:
+  """``--cpu-devices N`` sets XLA_FLAGS, which JAX reads when it is imported: before the imports below."""
+  for i, tok in enumerate(argv):
+    n = tok.partition("=")[2] if tok.startswith("--cpu-devices=") else None
+    if tok == "--cpu-devices" and i + 1 < len(argv):
+      n = argv[i + 1]
+    if n:
+      flag = f"--xla_force_host_platform_device_count={int(n)}"
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+      os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-  hints = typing.get_type_hints(TrainerConfig)
-  return {f.name: hints[f.name] for f in dataclasses.fields(TrainerConfig)}
 
+if __name__ == "__main__":
+  _simulated_cpu_devices(sys.argv[1:])
 
-def _convert(name: str, raw: str, hint):
-  import yaml
+import jax  # after XLA_FLAGS
 
-  value = yaml.safe_load(raw)
-  text = str(hint)
-  if value is None:
-    return None
-  if hint is bool:
-    if not isinstance(value, bool):
-      raise SystemExit(f"--{name}: expected true/false; got {raw!r}")
-    return value
-  if "float" in text and isinstance(value, (str, int)) and not isinstance(value, bool):
-    try:
-      return float(value)
-    except ValueError:
-      raise SystemExit(f"--{name}: expected a number; got {raw!r}") from None
-  if hint is int or text in ("int", "int | None", "typing.Optional[int]"):
-    if not isinstance(value, int):
-      raise SystemExit(f"--{name}: expected an integer; got {raw!r}")
-  if "str" in text and "Mapping" not in text and not isinstance(value, str):
-    return str(raw)
-  return value
+from jaxgrpo import checkpoint, distributed, metrics, specs
+from jaxgrpo.trainer import Trainer, run_meta
+
+# script flags that set a config field
+_FIELD_FLAGS = {"keep_checkpoints": "checkpoint.keep", "best_metric": "checkpoint.best_metric"}
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", help="YAML config file (fields of TrainerConfig)")
-  p.add_argument("--out", help="output directory (metrics.jsonl, config.json, curves.png)")
-  p.add_argument("--steps", help="number of RL steps")
-  p.add_argument("--mesh", help="mesh spec, e.g. data=2,fsdp=2,tensor=2 (default: every device on fsdp)")
-  p.add_argument("--preset", help="grpo, dr_grpo, dapo, lambda_grpo, frpo, lambda_frpo")
+  """``(args, overrides)``: the script's own flags, and ``{config key: value}`` for every
+  ``--key value`` (dotted keys or flat short forms, as typed; checked against the config)."""
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+  )
+  p.add_argument("--config", help="YAML config file (sections of jaxgrpo.specs.TrainerConfig)")
   p.add_argument(
     "--resume",
     action=argparse.BooleanOptionalAction,
     default=None,
     help="resume from the latest complete checkpoint in OUT/checkpoints (default: on when there is one)",
   )
-  p.add_argument("--keep-checkpoints", type=int, default=3, help="keep the last K checkpoints (default 3)")
+  p.add_argument(
+    "--allow-changed-config",
+    action="store_true",
+    help="resume even when the learning rate or group size differ from the checkpoint's",
+  )
+  p.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoint.keep: keep the last K (default 3)")
   p.add_argument(
     "--best-metric",
-    default="eval_accuracy",
-    help="also keep the best checkpoint by this eval metric ('' : none; default eval_accuracy)",
+    default=None,
+    help="checkpoint.best_metric: also keep the best checkpoint by this eval metric ('': none; default eval_accuracy)",
   )
-  p.add_argument("--sync-checkpoints", action="store_true", help="write checkpoints in the foreground")
+  p.add_argument("--sync-checkpoints", action="store_true", help="checkpoint.async_save false: write in the foreground")
   p.add_argument(
     "--tensorboard",
     action=argparse.BooleanOptionalAction,
@@ -85,37 +86,35 @@ def parse_args(argv=None):
     "--cpu-devices",
     type=int,
     default=None,
-    help="simulate N CPU devices (sets XLA_FLAGS before jax is imported; for testing)",
+    help="simulate N CPU devices (sets XLA_FLAGS before jax is imported; on the command line only)",
   )
   p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
   args, rest = p.parse_known_args(argv)
-  if args.cpu_devices:
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
-    ).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  types = _field_types()
+  if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
+    p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
   overrides = {}
-  for name in ("out", "steps", "mesh", "preset"):
-    if getattr(args, name) is not None:
-      overrides[name] = _convert(name, getattr(args, name), types[name])
-  if args.resume is not None:
-    overrides["resume"] = args.resume
+  for flag, key in _FIELD_FLAGS.items():
+    value = getattr(args, flag)
+    if value is not None:
+      overrides[key] = (value or None) if flag == "best_metric" else value
+  if args.sync_checkpoints:
+    overrides["checkpoint.async_save"] = False
   i = 0
   while i < len(rest):
     tok = rest[i]
     if not tok.startswith("--"):
       p.error(f"unexpected argument {tok!r}")
-    key, _, val = tok[2:].partition("=")
+    key, eq, text = tok[2:].partition("=")
     key = key.replace("-", "_")
-    if key not in types:
-      p.error(f"unknown option --{key}; config fields: {', '.join(sorted(types))}")
-    if not _:
+    if not eq:
       if i + 1 >= len(rest):
         p.error(f"--{key} needs a value")
-      val = rest[i + 1]
+      text = rest[i + 1]
       i += 1
-    overrides[key] = _convert(key, val, types[key])
+    try:
+      overrides[key] = specs.parse_override(key, text)
+    except ValueError as e:
+      p.error(str(e))
     i += 1
   return args, overrides
 
@@ -130,7 +129,7 @@ def plot_curves(metrics_path: str, png_path: str) -> bool:
   except ImportError:
     print("matplotlib not installed (pip install 'jaxgrpo[plot]'): no curves.png")
     return False
-  recs = [json.loads(line) for line in open(metrics_path)]
+  recs = metrics.read_jsonl(metrics_path)
   steps = [r for r in recs if "reward_mean" in r]
   evals = [r for r in recs if "eval_accuracy" in r]
   fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -153,54 +152,49 @@ def plot_curves(metrics_path: str, png_path: str) -> bool:
 
 
 def main(argv=None):
-  import time
-
   t_wall, t_cpu = time.perf_counter(), time.process_time()
   args, overrides = parse_args(argv)
-  from jaxgrpo.trainer import Trainer, load_config
-
-  cfg = load_config(args.config, overrides)
-  if cfg.distributed:  # before any JAX computation; arguments, then JAX_* variables, then TPU/Slurm/MPI
-    from jaxgrpo import distributed
-
-    distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
-  import jax
-
-  from jaxgrpo import checkpoint, metrics
-
-  if args.resume is None and not cfg.resume and checkpoint.has_checkpoint(cfg.out):
-    cfg = dataclasses.replace(cfg, resume=True)  # --resume is on by default when OUT has a checkpoint
-  if not cfg.resume and checkpoint.has_checkpoint(cfg.out):
+  try:
+    cfg = specs.load_config(args.config, overrides)
+  except (TypeError, ValueError) as e:
+    raise SystemExit(f"error: {e}") from None
+  out, dev = cfg.run.out, cfg.devices
+  if dev.distributed:  # before any JAX computation; arguments, then JAX_* variables, then TPU/Slurm/MPI
+    distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id)
+  has_checkpoint = checkpoint.has_checkpoint(out)
+  resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
+  if not resume and has_checkpoint:
     raise SystemExit(
-      f"{checkpoint.checkpoint_dir(cfg.out)} holds checkpoints of an earlier run and --no-resume "
+      f"{checkpoint.checkpoint_dir(out)} holds checkpoints of an earlier run and --no-resume "
       f"was given: use another --out, or delete them to start over (nothing was overwritten)"
     )
-  if jax.process_index() == 0:
-    print("resolved config:\n" + json.dumps(cfg.to_dict(), indent=1))
-    print(f"objective: {cfg.objective()}")
-    print(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}", flush=True)
   is_main = jax.process_index() == 0
+  say = (lambda s: print(s, flush=True)) if is_main else (lambda s: None)
+  say("resolved config:\n" + json.dumps(cfg.to_dict(), indent=1))
+  say(f"objective: {cfg.objective}")
+  say(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}")
+  ck = cfg.checkpoint
   ckpt = checkpoint.Checkpointer(
-    checkpoint.checkpoint_dir(cfg.out),
-    max_to_keep=args.keep_checkpoints,
-    best_metric=args.best_metric or None,
-    async_save=not args.sync_checkpoints,
-    log=lambda s: print(s, flush=True) if is_main else None,
+    checkpoint.checkpoint_dir(out),
+    max_to_keep=ck.keep,
+    best_metric=ck.best_metric,
+    async_save=ck.async_save,
+    log=say,
+    allow_changed=args.allow_changed_config,
   )
-  trainer = Trainer(
-    cfg,
-    log=lambda s: print(s, flush=True) if is_main else None,
-    checkpoint_fn=ckpt.checkpoint_fn,
-    restore_fn=ckpt.restore_fn,
-  )
+  try:
+    if resume:  # refuse a mismatching checkpoint before the model is built
+      ckpt.check_run(run_meta(cfg))
+    trainer = Trainer(cfg, log=say, checkpoint_fn=ckpt.checkpoint_fn, restore_fn=ckpt.restore_fn if resume else None)
+  except checkpoint.CheckpointError as e:
+    ckpt.close()
+    raise SystemExit(f"error: {e}") from None
   tensorboard = args.tensorboard
   if tensorboard is None:
-    import importlib.util
-
     tensorboard = importlib.util.find_spec("tensorboardX") is not None
   logger = metrics.MetricsLogger(
-    cfg.out,
-    total_steps=cfg.steps,
+    out,
+    total_steps=cfg.run.steps,
     start_step=int(trainer.state.train.step),
     progress=not args.no_progress,
     tensorboard=tensorboard,
@@ -215,16 +209,16 @@ def main(argv=None):
   finally:
     ckpt.close()  # waits for the last (asynchronous) save
     logger.close()
-  if jax.process_index() == 0:
+  if is_main:
     evals = [r for r in records if "eval_accuracy" in r]
     if len(evals) >= 2:
       print(
-        f"held-out mean@{cfg.eval_samples}: {evals[0]['eval_accuracy']:.3f} (step {evals[0]['step']}) "
+        f"held-out mean@{cfg.eval.samples}: {evals[0]['eval_accuracy']:.3f} (step {evals[0]['step']}) "
         f"-> {evals[-1]['eval_accuracy']:.3f} (step {evals[-1]['step']})"
       )
     if not args.no_plot:
-      png = os.path.join(cfg.out, "curves.png")
-      if plot_curves(os.path.join(cfg.out, "metrics.jsonl"), png):
+      png = os.path.join(out, "curves.png")
+      if plot_curves(os.path.join(out, "metrics.jsonl"), png):
         print(f"wrote {png}")
     print(
       f"total: {time.perf_counter() - t_wall:.0f} s wall, {time.process_time() - t_cpu:.0f} s CPU "

@@ -1,14 +1,18 @@
-"""jaxgrpo.checkpoint on small hand-built states (no trainer): Orbax's atomic step directories and
-our manifest, interrupted and corrupt saves, mismatch errors, retention (last K + best), parameters-only
-restore, and HF export checked against transformers' logits.
+"""jaxgrpo.checkpoint on small hand-built snapshots (no trainer): Orbax's atomic step directories and
+our manifest, interrupted and corrupt saves, mismatch errors (trees, run identity, guarded settings),
+retention (last K + best), parameters-only restore, and HF export (jaxgrpo.builders) checked against
+transformers' logits.
 
 The trainer-level tests (exact resume, mesh change, SIGKILL) are in test_checkpoint_resume.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +21,17 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxgrpo import builders, models
 from jaxgrpo import checkpoint as ck
-from jaxgrpo.train import TrainState
-from jaxgrpo.trainer import TrainerConfig, TrainerState
+from jaxgrpo import sharding as shd
+from jaxgrpo import train as train_lib
+from jaxgrpo.checkpoint import RunMeta, Snapshot
+from jaxgrpo.specs import ModelSpec, load_config
+from jaxgrpo.tasks.arithmetic import SyntheticModel
+from jaxgrpo.trainer import run_meta
 
 
-def _state(step: int, seed: int = 0, shape=(4, 3)) -> TrainerState:
+def _state(step: int, seed: int = 0, shape=(4, 3)) -> Snapshot:
   rng = np.random.default_rng([seed, step])
   params = {
     "w": jnp.asarray(rng.normal(size=shape), jnp.float32),
@@ -33,8 +42,10 @@ def _state(step: int, seed: int = 0, shape=(4, 3)) -> TrainerState:
   grads = jax.tree.map(jnp.ones_like, params)
   _, opt_state = opt.update(grads, opt_state, params)  # non-trivial moments and count
   key = jax.random.fold_in(jax.random.key(seed), step)
-  return TrainerState(
-    TrainState(params, opt_state, jnp.asarray(step, jnp.int32)),
+  return Snapshot(
+    params,
+    opt_state,
+    jnp.asarray(step, jnp.int32),
     key,
     {"epoch": 0, "offset": 2 * step, "seed": seed, "num_prompts": 64, "shuffle": True},
   )
@@ -45,16 +56,25 @@ def _leaves_equal(a, b) -> bool:
   return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-def _assert_same_state(got: TrainerState, want: TrainerState):
-  assert _leaves_equal(got.train.params, want.train.params)
-  assert _leaves_equal(got.train.opt_state, want.train.opt_state)
-  assert int(got.train.step) == int(want.train.step)
+def _assert_same_state(got: Snapshot, want: Snapshot):
+  assert _leaves_equal(got.params, want.params)
+  assert _leaves_equal(got.opt_state, want.opt_state)
+  assert int(got.step) == int(want.step)
   assert np.array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
   assert got.data_position == want.data_position
-  assert jax.tree.structure(got.train.opt_state) == jax.tree.structure(want.train.opt_state)
+  assert jax.tree.structure(got.opt_state) == jax.tree.structure(want.opt_state)
 
 
-CFG = TrainerConfig(steps=5)
+def _run(hidden=64, lr=1e-3, steps=5) -> RunMeta:
+  """A hand-written run meta: nested identity, one guarded setting, a config."""
+  return RunMeta(
+    identity={"model": {"hidden_size": hidden, "path": None}, "seed": 0},
+    guarded={"learning_rate": lr},
+    config={"run": {"steps": steps}, "model": {"hidden_size": hidden}, "tags": ("a", "b")},
+  )
+
+
+CFG = _run()
 
 
 def test_save_is_atomic_manifest_inside_and_exact_roundtrip(tmp_path, monkeypatch):
@@ -89,7 +109,9 @@ def test_save_is_atomic_manifest_inside_and_exact_roundtrip(tmp_path, monkeypatc
   got = c.restore(_state(0), CFG)  # template with other values, same tree
   _assert_same_state(got, states[2])
   _assert_same_state(c.restore(_state(0), CFG, step=1), states[1])
-  assert c.read_meta(2)["config"] == CFG.to_dict()
+  meta = c.read_meta(2)
+  assert meta["config"] == {"run": {"steps": 5}, "model": {"hidden_size": 64}, "tags": ["a", "b"]}
+  assert meta["identity"] == {"model": {"hidden_size": 64, "path": None}, "seed": 0} and meta["format"] == ck.FORMAT
   c.close()
 
 
@@ -172,15 +194,44 @@ def test_wrong_shapes_and_wrong_model_give_named_errors(tmp_path):
     assert "['w']: shape (4, 3) in the checkpoint, (5, 3) in the model" in str(e.value)
     assert "Nothing was overwritten" in str(e.value)
     other = _state(0)
-    other = other._replace(train=other.train._replace(params={**other.train.params, "extra": jnp.zeros(2)}))
+    other = other._replace(params={**other.params, "extra": jnp.zeros(2)})
     with pytest.raises(ck.CheckpointError, match=r"\['extra'\]: in the running model, not in the checkpoint"):
       c.restore(other, CFG)
-    with pytest.raises(ck.CheckpointError, match=r"config.demo_hidden_size: 64 in the checkpoint, 32 now"):
-      c.restore(_state(0), TrainerConfig(steps=5, demo_hidden_size=32))
+    with pytest.raises(ck.CheckpointError, match=r"model.hidden_size: 64 in the checkpoint, 32 now"):
+      c.restore(_state(0), _run(hidden=32))
+    with pytest.raises(ck.CheckpointError, match=r"model.path: None in the checkpoint, absent now"):
+      c.restore(_state(0), RunMeta({"model": {"hidden_size": 64}, "seed": 0}, {"learning_rate": 1e-3}))
     msgs = []
     c.log = msgs.append
-    c.restore(_state(0), TrainerConfig(steps=9))  # a harmless change is reported only
-    assert any("steps: 5 -> 9" in m for m in msgs)
+    c.restore(_state(0), _run(steps=9))  # a harmless change is reported only
+    assert any("run.steps: 5 -> 9" in m for m in msgs)
+    # a guarded setting: refused, unless allowed explicitly (then reported)
+    with pytest.raises(ck.CheckpointError, match=r"learning_rate: 0.001 in the checkpoint, 0.002 now[\s\S]*allow"):
+      c.restore(_state(0), _run(lr=2e-3))
+    # the same checks without reading an array (scripts/train.py runs them before building the model)
+    assert c.check_run(_run(steps=9)) == 1
+    with pytest.raises(ck.CheckpointError, match=r"learning_rate: 0.001 in the checkpoint, 0.002 now"):
+      c.check_run(_run(lr=2e-3))
+    with pytest.raises(ck.CheckpointError, match=r"does not match[\s\S]*model.hidden_size"):
+      c.check_run(_run(hidden=32))
+  assert ck.Checkpointer(str(tmp_path / "empty"), log=None).check_run(_run()) is None
+  msgs = []
+  with ck.Checkpointer(root, log=msgs.append, allow_changed=True) as c:
+    _assert_same_state(c.restore(_state(0), _run(lr=2e-3)), _state(1))
+  assert any("changed settings (allowed): learning_rate: 0.001 in the checkpoint, 0.002 now" in m for m in msgs)
+
+
+def test_a_checkpoint_of_another_format_is_refused_with_a_message(tmp_path):
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, async_save=False, log=None) as c:
+    c.save(_state(1), CFG)
+  meta_path = os.path.join(root, "1", "meta", "metadata")
+  meta = json.load(open(meta_path))
+  meta.pop("format")
+  json.dump(meta, open(meta_path, "w"))
+  ck._write_manifest(os.path.join(root, "1"), 1, checksum=True)  # a consistent step of the old format
+  with pytest.raises(ck.CheckpointError, match=r"meta format 1, this jaxgrpo reads format 2"):
+    ck.Checkpointer(root, log=None).restore(_state(0), CFG)
 
 
 def test_keeps_last_k_and_best_by_eval_metric(tmp_path):
@@ -211,40 +262,31 @@ def test_sync_saving_writes_the_manifest_too(tmp_path):
 
 
 def _tiny_demo_state(seed=0):
-  from jaxgrpo import demo, models
-  from jaxgrpo import sharding as shd
-  from jaxgrpo import train as train_lib
+  """A snapshot of the arithmetic task's synthetic model and the run meta a trainer gives it."""
 
-  tok = demo.build_tokenizer()
-  cfg = TrainerConfig(demo_hidden_size=32, demo_layers=1, seed=seed)
-  model = models.build_model(demo.tiny_model_config(len(tok), hidden_size=32, num_layers=1), rngs=nnx.Rngs(seed))
+  cfg = load_config(None, {"model.synthetic": {"hidden_size": 32, "num_layers": 1}, "run.seed": seed})
+  model, _ = builders.build_policy(cfg.model, seed=seed)
   graphdef, ts, _ = train_lib.init_train_state(model, optax.adamw(1e-3), shd.make_mesh(None))
-  return (
-    cfg,
-    graphdef,
-    TrainerState(ts, jax.random.key(seed), {"epoch": 0, "offset": 0, "seed": seed, "num_prompts": 8, "shuffle": True}),
-  )
+  position = {"epoch": 0, "offset": 0, "seed": seed, "num_prompts": 8, "shuffle": True}
+  return run_meta(cfg), graphdef, Snapshot(ts.params, ts.opt_state, ts.step, jax.random.key(seed), position)
 
 
 @pytest.mark.slow
 def test_restore_params_only_into_a_module_and_a_tree(tmp_path):
-  from jaxgrpo import demo, models
 
-  cfg, graphdef, state = _tiny_demo_state(seed=1)
+  run, graphdef, state = _tiny_demo_state(seed=1)
   root = str(tmp_path / "run" / "checkpoints")
   with ck.Checkpointer(root, log=None) as c:
-    c.save(state, cfg)
-  fresh = models.build_model(
-    demo.tiny_model_config(len(demo.build_tokenizer()), hidden_size=32, num_layers=1), rngs=nnx.Rngs(7)
-  )
-  assert not _leaves_equal(nnx.state(fresh), state.train.params)
+    c.save(state, run)
+  fresh, _ = builders.build_policy(ModelSpec(synthetic=SyntheticModel(hidden_size=32, num_layers=1)), seed=7)
+  assert not _leaves_equal(nnx.state(fresh), state.params)
   out = ck.restore_params(str(tmp_path / "run"), fresh)  # a run directory works too
-  assert out is fresh and _leaves_equal(nnx.state(fresh), state.train.params)
-  tree = ck.restore_params(os.path.join(root, "0"), jax.tree.map(jnp.zeros_like, state.train.params))
-  assert _leaves_equal(tree, state.train.params)
-  model, tok, saved_cfg = ck.load_policy(root)
-  assert saved_cfg["demo_hidden_size"] == 32 and _leaves_equal(nnx.state(model), state.train.params)
-  wrong = models.build_model(demo.tiny_model_config(len(tok), hidden_size=64, num_layers=1), rngs=nnx.Rngs(0))
+  assert out is fresh and _leaves_equal(nnx.state(fresh), state.params)
+  tree = ck.restore_params(os.path.join(root, "0"), jax.tree.map(jnp.zeros_like, state.params))
+  assert _leaves_equal(tree, state.params)
+  model, tok, saved_cfg = builders.load_policy(root)
+  assert saved_cfg.model.synthetic.hidden_size == 32 and _leaves_equal(nnx.state(model), state.params)
+  wrong, _ = builders.build_policy(ModelSpec(synthetic=SyntheticModel(hidden_size=64, num_layers=1)), seed=0)
   with pytest.raises(ck.CheckpointError, match=r"shape \(64, 32\) in the checkpoint|in the checkpoint, \("):
     ck.restore_params(root, wrong)
 
@@ -253,13 +295,12 @@ def test_restore_params_only_into_a_module_and_a_tree(tmp_path):
 def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  from jaxgrpo import models
 
-  cfg, graphdef, state = _tiny_demo_state(seed=2)
+  run, graphdef, state = _tiny_demo_state(seed=2)
   root = str(tmp_path / "run" / "checkpoints")
   with ck.Checkpointer(root, log=None) as c:
-    c.save(state, cfg)
-  out = ck.export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    c.save(state, run)
+  out = builders.export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
   hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   tok = transformers.AutoTokenizer.from_pretrained(out)
   ids = tok(["What is 3 + 4?", "1+1=2"], padding=False)["input_ids"]
@@ -267,15 +308,13 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path):
   tokens = np.asarray([ids[0][:n], ids[1][:n]], np.int64)
   with torch.no_grad():
     want = hf(torch.from_numpy(tokens)).logits.numpy()
-  jax_model = nnx.merge(graphdef, state.train.params)
+  jax_model = nnx.merge(graphdef, state.params)
   pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   hidden, _ = jax_model(jnp.asarray(tokens, jnp.int32), pos)
   got = jax_model.logits(hidden)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
   assert np.abs(want).max() > 1e-3  # not trivially zero
   # the CLI does the same
-  import subprocess
-  import sys
 
   root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   r = subprocess.run(

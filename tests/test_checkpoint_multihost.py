@@ -16,8 +16,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from jax.experimental import multihost_utils
 from flax import nnx
 from jaxgrpo import distributed, sharding as shd, train
-from jaxgrpo.checkpoint import Checkpointer, verify_step
-from jaxgrpo.trainer import TrainerConfig, TrainerState
+from jaxgrpo.checkpoint import Checkpointer, RunMeta, Snapshot, verify_step
 from test_train_common import tiny_model
 
 nproc, pid, port, root, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
@@ -31,9 +30,9 @@ upd = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.5 + 0.25, p), out_shardings
 params = upd(fresh.params)
 grads = jax.jit(lambda p: jax.tree.map(lambda x: jnp.sin(x), p), out_shardings=sh.params)(params)
 _, opt_state = jax.jit(opt.update, out_shardings=(sh.params, sh.opt_state))(grads, fresh.opt_state, params)
-want = TrainerState(train.TrainState(params, opt_state, jax.device_put(jnp.asarray(7, jnp.int32), sh.step)),
-                    jax.random.key(3), {"epoch": 1, "offset": 5, "seed": 0, "num_prompts": 10, "shuffle": True})
-cfg = TrainerConfig(steps=7)
+want = Snapshot(params, opt_state, jax.device_put(jnp.asarray(7, jnp.int32), sh.step),
+                jax.random.key(3), {"epoch": 1, "offset": 5, "seed": 0, "num_prompts": 10, "shuffle": True})
+cfg = RunMeta(identity={"model": "tiny"}, guarded={"lr": 1e-2}, config={"run": {"steps": 7}})
 ck = Checkpointer(root, log=print)
 if mode == "save":
     ck.save(want, cfg)
@@ -42,17 +41,16 @@ if mode == "save":
         verify_step(root + "/7")
     print("SAVED", jax.process_count())
 else:
-    got = ck.restore(TrainerState(fresh, jax.random.key(0), {}), cfg)
+    got = ck.restore(Snapshot(fresh.params, fresh.opt_state, fresh.step, jax.random.key(0), {}), cfg)
     ck.close()
     gather = lambda t: multihost_utils.process_allgather(t, tiled=True)
-    for name, a, b in (("params", got.train.params, want.train.params),
-                       ("opt_state", got.train.opt_state, want.train.opt_state)):
+    for name, a, b in (("params", got.params, want.params), ("opt_state", got.opt_state, want.opt_state)):
         la, lb = jax.tree.leaves(gather(a)), jax.tree.leaves(gather(b))
         assert len(la) == len(lb) > 0
         assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)), name
-    leaf = jax.tree.leaves(got.train.params)[0]
+    leaf = jax.tree.leaves(got.params)[0]
     assert leaf.sharding == jax.tree.leaves(fresh.params)[0].sharding      # placed on this run's mesh
-    assert int(got.train.step) == 7 and got.data_position["offset"] == 5
+    assert int(got.step) == 7 and got.data_position["offset"] == 5
     assert np.array_equal(jax.random.key_data(got.key), jax.random.key_data(jax.random.key(3)))
     print("RESTORED", jax.process_count(), jax.device_count())
 """

@@ -23,59 +23,47 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxgrpo import checkpoint as ck
+from jaxgrpo.builders import load_policy
 from jaxgrpo.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 # tiny demo run with a short warm-up, so that rewards vary within groups and updates are non-zero
 ARGS = [
-  "--model",
-  "demo",
-  "--dataset",
-  "demo",
-  "--demo-hidden-size",
-  "32",
-  "--demo-layers",
-  "1",
-  "--demo-train-size",
+  "--model.synthetic",
+  "{hidden_size: 32, num_layers: 1}",
+  "--data.arithmetic",
+  "{train_size: 64, eval_size: 8, sft_steps: 150, sft_learning_rate: 1e-2, sft_batch_size: 16}",
+  "--data.max-prompt-tokens",
   "64",
-  "--demo-eval-size",
-  "8",
-  "--demo-sft-steps",
-  "150",
-  "--demo-sft-lr",
-  "1e-2",
-  "--demo-sft-batch",
-  "16",
-  "--group-size",
+  "--rollout.group-size",
   "4",
-  "--prompts-per-step",
+  "--rollout.prompts-per-step",
   "2",
-  "--max-new-tokens",
+  "--rollout.max-new-tokens",
   "16",
-  "--max-prompt-tokens",
-  "64",
-  "--learning-rate",
+  "--optim.learning-rate",
   "3e-4",
-  "--temperature",
+  "--step.temperature",
   "1.5",
-  "--beta",
+  "--step.chunk-size",
+  "null",
+  "--objective.beta",
   "0.04",
-  "--chunk-size",
-  "null",
-  "--eval-every",
+  "--eval.every",
   "3",
-  "--eval-samples",
+  "--eval.samples",
   "2",
-  "--eval-pass-k",
+  "--eval.pass-k",
   "[1]",
-  "--reward-timeout-s",
+  "--reward.timeout-s",
   "null",
-  "--rewards",
+  "--reward.weights",
   "{format: 1.0, accuracy: 1.0}",
-  "--checkpoint-every",
+  "--checkpoint.every",
   "1",
   "--no-plot",
   "--no-progress",
@@ -113,9 +101,7 @@ def _records(out):
 
 
 def _params(out):
-  model, _, _ = ck.load_policy(str(out))
-  from flax import nnx
-
+  model, _, _ = load_policy(str(out))
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
 
 
@@ -168,6 +154,17 @@ def test_resume_is_exact(straight, env, tmp_path):
     cwd=ROOT,
   )
   assert r.returncode != 0 and "holds checkpoints of an earlier run" in r.stderr
+  # a changed learning rate is refused (before the model is built) unless allowed explicitly
+  r = subprocess.run(
+    [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "7", "--optim.learning_rate", "1e-3"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+  )
+  assert r.returncode != 0 and "optim.learning_rate: 0.0003 in the checkpoint, 0.001 now" in r.stderr, r.stderr
+  assert "--allow-changed-config" in r.stderr and "supervised warm-up" not in r.stdout
   assert ck.complete_steps(str(run / "checkpoints"), log=None) == [4, 5, 6]
 
 

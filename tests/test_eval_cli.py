@@ -1,4 +1,5 @@
-"""scripts/eval.py on an HF directory written by a (tiny) demo run with save_model."""
+"""scripts/eval.py on an HF directory written by a (tiny) demo run with save_model, and on the run's
+checkpoint (the model rebuilt from the config saved with it): the same policy gives the same numbers."""
 
 from __future__ import annotations
 
@@ -10,59 +11,52 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import eval as eval_cli  # noqa: E402  (scripts/eval.py)
+
+from jaxgrpo.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
+from jaxgrpo.specs import load_config  # noqa: E402
+from jaxgrpo.trainer import Trainer  # noqa: E402
+
 
 @pytest.mark.slow
 def test_eval_script_reads_a_saved_run(tmp_path, capsys):
-  import eval as eval_cli
-
-  from jaxgrpo.trainer import Trainer, TrainerConfig
-
-  cfg = TrainerConfig(
-    model="demo",
-    dataset="demo",
-    demo_hidden_size=32,
-    demo_layers=1,
-    demo_train_size=64,
-    demo_eval_size=8,
-    demo_sft_steps=0,
-    group_size=2,
-    prompts_per_step=2,
-    max_new_tokens=6,
-    max_prompt_tokens=64,
-    chunk_size=None,
-    steps=1,
-    reward_timeout_s=None,
-    save_model=True,
-    out=str(tmp_path),
-    demo_max_operand=9,
+  cfg = load_config(
+    None,
+    {
+      "model.synthetic": {"hidden_size": 32, "num_layers": 1},
+      "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
+      "data.max_prompt_tokens": 64,
+      "rollout.group_size": 2,
+      "rollout.prompts_per_step": 2,
+      "rollout.max_new_tokens": 6,
+      "step.chunk_size": None,
+      "run.steps": 1,
+      "reward.timeout_s": None,
+      "run.save_model": True,
+      "run.out": str(tmp_path),
+    },
   )
-  Trainer(cfg, log=None).run()
+  with Checkpointer(checkpoint_dir(tmp_path), log=None) as ckpt:
+    Trainer(cfg, log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
   assert os.path.exists(tmp_path / "model" / "config.json")
+  common = ["-k", "2", "--pass-k", "1", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "64", "--timeout", "30"]
   out = eval_cli.main(
     [
       "--model",
       str(tmp_path / "model"),
-      "--dataset",
-      "demo",
-      "-k",
-      "2",
-      "--pass-k",
-      "1",
-      "2",
-      "--max-new-tokens",
-      "6",
-      "--max-prompt-tokens",
-      "64",
-      "--demo-eval-size",
+      "--arithmetic",
+      *common,
+      "--arithmetic-eval-size",
       "8",
-      "--demo-train-size",
+      "--arithmetic-train-size",
       "64",
-      "--demo-max-operand",
+      "--arithmetic-max-operand",
       "9",
-      "--timeout",
-      "30",
     ]
   )
   assert out["problems"] == 8 and out["samples"] == 2
   assert 0.0 <= out["eval_accuracy"] <= out["eval_pass@2"] <= 1.0
   assert "eval_pass@1" in capsys.readouterr().out
+  # the checkpoint: the run's own task and seed, the same parameters -> the same numbers
+  from_ckpt = eval_cli.main(["--checkpoint", str(tmp_path), "--arithmetic", *common, "--json"])
+  assert from_ckpt == out

@@ -1,6 +1,7 @@
-"""jaxgrpo.trainer and scripts/train.py: config parsing and overrides, the checkpoint hook with the
-full state, a failing reward function stopping the run with the sample shown, dynamic sampling,
-a short demo run that raises the reward, and 8-virtual-device vs 1-device agreement."""
+"""jaxgrpo.trainer and scripts/train.py: command-line overrides, the checkpoint hook with the full
+state, a failing reward function stopping the run with the sample shown, dynamic sampling, a short
+demo run that raises the reward, and 8-virtual-device vs 1-device agreement. The config itself
+(jaxgrpo.specs) is tested in test_specs.py."""
 
 from __future__ import annotations
 
@@ -16,53 +17,32 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import train as cli  # noqa: E402  (scripts/train.py)
+
 from jaxgrpo import rewards as R  # noqa: E402
-from jaxgrpo.trainer import Trainer, TrainerConfig, config_from_dict, load_config  # noqa: E402
+from jaxgrpo.specs import TrainerConfig, load_config  # noqa: E402
+from jaxgrpo.trainer import Trainer, run_meta  # noqa: E402
 
 # a very small demo run: no warm-up unless a test asks for it
-TINY = dict(
-  model="demo",
-  dataset="demo",
-  demo_hidden_size=32,
-  demo_layers=1,
-  demo_train_size=64,
-  demo_eval_size=8,
-  demo_sft_steps=0,
-  group_size=4,
-  prompts_per_step=2,
-  max_new_tokens=8,
-  max_prompt_tokens=64,
-  learning_rate=1e-3,
-  chunk_size=None,
-  steps=2,
-  eval_every=0,
-  eval_samples=2,
-  reward_timeout_s=None,
-  mesh="",
-  log_every=1,
-)
+TINY = {
+  "model": {"synthetic": {"hidden_size": 32, "num_layers": 1}},
+  "data": {"arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0}, "max_prompt_tokens": 64},
+  "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
+  "step": {"chunk_size": None},
+  "optim": {"learning_rate": 1e-3},
+  "reward": {"timeout_s": None},
+  "eval": {"every": 0, "samples": 2},
+  "run": {"steps": 2, "log_every": 1},
+  "devices": {"mesh": ""},
+}
 
 
-def test_config_yaml_overrides_and_unknown_keys(tmp_path):
-  path = tmp_path / "c.yaml"
-  path.write_text("preset: lambda_grpo\ngroup_size: 6\nbeta: 0.04\neval_pass_k: [1, 4]\n")
-  cfg = load_config(str(path), {"group_size": 3, "epsilon": 0.1})
-  assert cfg.group_size == 3 and cfg.eval_pass_k == (1, 4)
-  obj = cfg.objective()
-  assert obj.process_weights and obj.beta == 0.04 and obj.clip_eps_low == obj.clip_eps_high == 0.1
-  with pytest.raises(ValueError, match="unknown config key"):
-    config_from_dict({"group_sise": 4})
-  with pytest.raises(ValueError, match="preset"):
-    TrainerConfig(preset="ppo")
-  with pytest.raises(ValueError, match="eval_pass_k"):
-    TrainerConfig(eval_samples=2, eval_pass_k=(4,))
-  with pytest.raises(ValueError, match="rewards"):
-    TrainerConfig(rewards={"length": 1.0})
+def tiny(**changes) -> TrainerConfig:
+  """TINY with ``{"section.field": value}`` changes (dotted keys)."""
+  return load_config(None, {**{f"{s}.{k}": v for s, d in TINY.items() for k, v in d.items()}, **changes})
 
 
 def test_cli_parses_flags_and_any_field():
-  import train as cli
-
   args, ov = cli.parse_args(
     [
       "--config",
@@ -81,36 +61,72 @@ def test_cli_parses_flags_and_any_field():
       "null",
       "--out",
       "o",
+      "--rollout.group-size",
+      "3",
+      "--model.synthetic.hidden_size=32",
+      "--keep-checkpoints",
+      "2",
+      "--allow-changed-config",
     ]
   )
-  assert args.config == "x.yaml"
+  assert args.config == "x.yaml" and args.resume is False and args.allow_changed_config
   assert ov == {
+    "checkpoint.keep": 2,
     "steps": 7,
     "mesh": "data=2,fsdp=2,tensor=2",
     "preset": "frpo",
-    "resume": False,
     "learning_rate": 1e-6,
     "rewards": {"accuracy": 1.0, "format": 0.1},
     "beta": None,
     "out": "o",
+    "rollout.group_size": 3,
+    "model.synthetic.hidden_size": 32,
   }
-  with pytest.raises(SystemExit):
-    cli.parse_args(["--no-such-field", "1"])
+  cfg = load_config(None, ov)
+  assert (cfg.run.steps, cfg.devices.mesh, cfg.objective.name, cfg.objective.beta) == (
+    7,
+    "data=2,fsdp=2,tensor=2",
+    "frpo",
+    0.01,
+  )
+  assert cfg.optim.learning_rate == 1e-6 and cfg.reward.weights == {"accuracy": 1.0, "format": 0.1}
+  assert (cfg.run.out, cfg.rollout.group_size, cfg.model.synthetic.hidden_size, cfg.checkpoint.keep) == ("o", 3, 32, 2)
+  for bad in (["--no-such-field", "1"], ["--rollout.nope", "1"], ["--model", "demo"], ["--resume_x", "1"]):
+    with pytest.raises(SystemExit):
+      cli.parse_args(bad)
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("rollout:\n  group_size: 4\n   prompts_per_step: 2\n")
+  with pytest.raises(SystemExit, match=rf"error: config file {bad} is not valid YAML at line 3"):
+    cli.main(["--config", str(bad), "--out", str(tmp_path / "o")])
+  with pytest.raises(SystemExit, match=r"config field `optim.learning_rate`: expected float; got 'fast' \(str\)"):
+    cli.main(["--optim.learning_rate", "fast", "--out", str(tmp_path / "o")])
+  assert not os.path.exists(tmp_path / "o")  # nothing was built or written
+
+
+def test_run_meta_names_identity_and_guarded_fields():
+  meta = run_meta(tiny())
+  assert meta.identity["model.synthetic"] == {"hidden_size": 32, "num_layers": 1}
+  assert meta.identity["run.seed"] == 0 and meta.identity["data.arithmetic.train_size"] == 64
+  assert meta.guarded == {"optim.learning_rate": 1e-3, "rollout.group_size": 4}
+  assert meta.config == tiny().to_dict()
 
 
 @pytest.mark.slow
 def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
   seen = []
-  cfg = TrainerConfig(**{**TINY, "out": str(tmp_path / "a"), "checkpoint_every": 1})
+  cfg = tiny(**{"run.out": str(tmp_path / "a"), "checkpoint.every": 1})
 
-  def hook(state, c):  # the arrays are donated to the next step: read what is needed now
+  def hook(snap, run):  # the arrays are donated to the next step: read what is needed now
     seen.append(
       (
-        int(state.train.step),
-        dict(state.data_position),
-        jax.random.key_data(state.key).tolist(),
-        len(jax.tree.leaves(state.train.opt_state)) > 0,
-        c,
+        int(snap.step),
+        dict(snap.data_position),
+        jax.random.key_data(snap.key).tolist(),
+        len(jax.tree.leaves(snap.opt_state)) > 0,
+        run,
       )
     )
 
@@ -118,7 +134,8 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
   recs = tr.run()
   assert [s[0] for s in seen] == [1, 2]
   _, pos, key1, has_opt, c = seen[-1]
-  assert c is cfg and has_opt and set(pos) >= {"epoch", "offset", "seed"}
+  assert c.config == cfg.to_dict() and c.identity["run.seed"] == 0 and has_opt
+  assert set(pos) >= {"epoch", "offset", "seed"}
   assert pos["offset"] == 4 and seen[0][1]["offset"] == 2  # 2 prompts per step
   assert seen[0][2] != key1  # the key advances every step
   lines = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
@@ -132,7 +149,7 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
   def broken(prompts, completions, answer, **_):
     return [float(len(c)) / (len(c) - len(c)) for c in completions]  # ZeroDivisionError
 
-  tr = Trainer(TrainerConfig(**{**TINY, "out": str(tmp_path / "b")}), reward_fns={"broken": (broken, 1.0)}, log=None)
+  tr = Trainer(tiny(**{"run.out": str(tmp_path / "b")}), reward_fns={"broken": (broken, 1.0)}, log=None)
   with pytest.raises(
     R.RewardError,
     match=r"'broken' failed on sample 0: ZeroDivisionError[\s\S]*"
@@ -142,7 +159,9 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
 
   # dynamic sampling: an all-equal reward drops every group; refill gives up after max rounds
   tr = Trainer(
-    TrainerConfig(**{**TINY, "out": str(tmp_path / "c"), "dynamic_sampling": True, "dynamic_sampling_max_rounds": 2}),
+    tiny(
+      **{"run.out": str(tmp_path / "c"), "objective.dynamic_sampling": True, "rollout.dynamic_sampling_max_rounds": 2}
+    ),
     reward_fns={"const": (lambda p, c, **_: [1.0] * len(c), 1.0)},
     log=None,
   )
@@ -153,23 +172,17 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
 
 @pytest.mark.slow
 def test_short_demo_run_raises_reward(tmp_path):
-  cfg = TrainerConfig(
+  cfg = tiny(
     **{
-      **TINY,
-      "demo_hidden_size": 64,
-      "demo_layers": 2,
-      "demo_train_size": 1000,
-      "demo_sft_steps": 300,
-      "demo_sft_noise": 0.7,
-      "demo_max_operand": 9,
-      "group_size": 8,
-      "prompts_per_step": 16,
-      "max_new_tokens": 16,
-      "learning_rate": 2e-4,
-      "steps": 20,
-      "demo_eval_size": 20,
-      "eval_samples": 4,
-      "out": str(tmp_path),
+      "model.synthetic": {"hidden_size": 64, "num_layers": 2},
+      "data.arithmetic": {"train_size": 1000, "eval_size": 20, "sft_steps": 300, "sft_noise": 0.7, "max_operand": 9},
+      "rollout.group_size": 8,
+      "rollout.prompts_per_step": 16,
+      "rollout.max_new_tokens": 16,
+      "optim.learning_rate": 2e-4,
+      "run.steps": 20,
+      "eval.samples": 4,
+      "run.out": str(tmp_path),
     }
   )
   recs = Trainer(cfg, log=None).run()
@@ -193,27 +206,27 @@ def _run_cli(out, devices: int, mesh: str):
     "--out",
     str(out),
     "--no-plot",
-    "--demo_sft_steps",
+    "--data.arithmetic.sft_steps",
     "5",
-    "--demo_hidden_size",
+    "--model.synthetic.hidden_size",
     "32",
-    "--prompts_per_step",
+    "--rollout.prompts_per_step",
     "4",
-    "--group_size",
+    "--rollout.group_size",
     "4",
-    "--max_new_tokens",
+    "--rollout.max_new_tokens",
     "8",
-    "--demo_eval_size",
+    "--data.arithmetic.eval_size",
     "8",
-    "--eval_every",
+    "--eval.every",
     "0",
-    "--eval_samples",
+    "--eval.samples",
     "2",
-    "--eval_pass_k",
+    "--eval.pass_k",
     "[1, 2]",
-    "--demo_train_size",
+    "--data.arithmetic.train_size",
     "200",
-    "--learning_rate",
+    "--optim.learning_rate",
     "1e-3",
   ]
   res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -5,10 +5,8 @@ See docs/models.md for the call contract (config, call signature, KV cache, log_
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-from flax import nnx
-
 from jaxgrpo.models.base import CausalLM, positions_from_mask
+from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import (
   GPT2Config,
   LlamaConfig,
@@ -23,28 +21,6 @@ from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to
 from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
 from jaxgrpo.models.llama import LlamaModel
 from jaxgrpo.models.log_probs import log_probs, token_log_probs
-
-
-def build_model(
-  cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
-) -> CausalLM:
-  """A randomly initialised model of ``cfg``'s family.
-
-  Args:
-    cfg: ``GPT2Config`` → ``GPT2Model``; ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` → ``LlamaModel``.
-    rngs: ``nnx.Rngs`` with a ``params`` stream (weights ~ N(0, 0.02²), biases 0, norm scales 1).
-    dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
-      float32 regardless.
-    param_dtype: storage dtype of the parameters.
-    remat: checkpoint each layer's activations (``nnx.remat``): the backward pass recomputes them,
-      trading one extra forward for O(L) less activation memory. Same values and gradients.
-  """
-  if isinstance(cfg, GPT2Config):
-    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
-  if isinstance(cfg, LlamaConfig):
-    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
-  raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")
-
 
 __all__ = [
   "CausalLM",

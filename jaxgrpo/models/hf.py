@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
 from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec  # the one rules table lives in jaxgrpo.sharding
 
@@ -288,8 +289,6 @@ def load_hf(
     ValueError: unknown model_type, missing tensor, or tensor of the wrong shape (named, with the
       expected and found shapes).
   """
-  from jaxgrpo.models import build_model
-
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")

@@ -48,6 +48,7 @@ from flax import nnx
 
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.losses import finalize_terms
+from jaxgrpo.models import GPT2Config, build_model
 from jaxgrpo.objective import objective_terms, rollout_advantages
 
 __all__ = [
@@ -245,9 +246,8 @@ class TransformerPolicy:
   vocab_size: int = 3
 
   @property
-  def model_config(self):
-    from jaxgrpo.models import GPT2Config
-
+  def model_config(self) -> GPT2Config:
+    """The GPT-2 config of this policy (context ``depth`` positions)."""
     return GPT2Config(
       vocab_size=self.vocab_size,
       hidden_size=self.hidden_size,
@@ -258,8 +258,6 @@ class TransformerPolicy:
 
   def init(self, key):
     """The ``nnx.State`` of a freshly initialised model (GPT-2 init: N(0, 0.02²) weights)."""
-    from jaxgrpo.models import build_model
-
     return nnx.split(build_model(self.model_config, rngs=nnx.Rngs(params=key)))[1]
 
   def num_params(self) -> int:
@@ -288,8 +286,6 @@ class TransformerPolicy:
 
 @functools.cache
 def _graphdef(policy: TransformerPolicy):
-  from jaxgrpo.models import build_model
-
   abstract = nnx.eval_shape(lambda: build_model(policy.model_config, rngs=nnx.Rngs(0)))
   return nnx.split(abstract)[0]
 

@@ -22,9 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxgrpo.tasks import binary_tree as bt
+
+__all__ = ["main", "build_parser", "resolve", "run", "summarize", "table_md", "plot", "parse_cells", "FlagError"]
 
 ALGO_LABELS = {"grpo": "GRPO", "lambda_grpo": "λ-GRPO", "frpo": "FRPO", "lambda_frpo": "λ-FRPO", "dr_grpo": "Dr.GRPO"}
 #: Defaults per policy, chosen by the study in docs/binary_tree.md (optimizer, learning rate).
@@ -126,9 +131,6 @@ def resolve(args) -> dict:
 
 
 def run(args, cfg) -> dict:
-  import jax
-  import jax.numpy as jnp
-
   policy, cells, seeds = cfg["policy"], cfg["cells"], cfg["seeds"]
   tasks = [
     bt.TreeTask(depth=args.depth, target=args.target, prefix_len=n, neg_reward=r, other_reward=args.other_reward)
@@ -138,8 +140,6 @@ def run(args, cfg) -> dict:
   seeds_arr = jnp.asarray(np.asarray(seeds, np.int32))
   bar = None
   if not args.quiet:
-    from tqdm.auto import tqdm
-
     bar = tqdm(
       total=args.steps,
       unit="step",
@@ -225,8 +225,6 @@ def summarize(args, cfg, res) -> dict:
     "runs": len(cfg["algorithms"]) * len(cfg["cells"]) * len(cfg["seeds"]),
     "run_ms_per_step": round(1e3 * total_run / args.steps, 3),
   }
-  import jax
-
   config["backend"] = jax.default_backend()
   return {"config": config, "cells": cells_out}
 
@@ -280,7 +278,11 @@ def table_md(summary) -> str:
 
 
 def plot(summary, res, path):
-  from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
+  """P(target) vs step per cell (mean over seeds, 95% CI band) → ``path`` (needs matplotlib)."""
+  try:
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
+  except ImportError as e:
+    raise ImportError("curves.png needs matplotlib: pip install 'jaxgrpo[plot]' (or pass --no-plot)") from e
 
   cfg = summary["config"]
   cells = [tuple(c) for c in cfg["cells"]]
