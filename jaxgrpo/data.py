@@ -10,17 +10,26 @@ Data flow::
 
 A :class:`MathExample` keeps the prompt (a string or a chat message list), the ground-truth answer
 as a string, and every other column of the row (passed to reward functions as keyword arguments).
+
+Rows whose answer is missing, null, NaN or empty are skipped with one warning naming them (or, with
+``missing_answers="raise"``, refused): they would otherwise become the ground truth ``"None"``.
+A file that cannot be read (missing, empty, malformed, not a dataset) is a ValueError naming it
+(and the line, for JSON lines), never a library traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
+import datasets
 import numpy as np
+import pyarrow.csv
+import pyarrow.parquet
 
 __all__ = [
   "INSTRUCTION",
@@ -37,6 +46,7 @@ __all__ = [
   "host_slice",
   "pad_left",
   "gsm8k_final_answer",
+  "FILE_TYPES",
 ]
 
 #: The papers' instruction, appended to the user's question.
@@ -147,65 +157,212 @@ def _resolve_mapping(mapping, first_row: Mapping[str, Any]) -> ColumnMapping:
   raise TypeError(f"`mapping` must be None, 'auto', a name, a dict or a ColumnMapping; got {type(mapping).__name__}")
 
 
-def examples_from_rows(rows: Sequence[Mapping[str, Any]], mapping=None) -> list[MathExample]:
+def _missing_answer(raw: Any) -> bool:
+  return raw is None or (isinstance(raw, float) and math.isnan(raw)) or (isinstance(raw, str) and not raw.strip())
+
+
+def _row_list(indices: Sequence[int], limit: int = 10) -> str:
+  shown = ", ".join(str(i) for i in indices[:limit])
+  return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
+
+
+def examples_from_rows(
+  rows: Sequence[Mapping[str, Any]], mapping=None, *, missing_answers: str = "skip"
+) -> list[MathExample]:
   """Rows (dicts) → examples under ``mapping`` (None/"auto": detect; a name in ``MAPPINGS``; a
   ``{"prompt": col, "answer": col}`` dict; a ``ColumnMapping``).
 
-  Raises ValueError listing the columns found and expected when a mapped column is missing.
+  A row whose answer is absent, None, NaN or empty (also after ``answer_fn``) has no ground truth:
+  ``missing_answers="skip"`` (default) leaves it out with one ``UserWarning`` giving the count and
+  the row numbers (0-based); ``"raise"`` raises ValueError naming them. Either way such a row never
+  reaches a verifier (where ``str(None)`` would match ``\\boxed{None}``).
+
+  Raises ValueError listing the columns found and expected when a mapped column is missing from
+  every row, or when no row has an answer.
   """
+  return _examples(rows, mapping, missing_answers, "`rows`")
+
+
+def _examples(rows, mapping, missing_answers: str, where: str) -> list[MathExample]:
+  if missing_answers not in ("skip", "raise"):
+    raise ValueError(f"`missing_answers` must be 'skip' or 'raise'; got {missing_answers!r}")
   if len(rows) == 0:
-    raise ValueError("`rows`: the dataset is empty")
+    raise ValueError(f"{where}: the dataset is empty")
   m = _resolve_mapping(mapping, rows[0])
-  missing = [c for c in m.columns() if not _has(rows[0], c)]
+  missing = [c for c in m.columns() if not any(_has(r, c) for r in rows)]
   if missing:
     raise ValueError(
-      f"`mapping`: column(s) {missing} not in the dataset; columns found: "
+      f"`mapping`: column(s) {missing} not in {where}; columns found: "
       f"{sorted(_column_names(rows[0]))}; expected: prompt={m.prompt!r}, answer={m.answer!r}"
     )
-  out = []
+  out, skipped = [], []
   for i, row in enumerate(rows):
     try:
-      prompt, raw = _get(row, m.prompt), _get(row, m.answer)
+      prompt = _get(row, m.prompt)
     except KeyError as e:
-      raise ValueError(f"row {i}: column {e.args[0]!r} missing; columns found: {sorted(_column_names(row))}") from None
+      raise ValueError(
+        f"{where} row {i}: column {e.args[0]!r} missing; columns found: {sorted(_column_names(row))}"
+      ) from None
     if not isinstance(prompt, (str, list)):
       raise ValueError(
-        f"row {i}: prompt column {m.prompt!r} must be a string or a chat message list; got {type(prompt).__name__}"
+        f"{where} row {i}: prompt column {m.prompt!r} must be a string or a chat message list; "
+        f"got {type(prompt).__name__}"
       )
-    answer = m.answer_fn(raw) if m.answer_fn is not None else str(raw)
+    raw = _get(row, m.answer) if _has(row, m.answer) else None
+    try:
+      answer = None if _missing_answer(raw) else (m.answer_fn(raw) if m.answer_fn is not None else str(raw))
+    except ValueError as e:
+      raise ValueError(f"{where} row {i}: {e}") from None
+    if _missing_answer(answer):
+      skipped.append(i)
+      continue
     out.append(MathExample(prompt=prompt, answer=answer, columns=dict(row)))
+  if skipped:
+    what = (
+      f"{len(skipped)} of {len(rows)} rows of {where} have no answer in column {m.answer!r} "
+      f"(absent, null, NaN or empty): rows {_row_list(skipped)}"
+    )
+    if missing_answers == "raise" or not out:
+      raise ValueError(what)
+    warnings.warn(f"skipped {what}", stacklevel=3)
   return out
 
 
-def _load_rows(source: str, split: str, name: str | None = None):
-  """Rows of a local jsonl/json/parquet file, a ``save_to_disk`` directory, or a hub dataset."""
-  import datasets  # heavy; imported on use
+#: Local file types :func:`load_math_dataset` reads, by extension.
+FILE_TYPES = ("jsonl", "json", "parquet", "csv")
+_SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 
-  path = os.fspath(source)
-  if os.path.isfile(path):
-    ext = path.rsplit(".", 1)[-1].lower()
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
-    if builder is None:
-      raise ValueError(f"`source`: unsupported file type {ext!r} ({path}); use jsonl, json, parquet or csv")
-    return datasets.load_dataset(builder, data_files=path, split="train")
-  if os.path.isdir(path):
-    if not (
-      os.path.exists(os.path.join(path, "dataset_info.json"))
-      or os.path.exists(os.path.join(path, "dataset_dict.json"))
-      or os.path.exists(os.path.join(path, "state.json"))
-    ):
-      return datasets.load_dataset(path, split=split)  # a directory of data files
-    ds = datasets.load_from_disk(path)
+
+def _read_json_lines(path: str, lines) -> list[dict]:
+  rows = []
+  for lineno, raw in lines:
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"`source`: {path} line {lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"`source`: {path} line {lineno}: malformed JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(row, dict):
+      raise ValueError(f"`source`: {path} line {lineno}: a row must be a JSON object; got {type(row).__name__}")
+    rows.append(row)
+  return rows
+
+
+def _read_json(path: str) -> list[dict]:
+  """A ``.json`` file: an array of row objects, or JSON lines (one object per line)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    value = json.loads(data)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    if isinstance(e, json.JSONDecodeError) and data.lstrip()[:1] == b"[":
+      raise ValueError(f"`source`: {path}: malformed JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    return _read_json_lines(path, enumerate(data.splitlines(), 1))  # names the first bad line
+  rows = value if isinstance(value, list) else [value]
+  bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+  if bad is not None:
+    raise ValueError(f"`source`: {path}: item {bad} is a {type(rows[bad]).__name__}; rows must be JSON objects")
+  return rows
+
+
+def _read_arrow(path: str, read) -> list[dict]:
+  try:
+    return read(path).to_pylist()
+  except (pyarrow.ArrowException, OSError) as e:
+    raise ValueError(f"`source`: cannot read {path}: {e}") from None
+
+
+def _read_file(path: str) -> list[dict]:
+  ext = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+  if ext not in FILE_TYPES:
+    raise ValueError(f"`source`: unsupported file type {ext!r} ({path}); use one of {', '.join(FILE_TYPES)}")
+  if os.path.getsize(path) == 0:
+    raise ValueError(f"`source`: {path} is empty (0 bytes)")
+  if ext == "jsonl":
+    with open(path, "rb") as f:
+      return _read_json_lines(path, enumerate(f, 1))
+  if ext == "json":
+    return _read_json(path)
+  return _read_arrow(path, pyarrow.parquet.read_table if ext == "parquet" else pyarrow.csv.read_csv)
+
+
+def _looks_local(source: str) -> bool:
+  """A path, not a hub id (``owner/name``): starts with ``/``, ``.`` or ``~``, has more than one
+  ``/``, or ends in a known file extension."""
+  return (
+    source.startswith(("/", ".", "~"))
+    or source.count("/") > 1
+    or (os.sep != "/" and os.sep in source)
+    or source.lower().endswith(tuple("." + e for e in FILE_TYPES))
+  )
+
+
+def _library_call(what: str, fn, *args, **kwargs):
+  """``fn(*args, **kwargs)`` with any error turned into one ValueError naming ``what``."""
+  try:
+    return fn(*args, **kwargs)
+  except Exception as e:
+    raise ValueError(f"`source`: cannot load {what}: {type(e).__name__}: {e}") from None
+
+
+def _load_dir(path: str, split: str) -> datasets.Dataset:
+  if any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
+    ds = _library_call(f"the saved dataset {path}", datasets.load_from_disk, path)
     if isinstance(ds, datasets.DatasetDict):
       if split not in ds:
         raise ValueError(f"`split`: {split!r} not in the saved dataset {path}; splits: {list(ds)}")
       ds = ds[split]
     return ds
-  return datasets.load_dataset(path, name, split=split)  # a hub id (name: its config, e.g. "main")
+  data_files = [
+    os.path.join(root, f)
+    for root, _, files in os.walk(path)
+    for f in files
+    if f.rsplit(".", 1)[-1].lower() in FILE_TYPES and not f.startswith(".")
+  ]
+  if not data_files:
+    found = sorted(os.listdir(path))
+    raise ValueError(
+      f"`source`: {path} is a directory but neither a saved dataset (save_to_disk writes one of "
+      f"{', '.join(_SAVED_MARKERS)}) nor a directory of data files ({', '.join(FILE_TYPES)}); "
+      f"it holds: {found[:10] if found else 'nothing'}"
+    )
+  return _library_call(f"the data files in {path}", datasets.load_dataset, path, split=split)
+
+
+def _load_rows(source: str, split: str, name: str | None, limit: int | None) -> list[dict]:
+  """Rows of a local jsonl/json/parquet/csv file, a ``save_to_disk`` directory, a directory of
+  data files, or a hub dataset; every failure a ValueError naming the source."""
+  path = os.path.expanduser(os.fspath(source))
+  if os.path.isfile(path):
+    rows = _read_file(path)
+    rows = rows if limit is None else rows[:limit]
+  else:
+    if os.path.isdir(path):
+      ds = _load_dir(path, split)
+    elif _looks_local(path):
+      raise ValueError(f"`source`: no such file or directory: {path}")
+    else:  # a hub id (name: its config, e.g. "main")
+      ds = _library_call(f"{path!r} from the Hugging Face hub", datasets.load_dataset, path, name, split=split)
+    if limit is not None:
+      ds = ds.select(range(min(limit, len(ds))))
+    rows = ds.to_list()
+  if not rows:
+    raise ValueError(f"`source`: {path} has no rows")
+  return rows
 
 
 def load_math_dataset(
-  source: str, *, split: str = "train", mapping=None, limit: int | None = None, name: str | None = None
+  source: str,
+  *,
+  split: str = "train",
+  mapping=None,
+  limit: int | None = None,
+  name: str | None = None,
+  missing_answers: str = "skip",
 ) -> list[MathExample]:
   """Loads a math prompt set.
 
@@ -217,13 +374,18 @@ def load_math_dataset(
     split: split of a hub dataset or ``DatasetDict`` (local files are one split).
     mapping: None/"auto" (detect a built-in layout), a name in :data:`MAPPINGS`, a
       ``{"prompt": col, "answer": col}`` dict, or a :class:`ColumnMapping`.
-    limit: keep the first ``limit`` rows (None: all).
+    limit: keep the first ``limit`` rows (None: all), before rows without an answer are skipped.
     name: the hub dataset's configuration (``"main"`` for ``openai/gsm8k``).
+    missing_answers: ``"skip"`` rows without an answer with one warning, or ``"raise"`` (see
+      :func:`examples_from_rows`).
+
+  Raises ValueError naming the file (and the line of a malformed JSON line) when the source is
+  missing, empty, unreadable or not a dataset; a path that does not exist is never sent to the hub.
   """
-  ds = _load_rows(source, split, name)
-  if limit is not None:
-    ds = ds.select(range(min(limit, len(ds))))
-  return examples_from_rows(ds.to_list(), mapping)
+  if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+    raise ValueError(f"`limit` must be None or an int >= 1; got {limit!r}")
+  rows = _load_rows(source, split, name, limit)
+  return _examples(rows, mapping, missing_answers, os.fspath(source))
 
 
 def build_messages(prompt: str | list[dict], instruction: str | None = INSTRUCTION) -> list[dict]:

@@ -170,7 +170,7 @@ class Trainer:
     self.log = log or (lambda s: None)
     self.mesh = shd.make_mesh(cfg.devices.mesh or None)
     self._build_model_and_data()
-    self.accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s)
+    self.accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
     if reward_fns is None:
       table = {"accuracy": self.accuracy, "format": rewards_lib.format_reward}
       reward_fns = {name: (table[name], float(w)) for name, w in cfg.reward.weights.items()}

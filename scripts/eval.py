@@ -96,7 +96,7 @@ def main(argv=None):
   enc = data.encode_prompts(tok, examples, max_prompt_tokens=args.max_prompt_tokens)
   answers = [examples[i].answer for i in enc.kept]
   pad_id, eos_ids = builders.special_ids(tok)
-  accuracy = rewards.MathAccuracy(timeout_s=args.timeout)
+  accuracy = rewards.MathAccuracy(timeout_s=args.timeout, on_error="zero")
   try:
     out = evaluate_policy(
       model,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxgrpo import data
-from jaxgrpo.demo import build_tokenizer
+from jaxgrpo.tasks.arithmetic import build_tokenizer
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -122,3 +122,125 @@ def test_host_slice_partitions_the_global_batch():
     data.host_slice(np.arange(6), 0, 4)
   with pytest.raises(ValueError, match="process_index"):
     data.host_slice(batch, 4, 4)
+
+
+# ----------------------------------------------------------------------------- more formats
+def test_json_array_and_csv_load_like_the_jsonl():
+  a = data.load_math_dataset(os.path.join(FIX, "openrs_array.json"))
+  b = data.load_math_dataset(os.path.join(FIX, "openrs.jsonl"))
+  assert [(e.prompt, e.answer) for e in a] == [(e.prompt, e.answer) for e in b]
+  c = data.load_math_dataset(os.path.join(FIX, "math500.csv"))
+  assert [(e.prompt, e.answer) for e in c] == [
+    ("Find $\\sqrt{16}$.", "4"),
+    ("Simplify $\\frac{6}{8}$.", "\\frac{3}{4}"),
+  ]
+  assert c[0].columns["unique_id"] == "test/algebra/1.json"
+
+
+# ----------------------------------------------------------------------------- rows without an answer
+def test_rows_without_answer_are_skipped_with_a_warning_naming_them():
+  path = os.path.join(FIX, "null_answers.jsonl")
+  with pytest.warns(UserWarning, match=r"3 of 5 rows .* no answer .*rows 1, 2, 3") as w:
+    ex = data.load_math_dataset(path)
+  assert "null_answers.jsonl" in str(w[0].message)
+  # a null answer never becomes the ground truth "None"; the integer 10 is kept as "10"
+  assert [(e.prompt, e.answer) for e in ex] == [("What is 1 + 1?", "2"), ("What is 5 + 5?", "10")]
+  with pytest.raises(ValueError, match=r"null_answers.jsonl.*rows 1, 2, 3"):
+    data.load_math_dataset(path, missing_answers="raise")
+  with pytest.raises(ValueError, match="missing_answers"):
+    data.load_math_dataset(path, missing_answers="ignore")
+
+
+def test_examples_from_rows_skips_none_nan_empty_answers():
+  rows = [
+    {"problem": "a", "answer": None},
+    {"problem": "b", "answer": float("nan")},
+    {"problem": "c", "answer": ""},
+    {"problem": "d", "answer": "7"},
+  ]
+  with pytest.warns(UserWarning, match="3 of 4"):
+    ex = data.examples_from_rows(rows)
+  assert [e.answer for e in ex] == ["7"]
+  assert all(e.answer != "None" for e in ex)
+  with pytest.raises(ValueError, match="rows 0"):  # every row lacks an answer: nothing to train on
+    data.examples_from_rows(rows[:1])
+  # GSM8K: a null solution is skipped, not fed to the '####' parser
+  with pytest.warns(UserWarning, match="1 of 2"):
+    g = data.examples_from_rows([{"question": "q", "answer": None}, {"question": "r", "answer": "x #### 3"}], "gsm8k")
+  assert [e.answer for e in g] == ["3"]
+  with pytest.raises(ValueError, match=r"row 0: GSM8K answer has no '####'"):
+    data.examples_from_rows([{"question": "q", "answer": "no marker"}], "gsm8k")
+
+
+# ----------------------------------------------------------------------------- files that cannot be read
+def _no_library_traceback(exc: BaseException) -> bool:
+  return exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)
+
+
+@pytest.mark.parametrize(
+  "fname, match",
+  [
+    ("empty.jsonl", r"empty.jsonl is empty \(0 bytes\)"),
+    ("empty.parquet", r"empty.parquet is empty \(0 bytes\)"),
+    ("no_rows.parquet", r"no_rows.parquet has no rows"),
+    ("garbage.parquet", r"cannot read .*garbage.parquet"),
+    ("malformed.jsonl", r"malformed.jsonl line 3: malformed JSON"),
+    ("not_a_dataset", r"not_a_dataset is a directory but neither a saved dataset .*notes.txt"),
+    ("does_not_exist.jsonl", r"no such file or directory: .*does_not_exist.jsonl"),
+    ("missing_dir/", r"no such file or directory: .*missing_dir"),
+  ],
+)
+def test_unreadable_sources_are_one_clear_value_error(fname, match):
+  with pytest.raises(ValueError, match=match) as e:
+    data.load_math_dataset(os.path.join(FIX, fname))
+  assert _no_library_traceback(e.value)
+
+
+def test_malformed_lines_name_file_and_line(tmp_path):
+  bad = tmp_path / "rows.jsonl"
+  bad.write_text('{"problem": "a", "answer": "1"}\n[1, 2]\n')
+  with pytest.raises(ValueError, match=r"rows.jsonl line 2: a row must be a JSON object; got list"):
+    data.load_math_dataset(str(bad))
+  bad.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "\xff"}\n')
+  with pytest.raises(ValueError, match=r"rows.jsonl line 2: not UTF-8"):
+    data.load_math_dataset(str(bad))
+  arr = tmp_path / "rows.json"
+  arr.write_text('[{"problem": "a", "answer": "1"},\n {"problem": "b" "answer": "2"}]')
+  with pytest.raises(ValueError, match=r"rows.json: malformed JSON \(line 2"):
+    data.load_math_dataset(str(arr))
+  lines = tmp_path / "lines.json"  # a .json file may hold JSON lines too
+  lines.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": "2"}\n{"problem": "c"\n')
+  with pytest.raises(ValueError, match=r"lines.json line 3: malformed JSON"):
+    data.load_math_dataset(str(lines))
+  lines.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": "2"}\n')
+  assert [e.answer for e in data.load_math_dataset(str(lines))] == ["1", "2"]
+  arr.write_text('[{"problem": "a", "answer": "1"}, 3]')
+  with pytest.raises(ValueError, match=r"rows.json: item 1 is a int; rows must be JSON objects"):
+    data.load_math_dataset(str(arr))
+  with pytest.raises(ValueError, match="limit"):
+    data.load_math_dataset(str(lines), limit=0)
+  blank = tmp_path / "blank.jsonl"
+  blank.write_text("\n  \n")
+  with pytest.raises(ValueError, match="blank.jsonl has no rows"):
+    data.load_math_dataset(str(blank))
+  other = tmp_path / "rows.txt"
+  other.write_text("x")
+  with pytest.raises(ValueError, match="unsupported file type 'txt'"):
+    data.load_math_dataset(str(other))
+
+
+def test_directories_of_data_files_and_broken_saved_datasets(tmp_path):
+  files = tmp_path / "files"
+  files.mkdir()
+  (files / "train.jsonl").write_text(open(os.path.join(FIX, "openrs.jsonl")).read())
+  assert [e.answer for e in data.load_math_dataset(str(files))] == ["\\frac{5}{6}", "56", "3"]
+  broken = tmp_path / "broken_saved"
+  broken.mkdir()
+  (broken / "dataset_info.json").write_text("{}")
+  with pytest.raises(ValueError, match=r"cannot load the saved dataset .*broken_saved") as e:
+    data.load_math_dataset(str(broken))
+  assert _no_library_traceback(e.value)
+  empty = tmp_path / "empty_dir"
+  empty.mkdir()
+  with pytest.raises(ValueError, match=r"empty_dir is a directory .* it holds: nothing"):
+    data.load_math_dataset(str(empty))

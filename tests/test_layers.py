@@ -47,7 +47,6 @@ MODULES = {
   "jaxgrpo.specs": "iteration/trainer",
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
-  "jaxgrpo.demo": "iteration/trainer",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
