@@ -33,11 +33,14 @@ What is guaranteed, and what is not:
 **Two methods** compute the same sizes (up to 64-bit hash collisions), both inside ``jit`` without a
 Python loop over trajectories:
 
-- ``method="sort"`` (the design's *sort-and-segment*): at every position ``t`` the ``B`` keys
-  ``(group id, prefix hash at t)`` of the real rows are sorted (one ``lax.sort`` over ``[T, B]``); each
-  run of equal keys is one process set and its length is ``|λ|``; process rewards are segment sums
-  over the same runs. ``O(B·T·log B)`` time, ``O(B·T)`` memory (about 16 bytes a token of keys),
-  independent of the group size ``G``.
+- ``method="sort"`` (the design's *sort-and-segment*): the ``B`` rows are sorted once by (group id,
+  completion), comparing two rows at their first difference, found through the 64-bit block-prefix
+  hashes (a bitonic network, ``O(B·log²B)`` comparisons of ``O(64 + log T)`` each). In that order the
+  rows sharing any prefix ``tokens[·, 0..t]`` are contiguous, so at every position ``t`` each run of
+  sorted neighbours whose common valid prefix is longer than ``t`` is one process set: ``|λ|`` is the run
+  length and process rewards are sums over the run (two scans over the rows, ``O(B·T)``). This is the
+  same partition as sorting the keys (group id, prefix hash at ``t``) at every ``t``, with one sort
+  instead of ``T``. Independent of the group size ``G``; memory ``O(B·T)``.
 - ``method="pairwise"``: for each trajectory and each of (up to ``max_group_size``) members of its
   group, the longest common valid prefix (64-token blocks compared by 64-bit block hashes with a
   binary search, then token by token inside the first differing block); ``|λ(i,t)| = #{j : lcp(i,j) >
@@ -93,12 +96,14 @@ __all__ = [
 PROCESS_SET_METHODS = ("auto", "pairwise", "sort")
 
 # Crossover of method="auto": pairwise while the group-size bound G is <= this, sort above it.
-# PROVISIONAL: pairwise costs ~B·G·64 token comparisons and sort ~B·T·log2(B) key comparisons, so the
-# crossover is a G of some tens. Set it from `python scripts/bench_process_sets.py` on a quiet machine
-# (the smallest G in the G sweep at T = 4096 where the sort column beats the pairwise column).
+# PROVISIONAL (64): both hash the B·T tokens; beyond that pairwise compares B·G row pairs (64-token
+# windows), sort makes ~B·log²(B)/4 such comparisons plus two O(B·T) scans, so pairwise wins for
+# small G and sort for large G. Set it from
+# `python scripts/bench_process_sets.py` on a quiet machine: the smallest G of the sweep whose sort
+# column beats its pairwise column.
 SORT_MIN_GROUP_SIZE = 64
 
-_BLOCK = 64  # tokens per hashed block of the pairwise method
+_BLOCK = 64  # tokens per hashed block (both methods compare rows block by block)
 _WORD_SEEDS = (np.uint32(0x2545F491), np.uint32(0x6C8E9CF5))  # token seeds s0, s1
 _POS_SEEDS = (np.uint32(0x9E3779B9), np.uint32(0x7F4A7C15))  # position seeds q0, q1
 _WARNED: set[str] = set()  # functions that already warned about an unbounded pairwise call
@@ -210,39 +215,55 @@ def _candidates(group_ids, bound: int):
   return idx, ok, end - start > bound
 
 
-def _lcp_blocked(tokens, lengths, idx, ok, block: int):
-  """Longest common valid prefix of i and idx[i, k]. int32[B, G].
-
-  Whole blocks of ``block`` tokens are compared by 64-bit block-prefix hashes (binary search over
-  blocks); the first block that differs is compared token by token, so the result is exact up to
-  a block-level hash collision.
-  """
+def _block_hashes(tokens, block: int):
+  """``(tok int32[B, nb·block], block_hash uint32[B, nb, 2])``: tokens zero-padded to whole blocks and the
+  64-bit prefix hash at the end of every block of ``block`` tokens."""
   b, t = tokens.shape
   nb = -(-t // block)
-  tok = jnp.pad(tokens, ((0, 0), (0, (nb + 1) * block - t)))  # room for the last window
-  words = _token_words(tok[:, : nb * block], jnp.arange(nb * block)[None, :])
+  tok = jnp.pad(tokens, ((0, 0), (0, nb * block - t))) if nb * block > t else tokens
+  words = _token_words(tok, jnp.arange(nb * block)[None, :])
   block_sums = [w.reshape(b, nb, block).sum(axis=-1, dtype=jnp.uint32) for w in words]
-  block_hash = jnp.stack([jnp.cumsum(w, axis=1, dtype=jnp.uint32) for w in block_sums], -1)  # [B, nb, 2]
-  rows = jnp.arange(b)[:, None]
-  min_len = jnp.minimum(lengths[:, None], lengths[idx])  # [B, G]
+  return tok, jnp.stack([jnp.cumsum(w, axis=1, dtype=jnp.uint32) for w in block_sums], -1)
+
+
+def _lcp_pairs(tok, block_hash, lengths, a, c, block: int):
+  """Longest common valid prefix of rows ``a`` and ``c`` (index arrays of one shape), int32 of that shape.
+
+  Whole blocks are compared by their 64-bit block-prefix hashes (binary search over blocks); the first
+  block that differs is compared token by token, so the result is exact up to a block-level hash
+  collision. Symmetric in ``a`` and ``c``.
+  """
+  nb = block_hash.shape[1]
+  min_len = jnp.minimum(lengths[a], lengths[c])
 
   def body(_, lohi):
     lo, hi = lohi  # invariant: number of equal leading blocks in [lo, hi]
     mid = (lo + hi + 1) // 2
     p = jnp.clip(mid - 1, 0, nb - 1)
-    same = jnp.all(block_hash[rows, p] == block_hash[idx, p], axis=-1)
+    same = jnp.all(block_hash[a, p] == block_hash[c, p], axis=-1)
     good = same & (mid * block <= min_len) & (lo < hi)
     return jnp.where(good, mid, lo), jnp.where(good | (lo >= hi), hi, mid - 1)
 
-  lo = jnp.zeros(idx.shape, jnp.int32)
-  hi = jnp.full(idx.shape, nb, jnp.int32)
+  lo = jnp.zeros(a.shape, jnp.int32)
+  hi = jnp.full(a.shape, nb, jnp.int32)
   steps = max(1, int(np.ceil(np.log2(nb + 1))))
   full_blocks, _ = jax.lax.fori_loop(0, steps, body, (lo, hi))
-  start = full_blocks * block  # [B, G]
-  window = start[..., None] + jnp.arange(block)  # [B, G, block]
-  same = (tok[rows[..., None], window] == tok[idx[..., None], window]) & (window < min_len[..., None])
-  lcp = start + jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=-1), axis=-1)
-  return jnp.where(ok, lcp, 0)
+  start = (full_blocks * block).reshape(-1)  # the first block that may differ
+
+  def windows(rows):  # contiguous slices, not element gathers. A window that starts past the last block
+    # (both rows equal to the end) is shifted back by dynamic_slice; every position in it is masked below.
+    return jax.vmap(lambda r, s: jax.lax.dynamic_slice(tok, (r, s), (1, block))[0])(rows.reshape(-1), start)
+
+  differs = (windows(a) != windows(c)) | (start[:, None] + jnp.arange(block) >= min_len.reshape(-1, 1))
+  first = jnp.where(jnp.any(differs, axis=-1), jnp.argmax(differs, axis=-1), block)
+  return (start + first).reshape(a.shape)
+
+
+def _lcp_blocked(tokens, lengths, idx, ok, block: int):
+  """Longest common valid prefix of i and idx[i, k] (hashed blocks, then tokens). int32[B, G]."""
+  tok, block_hash = _block_hashes(tokens, block)
+  rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], idx.shape)
+  return jnp.where(ok, _lcp_pairs(tok, block_hash, lengths, rows, idx, block), 0)
 
 
 def _lcp_exact(tokens, lengths, idx, ok):
@@ -295,44 +316,107 @@ def _pairwise(tokens, mask, group_ids, weights, bound: int, exact: bool):
 # ------------------------------------------------------------------------------------------------ sort
 
 
-def _segmented_totals(start, values):
-  """Per element of ``[T, B]`` sorted runs (``start`` True at each run's first element), its run's totals.
+def _bitonic_stages(n: int) -> np.ndarray:
+  """int32[S, 2]: the (k, j) compare-exchange stages of a bitonic sorting network on n = 2**m elements."""
+  return np.array([(k, j) for k in (2**e for e in range(1, n.bit_length())) for j in _halves(k)], np.int32).reshape(
+    -1, 2
+  )
 
-  A segmented inclusive scan along B (sums restart at every run start, so each total is summed within
-  its run only: no cancellation against other runs), read at each run's last element.
+
+def _halves(k: int):
+  j = k // 2
+  while j >= 1:
+    yield j
+    j //= 2
+
+
+def _sorted_rows(tokens, lengths, group_ids, block: int):
+  """Rows in (group id, completion) lexicographic order, and the common valid prefix of neighbours.
+
+  Returns ``(perm int32[B], adj int32[B])``: ``perm[k]`` is the row at sorted position ``k``;
+  ``adj[k]`` the longest common valid prefix of rows ``perm[k-1]`` and ``perm[k]`` (0 across groups and
+  at ``k = 0``). A valid prefix that ends is smaller than any continuation, so for every ``t`` the rows
+  sharing a prefix ``tokens[·, 0..t]`` are contiguous in this order (the order of a depth-first walk of
+  the group's prefix tree). Sorted by a bitonic network (``O(B log² B)`` comparisons) whose comparator
+  finds the first difference of two rows through the 64-bit block-prefix hashes, as the pairwise method.
   """
-  b = start.shape[1]
+  b = tokens.shape[0]
+  n = 1 << max(b - 1, 0).bit_length()  # network size: B rounded up to a power of two
+  tok, block_hash = _block_hashes(tokens, block)
 
-  def combine(x, y):
-    return (x[0] | y[0],) + tuple(jnp.where(y[0], vy, vx + vy) for vx, vy in zip(x[1:], y[1:]))
+  def less(x, y):  # is row x strictly before row y? Network filler rows (index >= B) go last.
+    fx, fy = x >= b, y >= b
+    x, y = jnp.minimum(x, b - 1), jnp.minimum(y, b - 1)
+    lcp = _lcp_pairs(tok, block_hash, lengths, x, y, block)
+    ended = lcp >= jnp.minimum(lengths[x], lengths[y])
+    at = jnp.clip(lcp, 0, tok.shape[1] - 1)
+    by_tokens = jnp.where(ended, lengths[x] < lengths[y], tok[x, at] < tok[y, at])
+    by_group = jnp.where(group_ids[x] == group_ids[y], by_tokens, group_ids[x] < group_ids[y])
+    return jnp.where(fx == fy, by_group, fy)
 
-  scanned = jax.lax.associative_scan(combine, (start,) + tuple(values), axis=1)[1:]
-  is_last = jnp.concatenate([start[:, 1:], jnp.ones_like(start[:, :1])], axis=1)
-  last = jax.lax.cummin(jnp.where(is_last, jnp.arange(b)[None, :], b), axis=1, reverse=True)  # [T, B]
-  return [jnp.take_along_axis(s, last, axis=1) for s in scanned]
+  half = jnp.arange(n // 2)
+  stages = jnp.asarray(_bitonic_stages(n))
+
+  def stage(s, perm):
+    k, j = stages[s, 0], stages[s, 1]
+    lo = (half // j) * (2 * j) + half % j  # the lower index of each compare-exchange pair
+    hi = lo + j
+    x, y = perm[lo], perm[hi]
+    swap = jnp.where((lo & k) == 0, less(y, x), less(x, y))  # ascending / descending halves
+    return perm.at[lo].set(jnp.where(swap, y, x)).at[hi].set(jnp.where(swap, x, y))
+
+  perm = jnp.arange(n, dtype=jnp.int32)
+  if stages.shape[0]:  # none for a single row
+    perm = jax.lax.fori_loop(0, stages.shape[0], stage, perm)
+  perm = perm[:b]
+  prev, cur = perm[:-1], perm[1:]
+  adj = jnp.where(group_ids[prev] == group_ids[cur], _lcp_pairs(tok, block_hash, lengths, prev, cur, block), 0)
+  return perm, jnp.concatenate([jnp.zeros(1, jnp.int32), adj])
+
+
+def _run_totals(adj, values, t: int):
+  """Run totals along sorted rows, at every position: ``[f32[B, T]]``, one per ``f32[B]`` in ``values``.
+
+  At position ``s`` a run starts at sorted row ``k`` when ``adj[k] <= s``. Row ``k``'s total at ``s`` is the
+  sum of ``values`` over its run. Two sequential scans over the rows, each step a vector op over the T
+  positions (``O(B·T)``; an associative scan would cost ``O(B·T·log B)`` and is several times slower
+  on CPU): forward, running sums restarted at every run start (summed within the run only, no
+  cancellation against other runs); backward, each run's last running sum copied to its members.
+  """
+  pos = jnp.arange(t)
+  values = jnp.stack(values, axis=1)  # [B, V]
+  nxt = jnp.concatenate([adj[1:], jnp.zeros(1, adj.dtype)])  # adj of the next row; 0: the last row ends every run
+
+  def forward(run, x):
+    a, v = x
+    run = jnp.where((a <= pos)[None, :], v[:, None], run + v[:, None])  # [V, T]
+    return run, run
+
+  _, running = jax.lax.scan(forward, jnp.zeros((values.shape[1], t), jnp.float32), (adj, values))
+
+  def backward(total, x):
+    a_next, run = x
+    total = jnp.where((a_next <= pos)[None, :], run, total)
+    return total, total
+
+  _, totals = jax.lax.scan(backward, jnp.zeros((values.shape[1], t), jnp.float32), (nxt, running), reverse=True)
+  return [totals[:, v] for v in range(values.shape[1])]
 
 
 def _sort_segment(tokens, mask, group_ids, weights):
   """Sort-and-segment method: ``(sizes f32[B, T], [sum_{j in λ} w_j for w in weights] f32[B, T] each)``.
 
-  At every position the keys (group id, prefix hash) of the B rows are sorted; equal keys form one
-  process set. Rows that are padding at ``t`` get the key group id -1 there and are zeroed afterwards.
+  One sort of the rows by (group id, completion) puts every process set of every position into one
+  contiguous run; at position ``t`` a run breaks between sorted neighbours whose common valid prefix is
+  at most ``t`` long. Run lengths are ``|λ|``, sums over the runs are the reward sums.
   """
   b, t = tokens.shape
-  valid = jnp.arange(t)[:, None] < _valid_lengths(mask)[None, :]  # [T, B]
-  w0, w1 = _token_words(tokens.T, jnp.arange(t)[:, None])  # [T, B]
-  h0 = jnp.cumsum(w0, axis=0, dtype=jnp.uint32)
-  h1 = jnp.cumsum(w1, axis=0, dtype=jnp.uint32)
-  key = jnp.where(valid, group_ids[None, :], -1)
-  rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[None, :], (t, b))
-  key, h0, h1, perm = jax.lax.sort((key, h0, h1, rows), dimension=1, num_keys=3)
-  differs = (key[:, 1:] != key[:, :-1]) | (h0[:, 1:] != h0[:, :-1]) | (h1[:, 1:] != h1[:, :-1])
-  start = jnp.concatenate([jnp.ones((t, 1), bool), differs], axis=1)
-  ones = jnp.ones((t, b), jnp.float32)
-  totals = _segmented_totals(start, [ones] + [w[perm] for w in weights])
-  # back to row order: inv[t, perm[t, k]] = k
-  inv = jnp.zeros((t, b), jnp.int32).at[jnp.arange(t)[:, None], perm].set(rows, unique_indices=True)
-  out = [jnp.where(valid, jnp.take_along_axis(x, inv, axis=1), 0.0).T for x in totals]
+  lengths = _valid_lengths(mask)
+  perm, adj = _sorted_rows(tokens, lengths, group_ids, min(_BLOCK, t))
+  totals = _run_totals(adj, [jnp.ones(b, jnp.float32)] + [w[perm] for w in weights], t)
+  inv = jnp.zeros(b, jnp.int32).at[perm].set(jnp.arange(b, dtype=jnp.int32), unique_indices=True)
+  valid = jnp.arange(t)[None, :] < lengths[:, None]
+  out = [jnp.where(valid, x[inv], 0.0) for x in totals]
   return out[0], out[1:]
 
 
@@ -511,8 +595,9 @@ def process_set_sizes(
       needed) and ``method="pairwise"`` uses ``B`` (``O(B²)`` pairs; warns once).
     exact: compare tokens directly instead of 64-bit prefix hashes (pairwise, ``O(B·G·T)`` memory): the
       brute-force reference.
-    method: ``"sort"`` (sort-and-segment, ``O(B·T·log B)``), ``"pairwise"`` (``O(B·G·(64 + log T))``) or
-      ``"auto"`` (pairwise up to :data:`SORT_MIN_GROUP_SIZE`, sort above it or when the bound is unknown).
+    method: ``"sort"`` (sort-and-segment, ``O(B·T + B·log²B·64)``, independent of G), ``"pairwise"``
+      (``O(B·T + B·G·(64 + log T))``) or ``"auto"`` (pairwise up to :data:`SORT_MIN_GROUP_SIZE`, sort
+      above it or when the bound is unknown).
 
   Returns:
     ``int32[B, T]``, ``|λ(i,t)|`` with token t inclusive and multiplicity counted, 0 on padding; ``-1`` on

@@ -7,8 +7,8 @@ Three ways to compute ``|λ(i,t)|`` on the same batch, timed in the same run:
   through each node; ``|λ(i,t)|`` is the count of the node trajectory ``i`` reaches at ``t``.
 - ``pairwise``: ``process_set_sizes(method="pairwise", max_group_size=G)`` under ``jit``
   (``O(B·T + B·G·(64 + log T))``).
-- ``sort``: ``process_set_sizes(method="sort")`` under ``jit`` (sort-and-segment over prefix hashes,
-  ``O(B·T·log B)``, independent of G).
+- ``sort``: ``process_set_sizes(method="sort")`` under ``jit`` (sort-and-segment over prefix hashes:
+  one sort of the rows, then runs per position; ``O(B·T + B·log²B·64)``, independent of G).
 
 The jitted calls are timed as the train step uses them (``group_ids`` traced, the bound static), after
 one warm-up call; the script asserts all three give identical sizes. Groups are realistic: each

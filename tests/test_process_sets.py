@@ -278,6 +278,16 @@ def test_methods_same_answer_at_scale():
     np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), exact)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_single_row_and_two_rows(method):
+  jitted = jax.jit(functools.partial(jg.process_set_sizes, method=method, max_group_size=2))
+  for strings in (["ABC"], ["ABC", "ABD"], ["ABC", "ABC"]):
+    tokens, mask, gid = ref.from_strings(strings)
+    want = ref.sizes(tokens, mask, gid)
+    np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
+    np.testing.assert_array_equal(jitted(tokens, mask, gid), want)
+
+
 def test_exact_has_no_sort_form_and_bad_method():
   tokens, mask, gid = ref.from_strings(["AB", "AC"])
   with pytest.raises(ValueError, match="exact"):
