@@ -10,6 +10,8 @@ Three ways to compute ``|λ(i,t)|`` on the same batch, timed in the same run:
 - ``sort``: ``process_set_sizes(method="sort")`` under ``jit`` (sort-and-segment over prefix hashes:
   one sort of the rows, then runs per position; ``O(B·T + B·log²B·64)``, independent of G).
 
+First, direct calls (no outer ``jit``) of ``process_set_sizes`` and ``process_advantages`` on a
+16 x 12 batch, after a warm-up call: what a notebook or research script pays per call. Then the sweep.
 The jitted calls are timed as the train step uses them (``group_ids`` traced, the bound static), after
 one warm-up call; the script asserts all three give identical sizes. Groups are realistic: each
 trajectory branches off a random earlier one of its group at a random point; lengths are uniform in
@@ -18,9 +20,10 @@ trie measured in the same run. ``SORT_MIN_GROUP_SIZE`` (``method="auto"``'s cros
 smallest G where the sort column beats the pairwise column, measured on a quiet machine.
 
 Default sweep: G in {8, 36, 128, 512} at T = 4096 with 16 prompts, except that the number of prompts
-is cut so the batch stays at most 16 x 36 rows (G = 128: 4 prompts; G = 512: 1 prompt), which keeps
-the host trie's memory (one dict entry per distinct prefix) and the run time bounded; the table says
-how many prompts each row used.
+is cut so the batch has at most 16 x 36 = 576 rows (G = 128: 4 prompts; G = 512: 1 prompt): every G
+then runs at about the same B, so the columns show the effect of G, and the pairwise method's
+``[B, G, 64]`` comparison windows stay small (16 x 512 rows would need several GB). ``--max-rows 0``
+runs 16 prompts at every G. The table says how many prompts each row used.
 
     python scripts/bench_process_sets.py            # the sweep above
     python scripts/bench_process_sets.py --quick    # a small smoke run
@@ -119,6 +122,21 @@ def bench_one(prompts: int, g: int, t: int, repeats: int) -> dict:
   return row
 
 
+def direct_calls(repeats: int) -> dict:
+  """Median seconds of direct (no outer jit) calls on a 16 x 12 batch, after one warm-up call each."""
+  tokens, mask, gid = make_groups(4, 4, 12)
+  rewards = np.linspace(0.0, 1.0, tokens.shape[0], dtype=np.float32)
+  calls = {
+    "process_set_sizes": lambda: jg.process_set_sizes(tokens, mask, gid),
+    "process_advantages": lambda: jg.process_advantages(rewards, tokens, mask, gid, 4),
+  }
+  out = {}
+  for name, call in calls.items():
+    call().block_until_ready()
+    out[name] = _median_time(lambda call=call: call().block_until_ready(), max(repeats, 20))
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
@@ -136,6 +154,11 @@ def main(argv=None):
   header = (
     f"{'prompts x G x T':>16} {'tokens':>10} {'trie s/tok':>11} {'pairwise s/tok':>15} {'sort s/tok':>11} "
     f"{'trie/pairwise':>14} {'trie/sort':>10} {'pairwise/sort':>14} {'compile s (pw, sort)':>21}"
+  )
+  direct = direct_calls(args.repeats)
+  print(
+    "direct calls on a 16 x 12 batch (NumPy in, after a warm-up): "
+    + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in direct.items())
   )
   print(header)
   rows = []

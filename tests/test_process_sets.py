@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxgrpo as jg
 from jaxgrpo import process_sets as ps
@@ -259,6 +260,35 @@ def test_methods_agree_on_long_noncontiguous_groups(method):
         ]
         want_r[i, s_] = rewards[members].mean()
   np.testing.assert_allclose(got, want_r, rtol=1e-5, atol=1e-6)
+
+
+@st.composite
+def _long_groups(draw, b=12, t=130):
+  """Fixed-shape long rows: branch points near 64-token block edges, duplicates, holes, empty rows."""
+  seed = draw(st.integers(0, 2**32 - 1))
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 2, size=(b, t)).astype(np.int32)
+  edges = [0, 1, 63, 64, 65, 127, 128, 129, t]
+  for k in range(1, b):
+    cut = draw(st.sampled_from(edges + [int(rng.integers(0, t + 1))]))
+    tokens[k, :cut] = tokens[draw(st.integers(0, k - 1)), :cut]
+    if draw(st.integers(0, 6)) == 0:
+      tokens[k] = tokens[k - 1]
+  lengths = np.array([draw(st.sampled_from([0, 1, 64, 65, t, int(rng.integers(0, t + 1))])) for _ in range(b)])
+  mask = np.arange(t)[None] < lengths[:, None]
+  if draw(st.booleans()):
+    mask[draw(st.integers(0, b - 1)), draw(st.integers(0, t - 1))] = False  # a hole
+  gid = np.array(draw(st.lists(st.integers(0, 3), min_size=b, max_size=b)), np.int32)
+  return tokens, mask, gid
+
+
+@settings(max_examples=40, deadline=None)
+@given(_long_groups())
+def test_methods_match_reference_on_long_rows(data):
+  tokens, mask, gid = data
+  want = _lcp_sizes(tokens, mask, gid)
+  for method in METHODS:
+    np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=12, method=method), want)
 
 
 def test_methods_same_answer_at_scale():
