@@ -1,13 +1,33 @@
-"""Benchmark: `process_set_sizes` (jitted, hashed prefixes) vs a pure-Python recursive-split trie.
+"""Benchmark: process-set sizes by a host-side Python trie vs ``process_set_sizes`` pairwise vs sort.
 
-The trie is the λ-GRPO authors' approach (a trie per group on the host), written here independently:
-at each position it partitions the trajectories that still share a prefix by their next token;
-a partition of one is filled to its end in bulk.
+Three ways to compute ``|λ(i,t)|`` on the same batch, timed in the same run:
 
-Groups are realistic: each trajectory branches off a random earlier one at a random point.
+- ``trie``: a per-group prefix trie built on the host in pure Python (the λ-GRPO authors' approach,
+  written here independently): insert every trajectory token by token, counting how many pass
+  through each node; ``|λ(i,t)|`` is the count of the node trajectory ``i`` reaches at ``t``.
+- ``pairwise``: ``process_set_sizes(method="pairwise", max_group_size=G)`` under ``jit``
+  (``O(B·T + B·G·(64 + log T))``).
+- ``sort``: ``process_set_sizes(method="sort")`` under ``jit`` (sort-and-segment over prefix hashes:
+  one sort of the rows, then runs per position; ``O(B·T + B·log²B·64)``, independent of G).
 
-    python scripts/bench_process_sets.py            # the four sizes of the issue
+First, direct calls (no outer ``jit``) of ``process_set_sizes`` and ``process_advantages`` on a
+16 x 12 batch, after a warm-up call: what a notebook or research script pays per call. Then the sweep.
+The jitted calls are timed as the train step uses them (``group_ids`` traced, the bound static), after
+one warm-up call; the script asserts all three give identical sizes. Groups are realistic: each
+trajectory branches off a random earlier one of its group at a random point; lengths are uniform in
+``[T/2, T]``; vocabulary 32000. Per-token times are medians over ``--repeats``; ratios are against the
+trie measured in the same run. ``SORT_MIN_GROUP_SIZE`` (``method="auto"``'s crossover) should be the
+smallest G where the sort column beats the pairwise column, measured on a quiet machine.
+
+Default sweep: G in {8, 36, 128, 512} at T = 4096 with 16 prompts, except that the number of prompts
+is cut so the batch has at most 16 x 36 = 576 rows (G = 128: 4 prompts; G = 512: 1 prompt): every G
+then runs at about the same B, so the columns show the effect of G, and the pairwise method's
+``[B, G, 64]`` comparison windows stay small (16 x 512 rows would need several GB). ``--max-rows 0``
+runs 16 prompts at every G. The table says how many prompts each row used.
+
+    python scripts/bench_process_sets.py            # the sweep above
     python scripts/bench_process_sets.py --quick    # a small smoke run
+    python scripts/bench_process_sets.py --groups 36 --length 1024 --prompts 16 --max-rows 0
 """
 
 from __future__ import annotations
@@ -28,6 +48,7 @@ import _bench  # noqa: E402
 
 
 def make_groups(prompts: int, group_size: int, length: int, seed: int = 0, vocab: int = 32000):
+  """tokens int32[B, T], mask bool[B, T], group_ids int32[B] of ``prompts`` groups of ``group_size``."""
   rng = np.random.default_rng(seed)
   b = prompts * group_size
   tokens = rng.integers(0, vocab, size=(b, length), dtype=np.int32)
@@ -44,65 +65,110 @@ def make_groups(prompts: int, group_size: int, length: int, seed: int = 0, vocab
 
 
 def trie_sizes(tokens: np.ndarray, mask: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
-  """|λ(i,t)| by recursive splitting of each group on the host (explicit stack, no recursion limit)."""
-  lengths = mask.sum(axis=1)
+  """|λ(i,t)| from one prefix trie per group, built and read on the host in pure Python.
+
+  A node is an int; the trie is one dict ``(node << 32 | token) -> child`` plus a list of pass counts,
+  built per group and dropped after it (memory: one entry per distinct prefix of the group).
+  """
+  valid = np.cumprod(mask, axis=1, dtype=bool)
+  lengths = valid.sum(axis=1)
   out = np.zeros(tokens.shape, np.int32)
-  rows = tokens.tolist()
   for g in np.unique(group_ids):
-    stack = [(list(np.flatnonzero(group_ids == g)), 0)]
-    while stack:
-      members, t = stack.pop()
-      alive = [j for j in members if lengths[j] > t]
-      if len(alive) == 1:
-        j = alive[0]
-        out[j, t : lengths[j]] = 1
-        continue
-      parts: dict[int, list[int]] = {}
-      for j in alive:
-        parts.setdefault(rows[j][t], []).append(j)
-      for part in parts.values():
-        if len(part) == 1:
-          out[part[0], t : lengths[part[0]]] = 1
-        else:
-          out[part, t] = len(part)
-          stack.append((part, t + 1))
+    members = np.flatnonzero(group_ids == g)
+    children: dict[int, int] = {}
+    counts = [0]  # node 0 is the root
+    paths = []
+    for i in members:
+      node, path = 0, []
+      for tok in tokens[i, : lengths[i]].tolist():
+        key = node << 32 | tok
+        child = children.get(key)
+        if child is None:
+          child = children[key] = len(counts)
+          counts.append(0)
+        counts[child] += 1
+        node = child
+        path.append(child)
+      paths.append(path)
+    for i, path in zip(members, paths):
+      out[i, : len(path)] = [counts[n] for n in path]
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-  parser.add_argument("--repeats", type=int, default=5)
-  args = parser.parse_args()
+def _jitted(method: str, g: int):
+  return jax.jit(functools.partial(jg.process_set_sizes, method=method, max_group_size=g))
 
-  sizes = [(2, 4, 64), (4, 6, 128)] if args.quick else [(4, 6, 1024), (16, 36, 1024), (16, 36, 4096), (64, 36, 4096)]
+
+def bench_one(prompts: int, g: int, t: int, repeats: int) -> dict:
+  tokens, mask, gid = make_groups(prompts, g, t)
+  n = tokens.size
+  args = [jax.device_put(x) for x in (tokens, mask, gid)]
+  row = dict(prompts=prompts, group_size=g, length=t, rows=tokens.shape[0], tokens=n)
+  want = trie_sizes(tokens, mask, gid)
+  row["trie_s_per_token"] = (
+    _bench.median_time(lambda: trie_sizes(tokens, mask, gid), max(1, min(repeats, 3)), warmup=0) / n
+  )
+  for method in ("pairwise", "sort"):
+    f = _jitted(method, g)
+    t0 = time.perf_counter()
+    got = np.asarray(f(*args))
+    row[f"{method}_compile_s"] = time.perf_counter() - t0
+    if not np.array_equal(got, want):
+      raise AssertionError(f"{method} sizes disagree with the trie at prompts={prompts}, G={g}, T={t}")
+    row[f"{method}_s_per_token"] = _bench.median_time(lambda f=f: f(*args), repeats, warmup=0) / n  # compiled above
+  return row
+
+
+def direct_calls(repeats: int) -> dict:
+  """Median seconds of direct (no outer jit) calls on a 16 x 12 batch, after one warm-up call each."""
+  tokens, mask, gid = make_groups(4, 4, 12)
+  rewards = np.linspace(0.0, 1.0, tokens.shape[0], dtype=np.float32)
+  calls = {
+    "process_set_sizes": lambda: jg.process_set_sizes(tokens, mask, gid),
+    "process_advantages": lambda: jg.process_advantages(rewards, tokens, mask, gid, 4),
+  }
+  out = {}
+  for name, call in calls.items():
+    out[name] = _bench.median_time(call, max(repeats, 20))
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+  parser.add_argument("--groups", type=int, nargs="+", default=[8, 36, 128, 512], help="group sizes G")
+  parser.add_argument("--length", type=int, default=4096, help="completion length T")
+  parser.add_argument("--prompts", type=int, default=16, help="prompts (groups) per batch")
+  parser.add_argument("--max-rows", type=int, default=16 * 36, help="cut prompts so rows <= this (0: no cut)")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.groups, args.length, args.prompts, args.max_rows, args.repeats = [2, 5], 70, 3, 0, 1
+
   print(f"{_bench.backend_line()}; {args.repeats} repeats, medians")
+  print(f"auto method: pairwise up to G = {jg.process_sets.SORT_MIN_GROUP_SIZE}, sort above (provisional)")
   header = (
-    f"{'prompts x G x T':>18} {'tokens':>9} {'trie s/tok':>11} {'ours(G) s/tok':>14} "
-    f"{'ours(B) s/tok':>14} {'trie/ours(G)':>13} {'compile s':>10}"
+    f"{'prompts x G x T':>16} {'tokens':>10} {'trie s/tok':>11} {'pairwise s/tok':>15} {'sort s/tok':>11} "
+    f"{'trie/pairwise':>14} {'trie/sort':>10} {'pairwise/sort':>14} {'compile s (pw, sort)':>21}"
+  )
+  direct = direct_calls(args.repeats)
+  print(
+    "direct calls on a 16 x 12 batch (NumPy in, after a warm-up): "
+    + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in direct.items())
   )
   print(header)
   rows = []
-  for prompts, g, t in sizes:
-    tokens, mask, gid = make_groups(prompts, g, t)
-    n = tokens.size
-    bounded = jax.jit(functools.partial(jg.process_set_sizes, max_group_size=g))
-    unbounded = jax.jit(jg.process_set_sizes)
-    args_dev = [jax.device_put(x) for x in (tokens, mask, gid)]
-    t0 = time.perf_counter()
-    ours = np.asarray(bounded(*args_dev))
-    compile_s = time.perf_counter() - t0
-    want = trie_sizes(tokens, mask, gid)
-    assert np.array_equal(ours, want), "hashed sizes disagree with the trie"
-    t_trie = _bench.median_time(
-      lambda tokens=tokens, mask=mask, gid=gid: trie_sizes(tokens, mask, gid), max(1, min(args.repeats, 3)), warmup=0
-    )
-    t_ours = _bench.median_time(lambda f=bounded, a=args_dev: f(*a), args.repeats, warmup=0)  # compiled above
-    t_unb = _bench.median_time(lambda f=unbounded, a=args_dev: f(*a), args.repeats)
-    rows.append((prompts, g, t, n, t_trie / n, t_ours / n, t_unb / n))
+  for g in args.groups:
+    prompts = args.prompts
+    if args.max_rows:
+      prompts = max(1, min(prompts, args.max_rows // g))
+    row = bench_one(prompts, g, args.length, args.repeats)
+    rows.append(row)
+    trie, pw, srt = row["trie_s_per_token"], row["pairwise_s_per_token"], row["sort_s_per_token"]
     print(
-      f"{f'{prompts}x{g}x{t}':>18} {n:>9} {t_trie / n:>11.2e} {t_ours / n:>14.2e} {t_unb / n:>14.2e} "
-      f"{t_trie / t_ours:>12.1f}x {compile_s:>10.2f}",
+      f"{f'{prompts}x{g}x{args.length}':>16} {row['tokens']:>10} {trie:>11.2e} {pw:>15.2e} {srt:>11.2e} "
+      f"{trie / pw:>13.1f}x {trie / srt:>9.1f}x {pw / srt:>13.2f}x "
+      f"{row['pairwise_compile_s']:>10.1f} {row['sort_compile_s']:>10.1f}",
       flush=True,
     )
   return rows

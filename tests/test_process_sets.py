@@ -1,4 +1,6 @@
 import functools
+import importlib.util
+import os
 
 import core_refs as ref
 import jax
@@ -6,17 +8,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxgrpo as jg
+from jaxgrpo import process_sets as ps
 
 SETTINGS = settings(max_examples=60, deadline=None)
+METHODS = ("pairwise", "sort")
 # jitted once per test: hypothesis draws are padded to one shape (see core_refs.groups)
-sizes_hash = jax.jit(jg.process_set_sizes)
-sizes_exact = jax.jit(functools.partial(jg.process_set_sizes, exact=True))
-sizes_bounded = jax.jit(jg.process_set_sizes, static_argnames="max_group_size")
-proc_rewards = jax.jit(jg.process_rewards)
-proc_adv = jax.jit(jg.process_advantages, static_argnums=4, static_argnames="ddof")
-tree_stats = jax.jit(jg.process_tree_stats, static_argnums=3)
+sizes_hash = jax.jit(jg.process_set_sizes, static_argnames="method")
+sizes_exact = jax.jit(functools.partial(jg.process_set_sizes, exact=True, max_group_size=10))
+sizes_bounded = jax.jit(jg.process_set_sizes, static_argnames=("max_group_size", "method"))
+proc_rewards = jax.jit(functools.partial(jg.process_rewards, max_group_size=10), static_argnames="method")
+proc_adv = jax.jit(
+  functools.partial(jg.process_advantages, max_group_size=10), static_argnums=4, static_argnames=("ddof", "method")
+)
+tree_stats = jax.jit(jg.process_tree_stats, static_argnums=3, static_argnames=("per_group", "method"))
 
 
 def test_spec_worked_example():
@@ -50,10 +57,13 @@ def test_groups_are_separate_and_any_order():
 def test_sizes_match_bruteforce(data):
   tokens, mask, gid, _, _ = data
   want = ref.sizes(tokens, mask, gid)
-  np.testing.assert_array_equal(sizes_hash(tokens, mask, gid), want)
+  np.testing.assert_array_equal(sizes_hash(tokens, mask, gid), want)  # traced ids, no bound: auto sorts
   np.testing.assert_array_equal(sizes_exact(tokens, mask, gid), want)
   gmax = int(np.bincount(gid).max())
-  np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=gmax), want)
+  for method in METHODS:
+    np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=gmax, method=method), want)
+  for method in ("auto",) + METHODS:  # eager: concrete ids, the bound derived from them
+    np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
 
 
 @SETTINGS
@@ -61,12 +71,14 @@ def test_sizes_match_bruteforce(data):
 def test_process_rewards_and_advantages_match_bruteforce(data):
   tokens, mask, gid, rewards, ng = data
   want_r = ref.process_rewards(rewards, tokens, mask, gid)
-  np.testing.assert_allclose(proc_rewards(rewards, tokens, mask, gid), want_r, rtol=1e-5, atol=1e-6)
+  for method in METHODS:
+    np.testing.assert_allclose(proc_rewards(rewards, tokens, mask, gid, method=method), want_r, rtol=1e-5, atol=1e-6)
   for ddof in (0, 1):
     mean, denom = ref.group_stats(rewards, gid, ddof=ddof)
     want_a = np.where(ref.sizes(tokens, mask, gid) > 0, (want_r - mean[:, None]) / denom[:, None], 0.0)
-    got = proc_adv(rewards, tokens, mask, gid, ng, ddof=ddof)
-    np.testing.assert_allclose(got, want_a, rtol=1e-4, atol=1e-4)
+    for method in METHODS:
+      got = proc_adv(rewards, tokens, mask, gid, ng, ddof=ddof, method=method)
+      np.testing.assert_allclose(got, want_a, rtol=1e-4, atol=1e-4)
 
 
 def _ref_tree_stats(tokens, mask, gid):
@@ -99,6 +111,13 @@ def test_tree_stats_match_bruteforce(data):
   assert set(got) == set(want)
   for k in want:
     np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-5, err_msg=k)
+  per_group = tree_stats(tokens, mask, gid, ng, per_group=True, method="sort")
+  for g in range(ng):
+    rows = gid == g
+    want_g = _ref_tree_stats(tokens[rows], mask[rows], gid[rows]) if rows.any() else dict.fromkeys(want, 0.0)
+    for k in want:
+      assert per_group[k].shape == (ng,) and per_group[k].dtype == jnp.float32
+      np.testing.assert_allclose(float(per_group[k][g]), want_g[k], rtol=1e-5, err_msg=f"{k}, group {g}")
 
 
 def test_tree_stats_hand_example():
@@ -206,3 +225,305 @@ def test_long_completions_across_hash_blocks(t):
   want = _lcp_sizes(tokens, mask, gid)
   np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid), want)
   np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, exact=True), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# sort-and-segment vs pairwise at realistic lengths, adversarial groups
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_methods_agree_on_long_noncontiguous_groups(method):
+  # 3 interleaved groups of unequal size, duplicates, empty rows, branch points at block boundaries
+  rng = np.random.default_rng(7)
+  b, t = 24, 300
+  tokens = rng.integers(0, 3, size=(b, t)).astype(np.int32)
+  for k in range(1, b):
+    cut = int(rng.choice([0, 1, 63, 64, 65, 128, t - 1, t, int(rng.integers(0, t))]))
+    tokens[k, :cut] = tokens[rng.integers(0, k), :cut]
+  tokens[5] = tokens[4]
+  lengths = rng.integers(0, t + 1, size=b)
+  lengths[[1, 2]] = 0, t
+  mask = np.arange(t)[None] < lengths[:, None]
+  mask[3, 10] = False  # a hole: everything after it is padding
+  gid = rng.choice([0, 2, 5], size=b).astype(np.int32)
+  want = _lcp_sizes(tokens, mask, gid)
+  np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
+  rewards = rng.normal(size=b).astype(np.float32)
+  got = jg.process_rewards(rewards, tokens, mask, gid, method=method)
+  want_r = np.zeros((b, t))
+  v = ref.valid_prefix(mask)
+  for i in range(b):
+    for s_ in range(t):
+      if v[i, s_]:
+        members = [
+          j for j in range(b) if gid[j] == gid[i] and v[j, s_] and (tokens[j, : s_ + 1] == tokens[i, : s_ + 1]).all()
+        ]
+        want_r[i, s_] = rewards[members].mean()
+  np.testing.assert_allclose(got, want_r, rtol=1e-5, atol=1e-6)
+
+
+@st.composite
+def _long_groups(draw, b=12, t=130):
+  """Fixed-shape long rows: branch points near 64-token block edges, duplicates, holes, empty rows."""
+  seed = draw(st.integers(0, 2**32 - 1))
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 2, size=(b, t)).astype(np.int32)
+  edges = [0, 1, 63, 64, 65, 127, 128, 129, t]
+  for k in range(1, b):
+    cut = draw(st.sampled_from(edges + [int(rng.integers(0, t + 1))]))
+    tokens[k, :cut] = tokens[draw(st.integers(0, k - 1)), :cut]
+    if draw(st.integers(0, 6)) == 0:
+      tokens[k] = tokens[k - 1]
+  lengths = np.array([draw(st.sampled_from([0, 1, 64, 65, t, int(rng.integers(0, t + 1))])) for _ in range(b)])
+  mask = np.arange(t)[None] < lengths[:, None]
+  if draw(st.booleans()):
+    mask[draw(st.integers(0, b - 1)), draw(st.integers(0, t - 1))] = False  # a hole
+  gid = np.array(draw(st.lists(st.integers(0, 3), min_size=b, max_size=b)), np.int32)
+  return tokens, mask, gid
+
+
+@settings(max_examples=40, deadline=None)
+@given(_long_groups())
+def test_methods_match_reference_on_long_rows(data):
+  tokens, mask, gid = data
+  want = _lcp_sizes(tokens, mask, gid)
+  for method in METHODS:
+    np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=12, method=method), want)
+
+
+def test_methods_same_answer_at_scale():
+  # 8 groups of 36 at T = 512 with realistic branching: the two hashed methods and the exact reference
+  rng = np.random.default_rng(11)
+  g, prompts, t = 36, 8, 512
+  b = g * prompts
+  tokens = rng.integers(0, 32000, size=(b, t)).astype(np.int32)
+  for p in range(prompts):
+    for k in range(1, g):
+      cut = int(rng.integers(0, t))
+      tokens[p * g + k, :cut] = tokens[p * g + int(rng.integers(0, k)), :cut]
+  mask = np.arange(t)[None] < rng.integers(t // 2, t + 1, size=b)[:, None]
+  gid = rng.permutation(np.repeat(np.arange(prompts, dtype=np.int32), g))
+  exact = np.asarray(jg.process_set_sizes(tokens, mask, gid, exact=True))
+  for method in METHODS:
+    np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), exact)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_single_row_and_two_rows(method):
+  jitted = jax.jit(functools.partial(jg.process_set_sizes, method=method, max_group_size=2))
+  for strings in (["ABC"], ["ABC", "ABD"], ["ABC", "ABC"]):
+    tokens, mask, gid = ref.from_strings(strings)
+    want = ref.sizes(tokens, mask, gid)
+    np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
+    np.testing.assert_array_equal(jitted(tokens, mask, gid), want)
+
+
+def test_exact_has_no_sort_form_and_bad_method():
+  tokens, mask, gid = ref.from_strings(["AB", "AC"])
+  with pytest.raises(ValueError, match="exact"):
+    jg.process_set_sizes(tokens, mask, gid, exact=True, method="sort")
+  with pytest.raises(ValueError, match="method"):
+    jg.process_set_sizes(tokens, mask, gid, method="trie")
+
+
+# ------------------------------------------------------------------------------------------------
+# loud under jit (issue 14, item 5)
+
+
+def test_group_larger_than_bound_is_poisoned_under_jit():
+  tokens, mask, gid = ref.from_strings(["AB", "AB", "AB", "AB", "XY"], group_ids=[0, 0, 0, 0, 1])
+  with pytest.raises(ValueError, match="max_group_size"):  # eager: a clear error
+    jg.process_set_sizes(tokens, mask, gid, max_group_size=2)
+  for method in ("auto", "pairwise"):
+    f = jax.jit(functools.partial(jg.process_set_sizes, max_group_size=2, method=method))
+    np.testing.assert_array_equal(f(tokens, mask, gid), [[-1, -1]] * 4 + [[1, 1]])
+  rewards = np.array([1.0, 0.0, 1.0, 0.0, 1.0], np.float32)
+  r = jax.jit(functools.partial(jg.process_rewards, max_group_size=2))(rewards, tokens, mask, gid)
+  assert np.all(np.isnan(r[:4])) and np.array_equal(r[4], [1.0, 1.0])
+  a = jax.jit(functools.partial(jg.process_advantages, num_groups=2, max_group_size=2))(rewards, tokens, mask, gid)
+  assert np.all(np.isnan(a[:4])) and np.array_equal(a[4], [0.0, 0.0])
+  stats = jax.jit(functools.partial(jg.process_tree_stats, num_groups=2, max_group_size=2, per_group=True))(
+    tokens, mask, gid
+  )
+  for v in stats.values():
+    assert np.isnan(v[0]) and np.isfinite(v[1])
+  # the sort method has no bound to exceed
+  np.testing.assert_array_equal(
+    jax.jit(functools.partial(jg.process_set_sizes, method="sort"))(tokens, mask, gid), [[4, 4]] * 4 + [[1, 1]]
+  )
+
+
+def test_out_of_range_group_ids_are_poisoned_under_jit():
+  tokens, mask, _ = ref.from_strings(["AB", "AC", "AB", "XY"])
+  gid = np.array([0, 0, 2, -1], np.int32)  # 2 is out of range for num_groups=2, -1 everywhere
+  rewards = np.array([1.0, 0.0, 1.0, 0.5], np.float32)
+  for method in METHODS:
+    sizes = jax.jit(functools.partial(jg.process_set_sizes, method=method, max_group_size=4))(tokens, mask, gid)
+    np.testing.assert_array_equal(sizes, [[2, 1], [2, 1], [1, 1], [-1, -1]])
+    r = jax.jit(functools.partial(jg.process_rewards, method=method, max_group_size=4))(rewards, tokens, mask, gid)
+    assert np.all(np.isnan(r[3])) and np.all(np.isfinite(r[:3]))
+    adv = jax.jit(functools.partial(jg.process_advantages, num_groups=2, method=method, max_group_size=4))(
+      rewards, tokens, mask, gid
+    )
+    assert np.all(np.isnan(adv[2:])) and np.all(np.isfinite(adv[:2]))
+    stats = jax.jit(functools.partial(jg.process_tree_stats, num_groups=2, method=method, max_group_size=4))(
+      tokens, mask, gid
+    )
+    assert all(np.isnan(v) for v in stats.values())
+  for bad_gid in (gid, np.array([0, 0, 1, 2], np.int32)):
+    with pytest.raises(ValueError, match="group_ids"):
+      ps.check_process_set_inputs(tokens, mask, bad_gid, num_groups=2)
+  with pytest.raises(ValueError, match="group_ids"):
+    jg.process_advantages(rewards, tokens, mask, gid, 2)
+
+
+def test_check_process_set_inputs():
+  tokens, mask, gid = ref.from_strings(["AB", "AB", "AB", "XY"], group_ids=[0, 0, 0, 1])
+  assert ps.check_process_set_inputs(tokens, mask, gid) == 3
+  assert ps.check_process_set_inputs(tokens, mask, gid, 3, num_groups=2) == 3
+  with pytest.raises(ValueError, match="max_group_size`=2 is smaller than the largest group \\(3"):
+    ps.check_process_set_inputs(tokens, mask, gid, 2)
+  with pytest.raises(ValueError, match="max_group_size"):
+    ps.check_process_set_inputs(tokens, mask, gid, 0)
+  with pytest.raises(TypeError, match="mask"):
+    ps.check_process_set_inputs(tokens, mask.astype(np.int32), gid)
+  with pytest.raises(TypeError, match="traced"):
+    jax.jit(ps.check_process_set_inputs)(tokens, mask, gid)
+  assert ps.check_process_set_inputs(tokens[:0], mask[:0], gid[:0], 2) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# degenerate shapes (issue 14, item 7)
+
+
+@pytest.mark.parametrize("b, t", [(0, 5), (3, 0), (0, 0)])
+def test_empty_batches_give_empty_outputs(b, t):
+  tokens, mask = np.zeros((b, t), np.int32), np.zeros((b, t), bool)
+  gid, rewards = np.zeros(b, np.int32), np.zeros(b, np.float32)
+  for fn in (jg.process_set_sizes, jax.jit(jg.process_set_sizes)):
+    out = fn(tokens, mask, gid)
+    assert out.shape == (b, t) and out.dtype == jnp.int32
+  assert jg.process_set_sizes(tokens, mask, gid, max_group_size=4, method="pairwise").shape == (b, t)
+  assert jg.prefix_hashes(tokens, mask).shape == (b, t, 2)
+  assert jg.process_rewards(rewards, tokens, mask, gid).shape == (b, t)
+  adv = jg.process_advantages(rewards, tokens, mask, gid, 2)
+  assert adv.shape == (b, t) and adv.dtype == jnp.float32
+  stats = jg.process_tree_stats(tokens, mask, gid, 2)
+  assert all(float(v) == 0.0 for v in stats.values())
+  assert all(v.shape == (2,) for v in jg.process_tree_stats(tokens, mask, gid, 2, per_group=True).values())
+  with pytest.raises(ValueError, match="max_group_size"):  # still checked: the user passed it
+    jg.process_set_sizes(tokens, mask, gid, max_group_size=0)
+  with pytest.raises(ValueError, match="scale"):
+    jg.process_advantages(rewards, tokens, mask, gid, 2, scale="bogus")
+
+
+# ------------------------------------------------------------------------------------------------
+# non-finite rewards are missing samples (issue 14, item 3)
+
+
+def _ref_process_rewards_missing(rewards, tokens, mask, gid):
+  """R(i,t) over the members of λ(i,t) with a finite reward; 0 where there are none (NumPy)."""
+  out = np.zeros(tokens.shape)
+  for i, row in enumerate(ref.process_sets(tokens, mask, gid)):
+    for s_, members in enumerate(row):
+      finite = [rewards[j] for j in members if np.isfinite(rewards[j])]
+      out[i, s_] = np.mean(finite) if finite else 0.0
+  return out
+
+
+def _baseline_excludes_missing() -> bool:
+  """Whether advantages.group_baseline already leaves non-finite rewards out (the kernels stream's fix)."""
+  mean, _ = jg.group_baseline(np.array([np.nan, 1.0], np.float32), np.zeros(2, np.int32), 1)
+  return bool(np.all(np.isfinite(np.asarray(mean))))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nonfinite_rewards_are_missing_samples(method):
+  tokens, mask, gid = ref.from_strings(["ABCD", "ABCE", "ABX", "QR", "QS", "Z"], group_ids=[0, 0, 0, 1, 1, 2])
+  rewards = np.array([1.0, np.nan, 0.0, 2.0, 1.0, np.inf], np.float32)
+  sizes = jg.process_set_sizes(tokens, mask, gid, method=method)
+  np.testing.assert_array_equal(sizes, ref.sizes(tokens, mask, gid))  # the structure is unchanged
+  r = jg.process_rewards(rewards, tokens, mask, gid, method=method)
+  np.testing.assert_allclose(r, _ref_process_rewards_missing(rewards, tokens, mask, gid), rtol=1e-6)
+  assert float(r[1, 3]) == 0.0 and float(r[1, 2]) == 1.0  # only the missing one left: 0; "ABC": r_0
+  adv = np.asarray(jg.process_advantages(rewards, tokens, mask, gid, 3, method=method))
+  np.testing.assert_array_equal(adv[[1, 5]], 0.0)  # missing samples: advantage 0, never NaN
+  mean, denom = ref.group_stats(rewards[3:5], np.zeros(2, np.int32))  # group 1 has no missing sample
+  want = (np.array([[1.5, 2.0], [1.5, 1.0]]) - mean[:, None]) / denom[:, None]
+  np.testing.assert_allclose(adv[3:5, :2], want, rtol=1e-5)
+  if not _baseline_excludes_missing():
+    pytest.skip("advantages.group_baseline does not exclude non-finite rewards yet (kernels stream)")
+  finite = np.isfinite(rewards)
+  for i in np.flatnonzero(finite):
+    members = (gid == gid[i]) & finite
+    m, sd = rewards[members].mean(), rewards[members].std()
+    want_i = (_ref_process_rewards_missing(rewards, tokens, mask, gid)[i] - m) / (sd + 1e-6)
+    np.testing.assert_allclose(adv[i], np.where(mask[i], want_i, 0.0), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# fast direct calls (issue 13)
+
+
+def test_direct_calls_do_not_retrace():
+  traces = []
+
+  def listen(event, _duration, fun_name=None, **_):
+    if event == "/jax/core/compile/jaxpr_trace_duration":
+      traces.append(fun_name)
+
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 5, size=(16, 12)).astype(np.int32)
+  mask = np.ones((16, 12), bool)
+  rewards = rng.normal(size=16).astype(np.float32)
+  gid = np.array([0] * 5 + [1] * 5 + [2] * 6, np.int32)
+  jg.process_set_sizes(tokens, mask, gid)
+  jg.process_advantages(rewards, tokens, mask, gid, 3)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    for k in range(3):  # new data, placed or not, and largest groups 6..8 that round up to the same bound
+      gid_k = np.array([0] * (6 + k) + [1] * 4 + [2] * (6 - k), np.int32)
+      tokens_k = rng.integers(0, 5, size=(16, 12)).astype(np.int32)
+      placed = [jax.device_put(x) for x in (tokens_k, mask, gid_k)]
+      jg.process_set_sizes(tokens_k, mask, gid_k)
+      jg.process_set_sizes(*placed)
+      jg.process_advantages(rewards, tokens_k, mask, gid_k, 3)
+      jg.process_advantages(jax.device_put(rewards), *placed, 3)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert traces == []
+
+
+def test_unbounded_pairwise_under_jit_warns_once(monkeypatch):
+  monkeypatch.setattr(ps, "_WARNED", set())
+  tokens, mask, gid = ref.from_strings(["AB", "AC", "XY"], group_ids=[0, 0, 1])
+  f = jax.jit(functools.partial(jg.process_set_sizes, method="pairwise"))
+  with pytest.warns(UserWarning, match="max_group_size.*O\\(B²\\)") as record:
+    f(tokens, mask, gid)
+    f(np.pad(tokens, ((0, 1), (0, 0))), np.pad(mask, ((0, 1), (0, 0))), np.append(gid, 1))  # a retrace
+  assert len([w for w in record if "max_group_size" in str(w.message)]) == 1
+  np.testing.assert_array_equal(f(tokens, mask, gid), [[2, 1], [2, 1], [1, 1]])
+
+
+def test_inside_outer_jit_equals_direct():
+  tokens, mask, gid = ref.from_strings(["ABCD", "ABCE", "ABX", "QR"], group_ids=[1, 1, 1, 0])
+  rewards = np.array([1.0, 0.0, 0.5, 2.0], np.float32)
+
+  @jax.jit
+  def both(rewards, tokens, mask, gid):
+    return jg.process_advantages(rewards, tokens, mask, gid, 2, max_group_size=3), jg.prefix_hashes(tokens, mask)
+
+  adv, h = both(rewards, tokens, mask, gid)
+  np.testing.assert_allclose(adv, jg.process_advantages(rewards, tokens, mask, gid, 2), rtol=1e-6)
+  np.testing.assert_array_equal(h, jg.prefix_hashes(tokens, mask))
+
+
+@pytest.mark.slow
+def test_bench_process_sets_smoke(capsys):
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_process_sets.py")
+  spec = importlib.util.spec_from_file_location("bench_process_sets", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  rows = bench.main(["--quick"])
+  assert rows and all(r["trie_s_per_token"] > 0 for r in rows)
+  assert "sort" in capsys.readouterr().out
