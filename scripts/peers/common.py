@@ -146,29 +146,36 @@ CHUNK = WORKLOAD.chunk  # jaxgrpo's log-prob chunk (positions)
 def model_flops(w: Workload) -> dict[str, float]:
   """Model FLOPs of one GRPO iteration of workload ``w`` (a matmul counts 2 FLOPs per multiply-add).
 
-  With N = trunk matmul parameters (q, k, v, o, SwiGLU of every layer), V·D the tied head, A(c) =
-  4·L·H·K·c the attention FLOPs of one query over c keys (q·kᵀ and p·v), P the prompt length, T the
-  new tokens, R = prompts × samples rows, S = P + T:
+  With N = trunk matmul parameters (q, k, v, o, SwiGLU of every layer), V·D the tied head,
+  A(c) = 4·L·H·K·c the attention FLOPs of one query over c keys (q·kᵀ and p·v), P the prompt length,
+  T the new tokens, R = prompts × samples rows, S = P + T, and C(n) = Σ_{s=1..n} A(s) causal
+  attention over n positions:
 
-  - rollout: every generated token costs 2·(N + V·D) + A(its context); each prompt's prefill is
-    counted once (2·N·P per prompt, shared by its G samples as jaxgrpo's sampler does; the peers
-    prefill every row, which is their extra work), and the head only where a token is sampled;
-  - reference pass: one forward, 2·N per position over R·S positions + 2·V·D per completion position
-    + causal attention R·Σ_{s<S} A(s+1);
-  - train step: 3 × the reference pass's forward (forward + backward, PaLM-style);
-  - head recompute: + 2·V·D per completion position (jaxgrpo recomputes each head chunk in the
-    backward pass under `jax.checkpoint`; TRL's chunked log-prob kernel does the same).
+  - rollout: each prompt's prefill once, 2·N·P + C(P) (shared by its G samples, as jaxgrpo's
+    sampler does; the peers prefill every row, which is their extra work); then per row the head
+    for each of the T sampled tokens, 2·V·D·T, and T − 1 decode steps, Σ_{i=1..T-1} 2·N + A(P + i)
+    (the last sampled token is never fed back);
+  - reference pass: one forward, R·(2·N·S + 2·V·D·T + C(S)) (the head only where a completion
+    token is predicted);
+  - train step: 3 × the reference pass's forward (a matmul's backward is two matmuls of its size);
+  - head recompute: + 2·V·D·R·T (jaxgrpo recomputes each head chunk in the backward pass under
+    `jax.checkpoint`; TRL's chunked log-prob kernel does the same).
 
   ``total`` (the floor of the issue: rollout + reference + train + head recompute) is what
-  `bench_peers.py` divides by the same run's matmul GFLOP/s.
+  `bench_peers.py` divides by the same run's matmul GFLOP/s. tests/test_peers_flops.py checks every
+  term against torch's FLOP counter on the Hugging Face model.
   """
   m = w.model
   n, head = m.trunk_matmul_params, m.vocab * m.hidden
   att = 4 * m.layers * m.heads * m.head_dim  # per query per key
+
+  def causal(length):  # C(length)
+    return att * length * (length + 1) // 2
+
   p, t, r = w.prompt_len, w.new_tokens, w.rows
   s = p + t
-  rollout = r * sum(2 * (n + head) + att * (p + i + 1) for i in range(t)) + w.prompts * 2 * n * p
-  forward = r * (2 * n * s + 2 * head * t + att * s * (s + 1) / 2)
+  rollout = w.prompts * (2 * n * p + causal(p)) + r * (2 * head * t + sum(2 * n + att * (p + i) for i in range(1, t)))
+  forward = r * (2 * n * s + 2 * head * t + causal(s))
   recompute = r * 2 * head * t
   out = {"rollout": rollout, "reference": forward, "train": 3 * forward, "head_recompute": recompute}
   out["total"] = sum(out.values())
