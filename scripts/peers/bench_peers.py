@@ -101,12 +101,13 @@ def run_one(impl, task, repeats, model_dir, timeout, workload):
   wall = time.perf_counter() - t0
   if res is None:
     res = {"impl": impl, "task": task, "error": tail, "rc": rc}
-  want = impl.partition(":")[2] if impl.startswith("jaxgrpo:") else None
-  if want and res.get("preset") != want and "error" not in res:
-    res["error"] = (
-      f"worker_jaxgrpo.py ran preset {res.get('preset', 'grpo (not reported)')!r}, not {want!r}: it must take its "
-      "preset from `common.jaxgrpo_preset()` (the 4th argument)"
-    )
+  if impl.startswith("jaxgrpo") and "error" not in res:
+    want, got = impl.partition(":")[2] or "grpo", res.get("preset", "grpo")  # a worker that reports none runs grpo
+    if got != want:
+      res["error"] = (
+        f"worker_jaxgrpo.py ran preset {got!r}, not {want!r}: it must take its preset from "
+        "`common.jaxgrpo_preset()` (the 4th argument) and so report it"
+      )
   res.update(impl=impl, workload=workload, wall_s=wall, load_before=load0, load_after=os.getloadavg()[0])
   return res
 
@@ -126,11 +127,11 @@ def _median(xs):
   return statistics.median(xs) if xs else None
 
 
-def round_gflops(probes: list[dict]) -> dict[int, float]:
+def round_gflops(probes: list[dict], rounds) -> dict[int, float]:
   """Per round, the larger of the matmul probes before it (position r) and after it (position r + 1)."""
   at = {p["position"]: p["gflops"] for p in probes if "gflops" in p}
   out = {}
-  for r in range(max(at, default=0)):
+  for r in rounds:
     around = [at[k] for k in (r, r + 1) if k in at]
     if around:
       out[r] = max(around)
@@ -190,7 +191,7 @@ def floor_fraction(entry: dict | None, floor_flops: float, gflops: dict[int, flo
 def table(workload: str, smoke: bool, results: list[dict], probes: list[dict], impls: list[str]) -> str:
   w = common.get_workload(workload, smoke)
   flops = common.model_flops(w)
-  gf = round_gflops(probes)
+  gf = round_gflops(probes, sorted({r["round"] for r in results if "round" in r}))
   s = summarise(results)
   get = s.get
   floor_s = {r: flops["total"] / (g * 1e9) for r, g in gf.items()}
