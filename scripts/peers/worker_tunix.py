@@ -2,18 +2,20 @@
 
     .peers/tunix/bin/python scripts/peers/worker_tunix.py MODEL_DIR sample|iter REPEATS
 
-The saved HF model is loaded with Tunix's Qwen3 safetensors loader
-(`tunix.models.qwen3.params.create_model_from_safe_tensors`) on a 1×1 mesh whose axes are
-`AxisType.Auto` (Tunix's Qwen3 needs that). The word-level HF tokenizer is passed as is.
+The saved HF model of the workload (``PEERS_WORKLOAD``, shape ``common.MODEL``) is loaded with
+Tunix's Qwen3 safetensors loader (`tunix.models.qwen3.params.create_model_from_safe_tensors`) on a
+1×1 mesh whose axes are `AxisType.Auto` (Tunix's Qwen3 needs that). The word-level HF tokenizer is
+passed as is.
 
-sample: Tunix's vanilla `Sampler` on the 16 prompts each repeated 8 times (128 rows; Tunix has no
-shared-prefill group sampling), 128 steps, temperature 1.0 with `top_p=1.0, top_k=None` (without
-them it decodes greedily); one warm-up then REPEATS timed calls.
+sample: Tunix's vanilla `Sampler` on the PROMPTS prompts each repeated SAMPLES times (16 × 8 = 128
+rows in the 20m workload; Tunix has no shared-prefill group sampling), NEW_TOKENS steps, temperature
+1.0 with `top_p=1.0, top_k=None` (without them it decodes greedily); one warm-up then REPEATS timed
+calls.
 iter: `GRPOLearner.train` (rollout engine "vanilla", actor + a separate reference copy, β=0.04,
-AdamW, one update per iteration, micro-batches of 8 prompts = 64 rows, 128-row rollouts) for
-1 + REPEATS + 1 steps; iteration times are the intervals between the reward function's calls
-(called once per iteration, after the rollout), so the first interval holds the compile and is
-reported as warm-up.
+AdamW, one update per iteration, micro-batches of MICRO rows = MICRO / SAMPLES prompts, one rollout
+of all rows) for 1 + REPEATS + 1 steps; iteration times are the intervals between the reward
+function's calls (called once per iteration, after the rollout), so the first interval holds the
+compile and is reported as warm-up.
 """
 
 from __future__ import annotations
@@ -29,19 +31,24 @@ import optax  # noqa: E402
 import transformers  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
+CACHE = (
+  -(-(common.PROMPT_LEN + common.NEW_TOKENS) // 128) * 128
+)  # KV-cache slots: prompt + completion, rounded up to 128
+
 
 def load(model_dir, mesh):
   from tunix.models.qwen3 import model as qwen3_model
   from tunix.models.qwen3 import params as qwen3_params
 
+  m = common.MODEL
   cfg = qwen3_model.ModelConfig(
-    num_layers=4,
-    vocab_size=common.VOCAB,
-    embed_dim=384,
-    hidden_dim=1536,
-    num_heads=8,
-    head_dim=32,
-    num_kv_heads=4,
+    num_layers=m.layers,
+    vocab_size=m.vocab,
+    embed_dim=m.hidden,
+    hidden_dim=m.intermediate,
+    num_heads=m.heads,
+    head_dim=m.head_dim,
+    num_kv_heads=m.kv_heads,
     rope_theta=1_000_000,
     norm_eps=1e-6,
     use_tied_embedding=True,
@@ -70,7 +77,8 @@ def main():
   if task == "sample":
     from tunix.generate import sampler as sampler_lib
 
-    cache = sampler_lib.CacheConfig(cache_size=256, num_layers=4, num_kv_heads=4, head_dim=32)
+    m = common.MODEL
+    cache = sampler_lib.CacheConfig(cache_size=CACHE, num_layers=m.layers, num_kv_heads=m.kv_heads, head_dim=m.head_dim)
     sampler = sampler_lib.Sampler(transformer=model, tokenizer=tok, cache_config=cache)
     rows = [t for t in texts for _ in range(common.SAMPLES)]
 
@@ -118,7 +126,7 @@ def main():
     rollout = base_rollout.RolloutConfig(
       max_tokens_to_generate=common.NEW_TOKENS,
       max_prompt_length=common.PROMPT_LEN,
-      kv_cache_size=256,
+      kv_cache_size=CACHE,
       temperature=1.0,
       top_p=1.0,
       top_k=None,
