@@ -5,10 +5,12 @@ See docs/models.md for the call contract (config, call signature, KV cache, log_
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.base import CausalLM, positions_from_mask
+from jaxgrpo.models.base import CausalLM, RematPolicy, positions_from_mask, positions_from_segments
 from jaxgrpo.models.config import (
   GPT2Config,
   LlamaConfig,
@@ -26,7 +28,13 @@ from jaxgrpo.models.log_probs import log_probs, token_log_probs
 
 
 def build_model(
-  cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+  cfg: ModelConfig,
+  *,
+  rngs: nnx.Rngs,
+  dtype=jnp.float32,
+  param_dtype=jnp.float32,
+  remat: RematPolicy | str | bool = False,
+  rules: Mapping[str, Any] | None = None,
 ) -> CausalLM:
   """A randomly initialised model of ``cfg``'s family.
 
@@ -36,13 +44,19 @@ def build_model(
     dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
       float32 regardless.
     param_dtype: storage dtype of the parameters.
-    remat: checkpoint each layer's activations (``nnx.remat``): the backward pass recomputes them,
-      trading one extra forward for O(L) less activation memory. Same values and gradients.
+    remat: per-layer activation checkpointing (``nnx.remat``), a ``RematPolicy`` or its name:
+      ``"none"`` (store everything), ``"full"`` (store each layer's input, recompute the layer in the
+      backward pass: one extra forward for O(L) less activation memory), ``"dots"`` (store matmul
+      outputs), ``"dots_no_batch"`` (store the projections, recompute attention scores). ``True`` /
+      ``False`` are aliases of ``"full"`` / ``"none"``. Same values and gradients for every policy.
+    rules: logical axis → mesh axes for the activation constraints, applied only under a context
+      mesh (``with jax.set_mesh(mesh):``); None: ``jaxgrpo.sharding.DEFAULT_RULES``. Use the same
+      table as for the parameters. Stored as ``model.sharding_rules`` (``model.rules`` as a dict).
   """
   if isinstance(cfg, GPT2Config):
-    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   if isinstance(cfg, LlamaConfig):
-    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")
 
 
@@ -58,6 +72,7 @@ __all__ = [
   "ModelConfig",
   "Qwen2Config",
   "Qwen3Config",
+  "RematPolicy",
   "RopeScaling",
   "build_model",
   "config_from_hf",
@@ -66,6 +81,7 @@ __all__ = [
   "log_probs",
   "logical_to_spec",
   "positions_from_mask",
+  "positions_from_segments",
   "repeat_cache",
   "save_hf",
   "token_log_probs",
