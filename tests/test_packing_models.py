@@ -230,3 +230,19 @@ def test_bad_packed_calls_raise_naming_the_argument():
     call(lambda m: m(tok, tok, segment_ids=tok[:, :3]))
   with pytest.raises(TypeError, match="segment_ids must be an integer array"):
     call(lambda m: m(tok, tok, segment_ids=np.ones((2, 4), bool)))
+
+
+def test_bench_packing_smoke(capsys):
+  """The benchmark runs at tiny size, and its two layouts give the same loss and gradients."""
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_packing.py")
+  spec = importlib.util.spec_from_file_location("bench_packing", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  res = bench.main(["--tiny", "--policies", "none,dots_no_batch"])
+  assert abs(res["losses"]["packed"] - res["losses"]["padded"]) <= 1e-6 * max(1.0, abs(res["losses"]["padded"]))
+  assert res["grad_diff"] <= 1e-5 * res["grad_scale"], res
+  assert set(res["policies"]) == {"none", "dots_no_batch"}
+  assert "packed / padded throughput" in capsys.readouterr().out
