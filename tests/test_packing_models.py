@@ -170,6 +170,7 @@ def test_positions_from_segments():
 # ----------------------------------------------------------------------------- remat policies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gpt2"])
 def test_every_remat_policy_gives_the_same_values_and_gradients(family):
   pt, pm, ct, cm = make_rollout([2, 6, 4, 1, 3, 5], [10, 3, 7, 9, 1, 8], 128, 5)
@@ -232,6 +233,7 @@ def test_bad_packed_calls_raise_naming_the_argument():
     call(lambda m: m(tok, tok, segment_ids=np.ones((2, 4), bool)))
 
 
+@pytest.mark.slow
 def test_bench_packing_smoke(capsys):
   """The benchmark runs at tiny size, and its two layouts give the same loss and gradients."""
   import importlib.util

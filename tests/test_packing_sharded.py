@@ -5,6 +5,7 @@ indivisible activations fail loudly."""
 
 from __future__ import annotations
 
+import pytest
 from test_train_common import start_child
 
 _CHILD = r"""
@@ -102,6 +103,8 @@ print("OK")
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_activation_constraints_follow_the_rules_and_change_no_value():
   proc = start_child(_CHILD, devices=8)
   out, err = proc.communicate(timeout=900)
