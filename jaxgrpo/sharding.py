@@ -10,21 +10,35 @@ Mesh axes (MaxText-style, any of them may have size 1):
 The models annotate every parameter with logical axis names (``jaxgrpo.models.LOGICAL_AXES``);
 :data:`DEFAULT_RULES` maps them, and the batch axis, to mesh axes:
 
-=============  ===================  ==========================================
-logical axis   mesh axis            which arrays
-=============  ===================  ==========================================
-``batch``      ``("data", "fsdp")``  every batch array's leading axis (B)
-``embed``      ``fsdp``             D of every weight matrix and the embedding
-``vocab``      ``tensor``           V of the embedding / LM head
-``heads``      ``tensor``           H of q and o
-``kv_heads``   ``tensor``           N of k and v
-``mlp``        ``tensor``           F of gate, up and down
-``head_dim``   —                    (replicated)
-``norm``       —                    (replicated)
-=============  ===================  ==========================================
+=====================  ====================  =========================================================
+logical axis           mesh axis             which arrays
+=====================  ====================  =========================================================
+``batch``              ``("data", "fsdp")``  every batch array's leading axis (B), activations' B
+``embed``              ``fsdp``              D of every weight matrix and the embedding
+``vocab``              ``tensor``            V of the embedding / LM head
+``heads``              ``tensor``            H of q and o, and of the query/attention activations
+``kv_heads``           ``tensor``            N of k and v, and of the key/value activations
+``mlp``                ``tensor``            F of gate, up and down, and of the MLP hidden activation
+``head_dim``           —                     (replicated)
+``norm``               —                     (replicated)
+``activation_length``  —                     S of the activations (``"tensor"``: sequence parallelism)
+``activation_embed``   —                     D of the residual stream (replicated across ``tensor``)
+=====================  ====================  =========================================================
+
+The models' activations are constrained through the same kind of table (:func:`constrain`; a model's
+table is its ``sharding_rules``, by default this one), only while a mesh is active
+(``with jax.set_mesh(mesh):``): the residual stream is
+``("batch", "activation_length", "activation_embed")``, queries ``("batch", "activation_length",
+"heads", "head_dim")``, keys/values with ``"kv_heads"``, the MLP hidden ``(..., "mlp")``. The batch,
+heads, kv_heads and mlp names are shared with the parameters on purpose: an activation's heads (or MLP
+width) are the output dim of the weight that produced it, and one rule for both means the matmul needs
+no reshard (Megatron-style column/row parallelism), and changing one rule changes both. The model
+width cannot share the parameters' ``embed``: weights put D on ``fsdp`` while activations put their
+rows on ``data × fsdp``, so activations have their own ``activation_embed`` (and ``activation_length``,
+which has no parameter counterpart).
 
 Nothing is replicated silently: a dimension that does not divide its mesh axes raises ``ValueError``
-naming the parameter (or batch field), the axis and the sizes.
+naming the parameter (or batch field, or activation), the axis and the sizes.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ __all__ = [
   "MESH_AXES",
   "batch_sharding",
   "check_batch_divisible",
+  "constrain",
   "logical_to_spec",
   "make_mesh",
   "parse_mesh_spec",
@@ -65,6 +80,8 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
   "kv_heads": "tensor",
   "head_dim": None,
   "norm": None,
+  "activation_length": None,
+  "activation_embed": None,
 }
 
 
@@ -288,3 +305,39 @@ def process_batch_rows(mesh: Mesh, global_batch_size: int, rules: Mapping[str, A
       f"{list(zip(starts, stops))}; order the mesh devices by process"
     )
   return slice(lo, hi)
+
+
+def constrain(
+  x: jax.Array, axes: tuple[str | None, ...], rules: Mapping[str, Any] | None = None, name: str = "activation"
+) -> jax.Array:
+  """``x`` constrained to the layout of its logical ``axes`` under ``rules``, when a mesh is active
+  (``jax.sharding.get_abstract_mesh()`` not empty: inside ``with jax.set_mesh(mesh):``).
+
+  Without a context mesh it returns ``x`` unchanged: the models stay mesh-agnostic, and a program
+  traced without a mesh is exactly what it was before activation sharding existed. With one, every
+  named dim must divide its mesh axes (``ValueError`` naming ``name``, as for parameters), and the
+  mesh axes must be ``AxisType.Auto`` (``ValueError`` otherwise). Values are never changed, only
+  their layout. The mesh is part of ``jax.jit``'s cache key, so a function traced without a mesh
+  is retraced under one.
+
+  Args:
+    x: any array, e.g. ``f32[B, S, D]``.
+    axes: one logical name (or None) per dim of ``x``, e.g. ``("batch", "activation_length",
+      "activation_embed")``.
+    rules: logical name → mesh axes (default :data:`DEFAULT_RULES`).
+    name: what ``x`` is, for error messages.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  if len(axes) != x.ndim:
+    raise ValueError(f"{name}: logical axes {axes} do not match shape {x.shape}")
+  not_auto = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Auto]
+  if not_auto:
+    raise ValueError(
+      f"{name}: mesh axes {not_auto} are not AxisType.Auto; the models constrain activations with "
+      "PartitionSpecs and let the compiler propagate: build the mesh with jaxgrpo.sharding.make_mesh"
+    )
+  rules = DEFAULT_RULES if rules is None else rules
+  spec = logical_to_spec(tuple(axes), mesh, rules, tuple(x.shape), name)
+  return jax.lax.with_sharding_constraint(x, spec)

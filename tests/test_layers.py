@@ -34,6 +34,7 @@ MODULES = {
   "jaxgrpo.losses": "kernels",
   "jaxgrpo.config": "kernels",
   "jaxgrpo.objective": "kernels",
+  "jaxgrpo.packing": "kernels",
   "jaxgrpo.sharding": "models/sampling",
   "jaxgrpo.distributed": "models/sampling",
   "jaxgrpo.models": "models/sampling",
@@ -52,7 +53,6 @@ MODULES = {
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
 # function-level imports of core packages still in modules other streams own (to be moved to the top)
 KNOWN = {
-  ("jaxgrpo/data.py", "datasets"),
   ("jaxgrpo/models/hf.py", "huggingface_hub"),
   ("jaxgrpo/models/hf.py", "safetensors"),
   ("jaxgrpo/models/hf.py", "transformers"),

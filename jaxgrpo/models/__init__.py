@@ -5,7 +5,7 @@ See docs/models.md for the call contract (config, call signature, KV cache, log_
 
 from __future__ import annotations
 
-from jaxgrpo.models.base import CausalLM, positions_from_mask
+from jaxgrpo.models.base import CausalLM, RematPolicy, positions_from_mask, positions_from_segments
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import (
   GPT2Config,
@@ -34,6 +34,7 @@ __all__ = [
   "ModelConfig",
   "Qwen2Config",
   "Qwen3Config",
+  "RematPolicy",
   "RopeScaling",
   "build_model",
   "config_from_hf",
@@ -42,6 +43,7 @@ __all__ = [
   "log_probs",
   "logical_to_spec",
   "positions_from_mask",
+  "positions_from_segments",
   "repeat_cache",
   "save_hf",
   "token_log_probs",

@@ -1,21 +1,84 @@
-"""The causal-LM skeleton every family shares: argument checks, cache bookkeeping, the head."""
+"""The causal-LM skeleton every family shares: argument checks, packed rows (segment ids), cache
+bookkeeping, remat policies, activation sharding of the residual stream, the head."""
 
 from __future__ import annotations
+
+import enum
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.layers import KVCache, dense, init_kv_cache
+from jaxgrpo.models.layers import KVCache, activation_rules, dense, init_kv_cache, shard_activation
+from jaxgrpo.sharding import DEFAULT_RULES
 
-__all__ = ["CausalLM", "positions_from_mask"]
+__all__ = ["CausalLM", "RematPolicy", "freeze_rules", "positions_from_mask", "positions_from_segments"]
+
+RESIDUAL_AXES = ("batch", "activation_length", "activation_embed")  # [B, S, D]
 
 
-def _apply_layer(layer, x, positions, attention_mask, kv, valid, index):
-  return layer(x, positions, attention_mask, kv, valid, index)
+class RematPolicy(enum.Enum):
+  """What each layer keeps for the backward pass (activation checkpointing, ``nnx.remat`` per layer).
+
+  - ``NONE`` ("none"): no remat; every intermediate is stored (fastest, most memory).
+  - ``FULL`` ("full"): only each layer's input is stored; the backward pass reruns the whole layer
+    (one extra forward; activation memory O(layers · B · S · D)). ``remat=True`` is an alias.
+  - ``DOTS`` ("dots"): ``jax.checkpoint_policies.dots_saveable``: every matmul output is stored
+    (projections and the attention scores/values), norms, activations and the softmax are recomputed.
+  - ``DOTS_NO_BATCH`` ("dots_no_batch"): ``dots_with_no_batch_dims_saveable``: the projection outputs
+    (2-D ``dense`` matmuls, weights have no batch dim) are stored; the attention's batched
+    ``[B, N, G, S, T]`` score and value products, the softmax and the elementwise ops are recomputed.
+    The middle ground for long rows: the O(S²) attention tensors are never kept.
+
+  Every policy gives the same values and gradients (tested); only memory and time differ.
+  """
+
+  NONE = "none"
+  FULL = "full"
+  DOTS = "dots"
+  DOTS_NO_BATCH = "dots_no_batch"
+
+  @classmethod
+  def parse(cls, value: RematPolicy | str | bool) -> RematPolicy:
+    """A policy from itself, its name (``"none"``, ``"full"``, ``"dots"``, ``"dots_no_batch"``) or a
+    bool (``True`` = ``FULL``, ``False`` = ``NONE``)."""
+    if isinstance(value, cls):
+      return value
+    if isinstance(value, bool):
+      return cls.FULL if value else cls.NONE
+    if isinstance(value, str):
+      try:
+        return cls(value)
+      except ValueError:
+        raise ValueError(f"remat must be one of {[p.value for p in cls]} or a bool; got {value!r}") from None
+    raise TypeError(f"remat must be a RematPolicy, one of {[p.value for p in cls]} or a bool; got {value!r}")
+
+  def checkpoint_policy(self):
+    """The ``jax.checkpoint`` policy (None for ``FULL``: save nothing); not meaningful for ``NONE``."""
+    if self is RematPolicy.DOTS:
+      return jax.checkpoint_policies.dots_saveable
+    if self is RematPolicy.DOTS_NO_BATCH:
+      return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None
 
 
-_apply_layer_remat = nnx.remat(_apply_layer)
+def freeze_rules(rules: Mapping[str, Any] | None) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+  """A rules table (logical name → mesh axis, tuple of mesh axes, or None; None: ``DEFAULT_RULES``) as
+  a sorted tuple of pairs: hashable, so a model can hold it as a static attribute of its graphdef."""
+  rules = DEFAULT_RULES if rules is None else rules
+  if not isinstance(rules, Mapping):
+    raise TypeError(f"rules must be a mapping from logical axis names to mesh axes, got {type(rules).__name__}")
+  frozen = []
+  for name, rule in rules.items():
+    if not (rule is None or isinstance(rule, str) or all(isinstance(m, str) for m in rule)):
+      raise TypeError(f"rules[{name!r}] must be a mesh axis name, a tuple of them or None; got {rule!r}")
+    frozen.append((str(name), rule if rule is None or isinstance(rule, str) else tuple(rule)))
+  return tuple(sorted(frozen))
+
+
+def _apply_layer(layer, x, positions, segment_ids, kv, valid, index):
+  return layer(x, positions, segment_ids, kv, valid, index)
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -23,15 +86,42 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+  """Position ids of packed rows: 0, 1, 2, ... restarting at the first token of each segment.
+
+  ``int32[B, S]`` from ``int[B, S]`` segment ids (0 = padding, k >= 1 = segment k); a segment is a
+  run of equal ids (each segment must be one contiguous run, as ``jaxgrpo.packing.pack`` lays them
+  out). ``out[b, s] = s - first(b, s)`` where ``first(b, s)`` is the start of the run holding s;
+  0 on padding (so GPT-2's learned position table is never indexed out of range).
+  """
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_ids must be [B, S], got shape {segment_ids.shape}")
+  seg = segment_ids.astype(jnp.int32)
+  idx = jnp.arange(seg.shape[1], dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+  return jnp.where(seg > 0, idx - first, 0)
+
+
 class CausalLM(nnx.Module):
   """Base class. Subclasses set ``config``, ``dtype``, ``layers`` (an ``nnx.List``), ``final_norm``,
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
-  ``layer(x, positions, attention_mask, kv, valid, index) -> (x, kv)``, under ``nnx.remat``
-  (activation checkpointing per layer: the backward pass recomputes the layer) when ``self.remat``.
+  ``layer(x, positions, segment_ids, kv, valid, index) -> (x, kv)``, under ``nnx.remat`` with the
+  policy of ``self.remat`` (a ``RematPolicy``) unless it is ``NONE``. When a mesh is active
+  (``with jax.set_mesh(mesh):``) the activations are constrained by logical axes under
+  ``self.sharding_rules`` (``freeze_rules(rules)`` of the constructor's ``rules``, default
+  ``DEFAULT_RULES``): the residual stream to ``RESIDUAL_AXES`` here, attention and MLP activations in
+  the layers (``layers.shard_activation``).
   """
 
-  remat: bool = False
+  remat: RematPolicy = RematPolicy.NONE
+  sharding_rules: tuple = freeze_rules(None)
+
+  @property
+  def rules(self) -> dict[str, Any]:
+    """The logical-axis rules of the activation constraints, as a dict (``DEFAULT_RULES`` by default)."""
+    return dict(self.sharding_rules)
 
   def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     raise NotImplementedError
@@ -42,15 +132,21 @@ class CausalLM(nnx.Module):
     positions: jax.Array,
     *,
     attention_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
     cache: KVCache | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder.
 
     Args:
       tokens: int [B, S] token ids.
-      positions: int [B, S] position ids (left-padded rows: ``positions_from_mask(mask)``).
+      positions: int [B, S] position ids (left-padded rows: ``positions_from_mask(mask)``; packed
+        rows: ``positions_from_segments(segment_ids)``).
       attention_mask: bool [B, S], True on real tokens; None means all real. Padding keys are never
         attended to.
+      segment_ids: int [B, S] for packed rows (several sequences back to back): 0 = padding, k >= 1 =
+        the row's k-th sequence. Query i attends key j iff ``segment_ids[i] == segment_ids[j] > 0``
+        and j <= i, so each sequence sees only itself. Exclusive with ``attention_mask`` (its mask is
+        ``segment_ids > 0``) and with ``cache``. None: one segment per row (``attention_mask``).
       cache: None for a full causal forward over the S tokens, or a ``KVCache`` whose slots
         ``[cache.index, cache.index + S)`` receive the new tokens (the caller keeps
         ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit).
@@ -64,11 +160,23 @@ class CausalLM(nnx.Module):
       raise TypeError(f"tokens must be an integer array, got {tokens.dtype}")
     if positions.shape != tokens.shape:
       raise ValueError(f"positions shape {positions.shape} != tokens shape {tokens.shape}")
-    if attention_mask is None:
-      attention_mask = jnp.ones(tokens.shape, bool)
-    elif attention_mask.shape != tokens.shape:
-      raise ValueError(f"attention_mask shape {attention_mask.shape} != tokens shape {tokens.shape}")
-    attention_mask = attention_mask.astype(bool)
+    if segment_ids is not None:
+      if attention_mask is not None:
+        raise ValueError("pass attention_mask or segment_ids, not both (a packed row's mask is segment_ids > 0)")
+      if cache is not None:
+        raise ValueError("segment_ids (packed rows) are supported without a cache only; got a KVCache")
+      if segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids shape {segment_ids.shape} != tokens shape {tokens.shape}")
+      if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"segment_ids must be an integer array (0 = padding), got {segment_ids.dtype}")
+      segment_ids = segment_ids.astype(jnp.int32)
+    else:
+      if attention_mask is None:
+        attention_mask = jnp.ones(tokens.shape, bool)
+      elif attention_mask.shape != tokens.shape:
+        raise ValueError(f"attention_mask shape {attention_mask.shape} != tokens shape {tokens.shape}")
+      attention_mask = attention_mask.astype(bool)
+      segment_ids = attention_mask.astype(jnp.int32)  # one segment per row: real tokens are segment 1
     if cache is not None:
       if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
@@ -80,16 +188,21 @@ class CausalLM(nnx.Module):
       valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (jnp.zeros((), jnp.int32), index))
     else:
       index = valid = None
-    x = self._embed(tokens, positions)
+    if self.remat is RematPolicy.NONE:
+      apply = _apply_layer
+    else:
+      apply = nnx.remat(_apply_layer, policy=self.remat.checkpoint_policy())
     new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      kv = None if cache is None else (cache.k[i], cache.v[i])
-      apply = _apply_layer_remat if self.remat else _apply_layer
-      x, kv = apply(layer, x, positions, attention_mask, kv, valid, index)
-      if kv is not None:
-        new_k.append(kv[0])
-        new_v.append(kv[1])
-    hidden = self.final_norm(x)
+    with activation_rules(self.rules):
+      x = shard_activation(self._embed(tokens, positions), RESIDUAL_AXES, "embeddings")
+      for i, layer in enumerate(self.layers):
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        x, kv = apply(layer, x, positions, segment_ids, kv, valid, index)
+        x = shard_activation(x, RESIDUAL_AXES, f"output of layer {i}")
+        if kv is not None:
+          new_k.append(kv[0])
+          new_v.append(kv[1])
+      hidden = shard_activation(self.final_norm(x), RESIDUAL_AXES, "final hidden")
     if cache is None:
       return hidden, None
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, index=index + tokens.shape[1])

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.base import CausalLM
+from jaxgrpo.models.base import CausalLM, RematPolicy
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig
 from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.llama import LlamaModel
@@ -14,7 +16,13 @@ __all__ = ["build_model"]
 
 
 def build_model(
-  cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+  cfg: ModelConfig,
+  *,
+  rngs: nnx.Rngs,
+  dtype=jnp.float32,
+  param_dtype=jnp.float32,
+  remat: RematPolicy | str | bool = False,
+  rules: Mapping[str, Any] | None = None,
 ) -> CausalLM:
   """A randomly initialised model of ``cfg``'s family.
 
@@ -24,14 +32,20 @@ def build_model(
     dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
       float32 regardless.
     param_dtype: storage dtype of the parameters.
-    remat: checkpoint each layer's activations (``nnx.remat``): the backward pass recomputes them,
-      trading one extra forward for O(L) less activation memory. Same values and gradients.
+    remat: per-layer activation checkpointing (``nnx.remat``), a ``RematPolicy`` or its name:
+      ``"none"`` (store everything), ``"full"`` (store each layer's input, recompute the layer in the
+      backward pass: one extra forward for O(L) less activation memory), ``"dots"`` (store matmul
+      outputs), ``"dots_no_batch"`` (store the projections, recompute attention scores). ``True`` /
+      ``False`` are aliases of ``"full"`` / ``"none"``. Same values and gradients for every policy.
+    rules: logical axis → mesh axes for the activation constraints, applied only under a context
+      mesh (``with jax.set_mesh(mesh):``); None: ``jaxgrpo.sharding.DEFAULT_RULES``. Use the same
+      table as for the parameters. Stored as ``model.sharding_rules`` (``model.rules`` as a dict).
 
   Raises:
     TypeError: ``cfg`` is not one of the supported config classes.
   """
   if isinstance(cfg, GPT2Config):
-    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   if isinstance(cfg, LlamaConfig):
-    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")

@@ -7,13 +7,15 @@ HF's fused ``c_attn`` Conv1D weight [D, 3D] is split into q/k/v [D, H, K] by the
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.base import CausalLM
+from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
 from jaxgrpo.models.config import GPT2Config
-from jaxgrpo.models.layers import Attention, LayerNorm, dense, param
+from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, LayerNorm, dense, param, shard_activation
 
 __all__ = ["GPT2Model"]
 
@@ -31,7 +33,7 @@ class GPT2MLP(nnx.Module):
 
   def __call__(self, x):
     h = dense(x, self.fc[...].astype(self.dtype)) + self.fc_bias[...].astype(self.dtype)
-    h = jax.nn.gelu(h, approximate=True)
+    h = shard_activation(jax.nn.gelu(h, approximate=True), MLP_AXES, "MLP hidden")  # [B, S, F]
     return dense(h, self.proj[...].astype(self.dtype)) + self.proj_bias[...].astype(self.dtype)
 
 
@@ -55,8 +57,8 @@ class GPT2Block(nnx.Module):
     self.ln_2 = LayerNorm(cfg.hidden_size, **kw)
     self.mlp = GPT2MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, attention_mask, kv, valid, index):
-    y, kv = self.attn(self.ln_1(x), positions, attention_mask, kv, valid, index)
+  def __call__(self, x, positions, segment_ids, kv, valid, index):
+    y, kv = self.attn(self.ln_1(x), positions, segment_ids, kv, valid, index)
     x = x + y
     return x + self.mlp(self.ln_2(x)), kv
 
@@ -69,13 +71,20 @@ class GPT2Model(CausalLM):
   """
 
   def __init__(
-    self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+    self,
+    config: GPT2Config,
+    *,
+    rngs: nnx.Rngs,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    remat: RematPolicy | str | bool = False,
+    rules: Mapping[str, Any] | None = None,
   ):
     if not isinstance(config, GPT2Config):
       raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
     self.config = config
     self.dtype = dtype
-    self.remat = bool(remat)
+    self.remat, self.sharding_rules = RematPolicy.parse(remat), freeze_rules(rules)
     V, D, P = config.vocab_size, config.hidden_size, config.max_position_embeddings
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.wpe = param(rngs.params(), (P, D), (None, "embed"), param_dtype, stddev=0.01)
@@ -86,5 +95,7 @@ class GPT2Model(CausalLM):
     self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
 
   def _embed(self, tokens, positions):
-    x = jnp.take(self.embed_tokens[...], tokens, axis=0) + jnp.take(self.wpe[...], positions, axis=0)
+    table = shard_activation(self.embed_tokens[...], TABLE_AXES, "embedding table")  # [V, D]
+    wpe = shard_activation(self.wpe[...], (None, None), "position table")  # [P, D]
+    x = jnp.take(table, tokens, axis=0) + jnp.take(wpe, positions, axis=0)
     return x.astype(self.dtype)

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jaxgrpo.models.base import RematPolicy
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
 from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec  # the one rules table lives in jaxgrpo.sharding
@@ -265,7 +266,7 @@ def load_hf(
   param_dtype=jnp.float32,
   mesh: Mesh | None = None,
   rules: Mapping[str, str | None] | None = None,
-  remat: bool = False,
+  remat: RematPolicy | str | bool = False,
 ):
   """Load a HF causal-LM directory (or hub id, when reachable) into a ``jaxgrpo.models`` model.
 
@@ -279,8 +280,10 @@ def load_hf(
     path: local model directory or hub id.
     dtype: compute dtype. param_dtype: storage dtype (tensors are cast shard by shard).
     mesh: optional ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto`` (ValueError otherwise).
-    rules: logical axis → mesh axis (default ``DEFAULT_RULES``).
-    remat: per-layer activation checkpointing (see ``build_model``).
+    rules: logical axis → mesh axis (default ``DEFAULT_RULES``): the parameters' placement, and the
+      model's activation constraints under a context mesh (``model.sharding_rules``).
+    remat: the per-layer activation-checkpointing policy: a ``RematPolicy`` or its name (``"none"``,
+      ``"full"``, ``"dots"``, ``"dots_no_batch"``; ``True``/``False`` = full/none); see ``build_model``.
 
   Returns:
     The model (its config on ``model.config``).
@@ -289,6 +292,7 @@ def load_hf(
     ValueError: unknown model_type, missing tensor, or tensor of the wrong shape (named, with the
       expected and found shapes).
   """
+  remat = RematPolicy.parse(remat)  # a bad name fails before the checkpoint is read
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
@@ -304,7 +308,7 @@ def load_hf(
   rules = DEFAULT_RULES if rules is None else dict(rules)
   tensors = _read_checkpoint(directory)
   abstract = nnx.eval_shape(
-    lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat)
+    lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   )
   graphdef, state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(state))

@@ -9,12 +9,16 @@ per dim (see ``LOGICAL_AXES``); ``eager_sharding=False`` so no mesh is needed at
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxgrpo.sharding import constrain
 
 __all__ = [
   "LOGICAL_AXES",
@@ -27,11 +31,44 @@ __all__ = [
   "apply_rope",
   "Attention",
   "dense",
+  "activation_rules",
+  "shard_activation",
 ]
 
 LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
 _NEG_INF = -1e30  # finite so that fully masked (padding) query rows give no NaN
 _SMALL_QUERY_ROWS = 8  # S·G at most this: attention by multiply-and-reduce instead of a batched dot
+QUERY_AXES = ("batch", "activation_length", "heads", "head_dim")  # q and the attention output [B, S, H, K]
+KV_AXES = ("batch", "activation_length", "kv_heads", "head_dim")  # k, v of the new tokens [B, S, N, K]
+MLP_AXES = ("batch", "activation_length", "mlp")  # the MLP hidden activation [B, S, F]
+# An embedding table as it is read by the token gather: rows keep the vocab sharding, D is gathered
+# (FSDP all-gathers weights before use). Gathering from a D-sharded table made XLA replicate the
+# gather's result and cotangent ("involuntary full rematerialization") on an fsdp × tensor mesh.
+TABLE_AXES = ("vocab", None)
+_ACTIVATION_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+  "jaxgrpo_activation_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
+  """Inside the block, :func:`shard_activation` uses ``rules`` (None: ``DEFAULT_RULES``).
+
+  ``CausalLM.__call__`` enters it with its model's ``sharding_rules`` for the duration of its own
+  trace, so the layers need no extra argument. The rules reach ``jax.jit``'s cache key through the
+  model (a static attribute of its graphdef), never through this context alone.
+  """
+  token = _ACTIVATION_RULES.set(rules)
+  try:
+    yield
+  finally:
+    _ACTIVATION_RULES.reset(token)
+
+
+def shard_activation(x: jax.Array, axes: tuple[str | None, ...], name: str) -> jax.Array:
+  """``jaxgrpo.sharding.constrain(x, axes, rules, name)`` with the rules of the model being traced
+  (:func:`activation_rules`): a no-op without a context mesh."""
+  return constrain(x, axes, _ACTIVATION_RULES.get(), name)
 
 
 def _f32_operands_on_cpu(*xs, preferred_element_type=None):
@@ -213,6 +250,8 @@ class Attention(nnx.Module):
   RMSNorm on q and k over K (Qwen3); optional RoPE (``inv_freq`` given).
 
   ``softmax(q·kᵀ/√K + mask)`` with scores and softmax in float32; masked entries get -1e30.
+  With a context mesh, q and the attention output are constrained to ``QUERY_AXES``, k and v to
+  ``KV_AXES`` (:func:`shard_activation`).
   """
 
   def __init__(
@@ -259,15 +298,17 @@ class Attention(nnx.Module):
     self,
     x: jax.Array,
     positions: jax.Array,
-    attention_mask: jax.Array,
+    segment_ids: jax.Array,
     cache_kv: tuple[jax.Array, jax.Array] | None,
     cache_valid: jax.Array | None,
     cache_index: jax.Array | None,
   ):
-    """x: [B,S,D]; positions int32 [B,S]; attention_mask bool [B,S].
+    """x: [B,S,D]; positions int32 [B,S]; segment_ids int32 [B,S] (0 = padding, k >= 1 = segment k;
+    a plain padded row is its mask as 0/1).
 
-    Without cache (``cache_kv`` None): causal attention among the S tokens, keys masked by
-    ``attention_mask``. With cache: k/v of the new tokens are written at slots
+    Without cache (``cache_kv`` None): causal attention within each segment, query i attends key j
+    iff ``segment_ids[i] == segment_ids[j] > 0`` and j <= i. ``segment_ids`` is not used with a
+    cache (``CausalLM`` rejects packed rows there). With cache: k/v of the new tokens are written at slots
     ``[cache_index, cache_index+S)`` of ``cache_kv`` (keys [B,N,K,T], values [B,N,T,K]) and query i
     attends to the slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
     Returns (y [B,S,D], new (k, v) or None).
@@ -282,6 +323,8 @@ class Attention(nnx.Module):
     if self.inv_freq is not None:
       inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q = shard_activation(q, QUERY_AXES, "attention queries")
+    k, v = shard_activation(k, KV_AXES, "attention keys"), shard_activation(v, KV_AXES, "attention values")
     G = H // N
     # Decoding (a few query rows per kv head): the B·N tiny matmuls are slow as a batched dot on
     # CPU (~4 ms per layer and step at B=128); a broadcast multiply-and-reduce over the cache's
@@ -290,7 +333,8 @@ class Attention(nnx.Module):
     if cache_kv is None:
       keys, values = k, v  # [B,S,N,K]
       q_slot = k_slot = jnp.arange(S)
-      key_valid = attention_mask
+      seg_k = segment_ids[:, None, :]  # [B,1,S]
+      key_ok = (seg_k == segment_ids[:, :, None]) & (seg_k > 0)  # [B,S,S]: same non-padding segment
       new_kv = None
     else:
       ck, cv = cache_kv
@@ -304,10 +348,10 @@ class Attention(nnx.Module):
       new_kv = (keys, values)
       q_slot = cache_index + jnp.arange(S)
       k_slot = jnp.arange(values.shape[2])
-      key_valid = cache_valid
+      key_ok = cache_valid[:, None, :]  # [B,1,T]
       if not small:  # prefill: once per generate call; [B,T,N,K] as in the uncached path
         keys, values = jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
-    mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_valid[:, None, :]  # [B,S,T]
+    mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_ok  # [B,S,T]
     q = q.reshape(B, S, N, G, K)
     f32 = lambda x: x.astype(jnp.float32)
     if small:
@@ -326,6 +370,7 @@ class Attention(nnx.Module):
       out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)  # [B,N,G,S,K] -> [B,S,H,K]
     else:
       out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
+    out = shard_activation(out, QUERY_AXES, "attention output")
     y = dense(out, self.o[...].astype(self.dtype), contract=2)
     if self.o_bias is not None:
       y = y + self.o_bias[...].astype(self.dtype)

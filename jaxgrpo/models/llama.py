@@ -7,13 +7,15 @@ attention is GQA with RoPE (llama3 frequency scaling when configured), optional 
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.base import CausalLM
+from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
 from jaxgrpo.models.config import LlamaConfig
-from jaxgrpo.models.layers import Attention, RMSNorm, dense, param
+from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, RMSNorm, dense, param, shard_activation
 
 __all__ = ["LlamaModel"]
 
@@ -41,7 +43,8 @@ class SwiGLU(nnx.Module):
   def __call__(self, x):
     g = self._mm(x, self.gate, self.gate_bias)
     u = self._mm(x, self.up, self.up_bias)
-    return self._mm(jax.nn.silu(g) * u, self.down, self.down_bias)
+    h = shard_activation(jax.nn.silu(g) * u, MLP_AXES, "MLP hidden")  # [B, S, F]
+    return self._mm(h, self.down, self.down_bias)
 
 
 class LlamaBlock(nnx.Module):
@@ -64,8 +67,8 @@ class LlamaBlock(nnx.Module):
     self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
     self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, attention_mask, kv, valid, index):
-    y, kv = self.attn(self.input_norm(x), positions, attention_mask, kv, valid, index)
+  def __call__(self, x, positions, segment_ids, kv, valid, index):
+    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index)
     x = x + y
     return x + self.mlp(self.post_attention_norm(x)), kv
 
@@ -78,13 +81,20 @@ class LlamaModel(CausalLM):
   """
 
   def __init__(
-    self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False
+    self,
+    config: LlamaConfig,
+    *,
+    rngs: nnx.Rngs,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    remat: RematPolicy | str | bool = False,
+    rules: Mapping[str, Any] | None = None,
   ):
     if not isinstance(config, LlamaConfig):
       raise TypeError(f"config must be a LlamaConfig/Qwen2Config/Qwen3Config, got {type(config).__name__}")
     self.config = config
     self.dtype = dtype
-    self.remat = bool(remat)
+    self.remat, self.sharding_rules = RematPolicy.parse(remat), freeze_rules(rules)
     V, D = config.vocab_size, config.hidden_size
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.layers = nnx.List(
@@ -95,4 +105,5 @@ class LlamaModel(CausalLM):
 
   def _embed(self, tokens, positions):
     del positions  # RoPE is applied inside attention
-    return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
+    table = shard_activation(self.embed_tokens[...], TABLE_AXES, "embedding table")  # [V, D]
+    return jnp.take(table, tokens, axis=0).astype(self.dtype)

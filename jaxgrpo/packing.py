@@ -1,0 +1,335 @@
+"""Sequence packing: a rollout's (prompt, completion) sequences placed back to back in rows of a fixed
+token budget, and the index maps between the packed rows and the rollout's ``[B, T]`` completion layout.
+
+A rollout (``jaxgrpo.sampling.Rollout``) holds ``B`` left-padded prompts ``int32[B, P]`` and
+right-padded completions ``int32[B, T]``; with long, ragged completions most of ``[B, P + T]`` is
+padding. :func:`pack` keeps only the real tokens of each sequence (its prompt tokens, then its
+completion tokens, no padding inside) and places the sequences into ``R`` rows of ``L`` tokens by
+first-fit decreasing (:func:`first_fit_decreasing`). The models take the packed rows with
+``segment_ids`` and per-segment ``positions`` (``CausalLM.__call__``), so attention never crosses
+sequences and each sequence's hidden states equal those of the sequence alone.
+
+Only the forward/backward pass needs the packed layout: per-token values computed on the packed rows
+(log-probs, entropies) go back to ``[B, T]`` with :func:`unpack`, a gather with static shapes that
+runs inside ``jit``; :func:`pack_values` is the opposite gather. Both take the index maps of
+:class:`PackedBatch` as data, so a new layout (a new rollout) never recompiles a program: only
+``R`` and ``L`` are shapes.
+
+The packer itself (:func:`pack`, :func:`first_fit_decreasing`) is host-side NumPy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+  "PackedBatch",
+  "first_fit_decreasing",
+  "micro_batch_of",
+  "pack",
+  "pack_values",
+  "unpack",
+]
+
+
+class PackedBatch(NamedTuple):
+  """Packed rows and the index maps back to the rollout (R rows of L tokens; B sequences, T completion
+  slots). Every field is a NumPy array.
+
+  Attributes:
+    tokens: ``int32[R, L]`` token ids; 0 on padding.
+    segment_ids: ``int32[R, L]``: 0 on padding, ``k >= 1`` on the row's k-th sequence (in placement
+      order, left to right).
+    positions: ``int32[R, L]``: 0, 1, ... from each sequence's first prompt token; 0 on padding
+      (``jaxgrpo.models.positions_from_segments(segment_ids)``).
+    completion_mask: ``bool[R, L]``: True on columns holding a real completion token, i.e. the targets
+      whose log-probs are scored (predicted from the hidden state one column to the left, which is in
+      the same sequence because every prompt has at least one token).
+    unpack_index: ``int32[B, T]``: flat index ``r·L + c`` of completion token ``(b, t)`` in the packed
+      rows; -1 where ``mask[b, t]`` is False.
+    pack_index: ``int32[R, L]``: flat index ``b·T + t`` of the completion token at ``(r, c)``; -1 where
+      ``completion_mask`` is False.
+    row: ``int32[B]``: the row holding sequence b; -1 when b has no completion token (such sequences
+      are not packed: nothing of theirs is scored).
+    offset: ``int32[B]``: the column of sequence b's first prompt token; -1 likewise.
+  """
+
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  completion_mask: np.ndarray
+  unpack_index: np.ndarray
+  pack_index: np.ndarray
+  row: np.ndarray
+  offset: np.ndarray
+
+
+def first_fit_decreasing(lengths, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+  """Place items of ``lengths`` into bins of ``capacity`` by first-fit decreasing (FFD).
+
+  The items are taken longest first (ties: lower index first, a stable sort); each goes into the
+  lowest-numbered bin with room for it, at that bin's first free column, or opens a new bin.
+  Johnson (1973) showed FFD is within 11/9 of optimal; the tight bound is
+  ``FFD(I) <= 11/9 · OPT(I) + 6/9`` bins (Dósa, 2007), where OPT is the fewest bins any placement
+  needs (at least ``ceil(sum(lengths) / capacity)``).
+
+  Deterministic: only integer comparisons in a fixed order (stable sort, bins scanned from 0), no
+  randomness, no hashing; the same lengths give the same placement on every host and every run, so
+  processes of a multi-host job agree on the layout without communicating.
+
+  Args:
+    lengths: ``int[n]`` item sizes, each in ``[1, capacity]``.
+    capacity: bin size (the packed row length L).
+
+  Returns:
+    ``(bins int32[n], offsets int32[n])``: the bin of each item (bins are numbered 0, 1, ... in the
+    order they were opened) and the first column it occupies there.
+  """
+  lengths = np.asarray(lengths)
+  if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(f"lengths must be a 1-D integer array, got shape {lengths.shape} dtype {lengths.dtype}")
+  if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+    raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+  if lengths.size and (lengths.min() < 1 or lengths.max() > capacity):
+    bad = int(np.flatnonzero((lengths < 1) | (lengths > capacity))[0])
+    raise ValueError(f"lengths must be in [1, capacity={capacity}]; item {bad} has length {int(lengths[bad])}")
+  n = lengths.size
+  bins = np.empty(n, np.int32)
+  offsets = np.empty(n, np.int32)
+  free = np.empty(n, np.int64)  # free[j]: room left in bin j (at most n bins)
+  opened = 0
+  for i in np.argsort(-lengths, kind="stable"):
+    fits = np.flatnonzero(free[:opened] >= lengths[i])
+    if fits.size:
+      j = int(fits[0])
+    else:
+      j = opened
+      free[j] = capacity
+      opened += 1
+    bins[i], offsets[i] = j, capacity - free[j]
+    free[j] -= lengths[i]
+  return bins, offsets
+
+
+def _check_int_2d(name: str, x) -> np.ndarray:
+  x = np.asarray(x)
+  if x.ndim != 2:
+    raise ValueError(f"`{name}` must be a 2-D array [B, ...], got shape {x.shape}")
+  if not np.issubdtype(x.dtype, np.integer):
+    raise TypeError(f"`{name}` must be an integer array, got dtype {x.dtype}")
+  return x
+
+
+def _check_mask(name: str, m, shape) -> np.ndarray:
+  m = np.asarray(m)
+  if m.dtype != np.bool_:
+    raise TypeError(f"`{name}` must be a bool array, got dtype {m.dtype}")
+  if m.shape != shape:
+    raise ValueError(f"`{name}` must have shape {shape}, got {m.shape}")
+  return m
+
+
+def _positive_int(name: str, value) -> int:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+  return int(value)
+
+
+def pack(
+  prompt_tokens,
+  prompt_mask,
+  completions,
+  mask,
+  *,
+  row_length: int,
+  num_rows: int | None = None,
+  row_multiple: int = 1,
+) -> PackedBatch:
+  """Pack a rollout's sequences (real prompt tokens, then real completion tokens) into rows of
+  ``row_length`` tokens by first-fit decreasing.
+
+  Sequence ``b`` is ``prompt_tokens[b][prompt_mask[b]] ‖ completions[b][mask[b]]``, of length
+  ``n_b = p_b + c_b``; it is placed whole in one row (a sequence never spans two rows) at the column
+  :func:`first_fit_decreasing` gives it. Sequences with no completion token (``c_b = 0``) have nothing
+  to score and are left out. The number of rows R is ``num_rows`` when given (a fixed shape: no
+  recompilation from one rollout to the next), else the smallest multiple of ``row_multiple`` that
+  holds the rows FFD opened (e.g. ``row_multiple = data × fsdp × mini_batches × micro_batches``, so
+  the rows split evenly over devices and micro-batches). Rows FFD did not use are padding.
+
+  Args:
+    prompt_tokens: ``int[B, P]`` left-padded prompts (``Rollout.prompt_tokens``).
+    prompt_mask: ``bool[B, P]`` real prompt tokens: a suffix of each row, at least one token for every
+      sequence with a completion token.
+    completions: ``int[B, T]`` right-padded completions.
+    mask: ``bool[B, T]`` real completion tokens: a prefix of each row.
+    row_length: L, tokens per packed row; every sequence must fit (``n_b <= L``).
+    num_rows: R, or None to size it from ``row_multiple``. Must be a multiple of ``row_multiple``.
+    row_multiple: R is a multiple of this.
+
+  Returns:
+    A :class:`PackedBatch`.
+
+  Raises:
+    ValueError: a sequence longer than ``row_length`` (naming it), more rows needed than
+      ``num_rows``, masks that are not left/right padding, bad shapes. TypeError: wrong dtypes.
+  """
+  prompt_tokens = _check_int_2d("prompt_tokens", prompt_tokens)
+  completions = _check_int_2d("completions", completions)
+  B, P = prompt_tokens.shape
+  T = completions.shape[1]
+  if completions.shape[0] != B:
+    raise ValueError(f"`completions` has {completions.shape[0]} rows but `prompt_tokens` has {B}")
+  prompt_mask = _check_mask("prompt_mask", prompt_mask, (B, P))
+  mask = _check_mask("mask", mask, (B, T))
+  L = _positive_int("row_length", row_length)
+  multiple = _positive_int("row_multiple", row_multiple)
+  if num_rows is not None:
+    num_rows = _positive_int("num_rows", num_rows)
+    if num_rows % multiple:
+      raise ValueError(f"`num_rows` {num_rows} is not a multiple of `row_multiple` {multiple}")
+  p_len = prompt_mask.sum(1)
+  c_len = mask.sum(1)
+  not_suffix = np.flatnonzero((prompt_mask != (np.arange(P)[None] >= P - p_len[:, None])).any(1))
+  if not_suffix.size:
+    raise ValueError(f"`prompt_mask` must be left padding (a suffix of True); row {int(not_suffix[0])} is not")
+  not_prefix = np.flatnonzero((mask != (np.arange(T)[None] < c_len[:, None])).any(1))
+  if not_prefix.size:
+    raise ValueError(f"`mask` must be right padding (a prefix of True); row {int(not_prefix[0])} is not")
+  seqs = np.flatnonzero(c_len > 0)
+  empty_prompt = seqs[p_len[seqs] == 0]
+  if empty_prompt.size:
+    raise ValueError(
+      f"sequence {int(empty_prompt[0])} has completion tokens but an empty prompt: its first completion "
+      "token would have no token to be predicted from"
+    )
+  n = p_len + c_len
+  too_long = seqs[n[seqs] > L]
+  if too_long.size:
+    b = int(too_long[0])
+    raise ValueError(
+      f"sequence {b} has {int(n[b])} tokens ({int(p_len[b])} prompt + {int(c_len[b])} completion), more than "
+      f"row_length={L}; raise row_length (or truncate the rollout): a sequence is never split across rows"
+    )
+  bins, offs = first_fit_decreasing(n[seqs], L)
+  used = int(bins.max()) + 1 if bins.size else 0
+  if num_rows is None:
+    R = max(multiple, -(-used // multiple) * multiple)
+  elif used > num_rows:
+    raise ValueError(
+      f"the {seqs.size} sequences ({int(n[seqs].sum())} tokens) need {used} rows of {L} tokens, more than "
+      f"num_rows={num_rows}; raise num_rows or row_length"
+    )
+  else:
+    R = num_rows
+
+  tokens = np.zeros((R, L), np.int32)
+  segment_ids = np.zeros((R, L), np.int32)
+  positions = np.zeros((R, L), np.int32)
+  unpack_index = np.full((B, T), -1, np.int32)
+  pack_index = np.full((R, L), -1, np.int32)
+  row = np.full(B, -1, np.int32)
+  offset = np.full(B, -1, np.int32)
+  row[seqs], offset[seqs] = bins, offs
+  segments_in_row = np.zeros(R, np.int32)
+  for b in seqs[np.lexsort((offs, bins))]:  # row by row, left to right: segment ids 1, 2, ...
+    r, o, p, c = int(row[b]), int(offset[b]), int(p_len[b]), int(c_len[b])
+    segments_in_row[r] += 1
+    tokens[r, o : o + p] = prompt_tokens[b, P - p :]
+    tokens[r, o + p : o + p + c] = completions[b, :c]
+    segment_ids[r, o : o + p + c] = segments_in_row[r]
+    positions[r, o : o + p + c] = np.arange(p + c)
+    cols = o + p + np.arange(c)
+    unpack_index[b, :c] = r * L + cols
+    pack_index[r, cols] = b * T + np.arange(c)
+  return PackedBatch(
+    tokens=tokens,
+    segment_ids=segment_ids,
+    positions=positions,
+    completion_mask=pack_index >= 0,
+    unpack_index=unpack_index,
+    pack_index=pack_index,
+    row=row,
+    offset=offset,
+  )
+
+
+def unpack(packed: jax.Array, unpack_index: jax.Array, *, row_stride: int = 1, row_offset=0) -> jax.Array:
+  """Per-token values of packed rows back in the rollout's completion layout: a gather, static shapes.
+
+  ``out[b, t] = packed[r // row_stride, c]`` where ``unpack_index[b, t] = r·L + c``, if that index is
+  not -1 and ``r % row_stride == row_offset``; else 0. ``packed`` is indexed by the column of the
+  completion token a value belongs to (for log-probs: the target's column, not the column of the
+  hidden state that predicts it).
+
+  With the defaults, ``packed`` holds all R rows. A micro-batch of the train step holds rows
+  ``i·(M·K) + m·K + k`` (mini-batch m, micro-batch k): pass its ``[R / (M·K), L]`` rows with
+  ``row_stride = M·K`` and ``row_offset = m·K + k`` (a traced int is fine, e.g. a ``lax.scan``
+  index); completions in other micro-batches get 0 (see :func:`micro_batch_of` for which is where).
+
+  Args:
+    packed: ``[R', L]`` values (any dtype), R' = R / row_stride.
+    unpack_index: ``int32[B, T]`` (:attr:`PackedBatch.unpack_index`).
+    row_stride: static positive int. row_offset: int in ``[0, row_stride)``, static or traced.
+
+  Returns:
+    ``[B, T]`` array of ``packed``'s dtype.
+  """
+  packed = jnp.asarray(packed)
+  unpack_index = jnp.asarray(unpack_index)
+  if packed.ndim != 2:
+    raise ValueError(f"`packed` must be [R, L], got shape {packed.shape}")
+  if unpack_index.ndim != 2 or not jnp.issubdtype(unpack_index.dtype, jnp.integer):
+    raise ValueError(f"`unpack_index` must be an int array [B, T], got {unpack_index.dtype}{list(unpack_index.shape)}")
+  stride = _positive_int("row_stride", row_stride)
+  L = packed.shape[1]
+  r, c = unpack_index // L, unpack_index % L
+  here = (unpack_index >= 0) & (r % stride == row_offset)
+  local = jnp.where(here, (r // stride) * L + c, 0)
+  return jnp.where(here, packed.reshape(-1)[local], jnp.zeros((), packed.dtype))
+
+
+def pack_values(values: jax.Array, pack_index: jax.Array) -> jax.Array:
+  """Per-token values of the rollout's completion layout in the packed layout (the inverse gather).
+
+  ``out[r, c] = values[b, t]`` where ``pack_index[r, c] = b·T + t``, 0 where it is -1.
+
+  Args:
+    values: ``[B, T]`` (e.g. ``f32[B, T]`` rollout log-probs or advantages).
+    pack_index: ``int32[R, L]`` (:attr:`PackedBatch.pack_index`).
+
+  Returns:
+    ``[R, L]`` array of ``values``' dtype.
+  """
+  values = jnp.asarray(values)
+  pack_index = jnp.asarray(pack_index)
+  if values.ndim != 2:
+    raise ValueError(f"`values` must be [B, T], got shape {values.shape}")
+  if pack_index.ndim != 2 or not jnp.issubdtype(pack_index.dtype, jnp.integer):
+    raise ValueError(f"`pack_index` must be an int array [R, L], got {pack_index.dtype}{list(pack_index.shape)}")
+  here = pack_index >= 0
+  return jnp.where(here, values.reshape(-1)[jnp.where(here, pack_index, 0)], jnp.zeros((), values.dtype))
+
+
+def micro_batch_of(row, *, micro_batches: int, mini_batches: int = 1) -> np.ndarray:
+  """Which update slot each sequence's completion lives in when the R rows are split as the train step
+  splits them (row ``i·(M·K) + m·K + k`` → mini-batch m, micro-batch k).
+
+  A completion lives in exactly one row (a sequence is never split), hence in exactly one micro-batch:
+  ``slot = row mod (M·K) = m·K + k`` (mini-batch ``slot // K``, micro-batch ``slot % K``).
+
+  Args:
+    row: ``int[B]`` (:attr:`PackedBatch.row`; -1 for sequences that were not packed).
+    micro_batches: K. mini_batches: M.
+
+  Returns:
+    ``int32[B]``: ``m·K + k``, or -1 for sequences that were not packed.
+  """
+  row = np.asarray(row)
+  if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
+    raise ValueError(f"`row` must be a 1-D int array, got shape {row.shape} dtype {row.dtype}")
+  slots = _positive_int("micro_batches", micro_batches) * _positive_int("mini_batches", mini_batches)
+  return np.where(row >= 0, row % slots, -1).astype(np.int32)
