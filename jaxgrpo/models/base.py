@@ -11,8 +11,8 @@ from jaxgrpo.models.layers import KVCache, dense, init_kv_cache
 __all__ = ["CausalLM", "positions_from_mask"]
 
 
-def _apply_layer(layer, x, positions, attention_mask, kv, valid, index):
-  return layer(x, positions, attention_mask, kv, valid, index)
+def _apply_layer(layer, x, positions, attention_mask, kv, valid, index, dropout_key):
+  return layer(x, positions, attention_mask, kv, valid, index, dropout_key)
 
 
 _apply_layer_remat = nnx.remat(_apply_layer)
@@ -27,7 +27,7 @@ class CausalLM(nnx.Module):
   """Base class. Subclasses set ``config``, ``dtype``, ``layers`` (an ``nnx.List``), ``final_norm``,
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
-  ``layer(x, positions, attention_mask, kv, valid, index) -> (x, kv)``, under ``nnx.remat``
+  ``layer(x, positions, attention_mask, kv, valid, index, dropout_key) -> (x, kv)``, under ``nnx.remat``
   (activation checkpointing per layer: the backward pass recomputes the layer) when ``self.remat``.
   """
 
@@ -43,6 +43,7 @@ class CausalLM(nnx.Module):
     *,
     attention_mask: jax.Array | None = None,
     cache: KVCache | None = None,
+    dropout_key: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder.
 
@@ -54,6 +55,9 @@ class CausalLM(nnx.Module):
       cache: None for a full causal forward over the S tokens, or a ``KVCache`` whose slots
         ``[cache.index, cache.index + S)`` receive the new tokens (the caller keeps
         ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit).
+      dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only; None (the
+        default: sampling, reference and evaluation passes) applies no dropout. Ignored by a model
+        without adapters or with dropout 0.
 
     Returns:
       (hidden [B, S, D] after the final norm in compute dtype, new cache with ``index += S`` or None).
@@ -85,7 +89,7 @@ class CausalLM(nnx.Module):
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
       apply = _apply_layer_remat if self.remat else _apply_layer
-      x, kv = apply(layer, x, positions, attention_mask, kv, valid, index)
+      x, kv = apply(layer, x, positions, attention_mask, kv, valid, index, dropout_key)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
