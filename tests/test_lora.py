@@ -413,3 +413,21 @@ def test_generate_runs_on_adapted_and_merged_models():
   np.testing.assert_array_equal(
     np.asarray(ref.log_probs), np.asarray(sampling.generate(base, prompts, pmask, **kw).log_probs)
   )
+
+
+@pytest.mark.slow
+def test_bench_lora_smoke(capsys):
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_lora.py")
+  spec = importlib.util.spec_from_file_location("bench_lora", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  res = bench.main(["--tiny", "--in-process", "--steps", "1"])
+  assert set(res) == {"full", "lora", "qlora"}
+  assert res["full"]["adapter_params"] == 0 and res["lora"]["adapter_params"] > 0
+  assert res["lora"]["opt_state_bytes"] < res["full"]["opt_state_bytes"]
+  assert res["qlora"]["param_bytes"] < res["lora"]["param_bytes"]
+  assert res["lora"]["decode_merged_tokens_per_s"] > 0 and res["qlora"]["merge_s"] >= 0
+  assert "opt state" in capsys.readouterr().out
