@@ -161,6 +161,10 @@ _MESH_SCRIPT = textwrap.dedent("""
     merged = lora.merge_lora(sharded)
     assert spec(merged.layers[0].attn.q) == P("fsdp", "tensor", None), spec(merged.layers[0].attn.q)
     np.testing.assert_allclose(np.asarray(f(merged, tok, pos)), np.asarray(f(plain, tok, pos)), atol=1e-5)
+    unquantised = models.load_hf(directory, mesh=mesh)
+    lora.apply_lora(unquantised, lora.LoRAConfig(rank=2, alpha=2), key=jax.random.key(0))
+    merged = lora.merge_lora(unquantised)
+    assert spec(merged.layers[1].mlp.gate) == P("fsdp", "tensor"), spec(merged.layers[1].mlp.gate)
     print("OK")
 """)
 

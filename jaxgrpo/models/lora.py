@@ -193,7 +193,8 @@ def _select(sites: list[_Site], targets: tuple[str, ...] | None, what: str) -> l
       f"{what}: targets {empty} match no projection of this model; projections are named {names} "
       f"with paths like {sites[0].dotted!r}"
     )
-  return [s for s in sites if any(s in h for h in hits.values())]
+  chosen = {s.path for h in hits.values() for s in h}
+  return [s for s in sites if s.path in chosen]
 
 
 def _weight_info(w) -> tuple[tuple[int, ...], tuple, Any]:
@@ -262,8 +263,8 @@ def apply_lora(model, cfg: LoRAConfig, *, key: jax.Array, rules: Mapping[str, An
   Each targeted projection ``w [*C, *O]`` gets ``A [*C, r]`` (``cfg.init``, from
   ``fold_in(key, i)`` for the i-th adapter) and ``B = 0 [r, *O]`` as ``nnx.LoRAParam`` with the
   weight's logical axes (rank dim None), in ``cfg.param_dtype``, placed on the weight's mesh when
-  it is mesh-sharded. Since B = 0 the model's outputs are unchanged (bit for bit). The i-th
-  adapter's dropout stream is i (``layers.LoRA``).
+  it is mesh-sharded. Since B = 0 the model's outputs are those of its (possibly just quantised)
+  base weights, bit for bit. The i-th adapter's dropout stream is i (``layers.LoRA``).
 
   Raises:
     TypeError: ``model`` is not a ``jaxgrpo.models`` model.
@@ -322,13 +323,14 @@ def reference_model(model):
   return ref
 
 
-def merge_lora(model, *, param_dtype=None):
+def merge_lora(model, *, param_dtype=None, rules: Mapping[str, Any] | None = None):
   """A plain model (no adapter, no quantised weight) computing what ``model`` computes.
 
   Every adapted projection becomes ``w + scale · A·B`` (float32, ``Precision.HIGHEST``), every
   quantised weight its dequantised value, then cast to ``param_dtype`` (default: the weight's own
   dtype; for a quantised weight, the embedding's dtype). Disabled adapters are left out. ``model``
-  is not modified; unaffected parameters are shared, not copied. The result is what
+  is not modified; unaffected parameters are shared, not copied. A merged weight keeps its
+  weight's sharding (a dequantised one: its logical axes under ``rules``). The result is what
   ``models.save_hf`` writes and what ``sampling.generate`` can decode without adapter matmuls;
   it matches ``model`` up to float rounding (``x·(W + sAB)`` vs ``x·W + s(x·A)·B``).
   """
@@ -349,7 +351,9 @@ def merge_lora(model, *, param_dtype=None):
       b = ad.b.get_value().astype(jnp.float32)
       value = value + ad.scale * jnp.tensordot(a, b, axes=1, precision=jax.lax.Precision.HIGHEST)
     dtype = param_dtype if param_dtype is not None else default_dtype if quantised else w.get_value().dtype
-    value = _place(value.astype(dtype), axes, like, None, s.dotted) if quantised else value.astype(dtype)
+    value = value.astype(dtype)
+    if isinstance(getattr(like, "sharding", None), NamedSharding):  # keep the weight on its mesh
+      value = _place(value, axes, like, rules, s.dotted) if quantised else jax.device_put(value, like.sharding)
     s.set(weight=nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False))
   return merged
 
