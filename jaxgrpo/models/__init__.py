@@ -38,7 +38,7 @@ def build_model(
     dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
       float32 regardless.
     param_dtype: storage dtype of the parameters.
-    remat: checkpoint each layer's activations (``nnx.remat``): the backward pass recomputes them,
+    remat: checkpoint each layer's activations (``jax.checkpoint`` per layer): the backward pass recomputes them,
       trading one extra forward for O(L) less activation memory. Same values and gradients.
   """
   if isinstance(cfg, GPT2Config):

@@ -15,7 +15,17 @@ def _apply_layer(layer, x, positions, attention_mask, kv, valid, index, dropout_
   return layer(x, positions, attention_mask, kv, valid, index, dropout_key)
 
 
-_apply_layer_remat = nnx.remat(_apply_layer)
+def _apply_layer_remat(layer, x, positions, attention_mask, kv, valid, index, dropout_key):
+  """``_apply_layer`` under ``jax.checkpoint`` as a pure function of the layer's state (the backward
+  pass recomputes the layer). Not ``nnx.remat``: it fails ("Cannot mutate Param from a different
+  trace level") when the layer's variables come from different traces, as when gradients are taken
+  w.r.t. the LoRA adapters only and the base weights are a plain argument of the jitted step."""
+  graphdef, state = nnx.split(layer)
+
+  def pure(state, *args):
+    return _apply_layer(nnx.merge(graphdef, state), *args)
+
+  return jax.checkpoint(pure)(state, x, positions, attention_mask, kv, valid, index, dropout_key)
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -27,7 +37,7 @@ class CausalLM(nnx.Module):
   """Base class. Subclasses set ``config``, ``dtype``, ``layers`` (an ``nnx.List``), ``final_norm``,
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
-  ``layer(x, positions, attention_mask, kv, valid, index, dropout_key) -> (x, kv)``, under ``nnx.remat``
+  ``layer(x, positions, attention_mask, kv, valid, index, dropout_key) -> (x, kv)``, under ``jax.checkpoint``
   (activation checkpointing per layer: the backward pass recomputes the layer) when ``self.remat``.
   """
 
