@@ -227,6 +227,27 @@ def test_dropout_masks_differ_per_adapter_and_per_key_in_a_model():
   assert np.abs(a - _logits(model, tokens, mask)).max() > 1e-3
 
 
+def test_per_row_dropout_keys_make_masks_independent_of_the_batch_split():
+  model = _model("llama")
+  lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8, dropout=0.5), key=jax.random.key(0))
+  _randomise_b(model, std=0.2)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 96, (4, 10)), jnp.int32)
+  mask = jnp.ones((4, 10), bool)
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(11), jnp.arange(4))  # one per global row
+  whole = _logits(model, tokens, mask, keys)
+  halves = np.concatenate([_logits(model, tokens[i : i + 2], mask[i : i + 2], keys[i : i + 2]) for i in (0, 2)])
+  np.testing.assert_allclose(whole, halves, rtol=1e-5, atol=1e-5)
+  assert np.abs(whole - _logits(model, tokens, mask)).max() > 1e-3  # dropout is on
+  raw = jax.random.key_data(keys)  # raw uint32 [B, 2] keys are accepted too
+  np.testing.assert_array_equal(_logits(model, tokens, mask, raw), whole)
+  hidden = lambda key: model(tokens, models.positions_from_mask(mask), dropout_key=key)
+  with pytest.raises(ValueError, match=r"one per row \(shape \(4,\)\)"):
+    hidden(keys[:3])
+  with pytest.raises(TypeError, match="PRNG key"):
+    hidden(jnp.zeros((4,), jnp.float32))
+
+
 # --------------------------------------------------------------------------------------------
 # Targets and logical axes
 

@@ -28,6 +28,19 @@ def _apply_layer_remat(layer, x, positions, attention_mask, kv, valid, index, dr
   return jax.checkpoint(pure)(state, x, positions, attention_mask, kv, valid, index, dropout_key)
 
 
+def _check_dropout_key(key, batch: int) -> jax.Array:
+  """A typed key of shape () or [batch] (raw uint32 [2] / [batch, 2] keys are wrapped)."""
+  if not isinstance(key, jax.Array):
+    raise TypeError(f"dropout_key must be a jax PRNG key array, got {type(key).__name__}")
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2:
+      raise TypeError(f"dropout_key must be a typed PRNG key or raw uint32 [2] / [B, 2]; got {key.dtype}{key.shape}")
+    key = jax.random.wrap_key_data(key)
+  if key.shape not in ((), (batch,)):
+    raise ValueError(f"dropout_key must be one key or one per row (shape ({batch},)); got shape {key.shape}")
+  return key
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   """Position ids for (left-)padded rows: ``clip(cumsum(mask, -1) - 1, 0)``; int32 [B,S] from bool [B,S]."""
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -65,9 +78,10 @@ class CausalLM(nnx.Module):
       cache: None for a full causal forward over the S tokens, or a ``KVCache`` whose slots
         ``[cache.index, cache.index + S)`` receive the new tokens (the caller keeps
         ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit).
-      dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only; None (the
-        default: sampling, reference and evaluation passes) applies no dropout. Ignored by a model
-        without adapters or with dropout 0.
+      dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only: one key, or
+        one key per row (``key[B]``, typed, or raw ``uint32[B, 2]``) for masks independent of the
+        batch split; None (the default: sampling, reference and evaluation passes) applies no
+        dropout. Ignored by a model without adapters or with dropout 0.
 
     Returns:
       (hidden [B, S, D] after the final norm in compute dtype, new cache with ``index += S`` or None).
@@ -83,6 +97,8 @@ class CausalLM(nnx.Module):
     elif attention_mask.shape != tokens.shape:
       raise ValueError(f"attention_mask shape {attention_mask.shape} != tokens shape {tokens.shape}")
     attention_mask = attention_mask.astype(bool)
+    if dropout_key is not None:
+      dropout_key = _check_dropout_key(dropout_key, tokens.shape[0])
     if cache is not None:
       if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")

@@ -176,8 +176,11 @@ class LoRA(nnx.Module):
 
   Dropout (rate ``dropout``, inverted: kept inputs are divided by ``1 - dropout``) applies to the
   adapter's input only, and only when a ``dropout_key`` is given; its mask is drawn from
-  ``fold_in(dropout_key, stream)``, ``stream`` being this adapter's index in the model, so every
-  adapter has its own mask and a given key always gives the same masks.
+  ``fold_in(key, stream)``, ``stream`` being this adapter's index in the model, so every adapter has
+  its own mask and a given key always gives the same masks. ``dropout_key`` is one typed key (one
+  mask for the whole input) or a key per batch row (``key[B]``: row b's mask comes from
+  ``fold_in(key[b], stream)`` alone, so it does not depend on how rows are split into micro-batches
+  or over devices).
   ``enabled`` (static) False: the adapter is skipped (``Δy = 0``), see ``lora.reference_model``.
   """
 
@@ -196,8 +199,13 @@ class LoRA(nnx.Module):
   def __call__(self, x: jax.Array, *, dtype, dropout_key: jax.Array | None = None) -> jax.Array:
     """``x [..., *C] → Δy [..., *O]`` in ``dtype``."""
     if self.dropout > 0 and dropout_key is not None:
-      keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, self.stream), 1.0 - self.dropout, x.shape)
-      x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype)).astype(x.dtype)
+      p_keep = 1.0 - self.dropout
+      if dropout_key.ndim == 0:
+        keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, self.stream), p_keep, x.shape)
+      else:  # one key per row of x [B, ...]
+        row = lambda k: jax.random.bernoulli(jax.random.fold_in(k, self.stream), p_keep, x.shape[1:])
+        keep = jax.vmap(row)(dropout_key)
+      x = jnp.where(keep, x / p_keep, jnp.zeros((), x.dtype)).astype(x.dtype)
     h = dense(x, self.a[...].astype(dtype), contract=self.a.ndim - 1)  # [..., r]
     return dense(h, self.b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
 
