@@ -142,7 +142,7 @@ def test_bad_arguments_raise_naming_them():
     quant.quantize(jnp.ones((64, 8), jnp.int32), kind="int8", contract=1)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
   kind=st.sampled_from(quant.QUANT_KINDS),
   groups=st.integers(1, 4),
