@@ -1,6 +1,7 @@
 """Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX, and HF checkpoint I/O.
 
-See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints).
+See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints)
+and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights, merge, export).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to
 from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
 from jaxgrpo.models.llama import LlamaModel
 from jaxgrpo.models.log_probs import log_probs, token_log_probs
+from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model, save_peft
 
 __all__ = [
   "CausalLM",
@@ -31,20 +33,25 @@ __all__ = [
   "LOGICAL_AXES",
   "LlamaConfig",
   "LlamaModel",
+  "LoRAConfig",
   "ModelConfig",
   "Qwen2Config",
   "Qwen3Config",
   "RematPolicy",
   "RopeScaling",
+  "apply_lora",
   "build_model",
   "config_from_hf",
   "load_hf",
   "load_tokenizer",
   "log_probs",
   "logical_to_spec",
+  "merge_lora",
   "positions_from_mask",
   "positions_from_segments",
+  "reference_model",
   "repeat_cache",
   "save_hf",
+  "save_peft",
   "token_log_probs",
 ]

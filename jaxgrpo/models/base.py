@@ -19,7 +19,7 @@ RESIDUAL_AXES = ("batch", "activation_length", "activation_embed")  # [B, S, D]
 
 
 class RematPolicy(enum.Enum):
-  """What each layer keeps for the backward pass (activation checkpointing, ``nnx.remat`` per layer).
+  """What each layer keeps for the backward pass (activation checkpointing, ``jax.checkpoint`` per layer).
 
   - ``NONE`` ("none"): no remat; every intermediate is stored (fastest, most memory).
   - ``FULL`` ("full"): only each layer's input is stored; the backward pass reruns the whole layer
@@ -77,8 +77,39 @@ def freeze_rules(rules: Mapping[str, Any] | None) -> tuple[tuple[str, str | tupl
   return tuple(sorted(frozen))
 
 
-def _apply_layer(layer, x, positions, segment_ids, kv, valid, index):
-  return layer(x, positions, segment_ids, kv, valid, index)
+def _apply_layer(layer, x, positions, segment_ids, kv, valid, index, dropout_key):
+  return layer(x, positions, segment_ids, kv, valid, index, dropout_key)
+
+
+def _remat_layer(policy):
+  """``_apply_layer`` under ``jax.checkpoint(policy=policy)`` as a pure function of the layer's state
+  (the backward pass recomputes what the policy does not save). Not ``nnx.remat``: it fails ("Cannot
+  mutate Param from a different trace level") when the layer's variables come from different traces,
+  as when gradients are taken w.r.t. the LoRA adapters only and the base weights are a plain argument
+  of the jitted step."""
+
+  def apply(layer, *args):
+    graphdef, state = nnx.split(layer)
+
+    def pure(state, *args):
+      return _apply_layer(nnx.merge(graphdef, state), *args)
+
+    return jax.checkpoint(pure, policy=policy)(state, *args)
+
+  return apply
+
+
+def _check_dropout_key(key, batch: int) -> jax.Array:
+  """A typed key of shape () or [batch] (raw uint32 [2] / [batch, 2] keys are wrapped)."""
+  if not isinstance(key, jax.Array):
+    raise TypeError(f"dropout_key must be a jax PRNG key array, got {type(key).__name__}")
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2:
+      raise TypeError(f"dropout_key must be a typed PRNG key or raw uint32 [2] / [B, 2]; got {key.dtype}{key.shape}")
+    key = jax.random.wrap_key_data(key)
+  if key.shape not in ((), (batch,)):
+    raise ValueError(f"dropout_key must be one key or one per row (shape ({batch},)); got shape {key.shape}")
+  return key
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -107,9 +138,9 @@ class CausalLM(nnx.Module):
   """Base class. Subclasses set ``config``, ``dtype``, ``layers`` (an ``nnx.List``), ``final_norm``,
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
-  ``layer(x, positions, segment_ids, kv, valid, index) -> (x, kv)``, under ``nnx.remat`` with the
-  policy of ``self.remat`` (a ``RematPolicy``) unless it is ``NONE``. When a mesh is active
-  (``with jax.set_mesh(mesh):``) the activations are constrained by logical axes under
+  ``layer(x, positions, segment_ids, kv, valid, index, dropout_key) -> (x, kv)``, under
+  ``jax.checkpoint`` with the policy of ``self.remat`` (a ``RematPolicy``) unless it is ``NONE``. When a
+  mesh is active (``with jax.set_mesh(mesh):``) the activations are constrained by logical axes under
   ``self.sharding_rules`` (``freeze_rules(rules)`` of the constructor's ``rules``, default
   ``DEFAULT_RULES``): the residual stream to ``RESIDUAL_AXES`` here, attention and MLP activations in
   the layers (``layers.shard_activation``).
@@ -134,6 +165,7 @@ class CausalLM(nnx.Module):
     attention_mask: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     cache: KVCache | None = None,
+    dropout_key: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder.
 
@@ -150,6 +182,10 @@ class CausalLM(nnx.Module):
       cache: None for a full causal forward over the S tokens, or a ``KVCache`` whose slots
         ``[cache.index, cache.index + S)`` receive the new tokens (the caller keeps
         ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit).
+      dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only: one key, or
+        one key per row (``key[B]``, typed, or raw ``uint32[B, 2]``) for masks independent of the
+        batch split; None (the default: sampling, reference and evaluation passes) applies no
+        dropout. Ignored by a model without adapters or with dropout 0.
 
     Returns:
       (hidden [B, S, D] after the final norm in compute dtype, new cache with ``index += S`` or None).
@@ -177,6 +213,8 @@ class CausalLM(nnx.Module):
         raise ValueError(f"attention_mask shape {attention_mask.shape} != tokens shape {tokens.shape}")
       attention_mask = attention_mask.astype(bool)
       segment_ids = attention_mask.astype(jnp.int32)  # one segment per row: real tokens are segment 1
+    if dropout_key is not None:
+      dropout_key = _check_dropout_key(dropout_key, tokens.shape[0])
     if cache is not None:
       if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
@@ -191,13 +229,13 @@ class CausalLM(nnx.Module):
     if self.remat is RematPolicy.NONE:
       apply = _apply_layer
     else:
-      apply = nnx.remat(_apply_layer, policy=self.remat.checkpoint_policy())
+      apply = _remat_layer(self.remat.checkpoint_policy())
     new_k, new_v = [], []
     with activation_rules(self.rules):
       x = shard_activation(self._embed(tokens, positions), RESIDUAL_AXES, "embeddings")
       for i, layer in enumerate(self.layers):
         kv = None if cache is None else (cache.k[i], cache.v[i])
-        x, kv = apply(layer, x, positions, segment_ids, kv, valid, index)
+        x, kv = apply(layer, x, positions, segment_ids, kv, valid, index, dropout_key)
         x = shard_activation(x, RESIDUAL_AXES, f"output of layer {i}")
         if kv is not None:
           new_k.append(kv[0])

@@ -15,13 +15,18 @@ from flax import nnx
 
 from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
 from jaxgrpo.models.config import GPT2Config
-from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, LayerNorm, dense, param, shard_activation
+from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, LayerNorm, param, project, shard_activation
 
 __all__ = ["GPT2Model"]
 
 
 class GPT2MLP(nnx.Module):
-  """``gelu_tanh(x·fc + fc_bias)·proj + proj_bias``; fc [D,F] ("embed","mlp"), proj [F,D] ("mlp","embed")."""
+  """``gelu_tanh(x·fc + fc_bias)·proj + proj_bias``; fc [D,F] ("embed","mlp"), proj [F,D] ("mlp","embed").
+
+  Adapters: ``fc_lora``, ``proj_lora`` (``LoRA`` or None).
+  """
+
+  PROJECTIONS = {"fc": 1, "proj": 1}  # name -> contracted dims
 
   def __init__(self, cfg: GPT2Config, *, dtype, param_dtype, rngs: nnx.Rngs):
     D, F = cfg.hidden_size, cfg.intermediate_size
@@ -30,11 +35,13 @@ class GPT2MLP(nnx.Module):
     self.fc_bias = param(None, (F,), ("mlp",), param_dtype, init="zeros")
     self.proj = param(rngs.params(), (F, D), ("mlp", "embed"), param_dtype)
     self.proj_bias = param(None, (D,), ("embed",), param_dtype, init="zeros")
+    self.fc_lora = self.proj_lora = nnx.data(None)
 
-  def __call__(self, x):
-    h = dense(x, self.fc[...].astype(self.dtype)) + self.fc_bias[...].astype(self.dtype)
-    h = shard_activation(jax.nn.gelu(h, approximate=True), MLP_AXES, "MLP hidden")  # [B, S, F]
-    return dense(h, self.proj[...].astype(self.dtype)) + self.proj_bias[...].astype(self.dtype)
+  def __call__(self, x, dropout_key=None):
+    kw = dict(dtype=self.dtype, dropout_key=dropout_key)
+    h = jax.nn.gelu(project(x, self.fc, self.fc_bias, self.fc_lora, **kw), approximate=True)
+    h = shard_activation(h, MLP_AXES, "MLP hidden")  # [B, S, F]
+    return project(h, self.proj, self.proj_bias, self.proj_lora, **kw)
 
 
 class GPT2Block(nnx.Module):
@@ -57,10 +64,10 @@ class GPT2Block(nnx.Module):
     self.ln_2 = LayerNorm(cfg.hidden_size, **kw)
     self.mlp = GPT2MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, segment_ids, kv, valid, index):
-    y, kv = self.attn(self.ln_1(x), positions, segment_ids, kv, valid, index)
+  def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
+    y, kv = self.attn(self.ln_1(x), positions, segment_ids, kv, valid, index, dropout_key)
     x = x + y
-    return x + self.mlp(self.ln_2(x)), kv
+    return x + self.mlp(self.ln_2(x), dropout_key), kv
 
 
 class GPT2Model(CausalLM):

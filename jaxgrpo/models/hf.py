@@ -368,8 +368,15 @@ def save_hf(model, path: str | os.PathLike) -> None:
   os.makedirs(path, exist_ok=True)
   _, state = nnx.split(model)
   flat = dict(nnx.to_flat_state(state))
+  entries = hf_entries(cfg)
+  extra = sorted(set(flat) - {e.path for e in entries}, key=str)
+  if extra:  # LoRA adapters or quantised weights (QLoRA): HF has no tensor for them
+    raise ValueError(
+      f"save_hf: parameters {extra[:4]} have no Hugging Face name (adapters or quantised weights); "
+      "save jaxgrpo.models.lora.merge_lora(model) instead, or the adapters with lora.save_peft"
+    )
   pieces: dict[str, list[np.ndarray]] = {}
-  for e in hf_entries(cfg):
+  for e in entries:
     value = np.asarray(jax.device_get(flat[e.path].get_value()))
     pieces.setdefault(e.hf_name, []).append(e.to_hf(value))
   tensors = {}

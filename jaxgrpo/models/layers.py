@@ -5,6 +5,12 @@ N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V v
 
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical axis name
 per dim (see ``LOGICAL_AXES``); ``eager_sharding=False`` so no mesh is needed at construction.
+
+Every projection goes through ``project``: the base weight (a plain ``nnx.Param`` or a
+``QuantizedWeight``, dequantised on the fly), its optional bias, and its optional ``LoRA`` adapter.
+Modules with projections list them in ``PROJECTIONS`` (name → number of contracted dims) and hold
+the adapter of projection ``p`` in the attribute ``p_lora`` (None until
+``jaxgrpo.models.lora.apply_lora`` sets it).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models import quant
 from jaxgrpo.sharding import constrain
 
 __all__ = [
@@ -33,6 +40,10 @@ __all__ = [
   "dense",
   "activation_rules",
   "shard_activation",
+  "project",
+  "LoRA",
+  "QuantParam",
+  "QuantizedWeight",
 ]
 
 LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
@@ -146,6 +157,127 @@ def param(
   return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
+class QuantParam(nnx.Param):
+  """Storage of a quantised, frozen base weight (codes or scales; see ``QuantizedWeight``).
+
+  A ``nnx.Param`` subclass so that sharding (``out_sharding``) and checkpoint code treat it like any
+  parameter; filter it out (or select only ``nnx.LoRAParam``) when taking gradients.
+  """
+
+
+class QuantizedWeight(nnx.Module):
+  """A projection weight ``w [*C, *O]`` stored quantised (``jaxgrpo.models.quant``), dequantised per call.
+
+  ``codes``/``scales`` are ``QuantParam`` with the weight's logical axes (the grouped dim keeps its
+  name; int8 scales have None on the contracted dims). Static: ``kind``, ``contract``,
+  ``group_size``, ``shape`` (the logical weight shape), ``axes`` (its logical axes).
+  """
+
+  def __init__(
+    self,
+    codes: jax.Array,
+    scales: jax.Array,
+    *,
+    kind: str,
+    contract: int,
+    group_size: int,
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+  ):
+    codes_shape, scales_shape = quant.quantized_shapes(shape, kind=kind, contract=contract, group_size=group_size)
+    if tuple(codes.shape) != codes_shape or tuple(scales.shape) != scales_shape:
+      raise ValueError(
+        f"{kind} weight {shape}: codes {codes.shape} / scales {scales.shape}, expected {codes_shape} / {scales_shape}"
+      )
+    scale_axes = (None,) * contract + tuple(axes[contract:]) if kind == "int8" else tuple(axes)
+    self.codes = QuantParam(codes, out_sharding=tuple(axes), eager_sharding=False)
+    self.scales = QuantParam(scales, out_sharding=scale_axes, eager_sharding=False)
+    self.kind, self.contract, self.group_size = kind, contract, group_size
+    self.shape, self.axes = tuple(shape), tuple(axes)
+
+  def dequantize(self, dtype) -> jax.Array:
+    """``ŵ [*C, *O]`` in ``dtype``."""
+    return quant.dequantize(
+      self.codes[...], self.scales[...], kind=self.kind, contract=self.contract, group_size=self.group_size, dtype=dtype
+    )
+
+
+class LoRA(nnx.Module):
+  """Low-rank adapter of one projection ``w [*C, *O]`` (Hu et al. 2021, "LoRA: Low-Rank Adaptation").
+
+  ``Δy = scale · (dropout(x) · A) · B`` with ``A [*C, r]`` (the weight's contracted axes, then
+  None) and ``B [r, *O]`` (None, then the weight's output axes), both ``nnx.LoRAParam``, so
+  ``nnx.split(model, nnx.LoRAParam, ...)`` separates adapters from base weights and the adapters
+  shard like the weight they adapt. The merged weight is ``w + scale · A·B``.
+
+  Dropout (rate ``dropout``, inverted: kept inputs are divided by ``1 - dropout``) applies to the
+  adapter's input only, and only when a ``dropout_key`` is given; its mask is drawn from
+  ``fold_in(key, stream)``, ``stream`` being this adapter's index in the model, so every adapter has
+  its own mask and a given key always gives the same masks. ``dropout_key`` is one typed key (one
+  mask for the whole input) or a key per batch row (``key[B]``: row b's mask comes from
+  ``fold_in(key[b], stream)`` alone, so it does not depend on how rows are split into micro-batches
+  or over devices).
+  ``enabled`` (static) False: the adapter is skipped (``Δy = 0``), see ``lora.reference_model``.
+  """
+
+  def __init__(self, a: jax.Array, b: jax.Array, *, a_axes, b_axes, scale: float, dropout: float, stream: int):
+    if a.shape[-1] != b.shape[0]:
+      raise ValueError(f"LoRA: A {a.shape} and B {b.shape} disagree on the rank")
+    self.a = nnx.LoRAParam(a, out_sharding=tuple(a_axes), eager_sharding=False)
+    self.b = nnx.LoRAParam(b, out_sharding=tuple(b_axes), eager_sharding=False)
+    self.scale, self.dropout, self.stream = float(scale), float(dropout), int(stream)
+    self.enabled = True
+
+  @property
+  def rank(self) -> int:
+    return self.b.shape[0]
+
+  def __call__(self, x: jax.Array, *, dtype, dropout_key: jax.Array | None = None) -> jax.Array:
+    """``x [..., *C] → Δy [..., *O]`` in ``dtype``."""
+    if self.dropout > 0 and dropout_key is not None:
+      p_keep = 1.0 - self.dropout
+      if dropout_key.ndim == 0:
+        keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, self.stream), p_keep, x.shape)
+      else:  # one key per row of x [B, ...]
+        row = lambda k: jax.random.bernoulli(jax.random.fold_in(k, self.stream), p_keep, x.shape[1:])
+        keep = jax.vmap(row)(dropout_key)
+      x = jnp.where(keep, x / p_keep, jnp.zeros((), x.dtype)).astype(x.dtype)
+    h = dense(x, self.a[...].astype(dtype), contract=self.a.ndim - 1)  # [..., r]
+    return dense(h, self.b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
+
+
+def project(
+  x: jax.Array,
+  w,
+  bias,
+  adapter: LoRA | None,
+  *,
+  dtype,
+  contract: int = 1,
+  dropout_key: jax.Array | None = None,
+) -> jax.Array:
+  """One projection: ``y = x·w (+ bias) (+ adapter(x))`` in ``dtype``, as ``dense`` 2-D matmuls.
+
+  Args:
+    x: ``[..., *C]`` activations.
+    w: the weight ``[*C, *O]``: an ``nnx.Param`` or a ``QuantizedWeight`` (dequantised here).
+    bias: ``nnx.Param [*O]`` or None.
+    adapter: a ``LoRA`` or None; skipped when ``adapter.enabled`` is False.
+    contract: number of contracted dims ``len(C)``.
+    dropout_key: the adapter-dropout key (None: no dropout).
+
+  Returns:
+    ``[..., *O]`` in ``dtype``. With no adapter this is exactly the plain projection (same ops).
+  """
+  weight = w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w[...].astype(dtype)
+  y = dense(x, weight, contract=contract)
+  if bias is not None:
+    y = y + bias[...].astype(dtype)
+  if adapter is not None and adapter.enabled:
+    y = y + adapter(x, dtype=dtype, dropout_key=dropout_key)
+  return y
+
+
 class RMSNorm(nnx.Module):
   """``y = x / sqrt(mean(x², -1) + eps) * scale``, computed in float32, returned in ``dtype``.
 
@@ -251,8 +383,11 @@ class Attention(nnx.Module):
 
   ``softmax(q·kᵀ/√K + mask)`` with scores and softmax in float32; masked entries get -1e30.
   With a context mesh, q and the attention output are constrained to ``QUERY_AXES``, k and v to
-  ``KV_AXES`` (:func:`shard_activation`).
+  ``KV_AXES`` (:func:`shard_activation`). Adapters: ``q_lora``, ``k_lora``, ``v_lora``, ``o_lora``
+  (``LoRA`` or None).
   """
+
+  PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2}  # name -> contracted dims
 
   def __init__(
     self,
@@ -289,10 +424,7 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
     self.inv_freq = None if inv_freq is None else tuple(float(f) for f in inv_freq)
-
-  def _proj(self, x, w, b):
-    y = dense(x, w[...].astype(self.dtype))
-    return y if b is None else y + b[...].astype(self.dtype)
+    self.q_lora = self.k_lora = self.v_lora = self.o_lora = nnx.data(None)
 
   def __call__(
     self,
@@ -302,9 +434,10 @@ class Attention(nnx.Module):
     cache_kv: tuple[jax.Array, jax.Array] | None,
     cache_valid: jax.Array | None,
     cache_index: jax.Array | None,
+    dropout_key: jax.Array | None = None,
   ):
     """x: [B,S,D]; positions int32 [B,S]; segment_ids int32 [B,S] (0 = padding, k >= 1 = segment k;
-    a plain padded row is its mask as 0/1).
+    a plain padded row is its mask as 0/1); dropout_key: adapter dropout (``LoRA``).
 
     Without cache (``cache_kv`` None): causal attention within each segment, query i attends key j
     iff ``segment_ids[i] == segment_ids[j] > 0`` and j <= i. ``segment_ids`` is not used with a
@@ -315,9 +448,10 @@ class Attention(nnx.Module):
     """
     B, S, _ = x.shape
     H, N, K = self.num_heads, self.num_kv_heads, self.head_dim
-    q = self._proj(x, self.q, self.q_bias)  # [B,S,H,K]
-    k = self._proj(x, self.k, self.k_bias)  # [B,S,N,K]
-    v = self._proj(x, self.v, self.v_bias)
+    kw = dict(dtype=self.dtype, dropout_key=dropout_key)
+    q = project(x, self.q, self.q_bias, self.q_lora, **kw)  # [B,S,H,K]
+    k = project(x, self.k, self.k_bias, self.k_lora, **kw)  # [B,S,N,K]
+    v = project(x, self.v, self.v_bias, self.v_lora, **kw)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     if self.inv_freq is not None:
@@ -371,7 +505,5 @@ class Attention(nnx.Module):
     else:
       out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
     out = shard_activation(out, QUERY_AXES, "attention output")
-    y = dense(out, self.o[...].astype(self.dtype), contract=2)
-    if self.o_bias is not None:
-      y = y + self.o_bias[...].astype(self.dtype)
+    y = project(out, self.o, self.o_bias, self.o_lora, contract=2, **kw)
     return y, new_kv

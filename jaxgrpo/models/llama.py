@@ -15,13 +15,18 @@ from flax import nnx
 
 from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
 from jaxgrpo.models.config import LlamaConfig
-from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, RMSNorm, dense, param, shard_activation
+from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, RMSNorm, param, project, shard_activation
 
 __all__ = ["LlamaModel"]
 
 
 class SwiGLU(nnx.Module):
-  """``(silu(x·gate) * (x·up))·down``; gate, up [D,F] ("embed","mlp"); down [F,D] ("mlp","embed")."""
+  """``(silu(x·gate) * (x·up))·down``; gate, up [D,F] ("embed","mlp"); down [F,D] ("mlp","embed").
+
+  Adapters: ``gate_lora``, ``up_lora``, ``down_lora`` (``LoRA`` or None).
+  """
+
+  PROJECTIONS = {"gate": 1, "up": 1, "down": 1}  # name -> contracted dims
 
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     D, F = cfg.hidden_size, cfg.intermediate_size
@@ -35,16 +40,14 @@ class SwiGLU(nnx.Module):
       self.down_bias = param(None, (D,), ("embed",), param_dtype, init="zeros")
     else:
       self.gate_bias = self.up_bias = self.down_bias = None
+    self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)
 
-  def _mm(self, x, w, b):
-    y = dense(x, w[...].astype(self.dtype))
-    return y if b is None else y + b[...].astype(self.dtype)
-
-  def __call__(self, x):
-    g = self._mm(x, self.gate, self.gate_bias)
-    u = self._mm(x, self.up, self.up_bias)
+  def __call__(self, x, dropout_key=None):
+    kw = dict(dtype=self.dtype, dropout_key=dropout_key)
+    g = project(x, self.gate, self.gate_bias, self.gate_lora, **kw)
+    u = project(x, self.up, self.up_bias, self.up_lora, **kw)
     h = shard_activation(jax.nn.silu(g) * u, MLP_AXES, "MLP hidden")  # [B, S, F]
-    return self._mm(h, self.down, self.down_bias)
+    return project(h, self.down, self.down_bias, self.down_lora, **kw)
 
 
 class LlamaBlock(nnx.Module):
@@ -67,10 +70,10 @@ class LlamaBlock(nnx.Module):
     self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
     self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, segment_ids, kv, valid, index):
-    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index)
+  def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
+    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index, dropout_key)
     x = x + y
-    return x + self.mlp(self.post_attention_norm(x)), kv
+    return x + self.mlp(self.post_attention_norm(x), dropout_key), kv
 
 
 class LlamaModel(CausalLM):
