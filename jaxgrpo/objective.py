@@ -58,7 +58,9 @@ def _rollout_advantages(config, rewards, tokens, mask, group_ids, old_logp, ref_
   weights = None
   if config.process_weights:
     sizes = process_set_sizes(tokens, mask, group_ids, max_group_size=max_group_size)
-    weights = jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), 0.0).astype(jnp.float32)
+    # 1/|λ| on real tokens, 0 on padding; a negative (poisoned) size stays visible as NaN.
+    weights = jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), jnp.where(sizes < 0, jnp.nan, 0.0))
+    weights = weights.astype(jnp.float32)
   return adv, weights
 
 
@@ -88,7 +90,8 @@ def rollout_advantages(
 
   Returns:
     ``(advantages, token_weights)``: advantages ``f32[B]`` (GRPO family) or ``f32[B, T]`` (FRPO);
-    token_weights ``f32[B, T]`` (``1/|λ|``, 0 on padding) or None.
+    token_weights ``f32[B, T]`` (``1/|λ|``, 0 on padding; NaN where ``process_set_sizes`` reports an
+    invalid input by a negative size, so the failure is not silently hidden) or None.
   """
   config = _check_config(config)
   b, _ = _checks.check_tokens_mask(tokens, mask)
