@@ -86,8 +86,14 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
   Returns:
     ``f32[..., V]``: the logits with removed entries set to -inf.
   """
-  top_k = _check_top_k(top_k)
-  top_p = _check_top_p(top_p)
+  _checks.check_float(logits, "logits", "f32[..., V]")
+  if not _checks.shape_of(logits):
+    raise ValueError("`logits` must have a vocabulary axis (f32[..., V]); got a scalar")
+  return _filter_logits(logits, top_k=_check_top_k(top_k), top_p=_check_top_p(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def _filter_logits(logits, *, top_k, top_p):
   logits = jnp.asarray(logits, jnp.float32)
   vocab = logits.shape[-1]
   if 0 < top_k < vocab:
@@ -166,6 +172,13 @@ def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
   Returns:
     ``int32[N]``.
   """
+  _checks.check_float(logits, "logits", "f32[N, V]")
+  _checks.check_rank(logits, 2, "logits", "f32[N, V]")
+  return _sample_categorical(key, logits)
+
+
+@jax.jit
+def _sample_categorical(key, logits):
   n, vocab = logits.shape
   block = _block_size(vocab)
   num_blocks = -(-vocab // block)
@@ -376,8 +389,8 @@ def _generate_jit(
     if temperature == 0.0:
       token = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
     else:
-      filtered = filter_logits(allowed, top_k=top_k, top_p=top_p)
-      token = sample_categorical(jax.random.fold_in(key, t), filtered)
+      filtered = _filter_logits(allowed, top_k=top_k, top_p=top_p)
+      token = _sample_categorical(jax.random.fold_in(key, t), filtered)
     chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 

@@ -31,6 +31,7 @@ def _batch(seed=0):
     logp=jnp.asarray(logp),
     old=jnp.asarray(logp + 0.05),
     ref=jnp.asarray(logp - 0.1),
+    key=jax.random.key(seed),
   )
 
 
@@ -67,6 +68,8 @@ CALLS = {
   "rollout_advantages(dr_grpo)": lambda d: jg.rollout_advantages(
     jg.preset("dr_grpo"), d["rewards"], d["tokens"], d["mask"], d["group_ids"], 2
   ),
+  "filter_logits": lambda d: jg.sampling.filter_logits(d["logp"], top_k=2, top_p=0.9),
+  "sample_categorical": lambda d: jg.sampling.sample_categorical(d["key"], d["logp"]),
   "objective_terms(grpo, beta)": lambda d: jg.objective_terms(
     jg.preset("grpo", beta=0.04), d["logp"], d["old"], d["rewards"], d["mask"], ref_logp=d["ref"]
   ),
