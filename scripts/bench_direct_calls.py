@@ -3,8 +3,8 @@
 Every public kernel is a thin Python wrapper (argument checks) around a module-level jitted
 implementation with its static arguments declared, so after a warm-up call with the same shapes a
 direct call should cost about what the call costs inside jit: one dispatch plus the checks
-(target: < 5 ms at 16 x 12). Each line prints the median over ``--repeats`` calls of both, and
-their ratio, measured in the same run.
+(target: < 5 ms at 16 x 12). Each line prints the medians over ``--repeats`` alternating rounds of
+both (``scripts/_bench.py``), and their ratio, measured in the same run.
 
     python scripts/bench_direct_calls.py                 # 16 trajectories x 12 tokens
     python scripts/bench_direct_calls.py --quick         # a small smoke run
@@ -13,8 +13,8 @@ their ratio, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +22,8 @@ import numpy as np
 
 import jaxgrpo as jg
 
-
-def median_ms(fn, repeats: int) -> float:
-  """Median wall time of ``fn()`` in ms (outputs blocked on), after one warm-up call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
+import _bench  # noqa: E402
 
 
 def make_batch(batch: int, length: int, group_size: int, seed: int = 0) -> dict:
@@ -97,13 +89,15 @@ def main(argv=None) -> dict:
   if args.quick:
     args.batch, args.length, args.group_size, args.repeats = 4, 3, 2, 3
   d = make_batch(args.batch, args.length, args.group_size)
-  print(f"{jax.devices()[0].platform}, B={args.batch}, T={args.length}, G={args.group_size}, {args.repeats} repeats")
+  print(f"{_bench.backend_line()}; B={args.batch}, T={args.length}, G={args.group_size}, {args.repeats} rounds")
   print(f"{'kernel':36s} {'direct ms':>10s} {'in jit ms':>10s} {'ratio':>7s}")
   results = {}
   for name, (fn, arrays) in calls(d).items():
     jitted = jax.jit(fn)
-    direct_ms = median_ms(lambda fn=fn, arrays=arrays: fn(*arrays), args.repeats)
-    jit_ms = median_ms(lambda jitted=jitted, arrays=arrays: jitted(*arrays), args.repeats)
+    # alternating rounds: machine noise hits both variants alike
+    variants = [lambda fn=fn, a=arrays: fn(*a), lambda fn=jitted, a=arrays: fn(*a)]
+    times = _bench.alternating_times(variants, args.repeats)
+    direct_ms, jit_ms = (1e3 * t for t in _bench.medians(times))
     results[name] = (direct_ms, jit_ms)
     print(f"{name:36s} {direct_ms:10.3f} {jit_ms:10.3f} {direct_ms / jit_ms:7.2f}")
   return results
