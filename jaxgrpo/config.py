@@ -72,9 +72,7 @@ class GRPOConfig:
   dynamic_sampling: bool = False
 
   def __post_init__(self):
-    c = _checks
-    if not isinstance(self.name, str):
-      raise TypeError(f"`name` must be a string; got {self.name!r}")
+    c = _checks  # `name` is a free label, checked by whoever builds it (e.g. jaxgrpo.specs)
     c.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
     c.check_python_int(self.std_ddof, "std_ddof", minimum=0, hint="ddof of the std")
     c.check_python_float(self.std_eps, "std_eps", at_least=0.0, hint="eps added to the std")
