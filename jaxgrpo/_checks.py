@@ -1,21 +1,70 @@
-"""Trace-time argument checks shared by the public functions.
+"""The argument checks of the public functions: the one place they live.
 
-Shapes, ranks and dtypes are static under ``jit``, so every check here runs at trace time and raises a
-``ValueError``/``TypeError`` that names the argument, what was expected and what was given. Value
-checks (e.g. group ids in range) can only run on concrete arrays; under ``jit`` they are skipped.
+One exception type per kind of mistake, and every message names the argument, what was expected
+and what was given:
+
+- ``TypeError``: a wrong type or dtype — an integer array where a float one belongs, a string or a
+  bool where a number belongs, a float where a Python int belongs.
+- ``ValueError``: a wrong shape, rank or value — mismatched shapes, a negative β, a NaN ε, a group
+  id out of range, a prompt mask that is not left-padded.
+
+Shapes, ranks and dtypes are static under ``jit``, so those checks run at trace time. Checks of the
+*values* of arrays (group ids in range, mask layout) need concrete inputs: they run on direct calls
+and are skipped when the input is traced by an outer ``jit``. Hyper-parameters (ε, β, kinds,
+modes, ``num_groups``, ...) are static Python values, checked on every call.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+  "shape_of",
+  "concrete_or_none",
+  "check_rank",
+  "check_int",
+  "check_float",
+  "check_bool",
+  "check_same_shape",
+  "check_dim",
+  "check_choice",
+  "check_python_int",
+  "check_python_float",
+  "check_python_bool",
+  "check_token_ids",
+  "check_group_ids",
+  "check_tokens_mask",
+  "check_logp",
+  "check_prng_key",
+  "check_prompts",
+]
+
+# ----------------------------------------------------------------------------- arrays
+
 
 def shape_of(x) -> tuple[int, ...]:
   return tuple(np.shape(x))
+
+
+def concrete_or_none(x):
+  """The NumPy value of ``x`` if it is concrete (not traced by jit), else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _dtype(x, name: str):
+  try:
+    return jnp.result_type(x)
+  except TypeError:
+    raise TypeError(f"`{name}` must be an array; got {type(x).__name__}") from None
 
 
 def check_rank(x, rank: int | Sequence[int], name: str, layout: str) -> None:
@@ -25,20 +74,21 @@ def check_rank(x, rank: int | Sequence[int], name: str, layout: str) -> None:
 
 
 def check_int(x, name: str, layout: str) -> None:
-  if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-    raise TypeError(f"`{name}` must be an integer array ({layout}); got dtype {jnp.result_type(x)}")
+  dtype = _dtype(x, name)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"`{name}` must be an integer array ({layout}); got dtype {dtype}")
 
 
 def check_float(x, name: str, layout: str) -> None:
-  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-    raise TypeError(f"`{name}` must be a floating array ({layout}); got dtype {jnp.result_type(x)}")
+  dtype = _dtype(x, name)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"`{name}` must be a floating array ({layout}); got dtype {dtype}")
 
 
 def check_bool(x, name: str, layout: str) -> None:
-  if jnp.result_type(x) != jnp.bool_:
-    raise TypeError(
-      f"`{name}` must be a boolean array ({layout}); got dtype {jnp.result_type(x)}. Pass e.g. `{name}.astype(bool)`"
-    )
+  dtype = _dtype(x, name)
+  if dtype != jnp.bool_:
+    raise TypeError(f"`{name}` must be a boolean array ({layout}); got dtype {dtype}. Pass e.g. `{name}.astype(bool)`")
 
 
 def check_same_shape(a, a_name: str, b, b_name: str) -> None:
@@ -53,27 +103,13 @@ def check_dim(x, axis: int, size: int, name: str, what: str) -> None:
     )
 
 
-def check_choice(value, choices: Sequence[str], name: str) -> None:
-  if value not in choices:
-    raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-
-def concrete_or_none(x):
-  """The NumPy value of ``x`` if it is concrete (not traced by jit), else None."""
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
-
-
 def check_group_ids(group_ids, batch: int, num_groups: int | None = None) -> None:
-  """group_ids: int32[B]; values in [0, num_groups) when both are known."""
+  """group_ids: ``int32[B]``; values in ``[0, num_groups)`` when both are known (concrete)."""
   check_rank(group_ids, 1, "group_ids", "int32[B]")
   check_int(group_ids, "group_ids", "int32[B]")
   check_dim(group_ids, 0, batch, "group_ids", "one group id per trajectory, B")
   if num_groups is not None:
-    if not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
-      raise ValueError(f"`num_groups` must be a positive Python int (static); got {num_groups!r}")
+    check_python_int(num_groups, "num_groups", minimum=1, hint="static number of groups")
   values = concrete_or_none(group_ids)
   if values is not None and values.size:
     upper = num_groups if num_groups is not None else np.iinfo(np.int32).max
@@ -82,7 +118,7 @@ def check_group_ids(group_ids, batch: int, num_groups: int | None = None) -> Non
 
 
 def check_tokens_mask(tokens, mask) -> tuple[int, int]:
-  """tokens: int[B, T], mask: bool[B, T]; returns (B, T)."""
+  """tokens: ``int32[B, T]``, mask: ``bool[B, T]``; returns (B, T)."""
   check_rank(tokens, 2, "tokens", "int32[B, T]")
   check_int(tokens, "tokens", "int32[B, T]")
   check_rank(mask, 2, "mask", "bool[B, T]")
@@ -92,7 +128,133 @@ def check_tokens_mask(tokens, mask) -> tuple[int, int]:
 
 
 def check_logp(x, name: str, shape: tuple[int, ...] | None = None) -> None:
-  check_float(x, name, "float32[B, T]")
-  check_rank(x, 2, name, "float32[B, T]")
+  """A ``f32[B, T]`` per-token array (log-probs, KL terms, token weights), optionally of a given shape."""
+  check_float(x, name, "f32[B, T]")
+  check_rank(x, 2, name, "f32[B, T]")
   if shape is not None and shape_of(x) != tuple(shape):
     raise ValueError(f"`{name}` must have shape {tuple(shape)} (B, T); got {shape_of(x)}")
+
+
+# ----------------------------------------------------------------------------- Python values
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_choice(value, choices: Sequence[str], name: str) -> str:
+  if not isinstance(value, str):
+    raise TypeError(f"`{name}` must be a string, one of {', '.join(map(repr, choices))}; got {value!r}")
+  if value not in choices:
+    raise ValueError(f"`{name}` must be one of {', '.join(map(repr, choices))}; got {value!r}")
+  return value
+
+
+def check_python_int(value, name: str, *, minimum: int | None = None, hint: str = "") -> int:
+  """A Python (or NumPy) integer, not a bool, ``>= minimum``; returned as ``int``."""
+  what = f" ({hint})" if hint else ""
+  if not _is_int(value):
+    raise TypeError(f"`{name}` must be a Python int{what}; got {value!r} ({type(value).__name__})")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"`{name}` must be >= {minimum}{what}; got {value}")
+  return int(value)
+
+
+def check_python_float(
+  value,
+  name: str,
+  *,
+  at_least: float | None = None,
+  above: float | None = None,
+  at_most: float | None = None,
+  hint: str = "",
+) -> float:
+  """A finite real number (Python/NumPy int or float, not a bool or a string) in the given range.
+
+  Hyper-parameters are static: NaN and ±inf are rejected (``ValueError``), as are values outside
+  ``[at_least, at_most]`` / ``(above, at_most]``. Returned as ``float``.
+  """
+  what = f" ({hint})" if hint else ""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(f"`{name}` must be a Python float{what}; got {value!r} ({type(value).__name__})")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"`{name}` must be finite{what}; got {value}")
+  low = f">= {at_least}" if at_least is not None else f"> {above}" if above is not None else None
+  if (at_least is not None and value < at_least) or (above is not None and value <= above):
+    raise ValueError(f"`{name}` must be {low}{what}; got {value}")
+  if at_most is not None and value > at_most:
+    raise ValueError(f"`{name}` must be <= {at_most}{what}; got {value}")
+  return value
+
+
+def check_python_bool(value, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"`{name}` must be a bool; got {value!r} ({type(value).__name__})")
+  return bool(value)
+
+
+def check_token_ids(ids, name: str, vocab_size: int) -> tuple[int, ...]:
+  """One token id or a sequence of them, each an int in ``[0, vocab_size)``; returned as a tuple."""
+  if _is_int(ids):
+    ids = (ids,)
+  if isinstance(ids, (str, bytes)):
+    raise TypeError(f"`{name}` must be a sequence of int token ids; got {ids!r}")
+  try:
+    ids = tuple(ids)
+  except TypeError:
+    raise TypeError(f"`{name}` must be a sequence of int token ids; got {ids!r}") from None
+  for i in ids:
+    if not _is_int(i):
+      raise TypeError(f"`{name}` must hold int token ids; got {i!r} ({type(i).__name__}) in {ids!r}")
+    if not 0 <= i < vocab_size:
+      raise ValueError(f"`{name}` must hold ids in [0, vocab_size={vocab_size}); got {i} in {ids!r}")
+  return tuple(int(i) for i in ids)
+
+
+# ----------------------------------------------------------------------------- sampler inputs
+
+
+def check_prng_key(key, name: str = "key") -> jax.Array:
+  """A single PRNG key: typed (``jax.random.key``) or raw ``uint32[2]`` (``jax.random.PRNGKey``)."""
+  key = jnp.asarray(key)
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"`{name}` must be a single PRNG key; got a key array of shape {key.shape}")
+    return key
+  if key.dtype != jnp.uint32:
+    raise TypeError(f"`{name}` must be a jax.random.key(...) or a raw uint32[2] PRNGKey; got dtype {key.dtype}")
+  if key.shape != (2,):
+    raise ValueError(f"`{name}` must be a single PRNG key (raw keys are uint32[2]); got shape {key.shape}")
+  return key
+
+
+def check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
+  """``int32[B, P]`` tokens and their ``bool[B, P]`` mask, left-padded with >= 1 real token per row.
+
+  The layout of the mask is checked when it is concrete. Returns ``(tokens as int32, mask)``.
+  """
+  prompt_tokens = jnp.asarray(prompt_tokens)
+  prompt_mask = jnp.asarray(prompt_mask)
+  check_rank(prompt_tokens, 2, "prompt_tokens", "int32[B, P]")
+  check_int(prompt_tokens, "prompt_tokens", "int32[B, P]")
+  check_rank(prompt_mask, 2, "prompt_mask", "bool[B, P]")
+  check_bool(prompt_mask, "prompt_mask", "bool[B, P]")
+  check_same_shape(prompt_mask, "prompt_mask", prompt_tokens, "prompt_tokens")
+  if 0 in prompt_tokens.shape:
+    raise ValueError(f"`prompt_tokens` must be non-empty (B >= 1, P >= 1); got shape {prompt_tokens.shape}")
+  mask = concrete_or_none(prompt_mask)
+  if mask is not None:
+    if not mask[:, -1].all():
+      bad = np.flatnonzero(~mask[:, -1])
+      raise ValueError(
+        f"`prompt_mask` must be left-padded with at least one real token per row (last column True); "
+        f"rows {bad.tolist()} are not"
+      )
+    late = (mask[:, 1:] < mask[:, :-1]).any(axis=1)
+    if late.any():
+      raise ValueError(
+        f"`prompt_mask` must be left-padded (False...False True...True); rows {np.flatnonzero(late).tolist()} "
+        "have a False after a True"
+      )
+  return prompt_tokens.astype(jnp.int32), prompt_mask

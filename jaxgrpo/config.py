@@ -22,12 +22,18 @@ from jaxgrpo.advantages import ADVANTAGE_SCALES
 from jaxgrpo.kl import FUTURE_KL_KINDS, KL_KINDS
 from jaxgrpo.losses import AGGREGATIONS
 
+__all__ = ["KL_PLACEMENTS", "GRPOConfig", "PRESETS", "preset"]
+
 KL_PLACEMENTS = ("loss", "future")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
   """The objective of one GRPO-family algorithm. Validated on construction.
+
+  Every field is checked for its type (``TypeError``: e.g. ``beta="0.1"``, ``std_ddof=True``) and
+  its value (``ValueError``: negative, NaN or infinite numbers, unknown names). The config is
+  frozen and hashable, so the jitted kernels take it as a static argument.
 
   Attributes:
     name: label (the preset's name, or "custom").
@@ -66,23 +72,24 @@ class GRPOConfig:
   dynamic_sampling: bool = False
 
   def __post_init__(self):
-    _checks.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
-    _checks.check_choice(self.kl_placement, KL_PLACEMENTS, "kl_placement")
+    c = _checks  # `name` is a free label, checked by whoever builds it (e.g. jaxgrpo.specs)
+    c.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
+    c.check_python_int(self.std_ddof, "std_ddof", minimum=0, hint="ddof of the std")
+    c.check_python_float(self.std_eps, "std_eps", at_least=0.0, hint="eps added to the std")
+    c.check_python_bool(self.process_weights, "process_weights")
+    c.check_python_float(self.beta, "beta", at_least=0.0, hint="the KL coefficient β")
+    c.check_choice(self.kl_placement, KL_PLACEMENTS, "kl_placement")
     kinds = KL_KINDS if self.kl_placement == "loss" else FUTURE_KL_KINDS
-    _checks.check_choice(self.kl_estimator, kinds, "kl_estimator")
-    _checks.check_choice(self.aggregation, AGGREGATIONS, "aggregation")
-    if self.beta < 0:
-      raise ValueError(f"`beta` must be >= 0; got {self.beta}")
-    if self.std_ddof < 0 or self.std_eps < 0:
-      raise ValueError(f"`std_ddof` and `std_eps` must be >= 0; got {self.std_ddof}, {self.std_eps}")
-    if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-      raise ValueError(f"clip ranges must be >= 0; got {self.clip_eps_low}, {self.clip_eps_high}")
-    if self.dual_clip is not None and self.dual_clip <= 1:
-      raise ValueError(f"`dual_clip` must be > 1 or None; got {self.dual_clip}")
-    if not isinstance(self.num_iterations, int) or self.num_iterations < 1:
-      raise ValueError(f"`num_iterations` (μ) must be an int >= 1; got {self.num_iterations!r}")
-    if self.max_tokens is not None and self.max_tokens < 1:
-      raise ValueError(f"`max_tokens` must be >= 1 or None; got {self.max_tokens}")
+    c.check_choice(self.kl_estimator, kinds, "kl_estimator")
+    c.check_python_float(self.clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip")
+    c.check_python_float(self.clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip")
+    if self.dual_clip is not None:
+      c.check_python_float(self.dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None")
+    c.check_python_int(self.num_iterations, "num_iterations", minimum=1, hint="μ, updates per rollout batch")
+    c.check_choice(self.aggregation, AGGREGATIONS, "aggregation")
+    if self.max_tokens is not None:
+      c.check_python_int(self.max_tokens, "max_tokens", minimum=1, hint="or None for the padded length")
+    c.check_python_bool(self.dynamic_sampling, "dynamic_sampling")
 
   @property
   def needs_reference(self) -> bool:

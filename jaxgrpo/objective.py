@@ -9,17 +9,59 @@ Two calls, matching the two time scales of GRPO training:
    KL term when ``kl_placement="loss"``, returned as additive :class:`~jaxgrpo.losses.LossTerms`.
 
 The train step and the binary-tree task both call these; research code may call the kernels directly.
+Both are jitted with the config (frozen, hashable) and the sizes static: a direct call costs what it
+costs inside ``jit`` after the first call; calling them inside an outer ``jit`` works.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrpo import _checks
 from jaxgrpo.advantages import group_advantages
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.kl import frpo_advantages, kl_penalty
 from jaxgrpo.losses import LossTerms, policy_loss_terms
 from jaxgrpo.process_sets import process_set_sizes
+
+__all__ = ["rollout_advantages", "objective_terms"]
+
+
+def _check_config(config) -> GRPOConfig:
+  if not isinstance(config, GRPOConfig):
+    raise TypeError(f"`config` must be a jaxgrpo.GRPOConfig (e.g. jaxgrpo.preset('grpo')); got {type(config).__name__}")
+  return config
+
+
+def _group_size_bound(group_ids, batch: int) -> int | None:
+  """A static bound on the group size from concrete ``group_ids``: the largest group's size rounded up
+  to a power of two (a new batch recompiles only when its largest group crosses a power of two), at
+  most B. None when the ids are traced (``process_set_sizes`` then says what that costs)."""
+  ids = _checks.concrete_or_none(group_ids)
+  if ids is None or ids.size == 0:
+    return None
+  largest = int(np.bincount(ids.astype(np.int64)).max())
+  return min(batch, 1 << (largest - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_groups", "max_group_size"))
+def _rollout_advantages(config, rewards, tokens, mask, group_ids, old_logp, ref_logp, *, num_groups, max_group_size):
+  adv = group_advantages(
+    rewards, group_ids, num_groups, scale=config.advantage_scale, ddof=config.std_ddof, eps=config.std_eps
+  )
+  if config.kl_placement == "future" and config.beta > 0:
+    adv = frpo_advantages(adv, old_logp, ref_logp, mask, beta=config.beta, kind=config.kl_estimator)
+  weights = None
+  if config.process_weights:
+    sizes = process_set_sizes(tokens, mask, group_ids, max_group_size=max_group_size)
+    # 1/|λ| on real tokens, 0 on padding; a negative (poisoned) size stays visible as NaN.
+    weights = jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), jnp.where(sizes < 0, jnp.nan, 0.0))
+    weights = weights.astype(jnp.float32)
+  return adv, weights
 
 
 def rollout_advantages(
@@ -37,45 +79,51 @@ def rollout_advantages(
   """Advantages and token weights of one rollout batch.
 
   Args:
-    config: the algorithm.
-    rewards: ``f32[B]``; tokens: ``int32[B, T]``; mask: ``bool[B, T]``; group_ids: ``int32[B]``;
-    num_groups: static int.
+    config: the algorithm (static).
+    rewards: ``f32[B]`` (NaN/±inf: a missing sample, advantage 0; see ``jaxgrpo.advantages``);
+      tokens: ``int32[B, T]``; mask: ``bool[B, T]``; group_ids: ``int32[B]``.
+    num_groups: static int, every group id in ``[0, num_groups)``.
     old_logp, ref_logp: ``f32[B, T]`` rollout and reference log-probs; required for FRPO with β>0.
-    max_group_size: static bound on group size for ``process_set_sizes`` (None: B).
+    max_group_size: static bound on the group size for ``process_set_sizes``. None: derived from
+      ``group_ids`` when they are concrete (the largest group rounded up to a power of two),
+      ``process_set_sizes``'s default when they are traced.
 
   Returns:
     ``(advantages, token_weights)``: advantages ``f32[B]`` (GRPO family) or ``f32[B, T]`` (FRPO);
-    token_weights ``f32[B, T]`` (``1/|λ|``, 0 on padding) or None.
+    token_weights ``f32[B, T]`` (``1/|λ|``, 0 on padding; NaN where ``process_set_sizes`` reports an
+    invalid input by a negative size, so the failure is not silently hidden) or None.
   """
-  adv = group_advantages(
-    rewards, group_ids, num_groups, scale=config.advantage_scale, ddof=config.std_ddof, eps=config.std_eps
-  )
+  config = _check_config(config)
+  b, _ = _checks.check_tokens_mask(tokens, mask)
+  _checks.check_rank(rewards, 1, "rewards", "f32[B]")
+  _checks.check_float(rewards, "rewards", "f32[B]")
+  _checks.check_dim(rewards, 0, b, "rewards", "one reward per row of tokens")
+  _checks.check_group_ids(group_ids, b, num_groups)
+  num_groups = _checks.check_python_int(num_groups, "num_groups", minimum=1, hint="static number of groups")
   if config.kl_placement == "future" and config.beta > 0:
     if old_logp is None or ref_logp is None:
       raise ValueError(f"preset {config.name!r} (future-KL, beta={config.beta}) needs `old_logp` and `ref_logp`")
-    adv = frpo_advantages(adv, old_logp, ref_logp, mask, beta=config.beta, kind=config.kl_estimator)
-  weights = None
+    _checks.check_logp(old_logp, "old_logp", (b, _checks.shape_of(tokens)[1]))
+    _checks.check_logp(ref_logp, "ref_logp", (b, _checks.shape_of(tokens)[1]))
+  else:
+    old_logp = ref_logp = None  # unused: one compiled program whether or not they are passed
   if config.process_weights:
-    sizes = process_set_sizes(tokens, mask, group_ids, max_group_size=max_group_size)
-    weights = jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), 0.0).astype(jnp.float32)
-  return adv, weights
+    if max_group_size is None:
+      max_group_size = _group_size_bound(group_ids, b)
+    else:
+      max_group_size = _checks.check_python_int(max_group_size, "max_group_size", minimum=1, hint="static bound")
+  else:
+    max_group_size = None  # unused
+  return _rollout_advantages(
+    config, rewards, tokens, mask, group_ids, old_logp, ref_logp, num_groups=num_groups, max_group_size=max_group_size
+  )
 
 
-def objective_terms(
-  config: GRPOConfig, logp, old_logp, advantages, mask, *, token_weights=None, ref_logp=None
-) -> LossTerms:
-  """The loss of one (micro-)batch under ``config`` as additive ``LossTerms``.
-
-  Args:
-    logp: ``f32[B, T]`` current policy (differentiable); old_logp: ``f32[B, T]`` rollout policy;
-    advantages, token_weights: from :func:`rollout_advantages` (rows matching this micro-batch);
-    mask: ``bool[B, T]``; ref_logp: ``f32[B, T]``, required when β>0 and ``kl_placement="loss"``.
-  """
+@functools.partial(jax.jit, static_argnames=("config",))
+def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp):
   kl = None
   if config.kl_placement == "loss" and config.beta > 0:
-    if ref_logp is None:
-      raise ValueError(f"preset {config.name!r} (beta={config.beta}, KL in the loss) needs `ref_logp`")
-    kl = kl_penalty(logp, ref_logp, config.kl_estimator)
+    kl = kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask)
   return policy_loss_terms(
     logp,
     old_logp,
@@ -88,5 +136,34 @@ def objective_terms(
     aggregation=config.aggregation,
     max_tokens=config.max_tokens,
     kl=kl,
-    beta=config.beta,
+    beta=config.beta if kl is not None else 0.0,
   )
+
+
+def objective_terms(
+  config: GRPOConfig, logp, old_logp, advantages, mask, *, token_weights=None, ref_logp=None
+) -> LossTerms:
+  """The loss of one (micro-)batch under ``config`` as additive ``LossTerms``.
+
+  With ``kl_placement="loss"`` and β > 0 the per-token term is
+  ``kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask)``; FRPO's KL lives in the advantages
+  (``rollout_advantages``), so its loss has no KL term.
+
+  Args:
+    config: the algorithm (static).
+    logp: ``f32[B, T]`` current policy (differentiable); old_logp: ``f32[B, T]`` rollout policy.
+    advantages: ``f32[B]`` or ``f32[B, T]``, token_weights: ``f32[B, T]`` or None — from
+      :func:`rollout_advantages` (rows matching this micro-batch).
+    mask: ``bool[B, T]``.
+    ref_logp: ``f32[B, T]``, required when β>0 and ``kl_placement="loss"`` (ignored otherwise).
+  """
+  config = _check_config(config)
+  _checks.check_logp(logp, "logp")
+  if config.kl_placement == "loss" and config.beta > 0:
+    if ref_logp is None:
+      raise ValueError(f"preset {config.name!r} (beta={config.beta}, KL in the loss) needs `ref_logp`")
+    _checks.check_logp(ref_logp, "ref_logp", _checks.shape_of(logp))
+  else:
+    ref_logp = None  # unused: one compiled program whether or not it is passed
+  # The remaining arguments are checked (at trace time) by policy_loss_terms inside the jitted call.
+  return _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp)

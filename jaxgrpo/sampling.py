@@ -7,43 +7,48 @@ tokens, V vocabulary):
     --lax.while_loop over t (one token per row per step; exits once every row has finished)-->
     Rollout(completions [N, T] right-padded, mask, log_probs, ...)
 
-The log-probs returned for the sampled tokens are exactly what `jaxgrpo.models.log_probs` recomputes
-for the concatenated sequence `[prompt_tokens, completions]` with the mask `[prompt_mask, mask]`
-at the same temperature: log_softmax(logits / temperature) over the *full* vocabulary, in float32,
-whatever top-k/top-p filtering was used to draw the token. The train step therefore sees
-`old_log_probs == log_probs(params_at_sampling_time)` up to float32 rounding.
+The log-probs returned for the sampled tokens are those the train step recomputes for the rollout
+(``jaxgrpo.train.completion_log_probs``: one forward over ``[prompt_tokens ‖ completions]`` with the
+mask ``[prompt_mask ‖ mask]``, at the same temperature; ``jaxgrpo.models.log_probs`` gives the same
+numbers): ``log_softmax(logits / temperature)`` over the *full* vocabulary, in float32, whatever
+top-k/top-p filtering or suppressed ids restricted the draw. The train step therefore sees
+``old_logp == log-probs(params at sampling time)`` up to float32 rounding: the PPO ratio is 1
+on-policy.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import numbers
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgrpo import _checks
 from jaxgrpo import models as _models
 
 __all__ = ["Rollout", "generate", "filter_logits", "sample_categorical"]
 
 
 class Rollout(NamedTuple):
-  """The output of `generate`. Row `b*G + g` is sample g of prompt b (N = B*G rows).
+  """The output of ``generate``. Row ``b*G + g`` is sample g of prompt b (N = B*G rows).
 
   Attributes:
-    prompt_tokens: int32[N, P] — the prompt of each row (prompt b repeated G times), left-padded.
-    prompt_mask: bool[N, P] — True on real prompt tokens (False on the left padding).
-    completions: int32[N, T] — sampled tokens, right-padded with `pad_id` after the end.
-    mask: bool[N, T] — True on real completion tokens: every token up to and including the first
-      EOS (when one was sampled), all T tokens otherwise. `mask[:, t]` implies `mask[:, t-1]`.
-    log_probs: float32[N, T] — log π(token_t | prompt, tokens_<t) under the temperature-scaled
-      full softmax (see `generate`); 0 where `mask` is False.
-    group_ids: int32[N] — `b` for row `b*G + g` (which prompt the row belongs to).
-    num_steps: int32[] — how many token positions the decode loop produced (≤ T; smaller when
+    prompt_tokens: ``int32[N, P]`` — the prompt of each row (prompt b repeated G times), left-padded.
+    prompt_mask: ``bool[N, P]`` — True on real prompt tokens (False on the left padding).
+    completions: ``int32[N, T]`` — sampled tokens, right-padded with ``pad_id`` after the end. No
+      real token is one of the ``suppress_ids`` of the call (by default the pad id).
+    mask: ``bool[N, T]`` — True on real completion tokens: every token up to and including the first
+      EOS (when one was sampled), all T tokens otherwise. ``mask[:, t]`` implies ``mask[:, t-1]``.
+    log_probs: ``f32[N, T]`` — ``log π(token_t | prompt, tokens_<t)`` under the temperature-scaled
+      softmax over the *full* vocabulary (suppressed and filtered ids included in the
+      normalisation; see ``generate``); 0 where ``mask`` is False.
+    group_ids: ``int32[N]`` — ``b`` for row ``b*G + g`` (which prompt the row belongs to).
+    num_steps: ``int32[]`` — how many token positions the decode loop produced (≤ T; smaller when
       every row hit EOS early). Columns ≥ num_steps are padding in every row.
   """
 
@@ -74,15 +79,21 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
   over [..., V] per filter.
 
   Args:
-    logits: float[..., V] (computed in float32).
+    logits: ``f32[..., V]`` (computed in float32; entries already at -inf stay removed).
     top_k: int >= 0 (static).
     top_p: float in (0, 1] (static).
 
   Returns:
-    float32[..., V]: the logits with removed entries set to -inf.
+    ``f32[..., V]``: the logits with removed entries set to -inf.
   """
-  _check_top_k(top_k)
-  _check_top_p(top_p)
+  _checks.check_float(logits, "logits", "f32[..., V]")
+  if not _checks.shape_of(logits):
+    raise ValueError("`logits` must have a vocabulary axis (f32[..., V]); got a scalar")
+  return _filter_logits(logits, top_k=_check_top_k(top_k), top_p=_check_top_p(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def _filter_logits(logits, *, top_k, top_p):
   logits = jnp.asarray(logits, jnp.float32)
   vocab = logits.shape[-1]
   if 0 < top_k < vocab:
@@ -156,11 +167,18 @@ def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
 
   Args:
     key: a PRNG key.
-    logits: float32[N, V], unnormalised; -inf for impossible tokens (at least one finite per row).
+    logits: ``f32[N, V]``, unnormalised; -inf for impossible tokens (at least one finite per row).
 
   Returns:
-    int32[N].
+    ``int32[N]``.
   """
+  _checks.check_float(logits, "logits", "f32[N, V]")
+  _checks.check_rank(logits, 2, "logits", "f32[N, V]")
+  return _sample_categorical(key, logits)
+
+
+@jax.jit
+def _sample_categorical(key, logits):
   n, vocab = logits.shape
   block = _block_size(vocab)
   num_blocks = -(-vocab // block)
@@ -196,30 +214,40 @@ def generate(
   top_k: int = 0,
   eos_ids: Sequence[int] = (),
   pad_id: int,
+  suppress_ids: Sequence[int] | None = None,
   key: jax.Array,
 ) -> Rollout:
-  """Samples `num_samples` completions per prompt with a KV cache, in one jitted program.
+  """Samples ``num_samples`` completions per prompt with a KV cache, in one jitted program.
 
-  Each prompt is prefilled once (B rows) and its cache shared by its G samples (`repeat_cache`).
-  The decode loop is a `lax.while_loop` producing one token per row per step; it stops once
-  every row has finished (sampled one of `eos_ids`, or reached `max_new_tokens`).
+  Each prompt is prefilled once (B rows) and its cache shared by its G samples (``repeat_cache``).
+  The decode loop is a ``lax.while_loop`` producing one token per row per step; it stops once
+  every row has finished (sampled one of ``eos_ids``, or reached ``max_new_tokens``).
 
-  Token t of a row is drawn from
-    * temperature > 0: softmax(filter_logits(logits_t / temperature, top_k, top_p)), with
-      `sample_categorical` (one uniform per row) and the key `fold_in(key, t)`;
-    * temperature == 0: argmax(logits_t) (greedy; top_k/top_p are irrelevant).
-  Its log-prob is log_softmax(logits_t / temperature)[token] in float32 over the full vocabulary
-  (not the filtered distribution: this is what the train step recomputes with
-  `jaxgrpo.models.log_probs(..., temperature=temperature)`). With temperature == 0 the log-probs
-  are those of the unscaled softmax, log_softmax(logits_t)[token] (temperature 1).
+  Token t of a row is drawn from the *sampling distribution*: the logits of the ``suppress_ids``
+  are set to -inf (the sampler never emits them), then
 
-  Positions follow the contract: prompt token i of a row is at position cumsum(mask)[i] - 1, and
+    * temperature > 0: ``softmax(filter_logits(logits_t / temperature, top_k, top_p))``, with
+      ``sample_categorical`` (one uniform per row) and the key ``fold_in(key, t)``;
+    * temperature == 0: ``argmax(logits_t)`` over the ids not suppressed (greedy; top_k/top_p are
+      irrelevant).
+
+  Its *reported* log-prob (``Rollout.log_probs``) is ``log_softmax(logits_t / temperature)[token]``
+  in float32 over the **full** vocabulary — not over the suppressed or filtered distribution it was
+  drawn from. That is the policy the train step optimises and recomputes
+  (``jaxgrpo.train.completion_log_probs`` at the same temperature) without knowing which ids were
+  suppressed, so the PPO ratio is exactly 1 on-policy and no mask has to travel with the batch. The
+  price, as with top-k/top-p: the tokens are not distributed as these log-probs say (the
+  suppressed mass is redistributed over the other ids), which matters only to estimators that
+  reweight by the sampler's own probabilities. With temperature == 0 the log-probs are those of
+  the unscaled softmax, ``log_softmax(logits_t)[token]`` (temperature 1).
+
+  Positions follow the contract: prompt token i of a row is at position ``cumsum(mask)[i] - 1``, and
   completion token t at position (number of real prompt tokens) + t.
 
   Args:
-    model: a `jaxgrpo.models` decoder (any family).
-    prompt_tokens: int[B, P], left-padded prompts (B >= 1, P >= 1).
-    prompt_mask: bool[B, P], True on real tokens; each row is False...False True...True with at
+    model: a ``jaxgrpo.models`` decoder (any family).
+    prompt_tokens: ``int32[B, P]``, left-padded prompts (B >= 1, P >= 1).
+    prompt_mask: ``bool[B, P]``, True on real tokens; each row is False...False True...True with at
       least one True.
     num_samples: G >= 1, samples per prompt.
     max_new_tokens: T >= 1, completion length budget.
@@ -228,22 +256,32 @@ def generate(
     top_k: >= 0 (0 = off).
     eos_ids: token ids that end a completion (included in the completion and its mask). Empty:
       every completion has exactly T tokens.
-    pad_id: id written after the end of each completion.
-    key: a PRNG key (typed `jax.random.key` or raw uint32[2]); same key => same rollout.
+    pad_id: int >= 0, the id written after the end of each completion.
+    suppress_ids: token ids the sampler must never emit (each in ``[0, vocab_size)``, not an EOS id,
+      not the whole vocabulary). None (default): ``(pad_id,)`` when the pad id is in the vocabulary
+      and not one of ``eos_ids`` — so a real token can never be mistaken for padding — else ``()``.
+      Pass ``()`` to allow every id.
+    key: a PRNG key (typed ``jax.random.key`` or raw ``uint32[2]``); same key => same rollout.
 
   Returns:
-    A `Rollout` with N = B*G rows; row b*G + g is sample g of prompt b.
+    A ``Rollout`` with N = B*G rows; row b*G + g is sample g of prompt b.
+
+  Raises:
+    TypeError: a wrong type or dtype (e.g. float prompt tokens, ``num_samples=2.0``, a string id).
+    ValueError: a wrong shape or value (e.g. a mask that is not left-padded, ``top_p=0``, an id
+      outside the vocabulary, ``P + T > max_position_embeddings``).
   """
-  prompt_tokens, prompt_mask = _check_prompts(prompt_tokens, prompt_mask)
-  num_samples = _check_int("num_samples", num_samples, minimum=1)
-  max_new_tokens = _check_int("max_new_tokens", max_new_tokens, minimum=1)
-  temperature = _check_temperature(temperature)
+  prompt_tokens, prompt_mask = _checks.check_prompts(prompt_tokens, prompt_mask)
+  num_samples = _checks.check_python_int(num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
+  max_new_tokens = _checks.check_python_int(max_new_tokens, "max_new_tokens", minimum=1, hint="T")
+  temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
   top_p = _check_top_p(top_p)
   top_k = _check_top_k(top_k)
   vocab_size = model.config.vocab_size
-  eos_ids = _check_eos_ids(eos_ids, vocab_size)
-  pad_id = _check_int("pad_id", pad_id, minimum=0)
-  key = _check_key(key)
+  eos_ids = _checks.check_token_ids(eos_ids, "eos_ids", vocab_size)
+  pad_id = _checks.check_python_int(pad_id, "pad_id", minimum=0)
+  suppress_ids = _suppressed_ids(suppress_ids, pad_id, eos_ids, vocab_size)
+  key = _checks.check_prng_key(key)
   total_len = prompt_tokens.shape[1] + max_new_tokens
   max_positions = model.config.max_position_embeddings
   if total_len > max_positions:
@@ -265,13 +303,46 @@ def generate(
     top_k=top_k,
     eos_ids=eos_ids,
     pad_id=pad_id,
+    suppress_ids=suppress_ids,
   )
+
+
+def _check_top_p(top_p) -> float:
+  return _checks.check_python_float(top_p, "top_p", above=0.0, at_most=1.0, hint="1 = no nucleus filtering")
+
+
+def _check_top_k(top_k) -> int:
+  return _checks.check_python_int(top_k, "top_k", minimum=0, hint="0 = no top-k filtering")
+
+
+def _suppressed_ids(suppress_ids, pad_id: int, eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+  """The sorted, de-duplicated ids ``generate`` must never emit (see its ``suppress_ids``)."""
+  if suppress_ids is None:
+    return (pad_id,) if pad_id < vocab_size and pad_id not in eos_ids else ()
+  ids = tuple(sorted(set(_checks.check_token_ids(suppress_ids, "suppress_ids", vocab_size))))
+  both = sorted(set(ids) & set(eos_ids))
+  if both:
+    raise ValueError(
+      f"`suppress_ids` and `eos_ids` share {both}: an id cannot both end a completion and never be emitted"
+    )
+  if len(ids) == vocab_size:
+    raise ValueError(f"`suppress_ids` covers the whole vocabulary ({vocab_size} ids): nothing left to sample")
+  return ids
 
 
 @functools.partial(
   jax.jit,
   static_argnums=(0,),
-  static_argnames=("num_samples", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "pad_id"),
+  static_argnames=(
+    "num_samples",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "eos_ids",
+    "pad_id",
+    "suppress_ids",
+  ),
 )
 def _generate_jit(
   graphdef,
@@ -287,6 +358,7 @@ def _generate_jit(
   top_k,
   eos_ids,
   pad_id,
+  suppress_ids,
 ) -> Rollout:
   model = nnx.merge(graphdef, state)
   batch, prompt_len = prompt_tokens.shape
@@ -305,16 +377,20 @@ def _generate_jit(
   start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
 
   eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
+  suppressed = None
+  if suppress_ids:  # a constant bool[V]: one fused select per step, not a scatter
+    suppressed = np.zeros(first_logits.shape[-1], bool)
+    suppressed[list(suppress_ids)] = True
 
   def sample(t, logits):
-    """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N])."""
+    """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N] under the full softmax)."""
+    scaled = logits if temperature == 0.0 else logits / temperature  # [N, V]
+    allowed = scaled if suppressed is None else jnp.where(suppressed, -jnp.inf, scaled)
     if temperature == 0.0:
-      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      scaled = logits
+      token = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
     else:
-      scaled = logits / temperature
-      filtered = filter_logits(scaled, top_k=top_k, top_p=top_p)
-      token = sample_categorical(jax.random.fold_in(key, t), filtered)
+      filtered = _filter_logits(allowed, top_k=top_k, top_p=top_p)
+      token = _sample_categorical(jax.random.fold_in(key, t), filtered)
     chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
     return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
@@ -370,94 +446,3 @@ def _generate_jit(
     group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), num_samples),
     num_steps=num_steps,
   )
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks (trace-time; value checks on the prompt mask only when it is concrete).
-
-
-def _check_int(name: str, value, *, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}")
-  return int(value)
-
-
-def _check_temperature(temperature) -> float:
-  if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-    raise ValueError(f"temperature must be a Python float, got {temperature!r}")
-  temperature = float(temperature)
-  if not math.isfinite(temperature) or temperature < 0:
-    raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-  return temperature
-
-
-def _check_top_p(top_p) -> float:
-  if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
-    raise ValueError(f"top_p must be a Python float in (0, 1], got {top_p!r}")
-  top_p = float(top_p)
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1] (1 = no nucleus filtering), got {top_p}")
-  return top_p
-
-
-def _check_top_k(top_k) -> int:
-  return _check_int("top_k", top_k, minimum=0)
-
-
-def _check_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
-  if isinstance(eos_ids, numbers.Integral) and not isinstance(eos_ids, bool):
-    eos_ids = (eos_ids,)
-  try:
-    ids = tuple(eos_ids)
-  except TypeError:
-    raise ValueError(f"eos_ids must be a sequence of token ids, got {eos_ids!r}") from None
-  out = []
-  for i in ids:
-    if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size:
-      raise ValueError(f"eos_ids must hold ints in [0, vocab_size={vocab_size}), got {ids!r}")
-    out.append(int(i))
-  return tuple(out)
-
-
-def _check_key(key) -> jax.Array:
-  key = jnp.asarray(key)
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    if key.shape != ():
-      raise ValueError(f"key must be a single PRNG key, got a key array of shape {key.shape}")
-  elif key.dtype != jnp.uint32 or key.shape != (2,):
-    raise ValueError(f"key must be a jax.random.key(...) or a raw uint32[2] PRNGKey, got {key.dtype}{list(key.shape)}")
-  return key
-
-
-def _check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
-  prompt_tokens = jnp.asarray(prompt_tokens)
-  prompt_mask = jnp.asarray(prompt_mask)
-  if prompt_tokens.ndim != 2:
-    raise ValueError(f"prompt_tokens must be int[B, P], got shape {prompt_tokens.shape}")
-  if not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
-    raise ValueError(f"prompt_tokens must have an integer dtype, got {prompt_tokens.dtype}")
-  if prompt_mask.shape != prompt_tokens.shape:
-    raise ValueError(f"prompt_mask must have the shape of prompt_tokens {prompt_tokens.shape}, got {prompt_mask.shape}")
-  if prompt_mask.dtype != jnp.bool_:
-    raise ValueError(f"prompt_mask must be bool, got {prompt_mask.dtype}")
-  if 0 in prompt_tokens.shape:
-    raise ValueError(f"prompt_tokens must be non-empty, got shape {prompt_tokens.shape}")
-  try:
-    mask_np = np.asarray(prompt_mask)
-  except jax.errors.TracerArrayConversionError:
-    mask_np = None  # traced (generate called under jit): values unknown, skip value checks
-  if mask_np is not None:
-    if not mask_np[:, -1].all():
-      bad = np.flatnonzero(~mask_np[:, -1])
-      raise ValueError(
-        f"prompt_mask must be left-padded with at least one real token per row (last column "
-        f"True); rows {bad.tolist()} are not"
-      )
-    if (mask_np[:, 1:] < mask_np[:, :-1]).any():
-      bad = np.flatnonzero((mask_np[:, 1:] < mask_np[:, :-1]).any(axis=1))
-      raise ValueError(
-        f"prompt_mask must be left-padded (False...False True...True); rows {bad.tolist()} have a False after a True"
-      )
-  return prompt_tokens.astype(jnp.int32), prompt_mask

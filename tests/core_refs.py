@@ -37,17 +37,20 @@ def sizes(tokens, mask, group_ids):
 
 
 def group_stats(rewards, group_ids, ddof=0, eps=1e-6, scale="group"):
-  """(mean_i, denom_i) per trajectory, by explicit loops."""
+  """(mean_i, denom_i) per trajectory, by explicit loops in float64, over the finite rewards only
+  (a non-finite reward is a missing sample: it is in no statistic)."""
+  rewards = np.asarray(rewards, np.float64)
+  valid = np.isfinite(rewards)
   b = len(rewards)
   mean = np.zeros(b)
   denom = np.ones(b)
   for i in range(b):
-    members = rewards[group_ids == group_ids[i]]
-    mean[i] = members.mean()
+    members = rewards[(group_ids == group_ids[i]) & valid]
+    mean[i] = members.mean() if len(members) else 0.0
     if scale == "group":
       pool = members
     elif scale == "batch":
-      pool = rewards
+      pool = rewards[valid]
     else:
       continue
     n = len(pool)
@@ -56,6 +59,54 @@ def group_stats(rewards, group_ids, ddof=0, eps=1e-6, scale="group"):
     if denom[i] == 0:
       denom[i] = 1.0
   return mean, denom
+
+
+def group_advantages(rewards, group_ids, ddof=0, eps=1e-6, scale="group"):
+  """GRPO advantages (r - mean) / denom, 0 for missing (non-finite) rewards."""
+  rewards = np.asarray(rewards, np.float64)
+  mean, denom = group_stats(rewards, group_ids, ddof=ddof, eps=eps, scale=scale)
+  valid = np.isfinite(rewards)
+  return np.where(valid, (np.where(valid, rewards, 0.0) - mean) / denom, 0.0)
+
+
+def rloo_advantages(rewards, group_ids):
+  """r_i - mean of the other finite rewards of the group; 0 when missing or without others."""
+  rewards = np.asarray(rewards, np.float64)
+  valid = np.isfinite(rewards)
+  out = np.zeros(len(rewards))
+  for i in range(len(rewards)):
+    others = [rewards[j] for j in range(len(rewards)) if group_ids[j] == group_ids[i] and j != i and valid[j]]
+    if valid[i] and others:
+      out[i] = rewards[i] - np.mean(others)
+  return out
+
+
+def kl(lp, rlp, kind, max_delta=20.0):
+  """Per-token KL estimators in float64; δ clamped to ±max_delta only inside the exponentials."""
+  d = np.asarray(lp, np.float64) - np.asarray(rlp, np.float64)
+  c = np.clip(d, -max_delta, max_delta)
+  return {"k1": d, "k2": d**2 / 2, "k3": np.exp(-c) + d - 1, "forward_k3": np.exp(c) - d - 1}[kind]
+
+
+def future_kl(lp, rlp, mask, kind, max_delta=20.0):
+  """FRPO's reg(i,t) by explicit loops (float64), from the f-divergence form of FRPO Thm 4.1:
+  reg(t) = f(u_t) - f'(u_t) u_t + Σ_{j>t, m_j} f(u_j), u = exp(-δ) with δ clamped only inside exp."""
+  b, t = np.shape(lp)
+  d = np.asarray(lp, np.float64) - np.asarray(rlp, np.float64)
+  u = np.exp(-np.clip(d, -max_delta, max_delta))
+  out = np.zeros((b, t))
+  for i in range(b):
+    for s in range(t):
+      if not mask[i, s]:
+        continue
+      later = [j for j in range(s + 1, t) if mask[i, j]]
+      if kind == "k1":  # f = -log u: f(u) - f'(u) u = δ + 1, constants dropped
+        out[i, s] = d[i, s] + sum(d[i, j] for j in later)
+      elif kind == "k3":  # f = -log u + u - 1: f(u) - f'(u) u = δ
+        out[i, s] = d[i, s] + sum(u[i, j] + d[i, j] - 1 for j in later)
+      else:  # f = u log u - u + 1 (u log u = -δ u): f(u) - f'(u) u = 1 - u
+        out[i, s] = 1 - u[i, s] + sum(-d[i, j] * u[i, j] - u[i, j] + 1 for j in later)
+  return out
 
 
 def process_rewards(rewards, tokens, mask, group_ids):

@@ -139,6 +139,7 @@ def test_greedy_matches_transformers_generate(family, tmp_path):
     temperature=0.0,
     eos_ids=(),
     pad_id=PAD,
+    suppress_ids=(),  # transformers suppresses nothing
     key=jax.random.key(0),
   )
   np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
@@ -245,6 +246,7 @@ def test_rollout_shapes_and_groups(sampled):
   np.testing.assert_array_equal(r.prompt_tokens, np.repeat(np.asarray(tokens), 4, axis=0))
   np.testing.assert_array_equal(r.prompt_mask, np.repeat(np.asarray(mask), 4, axis=0))
   assert bool(r.mask.all()) and int(r.num_steps) == 10  # no EOS: every row has all 10 tokens
+  assert not (np.asarray(r.completions) == PAD).any()  # the pad id is suppressed by default
 
 
 def test_log_probs_equal_model_recomputation_sampled(qwen3, sampled):
@@ -309,14 +311,16 @@ def test_deterministic_given_key_and_keys_differ(qwen3, sampled):
 
 
 def test_greedy_is_argmax_of_full_forward(qwen3):
-  """temperature 0: token t = argmax of the cache-free forward over prompt + tokens_<t; the G
-  samples of a prompt are identical; top_k=1 at any temperature gives the same tokens."""
+  """temperature 0: token t = argmax of the cache-free forward over prompt + tokens_<t, over the ids
+  not suppressed (by default every id but the pad id); the G samples of a prompt are identical;
+  top_k=1 at any temperature gives the same tokens."""
   tokens, mask = _prompts(batch=3)
   r = _generate(qwen3, tokens, mask, **GREEDY)
   full = np.concatenate([np.asarray(r.prompt_tokens), np.asarray(r.completions)], axis=1)
   full_mask = np.concatenate([np.asarray(r.prompt_mask), np.ones(r.completions.shape, bool)], 1)
-  logits = np.asarray(_jit_logits(*nnx.split(qwen3), jnp.asarray(full), jnp.asarray(full_mask)))
+  logits = np.array(_jit_logits(*nnx.split(qwen3), jnp.asarray(full), jnp.asarray(full_mask)))
   P = tokens.shape[1]
+  logits[..., PAD] = -np.inf
   np.testing.assert_array_equal(np.asarray(r.completions), logits[:, P - 1 : -1].argmax(-1))
   c = np.asarray(r.completions).reshape(3, 2, -1)
   assert (c == c[:, :1]).all()
@@ -349,15 +353,26 @@ def _first_token_probs(model, tokens, mask, temperature):
   return logits, p / p.sum(-1, keepdims=True)
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), pytest.param(6, 0.7, marks=pytest.mark.slow)])
-def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p):
+@pytest.mark.parametrize(
+  "top_k, top_p, suppress",
+  [(0, 1.0, None), (0, 1.0, "top3"), pytest.param(6, 0.7, "top3", marks=pytest.mark.slow)],
+)
+def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p, suppress):
+  """Draws follow softmax over the ids left after suppression (default: the pad id; "top3": the
+  three most likely ids), then top-k/top-p; log-probs stay those of the full softmax."""
   tokens, mask = _prompts(batch=1)
   temperature, n = 1.5, 4000
-  r = _generate(qwen3, tokens, mask, num_samples=n, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
-  assert r.completions.shape == (n, 1) and int(r.num_steps) == 1 and bool(r.mask.all())
   logits, p = _first_token_probs(qwen3, tokens, mask, temperature)
-  keep = np.isfinite(_np_filter(logits / temperature, top_k, top_p))[0]
-  assert 1 < keep.sum() < VOCAB if top_k else keep.all()
+  ids = (PAD,) if suppress is None else tuple(int(i) for i in np.argsort(-logits[0])[:3])
+  kw = {} if suppress is None else {"suppress_ids": ids}
+  r = _generate(
+    qwen3, tokens, mask, num_samples=n, max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, **kw
+  )
+  assert r.completions.shape == (n, 1) and int(r.num_steps) == 1 and bool(r.mask.all())
+  restricted = logits / temperature
+  restricted[:, list(ids)] = -np.inf
+  keep = np.isfinite(_np_filter(restricted, top_k, top_p))[0]
+  assert 1 < keep.sum() < VOCAB - len(ids) if top_k else keep.sum() == VOCAB - len(ids)
   q = np.where(keep, p[0], 0.0)
   q /= q.sum()
   counts = np.bincount(np.asarray(r.completions[:, 0]), minlength=VOCAB)
@@ -376,44 +391,82 @@ def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p):
 
 
 @pytest.mark.parametrize(
-  "kw, match",
+  "kw, error, match",
   [
-    (dict(num_samples=0), "num_samples"),
-    (dict(num_samples=2.0), "num_samples"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(eos_ids=(VOCAB,)), "eos_ids"),
-    (dict(eos_ids=("a",)), "eos_ids"),
-    (dict(pad_id=-1), "pad_id"),
-    (dict(key=jnp.zeros((3,), jnp.uint32)), "key"),
-    (dict(key=jax.random.split(jax.random.key(0), 2)), "key"),
-    (dict(max_new_tokens=200), "max_position_embeddings"),
+    (dict(num_samples=0), ValueError, "num_samples"),
+    (dict(num_samples=2.0), TypeError, "num_samples"),
+    (dict(num_samples=True), TypeError, "num_samples"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(temperature=-0.1), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(temperature="1.0"), TypeError, "temperature"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_k=-1), ValueError, "top_k"),
+    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(eos_ids=(VOCAB,)), ValueError, "eos_ids"),
+    (dict(eos_ids=("a",)), TypeError, "eos_ids"),
+    (dict(eos_ids="a"), TypeError, "eos_ids"),
+    (dict(pad_id=-1), ValueError, "pad_id"),
+    (dict(suppress_ids=(VOCAB,)), ValueError, "suppress_ids"),
+    (dict(suppress_ids=(1.0,)), TypeError, "suppress_ids"),
+    (dict(suppress_ids=(3,), eos_ids=(3, 4)), ValueError, "suppress_ids"),
+    (dict(suppress_ids=tuple(range(VOCAB))), ValueError, "whole vocabulary"),
+    (dict(key=jnp.zeros((3,), jnp.uint32)), ValueError, "key"),
+    (dict(key=jnp.zeros((2,), jnp.float32)), TypeError, "key"),
+    (dict(key=jax.random.split(jax.random.key(0), 2)), ValueError, "key"),
+    (dict(max_new_tokens=200), ValueError, "max_position_embeddings"),
   ],
 )
-def test_bad_arguments_raise_naming_them(qwen3, kw, match):
+def test_bad_arguments_raise_naming_them(qwen3, kw, error, match):
   tokens, mask = _prompts(batch=2)
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(error, match=match):
     _generate(qwen3, tokens, mask, **kw)
 
 
 @pytest.mark.parametrize(
-  "tokens, mask, match",
+  "tokens, mask, error, match",
   [
-    (np.ones((4,), np.int32), np.ones((4,), bool), "prompt_tokens"),
-    (np.ones((2, 4), np.float32), np.ones((2, 4), bool), "prompt_tokens"),
-    (np.ones((2, 4), np.int32), np.ones((2, 3), bool), "prompt_mask"),
-    (np.ones((2, 4), np.int32), np.ones((2, 4), np.int32), "prompt_mask"),
-    (np.ones((2, 4), np.int32), np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool), "left-padded"),
-    (np.ones((2, 4), np.int32), np.array([[1, 1, 1, 1], [0, 1, 0, 1]], bool), "left-padded"),
+    (np.ones((4,), np.int32), np.ones((4,), bool), ValueError, "prompt_tokens"),
+    (np.ones((2, 4), np.float32), np.ones((2, 4), bool), TypeError, "prompt_tokens"),
+    (np.ones((2, 4), np.int32), np.ones((2, 3), bool), ValueError, "prompt_mask"),
+    (np.ones((2, 4), np.int32), np.ones((2, 4), np.int32), TypeError, "prompt_mask"),
+    (np.ones((2, 0), np.int32), np.ones((2, 0), bool), ValueError, "non-empty"),
+    (np.ones((2, 4), np.int32), np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool), ValueError, "left-padded"),
+    (np.ones((2, 4), np.int32), np.array([[1, 1, 1, 1], [0, 1, 0, 1]], bool), ValueError, "left-padded"),
   ],
 )
-def test_bad_prompts_raise_naming_them(qwen3, tokens, mask, match):
-  with pytest.raises(ValueError, match=match):
+def test_bad_prompts_raise_naming_them(qwen3, tokens, mask, error, match):
+  with pytest.raises(error, match=match):
     _generate(qwen3, jnp.asarray(tokens), jnp.asarray(mask))
+
+
+# ------------------------------------------------------------------------------------------------
+# Suppressed ids (by default the pad id, unless it is also an EOS id)
+
+
+def test_greedy_never_emits_the_pad_id_by_default(qwen3):
+  """The pad id chosen as the id greedy decoding emits most: by default it is never a real token
+  (greedy takes the best other id, as a full forward with that id removed says), its log-probs are
+  still those of the full softmax; with ``suppress_ids=()`` it is emitted again; as an EOS id it is
+  not suppressed."""
+  tokens, mask = _prompts(batch=3)
+  free = _generate(qwen3, tokens, mask, **GREEDY, suppress_ids=())
+  counts = np.bincount(np.asarray(free.completions).ravel(), minlength=VOCAB)
+  pad = int(counts.argmax())
+  r = _generate(qwen3, tokens, mask, **{**GREEDY, "pad_id": pad})
+  comp = np.asarray(r.completions)
+  assert not (comp == pad).any() and bool(r.mask.all())
+  full = np.concatenate([np.asarray(r.prompt_tokens), comp], axis=1)
+  full_mask = np.concatenate([np.asarray(r.prompt_mask), np.ones(comp.shape, bool)], 1)
+  logits = np.array(_jit_logits(*nnx.split(qwen3), jnp.asarray(full), jnp.asarray(full_mask)))
+  P = tokens.shape[1]
+  logits[..., pad] = -np.inf
+  np.testing.assert_array_equal(comp, logits[:, P - 1 : -1].argmax(-1))
+  want = _recomputed_log_probs(qwen3, r, 1.0)
+  np.testing.assert_allclose(np.asarray(r.log_probs), want, rtol=1e-5, atol=1e-5)
+  as_eos = _generate(qwen3, tokens, mask, **{**GREEDY, "pad_id": pad}, eos_ids=(pad,))
+  np.testing.assert_array_equal(as_eos.completions[:, 0], free.completions[:, 0])
 
 
 # ------------------------------------------------------------------------------------------------

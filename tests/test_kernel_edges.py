@@ -1,0 +1,314 @@
+"""Edge inputs of the kernels (issue 14): the k3 clamp, missing (non-finite) rewards, inf/NaN on
+padding, empty batches and bad hyper-parameters. References are NumPy (tests/core_refs.py)."""
+
+import math
+
+import core_refs as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxgrpo as jg
+from jaxgrpo import advantages as adv_mod
+
+SETTINGS = settings(max_examples=30, deadline=None)
+AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+NAN, INF = float("nan"), float("inf")
+
+
+def _finite(tree):
+  return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------- the k3 clamp
+
+
+def test_k3_clamp_only_inside_the_exponential():
+  lp, rlp = jnp.array([[25.0, -25.0, 3.0]]), jnp.zeros((1, 3))
+  k3 = jg.kl_penalty(lp, rlp, "k3")
+  np.testing.assert_allclose(k3, [[math.exp(-20) + 24, math.exp(20) - 26, math.exp(-3) + 2]], rtol=1e-6)
+  grad = jax.grad(lambda x: jnp.sum(jg.kl_penalty(x, rlp, "k3")))(lp)
+  np.testing.assert_allclose(grad, [[1.0, 1.0, 1 - math.exp(-3)]], rtol=1e-6)  # beyond the clamp: slope 1
+  fwd = jg.kl_penalty(lp, rlp, "forward_k3")
+  np.testing.assert_allclose(fwd, [[math.exp(20) - 26, math.exp(-20) + 24, math.exp(3) - 4]], rtol=1e-6)
+  assert float(jg.kl_penalty(25.0, 0.0, "k3")) == pytest.approx(24.0, rel=1e-6)  # any shape: elementwise
+
+
+def test_future_kl_k3_clamp_on_three_tokens():
+  lp, rlp, mask = jnp.full((1, 3), 25.0), jnp.zeros((1, 3)), jnp.ones((1, 3), bool)
+  np.testing.assert_allclose(jg.future_kl(lp, rlp, mask, kind="k3"), [[73.0, 49.0, 25.0]], rtol=1e-6)
+
+
+@SETTINGS
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["k1", "k2", "k3", "forward_k3"]), st.sampled_from([5.0, 20.0]))
+def test_kl_penalty_matches_reference_over_a_wide_range(seed, kind, max_delta):
+  rng = np.random.default_rng(seed)
+  lp, rlp = (rng.uniform(-40, 40, size=(2, 3, 7))).astype(np.float32)
+  got = jg.kl_penalty(lp, rlp, kind, max_delta=max_delta)
+  np.testing.assert_allclose(got, ref.kl(lp, rlp, kind, max_delta), rtol=1e-5, atol=1e-5)
+
+
+@SETTINGS
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["k1", "k3", "forward_k3"]))
+def test_future_kl_matches_reference_beyond_the_clamp(seed, kind):
+  rng = np.random.default_rng(seed)
+  lp, rlp = rng.uniform(-30, 30, size=(2, 4, 6)).astype(np.float32)
+  mask = np.arange(6)[None, :] < rng.integers(0, 7, size=(4, 1))
+  got = jg.future_kl(lp, rlp, mask, kind=kind)
+  np.testing.assert_allclose(got, ref.future_kl(lp, rlp, mask, kind), rtol=2e-5, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- missing rewards
+
+
+def test_nan_reward_with_batch_scale_is_a_missing_sample():
+  r, gid = jnp.array([NAN, 1.0, 0.0, 1.0]), jnp.array([0, 1, 1, 1])
+  got = jg.group_advantages(r, gid, 2, scale="batch")
+  want = ref.group_advantages(np.asarray(r), np.asarray(gid), scale="batch")
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert float(got[0]) == 0.0 and abs(float(got[2])) < 3  # not divided by eps
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_non_finite_rewards_are_excluded_and_get_zero(bad, scale):
+  r = jnp.array([1.0, bad, 0.0, 0.5, 2.0, bad])
+  gid = jnp.array([0, 0, 0, 1, 1, 2])
+  got = jg.group_advantages(r, gid, 3, scale=scale, ddof=1)
+  want = ref.group_advantages(np.asarray(r), np.asarray(gid), ddof=1, scale=scale)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert float(got[1]) == 0.0 and float(got[5]) == 0.0
+  # same numbers as if the missing samples had not been there
+  keep = np.array([0, 2, 3, 4])
+  alone = jg.group_advantages(r[keep], gid[keep], 3, scale=scale, ddof=1)
+  np.testing.assert_allclose(np.asarray(got)[keep], alone, rtol=1e-6)
+  g = jax.grad(lambda x: jnp.sum(jg.group_advantages(x, gid, 3, scale=scale) ** 2))(r)
+  assert _finite(g) and float(g[1]) == 0.0
+  np.testing.assert_allclose(jg.rloo_advantages(r, gid, 3), ref.rloo_advantages(np.asarray(r), np.asarray(gid)))
+  g = jax.grad(lambda x: jnp.sum(jg.rloo_advantages(x, gid, 3) ** 2))(r)
+  assert _finite(g)
+  assert int(jg.advantages.num_missing(r)) == 2
+  np.testing.assert_array_equal(adv_mod.is_missing(r), ~np.isfinite(np.asarray(r)))
+
+
+def test_group_baseline_excludes_missing_rewards():
+  r, gid = jnp.array([NAN, 1.0, 3.0, 5.0]), jnp.array([0, 0, 0, 1])
+  mean, denom = jg.group_baseline(r, gid, 2, eps=0.0)
+  np.testing.assert_allclose(mean, [2.0, 2.0, 2.0, 5.0])
+  np.testing.assert_allclose(denom, [1.0, 1.0, 1.0, 1.0])  # population std of {1, 3} is 1; singleton -> 1
+
+
+def test_huge_finite_reward_is_a_value_not_a_zeroed_group():
+  r, gid = jnp.array([1e30, 0.0, 1.0, 1.0]), jnp.zeros(4, jnp.int32)
+  want = ref.group_advantages(np.asarray(r), np.asarray(gid))
+  got = jg.group_advantages(r, gid, 1)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert float(got[1]) < -0.5  # the others are far below the outlier, not silently 0
+  got = jg.group_advantages(r, gid, 1, scale="batch", ddof=1)
+  np.testing.assert_allclose(
+    got, ref.group_advantages(np.asarray(r), np.asarray(gid), ddof=1, scale="batch"), rtol=1e-5
+  )
+  g = jax.grad(lambda x: jnp.sum(jg.group_advantages(x, gid, 1)))(r)
+  assert _finite(g)
+
+
+@SETTINGS
+@given(
+  ref.groups(),
+  st.sampled_from(["group", "batch", "none"]),
+  st.sampled_from([0, 1]),
+  st.lists(st.sampled_from([NAN, INF, -INF, 1e30, -3e33]), min_size=10, max_size=10),
+  st.lists(st.booleans(), min_size=10, max_size=10),
+)
+def test_group_advantages_with_missing_and_huge_rewards_match_reference(data, scale, ddof, odd, where):
+  _, _, gid, rewards, ng = data
+  rewards = np.where(where, odd, rewards).astype(np.float32)
+  got = jg.group_advantages(rewards, gid, ng, scale=scale, ddof=ddof)
+  want = ref.group_advantages(rewards, gid, ddof=ddof, scale=scale)
+  assert _finite(got)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(jg.rloo_advantages(rewards, gid, ng), ref.rloo_advantages(rewards, gid), rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- inf/NaN on padding
+
+
+def _padded(seed=0, b=3, t=5):
+  rng = np.random.default_rng(seed)
+  lp = rng.normal(size=(b, t)).astype(np.float32) * 0.3 - 1
+  old = lp + rng.normal(size=(b, t)).astype(np.float32) * 0.2
+  rlp = lp + rng.normal(size=(b, t)).astype(np.float32) * 0.2
+  mask = np.arange(t)[None] < np.array([[5], [3], [0]])
+  return lp, old, rlp, mask
+
+
+def _poison(x, mask, value):
+  return jnp.asarray(np.where(mask, x, value).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3", "forward_k3"])
+@pytest.mark.parametrize("bad", [-INF, INF, NAN])
+def test_future_kl_and_frpo_ignore_non_finite_padding(kind, bad):
+  lp, old, rlp, mask = _padded()
+  clean = jg.future_kl(lp, rlp, mask, kind=kind)
+  got = jg.future_kl(_poison(lp, mask, bad), _poison(rlp, mask, -bad if bad == bad else bad), mask, kind=kind)
+  np.testing.assert_array_equal(got, clean)
+  np.testing.assert_allclose(clean, ref.future_kl(lp, rlp, mask, kind), rtol=1e-5, atol=1e-6)
+  g = jax.grad(lambda x: jnp.sum(jg.future_kl(x, rlp, mask, kind=kind)))(_poison(lp, mask, bad))
+  assert _finite(g) and np.all(np.asarray(g)[~mask] == 0)
+  a = jnp.array([1.0, -0.5, 0.3])
+  frpo = jg.frpo_advantages(a, _poison(old, mask, bad), rlp, mask, beta=0.1, kind=kind)
+  np.testing.assert_array_equal(frpo, jg.frpo_advantages(a, old, rlp, mask, beta=0.1, kind=kind))
+  assert _finite(frpo)
+
+
+def test_kl_penalty_with_mask_zeroes_padding_values_and_gradients():
+  lp, _, rlp, mask = _padded()
+  for kind in ["k1", "k2", "k3", "forward_k3"]:
+    f = lambda x, kind=kind: jnp.sum(jg.kl_penalty(x, _poison(rlp, mask, -INF), kind, mask=jnp.asarray(mask)))
+    x = _poison(lp, mask, NAN)
+    assert np.isfinite(float(f(x))), kind
+    g = jax.grad(f)(x)
+    assert _finite(g) and np.all(np.asarray(g)[~mask] == 0), kind
+    np.testing.assert_allclose(
+      jg.kl_penalty(lp, rlp, kind, mask=mask), np.where(mask, ref.kl(lp, rlp, kind), 0), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_policy_loss_ignores_non_finite_padding(agg):
+  lp, old, rlp, mask = _padded()
+  w = np.random.default_rng(1).uniform(0.2, 1.0, size=lp.shape).astype(np.float32)
+  adv = np.random.default_rng(2).normal(size=lp.shape).astype(np.float32)
+
+  def loss(x, old_, rlp_, w_, adv_):
+    kl = jg.kl_penalty(x, rlp_, "k1")  # no mask here: the loss selects padding away itself
+    return jg.policy_loss(x, old_, adv_, mask, token_weights=w_, kl=kl, beta=0.04, aggregation=agg, dual_clip=3.0)[0]
+
+  clean = loss(lp, old, rlp, w, adv)
+  poisoned = (_poison(lp, mask, INF), _poison(old, mask, -INF), _poison(rlp, mask, -INF), _poison(w, mask, NAN))
+  dirty = loss(*poisoned, _poison(adv, mask, NAN))
+  np.testing.assert_allclose(dirty, clean, rtol=1e-6)
+  g_clean = jax.grad(loss)(lp, old, rlp, w, adv)
+  g = jax.grad(loss)(*poisoned, _poison(adv, mask, NAN))
+  assert _finite(g)
+  np.testing.assert_allclose(g, g_clean, rtol=1e-6)
+  _, metrics = jg.policy_loss(*poisoned[:2], _poison(adv, mask, NAN), mask, token_weights=poisoned[3])
+  assert _finite({k: v for k, v in metrics.items() if not k.endswith(("_max", "_min"))})
+
+
+def test_objective_terms_with_k2_and_non_finite_padding_is_finite():
+  lp, old, rlp, mask = _padded()
+  cfg = jg.preset("grpo", beta=0.04, kl_estimator="k2")
+  f = lambda x: jg.finalize_terms(
+    jg.objective_terms(cfg, x, old, jnp.ones(3), mask, ref_logp=_poison(rlp, mask, -INF))
+  )[0]
+  x = _poison(lp, mask, NAN)
+  assert np.isfinite(float(f(x))) and _finite(jax.grad(f)(x))
+
+
+# ----------------------------------------------------------------------------- empty batches
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (0, 0)])
+def test_policy_loss_on_empty_batches_is_zero_with_finite_gradients(agg, shape):
+  lp = jnp.zeros(shape)
+  mask = jnp.zeros(shape, bool)
+  f = lambda x: jg.policy_loss(
+    x, x, jnp.zeros(shape[:1]), mask, aggregation=agg, kl=jg.kl_penalty(x, x, mask=mask), beta=0.1
+  )[0]
+  assert float(f(lp)) == 0.0
+  g = jax.grad(f)(lp)
+  assert g.shape == shape
+  terms = jg.policy_loss_terms(lp, lp, jnp.zeros(shape), mask, aggregation=agg)
+  assert float(terms.numerator) == 0.0 and float(terms.denominator) == 0.0
+
+
+def test_other_kernels_on_empty_batches():
+  empty = jnp.zeros((0,))
+  assert jg.group_advantages(empty, jnp.zeros(0, jnp.int32), 1).shape == (0,)
+  assert jg.group_advantages(empty, jnp.zeros(0, jnp.int32), 1, scale="batch").shape == (0,)
+  assert jg.rloo_advantages(empty, jnp.zeros(0, jnp.int32), 1).shape == (0,)
+  z = jnp.zeros((2, 0))
+  assert jg.future_kl(z, z, jnp.zeros((2, 0), bool)).shape == (2, 0)
+  assert jg.kl_penalty(z, z).shape == (2, 0)
+
+
+# ----------------------------------------------------------------------------- hyper-parameters
+
+
+def _pl(**kw):
+  x = jnp.zeros((2, 3))
+  return jg.policy_loss(x, x, jnp.zeros(2), jnp.ones((2, 3), bool), **kw)
+
+
+def _ga(**kw):
+  return jg.group_advantages(jnp.zeros(4), jnp.zeros(4, jnp.int32), kw.pop("num_groups", 1), **kw)
+
+
+_X, _M = jnp.zeros((2, 3)), jnp.ones((2, 3), bool)
+
+
+@pytest.mark.parametrize(
+  "call, error, match",
+  [
+    (lambda: _ga(eps=NAN), ValueError, "eps"),
+    (lambda: _ga(eps=INF), ValueError, "eps"),
+    (lambda: _ga(eps=-1e-6), ValueError, "eps"),
+    (lambda: _ga(eps="1e-6"), TypeError, "eps"),
+    (lambda: _ga(ddof=True), TypeError, "ddof"),
+    (lambda: _ga(ddof=1.0), TypeError, "ddof"),
+    (lambda: _ga(num_groups=True), TypeError, "num_groups"),
+    (lambda: _ga(num_groups=2.0), TypeError, "num_groups"),
+    (lambda: _ga(scale=1), TypeError, "scale"),
+    (lambda: _pl(beta=NAN, kl=_X), ValueError, "beta"),
+    (lambda: _pl(beta=-0.1, kl=_X), ValueError, "beta"),
+    (lambda: _pl(beta=0.1), ValueError, "kl"),
+    (lambda: _pl(beta="0.1", kl=_X), TypeError, "beta"),
+    (lambda: _pl(clip_eps_low=NAN), ValueError, "clip_eps_low"),
+    (lambda: _pl(clip_eps_high=INF), ValueError, "clip_eps_high"),
+    (lambda: _pl(clip_eps_high=True), TypeError, "clip_eps_high"),
+    (lambda: _pl(dual_clip=INF), ValueError, "dual_clip"),
+    (lambda: _pl(dual_clip=NAN), ValueError, "dual_clip"),
+    (lambda: _pl(max_tokens=True), TypeError, "max_tokens"),
+    (lambda: _pl(max_tokens=0), ValueError, "max_tokens"),
+    (lambda: _pl(aggregation=None), TypeError, "aggregation"),
+    (lambda: jg.kl_penalty(_X, _X, max_delta=-1.0), ValueError, "max_delta"),
+    (lambda: jg.kl_penalty(_X, _X, max_delta=NAN), ValueError, "max_delta"),
+    (lambda: jg.kl_penalty(_X, _X, max_delta=INF), ValueError, "max_delta"),
+    (lambda: jg.future_kl(_X, _X, _M, max_delta=0.0), ValueError, "max_delta"),
+    (lambda: jg.frpo_advantages(jnp.zeros(2), _X, _X, _M, beta=NAN), ValueError, "beta"),
+    (lambda: jg.frpo_advantages(jnp.zeros(2), _X, _X, _M, beta="0.01"), TypeError, "beta"),
+    (lambda: jg.frpo_advantages(jnp.zeros(2), _X.astype(jnp.int32), _X, _M, beta=0.1), TypeError, "old_logp"),
+    (lambda: jg.preset("grpo", beta="0.1"), TypeError, "beta"),
+    (lambda: jg.GRPOConfig(beta=NAN), ValueError, "beta"),
+    (lambda: jg.GRPOConfig(std_eps=INF), ValueError, "std_eps"),
+    (lambda: jg.GRPOConfig(std_eps="1e-4"), TypeError, "std_eps"),
+    (lambda: jg.GRPOConfig(std_ddof=True), TypeError, "std_ddof"),
+    (lambda: jg.GRPOConfig(clip_eps_low=NAN), ValueError, "clip_eps_low"),
+    (lambda: jg.GRPOConfig(clip_eps_high=-0.1), ValueError, "clip_eps_high"),
+    (lambda: jg.GRPOConfig(dual_clip=INF), ValueError, "dual_clip"),
+    (lambda: jg.GRPOConfig(num_iterations=True), TypeError, "num_iterations"),
+    (lambda: jg.GRPOConfig(num_iterations=2.0), TypeError, "num_iterations"),
+    (lambda: jg.GRPOConfig(max_tokens=True), TypeError, "max_tokens"),
+    (lambda: jg.GRPOConfig(process_weights=1), TypeError, "process_weights"),
+    (lambda: jg.GRPOConfig(dynamic_sampling="yes"), TypeError, "dynamic_sampling"),
+    (lambda: jg.GRPOConfig(aggregation=3), TypeError, "aggregation"),
+    (lambda: jg.preset(3), TypeError, "preset name"),
+    (lambda: jg.objective_terms("grpo", _X, _X, jnp.zeros(2), _M), TypeError, "config"),
+  ],
+)
+def test_bad_hyper_parameters_raise_one_type_per_mistake(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_numbers_of_any_real_type_are_accepted():
+  assert jg.GRPOConfig(beta=0, std_eps=np.float64(1e-4), std_ddof=np.int64(1)).beta == 0
+  np.testing.assert_allclose(_ga(eps=np.float32(1e-6), ddof=np.int32(0)), 0.0)
+  loss, _ = _pl(clip_eps_low=np.float64(0.2), beta=0)
+  assert float(loss) == 0.0
