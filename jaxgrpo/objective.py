@@ -19,14 +19,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.advantages import group_advantages
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.kl import frpo_advantages, kl_penalty
 from jaxgrpo.losses import LossTerms, policy_loss_terms
-from jaxgrpo.process_sets import process_set_sizes
+from jaxgrpo.process_sets import group_size_bound, process_set_sizes
 
 __all__ = ["rollout_advantages", "objective_terms"]
 
@@ -35,17 +34,6 @@ def _check_config(config) -> GRPOConfig:
   if not isinstance(config, GRPOConfig):
     raise TypeError(f"`config` must be a jaxgrpo.GRPOConfig (e.g. jaxgrpo.preset('grpo')); got {type(config).__name__}")
   return config
-
-
-def _group_size_bound(group_ids, batch: int) -> int | None:
-  """A static bound on the group size from concrete ``group_ids``: the largest group's size rounded up
-  to a power of two (a new batch recompiles only when its largest group crosses a power of two), at
-  most B. None when the ids are traced (``process_set_sizes`` then says what that costs)."""
-  ids = _checks.concrete_or_none(group_ids)
-  if ids is None or ids.size == 0:
-    return None
-  largest = int(np.bincount(ids.astype(np.int64)).max())
-  return min(batch, 1 << (largest - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_groups", "max_group_size"))
@@ -109,7 +97,7 @@ def rollout_advantages(
     old_logp = ref_logp = None  # unused: one compiled program whether or not they are passed
   if config.process_weights:
     if max_group_size is None:
-      max_group_size = _group_size_bound(group_ids, b)
+      max_group_size = group_size_bound(group_ids)
     else:
       max_group_size = _checks.check_python_int(max_group_size, "max_group_size", minimum=1, hint="static bound")
   else:

@@ -86,6 +86,7 @@ __all__ = [
   "PROCESS_SET_METHODS",
   "SORT_MIN_GROUP_SIZE",
   "check_process_set_inputs",
+  "group_size_bound",
   "prefix_hashes",
   "process_set_sizes",
   "process_rewards",
@@ -486,6 +487,17 @@ def _largest_group(group_ids) -> int | None:
   return int(np.bincount(ids).max()) if ids.size else 0
 
 
+def group_size_bound(group_ids) -> int | None:
+  """The static group-size bound derived from concrete ``group_ids``: the largest group's size rounded
+  up to a power of two (so a new batch recompiles only when its largest group crosses a power of two),
+  at most B; None when ``group_ids`` is traced. What ``process_set_sizes`` uses when
+  ``max_group_size`` is None; call it on the host before an outer ``jit`` to pass the same bound in."""
+  largest = _largest_group(group_ids)
+  if largest is None:
+    return None
+  return min(1 << max(largest - 1, 0).bit_length(), max(int(np.shape(group_ids)[0]), 1))
+
+
 def _plan(fn: str, tokens, mask, group_ids, max_group_size, exact, method, num_groups=None):
   """Argument checks and the static choices of one call: ``(b, t, method, bound)``.
 
@@ -511,7 +523,7 @@ def _plan(fn: str, tokens, mask, group_ids, max_group_size, exact, method, num_g
   if max_group_size is not None:
     bound = min(int(max_group_size), b)
   elif largest is not None:
-    bound = min(1 << max(largest - 1, 0).bit_length(), b)  # next power of two: fewer recompiles
+    bound = group_size_bound(group_ids)
   else:
     bound = None
   if method == "auto":

@@ -28,6 +28,7 @@ MODULES = {
   "jaxgrpo.metrics": "services",
   "jaxgrpo._version": "kernels",
   "jaxgrpo._checks": "kernels",
+  "jaxgrpo._numerics": "kernels",
   "jaxgrpo.advantages": "kernels",
   "jaxgrpo.process_sets": "kernels",
   "jaxgrpo.kl": "kernels",
