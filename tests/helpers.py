@@ -1,7 +1,8 @@
-"""Shared pieces of the train-step tests: a tiny model, a random rollout batch, a hand-written
-full-batch reference update (no jaxgrpo loss/advantage code), and a runner for child processes.
+"""Shared pieces of the tests: a tiny model, a random rollout batch, a hand-written full-batch reference
+update (no jaxgrpo loss/advantage code), and a runner for child processes.
 
-(No tests here; the ``test_`` prefix only marks the file as part of the train-step tests.)
+Import it as ``from helpers import ...``: ``tests/conftest.py`` puts this directory on ``sys.path`` for
+pytest, and :func:`child_env` does the same for child processes.
 """
 
 from __future__ import annotations
@@ -101,11 +102,13 @@ def ref_advantages(config, batch):
   return a.astype(np.float32)
 
 
-def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
+def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None, advantages=None, token_weights=None):
   """Parameters after one plain SGD step on the full-batch loss, written out by hand.
 
   rows: optional row indices: the advantages and λ weights come from the whole batch, the loss (and
   its denominator) from these rows only — one PPO mini-batch.
+  advantages, token_weights: NumPy ``[B]``/``[B, T]`` and ``[B, T]`` used instead of the config's
+  (``advantages`` given: no λ weights unless ``token_weights`` is given too).
 
   Returns ``(new_params_flat {path: array}, metrics {name: float}, new nnx.State)``.
   """
@@ -121,12 +124,14 @@ def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
   m = jnp.asarray(batch.mask, jnp.float32)
   old = jnp.asarray(batch.old_logp)
   ref = jnp.asarray(batch.ref_logp)
-  adv = jnp.asarray(ref_advantages(config, batch))
+  adv = jnp.asarray(ref_advantages(config, batch) if advantages is None else np.asarray(advantages, np.float32))
   adv = adv[:, None] * jnp.ones_like(m) if adv.ndim == 1 else adv
   w = None
-  if config.process_weights:
+  if config.process_weights and advantages is None:
     sizes = ref_lambda_sizes(np.asarray(batch.completions), np.asarray(batch.mask), np.asarray(batch.group_ids))
     w = jnp.asarray(np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0), jnp.float32)
+  if token_weights is not None:
+    w = jnp.asarray(token_weights, jnp.float32)
   if rows is not None:
     rows = np.asarray(rows)
     tokens, attn, m, old, ref, adv = (x[rows] for x in (tokens, attn, m, old, ref, adv))
