@@ -155,10 +155,10 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
       continue
     ranks, kind, notation = _FIELDS[name]
     shape = np.shape(x)
-    if len(shape) not in ranks or shape[0] != b:
-      raise ValueError(f"batch.{name} must be {notation} with B = {b} rows like completions; got shape {shape}")
-    if notation.endswith("T]") and len(shape) == 2 and shape != (b, t):
-      raise ValueError(f"batch.{name} must have shape {(b, t)} like completions ({notation}); got {shape}")
+    allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
+    if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
+      want = " or ".join(str(a).replace("'P'", "P") for a in allowed)
+      raise ValueError(f"batch.{name} must be {notation} with B = {b} rows and T = {t}, i.e. shape {want}; got {shape}")
     _CHECK_DTYPE[kind](x, f"batch.{name}", notation)
   if "prompt_tokens" in names:
     if np.shape(batch.prompt_tokens)[1] < 1:
