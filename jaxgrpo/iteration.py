@@ -39,7 +39,15 @@ from jax.sharding import Mesh
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.sampling import Rollout, generate
-from jaxgrpo.train import DEFAULT_BUCKETS, Batch, TrainState, TrainStep, make_reference_fn, pad_to_bucket
+from jaxgrpo.train import (
+  DEFAULT_BUCKETS,
+  Batch,
+  TrainState,
+  TrainStep,
+  _check_not_donated,
+  make_reference_fn,
+  pad_to_bucket,
+)
 
 __all__ = [
   "IterationResult",
@@ -127,6 +135,7 @@ def policy_model(graphdef, state: TrainState) -> nnx.Module:
 
   It shares ``state``'s arrays: valid until the next call of the train step consumes ``state``.
   """
+  _check_not_donated(state, "state")
   return nnx.merge(graphdef, state.params)
 
 
@@ -134,6 +143,7 @@ def make_reference(step: TrainStep, params) -> Reference:
   """The reference policy of ``step``: a copy of ``params`` (placed like the policy's, never donated)
   and the jitted log-prob pass (:func:`jaxgrpo.train.make_reference_fn`, same mesh, micro-batches,
   temperature and chunking as the step). Build it once, from the initial ``state.params``."""
+  _check_not_donated(params, "params")
   copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=step.shardings.params)
   fn = make_reference_fn(
     step.graphdef,

@@ -164,4 +164,8 @@ def test_grpo_iteration_is_the_hand_composed_iteration():
     columns={"bonus": [0.0, 0.5]}, buckets=None,
   )  # fmt: skip
   assert out2.metrics["kl"] > 0 and int(out2.state.step) == 2
+  with pytest.raises(ValueError, match="state was consumed by an earlier call"):  # before sampling
+    iteration.grpo_iteration(
+      step, out.state, prompts, pmask, key=key, reward_fn=even, sampling=sampling, reference=reference
+    )
   assert iteration.policy_model(step.graphdef, out2.state).config.vocab_size == 128
