@@ -490,7 +490,7 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
   example_mb = jax.tree.map(lambda x: x[0, 0], rows)
   _check_denominator(spec.objective_fn, config, example_mb)
 
-  def micro_terms(p, mb):
+  def micro_terms(p, mb, scale):
     model = nnx.merge(graphdef, p)
     logp, ent = completion_log_probs(
       model,
@@ -508,17 +508,21 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
     if not isinstance(terms, LossTerms):
       raise TypeError(f"objective_fn must return jaxgrpo.losses.LossTerms; got {type(terms).__name__}")
     ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
-    return terms.numerator, (terms, ent_sum)
+    return terms.numerator * scale, (terms, ent_sum)
 
-  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb)[1][0], state.params, example_mb)
+  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, 1.0)[1][0], state.params, example_mb)
   grad_fn = jax.grad(micro_terms, has_aux=True)
 
   def update(carry, mini):  # mini: [K, R, ...]
     params, opt_state = carry
+    # 2^-e ≈ 1/(real tokens): keeps the accumulated gradients at the scale of a token mean (low-precision
+    # parameters) and cancels in the division below; a power of two, so scaling rounds nothing
+    _, e = jnp.frexp(jnp.maximum(jnp.sum(mini["loss_mask"]).astype(jnp.float32), 1.0))
+    scale = jnp.ldexp(jnp.float32(1.0), -e)
 
     def accumulate(acc, mb):
       grads, terms, ent, tokens = acc
-      g_k, (terms_k, ent_k) = grad_fn(params, mb)  # ∇ numerator_k
+      g_k, (terms_k, ent_k) = grad_fn(params, mb, scale)  # scale · ∇numerator_k
       grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g_k)
       grads = jax.lax.with_sharding_constraint(grads, spec.param_sh)
       tokens = tokens + jnp.sum(mb["loss_mask"]).astype(jnp.float32)
@@ -528,7 +532,7 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
     zero_grads = jax.lax.with_sharding_constraint(zero_grads, spec.param_sh)
     zero = jnp.zeros((), jnp.float32)
     (grads, terms, ent, tokens), _ = jax.lax.scan(accumulate, (zero_grads, _zero_terms(terms_shape), zero, zero), mini)
-    inv_den = _safe_div(1.0, terms.denominator)  # divide once: Σ_k ∇numerator_k / Σ_k denominator_k
+    inv_den = _safe_div(1.0, scale * terms.denominator)  # divide once: Σ_k ∇numerator_k / Σ_k denominator_k
     grads = jax.tree.map(lambda x: x * inv_den, grads)
     grad_norm = optax.tree.norm(grads)
     if tc.max_grad_norm is not None:
