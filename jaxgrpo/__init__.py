@@ -11,18 +11,20 @@ The package is layered, every import pointing down (README, "The library"):
    Qwen2/2.5, Qwen3); ``jaxgrpo.sampling``: generate, Rollout; ``jaxgrpo.sharding``: make_mesh;
    ``jaxgrpo.distributed``: multi-host start-up.
 3. train step — ``jaxgrpo.train``: make_train_step, TrainConfig, TrainState.
-4. iteration/trainer — ``jaxgrpo.data``, ``rewards``, ``evaluation``, ``tasks`` (binary_tree,
+4. iteration/trainer — ``jaxgrpo.iteration``: grpo_iteration and its pieces (sample, score,
+   make_batch, make_reference, policy_model); ``jaxgrpo.data``, ``rewards``, ``evaluation``, ``tasks`` (binary_tree,
    arithmetic), ``specs`` (the run config), ``builders`` (model and prompts from it), ``trainer``.
    Services beside them: ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics`` (they import nothing of jaxgrpo).
 
-Layers 1–3 are re-exported here; import the modules of layer 4 and the services yourself (heavier
+Layers 1–3 and ``jaxgrpo.iteration`` are re-exported here; import the modules of layer 4 and the services yourself (heavier
 dependencies: datasets, transformers' tokenizers, Orbax).
 """
 
-from jaxgrpo import models, sampling, sharding, train  # noqa: E402  (subsystems, after the kernels)
+from jaxgrpo import iteration, models, sampling, sharding, train  # noqa: E402  (subsystems, after the kernels)
 from jaxgrpo._version import __version__
 from jaxgrpo.advantages import group_advantages, group_baseline, rloo_advantages
 from jaxgrpo.config import PRESETS, GRPOConfig, preset
+from jaxgrpo.iteration import SamplingConfig, grpo_iteration
 from jaxgrpo.kl import frpo_advantages, future_kl, kl_penalty
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms, policy_loss, policy_loss_terms
 from jaxgrpo.models import build_model, load_hf, log_probs, save_hf
@@ -71,6 +73,9 @@ __all__ = [
   "sampling",
   "sharding",
   "train",
+  "iteration",
+  "grpo_iteration",
+  "SamplingConfig",
   "build_model",
   "load_hf",
   "save_hf",

@@ -2,21 +2,33 @@
 
 Per call (one rollout batch), inside one compiled program:
 
-1. rollout-level quantities, once: outcome advantages of the preset, FRPO's future-KL advantage
-   (from the rollout and reference log-probs), λ-GRPO's ``1/|λ|`` token weights
-   (:func:`jaxgrpo.objective.rollout_advantages`) and the process-tree statistics;
+1. rollout-level quantities, once: the advantages and token weights — ``advantages_fn``
+   (default :func:`jaxgrpo.objective.rollout_advantages`: group advantages, FRPO's future-KL
+   advantage, λ-GRPO's ``1/|λ|`` weights), or the batch's own precomputed ``advantages`` /
+   ``token_weights`` — and the process-tree statistics;
 2. μ (``GRPOConfig.num_iterations``) passes over the batch, each split into ``mini_batches``
    optimizer updates (PPO-style); ratios are always taken against the rollout log-probs;
-3. each update accumulates gradients over ``micro_batches`` (``lax.scan``): the loss of a mini-batch
-   is ``Σ_k numerator_k / denominator`` where the denominator (it does not depend on the parameters)
-   is computed first, so the update equals the full-batch update for every aggregation mode;
+3. each update accumulates, over ``micro_batches`` (``lax.scan``), the gradient of the objective's
+   numerator and its denominator (``objective_fn``, default
+   :func:`jaxgrpo.objective.objective_terms`, returns both as :class:`~jaxgrpo.losses.LossTerms`),
+   and divides once: ``∇L = Σ_k ∇numerator_k / Σ_k denominator_k``. This is the gradient of the
+   full-batch loss ``Σ_k numerator_k / Σ_k denominator_k`` because the denominator has no gradient
+   (it may depend on the data — masks, advantages, rewards — never on the parameters; the step
+   checks this when it traces the objective);
 4. clipping by global norm and the optax update.
 
 Rows are assigned to mini/micro-batches by ``row = i·(M·K) + m·K + k`` (mini-batch m, micro-batch k),
 so the split is the same on every mesh and stays local to each device's rows.
 
+A non-finite reward marks a missing sample (the library-wide policy, see ``jaxgrpo.advantages``):
+the advantage functions leave it out of the group statistics, and the step gives it advantage 0 and
+drops its tokens from the loss (numerator and every count), and reports how many there were
+(``rewards_nonfinite``).
+
 The model is split once (``nnx.split``) and the step is a plain function of
-``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated.
+``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated. Batches are
+validated and placed on the mesh before the jitted call, so a NumPy batch and a placed one run the
+same program.
 """
 
 from __future__ import annotations
@@ -29,12 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
-from jaxgrpo.models.base import positions_from_mask
+from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
 from jaxgrpo.process_sets import process_set_sizes, process_tree_stats
 
@@ -64,9 +78,17 @@ class Batch(NamedTuple):
     mask: ``bool[B, T]`` real completion tokens.
     old_logp: ``f32[B, T]`` rollout-policy log-probs of the completions (``Rollout.log_probs``).
     group_ids: ``int32[B]`` prompt index of each row.
-    rewards: ``f32[B]`` outcome rewards r_i.
-    ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when the
-      preset needs none (β = 0).
+    rewards: ``f32[B]`` outcome rewards r_i; NaN or ±inf marks a missing sample (advantage 0, its
+      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric).
+    ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when
+      nothing reads them (β = 0).
+    advantages: ``f32[B]`` or ``f32[B, T]`` precomputed advantages, or None: the step computes them
+      with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
+    token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
+      of ``advantages_fn`` (or none at all when ``advantages`` is given).
+
+  Integer fields may be any integer dtype and float fields any float dtype (the step converts them
+  to ``int32``/``f32``); masks must be boolean.
   """
 
   prompt_tokens: jax.Array
@@ -77,10 +99,14 @@ class Batch(NamedTuple):
   group_ids: jax.Array
   rewards: jax.Array
   ref_logp: jax.Array | None = None
+  advantages: jax.Array | None = None
+  token_weights: jax.Array | None = None
 
   @classmethod
-  def from_rollout(cls, rollout, rewards, ref_logp=None) -> "Batch":
-    """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards."""
+  def from_rollout(cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None) -> "Batch":
+    """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
+    array), with optional reference log-probs and precomputed advantages / token weights."""
+    rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
       rollout.prompt_tokens,
       rollout.prompt_mask,
@@ -88,14 +114,107 @@ class Batch(NamedTuple):
       rollout.mask,
       rollout.log_probs,
       rollout.group_ids,
-      jnp.asarray(rewards, jnp.float32),
+      rewards,
       ref_logp,
+      advantages,
+      token_weights,
     )
+
+
+# name: (allowed ranks, dtype kind, notation); "T" fields share the completion length
+_FIELDS = {
+  "prompt_tokens": ((2,), "int", "int32[B, P]"),
+  "prompt_mask": ((2,), "bool", "bool[B, P]"),
+  "completions": ((2,), "int", "int32[B, T]"),
+  "mask": ((2,), "bool", "bool[B, T]"),
+  "old_logp": ((2,), "float", "f32[B, T]"),
+  "group_ids": ((1,), "int", "int32[B]"),
+  "rewards": ((1,), "float", "f32[B]"),
+  "ref_logp": ((2,), "float", "f32[B, T]"),
+  "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
+  "token_weights": ((2,), "float", "f32[B, T]"),
+}
+_DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
+_CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
+_REQUIRED = ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", "group_ids", "rewards")
+_REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
+
+
+def _check_fields(batch: Batch, names) -> tuple[int, int]:
+  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``."""
+  if not isinstance(batch, Batch):
+    raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
+  b, t = np.shape(batch.completions) if np.ndim(batch.completions) == 2 else (None, None)
+  if b is None:
+    raise ValueError(f"batch.completions must have rank 2 (int32[B, T]); got shape {np.shape(batch.completions)}")
+  for name in names:
+    x = getattr(batch, name)
+    if x is None:
+      if name in _REQUIRED:
+        raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
+      continue
+    ranks, kind, notation = _FIELDS[name]
+    shape = np.shape(x)
+    allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
+    if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
+      want = " or ".join(str(a).replace("'P'", "P") for a in allowed)
+      raise ValueError(f"batch.{name} must be {notation} with B = {b} rows and T = {t}, i.e. shape {want}; got {shape}")
+    _CHECK_DTYPE[kind](x, f"batch.{name}", notation)
+  if "prompt_tokens" in names:
+    if np.shape(batch.prompt_tokens)[1] < 1:
+      raise ValueError(f"batch.prompt_tokens needs at least one column; got shape {np.shape(batch.prompt_tokens)}")
+    if np.shape(batch.prompt_mask) != np.shape(batch.prompt_tokens):
+      raise ValueError(
+        f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
+      )
+  return b, t
+
+
+def _place_fields(batch: Batch, names, sharding) -> Batch:
+  """The fields ``names`` as ``int32``/``bool``/``f32`` arrays on ``sharding`` (a no-op for fields
+  already placed there), so NumPy and placed batches reach ``jit`` with identical signatures."""
+  placed = {}
+  for name in names:
+    x = getattr(batch, name)
+    if x is None:
+      continue
+    dtype = _DTYPES[_FIELDS[name][1]]
+    if isinstance(x, jax.Array):
+      x = x if x.dtype == dtype else x.astype(dtype)
+    else:
+      x = np.asarray(x, dtype)
+    placed[name] = x
+  return batch._replace(**jax.device_put(placed, sharding))
+
+
+def _host_values(x) -> np.ndarray | None:
+  """``x`` as NumPy when its values are on this host (NumPy, or a fully addressable ``jax.Array``)."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  if isinstance(x, jax.Array):
+    return np.asarray(x) if x.is_fully_addressable else None
+  return np.asarray(x)
+
+
+def _check_not_donated(tree, what: str) -> None:
+  """ValueError if any array of ``tree`` was deleted (donated to an earlier call)."""
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise ValueError(
+        f"{what} was consumed by an earlier call: the train step donates its state, so the arrays of the "
+        f"state you passed are deleted (first: {what}{jax.tree_util.keystr(path)}). Use the state the previous "
+        "call returned: `state, metrics = step(state, batch)`"
+      )
 
 
 class TrainState(NamedTuple):
   """``params``: the model's ``nnx.State``; ``opt_state``: optax state; ``step``: ``int32[]`` calls
-  of the train step so far."""
+  of the train step so far.
+
+  The policy for the next rollout is ``nnx.merge(graphdef, state.params)``
+  (``jaxgrpo.iteration.policy_model``); it shares the state's arrays, which the next call of the
+  step donates.
+  """
 
   params: Any
   opt_state: Any
@@ -104,7 +223,7 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-  """How the step is executed (the objective itself is the :class:`~jaxgrpo.config.GRPOConfig`).
+  """How the step is executed (the objective itself is the ``config`` of :func:`make_train_step`).
 
   Attributes:
     micro_batches: K, gradient-accumulation steps per optimizer update (same update for any K).
@@ -146,75 +265,6 @@ class TrainConfig:
       raise ValueError(f"`chunk_size` must be a positive int or None; got {self.chunk_size!r}")
     if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
       raise ValueError(f"`group_size` must be a positive int or None; got {self.group_size!r}")
-
-
-# ----------------------------------------------------------------------------- log-probs
-
-
-def _chunked_logp_entropy(model, hidden, targets, temperature, chunk_size, with_entropy):
-  """``(logp f32[B, T], entropy f32[B, T] or None)`` from hidden ``[B, T, D]``; the float32 logits
-  exist one ``[B, C, V]`` chunk at a time and are recomputed in the backward pass."""
-  b, t, d = hidden.shape
-
-  @jax.checkpoint
-  def chunk(args):
-    h, tgt = args
-    logits = model.logits(h, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
-    if not with_entropy:
-      return logp, None
-    sl, slse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
-    ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
-    return logp, ent
-
-  if chunk_size is None or chunk_size >= t:
-    return chunk((hidden, targets))
-  n = -(-t // chunk_size)
-  pad = n * chunk_size - t
-  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk_size, d).swapaxes(0, 1)
-  tgt = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk_size).swapaxes(0, 1)
-  logp, ent = jax.lax.map(chunk, (h, tgt))  # [n, B, C]
-  unchunk = lambda x: None if x is None else x.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
-  return unchunk(logp), unchunk(ent)
-
-
-def completion_log_probs(
-  model,
-  prompt_tokens,
-  prompt_mask,
-  completions,
-  mask,
-  *,
-  temperature=1.0,
-  chunk_size: int | None = 256,
-  with_entropy: bool = False,
-):
-  """Log-probs (and optionally entropies) of the completion tokens given their prompts.
-
-  One forward over ``[prompt ‖ completion]`` (positions from the joint mask); only the T completion
-  positions go through the LM head, in float32 chunks.
-
-  Args:
-    model: a ``jaxgrpo.models`` causal LM.
-    prompt_tokens: ``int32[B, P]`` (left-padded); prompt_mask: ``bool[B, P]``.
-    completions: ``int32[B, T]``; mask: ``bool[B, T]``.
-
-  Returns:
-    ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False. The entropy is
-    that of the temperature-scaled policy, without gradient.
-  """
-  p = prompt_tokens.shape[1]
-  if p < 1:
-    raise ValueError(f"`prompt_tokens` must have at least one column; got shape {prompt_tokens.shape}")
-  tokens = jnp.concatenate([prompt_tokens, completions], axis=1).astype(jnp.int32)  # [B, P+T]
-  attn = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
-  h = hidden[:, p - 1 : -1]  # predicts completions[:, t]
-  logp, ent = _chunked_logp_entropy(model, h, completions.astype(jnp.int32), temperature, chunk_size, with_entropy)
-  logp = jnp.where(mask, logp, 0.0)
-  ent = None if ent is None else jnp.where(mask, ent, 0.0)
-  return logp, ent
 
 
 # ----------------------------------------------------------------------------- state
@@ -288,50 +338,159 @@ def _reduce_updates(metrics):
   return out
 
 
-def _step_fn(
-  graphdef, optimizer, config: GRPOConfig, tc: TrainConfig, param_sh, rows_sh, state: TrainState, batch: Batch
-):
+def _safe_div(num, den):
+  ok = den != 0
+  return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+
+
+def _depends_on(jaxpr, invar_index: int) -> bool:
+  """Whether the (single) output of ``jaxpr`` is computed from its input ``invar_index``: a dataflow
+  walk over the equations (conservative inside nested jaxprs: any input reaches every output)."""
+  tainted = {jaxpr.invars[invar_index]}
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return any(isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars)
+
+
+def _check_denominator(objective_fn, config, mb) -> None:
+  """Trace-time check of the objective contract: the denominator has no gradient with respect to
+  ``logp``. Its tangent (``jax.jvp``) must be a symbolic zero — true for anything built from masks,
+  advantages, rewards, shapes or ``stop_gradient`` of the log-probs."""
+
+  def tangent(logp, dlogp, old, adv, mask, weights, ref):
+    def den(lp):
+      return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref).denominator
+
+    return jax.jvp(den, (logp,), (dlogp,))[1]
+
+  abstract = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+  logp = jax.ShapeDtypeStruct(mb["old_logp"].shape, jnp.float32)
+  args = [abstract(mb[k]) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp")]
+  jaxpr = jax.make_jaxpr(tangent)(logp, logp, *args).jaxpr
+  if _depends_on(jaxpr, 1):
+    name = getattr(objective_fn, "__name__", repr(objective_fn))
+    raise ValueError(
+      f"objective_fn {name!r} returns a denominator that depends on `logp` (it has a gradient). The step "
+      "sums the numerators' gradients over micro-batches and divides once by the summed denominators, which "
+      "is the gradient of the loss only when the denominator is a constant of the parameters: build it from "
+      "masks, advantages, rewards or shapes (or jax.lax.stop_gradient(logp))"
+    )
+
+
+def _check_advantages_out(adv, weights, b: int, t: int) -> None:
+  """Trace-time check of what ``advantages_fn`` returned (a custom one may get it wrong)."""
+  if np.shape(adv) not in ((b,), (b, t)) or not jnp.issubdtype(adv.dtype, jnp.floating):
+    raise ValueError(
+      f"advantages_fn must return advantages f32[{b}] or f32[{b}, {t}]; got {adv.dtype}{list(adv.shape)}"
+    )
+  if weights is not None and (np.shape(weights) != (b, t) or not jnp.issubdtype(weights.dtype, jnp.floating)):
+    raise ValueError(
+      f"advantages_fn must return token_weights f32[{b}, {t}] or None; got {weights.dtype}{list(weights.shape)}"
+    )
+
+
+def _finalize(terms: LossTerms) -> dict:
+  """Metrics of the accumulated terms: :func:`~jaxgrpo.losses.finalize_terms`' when the objective
+  returned the sums of ``policy_loss_terms``; otherwise ``loss`` plus the objective's own sums
+  (``objective/<name>``, summed over the batch) and extrema."""
+  try:
+    return finalize_terms(terms)[1]
+  except KeyError:  # a custom objective with its own metric sums (the contract allows any dicts)
+    metrics = {"loss": _safe_div(terms.numerator, terms.denominator)}
+    metrics.update({f"objective/{k}": v for k, v in terms.sums.items()})
+    metrics.update({f"objective/{k}": v for k, v in terms.extrema.items()})
+    return metrics
+
+
+def _num_iterations(config) -> int:
+  """μ: ``GRPOConfig.num_iterations``; 1 for any other config object."""
+  return config.num_iterations if isinstance(config, GRPOConfig) else 1
+
+
+def _group_bound(group_size: int | None, b: int) -> tuple[int, int]:
+  """``(largest group, number of groups)`` the step is compiled for: ``(B, B)`` without a group size."""
+  g = b if group_size is None else min(group_size, b)
+  return g, (b if group_size is None else -(-b // g))
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSpec:
+  graphdef: Any
+  optimizer: optax.GradientTransformation
+  config: Any
+  tc: "TrainConfig"
+  objective_fn: Callable
+  advantages_fn: Callable
+  param_sh: Any
+  rows_sh: NamedSharding
+
+
+def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int):
+  """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
+  config = spec.config
+  if batch.advantages is None:
+    adv, weights = spec.advantages_fn(
+      config,
+      batch.rewards,
+      batch.completions,
+      batch.mask,
+      batch.group_ids,
+      num_groups,
+      old_logp=batch.old_logp,
+      ref_logp=batch.ref_logp,
+      max_group_size=g,
+    )
+  else:
+    adv, weights = batch.advantages, None
+  sizes = None
+  lambda_weights = (
+    spec.advantages_fn is rollout_advantages and isinstance(config, GRPOConfig) and config.process_weights
+  )
+  if batch.advantages is None and batch.token_weights is None and lambda_weights:
+    # 1/|λ| exactly; |λ| is a small integer, so round(1/w) recovers it
+    sizes = jnp.where(weights > 0, jnp.round(1.0 / jnp.where(weights > 0, weights, 1.0)), 0).astype(jnp.int32)
+  elif spec.tc.tree_stats:
+    sizes = process_set_sizes(batch.completions, batch.mask, batch.group_ids, max_group_size=g)
+  if batch.token_weights is not None:
+    weights = batch.token_weights
+  return adv, weights, sizes
+
+
+def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
+  graphdef, config, tc = spec.graphdef, spec.config, spec.tc
   b, t = batch.completions.shape
   mm, kk = tc.mini_batches, tc.micro_batches
-  g = b if tc.group_size is None else min(tc.group_size, b)
-  num_groups = b if tc.group_size is None else -(-b // g)
+  g, num_groups = _group_bound(tc.group_size, b)
 
-  # 1. once per rollout batch (no gradient): advantages, λ weights, tree statistics.
-  adv, weights = rollout_advantages(
-    config,
-    batch.rewards,
-    batch.completions,
-    batch.mask,
-    batch.group_ids,
-    num_groups,
-    old_logp=batch.old_logp,
-    ref_logp=batch.ref_logp,
-    max_group_size=g,
-  )
-  tree = {}
-  sizes = None
-  if weights is not None:  # 1/|λ| exactly; |λ| is a small integer, so round(1/w) recovers it
-    sizes = jnp.where(weights > 0, jnp.round(1.0 / jnp.where(weights > 0, weights, 1.0)), 0).astype(jnp.int32)
-  elif tc.tree_stats:
-    sizes = process_set_sizes(batch.completions, batch.mask, batch.group_ids, max_group_size=g)
+  # 1. once per rollout batch (no gradient): advantages, token weights, tree statistics.
+  adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g)
+  _check_advantages_out(adv, weights, b, t)
+  missing = ~jnp.isfinite(batch.rewards)  # [B] missing samples: advantage 0, no tokens in the loss
+  loss_mask = batch.mask & ~missing[:, None]  # [B, T]
+  adv = jnp.where(missing if adv.ndim == 1 else missing[:, None], 0.0, adv.astype(jnp.float32))
+  select = lambda x: None if x is None else jnp.where(loss_mask, x.astype(jnp.float32), 0.0)
+  extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
   if sizes is not None:
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
-    tree = {f"tree/{k}": v for k, v in stats.items()}
-  kl_in_loss = config.kl_placement == "loss" and config.beta > 0
+    extra.update({f"tree/{k}": v for k, v in stats.items()})
   rows = dict(
     prompt_tokens=batch.prompt_tokens,
     prompt_mask=batch.prompt_mask,
     completions=batch.completions,
-    mask=batch.mask,
-    old_logp=batch.old_logp,
+    mask=batch.mask,  # attention: every real token of the row
+    loss_mask=loss_mask,  # the loss: real tokens of rows with a finite reward
+    old_logp=select(batch.old_logp),
     adv=adv,
-    weights=weights,
-    ref_logp=batch.ref_logp if kl_in_loss else None,
+    weights=select(weights),
+    ref_logp=select(batch.ref_logp),
   )
   # [M, K, R, ...], R over data×fsdp: each device keeps its own rows
-  rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), rows_sh), rows)
+  rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), spec.rows_sh), rows)
+  example_mb = jax.tree.map(lambda x: x[0, 0], rows)
+  _check_denominator(spec.objective_fn, config, example_mb)
 
-  def micro_terms(p, mb, den):
+  def micro_terms(p, mb, scale):
     model = nnx.merge(graphdef, p)
     logp, ent = completion_log_probs(
       model,
@@ -343,52 +502,47 @@ def _step_fn(
       chunk_size=tc.chunk_size,
       with_entropy=tc.entropy,
     )
-    terms = objective_terms(
-      config, logp, mb["old_logp"], mb["adv"], mb["mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
+    terms = spec.objective_fn(
+      config, logp, mb["old_logp"], mb["adv"], mb["loss_mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
     )
-    ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(ent)
-    return terms.numerator / den, (terms, ent_sum)
+    if not isinstance(terms, LossTerms):
+      raise TypeError(f"objective_fn must return jaxgrpo.losses.LossTerms; got {type(terms).__name__}")
+    ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
+    return terms.numerator * scale, (terms, ent_sum)
 
-  def denominator(mini):  # Σ_k denominator_k: depends on masks only, not on the parameters
-    def one(mb):
-      zeros = jnp.zeros_like(mb["old_logp"])
-      return objective_terms(
-        config, zeros, mb["old_logp"], mb["adv"], mb["mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
-      ).denominator
-
-    return jnp.sum(jax.vmap(one)(mini))
-
-  example_mb = jax.tree.map(lambda x: x[0, 0], rows)
-  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, jnp.float32(1))[1][0], state.params, example_mb)
+  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, 1.0)[1][0], state.params, example_mb)
+  grad_fn = jax.grad(micro_terms, has_aux=True)
 
   def update(carry, mini):  # mini: [K, R, ...]
     params, opt_state = carry
-    den = denominator(mini)
-    safe_den = jnp.where(den != 0, den, 1.0)
-    grad_fn = jax.grad(micro_terms, has_aux=True)
+    # 2^-e ≈ 1/(real tokens): keeps the accumulated gradients at the scale of a token mean (low-precision
+    # parameters) and cancels in the division below; a power of two, so scaling rounds nothing
+    _, e = jnp.frexp(jnp.maximum(jnp.sum(mini["loss_mask"]).astype(jnp.float32), 1.0))
+    scale = jnp.ldexp(jnp.float32(1.0), -e)
 
     def accumulate(acc, mb):
-      grads, terms, ent = acc
-      g_k, (terms_k, ent_k) = grad_fn(params, mb, safe_den)
+      grads, terms, ent, tokens = acc
+      g_k, (terms_k, ent_k) = grad_fn(params, mb, scale)  # scale · ∇numerator_k
       grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g_k)
-      grads = jax.lax.with_sharding_constraint(grads, param_sh)
-      return (grads, combine_terms(terms, terms_k), ent + ent_k), None
+      grads = jax.lax.with_sharding_constraint(grads, spec.param_sh)
+      tokens = tokens + jnp.sum(mb["loss_mask"]).astype(jnp.float32)
+      return (grads, combine_terms(terms, terms_k), ent + ent_k, tokens), None
 
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    zero_grads = jax.lax.with_sharding_constraint(zero_grads, param_sh)
-    (grads, terms, ent), _ = jax.lax.scan(
-      accumulate, (zero_grads, _zero_terms(terms_shape), jnp.zeros((), jnp.float32)), mini
-    )
+    zero_grads = jax.lax.with_sharding_constraint(zero_grads, spec.param_sh)
+    zero = jnp.zeros((), jnp.float32)
+    (grads, terms, ent, tokens), _ = jax.lax.scan(accumulate, (zero_grads, _zero_terms(terms_shape), zero, zero), mini)
+    inv_den = _safe_div(1.0, scale * terms.denominator)  # divide once: Σ_k ∇numerator_k / Σ_k denominator_k
+    grads = jax.tree.map(lambda x: x * inv_den, grads)
     grad_norm = optax.tree.norm(grads)
     if tc.max_grad_norm is not None:
       scale = jnp.where(grad_norm > tc.max_grad_norm, tc.max_grad_norm / jnp.maximum(grad_norm, 1e-30), 1.0)
       grads = jax.tree.map(lambda x: x * scale, grads)
     grads = jax.tree.map(lambda x, p: x.astype(p.dtype), grads, params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    updates, opt_state = spec.optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    _, metrics = finalize_terms(terms)
-    n = terms.sums["tokens"]
-    metrics["entropy"] = jnp.where(n > 0, ent / jnp.where(n > 0, n, 1.0), 0.0)
+    metrics = _finalize(terms)
+    metrics["entropy"] = _safe_div(ent, tokens)
     metrics["grad_norm"] = grad_norm
     return (params, opt_state), metrics
 
@@ -396,10 +550,10 @@ def _step_fn(
     return jax.lax.scan(update, carry, rows)
 
   (params, opt_state), metrics = jax.lax.scan(
-    epoch, (state.params, state.opt_state), None, length=config.num_iterations
+    epoch, (state.params, state.opt_state), None, length=_num_iterations(config)
   )
   metrics = _reduce_updates(metrics)
-  metrics.update(tree)
+  metrics.update(extra)
   return TrainState(params, opt_state, state.step + 1), metrics
 
 
@@ -407,28 +561,39 @@ def _options(tc: TrainConfig):
   return None if tc.compiler_options is None else dict(tc.compiler_options)
 
 
+def _fn_name(fn) -> str:
+  return getattr(fn, "__name__", repr(fn))
+
+
 class TrainStep:
   """The compiled train step; call as ``state, metrics = step(state, batch)``.
 
-  Created by :func:`make_train_step`. Shapes are validated in Python before the jitted call (clear
-  ValueErrors, nothing compiled); ``traces`` counts how often the step was traced (the same shapes
-  never retrace or recompile).
+  Created by :func:`make_train_step`. Each call validates the batch on the host (shapes, dtypes,
+  group ids, group sizes, divisibility; clear errors, nothing compiled), places it on the mesh (a
+  NumPy batch and a placed one run the same program), checks that ``state`` was not consumed by an
+  earlier call, then runs the jitted step with ``state`` donated. ``traces`` counts how often the step
+  was traced: the same shapes and the same optional fields never retrace or recompile.
+
+  Attributes:
+    graphdef, config, train_config, mesh, rules, shardings, objective_fn, advantages_fn: as given to
+      :func:`make_train_step`.
+    batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
+    reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
+      default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
   """
 
-  def __init__(
-    self, graphdef, optimizer, config: GRPOConfig, mesh: Mesh, shardings: TrainState, train_config: TrainConfig, rules
-  ):
-    self.config, self.train_config, self.mesh, self.rules = config, train_config, mesh, rules
-    self.shardings = shardings
+  def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
+    self.graphdef, self.config, self.train_config = spec.graphdef, spec.config, spec.tc
+    self.objective_fn, self.advantages_fn = spec.objective_fn, spec.advantages_fn
+    self.mesh, self.rules, self.shardings = mesh, rules, shardings
     self.batch_sharding = shd.batch_sharding(mesh, rules)
     self.traces = 0
-
-    batch_spec = self.batch_sharding.spec
-    rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *batch_spec))
+    defaults = spec.objective_fn is objective_terms and spec.advantages_fn is rollout_advantages
+    self.reads_ref_logp = not (defaults and isinstance(spec.config, GRPOConfig) and not spec.config.needs_reference)
 
     def fn(state, batch):
       self.traces += 1
-      return _step_fn(graphdef, optimizer, config, train_config, shardings.params, rows_sh, state, batch)
+      return _step_fn(spec, state, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     self.jitted = jax.jit(
@@ -436,63 +601,87 @@ class TrainStep:
       in_shardings=(shardings, self.batch_sharding),
       out_shardings=(shardings, replicated),
       donate_argnums=0,
-      compiler_options=_options(train_config),
+      compiler_options=_options(spec.tc),
     )
 
+  def requires_ref_logp(self, batch: Batch | None = None) -> bool:
+    """Whether the default functions will read ``ref_logp`` for ``batch`` (None: a batch without
+    precomputed advantages): a GRPOConfig with β > 0 and the default objective (KL in the loss) or
+    the default advantages (FRPO's future-KL). Custom functions that need it say so when traced."""
+    c = self.config
+    if not (isinstance(c, GRPOConfig) and c.needs_reference):
+      return False
+    if c.kl_placement == "loss":
+      return self.objective_fn is objective_terms
+    return (batch is None or batch.advantages is None) and self.advantages_fn is rollout_advantages
+
   def check_batch(self, batch: Batch) -> None:
-    """ValueError unless ``batch`` fits this step (shapes, divisibility over data×fsdp and K·M)."""
-    if not isinstance(batch, Batch):
-      raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
-    b, t = np.shape(batch.completions)
-    expect = {
-      "prompt_tokens": 2,
-      "prompt_mask": 2,
-      "completions": 2,
-      "mask": 2,
-      "old_logp": 2,
-      "group_ids": 1,
-      "rewards": 1,
-      "ref_logp": 2,
-    }
-    for name, rank in expect.items():
-      x = getattr(batch, name)
-      if x is None:
-        continue
-      shape = np.shape(x)
-      if len(shape) != rank or shape[0] != b:
-        raise ValueError(f"batch.{name} must have rank {rank} and {b} rows; got shape {shape}")
-    for name in ("mask", "old_logp") + (("ref_logp",) if batch.ref_logp is not None else ()):
-      if np.shape(getattr(batch, name)) != (b, t):
+    """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
+    fields the configuration needs, divisibility over ``data × fsdp × M × K``, and — when the values
+    are on this host — group ids in ``[0, num_groups)`` and no group larger than
+    ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    b, t = _check_fields(batch, _FIELDS)
+    c, tc = self.config, self.train_config
+    if self.requires_ref_logp(batch) and batch.ref_logp is None:
+      raise ValueError(
+        f"preset {c.name!r} (beta={c.beta}, kl_placement={c.kl_placement!r}) needs batch.ref_logp: compute it "
+        "with make_reference_fn (jaxgrpo.iteration.make_reference)"
+      )
+    if batch.advantages is None and self.advantages_fn is rollout_advantages and not isinstance(c, GRPOConfig):
+      raise ValueError(
+        f"config is a {type(c).__name__}, not a GRPOConfig: the default advantages_fn (rollout_advantages) "
+        "cannot use it; pass advantages_fn to make_train_step or precomputed batch.advantages"
+      )
+    if batch.advantages is not None and batch.token_weights is None and isinstance(c, GRPOConfig):
+      if c.process_weights:
         raise ValueError(
-          f"batch.{name} must have shape {(b, t)} like completions; got {np.shape(getattr(batch, name))}"
+          f"preset {c.name!r} weights tokens by 1/|λ| but batch.advantages is given without batch.token_weights "
+          "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
-    if np.shape(batch.prompt_mask) != np.shape(batch.prompt_tokens):
-      raise ValueError(
-        f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
-      )
-    if self.config.needs_reference and batch.ref_logp is None:
-      raise ValueError(
-        f"preset {self.config.name!r} (beta={self.config.beta}) needs batch.ref_logp: compute it with make_reference_fn"
-      )
-    tc = self.train_config
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
+    g, num_groups = _group_bound(tc.group_size, b)
+    ids = _host_values(batch.group_ids)
+    if ids is None or ids.size == 0:
+      return
+    if ids.min() < 0 or ids.max() >= num_groups:
+      why = f"TrainConfig.group_size={tc.group_size}: {b} rows hold at most" if tc.group_size else "at most"
+      raise ValueError(
+        f"batch.group_ids must be in [0, {num_groups}) ({why} {num_groups} groups); "
+        f"got values in [{ids.min()}, {ids.max()}]"
+      )
+    largest = int(np.bincount(ids.astype(np.int64)).max())
+    if largest > g:
+      raise ValueError(
+        f"batch has a group of {largest} rows but TrainConfig.group_size={tc.group_size}: raise group_size "
+        "(it bounds the process-set computation) or split the group"
+      )
+
+  def place_batch(self, batch: Batch) -> Batch:
+    """``batch`` validated (:meth:`check_batch`) and placed on the mesh with the step's dtypes; what
+    each call does before the jitted step (a no-op for a batch this returned)."""
+    self.check_batch(batch)
+    if not self.reads_ref_logp and batch.ref_logp is not None:
+      batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
+    return _place_fields(batch, _FIELDS, self.batch_sharding)
 
   def __call__(self, state: TrainState, batch: Batch):
-    self.check_batch(batch)
-    if not self.config.needs_reference and batch.ref_logp is not None:
-      batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
-    return self.jitted(state, batch)
+    if not isinstance(state, TrainState):
+      raise TypeError(f"state must be a jaxgrpo.train.TrainState; got {type(state).__name__}")
+    _check_not_donated(state, "state")
+    return self.jitted(state, self.place_batch(batch))
 
 
 def make_train_step(
   graphdef,
   optimizer: optax.GradientTransformation,
-  config: GRPOConfig,
+  config,
   *,
   mesh: Mesh,
   shardings: TrainState,
   train_config: TrainConfig | None = None,
   rules: Mapping[str, Any] | None = None,
+  objective_fn: Callable[..., LossTerms] | None = None,
+  advantages_fn: Callable | None = None,
 ) -> TrainStep:
   """The jitted step ``(TrainState, Batch) -> (TrainState, metrics)`` for ``config`` on ``mesh``.
 
@@ -500,20 +689,55 @@ def make_train_step(
     graphdef, shardings: from :func:`init_train_state`.
     optimizer: any optax transformation (clipping by global norm is done by the step,
       ``train_config.max_grad_norm``).
-    config: the objective (a preset from ``jaxgrpo.config.preset``).
+    config: the algorithm's configuration, passed unchanged to ``objective_fn`` and
+      ``advantages_fn``. A :class:`~jaxgrpo.config.GRPOConfig` (a preset from ``jaxgrpo.preset``) is
+      required by the default functions; the step itself reads only its μ (``num_iterations``) and β
+      (whether ``batch.ref_logp`` is needed). A custom ``objective_fn`` may take any object, None
+      included: the step then makes one pass (μ = 1). Use an immutable, hashable object (a frozen
+      dataclass, a NamedTuple): it is closed over by the compiled program, and your own jitted
+      functions can take it as a static argument.
     train_config: micro/mini-batches, clipping, temperature, log-prob chunking.
+    rules: logical-axis rules (default ``jaxgrpo.sharding.DEFAULT_RULES``).
+    objective_fn: ``objective_fn(config, logp, old_logp, advantages, mask, *, token_weights=None,
+      ref_logp=None) -> LossTerms``, the loss of one micro-batch: ``logp`` ``f32[R, T]`` the current
+      policy's log-probs (differentiable), ``old_logp`` ``f32[R, T]`` the rollout's, ``advantages``
+      ``f32[R]`` or ``f32[R, T]``, ``mask`` ``bool[R, T]`` (False on padding and on missing samples),
+      ``token_weights`` ``f32[R, T]`` or None, ``ref_logp`` ``f32[R, T]`` or None (0 wherever ``mask``
+      is False). Default :func:`jaxgrpo.objective.objective_terms`. Contract: the loss of the batch is
+      ``Σ numerator / Σ denominator`` over its micro-batches, and the denominator has no gradient
+      (masks, advantages, shapes; checked when the step is traced, ValueError otherwise). The metrics
+      are :func:`~jaxgrpo.losses.finalize_terms`' when the terms' ``sums`` are those of
+      :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``.
+    advantages_fn: ``advantages_fn(config, rewards, tokens, mask, group_ids, num_groups, *,
+      old_logp=None, ref_logp=None, max_group_size=None) -> (advantages, token_weights)`` with
+      ``advantages`` ``f32[B]`` or ``f32[B, T]`` and ``token_weights`` ``f32[B, T]`` or None; called
+      once per batch inside the step, unless the batch carries precomputed ``advantages``. Rewards are
+      passed as given (non-finite = missing, see ``jaxgrpo.advantages``); the step then zeroes the
+      advantages of missing samples. Default :func:`jaxgrpo.objective.rollout_advantages`.
 
   The state argument is donated. Metrics (replicated ``f32[]``, averaged over the μ·M updates,
   extrema over them): ``loss``, ``policy_loss``, ``kl``, ``clip_frac_low/high/dual``, ``approx_kl``
   (to the rollout policy), ``ratio_mean/min/max``, ``advantage_mean/std/min/max``, ``entropy``,
-  ``grad_norm`` (before clipping), ``tokens``, ``sequences`` and, for λ presets or with
-  ``tree_stats``, ``tree/nontrivial_group_fraction``, ``tree/mean_path_depth``,
-  ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
+  ``grad_norm`` (before clipping), ``tokens``, ``sequences``, ``rewards_nonfinite`` (missing
+  samples) and, for λ presets or with ``tree_stats``, ``tree/nontrivial_group_fraction``,
+  ``tree/mean_path_depth``, ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
   """
-  if not isinstance(config, GRPOConfig):
-    raise TypeError(f"config must be a GRPOConfig (jaxgrpo.config.preset(...)); got {type(config).__name__}")
+  objective_fn = objective_terms if objective_fn is None else objective_fn
+  advantages_fn = rollout_advantages if advantages_fn is None else advantages_fn
+  for name, fn in (("objective_fn", objective_fn), ("advantages_fn", advantages_fn)):
+    if not callable(fn):
+      raise TypeError(f"`{name}` must be callable; got {type(fn).__name__}")
+  if objective_fn is objective_terms and not isinstance(config, GRPOConfig):
+    raise TypeError(
+      f"config must be a GRPOConfig (jaxgrpo.preset(...)) for the default objective; got {type(config).__name__}. "
+      "Pass objective_fn to train with another configuration object"
+    )
   train_config = TrainConfig() if train_config is None else train_config
-  return TrainStep(graphdef, optimizer, config, mesh, shardings, train_config, rules)
+  if not isinstance(train_config, TrainConfig):
+    raise TypeError(f"train_config must be a jaxgrpo.train.TrainConfig; got {type(train_config).__name__}")
+  rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *shd.batch_sharding(mesh, rules).spec))
+  spec = _StepSpec(graphdef, optimizer, config, train_config, objective_fn, advantages_fn, shardings.params, rows_sh)
+  return TrainStep(spec, mesh, shardings, rules)
 
 
 def make_reference_fn(
@@ -526,33 +750,38 @@ def make_reference_fn(
 ) -> Callable:
   """Jitted ``(ref_params, batch) -> ref_logp f32[B, T]`` (batch-sharded) under the same mesh.
 
-  ``ref_params`` has the policy's structure and shardings (e.g. a copy of the initial parameters).
-  Only needed when the preset has β > 0 (``config.needs_reference``): GRPO's KL term in the loss or
-  FRPO's future-KL; skip it otherwise. The rows are processed in ``train_config.micro_batches``
-  sequential micro-batches (``lax.map``), exactly as the train step splits them, so the reference
-  pass never holds more activations or logits chunks than one micro-batch of the step.
+  ``ref_params`` has the policy's structure and shardings and must not be the train state's own
+  parameters (the step donates those): ``jaxgrpo.iteration.make_reference`` copies them once. Only
+  needed when something reads ``ref_logp`` (β > 0: GRPO's KL term in the loss or FRPO's future-KL).
+  The rows are processed in ``train_config.micro_batches`` sequential micro-batches (``lax.map``),
+  exactly as the train step splits them, so the reference pass never holds more activations or
+  logits chunks than one micro-batch of the step. Only the prompt and completion fields of the batch
+  are read; NumPy and placed batches run the same program.
   """
   tc = TrainConfig() if train_config is None else train_config
   bsh = shd.batch_sharding(mesh, rules)
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
   k = tc.micro_batches
 
-  def fn(params, batch):
+  def fn(params, cols):
     model = nnx.merge(graphdef, params)
-    cols = (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)
+    shape = cols[2].shape
     cols = [jax.lax.with_sharding_constraint(_split_rows(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
 
     def one(mb):
       return completion_log_probs(model, *mb, temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
 
     logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
-    return jnp.moveaxis(logp, 0, 1).reshape(batch.completions.shape)  # inverse of _split_rows
+    return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of _split_rows
 
   jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=_options(tc))
 
   def reference_log_probs(ref_params, batch: Batch):
-    shd.check_batch_divisible(np.shape(batch.completions)[0], mesh, rules, splits=k)
-    return jitted(ref_params, batch._replace(ref_logp=None))
+    b, _ = _check_fields(batch, _REFERENCE_FIELDS)
+    _check_not_donated(ref_params, "ref_params")
+    shd.check_batch_divisible(b, mesh, rules, splits=k)
+    placed = _place_fields(batch, _REFERENCE_FIELDS, bsh)
+    return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
 
   return reference_log_probs
 
@@ -566,20 +795,31 @@ def bucket_length(length: int, buckets=DEFAULT_BUCKETS) -> int:
   return fits[0] if fits else int(length)
 
 
-def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS) -> Batch:
+def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None = None) -> Batch:
   """Trim or pad the completion axis to the bucket of the longest real completion (host side).
 
   Completion columns past the longest real completion are padding in every row, so trimming them
   changes no loss; padding adds masked columns. A few bucket lengths mean a few compiled programs.
+
+  Args:
+    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages included, are fitted).
+    buckets: the allowed completion lengths.
+    length: the longest real completion to fit (default: from ``batch.mask``). Processes that each
+      pad their own rows pass the maximum over all processes, so that every process picks the same
+      bucket.
   """
   mask = np.asarray(batch.mask)
   longest = int(mask.any(axis=0).nonzero()[0].max() + 1) if mask.any() else 1
-  target = bucket_length(longest, buckets)
+  if length is None:
+    length = longest
+  elif length < longest:
+    raise ValueError(f"`length` {length} is shorter than the longest real completion of the batch ({longest})")
+  target = bucket_length(length, buckets)
   t = mask.shape[1]
 
   def fit(x, fill):
-    if x is None:
-      return None
+    if x is None or np.ndim(x) < 2:
+      return x
     x = np.asarray(x)
     if target <= t:
       return x[:, :target]
@@ -590,4 +830,6 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS) -> Batch:
     mask=fit(batch.mask, False),
     old_logp=fit(batch.old_logp, 0.0),
     ref_logp=fit(batch.ref_logp, 0.0),
+    advantages=fit(batch.advantages, 0.0),
+    token_weights=fit(batch.token_weights, 0.0),
   )

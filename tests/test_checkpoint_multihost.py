@@ -8,7 +8,7 @@ import os
 import socket
 
 import pytest
-from test_train_common import finish_child, start_child
+from helpers import finish_child, start_child
 
 _CHILD = r"""
 import sys
@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from flax import nnx
 from jaxgrpo import distributed, sharding as shd, train
 from jaxgrpo.checkpoint import Checkpointer, RunMeta, Snapshot, verify_step
-from test_train_common import tiny_model
+from helpers import tiny_model
 
 nproc, pid, port, root, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 distributed.initialize(f"127.0.0.1:{port}" if nproc > 1 else None, nproc if nproc > 1 else None,

@@ -7,7 +7,7 @@ import socket
 
 import numpy as np
 import pytest
-from test_train_common import finish_child, start_child
+from helpers import finish_child, start_child
 
 _CHILD = r"""
 import sys
@@ -15,7 +15,7 @@ import jax, numpy as np, optax
 from jax.experimental import multihost_utils
 from jaxgrpo import distributed, sharding as shd, train
 from jaxgrpo.config import preset
-from test_train_common import G, make_batch, tiny_model
+from helpers import G, make_batch, tiny_model
 
 nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 started = distributed.initialize(f"127.0.0.1:{port}" if nproc > 1 else None, nproc if nproc > 1 else None,

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_utils import FAMILIES, hf_logits, left_padded_batch, make_tiny_hf
 from safetensors.numpy import load_file
 
 from jaxgrpo import models
 from jaxgrpo.models import lora
-from tests.hf_utils import FAMILIES, hf_logits, left_padded_batch, make_tiny_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

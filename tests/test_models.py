@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_utils import FAMILIES, hf_logits, left_padded_batch, make_tiny_hf
 
 from jaxgrpo import models
 from jaxgrpo.models import hf as hf_io
-from tests.hf_utils import FAMILIES, hf_logits, left_padded_batch, make_tiny_hf
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_utils import FAMILIES, build_hf_model, hf_logits, left_padded_batch, tiny_hf_config
 
 from jaxgrpo import models
-from tests.hf_utils import FAMILIES, build_hf_model, hf_logits, left_padded_batch, tiny_hf_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_utils import FAMILIES, tiny_hf_config
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxgrpo import models, packing
-from tests.hf_utils import FAMILIES, tiny_hf_config
 
 TOL = 1e-5
 P, T, L, B = 6, 10, 16, 6  # every sequence fits a row (P + T = L): B rows always suffice

@@ -6,7 +6,7 @@ indivisible activations fail loudly."""
 from __future__ import annotations
 
 import pytest
-from test_train_common import start_child
+from helpers import start_child
 
 _CHILD = r"""
 import re

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_utils import FAMILIES, build_hf_model, tiny_hf_config
 
 from jaxgrpo import models
 from jaxgrpo.sampling import Rollout, filter_logits, generate, sample_categorical
-from tests.hf_utils import FAMILIES, build_hf_model, tiny_hf_config
 
 VOCAB = 97
 PAD = 0

@@ -64,7 +64,7 @@ def test_logical_to_spec_and_divisibility():
 def test_tree_shardings_of_a_model_and_its_optimizer_state():
   import optax
   from flax import nnx
-  from test_train_common import tiny_model
+  from helpers import tiny_model
 
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   _, params = nnx.split(tiny_model())

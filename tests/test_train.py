@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_train_common import G, flat_params, make_batch, reference_update, tiny_model
+from helpers import G, flat_params, make_batch, reference_update, tiny_model
 
 from jaxgrpo import sharding as shd
 from jaxgrpo import train

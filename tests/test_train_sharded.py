@@ -4,13 +4,13 @@ optimizer state really are sharded, and bad meshes / batches fail before anythin
 from __future__ import annotations
 
 import pytest
-from test_train_common import finish_child, run_child, start_child
+from helpers import finish_child, run_child, start_child
 
 _EQUIVALENCE = r"""
 import sys
 import jax, numpy as np, optax
 from jax.sharding import PartitionSpec as P
-from test_train_common import G, flat_params, make_batch, tiny_model
+from helpers import G, flat_params, make_batch, tiny_model
 from jaxgrpo import sharding as shd, train
 from jaxgrpo.config import preset
 
@@ -66,7 +66,7 @@ print("OK")
 
 _ERRORS = r"""
 import jax, numpy as np, optax, pytest
-from test_train_common import make_batch, tiny_config, tiny_model
+from helpers import make_batch, tiny_config, tiny_model
 from jaxgrpo import sharding as shd, train
 from jaxgrpo.config import preset
 from jaxgrpo.models import build_model

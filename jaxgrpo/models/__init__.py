@@ -21,7 +21,7 @@ from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to_spec, save_hf
 from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
 from jaxgrpo.models.llama import LlamaModel
-from jaxgrpo.models.log_probs import log_probs, token_log_probs
+from jaxgrpo.models.log_probs import chunked_log_probs, completion_log_probs, log_probs, token_log_probs
 from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model, save_peft
 
 __all__ = [
@@ -41,6 +41,8 @@ __all__ = [
   "RopeScaling",
   "apply_lora",
   "build_model",
+  "chunked_log_probs",
+  "completion_log_probs",
   "config_from_hf",
   "load_hf",
   "load_tokenizer",

@@ -1,7 +1,8 @@
-"""Shared pieces of the train-step tests: a tiny model, a random rollout batch, a hand-written
-full-batch reference update (no jaxgrpo loss/advantage code), and a runner for child processes.
+"""Shared pieces of the tests: a tiny model, a random rollout batch, a hand-written full-batch reference
+update (no jaxgrpo loss/advantage code), and a runner for child processes.
 
-(No tests here; the ``test_`` prefix only marks the file as part of the train-step tests.)
+Import it as ``from helpers import ...``: ``tests/conftest.py`` puts this directory on ``sys.path`` for
+pytest, and :func:`child_env` does the same for child processes.
 """
 
 from __future__ import annotations
@@ -101,11 +102,13 @@ def ref_advantages(config, batch):
   return a.astype(np.float32)
 
 
-def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
+def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None, advantages=None, token_weights=None):
   """Parameters after one plain SGD step on the full-batch loss, written out by hand.
 
   rows: optional row indices: the advantages and λ weights come from the whole batch, the loss (and
   its denominator) from these rows only — one PPO mini-batch.
+  advantages, token_weights: NumPy ``[B]``/``[B, T]`` and ``[B, T]`` used instead of the config's
+  (``advantages`` given: no λ weights unless ``token_weights`` is given too).
 
   Returns ``(new_params_flat {path: array}, metrics {name: float}, new nnx.State)``.
   """
@@ -120,13 +123,15 @@ def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None):
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
   m = jnp.asarray(batch.mask, jnp.float32)
   old = jnp.asarray(batch.old_logp)
-  ref = jnp.asarray(batch.ref_logp)
-  adv = jnp.asarray(ref_advantages(config, batch))
+  ref = jnp.zeros_like(old) if batch.ref_logp is None else jnp.asarray(batch.ref_logp)  # read only when β > 0
+  adv = jnp.asarray(ref_advantages(config, batch) if advantages is None else np.asarray(advantages, np.float32))
   adv = adv[:, None] * jnp.ones_like(m) if adv.ndim == 1 else adv
   w = None
-  if config.process_weights:
+  if config.process_weights and advantages is None:
     sizes = ref_lambda_sizes(np.asarray(batch.completions), np.asarray(batch.mask), np.asarray(batch.group_ids))
     w = jnp.asarray(np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0), jnp.float32)
+  if token_weights is not None:
+    w = jnp.asarray(token_weights, jnp.float32)
   if rows is not None:
     rows = np.asarray(rows)
     tokens, attn, m, old, ref, adv = (x[rows] for x in (tokens, attn, m, old, ref, adv))
@@ -227,3 +232,83 @@ def finish_child(proc: subprocess.Popen, timeout=600) -> str:
 def run_child(code: str, *, devices: int, args=(), timeout=600) -> str:
   """Run ``code`` in a fresh Python with ``devices`` virtual CPU devices; returns stdout."""
   return finish_child(start_child(code, devices=devices, args=args), timeout)
+
+
+def sgd_update(model, batch, loss_of_logp, *, lr, max_grad_norm):
+  """Parameters after one plain SGD step (clipped by global norm) on ``loss_of_logp(logp)``, where
+  ``logp`` ``[B, T]`` are the completion log-probs from full, unchunked logits. Returns ``(new_params_flat,
+  loss)``."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxgrpo.models import log_probs
+
+  graphdef, params = nnx.split(model)
+  tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
+  attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
+  p = batch.prompt_tokens.shape[1]
+
+  def loss_fn(params):
+    return loss_of_logp(log_probs(nnx.merge(graphdef, params), tokens, attn, chunk_size=None)[:, p:])
+
+  def update(params):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    gnorm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, max_grad_norm / gnorm)
+    return jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads), loss
+
+  new, loss = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params)
+  return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}, float(loss)
+
+
+def numpy_log_probs(model, batch):
+  """``f64[B, T]`` completion log-probs from the model's full logits, log-softmax in NumPy (0 on padding)."""
+  import jax.numpy as jnp
+
+  tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
+  attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
+  positions = jnp.maximum(jnp.cumsum(attn, axis=1) - 1, 0)
+  hidden, _ = model(tokens, positions, attention_mask=attn)
+  p = batch.prompt_tokens.shape[1]
+  logits = np.asarray(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), np.float64)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  picked = np.take_along_axis(logits, np.asarray(batch.completions)[..., None], -1)[..., 0]
+  return np.where(np.asarray(batch.mask), picked - logz, 0.0)
+
+
+def numpy_gspo_loss(logp, old_logp, mask, advantages, clip_low, clip_high):
+  """GSPO (arXiv:2507.18071): ``-mean_i min(s_i A_i, clip(s_i, 1-lo, 1+hi) A_i)`` over non-empty rows,
+  ``s_i = exp(mean_t(logp - old_logp))`` over row i's real tokens."""
+  mask = np.asarray(mask, bool)
+  n = mask.sum(1)
+  s = np.exp(
+    np.where(mask, np.asarray(logp, np.float64) - np.asarray(old_logp, np.float64), 0).sum(1) / np.maximum(n, 1)
+  )
+  a = np.asarray(advantages, np.float64)
+  per = -np.minimum(s * a, np.clip(s, 1 - clip_low, 1 + clip_high) * a)
+  return float(per[n > 0].mean()), s
+
+
+def numpy_group_advantages(rewards, group_ids, eps=1e-6):
+  """GRPO advantages (population std) under the missing-sample policy: non-finite rewards are left
+  out of their group's mean and std and get advantage 0."""
+  r = np.asarray(rewards, np.float64)
+  gids = np.asarray(group_ids)
+  ok = np.isfinite(r)
+  a = np.zeros_like(r)
+  for g in np.unique(gids):
+    sel = (gids == g) & ok
+    if sel.any():
+      a[sel] = (r[sel] - r[sel].mean()) / (r[sel].std() + eps)
+  return a.astype(np.float32)
+
+
+def load_example(name: str):
+  """The module ``examples/<name>.py`` (examples are scripts, not a package)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

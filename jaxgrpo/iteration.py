@@ -1,0 +1,384 @@
+"""One GRPO iteration, as small composable functions and one convenience function.
+
+An iteration is ``sample → score → batch → reference → update``::
+
+    step = train.make_train_step(graphdef, optimizer, config, mesh=mesh, shardings=shardings)
+    reference = make_reference(step, state.params)            # once: a copy + the jitted pass (β > 0)
+    for prompts, prompt_mask in data:
+      policy = policy_model(step.graphdef, state)             # the current policy, for sampling
+      rollout = sample(policy, prompts, prompt_mask, sampling, key=key)
+      rewards = score(reward_fn, rollout, decode=tokenizer.decode)  # your Python reward function
+      batch = make_batch(rollout, rewards, mesh=step.mesh)    # bucket-padded, placed on the mesh
+      batch = reference(batch)                                # adds ref_logp (only when β > 0)
+      state, metrics = step(state, batch)                     # advantages + μ·M updates, jitted
+
+:func:`grpo_iteration` runs exactly these calls and times each phase (``rollout_s``, ``reward_s``,
+``reference_s``, ``update_s``). A trainer with its own data handling — several rollouts per step for
+dynamic sampling, per-host scoring in multi-host runs — calls the pieces: :func:`sample` as often as it
+needs, :func:`score` (or its own scorer), builds a host :class:`~jaxgrpo.train.Batch` and places it with
+:func:`place` (bucket padding, ``process_local=True`` for per-host rows), then the reference and the step.
+
+Donation: the step consumes ``state`` (its arrays are deleted), so a policy model merged from it is
+valid until the next update; sample first, then update — as :func:`grpo_iteration` does. The reference
+parameters are a copy, never donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from jaxgrpo import sharding as shd
+from jaxgrpo.config import GRPOConfig
+from jaxgrpo.sampling import Rollout, generate
+from jaxgrpo.train import (
+  DEFAULT_BUCKETS,
+  Batch,
+  TrainState,
+  TrainStep,
+  _check_not_donated,
+  make_reference_fn,
+  pad_to_bucket,
+)
+
+__all__ = [
+  "IterationResult",
+  "Reference",
+  "SamplingConfig",
+  "grpo_iteration",
+  "make_batch",
+  "make_reference",
+  "place",
+  "policy_model",
+  "sample",
+  "score",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+  """How :func:`sample` draws completions (the keyword arguments of ``jaxgrpo.sampling.generate``).
+
+  Attributes:
+    num_samples: G, completions per prompt (the group size).
+    max_new_tokens: T, the completion length budget.
+    temperature: sampling temperature (0: greedy); must be the train step's
+      ``TrainConfig.temperature`` (the log-probs refer to it).
+    top_p, top_k: nucleus and top-k filtering (1.0 and 0: off).
+    eos_ids: token ids that end a completion (empty: every completion has T tokens).
+    pad_id: id written after the end of each completion.
+    suppress_ids: token ids never sampled (``generate``'s ``suppress_ids``; None: the pad id unless
+      it is also an EOS id; ``()``: none).
+  """
+
+  num_samples: int
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  suppress_ids: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+    if self.suppress_ids is not None:
+      object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
+    for name in ("num_samples", "max_new_tokens"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
+
+
+class Reference(NamedTuple):
+  """The frozen reference policy: a copy of the parameters and the jitted log-prob pass.
+
+  ``reference(batch)`` returns ``batch`` with ``ref_logp`` ``f32[B, T]`` filled in;
+  ``reference.log_probs(batch)`` returns the log-probs alone. Built by :func:`make_reference`.
+  """
+
+  params: Any
+  fn: Callable
+
+  def log_probs(self, batch: Batch) -> jax.Array:
+    """``f32[B, T]`` reference log-probs of ``batch``'s completions (batch-sharded)."""
+    return self.fn(self.params, batch)
+
+  def __call__(self, batch: Batch) -> Batch:
+    return batch._replace(ref_logp=self.log_probs(batch))
+
+
+class IterationResult(NamedTuple):
+  """What :func:`grpo_iteration` returns.
+
+  Attributes:
+    state: the updated :class:`~jaxgrpo.train.TrainState` (the one passed in is consumed).
+    metrics: ``{name: float}``: the step's metrics, ``reward_mean``/``reward_std`` (over finite
+      rewards), ``completion_length`` (mean real tokens per row) and the phase times in seconds
+      ``rollout_s``, ``reward_s``, ``reference_s`` (batch building and the reference pass),
+      ``update_s`` and ``iteration_s``.
+    rollout: the sampled :class:`~jaxgrpo.sampling.Rollout` (N = prompts × G rows), for inspection.
+    rewards: ``f32[N]`` the rewards (NaN: a missing sample).
+  """
+
+  state: TrainState
+  metrics: dict
+  rollout: Rollout
+  rewards: np.ndarray
+
+
+def policy_model(graphdef, state: TrainState) -> nnx.Module:
+  """The policy as a model, ``nnx.merge(graphdef, state.params)``, for the next rollout.
+
+  It shares ``state``'s arrays: valid until the next call of the train step consumes ``state``.
+  """
+  _check_not_donated(state, "state")
+  return nnx.merge(graphdef, state.params)
+
+
+def make_reference(step: TrainStep, params) -> Reference:
+  """The reference policy of ``step``: a copy of ``params`` (placed like the policy's, never donated)
+  and the jitted log-prob pass (:func:`jaxgrpo.train.make_reference_fn`, same mesh, micro-batches,
+  temperature and chunking as the step). Build it once, from the initial ``state.params``."""
+  _check_not_donated(params, "params")
+  copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=step.shardings.params)
+  fn = make_reference_fn(
+    step.graphdef,
+    mesh=step.mesh,
+    param_shardings=step.shardings.params,
+    train_config=step.train_config,
+    rules=step.rules,
+  )
+  return Reference(copy(params), fn)
+
+
+def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key) -> Rollout:
+  """G completions of each prompt: ``jaxgrpo.sampling.generate`` with ``sampling``'s arguments.
+
+  Args:
+    model: the policy (:func:`policy_model`).
+    prompt_tokens: ``int32[B, P]`` left-padded prompts; prompt_mask: ``bool[B, P]``.
+    sampling: a :class:`SamplingConfig`.
+    key: a PRNG key.
+
+  Returns:
+    A ``Rollout`` of N = B·G rows; row ``b·G + g`` is sample g of prompt b (``group_ids`` = b).
+  """
+  if not isinstance(sampling, SamplingConfig):
+    raise TypeError(f"sampling must be a jaxgrpo.iteration.SamplingConfig; got {type(sampling).__name__}")
+  return generate(
+    model,
+    prompt_tokens,
+    prompt_mask,
+    num_samples=sampling.num_samples,
+    max_new_tokens=sampling.max_new_tokens,
+    temperature=sampling.temperature,
+    top_p=sampling.top_p,
+    top_k=sampling.top_k,
+    eos_ids=sampling.eos_ids,
+    pad_id=sampling.pad_id,
+    suppress_ids=sampling.suppress_ids,
+    key=key,
+  )
+
+
+def score(
+  reward_fn: Callable[..., Sequence[float | None]],
+  rollout: Rollout,
+  *,
+  decode: Callable[[list[int]], Any] | None = None,
+  prompts: Sequence[Any] | None = None,
+  columns: Mapping[str, Sequence[Any]] | None = None,
+) -> np.ndarray:
+  """Rewards of every rollout row from a plain Python function (host side).
+
+  Calls ``reward_fn(prompts, completions, **columns)`` once, with one entry per row (N = B·G):
+
+  - ``completions[i]``: row i's real completion tokens as a list of ints, or ``decode(ids)`` (e.g.
+    ``tokenizer.decode``) when ``decode`` is given;
+  - ``prompts[i]``: ``prompts[group_ids[i]]`` when ``prompts`` (one entry per prompt, e.g. the prompt
+    texts) is given, else the row's real prompt tokens (decoded when ``decode`` is given);
+  - ``columns``: per-prompt data (e.g. ``{"answer": answers}``), repeated to rows the same way.
+
+  ``reward_fn`` returns N numbers; None, NaN or ±inf marks a missing sample (e.g. a verifier that
+  timed out): it gets advantage 0 and stays out of the loss (counted in ``rewards_nonfinite``).
+
+  Returns:
+    ``f32[N]`` NumPy rewards.
+  """
+  comps, mask = np.asarray(rollout.completions), np.asarray(rollout.mask, bool)
+  gids = np.asarray(rollout.group_ids)
+  n = comps.shape[0]
+  ids = [c[m].tolist() for c, m in zip(comps, mask)]
+  completions = ids if decode is None else [decode(x) for x in ids]
+  if prompts is None:
+    ptoks, pmask = np.asarray(rollout.prompt_tokens), np.asarray(rollout.prompt_mask, bool)
+    rows = [p[m].tolist() for p, m in zip(ptoks, pmask)]
+    row_prompts = rows if decode is None else [decode(x) for x in rows]
+  else:
+    row_prompts = _per_row(prompts, gids, "prompts")
+  row_columns = {name: _per_row(values, gids, f"columns[{name!r}]") for name, values in (columns or {}).items()}
+  out = reward_fn(row_prompts, completions, **row_columns)
+  try:
+    rewards = np.asarray([np.nan if r is None else r for r in out], np.float32)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"reward_fn must return {n} numbers (or None for a missing sample); got {out!r:.200}") from e
+  if rewards.shape != (n,):
+    raise ValueError(f"reward_fn must return one reward per rollout row ({n}); got shape {rewards.shape}")
+  return rewards
+
+
+def _per_row(values: Sequence[Any], group_ids: np.ndarray, name: str) -> list:
+  if group_ids.size and len(values) <= int(group_ids.max()):
+    raise ValueError(f"`{name}` has {len(values)} entries, but the rollout has {int(group_ids.max()) + 1} prompts")
+  return [values[int(g)] for g in group_ids]
+
+
+def place(
+  batch: Batch,
+  *,
+  mesh: Mesh,
+  rules: Mapping[str, Any] | None = None,
+  buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+  process_local: bool = False,
+) -> Batch:
+  """A host :class:`~jaxgrpo.train.Batch` bucket-padded and placed on ``mesh`` (rows over ``data × fsdp``).
+
+  Args:
+    batch: the batch (NumPy or JAX arrays).
+    buckets: completion-length buckets for :func:`jaxgrpo.train.pad_to_bucket` (None: keep T).
+    process_local: ``batch`` holds only this process's rows (multi-host: each process feeds its slice,
+      ``jaxgrpo.sharding.process_batch_rows``); every process then pads to the same bucket.
+  """
+  if buckets is not None:
+    length = None
+    if process_local and jax.process_count() > 1:
+      mask = np.asarray(batch.mask)
+      local = int(mask.any(axis=0).nonzero()[0].max() + 1) if mask.any() else 1
+      length = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+    batch = pad_to_bucket(batch, buckets, length=length)
+  return shd.place_batch(batch, mesh, rules, process_local=process_local)
+
+
+def make_batch(
+  rollout: Rollout,
+  rewards,
+  *,
+  mesh: Mesh,
+  rules: Mapping[str, Any] | None = None,
+  advantages=None,
+  token_weights=None,
+  buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+  process_local: bool = False,
+) -> Batch:
+  """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.train.Batch` (see :func:`place`),
+  with optional precomputed ``advantages`` (``f32[N]`` or ``f32[N, T]``) and ``token_weights``
+  (``f32[N, T]``)."""
+  batch = Batch.from_rollout(rollout, rewards, advantages=advantages, token_weights=token_weights)
+  return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local)
+
+
+def _check_iteration(step: TrainStep, sampling: SamplingConfig, reference, num_prompts: int) -> None:
+  """Everything that would fail after the rollout, checked before it."""
+  if not isinstance(step, TrainStep):
+    raise TypeError(f"step must be a jaxgrpo.train.TrainStep (make_train_step); got {type(step).__name__}")
+  if not isinstance(sampling, SamplingConfig):
+    raise TypeError(f"sampling must be a jaxgrpo.iteration.SamplingConfig; got {type(sampling).__name__}")
+  tc = step.train_config
+  expected = 1.0 if sampling.temperature == 0 else sampling.temperature
+  if tc.temperature != expected:
+    raise ValueError(
+      f"sampling.temperature={sampling.temperature} but the step's TrainConfig.temperature={tc.temperature}: "
+      f"the rollout log-probs refer to temperature {expected}; use the same value"
+    )
+  if tc.group_size is not None and tc.group_size < sampling.num_samples:
+    raise ValueError(
+      f"sampling.num_samples={sampling.num_samples} exceeds the step's TrainConfig.group_size={tc.group_size}"
+    )
+  shd.check_batch_divisible(
+    num_prompts * sampling.num_samples, step.mesh, step.rules, splits=tc.micro_batches * tc.mini_batches
+  )
+  if reference is None and step.requires_ref_logp():
+    c = step.config
+    name = c.name if isinstance(c, GRPOConfig) else type(c).__name__
+    raise ValueError(f"{name!r} (β > 0) needs reference log-probs: pass reference=make_reference(step, params)")
+  if reference is not None and not isinstance(reference, Reference):
+    raise TypeError(f"reference must be a jaxgrpo.iteration.Reference (make_reference); got {type(reference).__name__}")
+
+
+def grpo_iteration(
+  step: TrainStep,
+  state: TrainState,
+  prompt_tokens,
+  prompt_mask,
+  *,
+  key,
+  reward_fn: Callable[..., Sequence[float | None]],
+  sampling: SamplingConfig,
+  reference: Reference | None = None,
+  decode: Callable[[list[int]], Any] | None = None,
+  prompts: Sequence[Any] | None = None,
+  columns: Mapping[str, Sequence[Any]] | None = None,
+  buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+) -> IterationResult:
+  """One GRPO iteration: sample G completions per prompt, score them with ``reward_fn``, build and
+  place the batch, run the reference pass (only when the step reads ``ref_logp``: β > 0 or a custom
+  function) and update.
+
+  Args:
+    step: the train step (:func:`jaxgrpo.train.make_train_step`); its configuration decides the
+      advantages and the objective.
+    state: the train state; consumed (donated) by the update — use the returned one.
+    prompt_tokens: ``int32[B, P]`` left-padded prompts; prompt_mask: ``bool[B, P]``.
+    key: PRNG key of the rollout.
+    reward_fn: ``reward_fn(prompts, completions, **columns) -> N rewards`` (see :func:`score`).
+    sampling: a :class:`SamplingConfig` (its temperature must be the step's).
+    reference: :func:`make_reference`'s result; required when the step needs ``ref_logp``.
+    decode, prompts, columns: passed to :func:`score`.
+    buckets: completion-length buckets (None: keep ``max_new_tokens`` columns).
+
+  Returns:
+    An :class:`IterationResult` ``(state, metrics, rollout, rewards)``.
+
+  Everything that would fail after the rollout (temperature, group size, divisibility, a missing
+  reference) is checked before it. One process, or every process with the same prompts: for per-host
+  scoring in multi-host runs, compose the pieces with ``place(..., process_local=True)``.
+  """
+  _check_iteration(step, sampling, reference, int(np.shape(prompt_tokens)[0]))
+  t0 = time.perf_counter()
+  rollout = jax.block_until_ready(
+    sample(policy_model(step.graphdef, state), prompt_tokens, prompt_mask, sampling, key=key)
+  )
+  t1 = time.perf_counter()
+  rewards = score(reward_fn, rollout, decode=decode, prompts=prompts, columns=columns)
+  t2 = time.perf_counter()
+  batch = make_batch(rollout, rewards, mesh=step.mesh, rules=step.rules, buckets=buckets)
+  if reference is not None and step.reads_ref_logp:
+    batch = reference(batch)
+    jax.block_until_ready(batch.ref_logp)
+  t3 = time.perf_counter()
+  state, step_metrics = step(state, batch)
+  step_metrics = jax.device_get(step_metrics)
+  jax.block_until_ready(state)
+  t4 = time.perf_counter()
+  finite = rewards[np.isfinite(rewards)]
+  metrics = {k: float(v) for k, v in step_metrics.items()}
+  metrics.update(
+    reward_mean=float(finite.mean()) if finite.size else 0.0,
+    reward_std=float(finite.std()) if finite.size else 0.0,
+    completion_length=float(np.asarray(rollout.mask).sum(axis=1).mean()),
+    rollout_s=t1 - t0,
+    reward_s=t2 - t1,
+    reference_s=t3 - t2,
+    update_s=t4 - t3,
+    iteration_s=t4 - t0,
+  )
+  return IterationResult(state, metrics, rollout, rewards)
