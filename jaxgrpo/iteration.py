@@ -38,6 +38,8 @@ from jax.sharding import Mesh
 
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
+from jaxgrpo.losses import finalize_terms
+from jaxgrpo.objective import objective_terms, rollout_advantages
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.train import (
   DEFAULT_BUCKETS,
@@ -58,6 +60,7 @@ __all__ = [
   "make_reference",
   "place",
   "policy_model",
+  "rollout_loss",
   "sample",
   "score",
 ]
@@ -133,6 +136,58 @@ class IterationResult(NamedTuple):
   metrics: dict
   rollout: Rollout
   rewards: np.ndarray
+
+
+def rollout_loss(
+  config,
+  logp,
+  old_logp,
+  rewards,
+  tokens,
+  mask,
+  group_ids,
+  num_groups: int,
+  *,
+  ref_logp=None,
+  max_group_size: int | None = None,
+  objective_fn: Callable = objective_terms,
+  advantages_fn: Callable = rollout_advantages,
+):
+  """The loss of one whole rollout batch in one piece: ``advantages_fn`` → ``objective_fn`` →
+  ``finalize_terms``, with the train step's hooks and their defaults (the presets).
+
+  What the train step computes for μ = 1 and one micro-batch, as a pure function of arrays:
+  differentiate it with respect to ``logp`` (``jax.grad``, ``jax.vjp``), ``vmap`` it over seeds or
+  algorithms. For tasks whose whole batch fits at once and whose policy is not a ``jaxgrpo.models``
+  model, e.g. the binary-tree task's table of leaf log-probs; LLM training uses :func:`grpo_iteration`.
+
+  Args:
+    config: the objective (a ``GRPOConfig``, or what your hooks take).
+    logp: ``f32[B, T]`` current-policy log-probs (differentiable).
+    old_logp: ``f32[B, T]`` rollout log-probs (no gradient).
+    rewards: ``f32[B]``; tokens: ``int32[B, T]``; mask: ``bool[B, T]``; group_ids: ``int32[B]``;
+      num_groups: static int.
+    ref_logp: ``f32[B, T]`` reference log-probs (when β > 0).
+    max_group_size: static bound on the group size (λ presets' process sets).
+    objective_fn, advantages_fn: the hooks of ``jaxgrpo.train.make_train_step`` (same signatures).
+
+  Returns:
+    ``(loss f32[], metrics)`` as :func:`jaxgrpo.losses.finalize_terms` gives them.
+  """
+  sg = jax.lax.stop_gradient
+  adv, weights = advantages_fn(
+    config,
+    rewards,
+    tokens,
+    mask,
+    group_ids,
+    num_groups,
+    old_logp=sg(old_logp),
+    ref_logp=ref_logp,
+    max_group_size=max_group_size,
+  )
+  terms = objective_fn(config, logp, sg(old_logp), adv, mask, token_weights=weights, ref_logp=ref_logp)
+  return finalize_terms(terms)
 
 
 def policy_model(graphdef, state: TrainState) -> nnx.Module:
