@@ -520,6 +520,7 @@ class Checkpointer:
     self.failed_saves: list[CheckpointSaveError] = []
     self._closed = False
     self._reload_needed = False
+    self._partial_steps: set[int] = set()  # failed saves whose temporary directories are removed
     # a step without a manifest would make the resumed run's save of that step fail at every restart
     if self._is_main:
       quarantine_incomplete_steps(self.directory, log=self.log)
@@ -663,10 +664,14 @@ class Checkpointer:
 
   def _resync(self) -> None:
     """After a failed save: Orbax dropped the steps that save was to replace from its list before
-    the write (they are still on disk); re-read the list, or they would never be deleted."""
+    the write (they are still on disk); re-read the list, or they would never be deleted. Writes
+    of the failed save that were still running when it was reported may have recreated parts of
+    its temporary directory: remove them again."""
     if self._reload_needed:
       self._reload_needed = False
       self.manager.reload()
+    for step in self._partial_steps:
+      self._remove_partial(step)
 
   def _remove_partial(self, step: int) -> None:
     """Removes what a failed save of ``step`` left (its temporary directories; a final directory
@@ -687,6 +692,7 @@ class Checkpointer:
     reason = _os_reason(exc)
     completed = os.path.exists(os.path.join(path, MANIFEST))
     if not completed:
+      self._partial_steps.add(step)
       self._remove_partial(step)
     last = self.latest_step()
     kept = (
@@ -743,6 +749,8 @@ class Checkpointer:
       except Exception:  # noqa: BLE001 - a failed save was reported by _settle
         if not self.failed_saves:
           raise
+      for step in self._partial_steps:
+        self._remove_partial(step)
 
   def __enter__(self):
     return self
