@@ -15,7 +15,12 @@ runs inside ``jit``; :func:`pack_values` is the opposite gather. Both take the i
 :class:`PackedBatch` as data, so a new layout (a new rollout) never recompiles a program: only
 ``R`` and ``L`` are shapes.
 
-The packer itself (:func:`pack`, :func:`first_fit_decreasing`) is host-side NumPy.
+The train step packs slot by slot (:func:`pack_slots`, :class:`PackedSlots`): one FFD per slot
+(device shard × mini-batch × micro-batch, ``jaxgrpo.train.batch_slots``), so that every micro-batch
+holds exactly the sequences of the unpacked one, with a head buffer listing each slot's completion
+tokens (the only positions that go through the LM head, ``jaxgrpo.models.packed_log_probs``).
+
+The packers (:func:`pack`, :func:`pack_slots`, :func:`first_fit_decreasing`) are host-side NumPy.
 """
 
 from __future__ import annotations
