@@ -664,6 +664,8 @@ class TrainStep:
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
       default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
+    jitted: the ``jax.jit`` of ``(state, placed batch)``; lower or compile it yourself under
+      ``jax.set_mesh(step.mesh)``, as each call does (e.g. ``memory_analysis()`` of a configuration).
   """
 
   def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
@@ -701,9 +703,9 @@ class TrainStep:
 
   def check_batch(self, batch: Batch) -> None:
     """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
-    fields the configuration needs, divisibility over ``data × fsdp × M × K``, and — when the values
-    are on this host — group ids in ``[0, num_groups)`` and no group larger than
-    ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
+    (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
+    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
@@ -748,6 +750,7 @@ class TrainStep:
     tc = self.train_config
     if tc.packing is None or batch.packed is not None:
       return batch
+    _check_fields(batch, _FIELDS)  # the usual errors for a malformed batch, before the packer reads it
     return pack_batch(
       batch,
       row_length=tc.packing,

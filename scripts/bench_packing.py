@@ -164,7 +164,8 @@ def main(argv=None):
   )
   n_params = sum(x.size for x in jax.tree.leaves(states["padded"].params))
   print(
-    f"model: {n_params / 1e6:.2f}M params, {args.layers} layers; K={args.micro_batches} micro-batches, chunk {args.chunk_size}"
+    f"model: {n_params / 1e6:.2f}M params, {args.layers} layers; K={args.micro_batches} micro-batches, "
+    f"chunk {args.chunk_size}"
   )
 
   first, times = {}, {name: [] for name in steps}
