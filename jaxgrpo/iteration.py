@@ -290,8 +290,13 @@ def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batc
   this process packs its own shards' slots, then every process repacks to the largest rows per slot and
   head length of any process, so the global arrays have one shape."""
   shards = shd.batch_shards(mesh, rules)
-  if multi:
-    shards = shards // jax.process_count()  # the rows of one process cover its devices' shards
+  if multi:  # the rows of one process (1/process_count of the batch, as place_batch assumes) cover its shards
+    if shards % jax.process_count():
+      raise ValueError(
+        f"packing process-local rows needs the batch mesh axes (data×fsdp = {shards}) to divide over the "
+        f"{jax.process_count()} processes"
+      )
+    shards //= jax.process_count()
   pack = lambda **kw: pack_batch(
     batch, row_length=tc.packing, shards=shards, mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, **kw
   )
