@@ -8,7 +8,8 @@ An iteration is ``sample → score → batch → reference → update``::
       policy = policy_model(step.graphdef, state)             # the current policy, for sampling
       rollout = sample(policy, prompts, prompt_mask, sampling, key=key)
       rewards = score(reward_fn, rollout, decode=tokenizer.decode)  # your Python reward function
-      batch = make_batch(rollout, rewards, mesh=step.mesh)    # bucket-padded, placed on the mesh
+      batch = make_batch(rollout, rewards, mesh=step.mesh,    # bucket-padded (packed with
+                         train_config=step.train_config)      # TrainConfig.packing), placed
       batch = reference(batch)                                # adds ref_logp (only when β > 0)
       state, metrics = step(state, batch)                     # advantages + μ·M updates, jitted
 
@@ -44,10 +45,12 @@ from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.train import (
   DEFAULT_BUCKETS,
   Batch,
+  TrainConfig,
   TrainState,
   TrainStep,
   _check_not_donated,
   make_reference_fn,
+  pack_batch,
   pad_to_bucket,
 )
 
@@ -304,23 +307,60 @@ def place(
   rules: Mapping[str, Any] | None = None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
   process_local: bool = False,
+  train_config: TrainConfig | None = None,
 ) -> Batch:
-  """A host :class:`~jaxgrpo.train.Batch` bucket-padded and placed on ``mesh`` (rows over ``data × fsdp``).
+  """A host :class:`~jaxgrpo.train.Batch` bucket-padded, packed (with ``train_config.packing``) and
+  placed on ``mesh`` (rows over ``data × fsdp``).
 
   Args:
     batch: the batch (NumPy or JAX arrays).
     buckets: completion-length buckets for :func:`jaxgrpo.train.pad_to_bucket` (None: keep T).
     process_local: ``batch`` holds only this process's rows (multi-host: each process feeds its slice,
-      ``jaxgrpo.sharding.process_batch_rows``); every process then pads to the same bucket.
+      ``jaxgrpo.sharding.process_batch_rows``); every process then pads to the same bucket, and packs
+      its own device shards' slots with the same rows and head length.
+    train_config: the step's :class:`~jaxgrpo.train.TrainConfig`; with ``packing`` set the batch is
+      packed once here (:func:`jaxgrpo.train.pack_batch`, the step's slots), and the reference pass
+      and the step use that layout. None: not packed (the step packs it itself if it packs).
   """
+  multi = process_local and jax.process_count() > 1
   if buckets is not None:
     length = None
-    if process_local and jax.process_count() > 1:
+    if multi:
       mask = np.asarray(batch.mask)
       local = int(mask.any(axis=0).nonzero()[0].max() + 1) if mask.any() else 1
       length = int(np.max(multihost_utils.process_allgather(np.int32(local))))
     batch = pad_to_bucket(batch, buckets, length=length)
-  return shd.place_batch(batch, mesh, rules, process_local=process_local)
+  if train_config is not None and train_config.packing is not None and batch.packed is None:
+    batch = _pack(batch, train_config, mesh, rules, multi)
+  placed = shd.place_batch(batch._replace(packed=None), mesh, rules, process_local=process_local)
+  if batch.packed is None:
+    return placed
+  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis
+  place_one = lambda x: shd.place_batch(np.asarray(x, np.int32), mesh, rules, process_local=process_local)
+  return placed._replace(packed=jax.tree.map(place_one, batch.packed))
+
+
+def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batch:
+  """``jaxgrpo.train.pack_batch`` for the step of ``tc`` on ``mesh``. With process-local rows (``multi``)
+  this process packs its own shards' slots, then every process repacks to the largest rows per slot and
+  head length of any process, so the global arrays have one shape."""
+  shards = shd.batch_shards(mesh, rules)
+  if multi:  # the rows of one process (1/process_count of the batch, as place_batch assumes) cover its shards
+    if shards % jax.process_count():
+      raise ValueError(
+        f"packing process-local rows needs the batch mesh axes (data×fsdp = {shards}) to divide over the "
+        f"{jax.process_count()} processes"
+      )
+    shards //= jax.process_count()
+  pack = lambda **kw: pack_batch(
+    batch, row_length=tc.packing, shards=shards, mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, **kw
+  )
+  packed = pack(rows=tc.packing_rows)
+  if not multi:
+    return packed
+  rows, head = packed.packed.rows_per_slot, packed.packed.head_index.shape[1] // packed.packed.rows_per_slot
+  rows, head = (int(x) for x in np.max(multihost_utils.process_allgather(np.int32([rows, head])), axis=0))
+  return pack(rows=rows, head_length=head)
 
 
 def make_batch(
@@ -333,12 +373,13 @@ def make_batch(
   token_weights=None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
   process_local: bool = False,
+  train_config: TrainConfig | None = None,
 ) -> Batch:
-  """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.train.Batch` (see :func:`place`),
-  with optional precomputed ``advantages`` (``f32[N]`` or ``f32[N, T]``) and ``token_weights``
-  (``f32[N, T]``)."""
+  """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.train.Batch` (see :func:`place`:
+  bucketed, packed for ``train_config`` when it packs), with optional precomputed ``advantages``
+  (``f32[N]`` or ``f32[N, T]``) and ``token_weights`` (``f32[N, T]``)."""
   batch = Batch.from_rollout(rollout, rewards, advantages=advantages, token_weights=token_weights)
-  return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local)
+  return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local, train_config=train_config)
 
 
 def _check_iteration(step: TrainStep, sampling: SamplingConfig, reference, num_prompts: int) -> None:
@@ -415,7 +456,9 @@ def grpo_iteration(
   t1 = time.perf_counter()
   rewards = score(reward_fn, rollout, decode=decode, prompts=prompts, columns=columns)
   t2 = time.perf_counter()
-  batch = make_batch(rollout, rewards, mesh=step.mesh, rules=step.rules, buckets=buckets)
+  batch = make_batch(
+    rollout, rewards, mesh=step.mesh, rules=step.rules, buckets=buckets, train_config=step.train_config
+  )
   if reference is not None and step.reads_ref_logp:
     batch = reference(batch)
     jax.block_until_ready(batch.ref_logp)

@@ -48,8 +48,10 @@ from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
-from jaxgrpo.models.log_probs import completion_log_probs
+from jaxgrpo.models.base import freeze_rules
+from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
+from jaxgrpo.packing import PackedSlots, pack_slots
 from jaxgrpo.process_sets import process_set_sizes, process_tree_stats
 
 __all__ = [
@@ -57,11 +59,13 @@ __all__ = [
   "TrainConfig",
   "TrainState",
   "TrainStep",
+  "batch_slots",
   "bucket_length",
   "completion_log_probs",
   "init_train_state",
   "make_reference_fn",
   "make_train_step",
+  "pack_batch",
   "pad_to_bucket",
 ]
 
@@ -86,6 +90,9 @@ class Batch(NamedTuple):
       with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
     token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
       of ``advantages_fn`` (or none at all when ``advantages`` is given).
+    packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
+      :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
+      stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -101,6 +108,7 @@ class Batch(NamedTuple):
   ref_logp: jax.Array | None = None
   advantages: jax.Array | None = None
   token_weights: jax.Array | None = None
+  packed: PackedSlots | None = None
 
   @classmethod
   def from_rollout(cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None) -> "Batch":
@@ -240,6 +248,12 @@ class TrainConfig:
     entropy: report the policy entropy (one extra pass over each logits chunk, no gradient).
     compiler_options: XLA options for compiling the step and the reference pass (None: defaults),
       e.g. ``{"xla_backend_optimization_level": 0}`` compiles about twice as fast on CPU (tests).
+    packing: L, the packed row length (None: no packing, one ``[prompt ‖ completion]`` row per
+      sequence). With L, the model's forward/backward runs on rows of L tokens holding several
+      sequences back to back (:func:`pack_batch`); every sequence (prompt + completion) must fit one.
+    packing_rows: rows of L tokens per micro-batch and device (None: the fewest that hold the fullest
+      micro-batch, rounded up to a power of two; a fixed value gives one compiled shape and a
+      ValueError for a batch that does not fit).
   """
 
   micro_batches: int = 1
@@ -251,6 +265,8 @@ class TrainConfig:
   tree_stats: bool = False
   entropy: bool = True
   compiler_options: Mapping[str, Any] | None = None
+  packing: int | None = None
+  packing_rows: int | None = None
 
   def __post_init__(self):
     for name in ("micro_batches", "mini_batches"):
@@ -265,6 +281,12 @@ class TrainConfig:
       raise ValueError(f"`chunk_size` must be a positive int or None; got {self.chunk_size!r}")
     if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
       raise ValueError(f"`group_size` must be a positive int or None; got {self.group_size!r}")
+    for name in ("packing", "packing_rows"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"`{name}` must be a positive int or None; got {v!r}")
+    if self.packing is None and self.packing_rows is not None:
+      raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 
 
 # ----------------------------------------------------------------------------- state
@@ -283,10 +305,31 @@ def _copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
+def _checked_rules(model_rules: tuple, rules: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+  """The one rules table of a model: its own (``model.sharding_rules``, which its activation
+  constraints use) when ``rules`` is None, else ``rules``, which must be the same table."""
+  if rules is not None and freeze_rules(rules) != model_rules:
+    raise ValueError(
+      f"{where}: `rules` differ from the model's own rules table (model.rules = {dict(model_rules)}, which its "
+      f"activation constraints use); got {dict(rules)}. Build the model with these rules "
+      "(build_model/load_hf(..., rules=...)) or leave `rules` unset"
+    )
+  return dict(model_rules)
+
+
+def _graph_rules(graphdef, param_shardings) -> tuple:
+  """``model.sharding_rules`` of the model ``graphdef`` describes (merged with the parameter shardings:
+  only the static attributes are read)."""
+  return nnx.merge(graphdef, param_shardings).sharding_rules
+
+
 def init_train_state(
   model, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Mapping[str, Any] | None = None
 ):
   """Split ``model`` once and place its parameters and a fresh optimizer state on ``mesh``.
+
+  ``rules`` (the logical-axis rules of the parameters) defaults to the model's own table
+  (``model.rules``, the one its activation constraints use); other rules raise ValueError.
 
   Returns:
     ``(graphdef, state, shardings)``: the static graph, a :class:`TrainState` whose parameters and
@@ -295,6 +338,7 @@ def init_train_state(
     :func:`make_train_step`). Raises ValueError (before anything is compiled) for any dimension the
     mesh does not divide, e.g. heads % tensor.
   """
+  rules = _checked_rules(model.sharding_rules, rules, "init_train_state")
   graphdef, params = nnx.split(model)
   _check_params_only(params)
   param_sh = shd.tree_shardings(params, mesh, rules)
@@ -320,6 +364,51 @@ def _split_rows(x, m: int, k: int):
   b = x.shape[0]
   x = x.reshape((b // (m * k), m, k) + x.shape[1:])
   return jnp.moveaxis(x, 0, 2)
+
+
+def _split_slots(x, n: int, m: int, k: int):
+  """Packed slot arrays ``[n·M·K·X, ...]`` (slot ``d·(M·K) + m·K + k`` = device shard d, mini-batch m,
+  micro-batch k; X rows or one head buffer per slot) -> ``[M, K, n·X, ...]``, shard d's X at
+  ``[m, k, d·X : (d+1)·X]``: the layout of :func:`_split_rows`' ``[M, K, B/(M·K), ...]``."""
+  x = x.reshape((n, m, k, x.shape[0] // (n * m * k)) + x.shape[1:])
+  x = jnp.moveaxis(x, 0, 2)  # [M, K, n, X, ...]
+  return x.reshape(x.shape[:2] + (n * x.shape[3],) + x.shape[4:])
+
+
+def _merge_rows(x, m: int, k: int):
+  """Inverse of :func:`_split_rows`: ``[M, K, B/(M·K), ...] -> [B, ...]``."""
+  x = jnp.moveaxis(x, 2, 0)
+  return x.reshape((x.shape[0] * m * k,) + x.shape[3:])
+
+
+def _model_inputs(batch: Batch) -> dict:
+  """What the model call of a micro-batch reads, per row of the batch (split like every ``[B, ...]``
+  field): the prompt and completion tokens, or with packing the rows' head entries."""
+  if batch.packed is None:
+    return dict(
+      prompt_tokens=batch.prompt_tokens,
+      prompt_mask=batch.prompt_mask,
+      completions=batch.completions,
+      mask=batch.mask,  # attention: every real token of the row
+    )
+  return dict(unpack_index=batch.packed.unpack_index)
+
+
+def _slot_inputs(packed: PackedSlots) -> dict:
+  """The packed rows and head buffers (split by slot, :func:`_split_slots`)."""
+  return dict(
+    tokens=packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids, head_index=packed.head_index
+  )
+
+
+def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool):
+  """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
+  rows, or from their packed rows (``blocks`` device shards, each with its own sequences)."""
+  kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy)
+  if "head_index" in mb:
+    args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
+    return packed_log_probs(model, *args, blocks=blocks, **kw)
+  return completion_log_probs(model, mb["prompt_tokens"], mb["prompt_mask"], mb["completions"], mb["mask"], **kw)
 
 
 def _zero_terms(example: LossTerms) -> LossTerms:
@@ -424,6 +513,7 @@ class _StepSpec:
   advantages_fn: Callable
   param_sh: Any
   rows_sh: NamedSharding
+  blocks: int = 1  # data × fsdp: the device shards of the batch rows (packing: one slot each)
 
 
 def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int):
@@ -475,10 +565,7 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     extra.update({f"tree/{k}": v for k, v in stats.items()})
   rows = dict(
-    prompt_tokens=batch.prompt_tokens,
-    prompt_mask=batch.prompt_mask,
-    completions=batch.completions,
-    mask=batch.mask,  # attention: every real token of the row
+    _model_inputs(batch),
     loss_mask=loss_mask,  # the loss: real tokens of rows with a finite reward
     old_logp=select(batch.old_logp),
     adv=adv,
@@ -487,21 +574,15 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
   )
   # [M, K, R, ...], R over data×fsdp: each device keeps its own rows
   rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), spec.rows_sh), rows)
+  if batch.packed is not None:  # and its own packed rows: slot d·(M·K) + m·K + k
+    split = lambda x: jax.lax.with_sharding_constraint(_split_slots(x, spec.blocks, mm, kk), spec.rows_sh)
+    rows.update(jax.tree.map(split, _slot_inputs(batch.packed)))
   example_mb = jax.tree.map(lambda x: x[0, 0], rows)
   _check_denominator(spec.objective_fn, config, example_mb)
 
   def micro_terms(p, mb, scale):
     model = nnx.merge(graphdef, p)
-    logp, ent = completion_log_probs(
-      model,
-      mb["prompt_tokens"],
-      mb["prompt_mask"],
-      mb["completions"],
-      mb["mask"],
-      temperature=tc.temperature,
-      chunk_size=tc.chunk_size,
-      with_entropy=tc.entropy,
-    )
+    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy)
     terms = spec.objective_fn(
       config, logp, mb["old_logp"], mb["adv"], mb["loss_mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
     )
@@ -568,18 +649,23 @@ def _fn_name(fn) -> str:
 class TrainStep:
   """The compiled train step; call as ``state, metrics = step(state, batch)``.
 
-  Created by :func:`make_train_step`. Each call validates the batch on the host (shapes, dtypes,
-  group ids, group sizes, divisibility; clear errors, nothing compiled), places it on the mesh (a
-  NumPy batch and a placed one run the same program), checks that ``state`` was not consumed by an
-  earlier call, then runs the jitted step with ``state`` donated. ``traces`` counts how often the step
-  was traced: the same shapes and the same optional fields never retrace or recompile.
+  Created by :func:`make_train_step`. Each call packs the batch when ``train_config.packing`` is set
+  and the batch is not packed yet (:meth:`pack`), validates it on the host (shapes, dtypes, group
+  ids, group sizes, divisibility, the packed layout; clear errors, nothing compiled), places it on the
+  mesh (a NumPy batch and a placed one run the same program), checks that ``state`` was not consumed
+  by an earlier call, then runs the jitted step with ``state`` donated, under ``jax.set_mesh(mesh)``
+  (the model's activation sharding constraints apply). ``traces`` counts how often the step was
+  traced: the same shapes and the same optional fields never retrace or recompile.
 
   Attributes:
-    graphdef, config, train_config, mesh, rules, shardings, objective_fn, advantages_fn: as given to
+    graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn: as given to
       :func:`make_train_step`.
+    rules: the logical-axis rules (the model's own table).
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
       default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
+    jitted: the ``jax.jit`` of ``(state, placed batch)``; lower or compile it yourself under
+      ``jax.set_mesh(step.mesh)``, as each call does (e.g. ``memory_analysis()`` of a configuration).
   """
 
   def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
@@ -617,9 +703,9 @@ class TrainStep:
 
   def check_batch(self, batch: Batch) -> None:
     """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
-    fields the configuration needs, divisibility over ``data × fsdp × M × K``, and — when the values
-    are on this host — group ids in ``[0, num_groups)`` and no group larger than
-    ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
+    (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
+    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
@@ -639,6 +725,7 @@ class TrainStep:
           "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
+    _check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
     g, num_groups = _group_bound(tc.group_size, b)
     ids = _host_values(batch.group_ids)
     if ids is None or ids.size == 0:
@@ -656,19 +743,39 @@ class TrainStep:
         "(it bounds the process-set computation) or split the group"
       )
 
+  def pack(self, batch: Batch) -> Batch:
+    """``batch`` with its sequences packed for this step (:func:`pack_batch` with the step's row
+    length, rows, mesh and split) when ``train_config.packing`` is set and ``batch.packed`` is None;
+    otherwise ``batch`` itself. Host side (the batch's values must be on this host)."""
+    tc = self.train_config
+    if tc.packing is None or batch.packed is not None:
+      return batch
+    _check_fields(batch, _FIELDS)  # the usual errors for a malformed batch, before the packer reads it
+    return pack_batch(
+      batch,
+      row_length=tc.packing,
+      shards=shd.batch_shards(self.mesh, self.rules),
+      mini_batches=tc.mini_batches,
+      micro_batches=tc.micro_batches,
+      rows=tc.packing_rows,
+    )
+
   def place_batch(self, batch: Batch) -> Batch:
-    """``batch`` validated (:meth:`check_batch`) and placed on the mesh with the step's dtypes; what
-    each call does before the jitted step (a no-op for a batch this returned)."""
+    """``batch`` packed (:meth:`pack`), validated (:meth:`check_batch`) and placed on the mesh with the
+    step's dtypes; what each call does before the jitted step (a no-op for a batch this returned)."""
+    batch = self.pack(batch)
     self.check_batch(batch)
     if not self.reads_ref_logp and batch.ref_logp is not None:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
-    return _place_fields(batch, _FIELDS, self.batch_sharding)
+    return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
 
   def __call__(self, state: TrainState, batch: Batch):
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be a jaxgrpo.train.TrainState; got {type(state).__name__}")
     _check_not_donated(state, "state")
-    return self.jitted(state, self.place_batch(batch))
+    batch = self.place_batch(batch)
+    with jax.set_mesh(self.mesh):  # the models' activation constraints apply while this mesh is set
+      return self.jitted(state, batch)
 
 
 def make_train_step(
@@ -696,8 +803,10 @@ def make_train_step(
       included: the step then makes one pass (μ = 1). Use an immutable, hashable object (a frozen
       dataclass, a NamedTuple): it is closed over by the compiled program, and your own jitted
       functions can take it as a static argument.
-    train_config: micro/mini-batches, clipping, temperature, log-prob chunking.
-    rules: logical-axis rules (default ``jaxgrpo.sharding.DEFAULT_RULES``).
+    train_config: micro/mini-batches, clipping, temperature, log-prob chunking, packing.
+    rules: logical-axis rules of the parameters and the batch: by default the model's own table
+      (``model.rules``, default ``jaxgrpo.sharding.DEFAULT_RULES``), which its activation constraints
+      use; any other table raises ValueError.
     objective_fn: ``objective_fn(config, logp, old_logp, advantages, mask, *, token_weights=None,
       ref_logp=None) -> LossTerms``, the loss of one micro-batch: ``logp`` ``f32[R, T]`` the current
       policy's log-probs (differentiable), ``old_logp`` ``f32[R, T]`` the rollout's, ``advantages``
@@ -735,8 +844,12 @@ def make_train_step(
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.train.TrainConfig; got {type(train_config).__name__}")
+  rules = _checked_rules(_graph_rules(graphdef, shardings.params), rules, "make_train_step")
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *shd.batch_sharding(mesh, rules).spec))
-  spec = _StepSpec(graphdef, optimizer, config, train_config, objective_fn, advantages_fn, shardings.params, rows_sh)
+  blocks = shd.batch_shards(mesh, rules)
+  spec = _StepSpec(
+    graphdef, optimizer, config, train_config, objective_fn, advantages_fn, shardings.params, rows_sh, blocks
+  )
   return TrainStep(spec, mesh, shardings, rules)
 
 
@@ -755,13 +868,20 @@ def make_reference_fn(
   needed when something reads ``ref_logp`` (β > 0: GRPO's KL term in the loss or FRPO's future-KL).
   The rows are processed in ``train_config.micro_batches`` sequential micro-batches (``lax.map``),
   exactly as the train step splits them, so the reference pass never holds more activations or
-  logits chunks than one micro-batch of the step. Only the prompt and completion fields of the batch
-  are read; NumPy and placed batches run the same program.
+  logits chunks than one micro-batch of the step. With ``train_config.packing`` the batch is packed
+  as the step packs it (a batch that carries ``packed`` is used as it is) and the pass runs the M·K
+  slots of each device one after the other, each exactly one micro-batch of the step. Only the
+  prompt and completion fields of the batch are read; NumPy and placed batches run the same program.
+  The pass is traced under ``jax.set_mesh(mesh)`` (activation constraints apply); ``rules`` as for
+  :func:`make_train_step` (default: the model's own table).
   """
   tc = TrainConfig() if train_config is None else train_config
+  rules = _checked_rules(_graph_rules(graphdef, param_shardings), rules, "make_reference_fn")
   bsh = shd.batch_sharding(mesh, rules)
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
+  blocks = shd.batch_shards(mesh, rules)
   k = tc.micro_batches
+  slots = tc.mini_batches * tc.micro_batches  # per device shard, when packed
 
   def fn(params, cols):
     model = nnx.merge(graphdef, params)
@@ -774,16 +894,171 @@ def make_reference_fn(
     logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
     return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of _split_rows
 
-  jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=_options(tc))
+  def fn_packed(params, unpack_index, packed_rows):
+    model = nnx.merge(graphdef, params)
+    mbs = {"unpack_index": jax.lax.with_sharding_constraint(_split_rows(unpack_index, 1, slots), rows_sh)[0]}
+    for name, x in packed_rows.items():  # [M·K, blocks·X, ...]: slot j of every device shard
+      mbs[name] = jax.lax.with_sharding_constraint(_split_slots(x, blocks, 1, slots), rows_sh)[0]
+    logp = jax.lax.map(lambda mb: _micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
+    return _merge_rows(logp[None], 1, slots)
+
+  options = _options(tc)
+  jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=options)
+  jitted_packed = jax.jit(
+    fn_packed, in_shardings=(param_shardings, bsh, bsh), out_shardings=bsh, compiler_options=options
+  )
 
   def reference_log_probs(ref_params, batch: Batch):
     b, _ = _check_fields(batch, _REFERENCE_FIELDS)
     _check_not_donated(ref_params, "ref_params")
-    shd.check_batch_divisible(b, mesh, rules, splits=k)
-    placed = _place_fields(batch, _REFERENCE_FIELDS, bsh)
-    return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
+    shd.check_batch_divisible(b, mesh, rules, splits=slots if tc.packing else k)
+    if tc.packing is not None and batch.packed is None:
+      batch = pack_batch(
+        batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
+      )
+    _check_packing(batch, tc, blocks, slots)
+    placed = _place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh)
+    with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
+      if placed.packed is not None:
+        return jitted_packed(ref_params, placed.packed.unpack_index, _slot_inputs(placed.packed))
+      return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
 
   return reference_log_probs
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def batch_slots(batch_size: int, *, shards: int, mini_batches: int = 1, micro_batches: int = 1) -> np.ndarray:
+  """The train step's slot of each row: ``d·(M·K) + (b mod M·K)`` for row b, where
+  ``d = b // (B / shards)`` is the device shard holding the row (rows over ``data × fsdp``) and
+  ``b mod M·K = m·K + k`` its mini-batch m and micro-batch k (the step's split, row
+  ``i·(M·K) + m·K + k``). Packing each slot alone (:func:`pack_batch`) keeps every micro-batch's
+  sequences — and so its loss terms — exactly those of the unpacked step, and each device's packed
+  rows its own sequences.
+
+  Returns:
+    ``int32[batch_size]`` in ``[0, shards·M·K)``.
+
+  Raises:
+    ValueError: ``batch_size`` not divisible by ``shards · M · K``.
+  """
+  splits = mini_batches * micro_batches
+  if batch_size % (shards * splits):
+    raise ValueError(
+      f"batch size {batch_size} is not divisible by shards × mini_batches × micro_batches = {shards} × "
+      f"{mini_batches} × {micro_batches}"
+    )
+  b = np.arange(batch_size)
+  return ((b // (batch_size // shards)) * splits + b % splits).astype(np.int32)
+
+
+def pack_batch(
+  batch: Batch,
+  *,
+  row_length: int,
+  shards: int = 1,
+  mini_batches: int = 1,
+  micro_batches: int = 1,
+  rows: int | None = None,
+  head_length: int | None = None,
+) -> Batch:
+  """``batch`` with ``packed``: its sequences packed slot by slot for the train step
+  (``jaxgrpo.packing.pack_slots`` with the slots of :func:`batch_slots`), host side.
+
+  Every ``[B, ...]`` field stays as it is: advantages, λ process sets, FRPO's future-KL and the loss's
+  aggregation are computed on them exactly as without packing; only the model's forward/backward
+  reads the packed rows, and its log-probs come back in the ``[B, T]`` layout.
+
+  Args:
+    batch: a :class:`Batch` whose values are on this host (NumPy, or fully addressable arrays).
+    row_length: L, tokens per packed row (``TrainConfig.packing``).
+    shards: the device shards the batch rows are split over (``data × fsdp``; with process-local rows,
+      this process's shards).
+    mini_batches, micro_batches: M and K of the step.
+    rows: rows per slot (``TrainConfig.packing_rows``; None: a power-of-two bucket of the need).
+    head_length: LM-head entries per packed row (None: a bucket of the need, see ``pack_slots``).
+  """
+  if not isinstance(batch, Batch):
+    raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
+  fields = [_host_values(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
+  if any(x is None for x in fields):
+    raise ValueError("pack_batch packs on the host: the batch's tokens and masks must be NumPy or fully addressable")
+  b = fields[2].shape[0] if fields[2].ndim == 2 else 0
+  slot = batch_slots(b, shards=shards, mini_batches=mini_batches, micro_batches=micro_batches)
+  packed = pack_slots(
+    *fields,
+    slot,
+    num_slots=shards * mini_batches * micro_batches,
+    row_length=row_length,
+    rows=rows,
+    head_length=head_length,
+  )
+  return batch._replace(packed=packed)
+
+
+def _check_packing(batch: Batch, tc: TrainConfig, shards: int, splits: int) -> None:
+  """ValueError unless ``batch.packed`` is what ``tc`` asks for: absent without packing; with it, a
+  ``PackedSlots`` of row length ``tc.packing`` (and ``tc.packing_rows`` rows per slot) over
+  ``shards × splits`` slots for this batch — and, for NumPy fields, its slots those of
+  :func:`batch_slots` and its index map covering exactly ``batch.mask``."""
+  packed = batch.packed
+  if packed is None:
+    return
+  if tc.packing is None:
+    raise ValueError(
+      "batch.packed is set but TrainConfig.packing is None: set TrainConfig(packing=L) or pass the batch "
+      "without `packed`"
+    )
+  if not isinstance(packed, PackedSlots):
+    raise TypeError(f"batch.packed must be a jaxgrpo.packing.PackedSlots (pack_batch); got {type(packed).__name__}")
+  b, t = np.shape(batch.completions)
+  num_slots = shards * splits
+  shapes = {name: np.shape(x) for name, x in packed._asdict().items()}
+  rows_total, length = shapes["tokens"] if len(shapes["tokens"]) == 2 else (0, 0)
+  rs = rows_total // num_slots if rows_total % num_slots == 0 else 0
+  heads = shapes["head_index"]
+  ok = (
+    rs > 0
+    and length == tc.packing
+    and (tc.packing_rows is None or rs == tc.packing_rows)
+    and shapes["segment_ids"] == shapes["positions"] == (rows_total, length)
+    and len(heads) == 2
+    and heads[0] == num_slots
+    and heads[1] % rs == 0
+    and shapes["unpack_index"] == (b, t)
+    and shapes["slot"] == (b,)
+  )
+  if not ok:
+    rows_wanted = "Rs" if tc.packing_rows is None else tc.packing_rows
+    raise ValueError(
+      f"batch.packed does not fit this step: expected {num_slots} slots (data×fsdp {shards} × M·K {splits}) of "
+      f"{rows_wanted} rows of L={tc.packing} tokens, i.e. tokens/segment_ids/positions [{num_slots}·{rows_wanted}, "
+      f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}]; got {shapes}. "
+      "Pack the batch with step.pack (or train.pack_batch with the step's settings), after bucketing"
+    )
+  for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot"):
+    _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
+  # host arrays only (a placed batch was packed by pack_batch, not re-read from the devices every step)
+  slot, index, mask = (x if isinstance(x, np.ndarray) else None for x in (packed.slot, packed.unpack_index, batch.mask))
+  if slot is not None and not np.array_equal(slot, batch_slots(b, shards=shards, mini_batches=1, micro_batches=splits)):
+    raise ValueError(
+      "batch.packed.slot is not the step's slot of each row (train.batch_slots): the batch was packed for "
+      "another mesh or split; pack it with step.pack"
+    )
+  if index is not None and mask is not None and not np.array_equal(index >= 0, mask):
+    raise ValueError(
+      "batch.packed.unpack_index does not cover exactly batch.mask's tokens: the batch changed after it "
+      "was packed (pad_to_bucket before packing, not after changing the mask)"
+    )
+
+
+def _place_packed(batch: Batch, sharding) -> Batch:
+  """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``)."""
+  if batch.packed is None:
+    return batch
+  as_int32 = lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.int32 else jnp.asarray(x, jnp.int32)
+  return batch._replace(packed=jax.device_put(jax.tree.map(as_int32, batch.packed), sharding))
 
 
 # ----------------------------------------------------------------------------- bucketing
@@ -802,7 +1077,8 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
   changes no loss; padding adds masked columns. A few bucket lengths mean a few compiled programs.
 
   Args:
-    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages included, are fitted).
+    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages and a packed batch's
+      ``unpack_index`` included, are fitted).
     buckets: the allowed completion lengths.
     length: the longest real completion to fit (default: from ``batch.mask``). Processes that each
       pad their own rows pass the maximum over all processes, so that every process picks the same
@@ -825,6 +1101,9 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
       return x[:, :target]
     return np.pad(x, ((0, 0), (0, target - t)), constant_values=fill)
 
+  packed = batch.packed
+  if packed is not None:  # the completion slots' head entries: -1 on the columns added
+    packed = packed._replace(unpack_index=fit(packed.unpack_index, -1))
   return batch._replace(
     completions=fit(batch.completions, 0),
     mask=fit(batch.mask, False),
@@ -832,4 +1111,5 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     ref_logp=fit(batch.ref_logp, 0.0),
     advantages=fit(batch.advantages, 0.0),
     token_weights=fit(batch.token_weights, 0.0),
+    packed=packed,
   )

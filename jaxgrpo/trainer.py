@@ -46,7 +46,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo import builders, models
+from jaxgrpo import builders, iteration, models
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
@@ -459,8 +459,7 @@ class Trainer:
     key, sample_key = jax.random.split(key)
     batch, metrics, _ = self._rollout_batch(sample_key)
     t_roll = time.perf_counter() - t0
-    batch = train_lib.pad_to_bucket(batch)
-    placed = shd.place_batch(batch, self.mesh)
+    placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config)  # bucketed, packed if set
     if self.ref_fn is not None:
       placed = placed._replace(ref_logp=self.ref_fn(self.ref_params, placed))
     tstate, step_metrics = self.step_fn(tstate, placed)
