@@ -399,7 +399,7 @@ def _check_denominator(objective_fn, config, mb) -> None:
 
   abstract = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
   logp = jax.ShapeDtypeStruct(mb["old_logp"].shape, jnp.float32)
-  args = [abstract(mb[k]) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp", "behavior_logp")]
+  args = [abstract(mb.get(k)) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp", "behavior_logp")]
   jaxpr = jax.make_jaxpr(tangent)(logp, logp, *args).jaxpr
   if _depends_on(jaxpr, 1):
     name = getattr(objective_fn, "__name__", repr(objective_fn))
