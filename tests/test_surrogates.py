@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_example
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -347,3 +348,18 @@ def test_objective_needs_entropy_when_the_bonus_is_on():
     jg.objective_terms(cfg, z, z, jnp.zeros(2), jnp.ones((2, 3), bool))
   with pytest.raises(TypeError, match="importance"):
     jg.policy_loss(z, z, jnp.zeros(2), jnp.ones((2, 3), bool), importance=(z, z, z, z))
+
+
+def test_the_hook_example_equals_the_gspo_preset():
+  """examples/gspo.py (GSPO through objective_fn) and preset("gspo"): same value and gradient."""
+  gspo = load_example("gspo").gspo_objective
+  rng = np.random.default_rng(5)
+  old = jnp.asarray(-np.abs(rng.normal(1, 1, (6, 5))), jnp.float32)
+  lp = old + jnp.asarray(rng.normal(0, 0.1, (6, 5)), jnp.float32)
+  mask = jnp.asarray(np.arange(5)[None] < np.array([5, 2, 0, 4, 1, 3])[:, None])
+  adv = jnp.asarray(rng.normal(size=6), jnp.float32)
+  cfg = jg.preset("gspo", clip_eps_low=0.03, clip_eps_high=0.04)
+  f = lambda obj: jax.value_and_grad(lambda x: jg.finalize_terms(obj(cfg, x, old, adv, mask))[0])(lp)
+  (v1, g1), (v2, g2) = f(gspo), f(jg.objective_terms)
+  assert float(v1) == pytest.approx(float(v2), rel=1e-6)
+  np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-8)
