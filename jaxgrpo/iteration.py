@@ -371,14 +371,19 @@ def make_batch(
   rules: Mapping[str, Any] | None = None,
   advantages=None,
   token_weights=None,
+  behavior_logp=None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
   process_local: bool = False,
   train_config: TrainConfig | None = None,
 ) -> Batch:
   """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.train.Batch` (see :func:`place`:
   bucketed, packed for ``train_config`` when it packs), with optional precomputed ``advantages``
-  (``f32[N]`` or ``f32[N, T]``) and ``token_weights`` (``f32[N, T]``)."""
-  batch = Batch.from_rollout(rollout, rewards, advantages=advantages, token_weights=token_weights)
+  (``f32[N]`` or ``f32[N, T]``) and ``token_weights`` (``f32[N, T]``), and the behaviour policy's
+  ``behavior_logp`` (``f32[N, T]``) when the rollout's log-probs are not the behaviour policy's
+  (off-policy correction, ``GRPOConfig.importance_correction``)."""
+  batch = Batch.from_rollout(
+    rollout, rewards, advantages=advantages, token_weights=token_weights, behavior_logp=behavior_logp
+  )
   return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local, train_config=train_config)
 
 

@@ -90,6 +90,10 @@ class Batch(NamedTuple):
       with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
     token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
       of ``advantages_fn`` (or none at all when ``advantages`` is given).
+    behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
+      from ``old_logp`` (another inference engine or dtype, an older checkpoint), read by a
+      ``GRPOConfig`` with ``importance_correction``; None: ``old_logp`` is the behaviour policy's.
+      Dropped (one compiled program) when the config does not read it.
     packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
       :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
       stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
@@ -108,12 +112,16 @@ class Batch(NamedTuple):
   ref_logp: jax.Array | None = None
   advantages: jax.Array | None = None
   token_weights: jax.Array | None = None
+  behavior_logp: jax.Array | None = None
   packed: PackedSlots | None = None
 
   @classmethod
-  def from_rollout(cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None) -> "Batch":
+  def from_rollout(
+    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None
+  ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
-    array), with optional reference log-probs and precomputed advantages / token weights."""
+    array), with optional reference log-probs, precomputed advantages / token weights and behaviour
+    log-probs."""
     rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
       rollout.prompt_tokens,
@@ -126,6 +134,7 @@ class Batch(NamedTuple):
       ref_logp,
       advantages,
       token_weights,
+      behavior_logp,
     )
 
 
@@ -141,6 +150,7 @@ _FIELDS = {
   "ref_logp": ((2,), "float", "f32[B, T]"),
   "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
   "token_weights": ((2,), "float", "f32[B, T]"),
+  "behavior_logp": ((2,), "float", "f32[B, T]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -401,10 +411,11 @@ def _slot_inputs(packed: PackedSlots) -> dict:
   )
 
 
-def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool):
+def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool, entropy_grad: bool = False):
   """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
-  rows, or from their packed rows (``blocks`` device shards, each with its own sequences)."""
-  kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy)
+  rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
+  has a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
+  kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
   if "head_index" in mb:
     args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
     return packed_log_probs(model, *args, blocks=blocks, **kw)
@@ -442,20 +453,43 @@ def _depends_on(jaxpr, invar_index: int) -> bool:
   return any(isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars)
 
 
+def _wants_entropy(config) -> bool:
+  """Whether the objective takes the entropy (with its gradient): a GRPOConfig with an entropy bonus."""
+  return isinstance(config, GRPOConfig) and config.entropy_coef != 0
+
+
+def _reads_behavior(config) -> bool:
+  """Whether the objective takes ``behavior_logp``: a GRPOConfig with an off-policy correction."""
+  return isinstance(config, GRPOConfig) and config.importance_correction is not None
+
+
+def _objective_extras(config, behavior_logp, entropy) -> dict:
+  """The objective's keywords beyond the pinned signature, passed only when the config asks for them
+  (so a custom ``objective_fn`` with the pinned signature works with every other config)."""
+  extras = {}
+  if _reads_behavior(config):
+    extras["behavior_logp"] = behavior_logp
+  if _wants_entropy(config):
+    extras["entropy"] = entropy
+  return extras
+
+
 def _check_denominator(objective_fn, config, mb) -> None:
   """Trace-time check of the objective contract: the denominator has no gradient with respect to
-  ``logp``. Its tangent (``jax.jvp``) must be a symbolic zero — true for anything built from masks,
-  advantages, rewards, shapes or ``stop_gradient`` of the log-probs."""
+  ``logp`` (nor to the entropy, when the objective takes it). Its tangent (``jax.jvp``) must be a
+  symbolic zero — true for anything built from masks, advantages, rewards, shapes or
+  ``stop_gradient`` of the log-probs."""
 
-  def tangent(logp, dlogp, old, adv, mask, weights, ref):
-    def den(lp):
-      return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref).denominator
+  def tangent(logp, dlogp, old, adv, mask, weights, ref, behavior):
+    def den(lp, ent):
+      extras = _objective_extras(config, behavior, ent)
+      return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref, **extras).denominator
 
-    return jax.jvp(den, (logp,), (dlogp,))[1]
+    return jax.jvp(den, (logp, logp), (dlogp, dlogp))[1]
 
   abstract = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
   logp = jax.ShapeDtypeStruct(mb["old_logp"].shape, jnp.float32)
-  args = [abstract(mb[k]) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp")]
+  args = [abstract(mb.get(k)) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp", "behavior_logp")]
   jaxpr = jax.make_jaxpr(tangent)(logp, logp, *args).jaxpr
   if _depends_on(jaxpr, 1):
     name = getattr(objective_fn, "__name__", repr(objective_fn))
@@ -571,6 +605,7 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
     adv=adv,
     weights=select(weights),
     ref_logp=select(batch.ref_logp),
+    behavior_logp=select(batch.behavior_logp),
   )
   # [M, K, R, ...], R over data×fsdp: each device keeps its own rows
   rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), spec.rows_sh), rows)
@@ -582,12 +617,22 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
 
   def micro_terms(p, mb, scale):
     model = nnx.merge(graphdef, p)
-    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy)
+    wants_entropy = _wants_entropy(config)
+    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    extras = _objective_extras(config, mb["behavior_logp"], ent)
     terms = spec.objective_fn(
-      config, logp, mb["old_logp"], mb["adv"], mb["loss_mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
+      config,
+      logp,
+      mb["old_logp"],
+      mb["adv"],
+      mb["loss_mask"],
+      token_weights=mb["weights"],
+      ref_logp=mb["ref_logp"],
+      **extras,
     )
     if not isinstance(terms, LossTerms):
       raise TypeError(f"objective_fn must return jaxgrpo.losses.LossTerms; got {type(terms).__name__}")
+    ent = None if ent is None else jax.lax.stop_gradient(ent)
     ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
     return terms.numerator * scale, (terms, ent_sum)
 
@@ -767,6 +812,8 @@ class TrainStep:
     self.check_batch(batch)
     if not self.reads_ref_logp and batch.ref_logp is not None:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
+    if not _reads_behavior(self.config) and batch.behavior_logp is not None:
+      batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
     return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
 
   def __call__(self, state: TrainState, batch: Batch):
@@ -817,6 +864,9 @@ def make_train_step(
       (masks, advantages, shapes; checked when the step is traced, ValueError otherwise). The metrics
       are :func:`~jaxgrpo.losses.finalize_terms`' when the terms' ``sums`` are those of
       :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``.
+      Two keywords are added only when a ``GRPOConfig`` asks for them: ``behavior_logp=`` ``f32[R, T]``
+      or None (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]``
+      with its gradient (``entropy_coef != 0``); an objective used with such a config must accept them.
     advantages_fn: ``advantages_fn(config, rewards, tokens, mask, group_ids, num_groups, *,
       old_logp=None, ref_logp=None, max_group_size=None) -> (advantages, token_weights)`` with
       ``advantages`` ``f32[B]`` or ``f32[B, T]`` and ``token_weights`` ``f32[B, T]`` or None; called
@@ -830,6 +880,8 @@ def make_train_step(
   ``grad_norm`` (before clipping), ``tokens``, ``sequences``, ``rewards_nonfinite`` (missing
   samples) and, for λ presets or with ``tree_stats``, ``tree/nontrivial_group_fraction``,
   ``tree/mean_path_depth``, ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
+  With ``importance_correction``: ``is_weight_mean``, ``is_ratio_mean``, ``is_ratio_max``,
+  ``is_capped_frac``, ``mismatch_kl`` (see :func:`~jaxgrpo.losses.policy_loss`).
   """
   objective_fn = objective_terms if objective_fn is None else objective_fn
   advantages_fn = rollout_advantages if advantages_fn is None else advantages_fn
@@ -1111,5 +1163,6 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     ref_logp=fit(batch.ref_logp, 0.0),
     advantages=fit(batch.advantages, 0.0),
     token_weights=fit(batch.token_weights, 0.0),
+    behavior_logp=fit(batch.behavior_logp, 0.0),
     packed=packed,
   )

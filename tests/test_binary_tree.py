@@ -166,6 +166,23 @@ def test_algorithms_in_one_compilation_match_separate_runs():
   assert not np.allclose(multi["target_prob"][0], multi["target_prob"][1])  # the branches differ
 
 
+def test_new_losses_share_one_compilation_with_grpo():
+  """GSPO, GSPO-token, CISPO, SAPO and GMPO as branches of the one-compilation sweep equal their
+  separate runs. On this task they also equal GRPO: μ = 1 makes every ratio 1, where each of them has
+  GRPO's gradient −A·∇log π (SAPO's gate slope and CISPO's weight are 1), and every trajectory has
+  `depth` tokens, so the per-sequence and per-token means weigh tokens alike."""
+  pol = bt.make_policy("tabular", init_scale=0.5)
+  algos = ["grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo"]
+  multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+  assert multi["target_prob"].shape == (6, 2, 2, 4) and all(np.all(np.isfinite(v)) for v in multi.values())
+  for i, a in enumerate(algos[1:], 1):
+    one = bt.run_sweep(a, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+    for k in one:
+      np.testing.assert_allclose(multi[k][i], one[k], rtol=1e-5, atol=1e-6, err_msg=f"{a}: {k}")
+  for i in range(1, len(algos)):
+    np.testing.assert_allclose(multi["target_prob"][i], multi["target_prob"][0], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow  # two compilations of the transformer's backward: ~15 s idle, > 60 s on a loaded CPU
 def test_transformer_run_deterministic_and_batch_independent():
   pol = bt.make_policy("gpt2", **TINY)

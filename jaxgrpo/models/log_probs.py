@@ -31,18 +31,20 @@ def chunked_log_probs(
   temperature: float = 1.0,
   chunk_size: int | None = 256,
   with_entropy: bool = False,
+  entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs of ``targets`` and (optionally) the policy entropy, chunked over positions.
 
   With ``z = logits(hidden[b, t]) / temperature`` in float32::
 
       logp[b, t]    = z[targets[b, t]] - logsumexp(z)
-      entropy[b, t] = logsumexp(z) - Σ_v softmax(z)_v · z_v          (no gradient)
+      entropy[b, t] = logsumexp(z) - Σ_v softmax(z)_v · z_v
 
   The float32 logits of one chunk, ``f32[B, chunk_size, V]``, are the largest intermediate. Chunks
   run sequentially (``lax.map``) under ``jax.checkpoint``, so the backward pass recomputes each
-  chunk's logits instead of storing all of them; the entropy is computed from the same chunk with
-  ``stop_gradient`` (a metric, never differentiated).
+  chunk's logits instead of storing all of them. The entropy is computed from the same chunk, with
+  ``stop_gradient`` (a metric) unless ``entropy_grad`` (an entropy bonus in the loss: its gradient
+  ``∇H = −Σ_v p_v (z_v − Σ_u p_u z_u) ∇z_v`` flows through the recomputed chunk like the log-probs').
 
   Args:
     model: a model with ``logits(hidden, out_dtype=...)``.
@@ -51,6 +53,7 @@ def chunked_log_probs(
     temperature: positive float dividing the logits.
     chunk_size: positions per chunk; None (or >= T) computes everything in one chunk.
     with_entropy: also return the entropy.
+    entropy_grad: differentiate the entropy too (requires ``with_entropy``).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``; padding positions are not masked here.
@@ -62,6 +65,8 @@ def chunked_log_probs(
   if isinstance(temperature, (int, float)) and temperature <= 0:
     raise ValueError(f"`temperature` must be > 0; got {temperature}")
   _check_chunk_size(chunk_size)
+  if entropy_grad and not with_entropy:
+    raise ValueError("`entropy_grad=True` needs `with_entropy=True`")
   b, t, d = hidden.shape
   targets = targets.astype(jnp.int32)
 
@@ -73,7 +78,7 @@ def chunked_log_probs(
     logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
     if not with_entropy:
       return logp, None
-    sl, slse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
+    sl, slse = (logits, lse) if entropy_grad else (jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse))
     ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
     return logp, ent
 
@@ -161,6 +166,7 @@ def completion_log_probs(
   temperature: float = 1.0,
   chunk_size: int | None = 256,
   with_entropy: bool = False,
+  entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
@@ -177,7 +183,9 @@ def completion_log_probs(
     mask: ``bool[B, T]`` real completion tokens.
     temperature: sampling temperature the log-probs refer to.
     chunk_size: completion positions per chunk (None: unchunked).
-    with_entropy: also return the entropy of the temperature-scaled policy (no gradient).
+    with_entropy: also return the entropy of the temperature-scaled policy (no gradient, unless
+      ``entropy_grad``: an entropy bonus in the loss).
+    entropy_grad: differentiate the entropy too (requires ``with_entropy``).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False.
@@ -190,7 +198,13 @@ def completion_log_probs(
   hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
   h = hidden[:, p - 1 : -1]  # position p-1+t predicts completions[:, t]
   logp, ent = chunked_log_probs(
-    model, h, completions, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    model,
+    h,
+    completions,
+    temperature=temperature,
+    chunk_size=chunk_size,
+    with_entropy=with_entropy,
+    entropy_grad=entropy_grad,
   )
   logp = jnp.where(mask, logp, 0.0)
   ent = None if ent is None else jnp.where(mask, ent, 0.0)
@@ -234,6 +248,7 @@ def packed_log_probs(
   temperature: float = 1.0,
   chunk_size: int | None = 256,
   with_entropy: bool = False,
+  entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
   ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.packing.PackedSlots``.
@@ -262,7 +277,9 @@ def packed_log_probs(
     blocks: the number of blocks (static).
     temperature: sampling temperature the log-probs refer to.
     chunk_size: head positions per chunk (of H; None: unchunked): a chunk holds ``R·chunk_size`` tokens.
-    with_entropy: also return the entropy of the temperature-scaled policy (no gradient).
+    with_entropy: also return the entropy of the temperature-scaled policy (no gradient unless
+      ``entropy_grad``: an entropy bonus in the loss).
+    entropy_grad: differentiate the entropy too (requires ``with_entropy``).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1.
@@ -284,6 +301,7 @@ def packed_log_probs(
     temperature=temperature,
     chunk_size=chunk_size,
     with_entropy=with_entropy,
+    entropy_grad=entropy_grad,
   )
   b, t = unpack_index.shape
   index = unpack_index.astype(jnp.int32).reshape(blocks, (b // blocks) * t)

@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 L, R, BOS = 0, 1, 2
-ALGORITHMS = ("grpo", "lambda_grpo", "frpo", "lambda_frpo", "dr_grpo")
+ALGORITHMS = ("grpo", "lambda_grpo", "frpo", "lambda_frpo", "dr_grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo")
 POLICIES = ("gpt2", "gpt2-small", "tabular")
 OPTIMIZERS = ("adam", "sgd")
 MAX_DEPTH = 12
