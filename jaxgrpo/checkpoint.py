@@ -79,6 +79,7 @@ from jax.experimental import multihost_utils
 
 __all__ = [
   "Checkpointer",
+  "ClosedLoopNoiseFilter",
   "CheckpointError",
   "CheckpointSaveError",
   "NonFiniteError",
@@ -459,6 +460,54 @@ def _handlers():
 
 
 # ----------------------------------------------------------------------------- the manager
+
+
+class ClosedLoopNoiseFilter:
+  """A text stream wrapper that drops one kind of noise: the ``RuntimeError: Event loop is closed``
+  tracebacks that TensorStore prints when writes of a failed Orbax save finish after Orbax closed
+  the event loop they were to report to (seen when the disk fills up with several writes in flight).
+  The save's failure itself is reported by :class:`Checkpointer` in one line; everything else,
+  other tracebacks included, passes through unchanged. A traceback block is held back from its
+  ``Traceback (most recent call last):`` line until its first unindented line (the exception)."""
+
+  _START = "Traceback (most recent call last):"
+  _NOISE = "RuntimeError: Event loop is closed"
+
+  def __init__(self, stream):
+    self.stream = stream
+    self._held: list[str] = []
+    self._partial = ""
+
+  def write(self, text: str) -> int:
+    self._partial += text
+    *lines, self._partial = self._partial.split("\n")
+    for line in lines:
+      self._line(line + "\n")
+    if not self._held and self._partial and not self._START.startswith(self._partial):
+      self.stream.write(self._partial)  # progress bars write without a newline: pass them on at once
+      self._partial = ""
+    return len(text)
+
+  def _line(self, line: str) -> None:
+    if self._held:
+      self._held.append(line)
+      if not line.startswith((" ", "\t")):  # the exception line ends the block
+        block, self._held = self._held, []
+        if not (line.startswith(self._NOISE) and "call_soon_threadsafe" in "".join(block)):
+          self.stream.write("".join(block))
+    elif line.startswith(self._START):
+      self._held = [line]
+    else:
+      self.stream.write(line)
+
+  def flush(self) -> None:
+    if self._held and len(self._held) > 200:  # not a traceback after all: never hold output for long
+      self.stream.write("".join(self._held))
+      self._held = []
+    self.stream.flush()
+
+  def __getattr__(self, name):  # fileno, isatty, encoding, ... of the wrapped stream
+    return getattr(self.stream, name)
 
 
 class Checkpointer:

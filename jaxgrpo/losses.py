@@ -141,12 +141,7 @@ def finalize_terms(terms: LossTerms):
 
 
 def _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy) -> None:
-  _checks.check_logp(logp, "logp")
-  shape = _checks.shape_of(logp)
-  _checks.check_logp(old_logp, "old_logp", shape)
-  _checks.check_rank(mask, 2, "mask", "bool[B, T]")
-  _checks.check_bool(mask, "mask", "bool[B, T]")
-  _checks.check_same_shape(mask, "mask", logp, "logp")
+  shape = _surrogates.check_token_inputs(logp, old_logp, mask)
   _surrogates.check_advantages(loss, advantages, shape)
   if token_weights is not None:
     _checks.check_logp(token_weights, "token_weights", shape)

@@ -256,6 +256,7 @@ def main(argv=None):
   args, overrides = parse_args(argv)
   if not args.traceback:  # Orbax logs each failed write with its traceback; the checkpointer reports it in one line
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    sys.stderr = checkpoint.ClosedLoopNoiseFilter(sys.stderr)  # TensorStore's noise after a failed save
   with _input_errors(args):
     cfg = specs.load_config(args.config, overrides)
   out, dev = cfg.run.out, cfg.devices

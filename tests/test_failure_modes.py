@@ -12,6 +12,7 @@ The same failures through ``scripts/train.py`` in child processes (and the signa
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import resource
@@ -321,3 +322,25 @@ def test_safetensors_reader_roundtrip_and_clear_errors(tmp_path):
     hf._read_checkpoint(str(d))
   shutil.copy(good, d / "part-1.safetensors")
   assert set(hf._read_checkpoint(str(d))) == {"a", "b"}
+
+
+def test_closed_loop_noise_filter_drops_only_that_traceback():
+  """TensorStore's "Event loop is closed" tracebacks after a failed save are dropped; other
+  tracebacks, lines split across writes and progress-bar fragments pass through unchanged."""
+  out = io.StringIO()
+  f = ck.ClosedLoopNoiseFilter(out)
+  noise = (
+    "Traceback (most recent call last):\n"
+    '  File "asyncio/base_events.py", line 806, in call_soon_threadsafe\n'
+    "    self._check_closed()\n"
+    "RuntimeError: Event loop is closed\n"
+  )
+  other = 'Traceback (most recent call last):\n  File "a.py", line 1, in f\nRuntimeError: Event loop is closed\n'
+  f.write("before\n")
+  f.write(noise[:30])
+  f.write(noise[30:] + noise)
+  f.write("\r 50%|█")
+  f.write(other)
+  f.write("error: checkpoint save of step 3 failed\n")
+  f.flush()
+  assert out.getvalue() == "before\n\r 50%|█" + other + "error: checkpoint save of step 3 failed\n"

@@ -253,12 +253,15 @@ def _best_time(fn, repeats=3):
 @pytest.mark.parametrize("kind", list(ADVERSARIAL))
 def test_extract_boxed_is_linear_on_adversarial_input(kind):
   make = ADVERSARIAL[kind]
-  small, large = make(250_000), make(1_000_000)
+  small, large = make(250_000), make(4_000_000)
   with _Budget(60):  # the former code: 47 s on 80 kB, hours on 1 MB
-    t_small = _best_time(lambda: R.extract_boxed(small, max_chars=None))
-    t_large = _best_time(lambda: R.extract_boxed(large, max_chars=None))
+    t_small, t_large = math.inf, math.inf
+    for _ in range(5):  # interleaved, best of 5: a busy machine slows single calls, not the best of each
+      t_small = min(t_small, _best_time(lambda: R.extract_boxed(small, max_chars=None), repeats=1))
+      t_large = min(t_large, _best_time(lambda: R.extract_boxed(large, max_chars=None), repeats=1))
     R.extract_boxed(large)  # the default bound
-  assert t_large <= 6 * t_small + 0.05, (t_small, t_large)  # 4x the input: linear is 4x, quadratic 16x
+  # 16x the input: linear is 16x, quadratic 256x; the margin absorbs a loaded machine
+  assert t_large <= 48 * t_small + 0.1, (t_small, t_large)
 
 
 def test_extract_boxed_searches_only_the_tail():
