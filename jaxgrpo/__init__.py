@@ -5,8 +5,10 @@ The package is layered, every import pointing down (README, "The library"):
 1. kernels — ``advantages``: group_advantages, group_baseline, rloo_advantages; ``process_sets``:
    prefix_hashes, process_set_sizes, process_rewards, process_advantages, process_tree_stats
    (λ-GRPO); ``kl``: kl_penalty, future_kl, frpo_advantages (FRPO); ``losses``: policy_loss,
-   policy_loss_terms, combine_terms, finalize_terms, LossTerms; ``config``: GRPOConfig, preset,
-   PRESETS; ``objective``: rollout_advantages, objective_terms (config → kernels).
+   policy_loss_terms, combine_terms, finalize_terms, LossTerms; ``surrogates``: policy_surrogate
+   (PPO clip, GSPO, GSPO-token, CISPO, SAPO, GMPO); ``importance``: importance_weights (TIS/MIS);
+   ``config``: GRPOConfig, preset, PRESETS; ``objective``: rollout_advantages, objective_terms
+   (config → kernels).
 2. models/sampling — ``jaxgrpo.models``: build_model, load_hf, save_hf, log_probs (GPT-2, Llama 3.x,
    Qwen2/2.5, Qwen3); ``jaxgrpo.sampling``: generate, Rollout; ``jaxgrpo.sharding``: make_mesh;
    ``jaxgrpo.distributed``: multi-host start-up.
@@ -24,6 +26,7 @@ from jaxgrpo import iteration, models, sampling, sharding, train  # noqa: E402  
 from jaxgrpo._version import __version__
 from jaxgrpo.advantages import group_advantages, group_baseline, rloo_advantages
 from jaxgrpo.config import PRESETS, GRPOConfig, preset
+from jaxgrpo.importance import ImportanceWeights, importance_weights
 from jaxgrpo.iteration import SamplingConfig, grpo_iteration
 from jaxgrpo.kl import frpo_advantages, future_kl, kl_penalty
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms, policy_loss, policy_loss_terms
@@ -38,6 +41,7 @@ from jaxgrpo.process_sets import (
 )
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.sharding import make_mesh
+from jaxgrpo.surrogates import Surrogate, policy_surrogate
 from jaxgrpo.train import TrainConfig, TrainState, make_train_step
 
 __all__ = [
@@ -62,6 +66,10 @@ __all__ = [
   "combine_terms",
   "finalize_terms",
   "LossTerms",
+  "policy_surrogate",
+  "Surrogate",
+  "importance_weights",
+  "ImportanceWeights",
   # configuration
   "GRPOConfig",
   "preset",

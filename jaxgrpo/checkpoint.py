@@ -22,10 +22,24 @@ Crash safety, in two layers:
    ``kill -9`` during a save leaves only the temporary directory: it is reported and ignored, and the
    previous step is used.
 2. The manifest is written into the temporary directory after Orbax finalizes it and before the
-   rename (``AsyncOptions.post_finalization_callback``), so every renamed step carries it. On
-   restore every file is checked against it: a step with a truncated or altered file raises
-   :class:`CheckpointError` naming the file; a step without a manifest counts as incomplete
-   (skipped with a message). Nothing on disk is changed by a failed restore.
+   rename (``AsyncOptions.post_finalization_callback``; foreground saves go through the same path
+   and wait), so every renamed step carries it. On restore every file is checked against it: a step
+   with a truncated or altered file raises :class:`CheckpointError` naming the file. A step
+   directory without a manifest (left by an older version, or a manifest removed by hand) is moved
+   aside to ``<step>.incomplete-<time>`` when a :class:`Checkpointer` opens the directory, so that
+   the resumed run can save that step again. Nothing else on disk is changed by a failed restore.
+
+What is never written or never deleted:
+
+* non-finite values: :meth:`Checkpointer.save` refuses a snapshot whose parameters or optimizer
+  state hold a NaN or an infinity (:class:`NonFiniteError` naming the first such entry), so the
+  keep-last-K policy can never drop good checkpoints in favour of poisoned ones;
+* a failed save (disk full, an I/O error): the background write's error is reported at once
+  (step, path, the OS error) through ``log``; its partial directory is removed and never counted;
+  old checkpoints are deleted only after a newer save completed. With ``on_save_error="stop"``
+  (the default) the next call of :meth:`~Checkpointer.observe`, :meth:`~Checkpointer.save`,
+  :meth:`~Checkpointer.wait` or :meth:`~Checkpointer.close` raises :class:`CheckpointSaveError`;
+  with ``"continue"`` training goes on and the next save tries again.
 
 Before reading any array a restore compares the saved run with the running one: the parameter and
 optimizer-state trees (missing, unexpected and mis-shaped entries are named), the
@@ -49,8 +63,13 @@ Parameters only (evaluation, export): :func:`restore_params` and :func:`read_met
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import re
+import shutil
+import threading
+import time
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -59,10 +78,15 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 __all__ = [
   "Checkpointer",
   "CheckpointError",
+  "CheckpointSaveError",
+  "NonFiniteError",
+  "first_nonfinite",
+  "quarantine_incomplete_steps",
   "Snapshot",
   "RunMeta",
   "checkpoint_dir",
@@ -83,6 +107,36 @@ FORMAT = 2
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used: corrupt, incomplete, or not matching the running model."""
+
+
+class CheckpointSaveError(CheckpointError):
+  """A save that failed (disk full, an I/O error, ...). The message names the step, the path and
+  the OS error; the partial step was removed and the earlier checkpoints are kept.
+
+  Attributes:
+    step: the step whose save failed.
+    path: the step directory it was written to.
+    reason: the OS error, e.g. ``"ENOSPC (No space left on device)"``, or the library's message.
+    last_complete: the latest complete step on disk after the failure (None: none).
+  """
+
+  def __init__(self, message: str, *, step: int, path: str, reason: str, last_complete: int | None):
+    super().__init__(message)
+    self.step, self.path, self.reason, self.last_complete = step, path, reason, last_complete
+
+
+class NonFiniteError(FloatingPointError):
+  """Training produced a NaN or an infinity. Raised instead of saving such a state, and by the
+  trainer when a step's parameters, optimizer state or loss become non-finite.
+
+  Attributes:
+    step: the step at which the values were found.
+    where: what was non-finite first (a metric name, or a parameter / optimizer-state path).
+  """
+
+  def __init__(self, message: str, *, step: int, where: str):
+    super().__init__(message)
+    self.step, self.where = step, where
 
 
 class Snapshot(NamedTuple):
@@ -274,6 +328,36 @@ def complete_steps(root: str, log: Callable[[str], None] | None = print) -> list
   return done
 
 
+def quarantine_incomplete_steps(root: str, log: Callable[[str], None] | None = print) -> list[str]:
+  """Moves every step directory of ``root`` that has no manifest to ``<step>.incomplete-<UTC time>``.
+
+  Such a directory is not a usable checkpoint, but Orbax still counts it as a step: a run resumed
+  from the step before would fail to save that step again (``StepAlreadyExistsError``) at every
+  restart. Moved aside, it is kept for inspection and neither Orbax nor :func:`complete_steps`
+  sees it. Returns the new paths (each one reported through ``log``).
+  """
+  log = log or (lambda s: None)
+  steps, _ = _step_dirs(root)
+  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+  moved = []
+  for step in sorted(steps):
+    path = steps[step]
+    if os.path.exists(os.path.join(path, MANIFEST)):
+      continue
+    target = f"{path}.incomplete-{stamp}"
+    n = 1
+    while os.path.exists(target):
+      n += 1
+      target = f"{path}.incomplete-{stamp}-{n}"
+    os.rename(path, target)
+    log(
+      f"checkpoint {path} has no {MANIFEST} (its save did not complete): moved aside to {target}; "
+      f"step {step} will be saved again"
+    )
+    moved.append(target)
+  return moved
+
+
 def has_checkpoint(out: str) -> bool:
   """True when the run directory ``out`` holds at least one complete checkpoint."""
   return bool(complete_steps(checkpoint_dir(out), log=None))
@@ -304,6 +388,49 @@ def _resolve_step(path: str, step: int | None) -> tuple[str, int]:
 
 
 # ----------------------------------------------------------------------------- tree checks
+
+
+@jax.jit
+def _finite_leaves(leaves):
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def first_nonfinite(tree, prefix: str = "") -> str | None:
+  """The path (``prefix`` + ``jax.tree_util.keystr``) of the first floating-point leaf of ``tree``
+  holding a NaN or an infinity, or None when every value is finite.
+
+  One jitted reduction over the whole tree (every leaf read once, on its devices; works on
+  sharded and multi-host arrays); integer and PRNG-key leaves are skipped.
+  """
+  flat = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not flat:
+    return None
+  ok = np.asarray(jax.device_get(_finite_leaves([x for _, x in flat])))
+  bad = np.flatnonzero(~ok)
+  return f"{prefix}{jax.tree_util.keystr(flat[bad[0]][0])}" if bad.size else None
+
+
+def _nonfinite_state(snapshot: Snapshot) -> str | None:
+  return first_nonfinite(snapshot.params, "params") or first_nonfinite(snapshot.opt_state, "opt_state")
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _os_reason(exc: BaseException) -> str:
+  """The OS error behind ``exc`` (its cause/context chain, or TensorStore's ``os_error_code``), e.g.
+  ``"ENOSPC (No space left on device)"``; otherwise the exception's first line."""
+  seen, e = set(), exc
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    code = e.errno if isinstance(e, OSError) and e.errno else None
+    if code is None and (m := _OS_ERROR_CODE.search(str(e))):
+      code = int(m.group(1))
+    if code is not None:
+      return f"{errno.errorcode.get(code, f'errno {code}')} ({os.strerror(code)})"
+    e = e.__cause__ or e.__context__
+  first = (str(exc).strip().splitlines() or [""])[0]
+  return f"{type(exc).__name__}: {first[:300]}"
 
 
 def _abstract(tree):
@@ -349,17 +476,25 @@ class Checkpointer:
 
   Args:
     directory: checkpoint root (``checkpoint_dir(cfg.out)``).
-    max_to_keep: K most recent complete checkpoints kept (None: all).
+    max_to_keep: K most recent complete checkpoints kept (None: all). Older ones are deleted only
+      after a newer save completed.
     best_metric: a metric name (e.g. ``eval_accuracy``) seen through :meth:`observe`; the best
       checkpoint by it is kept as well as the last K. None: recency only.
     best_mode: ``max`` or ``min``.
     async_save: write in a background thread; ``save`` returns once the arrays are copied to the
       host, so the next step (which donates the state) can start. The next save, :meth:`wait`
-      and :meth:`close` wait for it.
+      and :meth:`close` wait for it. False: ``save`` returns when the step is on disk.
     checksum: record and verify CRC32 per file (sizes are always checked). Verification reads the
       whole checkpoint on every host: turn it off for very large multi-host checkpoints.
-    log: message sink (None: silent); only the first host prints.
+    log: message sink (None: silent); only the first host prints. Called from a background thread
+      when a background save fails.
     allow_changed: restore even when a ``RunMeta.guarded`` entry differs (the differences are logged).
+    on_save_error: what a failed save (disk full, an I/O error) does after it was reported:
+      ``"stop"`` — the next :meth:`observe`, :meth:`save`, :meth:`wait` or :meth:`close` raises
+      :class:`CheckpointSaveError`; ``"continue"`` — nothing more (the failures are listed in
+      ``failed_saves``). Either way the partial step is removed and the earlier checkpoints are kept.
+    check_finite: refuse to save parameters or optimizer state holding a NaN or an infinity
+      (:class:`NonFiniteError`); one reduction over the state per save.
   """
 
   def __init__(
@@ -373,18 +508,34 @@ class Checkpointer:
     checksum: bool = True,
     log: Callable[[str], None] | None = print,
     allow_changed: bool = False,
+    on_save_error: str = "stop",
+    check_finite: bool = True,
   ):
     if best_mode not in ("max", "min"):
       raise ValueError(f"`best_mode` must be 'max' or 'min'; got {best_mode!r}")
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
       raise ValueError(f"`max_to_keep` must be a positive int or None; got {max_to_keep!r}")
+    if on_save_error not in ("stop", "continue"):
+      raise ValueError(f"`on_save_error` must be 'stop' or 'continue'; got {on_save_error!r}")
     self.directory = os.path.abspath(os.fspath(directory))
     self.best_metric, self.best_mode, self.checksum = best_metric, best_mode, checksum
     self.async_save, self.allow_changed = async_save, allow_changed
+    self.on_save_error, self.check_finite = on_save_error, check_finite
     self._is_main = jax.process_index() == 0
     self.log = log if log is not None and self._is_main else (lambda s: None)
     self._metrics: dict[int, float] = {}
     self._saving_step: int | None = None
+    self._watcher: threading.Thread | None = None
+    self._failure: CheckpointSaveError | None = None  # reported, not raised yet ("stop")
+    self.failed_saves: list[CheckpointSaveError] = []
+    self._closed = False
+    self._reload_needed = False
+    self._partial_steps: set[int] = set()  # failed saves whose temporary directories are removed
+    # a step without a manifest would make the resumed run's save of that step fail at every restart
+    if self._is_main:
+      quarantine_incomplete_steps(self.directory, log=self.log)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("jaxgrpo.checkpoint: incomplete steps moved aside")
     # report interrupted saves before Orbax removes their temporary directories
     complete_steps(self.directory, log=self.log)
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
@@ -397,12 +548,14 @@ class Checkpointer:
           keep_checkpoints_without_metrics=False,
         )
       )
+    # foreground saves use the same asynchronous path and wait: the manifest is then always
+    # written before Orbax's rename, so no kill can leave a renamed step without it
     options = ocp.CheckpointManagerOptions(
-      enable_async_checkpointing=async_save,
+      enable_async_checkpointing=True,
       cleanup_tmp_directories=True,
       create=True,
       preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-      async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if async_save else None,
+      async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized),
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
@@ -417,17 +570,43 @@ class Checkpointer:
     _write_manifest(target, step, self.checksum)
 
   def observe(self, record: Mapping[str, Any]) -> None:
-    """Feeds a metrics record (``{"step": s, ...}``); ``best_metric`` values are kept for the save of s."""
+    """Feeds a metrics record (``{"step": s, ...}``); ``best_metric`` values are kept for the save of s.
+
+    Called by the trainer after every step, it is also where a failed background save stops the
+    run (``on_save_error="stop"``): it raises the :class:`CheckpointSaveError` reported earlier.
+    """
+    self.check()
     if self.best_metric is not None and self.best_metric in record:
       self._metrics[int(record["step"])] = float(record[self.best_metric])
+
+  def check(self) -> None:
+    """Raises the first failed save that has not been raised yet (``on_save_error="stop"``)."""
+    failure, self._failure = self._failure, None
+    if failure is not None:
+      raise failure
 
   def save(self, snapshot: Snapshot, run: RunMeta | None = None, *, metrics: Mapping[str, float] | None = None) -> int:
     """Saves ``snapshot`` and ``run`` at ``snapshot.step``; returns the step.
 
     With ``async_save`` it returns once the arrays are copied to the host (they may be donated
-    right after); the files are written in the background.
+    right after); the files are written in the background. It first waits for the previous save.
+
+    Raises:
+      NonFiniteError: the parameters or the optimizer state hold a NaN or an infinity (with
+        ``check_finite``); nothing is written.
+      CheckpointSaveError: a failed save, this one (foreground) or an earlier one, with
+        ``on_save_error="stop"``.
     """
     step = int(jax.device_get(snapshot.step))
+    where = _nonfinite_state(snapshot) if self.check_finite else None
+    if where is not None:
+      raise NonFiniteError(
+        f"refusing to save step {step}: {where} holds NaN or infinite values; nothing was written and the "
+        f"earlier checkpoints in {self.directory} are kept",
+        step=step,
+        where=where,
+      )
+    self._settle()  # one save at a time: the manifest callback must see the step it belongs to
     run = run or RunMeta()
     if metrics is None and step in self._metrics:
       metrics = {self.best_metric: self._metrics[step]}
@@ -447,24 +626,113 @@ class Checkpointer:
       "process_count": jax.process_count(),
       "metrics": dict(metrics) if metrics else None,
     }
-    # one save at a time: the manifest callback must see the step it belongs to
-    self.manager.wait_until_finished()
     self._saving_step = step
-    self.manager.save(
-      step,
-      args=ocp.args.Composite(
-        params=ocp.args.StandardSave(snapshot.params),
-        opt_state=ocp.args.StandardSave(snapshot.opt_state),
-        meta=ocp.args.JsonSave(meta),
-      ),
-      metrics=dict(metrics) if metrics else None,
-      force=True,
-    )
+    try:
+      self.manager.save(
+        step,
+        args=ocp.args.Composite(
+          params=ocp.args.StandardSave(snapshot.params),
+          opt_state=ocp.args.StandardSave(snapshot.opt_state),
+          meta=ocp.args.JsonSave(meta),
+        ),
+        metrics=dict(metrics) if metrics else None,
+        force=True,
+      )
+    except Exception as e:  # noqa: BLE001 - reported with the step, the path and the OS error
+      self._failed(step, e)
+      self._resync()
+    else:
+      self._watch(step)
     if not self.async_save:
-      self.manager.wait_until_finished()
-      if self._is_main:
-        _write_manifest(os.path.join(self.directory, str(step)), step, self.checksum)
+      self._settle()
+    self.check()
     return step
+
+  def _watch(self, step: int) -> None:
+    """A thread that waits for the background write of ``step`` and reports a failure at once."""
+
+    def wait():
+      try:
+        self.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 - reported with the step, the path and the OS error
+        self._failed(step, e)
+
+    self._watcher = threading.Thread(target=wait, name=f"jaxgrpo-checkpoint-{step}", daemon=True)
+    self._watcher.start()
+
+  def _settle(self) -> None:
+    """Waits for the save in flight (if any) and its watcher; raises a reported failure ("stop")."""
+    if self._watcher is not None:
+      self._watcher.join()
+      self._watcher = None
+      try:  # Orbax raises a failed save once per calling thread: the watcher reported it, this consumes it
+        self.manager.wait_until_finished()
+      except Exception as e:  # noqa: BLE001
+        if not any(f.step == self._saving_step for f in self.failed_saves):
+          self._failed(self._saving_step, e)
+    self._resync()
+    self.check()
+
+  def _resync(self) -> None:
+    """After a failed save: Orbax dropped the steps that save was to replace from its list before
+    the write (they are still on disk); re-read the list, or they would never be deleted. Writes
+    of the failed save that were still running when it was reported may have recreated parts of
+    its temporary directory: remove them again."""
+    if self._reload_needed:
+      self._reload_needed = False
+      self.manager.reload()
+    for step in self._partial_steps:
+      self._remove_partial(step)
+
+  def _remove_partial(self, step: int) -> None:
+    """Removes what a failed save of ``step`` left (its temporary directories; a final directory
+    without a manifest is moved aside). First host only."""
+    if not self._is_main:
+      return
+    _, tmps = _step_dirs(self.directory)
+    for t in tmps:
+      if os.path.basename(t).startswith(f"{step}{TMP_SUFFIX}"):
+        shutil.rmtree(t, ignore_errors=True)
+    final = os.path.join(self.directory, str(step))
+    if os.path.isdir(final) and not os.path.exists(os.path.join(final, MANIFEST)):
+      quarantine_incomplete_steps(self.directory, log=self.log)
+
+  def _failed(self, step: int, exc: BaseException) -> None:
+    """Records, reports (through ``log``, at once) and cleans up a failed save of ``step``."""
+    path = os.path.join(self.directory, str(step))
+    reason = _os_reason(exc)
+    completed = os.path.exists(os.path.join(path, MANIFEST))
+    if not completed:
+      self._partial_steps.add(step)
+      self._remove_partial(step)
+    last = self.latest_step()
+    kept = (
+      f"the last complete checkpoint is step {last} ({os.path.join(self.directory, str(last))})"
+      if last is not None
+      else "there is no complete checkpoint yet"
+    )
+    if completed:
+      what = f"checkpoint step {step} was written to {path}, but finishing the save failed: {reason}; {kept}."
+    else:
+      what = (
+        f"checkpoint save of step {step} failed: {reason} while writing {path}. The partial step was removed; {kept}."
+      )
+
+    if self.on_save_error == "stop":
+      resume = f"resume from step {last}" if last is not None else "start again"
+      what += (
+        f" Training stops: free space or fix the file system, then run the same command again to {resume}; "
+        "to keep training when a save fails, pass --on-save-error continue (Checkpointer(on_save_error='continue'))."
+      )
+    else:
+      what += " Training continues (on_save_error 'continue'); the next save will try again."
+    err = CheckpointSaveError(what, step=step, path=path, reason=reason, last_complete=last)
+    err.__cause__ = exc
+    self._reload_needed = True
+    self.failed_saves.append(err)
+    if self.on_save_error == "stop" and self._failure is None:
+      self._failure = err
+    self.log(f"error: {what}")
 
   def checkpoint_fn(self, snapshot: Snapshot, run: RunMeta | None = None) -> None:
     """The trainer's ``checkpoint_fn(snapshot, run)`` hook: :meth:`save` and a log line."""
@@ -475,13 +743,25 @@ class Checkpointer:
     )
 
   def wait(self) -> None:
-    """Blocks until the running save (if any) is on disk."""
-    self.manager.wait_until_finished()
+    """Blocks until the running save (if any) is on disk; raises its failure with ``on_save_error="stop"``."""
+    self._settle()
 
   def close(self) -> None:
-    """Waits for the running save, then releases the manager."""
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for the running save, then releases the manager (also when the save failed, which it
+    then raises with ``on_save_error="stop"``). A second call does nothing."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self._settle()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # noqa: BLE001 - a failed save was reported by _settle
+        if not self.failed_saves:
+          raise
+      for step in self._partial_steps:
+        self._remove_partial(step)
 
   def __enter__(self):
     return self

@@ -10,7 +10,27 @@ preset             what it is
 ``lambda_grpo``    λ-GRPO: GRPO with every token term divided by ``|λ(i,t)|``
 ``frpo``           FRPO: β=0.01 future-KL (reverse k1) cost-to-go inside the advantage
 ``lambda_frpo``    FRPO advantages with λ-GRPO's ``1/|λ|`` token weights (no paper has run it)
+``gspo``           GSPO: sequence-level ratio, ε 3e-4/4e-4, mean over sequences (arXiv:2507.18071)
+``gspo_token``     GSPO-token: GSPO's ratio with per-token gradient routing (same defaults)
+``cispo``          CISPO: clipped stop-gradient IS weight on REINFORCE, weight ≤ 5 and no lower bound
+                   (ε_low 1, ε_high 4; arXiv:2506.13585, ScaleRL's ε_max = 5), token-mean
+``sapo``           SAPO: soft gate, τ_pos 1.0, τ_neg 1.05, mean over sequences (arXiv:2511.20347)
+``gmpo``           GMPO: geometric mean of token ratios clipped to (e^−0.4, e^0.4), mean over
+                   sequences (arXiv:2507.20673)
 =================  ==========================================================================
+
+Composition with λ-GRPO's ``1/|λ|`` weights (``process_weights``) and FRPO's per-token future-KL
+advantage (``kl_placement="future"``) — new combinations, no paper or peer has run them:
+
+- token-level losses (``ppo``, ``gspo_token``, ``cispo``, ``sapo``): both compose — the weight
+  multiplies the token term, the per-token advantage enters the token's surrogate (and picks SAPO's
+  τ by its sign);
+- sequence losses (``gspo``, ``gmpo``): refused when the config is built (``ValueError``): their term
+  is one value per sequence, so neither a per-token weight nor a per-token advantage has a meaning
+  there without a new definition; ``gspo_token`` is GSPO with both.
+
+Off-policy correction (``importance_correction``, :mod:`jaxgrpo.importance`) and the entropy bonus
+(``entropy_coef``) compose with every loss.
 """
 
 from __future__ import annotations
@@ -19,8 +39,10 @@ import dataclasses
 
 from jaxgrpo import _checks
 from jaxgrpo.advantages import ADVANTAGE_SCALES
+from jaxgrpo.importance import CORRECTIONS, IMPORTANCE_LEVELS
 from jaxgrpo.kl import FUTURE_KL_KINDS, KL_KINDS
 from jaxgrpo.losses import AGGREGATIONS
+from jaxgrpo.surrogates import SEQUENCE_SURROGATES, SURROGATES
 
 __all__ = ["KL_PLACEMENTS", "GRPOConfig", "PRESETS", "preset"]
 
@@ -47,12 +69,24 @@ class GRPOConfig:
       for ``"future"`` one of k1, k3, forward_k3.
     kl_placement: ``"loss"`` (GRPO: ``+β·D(i,t)`` per token in the loss) or ``"future"`` (FRPO:
       ``Â = sg(a_i - β·future_kl)`` in the advantage, no KL loss term).
-    clip_eps_low, clip_eps_high: ε_low, ε_high of the ratio clip.
-    dual_clip: c of the dual clip for negative advantages (None: off).
+    loss: the per-token policy term (``jaxgrpo.surrogates``): ``"ppo"`` (PPO/GRPO's clipped ratio),
+      ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"`` or ``"gmpo"``.
+    clip_eps_low, clip_eps_high: ε_low, ε_high of the clip: of the token ratio (``ppo``), the
+      sequence ratio (``gspo``, ``gspo_token``), the IS weight (``cispo``), the log-ratio (``gmpo``).
+    dual_clip: c of the dual clip for negative advantages (None: off; ``loss="ppo"`` only).
+    tau_pos, tau_neg: SAPO's gate temperatures τ for A > 0 and A <= 0 (read by ``loss="sapo"``).
     num_iterations: μ, policy updates per rollout batch (PPO-style; ratios differ from 1 when > 1).
     aggregation: loss aggregation mode (see ``policy_loss``).
     max_tokens: constant of ``seq-mean-token-sum-norm`` (None: the padded completion length).
     dynamic_sampling: DAPO — drop groups whose rewards are all equal and refill (trainer).
+    importance_correction: off-policy correction for a behaviour policy μ (inference engine, dtype,
+      staleness) that differs from the rollout log-probs π_old: None, ``"tis"`` (truncated IS) or
+      ``"mis"`` (masked IS); see ``jaxgrpo.importance``. The behaviour log-probs come from
+      ``Batch.behavior_logp`` (None there: μ = π_old, every weight 1).
+    importance_level: ``"token"`` (a ratio per token) or ``"sequence"`` (the product over the row).
+    importance_cap: C > 0, the cap of the IS ratio (verl's default threshold 2, TRL's 3).
+    entropy_coef: c, entropy bonus ``−c·H(i,t)`` per token, aggregated like the loss (0: off). When
+      non-zero the train step computes the entropy with its gradient and passes it to the objective.
   """
 
   name: str = "custom"
@@ -63,13 +97,20 @@ class GRPOConfig:
   beta: float = 0.0
   kl_estimator: str = "k3"
   kl_placement: str = "loss"
+  loss: str = "ppo"
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   dual_clip: float | None = None
+  tau_pos: float = 1.0
+  tau_neg: float = 1.05
   num_iterations: int = 1
   aggregation: str = "token-mean"
   max_tokens: int | None = None
   dynamic_sampling: bool = False
+  importance_correction: str | None = None
+  importance_level: str = "token"
+  importance_cap: float = 2.0
+  entropy_coef: float = 0.0
 
   def __post_init__(self):
     c = _checks  # `name` is a free label, checked by whoever builds it (e.g. jaxgrpo.specs)
@@ -90,6 +131,33 @@ class GRPOConfig:
     if self.max_tokens is not None:
       c.check_python_int(self.max_tokens, "max_tokens", minimum=1, hint="or None for the padded length")
     c.check_python_bool(self.dynamic_sampling, "dynamic_sampling")
+    c.check_choice(self.loss, SURROGATES, "loss")
+    c.check_python_float(self.tau_pos, "tau_pos", above=0.0, hint="SAPO's τ for A > 0")
+    c.check_python_float(self.tau_neg, "tau_neg", above=0.0, hint="SAPO's τ for A <= 0")
+    if self.dual_clip is not None and self.loss != "ppo":
+      raise ValueError(f"`dual_clip` is PPO's clip for negative advantages; loss={self.loss!r} has none")
+    if self.importance_correction is not None:
+      c.check_choice(self.importance_correction, CORRECTIONS, "importance_correction")
+    c.check_choice(self.importance_level, IMPORTANCE_LEVELS, "importance_level")
+    c.check_python_float(self.importance_cap, "importance_cap", above=0.0, hint="the IS ratio cap C")
+    c.check_python_float(self.entropy_coef, "entropy_coef", hint="the entropy bonus coefficient c")
+    self._check_composition()
+
+  def _check_composition(self) -> None:
+    """The sequence losses refuse per-token weights and per-token advantages (module docstring)."""
+    if self.loss not in SEQUENCE_SURROGATES:
+      return
+    if self.process_weights:
+      raise ValueError(
+        f"loss={self.loss!r} is a sequence-level loss: λ-GRPO's per-token 1/|λ| weights (process_weights=True) "
+        "are undefined for it. Use loss='gspo_token' (GSPO's sequence ratio with token weights) or a token-level "
+        "loss ('ppo', 'cispo', 'sapo')"
+      )
+    if self.kl_placement == "future" and self.beta > 0:
+      raise ValueError(
+        f"loss={self.loss!r} takes one advantage per sequence, but kl_placement='future' (FRPO) makes per-token "
+        "advantages. Use loss='gspo_token' or a token-level loss ('ppo', 'cispo', 'sapo')"
+      )
 
   @property
   def needs_reference(self) -> bool:
@@ -108,6 +176,11 @@ PRESETS: dict[str, dict] = {
   "lambda_grpo": dict(process_weights=True),
   "frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1"),
   "lambda_frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1", process_weights=True),
+  "gspo": dict(loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq-mean-token-mean"),
+  "gspo_token": dict(loss="gspo_token", clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq-mean-token-mean"),
+  "cispo": dict(loss="cispo", clip_eps_low=1.0, clip_eps_high=4.0),
+  "sapo": dict(loss="sapo", tau_pos=1.0, tau_neg=1.05, aggregation="seq-mean-token-mean"),
+  "gmpo": dict(loss="gmpo", clip_eps_low=0.4, clip_eps_high=0.4, aggregation="seq-mean-token-mean"),
 }
 
 

@@ -8,7 +8,8 @@ An iteration is ``sample → score → batch → reference → update``::
       policy = policy_model(step.graphdef, state)             # the current policy, for sampling
       rollout = sample(policy, prompts, prompt_mask, sampling, key=key)
       rewards = score(reward_fn, rollout, decode=tokenizer.decode)  # your Python reward function
-      batch = make_batch(rollout, rewards, mesh=step.mesh)    # bucket-padded, placed on the mesh
+      batch = make_batch(rollout, rewards, mesh=step.mesh,    # bucket-padded (packed with
+                         train_config=step.train_config)      # TrainConfig.packing), placed
       batch = reference(batch)                                # adds ref_logp (only when β > 0)
       state, metrics = step(state, batch)                     # advantages + μ·M updates, jitted
 
@@ -39,16 +40,20 @@ from jax.sharding import Mesh
 
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
+from jaxgrpo.losses import finalize_terms
 from jaxgrpo.models import lora
+from jaxgrpo.objective import objective_terms, rollout_advantages
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.train import (
   DEFAULT_BUCKETS,
   Batch,
+  TrainConfig,
   TrainState,
   TrainStep,
   _check_not_donated,
   _merge_model,
   make_reference_fn,
+  pack_batch,
   pad_to_bucket,
 )
 
@@ -61,6 +66,7 @@ __all__ = [
   "make_reference",
   "place",
   "policy_model",
+  "rollout_loss",
   "sample",
   "score",
 ]
@@ -144,6 +150,58 @@ class IterationResult(NamedTuple):
   metrics: dict
   rollout: Rollout
   rewards: np.ndarray
+
+
+def rollout_loss(
+  config,
+  logp,
+  old_logp,
+  rewards,
+  tokens,
+  mask,
+  group_ids,
+  num_groups: int,
+  *,
+  ref_logp=None,
+  max_group_size: int | None = None,
+  objective_fn: Callable = objective_terms,
+  advantages_fn: Callable = rollout_advantages,
+):
+  """The loss of one whole rollout batch in one piece: ``advantages_fn`` → ``objective_fn`` →
+  ``finalize_terms``, with the train step's hooks and their defaults (the presets).
+
+  What the train step computes for μ = 1 and one micro-batch, as a pure function of arrays:
+  differentiate it with respect to ``logp`` (``jax.grad``, ``jax.vjp``), ``vmap`` it over seeds or
+  algorithms. For tasks whose whole batch fits at once and whose policy is not a ``jaxgrpo.models``
+  model, e.g. the binary-tree task's table of leaf log-probs; LLM training uses :func:`grpo_iteration`.
+
+  Args:
+    config: the objective (a ``GRPOConfig``, or what your hooks take).
+    logp: ``f32[B, T]`` current-policy log-probs (differentiable).
+    old_logp: ``f32[B, T]`` rollout log-probs (no gradient).
+    rewards: ``f32[B]``; tokens: ``int32[B, T]``; mask: ``bool[B, T]``; group_ids: ``int32[B]``;
+      num_groups: static int.
+    ref_logp: ``f32[B, T]`` reference log-probs (when β > 0).
+    max_group_size: static bound on the group size (λ presets' process sets).
+    objective_fn, advantages_fn: the hooks of ``jaxgrpo.train.make_train_step`` (same signatures).
+
+  Returns:
+    ``(loss f32[], metrics)`` as :func:`jaxgrpo.losses.finalize_terms` gives them.
+  """
+  sg = jax.lax.stop_gradient
+  adv, weights = advantages_fn(
+    config,
+    rewards,
+    tokens,
+    mask,
+    group_ids,
+    num_groups,
+    old_logp=sg(old_logp),
+    ref_logp=ref_logp,
+    max_group_size=max_group_size,
+  )
+  terms = objective_fn(config, logp, sg(old_logp), adv, mask, token_weights=weights, ref_logp=ref_logp)
+  return finalize_terms(terms)
 
 
 def policy_model(graphdef, state: TrainState) -> nnx.Module:
@@ -290,23 +348,60 @@ def place(
   rules: Mapping[str, Any] | None = None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
   process_local: bool = False,
+  train_config: TrainConfig | None = None,
 ) -> Batch:
-  """A host :class:`~jaxgrpo.train.Batch` bucket-padded and placed on ``mesh`` (rows over ``data × fsdp``).
+  """A host :class:`~jaxgrpo.train.Batch` bucket-padded, packed (with ``train_config.packing``) and
+  placed on ``mesh`` (rows over ``data × fsdp``).
 
   Args:
     batch: the batch (NumPy or JAX arrays).
     buckets: completion-length buckets for :func:`jaxgrpo.train.pad_to_bucket` (None: keep T).
     process_local: ``batch`` holds only this process's rows (multi-host: each process feeds its slice,
-      ``jaxgrpo.sharding.process_batch_rows``); every process then pads to the same bucket.
+      ``jaxgrpo.sharding.process_batch_rows``); every process then pads to the same bucket, and packs
+      its own device shards' slots with the same rows and head length.
+    train_config: the step's :class:`~jaxgrpo.train.TrainConfig`; with ``packing`` set the batch is
+      packed once here (:func:`jaxgrpo.train.pack_batch`, the step's slots), and the reference pass
+      and the step use that layout. None: not packed (the step packs it itself if it packs).
   """
+  multi = process_local and jax.process_count() > 1
   if buckets is not None:
     length = None
-    if process_local and jax.process_count() > 1:
+    if multi:
       mask = np.asarray(batch.mask)
       local = int(mask.any(axis=0).nonzero()[0].max() + 1) if mask.any() else 1
       length = int(np.max(multihost_utils.process_allgather(np.int32(local))))
     batch = pad_to_bucket(batch, buckets, length=length)
-  return shd.place_batch(batch, mesh, rules, process_local=process_local)
+  if train_config is not None and train_config.packing is not None and batch.packed is None:
+    batch = _pack(batch, train_config, mesh, rules, multi)
+  placed = shd.place_batch(batch._replace(packed=None), mesh, rules, process_local=process_local)
+  if batch.packed is None:
+    return placed
+  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis
+  place_one = lambda x: shd.place_batch(np.asarray(x, np.int32), mesh, rules, process_local=process_local)
+  return placed._replace(packed=jax.tree.map(place_one, batch.packed))
+
+
+def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batch:
+  """``jaxgrpo.train.pack_batch`` for the step of ``tc`` on ``mesh``. With process-local rows (``multi``)
+  this process packs its own shards' slots, then every process repacks to the largest rows per slot and
+  head length of any process, so the global arrays have one shape."""
+  shards = shd.batch_shards(mesh, rules)
+  if multi:  # the rows of one process (1/process_count of the batch, as place_batch assumes) cover its shards
+    if shards % jax.process_count():
+      raise ValueError(
+        f"packing process-local rows needs the batch mesh axes (data×fsdp = {shards}) to divide over the "
+        f"{jax.process_count()} processes"
+      )
+    shards //= jax.process_count()
+  pack = lambda **kw: pack_batch(
+    batch, row_length=tc.packing, shards=shards, mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, **kw
+  )
+  packed = pack(rows=tc.packing_rows)
+  if not multi:
+    return packed
+  rows, head = packed.packed.rows_per_slot, packed.packed.head_index.shape[1] // packed.packed.rows_per_slot
+  rows, head = (int(x) for x in np.max(multihost_utils.process_allgather(np.int32([rows, head])), axis=0))
+  return pack(rows=rows, head_length=head)
 
 
 def make_batch(
@@ -317,14 +412,20 @@ def make_batch(
   rules: Mapping[str, Any] | None = None,
   advantages=None,
   token_weights=None,
+  behavior_logp=None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
   process_local: bool = False,
+  train_config: TrainConfig | None = None,
 ) -> Batch:
-  """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.train.Batch` (see :func:`place`),
-  with optional precomputed ``advantages`` (``f32[N]`` or ``f32[N, T]``) and ``token_weights``
-  (``f32[N, T]``)."""
-  batch = Batch.from_rollout(rollout, rewards, advantages=advantages, token_weights=token_weights)
-  return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local)
+  """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.train.Batch` (see :func:`place`:
+  bucketed, packed for ``train_config`` when it packs), with optional precomputed ``advantages``
+  (``f32[N]`` or ``f32[N, T]``) and ``token_weights`` (``f32[N, T]``), and the behaviour policy's
+  ``behavior_logp`` (``f32[N, T]``) when the rollout's log-probs are not the behaviour policy's
+  (off-policy correction, ``GRPOConfig.importance_correction``)."""
+  batch = Batch.from_rollout(
+    rollout, rewards, advantages=advantages, token_weights=token_weights, behavior_logp=behavior_logp
+  )
+  return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local, train_config=train_config)
 
 
 def _check_iteration(step: TrainStep, sampling: SamplingConfig, reference, num_prompts: int) -> None:
@@ -401,7 +502,9 @@ def grpo_iteration(
   t1 = time.perf_counter()
   rewards = score(reward_fn, rollout, decode=decode, prompts=prompts, columns=columns)
   t2 = time.perf_counter()
-  batch = make_batch(rollout, rewards, mesh=step.mesh, rules=step.rules, buckets=buckets)
+  batch = make_batch(
+    rollout, rewards, mesh=step.mesh, rules=step.rules, buckets=buckets, train_config=step.train_config
+  )
   if reference is not None and step.reads_ref_logp:
     batch = reference(batch)
     jax.block_until_ready(batch.ref_logp)

@@ -1,11 +1,17 @@
-"""The clipped policy-gradient loss with named aggregation modes, in (numerator, denominator) form.
+"""The GRPO-family policy loss with named aggregation modes, in (numerator, denominator) form.
 
-Per token, with ``ρ = exp(logp - old_logp)`` (no gradient through ``old_logp``), advantage ``A``,
-token weight ``w`` (λ-GRPO: ``1/|λ(i,t)|``) and optional per-token KL ``D``::
+Per token, with the per-token policy term ``p(i,t)`` of the chosen surrogate (``loss``: PPO's clip,
+GSPO, GSPO-token, CISPO, SAPO or GMPO — :mod:`jaxgrpo.surrogates`; for ``"ppo"``
+``p = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A)``, ``−max(·, cA)`` for A < 0 with the dual clip), the
+off-policy weight ``v`` (:mod:`jaxgrpo.importance`; 1 without a correction), the token weight ``w``
+(λ-GRPO: ``1/|λ(i,t)|``), the per-token KL ``D`` and the policy entropy ``H``::
 
-    s(i,t) = min(ρ·A, clip(ρ, 1-ε_low, 1+ε_high)·A)           for both signs of A
-    s(i,t) = max(s(i,t), c·A)   where A < 0                    (dual clip, c = dual_clip > 1)
-    l(i,t) = w(i,t) · ( -s(i,t) + β·D(i,t) )
+    l(i,t) = w(i,t) · ( v(i,t)·p(i,t) + β·D(i,t) − c·H(i,t) )          c = entropy_coef
+
+``v`` weights the policy term only (TRL, verl); the KL and entropy terms are not importance-weighted.
+``w`` weights the whole token term, the entropy bonus included: on a shared prefix every member of
+λ(i,t) sees the same distribution, so λ-GRPO counts its entropy once, as it counts the policy and KL
+terms once (a choice: no peer has λ weights).
 
 Aggregation (``m`` the mask; the loss is ``numerator / denominator``):
 
@@ -14,13 +20,14 @@ Aggregation (``m`` the mask; the loss is ``numerator / denominator``):
 - ``"seq-mean-token-sum-norm"``: ``Σ l·m / (rows · max_tokens)`` (Dr.GRPO; ``max_tokens`` defaults to
   ``T``; every row counts, padding rows included).
 
-The token weights are *not* renormalised: λ-GRPO keeps the token-count denominator.
+The token weights are *not* renormalised: λ-GRPO keeps the token-count denominator. The entropy
+bonus is aggregated like the loss (verl's actor; TRL always takes its token mean).
 
 Masks meet values by selection, never by multiplication: every per-token input (log-probs,
-advantages, token weights, KL terms) is replaced by 0 on padding *before* any arithmetic, so an
-inf/NaN there changes neither the loss nor its gradient. An empty batch (B = 0 or T = 0) and an
-all-padding batch give loss 0 with finite (zero) gradients; the extrema metrics are then
-``∓float32 max`` (no real token to take them over).
+advantages, token weights, KL terms, entropies, importance weights) is replaced by 0 on padding
+*before* any arithmetic, so an inf/NaN there changes neither the loss nor its gradient. An empty
+batch (B = 0 or T = 0) and an all-padding batch give loss 0 with finite (zero) gradients; the
+extrema metrics are then ``∓float32 max`` (no real token to take them over).
 
 Numerators and denominators add over micro-batches and shards: accumulate :class:`LossTerms` with
 :func:`combine_terms` and call :func:`finalize_terms` once — the result equals the full-batch loss for
@@ -40,11 +47,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxgrpo import _checks
+from jaxgrpo import surrogates as _surrogates
 from jaxgrpo._numerics import safe_div, safe_sqrt, select
+from jaxgrpo.importance import ImportanceWeights
+from jaxgrpo.surrogates import MAX_LOG_RATIO, SURROGATES
 
 __all__ = [
   "AGGREGATIONS",
   "MAX_LOG_RATIO",
+  "SURROGATES",
   "LossTerms",
   "combine_terms",
   "finalize_terms",
@@ -53,7 +64,6 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-MAX_LOG_RATIO = 20.0
 
 _BIG = float(jnp.finfo(jnp.float32).max)
 
@@ -84,6 +94,16 @@ def combine_terms(a: LossTerms, b: LossTerms) -> LossTerms:
   )
 
 
+# optional token-mean metrics: (sum key, metric name), present when the loss had the input
+_OPTIONAL_MEANS = (
+  ("is_weight", "is_weight_mean"),
+  ("is_ratio", "is_ratio_mean"),
+  ("is_capped", "is_capped_frac"),
+  ("mismatch_kl", "mismatch_kl"),
+  ("entropy", "entropy"),
+)
+
+
 def _finalize(terms: LossTerms):
   s = terms.sums
   n = s["tokens"]
@@ -102,6 +122,7 @@ def _finalize(terms: LossTerms):
     "advantage_std": safe_sqrt(adv_var),
     "tokens": n,
     "sequences": s["sequences"],
+    **{name: safe_div(s[key], n) for key, name in _OPTIONAL_MEANS if key in s},
     **terms.extrema,
   }
   return metrics["loss"], metrics
@@ -119,46 +140,75 @@ def finalize_terms(terms: LossTerms):
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_arrays(logp, old_logp, advantages, mask, token_weights, kl) -> None:
+def _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy) -> None:
   _checks.check_logp(logp, "logp")
   shape = _checks.shape_of(logp)
   _checks.check_logp(old_logp, "old_logp", shape)
   _checks.check_rank(mask, 2, "mask", "bool[B, T]")
   _checks.check_bool(mask, "mask", "bool[B, T]")
   _checks.check_same_shape(mask, "mask", logp, "logp")
-  _checks.check_float(advantages, "advantages", "f32[B] or f32[B, T]")
-  _checks.check_rank(advantages, (1, 2), "advantages", "f32[B] or f32[B, T]")
-  if _checks.shape_of(advantages) not in (shape[:1], shape):
-    raise ValueError(f"`advantages` must have shape {shape[:1]} or {shape}; got {_checks.shape_of(advantages)}")
+  _surrogates.check_advantages(loss, advantages, shape)
   if token_weights is not None:
     _checks.check_logp(token_weights, "token_weights", shape)
+    if loss in _surrogates.SEQUENCE_SURROGATES:
+      raise ValueError(
+        f"loss={loss!r} is a sequence-level loss and takes no per-token `token_weights` (λ-GRPO's 1/|λ| is "
+        "undefined for it); use loss='gspo_token' for GSPO's sequence ratio with token weights"
+      )
   if kl is not None:
     _checks.check_logp(kl, "kl", shape)
+  if entropy is not None:
+    _checks.check_logp(entropy, "entropy", shape)
+  if importance is not None:
+    if not isinstance(importance, ImportanceWeights):
+      raise TypeError(
+        "`importance` must be a jaxgrpo.importance.ImportanceWeights (from importance_weights(...)) or None; "
+        f"got {type(importance).__name__}"
+      )
+    for name in ("weights", "ratio", "mismatch_kl"):
+      _checks.check_logp(getattr(importance, name), f"importance.{name}", shape)
+    _checks.check_bool(importance.capped, "importance.capped", "bool[B, T]")
+    _checks.check_same_shape(importance.capped, "importance.capped", logp, "logp")
 
 
-def _check_hyper(clip_eps_low, clip_eps_high, dual_clip, aggregation, max_tokens, beta, kl) -> dict:
+def _check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg, aggregation, max_tokens, **rest):
   """The static hyper-parameters, checked and normalised (floats as ``float``)."""
+  beta, kl, entropy_coef, entropy = rest["beta"], rest["kl"], rest["entropy_coef"], rest["entropy"]
   beta = _checks.check_python_float(beta, "beta", at_least=0.0, hint="the KL coefficient β")
   if beta > 0 and kl is None:
     raise ValueError(
       f"`beta` = {beta} > 0 but no `kl` was given: pass the per-token KL term, e.g. "
       "`kl=kl_penalty(logp, ref_logp, 'k3', mask=mask)`, or beta=0"
     )
+  entropy_coef = _checks.check_python_float(entropy_coef, "entropy_coef", hint="the entropy bonus coefficient")
+  if entropy_coef != 0 and entropy is None:
+    raise ValueError(
+      f"`entropy_coef` = {entropy_coef} but no `entropy` was given: pass the per-token policy entropy "
+      "f32[B, T] with its gradient (completion_log_probs(..., with_entropy=True, entropy_grad=True)), or 0"
+    )
   return dict(
-    clip_eps_low=_checks.check_python_float(clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip"),
-    clip_eps_high=_checks.check_python_float(clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip"),
-    dual_clip=None
-    if dual_clip is None
-    else _checks.check_python_float(dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None"),
+    **_surrogates.check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg),
     aggregation=_checks.check_choice(aggregation, AGGREGATIONS, "aggregation"),
     max_tokens=None
     if max_tokens is None
     else _checks.check_python_int(max_tokens, "max_tokens", minimum=1, hint="or None for T"),
     beta=beta,
+    entropy_coef=entropy_coef,
   )
 
 
 # ----------------------------------------------------------------------------- the loss
+
+
+def _aggregate(per_token, m, aggregation, max_tokens):
+  """``(numerator, denominator)`` of ``per_token`` (0 on padding) under ``aggregation``."""
+  b, t = per_token.shape
+  row_tokens = jnp.sum(m, axis=1)
+  if aggregation == "token-mean":
+    return jnp.sum(per_token), jnp.sum(m)
+  if aggregation == "seq-mean-token-mean":
+    return jnp.sum(safe_div(jnp.sum(per_token, axis=1), row_tokens)), jnp.sum((row_tokens > 0).astype(jnp.float32))
+  return jnp.sum(per_token), jnp.float32(b * (t if max_tokens is None else max_tokens))
 
 
 def _terms(
@@ -168,80 +218,117 @@ def _terms(
   mask,
   token_weights,
   kl,
+  importance,
+  entropy,
   *,
+  loss,
   clip_eps_low,
   clip_eps_high,
   dual_clip,
+  tau_pos,
+  tau_neg,
   aggregation,
   max_tokens,
   beta,
+  entropy_coef,
 ) -> LossTerms:
   sg = jax.lax.stop_gradient
-  b, t = logp.shape
   real = mask
   m = mask.astype(jnp.float32)
-  # Padding is selected away from every input before any arithmetic (inf/NaN there is harmless).
-  adv = sg(advantages.astype(jnp.float32))
-  adv = select(real, jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, (b, t)))
-  logp = select(real, logp.astype(jnp.float32))
-  old_logp = select(real, sg(old_logp.astype(jnp.float32)))
-  log_ratio = jnp.clip(logp - old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)  # 0 on padding
-  ratio = jnp.exp(log_ratio)
-  clipped = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-  surrogate = jnp.minimum(ratio * adv, clipped * adv)
-  dual_active = jnp.zeros_like(real)
-  if dual_clip is not None:
-    dual_active = real & (adv < 0) & (surrogate < dual_clip * adv)
-    surrogate = jnp.where(dual_active, dual_clip * adv, surrogate)
-  per_token = -surrogate
+  sur = _surrogates._surrogate(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    loss=loss,
+    clip_eps_low=clip_eps_low,
+    clip_eps_high=clip_eps_high,
+    dual_clip=dual_clip,
+    tau_pos=tau_pos,
+    tau_neg=tau_neg,
+  )
+  per_token = sur.loss  # 0 on padding
+  if importance is not None:
+    per_token = per_token * select(real, sg(importance.weights.astype(jnp.float32)))
   kl_term = jnp.zeros_like(per_token) if kl is None else select(real, kl.astype(jnp.float32))
   if kl is not None and beta != 0:
     per_token = per_token + beta * kl_term
+  if entropy is not None and entropy_coef != 0:
+    per_token = per_token - entropy_coef * select(real, entropy.astype(jnp.float32))
   if token_weights is not None:
     per_token = per_token * select(real, sg(token_weights.astype(jnp.float32)))
   per_token = select(real, per_token)
+  numerator, denominator = _aggregate(per_token, m, aggregation, max_tokens)
 
-  row_tokens = jnp.sum(m, axis=1)
-  nonempty = (row_tokens > 0).astype(jnp.float32)
-  if aggregation == "token-mean":
-    numerator, denominator = jnp.sum(per_token), jnp.sum(m)
-  elif aggregation == "seq-mean-token-mean":
-    numerator = jnp.sum(safe_div(jnp.sum(per_token, axis=1), row_tokens))
-    denominator = jnp.sum(nonempty)
-  else:
-    numerator = jnp.sum(per_token)
-    denominator = jnp.float32(b * (t if max_tokens is None else max_tokens))
-
+  # metrics: the token ratio ρ and the (unweighted) advantages whatever the surrogate
+  b, t = m.shape
+  adv = sg(advantages.astype(jnp.float32))
+  adv = select(real, jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, (b, t)))
+  log_ratio = jnp.clip(
+    select(real, sg(logp.astype(jnp.float32)) - sg(old_logp.astype(jnp.float32))), -MAX_LOG_RATIO, MAX_LOG_RATIO
+  )
+  ratio = jnp.exp(log_ratio)
   count = lambda x: jnp.sum(x.astype(jnp.float32))
+  tsum = lambda x: sg(jnp.sum(select(real, x.astype(jnp.float32))))
   sums = {
     "tokens": jnp.sum(m),
-    "sequences": jnp.sum(nonempty),
-    "policy": sg(jnp.sum(select(real, -surrogate))),
+    "sequences": jnp.sum((jnp.sum(m, axis=1) > 0).astype(jnp.float32)),
+    "policy": sg(jnp.sum(sur.loss)),
     "kl": sg(jnp.sum(kl_term)),
-    "clip_low": count(real & (adv < 0) & (ratio < 1.0 - clip_eps_low)),
-    "clip_high": count(real & (adv > 0) & (ratio > 1.0 + clip_eps_high)),
-    "clip_dual": count(dual_active),
-    "approx_kl": sg(jnp.sum(select(real, (ratio - 1.0) - log_ratio))),
-    "ratio": sg(jnp.sum(select(real, ratio))),
+    "clip_low": count(sur.clip_low),
+    "clip_high": count(sur.clip_high),
+    "clip_dual": count(sur.clip_dual),
+    "approx_kl": tsum((ratio - 1.0) - log_ratio),
+    "ratio": tsum(ratio),
     "advantage": jnp.sum(adv),
     "advantage_sq": jnp.sum(adv**2),
   }
   extrema = {
-    "ratio_max": sg(jnp.max(select(real, ratio, -_BIG), initial=-_BIG)),
+    "ratio_max": jnp.max(select(real, ratio, -_BIG), initial=-_BIG),
     "advantage_max": jnp.max(select(real, adv, -_BIG), initial=-_BIG),
-    "ratio_min": sg(jnp.min(select(real, ratio, _BIG), initial=_BIG)),
+    "ratio_min": jnp.min(select(real, ratio, _BIG), initial=_BIG),
     "advantage_min": jnp.min(select(real, adv, _BIG), initial=_BIG),
   }
+  if importance is not None:
+    sums.update(
+      is_weight=tsum(importance.weights),
+      is_ratio=tsum(importance.ratio),
+      is_capped=count(real & importance.capped),
+      mismatch_kl=tsum(importance.mismatch_kl),
+    )
+    extrema["is_ratio_max"] = sg(jnp.max(select(real, importance.ratio.astype(jnp.float32), -_BIG), initial=-_BIG))
+  if entropy is not None:
+    sums["entropy"] = tsum(entropy)
   return LossTerms(numerator, denominator, sums, extrema)
 
 
-_HYPER = ("clip_eps_low", "clip_eps_high", "dual_clip", "aggregation", "max_tokens", "beta")
+_HYPER = (
+  "loss",
+  "clip_eps_low",
+  "clip_eps_high",
+  "dual_clip",
+  "tau_pos",
+  "tau_neg",
+  "aggregation",
+  "max_tokens",
+  "beta",
+  "entropy_coef",
+)
 _policy_loss_terms = jax.jit(_terms, static_argnames=_HYPER)
 
 
 @functools.partial(jax.jit, static_argnames=_HYPER)
-def _policy_loss(logp, old_logp, advantages, mask, token_weights, kl, **hyper):
-  return _finalize(_terms(logp, old_logp, advantages, mask, token_weights, kl, **hyper))
+def _policy_loss(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, **hyper):
+  return _finalize(_terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, **hyper))
+
+
+def _checked(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper) -> dict:
+  loss = _checks.check_choice(hyper["loss"], SURROGATES, "loss")
+  _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy)
+  hyper = _check_hyper(**hyper, kl=kl, entropy=entropy)
+  if hyper["entropy_coef"] == 0:
+    entropy = None  # unused: one compiled program whether or not it is passed
+  return (logp, old_logp, advantages, mask, token_weights, kl, importance, entropy), hyper
 
 
 def policy_loss_terms(
@@ -251,42 +338,70 @@ def policy_loss_terms(
   mask,
   *,
   token_weights=None,
+  loss="ppo",
   clip_eps_low=0.2,
   clip_eps_high=0.2,
   dual_clip=None,
+  tau_pos=1.0,
+  tau_neg=1.05,
   aggregation="token-mean",
   max_tokens=None,
   kl=None,
   beta=0.0,
+  importance=None,
+  entropy=None,
+  entropy_coef=0.0,
 ) -> LossTerms:
   """The loss of one (micro-)batch as additive :class:`LossTerms`; see the module docstring.
 
   Clipped surrogate: Schulman et al., PPO (arXiv:1707.06347); GRPO (arXiv:2402.03300); clip-higher
   DAPO (arXiv:2503.14476); dual clip (Ye et al., arXiv:1912.09729); λ-GRPO token weights
-  (arXiv:2509.21154).
+  (arXiv:2509.21154); the other surrogates in :mod:`jaxgrpo.surrogates`.
 
   Args:
     logp: ``f32[B, T]`` current-policy log-probs of the sampled tokens (differentiable).
     old_logp: ``f32[B, T]`` rollout-policy log-probs (no gradient).
-    advantages: ``f32[B]`` (one per sequence) or ``f32[B, T]`` (per token, e.g. FRPO).
+    advantages: ``f32[B]`` (one per sequence) or ``f32[B, T]`` (per token, e.g. FRPO; not for the
+      sequence losses ``"gspo"`` and ``"gmpo"``).
     mask: ``bool[B, T]`` real completion tokens; every other input is ignored (selected away) on
       padding, whatever it holds there.
-    token_weights: optional ``f32[B, T]`` multiplying the whole token term (λ-GRPO: ``1/|λ|``).
-    clip_eps_low, clip_eps_high: finite ε_low, ε_high >= 0 of the ratio clip (DAPO: 0.2, 0.28).
-    dual_clip: finite c > 1 for the dual clip on negative advantages, or None.
+    token_weights: optional ``f32[B, T]`` multiplying the whole token term (λ-GRPO: ``1/|λ|``); not
+      with ``"gspo"``/``"gmpo"`` (ValueError).
+    loss: the surrogate, one of ``"ppo"`` (default), ``"gspo"``, ``"gspo_token"``, ``"cispo"``,
+      ``"sapo"``, ``"gmpo"`` (:mod:`jaxgrpo.surrogates`).
+    clip_eps_low, clip_eps_high: finite ε_low, ε_high >= 0 of the clip (DAPO: 0.2, 0.28; GSPO: 3e-4,
+      4e-4; CISPO: the weight's range; GMPO: the log-ratio range, 0.4).
+    dual_clip: finite c > 1 for the dual clip on negative advantages (``"ppo"`` only), or None.
+    tau_pos, tau_neg: SAPO's gate temperatures (1.0, 1.05); read only by ``"sapo"``.
     aggregation: one of ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``.
     max_tokens: int >= 1, the constant of ``seq-mean-token-sum-norm`` (default ``T``).
     kl: optional ``f32[B, T]`` per-token KL penalty ``D``, e.g.
-      ``kl_penalty(logp, ref_logp, "k3", mask=mask)`` (the mask keeps its gradient finite when the
+      ``kl_penalty(logp, ref_logp, 'k3', mask=mask)`` (the mask keeps its gradient finite when the
       log-probs on padding are not).
     beta: finite β >= 0, the KL coefficient; ``beta > 0`` requires ``kl``.
+    importance: optional :class:`~jaxgrpo.importance.ImportanceWeights` (``importance_weights(old_logp,
+      behavior_logp, mask, ...)``): the off-policy weight ``v`` of the policy term, and its metrics.
+    entropy: ``f32[B, T]`` the policy entropy per position, differentiable (required when
+      ``entropy_coef != 0``, ignored otherwise).
+    entropy_coef: finite c: ``−c·H(i,t)`` is added to every token term (an entropy bonus for c > 0).
 
   Returns:
     :class:`LossTerms`. B = 0 or T = 0 gives zero numerator and denominator (loss 0).
   """
-  _check_arrays(logp, old_logp, advantages, mask, token_weights, kl)
-  hyper = _check_hyper(clip_eps_low, clip_eps_high, dual_clip, aggregation, max_tokens, beta, kl)
-  return _policy_loss_terms(logp, old_logp, advantages, mask, token_weights, kl, **hyper)
+  hyper = dict(
+    loss=loss,
+    clip_eps_low=clip_eps_low,
+    clip_eps_high=clip_eps_high,
+    dual_clip=dual_clip,
+    tau_pos=tau_pos,
+    tau_neg=tau_neg,
+    aggregation=aggregation,
+    max_tokens=max_tokens,
+    beta=beta,
+    entropy_coef=entropy_coef,
+  )
+  args, hyper = _checked(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper)
+  return _policy_loss_terms(*args, **hyper)
 
 
 def policy_loss(
@@ -296,26 +411,46 @@ def policy_loss(
   mask,
   *,
   token_weights=None,
+  loss="ppo",
   clip_eps_low=0.2,
   clip_eps_high=0.2,
   dual_clip=None,
+  tau_pos=1.0,
+  tau_neg=1.05,
   aggregation="token-mean",
   max_tokens=None,
   kl=None,
   beta=0.0,
+  importance=None,
+  entropy=None,
+  entropy_coef=0.0,
 ):
-  """Clipped PPO/GRPO surrogate loss with a named aggregation mode.
+  """The GRPO-family policy loss (PPO's clipped surrogate by default) with a named aggregation mode.
 
   Same arguments as :func:`policy_loss_terms` (shapes: ``f32[B, T]`` log-probs, ``f32[B]`` or
   ``f32[B, T]`` advantages, ``bool[B, T]`` mask).
 
   Returns:
-    ``(loss f32[], metrics)`` where metrics holds ``loss``, ``policy_loss`` and ``kl`` (token means,
-    unweighted), clip fractions ``clip_frac_low`` (A<0, ρ<1-ε_low), ``clip_frac_high`` (A>0,
-    ρ>1+ε_high), ``clip_frac_dual``, ``approx_kl`` (mean of ρ-1-log ρ, KL to the rollout policy),
-    ratio mean/min/max and advantage mean/std/min/max over real tokens. An all-padding or empty
-    (B = 0 or T = 0) batch gives loss 0 and finite gradients.
+    ``(loss f32[], metrics)`` where metrics holds ``loss``, ``policy_loss`` (token mean of the
+    surrogate term ``p``) and ``kl`` (token means, unweighted), clip fractions ``clip_frac_low``
+    (A<0, ratio below its range), ``clip_frac_high`` (A>0, above), ``clip_frac_dual``, ``approx_kl``
+    (mean of ρ-1-log ρ, KL to the rollout policy), the token ratio ρ's mean/min/max and advantage
+    mean/std/min/max over real tokens; with ``importance``: ``is_weight_mean``, ``is_ratio_mean``,
+    ``is_ratio_max`` (the raw ratio π_old/μ), ``is_capped_frac`` (tokens truncated or masked) and
+    ``mismatch_kl`` (mean k3 between π_old and μ); with an entropy bonus: ``entropy``. An all-padding
+    or empty (B = 0 or T = 0) batch gives loss 0 and finite gradients.
   """
-  _check_arrays(logp, old_logp, advantages, mask, token_weights, kl)
-  hyper = _check_hyper(clip_eps_low, clip_eps_high, dual_clip, aggregation, max_tokens, beta, kl)
-  return _policy_loss(logp, old_logp, advantages, mask, token_weights, kl, **hyper)
+  hyper = dict(
+    loss=loss,
+    clip_eps_low=clip_eps_low,
+    clip_eps_high=clip_eps_high,
+    dual_clip=dual_clip,
+    tau_pos=tau_pos,
+    tau_neg=tau_neg,
+    aggregation=aggregation,
+    max_tokens=max_tokens,
+    beta=beta,
+    entropy_coef=entropy_coef,
+  )
+  args, hyper = _checked(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper)
+  return _policy_loss(*args, **hyper)

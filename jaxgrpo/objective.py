@@ -5,8 +5,10 @@ Two calls, matching the two time scales of GRPO training:
 1. :func:`rollout_advantages` — once per rollout batch: outcome advantages, FRPO's future-KL
    advantage (from the rollout and reference log-probs, fixed across updates) and λ-GRPO's token
    weights ``1/|λ(i,t)|``.
-2. :func:`objective_terms` — once per (micro-)batch update: the clipped surrogate with the per-token
-   KL term when ``kl_placement="loss"``, returned as additive :class:`~jaxgrpo.losses.LossTerms`.
+2. :func:`objective_terms` — once per (micro-)batch update: the config's surrogate (``loss``: PPO's
+   clip, GSPO, GSPO-token, CISPO, SAPO, GMPO) with the per-token KL term when ``kl_placement="loss"``,
+   the off-policy correction (``importance_correction``) and the entropy bonus (``entropy_coef``),
+   returned as additive :class:`~jaxgrpo.losses.LossTerms`.
 
 The train step and the binary-tree task both call these; research code may call the kernels directly.
 Both are jitted with the config (frozen, hashable) and the sizes static: a direct call costs what it
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from jaxgrpo import _checks
 from jaxgrpo.advantages import group_advantages
 from jaxgrpo.config import GRPOConfig
+from jaxgrpo.importance import importance_weights
 from jaxgrpo.kl import frpo_advantages, kl_penalty
 from jaxgrpo.losses import LossTerms, policy_loss_terms
 from jaxgrpo.process_sets import group_size_bound, process_set_sizes
@@ -108,34 +111,62 @@ def rollout_advantages(
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp):
+def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy):
   kl = None
   if config.kl_placement == "loss" and config.beta > 0:
     kl = kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask)
+  importance = None
+  if config.importance_correction is not None:
+    importance = importance_weights(
+      old_logp,
+      old_logp if behavior_logp is None else behavior_logp,
+      mask,
+      correction=config.importance_correction,
+      level=config.importance_level,
+      cap=config.importance_cap,
+    )
   return policy_loss_terms(
     logp,
     old_logp,
     advantages,
     mask,
     token_weights=token_weights,
+    loss=config.loss,
     clip_eps_low=config.clip_eps_low,
     clip_eps_high=config.clip_eps_high,
     dual_clip=config.dual_clip,
+    tau_pos=config.tau_pos,
+    tau_neg=config.tau_neg,
     aggregation=config.aggregation,
     max_tokens=config.max_tokens,
     kl=kl,
     beta=config.beta if kl is not None else 0.0,
+    importance=importance,
+    entropy=entropy,
+    entropy_coef=config.entropy_coef,
   )
 
 
 def objective_terms(
-  config: GRPOConfig, logp, old_logp, advantages, mask, *, token_weights=None, ref_logp=None
+  config: GRPOConfig,
+  logp,
+  old_logp,
+  advantages,
+  mask,
+  *,
+  token_weights=None,
+  ref_logp=None,
+  behavior_logp=None,
+  entropy=None,
 ) -> LossTerms:
   """The loss of one (micro-)batch under ``config`` as additive ``LossTerms``.
 
-  With ``kl_placement="loss"`` and β > 0 the per-token term is
-  ``kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask)``; FRPO's KL lives in the advantages
-  (``rollout_advantages``), so its loss has no KL term.
+  The surrogate is ``config.loss`` (``jaxgrpo.surrogates``). With ``kl_placement="loss"`` and β > 0
+  the per-token term is ``kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask)``; FRPO's KL
+  lives in the advantages (``rollout_advantages``), so its loss has no KL term. With
+  ``importance_correction`` the policy term is weighted by
+  ``importance_weights(old_logp, behavior_logp, mask, ...)``; with ``entropy_coef != 0`` the bonus
+  ``−entropy_coef·entropy`` joins every token term.
 
   Args:
     config: the algorithm (static).
@@ -144,14 +175,36 @@ def objective_terms(
       :func:`rollout_advantages` (rows matching this micro-batch).
     mask: ``bool[B, T]``.
     ref_logp: ``f32[B, T]``, required when β>0 and ``kl_placement="loss"`` (ignored otherwise).
+    behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs, read when
+      ``config.importance_correction`` is set (None: the rollout's own, every weight 1; ignored
+      otherwise). The train step passes this keyword only when the config asks for it.
+    entropy: ``f32[B, T]`` the policy entropy with its gradient, required when
+      ``config.entropy_coef != 0`` (ignored otherwise). The train step passes this keyword only when
+      the config asks for it, so a custom ``objective_fn`` with the pinned signature
+      ``(config, logp, old_logp, advantages, mask, *, token_weights=None, ref_logp=None)`` keeps
+      working for every config that does not use these two fields.
   """
   config = _check_config(config)
   _checks.check_logp(logp, "logp")
+  shape = _checks.shape_of(logp)
   if config.kl_placement == "loss" and config.beta > 0:
     if ref_logp is None:
       raise ValueError(f"preset {config.name!r} (beta={config.beta}, KL in the loss) needs `ref_logp`")
-    _checks.check_logp(ref_logp, "ref_logp", _checks.shape_of(logp))
+    _checks.check_logp(ref_logp, "ref_logp", shape)
   else:
     ref_logp = None  # unused: one compiled program whether or not it is passed
+  if config.importance_correction is not None and behavior_logp is not None:
+    _checks.check_logp(behavior_logp, "behavior_logp", shape)
+  else:
+    behavior_logp = None
+  if config.entropy_coef != 0:
+    if entropy is None:
+      raise ValueError(
+        f"preset {config.name!r} (entropy_coef={config.entropy_coef}) needs `entropy` f32[B, T] with its gradient "
+        "(jaxgrpo.models.log_probs.completion_log_probs(..., with_entropy=True, entropy_grad=True))"
+      )
+    _checks.check_logp(entropy, "entropy", shape)
+  else:
+    entropy = None
   # The remaining arguments are checked (at trace time) by policy_loss_terms inside the jitted call.
-  return _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp)
+  return _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy)

@@ -15,7 +15,12 @@ runs inside ``jit``; :func:`pack_values` is the opposite gather. Both take the i
 :class:`PackedBatch` as data, so a new layout (a new rollout) never recompiles a program: only
 ``R`` and ``L`` are shapes.
 
-The packer itself (:func:`pack`, :func:`first_fit_decreasing`) is host-side NumPy.
+The train step packs slot by slot (:func:`pack_slots`, :class:`PackedSlots`): one FFD per slot
+(device shard × mini-batch × micro-batch, ``jaxgrpo.train.batch_slots``), so that every micro-batch
+holds exactly the sequences of the unpacked one, with a head buffer listing each slot's completion
+tokens (the only positions that go through the LM head, ``jaxgrpo.models.packed_log_probs``).
+
+The packers (:func:`pack`, :func:`pack_slots`, :func:`first_fit_decreasing`) are host-side NumPy.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+  "HEAD_FRACTIONS",
   "PackedBatch",
+  "PackedSlots",
   "first_fit_decreasing",
   "micro_batch_of",
   "pack",
+  "pack_slots",
   "pack_values",
   "unpack",
 ]
@@ -177,6 +185,31 @@ def pack(
     ValueError: a sequence longer than ``row_length`` (naming it), more rows needed than
       ``num_rows``, masks that are not left/right padding, bad shapes. TypeError: wrong dtypes.
   """
+  L = _positive_int("row_length", row_length)
+  multiple = _positive_int("row_multiple", row_multiple)
+  if num_rows is not None:
+    num_rows = _positive_int("num_rows", num_rows)
+    if num_rows % multiple:
+      raise ValueError(f"`num_rows` {num_rows} is not a multiple of `row_multiple` {multiple}")
+  prompt_tokens, completions, p_len, c_len, seqs = _check_rollout(prompt_tokens, prompt_mask, completions, mask, L)
+  n = p_len + c_len
+  bins, offs = first_fit_decreasing(n[seqs], L)
+  used = int(bins.max()) + 1 if bins.size else 0
+  if num_rows is None:
+    R = max(multiple, -(-used // multiple) * multiple)
+  elif used > num_rows:
+    raise ValueError(
+      f"the {seqs.size} sequences ({int(n[seqs].sum())} tokens) need {used} rows of {L} tokens, more than "
+      f"num_rows={num_rows}; raise num_rows or row_length"
+    )
+  else:
+    R = num_rows
+  return _fill_rows(prompt_tokens, completions, p_len, c_len, seqs, bins, offs, R, L)
+
+
+def _check_rollout(prompt_tokens, prompt_mask, completions, mask, L: int):
+  """Shapes, dtypes and padding of a rollout; ``(prompt_tokens, completions, p_len, c_len, seqs)`` with
+  ``seqs`` the sequences that have a completion token (each fits a row of ``L`` tokens)."""
   prompt_tokens = _check_int_2d("prompt_tokens", prompt_tokens)
   completions = _check_int_2d("completions", completions)
   B, P = prompt_tokens.shape
@@ -185,12 +218,6 @@ def pack(
     raise ValueError(f"`completions` has {completions.shape[0]} rows but `prompt_tokens` has {B}")
   prompt_mask = _check_mask("prompt_mask", prompt_mask, (B, P))
   mask = _check_mask("mask", mask, (B, T))
-  L = _positive_int("row_length", row_length)
-  multiple = _positive_int("row_multiple", row_multiple)
-  if num_rows is not None:
-    num_rows = _positive_int("num_rows", num_rows)
-    if num_rows % multiple:
-      raise ValueError(f"`num_rows` {num_rows} is not a multiple of `row_multiple` {multiple}")
   p_len = prompt_mask.sum(1)
   c_len = mask.sum(1)
   not_suffix = np.flatnonzero((prompt_mask != (np.arange(P)[None] >= P - p_len[:, None])).any(1))
@@ -214,18 +241,13 @@ def pack(
       f"sequence {b} has {int(n[b])} tokens ({int(p_len[b])} prompt + {int(c_len[b])} completion), more than "
       f"row_length={L}; raise row_length (or truncate the rollout): a sequence is never split across rows"
     )
-  bins, offs = first_fit_decreasing(n[seqs], L)
-  used = int(bins.max()) + 1 if bins.size else 0
-  if num_rows is None:
-    R = max(multiple, -(-used // multiple) * multiple)
-  elif used > num_rows:
-    raise ValueError(
-      f"the {seqs.size} sequences ({int(n[seqs].sum())} tokens) need {used} rows of {L} tokens, more than "
-      f"num_rows={num_rows}; raise num_rows or row_length"
-    )
-  else:
-    R = num_rows
+  return prompt_tokens, completions, p_len, c_len, seqs
 
+
+def _fill_rows(prompt_tokens, completions, p_len, c_len, seqs, rows, offsets, R: int, L: int) -> PackedBatch:
+  """The :class:`PackedBatch` with sequence ``seqs[i]`` in row ``rows[i]`` from column ``offsets[i]``."""
+  B, P = prompt_tokens.shape
+  T = completions.shape[1]
   tokens = np.zeros((R, L), np.int32)
   segment_ids = np.zeros((R, L), np.int32)
   positions = np.zeros((R, L), np.int32)
@@ -233,9 +255,9 @@ def pack(
   pack_index = np.full((R, L), -1, np.int32)
   row = np.full(B, -1, np.int32)
   offset = np.full(B, -1, np.int32)
-  row[seqs], offset[seqs] = bins, offs
+  row[seqs], offset[seqs] = rows, offsets
   segments_in_row = np.zeros(R, np.int32)
-  for b in seqs[np.lexsort((offs, bins))]:  # row by row, left to right: segment ids 1, 2, ...
+  for b in seqs[np.lexsort((offsets, rows))]:  # row by row, left to right: segment ids 1, 2, ...
     r, o, p, c = int(row[b]), int(offset[b]), int(p_len[b]), int(c_len[b])
     segments_in_row[r] += 1
     tokens[r, o : o + p] = prompt_tokens[b, P - p :]
@@ -255,6 +277,163 @@ def pack(
     row=row,
     offset=offset,
   )
+
+
+class PackedSlots(NamedTuple):
+  """A rollout packed slot by slot: the train step's and the reference pass's packed layout.
+
+  Each sequence b belongs to one slot ``slot[b]`` of S (the train step's slots: one per device shard ×
+  mini-batch × micro-batch, ``jaxgrpo.train.batch_slots``); the sequences of a slot are packed by
+  first-fit decreasing into that slot's own ``Rs`` rows of ``L`` tokens, so the model call of one
+  micro-batch on one device sees exactly the sequences of that micro-batch on that device. Every slot
+  lists its completion tokens in a *head buffer* of ``C = Rs·H`` entries (row-major order of the
+  packed rows): only those positions go through the LM head, never a prompt or padding position
+  (beyond the buffer's unused tail). All index maps are local to their slot. Every field is NumPy.
+
+  Attributes:
+    tokens: ``int32[S·Rs, L]``: slot s in rows ``[s·Rs, (s+1)·Rs)``; 0 on padding.
+    segment_ids: ``int32[S·Rs, L]``: 0 on padding, ``k >= 1`` on the row's k-th sequence.
+    positions: ``int32[S·Rs, L]``: 0, 1, ... from each sequence's first prompt token; 0 on padding.
+    head_index: ``int32[S, Rs·H]``: ``head_index[s, j] = r·L + c``, the column c of row r (counted
+      within the slot) holding the slot's j-th completion token (its log-prob comes from the hidden
+      state at ``r·L + c - 1``, the same sequence: every prompt has a token); 0 after the last one.
+    unpack_index: ``int32[B, T]``: the entry j of ``head_index[slot[b]]`` holding completion token
+      ``(b, t)``; -1 where ``mask[b, t]`` is False.
+    slot: ``int32[B]``: the slot of each sequence (as given to :func:`pack_slots`).
+  """
+
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  head_index: np.ndarray
+  unpack_index: np.ndarray
+  slot: np.ndarray
+
+  @property
+  def rows_per_slot(self) -> int:
+    """Rs."""
+    return self.tokens.shape[0] // self.head_index.shape[0]
+
+  @property
+  def row_length(self) -> int:
+    """L."""
+    return self.tokens.shape[1]
+
+
+HEAD_FRACTIONS = 8  # the head length H is one of ceil(j·L / 8), j = 1..8: a few compiled shapes
+
+
+def pack_slots(
+  prompt_tokens,
+  prompt_mask,
+  completions,
+  mask,
+  slot,
+  *,
+  num_slots: int,
+  row_length: int,
+  rows: int | None = None,
+  head_length: int | None = None,
+) -> PackedSlots:
+  """Pack each slot's sequences (real prompt tokens, then real completion tokens) into its own rows of
+  ``row_length`` tokens by first-fit decreasing (:func:`first_fit_decreasing`, per slot).
+
+  Shapes are static per run up to a few buckets: every slot gets the same number of rows ``Rs`` and
+  head entries ``Rs·H``. ``Rs`` is ``rows`` when given (one shape; more rows needed is a ValueError),
+  else the smallest power of two holding the fullest slot. ``H`` is ``head_length`` when given, else
+  the smallest ``ceil(j·L / 8)`` (j = 1..8) with ``Rs·H`` at least the most completion tokens of any
+  slot. Sequences with no completion token are left out (nothing of theirs is scored).
+
+  Args:
+    prompt_tokens, prompt_mask, completions, mask: the rollout, as for :func:`pack`.
+    slot: ``int[B]`` the slot of each sequence, in ``[0, num_slots)``.
+    num_slots: S.
+    row_length: L; every sequence must fit a row.
+    rows: Rs, rows per slot (None: the power-of-two bucket of the need).
+    head_length: H (None: the bucket of the need, see above); ``rows · head_length`` must hold every
+      slot's completion tokens.
+
+  Returns:
+    A :class:`PackedSlots`.
+
+  Raises:
+    ValueError: what :func:`pack` raises, a slot out of range, more rows or head entries needed than
+      ``rows`` / ``rows·head_length`` (naming the slot). TypeError: wrong dtypes.
+  """
+  L = _positive_int("row_length", row_length)
+  S = _positive_int("num_slots", num_slots)
+  prompt_tokens, completions, p_len, c_len, seqs = _check_rollout(prompt_tokens, prompt_mask, completions, mask, L)
+  B = prompt_tokens.shape[0]
+  slot = np.asarray(slot)
+  if slot.shape != (B,) or not np.issubdtype(slot.dtype, np.integer):
+    raise ValueError(f"`slot` must be an int array of shape ({B},), got {slot.dtype}{list(slot.shape)}")
+  if B and (slot.min() < 0 or slot.max() >= S):
+    raise ValueError(f"`slot` values must be in [0, num_slots={S}); got values in [{slot.min()}, {slot.max()}]")
+  n = p_len + c_len
+  bins = np.zeros(seqs.size, np.int64)
+  offs = np.zeros(seqs.size, np.int64)
+  used = np.zeros(S, np.int64)
+  heads = np.zeros(S, np.int64)
+  for s in range(S):
+    mine = np.flatnonzero(slot[seqs] == s)
+    bins[mine], offs[mine] = first_fit_decreasing(n[seqs[mine]], L)
+    used[s] = bins[mine].max() + 1 if mine.size else 0
+    heads[s] = c_len[seqs[mine]].sum()
+  Rs = _slot_rows(rows, used, L)
+  H = _head_length(head_length, heads, Rs, L)
+  packed = _fill_rows(prompt_tokens, completions, p_len, c_len, seqs, slot[seqs] * Rs + bins, offs, S * Rs, L)
+  # head buffer: each slot's completion columns in row-major order; entry j of slot s ↔ its j-th one
+  completion = packed.completion_mask.reshape(S, Rs * L)
+  rank = np.cumsum(completion, axis=1, dtype=np.int64) - 1  # [S, Rs·L]: j at each completion column
+  head_index = np.zeros((S, Rs * H), np.int32)
+  where_s, where_c = np.nonzero(completion)
+  head_index[where_s, rank[where_s, where_c]] = where_c
+  real = packed.unpack_index >= 0  # [B, T]
+  local = packed.unpack_index - (slot * Rs * L)[:, None]  # flat index within the slot's rows
+  unpack_index = np.where(real, rank[np.broadcast_to(slot[:, None], real.shape), np.where(real, local, 0)], -1)
+  return PackedSlots(
+    tokens=packed.tokens,
+    segment_ids=packed.segment_ids,
+    positions=packed.positions,
+    head_index=head_index,
+    unpack_index=unpack_index.astype(np.int32),
+    slot=slot.astype(np.int32),
+  )
+
+
+def _slot_rows(rows: int | None, used: np.ndarray, L: int) -> int:
+  """Rs: ``rows`` (checked against the need), else the power-of-two bucket of the fullest slot."""
+  need = int(used.max()) if used.size else 0
+  if rows is None:
+    return 1 << max(need - 1, 0).bit_length()
+  rows = _positive_int("rows", rows)
+  if need > rows:
+    s = int(used.argmax())
+    raise ValueError(
+      f"slot {s} needs {need} rows of {L} tokens, more than rows={rows}; raise the rows per slot "
+      "(TrainConfig.packing_rows) or the row length, or leave the rows to the packer (None)"
+    )
+  return rows
+
+
+def _head_length(head_length: int | None, heads: np.ndarray, Rs: int, L: int) -> int:
+  """H: ``head_length`` (checked), else the smallest ``ceil(j·L / 8)`` with ``Rs·H`` >= the most
+  completion tokens of a slot (``H = L`` always suffices: a slot's rows hold at most ``Rs·L`` tokens)."""
+  need = int(heads.max()) if heads.size else 0
+  if head_length is None:
+    for j in range(1, HEAD_FRACTIONS + 1):
+      h = -(-j * L // HEAD_FRACTIONS)
+      if Rs * h >= need:
+        return h
+    raise AssertionError("unreachable: Rs·L holds every slot")
+  head_length = _positive_int("head_length", head_length)
+  if Rs * head_length < need:
+    s = int(heads.argmax())
+    raise ValueError(
+      f"slot {s} has {need} completion tokens, more than rows·head_length = {Rs}·{head_length}; raise "
+      "head_length or leave it to the packer (None)"
+    )
+  return head_length
 
 
 def unpack(packed: jax.Array, unpack_index: jax.Array, *, row_stride: int = 1, row_offset=0) -> jax.Array:

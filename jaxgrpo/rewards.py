@@ -53,6 +53,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from jaxgrpo import _checks
+
 __all__ = [
   "BOXED_SEARCH_CHARS",
   "extract_boxed",
@@ -71,6 +73,7 @@ __all__ = [
   "SampleErrors",
   "RewardResult",
   "group_is_informative",
+  "overlong_penalty",
 ]
 
 
@@ -760,3 +763,44 @@ def group_is_informative(rewards, group_ids, num_groups: int) -> np.ndarray:
   np.minimum.at(lo, group_ids, rewards)
   np.maximum.at(hi, group_ids, rewards)
   return hi > lo
+
+
+def overlong_penalty(lengths, max_length: int, cache_length: int, *, penalty_factor: float = 1.0) -> np.ndarray:
+  """DAPO's soft overlong punishment of completion lengths (Yu et al., arXiv:2503.14476, eq. 13).
+
+  With ``L_max = max_length``, ``L_cache = cache_length`` and the completion length ``|y|``::
+
+      R(|y|) = 0                                   |y| <= L_max − L_cache
+               ((L_max − L_cache) − |y|) / L_cache   L_max − L_cache < |y| <= L_max
+               −1                                  |y| > L_max
+
+  times ``penalty_factor`` (verl's ``overlong_buffer.penalty_factor``): a linear penalty over the last
+  ``L_cache`` tokens before the budget, reaching −1 at ``L_max``. Add it to the task reward before
+  the advantages, e.g. ``rewards + overlong_penalty(rollout.mask.sum(1), max_new_tokens, 512)``
+  (a sampler capped at ``L_max`` never exceeds it: a truncated completion gets −1). Host side, NumPy.
+
+  Args:
+    lengths: ``int[N]`` completion lengths in tokens (e.g. ``mask.sum(1)``), any integer array-like.
+    max_length: ``L_max`` >= 1, the completion budget.
+    cache_length: ``L_cache`` in ``[0, L_max]``, the soft zone (0: no soft zone, −1 only beyond L_max).
+    penalty_factor: finite scale >= 0 of the penalty (DAPO: 1).
+
+  Returns:
+    ``f32[N]`` penalties in ``[−penalty_factor, 0]``.
+  """
+  max_length = _checks.check_python_int(max_length, "max_length", minimum=1, hint="L_max, the completion budget")
+  cache_length = _checks.check_python_int(cache_length, "cache_length", minimum=0, hint="L_cache, the soft zone")
+  if cache_length > max_length:
+    raise ValueError(f"`cache_length` must be <= max_length ({max_length}); got {cache_length}")
+  factor = _checks.check_python_float(penalty_factor, "penalty_factor", at_least=0.0, hint="scale of the penalty")
+  lengths = np.asarray(lengths)
+  if lengths.ndim != 1:
+    raise ValueError(f"`lengths` must be int[N] (one length per completion); got shape {lengths.shape}")
+  if lengths.size and not np.issubdtype(lengths.dtype, np.integer):
+    raise TypeError(f"`lengths` must hold integer token counts; got dtype {lengths.dtype}")
+  if lengths.size and lengths.min() < 0:
+    raise ValueError(f"`lengths` must be >= 0; got {lengths.min()}")
+  start = max_length - cache_length
+  soft = (start - lengths.astype(np.float64)) / max(cache_length, 1)
+  out = np.where(lengths <= start, 0.0, np.where(lengths <= max_length, soft, -1.0))
+  return (factor * out).astype(np.float32)

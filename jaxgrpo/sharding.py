@@ -181,9 +181,11 @@ def logical_to_spec(
       used.add(m)
     size = math.prod(mesh.shape[m] for m in ms)
     if ms and shape is not None and shape[i] % size:
+      mesh_text = " × ".join(f"{m}={n}" for m, n in mesh.shape.items())
       raise ValueError(
         f"{name}: dim {i} ({a!r}, size {shape[i]}) is not divisible by mesh axis "
-        f"{'×'.join(map(repr, ms))} of size {size}; change the mesh or the rules"
+        f"{'×'.join(map(repr, ms))} of size {size} (mesh {mesh_text} over {mesh.size} devices); "
+        "change the mesh or the rules"
       )
     spec.append(None if not ms else ms[0] if len(ms) == 1 else ms)
   return PartitionSpec(*spec)

@@ -9,7 +9,7 @@ own configs, embedded as they are::
     objective   GRPOConfig       the algorithm (``jaxgrpo.config``): a preset plus overrides
     rollout     RolloutSpec      G, prompts per step, T, top-p/top-k, dynamic-sampling rounds
     step        TrainConfig      the jitted step (``jaxgrpo.train``): micro/mini-batches, clipping,
-                                 chunking, and the sampling temperature the log-probs refer to
+                                 chunking, packing, and the sampling temperature the log-probs refer to
     optim       OptimSpec        AdamW and its warm-up
     reward      RewardSpec       reward functions and weights, verifier time limit, error policy
     eval        EvalSpec         held-out set, k samples, pass@k, cadence
@@ -45,13 +45,14 @@ import types
 import typing
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
 import yaml
 
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.data import INSTRUCTION
+from jaxgrpo.models import RematPolicy
 from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.tasks.arithmetic import ArithmeticTask, SyntheticModel
 from jaxgrpo.train import TrainConfig
@@ -105,14 +106,19 @@ class ModelSpec:
       (:class:`jaxgrpo.tasks.arithmetic.SyntheticModel`), randomly initialised from ``run.seed``.
     dtype: compute dtype (``float32``, ``bfloat16``, ``float16``).
     param_dtype: storage dtype of the parameters.
-    remat: recompute each layer's activations in the backward pass (less memory, one more forward).
+    remat: activation checkpointing of every layer (``jaxgrpo.models.RematPolicy``): ``none`` (store
+      everything: fastest, most memory), ``full`` (store each layer's input, recompute the layer in the
+      backward pass), ``dots`` (store matmul outputs, recompute the rest), ``dots_no_batch`` (store the
+      projections, recompute attention scores and the rest: the choice for long rows); ``true`` /
+      ``false`` are ``full`` / ``none``. Values and gradients are the same for every policy
+      (docs/train.md, "Packing, remat, activation sharding").
   """
 
   path: str | None = None
   synthetic: SyntheticModel | None = None
   dtype: str = "float32"
   param_dtype: str = "float32"
-  remat: bool = False
+  remat: Literal["none", "full", "dots", "dots_no_batch"] | bool = "none"
 
   def __post_init__(self):
     if (self.path is None) == (self.synthetic is None):
@@ -124,6 +130,10 @@ class ModelSpec:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"`model.{name}` must be one of {sorted(DTYPES)}; got {getattr(self, name)!r}")
+    try:
+      RematPolicy.parse(self.remat)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"`model.remat`: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -49,8 +49,10 @@ from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
 from jaxgrpo.models import lora
-from jaxgrpo.models.log_probs import completion_log_probs
+from jaxgrpo.models.base import freeze_rules
+from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
+from jaxgrpo.packing import PackedSlots, pack_slots
 from jaxgrpo.process_sets import process_set_sizes, process_tree_stats
 
 __all__ = [
@@ -58,11 +60,13 @@ __all__ = [
   "TrainConfig",
   "TrainState",
   "TrainStep",
+  "batch_slots",
   "bucket_length",
   "completion_log_probs",
   "init_train_state",
   "make_reference_fn",
   "make_train_step",
+  "pack_batch",
   "pad_to_bucket",
 ]
 
@@ -87,6 +91,13 @@ class Batch(NamedTuple):
       with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
     token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
       of ``advantages_fn`` (or none at all when ``advantages`` is given).
+    behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
+      from ``old_logp`` (another inference engine or dtype, an older checkpoint), read by a
+      ``GRPOConfig`` with ``importance_correction``; None: ``old_logp`` is the behaviour policy's.
+      Dropped (one compiled program) when the config does not read it.
+    packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
+      :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
+      stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -102,11 +113,16 @@ class Batch(NamedTuple):
   ref_logp: jax.Array | None = None
   advantages: jax.Array | None = None
   token_weights: jax.Array | None = None
+  behavior_logp: jax.Array | None = None
+  packed: PackedSlots | None = None
 
   @classmethod
-  def from_rollout(cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None) -> "Batch":
+  def from_rollout(
+    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None
+  ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
-    array), with optional reference log-probs and precomputed advantages / token weights."""
+    array), with optional reference log-probs, precomputed advantages / token weights and behaviour
+    log-probs."""
     rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
       rollout.prompt_tokens,
@@ -119,6 +135,7 @@ class Batch(NamedTuple):
       ref_logp,
       advantages,
       token_weights,
+      behavior_logp,
     )
 
 
@@ -134,6 +151,7 @@ _FIELDS = {
   "ref_logp": ((2,), "float", "f32[B, T]"),
   "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
   "token_weights": ((2,), "float", "f32[B, T]"),
+  "behavior_logp": ((2,), "float", "f32[B, T]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -251,6 +269,12 @@ class TrainConfig:
     entropy: report the policy entropy (one extra pass over each logits chunk, no gradient).
     compiler_options: XLA options for compiling the step and the reference pass (None: defaults),
       e.g. ``{"xla_backend_optimization_level": 0}`` compiles about twice as fast on CPU (tests).
+    packing: L, the packed row length (None: no packing, one ``[prompt ‖ completion]`` row per
+      sequence). With L, the model's forward/backward runs on rows of L tokens holding several
+      sequences back to back (:func:`pack_batch`); every sequence (prompt + completion) must fit one.
+    packing_rows: rows of L tokens per micro-batch and device (None: the fewest that hold the fullest
+      micro-batch, rounded up to a power of two; a fixed value gives one compiled shape and a
+      ValueError for a batch that does not fit).
   """
 
   micro_batches: int = 1
@@ -262,6 +286,8 @@ class TrainConfig:
   tree_stats: bool = False
   entropy: bool = True
   compiler_options: Mapping[str, Any] | None = None
+  packing: int | None = None
+  packing_rows: int | None = None
 
   def __post_init__(self):
     for name in ("micro_batches", "mini_batches"):
@@ -276,6 +302,12 @@ class TrainConfig:
       raise ValueError(f"`chunk_size` must be a positive int or None; got {self.chunk_size!r}")
     if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
       raise ValueError(f"`group_size` must be a positive int or None; got {self.group_size!r}")
+    for name in ("packing", "packing_rows"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"`{name}` must be a positive int or None; got {v!r}")
+    if self.packing is None and self.packing_rows is not None:
+      raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 
 
 # ----------------------------------------------------------------------------- state
@@ -307,6 +339,24 @@ def _copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
+def _checked_rules(model_rules: tuple, rules: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+  """The one rules table of a model: its own (``model.sharding_rules``, which its activation
+  constraints use) when ``rules`` is None, else ``rules``, which must be the same table."""
+  if rules is not None and freeze_rules(rules) != model_rules:
+    raise ValueError(
+      f"{where}: `rules` differ from the model's own rules table (model.rules = {dict(model_rules)}, which its "
+      f"activation constraints use); got {dict(rules)}. Build the model with these rules "
+      "(build_model/load_hf(..., rules=...)) or leave `rules` unset"
+    )
+  return dict(model_rules)
+
+
+def _graph_rules(graphdef, param_shardings, frozen_shardings=None) -> tuple:
+  """``model.sharding_rules`` of the model ``graphdef`` describes (merged with the parameter and frozen
+  shardings: only the static attributes are read)."""
+  return _merge_model(graphdef, param_shardings, frozen_shardings).sharding_rules
+
+
 def init_train_state(
   model,
   optimizer: optax.GradientTransformation,
@@ -328,6 +378,9 @@ def init_train_state(
       ``nnx.filterlib`` filter works; it must select floating-point arrays only (quantised codes are
       refused, naming them).
 
+  ``rules`` (the logical-axis rules of the parameters) defaults to the model's own table
+  (``model.rules``, the one its activation constraints use); other rules raise ValueError.
+
   Returns:
     ``(graphdef, state, shardings)``: the static graph, a :class:`TrainState` whose parameters,
     optimizer moments and frozen variables are sharded by ``rules`` (FSDP over ``fsdp``, tensor
@@ -337,6 +390,7 @@ def init_train_state(
     holds the model's own arrays when they already have these shardings. Raises ValueError (before
     anything is compiled) for any dimension the mesh does not divide, e.g. heads % tensor.
   """
+  rules = _checked_rules(model.sharding_rules, rules, "init_train_state")
   graphdef, params, frozen = nnx.split(model, trainable, ...)
   _check_params_only(nnx.state(model))
   _check_trainable(params, trainable)
@@ -365,6 +419,53 @@ def _split_rows(x, m: int, k: int):
   b = x.shape[0]
   x = x.reshape((b // (m * k), m, k) + x.shape[1:])
   return jnp.moveaxis(x, 0, 2)
+
+
+def _split_slots(x, n: int, m: int, k: int):
+  """Packed slot arrays ``[n·M·K·X, ...]`` (slot ``d·(M·K) + m·K + k`` = device shard d, mini-batch m,
+  micro-batch k; X rows or one head buffer per slot) -> ``[M, K, n·X, ...]``, shard d's X at
+  ``[m, k, d·X : (d+1)·X]``: the layout of :func:`_split_rows`' ``[M, K, B/(M·K), ...]``."""
+  x = x.reshape((n, m, k, x.shape[0] // (n * m * k)) + x.shape[1:])
+  x = jnp.moveaxis(x, 0, 2)  # [M, K, n, X, ...]
+  return x.reshape(x.shape[:2] + (n * x.shape[3],) + x.shape[4:])
+
+
+def _merge_rows(x, m: int, k: int):
+  """Inverse of :func:`_split_rows`: ``[M, K, B/(M·K), ...] -> [B, ...]``."""
+  x = jnp.moveaxis(x, 2, 0)
+  return x.reshape((x.shape[0] * m * k,) + x.shape[3:])
+
+
+def _model_inputs(batch: Batch) -> dict:
+  """What the model call of a micro-batch reads, per row of the batch (split like every ``[B, ...]``
+  field): the prompt and completion tokens, or with packing the rows' head entries."""
+  if batch.packed is None:
+    return dict(
+      prompt_tokens=batch.prompt_tokens,
+      prompt_mask=batch.prompt_mask,
+      completions=batch.completions,
+      mask=batch.mask,  # attention: every real token of the row
+    )
+  return dict(unpack_index=batch.packed.unpack_index)
+
+
+def _slot_inputs(packed: PackedSlots) -> dict:
+  """The packed rows and head buffers (split by slot, :func:`_split_slots`)."""
+  return dict(
+    tokens=packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids, head_index=packed.head_index
+  )
+
+
+def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool, entropy_grad: bool = False):
+  """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
+  rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
+  has a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
+  kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+  if "head_index" in mb:  # no adapter dropout here: _check_dropout refuses it with packing
+    args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
+    return packed_log_probs(model, *args, blocks=blocks, **kw)
+  args = (mb["prompt_tokens"], mb["prompt_mask"], mb["completions"], mb["mask"])
+  return completion_log_probs(model, *args, dropout_key=mb.get("dropout_key"), **kw)
 
 
 def _zero_terms(example: LossTerms) -> LossTerms:
@@ -398,20 +499,43 @@ def _depends_on(jaxpr, invar_index: int) -> bool:
   return any(isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars)
 
 
+def _wants_entropy(config) -> bool:
+  """Whether the objective takes the entropy (with its gradient): a GRPOConfig with an entropy bonus."""
+  return isinstance(config, GRPOConfig) and config.entropy_coef != 0
+
+
+def _reads_behavior(config) -> bool:
+  """Whether the objective takes ``behavior_logp``: a GRPOConfig with an off-policy correction."""
+  return isinstance(config, GRPOConfig) and config.importance_correction is not None
+
+
+def _objective_extras(config, behavior_logp, entropy) -> dict:
+  """The objective's keywords beyond the pinned signature, passed only when the config asks for them
+  (so a custom ``objective_fn`` with the pinned signature works with every other config)."""
+  extras = {}
+  if _reads_behavior(config):
+    extras["behavior_logp"] = behavior_logp
+  if _wants_entropy(config):
+    extras["entropy"] = entropy
+  return extras
+
+
 def _check_denominator(objective_fn, config, mb) -> None:
   """Trace-time check of the objective contract: the denominator has no gradient with respect to
-  ``logp``. Its tangent (``jax.jvp``) must be a symbolic zero — true for anything built from masks,
-  advantages, rewards, shapes or ``stop_gradient`` of the log-probs."""
+  ``logp`` (nor to the entropy, when the objective takes it). Its tangent (``jax.jvp``) must be a
+  symbolic zero — true for anything built from masks, advantages, rewards, shapes or
+  ``stop_gradient`` of the log-probs."""
 
-  def tangent(logp, dlogp, old, adv, mask, weights, ref):
-    def den(lp):
-      return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref).denominator
+  def tangent(logp, dlogp, old, adv, mask, weights, ref, behavior):
+    def den(lp, ent):
+      extras = _objective_extras(config, behavior, ent)
+      return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref, **extras).denominator
 
-    return jax.jvp(den, (logp,), (dlogp,))[1]
+    return jax.jvp(den, (logp, logp), (dlogp, dlogp))[1]
 
   abstract = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
   logp = jax.ShapeDtypeStruct(mb["old_logp"].shape, jnp.float32)
-  args = [abstract(mb[k]) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp")]
+  args = [abstract(mb.get(k)) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp", "behavior_logp")]
   jaxpr = jax.make_jaxpr(tangent)(logp, logp, *args).jaxpr
   if _depends_on(jaxpr, 1):
     name = getattr(objective_fn, "__name__", repr(objective_fn))
@@ -469,6 +593,7 @@ class _StepSpec:
   advantages_fn: Callable
   param_sh: Any
   rows_sh: NamedSharding
+  blocks: int = 1  # data × fsdp: the device shards of the batch rows (packing: one slot each)
   dropout_key: Any = None  # the run's typed PRNG key for adapter dropout, or None
 
 
@@ -513,13 +638,20 @@ def _row_dropout_keys(run_key, step, passes: int, b: int) -> jax.Array:
   return jax.vmap(per_pass)(jnp.arange(passes, dtype=jnp.uint32))
 
 
-def _check_dropout(spec: _StepSpec, model) -> None:
-  """Trace-time: adapters with dropout > 0 need the step's ``dropout_key`` (no silent no-dropout)."""
+def _check_dropout(spec: _StepSpec, model, packed: bool) -> None:
+  """Trace-time: adapters with dropout > 0 need the step's ``dropout_key`` (no silent no-dropout) and
+  an unpacked batch (the per-row masks are drawn in the ``[prompt ‖ completion]`` row layout)."""
   rate = lora.adapter_dropout(model)
-  if spec.dropout_key is None and rate > 0:
+  if rate > 0 and spec.dropout_key is None:
     raise ValueError(
       f"the model's LoRA adapters have dropout {rate} but make_train_step got no dropout_key: pass "
       "dropout_key=jax.random.key(seed) (or build the adapters with dropout=0)"
+    )
+  if rate > 0 and packed:
+    raise ValueError(
+      f"the model's LoRA adapters have dropout {rate} and the batch is packed (TrainConfig.packing): adapter "
+      "dropout is not supported with packing (its masks are drawn per unpacked row); build the adapters with "
+      "dropout=0 (lora.dropout: 0) or train unpacked"
     )
 
 
@@ -541,40 +673,41 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch):
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     extra.update({f"tree/{k}": v for k, v in stats.items()})
   rows = dict(
-    prompt_tokens=batch.prompt_tokens,
-    prompt_mask=batch.prompt_mask,
-    completions=batch.completions,
-    mask=batch.mask,  # attention: every real token of the row
+    _model_inputs(batch),
     loss_mask=loss_mask,  # the loss: real tokens of rows with a finite reward
     old_logp=select(batch.old_logp),
     adv=adv,
     weights=select(weights),
     ref_logp=select(batch.ref_logp),
+    behavior_logp=select(batch.behavior_logp),
   )
   # [M, K, R, ...], R over data×fsdp: each device keeps its own rows
   rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), spec.rows_sh), rows)
+  if batch.packed is not None:  # and its own packed rows: slot d·(M·K) + m·K + k
+    split = lambda x: jax.lax.with_sharding_constraint(_split_slots(x, spec.blocks, mm, kk), spec.rows_sh)
+    rows.update(jax.tree.map(split, _slot_inputs(batch.packed)))
   example_mb = jax.tree.map(lambda x: x[0, 0], rows)
   _check_denominator(spec.objective_fn, config, example_mb)
 
   def micro_terms(p, mb, scale):
     model = _merge_model(graphdef, p, frozen)
-    _check_dropout(spec, model)
-    logp, ent = completion_log_probs(
-      model,
-      mb["prompt_tokens"],
-      mb["prompt_mask"],
-      mb["completions"],
-      mb["mask"],
-      temperature=tc.temperature,
-      chunk_size=tc.chunk_size,
-      with_entropy=tc.entropy,
-      dropout_key=mb.get("dropout_key"),
-    )
+    _check_dropout(spec, model, packed="head_index" in mb)
+    wants_entropy = _wants_entropy(config)
+    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    extras = _objective_extras(config, mb["behavior_logp"], ent)
     terms = spec.objective_fn(
-      config, logp, mb["old_logp"], mb["adv"], mb["loss_mask"], token_weights=mb["weights"], ref_logp=mb["ref_logp"]
+      config,
+      logp,
+      mb["old_logp"],
+      mb["adv"],
+      mb["loss_mask"],
+      token_weights=mb["weights"],
+      ref_logp=mb["ref_logp"],
+      **extras,
     )
     if not isinstance(terms, LossTerms):
       raise TypeError(f"objective_fn must return jaxgrpo.losses.LossTerms; got {type(terms).__name__}")
+    ent = None if ent is None else jax.lax.stop_gradient(ent)
     ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
     return terms.numerator * scale, (terms, ent_sum)
 
@@ -639,19 +772,24 @@ def _fn_name(fn) -> str:
 class TrainStep:
   """The compiled train step; call as ``state, metrics = step(state, batch)``.
 
-  Created by :func:`make_train_step`. Each call validates the batch on the host (shapes, dtypes,
-  group ids, group sizes, divisibility; clear errors, nothing compiled), places it on the mesh (a
-  NumPy batch and a placed one run the same program), checks that ``state`` was not consumed by an
-  earlier call, then runs the jitted step with ``state`` donated — except ``state.frozen``, a separate,
-  non-donated argument that the returned state holds unchanged (no copy). ``traces`` counts how often
-  the step was traced: the same shapes and the same optional fields never retrace or recompile.
+  Created by :func:`make_train_step`. Each call packs the batch when ``train_config.packing`` is set
+  and the batch is not packed yet (:meth:`pack`), validates it on the host (shapes, dtypes, group
+  ids, group sizes, divisibility, the packed layout; clear errors, nothing compiled), places it on the
+  mesh (a NumPy batch and a placed one run the same program), checks that ``state`` was not consumed
+  by an earlier call, then runs the jitted step with ``state`` donated — except ``state.frozen``, a
+  separate, non-donated argument that the returned state holds unchanged (no copy) — under
+  ``jax.set_mesh(mesh)`` (the model's activation sharding constraints apply). ``traces`` counts how
+  often the step was traced: the same shapes and the same optional fields never retrace or recompile.
 
   Attributes:
-    graphdef, config, train_config, mesh, rules, shardings, objective_fn, advantages_fn, dropout_key:
-      as given to :func:`make_train_step`.
+    graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn, dropout_key: as
+      given to :func:`make_train_step`.
+    rules: the logical-axis rules (the model's own table).
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
       default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
+    jitted: the ``jax.jit`` of ``(state without frozen, state.frozen, placed batch)``; :meth:`lower`
+      lowers it under ``jax.set_mesh(step.mesh)``, as each call runs it (e.g. ``memory_analysis()``).
   """
 
   def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
@@ -691,9 +829,9 @@ class TrainStep:
 
   def check_batch(self, batch: Batch) -> None:
     """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
-    fields the configuration needs, divisibility over ``data × fsdp × M × K``, and — when the values
-    are on this host — group ids in ``[0, num_groups)`` and no group larger than
-    ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
+    (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
+    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
@@ -713,6 +851,7 @@ class TrainStep:
           "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
+    _check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
     g, num_groups = _group_bound(tc.group_size, b)
     ids = _host_values(batch.group_ids)
     if ids is None or ids.size == 0:
@@ -730,13 +869,33 @@ class TrainStep:
         "(it bounds the process-set computation) or split the group"
       )
 
+  def pack(self, batch: Batch) -> Batch:
+    """``batch`` with its sequences packed for this step (:func:`pack_batch` with the step's row
+    length, rows, mesh and split) when ``train_config.packing`` is set and ``batch.packed`` is None;
+    otherwise ``batch`` itself. Host side (the batch's values must be on this host)."""
+    tc = self.train_config
+    if tc.packing is None or batch.packed is not None:
+      return batch
+    _check_fields(batch, _FIELDS)  # the usual errors for a malformed batch, before the packer reads it
+    return pack_batch(
+      batch,
+      row_length=tc.packing,
+      shards=shd.batch_shards(self.mesh, self.rules),
+      mini_batches=tc.mini_batches,
+      micro_batches=tc.micro_batches,
+      rows=tc.packing_rows,
+    )
+
   def place_batch(self, batch: Batch) -> Batch:
-    """``batch`` validated (:meth:`check_batch`) and placed on the mesh with the step's dtypes; what
-    each call does before the jitted step (a no-op for a batch this returned)."""
+    """``batch`` packed (:meth:`pack`), validated (:meth:`check_batch`) and placed on the mesh with the
+    step's dtypes; what each call does before the jitted step (a no-op for a batch this returned)."""
+    batch = self.pack(batch)
     self.check_batch(batch)
     if not self.reads_ref_logp and batch.ref_logp is not None:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
-    return _place_fields(batch, _FIELDS, self.batch_sharding)
+    if not _reads_behavior(self.config) and batch.behavior_logp is not None:
+      batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
+    return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
 
   def _args(self, state: TrainState, batch: Batch):
     if not isinstance(state, TrainState):
@@ -745,13 +904,17 @@ class TrainStep:
     return state._replace(frozen=None), state.frozen, self.place_batch(batch)
 
   def __call__(self, state: TrainState, batch: Batch):
-    new, metrics = self.jitted(*self._args(state, batch))
+    args = self._args(state, batch)
+    with jax.set_mesh(self.mesh):  # the models' activation constraints apply while this mesh is set
+      new, metrics = self.jitted(*args)
     return new._replace(frozen=state.frozen), metrics
 
   def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
     """The jitted step lowered for ``state`` and ``batch`` (checked and placed as a call would be),
     without running it: ``.compile().memory_analysis()`` gives the program's memory footprint."""
-    return self.jitted.lower(*self._args(state, batch))
+    args = self._args(state, batch)
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
 
 
 def make_train_step(
@@ -780,8 +943,10 @@ def make_train_step(
       included: the step then makes one pass (μ = 1). Use an immutable, hashable object (a frozen
       dataclass, a NamedTuple): it is closed over by the compiled program, and your own jitted
       functions can take it as a static argument.
-    train_config: micro/mini-batches, clipping, temperature, log-prob chunking.
-    rules: logical-axis rules (default ``jaxgrpo.sharding.DEFAULT_RULES``).
+    train_config: micro/mini-batches, clipping, temperature, log-prob chunking, packing.
+    rules: logical-axis rules of the parameters and the batch: by default the model's own table
+      (``model.rules``, default ``jaxgrpo.sharding.DEFAULT_RULES``), which its activation constraints
+      use; any other table raises ValueError.
     objective_fn: ``objective_fn(config, logp, old_logp, advantages, mask, *, token_weights=None,
       ref_logp=None) -> LossTerms``, the loss of one micro-batch: ``logp`` ``f32[R, T]`` the current
       policy's log-probs (differentiable), ``old_logp`` ``f32[R, T]`` the rollout's, ``advantages``
@@ -792,6 +957,9 @@ def make_train_step(
       (masks, advantages, shapes; checked when the step is traced, ValueError otherwise). The metrics
       are :func:`~jaxgrpo.losses.finalize_terms`' when the terms' ``sums`` are those of
       :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``.
+      Two keywords are added only when a ``GRPOConfig`` asks for them: ``behavior_logp=`` ``f32[R, T]``
+      or None (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]``
+      with its gradient (``entropy_coef != 0``); an objective used with such a config must accept them.
     advantages_fn: ``advantages_fn(config, rewards, tokens, mask, group_ids, num_groups, *,
       old_logp=None, ref_logp=None, max_group_size=None) -> (advantages, token_weights)`` with
       ``advantages`` ``f32[B]`` or ``f32[B, T]`` and ``token_weights`` ``f32[B, T]`` or None; called
@@ -811,6 +979,8 @@ def make_train_step(
   ``grad_norm`` (before clipping), ``tokens``, ``sequences``, ``rewards_nonfinite`` (missing
   samples) and, for λ presets or with ``tree_stats``, ``tree/nontrivial_group_fraction``,
   ``tree/mean_path_depth``, ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
+  With ``importance_correction``: ``is_weight_mean``, ``is_ratio_mean``, ``is_ratio_max``,
+  ``is_capped_frac``, ``mismatch_kl`` (see :func:`~jaxgrpo.losses.policy_loss`).
   """
   objective_fn = objective_terms if objective_fn is None else objective_fn
   advantages_fn = rollout_advantages if advantages_fn is None else advantages_fn
@@ -825,7 +995,9 @@ def make_train_step(
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.train.TrainConfig; got {type(train_config).__name__}")
+  rules = _checked_rules(_graph_rules(graphdef, shardings.params, shardings.frozen), rules, "make_train_step")
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *shd.batch_sharding(mesh, rules).spec))
+  blocks = shd.batch_shards(mesh, rules)
   spec = _StepSpec(
     graphdef,
     optimizer,
@@ -835,6 +1007,7 @@ def make_train_step(
     advantages_fn,
     shardings.params,
     rows_sh,
+    blocks,
     _check_run_key(dropout_key),
   )
   return TrainStep(spec, mesh, shardings, rules)
@@ -872,13 +1045,20 @@ def make_reference_fn(
   needed when something reads ``ref_logp`` (β > 0: GRPO's KL term in the loss or FRPO's future-KL).
   The rows are processed in ``train_config.micro_batches`` sequential micro-batches (``lax.map``),
   exactly as the train step splits them, so the reference pass never holds more activations or
-  logits chunks than one micro-batch of the step. Only the prompt and completion fields of the batch
-  are read; NumPy and placed batches run the same program.
+  logits chunks than one micro-batch of the step. With ``train_config.packing`` the batch is packed
+  as the step packs it (a batch that carries ``packed`` is used as it is) and the pass runs the M·K
+  slots of each device one after the other, each exactly one micro-batch of the step. Only the
+  prompt and completion fields of the batch are read; NumPy and placed batches run the same program.
+  The pass is traced under ``jax.set_mesh(mesh)`` (activation constraints apply); ``rules`` as for
+  :func:`make_train_step` (default: the model's own table).
   """
   tc = TrainConfig() if train_config is None else train_config
+  rules = _checked_rules(_graph_rules(graphdef, param_shardings), rules, "make_reference_fn")
   bsh = shd.batch_sharding(mesh, rules)
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
+  blocks = shd.batch_shards(mesh, rules)
   k = tc.micro_batches
+  slots = tc.mini_batches * tc.micro_batches  # per device shard, when packed
 
   def fn(params, cols):
     model = nnx.merge(graphdef, params)
@@ -891,16 +1071,171 @@ def make_reference_fn(
     logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
     return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of _split_rows
 
-  jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=_options(tc))
+  def fn_packed(params, unpack_index, packed_rows):
+    model = nnx.merge(graphdef, params)
+    mbs = {"unpack_index": jax.lax.with_sharding_constraint(_split_rows(unpack_index, 1, slots), rows_sh)[0]}
+    for name, x in packed_rows.items():  # [M·K, blocks·X, ...]: slot j of every device shard
+      mbs[name] = jax.lax.with_sharding_constraint(_split_slots(x, blocks, 1, slots), rows_sh)[0]
+    logp = jax.lax.map(lambda mb: _micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
+    return _merge_rows(logp[None], 1, slots)
+
+  options = _options(tc)
+  jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=options)
+  jitted_packed = jax.jit(
+    fn_packed, in_shardings=(param_shardings, bsh, bsh), out_shardings=bsh, compiler_options=options
+  )
 
   def reference_log_probs(ref_params, batch: Batch):
     b, _ = _check_fields(batch, _REFERENCE_FIELDS)
     _check_not_donated(ref_params, "ref_params")
-    shd.check_batch_divisible(b, mesh, rules, splits=k)
-    placed = _place_fields(batch, _REFERENCE_FIELDS, bsh)
-    return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
+    shd.check_batch_divisible(b, mesh, rules, splits=slots if tc.packing else k)
+    if tc.packing is not None and batch.packed is None:
+      batch = pack_batch(
+        batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
+      )
+    _check_packing(batch, tc, blocks, slots)
+    placed = _place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh)
+    with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
+      if placed.packed is not None:
+        return jitted_packed(ref_params, placed.packed.unpack_index, _slot_inputs(placed.packed))
+      return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
 
   return reference_log_probs
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def batch_slots(batch_size: int, *, shards: int, mini_batches: int = 1, micro_batches: int = 1) -> np.ndarray:
+  """The train step's slot of each row: ``d·(M·K) + (b mod M·K)`` for row b, where
+  ``d = b // (B / shards)`` is the device shard holding the row (rows over ``data × fsdp``) and
+  ``b mod M·K = m·K + k`` its mini-batch m and micro-batch k (the step's split, row
+  ``i·(M·K) + m·K + k``). Packing each slot alone (:func:`pack_batch`) keeps every micro-batch's
+  sequences — and so its loss terms — exactly those of the unpacked step, and each device's packed
+  rows its own sequences.
+
+  Returns:
+    ``int32[batch_size]`` in ``[0, shards·M·K)``.
+
+  Raises:
+    ValueError: ``batch_size`` not divisible by ``shards · M · K``.
+  """
+  splits = mini_batches * micro_batches
+  if batch_size % (shards * splits):
+    raise ValueError(
+      f"batch size {batch_size} is not divisible by shards × mini_batches × micro_batches = {shards} × "
+      f"{mini_batches} × {micro_batches}"
+    )
+  b = np.arange(batch_size)
+  return ((b // (batch_size // shards)) * splits + b % splits).astype(np.int32)
+
+
+def pack_batch(
+  batch: Batch,
+  *,
+  row_length: int,
+  shards: int = 1,
+  mini_batches: int = 1,
+  micro_batches: int = 1,
+  rows: int | None = None,
+  head_length: int | None = None,
+) -> Batch:
+  """``batch`` with ``packed``: its sequences packed slot by slot for the train step
+  (``jaxgrpo.packing.pack_slots`` with the slots of :func:`batch_slots`), host side.
+
+  Every ``[B, ...]`` field stays as it is: advantages, λ process sets, FRPO's future-KL and the loss's
+  aggregation are computed on them exactly as without packing; only the model's forward/backward
+  reads the packed rows, and its log-probs come back in the ``[B, T]`` layout.
+
+  Args:
+    batch: a :class:`Batch` whose values are on this host (NumPy, or fully addressable arrays).
+    row_length: L, tokens per packed row (``TrainConfig.packing``).
+    shards: the device shards the batch rows are split over (``data × fsdp``; with process-local rows,
+      this process's shards).
+    mini_batches, micro_batches: M and K of the step.
+    rows: rows per slot (``TrainConfig.packing_rows``; None: a power-of-two bucket of the need).
+    head_length: LM-head entries per packed row (None: a bucket of the need, see ``pack_slots``).
+  """
+  if not isinstance(batch, Batch):
+    raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
+  fields = [_host_values(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
+  if any(x is None for x in fields):
+    raise ValueError("pack_batch packs on the host: the batch's tokens and masks must be NumPy or fully addressable")
+  b = fields[2].shape[0] if fields[2].ndim == 2 else 0
+  slot = batch_slots(b, shards=shards, mini_batches=mini_batches, micro_batches=micro_batches)
+  packed = pack_slots(
+    *fields,
+    slot,
+    num_slots=shards * mini_batches * micro_batches,
+    row_length=row_length,
+    rows=rows,
+    head_length=head_length,
+  )
+  return batch._replace(packed=packed)
+
+
+def _check_packing(batch: Batch, tc: TrainConfig, shards: int, splits: int) -> None:
+  """ValueError unless ``batch.packed`` is what ``tc`` asks for: absent without packing; with it, a
+  ``PackedSlots`` of row length ``tc.packing`` (and ``tc.packing_rows`` rows per slot) over
+  ``shards × splits`` slots for this batch — and, for NumPy fields, its slots those of
+  :func:`batch_slots` and its index map covering exactly ``batch.mask``."""
+  packed = batch.packed
+  if packed is None:
+    return
+  if tc.packing is None:
+    raise ValueError(
+      "batch.packed is set but TrainConfig.packing is None: set TrainConfig(packing=L) or pass the batch "
+      "without `packed`"
+    )
+  if not isinstance(packed, PackedSlots):
+    raise TypeError(f"batch.packed must be a jaxgrpo.packing.PackedSlots (pack_batch); got {type(packed).__name__}")
+  b, t = np.shape(batch.completions)
+  num_slots = shards * splits
+  shapes = {name: np.shape(x) for name, x in packed._asdict().items()}
+  rows_total, length = shapes["tokens"] if len(shapes["tokens"]) == 2 else (0, 0)
+  rs = rows_total // num_slots if rows_total % num_slots == 0 else 0
+  heads = shapes["head_index"]
+  ok = (
+    rs > 0
+    and length == tc.packing
+    and (tc.packing_rows is None or rs == tc.packing_rows)
+    and shapes["segment_ids"] == shapes["positions"] == (rows_total, length)
+    and len(heads) == 2
+    and heads[0] == num_slots
+    and heads[1] % rs == 0
+    and shapes["unpack_index"] == (b, t)
+    and shapes["slot"] == (b,)
+  )
+  if not ok:
+    rows_wanted = "Rs" if tc.packing_rows is None else tc.packing_rows
+    raise ValueError(
+      f"batch.packed does not fit this step: expected {num_slots} slots (data×fsdp {shards} × M·K {splits}) of "
+      f"{rows_wanted} rows of L={tc.packing} tokens, i.e. tokens/segment_ids/positions [{num_slots}·{rows_wanted}, "
+      f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}]; got {shapes}. "
+      "Pack the batch with step.pack (or train.pack_batch with the step's settings), after bucketing"
+    )
+  for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot"):
+    _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
+  # host arrays only (a placed batch was packed by pack_batch, not re-read from the devices every step)
+  slot, index, mask = (x if isinstance(x, np.ndarray) else None for x in (packed.slot, packed.unpack_index, batch.mask))
+  if slot is not None and not np.array_equal(slot, batch_slots(b, shards=shards, mini_batches=1, micro_batches=splits)):
+    raise ValueError(
+      "batch.packed.slot is not the step's slot of each row (train.batch_slots): the batch was packed for "
+      "another mesh or split; pack it with step.pack"
+    )
+  if index is not None and mask is not None and not np.array_equal(index >= 0, mask):
+    raise ValueError(
+      "batch.packed.unpack_index does not cover exactly batch.mask's tokens: the batch changed after it "
+      "was packed (pad_to_bucket before packing, not after changing the mask)"
+    )
+
+
+def _place_packed(batch: Batch, sharding) -> Batch:
+  """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``)."""
+  if batch.packed is None:
+    return batch
+  as_int32 = lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.int32 else jnp.asarray(x, jnp.int32)
+  return batch._replace(packed=jax.device_put(jax.tree.map(as_int32, batch.packed), sharding))
 
 
 # ----------------------------------------------------------------------------- bucketing
@@ -919,7 +1254,8 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
   changes no loss; padding adds masked columns. A few bucket lengths mean a few compiled programs.
 
   Args:
-    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages included, are fitted).
+    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages and a packed batch's
+      ``unpack_index`` included, are fitted).
     buckets: the allowed completion lengths.
     length: the longest real completion to fit (default: from ``batch.mask``). Processes that each
       pad their own rows pass the maximum over all processes, so that every process picks the same
@@ -942,6 +1278,9 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
       return x[:, :target]
     return np.pad(x, ((0, 0), (0, target - t)), constant_values=fill)
 
+  packed = batch.packed
+  if packed is not None:  # the completion slots' head entries: -1 on the columns added
+    packed = packed._replace(unpack_index=fit(packed.unpack_index, -1))
   return batch._replace(
     completions=fit(batch.completions, 0),
     mask=fit(batch.mask, False),
@@ -949,4 +1288,6 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     ref_logp=fit(batch.ref_logp, 0.0),
     advantages=fit(batch.advantages, 0.0),
     token_weights=fit(batch.token_weights, 0.0),
+    behavior_logp=fit(batch.behavior_logp, 0.0),
+    packed=packed,
   )

@@ -23,27 +23,40 @@ With a ``lora`` section (LoRA/QLoRA, ``jaxgrpo.models.lora``) only the adapters 
 checkpointed: the base weights are frozen (``TrainState.frozen``), the reference pass (β > 0) runs
 the base model on them (no copy), and the run's :func:`run_meta` carries their fingerprint, so a
 checkpoint is never resumed onto other base weights.
+
+Failures (``docs/failure_modes.md``): after every step the parameters and optimizer state are checked
+for NaN/inf (one reduction) and so is the loss; a non-finite state stops the run with
+:class:`~jaxgrpo.checkpoint.NonFiniteError` before ``checkpoint_fn`` could save it. During ``run()``,
+SIGTERM and SIGINT are turned into a stop at the next step boundary: the current step is finished,
+checkpointed through ``checkpoint_fn``, and :class:`TrainingInterrupted` is raised; a second signal
+raises :class:`TrainingAborted` (a ``KeyboardInterrupt``) at once. A mesh that does not fit the model
+or the rollout batch is refused before the model's weights are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import signal
+import threading
 import time
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxgrpo import builders, iteration
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
 from jaxgrpo import train as train_lib
-from jaxgrpo.checkpoint import RunMeta, Snapshot
+from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
 from jaxgrpo.distributed import to_host
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.metrics import truncate_jsonl
@@ -51,7 +64,16 @@ from jaxgrpo.models import lora
 from jaxgrpo.sampling import generate
 from jaxgrpo.specs import TrainerConfig
 
-__all__ = ["Trainer", "TrainerState", "run_meta", "dropout_key", "IDENTITY_FIELDS", "GUARDED_FIELDS"]
+__all__ = [
+  "Trainer",
+  "TrainerState",
+  "TrainingInterrupted",
+  "TrainingAborted",
+  "run_meta",
+  "dropout_key",
+  "IDENTITY_FIELDS",
+  "GUARDED_FIELDS",
+]
 
 #: Config fields that change the parameter tree or the training prompts and their order: a
 #: checkpoint written with other values is refused.
@@ -93,6 +115,67 @@ def run_meta(config: TrainerConfig, *, base_fingerprint: str | None = None) -> R
     guarded={p: _get(d, p) for p in GUARDED_FIELDS},
     config=d,
     fingerprints={} if base_fingerprint is None else {builders.BASE_WEIGHTS: base_fingerprint},
+  )
+
+
+class TrainingInterrupted(Exception):
+  """``run()`` stopped on SIGTERM/SIGINT at a step boundary, after checkpointing that step.
+
+  Attributes:
+    signum: the signal (``signal.SIGTERM`` or ``signal.SIGINT``); a command line exits with
+      ``128 + signum``.
+    step: the last completed (and checkpointed) step.
+  """
+
+  def __init__(self, message: str, *, signum: int, step: int):
+    super().__init__(message)
+    self.signum, self.step = signum, step
+
+
+class TrainingAborted(KeyboardInterrupt):
+  """A second SIGTERM/SIGINT during ``run()``: raised at once, without finishing the step or the
+  save in flight (a ``KeyboardInterrupt``, so code that handles Ctrl-C handles it too).
+
+  Attributes:
+    signum: the second signal.
+  """
+
+  def __init__(self, signum: int):
+    super().__init__(f"aborted by a second {signal.Signals(signum).name}")
+    self.signum = signum
+
+
+def _nonfinite_error(
+  step: int, metrics: Mapping[str, Any], state_where: str | None, *, stop_on_loss: bool
+) -> NonFiniteError | None:
+  """The error that stops the run after ``step``, or None to go on.
+
+  ``state_where`` is the first non-finite parameter / optimizer-state entry (None: all finite). A
+  non-finite state always stops; a non-finite ``loss`` stops when ``stop_on_loss``.
+  """
+  bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+  loss_bad = "loss" in bad
+  if state_where is None and not (loss_bad and stop_on_loss):
+    return None
+  parts = []
+  if bad:
+    parts.append(
+      f"first non-finite metric: {bad[0]} = {metrics[bad[0]]}" + (f" (all: {', '.join(bad)})" if len(bad) > 1 else "")
+    )
+  if state_where is not None:
+    parts.append(f"first non-finite entry of the updated state: {state_where}")
+  else:
+    parts.append(
+      "the parameters are still finite (--on-nonfinite-loss continue, Trainer(stop_on_nonfinite_loss=False), "
+      "would go on)"
+    )
+  return NonFiniteError(
+    f"training stopped at step {step}: non-finite values; " + "; ".join(parts) + f". Nothing of step {step} was "
+    "saved and the earlier checkpoints are kept. Usual causes: a learning rate too large, no gradient "
+    "clipping (step.max_grad_norm), an extreme reward. Resume from the last checkpoint with other settings "
+    "(a changed learning rate needs --allow-changed-config).",
+    step=step,
+    where=bad[0] if bad else state_where,
   )
 
 
@@ -160,6 +243,8 @@ class Trainer:
     reward_fns: extra/replacement reward functions ``{name: (fn, weight)}`` (plain callables
       ``(prompts, completions, **columns) -> list[float]``); None: ``config.reward.weights``.
     log: print function for progress lines (None: silent).
+    stop_on_nonfinite_loss: stop (``NonFiniteError``) when a step's loss is NaN or infinite, even
+      if the parameters are still finite. A non-finite parameter or optimizer state always stops.
   """
 
   def __init__(
@@ -171,6 +256,7 @@ class Trainer:
     reward_fns: Mapping[str, tuple] | None = None,
     log: Callable[[str], None] | None = print,
     on_record: Callable[[dict], None] | None = None,
+    stop_on_nonfinite_loss: bool = True,
   ):
     if not isinstance(config, TrainerConfig):
       raise TypeError(f"`config` must be a jaxgrpo.specs.TrainerConfig; got {type(config).__name__}")
@@ -179,7 +265,10 @@ class Trainer:
     self.checkpoint_fn = checkpoint_fn
     self.on_record = on_record
     self.log = log or (lambda s: None)
+    self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+    self.stop_signal: int | None = None  # set by the signal handlers of handle_signals()
     self.mesh = shd.make_mesh(cfg.devices.mesh or None)
+    self._check_mesh_fits()
     self._build_model_and_data()
     fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)
     self.run_meta = run_meta(cfg, base_fingerprint=fingerprint)
@@ -218,6 +307,27 @@ class Trainer:
         self.resumed = True
 
   # ------------------------------------------------------------------ construction
+  def _check_mesh_fits(self) -> None:
+    """ValueError naming the mesh, its device count and the dimension that does not divide, before
+    any weight is read or the warm-up runs: the model's parameters (abstract; a hub id is checked by
+    the loader, which names the mesh too) and the rollout batch (``prompts_per_step × group_size``
+    rows over ``data × fsdp`` × micro × mini-batches)."""
+    cfg = self.config
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    try:
+      if cfg.model.synthetic is not None or os.path.isdir(cfg.model.path):
+        abstract, _ = builders.abstract_policy(cfg.model)
+        shd.tree_shardings(nnx.split(abstract)[1], self.mesh)
+      shd.check_batch_divisible(
+        rows,
+        self.mesh,
+        splits=cfg.step.micro_batches * cfg.step.mini_batches,
+        what="the rollout batch (rollout.prompts_per_step × rollout.group_size)",
+      )
+    except ValueError as e:
+      spec = cfg.devices.mesh or "fsdp=-1"
+      raise ValueError(f"devices.mesh {spec!r} ({self.mesh.size} devices) does not fit: {e}") from None
+
   def _build_model_and_data(self):
     cfg = self.config
     # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
@@ -379,8 +489,7 @@ class Trainer:
     key, sample_key = jax.random.split(key)
     batch, metrics, _ = self._rollout_batch(sample_key)
     t_roll = time.perf_counter() - t0
-    batch = train_lib.pad_to_bucket(batch)
-    placed = shd.place_batch(batch, self.mesh)
+    placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config)  # bucketed, packed if set
     if self.ref_fn is not None:
       placed = placed._replace(ref_logp=self.ref_fn(self.ref_params, placed))
     tstate, step_metrics = self.step_fn(tstate, placed)
@@ -393,9 +502,94 @@ class Trainer:
     metrics.setdefault("kl", 0.0)
     return metrics
 
-  def run(self) -> list[dict]:
+  # ------------------------------------------------------------------ failure paths
+  def _check_finite(self, metrics: Mapping[str, Any]) -> None:
+    """After a step: NonFiniteError when the updated state (or, with ``stop_on_nonfinite_loss``, the
+    loss) is not finite — before ``checkpoint_fn`` could save it; a log line for other non-finite metrics."""
+    step = int(metrics["step"])
+    t = self.state.train
+    where = first_nonfinite(t.params, "params") or first_nonfinite(t.opt_state, "opt_state")
+    err = _nonfinite_error(step, metrics, where, stop_on_loss=self.stop_on_nonfinite_loss)
+    if err is not None:
+      raise err
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+      self.log(
+        f"warning: step {step}: non-finite metrics {', '.join(bad)}; the parameters are finite, training goes on"
+      )
+
+  @contextlib.contextmanager
+  def handle_signals(self) -> Iterator[None]:
+    """SIGTERM/SIGINT → ``self.stop_signal``: ``run()`` finishes the current step, checkpoints it and
+    raises :class:`TrainingInterrupted`. A second signal raises :class:`TrainingAborted` (a
+    ``KeyboardInterrupt``) at once: a save in flight is abandoned, and its temporary directory is
+    ignored and removed by the next run. Installed only in the main thread; the previous handlers
+    are restored on exit. Re-entrant (``scripts/train.py`` also holds it while the last save is
+    written)."""
+    if threading.current_thread() is not threading.main_thread():
+      yield
+      return
+
+    def handler(signum, frame):
+      if self.stop_signal is not None:
+        raise TrainingAborted(signum)
+      self.stop_signal = signum
+      # no print() here: the main thread may be inside one (reentrant call)
+      msg = (
+        f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint of it "
+        "and stopping; send it again to abort at once\n"
+      )
+      os.write(2, msg.encode())
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      yield
+    finally:
+      for s, h in previous.items():
+        signal.signal(s, h)
+
+  def _requested_stop(self) -> int:
+    """The signal that asks to stop (0: none), agreed by every process (a multi-host run stops at
+    the same step everywhere: one tiny all-gather per step)."""
+    signum = self.stop_signal or 0
+    if jax.process_count() > 1:
+      signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+    return signum
+
+  def _stop_if_requested(self, step: int, *, saved: bool, trained: bool = True) -> None:
+    """At a step boundary: after SIGTERM/SIGINT, checkpoint ``step`` (unless ``saved`` already, or
+    nothing was ``trained`` since the run started) and raise :class:`TrainingInterrupted`."""
+    signum = self._requested_stop()
+    if not signum:
+      return
+    name = signal.Signals(signum).name
+    if not trained:
+      what = "no step was trained since the start: nothing new to save"
+    elif self.checkpoint_fn is None:
+      what = "no checkpoint_fn: nothing saved"
+    else:
+      if not saved:
+        self.checkpoint_fn(self.state.snapshot(), self.run_meta)
+      what = f"checkpoint of step {step} written"
+    self.log(f"{name}: stopped after step {step} ({what})")
+    raise TrainingInterrupted(f"stopped by {name} after step {step} ({what})", signum=signum, step=step)
+
+  def run(self, *, handle_signals: bool = True) -> list[dict]:
     """Trains for ``run.steps`` steps; writes ``OUT/metrics.jsonl`` and ``OUT/config.json``;
-    returns the logged records. A resumed run first cuts ``metrics.jsonl`` back to its step."""
+    returns the logged records. A resumed run first cuts ``metrics.jsonl`` back to its step.
+
+    Args:
+      handle_signals: turn SIGTERM/SIGINT into a stop at the next step boundary
+        (:meth:`handle_signals`; main thread only).
+    Raises:
+      NonFiniteError: a step made the parameters or optimizer state (or the loss) non-finite.
+      TrainingInterrupted: SIGTERM/SIGINT; the step it stopped at was checkpointed. The signal
+        waits for the current step to finish (rollout, update, and the evaluation when one is due).
+    """
+    with self.handle_signals() if handle_signals else contextlib.nullcontext():
+      return self._run()
+
+  def _run(self) -> list[dict]:
     cfg, run = self.config, self.config.run
     is_main = jax.process_index() == 0
     os.makedirs(run.out, exist_ok=True)
@@ -423,6 +617,7 @@ class Trainer:
         ev = self.evaluate()
         emit({"step": 0, **ev})
         self.log(f"step 0 eval {_fmt(ev)}")
+      self._stop_if_requested(start, saved=False, trained=False)  # a signal during the first evaluation
       for _ in range(start, run.steps):
         m = self.train_step()
         emit(m)
@@ -432,12 +627,15 @@ class Trainer:
             f"step {step} loss {m['loss']:.4f} reward {m['reward_mean']:.3f} kl {m['kl']:.4f} "
             f"len {m['completion_length']:.1f} {m['tokens_per_sec']:.0f} tok/s"
           )
+        self._check_finite(m)  # before anything of this step is evaluated or saved
         if self.eval_prompts is not None and every(cfg.eval.every, step):
           ev = self.evaluate()
           emit({"step": step, **ev})
           self.log(f"step {step} eval {_fmt(ev)}")
-        if self.checkpoint_fn is not None and every(cfg.checkpoint.every, step):
+        saved = self.checkpoint_fn is not None and bool(every(cfg.checkpoint.every, step))
+        if saved:
           self.checkpoint_fn(self.state.snapshot(), self.run_meta)
+        self._stop_if_requested(step, saved=saved)
       if run.save_model and is_main:
         self.save_model(os.path.join(run.out, "model"))
     finally:

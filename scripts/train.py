@@ -13,14 +13,22 @@ names are short forms (``--preset``, ``--steps``, ``--out``, ``--mesh``, ``--bet
 work. Every value is checked before anything is built. The resolved config is printed at start and
 written to ``OUT/config.json``; metrics go to ``OUT/metrics.jsonl`` (one JSON object per step and per
 evaluation) and ``OUT/curves.png``.
+
+Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values or a failed
+checkpoint save; 2 a bad config, file, mesh or checkpoint (one ``error:`` line, no traceback;
+``--traceback`` shows it); 128 + signal number after SIGTERM (143) or SIGINT (130): the step in
+progress was finished and checkpointed, or, after a second signal, abandoned.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import logging
 import os
+import signal
 import sys
 import time
 
@@ -43,7 +51,8 @@ if __name__ == "__main__":
 import jax  # after XLA_FLAGS
 
 from jaxgrpo import checkpoint, distributed, metrics, specs
-from jaxgrpo.trainer import Trainer, run_meta
+from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
+from jaxgrpo.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
 
 # script flags that set a config field
 _FIELD_FLAGS = {"keep_checkpoints": "checkpoint.keep", "best_metric": "checkpoint.best_metric"}
@@ -89,6 +98,25 @@ def parse_args(argv=None):
     help="simulate N CPU devices (sets XLA_FLAGS before jax is imported; on the command line only)",
   )
   p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+  p.add_argument(
+    "--on-save-error",
+    choices=("stop", "continue"),
+    default="stop",
+    help="a failed checkpoint save (disk full, I/O error) is reported at once; then stop (default, exit 1) "
+    "or keep training and try again at the next save",
+  )
+  p.add_argument(
+    "--on-nonfinite-loss",
+    choices=("stop", "continue"),
+    default="stop",
+    help="stop (default, exit 1) or go on when a step's loss is NaN/inf while the parameters are still finite "
+    "(non-finite parameters or optimizer state always stop; they are never saved)",
+  )
+  p.add_argument(
+    "--traceback",
+    action="store_true",
+    help="show Python tracebacks and the libraries' own error logs instead of one 'error:' line",
+  )
   args, rest = p.parse_known_args(argv)
   if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
     p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
@@ -151,22 +179,95 @@ def plot_curves(metrics_path: str, png_path: str) -> bool:
   return True
 
 
+class CliExit(SystemExit):
+  """Exit status ``code`` after the message was printed to stderr; ``str()`` is the message."""
+
+  def __init__(self, code: int, message: str):
+    super().__init__(code)
+    self.message = message
+
+  def __str__(self) -> str:
+    return self.message
+
+
+def _fail(code: int, message: str):
+  print(message, file=sys.stderr, flush=True)
+  raise CliExit(code, message)
+
+
+#: what a bad config, file, mesh or checkpoint raises while the run is set up (exit 2, one line)
+_INPUT_ERRORS = (checkpoint.CheckpointError, ValueError, TypeError, OSError, ImportError)
+
+
+@contextlib.contextmanager
+def _input_errors(args, *cleanup):
+  """Turns the errors of bad inputs into one ``error:`` line and exit status 2 (``--traceback``:
+  the Python traceback). ``cleanup`` runs first (e.g. closing the checkpointer, so that no
+  background thread outlives the error)."""
+  try:
+    yield
+  except _INPUT_ERRORS as e:
+    for c in cleanup:
+      _quietly(c)
+    if args.traceback:
+      raise
+    _fail(2, f"error: {e}")
+
+
+def _quietly(close) -> BaseException | None:
+  """Runs ``close()``; returns what it raised (Exception only) instead of raising it."""
+  try:
+    close()
+  except Exception as e:  # noqa: BLE001 - returned to the caller, which reports it
+    return e
+  return None
+
+
+def _latest(ckpt) -> str:
+  steps = ckpt.steps()
+  if not steps:
+    return f"there is no complete checkpoint in {ckpt.directory}"
+  return f"the last complete checkpoint is step {steps[-1]} ({os.path.join(ckpt.directory, str(steps[-1]))})"
+
+
+def _report(error: BaseException, ckpt) -> CliExit:
+  """Exit status and final message of a run that stopped early (after the checkpointer was closed)."""
+  if isinstance(error, TrainingInterrupted):
+    name = signal.Signals(error.signum).name
+    done = error.step in ckpt.steps()
+    what = (
+      f"checkpoint of step {error.step} complete in {ckpt.directory}: run the same command again to resume"
+      if done
+      else _latest(ckpt)
+    )
+    msg = f"stopped by {name} after step {error.step}; {what}"
+    print(msg, file=sys.stderr, flush=True)
+    return CliExit(128 + error.signum, msg)
+  if isinstance(error, NonFiniteError):
+    msg = f"error: {error} ({_latest(ckpt)})"
+  else:  # CheckpointSaveError: its message says what is kept
+    msg = f"error: {error}"
+  print(msg, file=sys.stderr, flush=True)
+  return CliExit(1, msg)
+
+
 def main(argv=None):
   t_wall, t_cpu = time.perf_counter(), time.process_time()
   args, overrides = parse_args(argv)
-  try:
+  if not args.traceback:  # Orbax logs each failed write with its traceback; the checkpointer reports it in one line
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+  with _input_errors(args):
     cfg = specs.load_config(args.config, overrides)
-  except (TypeError, ValueError) as e:
-    raise SystemExit(f"error: {e}") from None
   out, dev = cfg.run.out, cfg.devices
   if dev.distributed:  # before any JAX computation; arguments, then JAX_* variables, then TPU/Slurm/MPI
     distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id)
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   if not resume and has_checkpoint:
-    raise SystemExit(
-      f"{checkpoint.checkpoint_dir(out)} holds checkpoints of an earlier run and --no-resume "
-      f"was given: use another --out, or delete them to start over (nothing was overwritten)"
+    _fail(
+      2,
+      f"error: {checkpoint.checkpoint_dir(out)} holds checkpoints of an earlier run and --no-resume "
+      f"was given: use another --out, or delete them to start over (nothing was overwritten)",
     )
   is_main = jax.process_index() == 0
   say = (lambda s: print(s, flush=True)) if is_main else (lambda s: None)
@@ -174,42 +275,72 @@ def main(argv=None):
   say(f"objective: {cfg.objective}")
   say(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}")
   ck = cfg.checkpoint
-  ckpt = checkpoint.Checkpointer(
-    checkpoint.checkpoint_dir(out),
-    max_to_keep=ck.keep,
-    best_metric=ck.best_metric,
-    async_save=ck.async_save,
-    log=say,
-    allow_changed=args.allow_changed_config,
-  )
-  try:
+  with _input_errors(args):
+    ckpt = checkpoint.Checkpointer(
+      checkpoint.checkpoint_dir(out),
+      max_to_keep=ck.keep,
+      best_metric=ck.best_metric,
+      async_save=ck.async_save,
+      log=say,
+      allow_changed=args.allow_changed_config,
+      on_save_error=args.on_save_error,
+    )
+  with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
     if resume:  # refuse a mismatching checkpoint before the model is built
       ckpt.check_run(run_meta(cfg))
-    trainer = Trainer(cfg, log=say, checkpoint_fn=ckpt.checkpoint_fn, restore_fn=ckpt.restore_fn if resume else None)
-  except checkpoint.CheckpointError as e:
-    ckpt.close()
-    raise SystemExit(f"error: {e}") from None
+    trainer = Trainer(
+      cfg,
+      log=say,
+      checkpoint_fn=ckpt.checkpoint_fn,
+      restore_fn=ckpt.restore_fn if resume else None,
+      stop_on_nonfinite_loss=args.on_nonfinite_loss == "stop",
+    )
   tensorboard = args.tensorboard
   if tensorboard is None:
     tensorboard = importlib.util.find_spec("tensorboardX") is not None
-  logger = metrics.MetricsLogger(
-    out,
-    total_steps=cfg.run.steps,
-    start_step=int(trainer.state.train.step),
-    progress=not args.no_progress,
-    tensorboard=tensorboard,
-    wandb_project=args.wandb,
-    config=cfg.to_dict(),
-  )
+  with _input_errors(args, ckpt.close):
+    logger = metrics.MetricsLogger(
+      out,
+      total_steps=cfg.run.steps,
+      start_step=int(trainer.state.train.step),
+      progress=not args.no_progress,
+      tensorboard=tensorboard,
+      wandb_project=args.wandb,
+      config=cfg.to_dict(),
+    )
   trainer.on_record = lambda rec: (ckpt.observe(rec), logger(rec))
   if not args.no_progress:
     trainer.log = ckpt.log = logger.write if is_main else (lambda s: None)  # above the progress bar
-  try:
-    records = trainer.run()
-  finally:
-    ckpt.close()  # waits for the last (asynchronous) save
-    logger.close()
+  stopped = None
+  with trainer.handle_signals():  # also while the last checkpoint is written
+    try:
+      records = trainer.run()
+    except (TrainingInterrupted, NonFiniteError, CheckpointSaveError) as e:
+      stopped = e
+    except KeyboardInterrupt:  # a second signal: exit at once, without waiting for the save in flight
+      raise
+    except BaseException:  # a bug or a reward error: its traceback, after the save in flight is on disk
+      _quietly(ckpt.close)
+      _quietly(logger.close)
+      raise
+    # wait for the save in flight, also after a stop: no background thread outlives main
+    closing = [e for e in (_quietly(ckpt.close), _quietly(logger.close)) if e is not None]
+  if stopped is None and closing:
+    stopped = closing[0]
+  if stopped is not None:
+    if args.traceback or not isinstance(stopped, (TrainingInterrupted, NonFiniteError, CheckpointSaveError)):
+      raise stopped
+    raise _report(stopped, ckpt)
+  if trainer.stop_signal is not None:
+    say(f"{signal.Signals(trainer.stop_signal).name} received after the last step: the run is complete")
   if is_main:
+    failed = ckpt.failed_saves
+    if failed:
+      print(
+        f"warning: {len(failed)} checkpoint save(s) failed (steps {[f.step for f in failed]}; "
+        f"--on-save-error continue); {_latest(ckpt)}",
+        file=sys.stderr,
+      )
     evals = [r for r in records if "eval_accuracy" in r]
     if len(evals) >= 2:
       print(
@@ -227,5 +358,25 @@ def main(argv=None):
   return records
 
 
+def _abort(signum: int) -> None:
+  """After a second signal (or Ctrl-C before training started): exit at once, without waiting for
+  a save in flight (its temporary directory is ignored and removed by the next run)."""
+  name = signal.Signals(signum).name
+  print(
+    f"\naborted by {name}: a checkpoint being written is abandoned; the next run resumes from the latest "
+    "complete checkpoint",
+    file=sys.stderr,
+    flush=True,
+  )
+  sys.stdout.flush()
+  os._exit(128 + signum)
+
+
 if __name__ == "__main__":
-  sys.exit(0 if main() is not None else 1)
+  try:
+    result = main()
+  except TrainingAborted as e:
+    _abort(e.signum)
+  except KeyboardInterrupt:
+    _abort(signal.SIGINT)
+  sys.exit(0 if result is not None else 1)

@@ -156,3 +156,170 @@ def from_strings(seqs, group_ids=None):
     mask[i, : len(s)] = True
   gid = np.zeros(len(seqs), np.int32) if group_ids is None else np.asarray(group_ids, np.int32)
   return tokens, mask, gid
+
+
+# ----------------------------------------------------------------------------- surrogates, IS, the loss
+# Written from the papers' formulas (float64, explicit per-row loops, hand-derived gradients); nothing
+# here calls jaxgrpo.
+
+MAX_LOG = 20.0
+
+
+def _clamp(x):
+  """(value, derivative) of clip(x, ±MAX_LOG)."""
+  return np.clip(x, -MAX_LOG, MAX_LOG), (np.abs(x) < MAX_LOG).astype(np.float64)
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def surrogate(loss, logp, old, adv, mask, *, eps_low, eps_high, dual_clip=None, tau_pos=1.0, tau_neg=1.05):
+  """Per-token term p f64[B, T] (0 on padding) and its Jacobian J[i, t, u] = ∂p(i,t)/∂logp(i,u)
+  (rows do not interact) for one of the six surrogates (see jaxgrpo.surrogates' table)."""
+  logp, old = np.asarray(logp, np.float64), np.asarray(old, np.float64)
+  mask = np.asarray(mask, bool)
+  b, t = logp.shape
+  adv = np.asarray(adv, np.float64)
+  a_tok = np.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, (b, t))
+  p = np.zeros((b, t))
+  jac = np.zeros((b, t, t))
+  for i in range(b):
+    real = np.flatnonzero(mask[i])
+    n = len(real)
+    if n == 0:
+      continue
+    lr = logp[i, real] - old[i, real]
+    if loss in ("gspo", "gspo_token"):
+      ms, dms = _clamp(lr.mean())
+      s = np.exp(ms)
+      for u in real:
+        a = adv[i] if loss == "gspo" else a_tok[i, u]
+        clipped = np.clip(s, 1 - eps_low, 1 + eps_high)
+        p[i, u] = -min(s * a, clipped * a)
+        active = s * a <= clipped * a  # the unclipped term is the min (ties inside the range)
+        if not active:
+          continue
+        if loss == "gspo":  # ∂(-A s)/∂logp_v = -A s · dms / n for every real v of the row
+          jac[i, u, real] = -a * s * dms / n
+        else:  # GSPO-token: the gradient s·∇logp on the token itself
+          jac[i, u, u] = -a * s
+    elif loss == "gmpo":
+      a = adv[i]
+      c = np.where(a > 0, np.minimum(lr, eps_high), np.where(a < 0, np.maximum(lr, -eps_low), 0.0))
+      dc = np.where(a > 0, lr < eps_high, np.where(a < 0, lr > -eps_low, False)).astype(np.float64)
+      ms, dms = _clamp(c.mean())
+      s = np.exp(ms)
+      p[i, real] = -a * s
+      for u in real:
+        jac[i, u, real] = -a * s * dms * dc / n
+    else:
+      lrc, dlr = _clamp(lr)
+      rho = np.exp(lrc)
+      a = a_tok[i, real]
+      for k, u in enumerate(real):
+        if loss == "ppo":
+          clipped = np.clip(rho[k], 1 - eps_low, 1 + eps_high)
+          s = min(rho[k] * a[k], clipped * a[k])
+          grad = rho[k] * a[k] * dlr[k] if rho[k] * a[k] <= clipped * a[k] else 0.0
+          if dual_clip is not None and a[k] < 0 and s < dual_clip * a[k]:
+            s, grad = dual_clip * a[k], 0.0
+          p[i, u], jac[i, u, u] = -s, -grad
+        elif loss == "cispo":
+          w = np.clip(rho[k], 1 - eps_low, 1 + eps_high)
+          p[i, u], jac[i, u, u] = -w * a[k] * logp[i, u], -w * a[k]
+        elif loss == "sapo":
+          tau = tau_pos if a[k] > 0 else tau_neg
+          sig = _sigmoid(tau * (rho[k] - 1))
+          p[i, u] = -sig * 4 / tau * a[k]
+          jac[i, u, u] = -a[k] * 4 * sig * (1 - sig) * rho[k] * dlr[k]
+        else:
+          raise ValueError(loss)
+  return p, jac
+
+
+def importance(old, behavior, mask, correction, level, cap):
+  """(weights, ratio, capped, k3) f64[B, T] of TIS/MIS (jaxgrpo.importance's table), by loops."""
+  old, behavior = np.asarray(old, np.float64), np.asarray(behavior, np.float64)
+  mask = np.asarray(mask, bool)
+  b, t = old.shape
+  w, r, cp, k3 = (np.zeros((b, t)) for _ in range(4))
+  for i in range(b):
+    d = np.where(mask[i], old[i] - behavior[i], 0.0)
+    for u in np.flatnonzero(mask[i]):
+      lr = d.sum() if level == "sequence" else d[u]
+      ratio = np.exp(np.clip(lr, -MAX_LOG, MAX_LOG))
+      r[i, u] = ratio
+      cp[i, u] = ratio > cap
+      w[i, u] = min(ratio, cap) if correction == "tis" else (0.0 if ratio > cap else ratio)
+      k3[i, u] = np.exp(np.clip(d[u], -MAX_LOG, MAX_LOG)) - d[u] - 1
+  return w, r, cp.astype(bool), k3
+
+
+def aggregation_coefficients(mask, aggregation, max_tokens=None):
+  """c[i, t] with loss = Σ c·l over real tokens, for each aggregation mode."""
+  mask = np.asarray(mask, bool)
+  b, t = mask.shape
+  n = mask.sum(1)
+  if aggregation == "token-mean":
+    total = mask.sum()
+    return np.where(mask, 1.0 / total, 0.0) if total else np.zeros((b, t))
+  if aggregation == "seq-mean-token-mean":
+    rows = (n > 0).sum()
+    return np.where(mask, 1.0 / np.maximum(n, 1)[:, None] / max(rows, 1), 0.0)
+  return np.where(mask, 1.0 / (b * (max_tokens or t)), 0.0)
+
+
+def loss_and_grads(
+  loss,
+  logp,
+  old,
+  adv,
+  mask,
+  *,
+  aggregation,
+  eps_low=0.2,
+  eps_high=0.2,
+  dual_clip=None,
+  tau_pos=1.0,
+  tau_neg=1.05,
+  token_weights=None,
+  is_weights=None,
+  ref=None,
+  beta=0.0,
+  entropy=None,
+  entropy_coef=0.0,
+  max_tokens=None,
+):
+  """l(i,t) = w·(v·p + β·k3(logp, ref) − c·H), aggregated: (loss, ∂loss/∂logp, ∂loss/∂entropy)."""
+  logp = np.asarray(logp, np.float64)
+  mask = np.asarray(mask, bool)
+  b, t = logp.shape
+  p, jac = surrogate(
+    loss,
+    logp,
+    old,
+    adv,
+    mask,
+    eps_low=eps_low,
+    eps_high=eps_high,
+    dual_clip=dual_clip,
+    tau_pos=tau_pos,
+    tau_neg=tau_neg,
+  )
+  w = np.ones((b, t)) if token_weights is None else np.asarray(token_weights, np.float64)
+  v = np.ones((b, t)) if is_weights is None else np.asarray(is_weights, np.float64)
+  c = aggregation_coefficients(mask, aggregation, max_tokens) * w  # [B, T], 0 on padding
+  per = v * p
+  dper = np.zeros((b, t))
+  if beta:
+    d = logp - np.asarray(ref, np.float64)
+    e = np.exp(-np.clip(d, -MAX_LOG, MAX_LOG))
+    per = per + beta * (e + d - 1)
+    dper = beta * (1 - e * (np.abs(d) < MAX_LOG))
+  if entropy_coef:
+    per = per - entropy_coef * np.asarray(entropy, np.float64)
+  value = float(np.sum(np.where(mask, c * per, 0.0)))
+  grad = np.einsum("it,itu->iu", c * v, jac) + c * dper
+  grad_h = -entropy_coef * c if entropy_coef else np.zeros((b, t))
+  return value, np.where(mask, grad, 0.0), np.where(mask, grad_h, 0.0)

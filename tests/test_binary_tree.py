@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import preset, process_set_sizes, rollout_advantages
+from jaxgrpo import finalize_terms, objective_terms, preset, process_set_sizes, rollout_advantages
+from jaxgrpo.iteration import rollout_loss
 from jaxgrpo.tasks import binary_tree as bt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +166,23 @@ def test_algorithms_in_one_compilation_match_separate_runs():
   assert not np.allclose(multi["target_prob"][0], multi["target_prob"][1])  # the branches differ
 
 
+def test_new_losses_share_one_compilation_with_grpo():
+  """GSPO, GSPO-token, CISPO, SAPO and GMPO as branches of the one-compilation sweep equal their
+  separate runs. On this task they also equal GRPO: μ = 1 makes every ratio 1, where each of them has
+  GRPO's gradient −A·∇log π (SAPO's gate slope and CISPO's weight are 1), and every trajectory has
+  `depth` tokens, so the per-sequence and per-token means weigh tokens alike."""
+  pol = bt.make_policy("tabular", init_scale=0.5)
+  algos = ["grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo"]
+  multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+  assert multi["target_prob"].shape == (6, 2, 2, 4) and all(np.all(np.isfinite(v)) for v in multi.values())
+  for i, a in enumerate(algos[1:], 1):
+    one = bt.run_sweep(a, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+    for k in one:
+      np.testing.assert_allclose(multi[k][i], one[k], rtol=1e-5, atol=1e-6, err_msg=f"{a}: {k}")
+  for i in range(1, len(algos)):
+    np.testing.assert_allclose(multi["target_prob"][i], multi["target_prob"][0], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow  # two compilations of the transformer's backward: ~15 s idle, > 60 s on a loaded CPU
 def test_transformer_run_deterministic_and_batch_independent():
   pol = bt.make_policy("gpt2", **TINY)
@@ -175,6 +193,34 @@ def test_transformer_run_deterministic_and_batch_independent():
   c = bt.run_sweep("lambda_frpo", pol, opt, **{**SHORT, "seeds": [1]})
   for k in a:
     np.testing.assert_allclose(c[k][:, 0], a[k][:, 1], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_objective_hook_plugs_into_the_sweep():
+  """The sweep's loss is jaxgrpo.iteration.rollout_loss with the train step's hooks: an objective that
+  doubles the loss under plain SGD at half the learning rate is the same run (SGD is linear in the
+  gradient), and rollout_loss equals the kernels composed by hand."""
+  pol = bt.make_policy("tabular", init_scale=0.5)
+
+  def doubled(config, logp, old_logp, advantages, mask, **kw):
+    terms = objective_terms(config, logp, old_logp, advantages, mask, **kw)
+    return terms._replace(numerator=2.0 * terms.numerator)
+
+  want = bt.run_sweep("lambda_grpo", pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+  got = bt.run_sweep("lambda_grpo", pol, bt.make_optimizer("sgd", 0.5), objective_fn=doubled, **SHORT)
+  for k in ("target_prob", "target_freq", "reward"):
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(got["loss"], 2 * want["loss"], rtol=1e-5, atol=1e-6)
+
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 2, (6, 4)), jnp.int32)
+  mask, gid = jnp.ones((6, 4), bool), jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)
+  logp = jnp.asarray(-rng.random((6, 4)), jnp.float32)
+  rewards = jnp.asarray(rng.random(6), jnp.float32)
+  cfg = preset("lambda_grpo")
+  loss, _ = rollout_loss(cfg, logp, logp, rewards, tokens, mask, gid, 2)
+  adv, w = rollout_advantages(cfg, rewards, tokens, mask, gid, 2, old_logp=logp)
+  want_loss, _ = finalize_terms(objective_terms(cfg, logp, logp, adv, mask, token_weights=w))
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
 
 
 def test_first_step_samples_uniform_tree():

@@ -123,7 +123,8 @@ def test_interrupted_save_and_missing_manifest_are_ignored_with_a_message(tmp_pa
   # a save killed before its rename: a temporary directory with partial contents
   shutil.copytree(os.path.join(root, "2"), os.path.join(root, f"3{ck.TMP_SUFFIX}"))
   os.remove(os.path.join(root, f"3{ck.TMP_SUFFIX}", ck.MANIFEST))
-  # a step directory without a manifest (killed between Orbax's rename and ... nothing: treated as incomplete)
+  # a step directory without a manifest (an older version's foreground save killed between Orbax's
+  # rename and the manifest write): incomplete for readers, moved aside by a Checkpointer
   shutil.copytree(os.path.join(root, "2"), os.path.join(root, "4"))
   os.remove(os.path.join(root, "4", ck.MANIFEST))
   msgs = []
@@ -133,13 +134,15 @@ def test_interrupted_save_and_missing_manifest_are_ignored_with_a_message(tmp_pa
   msgs.clear()
   c = ck.Checkpointer(root, log=msgs.append)
   assert any("incomplete" in m for m in msgs)
+  assert any("moved aside" in m and "4.incomplete-" in m for m in msgs)
   _assert_same_state(c.restore_fn(CFG, _state(0)), _state(2))
-  c.save(_state(3), CFG)  # the resumed run saves step 3 again
+  c.save(_state(3), CFG)  # the resumed run saves step 3 again ...
+  c.save(_state(4), CFG)  # ... and step 4 (before: StepAlreadyExistsError at every restart)
   c.close()
   assert not os.path.exists(os.path.join(root, f"3{ck.TMP_SUFFIX}"))  # Orbax cleaned the leftover up
-  # Orbax counts the manifest-less "4" as a step, so keeping the last 3 dropped step 1
-  assert ck.complete_steps(root, log=None) == [2, 3]
-  _assert_same_state(ck.Checkpointer(root, log=None).restore(_state(0), CFG, step=3), _state(3))
+  assert ck.complete_steps(root, log=None) == [2, 3, 4]  # keep 3: step 1 went after step 4 completed
+  (aside,) = [n for n in os.listdir(root) if n.startswith("4.incomplete-")]  # kept for inspection
+  _assert_same_state(ck.Checkpointer(root, log=None).restore(_state(0), CFG, step=4), _state(4))
 
 
 def test_truncated_file_clear_error_nothing_changed_previous_resumes(tmp_path):

@@ -5,6 +5,8 @@ import pytest
 
 import jaxgrpo as jg
 
+NEW_PRESETS = ("gspo", "gspo_token", "cispo", "sapo", "gmpo")
+
 
 def test_presets_name_the_paper_settings():
   assert jg.preset("grpo").process_weights is False and jg.preset("grpo").beta == 0.0
@@ -20,7 +22,7 @@ def test_presets_name_the_paper_settings():
   dapo = jg.preset("dapo")
   assert (dapo.clip_eps_low, dapo.clip_eps_high, dapo.dynamic_sampling) == (0.2, 0.28, True)
   assert jg.preset("grpo", beta=0.04).beta == 0.04
-  assert set(jg.PRESETS) == {"grpo", "dr_grpo", "dapo", "lambda_grpo", "frpo", "lambda_frpo"}
+  assert set(jg.PRESETS) == {"grpo", "dr_grpo", "dapo", "lambda_grpo", "frpo", "lambda_frpo"} | set(NEW_PRESETS)
 
 
 def test_config_is_frozen_and_keyword_only():

@@ -73,6 +73,19 @@ CALLS = {
   "objective_terms(grpo, beta)": lambda d: jg.objective_terms(
     jg.preset("grpo", beta=0.04), d["logp"], d["old"], d["rewards"], d["mask"], ref_logp=d["ref"]
   ),
+  "policy_surrogate(gmpo)": lambda d: jg.policy_surrogate(d["logp"], d["old"], d["rewards"], d["mask"], loss="gmpo"),
+  "importance_weights": lambda d: jg.importance_weights(
+    d["old"], d["ref"], d["mask"], correction="mis", level="sequence"
+  ),
+  "objective_terms(gspo_token, tis, entropy)": lambda d: jg.objective_terms(
+    jg.preset("gspo_token", importance_correction="tis", entropy_coef=0.01),
+    d["logp"],
+    d["old"],
+    d["rewards"],
+    d["mask"],
+    behavior_logp=d["ref"],
+    entropy=-d["logp"],
+  ),
 }
 
 

@@ -33,6 +33,8 @@ MODULES = {
   "jaxgrpo.process_sets": "kernels",
   "jaxgrpo.kl": "kernels",
   "jaxgrpo.losses": "kernels",
+  "jaxgrpo.surrogates": "kernels",
+  "jaxgrpo.importance": "kernels",
   "jaxgrpo.config": "kernels",
   "jaxgrpo.objective": "kernels",
   "jaxgrpo.packing": "kernels",

@@ -251,3 +251,73 @@ def _set(m, idx, value):
   m = np.array(m)
   m[idx] = value
   return m
+
+
+# ----------------------------------------------------------------------------- pack_slots (the train step's layout)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rollouts(), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_pack_slots_layout_head_buffer_and_buckets(case, num_slots, seed):
+  plen, clen, P, T, L, _ = case
+  pt, pm, ct, cm = rollout(plen, clen, P, T)
+  B = len(plen)
+  slot = np.random.default_rng(seed).integers(0, num_slots, B)
+  pk = packing.pack_slots(pt, pm, ct, cm, slot, num_slots=num_slots, row_length=L)
+  rs = pk.rows_per_slot
+  assert pk.tokens.shape == (num_slots * rs, L) and pk.row_length == L
+  np.testing.assert_array_equal(pk.slot, slot)
+  # every slot is first-fit decreasing of its own sequences in its own rows; Rs the power-of-two bucket
+  need = 0
+  for s in range(num_slots):
+    seqs = [b for b in range(B) if slot[b] == s and clen[b] > 0]
+    bins, _ = replay_first_fit_decreasing([plen[b] + clen[b] for b in seqs], L)
+    need = max(need, max(bins, default=-1) + 1)
+    rows = pk.tokens[s * rs : (s + 1) * rs]
+    want = sorted(tuple(np.concatenate([pt[b, P - plen[b] :], ct[b, : clen[b]]])) for b in seqs)
+    got = []
+    for r in range(rs):  # the sequences found in the slot's rows, by their runs of segment ids
+      seg = pk.segment_ids[s * rs + r]
+      for k in set(seg[seg > 0].tolist()):
+        got.append(tuple(rows[r][seg == k]))
+    assert sorted(got) == want
+  assert rs == max(1, 1 << (need - 1).bit_length()) if need else rs == 1
+  # head buffer: slot s's completion tokens in row-major order, H the smallest eighth of L that holds them
+  h = pk.head_index.shape[1] // rs
+  most = max((sum(clen[b] for b in range(B) if slot[b] == s) for s in range(num_slots)), default=0)
+  assert h == min(x for x in (-(-j * L // 8) for j in range(1, 9)) if rs * x >= most)
+  for b in range(B):
+    s = slot[b]
+    for t in range(T):
+      j = pk.unpack_index[b, t]
+      assert (j >= 0) == cm[b, t]
+      if j >= 0:
+        r, c = divmod(int(pk.head_index[s, j]), L)
+        assert pk.tokens[s * rs + r, c] == ct[b, t] and pk.positions[s * rs + r, c] == plen[b] + t
+  for s in range(num_slots):
+    real = np.sort(pk.unpack_index[slot == s][cm[slot == s]])
+    np.testing.assert_array_equal(real, np.arange(real.size))  # entries 0..n-1, each once
+    flat = pk.head_index[s, : real.size]
+    assert np.all(np.diff(flat) > 0) and not pk.head_index[s, real.size :].any()  # row-major, then zeros
+
+
+def test_pack_slots_fixed_shapes_and_errors():
+  pt, pm, ct, cm = rollout([2, 3, 1, 2], [5, 1, 0, 6], 3, 6)
+  slot = np.array([0, 1, 0, 1])
+  pk = packing.pack_slots(pt, pm, ct, cm, slot, num_slots=2, row_length=8, rows=3, head_length=5)
+  assert pk.tokens.shape == (6, 8) and pk.head_index.shape == (2, 15)
+  # slot 1: 3+1 and 2+6 tokens: FFD puts 8 in row 0, 4 in row 1
+  np.testing.assert_array_equal(pk.segment_ids[3], [1] * 8)
+  np.testing.assert_array_equal(pk.segment_ids[4], [1] * 4 + [0] * 4)
+  with pytest.raises(ValueError, match="slot 1 needs 2 rows of 8 tokens, more than rows=1"):
+    packing.pack_slots(pt, pm, ct, cm, slot, num_slots=2, row_length=8, rows=1)
+  with pytest.raises(ValueError, match=r"slot 1 has 7 completion tokens, more than rows·head_length = 2·3"):
+    packing.pack_slots(pt, pm, ct, cm, slot, num_slots=2, row_length=8, rows=2, head_length=3)
+  with pytest.raises(ValueError, match=r"`slot` values must be in \[0, num_slots=2\)"):
+    packing.pack_slots(pt, pm, ct, cm, slot + 1, num_slots=2, row_length=8)
+  with pytest.raises(ValueError, match=r"`slot` must be an int array of shape \(4,\)"):
+    packing.pack_slots(pt, pm, ct, cm, slot[:3], num_slots=2, row_length=8)
+  with pytest.raises(ValueError, match=r"sequence 3 has 8 tokens .* more than row_length=7"):
+    packing.pack_slots(pt, pm, ct, cm, slot, num_slots=2, row_length=7)
+  empty = packing.pack_slots(pt, pm, ct, np.zeros_like(cm), slot, num_slots=2, row_length=8)
+  assert empty.tokens.shape == (2, 8) and not empty.segment_ids.any() and (empty.unpack_index == -1).all()

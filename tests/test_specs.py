@@ -130,6 +130,9 @@ def test_flat_key_table_targets_real_fields():
     ("rollout: {group_size: 2}\ngroup_size: 3\n", ValueError, r"both `group_size` and `rollout.group_size`"),
     ("rollout: 4\n", TypeError, r"section `rollout` must be a mapping"),
     ("data: {arithmetic: {eval_size: 400}}\n", ValueError, r"`arithmetic.eval_size`=400 leaves no training"),
+    ("model: {synthetic: {}, remat: dot}\n", TypeError, r"`model.remat`: expected .*'dots_no_batch'.* got 'dot'"),
+    ("step: {packing: 0}\n", ValueError, r"`packing` must be a positive int or None; got 0"),
+    ("step: {packing_rows: 4}\n", ValueError, r"`packing_rows`=4 needs `packing`"),
   ],
 )
 def test_bad_configs_name_the_field_the_expected_type_and_the_value(tmp_path, text, error, match):
@@ -185,3 +188,13 @@ def test_specs_are_frozen_keyword_only_and_type_checked_in_python_too():
     TrainerConfig(devices=specs.DevicesSpec(mesh=8))
   with pytest.raises(TypeError, match=r"config field `objective.name`: expected str"):
     TrainerConfig(objective=preset("grpo").replace(name=3))
+
+
+def test_remat_and_packing_in_the_run_config():
+  model = {"model.synthetic": {}}  # a model section given replaces the default one
+  cfg = load_config(None, {**model, "model.remat": "dots_no_batch", "step.packing": 2048, "step.packing_rows": 4})
+  assert cfg.model.remat == "dots_no_batch" and cfg.train_config().packing == 2048
+  assert config_from_dict(cfg.to_dict()) == cfg
+  assert load_config(None, {**model, "model.remat": True}).model.remat is True  # old configs: true = full
+  with pytest.raises(ValueError, match="`model.remat`: remat must be one of"):
+    specs.ModelSpec(synthetic=SyntheticModel(), remat="everything")

@@ -171,6 +171,24 @@ def test_checkpoint_hook_failing_reward_and_dynamic_sampling(tmp_path):
 
 
 @pytest.mark.slow
+def test_packing_and_remat_from_the_run_config_change_no_number(tmp_path):
+  """`step.packing` (packed rows, reference pass included: frpo) and `model.remat` give the plain run's
+  step: the same metrics and parameters."""
+  runs = {}
+  for name, changes in {"plain": {}, "packed": {"step.packing": 80, "model.remat": "dots_no_batch"}}.items():
+    cfg = tiny(**{"run.out": str(tmp_path / name), "objective.preset": "frpo", "step.micro_batches": 2, **changes})
+    tr = Trainer(cfg, log=None)
+    assert tr.train_config.packing == changes.get("step.packing")
+    assert tr.model.remat.value == changes.get("model.remat", "none")
+    runs[name] = (tr.train_step(), jax.tree.map(np.asarray, jax.tree.leaves(tr.state.train.params)))
+  (m_plain, p_plain), (m_packed, p_packed) = runs["plain"], runs["packed"]
+  for key in ("loss", "grad_norm", "kl", "entropy", "tokens"):
+    assert m_packed[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
+  for a, b in zip(p_packed, p_plain):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
 def test_short_demo_run_raises_reward(tmp_path):
   cfg = tiny(
     **{

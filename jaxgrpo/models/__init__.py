@@ -21,7 +21,13 @@ from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to_spec, save_hf
 from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
 from jaxgrpo.models.llama import LlamaModel
-from jaxgrpo.models.log_probs import chunked_log_probs, completion_log_probs, log_probs, token_log_probs
+from jaxgrpo.models.log_probs import (
+  chunked_log_probs,
+  completion_log_probs,
+  log_probs,
+  packed_log_probs,
+  token_log_probs,
+)
 from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model, save_peft
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
   "log_probs",
   "logical_to_spec",
   "merge_lora",
+  "packed_log_probs",
   "positions_from_mask",
   "positions_from_segments",
   "reference_model",

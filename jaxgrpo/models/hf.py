@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 from typing import Callable, Mapping, NamedTuple
@@ -212,29 +213,68 @@ _ST_DTYPES = {
 
 
 def _mmap_safetensors(path: str) -> dict[str, np.ndarray]:
-  """name → read-only NumPy view of the memory-mapped file (no tensor data is read here)."""
+  """name → read-only NumPy view of the memory-mapped file (no tensor data is read here).
+
+  Raises:
+    ValueError: naming the file (and the tensor) for a file that is not a complete safetensors
+      file: shorter than its header, a header that is not a JSON object, an unsupported dtype, a
+      tensor whose byte range does not match its shape or runs past the end of the file (truncated).
+  """
+  size = os.path.getsize(path)
+  bad = lambda what: ValueError(f"{path} is not a valid safetensors file: {what}")
+  if size < 8:
+    raise bad(f"{size} bytes, shorter than the 8-byte header length (empty or truncated)")
   with open(path, "rb") as f:
     (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
-  data = np.memmap(path, dtype=np.uint8, mode="r")
-  base = 8 + n
-  out = {}
+    if n > size - 8:
+      raise bad(
+        f"the header claims {n} bytes, the file has {size - 8} after the length (truncated, or not safetensors)"
+      )
+    raw = f.read(n)
+  try:
+    header = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, ValueError) as e:
+    raise bad(f"its {n}-byte header is not JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise bad(f"its header is a JSON {type(header).__name__}, not an object")
+  base, data_bytes = 8 + n, size - 8 - n
+  specs = {}
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    if info["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
-    start, end = info["data_offsets"]
-    dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-    out[name] = data[base + start : base + end].view(dtype).reshape(info["shape"])
-  return out
+    where = f"tensor {name!r} in {path}"
+    try:
+      dtype_name, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+    except (TypeError, KeyError, ValueError) as e:
+      raise ValueError(f"{where}: malformed header entry {info!r} ({type(e).__name__}: {e})") from None
+    if dtype_name not in _ST_DTYPES:
+      raise ValueError(f"{where} has unsupported dtype {dtype_name}")
+    dtype = np.dtype(_ST_DTYPES[dtype_name])
+    want = math.prod(shape) * dtype.itemsize
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
+      raise ValueError(f"{where}: invalid data_offsets {[start, end]}")
+    if end > data_bytes:
+      raise ValueError(
+        f"{where}: its bytes [{start}, {end}) run past the end of the data ({data_bytes} bytes): the file is truncated"
+      )
+    if end - start != want:
+      raise ValueError(f"{where}: {end - start} bytes for shape {tuple(shape)} of {dtype_name} ({want} expected)")
+    specs[name] = (start, end, dtype, shape)
+  data = np.memmap(path, dtype=np.uint8, mode="r")
+  return {name: data[base + s : base + e].view(dt).reshape(sh) for name, (s, e, dt, sh) in specs.items()}
 
 
 def _read_checkpoint(directory: str) -> dict[str, np.ndarray]:
   index = os.path.join(directory, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e!r}") from None
+    missing = [name for name in files if not os.path.exists(os.path.join(directory, name))]
+    if missing:
+      raise ValueError(f"{index} lists shards that are not in {directory}: {missing}")
   elif os.path.exists(os.path.join(directory, "model.safetensors")):
     files = ["model.safetensors"]
   else:

@@ -4,7 +4,8 @@ One kernel, :func:`chunked_log_probs`, computes ``log_softmax(logits / temperatu
 optionally, the entropy of that distribution, one chunk of positions at a time under
 ``jax.checkpoint``. Everything else here calls it: :func:`token_log_probs` (hidden states in),
 :func:`log_probs` (a token sequence in) and :func:`completion_log_probs` (prompts and completions in:
-the train step's and the reference pass's path).
+the train step's and the reference pass's path) and :func:`packed_log_probs` (the same for packed
+rows, ``jaxgrpo.packing.PackedSlots``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxgrpo.models.base import positions_from_mask
 
-__all__ = ["chunked_log_probs", "completion_log_probs", "log_probs", "token_log_probs"]
+__all__ = ["chunked_log_probs", "completion_log_probs", "log_probs", "packed_log_probs", "token_log_probs"]
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -30,18 +31,20 @@ def chunked_log_probs(
   temperature: float = 1.0,
   chunk_size: int | None = 256,
   with_entropy: bool = False,
+  entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs of ``targets`` and (optionally) the policy entropy, chunked over positions.
 
   With ``z = logits(hidden[b, t]) / temperature`` in float32::
 
       logp[b, t]    = z[targets[b, t]] - logsumexp(z)
-      entropy[b, t] = logsumexp(z) - Σ_v softmax(z)_v · z_v          (no gradient)
+      entropy[b, t] = logsumexp(z) - Σ_v softmax(z)_v · z_v
 
   The float32 logits of one chunk, ``f32[B, chunk_size, V]``, are the largest intermediate. Chunks
   run sequentially (``lax.map``) under ``jax.checkpoint``, so the backward pass recomputes each
-  chunk's logits instead of storing all of them; the entropy is computed from the same chunk with
-  ``stop_gradient`` (a metric, never differentiated).
+  chunk's logits instead of storing all of them. The entropy is computed from the same chunk, with
+  ``stop_gradient`` (a metric) unless ``entropy_grad`` (an entropy bonus in the loss: its gradient
+  ``∇H = −Σ_v p_v (z_v − Σ_u p_u z_u) ∇z_v`` flows through the recomputed chunk like the log-probs').
 
   Args:
     model: a model with ``logits(hidden, out_dtype=...)``.
@@ -50,6 +53,7 @@ def chunked_log_probs(
     temperature: positive float dividing the logits.
     chunk_size: positions per chunk; None (or >= T) computes everything in one chunk.
     with_entropy: also return the entropy.
+    entropy_grad: differentiate the entropy too (requires ``with_entropy``).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``; padding positions are not masked here.
@@ -61,6 +65,8 @@ def chunked_log_probs(
   if isinstance(temperature, (int, float)) and temperature <= 0:
     raise ValueError(f"`temperature` must be > 0; got {temperature}")
   _check_chunk_size(chunk_size)
+  if entropy_grad and not with_entropy:
+    raise ValueError("`entropy_grad=True` needs `with_entropy=True`")
   b, t, d = hidden.shape
   targets = targets.astype(jnp.int32)
 
@@ -72,7 +78,7 @@ def chunked_log_probs(
     logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
     if not with_entropy:
       return logp, None
-    sl, slse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
+    sl, slse = (logits, lse) if entropy_grad else (jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse))
     ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
     return logp, ent
 
@@ -160,6 +166,7 @@ def completion_log_probs(
   temperature: float = 1.0,
   chunk_size: int | None = 256,
   with_entropy: bool = False,
+  entropy_grad: bool = False,
   dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
@@ -177,7 +184,9 @@ def completion_log_probs(
     mask: ``bool[B, T]`` real completion tokens.
     temperature: sampling temperature the log-probs refer to.
     chunk_size: completion positions per chunk (None: unchunked).
-    with_entropy: also return the entropy of the temperature-scaled policy (no gradient).
+    with_entropy: also return the entropy of the temperature-scaled policy (no gradient, unless
+      ``entropy_grad``: an entropy bonus in the loss).
+    entropy_grad: differentiate the entropy too (requires ``with_entropy``).
     dropout_key: LoRA adapter dropout (training only; the model's ``dropout_key``): one key, or one
       key per row (``key[B]`` typed, or raw ``uint32[B, 2]``). None: no dropout.
 
@@ -192,8 +201,117 @@ def completion_log_probs(
   hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn, dropout_key=dropout_key)
   h = hidden[:, p - 1 : -1]  # position p-1+t predicts completions[:, t]
   logp, ent = chunked_log_probs(
-    model, h, completions, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    model,
+    h,
+    completions,
+    temperature=temperature,
+    chunk_size=chunk_size,
+    with_entropy=with_entropy,
+    entropy_grad=entropy_grad,
   )
   logp = jnp.where(mask, logp, 0.0)
   ent = None if ent is None else jnp.where(mask, ent, 0.0)
   return logp, ent
+
+
+def _check_packed_args(tokens, positions, segment_ids, head_index, unpack_index, blocks) -> tuple[int, int]:
+  """Shapes of :func:`packed_log_probs`' arguments; returns ``(rows per block, head length H)``."""
+  if tokens.ndim != 2:
+    raise ValueError(f"`tokens` must be packed rows [R, L]; got shape {tokens.shape}")
+  for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+    if x.shape != tokens.shape:
+      raise ValueError(f"`{name}` shape {x.shape} != tokens shape {tokens.shape}")
+  if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+    raise ValueError(f"`blocks` must be a positive int; got {blocks!r}")
+  r = tokens.shape[0]
+  if r % blocks or head_index.ndim != 2 or head_index.shape[0] != blocks or head_index.shape[1] % (r // blocks):
+    raise ValueError(
+      f"`head_index` must be int32[blocks, (R / blocks)·H] = [{blocks}, {r // max(blocks, 1)}·H] for {r} rows in "
+      f"{blocks} blocks; got shape {head_index.shape}"
+    )
+  if unpack_index.ndim != 2 or unpack_index.shape[0] % blocks:
+    raise ValueError(
+      f"`unpack_index` must be int32[B, T] with B a multiple of blocks={blocks}; got {unpack_index.shape}"
+    )
+  for name, x in (("tokens", tokens), ("head_index", head_index), ("unpack_index", unpack_index)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"`{name}` must be an integer array; got {x.dtype}")
+  return r // blocks, head_index.shape[1] // (r // blocks)
+
+
+def packed_log_probs(
+  model,
+  tokens: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  head_index: jax.Array,
+  unpack_index: jax.Array,
+  *,
+  blocks: int = 1,
+  temperature: float = 1.0,
+  chunk_size: int | None = 256,
+  with_entropy: bool = False,
+  entropy_grad: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
+  ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.packing.PackedSlots``.
+
+  One forward over the packed rows (``segment_ids``: attention never crosses sequences; per-sequence
+  ``positions``), then only the completion positions listed in ``head_index`` go through the LM head
+  (gathered into ``[blocks·Rb, H, D]``, in float32 chunks of ``chunk_size`` positions,
+  :func:`chunked_log_probs`); ``unpack_index`` gathers them back::
+
+      logp[b, t] = log_softmax(logits(hidden[p - 1]) / temperature)[tokens[p]],  p = head_index[k, unpack_index[b, t]]
+
+  where k is the block of row b (rows and head entries are indexed within their block) and ``p - 1``,
+  the column before the target, is in the same sequence (every prompt has a token). The rows form
+  ``blocks`` equal blocks (the train step: one per device shard), each with its own sequences: every
+  gather is a batched gather over the block axis, so with the blocks on different devices nothing
+  crosses devices.
+
+  Args:
+    model: a ``jaxgrpo.models`` causal LM.
+    tokens, positions, segment_ids: ``int32[R, L]`` packed rows (``PackedSlots`` fields, one slot's
+      rows per block).
+    head_index: ``int32[blocks, (R / blocks)·H]`` flat index ``r·L + c`` (r within the block) of each
+      scored target; entries past a block's last target are ignored.
+    unpack_index: ``int32[B, T]``: the head entry of completion token ``(b, t)`` within its block
+      (rows ``[k·B/blocks, (k+1)·B/blocks)`` are block k's), -1 where there is none.
+    blocks: the number of blocks (static).
+    temperature: sampling temperature the log-probs refer to.
+    chunk_size: head positions per chunk (of H; None: unchunked): a chunk holds ``R·chunk_size`` tokens.
+    with_entropy: also return the entropy of the temperature-scaled policy (no gradient unless
+      ``entropy_grad``: an entropy bonus in the loss).
+    entropy_grad: differentiate the entropy too (requires ``with_entropy``).
+
+  Returns:
+    ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1.
+  """
+  rb, h = _check_packed_args(tokens, positions, segment_ids, head_index, unpack_index, blocks)
+  r, length = tokens.shape
+  tokens = tokens.astype(jnp.int32)
+  hidden, _ = model(tokens, positions, segment_ids=segment_ids)  # [R, L, D]
+  d = hidden.shape[-1]
+  head_index = head_index.astype(jnp.int32)
+  flat = hidden.reshape(blocks, rb * length, d)
+  source = jnp.maximum(head_index - 1, 0)  # the column that predicts each target
+  head = jnp.take_along_axis(flat, source[..., None], axis=1, mode="clip")  # [blocks, Rb·H, D]
+  targets = jnp.take_along_axis(tokens.reshape(blocks, rb * length), head_index, axis=1, mode="clip")
+  logp, ent = chunked_log_probs(
+    model,
+    head.reshape(blocks * rb, h, d),
+    targets.reshape(blocks * rb, h),
+    temperature=temperature,
+    chunk_size=chunk_size,
+    with_entropy=with_entropy,
+    entropy_grad=entropy_grad,
+  )
+  b, t = unpack_index.shape
+  index = unpack_index.astype(jnp.int32).reshape(blocks, (b // blocks) * t)
+  real = index >= 0
+
+  def unpack(x):  # [blocks·Rb, H] head entries -> [B, T]
+    out = jnp.take_along_axis(x.reshape(blocks, rb * h), jnp.where(real, index, 0), axis=1, mode="clip")
+    return jnp.where(real, out, 0.0).reshape(b, t)
+
+  return unpack(logp), None if ent is None else unpack(ent)

@@ -47,7 +47,7 @@ import optax
 from flax import nnx
 
 from jaxgrpo.config import GRPOConfig, preset
-from jaxgrpo.losses import finalize_terms
+from jaxgrpo.iteration import rollout_loss
 from jaxgrpo.models import GPT2Config, build_model
 from jaxgrpo.objective import objective_terms, rollout_advantages
 
@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 L, R, BOS = 0, 1, 2
-ALGORITHMS = ("grpo", "lambda_grpo", "frpo", "lambda_frpo", "dr_grpo")
+ALGORITHMS = ("grpo", "lambda_grpo", "frpo", "lambda_frpo", "dr_grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo")
 POLICIES = ("gpt2", "gpt2-small", "tabular")
 OPTIMIZERS = ("adam", "sgd")
 MAX_DEPTH = 12
@@ -336,6 +336,8 @@ def make_sweep(
   group_size: int,
   steps: int,
   progress: Callable[[int], None] | None = None,
+  objective_fn: Callable = objective_terms,
+  advantages_fn: Callable = rollout_advantages,
 ):
   """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[(A,) C, S, steps]``.
 
@@ -345,9 +347,10 @@ def make_sweep(
 
   ``algorithms``: one preset name (or ``GRPOConfig``): outputs are ``[C, S, steps]``; or a sequence
   of them: outputs are ``[A, C, S, steps]``. Several algorithms share one compilation: the policy's
-  forward/backward is ``vmap``-ped over them and each algorithm's loss (the library's
-  ``rollout_advantages`` → ``objective_terms`` → ``finalize_terms`` under its own config) is a
-  branch of ``lax.switch`` on the algorithm's index. Under ``vmap`` every branch is evaluated and
+  forward/backward is ``vmap``-ped over them and each algorithm's loss
+  (:func:`jaxgrpo.iteration.rollout_loss`: ``advantages_fn`` → ``objective_fn`` → ``finalize_terms``
+  under its own config, the train step's hooks and defaults) is a branch of ``lax.switch`` on the
+  algorithm's index. Under ``vmap`` every branch is evaluated and
   selected, which costs little: the branches see only ``[G, depth]`` arrays.
 
   Returned per-step metrics: ``target_freq`` (fraction of the group equal to the target),
@@ -378,15 +381,23 @@ def make_sweep(
 
   def loss_and_grad(config, table, leaves, tokens, rewards, ref_logp):
     """The library's objective for one sampled group; gradient w.r.t. the leaf log-prob table."""
-    old_logp = sg(table)[leaves]
-    adv, weights = rollout_advantages(
-      config, rewards, tokens, mask, group_ids, 1, old_logp=old_logp, ref_logp=ref_logp, max_group_size=group_size
-    )
 
     def loss_fn(tab):
-      logp = tab[leaves]  # [G, d]
-      terms = objective_terms(config, logp, sg(logp), adv, mask, token_weights=weights, ref_logp=ref_logp)
-      return finalize_terms(terms)
+      logp = tab[leaves]  # [G, d]; μ = 1: the rollout policy is the current one
+      return rollout_loss(
+        config,
+        logp,
+        sg(logp),
+        rewards,
+        tokens,
+        mask,
+        group_ids,
+        1,
+        ref_logp=ref_logp,
+        max_group_size=group_size,
+        objective_fn=objective_fn,
+        advantages_fn=advantages_fn,
+      )
 
     (loss, _), g_table = jax.value_and_grad(loss_fn, has_aux=True)(table)
     return loss, g_table
@@ -458,9 +469,12 @@ def run_sweep(
   group_size: int = 16,
   steps: int = 250,
   progress=None,
+  objective_fn: Callable = objective_terms,
+  advantages_fn: Callable = rollout_advantages,
 ) -> dict:
   """Train every (cell, seed) under ``algorithm``: numpy arrays ``[C, S, steps]`` per metric, or
-  ``[A, C, S, steps]`` when ``algorithm`` is a sequence (one compilation for all; see :func:`make_sweep`)."""
+  ``[A, C, S, steps]`` when ``algorithm`` is a sequence (one compilation for all; see :func:`make_sweep`).
+  ``objective_fn``/``advantages_fn``: the train step's hooks (default: the presets' objective)."""
   tasks = [
     TreeTask(depth=depth, target=target, prefix_len=n, neg_reward=r, other_reward=other_reward) for n, r in cells
   ]
@@ -474,6 +488,8 @@ def run_sweep(
     group_size=group_size,
     steps=steps,
     progress=progress,
+    objective_fn=objective_fn,
+    advantages_fn=advantages_fn,
   )
   out = run(jnp.asarray(np.asarray(seeds, np.int32)), jnp.asarray(rewards))
   return {k: np.asarray(v) for k, v in jax.device_get(out).items()}

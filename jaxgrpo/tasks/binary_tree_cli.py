@@ -31,7 +31,18 @@ from jaxgrpo.tasks import binary_tree as bt
 
 __all__ = ["main", "build_parser", "resolve", "run", "summarize", "table_md", "plot", "parse_cells", "FlagError"]
 
-ALGO_LABELS = {"grpo": "GRPO", "lambda_grpo": "λ-GRPO", "frpo": "FRPO", "lambda_frpo": "λ-FRPO", "dr_grpo": "Dr.GRPO"}
+ALGO_LABELS = {
+  "grpo": "GRPO",
+  "lambda_grpo": "λ-GRPO",
+  "frpo": "FRPO",
+  "lambda_frpo": "λ-FRPO",
+  "dr_grpo": "Dr.GRPO",
+  "gspo": "GSPO",
+  "gspo_token": "GSPO-token",
+  "cispo": "CISPO",
+  "sapo": "SAPO",
+  "gmpo": "GMPO",
+}
 #: Defaults per policy, chosen by the study in docs/binary_tree.md (optimizer, learning rate).
 #: gpt2-small's (Adam 1e-5, the paper's learning rate) was not validated here (no accelerator).
 POLICY_DEFAULTS = {"gpt2": ("sgd", 0.02), "gpt2-small": ("adam", 1e-5), "tabular": ("sgd", 1.0)}
@@ -291,7 +302,8 @@ def plot(summary, res, path):
   fig = Figure(figsize=(3.6 * len(rs), 2.8 * len(ns)))
   axes = fig.subplots(len(ns), len(rs), squeeze=False, sharex=True, sharey=True)
   steps = np.arange(1, cfg["steps"] + 1)
-  colors = {"grpo": "C3", "lambda_grpo": "C0", "frpo": "C1", "lambda_frpo": "C2", "dr_grpo": "C4"}
+  colors = {"grpo": "C3", "lambda_grpo": "C0", "frpo": "C1", "lambda_frpo": "C2", "dr_grpo": "C4", "gspo": "C5"}
+  colors.update(gspo_token="C6", cispo="C7", sapo="C8", gmpo="C9")
   for ax in axes.flat:
     ax.set_visible(False)
   for c, (n, r) in enumerate(cells):

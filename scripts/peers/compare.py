@@ -1,8 +1,8 @@
 """Compare jaxgrpo's advantages, KL terms, losses and loss gradients with the peers' outputs.
 
-    python scripts/peers/compare.py .peers/out      # reads inputs.npz, trl.npz, tunix.npz
+    python scripts/peers/compare.py .peers/out      # reads inputs.npz, trl.npz, verl.npz, tunix.npz
 
-Run in jaxgrpo's own environment after `numbers_trl.py` and `numbers_tunix.py` (see
+Run in jaxgrpo's own environment after `numbers_trl.py`, `numbers_verl.py` and `numbers_tunix.py` (see
 `scripts/peers/run_all.sh`). Prints one markdown table: for each matching pair (our function
 and settings ↔ the peer's mode), the largest absolute difference over all rows/tokens, and a
 verdict: `equal` (≤ 2e-6 relative to the magnitude), or `differs` with the reason. Also prints
@@ -81,7 +81,162 @@ def ours(inp):
   rows_scale = float(np.sum(inp["mask"])) / b
   for kind in ("k1", "k3"):
     o[f"loss/token-mean×tokens/rows/{kind}/0.2-0.2"] = o[f"loss/token-mean/{kind}/0.2-0.2"] * rows_scale
+  o.update(ours_new_losses(inp))
   return {k: np.asarray(v) for k, v in o.items()}
+
+
+def ours_new_losses(inp):
+  """GSPO, GSPO-token, CISPO, SAPO, GMPO, the entropy bonus and TIS/MIS (issue 15), keyed
+  ``loss/<surrogate>/<aggregation>/<variant>``, with ``grad/...`` (w.r.t. logp) and ``grad_entropy/...``."""
+  mask = jnp.asarray(inp["mask"])
+  olp, rp, blp = (jnp.asarray(inp[k]) for k in ("old_logp", "ref_logp", "behavior_logp"))
+  adv, tok_adv = jnp.asarray(inp["advantages"]), jnp.asarray(inp["token_advantages"])
+  beta, lo, hi = float(inp["beta"]), float(inp["epsilon_low"]), float(inp["epsilon_high"])
+  cap, coef = float(inp["is_cap"]), float(inp["entropy_coef"])
+  lp, ent = jnp.asarray(inp["logp"]), jnp.asarray(inp["entropy"])
+  o = {}
+  for kind in ("tis", "mis"):
+    for level in ("token", "sequence"):
+      w = jg.importance_weights(olp, blp, mask, correction=kind, level=level, cap=cap)
+      o[f"is/{kind}/{level}"] = w.weights
+  o["mismatch_kl"] = jnp.sum(w.mismatch_kl) / jnp.sum(mask)
+
+  def run(key, loss, aggregation, lo_, hi_, *, kl=True, dual=None, a=adv, imp=None, entropy=False):
+    importance = None
+    if imp is not None:
+      importance = jg.importance_weights(olp, blp, mask, correction=imp[0], level=imp[1], cap=cap)
+
+    def f(x, h):
+      return jg.policy_loss(
+        x,
+        olp,
+        a,
+        mask,
+        loss=loss,
+        clip_eps_low=lo_,
+        clip_eps_high=hi_,
+        dual_clip=dual,
+        aggregation=aggregation,
+        kl=jg.kl_penalty(x, rp, "k3") if kl else None,
+        beta=beta if kl else 0.0,
+        importance=importance,
+        entropy=h if entropy else None,
+        entropy_coef=coef if entropy else 0.0,
+      )[0]
+
+    v, (g, gh) = jax.value_and_grad(f, argnums=(0, 1))(lp, ent)
+    o[f"loss/{key}"], o[f"grad/{key}"] = v, g
+    if entropy:
+      o[f"grad_entropy/{key}"] = gh
+
+  sm, tm = "seq-mean-token-mean", "token-mean"
+  for agg in (tm, sm):
+    run(f"gspo/{agg}/k3/0.2-0.28", "gspo", agg, lo, hi)
+    run(f"gspo_token/{agg}/k3/0.2-0.28", "gspo_token", agg, lo, hi)
+    run(f"gspo_token/{agg}/k3/0.2-0.28/token_advantages", "gspo_token", agg, lo, hi, a=tok_adv)
+    run(f"cispo/{agg}/k3/0.2-0.28", "cispo", agg, lo, hi)
+    run(f"cispo/{agg}/k3/0.2-0.28/token_advantages", "cispo", agg, lo, hi, a=tok_adv)
+  run("gspo/seq-mean-token-mean/k3/3e-4-4e-4", "gspo", sm, 3e-4, 4e-4)
+  run("gspo_token/seq-mean-token-mean/k3/3e-4-4e-4", "gspo_token", sm, 3e-4, 4e-4)
+  run("cispo/token-mean/k3/max=5", "cispo", tm, 1.0, 4.0)
+  run("cispo/token-mean/k3/max=1.28", "cispo", tm, 1.0, 0.28)
+  run("sapo/seq-mean-token-mean/k3", "sapo", sm, lo, hi)
+  run("sapo/seq-mean-token-mean/k3/token_advantages", "sapo", sm, lo, hi, a=tok_adv)
+  run("gmpo/seq-mean-token-mean/0.4", "gmpo", sm, 0.4, 0.4, kl=False)
+  run("gmpo/seq-mean-token-mean/0.2-0.28", "gmpo", sm, lo, hi, kl=False)
+  for agg in (tm, sm):
+    run(f"ppo/{agg}/k3/0.2-0.28/entropy", "ppo", agg, lo, hi, entropy=True)
+    run(f"ppo/{agg}/k3/0.2-0.28/dual3/entropy", "ppo", agg, lo, hi, dual=3.0, entropy=True)
+  for kind in ("tis", "mis"):
+    for level in ("token", "sequence"):
+      run(f"ppo/token-mean/k3/0.2-0.28/{kind}/{level}", "ppo", tm, lo, hi, imp=(kind, level))
+      run(f"ppo/token-mean/k3/0.2-0.28/dual3/{kind}/{level}", "ppo", tm, lo, hi, dual=3.0, imp=(kind, level))
+  run("gspo_token/seq-mean-token-mean/k3/0.2-0.28/tis/sequence", "gspo_token", sm, lo, hi, imp=("tis", "sequence"))
+  # no jaxgrpo mode: TRL's "grpo" entropy bonus is the token mean of H under a per-sequence policy loss
+  m = jnp.asarray(inp["mask"], jnp.float32)
+  base = "ppo/seq-mean-token-mean/k3/0.2-0.28"
+  run(base, "ppo", sm, lo, hi)
+  key = base + "/entropy=token-mean"
+  o[f"loss/{key}"] = o[f"loss/{base}"] - coef * jnp.sum(ent * m) / jnp.sum(m)
+  o[f"grad/{key}"], o[f"grad_entropy/{key}"] = o[f"grad/{base}"], -coef * m / jnp.sum(m)
+  return o
+
+
+NEW_LOSS_PAIRS = [
+  # TRL 1.16 GRPOTrainer._compute_loss (β = 0.04 k3 without the bias-correction ratio)
+  ("trl/{}/gspo/0.2-0.28", "{}/gspo/seq-mean-token-mean/k3/0.2-0.28", "importance_sampling_level='sequence'"),
+  ("trl/{}/gspo/3e-4-4e-4", "{}/gspo/seq-mean-token-mean/k3/3e-4-4e-4", "GSPO's ε (the preset)"),
+  ("trl/{}/cispo/max=5", "{}/cispo/token-mean/k3/max=5", "TRL's epsilon_high = ε_max = 1 + our ε_high"),
+  ("trl/{}/cispo/max=1.28", "{}/cispo/token-mean/k3/max=1.28", ""),
+  ("trl/{}/sapo", "{}/sapo/seq-mean-token-mean/k3", "τ 1.0 / 1.05"),
+  ("trl/{}/sapo/token_advantages", "{}/sapo/seq-mean-token-mean/k3/token_advantages", "per-token advantages"),
+  ("trl/{}/dapo/entropy", "{}/ppo/token-mean/k3/0.2-0.28/entropy", "entropy_coef = 0.01"),
+  (
+    "trl/{}/grpo/entropy",
+    "{}/ppo/seq-mean-token-mean/k3/0.2-0.28/entropy",
+    "TRL averages H over tokens whatever the loss type; ours aggregates it like the loss (as verl)",
+  ),
+  ("trl/{}/grpo/entropy", "{}/ppo/seq-mean-token-mean/k3/0.2-0.28/entropy=token-mean", "TRL's token-mean H"),
+  ("trl/{}/dapo/is=token_truncate", "{}/ppo/token-mean/k3/0.2-0.28/tis/token", "vLLM IS correction, C = 2"),
+  ("trl/{}/dapo/is=token_mask", "{}/ppo/token-mean/k3/0.2-0.28/mis/token", ""),
+  ("trl/{}/dapo/is=sequence_truncate", "{}/ppo/token-mean/k3/0.2-0.28/tis/sequence", ""),
+  ("trl/{}/dapo/is=sequence_mask", "{}/ppo/token-mean/k3/0.2-0.28/mis/sequence", ""),
+  # verl 0.9.1: policy_loss_fn + β·agg_loss(k3) [− c·agg_loss(H)], vanilla always dual-clips (c = 3)
+  (
+    "verl/{}/gspo/seq-mean-token-mean/0.2-0.28",
+    "{}/gspo_token/seq-mean-token-mean/k3/0.2-0.28",
+    "verl's gspo is GSPO-token",
+  ),
+  ("verl/{}/gspo/seq-mean-token-mean/0.2-0.28", "{}/gspo/seq-mean-token-mean/k3/0.2-0.28", "= GSPO, one A per row"),
+  ("verl/{}/gspo/token-mean/0.2-0.28", "{}/gspo_token/token-mean/k3/0.2-0.28", ""),
+  ("verl/{}/gspo/seq-mean-token-mean/3e-4-4e-4", "{}/gspo_token/seq-mean-token-mean/k3/3e-4-4e-4", ""),
+  (
+    "verl/{}/gspo/seq-mean-token-mean/token_advantages",
+    "{}/gspo_token/seq-mean-token-mean/k3/0.2-0.28/token_advantages",
+    "per-token advantages",
+  ),
+  ("verl/{}/gspo/token-mean/token_advantages", "{}/gspo_token/token-mean/k3/0.2-0.28/token_advantages", ""),
+  ("verl/{}/cispo/token-mean", "{}/cispo/token-mean/k3/0.2-0.28", ""),
+  ("verl/{}/cispo/seq-mean-token-mean", "{}/cispo/seq-mean-token-mean/k3/0.2-0.28", ""),
+  ("verl/{}/cispo/token-mean/token_advantages", "{}/cispo/token-mean/k3/0.2-0.28/token_advantages", ""),
+  ("verl/{}/sapo", "{}/sapo/seq-mean-token-mean/k3", ""),
+  ("verl/{}/sapo/token_advantages", "{}/sapo/seq-mean-token-mean/k3/token_advantages", ""),
+  ("verl/{}/geo_mean/0.4", "{}/gmpo/seq-mean-token-mean/0.4", "verl's GMPO (geo_mean), ε = 0.4, no KL"),
+  ("verl/{}/geo_mean/0.2-0.28", "{}/gmpo/seq-mean-token-mean/0.2-0.28", ""),
+  ("verl/{}/token-mean/entropy", "{}/ppo/token-mean/k3/0.2-0.28/dual3/entropy", "entropy_coeff = 0.01"),
+  ("verl/{}/seq-mean-token-mean/entropy", "{}/ppo/seq-mean-token-mean/k3/0.2-0.28/dual3/entropy", ""),
+  ("verl/{}/token-mean/is=tis/token", "{}/ppo/token-mean/k3/0.2-0.28/dual3/tis/token", "rollout_is_weights"),
+  ("verl/{}/token-mean/is=mis/token", "{}/ppo/token-mean/k3/0.2-0.28/dual3/mis/token", ""),
+  ("verl/{}/token-mean/is=tis/sequence", "{}/ppo/token-mean/k3/0.2-0.28/dual3/tis/sequence", ""),
+  ("verl/{}/token-mean/is=mis/sequence", "{}/ppo/token-mean/k3/0.2-0.28/dual3/mis/sequence", ""),
+  (
+    "verl/{}/gspo/seq-mean-token-mean/is=tis/sequence",
+    "{}/gspo_token/seq-mean-token-mean/k3/0.2-0.28/tis/sequence",
+    "",
+  ),
+]
+IS_PAIRS = [
+  ("trl/is_weights/token_truncate", "is/tis/token", "TRL's expressions (need vLLM to run in place)"),
+  ("trl/is_weights/token_mask", "is/mis/token", ""),
+  ("trl/is_weights/sequence_truncate", "is/tis/sequence", "the product of the token ratios"),
+  ("trl/is_weights/sequence_mask", "is/mis/sequence", ""),
+  ("verl/is_weights/tis/token", "is/tis/token", "compute_rollout_correction_weights, threshold 2"),
+  ("verl/is_weights/mis/token", "is/mis/token", "IcePop form '1e-30_2.0'"),
+  ("verl/is_weights/tis/sequence", "is/tis/sequence", ""),
+  ("verl/is_weights/mis/sequence", "is/mis/sequence", ""),
+  ("verl/mismatch_kl", "mismatch_kl", "compute_offpolicy_metrics' k3_kl"),
+]
+
+
+def new_pairs():
+  """(peer key, our key, note) for the losses of issue 15: value, gradient and entropy gradient rows."""
+  rows = []
+  for peer, our, note in NEW_LOSS_PAIRS:
+    rows.append((peer.format("loss"), our.format("loss"), note))
+    rows.append((peer.format("grad"), our.format("grad"), "gradient w.r.t. the current log-probs"))
+    if "entropy" in peer:
+      rows.append((peer.format("grad_entropy"), our.format("grad_entropy"), "gradient w.r.t. the entropies"))
+  return rows + IS_PAIRS
 
 
 BIAS_KL = (
@@ -191,7 +346,7 @@ def main(argv=None):
   d = argv[0] if argv else ".peers/out"
   inp = dict(np.load(os.path.join(d, "inputs.npz")))
   peer = {}
-  for name in ("trl.npz", "tunix.npz"):
+  for name in ("trl.npz", "verl.npz", "tunix.npz"):
     path = os.path.join(d, name)
     if os.path.exists(path):
       peer.update(dict(np.load(path)))
@@ -207,7 +362,7 @@ def main(argv=None):
   print("| peer output | jaxgrpo | max abs diff | verdict | note |")
   print("| --- | --- | ---: | --- | --- |")
   rows = []
-  for pk, ok, note in PAIRS + [(a, b, "gradient w.r.t. the current log-probs") for a, b in GRAD_PAIRS]:
+  for pk, ok, note in PAIRS + [(a, b, "gradient w.r.t. the current log-probs") for a, b in GRAD_PAIRS] + new_pairs():
     if pk not in peer:
       print(f"| `{pk}` | `{ok}` | — | not produced | {note} |")
       continue

@@ -6,7 +6,11 @@ B = 16 rows in 4 contiguous groups of G = 4 (the layout every peer requires), T 
 slots, right-padded ragged masks (lengths 1..12, one full row per group). The log-probs put a third
 of the ratios outside the clip range on both sides, with advantages of both signs. Group 2 has four
 equal rewards (zero std: advantage 0, never NaN). float64 draws rounded to float32, stored float32. The loss comparisons
-use the fixed `advantages` (one per row), so that a loss difference is never an advantage one.
+use the fixed `advantages` (one per row), so that a loss difference is never an advantage one;
+`token_advantages` (per token, FRPO-like) feed the token-level losses' per-token rows.
+`behavior_logp` (old + N(0, 0.3)) is a mismatched behaviour policy for the off-policy corrections:
+with the cap `is_cap` = 2 some token ratios and most sequence ratios are truncated/masked. `entropy`
+(uniform in [0, 3]) stands for the per-token policy entropy of the entropy-bonus rows.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ def make(seed: int = 0) -> dict[str, np.ndarray]:
   rewards = rng.integers(0, 2, B).astype(np.float64) + 0.25 * rng.normal(size=B)
   rewards[8:12] = 0.5  # group 2: all equal
   advantages = rng.normal(0.0, 1.0, B)  # fixed, for the loss comparisons
+  # drawn after the original fields, so that those keep their values
+  token_advantages = advantages[:, None] + 0.5 * rng.normal(0.0, 1.0, (B, T))
+  behavior_logp = old_logp + rng.normal(0.0, 0.3, (B, T))
+  entropy = rng.uniform(0.0, 3.0, (B, T))
   z = lambda x: np.where(mask, x, 0.0).astype(np.float32)
   return {
     "logp": z(logp),
@@ -42,6 +50,11 @@ def make(seed: int = 0) -> dict[str, np.ndarray]:
     "epsilon_low": np.float32(0.2),
     "epsilon_high": np.float32(0.28),
     "beta": np.float32(0.04),
+    "token_advantages": z(token_advantages),
+    "behavior_logp": z(behavior_logp),
+    "entropy": z(entropy),
+    "is_cap": np.float32(2.0),
+    "entropy_coef": np.float32(0.01),
   }
 
 

@@ -1,4 +1,4 @@
-"""TRL's (and verl's) advantages, KL and losses on the shared inputs (run inside .peers/trl).
+"""TRL's advantages, KL and losses on the shared inputs (run inside .peers/trl).
 
     .peers/trl/bin/python scripts/peers/numbers_trl.py .peers/out/inputs.npz .peers/model .peers/out/trl.npz
 
@@ -10,19 +10,126 @@ replaced by a stub returning the shared current-policy log-probs (the only model
 importance ratio) is run both ways. The model is put in
 eval mode so that no gradient-accumulation normaliser is applied.
 
-verl: `verl.trainer.ppo.core_algos` (imported without Ray/vLLM): `compute_grpo_outcome_advantage`,
-`kl_penalty(..., "low_var_kl")`, and per `loss_agg_mode` the actor's loss
-`compute_policy_loss_vanilla(...) + β·agg_loss(kl)` (verl's vanilla loss always has the dual clip, c = 3).
-Every output key is `<peer>/<quantity>/<variant>`.
+The other losses (`trl_loss_variants`): GSPO (`loss_type="grpo"`, `importance_sampling_level=
+"sequence"`), CISPO (`loss_type="cispo"`: `epsilon_high` is the ratio's absolute cap ε_max), SAPO
+(`loss_type="sapo"`, its default temperatures), the entropy bonus (`entropy_coef`, shared per-token
+entropies returned by the same stub, gradients taken w.r.t. them too), and the vLLM importance
+sampling correction: TRL computes `importance_sampling_ratio` inside `_generate_and_score_completions`,
+which needs vLLM, so its four modes' expressions are evaluated here as written there
+(`trl_is_ratio`) and passed to the real `_compute_loss` with `use_vllm` and
+`vllm_importance_sampling_correction` switched on.
+
+verl's numbers: `numbers_verl.py` (the same venv).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 
 import numpy as np
 import torch
+
+
+def trl_is_ratio(inp, mode: str) -> torch.Tensor:
+  """TRL's `importance_sampling_ratio` for `vllm_importance_sampling_mode=mode`, the expressions of its
+  `_generate_and_score_completions` (old = the trainer's log-probs, sampling = vLLM's), clip_max = the cap."""
+  mask = torch.tensor(inp["mask"], dtype=torch.float32)
+  diff = (torch.tensor(inp["old_logp"]) - torch.tensor(inp["behavior_logp"])) * mask
+  diff = torch.nan_to_num(diff, nan=0.0)
+  if mode.startswith("sequence"):
+    diff = diff.sum(dim=-1, keepdim=True)
+  ratio = torch.exp(diff)
+  cap = float(inp["is_cap"])
+  if mode.endswith("truncate"):
+    return torch.clamp(ratio, min=None, max=cap)
+  return ratio.masked_fill((ratio < -math.inf) | (ratio > cap), value=0.0)
+
+
+def _trainer(inp, model, tok, ds, reward_fn, tmp, **kw):
+  from trl import GRPOConfig, GRPOTrainer
+
+  b, t = inp["mask"].shape
+  args = GRPOConfig(
+    output_dir=tmp,
+    per_device_train_batch_size=b,
+    num_generations=int(inp["group_size"]),
+    max_completion_length=t,
+    report_to=[],
+    use_cpu=True,
+    logging_steps=1,
+    save_strategy="no",
+    use_bias_correction_kl=False,
+    **kw,
+  )
+  trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=ds, processing_class=tok)
+  trainer.model.eval()  # no gradient-accumulation normaliser
+  return trainer
+
+
+def _trl_loss(trainer, inp, *, advantages=None, is_ratio=None, entropy=False):
+  """TRL's own `_compute_loss` on the shared log-probs (and entropies): loss, ∇logp, ∇entropy."""
+  b, t = inp["mask"].shape
+  logp = torch.tensor(inp["logp"], requires_grad=True)
+  ent = torch.tensor(inp["entropy"], requires_grad=True) if entropy else torch.zeros((b, t))
+  trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, ent, None)
+  mask = torch.tensor(inp["mask"], dtype=torch.int64)
+  inputs = {
+    "prompt_ids": torch.ones((b, 1), dtype=torch.int64),
+    "prompt_mask": torch.ones((b, 1), dtype=torch.int64),
+    "completion_ids": torch.ones((b, t), dtype=torch.int64),
+    "completion_mask": mask,
+    "old_per_token_logps": torch.tensor(inp["old_logp"]),
+    "ref_per_token_logps": torch.tensor(inp["ref_logp"]),
+    "advantages": torch.tensor(inp["advantages"] if advantages is None else advantages),
+    "num_items_in_batch": mask.sum(),
+  }
+  if is_ratio is not None:
+    trainer.use_vllm = True  # only read here to apply the ratio (no vLLM is started)
+    trainer.vllm_importance_sampling_correction = True
+    inputs["importance_sampling_ratio"] = is_ratio
+  loss = trainer._compute_loss(trainer.model, inputs)
+  loss.backward()
+  out = [loss.detach().numpy(), logp.grad.numpy()]
+  out.append(ent.grad.numpy() if entropy else None)
+  return out
+
+
+def trl_loss_variants(inp, model, tok, ds, reward_fn) -> dict[str, np.ndarray]:
+  """GSPO, CISPO, SAPO, the entropy bonus and the four IS-correction modes through TRL's `_compute_loss`."""
+  beta, lo, hi = float(inp["beta"]), float(inp["epsilon_low"]), float(inp["epsilon_high"])
+  coef = float(inp["entropy_coef"])
+  runs = {  # name: (GRPOConfig overrides, _trl_loss keywords)
+    "gspo/0.2-0.28": (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=lo, epsilon_high=hi), {}),
+    "gspo/3e-4-4e-4": (
+      dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+      {},
+    ),
+    "cispo/max=5": (dict(loss_type="cispo", epsilon_high=5.0), {}),
+    "cispo/max=1.28": (dict(loss_type="cispo", epsilon_high=1.28), {}),
+    "sapo": (dict(loss_type="sapo"), {}),
+    "sapo/token_advantages": (dict(loss_type="sapo"), dict(advantages=inp["token_advantages"])),
+    "dapo/entropy": (dict(loss_type="dapo", epsilon=lo, epsilon_high=hi, entropy_coef=coef), dict(entropy=True)),
+    "grpo/entropy": (dict(loss_type="grpo", epsilon=lo, epsilon_high=hi, entropy_coef=coef), dict(entropy=True)),
+  }
+  for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+    runs[f"dapo/is={mode}"] = (
+      dict(loss_type="dapo", epsilon=lo, epsilon_high=hi),
+      dict(is_ratio=trl_is_ratio(inp, mode)),
+    )
+  out = {}
+  for name, (config, kw) in runs.items():
+    with tempfile.TemporaryDirectory() as tmp:
+      trainer = _trainer(inp, model, tok, ds, reward_fn, tmp, beta=beta, **config)
+      loss, grad, grad_h = _trl_loss(trainer, inp, **kw)
+    out[f"trl/loss/{name}"], out[f"trl/grad/{name}"] = loss, grad
+    if grad_h is not None:
+      out[f"trl/grad_entropy/{name}"] = grad_h
+  for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+    ratio = trl_is_ratio(inp, mode).numpy()
+    out[f"trl/is_weights/{mode}"] = np.broadcast_to(ratio, inp["mask"].shape) * inp["mask"]
+  return out
 
 
 def trl_numbers(inp, model_dir) -> dict[str, np.ndarray]:
@@ -91,6 +198,7 @@ def trl_numbers(inp, model_dir) -> dict[str, np.ndarray]:
     key = f"{loss_type}" + ("" if bias_kl else "/use_bias_correction_kl=False")
     out[f"trl/loss/{key}"] = loss.detach().numpy()
     out[f"trl/grad/{key}"] = logp.grad.numpy()
+  out.update(trl_loss_variants(inp, model, tok, ds, reward_fn))
   lp, rp = torch.tensor(inp["logp"]), torch.tensor(inp["ref_logp"])
   out["trl/kl/k3"] = (torch.exp(rp - lp) - (rp - lp) - 1).numpy()  # the expression inside _compute_loss
   out["versions/trl"] = np.array(trl.__version__)
@@ -99,62 +207,10 @@ def trl_numbers(inp, model_dir) -> dict[str, np.ndarray]:
   return out
 
 
-def verl_numbers(inp) -> dict[str, np.ndarray]:
-  from importlib.metadata import version
-
-  from verl.trainer.ppo import core_algos as ca
-
-  out = {"versions/verl": np.array(version("verl"))}
-  b, t = inp["mask"].shape
-  mask = torch.tensor(inp["mask"], dtype=torch.float32)
-  scores = torch.zeros((b, t))
-  lengths = inp["mask"].sum(1)
-  scores[torch.arange(b), torch.tensor(lengths - 1)] = torch.tensor(inp["rewards"])  # reward on the last token
-  index = np.array([f"p{i}" for i in inp["group_ids"]], dtype=object)
-  for norm in (True, False):
-    adv, _ = ca.compute_grpo_outcome_advantage(scores, mask, index, norm_adv_by_std_in_grpo=norm)
-    out[f"verl/advantages/norm_by_std={norm}"] = adv[:, 0].numpy()
-  try:
-    adv, _ = ca.compute_rloo_outcome_advantage(scores, mask, index)
-    out["verl/advantages/rloo"] = adv[:, 0].numpy()
-  except Exception as e:  # noqa: BLE001
-    print("verl rloo:", type(e).__name__, e)
-  lp, olp, rp = (torch.tensor(inp[k]) for k in ("logp", "old_logp", "ref_logp"))
-  for kind in ("low_var_kl", "kl", "mse"):
-    out[f"verl/kl/{kind}"] = ca.kl_penalty(lp, rp, kind).numpy()
-  adv = torch.tensor(inp["advantages"])[:, None].expand(b, t)
-  from omegaconf import OmegaConf
-
-  cfg = OmegaConf.create(
-    {
-      "clip_ratio": float(inp["epsilon_low"]),
-      "clip_ratio_low": float(inp["epsilon_low"]),
-      "clip_ratio_high": float(inp["epsilon_high"]),
-      "clip_ratio_c": 3.0,
-      "global_batch_info": {},
-    }
-  )
-  kl = ca.kl_penalty(lp, rp, "low_var_kl")
-  for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"):
-    # verl's actor: policy_loss = pg_loss + kl_coef * agg_loss(kl, mask, mode)  (dual clip c = 3 is always on)
-    pg, _ = ca.compute_policy_loss_vanilla(
-      old_log_prob=olp, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=mode, config=cfg
-    )
-    out[f"verl/loss/{mode}"] = (pg + float(inp["beta"]) * ca.agg_loss(kl, mask, mode)).numpy()
-  return out
-
-
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   inp = dict(np.load(argv[0]))
   out = trl_numbers(inp, argv[1])
-  try:
-    out.update(verl_numbers(inp))
-  except Exception as e:  # noqa: BLE001
-    import traceback
-
-    traceback.print_exc()
-    out["versions/verl"] = np.array(f"not importable: {type(e).__name__}: {e}")
   np.savez(argv[2], **out)
   print(f"wrote {argv[2]}: {sorted(out)}")
 

@@ -8,7 +8,7 @@
 #   PEERS_ROOT=/elsewhere/.peers bash scripts/peers/run_all.sh    # venvs and models elsewhere
 #
 # PEERS_ROOT (default .peers/ under the repo) holds the two venvs (tunix/, trl/) and the saved models
-# (model/ for 20m, model-150m/); the outputs go to .peers/out/ under the repo: {inputs,trl,tunix}.npz,
+# (model/ for 20m, model-150m/); the outputs go to .peers/out/ under the repo: {inputs,trl,verl,tunix}.npz,
 # the equivalence table numbers.md and the speed tables peers_bench_<workload>.md (+ raw JSON lines).
 # Not part of the default test run.
 set -euo pipefail
@@ -23,6 +23,7 @@ for w in ${WORKLOADS:-20m}; do
 done
 python scripts/peers/make_inputs.py "$OUT/inputs.npz"
 "$PEERS_ROOT/trl/bin/python" scripts/peers/numbers_trl.py "$OUT/inputs.npz" "$PEERS_ROOT/model" "$OUT/trl.npz"
+"$PEERS_ROOT/trl/bin/python" scripts/peers/numbers_verl.py "$OUT/inputs.npz" "$OUT/verl.npz"
 "$PEERS_ROOT/tunix/bin/python" scripts/peers/numbers_tunix.py "$OUT/inputs.npz" "$OUT/tunix.npz"
 python scripts/peers/compare.py "$OUT" | tee "$OUT/numbers.md"
 if [ -z "${SKIP_SPEED:-}" ]; then

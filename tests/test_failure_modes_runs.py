@@ -1,0 +1,379 @@
+"""Failure modes of real training runs (``python scripts/train.py`` in child processes; the tiny
+arithmetic run of test_checkpoint_resume.py, with the verifier in its worker process):
+
+* a NaN: the run stops (exit 1) naming the step and the first non-finite metric, nothing
+  non-finite is saved and the last good checkpoint is kept (before: exit 0, NaN checkpoints, the
+  good ones deleted by keep-last-K);
+* a step directory without its manifest: two scheduler restarts both succeed and the result equals
+  the uninterrupted run (before: StepAlreadyExistsError at every restart);
+* disk full (a small tmpfs, where mounting is allowed) and an injected write error (a file-size
+  limit set on the running child with prlimit): reported at once with the step, path and OS
+  error, a few lines instead of Orbax's tracebacks; stop (exit 1) or, with --on-save-error
+  continue, go on; the last good checkpoint is kept;
+* SIGTERM during a background save and SIGINT mid-run: the step is finished and checkpointed, the
+  run exits 128 + signal, and resuming gives exactly the uninterrupted run; a second SIGINT aborts
+  at once; no verifier worker outlives the trainer;
+* bad inputs (truncated or garbage safetensors, a mesh that fits neither the devices nor the model
+  nor the batch): exit 2 with one ``error:`` line, no traceback, no stray "cannot schedule new
+  futures after interpreter shutdown".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records
+
+from jaxgrpo import checkpoint as ck
+from jaxgrpo.builders import export_hf
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+# the verifier runs in its worker process (reward.timeout_s set): the signal tests check its lifetime
+RUN_ARGS = [("10" if i and ARGS[i - 1] == "--reward.timeout-s" else a) for i, a in enumerate(ARGS)]
+assert RUN_ARGS != ARGS
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  e = dict(os.environ)
+  e.update(
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    PYTHONUNBUFFERED="1",
+  )
+  e.pop("XLA_FLAGS", None)
+  return e
+
+
+def _cmd(out, steps, *extra):
+  return [sys.executable, TRAIN, *RUN_ARGS, "--out", str(out), "--steps", str(steps), *extra]
+
+
+def _run(env, out, steps, *extra, expect=0):
+  r = subprocess.run(_cmd(out, steps, *extra), env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert r.returncode == expect, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+  return r
+
+
+@pytest.fixture(scope="module")
+def runs(env, tmp_path_factory):
+  """The uninterrupted 6-step run, and a separate run stopped after 3 steps (checkpoints 1-3)."""
+  base = tmp_path_factory.mktemp("runs")
+  _run(env, base / "straight", 6)
+  _run(env, base / "three", 3)
+  return base
+
+
+def _complete(out):
+  return ck.complete_steps(str(out / "checkpoints"), log=None)
+
+
+def _no_temporary_dirs(out):
+  return not [n for n in os.listdir(out / "checkpoints") if ck.TMP_SUFFIX in n]
+
+
+def _assert_same_as_straight(runs, out, extra_evals=()):
+  """Bit-identical parameters and metrics; ``extra_evals``: steps where an intermediate run ended
+  (every run evaluates after its last step; the uninterrupted one did not there)."""
+  want, got = _params(runs / "straight"), _params(out)
+  assert want.keys() == got.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  records = [r for r in _records(out) if not ("eval_accuracy" in r and r["step"] in extra_evals)]
+  _assert_same_records(records, _records(runs / "straight"))
+
+
+def _clean_failure(stderr: str):
+  assert "Traceback" not in stderr, stderr[-3000:]
+  assert "cannot schedule new futures" not in stderr, stderr[-3000:]
+  assert len(stderr.strip().splitlines()) <= 4, stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- NaN
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(runs, env, tmp_path):
+  """Resumed with an absurd learning rate (allowed explicitly): the parameters become NaN a step or
+  two later. Before: exit 0, checkpoints 7 and 8 full of NaN, the good ones deleted (keep 2)."""
+  out = tmp_path / "run"
+  shutil.copytree(runs / "three", out)
+  r = _run(env, out, 8, "--optim.learning-rate", "1e30", "--allow-changed-config", "--keep-checkpoints", "2", expect=1)
+  m = re.search(
+    r"error: training stopped at step (\d+): non-finite values; first non-finite metric: (\S+) = ([-a-z]+)", r.stderr
+  )
+  assert m, r.stderr[-3000:]
+  bad, metric = int(m.group(1)), m.group(2)
+  assert bad >= 4 and m.group(3) in ("nan", "inf", "-inf")
+  assert "Nothing of step" in r.stderr and f"the last complete checkpoint is step {bad - 1}" in r.stderr
+  _clean_failure(r.stderr)
+  done = _complete(out)
+  assert done and done[-1] == bad - 1 and all(s < bad for s in done), done
+  for s in done:
+    ck.verify_step(str(out / "checkpoints" / str(s)))
+  params = _params(out)  # the latest complete checkpoint: finite
+  assert all(np.isfinite(v).all() for v in params.values())
+  last = _records(out)[-1]  # the bad step's record was written, with the non-finite value
+  assert last["step"] == bad and not np.isfinite(last[metric])
+
+
+# ----------------------------------------------------------------------------- manifest-less step
+
+
+def test_step_without_manifest_restarts_twice_and_finishes(runs, env, tmp_path):
+  """What a kill between Orbax's rename and the manifest write left with --sync-checkpoints (older
+  versions): step 3 without its manifest. Before: resume from 2, StepAlreadyExistsError on saving
+  3, at every restart."""
+  out = tmp_path / "run"
+  shutil.copytree(runs / "three", out)
+  os.remove(out / "checkpoints" / "3" / ck.MANIFEST)
+  r = _run(env, out, 5, "--sync-checkpoints")
+  assert re.search(r"checkpoints/3 has no jaxgrpo_manifest.json .*moved aside to \S+/3\.incomplete-", r.stdout)
+  assert re.search(r"resumed from checkpoint \S+ \(step 2\)", r.stdout)
+  r = _run(env, out, 6, "--sync-checkpoints")  # the second restart
+  assert re.search(r"resumed from checkpoint \S+ \(step 5\)", r.stdout)
+  assert _complete(out) == [4, 5, 6]
+  assert [n for n in os.listdir(out / "checkpoints") if ".incomplete-" in n]  # kept for inspection
+  _assert_same_as_straight(runs, out, extra_evals=(5,))
+
+
+# ----------------------------------------------------------------------------- failed saves
+
+
+def _step_bytes(step_dir) -> int:
+  """Disk usage of a checkpoint step (allocated blocks, as a tmpfs counts them)."""
+  return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(step_dir) for f in fs)
+
+
+def test_disk_full_on_a_small_tmpfs(runs, env, tmp_path):
+  """OUT/checkpoints on a tmpfs that holds two checkpoints but not a third (keep 2: the third save
+  needs room next to both). Before: silent, then ~480 lines of Orbax traceback at the next save."""
+  out = tmp_path / "run"
+  mnt = out / "checkpoints"
+  mnt.mkdir(parents=True)
+  size = int(2.5 * _step_bytes(runs / "three" / "checkpoints" / "3")) // 4096 * 4096
+  m = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True)
+  if m.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
+  try:
+    r = _run(env, out, 6, "--keep-checkpoints", "2", expect=1)
+    failed = re.search(r"error: checkpoint save of step (\d+) failed: ENOSPC \(No space left on device\)", r.stdout)
+    assert failed, r.stdout[-3000:]  # reported at once, in the log
+    step = int(failed.group(1))
+    assert f"checkpoint save of step {step} failed: ENOSPC" in r.stderr and "Training stops" in r.stderr
+    assert f"while writing {mnt}/{step}" in r.stderr
+    _clean_failure(r.stderr)
+    assert "ERROR:absl" not in r.stdout + r.stderr  # Orbax's own tracebacks are not shown
+    done = _complete(out)
+    assert done == [step - 2, step - 1] and _no_temporary_dirs(out), done
+    for s in done:
+      ck.verify_step(str(mnt / str(s)))
+  finally:
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_injected_write_error_with_on_save_error_continue(runs, env, tmp_path):
+  """A file-size limit put on the running child (prlimit; no mount rights needed) makes its next
+  checkpoint write fail with EFBIG; lifted again once the failure was reported. With
+  --on-save-error continue the run goes on, the next saves succeed and it exits 0 with a warning."""
+  out = tmp_path / "run"
+  proc = subprocess.Popen(
+    _cmd(out, 6, "--keep-checkpoints", "2", "--on-save-error", "continue"),
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=ROOT,
+  )
+  lines, limited, reported = [], False, None
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("step 3 loss") and not limited:
+      resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+      limited = True
+    if line.startswith("error: checkpoint save of step") and reported is None:
+      reported = line
+      resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+  stderr = proc.stderr.read()
+  proc.wait(timeout=600)
+  assert proc.returncode == 0, "".join(lines[-30:]) + stderr[-3000:]
+  assert reported and "EFBIG (File too large)" in reported and "Training continues" in reported, reported
+  step = int(re.search(r"save of step (\d+)", reported).group(1))
+  assert step in (2, 3)  # the limit landed during or after step 2's background write
+  assert re.search(rf"warning: 1 checkpoint save\(s\) failed \(steps \[{step}\]", stderr), stderr
+  assert _complete(out) == [5, 6] and _no_temporary_dirs(out)
+  _assert_same_as_straight(runs, out)  # a failed save changes nothing in training
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+def _descendants(pid: int) -> list[int]:
+  """Every process below ``pid`` (from /proc)."""
+  parent = {}
+  for d in os.listdir("/proc"):
+    if d.isdigit():
+      try:
+        with open(f"/proc/{d}/stat") as f:
+          parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+      except OSError:
+        continue
+  out, todo = [], [pid]
+  while todo:
+    p = todo.pop()
+    kids = [c for c, pp in parent.items() if pp == p]
+    out += kids
+    todo += kids
+  return out
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _signal_run(env, out, *extra, after: str, signals: list[int], gap: float = 0.05):
+  """Starts a 6-step run, sends ``signals`` (``gap`` s apart) once a stdout line starts with
+  ``after``; returns (exit status, stdout, stderr, the trainer's child processes, seconds to exit,
+  whether a save was being written when the first signal was sent)."""
+  proc = subprocess.Popen(
+    _cmd(out, 6, *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+  )
+  lines, children = [], []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith(after):
+      children = _descendants(proc.pid)
+      t0 = time.monotonic()
+      for i, s in enumerate(signals):
+        if i:
+          time.sleep(gap)
+        os.kill(proc.pid, s)
+      mid_save = not _no_temporary_dirs(out)
+      break
+  rest, stderr = proc.communicate(timeout=600)
+  return proc.returncode, "".join(lines) + rest, stderr, children, time.monotonic() - t0, mid_save
+
+
+def _assert_no_child_left(children):
+  assert children, "the verifier worker was not running"
+  t0 = time.monotonic()
+  while any(_alive(c) for c in children) and time.monotonic() - t0 < 20:
+    time.sleep(0.1)
+  assert not [c for c in children if _alive(c)], "processes outlived the trainer"
+
+
+def test_sigterm_during_a_background_save_finishes_it_and_checkpoints(runs, env, tmp_path):
+  """SIGTERM right after a background save started (usually while it is written). Before: exit
+  by the signal (-15 here), the save abandoned, nothing said."""
+  out = tmp_path / "run"
+  code, stdout, stderr, children, _, mid_save = _signal_run(
+    env, out, after="checkpoint: step 2 ", signals=[signal.SIGTERM]
+  )
+  print(f"SIGTERM sent while step 2 was being written: {mid_save}")
+  assert code == 128 + signal.SIGTERM, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint of step \1 complete", stderr)
+  assert m and "SIGTERM received: finishing the current step" in stderr, stderr
+  stop = int(m.group(1))
+  assert stop >= 2 and f"SIGTERM: stopped after step {stop} (checkpoint of step {stop} written)" in stdout
+  assert _complete(out)[-2:] == [stop - 1, stop] and _no_temporary_dirs(out)  # the save in flight was finished
+  for s in _complete(out):
+    ck.verify_step(str(out / "checkpoints" / str(s)))
+  _assert_no_child_left(children)
+  r = _run(env, out, 6)
+  assert re.search(rf"resumed from checkpoint \S+ \(step {stop}\)", r.stdout)
+  _assert_same_as_straight(runs, out)
+
+
+def test_sigint_mid_run_checkpoints_the_current_step(runs, env, tmp_path):
+  """No periodic checkpoints (checkpoint.every 0): before, SIGINT lost every step done so far."""
+  out = tmp_path / "run"
+  code, stdout, stderr, children, _, _ = _signal_run(
+    env, out, "--checkpoint.every", "0", after="step 2 loss", signals=[signal.SIGINT]
+  )
+  assert code == 128 + signal.SIGINT, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  m = re.search(r"stopped by SIGINT after step (\d+); checkpoint of step \1 complete", stderr)
+  assert m, stderr
+  stop = int(m.group(1))
+  assert stop >= 2 and _complete(out) == [stop] and "Traceback" not in stderr
+  _assert_no_child_left(children)
+  r = _run(env, out, 6)
+  assert re.search(rf"resumed from checkpoint \S+ \(step {stop}\)", r.stdout)
+  _assert_same_as_straight(runs, out)
+
+
+def test_second_sigint_aborts_at_once(runs, env, tmp_path):
+  out = tmp_path / "run"
+  code, stdout, stderr, children, seconds, _ = _signal_run(
+    env, out, after="checkpoint: step 2 ", signals=[signal.SIGINT, signal.SIGINT]
+  )
+  assert code == 128 + signal.SIGINT, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  assert "aborted by SIGINT: a checkpoint being written is abandoned" in stderr and "Traceback" not in stderr
+  assert "stopped by SIGINT" not in stderr  # it did not wait for the step and its checkpoint
+  print(f"second SIGINT: exited {seconds:.2f} s after the first signal")
+  _assert_no_child_left(children)
+  done = _complete(out)
+  r = _run(env, out, 6)  # an abandoned save is ignored; the run resumes from the latest complete step
+  assert re.search(rf"resumed from checkpoint \S+ \(step {done[-1]}\)", r.stdout)
+  _assert_same_as_straight(runs, out)
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+@pytest.fixture(scope="module")
+def hf_dir(runs, tmp_path_factory):
+  """An HF directory (weights + tokenizer) exported from the 3-step run."""
+  out = tmp_path_factory.mktemp("hf") / "model"
+  export_hf(str(runs / "three"), str(out))
+  return out
+
+
+def _bad_run(env, out, *extra):
+  cmd = [sys.executable, TRAIN, *RUN_ARGS, "--out", str(out), "--steps", "2", *extra]
+  r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+  _clean_failure(r.stderr)
+  (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+  assert "supervised warm-up" not in r.stdout  # refused before anything heavy
+  return line
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_bad_safetensors_one_clear_line(hf_dir, env, tmp_path, damage):
+  model = tmp_path / "model"
+  shutil.copytree(hf_dir, model)
+  path = model / "model.safetensors"
+  if damage == "truncated":
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) * 2 // 3)
+    want = r"tensor '\S+' in \S+model.safetensors: its bytes \[\d+, \d+\) run past the end .* the file is truncated"
+  else:
+    path.write_bytes(os.urandom(4096))
+    want = r"\S+model.safetensors is not a valid safetensors file"
+  hf_args = ["--model.synthetic", "null", "--model.path", str(model), "--data.arithmetic.sft_steps", "0"]
+  assert re.search(want, _bad_run(env, tmp_path / "out", *hf_args))
+
+
+def test_mesh_that_does_not_fit_one_clear_line(env, tmp_path):
+  line = _bad_run(env, tmp_path / "a", "--mesh", "tensor=3")
+  assert "mesh spec 'tensor=3' has 3 devices" in line and "there are 1 devices" in line
+  line = _bad_run(env, tmp_path / "b", "--mesh", "fsdp=-1", "--cpu-devices", "3")  # width 32 over 3
+  assert re.search(r"devices.mesh 'fsdp=-1' \(3 devices\) does not fit: \S+: dim \d \('embed', size 32\)", line)
+  assert "mesh data=1 × fsdp=3 × tensor=1 over 3 devices" in line
+  line = _bad_run(env, tmp_path / "c", "--mesh", "data=3", "--cpu-devices", "3")  # 2 prompts × 4 = 8 rows
+  assert "devices.mesh 'data=3' (3 devices) does not fit: the rollout batch" in line and "size 8" in line
