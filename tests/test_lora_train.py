@@ -403,3 +403,37 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
     want_t = load_file(out / name.replace("exported", "model"))
     got_t = load_file(tmp_path / name)
     assert want_t.keys() == got_t.keys() and all(np.array_equal(want_t[k], got_t[k]) for k in want_t)
+
+
+# --------------------------------------------------------------------------------------------
+# the config: a validated `lora` section (no section: full fine-tuning), the ready YAML files
+
+
+def test_lora_section_is_validated_at_load_time_and_the_ready_configs_load():
+  import os
+
+  from jaxgrpo import specs
+
+  cfg = specs.load_config(None, {"lora": {"rank": 8, "alpha": 16, "quantize": "nf4", "group_size": 16}})
+  assert cfg.lora == lora.LoRAConfig(rank=8, alpha=16.0, quantize="nf4", group_size=16)
+  assert specs.load_config(None, cfg.to_dict()).lora == cfg.lora  # what config.json holds
+  assert specs.load_config(None, {}).lora is None and specs.load_config(None, {"lora": None}).lora is None
+  bad = [
+    ({"lora": {"rank": 0}}, ValueError, r"in `lora`: rank must be a positive int, got 0"),
+    ({"lora": {"rnak": 8}}, ValueError, r"unknown key\(s\) \['rnak'\] in `lora`; valid keys: \['rank'"),
+    ({"lora": {"rank": "x"}}, TypeError, r"config field `lora.rank`: expected int; got 'x' \(str\)"),
+    ({"lora": {"quantize": "int3"}}, ValueError, r"quantize must be None or one of"),
+    ({"rollout.merge_lora": True}, ValueError, r"`rollout.merge_lora` is true but there is no `lora` section"),
+    ({"lora": {"dropout": 0.1}, "step.packing": 64}, ValueError, r"`lora.dropout`=0.1 with `step.packing`=64"),
+  ]
+  for over, err, match in bad:
+    with pytest.raises(err, match=match):
+      specs.load_config(None, over)
+  configs = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "configs")
+  demo = specs.load_config(os.path.join(configs, "demo_lora.yaml"), {"lora.quantize": "int8"})
+  plain = specs.load_config(os.path.join(configs, "demo.yaml"), {})
+  assert demo.lora == lora.LoRAConfig(rank=8, alpha=16.0, dropout=0.05, quantize="int8")
+  assert demo.run.steps == plain.run.steps and demo.data == plain.data and demo.rollout == plain.rollout
+  paper = specs.load_config(os.path.join(configs, "lambda_grpo_openrs_lora.yaml"), {})
+  full = specs.load_config(os.path.join(configs, "lambda_grpo_openrs.yaml"), {})
+  assert paper.lora == lora.LoRAConfig(rank=64, alpha=128.0, dropout=0.05) and paper.objective == full.objective
