@@ -117,7 +117,7 @@ def test_lora_step_is_the_handwritten_update_of_the_adapters_and_the_base_is_unt
 
 def test_qlora_trains_the_adapters_and_keeps_the_codes():
   """NF4 base (int8: the 8-device test) with float32 adapters."""
-  model = _lora_model(quantize="nf4")
+  model = _lora_model(quantize="nf4", layers=1)
   with pytest.raises(ValueError, match=r"non-floating-point arrays .*codes.*trainable=nnx.LoRAParam"):
     train.init_train_state(model, optax.sgd(LR), shd.make_mesh("data=1", devices=jax.devices()[:1]))
   step, state = _step(model, opt=optax.adam(1e-2))
@@ -165,7 +165,7 @@ def test_frozen_base_is_an_argument_not_a_copy_in_the_compiled_step():
 
 def test_dropout_needs_a_key_and_an_unpacked_batch():
   """Errors at trace time, nothing compiled (that the key is used: the micro-batch test)."""
-  model = _lora_model(dropout=0.3)
+  model = _lora_model(dropout=0.3, layers=1)
   step, state = _step(model, opt=optax.sgd(LR))
   with pytest.raises(ValueError, match="dropout 0.3 but make_train_step got no dropout_key"):
     step(state, _batch())
@@ -180,7 +180,7 @@ def test_dropout_needs_a_key_and_an_unpacked_batch():
 def test_micro_batches_change_nothing_with_lora_dropout():
   """Per-row dropout keys: K = 1 and K = 4 give the same two updates (SGD with momentum); another key
   gives other updates (the key reaches the adapters)."""
-  model = _lora_model(dropout=0.3)
+  model = _lora_model(dropout=0.3, layers=1)
   init = flat_params(nnx.state(model, nnx.LoRAParam))
   out = {}
   for micro, key in ((1, 3), (4, 3), (4, 4)):
@@ -256,7 +256,7 @@ def test_packed_lora_step_with_a_reference_is_the_handwritten_update_and_the_ref
   arrays (NumPy log-softmax of the model before the adapters were added); the packed LoRA step with
   that reference is the hand-written full-batch SGD update with the k3 KL term."""
   config = preset("grpo", beta=0.04)
-  model = _lora_model()
+  model = _lora_model(layers=1)
   step, state = _step(model, opt=optax.sgd(LR), config=config, micro=2, packing=16)
   reference = iteration.make_reference(step, state)
   assert all(a is b for a, b in zip(jax.tree.leaves(reference.params), jax.tree.leaves(state.frozen)))
@@ -264,12 +264,12 @@ def test_packed_lora_step_with_a_reference_is_the_handwritten_update_and_the_ref
     iteration.make_reference(step, state.params)
   batch = make_batch()
   got = np.asarray(reference.log_probs(batch))
-  want = numpy_log_probs(tiny_model(), batch)  # the plain model the adapters were added to
+  want = numpy_log_probs(tiny_model(layers=1), batch)  # the plain model the adapters were added to
   np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
   adapted = numpy_log_probs(iteration.policy_model(step.graphdef, state), batch)
   assert np.abs(adapted - want).max() > 1e-3  # the adapters change the policy, not the reference
   batch = reference(batch)
-  update, _, _ = reference_update(_lora_model(), batch, config, lr=LR, max_grad_norm=1e30)
+  update, _, _ = reference_update(_lora_model(layers=1), batch, config, lr=LR, max_grad_norm=1e30)
   state, _ = step(state, batch)
   for k, v in flat_params(state.params).items():
     np.testing.assert_allclose(v, update[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
@@ -277,7 +277,7 @@ def test_packed_lora_step_with_a_reference_is_the_handwritten_update_and_the_ref
 
 
 def test_sampling_config_merge_lora_samples_the_merged_model():
-  model = _lora_model(b_std=0.3)
+  model = _lora_model(b_std=0.3, layers=1)
   prompts = jnp.asarray(make_batch().prompt_tokens[::4])
   pmask = jnp.asarray(make_batch().prompt_mask[::4])
   sampling = iteration.SamplingConfig(num_samples=2, max_new_tokens=5, merge_lora=True)
