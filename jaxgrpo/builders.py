@@ -3,34 +3,48 @@ policy rebuilt from the config it saved.
 
 The one place that turns a :class:`~jaxgrpo.specs.ModelSpec` into a model: an HF directory
 (``jaxgrpo.models.load_hf``, straight onto the mesh) or the arithmetic task's synthetic model
-(``jaxgrpo.tasks.arithmetic``). The trainer, :func:`load_policy`, :func:`export_hf`,
+(``jaxgrpo.tasks.arithmetic``), and a run's ``lora`` section into adapters on it
+(:func:`build_run_policy`). The trainer, :func:`load_policy`, :func:`export_hf`,
 ``scripts/eval.py`` and ``scripts/export_hf.py`` all build through it.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import os
+from typing import Any, Callable, NamedTuple, Sequence
 
+import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxgrpo import checkpoint, models
 from jaxgrpo import data as data_lib
 from jaxgrpo import train as train_lib
+from jaxgrpo.models import lora
 from jaxgrpo.specs import DTYPES, DataSpec, EvalSpec, ModelSpec, TrainerConfig, config_from_dict
 from jaxgrpo.tasks import arithmetic
 
 __all__ = [
+  "BASE_WEIGHTS",
   "PromptSets",
   "build_tokenizer",
   "build_policy",
+  "add_adapters",
+  "build_run_policy",
   "abstract_policy",
   "special_ids",
   "prompt_length",
   "build_prompts",
   "load_policy",
+  "save_policy",
+  "peft_dir_for",
   "export_hf",
 ]
+
+#: The ``RunMeta.fingerprints`` entry of a LoRA run: ``models.lora.base_fingerprint`` of its frozen
+#: base weights (after quantisation), which its adapter checkpoints are only valid on.
+BASE_WEIGHTS = "base_weights"
+_ADAPTER_STREAM = 0x4C6F5241  # fold_in tag of the adapters' initialisation key ("LoRA")
 
 
 def build_tokenizer(spec: ModelSpec):
@@ -54,6 +68,31 @@ def build_policy(spec: ModelSpec, *, seed: int, mesh: Mesh | None = None):
     model = models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat=spec.remat)
   else:
     model = models.load_hf(spec.path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, remat=spec.remat)
+  return model, tokenizer
+
+
+def add_adapters(model, cfg: lora.LoRAConfig, *, seed: int) -> None:
+  """``models.lora.apply_lora`` of a run: adapters (and quantised base weights) from ``cfg``, A
+  initialised from ``fold_in(key(seed), "LoRA")``; placed on the model's mesh when it has one."""
+  lora.apply_lora(model, cfg, key=jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM))
+
+
+def build_run_policy(cfg: TrainerConfig, *, mesh: Mesh | None = None, log: Callable[[str], None] | None = None):
+  """``(model, tokenizer)``: the policy a run starts from — :func:`build_policy`, then the arithmetic
+  task's supervised warm-up of the synthetic model (``data.arithmetic.sft_steps``), then the
+  ``lora`` section's adapters (:func:`add_adapters`; quantising the base weights for QLoRA).
+
+  Deterministic in the config: rebuilding it gives the same base weights (what a LoRA checkpoint's
+  adapters need, :func:`load_policy`)."""
+  log = log or (lambda s: None)
+  model, tokenizer = build_policy(cfg.model, seed=cfg.run.seed, mesh=mesh)
+  task = cfg.data.arithmetic
+  if task is not None and task.sft_steps:  # validated: only with model.synthetic
+    rows, _ = arithmetic.task_split(task, seed=cfg.run.seed)
+    res = arithmetic.warm_up(model, tokenizer, rows, task, seed=cfg.run.seed, log=log)
+    log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
+  if cfg.lora is not None:
+    add_adapters(model, cfg.lora, seed=cfg.run.seed)
   return model, tokenizer
 
 
@@ -149,15 +188,20 @@ def load_policy(path: str, *, step: int | None = None) -> tuple[nnx.Module, Any,
   """``(model, tokenizer, config)``: the policy of a checkpoint, rebuilt from the
   :class:`~jaxgrpo.specs.TrainerConfig` saved with it.
 
-  The model skeleton comes from the config's ``model`` spec (the synthetic model, or ``config.json``
-  of its HF directory), then the parameters are restored into it (verified against the manifest).
+  Full fine-tuning: the model skeleton comes from the config's ``model`` spec (the synthetic model,
+  or ``config.json`` of its HF directory), then the parameters are restored into it (verified
+  against the manifest). LoRA (a ``lora`` section; the checkpoint holds the adapters only): the base
+  is rebuilt with its weights (:func:`build_run_policy`: the HF weights, or the synthetic model's
+  seeded warm-up, re-run), its :data:`BASE_WEIGHTS` fingerprint must equal the checkpoint's, then the
+  adapters are restored into it: the result carries the adapters (``models.lora.merge_lora`` for a
+  plain model).
 
   Args:
     path: a run directory, a checkpoint root or a step directory.
     step: None: the step named by ``path``, else the latest complete one.
   Raises:
-    CheckpointError: no complete checkpoint, corrupt files, no saved config, or a parameter tree
-      that does not match the rebuilt model.
+    CheckpointError: no complete checkpoint, corrupt files, no saved config, a parameter tree
+      that does not match the rebuilt model, or (LoRA) other base weights than the checkpoint's.
   """
   meta = checkpoint.read_meta(path, step=step)
   if not meta.get("config"):
@@ -165,16 +209,54 @@ def load_policy(path: str, *, step: int | None = None) -> tuple[nnx.Module, Any,
       f"checkpoint {path} (step {meta['step']}) holds no config: cannot rebuild the model"
     )
   cfg = config_from_dict(meta["config"], where=f"config saved in {path}")
+  if cfg.lora is not None:
+    model, tokenizer = build_run_policy(cfg)
+    fingerprints = {BASE_WEIGHTS: lora.base_fingerprint(model)}
+    adapters = checkpoint.restore_params(
+      path, nnx.state(model, nnx.LoRAParam), step=meta["step"], fingerprints=fingerprints
+    )
+    nnx.update(model, adapters)
+    return model, tokenizer, cfg
   abstract, tokenizer = abstract_policy(cfg.model)
   graphdef, shapes = nnx.split(abstract)
   params = checkpoint.restore_params(path, shapes, step=meta["step"])
   return nnx.merge(graphdef, params), tokenizer, cfg
 
 
-def export_hf(path: str, out_dir: str, *, step: int | None = None) -> str:
-  """Writes the policy of a checkpoint (default: the latest complete one) as a Hugging Face
-  directory (``save_hf`` + the tokenizer) that ``transformers`` loads; returns ``out_dir``."""
-  model, tokenizer, _ = load_policy(path, step=step)
-  models.save_hf(model, out_dir)
+def save_policy(
+  model, tokenizer, out_dir: str, *, peft_dir: str | None = None, base_model_name_or_path: str | None = None
+) -> list[str]:
+  """Writes ``model`` as a Hugging Face directory that ``transformers`` loads (``save_hf`` + the
+  tokenizer); a model with adapters is merged first (``models.lora.merge_lora``: adapters added,
+  quantised weights dequantised) and, with ``peft_dir``, its adapters are also written there as a
+  PEFT adapter directory (``models.lora.save_peft``, naming ``base_model_name_or_path``) that
+  ``peft.PeftModel.from_pretrained`` loads onto the (unquantised) base model. Returns the
+  directories written."""
+  adapted = lora.has_adapters(model)
+  if peft_dir is not None and not adapted:
+    raise ValueError(f"peft_dir={peft_dir!r}: the model has no adapters to write as a PEFT directory")
+  models.save_hf(lora.merge_lora(model) if adapted else model, out_dir)
   tokenizer.save_pretrained(out_dir)
-  return out_dir
+  if peft_dir is None:
+    return [out_dir]
+  lora.save_peft(model, peft_dir, base_model_name_or_path=base_model_name_or_path)
+  return [out_dir, peft_dir]
+
+
+def peft_dir_for(out_dir: str) -> str:
+  """Where a LoRA run's PEFT adapter directory goes beside its merged export ``out_dir``: ``<out_dir>-peft``."""
+  return os.path.normpath(os.fspath(out_dir)) + "-peft"
+
+
+def export_hf(path: str, out_dir: str, *, step: int | None = None, peft_dir: str | None = None) -> list[str]:
+  """Writes the policy of a checkpoint (default: the latest complete one) as a Hugging Face
+  directory (``save_hf`` + the tokenizer) that ``transformers`` loads. A LoRA checkpoint is merged
+  into ``out_dir`` and its adapters are also written as a PEFT directory, ``peft_dir`` (default
+  :func:`peft_dir_for` ``(out_dir)``). Returns the directories written (:func:`save_policy`)."""
+  model, tokenizer, cfg = load_policy(path, step=step)
+  if cfg.lora is None:
+    if peft_dir is not None:
+      raise ValueError(f"peft_dir={peft_dir!r}: checkpoint {path} is a full fine-tuning run (no adapters)")
+    return save_policy(model, tokenizer, out_dir)
+  peft_dir = peft_dir_for(out_dir) if peft_dir is None else peft_dir
+  return save_policy(model, tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path)

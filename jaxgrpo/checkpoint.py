@@ -8,10 +8,11 @@ checkpoint's saved config is ``jaxgrpo.builders.load_policy``, which uses :func:
 
 Layout (``OUT/checkpoints``, one Orbax ``CheckpointManager`` step directory per saved step)::
 
-    OUT/checkpoints/<step>/params/      parameters          (Orbax standard item; each host writes its shards)
+    OUT/checkpoints/<step>/params/      trained parameters  (Orbax standard item; each host writes its shards)
                           /opt_state/   optimizer state     (Orbax standard item)
                           /meta/        JSON: step, PRNG key data + impl, data position, the RunMeta
-                                        (identity, guarded settings, whole config), tree signatures
+                                        (identity, guarded settings, whole config, fingerprints),
+                                        tree signatures
                           /jaxgrpo_manifest.json   size and CRC32 of every file above
 
 Crash safety, in two layers:
@@ -41,8 +42,10 @@ What is never written or never deleted:
   with ``"continue"`` training goes on and the next save tries again.
 
 Before reading any array a restore compares the saved run with the running one: the parameter and
-optimizer-state trees (missing, unexpected and mis-shaped entries are named) and the
-``RunMeta.identity`` entries (what changes the parameter tree or the data order) must match; a
+optimizer-state trees (missing, unexpected and mis-shaped entries are named), the
+``RunMeta.identity`` entries (what changes the parameter tree or the data order) and the
+``RunMeta.fingerprints`` the running side states (digests of inputs the checkpoint depends on but
+does not hold, e.g. the frozen base weights under LoRA adapters) must match; a
 changed ``RunMeta.guarded`` entry (e.g. the learning rate) is refused unless ``allow_changed=True``;
 other changes of ``RunMeta.config`` are reported. It restores onto the running mesh: the target
 shardings come from a freshly built template, so a run saved on one mesh shape resumes on another.
@@ -141,7 +144,8 @@ class Snapshot(NamedTuple):
   """What a checkpoint holds: everything an exact resume needs.
 
   Attributes:
-    params: the parameter tree (arrays; any sharding).
+    params: the trained parameter tree (arrays; any sharding): every parameter, or only the
+      adapters of a LoRA run (its frozen base weights are not saved: see ``RunMeta.fingerprints``).
     opt_state: the optimizer state tree.
     step: ``int32[]``, the number of completed steps.
     key: the PRNG key of the next step (typed key array).
@@ -169,11 +173,17 @@ class RunMeta:
       difference refuses the restore unless the Checkpointer was built with ``allow_changed=True``.
     config: the whole configuration (nested dicts allowed), stored for rebuilding the model;
       differences in its leaves are reported.
+    fingerprints: ``{name: digest}`` of inputs the checkpoint depends on but does not hold (e.g.
+      ``"base_weights"``: a LoRA run's frozen base weights, ``jaxgrpo.models.lora.base_fingerprint``).
+      Every entry the running side states must equal the saved one, else the restore is refused
+      showing both digests; an entry only the checkpoint has is not compared (a caller that cannot
+      compute it yet, e.g. before building the model, leaves it out).
   """
 
   identity: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   guarded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  fingerprints: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _json(x):
@@ -659,6 +669,7 @@ class Checkpointer:
       "identity": dict(run.identity),
       "guarded": dict(run.guarded),
       "config": dict(run.config),
+      "fingerprints": dict(run.fingerprints),
       "params_signature": _signature(snapshot.params),
       "opt_state_signature": _signature(snapshot.opt_state),
       "process_count": jax.process_count(),
@@ -857,6 +868,7 @@ class Checkpointer:
         + "\n  ".join(shown)
         + "\nNothing was overwritten; use another output directory or matching settings."
       )
+    _check_fingerprints(where, meta, run.fingerprints)
     guarded = _differences(meta["guarded"], run.guarded)
     if guarded and not self.allow_changed:
       raise CheckpointError(
@@ -932,13 +944,27 @@ class Checkpointer:
     return self.restore(template, run)
 
 
+def _check_fingerprints(where: str, meta: Mapping[str, Any], fingerprints: Mapping[str, str]) -> None:
+  """CheckpointError unless every stated fingerprint equals the saved one (both digests shown)."""
+  saved = meta.get("fingerprints") or {}
+  differ = [k for k in sorted(fingerprints) if saved.get(k) != fingerprints[k]]
+  if differ:
+    lines = [f"{k}: {saved.get(k, 'absent')} in the checkpoint, {fingerprints[k]} now" for k in differ]
+    raise CheckpointError(
+      f"checkpoint {where} was saved for other inputs than this run's:\n  "
+      + "\n  ".join(lines)
+      + "\nIts state is only valid on the inputs it was trained with (e.g. adapters on their own base "
+      "weights): load the same base model, or use another output directory. Nothing was overwritten."
+    )
+
+
 # ----------------------------------------------------------------------------- parameters only
 
 
 def read_meta(path: str, *, step: int | None = None) -> dict:
   """The JSON ``meta`` item of a checkpoint: ``{"format", "step", "key_data", "key_impl",
-  "data_position", "identity", "guarded", "config", "params_signature", "opt_state_signature",
-  "process_count", "metrics"}``.
+  "data_position", "identity", "guarded", "config", "fingerprints", "params_signature",
+  "opt_state_signature", "process_count", "metrics"}`` (``fingerprints`` may be absent: older saves).
 
   Args:
     path: a run directory, a checkpoint root or a step directory.
@@ -955,7 +981,14 @@ def read_meta(path: str, *, step: int | None = None) -> dict:
     raise CheckpointError(f"checkpoint {os.path.join(root, str(step))}: unreadable meta item ({e})") from e
 
 
-def restore_params(path: str, target, *, step: int | None = None, verify: bool = True):
+def restore_params(
+  path: str,
+  target,
+  *,
+  step: int | None = None,
+  verify: bool = True,
+  fingerprints: Mapping[str, str] | None = None,
+):
   """Parameters only (no optimizer state) from a checkpoint, for evaluation or export.
 
   Args:
@@ -964,9 +997,11 @@ def restore_params(path: str, target, *, step: int | None = None, verify: bool =
       ShapeDtypeStructs (its shapes and shardings; the restored tree is returned).
     step: None: the latest complete step (or the step of a step-directory ``path``).
     verify: check the manifest first (:func:`verify_step`).
+    fingerprints: ``{name: digest}`` the checkpoint's ``RunMeta.fingerprints`` must match (checked
+      before any array is read), e.g. the base weights a LoRA checkpoint's adapters were trained on.
   Raises:
-    CheckpointError: no complete checkpoint, corrupt files, or a parameter tree that differs
-      from ``target`` (names the entries).
+    CheckpointError: no complete checkpoint, corrupt files, a parameter tree that differs from
+      ``target`` (names the entries), or different fingerprints (shows both digests).
   """
   root, step = _resolve_step(path, step)
   step_path = os.path.join(root, str(step))
@@ -975,6 +1010,7 @@ def restore_params(path: str, target, *, step: int | None = None, verify: bool =
   module = target if isinstance(target, nnx.Module) else None
   tree = nnx.state(module) if module is not None else target
   meta = read_meta(step_path)
+  _check_fingerprints(step_path, meta, fingerprints or {})
   problems = _compare_signatures(meta["params_signature"], _signature(tree), "params", check_dtype=False)
   if problems:
     raise CheckpointError(f"checkpoint {step_path} does not match the model:\n  " + "\n  ".join(problems[:20]))

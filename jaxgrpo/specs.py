@@ -4,6 +4,7 @@ A :class:`TrainerConfig` is a few sections, each a frozen dataclass; two of them
 own configs, embedded as they are::
 
     model       ModelSpec        an HF directory, or the arithmetic task's synthetic model; dtypes
+    lora        LoRAConfig       LoRA/QLoRA adapters (``jaxgrpo.models.lora``); absent: full fine-tuning
     data        DataSpec         the prompt set (a dataset, or the synthetic arithmetic task)
     objective   GRPOConfig       the algorithm (``jaxgrpo.config``): a preset plus overrides
     rollout     RolloutSpec      G, prompts per step, T, top-p/top-k, dynamic-sampling rounds
@@ -19,6 +20,7 @@ own configs, embedded as they are::
 YAML mirrors it (``scripts/configs/*.yaml``)::
 
     model: {path: Qwen/Qwen3-1.7B-Base, dtype: bfloat16}
+    lora: {rank: 64, alpha: 128, dropout: 0.05}  # optional: train adapters only (quantize: nf4 = QLoRA)
     data: {dataset: BytedTsinghua-SIA/DAPO-Math-17k, mapping: dapo}
     objective: {preset: frpo, beta: 0.01}       # a preset name plus GRPOConfig fields
     rollout: {group_size: 5, prompts_per_step: 256, max_new_tokens: 8192}
@@ -51,6 +53,7 @@ import yaml
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.data import INSTRUCTION
 from jaxgrpo.models import RematPolicy
+from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.tasks.arithmetic import ArithmeticTask, SyntheticModel
 from jaxgrpo.train import TrainConfig
 
@@ -178,6 +181,9 @@ class RolloutSpec:
     top_p, top_k: nucleus and top-k sampling (1.0 and 0: off).
     dynamic_sampling_max_rounds: with ``objective.dynamic_sampling`` (DAPO), the most sampling
       rounds per step before the batch is filled with zero-advantage groups.
+    merge_lora: with a ``lora`` section, sample (and evaluate) from ``models.lora.merge_lora`` of
+      the policy — no adapter matmuls per token, but a merged copy of the adapted weights while
+      sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
   """
 
   group_size: int = 6
@@ -186,6 +192,7 @@ class RolloutSpec:
   top_p: float = 1.0
   top_k: int = 0
   dynamic_sampling_max_rounds: int = 4
+  merge_lora: bool = False
 
   def __post_init__(self):
     _positive("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
@@ -366,6 +373,7 @@ class TrainerConfig:
   """
 
   model: ModelSpec = dataclasses.field(default_factory=_arithmetic_model)
+  lora: LoRAConfig | None = None
   data: DataSpec = dataclasses.field(default_factory=_arithmetic_data)
   objective: GRPOConfig = dataclasses.field(default_factory=lambda: preset("grpo"))
   rollout: RolloutSpec = dataclasses.field(default_factory=RolloutSpec)
@@ -394,6 +402,13 @@ class TrainerConfig:
       raise ValueError(
         f"`step.group_size`={self.step.group_size} must equal `rollout.group_size`={self.rollout.group_size} "
         "or be unset (the trainer passes G to the step)"
+      )
+    if self.rollout.merge_lora and self.lora is None:
+      raise ValueError("`rollout.merge_lora` is true but there is no `lora` section: there are no adapters to merge")
+    if self.lora is not None and self.lora.dropout > 0 and self.step.packing is not None:
+      raise ValueError(
+        f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
+        "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
       )
     if self.rollout.group_size == 1:
       warnings.warn(
@@ -452,6 +467,9 @@ def _convert(value, hint, path: str):
       if type(None) in args:
         return None
       raise _type_error(path, hint, value)
+    specs = [a for a in args if dataclasses.is_dataclass(a)]
+    if isinstance(value, Mapping) and len(specs) == 1:  # a section: its own field errors, not the union's
+      return _convert(value, specs[0], path)
     for arg in args:
       if arg is type(None):
         continue
@@ -549,6 +567,10 @@ def _build_preset(d: Mapping[str, Any], path: str) -> GRPOConfig:
 
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainerConfig))
+# sections that may be null (absent): `lora`
+_OPTIONAL_SECTIONS = tuple(
+  name for name, hint in typing.get_type_hints(TrainerConfig).items() if type(None) in typing.get_args(hint)
+)
 
 #: The flat keys of the earlier single-class ``TrainerConfig`` → their nested paths (read with a
 #: ``FutureWarning``; the command line accepts them silently as short forms).
@@ -747,6 +769,8 @@ def _nest(d: Mapping[str, Any], where: str) -> dict:
       raise TypeError(f"{where}: config keys must be strings; got {key!r}")
     if key in SECTIONS and isinstance(value, Mapping):
       out[key] = copy.deepcopy(dict(value))
+    elif key in _OPTIONAL_SECTIONS and value is None:  # e.g. `lora: null`: no adapters
+      out[key] = None
     elif key in SECTIONS and key not in _REMOVED:
       raise TypeError(f"{where}: config section `{key}` must be a mapping of fields; got {value!r}")
     else:

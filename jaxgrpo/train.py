@@ -48,6 +48,7 @@ from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
+from jaxgrpo.models import lora
 from jaxgrpo.models.base import freeze_rules
 from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
@@ -226,10 +227,14 @@ def _check_not_donated(tree, what: str) -> None:
 
 
 class TrainState(NamedTuple):
-  """``params``: the model's ``nnx.State``; ``opt_state``: optax state; ``step``: ``int32[]`` calls
-  of the train step so far.
+  """``params``: the trained variables (``nnx.State``: every parameter, or the LoRA adapters);
+  ``opt_state``: optax state of ``params``; ``step``: ``int32[]`` calls of the train step so far;
+  ``frozen``: the model's other variables (``nnx.State``: the base weights under LoRA, quantised or
+  not; empty for full fine-tuning), or None (nothing frozen).
 
-  The policy for the next rollout is ``nnx.merge(graphdef, state.params)``
+  The step donates and replaces ``params``, ``opt_state`` and ``step``; it never donates, copies or
+  changes ``frozen``: the returned state holds the very same ``frozen`` arrays. The policy for the
+  next rollout is ``nnx.merge(graphdef, state.params, state.frozen)``
   (``jaxgrpo.iteration.policy_model``); it shares the state's arrays, which the next call of the
   step donates.
   """
@@ -237,6 +242,12 @@ class TrainState(NamedTuple):
   params: Any
   opt_state: Any
   step: jax.Array
+  frozen: Any = None
+
+
+def _merge_model(graphdef, params, frozen=None):
+  """The model of ``graphdef`` holding ``params`` and ``frozen`` (None: nothing frozen); no copy."""
+  return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -306,8 +317,21 @@ def _check_params_only(state):
   others = [p for p, v in nnx.to_flat_state(state) if not isinstance(v, nnx.Param)]
   if others:
     raise ValueError(
-      f"the model holds non-parameter state {others[:5]}; the train step optimizes every "
-      "variable of the model, so it must hold only nnx.Param"
+      f"the model holds non-parameter state {others[:5]}; the train step updates only the trained "
+      "parameters and passes the rest through, so the model must hold only nnx.Param"
+    )
+
+
+def _check_trainable(params, trainable) -> None:
+  """The trained part must be non-empty and floating point (quantised codes cannot be trained)."""
+  flat = nnx.to_flat_state(params)
+  if not flat:
+    raise ValueError(f"trainable={trainable!r} selects no variable of the model: nothing to train")
+  ints = [".".join(map(str, p)) for p, v in flat if not jnp.issubdtype(v.get_value().dtype, jnp.floating)]
+  if ints:
+    raise ValueError(
+      f"trainable={trainable!r} selects non-floating-point arrays {ints[:4]} (quantised base-weight codes, "
+      "models.lora QLoRA): they cannot be trained. Train the adapters only: trainable=nnx.LoRAParam"
     )
 
 
@@ -327,41 +351,62 @@ def _checked_rules(model_rules: tuple, rules: Mapping[str, Any] | None, where: s
   return dict(model_rules)
 
 
-def _graph_rules(graphdef, param_shardings) -> tuple:
-  """``model.sharding_rules`` of the model ``graphdef`` describes (merged with the parameter shardings:
-  only the static attributes are read)."""
-  return nnx.merge(graphdef, param_shardings).sharding_rules
+def _graph_rules(graphdef, param_shardings, frozen_shardings=None) -> tuple:
+  """``model.sharding_rules`` of the model ``graphdef`` describes (merged with the parameter and frozen
+  shardings: only the static attributes are read)."""
+  return _merge_model(graphdef, param_shardings, frozen_shardings).sharding_rules
 
 
 def init_train_state(
-  model, optimizer: optax.GradientTransformation, mesh: Mesh, rules: Mapping[str, Any] | None = None
+  model,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  rules: Mapping[str, Any] | None = None,
+  *,
+  trainable=nnx.Param,
 ):
-  """Split ``model`` once and place its parameters and a fresh optimizer state on ``mesh``.
+  """Split ``model`` once into trained and frozen variables; place both and a fresh optimizer state
+  (of the trained variables only) on ``mesh``.
+
+  Args:
+    model: a ``jaxgrpo.models`` model (or any NNX module holding only ``nnx.Param`` s).
+    optimizer: the optax transformation; its state is built for the trained variables only.
+    mesh, rules: the mesh and the logical-axis rules (default ``jaxgrpo.sharding.DEFAULT_RULES``).
+    trainable: an NNX filter of the trained variables: ``nnx.Param`` (default: every parameter, full
+      fine-tuning) or ``nnx.LoRAParam`` (the adapters of ``jaxgrpo.models.lora``; LoRA/QLoRA: the
+      base weights are frozen, gradients and Adam moments exist for the adapters only). Any
+      ``nnx.filterlib`` filter works; it must select floating-point arrays only (quantised codes are
+      refused, naming them).
 
   ``rules`` (the logical-axis rules of the parameters) defaults to the model's own table
   (``model.rules``, the one its activation constraints use); other rules raise ValueError.
 
   Returns:
-    ``(graphdef, state, shardings)``: the static graph, a :class:`TrainState` whose parameters and
-    optimizer moments are sharded by the logical-axis ``rules`` (FSDP over ``fsdp``, tensor
+    ``(graphdef, state, shardings)``: the static graph, a :class:`TrainState` whose parameters,
+    optimizer moments and frozen variables are sharded by ``rules`` (FSDP over ``fsdp``, tensor
     parallelism over ``tensor``), and the matching :class:`TrainState` of shardings (for
-    :func:`make_train_step`). Raises ValueError (before anything is compiled) for any dimension the
-    mesh does not divide, e.g. heads % tensor.
+    :func:`make_train_step`). The trained parameters are copied (the step donates them, never the
+    model's own arrays); the frozen ones are not (the step never donates them): ``state.frozen``
+    holds the model's own arrays when they already have these shardings. Raises ValueError (before
+    anything is compiled) for any dimension the mesh does not divide, e.g. heads % tensor.
   """
   rules = _checked_rules(model.sharding_rules, rules, "init_train_state")
-  graphdef, params = nnx.split(model)
-  _check_params_only(params)
+  graphdef, params, frozen = nnx.split(model, trainable, ...)
+  _check_params_only(nnx.state(model))
+  _check_trainable(params, trainable)
   param_sh = shd.tree_shardings(params, mesh, rules)
+  frozen_sh = shd.tree_shardings(frozen, mesh, rules)
   opt_abstract = jax.eval_shape(optimizer.init, params)
   opt_sh = shd.tree_shardings(opt_abstract, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
-  shardings = TrainState(param_sh, opt_sh, replicated)
+  shardings = TrainState(param_sh, opt_sh, replicated, frozen_sh)
   params = jax.device_put(params, param_sh)
   # the step donates its state: copy, so that the model's own arrays are never donated
   params = jax.jit(_copy_tree, out_shardings=param_sh)(params)
+  frozen = jax.device_put(frozen, frozen_sh)  # a no-op for arrays already placed so
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-  return graphdef, TrainState(params, opt_state, step), shardings
+  return graphdef, TrainState(params, opt_state, step, frozen), shardings
 
 
 # ----------------------------------------------------------------------------- the step
@@ -416,10 +461,11 @@ def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entro
   rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
   has a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
   kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
-  if "head_index" in mb:
+  if "head_index" in mb:  # no adapter dropout here: _check_dropout refuses it with packing
     args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
     return packed_log_probs(model, *args, blocks=blocks, **kw)
-  return completion_log_probs(model, mb["prompt_tokens"], mb["prompt_mask"], mb["completions"], mb["mask"], **kw)
+  args = (mb["prompt_tokens"], mb["prompt_mask"], mb["completions"], mb["mask"])
+  return completion_log_probs(model, *args, dropout_key=mb.get("dropout_key"), **kw)
 
 
 def _zero_terms(example: LossTerms) -> LossTerms:
@@ -548,6 +594,7 @@ class _StepSpec:
   param_sh: Any
   rows_sh: NamedSharding
   blocks: int = 1  # data × fsdp: the device shards of the batch rows (packing: one slot each)
+  dropout_key: Any = None  # the run's typed PRNG key for adapter dropout, or None
 
 
 def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int):
@@ -581,7 +628,34 @@ def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int):
   return adv, weights, sizes
 
 
-def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
+def _row_dropout_keys(run_key, step, passes: int, b: int) -> jax.Array:
+  """``key[μ, B]``: row r's adapter-dropout key in pass i of step s,
+  ``fold_in(fold_in(fold_in(run_key, s), i), r)`` — the same for a row on every mesh and under any
+  micro/mini-batch split (the masks depend on the row's key only, ``models.layers.LoRA``)."""
+  step_key = jax.random.fold_in(run_key, step)
+  rows = jnp.arange(b, dtype=jnp.uint32)
+  per_pass = lambda i: jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(step_key, i), rows)
+  return jax.vmap(per_pass)(jnp.arange(passes, dtype=jnp.uint32))
+
+
+def _check_dropout(spec: _StepSpec, model, packed: bool) -> None:
+  """Trace-time: adapters with dropout > 0 need the step's ``dropout_key`` (no silent no-dropout) and
+  an unpacked batch (the per-row masks are drawn in the ``[prompt ‖ completion]`` row layout)."""
+  rate = lora.adapter_dropout(model)
+  if rate > 0 and spec.dropout_key is None:
+    raise ValueError(
+      f"the model's LoRA adapters have dropout {rate} but make_train_step got no dropout_key: pass "
+      "dropout_key=jax.random.key(seed) (or build the adapters with dropout=0)"
+    )
+  if rate > 0 and packed:
+    raise ValueError(
+      f"the model's LoRA adapters have dropout {rate} and the batch is packed (TrainConfig.packing): adapter "
+      "dropout is not supported with packing (its masks are drawn per unpacked row); build the adapters with "
+      "dropout=0 (lora.dropout: 0) or train unpacked"
+    )
+
+
+def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch):
   graphdef, config, tc = spec.graphdef, spec.config, spec.tc
   b, t = batch.completions.shape
   mm, kk = tc.mini_batches, tc.micro_batches
@@ -616,7 +690,8 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
   _check_denominator(spec.objective_fn, config, example_mb)
 
   def micro_terms(p, mb, scale):
-    model = nnx.merge(graphdef, p)
+    model = _merge_model(graphdef, p, frozen)
+    _check_dropout(spec, model, packed="head_index" in mb)
     wants_entropy = _wants_entropy(config)
     logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
     extras = _objective_extras(config, mb["behavior_logp"], ent)
@@ -672,15 +747,18 @@ def _step_fn(spec: _StepSpec, state: TrainState, batch: Batch):
     metrics["grad_norm"] = grad_norm
     return (params, opt_state), metrics
 
-  def epoch(carry, _):
-    return jax.lax.scan(update, carry, rows)
+  def epoch(carry, keys):  # keys: key[B], this pass's row dropout keys, or None
+    if keys is None:
+      return jax.lax.scan(update, carry, rows)
+    keys = jax.lax.with_sharding_constraint(_split_rows(keys, mm, kk), spec.rows_sh)
+    return jax.lax.scan(update, carry, {**rows, "dropout_key": keys})
 
-  (params, opt_state), metrics = jax.lax.scan(
-    epoch, (state.params, state.opt_state), None, length=_num_iterations(config)
-  )
+  passes = _num_iterations(config)
+  keys = None if spec.dropout_key is None else _row_dropout_keys(spec.dropout_key, state.step, passes, b)
+  (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), keys, length=passes)
   metrics = _reduce_updates(metrics)
   metrics.update(extra)
-  return TrainState(params, opt_state, state.step + 1), metrics
+  return TrainState(params, opt_state, state.step + 1), metrics  # frozen: reattached by TrainStep
 
 
 def _options(tc: TrainConfig):
@@ -698,39 +776,42 @@ class TrainStep:
   and the batch is not packed yet (:meth:`pack`), validates it on the host (shapes, dtypes, group
   ids, group sizes, divisibility, the packed layout; clear errors, nothing compiled), places it on the
   mesh (a NumPy batch and a placed one run the same program), checks that ``state`` was not consumed
-  by an earlier call, then runs the jitted step with ``state`` donated, under ``jax.set_mesh(mesh)``
-  (the model's activation sharding constraints apply). ``traces`` counts how often the step was
-  traced: the same shapes and the same optional fields never retrace or recompile.
+  by an earlier call, then runs the jitted step with ``state`` donated — except ``state.frozen``, a
+  separate, non-donated argument that the returned state holds unchanged (no copy) — under
+  ``jax.set_mesh(mesh)`` (the model's activation sharding constraints apply). ``traces`` counts how
+  often the step was traced: the same shapes and the same optional fields never retrace or recompile.
 
   Attributes:
-    graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn: as given to
-      :func:`make_train_step`.
+    graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn, dropout_key: as
+      given to :func:`make_train_step`.
     rules: the logical-axis rules (the model's own table).
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
       default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
-    jitted: the ``jax.jit`` of ``(state, placed batch)``; lower or compile it yourself under
-      ``jax.set_mesh(step.mesh)``, as each call does (e.g. ``memory_analysis()`` of a configuration).
+    jitted: the ``jax.jit`` of ``(state without frozen, state.frozen, placed batch)``; :meth:`lower`
+      lowers it under ``jax.set_mesh(step.mesh)``, as each call runs it (e.g. ``memory_analysis()``).
   """
 
   def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
     self.graphdef, self.config, self.train_config = spec.graphdef, spec.config, spec.tc
     self.objective_fn, self.advantages_fn = spec.objective_fn, spec.advantages_fn
+    self.dropout_key = spec.dropout_key
     self.mesh, self.rules, self.shardings = mesh, rules, shardings
     self.batch_sharding = shd.batch_sharding(mesh, rules)
     self.traces = 0
     defaults = spec.objective_fn is objective_terms and spec.advantages_fn is rollout_advantages
     self.reads_ref_logp = not (defaults and isinstance(spec.config, GRPOConfig) and not spec.config.needs_reference)
 
-    def fn(state, batch):
+    def fn(state, frozen, batch):
       self.traces += 1
-      return _step_fn(spec, state, batch)
+      return _step_fn(spec, state, frozen, batch)
 
     replicated = NamedSharding(mesh, PartitionSpec())
+    donated = shardings._replace(frozen=None)
     self.jitted = jax.jit(
       fn,
-      in_shardings=(shardings, self.batch_sharding),
-      out_shardings=(shardings, replicated),
+      in_shardings=(donated, shardings.frozen, self.batch_sharding),
+      out_shardings=(donated, replicated),
       donate_argnums=0,
       compiler_options=_options(spec.tc),
     )
@@ -816,13 +897,24 @@ class TrainStep:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
     return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
 
-  def __call__(self, state: TrainState, batch: Batch):
+  def _args(self, state: TrainState, batch: Batch):
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be a jaxgrpo.train.TrainState; got {type(state).__name__}")
     _check_not_donated(state, "state")
-    batch = self.place_batch(batch)
+    return state._replace(frozen=None), state.frozen, self.place_batch(batch)
+
+  def __call__(self, state: TrainState, batch: Batch):
+    args = self._args(state, batch)
     with jax.set_mesh(self.mesh):  # the models' activation constraints apply while this mesh is set
-      return self.jitted(state, batch)
+      new, metrics = self.jitted(*args)
+    return new._replace(frozen=state.frozen), metrics
+
+  def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+    """The jitted step lowered for ``state`` and ``batch`` (checked and placed as a call would be),
+    without running it: ``.compile().memory_analysis()`` gives the program's memory footprint."""
+    args = self._args(state, batch)
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
 
 
 def make_train_step(
@@ -836,6 +928,7 @@ def make_train_step(
   rules: Mapping[str, Any] | None = None,
   objective_fn: Callable[..., LossTerms] | None = None,
   advantages_fn: Callable | None = None,
+  dropout_key: jax.Array | None = None,
 ) -> TrainStep:
   """The jitted step ``(TrainState, Batch) -> (TrainState, metrics)`` for ``config`` on ``mesh``.
 
@@ -873,8 +966,14 @@ def make_train_step(
       once per batch inside the step, unless the batch carries precomputed ``advantages``. Rewards are
       passed as given (non-finite = missing, see ``jaxgrpo.advantages``); the step then zeroes the
       advantages of missing samples. Default :func:`jaxgrpo.objective.rollout_advantages`.
+    dropout_key: the run's PRNG key for LoRA adapter dropout (a typed key or raw ``uint32[2]``), or
+      None: no dropout. Row r of the batch, in pass i of the step with ``state.step = s``, uses
+      ``fold_in(fold_in(fold_in(dropout_key, s), i), r)``: the same masks on every mesh and for any
+      micro/mini-batch split, and a resumed run draws the same masks. Required (ValueError when the
+      step is traced) when the model's adapters have dropout > 0. Sampling, the reference pass and
+      evaluation never apply dropout.
 
-  The state argument is donated. Metrics (replicated ``f32[]``, averaged over the μ·M updates,
+  The state argument is donated, except ``state.frozen`` (see :class:`TrainState`). Metrics (replicated ``f32[]``, averaged over the μ·M updates,
   extrema over them): ``loss``, ``policy_loss``, ``kl``, ``clip_frac_low/high/dual``, ``approx_kl``
   (to the rollout policy), ``ratio_mean/min/max``, ``advantage_mean/std/min/max``, ``entropy``,
   ``grad_norm`` (before clipping), ``tokens``, ``sequences``, ``rewards_nonfinite`` (missing
@@ -896,13 +995,37 @@ def make_train_step(
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.train.TrainConfig; got {type(train_config).__name__}")
-  rules = _checked_rules(_graph_rules(graphdef, shardings.params), rules, "make_train_step")
+  rules = _checked_rules(_graph_rules(graphdef, shardings.params, shardings.frozen), rules, "make_train_step")
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *shd.batch_sharding(mesh, rules).spec))
   blocks = shd.batch_shards(mesh, rules)
   spec = _StepSpec(
-    graphdef, optimizer, config, train_config, objective_fn, advantages_fn, shardings.params, rows_sh, blocks
+    graphdef,
+    optimizer,
+    config,
+    train_config,
+    objective_fn,
+    advantages_fn,
+    shardings.params,
+    rows_sh,
+    blocks,
+    _check_run_key(dropout_key),
   )
   return TrainStep(spec, mesh, shardings, rules)
+
+
+def _check_run_key(key):
+  """A typed scalar PRNG key from a typed key or raw ``uint32[2]`` key data (None stays None)."""
+  if key is None:
+    return None
+  if not isinstance(key, jax.Array):
+    raise TypeError(f"dropout_key must be a jax PRNG key (jax.random.key(seed)); got {type(key).__name__}")
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+      raise TypeError(f"dropout_key must be a typed PRNG key or raw uint32[2]; got {key.dtype}{list(key.shape)}")
+    key = jax.random.wrap_key_data(key)
+  if key.shape != ():
+    raise ValueError(f"dropout_key must be one key (shape ()); got shape {key.shape}")
+  return key
 
 
 def make_reference_fn(
@@ -915,8 +1038,10 @@ def make_reference_fn(
 ) -> Callable:
   """Jitted ``(ref_params, batch) -> ref_logp f32[B, T]`` (batch-sharded) under the same mesh.
 
-  ``ref_params`` has the policy's structure and shardings and must not be the train state's own
-  parameters (the step donates those): ``jaxgrpo.iteration.make_reference`` copies them once. Only
+  ``ref_params`` has ``graphdef``'s structure and the shardings ``param_shardings`` and must not be
+  the train state's own parameters (the step donates those): ``jaxgrpo.iteration.make_reference``
+  copies them once — or, for a LoRA policy, passes the graph of ``models.lora.base_model`` and the
+  state's never-donated ``frozen`` base weights (no copy). Only
   needed when something reads ``ref_logp`` (β > 0: GRPO's KL term in the loss or FRPO's future-KL).
   The rows are processed in ``train_config.micro_batches`` sequential micro-batches (``lax.map``),
   exactly as the train step splits them, so the reference pass never holds more activations or

@@ -13,11 +13,16 @@ One step::
 
 The run is a :class:`~jaxgrpo.specs.TrainerConfig`; the model and prompts are built by
 ``jaxgrpo.builders``, evaluation is ``jaxgrpo.evaluation.evaluate_policy``. Everything a resume needs
-is explicit in :class:`TrainerState`: parameters, optimizer state and step
+is explicit in :class:`TrainerState`: trained parameters, optimizer state and step
 (``jaxgrpo.train.TrainState``), the PRNG key, the data-iterator position. The trainer hands it to
 the checkpoint hook as a ``jaxgrpo.checkpoint.Snapshot`` together with :func:`run_meta` (what
 identifies the run), and reads it back the same way; ``jaxgrpo.checkpoint.Checkpointer`` provides
 both hooks.
+
+With a ``lora`` section (LoRA/QLoRA, ``jaxgrpo.models.lora``) only the adapters are trained and
+checkpointed: the base weights are frozen (``TrainState.frozen``), the reference pass (β > 0) runs
+the base model on them (no copy), and the run's :func:`run_meta` carries their fingerprint, so a
+checkpoint is never resumed onto other base weights.
 
 Failures (``docs/failure_modes.md``): after every step the parameters and optimizer state are checked
 for NaN/inf (one reduction) and so is the loss; a non-finite state stops the run with
@@ -46,7 +51,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo import builders, iteration, models
+from jaxgrpo import builders, iteration
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
@@ -55,9 +60,9 @@ from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinit
 from jaxgrpo.distributed import to_host
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.metrics import truncate_jsonl
+from jaxgrpo.models import lora
 from jaxgrpo.sampling import generate
 from jaxgrpo.specs import TrainerConfig
-from jaxgrpo.tasks import arithmetic
 
 __all__ = [
   "Trainer",
@@ -65,6 +70,7 @@ __all__ = [
   "TrainingInterrupted",
   "TrainingAborted",
   "run_meta",
+  "dropout_key",
   "IDENTITY_FIELDS",
   "GUARDED_FIELDS",
 ]
@@ -75,6 +81,7 @@ IDENTITY_FIELDS = (
   "model.path",
   "model.synthetic",
   "model.param_dtype",
+  "lora",
   "data.dataset",
   "data.dataset_config",
   "data.split",
@@ -97,14 +104,17 @@ def _get(d: Mapping[str, Any], path: str):
   return d
 
 
-def run_meta(config: TrainerConfig) -> RunMeta:
-  """What identifies a run for its checkpoints: :data:`IDENTITY_FIELDS`, :data:`GUARDED_FIELDS`
-  and the whole config (``to_dict()``), which ``jaxgrpo.builders.load_policy`` rebuilds the model from."""
+def run_meta(config: TrainerConfig, *, base_fingerprint: str | None = None) -> RunMeta:
+  """What identifies a run for its checkpoints: :data:`IDENTITY_FIELDS`, :data:`GUARDED_FIELDS`,
+  the whole config (``to_dict()``), which ``jaxgrpo.builders.load_policy`` rebuilds the model from,
+  and, for a LoRA run, ``base_fingerprint`` (``models.lora.base_fingerprint`` of the frozen base
+  weights, known once the model is built) as the ``builders.BASE_WEIGHTS`` fingerprint."""
   d = config.to_dict()
   return RunMeta(
     identity={p: _get(d, p) for p in IDENTITY_FIELDS},
     guarded={p: _get(d, p) for p in GUARDED_FIELDS},
     config=d,
+    fingerprints={} if base_fingerprint is None else {builders.BASE_WEIGHTS: base_fingerprint},
   )
 
 
@@ -170,22 +180,25 @@ def _nonfinite_error(
 
 
 class TrainerState(NamedTuple):
-  """The full resumable state: ``train`` (params, opt_state, step), ``key`` (PRNG key of the next
-  step) and ``data_position`` (``PromptIterator.state()``)."""
+  """The full resumable state: ``train`` (params, opt_state, step; and the frozen base weights of a
+  LoRA run, which are not part of a snapshot), ``key`` (PRNG key of the next step) and
+  ``data_position`` (``PromptIterator.state()``)."""
 
   train: train_lib.TrainState
   key: jax.Array
   data_position: dict
 
   def snapshot(self) -> Snapshot:
-    """The state as a ``jaxgrpo.checkpoint.Snapshot`` (the same arrays, not copies)."""
+    """The state as a ``jaxgrpo.checkpoint.Snapshot`` (the same arrays, not copies; the trained
+    parameters only: ``train.frozen`` is rebuilt, not saved)."""
     t = self.train
     return Snapshot(t.params, t.opt_state, t.step, self.key, self.data_position)
 
   @classmethod
-  def from_snapshot(cls, snap: Snapshot) -> TrainerState:
-    """The state held by a snapshot (e.g. a restored checkpoint)."""
-    return cls(train_lib.TrainState(snap.params, snap.opt_state, snap.step), snap.key, dict(snap.data_position))
+  def from_snapshot(cls, snap: Snapshot, frozen=None) -> TrainerState:
+    """The state held by a snapshot (e.g. a restored checkpoint), with the run's ``frozen`` variables."""
+    train = train_lib.TrainState(snap.params, snap.opt_state, snap.step, frozen)
+    return cls(train, snap.key, dict(snap.data_position))
 
 
 def _optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
@@ -249,7 +262,6 @@ class Trainer:
       raise TypeError(f"`config` must be a jaxgrpo.specs.TrainerConfig; got {type(config).__name__}")
     self.config = cfg = config
     self.objective = cfg.objective
-    self.run_meta = run_meta(cfg)
     self.checkpoint_fn = checkpoint_fn
     self.on_record = on_record
     self.log = log or (lambda s: None)
@@ -258,13 +270,18 @@ class Trainer:
     self.mesh = shd.make_mesh(cfg.devices.mesh or None)
     self._check_mesh_fits()
     self._build_model_and_data()
+    fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)
+    self.run_meta = run_meta(cfg, base_fingerprint=fingerprint)
     self.accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
     if reward_fns is None:
       table = {"accuracy": self.accuracy, "format": rewards_lib.format_reward}
       reward_fns = {name: (table[name], float(w)) for name, w in cfg.reward.weights.items()}
     self.reward_set = rewards_lib.RewardSet(reward_fns, on_error=cfg.reward.on_error)
     self.optimizer = _optimizer(cfg)
-    self.graphdef, train_state, self.shardings = train_lib.init_train_state(self.model, self.optimizer, self.mesh)
+    trainable = nnx.Param if cfg.lora is None else nnx.LoRAParam  # LoRA: the adapters only
+    self.graphdef, train_state, self.shardings = train_lib.init_train_state(
+      self.model, self.optimizer, self.mesh, trainable=trainable
+    )
     self.train_config = cfg.train_config()
     self.step_fn = train_lib.make_train_step(
       self.graphdef,
@@ -273,21 +290,19 @@ class Trainer:
       mesh=self.mesh,
       shardings=self.shardings,
       train_config=self.train_config,
+      dropout_key=None if cfg.lora is None else dropout_key(cfg.run.seed),
     )
     self.ref_params, self.ref_fn = None, None
     if self.objective.needs_reference:
-      # a separate copy: the train step donates (and so invalidates) the policy parameters
-      self.ref_params = jax.tree.map(lambda x: x.copy(), train_state.params)
-      self.ref_fn = train_lib.make_reference_fn(
-        self.graphdef, mesh=self.mesh, param_shardings=self.shardings.params, train_config=self.train_config
-      )
+      # full fine-tuning: a copy (the step donates the policy parameters); LoRA: the frozen base, no copy
+      self.ref_params, self.ref_fn = iteration.make_reference(self.step_fn, train_state)
     self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
     if restore_fn is not None:
       restored = restore_fn(self.run_meta, self.state.snapshot())
       if restored is not None:
-        self.state = TrainerState.from_snapshot(restored)
+        self.state = TrainerState.from_snapshot(restored, train_state.frozen)
         self.iterator.restore(self.state.data_position)
         self.resumed = True
 
@@ -315,13 +330,10 @@ class Trainer:
 
   def _build_model_and_data(self):
     cfg = self.config
-    self.model, self.tokenizer = builders.build_policy(cfg.model, seed=cfg.run.seed, mesh=self.mesh)
+    # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
+    self.model, self.tokenizer = builders.build_run_policy(cfg, mesh=self.mesh, log=self.log)
     self.pad_id, self.eos_ids = builders.special_ids(self.tokenizer)
     sets = builders.build_prompts(cfg.data, cfg.eval, self.tokenizer, seed=cfg.run.seed)
-    task = cfg.data.arithmetic
-    if task is not None and task.sft_steps:  # validated: only with model.synthetic
-      res = arithmetic.warm_up(self.model, self.tokenizer, sets.train_rows, task, seed=cfg.run.seed, log=self.log)
-      self.log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
     self.prompts, self.examples = sets.train, sets.train_examples
     self.eval_prompts, self.eval_examples = sets.eval, sets.eval_examples
     self.prompt_len = sets.prompt_len
@@ -334,13 +346,19 @@ class Trainer:
 
   # ------------------------------------------------------------------ pieces of a step
   def policy(self) -> nnx.Module:
-    """The current policy: the model with the state's parameters (no copy)."""
-    return nnx.merge(self.graphdef, self.state.train.params)
+    """The current policy: the model with the state's parameters (and frozen base weights; no copy)."""
+    return iteration.policy_model(self.graphdef, self.state.train)
+
+  def sampling_policy(self) -> nnx.Module:
+    """What sampling and evaluation run: :meth:`policy`, or its ``models.lora.merge_lora`` with
+    ``rollout.merge_lora`` (a plain model; a merged copy of the adapted weights while it lives)."""
+    policy = self.policy()
+    return lora.merge_lora(policy) if self.config.rollout.merge_lora else policy
 
   def _sample(self, token_lists, *, num_samples, temperature, key):
     tokens, mask = data_lib.pad_left(token_lists, self.prompt_len, self.pad_id)
     return generate(
-      self.policy(),
+      self.sampling_policy(),
       jnp.asarray(tokens),
       jnp.asarray(mask),
       num_samples=num_samples,
@@ -433,7 +451,7 @@ class Trainer:
       return {}
     cfg = self.config
     return evaluate_policy(
-      self.policy(),
+      self.sampling_policy(),
       self.tokenizer,
       self.eval_prompts.tokens,
       [e.answer for e in self.eval_examples],
@@ -449,6 +467,18 @@ class Trainer:
       top_p=cfg.rollout.top_p,
       top_k=cfg.rollout.top_k,
       key=jax.random.key(cfg.run.seed + 1) if key is None else key,
+    )
+
+  def save_model(self, out_dir: str) -> list[str]:
+    """Writes the current policy as a Hugging Face directory (``builders.save_policy``); a LoRA run
+    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft``.
+    Returns the directories written."""
+    cfg = self.config
+    if cfg.lora is None:
+      return builders.save_policy(self.policy(), self.tokenizer, out_dir)
+    peft_dir = builders.peft_dir_for(out_dir)
+    return builders.save_policy(
+      self.policy(), self.tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path
     )
 
   # ------------------------------------------------------------------ the loop
@@ -607,13 +637,22 @@ class Trainer:
           self.checkpoint_fn(self.state.snapshot(), self.run_meta)
         self._stop_if_requested(step, saved=saved)
       if run.save_model and is_main:
-        models.save_hf(self.policy(), os.path.join(run.out, "model"))
-        self.tokenizer.save_pretrained(os.path.join(run.out, "model"))
+        self.save_model(os.path.join(run.out, "model"))
     finally:
       if f is not None:
         f.close()
       self.accuracy.close()
     return records
+
+
+def dropout_key(seed: int) -> jax.Array:
+  """The run's LoRA adapter-dropout key: ``fold_in(key(seed), "drop")``, a stream of its own (the
+  step folds in the step, pass and row, ``jaxgrpo.train.make_train_step``), so a resumed run
+  draws the same masks."""
+  return jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM)
+
+
+_DROPOUT_STREAM = 0x64726F70  # "drop"
 
 
 def _fmt(d: Mapping[str, float]) -> str:

@@ -4,23 +4,24 @@ One run measures, on a Qwen3-architecture model (default: vocab 151936, hidden 1
 16 heads / 8 kv heads, head_dim 128, intermediate 3072, tied embeddings: 281M parameters; bf16
 parameters and compute, f32 adapters and Adam moments):
 
-- ``full``: gradients and AdamW state for every parameter;
+- ``full``: gradients and AdamW state for every parameter, and the reference policy (β > 0) a copy
+  of the initial parameters;
 - ``lora``: rank 16 (α 32) on q, k, v, o, gate, up, down; gradients and AdamW state for the
-  adapters only, the base weights a frozen, non-donated argument;
+  adapters only, the base weights a frozen, non-donated argument, and the reference the base model
+  on those same arrays (no copy);
 - ``qlora``: the same adapters on NF4 base weights (``--quantize`` to change the format).
 
-For each mode: the parameter and optimizer-state bytes, the compiled step's ``memory_analysis()``
-(arguments + outputs − aliased + temporaries: its footprint on any backend), the device's
-``peak_bytes_in_use`` after the step and a generate call when the backend reports it (GPU/TPU; each
-mode then runs in its own process so that peaks do not mix), and the median step time. Then decode
+Each mode runs the library's own iteration pieces: ``jaxgrpo.train.init_train_state`` (``trainable``
+= ``nnx.Param`` or ``nnx.LoRAParam``), ``make_train_step`` with the GRPO preset at β = 0.04 (k3 KL
+in the loss) and ``jaxgrpo.iteration.make_reference``, on a random rollout batch of ``--batch``
+sequences (groups of 4). Reported: the parameter, optimizer-state and reference bytes, the compiled
+step's ``memory_analysis()`` (arguments + outputs − aliased + temporaries: its footprint on any
+backend), the device's ``peak_bytes_in_use`` after the reference pass, the steps and a generate call
+when the backend reports it (GPU/TPU; each mode then runs in its own process so that peaks do not
+mix: the iteration's peak), and the median step time (reference pass + update). Then decode
 throughput of ``sampling.generate`` on the LoRA model with adapter matmuls vs on ``merge_lora`` of
 it (the merge's own time reported separately). The issue-16 goals: LoRA optimizer state ≤ 5% of
-full, iteration peak memory ≤ 60% of full.
-
-The step is a minimal one of this script (``make_step``: value_and_grad of the mean completion NLL
-over the trainable filter, then optax.adamw), standing in for ``jaxgrpo.train``'s step until it
-takes a trainable filter; swap ``make_step`` for it then. Timing figures are only meaningful on a
-quiet machine.
+full, iteration peak memory ≤ 60% of full. Timing figures are only meaningful on a quiet machine.
 
   python scripts/bench_lora.py                      # the documented configuration (an accelerator)
   python scripts/bench_lora.py --tiny --in-process  # smoke test, seconds on a CPU
@@ -41,10 +42,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo import models, sampling
+from jaxgrpo import iteration, models, sampling, train
+from jaxgrpo import sharding as shd
+from jaxgrpo.config import preset
 from jaxgrpo.models import lora
 
 MODES = ("full", "lora", "qlora")
+GROUP = 4  # samples per prompt in the benchmark's rollout batch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.tiny:
     args.vocab, args.hidden, args.layers, args.heads, args.kv_heads = 512, 64, 2, 4, 2
-    args.head_dim, args.intermediate, args.batch, args.prompt_len, args.completion_len = 16, 128, 2, 8, 24
+    args.head_dim, args.intermediate, args.batch, args.prompt_len, args.completion_len = 16, 128, 4, 8, 24
     args.rank, args.group_size, args.steps = 4, 16, 3
     args.decode_prompts, args.decode_samples, args.decode_tokens = 2, 2, 4
   args.modes = tuple(m for m in args.modes.split(",") if m)
@@ -116,28 +120,19 @@ def build(args, mode: str):
   return model
 
 
-def make_step(graphdef, optimizer, *, chunk_size: int = 256):
-  """``step(trainable, opt_state, frozen, batch) -> (trainable, opt_state, loss)``, jitted.
-
-  ``loss`` = mean negative log-likelihood of the completion tokens (``models.log_probs``, chunked
-  head). Gradients and optimizer updates cover ``trainable`` only; ``frozen`` (the base weights
-  under LoRA, empty for full fine-tuning) is an ordinary, non-donated argument, so it is never
-  copied. Phase 2 of issue 16 replaces this with ``jaxgrpo.train``'s step given a trainable filter.
-  """
-
-  def loss_fn(trainable, frozen, tokens, mask, loss_mask):
-    model = nnx.merge(graphdef, trainable, frozen)
-    lp = models.log_probs(model, tokens, mask, chunk_size=chunk_size)
-    n = jnp.maximum(jnp.sum(loss_mask), 1)
-    return -jnp.sum(jnp.where(loss_mask, lp, 0.0)) / n
-
-  def step(trainable, opt_state, frozen, batch):
-    tokens, mask, loss_mask = batch
-    loss, grads = jax.value_and_grad(loss_fn)(trainable, frozen, tokens, mask, loss_mask)
-    updates, opt_state = optimizer.update(grads, opt_state, trainable)
-    return optax.apply_updates(trainable, updates), opt_state, loss
-
-  return jax.jit(step, donate_argnums=(0, 1))
+def make_batch(args, rng) -> train.Batch:
+  """A random rollout batch: ``--batch`` rows in groups of 4, full-length prompts and completions
+  (the step's worst case), rewards with spread inside every group."""
+  b, p, t = args.batch, args.prompt_len, args.completion_len
+  return train.Batch(
+    prompt_tokens=rng.integers(1, args.vocab, (b, p)).astype(np.int32),
+    prompt_mask=np.ones((b, p), bool),
+    completions=rng.integers(1, args.vocab, (b, t)).astype(np.int32),
+    mask=np.ones((b, t), bool),
+    old_logp=np.full((b, t), -np.log(args.vocab), np.float32),
+    group_ids=np.repeat(np.arange(-(-b // GROUP)), GROUP)[:b].astype(np.int32),
+    rewards=rng.standard_normal(b).astype(np.float32),
+  )
 
 
 def _bytes(tree) -> int:
@@ -163,47 +158,55 @@ def _median_time(fn, n: int, warmup: int = 2) -> float:
 
 
 def run_mode(args, mode: str) -> dict:
-  """Build, compile and time one mode; decode comparison for ``lora``."""
+  """Build, compile and time one mode (``jaxgrpo.train``'s step and reference pass); decode
+  comparison for the adapter modes."""
   model = build(args, mode)
   counts = lora.count_params(model)
-  trainable_filter = nnx.Param if mode == "full" else nnx.LoRAParam
-  graphdef, trainable, frozen = nnx.split(model, trainable_filter, ...)
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   optimizer = optax.adamw(1e-5, mu_dtype=jnp.float32)
-  opt_state = optimizer.init(trainable)
+  trainable = nnx.Param if mode == "full" else nnx.LoRAParam
+  graphdef, state, shardings = train.init_train_state(model, optimizer, mesh, trainable=trainable)
+  del model  # the state holds the arrays (LoRA: state.frozen is the model's own base weights)
+  fast = {"xla_backend_optimization_level": 0} if args.tiny else None  # a smoke test compiles quickly
+  tc = train.TrainConfig(group_size=GROUP, chunk_size=256, max_grad_norm=1.0, compiler_options=fast)
+  step = train.make_train_step(
+    graphdef, optimizer, preset("grpo", beta=0.04), mesh=mesh, shardings=shardings, train_config=tc
+  )
+  reference = iteration.make_reference(step, state)
   rng = np.random.default_rng(0)
-  B, P, T = args.batch, args.prompt_len, args.completion_len
-  tokens = jnp.asarray(rng.integers(1, args.vocab, (B, P + T)), jnp.int32)
-  mask = jnp.ones((B, P + T), bool)
-  loss_mask = jnp.asarray(np.arange(P + T)[None, :] >= P).repeat(B, 0)
-  batch = (tokens, mask, loss_mask)
-  step = make_step(graphdef, optimizer)
+  batch = reference(make_batch(args, rng))
+  holder = {"state": state}
+  del state
+
+  def one_step():
+    holder["state"], metrics = step(holder["state"], reference(batch))
+    return metrics["loss"]
+
   t0 = time.perf_counter()
-  compiled = step.lower(trainable, opt_state, frozen, batch).compile()
-  compile_s = time.perf_counter() - t0
-  ma = compiled.memory_analysis()
+  jax.block_until_ready(one_step())
+  compile_s = time.perf_counter() - t0  # the first call: tracing, compiling and one step
+  # the program the calls run (the jit cache's own executable, not a second compile)
+  ma = step.lower(holder["state"], batch).compile().memory_analysis()
   footprint = None
   if ma is not None:
     footprint = int(
       ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     )
+  ref_copy = 0 if mode != "full" else _bytes(reference.params)  # LoRA: the frozen arrays themselves
   res = dict(
     mode=mode,
     base_params=counts.base,
     adapter_params=counts.adapter,
     param_bytes=counts.base_bytes + counts.adapter_bytes,
-    opt_state_bytes=_bytes(opt_state),
+    opt_state_bytes=_bytes(holder["state"].opt_state),
+    reference_copy_bytes=ref_copy,
     step_footprint_bytes=footprint,
     step_temp_bytes=None if ma is None else int(ma.temp_size_in_bytes),
-    compile_s=compile_s,
+    first_step_s=compile_s,
   )
-  state = {"trainable": trainable, "opt": opt_state}
-
-  def one_step():
-    state["trainable"], state["opt"], loss = compiled(state["trainable"], state["opt"], frozen, batch)
-    return loss
-
   res["step_s"] = _median_time(one_step, args.steps)
-  model = nnx.merge(graphdef, state["trainable"], frozen)
+  model = iteration.policy_model(graphdef, holder["state"])
+  P = args.prompt_len
 
   prompts = jnp.asarray(rng.integers(1, args.vocab, (args.decode_prompts, P)), jnp.int32)
   pmask = jnp.ones(prompts.shape, bool)
@@ -249,14 +252,15 @@ def main(argv=None) -> dict:
     print(json.dumps(results[mode]), flush=True)
   print(f"\nbackend {jax.default_backend()}, {args.dtype}, batch {args.batch}×{args.prompt_len + args.completion_len}")
   print(
-    f"{'mode':6} {'params':>12} {'adapters':>10} {'opt state':>12} {'step footprint':>15} {'device peak':>13} "
+    f"{'mode':6} {'params':>12} {'adapters':>10} {'opt state':>12} {'ref copy':>12} {'step footprint':>15} "
+    f"{'device peak':>13} "
     f"{'step s':>8} {'decode tok/s':>13} {'merged tok/s':>13}"
   )
   for m, r in results.items():
     merged = r.get("decode_merged_tokens_per_s")
     print(
       f"{m:6} {_fmt(r['param_bytes']):>12} {r['adapter_params']:>10,} {_fmt(r['opt_state_bytes']):>12} "
-      f"{_fmt(r['step_footprint_bytes']):>15} {_fmt(r['device_peak_bytes']):>13} {r['step_s']:>8.3f} "
+      f"{_fmt(r['reference_copy_bytes']):>12} {_fmt(r['step_footprint_bytes']):>15} {_fmt(r['device_peak_bytes']):>13} {r['step_s']:>8.3f} "
       f"{r['decode_tokens_per_s']:>13,.0f} {'-' if merged is None else f'{merged:,.0f}':>13}"
     )
   if "full" in results:

@@ -87,8 +87,7 @@ def timed_call(step, state, batch):
 
 def memory(step, state, batch):
   """``(temp bytes, peak bytes)`` of the compiled step (None where the backend does not say)."""
-  with jax.set_mesh(step.mesh):
-    analysis = step.jitted.lower(state, batch).compile().memory_analysis()
+  analysis = step.lower(state, batch).compile().memory_analysis()  # lowered under the step's mesh
   if analysis is None:
     return None, None
   return analysis.temp_size_in_bytes, analysis.peak_memory_in_bytes

@@ -8,7 +8,10 @@ tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained`` load
 
 Only the parameters are read (no optimizer state); the model is rebuilt from the config saved in the
 checkpoint (``jaxgrpo.builders.load_policy``). The checkpoint's files are verified against its
-manifest first.
+manifest first. A LoRA/QLoRA checkpoint (adapters only) is restored onto its rebuilt base model
+(refused if the base weights differ from the ones it was trained on), merged into OUT, and its
+adapters are also written as a PEFT adapter directory (``--peft-out``, default ``OUT-peft``) that
+``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the transformers base model.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ def main(argv=None) -> int:
   p.add_argument("checkpoint", help="run directory (OUT), its checkpoints/ directory, or one step directory")
   p.add_argument("out", help="directory to write the Hugging Face model to")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
+  p.add_argument("--peft-out", default=None, help="LoRA checkpoints: the PEFT adapter directory (default: OUT-peft)")
   args = p.parse_args(argv)
   try:
-    out = export_hf(args.checkpoint, args.out, step=args.step)
-  except CheckpointError as e:
+    written = export_hf(args.checkpoint, args.out, step=args.step, peft_dir=args.peft_out)
+  except (CheckpointError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  print(f"wrote {out}")
+  print("wrote " + " and ".join(written))
   return 0
 
 

@@ -303,7 +303,7 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path):
   root = str(tmp_path / "run" / "checkpoints")
   with ck.Checkpointer(root, log=None) as c:
     c.save(state, run)
-  out = builders.export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+  (out,) = builders.export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
   hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   tok = transformers.AutoTokenizer.from_pretrained(out)
   ids = tok(["What is 3 + 4?", "1+1=2"], padding=False)["input_ids"]

@@ -472,6 +472,9 @@ def test_bench_lora_smoke(capsys):
   assert set(res) == {"full", "lora", "qlora"}
   assert res["full"]["adapter_params"] == 0 and res["lora"]["adapter_params"] > 0
   assert res["lora"]["opt_state_bytes"] < res["full"]["opt_state_bytes"]
+  # the library's step and reference: a reference copy for full fine-tuning only, a smaller compiled step
+  assert res["full"]["reference_copy_bytes"] == res["full"]["param_bytes"] and res["lora"]["reference_copy_bytes"] == 0
+  assert res["lora"]["step_footprint_bytes"] < res["full"]["step_footprint_bytes"]
   assert res["qlora"]["param_bytes"] < res["lora"]["param_bytes"]
   assert res["lora"]["decode_merged_tokens_per_s"] > 0 and res["qlora"]["merge_s"] >= 0
   assert "opt state" in capsys.readouterr().out

@@ -31,9 +31,8 @@ def run(spec, packing, micro=2, mini=2):
   b = step.pack(batch)
   ref_logp = np.asarray(ref(state.params, b))
   placed = step.place_batch(b)
-  with jax.set_mesh(mesh):
-    lowered = step.jitted.lower(state, placed)
-    text, hlo = lowered.as_text(), lowered.compile().as_text()
+  lowered = step.lower(state, placed)  # under jax.set_mesh(mesh), as a call runs it
+  text, hlo = lowered.as_text(), lowered.compile().as_text()
   for _ in range(2):
     state, metrics = step(state, placed)
   assert step.traces == 1

@@ -167,6 +167,7 @@ def completion_log_probs(
   chunk_size: int | None = 256,
   with_entropy: bool = False,
   entropy_grad: bool = False,
+  dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
@@ -186,6 +187,8 @@ def completion_log_probs(
     with_entropy: also return the entropy of the temperature-scaled policy (no gradient, unless
       ``entropy_grad``: an entropy bonus in the loss).
     entropy_grad: differentiate the entropy too (requires ``with_entropy``).
+    dropout_key: LoRA adapter dropout (training only; the model's ``dropout_key``): one key, or one
+      key per row (``key[B]`` typed, or raw ``uint32[B, 2]``). None: no dropout.
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False.
@@ -195,7 +198,7 @@ def completion_log_probs(
   p = prompt_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completions], axis=1).astype(jnp.int32)  # [B, P+T]
   attn = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
+  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn, dropout_key=dropout_key)
   h = hidden[:, p - 1 : -1]  # position p-1+t predicts completions[:, t]
   logp, ent = chunked_log_probs(
     model,

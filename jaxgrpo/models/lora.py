@@ -12,6 +12,7 @@ Typical use::
     lora.apply_lora(model, lora.LoRAConfig(rank=16, alpha=32, quantize="nf4"), key=jax.random.key(0))
     graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)   # train ``adapters`` only
     ref_graphdef = nnx.graphdef(lora.reference_model(model))           # base forward, same arrays
+    base_graphdef = nnx.graphdef(lora.base_model(model))               # runs on ``base`` alone
     models.save_hf(lora.merge_lora(model), out)                        # merged HF checkpoint
     lora.save_peft(model, out_adapter)                                 # PEFT adapter directory
 
@@ -54,6 +55,9 @@ __all__ = [
   "apply_lora",
   "quantize_model",
   "reference_model",
+  "base_model",
+  "has_adapters",
+  "adapter_dropout",
   "merge_lora",
   "count_params",
   "adam_state_bytes",
@@ -322,6 +326,43 @@ def reference_model(model):
   for a in adapters:
     a.enabled = False
   return ref
+
+
+def base_model(model):
+  """``model`` without its adapters: the base (or quantised-base) model, sharing its arrays.
+
+  Unlike :func:`reference_model` (adapters present but switched off), the adapters are removed, so
+  the result's state is exactly the non-adapter part of ``model``'s —
+  ``nnx.split(model, nnx.LoRAParam, ...)[2]`` — and ``nnx.merge(nnx.graphdef(base_model(model)),
+  base)`` runs the base model on those arrays alone (no adapter array needed, none copied). This is
+  the LoRA reference pass of ``jaxgrpo.iteration.make_reference``: it costs no second copy of the
+  base weights. ``model`` is not modified.
+
+  Raises:
+    ValueError: ``model`` has no adapters.
+  """
+  _check_model(model)
+  base = _copy(model)
+  sites = [s for s in _sites(base) if s.adapter() is not None]
+  if not sites:
+    raise ValueError("model has no adapters; its base model is the model itself")
+  for s in sites:
+    s.set(clear_adapter=True)
+  return base
+
+
+def has_adapters(model) -> bool:
+  """Whether any projection of ``model`` carries a ``LoRA`` adapter (enabled or not)."""
+  _check_model(model)
+  return any(s.adapter() is not None for s in _sites(model))
+
+
+def adapter_dropout(model) -> float:
+  """The largest dropout rate of ``model``'s enabled adapters (0.0 without adapters): when it is
+  positive, training needs a ``dropout_key`` (``jaxgrpo.train.make_train_step``)."""
+  _check_model(model)
+  rates = [a.dropout for s in _sites(model) if (a := s.adapter()) is not None and a.enabled]
+  return max(rates, default=0.0)
 
 
 def merge_lora(model, *, param_dtype=None, rules: Mapping[str, Any] | None = None):
