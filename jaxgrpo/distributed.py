@@ -289,7 +289,7 @@ class HostWatchdog:
 
   Processes that finished (:meth:`stop`) are no longer watched. Bounds: a dead process is noticed
   within ``timeout_s + interval_s``; a reported failure within ``interval_s`` of the report, which
-  :meth:`fail` makes at most ``3 · interval_s`` after the exception.
+  :meth:`fail` makes at most ``4 · interval_s`` after the exception.
 
   Args:
     timeout_s: seconds without a heartbeat after which a process counts as dead (default 90).
@@ -298,7 +298,7 @@ class HostWatchdog:
       ``orbax.checkpoint.multihost.get_jax_distributed_client``); tests pass a fake.
     process_index, process_count: default ``jax.process_index()`` / ``jax.process_count()``.
     on_failure: called once with the message (default: print it and exit).
-    clock: a monotonic clock (tests pass a fake).
+    clock, sleep: a monotonic clock and the matching sleep (tests pass fakes).
   """
 
   PREFIX = "jaxgrpo/watchdog/"
@@ -313,6 +313,7 @@ class HostWatchdog:
     process_count: int | None = None,
     on_failure: Callable[[str], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
   ):
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
       raise ValueError(f"timeout_s must be a number > 0 (seconds); got {timeout_s!r}")
@@ -322,7 +323,7 @@ class HostWatchdog:
     self.index = jax.process_index() if process_index is None else int(process_index)
     self.count = jax.process_count() if process_count is None else int(process_count)
     self.on_failure = on_failure or _exit_now
-    self.clock = clock
+    self.clock, self.sleep = clock, sleep
     self.verdict: str | None = None
     self.own_failure: str | None = None
     self._beats = 0
@@ -419,7 +420,7 @@ class HostWatchdog:
   def fail(self, error: BaseException) -> str | None:
     """This process raised ``error``: find out whether another process's failure caused it.
 
-    For up to ``3 · interval_s`` it looks for a failure report of another process or a process whose
+    For up to ``4 · interval_s`` it looks for a failure report of another process or a process whose
     heartbeat stopped (a collective fails at once on every process when one process is killed; the
     dead one cannot report); not for a ``KeyboardInterrupt`` (a user's abort). Found: ``on_failure`` is called with that message (default: exit).
     Otherwise this process's failure is reported to the others (``process i (host, pid) failed:
@@ -434,13 +435,15 @@ class HostWatchdog:
       return self.verdict
     self._failing = True
     # a user's abort (a second Ctrl-C) is this process's own: report it at once
-    end = self.clock() + (0 if isinstance(error, KeyboardInterrupt) else 3 * self.interval_s)
-    while self.verdict is None and self.clock() < end:
+    end = self.clock() + (0 if isinstance(error, KeyboardInterrupt) else 4 * self.interval_s)
+    while self.verdict is None:
       verdict = self.check(stale_after=3 * self.interval_s)
       if verdict is not None and self.verdict is None:
         self._give_up(verdict, f" (then this process failed too: {_summary(error, 300)})")
         return self.verdict
-      time.sleep(min(self.interval_s, 0.5))
+      if self.clock() >= end:
+        break
+      self.sleep(min(self.interval_s, 0.5))
     if self.verdict is not None:
       return self.verdict
     text = _summary(error, 500)
