@@ -13,8 +13,9 @@ Signals and failures:
   session, so a Ctrl-C in the terminal reaches them once, through the launcher): each finishes its
   step, checkpoints it and exits 128 + signal; a second Ctrl-C aborts them.
 - When a process exits with a non-zero status while others still run, the launcher names it
-  (``launch: process 1 exited with status -9 (SIGKILL)``), gives the others ``--grace`` seconds to
-  stop by themselves (their watchdog names the failed process), then kills them (SIGKILL).
+  (``launch: process 1 exited with status -9 (SIGKILL)``), gives the others ``GRACE_S`` seconds to
+  stop by themselves (their watchdog names the failed process; the launcher reports each exit), then
+  kills them (SIGKILL).
 
 The exit status is the first failing process's (128 + n for a signal), 0 when all succeeded.
 """
@@ -108,10 +109,15 @@ def launch(script: str, n: int, args: list[str], *, grace_s: float = GRACE_S) ->
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   first_failure: tuple[int, int] | None = None
   deadline = None
+  reported: set[int] = set()
   try:
     while any(p.poll() is None for p in procs):
       for i, p in enumerate(procs):
         code = p.poll()
+        if code is not None and first_failure is not None and i not in reported:
+          print(f"launch: process {i} exited with {_status(code)}", file=sys.stderr, flush=True)
+        if code is not None:
+          reported.add(i)
         if code not in (None, 0) and first_failure is None:
           first_failure = (i, code)
           running = [j for j, q in enumerate(procs) if q.poll() is None]
@@ -136,6 +142,9 @@ def launch(script: str, n: int, args: list[str], *, grace_s: float = GRACE_S) ->
       if p.poll() is None:
         p.kill()
         p.wait()
+  for i, p in enumerate(procs):
+    if first_failure is not None and i not in reported:
+      print(f"launch: process {i} exited with {_status(p.returncode)}", file=sys.stderr, flush=True)
   if first_failure is None:
     first = next((p.returncode for p in procs if p.returncode != 0), 0)
   else:
