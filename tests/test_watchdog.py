@@ -5,6 +5,9 @@ scripts. The real thing — a killed process among two gloo processes — is in 
 from __future__ import annotations
 
 import os
+import re
+import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -216,3 +219,55 @@ def test_launcher_names_a_failed_process_kills_the_rest_and_returns_its_status(t
   assert "launch: process 1 exited with status 5; the others ([0]) get 0 s to stop, then are killed" in err
   script.write_text("import sys\nsys.exit(0)\n")
   assert _launch.launch(str(script), 3, []) == 0
+
+
+# ----------------------------------------------------------------------------- two real processes
+
+_FAILING = r"""
+import sys, time
+import numpy as np
+from jax.experimental import multihost_utils
+from jaxgrpo import distributed
+
+n, i, port, failing = 2, int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+distributed.initialize(f"127.0.0.1:{port}", n, i, heartbeat_timeout=60)
+multihost_utils.sync_global_devices("started")
+with distributed.watch_hosts(5.0, interval_s=0.25):
+  if i == failing:
+    time.sleep(0.5)
+    raise RuntimeError("reward function 'accuracy' failed on sample 3\n  prompt: 2 + 2")
+  multihost_utils.sync_global_devices("never")  # waits for the failed process: only the watchdog ends it
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("failing", [1, 0])
+def test_an_exception_on_one_process_stops_the_other_naming_it(failing):
+  """Process ``failing`` raises while the other waits in a collective: the other exits with status 3
+  within a few heartbeat intervals, naming the failed process and its error. Process 0 runs the
+  coordination service: when it fails, the other still gets the named message (process 0 stays up
+  in JAX's shutdown barrier until the others left)."""
+  from helpers import start_child
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [start_child(_FAILING, devices=1, args=(i, port, failing)) for i in range(2)]
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=120))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise AssertionError(f"a process did not stop: {[q.communicate() for q in procs]}") from None
+  other = 1 - failing
+  err = outs[other][1]
+  assert procs[other].returncode == EXIT_HOST_FAILED, outs
+  pid = procs[failing].pid
+  assert re.search(
+    rf"error: process {failing} \(\S+, pid {pid}\) failed: RuntimeError: reward function 'accuracy' failed on "
+    rf"sample 3; stopping process {other} too \(exit status 3\)",
+    err,
+  ), err
+  assert procs[failing].returncode != 0 and "RuntimeError: reward function" in outs[failing][1], outs[failing]
