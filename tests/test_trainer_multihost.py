@@ -14,7 +14,8 @@ One scenario, three launches (CI time: each launch is ~40 s of start-up and comp
 
 The two-process run must equal the one-process run: the same sampled tokens (the sampler is one
 program over the global mesh, its PRNG draws do not depend on which process holds a row), hence
-identical rewards, completion lengths and evaluation; losses, gradient norms and parameters within
+identical rewards, completion lengths, dynamic-sampling decisions and evaluation; losses, gradient
+norms and parameters within
 float32 rounding (the cross-process reductions go through gloo in another order). Files: metrics,
 config, logs and TensorBoard are written by process 0 only (every ``open`` for writing is recorded by
 an audit hook in each process), each process writes its own checkpoint shards, and the resumed
@@ -43,7 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
 HOST_TIMEOUT_S = 5  # devices.host_timeout_s: a silent process counts as dead after 5 s
 LAUNCH_TIMEOUT_S = 300  # every launch is killed after this: a hang fails the test instead of CI
-# the tiny demo of test_checkpoint_resume with small operands, so that evaluation is not all zeros
+# the tiny demo of test_checkpoint_resume with small operands (evaluation not all zeros), G = 2 and
+# dynamic sampling
 ARGS = [
   "--model.synthetic",
   "{hidden_size: 32, num_layers: 1}",
@@ -51,8 +53,8 @@ ARGS = [
   "{max_operand: 6, train_size: 64, eval_size: 8, sft_steps: 150, sft_learning_rate: 1e-2, sft_batch_size: 16}",
   "--data.max-prompt-tokens",
   "64",
-  "--rollout.group-size",
-  "4",
+  "--rollout.group-size",  # G = 2: groups with equal rewards are common, so dynamic sampling refills
+  "2",
   "--rollout.prompts-per-step",
   "2",
   "--rollout.max-new-tokens",
@@ -65,6 +67,10 @@ ARGS = [
   "null",
   "--objective.beta",
   "0.04",
+  "--objective.dynamic_sampling",  # groups kept/refilled from rewards gathered over both processes
+  "true",
+  "--rollout.dynamic_sampling_max_rounds",
+  "3",
   "--eval.every",
   "3",
   "--eval.samples",
@@ -227,6 +233,7 @@ def test_two_processes_equal_one_a_killed_process_is_named_and_the_restart_resum
   assert [r["step"] for r in one] == [r["step"] for r in two]
   assert any(r.get("eval_accuracy", 0) > 0 for r in one)  # the evaluation compares something
   assert len({r["reward_mean"] for r in one if "loss" in r}) > 1 or one[1]["reward_std"] > 0
+  assert any(r.get("dynamic_sampling/rounds", 1) > 1 for r in one)  # a group was dropped and refilled
   for a, b in zip(two, one):
     assert a.keys() == b.keys(), (a, b)
     for k in a:
