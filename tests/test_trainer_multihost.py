@@ -53,8 +53,8 @@ ARGS = [
   "{max_operand: 6, train_size: 64, eval_size: 8, sft_steps: 150, sft_learning_rate: 1e-2, sft_batch_size: 16}",
   "--data.max-prompt-tokens",
   "64",
-  "--rollout.group-size",  # G = 2: groups with equal rewards are common, so dynamic sampling refills
-  "2",
+  "--rollout.group-size",  # G = 2: groups with equal rewards are common, so dynamic sampling refills; steps
+  "2",  # 1 and 2 keep groups that the other process sampled (Trainer._own_groups fetches them)
   "--rollout.prompts-per-step",
   "2",
   "--rollout.max-new-tokens",
