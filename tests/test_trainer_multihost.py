@@ -29,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -140,11 +141,27 @@ def _launch(env, out, *extra, audit=None):
   return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
 
 
+def _stop(proc):
+  """Kills a launch: the processes the launcher started (their own sessions) first, then the launcher,
+  so that a hang fails the test instead of leaving processes behind."""
+  try:
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+      children = [int(x) for x in f.read().split()]
+  except OSError:
+    children = []
+  for pid in children:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  proc.kill()
+
+
 def _finish(proc, lines=()):
   try:
     rest, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
   except subprocess.TimeoutExpired:
-    proc.kill()
+    _stop(proc)
     rest, _ = proc.communicate()
     raise AssertionError("launch timed out:\n" + "".join(lines)[-3000:] + rest[-5000:]) from None
   return "".join(lines) + rest
@@ -176,6 +193,8 @@ def test_two_processes_equal_one_a_killed_process_is_named_and_the_restart_resum
   proc = _launch(env, run, "--processes", "2", "--cpu-devices", "4", audit=audit)
   lines, pids, killed_at, stopped_after = [], None, None, None
   deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+  timer = threading.Timer(LAUNCH_TIMEOUT_S, _stop, (proc,))  # a silent hang
+  timer.start()
   for line in proc.stdout:
     lines.append(line)
     if pids is None and (m := re.match(r"launch: 2 processes, coordinator \S+, pids \[(\d+), (\d+)\]", line)):
@@ -187,8 +206,9 @@ def test_two_processes_equal_one_a_killed_process_is_named_and_the_restart_resum
       stopped_after = time.monotonic() - killed_at
       break
     if time.monotonic() > deadline:
-      proc.kill()
+      _stop(proc)
       break
+  timer.cancel()
   text = _finish(proc, lines)
   assert killed_at is not None, text[-5000:]
   assert proc.returncode == 128 + signal.SIGKILL, text[-5000:]  # the launcher returns the first failure
