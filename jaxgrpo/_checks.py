@@ -43,6 +43,7 @@ __all__ = [
   "check_logp",
   "check_prng_key",
   "check_prompts",
+  "local_rows_or_none",
 ]
 
 # ----------------------------------------------------------------------------- arrays
@@ -53,11 +54,24 @@ def shape_of(x) -> tuple[int, ...]:
 
 
 def concrete_or_none(x):
-  """The NumPy value of ``x`` if it is concrete (not traced by jit), else None."""
+  """The NumPy value of ``x`` if it is concrete (not traced by jit) and held by this process, else None
+  (an array spanning other processes' devices: see :func:`local_rows_or_none`)."""
   try:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return None
     return np.asarray(x)
   except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
     return None
+
+
+def local_rows_or_none(x):
+  """The rows of ``x`` held by this process (every row in one process), as NumPy, or None when traced:
+  what a multi-process program can check without a collective."""
+  x_local = concrete_or_none(x)
+  if x_local is not None or not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return x_local
+  shards = {s.index[0].start or 0: s.data for s in x.addressable_shards}  # spans other processes
+  return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)])
 
 
 def _dtype(x, name: str):
@@ -243,7 +257,7 @@ def check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
   check_same_shape(prompt_mask, "prompt_mask", prompt_tokens, "prompt_tokens")
   if 0 in prompt_tokens.shape:
     raise ValueError(f"`prompt_tokens` must be non-empty (B >= 1, P >= 1); got shape {prompt_tokens.shape}")
-  mask = concrete_or_none(prompt_mask)
+  mask = local_rows_or_none(prompt_mask)  # several processes: each checks its own rows
   if mask is not None:
     if not mask[:, -1].all():
       bad = np.flatnonzero(~mask[:, -1])

@@ -10,8 +10,10 @@ computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` (stable for large n). mean@k is
 of k samples per problem, ``E_problems[c / n]`` with n = k samples (the λ-GRPO / FRPO papers'
 "mean@k"; pass@1 equals it).
 
-:func:`evaluate_policy` samples k completions per held-out prompt with ``jaxgrpo.sampling.generate``,
+:func:`evaluate_policy` samples k completions per held-out prompt (``jaxgrpo.iteration.sample``),
 scores them with a reward function and reports both (the trainer's evaluation and ``scripts/eval.py``).
+With several processes each samples and scores its share of the problems on the global mesh and the
+correct counts are gathered.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jaxgrpo import distributed, iteration
+from jaxgrpo import sharding as shd
 from jaxgrpo.data import pad_left
-from jaxgrpo.distributed import to_host
 from jaxgrpo.rewards import CountingReward
-from jaxgrpo.sampling import generate
 
 __all__ = ["pass_at_k", "mean_at_k", "summarize_eval", "evaluate_policy"]
 
@@ -109,6 +111,7 @@ def evaluate_policy(
   top_p: float = 1.0,
   top_k: int = 0,
   key: jax.Array,
+  mesh: Mesh | None = None,
 ) -> dict[str, float]:
   """mean@k and pass@j of ``model`` on held-out prompts.
 
@@ -128,40 +131,58 @@ def evaluate_policy(
     prompt_len: the padded prompt length (left padding with ``pad_id``).
     eos_ids: token ids that end a completion.
     batch_prompts: prompts per ``generate`` call; the last batch is padded by repeating its last
-      prompt, so every call has one compiled shape ``int32[batch_prompts, prompt_len]``.
+      prompt, so every call has one compiled shape ``int32[batch_prompts, prompt_len]`` (with a
+      ``mesh``, ``batch_prompts`` is rounded up to a multiple of its batch axes ``data × fsdp``).
     key: PRNG key; batch ``i`` samples with ``fold_in(key, i · batch_prompts)``.
+    mesh: the model's mesh. With several processes it is required: each batch is sampled on the
+      global mesh, every process decodes and scores only its own rows
+      (``jaxgrpo.distributed.process_rows``) and the correct counts are gathered; the result is the
+      same on every process and equals a one-process run on the same mesh. None: one process.
   """
   if len(token_lists) != len(answers) or not token_lists:
     raise ValueError(
       f"`token_lists` and `answers` must be non-empty and of one length; got {len(token_lists)} and {len(answers)}"
     )
+  if mesh is None and jax.process_count() > 1:
+    raise ValueError("evaluate_policy: pass the model's `mesh` in a multi-process run (each process scores its rows)")
+  sampling = iteration.SamplingConfig(
+    num_samples=k,
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    eos_ids=tuple(eos_ids),
+    pad_id=pad_id,
+  )
   nb = min(batch_prompts, len(token_lists))
+  if mesh is not None:
+    shards = shd.batch_shards(mesh)
+    nb = -(-nb // shards) * shards
   correct = []
   for start in range(0, len(token_lists), nb):
     chunk = list(range(start, min(start + nb, len(token_lists))))
     padded = chunk + [chunk[-1]] * (nb - len(chunk))
     tokens, mask = pad_left([token_lists[i] for i in padded], prompt_len, pad_id)
-    rollout = generate(
-      model,
-      jnp.asarray(tokens),
-      jnp.asarray(mask),
-      num_samples=k,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_p=top_p,
-      top_k=top_k,
-      eos_ids=tuple(eos_ids),
-      pad_id=pad_id,
-      key=jax.random.fold_in(key, start),
-    )
-    rollout = to_host(rollout._replace(num_steps=jnp.zeros(())))
-    comp, cmask = rollout.completions, rollout.mask  # int32[nb·k, T], bool[nb·k, T]
-    texts = tokenizer.batch_decode([c[m].tolist() for c, m in zip(comp, cmask)], skip_special_tokens=True)
-    texts = texts[: len(chunk) * k]
-    gold = [answers[i] for i in chunk for _ in range(k)]
-    scores = accuracy([""] * len(texts), texts, answer=gold)
-    correct.append(np.asarray(scores).reshape(len(chunk), k) > 0.5)
+    if mesh is not None:
+      tokens, mask = iteration.place_prompts(tokens, mask, mesh=mesh)
+    rollout = iteration.sample(model, tokens, mask, sampling, key=jax.random.fold_in(key, start))
+    rollout = rollout._replace(num_steps=None)
+    rows = distributed.process_rows(rollout, mesh) if mesh is not None else jax.tree.map(np.asarray, rollout)
+    comp, cmask = rows.completions, rows.mask  # this process's rows of int32[nb·k, T], bool[nb·k, T]
+    real = np.flatnonzero(np.asarray(rows.group_ids) < len(chunk))  # rows of the padding prompts are not scored
+    texts = tokenizer.batch_decode([comp[i][cmask[i]].tolist() for i in real], skip_special_tokens=True)
+    gold = [answers[chunk[rows.group_ids[i]]] for i in real]
+    ok = np.zeros(len(comp), bool)
+    if real.size:
+      ok[real] = np.asarray(accuracy([""] * len(texts), texts, answer=gold), np.float64) > 0.5
+    if mesh is not None:
+      ok = distributed.all_rows(ok, mesh)
+    correct.append(ok.reshape(nb, k)[: len(chunk)])
   out = summarize_eval(np.concatenate(correct), ks=pass_k)
   if isinstance(accuracy, CountingReward):
-    out.update({f"eval_{c}": v for c, v in accuracy.pop_counters().items()})
+    totals: dict[str, int] = {}
+    for counters in distributed.gather_objects(accuracy.pop_counters()):
+      for name, v in counters.items():
+        totals[name] = totals.get(name, 0) + v
+    out.update({f"eval_{c}": v for c, v in totals.items()})
   return out

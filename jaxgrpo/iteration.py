@@ -18,6 +18,14 @@ An iteration is ``sample → score → batch → reference → update``::
 dynamic sampling, per-host scoring in multi-host runs — calls the pieces: :func:`sample` as often as it
 needs, :func:`score` (or its own scorer), builds a host :class:`~jaxgrpo.train.Batch` and places it with
 :func:`place` (bucket padding, ``process_local=True`` for per-host rows), then the reference and the step.
+``jaxgrpo.trainer`` does so. Multi-host, per process::
+
+    tokens, mask = place_prompts(tokens, mask, mesh=step.mesh)    # each process sends its own prompts
+    rollout = sample(policy, tokens, mask, sampling, key=key)      # one program on the global mesh
+    mine = jaxgrpo.distributed.process_rows(rollout._replace(num_steps=None), step.mesh)  # NumPy
+    rewards = score(reward_fn, mine, ...)                          # this host's rows only
+    batch = place(Batch.from_rollout(mine, rewards), mesh=step.mesh, process_local=True,
+                  train_config=step.train_config)
 
 Donation: the step consumes ``state`` (its arrays are deleted), so a policy model merged from it is
 valid until the next update; sample first, then update — as :func:`grpo_iteration` does. The reference
@@ -65,6 +73,7 @@ __all__ = [
   "make_batch",
   "make_reference",
   "place",
+  "place_prompts",
   "policy_model",
   "rollout_loss",
   "sample",
@@ -257,12 +266,41 @@ def make_reference(step: TrainStep, state: TrainState) -> Reference:
   return Reference(params, make_reference_fn(step.graphdef, param_shardings=shardings, **kw))
 
 
+def place_prompts(prompt_tokens, prompt_mask, *, mesh: Mesh, rules: Mapping[str, Any] | None = None):
+  """The prompts of one :func:`sample` call laid out for the global mesh, so that the sampler runs on
+  every process's devices with each process transferring only its own prompts.
+
+  When B divides the batch axes (``data × fsdp``) the rows are placed over them: each process passes
+  only the prompts :func:`jaxgrpo.sharding.process_batch_rows` gives it
+  (``place_batch(..., process_local=True)``), and its devices sample those prompts' G·B/``process_count``
+  rows. Otherwise the arrays are returned as they are (NumPy, replicated: the same on every process).
+  Either way the sampler is one program over the global mesh, so each row's tokens — its PRNG draws
+  depend only on the key, the step and the row's global index — do not depend on how many
+  processes run it; :func:`jaxgrpo.distributed.process_rows` then gives each process its own rows.
+
+  Args:
+    prompt_tokens: ``int32[B, P]`` left-padded prompts, every process the same (NumPy);
+      prompt_mask: ``bool[B, P]``.
+    mesh, rules: the mesh and rules table of the step.
+
+  Returns:
+    ``(prompt_tokens, prompt_mask)`` for :func:`sample`.
+  """
+  tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask)
+  b = tokens.shape[0]
+  if b % shd.batch_shards(mesh, rules):
+    return tokens, mask
+  rows = shd.process_batch_rows(mesh, b, rules)
+  return shd.place_batch((tokens[rows], mask[rows]), mesh, rules, process_local=True)
+
+
 def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key) -> Rollout:
   """G completions of each prompt: ``jaxgrpo.sampling.generate`` with ``sampling``'s arguments.
 
   Args:
     model: the policy (:func:`policy_model`).
-    prompt_tokens: ``int32[B, P]`` left-padded prompts; prompt_mask: ``bool[B, P]``.
+    prompt_tokens: ``int32[B, P]`` left-padded prompts (NumPy, or placed on the mesh by
+      :func:`place_prompts` for multi-host runs); prompt_mask: ``bool[B, P]``.
     sampling: a :class:`SamplingConfig`.
     key: a PRNG key.
 

@@ -345,6 +345,9 @@ class DevicesSpec:
     mesh: ``"data=2,fsdp=2,tensor=2"`` (``""``: every device on fsdp; see ``jaxgrpo.sharding``).
     distributed: call ``jaxgrpo.distributed.initialize`` first (multi-host runs).
     coordinator_address, num_processes, process_id: its arguments (None: from the environment).
+    host_timeout_s: several processes: a process that sent no heartbeat for this many seconds
+      counts as dead and the others stop, naming it (``jaxgrpo.distributed.HostWatchdog``); JAX's own
+      heartbeat timeout is set to twice this value.
   """
 
   mesh: str = ""
@@ -352,6 +355,11 @@ class DevicesSpec:
   coordinator_address: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
+  host_timeout_s: float = 90.0
+
+  def __post_init__(self):
+    if not self.host_timeout_s >= 1:
+      raise ValueError(f"`devices.host_timeout_s` must be >= 1 (seconds); got {self.host_timeout_s!r}")
 
 
 def _arithmetic_model() -> ModelSpec:

@@ -1,15 +1,30 @@
 """The training loop: rollout → reward → update, with evaluation, metrics and checkpoint hooks.
 
-One step::
+One step, through the public pieces of ``jaxgrpo.iteration``::
 
-    prompt indices   = PromptIterator.next(prompts_per_step)                  (host)
-    rollout          = sampling.generate(policy, prompts, G, T, temperature)  (jitted)
-    rewards          = RewardSet(prompts, completions, columns)               (host; this host's rows)
-    [dynamic sampling: drop groups with equal rewards, sample again, refill]
-    ref_logp         = reference_fn(ref_params, batch)                       (only when β > 0)
-    state, metrics   = train_step(state, batch)                               (jitted, sharded)
+    prompt indices   = PromptIterator.next(prompts_per_step)             (every process: the same B)
+    rollout          = iteration.sample(policy_model(...), place_prompts(this process's prompts))
+                                                                          (jitted, on the global mesh)
+    mine             = distributed.process_rows(rollout)                  (this process's G·B/P rows)
+    rewards          = RewardSet(prompts, completions, columns)           (host: this process's rows)
+    [dynamic sampling: every process gathers the rewards (one small all-gather), drops the same
+     groups with equal rewards, samples again, refills]
+    batch            = iteration.place(Batch(...), process_local=True)    (each process feeds its rows)
+    batch            = reference(batch)                                   (make_reference; β > 0 only)
+    state, metrics   = train_step(state, batch)                           (jitted, sharded)
     log → OUT/metrics.jsonl; every eval.every steps: pass@k / mean@k on the held-out set;
     every checkpoint.every steps: checkpoint_fn(snapshot, run_meta)
+
+**Several processes** (``docs/train.md``, "Running on a pod / a cluster"): every process draws the
+same prompt indices, samples on the global mesh the prompts of its own devices, decodes and scores only
+its own rows and feeds them to the step (``place(..., process_local=True)``); a group never spans two
+processes. Everything the processes must agree on is computed from small all-gathers: the rewards of
+every row (dynamic sampling decides on all of them, so every process keeps the same groups, as one
+process would; kept groups sampled by another process are fetched from it), reward and length
+metrics, evaluation counts, reward counters. The result equals a one-process run on the same mesh.
+Only process 0 writes ``metrics.jsonl``, ``config.json`` and the exported model; every process writes
+its own checkpoint shards. ``run()`` watches the other processes (``jaxgrpo.distributed.watch_hosts``):
+a process that dies or raises ends the others, naming it, within ``devices.host_timeout_s``.
 
 The run is a :class:`~jaxgrpo.specs.TrainerConfig`; the model and prompts are built by
 ``jaxgrpo.builders``, evaluation is ``jaxgrpo.evaluation.evaluate_policy``. Everything a resume needs
@@ -45,23 +60,21 @@ import time
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo import builders, iteration
+from jaxgrpo import builders, distributed, iteration
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
 from jaxgrpo import train as train_lib
 from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
-from jaxgrpo.distributed import to_host
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.metrics import truncate_jsonl
 from jaxgrpo.models import lora
-from jaxgrpo.sampling import generate
+from jaxgrpo.sampling import Rollout
 from jaxgrpo.specs import TrainerConfig
 
 __all__ = [
@@ -292,10 +305,20 @@ class Trainer:
       train_config=self.train_config,
       dropout_key=None if cfg.lora is None else dropout_key(cfg.run.seed),
     )
-    self.ref_params, self.ref_fn = None, None
-    if self.objective.needs_reference:
-      # full fine-tuning: a copy (the step donates the policy parameters); LoRA: the frozen base, no copy
-      self.ref_params, self.ref_fn = iteration.make_reference(self.step_fn, train_state)
+    # the frozen reference, only when β > 0: a copy (the step donates the policy's parameters); LoRA: the
+    # frozen base itself, no copy
+    self.reference = iteration.make_reference(self.step_fn, train_state) if self.step_fn.reads_ref_logp else None
+    roll = cfg.rollout
+    self.sampling = iteration.SamplingConfig(
+      num_samples=roll.group_size,
+      max_new_tokens=roll.max_new_tokens,
+      temperature=self.train_config.temperature,
+      top_p=roll.top_p,
+      top_k=roll.top_k,
+      eos_ids=self.eos_ids,
+      pad_id=self.pad_id,
+      merge_lora=roll.merge_lora,
+    )
     self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
@@ -324,9 +347,30 @@ class Trainer:
         splits=cfg.step.micro_batches * cfg.step.mini_batches,
         what="the rollout batch (rollout.prompts_per_step × rollout.group_size)",
       )
+      self._check_processes(rows)
     except ValueError as e:
       spec = cfg.devices.mesh or "fsdp=-1"
       raise ValueError(f"devices.mesh {spec!r} ({self.mesh.size} devices) does not fit: {e}") from None
+
+  def _check_processes(self, rows: int) -> None:
+    """Several processes: each must hold whole groups of the rollout batch, one contiguous block of
+    ``rows / process_count`` rows (the batch axes ``data × fsdp`` split over the processes)."""
+    n, g = jax.process_count(), self.config.rollout.group_size
+    if n == 1:
+      return
+    mine = shd.process_batch_rows(self.mesh, rows)
+    if mine.stop - mine.start != rows // n or rows % n:
+      raise ValueError(
+        f"with {n} processes every process must feed 1/{n} of the rollout batch, but process "
+        f"{jax.process_index()}'s devices hold rows {mine.start}..{mine.stop - 1} of {rows}: the batch axes "
+        f"(data×fsdp = {shd.batch_shards(self.mesh)}) must be a multiple of the process count; put the "
+        "processes on data or fsdp, not on tensor"
+      )
+    if self.config.rollout.prompts_per_step % n:
+      raise ValueError(
+        f"rollout.prompts_per_step {self.config.rollout.prompts_per_step} does not divide over {n} processes: "
+        f"every process samples and scores whole groups of G = {g}"
+      )
 
   def _build_model_and_data(self):
     cfg = self.config
@@ -355,98 +399,108 @@ class Trainer:
     policy = self.policy()
     return lora.merge_lora(policy) if self.config.rollout.merge_lora else policy
 
-  def _sample(self, token_lists, *, num_samples, temperature, key):
-    tokens, mask = data_lib.pad_left(token_lists, self.prompt_len, self.pad_id)
-    return generate(
-      self.sampling_policy(),
-      jnp.asarray(tokens),
-      jnp.asarray(mask),
-      num_samples=num_samples,
-      max_new_tokens=self.config.rollout.max_new_tokens,
-      temperature=temperature,
-      top_p=self.config.rollout.top_p,
-      top_k=self.config.rollout.top_k,
-      eos_ids=self.eos_ids,
-      pad_id=self.pad_id,
-      key=key,
-    )
+  def _sample(self, indices, key) -> Rollout:
+    """This process's rows (NumPy; all rows in one process) of G completions of the prompts
+    ``indices`` (every process passes the same): one sampler program on the global mesh, each process
+    sending its own prompts (``iteration.place_prompts``)."""
+    tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
+    tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.mesh)
+    rollout = iteration.sample(self.policy(), tokens, mask, self.sampling, key=key)
+    return distributed.process_rows(rollout._replace(num_steps=None), self.mesh)
 
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
     rows = [c[m].tolist() for c, m in zip(completions, mask)]
     return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
-  def _score(self, indices, rollout) -> tuple[dict, np.ndarray, dict]:
-    """Rewards of every rollout row; in multi-host runs each host scores its slice of rows."""
-    g = self.config.rollout.group_size
-    texts = self._decode(rollout.completions, rollout.mask)
-    prompts = [self.prompts.texts[i] for i in indices for _ in range(g)]
-    columns = _rows_to_columns([self.examples[i] for i in indices], g)
-    mine = lambda rows: data_lib.host_slice(rows, jax.process_index(), jax.process_count())
-    res = self.reward_set(mine(prompts), mine(texts), {k: mine(v) for k, v in columns.items()})
-    total, per_fn = to_host((res.total, res.per_fn))  # every host's rows, in process order
-    return per_fn, total, res.counters
+  def _score(self, indices, rows: Rollout) -> rewards_lib.RewardResult:
+    """Rewards of this process's ``rows`` of the rollout of the prompts ``indices`` (row i belongs to
+    prompt ``indices[rows.group_ids[i]]``)."""
+    prompt_of_row = np.asarray(indices)[np.asarray(rows.group_ids)]
+    texts = self._decode(rows.completions, rows.mask)
+    prompts = [self.prompts.texts[i] for i in prompt_of_row]
+    columns = _rows_to_columns([self.examples[i] for i in prompt_of_row], 1)
+    return self.reward_set(prompts, texts, columns)
 
-  def _rollout_batch(self, key):
-    """Samples ``prompts_per_step`` groups (refilled under dynamic sampling) → (Batch, metrics)."""
+  def _rollout_batch(self, key) -> tuple[train_lib.Batch, dict, int]:
+    """Samples ``prompts_per_step`` groups (refilled under dynamic sampling) → (this process's rows of
+    the Batch, metrics, completion tokens of the whole batch).
+
+    Each process scores its own rows; every row's reward and length is then gathered (one small
+    all-gather per round), so every process keeps the same groups, in the same order, as one process
+    would, and computes the same metrics."""
     roll, g = self.config.rollout, self.config.rollout.group_size
-    need = roll.prompts_per_step
-    kept_rows, counters = [], {}
-    dropped = rounds = 0
-    spare = []  # uninformative groups, used only when refill fails
-    while need > 0:
-      rounds += 1
+    groups = roll.prompts_per_step
+    rounds, kept, spare, counters = [], [], [], {}
+    dropped = 0
+    while len(kept) < groups:
       key, sub = jax.random.split(key)
-      indices = self.iterator.next(roll.prompts_per_step)
-      rollout = self._sample(
-        [self.prompts.tokens[i] for i in indices], num_samples=g, temperature=self.train_config.temperature, key=sub
-      )
-      host = to_host(rollout._replace(num_steps=jnp.zeros(())))
-      per_fn, total, c = self._score(indices, host)
-      for k, v in c.items():
-        counters[k] = counters.get(k, 0) + v
-      groups = np.arange(roll.prompts_per_step)
-      informative = rewards_lib.group_is_informative(total, np.asarray(host.group_ids), len(groups))
+      indices = self.iterator.next(groups)
+      rows = self._sample(indices, sub)
+      res = self._score(indices, rows)
+      lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
+      total, per_fn, lengths = distributed.all_rows((res.total, res.per_fn, lengths), self.mesh)
+      for c in distributed.gather_objects(res.counters):
+        for k, v in c.items():
+          counters[k] = counters.get(k, 0) + v
+      informative = rewards_lib.group_is_informative(total, np.repeat(np.arange(groups), g), groups)
       if not self.objective.dynamic_sampling:
         informative[:] = True
-      for b in groups:
-        rows = np.arange(b * g, (b + 1) * g)
-        entry = (host, rows, total[rows], {k: v[rows] for k, v in per_fn.items()})
-        if informative[b] and need > 0:
-          kept_rows.append(entry)
-          need -= 1
+      for b in range(groups):
+        if informative[b] and len(kept) < groups:
+          kept.append((len(rounds), b))
         elif not informative[b]:
           dropped += 1
-          spare.append(entry)
-      if need > 0 and rounds >= roll.dynamic_sampling_max_rounds:
-        kept_rows += spare[:need]  # give up refilling: these groups have zero advantage
-        need = 0
-    parts = kept_rows[: roll.prompts_per_step]
-    cat = lambda f: np.concatenate([getattr(h, f)[r] for h, r, _, _ in parts])
-    rewards = np.concatenate([t for _, _, t, _ in parts]).astype(np.float32)
-    group_ids = np.repeat(np.arange(len(parts), dtype=np.int32), g)
-    batch = train_lib.Batch(
+          spare.append((len(rounds), b))
+      rounds.append((rows, total, per_fn, lengths))
+      if len(kept) < groups and len(rounds) >= roll.dynamic_sampling_max_rounds:
+        kept += spare[: groups - len(kept)]  # give up refilling: these groups have zero advantage
+    batch = self._own_groups(rounds, kept)
+    rewards = np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept]).astype(np.float32)
+    lengths = np.concatenate([rounds[r][3][b * g : (b + 1) * g] for r, b in kept])
+    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std())}
+    for name in rounds[0][2]:
+      values = np.concatenate([rounds[r][2][name][b * g : (b + 1) * g] for r, b in kept])
+      metrics[f"reward/{name}"] = float(values.mean())
+    metrics["completion_length"] = float(lengths.mean())
+    if self.objective.dynamic_sampling:
+      metrics["dynamic_sampling/dropped_groups"] = dropped
+      metrics["dynamic_sampling/rounds"] = len(rounds)
+    for k, v in counters.items():
+      metrics[f"reward_counters/{k}"] = v
+    return batch, metrics, int(lengths.sum())
+
+  def _own_groups(self, rounds: list, kept: list[tuple[int, int]]) -> train_lib.Batch:
+    """This process's rows of the batch of the ``kept`` groups (``(round, group)``, in batch order).
+
+    The group at position j is fed by the process that sampled position j of a round; a kept group
+    sampled by another process is fetched from it (``all_rows`` of its round: only for rounds some
+    process needs, decided identically everywhere from ``kept``)."""
+    g = self.config.rollout.group_size
+    mine = shd.process_batch_rows(self.mesh, len(kept) * g)
+    first, last = mine.start // g, mine.stop // g
+    per = last - first  # groups per process
+    elsewhere = sorted({r for j, (r, b) in enumerate(kept) if b // per != j // per})
+    fetched = {r: distributed.all_rows(rounds[r][0], self.mesh) for r in elsewhere}
+    parts = []
+    for j in range(first, last):
+      r, b = kept[j]
+      rows, start = (rounds[r][0], (b - first) * g) if b // per == j // per else (fetched[r], b * g)
+      parts.append(Rollout(*[None if x is None else x[start : start + g] for x in rows]))
+    cat = lambda field: np.concatenate([getattr(p, field) for p in parts])
+    return train_lib.Batch(
       prompt_tokens=cat("prompt_tokens"),
       prompt_mask=cat("prompt_mask"),
       completions=cat("completions"),
       mask=cat("mask"),
       old_logp=cat("log_probs"),
-      group_ids=group_ids,
-      rewards=rewards,
+      group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
+      rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
     )
-    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std())}
-    for name in parts[0][3]:
-      metrics[f"reward/{name}"] = float(np.concatenate([f[name] for _, _, _, f in parts]).mean())
-    metrics["completion_length"] = float(batch.mask.sum(1).mean())
-    if self.objective.dynamic_sampling:
-      metrics["dynamic_sampling/dropped_groups"] = dropped
-      metrics["dynamic_sampling/rounds"] = rounds
-    for k, v in counters.items():
-      metrics[f"reward_counters/{k}"] = v
-    return batch, metrics, key
 
   # ------------------------------------------------------------------ evaluation
   def evaluate(self, key=None) -> dict[str, float]:
-    """mean@k (``eval_accuracy``) and ``eval_pass@k`` on the held-out set with k = eval_samples."""
+    """mean@k (``eval_accuracy``) and ``eval_pass@k`` on the held-out set with k = eval_samples; with
+    several processes each scores its share of the problems and the counts are gathered."""
     if self.eval_prompts is None:
       return {}
     cfg = self.config
@@ -467,36 +521,44 @@ class Trainer:
       top_p=cfg.rollout.top_p,
       top_k=cfg.rollout.top_k,
       key=jax.random.key(cfg.run.seed + 1) if key is None else key,
+      mesh=self.mesh,
     )
 
   def save_model(self, out_dir: str) -> list[str]:
     """Writes the current policy as a Hugging Face directory (``builders.save_policy``); a LoRA run
-    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft``.
-    Returns the directories written."""
-    cfg = self.config
+    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft``. With
+    several processes every process must call it (they all take part in gathering parameters that
+    span processes) and process 0 writes. Returns the directories written (none on other processes)."""
+    cfg, t = self.config, self.state.train
+    model = self.policy()
+    if jax.process_count() > 1:
+      params, frozen = distributed.to_host((t.params, t.frozen))
+      model = iteration.policy_model(self.graphdef, t._replace(params=params, frozen=frozen))
+    if jax.process_index() != 0:
+      return []
     if cfg.lora is None:
-      return builders.save_policy(self.policy(), self.tokenizer, out_dir)
+      return builders.save_policy(model, self.tokenizer, out_dir)
     peft_dir = builders.peft_dir_for(out_dir)
     return builders.save_policy(
-      self.policy(), self.tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path
+      model, self.tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path
     )
 
   # ------------------------------------------------------------------ the loop
   def train_step(self) -> dict[str, Any]:
-    """One rollout → reward → update step; returns its metrics."""
+    """One rollout → reward → update step; returns its metrics (the same on every process)."""
     t0 = time.perf_counter()
     tstate, key, _ = self.state
     key, sample_key = jax.random.split(key)
-    batch, metrics, _ = self._rollout_batch(sample_key)
+    batch, metrics, tokens = self._rollout_batch(sample_key)
     t_roll = time.perf_counter() - t0
-    placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config)  # bucketed, packed if set
-    if self.ref_fn is not None:
-      placed = placed._replace(ref_logp=self.ref_fn(self.ref_params, placed))
+    # bucketed, packed if set; each process feeds its own rows
+    placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
+    if self.reference is not None:
+      placed = self.reference(placed)
     tstate, step_metrics = self.step_fn(tstate, placed)
     step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
     self.state = TrainerState(tstate, key, self.iterator.state())
     dt = time.perf_counter() - t0
-    tokens = float(np.asarray(batch.mask).sum())
     metrics.update(step_metrics)
     metrics.update({"step": int(tstate.step), "tokens_per_sec": tokens / dt, "step_time": dt, "rollout_time": t_roll})
     metrics.setdefault("kl", 0.0)
@@ -585,8 +647,17 @@ class Trainer:
       NonFiniteError: a step made the parameters or optimizer state (or the loss) non-finite.
       TrainingInterrupted: SIGTERM/SIGINT; the step it stopped at was checkpointed. The signal
         waits for the current step to finish (rollout, update, and the evaluation when one is due).
+
+    With several processes the run is watched (``jaxgrpo.distributed.watch_hosts`` with
+    ``devices.host_timeout_s``): when another process dies or raises, this one prints a message
+    naming it and exits (``os._exit``, status ``jaxgrpo.distributed.EXIT_HOST_FAILED``); an exception
+    of this process is reported to the others before it propagates. ``NonFiniteError`` and
+    ``TrainingInterrupted`` are raised by every process at the same step and are not reported.
     """
-    with self.handle_signals() if handle_signals else contextlib.nullcontext():
+    watch = distributed.watch_hosts(
+      self.config.devices.host_timeout_s, collective=(NonFiniteError, TrainingInterrupted)
+    )
+    with self.handle_signals() if handle_signals else contextlib.nullcontext(), watch:
       return self._run()
 
   def _run(self) -> list[dict]:
@@ -636,7 +707,7 @@ class Trainer:
         if saved:
           self.checkpoint_fn(self.state.snapshot(), self.run_meta)
         self._stop_if_requested(step, saved=saved)
-      if run.save_model and is_main:
+      if run.save_model:
         self.save_model(os.path.join(run.out, "model"))
     finally:
       if f is not None:

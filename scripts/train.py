@@ -14,10 +14,17 @@ work. Every value is checked before anything is built. The resolved config is pr
 written to ``OUT/config.json``; metrics go to ``OUT/metrics.jsonl`` (one JSON object per step and per
 evaluation) and ``OUT/curves.png``.
 
+Several processes (``docs/train.md``, "Running on a pod / a cluster"): ``--processes N`` starts N
+processes on this machine (gloo CPU collectives, ``--cpu-devices D`` each; ``scripts/_launch.py``); on a
+pod or cluster every host runs the same command with ``--devices.distributed true`` and
+``jax.distributed.initialize()`` reads the cluster's settings (TPU, Slurm, MPI, or ``JAX_*`` variables /
+``--devices.coordinator_address``, ``--devices.num_processes``, ``--devices.process_id``).
+
 Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values or a failed
 checkpoint save; 2 a bad config, file, mesh or checkpoint (one ``error:`` line, no traceback;
-``--traceback`` shows it); 128 + signal number after SIGTERM (143) or SIGINT (130): the step in
-progress was finished and checkpointed, or, after a second signal, abandoned.
+``--traceback`` shows it); 3 (several processes) another process died or failed: this one was stopped,
+naming it; 128 + signal number after SIGTERM (143) or SIGINT (130): the step in progress was finished
+and checkpointed, or, after a second signal, abandoned.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 
 
 def _simulated_cpu_devices(argv) -> None:
@@ -46,6 +54,10 @@ def _simulated_cpu_devices(argv) -> None:
 
 
 if __name__ == "__main__":
+  if any(a == "--processes" or a.startswith("--processes=") for a in sys.argv[1:]):
+    import _launch  # scripts/_launch.py: N processes of this script; jax is never imported here
+
+    sys.exit(_launch.launch(os.path.abspath(__file__), *_launch.split_args(sys.argv[1:])))
   _simulated_cpu_devices(sys.argv[1:])
 
 import jax  # after XLA_FLAGS
@@ -99,6 +111,13 @@ def parse_args(argv=None):
   )
   p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
   p.add_argument(
+    "--processes",
+    type=int,
+    default=None,
+    help="start N processes of this command on this machine (gloo CPU collectives, --cpu-devices each); "
+    "on the command line only",
+  )
+  p.add_argument(
     "--on-save-error",
     choices=("stop", "continue"),
     default="stop",
@@ -118,6 +137,8 @@ def parse_args(argv=None):
     help="show Python tracebacks and the libraries' own error logs instead of one 'error:' line",
   )
   args, rest = p.parse_known_args(argv)
+  if args.processes is not None:
+    p.error("--processes starts the processes: give it on the command line of scripts/train.py")
   if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
     p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
   overrides = {}
@@ -259,9 +280,17 @@ def main(argv=None):
     sys.stderr = checkpoint.ClosedLoopNoiseFilter(sys.stderr)  # TensorStore's noise after a failed save
   with _input_errors(args):
     cfg = specs.load_config(args.config, overrides)
-  out, dev = cfg.run.out, cfg.devices
+  dev = cfg.devices
   if dev.distributed:  # before any JAX computation; arguments, then JAX_* variables, then TPU/Slurm/MPI
-    distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id)
+    heartbeat = max(10, int(2 * dev.host_timeout_s))  # JAX's own timeout after the watchdog's named stop
+    distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id, heartbeat_timeout=heartbeat)
+  # another process's death or error stops this one with a message naming it (exit status 3)
+  with distributed.watch_hosts(dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError)):
+    return _train(args, cfg, t_wall, t_cpu)
+
+
+def _train(args, cfg, t_wall: float, t_cpu: float):
+  out = cfg.run.out
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   if not resume and has_checkpoint:
@@ -373,6 +402,14 @@ def _abort(signum: int) -> None:
   os._exit(128 + signum)
 
 
+def _exit_multiprocess(code: int) -> None:
+  """Several processes: exit now with ``code``. A normal exit would wait in JAX's shutdown barrier for
+  processes that already stopped (the watchdog told them about this one's failure)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
 if __name__ == "__main__":
   try:
     result = main()
@@ -380,4 +417,13 @@ if __name__ == "__main__":
     _abort(e.signum)
   except KeyboardInterrupt:
     _abort(signal.SIGINT)
+  except SystemExit as e:
+    if jax.distributed.is_initialized() and e.code not in (None, 0):
+      _exit_multiprocess(e.code if isinstance(e.code, int) else 1)
+    raise
+  except BaseException:
+    if not jax.distributed.is_initialized():
+      raise
+    traceback.print_exc()
+    _exit_multiprocess(1)
   sys.exit(0 if result is not None else 1)
