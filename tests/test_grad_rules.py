@@ -6,6 +6,8 @@
   ``jax.nn.log_softmax`` and (ii) the previous path (the chunk under ``jax.checkpoint``), at V = 32000,
   D = 256, tied and untied, temperature ≠ 1, with and without the entropy's gradient, float32 and
   bfloat16 compute, chunk sizes that do and do not divide T;
+- the attention softmax and SwiGLU rules: the same forward values bit for bit, gradients equal to
+  autodiff of ``jax.nn.softmax`` / ``jax.nn.silu(g) * u``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from jaxgrpo.models import Qwen3Config, build_model
 from jaxgrpo.models.log_probs import chunked_log_probs
 
 _log_probs = importlib.import_module("jaxgrpo.models.log_probs")
+_layers = importlib.import_module("jaxgrpo.models.layers")
+_llama = importlib.import_module("jaxgrpo.models.llama")
 
 V, D, B, T = 32000, 256, 2, 12
 
@@ -141,3 +145,30 @@ def test_head_log_probs_equal_full_logits_autodiff_and_the_checkpoint_path(
   for what, err in errs.items():
     rtol = 1e-6 if what.startswith(("logp", "entropy")) else 1e-5 if dtype == jnp.float32 else 1e-2
     assert float(err) <= rtol, f"{what}: max |Δ| / max |ref| = {float(err):.2e} > {rtol:.0e}"
+
+
+def test_attention_softmax_rule():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 2, 3, 5, 7)).astype(np.float32) * 3
+  x[0, 0, 0, 1] = -1e30  # a fully masked (padding) query row: uniform, as jax.nn.softmax gives
+  x[1, 1, 2, 3, 4:] = -1e30
+  x = jnp.asarray(x)
+  g = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(_layers._attention_softmax(x)), np.asarray(jax.nn.softmax(x, axis=-1)))
+  got = jax.grad(lambda x: jnp.sum(g * _layers._attention_softmax(x)))(x)
+  want = jax.grad(lambda x: jnp.sum(g * jax.nn.softmax(x, axis=-1)))(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_swiglu_rule(dtype, tol):
+  rng = np.random.default_rng(1)
+  g, u, ct = (jnp.asarray(rng.standard_normal((3, 5, 64)) * 4, jnp.float32).astype(dtype) for _ in range(3))
+  np.testing.assert_array_equal(
+    np.asarray(_llama._swiglu(g, u), np.float32), np.asarray(jax.nn.silu(g) * u, np.float32)
+  )
+  got = jax.grad(lambda g, u: jnp.sum((ct * _llama._swiglu(g, u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
+  want = jax.grad(lambda g, u: jnp.sum((ct * (jax.nn.silu(g) * u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
+  for a, b, what in zip(got, want, ("d gate", "d up")):
+    assert a.dtype == b.dtype
+    _close(a, b, tol, what)
