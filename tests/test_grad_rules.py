@@ -8,12 +8,15 @@
   bfloat16 compute, chunk sizes that do and do not divide T;
 - the attention softmax and SwiGLU rules: the same forward values bit for bit, gradients equal to
   autodiff of ``jax.nn.softmax`` / ``jax.nn.silu(g) * u``.
+
+``scripts/bench_head.py`` (smoke-tested here) shows what they save.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 from unittest import mock
 
 import jax
@@ -172,3 +175,15 @@ def test_swiglu_rule(dtype, tol):
   for a, b, what in zip(got, want, ("d gate", "d up")):
     assert a.dtype == b.dtype
     _close(a, b, tol, what)
+
+
+def test_bench_head_smoke(capsys):
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_head.py")
+  spec = importlib.util.spec_from_file_location("bench_head", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  res = bench.main("--head-only --vocab 256 --hidden 32 --batch 4 --length 6 --micro-batches 2 --chunk-size 4".split())
+  out = capsys.readouterr().out
+  assert "| +head |" in out and "ratio" in out
+  assert set(res) == {"head"} and set(res["head"]) == {"autodiff", "+head"}
+  assert all(s["flops"] > 0 and s["bytes"] > 0 for s in res["head"].values())
