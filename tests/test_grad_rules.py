@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.models import Qwen3Config, build_model
-from jaxgrpo.models.log_probs import chunked_log_probs
+from jaxgrpo.models.log_probs import chunked_log_probs, head_log_probs
 
 _log_probs = importlib.import_module("jaxgrpo.models.log_probs")
 _layers = importlib.import_module("jaxgrpo.models.layers")
@@ -148,6 +148,23 @@ def test_head_log_probs_equal_full_logits_autodiff_and_the_checkpoint_path(
   for what, err in errs.items():
     rtol = 1e-6 if what.startswith(("logp", "entropy")) else 1e-5 if dtype == jnp.float32 else 1e-2
     assert float(err) <= rtol, f"{what}: max |Δ| / max |ref| = {float(err):.2e} > {rtol:.0e}"
+
+
+def test_head_log_probs_rejects_bad_input():
+  w, h, tgt = jnp.zeros((16, 4)), jnp.zeros((2, 3, 4)), jnp.zeros((2, 3), jnp.int32)
+  kw = dict(tied=True, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="`w` must be"):
+    head_log_probs(jnp.zeros((16,)), h, tgt, **kw)
+  with pytest.raises(ValueError, match=r"`hidden` must be \[B, C, 4\]"):
+    head_log_probs(w, jnp.zeros((2, 3, 5)), tgt, **kw)
+  with pytest.raises(ValueError, match="`targets` shape"):
+    head_log_probs(w, h, tgt[:, :2], **kw)
+  with pytest.raises(TypeError, match="integer"):
+    head_log_probs(w, h, tgt.astype(jnp.float32), **kw)
+  with pytest.raises(ValueError, match="temperature"):
+    head_log_probs(w, h, tgt, temperature=0.0, **kw)
+  with pytest.raises(ValueError, match="entropy_grad"):
+    head_log_probs(w, h, tgt, entropy_grad=True, **kw)
 
 
 def test_attention_softmax_rule():

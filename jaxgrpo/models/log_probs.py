@@ -74,6 +74,19 @@ def head_log_probs(
   Returns:
     ``(logp f32[B, C], entropy f32[B, C] or None)``.
   """
+  if w.ndim != 2:
+    raise ValueError(f"`w` must be the head weight [V, D] (tied) or [D, V]; got shape {w.shape}")
+  d = w.shape[1] if tied else w.shape[0]
+  if hidden.ndim != 3 or hidden.shape[-1] != d:
+    raise ValueError(f"`hidden` must be [B, C, {d}] for a head weight of shape {w.shape}; got {hidden.shape}")
+  if targets.shape != hidden.shape[:2]:
+    raise ValueError(f"`targets` shape {targets.shape} != hidden[:2] {hidden.shape[:2]}")
+  if not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise TypeError(f"`targets` must be an integer array; got {targets.dtype}")
+  if isinstance(temperature, (int, float)) and temperature <= 0:
+    raise ValueError(f"`temperature` must be > 0; got {temperature}")
+  if entropy_grad and not with_entropy:
+    raise ValueError("`entropy_grad=True` needs `with_entropy=True`")
   static = (bool(tied), jnp.dtype(dtype), bool(with_entropy), bool(entropy_grad))
   return _head_log_probs(static, w, hidden, targets.astype(jnp.int32), jnp.asarray(temperature, jnp.float32))
 
