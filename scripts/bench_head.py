@@ -15,11 +15,12 @@ head weight and the hidden states) and (2) the jitted GRPO train step at ``bench
 shapes, and prints ``cost_analysis()`` FLOPs and bytes accessed and ``memory_analysis()`` temporary
 bytes — deterministic, so they can be compared on a busy machine — with the ratio to ``autodiff``
 compiled in the same run. The old programs are rebuilt by patching the three module-level functions
-back to plain autodiff while tracing. ``--rounds N`` also times the compiled steps round-robin
-(``_bench.alternating_times``; wall times are only meaningful on a quiet machine).
+back to plain autodiff while tracing. ``--rounds N`` also times the compiled steps round-robin,
+and the head programs (``_bench.alternating_times``; wall times are only meaningful on a quiet
+machine).
 
   python scripts/bench_head.py                        # V=32000 D=384 L=4, 64×(16+256), K=4, chunk 128
-  python scripts/bench_head.py --rounds 5             # + step times, alternating
+  python scripts/bench_head.py --rounds 5             # + head and step times, alternating
   python scripts/bench_head.py --dtype bfloat16 --variants autodiff,+swiglu
   python scripts/bench_head.py --head-only --vocab 151936
 """
@@ -126,11 +127,31 @@ def head_rows(cfg, dtype, batch, length, chunk_size) -> dict:
     )
     return logp.sum() + ent.sum()
 
-  rows = {}
+  rows, compiled = {}, {}
   for name in VARIANTS[:2]:
     with variant(name):
-      rows[name] = stats(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, hidden, targets).compile())
-  return rows
+      compiled[name] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, hidden, targets).compile()
+    rows[name] = stats(compiled[name])
+  return rows, compiled
+
+
+def time_head(compiled, cfg, dtype, batch, length, rounds) -> dict:
+  """Alternating wall times of the compiled head programs on random inputs of their shapes."""
+  model = build_model(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+  state = nnx.state(model)
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.standard_normal((batch, length, cfg.hidden_size)), dtype)
+  targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, length)), jnp.int32)
+  fns = [lambda f=f: f(state, hidden, targets) for f in compiled.values()]
+  return dict(zip(compiled, _bench.alternating_times(fns, rounds)))
+
+
+def print_times(title: str, times: dict) -> None:
+  base = statistics.median(next(iter(times.values())))
+  print(f"\n{title}, median of alternating rounds (provisional unless the machine is quiet):")
+  for name, t in times.items():
+    med = statistics.median(t)
+    print(f"  {name:<10} {med:8.3f} s  (min {min(t):.3f})  ratio {med / base:.3f}")
 
 
 def step_rows(args, cfg, dtype, variants):
@@ -172,7 +193,9 @@ def main(argv=None) -> dict:
     help=f"comma-separated train-step variants, autodiff first (default: all of {', '.join(VARIANTS)})",
   )
   ap.add_argument("--head-only", action="store_true", help="only the LM head's program (no train step)")
-  ap.add_argument("--rounds", type=int, default=0, help="also time the compiled steps, round-robin (0: compile only)")
+  ap.add_argument(
+    "--rounds", type=int, default=0, help="also time the compiled programs, round-robin (0: compile only)"
+  )
   args = ap.parse_args(argv)
   variants = tuple(args.variants.split(","))
   if variants[0] != "autodiff" or not set(variants) <= set(VARIANTS):
@@ -194,15 +217,19 @@ def main(argv=None) -> dict:
     f"step: grpo β=0.04, {args.batch}×({args.prompt}+{args.length}), K={args.micro_batches}, chunk {args.chunk_size}"
   )
   mb = args.batch // args.micro_batches
-  head = head_rows(cfg, dtype, mb, args.length, args.chunk_size)
+  head, head_compiled = head_rows(cfg, dtype, mb, args.length, args.chunk_size)
   print_table(
     f"LM head alone: value_and_grad of chunked_log_probs (logp + entropy), {mb}×{args.length} positions", head
   )
+  result = {"head": head}
+  if args.rounds > 0:
+    result["head_times"] = time_head(head_compiled, cfg, dtype, mb, args.length, args.rounds)
+    print_times("LM head alone, wall time", result["head_times"])
   if args.head_only:
-    return {"head": head}
+    return result
   steps, compiled, states, placed, mesh = step_rows(args, cfg, dtype, variants)
   print_table("train step (jitted, compiled)", steps)
-  result = {"head": head, "step": steps}
+  result["step"] = steps
   if args.rounds > 0:
 
     def run_of(name):
@@ -214,12 +241,8 @@ def main(argv=None) -> dict:
 
     with jax.set_mesh(mesh):
       times = _bench.alternating_times([run_of(n) for n in variants], args.rounds)
-    base = statistics.median(times[0])
-    print(f"\nstep wall time, median of {args.rounds} alternating rounds (provisional on a busy machine):")
-    for name, t in zip(variants, times):
-      med = statistics.median(t)
-      print(f"  {name:<10} {med:8.3f} s  (min {min(t):.3f})  ratio {med / base:.3f}")
     result["times"] = dict(zip(variants, times))
+    print_times("train step, wall time", result["times"])
   return result
 
 

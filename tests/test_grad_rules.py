@@ -199,8 +199,9 @@ def test_bench_head_smoke(capsys):
   spec = importlib.util.spec_from_file_location("bench_head", path)
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
-  res = bench.main("--head-only --vocab 256 --hidden 32 --batch 4 --length 6 --micro-batches 2 --chunk-size 4".split())
+  args = "--head-only --vocab 256 --hidden 32 --batch 4 --length 6 --micro-batches 2 --chunk-size 4 --rounds 1"
+  res = bench.main(args.split())
   out = capsys.readouterr().out
   assert "| +head |" in out and "ratio" in out
-  assert set(res) == {"head"} and set(res["head"]) == {"autodiff", "+head"}
+  assert set(res) == {"head", "head_times"} and set(res["head"]) == set(res["head_times"]) == {"autodiff", "+head"}
   assert all(s["flops"] > 0 and s["bytes"] > 0 for s in res["head"].values())
