@@ -13,7 +13,7 @@ from flax import nnx
 from jaxgrpo.models.layers import KVCache, activation_rules, dense, init_kv_cache, shard_activation
 from jaxgrpo.sharding import DEFAULT_RULES
 
-__all__ = ["CausalLM", "RematPolicy", "freeze_rules", "positions_from_mask", "positions_from_segments"]
+__all__ = ["CausalLM", "RematPolicy", "freeze_rules", "head_logits", "positions_from_mask", "positions_from_segments"]
 
 RESIDUAL_AXES = ("batch", "activation_length", "activation_embed")  # [B, S, D]
 
@@ -75,6 +75,18 @@ def freeze_rules(rules: Mapping[str, Any] | None) -> tuple[tuple[str, str | tupl
       raise TypeError(f"rules[{name!r}] must be a mesh axis name, a tuple of them or None; got {rule!r}")
     frozen.append((str(name), rule if rule is None or isinstance(rule, str) else tuple(rule)))
   return tuple(sorted(frozen))
+
+
+def head_logits(w: jax.Array, hidden: jax.Array, *, tied: bool, dtype, out_dtype=None) -> jax.Array:
+  """``hidden [..., D] → logits [..., V]`` with the head weight ``w``: the tied embedding ``[V, D]``
+  (``tied``) or an untied head ``[D, V]``; operands in ``dtype``, accumulated in float32, returned in
+  ``out_dtype`` (default ``dtype``). ``CausalLM.logits`` is this function of the model's own weight;
+  ``jaxgrpo.models.log_probs`` calls it with the weight as an explicit argument (its custom gradient).
+  """
+  h = hidden.astype(dtype)
+  w = w.astype(dtype)
+  out = dense(h, w, transpose_w=tied, preferred_element_type=jnp.float32)
+  return out.astype(dtype if out_dtype is None else out_dtype)
 
 
 def _apply_layer(layer, x, positions, segment_ids, kv, valid, index, dropout_key):
@@ -245,20 +257,18 @@ class CausalLM(nnx.Module):
       return hidden, None
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, index=index + tokens.shape[1])
 
+  @property
+  def head_weight(self) -> jax.Array:
+    """The LM head's weight as stored: the tied embedding ``[V, D]`` (``lm_head`` None) or ``lm_head [D, V]``."""
+    return self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+
   def logits(self, hidden: jax.Array, *, out_dtype=None) -> jax.Array:
-    """``hidden [..., D] → logits [..., V]`` through the tied embedding or the untied head.
+    """``hidden [..., D] → logits [..., V]`` through the tied embedding or the untied head
+    (:func:`head_logits` of :attr:`head_weight`).
 
     Accumulates in float32 and returns ``out_dtype`` (default: the compute dtype).
     """
-    h = hidden.astype(self.dtype)
-    out_dtype = self.dtype if out_dtype is None else out_dtype
-    if self.lm_head is None:
-      w = self.embed_tokens[...].astype(self.dtype)
-      out = dense(h, w, transpose_w=True, preferred_element_type=jnp.float32)
-    else:
-      w = self.lm_head[...].astype(self.dtype)
-      out = dense(h, w, preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    return head_logits(self.head_weight, hidden, tied=self.lm_head is None, dtype=self.dtype, out_dtype=out_dtype)
 
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:
     """Empty ``KVCache`` for ``batch_size`` rows and ``max_len`` slots, in the compute dtype."""

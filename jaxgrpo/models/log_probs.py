@@ -1,8 +1,9 @@
 """Per-token log-probabilities (and entropies) without materialising the float32 ``[B, T, V]`` logits.
 
 One kernel, :func:`chunked_log_probs`, computes ``log_softmax(logits / temperature)[target]`` and,
-optionally, the entropy of that distribution, one chunk of positions at a time under
-``jax.checkpoint``. Everything else here calls it: :func:`token_log_probs` (hidden states in),
+optionally, the entropy of that distribution, one chunk of positions at a time, with its own gradient
+(:func:`head_log_probs`: the backward pass recomputes a chunk's logits and needs nothing else but the
+chunk's logsumexp). Everything else here calls it: :func:`token_log_probs` (hidden states in),
 :func:`log_probs` (a token sequence in) and :func:`completion_log_probs` (prompts and completions in:
 the train step's and the reference pass's path) and :func:`packed_log_probs` (the same for packed
 rows, ``jaxgrpo.packing.PackedSlots``).
@@ -10,17 +11,128 @@ rows, ``jaxgrpo.packing.PackedSlots``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo.models.base import positions_from_mask
+from jaxgrpo.models.base import CausalLM, head_logits, positions_from_mask
 
-__all__ = ["chunked_log_probs", "completion_log_probs", "log_probs", "packed_log_probs", "token_log_probs"]
+__all__ = [
+  "chunked_log_probs",
+  "completion_log_probs",
+  "head_log_probs",
+  "log_probs",
+  "packed_log_probs",
+  "token_log_probs",
+]
 
 
 def _check_chunk_size(chunk_size) -> None:
   if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
     raise ValueError(f"`chunk_size` must be a positive int or None; got {chunk_size!r}")
+
+
+def head_log_probs(
+  w: jax.Array,
+  hidden: jax.Array,
+  targets: jax.Array,
+  *,
+  tied: bool,
+  dtype,
+  temperature: float | jax.Array = 1.0,
+  with_entropy: bool = False,
+  entropy_grad: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Log-probs of ``targets`` (and the entropy) under the LM head ``w``, with a hand-written gradient.
+
+  With ``z = head_logits(w, hidden) / temperature`` in float32 (``jaxgrpo.models.base.head_logits``:
+  ``w`` is the tied embedding ``[V, D]`` when ``tied``, else ``[D, V]``)::
+
+      logp[b, t]    = z[targets[b, t]] - lse,           lse = logsumexp(z)
+      entropy[b, t] = lse - Σ_v p_v · z_v,              p = softmax(z) = exp(z - lse)
+
+  The forward pass keeps only ``lse`` (and the entropy) per position; the backward pass recomputes
+  ``z`` (one matmul) and forms the logits' cotangent in one elementwise pass from the saved ``lse``
+  (no second max / sum over the vocabulary, no scatter)::
+
+      ∂logp/∂z_v    = [v = target] - p_v
+      ∂entropy/∂z_v = -p_v · (z_v - (lse - entropy))        (only with ``entropy_grad``)
+
+  then ``∂/∂w`` and ``∂/∂hidden`` by the head matmul's own transpose. Without ``entropy_grad`` the
+  entropy is a metric: its cotangent is ignored (it has no gradient).
+
+  Args:
+    w: the head weight (``CausalLM.head_weight``).
+    hidden: ``[B, C, D]`` hidden states (compute dtype).
+    targets: ``int32[B, C]`` the token scored at each position.
+    tied, dtype: as ``head_logits`` takes them (static).
+    temperature: positive scalar dividing the logits (no gradient).
+    with_entropy: also return the entropy (static).
+    entropy_grad: differentiate the entropy too (static; requires ``with_entropy``).
+
+  Returns:
+    ``(logp f32[B, C], entropy f32[B, C] or None)``.
+  """
+  if w.ndim != 2:
+    raise ValueError(f"`w` must be the head weight [V, D] (tied) or [D, V]; got shape {w.shape}")
+  d = w.shape[1] if tied else w.shape[0]
+  if hidden.ndim != 3 or hidden.shape[-1] != d:
+    raise ValueError(f"`hidden` must be [B, C, {d}] for a head weight of shape {w.shape}; got {hidden.shape}")
+  if targets.shape != hidden.shape[:2]:
+    raise ValueError(f"`targets` shape {targets.shape} != hidden[:2] {hidden.shape[:2]}")
+  if not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise TypeError(f"`targets` must be an integer array; got {targets.dtype}")
+  if isinstance(temperature, (int, float)) and temperature <= 0:
+    raise ValueError(f"`temperature` must be > 0; got {temperature}")
+  if entropy_grad and not with_entropy:
+    raise ValueError("`entropy_grad=True` needs `with_entropy=True`")
+  static = (bool(tied), jnp.dtype(dtype), bool(with_entropy), bool(entropy_grad))
+  return _head_log_probs(static, w, hidden, targets.astype(jnp.int32), jnp.asarray(temperature, jnp.float32))
+
+
+def _head_forward(static, w, h, tgt, temperature):
+  tied, dtype, with_entropy, _ = static
+  z = head_logits(w, h, tied=tied, dtype=dtype, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
+  lse = jax.nn.logsumexp(z, axis=-1)
+  logp = jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0] - lse
+  ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1) if with_entropy else None  # H = lse - Σ p·z
+  return (logp, ent), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _head_log_probs(static, w, h, tgt, temperature):
+  return _head_forward(static, w, h, tgt, temperature)[0]
+
+
+def _head_log_probs_fwd(static, w, h, tgt, temperature):
+  (logp, ent), lse = _head_forward(static, w, h, tgt, temperature)
+  return (logp, ent), (w, h, tgt, temperature, lse, ent)
+
+
+def _head_log_probs_bwd(static, residuals, cotangents):
+  tied, dtype, _, entropy_grad = static
+  w, h, tgt, temperature, lse, ent = residuals
+  g_logp, g_ent = cotangents
+  logits, head_vjp = jax.vjp(lambda w, h: head_logits(w, h, tied=tied, dtype=dtype, out_dtype=jnp.float32), w, h)
+  z = logits / temperature
+  p = jnp.exp(z - lse[..., None])
+  target = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == tgt[..., None]
+  dz = jnp.where(target, g_logp[..., None], 0.0) - g_logp[..., None] * p
+  if entropy_grad:
+    dz = dz - g_ent[..., None] * p * (z - (lse - ent)[..., None])
+  dw, dh = head_vjp(dz / temperature)
+  return dw, dh, None, None
+
+
+_head_log_probs.defvjp(_head_log_probs_fwd, _head_log_probs_bwd)
+
+
+def _uses_head_kernel(model) -> bool:
+  """Whether :func:`chunked_log_probs` runs :func:`head_log_probs` for ``model`` (a ``CausalLM``: its
+  head is ``head_logits`` of ``head_weight``) rather than autodiff under ``jax.checkpoint``. One
+  predicate, so ``scripts/bench_head.py`` and the tests can compile the same program both ways."""
+  return isinstance(model, CausalLM)
 
 
 def chunked_log_probs(
@@ -41,9 +153,11 @@ def chunked_log_probs(
       entropy[b, t] = logsumexp(z) - Σ_v softmax(z)_v · z_v
 
   The float32 logits of one chunk, ``f32[B, chunk_size, V]``, are the largest intermediate. Chunks
-  run sequentially (``lax.map``) under ``jax.checkpoint``, so the backward pass recomputes each
-  chunk's logits instead of storing all of them. The entropy is computed from the same chunk, with
-  ``stop_gradient`` (a metric) unless ``entropy_grad`` (an entropy bonus in the loss: its gradient
+  run sequentially (``lax.map``) and the backward pass recomputes each chunk's logits instead of
+  storing all of them: for a ``jaxgrpo.models`` model (a ``CausalLM``) with :func:`head_log_probs`,
+  whose backward pass needs only the chunk's logsumexp besides the recomputed logits; for any other
+  model under ``jax.checkpoint``. The entropy is computed from the same chunk, with no gradient (a
+  metric) unless ``entropy_grad`` (an entropy bonus in the loss: its gradient
   ``∇H = −Σ_v p_v (z_v − Σ_u p_u z_u) ∇z_v`` flows through the recomputed chunk like the log-probs').
 
   Args:
@@ -70,17 +184,28 @@ def chunked_log_probs(
   b, t, d = hidden.shape
   targets = targets.astype(jnp.int32)
 
-  @jax.checkpoint
-  def chunk(args):
-    h, tgt = args  # [B, C, D], [B, C]
-    logits = model.logits(h, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
-    if not with_entropy:
-      return logp, None
-    sl, slse = (logits, lse) if entropy_grad else (jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse))
-    ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
-    return logp, ent
+  if _uses_head_kernel(model):
+    w, tied, dtype = model.head_weight, model.lm_head is None, model.dtype
+
+    def chunk(args):
+      h, tgt = args  # [B, C, D], [B, C]
+      kw = dict(tied=tied, dtype=dtype, temperature=temperature, with_entropy=with_entropy)
+      logp, ent = head_log_probs(w, h, tgt, entropy_grad=entropy_grad, **kw)
+      return logp, ent if ent is None or entropy_grad else jax.lax.stop_gradient(ent)
+
+  else:  # any model with `logits`: autodiff, the chunk's logits recomputed under jax.checkpoint
+
+    @jax.checkpoint
+    def chunk(args):
+      h, tgt = args  # [B, C, D], [B, C]
+      logits = model.logits(h, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
+      lse = jax.nn.logsumexp(logits, axis=-1)
+      logp = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0] - lse
+      if not with_entropy:
+        return logp, None
+      sl, slse = (logits, lse) if entropy_grad else (jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse))
+      ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
+      return logp, ent
 
   if chunk_size is None or chunk_size >= t:
     return chunk((hidden, targets))

@@ -1,13 +1,14 @@
 """jaxgrpo side of the peer benchmark (one process = one measurement; see bench_peers.py).
 
-    python scripts/peers/worker_jaxgrpo.py MODEL_DIR sample|iter REPEATS
+    python scripts/peers/worker_jaxgrpo.py MODEL_DIR sample|iter REPEATS [grpo|lambda_grpo|frpo]
 
 sample: `jaxgrpo.sampling.generate` (16 prompts × 8 samples × 128 tokens, temperature 1, no EOS
 stop), one warm-up (compile) then REPEATS timed calls.
 iter: one full GRPO iteration = rollout (as above) + reward (host) + reference log-probs (β=0.04)
-+ one AdamW update of the jitted train step (preset grpo with seq-mean-token-mean aggregation as
-Tunix's default and TRL's loss_type="grpo", k3 KL, 2 micro-batches of 64 rows); one warm-up
-iteration then REPEATS timed ones. The iteration is the library's public one,
++ one AdamW update of the jitted train step (the preset of the 4th argument, default grpo, with
+seq-mean-token-mean aggregation as Tunix's default and TRL's loss_type="grpo", k3 KL, 2 micro-batches
+of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); one warm-up iteration then REPEATS
+timed ones. The iteration is the library's public one,
 `jaxgrpo.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
 """
 
@@ -58,7 +59,8 @@ def main():
       times.append(time.perf_counter() - t0)
     res.update(times=times, tokens=n_tokens)
   else:
-    config = preset("grpo", aggregation="seq-mean-token-mean", beta=common.BETA)
+    name, overrides = common.jaxgrpo_preset()
+    config = preset(name, **overrides)
     mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
     opt = optax.adamw(common.LR)
     rows = common.PROMPTS * common.SAMPLES

@@ -1,0 +1,207 @@
+"""The hand-written gradients (custom VJPs) equal autodiff of plain references.
+
+- ``jaxgrpo.models.log_probs.head_log_probs`` (the LM head's log-prob / entropy kernel, used by
+  ``chunked_log_probs`` for every ``CausalLM``): log-probs, entropies and gradients w.r.t. the hidden
+  states and the head weight equal (i) autodiff of full ``[B, T, V]`` logits written here with
+  ``jax.nn.log_softmax`` and (ii) the previous path (the chunk under ``jax.checkpoint``), at V = 32000,
+  D = 256, tied and untied, temperature ≠ 1, with and without the entropy's gradient, float32 and
+  bfloat16 compute, chunk sizes that do and do not divide T;
+- the attention softmax and SwiGLU rules: the same forward values bit for bit, gradients equal to
+  autodiff of ``jax.nn.softmax`` / ``jax.nn.silu(g) * u``.
+
+``scripts/bench_head.py`` (smoke-tested here) shows what they save.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgrpo.models import Qwen3Config, build_model
+from jaxgrpo.models.log_probs import chunked_log_probs, head_log_probs
+
+_log_probs = importlib.import_module("jaxgrpo.models.log_probs")
+_layers = importlib.import_module("jaxgrpo.models.layers")
+_llama = importlib.import_module("jaxgrpo.models.llama")
+
+V, D, B, T = 32000, 256, 2, 12
+
+
+@functools.cache
+def _model(tied: bool, dtype):
+  """A 1-layer Qwen3 with V = 32000, D = 256 (float32 parameters, ``dtype`` compute), its parameters
+  drawn with NumPy (no compiled initialiser: only the head is used here)."""
+  cfg = Qwen3Config(
+    vocab_size=V,
+    hidden_size=D,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    intermediate_size=32,
+    tie_word_embeddings=tied,
+  )
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+  rng = np.random.default_rng(11)
+  state = jax.tree.map(lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape, np.float32), a.dtype), abstract)
+  return nnx.merge(graphdef, state)
+
+
+def _reference(w, h, tgt, c_logp, c_ent, *, tied, dtype, temperature, entropy_grad):
+  """Full float32 logits of the head's rounded operands, autodiff through ``jax.nn.log_softmax``."""
+  h = h.astype(dtype).astype(jnp.float32)
+  w = w.astype(dtype).astype(jnp.float32)
+  z = jnp.einsum("btd,vd->btv" if tied else "btd,dv->btv", h, w, precision="highest") / temperature
+  logp_all = jax.nn.log_softmax(z, axis=-1)
+  logp = jnp.take_along_axis(logp_all, tgt[..., None], axis=-1)[..., 0]
+  ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  ent_term = ent if entropy_grad else jax.lax.stop_gradient(ent)
+  return jnp.sum(c_logp * logp) + jnp.sum(c_ent * ent_term), (logp, ent)
+
+
+def _library(graphdef, name, state, h, tgt, c_logp, c_ent, *, temperature, chunk_size, entropy_grad):
+  """Loss, (logp, entropy) and gradients w.r.t. (head weight ``state[name]``, hidden) through
+  ``chunked_log_probs`` (traced: call inside ``jax.jit``)."""
+
+  def loss(st, h):
+    logp, ent = chunked_log_probs(
+      nnx.merge(graphdef, st),
+      h,
+      tgt,
+      temperature=temperature,
+      chunk_size=chunk_size,
+      with_entropy=True,
+      entropy_grad=entropy_grad,
+    )
+    return jnp.sum(c_logp * logp) + jnp.sum(c_ent * ent), (logp, ent)
+
+  (value, aux), (d_state, dh) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, h)
+  return value, aux, (d_state[name][...], dh)
+
+
+def _rel_err(actual, expected):
+  """``max |actual − expected| / max |expected|`` in float32."""
+  actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
+  return jnp.max(jnp.abs(actual - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-30)
+
+
+def _close(actual, expected, rtol, what):
+  err = float(_rel_err(jnp.asarray(actual), jnp.asarray(expected)))
+  assert err <= rtol, f"{what}: max |Δ| / max |ref| = {err:.2e} > {rtol:.0e}"
+
+
+CASES = [  # tied, dtype, temperature, entropy_grad, chunk_size (T = 12)
+  (True, jnp.float32, 0.7, True, 5),  # 5 does not divide 12: a padded last chunk
+  # without entropy_grad the random entropy cotangent must add nothing (the reference stops its gradient)
+  (False, jnp.float32, 1.3, False, 4),
+  (True, jnp.bfloat16, 1.3, False, 5),
+  (False, jnp.bfloat16, 0.7, True, 4),
+]
+
+
+@pytest.mark.parametrize("tied,dtype,temperature,entropy_grad,chunk_size", CASES)
+def test_head_log_probs_equal_full_logits_autodiff_and_the_checkpoint_path(
+  tied, dtype, temperature, entropy_grad, chunk_size
+):
+  model = _model(tied, dtype)
+  graphdef, state = nnx.split(model)
+  name = "embed_tokens" if tied else "lm_head"  # only the head reads it here
+  rng = np.random.default_rng(7)
+  h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32).astype(dtype)
+  tgt = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  c_logp = jnp.asarray(rng.standard_normal((B, T)), jnp.float32)
+  c_ent = jnp.asarray(rng.standard_normal((B, T)), jnp.float32)
+  kw = dict(temperature=temperature, chunk_size=chunk_size, entropy_grad=entropy_grad)
+  ref_kw = dict(tied=tied, dtype=dtype, temperature=temperature, entropy_grad=entropy_grad)
+
+  @jax.jit  # the three programs in one compile; their differences reduced to scalars here
+  def errors(state, h, tgt, c_logp, c_ent):
+    value, (logp, ent), (dw, dh) = _library(graphdef, name, state, h, tgt, c_logp, c_ent, **kw)
+    with mock.patch.object(_log_probs, "_uses_head_kernel", lambda m: False):  # the previous path
+      _, (logp_old, ent_old), (dw_old, dh_old) = _library(graphdef, name, state, h, tgt, c_logp, c_ent, **kw)
+    ref = jax.value_and_grad(functools.partial(_reference, **ref_kw), argnums=(0, 1), has_aux=True)
+    (_, (logp_ref, ent_ref)), (dw_ref, dh_ref) = ref(state[name][...], h, tgt, c_logp, c_ent)
+    assert dh.dtype == dh_old.dtype == h.dtype and dw.dtype == dw_old.dtype == jnp.float32
+    return value, {
+      "logp vs checkpoint path": _rel_err(logp, logp_old),
+      "entropy vs checkpoint path": _rel_err(ent, ent_old),
+      "logp vs full logits": _rel_err(logp, logp_ref),
+      "entropy vs full logits": _rel_err(ent, ent_ref),
+      "d hidden vs full-logits autodiff": _rel_err(dh, dh_ref),
+      "d head weight vs full-logits autodiff": _rel_err(dw, dw_ref),
+      "d hidden vs checkpoint path": _rel_err(dh, dh_old),
+      "d head weight vs checkpoint path": _rel_err(dw, dw_old),
+    }
+
+  value, errs = errors(state, h, tgt, c_logp, c_ent)
+  assert np.isfinite(float(value))
+  # forward: the same operations as before; float32 gradients within summation-order rounding;
+  # bfloat16 ones within the rounding of the head's cotangents to bfloat16 (both paths round alike)
+  for what, err in errs.items():
+    rtol = 1e-6 if what.startswith(("logp", "entropy")) else 1e-5 if dtype == jnp.float32 else 1e-2
+    assert float(err) <= rtol, f"{what}: max |Δ| / max |ref| = {float(err):.2e} > {rtol:.0e}"
+
+
+def test_head_log_probs_rejects_bad_input():
+  w, h, tgt = jnp.zeros((16, 4)), jnp.zeros((2, 3, 4)), jnp.zeros((2, 3), jnp.int32)
+  kw = dict(tied=True, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="`w` must be"):
+    head_log_probs(jnp.zeros((16,)), h, tgt, **kw)
+  with pytest.raises(ValueError, match=r"`hidden` must be \[B, C, 4\]"):
+    head_log_probs(w, jnp.zeros((2, 3, 5)), tgt, **kw)
+  with pytest.raises(ValueError, match="`targets` shape"):
+    head_log_probs(w, h, tgt[:, :2], **kw)
+  with pytest.raises(TypeError, match="integer"):
+    head_log_probs(w, h, tgt.astype(jnp.float32), **kw)
+  with pytest.raises(ValueError, match="temperature"):
+    head_log_probs(w, h, tgt, temperature=0.0, **kw)
+  with pytest.raises(ValueError, match="entropy_grad"):
+    head_log_probs(w, h, tgt, entropy_grad=True, **kw)
+
+
+def test_attention_softmax_rule():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 2, 3, 5, 7)).astype(np.float32) * 3
+  x[0, 0, 0, 1] = -1e30  # a fully masked (padding) query row: uniform, as jax.nn.softmax gives
+  x[1, 1, 2, 3, 4:] = -1e30
+  x = jnp.asarray(x)
+  g = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(_layers._attention_softmax(x)), np.asarray(jax.nn.softmax(x, axis=-1)))
+  got = jax.grad(lambda x: jnp.sum(g * _layers._attention_softmax(x)))(x)
+  want = jax.grad(lambda x: jnp.sum(g * jax.nn.softmax(x, axis=-1)))(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_swiglu_rule(dtype, tol):
+  rng = np.random.default_rng(1)
+  g, u, ct = (jnp.asarray(rng.standard_normal((3, 5, 64)) * 4, jnp.float32).astype(dtype) for _ in range(3))
+  np.testing.assert_array_equal(
+    np.asarray(_llama._swiglu(g, u), np.float32), np.asarray(jax.nn.silu(g) * u, np.float32)
+  )
+  got = jax.grad(lambda g, u: jnp.sum((ct * _llama._swiglu(g, u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
+  want = jax.grad(lambda g, u: jnp.sum((ct * (jax.nn.silu(g) * u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
+  for a, b, what in zip(got, want, ("d gate", "d up")):
+    assert a.dtype == b.dtype
+    _close(a, b, tol, what)
+
+
+def test_bench_head_smoke(capsys):
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_head.py")
+  spec = importlib.util.spec_from_file_location("bench_head", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  args = "--head-only --vocab 256 --hidden 32 --batch 4 --length 6 --micro-batches 2 --chunk-size 4 --rounds 1"
+  res = bench.main(args.split())
+  out = capsys.readouterr().out
+  assert "| +head |" in out and "ratio" in out
+  assert set(res) == {"head", "head_times"} and set(res["head"]) == set(res["head_times"]) == {"autodiff", "+head"}
+  assert all(s["flops"] > 0 and s["bytes"] > 0 for s in res["head"].values())
