@@ -317,10 +317,18 @@ def test_sigint_mid_run_checkpoints_the_current_step(runs, env, tmp_path):
 
 
 def test_second_sigint_aborts_at_once(runs, env, tmp_path):
-  out = tmp_path / "run"
-  code, stdout, stderr, children, seconds, _ = _signal_run(
-    env, out, after="checkpoint: step 2 ", signals=[signal.SIGINT, signal.SIGINT]
-  )
+  """Two SIGINTs 50 ms apart. The first one's stop (finish the step, checkpoint it) can complete
+  inside those 50 ms when the step was nearly done: then the second signal finds no process and the
+  run is a plain first-signal stop. That attempt says nothing about the second signal, so it is
+  repeated (at most three times, fresh output directories)."""
+  for attempt in range(3):
+    out = tmp_path / f"run{attempt}"
+    code, stdout, stderr, children, seconds, _ = _signal_run(
+      env, out, after="checkpoint: step 2 ", signals=[signal.SIGINT, signal.SIGINT]
+    )
+    if "stopped by SIGINT" not in stderr:
+      break
+    print(f"attempt {attempt}: the first SIGINT's stop finished before the second signal; again")
   assert code == 128 + signal.SIGINT, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
   assert "aborted by SIGINT: a checkpoint being written is abandoned" in stderr and "Traceback" not in stderr
   assert "stopped by SIGINT" not in stderr  # it did not wait for the step and its checkpoint
