@@ -205,6 +205,21 @@ def child_env(devices: int) -> dict:
   return e
 
 
+def cli_env(cache_dir) -> dict:
+  """The environment of a ``scripts/*.py`` child run on the CPU: no inherited ``XLA_FLAGS``, unbuffered
+  output, and a persistent compilation cache in ``cache_dir`` shared by the runs of one test module."""
+  e = dict(os.environ)
+  e.pop("XLA_FLAGS", None)
+  e.update(
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    PYTHONUNBUFFERED="1",
+  )
+  return e
+
+
 def start_child(code: str, *, devices: int, args=()) -> subprocess.Popen:
   """Start ``code`` in a fresh Python with ``devices`` virtual CPU devices (see :func:`finish_child`)."""
   return subprocess.Popen(

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import cli_env
 
 from jaxgrpo import checkpoint as ck
 from jaxgrpo.builders import load_policy
@@ -75,16 +76,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  e = dict(os.environ)
-  e.update(
-    JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    PYTHONUNBUFFERED="1",
-  )
-  e.pop("XLA_FLAGS", None)
-  return e
+  return cli_env(tmp_path_factory.mktemp("xla_cache"))
 
 
 def _train(env, out, steps, *extra, devices=None):

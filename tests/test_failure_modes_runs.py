@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import cli_env
 from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records
 
 from jaxgrpo import checkpoint as ck
@@ -45,16 +46,7 @@ assert RUN_ARGS != ARGS
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  e = dict(os.environ)
-  e.update(
-    JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    PYTHONUNBUFFERED="1",
-  )
-  e.pop("XLA_FLAGS", None)
-  return e
+  return cli_env(tmp_path_factory.mktemp("xla_cache"))
 
 
 def _cmd(out, steps, *extra):

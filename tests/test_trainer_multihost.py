@@ -36,6 +36,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import cli_env
 
 from jaxgrpo import checkpoint as ck
 from jaxgrpo.builders import load_policy
@@ -120,14 +121,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 def env(tmp_path_factory):
   site = tmp_path_factory.mktemp("site")
   (site / "sitecustomize.py").write_text(_AUDIT)
-  e = dict(os.environ)
+  e = cli_env(tmp_path_factory.mktemp("xla_cache"))
   e.update(
-    JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     XLA_FLAGS="--xla_backend_optimization_level=0",  # --cpu-devices appends the device count
-    PYTHONUNBUFFERED="1",
     PYTHONPATH=os.pathsep.join([str(site), ROOT, e.get("PYTHONPATH", "")]),
   )
   return e
