@@ -149,6 +149,18 @@ def check_logp(x, name: str, shape: tuple[int, ...] | None = None) -> None:
     raise ValueError(f"`{name}` must have shape {tuple(shape)} (B, T); got {shape_of(x)}")
 
 
+def check_logp_pair(first, second, mask, names: tuple[str, str]) -> tuple[int, ...]:
+  """Two ``f32[B, T]`` per-token arrays of one shape (e.g. ``logp`` and ``old_logp``, named by ``names``)
+  and their ``bool[B, T]`` ``mask``; returns ``(B, T)``."""
+  check_logp(first, names[0])
+  shape = shape_of(first)
+  check_logp(second, names[1], shape)
+  check_rank(mask, 2, "mask", "bool[B, T]")
+  check_bool(mask, "mask", "bool[B, T]")
+  check_same_shape(mask, "mask", first, names[0])
+  return shape
+
+
 # ----------------------------------------------------------------------------- Python values
 
 

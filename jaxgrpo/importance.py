@@ -105,10 +105,5 @@ def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level
   Returns:
     :class:`ImportanceWeights` ``(weights, ratio f32[B, T], capped bool[B, T], mismatch_kl f32[B, T])``.
   """
-  _checks.check_logp(old_logp, "old_logp")
-  shape = _checks.shape_of(old_logp)
-  _checks.check_logp(behavior_logp, "behavior_logp", shape)
-  _checks.check_rank(mask, 2, "mask", "bool[B, T]")
-  _checks.check_bool(mask, "mask", "bool[B, T]")
-  _checks.check_same_shape(mask, "mask", old_logp, "old_logp")
+  _checks.check_logp_pair(old_logp, behavior_logp, mask, ("old_logp", "behavior_logp"))
   return _importance_weights(old_logp, behavior_logp, mask, **check_hyper(correction, level, cap))

@@ -141,7 +141,7 @@ def finalize_terms(terms: LossTerms):
 
 
 def _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy) -> None:
-  shape = _surrogates.check_token_inputs(logp, old_logp, mask)
+  shape = _checks.check_logp_pair(logp, old_logp, mask, ("logp", "old_logp"))
   _surrogates.check_advantages(loss, advantages, shape)
   if token_weights is not None:
     _checks.check_logp(token_weights, "token_weights", shape)

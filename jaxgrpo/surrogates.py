@@ -190,17 +190,6 @@ def check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg) 
   )
 
 
-def check_token_inputs(logp, old_logp, mask) -> tuple[int, int]:
-  """Checks ``logp``/``old_logp`` ``f32[B, T]`` and ``mask`` ``bool[B, T]`` (same shape); returns ``(B, T)``."""
-  _checks.check_logp(logp, "logp")
-  shape = _checks.shape_of(logp)
-  _checks.check_logp(old_logp, "old_logp", shape)
-  _checks.check_rank(mask, 2, "mask", "bool[B, T]")
-  _checks.check_bool(mask, "mask", "bool[B, T]")
-  _checks.check_same_shape(mask, "mask", logp, "logp")
-  return shape
-
-
 def check_advantages(loss: str, advantages, shape) -> None:
   """``f32[B]`` or ``f32[B, T]`` advantages; ``f32[B]`` for the sequence surrogates."""
   _checks.check_float(advantages, "advantages", "f32[B] or f32[B, T]")
@@ -250,7 +239,7 @@ def policy_surrogate(
   Returns:
     :class:`Surrogate` ``(loss f32[B, T], clip_low, clip_high, clip_dual bool[B, T])``.
   """
-  shape = check_token_inputs(logp, old_logp, mask)
+  shape = _checks.check_logp_pair(logp, old_logp, mask, ("logp", "old_logp"))
   hyper = check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg)
   check_advantages(hyper["loss"], advantages, shape)
   return _policy_surrogate(logp, old_logp, advantages, mask, **hyper)
