@@ -11,14 +11,18 @@ The same failures through ``scripts/train.py`` in child processes (and the signa
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import gc
 import io
 import json
+import logging
 import os
 import resource
 import shutil
 import struct
 import subprocess
+import threading
 import time
 
 import jax
@@ -344,3 +348,75 @@ def test_closed_loop_noise_filter_drops_only_that_traceback():
   f.write("error: checkpoint save of step 3 failed\n")
   f.flush()
   assert out.getvalue() == "before\n\r 50%|█" + other + "error: checkpoint save of step 3 failed\n"
+
+
+def _unretrieved_task_failure(message: str) -> None:
+  """Runs an asyncio task that fails with ``message`` and is never awaited, then collects it: asyncio
+  logs ``Task exception was never retrieved`` as Orbax's sibling writes do after a failed save."""
+
+  async def fail():
+    raise ValueError(message)
+
+  async def main():
+    asyncio.get_running_loop().create_task(fail())
+    asyncio.gather(fail())  # a _GatheringFuture never awaited, as Orbax leaves them too
+    await asyncio.sleep(0.01)
+
+  asyncio.run(main())
+  gc.collect()
+
+
+def test_unretrieved_write_errors_of_a_failed_save_are_not_logged(tmp_path, caplog):
+  """The sibling write errors of a failed save (already reported in one line) are dropped from the
+  asyncio log; the same error for another directory or another message still shows."""
+  mine = ck.Checkpointer(str(tmp_path / "ckpt"), log=None)
+  try:
+    tmp = os.path.join(mine.directory, "3" + ck.TMP_SUFFIX, "opt_state")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+      _unretrieved_task_failure(f"RESOURCE_EXHAUSTED: Error writing in {tmp}: No space left on device")
+      assert "never retrieved" not in caplog.text
+      other = str(tmp_path / "elsewhere" / ("3" + ck.TMP_SUFFIX))
+      _unretrieved_task_failure(f"RESOURCE_EXHAUSTED: Error writing in {other}")
+      assert "Task exception was never retrieved" in caplog.text and "elsewhere" in caplog.text
+      caplog.clear()
+      _unretrieved_task_failure("a bug in the user's own coroutine")
+      assert "a bug in the user's own coroutine" in caplog.text
+  finally:
+    mine.close()
+
+
+def test_closed_loop_noise_filter_with_interleaved_threads():
+  """Two TensorStore threads print the noise at once, line by line interleaved (as seen in CI):
+  both are dropped, and a real traceback from a third thread, interleaved too, passes whole."""
+  out = io.StringIO()
+  f = ck.ClosedLoopNoiseFilter(out)
+  noise = [
+    "Traceback (most recent call last):\n",
+    '  File "asyncio/base_events.py", line 806, in call_soon_threadsafe\n',
+    "    self._check_closed()\n",
+    "RuntimeError: Event loop is closed\n",
+  ]
+  other = ["Traceback (most recent call last):\n", '  File "a.py", line 1, in f\n', "ValueError: real\n"]
+  order = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (1, 2), (0, 3), (1, 3)]
+  texts = [noise, noise, other]
+  turn = [0]
+  cond = threading.Condition()
+
+  def writer(who):
+    for k, (w, i) in enumerate(order):
+      if w != who:
+        continue
+      with cond:
+        cond.wait_for(lambda k=k: turn[0] == k)
+        f.write(texts[w][i])
+        turn[0] += 1
+        cond.notify_all()
+
+  threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=30)
+  f.write("error: checkpoint save of step 3 failed\n")
+  f.flush()
+  assert out.getvalue() == "".join(other) + "error: checkpoint save of step 3 failed\n"
