@@ -146,3 +146,37 @@ def test_jaxgrpo_preset_argument():
   assert common.jaxgrpo_preset(["w", "m", "iter", "1", "frpo"]) == ("frpo", {"aggregation": "seq-mean-token-mean"})
   with pytest.raises(ValueError, match="not benchmarked"):
     common.jaxgrpo_preset(["w", "m", "iter", "1", "dapo"])
+
+
+def _shape_floor():
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "peers", "shape_floor.py")
+  spec = importlib.util.spec_from_file_location("peers_shape_floor", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+@pytest.mark.parametrize("name", ["tiny", "20m", "150m"])
+def test_shape_floor_lists_the_weight_matmuls_of_the_flop_formula(name):
+  """`shape_floor.py` times the matmuls one by one; its weight matmuls (everything but attention)
+  must add up to the FLOP formula without its attention terms, phase by phase."""
+  floor = _shape_floor()
+  w = WORK if name == "tiny" else common.get_workload(name)
+  m = w.model
+  att = 4 * m.layers * m.heads * m.head_dim
+  p, t, r, s = w.prompt_len, w.new_tokens, w.rows, w.prompt_len + w.new_tokens
+  causal = lambda c: att * c * (c + 1) // 2  # noqa: E731
+  attention = {
+    "rollout": w.prompts * causal(p) + r * sum(att * (p + i) for i in range(1, t)),
+    "reference": r * causal(s),
+  }
+  attention["train"] = 3 * attention["reference"]
+  flops = common.model_flops(w)
+  expect = {
+    "rollout": flops["rollout"] - attention["rollout"],
+    "reference": flops["reference"] - attention["reference"],
+    "train": flops["train"] + flops["head_recompute"] - attention["train"],
+  }
+  for phase, specs in floor.phase_specs(w).items():
+    weights = sum(floor._flops(spec) * count for spec, count in specs if spec[0] == "mm")
+    assert weights == expect[phase], (phase, weights, expect[phase])
