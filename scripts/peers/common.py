@@ -254,6 +254,7 @@ _ENV_VARS = (
   "PEERS_TORCH_THREADS",
   "PEERS_TRL_VARIANT",
   "PEERS_FLUSH_DENORMAL",
+  "PEERS_TORCH_MKLDNN",
 )
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 

@@ -3,6 +3,8 @@
     .peers/trl/bin/python scripts/peers/trl_probe.py                  # the default grid, 20m workload
     .peers/trl/bin/python scripts/peers/trl_probe.py --threads 2 --denormal 0 --variants fair --profile torch
     PEERS_WORKLOAD=150m .peers/trl/bin/python scripts/peers/trl_probe.py --model .peers/model-150m
+    .peers/trl/bin/python scripts/peers/trl_probe.py --threads 2 --denormal 0 --no-mkldnn --out DIR   # no oneDNN bf16
+    .peers/trl/bin/python scripts/peers/trl_probe.py --summarise A/trl_probe.jsonl B/trl_probe.jsonl  # one table
     PEERS_SMOKE=1 .peers/trl/bin/python scripts/peers/trl_probe.py --threads 1,2 --denormal 0,1   # plumbing check
 
 Why: one TRL iteration of the same pinned versions measured 93.6 s, 500 s and 87.9 s. This runs the
@@ -24,7 +26,10 @@ threads (``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` set to match), `torch.set_flush
 TRL variant (``fair``: fp32, no gradient checkpointing; ``defaults``: TRL's bf16 autocast +
 gradient checkpointing; see worker_trl.py). The grid is threads × denormal for ``fair`` and the
 usable core count without flushing for other variants. Step 0 (start-up) is not timed; then
-``--iterations`` timed steps (medians). ``--profile torch`` adds one more step under
+``--iterations`` timed steps (medians). ``--no-mkldnn`` turns oneDNN off in every configuration
+(``torch.backends.mkldnn.enabled = False``): torch then runs bf16 matmuls in its own CPU kernels,
+which is what it does on a CPU whose oneDNN has no bf16 support (no AVX-512 or AVX2-VNNI-2), so the
+``defaults`` variant shows what bf16 autocast costs there. ``--profile torch`` adds one more step under
 `torch.profiler` (table of the top operators by self CPU time + a Chrome trace), ``--profile
 py-spy`` records the whole process with py-spy (``.peers/trl/bin/pip install py-spy==0.4.3``).
 
@@ -165,6 +170,7 @@ def run_one(args) -> None:
     "variant": name,
     "threads": torch.get_num_threads(),
     "flush_denormal": bool(os.environ.get("PEERS_FLUSH_DENORMAL")),
+    "mkldnn": torch.backends.mkldnn.enabled,
     "steps": timer.steps,
     "median": {k: statistics.median(s.get(k, 0.0) for s in timed) for k in ("iteration", *PIECES)},
     "trl_config": worker_trl.effective_config(trainer, dtypes),
@@ -198,8 +204,11 @@ def run_grid(args) -> list[dict]:
     if not pyspy:
       raise SystemExit("--profile py-spy: no py-spy found; install it with `.peers/trl/bin/pip install py-spy==0.4.3`")
   for variant, threads, denormal in configs(args):
-    tag = f"{variant}_t{threads}_d{denormal}"
+    tag = f"{variant}_t{threads}_d{denormal}" + ("_nomkldnn" if args.no_mkldnn else "")
     env = dict(os.environ, PEERS_TRL_VARIANT=variant, PEERS_TORCH_THREADS=str(threads))
+    env.pop("PEERS_TORCH_MKLDNN", None)
+    if args.no_mkldnn:
+      env["PEERS_TORCH_MKLDNN"] = "0"
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.pop("PEERS_FLUSH_DENORMAL", None)
     if denormal:
@@ -240,16 +249,19 @@ def table(results: list[dict]) -> str:
     f"usable cores {env['usable_cores']}; {cpu['model']} (flags: {' '.join(cpu['flags']) or 'none of ' + ' '.join(common.CPU_FLAGS)}).",
     "Medians over the timed steps, seconds.",
     "",
-    "| variant | threads | flush denormal | iteration | " + " | ".join(PIECES) + " | busy cores | others' cores | "
-    "invol. switches | load before | peak RSS GB |",
-    "| --- | ---: | --- |" + " ---: |" * (len(PIECES) + 6),
+    "| variant | threads | flush denormal | oneDNN | iteration | " + " | ".join(PIECES) + " | busy cores | "
+    "others' cores | invol. switches | load before | peak RSS GB |",
+    "| --- | ---: | --- | --- |" + " ---: |" * (len(PIECES) + 6),
   ]
   for r in results:
     if "median" not in r:
-      lines.append(f"| {r['variant']} | {r['threads']} | {r['flush_denormal']} | failed: see trl_probe.jsonl |")
+      lines.append(
+        f"| {r['variant']} | {r['threads']} | {r['flush_denormal']} | {r.get('mkldnn', True)} | failed: see trl_probe.jsonl |"
+      )
       continue
     m, s = r["median"], r["env_summary"]
-    cells = [r["variant"], str(r["threads"]), "on" if r["flush_denormal"] else "off", _fmt(m["iteration"])]
+    cells = [r["variant"], str(r["threads"]), "on" if r["flush_denormal"] else "off"]
+    cells += ["on" if r.get("mkldnn", True) else "off", _fmt(m["iteration"])]
     cells += [_fmt(m.get(p)) for p in PIECES]
     cells += [f"{s['process_busy_cores']:.2f}", f"{common.others_cores(r):.2f}"]
     cells += [str(s["involuntary_switches"]), f"{r['load_before']:.1f}"]
@@ -262,8 +274,11 @@ def table(results: list[dict]) -> str:
 def verdict(ok: list[dict], usable: int) -> str:
   """Each factor's effect on the iteration against the fair baseline (usable threads, no flushing)."""
 
-  def find(variant, threads, flush):
-    return next((r for r in ok if (r["variant"], r["threads"], r["flush_denormal"]) == (variant, threads, flush)), None)
+  def find(variant, threads, flush, mkldnn=True):
+    want = (variant, threads, flush, mkldnn)
+    return next(
+      (r for r in ok if (r["variant"], r["threads"], r["flush_denormal"], r.get("mkldnn", True)) == want), None
+    )
 
   base = find("fair", usable, False)
   if base is None:
@@ -273,19 +288,27 @@ def verdict(ok: list[dict], usable: int) -> str:
   for r in ok:
     if r is base:
       continue
-    if r["variant"] == "fair" and not r["flush_denormal"]:
+    variant, usual = r["variant"], r["threads"] == usable and not r["flush_denormal"]
+    against = []  # (what changed, the run it is compared with)
+    if not r.get("mkldnn", True):
+      same = find(variant, r["threads"], r["flush_denormal"])
+      if same is not None:
+        against.append((f"oneDNN off for {variant!r} (torch's own kernels, as on a CPU without oneDNN bf16)", same))
+      if variant != "fair" and usual:
+        against.append((f"TRL variant {variant!r} with oneDNN off, against fair with it on", base))
+    elif variant == "fair" and not r["flush_denormal"]:
       what = f"threads {r['threads']} instead of {usable}" + (" (oversubscribed)" if r["threads"] > usable else "")
-    elif r["variant"] == "fair" and r["threads"] == usable:
-      what = "torch.set_flush_denormal(True)"
-    elif r["variant"] != "fair" and r["threads"] == usable and not r["flush_denormal"]:
-      what = f"TRL variant {r['variant']!r} (bf16 autocast + gradient checkpointing)"
-    else:
-      continue
-    m = r["median"]
-    ratio = m["iteration"] / b["iteration"]
-    pieces = sorted(PIECES, key=lambda p: -abs(m.get(p, 0) - b.get(p, 0)))[:2]
-    where = ", ".join(f"{p} {b.get(p, 0):.1f} → {m.get(p, 0):.1f} s" for p in pieces)
-    factors.append((ratio, what, where))
+      against.append((what, base))
+    elif variant == "fair" and r["threads"] == usable:
+      against.append(("torch.set_flush_denormal(True)", base))
+    elif variant != "fair" and usual:
+      against.append((f"TRL variant {variant!r} (bf16 autocast + gradient checkpointing)", base))
+    for what, ref in against:
+      m, rm = r["median"], ref["median"]
+      ratio = m["iteration"] / rm["iteration"]
+      pieces = sorted(PIECES, key=lambda p: -abs(m.get(p, 0) - rm.get(p, 0)))[:2]
+      where = ", ".join(f"{p} {rm.get(p, 0):.1f} → {m.get(p, 0):.1f} s" for p in pieces)
+      factors.append((ratio, what, where))
   lines = [f"Verdict (against fair, {usable} threads, no flushing: {b['iteration']:.1f} s per iteration):"]
   for ratio, what, where in sorted(factors, reverse=True):
     if ratio >= 3 or ratio <= 1 / 3:
@@ -315,6 +338,11 @@ def main(argv=None):
   ap.add_argument("--denormal", default="0,1", help="torch.set_flush_denormal off (0) / on (1) (variant fair)")
   ap.add_argument("--variants", default="fair,defaults", help="TRL configurations (worker_trl.VARIANTS)")
   ap.add_argument("--iterations", type=int, default=1, help="timed steps per process (after the start-up step)")
+  ap.add_argument(
+    "--no-mkldnn",
+    action="store_true",
+    help="oneDNN off in every configuration (torch's own bf16 kernels, as on a CPU without oneDNN bf16)",
+  )
   ap.add_argument("--profile", choices=("none", "torch", "py-spy"), default="none")
   ap.add_argument("--py-spy", help="the py-spy executable (default: next to this Python, then PATH)")
   ap.add_argument("--timeout", type=float, default=7200)

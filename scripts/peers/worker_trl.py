@@ -19,8 +19,11 @@ The TRL configuration (``PEERS_TRL_VARIANT``, see docs/peers.md "TRL's configura
 - ``defaults``: TRL 1.16's own defaults on CPU — ``bf16=True`` (mixed precision: bf16 autocast on
   CPU), ``gradient_checkpointing=True``, torch's default thread count.
 
-``PEERS_TORCH_THREADS=N`` forces N intra-op threads and ``PEERS_FLUSH_DENORMAL=1`` turns on
-`torch.set_flush_denormal` (both for diagnosis; `trl_probe.py` sets them). The RESULT records what
+``PEERS_TORCH_THREADS=N`` forces N intra-op threads, ``PEERS_FLUSH_DENORMAL=1`` turns on
+`torch.set_flush_denormal` and ``PEERS_TORCH_MKLDNN=0`` turns oneDNN off
+(`torch.backends.mkldnn.enabled = False`: bf16 matmuls then run in torch's own CPU kernels, which is
+what torch does on a CPU whose oneDNN has no bf16 support — no AVX-512 or AVX2-VNNI-2) — all for
+diagnosis; `trl_probe.py` sets them. The RESULT records what
 was in effect: thread counts, the trainer's precision, checkpointing, optimizer, the generation
 config and the dtype the policy's and reference's layers really computed in.
 """
@@ -59,6 +62,8 @@ def set_threads(name: str) -> None:
     torch.set_num_threads(int(forced))
   elif name == "fair":
     torch.set_num_threads(common.usable_cores())
+  if os.environ.get("PEERS_TORCH_MKLDNN") == "0":  # torch's own kernels, as on a CPU without oneDNN bf16
+    torch.backends.mkldnn.enabled = False
   if os.environ.get("PEERS_FLUSH_DENORMAL"):
     if not torch.set_flush_denormal(True):
       raise RuntimeError("PEERS_FLUSH_DENORMAL=1 but torch.set_flush_denormal is not supported on this CPU")
@@ -155,6 +160,7 @@ def effective_config(trainer, probe: DtypeProbe | None = None) -> dict:
     "generation_config": trainer.generation_config.to_diff_dict(),
     "torch_threads": torch.get_num_threads(),
     "flush_denormal": bool(os.environ.get("PEERS_FLUSH_DENORMAL")),
+    "mkldnn": torch.backends.mkldnn.enabled,
   }
   if probe is not None:
     out["layer_dtypes"] = sorted(probe.seen)
