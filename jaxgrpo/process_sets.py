@@ -97,11 +97,10 @@ __all__ = [
 PROCESS_SET_METHODS = ("auto", "pairwise", "sort")
 
 # Crossover of method="auto": pairwise while the group-size bound G is <= this, sort above it.
-# PROVISIONAL (64): both hash the B·T tokens; beyond that pairwise compares B·G row pairs (64-token
-# windows), sort makes ~B·log²(B)/4 such comparisons plus two O(B·T) scans, so pairwise wins for
-# small G and sort for large G. Set it from
-# `python scripts/bench_process_sets.py` on a quiet machine: the smallest G of the sweep whose sort
-# column beats its pairwise column.
+# Both hash the B·T tokens; beyond that pairwise compares B·G row pairs (64-token windows), sort makes
+# ~B·log²(B)/4 such comparisons plus two O(B·T) scans. Measured (`python scripts/bench_process_sets.py`,
+# 3 alternating runs, 2-core CPU, BENCHMARKS.md): pairwise is 1.1-2.4x faster at G = 8 and 36
+# (T = 256, 1024, 4096), the two tie at G = 128 (sort 1.03-1.15x), sort is 1.9x faster at G = 512.
 SORT_MIN_GROUP_SIZE = 64
 
 _BLOCK = 64  # tokens per hashed block (both methods compare rows block by block)

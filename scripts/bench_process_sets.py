@@ -16,8 +16,8 @@ The jitted calls are timed as the train step uses them (``group_ids`` traced, th
 one warm-up call; the script asserts all three give identical sizes. Groups are realistic: each
 trajectory branches off a random earlier one of its group at a random point; lengths are uniform in
 ``[T/2, T]``; vocabulary 32000. Per-token times are medians over ``--repeats``; ratios are against the
-trie measured in the same run. ``SORT_MIN_GROUP_SIZE`` (``method="auto"``'s crossover) should be the
-smallest G where the sort column beats the pairwise column, measured on a quiet machine.
+trie measured in the same run. ``SORT_MIN_GROUP_SIZE`` (``method="auto"``'s crossover, 64) was set
+from this sweep: pairwise wins at G = 8 and 36, the two tie at 128, sort wins at 512 (BENCHMARKS.md).
 
 Default sweep: G in {8, 36, 128, 512} at T = 4096 with 16 prompts, except that the number of prompts
 is cut so the batch has at most 16 x 36 = 576 rows (G = 128: 4 prompts; G = 512: 1 prompt): every G
@@ -146,7 +146,7 @@ def main(argv=None):
     args.groups, args.length, args.prompts, args.max_rows, args.repeats = [2, 5], 70, 3, 0, 1
 
   print(f"{_bench.backend_line()}; {args.repeats} repeats, medians")
-  print(f"auto method: pairwise up to G = {jg.process_sets.SORT_MIN_GROUP_SIZE}, sort above (provisional)")
+  print(f"auto method: pairwise up to G = {jg.process_sets.SORT_MIN_GROUP_SIZE}, sort above")
   header = (
     f"{'prompts x G x T':>16} {'tokens':>10} {'trie s/tok':>11} {'pairwise s/tok':>15} {'sort s/tok':>11} "
     f"{'trie/pairwise':>14} {'trie/sort':>10} {'pairwise/sort':>14} {'compile s (pw, sort)':>21}"
