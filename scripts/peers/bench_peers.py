@@ -141,6 +141,15 @@ def round_gflops(probes: list[dict], rounds) -> dict[int, float]:
 SPLITS = ("rollout_s", "reward_s", "reference_s", "reward_and_ref_s", "update_s", "step_s")
 
 
+def phase_splits(record: dict) -> dict[str, list[float]]:
+  """A jaxgrpo record's phase times per repetition. Its ``update_s`` is everything after the rollout
+  (reward + reference pass + train step); ``step_s``, the train step alone, is derived from it."""
+  out = {k: record[k] for k in SPLITS if k in record}
+  if "update_s" in record and "reward_and_ref_s" in record:
+    out.setdefault("step_s", [u - a for u, a in zip(record["update_s"], record["reward_and_ref_s"])])
+  return out
+
+
 def summarise(results: list[dict]) -> dict:
   """Medians and per-round values per (impl, task) of one workload's results."""
   by = {}
@@ -156,12 +165,10 @@ def summarise(results: list[dict]) -> dict:
       "rss": max(r["peak_rss_gb"] for r in rs),
       "warmup_s": _median(r.get("warmup_s") for r in rs),
     }
-    for r in rs:  # jaxgrpo's `update_s` is everything after the rollout; the step alone is the rest
-      if "update_s" in r and "reward_and_ref_s" in r and "step_s" not in r:
-        r["step_s"] = [u - a for u, a in zip(r["update_s"], r["reward_and_ref_s"])]
+    splits = [phase_splits(r) for r in rs]
     for key in SPLITS:
-      if key in rs[0]:
-        entry[key] = statistics.median(t for r in rs for t in r[key])
+      if key in splits[0]:
+        entry[key] = statistics.median(t for sp in splits for t in sp[key])
     s[(impl, task)] = entry
   return s
 
