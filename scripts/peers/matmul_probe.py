@@ -18,16 +18,21 @@ import jax.numpy as jnp
 N = 2048
 
 
-def gflops(repeats: int = 5) -> tuple[float, list[float]]:
-  """(GFLOP/s of the median run, the run times in s) of a jitted f32 [N, N] @ [N, N] product."""
-  a = jax.random.normal(jax.random.key(0), (N, N), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
+def run_times(f, *args, repeats: int = 5) -> list[float]:
+  """Seconds of ``repeats`` calls of the jitted ``f(*args)``, after one warm-up (compile) call."""
+  f(*args).block_until_ready()
   ts = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    f(a).block_until_ready()
+    f(*args).block_until_ready()
     ts.append(time.perf_counter() - t0)
+  return ts
+
+
+def gflops(repeats: int = 5) -> tuple[float, list[float]]:
+  """(GFLOP/s of the median run, the run times in s) of a jitted f32 [N, N] @ [N, N] product."""
+  a = jax.random.normal(jax.random.key(0), (N, N), jnp.float32)
+  ts = run_times(jax.jit(lambda x: x @ x), a, repeats=repeats)
   return 2 * N**3 / statistics.median(ts) / 1e9, ts
 
 
