@@ -23,7 +23,9 @@ so the split is the same on every mesh and stays local to each device's rows.
 A non-finite reward marks a missing sample (the library-wide policy, see ``jaxgrpo.advantages``):
 the advantage functions leave it out of the group statistics, and the step gives it advantage 0 and
 drops its tokens from the loss (numerator and every count), and reports how many there were
-(``rewards_nonfinite``).
+(``rewards_nonfinite``). That holds with precomputed ``Batch.advantages`` too (the row's given
+advantage is then unused); a batch with advantages needs no rewards (``rewards=None``): then every
+row trains on its given advantage.
 
 The model is split once (``nnx.split``) and the step is a plain function of
 ``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated. Batches are
@@ -84,11 +86,14 @@ class Batch(NamedTuple):
     old_logp: ``f32[B, T]`` rollout-policy log-probs of the completions (``Rollout.log_probs``).
     group_ids: ``int32[B]`` prompt index of each row.
     rewards: ``f32[B]`` outcome rewards r_i; NaN or ±inf marks a missing sample (advantage 0, its
-      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric).
+      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric) — also when
+      ``advantages`` are given: the row is skipped, its given advantage unused. None is allowed only
+      with ``advantages`` given (the step then reads no rewards and skips no row).
     ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when
       nothing reads them (β = 0).
     advantages: ``f32[B]`` or ``f32[B, T]`` precomputed advantages, or None: the step computes them
-      with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
+      with its ``advantages_fn``. When given, ``advantages_fn`` is not called and ``rewards`` may be
+      None.
     token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
       of ``advantages_fn`` (or none at all when ``advantages`` is given).
     behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
@@ -109,7 +114,7 @@ class Batch(NamedTuple):
   mask: jax.Array
   old_logp: jax.Array
   group_ids: jax.Array
-  rewards: jax.Array
+  rewards: jax.Array | None
   ref_logp: jax.Array | None = None
   advantages: jax.Array | None = None
   token_weights: jax.Array | None = None
@@ -121,9 +126,10 @@ class Batch(NamedTuple):
     cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None
   ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
-    array), with optional reference log-probs, precomputed advantages / token weights and behaviour
-    log-probs."""
-    rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
+    array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
+    / token weights and behaviour log-probs."""
+    if rewards is not None:
+      rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
       rollout.prompt_tokens,
       rollout.prompt_mask,
@@ -169,7 +175,9 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
   for name in names:
     x = getattr(batch, name)
     if x is None:
-      if name in _REQUIRED:
+      if name == "rewards" and batch.advantages is None:
+        raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
+      if name in _REQUIRED and name != "rewards":
         raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
       continue
     ranks, kind, notation = _FIELDS[name]
@@ -664,7 +672,8 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch):
   # 1. once per rollout batch (no gradient): advantages, token weights, tree statistics.
   adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g)
   _check_advantages_out(adv, weights, b, t)
-  missing = ~jnp.isfinite(batch.rewards)  # [B] missing samples: advantage 0, no tokens in the loss
+  # [B] missing samples (non-finite rewards): advantage 0, no tokens in the loss; none without rewards
+  missing = jnp.zeros((b,), bool) if batch.rewards is None else ~jnp.isfinite(batch.rewards)
   loss_mask = batch.mask & ~missing[:, None]  # [B, T]
   adv = jnp.where(missing if adv.ndim == 1 else missing[:, None], 0.0, adv.astype(jnp.float32))
   select = lambda x: None if x is None else jnp.where(loss_mask, x.astype(jnp.float32), 0.0)
@@ -831,7 +840,8 @@ class TrainStep:
     """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
     fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
     (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
-    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
+    ``batch.rewards`` may be None when ``batch.advantages`` is given."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
