@@ -28,7 +28,8 @@ FRPO's default k1 is different: there the estimate enters the *advantage* (a cos
 FRPO: Yao, Wang, Bai, Zhang, "Future-KL Regularized GRPO" (arXiv:2601.10201 v2). k3: J. Schulman,
 "Approximating KL divergence" (2020).
 
-Every public function here is jitted (kinds and ``max_delta``/``beta`` static): a direct call costs
+Every public function here is jitted (the kinds static; ``max_delta`` and ``beta`` static as Python
+floats, traced as ``f32[]`` arrays — one program for every value, ``vmap``-able): a direct call costs
 what it costs inside ``jit`` after the first call; calling it inside an outer ``jit`` works.
 """
 
@@ -39,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import _checks
+from jaxgrpo import _checks, _hyper
 from jaxgrpo._numerics import exp_excess, exp_linear, masked_reverse_cumsum, select
 
 __all__ = ["KL_KINDS", "FUTURE_KL_KINDS", "MAX_DELTA", "kl_penalty", "future_kl", "frpo_advantages"]
@@ -49,8 +50,8 @@ FUTURE_KL_KINDS = ("k1", "k3", "forward_k3")
 MAX_DELTA = 20.0
 
 
-def _check_max_delta(max_delta) -> float:
-  return _checks.check_python_float(max_delta, "max_delta", above=0.0, hint="clamp of δ inside the exponentials")
+def _check_max_delta(max_delta):
+  return _checks.check_scalar(max_delta, "max_delta", above=0.0, hint="clamp of δ inside the exponentials")
 
 
 def _check_pair(logp, ref_logp, mask, layout: str):
@@ -71,7 +72,6 @@ def _delta(logp, ref_logp, mask):
   return logp - ref_logp
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "max_delta"))
 def _kl_penalty(logp, ref_logp, mask, *, kind, max_delta):
   delta = _delta(jnp.asarray(logp), ref_logp, mask)
   if kind == "k1":
@@ -81,6 +81,11 @@ def _kl_penalty(logp, ref_logp, mask, *, kind, max_delta):
   if kind == "k3":  # exp(-δ) + δ - 1, the exponential continued linearly past max_delta
     return exp_excess(-delta, max_delta)
   return exp_excess(delta, max_delta)  # exp(δ) - δ - 1
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "static"))
+def _kl_penalty_jit(logp, ref_logp, mask, traced, *, kind, static):
+  return _kl_penalty(logp, ref_logp, mask, kind=kind, **_hyper.merge(static, traced))
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None, max_delta: float = MAX_DELTA):
@@ -93,15 +98,17 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None, max_delta: float 
     kind: ``"k1"`` (δ), ``"k2"`` (δ²/2), ``"k3"`` (exp(-δ)+δ-1), ``"forward_k3"`` (exp(δ)-δ-1).
     mask: optional ``bool[B, T]``: where False the result is 0, selected before any arithmetic (so
       inf/NaN log-probs there give 0 with zero gradient). Without it nothing is masked.
-    max_delta: finite ``> 0``; past ``e^max_delta`` the exponential is continued linearly (module
-      docstring): the value stays finite and the gradient keeps the exact sign.
+    max_delta: finite ``> 0`` (a Python float, static, or a ``f32[]`` array, traced); past ``e^max_delta``
+      the exponential is continued linearly (module docstring): the value stays finite and the gradient
+      keeps the exact sign.
 
   Returns:
     ``f32[B, T]``.
   """
   kind = _checks.check_choice(kind, KL_KINDS, "kind")
   _check_pair(logp, ref_logp, mask, "f32[B, T]")
-  return _kl_penalty(logp, ref_logp, mask, kind=kind, max_delta=_check_max_delta(max_delta))
+  static, traced = _hyper.split({"max_delta": _check_max_delta(max_delta)})
+  return _kl_penalty_jit(logp, ref_logp, mask, traced, kind=kind, static=static)
 
 
 def _check_future(logp, ref_logp, mask, kind, max_delta, logp_name="logp"):
@@ -127,7 +134,9 @@ def _future_kl(logp, ref_logp, mask, kind, max_delta):
   return select(mask, now + tail)
 
 
-_future_kl_jit = jax.jit(_future_kl, static_argnames=("kind", "max_delta"))
+@functools.partial(jax.jit, static_argnames=("kind", "static"))
+def _future_kl_jit(logp, ref_logp, mask, traced, *, kind, static):
+  return _future_kl(logp, ref_logp, mask, kind, **_hyper.merge(static, traced))
 
 
 def future_kl(logp, ref_logp, mask, *, kind: str = "k1", max_delta: float = MAX_DELTA):
@@ -160,10 +169,10 @@ def future_kl(logp, ref_logp, mask, *, kind: str = "k1", max_delta: float = MAX_
     ``f32[B, T]``, 0 on padding.
   """
   kind, max_delta = _check_future(logp, ref_logp, mask, kind, max_delta)
-  return _future_kl_jit(logp, ref_logp, mask, kind=kind, max_delta=max_delta)
+  static, traced = _hyper.split({"max_delta": max_delta})
+  return _future_kl_jit(logp, ref_logp, mask, traced, kind=kind, static=static)
 
 
-@functools.partial(jax.jit, static_argnames=("beta", "kind", "max_delta"))
 def _frpo_advantages(advantages, old_logp, ref_logp, mask, *, beta, kind, max_delta):
   adv = advantages.astype(jnp.float32)
   adv = adv[:, None] if adv.ndim == 1 else adv
@@ -184,18 +193,25 @@ def frpo_advantages(
     advantages: ``f32[B]`` outcome advantages ``a_i`` (or ``f32[B, T]`` token advantages).
     old_logp, ref_logp: ``f32[B, T]``; mask: ``bool[B, T]`` (padding selected away, as in
       :func:`future_kl`).
-    beta: finite β >= 0 (0.01 in the paper's runs).
+    beta: finite β >= 0 (0.01 in the paper's runs): a Python float (static) or a ``f32[]`` array
+      (traced: a schedule or a ``vmap``-ped grid, one program).
     kind: future-KL estimator (default reverse ``"k1"``).
     max_delta: finite ``> 0``, where the exponentials turn linear.
 
   Returns:
     ``f32[B, T]``, 0 on padding, with no gradient.
   """
-  beta = _checks.check_python_float(beta, "beta", at_least=0.0, hint="the future-KL coefficient β")
+  beta = _checks.check_scalar(beta, "beta", at_least=0.0, hint="the future-KL coefficient β")
   kind, max_delta = _check_future(old_logp, ref_logp, mask, kind, max_delta, "old_logp")
   _checks.check_float(advantages, "advantages", "f32[B] or f32[B, T]")
   _checks.check_rank(advantages, (1, 2), "advantages", "f32[B] or f32[B, T]")
   shape, adv_shape = _checks.shape_of(old_logp), _checks.shape_of(advantages)
   if adv_shape not in (shape[:1], shape):
     raise ValueError(f"`advantages` must have shape {shape[:1]} or {shape} (matching `old_logp`); got {adv_shape}")
-  return _frpo_advantages(advantages, old_logp, ref_logp, mask, beta=beta, kind=kind, max_delta=max_delta)
+  static, traced = _hyper.split({"beta": beta, "max_delta": max_delta})
+  return _frpo_advantages_jit(advantages, old_logp, ref_logp, mask, traced, kind=kind, static=static)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "static"))
+def _frpo_advantages_jit(advantages, old_logp, ref_logp, mask, traced, *, kind, static):
+  return _frpo_advantages(advantages, old_logp, ref_logp, mask, kind=kind, **_hyper.merge(static, traced))

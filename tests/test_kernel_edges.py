@@ -283,7 +283,8 @@ def test_policy_loss_ignores_non_finite_padding(agg):
 
   def loss(x, old_, rlp_, w_, adv_):
     kl = jg.kl_penalty(x, rlp_, "k1")  # no mask here: the loss selects padding away itself
-    return jg.policy_loss(x, old_, adv_, mask, token_weights=w_, kl=kl, beta=0.04, aggregation=agg, dual_clip=3.0)[0]
+    hyper = jg.LossHyper(beta=0.04, aggregation=agg, dual_clip=3.0)
+    return jg.policy_loss(x, old_, adv_, mask, hyper, token_weights=w_, kl=kl)[0]
 
   clean = loss(lp, old, rlp, w, adv)
   poisoned = (_poison(lp, mask, INF), _poison(old, mask, -INF), _poison(rlp, mask, -INF), _poison(w, mask, NAN))
@@ -316,12 +317,12 @@ def test_policy_loss_on_empty_batches_is_zero_with_finite_gradients(agg, shape):
   lp = jnp.zeros(shape)
   mask = jnp.zeros(shape, bool)
   f = lambda x: jg.policy_loss(
-    x, x, jnp.zeros(shape[:1]), mask, aggregation=agg, kl=jg.kl_penalty(x, x, mask=mask), beta=0.1
+    x, x, jnp.zeros(shape[:1]), mask, jg.LossHyper(aggregation=agg, beta=0.1), kl=jg.kl_penalty(x, x, mask=mask)
   )[0]
   assert float(f(lp)) == 0.0
   g = jax.grad(f)(lp)
   assert g.shape == shape
-  terms = jg.policy_loss_terms(lp, lp, jnp.zeros(shape), mask, aggregation=agg)
+  terms = jg.policy_loss_terms(lp, lp, jnp.zeros(shape), mask, jg.LossHyper(aggregation=agg))
   assert float(terms.numerator) == 0.0 and float(terms.denominator) == 0.0
 
 
@@ -338,9 +339,9 @@ def test_other_kernels_on_empty_batches():
 # ----------------------------------------------------------------------------- hyper-parameters
 
 
-def _pl(**kw):
+def _pl(kl=None, **kw):
   x = jnp.zeros((2, 3))
-  return jg.policy_loss(x, x, jnp.zeros(2), jnp.ones((2, 3), bool), **kw)
+  return jg.policy_loss(x, x, jnp.zeros(2), jnp.ones((2, 3), bool), jg.LossHyper(**kw), kl=kl)
 
 
 def _ga(**kw):

@@ -29,6 +29,7 @@ MODULES = {
   "jaxgrpo._version": "kernels",
   "jaxgrpo._checks": "kernels",
   "jaxgrpo._numerics": "kernels",
+  "jaxgrpo._hyper": "kernels",
   "jaxgrpo.advantages": "kernels",
   "jaxgrpo.process_sets": "kernels",
   "jaxgrpo.kl": "kernels",
