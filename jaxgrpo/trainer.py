@@ -65,7 +65,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo import builders, distributed, iteration
+from jaxgrpo import builders, distributed, iteration, runlock
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
@@ -644,6 +644,8 @@ class Trainer:
       handle_signals: turn SIGTERM/SIGINT into a stop at the next step boundary
         (:meth:`handle_signals`; main thread only).
     Raises:
+      jaxgrpo.runlock.RunDirLocked: another process runs in ``run.out`` (process 0 holds the
+        directory's lock while it runs; re-entrant within one process).
       NonFiniteError: a step made the parameters or optimizer state (or the loss) non-finite.
       TrainingInterrupted: SIGTERM/SIGINT; the step it stopped at was checkpointed. The signal
         waits for the current step to finish (rollout, update, and the evaluation when one is due).
@@ -663,7 +665,7 @@ class Trainer:
   def _run(self) -> list[dict]:
     cfg, run = self.config, self.config.run
     is_main = jax.process_index() == 0
-    os.makedirs(run.out, exist_ok=True)
+    lock = runlock.RunLock(run.out).acquire() if is_main else None  # one run per directory (jaxgrpo.runlock)
     records: list[dict] = []
     path = os.path.join(run.out, "metrics.jsonl")
     if self.resumed and is_main:  # drop records of steps after the restored checkpoint
@@ -713,6 +715,8 @@ class Trainer:
       if f is not None:
         f.close()
       self.accuracy.close()
+      if lock is not None:
+        lock.release()
     return records
 
 

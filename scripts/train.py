@@ -21,7 +21,8 @@ pod or cluster every host runs the same command with ``--devices.distributed tru
 ``--devices.coordinator_address``, ``--devices.num_processes``, ``--devices.process_id``).
 
 Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values or a failed
-checkpoint save; 2 a bad config, file, mesh or checkpoint (one ``error:`` line, no traceback;
+checkpoint save; 2 a bad config, file, mesh or checkpoint, or ``OUT`` in use by another run (its lock,
+``jaxgrpo.runlock``, names the holder's pid and host) (one ``error:`` line, no traceback;
 ``--traceback`` shows it); 3 (several processes) another process died or failed: this one was stopped,
 naming it; 128 + signal number after SIGTERM (143) or SIGINT (130): the step in progress was finished
 and checkpointed, or, after a second signal, abandoned.
@@ -62,7 +63,7 @@ if __name__ == "__main__":
 
 import jax  # after XLA_FLAGS
 
-from jaxgrpo import checkpoint, distributed, metrics, specs
+from jaxgrpo import checkpoint, distributed, metrics, runlock, specs
 from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
 from jaxgrpo.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
 
@@ -123,6 +124,13 @@ def parse_args(argv=None):
     default="stop",
     help="a failed checkpoint save (disk full, I/O error) is reported at once; then stop (default, exit 1) "
     "or keep training and try again at the next save",
+  )
+  p.add_argument(
+    "--on-corrupt",
+    choices=checkpoint.ON_CORRUPT,
+    default="quarantine",
+    help="a corrupt latest checkpoint (a file missing or altered): move it aside to <step>.corrupt-<time> and "
+    "resume from the previous complete one (default), or stop (exit 2)",
   )
   p.add_argument(
     "--on-nonfinite-loss",
@@ -291,6 +299,11 @@ def main(argv=None):
 
 def _train(args, cfg, t_wall: float, t_cpu: float):
   out = cfg.run.out
+  if jax.process_index() == 0:  # one run per output directory: a second one is refused (exit 2)
+    try:
+      lock = runlock.RunLock(out).acquire()  # noqa: F841 - held until this process ends
+    except runlock.RunDirLocked as e:
+      _fail(2, f"error: {e}")
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   if not resume and has_checkpoint:
@@ -314,6 +327,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       log=say,
       allow_changed=args.allow_changed_config,
       on_save_error=args.on_save_error,
+      on_corrupt=args.on_corrupt,
     )
   with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
     if resume:  # refuse a mismatching checkpoint before the model is built

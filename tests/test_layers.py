@@ -26,6 +26,7 @@ LAYERS = {
 MODULES = {
   "jaxgrpo.checkpoint": "services",
   "jaxgrpo.metrics": "services",
+  "jaxgrpo.runlock": "services",
   "jaxgrpo._version": "kernels",
   "jaxgrpo._checks": "kernels",
   "jaxgrpo._numerics": "kernels",
