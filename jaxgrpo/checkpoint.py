@@ -595,6 +595,26 @@ _UNRETRIEVED_WRITES = _UnretrievedWriteFilter()
 
 
 @dataclasses.dataclass
+class _KeepBest:
+  """Orbax preservation policy: keeps the checkpoint with the best finite ``metric_of(step)``
+  (``mode`` ``max`` or ``min``; on a tie the latest), whatever its age. Steps without a value are
+  left to the other policies (keep-last-K)."""
+
+  metric_of: Callable[[int], float | None]
+  mode: str = "max"
+
+  def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
+    sign = 1.0 if self.mode == "max" else -1.0
+    scored = [
+      (sign * v, c.step, i)
+      for i, c in enumerate(checkpoints)
+      if (v := self.metric_of(c.step)) is not None and np.isfinite(v)
+    ]
+    best = max(scored)[2] if scored else None
+    return [i == best for i in range(len(checkpoints))]
+
+
+@dataclasses.dataclass
 class _ThreadLines:
   """One writer thread's traceback block being held back and its unfinished line."""
 
@@ -610,7 +630,9 @@ class Checkpointer:
     max_to_keep: K most recent complete checkpoints kept (None: all). Older ones are deleted only
       after a newer save completed.
     best_metric: a metric name (e.g. ``eval_accuracy``) seen through :meth:`observe`; the best
-      checkpoint by it is kept as well as the last K. None: recency only.
+      checkpoint by it is kept as well as the last K, also across restarts (the value is saved in
+      the step's meta item and read back), so a collapse that keeps the parameters finite cannot
+      rotate the best checkpoint away. Only steps with a value compete. None: recency only.
     best_mode: ``max`` or ``min``.
     async_save: write in a background thread; ``save`` returns once the arrays are copied to the
       host, so the next step (which donates the state) can start. The next save, :meth:`wait`
@@ -681,14 +703,8 @@ class Checkpointer:
     complete_steps(self.directory, log=self.log)
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if best_metric is not None:
-      policies.append(
-        ocp.checkpoint_managers.BestN(
-          get_metric_fn=lambda m: m[best_metric],
-          reverse=best_mode == "min",
-          n=1,
-          keep_checkpoints_without_metrics=False,
-        )
-      )
+      policies.append(_KeepBest(self._metric_of, best_mode))
+    self._saved_metrics: dict[int, float | None] = {}  # read from the steps' meta items
     # foreground saves use the same asynchronous path and wait: the manifest is then always
     # written before Orbax's rename, so no kill can leave a renamed step without it
     options = ocp.CheckpointManagerOptions(
@@ -699,6 +715,21 @@ class Checkpointer:
       async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized),
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+  def _metric_of(self, step: int) -> float | None:
+    """``best_metric`` of a saved step: observed by this Checkpointer, else the value saved in the
+    step's meta item (written by an earlier run: Orbax keeps metrics in memory only, so without this
+    a restarted run would rotate the best checkpoint away)."""
+    if step in self._metrics:
+      return self._metrics[step]
+    if step not in self._saved_metrics:
+      try:
+        with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
+          value = (json.load(f).get("metrics") or {}).get(self.best_metric)
+      except (OSError, ValueError):
+        value = None
+      self._saved_metrics[step] = None if value is None else float(value)
+    return self._saved_metrics[step]
 
   # ------------------------------------------------------------------ saving
   def _finalized(self) -> None:
@@ -768,6 +799,7 @@ class Checkpointer:
       "metrics": dict(metrics) if metrics else None,
     }
     self._saving_step = step
+    self._saved_metrics.pop(step, None)
     try:
       self.manager.save(
         step,

@@ -309,6 +309,23 @@ def test_keeps_last_k_and_best_by_eval_metric(tmp_path):
   assert ck.complete_steps(root2, log=None) == [4, 7]
 
 
+def test_best_checkpoint_survives_a_restart_and_a_collapse(tmp_path):
+  """A good run (eval 0.6 at step 2), then a restart with a learning rate that collapses the policy
+  (finite parameters, eval 0.0 from then on). Before: Orbax kept the metrics in memory only, so the
+  restarted run's keep-last-2 deleted step 2 with every newer save."""
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, max_to_keep=2, best_metric="eval_accuracy", log=None) as c:
+    for s, acc in ((1, 0.2), (2, 0.6), (3, 0.4)):
+      c.observe({"step": s, "eval_accuracy": acc})
+      c.save(_state(s), CFG)
+  with ck.Checkpointer(root, max_to_keep=2, best_metric="eval_accuracy", log=None) as c:  # the restart
+    for s in range(4, 9):
+      c.observe({"step": s, "eval_accuracy": 0.0 if s % 2 == 0 else float("nan")})  # collapsed
+      c.save(_state(s), CFG)
+  assert ck.complete_steps(root, log=None) == [2, 7, 8]
+  _assert_same_state(ck.Checkpointer(root, log=None).restore(_state(0), CFG, step=2), _state(2))
+
+
 def test_sync_saving_writes_the_manifest_too(tmp_path):
   root = str(tmp_path / "ckpt")
   with ck.Checkpointer(root, async_save=False, log=None) as c:

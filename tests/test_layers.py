@@ -52,6 +52,7 @@ MODULES = {
   "jaxgrpo.specs": "iteration/trainer",
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
+  "jaxgrpo.collapse": "iteration/trainer",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
