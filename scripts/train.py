@@ -20,8 +20,10 @@ pod or cluster every host runs the same command with ``--devices.distributed tru
 ``jax.distributed.initialize()`` reads the cluster's settings (TPU, Slurm, MPI, or ``JAX_*`` variables /
 ``--devices.coordinator_address``, ``--devices.num_processes``, ``--devices.process_id``).
 
-Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values or a failed
-checkpoint save; 2 a bad config, file, mesh or checkpoint (one ``error:`` line, no traceback;
+Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values, a collapsed
+policy (``--on-collapse``), a failed
+checkpoint save or a failed metrics write (a full disk: the current step is checkpointed first); 2 a bad config, file, mesh or checkpoint, or ``OUT`` in use by another run (its lock,
+``jaxgrpo.runlock``, names the holder's pid and host) (one ``error:`` line, no traceback;
 ``--traceback`` shows it); 3 (several processes) another process died or failed: this one was stopped,
 naming it; 128 + signal number after SIGTERM (143) or SIGINT (130): the step in progress was finished
 and checkpointed, or, after a second signal, abandoned.
@@ -62,8 +64,10 @@ if __name__ == "__main__":
 
 import jax  # after XLA_FLAGS
 
-from jaxgrpo import checkpoint, distributed, metrics, specs
+from jaxgrpo import checkpoint, collapse, distributed, metrics, runlock, specs
 from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
+from jaxgrpo.collapse import PolicyCollapsed
+from jaxgrpo.metrics import MetricsWriteError
 from jaxgrpo.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
 
 # script flags that set a config field
@@ -125,11 +129,37 @@ def parse_args(argv=None):
     "or keep training and try again at the next save",
   )
   p.add_argument(
+    "--on-corrupt",
+    choices=checkpoint.ON_CORRUPT,
+    default="quarantine",
+    help="a corrupt latest checkpoint (a file missing or altered): move it aside to <step>.corrupt-<time> and "
+    "resume from the previous complete one (default), or stop (exit 2)",
+  )
+  p.add_argument(
     "--on-nonfinite-loss",
     choices=("stop", "continue"),
     default="stop",
     help="stop (default, exit 1) or go on when a step's loss is NaN/inf while the parameters are still finite "
     "(non-finite parameters or optimizer state always stop; they are never saved)",
+  )
+  p.add_argument(
+    "--on-collapse",
+    choices=collapse.ACTIONS,
+    default="stop",
+    help="a policy that collapses with finite values (entropy near ln V, see --collapse-entropy-frac and "
+    "--collapse-zero-reward-steps): stop before the step is saved (default, exit 1), warn, or off",
+  )
+  p.add_argument(
+    "--collapse-entropy-frac",
+    type=float,
+    default=0.95,
+    help="collapsed when the entropy reaches this fraction of ln V after it was at most ln V / 2 (default 0.95)",
+  )
+  p.add_argument(
+    "--collapse-zero-reward-steps",
+    type=int,
+    default=0,
+    help="collapsed after N consecutive steps of zero mean reward that follow a non-zero one (default 0: off)",
   )
   p.add_argument(
     "--traceback",
@@ -264,8 +294,16 @@ def _report(error: BaseException, ckpt) -> CliExit:
     msg = f"stopped by {name} after step {error.step}; {what}"
     print(msg, file=sys.stderr, flush=True)
     return CliExit(128 + error.signum, msg)
-  if isinstance(error, NonFiniteError):
+  if isinstance(error, (NonFiniteError, PolicyCollapsed)):
     msg = f"error: {error} ({_latest(ckpt)})"
+  elif isinstance(error, MetricsWriteError):  # a full disk: say whether the steps done were kept
+    kept = (
+      f"checkpoint of step {error.step} complete in {ckpt.directory}" if error.step in ckpt.steps() else _latest(ckpt)
+    )
+    msg = (
+      f"error: {error}. {kept}: free space (df -h {os.path.dirname(error.path)}), then run the same command "
+      "again to resume (a line cut short at the end of metrics.jsonl is dropped then)"
+    )
   else:  # CheckpointSaveError: its message says what is kept
     msg = f"error: {error}"
   print(msg, file=sys.stderr, flush=True)
@@ -285,12 +323,17 @@ def main(argv=None):
     heartbeat = max(10, int(2 * dev.host_timeout_s))  # JAX's own timeout after the watchdog's named stop
     distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id, heartbeat_timeout=heartbeat)
   # another process's death or error stops this one with a message naming it (exit status 3)
-  with distributed.watch_hosts(dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError)):
+  with distributed.watch_hosts(dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError, PolicyCollapsed)):
     return _train(args, cfg, t_wall, t_cpu)
 
 
 def _train(args, cfg, t_wall: float, t_cpu: float):
   out = cfg.run.out
+  if jax.process_index() == 0:  # one run per output directory: a second one is refused (exit 2)
+    try:
+      lock = runlock.RunLock(out).acquire()  # noqa: F841 - held until this process ends
+    except runlock.RunDirLocked as e:
+      _fail(2, f"error: {e}")
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   if not resume and has_checkpoint:
@@ -305,6 +348,8 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   say(f"objective: {cfg.objective}")
   say(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}")
   ck = cfg.checkpoint
+  global _CHECKPOINTS
+  _CHECKPOINTS = checkpoint.checkpoint_dir(out)
   with _input_errors(args):
     ckpt = checkpoint.Checkpointer(
       checkpoint.checkpoint_dir(out),
@@ -314,8 +359,14 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       log=say,
       allow_changed=args.allow_changed_config,
       on_save_error=args.on_save_error,
+      on_corrupt=args.on_corrupt,
     )
   with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
+    guard = collapse.CollapseGuard(
+      action=args.on_collapse,
+      entropy_frac=args.collapse_entropy_frac,
+      zero_reward_steps=args.collapse_zero_reward_steps,
+    )
     if resume:  # refuse a mismatching checkpoint before the model is built
       ckpt.check_run(run_meta(cfg))
     trainer = Trainer(
@@ -324,6 +375,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       checkpoint_fn=ckpt.checkpoint_fn,
       restore_fn=ckpt.restore_fn if resume else None,
       stop_on_nonfinite_loss=args.on_nonfinite_loss == "stop",
+      collapse_guard=guard,
     )
   tensorboard = args.tensorboard
   if tensorboard is None:
@@ -345,7 +397,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   with trainer.handle_signals():  # also while the last checkpoint is written
     try:
       records = trainer.run()
-    except (TrainingInterrupted, NonFiniteError, CheckpointSaveError) as e:
+    except (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError) as e:
       stopped = e
     except KeyboardInterrupt:  # a second signal: exit at once, without waiting for the save in flight
       raise
@@ -358,7 +410,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   if stopped is None and closing:
     stopped = closing[0]
   if stopped is not None:
-    if args.traceback or not isinstance(stopped, (TrainingInterrupted, NonFiniteError, CheckpointSaveError)):
+    if args.traceback or not isinstance(
+      stopped, (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError)
+    ):
       raise stopped
     raise _report(stopped, ckpt)
   if trainer.stop_signal is not None:
@@ -388,16 +442,26 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   return records
 
 
+#: the run's checkpoint directory once known (what _abort reports)
+_CHECKPOINTS: str | None = None
+
+
 def _abort(signum: int) -> None:
   """After a second signal (or Ctrl-C before training started): exit at once, without waiting for
-  a save in flight (its temporary directory is ignored and removed by the next run)."""
+  a save in flight (its temporary directory is ignored and removed by the next run). Says which
+  checkpoint is complete on disk at this moment, the one the next run resumes from."""
   name = signal.Signals(signum).name
-  print(
-    f"\naborted by {name}: a checkpoint being written is abandoned; the next run resumes from the latest "
-    "complete checkpoint",
-    file=sys.stderr,
-    flush=True,
-  )
+  if _CHECKPOINTS is None:
+    where = "nothing was saved yet"
+  else:
+    steps = checkpoint.complete_steps(_CHECKPOINTS, log=None)
+    where = (
+      f"the latest complete checkpoint is step {steps[-1]} ({os.path.join(_CHECKPOINTS, str(steps[-1]))}): "
+      "the next run resumes from it"
+      if steps
+      else f"there is no complete checkpoint in {_CHECKPOINTS}: the next run starts from step 0"
+    )
+  print(f"\naborted by {name}: a checkpoint being written is abandoned; {where}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(128 + signum)
 

@@ -26,6 +26,7 @@ LAYERS = {
 MODULES = {
   "jaxgrpo.checkpoint": "services",
   "jaxgrpo.metrics": "services",
+  "jaxgrpo.runlock": "services",
   "jaxgrpo._version": "kernels",
   "jaxgrpo._checks": "kernels",
   "jaxgrpo._numerics": "kernels",
@@ -52,6 +53,7 @@ MODULES = {
   "jaxgrpo.specs": "iteration/trainer",
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
+  "jaxgrpo.collapse": "iteration/trainer",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
