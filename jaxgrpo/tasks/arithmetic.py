@@ -224,9 +224,20 @@ def tiny_model_config(
   )
 
 
+#: positions of the synthetic model (rotary: no parameter depends on it): room for the default
+#: ``data.max_prompt_tokens`` 512 + ``rollout.max_new_tokens`` 1024 of ``jaxgrpo.specs``
+SYNTHETIC_POSITIONS = 2048
+
+
 def model_config(spec: SyntheticModel, vocab_size: int) -> models.Qwen3Config:
-  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``)."""
-  return tiny_model_config(vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers)
+  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``),
+  with :data:`SYNTHETIC_POSITIONS` positions."""
+  return tiny_model_config(
+    vocab_size,
+    hidden_size=spec.hidden_size,
+    num_layers=spec.num_layers,
+    max_position_embeddings=SYNTHETIC_POSITIONS,
+  )
 
 
 def task_split(task: ArithmeticTask, *, seed: int) -> tuple[list[dict], list[dict]]:
