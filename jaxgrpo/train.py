@@ -298,22 +298,17 @@ class TrainConfig:
   packing_rows: int | None = None
 
   def __post_init__(self):
-    for name in ("micro_batches", "mini_batches"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
-    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-      raise ValueError(f"`max_grad_norm` must be > 0 or None; got {self.max_grad_norm}")
-    if not self.temperature > 0:
-      raise ValueError(f"`temperature` must be > 0; got {self.temperature}")
-    if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-      raise ValueError(f"`chunk_size` must be a positive int or None; got {self.chunk_size!r}")
-    if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
-      raise ValueError(f"`group_size` must be a positive int or None; got {self.group_size!r}")
-    for name in ("packing", "packing_rows"):
-      v = getattr(self, name)
-      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"`{name}` must be a positive int or None; got {v!r}")
+    c = _checks
+    c.check_python_int(self.micro_batches, "micro_batches", minimum=1, hint="K, gradient-accumulation steps")
+    c.check_python_int(self.mini_batches, "mini_batches", minimum=1, hint="M, updates per pass")
+    if self.max_grad_norm is not None:
+      c.check_python_float(self.max_grad_norm, "max_grad_norm", above=0.0, hint="or None: no clipping")
+    c.check_python_float(self.temperature, "temperature", above=0.0, hint="the sampling temperature")
+    for name in ("chunk_size", "group_size", "packing", "packing_rows"):
+      if getattr(self, name) is not None:
+        c.check_python_int(getattr(self, name), name, minimum=1, hint="a positive int or None")
+    c.check_python_bool(self.tree_stats, "tree_stats")
+    c.check_python_bool(self.entropy, "entropy")
     if self.packing is None and self.packing_rows is not None:
       raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 

@@ -345,20 +345,35 @@ class Trainer:
 
   # ------------------------------------------------------------------ construction
   def _check_mesh_fits(self) -> None:
-    """ValueError naming the mesh, its device count and the dimension that does not divide, before
-    any weight is read or the warm-up runs: the model's parameters (abstract; a hub id is checked by
-    the loader, which names the mesh too) and the rollout batch (``prompts_per_step × group_size``
-    rows over ``data × fsdp`` × micro × mini-batches)."""
+    """ValueError naming its real cause, before any weight is read or the warm-up runs: the model
+    directory (``config.json``, ``model_type``, tokenizer, chat template: ``model.path``), the row
+    length (``builders.check_lengths``: prompt + completion within the model's positions), the
+    rollout batch over ``step.micro_batches × step.mini_batches``, and the mesh (``devices.mesh``):
+    the model's parameters (abstract; a hub id is checked by the loader, which names the mesh too)
+    and the batch rows over ``data × fsdp``."""
     cfg = self.config
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    roll, step = cfg.rollout, cfg.step
+    rows = roll.prompts_per_step * roll.group_size
+    abstract = None
+    if cfg.model.synthetic is not None or os.path.isdir(cfg.model.path):
+      abstract, tokenizer = builders.abstract_policy(cfg.model)
+      if cfg.model.path is not None:
+        builders.check_chat_template(tokenizer, cfg.model)
+      builders.check_lengths(cfg, abstract.config)
+    splits = step.micro_batches * step.mini_batches
+    if rows % splits:
+      raise ValueError(
+        f"the rollout batch of {rows} rows (rollout.prompts_per_step {roll.prompts_per_step} × rollout.group_size "
+        f"{roll.group_size}) does not split into step.micro_batches {step.micro_batches} × step.mini_batches "
+        f"{step.mini_batches} = {splits} equal parts"
+      )
     try:
-      if cfg.model.synthetic is not None or os.path.isdir(cfg.model.path):
-        abstract, _ = builders.abstract_policy(cfg.model)
+      if abstract is not None:
         shd.tree_shardings(nnx.split(abstract)[1], self.mesh)
       shd.check_batch_divisible(
         rows,
         self.mesh,
-        splits=cfg.step.micro_batches * cfg.step.mini_batches,
+        splits=splits,
         what="the rollout batch (rollout.prompts_per_step × rollout.group_size)",
       )
       self._check_processes(rows)

@@ -2,15 +2,16 @@
 """Train a policy with GRPO / λ-GRPO / FRPO / λ-FRPO on a math set.
 
     python scripts/train.py --config scripts/configs/demo.yaml                 # offline CPU demo
-    python scripts/train.py --config scripts/configs/lambda_grpo_openrs.yaml --mesh fsdp=-1 --out runs/x
+    python scripts/train.py --config scripts/configs/lambda_grpo_openrs.yaml --devices.mesh fsdp=-1 --run.out runs/x
 
 Every field of ``jaxgrpo.specs.TrainerConfig`` can be overridden on the command line as
 ``--section.field value`` (or ``--section.field=value``; dashes and underscores are interchangeable),
-e.g. ``--rollout.group_size 8 --objective.beta 0.04 --model.synthetic.hidden_size 32``. The old flat
-names are short forms (``--preset``, ``--steps``, ``--out``, ``--mesh``, ``--beta``, ``--group_size``,
-``--learning_rate``, ...; the table is ``jaxgrpo.specs.FLAT_KEYS``). Values are parsed as YAML, so
-``--reward.weights '{accuracy: 1.0, format: 0.1}'``, ``--optim.learning_rate 1e-6`` and ``--beta null``
-work. Every value is checked before anything is built. The resolved config is printed at start and
+e.g. ``--rollout.group_size 8 --objective.beta 0.04 --model.synthetic.hidden_size 32``, on top of
+``--config`` or, without it, of the defaults (the arithmetic demo). A key of the earlier flat config
+(``--steps``, ``--out``, ``--beta``, ...) is an error naming its dotted form (``--run.steps``). Values are
+parsed as YAML, so ``--reward.weights '{accuracy: 1.0, format: 0.1}'``, ``--optim.learning_rate 1e-6``
+and ``--eval.dataset null`` work (``nan``/``inf`` are numbers, refused as non-finite). Every value is
+checked before anything is built. The resolved config is printed at start and
 written to ``OUT/config.json``; metrics go to ``OUT/metrics.jsonl`` (one JSON object per step and per
 evaluation) and ``OUT/curves.png``.
 
@@ -70,13 +71,11 @@ from jaxgrpo.collapse import PolicyCollapsed
 from jaxgrpo.metrics import MetricsWriteError
 from jaxgrpo.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
 
-# script flags that set a config field
-_FIELD_FLAGS = {"keep_checkpoints": "checkpoint.keep", "best_metric": "checkpoint.best_metric"}
-
 
 def parse_args(argv=None):
-  """``(args, overrides)``: the script's own flags, and ``{config key: value}`` for every
-  ``--key value`` (dotted keys or flat short forms, as typed; checked against the config)."""
+  """``(args, overrides)``: the script's own flags, and ``{dotted config key: value}`` for every
+  ``--key value`` (checked against the config; a key that is not a field is an error naming the
+  dotted key it most likely means)."""
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
   )
@@ -92,13 +91,6 @@ def parse_args(argv=None):
     action="store_true",
     help="resume even when the learning rate or group size differ from the checkpoint's",
   )
-  p.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoint.keep: keep the last K (default 3)")
-  p.add_argument(
-    "--best-metric",
-    default=None,
-    help="checkpoint.best_metric: also keep the best checkpoint by this eval metric ('': none; default eval_accuracy)",
-  )
-  p.add_argument("--sync-checkpoints", action="store_true", help="checkpoint.async_save false: write in the foreground")
   p.add_argument(
     "--tensorboard",
     action=argparse.BooleanOptionalAction,
@@ -172,12 +164,6 @@ def parse_args(argv=None):
   if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
     p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
   overrides = {}
-  for flag, key in _FIELD_FLAGS.items():
-    value = getattr(args, flag)
-    if value is not None:
-      overrides[key] = (value or None) if flag == "best_metric" else value
-  if args.sync_checkpoints:
-    overrides["checkpoint.async_save"] = False
   i = 0
   while i < len(rest):
     tok = rest[i]
@@ -340,7 +326,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
     _fail(
       2,
       f"error: {checkpoint.checkpoint_dir(out)} holds checkpoints of an earlier run and --no-resume "
-      f"was given: use another --out, or delete them to start over (nothing was overwritten)",
+      f"was given: use another --run.out, or delete them to start over (nothing was overwritten)",
     )
   is_main = jax.process_index() == 0
   say = (lambda s: print(s, flush=True)) if is_main else (lambda s: None)

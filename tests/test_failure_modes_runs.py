@@ -62,7 +62,7 @@ def env(tmp_path_factory):
 
 
 def _cmd(out, steps, *extra):
-  return [sys.executable, TRAIN, *RUN_ARGS, "--out", str(out), "--steps", str(steps), *extra]
+  return [sys.executable, TRAIN, *RUN_ARGS, "--run.out", str(out), "--run.steps", str(steps), *extra]
 
 
 def _run(env, out, steps, *extra, expect=0):
@@ -113,7 +113,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(runs, env, tmp_pat
   two later. Before: exit 0, checkpoints 7 and 8 full of NaN, the good ones deleted (keep 2)."""
   out = tmp_path / "run"
   shutil.copytree(runs / "three", out)
-  r = _run(env, out, 8, "--optim.learning-rate", "1e30", "--allow-changed-config", "--keep-checkpoints", "2", expect=1)
+  r = _run(env, out, 8, "--optim.learning-rate", "1e30", "--allow-changed-config", "--checkpoint.keep", "2", expect=1)
   m = re.search(
     r"error: training stopped at step (\d+): non-finite values; first non-finite metric: (\S+) = ([-a-z]+)", r.stderr
   )
@@ -136,16 +136,16 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(runs, env, tmp_pat
 
 
 def test_step_without_manifest_restarts_twice_and_finishes(runs, env, tmp_path):
-  """What a kill between Orbax's rename and the manifest write left with --sync-checkpoints (older
+  """What a kill between Orbax's rename and the manifest write left with --checkpoint.async_save false (older
   versions): step 3 without its manifest. Before: resume from 2, StepAlreadyExistsError on saving
   3, at every restart."""
   out = tmp_path / "run"
   shutil.copytree(runs / "three", out)
   os.remove(out / "checkpoints" / "3" / ck.MANIFEST)
-  r = _run(env, out, 5, "--sync-checkpoints")
+  r = _run(env, out, 5, "--checkpoint.async-save", "false")
   assert re.search(r"checkpoints/3 has no jaxgrpo_manifest.json .*moved aside to \S+/3\.incomplete-", r.stdout)
   assert re.search(r"resumed from checkpoint \S+ \(step 2\)", r.stdout)
-  r = _run(env, out, 6, "--sync-checkpoints")  # the second restart
+  r = _run(env, out, 6, "--checkpoint.async-save", "false")  # the second restart
   assert re.search(r"resumed from checkpoint \S+ \(step 5\)", r.stdout)
   assert _complete(out) == [4, 5, 6]
   assert [n for n in os.listdir(out / "checkpoints") if ".incomplete-" in n]  # kept for inspection
@@ -171,7 +171,7 @@ def test_disk_full_on_a_small_tmpfs(runs, env, tmp_path):
   if m.returncode != 0:
     pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
   try:
-    r = _run(env, out, 6, "--keep-checkpoints", "2", expect=1)
+    r = _run(env, out, 6, "--checkpoint.keep", "2", expect=1)
     failed = re.search(r"error: checkpoint save of step (\d+) failed: ENOSPC \(No space left on device\)", r.stdout)
     assert failed, r.stdout[-3000:]  # reported at once, in the log
     step = int(failed.group(1))
@@ -193,7 +193,7 @@ def test_injected_write_error_with_on_save_error_continue(runs, env, tmp_path):
   --on-save-error continue the run goes on, the next saves succeed and it exits 0 with a warning."""
   out = tmp_path / "run"
   proc = subprocess.Popen(
-    _cmd(out, 6, "--keep-checkpoints", "2", "--on-save-error", "continue"),
+    _cmd(out, 6, "--checkpoint.keep", "2", "--on-save-error", "continue"),
     env=env,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -363,7 +363,7 @@ def hf_dir(runs, tmp_path_factory):
 
 
 def _bad_run(env, out, *extra):
-  cmd = [sys.executable, TRAIN, *RUN_ARGS, "--out", str(out), "--steps", "2", *extra]
+  cmd = [sys.executable, TRAIN, *RUN_ARGS, "--run.out", str(out), "--run.steps", "2", *extra]
   r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
   _clean_failure(r.stderr)
@@ -389,12 +389,12 @@ def test_bad_safetensors_one_clear_line(hf_dir, env, tmp_path, damage):
 
 
 def test_mesh_that_does_not_fit_one_clear_line(env, tmp_path):
-  line = _bad_run(env, tmp_path / "a", "--mesh", "tensor=3")
+  line = _bad_run(env, tmp_path / "a", "--devices.mesh", "tensor=3")
   assert "mesh spec 'tensor=3' has 3 devices" in line and "there are 1 devices" in line
-  line = _bad_run(env, tmp_path / "b", "--mesh", "fsdp=-1", "--cpu-devices", "3")  # width 32 over 3
+  line = _bad_run(env, tmp_path / "b", "--devices.mesh", "fsdp=-1", "--cpu-devices", "3")  # width 32 over 3
   assert re.search(r"devices.mesh 'fsdp=-1' \(3 devices\) does not fit: \S+: dim \d \('embed', size 32\)", line)
   assert "mesh data=1 × fsdp=3 × tensor=1 over 3 devices" in line
-  line = _bad_run(env, tmp_path / "c", "--mesh", "data=3", "--cpu-devices", "3")  # 2 prompts × 4 = 8 rows
+  line = _bad_run(env, tmp_path / "c", "--devices.mesh", "data=3", "--cpu-devices", "3")  # 2 prompts × 4 = 8 rows
   assert "devices.mesh 'data=3' (3 devices) does not fit: the rollout batch" in line and "size 8" in line
 
 
