@@ -4,4 +4,6 @@
   code-execution tool).
 """
 
-__all__: list[str] = []
+from jaxgrpo.environments import sandbox
+
+__all__ = ["sandbox"]

@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -215,8 +216,6 @@ def _interpreter(limits: SandboxLimits, unprivileged: bool) -> str:
 
 
 def _set_limits(limits: SandboxLimits):
-  import resource
-
   def apply():  # in the child, before exec (no namespaces: the trainer's own user)
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
