@@ -1,9 +1,36 @@
 """Environments and tools for multi-turn rollouts (host side, beside ``jaxgrpo.iteration``).
 
-- ``jaxgrpo.environments.sandbox``: run untrusted Python in a bounded, separate process (the
-  code-execution tool).
+- ``base``: the protocol — :class:`Environment` (``tools``, ``reset(row)``, ``step(text)``) and
+  :class:`StepResult` (messages, reward, done, metrics).
+- ``tools``: Qwen2.5/Qwen3 tool calls (``<tool_call>{"name", "arguments"}</tool_call>``) parsed and run
+  against Python functions, failures as error observations; :class:`ToolEnvironment`; :func:`python_tool`.
+- ``chat``: :class:`ChatFormat`, the token accounting (prompt and observation ids from the chat template).
+- ``sandbox``: run untrusted Python in a bounded, separate process (the code-execution tool).
+
+See docs/multiturn.md.
 """
 
 from jaxgrpo.environments import sandbox
+from jaxgrpo.environments.base import Environment, StepResult
+from jaxgrpo.environments.chat import ChatFormat
+from jaxgrpo.environments.tools import (
+  ToolCall,
+  ToolEnvironment,
+  parse_tool_calls,
+  python_tool,
+  run_tool_call,
+  tool_schema,
+)
 
-__all__ = ["sandbox"]
+__all__ = [
+  "ChatFormat",
+  "Environment",
+  "StepResult",
+  "ToolCall",
+  "ToolEnvironment",
+  "parse_tool_calls",
+  "python_tool",
+  "run_tool_call",
+  "sandbox",
+  "tool_schema",
+]
