@@ -233,12 +233,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
     pass
 
 
-def run_code(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+def run_code(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
   """Runs ``code`` (Python source) in a bounded, separate process; see the module docstring.
 
   Args:
     code: the program, written to ``main.py`` in a new temporary directory (its working directory).
-    limits: a :class:`SandboxLimits`.
+    limits: a :class:`SandboxLimits` (None: the defaults).
 
   Returns:
     A :class:`SandboxResult`; never raises for anything the code does.
@@ -248,6 +248,7 @@ def run_code(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResul
   """
   if not isinstance(code, str):
     raise TypeError(f"`code` must be a str of Python source; got {type(code).__name__}")
+  limits = SandboxLimits() if limits is None else limits
   if not isinstance(limits, SandboxLimits):
     raise TypeError(f"`limits` must be a SandboxLimits; got {type(limits).__name__}")
   use_ns = limits.isolation == "namespaces" or (limits.isolation == "auto" and namespaces_available())

@@ -163,9 +163,11 @@ class ToolEnvironment:
     return StepResult(messages, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors, "tool_s": seconds})
 
 
-def python_tool(limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> Callable[[str], str]:
+def python_tool(limits: sandbox.SandboxLimits | None = None) -> Callable[[str], str]:
   """A tool ``python(code)`` that runs ``code`` in the sandbox (:func:`jaxgrpo.environments.sandbox.run_code`
-  with ``limits``) and returns what it printed, with a status line when it failed or was killed."""
+  with ``limits``, default ``SandboxLimits()``) and returns what it printed, with a status line when it
+  failed or was killed."""
+  limits = sandbox.SandboxLimits() if limits is None else limits
 
   def python(code: str) -> str:
     """Runs a Python program in a sandbox and returns what it printed.
