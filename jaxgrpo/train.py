@@ -206,7 +206,9 @@ def _check_policy_mask(batch: Batch) -> None:
   pm, m = _host_values(batch.policy_mask), _host_values(batch.mask)
   if pm is not None and m is not None and (pm & ~m).any():
     row = int(np.flatnonzero((pm & ~m).any(axis=1))[0])
-    raise ValueError(f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not")
+    raise ValueError(
+      f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not"
+    )
 
 
 def _place_fields(batch: Batch, names, sharding) -> Batch:

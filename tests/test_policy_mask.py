@@ -45,7 +45,9 @@ def garbage(batch, seed=7):
   obs = np.asarray(batch.mask) & ~np.asarray(batch.policy_mask)
   rng = np.random.default_rng(seed)
   noisy = lambda x: None if x is None else np.where(obs, -5.0 * rng.random(obs.shape), x).astype(np.float32)
-  return batch._replace(old_logp=noisy(batch.old_logp), ref_logp=noisy(batch.ref_logp), behavior_logp=noisy(batch.behavior_logp))
+  return batch._replace(
+    old_logp=noisy(batch.old_logp), ref_logp=noisy(batch.ref_logp), behavior_logp=noisy(batch.behavior_logp)
+  )
 
 
 def trie_sizes(comp, mask, gids):
@@ -88,16 +90,21 @@ def numpy_frpo_advantages(config, batch):
 def _step(name, overrides, packing=None):
   config = preset(name, **dict(overrides))
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
-  model = tiny_model()
+  model = tiny_model(layers=1)
   opt = optax.sgd(LR)
   graphdef, _, shardings = train.init_train_state(model, opt, mesh)
   tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=8, compiler_options=FAST_COMPILE, packing=packing)
-  return config, mesh, opt, train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+  return (
+    config,
+    mesh,
+    opt,
+    train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc),
+  )
 
 
 def _update(name, overrides, batch, packing=None):
   config, mesh, opt, step = _step(name, tuple(sorted(overrides.items())), packing)
-  _, state, _ = train.init_train_state(tiny_model(), opt, mesh)
+  _, state, _ = train.init_train_state(tiny_model(layers=1), opt, mesh)
   if not step.reads_ref_logp:
     batch = batch._replace(ref_logp=None)
   state, metrics = step(state, batch)
@@ -118,7 +125,8 @@ def test_trie_reference_splits_at_differing_observations():
 
 
 @pytest.mark.parametrize(
-  "name, overrides", [("lambda_grpo", dict(beta=0.04)), ("lambda_frpo", dict(beta=0.5)), ("grpo", {})]
+  "name, overrides",
+  [pytest.param("lambda_grpo", dict(beta=0.04), marks=pytest.mark.slow), ("lambda_frpo", dict(beta=0.5))],
 )
 def test_step_trains_on_policy_tokens_only(name, overrides):
   """The step's update == the hand-written update with the loss over policy tokens, λ from the trie
@@ -135,7 +143,7 @@ def test_step_trains_on_policy_tokens_only(name, overrides):
   if adv is not None and weights is None:
     weights = np.ones_like(adv)
   want, want_metrics, _ = reference_update(
-    tiny_model(), batch, config, lr=LR, max_grad_norm=1e30, advantages=adv, token_weights=weights, loss_mask=pm
+    tiny_model(layers=1), batch, config, lr=LR, max_grad_norm=1e30, advantages=adv, token_weights=weights, loss_mask=pm
   )
   got, metrics = _update(name, overrides, batch)
   for k in want:
@@ -146,11 +154,12 @@ def test_step_trains_on_policy_tokens_only(name, overrides):
   same, _ = _update(name, overrides, garbage(batch))
   for k in got:
     np.testing.assert_array_equal(same[k], got[k], err_msg=str(k))
-  # and the mask matters: without it the update differs
-  full, _ = _update(name, overrides, batch._replace(policy_mask=None))
-  assert any(not np.allclose(full[k], got[k]) for k in got)
+  if name == "lambda_grpo":  # and the mask matters: without it the update differs
+    full, _ = _update(name, overrides, batch._replace(policy_mask=None))
+    assert any(not np.allclose(full[k], got[k]) for k in got)
 
 
+@pytest.mark.slow
 def test_observation_log_probs_change_no_gradient_entropy_importance_packing():
   """With the entropy bonus, token-level importance correction and KL in the loss, unpacked and
   packed: arbitrary observation log-probs (old, ref, behaviour) give bit-identical updates, and the
@@ -163,7 +172,7 @@ def test_observation_log_probs_change_no_gradient_entropy_importance_packing():
   base, m = _update("lambda_grpo", overrides, batch)
   noisy, _ = _update("lambda_grpo", overrides, garbage(batch))
   packed, mp = _update("lambda_grpo", overrides, batch, packing=32)
-  init = flat_params(nnx.split(tiny_model())[1])
+  init = flat_params(nnx.split(tiny_model(layers=1))[1])
   assert any(not np.allclose(base[k], init[k]) for k in base)
   for k in base:
     np.testing.assert_array_equal(noisy[k], base[k], err_msg=str(k))
