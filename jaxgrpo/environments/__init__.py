@@ -5,6 +5,7 @@
 - ``tools``: Qwen2.5/Qwen3 tool calls (``<tool_call>{"name", "arguments"}</tool_call>``) parsed and run
   against Python functions, failures as error observations; :class:`ToolEnvironment`; :func:`python_tool`.
 - ``chat``: :class:`ChatFormat`, the token accounting (prompt and observation ids from the chat template).
+- ``rollout``: :func:`sample_multiturn`, the batched multi-turn rollout, and :class:`MultiTurnConfig`.
 - ``sandbox``: run untrusted Python in a bounded, separate process (the code-execution tool).
 
 See docs/multiturn.md.
@@ -13,6 +14,7 @@ See docs/multiturn.md.
 from jaxgrpo.environments import sandbox
 from jaxgrpo.environments.base import Environment, StepResult
 from jaxgrpo.environments.chat import ChatFormat
+from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
 from jaxgrpo.environments.tools import (
   ToolCall,
   ToolEnvironment,
@@ -25,12 +27,16 @@ from jaxgrpo.environments.tools import (
 __all__ = [
   "ChatFormat",
   "Environment",
+  "MultiTurnConfig",
+  "MultiTurnRollout",
   "StepResult",
   "ToolCall",
   "ToolEnvironment",
   "parse_tool_calls",
   "python_tool",
+  "rollout_metrics",
   "run_tool_call",
+  "sample_multiturn",
   "sandbox",
   "tool_schema",
 ]

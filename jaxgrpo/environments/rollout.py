@@ -28,7 +28,6 @@ is kept (policy tokens, no end token); an observation that does not fit ends the
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -39,7 +38,7 @@ from jaxgrpo.environments.chat import ChatFormat
 from jaxgrpo.environments.tools import TOOL_CALL_END
 from jaxgrpo.sampling import generate
 
-__all__ = ["MultiTurnConfig", "MultiTurnRollout", "sample_multiturn"]
+__all__ = ["MultiTurnConfig", "MultiTurnRollout", "rollout_metrics", "sample_multiturn"]
 
 METRIC_NAMES = ("tool_calls", "tool_errors", "tool_s")
 
@@ -268,6 +267,3 @@ def rollout_metrics(rollout: MultiTurnRollout, seconds: float | None = None) -> 
   if seconds is not None:
     out["env/rollout_s"] = float(seconds)
   return out
-
-
-_ = time  # (timing is the caller's: grpo iteration phases)

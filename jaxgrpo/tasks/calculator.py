@@ -167,7 +167,8 @@ def _operands(problem: str) -> tuple[int, int]:
 
 def demonstration(tokenizer, row: Mapping, *, noise: str | None = None, rng=None) -> tuple[list[int], list[bool]]:
   """A worked conversation for the warm-up: ``(ids, policy_mask)`` of prompt + call + tool response +
-  boxed answer, the mask True on the policy's tokens (its two turns, ``<|im_end|>`` included).
+  boxed answer, the mask True on the policy's tokens: its call up to ``</tool_call>`` (where the rollout
+  stops a turn; the observation closes it with ``<|im_end|>``) and its answer up to ``<|im_end|>``.
 
   ``noise``: None (a correct demonstration); ``"operand"`` (the call copies one operand with a digit
   off by one — the tool then returns a wrong product, which is boxed); ``"guess"`` (no tool call: a
@@ -186,7 +187,7 @@ def demonstration(tokenizer, row: Mapping, *, noise: str | None = None, rng=None
   if noise == "operand":
     a = a + int(rng.choice([-1, 1]))
   call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}})
-  turn1 = fmt.encode(f"<tool_call>\n{call}\n</tool_call><|im_end|>")
+  turn1 = fmt.encode(f"<tool_call>\n{call}\n</tool_call>")  # the rollout stops at </tool_call>
   obs = fmt.observation_ids([{"role": "tool", "content": str(a * b)}], turn1)
   turn2 = fmt.encode(f"\\boxed{{{a * b}}}<|im_end|>")
   ids = ids + turn1 + obs + turn2
