@@ -103,6 +103,13 @@ class Batch(NamedTuple):
     packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
       :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
       stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
+    policy_mask: ``bool[B, T]`` the tokens the policy sampled (a subset of ``mask``), or None: all of
+      ``mask``. Multi-turn rollouts (``jaxgrpo.iteration.sample_multiturn``) interleave the policy's turns
+      with environment observations in ``completions``; the observations are context only: ``mask``
+      (attention, process sets) covers them, the loss does not — they leave the loss numerator and its
+      token count, the KL term, the importance weights, the entropy bonus and the metrics, and their
+      ``ref_logp`` is replaced by ``old_logp`` before ``advantages_fn`` (so FRPO's future KL, whose
+      f-divergence is 0 at πref = πθold, sums over policy tokens only).
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -120,10 +127,11 @@ class Batch(NamedTuple):
   token_weights: jax.Array | None = None
   behavior_logp: jax.Array | None = None
   packed: PackedSlots | None = None
+  policy_mask: jax.Array | None = None
 
   @classmethod
   def from_rollout(
-    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None
+    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None, policy_mask=None
   ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
     array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
@@ -142,6 +150,7 @@ class Batch(NamedTuple):
       advantages,
       token_weights,
       behavior_logp,
+      policy_mask=getattr(rollout, "policy_mask", None) if policy_mask is None else policy_mask,
     )
 
 
@@ -158,6 +167,7 @@ _FIELDS = {
   "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
   "token_weights": ((2,), "float", "f32[B, T]"),
   "behavior_logp": ((2,), "float", "f32[B, T]"),
+  "policy_mask": ((2,), "bool", "bool[B, T]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -195,6 +205,18 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
         f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
       )
   return b, t
+
+
+def _check_policy_mask(batch: Batch) -> None:
+  """ValueError when ``batch.policy_mask`` (values on this host) marks a token outside ``batch.mask``."""
+  if batch.policy_mask is None:
+    return
+  pm, m = _host_values(batch.policy_mask), _host_values(batch.mask)
+  if pm is not None and m is not None and (pm & ~m).any():
+    row = int(np.flatnonzero((pm & ~m).any(axis=1))[0])
+    raise ValueError(
+      f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not"
+    )
 
 
 def _place_fields(batch: Batch, names, sharding) -> Batch:
@@ -608,6 +630,8 @@ class _StepSpec:
 def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int, hyper):
   """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
   config = spec.config
+  if batch.policy_mask is not None and batch.ref_logp is not None:  # observations: δ = 0, f(1) = 0
+    batch = batch._replace(ref_logp=jnp.where(batch.policy_mask, batch.ref_logp, batch.old_logp))
   if batch.advantages is None:
     extras = {} if hyper is None else {"hyper": hyper}
     adv, weights = spec.advantages_fn(
@@ -679,6 +703,8 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
   # [B] missing samples (non-finite rewards): advantage 0, no tokens in the loss; none without rewards
   missing = jnp.zeros((b,), bool) if batch.rewards is None else ~jnp.isfinite(batch.rewards)
   loss_mask = batch.mask & ~missing[:, None]  # [B, T]
+  if batch.policy_mask is not None:  # multi-turn: observation tokens are context, not loss
+    loss_mask = loss_mask & batch.policy_mask
   adv = jnp.where(missing if adv.ndim == 1 else missing[:, None], 0.0, adv.astype(jnp.float32))
   select = lambda x: None if x is None else jnp.where(loss_mask, x.astype(jnp.float32), 0.0)
   extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
@@ -874,6 +900,7 @@ class TrainStep:
           "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
+    _check_policy_mask(batch)
     _check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
     g, num_groups = _group_bound(tc.group_size, b)
     ids = _host_values(batch.group_ids)
@@ -1348,4 +1375,5 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     token_weights=fit(batch.token_weights, 0.0),
     behavior_logp=fit(batch.behavior_logp, 0.0),
     packed=packed,
+    policy_mask=fit(batch.policy_mask, False),
   )

@@ -46,6 +46,7 @@ MODULES = {
   "jaxgrpo.sampling": "models/sampling",
   "jaxgrpo.train": "train step",
   "jaxgrpo.iteration": "iteration/trainer",
+  "jaxgrpo.environments": "iteration/trainer",
   "jaxgrpo.data": "iteration/trainer",
   "jaxgrpo.rewards": "iteration/trainer",
   "jaxgrpo.evaluation": "iteration/trainer",
