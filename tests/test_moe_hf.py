@@ -77,7 +77,7 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
   (our jitted sampler with its KV cache; HF's own cache)."""
   hf_model = build_hf_model(tiny_moe_config(family), seed=0)
   with torch.no_grad():  # weights x4: clear top-1 margins (and router margins) over fp32 noise
-    for name, p in hf_model.named_parameters():
+    for p in hf_model.parameters():
       if p.ndim >= 2:
         p.mul_(4.0)
   hf_model.save_pretrained(str(tmp_path))
