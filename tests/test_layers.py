@@ -51,6 +51,7 @@ MODULES = {
   "jaxgrpo.specs": "iteration/trainer",
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
+  "jaxgrpo.async_rollout": "iteration/trainer",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
