@@ -176,17 +176,21 @@ class AsyncRollouts:
       self._transfer = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=step_fn.shardings.params)
       self._frozen = tstate.frozen
     else:
-      shardings = shd.tree_shardings(tstate.params, self.rollout_mesh, rules)
-      self._transfer = lambda t: jax.device_put(t, shardings)
+      self.rollout_shardings = shd.tree_shardings(tstate.params, self.rollout_mesh, rules)
+      self._transfer = lambda t: jax.device_put(t, self.rollout_shardings)
       self._frozen = None
       if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
         self._frozen = jax.device_put(tstate.frozen, shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules))
     # π_old of a stale batch: the learner's current parameters (merged with the frozen ones), one pass
-    shardings, self._merged = step_fn.shardings.params, False
+    logp_shardings, self._merged = step_fn.shardings.params, False
     if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
-      shardings, self._merged = nnx.merge_state(shardings, step_fn.shardings.frozen), True
+      logp_shardings, self._merged = nnx.merge_state(logp_shardings, step_fn.shardings.frozen), True
     self._policy_logp = make_reference_fn(
-      step_fn.graphdef, mesh=trainer.mesh, param_shardings=shardings, train_config=trainer.train_config, rules=rules
+      step_fn.graphdef,
+      mesh=trainer.mesh,
+      param_shardings=logp_shardings,
+      train_config=trainer.train_config,
+      rules=rules,
     )
     self._cond = threading.Condition()
     self._queue: collections.deque[ProducedBatch] = collections.deque()
