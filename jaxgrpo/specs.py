@@ -186,6 +186,9 @@ class RolloutSpec:
     merge_lora: with a ``lora`` section, sample (and evaluate) from ``models.lora.merge_lora`` of
       the policy — no adapter matmuls per token, but a merged copy of the adapted weights while
       sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
+    max_staleness: k, the most updates the parameters that sampled a group may lag behind the ones
+      it is trained from. 0: the synchronous loop; >= 1: a producer samples the next batches while
+      the learner updates (``jaxgrpo.async_rollout``; docs/trainer.md, "Asynchronous rollouts").
   """
 
   group_size: int = 6
@@ -195,10 +198,11 @@ class RolloutSpec:
   top_k: int = 0
   dynamic_sampling_max_rounds: int = 4
   merge_lora: bool = False
+  max_staleness: int = 0
 
   def __post_init__(self):
     _ints("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
-    _ints("rollout", self, ("top_k",), minimum=0)
+    _ints("rollout", self, ("top_k", "max_staleness"), minimum=0)
     _float("rollout", self, "top_p", above=0.0, at_most=1.0)
     _checks.check_python_bool(self.merge_lora, "rollout.merge_lora")
 
@@ -351,6 +355,11 @@ class DevicesSpec:
     host_timeout_s: several processes: a process that sent no heartbeat for this many seconds
       counts as dead and the others stop, naming it (``jaxgrpo.distributed.HostWatchdog``); JAX's own
       heartbeat timeout is set to twice this value.
+    rollout: disaggregated placement: sample on a mesh of this many devices of their own (the last
+      ones) and train on the others (``mesh``); None: colocated, one mesh time-shared.
+    train: with ``rollout``: the devices of the training mesh (the first ones; None: all the
+      rollout mesh leaves).
+    rollout_mesh: the rollout mesh's axes (like ``mesh``; ``""``: every rollout device on fsdp).
   """
 
   mesh: str = ""
@@ -359,9 +368,15 @@ class DevicesSpec:
   num_processes: int | None = None
   process_id: int | None = None
   host_timeout_s: float = 90.0
+  rollout: int | None = None
+  train: int | None = None
+  rollout_mesh: str = ""
 
   def __post_init__(self):
     _float("devices", self, "host_timeout_s", at_least=1.0, hint="seconds")
+    _ints("devices", self, tuple(f for f in ("rollout", "train") if getattr(self, f) is not None))
+    if self.train is not None and self.rollout is None:
+      raise ValueError(f"`devices.train`={self.train} needs `devices.rollout` (disaggregated placement)")
 
 
 def _arithmetic_model() -> ModelSpec:
@@ -419,6 +434,14 @@ class TrainerConfig:
       raise ValueError(
         f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
         "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
+      )
+    if self.rollout.max_staleness and self.objective.importance_correction is None:
+      warnings.warn(
+        f"`rollout.max_staleness`={self.rollout.max_staleness} without `objective.importance_correction`: stale "
+        "groups are trained as if sampled by the current policy (no π_old/μ reweighting); set "
+        "`objective.importance_correction: tis` (or mis) to correct them",
+        UserWarning,
+        stacklevel=3,
       )
     if self.rollout.group_size == 1:
       warnings.warn(

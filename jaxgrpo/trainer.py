@@ -71,7 +71,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo import builders, distributed, iteration, runlock
+from jaxgrpo import async_rollout, builders, distributed, iteration, runlock
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
@@ -294,7 +294,7 @@ class Trainer:
     self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
     self.collapse_guard = collapse_guard
     self.stop_signal: int | None = None  # set by the signal handlers of handle_signals()
-    self.mesh = shd.make_mesh(cfg.devices.mesh or None)
+    self.mesh, self.rollout_mesh = async_rollout.make_meshes(cfg.devices)  # rollout_mesh: None colocated
     self._check_mesh_fits()
     self._build_model_and_data()
     fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)
@@ -342,6 +342,16 @@ class Trainer:
         self.state = TrainerState.from_snapshot(restored, train_state.frozen)
         self.iterator.restore(self.state.data_position)
         self.resumed = True
+    # rollout.max_staleness >= 1 or devices.rollout: the producer/learner pipeline replaces train_step
+    self.rollouts = None
+    if roll.max_staleness or self.rollout_mesh is not None:
+      self.rollouts = async_rollout.AsyncRollouts(
+        self,
+        max_staleness=roll.max_staleness,
+        rollout_mesh=self.rollout_mesh,
+        steps=cfg.run.steps,
+        resumed=self.resumed,
+      )
 
   # ------------------------------------------------------------------ construction
   def _check_mesh_fits(self) -> None:
@@ -428,14 +438,16 @@ class Trainer:
     policy = self.policy()
     return lora.merge_lora(policy) if self.config.rollout.merge_lora else policy
 
-  def _sample(self, indices, key) -> Rollout:
+  def _sample(self, indices, key, *, policy=None, mesh=None) -> Rollout:
     """This process's rows (NumPy; all rows in one process) of G completions of the prompts
     ``indices`` (every process passes the same): one sampler program on the global mesh, each process
-    sending its own prompts (``iteration.place_prompts``)."""
+    sending its own prompts (``iteration.place_prompts``). ``policy``/``mesh``: another policy and
+    its mesh (the rollout producer's; default :meth:`policy` on the trainer's mesh)."""
+    mesh = self.mesh if mesh is None else mesh
     tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
-    tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.mesh)
-    rollout = iteration.sample(self.policy(), tokens, mask, self.sampling, key=key)
-    return distributed.process_rows(rollout._replace(num_steps=None), self.mesh)
+    tokens, mask = iteration.place_prompts(tokens, mask, mesh=mesh)
+    rollout = iteration.sample(self.policy() if policy is None else policy, tokens, mask, self.sampling, key=key)
+    return distributed.process_rows(rollout._replace(num_steps=None), mesh)
 
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
     rows = [c[m].tolist() for c, m in zip(completions, mask)]
@@ -450,9 +462,11 @@ class Trainer:
     columns = _rows_to_columns([self.examples[i] for i in prompt_of_row], 1)
     return self.reward_set(prompts, texts, columns)
 
-  def _rollout_batch(self, key) -> tuple[train_lib.Batch, dict, int]:
+  def _rollout_batch(self, key, *, sample=None, kept_groups=None) -> tuple[train_lib.Batch, dict, int]:
     """Samples ``prompts_per_step`` groups (refilled under dynamic sampling) → (this process's rows of
-    the Batch, metrics, completion tokens of the whole batch).
+    the Batch, metrics, completion tokens of the whole batch). ``sample(indices, key)``: the sampling
+    call (default :meth:`_sample`); ``kept_groups``: a list extended with ``(round, group)`` of every
+    group of the batch, in batch order.
 
     Each process scores its own rows; every row's reward and length is then gathered (one small
     all-gather per round), so every process keeps the same groups, in the same order, as one process
@@ -464,7 +478,7 @@ class Trainer:
     while len(kept) < groups:
       key, sub = jax.random.split(key)
       indices = self.iterator.next(groups)
-      rows = self._sample(indices, sub)
+      rows = (self._sample if sample is None else sample)(indices, sub)
       res = self._score(indices, rows)
       lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
       total, per_fn, lengths = distributed.all_rows((res.total, res.per_fn, lengths), self.mesh)
@@ -483,6 +497,8 @@ class Trainer:
       rounds.append((rows, total, per_fn, lengths))
       if len(kept) < groups and len(rounds) >= roll.dynamic_sampling_max_rounds:
         kept += spare[: groups - len(kept)]  # give up refilling: these groups have zero advantage
+    if kept_groups is not None:
+      kept_groups.extend(kept)
     batch = self._own_groups(rounds, kept)
     rewards = np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept]).astype(np.float32)
     lengths = np.concatenate([rounds[r][3][b * g : (b + 1) * g] for r, b in kept])
@@ -532,6 +548,10 @@ class Trainer:
     several processes each scores its share of the problems and the counts are gathered."""
     if self.eval_prompts is None:
       return {}
+    with contextlib.nullcontext() if self.rollouts is None else self.rollouts.paused():  # shared reward workers
+      return self._evaluate(key)
+
+  def _evaluate(self, key) -> dict[str, float]:
     cfg = self.config
     return evaluate_policy(
       self.sampling_policy(),
@@ -574,7 +594,11 @@ class Trainer:
 
   # ------------------------------------------------------------------ the loop
   def train_step(self) -> dict[str, Any]:
-    """One rollout → reward → update step; returns its metrics (the same on every process)."""
+    """One rollout → reward → update step; returns its metrics (the same on every process). With
+    ``rollout.max_staleness`` >= 1 or ``devices.rollout``: the learner's step of ``self.rollouts``
+    (``jaxgrpo.async_rollout``)."""
+    if self.rollouts is not None:
+      return self.rollouts.train_step()
     t0 = time.perf_counter()
     tstate, key, _ = self.state
     key, sample_key = jax.random.split(key)
@@ -794,6 +818,8 @@ class Trainer:
     except MetricsWriteError as e:  # disk full: try to keep the steps done, then stop
       raise self._checkpoint_after_write_error(e, last_saved) from e.__cause__
     finally:
+      if self.rollouts is not None:
+        self.rollouts.close()
       if f is not None:
         f.close()
       self.accuracy.close()

@@ -55,6 +55,8 @@ MODULES = {
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
   "jaxgrpo.collapse": "iteration/trainer",
+  "jaxgrpo.async_rollout": "iteration/trainer",
+  "jaxgrpo.pipeline_sim": "kernels",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
