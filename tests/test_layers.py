@@ -44,6 +44,7 @@ MODULES = {
   "jaxgrpo.distributed": "models/sampling",
   "jaxgrpo.models": "models/sampling",
   "jaxgrpo.sampling": "models/sampling",
+  "jaxgrpo.engines": "models/sampling",
   "jaxgrpo.train": "train step",
   "jaxgrpo.iteration": "iteration/trainer",
   "jaxgrpo.environments": "iteration/trainer",
@@ -59,7 +60,7 @@ MODULES = {
   "jaxgrpo.pipeline_sim": "kernels",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
-EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
+EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers", "vllm")
 # function-level imports of core packages still in modules other streams own (to be moved to the top)
 KNOWN = {
   ("jaxgrpo/models/hf.py", "huggingface_hub"),
