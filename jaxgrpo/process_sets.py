@@ -57,7 +57,11 @@ a direct call costs what it costs inside ``jit`` after the first call of a shape
 is concrete and ``max_group_size`` is not given it is the largest group rounded up to a power of two
 (so batches whose largest group changes from 33 to 36 share one compiled program); when ``group_ids``
 is traced and no bound is given, the pairwise method must assume ``B`` (``O(B²)`` pairs) and warns
-once.
+once. A direct call compiles exactly once per combination of: the arrays' shapes and dtypes, the
+method, the pairwise bound (``min(max_group_size, B)`` when given — the same every call, so pass it
+once to compile once per shape; else the derived power of two above), ``exact``, ``scale``/``ddof``/
+``eps``, and ``num_groups``' power-of-two bucket (``num_groups`` itself is a traced input;
+``process_tree_stats(per_group=True)`` compiles per ``num_groups``, its output's shape).
 
 **Failing loudly under jit.** Values cannot raise inside ``jit``. A row whose group id is out of range
 (negative, or ``>= num_groups`` where ``num_groups`` is an argument), and every row of a group larger
