@@ -284,3 +284,5 @@ def test_forward_mode_jvp_and_linearize_through_the_log_probs(which):
   assert got == pytest.approx(want, rel=1e-4), "c·(J·t) vs (Jᵀc)·t through the hand-written gradients"
   with pytest.raises(TypeError, match="forward-mode autodiff"):  # why the flag exists
     jax.jvp(lambda p: f(p, False), (params,), (t,))
+  with pytest.raises(TypeError, match="`forward_mode` must be a bool"):
+    log_probs(nnx.merge(graphdef, params, rest), tokens, mask, forward_mode=1)

@@ -137,11 +137,15 @@ def _head_log_probs_bwd(static, residuals, cotangents):
 _head_log_probs.defvjp(_head_log_probs_fwd, _head_log_probs_bwd)
 
 
-def _forward_mode(enabled: bool):
-  """``forward_mode_autodiff()`` when ``enabled``, else no change (an enclosing one stays in effect)."""
+def _check_forward_mode(enabled) -> bool:
   if not isinstance(enabled, bool):
     raise TypeError(f"`forward_mode` must be a bool; got {enabled!r}")
-  return forward_mode_autodiff() if enabled else contextlib.nullcontext()
+  return enabled
+
+
+def _forward_mode(enabled: bool):
+  """``forward_mode_autodiff()`` when ``enabled``, else no change (an enclosing one stays in effect)."""
+  return forward_mode_autodiff() if _check_forward_mode(enabled) else contextlib.nullcontext()
 
 
 def _uses_head_kernel(model) -> bool:
@@ -203,8 +207,7 @@ def chunked_log_probs(
   b, t, d = hidden.shape
   targets = targets.astype(jnp.int32)
 
-  _forward_mode(forward_mode)  # checks the flag
-  if _uses_head_kernel(model) and not (forward_mode or forward_mode_active()):
+  if _uses_head_kernel(model) and not (_check_forward_mode(forward_mode) or forward_mode_active()):
     w, tied, dtype = model.head_weight, model.lm_head is None, model.dtype
 
     def chunk(args):
