@@ -15,8 +15,10 @@ The package is layered, every import pointing down (README, "The library"):
 3. train step — ``jaxgrpo.train``: make_train_step, TrainConfig, TrainState.
 4. iteration/trainer — ``jaxgrpo.iteration``: grpo_iteration and its pieces (sample, score,
    make_batch, make_reference, policy_model); ``jaxgrpo.data``, ``rewards``, ``evaluation``, ``tasks`` (binary_tree,
-   arithmetic), ``specs`` (the run config), ``builders`` (model and prompts from it), ``trainer``.
-   Services beside them: ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics`` (they import nothing of jaxgrpo).
+   arithmetic), ``specs`` (the run config), ``builders`` (model and prompts from it), ``trainer``,
+   ``collapse`` (the guard against a policy that collapses with finite values).
+   Services beside them: ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.runlock`` (one run per
+   output directory) (they import nothing of jaxgrpo).
 
 Layers 1–3 and ``jaxgrpo.iteration`` are re-exported here; import the modules of layer 4 and the services yourself (heavier
 dependencies: datasets, transformers' tokenizers, Orbax).
