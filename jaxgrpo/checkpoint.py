@@ -987,10 +987,10 @@ class Checkpointer:
         verify_step(path, checksum=self.checksum)
         read_meta(path)
       except CheckpointError as e:
-        if self.on_corrupt == "stop":
+        if self.on_corrupt == "stop":  # one line: the file, then the recovery
           raise CheckpointError(
-            f"{e}\n{recovery_hint(self.directory, step)} (this run was started with on_corrupt 'stop', "
-            "scripts/train.py --on-corrupt stop)"
+            f"{' '.join(str(e).split())}. {recovery_hint(self.directory, step)} (this run was started with "
+            "on_corrupt 'stop', scripts/train.py --on-corrupt stop)"
           ) from None
         self._quarantine(step, e)
         continue

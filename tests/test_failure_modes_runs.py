@@ -428,7 +428,8 @@ def test_second_run_into_the_same_out_is_refused(env, tmp_path):
   """Two real runs into one --out. Before: both exit 0, the newest checkpoint holds the second run's
   tensors and metrics.jsonl interleaves both. The lock goes with a SIGKILLed holder."""
   out = tmp_path / "run"
-  first = subprocess.Popen(_cmd(out, 6), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  # 500 steps: still running while the second run starts (it is killed below)
+  first = subprocess.Popen(_cmd(out, 500), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
   try:
     for line in first.stdout:
       if line.startswith("step 1 loss"):
@@ -462,8 +463,9 @@ def _fill(path) -> None:
 
 
 def test_disk_full_while_writing_metrics(runs, env, tmp_path):
-  """OUT on a small tmpfs (its checkpoints on a roomy one), filled up after step 2: step 3's record
-  does not fit. Before: a raw traceback, a line cut at the page boundary, no checkpoint of step 3."""
+  """OUT on a small tmpfs (its checkpoints on a roomy one), filled up after step 1: the records go
+  on into the last page of metrics.jsonl until it is full (usually step 3 or 4), then one is cut.
+  Before: a raw traceback, a line cut at the page boundary, no checkpoint of that step."""
   out = tmp_path / "run"
   out.mkdir()
   m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], capture_output=True, text=True)
@@ -480,25 +482,31 @@ def test_disk_full_while_writing_metrics(runs, env, tmp_path):
     lines = []
     for line in proc.stdout:
       lines.append(line)
-      if line.startswith("step 2 loss"):
+      if line.startswith("step 1 loss"):
         _fill(out / "filler")
         break
     rest, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 1, "".join(lines[-20:]) + rest[-2000:] + stderr[-3000:]
-    assert re.search(
-      rf"error: writing the metrics of step 3 to {out}/metrics.jsonl failed: ENOSPC \(No space left on device\); "
-      r"training stopped after step 3 \(a checkpoint of step 3 was started\)\. checkpoint of step 3 complete in ",
+    m = re.search(
+      rf"error: writing the metrics of step (\d) to {out}/metrics.jsonl failed: ENOSPC \(No space left on device\); "
+      r"training stopped after step \1 \(a checkpoint of step \1 was started\)\. checkpoint of step \1 complete in ",
       stderr,
-    ), stderr[-3000:]
+    )
+    assert m, stderr[-3000:]
+    full = int(m.group(1))
+    assert 2 <= full <= 6
     _clean_failure(stderr)
-    assert _complete(out)[-1] == 3
+    assert _complete(out)[-1] == full
+    cut = not (out / "metrics.jsonl").read_bytes().endswith(b"\n")
+    print(f"the disk filled at step {full}; metrics.jsonl ended with a cut line: {cut}")
     os.remove(out / "filler")
     r = _run(env, out, 6, "--no-tensorboard")
-    assert re.search(r"resumed from checkpoint \S+ \(step 3\)", r.stdout)
+    assert re.search(rf"resumed from checkpoint \S+ \(step {full}\)", r.stdout)
     lines = (out / "metrics.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b""
-    records = [json.loads(x) for x in lines[:-1]]  # every line whole: the cut one was dropped
-    assert [x["step"] for x in records if "loss" in x] == [1, 2, 4, 5, 6]  # step 3's record was never written
+    records = [json.loads(x) for x in lines[:-1]]  # every line whole: a cut one was dropped
+    steps = [x["step"] for x in records if "loss" in x]
+    assert steps == [s for s in range(1, 7) if s != full]  # the record that did not fit was never written
     want, got = _params(runs / "straight"), _params(out)
     for k in want:
       np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -516,8 +524,9 @@ def test_corrupt_newest_step_is_quarantined_and_the_run_resumes(runs, env, tmp_p
   shutil.copytree(runs / "three", out)
   os.remove(out / "checkpoints" / "3" / "meta" / "metadata")
   r = _run(env, out, 4, "--on-corrupt", "stop", expect=2)
-  (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-  assert "meta/metadata: missing" in line and "Recovery: move it aside" in line and "--on-corrupt quarantine" in line
+  (line,) = [x for x in r.stderr.splitlines() if x.strip()]  # one line
+  assert line.startswith(f"error: checkpoint {out}/checkpoints/3 is corrupt: meta/metadata: missing. Recovery: ")
+  assert "move it aside" in line and "e.g. --step 2" in line and "--on-corrupt quarantine" in line
   _clean_failure(r.stderr)
   assert "supervised warm-up" not in r.stdout and _complete(out) == [1, 2, 3]  # refused before any work
   r = _run(env, out, 4)
