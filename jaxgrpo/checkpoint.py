@@ -103,6 +103,7 @@ __all__ = [
   "RunMeta",
   "checkpoint_dir",
   "has_checkpoint",
+  "checkpoint_root",
   "complete_steps",
   "verify_step",
   "read_meta",
@@ -418,6 +419,11 @@ def _resolve_root(path: str) -> tuple[str, int | None]:
   if os.path.isdir(os.path.join(path, "checkpoints")):
     return os.path.join(path, "checkpoints"), None
   return path, None
+
+
+def checkpoint_root(path: str) -> str:
+  """The checkpoint root (``OUT/checkpoints``) of a run directory, a checkpoint root or a step directory."""
+  return _resolve_root(path)[0]
 
 
 def _resolve_step(path: str, step: int | None) -> tuple[str, int]:

@@ -414,7 +414,8 @@ class Trainer:
   def _build_model_and_data(self):
     cfg = self.config
     # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
-    self.model, self.tokenizer = builders.build_run_policy(cfg, mesh=self.mesh, log=self.log)
+    base = builders.run_base_dir(cfg.run.out) if self.checkpoint_fn is not None else None  # LoRA: no re-warm-up
+    self.model, self.tokenizer = builders.build_run_policy(cfg, mesh=self.mesh, log=self.log, save_base=base)
     self.pad_id, self.eos_ids = builders.special_ids(self.tokenizer)
     sets = builders.build_prompts(cfg.data, cfg.eval, self.tokenizer, seed=cfg.run.seed)
     self.prompts, self.examples = sets.train, sets.train_examples
@@ -575,7 +576,8 @@ class Trainer:
 
   def save_model(self, out_dir: str) -> list[str]:
     """Writes the current policy as a Hugging Face directory (``builders.save_policy``); a LoRA run
-    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft``. With
+    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft`` (on the
+    synthetic model: with its base in ``<out_dir>-base``, which the PEFT directory names). With
     several processes every process must call it (they all take part in gathering parameters that
     span processes) and process 0 writes. Returns the directories written (none on other processes)."""
     cfg, t = self.config, self.state.train
@@ -587,10 +589,7 @@ class Trainer:
       return []
     if cfg.lora is None:
       return builders.save_policy(model, self.tokenizer, out_dir)
-    peft_dir = builders.peft_dir_for(out_dir)
-    return builders.save_policy(
-      model, self.tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path
-    )
+    return builders.save_policy(model, self.tokenizer, out_dir, **builders.lora_export_dirs(cfg, out_dir))
 
   # ------------------------------------------------------------------ the loop
   def train_step(self) -> dict[str, Any]:
