@@ -64,6 +64,8 @@ __all__ = [
   "ModelSpec",
   "DataSpec",
   "RolloutSpec",
+  "VLLMSpec",
+  "ENGINES",
   "OptimSpec",
   "RewardSpec",
   "EvalSpec",
@@ -169,6 +171,37 @@ class DataSpec:
     _positive("data", self, ("max_prompt_tokens",))
 
 
+ENGINES = ("jax", "vllm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMSpec:
+  """The vLLM engine of ``rollout.engine: vllm`` (``jaxgrpo.engines.vllm.VLLMEngine``; docs/sampling.md,
+  "Engines").
+
+  Attributes:
+    dtype: vLLM's weight and compute dtype: ``float32``, ``bfloat16`` or ``float16``.
+    kv_cache_bytes: the KV cache, in bytes (CPU; vLLM's ``kv_cache_memory_bytes``).
+    gpu_memory_utilization: vLLM's share of the GPU's memory (GPU only; leave the rest to XLA:
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION`` + this < 1).
+    max_num_seqs: the most sequences vLLM decodes at once.
+    enforce_eager: no torch.compile / CUDA graphs (faster start-up, slower decoding on a GPU).
+  """
+
+  dtype: str = "float32"
+  kv_cache_bytes: int = 256 * 2**20
+  gpu_memory_utilization: float = 0.3
+  max_num_seqs: int = 256
+  enforce_eager: bool = True
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"`rollout.vllm.dtype` must be float32, bfloat16 or float16; got {self.dtype!r}")
+    _positive("rollout.vllm", self, ("kv_cache_bytes", "max_num_seqs"))
+    if not 0.0 < self.gpu_memory_utilization < 1.0:
+      raise ValueError(f"`rollout.vllm.gpu_memory_utilization` must be in (0, 1); got {self.gpu_memory_utilization}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSpec:
   """Sampling the groups of one step (the temperature is ``step.temperature``: the train step's
@@ -184,6 +217,10 @@ class RolloutSpec:
     merge_lora: with a ``lora`` section, sample (and evaluate) from ``models.lora.merge_lora`` of
       the policy — no adapter matmuls per token, but a merged copy of the adapted weights while
       sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
+    engine: what generates the rollouts: ``jax`` (the built-in jitted sampler, default) or ``vllm``
+      (vLLM in this process, the policy's weights pushed after every update; its log-probs become the
+      batch's ``behavior_logp`` and the trainer recomputes ``old_logp``; docs/sampling.md, "Engines").
+    vllm: the vLLM engine's settings (read with ``engine: vllm``).
   """
 
   group_size: int = 6
@@ -193,8 +230,12 @@ class RolloutSpec:
   top_k: int = 0
   dynamic_sampling_max_rounds: int = 4
   merge_lora: bool = False
+  engine: str = "jax"
+  vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
 
   def __post_init__(self):
+    if self.engine not in ENGINES:
+      raise ValueError(f"`rollout.engine` must be one of {ENGINES}; got {self.engine!r}")
     _positive("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
     _positive("rollout", self, ("top_k",), minimum=0)
     if not 0.0 < self.top_p <= 1.0:
@@ -417,6 +458,13 @@ class TrainerConfig:
       raise ValueError(
         f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
         "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
+      )
+    roll = self.rollout
+    if roll.engine == "vllm" and self.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):
+      raise ValueError(
+        f"`rollout.engine: vllm` with `step.temperature`={self.step.temperature} != 1 cannot report full-vocabulary "
+        f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
+        'temperature 1 or no filtering (docs/sampling.md, "Engines")'
       )
     if self.rollout.group_size == 1:
       warnings.warn(

@@ -1,0 +1,99 @@
+"""The vLLM engine (real vLLM, CPU build) against the library's own log-probs, and a trainer run through it.
+
+vLLM pins transformers<5.20, the main environment has a newer one, so vLLM lives in its own venv
+(``scripts/setup_vllm_venv.sh``, run by the README's test command and ``.ci/run``); these tests run the
+engine code in a child process with that venv's python (``tests/vllm_checks.py``, ``tests/vllm_trainer.py``)
+and assert on the numbers it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import ROOT, cli_env
+
+VENV_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("xla_cache")
+
+
+def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 900) -> None:
+  """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache shared by this module's runs."""
+  if not os.path.exists(VENV_PYTHON):
+    pytest.fail(f"{VENV_PYTHON} is missing: run `bash scripts/setup_vllm_venv.sh` (the README's test command does)")
+  env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
+  proc = subprocess.run(
+    [VENV_PYTHON, os.path.join(ROOT, "tests", script), *args],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+  if proc.returncode:
+    sys.stderr.write(proc.stderr[-20000:])
+    pytest.fail(f"{script} {' '.join(args)} exited with {proc.returncode}: {proc.stderr[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def family_results(tmp_path_factory, xla_cache):
+  out = tmp_path_factory.mktemp("vllm") / "families.json"
+  run_in_vllm_venv("vllm_checks.py", "families", str(out), cache=xla_cache)
+  return json.loads(out.read_text())
+
+
+FP32_TOL = 1e-4  # float32 engine vs float32 library: the probe measured ≤ 1e-5
+BF16_TOL = 0.3  # bfloat16 engine vs float32 library (transformers bf16 vs fp32: 0.15)
+
+
+def test_every_family_tied_and_untied_is_covered(family_results):
+  cases = [r["case"] for r in family_results]
+  assert {c["family"] for c in cases} == {"gpt2", "llama", "qwen2", "qwen3"}
+  assert {c["tied"] for c in cases} == {True, False}
+  assert any(c.get("lora") for c in cases) and any(c.get("dtype") == "bfloat16" for c in cases)
+  for r in family_results:
+    assert min(r["prompt_lengths"]) > 128, "prompts must fill a KV block (prefix cache)"
+    # a near-deterministic model would make every comparison trivially exact
+    assert 0.3 < r["entropy"] < 0.8 * r["log_vocab"], r
+
+
+def test_engine_log_probs_equal_the_library_after_each_push(family_results):
+  for r in family_results:
+    tol = BF16_TOL if r["case"].get("dtype") == "bfloat16" else FP32_TOL
+    assert r["tokens"] > 200
+    assert r["max_abs_logp"] < tol, r
+    assert r["after_update_max_abs_logp"] < tol, r
+    assert r["greedy_max_abs_logp"] < tol, r
+
+
+def test_push_after_an_update_moves_the_engine_to_the_new_policy(family_results):
+  for r in family_results:
+    # the old policy's log-probs of the new samples are far off: stale weights or a stale prefix cache
+    # (prompts > 128 tokens) would have matched them instead of the new ones
+    assert r["after_update_vs_old_mean_abs"] > 1.0, r
+    assert r["after_update_vs_old_mean_abs"] > 20 * r["after_update_max_abs_logp"] or r["case"].get("dtype"), r
+
+
+def test_greedy_tokens_are_the_library_argmax_given_the_engine_prefix(family_results):
+  for r in family_results:
+    assert r["greedy_positions"] > 250, r
+    need = 0.95 if r["case"].get("dtype") == "bfloat16" else 1.0
+    assert r["greedy_agree"] >= need * r["greedy_positions"], r
+
+
+def test_filters_suppressed_ids_and_finish_reasons(family_results):
+  for r in family_results:
+    assert r["suppressed_sampled"] == 0, r
+    assert r["finish_reasons_ok"], r
+    if r["case"].get("top_k") or r["case"].get("top_p"):
+      assert r["outside_filter"] == 0, r
+  assert sum(r["stop_rows"] for r in family_results) > 0  # EOS rows are exercised
+  assert np.median([r["push2_s"] for r in family_results]) < 2.0
