@@ -97,3 +97,45 @@ def test_filters_suppressed_ids_and_finish_reasons(family_results):
       assert r["outside_filter"] == 0, r
   assert sum(r["stop_rows"] for r in family_results) > 0  # EOS rows are exercised
   assert np.median([r["push2_s"] for r in family_results]) < 2.0
+
+
+@pytest.fixture(scope="module")
+def learn_records(tmp_path_factory, xla_cache):
+  out = tmp_path_factory.mktemp("vllm") / "learn.json"
+  run_in_vllm_venv("vllm_trainer.py", "learn", str(out), cache=xla_cache)
+  return json.loads(out.read_text())
+
+
+def test_a_trainer_run_through_vllm_learns_the_arithmetic_demo(learn_records):
+  steps = [r for r in learn_records if "loss" in r]
+  evals = [r["eval_accuracy"] for r in learn_records if "eval_accuracy" in r]
+  assert len(steps) == 20 and len(evals) == 2
+  for r in steps:  # the engine metrics, every step; fp32 engine vs fp32 trainer: no mismatch to speak of
+    assert r["engine/push_s"] > 0 and r["engine/generate_s"] > 0, r
+    assert 0 <= r["engine/mismatch_k3"] < 1e-6 and r["engine/logp_abs_diff_max"] < 1e-3, r
+    assert "is_weight_mean" in r  # TIS is on
+  rewards = [r["reward_mean"] for r in steps]
+  assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.05, rewards
+  assert evals[-1] > evals[0] + 0.05, evals  # held-out accuracy
+
+
+TIMES = ("tokens_per_sec", "step_time", "rollout_time", "engine/push_s", "engine/generate_s")
+
+
+@pytest.fixture(scope="module")
+def resume_records(tmp_path_factory, xla_cache):
+  out = tmp_path_factory.mktemp("vllm") / "resume.json"
+  run_in_vllm_venv("vllm_trainer.py", "resume", str(out), cache=xla_cache)
+  return json.loads(out.read_text())
+
+
+def test_a_run_through_vllm_resumes_exactly(resume_records):
+  def steps(name):
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMES} for r in resume_records[name] if "loss" in r}
+
+  straight, first, resumed = steps("straight"), steps("first"), steps("resumed")
+  assert sorted(straight) == [1, 2, 3] and sorted(first) == [1, 2] and sorted(resumed) == [3]
+  assert any(r["grad_norm"] > 0 for r in straight.values())  # the policy moves: the pushes matter
+  for step, want in straight.items():
+    got = first.get(step) or resumed[step]
+    assert got == want, (step, {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v})

@@ -212,8 +212,13 @@ class VLLMEngine:
     )
     if self.on_gpu:
       kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-    elif kv_cache_bytes is not None:
-      kw.update(kv_cache_memory_bytes=int(kv_cache_bytes))
+    else:
+      # CPU: no chunked prefill. A prompt split over two scheduler steps makes vLLM rewind the request's
+      # seeded generator (Generator.set_offset), which CPU generators do not have ("CPU Generator does not
+      # use offset"); whole prompts only, up to max(4096, max_model_len) tokens per step.
+      kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, self.max_model_len))
+      if kv_cache_bytes is not None:
+        kw.update(kv_cache_memory_bytes=int(kv_cache_bytes))
     self.llm = LLM(**kw)
     self.asleep = False
     self.push_seconds: float | None = None
