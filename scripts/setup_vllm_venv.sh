@@ -32,7 +32,7 @@ PYEOF
 )"
 REQS="torch==2.13.0 transformers<5.20 $PINS"
 STAMP="$VENV/.jaxgrpo-stamp"
-WANT="$("$PY" -c 'import sys; print(sys.version.split()[0])') $REQS $(sha1sum "$0" setup.cfg | cut -c1-12 | tr '\n' ' ')"
+WANT="$("$PY" -c 'import sys; print(sys.version.split()[0])') $REQS $(sha1sum scripts/setup_vllm_venv.sh setup.cfg | cut -c1-12 | tr '\n' ' ')"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "setup_vllm_venv: $VENV is up to date"
   exit 0

@@ -61,16 +61,9 @@ def learn(path):
 
 def resume(path):
   changes = {
-    "data.arithmetic": {
-      "train_size": 64,
-      "eval_size": 8,
-      "sft_steps": 150,
-      "sft_learning_rate": 1e-2,
-      "sft_batch_size": 16,
-    },
-    "reward.weights": {"format": 1.0, "accuracy": 1.0},
+    "data.arithmetic": {"train_size": 200, "eval_size": 8, "sft_steps": 200, "sft_noise": 0.7, "max_operand": 9},
     "rollout.group_size": 4,
-    "rollout.prompts_per_step": 2,
+    "rollout.prompts_per_step": 4,
     "rollout.max_new_tokens": 12,
     "optim.learning_rate": 1e-3,
     "eval.every": 0,
