@@ -65,6 +65,8 @@ __all__ = [
   "ModelSpec",
   "DataSpec",
   "RolloutSpec",
+  "VLLMSpec",
+  "ENGINES",
   "OptimSpec",
   "RewardSpec",
   "EvalSpec",
@@ -171,6 +173,37 @@ class DataSpec:
     _ints("data", self, ("max_prompt_tokens",))
 
 
+ENGINES = ("jax", "vllm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMSpec:
+  """The vLLM engine of ``rollout.engine: vllm`` (``jaxgrpo.engines.vllm.VLLMEngine``; docs/sampling.md,
+  "Engines").
+
+  Attributes:
+    dtype: vLLM's weight and compute dtype: ``float32``, ``bfloat16`` or ``float16``.
+    kv_cache_bytes: the KV cache, in bytes (CPU; vLLM's ``kv_cache_memory_bytes``).
+    gpu_memory_utilization: vLLM's share of the GPU's memory, in (0, 1] (GPU only; leave the rest to XLA:
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION`` + this < 1).
+    max_num_seqs: the most sequences vLLM decodes at once.
+    enforce_eager: no torch.compile / CUDA graphs (faster start-up, slower decoding on a GPU).
+  """
+
+  dtype: str = "float32"
+  kv_cache_bytes: int = 256 * 2**20
+  gpu_memory_utilization: float = 0.3
+  max_num_seqs: int = 256
+  enforce_eager: bool = True
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"`rollout.vllm.dtype` must be float32, bfloat16 or float16; got {self.dtype!r}")
+    _ints("rollout.vllm", self, ("kv_cache_bytes", "max_num_seqs"))
+    _float("rollout.vllm", self, "gpu_memory_utilization", above=0.0, at_most=1.0)
+    _checks.check_python_bool(self.enforce_eager, "rollout.vllm.enforce_eager")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSpec:
   """Sampling the groups of one step (the temperature is ``step.temperature``: the train step's
@@ -189,6 +222,10 @@ class RolloutSpec:
     max_staleness: k, the most updates the parameters that sampled a group may lag behind the ones
       it is trained from. 0: the synchronous loop; >= 1: a producer samples the next batches while
       the learner updates (``jaxgrpo.async_rollout``; docs/trainer.md, "Asynchronous rollouts").
+    engine: what generates the rollouts: ``jax`` (the built-in jitted sampler, default) or ``vllm``
+      (vLLM in this process, the policy's weights pushed after every update; its log-probs become the
+      batch's ``behavior_logp`` and the trainer recomputes ``old_logp``; docs/sampling.md, "Engines").
+    vllm: the vLLM engine's settings (read with ``engine: vllm``).
   """
 
   group_size: int = 6
@@ -199,8 +236,17 @@ class RolloutSpec:
   dynamic_sampling_max_rounds: int = 4
   merge_lora: bool = False
   max_staleness: int = 0
+  engine: str = "jax"
+  vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
 
   def __post_init__(self):
+    if self.engine not in ENGINES:
+      raise ValueError(f"`rollout.engine` must be one of {ENGINES}; got {self.engine!r}")
+    if self.engine != "jax" and self.max_staleness:
+      raise ValueError(
+        f"`rollout.max_staleness`={self.max_staleness} needs `rollout.engine: jax` (asynchronous rollouts run the "
+        f"built-in sampler on the producer's parameters); got `rollout.engine: {self.engine}`"
+      )
     _ints("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
     _ints("rollout", self, ("top_k", "max_staleness"), minimum=0)
     _float("rollout", self, "top_p", above=0.0, at_most=1.0)
@@ -442,6 +488,13 @@ class TrainerConfig:
         "`objective.importance_correction: tis` (or mis) to correct them",
         UserWarning,
         stacklevel=3,
+      )
+    roll = self.rollout
+    if roll.engine == "vllm" and self.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):
+      raise ValueError(
+        f"`rollout.engine: vllm` with `step.temperature`={self.step.temperature} != 1 cannot report full-vocabulary "
+        f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
+        'temperature 1 or no filtering (docs/sampling.md, "Engines")'
       )
     if self.rollout.group_size == 1:
       warnings.warn(

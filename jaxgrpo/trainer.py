@@ -66,6 +66,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -78,7 +79,9 @@ from jaxgrpo import sharding as shd
 from jaxgrpo import train as train_lib
 from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
 from jaxgrpo.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
+from jaxgrpo.engines import vllm as vllm_engine
 from jaxgrpo.evaluation import evaluate_policy
+from jaxgrpo.kl import kl_penalty
 from jaxgrpo.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.models import lora
 from jaxgrpo.sampling import Rollout
@@ -287,6 +290,10 @@ class Trainer:
     if not isinstance(config, TrainerConfig):
       raise TypeError(f"`config` must be a jaxgrpo.specs.TrainerConfig; got {type(config).__name__}")
     self.config = cfg = config
+    if cfg.rollout.engine == "vllm":  # before anything heavy
+      vllm_engine.check_installed()
+      if jax.process_count() > 1:
+        raise ValueError("`rollout.engine: vllm` runs one process (vLLM colocated in it); this run has several")
     self.objective = cfg.objective
     self.checkpoint_fn = checkpoint_fn
     self.on_record = on_record
@@ -333,6 +340,9 @@ class Trainer:
       pad_id=self.pad_id,
       merge_lora=roll.merge_lora,
     )
+    self.engine, self.policy_logp_fn, self._engine_stale, self._engine_times = None, None, True, {}
+    if roll.engine == "vllm":
+      self._start_vllm()
     self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
@@ -354,6 +364,34 @@ class Trainer:
       )
 
   # ------------------------------------------------------------------ construction
+  def _start_vllm(self) -> None:
+    """The vLLM engine (``rollout.vllm``) and the jitted pass that recomputes the rollout policy's own
+    log-probs (``old_logp``) of the engine's samples (``train.make_reference_fn`` on the policy's
+    parameters: the same micro-batches, temperature and packing as the step)."""
+    v, tc = self.config.rollout.vllm, self.train_config
+    self.engine = vllm_engine.VLLMEngine(
+      self.model.config,
+      dtype=v.dtype,
+      max_model_len=self.prompt_len + self.config.rollout.max_new_tokens,
+      kv_cache_bytes=v.kv_cache_bytes,
+      gpu_memory_utilization=v.gpu_memory_utilization,
+      max_num_seqs=v.max_num_seqs,
+      enforce_eager=v.enforce_eager,
+      logprobs_temperature=tc.temperature,
+      seed=self.config.run.seed,
+    )
+    sh = self.shardings
+    param_sh = nnx.merge_state(sh.params, sh.frozen) if jax.tree.leaves(sh.frozen) else sh.params
+    self.policy_logp_fn = train_lib.make_reference_fn(
+      self.graphdef, mesh=self.mesh, param_shardings=param_sh, train_config=tc
+    )
+
+  def close(self) -> None:
+    """Shut the rollout engine down (vLLM); the built-in sampler holds nothing."""
+    if self.engine is not None:
+      self.engine.close()
+      self.engine = None
+
   def _check_mesh_fits(self) -> None:
     """ValueError naming its real cause, before any weight is read or the warm-up runs: the model
     directory (``config.json``, ``model_type``, tokenizer, chat template: ``model.path``), the row
@@ -446,9 +484,56 @@ class Trainer:
     its mesh (the rollout producer's; default :meth:`policy` on the trainer's mesh)."""
     mesh = self.mesh if mesh is None else mesh
     tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
+    if self.engine is not None:  # the engine holds the pushed weights (max_staleness 0 only, checked in the spec)
+      return self._sample_engine(tokens, mask, key)
     tokens, mask = iteration.place_prompts(tokens, mask, mesh=mesh)
     rollout = iteration.sample(self.policy() if policy is None else policy, tokens, mask, self.sampling, key=key)
     return distributed.process_rows(rollout._replace(num_steps=None), mesh)
+
+  def _sample_engine(self, tokens, mask, key) -> Rollout:
+    """The rollout from the engine; the policy's weights are pushed first when an update (or a restore)
+    changed them. Times go to ``self._engine_times`` (``engine/push_s``, ``engine/generate_s``)."""
+    t0 = time.perf_counter()
+    if self._engine_stale:
+      self.engine.push_weights(self.sampling_policy())
+      self._engine_stale = False
+      self._engine_times["engine/push_s"] = time.perf_counter() - t0
+    s = self.sampling
+    t1 = time.perf_counter()
+    gen = self.engine.generate(
+      tokens,
+      mask,
+      num_samples=s.num_samples,
+      max_new_tokens=s.max_new_tokens,
+      temperature=s.temperature,
+      top_p=s.top_p,
+      top_k=s.top_k,
+      eos_ids=s.eos_ids,
+      pad_id=s.pad_id,
+      suppress_ids=s.suppress_ids if s.temperature == 1.0 else (),  # see VLLMEngine: τ != 1 needs ()
+      key=key,
+    )
+    self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
+      time.perf_counter() - t1
+    )
+    return gen.rollout._replace(num_steps=None)
+
+  def _engine_logp(self, placed: train_lib.Batch) -> tuple[train_lib.Batch, dict]:
+    """``placed`` with ``old_logp`` recomputed by the trainer (the engine's log-probs stay as
+    ``behavior_logp``: TIS/MIS with ``objective.importance_correction``), and the mismatch metrics:
+    ``engine/mismatch_k3`` (mean over real tokens of ``k3 = r − log r − 1``, ``r = π_old/μ``, as
+    ``jaxgrpo.importance``) and ``engine/logp_abs_diff_max``."""
+    t = self.state.train
+    params = nnx.merge_state(t.params, t.frozen) if t.frozen is not None and jax.tree.leaves(t.frozen) else t.params
+    old = self.policy_logp_fn(params, placed)
+    behavior, mask = placed.behavior_logp, placed.mask
+    k3 = kl_penalty(old, behavior, "forward_k3", mask=mask)
+    n = jnp.maximum(mask.sum(), 1)
+    metrics = {
+      "engine/mismatch_k3": float((k3 * mask).sum() / n),
+      "engine/logp_abs_diff_max": float(jnp.where(mask, abs(old - behavior), 0.0).max()),
+    }
+    return placed._replace(old_logp=old), metrics
 
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
     rows = [c[m].tolist() for c, m in zip(completions, mask)]
@@ -541,6 +626,7 @@ class Trainer:
       old_logp=cat("log_probs"),
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
       rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
+      behavior_logp=None if self.engine is None else cat("log_probs"),  # the engine's: μ
     )
 
   # ------------------------------------------------------------------ evaluation
@@ -601,13 +687,18 @@ class Trainer:
     t0 = time.perf_counter()
     tstate, key, _ = self.state
     key, sample_key = jax.random.split(key)
+    self._engine_times = {}
     batch, metrics, tokens = self._rollout_batch(sample_key)
     t_roll = time.perf_counter() - t0
     # bucketed, packed if set; each process feeds its own rows
     placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
+    if self.engine is not None:  # the trainer's own old_logp; the engine's log-probs are behavior_logp
+      placed, engine_metrics = self._engine_logp(placed)
+      metrics.update(engine_metrics, **self._engine_times)
     if self.reference is not None:
       placed = self.reference(placed)
     tstate, step_metrics = self.step_fn(tstate, placed)
+    self._engine_stale = True  # the engine's weights are the old policy's until the next push
     step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
     self.state = TrainerState(tstate, key, self.iterator.state())
     dt = time.perf_counter() - t0

