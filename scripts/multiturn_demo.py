@@ -7,8 +7,8 @@
 A tiny Qwen3-architecture model and a locally built tokenizer with a Qwen2.5-style tool template; a
 supervised warm-up on imperfect demonstrations (some answer without the tool, some miscopy an operand),
 then RL with ``jaxgrpo.iteration.multiturn_iteration``: the policy calls ``multiply`` in the
-``<tool_call>`` format, reads the result in the tool role, boxes it. Held-out accuracy (greedy,
-multi-turn, reward = the right boxed product) before and after RL, every ``eval_every`` steps.
+``<tool_call>`` format, reads the result in the tool role, boxes it. Held-out accuracy
+(``mean@k`` at temperature 1, multi-turn, reward = the right boxed product) before and after RL, every ``eval_every`` steps.
 ``--no-tool``: the same model, warm-up on direct answers (right products, no tool in the prompt) and
 the same RL — what the model does without the tool. Writes ``OUT/metrics.jsonl`` and prints a summary
 line ``RESULT {...}``.
@@ -36,10 +36,11 @@ from jaxgrpo.models import build_model
 from jaxgrpo.tasks import arithmetic, calculator
 
 
-def evaluate(model, tok, rows, make_env, env_config, sampling, seed) -> dict:
-  """Greedy multi-turn accuracy on ``rows`` (one trajectory each) and the tool-use rates."""
-  greedy = dataclasses.replace(sampling, num_samples=1, temperature=0.0)
-  out = sample_multiturn(model, rows, make_env, tok, greedy, env_config, key=jax.random.key(seed))
+def evaluate(model, tok, rows, make_env, env_config, sampling, seed, samples) -> dict:
+  """mean@k multi-turn accuracy on ``rows`` (k = ``samples`` trajectories each, at the sampling
+  temperature, a fixed key) and the tool-use rates."""
+  k_samples = dataclasses.replace(sampling, num_samples=samples)
+  out = sample_multiturn(model, rows, make_env, tok, k_samples, env_config, key=jax.random.key(seed + 1))
   return {
     "eval_accuracy": float(out.rewards.mean()),
     "eval_tool_call_rate": float((out.metrics["tool_calls"] > 0).mean()),
@@ -109,7 +110,9 @@ def main(argv=None):
     print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()), flush=True)
 
   t0 = time.perf_counter()
-  before = evaluate(iteration.policy_model(graphdef, state), tok, eval_rows, make_env, env_config, sampling, seed)
+  before = evaluate(
+    iteration.policy_model(graphdef, state), tok, eval_rows, make_env, env_config, sampling, seed, run["eval_samples"]
+  )
   emit({"step": 0, **before, "eval_s": time.perf_counter() - t0})
   rng = np.random.default_rng([seed, 6])
   key = jax.random.key(seed)
@@ -132,7 +135,16 @@ def main(argv=None):
     keep = ("loss", "reward_mean", "env/turns", "env/tool_calls", "env/tool_errors", "env/tool_s", "iteration_s")
     emit({"step": s, **{k: res.metrics[k] for k in keep if k in res.metrics}})
     if s % run["eval_every"] == 0 or s == steps:
-      ev = evaluate(iteration.policy_model(graphdef, state), tok, eval_rows, make_env, env_config, sampling, seed)
+      ev = evaluate(
+        iteration.policy_model(graphdef, state),
+        tok,
+        eval_rows,
+        make_env,
+        env_config,
+        sampling,
+        seed,
+        run["eval_samples"],
+      )
       emit({"step": s, **ev})
   rl_s = time.perf_counter() - t_rl
   after = records[-1]

@@ -131,7 +131,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
   ``"multiply"``, ``\\boxed``…), and each long fixed line of the tool prompt (the prose, the schema) as
   one token, so the tiny demo's prompts stay short; digits are single characters."""
   text = _system_text()
-  phrases = [line for line in text.split("\n") if len(line) > 40]  # the prose and schema lines: one token each
+  special = "|".join(re.escape(t) for t in SPECIAL_TOKENS)
+  pieces = [p for line in text.split("\n") for p in re.split(special, line)]
+  phrases = [p for p in pieces if len(p) > 40]  # the prose and schema lines: one token each
   phrases += ['{"name": "multiply", "arguments": {"a": ', ', "b": ', "}}"]  # the call's fixed parts
   return _bare_tokenizer(re.findall(_WORD, text + ' "name" "arguments" What is \\boxed') + phrases)
 
