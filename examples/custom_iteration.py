@@ -18,8 +18,6 @@ import optax
 from flax import nnx
 
 import jaxgrpo
-from jaxgrpo import iteration, train
-from jaxgrpo.models import Qwen3Config
 
 LETTERS = string.ascii_lowercase[:16]  # token id i <-> LETTERS[i]
 
@@ -39,26 +37,34 @@ def main(argv=None):
   ap.add_argument("--samples", type=int, default=8)
   args = ap.parse_args(argv)
 
-  cfg = Qwen3Config(vocab_size=len(LETTERS), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=8, intermediate_size=64, tie_word_embeddings=True)  # fmt: skip
+  cfg = jaxgrpo.models.Qwen3Config(
+    vocab_size=len(LETTERS),
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+  )
   model = jaxgrpo.build_model(cfg, rngs=nnx.Rngs(1))
   mesh = jaxgrpo.make_mesh("data=1", devices=jax.devices()[:1])
   optimizer = optax.adam(1e-2)
-  graphdef, state, shardings = train.init_train_state(model, optimizer, mesh)
-  tc = train.TrainConfig(group_size=args.samples, chunk_size=None)
-  step = train.make_train_step(
+  graphdef, state, shardings = jaxgrpo.init_train_state(model, optimizer, mesh)
+  tc = jaxgrpo.TrainConfig(group_size=args.samples, chunk_size=None)
+  step = jaxgrpo.make_train_step(
     graphdef, optimizer, jaxgrpo.preset("lambda_grpo", beta=0.04), mesh=mesh, shardings=shardings, train_config=tc
   )
-  reference = iteration.make_reference(step, state.params)  # once: a copy of the initial policy
-  sampling = iteration.SamplingConfig(num_samples=args.samples, max_new_tokens=6)
+  reference = jaxgrpo.make_reference(step, state.params)  # once: a copy of the initial policy
+  sampling = jaxgrpo.SamplingConfig(num_samples=args.samples, max_new_tokens=6)
   prompts = np.array([[0, 1, 2], [3, 4, 5]], np.int32)  # "abc", "def"
   prompt_mask = np.ones(prompts.shape, bool)
   key = jax.random.key(0)
   for i in range(args.steps):
     key, sub = jax.random.split(key)
-    rollout = iteration.sample(iteration.policy_model(graphdef, state), prompts, prompt_mask, sampling, key=sub)
-    rewards = iteration.score(letters_reward, rollout, decode=decode, columns={"target": ["abc", "def"]})
-    batch = iteration.make_batch(rollout, rewards, mesh=mesh)
+    rollout = jaxgrpo.sample(jaxgrpo.policy_model(graphdef, state), prompts, prompt_mask, sampling, key=sub)
+    rewards = jaxgrpo.score(letters_reward, rollout, decode=decode, columns={"target": ["abc", "def"]})
+    batch = jaxgrpo.make_batch(rollout, rewards, mesh=mesh)
     batch = reference(batch)  # ref_logp for the KL term
     state, metrics = step(state, batch)
     print(

@@ -24,8 +24,6 @@ import optax
 from flax import nnx
 
 import jaxgrpo
-from jaxgrpo import iteration, train
-from jaxgrpo.models import Qwen3Config
 
 
 def gspo_objective(config, logp, old_logp, advantages, mask, *, token_weights=None, ref_logp=None):
@@ -40,15 +38,10 @@ def gspo_objective(config, logp, old_logp, advantages, mask, *, token_weights=No
   n = jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1)  # [B, 1] real tokens per sequence
   seq_log_ratio = jnp.sum(jnp.where(mask, logp - old_logp, 0.0), axis=1, keepdims=True) / n  # log s_i
   token_logp = old_logp + sg(seq_log_ratio) + logp - sg(logp)  # exp(token_logp - old_logp) = s_i
-  return jaxgrpo.policy_loss_terms(
-    token_logp,
-    old_logp,
-    advantages,
-    mask,
-    clip_eps_low=config.clip_eps_low,
-    clip_eps_high=config.clip_eps_high,
-    aggregation="seq-mean-token-mean",
+  hyper = jaxgrpo.LossHyper(
+    clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high, aggregation="seq-mean-token-mean"
   )
+  return jaxgrpo.policy_loss_terms(token_logp, old_logp, advantages, mask, hyper)
 
 
 def even_fraction(prompts, completions):
@@ -64,26 +57,32 @@ def main(argv=None):
   ap.add_argument("--tokens", type=int, default=8)
   args = ap.parse_args(argv)
 
-  cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                    intermediate_size=64, tie_word_embeddings=True)  # fmt: skip
+  cfg = jaxgrpo.models.Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+  )
   model = jaxgrpo.build_model(cfg, rngs=nnx.Rngs(0))
   mesh = jaxgrpo.make_mesh("data=1", devices=jax.devices()[:1])
   config = jaxgrpo.preset("grpo", clip_eps_low=3e-4, clip_eps_high=4e-4)  # GSPO's clip ranges
   optimizer = optax.adam(1e-2)
-  graphdef, state, shardings = train.init_train_state(model, optimizer, mesh)
-  tc = train.TrainConfig(group_size=args.samples, chunk_size=None)
-  step = train.make_train_step(
+  graphdef, state, shardings = jaxgrpo.init_train_state(model, optimizer, mesh)
+  tc = jaxgrpo.TrainConfig(group_size=args.samples, chunk_size=None)
+  step = jaxgrpo.make_train_step(
     graphdef, optimizer, config, mesh=mesh, shardings=shardings, train_config=tc, objective_fn=gspo_objective
   )
-  sampling = iteration.SamplingConfig(num_samples=args.samples, max_new_tokens=args.tokens)
+  sampling = jaxgrpo.SamplingConfig(num_samples=args.samples, max_new_tokens=args.tokens)
   prompts = np.random.default_rng(0).integers(1, 64, (args.prompts, 4)).astype(np.int32)
   prompt_mask = np.ones(prompts.shape, bool)
   key = jax.random.key(0)
   for i in range(args.steps):
     key, sub = jax.random.split(key)
-    out = iteration.grpo_iteration(
-      step, state, prompts, prompt_mask, key=sub, reward_fn=even_fraction, sampling=sampling
-    )
+    out = jaxgrpo.grpo_iteration(step, state, prompts, prompt_mask, key=sub, reward_fn=even_fraction, sampling=sampling)
     state, m = out.state, out.metrics
     print(f"step {i + 1:3d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  ratio {m['ratio_mean']:.4f}")
   return m

@@ -17,7 +17,6 @@ import numpy as np
 from flax import nnx
 
 import jaxgrpo
-from jaxgrpo.models import Qwen3Config
 
 
 def main(argv=None):
@@ -26,8 +25,16 @@ def main(argv=None):
   ap.add_argument("--tokens", type=int, default=6)
   args = ap.parse_args(argv)
 
-  cfg = Qwen3Config(vocab_size=4, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                    intermediate_size=64, tie_word_embeddings=True)  # fmt: skip
+  cfg = jaxgrpo.models.Qwen3Config(
+    vocab_size=4,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+  )
   model = jaxgrpo.build_model(cfg, rngs=nnx.Rngs(0))
   prompt, prompt_mask = np.array([[1, 2, 3]], np.int32), np.ones((1, 3), bool)
   rollout = jaxgrpo.generate(

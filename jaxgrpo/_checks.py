@@ -10,8 +10,9 @@ and what was given:
 
 Shapes, ranks and dtypes are static under ``jit``, so those checks run at trace time. Checks of the
 *values* of arrays (group ids in range, mask layout) need concrete inputs: they run on direct calls
-and are skipped when the input is traced by an outer ``jit``. Hyper-parameters (ε, β, kinds,
-modes, ``num_groups``, ...) are static Python values, checked on every call.
+and are skipped when the input is traced by an outer ``jit``. Structural hyper-parameters (kinds,
+modes, ``num_groups``, ...) are static Python values, checked on every call; numeric ones (ε, β, ...)
+may be Python numbers (static) or arrays (traced; range-checked when concrete): :func:`check_scalar`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
   "check_choice",
   "check_python_int",
   "check_python_float",
+  "check_scalar",
   "check_python_bool",
   "check_token_ids",
   "check_group_ids",
@@ -211,6 +213,40 @@ def check_python_float(
     raise ValueError(f"`{name}` must be {low}{what}; got {value}")
   if at_most is not None and value > at_most:
     raise ValueError(f"`{name}` must be <= {at_most}{what}; got {value}")
+  return value
+
+
+def check_scalar(
+  value,
+  name: str,
+  *,
+  at_least: float | None = None,
+  above: float | None = None,
+  at_most: float | None = None,
+  hint: str = "",
+):
+  """A numeric hyper-parameter: a Python/NumPy real (returned as ``float``, checked as
+  :func:`check_python_float`: static) or a real JAX/NumPy array (returned unchanged: traced), whose
+  values are range-checked on the host when it is concrete (a traced value cannot be checked). Any
+  shape is accepted here (a batch of values to ``vmap`` over); the kernels take scalars."""
+  if not isinstance(value, (np.ndarray, jax.Array)):
+    return check_python_float(value, name, at_least=at_least, above=above, at_most=at_most, hint=hint)
+  what = f" ({hint})" if hint else ""
+  dtype = _dtype(value, name)
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"`{name}` must be a real number or a float array{what}; got dtype {dtype}")
+  x = concrete_or_none(value)
+  if x is None or x.size == 0:
+    return value
+  x = x.astype(np.float64)
+  got = f"{x.item()}" if x.size == 1 else f"values in [{x.min()}, {x.max()}]"
+  if not np.isfinite(x).all():
+    raise ValueError(f"`{name}` must be finite{what}; got {got}")
+  low = f">= {at_least}" if at_least is not None else f"> {above}" if above is not None else None
+  if (at_least is not None and x.min() < at_least) or (above is not None and x.min() <= above):
+    raise ValueError(f"`{name}` must be {low}{what}; got {got}")
+  if at_most is not None and x.max() > at_most:
+    raise ValueError(f"`{name}` must be <= {at_most}{what}; got {got}")
   return value
 
 

@@ -27,7 +27,11 @@ from jaxgrpo.tasks import arithmetic
 __all__ = [
   "BASE_WEIGHTS",
   "PromptSets",
+  "TOKENIZER_FILES",
   "build_tokenizer",
+  "check_chat_template",
+  "model_config",
+  "check_lengths",
   "build_policy",
   "add_adapters",
   "build_run_policy",
@@ -47,11 +51,78 @@ BASE_WEIGHTS = "base_weights"
 _ADAPTER_STREAM = 0x4C6F5241  # fold_in tag of the adapters' initialisation key ("LoRA")
 
 
+#: files of which an HF model directory's tokenizer needs at least one (fast, sentencepiece or BPE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return text.splitlines()[0]
+
+
 def build_tokenizer(spec: ModelSpec):
-  """The tokenizer of ``spec``: the HF directory's, or the arithmetic task's locally built one."""
+  """The tokenizer of ``spec``: the HF directory's, or the arithmetic task's locally built one.
+
+  Raises:
+    ValueError: naming ``model.path``: a local directory without tokenizer files
+      (:data:`TOKENIZER_FILES`), or a tokenizer that does not load (the loader's reason).
+  """
   if spec.synthetic is not None:
     return arithmetic.build_tokenizer()
-  return models.load_tokenizer(spec.path)
+  path = spec.path
+  if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    raise ValueError(
+      f"model.path {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it beside the "
+      "weights (tokenizer.save_pretrained(DIR))"
+    )
+  try:
+    return models.load_tokenizer(path)
+  except ValueError:
+    raise
+  except Exception as e:  # noqa: BLE001 - transformers raises many kinds; re-raised naming the field
+    raise ValueError(f"model.path {path!r}: its tokenizer does not load: {_first_line(e)}") from e
+
+
+def check_chat_template(tokenizer, spec: ModelSpec) -> None:
+  """ValueError naming ``model.path`` when ``tokenizer`` has no chat template (the prompts are
+  rendered with ``tokenizer.apply_chat_template``)."""
+  if getattr(tokenizer, "chat_template", None) is None:
+    raise ValueError(
+      f"model.path {spec.path!r}: the tokenizer has no chat template, which renders the prompts: add "
+      "`chat_template` to its tokenizer_config.json (or a chat_template.jinja file)"
+    )
+
+
+def model_config(spec: ModelSpec, tokenizer=None):
+  """The architecture config of ``spec`` (``config.json`` only; no weight is read): the synthetic
+  model's over ``tokenizer`` 's vocabulary, or the HF directory's.
+
+  Raises:
+    ValueError: naming ``model.path``: no readable ``config.json``, or an unsupported ``model_type``.
+  """
+  if spec.synthetic is not None:
+    return arithmetic.model_config(spec.synthetic, len(tokenizer if tokenizer is not None else build_tokenizer(spec)))
+  try:
+    return models.config_from_hf(spec.path)
+  except OSError as e:
+    raise ValueError(f"model.path {spec.path!r}: cannot read its config.json: {e.strerror or e}") from None
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"model.path {spec.path!r}: {_first_line(e)}") from None
+
+
+def check_lengths(cfg: TrainerConfig, config) -> None:
+  """ValueError unless the longest row of a run fits the model's positions: the longest padded
+  prompt (``data.max_prompt_tokens`` rounded up to the prompt bucket of 16, :func:`prompt_length`)
+  plus ``rollout.max_new_tokens`` must be at most ``max_position_embeddings`` of ``config``."""
+  prompt = -(-cfg.data.max_prompt_tokens // 16) * 16
+  limit = config.max_position_embeddings
+  if prompt + cfg.rollout.max_new_tokens > limit:
+    source = "model.synthetic" if cfg.model.synthetic is not None else f"model.path {cfg.model.path!r}"
+    raise ValueError(
+      f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} (padded to {prompt}) + rollout.max_new_tokens "
+      f"{cfg.rollout.max_new_tokens} = {prompt + cfg.rollout.max_new_tokens} exceeds the {limit} positions of "
+      f"{source} (max_position_embeddings): lower one of the two"
+    )
 
 
 def build_policy(spec: ModelSpec, *, seed: int, mesh: Mesh | None = None):
@@ -101,10 +172,7 @@ def abstract_policy(spec: ModelSpec):
   nothing allocated), e.g. a target for :func:`jaxgrpo.checkpoint.restore_params`."""
   dtype, param_dtype = DTYPES[spec.dtype], DTYPES[spec.param_dtype]
   tokenizer = build_tokenizer(spec)
-  if spec.synthetic is not None:
-    cfg = arithmetic.model_config(spec.synthetic, len(tokenizer))
-  else:
-    cfg = models.config_from_hf(spec.path)
+  cfg = model_config(spec, tokenizer)
   build = lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=spec.remat)
   return nnx.eval_shape(build), tokenizer
 

@@ -36,6 +36,9 @@ Off-policy correction (``importance_correction``, :mod:`jaxgrpo.importance`) and
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
 
 from jaxgrpo import _checks
 from jaxgrpo.advantages import ADVANTAGE_SCALES
@@ -44,9 +47,30 @@ from jaxgrpo.kl import FUTURE_KL_KINDS, KL_KINDS
 from jaxgrpo.losses import AGGREGATIONS
 from jaxgrpo.surrogates import SEQUENCE_SURROGATES, SURROGATES
 
-__all__ = ["KL_PLACEMENTS", "GRPOConfig", "PRESETS", "preset"]
+__all__ = ["KL_PLACEMENTS", "GRPOConfig", "GRPOHyper", "PRESETS", "preset"]
 
 KL_PLACEMENTS = ("loss", "future")
+
+
+class GRPOHyper(NamedTuple):
+  """The numbers of a :class:`GRPOConfig` as a pytree of ``f32[]`` arrays: the traced input of a train
+  step (``TrainStep.__call__(..., hyper=)``, ``make_train_step(..., hyper_schedule=)``), of
+  :func:`~jaxgrpo.objective.objective_terms` and :func:`~jaxgrpo.objective.rollout_advantages`.
+
+  One compiled program serves every value; the config keeps the structure: its ``β > 0`` switches the
+  KL term (and the reference pass) on, its ``entropy_coef != 0`` the entropy bonus, its ``dual_clip``
+  the dual clip (``dual_clip`` here is None exactly when the config's is). Build it with
+  :meth:`GRPOConfig.hyper`. Fields as in :class:`GRPOConfig`.
+  """
+
+  beta: Any
+  clip_eps_low: Any
+  clip_eps_high: Any
+  dual_clip: Any
+  tau_pos: Any
+  tau_neg: Any
+  importance_cap: Any
+  entropy_coef: Any
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,6 +182,52 @@ class GRPOConfig:
         f"loss={self.loss!r} takes one advantage per sequence, but kl_placement='future' (FRPO) makes per-token "
         "advantages. Use loss='gspo_token' or a token-level loss ('ppo', 'cispo', 'sapo')"
       )
+
+  def hyper(self, **overrides) -> GRPOHyper:
+    """This config's numbers as a :class:`GRPOHyper` of ``f32[]`` arrays, some replaced by ``overrides``
+    (Python floats or arrays, e.g. a traced ``beta`` computed from the step), checked by
+    :meth:`check_hyper`.
+
+    >>> preset("grpo", beta=0.04).hyper(beta=0.02).beta
+    Array(0.02, dtype=float32, weak_type=False)
+    """
+    unknown = set(overrides) - set(GRPOHyper._fields)
+    if unknown:
+      raise TypeError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {list(GRPOHyper._fields)}")
+    values = {n: overrides.get(n, getattr(self, n)) for n in GRPOHyper._fields}
+    f32 = lambda v: None if v is None else jnp.asarray(v, jnp.float32)
+    return self.check_hyper(GRPOHyper(**{n: f32(v) for n, v in values.items()}))
+
+  def check_hyper(self, hyper: GRPOHyper) -> GRPOHyper:
+    """``hyper`` if it fits this config (TypeError/ValueError naming the field otherwise): a
+    :class:`GRPOHyper`, ``dual_clip`` None exactly when the config's is, each number in its range, and
+    no non-zero β / entropy coefficient where the config has switched the term off. Values are
+    checked when concrete (a traced value, e.g. a schedule's inside the step, cannot be)."""
+    if not isinstance(hyper, GRPOHyper):
+      raise TypeError(f"`hyper` must be a jaxgrpo.GRPOHyper (config.hyper(...)); got {type(hyper).__name__}")
+    if (hyper.dual_clip is None) != (self.dual_clip is None):
+      raise ValueError(
+        f"`hyper.dual_clip` must be None exactly when the config's is (the dual clip is structural); "
+        f"got {hyper.dual_clip} with config dual_clip={self.dual_clip}"
+      )
+    c = _checks
+    c.check_scalar(hyper.beta, "hyper.beta", at_least=0.0, hint="the KL coefficient β")
+    c.check_scalar(hyper.clip_eps_low, "hyper.clip_eps_low", at_least=0.0, hint="ε_low of the clip")
+    c.check_scalar(hyper.clip_eps_high, "hyper.clip_eps_high", at_least=0.0, hint="ε_high of the clip")
+    if hyper.dual_clip is not None:
+      c.check_scalar(hyper.dual_clip, "hyper.dual_clip", above=1.0, hint="c of the dual clip")
+    c.check_scalar(hyper.tau_pos, "hyper.tau_pos", above=0.0, hint="SAPO's τ for A > 0")
+    c.check_scalar(hyper.tau_neg, "hyper.tau_neg", above=0.0, hint="SAPO's τ for A <= 0")
+    c.check_scalar(hyper.importance_cap, "hyper.importance_cap", above=0.0, hint="the IS ratio cap C")
+    c.check_scalar(hyper.entropy_coef, "hyper.entropy_coef", hint="the entropy bonus coefficient c")
+    for name, on in (("beta", self.beta > 0), ("entropy_coef", self.entropy_coef != 0)):
+      values = c.concrete_or_none(getattr(hyper, name))
+      if not on and values is not None and (values != 0).any():
+        raise ValueError(
+          f"`hyper.{name}` = {values} but the config's {name} is 0, which leaves its term out of the program: "
+          f"build the step/config with a non-zero {name} (any value; the traced one is used)"
+        )
+    return hyper
 
   @property
   def needs_reference(self) -> bool:

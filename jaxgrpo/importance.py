@@ -29,12 +29,13 @@ behavior_logp, "forward_k3")``.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import _checks
+from jaxgrpo import _checks, _hyper
 from jaxgrpo._numerics import select
 from jaxgrpo.kl import kl_penalty
 
@@ -77,15 +78,18 @@ def _importance(old_logp, behavior_logp, mask, *, correction, level, cap) -> Imp
   return ImportanceWeights(select(real, weights), ratio, capped, select(real, mismatch))
 
 
-_importance_weights = jax.jit(_importance, static_argnames=("correction", "level", "cap"))
+@functools.partial(jax.jit, static_argnames=("correction", "level", "static"))
+def _importance_weights(old_logp, behavior_logp, mask, traced, *, correction, level, static):
+  return _importance(old_logp, behavior_logp, mask, correction=correction, level=level, **_hyper.merge(static, traced))
 
 
 def check_hyper(correction, level, cap) -> dict:
-  """The static hyper-parameters, checked and normalised."""
+  """The hyper-parameters, checked: ``correction``/``level`` static, ``cap`` a Python float (static)
+  or an array (traced, range-checked when concrete)."""
   return dict(
     correction=_checks.check_choice(correction, CORRECTIONS, "correction"),
     level=_checks.check_choice(level, IMPORTANCE_LEVELS, "level"),
-    cap=_checks.check_python_float(cap, "cap", above=0.0, hint="the importance-weight cap C"),
+    cap=_checks.check_scalar(cap, "cap", above=0.0, hint="the importance-weight cap C"),
   )
 
 
@@ -100,10 +104,14 @@ def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level
     mask: ``bool[B, T]`` real completion tokens; both log-probs are ignored on padding.
     correction: ``"tis"`` (truncate at the cap) or ``"mis"`` (weight 0 above the cap).
     level: ``"token"`` (one ratio per token) or ``"sequence"`` (the product over the row).
-    cap: C > 0 (TRL's ``vllm_importance_sampling_clip_max`` default 3, verl's ``rollout_is_threshold`` 2).
+    cap: C > 0, a Python float (static) or a ``f32[]`` array (traced) (TRL's ``vllm_importance_sampling_clip_max`` default 3, verl's ``rollout_is_threshold`` 2).
 
   Returns:
     :class:`ImportanceWeights` ``(weights, ratio f32[B, T], capped bool[B, T], mismatch_kl f32[B, T])``.
   """
   _checks.check_logp_pair(old_logp, behavior_logp, mask, ("old_logp", "behavior_logp"))
-  return _importance_weights(old_logp, behavior_logp, mask, **check_hyper(correction, level, cap))
+  hyper = check_hyper(correction, level, cap)
+  static, traced = _hyper.split({"cap": hyper["cap"]})
+  return _importance_weights(
+    old_logp, behavior_logp, mask, traced, correction=hyper["correction"], level=hyper["level"], static=static
+  )

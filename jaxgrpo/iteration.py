@@ -178,6 +178,7 @@ def rollout_loss(
   max_group_size: int | None = None,
   objective_fn: Callable = objective_terms,
   advantages_fn: Callable = rollout_advantages,
+  hyper=None,
 ):
   """The loss of one whole rollout batch in one piece: ``advantages_fn`` → ``objective_fn`` →
   ``finalize_terms``, with the train step's hooks and their defaults (the presets).
@@ -196,10 +197,15 @@ def rollout_loss(
     ref_logp: ``f32[B, T]`` reference log-probs (when β > 0).
     max_group_size: static bound on the group size (λ presets' process sets).
     objective_fn, advantages_fn: the hooks of ``jaxgrpo.train.make_train_step`` (same signatures).
+    hyper: optional hyper-parameter pytree passed to both hooks as ``hyper=`` (a
+      :class:`~jaxgrpo.config.GRPOHyper` for the defaults: β, ε, ... as traced ``f32[]``, e.g. a
+      ``vmap``-ped grid); None: the config's numbers, static.
 
   Returns:
-    ``(loss f32[], metrics)`` as :func:`jaxgrpo.losses.finalize_terms` gives them.
+    ``(loss f32[], metrics)`` as :func:`jaxgrpo.losses.finalize_terms` gives them (the loss and the
+    usual metrics dict; with ``jax.grad`` use ``has_aux=True``).
   """
+  extras = {} if hyper is None else {"hyper": hyper}
   sg = jax.lax.stop_gradient
   adv, weights = advantages_fn(
     config,
@@ -211,8 +217,9 @@ def rollout_loss(
     old_logp=sg(old_logp),
     ref_logp=ref_logp,
     max_group_size=max_group_size,
+    **extras,
   )
-  terms = objective_fn(config, logp, sg(old_logp), adv, mask, token_weights=weights, ref_logp=ref_logp)
+  terms = objective_fn(config, logp, sg(old_logp), adv, mask, token_weights=weights, ref_logp=ref_logp, **extras)
   return finalize_terms(terms)
 
 

@@ -33,20 +33,22 @@ Numerators and denominators add over micro-batches and shards: accumulate :class
 :func:`combine_terms` and call :func:`finalize_terms` once — the result equals the full-batch loss for
 every mode (as long as the micro-batches split rows, and ``max_tokens`` is fixed).
 
-Every public function here is jitted (the hyper-parameters and the aggregation mode are static): a
+The hyper-parameters are one :class:`LossHyper` (a pytree): the surrogate, the aggregation mode and
+``max_tokens`` static, every number static as a Python float or traced as an array (a β or ε
+schedule, a ``vmap`` over a grid: one compiled program). Every public function here is jitted: a
 direct call costs what it costs inside ``jit`` after the first call; calling it inside an outer
 ``jit`` works.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import _checks
+from jaxgrpo import _checks, _hyper
 from jaxgrpo import surrogates as _surrogates
 from jaxgrpo._numerics import safe_div, safe_sqrt, select
 from jaxgrpo.importance import ImportanceWeights
@@ -56,6 +58,7 @@ __all__ = [
   "AGGREGATIONS",
   "MAX_LOG_RATIO",
   "SURROGATES",
+  "LossHyper",
   "LossTerms",
   "combine_terms",
   "finalize_terms",
@@ -64,6 +67,7 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_NUMBERS = ("clip_eps_low", "clip_eps_high", "dual_clip", "tau_pos", "tau_neg", "beta", "entropy_coef")
 
 _BIG = float(jnp.finfo(jnp.float32).max)
 
@@ -166,30 +170,86 @@ def _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, imp
     _checks.check_same_shape(importance.capped, "importance.capped", logp, "logp")
 
 
-def _check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg, aggregation, max_tokens, **rest):
-  """The static hyper-parameters, checked and normalised (floats as ``float``)."""
-  beta, kl, entropy_coef, entropy = rest["beta"], rest["kl"], rest["entropy_coef"], rest["entropy"]
-  beta = _checks.check_python_float(beta, "beta", at_least=0.0, hint="the KL coefficient β")
-  if beta > 0 and kl is None:
+def _check_inputs(hyper: "LossHyper", kl, entropy) -> None:
+  """A coefficient that may be non-zero needs its input (a static 0, or a concrete array of zeros, not)."""
+  if kl is None and _may_be_nonzero(hyper.beta):
     raise ValueError(
-      f"`beta` = {beta} > 0 but no `kl` was given: pass the per-token KL term, e.g. "
+      f"`beta` = {hyper.beta} may be > 0 but no `kl` was given: pass the per-token KL term, e.g. "
       "`kl=kl_penalty(logp, ref_logp, 'k3', mask=mask)`, or beta=0"
     )
-  entropy_coef = _checks.check_python_float(entropy_coef, "entropy_coef", hint="the entropy bonus coefficient")
-  if entropy_coef != 0 and entropy is None:
+  if entropy is None and _may_be_nonzero(hyper.entropy_coef):
     raise ValueError(
-      f"`entropy_coef` = {entropy_coef} but no `entropy` was given: pass the per-token policy entropy "
+      f"`entropy_coef` = {hyper.entropy_coef} but no `entropy` was given: pass the per-token policy entropy "
       "f32[B, T] with its gradient (completion_log_probs(..., with_entropy=True, entropy_grad=True)), or 0"
     )
-  return dict(
-    **_surrogates.check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg),
-    aggregation=_checks.check_choice(aggregation, AGGREGATIONS, "aggregation"),
-    max_tokens=None
-    if max_tokens is None
-    else _checks.check_python_int(max_tokens, "max_tokens", minimum=1, hint="or None for T"),
-    beta=beta,
-    entropy_coef=entropy_coef,
-  )
+
+
+def _may_be_nonzero(x) -> bool:
+  if _hyper.is_static(x):
+    return x != 0
+  values = _checks.concrete_or_none(x)
+  return values is None or bool((values != 0).any())
+
+
+# ----------------------------------------------------------------------------- the hyper-parameters
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossHyper:
+  """The hyper-parameters of :func:`policy_loss` / :func:`policy_loss_terms`, validated on construction.
+
+  A pytree: ``loss``, ``aggregation`` and ``max_tokens`` are static (they shape the program); each
+  number is static when given as a Python float (one program per value; a static 0 leaves its term
+  out) and a traced leaf when given as an array (one program for every value, e.g.
+  ``LossHyper(beta=jnp.float32(0.04))``; ``jax.vmap`` over a ``LossHyper`` holding ``f32[N]`` arrays
+  sweeps N values). Array values are range-checked here when concrete; the kernels take scalars.
+
+  Attributes:
+    loss: the surrogate, one of ``"ppo"`` (default), ``"gspo"``, ``"gspo_token"``, ``"cispo"``,
+      ``"sapo"``, ``"gmpo"`` (:mod:`jaxgrpo.surrogates`).
+    aggregation: one of ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``.
+    max_tokens: int >= 1, the constant of ``seq-mean-token-sum-norm`` (None: ``T``).
+    clip_eps_low, clip_eps_high: finite ε_low, ε_high >= 0 of the clip (DAPO: 0.2, 0.28; GSPO: 3e-4,
+      4e-4; CISPO: the weight's range; GMPO: the log-ratio range, 0.4).
+    dual_clip: finite c > 1 for the dual clip on negative advantages (``"ppo"`` only), or None (static).
+    tau_pos, tau_neg: SAPO's gate temperatures (1.0, 1.05); read only by ``"sapo"``.
+    beta: finite β >= 0, the KL coefficient; a β that may be > 0 requires the ``kl`` input.
+    entropy_coef: finite c: ``−c·H(i,t)`` is added to every token term (an entropy bonus for c > 0); a
+      c that may be non-zero requires the ``entropy`` input.
+  """
+
+  loss: str = "ppo"
+  aggregation: str = "token-mean"
+  max_tokens: int | None = None
+  clip_eps_low: float | jax.Array = 0.2
+  clip_eps_high: float | jax.Array = 0.2
+  dual_clip: float | jax.Array | None = None
+  tau_pos: float | jax.Array = 1.0
+  tau_neg: float | jax.Array = 1.05
+  beta: float | jax.Array = 0.0
+  entropy_coef: float | jax.Array = 0.0
+
+  def __post_init__(self):
+    checked = dict(
+      **_surrogates.check_hyper(
+        self.loss, self.clip_eps_low, self.clip_eps_high, self.dual_clip, self.tau_pos, self.tau_neg
+      ),
+      aggregation=_checks.check_choice(self.aggregation, AGGREGATIONS, "aggregation"),
+      max_tokens=None
+      if self.max_tokens is None
+      else _checks.check_python_int(self.max_tokens, "max_tokens", minimum=1, hint="or None for T"),
+      beta=_checks.check_scalar(self.beta, "beta", at_least=0.0, hint="the KL coefficient β"),
+      entropy_coef=_checks.check_scalar(self.entropy_coef, "entropy_coef", hint="the entropy bonus coefficient"),
+    )
+    for name, value in checked.items():
+      object.__setattr__(self, name, value)
+
+  def replace(self, **changes) -> "LossHyper":
+    """A copy with some fields changed (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+_hyper.register(LossHyper, numbers=_NUMBERS)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -206,27 +266,8 @@ def _aggregate(per_token, m, aggregation, max_tokens):
   return jnp.sum(per_token), jnp.float32(b * (t if max_tokens is None else max_tokens))
 
 
-def _terms(
-  logp,
-  old_logp,
-  advantages,
-  mask,
-  token_weights,
-  kl,
-  importance,
-  entropy,
-  *,
-  loss,
-  clip_eps_low,
-  clip_eps_high,
-  dual_clip,
-  tau_pos,
-  tau_neg,
-  aggregation,
-  max_tokens,
-  beta,
-  entropy_coef,
-) -> LossTerms:
+def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper: LossHyper) -> LossTerms:
+  h = {n: v if _hyper.is_static(v) else _hyper.scalar(v, n) for n, v in ((n, getattr(hyper, n)) for n in _NUMBERS)}
   sg = jax.lax.stop_gradient
   real = mask
   m = mask.astype(jnp.float32)
@@ -235,25 +276,25 @@ def _terms(
     old_logp,
     advantages,
     mask,
-    loss=loss,
-    clip_eps_low=clip_eps_low,
-    clip_eps_high=clip_eps_high,
-    dual_clip=dual_clip,
-    tau_pos=tau_pos,
-    tau_neg=tau_neg,
+    loss=hyper.loss,
+    clip_eps_low=h["clip_eps_low"],
+    clip_eps_high=h["clip_eps_high"],
+    dual_clip=h["dual_clip"],
+    tau_pos=h["tau_pos"],
+    tau_neg=h["tau_neg"],
   )
   per_token = sur.loss  # 0 on padding
   if importance is not None:
     per_token = per_token * select(real, sg(importance.weights.astype(jnp.float32)))
   kl_term = jnp.zeros_like(per_token) if kl is None else select(real, kl.astype(jnp.float32))
-  if kl is not None and beta != 0:
-    per_token = per_token + beta * kl_term
-  if entropy is not None and entropy_coef != 0:
-    per_token = per_token - entropy_coef * select(real, entropy.astype(jnp.float32))
+  if kl is not None and not _hyper.is_static_zero(h["beta"]):
+    per_token = per_token + h["beta"] * kl_term
+  if entropy is not None and not _hyper.is_static_zero(h["entropy_coef"]):
+    per_token = per_token - h["entropy_coef"] * select(real, entropy.astype(jnp.float32))
   if token_weights is not None:
     per_token = per_token * select(real, sg(token_weights.astype(jnp.float32)))
   per_token = select(real, per_token)
-  numerator, denominator = _aggregate(per_token, m, aggregation, max_tokens)
+  numerator, denominator = _aggregate(per_token, m, hyper.aggregation, hyper.max_tokens)
 
   # metrics: the token ratio ρ and the (unweighted) advantages whatever the surrogate
   b, t = m.shape
@@ -297,33 +338,23 @@ def _terms(
   return LossTerms(numerator, denominator, sums, extrema)
 
 
-_HYPER = (
-  "loss",
-  "clip_eps_low",
-  "clip_eps_high",
-  "dual_clip",
-  "tau_pos",
-  "tau_neg",
-  "aggregation",
-  "max_tokens",
-  "beta",
-  "entropy_coef",
-)
-_policy_loss_terms = jax.jit(_terms, static_argnames=_HYPER)
+_policy_loss_terms = jax.jit(_terms)
 
 
-@functools.partial(jax.jit, static_argnames=_HYPER)
-def _policy_loss(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, **hyper):
-  return _finalize(_terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, **hyper))
+@jax.jit
+def _policy_loss(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper):
+  return _finalize(_terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper))
 
 
-def _checked(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper) -> dict:
-  loss = _checks.check_choice(hyper["loss"], SURROGATES, "loss")
-  _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy)
-  hyper = _check_hyper(**hyper, kl=kl, entropy=entropy)
-  if hyper["entropy_coef"] == 0:
+def _checked(logp, old_logp, advantages, mask, hyper, token_weights, kl, importance, entropy):
+  hyper = LossHyper() if hyper is None else hyper
+  if not isinstance(hyper, LossHyper):
+    raise TypeError(f"`hyper` must be a jaxgrpo.LossHyper or None; got {type(hyper).__name__}")
+  _check_arrays(hyper.loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy)
+  _check_inputs(hyper, kl, entropy)
+  if _hyper.is_static_zero(hyper.entropy_coef):
     entropy = None  # unused: one compiled program whether or not it is passed
-  return (logp, old_logp, advantages, mask, token_weights, kl, importance, entropy), hyper
+  return (logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper)
 
 
 def policy_loss_terms(
@@ -331,21 +362,12 @@ def policy_loss_terms(
   old_logp,
   advantages,
   mask,
+  hyper: LossHyper | None = None,
   *,
   token_weights=None,
-  loss="ppo",
-  clip_eps_low=0.2,
-  clip_eps_high=0.2,
-  dual_clip=None,
-  tau_pos=1.0,
-  tau_neg=1.05,
-  aggregation="token-mean",
-  max_tokens=None,
   kl=None,
-  beta=0.0,
   importance=None,
   entropy=None,
-  entropy_coef=0.0,
 ) -> LossTerms:
   """The loss of one (micro-)batch as additive :class:`LossTerms`; see the module docstring.
 
@@ -360,43 +382,22 @@ def policy_loss_terms(
       sequence losses ``"gspo"`` and ``"gmpo"``).
     mask: ``bool[B, T]`` real completion tokens; every other input is ignored (selected away) on
       padding, whatever it holds there.
+    hyper: :class:`LossHyper` — the surrogate, the aggregation, ε, the dual clip, SAPO's τ, β and the
+      entropy coefficient (None: ``LossHyper()``, PPO's clip with ε = 0.2 and token-mean).
     token_weights: optional ``f32[B, T]`` multiplying the whole token term (λ-GRPO: ``1/|λ|``); not
       with ``"gspo"``/``"gmpo"`` (ValueError).
-    loss: the surrogate, one of ``"ppo"`` (default), ``"gspo"``, ``"gspo_token"``, ``"cispo"``,
-      ``"sapo"``, ``"gmpo"`` (:mod:`jaxgrpo.surrogates`).
-    clip_eps_low, clip_eps_high: finite ε_low, ε_high >= 0 of the clip (DAPO: 0.2, 0.28; GSPO: 3e-4,
-      4e-4; CISPO: the weight's range; GMPO: the log-ratio range, 0.4).
-    dual_clip: finite c > 1 for the dual clip on negative advantages (``"ppo"`` only), or None.
-    tau_pos, tau_neg: SAPO's gate temperatures (1.0, 1.05); read only by ``"sapo"``.
-    aggregation: one of ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``.
-    max_tokens: int >= 1, the constant of ``seq-mean-token-sum-norm`` (default ``T``).
     kl: optional ``f32[B, T]`` per-token KL penalty ``D``, e.g.
       ``kl_penalty(logp, ref_logp, 'k3', mask=mask)`` (the mask keeps its gradient finite when the
-      log-probs on padding are not).
-    beta: finite β >= 0, the KL coefficient; ``beta > 0`` requires ``kl``.
+      log-probs on padding are not); required when ``hyper.beta`` may be > 0.
     importance: optional :class:`~jaxgrpo.importance.ImportanceWeights` (``importance_weights(old_logp,
       behavior_logp, mask, ...)``): the off-policy weight ``v`` of the policy term, and its metrics.
     entropy: ``f32[B, T]`` the policy entropy per position, differentiable (required when
-      ``entropy_coef != 0``, ignored otherwise).
-    entropy_coef: finite c: ``−c·H(i,t)`` is added to every token term (an entropy bonus for c > 0).
+      ``hyper.entropy_coef`` may be non-zero, ignored when it is a static 0).
 
   Returns:
     :class:`LossTerms`. B = 0 or T = 0 gives zero numerator and denominator (loss 0).
   """
-  hyper = dict(
-    loss=loss,
-    clip_eps_low=clip_eps_low,
-    clip_eps_high=clip_eps_high,
-    dual_clip=dual_clip,
-    tau_pos=tau_pos,
-    tau_neg=tau_neg,
-    aggregation=aggregation,
-    max_tokens=max_tokens,
-    beta=beta,
-    entropy_coef=entropy_coef,
-  )
-  args, hyper = _checked(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper)
-  return _policy_loss_terms(*args, **hyper)
+  return _policy_loss_terms(*_checked(logp, old_logp, advantages, mask, hyper, token_weights, kl, importance, entropy))
 
 
 def policy_loss(
@@ -404,26 +405,17 @@ def policy_loss(
   old_logp,
   advantages,
   mask,
+  hyper: LossHyper | None = None,
   *,
   token_weights=None,
-  loss="ppo",
-  clip_eps_low=0.2,
-  clip_eps_high=0.2,
-  dual_clip=None,
-  tau_pos=1.0,
-  tau_neg=1.05,
-  aggregation="token-mean",
-  max_tokens=None,
   kl=None,
-  beta=0.0,
   importance=None,
   entropy=None,
-  entropy_coef=0.0,
 ):
   """The GRPO-family policy loss (PPO's clipped surrogate by default) with a named aggregation mode.
 
   Same arguments as :func:`policy_loss_terms` (shapes: ``f32[B, T]`` log-probs, ``f32[B]`` or
-  ``f32[B, T]`` advantages, ``bool[B, T]`` mask).
+  ``f32[B, T]`` advantages, ``bool[B, T]`` mask; ``hyper`` a :class:`LossHyper`).
 
   Returns:
     ``(loss f32[], metrics)`` where metrics holds ``loss``, ``policy_loss`` (token mean of the
@@ -435,17 +427,4 @@ def policy_loss(
     ``mismatch_kl`` (mean k3 between π_old and μ); with an entropy bonus: ``entropy``. An all-padding
     or empty (B = 0 or T = 0) batch gives loss 0 and finite gradients.
   """
-  hyper = dict(
-    loss=loss,
-    clip_eps_low=clip_eps_low,
-    clip_eps_high=clip_eps_high,
-    dual_clip=dual_clip,
-    tau_pos=tau_pos,
-    tau_neg=tau_neg,
-    aggregation=aggregation,
-    max_tokens=max_tokens,
-    beta=beta,
-    entropy_coef=entropy_coef,
-  )
-  args, hyper = _checked(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper)
-  return _policy_loss(*args, **hyper)
+  return _policy_loss(*_checked(logp, old_logp, advantages, mask, hyper, token_weights, kl, importance, entropy))

@@ -12,7 +12,9 @@ Two calls, matching the two time scales of GRPO training:
 
 The train step and the binary-tree task both call these; research code may call the kernels directly.
 Both are jitted with the config (frozen, hashable) and the sizes static: a direct call costs what it
-costs inside ``jit`` after the first call; calling them inside an outer ``jit`` works.
+costs inside ``jit`` after the first call; calling them inside an outer ``jit`` works. The config's
+numbers are compile-time constants unless a :class:`~jaxgrpo.config.GRPOHyper` (``hyper=``) passes
+them as traced ``f32[]`` arrays (schedules, ``vmap``-ped grids: one program for every value).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import jax.numpy as jnp
 
 from jaxgrpo import _checks
 from jaxgrpo.advantages import group_advantages
-from jaxgrpo.config import GRPOConfig
+from jaxgrpo.config import GRPOConfig, GRPOHyper
 from jaxgrpo.importance import importance_weights
 from jaxgrpo.kl import frpo_advantages, kl_penalty
-from jaxgrpo.losses import LossTerms, policy_loss_terms
+from jaxgrpo.losses import LossHyper, LossTerms, policy_loss_terms
 from jaxgrpo.process_sets import group_size_bound, process_set_sizes
 
 __all__ = ["rollout_advantages", "objective_terms"]
@@ -39,13 +41,25 @@ def _check_config(config) -> GRPOConfig:
   return config
 
 
+def _number(config: GRPOConfig, hyper: GRPOHyper | None, name: str):
+  """A number of the objective: the config's Python float (static), or ``hyper``'s array (traced)."""
+  return getattr(config if hyper is None else hyper, name)
+
+
+def _check_hyper(config: GRPOConfig, hyper) -> GRPOHyper | None:
+  return None if hyper is None else config.check_hyper(hyper)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "num_groups", "max_group_size"))
-def _rollout_advantages(config, rewards, tokens, mask, group_ids, old_logp, ref_logp, *, num_groups, max_group_size):
+def _rollout_advantages(
+  config, rewards, tokens, mask, group_ids, old_logp, ref_logp, hyper, *, num_groups, max_group_size
+):
   adv = group_advantages(
     rewards, group_ids, num_groups, scale=config.advantage_scale, ddof=config.std_ddof, eps=config.std_eps
   )
   if config.kl_placement == "future" and config.beta > 0:
-    adv = frpo_advantages(adv, old_logp, ref_logp, mask, beta=config.beta, kind=config.kl_estimator)
+    beta = _number(config, hyper, "beta")
+    adv = frpo_advantages(adv, old_logp, ref_logp, mask, beta=beta, kind=config.kl_estimator)
   weights = None
   if config.process_weights:
     sizes = process_set_sizes(tokens, mask, group_ids, max_group_size=max_group_size)
@@ -66,6 +80,7 @@ def rollout_advantages(
   old_logp=None,
   ref_logp=None,
   max_group_size: int | None = None,
+  hyper: GRPOHyper | None = None,
 ):
   """Advantages and token weights of one rollout batch.
 
@@ -78,6 +93,8 @@ def rollout_advantages(
     max_group_size: static bound on the group size for ``process_set_sizes``. None: derived from
       ``group_ids`` when they are concrete (the largest group rounded up to a power of two),
       ``process_set_sizes``'s default when they are traced.
+    hyper: optional :class:`~jaxgrpo.config.GRPOHyper`: FRPO's β as a traced ``f32[]`` (one program
+      for every value) instead of the config's static one; the config's β > 0 still switches it on.
 
   Returns:
     ``(advantages, token_weights)``: advantages ``f32[B]`` (GRPO family) or ``f32[B, T]`` (FRPO);
@@ -85,6 +102,7 @@ def rollout_advantages(
     invalid input by a negative size, so the failure is not silently hidden) or None.
   """
   config = _check_config(config)
+  hyper = _check_hyper(config, hyper)
   b, _ = _checks.check_tokens_mask(tokens, mask)
   _checks.check_rank(rewards, 1, "rewards", "f32[B]")
   _checks.check_float(rewards, "rewards", "f32[B]")
@@ -97,7 +115,7 @@ def rollout_advantages(
     _checks.check_logp(old_logp, "old_logp", (b, _checks.shape_of(tokens)[1]))
     _checks.check_logp(ref_logp, "ref_logp", (b, _checks.shape_of(tokens)[1]))
   else:
-    old_logp = ref_logp = None  # unused: one compiled program whether or not they are passed
+    old_logp = ref_logp = hyper = None  # unused: one compiled program whether or not they are passed
   if config.process_weights:
     if max_group_size is None:
       max_group_size = group_size_bound(group_ids)
@@ -106,12 +124,22 @@ def rollout_advantages(
   else:
     max_group_size = None  # unused
   return _rollout_advantages(
-    config, rewards, tokens, mask, group_ids, old_logp, ref_logp, num_groups=num_groups, max_group_size=max_group_size
+    config,
+    rewards,
+    tokens,
+    mask,
+    group_ids,
+    old_logp,
+    ref_logp,
+    hyper,
+    num_groups=num_groups,
+    max_group_size=max_group_size,
   )
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy):
+def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy, hyper):
+  number = functools.partial(_number, config, hyper)
   kl = None
   if config.kl_placement == "loss" and config.beta > 0:
     kl = kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask)
@@ -123,27 +151,30 @@ def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, re
       mask,
       correction=config.importance_correction,
       level=config.importance_level,
-      cap=config.importance_cap,
+      cap=number("importance_cap"),
     )
+  loss_hyper = LossHyper(
+    loss=config.loss,
+    aggregation=config.aggregation,
+    max_tokens=config.max_tokens,
+    clip_eps_low=number("clip_eps_low"),
+    clip_eps_high=number("clip_eps_high"),
+    dual_clip=number("dual_clip"),
+    tau_pos=number("tau_pos"),
+    tau_neg=number("tau_neg"),
+    beta=number("beta") if kl is not None else 0.0,
+    entropy_coef=number("entropy_coef") if config.entropy_coef != 0 else 0.0,
+  )
   return policy_loss_terms(
     logp,
     old_logp,
     advantages,
     mask,
+    loss_hyper,
     token_weights=token_weights,
-    loss=config.loss,
-    clip_eps_low=config.clip_eps_low,
-    clip_eps_high=config.clip_eps_high,
-    dual_clip=config.dual_clip,
-    tau_pos=config.tau_pos,
-    tau_neg=config.tau_neg,
-    aggregation=config.aggregation,
-    max_tokens=config.max_tokens,
     kl=kl,
-    beta=config.beta if kl is not None else 0.0,
     importance=importance,
     entropy=entropy,
-    entropy_coef=config.entropy_coef,
   )
 
 
@@ -158,6 +189,7 @@ def objective_terms(
   ref_logp=None,
   behavior_logp=None,
   entropy=None,
+  hyper: GRPOHyper | None = None,
 ) -> LossTerms:
   """The loss of one (micro-)batch under ``config`` as additive ``LossTerms``.
 
@@ -183,8 +215,14 @@ def objective_terms(
       the config asks for it, so a custom ``objective_fn`` with the pinned signature
       ``(config, logp, old_logp, advantages, mask, *, token_weights=None, ref_logp=None)`` keeps
       working for every config that does not use these two fields.
+    hyper: optional :class:`~jaxgrpo.config.GRPOHyper`: the numbers (β, ε, the dual clip's c, τ±, the
+      importance cap, the entropy coefficient) as traced ``f32[]`` arrays — one compiled program for
+      every value (a schedule, a ``vmap``-ped grid) — instead of the config's static floats. The
+      config keeps the structure (its β > 0 switches the KL term on, its ``entropy_coef != 0`` the
+      bonus, its ``dual_clip`` the dual clip). The train step passes it only when it has one.
   """
   config = _check_config(config)
+  hyper = _check_hyper(config, hyper)
   _checks.check_logp(logp, "logp")
   shape = _checks.shape_of(logp)
   if config.kl_placement == "loss" and config.beta > 0:
@@ -207,4 +245,6 @@ def objective_terms(
   else:
     entropy = None
   # The remaining arguments are checked (at trace time) by policy_loss_terms inside the jitted call.
-  return _objective_terms(config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy)
+  return _objective_terms(
+    config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy, hyper
+  )

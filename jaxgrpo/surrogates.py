@@ -52,7 +52,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo import _checks
+from jaxgrpo import _checks, _hyper
 from jaxgrpo._numerics import safe_div, select
 
 __all__ = ["MAX_LOG_RATIO", "SEQUENCE_SURROGATES", "SURROGATES", "Surrogate", "policy_surrogate"]
@@ -171,22 +171,23 @@ def _surrogate(logp, old_logp, advantages, mask, *, loss, clip_eps_low, clip_eps
 
 
 def check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg) -> dict:
-  """The surrogate's static hyper-parameters, checked and normalised (floats as ``float``)."""
+  """The surrogate's hyper-parameters, checked: ``loss`` static; each number a Python float (static) or
+  an array (traced, range-checked when concrete; :func:`jaxgrpo._checks.check_scalar`)."""
   loss = _checks.check_choice(loss, SURROGATES, "loss")
   dual_clip = (
     None
     if dual_clip is None
-    else _checks.check_python_float(dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None")
+    else _checks.check_scalar(dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None")
   )
   if dual_clip is not None and loss != "ppo":
     raise ValueError(f"`dual_clip` is PPO's clip for negative advantages; loss={loss!r} has none: pass dual_clip=None")
   return dict(
     loss=loss,
-    clip_eps_low=_checks.check_python_float(clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip"),
-    clip_eps_high=_checks.check_python_float(clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip"),
+    clip_eps_low=_checks.check_scalar(clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip"),
+    clip_eps_high=_checks.check_scalar(clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip"),
     dual_clip=dual_clip,
-    tau_pos=_checks.check_python_float(tau_pos, "tau_pos", above=0.0, hint="SAPO's τ for A > 0"),
-    tau_neg=_checks.check_python_float(tau_neg, "tau_neg", above=0.0, hint="SAPO's τ for A <= 0"),
+    tau_pos=_checks.check_scalar(tau_pos, "tau_pos", above=0.0, hint="SAPO's τ for A > 0"),
+    tau_neg=_checks.check_scalar(tau_neg, "tau_neg", above=0.0, hint="SAPO's τ for A <= 0"),
   )
 
 
@@ -205,8 +206,9 @@ def check_advantages(loss: str, advantages, shape) -> None:
     )
 
 
-_HYPER = ("loss", "clip_eps_low", "clip_eps_high", "dual_clip", "tau_pos", "tau_neg")
-_policy_surrogate = functools.partial(jax.jit, static_argnames=_HYPER)(_surrogate)
+@functools.partial(jax.jit, static_argnames=("loss", "static"))
+def _policy_surrogate(logp, old_logp, advantages, mask, traced, *, loss, static):
+  return _surrogate(logp, old_logp, advantages, mask, loss=loss, **_hyper.merge(static, traced))
 
 
 def policy_surrogate(
@@ -230,7 +232,8 @@ def policy_surrogate(
     advantages: ``f32[B]`` or ``f32[B, T]`` (``f32[B]`` only for ``"gspo"`` and ``"gmpo"``).
     mask: ``bool[B, T]`` real tokens; every other input is ignored on padding.
     loss: one of ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"``, ``"gmpo"``.
-    clip_eps_low, clip_eps_high: ε_low, ε_high >= 0: the ratio range ``[1−ε_low, 1+ε_high]``
+    clip_eps_low, clip_eps_high: ε_low, ε_high >= 0 (each number here a Python float, static, or a
+      ``f32[]`` array, traced: ``jaxgrpo._hyper``): the ratio range ``[1−ε_low, 1+ε_high]``
       (``ppo``, ``gspo``, ``gspo_token``; ``cispo``'s weight), the log-ratio range
       ``[−ε_low, ε_high]`` for ``gmpo``.
     dual_clip: c > 1 of PPO's dual clip (``"ppo"`` only), or None.
@@ -241,5 +244,7 @@ def policy_surrogate(
   """
   shape = _checks.check_logp_pair(logp, old_logp, mask, ("logp", "old_logp"))
   hyper = check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg)
-  check_advantages(hyper["loss"], advantages, shape)
-  return _policy_surrogate(logp, old_logp, advantages, mask, **hyper)
+  loss = hyper.pop("loss")
+  check_advantages(loss, advantages, shape)
+  static, traced = _hyper.split(hyper)
+  return _policy_surrogate(logp, old_logp, advantages, mask, traced, loss=loss, static=static)

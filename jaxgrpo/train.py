@@ -23,7 +23,9 @@ so the split is the same on every mesh and stays local to each device's rows.
 A non-finite reward marks a missing sample (the library-wide policy, see ``jaxgrpo.advantages``):
 the advantage functions leave it out of the group statistics, and the step gives it advantage 0 and
 drops its tokens from the loss (numerator and every count), and reports how many there were
-(``rewards_nonfinite``).
+(``rewards_nonfinite``). That holds with precomputed ``Batch.advantages`` too (the row's given
+advantage is then unused); a batch with advantages needs no rewards (``rewards=None``): then every
+row trains on its given advantage.
 
 The model is split once (``nnx.split``) and the step is a plain function of
 ``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated. Batches are
@@ -46,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
-from jaxgrpo.config import GRPOConfig
+from jaxgrpo.config import GRPOConfig, GRPOHyper
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
 from jaxgrpo.models import lora
 from jaxgrpo.models.base import freeze_rules
@@ -84,11 +86,14 @@ class Batch(NamedTuple):
     old_logp: ``f32[B, T]`` rollout-policy log-probs of the completions (``Rollout.log_probs``).
     group_ids: ``int32[B]`` prompt index of each row.
     rewards: ``f32[B]`` outcome rewards r_i; NaN or ±inf marks a missing sample (advantage 0, its
-      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric).
+      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric) — also when
+      ``advantages`` are given: the row is skipped, its given advantage unused. None is allowed only
+      with ``advantages`` given (the step then reads no rewards and skips no row).
     ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when
       nothing reads them (β = 0).
     advantages: ``f32[B]`` or ``f32[B, T]`` precomputed advantages, or None: the step computes them
-      with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
+      with its ``advantages_fn``. When given, ``advantages_fn`` is not called and ``rewards`` may be
+      None.
     token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
       of ``advantages_fn`` (or none at all when ``advantages`` is given).
     behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
@@ -116,7 +121,7 @@ class Batch(NamedTuple):
   mask: jax.Array
   old_logp: jax.Array
   group_ids: jax.Array
-  rewards: jax.Array
+  rewards: jax.Array | None
   ref_logp: jax.Array | None = None
   advantages: jax.Array | None = None
   token_weights: jax.Array | None = None
@@ -129,9 +134,10 @@ class Batch(NamedTuple):
     cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None, policy_mask=None
   ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
-    array), with optional reference log-probs, precomputed advantages / token weights and behaviour
-    log-probs."""
-    rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
+    array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
+    / token weights and behaviour log-probs."""
+    if rewards is not None:
+      rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
       rollout.prompt_tokens,
       rollout.prompt_mask,
@@ -179,7 +185,9 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
   for name in names:
     x = getattr(batch, name)
     if x is None:
-      if name in _REQUIRED:
+      if name == "rewards" and batch.advantages is None:
+        raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
+      if name in _REQUIRED and name != "rewards":
         raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
       continue
     ranks, kind, notation = _FIELDS[name]
@@ -312,22 +320,17 @@ class TrainConfig:
   packing_rows: int | None = None
 
   def __post_init__(self):
-    for name in ("micro_batches", "mini_batches"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
-    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-      raise ValueError(f"`max_grad_norm` must be > 0 or None; got {self.max_grad_norm}")
-    if not self.temperature > 0:
-      raise ValueError(f"`temperature` must be > 0; got {self.temperature}")
-    if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-      raise ValueError(f"`chunk_size` must be a positive int or None; got {self.chunk_size!r}")
-    if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
-      raise ValueError(f"`group_size` must be a positive int or None; got {self.group_size!r}")
-    for name in ("packing", "packing_rows"):
-      v = getattr(self, name)
-      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"`{name}` must be a positive int or None; got {v!r}")
+    c = _checks
+    c.check_python_int(self.micro_batches, "micro_batches", minimum=1, hint="K, gradient-accumulation steps")
+    c.check_python_int(self.mini_batches, "mini_batches", minimum=1, hint="M, updates per pass")
+    if self.max_grad_norm is not None:
+      c.check_python_float(self.max_grad_norm, "max_grad_norm", above=0.0, hint="or None: no clipping")
+    c.check_python_float(self.temperature, "temperature", above=0.0, hint="the sampling temperature")
+    for name in ("chunk_size", "group_size", "packing", "packing_rows"):
+      if getattr(self, name) is not None:
+        c.check_python_int(getattr(self, name), name, minimum=1, hint="a positive int or None")
+    c.check_python_bool(self.tree_stats, "tree_stats")
+    c.check_python_bool(self.entropy, "entropy")
     if self.packing is None and self.packing_rows is not None:
       raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 
@@ -531,26 +534,29 @@ def _reads_behavior(config) -> bool:
   return isinstance(config, GRPOConfig) and config.importance_correction is not None
 
 
-def _objective_extras(config, behavior_logp, entropy) -> dict:
+def _objective_extras(config, behavior_logp, entropy, hyper) -> dict:
   """The objective's keywords beyond the pinned signature, passed only when the config asks for them
-  (so a custom ``objective_fn`` with the pinned signature works with every other config)."""
+  or the step has a hyper-parameter pytree (so a custom ``objective_fn`` with the pinned signature
+  works with every other config)."""
   extras = {}
   if _reads_behavior(config):
     extras["behavior_logp"] = behavior_logp
   if _wants_entropy(config):
     extras["entropy"] = entropy
+  if hyper is not None:
+    extras["hyper"] = hyper
   return extras
 
 
-def _check_denominator(objective_fn, config, mb) -> None:
+def _check_denominator(objective_fn, config, mb, hyper) -> None:
   """Trace-time check of the objective contract: the denominator has no gradient with respect to
   ``logp`` (nor to the entropy, when the objective takes it). Its tangent (``jax.jvp``) must be a
   symbolic zero — true for anything built from masks, advantages, rewards, shapes or
   ``stop_gradient`` of the log-probs."""
 
-  def tangent(logp, dlogp, old, adv, mask, weights, ref, behavior):
+  def tangent(logp, dlogp, old, adv, mask, weights, ref, behavior, hyper):
     def den(lp, ent):
-      extras = _objective_extras(config, behavior, ent)
+      extras = _objective_extras(config, behavior, ent, hyper)
       return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref, **extras).denominator
 
     return jax.jvp(den, (logp, logp), (dlogp, dlogp))[1]
@@ -558,7 +564,8 @@ def _check_denominator(objective_fn, config, mb) -> None:
   abstract = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
   logp = jax.ShapeDtypeStruct(mb["old_logp"].shape, jnp.float32)
   args = [abstract(mb.get(k)) for k in ("old_logp", "adv", "loss_mask", "weights", "ref_logp", "behavior_logp")]
-  jaxpr = jax.make_jaxpr(tangent)(logp, logp, *args).jaxpr
+  hyper = jax.tree.map(abstract, hyper)
+  jaxpr = jax.make_jaxpr(tangent)(logp, logp, *args, hyper).jaxpr
   if _depends_on(jaxpr, 1):
     name = getattr(objective_fn, "__name__", repr(objective_fn))
     raise ValueError(
@@ -617,14 +624,16 @@ class _StepSpec:
   rows_sh: NamedSharding
   blocks: int = 1  # data × fsdp: the device shards of the batch rows (packing: one slot each)
   dropout_key: Any = None  # the run's typed PRNG key for adapter dropout, or None
+  hyper_schedule: Callable | None = None  # step -> hyper-parameter pytree, or None
 
 
-def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int):
+def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int, hyper):
   """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
   config = spec.config
   if batch.policy_mask is not None and batch.ref_logp is not None:  # observations: δ = 0, f(1) = 0
     batch = batch._replace(ref_logp=jnp.where(batch.policy_mask, batch.ref_logp, batch.old_logp))
   if batch.advantages is None:
+    extras = {} if hyper is None else {"hyper": hyper}
     adv, weights = spec.advantages_fn(
       config,
       batch.rewards,
@@ -635,6 +644,7 @@ def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int):
       old_logp=batch.old_logp,
       ref_logp=batch.ref_logp,
       max_group_size=g,
+      **extras,
     )
   else:
     adv, weights = batch.advantages, None
@@ -679,22 +689,27 @@ def _check_dropout(spec: _StepSpec, model, packed: bool) -> None:
     )
 
 
-def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch):
+def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
   graphdef, config, tc = spec.graphdef, spec.config, spec.tc
   b, t = batch.completions.shape
   mm, kk = tc.mini_batches, tc.micro_batches
   g, num_groups = _group_bound(tc.group_size, b)
+  if hyper is None and spec.hyper_schedule is not None:
+    hyper = spec.hyper_schedule(state.step)  # traced: one program for every step
 
   # 1. once per rollout batch (no gradient): advantages, token weights, tree statistics.
-  adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g)
+  adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g, hyper)
   _check_advantages_out(adv, weights, b, t)
-  missing = ~jnp.isfinite(batch.rewards)  # [B] missing samples: advantage 0, no tokens in the loss
+  # [B] missing samples (non-finite rewards): advantage 0, no tokens in the loss; none without rewards
+  missing = jnp.zeros((b,), bool) if batch.rewards is None else ~jnp.isfinite(batch.rewards)
   loss_mask = batch.mask & ~missing[:, None]  # [B, T]
   if batch.policy_mask is not None:  # multi-turn: observation tokens are context, not loss
     loss_mask = loss_mask & batch.policy_mask
   adv = jnp.where(missing if adv.ndim == 1 else missing[:, None], 0.0, adv.astype(jnp.float32))
   select = lambda x: None if x is None else jnp.where(loss_mask, x.astype(jnp.float32), 0.0)
   extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
+  if isinstance(hyper, GRPOHyper):
+    extra.update({f"hyper/{k}": jnp.asarray(v, jnp.float32) for k, v in hyper._asdict().items() if v is not None})
   if sizes is not None:
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     extra.update({f"tree/{k}": v for k, v in stats.items()})
@@ -713,14 +728,14 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch):
     split = lambda x: jax.lax.with_sharding_constraint(_split_slots(x, spec.blocks, mm, kk), spec.rows_sh)
     rows.update(jax.tree.map(split, _slot_inputs(batch.packed)))
   example_mb = jax.tree.map(lambda x: x[0, 0], rows)
-  _check_denominator(spec.objective_fn, config, example_mb)
+  _check_denominator(spec.objective_fn, config, example_mb, hyper)
 
   def micro_terms(p, mb, scale):
     model = _merge_model(graphdef, p, frozen)
     _check_dropout(spec, model, packed="head_index" in mb)
     wants_entropy = _wants_entropy(config)
     logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
-    extras = _objective_extras(config, mb["behavior_logp"], ent)
+    extras = _objective_extras(config, mb["behavior_logp"], ent, hyper)
     terms = spec.objective_fn(
       config,
       logp,
@@ -807,36 +822,43 @@ class TrainStep:
   ``jax.set_mesh(mesh)`` (the model's activation sharding constraints apply). ``traces`` counts how
   often the step was traced: the same shapes and the same optional fields never retrace or recompile.
 
+  Hyper-parameters as inputs: ``step(state, batch, hyper)`` passes a pytree of ``f32[]`` arrays — for a
+  ``GRPOConfig`` a :class:`~jaxgrpo.config.GRPOHyper` (``config.hyper(beta=...)``), checked against the
+  config when concrete — to ``advantages_fn`` and ``objective_fn`` (keyword ``hyper=``); without it,
+  ``make_train_step(..., hyper_schedule=fn)`` computes ``fn(state.step)`` inside the step; with
+  neither, the config's numbers are compile-time constants. One compiled program serves every value
+  (``traces`` stays 1 across a β or ε schedule); the values used are reported as ``hyper/<name>``.
+
   Attributes:
-    graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn, dropout_key: as
-      given to :func:`make_train_step`.
+    graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn, dropout_key,
+      hyper_schedule: as given to :func:`make_train_step`.
     rules: the logical-axis rules (the model's own table).
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
       default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
-    jitted: the ``jax.jit`` of ``(state without frozen, state.frozen, placed batch)``; :meth:`lower`
+    jitted: the ``jax.jit`` of ``(state without frozen, state.frozen, placed batch, hyper)``; :meth:`lower`
       lowers it under ``jax.set_mesh(step.mesh)``, as each call runs it (e.g. ``memory_analysis()``).
   """
 
   def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
     self.graphdef, self.config, self.train_config = spec.graphdef, spec.config, spec.tc
     self.objective_fn, self.advantages_fn = spec.objective_fn, spec.advantages_fn
-    self.dropout_key = spec.dropout_key
+    self.dropout_key, self.hyper_schedule = spec.dropout_key, spec.hyper_schedule
     self.mesh, self.rules, self.shardings = mesh, rules, shardings
     self.batch_sharding = shd.batch_sharding(mesh, rules)
     self.traces = 0
     defaults = spec.objective_fn is objective_terms and spec.advantages_fn is rollout_advantages
     self.reads_ref_logp = not (defaults and isinstance(spec.config, GRPOConfig) and not spec.config.needs_reference)
 
-    def fn(state, frozen, batch):
+    def fn(state, frozen, batch, hyper):
       self.traces += 1
-      return _step_fn(spec, state, frozen, batch)
+      return _step_fn(spec, state, frozen, batch, hyper)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     donated = shardings._replace(frozen=None)
     self.jitted = jax.jit(
       fn,
-      in_shardings=(donated, shardings.frozen, self.batch_sharding),
+      in_shardings=(donated, shardings.frozen, self.batch_sharding, replicated),
       out_shardings=(donated, replicated),
       donate_argnums=0,
       compiler_options=_options(spec.tc),
@@ -857,7 +879,8 @@ class TrainStep:
     """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
     fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
     (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
-    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
+    ``batch.rewards`` may be None when ``batch.advantages`` is given."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
@@ -924,22 +947,35 @@ class TrainStep:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
     return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
 
-  def _args(self, state: TrainState, batch: Batch):
+  def check_hyper(self, hyper):
+    """``hyper`` as the step takes it: every leaf an array (``f32[]`` for a :class:`GRPOHyper`,
+    checked against the config by :meth:`GRPOConfig.check_hyper` when concrete); None stays None."""
+    if hyper is None:
+      return None
+    if isinstance(self.config, GRPOConfig):
+      if not isinstance(hyper, GRPOHyper):
+        raise TypeError(f"hyper must be a jaxgrpo.GRPOHyper (config.hyper(...)) or None; got {type(hyper).__name__}")
+      return self.config.check_hyper(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), hyper))
+    return jax.tree.map(jnp.asarray, hyper)
+
+  def _args(self, state: TrainState, batch: Batch, hyper=None):
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be a jaxgrpo.train.TrainState; got {type(state).__name__}")
     _check_not_donated(state, "state")
-    return state._replace(frozen=None), state.frozen, self.place_batch(batch)
+    hyper = self.check_hyper(hyper)
+    return state._replace(frozen=None), state.frozen, self.place_batch(batch), hyper
 
-  def __call__(self, state: TrainState, batch: Batch):
-    args = self._args(state, batch)
+  def __call__(self, state: TrainState, batch: Batch, hyper=None):
+    """One step; ``hyper``: optional hyper-parameter pytree (see the class docstring)."""
+    args = self._args(state, batch, hyper)
     with jax.set_mesh(self.mesh):  # the models' activation constraints apply while this mesh is set
       new, metrics = self.jitted(*args)
     return new._replace(frozen=state.frozen), metrics
 
-  def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+  def lower(self, state: TrainState, batch: Batch, hyper=None) -> jax.stages.Lowered:
     """The jitted step lowered for ``state`` and ``batch`` (checked and placed as a call would be),
     without running it: ``.compile().memory_analysis()`` gives the program's memory footprint."""
-    args = self._args(state, batch)
+    args = self._args(state, batch, hyper)
     with jax.set_mesh(self.mesh):
       return self.jitted.lower(*args)
 
@@ -956,6 +992,7 @@ def make_train_step(
   objective_fn: Callable[..., LossTerms] | None = None,
   advantages_fn: Callable | None = None,
   dropout_key: jax.Array | None = None,
+  hyper_schedule: Callable[[jax.Array], Any] | None = None,
 ) -> TrainStep:
   """The jitted step ``(TrainState, Batch) -> (TrainState, metrics)`` for ``config`` on ``mesh``.
 
@@ -987,6 +1024,8 @@ def make_train_step(
       Two keywords are added only when a ``GRPOConfig`` asks for them: ``behavior_logp=`` ``f32[R, T]``
       or None (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]``
       with its gradient (``entropy_coef != 0``); an objective used with such a config must accept them.
+      A third, ``hyper=``, only when the step has a hyper-parameter pytree (a call's ``hyper`` or
+      ``hyper_schedule``); ``advantages_fn`` receives it too.
     advantages_fn: ``advantages_fn(config, rewards, tokens, mask, group_ids, num_groups, *,
       old_logp=None, ref_logp=None, max_group_size=None) -> (advantages, token_weights)`` with
       ``advantages`` ``f32[B]`` or ``f32[B, T]`` and ``token_weights`` ``f32[B, T]`` or None; called
@@ -999,6 +1038,13 @@ def make_train_step(
       micro/mini-batch split, and a resumed run draws the same masks. Required (ValueError when the
       step is traced) when the model's adapters have dropout > 0. Sampling, the reference pass and
       evaluation never apply dropout.
+    hyper_schedule: ``hyper_schedule(step int32[]) -> hyper`` (for a ``GRPOConfig`` a
+      :class:`~jaxgrpo.config.GRPOHyper`, e.g. ``lambda s: config.hyper(beta=0.04 * jnp.minimum(s / 100,
+      1.0))``), traced inside the step on ``state.step``: a β / ε / entropy schedule in one compiled
+      program (a checkpoint resumes it). Evaluated once at step 0 here to check its structure (and
+      its values at step 0); a ``hyper`` passed to the call takes precedence. The config's β > 0 (and
+      ``entropy_coef != 0``) switches the term on; the schedule's value may be 0 at some steps.
+      Custom hooks receive the pytree as ``hyper=`` (see :class:`TrainStep`).
 
   The state argument is donated, except ``state.frozen`` (see :class:`TrainState`). Metrics (replicated ``f32[]``, averaged over the μ·M updates,
   extrema over them): ``loss``, ``policy_loss``, ``kl``, ``clip_frac_low/high/dual``, ``approx_kl``
@@ -1007,7 +1053,8 @@ def make_train_step(
   samples) and, for λ presets or with ``tree_stats``, ``tree/nontrivial_group_fraction``,
   ``tree/mean_path_depth``, ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
   With ``importance_correction``: ``is_weight_mean``, ``is_ratio_mean``, ``is_ratio_max``,
-  ``is_capped_frac``, ``mismatch_kl`` (see :func:`~jaxgrpo.losses.policy_loss`).
+  ``is_capped_frac``, ``mismatch_kl`` (see :func:`~jaxgrpo.losses.policy_loss`). With a
+  :class:`~jaxgrpo.config.GRPOHyper` in use: ``hyper/<field>``, the values this step used.
   """
   objective_fn = objective_terms if objective_fn is None else objective_fn
   advantages_fn = rollout_advantages if advantages_fn is None else advantages_fn
@@ -1019,6 +1066,16 @@ def make_train_step(
       f"config must be a GRPOConfig (jaxgrpo.preset(...)) for the default objective; got {type(config).__name__}. "
       "Pass objective_fn to train with another configuration object"
     )
+  if hyper_schedule is not None:
+    if not callable(hyper_schedule):
+      raise TypeError(f"`hyper_schedule` must be callable (step -> hyper) or None; got {type(hyper_schedule).__name__}")
+    if isinstance(config, GRPOConfig):
+      first = hyper_schedule(jnp.int32(0))
+      if not isinstance(first, GRPOHyper):
+        raise TypeError(
+          f"`hyper_schedule` must return a jaxgrpo.GRPOHyper (config.hyper(...)); got {type(first).__name__}"
+        )
+      config.check_hyper(first)
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.train.TrainConfig; got {type(train_config).__name__}")
@@ -1036,6 +1093,7 @@ def make_train_step(
     rows_sh,
     blocks,
     _check_run_key(dropout_key),
+    hyper_schedule,
   )
   return TrainStep(spec, mesh, shardings, rules)
 

@@ -48,12 +48,12 @@ CALLS = {
     d["old"],
     d["rewards"],
     d["mask"],
+    jg.LossHyper(beta=0.04, dual_clip=3.0, aggregation="seq-mean-token-mean"),
     kl=d["ref"],
-    beta=0.04,
-    dual_clip=3.0,
-    aggregation="seq-mean-token-mean",
   ),
-  "policy_loss_terms": lambda d: jg.policy_loss_terms(d["logp"], d["old"], d["rewards"], d["mask"], max_tokens=8),
+  "policy_loss_terms": lambda d: jg.policy_loss_terms(
+    d["logp"], d["old"], d["rewards"], d["mask"], jg.LossHyper(max_tokens=8)
+  ),
   "finalize_terms": lambda d: jg.finalize_terms(jg.policy_loss_terms(d["logp"], d["old"], d["rewards"], d["mask"])),
   "rollout_advantages(lambda_frpo)": lambda d: jg.rollout_advantages(
     jg.preset("lambda_frpo"),

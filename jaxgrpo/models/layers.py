@@ -1,7 +1,8 @@
 """Layers shared by every family: annotated parameters, norms, RoPE, the KV cache and attention.
 
 Axis vocabulary: B batch, S new tokens, T cache slots / keys, D model width, H query heads,
-N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V vocab.
+N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V vocab (and, in
+``jaxgrpo.models.moe``, E experts with the logical axis "expert", Fe expert width "expert_mlp").
 
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical axis name
 per dim (see ``LOGICAL_AXES``); ``eager_sharding=False`` so no mesh is needed at construction.
@@ -46,7 +47,7 @@ __all__ = [
   "QuantizedWeight",
 ]
 
-LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
+LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "expert", "expert_mlp")
 _NEG_INF = -1e30  # finite so that fully masked (padding) query rows give no NaN
 _SMALL_QUERY_ROWS = 8  # S·G at most this: attention by multiply-and-reduce instead of a batched dot
 QUERY_AXES = ("batch", "activation_length", "heads", "head_dim")  # q and the attention output [B, S, H, K]

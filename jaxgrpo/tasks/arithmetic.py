@@ -32,7 +32,7 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerFast
 
-from jaxgrpo import models
+from jaxgrpo import _checks, models
 from jaxgrpo.data import INSTRUCTION, build_messages
 
 __all__ = [
@@ -54,13 +54,6 @@ __all__ = [
 ]
 
 
-def _check_int(owner: str, name: str, value, minimum: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool):
-    raise TypeError(f"`{owner}.{name}` must be an int >= {minimum}; got {value!r} ({type(value).__name__})")
-  if value < minimum:
-    raise ValueError(f"`{owner}.{name}` must be an int >= {minimum}; got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyntheticModel:
   """The arithmetic task's model: a tiny Qwen3-architecture transformer (random init, seeded by the
@@ -75,8 +68,8 @@ class SyntheticModel:
   num_layers: int = 2
 
   def __post_init__(self):
-    _check_int("synthetic", "num_layers", self.num_layers, 1)
-    _check_int("synthetic", "hidden_size", self.hidden_size, 8)
+    _checks.check_python_int(self.num_layers, "synthetic.num_layers", minimum=1)
+    _checks.check_python_int(self.hidden_size, "synthetic.hidden_size", minimum=8)
     if self.hidden_size % 8:
       raise ValueError(
         f"`synthetic.hidden_size` must be a multiple of 8 (4 heads of even width); got {self.hidden_size}"
@@ -106,15 +99,18 @@ class ArithmeticTask:
   sft_noise: float = 0.7
 
   def __post_init__(self):
-    _check_int("arithmetic", "max_operand", self.max_operand, 1)
-    _check_int("arithmetic", "train_size", self.train_size, 1)
-    _check_int("arithmetic", "eval_size", self.eval_size, 0)
-    _check_int("arithmetic", "sft_steps", self.sft_steps, 0)
-    _check_int("arithmetic", "sft_batch_size", self.sft_batch_size, 1)
-    if not self.sft_learning_rate > 0:
-      raise ValueError(f"`arithmetic.sft_learning_rate` must be > 0; got {self.sft_learning_rate}")
-    if not 0.0 <= self.sft_noise <= 1.0:
-      raise ValueError(f"`arithmetic.sft_noise` must be in [0, 1]; got {self.sft_noise}")
+    c = _checks
+    c.check_python_int(self.max_operand, "arithmetic.max_operand", minimum=1)
+    c.check_python_int(self.train_size, "arithmetic.train_size", minimum=1)
+    c.check_python_int(self.eval_size, "arithmetic.eval_size", minimum=0)
+    c.check_python_int(self.sft_steps, "arithmetic.sft_steps", minimum=0, hint="0: no warm-up")
+    if self.sft_steps == 1:  # the cosine schedule needs a warm-up step and a decay step
+      raise ValueError(
+        "`arithmetic.sft_steps` must be 0 (no warm-up) or >= 2 (a linear warm-up step, then the cosine decay); got 1"
+      )
+    c.check_python_int(self.sft_batch_size, "arithmetic.sft_batch_size", minimum=1)
+    c.check_python_float(self.sft_learning_rate, "arithmetic.sft_learning_rate", above=0.0)
+    c.check_python_float(self.sft_noise, "arithmetic.sft_noise", at_least=0.0, at_most=1.0)
     pairs = (self.max_operand + 1) ** 2
     if self.eval_size >= pairs:
       raise ValueError(
@@ -229,9 +225,20 @@ def tiny_model_config(
   )
 
 
+#: positions of the synthetic model (rotary: no parameter depends on it): room for the default
+#: ``data.max_prompt_tokens`` 512 + ``rollout.max_new_tokens`` 1024 of ``jaxgrpo.specs``
+SYNTHETIC_POSITIONS = 2048
+
+
 def model_config(spec: SyntheticModel, vocab_size: int) -> models.Qwen3Config:
-  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``)."""
-  return tiny_model_config(vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers)
+  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``),
+  with :data:`SYNTHETIC_POSITIONS` positions."""
+  return tiny_model_config(
+    vocab_size,
+    hidden_size=spec.hidden_size,
+    num_layers=spec.num_layers,
+    max_position_embeddings=SYNTHETIC_POSITIONS,
+  )
 
 
 def task_split(task: ArithmeticTask, *, seed: int) -> tuple[list[dict], list[dict]]:

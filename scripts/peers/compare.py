@@ -47,18 +47,10 @@ def ours(inp):
   def loss_fn(aggregation, kind, lo_, hi_, dual=None, beta_=beta):
     def f(x):
       kl = None if kind is None else jg.kl_penalty(x, rp, kind)
-      return jg.policy_loss(
-        x,
-        olp,
-        adv,
-        mask,
-        clip_eps_low=lo_,
-        clip_eps_high=hi_,
-        dual_clip=dual,
-        aggregation=aggregation,
-        kl=kl,
-        beta=beta_ if kind else 0.0,
-      )[0]
+      hyper = jg.LossHyper(
+        clip_eps_low=lo_, clip_eps_high=hi_, dual_clip=dual, aggregation=aggregation, beta=beta_ if kind else 0.0
+      )
+      return jg.policy_loss(x, olp, adv, mask, hyper, kl=kl)[0]
 
     return f
 
@@ -107,21 +99,24 @@ def ours_new_losses(inp):
       importance = jg.importance_weights(olp, blp, mask, correction=imp[0], level=imp[1], cap=cap)
 
     def f(x, h):
-      return jg.policy_loss(
-        x,
-        olp,
-        a,
-        mask,
+      hyper = jg.LossHyper(
         loss=loss,
         clip_eps_low=lo_,
         clip_eps_high=hi_,
         dual_clip=dual,
         aggregation=aggregation,
-        kl=jg.kl_penalty(x, rp, "k3") if kl else None,
         beta=beta if kl else 0.0,
+        entropy_coef=coef if entropy else 0.0,
+      )
+      return jg.policy_loss(
+        x,
+        olp,
+        a,
+        mask,
+        hyper,
+        kl=jg.kl_penalty(x, rp, "k3") if kl else None,
         importance=importance,
         entropy=h if entropy else None,
-        entropy_coef=coef if entropy else 0.0,
       )[0]
 
     v, (g, gh) = jax.value_and_grad(f, argnums=(0, 1))(lp, ent)
