@@ -126,3 +126,35 @@ def test_chat_format_needs_a_template(tok):
   bare.chat_template = None
   with pytest.raises(ValueError, match="chat_template"):
     ChatFormat(bare)
+
+
+def test_calculator_demonstration_matches_the_template(tok):
+  row = {"problem": "What is 12 * 34?", "answer": "408"}
+  ids, pm = calculator.demonstration(tok, row)
+  env = calculator.make_env()
+  convo = [
+    {"role": "user", "content": row["problem"]},
+    {
+      "role": "assistant",
+      "content": '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>',
+    },
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "\\boxed{408}"},
+  ]
+  want = tok.apply_chat_template(convo, tools=env.tools, tokenize=False)
+  assert tok.decode(ids) == want.rstrip("\n")
+  policy = tok.decode([i for i, m in zip(ids, pm) if m])
+  assert (
+    policy == '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>\\boxed{408}<|im_end|>'
+  )
+  assert calculator.boxed_reward(row, tok.decode(ids)) == 1.0
+  # the noisy kinds: a guess without the tool, a miscopied operand, the no-tool baseline's direct answer
+  import numpy as np
+
+  rng = np.random.default_rng(0)
+  guess = tok.decode(calculator.demonstration(tok, row, noise="guess", rng=rng)[0])
+  assert "<tool_call>" not in guess.split("assistant")[-1] and calculator.boxed_reward(row, guess) == 0.0
+  miscopy = tok.decode(calculator.demonstration(tok, row, noise="operand", rng=rng)[0])
+  assert ('"a": 11' in miscopy or '"a": 13' in miscopy) and calculator.boxed_reward(row, miscopy) == 0.0
+  direct = tok.decode(calculator.demonstration(tok, row, noise="direct")[0])
+  assert "# Tools" not in direct and calculator.boxed_reward(row, direct) == 1.0

@@ -47,6 +47,7 @@ __all__ = [
   "solution_text",
   "tiny_model_config",
   "model_config",
+  "sft_sequences",
   "sft_warmup",
   "warm_up",
   "SFTResult",
@@ -325,6 +326,39 @@ def sft_warmup(
     ]
     seq_len = int(max(lens)) + 1  # room for a noisy answer one digit longer
   tokens, attn, loss_mask = _sft_batches(tokenizer, rows, seq_len=seq_len, noise=noise, seed=seed)
+  losses = sft_sequences(
+    model,
+    tokens,
+    attn,
+    loss_mask,
+    steps=steps,
+    batch_size=batch_size,
+    learning_rate=learning_rate,
+    seed=seed,
+    log_every=log_every,
+    log=log,
+  )
+  return SFTResult(losses, time.perf_counter() - t0)
+
+
+def sft_sequences(
+  model: nnx.Module,
+  tokens: np.ndarray,
+  attn: np.ndarray,
+  loss_mask: np.ndarray,
+  *,
+  steps: int,
+  batch_size: int = 32,
+  learning_rate: float = 3e-3,
+  seed: int = 0,
+  log_every: int = 0,
+  log: Callable[[str], None] | None = print,
+) -> list[float]:
+  """Cross-entropy on the ``loss_mask`` tokens of fixed sequences, training ``model`` in place:
+  ``tokens int32[N, L]`` right-padded, ``attn bool[N, L]`` the real tokens, ``loss_mask bool[N, L]`` the
+  target tokens (e.g. a demonstration's completion, or a multi-turn conversation's policy turns).
+  AdamW with a cosine schedule, ``batch_size`` rows drawn with replacement per step, 50 steps per
+  compiled ``lax.scan``; returns the loss after every 50 steps (and the last)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   opt = optax.adamw(
     optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), steps, learning_rate * 0.1),
@@ -351,7 +385,7 @@ def sft_warmup(
 
   tokens_d, attn_d, mask_d = jnp.asarray(tokens), jnp.asarray(attn), jnp.asarray(loss_mask)
   rng = np.random.default_rng(seed)
-  indices = rng.integers(0, len(rows), size=(steps, batch_size)).astype(np.int32)
+  indices = rng.integers(0, len(tokens), size=(steps, batch_size)).astype(np.int32)
   chunk = min(50, steps)
   losses = []
   done = 0
@@ -363,7 +397,7 @@ def sft_warmup(
     if log is not None and log_every and (done % max(log_every, chunk) < c or done == steps):
       log(f"sft step {done:4d} loss {losses[-1]:.4f}")
   nnx.update(model, params)
-  return SFTResult(losses, time.perf_counter() - t0)
+  return losses
 
 
 def warm_up(

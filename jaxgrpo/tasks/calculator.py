@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerFast
 from jaxgrpo.environments.chat import ChatFormat
 from jaxgrpo.environments.tools import ToolEnvironment, tool_schema
 from jaxgrpo.rewards import extract_boxed
+from jaxgrpo.tasks.arithmetic import sft_sequences
 
 __all__ = [
   "CHAT_TEMPLATE",
@@ -47,7 +48,9 @@ __all__ = [
   "calculator_split",
   "demonstration",
   "make_env",
+  "make_env_without_tool",
   "multiply",
+  "warm_up",
 ]
 
 SPECIAL_TOKENS = (
@@ -128,7 +131,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
   ``"multiply"``, ``\\boxed``…), and each long fixed line of the tool prompt (the prose, the schema) as
   one token, so the tiny demo's prompts stay short; digits are single characters."""
   text = _system_text()
-  phrases = [line for line in text.split("\n") if len(line) > 40]  # the prose and schema lines: one token each
+  special = "|".join(re.escape(t) for t in SPECIAL_TOKENS)
+  pieces = [p for line in text.split("\n") for p in re.split(special, line)]
+  phrases = [p for p in pieces if len(p) > 40]  # the prose and schema lines: one token each
   phrases += ['{"name": "multiply", "arguments": {"a": ', ', "b": ', "}}"]  # the call's fixed parts
   return _bare_tokenizer(re.findall(_WORD, text + ' "name" "arguments" What is \\boxed') + phrases)
 
@@ -160,6 +165,12 @@ def make_env(row: Mapping | None = None) -> ToolEnvironment:
   return ToolEnvironment([multiply], boxed_reward)
 
 
+def make_env_without_tool(row: Mapping | None = None) -> ToolEnvironment:
+  """The no-tool baseline's environment: no tools (the prompt has no tool section; a call is an
+  "unknown tool" error), reward :func:`boxed_reward` of the first answer."""
+  return ToolEnvironment([], boxed_reward)
+
+
 def _operands(problem: str) -> tuple[int, int]:
   a, b = re.findall(r"\d+", problem)
   return int(a), int(b)
@@ -170,7 +181,8 @@ def demonstration(tokenizer, row: Mapping, *, noise: str | None = None, rng=None
   boxed answer, the mask True on the policy's tokens: its call up to ``</tool_call>`` (where the rollout
   stops a turn; the observation closes it with ``<|im_end|>``) and its answer up to ``<|im_end|>``.
 
-  ``noise``: None (a correct demonstration); ``"operand"`` (the call copies one operand with a digit
+  ``noise``: None (a correct demonstration); ``"direct"`` (no tools in the prompt, the right product
+  boxed at once: the no-tool baseline's warm-up); ``"operand"`` (the call copies one operand with a digit
   off by one — the tool then returns a wrong product, which is boxed); ``"guess"`` (no tool call: a
   product with a wrong digit boxed directly).
   """
@@ -180,6 +192,11 @@ def demonstration(tokenizer, row: Mapping, *, noise: str | None = None, rng=None
   policy = [False] * len(ids)
   a, b = _operands(row["problem"])
   rng = rng or np.random.default_rng(0)
+  if noise == "direct":  # the no-tool baseline's demonstration: the right product, no tool
+    fmt = ChatFormat(tokenizer)
+    ids = fmt.prompt_ids(make_env_without_tool(row).reset(row))
+    turn = fmt.encode(f"\\boxed{{{row['answer']}}}<|im_end|>")
+    return ids + turn, [False] * len(ids) + [True] * len(turn)
   if noise == "guess":
     wrong = int(row["answer"]) + int(rng.choice([-10, -1, 1, 10]))
     turn = fmt.encode(f"\\boxed{{{wrong}}}<|im_end|>")
@@ -193,3 +210,48 @@ def demonstration(tokenizer, row: Mapping, *, noise: str | None = None, rng=None
   ids = ids + turn1 + obs + turn2
   policy = policy + [True] * len(turn1) + [False] * len(obs) + [True] * len(turn2)
   return ids, policy
+
+
+def warm_up(
+  model,
+  tokenizer,
+  rows,
+  *,
+  steps: int,
+  guess: float = 0.0,
+  operand: float = 0.0,
+  without_tool: bool = False,
+  batch_size: int = 32,
+  learning_rate: float = 3e-3,
+  seed: int = 0,
+  log=print,
+) -> list[float]:
+  """Supervised warm-up on demonstrations (:func:`demonstration`): a fraction ``guess`` answers without
+  the tool (a wrong product), a fraction ``operand`` miscopies an operand into the call, the rest are
+  correct; ``without_tool``: every demonstration is ``"direct"`` (the no-tool baseline). The loss covers
+  the policy's tokens only. Returns the loss every 50 steps."""
+  rng = np.random.default_rng([seed, 5])
+  seqs, masks = [], []
+  for row in rows:
+    u = rng.random()
+    noise = "direct" if without_tool else "guess" if u < guess else "operand" if u < guess + operand else None
+    ids, pm = demonstration(tokenizer, row, noise=noise, rng=rng)
+    seqs.append(ids)
+    masks.append(pm)
+  width = max(len(x) for x in seqs)
+  tokens = np.full((len(seqs), width), tokenizer.pad_token_id, np.int32)
+  attn, loss_mask = np.zeros((len(seqs), width), bool), np.zeros((len(seqs), width), bool)
+  for i, (ids, pm) in enumerate(zip(seqs, masks)):
+    tokens[i, : len(ids)], attn[i, : len(ids)], loss_mask[i, : len(ids)] = ids, True, pm
+  return sft_sequences(
+    model,
+    tokens,
+    attn,
+    loss_mask,
+    steps=steps,
+    batch_size=batch_size,
+    learning_rate=learning_rate,
+    seed=seed,
+    log_every=max(1, steps // 4),
+    log=log,
+  )
