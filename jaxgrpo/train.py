@@ -50,7 +50,7 @@ from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig, GRPOHyper
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
-from jaxgrpo.models import lora
+from jaxgrpo.models import lora, moe
 from jaxgrpo.models.base import freeze_rules
 from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
@@ -100,6 +100,11 @@ class Batch(NamedTuple):
       from ``old_logp`` (another inference engine or dtype, an older checkpoint), read by a
       ``GRPOConfig`` with ``importance_correction``; None: ``old_logp`` is the behaviour policy's.
       Dropped (one compiled program) when the config does not read it.
+    routing: ``int[B, P + T, M, k]`` the experts each of the M sparse layers of a mixture of experts
+      used for each token of ``[prompt ‖ completion]`` when sampling (``Rollout.routing``, any integer
+      dtype), or None. Given, the step's and the reference pass's forwards use exactly these experts
+      (routing replay, ``jaxgrpo.models.moe``); None: each forward routes by its own top-k. Not with
+      packing (ValueError).
     packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
       :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
       stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
@@ -128,6 +133,7 @@ class Batch(NamedTuple):
   behavior_logp: jax.Array | None = None
   packed: PackedSlots | None = None
   policy_mask: jax.Array | None = None
+  routing: jax.Array | None = None
 
   @classmethod
   def from_rollout(
@@ -135,7 +141,8 @@ class Batch(NamedTuple):
   ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
     array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
-    / token weights and behaviour log-probs."""
+    / token weights and behaviour log-probs; the rollout's recorded experts (``Rollout.routing``, routing
+    replay) when it has them."""
     if rewards is not None:
       rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
@@ -151,6 +158,7 @@ class Batch(NamedTuple):
       token_weights,
       behavior_logp,
       policy_mask=getattr(rollout, "policy_mask", None) if policy_mask is None else policy_mask,
+      routing=getattr(rollout, "routing", None),
     )
 
 
@@ -217,6 +225,31 @@ def _check_policy_mask(batch: Batch) -> None:
     raise ValueError(
       f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not"
     )
+
+
+def _check_routing(batch: Batch, b: int, t: int) -> None:
+  """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay), not with a packed batch."""
+  r = batch.routing
+  if r is None:
+    return
+  p = np.shape(batch.prompt_tokens)[1]
+  shape = np.shape(r)
+  if len(shape) != 4 or shape[:2] != (b, p + t):
+    raise ValueError(f"batch.routing must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {shape}")
+  if not np.issubdtype(np.dtype(r.dtype), np.integer):
+    raise TypeError(f"batch.routing must hold integer expert ids; got dtype {r.dtype}")
+  if batch.packed is not None:
+    raise ValueError(
+      "batch.routing (routing replay) is not supported with packing (TrainConfig.packing): train unpacked or "
+      "drop the routing (moe.routing_replay: none)"
+    )
+
+
+def _place_routing(batch: Batch, sharding) -> Batch:
+  if batch.routing is None:
+    return batch
+  r = batch.routing if isinstance(batch.routing, jax.Array) else np.asarray(batch.routing)
+  return batch._replace(routing=jax.device_put(r, sharding))
 
 
 def _place_fields(batch: Batch, names, sharding) -> Batch:
@@ -305,6 +338,11 @@ class TrainConfig:
     packing_rows: rows of L tokens per micro-batch and device (None: the fewest that hold the fullest
       micro-batch, rounded up to a power of two; a fixed value gives one compiled shape and a
       ValueError for a batch that does not fit).
+    router_aux_loss: a mixture of experts' load-balancing coefficient c (HF ``router_aux_loss_coef``;
+      0: off): the loss becomes ``Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k`` with ``aux_k`` =
+      ``jaxgrpo.models.moe.load_balancing_loss`` of micro-batch k's forward over its real tokens (one
+      micro-batch: ``loss + c·aux``, HF's form). Ignored by a dense model.
+    router_z_loss: the router z-loss coefficient (``moe.router_z_loss``, added the same way; 0: off).
   """
 
   micro_batches: int = 1
@@ -318,6 +356,8 @@ class TrainConfig:
   compiler_options: Mapping[str, Any] | None = None
   packing: int | None = None
   packing_rows: int | None = None
+  router_aux_loss: float = 0.0
+  router_z_loss: float = 0.0
 
   def __post_init__(self):
     c = _checks
@@ -331,6 +371,8 @@ class TrainConfig:
         c.check_python_int(getattr(self, name), name, minimum=1, hint="a positive int or None")
     c.check_python_bool(self.tree_stats, "tree_stats")
     c.check_python_bool(self.entropy, "entropy")
+    for name in ("router_aux_loss", "router_z_loss"):
+      c.check_python_float(getattr(self, name), name, at_least=0.0, hint="MoE router loss coefficient")
     if self.packing is None and self.packing_rows is not None:
       raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 
@@ -465,13 +507,34 @@ def _model_inputs(batch: Batch) -> dict:
   """What the model call of a micro-batch reads, per row of the batch (split like every ``[B, ...]``
   field): the prompt and completion tokens, or with packing the rows' head entries."""
   if batch.packed is None:
-    return dict(
+    inputs = dict(
       prompt_tokens=batch.prompt_tokens,
       prompt_mask=batch.prompt_mask,
       completions=batch.completions,
       mask=batch.mask,  # attention: every real token of the row
     )
+    if batch.routing is not None:  # routing replay: the sampler's experts [B, P + T, M, k]
+      inputs["routing"] = batch.routing
+    return inputs
   return dict(unpack_index=batch.packed.unpack_index)
+
+
+def _router_terms(model, mb: dict, scope, tc: "TrainConfig"):
+  """A mixture of experts' router terms of one micro-batch's forward (``scope``: its routes):
+  ``(c_aux·aux + c_z·z, routing sums)`` over the forward's real tokens; ``(0, {})`` for a dense model."""
+  if not scope.routes:
+    return jnp.zeros((), jnp.float32), {}
+  route = scope.stacked()  # [R, S, M, ...]
+  if "head_index" in mb:
+    real = mb["segment_ids"] > 0
+  else:
+    real = jnp.concatenate([mb["prompt_mask"], mb["mask"]], axis=1)
+  num_experts = model.config.num_experts
+  aux, z = moe.load_balancing_loss(route, real, num_experts), moe.router_z_loss(route, real)
+  extra = tc.router_aux_loss * aux + tc.router_z_loss * z
+  sums = moe.routing_sums(route, real, num_experts)
+  sums.update(aux_loss=aux * sums["tokens"], z_loss=z * sums["tokens"])  # token-weighted, for the metrics
+  return extra, jax.lax.stop_gradient(sums)
 
 
 def _slot_inputs(packed: PackedSlots) -> dict:
@@ -734,7 +797,9 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     model = _merge_model(graphdef, p, frozen)
     _check_dropout(spec, model, packed="head_index" in mb)
     wants_entropy = _wants_entropy(config)
-    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    with moe.routing_scope(replay=mb.get("routing")) as scope:  # MoE: replay the rollout's experts if given
+      logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    router_loss, route_sums = _router_terms(model, mb, scope, tc)
     extras = _objective_extras(config, mb["behavior_logp"], ent, hyper)
     terms = spec.objective_fn(
       config,
@@ -750,9 +815,11 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
       raise TypeError(f"objective_fn must return jaxgrpo.losses.LossTerms; got {type(terms).__name__}")
     ent = None if ent is None else jax.lax.stop_gradient(ent)
     ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
-    return terms.numerator * scale, (terms, ent_sum)
+    # the router losses, weighted like the objective: Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k
+    numerator = terms.numerator + router_loss * jax.lax.stop_gradient(terms.denominator)
+    return numerator * scale, (terms, ent_sum, route_sums)
 
-  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, 1.0)[1][0], state.params, example_mb)
+  terms_shape, _, routes_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, 1.0)[1], state.params, example_mb)
   grad_fn = jax.grad(micro_terms, has_aux=True)
 
   def update(carry, mini):  # mini: [K, R, ...]
@@ -763,17 +830,20 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     scale = jnp.ldexp(jnp.float32(1.0), -e)
 
     def accumulate(acc, mb):
-      grads, terms, ent, tokens = acc
-      g_k, (terms_k, ent_k) = grad_fn(params, mb, scale)  # scale · ∇numerator_k
+      grads, terms, ent, tokens, routes = acc
+      g_k, (terms_k, ent_k, routes_k) = grad_fn(params, mb, scale)  # scale · ∇numerator_k
       grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g_k)
       grads = jax.lax.with_sharding_constraint(grads, spec.param_sh)
       tokens = tokens + jnp.sum(mb["loss_mask"]).astype(jnp.float32)
-      return (grads, combine_terms(terms, terms_k), ent + ent_k, tokens), None
+      routes = jax.tree.map(jnp.add, routes, routes_k)
+      return (grads, combine_terms(terms, terms_k), ent + ent_k, tokens, routes), None
 
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero_grads = jax.lax.with_sharding_constraint(zero_grads, spec.param_sh)
     zero = jnp.zeros((), jnp.float32)
-    (grads, terms, ent, tokens), _ = jax.lax.scan(accumulate, (zero_grads, _zero_terms(terms_shape), zero, zero), mini)
+    zero_routes = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), routes_shape)
+    init = (zero_grads, _zero_terms(terms_shape), zero, zero, zero_routes)
+    (grads, terms, ent, tokens, routes), _ = jax.lax.scan(accumulate, init, mini)
     inv_den = _safe_div(1.0, scale * terms.denominator)  # divide once: Σ_k ∇numerator_k / Σ_k denominator_k
     grads = jax.tree.map(lambda x: x * inv_den, grads)
     grad_norm = optax.tree.norm(grads)
@@ -786,6 +856,8 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     metrics = _finalize(terms)
     metrics["entropy"] = _safe_div(ent, tokens)
     metrics["grad_norm"] = grad_norm
+    if routes:  # a mixture of experts: per-layer expert load and router entropy
+      metrics.update(moe.routing_metrics(routes))
     return (params, opt_state), metrics
 
   def epoch(carry, keys):  # keys: key[B], this pass's row dropout keys, or None
@@ -901,6 +973,7 @@ class TrainStep:
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
     _check_policy_mask(batch)
+    _check_routing(batch, b, t)
     _check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
     g, num_groups = _group_bound(tc.group_size, b)
     ids = _host_values(batch.group_ids)
@@ -945,7 +1018,8 @@ class TrainStep:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not _reads_behavior(self.config) and batch.behavior_logp is not None:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
-    return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
+    placed = _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
+    return _place_routing(placed, self.batch_sharding)
 
   def check_hyper(self, hyper):
     """``hyper`` as the step takes it: every leaf an array (``f32[]`` for a :class:`GRPOHyper`,
@@ -1133,7 +1207,9 @@ def make_reference_fn(
   logits chunks than one micro-batch of the step. With ``train_config.packing`` the batch is packed
   as the step packs it (a batch that carries ``packed`` is used as it is) and the pass runs the M·K
   slots of each device one after the other, each exactly one micro-batch of the step. Only the
-  prompt and completion fields of the batch are read; NumPy and placed batches run the same program.
+  prompt and completion fields of the batch are read, and ``batch.routing`` (a mixture of experts'
+  routing replay: the reference forward uses the rollout's experts); NumPy and placed batches run the
+  same program.
   The pass is traced under ``jax.set_mesh(mesh)`` (activation constraints apply); ``rules`` as for
   :func:`make_train_step` (default: the model's own table).
   """
@@ -1151,7 +1227,8 @@ def make_reference_fn(
     cols = [jax.lax.with_sharding_constraint(_split_rows(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
 
     def one(mb):
-      return completion_log_probs(model, *mb, temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
+      with moe.routing_scope(replay=mb[4] if len(mb) > 4 else None):  # MoE: the rollout's experts if given
+        return completion_log_probs(model, *mb[:4], temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
 
     logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
     return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of _split_rows
@@ -1179,11 +1256,13 @@ def make_reference_fn(
         batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
       )
     _check_packing(batch, tc, blocks, slots)
-    placed = _place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh)
+    _check_routing(batch, b, np.shape(batch.completions)[1])
+    placed = _place_routing(_place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh), bsh)
     with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
       if placed.packed is not None:
         return jitted_packed(ref_params, placed.packed.unpack_index, _slot_inputs(placed.packed))
-      return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
+      cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
+      return jitted(ref_params, cols if placed.routing is None else cols + (placed.routing,))
 
   return reference_log_probs
 

@@ -464,18 +464,22 @@ def routing_sums(route: Route, mask: jax.Array, num_experts: int) -> dict[str, j
 
 
 def routing_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-  """Per sparse layer m, from :func:`routing_sums`: ``moe/load_min/m``, ``moe/load_max/m`` (the
+  """Per sparse layer m, from :func:`routing_sums`: ``moe/m/load_min``, ``moe/m/load_max`` (the
   smallest / largest expert share of the layer's token assignments, uniform = 1/E),
-  ``moe/load_entropy/m`` (entropy of those shares, uniform = log E) and ``moe/router_entropy/m`` (the
-  router's mean entropy per token)."""
+  ``moe/m/load_entropy`` (entropy of those shares, uniform = log E) and ``moe/m/router_entropy`` (the
+  router's mean entropy per token); and ``moe/aux_loss`` / ``moe/z_loss`` when ``sums`` holds their
+  token-weighted sums (``aux_loss``, ``z_loss``: the train step adds them)."""
   load = sums["load"]
   share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)  # [M, E]
   ent = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.where(share > 0, share, 1.0)), 0.0), axis=-1)
   router = sums["router_entropy"] / jnp.maximum(sums["tokens"], 1.0)
   out = {}
   for m in range(load.shape[0]):
-    out[f"moe/load_min/{m}"] = jnp.min(share[m])
-    out[f"moe/load_max/{m}"] = jnp.max(share[m])
-    out[f"moe/load_entropy/{m}"] = ent[m]
-    out[f"moe/router_entropy/{m}"] = router[m]
+    out[f"moe/{m}/load_min"] = jnp.min(share[m])
+    out[f"moe/{m}/load_max"] = jnp.max(share[m])
+    out[f"moe/{m}/load_entropy"] = ent[m]
+    out[f"moe/{m}/router_entropy"] = router[m]
+  for name in ("aux_loss", "z_loss"):
+    if name in sums:
+      out[f"moe/{name}"] = sums[name] / jnp.maximum(sums["tokens"], 1.0)
   return out
