@@ -312,7 +312,6 @@ class Trainer:
     self.sampling = iteration.SamplingConfig(
       num_samples=roll.group_size,
       max_new_tokens=roll.max_new_tokens,
-      temperature=self.train_config.temperature,
       top_p=roll.top_p,
       top_k=roll.top_k,
       eos_ids=self.eos_ids,
@@ -405,7 +404,9 @@ class Trainer:
     sending its own prompts (``iteration.place_prompts``)."""
     tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
     tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.mesh)
-    rollout = iteration.sample(self.policy(), tokens, mask, self.sampling, key=key)
+    rollout = iteration.sample(
+      self.policy(), tokens, mask, self.sampling, key=key, temperature=self.train_config.temperature
+    )
     return distributed.process_rows(rollout._replace(num_steps=None), self.mesh)
 
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
