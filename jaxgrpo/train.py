@@ -524,7 +524,7 @@ def _objective_extras(config, behavior_logp, entropy, hyper) -> dict:
   return extras
 
 
-def _check_denominator(objective_fn, config, mb, hyper) -> None:
+def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
   """Trace-time check of the objective contract: the denominator has no gradient with respect to
   ``logp`` (nor to the entropy, when the objective takes it). Its tangent (``jax.jvp``) must be a
   symbolic zero — true for anything built from masks, advantages, rewards, shapes or
@@ -932,6 +932,8 @@ class TrainStep:
       raise TypeError(f"state must be a jaxgrpo.train.TrainState; got {type(state).__name__}")
     _check_not_donated(state, "state")
     hyper = self.check_hyper(hyper)
+    if hyper is not None:  # replicated over the mesh, as the jitted step takes it (every process: the same values)
+      hyper = jax.device_put(hyper, NamedSharding(self.mesh, PartitionSpec()))
     return state._replace(frozen=None), state.frozen, self.place_batch(batch), hyper
 
   def __call__(self, state: TrainState, batch: Batch, hyper=None):
@@ -989,7 +991,9 @@ def make_train_step(
       ``Σ numerator / Σ denominator`` over its micro-batches, and the denominator has no gradient
       (masks, advantages, shapes; checked when the step is traced, ValueError otherwise). The metrics
       are :func:`~jaxgrpo.losses.finalize_terms`' when the terms' ``sums`` are those of
-      :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``.
+      :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``:
+      each ``sums[key]`` added over the micro-batches of an update (a sum, not a mean: divide by a count
+      of your own) and averaged over the μ·M updates; ``extrema`` keys (``*_max``/``*_min``) max/min.
       Two keywords are added only when a ``GRPOConfig`` asks for them: ``behavior_logp=`` ``f32[R, T]``
       or None (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]``
       with its gradient (``entropy_coef != 0``); an objective used with such a config must accept them.
