@@ -79,7 +79,9 @@ class GRPOConfig:
 
   Every field is checked for its type (``TypeError``: e.g. ``beta="0.1"``, ``std_ddof=True``) and
   its value (``ValueError``: negative, NaN or infinite numbers, unknown names). The config is
-  frozen and hashable, so the jitted kernels take it as a static argument.
+  frozen and hashable, so the jitted kernels take it as a static argument: its numbers are
+  compile-time constants there. To pass them as traced inputs instead (a β/ε/entropy schedule, a
+  ``vmap``-ped grid: one program for every value), build a :class:`GRPOHyper` with :meth:`hyper`.
 
   Attributes:
     name: label (the preset's name, or "custom").
@@ -189,7 +191,7 @@ class GRPOConfig:
     :meth:`check_hyper`.
 
     >>> preset("grpo", beta=0.04).hyper(beta=0.02).beta
-    Array(0.02, dtype=float32, weak_type=False)
+    Array(0.02, dtype=float32)
     """
     unknown = set(overrides) - set(GRPOHyper._fields)
     if unknown:

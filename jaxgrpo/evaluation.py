@@ -148,7 +148,6 @@ def evaluate_policy(
   sampling = iteration.SamplingConfig(
     num_samples=k,
     max_new_tokens=max_new_tokens,
-    temperature=temperature,
     top_p=top_p,
     top_k=top_k,
     eos_ids=tuple(eos_ids),
@@ -165,7 +164,9 @@ def evaluate_policy(
     tokens, mask = pad_left([token_lists[i] for i in padded], prompt_len, pad_id)
     if mesh is not None:
       tokens, mask = iteration.place_prompts(tokens, mask, mesh=mesh)
-    rollout = iteration.sample(model, tokens, mask, sampling, key=jax.random.fold_in(key, start))
+    rollout = iteration.sample(
+      model, tokens, mask, sampling, key=jax.random.fold_in(key, start), temperature=temperature
+    )
     rollout = rollout._replace(num_steps=None)
     rows = distributed.process_rows(rollout, mesh) if mesh is not None else jax.tree.map(np.asarray, rollout)
     comp, cmask = rows.completions, rows.mask  # this process's rows of int32[nb·k, T], bool[nb·k, T]

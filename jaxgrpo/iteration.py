@@ -88,11 +88,13 @@ __all__ = [
 class SamplingConfig:
   """How :func:`sample` draws completions (the keyword arguments of ``jaxgrpo.sampling.generate``).
 
+  The temperature is not here: it is the train step's ``TrainConfig.temperature`` (the rollout
+  log-probs must refer to the temperature the step computes its log-probs at), which
+  :func:`grpo_iteration` passes to :func:`sample`.
+
   Attributes:
     num_samples: G, completions per prompt (the group size).
     max_new_tokens: T, the completion length budget.
-    temperature: sampling temperature (0: greedy); must be the train step's
-      ``TrainConfig.temperature`` (the log-probs refer to it).
     top_p, top_k: nucleus and top-k filtering (1.0 and 0: off).
     eos_ids: token ids that end a completion (empty: every completion has T tokens).
     pad_id: id written after the end of each completion.
@@ -105,7 +107,6 @@ class SamplingConfig:
 
   num_samples: int
   max_new_tokens: int
-  temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
   eos_ids: tuple[int, ...] = ()
@@ -304,7 +305,7 @@ def place_prompts(prompt_tokens, prompt_mask, *, mesh: Mesh, rules: Mapping[str,
   return shd.place_batch((tokens[rows], mask[rows]), mesh, rules, process_local=True)
 
 
-def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key) -> Rollout:
+def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, temperature: float = 1.0) -> Rollout:
   """G completions of each prompt: ``jaxgrpo.sampling.generate`` with ``sampling``'s arguments.
 
   Args:
@@ -313,6 +314,8 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key) 
       :func:`place_prompts` for multi-host runs); prompt_mask: ``bool[B, P]``.
     sampling: a :class:`SamplingConfig`.
     key: a PRNG key.
+    temperature: the sampling temperature (0: greedy): for training, the step's
+      ``step.train_config.temperature`` (what :func:`grpo_iteration` passes); evaluation its own.
 
   Returns:
     A ``Rollout`` of N = B·G rows; row ``b·G + g`` is sample g of prompt b (``group_ids`` = b).
@@ -327,7 +330,7 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key) 
     prompt_mask,
     num_samples=sampling.num_samples,
     max_new_tokens=sampling.max_new_tokens,
-    temperature=sampling.temperature,
+    temperature=temperature,
     top_p=sampling.top_p,
     top_k=sampling.top_k,
     eos_ids=sampling.eos_ids,
@@ -483,12 +486,6 @@ def _check_iteration(step: TrainStep, sampling: SamplingConfig, reference, num_p
   if not isinstance(sampling, SamplingConfig):
     raise TypeError(f"sampling must be a jaxgrpo.iteration.SamplingConfig; got {type(sampling).__name__}")
   tc = step.train_config
-  expected = 1.0 if sampling.temperature == 0 else sampling.temperature
-  if tc.temperature != expected:
-    raise ValueError(
-      f"sampling.temperature={sampling.temperature} but the step's TrainConfig.temperature={tc.temperature}: "
-      f"the rollout log-probs refer to temperature {expected}; use the same value"
-    )
   if tc.group_size is not None and tc.group_size < sampling.num_samples:
     raise ValueError(
       f"sampling.num_samples={sampling.num_samples} exceeds the step's TrainConfig.group_size={tc.group_size}"
@@ -530,7 +527,7 @@ def grpo_iteration(
     prompt_tokens: ``int32[B, P]`` left-padded prompts; prompt_mask: ``bool[B, P]``.
     key: PRNG key of the rollout.
     reward_fn: ``reward_fn(prompts, completions, **columns) -> N rewards`` (see :func:`score`).
-    sampling: a :class:`SamplingConfig` (its temperature must be the step's).
+    sampling: a :class:`SamplingConfig` (the temperature is the step's ``TrainConfig.temperature``).
     reference: :func:`make_reference`'s result; required when the step needs ``ref_logp``.
     decode, prompts, columns: passed to :func:`score`.
     buckets: completion-length buckets (None: keep ``max_new_tokens`` columns).
@@ -545,7 +542,14 @@ def grpo_iteration(
   _check_iteration(step, sampling, reference, int(np.shape(prompt_tokens)[0]))
   t0 = time.perf_counter()
   rollout = jax.block_until_ready(
-    sample(policy_model(step.graphdef, state), prompt_tokens, prompt_mask, sampling, key=key)
+    sample(
+      policy_model(step.graphdef, state),
+      prompt_tokens,
+      prompt_mask,
+      sampling,
+      key=key,
+      temperature=step.train_config.temperature,
+    )
   )
   t1 = time.perf_counter()
   rewards = score(reward_fn, rollout, decode=decode, prompts=prompts, columns=columns)
@@ -608,7 +612,14 @@ def multiturn_iteration(
   _check_iteration(step, sampling, reference, len(rows))
   t0 = time.perf_counter()
   rollout: MultiTurnRollout = sample_multiturn(
-    policy_model(step.graphdef, state), rows, make_env, tokenizer, sampling, env_config, key=key
+    policy_model(step.graphdef, state),
+    rows,
+    make_env,
+    tokenizer,
+    sampling,
+    env_config,
+    key=key,
+    temperature=step.train_config.temperature,
   )
   t1 = time.perf_counter()
   batch = make_batch(

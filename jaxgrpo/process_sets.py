@@ -22,10 +22,9 @@ What is guaranteed, and what is not:
   prefixes that differ anywhere would collide with probability exactly 2**-64 — over the choice of
   the hash function, for inputs chosen independently of it (~5e-8 for 1e12 compared pairs). The
   mixers are fixed pseudo-random functions, so this is a heuristic for them: the words are not
-  linear in token or position, and neither word is a function of the other, so the structured
-  inputs that defeated the former linear pre-image ``tok·φ + pos·c`` (token differences ``k`` at
-  distance ``d`` with ``k·φ ≡ d·c``, which collided in both words at once), arithmetic progressions,
-  swaps and shifts collide no more often than random ones (tests check such families word by word).
+  linear in token or position, and neither word is a function of the other, so structured inputs
+  (token differences tied to position differences, arithmetic progressions, swaps, shifts) collide
+  no more often than random ones (tests check such families word by word).
 - *Not guaranteed:* the hash is not cryptographic. Someone who knows the constants can build a
   collision with about 2**32 work (a birthday search). For adversarial token sequences use
   ``exact=True``.
@@ -102,9 +101,8 @@ PROCESS_SET_METHODS = ("auto", "pairwise", "sort")
 
 # Crossover of method="auto": pairwise while the group-size bound G is <= this, sort above it.
 # Both hash the B·T tokens; beyond that pairwise compares B·G row pairs (64-token windows), sort makes
-# ~B·log²(B)/4 such comparisons plus two O(B·T) scans. Measured (`python scripts/bench_process_sets.py`,
-# 3 alternating runs, 2-core CPU, BENCHMARKS.md): pairwise is 1.1-2.4x faster at G = 8 and 36
-# (T = 256, 1024, 4096), the two tie at G = 128 (sort 1.03-1.15x), sort is 1.9x faster at G = 512.
+# ~B·log²(B)/4 such comparisons plus two O(B·T) scans. Chosen by measurement (scripts/bench_process_sets.py;
+# the figures are in BENCHMARKS.md, "Pairwise vs sort-and-segment").
 SORT_MIN_GROUP_SIZE = 64
 
 _BLOCK = 64  # tokens per hashed block (both methods compare rows block by block)

@@ -322,7 +322,8 @@ class TrainConfig:
     mini_batches: M, optimizer updates per pass over the batch (PPO mini-batches); μ passes are
       made (``GRPOConfig.num_iterations``), so a step makes μ·M updates.
     max_grad_norm: clip the gradient to this global norm (None: no clipping).
-    temperature: the sampling temperature the log-probs refer to.
+    temperature: the sampling temperature the log-probs refer to; the one temperature of training
+      (``jaxgrpo.iteration.grpo_iteration`` and the trainer sample at it).
     chunk_size: positions per chunk of the float32 logits (None: unchunked). A chunk holds
       ``rows per micro-batch × chunk_size × V`` float32 logits: aim for a few thousand tokens (64 rows ×
       32 positions at V = 32000 is 262 MB; 64 × 128 was 1 GB per chunk and a slower step).
@@ -611,7 +612,7 @@ def _objective_extras(config, behavior_logp, entropy, hyper) -> dict:
   return extras
 
 
-def _check_denominator(objective_fn, config, mb, hyper) -> None:
+def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
   """Trace-time check of the objective contract: the denominator has no gradient with respect to
   ``logp`` (nor to the entropy, when the objective takes it). Its tangent (``jax.jvp``) must be a
   symbolic zero — true for anything built from masks, advantages, rewards, shapes or
@@ -1037,6 +1038,8 @@ class TrainStep:
       raise TypeError(f"state must be a jaxgrpo.train.TrainState; got {type(state).__name__}")
     _check_not_donated(state, "state")
     hyper = self.check_hyper(hyper)
+    if hyper is not None:  # replicated over the mesh, as the jitted step takes it (every process: the same values)
+      hyper = jax.device_put(hyper, NamedSharding(self.mesh, PartitionSpec()))
     return state._replace(frozen=None), state.frozen, self.place_batch(batch), hyper
 
   def __call__(self, state: TrainState, batch: Batch, hyper=None):
@@ -1094,7 +1097,9 @@ def make_train_step(
       ``Σ numerator / Σ denominator`` over its micro-batches, and the denominator has no gradient
       (masks, advantages, shapes; checked when the step is traced, ValueError otherwise). The metrics
       are :func:`~jaxgrpo.losses.finalize_terms`' when the terms' ``sums`` are those of
-      :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``.
+      :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``:
+      each ``sums[key]`` added over the micro-batches of an update (a sum, not a mean: divide by a count
+      of your own) and averaged over the μ·M updates; ``extrema`` keys (``*_max``/``*_min``) max/min.
       Two keywords are added only when a ``GRPOConfig`` asks for them: ``behavior_logp=`` ``f32[R, T]``
       or None (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]``
       with its gradient (``entropy_coef != 0``); an objective used with such a config must accept them.

@@ -333,7 +333,6 @@ class Trainer:
     self.sampling = iteration.SamplingConfig(
       num_samples=roll.group_size,
       max_new_tokens=roll.max_new_tokens,
-      temperature=self.train_config.temperature,
       top_p=roll.top_p,
       top_k=roll.top_k,
       eos_ids=self.eos_ids,
@@ -487,7 +486,14 @@ class Trainer:
     if self.engine is not None:  # the engine holds the pushed weights (max_staleness 0 only, checked in the spec)
       return self._sample_engine(tokens, mask, key)
     tokens, mask = iteration.place_prompts(tokens, mask, mesh=mesh)
-    rollout = iteration.sample(self.policy() if policy is None else policy, tokens, mask, self.sampling, key=key)
+    rollout = iteration.sample(
+      self.policy() if policy is None else policy,
+      tokens,
+      mask,
+      self.sampling,
+      key=key,
+      temperature=self.train_config.temperature,
+    )
     return distributed.process_rows(rollout._replace(num_steps=None), mesh)
 
   def _sample_engine(self, tokens, mask, key) -> Rollout:
@@ -505,12 +511,12 @@ class Trainer:
       mask,
       num_samples=s.num_samples,
       max_new_tokens=s.max_new_tokens,
-      temperature=s.temperature,
+      temperature=self.train_config.temperature,
       top_p=s.top_p,
       top_k=s.top_k,
       eos_ids=s.eos_ids,
       pad_id=s.pad_id,
-      suppress_ids=s.suppress_ids if s.temperature == 1.0 else (),  # see VLLMEngine: τ != 1 needs ()
+      suppress_ids=s.suppress_ids if self.train_config.temperature == 1.0 else (),  # see VLLMEngine: τ != 1 needs ()
       key=key,
     )
     self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (

@@ -80,7 +80,7 @@ def main(argv=None):
   fmt = ChatFormat(tok)
   obs_len = len(fmt.observation_ids([{"role": "tool", "content": OBSERVATION}], fmt.encode("x")))
   total = args.turns * args.turn_tokens + (args.turns - 1) * obs_len
-  sampling = SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1.0, eos_ids=(), pad_id=tok.pad_token_id)
+  sampling = SamplingConfig(num_samples=1, max_new_tokens=1, eos_ids=(), pad_id=tok.pad_token_id)
   env_config = MultiTurnConfig(max_turns=args.turns, max_tokens=total, turn_tokens=args.turn_tokens)
   prompts = [fmt.prompt_ids(Fixed(1).reset(r)) for r in rows]
   p_len = max(len(p) for p in prompts)

@@ -1,3 +1,4 @@
+import chex
 import core_refs as ref
 import jax
 import jax.numpy as jnp
@@ -38,14 +39,45 @@ def test_rloo_matches_bruteforce(data):
   np.testing.assert_allclose(rloo(rewards, gid, ng), want, rtol=1e-5, atol=1e-6)
 
 
-def test_grpo_hand_computed():
-  # group 0: rewards 1, 0 -> mean .5, population std .5 -> +-1 ; group 1 singleton -> 0
-  got = jg.group_advantages(jnp.array([1.0, 0.0, 3.0]), jnp.array([0, 0, 1]), 2, eps=0.0)
-  np.testing.assert_allclose(got, [1.0, -1.0, 0.0])
-  got = jg.group_advantages(jnp.array([1.0, 0.0, 3.0]), jnp.array([0, 0, 1]), 2, ddof=1, eps=0.0)
-  np.testing.assert_allclose(got, [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5), 0.0], rtol=1e-6)  # sample std sqrt(.5)
-  got = jg.group_advantages(jnp.array([1.0, 0.0, 3.0]), jnp.array([0, 0, 1]), 2, scale="none")
-  np.testing.assert_allclose(got, [0.5, -0.5, 0.0])
+class HandComputed(chex.TestCase):
+  """Hand-computed values, each kernel called directly and inside an outer ``jax.jit`` (chex variants:
+  then every array input — β and ``max_delta`` included — is traced, and value checks are skipped)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_grpo_hand_computed(self):
+    f = self.variant(jg.group_advantages, static_argnums=2, static_argnames=("scale", "ddof", "eps"))
+    r, gid = jnp.array([1.0, 0.0, 3.0]), jnp.array([0, 0, 1])
+    # group 0: rewards 1, 0 -> mean .5, population std .5 -> +-1 ; group 1 singleton -> 0
+    np.testing.assert_allclose(f(r, gid, 2, eps=0.0), [1.0, -1.0, 0.0])
+    want = [0.5 / np.sqrt(0.5), -0.5 / np.sqrt(0.5), 0.0]  # sample std sqrt(.5)
+    np.testing.assert_allclose(f(r, gid, 2, ddof=1, eps=0.0), want, rtol=1e-6)
+    np.testing.assert_allclose(f(r, gid, 2, scale="none"), [0.5, -0.5, 0.0])
+    rloo = self.variant(jg.rloo_advantages, static_argnums=2)
+    np.testing.assert_allclose(rloo(r, gid, 2), [1.0, -1.0, 0.0])
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_frpo_advantages_hand_computed_and_no_gradient(self):
+    old = jnp.array([[-1.0, -2.0, -0.5, 0.0]])
+    ref_ = jnp.array([[-1.5, -1.0, -0.5, 0.0]])
+    mask = jnp.array([[True, True, True, False]])
+    f = self.variant(lambda a, o, beta: jg.frpo_advantages(a, o, ref_, mask, beta=beta))
+    # δ = .5, -1, 0 ; reversed cumsum: -.5, -1, 0 ; Â = a - β reg
+    for beta in (0.1, jnp.float32(0.1)):  # static and traced β
+      np.testing.assert_allclose(f(jnp.array([1.0]), old, beta), [[1.05, 1.1, 1.0, 0.0]], rtol=1e-6)
+    g = jax.grad(lambda o: jnp.sum(f(jnp.array([1.0]), o, 0.1)))(old)
+    np.testing.assert_array_equal(g, 0.0)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_kl_with_a_traced_max_delta(self):
+    # k3 = e^-δ + δ - 1 inside the clamp, whatever its (traced) bound
+    f = self.variant(lambda d, md: jg.kl_penalty(d, jnp.zeros_like(d), "k3", max_delta=md))
+    d = jnp.array([[25.0, 0.5]])
+    want = [[np.exp(-25) + 24, np.exp(-0.5) - 0.5]]
+    np.testing.assert_allclose(f(d, jnp.float32(30.0)), want, rtol=1e-6)
+    np.testing.assert_allclose(f(d, jnp.float32(40.0)), want, rtol=1e-6)
+    lp, rlp, mask = jnp.array([[-0.3]]), jnp.array([[-1.1]]), jnp.array([[True]])
+    single = self.variant(lambda lp, rlp: jg.future_kl(lp, rlp, mask, kind="k1"))
+    chex.assert_trees_all_close(single(lp, rlp), jg.kl_penalty(lp, rlp, "k1"))  # one token: per-token KL
 
 
 @pytest.mark.parametrize("ddof", [0, 1])
@@ -108,23 +140,6 @@ def test_future_kl_matches_bruteforce(seed, kind):
   lp, rlp = (rng.normal(size=(2, 4, 6)) * 0.7 - 1).astype(np.float32)
   mask = np.arange(6)[None, :] < rng.integers(0, 7, size=(4, 1))
   np.testing.assert_allclose(future(lp, rlp, mask, kind=kind), ref.future_kl(lp, rlp, mask, kind), rtol=1e-4, atol=1e-5)
-
-
-def test_future_kl_single_token_is_per_token_kl():
-  lp, rlp = jnp.array([[-0.3]]), jnp.array([[-1.1]])
-  mask = jnp.array([[True]])
-  np.testing.assert_allclose(jg.future_kl(lp, rlp, mask, kind="k1"), jg.kl_penalty(lp, rlp, "k1"))
-
-
-def test_frpo_advantages_hand_computed_and_no_gradient():
-  old = jnp.array([[-1.0, -2.0, -0.5, 0.0]])
-  ref_ = jnp.array([[-1.5, -1.0, -0.5, 0.0]])
-  mask = jnp.array([[True, True, True, False]])
-  # δ = .5, -1, 0 ; reversed cumsum: -.5, -1, 0 ; Â = a - β reg
-  got = jg.frpo_advantages(jnp.array([1.0]), old, ref_, mask, beta=0.1)
-  np.testing.assert_allclose(got, [[1.05, 1.1, 1.0, 0.0]], rtol=1e-6)
-  g = jax.grad(lambda o: jnp.sum(jg.frpo_advantages(jnp.array([1.0]), o, ref_, mask, beta=0.1)))(old)
-  np.testing.assert_array_equal(g, 0.0)
 
 
 @pytest.mark.parametrize(

@@ -183,6 +183,30 @@ def test_new_losses_share_one_compilation_with_grpo():
     np.testing.assert_allclose(multi["target_prob"][i], multi["target_prob"][0], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # four compilations of the tabular sweep: ~15 s idle, > 40 s on a loaded CPU
+def test_a_vmapped_beta_grid_matches_separate_runs(tmp_path):
+  """``grid={"beta": ...}``: one compilation for every β, each equal to the run whose config has that β
+  as a constant (GRPO's KL in the loss switched on by the grid, FRPO's future-KL); then the CLI flag."""
+  pol = bt.make_policy("tabular", init_scale=0.5)
+  algos, betas = ["grpo", "frpo"], [0.0, 0.3]
+  multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT, grid={"beta": betas})
+  assert multi["target_prob"].shape == (2, 2, 2, 2, 4)
+  for i, h in ((0, 1), (1, 0)):  # GRPO with its KL switched on by the grid; FRPO at β = 0
+    a, beta = algos[i], betas[h]
+    one = bt.run_sweep(bt.preset(a, beta=beta), pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+    for k in one:
+      np.testing.assert_allclose(multi[k][i, h], one[k], rtol=1e-5, atol=1e-6, err_msg=f"{a} β={beta}: {k}")
+  for i in range(len(algos)):
+    assert not np.allclose(multi["loss"][i, 0], multi["loss"][i, 1])  # β changes the run
+  summary = _script().main(
+    "--policy tabular --optimizer sgd --lr 1.0 --seeds 2 --steps 3 --group-size 4 --cells 1:-1.0 "
+    f"--algorithms grpo --grid beta=0,0.3 --quiet --no-plot --out {tmp_path}".split()
+  )
+  assert summary["config"]["algorithms"] == ["grpo@beta=0", "grpo@beta=0.3"]
+  assert summary["config"]["grid"] == {"beta": [0.0, 0.3]}
+  assert "GRPO [beta=0.3] (ours)" in (tmp_path / "table.md").read_text()
+
+
 @pytest.mark.slow  # two compilations of the transformer's backward: ~15 s idle, > 60 s on a loaded CPU
 def test_transformer_run_deterministic_and_batch_independent():
   pol = bt.make_policy("gpt2", **TINY)
@@ -284,6 +308,8 @@ def _script():
     (["--cells", "1;-1"], "cells"),
     (["--seeds", "0"], "seeds"),
     (["--steps", "0"], "steps"),
+    (["--grid", "gamma=1"], "--grid"),
+    (["--grid", "beta=x"], "--grid"),
   ],
 )
 def test_bad_flags_one_line_error(argv, needle, capsys, tmp_path):

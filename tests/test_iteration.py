@@ -88,11 +88,6 @@ def test_iteration_checks_what_would_fail_after_the_rollout():
   with pytest.raises(ValueError, match="needs reference log-probs"):
     iteration.grpo_iteration(step, state, prompts, pmask, sampling=sampling, **common)
   reference = iteration.make_reference(step, state.params)
-  with pytest.raises(ValueError, match="sampling.temperature=0.7 but the step's TrainConfig.temperature=1.0"):
-    iteration.grpo_iteration(
-      step, state, prompts, pmask, sampling=iteration.SamplingConfig(num_samples=G, max_new_tokens=T, temperature=0.7),
-      reference=reference, **common,
-    )  # fmt: skip
   with pytest.raises(ValueError, match="num_samples=8 exceeds the step's TrainConfig.group_size=4"):
     iteration.grpo_iteration(
       step, state, prompts, pmask, sampling=iteration.SamplingConfig(num_samples=8, max_new_tokens=T),

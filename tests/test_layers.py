@@ -6,7 +6,10 @@ Read from the source with ``ast`` (nothing is imported), so a violation names th
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -174,3 +177,20 @@ def test_every_public_module_declares_all():
     if "__all__" not in names:
       missing.append(str(path.relative_to(ROOT)))
   assert not missing, missing
+
+
+def test_the_kernels_import_without_flax():
+  """``import jaxgrpo`` loads the kernels only (JAX, NumPy); layers 2-4 load on first access (a real
+  subprocess: nothing imported by this test process can hide an import)."""
+  kernels = sorted(m for m, layer in MODULES.items() if layer == "kernels")
+  code = (
+    "import sys, jaxgrpo; jaxgrpo.group_advantages; jaxgrpo.policy_loss; jaxgrpo.LossHyper; "
+    f"[__import__(m) for m in {kernels!r}]; "
+    "heavy = sorted(m for m in ('flax', 'optax', 'orbax', 'transformers', 'datasets') if m in sys.modules); "
+    "assert not heavy, heavy; "
+    "jaxgrpo.make_train_step; assert 'flax' in sys.modules and 'jaxgrpo.train' in sys.modules; "
+    "assert jaxgrpo.train.make_train_step is jaxgrpo.make_train_step; print('ok')"
+  )
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,3 +1,4 @@
+import chex
 import core_refs as ref
 import jax
 import jax.numpy as jnp
@@ -12,20 +13,44 @@ SETTINGS = settings(max_examples=30, deadline=None)
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-def test_aggregations_hand_computed():
-  # ratio 1 and advantage -l make the per-token loss exactly l
-  l = np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
-  mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], bool)
-  lp = jnp.zeros((3, 3))
-  want = {"token-mean": 6 / 3, "seq-mean-token-mean": (1.5 + 3) / 2, "seq-mean-token-sum-norm": 6 / (3 * 3)}
-  for agg, w in want.items():
-    loss, metrics = jg.policy_loss(lp, lp, jnp.asarray(-l), mask, jg.LossHyper(aggregation=agg))
-    assert float(loss) == pytest.approx(w), agg
-    assert float(metrics["tokens"]) == 3 and float(metrics["sequences"]) == 2
-  loss, _ = jg.policy_loss(
-    lp, lp, jnp.asarray(-l), mask, jg.LossHyper(aggregation="seq-mean-token-sum-norm", max_tokens=4)
-  )
-  assert float(loss) == pytest.approx(6 / 12)
+class HandComputed(chex.TestCase):
+  """Hand-computed losses, the kernel called directly and inside an outer ``jax.jit`` (chex variants:
+  the :class:`LossHyper` numbers then traced)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_aggregations_hand_computed(self):
+    # ratio 1 and advantage -l make the per-token loss exactly l
+    l = np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], bool)
+    lp = jnp.zeros((3, 3))
+    loss = self.variant(lambda a, hyper: jg.policy_loss(lp, lp, a, mask, hyper))
+    want = {"token-mean": 6 / 3, "seq-mean-token-mean": (1.5 + 3) / 2, "seq-mean-token-sum-norm": 6 / (3 * 3)}
+    for agg, w in want.items():
+      value, metrics = loss(jnp.asarray(-l), jg.LossHyper(aggregation=agg))
+      assert float(value) == pytest.approx(w), agg
+      assert float(metrics["tokens"]) == 3 and float(metrics["sequences"]) == 2
+    value, _ = loss(jnp.asarray(-l), jg.LossHyper(aggregation="seq-mean-token-sum-norm", max_tokens=4))
+    assert float(value) == pytest.approx(6 / 12)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_clip_range_and_dual_clip_as_traced_numbers(self):
+    """One token at ratio ρ with advantage A: ``−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A)``, ``−max(·, cA)``."""
+    loss = self.variant(
+      lambda ratio, adv, hyper: jg.policy_loss(
+        jnp.log(ratio)[None, None], jnp.zeros((1, 1)), adv[None], jnp.ones((1, 1), bool), hyper
+      )[0]
+    )
+    f32 = jnp.float32
+    cases = [  # (ratio, A, hyper, want)
+      (1.25, 1.0, jg.LossHyper(clip_eps_high=f32(0.28)), -1.25),
+      (1.35, 1.0, jg.LossHyper(clip_eps_high=f32(0.28)), -1.28),
+      (1.35, 1.0, jg.LossHyper(clip_eps_high=f32(0.1)), -1.1),
+      (0.5, -1.0, jg.LossHyper(clip_eps_low=f32(0.3)), 0.7),
+      (5.0, -1.0, jg.LossHyper(dual_clip=f32(3.0)), 3.0),
+      (5.0, -1.0, jg.LossHyper(dual_clip=f32(6.0)), 5.0),
+    ]
+    for ratio, adv, hyper, want in cases:
+      assert float(loss(f32(ratio), f32(adv), hyper)) == pytest.approx(want, rel=1e-6), (ratio, adv, hyper)
 
 
 def _one_token_loss(ratio, adv, **kw):
@@ -114,8 +139,7 @@ def test_two_micro_batches_equal_the_full_batch(seed, agg, split, per_token_adv)
   full_loss, full_m = jg.finalize_terms(terms(slice(None)))
   loss, m = jg.finalize_terms(jg.combine_terms(terms(slice(0, split)), terms(slice(split, None))))
   np.testing.assert_allclose(loss, full_loss, rtol=1e-5, atol=1e-7)
-  for k in full_m:
-    np.testing.assert_allclose(m[k], full_m[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  chex.assert_trees_all_close(m, full_m, rtol=1e-5, atol=1e-6)
 
 
 def test_token_weights_multiply_policy_and_kl_terms_denominator_unchanged():

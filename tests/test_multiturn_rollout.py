@@ -42,7 +42,7 @@ def setup():
   cfg = arithmetic.tiny_model_config(len(tok), hidden_size=32, num_layers=1, max_position_embeddings=512)
   model = build_model(cfg, rngs=nnx.Rngs(0))
   eos = tok.convert_tokens_to_ids("<|im_end|>")
-  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, temperature=1.0, eos_ids=(eos,), pad_id=tok.pad_token_id)
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
   return tok, model, sampling
 
 

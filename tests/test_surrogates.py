@@ -6,6 +6,7 @@ config allows and those it refuses."""
 
 from __future__ import annotations
 
+import chex
 import core_refs as ref
 import jax
 import jax.numpy as jnp
@@ -159,8 +160,7 @@ def test_micro_batches_change_nothing(batch, loss, aggregation, split):
   full, fm = jg.finalize_terms(terms(slice(None)))
   parts, pm = jg.finalize_terms(jg.combine_terms(terms(slice(0, split)), terms(slice(split, None))))
   np.testing.assert_allclose(parts, full, rtol=1e-5, atol=1e-7)
-  for k in fm:
-    np.testing.assert_allclose(pm[k], fm[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  chex.assert_trees_all_close(pm, fm, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- hand-computed cases
@@ -232,22 +232,50 @@ def test_gmpo_clips_in_log_space_on_the_harmful_side_only():
   assert float(m["clip_frac_low"]) == 0.5
 
 
-def test_importance_weights_hand_computed():
-  old = jnp.log(jnp.asarray([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]], jnp.float32))
-  behavior = jnp.log(jnp.asarray([[0.1, 0.5, 0.25], [0.5, 0.25, 0.25]], jnp.float32))  # ratios 5, 1, 2 / 1, 2, 2
-  mask = jnp.asarray([[True, True, True], [True, True, False]])
-  w = jg.importance_weights(old, behavior, mask, correction="tis", level="token", cap=2.0)
-  np.testing.assert_allclose(w.weights, [[2, 1, 2], [1, 2, 0]], rtol=1e-6)
-  np.testing.assert_array_equal(w.capped, [[True, False, False], [False, False, False]])
-  w = jg.importance_weights(old, behavior, mask, correction="mis", level="token", cap=2.0)
-  np.testing.assert_allclose(w.weights, [[0, 1, 2], [1, 2, 0]], rtol=1e-6)
-  w = jg.importance_weights(old, behavior, mask, correction="tis", level="sequence", cap=3.0)
-  np.testing.assert_allclose(w.ratio, [[10, 10, 10], [2, 2, 0]], rtol=1e-5)  # products 5·1·2, 1·2
-  np.testing.assert_allclose(w.weights, [[3, 3, 3], [2, 2, 0]], rtol=1e-6)
-  w = jg.importance_weights(old, behavior, mask, correction="mis", level="sequence", cap=3.0)
-  np.testing.assert_allclose(w.weights, [[0, 0, 0], [2, 2, 0]], rtol=1e-6)
-  k3 = lambda r: r - np.log(r) - 1
-  np.testing.assert_allclose(w.mismatch_kl, [[k3(5), 0, k3(2)], [0, k3(2), 0]], rtol=1e-5, atol=1e-7)
+class HandComputed(chex.TestCase):
+  """Hand-computed values, called directly and inside an outer ``jax.jit`` (chex variants: the cap and
+  the clip range then traced)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_importance_weights_hand_computed(self):
+    old = jnp.log(jnp.asarray([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]], jnp.float32))
+    behavior = jnp.log(jnp.asarray([[0.1, 0.5, 0.25], [0.5, 0.25, 0.25]], jnp.float32))  # ratios 5, 1, 2 / 1, 2, 2
+    mask = jnp.asarray([[True, True, True], [True, True, False]])
+    iw = self.variant(
+      lambda cap, correction, level: jg.importance_weights(
+        old, behavior, mask, correction=correction, level=level, cap=cap
+      ),
+      static_argnums=(1, 2),
+    )
+    w = iw(2.0, "tis", "token")
+    np.testing.assert_allclose(w.weights, [[2, 1, 2], [1, 2, 0]], rtol=1e-6)
+    np.testing.assert_array_equal(w.capped, [[True, False, False], [False, False, False]])
+    w = iw(2.0, "mis", "token")
+    np.testing.assert_allclose(w.weights, [[0, 1, 2], [1, 2, 0]], rtol=1e-6)
+    w = iw(3.0, "tis", "sequence")
+    np.testing.assert_allclose(w.ratio, [[10, 10, 10], [2, 2, 0]], rtol=1e-5)  # products 5·1·2, 1·2
+    np.testing.assert_allclose(w.weights, [[3, 3, 3], [2, 2, 0]], rtol=1e-6)
+    w = iw(3.0, "mis", "sequence")
+    np.testing.assert_allclose(w.weights, [[0, 0, 0], [2, 2, 0]], rtol=1e-6)
+    k3 = lambda r: r - np.log(r) - 1
+    np.testing.assert_allclose(w.mismatch_kl, [[k3(5), 0, k3(2)], [0, k3(2), 0]], rtol=1e-5, atol=1e-7)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_gspo_clips_the_sequence_with_a_traced_range(self):
+    # token ratios e^0.3 and e^-0.3: the sequence ratio is 1, inside any range; PPO clips the first token
+    lr = jnp.asarray([[0.3, -0.3]], jnp.float32)
+    old, mask = jnp.full_like(lr, -1.0), jnp.ones(lr.shape, bool)
+    sur = self.variant(
+      lambda eps, loss: jg.policy_surrogate(
+        old + lr, old, jnp.ones(1), mask, loss=loss, clip_eps_low=eps, clip_eps_high=eps
+      ),
+      static_argnums=1,
+    )
+    chex.assert_trees_all_close(sur(jnp.float32(0.1), "gspo").loss, jnp.full((1, 2), -1.0))
+    ppo = sur(jnp.float32(0.1), "ppo")
+    np.testing.assert_allclose(ppo.loss, [[-1.1, -np.exp(-0.3)]], rtol=1e-6)
+    np.testing.assert_array_equal(ppo.clip_high, [[True, False]])
+    np.testing.assert_array_equal(sur(jnp.float32(0.5), "ppo").clip_high, [[False, False]])
 
 
 def test_masked_tokens_stay_in_the_denominator_and_metrics_report_the_mismatch():

@@ -147,6 +147,7 @@ def sample_multiturn(
   env_config: MultiTurnConfig,
   *,
   key,
+  temperature: float = 1.0,
 ) -> MultiTurnRollout:
   """G multi-turn trajectories per dataset row (see the module docstring).
 
@@ -156,10 +157,12 @@ def sample_multiturn(
       prompt — one environment per trajectory, reset with the same row).
     make_env: ``make_env(row) -> Environment``, called once per trajectory.
     tokenizer: a ``transformers`` tokenizer with a chat template (decodes turns, encodes observations).
-    sampling: a ``jaxgrpo.iteration.SamplingConfig`` (``num_samples`` = G, temperature, top-k/p,
+    sampling: a ``jaxgrpo.iteration.SamplingConfig`` (``num_samples`` = G, top-k/p,
       ``eos_ids``, ``pad_id``; its ``max_new_tokens`` is ignored: ``env_config`` bounds the tokens).
     env_config: a :class:`MultiTurnConfig`.
     key: PRNG key; turn k samples with ``fold_in(key, k)``.
+    temperature: the sampling temperature, the train step's ``TrainConfig.temperature`` (its
+      log-probs refer to it).
 
   Returns:
     A :class:`MultiTurnRollout` (NumPy arrays).
@@ -204,7 +207,7 @@ def sample_multiturn(
       ctx_mask,
       num_samples=1,
       max_new_tokens=per_turn,
-      temperature=sampling.temperature,
+      temperature=temperature,
       top_p=sampling.top_p,
       top_k=sampling.top_k,
       eos_ids=stop,

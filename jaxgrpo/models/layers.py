@@ -134,8 +134,8 @@ def dense(
   the matmul is ``[T, prod C] · [prod C, prod O]``. Why not ``einsum("bsd,df->bsf")``: the weight
   gradient of that einsum contracts *two* dims (b, s), and XLA:CPU then materialises a transposed
   copy of the activation gradient before the dot (a strided loop fused with the elementwise
-  backward: ~0.5 s per SwiGLU layer at 10k tokens × 1536). With one contracting dim the dot takes
-  its operands as they are; the SwiGLU forward+backward ran 1.5× faster (``BENCHMARKS.md``).
+  backward). With one contracting dim the dot takes its operands as they are (measured:
+  ``scripts/bench_projections.py``, BENCHMARKS.md).
   """
   if not isinstance(contract, int) or isinstance(contract, bool) or not 1 <= contract <= min(x.ndim, w.ndim):
     raise ValueError(
@@ -514,8 +514,8 @@ class Attention(nnx.Module):
     k, v = shard_activation(k, KV_AXES, "attention keys"), shard_activation(v, KV_AXES, "attention values")
     G = H // N
     # Decoding (a few query rows per kv head): the B·N tiny matmuls are slow as a batched dot on
-    # CPU (~4 ms per layer and step at B=128); a broadcast multiply-and-reduce over the cache's
-    # [B,N,K,T] keys / [B,N,T,K] values is one vectorised loop, accumulated in float32.
+    # CPU (BENCHMARKS.md, scripts/bench_projections.py); a broadcast multiply-and-reduce over the
+    # cache's [B,N,K,T] keys / [B,N,T,K] values is one vectorised loop, accumulated in float32.
     small = cache_kv is not None and S * G <= _SMALL_QUERY_ROWS
     if cache_kv is None:
       keys, values = k, v  # [B,S,N,K]

@@ -441,7 +441,8 @@ class AdamBytes(NamedTuple):
 
 def adam_state_bytes(model, *, moment_dtype=jnp.float32) -> AdamBytes:
   """Bytes of Adam's two moments, ``2 · n · itemsize(moment_dtype)``, for full fine-tuning
-  (n = base parameters) vs LoRA (n = adapter parameters). The issue-16 goal is ``ratio ≤ 0.05``."""
+  (n = base parameters) vs LoRA (n = adapter parameters); the measured ratios are in BENCHMARKS.md
+  ("LoRA and QLoRA")."""
   counts = count_params(model)
   item = jnp.dtype(moment_dtype).itemsize
   full, lora = 2 * counts.base * item, 2 * counts.adapter * item

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,7 @@ from jaxgrpo.objective import objective_terms, rollout_advantages
 
 __all__ = [
   "ALGORITHMS",
+  "GRID_FIELDS",
   "PAPER_CELLS",
   "PAPER_TABLE1",
   "POLICIES",
@@ -338,8 +339,9 @@ def make_sweep(
   progress: Callable[[int], None] | None = None,
   objective_fn: Callable = objective_terms,
   advantages_fn: Callable = rollout_advantages,
+  grid: Mapping[str, Sequence[float]] | None = None,
 ):
-  """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[(A,) C, S, steps]``.
+  """A jitted ``run(seeds int32[S], rewards f32[C, 2**depth]) -> dict of f32[(A,) (H,) C, S, steps]``.
 
   Every (algorithm, cell, seed) triple is an independent training run of ``steps`` steps with one
   group of ``group_size`` trajectories per step. A seed fixes the policy's initial parameters and
@@ -357,6 +359,13 @@ def make_sweep(
   ``target_prob`` (π(target), the expected frequency), ``reward`` (group mean reward), ``loss``.
 
   ``progress``: called on the host with the step index (``jax.debug.callback``) after each step.
+
+  ``grid``: ``{name: H values}`` for one or more of :data:`GRID_FIELDS` (β, ε_low, ε_high; several
+  names are zipped, equal lengths): the H values are traced inputs of every algorithm's objective
+  (:meth:`GRPOConfig.hyper`, the train step's ``hyper``) and the whole sweep is ``vmap``-ped over
+  them — one compilation for the grid, outputs ``[(A,) H, C, S, steps]``. A β grid with a value > 0
+  switches the KL term on for an algorithm whose preset has β = 0 (its KL estimator and placement
+  unchanged). None (the default): the configs' numbers as constants, outputs as without a grid.
   """
   single = isinstance(algorithms, (str, GRPOConfig))
   configs = [_algorithm_config(a) for a in ([algorithms] if single else algorithms)]
@@ -369,6 +378,9 @@ def make_sweep(
     raise ValueError(f"group size must be >= 2; got {group_size}")
   if not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps must be a positive int; got {steps!r}")
+  grid = _check_grid(grid)
+  if grid is not None:
+    configs = [_switch_on(c, grid) for c in configs]
   actions = jnp.asarray(leaf_actions(depth))
   mask = jnp.ones((group_size, depth), bool)
   group_ids = jnp.zeros((group_size,), jnp.int32)
@@ -379,8 +391,9 @@ def make_sweep(
     params = policy.init(jax.random.fold_in(key, 0))
     return (params, optimizer.init(params)), sg(policy.leaf_logp(params))
 
-  def loss_and_grad(config, table, leaves, tokens, rewards, ref_logp):
+  def loss_and_grad(config, table, leaves, tokens, rewards, ref_logp, values):
     """The library's objective for one sampled group; gradient w.r.t. the leaf log-prob table."""
+    extras = {} if grid is None else {"hyper": config.hyper(**values)}  # values: {name: f32[]}
 
     def loss_fn(tab):
       logp = tab[leaves]  # [G, d]; μ = 1: the rollout policy is the current one
@@ -397,6 +410,7 @@ def make_sweep(
         max_group_size=group_size,
         objective_fn=objective_fn,
         advantages_fn=advantages_fn,
+        **extras,
       )
 
     (loss, _), g_table = jax.value_and_grad(loss_fn, has_aux=True)(table)
@@ -404,14 +418,14 @@ def make_sweep(
 
   branches = [functools.partial(loss_and_grad, c) for c in configs]
 
-  def step(carry, ref_table, rewards_table, key, algo):
+  def step(carry, ref_table, rewards_table, key, algo, values):
     params, opt_state = carry
     table, pullback = jax.vjp(policy.leaf_logp, params)  # [2^d, d]
     seq_logp = jnp.sum(sg(table), axis=-1)  # [2^d]
     leaves = jax.random.categorical(key, seq_logp, shape=(group_size,))
     tokens = actions[leaves]  # [G, d]
     rewards = rewards_table[leaves]  # [G]
-    operands = (table, leaves, tokens, rewards, ref_table[leaves])
+    operands = (table, leaves, tokens, rewards, ref_table[leaves], values)
     if len(branches) == 1:
       loss, g_table = branches[0](*operands)
     else:
@@ -427,16 +441,20 @@ def make_sweep(
     }
     return (params, opt_state), metrics
 
-  # algorithms × cells × seeds: seeds vary (carry, ref, key); cells (carry, rewards); algorithms
-  # (carry, index).
-  vstep = jax.vmap(step, in_axes=(0, 0, None, 0, None))
-  vstep = jax.vmap(vstep, in_axes=(0, None, 0, None, None))
-  vstep = jax.vmap(vstep, in_axes=(0, None, None, None, 0))
+  # algorithms × (grid ×) cells × seeds: seeds vary (carry, ref, key); cells (carry, rewards); grid
+  # values (carry, values); algorithms (carry, index).
+  vstep = jax.vmap(step, in_axes=(0, 0, None, 0, None, None))
+  vstep = jax.vmap(vstep, in_axes=(0, None, 0, None, None, None))
+  if grid is not None:
+    vstep = jax.vmap(vstep, in_axes=(0, None, None, None, None, 0))
+  vstep = jax.vmap(vstep, in_axes=(0, None, None, None, 0, None))
   num_algos = len(configs)
+  values = {} if grid is None else {n: jnp.asarray(v, jnp.float32) for n, v in grid.items()}  # f32[H] each
+  grid_lead = () if grid is None else (len(next(iter(grid.values()))),)
 
   @jax.jit
   def run(seeds, rewards):
-    lead = (num_algos, rewards.shape[0])
+    lead = (num_algos, *grid_lead, rewards.shape[0])
     carry, ref = jax.vmap(init)(seeds)
     carry = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), carry)
     keys = jax.vmap(lambda s: jax.random.split(jax.random.fold_in(jax.random.key(s), 1), steps))(seeds)
@@ -444,16 +462,40 @@ def make_sweep(
 
     def body(c, xs):
       i, k = xs
-      c, m = vstep(c, ref, rewards, k, algos)
+      c, m = vstep(c, ref, rewards, k, algos, values)
       if progress is not None:
         jax.debug.callback(progress, i)
       return c, m
 
     _, metrics = jax.lax.scan(body, carry, (jnp.arange(steps), jnp.swapaxes(keys, 0, 1)))
-    metrics = jax.tree.map(lambda x: jnp.moveaxis(x, 0, -1), metrics)  # [A, C, S, steps]
+    metrics = jax.tree.map(lambda x: jnp.moveaxis(x, 0, -1), metrics)  # [A, (H,) C, S, steps]
     return jax.tree.map(lambda x: x[0], metrics) if single else metrics
 
   return run
+
+
+#: The numbers a binary-tree sweep can take as a vmapped grid (``make_sweep(..., grid=)``).
+GRID_FIELDS = ("beta", "clip_eps_low", "clip_eps_high")
+
+
+def _check_grid(grid):
+  """``{name: tuple of floats}`` (names in GRID_FIELDS, equal non-zero lengths), or None."""
+  if grid is None:
+    return None
+  grid = {name: tuple(float(v) for v in values) for name, values in dict(grid).items()}
+  bad = sorted(set(grid) - set(GRID_FIELDS))
+  if not grid or bad:
+    raise ValueError(f"grid names must be some of {', '.join(GRID_FIELDS)}; got {sorted(grid) or 'none'}")
+  lengths = {len(v) for v in grid.values()}
+  if len(lengths) != 1 or 0 in lengths:
+    raise ValueError(f"grid values must be non-empty and of one length (they are zipped); got {grid}")
+  return grid
+
+
+def _switch_on(config: GRPOConfig, grid) -> GRPOConfig:
+  """``config`` with its KL term on when a β of the grid is > 0 (the structure; the value is traced)."""
+  top = max(grid.get("beta", (0.0,)))
+  return config.replace(beta=top) if config.beta == 0 and top > 0 else config
 
 
 def run_sweep(
@@ -471,10 +513,12 @@ def run_sweep(
   progress=None,
   objective_fn: Callable = objective_terms,
   advantages_fn: Callable = rollout_advantages,
+  grid: Mapping[str, Sequence[float]] | None = None,
 ) -> dict:
   """Train every (cell, seed) under ``algorithm``: numpy arrays ``[C, S, steps]`` per metric, or
   ``[A, C, S, steps]`` when ``algorithm`` is a sequence (one compilation for all; see :func:`make_sweep`).
-  ``objective_fn``/``advantages_fn``: the train step's hooks (default: the presets' objective)."""
+  ``objective_fn``/``advantages_fn``: the train step's hooks (default: the presets' objective).
+  ``grid``: a vmapped β/ε grid (:func:`make_sweep`), adding an ``H`` axis before ``C``."""
   tasks = [
     TreeTask(depth=depth, target=target, prefix_len=n, neg_reward=r, other_reward=other_reward) for n, r in cells
   ]
@@ -490,6 +534,7 @@ def run_sweep(
     progress=progress,
     objective_fn=objective_fn,
     advantages_fn=advantages_fn,
+    grid=grid,
   )
   out = run(jnp.asarray(np.asarray(seeds, np.int32)), jnp.asarray(rewards))
   return {k: np.asarray(v) for k, v in jax.device_get(out).items()}

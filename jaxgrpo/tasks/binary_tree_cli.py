@@ -5,6 +5,7 @@ The command line of ``scripts/binary_tree.py`` (also ``python -m jaxgrpo.tasks.b
     python scripts/binary_tree.py                       # transformer policy, 20 seeds, the paper's 6 cells
     python scripts/binary_tree.py --policy tabular --optimizer sgd --lr 1.0
     python scripts/binary_tree.py --seeds 5 --steps 100 --algorithms grpo,lambda_grpo --out /tmp/bt
+    python scripts/binary_tree.py --algorithms grpo --grid beta=0,0.01,0.04   # a vmapped β grid
 
 Writes ``OUT/results.json`` (per-seed target frequencies, means, 95% CIs), ``OUT/table.md`` (the
 paper's Table 1 beside ours), ``OUT/curves.png`` (P(target) vs step) and ``OUT/curves.npz``
@@ -29,7 +30,19 @@ from tqdm.auto import tqdm
 
 from jaxgrpo.tasks import binary_tree as bt
 
-__all__ = ["main", "build_parser", "resolve", "run", "summarize", "table_md", "plot", "parse_cells", "FlagError"]
+__all__ = [
+  "main",
+  "build_parser",
+  "resolve",
+  "run",
+  "summarize",
+  "table_md",
+  "plot",
+  "parse_cells",
+  "parse_grid",
+  "label",
+  "FlagError",
+]
 
 ALGO_LABELS = {
   "grpo": "GRPO",
@@ -88,7 +101,42 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default="runs/binary_tree", help="output directory")
   p.add_argument("--no-plot", action="store_true", help="skip curves.png")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument(
+    "--grid",
+    default=None,
+    help=f"NAME=v1,v2,...: a vmapped grid over one of {', '.join(bt.GRID_FIELDS)} (traced; one compilation); "
+    "each (algorithm, value) is a row of the table, e.g. 'grpo@beta=0.01'",
+  )
   return p
+
+
+def parse_grid(text: str | None) -> dict | None:
+  """``"beta=0,0.01"`` -> ``{"beta": (0.0, 0.01)}`` (None stays None)."""
+  if text is None:
+    return None
+  name, _, values = text.partition("=")
+  try:
+    grid = {name.strip(): tuple(float(v) for v in values.split(","))}
+    return bt._check_grid(grid)
+  except ValueError as e:
+    raise FlagError(f"--grid must look like 'beta=0,0.01,0.04' (one of {', '.join(bt.GRID_FIELDS)}): {e}") from None
+
+
+def label(algorithm: str, grid: dict | None, h: int) -> str:
+  """The row of ``algorithm`` at grid value ``h``: ``"grpo"`` without a grid, ``"grpo@beta=0.01"`` with."""
+  if grid is None:
+    return algorithm
+  return algorithm + "@" + ",".join(f"{n}={v[h]:g}" for n, v in grid.items())
+
+
+def _name(label: str) -> str:
+  """The algorithm of a row label (``"grpo@beta=0.01"`` -> ``"grpo"``)."""
+  return label.partition("@")[0]
+
+
+def _display(label: str) -> str:
+  algo, _, suffix = label.partition("@")
+  return ALGO_LABELS[algo] + (f" [{suffix}]" if suffix else "")
 
 
 def resolve(args) -> dict:
@@ -130,7 +178,17 @@ def resolve(args) -> dict:
       _ = policy.model_config  # validates width/heads
   except (ValueError, TypeError) as e:
     raise FlagError(str(e).splitlines()[0]) from None
+  grid = parse_grid(args.grid)
+  if grid is not None:
+    for a in algorithms:  # the structure the grid needs (e.g. a dual clip) must be valid for each preset
+      try:
+        bt._switch_on(bt.preset(a), grid)
+      except (ValueError, TypeError) as e:
+        raise FlagError(f"--grid with {a}: {str(e).splitlines()[0]}") from None
+  h = 1 if grid is None else len(next(iter(grid.values())))
   return dict(
+    grid=grid,
+    labels=[label(a, grid, i) for a in algorithms for i in range(h)],
     policy=policy,
     policy_name=args.policy,
     optimizer=optimizer,
@@ -170,6 +228,7 @@ def run(args, cfg) -> dict:
     group_size=args.group_size,
     steps=args.steps,
     progress=progress if bar is not None else None,
+    grid=cfg["grid"],
   )
   if bar is not None:
     bar.set_postfix_str("compiling")
@@ -183,7 +242,11 @@ def run(args, cfg) -> dict:
   t2 = time.perf_counter()
   if bar is not None:
     bar.close()
-  curves = {a: {k: np.asarray(v[i]) for k, v in out.items()} for i, a in enumerate(cfg["algorithms"])}
+  grid = cfg["grid"]
+  curves = {}
+  for i, a in enumerate(cfg["algorithms"]):
+    for h in range(1 if grid is None else len(next(iter(grid.values())))):
+      curves[label(a, grid, h)] = {k: np.asarray(v[i] if grid is None else v[i, h]) for k, v in out.items()}
   return dict(curves=curves, timing={"compile_s": round(t1 - t0, 2), "run_s": round(t2 - t1, 2)})
 
 
@@ -191,7 +254,7 @@ def summarize(args, cfg, res) -> dict:
   w = min(args.window, args.steps)
   cells_out = []
   for c, (n, r) in enumerate(cfg["cells"]):
-    for algo in cfg["algorithms"]:
+    for algo in cfg["labels"]:
       tf = res["curves"][algo]["target_freq"][c]  # [S, steps]
       per_seed = tf[:, -w:].mean(-1)
       mean, (lo, hi) = bt.summarize_cell(per_seed)
@@ -220,7 +283,7 @@ def summarize(args, cfg, res) -> dict:
     "policy_config": policy_cfg,
     "optimizer": cfg["optimizer"],
     "lr": cfg["lr"],
-    "algorithms": cfg["algorithms"],
+    "algorithms": cfg["labels"],
     "cells": [list(c) for c in cfg["cells"]],
     "seeds": cfg["seeds"],
     "steps": args.steps,
@@ -233,10 +296,12 @@ def summarize(args, cfg, res) -> dict:
     "updates_per_batch": 1,
     "compile_s": total_compile,
     "run_s": total_run,
-    "runs": len(cfg["algorithms"]) * len(cfg["cells"]) * len(cfg["seeds"]),
+    "runs": len(cfg["labels"]) * len(cfg["cells"]) * len(cfg["seeds"]),
     "run_ms_per_step": round(1e3 * total_run / args.steps, 3),
   }
   config["backend"] = jax.default_backend()
+  if cfg["grid"] is not None:
+    config["grid"] = {n: list(v) for n, v in cfg["grid"].items()}
   return {"config": config, "cells": cells_out}
 
 
@@ -251,11 +316,11 @@ def table_md(summary) -> str:
   by = {(c["prefix_len"], c["neg_reward"], c["algorithm"]): c for c in summary["cells"]}
   cells = [tuple(c) for c in cfg["cells"]]
   head = ["n", "r_neg"]
-  show_paper = all(c in bt.PAPER_TABLE1 for c in cells) and cfg["depth"] == 4
+  show_paper = all(c in bt.PAPER_TABLE1 for c in cells) and cfg["depth"] == 4 and "grid" not in cfg
   for a in algos:
     if show_paper and a in ("grpo", "lambda_grpo"):
       head.append(f"{ALGO_LABELS[a]} (paper)")
-    head.append(f"{ALGO_LABELS[a]} (ours)")
+    head.append(f"{_display(a)} (ours)")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for n, r in cells:
     row = [str(n), f"{r:g}"]
@@ -317,8 +382,9 @@ def plot(summary, res, path):
         if y.shape[0] > 1
         else np.zeros_like(m)
       )
-      ax.plot(steps, m, color=colors.get(a), label=ALGO_LABELS[a], lw=1.5, ls="--" if "frpo" in a else "-")
-      ax.fill_between(steps, np.clip(m - half, 0, 1), np.clip(m + half, 0, 1), color=colors.get(a), alpha=0.18, lw=0)
+      color = colors.get(a)  # one color per algorithm without a grid; matplotlib's cycle with one
+      ax.plot(steps, m, color=color, label=_display(a), lw=1.5, ls="--" if "frpo" in _name(a) else "-")
+      ax.fill_between(steps, np.clip(m - half, 0, 1), np.clip(m + half, 0, 1), color=color, alpha=0.18, lw=0)
     ax.set_title(f"n={n}, r_neg={r:g}", fontsize=10)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

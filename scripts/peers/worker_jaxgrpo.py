@@ -29,7 +29,7 @@ from jaxgrpo import sharding as shd  # noqa: E402
 from jaxgrpo.config import preset  # noqa: E402
 
 SAMPLING = iteration.SamplingConfig(
-  num_samples=common.SAMPLES, max_new_tokens=common.NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, pad_id=0
+  num_samples=common.SAMPLES, max_new_tokens=common.NEW_TOKENS, top_p=1.0, top_k=0, pad_id=0
 )
 
 
