@@ -48,6 +48,7 @@ def _params(tr) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves(tr.state.train.params)]
 
 
+@pytest.mark.slow
 def test_k0_pipeline_equals_the_synchronous_trainer_bit_for_bit(tmp_path):
   """The pipeline at k = 0 (serial: each batch sampled with the parameters of the step before) runs
   exactly the synchronous step's computation: same prompts, keys, samples, update."""
