@@ -73,7 +73,7 @@ from jaxgrpo import sharding as shd
 from jaxgrpo.metrics import truncate_jsonl
 from jaxgrpo.train import Batch, TrainState, make_reference_fn
 
-__all__ = ["AsyncRollouts", "ProducedBatch", "make_meshes", "LEDGER"]
+__all__ = ["AsyncRollouts", "ProducedBatch", "check_single_process", "make_meshes", "LEDGER"]
 
 #: The file (in ``run.out``) listing each trained step's prompt indices and group versions.
 LEDGER = "rollouts.jsonl"
@@ -108,6 +108,16 @@ def make_meshes(devices_spec, devices=None) -> tuple[Mesh, Mesh | None]:
   train = shd.make_mesh(spec, devices=devices[:t])
   rollout = shd.make_mesh(devices_spec.rollout_mesh or None, devices=devices[t : t + r])
   return train, rollout
+
+
+def check_single_process(max_staleness: int) -> None:
+  """ValueError when the pipeline would run in several processes (refused before any weight is read)."""
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"`rollout.max_staleness`={max_staleness} / `devices.rollout` run in one process only: with "
+      f"{jax.process_count()} processes the producer's collectives would interleave with the learner's in a "
+      "different order on every host; multi-host runs use `rollout.max_staleness: 0` and colocated devices"
+    )
 
 
 class ProducedBatch(NamedTuple):
@@ -160,11 +170,7 @@ class AsyncRollouts:
   def __init__(self, trainer, *, max_staleness: int, rollout_mesh: Mesh | None = None, steps: int, resumed=False):
     if not isinstance(max_staleness, int) or max_staleness < 0:
       raise ValueError(f"`max_staleness` must be an int >= 0; got {max_staleness!r}")
-    if jax.process_count() > 1:
-      raise ValueError(
-        f"`rollout.max_staleness`={max_staleness} / `devices.rollout` run in one process only: with "
-        f"{jax.process_count()} processes the producer's collectives would interleave differently on every host"
-      )
+    check_single_process(max_staleness)
     self.trainer, self.k, self.steps = trainer, max_staleness, steps
     self.colocated = rollout_mesh is None
     self.rollout_mesh = trainer.mesh if rollout_mesh is None else rollout_mesh
@@ -221,13 +227,18 @@ class AsyncRollouts:
         truncate_jsonl(self._ledger, step)
       elif step == 0 and os.path.exists(self._ledger):
         os.remove(self._ledger)
+    # the producer draws from the trained position (after a close(), the iterator is ahead of it)
+    t.iterator.restore(t.state.data_position)
+    self._queue.clear()
+    self._drawn, self._stop, self._error = [], False, None
     self._publish(step, t.state.train.params)
     self._next_index, self._key = step + 1, t.state.key
     self._thread = threading.Thread(target=self._produce_loop, name="jaxgrpo-rollout-producer", daemon=True)
     self._thread.start()
 
   def close(self, timeout: float = 600.0) -> None:
-    """Stops the producer (it finishes the sampling call in flight) and drops the queued batches."""
+    """Stops the producer (it finishes the sampling call in flight) and drops the queued batches; a
+    later :meth:`start` (the next ``train_step``) samples them again from the trained position."""
     with self._cond:
       self._stop = True
       self._cond.notify_all()

@@ -302,6 +302,8 @@ class Trainer:
     self.collapse_guard = collapse_guard
     self.stop_signal: int | None = None  # set by the signal handlers of handle_signals()
     self.mesh, self.rollout_mesh = async_rollout.make_meshes(cfg.devices)  # rollout_mesh: None colocated
+    if cfg.rollout.max_staleness:
+      async_rollout.check_single_process(cfg.rollout.max_staleness)
     self._check_mesh_fits()
     self._build_model_and_data()
     fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)

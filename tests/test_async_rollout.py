@@ -48,6 +48,7 @@ def _params(tr) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves(tr.state.train.params)]
 
 
+@pytest.mark.slow
 def test_k0_pipeline_equals_the_synchronous_trainer_bit_for_bit(tmp_path):
   """The pipeline at k = 0 (serial: each batch sampled with the parameters of the step before) runs
   exactly the synchronous step's computation: same prompts, keys, samples, update."""
@@ -163,12 +164,26 @@ def test_k1_dynamic_sampling_keeps_informative_groups(tmp_path):
     assert set(b.prompts.tolist()) <= set(drawn) and len(b.rounds) == rounds
 
 
-def test_learner_refuses_a_batch_older_than_k(tmp_path):
-  cfg = tiny(**{"run.out": str(tmp_path / "o"), "rollout.max_staleness": 1, "objective.importance_correction": "tis"})
+@pytest.mark.slow
+def test_close_and_restart_resample_from_the_trained_position_and_stale_batches_are_refused(tmp_path):
+  cfg = tiny(
+    **{
+      "run.out": str(tmp_path / "o"),
+      "run.steps": 4,
+      "rollout.max_staleness": 1,
+      "objective.importance_correction": "tis",
+    }
+  )
   tr = Trainer(cfg, reward_fns=REWARDS, log=None)
   pipe = tr.rollouts
   try:
-    pipe.start()
+    pipe.train_step()
+    pipe.close()  # the producer was a batch (or two) ahead: dropped, sampled again below
+    assert tr.iterator.state()["offset"] > 2
+    pipe.train_step()
+    it = PromptIterator(len(tr.prompts.tokens), seed=0)
+    ledger = [json.loads(x)["prompts"] for x in open(tmp_path / "o" / async_rollout.LEDGER)]
+    assert ledger == [it.next(2).tolist(), it.next(2).tolist()]
     item, _, _ = pipe._next_batch()
     pipe._queue.appendleft(item._replace(versions=item.versions - 2))  # as if sampled 2 updates back
     with pytest.raises(RuntimeError, match=r"staleness .* outside \[0, 1\]"):
