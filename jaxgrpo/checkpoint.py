@@ -1070,7 +1070,8 @@ class Checkpointer:
     Raises:
       CheckpointError: no complete checkpoint, a corrupt one (names the file), one that does not
         match the model or the run's identity, or changed guarded settings (names the entries).
-        Nothing on disk is modified.
+        Nothing on disk is modified, except that without ``step`` a corrupt latest step is moved
+        aside first under ``on_corrupt="quarantine"`` (:meth:`resume_step`).
     """
     run = run or RunMeta()
     if step is None:
