@@ -16,6 +16,8 @@ own configs, embedded as they are::
     checkpoint  CheckpointSpec   cadence and retention
     run         RunSpec          steps, seed, output directory, logging, HF export
     devices     DevicesSpec      mesh and multi-host start-up
+    env         EnvSpec          multi-turn environment and its bounds (``jaxgrpo.environments``); absent:
+                                 single-turn completions scored by ``reward``
 
 YAML mirrors it (``scripts/configs/*.yaml``)::
 
@@ -54,6 +56,7 @@ import yaml
 from jaxgrpo import _checks
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.data import INSTRUCTION
+from jaxgrpo.environments.spec import EnvSpec
 from jaxgrpo.models import RematPolicy
 from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.tasks.arithmetic import ArithmeticTask, SyntheticModel
@@ -455,6 +458,7 @@ class TrainerConfig:
   checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
   run: RunSpec = dataclasses.field(default_factory=RunSpec)
   devices: DevicesSpec = dataclasses.field(default_factory=DevicesSpec)
+  env: EnvSpec | None = None
 
   def __post_init__(self):
     _check_fields(self, "")
@@ -495,6 +499,16 @@ class TrainerConfig:
         f"`rollout.engine: vllm` with `step.temperature`={self.step.temperature} != 1 cannot report full-vocabulary "
         f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
         'temperature 1 or no filtering (docs/sampling.md, "Engines")'
+      )
+    if self.env is not None and (
+      self.rollout.max_staleness
+      or self.objective.dynamic_sampling
+      or self.devices.rollout
+      or self.rollout.engine != "jax"
+    ):
+      raise ValueError(
+        "`env` (multi-turn rollouts) does not combine with `rollout.max_staleness`, `objective.dynamic_sampling`, "
+        "`devices.rollout` or `rollout.engine: vllm` yet; unset them"
       )
     if self.rollout.group_size == 1:
       warnings.warn(

@@ -80,6 +80,7 @@ from jaxgrpo import train as train_lib
 from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
 from jaxgrpo.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
 from jaxgrpo.engines import vllm as vllm_engine
+from jaxgrpo.environments import training as env_training
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.kl import kl_penalty
 from jaxgrpo.metrics import MetricsWriteError, append_record, truncate_jsonl
@@ -115,6 +116,7 @@ IDENTITY_FIELDS = (
   "data.max_prompt_tokens",
   "data.instruction",
   "run.seed",
+  "env.factory",
 )
 #: Config fields a resumed run must not change silently: refused unless explicitly allowed
 #: (``Checkpointer(allow_changed=True)``, ``scripts/train.py --allow-changed-config``).
@@ -344,6 +346,10 @@ class Trainer:
     self.engine, self.policy_logp_fn, self._engine_stale, self._engine_times = None, None, True, {}
     if roll.engine == "vllm":
       self._start_vllm()
+    # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.environments.training)
+    self.make_env = None if cfg.env is None else cfg.env.make_env()
+    if cfg.env is not None and jax.process_count() > 1:
+      raise ValueError("`env` (multi-turn rollouts) runs in one process; multi-host runs are not supported yet")
     self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
@@ -648,6 +654,20 @@ class Trainer:
 
   def _evaluate(self, key) -> dict[str, float]:
     cfg = self.config
+    key = jax.random.key(cfg.run.seed + 1) if key is None else key
+    if self.make_env is not None:  # mean@k of the environment reward
+      return env_training.env_evaluate(
+        self.sampling_policy(),
+        self.eval_examples,
+        self.make_env,
+        self.tokenizer,
+        self.sampling,
+        cfg.env.multiturn_config(),
+        k=cfg.eval.samples,
+        key=key,
+        batch_prompts=cfg.eval.batch_prompts,
+        temperature=cfg.step.temperature if cfg.eval.temperature is None else cfg.eval.temperature,
+      )
     return evaluate_policy(
       self.sampling_policy(),
       self.tokenizer,
@@ -696,7 +716,20 @@ class Trainer:
     tstate, key, _ = self.state
     key, sample_key = jax.random.split(key)
     self._engine_times = {}
-    batch, metrics, tokens = self._rollout_batch(sample_key)
+    if self.make_env is None:
+      batch, metrics, tokens = self._rollout_batch(sample_key)
+    else:  # multi-turn: G trajectories per prompt in the environments; rewards are theirs
+      examples = [self.examples[i] for i in self.iterator.next(self.config.rollout.prompts_per_step)]
+      batch, metrics, tokens = env_training.env_rollout_batch(
+        self.sampling_policy(),
+        examples,
+        self.make_env,
+        self.tokenizer,
+        self.sampling,
+        self.config.env.multiturn_config(),
+        key=sample_key,
+        temperature=self.train_config.temperature,
+      )
     t_roll = time.perf_counter() - t0
     # bucketed, packed if set; each process feeds its own rows
     placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)

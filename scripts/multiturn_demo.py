@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The offline multi-turn demo: multiplication with a calculator tool (``jaxgrpo.tasks.calculator``).
 
-    python scripts/multiturn_demo.py --config scripts/configs/calculator.yaml [--out runs/calculator]
-    python scripts/multiturn_demo.py --config scripts/configs/calculator.yaml --no-tool   # the baseline
+    python scripts/multiturn_demo.py --config scripts/configs/multiturn/calculator.yaml [--out runs/calculator]
+    python scripts/multiturn_demo.py --config scripts/configs/multiturn/calculator.yaml --no-tool   # the baseline
 
 A tiny Qwen3-architecture model and a locally built tokenizer with a Qwen2.5-style tool template; a
 supervised warm-up on imperfect demonstrations (some answer without the tool, some miscopy an operand),

@@ -20,6 +20,8 @@ result in the tool role, and boxes it::
 - :func:`multiply`: the tool; :func:`make_env`: a :class:`~jaxgrpo.environments.tools.ToolEnvironment`
   per row, reward 1 for the right boxed product.
 - :func:`calculator_split`: training and held-out problems over disjoint operand pairs.
+- :class:`RetryEnvironment` (:func:`make_retry_env`): a tool-free multi-turn environment for any
+  ``{problem, answer}`` row — a wrong answer gets one more try (``scripts/configs/demo_env.yaml``).
 - :func:`demonstration`: the token ids and policy mask of a worked conversation (optionally noisy,
   or answered without the tool), for the supervised warm-up.
 """
@@ -35,6 +37,7 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerFast
 
+from jaxgrpo.environments.base import StepResult
 from jaxgrpo.environments.chat import ChatFormat
 from jaxgrpo.environments.tools import ToolEnvironment, tool_schema
 from jaxgrpo.rewards import extract_boxed
@@ -49,6 +52,8 @@ __all__ = [
   "demonstration",
   "make_env",
   "make_env_without_tool",
+  "make_retry_env",
+  "RetryEnvironment",
   "multiply",
   "warm_up",
 ]
@@ -169,6 +174,35 @@ def make_env_without_tool(row: Mapping | None = None) -> ToolEnvironment:
   """The no-tool baseline's environment: no tools (the prompt has no tool section; a call is an
   "unknown tool" error), reward :func:`boxed_reward` of the first answer."""
   return ToolEnvironment([], boxed_reward)
+
+
+class RetryEnvironment:
+  """A tool-free multi-turn environment for any ``{problem, answer}`` row (e.g. the arithmetic task):
+  a wrong or missing boxed answer gets ``"Wrong. Try again."`` and another turn, up to ``retries``;
+  the reward is ``decay**k`` for a right answer at retry k (1 at the first turn), else 0.
+  Metric: ``retries``."""
+
+  tools = ()
+
+  def __init__(self, retries: int = 1, decay: float = 0.5):
+    self.retries, self.decay = retries, decay
+
+  def reset(self, row: Mapping) -> list[dict]:
+    self.row, self.turn = row, 0
+    return [{"role": "user", "content": str(row["problem"])}]
+
+  def step(self, text: str) -> StepResult:
+    right = boxed_reward(self.row, text) == 1.0
+    self.turn += 1
+    if right or self.turn > self.retries:
+      return StepResult((), float(right) * self.decay ** (self.turn - 1), True)
+    return StepResult([{"role": "user", "content": "Wrong. Try again."}], 0.0, False, {"retries": 1.0})
+
+
+def make_retry_env(row: Mapping | None = None) -> RetryEnvironment:
+  """``RetryEnvironment()``: one retry, reward 0.5 for a right second answer (``env.factory:
+  jaxgrpo.tasks.calculator:make_retry_env``; ``scripts/configs/demo_env.yaml``)."""
+  return RetryEnvironment()
 
 
 def _operands(problem: str) -> tuple[int, int]:

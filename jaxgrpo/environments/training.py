@@ -1,0 +1,101 @@
+"""What the trainer calls for a run with an ``env:`` section (``jaxgrpo.trainer``): a multi-turn rollout
+batch of dataset examples, and the held-out evaluation by environment reward.
+
+Both are plain functions of the policy, the examples and the settings — the trainer's loop, resume,
+packing, LoRA and checkpoints stay the trainer's. One process (a multi-host run with ``env`` is refused
+by the trainer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
+from jaxgrpo.train import Batch
+
+__all__ = ["env_evaluate", "env_rollout_batch", "example_row"]
+
+
+def example_row(example) -> dict[str, Any]:
+  """A ``jaxgrpo.data.MathExample`` as the row an environment gets: its columns, ``prompt``,
+  ``answer``, and ``problem`` (the prompt when it is a string, else its last user message)."""
+  prompt = example.prompt
+  if isinstance(prompt, str):
+    problem = prompt
+  else:
+    problem = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+  return {**dict(example.columns), "prompt": prompt, "problem": problem, "answer": example.answer}
+
+
+def env_rollout_batch(
+  policy,
+  examples: Sequence[Any],
+  make_env: Callable[[Mapping[str, Any]], Any],
+  tokenizer,
+  sampling,
+  env_config: MultiTurnConfig,
+  *,
+  key,
+  temperature: float = 1.0,
+) -> tuple[Batch, dict[str, float], int]:
+  """``(Batch with policy_mask, metrics, real tokens)`` of G multi-turn trajectories per example, sampled
+  at ``temperature`` (the train step's ``TrainConfig.temperature``)."""
+  t0 = time.perf_counter()
+  out: MultiTurnRollout = sample_multiturn(
+    policy,
+    [example_row(e) for e in examples],
+    make_env,
+    tokenizer,
+    sampling,
+    env_config,
+    key=key,
+    temperature=temperature,
+  )
+  metrics = rollout_metrics(out, time.perf_counter() - t0)
+  metrics.update(
+    reward_mean=float(out.rewards.mean()),
+    reward_std=float(out.rewards.std()),
+    completion_length=float(out.mask.sum(1).mean()),
+  )
+  return Batch.from_rollout(out, out.rewards), metrics, int(out.mask.sum())
+
+
+def env_evaluate(
+  policy,
+  examples: Sequence[Any],
+  make_env: Callable[[Mapping[str, Any]], Any],
+  tokenizer,
+  sampling,
+  env_config: MultiTurnConfig,
+  *,
+  k: int,
+  key,
+  batch_prompts: int = 128,
+  temperature: float = 1.0,
+) -> dict[str, float]:
+  """mean@k of the environment reward on ``examples`` (``eval_accuracy``; k trajectories each at
+  ``temperature``) and the per-trajectory turn metrics (``eval_env/...``)."""
+  k_sampling = dataclasses.replace(sampling, num_samples=k)
+  rewards, parts = [], []
+  for start in range(0, len(examples), batch_prompts):
+    chunk = examples[start : start + batch_prompts]
+    out = sample_multiturn(
+      policy,
+      [example_row(e) for e in chunk],
+      make_env,
+      tokenizer,
+      k_sampling,
+      env_config,
+      key=key,
+      temperature=temperature,
+    )
+    rewards.append(out.rewards)
+    parts.append(rollout_metrics(out))
+  result = {"eval_accuracy": float(np.concatenate(rewards).mean())}
+  for name in parts[0]:
+    result[f"eval_{name}"] = float(np.mean([p[name] for p in parts]))
+  return result
