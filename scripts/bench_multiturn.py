@@ -81,7 +81,9 @@ def main(argv=None):
   obs_len = len(fmt.observation_ids([{"role": "tool", "content": OBSERVATION}], fmt.encode("x")))
   total = args.turns * args.turn_tokens + (args.turns - 1) * obs_len
   sampling = SamplingConfig(num_samples=1, max_new_tokens=1, eos_ids=(), pad_id=tok.pad_token_id)
-  env_config = MultiTurnConfig(max_turns=args.turns, max_tokens=total, turn_tokens=args.turn_tokens)
+  env_config = MultiTurnConfig(
+    max_turns=args.turns, max_tokens=total, turn_tokens=args.turn_tokens, stop_at_tool_call=False
+  )
   prompts = [fmt.prompt_ids(Fixed(1).reset(r)) for r in rows]
   p_len = max(len(p) for p in prompts)
   tokens, mask = data_lib.pad_left(prompts, p_len, tok.pad_token_id)
@@ -89,7 +91,8 @@ def main(argv=None):
 
   def multiturn():
     out = sample_multiturn(model, rows, lambda r: Fixed(args.turns), tok, sampling, env_config, key=key)
-    assert out.mask.sum(1).min() == total, (out.mask.sum(1), total)
+    # an observation is one token shorter after a turn that happened to end in <|im_end|> (not written twice)
+    assert out.mask.sum(1).min() >= total - args.turns, (out.mask.sum(1), total)
     return out.log_probs
 
   def one_decode():

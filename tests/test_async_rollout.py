@@ -238,7 +238,7 @@ def _train_cmd(out, steps):
     sys.executable,
     os.path.join(ROOT, "scripts", "train.py"),
     *args,
-    "--out",
+    "--run.out",
     str(out),
     "--no-plot",
     "--no-progress",

@@ -407,7 +407,7 @@ def test_collapse_without_nan_stops_and_keeps_the_good_checkpoints(runs, env, tm
   in favour of collapsed ones."""
   out = tmp_path / "run"
   shutil.copytree(runs / "three", out)
-  r = _run(env, out, 8, "--optim.learning-rate", "1e6", "--allow-changed-config", "--keep-checkpoints", "2", expect=1)
+  r = _run(env, out, 8, "--optim.learning-rate", "1e6", "--allow-changed-config", "--checkpoint.keep", "2", expect=1)
   m = re.search(r"error: training stopped at step (\d+): the policy collapsed \(entropy (\S+) nats is", r.stderr)
   assert m, r.stderr[-3000:]
   bad = int(m.group(1))
