@@ -157,15 +157,18 @@ def _ragged_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
   order = jnp.argsort(key, stable=True)  # [T·k]: assignments grouped by expert
   sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)  # [E_local]
   rows = order // k  # the token of each sorted assignment
-  xs = jnp.take(x, rows, axis=0).astype(dtype)  # [T·k, D]
+  valid = in_range[order][:, None]  # [T·k, 1]: rows of a local expert (the others lie past every group)
+  # ragged_dot leaves rows past the last group unspecified, in its output and in its lhs cotangent:
+  # mask both (the where's transpose zeroes their cotangent before it reaches x)
+  xs = jnp.where(valid, jnp.take(x, rows, axis=0), 0).astype(dtype)  # [T·k, D]
   ops = lambda a, w: _f32_operands_on_cpu(a, w.astype(dtype), preferred_element_type=jnp.float32)
   g = jax.lax.ragged_dot(*ops(xs, gate), sizes, preferred_element_type=jnp.float32).astype(dtype)
   u = jax.lax.ragged_dot(*ops(xs, up), sizes, preferred_element_type=jnp.float32).astype(dtype)
   h = _swiglu(g, u)  # [T·k, Fe]
   y = jax.lax.ragged_dot(*ops(h, down), sizes, preferred_element_type=jnp.float32)  # f32 [T·k, D]
-  w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]  # 0 for other experts' (unset) rows
-  y = y * w[:, None]
-  out = jnp.zeros_like(y).at[order].set(y)  # back to assignment order [T·k, D]
+  w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]  # 0 for other experts' rows
+  y = jnp.where(valid, y * w[:, None], 0.0)
+  out = jnp.take(y, jnp.argsort(order), axis=0)  # back to assignment order [T·k, D]
   return jnp.sum(out.reshape(t, k, -1), axis=1)
 
 
@@ -197,7 +200,7 @@ def _run_experts(fn, x, experts, weights, gate, up, down, *, dtype, rules):
   x ``[B, S, D]``, experts/weights ``[B, S, k]`` → f32 ``[B, S, D]``.
   """
   b, s, d = x.shape
-  flat = lambda a: a.reshape(b * s, a.shape[-1])
+  flat = lambda a: a.reshape(-1, a.shape[-1])
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return fn(flat(x), flat(experts), flat(weights), gate, up, down, dtype=dtype).reshape(b, s, d)
@@ -221,12 +224,18 @@ def _run_experts(fn, x, experts, weights, gate, up, down, *, dtype, rules):
     first = 0
     if expert_axes:
       first = jax.lax.axis_index(expert_axes) * n_local
+      # Tokens and weights are the same on every device of the expert axes, but each device gathers
+      # its own rows of them: cast them to varying, so that their cotangents are summed over those axes
+      # (the transpose of the cast is a psum). Without it, jax 0.10 gave the cotangent of a gather with
+      # device-dependent indices one device's partial sum (tests/test_moe_sharded.py caught it).
+      x = jax.lax.pcast(x, expert_axes, to="varying")
+      weights = jax.lax.pcast(weights, expert_axes, to="varying")
     y = fn(flat(x), flat(experts), flat(weights), gate, up, down, first=first, dtype=dtype)
     if expert_axes:
       y = jax.lax.psum(y, expert_axes)
     return y.reshape(bl, s, d)
 
-  return jax.shard_map(local, in_specs=(bspec,) * 3 + (wspec,) * 3, out_specs=bspec)(
+  return jax.shard_map(local, in_specs=(bspec,) * 3 + (wspec,) * 3, out_specs=bspec, check_vma=True)(
     x, experts, weights, gate, up, down
   )
 
