@@ -4,7 +4,9 @@ sampler-vs-train-step log-prob mismatch in bfloat16 with and without routing rep
 
 Models (random weights, Qwen3 attention, ``--layers`` layers of width D):
 
-- ``moe``: E experts of width Fe, top-k (``jaxgrpo.models.moe``, grouped dispatch);
+- ``moe``: E experts of width Fe, top-k (``jaxgrpo.models.moe``, the default tiled grouped dispatch);
+- ``moe-ragged``: the same model with ``jax.lax.ragged_dot`` (native on TPU; a dense masked
+  expansion on XLA:CPU);
 - ``moe-onehot``: the same model with the one-hot dispatch (every expert on every token);
 - ``dense``: a SwiGLU of width k·Fe per layer: the same active parameters per token.
 
@@ -178,21 +180,24 @@ def main(argv=None):
   dense_model = build_model(dense_cfg, rngs=nnx.Rngs(0))
   batch = rollout_batch(moe_model, args)._replace(ref_logp=None)
   g, s = nnx.split(moe_model)
-  onehot_model = nnx.merge(g, s)
+  onehot_model, ragged_model = nnx.merge(g, s), nnx.merge(g, s)
+  moe.set_dispatch(moe_model, "tiled")
   moe.set_dispatch(onehot_model, "dense")
-  variants = {"moe": moe_model, "moe-onehot": onehot_model, "dense": dense_model}
+  moe.set_dispatch(ragged_model, "ragged")
+  variants = {"moe": moe_model, "moe-ragged": ragged_model, "moe-onehot": onehot_model, "dense": dense_model}
   runs, memory = {}, {}
   for name, model in variants.items():
     runs[name], memory[name] = make_step(model, batch)
   times = _bench.medians(_bench.alternating_times(list(runs.values()), args.repeats))
   result = {
     "shape": vars(args),
-    "active_params": {k: active_params(m) for k, m in variants.items() if k != "moe-onehot"},
+    "active_params": {k: active_params(m) for k, m in variants.items() if k in ("moe", "dense")},
     "step_seconds": dict(zip(runs, times)),
     "memory": memory,
     "ratios": {
-      "moe / dense": times[0] / times[2],
-      "onehot / ragged": times[1] / times[0],
+      "moe / dense": times[0] / times[3],
+      "ragged_dot / tiled": times[1] / times[0],
+      "onehot / tiled": times[2] / times[0],
     },
   }
   if not args.skip_mismatch:
