@@ -86,7 +86,7 @@ def test_block_matches_numpy_with_and_without_replay(family):
       want, experts = _np_block(block, x.reshape(10, 32), None if r is None else r.reshape(10, -1))
       np.testing.assert_allclose(np.asarray(y).reshape(10, 32), want, rtol=2e-4, atol=2e-5, err_msg=dispatch)
       np.testing.assert_array_equal(np.asarray(route.experts).reshape(10, -1), experts)
-  block.dispatch = "ragged"
+  block.dispatch = "tiled"
 
 
 def _logp_and_grads(model, tokens, mask):
@@ -100,23 +100,30 @@ def _logp_and_grads(model, tokens, mask):
   return np.asarray(lp), {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
 
 
-def test_ragged_dispatch_equals_one_hot_and_remat_changes_nothing():
+def test_grouped_dispatches_equal_one_hot_and_remat_changes_nothing():
   """Values and gradients of every parameter (routers, experts, shared expert) agree between the
-  grouped dispatch, the one-hot baseline, and the grouped dispatch under full remat."""
+  tiled and ragged grouped dispatches, the one-hot baseline, and the tiled dispatch under full remat
+  (tiles of 64 rows: 40 tokens × top-2 fill one partly, so padding rows are exercised)."""
   rng = np.random.default_rng(1)
   tokens = jnp.asarray(rng.integers(0, 128, (4, 10)), jnp.int32)
   mask = jnp.asarray(np.arange(10)[None] >= np.array([0, 2, 1, 3])[:, None])
   base = _model("qwen2_moe")
   graphdef, state = nnx.split(base)
   results = {}
-  for name, dispatch, remat in (("ragged", "ragged", "none"), ("dense", "dense", "none"), ("remat", "ragged", "full")):
+  variants = (
+    ("tiled", "tiled", "none"),
+    ("ragged", "ragged", "none"),
+    ("dense", "dense", "none"),
+    ("remat", "tiled", "full"),
+  )
+  for name, dispatch, remat in variants:
     model = nnx.merge(graphdef, state)
     moe.set_dispatch(model, dispatch)
     model.remat = models.RematPolicy.parse(remat)
     results[name] = _logp_and_grads(model, tokens, mask)
-  lp0, g0 = results["ragged"]
+  lp0, g0 = results["tiled"]
   assert any("gate" in k and "layers" in k and np.abs(v).max() > 0 for k, v in g0.items())
-  for name in ("dense", "remat"):
+  for name in ("ragged", "dense", "remat"):
     lp, g = results[name]
     np.testing.assert_allclose(lp, lp0, rtol=1e-5, atol=1e-5, err_msg=name)
     for k in g0:

@@ -12,12 +12,18 @@ Axis vocabulary (as in ``layers``): B batch, S tokens, D model width, E experts,
     y_t = Σ_j w_tj · SwiGLU_{e_tj}(x_t)   SwiGLU_e(x) = (silu(x·G_e) * (x·U_e)) · D_e
     y_t += sigmoid(x_t · w_sg) · SwiGLU_shared(x_t)       (Qwen2-MoE's shared expert only)
 
-**Dispatch** (``MoEBlock.dispatch``): ``"ragged"`` (default, dropless): the T·k (token, expert)
-assignments are sorted by expert and each expert's SwiGLU runs on its contiguous rows as a grouped
-matmul (``jax.lax.ragged_dot``, group sizes = tokens per expert): k·T·D·Fe·3 multiply-adds, no token
-is ever dropped and no capacity is padded. ``"dense"``: the one-hot baseline, every expert on every
-token, combined with the routing weights (E·T·D·Fe·3: E/k times the work); same values, used as the
-reference in tests and in ``scripts/bench_moe.py``.
+**Dispatch** (``MoEBlock.dispatch``, :func:`set_dispatch`), all dropless (no token is ever dropped,
+no capacity factor) and equal in value: the T·k (token, expert) assignments are sorted by expert and
+each expert's SwiGLU runs on its contiguous rows as a grouped matmul (3·D·Fe multiply-adds per
+assignment), either
+
+- ``"tiled"`` (default except on TPU): each expert's rows padded to whole tiles of ``TILE`` rows and
+  one matmul per tile (:func:`_tile_matmul`, hand-written backward): at most ``E·TILE`` padding rows;
+- ``"ragged"`` (default on TPU): ``jax.lax.ragged_dot`` with the group sizes: a native grouped matmul
+  on TPU (and on GPU with ``jax_ragged_dot_use_gpu_pallas_triton_lowering``); XLA:CPU and plain GPU
+  expand it to a dense masked product, E times the work (``BENCHMARKS.md``);
+- ``"dense"``: the one-hot baseline, every expert on every token, combined with the routing weights
+  (E/k times the work of the others); the reference in tests and in ``scripts/bench_moe.py``.
 
 **On a mesh** (``with jax.set_mesh(mesh):``) the experts run inside ``jax.shard_map``: each device
 sorts only its own batch rows (``rules["batch"]``), holds E/n experts (``rules["expert"]``, default
@@ -78,7 +84,7 @@ __all__ = [
   "set_dispatch",
 ]
 
-DISPATCH = ("ragged", "dense")
+DISPATCH = ("tiled", "ragged", "dense")
 MoEConfig = Qwen3MoeConfig | Qwen2MoeConfig
 
 
@@ -157,15 +163,95 @@ def _ragged_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
   order = jnp.argsort(key, stable=True)  # [T·k]: assignments grouped by expert
   sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)  # [E_local]
   rows = order // k  # the token of each sorted assignment
-  xs = jnp.take(x, rows, axis=0).astype(dtype)  # [T·k, D]
+  valid = in_range[order][:, None]  # [T·k, 1]: rows of a local expert (the others lie past every group)
+  # ragged_dot leaves rows past the last group unspecified, in its output and in its lhs cotangent:
+  # mask both (the where's transpose zeroes their cotangent before it reaches x)
+  xs = jnp.where(valid, jnp.take(x, rows, axis=0), 0).astype(dtype)  # [T·k, D]
   ops = lambda a, w: _f32_operands_on_cpu(a, w.astype(dtype), preferred_element_type=jnp.float32)
   g = jax.lax.ragged_dot(*ops(xs, gate), sizes, preferred_element_type=jnp.float32).astype(dtype)
   u = jax.lax.ragged_dot(*ops(xs, up), sizes, preferred_element_type=jnp.float32).astype(dtype)
   h = _swiglu(g, u)  # [T·k, Fe]
   y = jax.lax.ragged_dot(*ops(h, down), sizes, preferred_element_type=jnp.float32)  # f32 [T·k, D]
-  w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]  # 0 for other experts' (unset) rows
-  y = y * w[:, None]
-  out = jnp.zeros_like(y).at[order].set(y)  # back to assignment order [T·k, D]
+  w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]  # 0 for other experts' rows
+  y = jnp.where(valid, y * w[:, None], 0.0)
+  out = jnp.take(y, jnp.argsort(order), axis=0)  # back to assignment order [T·k, D]
+  return jnp.sum(out.reshape(t, k, -1), axis=1)
+
+
+TILE = 64  # rows per tile of the tiled dispatch
+
+
+@jax.custom_vjp
+def _tile_matmul(xt: jax.Array, w: jax.Array, tile_expert: jax.Array) -> jax.Array:
+  """``out[t] = xt[t] · w[tile_expert[t]]``: xt ``[n, m, Din]``, w ``[E, Din, Dout]``, tile_expert
+  int32 ``[n]`` → f32 ``[n, m, Dout]``; one ``[m, Din]·[Din, Dout]`` matmul per tile in a ``lax.map``
+  (no ``[n, Din, Dout]`` gather of weights). Backward (hand-written, so the weight gradient is
+  accumulated in place, one expert slice per tile)::
+
+      ∂xt[t] = ct[t] · w[e_t]ᵀ,     ∂w[e] = Σ_{t: e_t = e} xt[t]ᵀ · ct[t]
+  """
+  return jax.lax.map(lambda a: _mm(a[0], w[a[1]]), (xt, tile_expert))
+
+
+def _mm(a, b):
+  return jnp.dot(*_f32_operands_on_cpu(a, b, preferred_element_type=jnp.float32), preferred_element_type=jnp.float32)
+
+
+def _tile_matmul_fwd(xt, w, tile_expert):
+  return _tile_matmul(xt, w, tile_expert), (xt, w, tile_expert)
+
+
+def _tile_matmul_bwd(res, ct):
+  xt, w, tile_expert = res
+  dx = jax.lax.map(lambda a: _mm(a[0], w[a[1]].T), (ct, tile_expert)).astype(xt.dtype)
+
+  def add(dw, a):
+    x_t, ct_t, e = a
+    part = jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + _mm(x_t.T, ct_t)
+    return jax.lax.dynamic_update_index_in_dim(dw, part, e, axis=0), None
+
+  dw, _ = jax.lax.scan(add, jnp.zeros(w.shape, jnp.float32), (xt, ct.astype(jnp.float32), tile_expert))
+  return dx, dw.astype(w.dtype), None
+
+
+_tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+
+
+def _tiled_experts(x, experts, weights, gate, up, down, *, first=0, dtype, tile=TILE):
+  """The dropless grouped computation of :func:`_ragged_experts` without ``ragged_dot`` (which XLA:CPU
+  and XLA:GPU without the Pallas lowering expand to a dense masked ``[E, T·k, D]`` product): the
+  assignments sorted by expert are laid out so each expert's rows start a new tile of ``tile`` rows
+  (at most ``ceil(T·k/tile) + E`` tiles, padding rows zero), and each tile is one matmul with its
+  expert's weights (:func:`_tile_matmul`). Work: ``3·D·Fe`` per assignment plus the padding."""
+  t, k = experts.shape
+  n_local = gate.shape[0]
+  n = t * k
+  local = experts.reshape(-1) - first
+  in_range = (local >= 0) & (local < n_local)
+  key = jnp.where(in_range, local, n_local)
+  order = jnp.argsort(key, stable=True)
+  sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)  # [E_local]
+  starts = jnp.cumsum(sizes) - sizes  # first sorted row of each expert
+  tiles = (sizes + tile - 1) // tile  # tiles per expert
+  tile_starts = jnp.cumsum(tiles) - tiles  # first tile of each expert
+  n_tiles = -(-n // tile) + n_local  # static bound
+  sorted_key = key[order]
+  ok = sorted_key < n_local
+  e_row = jnp.minimum(sorted_key, n_local - 1)
+  pos = tile_starts[e_row] * tile + jnp.arange(n) - starts[e_row]  # padded row of each sorted row
+  pos = jnp.where(ok, pos, n_tiles * tile)  # other experts' rows: dropped by the scatter (out of range)
+  tile_expert = jnp.clip(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(n_tiles), side="right"), 0, n_local - 1)
+  rows = order // k
+  xs = jnp.take(x, rows, axis=0).astype(dtype)
+  xp = jnp.zeros((n_tiles * tile, x.shape[-1]), dtype).at[pos].set(xs, mode="drop").reshape(n_tiles, tile, -1)
+  tm = lambda a, w: _tile_matmul(a, w.astype(dtype), tile_expert.astype(jnp.int32))
+  g, u = tm(xp, gate).astype(dtype), tm(xp, up).astype(dtype)
+  h = _swiglu(g, u)  # [n_tiles, tile, Fe]
+  yp = tm(h, down).reshape(n_tiles * tile, -1)  # f32
+  y = jnp.take(yp, jnp.minimum(pos, n_tiles * tile - 1), axis=0)  # [T·k, D] in sorted order
+  w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]
+  y = jnp.where(ok[:, None], y * w[:, None], 0.0)
+  out = jnp.take(y, jnp.argsort(order), axis=0)
   return jnp.sum(out.reshape(t, k, -1), axis=1)
 
 
@@ -182,7 +268,7 @@ def _dense_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
   return jnp.einsum("etd,te->td", y.astype(jnp.float32), combine)
 
 
-_EXPERT_FNS = {"ragged": _ragged_experts, "dense": _dense_experts}
+_EXPERT_FNS = {"tiled": _tiled_experts, "ragged": _ragged_experts, "dense": _dense_experts}
 
 
 def _mesh_axes(rule, mesh) -> tuple[str, ...]:
@@ -197,7 +283,7 @@ def _run_experts(fn, x, experts, weights, gate, up, down, *, dtype, rules):
   x ``[B, S, D]``, experts/weights ``[B, S, k]`` → f32 ``[B, S, D]``.
   """
   b, s, d = x.shape
-  flat = lambda a: a.reshape(b * s, a.shape[-1])
+  flat = lambda a: a.reshape(-1, a.shape[-1])
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return fn(flat(x), flat(experts), flat(weights), gate, up, down, dtype=dtype).reshape(b, s, d)
@@ -221,12 +307,18 @@ def _run_experts(fn, x, experts, weights, gate, up, down, *, dtype, rules):
     first = 0
     if expert_axes:
       first = jax.lax.axis_index(expert_axes) * n_local
+      # Tokens and weights are the same on every device of the expert axes, but each device gathers
+      # its own rows of them: cast them to varying, so that their cotangents are summed over those axes
+      # (the transpose of the cast is a psum). Without it, jax 0.10 gave the cotangent of a gather with
+      # device-dependent indices one device's partial sum (tests/test_moe_sharded.py caught it).
+      x = jax.lax.pcast(x, expert_axes, to="varying")
+      weights = jax.lax.pcast(weights, expert_axes, to="varying")
     y = fn(flat(x), flat(experts), flat(weights), gate, up, down, first=first, dtype=dtype)
     if expert_axes:
       y = jax.lax.psum(y, expert_axes)
     return y.reshape(bl, s, d)
 
-  return jax.shard_map(local, in_specs=(bspec,) * 3 + (wspec,) * 3, out_specs=bspec)(
+  return jax.shard_map(local, in_specs=(bspec,) * 3 + (wspec,) * 3, out_specs=bspec, check_vma=True)(
     x, experts, weights, gate, up, down
   )
 
@@ -241,7 +333,7 @@ class MoEBlock(nnx.Module):
   Parameters: ``router [D, E]`` ("embed", None); ``gate``, ``up [E, D, Fe]`` ("expert", "embed",
   "expert_mlp"); ``down [E, Fe, D]`` ("expert", "expert_mlp", "embed"); Qwen2-MoE: ``shared`` (a
   ``SwiGLU`` of width ``shared_expert_intermediate_size``, adapters allowed) and ``shared_gate [D, 1]``
-  ("embed", None). Static: ``dispatch`` ("ragged" or "dense"), ``top_k``, ``norm_topk_prob``,
+  ("embed", None). Static: ``dispatch`` ("tiled", "ragged" or "dense", module docstring), ``top_k``, ``norm_topk_prob``,
   ``rules`` (the model's rules table, for the mesh layout of the dispatch). The routed experts take
   no LoRA adapter (``jaxgrpo.models.lora`` lists only attention and dense/shared MLP projections).
   """
@@ -250,7 +342,7 @@ class MoEBlock(nnx.Module):
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     self.dtype = dtype
     self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, E
-    self.dispatch = "ragged"
+    self.dispatch = "ragged" if jax.default_backend() == "tpu" else "tiled"
     self.rules = freeze_rules(rules)
     self.router = param(rngs.params(), (D, E), ("embed", None), param_dtype)
     self.gate = param(rngs.params(), (E, D, F), ("expert", "embed", "expert_mlp"), param_dtype)
@@ -405,8 +497,9 @@ def num_moe_layers(model) -> int:
 
 
 def set_dispatch(model, dispatch: str) -> None:
-  """Set every sparse layer's expert computation: ``"ragged"`` (grouped matmuls, the default) or
-  ``"dense"`` (the one-hot baseline). A static attribute: a jitted function retraces."""
+  """Set every sparse layer's expert computation: ``"tiled"``, ``"ragged"`` (grouped matmuls) or
+  ``"dense"`` (the one-hot baseline); see the module docstring. A static attribute: a jitted function
+  retraces."""
   if dispatch not in DISPATCH:
     raise ValueError(f"dispatch must be one of {DISPATCH}; got {dispatch!r}")
   for _, module in nnx.iter_modules(model):
