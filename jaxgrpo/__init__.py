@@ -17,7 +17,9 @@ The package is layered, every import pointing down (README, "The library"):
 4. iteration/trainer — ``jaxgrpo.iteration``: grpo_iteration and its pieces (sample, score,
    make_batch, place, make_reference, policy_model, rollout_loss); ``jaxgrpo.data``, ``rewards``,
    ``evaluation``, ``tasks`` (binary_tree, arithmetic), ``specs`` (the run config), ``builders`` (model
-   and prompts from it), ``trainer``. Services beside them: ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``.
+   and prompts from it), ``trainer``,
+   ``collapse`` (the guard against a policy that collapses with finite values). Services beside them:
+   ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.runlock`` (one run per output directory).
 
 The kernels (layer 1) are imported with the package and need only JAX and NumPy. Layers 2–3 and
 ``jaxgrpo.iteration`` are re-exported here *lazily*: ``jaxgrpo.make_train_step`` (or any name of

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["safe_div", "safe_sqrt", "select", "masked_reverse_cumsum", "pow2_scale"]
+__all__ = ["safe_div", "safe_sqrt", "select", "masked_reverse_cumsum", "pow2_scale", "exp_linear", "exp_excess"]
 
 
 def safe_div(num, den):
@@ -56,3 +56,32 @@ def pow2_scale(max_abs):
   """
   _, exponent = jnp.frexp(jax.lax.stop_gradient(max_abs))
   return jnp.ldexp(jnp.ones_like(max_abs), exponent)
+
+
+def exp_linear(x, c):
+  """``exp(x)`` for ``x <= c``, continued past ``c`` by its tangent there: ``e^c · (1 + x - c)``.
+
+  The overflow-safe exponential of the KL estimators: finite for every finite ``x`` (no overflow to
+  inf however large ``x`` is), continuous with a continuous derivative (``e^x``, then ``e^c``), and
+  strictly increasing, so a quantity built from it keeps the direction of the exact one where a
+  clamped ``exp(min(x, c))`` would freeze (zero gradient) and let the linear terms around it turn the
+  gradient's sign. It is ``<= exp(x)`` everywhere (the exponential is convex). Below ``c`` it is the
+  exact ``exp`` (which underflows to 0 harmlessly). ``c`` may be a Python float or a traced scalar.
+  """
+  return jnp.exp(jnp.minimum(x, c)) * (1.0 + jnp.maximum(x - c, 0.0))
+
+
+def exp_excess(x, c):
+  """``e^x - x - 1 >= 0`` with ``e^x`` replaced by :func:`exp_linear`: for ``x > c`` it is
+  ``e^c - c - 1 + (e^c - 1)(x - c)``, the tangent continuation of the whole function (its linear terms
+  are exact already).
+
+  The k3-type KL estimators are this function of ``±δ`` (``k3 = exp_excess(-δ)``,
+  ``forward_k3 = exp_excess(δ)``). It is decreasing for ``x < 0``, increasing for ``x > 0`` with slope
+  ``e^min(x, c) - 1`` — the sign of the exact one everywhere — and written as a sum of two terms that
+  are each finite or ``+inf``, so ``x = ±inf`` gives ``+inf``, never ``inf - inf = NaN``. For
+  ``x <= c`` the arithmetic is ``(exp(x) - x) - 1``, bit for bit. Needs ``c > 0``.
+  """
+  xc = jnp.minimum(x, c)
+  e = jnp.exp(xc)
+  return (e - xc - 1.0) + (e - 1.0) * jnp.maximum(x - c, 0.0)

@@ -11,6 +11,7 @@ The one place that turns a :class:`~jaxgrpo.specs.ModelSpec` into a model: an HF
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -27,7 +28,11 @@ from jaxgrpo.tasks import arithmetic
 __all__ = [
   "BASE_WEIGHTS",
   "PromptSets",
+  "TOKENIZER_FILES",
   "build_tokenizer",
+  "check_chat_template",
+  "model_config",
+  "check_lengths",
   "build_policy",
   "add_adapters",
   "build_run_policy",
@@ -38,6 +43,10 @@ __all__ = [
   "load_policy",
   "save_policy",
   "peft_dir_for",
+  "base_dir_for",
+  "lora_export_dirs",
+  "stored_base_dir",
+  "run_base_dir",
   "export_hf",
 ]
 
@@ -47,11 +56,78 @@ BASE_WEIGHTS = "base_weights"
 _ADAPTER_STREAM = 0x4C6F5241  # fold_in tag of the adapters' initialisation key ("LoRA")
 
 
+#: files of which an HF model directory's tokenizer needs at least one (fast, sentencepiece or BPE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return text.splitlines()[0]
+
+
 def build_tokenizer(spec: ModelSpec):
-  """The tokenizer of ``spec``: the HF directory's, or the arithmetic task's locally built one."""
+  """The tokenizer of ``spec``: the HF directory's, or the arithmetic task's locally built one.
+
+  Raises:
+    ValueError: naming ``model.path``: a local directory without tokenizer files
+      (:data:`TOKENIZER_FILES`), or a tokenizer that does not load (the loader's reason).
+  """
   if spec.synthetic is not None:
     return arithmetic.build_tokenizer()
-  return models.load_tokenizer(spec.path)
+  path = spec.path
+  if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    raise ValueError(
+      f"model.path {path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it beside the "
+      "weights (tokenizer.save_pretrained(DIR))"
+    )
+  try:
+    return models.load_tokenizer(path)
+  except ValueError:
+    raise
+  except Exception as e:  # noqa: BLE001 - transformers raises many kinds; re-raised naming the field
+    raise ValueError(f"model.path {path!r}: its tokenizer does not load: {_first_line(e)}") from e
+
+
+def check_chat_template(tokenizer, spec: ModelSpec) -> None:
+  """ValueError naming ``model.path`` when ``tokenizer`` has no chat template (the prompts are
+  rendered with ``tokenizer.apply_chat_template``)."""
+  if getattr(tokenizer, "chat_template", None) is None:
+    raise ValueError(
+      f"model.path {spec.path!r}: the tokenizer has no chat template, which renders the prompts: add "
+      "`chat_template` to its tokenizer_config.json (or a chat_template.jinja file)"
+    )
+
+
+def model_config(spec: ModelSpec, tokenizer=None):
+  """The architecture config of ``spec`` (``config.json`` only; no weight is read): the synthetic
+  model's over ``tokenizer`` 's vocabulary, or the HF directory's.
+
+  Raises:
+    ValueError: naming ``model.path``: no readable ``config.json``, or an unsupported ``model_type``.
+  """
+  if spec.synthetic is not None:
+    return arithmetic.model_config(spec.synthetic, len(tokenizer if tokenizer is not None else build_tokenizer(spec)))
+  try:
+    return models.config_from_hf(spec.path)
+  except OSError as e:
+    raise ValueError(f"model.path {spec.path!r}: cannot read its config.json: {e.strerror or e}") from None
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"model.path {spec.path!r}: {_first_line(e)}") from None
+
+
+def check_lengths(cfg: TrainerConfig, config) -> None:
+  """ValueError unless the longest row of a run fits the model's positions: the longest padded
+  prompt (``data.max_prompt_tokens`` rounded up to the prompt bucket of 16, :func:`prompt_length`)
+  plus ``rollout.max_new_tokens`` must be at most ``max_position_embeddings`` of ``config``."""
+  prompt = -(-cfg.data.max_prompt_tokens // 16) * 16
+  limit = config.max_position_embeddings
+  if prompt + cfg.rollout.max_new_tokens > limit:
+    source = "model.synthetic" if cfg.model.synthetic is not None else f"model.path {cfg.model.path!r}"
+    raise ValueError(
+      f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} (padded to {prompt}) + rollout.max_new_tokens "
+      f"{cfg.rollout.max_new_tokens} = {prompt + cfg.rollout.max_new_tokens} exceeds the {limit} positions of "
+      f"{source} (max_position_embeddings): lower one of the two"
+    )
 
 
 def build_policy(spec: ModelSpec, *, seed: int, mesh: Mesh | None = None):
@@ -77,13 +153,22 @@ def add_adapters(model, cfg: lora.LoRAConfig, *, seed: int) -> None:
   lora.apply_lora(model, cfg, key=jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM))
 
 
-def build_run_policy(cfg: TrainerConfig, *, mesh: Mesh | None = None, log: Callable[[str], None] | None = None):
+def build_run_policy(
+  cfg: TrainerConfig,
+  *,
+  mesh: Mesh | None = None,
+  log: Callable[[str], None] | None = None,
+  save_base: str | None = None,
+):
   """``(model, tokenizer)``: the policy a run starts from — :func:`build_policy`, then the arithmetic
   task's supervised warm-up of the synthetic model (``data.arithmetic.sft_steps``), then the
   ``lora`` section's adapters (:func:`add_adapters`; quantising the base weights for QLoRA).
 
   Deterministic in the config: rebuilding it gives the same base weights (what a LoRA checkpoint's
-  adapters need, :func:`load_policy`)."""
+  adapters need, :func:`load_policy`). ``save_base``: a LoRA run on the synthetic model writes its
+  base (after the warm-up, before quantisation and adapters) there as a Hugging Face directory
+  (:func:`stored_base_dir` of the run's checkpoints), so that :func:`load_policy` need not re-run the
+  warm-up; process 0 writes it, replacing what was there."""
   log = log or (lambda s: None)
   model, tokenizer = build_policy(cfg.model, seed=cfg.run.seed, mesh=mesh)
   task = cfg.data.arithmetic
@@ -92,8 +177,33 @@ def build_run_policy(cfg: TrainerConfig, *, mesh: Mesh | None = None, log: Calla
     res = arithmetic.warm_up(model, tokenizer, rows, task, seed=cfg.run.seed, log=log)
     log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
   if cfg.lora is not None:
+    if save_base is not None and cfg.model.synthetic is not None and jax.process_index() == 0:
+      _write_dir(save_base, lambda tmp: models.save_hf(model, tmp))
     add_adapters(model, cfg.lora, seed=cfg.run.seed)
   return model, tokenizer
+
+
+def _write_dir(path: str, write: Callable[[str], None]) -> None:
+  """``write(tmp)`` into a temporary sibling of ``path``, then swap it in: a reader never sees a half-written
+  directory (at worst none, which :func:`load_policy` handles by rebuilding)."""
+  path = os.path.normpath(os.fspath(path))
+  tmp = f"{path}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  write(tmp)
+  shutil.rmtree(path, ignore_errors=True)
+  os.rename(tmp, path)
+
+
+def stored_base_dir(path: str) -> str:
+  """Where a LoRA run on the synthetic model keeps its base weights: ``<checkpoint root>/base``, for a
+  run directory, its ``checkpoints/`` or a step directory ``path`` (what :func:`load_policy` reads)."""
+  return os.path.join(checkpoint.checkpoint_root(path), "base")
+
+
+def run_base_dir(out: str) -> str:
+  """:func:`stored_base_dir` of the run writing to ``out`` (``out/checkpoints/base``), also before its
+  first checkpoint (what the trainer writes)."""
+  return os.path.join(checkpoint.checkpoint_dir(out), "base")
 
 
 def abstract_policy(spec: ModelSpec):
@@ -101,10 +211,7 @@ def abstract_policy(spec: ModelSpec):
   nothing allocated), e.g. a target for :func:`jaxgrpo.checkpoint.restore_params`."""
   dtype, param_dtype = DTYPES[spec.dtype], DTYPES[spec.param_dtype]
   tokenizer = build_tokenizer(spec)
-  if spec.synthetic is not None:
-    cfg = arithmetic.model_config(spec.synthetic, len(tokenizer))
-  else:
-    cfg = models.config_from_hf(spec.path)
+  cfg = model_config(spec, tokenizer)
   build = lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=spec.remat)
   return nnx.eval_shape(build), tokenizer
 
@@ -191,10 +298,11 @@ def load_policy(path: str, *, step: int | None = None) -> tuple[nnx.Module, Any,
   Full fine-tuning: the model skeleton comes from the config's ``model`` spec (the synthetic model,
   or ``config.json`` of its HF directory), then the parameters are restored into it (verified
   against the manifest). LoRA (a ``lora`` section; the checkpoint holds the adapters only): the base
-  is rebuilt with its weights (:func:`build_run_policy`: the HF weights, or the synthetic model's
-  seeded warm-up, re-run), its :data:`BASE_WEIGHTS` fingerprint must equal the checkpoint's, then the
-  adapters are restored into it: the result carries the adapters (``models.lora.merge_lora`` for a
-  plain model).
+  is rebuilt with its weights — the HF weights; for the synthetic model the base the run stored
+  beside its checkpoints (:func:`stored_base_dir`), or, when that is missing or other, its seeded
+  warm-up re-run (:func:`build_run_policy`) — its :data:`BASE_WEIGHTS` fingerprint must equal the
+  checkpoint's, then the adapters are restored into it: the result carries the adapters
+  (``models.lora.merge_lora`` for a plain model).
 
   Args:
     path: a run directory, a checkpoint root or a step directory.
@@ -210,7 +318,7 @@ def load_policy(path: str, *, step: int | None = None) -> tuple[nnx.Module, Any,
     )
   cfg = config_from_dict(meta["config"], where=f"config saved in {path}")
   if cfg.lora is not None:
-    model, tokenizer = build_run_policy(cfg)
+    model, tokenizer = _stored_lora_base(path, cfg, meta) or build_run_policy(cfg)
     fingerprints = {BASE_WEIGHTS: lora.base_fingerprint(model)}
     adapters = checkpoint.restore_params(
       path, nnx.state(model, nnx.LoRAParam), step=meta["step"], fingerprints=fingerprints
@@ -223,24 +331,55 @@ def load_policy(path: str, *, step: int | None = None) -> tuple[nnx.Module, Any,
   return nnx.merge(graphdef, params), tokenizer, cfg
 
 
+def _stored_lora_base(path: str, cfg: TrainerConfig, meta: dict):
+  """``(model with adapters, tokenizer)`` from the base a LoRA run on the synthetic model stored
+  (:func:`stored_base_dir`), when it is there and its fingerprint is the checkpoint's; else None (the
+  caller rebuilds the base, re-running the warm-up)."""
+  base = stored_base_dir(path)
+  if cfg.model.synthetic is None or not os.path.isfile(os.path.join(base, "config.json")):
+    return None
+  spec = cfg.model
+  model = models.load_hf(base, dtype=DTYPES[spec.dtype], param_dtype=DTYPES[spec.param_dtype], remat=spec.remat)
+  add_adapters(model, cfg.lora, seed=cfg.run.seed)
+  if lora.base_fingerprint(model) != meta.get("fingerprints", {}).get(BASE_WEIGHTS):
+    return None
+  return model, build_tokenizer(spec)
+
+
 def save_policy(
-  model, tokenizer, out_dir: str, *, peft_dir: str | None = None, base_model_name_or_path: str | None = None
+  model,
+  tokenizer,
+  out_dir: str,
+  *,
+  peft_dir: str | None = None,
+  base_model_name_or_path: str | None = None,
+  base_dir: str | None = None,
 ) -> list[str]:
   """Writes ``model`` as a Hugging Face directory that ``transformers`` loads (``save_hf`` + the
   tokenizer); a model with adapters is merged first (``models.lora.merge_lora``: adapters added,
   quantised weights dequantised) and, with ``peft_dir``, its adapters are also written there as a
   PEFT adapter directory (``models.lora.save_peft``, naming ``base_model_name_or_path``) that
-  ``peft.PeftModel.from_pretrained`` loads onto the (unquantised) base model. Returns the
-  directories written."""
+  ``peft.PeftModel.from_pretrained`` loads onto the base model. ``base_dir`` (a base that is not an
+  HF directory, e.g. the synthetic model): the base itself — adapters removed, quantised weights
+  dequantised, so PEFT on it computes what ``model`` computes — is written there with the
+  tokenizer, and the PEFT directory names it. Returns the directories written."""
   adapted = lora.has_adapters(model)
   if peft_dir is not None and not adapted:
     raise ValueError(f"peft_dir={peft_dir!r}: the model has no adapters to write as a PEFT directory")
+  if base_dir is not None and peft_dir is None:
+    raise ValueError(f"base_dir={base_dir!r} is written beside a PEFT directory: give peft_dir too")
   models.save_hf(lora.merge_lora(model) if adapted else model, out_dir)
   tokenizer.save_pretrained(out_dir)
   if peft_dir is None:
     return [out_dir]
+  written = [out_dir, peft_dir]
+  if base_dir is not None:
+    models.save_hf(lora.merge_lora(lora.reference_model(model)), base_dir)
+    tokenizer.save_pretrained(base_dir)
+    base_model_name_or_path = os.path.abspath(base_dir)
+    written.append(base_dir)
   lora.save_peft(model, peft_dir, base_model_name_or_path=base_model_name_or_path)
-  return [out_dir, peft_dir]
+  return written
 
 
 def peft_dir_for(out_dir: str) -> str:
@@ -248,15 +387,32 @@ def peft_dir_for(out_dir: str) -> str:
   return os.path.normpath(os.fspath(out_dir)) + "-peft"
 
 
+def base_dir_for(out_dir: str) -> str:
+  """Where the base of a LoRA run on the synthetic model goes beside its merged export ``out_dir``
+  (the PEFT directory's ``base_model_name_or_path``): ``<out_dir>-base``."""
+  return os.path.normpath(os.fspath(out_dir)) + "-base"
+
+
+def lora_export_dirs(cfg: TrainerConfig, out_dir: str, peft_dir: str | None = None) -> dict:
+  """The :func:`save_policy` keywords of a LoRA run's export to ``out_dir``: the PEFT directory
+  (default :func:`peft_dir_for`) and its base: ``model.path``, or, for the synthetic model, the base
+  written to :func:`base_dir_for` ``(out_dir)``."""
+  peft_dir = peft_dir_for(out_dir) if peft_dir is None else peft_dir
+  if cfg.model.synthetic is not None:
+    return {"peft_dir": peft_dir, "base_dir": base_dir_for(out_dir)}
+  return {"peft_dir": peft_dir, "base_model_name_or_path": cfg.model.path}
+
+
 def export_hf(path: str, out_dir: str, *, step: int | None = None, peft_dir: str | None = None) -> list[str]:
   """Writes the policy of a checkpoint (default: the latest complete one) as a Hugging Face
   directory (``save_hf`` + the tokenizer) that ``transformers`` loads. A LoRA checkpoint is merged
   into ``out_dir`` and its adapters are also written as a PEFT directory, ``peft_dir`` (default
-  :func:`peft_dir_for` ``(out_dir)``). Returns the directories written (:func:`save_policy`)."""
+  :func:`peft_dir_for` ``(out_dir)``), naming its base: ``model.path``, or, for the synthetic model,
+  the base written beside it (:func:`base_dir_for`). Returns the directories written
+  (:func:`save_policy`)."""
   model, tokenizer, cfg = load_policy(path, step=step)
   if cfg.lora is None:
     if peft_dir is not None:
       raise ValueError(f"peft_dir={peft_dir!r}: checkpoint {path} is a full fine-tuning run (no adapters)")
     return save_policy(model, tokenizer, out_dir)
-  peft_dir = peft_dir_for(out_dir) if peft_dir is None else peft_dir
-  return save_policy(model, tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path)
+  return save_policy(model, tokenizer, out_dir, **lora_export_dirs(cfg, out_dir, peft_dir))

@@ -27,7 +27,16 @@ Crash safety, in two layers:
    with a truncated or altered file raises :class:`CheckpointError` naming the file. A step
    directory without a manifest (left by an older version, or a manifest removed by hand) is moved
    aside to ``<step>.incomplete-<time>`` when a :class:`Checkpointer` opens the directory, so that
-   the resumed run can save that step again. Nothing else on disk is changed by a failed restore.
+   the resumed run can save that step again.
+
+A complete step whose files do not match its manifest (a file missing, truncated or altered, e.g.
+``params/_METADATA`` or ``meta/metadata`` gone) is corrupt. When a :class:`Checkpointer` looks for
+the step to resume from (:meth:`Checkpointer.check_run`, :meth:`~Checkpointer.restore` without a
+step), ``on_corrupt="quarantine"`` (the default) renames a corrupt latest step to
+``<step>.corrupt-<UTC time>`` (never deleted), logs it in a ``WARNING:`` line naming the bad file,
+and takes the previous complete step, so an auto-restarting scheduler does not loop on the same
+error; ``on_corrupt="stop"`` raises :class:`CheckpointError` instead. Every corrupt-checkpoint
+message names the way to recover.
 
 What is never written or never deleted:
 
@@ -89,10 +98,12 @@ __all__ = [
   "NonFiniteError",
   "first_nonfinite",
   "quarantine_incomplete_steps",
+  "quarantine_step",
   "Snapshot",
   "RunMeta",
   "checkpoint_dir",
   "has_checkpoint",
+  "checkpoint_root",
   "complete_steps",
   "verify_step",
   "read_meta",
@@ -103,6 +114,8 @@ __all__ = [
 
 MANIFEST = "jaxgrpo_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+#: ``Checkpointer(on_corrupt=...)``: what a corrupt latest step does when the run looks for its resume point
+ON_CORRUPT = ("quarantine", "stop")
 #: Version of the ``meta`` item's layout. 2: the RunMeta (identity, guarded, config) of the caller.
 FORMAT = 2
 
@@ -340,17 +353,12 @@ def quarantine_incomplete_steps(root: str, log: Callable[[str], None] | None = p
   """
   log = log or (lambda s: None)
   steps, _ = _step_dirs(root)
-  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
   moved = []
   for step in sorted(steps):
     path = steps[step]
     if os.path.exists(os.path.join(path, MANIFEST)):
       continue
-    target = f"{path}.incomplete-{stamp}"
-    n = 1
-    while os.path.exists(target):
-      n += 1
-      target = f"{path}.incomplete-{stamp}-{n}"
+    target = _aside(path, "incomplete")
     os.rename(path, target)
     log(
       f"checkpoint {path} has no {MANIFEST} (its save did not complete): moved aside to {target}; "
@@ -358,6 +366,42 @@ def quarantine_incomplete_steps(root: str, log: Callable[[str], None] | None = p
     )
     moved.append(target)
   return moved
+
+
+def _aside(path: str, what: str) -> str:
+  """A free name ``<path>.<what>-<UTC time>[-n]`` beside ``path``."""
+  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+  target, n = f"{path}.{what}-{stamp}", 1
+  while os.path.exists(target):
+    n += 1
+    target = f"{path}.{what}-{stamp}-{n}"
+  return target
+
+
+def quarantine_step(root: str, step: int) -> str:
+  """Renames the step directory ``root/<step>`` to ``<step>.corrupt-<UTC time>`` (nothing is
+  deleted; neither Orbax nor :func:`complete_steps` sees it any more). Returns the new path."""
+  path = os.path.join(root, str(step))
+  target = _aside(path, "corrupt")
+  os.rename(path, target)
+  return target
+
+
+def recovery_hint(root: str, step: int) -> str:
+  """How to get past a corrupt ``root/<step>``: the earlier complete steps and what to run."""
+  path = os.path.join(root, str(step))
+  earlier = [s for s in complete_steps(root, log=None) if s < step]
+  move = f"move it aside (`mv {path} {path}.corrupt`)"
+  if earlier:
+    return (
+      f"Recovery: {move}, or use an earlier complete step ({earlier}; e.g. --step {earlier[-1]}); "
+      f"scripts/train.py does this itself with --on-corrupt quarantine (the default) and resumes from step "
+      f"{earlier[-1]}."
+    )
+  return (
+    f"Recovery: there is no earlier complete checkpoint: {move} and start again (scripts/train.py with "
+    "--on-corrupt quarantine, the default, does so itself)."
+  )
 
 
 def has_checkpoint(out: str) -> bool:
@@ -375,6 +419,11 @@ def _resolve_root(path: str) -> tuple[str, int | None]:
   if os.path.isdir(os.path.join(path, "checkpoints")):
     return os.path.join(path, "checkpoints"), None
   return path, None
+
+
+def checkpoint_root(path: str) -> str:
+  """The checkpoint root (``OUT/checkpoints``) of a run directory, a checkpoint root or a step directory."""
+  return _resolve_root(path)[0]
 
 
 def _resolve_step(path: str, step: int | None) -> tuple[str, int]:
@@ -552,6 +601,26 @@ _UNRETRIEVED_WRITES = _UnretrievedWriteFilter()
 
 
 @dataclasses.dataclass
+class _KeepBest:
+  """Orbax preservation policy: keeps the checkpoint with the best finite ``metric_of(step)``
+  (``mode`` ``max`` or ``min``; on a tie the latest), whatever its age. Steps without a value are
+  left to the other policies (keep-last-K)."""
+
+  metric_of: Callable[[int], float | None]
+  mode: str = "max"
+
+  def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
+    sign = 1.0 if self.mode == "max" else -1.0
+    scored = [
+      (sign * v, c.step, i)
+      for i, c in enumerate(checkpoints)
+      if (v := self.metric_of(c.step)) is not None and np.isfinite(v)
+    ]
+    best = max(scored)[2] if scored else None
+    return [i == best for i in range(len(checkpoints))]
+
+
+@dataclasses.dataclass
 class _ThreadLines:
   """One writer thread's traceback block being held back and its unfinished line."""
 
@@ -567,7 +636,9 @@ class Checkpointer:
     max_to_keep: K most recent complete checkpoints kept (None: all). Older ones are deleted only
       after a newer save completed.
     best_metric: a metric name (e.g. ``eval_accuracy``) seen through :meth:`observe`; the best
-      checkpoint by it is kept as well as the last K. None: recency only.
+      checkpoint by it is kept as well as the last K, also across restarts (the value is saved in
+      the step's meta item and read back), so a collapse that keeps the parameters finite cannot
+      rotate the best checkpoint away. Only steps with a value compete. None: recency only.
     best_mode: ``max`` or ``min``.
     async_save: write in a background thread; ``save`` returns once the arrays are copied to the
       host, so the next step (which donates the state) can start. The next save, :meth:`wait`
@@ -583,6 +654,10 @@ class Checkpointer:
       ``failed_saves``). Either way the partial step is removed and the earlier checkpoints are kept.
     check_finite: refuse to save parameters or optimizer state holding a NaN or an infinity
       (:class:`NonFiniteError`); one reduction over the state per save.
+    on_corrupt: a corrupt latest step met while looking for the step to resume from
+      (:meth:`check_run`, :meth:`restore` without a step): ``"quarantine"`` renames it to
+      ``<step>.corrupt-<UTC time>`` (logged as a ``WARNING:``) and takes the previous complete step;
+      ``"stop"`` raises :class:`CheckpointError` naming the file and the recovery.
   """
 
   def __init__(
@@ -598,7 +673,10 @@ class Checkpointer:
     allow_changed: bool = False,
     on_save_error: str = "stop",
     check_finite: bool = True,
+    on_corrupt: str = "quarantine",
   ):
+    if on_corrupt not in ON_CORRUPT:
+      raise ValueError(f"`on_corrupt` must be one of {ON_CORRUPT}; got {on_corrupt!r}")
     if best_mode not in ("max", "min"):
       raise ValueError(f"`best_mode` must be 'max' or 'min'; got {best_mode!r}")
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
@@ -610,7 +688,8 @@ class Checkpointer:
     logging.getLogger("asyncio").addFilter(_UNRETRIEVED_WRITES)  # no-op when already added
     self.best_metric, self.best_mode, self.checksum = best_metric, best_mode, checksum
     self.async_save, self.allow_changed = async_save, allow_changed
-    self.on_save_error, self.check_finite = on_save_error, check_finite
+    self.on_save_error, self.check_finite, self.on_corrupt = on_save_error, check_finite, on_corrupt
+    self._verified: set[int] = set()  # steps checked against their manifest by this Checkpointer
     self._is_main = jax.process_index() == 0
     self.log = log if log is not None and self._is_main else (lambda s: None)
     self._metrics: dict[int, float] = {}
@@ -630,14 +709,8 @@ class Checkpointer:
     complete_steps(self.directory, log=self.log)
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if best_metric is not None:
-      policies.append(
-        ocp.checkpoint_managers.BestN(
-          get_metric_fn=lambda m: m[best_metric],
-          reverse=best_mode == "min",
-          n=1,
-          keep_checkpoints_without_metrics=False,
-        )
-      )
+      policies.append(_KeepBest(self._metric_of, best_mode))
+    self._saved_metrics: dict[int, float | None] = {}  # read from the steps' meta items
     # foreground saves use the same asynchronous path and wait: the manifest is then always
     # written before Orbax's rename, so no kill can leave a renamed step without it
     options = ocp.CheckpointManagerOptions(
@@ -648,6 +721,21 @@ class Checkpointer:
       async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized),
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+  def _metric_of(self, step: int) -> float | None:
+    """``best_metric`` of a saved step: observed by this Checkpointer, else the value saved in the
+    step's meta item (written by an earlier run: Orbax keeps metrics in memory only, so without this
+    a restarted run would rotate the best checkpoint away)."""
+    if step in self._metrics:
+      return self._metrics[step]
+    if step not in self._saved_metrics:
+      try:
+        with open(os.path.join(self.directory, str(step), "meta", "metadata")) as f:
+          value = (json.load(f).get("metrics") or {}).get(self.best_metric)
+      except (OSError, ValueError):
+        value = None
+      self._saved_metrics[step] = None if value is None else float(value)
+    return self._saved_metrics[step]
 
   # ------------------------------------------------------------------ saving
   def _finalized(self) -> None:
@@ -717,6 +805,7 @@ class Checkpointer:
       "metrics": dict(metrics) if metrics else None,
     }
     self._saving_step = step
+    self._saved_metrics.pop(step, None)
     try:
       self.manager.save(
         step,
@@ -882,12 +971,53 @@ class Checkpointer:
       CheckpointError: another meta format, a different identity, or changed guarded settings
         (unless ``allow_changed``).
     """
-    steps = self.steps()
-    if step is None and not steps:
-      return None
-    step = steps[-1] if step is None else step
+    if step is None:
+      step = self.resume_step()
+      if step is None:
+        return None
     self._check(step, self.read_meta(step), None, run, report=False)
     return step
+
+  def resume_step(self) -> int | None:
+    """The latest complete step whose files match its manifest (None: none), after dealing with
+    corrupt later ones by ``on_corrupt`` (see the module docstring). Each step is verified once.
+
+    Raises:
+      CheckpointError: (``on_corrupt="stop"``) the latest step is corrupt; names the file and the recovery.
+    """
+    for step in reversed(self.steps()):
+      if step in self._verified:
+        return step
+      path = os.path.join(self.directory, str(step))
+      try:
+        verify_step(path, checksum=self.checksum)
+        read_meta(path)
+      except CheckpointError as e:
+        if self.on_corrupt == "stop":  # one line: the file, then the recovery
+          raise CheckpointError(
+            f"{' '.join(str(e).split())}. {recovery_hint(self.directory, step)} (this run was started with "
+            "on_corrupt 'stop', scripts/train.py --on-corrupt stop)"
+          ) from None
+        self._quarantine(step, e)
+        continue
+      self._verified.add(step)
+      return step
+    return None
+
+  def _quarantine(self, step: int, error: CheckpointError) -> None:
+    """Moves the corrupt ``step`` aside (first host; every host waits) and says so loudly."""
+    path = os.path.join(self.directory, str(step))
+    target = quarantine_step(self.directory, step) if self._is_main else f"{path}.corrupt-*"
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxgrpo.checkpoint: corrupt step {step} moved aside")
+    self.manager.reload()  # Orbax must forget the step, or it would refuse to save it again
+    earlier = [s for s in self.steps() if s < step]
+    then = f"resuming from the previous complete step {earlier[-1]}" if earlier else "no earlier complete step"
+    reason = " ".join(str(error).split())
+    self.log(
+      f"WARNING: checkpoint {path} is corrupt ({reason}); moved aside to {target} (kept, not deleted); {then}. "
+      "To stop instead, pass --on-corrupt stop (Checkpointer(on_corrupt='stop'))."
+    )
 
   def _check(self, step: int, meta: dict, template: Snapshot | None, run: RunMeta, *, report: bool = True) -> None:
     where = os.path.join(self.directory, str(step))
@@ -943,25 +1073,19 @@ class Checkpointer:
         Nothing on disk is modified.
     """
     run = run or RunMeta()
-    steps = self.steps()
     if step is None:
-      if not steps:
+      step = self.resume_step()
+      if step is None:
         raise CheckpointError(f"no complete checkpoint in {self.directory}")
-      step = steps[-1]
-    elif step not in steps:
+    elif step not in (steps := self.steps()):
       raise CheckpointError(f"step {step} is not a complete checkpoint in {self.directory}; complete steps: {steps}")
     path = os.path.join(self.directory, str(step))
-    try:
-      verify_step(path, checksum=self.checksum)
-    except CheckpointError as e:
-      earlier = [s for s in steps if s < step]
-      hint = (
-        f"\nEarlier complete checkpoints: {earlier}. To resume from step {earlier[-1]}, move {path} "
-        f"aside (e.g. `mv {path} {path}.corrupt`) or pass step={earlier[-1]}."
-        if earlier
-        else "\nThere is no earlier complete checkpoint."
-      )
-      raise CheckpointError(str(e) + hint) from None
+    if step not in self._verified:
+      try:
+        verify_step(path, checksum=self.checksum)
+      except CheckpointError as e:
+        raise CheckpointError(f"{e}\n{recovery_hint(self.directory, step)}") from None
+      self._verified.add(step)
     meta = self.read_meta(step)
     self._check(step, meta, template, run)
     restored = self.manager.restore(
@@ -979,7 +1103,7 @@ class Checkpointer:
   def restore_fn(self, run: RunMeta | None, template: Snapshot) -> Snapshot | None:
     """The trainer's ``restore_fn(run, template)`` hook: the latest complete snapshot, or None when
     there is no checkpoint yet (a fresh start)."""
-    if not self.steps():
+    if self.resume_step() is None:
       self.log(f"no complete checkpoint in {self.directory}: starting from step 0")
       return None
     return self.restore(template, run)
@@ -1019,7 +1143,9 @@ def read_meta(path: str, *, step: int | None = None) -> dict:
     with open(file) as f:
       return json.load(f)
   except (OSError, ValueError) as e:
-    raise CheckpointError(f"checkpoint {os.path.join(root, str(step))}: unreadable meta item ({e})") from e
+    raise CheckpointError(
+      f"checkpoint {os.path.join(root, str(step))}: unreadable meta item ({e}). {recovery_hint(root, step)}"
+    ) from e
 
 
 def restore_params(
@@ -1047,7 +1173,10 @@ def restore_params(
   root, step = _resolve_step(path, step)
   step_path = os.path.join(root, str(step))
   if verify:
-    verify_step(step_path)
+    try:
+      verify_step(step_path)
+    except CheckpointError as e:
+      raise CheckpointError(f"{e}\n{recovery_hint(root, step)}") from None
   module = target if isinstance(target, nnx.Module) else None
   tree = nnx.state(module) if module is not None else target
   meta = read_meta(step_path)

@@ -48,6 +48,7 @@ from jax.sharding import Mesh
 
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig
+from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
 from jaxgrpo.losses import finalize_terms
 from jaxgrpo.models import lora
 from jaxgrpo.objective import objective_terms, rollout_advantages
@@ -72,11 +73,13 @@ __all__ = [
   "grpo_iteration",
   "make_batch",
   "make_reference",
+  "multiturn_iteration",
   "place",
   "place_prompts",
   "policy_model",
   "rollout_loss",
   "sample",
+  "sample_multiturn",
   "score",
 ]
 
@@ -575,3 +578,71 @@ def grpo_iteration(
     iteration_s=t4 - t0,
   )
   return IterationResult(state, metrics, rollout, rewards)
+
+
+def multiturn_iteration(
+  step: TrainStep,
+  state: TrainState,
+  rows: Sequence[Mapping[str, Any]],
+  *,
+  key,
+  make_env: Callable[[Mapping[str, Any]], Any],
+  tokenizer,
+  sampling: SamplingConfig,
+  env_config: MultiTurnConfig,
+  reference: Reference | None = None,
+  buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+) -> IterationResult:
+  """One GRPO iteration over multi-turn trajectories: :func:`sample_multiturn` (G per row, the
+  environments' rewards), a :class:`~jaxgrpo.train.Batch` with the rollout's ``policy_mask`` (placed,
+  packed with ``TrainConfig.packing``), the reference pass when the step reads ``ref_logp``, the update.
+
+  Args:
+    step, state, key, sampling, reference, buckets: as for :func:`grpo_iteration` (``sampling``'s
+      ``max_new_tokens`` is unused: ``env_config`` bounds the tokens).
+    rows: B dataset rows; ``make_env(row)`` builds one environment per trajectory.
+    tokenizer: the policy's tokenizer (a chat template; turns decoded, observations encoded).
+    env_config: a :class:`~jaxgrpo.environments.MultiTurnConfig`.
+
+  Returns:
+    An :class:`IterationResult` whose ``rollout`` is the :class:`~jaxgrpo.environments.MultiTurnRollout`
+    and whose metrics add the turn metrics (``env/turns``, ``env/tool_calls``, ``env/tool_errors``,
+    ``env/tool_s``, ``env/policy_tokens``, ... — :func:`jaxgrpo.environments.rollout_metrics`).
+  """
+  _check_iteration(step, sampling, reference, len(rows))
+  t0 = time.perf_counter()
+  rollout: MultiTurnRollout = sample_multiturn(
+    policy_model(step.graphdef, state),
+    rows,
+    make_env,
+    tokenizer,
+    sampling,
+    env_config,
+    key=key,
+    temperature=step.train_config.temperature,
+  )
+  t1 = time.perf_counter()
+  batch = make_batch(
+    rollout, rollout.rewards, mesh=step.mesh, rules=step.rules, buckets=buckets, train_config=step.train_config
+  )
+  if reference is not None and step.reads_ref_logp:
+    batch = reference(batch)
+    jax.block_until_ready(batch.ref_logp)
+  t2 = time.perf_counter()
+  state, step_metrics = step(state, batch)
+  step_metrics = jax.device_get(step_metrics)
+  jax.block_until_ready(state)
+  t3 = time.perf_counter()
+  metrics = {k: float(v) for k, v in step_metrics.items()}
+  metrics.update(rollout_metrics(rollout))
+  metrics.update(
+    reward_mean=float(rollout.rewards.mean()),
+    reward_std=float(rollout.rewards.std()),
+    completion_length=float(rollout.mask.sum(axis=1).mean()),
+    rollout_s=t1 - t0,
+    reward_s=0.0,
+    reference_s=t2 - t1,
+    update_s=t3 - t2,
+    iteration_s=t3 - t0,
+  )
+  return IterationResult(state, metrics, rollout, rollout.rewards)

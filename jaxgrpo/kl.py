@@ -6,13 +6,17 @@ With ``δ = logp - ref_logp = log πθ/πref`` and ``u = exp(-δ) = πref/πθ``
   estimator of KL(πθ‖πref), the GRPO/λ-GRPO/DAPO loss term);
 - ``forward_k3 = exp(δ) - δ - 1 >= 0`` (the k3 form of the forward direction πref‖πθ).
 
-Safety clamp: ``δ`` is clipped to ``[-max_delta, max_delta]`` (default 20) *only inside the
-exponentials* — of k3/forward_k3 and of the future-KL f-divergence terms — so a token the policy has
-driven to probability ~0 cannot overflow to inf. Every linear occurrence of ``δ`` uses the raw value:
-``k3 = exp(-clip(δ)) + δ - 1``, ``forward_k3 = exp(clip(δ)) - δ - 1``. Beyond the clamp the
-penalty therefore keeps growing linearly in ``|δ|`` with slope 1 (``kl_penalty(25, 0, "k3") = e^-20 +
-24 ≈ 24``, gradient 1): the tokens that drifted furthest are still penalised. k1 and k2 use the
-raw ``δ`` throughout.
+Safety clamp: an exponential that would grow past ``e^max_delta`` (default ``max_delta`` 20) is
+continued linearly by its tangent instead (``_numerics.exp_linear``: ``exp(x)`` for ``x <= c``,
+``e^c·(1 + x - c)`` beyond), inside k3/forward_k3 and the future-KL f-divergence terms, so a token the
+policy has driven to probability ~0 cannot overflow to inf. For every δ the penalty is then finite,
+monotone in ``|δ|`` on each side of 0, and its gradient has the sign of the exact one:
+``kl_penalty(-25, 0, "k3") = e^20·6 - 26 ≈ 2.9e9`` with gradient ``1 - e^20 ≈ -4.9e8`` (exact
+``e^25 - 26``, gradient ``1 - e^25``), where a clamp ``exp(-clip(δ, ±20))`` froze the value at
+``e^20 - 26 + ...`` and gave gradient +1 — descent then pushed logp further *away* from the reference.
+On the decaying side the exponential is exact (``kl_penalty(25, 0, "k3") = e^-25 + 24 ≈ 24``,
+gradient ``1 - e^-25 ≈ 1``). Beyond the clamp the value is below the exact one (the exponential is
+convex). k1 and k2 have no exponential.
 
 Masks meet values by selection: with ``mask`` given, padding tokens are replaced by 0 *before* any
 arithmetic, so inf/NaN log-probs on padding (e.g. ``old_logp = -inf``) give 0 there and cannot
@@ -37,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgrpo import _checks, _hyper
-from jaxgrpo._numerics import masked_reverse_cumsum, select
+from jaxgrpo._numerics import exp_excess, exp_linear, masked_reverse_cumsum, select
 
 __all__ = ["KL_KINDS", "FUTURE_KL_KINDS", "MAX_DELTA", "kl_penalty", "future_kl", "frpo_advantages"]
 
@@ -74,10 +78,9 @@ def _kl_penalty(logp, ref_logp, mask, *, kind, max_delta):
     return delta
   if kind == "k2":
     return 0.5 * delta**2
-  d = jnp.clip(delta, -max_delta, max_delta)  # only inside the exponentials
-  if kind == "k3":
-    return jnp.exp(-d) + delta - 1.0
-  return jnp.exp(d) - delta - 1.0
+  if kind == "k3":  # exp(-δ) + δ - 1, the exponential continued linearly past max_delta
+    return exp_excess(-delta, max_delta)
+  return exp_excess(delta, max_delta)  # exp(δ) - δ - 1
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "static"))
@@ -95,8 +98,9 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None, max_delta: float 
     kind: ``"k1"`` (δ), ``"k2"`` (δ²/2), ``"k3"`` (exp(-δ)+δ-1), ``"forward_k3"`` (exp(δ)-δ-1).
     mask: optional ``bool[B, T]``: where False the result is 0, selected before any arithmetic (so
       inf/NaN log-probs there give 0 with zero gradient). Without it nothing is masked.
-    max_delta: finite ``> 0`` (a Python float, static, or a ``f32[]`` array, traced); δ is clamped to ±max_delta inside the exponentials only (module
-      docstring).
+    max_delta: finite ``> 0`` (a Python float, static, or a ``f32[]`` array, traced); past ``e^max_delta``
+      the exponential is continued linearly (module docstring): the value stays finite and the gradient
+      keeps the exact sign.
 
   Returns:
     ``f32[B, T]``.
@@ -119,13 +123,12 @@ def _check_future(logp, ref_logp, mask, kind, max_delta, logp_name="logp"):
 
 def _future_kl(logp, ref_logp, mask, kind, max_delta):
   delta = _delta(logp, ref_logp, mask)  # 0 on padding
-  d = jnp.clip(delta, -max_delta, max_delta)  # only inside the exponentials
   if kind == "k1":
     now, later = delta, delta
   elif kind == "k3":
-    now, later = delta, jnp.exp(-d) + delta - 1.0
+    now, later = delta, exp_excess(-delta, max_delta)  # exp(-δ) + δ - 1
   else:  # forward_k3, f(u) = u log u - u + 1 with u = exp(-δ), u log u = -δ u
-    u = jnp.exp(-d)
+    u = exp_linear(-delta, max_delta)  # continued linearly past e^max_delta
     now, later = 1.0 - u, -delta * u - u + 1.0
   tail = masked_reverse_cumsum(later, mask, exclusive=True)  # Σ_{j>t} m_j later_j
   return select(mask, now + tail)
@@ -148,9 +151,10 @@ def future_kl(logp, ref_logp, mask, *, kind: str = "k1", max_delta: float = MAX_
   - ``"forward_k3"`` (f = u log u - u + 1): ``reg(t) = 1 - u_t + sum_{j>t} m_j (u_j log u_j - u_j + 1)``,
     with ``u_j log u_j = -δ_j u_j``.
 
-  δ is clamped to ±max_delta only inside ``u = exp(-δ)``; its linear occurrences are raw (e.g. k3
-  with δ = 25 on three tokens gives ``[73, 49, 25]``). With a single real token, ``"k1"`` reduces
-  to the per-token ``kl_penalty(..., "k1")``.
+  ``u = exp(-δ)`` is continued linearly past ``e^max_delta`` (``u = e^c·(1 - δ - c)`` for
+  ``δ < -c``, module docstring); δ's linear occurrences are exact (e.g. k3 with δ = 25 on three tokens
+  gives ``[73, 49, 25]``). Every term then stays finite and moves in the direction of the exact one.
+  With a single real token, ``"k1"`` reduces to the per-token ``kl_penalty(..., "k1")``.
 
   Args:
     logp: ``f32[B, T]`` log-probs of the policy the KL is taken of (FRPO: the rollout/old policy,
@@ -159,7 +163,7 @@ def future_kl(logp, ref_logp, mask, *, kind: str = "k1", max_delta: float = MAX_
     mask: ``bool[B, T]`` real completion tokens. Padding is selected away before any arithmetic:
       inf/NaN log-probs there do not reach real tokens.
     kind: one of ``"k1"``, ``"k3"``, ``"forward_k3"``.
-    max_delta: finite ``> 0``, the clamp inside the exponentials.
+    max_delta: finite ``> 0``, where the exponentials turn linear.
 
   Returns:
     ``f32[B, T]``, 0 on padding.
@@ -192,7 +196,7 @@ def frpo_advantages(
     beta: finite β >= 0 (0.01 in the paper's runs): a Python float (static) or a ``f32[]`` array
       (traced: a schedule or a ``vmap``-ped grid, one program).
     kind: future-KL estimator (default reverse ``"k1"``).
-    max_delta: finite ``> 0``, the clamp inside the exponentials.
+    max_delta: finite ``> 0``, where the exponentials turn linear.
 
   Returns:
     ``f32[B, T]``, 0 on padding, with no gradient.

@@ -10,12 +10,16 @@ and one per evaluation (``{"step", "eval_accuracy", ...}``) and writes them to `
   resume, events at or after the resumed step are purged so the curves do not fold back;
 * Weights & Biases (``wandb``, only when installed *and* a project is given).
 
-:func:`truncate_jsonl` drops records written after the checkpoint a run resumes from, so a resumed
-``metrics.jsonl`` reads like an uninterrupted run.
+:func:`truncate_jsonl` drops records written after the checkpoint a run resumes from, and repairs
+what a crash or a full disk left at the end (a line cut short, a last line without its newline,
+bytes that are not text), so a resumed ``metrics.jsonl`` reads like an uninterrupted run.
+:func:`append_record` writes one record whole or raises :class:`MetricsWriteError` (one line: the
+file, the step, the OS error) instead of a raw traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import numbers
@@ -26,7 +30,7 @@ from typing import Any, Mapping
 import jax
 from tqdm import tqdm
 
-__all__ = ["MetricsLogger", "truncate_jsonl", "read_jsonl"]
+__all__ = ["MetricsLogger", "MetricsWriteError", "append_record", "truncate_jsonl", "read_jsonl"]
 
 _BAR_FIELDS = (("reward_mean", "reward"), ("kl", "kl"), ("tokens_per_sec", "tok/s"))
 
@@ -46,29 +50,78 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def truncate_jsonl(path: str, last_step: int) -> int:
-  """Keeps the records of ``path`` with ``step <= last_step`` (and drops a partial last line);
-  rewrites the file atomically. Returns the number of records dropped."""
+  """Keeps the records of ``path`` with ``step <= last_step``, drops every line that is not a JSON
+  object (a line cut short by a crash or a full disk, undecodable bytes), and ends the file with a
+  newline (a whole last record without one is kept), so that appending goes on cleanly. Rewrites
+  the file atomically when anything changes. Returns the number of lines dropped."""
   if not os.path.exists(path):
     return 0
-  with open(path) as f:
-    lines = f.readlines()
+  with open(path, "rb") as f:
+    raw = f.read()
   keep, dropped = [], 0
-  for line in lines:
-    try:
-      rec = json.loads(line)
-    except ValueError:
-      dropped += 1
+  for line in raw.split(b"\n"):
+    if not line.strip():
       continue
-    if int(rec.get("step", 0)) <= last_step:
-      keep.append(json.dumps(rec) + "\n")
-    else:
+    try:
+      rec = json.loads(line.decode())
+      step = int(rec["step"]) if isinstance(rec, dict) else None
+    except (ValueError, KeyError, TypeError):
+      step = None
+    if step is None or step > last_step:
       dropped += 1
-  if dropped:
+    else:
+      keep.append(line + b"\n")
+  repaired = b"".join(keep)
+  if repaired != raw:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(keep)
+    with open(tmp, "wb") as f:
+      f.write(repaired)
+      f.flush()
+      os.fsync(f.fileno())
     os.replace(tmp, path)
   return dropped
+
+
+class MetricsWriteError(RuntimeError):
+  """Writing a metrics record failed (a full disk, an I/O error); one line: file, step, OS error.
+
+  Attributes:
+    path: the file being written.
+    step: the step of the record.
+    reason: the OS error, e.g. ``"ENOSPC (No space left on device)"``.
+  """
+
+  def __init__(self, message: str, *, path: str, step: int, reason: str):
+    super().__init__(message)
+    self.path, self.step, self.reason = path, step, reason
+
+  @classmethod
+  def of(cls, error: OSError, *, path: str, step: int) -> MetricsWriteError:
+    """The error for an ``OSError`` raised while writing the record of ``step`` to ``path``."""
+    path = error.filename or path
+    reason = (
+      f"{errno.errorcode.get(error.errno, error.errno)} ({error.strerror or os.strerror(error.errno)})"
+      if error.errno
+      else f"{type(error).__name__}: {error}"
+    )
+    return cls(f"writing the metrics of step {step} to {path} failed: {reason}", path=path, step=step, reason=reason)
+
+
+def append_record(f, record: Mapping[str, Any], *, path: str | None = None) -> None:
+  """Appends ``record`` as one JSON line to ``f``, an unbuffered binary file (``open(p, "ab",
+  buffering=0)``): a short write is continued until the line is whole, so nothing stays buffered
+  to fail again at close.
+
+  Raises:
+    MetricsWriteError: the write failed (the file may end with a partial line, which
+      :func:`truncate_jsonl` drops on resume).
+  """
+  data = memoryview((json.dumps(dict(record)) + "\n").encode())
+  try:
+    while data:
+      data = data[f.write(data) :]
+  except OSError as e:
+    raise MetricsWriteError.of(e, path=path or f.name, step=int(record.get("step", 0))) from e
 
 
 def _scalars(record: Mapping[str, Any]) -> dict[str, float]:

@@ -56,7 +56,11 @@ a direct call costs what it costs inside ``jit`` after the first call of a shape
 is concrete and ``max_group_size`` is not given it is the largest group rounded up to a power of two
 (so batches whose largest group changes from 33 to 36 share one compiled program); when ``group_ids``
 is traced and no bound is given, the pairwise method must assume ``B`` (``O(B²)`` pairs) and warns
-once.
+once. A direct call compiles exactly once per combination of: the arrays' shapes and dtypes, the
+method, the pairwise bound (``min(max_group_size, B)`` when given — the same every call, so pass it
+once to compile once per shape; else the derived power of two above), ``exact``, ``scale``/``ddof``/
+``eps``, and ``num_groups``' power-of-two bucket (``num_groups`` itself is a traced input;
+``process_tree_stats(per_group=True)`` compiles per ``num_groups``, its output's shape).
 
 **Failing loudly under jit.** Values cannot raise inside ``jit``. A row whose group id is out of range
 (negative, or ``>= num_groups`` where ``num_groups`` is an argument), and every row of a group larger
@@ -453,10 +457,19 @@ def _process_rewards(rewards, tokens, mask, group_ids, *, method, bound, exact):
   return jnp.where((overflow | _bad_rows(group_ids, None))[:, None], jnp.nan, r_proc)
 
 
-@jax.jit(static_argnames=("num_groups", "scale", "ddof", "eps", "method", "bound", "exact"))
-def _process_advantages(rewards, tokens, mask, group_ids, *, num_groups, scale, ddof, eps, method, bound, exact):
+def _groups_bucket(num_groups: int) -> int:
+  """The static segment count for ``num_groups`` groups: the next power of two (empty groups are
+  ignored by every statistic), so calls whose ``num_groups`` differ within a bucket share one compiled
+  program; the exact ``num_groups`` enters as a traced scalar (the out-of-range poisoning)."""
+  return 1 << max(int(num_groups) - 1, 0).bit_length()
+
+
+@jax.jit(static_argnames=("groups", "scale", "ddof", "eps", "method", "bound", "exact"))
+def _process_advantages(
+  rewards, tokens, mask, group_ids, num_groups, *, groups, scale, ddof, eps, method, bound, exact
+):
   group_ids = group_ids.astype(jnp.int32)
-  mean, denom = group_baseline(rewards, group_ids, num_groups, scale=scale, ddof=ddof, eps=eps)
+  mean, denom = group_baseline(rewards, group_ids, groups, scale=scale, ddof=ddof, eps=eps)
   r_proc, real, overflow = _rewards_impl(rewards, tokens, mask, group_ids, method=method, bound=bound, exact=exact)
   keep = real & jnp.isfinite(rewards)[:, None]  # a missing sample's steps get advantage 0
   adv = jnp.where(keep, (r_proc - mean[:, None]) / denom[:, None], 0.0)
@@ -694,7 +707,8 @@ def process_advantages(
     tokens,
     mask,
     group_ids,
-    num_groups=num_groups,
+    jnp.int32(num_groups),
+    groups=_groups_bucket(num_groups),
     scale=scale,
     ddof=ddof,
     eps=eps,
@@ -704,7 +718,8 @@ def process_advantages(
   )
 
 
-def _tree_stats_impl(sizes, group_ids, *, num_groups, per_group):
+def _tree_stats_impl(sizes, group_ids, num_groups, *, groups, per_group):
+  """``groups`` (static) segments; ``num_groups`` (traced, <= groups) for the out-of-range check."""
   real = sizes > 0
   lengths = jnp.sum(real, axis=1)  # [B]
   nonempty = lengths > 0
@@ -716,7 +731,7 @@ def _tree_stats_impl(sizes, group_ids, *, num_groups, per_group):
   poisoned = jnp.any(sizes < 0, axis=1) | _bad_rows(group_ids, num_groups)
 
   def seg(x, op=jax.ops.segment_sum):
-    return op(x, group_ids, num_segments=num_groups)
+    return op(x, group_ids, num_segments=groups)
 
   def ratio(num, den):
     return jnp.where(den > 0, num / jnp.maximum(den, 1), 0.0)
@@ -745,12 +760,12 @@ def _tree_stats_impl(sizes, group_ids, *, num_groups, per_group):
   return {k: jnp.where(bad, jnp.nan, v).astype(jnp.float32) for k, v in stats.items()}
 
 
-@jax.jit(static_argnames=("num_groups", "per_group", "method", "bound"))
-def _process_tree_stats(tokens, mask, group_ids, sizes, *, num_groups, per_group, method, bound):
+@jax.jit(static_argnames=("groups", "per_group", "method", "bound"))
+def _process_tree_stats(tokens, mask, group_ids, sizes, num_groups, *, groups, per_group, method, bound):
   group_ids = group_ids.astype(jnp.int32)
   if sizes is None:
     sizes = _sizes_impl(tokens, mask, group_ids, method=method, bound=bound, exact=False, num_groups=num_groups)
-  return _tree_stats_impl(sizes, group_ids, num_groups=num_groups, per_group=per_group)
+  return _tree_stats_impl(sizes, group_ids, num_groups, groups=groups, per_group=per_group)
 
 
 def process_tree_stats(
@@ -800,6 +815,15 @@ def process_tree_stats(
     shape = (num_groups,) if per_group else ()
     names = ("nontrivial_group_fraction", "mean_path_depth", "intermediate_proportion", "mean_process_set_size")
     return {k: jnp.zeros(shape, jnp.float32) for k in names}
+  groups = num_groups if per_group else _groups_bucket(num_groups)  # per group: the output's shape
   return _process_tree_stats(
-    tokens, mask, group_ids, sizes, num_groups=num_groups, per_group=bool(per_group), method=method, bound=bound
+    tokens,
+    mask,
+    group_ids,
+    sizes,
+    jnp.int32(num_groups),
+    groups=groups,
+    per_group=bool(per_group),
+    method=method,
+    bound=bound,
   )

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.models import moe as _moe
 
 __all__ = ["Rollout", "generate", "filter_logits", "sample_categorical"]
 
@@ -50,6 +51,11 @@ class Rollout(NamedTuple):
     group_ids: ``int32[N]`` — ``b`` for row ``b*G + g`` (which prompt the row belongs to).
     num_steps: ``int32[]`` — how many token positions the decode loop produced (≤ T; smaller when
       every row hit EOS early). Columns ≥ num_steps are padding in every row.
+    routing: ``uint8/int16[N, P + T, M, k]`` — with ``generate(..., record_routing=True)`` on a
+      mixture of experts (``jaxgrpo.models.moe``, M sparse layers, top-k): the experts each sparse
+      layer routed each token of ``[prompt ‖ completion]`` to while sampling (prompt columns from the
+      prefill, completion token t from the decode step that fed it; the last completion column, never
+      fed, is 0). The routing replay of the train step (``Batch.routing``). None otherwise.
   """
 
   prompt_tokens: jax.Array
@@ -59,6 +65,7 @@ class Rollout(NamedTuple):
   log_probs: jax.Array
   group_ids: jax.Array
   num_steps: jax.Array
+  routing: jax.Array | None = None
 
 
 def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
@@ -216,6 +223,7 @@ def generate(
   pad_id: int,
   suppress_ids: Sequence[int] | None = None,
   key: jax.Array,
+  record_routing: bool = False,
 ) -> Rollout:
   """Samples ``num_samples`` completions per prompt with a KV cache, in one jitted program.
 
@@ -262,6 +270,8 @@ def generate(
       and not one of ``eos_ids`` — so a real token can never be mistaken for padding — else ``()``.
       Pass ``()`` to allow every id.
     key: a PRNG key (typed ``jax.random.key`` or raw ``uint32[2]``); same key => same rollout.
+    record_routing: record the experts of every token in ``Rollout.routing`` (a mixture-of-experts
+      model only: ValueError for a dense one). The sampled tokens do not change.
 
   Returns:
     A ``Rollout`` with N = B*G rows; row b*G + g is sample g of prompt b.
@@ -289,6 +299,12 @@ def generate(
       f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} = {total_len} "
       f"exceeds the model's max_position_embeddings {max_positions}"
     )
+  if not isinstance(record_routing, bool):
+    raise TypeError(f"record_routing must be a bool; got {record_routing!r}")
+  if record_routing and not _moe.is_moe(model):
+    raise ValueError(
+      f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
+    )
   graphdef, state = nnx.split(model)
   return _generate_jit(
     graphdef,
@@ -304,6 +320,7 @@ def generate(
     eos_ids=eos_ids,
     pad_id=pad_id,
     suppress_ids=suppress_ids,
+    record_routing=record_routing,
   )
 
 
@@ -342,6 +359,7 @@ def _suppressed_ids(suppress_ids, pad_id: int, eos_ids: tuple[int, ...], vocab_s
     "eos_ids",
     "pad_id",
     "suppress_ids",
+    "record_routing",
   ),
 )
 def _generate_jit(
@@ -359,6 +377,7 @@ def _generate_jit(
   eos_ids,
   pad_id,
   suppress_ids,
+  record_routing=False,
 ) -> Rollout:
   model = nnx.merge(graphdef, state)
   batch, prompt_len = prompt_tokens.shape
@@ -369,7 +388,12 @@ def _generate_jit(
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)  # [B, P]
   # The last sampled token is never fed back, so P + T - 1 slots suffice.
   cache = model.init_cache(batch, prompt_len + max_new_tokens - 1)
-  hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
+  with _moe.routing_scope() as scope:
+    hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
+  routes = None
+  if record_routing:  # [N, T, M, k] for the completion tokens, filled by the decode loop
+    prompt_routes = jnp.repeat(scope.stacked().experts, num_samples, axis=0)  # [N, P, M, k]
+    routes = jnp.zeros((n_rows, max_new_tokens) + prompt_routes.shape[2:], jnp.int32)
   first_logits = model.logits(hidden[:, -1], out_dtype=jnp.float32)  # [B, V]
   cache = _models.repeat_cache(cache, num_samples)  # [N, ...]
   first_logits = jnp.repeat(first_logits, num_samples, axis=0)  # [N, V]
@@ -416,26 +440,31 @@ def _generate_jit(
   *buffers, last_token = record(0, first_logits, buffers)
 
   def cond(loop_carry):
-    t, _, _, buffers = loop_carry
+    t, _, _, buffers, _ = loop_carry
     return (t < max_new_tokens) & ~jnp.all(buffers[3])
 
   def body(loop_carry):
-    t, cache, last_token, buffers = loop_carry
+    t, cache, last_token, buffers, routes = loop_carry
     done = buffers[3]
     # Feed token t-1 (at position start + t - 1) to get the logits of token t.
-    hidden, cache = model(
-      last_token[:, None],
-      (start_pos + t - 1)[:, None],
-      attention_mask=~done[:, None],
-      cache=cache,
-    )
+    with _moe.routing_scope() as scope:
+      hidden, cache = model(
+        last_token[:, None],
+        (start_pos + t - 1)[:, None],
+        attention_mask=~done[:, None],
+        cache=cache,
+      )
+    if routes is not None:  # the experts of completion token t-1
+      routes = jax.lax.dynamic_update_index_in_dim(routes, scope.stacked().experts[:, 0], t - 1, axis=1)
     logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)  # [N, V]
     *buffers, last_token = record(t, logits, buffers)
-    return t + 1, cache, last_token, tuple(buffers)
+    return t + 1, cache, last_token, tuple(buffers), routes
 
-  num_steps, _, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
-    cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
+  num_steps, _, _, (tokens, logps, lengths, _), routes = jax.lax.while_loop(
+    cond, body, (jnp.int32(1), cache, last_token, tuple(buffers), routes)
   )
+  if routes is not None:
+    routes = jnp.concatenate([prompt_routes, routes], axis=1).astype(_moe.replay_dtype(model.config.num_experts))
   mask = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :] < lengths[:, None]  # [N, T]
   return Rollout(
     prompt_tokens=jnp.repeat(prompt_tokens, num_samples, axis=0),
@@ -445,4 +474,5 @@ def _generate_jit(
     log_probs=logps,
     group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), num_samples),
     num_steps=num_steps,
+    routing=routes,
   )

@@ -19,6 +19,8 @@ logical axis           mesh axis             which arrays
 ``heads``              ``tensor``            H of q and o, and of the query/attention activations
 ``kv_heads``           ``tensor``            N of k and v, and of the key/value activations
 ``mlp``                ``tensor``            F of gate, up and down, and of the MLP hidden activation
+``expert``             ``tensor``            E of the MoE expert weights (expert parallelism, ``models.moe``)
+``expert_mlp``         —                     Fe of the expert weights (replicated: E takes ``tensor``)
 ``head_dim``           —                     (replicated)
 ``norm``               —                     (replicated)
 ``activation_length``  —                     S of the activations (``"tensor"``: sequence parallelism)
@@ -80,6 +82,8 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
   "kv_heads": "tensor",
   "head_dim": None,
   "norm": None,
+  "expert": "tensor",
+  "expert_mlp": None,
   "activation_length": None,
   "activation_embed": None,
 }

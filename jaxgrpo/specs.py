@@ -27,12 +27,12 @@ YAML mirrors it (``scripts/configs/*.yaml``)::
     step: {mini_batches: 4, micro_batches: 8, temperature: 1.0}
     optim: {learning_rate: 1.0e-6}
 
-:func:`load_config` reads a file, applies ``overrides`` (dotted keys, ``{"rollout.group_size": 8}``),
-and checks every field's type — naming the field, the expected type and the value — before anything
-is built. Numbers such as ``1e-4`` are floats (YAML 1.1 would read them as strings). The flat keys of
-the earlier single-class config (``group_size``, ``beta``, ``demo_layers``, ...) are still read,
-through :data:`FLAT_KEYS`, with a ``FutureWarning`` naming their nested form; ``model``/``dataset``
-as plain strings and ``resume`` are errors that say what to write instead.
+:func:`load_config` reads a file, applies ``overrides`` (dotted keys, ``{"rollout.group_size": 8}``)
+on top of it — or on top of the defaults without a file — and checks every field's type and value,
+naming the field, the expected type and the value, before anything is built. Numbers such as
+``1e-4`` are floats (YAML 1.1 would read them as strings); NaN and ±inf are refused. Keys are the
+section names and dotted paths only: a key of the earlier flat config (``group_size``,
+``demo_layers``, ...) is an unknown key, and its error names the dotted key to write.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -50,6 +51,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import yaml
 
+from jaxgrpo import _checks
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.data import INSTRUCTION
 from jaxgrpo.models import RematPolicy
@@ -60,10 +62,11 @@ from jaxgrpo.train import TrainConfig
 __all__ = [
   "DTYPES",
   "REWARD_FUNCTIONS",
-  "FLAT_KEYS",
   "ModelSpec",
   "DataSpec",
   "RolloutSpec",
+  "VLLMSpec",
+  "ENGINES",
   "OptimSpec",
   "RewardSpec",
   "EvalSpec",
@@ -77,20 +80,21 @@ __all__ = [
   "parse_value",
   "parse_override",
   "field_type",
-  "translate_keys",
 ]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REWARD_FUNCTIONS = ("accuracy", "format")
 
 
-def _positive(section: str, spec, names: tuple[str, ...], minimum: int = 1) -> None:
+def _ints(section: str, spec, names: tuple[str, ...], minimum: int = 1) -> None:
+  """``_checks.check_python_int`` of each field ``names`` of ``spec``, named ``section.name``."""
   for name in names:
-    v = getattr(spec, name)
-    if not isinstance(v, int) or isinstance(v, bool):
-      raise TypeError(f"`{section}.{name}` must be an int >= {minimum}; got {v!r} ({type(v).__name__})")
-    if v < minimum:
-      raise ValueError(f"`{section}.{name}` must be an int >= {minimum}; got {v!r}")
+    _checks.check_python_int(getattr(spec, name), f"{section}.{name}", minimum=minimum)
+
+
+def _float(section: str, spec, name: str, **bounds) -> None:
+  """``_checks.check_python_float`` (finite, in range) of field ``name`` of ``spec``, named ``section.name``."""
+  _checks.check_python_float(getattr(spec, name), f"{section}.{name}", **bounds)
 
 
 # ----------------------------------------------------------------------------- the sections
@@ -166,7 +170,38 @@ class DataSpec:
         "`data` needs exactly one of `dataset` (a hub id or local file) and `arithmetic` (the synthetic task, "
         f"e.g. {{train_size: 4000, eval_size: 128}}); got dataset={self.dataset!r}, arithmetic={self.arithmetic!r}"
       )
-    _positive("data", self, ("max_prompt_tokens",))
+    _ints("data", self, ("max_prompt_tokens",))
+
+
+ENGINES = ("jax", "vllm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLLMSpec:
+  """The vLLM engine of ``rollout.engine: vllm`` (``jaxgrpo.engines.vllm.VLLMEngine``; docs/sampling.md,
+  "Engines").
+
+  Attributes:
+    dtype: vLLM's weight and compute dtype: ``float32``, ``bfloat16`` or ``float16``.
+    kv_cache_bytes: the KV cache, in bytes (CPU; vLLM's ``kv_cache_memory_bytes``).
+    gpu_memory_utilization: vLLM's share of the GPU's memory, in (0, 1] (GPU only; leave the rest to XLA:
+      ``XLA_PYTHON_CLIENT_MEM_FRACTION`` + this < 1).
+    max_num_seqs: the most sequences vLLM decodes at once.
+    enforce_eager: no torch.compile / CUDA graphs (faster start-up, slower decoding on a GPU).
+  """
+
+  dtype: str = "float32"
+  kv_cache_bytes: int = 256 * 2**20
+  gpu_memory_utilization: float = 0.3
+  max_num_seqs: int = 256
+  enforce_eager: bool = True
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"`rollout.vllm.dtype` must be float32, bfloat16 or float16; got {self.dtype!r}")
+    _ints("rollout.vllm", self, ("kv_cache_bytes", "max_num_seqs"))
+    _float("rollout.vllm", self, "gpu_memory_utilization", above=0.0, at_most=1.0)
+    _checks.check_python_bool(self.enforce_eager, "rollout.vllm.enforce_eager")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,6 +219,13 @@ class RolloutSpec:
     merge_lora: with a ``lora`` section, sample (and evaluate) from ``models.lora.merge_lora`` of
       the policy — no adapter matmuls per token, but a merged copy of the adapted weights while
       sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
+    max_staleness: k, the most updates the parameters that sampled a group may lag behind the ones
+      it is trained from. 0: the synchronous loop; >= 1: a producer samples the next batches while
+      the learner updates (``jaxgrpo.async_rollout``; docs/trainer.md, "Asynchronous rollouts").
+    engine: what generates the rollouts: ``jax`` (the built-in jitted sampler, default) or ``vllm``
+      (vLLM in this process, the policy's weights pushed after every update; its log-probs become the
+      batch's ``behavior_logp`` and the trainer recomputes ``old_logp``; docs/sampling.md, "Engines").
+    vllm: the vLLM engine's settings (read with ``engine: vllm``).
   """
 
   group_size: int = 6
@@ -193,12 +235,22 @@ class RolloutSpec:
   top_k: int = 0
   dynamic_sampling_max_rounds: int = 4
   merge_lora: bool = False
+  max_staleness: int = 0
+  engine: str = "jax"
+  vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
 
   def __post_init__(self):
-    _positive("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
-    _positive("rollout", self, ("top_k",), minimum=0)
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"`rollout.top_p` must be in (0, 1]; got {self.top_p}")
+    if self.engine not in ENGINES:
+      raise ValueError(f"`rollout.engine` must be one of {ENGINES}; got {self.engine!r}")
+    if self.engine != "jax" and self.max_staleness:
+      raise ValueError(
+        f"`rollout.max_staleness`={self.max_staleness} needs `rollout.engine: jax` (asynchronous rollouts run the "
+        f"built-in sampler on the producer's parameters); got `rollout.engine: {self.engine}`"
+      )
+    _ints("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
+    _ints("rollout", self, ("top_k", "max_staleness"), minimum=0)
+    _float("rollout", self, "top_p", above=0.0, at_most=1.0)
+    _checks.check_python_bool(self.merge_lora, "rollout.merge_lora")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,14 +271,13 @@ class OptimSpec:
   warmup_steps: int = 0
 
   def __post_init__(self):
-    if not self.learning_rate > 0:
-      raise ValueError(f"`optim.learning_rate` must be > 0; got {self.learning_rate}")
-    if self.weight_decay < 0:
-      raise ValueError(f"`optim.weight_decay` must be >= 0; got {self.weight_decay}")
+    _float("optim", self, "learning_rate", above=0.0)
+    _float("optim", self, "weight_decay", at_least=0.0)
     for name in ("adam_b1", "adam_b2"):
-      if not 0.0 <= getattr(self, name) < 1.0:
+      _float("optim", self, name, at_least=0.0, hint="in [0, 1)")
+      if not getattr(self, name) < 1.0:
         raise ValueError(f"`optim.{name}` must be in [0, 1); got {getattr(self, name)}")
-    _positive("optim", self, ("warmup_steps",), minimum=0)
+    _ints("optim", self, ("warmup_steps",), minimum=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,8 +301,10 @@ class RewardSpec:
       raise ValueError(f"`reward.weights` must map names from {REWARD_FUNCTIONS} to weights; got {dict(self.weights)}")
     if self.on_error not in ("raise", "zero"):
       raise ValueError(f"`reward.on_error` must be 'raise' or 'zero'; got {self.on_error!r}")
-    if self.timeout_s is not None and not self.timeout_s > 0:
-      raise ValueError(f"`reward.timeout_s` must be > 0 or None; got {self.timeout_s}")
+    for name, weight in self.weights.items():
+      _checks.check_python_float(weight, f"reward.weights.{name}")
+    if self.timeout_s is not None:
+      _float("reward", self, "timeout_s", above=0.0, hint="seconds, or None for no worker process")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,15 +334,15 @@ class EvalSpec:
   batch_prompts: int = 64
 
   def __post_init__(self):
-    _positive("eval", self, ("samples", "batch_prompts"))
-    _positive("eval", self, ("every",), minimum=0)
+    _ints("eval", self, ("samples", "batch_prompts"))
+    _ints("eval", self, ("every",), minimum=0)
     if self.limit is not None:
-      _positive("eval", self, ("limit",))
+      _ints("eval", self, ("limit",))
     bad = [k for k in self.pass_k if not isinstance(k, int) or not 1 <= k <= self.samples]
     if bad:
       raise ValueError(f"`eval.pass_k` entries must be ints in [1, eval.samples={self.samples}]; got {bad}")
-    if self.temperature is not None and self.temperature < 0:
-      raise ValueError(f"`eval.temperature` must be >= 0 or None; got {self.temperature}")
+    if self.temperature is not None:
+      _float("eval", self, "temperature", at_least=0.0, hint="0: greedy; None: step.temperature")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -310,8 +363,8 @@ class CheckpointSpec:
   async_save: bool = True
 
   def __post_init__(self):
-    _positive("checkpoint", self, ("every",), minimum=0)
-    _positive("checkpoint", self, ("keep",))
+    _ints("checkpoint", self, ("every",), minimum=0)
+    _ints("checkpoint", self, ("keep",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -333,8 +386,8 @@ class RunSpec:
   save_model: bool = False
 
   def __post_init__(self):
-    _positive("run", self, ("steps", "seed"), minimum=0)
-    _positive("run", self, ("log_every",))
+    _ints("run", self, ("steps", "seed"), minimum=0)
+    _ints("run", self, ("log_every",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -348,6 +401,11 @@ class DevicesSpec:
     host_timeout_s: several processes: a process that sent no heartbeat for this many seconds
       counts as dead and the others stop, naming it (``jaxgrpo.distributed.HostWatchdog``); JAX's own
       heartbeat timeout is set to twice this value.
+    rollout: disaggregated placement: sample on a mesh of this many devices of their own (the last
+      ones) and train on the others (``mesh``); None: colocated, one mesh time-shared.
+    train: with ``rollout``: the devices of the training mesh (the first ones; None: all the
+      rollout mesh leaves).
+    rollout_mesh: the rollout mesh's axes (like ``mesh``; ``""``: every rollout device on fsdp).
   """
 
   mesh: str = ""
@@ -356,10 +414,15 @@ class DevicesSpec:
   num_processes: int | None = None
   process_id: int | None = None
   host_timeout_s: float = 90.0
+  rollout: int | None = None
+  train: int | None = None
+  rollout_mesh: str = ""
 
   def __post_init__(self):
-    if not self.host_timeout_s >= 1:
-      raise ValueError(f"`devices.host_timeout_s` must be >= 1 (seconds); got {self.host_timeout_s!r}")
+    _float("devices", self, "host_timeout_s", at_least=1.0, hint="seconds")
+    _ints("devices", self, tuple(f for f in ("rollout", "train") if getattr(self, f) is not None))
+    if self.train is not None and self.rollout is None:
+      raise ValueError(f"`devices.train`={self.train} needs `devices.rollout` (disaggregated placement)")
 
 
 def _arithmetic_model() -> ModelSpec:
@@ -417,6 +480,21 @@ class TrainerConfig:
       raise ValueError(
         f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
         "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
+      )
+    if self.rollout.max_staleness and self.objective.importance_correction is None:
+      warnings.warn(
+        f"`rollout.max_staleness`={self.rollout.max_staleness} without `objective.importance_correction`: stale "
+        "groups are trained as if sampled by the current policy (no π_old/μ reweighting); set "
+        "`objective.importance_correction: tis` (or mis) to correct them",
+        UserWarning,
+        stacklevel=3,
+      )
+    roll = self.rollout
+    if roll.engine == "vllm" and self.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):
+      raise ValueError(
+        f"`rollout.engine: vllm` with `step.temperature`={self.step.temperature} != 1 cannot report full-vocabulary "
+        f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
+        'temperature 1 or no filtering (docs/sampling.md, "Engines")'
       )
     if self.rollout.group_size == 1:
       warnings.warn(
@@ -495,7 +573,11 @@ def _convert(value, hint, path: str):
       return value
     raise _type_error(path, hint, value)
   if hint is float:
+    if isinstance(value, str) and value.strip().lower() in _NONFINITE:  # YAML reads `inf`, `nan` as strings
+      value = _NONFINITE[value.strip().lower()]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+      if not math.isfinite(value):
+        raise ValueError(f"config field `{path}`: expected a finite number; got {value}")
       return float(value)
     raise _type_error(path, hint, value)
   if hint is str:
@@ -580,84 +662,6 @@ _OPTIONAL_SECTIONS = tuple(
   name for name, hint in typing.get_type_hints(TrainerConfig).items() if type(None) in typing.get_args(hint)
 )
 
-#: The flat keys of the earlier single-class ``TrainerConfig`` → their nested paths (read with a
-#: ``FutureWarning``; the command line accepts them silently as short forms).
-FLAT_KEYS: dict[str, tuple[str, ...]] = {
-  "dtype": ("model.dtype",),
-  "param_dtype": ("model.param_dtype",),
-  "split": ("data.split",),
-  "dataset_config": ("data.dataset_config",),
-  "mapping": ("data.mapping",),
-  "max_prompt_tokens": ("data.max_prompt_tokens",),
-  "instruction": ("data.instruction",),
-  "eval_dataset": ("eval.dataset",),
-  "eval_dataset_config": ("eval.dataset_config",),
-  "eval_mapping": ("eval.mapping",),
-  "eval_split": ("eval.split",),
-  "eval_limit": ("eval.limit",),
-  "eval_every": ("eval.every",),
-  "eval_samples": ("eval.samples",),
-  "eval_pass_k": ("eval.pass_k",),
-  "eval_temperature": ("eval.temperature",),
-  "eval_batch_prompts": ("eval.batch_prompts",),
-  "preset": ("objective.preset",),
-  "beta": ("objective.beta",),
-  "epsilon": ("objective.clip_eps_low", "objective.clip_eps_high"),
-  "epsilon_high": ("objective.clip_eps_high",),
-  "mu": ("objective.num_iterations",),
-  "dynamic_sampling": ("objective.dynamic_sampling",),
-  "group_size": ("rollout.group_size",),
-  "prompts_per_step": ("rollout.prompts_per_step",),
-  "max_new_tokens": ("rollout.max_new_tokens",),
-  "top_p": ("rollout.top_p",),
-  "top_k": ("rollout.top_k",),
-  "dynamic_sampling_max_rounds": ("rollout.dynamic_sampling_max_rounds",),
-  "temperature": ("step.temperature",),
-  "max_grad_norm": ("step.max_grad_norm",),
-  "micro_batches": ("step.micro_batches",),
-  "mini_batches": ("step.mini_batches",),
-  "chunk_size": ("step.chunk_size",),
-  "learning_rate": ("optim.learning_rate",),
-  "weight_decay": ("optim.weight_decay",),
-  "adam_b1": ("optim.adam_b1",),
-  "adam_b2": ("optim.adam_b2",),
-  "warmup_steps": ("optim.warmup_steps",),
-  "rewards": ("reward.weights",),
-  "reward_timeout_s": ("reward.timeout_s",),
-  "reward_on_error": ("reward.on_error",),
-  "checkpoint_every": ("checkpoint.every",),
-  "steps": ("run.steps",),
-  "seed": ("run.seed",),
-  "out": ("run.out",),
-  "log_every": ("run.log_every",),
-  "save_model": ("run.save_model",),
-  "mesh": ("devices.mesh",),
-  "distributed": ("devices.distributed",),
-  "coordinator_address": ("devices.coordinator_address",),
-  "num_processes": ("devices.num_processes",),
-  "process_id": ("devices.process_id",),
-  "demo_hidden_size": ("model.synthetic.hidden_size",),
-  "demo_layers": ("model.synthetic.num_layers",),
-  "demo_max_operand": ("data.arithmetic.max_operand",),
-  "demo_train_size": ("data.arithmetic.train_size",),
-  "demo_eval_size": ("data.arithmetic.eval_size",),
-  "demo_sft_steps": ("data.arithmetic.sft_steps",),
-  "demo_sft_lr": ("data.arithmetic.sft_learning_rate",),
-  "demo_sft_batch": ("data.arithmetic.sft_batch_size",),
-  "demo_sft_noise": ("data.arithmetic.sft_noise",),
-}
-# flat keys whose None meant "the preset's value": a None is dropped
-_NONE_IS_PRESET = ("beta", "epsilon", "epsilon_high", "mu", "dynamic_sampling")
-# flat keys with no one-to-one nested form: what to write instead
-_REMOVED = {
-  "model": "write `model: {path: <HF directory or hub id>}`, or `model: {synthetic: {hidden_size: 64, "
-  "num_layers: 2}}` for the arithmetic task's tiny model (command line: --model.path DIR)",
-  "dataset": "write `data: {dataset: <hub id or file>}`, or `data: {arithmetic: {train_size: 4000, "
-  "eval_size: 128}}` for the synthetic arithmetic task (command line: --data.dataset SET)",
-  "resume": "resuming is a command-line choice: scripts/train.py --resume / --no-resume (default: resume "
-  "when OUT/checkpoints holds a checkpoint)",
-}
-
 
 def field_type(path: str):
   """The annotation of the config field at dotted ``path`` (``"rollout.group_size"`` → ``int``).
@@ -691,66 +695,93 @@ def field_type(path: str):
   raise AssertionError("unreachable")
 
 
-def _paths(key: str) -> tuple[str, ...]:
-  """The dotted paths a key sets (checked): itself, or its :data:`FLAT_KEYS` entry."""
-  if key in SECTIONS:
-    return (key,)
-  if "." in key:
-    field_type(key)
-    return (key,)
-  if key in _REMOVED:
-    raise ValueError(f"config key `{key}` is gone: {_REMOVED[key]}")
-  if key not in FLAT_KEYS:
-    close = difflib.get_close_matches(key, list(FLAT_KEYS) + list(SECTIONS), n=3)
-    raise ValueError(
-      f"unknown config key `{key}`"
-      + (f" (did you mean {', '.join(f'`{c}`' for c in close)}?)" if close else "")
-      + f": use a section ({', '.join(SECTIONS)}) or a dotted key such as `rollout.group_size`"
-    )
-  return FLAT_KEYS[key]
-
-
-def translate_keys(items) -> list[tuple[str, str, Any]]:
-  """``(key, dotted path, value)`` for each ``(key, value)`` of ``items``: dotted keys and sections as
-  they are, flat keys through :data:`FLAT_KEYS`. As in the flat config, ``epsilon`` sets ε_low and ε_high
-  but ``epsilon_high`` wins for ε_high, and a None ``beta``/``epsilon``/``epsilon_high``/``mu``/
-  ``dynamic_sampling`` means the preset's value (sets nothing)."""
-  items = list(items)
-  keys = {k for k, _ in items}
+def _leaf_paths(cls=None, prefix: str = "") -> list[str]:
+  """Every dotted field path of the config (``rollout.group_size``, ``model.synthetic.num_layers``, ...)."""
+  cls = TrainerConfig if cls is None else cls
   out = []
-  for key, value in items:
-    if key in _REMOVED and key in SECTIONS and not isinstance(value, Mapping):
-      raise ValueError(f"config key `{key}: {value!r}` is the old flat form: {_REMOVED[key]}")
-    paths = _paths(key)
-    if value is None and key in _NONE_IS_PRESET:
-      continue
-    if key == "epsilon" and "epsilon_high" in keys:
-      paths = ("objective.clip_eps_low",)
-    out += [(key, path, value) for path in paths]
+  for name, hint in typing.get_type_hints(cls).items():
+    path = _join(prefix, name)
+    union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    inner = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+    sub = [a for a in inner if dataclasses.is_dataclass(a)]
+    out += _leaf_paths(sub[0], path) if sub else [path]
+  if cls is GRPOConfig:
+    out.append(_join(prefix, "preset"))
   return out
 
 
+#: the papers' symbols and abbreviations in key names → the words of the field names (error hints only)
+_WORDS = {"epsilon": "clip_eps", "mu": "num_iterations", "lr": "learning_rate"}
+
+
+def _unknown_key(key: str) -> ValueError:
+  """The error for a key that is neither a section nor a dotted path, naming the dotted key(s) it most
+  likely means: a field of that name (``group_size`` → ``rollout.group_size``), a section prefix
+  (``eval_every`` → ``eval.every``), a field name it begins (``demo_sft_batch`` → ``...sft_batch_size``),
+  the papers' symbols spelled out (``mu`` → ``objective.num_iterations``), else the closest spellings."""
+  paths = _leaf_paths()
+  leaf: dict[str, list[str]] = {}
+  for path in paths:
+    leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+
+  def matches(name: str) -> list[str]:
+    found = list(leaf.get(name, []))
+    found += [f"{sec}.{name.removeprefix(sec + '_')}" for sec in SECTIONS if name.startswith(sec + "_")]
+    found += [p for w in leaf if w.startswith(name + "_") for p in leaf[w]]
+    return [p for p in found if p in paths]
+
+  spelled = "_".join(_WORDS.get(w, w) for w in key.split("_"))
+  close = []
+  for name in (key, spelled, spelled.partition("_")[2]):
+    close = close or (matches(name) if name else [])
+  if not close:
+    words = difflib.get_close_matches(key, list(leaf), n=3, cutoff=0.7)
+    close = [p for w in words for p in leaf[w]] + difflib.get_close_matches(key, paths + list(SECTIONS), n=2)
+  close = list(dict.fromkeys(close))[:4]
+  if key == "resume":
+    hint = " (resuming is a command-line choice: scripts/train.py --resume / --no-resume)"
+  else:
+    hint = f" (did you mean {' or '.join(f'`{c}`' for c in close)}?)" if close else ""
+  return ValueError(
+    f"unknown config key `{key}`{hint}: use a section ({', '.join(SECTIONS)}) or a dotted key such as "
+    "`rollout.group_size`"
+  )
+
+
+def _check_key(key: str) -> str:
+  """``key`` if it is a section or a dotted field path, else ValueError naming the likely dotted key."""
+  if key in SECTIONS:
+    return key
+  if "." in key:
+    field_type(key)
+    return key
+  raise _unknown_key(key)
+
+
+#: ``{token: float}``: the spellings of NaN and ±inf read as floats on the command line (plain YAML
+#: reads ``nan``/``inf`` as strings), so that the field check refuses them as non-finite numbers
+_NONFINITE = {t: float(t.replace(".", "")) for t in ("nan", ".nan", "inf", ".inf", "infinity")}
+_NONFINITE.update({sign + t: float(sign + t.replace(".", "")) for t in ("inf", ".inf", "infinity") for sign in "+-"})
+
+
 def parse_override(key: str, text: str):
-  """A command-line value for ``key``: the raw text for string fields (``null``: None), YAML otherwise
-  (``1e-4`` → float, ``[1, 4]`` → list, ``{accuracy: 1.0}`` → dict)."""
-  path = _paths(key)[0]
+  """A command-line value for the dotted ``key``: the raw text for string fields (``null``: None),
+  YAML otherwise (``1e-4`` → float, ``[1, 4]`` → list, ``{accuracy: 1.0}`` → dict; ``nan``, ``inf``,
+  ``-inf`` → floats, refused later as non-finite)."""
+  path = _check_key(key)
   hint = field_type(path) if path not in SECTIONS else dict
   args = set(typing.get_args(hint)) or {hint}
   if args <= {str, type(None)}:
-    value = None if text in ("null", "~") and type(None) in args else text
-  else:
-    value = parse_value(text)
-  translate_keys([(key, value)])  # the old flat `model`/`dataset` forms are errors here already
+    return None if text in ("null", "~") and type(None) in args else text
+  if float in args and text.strip().lower() in _NONFINITE:
+    return _NONFINITE[text.strip().lower()]
+  value = parse_value(text)
+  if path in SECTIONS and not isinstance(value, Mapping) and not (value is None and path in _OPTIONAL_SECTIONS):
+    raise ValueError(
+      f"--{path} sets a whole section: give a mapping such as '{{field: value}}' or a dotted key such as "
+      f"--{path}.<field>; got {text!r}"
+    )
   return value
-
-
-def _lookup(nested: Mapping, path: str):
-  node = nested
-  for part in path.split("."):
-    if not isinstance(node, Mapping) or part not in node:
-      return dataclasses.MISSING
-    node = node[part]
-  return node
 
 
 def _assign(nested: dict, path: str, value) -> None:
@@ -767,37 +798,42 @@ def _assign(nested: dict, path: str, value) -> None:
 
 
 def _nest(d: Mapping[str, Any], where: str) -> dict:
-  """A config mapping in nested form: sections kept, flat keys moved to their paths (one warning)."""
+  """A copy of a config mapping, checked to be sections (``model: {...}``, ``lora: null``)."""
   if not isinstance(d, Mapping):
     raise TypeError(f"{where}: a config must be a mapping of sections; got {type(d).__name__}")
   out: dict = {}
-  flat = []
   for key, value in d.items():
     if not isinstance(key, str):
       raise TypeError(f"{where}: config keys must be strings; got {key!r}")
-    if key in SECTIONS and isinstance(value, Mapping):
+    if key not in SECTIONS:
+      raise ValueError(f"{where}: {_unknown_key(key)}")
+    if isinstance(value, Mapping):
       out[key] = copy.deepcopy(dict(value))
     elif key in _OPTIONAL_SECTIONS and value is None:  # e.g. `lora: null`: no adapters
       out[key] = None
-    elif key in SECTIONS and key not in _REMOVED:
-      raise TypeError(f"{where}: config section `{key}` must be a mapping of fields; got {value!r}")
     else:
-      flat.append((key, value))
-  given = copy.deepcopy(out)
-  moved: dict[str, list[str]] = {k: [] for k, _ in flat}
-  for key, path, v in translate_keys(flat):
-    if _lookup(given, path) is not dataclasses.MISSING:
-      raise ValueError(f"{where}: both `{key}` and `{path}` are given; keep `{path}`")
-    _assign(out, path, v)
-    moved[key].append(path)
-  moved = [f"{k} → {', '.join(p) or '(the preset value)'}" for k, p in moved.items() if k in FLAT_KEYS]
-  if moved:
-    warnings.warn(
-      f"{where}: old flat config keys, read as: {'; '.join(moved)}. Write the nested form (docs/trainer.md).",
-      FutureWarning,
-      stacklevel=3,
-    )
+      raise TypeError(f"{where}: config section `{key}` must be a mapping of fields; got {value!r}")
   return out
+
+
+#: sections whose default is one of two exclusive sources, ``{section: (default source, sources)}``:
+#: an override into such a section that the file does not give starts from the default source
+_DEFAULT_SOURCE = {"model": ("synthetic", ("path", "synthetic")), "data": ("arithmetic", ("dataset", "arithmetic"))}
+
+
+def _with_default_sources(nested: dict, overrides: Mapping[str, Any]) -> dict:
+  """``nested`` with the default source (``model.synthetic``, ``data.arithmetic``) added to each section
+  that neither the file nor the overrides give a source for, but that an override sets a field of:
+  ``--data.max_prompt_tokens 64`` alone keeps the arithmetic task, ``--model.dtype bfloat16`` the
+  synthetic model, as they would be without the override."""
+  for section, (default, sources) in _DEFAULT_SOURCE.items():
+    if section in nested:
+      continue
+    touched = [k for k in overrides if k == section or k.startswith(section + ".")]
+    given = any(k == section or k.split(".")[1] in sources for k in touched)
+    if touched and not given:
+      nested[section] = {default: {}}
+  return nested
 
 
 # ----------------------------------------------------------------------------- YAML
@@ -841,21 +877,26 @@ def read_yaml(path: str) -> dict:
 
 
 def config_from_dict(d: Mapping[str, Any], *, where: str = "config") -> TrainerConfig:
-  """A :class:`TrainerConfig` from its nested dict form (YAML, ``to_dict()``); flat keys are read
-  through :data:`FLAT_KEYS` with a ``FutureWarning``. Unknown keys are errors listing the valid ones."""
+  """A :class:`TrainerConfig` from its nested dict form (YAML, ``to_dict()``). Unknown keys are errors
+  naming the valid ones (for a key of the earlier flat config: its dotted form)."""
   return _build(TrainerConfig, _nest(d, where), "")
 
 
 def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) -> TrainerConfig:
-  """A YAML file (None: the defaults) with ``overrides`` on top: ``{dotted or flat key: value}``,
-  e.g. ``{"rollout.group_size": 8, "model.synthetic.hidden_size": 32, "beta": 0.04}``.
+  """A YAML file (None: the defaults) with ``overrides`` on top: ``{dotted key or section: value}``,
+  e.g. ``{"rollout.group_size": 8, "model.synthetic.hidden_size": 32, "objective.beta": 0.04}``.
+
+  A section the file does not give keeps its default; an override of a field of the default model
+  or data set keeps that source (``{"data.max_prompt_tokens": 64}`` alone: the arithmetic task with
+  64 prompt tokens).
 
   Raises:
-    ValueError: unreadable or malformed file (named), unknown keys, invalid values.
+    ValueError: unreadable or malformed file (named), unknown keys, invalid or non-finite values.
     TypeError: a value of the wrong type (the field, the expected type and the value named).
   """
   where = f"config file {path}" if path else "config"
-  nested = _nest(read_yaml(path) if path else {}, where)
-  for _, path, value in translate_keys((overrides or {}).items()):
-    _assign(nested, path, copy.deepcopy(value))
+  overrides = {_check_key(k): v for k, v in (overrides or {}).items()}
+  nested = _with_default_sources(_nest(read_yaml(path) if path else {}, where), overrides)
+  for key, value in overrides.items():
+    _assign(nested, key, copy.deepcopy(value))
   return _build(TrainerConfig, nested, "")

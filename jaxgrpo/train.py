@@ -23,7 +23,9 @@ so the split is the same on every mesh and stays local to each device's rows.
 A non-finite reward marks a missing sample (the library-wide policy, see ``jaxgrpo.advantages``):
 the advantage functions leave it out of the group statistics, and the step gives it advantage 0 and
 drops its tokens from the loss (numerator and every count), and reports how many there were
-(``rewards_nonfinite``).
+(``rewards_nonfinite``). That holds with precomputed ``Batch.advantages`` too (the row's given
+advantage is then unused); a batch with advantages needs no rewards (``rewards=None``): then every
+row trains on its given advantage.
 
 The model is split once (``nnx.split``) and the step is a plain function of
 ``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated. Batches are
@@ -48,7 +50,7 @@ from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
 from jaxgrpo.config import GRPOConfig, GRPOHyper
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
-from jaxgrpo.models import lora
+from jaxgrpo.models import lora, moe
 from jaxgrpo.models.base import freeze_rules
 from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
@@ -84,20 +86,35 @@ class Batch(NamedTuple):
     old_logp: ``f32[B, T]`` rollout-policy log-probs of the completions (``Rollout.log_probs``).
     group_ids: ``int32[B]`` prompt index of each row.
     rewards: ``f32[B]`` outcome rewards r_i; NaN or ±inf marks a missing sample (advantage 0, its
-      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric).
+      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric) — also when
+      ``advantages`` are given: the row is skipped, its given advantage unused. None is allowed only
+      with ``advantages`` given (the step then reads no rewards and skips no row).
     ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when
       nothing reads them (β = 0).
     advantages: ``f32[B]`` or ``f32[B, T]`` precomputed advantages, or None: the step computes them
-      with its ``advantages_fn``. When given, ``advantages_fn`` is not called.
+      with its ``advantages_fn``. When given, ``advantages_fn`` is not called and ``rewards`` may be
+      None.
     token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
       of ``advantages_fn`` (or none at all when ``advantages`` is given).
     behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
       from ``old_logp`` (another inference engine or dtype, an older checkpoint), read by a
       ``GRPOConfig`` with ``importance_correction``; None: ``old_logp`` is the behaviour policy's.
       Dropped (one compiled program) when the config does not read it.
+    routing: ``int[B, P + T, M, k]`` the experts each of the M sparse layers of a mixture of experts
+      used for each token of ``[prompt ‖ completion]`` when sampling (``Rollout.routing``, any integer
+      dtype), or None. Given, the step's and the reference pass's forwards use exactly these experts
+      (routing replay, ``jaxgrpo.models.moe``); None: each forward routes by its own top-k. Not with
+      packing (ValueError).
     packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
       :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
       stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
+    policy_mask: ``bool[B, T]`` the tokens the policy sampled (a subset of ``mask``), or None: all of
+      ``mask``. Multi-turn rollouts (``jaxgrpo.iteration.sample_multiturn``) interleave the policy's turns
+      with environment observations in ``completions``; the observations are context only: ``mask``
+      (attention, process sets) covers them, the loss does not — they leave the loss numerator and its
+      token count, the KL term, the importance weights, the entropy bonus and the metrics, and their
+      ``ref_logp`` is replaced by ``old_logp`` before ``advantages_fn`` (so FRPO's future KL, whose
+      f-divergence is 0 at πref = πθold, sums over policy tokens only).
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -109,21 +126,25 @@ class Batch(NamedTuple):
   mask: jax.Array
   old_logp: jax.Array
   group_ids: jax.Array
-  rewards: jax.Array
+  rewards: jax.Array | None
   ref_logp: jax.Array | None = None
   advantages: jax.Array | None = None
   token_weights: jax.Array | None = None
   behavior_logp: jax.Array | None = None
   packed: PackedSlots | None = None
+  policy_mask: jax.Array | None = None
+  routing: jax.Array | None = None
 
   @classmethod
   def from_rollout(
-    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None
+    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None, policy_mask=None
   ) -> "Batch":
     """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
-    array), with optional reference log-probs, precomputed advantages / token weights and behaviour
-    log-probs."""
-    rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
+    array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
+    / token weights and behaviour log-probs; the rollout's recorded experts (``Rollout.routing``, routing
+    replay) when it has them."""
+    if rewards is not None:
+      rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
     return cls(
       rollout.prompt_tokens,
       rollout.prompt_mask,
@@ -136,6 +157,8 @@ class Batch(NamedTuple):
       advantages,
       token_weights,
       behavior_logp,
+      policy_mask=getattr(rollout, "policy_mask", None) if policy_mask is None else policy_mask,
+      routing=getattr(rollout, "routing", None),
     )
 
 
@@ -152,6 +175,7 @@ _FIELDS = {
   "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
   "token_weights": ((2,), "float", "f32[B, T]"),
   "behavior_logp": ((2,), "float", "f32[B, T]"),
+  "policy_mask": ((2,), "bool", "bool[B, T]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -169,7 +193,9 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
   for name in names:
     x = getattr(batch, name)
     if x is None:
-      if name in _REQUIRED:
+      if name == "rewards" and batch.advantages is None:
+        raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
+      if name in _REQUIRED and name != "rewards":
         raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
       continue
     ranks, kind, notation = _FIELDS[name]
@@ -187,6 +213,43 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
         f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
       )
   return b, t
+
+
+def _check_policy_mask(batch: Batch) -> None:
+  """ValueError when ``batch.policy_mask`` (values on this host) marks a token outside ``batch.mask``."""
+  if batch.policy_mask is None:
+    return
+  pm, m = _host_values(batch.policy_mask), _host_values(batch.mask)
+  if pm is not None and m is not None and (pm & ~m).any():
+    row = int(np.flatnonzero((pm & ~m).any(axis=1))[0])
+    raise ValueError(
+      f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not"
+    )
+
+
+def _check_routing(batch: Batch, b: int, t: int) -> None:
+  """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay), not with a packed batch."""
+  r = batch.routing
+  if r is None:
+    return
+  p = np.shape(batch.prompt_tokens)[1]
+  shape = np.shape(r)
+  if len(shape) != 4 or shape[:2] != (b, p + t):
+    raise ValueError(f"batch.routing must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {shape}")
+  if not np.issubdtype(np.dtype(r.dtype), np.integer):
+    raise TypeError(f"batch.routing must hold integer expert ids; got dtype {r.dtype}")
+  if batch.packed is not None:
+    raise ValueError(
+      "batch.routing (routing replay) is not supported with packing (TrainConfig.packing): train unpacked or "
+      "drop the routing (moe.routing_replay: none)"
+    )
+
+
+def _place_routing(batch: Batch, sharding) -> Batch:
+  if batch.routing is None:
+    return batch
+  r = batch.routing if isinstance(batch.routing, jax.Array) else np.asarray(batch.routing)
+  return batch._replace(routing=jax.device_put(r, sharding))
 
 
 def _place_fields(batch: Batch, names, sharding) -> Batch:
@@ -276,6 +339,11 @@ class TrainConfig:
     packing_rows: rows of L tokens per micro-batch and device (None: the fewest that hold the fullest
       micro-batch, rounded up to a power of two; a fixed value gives one compiled shape and a
       ValueError for a batch that does not fit).
+    router_aux_loss: a mixture of experts' load-balancing coefficient c (HF ``router_aux_loss_coef``;
+      0: off): the loss becomes ``Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k`` with ``aux_k`` =
+      ``jaxgrpo.models.moe.load_balancing_loss`` of micro-batch k's forward over its real tokens (one
+      micro-batch: ``loss + c·aux``, HF's form). Ignored by a dense model.
+    router_z_loss: the router z-loss coefficient (``moe.router_z_loss``, added the same way; 0: off).
   """
 
   micro_batches: int = 1
@@ -289,24 +357,23 @@ class TrainConfig:
   compiler_options: Mapping[str, Any] | None = None
   packing: int | None = None
   packing_rows: int | None = None
+  router_aux_loss: float = 0.0
+  router_z_loss: float = 0.0
 
   def __post_init__(self):
-    for name in ("micro_batches", "mini_batches"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
-    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-      raise ValueError(f"`max_grad_norm` must be > 0 or None; got {self.max_grad_norm}")
-    if not self.temperature > 0:
-      raise ValueError(f"`temperature` must be > 0; got {self.temperature}")
-    if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-      raise ValueError(f"`chunk_size` must be a positive int or None; got {self.chunk_size!r}")
-    if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
-      raise ValueError(f"`group_size` must be a positive int or None; got {self.group_size!r}")
-    for name in ("packing", "packing_rows"):
-      v = getattr(self, name)
-      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise ValueError(f"`{name}` must be a positive int or None; got {v!r}")
+    c = _checks
+    c.check_python_int(self.micro_batches, "micro_batches", minimum=1, hint="K, gradient-accumulation steps")
+    c.check_python_int(self.mini_batches, "mini_batches", minimum=1, hint="M, updates per pass")
+    if self.max_grad_norm is not None:
+      c.check_python_float(self.max_grad_norm, "max_grad_norm", above=0.0, hint="or None: no clipping")
+    c.check_python_float(self.temperature, "temperature", above=0.0, hint="the sampling temperature")
+    for name in ("chunk_size", "group_size", "packing", "packing_rows"):
+      if getattr(self, name) is not None:
+        c.check_python_int(getattr(self, name), name, minimum=1, hint="a positive int or None")
+    c.check_python_bool(self.tree_stats, "tree_stats")
+    c.check_python_bool(self.entropy, "entropy")
+    for name in ("router_aux_loss", "router_z_loss"):
+      c.check_python_float(getattr(self, name), name, at_least=0.0, hint="MoE router loss coefficient")
     if self.packing is None and self.packing_rows is not None:
       raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 
@@ -441,13 +508,34 @@ def _model_inputs(batch: Batch) -> dict:
   """What the model call of a micro-batch reads, per row of the batch (split like every ``[B, ...]``
   field): the prompt and completion tokens, or with packing the rows' head entries."""
   if batch.packed is None:
-    return dict(
+    inputs = dict(
       prompt_tokens=batch.prompt_tokens,
       prompt_mask=batch.prompt_mask,
       completions=batch.completions,
       mask=batch.mask,  # attention: every real token of the row
     )
+    if batch.routing is not None:  # routing replay: the sampler's experts [B, P + T, M, k]
+      inputs["routing"] = batch.routing
+    return inputs
   return dict(unpack_index=batch.packed.unpack_index)
+
+
+def _router_terms(model, mb: dict, scope, tc: "TrainConfig"):
+  """A mixture of experts' router terms of one micro-batch's forward (``scope``: its routes):
+  ``(c_aux·aux + c_z·z, routing sums)`` over the forward's real tokens; ``(0, {})`` for a dense model."""
+  if not scope.routes:
+    return jnp.zeros((), jnp.float32), {}
+  route = scope.stacked()  # [R, S, M, ...]
+  if "head_index" in mb:
+    real = mb["segment_ids"] > 0
+  else:
+    real = jnp.concatenate([mb["prompt_mask"], mb["mask"]], axis=1)
+  num_experts = model.config.num_experts
+  aux, z = moe.load_balancing_loss(route, real, num_experts), moe.router_z_loss(route, real)
+  extra = tc.router_aux_loss * aux + tc.router_z_loss * z
+  sums = moe.routing_sums(route, real, num_experts)
+  sums.update(aux_loss=aux * sums["tokens"], z_loss=z * sums["tokens"])  # token-weighted, for the metrics
+  return extra, jax.lax.stop_gradient(sums)
 
 
 def _slot_inputs(packed: PackedSlots) -> dict:
@@ -606,6 +694,8 @@ class _StepSpec:
 def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int, hyper):
   """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
   config = spec.config
+  if batch.policy_mask is not None and batch.ref_logp is not None:  # observations: δ = 0, f(1) = 0
+    batch = batch._replace(ref_logp=jnp.where(batch.policy_mask, batch.ref_logp, batch.old_logp))
   if batch.advantages is None:
     extras = {} if hyper is None else {"hyper": hyper}
     adv, weights = spec.advantages_fn(
@@ -674,8 +764,11 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
   # 1. once per rollout batch (no gradient): advantages, token weights, tree statistics.
   adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g, hyper)
   _check_advantages_out(adv, weights, b, t)
-  missing = ~jnp.isfinite(batch.rewards)  # [B] missing samples: advantage 0, no tokens in the loss
+  # [B] missing samples (non-finite rewards): advantage 0, no tokens in the loss; none without rewards
+  missing = jnp.zeros((b,), bool) if batch.rewards is None else ~jnp.isfinite(batch.rewards)
   loss_mask = batch.mask & ~missing[:, None]  # [B, T]
+  if batch.policy_mask is not None:  # multi-turn: observation tokens are context, not loss
+    loss_mask = loss_mask & batch.policy_mask
   adv = jnp.where(missing if adv.ndim == 1 else missing[:, None], 0.0, adv.astype(jnp.float32))
   select = lambda x: None if x is None else jnp.where(loss_mask, x.astype(jnp.float32), 0.0)
   extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
@@ -705,7 +798,9 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     model = _merge_model(graphdef, p, frozen)
     _check_dropout(spec, model, packed="head_index" in mb)
     wants_entropy = _wants_entropy(config)
-    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    with moe.routing_scope(replay=mb.get("routing")) as scope:  # MoE: replay the rollout's experts if given
+      logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    router_loss, route_sums = _router_terms(model, mb, scope, tc)
     extras = _objective_extras(config, mb["behavior_logp"], ent, hyper)
     terms = spec.objective_fn(
       config,
@@ -721,9 +816,11 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
       raise TypeError(f"objective_fn must return jaxgrpo.losses.LossTerms; got {type(terms).__name__}")
     ent = None if ent is None else jax.lax.stop_gradient(ent)
     ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
-    return terms.numerator * scale, (terms, ent_sum)
+    # the router losses, weighted like the objective: Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k
+    numerator = terms.numerator + router_loss * jax.lax.stop_gradient(terms.denominator)
+    return numerator * scale, (terms, ent_sum, route_sums)
 
-  terms_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, 1.0)[1][0], state.params, example_mb)
+  terms_shape, _, routes_shape = jax.eval_shape(lambda p, mb: micro_terms(p, mb, 1.0)[1], state.params, example_mb)
   grad_fn = jax.grad(micro_terms, has_aux=True)
 
   def update(carry, mini):  # mini: [K, R, ...]
@@ -734,17 +831,20 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     scale = jnp.ldexp(jnp.float32(1.0), -e)
 
     def accumulate(acc, mb):
-      grads, terms, ent, tokens = acc
-      g_k, (terms_k, ent_k) = grad_fn(params, mb, scale)  # scale · ∇numerator_k
+      grads, terms, ent, tokens, routes = acc
+      g_k, (terms_k, ent_k, routes_k) = grad_fn(params, mb, scale)  # scale · ∇numerator_k
       grads = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grads, g_k)
       grads = jax.lax.with_sharding_constraint(grads, spec.param_sh)
       tokens = tokens + jnp.sum(mb["loss_mask"]).astype(jnp.float32)
-      return (grads, combine_terms(terms, terms_k), ent + ent_k, tokens), None
+      routes = jax.tree.map(jnp.add, routes, routes_k)
+      return (grads, combine_terms(terms, terms_k), ent + ent_k, tokens, routes), None
 
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero_grads = jax.lax.with_sharding_constraint(zero_grads, spec.param_sh)
     zero = jnp.zeros((), jnp.float32)
-    (grads, terms, ent, tokens), _ = jax.lax.scan(accumulate, (zero_grads, _zero_terms(terms_shape), zero, zero), mini)
+    zero_routes = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), routes_shape)
+    init = (zero_grads, _zero_terms(terms_shape), zero, zero, zero_routes)
+    (grads, terms, ent, tokens, routes), _ = jax.lax.scan(accumulate, init, mini)
     inv_den = _safe_div(1.0, scale * terms.denominator)  # divide once: Σ_k ∇numerator_k / Σ_k denominator_k
     grads = jax.tree.map(lambda x: x * inv_den, grads)
     grad_norm = optax.tree.norm(grads)
@@ -757,6 +857,8 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     metrics = _finalize(terms)
     metrics["entropy"] = _safe_div(ent, tokens)
     metrics["grad_norm"] = grad_norm
+    if routes:  # a mixture of experts: per-layer expert load and router entropy
+      metrics.update(moe.routing_metrics(routes))
     return (params, opt_state), metrics
 
   def epoch(carry, keys):  # keys: key[B], this pass's row dropout keys, or None
@@ -850,7 +952,8 @@ class TrainStep:
     """TypeError/ValueError unless ``batch`` fits this step: shapes and dtypes of every field, the
     fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
     (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
-    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples)."""
+    group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
+    ``batch.rewards`` may be None when ``batch.advantages`` is given."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
@@ -870,6 +973,8 @@ class TrainStep:
           "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
+    _check_policy_mask(batch)
+    _check_routing(batch, b, t)
     _check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
     g, num_groups = _group_bound(tc.group_size, b)
     ids = _host_values(batch.group_ids)
@@ -914,7 +1019,8 @@ class TrainStep:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not _reads_behavior(self.config) and batch.behavior_logp is not None:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
-    return _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
+    placed = _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
+    return _place_routing(placed, self.batch_sharding)
 
   def check_hyper(self, hyper):
     """``hyper`` as the step takes it: every leaf an array (``f32[]`` for a :class:`GRPOHyper`,
@@ -1106,7 +1212,9 @@ def make_reference_fn(
   logits chunks than one micro-batch of the step. With ``train_config.packing`` the batch is packed
   as the step packs it (a batch that carries ``packed`` is used as it is) and the pass runs the M·K
   slots of each device one after the other, each exactly one micro-batch of the step. Only the
-  prompt and completion fields of the batch are read; NumPy and placed batches run the same program.
+  prompt and completion fields of the batch are read, and ``batch.routing`` (a mixture of experts'
+  routing replay: the reference forward uses the rollout's experts); NumPy and placed batches run the
+  same program.
   The pass is traced under ``jax.set_mesh(mesh)`` (activation constraints apply); ``rules`` as for
   :func:`make_train_step` (default: the model's own table).
   """
@@ -1124,7 +1232,8 @@ def make_reference_fn(
     cols = [jax.lax.with_sharding_constraint(_split_rows(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
 
     def one(mb):
-      return completion_log_probs(model, *mb, temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
+      with moe.routing_scope(replay=mb[4] if len(mb) > 4 else None):  # MoE: the rollout's experts if given
+        return completion_log_probs(model, *mb[:4], temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
 
     logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
     return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of _split_rows
@@ -1152,11 +1261,13 @@ def make_reference_fn(
         batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
       )
     _check_packing(batch, tc, blocks, slots)
-    placed = _place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh)
+    _check_routing(batch, b, np.shape(batch.completions)[1])
+    placed = _place_routing(_place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh), bsh)
     with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
       if placed.packed is not None:
         return jitted_packed(ref_params, placed.packed.unpack_index, _slot_inputs(placed.packed))
-      return jitted(ref_params, tuple(getattr(placed, name) for name in _REFERENCE_FIELDS))
+      cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
+      return jitted(ref_params, cols if placed.routing is None else cols + (placed.routing,))
 
   return reference_log_probs
 
@@ -1348,4 +1459,5 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     token_weights=fit(batch.token_weights, 0.0),
     behavior_logp=fit(batch.behavior_logp, 0.0),
     packed=packed,
+    policy_mask=fit(batch.policy_mask, False),
   )

@@ -13,7 +13,8 @@ One step, through the public pieces of ``jaxgrpo.iteration``::
     batch            = reference(batch)                                   (make_reference; β > 0 only)
     state, metrics   = train_step(state, batch)                           (jitted, sharded)
     log → OUT/metrics.jsonl; every eval.every steps: pass@k / mean@k on the held-out set;
-    every checkpoint.every steps: checkpoint_fn(snapshot, run_meta)
+    every checkpoint.every steps (and at every evaluation when checkpoint.best_metric is set, so the
+    best evaluated state is on disk): checkpoint_fn(snapshot, run_meta)
 
 **Several processes** (``docs/train.md``, "Running on a pod / a cluster"): every process draws the
 same prompt indices, samples on the global mesh the prompts of its own devices, decodes and scores only
@@ -41,11 +42,16 @@ checkpoint is never resumed onto other base weights.
 
 Failures (``docs/failure_modes.md``): after every step the parameters and optimizer state are checked
 for NaN/inf (one reduction) and so is the loss; a non-finite state stops the run with
-:class:`~jaxgrpo.checkpoint.NonFiniteError` before ``checkpoint_fn`` could save it. During ``run()``,
+:class:`~jaxgrpo.checkpoint.NonFiniteError` before ``checkpoint_fn`` could save it; a policy that
+collapses with finite values (entropy near ln V; ``jaxgrpo.collapse``) stops it the same way
+(``PolicyCollapsed``) or warns. During ``run()``,
 SIGTERM and SIGINT are turned into a stop at the next step boundary: the current step is finished,
 checkpointed through ``checkpoint_fn``, and :class:`TrainingInterrupted` is raised; a second signal
 raises :class:`TrainingAborted` (a ``KeyboardInterrupt``) at once. A mesh that does not fit the model
-or the rollout batch is refused before the model's weights are read.
+or the rollout batch is refused before the model's weights are read. A failed write of
+``metrics.jsonl`` (a full disk) stops the run with ``jaxgrpo.metrics.MetricsWriteError`` after a
+checkpoint attempt of the current step; a resumed run repairs a cut last line. Process 0 holds the
+lock of ``run.out`` (``jaxgrpo.runlock``) while it runs: a second run into it is refused.
 """
 
 from __future__ import annotations
@@ -60,19 +66,23 @@ import time
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo import builders, distributed, iteration
+from jaxgrpo import async_rollout, builders, distributed, iteration, runlock
 from jaxgrpo import data as data_lib
 from jaxgrpo import rewards as rewards_lib
 from jaxgrpo import sharding as shd
 from jaxgrpo import train as train_lib
 from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
+from jaxgrpo.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
+from jaxgrpo.engines import vllm as vllm_engine
 from jaxgrpo.evaluation import evaluate_policy
-from jaxgrpo.metrics import truncate_jsonl
+from jaxgrpo.kl import kl_penalty
+from jaxgrpo.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.models import lora
 from jaxgrpo.sampling import Rollout
 from jaxgrpo.specs import TrainerConfig
@@ -132,7 +142,8 @@ def run_meta(config: TrainerConfig, *, base_fingerprint: str | None = None) -> R
 
 
 class TrainingInterrupted(Exception):
-  """``run()`` stopped on SIGTERM/SIGINT at a step boundary, after checkpointing that step.
+  """``run()`` stopped on SIGTERM/SIGINT at a step boundary, after handing that step to
+  ``checkpoint_fn`` (a background save may still be in flight: wait for it, e.g. ``Checkpointer.close``).
 
   Attributes:
     signum: the signal (``signal.SIGTERM`` or ``signal.SIGINT``); a command line exits with
@@ -258,6 +269,10 @@ class Trainer:
     log: print function for progress lines (None: silent).
     stop_on_nonfinite_loss: stop (``NonFiniteError``) when a step's loss is NaN or infinite, even
       if the parameters are still finite. A non-finite parameter or optimizer state always stops.
+    collapse_guard: ``jaxgrpo.collapse.CollapseGuard``: a policy that collapses with finite values
+      (entropy near ln V, or a zero reward for N steps) stops the run
+      (``jaxgrpo.collapse.PolicyCollapsed``, before the step is evaluated or saved) or logs a warning.
+      Default: stop when the entropy reaches 95% of ln V. None: off.
   """
 
   def __init__(
@@ -270,17 +285,25 @@ class Trainer:
     log: Callable[[str], None] | None = print,
     on_record: Callable[[dict], None] | None = None,
     stop_on_nonfinite_loss: bool = True,
+    collapse_guard: CollapseGuard | None = DEFAULT_GUARD,
   ):
     if not isinstance(config, TrainerConfig):
       raise TypeError(f"`config` must be a jaxgrpo.specs.TrainerConfig; got {type(config).__name__}")
     self.config = cfg = config
+    if cfg.rollout.engine == "vllm":  # before anything heavy
+      vllm_engine.check_installed()
+      if jax.process_count() > 1:
+        raise ValueError("`rollout.engine: vllm` runs one process (vLLM colocated in it); this run has several")
     self.objective = cfg.objective
     self.checkpoint_fn = checkpoint_fn
     self.on_record = on_record
     self.log = log or (lambda s: None)
     self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
+    self.collapse_guard = collapse_guard
     self.stop_signal: int | None = None  # set by the signal handlers of handle_signals()
-    self.mesh = shd.make_mesh(cfg.devices.mesh or None)
+    self.mesh, self.rollout_mesh = async_rollout.make_meshes(cfg.devices)  # rollout_mesh: None colocated
+    if cfg.rollout.max_staleness:
+      async_rollout.check_single_process(cfg.rollout.max_staleness)
     self._check_mesh_fits()
     self._build_model_and_data()
     fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)
@@ -318,6 +341,9 @@ class Trainer:
       pad_id=self.pad_id,
       merge_lora=roll.merge_lora,
     )
+    self.engine, self.policy_logp_fn, self._engine_stale, self._engine_times = None, None, True, {}
+    if roll.engine == "vllm":
+      self._start_vllm()
     self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
@@ -327,23 +353,76 @@ class Trainer:
         self.state = TrainerState.from_snapshot(restored, train_state.frozen)
         self.iterator.restore(self.state.data_position)
         self.resumed = True
+    # rollout.max_staleness >= 1 or devices.rollout: the producer/learner pipeline replaces train_step
+    self.rollouts = None
+    if roll.max_staleness or self.rollout_mesh is not None:
+      self.rollouts = async_rollout.AsyncRollouts(
+        self,
+        max_staleness=roll.max_staleness,
+        rollout_mesh=self.rollout_mesh,
+        steps=cfg.run.steps,
+        resumed=self.resumed,
+      )
 
   # ------------------------------------------------------------------ construction
+  def _start_vllm(self) -> None:
+    """The vLLM engine (``rollout.vllm``) and the jitted pass that recomputes the rollout policy's own
+    log-probs (``old_logp``) of the engine's samples (``train.make_reference_fn`` on the policy's
+    parameters: the same micro-batches, temperature and packing as the step)."""
+    v, tc = self.config.rollout.vllm, self.train_config
+    self.engine = vllm_engine.VLLMEngine(
+      self.model.config,
+      dtype=v.dtype,
+      max_model_len=self.prompt_len + self.config.rollout.max_new_tokens,
+      kv_cache_bytes=v.kv_cache_bytes,
+      gpu_memory_utilization=v.gpu_memory_utilization,
+      max_num_seqs=v.max_num_seqs,
+      enforce_eager=v.enforce_eager,
+      logprobs_temperature=tc.temperature,
+      seed=self.config.run.seed,
+    )
+    sh = self.shardings
+    param_sh = nnx.merge_state(sh.params, sh.frozen) if jax.tree.leaves(sh.frozen) else sh.params
+    self.policy_logp_fn = train_lib.make_reference_fn(
+      self.graphdef, mesh=self.mesh, param_shardings=param_sh, train_config=tc
+    )
+
+  def close(self) -> None:
+    """Shut the rollout engine down (vLLM); the built-in sampler holds nothing."""
+    if self.engine is not None:
+      self.engine.close()
+      self.engine = None
+
   def _check_mesh_fits(self) -> None:
-    """ValueError naming the mesh, its device count and the dimension that does not divide, before
-    any weight is read or the warm-up runs: the model's parameters (abstract; a hub id is checked by
-    the loader, which names the mesh too) and the rollout batch (``prompts_per_step × group_size``
-    rows over ``data × fsdp`` × micro × mini-batches)."""
+    """ValueError naming its real cause, before any weight is read or the warm-up runs: the model
+    directory (``config.json``, ``model_type``, tokenizer, chat template: ``model.path``), the row
+    length (``builders.check_lengths``: prompt + completion within the model's positions), the
+    rollout batch over ``step.micro_batches × step.mini_batches``, and the mesh (``devices.mesh``):
+    the model's parameters (abstract; a hub id is checked by the loader, which names the mesh too)
+    and the batch rows over ``data × fsdp``."""
     cfg = self.config
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    roll, step = cfg.rollout, cfg.step
+    rows = roll.prompts_per_step * roll.group_size
+    abstract = None
+    if cfg.model.synthetic is not None or os.path.isdir(cfg.model.path):
+      abstract, tokenizer = builders.abstract_policy(cfg.model)
+      if cfg.model.path is not None:
+        builders.check_chat_template(tokenizer, cfg.model)
+      builders.check_lengths(cfg, abstract.config)
+    splits = step.micro_batches * step.mini_batches
+    if rows % splits:
+      raise ValueError(
+        f"the rollout batch of {rows} rows (rollout.prompts_per_step {roll.prompts_per_step} × rollout.group_size "
+        f"{roll.group_size}) does not split into step.micro_batches {step.micro_batches} × step.mini_batches "
+        f"{step.mini_batches} = {splits} equal parts"
+      )
     try:
-      if cfg.model.synthetic is not None or os.path.isdir(cfg.model.path):
-        abstract, _ = builders.abstract_policy(cfg.model)
+      if abstract is not None:
         shd.tree_shardings(nnx.split(abstract)[1], self.mesh)
       shd.check_batch_divisible(
         rows,
         self.mesh,
-        splits=cfg.step.micro_batches * cfg.step.mini_batches,
+        splits=splits,
         what="the rollout batch (rollout.prompts_per_step × rollout.group_size)",
       )
       self._check_processes(rows)
@@ -374,7 +453,8 @@ class Trainer:
   def _build_model_and_data(self):
     cfg = self.config
     # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
-    self.model, self.tokenizer = builders.build_run_policy(cfg, mesh=self.mesh, log=self.log)
+    base = builders.run_base_dir(cfg.run.out) if self.checkpoint_fn is not None else None  # LoRA: no re-warm-up
+    self.model, self.tokenizer = builders.build_run_policy(cfg, mesh=self.mesh, log=self.log, save_base=base)
     self.pad_id, self.eos_ids = builders.special_ids(self.tokenizer)
     sets = builders.build_prompts(cfg.data, cfg.eval, self.tokenizer, seed=cfg.run.seed)
     self.prompts, self.examples = sets.train, sets.train_examples
@@ -398,16 +478,70 @@ class Trainer:
     policy = self.policy()
     return lora.merge_lora(policy) if self.config.rollout.merge_lora else policy
 
-  def _sample(self, indices, key) -> Rollout:
+  def _sample(self, indices, key, *, policy=None, mesh=None) -> Rollout:
     """This process's rows (NumPy; all rows in one process) of G completions of the prompts
     ``indices`` (every process passes the same): one sampler program on the global mesh, each process
-    sending its own prompts (``iteration.place_prompts``)."""
+    sending its own prompts (``iteration.place_prompts``). ``policy``/``mesh``: another policy and
+    its mesh (the rollout producer's; default :meth:`policy` on the trainer's mesh)."""
+    mesh = self.mesh if mesh is None else mesh
     tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
-    tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.mesh)
+    if self.engine is not None:  # the engine holds the pushed weights (max_staleness 0 only, checked in the spec)
+      return self._sample_engine(tokens, mask, key)
+    tokens, mask = iteration.place_prompts(tokens, mask, mesh=mesh)
     rollout = iteration.sample(
-      self.policy(), tokens, mask, self.sampling, key=key, temperature=self.train_config.temperature
+      self.policy() if policy is None else policy,
+      tokens,
+      mask,
+      self.sampling,
+      key=key,
+      temperature=self.train_config.temperature,
     )
-    return distributed.process_rows(rollout._replace(num_steps=None), self.mesh)
+    return distributed.process_rows(rollout._replace(num_steps=None), mesh)
+
+  def _sample_engine(self, tokens, mask, key) -> Rollout:
+    """The rollout from the engine; the policy's weights are pushed first when an update (or a restore)
+    changed them. Times go to ``self._engine_times`` (``engine/push_s``, ``engine/generate_s``)."""
+    t0 = time.perf_counter()
+    if self._engine_stale:
+      self.engine.push_weights(self.sampling_policy())
+      self._engine_stale = False
+      self._engine_times["engine/push_s"] = time.perf_counter() - t0
+    s = self.sampling
+    t1 = time.perf_counter()
+    gen = self.engine.generate(
+      tokens,
+      mask,
+      num_samples=s.num_samples,
+      max_new_tokens=s.max_new_tokens,
+      temperature=self.train_config.temperature,
+      top_p=s.top_p,
+      top_k=s.top_k,
+      eos_ids=s.eos_ids,
+      pad_id=s.pad_id,
+      suppress_ids=s.suppress_ids if self.train_config.temperature == 1.0 else (),  # see VLLMEngine: τ != 1 needs ()
+      key=key,
+    )
+    self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
+      time.perf_counter() - t1
+    )
+    return gen.rollout._replace(num_steps=None)
+
+  def _engine_logp(self, placed: train_lib.Batch) -> tuple[train_lib.Batch, dict]:
+    """``placed`` with ``old_logp`` recomputed by the trainer (the engine's log-probs stay as
+    ``behavior_logp``: TIS/MIS with ``objective.importance_correction``), and the mismatch metrics:
+    ``engine/mismatch_k3`` (mean over real tokens of ``k3 = r − log r − 1``, ``r = π_old/μ``, as
+    ``jaxgrpo.importance``) and ``engine/logp_abs_diff_max``."""
+    t = self.state.train
+    params = nnx.merge_state(t.params, t.frozen) if t.frozen is not None and jax.tree.leaves(t.frozen) else t.params
+    old = self.policy_logp_fn(params, placed)
+    behavior, mask = placed.behavior_logp, placed.mask
+    k3 = kl_penalty(old, behavior, "forward_k3", mask=mask)
+    n = jnp.maximum(mask.sum(), 1)
+    metrics = {
+      "engine/mismatch_k3": float((k3 * mask).sum() / n),
+      "engine/logp_abs_diff_max": float(jnp.where(mask, abs(old - behavior), 0.0).max()),
+    }
+    return placed._replace(old_logp=old), metrics
 
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
     rows = [c[m].tolist() for c, m in zip(completions, mask)]
@@ -422,9 +556,11 @@ class Trainer:
     columns = _rows_to_columns([self.examples[i] for i in prompt_of_row], 1)
     return self.reward_set(prompts, texts, columns)
 
-  def _rollout_batch(self, key) -> tuple[train_lib.Batch, dict, int]:
+  def _rollout_batch(self, key, *, sample=None, kept_groups=None) -> tuple[train_lib.Batch, dict, int]:
     """Samples ``prompts_per_step`` groups (refilled under dynamic sampling) → (this process's rows of
-    the Batch, metrics, completion tokens of the whole batch).
+    the Batch, metrics, completion tokens of the whole batch). ``sample(indices, key)``: the sampling
+    call (default :meth:`_sample`); ``kept_groups``: a list extended with ``(round, group)`` of every
+    group of the batch, in batch order.
 
     Each process scores its own rows; every row's reward and length is then gathered (one small
     all-gather per round), so every process keeps the same groups, in the same order, as one process
@@ -436,7 +572,7 @@ class Trainer:
     while len(kept) < groups:
       key, sub = jax.random.split(key)
       indices = self.iterator.next(groups)
-      rows = self._sample(indices, sub)
+      rows = (self._sample if sample is None else sample)(indices, sub)
       res = self._score(indices, rows)
       lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
       total, per_fn, lengths = distributed.all_rows((res.total, res.per_fn, lengths), self.mesh)
@@ -455,6 +591,8 @@ class Trainer:
       rounds.append((rows, total, per_fn, lengths))
       if len(kept) < groups and len(rounds) >= roll.dynamic_sampling_max_rounds:
         kept += spare[: groups - len(kept)]  # give up refilling: these groups have zero advantage
+    if kept_groups is not None:
+      kept_groups.extend(kept)
     batch = self._own_groups(rounds, kept)
     rewards = np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept]).astype(np.float32)
     lengths = np.concatenate([rounds[r][3][b * g : (b + 1) * g] for r, b in kept])
@@ -496,6 +634,7 @@ class Trainer:
       old_logp=cat("log_probs"),
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
       rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
+      behavior_logp=None if self.engine is None else cat("log_probs"),  # the engine's: μ
     )
 
   # ------------------------------------------------------------------ evaluation
@@ -504,6 +643,10 @@ class Trainer:
     several processes each scores its share of the problems and the counts are gathered."""
     if self.eval_prompts is None:
       return {}
+    with contextlib.nullcontext() if self.rollouts is None else self.rollouts.paused():  # shared reward workers
+      return self._evaluate(key)
+
+  def _evaluate(self, key) -> dict[str, float]:
     cfg = self.config
     return evaluate_policy(
       self.sampling_policy(),
@@ -527,7 +670,8 @@ class Trainer:
 
   def save_model(self, out_dir: str) -> list[str]:
     """Writes the current policy as a Hugging Face directory (``builders.save_policy``); a LoRA run
-    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft``. With
+    writes the merged model there and its adapters as a PEFT directory, ``<out_dir>-peft`` (on the
+    synthetic model: with its base in ``<out_dir>-base``, which the PEFT directory names). With
     several processes every process must call it (they all take part in gathering parameters that
     span processes) and process 0 writes. Returns the directories written (none on other processes)."""
     cfg, t = self.config, self.state.train
@@ -539,24 +683,30 @@ class Trainer:
       return []
     if cfg.lora is None:
       return builders.save_policy(model, self.tokenizer, out_dir)
-    peft_dir = builders.peft_dir_for(out_dir)
-    return builders.save_policy(
-      model, self.tokenizer, out_dir, peft_dir=peft_dir, base_model_name_or_path=cfg.model.path
-    )
+    return builders.save_policy(model, self.tokenizer, out_dir, **builders.lora_export_dirs(cfg, out_dir))
 
   # ------------------------------------------------------------------ the loop
   def train_step(self) -> dict[str, Any]:
-    """One rollout → reward → update step; returns its metrics (the same on every process)."""
+    """One rollout → reward → update step; returns its metrics (the same on every process). With
+    ``rollout.max_staleness`` >= 1 or ``devices.rollout``: the learner's step of ``self.rollouts``
+    (``jaxgrpo.async_rollout``)."""
+    if self.rollouts is not None:
+      return self.rollouts.train_step()
     t0 = time.perf_counter()
     tstate, key, _ = self.state
     key, sample_key = jax.random.split(key)
+    self._engine_times = {}
     batch, metrics, tokens = self._rollout_batch(sample_key)
     t_roll = time.perf_counter() - t0
     # bucketed, packed if set; each process feeds its own rows
     placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
+    if self.engine is not None:  # the trainer's own old_logp; the engine's log-probs are behavior_logp
+      placed, engine_metrics = self._engine_logp(placed)
+      metrics.update(engine_metrics, **self._engine_times)
     if self.reference is not None:
       placed = self.reference(placed)
     tstate, step_metrics = self.step_fn(tstate, placed)
+    self._engine_stale = True  # the engine's weights are the old policy's until the next push
     step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
     self.state = TrainerState(tstate, key, self.iterator.state())
     dt = time.perf_counter() - t0
@@ -580,6 +730,31 @@ class Trainer:
       self.log(
         f"warning: step {step}: non-finite metrics {', '.join(bad)}; the parameters are finite, training goes on"
       )
+
+  def _checkpoint_after_write_error(self, error: MetricsWriteError, last_saved: int) -> MetricsWriteError:
+    """After a failed metrics write (a full disk): a checkpoint attempt of the current step, unless it
+    was saved already or its state is not finite. Returns ``error`` with the outcome in its message."""
+    step, t = int(self.state.train.step), self.state.train
+    bad = None
+    if jax.process_count() == 1:
+      bad = first_nonfinite(t.params, "params") or first_nonfinite(t.opt_state, "opt_state")
+    if self.checkpoint_fn is None:
+      what = "no checkpoint_fn: nothing saved"
+    elif step <= last_saved:
+      what = f"step {step} was checkpointed already"
+    elif jax.process_count() > 1:  # a save is collective; only process 0 writes the metrics
+      what = f"step {step} not checkpointed: with several processes a save needs all of them"
+    elif bad is not None:
+      what = f"step {step} not checkpointed: {bad} is not finite"
+    else:
+      try:
+        self.checkpoint_fn(self.state.snapshot(), self.run_meta)
+        what = f"a checkpoint of step {step} was started"
+      except Exception as ce:  # noqa: BLE001 - reported in the message; the write error stays the cause
+        what = f"the checkpoint attempt of step {step} failed too: {' '.join(str(ce).split())[:500]}"
+    return MetricsWriteError(
+      f"{error}; training stopped after step {step} ({what})", path=error.path, step=step, reason=error.reason
+    )
 
   @contextlib.contextmanager
   def handle_signals(self) -> Iterator[None]:
@@ -621,7 +796,9 @@ class Trainer:
 
   def _stop_if_requested(self, step: int, *, saved: bool, trained: bool = True) -> None:
     """At a step boundary: after SIGTERM/SIGINT, checkpoint ``step`` (unless ``saved`` already, or
-    nothing was ``trained`` since the run started) and raise :class:`TrainingInterrupted`."""
+    nothing was ``trained`` since the run started) and raise :class:`TrainingInterrupted`. The
+    checkpoint is handed to ``checkpoint_fn``, which may still be writing it: the message says
+    "started", never "written" (``scripts/train.py`` waits for it and reports what is on disk)."""
     signum = self._requested_stop()
     if not signum:
       return
@@ -633,8 +810,9 @@ class Trainer:
     else:
       if not saved:
         self.checkpoint_fn(self.state.snapshot(), self.run_meta)
-      what = f"checkpoint of step {step} written"
-    self.log(f"{name}: stopped after step {step} ({what})")
+      # checkpoint_fn may write in the background: whether it completed is for its owner to say
+      what = f"checkpoint of step {step} started; it is complete once it is written"
+    self.log(f"{name}: stopping after step {step} ({what})")
     raise TrainingInterrupted(f"stopped by {name} after step {step} ({what})", signum=signum, step=step)
 
   def run(self, *, handle_signals: bool = True) -> list[dict]:
@@ -645,18 +823,24 @@ class Trainer:
       handle_signals: turn SIGTERM/SIGINT into a stop at the next step boundary
         (:meth:`handle_signals`; main thread only).
     Raises:
+      jaxgrpo.runlock.RunDirLocked: another process runs in ``run.out`` (process 0 holds the
+        directory's lock while it runs; re-entrant within one process).
       NonFiniteError: a step made the parameters or optimizer state (or the loss) non-finite.
+      jaxgrpo.collapse.PolicyCollapsed: the policy collapsed with finite values (``collapse_guard``).
+      jaxgrpo.metrics.MetricsWriteError: writing ``metrics.jsonl`` (or ``on_record``) failed, e.g. a
+        full disk; a checkpoint of the current step was attempted first (the message says how it went).
       TrainingInterrupted: SIGTERM/SIGINT; the step it stopped at was checkpointed. The signal
         waits for the current step to finish (rollout, update, and the evaluation when one is due).
 
     With several processes the run is watched (``jaxgrpo.distributed.watch_hosts`` with
     ``devices.host_timeout_s``): when another process dies or raises, this one prints a message
     naming it and exits (``os._exit``, status ``jaxgrpo.distributed.EXIT_HOST_FAILED``); an exception
-    of this process is reported to the others before it propagates. ``NonFiniteError`` and
-    ``TrainingInterrupted`` are raised by every process at the same step and are not reported.
+    of this process is reported to the others before it propagates. ``NonFiniteError``,
+    ``PolicyCollapsed`` and ``TrainingInterrupted`` are raised by every process at the same step and
+    are not reported.
     """
     watch = distributed.watch_hosts(
-      self.config.devices.host_timeout_s, collective=(NonFiniteError, TrainingInterrupted)
+      self.config.devices.host_timeout_s, collective=(NonFiniteError, PolicyCollapsed, TrainingInterrupted)
     )
     with self.handle_signals() if handle_signals else contextlib.nullcontext(), watch:
       return self._run()
@@ -664,27 +848,40 @@ class Trainer:
   def _run(self) -> list[dict]:
     cfg, run = self.config, self.config.run
     is_main = jax.process_index() == 0
-    os.makedirs(run.out, exist_ok=True)
+    lock = runlock.RunLock(run.out).acquire() if is_main else None  # one run per directory (jaxgrpo.runlock)
     records: list[dict] = []
     path = os.path.join(run.out, "metrics.jsonl")
-    if self.resumed and is_main:  # drop records of steps after the restored checkpoint
-      truncate_jsonl(path, int(self.state.train.step))
-    f = open(path, "a" if self.resumed else "w") if is_main else None
+    start = last_saved = int(self.state.train.step)
+    f = None
+    if is_main:
+      try:
+        if self.resumed:  # drop records of steps after the restored checkpoint, and a cut last line
+          dropped = truncate_jsonl(path, start)
+          if dropped:
+            self.log(f"{path}: dropped {dropped} line(s) after step {start} or cut short (resuming from step {start})")
+        f = open(path, "ab" if self.resumed else "wb", buffering=0)  # unbuffered: a failed write leaves nothing behind
+        with open(os.path.join(run.out, "config.json"), "w") as cf:
+          json.dump(cfg.to_dict(), cf, indent=1)
+      except OSError as e:  # a full disk at the start: one line, not a traceback
+        if f is not None:
+          f.close()
+        lock.release()
+        raise MetricsWriteError.of(e, path=path, step=start) from e
 
     def emit(rec):
       records.append(rec)
-      if self.on_record is not None:
-        self.on_record(rec)
+      try:
+        if self.on_record is not None:
+          self.on_record(rec)
+      except OSError as e:  # e.g. TensorBoard files on a full disk
+        raise MetricsWriteError.of(e, path=os.path.join(run.out, "(on_record)"), step=rec["step"]) from e
       if f is not None:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
+        append_record(f, rec, path=path)
 
-    if is_main:
-      with open(os.path.join(run.out, "config.json"), "w") as cf:
-        json.dump(cfg.to_dict(), cf, indent=1)
     every = lambda n, step: (n and step % n == 0) or step == run.steps
+    guard = self.collapse_guard
+    collapse = CollapseWatch(guard, self.model.config.vocab_size) if guard and guard.action != "off" else None
     try:
-      start = int(self.state.train.step)
       if self.eval_prompts is not None and start == 0:
         ev = self.evaluate()
         emit({"step": 0, **ev})
@@ -700,20 +897,32 @@ class Trainer:
             f"len {m['completion_length']:.1f} {m['tokens_per_sec']:.0f} tok/s"
           )
         self._check_finite(m)  # before anything of this step is evaluated or saved
-        if self.eval_prompts is not None and every(cfg.eval.every, step):
+        if collapse is not None:
+          collapse.check(m, self.log)  # a collapse with finite values (jaxgrpo.collapse)
+        evaluated = self.eval_prompts is not None and every(cfg.eval.every, step)
+        if evaluated:
           ev = self.evaluate()
           emit({"step": step, **ev})
           self.log(f"step {step} eval {_fmt(ev)}")
-        saved = self.checkpoint_fn is not None and bool(every(cfg.checkpoint.every, step))
+        # an evaluated step is also saved when the best checkpoint by an eval metric is kept
+        best = evaluated and cfg.checkpoint.best_metric is not None
+        saved = self.checkpoint_fn is not None and bool(every(cfg.checkpoint.every, step) or best)
         if saved:
           self.checkpoint_fn(self.state.snapshot(), self.run_meta)
+          last_saved = step
         self._stop_if_requested(step, saved=saved)
       if run.save_model:
         self.save_model(os.path.join(run.out, "model"))
+    except MetricsWriteError as e:  # disk full: try to keep the steps done, then stop
+      raise self._checkpoint_after_write_error(e, last_saved) from e.__cause__
     finally:
+      if self.rollouts is not None:
+        self.rollouts.close()
       if f is not None:
         f.close()
       self.accuracy.close()
+      if lock is not None:
+        lock.release()
     return records
 
 

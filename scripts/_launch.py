@@ -67,10 +67,6 @@ _DISTRIBUTED_FLAGS = {
   "--devices.coordinator-address",
   "--devices.num-processes",
   "--devices.process-id",
-  "--distributed",
-  "--coordinator-address",
-  "--num-processes",
-  "--process-id",
 }
 
 

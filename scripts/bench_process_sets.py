@@ -15,8 +15,12 @@ First, direct calls (no outer ``jit``) of ``process_set_sizes`` and ``process_ad
 The jitted calls are timed as the train step uses them (``group_ids`` traced, the bound static), after
 one warm-up call; the script asserts all three give identical sizes. Groups are realistic: each
 trajectory branches off a random earlier one of its group at a random point; lengths are uniform in
-``[T/2, T]``; vocabulary 32000. Per-token times are medians over ``--repeats``; ratios are against the
-trie measured in the same run. ``SORT_MIN_GROUP_SIZE`` (``method="auto"``'s crossover, 64) was set
+``[T/2, T]``; vocabulary 32000. The three are timed in ``--repeats``
+alternating rounds (each round calls all three, rotating the order, so a change of the machine's load
+hits every column alike); per-token times are medians over the rounds, ratios are against the trie
+measured in the same rounds, and each row prints the load average. ``--hash-cost`` adds, per G, the
+block hashes' time against the former linear hash's (the cost of the non-linear mixers) beside the
+whole pairwise call. ``SORT_MIN_GROUP_SIZE`` (``method="auto"``'s crossover, 64) was set
 from this sweep: pairwise wins at G = 8 and 36, the two tie at 128, sort wins at 512 (BENCHMARKS.md).
 
 Default sweep: G in {8, 36, 128, 512} at T = 4096 with 16 prompts, except that the number of prompts
@@ -39,6 +43,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxgrpo as jg
@@ -100,14 +105,15 @@ def _jitted(method: str, g: int):
 
 
 def bench_one(prompts: int, g: int, t: int, repeats: int) -> dict:
+  """One batch shape: compile and check both methods against the trie, then time the trie, pairwise
+  and sort in alternating rounds (each round calls all three, rotating the order), so a change of the
+  machine's load hits every column alike; medians over the rounds."""
   tokens, mask, gid = make_groups(prompts, g, t)
   n = tokens.size
   args = [jax.device_put(x) for x in (tokens, mask, gid)]
   row = dict(prompts=prompts, group_size=g, length=t, rows=tokens.shape[0], tokens=n)
   want = trie_sizes(tokens, mask, gid)
-  row["trie_s_per_token"] = (
-    _bench.median_time(lambda: trie_sizes(tokens, mask, gid), max(1, min(repeats, 3)), warmup=0) / n
-  )
+  fns = [lambda: trie_sizes(tokens, mask, gid)]
   for method in ("pairwise", "sort"):
     f = _jitted(method, g)
     t0 = time.perf_counter()
@@ -115,8 +121,38 @@ def bench_one(prompts: int, g: int, t: int, repeats: int) -> dict:
     row[f"{method}_compile_s"] = time.perf_counter() - t0
     if not np.array_equal(got, want):
       raise AssertionError(f"{method} sizes disagree with the trie at prompts={prompts}, G={g}, T={t}")
-    row[f"{method}_s_per_token"] = _bench.median_time(lambda f=f: f(*args), repeats, warmup=0) / n  # compiled above
+    fns.append(lambda f=f: f(*args))  # compiled above
+  times = _bench.alternating_times(fns, repeats, warmup=0)
+  for name, median in zip(("trie", "pairwise", "sort"), _bench.medians(times)):
+    row[f"{name}_s_per_token"] = median / n
+  row["load_average"] = os.getloadavg()[0]
   return row
+
+
+def _linear_block_hashes(tokens, block: int):
+  """The former prefix hash's block sums (before the non-linear mixers): one MurmurHash3 finaliser of
+  ``tok·φ + pos·c + seed`` per word. Only for ``--hash-cost``: what the hash change cost."""
+  b, t = tokens.shape
+  nb = -(-t // block)
+  tok = jnp.pad(tokens, ((0, 0), (0, nb * block - t))).astype(jnp.uint32)
+  pos = jnp.arange(1, nb * block + 1, dtype=jnp.uint32)[None, :]
+  words = [
+    jg.process_sets._fmix32(tok * np.uint32(0x9E3779B1) + pos * np.uint32(0x85EBCA77) + seed)
+    for seed in (np.uint32(0x2545F491), np.uint32(0x6C8E9CF5))
+  ]
+  sums = [w.reshape(b, nb, block).sum(axis=-1, dtype=jnp.uint32) for w in words]
+  return jnp.stack([jnp.cumsum(w, axis=1, dtype=jnp.uint32) for w in sums], -1)
+
+
+def hash_cost(prompts: int, g: int, t: int, repeats: int) -> dict:
+  """Median seconds of the block hashes (current non-linear mixers vs the former linear pre-image)
+  and of the whole pairwise call, in alternating rounds."""
+  tokens, mask, gid = (jax.device_put(x) for x in make_groups(prompts, g, t))
+  new = jax.jit(lambda x: jg.process_sets._block_hashes(x, 64)[1])
+  old = jax.jit(lambda x: _linear_block_hashes(x, 64))
+  full = _jitted("pairwise", g)
+  times = _bench.alternating_times([lambda: new(tokens), lambda: old(tokens), lambda: full(tokens, mask, gid)], repeats)
+  return dict(zip(("hash_nonlinear_s", "hash_linear_s", "pairwise_s"), _bench.medians(times)))
 
 
 def direct_calls(repeats: int) -> dict:
@@ -140,16 +176,19 @@ def main(argv=None):
   parser.add_argument("--length", type=int, default=4096, help="completion length T")
   parser.add_argument("--prompts", type=int, default=16, help="prompts (groups) per batch")
   parser.add_argument("--max-rows", type=int, default=16 * 36, help="cut prompts so rows <= this (0: no cut)")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=5, help="alternating rounds (medians over them)")
+  parser.add_argument(
+    "--hash-cost", action="store_true", help="also time the block hashes vs the former linear hash, per G"
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.groups, args.length, args.prompts, args.max_rows, args.repeats = [2, 5], 70, 3, 0, 1
 
-  print(f"{_bench.backend_line()}; {args.repeats} repeats, medians")
+  print(f"{_bench.backend_line()}; {args.repeats} alternating rounds, medians; load average {os.getloadavg()[0]:.1f}")
   print(f"auto method: pairwise up to G = {jg.process_sets.SORT_MIN_GROUP_SIZE}, sort above")
   header = (
     f"{'prompts x G x T':>16} {'tokens':>10} {'trie s/tok':>11} {'pairwise s/tok':>15} {'sort s/tok':>11} "
-    f"{'trie/pairwise':>14} {'trie/sort':>10} {'pairwise/sort':>14} {'compile s (pw, sort)':>21}"
+    f"{'trie/pairwise':>14} {'trie/sort':>10} {'pairwise/sort':>14} {'compile s (pw, sort)':>21} {'load':>5}"
   )
   direct = direct_calls(args.repeats)
   print(
@@ -168,9 +207,17 @@ def main(argv=None):
     print(
       f"{f'{prompts}x{g}x{args.length}':>16} {row['tokens']:>10} {trie:>11.2e} {pw:>15.2e} {srt:>11.2e} "
       f"{trie / pw:>13.1f}x {trie / srt:>9.1f}x {pw / srt:>13.2f}x "
-      f"{row['pairwise_compile_s']:>10.1f} {row['sort_compile_s']:>10.1f}",
+      f"{row['pairwise_compile_s']:>10.1f} {row['sort_compile_s']:>10.1f} {row['load_average']:>5.1f}",
       flush=True,
     )
+    if args.hash_cost:
+      cost = hash_cost(prompts, g, args.length, args.repeats)
+      row.update(cost)
+      print(
+        f"{'':>16} block hashes {cost['hash_nonlinear_s'] * 1e3:.2f} ms (former linear hash "
+        f"{cost['hash_linear_s'] * 1e3:.2f} ms) of a {cost['pairwise_s'] * 1e3:.2f} ms pairwise call",
+        flush=True,
+      )
   return rows
 
 

@@ -13,6 +13,9 @@ The policy is a Hugging Face model directory (``--model``; e.g. ``OUT/model`` of
 ``--arithmetic`` is the arithmetic task's held-out set (``jaxgrpo.tasks.arithmetic``): with
 ``--checkpoint`` the run's own task and seed, otherwise the ``--arithmetic-*`` sizes and ``--seed``
 (the demo's defaults: the held-out set of ``scripts/configs/demo.yaml``).
+
+Exit status: 0 done; 2 an empty or damaged checkpoint, a bad model directory or data set (one
+``error:`` line naming the file and the recovery, no traceback).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax
 import yaml
 
 from jaxgrpo import builders, data, rewards, sharding
+from jaxgrpo.checkpoint import CheckpointError
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.specs import DTYPES, ModelSpec
 from jaxgrpo.tasks import arithmetic
@@ -88,11 +92,20 @@ def _problems(args, saved, seed: int):
   return data.examples_from_rows(rows[: args.limit], "openrs")
 
 
+def _bad_input(e: Exception):
+  """A bad checkpoint, model directory or data set: one ``error:`` line, exit status 2."""
+  print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
 def main(argv=None):
   args = parse_args(argv)
-  model, tok, saved = _policy(args)
-  seed = args.seed if args.seed is not None else (saved.run.seed if saved is not None else 0)
-  examples = _problems(args, saved, seed)
+  try:  # an empty or damaged run, a bad model directory or data set: one line, no traceback
+    model, tok, saved = _policy(args)
+    seed = args.seed if args.seed is not None else (saved.run.seed if saved is not None else 0)
+    examples = _problems(args, saved, seed)
+  except (CheckpointError, ValueError, OSError) as e:
+    _bad_input(e)
   enc = data.encode_prompts(tok, examples, max_prompt_tokens=args.max_prompt_tokens)
   answers = [examples[i].answer for i in enc.kept]
   pad_id, eos_ids = builders.special_ids(tok)

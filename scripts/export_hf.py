@@ -11,7 +11,10 @@ checkpoint (``jaxgrpo.builders.load_policy``). The checkpoint's files are verifi
 manifest first. A LoRA/QLoRA checkpoint (adapters only) is restored onto its rebuilt base model
 (refused if the base weights differ from the ones it was trained on), merged into OUT, and its
 adapters are also written as a PEFT adapter directory (``--peft-out``, default ``OUT-peft``) that
-``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the transformers base model.
+``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the transformers base model, named in its
+``base_model_name_or_path``: ``model.path``, or for the synthetic model ``OUT-base``, the base written
+there. The synthetic base is read from the run's ``checkpoints/base`` (no warm-up re-run) when the run
+stored it.
 """
 
 from __future__ import annotations

@@ -2,15 +2,16 @@
 """Train a policy with GRPO / λ-GRPO / FRPO / λ-FRPO on a math set.
 
     python scripts/train.py --config scripts/configs/demo.yaml                 # offline CPU demo
-    python scripts/train.py --config scripts/configs/lambda_grpo_openrs.yaml --mesh fsdp=-1 --out runs/x
+    python scripts/train.py --config scripts/configs/lambda_grpo_openrs.yaml --devices.mesh fsdp=-1 --run.out runs/x
 
 Every field of ``jaxgrpo.specs.TrainerConfig`` can be overridden on the command line as
 ``--section.field value`` (or ``--section.field=value``; dashes and underscores are interchangeable),
-e.g. ``--rollout.group_size 8 --objective.beta 0.04 --model.synthetic.hidden_size 32``. The old flat
-names are short forms (``--preset``, ``--steps``, ``--out``, ``--mesh``, ``--beta``, ``--group_size``,
-``--learning_rate``, ...; the table is ``jaxgrpo.specs.FLAT_KEYS``). Values are parsed as YAML, so
-``--reward.weights '{accuracy: 1.0, format: 0.1}'``, ``--optim.learning_rate 1e-6`` and ``--beta null``
-work. Every value is checked before anything is built. The resolved config is printed at start and
+e.g. ``--rollout.group_size 8 --objective.beta 0.04 --model.synthetic.hidden_size 32``, on top of
+``--config`` or, without it, of the defaults (the arithmetic demo). A key of the earlier flat config
+(``--steps``, ``--out``, ``--beta``, ...) is an error naming its dotted form (``--run.steps``). Values are
+parsed as YAML, so ``--reward.weights '{accuracy: 1.0, format: 0.1}'``, ``--optim.learning_rate 1e-6``
+and ``--eval.dataset null`` work (``nan``/``inf`` are numbers, refused as non-finite). Every value is
+checked before anything is built. The resolved config is printed at start and
 written to ``OUT/config.json``; metrics go to ``OUT/metrics.jsonl`` (one JSON object per step and per
 evaluation) and ``OUT/curves.png``.
 
@@ -20,8 +21,10 @@ pod or cluster every host runs the same command with ``--devices.distributed tru
 ``jax.distributed.initialize()`` reads the cluster's settings (TPU, Slurm, MPI, or ``JAX_*`` variables /
 ``--devices.coordinator_address``, ``--devices.num_processes``, ``--devices.process_id``).
 
-Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values or a failed
-checkpoint save; 2 a bad config, file, mesh or checkpoint (one ``error:`` line, no traceback;
+Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values, a collapsed
+policy (``--on-collapse``), a failed
+checkpoint save or a failed metrics write (a full disk: the current step is checkpointed first); 2 a bad config, file, mesh or checkpoint, or ``OUT`` in use by another run (its lock,
+``jaxgrpo.runlock``, names the holder's pid and host) (one ``error:`` line, no traceback;
 ``--traceback`` shows it); 3 (several processes) another process died or failed: this one was stopped,
 naming it; 128 + signal number after SIGTERM (143) or SIGINT (130): the step in progress was finished
 and checkpointed, or, after a second signal, abandoned.
@@ -62,17 +65,17 @@ if __name__ == "__main__":
 
 import jax  # after XLA_FLAGS
 
-from jaxgrpo import checkpoint, distributed, metrics, specs
+from jaxgrpo import checkpoint, collapse, distributed, metrics, runlock, specs
 from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
+from jaxgrpo.collapse import PolicyCollapsed
+from jaxgrpo.metrics import MetricsWriteError
 from jaxgrpo.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
-
-# script flags that set a config field
-_FIELD_FLAGS = {"keep_checkpoints": "checkpoint.keep", "best_metric": "checkpoint.best_metric"}
 
 
 def parse_args(argv=None):
-  """``(args, overrides)``: the script's own flags, and ``{config key: value}`` for every
-  ``--key value`` (dotted keys or flat short forms, as typed; checked against the config)."""
+  """``(args, overrides)``: the script's own flags, and ``{dotted config key: value}`` for every
+  ``--key value`` (checked against the config; a key that is not a field is an error naming the
+  dotted key it most likely means)."""
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
   )
@@ -88,13 +91,6 @@ def parse_args(argv=None):
     action="store_true",
     help="resume even when the learning rate or group size differ from the checkpoint's",
   )
-  p.add_argument("--keep-checkpoints", type=int, default=None, help="checkpoint.keep: keep the last K (default 3)")
-  p.add_argument(
-    "--best-metric",
-    default=None,
-    help="checkpoint.best_metric: also keep the best checkpoint by this eval metric ('': none; default eval_accuracy)",
-  )
-  p.add_argument("--sync-checkpoints", action="store_true", help="checkpoint.async_save false: write in the foreground")
   p.add_argument(
     "--tensorboard",
     action=argparse.BooleanOptionalAction,
@@ -125,11 +121,37 @@ def parse_args(argv=None):
     "or keep training and try again at the next save",
   )
   p.add_argument(
+    "--on-corrupt",
+    choices=checkpoint.ON_CORRUPT,
+    default="quarantine",
+    help="a corrupt latest checkpoint (a file missing or altered): move it aside to <step>.corrupt-<time> and "
+    "resume from the previous complete one (default), or stop (exit 2)",
+  )
+  p.add_argument(
     "--on-nonfinite-loss",
     choices=("stop", "continue"),
     default="stop",
     help="stop (default, exit 1) or go on when a step's loss is NaN/inf while the parameters are still finite "
     "(non-finite parameters or optimizer state always stop; they are never saved)",
+  )
+  p.add_argument(
+    "--on-collapse",
+    choices=collapse.ACTIONS,
+    default="stop",
+    help="a policy that collapses with finite values (entropy near ln V, see --collapse-entropy-frac and "
+    "--collapse-zero-reward-steps): stop before the step is saved (default, exit 1), warn, or off",
+  )
+  p.add_argument(
+    "--collapse-entropy-frac",
+    type=float,
+    default=0.95,
+    help="collapsed when the entropy reaches this fraction of ln V after it was at most ln V / 2 (default 0.95)",
+  )
+  p.add_argument(
+    "--collapse-zero-reward-steps",
+    type=int,
+    default=0,
+    help="collapsed after N consecutive steps of zero mean reward that follow a non-zero one (default 0: off)",
   )
   p.add_argument(
     "--traceback",
@@ -142,12 +164,6 @@ def parse_args(argv=None):
   if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
     p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
   overrides = {}
-  for flag, key in _FIELD_FLAGS.items():
-    value = getattr(args, flag)
-    if value is not None:
-      overrides[key] = (value or None) if flag == "best_metric" else value
-  if args.sync_checkpoints:
-    overrides["checkpoint.async_save"] = False
   i = 0
   while i < len(rest):
     tok = rest[i]
@@ -264,8 +280,16 @@ def _report(error: BaseException, ckpt) -> CliExit:
     msg = f"stopped by {name} after step {error.step}; {what}"
     print(msg, file=sys.stderr, flush=True)
     return CliExit(128 + error.signum, msg)
-  if isinstance(error, NonFiniteError):
+  if isinstance(error, (NonFiniteError, PolicyCollapsed)):
     msg = f"error: {error} ({_latest(ckpt)})"
+  elif isinstance(error, MetricsWriteError):  # a full disk: say whether the steps done were kept
+    kept = (
+      f"checkpoint of step {error.step} complete in {ckpt.directory}" if error.step in ckpt.steps() else _latest(ckpt)
+    )
+    msg = (
+      f"error: {error}. {kept}: free space (df -h {os.path.dirname(error.path)}), then run the same command "
+      "again to resume (a line cut short at the end of metrics.jsonl is dropped then)"
+    )
   else:  # CheckpointSaveError: its message says what is kept
     msg = f"error: {error}"
   print(msg, file=sys.stderr, flush=True)
@@ -285,19 +309,24 @@ def main(argv=None):
     heartbeat = max(10, int(2 * dev.host_timeout_s))  # JAX's own timeout after the watchdog's named stop
     distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id, heartbeat_timeout=heartbeat)
   # another process's death or error stops this one with a message naming it (exit status 3)
-  with distributed.watch_hosts(dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError)):
+  with distributed.watch_hosts(dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError, PolicyCollapsed)):
     return _train(args, cfg, t_wall, t_cpu)
 
 
 def _train(args, cfg, t_wall: float, t_cpu: float):
   out = cfg.run.out
+  if jax.process_index() == 0:  # one run per output directory: a second one is refused (exit 2)
+    try:
+      lock = runlock.RunLock(out).acquire()  # noqa: F841 - held until this process ends
+    except runlock.RunDirLocked as e:
+      _fail(2, f"error: {e}")
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   if not resume and has_checkpoint:
     _fail(
       2,
       f"error: {checkpoint.checkpoint_dir(out)} holds checkpoints of an earlier run and --no-resume "
-      f"was given: use another --out, or delete them to start over (nothing was overwritten)",
+      f"was given: use another --run.out, or delete them to start over (nothing was overwritten)",
     )
   is_main = jax.process_index() == 0
   say = (lambda s: print(s, flush=True)) if is_main else (lambda s: None)
@@ -305,6 +334,8 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   say(f"objective: {cfg.objective}")
   say(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}")
   ck = cfg.checkpoint
+  global _CHECKPOINTS
+  _CHECKPOINTS = checkpoint.checkpoint_dir(out)
   with _input_errors(args):
     ckpt = checkpoint.Checkpointer(
       checkpoint.checkpoint_dir(out),
@@ -314,8 +345,14 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       log=say,
       allow_changed=args.allow_changed_config,
       on_save_error=args.on_save_error,
+      on_corrupt=args.on_corrupt,
     )
   with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
+    guard = collapse.CollapseGuard(
+      action=args.on_collapse,
+      entropy_frac=args.collapse_entropy_frac,
+      zero_reward_steps=args.collapse_zero_reward_steps,
+    )
     if resume:  # refuse a mismatching checkpoint before the model is built
       ckpt.check_run(run_meta(cfg))
     trainer = Trainer(
@@ -324,6 +361,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       checkpoint_fn=ckpt.checkpoint_fn,
       restore_fn=ckpt.restore_fn if resume else None,
       stop_on_nonfinite_loss=args.on_nonfinite_loss == "stop",
+      collapse_guard=guard,
     )
   tensorboard = args.tensorboard
   if tensorboard is None:
@@ -345,7 +383,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   with trainer.handle_signals():  # also while the last checkpoint is written
     try:
       records = trainer.run()
-    except (TrainingInterrupted, NonFiniteError, CheckpointSaveError) as e:
+    except (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError) as e:
       stopped = e
     except KeyboardInterrupt:  # a second signal: exit at once, without waiting for the save in flight
       raise
@@ -358,7 +396,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   if stopped is None and closing:
     stopped = closing[0]
   if stopped is not None:
-    if args.traceback or not isinstance(stopped, (TrainingInterrupted, NonFiniteError, CheckpointSaveError)):
+    if args.traceback or not isinstance(
+      stopped, (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError)
+    ):
       raise stopped
     raise _report(stopped, ckpt)
   if trainer.stop_signal is not None:
@@ -388,16 +428,26 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   return records
 
 
+#: the run's checkpoint directory once known (what _abort reports)
+_CHECKPOINTS: str | None = None
+
+
 def _abort(signum: int) -> None:
   """After a second signal (or Ctrl-C before training started): exit at once, without waiting for
-  a save in flight (its temporary directory is ignored and removed by the next run)."""
+  a save in flight (its temporary directory is ignored and removed by the next run). Says which
+  checkpoint is complete on disk at this moment, the one the next run resumes from."""
   name = signal.Signals(signum).name
-  print(
-    f"\naborted by {name}: a checkpoint being written is abandoned; the next run resumes from the latest "
-    "complete checkpoint",
-    file=sys.stderr,
-    flush=True,
-  )
+  if _CHECKPOINTS is None:
+    where = "nothing was saved yet"
+  else:
+    steps = checkpoint.complete_steps(_CHECKPOINTS, log=None)
+    where = (
+      f"the latest complete checkpoint is step {steps[-1]} ({os.path.join(_CHECKPOINTS, str(steps[-1]))}): "
+      "the next run resumes from it"
+      if steps
+      else f"there is no complete checkpoint in {_CHECKPOINTS}: the next run starts from step 0"
+    )
+  print(f"\naborted by {name}: a checkpoint being written is abandoned; {where}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(128 + signum)
 

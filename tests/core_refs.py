@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import strategies as st
 
@@ -81,19 +83,27 @@ def rloo_advantages(rewards, group_ids):
   return out
 
 
+def exp_tangent(x, c):
+  """float64 exp(x) for x <= c; beyond c the tangent line of exp at c, e^c + e^c (x - c)."""
+  x = np.asarray(x, np.float64)
+  with np.errstate(over="ignore"):
+    return np.where(x <= c, np.exp(np.minimum(x, c)), math.exp(c) + math.exp(c) * (x - c))
+
+
 def kl(lp, rlp, kind, max_delta=20.0):
-  """Per-token KL estimators in float64; δ clamped to ±max_delta only inside the exponentials."""
+  """Per-token KL estimators in float64; every exponential continued by its tangent past e^max_delta."""
   d = np.asarray(lp, np.float64) - np.asarray(rlp, np.float64)
-  c = np.clip(d, -max_delta, max_delta)
-  return {"k1": d, "k2": d**2 / 2, "k3": np.exp(-c) + d - 1, "forward_k3": np.exp(c) - d - 1}[kind]
+  u, v = exp_tangent(-d, max_delta), exp_tangent(d, max_delta)
+  return {"k1": d, "k2": d**2 / 2, "k3": u + d - 1, "forward_k3": v - d - 1}[kind]
 
 
 def future_kl(lp, rlp, mask, kind, max_delta=20.0):
   """FRPO's reg(i,t) by explicit loops (float64), from the f-divergence form of FRPO Thm 4.1:
-  reg(t) = f(u_t) - f'(u_t) u_t + Σ_{j>t, m_j} f(u_j), u = exp(-δ) with δ clamped only inside exp."""
+  reg(t) = f(u_t) - f'(u_t) u_t + Σ_{j>t, m_j} f(u_j), u = exp(-δ) continued by its tangent past
+  e^max_delta (``exp_tangent``)."""
   b, t = np.shape(lp)
   d = np.asarray(lp, np.float64) - np.asarray(rlp, np.float64)
-  u = np.exp(-np.clip(d, -max_delta, max_delta))
+  u = exp_tangent(-d, max_delta)
   out = np.zeros((b, t))
   for i in range(b):
     for s in range(t):

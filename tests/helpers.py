@@ -102,13 +102,17 @@ def ref_advantages(config, batch):
   return a.astype(np.float32)
 
 
-def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None, advantages=None, token_weights=None):
+def reference_update(
+  model, batch, config, *, lr, max_grad_norm, rows=None, advantages=None, token_weights=None, loss_mask=None
+):
   """Parameters after one plain SGD step on the full-batch loss, written out by hand.
 
   rows: optional row indices: the advantages and λ weights come from the whole batch, the loss (and
   its denominator) from these rows only — one PPO mini-batch.
   advantages, token_weights: NumPy ``[B]``/``[B, T]`` and ``[B, T]`` used instead of the config's
   (``advantages`` given: no λ weights unless ``token_weights`` is given too).
+  loss_mask: NumPy ``bool[B, T]``, the tokens in the loss (default ``batch.mask``; the attention always
+  covers ``batch.mask``, the λ sizes are always over ``batch.mask``) — a multi-turn policy mask.
 
   Returns ``(new_params_flat {path: array}, metrics {name: float}, new nnx.State)``.
   """
@@ -121,7 +125,7 @@ def reference_update(model, batch, config, *, lr, max_grad_norm, rows=None, adva
   graphdef, params = nnx.split(model)
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
-  m = jnp.asarray(batch.mask, jnp.float32)
+  m = jnp.asarray(batch.mask if loss_mask is None else loss_mask, jnp.float32)
   old = jnp.asarray(batch.old_logp)
   ref = jnp.zeros_like(old) if batch.ref_logp is None else jnp.asarray(batch.ref_logp)  # read only when β > 0
   adv = jnp.asarray(ref_advantages(config, batch) if advantages is None else np.asarray(advantages, np.float32))

@@ -59,6 +59,38 @@ def tiny_hf_config(family: str, *, tied: bool = False, vocab_size: int = 128) ->
   raise ValueError(f"unknown family {family!r}")
 
 
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+
+def tiny_moe_config(family: str, *, tied: bool = False, vocab_size: int = 128, **overrides) -> dict:
+  """A 3-layer, width-32 mixture-of-experts config dict: Qwen3-MoE (8 experts, top-2, renormalised,
+  layer 1 dense via ``mlp_only_layers``) or Qwen2-MoE (4 experts, top-2, shared expert of width 40)."""
+  common = dict(
+    vocab_size=vocab_size,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=tied,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    moe_intermediate_size=24,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+  )
+  if family == "qwen3_moe":
+    cfg = dict(model_type="qwen3_moe", **common, head_dim=16, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1])
+  elif family == "qwen2_moe":
+    cfg = dict(
+      model_type="qwen2_moe", **common, num_experts=4, norm_topk_prob=False, shared_expert_intermediate_size=40
+    )
+  else:
+    raise ValueError(f"unknown MoE family {family!r}")
+  return {**cfg, **overrides}
+
+
 def build_hf_model(config: dict, seed: int = 0):
   """The transformers CausalLM of ``config`` (float32, eval mode) with every weight randomised."""
   torch = pytest.importorskip("torch")

@@ -162,18 +162,71 @@ def test_truncated_file_clear_error_nothing_changed_previous_resumes(tmp_path):
   with open(data, "r+b") as f:
     f.truncate(os.path.getsize(data) // 2)
   before = {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
-  c = ck.Checkpointer(root, log=None)
+  c = ck.Checkpointer(root, log=None, on_corrupt="stop")
   with pytest.raises(ck.CheckpointError) as e:
     c.restore_fn(CFG, _state(0))
   msg = str(e.value)
   assert "corrupt" in msg and os.path.relpath(data, os.path.join(root, "2")) in msg and "truncated" in msg
-  assert "Earlier complete checkpoints: [1]" in msg
+  assert "Recovery: move it aside" in msg and "earlier complete step ([1]; e.g. --step 1)" in msg
+  assert "--on-corrupt quarantine" in msg
   after = {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
   assert after == before  # a failed restore changes nothing
   _assert_same_state(c.restore(_state(0), CFG, step=1), _state(1))
   os.rename(os.path.join(root, "2"), os.path.join(root, "2.corrupt"))  # what the message suggests
   _assert_same_state(c.restore_fn(CFG, _state(0)), _state(1))
   c.close()
+
+
+@pytest.mark.parametrize("lost", ["params/_METADATA", "meta/metadata"])
+def test_corrupt_latest_step_is_quarantined_and_the_previous_one_resumes(tmp_path, lost):
+  """A file of the newest step gone. Before: every restart stopped with the same error (rc 2 from
+  scripts/train.py; `meta/metadata` with no recovery hint), so a restarting scheduler looped.
+  Default now: the step is renamed (nothing deleted), a WARNING names the file, the previous step is
+  resumed, and that step is saved again; a second restart finds nothing corrupt."""
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None) as c:
+    for step in (1, 2, 3):
+      c.save(_state(step), CFG)
+  files_before = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+  os.remove(os.path.join(root, "3", lost))
+  with pytest.raises(ck.CheckpointError) as e:  # what --on-corrupt stop does: one error naming the recovery
+    ck.Checkpointer(root, log=None, on_corrupt="stop").check_run(CFG)
+  assert f"{lost}: missing" in str(e.value) and "Recovery: move it aside" in str(e.value)
+  assert ck.complete_steps(root, log=None) == [1, 2, 3]  # stop changes nothing
+  logged = []
+  c = ck.Checkpointer(root, log=logged.append)
+  assert c.check_run(CFG) == 2
+  (aside,) = [n for n in os.listdir(root) if n.startswith("3.corrupt-")]
+  (warning,) = [m for m in logged if m.startswith("WARNING:")]
+  assert f"checkpoint {root}/3 is corrupt" in warning and f"{lost}: missing" in warning
+  assert f"moved aside to {root}/{aside}" in warning and "resuming from the previous complete step 2" in warning
+  assert "--on-corrupt stop" in warning
+  _assert_same_state(c.restore_fn(CFG, _state(0)), _state(2))
+  c.save(_state(3, seed=1), CFG)  # the resumed run saves step 3 again
+  c.close()
+  kept = sorted(
+    os.path.relpath(os.path.join(d, f), os.path.join(root, aside))
+    for d, _, fs in os.walk(os.path.join(root, aside))
+    for f in fs
+  )
+  assert kept == sorted(os.path.relpath(f, "3") for f in files_before if f.startswith("3/") and f != f"3/{lost}")
+  logged.clear()
+  c = ck.Checkpointer(root, log=logged.append)  # the next restart: nothing corrupt any more
+  _assert_same_state(c.restore_fn(CFG, _state(0)), _state(3, seed=1))
+  assert not [m for m in logged if "WARNING" in m or "is corrupt" in m]
+  c.close()
+
+
+def test_only_step_corrupt_starts_fresh(tmp_path):
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(_state(1), CFG)
+  os.remove(os.path.join(root, "1", "params", "_METADATA"))
+  logged = []
+  with ck.Checkpointer(root, log=logged.append) as c:
+    assert c.restore_fn(CFG, _state(0)) is None
+  assert any("no earlier complete step" in m for m in logged)
+  assert [n for n in os.listdir(root) if n.startswith("1.corrupt-")]
 
 
 def test_flipped_bytes_are_caught_by_the_checksum(tmp_path):
@@ -254,6 +307,23 @@ def test_keeps_last_k_and_best_by_eval_metric(tmp_path):
         c.observe({"step": s, "eval_accuracy": evals[s]})
       c.save(_state(s), CFG)
   assert ck.complete_steps(root2, log=None) == [4, 7]
+
+
+def test_best_checkpoint_survives_a_restart_and_a_collapse(tmp_path):
+  """A good run (eval 0.6 at step 2), then a restart with a learning rate that collapses the policy
+  (finite parameters, eval 0.0 from then on). Before: Orbax kept the metrics in memory only, so the
+  restarted run's keep-last-2 deleted step 2 with every newer save."""
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, max_to_keep=2, best_metric="eval_accuracy", log=None) as c:
+    for s, acc in ((1, 0.2), (2, 0.6), (3, 0.4)):
+      c.observe({"step": s, "eval_accuracy": acc})
+      c.save(_state(s), CFG)
+  with ck.Checkpointer(root, max_to_keep=2, best_metric="eval_accuracy", log=None) as c:  # the restart
+    for s in range(4, 9):
+      c.observe({"step": s, "eval_accuracy": 0.0 if s % 2 == 0 else float("nan")})  # collapsed
+      c.save(_state(s), CFG)
+  assert ck.complete_steps(root, log=None) == [2, 7, 8]
+  _assert_same_state(ck.Checkpointer(root, log=None).restore(_state(0), CFG, step=2), _state(2))
 
 
 def test_sync_saving_writes_the_manifest_too(tmp_path):

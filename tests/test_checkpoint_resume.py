@@ -80,7 +80,7 @@ def env(tmp_path_factory):
 
 
 def _train(env, out, steps, *extra, devices=None):
-  cmd = [sys.executable, TRAIN, *ARGS, "--out", str(out), "--steps", str(steps), *extra]
+  cmd = [sys.executable, TRAIN, *ARGS, "--run.out", str(out), "--run.steps", str(steps), *extra]
   if devices:
     cmd += ["--cpu-devices", str(devices)]
   r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -138,7 +138,7 @@ def test_resume_is_exact(straight, env, tmp_path):
   assert os.listdir(run / "tensorboard")  # event files written
   # --no-resume on a directory with checkpoints refuses instead of mixing two runs
   r = subprocess.run(
-    [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "6", "--no-resume"],
+    [sys.executable, TRAIN, *ARGS, "--run.out", str(run), "--run.steps", "6", "--no-resume"],
     env=env,
     capture_output=True,
     text=True,
@@ -148,7 +148,7 @@ def test_resume_is_exact(straight, env, tmp_path):
   assert r.returncode != 0 and "holds checkpoints of an earlier run" in r.stderr
   # a changed learning rate is refused (before the model is built) unless allowed explicitly
   r = subprocess.run(
-    [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "7", "--optim.learning_rate", "1e-3"],
+    [sys.executable, TRAIN, *ARGS, "--run.out", str(run), "--run.steps", "7", "--optim.learning_rate", "1e-3"],
     env=env,
     capture_output=True,
     text=True,
@@ -193,7 +193,7 @@ def test_sigkill_at_random_moments_then_resume(straight, env, tmp_path):
     if done and done[-1] >= kill_after:
       continue
     delay = rng.choice([0.0, rng.uniform(0.0, 0.3)])
-    cmd = [sys.executable, TRAIN, *ARGS, "--out", str(run), "--steps", "6"]
+    cmd = [sys.executable, TRAIN, *ARGS, "--run.out", str(run), "--run.steps", "6"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     lines = []
     for line in proc.stdout:

@@ -15,16 +15,27 @@ arithmetic run of test_checkpoint_resume.py, with the verifier in its worker pro
   at once; no verifier worker outlives the trainer;
 * bad inputs (truncated or garbage safetensors, a mesh that fits neither the devices nor the model
   nor the batch): exit 2 with one ``error:`` line, no traceback, no stray "cannot schedule new
-  futures after interpreter shutdown".
+  futures after interpreter shutdown";
+* a collapse with finite values (learning rate 1e6: entropy → ln V): the run stops naming the step,
+  the good checkpoints are kept (before: exit 0, keep-last-K deleted them);
+* a second run into the same ``--out``: refused in one line naming the first one's pid and host
+  (before: both exit 0, overwriting each other); a SIGKILLed holder releases the lock;
+* a full disk while writing ``metrics.jsonl``: one line, a checkpoint of the current step, and a
+  resumed run that drops the line cut short (before: a raw traceback, no checkpoint);
+* a corrupt newest step: quarantined and the previous one resumed (``--on-corrupt stop``: one line
+  naming the recovery) (before: exit 2 at every restart);
+* ``scripts/eval.py --checkpoint`` on an empty or damaged run: one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +46,7 @@ from helpers import cli_env
 from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records
 
 from jaxgrpo import checkpoint as ck
+from jaxgrpo import runlock
 from jaxgrpo.builders import export_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -50,7 +62,7 @@ def env(tmp_path_factory):
 
 
 def _cmd(out, steps, *extra):
-  return [sys.executable, TRAIN, *RUN_ARGS, "--out", str(out), "--steps", str(steps), *extra]
+  return [sys.executable, TRAIN, *RUN_ARGS, "--run.out", str(out), "--run.steps", str(steps), *extra]
 
 
 def _run(env, out, steps, *extra, expect=0):
@@ -101,7 +113,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(runs, env, tmp_pat
   two later. Before: exit 0, checkpoints 7 and 8 full of NaN, the good ones deleted (keep 2)."""
   out = tmp_path / "run"
   shutil.copytree(runs / "three", out)
-  r = _run(env, out, 8, "--optim.learning-rate", "1e30", "--allow-changed-config", "--keep-checkpoints", "2", expect=1)
+  r = _run(env, out, 8, "--optim.learning-rate", "1e30", "--allow-changed-config", "--checkpoint.keep", "2", expect=1)
   m = re.search(
     r"error: training stopped at step (\d+): non-finite values; first non-finite metric: (\S+) = ([-a-z]+)", r.stderr
   )
@@ -124,16 +136,16 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(runs, env, tmp_pat
 
 
 def test_step_without_manifest_restarts_twice_and_finishes(runs, env, tmp_path):
-  """What a kill between Orbax's rename and the manifest write left with --sync-checkpoints (older
+  """What a kill between Orbax's rename and the manifest write left with --checkpoint.async_save false (older
   versions): step 3 without its manifest. Before: resume from 2, StepAlreadyExistsError on saving
   3, at every restart."""
   out = tmp_path / "run"
   shutil.copytree(runs / "three", out)
   os.remove(out / "checkpoints" / "3" / ck.MANIFEST)
-  r = _run(env, out, 5, "--sync-checkpoints")
+  r = _run(env, out, 5, "--checkpoint.async-save", "false")
   assert re.search(r"checkpoints/3 has no jaxgrpo_manifest.json .*moved aside to \S+/3\.incomplete-", r.stdout)
   assert re.search(r"resumed from checkpoint \S+ \(step 2\)", r.stdout)
-  r = _run(env, out, 6, "--sync-checkpoints")  # the second restart
+  r = _run(env, out, 6, "--checkpoint.async-save", "false")  # the second restart
   assert re.search(r"resumed from checkpoint \S+ \(step 5\)", r.stdout)
   assert _complete(out) == [4, 5, 6]
   assert [n for n in os.listdir(out / "checkpoints") if ".incomplete-" in n]  # kept for inspection
@@ -159,7 +171,7 @@ def test_disk_full_on_a_small_tmpfs(runs, env, tmp_path):
   if m.returncode != 0:
     pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
   try:
-    r = _run(env, out, 6, "--keep-checkpoints", "2", expect=1)
+    r = _run(env, out, 6, "--checkpoint.keep", "2", expect=1)
     failed = re.search(r"error: checkpoint save of step (\d+) failed: ENOSPC \(No space left on device\)", r.stdout)
     assert failed, r.stdout[-3000:]  # reported at once, in the log
     step = int(failed.group(1))
@@ -181,7 +193,7 @@ def test_injected_write_error_with_on_save_error_continue(runs, env, tmp_path):
   --on-save-error continue the run goes on, the next saves succeed and it exits 0 with a warning."""
   out = tmp_path / "run"
   proc = subprocess.Popen(
-    _cmd(out, 6, "--keep-checkpoints", "2", "--on-save-error", "continue"),
+    _cmd(out, 6, "--checkpoint.keep", "2", "--on-save-error", "continue"),
     env=env,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -281,7 +293,7 @@ def test_sigterm_during_a_background_save_finishes_it_and_checkpoints(runs, env,
   m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint of step \1 complete", stderr)
   assert m and "SIGTERM received: finishing the current step" in stderr, stderr
   stop = int(m.group(1))
-  assert stop >= 2 and f"SIGTERM: stopped after step {stop} (checkpoint of step {stop} written)" in stdout
+  assert stop >= 2 and f"SIGTERM: stopping after step {stop} (checkpoint of step {stop} started;" in stdout
   assert _complete(out)[-2:] == [stop - 1, stop] and _no_temporary_dirs(out)  # the save in flight was finished
   for s in _complete(out):
     ck.verify_step(str(out / "checkpoints" / str(s)))
@@ -327,6 +339,13 @@ def test_second_sigint_aborts_at_once(runs, env, tmp_path):
   print(f"second SIGINT: exited {seconds:.2f} s after the first signal")
   _assert_no_child_left(children)
   done = _complete(out)
+  # what is said is true (before: "SIGINT: stopped after step 2 (checkpoint of step 2 written)" with
+  # step 2's background write abandoned by the second signal)
+  claimed = [int(n) for n in re.findall(r"checkpoint of step (\d+) (?:written|complete)", stdout + stderr)]
+  assert set(claimed) <= set(done), (claimed, done, stdout[-2000:])
+  assert (
+    f"the latest complete checkpoint is step {done[-1]} ({out}/checkpoints/{done[-1]}): the next run resumes" in stderr
+  )
   r = _run(env, out, 6)  # an abandoned save is ignored; the run resumes from the latest complete step
   assert re.search(rf"resumed from checkpoint \S+ \(step {done[-1]}\)", r.stdout)
   _assert_same_as_straight(runs, out)
@@ -344,7 +363,7 @@ def hf_dir(runs, tmp_path_factory):
 
 
 def _bad_run(env, out, *extra):
-  cmd = [sys.executable, TRAIN, *RUN_ARGS, "--out", str(out), "--steps", "2", *extra]
+  cmd = [sys.executable, TRAIN, *RUN_ARGS, "--run.out", str(out), "--run.steps", "2", *extra]
   r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
   _clean_failure(r.stderr)
@@ -370,10 +389,174 @@ def test_bad_safetensors_one_clear_line(hf_dir, env, tmp_path, damage):
 
 
 def test_mesh_that_does_not_fit_one_clear_line(env, tmp_path):
-  line = _bad_run(env, tmp_path / "a", "--mesh", "tensor=3")
+  line = _bad_run(env, tmp_path / "a", "--devices.mesh", "tensor=3")
   assert "mesh spec 'tensor=3' has 3 devices" in line and "there are 1 devices" in line
-  line = _bad_run(env, tmp_path / "b", "--mesh", "fsdp=-1", "--cpu-devices", "3")  # width 32 over 3
+  line = _bad_run(env, tmp_path / "b", "--devices.mesh", "fsdp=-1", "--cpu-devices", "3")  # width 32 over 3
   assert re.search(r"devices.mesh 'fsdp=-1' \(3 devices\) does not fit: \S+: dim \d \('embed', size 32\)", line)
   assert "mesh data=1 × fsdp=3 × tensor=1 over 3 devices" in line
-  line = _bad_run(env, tmp_path / "c", "--mesh", "data=3", "--cpu-devices", "3")  # 2 prompts × 4 = 8 rows
+  line = _bad_run(env, tmp_path / "c", "--devices.mesh", "data=3", "--cpu-devices", "3")  # 2 prompts × 4 = 8 rows
   assert "devices.mesh 'data=3' (3 devices) does not fit: the rollout batch" in line and "size 8" in line
+
+
+# ----------------------------------------------------------------------------- collapse without NaN
+
+
+def test_collapse_without_nan_stops_and_keeps_the_good_checkpoints(runs, env, tmp_path):
+  """Resumed with a learning rate of 1e6: the parameters stay finite but the policy becomes uniform
+  (entropy = ln 128 from step 5 on, reward 0). Before: exit 0, and keep-last-2 deleted steps 3 and 4
+  in favour of collapsed ones."""
+  out = tmp_path / "run"
+  shutil.copytree(runs / "three", out)
+  r = _run(env, out, 8, "--optim.learning-rate", "1e6", "--allow-changed-config", "--keep-checkpoints", "2", expect=1)
+  m = re.search(r"error: training stopped at step (\d+): the policy collapsed \(entropy (\S+) nats is", r.stderr)
+  assert m, r.stderr[-3000:]
+  bad = int(m.group(1))
+  assert bad >= 4 and float(m.group(2)) >= 0.95 * np.log(128)
+  assert (
+    f"Nothing of step {bad} was saved" in r.stderr and f"the last complete checkpoint is step {bad - 1}" in r.stderr
+  )
+  _clean_failure(r.stderr)
+  assert _complete(out) == [bad - 2, bad - 1]
+  entropy = {x["step"]: x["entropy"] for x in _records(out) if "entropy" in x}
+  assert entropy[bad - 1] < 0.5 * np.log(128)  # the kept checkpoints are from before the collapse
+
+
+# ----------------------------------------------------------------------------- one run per directory
+
+
+def test_second_run_into_the_same_out_is_refused(env, tmp_path):
+  """Two real runs into one --out. Before: both exit 0, the newest checkpoint holds the second run's
+  tensors and metrics.jsonl interleaves both. The lock goes with a SIGKILLed holder."""
+  out = tmp_path / "run"
+  # 500 steps: still running while the second run starts (it is killed below)
+  first = subprocess.Popen(_cmd(out, 500), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  try:
+    for line in first.stdout:
+      if line.startswith("step 1 loss"):
+        break
+    metrics_before = (out / "metrics.jsonl").read_bytes()
+    r = _run(env, out, 6, expect=2)
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert f"error: {out} is in use by another run: pid {first.pid} on host {socket.gethostname()}" in line
+    assert "use another --out" in line and "resolved config" not in r.stdout  # refused before anything ran
+    _clean_failure(r.stderr)
+    assert (out / "metrics.jsonl").read_bytes()[: len(metrics_before)] == metrics_before
+  finally:
+    first.kill()  # SIGKILL: no handler, no finally
+    first.communicate(timeout=60)
+  with runlock.RunLock(out) as lock:  # the kernel released the lock with the process
+    assert lock.held
+
+
+# ----------------------------------------------------------------------------- disk full: metrics
+
+
+def _fill(path) -> None:
+  """Writes ``path`` until its file system has no byte left."""
+  with open(path, "wb", buffering=0) as f:
+    for chunk in (1 << 16, 4096, 1):
+      try:
+        while True:
+          f.write(b"\0" * chunk)
+      except OSError:
+        pass
+
+
+def test_disk_full_while_writing_metrics(runs, env, tmp_path):
+  """OUT on a small tmpfs (its checkpoints on a roomy one), filled up after step 1: the records go
+  on into the last page of metrics.jsonl until it is full (usually step 3 or 4), then one is cut.
+  Before: a raw traceback, a line cut at the page boundary, no checkpoint of that step."""
+  out = tmp_path / "run"
+  out.mkdir()
+  m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], capture_output=True, text=True)
+  if m.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
+  mounts = [out]
+  try:
+    (out / "checkpoints").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(out / "checkpoints")], check=True)
+    mounts.append(out / "checkpoints")
+    proc = subprocess.Popen(
+      _cmd(out, 6, "--no-tensorboard"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    lines = []
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("step 1 loss"):
+        _fill(out / "filler")
+        break
+    rest, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, "".join(lines[-20:]) + rest[-2000:] + stderr[-3000:]
+    m = re.search(
+      rf"error: writing the metrics of step (\d) to {out}/metrics.jsonl failed: ENOSPC \(No space left on device\); "
+      r"training stopped after step \1 \(a checkpoint of step \1 was started\)\. checkpoint of step \1 complete in ",
+      stderr,
+    )
+    assert m, stderr[-3000:]
+    full = int(m.group(1))
+    assert 2 <= full <= 6
+    _clean_failure(stderr)
+    assert _complete(out)[-1] == full
+    cut = not (out / "metrics.jsonl").read_bytes().endswith(b"\n")
+    print(f"the disk filled at step {full}; metrics.jsonl ended with a cut line: {cut}")
+    os.remove(out / "filler")
+    r = _run(env, out, 6, "--no-tensorboard")
+    assert re.search(rf"resumed from checkpoint \S+ \(step {full}\)", r.stdout)
+    lines = (out / "metrics.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b""
+    records = [json.loads(x) for x in lines[:-1]]  # every line whole: a cut one was dropped
+    steps = [x["step"] for x in records if "loss" in x]
+    assert steps == [s for s in range(1, 7) if s != full]  # the record that did not fit was never written
+    want, got = _params(runs / "straight"), _params(out)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  finally:
+    for mnt in reversed(mounts):
+      subprocess.run(["umount", str(mnt)], check=False)
+
+
+# ----------------------------------------------------------------------------- corrupt newest step
+
+
+def test_corrupt_newest_step_is_quarantined_and_the_run_resumes(runs, env, tmp_path):
+  """Step 3 without its meta item. Before: exit 2 at every restart, with no recovery hint."""
+  out = tmp_path / "run"
+  shutil.copytree(runs / "three", out)
+  os.remove(out / "checkpoints" / "3" / "meta" / "metadata")
+  r = _run(env, out, 4, "--on-corrupt", "stop", expect=2)
+  (line,) = [x for x in r.stderr.splitlines() if x.strip()]  # one line
+  assert line.startswith(f"error: checkpoint {out}/checkpoints/3 is corrupt: meta/metadata: missing. Recovery: ")
+  assert "move it aside" in line and "e.g. --step 2" in line and "--on-corrupt quarantine" in line
+  _clean_failure(r.stderr)
+  assert "supervised warm-up" not in r.stdout and _complete(out) == [1, 2, 3]  # refused before any work
+  r = _run(env, out, 4)
+  assert re.search(rf"WARNING: checkpoint {out}/checkpoints/3 is corrupt \(.*meta/metadata: missing", r.stdout)
+  assert re.search(
+    r"moved aside to \S+/3\.corrupt-\S+ \(kept, not deleted\); resuming from the previous complete step 2", r.stdout
+  )
+  assert re.search(r"resumed from checkpoint \S+ \(step 2\)", r.stdout)
+  assert _complete(out) == [2, 3, 4]
+  (aside,) = [n for n in os.listdir(out / "checkpoints") if n.startswith("3.corrupt-")]
+  assert (out / "checkpoints" / aside / "params").is_dir()  # nothing deleted
+
+
+# ----------------------------------------------------------------------------- eval.py
+
+
+@pytest.mark.parametrize("damage", ["empty", "meta/metadata", "params/_METADATA"])
+def test_eval_on_an_empty_or_damaged_run_one_clear_line(runs, env, tmp_path, damage):
+  out = tmp_path / "run"
+  if damage == "empty":
+    out.mkdir()
+  else:
+    shutil.copytree(runs / "three", out)
+    os.remove(out / "checkpoints" / "3" / damage)
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "eval.py"), "--checkpoint", str(out), "--arithmetic"]
+  r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+  _clean_failure(r.stderr)
+  (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+  if damage == "empty":
+    assert line == f"error: no complete checkpoint in {out}"
+  else:
+    assert "checkpoints/3" in line and "Recovery: move it aside" in line and "e.g. --step 2" in line

@@ -7,7 +7,9 @@
   D = 256, tied and untied, temperature ≠ 1, with and without the entropy's gradient, float32 and
   bfloat16 compute, chunk sizes that do and do not divide T;
 - the attention softmax and SwiGLU rules: the same forward values bit for bit, gradients equal to
-  autodiff of ``jax.nn.softmax`` / ``jax.nn.silu(g) * u``.
+  autodiff of ``jax.nn.softmax`` / ``jax.nn.silu(g) * u``;
+- ``forward_mode=True`` (plain autodiff instead of the three custom VJPs): ``jax.jvp`` and
+  ``jax.linearize`` through ``log_probs`` / ``completion_log_probs``.
 
 ``scripts/bench_head.py`` (smoke-tested here) shows what they save.
 """
@@ -205,3 +207,82 @@ def test_bench_head_smoke(capsys):
   assert "| +head |" in out and "ratio" in out
   assert set(res) == {"head", "head_times"} and set(res["head"]) == set(res["head_times"]) == {"autodiff", "+head"}
   assert all(s["flops"] > 0 and s["bytes"] > 0 for s in res["head"].values())
+
+
+# ----------------------------------------------------------------------------- forward mode (issue 23.6)
+
+
+def _tree_vdot(a, b):
+  return sum(
+    jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+
+
+@pytest.mark.slow  # ~15 s per case on an idle 2-core CPU (one compile of jvp, linearize, vjp and 2 forwards)
+@pytest.mark.parametrize("which", ["log_probs", "completion_log_probs"])
+def test_forward_mode_jvp_and_linearize_through_the_log_probs(which):
+  """``forward_mode=True``: the same log-probs; ``jax.jvp`` and ``jax.linearize`` work (the default's
+  custom VJPs refuse forward mode) and give the directional derivative ``J·t`` of the log-probs in a
+  random parameter direction ``t``: equal to central finite differences, and ``c·(J·t)`` equal to
+  ``(Jᵀc)·t`` from reverse mode through the hand-written gradients (an independent path)."""
+  from helpers import tiny_model
+
+  from jaxgrpo.models import completion_log_probs, log_probs
+
+  graphdef, params, rest = nnx.split(tiny_model(layers=1), nnx.Param, ...)
+  rng = np.random.default_rng(5)
+  tokens = jnp.asarray(rng.integers(0, 128, (3, 9)), jnp.int32)
+  mask = jnp.asarray(np.arange(9)[None, :] >= np.array([[0], [3], [1]]))  # left padding
+
+  def f(p, forward_mode=True):
+    model = nnx.merge(graphdef, p, rest)
+    if which == "log_probs":
+      return log_probs(model, tokens, mask, temperature=0.8, chunk_size=3, forward_mode=forward_mode)
+    logp, _ = completion_log_probs(
+      model,
+      tokens[:, :4],
+      mask[:, :4],
+      tokens[:, 4:],
+      mask[:, 4:] | True,
+      temperature=0.8,
+      chunk_size=2,
+      forward_mode=forward_mode,
+    )
+    return logp
+
+  # a direction on the parameters' own scale (their init std is 0.02): central differences stay linear
+  t = jax.tree.map(lambda x: jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype), params)
+  c = jnp.asarray(rng.standard_normal(f(params, False).shape), jnp.float32)
+
+  @jax.jit
+  def run(p, t, c):
+    value, jt = jax.jvp(f, (p,), (t,))
+    lin_value, f_jvp = jax.linearize(f, p)
+    default, vjp = jax.vjp(lambda p: f(p, False), p)
+    eps = 1e-2
+    plus = f(jax.tree.map(lambda x, d: x + eps * d, p, t))
+    minus = f(jax.tree.map(lambda x, d: x - eps * d, p, t))
+    return (
+      value,
+      jt,
+      lin_value,
+      f_jvp(t),
+      f_jvp(jax.tree.map(lambda d: 2 * d, t)),
+      default,
+      vjp(c)[0],
+      (plus - minus) / (2 * eps),
+    )
+
+  value, jt, lin_value, lin_jt, lin_2jt, default, jtc, fd = run(params, t, c)
+  np.testing.assert_allclose(value, default, rtol=1e-6, atol=1e-6)  # the same log-probs
+  np.testing.assert_array_equal(lin_value, value)
+  np.testing.assert_allclose(lin_jt, jt, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(lin_2jt, 2 * jt, rtol=1e-6, atol=1e-6)  # linear in the tangent
+  assert float(jnp.max(jnp.abs(jt))) > 1e-2  # a real direction, not a zero tangent
+  _close(fd, jt, 3e-3, "jvp vs central finite differences")
+  got, want = float(jnp.vdot(c, jt)), float(_tree_vdot(jtc, t))
+  assert got == pytest.approx(want, rel=1e-4), "c·(J·t) vs (Jᵀc)·t through the hand-written gradients"
+  with pytest.raises(TypeError, match="forward-mode autodiff"):  # why the flag exists
+    jax.jvp(lambda p: f(p, False), (params,), (t,))
+  with pytest.raises(TypeError, match="`forward_mode` must be a bool"):
+    log_probs(nnx.merge(graphdef, params, rest), tokens, mask, forward_mode=1)

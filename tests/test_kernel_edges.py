@@ -26,15 +26,112 @@ def _finite(tree):
 # ----------------------------------------------------------------------------- the k3 clamp
 
 
-def test_k3_clamp_only_inside_the_exponential():
-  lp, rlp = jnp.array([[25.0, -25.0, 3.0]]), jnp.zeros((1, 3))
-  k3 = jg.kl_penalty(lp, rlp, "k3")
-  np.testing.assert_allclose(k3, [[math.exp(-20) + 24, math.exp(20) - 26, math.exp(-3) + 2]], rtol=1e-6)
-  grad = jax.grad(lambda x: jnp.sum(jg.kl_penalty(x, rlp, "k3")))(lp)
-  np.testing.assert_allclose(grad, [[1.0, 1.0, 1 - math.exp(-3)]], rtol=1e-6)  # beyond the clamp: slope 1
-  fwd = jg.kl_penalty(lp, rlp, "forward_k3")
-  np.testing.assert_allclose(fwd, [[math.exp(20) - 26, math.exp(-20) + 24, math.exp(3) - 4]], rtol=1e-6)
-  assert float(jg.kl_penalty(25.0, 0.0, "k3")) == pytest.approx(24.0, rel=1e-6)  # any shape: elementwise
+# δ on both sides of the clamp (max_delta = 20), in increasing order
+DELTAS = np.array([-100.0, -50.0, -25.0, -21.0, -20.0, -19.0, 19.0, 20.0, 21.0, 25.0, 50.0, 100.0])
+C = 20.0
+TINY = float(np.finfo(np.float32).tiny)
+
+
+def _exact(kind, d):
+  """float64 value and d/dδ of the exact estimator (no clamp), from the definitions (Schulman 2020)."""
+  d = np.asarray(d, np.float64)
+  if kind == "k3":  # exp(-δ) + δ - 1
+    return np.exp(-d) + d - 1, 1 - np.exp(-d)
+  return np.exp(d) - d - 1, np.exp(d) - 1  # forward_k3
+
+
+def _check_sign(got, exact_grad, what):
+  """``got`` has the sign of the exact derivative; where |exact| is below float32's range, 0 is allowed."""
+  got, exact_grad = np.asarray(got, np.float64), np.asarray(exact_grad, np.float64)
+  resolvable = np.abs(exact_grad) >= TINY
+  assert np.all(np.sign(got)[resolvable] == np.sign(exact_grad)[resolvable]), (what, got, exact_grad)
+  assert np.all((got * exact_grad >= 0)[~resolvable]), (what, got, exact_grad)  # never the wrong sign
+
+
+def _monotone_in_abs(values, what, strict_right=True):
+  """Values at DELTAS decrease towards δ = 0 from the left and increase away from it on the right
+  (strictly; on the right only weakly where the exact value saturates in float32)."""
+  left, right = np.asarray(values[DELTAS < 0], np.float64), np.asarray(values[DELTAS > 0], np.float64)
+  assert np.all(np.diff(left) < 0), (what, values)
+  assert np.all(np.diff(right) > 0 if strict_right else np.diff(right) >= 0), (what, values)
+
+
+@pytest.mark.parametrize("kind", ["k3", "forward_k3"])
+def test_k3_beyond_the_clamp_keeps_the_exact_gradient_sign(kind):
+  """Issue 22.1: with exp(-clip(δ)) the k3 gradient was +1 for δ < -20 (descent drove logp further
+  from the reference). Now: exact inside the clamp, the tangent continuation beyond it (between the
+  frozen value and the exact one), finite, monotone in |δ|, and the gradient has the exact sign."""
+  lp, rlp = jnp.asarray(DELTAS, jnp.float32), jnp.zeros(DELTAS.shape, jnp.float32)
+  got = np.asarray(jg.kl_penalty(lp, rlp, kind), np.float64)
+  grad = np.asarray(jax.grad(lambda x: jnp.sum(jg.kl_penalty(x, rlp, kind)))(lp), np.float64)
+  exact, exact_grad = _exact(kind, DELTAS)
+  arg = -DELTAS if kind == "k3" else DELTAS  # the exponent
+  inside = arg <= C
+  np.testing.assert_allclose(got[inside], exact[inside], rtol=1e-6)
+  np.testing.assert_allclose(grad[inside], exact_grad[inside], rtol=1e-6)
+  # beyond: e^C (1 + arg - C) - arg - 1, below the exact value, slope ±(e^C - 1)
+  tangent = math.exp(C) * (1 + arg - C) - arg - 1
+  np.testing.assert_allclose(got[~inside], tangent[~inside], rtol=1e-6)
+  assert np.all(np.isfinite(got)) and np.all(got[~inside] <= exact[~inside])
+  np.testing.assert_allclose(np.abs(grad[~inside]), math.exp(C) - 1, rtol=1e-6)
+  _check_sign(grad, exact_grad, kind)
+  _monotone_in_abs(got, kind)
+  np.testing.assert_allclose(got, ref.kl(DELTAS, 0 * DELTAS, kind), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["k3", "forward_k3"])
+def test_future_kl_beyond_the_clamp_keeps_the_exact_gradient_sign(kind):
+  """Two real tokens per row, δ = (0.5, δ_1): reg(0) = now(0.5) + f(u_1) and reg(1) = now(δ_1), so
+  d reg(0)/d δ_1 = f's derivative (exact: 1 - e^-δ for k3, δ e^-δ for forward_k3) and d reg(1)/d δ_1
+  = now's (1 for k3; e^-δ for forward_k3, which was 0 beyond the clamp)."""
+  n = DELTAS.size
+  lp = jnp.asarray(np.stack([np.full(n, 0.5), DELTAS], axis=1), jnp.float32)
+  rlp, mask = jnp.zeros((n, 2), jnp.float32), jnp.ones((n, 2), bool)
+  reg = np.asarray(jg.future_kl(lp, rlp, mask, kind=kind), np.float64)
+  g_later = np.asarray(jax.grad(lambda x: jnp.sum(jg.future_kl(x, rlp, mask, kind=kind)[:, 0]))(lp))[:, 1]
+  g_now = np.asarray(jax.grad(lambda x: jnp.sum(jg.future_kl(x, rlp, mask, kind=kind)[:, 1]))(lp))[:, 1]
+  d = DELTAS
+  if kind == "k3":
+    later, d_later, now0, d_now = np.exp(-d) + d - 1, 1 - np.exp(-d), 0.5, np.ones(n)
+  else:  # f(u) = u log u - u + 1 at u = e^-δ; now = 1 - u
+    with np.errstate(over="ignore"):
+      later, d_later, now0, d_now = (-d - 1) * np.exp(-d) + 1, d * np.exp(-d), 1 - math.exp(-0.5), np.exp(-d)
+  inside = -d <= C  # u = exp(-δ) is exact there
+  np.testing.assert_allclose(reg[inside, 0], now0 + later[inside], rtol=1e-6)
+  assert np.all(np.isfinite(reg)) and np.all(reg[~inside, 0] - now0 <= later[~inside])
+  np.testing.assert_allclose(reg, ref.future_kl(np.asarray(lp), np.asarray(rlp), np.asarray(mask), kind), rtol=1e-6)
+  _check_sign(g_later, d_later, f"{kind} later term")
+  _check_sign(g_now, d_now, f"{kind} now term")
+  _monotone_in_abs(reg[:, 0], kind, strict_right=kind == "k3")  # f(u) -> f(0) = 1 as δ -> +inf
+
+
+@pytest.mark.parametrize("kind", ["k3", "forward_k3"])
+def test_frpo_advantages_beyond_the_clamp_move_with_the_kl(kind):
+  """Â(0) = a - β reg(0) falls as token 1 drifts further from the reference on either side (k3 with
+  the clamp rose again for δ < -20), equals the float64 exact value where the exponential is inside
+  the clamp, and has no gradient (stop_gradient by definition)."""
+  n, beta = DELTAS.size, 0.01
+  lp = jnp.asarray(np.stack([np.full(n, 0.5), DELTAS], axis=1), jnp.float32)
+  rlp, mask, adv = jnp.zeros((n, 2), jnp.float32), jnp.ones((n, 2), bool), jnp.ones((n,), jnp.float32)
+  got = np.asarray(jg.frpo_advantages(adv, lp, rlp, mask, beta=beta, kind=kind), np.float64)
+  want = 1.0 - beta * ref.future_kl(np.asarray(lp), np.asarray(rlp), np.asarray(mask), kind)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # a - β reg cancels to ~0 at δ = 100
+  with np.errstate(over="ignore"):
+    u = np.exp(-DELTAS)
+    exact_reg0 = 0.5 + u + DELTAS - 1 if kind == "k3" else (1 - math.exp(-0.5)) + (-DELTAS - 1) * u + 1
+  inside = -DELTAS <= C
+  np.testing.assert_allclose(got[inside, 0], 1.0 - beta * exact_reg0[inside], rtol=1e-6, atol=1e-6)
+  _monotone_in_abs(-got[:, 0], kind, strict_right=kind == "k3")  # forward_k3: f(u) -> 1 as δ -> +inf
+  g = jax.grad(lambda x: jnp.sum(jg.frpo_advantages(adv, x, rlp, mask, beta=beta, kind=kind)))(lp)
+  np.testing.assert_array_equal(g, 0.0)
+
+
+def test_k3_of_an_infinite_delta_is_inf_not_nan():
+  """exp_excess is a sum of terms each finite or +inf: δ = ±inf gives +inf (loss non-finite, the run
+  stops), never inf - inf = NaN or the -inf the clamp gave for δ = -inf."""
+  lp = jnp.array([-INF, INF, 0.0])
+  for kind in ("k3", "forward_k3"):
+    np.testing.assert_array_equal(jg.kl_penalty(lp, jnp.zeros(3), kind), [INF, INF, 0.0])
 
 
 def test_future_kl_k3_clamp_on_three_tokens():

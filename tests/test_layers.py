@@ -29,6 +29,7 @@ LAYERS = {
 MODULES = {
   "jaxgrpo.checkpoint": "services",
   "jaxgrpo.metrics": "services",
+  "jaxgrpo.runlock": "services",
   "jaxgrpo._version": "kernels",
   "jaxgrpo._checks": "kernels",
   "jaxgrpo._numerics": "kernels",
@@ -46,8 +47,10 @@ MODULES = {
   "jaxgrpo.distributed": "models/sampling",
   "jaxgrpo.models": "models/sampling",
   "jaxgrpo.sampling": "models/sampling",
+  "jaxgrpo.engines": "models/sampling",
   "jaxgrpo.train": "train step",
   "jaxgrpo.iteration": "iteration/trainer",
+  "jaxgrpo.environments": "iteration/trainer",
   "jaxgrpo.data": "iteration/trainer",
   "jaxgrpo.rewards": "iteration/trainer",
   "jaxgrpo.evaluation": "iteration/trainer",
@@ -55,9 +58,12 @@ MODULES = {
   "jaxgrpo.specs": "iteration/trainer",
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
+  "jaxgrpo.collapse": "iteration/trainer",
+  "jaxgrpo.async_rollout": "iteration/trainer",
+  "jaxgrpo.pipeline_sim": "kernels",
 }
 # optional extras: the only imports allowed inside a function (each with an install hint)
-EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers")
+EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers", "vllm")
 # function-level imports of core packages still in modules other streams own (to be moved to the top)
 KNOWN = {
   ("jaxgrpo/models/hf.py", "huggingface_hub"),

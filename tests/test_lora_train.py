@@ -397,7 +397,7 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
   assert np.abs(peft_logits.numpy() - ours).max() < 1e-4
   # ... and scripts/export_hf.py's path rebuilds the base from the checkpoint's config: the same files
   written = builders.export_hf(str(out), str(tmp_path / "exported"))
-  assert written == [str(tmp_path / "exported"), str(tmp_path / "exported-peft")]
+  assert written == [str(tmp_path / "exported"), str(tmp_path / "exported-peft"), str(tmp_path / "exported-base")]
   for name in ("exported/model.safetensors", "exported-peft/adapter_model.safetensors"):
     want_t = load_file(out / name.replace("exported", "model"))
     got_t = load_file(tmp_path / name)

@@ -117,3 +117,52 @@ def test_missing_logger_packages_give_install_hints(tmp_path, monkeypatch):
     M.MetricsLogger(str(tmp_path), total_steps=1, progress=False, tensorboard=True, is_main=True)
   # nothing asked for: nothing imported
   M.MetricsLogger(str(tmp_path), total_steps=1, progress=False, tensorboard=False, is_main=True).close()
+
+
+@pytest.mark.parametrize(
+  "tail, kept",
+  [
+    (b'{"step": 3, "loss": 0.3}', 4),  # a whole last record without its newline (before: the next append joined it)
+    (b'{"step": 3, "lo', 3),  # cut short by a full disk
+    (b'{"step": 3, "loss": 0.3}\n\xff\xfe\x00garbage', 4),  # bytes that are not text (before: UnicodeDecodeError)
+    (b"\n\n", 3),  # empty lines
+  ],
+)
+def test_truncate_jsonl_repairs_the_end_so_appending_goes_on_cleanly(tmp_path, tail, kept):
+  path = str(tmp_path / "metrics.jsonl")
+  recs = [{"step": s, "loss": s / 10} for s in range(4)]
+  with open(path, "wb") as f:
+    f.write(b"".join(json.dumps(r).encode() + b"\n" for r in recs[:3]) + tail)
+  M.truncate_jsonl(path, 5)
+  with open(path, "ab", buffering=0) as f:  # what the resumed trainer does next
+    M.append_record(f, {"step": 4, "loss": 0.4})
+  lines = open(path, "rb").read().split(b"\n")
+  assert lines[-1] == b"" and [json.loads(x) for x in lines[:-1]] == recs[:kept] + [{"step": 4, "loss": 0.4}]
+
+
+class _FullDisk:
+  """An unbuffered file that takes ``room`` bytes, then fails like a full disk."""
+
+  name = "/full/metrics.jsonl"
+
+  def __init__(self, room):
+    self.room, self.data = room, b""
+
+  def write(self, b):
+    if not self.room:
+      raise OSError(28, "No space left on device")
+    n = min(self.room, len(b))
+    self.data += bytes(b[:n])
+    self.room -= n
+    return n
+
+
+def test_append_record_continues_short_writes_and_names_a_full_disk():
+  f = _FullDisk(room=10**6)
+  M.append_record(f, {"step": 1, "x": "y" * 5000})
+  assert json.loads(f.data) == {"step": 1, "x": "y" * 5000}
+  f = _FullDisk(room=4096)
+  with pytest.raises(M.MetricsWriteError) as e:
+    M.append_record(f, {"step": 7, "x": "y" * 5000}, path="OUT/metrics.jsonl")
+  assert str(e.value) == "writing the metrics of step 7 to OUT/metrics.jsonl failed: ENOSPC (No space left on device)"
+  assert e.value.step == 7 and len(f.data) == 4096  # the cut line truncate_jsonl drops on resume

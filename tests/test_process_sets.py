@@ -494,6 +494,65 @@ def test_direct_calls_do_not_retrace():
   assert traces == []
 
 
+class _Compiles:
+  """Counts XLA compilations (``backend_compile`` events) inside the ``with`` block."""
+
+  def __enter__(self):
+    self.names = []
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def _listen(self, event, _duration, fun_name=None, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.names.append(fun_name)
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def test_direct_calls_compile_once_per_shape_and_bucket():
+  """Issue 23.7: on one batch shape, ``num_groups`` changing within a power-of-two bucket does not
+  recompile ``process_advantages`` / ``process_tree_stats`` (it did: ``num_groups`` was static); a
+  given ``max_group_size`` compiles once whatever the largest group; a derived bound compiles once
+  more exactly when the largest group crosses a power of two (as documented)."""
+  rng = np.random.default_rng(1)
+  b, t = 24, 7  # a shape no other test of this module compiles
+  mask = np.ones((b, t), bool)
+  rewards = rng.normal(size=b).astype(np.float32)
+  toks = lambda: rng.integers(0, 4, size=(b, t)).astype(np.int32)
+  gid_for = lambda n: (np.arange(b) % n).astype(np.int32)  # n groups, the largest has ceil(b / n) rows
+  kw = dict(max_group_size=8)  # the bound given: only num_groups varies here
+  jg.process_advantages(rewards, toks(), mask, gid_for(5), 5, **kw)  # the first call of the bucket (5..8)
+  jg.process_tree_stats(toks(), mask, gid_for(5), 5, **kw)
+  with _Compiles() as c:
+    for n in (6, 7, 8, 5):
+      adv = jg.process_advantages(rewards, toks(), mask, gid_for(n), n, **kw)
+      stats = jg.process_tree_stats(toks(), mask, gid_for(n), n, **kw)
+      assert np.isfinite(np.asarray(adv)).all() and all(np.isfinite(float(v)) for v in stats.values())
+  assert c.names == [], c.names
+  with _Compiles() as c:  # num_groups 9 is the next bucket (9..16): one program each, then none
+    for n in (9, 12, 16):
+      jg.process_advantages(rewards, toks(), mask, gid_for(n), n, **kw)
+  assert c.names == ["jit(_process_advantages)"], c.names
+  # out-of-range ids are still poisoned with the exact num_groups (traced), not the bucket's
+  ids = jax.device_put(np.where(np.arange(b) == 3, 13, gid_for(12)))  # 13 >= 12, inside the bucket (16)
+  bad = jax.jit(lambda *a: jg.process_advantages(*a, 12, **kw))(rewards, toks(), mask, ids)  # no host check
+  assert np.isnan(np.asarray(bad)[3]).all() and np.isfinite(np.delete(np.asarray(bad), 3, axis=0)).all()
+
+  # the pairwise bound: given once, one program whatever the groups; derived, one per power of two
+  jg.process_set_sizes(toks(), mask, gid_for(8), max_group_size=10)
+  with _Compiles() as c:
+    for n in (6, 4, 3):  # largest group 4, 6, 8
+      jg.process_set_sizes(toks(), mask, gid_for(n), max_group_size=10)
+  assert c.names == [], c.names
+  jg.process_set_sizes(toks(), mask, gid_for(8))  # largest group 3: bound 4
+  with _Compiles() as c:
+    jg.process_set_sizes(toks(), mask, gid_for(6))  # largest 4: bound 4, no compile
+    jg.process_set_sizes(toks(), mask, gid_for(4))  # largest 6: bound 8, one compile
+    jg.process_set_sizes(toks(), mask, gid_for(3))  # largest 8: bound 8, none
+  assert c.names == ["jit(_sizes_impl)"], c.names
+
+
 def test_unbounded_pairwise_under_jit_warns_once(monkeypatch):
   monkeypatch.setattr(ps, "_WARNED", set())
   tokens, mask, gid = ref.from_strings(["AB", "AC", "XY"], group_ids=[0, 0, 1])

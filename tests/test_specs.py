@@ -1,4 +1,4 @@
-"""jaxgrpo.specs: the nested run config, its YAML form, the old flat keys, and validation at load time."""
+"""jaxgrpo.specs: the nested run config, its YAML form, errors for the old flat keys, and validation at load time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import glob
 import os
 import warnings
 
+import numpy as np
 import pytest
 
 from jaxgrpo import specs
@@ -17,39 +18,41 @@ from jaxgrpo.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# scripts/configs/demo.yaml as it was written in the flat form of the single-class config
-FLAT_DEMO = """
-model: demo
-dataset: demo
-preset: grpo
-demo_hidden_size: 64
-demo_layers: 2
-demo_max_operand: 19
-demo_train_size: 4000
-demo_eval_size: 128
-demo_sft_steps: 800
-demo_sft_lr: 3.0e-3
-demo_sft_batch: 32
-demo_sft_noise: 0.7
-group_size: 8
-prompts_per_step: 16
-max_new_tokens: 20
-max_prompt_tokens: 64
-temperature: 1.0
-learning_rate: 1.0e-4
-max_grad_norm: 1.0
-chunk_size: null
-rewards: {accuracy: 1.0}
-reward_timeout_s: 10.0
-steps: 60
-eval_every: 20
-checkpoint_every: 20
-eval_samples: 4
-eval_pass_k: [1, 4]
-eval_batch_prompts: 128
-seed: 0
-out: runs/demo
-"""
+# scripts/configs/demo.yaml's keys as they were written in the flat form of the single-class config
+OLD_KEYS = {
+  "preset": "objective.preset",
+  "demo_hidden_size": "model.synthetic.hidden_size",
+  "demo_layers": "model.synthetic.num_layers",
+  "demo_max_operand": "data.arithmetic.max_operand",
+  "demo_train_size": "data.arithmetic.train_size",
+  "demo_eval_size": "data.arithmetic.eval_size",
+  "demo_sft_steps": "data.arithmetic.sft_steps",
+  "demo_sft_lr": "data.arithmetic.sft_learning_rate",
+  "demo_sft_batch": "data.arithmetic.sft_batch_size",
+  "demo_sft_noise": "data.arithmetic.sft_noise",
+  "group_size": "rollout.group_size",
+  "prompts_per_step": "rollout.prompts_per_step",
+  "max_new_tokens": "rollout.max_new_tokens",
+  "max_prompt_tokens": "data.max_prompt_tokens",
+  "temperature": "step.temperature",
+  "learning_rate": "optim.learning_rate",
+  "max_grad_norm": "step.max_grad_norm",
+  "chunk_size": "step.chunk_size",
+  "rewards": "reward.weights",
+  "reward_timeout_s": "reward.timeout_s",
+  "steps": "run.steps",
+  "eval_every": "eval.every",
+  "checkpoint_every": "checkpoint.every",
+  "eval_samples": "eval.samples",
+  "eval_pass_k": "eval.pass_k",
+  "eval_batch_prompts": "eval.batch_prompts",
+  "seed": "run.seed",
+  "out": "run.out",
+  "epsilon": "objective.clip_eps_low",
+  "epsilon_high": "objective.clip_eps_high",
+  "mu": "objective.num_iterations",
+  "mesh": "devices.mesh",
+}
 
 
 def _write(tmp_path, text: str, name="c.yaml") -> str:
@@ -69,7 +72,15 @@ def test_nested_yaml_embeds_the_library_configs_and_overrides_apply(tmp_path):
     "optim: {learning_rate: 1e-6}\n"  # YAML 1.1 would read 1e-6 as a string
     "eval: {dataset: HuggingFaceH4/MATH-500, pass_k: [1, 4]}\n",
   )
-  cfg = load_config(path, {"rollout.group_size": 3, "epsilon": 0.1, "objective.dual_clip": 3.0})
+  cfg = load_config(
+    path,
+    {
+      "rollout.group_size": 3,
+      "objective.clip_eps_low": 0.1,
+      "objective.clip_eps_high": 0.1,
+      "objective.dual_clip": 3.0,
+    },
+  )
   assert cfg.objective == preset("lambda_grpo", beta=0.04, clip_eps_low=0.1, clip_eps_high=0.1, dual_clip=3.0)
   assert cfg.step == TrainConfig(micro_batches=2, temperature=0.75)  # the library's own classes, embedded
   assert cfg.optim.learning_rate == 1e-6 and isinstance(cfg.optim.learning_rate, float)
@@ -80,34 +91,36 @@ def test_nested_yaml_embeds_the_library_configs_and_overrides_apply(tmp_path):
   assert TrainerConfig().model.synthetic == SyntheticModel() and TrainerConfig().data.arithmetic == ArithmeticTask()
 
 
-def test_every_shipped_config_loads_and_the_demo_equals_its_old_flat_form(tmp_path):
+def test_every_shipped_config_loads_without_warnings():
   for path in sorted(glob.glob(os.path.join(ROOT, "scripts", "configs", "*.yaml"))):
     with warnings.catch_warnings():
-      warnings.simplefilter("error")  # nested form: no deprecation warning
+      warnings.simplefilter("error")
       cfg = load_config(path)
     assert config_from_dict(cfg.to_dict()) == cfg, path
-  flat = FLAT_DEMO.replace("model: demo\ndataset: demo\n", "")  # no one-to-one nested form: errors below
-  with pytest.warns(
-    FutureWarning, match=r"demo_layers → model.synthetic.num_layers[\s\S]*group_size → rollout.group_size"
+
+
+@pytest.mark.parametrize("key, dotted", sorted(OLD_KEYS.items()))
+def test_an_old_flat_key_is_one_error_naming_its_dotted_key(tmp_path, key, dotted):
+  """No flat key is read any more (issue 23, item 3): in a file, in ``config_from_dict`` and as an
+  override, the old key is one ValueError naming the dotted key to write instead."""
+  assert not hasattr(specs, "FLAT_KEYS") and not hasattr(specs, "translate_keys")
+  specs.field_type(dotted)  # the named key exists
+  for load in (
+    lambda: load_config(_write(tmp_path, f"{key}: 1\n")),
+    lambda: config_from_dict({key: 1}),
+    lambda: load_config(None, {key: 1}),
   ):
-    old = load_config(_write(tmp_path, flat))
-  assert old == load_config(os.path.join(ROOT, "scripts", "configs", "demo.yaml"))
-
-
-def test_flat_key_table_targets_real_fields():
-  for key, paths in specs.FLAT_KEYS.items():
-    for path in paths:
-      specs.field_type(path)  # raises for a path that does not exist
-    assert key not in specs.SECTIONS or key == "preset"
+    with pytest.raises(ValueError, match=rf"unknown config key `{key}` \(did you mean [^?]*`{dotted}`"):
+      load()
 
 
 @pytest.mark.parametrize(
   "text, error, match",
   [
-    ("model: demo\n", ValueError, r"`model: 'demo'` is the old flat form: write `model: \{path:"),
-    ("dataset: demo\n", ValueError, r"`dataset` is gone: write `data: \{dataset:"),
-    ("resume: true\n", ValueError, r"`resume` is gone: resuming is a command-line choice"),
-    ("group_sise: 4\n", ValueError, r"unknown config key `group_sise` \(did you mean `group_size`\?\)"),
+    ("model: demo\n", TypeError, r"config section `model` must be a mapping of fields; got 'demo'"),
+    ("dataset: demo\n", ValueError, r"unknown config key `dataset` \(did you mean `data.dataset` or `eval.dataset`"),
+    ("resume: true\n", ValueError, r"unknown config key `resume` \(resuming is a command-line choice"),
+    ("group_sise: 4\n", ValueError, r"unknown config key `group_sise` \(did you mean [^?]*`rollout.group_size`"),
     ("rollout: {group_sise: 4}\n", ValueError, r"unknown key\(s\) \['group_sise'\] in `rollout`"),
     ("optim: {learning_rate: fast}\n", TypeError, r"`optim.learning_rate`: expected float; got 'fast' \(str\)"),
     ("rollout: {group_size: 4.0}\n", TypeError, r"`rollout.group_size`: expected int; got 4.0 \(float\)"),
@@ -118,7 +131,7 @@ def test_flat_key_table_targets_real_fields():
     ("objective: {preset: frpo, beta: -1.0}\n", ValueError, r"in `objective`: `beta` must be >= 0"),
     ("objective: {preset: ppo}\n", ValueError, r"preset name"),
     ("objective: {preset: frpo, name: x}\n", ValueError, r"give `preset` .* or `name`"),
-    ("rollout: {group_size: 0}\n", ValueError, r"`rollout.group_size` must be an int >= 1; got 0"),
+    ("rollout: {group_size: 0}\n", ValueError, r"`rollout.group_size` must be >= 1; got 0"),
     ("eval: {samples: 2, pass_k: [4]}\n", ValueError, r"`eval.pass_k` entries must be ints in \[1, eval.samples=2\]"),
     ("reward: {weights: {length: 1.0}}\n", ValueError, r"`reward.weights` must map names from"),
     ("model: {dtype: bfloat16}\n", ValueError, r"`model` needs exactly one of `path`"),
@@ -127,19 +140,16 @@ def test_flat_key_table_targets_real_fields():
     ("model: {path: x}\n", ValueError, r"`data.arithmetic.sft_steps`=800 warms up the synthetic model only"),
     ("eval: {dataset: math}\n", ValueError, r"the arithmetic task brings its own held-out set"),
     ("step: {group_size: 3}\n", ValueError, r"`step.group_size`=3 must equal `rollout.group_size`=6"),
-    ("rollout: {group_size: 2}\ngroup_size: 3\n", ValueError, r"both `group_size` and `rollout.group_size`"),
     ("rollout: 4\n", TypeError, r"section `rollout` must be a mapping"),
     ("data: {arithmetic: {eval_size: 400}}\n", ValueError, r"`arithmetic.eval_size`=400 leaves no training"),
     ("model: {synthetic: {}, remat: dot}\n", TypeError, r"`model.remat`: expected .*'dots_no_batch'.* got 'dot'"),
-    ("step: {packing: 0}\n", ValueError, r"`packing` must be a positive int or None; got 0"),
+    ("step: {packing: 0}\n", ValueError, r"`packing` must be >= 1 \(a positive int or None\); got 0"),
     ("step: {packing_rows: 4}\n", ValueError, r"`packing_rows`=4 needs `packing`"),
   ],
 )
 def test_bad_configs_name_the_field_the_expected_type_and_the_value(tmp_path, text, error, match):
   with pytest.raises(error, match=match):
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", FutureWarning)
-      load_config(_write(tmp_path, text))
+    load_config(_write(tmp_path, text))
 
 
 def test_malformed_yaml_and_missing_files_give_one_message_naming_the_file(tmp_path):
@@ -156,19 +166,11 @@ def test_numbers_are_parsed_as_numbers():
   assert specs.parse_value("1e-4") == 1e-4 and specs.parse_value("3E5") == 3e5 and specs.parse_value("-2e3") == -2000.0
   assert specs.parse_value("1.0e-4") == 1e-4 and specs.parse_value("12") == 12 and specs.parse_value("v1e4") == "v1e4"
   # string fields keep the raw text on the command line; others are YAML
-  assert specs.parse_override("out", "123") == "123" and specs.parse_override("run.out", "null") == "null"
+  assert specs.parse_override("run.out", "123") == "123" and specs.parse_override("run.out", "null") == "null"
   assert specs.parse_override("eval.dataset", "null") is None
-  assert specs.parse_override("rewards", "{accuracy: 1}") == {"accuracy": 1}
+  assert specs.parse_override("reward.weights", "{accuracy: 1}") == {"accuracy": 1}
   assert specs.parse_override("data.mapping", "{prompt: q, answer: a}") == {"prompt": "q", "answer": "a"}
   assert specs.field_type("reward.weights.format") is float and specs.field_type("objective.preset") is str
-
-
-def test_flat_aliases_keep_their_old_meaning():
-  with pytest.warns(FutureWarning):
-    cfg = config_from_dict({"preset": "dapo", "epsilon": 0.1, "epsilon_high": 0.3, "mu": None, "beta": None})
-  assert (cfg.objective.clip_eps_low, cfg.objective.clip_eps_high) == (0.1, 0.3)  # epsilon_high wins
-  assert cfg.objective == preset("dapo", clip_eps_low=0.1, clip_eps_high=0.3)  # None: the preset's value
-  assert load_config(None, {"epsilon_high": 0.3, "epsilon": 0.1}).objective.clip_eps_high == 0.3  # any order
 
 
 def test_group_size_one_warns_that_advantages_vanish():
@@ -182,7 +184,7 @@ def test_specs_are_frozen_keyword_only_and_type_checked_in_python_too():
     cfg.run = None
   with pytest.raises(TypeError):
     specs.RunSpec(10)
-  with pytest.raises(TypeError, match=r"`rollout.group_size` must be an int >= 1; got '4' \(str\)"):
+  with pytest.raises(TypeError, match=r"`rollout.group_size` must be a Python int; got '4' \(str\)"):
     specs.RolloutSpec(group_size="4")
   with pytest.raises(TypeError, match=r"config field `devices.mesh`: expected str; got 8 \(int\)"):
     TrainerConfig(devices=specs.DevicesSpec(mesh=8))
@@ -198,3 +200,83 @@ def test_remat_and_packing_in_the_run_config():
   assert load_config(None, {**model, "model.remat": True}).model.remat is True  # old configs: true = full
   with pytest.raises(ValueError, match="`model.remat`: remat must be one of"):
     specs.ModelSpec(synthetic=SyntheticModel(), remat="everything")
+
+
+def test_overrides_apply_on_top_of_the_defaults(tmp_path):
+  """An override of one field of the default model or data keeps the default source (issue 22, item
+  9): before, ``data.max_prompt_tokens`` alone replaced the arithmetic task by an empty data section."""
+  cfg = load_config(None, {"data.max_prompt_tokens": 64, "model.dtype": "bfloat16"})
+  assert cfg.data.arithmetic == ArithmeticTask() and cfg.data.max_prompt_tokens == 64
+  assert cfg.model.synthetic == SyntheticModel() and cfg.model.dtype == "bfloat16"
+  assert cfg == TrainerConfig(
+    model=specs.ModelSpec(synthetic=SyntheticModel(), dtype="bfloat16"),
+    data=specs.DataSpec(arithmetic=ArithmeticTask(), max_prompt_tokens=64),
+  )
+  # naming a source replaces the default one
+  cfg = load_config(None, {"model.path": "/m", "data.dataset": "d.jsonl", "data.max_prompt_tokens": 64})
+  assert (cfg.model.path, cfg.model.synthetic, cfg.data.dataset, cfg.data.arithmetic) == ("/m", None, "d.jsonl", None)
+  # a file without the section: the same; a file's own section must name its source
+  path = _write(tmp_path, "rollout: {group_size: 4}\n")
+  assert load_config(path, {"data.max_prompt_tokens": 64}).data.arithmetic == ArithmeticTask()
+  with pytest.raises(ValueError, match=r"`data` needs exactly one of `dataset`"):
+    load_config(_write(tmp_path, "data: {max_prompt_tokens: 64}\n", "d.yaml"), {"data.split": "x"})
+
+
+@pytest.mark.parametrize(
+  "where, value",
+  [
+    ("optim.learning_rate", ".inf"),
+    ("optim.learning_rate", "inf"),
+    ("optim.learning_rate", ".nan"),
+    ("optim.weight_decay", "-.inf"),
+    ("step.temperature", "nan"),
+    ("step.max_grad_norm", ".inf"),
+    ("objective.beta", ".inf"),
+    ("reward.weights.accuracy", ".nan"),
+    ("data.arithmetic.sft_learning_rate", ".inf"),
+    ("eval.temperature", "inf"),
+  ],
+)
+def test_non_finite_numbers_are_refused_at_load_time(tmp_path, where, value):
+  """NaN/±inf in any float field is one ValueError naming the field, in a file and on the command
+  line, where ``nan``/``inf`` are parsed as floats, not strings (issue 22, item 12)."""
+  section, _, rest = where.partition(".")
+  text = (
+    f"{section}: {{{rest}: {value}}}\n"
+    if "." not in rest
+    else f"{section}: {{{rest.replace('.', ': {')}: {value}}}}}\n"
+  )
+  with pytest.raises(ValueError, match=rf"`{where}`: expected a finite number; got (nan|inf|-inf)"):
+    load_config(_write(tmp_path, text))
+  parsed = specs.parse_override(where, value.lstrip("."))
+  assert isinstance(parsed, float) and not np.isfinite(parsed)
+  with pytest.raises(ValueError, match=rf"`{where}`: expected a finite number"):
+    load_config(None, {where: parsed})
+
+
+def test_specs_use_the_checks_of_the_library_configs():
+  """One validation idiom (``_checks``) for the specs, ``TrainConfig`` and ``OptimSpec``: non-finite
+  and out-of-range numbers are refused on construction in Python too."""
+  inf = float("inf")
+  with pytest.raises(ValueError, match=r"`optim.learning_rate` must be finite; got inf"):
+    specs.OptimSpec(learning_rate=inf)
+  with pytest.raises(ValueError, match=r"`optim.adam_b2` must be in \[0, 1\); got 1.0"):
+    specs.OptimSpec(adam_b2=1.0)
+  with pytest.raises(ValueError, match=r"`temperature` must be finite"):
+    TrainConfig(temperature=float("nan"))
+  with pytest.raises(TypeError, match=r"`micro_batches` must be a Python int"):
+    TrainConfig(micro_batches=2.0)
+  with pytest.raises(ValueError, match=r"`rollout.top_p` must be <= 1.0; got 1.5"):
+    specs.RolloutSpec(top_p=1.5)
+  with pytest.raises(ValueError, match=r"`reward.weights.accuracy` must be finite"):
+    specs.RewardSpec(weights={"accuracy": inf})
+  with pytest.raises(ValueError, match=r"`devices.host_timeout_s` must be >= 1.0 \(seconds\); got 0.5"):
+    specs.DevicesSpec(host_timeout_s=0.5)
+
+
+def test_a_one_step_warm_up_is_refused_naming_the_field():
+  """``sft_steps: 1`` failed after the data was built, inside optax (``decay_steps=0``), without
+  naming the field (issue 22, item 12): now refused at load time; 0 and 2 are valid."""
+  with pytest.raises(ValueError, match=r"`arithmetic.sft_steps` must be 0 \(no warm-up\) or >= 2"):
+    load_config(None, {"data.arithmetic.sft_steps": 1})
+  assert load_config(None, {"data.arithmetic.sft_steps": 2}).data.arithmetic.sft_steps == 2

@@ -297,6 +297,27 @@ def test_nonfinite_reward_is_a_missing_sample_even_with_nan_log_probs():
   assert float(metrics["tokens"]) == batch.mask[rows].sum()
 
 
+def test_precomputed_advantages_need_no_rewards():
+  """Issue 22.2: with ``batch.advantages`` given the rewards are not needed: ``rewards=None`` trains
+  every row on its given advantage (no row skipped, ``rewards_nonfinite`` 0), equal to the hand-written
+  update over all rows; without advantages, None is refused in one line naming the field."""
+  config = preset("grpo")
+  batch = make_batch()._replace(ref_logp=None)
+  b = batch.completions.shape[0]
+  adv = np.random.default_rng(4).standard_normal(b).astype(np.float32)
+  step, state = _make(config, advantages_fn=_never)
+  state, metrics = step(state, batch._replace(rewards=None, advantages=adv))
+  want, want_m, _ = reference_update(tiny_model(), batch, config, lr=LR, max_grad_norm=CLIP, advantages=adv)
+  got = flat_params(state.params)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
+  assert float(metrics["rewards_nonfinite"]) == 0
+  assert float(metrics["tokens"]) == batch.mask.sum()
+  assert float(metrics["loss"]) == pytest.approx(want_m["loss"], rel=1e-5, abs=1e-7)
+  with pytest.raises(ValueError, match=r"batch.rewards is required \(f32\[B\]\) unless batch.advantages is given"):
+    step.check_batch(batch._replace(rewards=None))
+
+
 def _kernel_has_missing_sample_policy() -> bool:
   from jaxgrpo import group_advantages
 
@@ -418,3 +439,4 @@ def test_batch_from_rollout_takes_precomputed_fields_and_pad_to_bucket_fits_them
   assert flat.advantages.shape == (b,)
   with pytest.raises(ValueError, match="shorter than the longest real completion"):
     train.pad_to_bucket(batch, buckets=(16,), length=3)
+  assert train.Batch.from_rollout(rollout, None, advantages=adv).rewards is None  # advantages need no rewards

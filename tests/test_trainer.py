@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,24 +48,22 @@ def test_cli_parses_flags_and_any_field():
     [
       "--config",
       "x.yaml",
-      "--steps",
+      "--run.steps",
       "7",
-      "--mesh",
+      "--devices.mesh",
       "data=2,fsdp=2,tensor=2",
-      "--preset",
+      "--objective.preset",
       "frpo",
       "--no-resume",
-      "--learning-rate",
+      "--optim.learning-rate",
       "1e-6",
-      "--rewards={accuracy: 1.0, format: 0.1}",
-      "--beta",
-      "null",
-      "--out",
+      "--reward.weights={accuracy: 1.0, format: 0.1}",
+      "--run.out",
       "o",
       "--rollout.group-size",
       "3",
       "--model.synthetic.hidden_size=32",
-      "--keep-checkpoints",
+      "--checkpoint.keep",
       "2",
       "--allow-changed-config",
     ]
@@ -72,13 +71,12 @@ def test_cli_parses_flags_and_any_field():
   assert args.config == "x.yaml" and args.resume is False and args.allow_changed_config
   assert ov == {
     "checkpoint.keep": 2,
-    "steps": 7,
-    "mesh": "data=2,fsdp=2,tensor=2",
-    "preset": "frpo",
-    "learning_rate": 1e-6,
-    "rewards": {"accuracy": 1.0, "format": 0.1},
-    "beta": None,
-    "out": "o",
+    "run.steps": 7,
+    "devices.mesh": "data=2,fsdp=2,tensor=2",
+    "objective.preset": "frpo",
+    "optim.learning_rate": 1e-6,
+    "reward.weights": {"accuracy": 1.0, "format": 0.1},
+    "run.out": "o",
     "rollout.group_size": 3,
     "model.synthetic.hidden_size": 32,
   }
@@ -91,18 +89,39 @@ def test_cli_parses_flags_and_any_field():
   )
   assert cfg.optim.learning_rate == 1e-6 and cfg.reward.weights == {"accuracy": 1.0, "format": 0.1}
   assert (cfg.run.out, cfg.rollout.group_size, cfg.model.synthetic.hidden_size, cfg.checkpoint.keep) == ("o", 3, 32, 2)
-  for bad in (["--no-such-field", "1"], ["--rollout.nope", "1"], ["--model", "demo"], ["--resume_x", "1"]):
+  for bad in (["--no-such-field", "1"], ["--rollout.nope", "1"], ["--resume_x", "1"]):
     with pytest.raises(SystemExit):
       cli.parse_args(bad)
+
+
+def test_cli_old_flat_flags_are_one_error_naming_the_dotted_key(capsys):
+  """The flat short forms (``--out``, ``--steps``, ``--beta``, ``--keep-checkpoints``, ...) are gone:
+  each is one usage error naming the dotted key to write (issue 23, item 3)."""
+  for flag, dotted in [
+    ("--out", "run.out"),
+    ("--steps", "run.steps"),
+    ("--beta", "objective.beta"),
+    ("--mu", "objective.num_iterations"),
+    ("--keep-checkpoints", "checkpoint.keep"),
+    ("--demo-layers", "model.synthetic.num_layers"),
+  ]:
+    with pytest.raises(SystemExit):
+      cli.parse_args([flag, "1"])
+    err = capsys.readouterr().err
+    assert re.search(
+      rf"error: unknown config key `{flag[2:].replace('-', '_')}` \(did you mean [^?]*`{dotted}`", err
+    ), err
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--model", "demo"])  # a section takes a mapping
 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
   bad = tmp_path / "bad.yaml"
   bad.write_text("rollout:\n  group_size: 4\n   prompts_per_step: 2\n")
   with pytest.raises(SystemExit, match=rf"error: config file {bad} is not valid YAML at line 3"):
-    cli.main(["--config", str(bad), "--out", str(tmp_path / "o")])
+    cli.main(["--config", str(bad), "--run.out", str(tmp_path / "o")])
   with pytest.raises(SystemExit, match=r"config field `optim.learning_rate`: expected float; got 'fast' \(str\)"):
-    cli.main(["--optim.learning_rate", "fast", "--out", str(tmp_path / "o")])
+    cli.main(["--optim.learning_rate", "fast", "--run.out", str(tmp_path / "o")])
   assert not os.path.exists(tmp_path / "o")  # nothing was built or written
 
 
@@ -217,11 +236,11 @@ def _run_cli(out, devices: int, mesh: str):
     os.path.join(ROOT, "scripts", "train.py"),
     "--config",
     os.path.join(ROOT, "scripts", "configs", "demo.yaml"),
-    "--steps",
+    "--run.steps",
     "2",
-    "--mesh",
+    "--devices.mesh",
     mesh,
-    "--out",
+    "--run.out",
     str(out),
     "--no-plot",
     "--data.arithmetic.sft_steps",

@@ -85,9 +85,9 @@ ARGS = [
   "{format: 1.0, accuracy: 1.0}",
   "--checkpoint.every",
   "1",
-  "--steps",
+  "--run.steps",
   "3",
-  "--mesh",
+  "--devices.mesh",
   "data=2,fsdp=2,tensor=2",
   "--devices.host_timeout_s",
   str(HOST_TIMEOUT_S),
@@ -130,7 +130,7 @@ def env(tmp_path_factory):
 
 
 def _launch(env, out, *extra, audit=None):
-  cmd = [sys.executable, TRAIN, *ARGS, "--out", str(out), *extra]
+  cmd = [sys.executable, TRAIN, *ARGS, "--run.out", str(out), *extra]
   if audit is not None:
     audit.mkdir(exist_ok=True)
     env = dict(env, AUDIT_OUT=os.path.abspath(out), AUDIT_DIR=str(audit))

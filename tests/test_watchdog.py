@@ -183,10 +183,10 @@ def test_launcher_arguments():
   ):
     with pytest.raises(SystemExit, match=msg):
       _launch.split_args(bad)
-  cmds = _launch.child_commands("train.py", 2, ["--steps", "3"], 1234)
+  cmds = _launch.child_commands("train.py", 2, ["--run.steps", "3"], 1234)
   assert cmds[1][1:] == [
     "train.py",
-    "--steps",
+    "--run.steps",
     "3",
     "--devices.distributed",
     "true",

@@ -1,4 +1,4 @@
-"""Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3) in Flax NNX, and HF checkpoint I/O.
+"""Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen2-MoE) in Flax NNX, and HF checkpoint I/O.
 
 See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints)
 and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights, merge, export).
@@ -13,7 +13,9 @@ from jaxgrpo.models.config import (
   LlamaConfig,
   ModelConfig,
   Qwen2Config,
+  Qwen2MoeConfig,
   Qwen3Config,
+  Qwen3MoeConfig,
   RopeScaling,
   config_from_hf,
 )
@@ -29,6 +31,7 @@ from jaxgrpo.models.log_probs import (
   token_log_probs,
 )
 from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model, save_peft
+from jaxgrpo.models.moe import MoEModel, routing_scope
 
 __all__ = [
   "CausalLM",
@@ -40,9 +43,12 @@ __all__ = [
   "LlamaConfig",
   "LlamaModel",
   "LoRAConfig",
+  "MoEModel",
   "ModelConfig",
   "Qwen2Config",
+  "Qwen2MoeConfig",
   "Qwen3Config",
+  "Qwen3MoeConfig",
   "RematPolicy",
   "RopeScaling",
   "apply_lora",
@@ -60,6 +66,7 @@ __all__ = [
   "positions_from_segments",
   "reference_model",
   "repeat_cache",
+  "routing_scope",
   "save_hf",
   "save_peft",
   "token_log_probs",

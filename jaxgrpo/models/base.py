@@ -150,7 +150,8 @@ class CausalLM(nnx.Module):
   """Base class. Subclasses set ``config``, ``dtype``, ``layers`` (an ``nnx.List``), ``final_norm``,
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
-  ``layer(x, positions, segment_ids, kv, valid, index, dropout_key) -> (x, kv)``, under
+  ``layer(x, positions, segment_ids, kv, valid, index, dropout_key) -> (x, kv)`` (or
+  ``(x, kv, side)``: ``side`` goes to ``self._side_output(i, side)``, e.g. a MoE layer's routing), under
   ``jax.checkpoint`` with the policy of ``self.remat`` (a ``RematPolicy``) unless it is ``NONE``. When a
   mesh is active (``with jax.set_mesh(mesh):``) the activations are constrained by logical axes under
   ``self.sharding_rules`` (``freeze_rules(rules)`` of the constructor's ``rules``, default
@@ -247,7 +248,10 @@ class CausalLM(nnx.Module):
       x = shard_activation(self._embed(tokens, positions), RESIDUAL_AXES, "embeddings")
       for i, layer in enumerate(self.layers):
         kv = None if cache is None else (cache.k[i], cache.v[i])
-        x, kv = apply(layer, x, positions, segment_ids, kv, valid, index, dropout_key)
+        out = apply(layer, x, positions, segment_ids, kv, valid, index, dropout_key)
+        x, kv = out[0], out[1]
+        if len(out) > 2:  # a layer's side output (models.moe: its routing), returned through remat
+          self._side_output(i, out[2])
         x = shard_activation(x, RESIDUAL_AXES, f"output of layer {i}")
         if kv is not None:
           new_k.append(kv[0])
@@ -256,6 +260,10 @@ class CausalLM(nnx.Module):
     if cache is None:
       return hidden, None
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, index=index + tokens.shape[1])
+
+  def _side_output(self, layer: int, value) -> None:
+    """Receives the third output of a layer that returns ``(x, kv, value)`` (``models.moe``'s
+    sparse layers return their routing); the base class drops it."""
 
   @property
   def head_weight(self) -> jax.Array:

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models.base import CausalLM, RematPolicy
-from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig
+from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.llama import LlamaModel
+from jaxgrpo.models.moe import MoEModel
 
 __all__ = ["build_model"]
 
@@ -27,7 +28,8 @@ def build_model(
   """A randomly initialised model of ``cfg``'s family.
 
   Args:
-    cfg: ``GPT2Config`` → ``GPT2Model``; ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` → ``LlamaModel``.
+    cfg: ``GPT2Config`` → ``GPT2Model``; ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` → ``LlamaModel``;
+      ``Qwen3MoeConfig``/``Qwen2MoeConfig`` → ``jaxgrpo.models.moe.MoEModel``.
     rngs: ``nnx.Rngs`` with a ``params`` stream (weights ~ N(0, 0.02²), biases 0, norm scales 1).
     dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
       float32 regardless.
@@ -46,6 +48,8 @@ def build_model(
   """
   if isinstance(cfg, GPT2Config):
     return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
+  if isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
+    return MoEModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   if isinstance(cfg, LlamaConfig):
     return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
   raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")

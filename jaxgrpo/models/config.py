@@ -7,6 +7,9 @@ Common fields (all families): ``vocab_size`` (V), ``hidden_size`` (D), ``num_lay
 ``LlamaConfig``, ``Qwen2Config`` and ``Qwen3Config`` drive one decoder implementation
 (``jaxgrpo.models.llama``); they differ only in HF defaults and in two flags:
 ``qkv_bias``/``o_bias`` (Qwen2 has q/k/v biases) and ``qk_norm`` (Qwen3 per-head RMSNorm).
+
+``Qwen3MoeConfig`` and ``Qwen2MoeConfig`` (mixtures of experts, ``jaxgrpo.models.moe``) extend the
+Qwen3 / Qwen2 configs with the expert fields of :class:`_MoEFields`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ __all__ = [
   "LlamaConfig",
   "Qwen2Config",
   "Qwen3Config",
+  "Qwen2MoeConfig",
+  "Qwen3MoeConfig",
   "ModelConfig",
   "config_from_hf",
 ]
@@ -348,8 +353,147 @@ class Qwen3Config(LlamaConfig):
     return {"attention_bias": self.qkv_bias}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _MoEFields:
+  """The mixture-of-experts fields shared by ``Qwen3MoeConfig`` and ``Qwen2MoeConfig`` (HF names).
+
+  A layer i is sparse (a ``jaxgrpo.models.moe.MoEBlock``) iff ``i not in mlp_only_layers`` and
+  ``(i + 1) % decoder_sparse_step == 0``; otherwise it has the dense SwiGLU of width
+  ``intermediate_size``. A sparse layer routes each token to ``num_experts_per_tok`` (k) of
+  ``num_experts`` (E) SwiGLU experts of width ``moe_intermediate_size`` (Fe):
+  ``p = softmax(x·W_router)`` (float32), the k largest ``p_e`` weight the experts' outputs,
+  renormalised to sum 1 when ``norm_topk_prob``. ``shared_expert_intermediate_size`` > 0 (Qwen2-MoE)
+  adds an always-on SwiGLU expert gated by ``sigmoid(x·w_shared_gate)``. ``router_aux_loss_coef`` is
+  the HF default coefficient of the load-balancing loss (informational: the train step's
+  ``TrainConfig.router_aux_loss`` decides).
+  """
+
+  num_experts: int = 8
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 64
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  shared_expert_intermediate_size: int = 0
+  router_aux_loss_coef: float = 0.001
+
+  def _check_moe(self) -> None:
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+      _check_positive(name, getattr(self, name))
+    if self.num_experts_per_tok > self.num_experts:
+      raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+    if not isinstance(self.shared_expert_intermediate_size, int) or self.shared_expert_intermediate_size < 0:
+      raise ValueError(
+        f"shared_expert_intermediate_size must be an int >= 0, got {self.shared_expert_intermediate_size!r}"
+      )
+    layers = tuple(int(i) for i in self.mlp_only_layers)
+    if any(not 0 <= i < self.num_layers for i in layers):
+      raise ValueError(f"mlp_only_layers={list(layers)} must index layers in [0, {self.num_layers})")
+    object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(layers))))
+
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether layer ``i`` is sparse (HF's rule, see the class docstring)."""
+    return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The indices of the sparse layers, in order (M = len of it)."""
+    return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+  @staticmethod
+  def _moe_from_hf(d: dict) -> dict:
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if experts is None:
+      raise ValueError("a MoE config.json needs num_experts (or num_local_experts)")
+    if d.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act={d.get('hidden_act')!r} is not supported (only silu)")
+    return dict(
+      num_experts=experts,
+      num_experts_per_tok=d["num_experts_per_tok"],
+      moe_intermediate_size=d["moe_intermediate_size"],
+      norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+      decoder_sparse_step=d.get("decoder_sparse_step", 1),
+      mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+      router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+    )
+
+  def _moe_to_hf(self) -> dict:
+    return {
+      "num_experts": self.num_experts,
+      "num_experts_per_tok": self.num_experts_per_tok,
+      "moe_intermediate_size": self.moe_intermediate_size,
+      "norm_topk_prob": self.norm_topk_prob,
+      "decoder_sparse_step": self.decoder_sparse_step,
+      "mlp_only_layers": list(self.mlp_only_layers),
+      "router_aux_loss_coef": self.router_aux_loss_coef,
+      "output_router_logits": False,
+      "use_sliding_window": False,
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3MoeConfig(_MoEFields, Qwen3Config):
+  """Qwen3-MoE (``Qwen3MoeForCausalLM``, e.g. Qwen3-30B-A3B): the Qwen3 decoder whose sparse layers
+  are routed experts (:class:`_MoEFields`); no shared expert."""
+
+  model_type: ClassVar[str] = "qwen3_moe"
+  architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._check_moe()
+    if self.shared_expert_intermediate_size:
+      raise ValueError("Qwen3MoeConfig has no shared expert: shared_expert_intermediate_size must be 0")
+
+  @classmethod
+  def from_hf(cls, d: dict):
+    base = super().from_hf(d)
+    return dataclasses.replace(base, **cls._moe_from_hf(d))
+
+  def to_hf(self) -> dict:
+    return {**super().to_hf(), **self._moe_to_hf()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen2MoeConfig(_MoEFields, Qwen2Config):
+  """Qwen2-MoE (``Qwen2MoeForCausalLM``, Qwen1.5-MoE): the Qwen2 decoder (q/k/v biases, HF's
+  ``qkv_bias``) whose sparse layers are routed experts plus a shared expert of width
+  ``shared_expert_intermediate_size`` gated by a sigmoid (:class:`_MoEFields`)."""
+
+  model_type: ClassVar[str] = "qwen2_moe"
+  architecture: ClassVar[str] = "Qwen2MoeForCausalLM"
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._check_moe()
+
+  @classmethod
+  def _flags_from_hf(cls, d: dict) -> dict:
+    return {"qkv_bias": bool(d.get("qkv_bias", True)), "o_bias": False, "mlp_bias": False, "qk_norm": False}
+
+  def _flags_to_hf(self) -> dict:
+    if self.o_bias or self.mlp_bias or self.qk_norm:
+      raise ValueError("Qwen2MoeConfig must have o_bias=mlp_bias=qk_norm=False for HF export")
+    return {"qkv_bias": self.qkv_bias}
+
+  @classmethod
+  def from_hf(cls, d: dict):
+    base = super().from_hf(d)
+    shared = d.get("shared_expert_intermediate_size", 0) or 0
+    return dataclasses.replace(base, **cls._moe_from_hf(d), shared_expert_intermediate_size=shared)
+
+  def to_hf(self) -> dict:
+    return {
+      **super().to_hf(),
+      **self._moe_to_hf(),
+      "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+    }
+
+
 ModelConfig = GPT2Config | LlamaConfig
-_FAMILIES = {c.model_type: c for c in (GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config)}
+_FAMILIES = {
+  c.model_type: c for c in (GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)
+}
 
 
 def config_from_hf(config: dict | str | os.PathLike) -> ModelConfig:

@@ -6,7 +6,10 @@ NumPy *views* (reshape of a contiguous array, transpose, slicing), so that a mem
 safetensors tensor is never copied whole: each device shard is cut out of the view by
 ``jax.make_array_from_callback``. Several entries may share one HF tensor (GPT-2's fused
 ``c_attn``); ``to_hf`` gives each entry's HF-layout piece and pieces of one tensor are
-concatenated along the last axis in table order.
+concatenated along the last axis in table order. A MoE expert weight ``[E, ...]`` is one
+``StackedEntry``: its E per-expert HF tensors (``...mlp.experts.{e}.gate_proj.weight``), each
+turned into our layout by ``to_ours`` and stacked on a new leading axis (a device shard reads only
+its own experts' slices).
 
 Safetensors files are memory-mapped with ``numpy.memmap`` after parsing the (documented, JSON)
 file header ourselves: ``safetensors.safe_open`` copies each tensor it returns, whereas a memmap
@@ -31,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxgrpo.models.base import RematPolicy
 from jaxgrpo.models.build import build_model
-from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
+from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
 from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec  # the one rules table lives in jaxgrpo.sharding
 
 __all__ = ["DEFAULT_RULES", "load_hf", "save_hf", "load_tokenizer", "logical_to_spec", "hf_entries"]
@@ -45,6 +48,19 @@ _BUFFER_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 class Entry(NamedTuple):
   path: tuple
   hf_name: str
+  hf_shape: tuple[int, ...]
+  to_ours: Callable[[np.ndarray], np.ndarray]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+class StackedEntry(NamedTuple):
+  """One parameter ``[E, *ours]`` from E HF tensors ``hf_names[e]`` of shape ``hf_shape`` each:
+  ``ours[e] = to_ours(tensor_e)``, ``tensor_e = to_hf(ours[e])``. ``hf_name``: the names' pattern
+  (``{}`` for the expert index), for messages."""
+
+  path: tuple
+  hf_name: str
+  hf_names: tuple[str, ...]
   hf_shape: tuple[int, ...]
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
@@ -186,8 +202,36 @@ def _llama_entries(cfg: LlamaConfig) -> list[Entry]:
   return out
 
 
+def _moe_entries(cfg) -> list:
+  """Qwen3-MoE / Qwen2-MoE: the Llama-family map, with each sparse layer's dense MLP replaced by the
+  router (``mlp.gate.weight [E, D]``), the stacked experts (``mlp.experts.{e}.{gate,up,down}_proj``)
+  and, for Qwen2-MoE, the shared expert and its gate (``mlp.shared_expert*``)."""
+  D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  sparse = set(cfg.moe_layers)
+  out = [e for e in _llama_entries(cfg) if not (e.path[0] == "layers" and e.path[1] in sparse and e.path[2] == "mlp")]
+  for i in sorted(sparse):
+    p = f"model.layers.{i}.mlp."
+    L = ("layers", i, "mlp")
+    out.append(Entry(L + ("router",), p + "gate.weight", (E, D), *_transpose()))
+    for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+      pattern = p + "experts.{}." + name + "_proj.weight"
+      names = tuple(pattern.format(e) for e in range(E))
+      out.append(StackedEntry(L + (name,), pattern, names, shape, *_transpose()))
+    if cfg.shared_expert_intermediate_size:
+      S = cfg.shared_expert_intermediate_size
+      out += [
+        Entry(L + ("shared", "gate"), p + "shared_expert.gate_proj.weight", (S, D), *_transpose()),
+        Entry(L + ("shared", "up"), p + "shared_expert.up_proj.weight", (S, D), *_transpose()),
+        Entry(L + ("shared", "down"), p + "shared_expert.down_proj.weight", (D, S), *_transpose()),
+        Entry(L + ("shared_gate",), p + "shared_expert_gate.weight", (1, D), *_transpose()),
+      ]
+  return out
+
+
 def hf_entries(cfg: ModelConfig) -> list[Entry]:
-  """The name map of ``cfg``'s family: one ``Entry`` per parameter of ``build_model(cfg)``."""
+  """The name map of ``cfg``'s family: one ``Entry`` (or ``StackedEntry``) per parameter of ``build_model(cfg)``."""
+  if isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
+    return _moe_entries(cfg)
   if isinstance(cfg, GPT2Config):
     return _gpt2_entries(cfg)
   if isinstance(cfg, LlamaConfig):
@@ -357,7 +401,11 @@ def load_hf(
   if missing_params:  # a bug in the name map, not in the checkpoint
     raise AssertionError(f"name map does not cover parameters {sorted(missing_params)}")
   default_device = jax.devices()[0]
+  np_dtype = np.dtype(param_dtype)
   for e in entries:
+    if isinstance(e, StackedEntry):
+      _load_stacked(e, tensors, flat[e.path], directory, mesh, rules, default_device, np_dtype)
+      continue
     name = e.hf_name
     if name not in tensors and name.startswith("transformer.") and name[len("transformer.") :] in tensors:
       name = name[len("transformer.") :]  # original OpenAI-GPT-2 checkpoints have no prefix
@@ -381,6 +429,7 @@ def load_hf(
     )
     var.set_value(array)
   used = {e.hf_name for e in entries} | {e.hf_name[len("transformer.") :] for e in entries}
+  used |= {n for e in entries if isinstance(e, StackedEntry) for n in e.hf_names}
   if cfg.tie_word_embeddings:
     used.add("lm_head.weight")  # a tied checkpoint may still store the (identical) head; HF ignores it too
   unused = sorted(n for n in tensors if n not in used and not n.endswith(_BUFFER_SUFFIXES))
@@ -393,6 +442,31 @@ def load_hf(
       unused[:8],
     )
   return nnx.merge(graphdef, state)
+
+
+def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
+  """Set ``var`` (``[E, *ours]``) from the E tensors of ``e``; each shard stacks its experts' slices."""
+  views = []
+  for name in e.hf_names:
+    if name not in tensors:
+      raise ValueError(f"tensor {name!r} is missing from the checkpoint in {directory}")
+    found = tuple(tensors[name].shape)
+    if found != tuple(e.hf_shape):
+      raise ValueError(f"tensor {name!r} has shape {found}, expected {tuple(e.hf_shape)}")
+    views.append(e.to_ours(tensors[name]))
+  shape = (len(views),) + tuple(views[0].shape)
+  if shape != tuple(var.shape):
+    raise AssertionError(f"name map gives {shape} for {e.path}, model has {var.shape}")
+  if mesh is None:
+    sharding = jax.sharding.SingleDeviceSharding(default_device)
+  else:
+    sharding = NamedSharding(mesh, logical_to_spec(var.get_metadata("out_sharding"), mesh, rules, shape, e.hf_name))
+
+  def shard(idx):
+    experts = range(len(views))[idx[0]]
+    return np.stack([np.array(views[x][idx[1:]], dtype=np_dtype) for x in experts])
+
+  var.set_value(jax.make_array_from_callback(shape, sharding, shard))
 
 
 def save_hf(model, path: str | os.PathLike) -> None:
@@ -418,6 +492,10 @@ def save_hf(model, path: str | os.PathLike) -> None:
   pieces: dict[str, list[np.ndarray]] = {}
   for e in entries:
     value = np.asarray(jax.device_get(flat[e.path].get_value()))
+    if isinstance(e, StackedEntry):  # one HF tensor per expert
+      for name, v in zip(e.hf_names, value):
+        pieces[name] = [e.to_hf(v)]
+      continue
     pieces.setdefault(e.hf_name, []).append(e.to_hf(value))
   tensors = {}
   for name, parts in pieces.items():

@@ -1,7 +1,8 @@
 """Layers shared by every family: annotated parameters, norms, RoPE, the KV cache and attention.
 
 Axis vocabulary: B batch, S new tokens, T cache slots / keys, D model width, H query heads,
-N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V vocab.
+N key/value heads, G = H/N query heads per kv head, K head dim, F MLP width, V vocab (and, in
+``jaxgrpo.models.moe``, E experts with the logical axis "expert", Fe expert width "expert_mlp").
 
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical axis name
 per dim (see ``LOGICAL_AXES``); ``eager_sharding=False`` so no mesh is needed at construction.
@@ -40,13 +41,15 @@ __all__ = [
   "dense",
   "activation_rules",
   "shard_activation",
+  "forward_mode_autodiff",
+  "forward_mode_active",
   "project",
   "LoRA",
   "QuantParam",
   "QuantizedWeight",
 ]
 
-LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm")
+LOGICAL_AXES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "expert", "expert_mlp")
 _NEG_INF = -1e30  # finite so that fully masked (padding) query rows give no NaN
 _SMALL_QUERY_ROWS = 8  # S·G at most this: attention by multiply-and-reduce instead of a batched dot
 QUERY_AXES = ("batch", "activation_length", "heads", "head_dim")  # q and the attention output [B, S, H, K]
@@ -74,6 +77,35 @@ def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
     yield
   finally:
     _ACTIVATION_RULES.reset(token)
+
+
+_FORWARD_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgrpo_forward_mode", default=False)
+
+
+@contextlib.contextmanager
+def forward_mode_autodiff(enabled: bool = True) -> Iterator[None]:
+  """Inside the block, models traced use formulations that every JAX transformation differentiates,
+  forward mode included (``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, ``jax.hessian``).
+
+  By default three hand-written reverse-mode gradients (``jax.custom_vjp``: the attention softmax,
+  SwiGLU, the LM head's log-prob kernel ``jaxgrpo.models.log_probs.head_log_probs``) save training
+  memory, and JAX cannot apply forward-mode autodiff to a ``custom_vjp`` function. Here the same
+  forward values come from ``jax.nn.softmax``, ``jax.nn.silu(g) * u`` and the head under
+  ``jax.checkpoint``, differentiated by plain autodiff in either mode (reverse mode then holds more
+  temporary memory: the ``autodiff`` rows of ``scripts/bench_head.py``). Read when the model is
+  *traced*: enter it inside the function you transform or ``jit`` (``log_probs(..., forward_mode=True)``
+  does), not around calls of an already compiled function.
+  """
+  token = _FORWARD_MODE.set(bool(enabled))
+  try:
+    yield
+  finally:
+    _FORWARD_MODE.reset(token)
+
+
+def forward_mode_active() -> bool:
+  """Whether :func:`forward_mode_autodiff` is in effect (at trace time)."""
+  return _FORWARD_MODE.get()
 
 
 def shard_activation(x: jax.Array, axes: tuple[str | None, ...], name: str) -> jax.Array:
@@ -519,7 +551,7 @@ class Attention(nnx.Module):
         preferred_element_type=jnp.float32,
       )
     scores = jnp.where(mask[:, None, None], scores * (K**-0.5), _NEG_INF)
-    probs = _attention_softmax(scores).astype(self.dtype)
+    probs = (jax.nn.softmax(scores, axis=-1) if _FORWARD_MODE.get() else _attention_softmax(scores)).astype(self.dtype)
     if small:
       out = jnp.sum(f32(probs)[..., None] * f32(values)[:, :, None, None], axis=-2).astype(self.dtype)
       out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)  # [B,N,G,S,K] -> [B,S,H,K]

@@ -15,7 +15,16 @@ from flax import nnx
 
 from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
 from jaxgrpo.models.config import LlamaConfig
-from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, RMSNorm, param, project, shard_activation
+from jaxgrpo.models.layers import (
+  MLP_AXES,
+  TABLE_AXES,
+  Attention,
+  RMSNorm,
+  forward_mode_active,
+  param,
+  project,
+  shard_activation,
+)
 
 __all__ = ["LlamaModel"]
 
@@ -71,7 +80,8 @@ class SwiGLU(nnx.Module):
     kw = dict(dtype=self.dtype, dropout_key=dropout_key)
     g = project(x, self.gate, self.gate_bias, self.gate_lora, **kw)
     u = project(x, self.up, self.up_bias, self.up_lora, **kw)
-    h = shard_activation(_swiglu(g, u), MLP_AXES, "MLP hidden")  # [B, S, F]
+    h = jax.nn.silu(g) * u if forward_mode_active() else _swiglu(g, u)  # plain autodiff: jvp-able
+    h = shard_activation(h, MLP_AXES, "MLP hidden")  # [B, S, F]
     return project(h, self.down, self.down_bias, self.down_lora, **kw)
 
 

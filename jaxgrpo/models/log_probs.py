@@ -7,16 +7,25 @@ chunk's logsumexp). Everything else here calls it: :func:`token_log_probs` (hidd
 :func:`log_probs` (a token sequence in) and :func:`completion_log_probs` (prompts and completions in:
 the train step's and the reference pass's path) and :func:`packed_log_probs` (the same for packed
 rows, ``jaxgrpo.packing.PackedSlots``).
+
+**Forward mode.** The head kernel and the model's attention softmax and SwiGLU have hand-written
+reverse-mode gradients (``jax.custom_vjp``), which JAX cannot differentiate in forward mode. Every
+function here takes ``forward_mode=True`` (default False) to trace them as plain autodiff instead
+(``jaxgrpo.models.layers.forward_mode_autodiff``): the same values, and ``jax.jvp`` /
+``jax.linearize`` / ``jax.jacfwd`` work through it (Fisher- or Hessian-vector products, natural
+gradients); reverse mode then needs more temporary memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxgrpo.models.base import CausalLM, head_logits, positions_from_mask
+from jaxgrpo.models.layers import forward_mode_active, forward_mode_autodiff
 
 __all__ = [
   "chunked_log_probs",
@@ -128,6 +137,17 @@ def _head_log_probs_bwd(static, residuals, cotangents):
 _head_log_probs.defvjp(_head_log_probs_fwd, _head_log_probs_bwd)
 
 
+def _check_forward_mode(enabled) -> bool:
+  if not isinstance(enabled, bool):
+    raise TypeError(f"`forward_mode` must be a bool; got {enabled!r}")
+  return enabled
+
+
+def _forward_mode(enabled: bool):
+  """``forward_mode_autodiff()`` when ``enabled``, else no change (an enclosing one stays in effect)."""
+  return forward_mode_autodiff() if _check_forward_mode(enabled) else contextlib.nullcontext()
+
+
 def _uses_head_kernel(model) -> bool:
   """Whether :func:`chunked_log_probs` runs :func:`head_log_probs` for ``model`` (a ``CausalLM``: its
   head is ``head_logits`` of ``head_weight``) rather than autodiff under ``jax.checkpoint``. One
@@ -144,6 +164,7 @@ def chunked_log_probs(
   chunk_size: int | None = 256,
   with_entropy: bool = False,
   entropy_grad: bool = False,
+  forward_mode: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs of ``targets`` and (optionally) the policy entropy, chunked over positions.
 
@@ -168,6 +189,8 @@ def chunked_log_probs(
     chunk_size: positions per chunk; None (or >= T) computes everything in one chunk.
     with_entropy: also return the entropy.
     entropy_grad: differentiate the entropy too (requires ``with_entropy``).
+    forward_mode: the chunk under ``jax.checkpoint`` (plain autodiff, forward mode included) also
+      for a ``CausalLM``, instead of :func:`head_log_probs`'s reverse-only gradient (module docstring).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``; padding positions are not masked here.
@@ -184,7 +207,7 @@ def chunked_log_probs(
   b, t, d = hidden.shape
   targets = targets.astype(jnp.int32)
 
-  if _uses_head_kernel(model):
+  if _uses_head_kernel(model) and not (_check_forward_mode(forward_mode) or forward_mode_active()):
     w, tied, dtype = model.head_weight, model.lm_head is None, model.dtype
 
     def chunk(args):
@@ -222,7 +245,13 @@ def chunked_log_probs(
 
 
 def token_log_probs(
-  model, hidden: jax.Array, targets: jax.Array, *, temperature: float = 1.0, chunk_size: int | None = 256
+  model,
+  hidden: jax.Array,
+  targets: jax.Array,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int | None = 256,
+  forward_mode: bool = False,
 ) -> jax.Array:
   """``out[b, t] = log_softmax(logits(hidden[b, t]) / temperature)[targets[b, t]]`` in float32.
 
@@ -234,11 +263,14 @@ def token_log_probs(
     targets: ``int32[B, T]`` the token scored at each position.
     temperature: positive float dividing the logits.
     chunk_size: positions per chunk (see :func:`chunked_log_probs`); None: one chunk.
+    forward_mode: plain autodiff, ``jax.jvp``-able (module docstring).
 
   Returns:
     ``f32[B, T]``.
   """
-  return chunked_log_probs(model, hidden, targets, temperature=temperature, chunk_size=chunk_size)[0]
+  return chunked_log_probs(
+    model, hidden, targets, temperature=temperature, chunk_size=chunk_size, forward_mode=forward_mode
+  )[0]
 
 
 def log_probs(
@@ -248,6 +280,7 @@ def log_probs(
   *,
   temperature: float = 1.0,
   chunk_size: int | None = 256,
+  forward_mode: bool = False,
 ) -> jax.Array:
   """Per-token log-probabilities of a (left-)padded batch of sequences under ``model``.
 
@@ -262,6 +295,9 @@ def log_probs(
     attention_mask: ``bool[B, T]``, True on real tokens (None: all real).
     temperature: sampling temperature the log-probs refer to.
     chunk_size: positions per chunk (None: unchunked).
+    forward_mode: trace the model and the head as plain autodiff, so that ``jax.jvp``,
+      ``jax.linearize`` and ``jax.jacfwd`` work through this function (the default's hand-written
+      reverse-mode gradients do not support forward mode); the same values.
 
   Returns:
     ``f32[B, T]``.
@@ -274,8 +310,9 @@ def log_probs(
     raise ValueError(f"`attention_mask` shape {attention_mask.shape} != tokens shape {tokens.shape}")
   attention_mask = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)
-  hidden, _ = model(tokens, positions, attention_mask=attention_mask)
-  lp = token_log_probs(model, hidden[:, :-1], tokens[:, 1:], temperature=temperature, chunk_size=chunk_size)
+  with _forward_mode(forward_mode):
+    hidden, _ = model(tokens, positions, attention_mask=attention_mask)
+    lp = token_log_probs(model, hidden[:, :-1], tokens[:, 1:], temperature=temperature, chunk_size=chunk_size)
   valid = attention_mask[:, 1:] & attention_mask[:, :-1]
   lp = jnp.where(valid, lp, 0.0)
   return jnp.concatenate([jnp.zeros((tokens.shape[0], 1), jnp.float32), lp], axis=1)
@@ -293,6 +330,7 @@ def completion_log_probs(
   with_entropy: bool = False,
   entropy_grad: bool = False,
   dropout_key: jax.Array | None = None,
+  forward_mode: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
@@ -314,6 +352,7 @@ def completion_log_probs(
     entropy_grad: differentiate the entropy too (requires ``with_entropy``).
     dropout_key: LoRA adapter dropout (training only; the model's ``dropout_key``): one key, or one
       key per row (``key[B]`` typed, or raw ``uint32[B, 2]``). None: no dropout.
+    forward_mode: plain autodiff, ``jax.jvp``-able (as :func:`log_probs`).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False.
@@ -323,17 +362,18 @@ def completion_log_probs(
   p = prompt_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completions], axis=1).astype(jnp.int32)  # [B, P+T]
   attn = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
-  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn, dropout_key=dropout_key)
-  h = hidden[:, p - 1 : -1]  # position p-1+t predicts completions[:, t]
-  logp, ent = chunked_log_probs(
-    model,
-    h,
-    completions,
-    temperature=temperature,
-    chunk_size=chunk_size,
-    with_entropy=with_entropy,
-    entropy_grad=entropy_grad,
-  )
+  with _forward_mode(forward_mode):
+    hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn, dropout_key=dropout_key)
+    h = hidden[:, p - 1 : -1]  # position p-1+t predicts completions[:, t]
+    logp, ent = chunked_log_probs(
+      model,
+      h,
+      completions,
+      temperature=temperature,
+      chunk_size=chunk_size,
+      with_entropy=with_entropy,
+      entropy_grad=entropy_grad,
+    )
   logp = jnp.where(mask, logp, 0.0)
   ent = None if ent is None else jnp.where(mask, ent, 0.0)
   return logp, ent

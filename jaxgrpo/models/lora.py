@@ -15,6 +15,7 @@ Typical use::
     base_graphdef = nnx.graphdef(lora.base_model(model))               # runs on ``base`` alone
     models.save_hf(lora.merge_lora(model), out)                        # merged HF checkpoint
     lora.save_peft(model, out_adapter)                                 # PEFT adapter directory
+    lora.load_peft(models.load_hf(path), out_adapter)                  # ... and back (any PEFT LoRA dir)
 
 Paper: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (``W + (α/r)·A·B``,
 B = 0 at init); Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from jaxgrpo.models import quant
 from jaxgrpo.models.base import CausalLM
@@ -63,6 +64,7 @@ __all__ = [
   "adam_state_bytes",
   "base_fingerprint",
   "save_peft",
+  "load_peft",
 ]
 
 _ADAPTABLE = (Attention, SwiGLU, GPT2MLP)  # the modules whose projections can carry adapters
@@ -570,3 +572,120 @@ def save_peft(model, path: str | os.PathLike, *, base_model_name_or_path: str | 
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   with open(os.path.join(path, "adapter_config.json"), "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
+
+
+_PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# PEFT features with no counterpart here: refused by name rather than silently dropped
+_PEFT_UNSUPPORTED = {
+  "use_dora": (False, None),
+  "modules_to_save": (None, []),
+  "layers_to_transform": (None, []),
+  "lora_bias": (False, None),
+  "bias": ("none", None),
+}
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default):
+  """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that names ``module`` or a
+  dotted suffix of it (``(.*\\.)?key$``), else ``default``."""
+  for key, value in (patterns or {}).items():
+    if re.match(rf"(.*\.)?({key})$", module):
+      return value
+  return default
+
+
+def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules: Mapping[str, Any] | None = None):
+  """Add the adapters of a PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+  as ``peft`` saves them) to ``model`` in place — the inverse of :func:`save_peft`, for any LoRA
+  adapter trained with ``peft`` on the same Hugging Face base (``model = models.load_hf(base)``).
+
+  For a module ``m`` with ``lora_A [R, in]`` and ``lora_B [out, R]``, PEFT computes
+  ``y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` with ``s = α_m / R`` (``α_m / √R`` with ``use_rslora``; ``α_m`` from
+  ``alpha_pattern``, else ``lora_alpha``; R from the tensors, so ``rank_pattern`` needs no lookup).
+  Each of our projections in ``m`` gets ``A = Aᵀ`` reshaped to ``[*C, R]`` and ``B`` = its output
+  columns of ``Bᵀ`` reshaped to ``[R, *O]``, with ``scale = s``: exact (a fused HF module, GPT-2's
+  ``c_attn``, gives q, k and v each the full rank-R ``A`` and its own columns of ``B``). Adapter
+  dropout is ``lora_dropout`` (training only); A and B are stored in ``param_dtype`` and placed
+  like :func:`apply_lora`'s. Returns ``model``.
+
+  Raises:
+    TypeError: ``model`` is not a ``jaxgrpo.models`` model.
+    ValueError: naming the file or module: not a PEFT LoRA directory, a feature with no
+      counterpart here (DoRA, biases, ``modules_to_save``, ``layers_to_transform``), a module that
+      is not a projection of ``model`` (e.g. an embedding), tensor shapes that do not fit, or a
+      model that already has adapters.
+  """
+  _check_model(model)
+  path = os.fspath(path)
+  config_file = os.path.join(path, "adapter_config.json")
+  weights_file = os.path.join(path, "adapter_model.safetensors")
+  try:
+    with open(config_file) as f:
+      config = json.load(f)
+  except OSError as e:
+    raise ValueError(f"{config_file}: cannot read a PEFT adapter config ({e.strerror or e})") from None
+  except ValueError as e:
+    raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+  if config.get("peft_type") != "LORA":
+    raise ValueError(f"{config_file}: peft_type={config.get('peft_type')!r}; only LORA adapters load")
+  for key, allowed in _PEFT_UNSUPPORTED.items():
+    if config.get(key, allowed[0]) not in allowed:
+      raise ValueError(f"{config_file}: {key}={config[key]!r} has no counterpart in jaxgrpo.models.lora")
+  if not os.path.exists(weights_file):
+    raise ValueError(f"{path} has no adapter_model.safetensors (PEFT's safetensors format is the one read)")
+  tensors = load_file(weights_file)
+  pairs: dict[str, dict[str, np.ndarray]] = {}
+  for key, value in tensors.items():
+    m = _PEFT_KEY.match(key)
+    if m is None:
+      raise ValueError(
+        f"{weights_file}: tensor {key!r} is not a LoRA A/B weight (base_model.model.<module>.lora_A/B.weight)"
+      )
+    pairs.setdefault(m["module"], {})[m["ab"]] = value
+  if not pairs:
+    raise ValueError(f"{weights_file} holds no LoRA tensors")
+  sites = _sites(model)
+  present = [s.dotted for s in sites if s.adapter() is not None]
+  if present:
+    raise ValueError(f"model already has adapters on {present[:4]}...; load_peft onto the base model")
+  parts = _hf_module_parts(model.config, {t.path: math.prod(t.weight().shape[t.contract :]) for t in sites})
+  by_module: dict[str, list] = {}
+  for s in sites:
+    module, offset, size, total = parts[s.path]
+    by_module.setdefault(module, []).append((s, offset, size, total))
+  unknown = sorted(set(pairs) - set(by_module))
+  if unknown:
+    raise ValueError(
+      f"{weights_file}: modules {unknown[:4]} are not projections of this {type(model.config).__name__} model "
+      f"(e.g. {sorted(by_module)[:3]}); only attention and MLP projections carry adapters here"
+    )
+  alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
+  dropout = float(config.get("lora_dropout", 0.0) or 0.0)
+  dtype = jnp.dtype(param_dtype)
+  i = 0
+  for module in sorted(pairs):
+    ab = pairs[module]
+    if set(ab) != {"A", "B"}:
+      raise ValueError(f"{weights_file}: {module} has lora_{''.join(ab)} only; both lora_A and lora_B are needed")
+    a_t, b_t = ab["A"].astype(np.float32), ab["B"].astype(np.float32)  # [R, in], [out, R]
+    rank = a_t.shape[0]
+    total = by_module[module][0][3]
+    if a_t.ndim != 2 or b_t.shape != (total, rank):
+      raise ValueError(
+        f"{weights_file}: {module} has lora_A {a_t.shape} and lora_B {b_t.shape}; expected [R, in] and [{total}, R]"
+      )
+    scale = float(_pattern_value(config.get("alpha_pattern"), module, alpha)) / (math.sqrt(rank) if rslora else rank)
+    for s, offset, size, _ in by_module[module]:
+      shape, axes, like = _weight_info(s.weight())
+      c_shape, o_shape = shape[: s.contract], shape[s.contract :]
+      if math.prod(c_shape) != a_t.shape[1]:
+        raise ValueError(f"{weights_file}: {module}.lora_A has {a_t.shape[1]} inputs; {s.dotted} takes {c_shape}")
+      a = jnp.asarray(a_t.T.reshape(c_shape + (rank,)))
+      b = jnp.asarray(b_t[offset : offset + size].T.reshape((rank,) + o_shape))
+      a_axes = tuple(axes[: s.contract]) + (None,)
+      b_axes = (None,) + tuple(axes[s.contract :])
+      a = _place(a.astype(dtype), a_axes, like, rules, s.dotted + "_lora.a")
+      b = _place(b.astype(dtype), b_axes, like, rules, s.dotted + "_lora.b")
+      s.set(adapter=LoRA(a, b, a_axes=a_axes, b_axes=b_axes, scale=scale, dropout=dropout, stream=i))
+      i += 1
+  return model

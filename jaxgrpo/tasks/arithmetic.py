@@ -32,7 +32,7 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerFast
 
-from jaxgrpo import models
+from jaxgrpo import _checks, models
 from jaxgrpo.data import INSTRUCTION, build_messages
 
 __all__ = [
@@ -47,17 +47,11 @@ __all__ = [
   "solution_text",
   "tiny_model_config",
   "model_config",
+  "sft_sequences",
   "sft_warmup",
   "warm_up",
   "SFTResult",
 ]
-
-
-def _check_int(owner: str, name: str, value, minimum: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool):
-    raise TypeError(f"`{owner}.{name}` must be an int >= {minimum}; got {value!r} ({type(value).__name__})")
-  if value < minimum:
-    raise ValueError(f"`{owner}.{name}` must be an int >= {minimum}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,8 +68,8 @@ class SyntheticModel:
   num_layers: int = 2
 
   def __post_init__(self):
-    _check_int("synthetic", "num_layers", self.num_layers, 1)
-    _check_int("synthetic", "hidden_size", self.hidden_size, 8)
+    _checks.check_python_int(self.num_layers, "synthetic.num_layers", minimum=1)
+    _checks.check_python_int(self.hidden_size, "synthetic.hidden_size", minimum=8)
     if self.hidden_size % 8:
       raise ValueError(
         f"`synthetic.hidden_size` must be a multiple of 8 (4 heads of even width); got {self.hidden_size}"
@@ -105,15 +99,18 @@ class ArithmeticTask:
   sft_noise: float = 0.7
 
   def __post_init__(self):
-    _check_int("arithmetic", "max_operand", self.max_operand, 1)
-    _check_int("arithmetic", "train_size", self.train_size, 1)
-    _check_int("arithmetic", "eval_size", self.eval_size, 0)
-    _check_int("arithmetic", "sft_steps", self.sft_steps, 0)
-    _check_int("arithmetic", "sft_batch_size", self.sft_batch_size, 1)
-    if not self.sft_learning_rate > 0:
-      raise ValueError(f"`arithmetic.sft_learning_rate` must be > 0; got {self.sft_learning_rate}")
-    if not 0.0 <= self.sft_noise <= 1.0:
-      raise ValueError(f"`arithmetic.sft_noise` must be in [0, 1]; got {self.sft_noise}")
+    c = _checks
+    c.check_python_int(self.max_operand, "arithmetic.max_operand", minimum=1)
+    c.check_python_int(self.train_size, "arithmetic.train_size", minimum=1)
+    c.check_python_int(self.eval_size, "arithmetic.eval_size", minimum=0)
+    c.check_python_int(self.sft_steps, "arithmetic.sft_steps", minimum=0, hint="0: no warm-up")
+    if self.sft_steps == 1:  # the cosine schedule needs a warm-up step and a decay step
+      raise ValueError(
+        "`arithmetic.sft_steps` must be 0 (no warm-up) or >= 2 (a linear warm-up step, then the cosine decay); got 1"
+      )
+    c.check_python_int(self.sft_batch_size, "arithmetic.sft_batch_size", minimum=1)
+    c.check_python_float(self.sft_learning_rate, "arithmetic.sft_learning_rate", above=0.0)
+    c.check_python_float(self.sft_noise, "arithmetic.sft_noise", at_least=0.0, at_most=1.0)
     pairs = (self.max_operand + 1) ** 2
     if self.eval_size >= pairs:
       raise ValueError(
@@ -228,9 +225,20 @@ def tiny_model_config(
   )
 
 
+#: positions of the synthetic model (rotary: no parameter depends on it): room for the default
+#: ``data.max_prompt_tokens`` 512 + ``rollout.max_new_tokens`` 1024 of ``jaxgrpo.specs``
+SYNTHETIC_POSITIONS = 2048
+
+
 def model_config(spec: SyntheticModel, vocab_size: int) -> models.Qwen3Config:
-  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``)."""
-  return tiny_model_config(vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers)
+  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``),
+  with :data:`SYNTHETIC_POSITIONS` positions."""
+  return tiny_model_config(
+    vocab_size,
+    hidden_size=spec.hidden_size,
+    num_layers=spec.num_layers,
+    max_position_embeddings=SYNTHETIC_POSITIONS,
+  )
 
 
 def task_split(task: ArithmeticTask, *, seed: int) -> tuple[list[dict], list[dict]]:
@@ -318,6 +326,39 @@ def sft_warmup(
     ]
     seq_len = int(max(lens)) + 1  # room for a noisy answer one digit longer
   tokens, attn, loss_mask = _sft_batches(tokenizer, rows, seq_len=seq_len, noise=noise, seed=seed)
+  losses = sft_sequences(
+    model,
+    tokens,
+    attn,
+    loss_mask,
+    steps=steps,
+    batch_size=batch_size,
+    learning_rate=learning_rate,
+    seed=seed,
+    log_every=log_every,
+    log=log,
+  )
+  return SFTResult(losses, time.perf_counter() - t0)
+
+
+def sft_sequences(
+  model: nnx.Module,
+  tokens: np.ndarray,
+  attn: np.ndarray,
+  loss_mask: np.ndarray,
+  *,
+  steps: int,
+  batch_size: int = 32,
+  learning_rate: float = 3e-3,
+  seed: int = 0,
+  log_every: int = 0,
+  log: Callable[[str], None] | None = print,
+) -> list[float]:
+  """Cross-entropy on the ``loss_mask`` tokens of fixed sequences, training ``model`` in place:
+  ``tokens int32[N, L]`` right-padded, ``attn bool[N, L]`` the real tokens, ``loss_mask bool[N, L]`` the
+  target tokens (e.g. a demonstration's completion, or a multi-turn conversation's policy turns).
+  AdamW with a cosine schedule, ``batch_size`` rows drawn with replacement per step, 50 steps per
+  compiled ``lax.scan``; returns the loss after every 50 steps (and the last)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   opt = optax.adamw(
     optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), steps, learning_rate * 0.1),
@@ -344,7 +385,7 @@ def sft_warmup(
 
   tokens_d, attn_d, mask_d = jnp.asarray(tokens), jnp.asarray(attn), jnp.asarray(loss_mask)
   rng = np.random.default_rng(seed)
-  indices = rng.integers(0, len(rows), size=(steps, batch_size)).astype(np.int32)
+  indices = rng.integers(0, len(tokens), size=(steps, batch_size)).astype(np.int32)
   chunk = min(50, steps)
   losses = []
   done = 0
@@ -356,7 +397,7 @@ def sft_warmup(
     if log is not None and log_every and (done % max(log_every, chunk) < c or done == steps):
       log(f"sft step {done:4d} loss {losses[-1]:.4f}")
   nnx.update(model, params)
-  return SFTResult(losses, time.perf_counter() - t0)
+  return losses
 
 
 def warm_up(

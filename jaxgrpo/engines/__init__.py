@@ -1,0 +1,9 @@
+"""Inference engines behind one interface (:class:`~jaxgrpo.engines.base.Engine`): the built-in jitted
+sampler (:class:`~jaxgrpo.engines.builtin.BuiltinEngine`, the default) and vLLM
+(:class:`~jaxgrpo.engines.vllm.VLLMEngine`, imported on use: it needs the ``vllm`` extra). See
+docs/sampling.md, "Engines"."""
+
+from jaxgrpo.engines.base import FINISH_REASONS, Engine, Generation, finish_reasons
+from jaxgrpo.engines.builtin import BuiltinEngine
+
+__all__ = ["BuiltinEngine", "Engine", "FINISH_REASONS", "Generation", "finish_reasons"]

@@ -1,0 +1,370 @@
+"""vLLM behind the :class:`~jaxgrpo.engines.base.Engine` interface, colocated in the calling process.
+
+Start-up: the engine is built from the policy's Hugging Face config alone (``cfg.to_hf()`` written to a
+temporary directory, ``load_format="dummy"``): no checkpoint on disk, no second copy of the weights
+besides vLLM's own. Its weights are then set by :meth:`VLLMEngine.push_weights` — after every optimizer
+update — and prompts go in as token ids (``skip_tokenizer_init``: the trainer's tokenizer stays the only one).
+
+The weight path (``push_weights``), per parameter, through the same name map the exporters use
+(``jaxgrpo.models.hf.hf_entries``)::
+
+    NNX state --(LoRA: models.lora.merge_lora)--> entry.to_hf(array)   NumPy views on CPU (np.asarray of a
+      CPU jax.Array shares its buffer), jnp on an accelerator
+    --> torch tensor without a copy (torch.from_numpy / torch.from_dlpack; bfloat16 through a uint16 view)
+    --> fused HF tensors (GPT-2's c_attn) concatenated in table order
+    --> llm.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)
+        (vLLM copies each tensor into its parameter and repacks it for its kernels)
+    --> tied embeddings: the LM head's own packed copy is rebuilt from the new embedding
+        (``quant_method.process_weights_after_loading(lm_head)``): vLLM's CPU backend keeps one, and
+        without this it samples from the stale head
+    --> llm.reset_prefix_cache(): cached KV blocks of prompts (a full block is 128 tokens on CPU) were
+        computed with the old weights and would be reused
+
+TRL's colocate call (``model_runner.model.load_weights``) fails on vLLM's CPU backend (its linear layers
+are repacked after loading); ``reload_weights`` is the path that works on both.
+
+Log-probs: ``Generation.rollout.log_probs`` follow the library's contract (``jaxgrpo.sampling.generate``):
+``log_softmax(logits / temperature)[token]`` over the full vocabulary. vLLM gives it in two ways, fixed
+when the engine starts (``logprobs_temperature``): 1.0 (default) → vLLM's ``raw_logprobs`` (the model's
+log-softmax before any processor: exact for temperature 1 and for greedy decoding, whatever the top-k /
+top-p / suppressed ids); τ ≠ 1 → ``processed_logprobs`` (after temperature and the filters: exact only
+without top-k, top-p and suppressed ids, which :meth:`VLLMEngine.generate` then requires). Greedy calls
+(temperature 0) report the temperature-1 log-softmax in both modes, as ``generate`` does.
+
+Sampling: each of the N = B·G rows is one request with its own seed, drawn from the call's ``key``
+(``jax.random.randint``), so a key gives the same rollout for the same weights and batch. Suppressed ids
+get a logit bias of −100 (vLLM's bound; their probability is multiplied by e^−100 ≈ 4e−44, below float32
+sampling resolution); EOS ids are ``stop_token_ids`` (the EOS token is kept in the completion, as in
+``generate``).
+
+Memory: ``kv_cache_bytes`` is the KV cache (CPU: ``kv_cache_memory_bytes``; without it the CPU worker
+claims most of the RAM). On a GPU, ``gpu_memory_utilization`` is vLLM's share of the device, next to XLA's
+``XLA_PYTHON_CLIENT_MEM_FRACTION``: the two must sum to < 1 (e.g. 0.3 and 0.6; docs/sampling.md,
+"Engines"), and ``release_memory``/``reacquire_memory`` are vLLM's sleep mode (level 1: weights offloaded,
+KV cache dropped). vLLM's CPU worker has no sleep mode: there both calls only drop the prefix cache, and the
+KV cache stays allocated.
+
+Environment: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vLLM is imported (the engine core runs
+in this process: a 2–4 s start instead of 16 s, and ``collective_rpc`` can take the weight iterator).
+vLLM makes ``torch.set_num_threads`` a no-op process-wide and starts its own threads.
+Needs the ``vllm`` extra (vLLM pins transformers; see README, "Set up").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import tempfile
+import time
+import warnings
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo import _checks
+from jaxgrpo.engines.base import FINISH_REASONS, Generation
+from jaxgrpo.models import lora
+from jaxgrpo.models.hf import hf_entries
+from jaxgrpo.sampling import Rollout
+
+__all__ = ["INSTALL_HINT", "VLLMEngine", "check_installed", "hf_weights"]
+
+INSTALL_HINT = (
+  "vLLM is not installed in this environment: `pip install 'jaxgrpo[vllm]'` (its own environment: vLLM pins "
+  "transformers<5.20), or `bash scripts/setup_vllm_venv.sh` and run with `.venv-vllm/bin/python`"
+)
+
+#: transformers class names vLLM picks its model implementation by (``architectures`` of config.json).
+ARCHITECTURES = {
+  "gpt2": "GPT2LMHeadModel",
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+_SUPPRESS_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
+
+
+def check_installed() -> None:
+  """ImportError with the install hint when vLLM cannot be imported (nothing heavy is loaded otherwise)."""
+  if importlib.util.find_spec("vllm") is None:
+    raise ImportError(INSTALL_HINT)
+
+
+def _to_torch(x):
+  """A torch tensor sharing ``x``'s memory: NumPy (bfloat16 through a uint16 view) or a jax.Array (DLPack)."""
+  import torch
+
+  if isinstance(x, jax.Array):
+    return torch.from_dlpack(x)
+  if x.dtype == jnp.bfloat16:
+    return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+  return torch.from_numpy(x)
+
+
+def hf_weights(model, *, on_host: bool | None = None) -> Iterator[tuple[str, object]]:
+  """``(Hugging Face name, torch tensor)`` for every tensor of ``model`` in HF layout, as ``save_hf`` writes
+  them (fused tensors concatenated), without copies where the layout allows.
+
+  A LoRA/QLoRA model is merged first (``models.lora.merge_lora``: ``w + s·A·B``, dequantised). On the host
+  (``on_host``; default: when the parameters live on CPU) the HF layout is a NumPy view of each JAX buffer
+  (``np.asarray`` shares it; transposes stay views; torch reads them in place); on an accelerator it is
+  computed with ``jnp`` and handed over by DLPack. The tensors are read-only views: the receiver copies.
+  A tied model has no ``lm_head.weight`` (it is the embedding).
+  """
+  entries = hf_entries(model.config)
+  flat = dict(nnx.to_flat_state(nnx.state(model)))
+  if lora.has_adapters(model) or set(flat) - {e.path for e in entries}:  # adapters or quantised weights
+    model = lora.merge_lora(model)
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+  if on_host is None:
+    first = next(iter(flat.values())).get_value()
+    on_host = all(d.platform == "cpu" for d in first.devices())
+  pieces: dict[str, list] = {}
+  for e in entries:
+    value = flat[e.path].get_value()
+    pieces.setdefault(e.hf_name, []).append(e.to_hf(np.asarray(value) if on_host else value))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    for name, parts in pieces.items():
+      if len(parts) == 1:
+        tensor = parts[0]
+      else:
+        tensor = np.concatenate(parts, axis=-1) if on_host else jnp.concatenate(parts, axis=-1)
+      yield name, _to_torch(tensor)
+
+
+def _repack_lm_head(model) -> None:
+  """Rebuild the LM head's kernel-format copy from its (tied, just reloaded) weight."""
+  head = getattr(model, "lm_head", None)
+  method = getattr(head, "quant_method", None)
+  if method is not None and hasattr(method, "process_weights_after_loading"):
+    method.process_weights_after_loading(head)
+
+
+class VLLMEngine:
+  """vLLM in this process, sampling from the weights last pushed (see the module docstring).
+
+  Args:
+    config: the policy's model config (``model.config``; the four dense families).
+    dtype: vLLM's compute and weight dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    max_model_len: the longest prompt + completion (default: ``config.max_position_embeddings``).
+    kv_cache_bytes: the KV cache size in bytes (CPU; default 256 MiB). None on a GPU: ``gpu_memory_utilization``.
+    gpu_memory_utilization: vLLM's share of the GPU's memory (ignored on CPU).
+    max_num_seqs: the most sequences vLLM decodes at once (continuous batching).
+    enforce_eager: run the model eagerly (no torch.compile / CUDA graphs): faster start-up.
+    logprobs_temperature: the temperature of the reported log-probs (see the module docstring).
+    seed: vLLM's global seed (each request has its own seed from ``generate``'s key).
+    model: optional: push these weights at once.
+  """
+
+  name = "vllm"
+
+  def __init__(
+    self,
+    config,
+    *,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    kv_cache_bytes: int | None = 256 * 2**20,
+    gpu_memory_utilization: float = 0.3,
+    max_num_seqs: int = 256,
+    enforce_eager: bool = True,
+    logprobs_temperature: float = 1.0,
+    seed: int = 0,
+    model=None,
+  ):
+    family = getattr(config, "model_type", None)
+    if family not in ARCHITECTURES:
+      raise ValueError(f"`config` must be a jaxgrpo model config of {sorted(ARCHITECTURES)}; got {config!r:.80}")
+    dtype = _checks.check_choice(dtype, DTYPES, "dtype")
+    self.logprobs_temperature = _checks.check_python_float(
+      logprobs_temperature, "logprobs_temperature", above=0.0, hint="temperature of the reported log-probs"
+    )
+    check_installed()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    self.config = config
+    self.max_model_len = int(max_model_len or config.max_position_embeddings)
+    self._dir = tempfile.TemporaryDirectory(prefix="jaxgrpo-vllm-")
+    hf = config.to_hf()
+    hf["architectures"] = [ARCHITECTURES[family]]
+    hf["torch_dtype"] = hf["dtype"] = dtype
+    with open(os.path.join(self._dir.name, "config.json"), "w") as f:
+      json.dump(hf, f)
+    self.on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    kw = dict(
+      model=self._dir.name,
+      load_format="dummy",
+      skip_tokenizer_init=True,
+      dtype=dtype,
+      seed=seed,
+      max_model_len=self.max_model_len,
+      max_num_seqs=max_num_seqs,
+      enforce_eager=enforce_eager,
+      enable_prefix_caching=True,
+      logprobs_mode="raw_logprobs" if self.logprobs_temperature == 1.0 else "processed_logprobs",
+    )
+    if self.on_gpu:
+      kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+      # CPU: no chunked prefill. A prompt split over two scheduler steps makes vLLM rewind the request's
+      # seeded generator (Generator.set_offset), which CPU generators do not have ("CPU Generator does not
+      # use offset"); whole prompts only, up to max(4096, max_model_len) tokens per step.
+      kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, self.max_model_len))
+      if kv_cache_bytes is not None:
+        kw.update(kv_cache_memory_bytes=int(kv_cache_bytes))
+    self.llm = LLM(**kw)
+    self.asleep = False
+    self.push_seconds: float | None = None
+    if model is not None:
+      self.push_weights(model)
+
+  # ------------------------------------------------------------------ weights and memory
+  def push_weights(self, model) -> None:
+    """Copy ``model``'s parameters into vLLM (see the module docstring); ``self.push_seconds`` is the time."""
+    if model.config.to_hf() != self.config.to_hf():
+      raise ValueError("push_weights: `model` has another architecture than the engine's config")
+    if self.asleep:
+      raise RuntimeError("push_weights: the engine's memory is released; call reacquire_memory() first")
+    t0 = time.perf_counter()
+    weights = hf_weights(model, on_host=not self.on_gpu)
+    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    if self.config.tie_word_embeddings:
+      self.llm.apply_model(_repack_lm_head)
+    self.llm.reset_prefix_cache()
+    self.push_seconds = time.perf_counter() - t0
+
+  def release_memory(self) -> None:
+    """GPU: vLLM's sleep mode, level 1 (weights to host memory, KV cache freed). CPU: the prefix cache is
+    dropped; vLLM's CPU worker has no sleep mode, so its KV cache stays allocated."""
+    if self.on_gpu:
+      self.llm.sleep(level=1)
+    else:
+      self.llm.reset_prefix_cache()
+    self.asleep = True
+
+  def reacquire_memory(self) -> None:
+    """Undo :meth:`release_memory` (push the weights again before generating if they changed)."""
+    if self.on_gpu:
+      self.llm.wake_up()
+    self.asleep = False
+
+  # ------------------------------------------------------------------ sampling
+  def generate(
+    self,
+    prompt_tokens,
+    prompt_mask,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_ids: Sequence[int] = (),
+    pad_id: int,
+    suppress_ids: Sequence[int] | None = None,
+    key: jax.Array,
+  ) -> Generation:
+    """G completions per prompt from vLLM (the arguments of :func:`jaxgrpo.sampling.generate`).
+
+    Returns:
+      :class:`~jaxgrpo.engines.base.Generation`: a NumPy ``Rollout`` (``num_steps`` = the longest
+      completion) and the finish reasons.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if self.asleep:
+      raise RuntimeError("generate: the engine's memory is released; call reacquire_memory() first")
+    tokens, mask = _checks.check_prompts(prompt_tokens, prompt_mask)
+    tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+    g = _checks.check_python_int(num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
+    t = _checks.check_python_int(max_new_tokens, "max_new_tokens", minimum=1, hint="T")
+    temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
+    top_p = _checks.check_python_float(top_p, "top_p", above=0.0, at_most=1.0, hint="1 = no nucleus filtering")
+    top_k = _checks.check_python_int(top_k, "top_k", minimum=0, hint="0 = no top-k filtering")
+    vocab = self.config.vocab_size
+    eos_ids = _checks.check_token_ids(eos_ids, "eos_ids", vocab)
+    pad_id = _checks.check_python_int(pad_id, "pad_id", minimum=0)
+    if suppress_ids is None:
+      suppress = (pad_id,) if pad_id < vocab and pad_id not in eos_ids else ()
+    else:
+      suppress = tuple(sorted(set(_checks.check_token_ids(suppress_ids, "suppress_ids", vocab))))
+    key = _checks.check_prng_key(key)
+    if tokens.shape[1] + t > self.max_model_len:
+      raise ValueError(
+        f"prompt length {tokens.shape[1]} + max_new_tokens {t} exceeds the engine's max_model_len {self.max_model_len}"
+      )
+    tau = self.logprobs_temperature
+    if tau != 1.0:  # vLLM's processed log-probs: exact only without filters and suppressed ids
+      if suppress:
+        raise ValueError(
+          f"suppress_ids={suppress}: an engine with logprobs_temperature={tau} != 1 reports log-probs after vLLM's "
+          "logit bias; pass suppress_ids=() for full-vocabulary log-probs"
+        )
+      if temperature > 0 and (temperature != tau or top_k or top_p < 1.0):
+        raise ValueError(
+          f"temperature={temperature}, top_k={top_k}, top_p={top_p}: an engine with logprobs_temperature={tau} "
+          f"reports full-vocabulary log-probs only at temperature {tau} without top-k / top-p filtering"
+        )
+    b = tokens.shape[0]
+    seeds = np.asarray(jax.random.randint(key, (b * g,), 0, 2**31 - 1, dtype=jnp.int32))
+    bias = {int(i): _SUPPRESS_BIAS for i in suppress} or None
+    prompts, params = [], []
+    for row in range(b * g):
+      ids = tokens[row // g][mask[row // g]].tolist()
+      prompts.append(TokensPrompt(prompt_token_ids=ids))
+      params.append(
+        SamplingParams(
+          n=1,
+          temperature=temperature,
+          top_p=top_p,
+          top_k=top_k,
+          max_tokens=t,
+          seed=int(seeds[row]),
+          logprobs=0,
+          stop_token_ids=list(eos_ids),
+          ignore_eos=True,  # no tokenizer: EOS is stop_token_ids only
+          logit_bias=bias,
+          detokenize=False,
+        )
+      )
+    outputs = self.llm.generate(prompts, params, use_tqdm=False)
+    comps = np.full((b * g, t), pad_id, np.int32)
+    logps = np.zeros((b * g, t), np.float32)
+    lengths = np.zeros(b * g, np.int32)
+    reasons = np.full(b * g, FINISH_REASONS[1], dtype=object)
+    for row, out in enumerate(outputs):
+      o = out.outputs[0]
+      ids = list(o.token_ids)
+      n = len(ids)
+      comps[row, :n] = ids
+      logps[row, :n] = [lp[i].logprob for i, lp in zip(ids, o.logprobs)]
+      lengths[row] = n
+      reasons[row] = FINISH_REASONS[0] if (n and ids[-1] in eos_ids and o.finish_reason == "stop") else "length"
+    rollout = Rollout(
+      prompt_tokens=np.repeat(tokens, g, axis=0),
+      prompt_mask=np.repeat(mask, g, axis=0),
+      completions=comps,
+      mask=np.arange(t)[None, :] < lengths[:, None],
+      log_probs=logps,
+      group_ids=np.repeat(np.arange(b, dtype=np.int32), g),
+      num_steps=np.int32(lengths.max(initial=0)),
+    )
+    return Generation(rollout, reasons.astype(str))
+
+  def close(self) -> None:
+    """Shut vLLM down and remove its config directory."""
+    llm, self.llm = getattr(self, "llm", None), None
+    if llm is not None:
+      engine = getattr(llm, "llm_engine", None)
+      shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+      if shutdown is not None:
+        shutdown()
+    self._dir.cleanup()

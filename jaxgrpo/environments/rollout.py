@@ -1,0 +1,272 @@
+"""The multi-turn rollout: the policy and its environments take turns until every trajectory ends.
+
+For N = prompts × G trajectories (one environment each, ``make_env(row)``)::
+
+    prompt_i = ChatFormat.prompt_ids(env_i.reset(row))          # rendered with tools=env.tools
+    repeat (at most max_turns times), over the trajectories still running, batched:
+      turn_i  = generate(policy, prompt_i ‖ traj_i)              # until EOS / </tool_call> / turn_tokens
+      traj_i += turn_i                                           # policy tokens, kept as sampled
+      result  = env_i.step(decode(turn_i))                       # host side, one call per trajectory
+      traj_i += ChatFormat.observation_ids(result.messages, turn_i)   # context tokens (policy_mask False)
+    until result.done, max_turns turns, or max_tokens tokens in traj_i
+
+Trajectories finish at different turns (ragged): each turn samples only the running ones (their count
+rounded up to a power of two with copies of one of them, whose samples are discarded, so a few shapes
+compile). The sampler is ``jaxgrpo.sampling.generate``: every turn **re-prefills** the whole
+conversation so far (``prompt ‖ traj``, left-padded to one width per batch) and decodes with a fresh KV
+cache — it does not keep the cache between turns. The cost of that is one prefill of the conversation
+per turn (measured in BENCHMARKS.md, "Multi-turn rollout"); the tokens and log-probs are those of one
+continuous decode up to float rounding, since the prefix is the same token ids at the same positions.
+
+Token accounting: ``completions`` holds ``turn_1 ‖ obs_1 ‖ turn_2 ‖ … ‖ turn_K`` right-padded to
+``max_tokens``; ``mask`` marks all of it (the model attends to the observations; λ-GRPO's process
+sets hash them), ``policy_mask`` only the turns (the loss; see ``jaxgrpo.train.Batch.policy_mask``);
+``log_probs`` are the sampler's on policy tokens and 0 on observations. A turn cut by the token budget
+is kept (policy tokens, no end token); an observation that does not fit ends the trajectory without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from jaxgrpo.environments.base import StepResult
+from jaxgrpo.environments.chat import ChatFormat
+from jaxgrpo.environments.tools import TOOL_CALL_END
+from jaxgrpo.sampling import generate
+
+__all__ = ["MultiTurnConfig", "MultiTurnRollout", "rollout_metrics", "sample_multiturn"]
+
+METRIC_NAMES = ("tool_calls", "tool_errors", "tool_s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MultiTurnConfig:
+  """The bounds of a multi-turn rollout (the run config's ``env:`` section).
+
+  Attributes:
+    max_turns: policy turns per trajectory (>= 1; 1: single-turn with an environment reward).
+    max_tokens: T, tokens per trajectory after the prompt, policy and observation tokens together.
+    turn_tokens: tokens per policy turn (None: ``max_tokens``).
+    stop_at_tool_call: a turn also ends at the tool-call end tag (``</tool_call>``, when it is one
+      token of the tokenizer); the observation then closes the assistant turn.
+  """
+
+  max_turns: int = 4
+  max_tokens: int = 256
+  turn_tokens: int | None = None
+  stop_at_tool_call: bool = True
+
+  def __post_init__(self):
+    for name in ("max_turns", "max_tokens"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"`env.{name}` must be an int >= 1; got {v!r}")
+    t = self.turn_tokens
+    if t is not None and (not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= self.max_tokens):
+      raise ValueError(f"`env.turn_tokens` must be an int in [1, max_tokens={self.max_tokens}] or null; got {t!r}")
+
+  @property
+  def per_turn(self) -> int:
+    return self.max_tokens if self.turn_tokens is None else self.turn_tokens
+
+
+class MultiTurnRollout(NamedTuple):
+  """The result of :func:`sample_multiturn` (N = prompts × G rows, row ``b·G + g``), usable wherever a
+  ``jaxgrpo.sampling.Rollout`` is (``jaxgrpo.train.Batch.from_rollout`` also reads ``policy_mask``).
+
+  Attributes:
+    prompt_tokens: ``int32[N, P]`` left-padded prompts; prompt_mask: ``bool[N, P]``.
+    completions: ``int32[N, T]`` the interleaved trajectory, right-padded with the pad id.
+    mask: ``bool[N, T]`` real tokens (policy and observation); policy_mask: ``bool[N, T]`` policy tokens.
+    log_probs: ``f32[N, T]`` sampling log-probs of the policy tokens, 0 elsewhere.
+    group_ids: ``int32[N]``; num_steps: None.
+    rewards: ``f32[N]`` the sum of each trajectory's step rewards.
+    turns: ``int32[N]`` policy turns per trajectory.
+    metrics: ``{name: f32[N]}`` per trajectory: ``tool_calls``, ``tool_errors``, ``tool_s``,
+      ``env_errors`` (exceptions raised by ``step``), ``truncated`` (ended by ``max_tokens``), plus any
+      metric the environment reports.
+  """
+
+  prompt_tokens: np.ndarray
+  prompt_mask: np.ndarray
+  completions: np.ndarray
+  mask: np.ndarray
+  log_probs: np.ndarray
+  group_ids: np.ndarray
+  num_steps: None
+  policy_mask: np.ndarray
+  rewards: np.ndarray
+  turns: np.ndarray
+  metrics: dict
+
+
+def _stop_ids(tokenizer, eos_ids: Sequence[int], stop_at_tool_call: bool) -> tuple[int, ...]:
+  ids = list(eos_ids)
+  if stop_at_tool_call:
+    end = tokenizer.convert_tokens_to_ids(TOOL_CALL_END)
+    if isinstance(end, int) and end != tokenizer.unk_token_id and end not in ids:
+      ids.append(end)
+  return tuple(ids)
+
+
+def _bucket_rows(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  tokens = np.full((len(seqs), width), pad_id, np.int32)
+  mask = np.zeros((len(seqs), width), bool)
+  for i, s in enumerate(seqs):
+    if s:
+      tokens[i, width - len(s) :] = s
+      mask[i, width - len(s) :] = True
+  return tokens, mask
+
+
+def _step(env, text: str) -> tuple[StepResult, bool]:
+  """``(result, raised)``: an exception in ``env.step`` ends the trajectory with reward 0."""
+  try:
+    result = env.step(text)
+  except Exception:  # noqa: BLE001 — a faulty environment must not stop the run; counted in env_errors
+    return StepResult((), 0.0, True, {}), True
+  if not isinstance(result, StepResult):
+    result = StepResult(*result)
+  return result, False
+
+
+def sample_multiturn(
+  model,
+  rows: Sequence[Mapping[str, Any]],
+  make_env: Callable[[Mapping[str, Any]], Any],
+  tokenizer,
+  sampling,
+  env_config: MultiTurnConfig,
+  *,
+  key,
+  temperature: float = 1.0,
+) -> MultiTurnRollout:
+  """G multi-turn trajectories per dataset row (see the module docstring).
+
+  Args:
+    model: the policy (``jaxgrpo.iteration.policy_model``).
+    rows: B dataset rows (``env.reset(row)`` gives each prompt; rows of a group must render the same
+      prompt — one environment per trajectory, reset with the same row).
+    make_env: ``make_env(row) -> Environment``, called once per trajectory.
+    tokenizer: a ``transformers`` tokenizer with a chat template (decodes turns, encodes observations).
+    sampling: a ``jaxgrpo.iteration.SamplingConfig`` (``num_samples`` = G, top-k/p,
+      ``eos_ids``, ``pad_id``; its ``max_new_tokens`` is ignored: ``env_config`` bounds the tokens).
+    env_config: a :class:`MultiTurnConfig`.
+    key: PRNG key; turn k samples with ``fold_in(key, k)``.
+    temperature: the sampling temperature, the train step's ``TrainConfig.temperature`` (its
+      log-probs refer to it).
+
+  Returns:
+    A :class:`MultiTurnRollout` (NumPy arrays).
+  """
+  if not isinstance(env_config, MultiTurnConfig):
+    raise TypeError(f"env_config must be a MultiTurnConfig; got {type(env_config).__name__}")
+  if not rows:
+    raise ValueError("`rows` is empty: sample_multiturn needs at least one dataset row")
+  g, n = sampling.num_samples, len(rows) * sampling.num_samples
+  envs = [make_env(row) for row in rows for _ in range(g)]
+  fmt = ChatFormat(tokenizer, tools=getattr(envs[0], "tools", None))
+  prompts = [fmt.prompt_ids(env.reset(rows[i // g])) for i, env in enumerate(envs)]
+  for i in range(n):
+    if prompts[i] != prompts[(i // g) * g]:
+      raise ValueError(f"env.reset gave different prompts within group {i // g}: a group must share its prompt")
+  t_max, per_turn = env_config.max_tokens, env_config.per_turn
+  stop = _stop_ids(tokenizer, sampling.eos_ids, env_config.stop_at_tool_call)
+  p_max = max(len(p) for p in prompts)
+  width = -(-(p_max + t_max) // 64) * 64  # one context width per batch (multiples of 64: few compiles)
+  limit = model.config.max_position_embeddings
+  if width + per_turn > limit:
+    width = p_max + t_max
+    if width + per_turn > limit:
+      raise ValueError(
+        f"prompt ({p_max}) + env.max_tokens ({t_max}) + turn tokens ({per_turn}) exceed the model's "
+        f"max_position_embeddings ({limit})"
+      )
+  traj = [[] for _ in range(n)]
+  policy = [[] for _ in range(n)]
+  logps = [[] for _ in range(n)]
+  rewards, turns = np.zeros(n, np.float32), np.zeros(n, np.int32)
+  metrics: dict[str, np.ndarray] = {k: np.zeros(n, np.float32) for k in (*METRIC_NAMES, "env_errors", "truncated")}
+  running = list(range(n))
+  for turn in range(env_config.max_turns):
+    if not running:
+      break
+    rows_padded = running + [running[0]] * (_bucket_rows(len(running)) - len(running))
+    ctx, ctx_mask = _left_pad([prompts[i] + traj[i] for i in rows_padded], width, sampling.pad_id)
+    out = generate(
+      model,
+      ctx,
+      ctx_mask,
+      num_samples=1,
+      max_new_tokens=per_turn,
+      temperature=temperature,
+      top_p=sampling.top_p,
+      top_k=sampling.top_k,
+      eos_ids=stop,
+      pad_id=sampling.pad_id,
+      suppress_ids=sampling.suppress_ids,
+      key=jax.random.fold_in(key, turn),
+    )
+    toks, mask, lps = (np.asarray(x) for x in jax.device_get((out.completions, out.mask, out.log_probs)))
+    still = []
+    for j, i in enumerate(running):
+      room = t_max - len(traj[i])
+      ids = toks[j][mask[j]].tolist()[:room]
+      traj[i] += ids
+      policy[i] += [True] * len(ids)
+      logps[i] += lps[j][mask[j]].tolist()[: len(ids)]
+      turns[i] += 1
+      result, raised = _step(envs[i], tokenizer.decode(ids, skip_special_tokens=False))
+      metrics["env_errors"][i] += raised
+      rewards[i] += float(result.reward)
+      for k, v in (result.metrics or {}).items():
+        metrics.setdefault(k, np.zeros(n, np.float32))[i] += float(v)
+      if result.done or turn == env_config.max_turns - 1:
+        continue
+      if len(traj[i]) >= t_max:
+        metrics["truncated"][i] = 1.0
+        continue
+      obs = fmt.observation_ids(result.messages, ids)
+      if len(traj[i]) + len(obs) >= t_max:  # no room for the observation and a turn after it
+        metrics["truncated"][i] = 1.0
+        continue
+      traj[i] += obs
+      policy[i] += [False] * len(obs)
+      logps[i] += [0.0] * len(obs)
+      still.append(i)
+    running = still
+  return _assemble(prompts, traj, policy, logps, rewards, turns, metrics, g, t_max, sampling.pad_id)
+
+
+def _assemble(prompts, traj, policy, logps, rewards, turns, metrics, g, t_max, pad_id) -> MultiTurnRollout:
+  n = len(traj)
+  p_tok, p_mask = _left_pad(prompts, max(len(p) for p in prompts), pad_id)
+  comp = np.full((n, t_max), pad_id, np.int32)
+  mask, pmask = np.zeros((n, t_max), bool), np.zeros((n, t_max), bool)
+  lp = np.zeros((n, t_max), np.float32)
+  for i in range(n):
+    k = len(traj[i])
+    comp[i, :k], mask[i, :k], pmask[i, :k], lp[i, :k] = traj[i], True, policy[i], logps[i]
+  gids = np.repeat(np.arange(n // g, dtype=np.int32), g)
+  return MultiTurnRollout(p_tok, p_mask, comp, mask, lp, gids, None, pmask, rewards, turns, metrics)
+
+
+def rollout_metrics(rollout: MultiTurnRollout, seconds: float | None = None) -> dict[str, float]:
+  """Per-trajectory means of a rollout's turn metrics: ``env/turns``, ``env/tool_calls``,
+  ``env/tool_errors``, ``env/tool_s``, ``env/env_errors``, ``env/truncated`` (and the environment's
+  own), plus ``env/policy_tokens`` and ``env/observation_tokens``; ``env/rollout_s`` when given."""
+  out = {"env/turns": float(np.mean(rollout.turns))}
+  out.update({f"env/{k}": float(np.mean(v)) for k, v in rollout.metrics.items()})
+  out["env/policy_tokens"] = float(rollout.policy_mask.sum(1).mean())
+  out["env/observation_tokens"] = float((rollout.mask & ~rollout.policy_mask).sum(1).mean())
+  if seconds is not None:
+    out["env/rollout_s"] = float(seconds)
+  return out

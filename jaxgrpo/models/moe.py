@@ -1,0 +1,485 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Qwen2-MoE) and their router: dispatch, routing replay, losses.
+
+Axis vocabulary (as in ``layers``): B batch, S tokens, D model width, E experts, k experts per token
+(``num_experts_per_tok``), Fe expert width (``moe_intermediate_size``), M sparse layers, T = B·S.
+
+**The sparse block** (:class:`MoEBlock`, HF ``Qwen3MoeSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock``)::
+
+    z = x · W_router                      f32[T, E]   (router logits, float32 accumulation)
+    p = softmax(z)                         f32[T, E]
+    (w, e) = top_k(p, k)                   w f32[T, k], e int32[T, k]   (replay: e given, w = p[e])
+    w = w / Σ_j w_j            if norm_topk_prob
+    y_t = Σ_j w_tj · SwiGLU_{e_tj}(x_t)   SwiGLU_e(x) = (silu(x·G_e) * (x·U_e)) · D_e
+    y_t += sigmoid(x_t · w_sg) · SwiGLU_shared(x_t)       (Qwen2-MoE's shared expert only)
+
+**Dispatch** (``MoEBlock.dispatch``): ``"ragged"`` (default, dropless): the T·k (token, expert)
+assignments are sorted by expert and each expert's SwiGLU runs on its contiguous rows as a grouped
+matmul (``jax.lax.ragged_dot``, group sizes = tokens per expert): k·T·D·Fe·3 multiply-adds, no token
+is ever dropped and no capacity is padded. ``"dense"``: the one-hot baseline, every expert on every
+token, combined with the routing weights (E·T·D·Fe·3: E/k times the work); same values, used as the
+reference in tests and in ``scripts/bench_moe.py``.
+
+**On a mesh** (``with jax.set_mesh(mesh):``) the experts run inside ``jax.shard_map``: each device
+sorts only its own batch rows (``rules["batch"]``), holds E/n experts (``rules["expert"]``, default
+``tensor``: expert parallelism), runs the assignments that fall on its experts and the partial
+outputs are summed over the expert axes (``psum``, the collective that routes tokens back). Tokens are
+replicated over the expert axes (they are batch-sharded over ``data × fsdp`` only), so the dispatch
+needs no all-to-all; the expert axis must not be a batch axis (ValueError).
+
+**Routing outputs and replay** go through a :func:`routing_scope`::
+
+    with moe.routing_scope(replay=None) as scope:   # replay: int[B, S, M, k] expert ids, or None
+      hidden, _ = model(tokens, positions, ...)
+    scope.routes[m]  # Route(logits f32[B, S, E], experts int32[B, S, k]) of sparse layer m
+
+With ``replay`` the sparse layers use exactly those experts (``e`` replaced, ``w`` = the current
+router's probabilities of those experts, so the router still learns): routing replay, which makes
+the train step's forward use the experts the sampler used. The scope holds one forward's routes (a
+second forward in the same scope overwrites them). Each layer returns its ``Route`` as a third output
+(``CausalLM`` hands it to :meth:`MoEModel._side_output`), so it crosses ``jax.checkpoint`` (remat).
+
+**Router losses** (:func:`load_balancing_loss`, :func:`router_z_loss`) and per-layer metrics
+(:func:`routing_metrics`) are pure functions of the routes and a token mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Any, Iterator, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxgrpo.models.base import RematPolicy, freeze_rules
+from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
+from jaxgrpo.models.layers import Attention, RMSNorm, _f32_operands_on_cpu, dense, param
+from jaxgrpo.models.llama import LlamaModel, SwiGLU, _swiglu
+
+__all__ = [
+  "DISPATCH",
+  "MoEBlock",
+  "MoEDecoderBlock",
+  "MoEModel",
+  "Route",
+  "RoutingScope",
+  "is_moe",
+  "load_balancing_loss",
+  "num_moe_layers",
+  "replay_dtype",
+  "router_z_loss",
+  "routing_metrics",
+  "routing_sums",
+  "routing_scope",
+  "set_dispatch",
+]
+
+DISPATCH = ("ragged", "dense")
+MoEConfig = Qwen3MoeConfig | Qwen2MoeConfig
+
+
+class Route(NamedTuple):
+  """One sparse layer's routing of one forward: ``logits f32[B, S, E]`` (router logits, before the
+  softmax) and ``experts int32[B, S, k]`` (the experts used, top-k or replayed)."""
+
+  logits: jax.Array
+  experts: jax.Array
+
+
+@dataclasses.dataclass
+class RoutingScope:
+  """What a :func:`routing_scope` gives the sparse layers (``replay``) and collects from them
+  (``routes``: sparse-layer index m → :class:`Route`, filled by one forward)."""
+
+  replay: jax.Array | None
+  routes: dict[int, Route] = dataclasses.field(default_factory=dict)
+
+  def stacked(self) -> Route:
+    """The routes of every sparse layer stacked on axis 2: ``logits f32[B, S, M, E]``,
+    ``experts int32[B, S, M, k]`` (the replay layout). ValueError when no forward ran in the scope."""
+    if not self.routes:
+      raise ValueError("routing_scope: no MoE forward ran inside the scope (no routes recorded)")
+    ms = sorted(self.routes)
+    return Route(
+      logits=jnp.stack([self.routes[m].logits for m in ms], axis=2),
+      experts=jnp.stack([self.routes[m].experts for m in ms], axis=2),
+    )
+
+
+_SCOPE: contextvars.ContextVar[RoutingScope | None] = contextvars.ContextVar("jaxgrpo_routing_scope", default=None)
+
+
+@contextlib.contextmanager
+def routing_scope(replay: jax.Array | None = None) -> Iterator[RoutingScope]:
+  """Collect the routes of the MoE forward run inside the block, and optionally replay experts.
+
+  Args:
+    replay: None (route by top-k), or ``int[B, S, M, k]`` expert ids for every token of the forward's
+      ``[B, S]`` tokens and every sparse layer m (the layout of :meth:`RoutingScope.stacked` and of
+      ``Rollout.routing``); any integer dtype. Shapes are checked when the forward is traced.
+  """
+  if replay is not None and (replay.ndim != 4 or not jnp.issubdtype(replay.dtype, jnp.integer)):
+    raise ValueError(f"replay must be an integer array [B, S, M, k]; got {replay.dtype}{tuple(replay.shape)}")
+  scope = RoutingScope(replay=replay)
+  token = _SCOPE.set(scope)
+  try:
+    yield scope
+  finally:
+    _SCOPE.reset(token)
+
+
+def replay_dtype(num_experts: int):
+  """The compact storage dtype of recorded expert ids: uint8 for E <= 256, int16 up to 32768, else int32."""
+  return jnp.uint8 if num_experts <= 256 else jnp.int16 if num_experts <= 32768 else jnp.int32
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert computation: grouped (ragged) and one-hot (dense).
+
+
+def _ragged_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
+  """``Σ_j w_tj · SwiGLU_{e_tj}(x_t)`` over the experts ``[first, first + E_local)`` held in ``gate,
+  up [E_local, D, Fe]``, ``down [E_local, Fe, D]``; assignments to other experts contribute 0.
+
+  x ``[T, D]``, experts int32 ``[T, k]``, weights f32 ``[T, k]`` → f32 ``[T, D]``. The T·k assignments
+  are sorted by (local) expert id, assignments to non-local experts last; ``ragged_dot`` multiplies
+  each expert's contiguous rows by its weights.
+  """
+  t, k = experts.shape
+  n_local = gate.shape[0]
+  local = experts.reshape(-1) - first  # [T·k]
+  in_range = (local >= 0) & (local < n_local)
+  key = jnp.where(in_range, local, n_local)
+  order = jnp.argsort(key, stable=True)  # [T·k]: assignments grouped by expert
+  sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)  # [E_local]
+  rows = order // k  # the token of each sorted assignment
+  xs = jnp.take(x, rows, axis=0).astype(dtype)  # [T·k, D]
+  ops = lambda a, w: _f32_operands_on_cpu(a, w.astype(dtype), preferred_element_type=jnp.float32)
+  g = jax.lax.ragged_dot(*ops(xs, gate), sizes, preferred_element_type=jnp.float32).astype(dtype)
+  u = jax.lax.ragged_dot(*ops(xs, up), sizes, preferred_element_type=jnp.float32).astype(dtype)
+  h = _swiglu(g, u)  # [T·k, Fe]
+  y = jax.lax.ragged_dot(*ops(h, down), sizes, preferred_element_type=jnp.float32)  # f32 [T·k, D]
+  w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]  # 0 for other experts' (unset) rows
+  y = y * w[:, None]
+  out = jnp.zeros_like(y).at[order].set(y)  # back to assignment order [T·k, D]
+  return jnp.sum(out.reshape(t, k, -1), axis=1)
+
+
+def _dense_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
+  """The one-hot baseline of :func:`_ragged_experts`: every local expert on every token, combined by
+  the ``[T, E_local]`` matrix of routing weights (zero off the chosen experts)."""
+  n_local = gate.shape[0]
+  combine = jnp.sum(jax.nn.one_hot(experts - first, n_local, dtype=jnp.float32) * weights[..., None], axis=1)
+  xd = x.astype(dtype)
+  g = jnp.einsum("td,edf->etf", *_f32_operands_on_cpu(xd, gate.astype(dtype), preferred_element_type=jnp.float32))
+  u = jnp.einsum("td,edf->etf", *_f32_operands_on_cpu(xd, up.astype(dtype), preferred_element_type=jnp.float32))
+  h = _swiglu(g.astype(dtype), u.astype(dtype))  # [E, T, Fe]
+  y = jnp.einsum("etf,efd->etd", *_f32_operands_on_cpu(h, down.astype(dtype), preferred_element_type=jnp.float32))
+  return jnp.einsum("etd,te->td", y.astype(jnp.float32), combine)
+
+
+_EXPERT_FNS = {"ragged": _ragged_experts, "dense": _dense_experts}
+
+
+def _mesh_axes(rule, mesh) -> tuple[str, ...]:
+  axes = () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
+  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def _run_experts(fn, x, experts, weights, gate, up, down, *, dtype, rules):
+  """``fn`` without a context mesh; with one, inside ``jax.shard_map``: batch rows over
+  ``rules["batch"]``, experts over ``rules["expert"]`` (partial outputs ``psum``-ed over it).
+
+  x ``[B, S, D]``, experts/weights ``[B, S, k]`` → f32 ``[B, S, D]``.
+  """
+  b, s, d = x.shape
+  flat = lambda a: a.reshape(b * s, a.shape[-1])
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(flat(x), flat(experts), flat(weights), gate, up, down, dtype=dtype).reshape(b, s, d)
+  batch_axes = _mesh_axes(rules.get("batch"), mesh)
+  expert_axes = _mesh_axes(rules.get("expert"), mesh)
+  both = sorted(set(batch_axes) & set(expert_axes))
+  if both:
+    raise ValueError(
+      f"MoE: mesh axes {both} shard both the batch and the experts (rules['batch']={rules.get('batch')!r}, "
+      f"rules['expert']={rules.get('expert')!r}); map 'expert' to axes the batch is not split over (e.g. 'tensor')"
+    )
+  n_ep = math.prod(mesh.shape[a] for a in expert_axes)
+  if gate.shape[0] % n_ep:
+    raise ValueError(f"MoE: {gate.shape[0]} experts are not divisible by the expert mesh axes {expert_axes} ({n_ep})")
+  n_local = gate.shape[0] // n_ep
+  bspec = PartitionSpec(batch_axes or None, None, None)
+  wspec = PartitionSpec(expert_axes or None, None, None)
+
+  def local(x, experts, weights, gate, up, down):
+    bl = x.shape[0]
+    first = 0
+    if expert_axes:
+      first = jax.lax.axis_index(expert_axes) * n_local
+    y = fn(flat(x), flat(experts), flat(weights), gate, up, down, first=first, dtype=dtype)
+    if expert_axes:
+      y = jax.lax.psum(y, expert_axes)
+    return y.reshape(bl, s, d)
+
+  return jax.shard_map(local, in_specs=(bspec,) * 3 + (wspec,) * 3, out_specs=bspec)(
+    x, experts, weights, gate, up, down
+  )
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules.
+
+
+class MoEBlock(nnx.Module):
+  """The sparse MLP of one layer (module docstring for the formulas).
+
+  Parameters: ``router [D, E]`` ("embed", None); ``gate``, ``up [E, D, Fe]`` ("expert", "embed",
+  "expert_mlp"); ``down [E, Fe, D]`` ("expert", "expert_mlp", "embed"); Qwen2-MoE: ``shared`` (a
+  ``SwiGLU`` of width ``shared_expert_intermediate_size``, adapters allowed) and ``shared_gate [D, 1]``
+  ("embed", None). Static: ``dispatch`` ("ragged" or "dense"), ``top_k``, ``norm_topk_prob``,
+  ``rules`` (the model's rules table, for the mesh layout of the dispatch). The routed experts take
+  no LoRA adapter (``jaxgrpo.models.lora`` lists only attention and dense/shared MLP projections).
+  """
+
+  def __init__(self, cfg: MoEConfig, *, dtype, param_dtype, rngs: nnx.Rngs, rules=None):
+    D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    self.dtype = dtype
+    self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, E
+    self.dispatch = "ragged"
+    self.rules = freeze_rules(rules)
+    self.router = param(rngs.params(), (D, E), ("embed", None), param_dtype)
+    self.gate = param(rngs.params(), (E, D, F), ("expert", "embed", "expert_mlp"), param_dtype)
+    self.up = param(rngs.params(), (E, D, F), ("expert", "embed", "expert_mlp"), param_dtype)
+    self.down = param(rngs.params(), (E, F, D), ("expert", "expert_mlp", "embed"), param_dtype)
+    if cfg.shared_expert_intermediate_size:
+      shared_cfg = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+      self.shared = SwiGLU(shared_cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.shared_gate = param(rngs.params(), (D, 1), ("embed", None), param_dtype)
+    else:
+      self.shared = self.shared_gate = None
+
+  def route(self, x: jax.Array, replay: jax.Array | None = None):
+    """x ``[B, S, D]`` → (logits f32 ``[B, S, E]``, experts int32 ``[B, S, k]``, weights f32 ``[B, S, k]``)."""
+    logits = dense(x, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if replay is None:
+      weights, experts = jax.lax.top_k(probs, self.top_k)
+    else:
+      if replay.shape != x.shape[:2] + (self.top_k,):
+        raise ValueError(
+          f"replayed experts have shape {replay.shape}, expected [B, S, k] = {x.shape[:2] + (self.top_k,)}"
+        )
+      experts = replay.astype(jnp.int32)
+      weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if self.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, experts.astype(jnp.int32), weights
+
+  def __call__(self, x: jax.Array, dropout_key=None, replay: jax.Array | None = None):
+    """x ``[B, S, D]`` → (y ``[B, S, D]`` in the compute dtype, :class:`Route`)."""
+    if self.dispatch not in _EXPERT_FNS:
+      raise ValueError(f"MoEBlock.dispatch must be one of {DISPATCH}; got {self.dispatch!r}")
+    logits, experts, weights = self.route(x, replay)
+    # HF casts the routing weights to the hidden dtype before weighting the experts' outputs
+    weights = weights.astype(self.dtype).astype(jnp.float32)
+    y = _run_experts(
+      _EXPERT_FNS[self.dispatch],
+      x,
+      experts,
+      weights,
+      self.gate[...],
+      self.up[...],
+      self.down[...],
+      dtype=self.dtype,
+      rules=dict(self.rules),
+    )
+    if self.shared is not None:
+      gate = dense(x, self.shared_gate[...].astype(self.dtype), preferred_element_type=jnp.float32)
+      y = y + jax.nn.sigmoid(gate) * self.shared(x, dropout_key).astype(jnp.float32)
+    return y.astype(self.dtype), Route(logits, experts)
+
+
+class MoEDecoderBlock(nnx.Module):
+  """A Qwen-MoE decoder layer: ``x += attn(rms_1(x))``; ``x += mlp(rms_2(x))`` with ``mlp`` a
+  :class:`MoEBlock` (sparse layers, ``moe_index`` = m) or the dense ``SwiGLU`` (``moe_index`` None).
+
+  A sparse layer returns ``(x, kv, Route)``: the third output is the layer's routing, handed by
+  ``CausalLM.__call__`` to ``MoEModel._side_output``; it reads its replayed experts from the active
+  :func:`routing_scope`.
+  """
+
+  def __init__(self, cfg: MoEConfig, layer: int, moe_index: int | None, *, dtype, param_dtype, rngs, rules=None):
+    kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, **kw)
+    self.attn = Attention(
+      hidden_size=cfg.hidden_size,
+      num_heads=cfg.num_heads,
+      num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      qkv_bias=cfg.qkv_bias,
+      o_bias=cfg.o_bias,
+      qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+      inv_freq=cfg.rope_inv_freq(),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
+    self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
+    self.moe_index = moe_index
+    if moe_index is None:
+      self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    else:
+      self.mlp = MoEBlock(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rules=rules)
+
+  def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
+    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index, dropout_key)
+    x = x + y
+    h = self.post_attention_norm(x)
+    if self.moe_index is None:
+      return x + self.mlp(h, dropout_key), kv
+    scope = _SCOPE.get()
+    replay = None
+    if scope is not None and scope.replay is not None:
+      r = scope.replay
+      if r.shape[:2] != x.shape[:2] or r.shape[3] != self.mlp.top_k or self.moe_index >= r.shape[2]:
+        raise ValueError(
+          f"routing_scope replay has shape {tuple(r.shape)}; this forward needs [B, S, M, k] with "
+          f"[B, S] = {tuple(x.shape[:2])}, M > {self.moe_index}, k = {self.mlp.top_k}"
+        )
+      replay = r[:, :, self.moe_index]
+    y, route = self.mlp(h, dropout_key, replay)
+    return x + y, kv, route
+
+
+class MoEModel(LlamaModel):
+  """Qwen3-MoE / Qwen2-MoE causal LM. Same call contract as every ``CausalLM`` (``CausalLM.__call__``);
+  routing outputs and replay through :func:`routing_scope`.
+
+  Parameters: as ``LlamaModel`` (embed_tokens, layers, final_norm, lm_head), each layer a
+  :class:`MoEDecoderBlock`. ``moe_layers``: the indices of the sparse layers (M of them).
+  """
+
+  def __init__(
+    self,
+    config: MoEConfig,
+    *,
+    rngs: nnx.Rngs,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    remat: RematPolicy | str | bool = False,
+    rules: Mapping[str, Any] | None = None,
+  ):
+    if not isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig)):
+      raise TypeError(f"config must be a Qwen3MoeConfig or Qwen2MoeConfig, got {type(config).__name__}")
+    self.config = config
+    self.dtype = dtype
+    self.remat, self.sharding_rules = RematPolicy.parse(remat), freeze_rules(rules)
+    V, D = config.vocab_size, config.hidden_size
+    self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
+    self.moe_layers = config.moe_layers
+    index = {layer: m for m, layer in enumerate(self.moe_layers)}
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, rules=rules)
+    self.layers = nnx.List([MoEDecoderBlock(config, i, index.get(i), **kw) for i in range(config.num_layers)])
+    self.final_norm = RMSNorm(D, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
+
+  def _side_output(self, layer: int, route: Route) -> None:
+    scope = _SCOPE.get()
+    if scope is not None:
+      scope.routes[self.layers[layer].moe_index] = route
+
+
+def is_moe(model) -> bool:
+  """Whether ``model`` is a mixture of experts with at least one sparse layer."""
+  return isinstance(model, MoEModel) and len(model.moe_layers) > 0
+
+
+def num_moe_layers(model) -> int:
+  """M, the number of sparse layers (0 for a dense model)."""
+  return len(model.moe_layers) if isinstance(model, MoEModel) else 0
+
+
+def set_dispatch(model, dispatch: str) -> None:
+  """Set every sparse layer's expert computation: ``"ragged"`` (grouped matmuls, the default) or
+  ``"dense"`` (the one-hot baseline). A static attribute: a jitted function retraces."""
+  if dispatch not in DISPATCH:
+    raise ValueError(f"dispatch must be one of {DISPATCH}; got {dispatch!r}")
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, MoEBlock):
+      module.dispatch = dispatch
+
+
+# ----------------------------------------------------------------------------------------------
+# Router losses and metrics (pure functions of stacked routes [B, S, M, ...] and a token mask [B, S]).
+
+
+def _masked_mean(x, mask, axis):
+  m = mask.astype(jnp.float32)
+  return jnp.sum(x * m, axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1.0)
+
+
+def load_balancing_loss(route: Route, mask: jax.Array, num_experts: int) -> jax.Array:
+  """HF's ``load_balancing_loss_func`` (Switch Transformer eq. 4-6), over every sparse layer at once.
+
+  With ``P_e`` the mean router probability of expert e and ``f_e`` the mean number of times e is in a
+  token's top k, both over the real tokens (``mask``) of every layer::
+
+      aux = E · Σ_e f_e · P_e          (k·1 for perfectly uniform routing, E·k·1 for full collapse)
+
+  Args:
+    route: stacked routes, ``logits f32[B, S, M, E]``, ``experts int[B, S, M, k]``.
+    mask: ``bool[B, S]`` real tokens.
+  Returns:
+    ``f32[]``.
+  """
+  probs = jax.nn.softmax(route.logits.astype(jnp.float32), axis=-1)  # [B, S, M, E]
+  counts = jnp.sum(jax.nn.one_hot(route.experts, num_experts, dtype=jnp.float32), axis=-2)  # [B, S, M, E]
+  m = jnp.broadcast_to(mask[:, :, None, None], counts.shape[:3] + (1,))
+  f = _masked_mean(counts, m, axis=(0, 1, 2))  # [E]
+  p = _masked_mean(probs, m, axis=(0, 1, 2))  # [E]
+  return num_experts * jnp.sum(f * p)
+
+
+def router_z_loss(route: Route, mask: jax.Array) -> jax.Array:
+  """ST-MoE's router z-loss: the mean over real tokens and sparse layers of ``logsumexp(z)²``; f32[]."""
+  lse = jax.nn.logsumexp(route.logits.astype(jnp.float32), axis=-1)  # [B, S, M]
+  return _masked_mean(jnp.square(lse), jnp.broadcast_to(mask[:, :, None], lse.shape), axis=(0, 1, 2))
+
+
+def routing_sums(route: Route, mask: jax.Array, num_experts: int) -> dict[str, jax.Array]:
+  """Additive statistics of one forward (sum them over micro-batches, then :func:`routing_metrics`):
+  ``load f32[M, E]`` (assignments per expert), ``router_entropy f32[M]`` (Σ over tokens of the
+  router's entropy ``-Σ_e p_e log p_e``), ``tokens f32[]`` (real tokens)."""
+  m = mask.astype(jnp.float32)
+  onehot = jax.nn.one_hot(route.experts, num_experts, dtype=jnp.float32)  # [B, S, M, k, E]
+  load = jnp.einsum("bsmke,bs->me", onehot, m)
+  logp = jax.nn.log_softmax(route.logits.astype(jnp.float32), axis=-1)
+  ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, S, M]
+  return {"load": load, "router_entropy": jnp.einsum("bsm,bs->m", ent, m), "tokens": jnp.sum(m)}
+
+
+def routing_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+  """Per sparse layer m, from :func:`routing_sums`: ``moe/m/load_min``, ``moe/m/load_max`` (the
+  smallest / largest expert share of the layer's token assignments, uniform = 1/E),
+  ``moe/m/load_entropy`` (entropy of those shares, uniform = log E) and ``moe/m/router_entropy`` (the
+  router's mean entropy per token); and ``moe/aux_loss`` / ``moe/z_loss`` when ``sums`` holds their
+  token-weighted sums (``aux_loss``, ``z_loss``: the train step adds them)."""
+  load = sums["load"]
+  share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)  # [M, E]
+  ent = -jnp.sum(jnp.where(share > 0, share * jnp.log(jnp.where(share > 0, share, 1.0)), 0.0), axis=-1)
+  router = sums["router_entropy"] / jnp.maximum(sums["tokens"], 1.0)
+  out = {}
+  for m in range(load.shape[0]):
+    out[f"moe/{m}/load_min"] = jnp.min(share[m])
+    out[f"moe/{m}/load_max"] = jnp.max(share[m])
+    out[f"moe/{m}/load_entropy"] = ent[m]
+    out[f"moe/{m}/router_entropy"] = router[m]
+  for name in ("aux_loss", "z_loss"):
+    if name in sums:
+      out[f"moe/{name}"] = sums[name] / jnp.maximum(sums["tokens"], 1.0)
+  return out

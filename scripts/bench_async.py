@@ -1,0 +1,170 @@
+"""Asynchronous rollouts on this machine: measured phase and step times of the real trainer, and the
+step times ``jaxgrpo.pipeline_sim`` predicts from those phase times.
+
+Runs, each ``--steps`` steps of the same demo-sized run (the first ``--warmup`` steps, compilation,
+are left out), on ``--cpu-devices`` virtual CPU devices (XLA_FLAGS, set before JAX is imported):
+
+1. ``sync``: the trainer's synchronous loop (``rollout.max_staleness: 0``), colocated.
+2. ``k0``: the pipeline at k = 0 (serial, the same computation): the phase times ``time/generate_s``,
+   ``time/reference_s``, ``time/update_s``, ``async/weight_transfer_s``, nothing overlapping.
+3. ``k1``: one-step-off, colocated (time-shared devices); ``async/old_logp_s``.
+4. ``k0_disagg``: serial on disjoint meshes (``devices.rollout`` half, ``devices.train`` half): the
+   phase times on those meshes, nothing overlapping.
+5. ``k1_disagg``: one-step-off on the disjoint meshes.
+
+The measured step is the wall time between two step records (the pipeline's period, what a run of
+many steps takes per step). The predictions are the model's, fed with the phase times measured
+without overlap (runs 2 and 4; π_old recomputation from runs 3 and 5). On a CPU the "disjoint"
+virtual devices share the same cores, so overlap cannot make anything faster: the gap between
+measured and predicted there is the cost of that sharing, not a property of the pipeline.
+
+    python scripts/bench_async.py                    # ~3 min on 2 cores
+    python scripts/bench_async.py --steps 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _devices_flag(argv) -> int:
+  n = 2
+  for i, tok in enumerate(argv):
+    if tok == "--cpu-devices" and i + 1 < len(argv):
+      n = int(argv[i + 1])
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+  return n
+
+
+if __name__ == "__main__":
+  _devices_flag(sys.argv[1:])
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402
+
+from jaxgrpo import async_rollout  # noqa: E402
+from jaxgrpo.pipeline_sim import Phases, simulate  # noqa: E402
+from jaxgrpo.specs import load_config  # noqa: E402
+from jaxgrpo.trainer import Trainer  # noqa: E402
+
+RUN = {
+  "model.synthetic": {"hidden_size": 64, "num_layers": 2},
+  "data.arithmetic": {"train_size": 256, "eval_size": 8, "sft_steps": 0},
+  "data.max_prompt_tokens": 64,
+  "rollout.group_size": 8,
+  "rollout.prompts_per_step": 8,
+  "rollout.max_new_tokens": 32,
+  "objective.beta": 0.04,  # a reference pass
+  "objective.importance_correction": "tis",
+  "step.chunk_size": None,
+  "optim.learning_rate": 1e-3,
+  "reward.timeout_s": None,
+  "eval.every": 0,
+  "run.log_every": 1,
+}
+
+
+def varied_reward(prompts, completions, **_):
+  """Rewards that differ within groups (the untrained model never boxes an answer): a real update."""
+  return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def run(mode: str, steps: int, warmup: int, out: str) -> dict:
+  n = len(jax.devices())
+  changes = {**RUN, "run.steps": steps, "run.out": os.path.join(out, mode), "devices.mesh": f"fsdp={n}"}
+  if mode == "k1":
+    changes["rollout.max_staleness"] = 1
+  elif mode in ("k0_disagg", "k1_disagg"):
+    changes.update(
+      {
+        "rollout.max_staleness": int(mode[1]),
+        "devices.rollout": n // 2,
+        "devices.train": n - n // 2,
+        "devices.mesh": f"fsdp={n - n // 2}",
+        "devices.rollout_mesh": f"fsdp={n // 2}",
+      }
+    )
+  tr = Trainer(load_config(None, changes), reward_fns={"varied": (varied_reward, 1.0)}, log=None)
+  if mode == "k0":
+    tr.rollouts = async_rollout.AsyncRollouts(tr, max_staleness=0, steps=steps)
+  ends = []
+  tr.on_record = lambda rec: ends.append(time.perf_counter()) if "loss" in rec else None
+  records = [r for r in tr.run(handle_signals=False) if "loss" in r][warmup:]
+  med = lambda key: statistics.median(r.get(key, 0.0) for r in records)
+  period = statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
+  keys = (
+    "step_time",
+    "rollout_time",
+    "time/generate_s",
+    "time/reference_s",
+    "time/update_s",
+    "async/old_logp_s",
+    "async/weight_transfer_s",
+    "async/learner_idle_s",
+    "async/producer_idle_s",
+    "async/staleness_mean",
+  )
+  return {"period": period, **{k: med(k) for k in keys}}
+
+
+def predictions(m: dict) -> dict:
+  """The model's step times from the measured phase times."""
+  k0, k1, dis, dis1 = m["k0"], m["k1"], m["k0_disagg"], m["k1_disagg"]
+  colocated = Phases(
+    generate=k0["time/generate_s"],
+    reference=k0["time/reference_s"],
+    update=k0["time/update_s"],
+    old_logp=k1["async/old_logp_s"],
+    transfer=k0["async/weight_transfer_s"],
+  )
+  disjoint = Phases(
+    generate=dis["time/generate_s"],
+    reference=dis["time/reference_s"],
+    update=dis["time/update_s"],
+    old_logp=dis1["async/old_logp_s"],
+    transfer=dis["async/weight_transfer_s"],
+  )
+  sim = lambda ph, k, d: simulate(ph, steps=50, max_staleness=k, disaggregated=d).step_time
+  return {
+    "sync": sim(colocated, 0, False),
+    "k1": sim(colocated, 1, False),
+    "k1_disagg": sim(disjoint, 1, True),
+    "k2_disagg": sim(disjoint, 2, True),
+  }
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--warmup", type=int, default=4, help="first steps left out (compilation)")
+  p.add_argument("--cpu-devices", type=int, default=2, help="virtual CPU devices (set before JAX starts)")
+  p.add_argument("--json", default=None, help="also write the results here")
+  args = p.parse_args(argv)
+  print(_bench.backend_line())
+  measured = {}
+  with tempfile.TemporaryDirectory() as out:
+    for mode in ("sync", "k0", "k1", "k0_disagg", "k1_disagg"):
+      measured[mode] = run(mode, args.steps, args.warmup, out)
+      print(mode, json.dumps({k: round(v, 4) for k, v in measured[mode].items()}), flush=True)
+  pred = predictions(measured)
+  print("\n| schedule | measured step (s) | predicted step (s) |\n|---|---|---|")
+  for mode in ("sync", "k1", "k1_disagg", "k2_disagg"):
+    got = measured.get(mode, {}).get("period")
+    print(f"| {mode} | {'—' if got is None else f'{got:.3f}'} | {pred[mode]:.3f} |")
+  result = {"measured": measured, "predicted": pred, "devices": len(jax.devices())}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,117 @@
+"""What re-prefilling each turn costs the multi-turn rollout (``jaxgrpo.environments.sample_multiturn``).
+
+The built-in rollout re-prefills ``prompt ‖ trajectory so far`` at every turn (``jaxgrpo.sampling.generate``
+keeps no KV cache across calls). A sampler that kept the cache would decode the policy's tokens and
+prefill each observation once. This script times, alternately, after one warm-up each (compilation
+excluded), on the same model and the same numbers of tokens:
+
+- ``multiturn``: ``sample_multiturn`` with a scripted environment: every trajectory takes exactly
+  ``--turns`` turns of exactly ``--turn-tokens`` policy tokens (no EOS), each answered by the same
+  observation; host work (decode, environment, template) included;
+- ``one decode``: one ``generate`` call decoding all of a trajectory's tokens (policy and observation)
+  in one continuous KV-cached loop from the prompt — what a cache-keeping sampler costs at most (it
+  would prefill the observation tokens, cheaper than decoding them);
+- ``turn decodes``: the policy tokens alone, ``--turns`` independent ``generate`` calls of
+  ``--turn-tokens`` from the bare prompt — the decode work without any conversation prefix.
+
+    python scripts/bench_multiturn.py                 # BENCHMARKS.md, "Multi-turn rollout: re-prefill"
+    python scripts/bench_multiturn.py --rows 4 --turns 2 --turn-tokens 4 --repeats 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import jax
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402
+
+from jaxgrpo import data as data_lib  # noqa: E402
+from jaxgrpo.environments import MultiTurnConfig, StepResult, sample_multiturn  # noqa: E402
+from jaxgrpo.environments.chat import ChatFormat  # noqa: E402
+from jaxgrpo.iteration import SamplingConfig  # noqa: E402
+from jaxgrpo.models import build_model  # noqa: E402
+from jaxgrpo.sampling import generate  # noqa: E402
+from jaxgrpo.tasks import arithmetic, calculator  # noqa: E402
+
+OBSERVATION = "result: 12345678"
+
+
+class Fixed:
+  """``turns`` turns, every one answered by the same tool message."""
+
+  tools = ()
+
+  def __init__(self, turns):
+    self.turns = turns
+
+  def reset(self, row):
+    self.k = 0
+    return [{"role": "user", "content": row["problem"]}]
+
+  def step(self, text):
+    self.k += 1
+    if self.k >= self.turns:
+      return StepResult((), 1.0, True)
+    return StepResult([{"role": "tool", "content": OBSERVATION}], 0.0, False)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--rows", type=int, default=32, help="trajectories (prompts × G with G = 1)")
+  ap.add_argument("--turns", type=int, default=4)
+  ap.add_argument("--turn-tokens", type=int, default=24)
+  ap.add_argument("--hidden", type=int, default=64)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--repeats", type=int, default=3)
+  args = ap.parse_args(argv)
+  print(_bench.backend_line())
+  tok = calculator.build_tokenizer()
+  cfg = arithmetic.tiny_model_config(
+    len(tok), hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=1024
+  )
+  model = build_model(cfg, rngs=nnx.Rngs(0))
+  rows = [{"problem": f"What is {10 + i} * {20 + i}?"} for i in range(args.rows)]
+  fmt = ChatFormat(tok)
+  obs_len = len(fmt.observation_ids([{"role": "tool", "content": OBSERVATION}], fmt.encode("x")))
+  total = args.turns * args.turn_tokens + (args.turns - 1) * obs_len
+  sampling = SamplingConfig(num_samples=1, max_new_tokens=1, eos_ids=(), pad_id=tok.pad_token_id)
+  env_config = MultiTurnConfig(max_turns=args.turns, max_tokens=total, turn_tokens=args.turn_tokens)
+  prompts = [fmt.prompt_ids(Fixed(1).reset(r)) for r in rows]
+  p_len = max(len(p) for p in prompts)
+  tokens, mask = data_lib.pad_left(prompts, p_len, tok.pad_token_id)
+  key = jax.random.key(0)
+
+  def multiturn():
+    out = sample_multiturn(model, rows, lambda r: Fixed(args.turns), tok, sampling, env_config, key=key)
+    assert out.mask.sum(1).min() == total, (out.mask.sum(1), total)
+    return out.log_probs
+
+  def one_decode():
+    return generate(model, tokens, mask, num_samples=1, max_new_tokens=total, pad_id=tok.pad_token_id, key=key)
+
+  def turn_decodes():
+    return [
+      generate(model, tokens, mask, num_samples=1, max_new_tokens=args.turn_tokens, pad_id=tok.pad_token_id, key=key)
+      for _ in range(args.turns)
+    ]
+
+  times = _bench.alternating_times([multiturn, one_decode, turn_decodes], args.repeats)
+  med = [statistics.median(t) for t in times]
+  print(
+    f"rows {args.rows}, prompt {p_len} tokens, {args.turns} turns × {args.turn_tokens} policy tokens, "
+    f"{args.turns - 1} observations × {obs_len} tokens = {total} tokens per trajectory"
+  )
+  for name, t in zip(("multiturn (re-prefill per turn)", "one continuous decode", "turn decodes alone"), med):
+    print(f"{name:34s} {t:7.3f} s  ({args.rows * total / t:8.0f} trajectory tokens/s)")
+  print(f"re-prefill rollout / one continuous decode: {med[0] / med[1]:.2f}x")
+  return med
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,222 @@
+"""The vLLM engine checked against the library's own log-probs: run by tests/test_engine_vllm.py in a child
+process with vLLM's own venv (``.venv-vllm/bin/python tests/vllm_checks.py CHECK OUT.json``), because vLLM
+pins transformers<5.20 (scripts/setup_vllm_venv.sh). Every number printed here is asserted on by the test.
+
+``families``: for each case (family, tied/untied, dtype, sampling settings) a tiny random model whose output
+entropy is reported (a near-deterministic model would make every comparison trivially exact), prompts of
+150–200 tokens (more than one 128-token KV block, so the prefix cache is exercised), then
+
+  1. push → sample → the engine's sampled-token log-probs vs ``models.log_probs.completion_log_probs`` of the
+     same tokens (max |Δ|); sampled tokens outside the library's top-k/top-p set; suppressed ids; EOS rows;
+  2. greedy: the engine's token t vs the library's argmax given the engine's own prefix (positions where the
+     library's top-2 logit gap is > 1e-3; free-running comparisons flip on near-ties);
+  3. one AdamW step on the NLL of the samples → push → sample the same prompts again: max |Δ| to the new
+     policy's log-probs and mean |Δ| to the old policy's (stale weights or a stale prefix cache show here).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxgrpo.engines.vllm import VLLMEngine
+from jaxgrpo.models import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, build_model, lora
+from jaxgrpo.models.log_probs import completion_log_probs, positions_from_mask
+from jaxgrpo.sampling import filter_logits
+
+V = 256
+
+
+def config(family: str, tied: bool):
+  common = dict(vocab_size=V, hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=512)
+  if family == "gpt2":
+    return GPT2Config(**common, tie_word_embeddings=tied)
+  kw = dict(**common, num_kv_heads=1, head_dim=32, intermediate_size=128, tie_word_embeddings=tied)
+  return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](**kw)
+
+
+def random_model(cfg, seed: int):
+  """``build_model`` with every parameter redrawn N(0, σ) (norm scales around 1), σ chosen so the output
+  entropy is well below log V: a model whose comparisons can fail."""
+  model = build_model(cfg, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    shape = var.get_value().shape
+    name = "/".join(map(str, path))
+    if "norm" in name or "ln_" in name:
+      value = (1.0 if name.endswith("scale") else 0.0) + 0.1 * rng.standard_normal(shape)
+    elif "embed" in name or "lm_head" in name or "wpe" in name:
+      value = 0.6 * rng.standard_normal(shape)
+    else:
+      value = 0.15 * rng.standard_normal(shape)
+    var.set_value(jnp.asarray(value, jnp.float32))
+  return model
+
+
+def prompts(seed: int, b: int = 3, p: int = 200):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, V, (b, p)).astype(np.int32)
+  lengths = rng.integers(150, p + 1, b)
+  mask = np.arange(p)[None] >= (p - lengths)[:, None]
+  return np.where(mask, tokens, 0).astype(np.int32), mask
+
+
+def library_logits(model, rollout):
+  """f32[N, T, V]: the library's logits of every completion position given the engine's prefix."""
+  tokens = jnp.concatenate([rollout.prompt_tokens, rollout.completions], 1)
+  attn = jnp.concatenate([rollout.prompt_mask, rollout.mask], 1)
+  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
+  p = rollout.prompt_tokens.shape[1]
+  return np.array(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32))
+
+
+def library_logp(model, rollout, temperature):
+  r = rollout
+  logp, _ = completion_log_probs(
+    model, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, temperature=temperature, chunk_size=None
+  )
+  return np.asarray(logp)
+
+
+def update(model, rollout, lr=3e-2):
+  """One AdamW step on the mean NLL of the rollout's tokens (the policy moves away from its samples' NLL)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  opt = optax.adamw(lr)
+  state = opt.init(params)
+  r = rollout
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest)
+    logp, _ = completion_log_probs(m, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, chunk_size=None)
+    return -jnp.sum(logp * r.mask) / jnp.sum(r.mask)
+
+  grads = jax.grad(loss)(params)
+  updates, _ = opt.update(grads, state, params)
+  return nnx.merge(graphdef, optax.apply_updates(params, updates), rest)
+
+
+def _lap(out, name, t0):
+  out.setdefault("phases", {})[name] = round(time.perf_counter() - t0, 2)
+  return time.perf_counter()
+
+
+def one_case(case: dict) -> dict:
+  cfg = config(case["family"], case["tied"])
+  model = random_model(cfg, case.get("seed", 0))
+  if case.get("lora"):
+    lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), key=jax.random.key(1))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B = 0 at init: make it matter
+      var.set_value(0.2 * jax.random.normal(jax.random.key(hash(path) % 2**31), var.get_value().shape))
+  tau = case.get("temperature", 1.0)
+  settings = dict(
+    num_samples=4,
+    max_new_tokens=24,
+    temperature=tau,
+    top_p=case.get("top_p", 1.0),
+    top_k=case.get("top_k", 0),
+    eos_ids=(1,),
+    pad_id=0,
+    suppress_ids=case.get("suppress_ids"),
+  )
+  t0 = time.perf_counter()
+  engine = VLLMEngine(
+    cfg, dtype=case.get("dtype", "float32"), logprobs_temperature=tau if tau > 0 else 1.0, kv_cache_bytes=64 * 2**20
+  )
+  out = dict(case=case, start_s=time.perf_counter() - t0)
+  engine.push_weights(model)
+  out["push_s"] = engine.push_seconds
+  t0 = time.perf_counter()
+  tokens, mask = prompts(case.get("seed", 0))
+  out["prompt_lengths"] = mask.sum(1).tolist()
+  gen = engine.generate(tokens, mask, **settings, key=jax.random.key(7))
+  r = gen.rollout
+  t0 = _lap(out, "generate", t0)
+  lib = library_logp(model, r, tau if tau > 0 else 1.0)
+  m = np.asarray(r.mask)
+  out["tokens"] = int(m.sum())
+  out["max_abs_logp"] = float(np.abs(lib - r.log_probs)[m].max())
+  out["mean_abs_logp"] = float(np.abs(lib - r.log_probs)[m].mean())
+  logits = library_logits(model, r)
+  logz = jax.nn.log_softmax(logits, -1)
+  out["entropy"] = float(-(np.exp(logz) * logz).sum(-1)[m].mean())
+  out["log_vocab"] = float(np.log(V))
+  if settings["top_k"] or settings["top_p"] < 1.0:
+    allowed = np.asarray(
+      filter_logits(jnp.asarray(logits / (tau or 1.0)), top_k=settings["top_k"], top_p=settings["top_p"])
+    )
+    chosen = np.take_along_axis(allowed, np.asarray(r.completions)[..., None], -1)[..., 0]
+    out["outside_filter"] = int((~np.isfinite(chosen))[m].sum())
+  suppressed = (0,) if settings["suppress_ids"] is None else tuple(settings["suppress_ids"])
+  out["suppressed_sampled"] = int(np.isin(np.asarray(r.completions), suppressed)[m].sum())
+  comps = np.asarray(r.completions)
+  lengths = m.sum(1)
+  last = comps[np.arange(len(comps)), np.maximum(lengths - 1, 0)]
+  out["stop_rows"] = int((gen.finish_reasons == "stop").sum())
+  out["finish_reasons_ok"] = bool(
+    np.all((gen.finish_reasons == "stop") == ((last == 1) & (lengths > 0)))
+    and np.all((gen.finish_reasons == "length") <= (lengths == settings["max_new_tokens"]))
+    and not np.any((comps[:, :-1] == 1) & m[:, 1:])  # nothing after an EOS
+  )
+  t0 = _lap(out, "library", t0)
+  # greedy: engine token == library argmax given the engine's prefix
+  greedy = engine.generate(tokens, mask, **{**settings, "temperature": 0.0}, key=jax.random.key(8)).rollout
+  t0 = _lap(out, "greedy_generate", t0)
+  glogits = library_logits(model, greedy)
+  gm = np.asarray(greedy.mask)
+  if settings["suppress_ids"] is None:
+    glogits[..., 0] = -np.inf
+  top2 = np.sort(glogits, -1)[..., -2:]
+  clear = gm & (top2[..., 1] - top2[..., 0] > 1e-3)
+  agree = np.argmax(glogits, -1) == np.asarray(greedy.completions)
+  out["greedy_positions"] = int(clear.sum())
+  out["greedy_agree"] = int((agree & clear).sum())
+  out["greedy_max_abs_logp"] = float(np.abs(library_logp(model, greedy, 1.0) - greedy.log_probs)[gm].max())
+  # an optimizer update, pushed: the engine must follow the new policy (not stale weights or prefix cache)
+  t0 = _lap(out, "greedy_library", t0)
+  new = update(model, r)
+  t0 = _lap(out, "update", t0)
+  engine.push_weights(new)
+  out["push2_s"] = engine.push_seconds
+  gen2 = engine.generate(tokens, mask, **settings, key=jax.random.key(7)).rollout
+  m2 = np.asarray(gen2.mask)
+  lib_new, lib_old = library_logp(new, gen2, tau or 1.0), library_logp(model, gen2, tau or 1.0)
+  out["after_update_max_abs_logp"] = float(np.abs(lib_new - gen2.log_probs)[m2].max())
+  out["after_update_vs_old_mean_abs"] = float(np.abs(lib_old - gen2.log_probs)[m2].mean())
+  _lap(out, "after_update", t0)
+  engine.close()
+  return out
+
+
+CASES = [
+  dict(family="gpt2", tied=True),
+  dict(family="llama", tied=False, top_k=20),
+  dict(family="qwen2", tied=True, top_p=0.9),
+  dict(family="qwen3", tied=False, lora=True),
+  dict(family="qwen3", tied=True, temperature=0.7, suppress_ids=()),
+  dict(family="qwen2", tied=False, dtype="bfloat16"),
+]
+
+
+def main(argv):
+  check, path = argv[1], argv[2]
+  if check == "families":
+    results = []
+    for c in CASES[int(argv[3]) if len(argv) > 3 else 0 :]:
+      t0 = time.perf_counter()
+      results.append(one_case(c))
+      print(f"vllm_checks: {c} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+  else:
+    raise SystemExit(f"unknown check {check!r}")
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
