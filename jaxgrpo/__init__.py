@@ -15,7 +15,8 @@ The package is layered, every import pointing down (README, "The library"):
 3. train step — ``jaxgrpo.train``: init_train_state, make_train_step, make_reference_fn, Batch,
    TrainConfig, TrainState, TrainStep.
 4. iteration/trainer — ``jaxgrpo.iteration``: grpo_iteration and its pieces (sample, score,
-   make_batch, place, make_reference, policy_model, rollout_loss); ``jaxgrpo.data``, ``rewards``,
+   make_batch, place, make_reference, policy_model, rollout_loss), multiturn_iteration and
+   sample_multiturn (environments); ``jaxgrpo.data``, ``rewards``,
    ``evaluation``, ``tasks`` (binary_tree, arithmetic), ``specs`` (the run config), ``builders`` (model
    and prompts from it), ``trainer``,
    ``collapse`` (the guard against a policy that collapses with finite values). Services beside them:
@@ -71,11 +72,13 @@ _LAZY = {
       "grpo_iteration",
       "make_batch",
       "make_reference",
+      "multiturn_iteration",
       "place",
       "place_prompts",
       "policy_model",
       "rollout_loss",
       "sample",
+      "sample_multiturn",
       "score",
     )
   },
@@ -155,10 +158,12 @@ __all__ = [
   "grpo_iteration",
   "make_batch",
   "make_reference",
+  "multiturn_iteration",
   "place",
   "place_prompts",
   "policy_model",
   "rollout_loss",
   "sample",
+  "sample_multiturn",
   "score",
 ]

@@ -515,6 +515,7 @@ def grpo_iteration(
   prompts: Sequence[Any] | None = None,
   columns: Mapping[str, Sequence[Any]] | None = None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+  hyper=None,
 ) -> IterationResult:
   """One GRPO iteration: sample G completions per prompt, score them with ``reward_fn``, build and
   place the batch, run the reference pass (only when the step reads ``ref_logp``: β > 0 or a custom
@@ -531,15 +532,18 @@ def grpo_iteration(
     reference: :func:`make_reference`'s result; required when the step needs ``ref_logp``.
     decode, prompts, columns: passed to :func:`score`.
     buckets: completion-length buckets (None: keep ``max_new_tokens`` columns).
+    hyper: optional hyper-parameter pytree of the update (``step(state, batch, hyper)``; e.g.
+      ``config.hyper(beta=...)``, a :class:`~jaxgrpo.config.GRPOHyper`), or None.
 
   Returns:
     An :class:`IterationResult` ``(state, metrics, rollout, rewards)``.
 
-  Everything that would fail after the rollout (temperature, group size, divisibility, a missing
+  Everything that would fail after the rollout (group size, divisibility, a missing
   reference) is checked before it. One process, or every process with the same prompts: for per-host
   scoring in multi-host runs, compose the pieces with ``place(..., process_local=True)``.
   """
   _check_iteration(step, sampling, reference, int(np.shape(prompt_tokens)[0]))
+  hyper = step.check_hyper(hyper)  # before the rollout, as the other checks
   t0 = time.perf_counter()
   rollout = jax.block_until_ready(
     sample(
@@ -561,7 +565,7 @@ def grpo_iteration(
     batch = reference(batch)
     jax.block_until_ready(batch.ref_logp)
   t3 = time.perf_counter()
-  state, step_metrics = step(state, batch)
+  state, step_metrics = step(state, batch) if hyper is None else step(state, batch, hyper)
   step_metrics = jax.device_get(step_metrics)
   jax.block_until_ready(state)
   t4 = time.perf_counter()

@@ -91,7 +91,7 @@ def main(argv=None):
   config = preset(cfg["objective"]["preset"], **{k: v for k, v in cfg["objective"].items() if k != "preset"})
   eos = tok.convert_tokens_to_ids("<|im_end|>")
   sampling = iteration.SamplingConfig(
-    num_samples=roll["group_size"], max_new_tokens=1, temperature=1.0, eos_ids=(eos,), pad_id=tok.pad_token_id
+    num_samples=roll["group_size"], max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id
   )
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.adamw(cfg["optim"]["learning_rate"], weight_decay=0.0)

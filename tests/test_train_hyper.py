@@ -118,3 +118,19 @@ def test_a_hyper_that_does_not_fit_the_config_is_refused():
     _step(CONFIG, hyper_schedule=lambda s: {"beta": s})
   with pytest.raises(ValueError, match="hyper.beta"):
     _step(CONFIG, hyper_schedule=lambda s: CONFIG.hyper(beta=-1.0 + 0.0 * s))
+  # grpo_iteration checks its hyper before the rollout (nothing sampled or compiled)
+  step, opt = _step(CONFIG)
+  prompts, pmask = np.ones((2, 3), np.int32), np.ones((2, 3), bool)
+  with pytest.raises(ValueError, match="dual_clip"):
+    jg.grpo_iteration(
+      step,
+      _state(opt),
+      prompts,
+      pmask,
+      key=jax.random.key(0),
+      reward_fn=lambda p, c: [0.0] * len(c),
+      sampling=jg.SamplingConfig(num_samples=G, max_new_tokens=4),
+      reference=jg.make_reference(step, _state(opt)),
+      hyper=jg.preset("grpo", beta=0.04).hyper(),
+    )
+  assert step.traces == 0
