@@ -27,6 +27,12 @@ Only process 0 writes ``metrics.jsonl``, ``config.json`` and the exported model;
 its own checkpoint shards. ``run()`` watches the other processes (``jaxgrpo.distributed.watch_hosts``):
 a process that dies or raises ends the others, naming it, within ``devices.host_timeout_s``.
 
+**Asynchronous rollouts** (``rollout.max_staleness`` >= 1, or ``devices.rollout``): ``train_step`` is
+the learner's step of ``jaxgrpo.async_rollout.AsyncRollouts``, whose producer thread calls
+``_rollout_batch`` with its own sampling call (parameters at most k updates old, on the rollout mesh);
+the state's data position is then the one after the last *trained* batch, plus the prompts drawn
+beyond it (``untrained``). docs/trainer.md, "Asynchronous rollouts".
+
 The run is a :class:`~jaxgrpo.specs.TrainerConfig`; the model and prompts are built by
 ``jaxgrpo.builders``, evaluation is ``jaxgrpo.evaluation.evaluate_policy``. Everything a resume needs
 is explicit in :class:`TrainerState`: trained parameters, optimizer state and step

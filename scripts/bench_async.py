@@ -1,8 +1,9 @@
 """Asynchronous rollouts on this machine: measured phase and step times of the real trainer, and the
 step times ``jaxgrpo.pipeline_sim`` predicts from those phase times.
 
-Runs, each ``--steps`` steps of the same demo-sized run (the first ``--warmup`` steps, compilation,
-are left out), on ``--cpu-devices`` virtual CPU devices (XLA_FLAGS, set before JAX is imported):
+Five schedules of the same demo-sized run, each warmed up (``--warmup`` steps: compilation), then
+timed in ``--rounds`` alternating rounds of ``--steps`` steps (the order rotated every round), on
+``--cpu-devices`` virtual CPU devices (XLA_FLAGS, set before JAX is imported):
 
 1. ``sync``: the trainer's synchronous loop (``rollout.max_staleness: 0``), colocated.
 2. ``k0``: the pipeline at k = 0 (serial, the same computation): the phase times ``time/generate_s``,
@@ -12,14 +13,15 @@ are left out), on ``--cpu-devices`` virtual CPU devices (XLA_FLAGS, set before J
    phase times on those meshes, nothing overlapping.
 5. ``k1_disagg``: one-step-off on the disjoint meshes.
 
-The measured step is the wall time between two step records (the pipeline's period, what a run of
-many steps takes per step). The predictions are the model's, fed with the phase times measured
+The measured step is the wall time of a round divided by its steps (the pipeline's period; before a
+round each producer has made every batch it may, so no producer runs while another schedule is
+timed). The predictions are the model's, fed with the phase times measured
 without overlap (runs 2 and 4; π_old recomputation from runs 3 and 5). On a CPU the "disjoint"
 virtual devices share the same cores, so overlap cannot make anything faster: the gap between
 measured and predicted there is the cost of that sharing, not a property of the pipeline.
 
-    python scripts/bench_async.py                    # ~3 min on 2 cores
-    python scripts/bench_async.py --steps 8 --json out.json
+    python scripts/bench_async.py                    # ~4 min on 2 cores
+    python scripts/bench_async.py --rounds 5 --json out.json
 """
 
 from __future__ import annotations
@@ -77,7 +79,22 @@ def varied_reward(prompts, completions, **_):
   return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
-def run(mode: str, steps: int, warmup: int, out: str) -> dict:
+MODES = ("sync", "k0", "k1", "k0_disagg", "k1_disagg")
+KEYS = (
+  "rollout_time",
+  "time/generate_s",
+  "time/reference_s",
+  "time/update_s",
+  "async/old_logp_s",
+  "async/weight_transfer_s",
+  "async/learner_idle_s",
+  "async/producer_idle_s",
+  "async/staleness_mean",
+)
+
+
+def build(mode: str, steps: int, out: str) -> Trainer:
+  """The trainer of one schedule (``steps``: every step it will run, warm-up included)."""
   n = len(jax.devices())
   changes = {**RUN, "run.steps": steps, "run.out": os.path.join(out, mode), "devices.mesh": f"fsdp={n}"}
   if mode == "k1":
@@ -95,24 +112,51 @@ def run(mode: str, steps: int, warmup: int, out: str) -> dict:
   tr = Trainer(load_config(None, changes), reward_fns={"varied": (varied_reward, 1.0)}, log=None)
   if mode == "k0":
     tr.rollouts = async_rollout.AsyncRollouts(tr, max_staleness=0, steps=steps)
-  ends = []
-  tr.on_record = lambda rec: ends.append(time.perf_counter()) if "loss" in rec else None
-  records = [r for r in tr.run(handle_signals=False) if "loss" in r][warmup:]
-  med = lambda key: statistics.median(r.get(key, 0.0) for r in records)
-  period = statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
-  keys = (
-    "step_time",
-    "rollout_time",
-    "time/generate_s",
-    "time/reference_s",
-    "time/update_s",
-    "async/old_logp_s",
-    "async/weight_transfer_s",
-    "async/learner_idle_s",
-    "async/producer_idle_s",
-    "async/staleness_mean",
-  )
-  return {"period": period, **{k: med(k) for k in keys}}
+  return tr
+
+
+def settle(tr: Trainer, timeout: float = 120.0) -> None:
+  """Waits until the producer (if any) has made every batch it may make now, so that it does not run
+  while the next schedule is timed."""
+  pipe = tr.rollouts
+  if pipe is None or pipe._thread is None:
+    return
+  trained = int(tr.state.train.step)
+  target = min(pipe.steps, trained + 1 + pipe.k) + 1
+  deadline = time.perf_counter() + timeout
+  while pipe._next_index < target and pipe._thread.is_alive() and time.perf_counter() < deadline:
+    time.sleep(0.01)
+
+
+def measure(steps: int, warmup: int, rounds: int, out: str) -> dict:
+  """Every schedule warmed up, then ``rounds`` rounds of ``steps`` steps each, the schedules in a
+  rotated order every round (machine noise hits them alike); medians over rounds of the wall time per
+  step, medians over steps of the phase times."""
+  trainers = {m: build(m, warmup + rounds * steps, out) for m in MODES}
+  records = {m: [] for m in MODES}
+  periods = {m: [] for m in MODES}
+  try:
+    for tr in trainers.values():
+      for _ in range(warmup):
+        tr.train_step()
+      settle(tr)
+    for r in range(rounds):
+      order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+      for m in order:
+        tr = trainers[m]
+        t0 = time.perf_counter()
+        records[m] += [tr.train_step() for _ in range(steps)]
+        periods[m].append((time.perf_counter() - t0) / steps)
+        settle(tr)
+  finally:
+    for tr in trainers.values():
+      if tr.rollouts is not None:
+        tr.rollouts.close()
+  result = {}
+  for m in MODES:
+    phases = {k: statistics.median(rec.get(k, 0.0) for rec in records[m]) for k in KEYS}
+    result[m] = {"period": statistics.median(periods[m]), "periods": periods[m], **phases}
+  return result
 
 
 def predictions(m: dict) -> dict:
@@ -136,6 +180,7 @@ def predictions(m: dict) -> dict:
   return {
     "sync": sim(colocated, 0, False),
     "k1": sim(colocated, 1, False),
+    "k0_disagg": sim(disjoint, 0, True),
     "k1_disagg": sim(disjoint, 1, True),
     "k2_disagg": sim(disjoint, 2, True),
   }
@@ -143,20 +188,20 @@ def predictions(m: dict) -> dict:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--warmup", type=int, default=4, help="first steps left out (compilation)")
+  p.add_argument("--steps", type=int, default=4, help="steps per schedule and round")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps of each schedule first (compilation)")
   p.add_argument("--cpu-devices", type=int, default=2, help="virtual CPU devices (set before JAX starts)")
   p.add_argument("--json", default=None, help="also write the results here")
   args = p.parse_args(argv)
   print(_bench.backend_line())
-  measured = {}
   with tempfile.TemporaryDirectory() as out:
-    for mode in ("sync", "k0", "k1", "k0_disagg", "k1_disagg"):
-      measured[mode] = run(mode, args.steps, args.warmup, out)
-      print(mode, json.dumps({k: round(v, 4) for k, v in measured[mode].items()}), flush=True)
+    measured = measure(args.steps, args.warmup, args.rounds, out)
+  for mode in MODES:
+    print(mode, json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in measured[mode].items()}))
   pred = predictions(measured)
   print("\n| schedule | measured step (s) | predicted step (s) |\n|---|---|---|")
-  for mode in ("sync", "k1", "k1_disagg", "k2_disagg"):
+  for mode in ("sync", "k1", "k0_disagg", "k1_disagg", "k2_disagg"):
     got = measured.get(mode, {}).get("period")
     print(f"| {mode} | {'—' if got is None else f'{got:.3f}'} | {pred[mode]:.3f} |")
   result = {"measured": measured, "predicted": pred, "devices": len(jax.devices())}
