@@ -184,6 +184,9 @@ class RolloutSpec:
     merge_lora: with a ``lora`` section, sample (and evaluate) from ``models.lora.merge_lora`` of
       the policy — no adapter matmuls per token, but a merged copy of the adapted weights while
       sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
+    routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
+      records each token's experts while sampling and the train step and the reference pass reuse
+      them (routing replay); ``none``: every forward routes by its own top-k. Ignored by a dense model.
   """
 
   group_size: int = 6
@@ -193,6 +196,7 @@ class RolloutSpec:
   top_k: int = 0
   dynamic_sampling_max_rounds: int = 4
   merge_lora: bool = False
+  routing_replay: Literal["rollout", "none"] = "rollout"
 
   def __post_init__(self):
     _positive("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))

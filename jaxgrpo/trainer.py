@@ -73,7 +73,7 @@ from jaxgrpo import train as train_lib
 from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.metrics import truncate_jsonl
-from jaxgrpo.models import lora
+from jaxgrpo.models import lora, moe
 from jaxgrpo.sampling import Rollout
 from jaxgrpo.specs import TrainerConfig
 
@@ -318,6 +318,8 @@ class Trainer:
       eos_ids=self.eos_ids,
       pad_id=self.pad_id,
       merge_lora=roll.merge_lora,
+      # a mixture of experts: record the experts while sampling, replayed by the step (rollout.routing_replay)
+      record_routing=roll.routing_replay == "rollout" and moe.is_moe(self.model),
     )
     self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
@@ -495,6 +497,7 @@ class Trainer:
       old_logp=cat("log_probs"),
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
       rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
+      routing=None if parts[0].routing is None else cat("routing"),  # a MoE policy's routing replay
     )
 
   # ------------------------------------------------------------------ evaluation

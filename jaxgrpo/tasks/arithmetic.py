@@ -68,12 +68,24 @@ class SyntheticModel:
   Attributes:
     hidden_size: D, the model width (4 heads of D/4, 2 kv heads, MLP width 2D, tied embeddings).
     num_layers: L, the number of decoder layers.
+    num_experts: E > 0: a Qwen3-MoE model (``jaxgrpo.models.moe``) whose every layer routes each
+      token to ``experts_per_tok`` (k) of E SwiGLU experts of width 2D/k (the dense model's active
+      width); 0 (default): the dense Qwen3 model.
+    experts_per_tok: k, experts per token (with ``num_experts``).
   """
 
   hidden_size: int = 64
   num_layers: int = 2
+  num_experts: int = 0
+  experts_per_tok: int = 2
 
   def __post_init__(self):
+    _check_int("synthetic", "num_experts", self.num_experts, 0)
+    _check_int("synthetic", "experts_per_tok", self.experts_per_tok, 1)
+    if self.num_experts and self.experts_per_tok > self.num_experts:
+      raise ValueError(
+        f"`synthetic.experts_per_tok`={self.experts_per_tok} exceeds `synthetic.num_experts`={self.num_experts}"
+      )
     _check_int("synthetic", "num_layers", self.num_layers, 1)
     _check_int("synthetic", "hidden_size", self.hidden_size, 8)
     if self.hidden_size % 8:
@@ -229,8 +241,19 @@ def tiny_model_config(
 
 
 def model_config(spec: SyntheticModel, vocab_size: int) -> models.Qwen3Config:
-  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``)."""
-  return tiny_model_config(vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers)
+  """The Qwen3 (or, with ``spec.num_experts``, Qwen3-MoE) config of ``spec`` over a vocabulary of
+  ``vocab_size`` (``len(build_tokenizer())``)."""
+  cfg = tiny_model_config(vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers)
+  if not spec.num_experts:
+    return cfg
+  fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+  return models.Qwen3MoeConfig(
+    **fields,
+    num_experts=spec.num_experts,
+    num_experts_per_tok=spec.experts_per_tok,
+    moe_intermediate_size=max(1, cfg.intermediate_size // spec.experts_per_tok),
+    norm_topk_prob=True,
+  )
 
 
 def task_split(task: ArithmeticTask, *, seed: int) -> tuple[list[dict], list[dict]]:
