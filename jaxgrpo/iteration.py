@@ -103,6 +103,8 @@ class SamplingConfig:
     merge_lora: sample a LoRA policy from ``models.lora.merge_lora(model)`` (a plain model: no
       adapter matmuls per token, but a merged copy of every adapted weight while sampling and one
       merge per call) instead of the adapted model (default). Ignored for a model without adapters.
+    record_routing: record each token's experts (``Rollout.routing``: a mixture-of-experts policy's
+      routing replay, ``jaxgrpo.models.moe``); ValueError from ``generate`` for a dense model.
   """
 
   num_samples: int
@@ -113,6 +115,7 @@ class SamplingConfig:
   pad_id: int = 0
   suppress_ids: tuple[int, ...] | None = None
   merge_lora: bool = False
+  record_routing: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
@@ -337,6 +340,7 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, 
     pad_id=sampling.pad_id,
     suppress_ids=sampling.suppress_ids,
     key=key,
+    record_routing=sampling.record_routing,
   )
 
 

@@ -229,6 +229,9 @@ class RolloutSpec:
       (vLLM in this process, the policy's weights pushed after every update; its log-probs become the
       batch's ``behavior_logp`` and the trainer recomputes ``old_logp``; docs/sampling.md, "Engines").
     vllm: the vLLM engine's settings (read with ``engine: vllm``).
+    routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
+      records each token's experts while sampling and the train step and the reference pass reuse
+      them (routing replay); ``none``: every forward routes by its own top-k. Ignored by a dense model.
   """
 
   group_size: int = 6
@@ -241,6 +244,7 @@ class RolloutSpec:
   max_staleness: int = 0
   engine: str = "jax"
   vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
+  routing_replay: Literal["rollout", "none"] = "rollout"
 
   def __post_init__(self):
     if self.engine not in ENGINES:
@@ -254,6 +258,8 @@ class RolloutSpec:
     _ints("rollout", self, ("top_k", "max_staleness"), minimum=0)
     _float("rollout", self, "top_p", above=0.0, at_most=1.0)
     _checks.check_python_bool(self.merge_lora, "rollout.merge_lora")
+    if self.routing_replay not in ("rollout", "none"):
+      raise ValueError(f"`rollout.routing_replay` must be 'rollout' or 'none'; got {self.routing_replay!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -241,7 +241,7 @@ def _check_routing(batch: Batch, b: int, t: int) -> None:
   if batch.packed is not None:
     raise ValueError(
       "batch.routing (routing replay) is not supported with packing (TrainConfig.packing): train unpacked or "
-      "drop the routing (moe.routing_replay: none)"
+      "drop the routing (rollout.routing_replay: none)"
     )
 
 
@@ -1423,8 +1423,8 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
   changes no loss; padding adds masked columns. A few bucket lengths mean a few compiled programs.
 
   Args:
-    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages and a packed batch's
-      ``unpack_index`` included, are fitted).
+    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages, a packed batch's
+      ``unpack_index`` and the completion columns of ``routing`` included, are fitted).
     buckets: the allowed completion lengths.
     length: the longest real completion to fit (default: from ``batch.mask``). Processes that each
       pad their own rows pass the maximum over all processes, so that every process picks the same
@@ -1450,6 +1450,11 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
   packed = batch.packed
   if packed is not None:  # the completion slots' head entries: -1 on the columns added
     packed = packed._replace(unpack_index=fit(packed.unpack_index, -1))
+  routing = batch.routing
+  if routing is not None:  # [B, P + T, M, k]: its completion columns fitted likewise (expert 0 on padding)
+    routing, p = np.asarray(routing), np.shape(batch.prompt_tokens)[1]
+    pad = ((0, 0), (0, max(0, target - t)), (0, 0), (0, 0))
+    routing = routing[:, : p + target] if target <= t else np.pad(routing, pad)
   return batch._replace(
     completions=fit(batch.completions, 0),
     mask=fit(batch.mask, False),
@@ -1460,4 +1465,5 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     behavior_logp=fit(batch.behavior_logp, 0.0),
     packed=packed,
     policy_mask=fit(batch.policy_mask, False),
+    routing=routing,
   )

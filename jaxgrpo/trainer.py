@@ -90,7 +90,7 @@ from jaxgrpo.environments import training as env_training
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.kl import kl_penalty
 from jaxgrpo.metrics import MetricsWriteError, append_record, truncate_jsonl
-from jaxgrpo.models import lora
+from jaxgrpo.models import lora, moe
 from jaxgrpo.sampling import Rollout
 from jaxgrpo.specs import TrainerConfig
 
@@ -348,6 +348,8 @@ class Trainer:
       eos_ids=self.eos_ids,
       pad_id=self.pad_id,
       merge_lora=roll.merge_lora,
+      # a mixture of experts: record the experts while sampling, replayed by the step (rollout.routing_replay)
+      record_routing=roll.routing_replay == "rollout" and moe.is_moe(self.model),
     )
     self.engine, self.policy_logp_fn, self._engine_stale, self._engine_times = None, None, True, {}
     if roll.engine == "vllm":
@@ -647,6 +649,7 @@ class Trainer:
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
       rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
       behavior_logp=None if self.engine is None else cat("log_probs"),  # the engine's: μ
+      routing=None if parts[0].routing is None else cat("routing"),  # a MoE policy's routing replay
     )
 
   # ------------------------------------------------------------------ evaluation

@@ -62,12 +62,24 @@ class SyntheticModel:
   Attributes:
     hidden_size: D, the model width (4 heads of D/4, 2 kv heads, MLP width 2D, tied embeddings).
     num_layers: L, the number of decoder layers.
+    num_experts: E > 0: a Qwen3-MoE model (``jaxgrpo.models.moe``) whose every layer routes each
+      token to ``experts_per_tok`` (k) of E SwiGLU experts of width 2D/k (the dense model's active
+      width); 0 (default): the dense Qwen3 model.
+    experts_per_tok: k, experts per token (with ``num_experts``).
   """
 
   hidden_size: int = 64
   num_layers: int = 2
+  num_experts: int = 0
+  experts_per_tok: int = 2
 
   def __post_init__(self):
+    _checks.check_python_int(self.num_experts, "synthetic.num_experts", minimum=0, hint="0: a dense model")
+    _checks.check_python_int(self.experts_per_tok, "synthetic.experts_per_tok", minimum=1)
+    if self.num_experts and self.experts_per_tok > self.num_experts:
+      raise ValueError(
+        f"`synthetic.experts_per_tok`={self.experts_per_tok} exceeds `synthetic.num_experts`={self.num_experts}"
+      )
     _checks.check_python_int(self.num_layers, "synthetic.num_layers", minimum=1)
     _checks.check_python_int(self.hidden_size, "synthetic.hidden_size", minimum=8)
     if self.hidden_size % 8:
@@ -231,13 +243,23 @@ SYNTHETIC_POSITIONS = 2048
 
 
 def model_config(spec: SyntheticModel, vocab_size: int) -> models.Qwen3Config:
-  """The Qwen3 config of ``spec`` over a vocabulary of ``vocab_size`` (``len(build_tokenizer())``),
-  with :data:`SYNTHETIC_POSITIONS` positions."""
-  return tiny_model_config(
+  """The Qwen3 (or, with ``spec.num_experts``, Qwen3-MoE) config of ``spec`` over a vocabulary of
+  ``vocab_size`` (``len(build_tokenizer())``), with :data:`SYNTHETIC_POSITIONS` positions."""
+  cfg = tiny_model_config(
     vocab_size,
     hidden_size=spec.hidden_size,
     num_layers=spec.num_layers,
     max_position_embeddings=SYNTHETIC_POSITIONS,
+  )
+  if not spec.num_experts:
+    return cfg
+  fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+  return models.Qwen3MoeConfig(
+    **fields,
+    num_experts=spec.num_experts,
+    num_experts_per_tok=spec.experts_per_tok,
+    moe_intermediate_size=max(1, cfg.intermediate_size // spec.experts_per_tok),
+    norm_topk_prob=True,
   )
 
 
