@@ -110,3 +110,19 @@ def test_bad_config():
     MultiTurnConfig(max_turns=0)
   with pytest.raises(ValueError, match="env.turn_tokens"):
     MultiTurnConfig(max_tokens=8, turn_tokens=9)
+
+
+@pytest.mark.slow
+def test_bench_multiturn_smoke():
+  """scripts/bench_multiturn.py runs (tiny sizes) and times all three variants."""
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_multiturn.py")
+  spec = importlib.util.spec_from_file_location("bench_multiturn", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  med = mod.main(
+    ["--rows", "2", "--turns", "2", "--turn-tokens", "3", "--hidden", "16", "--layers", "1", "--repeats", "1"]
+  )
+  assert len(med) == 3 and all(t > 0 for t in med)
