@@ -37,8 +37,8 @@ from jaxgrpo.tasks import arithmetic, calculator
 
 
 def evaluate(model, tok, rows, make_env, env_config, sampling, seed, samples) -> dict:
-  """mean@k multi-turn accuracy on ``rows`` (k = ``samples`` trajectories each, at the sampling
-  temperature, a fixed key) and the tool-use rates."""
+  """mean@k multi-turn accuracy on ``rows`` (k = ``samples`` trajectories each, at temperature 1 — the
+  step's —, a fixed key) and the tool-use rates."""
   k_samples = dataclasses.replace(sampling, num_samples=samples)
   out = sample_multiturn(model, rows, make_env, tok, k_samples, env_config, key=jax.random.key(seed + 1))
   return {
