@@ -245,6 +245,7 @@ def test_z_loss_and_routing_metrics_against_numpy():
     assert np.isclose(float(metrics[f"moe/{m}/router_entropy"]), ent, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_adds_the_router_losses():
   """One SGD step (lr 1, K = 2 micro-batches of equal token counts): the update with the router
   losses minus the update without them is -(c_aux·∇aux + c_z·∇z), the gradients taken directly."""
