@@ -245,6 +245,7 @@ def test_z_loss_and_routing_metrics_against_numpy():
     assert np.isclose(float(metrics[f"moe/{m}/router_entropy"]), ent, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_adds_the_router_losses():
   """One SGD step (lr 1, K = 2 micro-batches of equal token counts): the update with the router
   losses minus the update without them is -(c_aux·∇aux + c_z·∇z), the gradients taken directly."""
@@ -304,3 +305,34 @@ def test_lora_adapts_attention_and_shared_expert_and_refuses_routed_experts():
   fresh = nnx.merge(graphdef, state)
   with pytest.raises(ValueError, match="match no projection"):
     lora.apply_lora(fresh, lora.LoRAConfig(rank=2, targets=[r"layers\.0\.mlp\.up"]), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_packed_rows_equal_each_sequence_alone(family):
+  """Packing (several sequences per row, segment ids) gives every sequence the hidden states and
+  log-probs it gets alone: the dropless dispatch routes each token by itself (test_packing_models'
+  check, on the MoE families)."""
+  import test_packing_models as tpm
+
+  cfg = models.config_from_hf(tiny_moe_config(family))
+  tpm._MODELS[family, False] = tpm.randomized(models.build_model(cfg, rngs=nnx.Rngs(0)))
+  tpm.check_packed_equals_alone(family, [1, 2, 3, 1, 6, 4], [1, 3, 2, 5, 10, 0], seed=1)
+
+
+def test_pad_to_bucket_fits_the_routing_columns():
+  b = train.Batch(
+    np.zeros((2, 3), np.int32),
+    np.ones((2, 3), bool),
+    np.zeros((2, 5), np.int32),
+    np.array([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], bool),
+    np.zeros((2, 5), np.float32),
+    np.zeros(2, np.int32),
+    np.zeros(2, np.float32),
+    routing=np.arange(2 * 8 * 1 * 2).reshape(2, 8, 1, 2) % 7 + 1,
+  )
+  trimmed = train.pad_to_bucket(b, (4, 32))
+  assert trimmed.completions.shape == (2, 4) and trimmed.routing.shape == (2, 7, 1, 2)
+  np.testing.assert_array_equal(trimmed.routing, b.routing[:, :7])
+  padded = train.pad_to_bucket(b, (40,))
+  assert padded.routing.shape == (2, 43, 1, 2) and not padded.routing[:, 8:].any()
+  np.testing.assert_array_equal(padded.routing[:, :8], b.routing)
