@@ -106,6 +106,12 @@ def _baseline(rewards, group_ids, num_groups, scale, ddof, eps):
   s_g = jnp.where(counts > 0, s_g, 1.0)  # segment_max of an empty group is -inf
   s = s_g[group_ids]  # [B]
   mean_g = safe_div(_segment_sum(r / s, group_ids, num_groups), counts)  # in units of s_g
+  # A group of equal rewards has mean exactly that reward and std 0 (advantage 0): the f32 sum of n
+  # equal values, divided by n, may miss it by an ulp (16 x 0.7), which eps = 1e-6 turns into a spurious
+  # advantage of ~0.1. Take the value itself there.
+  hi_g = jax.ops.segment_max(select(valid, r / s, -jnp.inf), group_ids, num_segments=num_groups)
+  lo_g = jax.ops.segment_min(select(valid, r / s, jnp.inf), group_ids, num_segments=num_groups)
+  mean_g = jnp.where((counts > 0) & (hi_g == lo_g), hi_g, mean_g)
   mean = (mean_g * s_g)[group_ids]  # [B]
   if scale == "none":
     return mean, jnp.ones_like(r), valid
@@ -117,6 +123,8 @@ def _baseline(rewards, group_ids, num_groups, scale, ddof, eps):
     n = jnp.sum(valid.astype(jnp.float32))
     sb = pow2_scale(jnp.max(jnp.abs(r), initial=0.0))
     mean_b = safe_div(jnp.sum(r / sb), n)
+    hi_b = jnp.max(select(valid, r / sb, -jnp.inf), initial=-jnp.inf)
+    mean_b = jnp.where((n > 0) & (hi_b == jnp.min(select(valid, r / sb, jnp.inf), initial=jnp.inf)), hi_b, mean_b)
     var = safe_div(jnp.sum(select(valid, r / sb - mean_b, 0.0) ** 2), jnp.maximum(n - ddof, 0.0))
     std = jnp.broadcast_to(safe_sqrt(var) * sb, r.shape)
   denom = std + eps

@@ -324,9 +324,8 @@ def loss_and_grads(
   dper = np.zeros((b, t))
   if beta:
     d = logp - np.asarray(ref, np.float64)
-    e = np.exp(-np.clip(d, -MAX_LOG, MAX_LOG))
-    per = per + beta * (e + d - 1)
-    dper = beta * (1 - e * (np.abs(d) < MAX_LOG))
+    per = per + beta * kl(logp, ref, "k3")  # exp(-δ) continued by its tangent past e^20
+    dper = beta * (1 - np.exp(np.minimum(-d, 20.0)))
   if entropy_coef:
     per = per - entropy_coef * np.asarray(entropy, np.float64)
   value = float(np.sum(np.where(mask, c * per, 0.0)))
