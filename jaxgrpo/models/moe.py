@@ -197,21 +197,41 @@ def _mm(a, b):
   return jnp.dot(*_f32_operands_on_cpu(a, b, preferred_element_type=jnp.float32), preferred_element_type=jnp.float32)
 
 
+def _varying_axes(a) -> frozenset:
+  """The manual mesh axes ``a`` varies over inside ``jax.shard_map`` (empty outside)."""
+  t = jax.typeof(a)
+  manual = getattr(t, "manual_axis_type", None)
+  return frozenset(manual.varying) if manual is not None else frozenset(getattr(t, "vma", ()))
+
+
 def _tile_matmul_fwd(xt, w, tile_expert):
   return _tile_matmul(xt, w, tile_expert), (xt, w, tile_expert)
 
 
 def _tile_matmul_bwd(res, ct):
   xt, w, tile_expert = res
-  dx = jax.lax.map(lambda a: _mm(a[0], w[a[1]].T), (ct, tile_expert)).astype(xt.dtype)
+  dx = jax.lax.map(lambda a: _mm(a[0], w[a[1]].T), (ct, tile_expert))
 
   def add(dw, a):
     x_t, ct_t, e = a
     part = jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + _mm(x_t.T, ct_t)
     return jax.lax.dynamic_update_index_in_dim(dw, part, e, axis=0), None
 
-  dw, _ = jax.lax.scan(add, jnp.zeros(w.shape, jnp.float32), (xt, ct.astype(jnp.float32), tile_expert))
-  return dx, dw.astype(w.dtype), None
+  init = jnp.zeros(w.shape, jnp.float32)
+  # inside shard_map the carry must vary over the mesh axes its per-tile contributions vary over
+  vma = tuple(sorted(set().union(*(_varying_axes(a) for a in (xt, ct, w, tile_expert)))))
+  if vma:
+    init = jax.lax.pcast(init, vma, to="varying")
+  dw, _ = jax.lax.scan(add, init, (xt, ct.astype(jnp.float32), tile_expert))
+  return _sum_to(dx, xt).astype(xt.dtype), _sum_to(dw, w).astype(w.dtype), None
+
+
+def _sum_to(ct, primal):
+  """Inside ``jax.shard_map``: ``ct`` summed over the mesh axes it varies over and ``primal`` does not
+  (the transpose of the implicit broadcast of ``primal`` to them, e.g. a weight's gradient summed over
+  the batch shards); ``ct`` itself elsewhere."""
+  extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+  return jax.lax.psum(ct, extra) if extra else ct
 
 
 _tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
