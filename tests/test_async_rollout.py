@@ -185,9 +185,9 @@ def test_meshes_and_config_errors():
 
   with pytest.raises(ValueError, match=r"`devices.train`=2 needs `devices.rollout`"):
     DevicesSpec(train=2)
-  with pytest.raises(ValueError, match=r"`devices.rollout` must be an int >= 1"):
+  with pytest.raises(ValueError, match=r"`devices.rollout` must be >= 1; got 0"):
     DevicesSpec(rollout=0)
-  with pytest.raises(ValueError, match=r"`rollout.max_staleness` must be an int >= 0"):
+  with pytest.raises(ValueError, match=r"`rollout.max_staleness` must be >= 0; got -1"):
     tiny(**{"rollout.max_staleness": -1})
   with pytest.warns(UserWarning, match=r"max_staleness`=1 without `objective.importance_correction`"):
     tiny(**{"rollout.max_staleness": 1})
