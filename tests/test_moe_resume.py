@@ -24,7 +24,7 @@ STEPS = 4
 
 
 def _moe_args():
-  """test_checkpoint_resume's tiny run with the MoE model, a shorter warm-up and no evaluation."""
+  """test_checkpoint_resume's tiny run with the MoE model, a smaller data set and an evaluation at STEPS // 2."""
   over = {
     "--model.synthetic": "{hidden_size: 32, num_layers: 1, num_experts: 4, experts_per_tok: 2}",
     "--data.arithmetic": "{train_size: 32, eval_size: 4, sft_steps: 150, sft_learning_rate: 1e-2, sft_batch_size: 8}",
