@@ -120,7 +120,10 @@ def test_cli_defaults_with_overrides_and_no_config_run(tmp_path):
   r = _cli(tmp_path, "--model.dtype", "float32", "--data.split", "train", *small)
   assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
   cfg = json.load(open(tmp_path / "out" / "config.json"))
-  assert cfg["model"]["synthetic"] == {"hidden_size": 64, "num_layers": 2} and cfg["model"]["path"] is None
+  assert (
+    cfg["model"]["synthetic"] == {"hidden_size": 64, "num_layers": 2, "num_experts": 0, "experts_per_tok": 2}
+    and cfg["model"]["path"] is None
+  )
   assert cfg["data"]["max_prompt_tokens"] == 512 and cfg["rollout"]["max_new_tokens"] == 1024
   assert cfg["data"]["arithmetic"]["max_operand"] == 19
 

@@ -479,6 +479,9 @@ def test_generate_under_outer_jit_equals_eager(qwen3):
   eager = _generate(qwen3, tokens, mask, key=jax.random.key(3), **SAMPLED)
   jitted = jax.jit(lambda t, m, k: _generate(qwen3, t, m, key=k, **SAMPLED))(tokens, mask, jax.random.key(3))
   for name in Rollout._fields:  # weights become constants of the outer jit: log-prob rounding
+    if getattr(eager, name) is None:  # routing: recorded for a mixture of experts only
+      assert getattr(jitted, name) is None, name
+      continue
     np.testing.assert_allclose(getattr(eager, name), getattr(jitted, name), rtol=1e-6)
 
 
