@@ -244,7 +244,7 @@ def test_bad_packed_batches_fail_before_compiling():
   assert step.traces == plain.traces == fixed.traces == 0
   with pytest.raises(ValueError, match="`packing_rows`=2 needs `packing`"):
     train.TrainConfig(packing_rows=2)
-  with pytest.raises(ValueError, match="`packing` must be a positive int"):
+  with pytest.raises(ValueError, match="`packing` must be >= 1"):
     train.TrainConfig(packing=0)
 
 

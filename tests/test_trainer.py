@@ -127,7 +127,12 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
 
 def test_run_meta_names_identity_and_guarded_fields():
   meta = run_meta(tiny())
-  assert meta.identity["model.synthetic"] == {"hidden_size": 32, "num_layers": 1}
+  assert meta.identity["model.synthetic"] == {
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_experts": 0,
+    "experts_per_tok": 2,
+  }
   assert meta.identity["run.seed"] == 0 and meta.identity["data.arithmetic.train_size"] == 64
   assert meta.guarded == {"optim.learning_rate": 1e-3, "rollout.group_size": 4}
   assert meta.config == tiny().to_dict()

@@ -183,11 +183,16 @@ resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-os.setgroups([])
-os.setgid(uid)
-os.setuid(uid)
-os.chdir(workdir)
-os.execve(python, [python, "-I", "-B", "main.py"], {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"})
+pid = os.fork()  # this launcher stays PID 1 of the namespace and reports how the program ended
+if pid == 0:
+  os.setgroups([])
+  os.setgid(uid)
+  os.setuid(uid)
+  os.chdir(workdir)
+  os.execve(python, [python, "-I", "-B", "main.py"], {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"})
+_, status = os.waitpid(pid, 0)
+# a signal as 128 + its number: unshare(1) re-raising a child's SIGXCPU fails ("sigprocmask unblock failed")
+os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 """
 
 
@@ -272,7 +277,10 @@ def run_code(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     else:
       argv = [python, "-I", "-B", "main.py"]
       preexec, isolation = _set_limits(limits), ("rlimits", "session")
-    return _run(argv, workdir, env, preexec, limits, isolation)
+    result = _run(argv, workdir, env, preexec, limits, isolation)
+    if use_ns and result.returncode is not None and result.returncode > 128:  # the launcher's 128 + signal
+      result = result._replace(returncode=128 - result.returncode)
+    return result
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 
