@@ -135,3 +135,48 @@ def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
       position_ids=torch.as_tensor(positions, dtype=torch.long),
     )
   return out.logits.float().numpy()
+
+
+def assert_greedy_matches_hf(hf_model, model, *, new: int, pad: int):
+  """Greedy ``jaxgrpo.sampling.generate`` of ``model`` (2 samples per prompt) equals transformers' greedy
+  ``generate`` of ``hf_model`` for ``new`` tokens on 3 left-padded prompts of 8 tokens (pads 0, 3, 6);
+  refuses near-tied logits (the comparison would not be meaningful). Returns the jaxgrpo rollout."""
+  import jax
+  import jax.numpy as jnp
+  import torch
+
+  from jaxgrpo.sampling import generate
+
+  rng = np.random.default_rng(0)
+  batch, prompt_len = 3, 8
+  mask = np.arange(prompt_len)[None, :] >= np.array([0, 3, 6])[:, None]
+  tokens = np.where(mask, rng.integers(1, 128, size=(batch, prompt_len)), pad).astype(np.int32)
+  with torch.no_grad():
+    out = hf_model.generate(
+      input_ids=torch.as_tensor(tokens, dtype=torch.long),
+      attention_mask=torch.as_tensor(mask.astype(np.int64)),
+      do_sample=False,
+      max_new_tokens=new,
+      min_new_tokens=new,
+      eos_token_id=None,
+      pad_token_id=pad,
+      output_scores=True,
+      return_dict_in_generate=True,
+    )
+  want = out.sequences[:, prompt_len:].numpy()
+  scores = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)
+  assert (scores[..., -1] - scores[..., -2]).min() > 1e-3, "near-tied logits: test not meaningful"
+  r = generate(
+    model,
+    jnp.asarray(tokens),
+    jnp.asarray(mask),
+    num_samples=2,
+    max_new_tokens=new,
+    temperature=0.0,
+    eos_ids=(),
+    pad_id=pad,
+    suppress_ids=(),  # transformers suppresses nothing
+    key=jax.random.key(0),
+  )
+  np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
+  return r

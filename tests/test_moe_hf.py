@@ -10,11 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_utils import MOE_FAMILIES, build_hf_model, hf_logits, left_padded_batch, tiny_moe_config
+from hf_utils import (
+  MOE_FAMILIES,
+  assert_greedy_matches_hf,
+  build_hf_model,
+  hf_logits,
+  left_padded_batch,
+  tiny_moe_config,
+)
 
 from jaxgrpo import models
 from jaxgrpo.models import moe
-from jaxgrpo.sampling import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -82,38 +88,7 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         p.mul_(4.0)
   hf_model.save_pretrained(str(tmp_path))
   model = models.load_hf(tmp_path)
-  rng = np.random.default_rng(0)
-  batch, prompt_len, new, pad = 3, 8, 24, 0
-  mask = np.arange(prompt_len)[None, :] >= np.array([0, 3, 6])[:, None]
-  tokens = np.where(mask, rng.integers(1, 128, size=(batch, prompt_len)), pad).astype(np.int32)
-  with torch.no_grad():
-    out = hf_model.generate(
-      input_ids=torch.as_tensor(tokens, dtype=torch.long),
-      attention_mask=torch.as_tensor(mask.astype(np.int64)),
-      do_sample=False,
-      max_new_tokens=new,
-      min_new_tokens=new,
-      eos_token_id=None,
-      pad_token_id=pad,
-      output_scores=True,
-      return_dict_in_generate=True,
-    )
-  want = out.sequences[:, prompt_len:].numpy()
-  scores = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)
-  assert (scores[..., -1] - scores[..., -2]).min() > 1e-3, "near-tied logits: test not meaningful"
-  r = generate(
-    model,
-    jnp.asarray(tokens),
-    jnp.asarray(mask),
-    num_samples=2,
-    max_new_tokens=new,
-    temperature=0.0,
-    eos_ids=(),
-    pad_id=pad,
-    suppress_ids=(),
-    key=jax.random.key(0),
-  )
-  np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
+  assert_greedy_matches_hf(hf_model, model, new=24, pad=0)
 
 
 class _Capture(logging.Handler):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_utils import FAMILIES, build_hf_model, tiny_hf_config
+from hf_utils import FAMILIES, assert_greedy_matches_hf, build_hf_model, tiny_hf_config
 
 from jaxgrpo import models
 from jaxgrpo.sampling import Rollout, filter_logits, generate, sample_categorical
@@ -110,39 +110,7 @@ def test_greedy_matches_transformers_generate(family, tmp_path):
   hf_model.save_pretrained(str(tmp_path))
   model = models.load_hf(str(tmp_path))
 
-  rng = np.random.default_rng(0)
-  batch, prompt_len, new = 3, 8, 32
-  mask = np.arange(prompt_len)[None, :] >= np.array([0, 3, 6])[:, None]
-  tokens = np.where(mask, rng.integers(1, 128, size=(batch, prompt_len)), PAD).astype(np.int32)
-  with torch.no_grad():
-    out = hf_model.generate(
-      input_ids=torch.as_tensor(tokens, dtype=torch.long),
-      attention_mask=torch.as_tensor(mask.astype(np.int64)),
-      do_sample=False,
-      max_new_tokens=new,
-      min_new_tokens=new,
-      eos_token_id=None,
-      pad_token_id=PAD,
-      output_scores=True,
-      return_dict_in_generate=True,
-    )
-  want = out.sequences[:, prompt_len:].numpy()
-  scores = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)
-  assert (scores[..., -1] - scores[..., -2]).min() > 1e-3, "near-tied logits: test not meaningful"
-
-  r = generate(
-    model,
-    jnp.asarray(tokens),
-    jnp.asarray(mask),
-    num_samples=2,
-    max_new_tokens=new,
-    temperature=0.0,
-    eos_ids=(),
-    pad_id=PAD,
-    suppress_ids=(),  # transformers suppresses nothing
-    key=jax.random.key(0),
-  )
-  np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
+  r = assert_greedy_matches_hf(hf_model, model, new=32, pad=PAD)
   assert bool(r.mask.all())
 
 
