@@ -180,3 +180,15 @@ def assert_greedy_matches_hf(hf_model, model, *, new: int, pad: int):
   )
   np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
   return r
+
+
+def jax_logits(model, tokens, mask) -> np.ndarray:
+  """``f32[B, T, V]`` logits of a jaxgrpo ``model`` on a left-padded batch (positions from the mask, as
+  :func:`hf_logits` gives them to transformers)."""
+  import jax.numpy as jnp
+
+  from jaxgrpo import models
+
+  positions = models.positions_from_mask(jnp.asarray(mask))
+  hidden, _ = model(jnp.asarray(tokens), positions, attention_mask=jnp.asarray(mask))
+  return np.asarray(model.logits(hidden, out_dtype=jnp.float32))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_utils import FAMILIES, hf_logits, left_padded_batch, make_tiny_hf
+from hf_utils import FAMILIES, hf_logits, jax_logits, left_padded_batch, make_tiny_hf
 from safetensors.numpy import load_file
 
 from jaxgrpo import models
@@ -29,12 +29,6 @@ peft = pytest.importorskip("peft")
 def _full_fp32_matmuls():
   with jax.default_matmul_precision("float32"):
     yield
-
-
-def _logits(model, tokens, mask):
-  positions = models.positions_from_mask(jnp.asarray(mask))
-  hidden, _ = model(jnp.asarray(tokens), positions, attention_mask=jnp.asarray(mask))
-  return np.asarray(model.logits(hidden, out_dtype=jnp.float32))
 
 
 def _adapted(directory, cfg, seed=1):
@@ -61,8 +55,8 @@ def test_merged_and_peft_exports_reproduce_the_adapted_model(tmp_path, family, t
   cfg = lora.LoRAConfig(rank=4, alpha=8, rslora=family == "qwen3", dropout=0.05)
   model = _adapted(hf_dir, cfg)
   tokens, mask = left_padded_batch(np.random.default_rng(0), 3, 10, model.config.vocab_size, pads=[0, 2, 5])
-  ours = _logits(model, tokens, mask)
-  base = _logits(lora.reference_model(model), tokens, mask)
+  ours = jax_logits(model, tokens, mask)
+  base = jax_logits(lora.reference_model(model), tokens, mask)
   assert np.abs(ours - base)[mask].max() > 1e-2  # the adapters matter
 
   # (a) merged weights as a HF checkpoint
@@ -96,7 +90,7 @@ def test_gpt2_fused_c_attn_with_some_of_q_k_v_adapted(tmp_path, targets):
   model = _adapted(hf_dir, lora.LoRAConfig(rank=3, alpha=5, targets=targets))
   tokens, mask = left_padded_batch(np.random.default_rng(1), 2, 9, model.config.vocab_size, pads=[0, 3])
   lora.save_peft(model, tmp_path / "adapter")
-  err = np.abs(_peft_logits(hf_dir, tmp_path / "adapter", tokens, mask) - _logits(model, tokens, mask))[mask].max()
+  err = np.abs(_peft_logits(hf_dir, tmp_path / "adapter", tokens, mask) - jax_logits(model, tokens, mask))[mask].max()
   assert err < 1e-4, err
 
 
@@ -104,7 +98,7 @@ def test_qlora_merged_export_matches_and_peft_export_is_adapters_only(tmp_path):
   hf_dir, _ = make_tiny_hf(tmp_path / "base", "llama", seed=7)
   model = _adapted(hf_dir, lora.LoRAConfig(rank=4, alpha=8, quantize="nf4", group_size=8))
   tokens, mask = left_padded_batch(np.random.default_rng(2), 2, 9, model.config.vocab_size, pads=[0, 3])
-  ours = _logits(model, tokens, mask)
+  ours = jax_logits(model, tokens, mask)
   with pytest.raises(ValueError, match="merge_lora"):
     models.save_hf(model, tmp_path / "never")
   models.save_hf(lora.merge_lora(model), tmp_path / "merged")  # dequantised base + adapters
@@ -113,8 +107,8 @@ def test_qlora_merged_export_matches_and_peft_export_is_adapters_only(tmp_path):
   # the PEFT adapters sit on the full-precision base: close to ours up to the quantisation error
   lora.save_peft(model, tmp_path / "adapter")
   peft_logits = _peft_logits(hf_dir, tmp_path / "adapter", tokens, mask)
-  full_base = _logits(models.load_hf(hf_dir), tokens, mask)
-  quant_err = np.abs(_logits(lora.reference_model(model), tokens, mask) - full_base)[mask].max()
+  full_base = jax_logits(models.load_hf(hf_dir), tokens, mask)
+  quant_err = np.abs(jax_logits(lora.reference_model(model), tokens, mask) - full_base)[mask].max()
   assert np.abs(peft_logits - ours)[mask].max() <= 2 * quant_err + 1e-4
 
 

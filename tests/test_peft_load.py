@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_utils import hf_logits, left_padded_batch, make_tiny_hf
+from hf_utils import hf_logits, jax_logits, left_padded_batch, make_tiny_hf
 
 from jaxgrpo import models
 from jaxgrpo.models import lora
@@ -25,12 +25,6 @@ peft = pytest.importorskip("peft")
 def _full_fp32_matmuls():
   with jax.default_matmul_precision("float32"):
     yield
-
-
-def _logits(model, tokens, mask):
-  positions = models.positions_from_mask(jnp.asarray(mask))
-  hidden, _ = model(jnp.asarray(tokens), positions, attention_mask=jnp.asarray(mask))
-  return np.asarray(model.logits(hidden, out_dtype=jnp.float32))
 
 
 def _peft_dir(hf_dir, out, config: dict, seed: int):
@@ -71,9 +65,9 @@ def test_load_peft_reproduces_peft_on_the_same_input(tmp_path, case):
   reference = _peft_dir(hf_dir, tmp_path / "adapter", config, seed=11)
   ours = lora.load_peft(models.load_hf(hf_dir), tmp_path / "adapter")
   tokens, mask = left_padded_batch(np.random.default_rng(0), 3, 10, ours.config.vocab_size, pads=[0, 2, 5])
-  got = _logits(ours, tokens, mask)
+  got = jax_logits(ours, tokens, mask)
   want = hf_logits(reference, tokens, mask)
-  base = _logits(lora.reference_model(ours), tokens, mask)
+  base = jax_logits(lora.reference_model(ours), tokens, mask)
   assert np.abs(got - base)[mask].max() > 1e-2  # the adapters matter
   err = np.abs(got - want)[mask].max()
   assert err < 1e-4, err
