@@ -48,13 +48,15 @@ def masked_reverse_cumsum(x, mask, *, exclusive: bool = False):
 
 
 def pow2_scale(max_abs):
-  """A power of two ``s >= max_abs`` (1 where ``max_abs`` is 0), without gradient.
+  """A power of two ``s >= max_abs`` (1 where ``max_abs`` is 0), without gradient; at most the
+  largest finite power of two of the dtype (2**127 in float32), so ``s`` is finite and ``|x / s| < 2``.
 
   Dividing by ``s`` is exact in floating point, so statistics computed on ``x / s`` and scaled back
   are bit-identical to the direct computation whenever that one does not overflow — and they do
   not overflow when it would (e.g. the square of a reward of 1e30 in float32).
   """
   _, exponent = jnp.frexp(jax.lax.stop_gradient(max_abs))
+  exponent = jnp.minimum(exponent, jnp.finfo(jnp.result_type(max_abs)).maxexp - 1)
   return jnp.ldexp(jnp.ones_like(max_abs), exponent)
 
 

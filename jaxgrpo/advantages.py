@@ -131,6 +131,23 @@ def _baseline(rewards, group_ids, num_groups, scale, ddof, eps):
   return mean, jnp.where(denom > 0, denom, 1.0), valid
 
 
+def standardize(x, mean, denom):
+  """``(x - mean) / denom`` elementwise (broadcasting), finite for every finite input.
+
+  Past 2**120 the direct quotient can overflow (``x - mean``) or lose ``1 / denom`` to a flushed
+  subnormal; there it is taken in units of a power of two of the operands' size, which is exact
+  wherever the direct one is finite, so ordinary values are bit-identical to ``(x - mean) / denom``.
+  """
+  s = pow2_scale(jnp.maximum(jnp.maximum(jnp.abs(x), jnp.abs(mean)), denom))
+  huge = s >= 2.0**120
+  direct = (select(~huge, x) - select(~huge, mean)) / denom
+  s = select(huge, s, 1.0)
+  # The barrier keeps XLA from folding a / (b / s) back into a * s / b, which overflows again.
+  xs, ms, ds = jax.lax.optimization_barrier((select(huge, x) / s, select(huge, mean) / s, select(huge, denom, 1.0) / s))
+  scaled = (xs - ms) / ds
+  return jnp.where(huge, scaled, direct)
+
+
 @functools.partial(jax.jit, static_argnames=("num_groups", "scale", "ddof", "eps"))
 def _group_baseline(rewards, group_ids, *, num_groups, scale, ddof, eps):
   mean, denom, _ = _baseline(rewards, group_ids, num_groups, scale, ddof, eps)
@@ -141,7 +158,7 @@ def _group_baseline(rewards, group_ids, *, num_groups, scale, ddof, eps):
 def _group_advantages(rewards, group_ids, *, num_groups, scale, ddof, eps):
   mean, denom, valid = _baseline(rewards, group_ids, num_groups, scale, ddof, eps)
   r = select(valid, rewards.astype(jnp.float32), 0.0)
-  return select(valid, (r - mean) / denom, 0.0)
+  return select(valid, standardize(r, mean, denom), 0.0)
 
 
 def group_baseline(rewards, group_ids, num_groups: int, *, scale: str = "group", ddof: int = 0, eps: float = 1e-6):

@@ -83,7 +83,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import _checks
-from jaxgrpo.advantages import group_baseline
+from jaxgrpo._numerics import pow2_scale
+from jaxgrpo.advantages import group_baseline, standardize
 
 __all__ = [
   "PROCESS_SET_METHODS",
@@ -443,11 +444,25 @@ def _sizes_impl(tokens, mask, group_ids, *, method, bound, exact, num_groups=Non
 def _rewards_impl(rewards, tokens, mask, group_ids, *, method, bound, exact):
   """(R f32[B, T] (0 on padding), real bool[B, T], overflow bool[B]); missing rewards left out of R."""
   value, present = _reward_weights(rewards)
-  sizes, (sums, counts), overflow = _sums(tokens, mask, group_ids, [value, present], method, bound, exact)
+  scale = _huge_group_scale(value, group_ids)  # [B]; 1 unless the group has a reward past 2**120
+  sizes, (sums, counts), overflow = _sums(tokens, mask, group_ids, [value / scale, present], method, bound, exact)
   counts = jnp.round(counts)
   real = sizes > 0.5
-  r_proc = jnp.where(real & (counts > 0), sums / jnp.maximum(counts, 1.0), 0.0)
+  r_proc = jnp.where(real & (counts > 0), sums / jnp.maximum(counts, 1.0), 0.0) * scale[:, None]
   return r_proc, real, overflow
+
+
+def _huge_group_scale(value, group_ids):
+  """f32[B]: a power of two >= the largest |reward| of each row's group where that is past 2**120, else 1.
+
+  A process set's sum of such rewards would overflow; summing ``value / scale`` (exact: a power of two)
+  and scaling the mean back does not. Groups are bucketed by ``id mod B`` (static segment count): a
+  collision only gives a larger, still exact, scale.
+  """
+  b = value.shape[0]
+  bucket = jnp.mod(group_ids, b)
+  s = pow2_scale(jax.ops.segment_max(jnp.abs(value), bucket, num_segments=b))[bucket]
+  return jnp.where(s >= 2.0**120, s, 1.0)
 
 
 @jax.jit(static_argnames=("method", "bound", "exact"))
@@ -472,7 +487,7 @@ def _process_advantages(
   mean, denom = group_baseline(rewards, group_ids, groups, scale=scale, ddof=ddof, eps=eps)
   r_proc, real, overflow = _rewards_impl(rewards, tokens, mask, group_ids, method=method, bound=bound, exact=exact)
   keep = real & jnp.isfinite(rewards)[:, None]  # a missing sample's steps get advantage 0
-  adv = jnp.where(keep, (r_proc - mean[:, None]) / denom[:, None], 0.0)
+  adv = jnp.where(keep, standardize(r_proc, mean[:, None], denom[:, None]), 0.0)
   return jnp.where((overflow | _bad_rows(group_ids, num_groups))[:, None], jnp.nan, adv)
 
 

@@ -212,6 +212,34 @@ def test_huge_finite_reward_is_a_value_not_a_zeroed_group():
   assert _finite(g)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+  "rewards",
+  [
+    [F32_MAX, -F32_MAX],  # past 2**127: the power-of-two scale itself overflowed to inf (NaN advantages)
+    [1.7e38, 1.7e38, -1.7e38],  # r - mean fine, but 1 / std is subnormal: XLA flushed the advantages to 0
+    [2.0**127 * 1.5, -(2.0**127), 1.0],
+    [3e38, -3e38, 1.7e38, 1.0],
+    [1e30, -1e30, 1e30],  # below 2**120: the direct quotient, unchanged
+  ],
+)
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_rewards_near_the_float32_limit_give_the_float64_advantages(rewards, scale):
+  r = np.asarray(rewards, np.float32)
+  gid = np.zeros(len(r), np.int32)
+  want = ref.group_advantages(r, gid, scale=scale)
+  np.testing.assert_allclose(jg.group_advantages(jnp.asarray(r), jnp.asarray(gid), 1, scale=scale), want, rtol=1e-5)
+  # λ-GRPO: process rewards are means over process sets (sums of such rewards overflow f32) then standardised
+  tokens = np.array([[1, 2, 3], [1, 2, 4], [1, 5, 6], [7, 8, 9]])[: len(r)]
+  mask = np.ones_like(tokens, bool)
+  mean, denom = ref.group_stats(r, gid, scale=scale)
+  want = (ref.process_rewards(r.astype(np.float64), tokens, mask, gid) - mean[:, None]) / denom[:, None]
+  got = jg.process_advantages(jnp.asarray(r), jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(gid), 1, scale=scale)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @SETTINGS
 @given(
   ref.groups(),
