@@ -48,6 +48,8 @@ from jax.sharding import Mesh
 
 from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
+from jaxgrpo.batch import Batch
+from jaxgrpo.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
 from jaxgrpo.losses import finalize_terms
@@ -56,16 +58,12 @@ from jaxgrpo.objective import objective_terms, rollout_advantages
 from jaxgrpo.rewards import group_is_informative
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.train import (
-  DEFAULT_BUCKETS,
-  Batch,
   TrainConfig,
   TrainState,
   TrainStep,
   _check_not_donated,
   _merge_model,
   make_reference_fn,
-  pack_batch,
-  pad_to_bucket,
 )
 
 __all__ = [

@@ -48,6 +48,8 @@ MODULES = {
   "jaxgrpo.models": "models/sampling",
   "jaxgrpo.sampling": "models/sampling",
   "jaxgrpo.engines": "models/sampling",
+  "jaxgrpo.batch": "train step",
+  "jaxgrpo.batch_packing": "train step",
   "jaxgrpo.train": "train step",
   "jaxgrpo.iteration": "iteration/trainer",
   "jaxgrpo.environments": "iteration/trainer",
