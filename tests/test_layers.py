@@ -59,6 +59,8 @@ MODULES = {
   "jaxgrpo.evaluation": "iteration/trainer",
   "jaxgrpo.tasks": "iteration/trainer",
   "jaxgrpo.specs": "iteration/trainer",
+  "jaxgrpo.spec_schema": "iteration/trainer",
+  "jaxgrpo._spec_fields": "iteration/trainer",
   "jaxgrpo.builders": "iteration/trainer",
   "jaxgrpo.trainer": "iteration/trainer",
   "jaxgrpo.collapse": "iteration/trainer",
