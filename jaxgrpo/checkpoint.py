@@ -74,7 +74,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import logging
 import os
 import re
 import shutil
@@ -89,6 +88,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
+
+from jaxgrpo._orbax_noise import ORBAX_TMP_SUFFIX, ClosedLoopNoiseFilter
 
 __all__ = [
   "Checkpointer",
@@ -113,7 +114,7 @@ __all__ = [
 ]
 
 MANIFEST = "jaxgrpo_manifest.json"
-TMP_SUFFIX = ".orbax-checkpoint-tmp"
+TMP_SUFFIX = ORBAX_TMP_SUFFIX
 #: ``Checkpointer(on_corrupt=...)``: what a corrupt latest step does when the run looks for its resume point
 ON_CORRUPT = ("quarantine", "stop")
 #: Version of the ``meta`` item's layout. 2: the RunMeta (identity, guarded, config) of the caller.
@@ -522,84 +523,6 @@ def _handlers():
 # ----------------------------------------------------------------------------- the manager
 
 
-class ClosedLoopNoiseFilter:
-  """A text stream wrapper that drops one kind of noise: the ``RuntimeError: Event loop is closed``
-  tracebacks that TensorStore prints when writes of a failed Orbax save finish after Orbax closed
-  the event loop they were to report to (seen when the disk fills up with several writes in flight).
-  The save's failure itself is reported by :class:`Checkpointer` in one line; everything else,
-  other tracebacks included, passes through unchanged. A traceback block is held back from its
-  ``Traceback (most recent call last):`` line until its first unindented line (the exception).
-  Several writer threads print such tracebacks at once, line by line interleaved: each thread's
-  lines are assembled separately (per-thread blocks and partial lines, one lock)."""
-
-  _START = "Traceback (most recent call last):"
-  _NOISE = "RuntimeError: Event loop is closed"
-
-  def __init__(self, stream):
-    self.stream = stream
-    self._lock = threading.Lock()
-    self._threads: dict[int, _ThreadLines] = {}
-
-  def write(self, text: str) -> int:
-    with self._lock:
-      t = self._threads.setdefault(threading.get_ident(), _ThreadLines())
-      t.partial += text
-      *lines, t.partial = t.partial.split("\n")
-      for line in lines:
-        self._line(t, line + "\n")
-      if not t.held and t.partial and not self._START.startswith(t.partial):
-        self.stream.write(t.partial)  # progress bars write without a newline: pass them on at once
-        t.partial = ""
-      if not t.held and not t.partial:
-        del self._threads[threading.get_ident()]
-    return len(text)
-
-  def _line(self, t: _ThreadLines, line: str) -> None:
-    if t.held:
-      t.held.append(line)
-      if not line.startswith((" ", "\t")):  # the exception line ends the block
-        block, t.held = t.held, []
-        if not (line.startswith(self._NOISE) and "call_soon_threadsafe" in "".join(block)):
-          self.stream.write("".join(block))
-    elif line.startswith(self._START):
-      t.held = [line]
-    else:
-      self.stream.write(line)
-
-  def flush(self) -> None:
-    with self._lock:
-      for t in self._threads.values():
-        if len(t.held) > 200:  # not a traceback after all: never hold output for long
-          self.stream.write("".join(t.held))
-          t.held = []
-      self.stream.flush()
-
-  def __getattr__(self, name):  # fileno, isatty, encoding, ... of the wrapped stream
-    return getattr(self.stream, name)
-
-
-class _UnretrievedWriteFilter(logging.Filter):
-  """Drops asyncio's ``Task/Future exception was never retrieved`` records about writes into the
-  temporary directory of a checkpoint save under one of ``directories``. When a save fails (a full
-  disk), Orbax raises the first write error — reported by :class:`Checkpointer` in one line — and
-  the sibling writes (and gathers of them) that failed too are logged by asyncio when they are
-  collected, at any later time. Every other record passes."""
-
-  def __init__(self):
-    super().__init__()
-    self.directories: set[str] = set()
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    if not re.match(r"\w+ exception was never retrieved", message):  # Task, Future, _GatheringFuture
-      return True
-    text = message + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else "")
-    return not any(re.search(re.escape(d) + r"/\d+" + re.escape(TMP_SUFFIX), text) for d in self.directories)
-
-
-_UNRETRIEVED_WRITES = _UnretrievedWriteFilter()
-
-
 @dataclasses.dataclass
 class _KeepBest:
   """Orbax preservation policy: keeps the checkpoint with the best finite ``metric_of(step)``
@@ -618,14 +541,6 @@ class _KeepBest:
     ]
     best = max(scored)[2] if scored else None
     return [i == best for i in range(len(checkpoints))]
-
-
-@dataclasses.dataclass
-class _ThreadLines:
-  """One writer thread's traceback block being held back and its unfinished line."""
-
-  held: list[str] = dataclasses.field(default_factory=list)
-  partial: str = ""
 
 
 class Checkpointer:
@@ -684,8 +599,6 @@ class Checkpointer:
     if on_save_error not in ("stop", "continue"):
       raise ValueError(f"`on_save_error` must be 'stop' or 'continue'; got {on_save_error!r}")
     self.directory = os.path.abspath(os.fspath(directory))
-    _UNRETRIEVED_WRITES.directories.add(self.directory)  # kept: collected tasks may log late
-    logging.getLogger("asyncio").addFilter(_UNRETRIEVED_WRITES)  # no-op when already added
     self.best_metric, self.best_mode, self.checksum = best_metric, best_mode, checksum
     self.async_save, self.allow_changed = async_save, allow_changed
     self.on_save_error, self.check_finite, self.on_corrupt = on_save_error, check_finite, on_corrupt

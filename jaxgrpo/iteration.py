@@ -46,27 +46,28 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
+from jaxgrpo.batch import Batch
+from jaxgrpo.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.config import GRPOConfig
 from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
 from jaxgrpo.losses import finalize_terms
 from jaxgrpo.models import lora
 from jaxgrpo.objective import objective_terms, rollout_advantages
+from jaxgrpo.rewards import group_is_informative
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.train import (
-  DEFAULT_BUCKETS,
-  Batch,
   TrainConfig,
   TrainState,
   TrainStep,
   _check_not_donated,
   _merge_model,
   make_reference_fn,
-  pack_batch,
-  pad_to_bucket,
 )
 
 __all__ = [
+  "GroupSelection",
   "IterationResult",
   "Reference",
   "SamplingConfig",
@@ -81,6 +82,7 @@ __all__ = [
   "sample",
   "sample_multiturn",
   "score",
+  "select_groups",
 ]
 
 
@@ -166,6 +168,68 @@ class IterationResult(NamedTuple):
   metrics: dict
   rollout: Rollout
   rewards: np.ndarray
+
+
+class GroupSelection(NamedTuple):
+  """What :func:`select_groups` returns.
+
+  Attributes:
+    kept: ``(round, group)`` of every group of the batch, in batch order (complete when ``done``).
+    dropped: how many groups of all rounds so far had equal rewards (counted also when they are
+      later used to fill the batch).
+    done: True when the batch is decided: ``num_groups`` groups kept, or ``max_rounds`` rounds
+      sampled (then the batch is filled with equal-reward groups, the earliest first).
+  """
+
+  kept: list[tuple[int, int]]
+  dropped: int
+  done: bool
+
+
+def select_groups(
+  rewards: Sequence[Any], *, num_groups: int, group_size: int, max_rounds: int, dynamic: bool = True
+) -> GroupSelection:
+  """DAPO's dynamic sampling (Yu et al., arXiv:2503.14476, eq. 11) as a host function of the rounds so far.
+
+  Each round samples ``num_groups`` groups of ``group_size`` rows (row ``i`` of a round belongs to
+  group ``i // group_size``). Walking the rounds in order, then the groups in order, a group whose
+  rewards are not all equal (its advantages are not all zero) is kept while fewer than ``num_groups``
+  are kept; a group with equal rewards is dropped. When ``max_rounds`` rounds are sampled and the
+  batch is still short, it is filled with the dropped groups, earliest first (zero-advantage groups).
+  ``dynamic=False`` keeps the first round as it is. Call it after every round with all rounds so far;
+  sample another round while ``done`` is False.
+
+  Args:
+    rewards: one ``f[num_groups · group_size]`` array of rewards per round sampled so far (>= 1).
+    num_groups: groups per batch (``rollout.prompts_per_step``), >= 1.
+    group_size: G, rows per group, >= 1.
+    max_rounds: the most rounds (``rollout.dynamic_sampling_max_rounds``), >= 1.
+    dynamic: apply dynamic sampling (``GRPOConfig.dynamic_sampling``).
+
+  Returns:
+    a :class:`GroupSelection`.
+  """
+  for name, value in (("num_groups", num_groups), ("group_size", group_size), ("max_rounds", max_rounds)):
+    _checks.check_python_int(value, name, minimum=1)
+  if len(rewards) < 1:
+    raise ValueError("`rewards` must hold the rewards of at least one round; got none")
+  group_ids = np.repeat(np.arange(num_groups), group_size)
+  kept, spare = [], []
+  for r, round_rewards in enumerate(rewards):
+    shape = np.shape(round_rewards)
+    if shape != (num_groups * group_size,):
+      raise ValueError(
+        f"`rewards[{r}]` must have shape [num_groups · group_size] = [{num_groups * group_size}]; got {list(shape)}"
+      )
+    informative = group_is_informative(round_rewards, group_ids, num_groups) if dynamic else np.ones(num_groups, bool)
+    for b in range(num_groups):
+      if not informative[b]:
+        spare.append((r, b))
+      elif len(kept) < num_groups:
+        kept.append((r, b))
+  if len(kept) < num_groups and len(rewards) >= max_rounds:
+    kept += spare[: num_groups - len(kept)]  # give up refilling: these groups have zero advantage
+  return GroupSelection(kept=kept, dropped=len(spare), done=len(kept) == num_groups)
 
 
 def rollout_loss(

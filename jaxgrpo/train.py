@@ -31,6 +31,14 @@ The model is split once (``nnx.split``) and the step is a plain function of
 ``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated. Batches are
 validated and placed on the mesh before the jitted call, so a NumPy batch and a placed one run the
 same program.
+
+The batch itself (``jaxgrpo.batch``: fields, validation, placement) and its fitting to compiled
+shapes (``jaxgrpo.batch_packing``: bucket padding, slot packing) are their own modules, re-exported
+here (``train.Batch``, ``train.pad_to_bucket``, ``train.pack_batch``, ...). What stays is one job,
+the compiled update, and the pieces that must agree with it on shardings and shapes: its state
+(:class:`TrainState`, :func:`init_train_state`), its static configuration (:class:`TrainConfig`), the
+step function and its jitted wrapper (:class:`TrainStep`, :func:`make_train_step`), and the reference
+pass compiled on the same mesh (:func:`make_reference_fn`).
 """
 
 from __future__ import annotations
@@ -48,16 +56,37 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxgrpo import _checks
 from jaxgrpo import sharding as shd
+from jaxgrpo.batch import (
+  _FIELDS,
+  _REFERENCE_FIELDS,
+  Batch,
+  _check_fields,
+  _check_policy_mask,
+  _check_routing,
+  _host_values,
+  _place_fields,
+  _place_packed,
+  _place_routing,
+)
+from jaxgrpo.batch_packing import (
+  DEFAULT_BUCKETS,
+  _check_packing,
+  batch_slots,
+  bucket_length,
+  pack_batch,
+  pad_to_bucket,
+)
 from jaxgrpo.config import GRPOConfig, GRPOHyper
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
 from jaxgrpo.models import lora, moe
 from jaxgrpo.models.base import freeze_rules
 from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.objective import objective_terms, rollout_advantages
-from jaxgrpo.packing import PackedSlots, pack_slots
+from jaxgrpo.packing import PackedSlots
 from jaxgrpo.process_sets import process_set_sizes, process_tree_stats
 
 __all__ = [
+  "DEFAULT_BUCKETS",
   "Batch",
   "TrainConfig",
   "TrainState",
@@ -71,211 +100,6 @@ __all__ = [
   "pack_batch",
   "pad_to_bucket",
 ]
-
-DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-
-class Batch(NamedTuple):
-  """One rollout batch (B = N trajectories, P prompt slots, T completion slots).
-
-  Attributes:
-    prompt_tokens: ``int32[B, P]`` left-padded prompts (``Rollout.prompt_tokens``), P >= 1.
-    prompt_mask: ``bool[B, P]`` real prompt tokens.
-    completions: ``int32[B, T]`` sampled tokens, right-padded.
-    mask: ``bool[B, T]`` real completion tokens.
-    old_logp: ``f32[B, T]`` rollout-policy log-probs of the completions (``Rollout.log_probs``).
-    group_ids: ``int32[B]`` prompt index of each row.
-    rewards: ``f32[B]`` outcome rewards r_i; NaN or ±inf marks a missing sample (advantage 0, its
-      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric) — also when
-      ``advantages`` are given: the row is skipped, its given advantage unused. None is allowed only
-      with ``advantages`` given (the step then reads no rewards and skips no row).
-    ref_logp: ``f32[B, T]`` reference-model log-probs (:func:`make_reference_fn`), or None when
-      nothing reads them (β = 0).
-    advantages: ``f32[B]`` or ``f32[B, T]`` precomputed advantages, or None: the step computes them
-      with its ``advantages_fn``. When given, ``advantages_fn`` is not called and ``rewards`` may be
-      None.
-    token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
-      of ``advantages_fn`` (or none at all when ``advantages`` is given).
-    behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
-      from ``old_logp`` (another inference engine or dtype, an older checkpoint), read by a
-      ``GRPOConfig`` with ``importance_correction``; None: ``old_logp`` is the behaviour policy's.
-      Dropped (one compiled program) when the config does not read it.
-    routing: ``int[B, P + T, M, k]`` the experts each of the M sparse layers of a mixture of experts
-      used for each token of ``[prompt ‖ completion]`` when sampling (``Rollout.routing``, any integer
-      dtype), or None. Given, the step's and the reference pass's forwards use exactly these experts
-      (routing replay, ``jaxgrpo.models.moe``); None: each forward routes by its own top-k. Not with
-      packing (ValueError).
-    packed: the sequences packed for the step's slots (``jaxgrpo.packing.PackedSlots``,
-      :func:`pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
-      stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
-    policy_mask: ``bool[B, T]`` the tokens the policy sampled (a subset of ``mask``), or None: all of
-      ``mask``. Multi-turn rollouts (``jaxgrpo.iteration.sample_multiturn``) interleave the policy's turns
-      with environment observations in ``completions``; the observations are context only: ``mask``
-      (attention, process sets) covers them, the loss does not — they leave the loss numerator and its
-      token count, the KL term, the importance weights, the entropy bonus and the metrics, and their
-      ``ref_logp`` is replaced by ``old_logp`` before ``advantages_fn`` (so FRPO's future KL, whose
-      f-divergence is 0 at πref = πθold, sums over policy tokens only).
-
-  Integer fields may be any integer dtype and float fields any float dtype (the step converts them
-  to ``int32``/``f32``); masks must be boolean.
-  """
-
-  prompt_tokens: jax.Array
-  prompt_mask: jax.Array
-  completions: jax.Array
-  mask: jax.Array
-  old_logp: jax.Array
-  group_ids: jax.Array
-  rewards: jax.Array | None
-  ref_logp: jax.Array | None = None
-  advantages: jax.Array | None = None
-  token_weights: jax.Array | None = None
-  behavior_logp: jax.Array | None = None
-  packed: PackedSlots | None = None
-  policy_mask: jax.Array | None = None
-  routing: jax.Array | None = None
-
-  @classmethod
-  def from_rollout(
-    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None, policy_mask=None
-  ) -> "Batch":
-    """A batch from a ``jaxgrpo.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
-    array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
-    / token weights and behaviour log-probs; the rollout's recorded experts (``Rollout.routing``, routing
-    replay) when it has them."""
-    if rewards is not None:
-      rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
-    return cls(
-      rollout.prompt_tokens,
-      rollout.prompt_mask,
-      rollout.completions,
-      rollout.mask,
-      rollout.log_probs,
-      rollout.group_ids,
-      rewards,
-      ref_logp,
-      advantages,
-      token_weights,
-      behavior_logp,
-      policy_mask=getattr(rollout, "policy_mask", None) if policy_mask is None else policy_mask,
-      routing=getattr(rollout, "routing", None),
-    )
-
-
-# name: (allowed ranks, dtype kind, notation); "T" fields share the completion length
-_FIELDS = {
-  "prompt_tokens": ((2,), "int", "int32[B, P]"),
-  "prompt_mask": ((2,), "bool", "bool[B, P]"),
-  "completions": ((2,), "int", "int32[B, T]"),
-  "mask": ((2,), "bool", "bool[B, T]"),
-  "old_logp": ((2,), "float", "f32[B, T]"),
-  "group_ids": ((1,), "int", "int32[B]"),
-  "rewards": ((1,), "float", "f32[B]"),
-  "ref_logp": ((2,), "float", "f32[B, T]"),
-  "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
-  "token_weights": ((2,), "float", "f32[B, T]"),
-  "behavior_logp": ((2,), "float", "f32[B, T]"),
-  "policy_mask": ((2,), "bool", "bool[B, T]"),
-}
-_DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
-_CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
-_REQUIRED = ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", "group_ids", "rewards")
-_REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
-
-
-def _check_fields(batch: Batch, names) -> tuple[int, int]:
-  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``."""
-  if not isinstance(batch, Batch):
-    raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
-  b, t = np.shape(batch.completions) if np.ndim(batch.completions) == 2 else (None, None)
-  if b is None:
-    raise ValueError(f"batch.completions must have rank 2 (int32[B, T]); got shape {np.shape(batch.completions)}")
-  for name in names:
-    x = getattr(batch, name)
-    if x is None:
-      if name == "rewards" and batch.advantages is None:
-        raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
-      if name in _REQUIRED and name != "rewards":
-        raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
-      continue
-    ranks, kind, notation = _FIELDS[name]
-    shape = np.shape(x)
-    allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
-    if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
-      want = " or ".join(str(a).replace("'P'", "P") for a in allowed)
-      raise ValueError(f"batch.{name} must be {notation} with B = {b} rows and T = {t}, i.e. shape {want}; got {shape}")
-    _CHECK_DTYPE[kind](x, f"batch.{name}", notation)
-  if "prompt_tokens" in names:
-    if np.shape(batch.prompt_tokens)[1] < 1:
-      raise ValueError(f"batch.prompt_tokens needs at least one column; got shape {np.shape(batch.prompt_tokens)}")
-    if np.shape(batch.prompt_mask) != np.shape(batch.prompt_tokens):
-      raise ValueError(
-        f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
-      )
-  return b, t
-
-
-def _check_policy_mask(batch: Batch) -> None:
-  """ValueError when ``batch.policy_mask`` (values on this host) marks a token outside ``batch.mask``."""
-  if batch.policy_mask is None:
-    return
-  pm, m = _host_values(batch.policy_mask), _host_values(batch.mask)
-  if pm is not None and m is not None and (pm & ~m).any():
-    row = int(np.flatnonzero((pm & ~m).any(axis=1))[0])
-    raise ValueError(
-      f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not"
-    )
-
-
-def _check_routing(batch: Batch, b: int, t: int) -> None:
-  """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay), not with a packed batch."""
-  r = batch.routing
-  if r is None:
-    return
-  p = np.shape(batch.prompt_tokens)[1]
-  shape = np.shape(r)
-  if len(shape) != 4 or shape[:2] != (b, p + t):
-    raise ValueError(f"batch.routing must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {shape}")
-  if not np.issubdtype(np.dtype(r.dtype), np.integer):
-    raise TypeError(f"batch.routing must hold integer expert ids; got dtype {r.dtype}")
-  if batch.packed is not None:
-    raise ValueError(
-      "batch.routing (routing replay) is not supported with packing (TrainConfig.packing): train unpacked or "
-      "drop the routing (rollout.routing_replay: none)"
-    )
-
-
-def _place_routing(batch: Batch, sharding) -> Batch:
-  if batch.routing is None:
-    return batch
-  r = batch.routing if isinstance(batch.routing, jax.Array) else np.asarray(batch.routing)
-  return batch._replace(routing=jax.device_put(r, sharding))
-
-
-def _place_fields(batch: Batch, names, sharding) -> Batch:
-  """The fields ``names`` as ``int32``/``bool``/``f32`` arrays on ``sharding`` (a no-op for fields
-  already placed there), so NumPy and placed batches reach ``jit`` with identical signatures."""
-  placed = {}
-  for name in names:
-    x = getattr(batch, name)
-    if x is None:
-      continue
-    dtype = _DTYPES[_FIELDS[name][1]]
-    if isinstance(x, jax.Array):
-      x = x if x.dtype == dtype else x.astype(dtype)
-    else:
-      x = np.asarray(x, dtype)
-    placed[name] = x
-  return batch._replace(**jax.device_put(placed, sharding))
-
-
-def _host_values(x) -> np.ndarray | None:
-  """``x`` as NumPy when its values are on this host (NumPy, or a fully addressable ``jax.Array``)."""
-  if isinstance(x, jax.core.Tracer):
-    return None
-  if isinstance(x, jax.Array):
-    return np.asarray(x) if x.is_fully_addressable else None
-  return np.asarray(x)
 
 
 def _check_not_donated(tree, what: str) -> None:
@@ -1270,200 +1094,3 @@ def make_reference_fn(
       return jitted(ref_params, cols if placed.routing is None else cols + (placed.routing,))
 
   return reference_log_probs
-
-
-# ----------------------------------------------------------------------------- packing
-
-
-def batch_slots(batch_size: int, *, shards: int, mini_batches: int = 1, micro_batches: int = 1) -> np.ndarray:
-  """The train step's slot of each row: ``d·(M·K) + (b mod M·K)`` for row b, where
-  ``d = b // (B / shards)`` is the device shard holding the row (rows over ``data × fsdp``) and
-  ``b mod M·K = m·K + k`` its mini-batch m and micro-batch k (the step's split, row
-  ``i·(M·K) + m·K + k``). Packing each slot alone (:func:`pack_batch`) keeps every micro-batch's
-  sequences — and so its loss terms — exactly those of the unpacked step, and each device's packed
-  rows its own sequences.
-
-  Returns:
-    ``int32[batch_size]`` in ``[0, shards·M·K)``.
-
-  Raises:
-    ValueError: ``batch_size`` not divisible by ``shards · M · K``.
-  """
-  splits = mini_batches * micro_batches
-  if batch_size % (shards * splits):
-    raise ValueError(
-      f"batch size {batch_size} is not divisible by shards × mini_batches × micro_batches = {shards} × "
-      f"{mini_batches} × {micro_batches}"
-    )
-  b = np.arange(batch_size)
-  return ((b // (batch_size // shards)) * splits + b % splits).astype(np.int32)
-
-
-def pack_batch(
-  batch: Batch,
-  *,
-  row_length: int,
-  shards: int = 1,
-  mini_batches: int = 1,
-  micro_batches: int = 1,
-  rows: int | None = None,
-  head_length: int | None = None,
-) -> Batch:
-  """``batch`` with ``packed``: its sequences packed slot by slot for the train step
-  (``jaxgrpo.packing.pack_slots`` with the slots of :func:`batch_slots`), host side.
-
-  Every ``[B, ...]`` field stays as it is: advantages, λ process sets, FRPO's future-KL and the loss's
-  aggregation are computed on them exactly as without packing; only the model's forward/backward
-  reads the packed rows, and its log-probs come back in the ``[B, T]`` layout.
-
-  Args:
-    batch: a :class:`Batch` whose values are on this host (NumPy, or fully addressable arrays).
-    row_length: L, tokens per packed row (``TrainConfig.packing``).
-    shards: the device shards the batch rows are split over (``data × fsdp``; with process-local rows,
-      this process's shards).
-    mini_batches, micro_batches: M and K of the step.
-    rows: rows per slot (``TrainConfig.packing_rows``; None: a power-of-two bucket of the need).
-    head_length: LM-head entries per packed row (None: a bucket of the need, see ``pack_slots``).
-  """
-  if not isinstance(batch, Batch):
-    raise TypeError(f"batch must be a jaxgrpo.train.Batch; got {type(batch).__name__}")
-  fields = [_host_values(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
-  if any(x is None for x in fields):
-    raise ValueError("pack_batch packs on the host: the batch's tokens and masks must be NumPy or fully addressable")
-  b = fields[2].shape[0] if fields[2].ndim == 2 else 0
-  slot = batch_slots(b, shards=shards, mini_batches=mini_batches, micro_batches=micro_batches)
-  packed = pack_slots(
-    *fields,
-    slot,
-    num_slots=shards * mini_batches * micro_batches,
-    row_length=row_length,
-    rows=rows,
-    head_length=head_length,
-  )
-  return batch._replace(packed=packed)
-
-
-def _check_packing(batch: Batch, tc: TrainConfig, shards: int, splits: int) -> None:
-  """ValueError unless ``batch.packed`` is what ``tc`` asks for: absent without packing; with it, a
-  ``PackedSlots`` of row length ``tc.packing`` (and ``tc.packing_rows`` rows per slot) over
-  ``shards × splits`` slots for this batch — and, for NumPy fields, its slots those of
-  :func:`batch_slots` and its index map covering exactly ``batch.mask``."""
-  packed = batch.packed
-  if packed is None:
-    return
-  if tc.packing is None:
-    raise ValueError(
-      "batch.packed is set but TrainConfig.packing is None: set TrainConfig(packing=L) or pass the batch "
-      "without `packed`"
-    )
-  if not isinstance(packed, PackedSlots):
-    raise TypeError(f"batch.packed must be a jaxgrpo.packing.PackedSlots (pack_batch); got {type(packed).__name__}")
-  b, t = np.shape(batch.completions)
-  num_slots = shards * splits
-  shapes = {name: np.shape(x) for name, x in packed._asdict().items()}
-  rows_total, length = shapes["tokens"] if len(shapes["tokens"]) == 2 else (0, 0)
-  rs = rows_total // num_slots if rows_total % num_slots == 0 else 0
-  heads = shapes["head_index"]
-  ok = (
-    rs > 0
-    and length == tc.packing
-    and (tc.packing_rows is None or rs == tc.packing_rows)
-    and shapes["segment_ids"] == shapes["positions"] == (rows_total, length)
-    and len(heads) == 2
-    and heads[0] == num_slots
-    and heads[1] % rs == 0
-    and shapes["unpack_index"] == (b, t)
-    and shapes["slot"] == (b,)
-  )
-  if not ok:
-    rows_wanted = "Rs" if tc.packing_rows is None else tc.packing_rows
-    raise ValueError(
-      f"batch.packed does not fit this step: expected {num_slots} slots (data×fsdp {shards} × M·K {splits}) of "
-      f"{rows_wanted} rows of L={tc.packing} tokens, i.e. tokens/segment_ids/positions [{num_slots}·{rows_wanted}, "
-      f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}]; got {shapes}. "
-      "Pack the batch with step.pack (or train.pack_batch with the step's settings), after bucketing"
-    )
-  for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot"):
-    _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
-  # host arrays only (a placed batch was packed by pack_batch, not re-read from the devices every step)
-  slot, index, mask = (x if isinstance(x, np.ndarray) else None for x in (packed.slot, packed.unpack_index, batch.mask))
-  if slot is not None and not np.array_equal(slot, batch_slots(b, shards=shards, mini_batches=1, micro_batches=splits)):
-    raise ValueError(
-      "batch.packed.slot is not the step's slot of each row (train.batch_slots): the batch was packed for "
-      "another mesh or split; pack it with step.pack"
-    )
-  if index is not None and mask is not None and not np.array_equal(index >= 0, mask):
-    raise ValueError(
-      "batch.packed.unpack_index does not cover exactly batch.mask's tokens: the batch changed after it "
-      "was packed (pad_to_bucket before packing, not after changing the mask)"
-    )
-
-
-def _place_packed(batch: Batch, sharding) -> Batch:
-  """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``)."""
-  if batch.packed is None:
-    return batch
-  as_int32 = lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.int32 else jnp.asarray(x, jnp.int32)
-  return batch._replace(packed=jax.device_put(jax.tree.map(as_int32, batch.packed), sharding))
-
-
-# ----------------------------------------------------------------------------- bucketing
-
-
-def bucket_length(length: int, buckets=DEFAULT_BUCKETS) -> int:
-  """The smallest bucket >= ``length`` (``length`` itself when it exceeds every bucket)."""
-  fits = [b for b in sorted(buckets) if b >= length]
-  return fits[0] if fits else int(length)
-
-
-def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None = None) -> Batch:
-  """Trim or pad the completion axis to the bucket of the longest real completion (host side).
-
-  Completion columns past the longest real completion are padding in every row, so trimming them
-  changes no loss; padding adds masked columns. A few bucket lengths mean a few compiled programs.
-
-  Args:
-    batch: a :class:`Batch` (its ``[B, T]`` fields, ``f32[B, T]`` advantages, a packed batch's
-      ``unpack_index`` and the completion columns of ``routing`` included, are fitted).
-    buckets: the allowed completion lengths.
-    length: the longest real completion to fit (default: from ``batch.mask``). Processes that each
-      pad their own rows pass the maximum over all processes, so that every process picks the same
-      bucket.
-  """
-  mask = np.asarray(batch.mask)
-  longest = int(mask.any(axis=0).nonzero()[0].max() + 1) if mask.any() else 1
-  if length is None:
-    length = longest
-  elif length < longest:
-    raise ValueError(f"`length` {length} is shorter than the longest real completion of the batch ({longest})")
-  target = bucket_length(length, buckets)
-  t = mask.shape[1]
-
-  def fit(x, fill):
-    if x is None or np.ndim(x) < 2:
-      return x
-    x = np.asarray(x)
-    if target <= t:
-      return x[:, :target]
-    return np.pad(x, ((0, 0), (0, target - t)), constant_values=fill)
-
-  packed = batch.packed
-  if packed is not None:  # the completion slots' head entries: -1 on the columns added
-    packed = packed._replace(unpack_index=fit(packed.unpack_index, -1))
-  routing = batch.routing
-  if routing is not None:  # [B, P + T, M, k]: its completion columns fitted likewise (expert 0 on padding)
-    routing, p = np.asarray(routing), np.shape(batch.prompt_tokens)[1]
-    pad = ((0, 0), (0, max(0, target - t)), (0, 0), (0, 0))
-    routing = routing[:, : p + target] if target <= t else np.pad(routing, pad)
-  return batch._replace(
-    completions=fit(batch.completions, 0),
-    mask=fit(batch.mask, False),
-    old_logp=fit(batch.old_logp, 0.0),
-    ref_logp=fit(batch.ref_logp, 0.0),
-    advantages=fit(batch.advantages, 0.0),
-    token_weights=fit(batch.token_weights, 0.0),
-    behavior_logp=fit(batch.behavior_logp, 0.0),
-    packed=packed,
-    policy_mask=fit(batch.policy_mask, False),
-    routing=routing,
-  )

@@ -8,7 +8,7 @@ One step, through the public pieces of ``jaxgrpo.iteration``::
     mine             = distributed.process_rows(rollout)                  (this process's G·B/P rows)
     rewards          = RewardSet(prompts, completions, columns)           (host: this process's rows)
     [dynamic sampling: every process gathers the rewards (one small all-gather), drops the same
-     groups with equal rewards, samples again, refills]
+     groups with equal rewards, samples again, refills: iteration.select_groups]
     batch            = iteration.place(Batch(...), process_local=True)    (each process feeds its rows)
     batch            = reference(batch)                                   (make_reference; β > 0 only)
     state, metrics   = train_step(state, batch)                           (jitted, sharded)
@@ -581,9 +581,9 @@ class Trainer:
     would, and computes the same metrics."""
     roll, g = self.config.rollout, self.config.rollout.group_size
     groups = roll.prompts_per_step
-    rounds, kept, spare, counters = [], [], [], {}
-    dropped = 0
-    while len(kept) < groups:
+    rounds, counters = [], {}
+    selection = None
+    while selection is None or not selection.done:
       key, sub = jax.random.split(key)
       indices = self.iterator.next(groups)
       rows = (self._sample if sample is None else sample)(indices, sub)
@@ -593,18 +593,15 @@ class Trainer:
       for c in distributed.gather_objects(res.counters):
         for k, v in c.items():
           counters[k] = counters.get(k, 0) + v
-      informative = rewards_lib.group_is_informative(total, np.repeat(np.arange(groups), g), groups)
-      if not self.objective.dynamic_sampling:
-        informative[:] = True
-      for b in range(groups):
-        if informative[b] and len(kept) < groups:
-          kept.append((len(rounds), b))
-        elif not informative[b]:
-          dropped += 1
-          spare.append((len(rounds), b))
       rounds.append((rows, total, per_fn, lengths))
-      if len(kept) < groups and len(rounds) >= roll.dynamic_sampling_max_rounds:
-        kept += spare[: groups - len(kept)]  # give up refilling: these groups have zero advantage
+      selection = iteration.select_groups(
+        [r[1] for r in rounds],
+        num_groups=groups,
+        group_size=g,
+        max_rounds=roll.dynamic_sampling_max_rounds,
+        dynamic=self.objective.dynamic_sampling,
+      )
+    kept, dropped = selection.kept, selection.dropped
     if kept_groups is not None:
       kept_groups.extend(kept)
     batch = self._own_groups(rounds, kept)

@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import logging
 import os
 import signal
 import sys
@@ -65,7 +64,7 @@ if __name__ == "__main__":
 
 import jax  # after XLA_FLAGS
 
-from jaxgrpo import checkpoint, collapse, distributed, metrics, runlock, specs
+from jaxgrpo import _orbax_noise, checkpoint, collapse, distributed, metrics, runlock, specs
 from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
 from jaxgrpo.collapse import PolicyCollapsed
 from jaxgrpo.metrics import MetricsWriteError
@@ -300,8 +299,7 @@ def main(argv=None):
   t_wall, t_cpu = time.perf_counter(), time.process_time()
   args, overrides = parse_args(argv)
   if not args.traceback:  # Orbax logs each failed write with its traceback; the checkpointer reports it in one line
-    logging.getLogger("absl").setLevel(logging.CRITICAL)
-    sys.stderr = checkpoint.ClosedLoopNoiseFilter(sys.stderr)  # TensorStore's noise after a failed save
+    _orbax_noise.hide_failed_save_tracebacks()  # absl at CRITICAL, TensorStore's noise off stderr
   with _input_errors(args):
     cfg = specs.load_config(args.config, overrides)
   dev = cfg.devices
@@ -347,6 +345,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       on_save_error=args.on_save_error,
       on_corrupt=args.on_corrupt,
     )
+  _orbax_noise.hide_unretrieved_writes(ckpt.directory)  # asyncio's records of a failed save's sibling writes
   with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
     guard = collapse.CollapseGuard(
       action=args.on_collapse,
