@@ -56,6 +56,8 @@ MODULES = {
   "jaxgrpo.environments": "iteration/trainer",
   "jaxgrpo.data": "iteration/trainer",
   "jaxgrpo.rewards": "iteration/trainer",
+  "jaxgrpo.answers": "iteration/trainer",
+  "jaxgrpo.timeout_pool": "iteration/trainer",
   "jaxgrpo.evaluation": "iteration/trainer",
   "jaxgrpo.tasks": "iteration/trainer",
   "jaxgrpo.specs": "iteration/trainer",
