@@ -37,6 +37,8 @@ MODULES = {
   "jaxgrpo._hyper": "kernels",
   "jaxgrpo.advantages": "kernels",
   "jaxgrpo.process_sets": "kernels",
+  "jaxgrpo.prefix_hash": "kernels",
+  "jaxgrpo._process_set_methods": "kernels",
   "jaxgrpo.kl": "kernels",
   "jaxgrpo.losses": "kernels",
   "jaxgrpo.surrogates": "kernels",
