@@ -45,7 +45,8 @@ KV cache dropped). vLLM's CPU worker has no sleep mode: there both calls only dr
 KV cache stays allocated.
 
 Environment: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vLLM is imported (the engine core runs
-in this process: a 2–4 s start instead of 16 s, and ``collective_rpc`` can take the weight iterator).
+in this process: a faster start, docs/sampling.md "Engines", and ``collective_rpc`` can take the weight
+iterator).
 vLLM makes ``torch.set_num_threads`` a no-op process-wide and starts its own threads.
 Needs the ``vllm`` extra (vLLM pins transformers; see README, "Set up").
 """
