@@ -29,6 +29,7 @@ LAYERS = {
 MODULES = {
   "jaxgrpo._orbax_noise": "services",
   "jaxgrpo.checkpoint": "services",
+  "jaxgrpo.checkpoint_files": "services",
   "jaxgrpo.metrics": "services",
   "jaxgrpo.runlock": "services",
   "jaxgrpo._version": "kernels",
