@@ -360,7 +360,8 @@ class RewardSet:
 
 def group_is_informative(rewards, group_ids, num_groups: int) -> np.ndarray:
   """DAPO dynamic sampling: ``bool[num_groups]``, True where a group's rewards are not all equal
-  (groups with no members are False)."""
+  (groups with no members are False; a group holding a NaN reward is False). ``rewards``: ``f[N]``;
+  ``group_ids``: ``int[N]`` in ``[0, num_groups)``. Host side, NumPy."""
   rewards, group_ids = np.asarray(rewards, np.float64), np.asarray(group_ids)
   lo = np.full(num_groups, np.inf)
   hi = np.full(num_groups, -np.inf)
