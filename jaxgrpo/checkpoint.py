@@ -1,63 +1,25 @@
 """Checkpoints of a training state that resume exactly and survive crashes.
 
-A service below the trainer: it stores a :class:`Snapshot` (parameters, optimizer state, step, PRNG
-key, data position) with a :class:`RunMeta` — what the caller says identifies its run — and imports
-nothing of the layers above (the trainer, its config, the model builders). Rebuilding a model from a
-checkpoint's saved config is ``jaxgrpo.builders.load_policy``, which uses :func:`read_meta` and
-:func:`restore_params` from here.
+A service below the trainer: :class:`Checkpointer` saves a :class:`Snapshot` (parameters, optimizer
+state, step, PRNG key, data position) with a :class:`RunMeta` (what the caller says identifies its
+run) through Orbax, and restores it onto the running mesh; :func:`restore_params` and
+:func:`read_meta` read parameters only (evaluation, export, ``jaxgrpo.builders.load_policy``). It
+imports nothing of the layers above. The step directories on disk — layout, manifest, verification,
+quarantine — are ``jaxgrpo.checkpoint_files`` (re-exported here); the noise filters for a failed save
+are ``jaxgrpo._orbax_noise``, installed by ``scripts/train.py``.
 
-Layout (``OUT/checkpoints``, one Orbax ``CheckpointManager`` step directory per saved step)::
+Contract: a step is on disk completely or not at all (Orbax's rename, then a CRC32 manifest checked on
+restore: :class:`CheckpointError` naming the file); a corrupt latest step is quarantined (renamed,
+never deleted) or stops the run (``on_corrupt``); a non-finite state is never saved
+(:class:`NonFiniteError`); a failed save is reported at once, its partial step removed, older steps
+deleted only after a newer save completed (:class:`CheckpointSaveError` with ``on_save_error="stop"``);
+before any array is read, the saved trees, ``RunMeta.identity`` and ``RunMeta.fingerprints`` must
+match the running side, and a changed ``RunMeta.guarded`` entry is refused unless ``allow_changed``.
+docs/checkpoints.md ("Crash safety", "Multi-host") and docs/failure_modes.md give the details.
 
-    OUT/checkpoints/<step>/params/      trained parameters  (Orbax standard item; each host writes its shards)
-                          /opt_state/   optimizer state     (Orbax standard item)
-                          /meta/        JSON: step, PRNG key data + impl, data position, the RunMeta
-                                        (identity, guarded settings, whole config, fingerprints),
-                                        tree signatures
-                          /jaxgrpo_manifest.json   size and CRC32 of every file above
-
-Crash safety, in two layers:
-
-1. Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` when every
-   host has finished (``tests/test_checkpoint.py`` checks that this version really does so). A
-   ``kill -9`` during a save leaves only the temporary directory: it is reported and ignored, and the
-   previous step is used.
-2. The manifest is written into the temporary directory after Orbax finalizes it and before the
-   rename (``AsyncOptions.post_finalization_callback``; foreground saves go through the same path
-   and wait), so every renamed step carries it. On restore every file is checked against it: a step
-   with a truncated or altered file raises :class:`CheckpointError` naming the file. A step
-   directory without a manifest (left by an older version, or a manifest removed by hand) is moved
-   aside to ``<step>.incomplete-<time>`` when a :class:`Checkpointer` opens the directory, so that
-   the resumed run can save that step again.
-
-A complete step whose files do not match its manifest (a file missing, truncated or altered, e.g.
-``params/_METADATA`` or ``meta/metadata`` gone) is corrupt. When a :class:`Checkpointer` looks for
-the step to resume from (:meth:`Checkpointer.check_run`, :meth:`~Checkpointer.restore` without a
-step), ``on_corrupt="quarantine"`` (the default) renames a corrupt latest step to
-``<step>.corrupt-<UTC time>`` (never deleted), logs it in a ``WARNING:`` line naming the bad file,
-and takes the previous complete step, so an auto-restarting scheduler does not loop on the same
-error; ``on_corrupt="stop"`` raises :class:`CheckpointError` instead. Every corrupt-checkpoint
-message names the way to recover.
-
-What is never written or never deleted:
-
-* non-finite values: :meth:`Checkpointer.save` refuses a snapshot whose parameters or optimizer
-  state hold a NaN or an infinity (:class:`NonFiniteError` naming the first such entry), so the
-  keep-last-K policy can never drop good checkpoints in favour of poisoned ones;
-* a failed save (disk full, an I/O error): the background write's error is reported at once
-  (step, path, the OS error) through ``log``; its partial directory is removed and never counted;
-  old checkpoints are deleted only after a newer save completed. With ``on_save_error="stop"``
-  (the default) the next call of :meth:`~Checkpointer.observe`, :meth:`~Checkpointer.save`,
-  :meth:`~Checkpointer.wait` or :meth:`~Checkpointer.close` raises :class:`CheckpointSaveError`;
-  with ``"continue"`` training goes on and the next save tries again.
-
-Before reading any array a restore compares the saved run with the running one: the parameter and
-optimizer-state trees (missing, unexpected and mis-shaped entries are named), the
-``RunMeta.identity`` entries (what changes the parameter tree or the data order) and the
-``RunMeta.fingerprints`` the running side states (digests of inputs the checkpoint depends on but
-does not hold, e.g. the frozen base weights under LoRA adapters) must match; a
-changed ``RunMeta.guarded`` entry (e.g. the learning rate) is refused unless ``allow_changed=True``;
-other changes of ``RunMeta.config`` are reported. It restores onto the running mesh: the target
-shardings come from a freshly built template, so a run saved on one mesh shape resumes on another.
+One job at ~900 lines: Orbax save and restore of one run's state with the checks that make a resume
+exact (tree signatures, run identity, finiteness, failed-save bookkeeping); they share the manager,
+its background save and the meta item, so they stay together.
 
 Usage (what ``scripts/train.py`` does)::
 
@@ -65,8 +27,6 @@ Usage (what ``scripts/train.py`` does)::
     trainer = Trainer(cfg, checkpoint_fn=ckpt.checkpoint_fn, restore_fn=ckpt.restore_fn,
                       on_record=ckpt.observe)
     trainer.run(); ckpt.close()
-
-Parameters only (evaluation, export): :func:`restore_params` and :func:`read_meta`.
 """
 
 from __future__ import annotations
@@ -78,8 +38,6 @@ import os
 import re
 import shutil
 import threading
-import time
-import zlib
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -89,7 +47,23 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxgrpo._orbax_noise import ORBAX_TMP_SUFFIX, ClosedLoopNoiseFilter
+from jaxgrpo._orbax_noise import ClosedLoopNoiseFilter
+from jaxgrpo.checkpoint_files import (
+  MANIFEST,
+  TMP_SUFFIX,
+  CheckpointError,
+  _resolve_step,
+  _step_dirs,
+  _write_manifest,
+  checkpoint_dir,
+  checkpoint_root,
+  complete_steps,
+  has_checkpoint,
+  quarantine_incomplete_steps,
+  quarantine_step,
+  recovery_hint,
+  verify_step,
+)
 
 __all__ = [
   "Checkpointer",
@@ -113,16 +87,10 @@ __all__ = [
   "FORMAT",
 ]
 
-MANIFEST = "jaxgrpo_manifest.json"
-TMP_SUFFIX = ORBAX_TMP_SUFFIX
 #: ``Checkpointer(on_corrupt=...)``: what a corrupt latest step does when the run looks for its resume point
 ON_CORRUPT = ("quarantine", "stop")
 #: Version of the ``meta`` item's layout. 2: the RunMeta (identity, guarded, config) of the caller.
 FORMAT = 2
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used: corrupt, incomplete, or not matching the running model."""
 
 
 class CheckpointSaveError(CheckpointError):
@@ -231,212 +199,6 @@ def _differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
     if a != b:
       out.append(f"{k}: {show(a)} in the checkpoint, {show(b)} now")
   return out
-
-
-# ----------------------------------------------------------------------------- files and manifests
-
-
-def checkpoint_dir(out: str) -> str:
-  """Where a run writing to ``out`` keeps its checkpoints: ``out/checkpoints``."""
-  return os.path.join(os.fspath(out), "checkpoints")
-
-
-def _step_dirs(root: str) -> tuple[dict[int, str], list[str]]:
-  """``({step: path}, [temporary dirs])`` of a checkpoint root (no validation)."""
-  steps, tmps = {}, []
-  if not os.path.isdir(root):
-    return steps, tmps
-  for name in os.listdir(root):
-    path = os.path.join(root, name)
-    if not os.path.isdir(path):
-      continue
-    if TMP_SUFFIX in name:
-      tmps.append(path)
-    elif name.isdigit():
-      steps[int(name)] = path
-  return steps, sorted(tmps)
-
-
-def _crc32(path: str) -> int:
-  crc = 0
-  with open(path, "rb") as f:
-    while chunk := f.read(1 << 22):
-      crc = zlib.crc32(chunk, crc)
-  return crc
-
-
-def _file_table(step_path: str, checksum: bool) -> dict[str, dict]:
-  table = {}
-  for dirpath, _, files in os.walk(step_path):
-    for name in files:
-      full = os.path.join(dirpath, name)
-      rel = os.path.relpath(full, step_path)
-      if rel == MANIFEST or rel.startswith(MANIFEST):
-        continue
-      if os.sep not in rel:
-        # Orbax's own step files (_CHECKPOINT_METADATA, commit_success.txt) are rewritten
-        # after the callback that writes this manifest: only the item directories are covered
-        continue
-      entry = {"size": os.path.getsize(full)}
-      if checksum:
-        entry["crc32"] = _crc32(full)
-      table[rel] = entry
-  return dict(sorted(table.items()))
-
-
-def _write_manifest(step_path: str, step: int, checksum: bool) -> None:
-  manifest = {"step": int(step), "files": _file_table(step_path, checksum)}
-  tmp = os.path.join(step_path, MANIFEST + ".partial")
-  with open(tmp, "w") as f:
-    json.dump(manifest, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(step_path, MANIFEST))
-
-
-def verify_step(step_path: str, *, checksum: bool = True) -> None:
-  """Checks every file of a step directory against its manifest (sizes; CRC32 too when ``checksum``
-  and recorded: every host reads every file, so large multi-host runs may prefer sizes only).
-
-  Raises:
-    CheckpointError: no manifest (an incomplete save), or a file missing, of the wrong size
-      (truncated) or with a different CRC32; the message names the file.
-  """
-  mpath = os.path.join(step_path, MANIFEST)
-  if not os.path.exists(mpath):
-    raise CheckpointError(f"checkpoint {step_path} has no {MANIFEST}: its save did not complete")
-  try:
-    with open(mpath) as f:
-      manifest = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"checkpoint {step_path}: unreadable {MANIFEST} ({e})") from e
-  problems = []
-  for rel, want in manifest["files"].items():
-    full = os.path.join(step_path, rel)
-    if not os.path.exists(full):
-      problems.append(f"{rel}: missing")
-      continue
-    size = os.path.getsize(full)
-    if size != want["size"]:
-      problems.append(f"{rel}: {size} bytes, expected {want['size']} (truncated or overwritten)")
-    elif checksum and "crc32" in want and _crc32(full) != want["crc32"]:
-      problems.append(f"{rel}: CRC32 differs from the one recorded at save time (corrupt)")
-  if problems:
-    raise CheckpointError(f"checkpoint {step_path} is corrupt:\n  " + "\n  ".join(problems))
-
-
-def complete_steps(root: str, log: Callable[[str], None] | None = print) -> list[int]:
-  """Steps under ``root`` whose save completed (renamed by Orbax and carrying a manifest), ascending.
-
-  Temporary directories (a save interrupted before its rename) and steps without a manifest are
-  reported through ``log`` and left out. File contents are checked later, by :func:`verify_step`.
-  """
-  log = log or (lambda s: None)
-  steps, tmps = _step_dirs(root)
-  for t in tmps:
-    log(f"ignoring incomplete checkpoint save {t} (interrupted before it was finalized)")
-  done = []
-  for step in sorted(steps):
-    if os.path.exists(os.path.join(steps[step], MANIFEST)):
-      done.append(step)
-    else:
-      log(f"ignoring checkpoint {steps[step]}: no {MANIFEST} (its save did not complete)")
-  return done
-
-
-def quarantine_incomplete_steps(root: str, log: Callable[[str], None] | None = print) -> list[str]:
-  """Moves every step directory of ``root`` that has no manifest to ``<step>.incomplete-<UTC time>``.
-
-  Such a directory is not a usable checkpoint, but Orbax still counts it as a step: a run resumed
-  from the step before would fail to save that step again (``StepAlreadyExistsError``) at every
-  restart. Moved aside, it is kept for inspection and neither Orbax nor :func:`complete_steps`
-  sees it. Returns the new paths (each one reported through ``log``).
-  """
-  log = log or (lambda s: None)
-  steps, _ = _step_dirs(root)
-  moved = []
-  for step in sorted(steps):
-    path = steps[step]
-    if os.path.exists(os.path.join(path, MANIFEST)):
-      continue
-    target = _aside(path, "incomplete")
-    os.rename(path, target)
-    log(
-      f"checkpoint {path} has no {MANIFEST} (its save did not complete): moved aside to {target}; "
-      f"step {step} will be saved again"
-    )
-    moved.append(target)
-  return moved
-
-
-def _aside(path: str, what: str) -> str:
-  """A free name ``<path>.<what>-<UTC time>[-n]`` beside ``path``."""
-  stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-  target, n = f"{path}.{what}-{stamp}", 1
-  while os.path.exists(target):
-    n += 1
-    target = f"{path}.{what}-{stamp}-{n}"
-  return target
-
-
-def quarantine_step(root: str, step: int) -> str:
-  """Renames the step directory ``root/<step>`` to ``<step>.corrupt-<UTC time>`` (nothing is
-  deleted; neither Orbax nor :func:`complete_steps` sees it any more). Returns the new path."""
-  path = os.path.join(root, str(step))
-  target = _aside(path, "corrupt")
-  os.rename(path, target)
-  return target
-
-
-def recovery_hint(root: str, step: int) -> str:
-  """How to get past a corrupt ``root/<step>``: the earlier complete steps and what to run."""
-  path = os.path.join(root, str(step))
-  earlier = [s for s in complete_steps(root, log=None) if s < step]
-  move = f"move it aside (`mv {path} {path}.corrupt`)"
-  if earlier:
-    return (
-      f"Recovery: {move}, or use an earlier complete step ({earlier}; e.g. --step {earlier[-1]}); "
-      f"scripts/train.py does this itself with --on-corrupt quarantine (the default) and resumes from step "
-      f"{earlier[-1]}."
-    )
-  return (
-    f"Recovery: there is no earlier complete checkpoint: {move} and start again (scripts/train.py with "
-    "--on-corrupt quarantine, the default, does so itself)."
-  )
-
-
-def has_checkpoint(out: str) -> bool:
-  """True when the run directory ``out`` holds at least one complete checkpoint."""
-  return bool(complete_steps(checkpoint_dir(out), log=None))
-
-
-def _resolve_root(path: str) -> tuple[str, int | None]:
-  """A run dir, a checkpoint root or a step dir → ``(checkpoint root, step or None)``."""
-  path = os.path.abspath(os.fspath(path))
-  if os.path.exists(os.path.join(path, MANIFEST)) or (
-    os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "params"))
-  ):
-    return os.path.dirname(path), int(os.path.basename(path))
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    return os.path.join(path, "checkpoints"), None
-  return path, None
-
-
-def checkpoint_root(path: str) -> str:
-  """The checkpoint root (``OUT/checkpoints``) of a run directory, a checkpoint root or a step directory."""
-  return _resolve_root(path)[0]
-
-
-def _resolve_step(path: str, step: int | None) -> tuple[str, int]:
-  """``(checkpoint root, step)``: ``step``, else the step named by ``path``, else the latest complete."""
-  root, path_step = _resolve_root(path)
-  step = path_step if step is None else step
-  if step is None:
-    steps = complete_steps(root, log=None)
-    if not steps:
-      raise CheckpointError(f"no complete checkpoint in {root}")
-    step = steps[-1]
-  return root, step
 
 
 # ----------------------------------------------------------------------------- tree checks

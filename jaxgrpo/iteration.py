@@ -31,6 +31,10 @@ Donation: the step consumes ``state`` (its arrays are deleted), so a policy mode
 valid until the next update; sample first, then update — as :func:`grpo_iteration` does. The reference
 parameters are never donated: a copy of the initial parameters, or, for a LoRA policy
 (``jaxgrpo.models.lora``), the state's own frozen base weights with the adapters left out.
+
+One job at ~720 lines: the host-side glue of one iteration (sample, score, build and place the batch,
+select groups, the reference pass, the convenience functions that chain them); each piece is a small
+function a trainer can call alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Verifiable rewards for math: answer extraction, verification with a hard timeout, combination.
+"""Verifiable rewards: reward functions, their error contract, and their weighted combination.
 
 A reward function is a plain callable::
 
@@ -22,38 +22,33 @@ Error contract (one rule for every reward function, :class:`MathAccuracy` includ
 - Used on its own (evaluation), ``MathAccuracy(on_error="zero")`` scores verifier errors 0 and
   counts them itself (``verifier_errors``, ``missing_answers``).
 
-Math accuracy (:class:`MathAccuracy`) takes the *last* outermost ``\\boxed{...}`` of the completion
-(:func:`extract_boxed`: one linear pass over at most the last :data:`BOXED_SEARCH_CHARS`
-characters), maps common Unicode look-alikes to ASCII (:func:`normalize_unicode`) and compares it
-with the ground truth using ``math-verify`` when installed (the ``math`` extra; its own
-signal-based timeouts are switched off) or the built-in normaliser (:func:`answers_match`:
-integers, decimals, fractions, ``\\frac``/``\\dfrac``, simple LaTeX). Verification runs in a
-separate worker process (:class:`TimeoutPool`): one that hangs is killed after ``timeout_s``, scored
-0 and counted. The worker exits when its parent dies, however the parent dies.
+Math accuracy (:class:`MathAccuracy`) extracts the last boxed answer and compares it with the ground
+truth (``jaxgrpo.answers``: ``math-verify`` when installed, else the built-in normaliser) in a
+separate worker process (``jaxgrpo.timeout_pool.TimeoutPool``): one that hangs is killed after
+``timeout_s``, scored 0 and counted. The names of both modules are re-exported here.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import dataclasses
-import itertools
-import logging
 import math
-import multiprocessing
-import os
 import pickle
-import re
-import signal
-import sys
-import threading
-import time
-from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from jaxgrpo import _checks
+from jaxgrpo.answers import (
+  BOXED_SEARCH_CHARS,
+  answers_match,
+  extract_boxed,
+  math_verify_available,
+  math_verify_match,
+  normalize_answer,
+  normalize_unicode,
+  parse_number,
+)
+from jaxgrpo.timeout_pool import TimeoutPool
 
 __all__ = [
   "BOXED_SEARCH_CHARS",
@@ -75,397 +70,6 @@ __all__ = [
   "group_is_informative",
   "overlong_penalty",
 ]
-
-
-# ----------------------------------------------------------------------------- extraction
-#: :func:`extract_boxed` looks at most at the last this many characters of a completion (about
-#: 25k tokens; the answer box is at the end). Longer completions are cut from the front first.
-BOXED_SEARCH_CHARS = 100_000
-
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
-_BARE = re.compile(r"[^\s$]+")
-_BRACE = re.compile(r"[{}]")
-
-
-def _brace_partners(text: str) -> dict[int, int]:
-  """``{i: j}`` for every ``{`` at i closed by the ``}`` at j (one stack pass; a ``}`` with no
-  open brace is ignored). Equal to scanning forward from i until the depth returns to 0."""
-  stack: list[int] = []
-  partner: dict[int, int] = {}
-  for m in _BRACE.finditer(text):
-    i = m.start()
-    if text[i] == "{":
-      stack.append(i)
-    elif stack:
-      partner[stack.pop()] = i
-  return partner
-
-
-def _unwrap(text: str, a: int, b: int, partner: dict[int, int]) -> tuple[int, int]:
-  """While ``text[a:b]`` is exactly one complete box (up to surrounding whitespace), step into it."""
-  while True:
-    s, e = a, b
-    while s < e and text[s].isspace():
-      s += 1
-    while e > s and text[e - 1].isspace():
-      e -= 1
-    m = _BOX.match(text, s, e)
-    if m is None or m.end() >= e or text[m.end()] != "{" or partner.get(m.end()) != e - 1:
-      return a, b
-    a, b = m.end() + 1, e - 1
-
-
-def extract_boxed(text: str, *, max_chars: int | None = BOXED_SEARCH_CHARS) -> str | None:
-  """Content of the last outermost ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces
-  balanced; a box whose whole content is exactly one other box is unwrapped. None when there is no
-  complete box.
-
-  ``"\\boxed{\\frac{1}{2}}"`` → ``"\\frac{1}{2}"``; ``"\\boxed{\\boxed{7}}"`` → ``"7"``;
-  ``"\\boxed 5"`` → ``"5"`` (the brace-less form, up to whitespace or ``$``).
-
-  Time is linear in the length: braces are matched in one stack pass, then each ``\\boxed`` is
-  looked at once (the former forward scan per box was quadratic in runs of unclosed boxes).
-  Only the last ``max_chars`` characters are searched (None: all); a box cut by that limit is not
-  seen, though a complete box inside it may be.
-  """
-  if not isinstance(text, str):
-    raise TypeError(f"`text` must be a str; got {type(text).__name__}")
-  if max_chars is not None and len(text) > max_chars:
-    text = text[len(text) - max_chars :]
-  partner = _brace_partners(text)
-  best, pos = None, 0
-  for m in _BOX.finditer(text):
-    if m.start() < pos:  # inside the box already taken: not outermost
-      continue
-    i = m.end()
-    if i < len(text) and text[i] == "{":
-      j = partner.get(i)
-      if j is not None:
-        best, pos = (i + 1, j), j + 1
-    elif m.group(0).endswith(" ") and i < len(text):
-      tail = _BARE.match(text, i)
-      if tail:
-        best = (i, tail.end())
-  if best is None:
-    return None
-  a, b = _unwrap(text, *best, partner)
-  return text[a:b]
-
-
-# ----------------------------------------------------------------------------- built-in normaliser
-#: Unicode look-alikes that models and datasets write in answers → their ASCII form: minus signs
-#: and dashes used as minus (U+2212, U+2010-U+2013, U+FE63, U+FF0D), full-width digits and
-#: ``+ . , / ( ) =`` (U+FF0B...U+FF1D), and non-breaking/thin/ideographic spaces. The em dash is
-#: left alone (punctuation, not a sign); letters and superscripts are not touched.
-_UNICODE_TABLE = str.maketrans(
-  {
-    **{c: "-" for c in "\u2212\u2010\u2011\u2012\u2013\ufe63\uff0d"},
-    **{chr(0xFF10 + d): str(d) for d in range(10)},
-    **dict(zip("\uff0b\uff0e\uff0c\uff0f\uff08\uff09\uff1d", "+.,/()=")),
-    **{c: " " for c in "\u00a0\u2009\u202f\u3000"},
-  }
-)
-
-
-def normalize_unicode(s: str) -> str:
-  """Maps the Unicode look-alikes of :data:`_UNICODE_TABLE` to ASCII: ``"−5"`` (U+2212) →
-  ``"-5"``, ``"–3"`` (en dash) → ``"-3"``, ``"１２"`` (full width) → ``"12"``."""
-  return s.translate(_UNICODE_TABLE)
-
-
-_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-_FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-_FRAC_SHORT = re.compile(r"\\[dt]?frac(\d)(\d)")
-
-
-def normalize_answer(s: str) -> str:
-  """A canonical string for simple answers: Unicode look-alikes → ASCII (:func:`normalize_unicode`);
-  strips ``$``, spaces, ``\\left``/``\\right``, ``\\!``, ``\\text{}`` wrappers, degrees and percent
-  signs, a leading ``x =``, trailing dots, thousands separators; ``\\dfrac``/``\\tfrac`` →
-  ``\\frac``; ``\\frac12`` → ``\\frac{1}{2}``."""
-  s = normalize_unicode(str(s)).strip()
-  s = s.replace("$", "").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\ ", "")
-  s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
-  s = _TEXT.sub(r"\1", s)
-  s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\%", "").replace("%", "")
-  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-  s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-  s = re.sub(r"\s+", "", s)
-  s = re.sub(r"^[a-zA-Z]\s*=", "", s)
-  if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-    s = s.replace(",", "")
-  s = s.rstrip(".")
-  if len(s) >= 2 and s[0] == "{" and s[-1] == "}":
-    s = s[1:-1]
-  return s
-
-
-def parse_number(s: str) -> Fraction | None:
-  """Exact value of a normalised numeric answer: ``"12"``, ``"-0.5"``, ``"3/4"``, ``"\\frac{3}{4}"``,
-  ``"-\\frac{1}{2}"``, ``"2\\frac{1}{2}"`` (mixed number); None when not a plain number."""
-  s = normalize_answer(s)
-  num = r"-?\d+(?:\.\d+)?"
-  if re.fullmatch(num, s):
-    return Fraction(s)
-  m = re.fullmatch(rf"({num})/({num})", s)
-  if m:
-    den = Fraction(m.group(2))
-    return Fraction(m.group(1)) / den if den else None
-  m = re.fullmatch(r"(-?)(\d*)\\frac\{(" + num + r")\}\{(" + num + r")\}", s)
-  if m:
-    den = Fraction(m.group(4))
-    if not den:
-      return None
-    value = Fraction(m.group(3)) / den + (int(m.group(2)) if m.group(2) else 0)
-    return -value if m.group(1) else value
-  return None
-
-
-def _check_gold(gold) -> None:
-  if gold is None:
-    raise ValueError("`gold` is None: a row without a ground truth must never be compared (it would match 'None')")
-
-
-def answers_match(pred: str | None, gold: str) -> bool:
-  """Built-in verifier: equal numbers (exactly, after parsing decimals and fractions) or equal
-  normalised strings. A missing prediction (None) never matches; a missing ``gold`` raises."""
-  _check_gold(gold)
-  if pred is None:
-    return False
-  a, b = parse_number(pred), parse_number(gold)
-  if a is not None and b is not None:
-    return a == b
-  return normalize_answer(pred) == normalize_answer(gold) != ""
-
-
-def math_verify_available() -> bool:
-  """True when the ``math-verify`` package (the ``math`` extra) can be imported."""
-  try:
-    import math_verify  # noqa: F401
-
-    return True
-  except ImportError:
-    return False
-
-
-class _DropTimeoutDisabledNotice(logging.Filter):
-  """math-verify logs "Timeout is disabled ... you must provide the logic for timeout interruption
-  yourself" once per process; :class:`TimeoutPool` is that logic, so the notice is noise."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Timeout is disabled")
-
-
-_NOTICE_FILTER = _DropTimeoutDisabledNotice()
-
-
-def math_verify_match(pred: str | None, gold: str) -> bool:
-  """``math_verify.verify(parse(gold), parse(pred))`` on boxed strings (the ``math`` extra).
-
-  math-verify's own timeouts (``signal.alarm``, 5 s by default, firing before ours and returning
-  False uncounted) are switched off: the limit is :class:`TimeoutPool`'s, which kills the worker.
-  Errors are raised (``raise_on_error=True``), not turned into False: the pair of parsed forms
-  (math-verify parses each side to a sympy object and its string) that matches wins; when none
-  matches and one comparison raised, that exception is raised. A math-verify timeout, should one
-  still fire, is raised as :class:`TimeoutError`.
-  """
-  _check_gold(gold)
-  if pred is None:
-    return False
-  try:
-    import math_verify
-    from math_verify.errors import TimeoutException
-  except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("math-verify is not installed: pip install 'jaxgrpo[math]'") from e
-  for name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(name).addFilter(_NOTICE_FILTER)  # idempotent
-  error = None
-  try:
-    golds = math_verify.parse(f"$\\boxed{{{gold}}}$", parsing_timeout=None, raise_on_error=True)
-    preds = math_verify.parse(f"$\\boxed{{{pred}}}$", parsing_timeout=None, raise_on_error=True)
-    for g, p in itertools.product(golds, preds):
-      try:
-        if math_verify.verify(g, p, timeout_seconds=None, raise_on_error=True):
-          return True
-      except Exception as e:
-        if error is None:
-          error = e
-  except TimeoutException as e:
-    raise TimeoutError(f"math-verify timed out: {e}") from None
-  if error is not None:
-    raise error
-  return False
-
-
-# ----------------------------------------------------------------------------- hard timeouts
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _watch_parent(parent_pid: int) -> None:
-  while os.getppid() == parent_pid:
-    time.sleep(0.5)
-  os._exit(1)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-  """Makes this worker exit when the process that started it dies (SIGKILL, SIGTERM, a crash).
-
-  On Linux the kernel sends SIGKILL (``PR_SET_PDEATHSIG``), which works even while a verifier holds
-  the GIL inside C code; a thread that polls the parent id covers other platforms. Ctrl-C (SIGINT
-  to the whole process group) is left to the parent, which stops the worker itself."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  if sys.platform.startswith("linux"):
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  if os.getppid() != parent_pid:  # the parent died before the line above
-    os._exit(1)
-  threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="watch-parent").start()
-
-
-def _call(fn: Callable, args: tuple) -> tuple[str, Any]:
-  try:
-    return ("ok", fn(*args))
-  except TimeoutError as e:  # the verifier's own limit: a timeout, not an error
-    return ("timeout", f"{e}")
-  except Exception as e:  # reported to the parent, which decides
-    return ("error", f"{type(e).__name__}: {e}")
-
-
-def _worker_main(conn, parent_pid: int) -> None:
-  """The verifier process: ``("fn", pickled (fn, warmup))`` loads a function (importing its module)
-  and answers after the warm-up call; ``("items", [args, ...])`` answers one result per item;
-  None or a closed pipe ends it."""
-  _die_with_parent(parent_pid)
-  fn = None
-  try:
-    conn.send(("ready", None))
-    while (msg := conn.recv()) is not None:
-      kind, payload = msg
-      if kind == "fn":
-        try:
-          fn, warmup = pickle.loads(payload)
-        except Exception as e:
-          conn.send(("error", f"cannot load the function here: {type(e).__name__}: {e}"))
-          continue
-        conn.send(("ok", None) if warmup is None else _call(fn, warmup))
-      else:
-        for args in payload:
-          conn.send(_call(fn, args))
-  except (EOFError, OSError):  # the parent closed the pipe (or died): nothing left to do
-    return
-
-
-class TimeoutPool:
-  """Runs a function over items in one worker process and *kills* it when an item takes longer
-  than ``timeout_s`` (a thread cannot be stopped; a process can). The worker is started with the
-  ``spawn`` method (safe after JAX has started threads) and restarted after a kill.
-
-  ``map(fn, items)`` → one ``(status, value)`` per item, status ``"ok"``, ``"error"`` (the message
-  as value; also when the worker dies on an item, e.g. killed by the OOM killer) or ``"timeout"``
-  (killed at the limit, or ``fn`` raised :class:`TimeoutError`). ``fn`` must be importable by name
-  (a module-level function); anything else is a TypeError.
-
-  Start-up, importing ``fn``'s module and one ``fn(*warmup)`` call (when ``warmup`` is given; e.g.
-  math-verify imports sympy on its first call) run under ``startup_timeout_s``, so they do not eat
-  into the first item's ``timeout_s``; a failure there is a RuntimeError.
-
-  The worker exits with its parent: SIGKILL/SIGTERM of the trainer leaves no verifier behind (on
-  Linux through ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the worker ends:
-  use a pool from a long-lived thread). It ignores SIGINT; :meth:`close` (also run at exit) stops it.
-  """
-
-  def __init__(self, timeout_s: float, *, startup_timeout_s: float = 120.0, warmup: tuple | None = None):
-    for name, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
-      if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number of seconds; got {type(value).__name__}")
-      if not 0 < value < math.inf:
-        raise ValueError(f"`{name}` must be > 0 and finite; got {value}")
-    self.timeout_s, self.startup_timeout_s = float(timeout_s), float(startup_timeout_s)
-    self.warmup = None if warmup is None else tuple(warmup)
-    self._proc = self._conn = self._loaded = None
-
-  def _start(self):
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True, name="jaxgrpo-verifier")
-    proc.start()
-    child.close()
-    self._proc, self._conn = proc, parent
-    atexit.register(self.close)
-    self._reply_within(self.startup_timeout_s, "starting")
-
-  def _reply_within(self, seconds: float, doing: str) -> tuple[str, Any]:
-    """The worker's next reply while ``doing`` something that must not fail (start-up, loading)."""
-    try:
-      reply = self._conn.recv() if self._conn.poll(seconds) else ("error", f"no answer within {seconds} s")
-    except (EOFError, OSError):
-      self._proc.join(timeout=5)
-      reply = ("error", f"it exited (code {self._proc.exitcode}; see its error above)")
-    if reply[0] not in ("ok", "ready"):
-      self._kill()
-      raise RuntimeError(f"verifier worker failed while {doing}: {reply[1]}")
-    return reply
-
-  def _load(self, fn: Callable) -> None:
-    try:
-      blob = pickle.dumps((fn, self.warmup))
-    except Exception as e:
-      raise TypeError(f"`fn` must be a module-level function (it is sent to a worker process); {fn!r}: {e}") from None
-    self._conn.send(("fn", blob))
-    self._reply_within(self.startup_timeout_s, f"loading {getattr(fn, '__qualname__', fn)!r} and its warm-up call")
-    self._loaded = fn
-
-  def _kill(self):
-    if self._proc is not None:
-      self._proc.kill()
-      self._proc.join()
-      self._conn.close()
-    self._proc = self._conn = self._loaded = None
-
-  def map(self, fn: Callable, items: Sequence[tuple]) -> list[tuple[str, Any]]:
-    """``fn(*item)`` for each item in the worker → ``[(status, value)]`` in order (see the class)."""
-    results: list[tuple[str, Any]] = []
-    pending = list(items)
-    while pending:
-      if self._proc is None or not self._proc.is_alive():
-        self._kill()
-        self._start()
-      try:
-        if self._loaded is not fn:
-          self._load(fn)
-        self._conn.send(("items", pending))
-      except (BrokenPipeError, ConnectionError):  # died between calls: start a fresh one
-        self._kill()
-        continue
-      done = 0
-      while done < len(pending):
-        if not self._conn.poll(self.timeout_s):
-          self._kill()
-          results.append(("timeout", None))
-          done += 1
-          break
-        try:
-          results.append(self._conn.recv())
-          done += 1
-        except (EOFError, OSError):
-          self._proc.join(timeout=5)
-          code = self._proc.exitcode
-          self._kill()
-          results.append(("error", f"the verifier worker died on this item (exit code {code})"))
-          done += 1
-          break
-      pending = pending[done:]
-    return results
-
-  def close(self):
-    """Stops the worker (politely, then by force); a later :meth:`map` starts a new one."""
-    atexit.unregister(self.close)
-    if self._proc is not None and self._proc.is_alive():
-      try:
-        self._conn.send(None)
-        self._proc.join(timeout=2)
-      except (BrokenPipeError, OSError):
-        pass
-    self._kill()
 
 
 # ----------------------------------------------------------------------------- reward functions
@@ -756,7 +360,8 @@ class RewardSet:
 
 def group_is_informative(rewards, group_ids, num_groups: int) -> np.ndarray:
   """DAPO dynamic sampling: ``bool[num_groups]``, True where a group's rewards are not all equal
-  (groups with no members are False)."""
+  (groups with no members are False; a group holding a NaN reward is False). ``rewards``: ``f[N]``;
+  ``group_ids``: ``int[N]`` in ``[0, num_groups)``. Host side, NumPy."""
   rewards, group_ids = np.asarray(rewards, np.float64), np.asarray(group_ids)
   lo = np.full(num_groups, np.inf)
   hi = np.full(num_groups, -np.inf)

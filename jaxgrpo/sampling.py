@@ -104,7 +104,7 @@ def _filter_logits(logits, *, top_k, top_p):
   logits = jnp.asarray(logits, jnp.float32)
   vocab = logits.shape[-1]
   if 0 < top_k < vocab:
-    # Float counts: a float where-sum vectorises on CPU, an int/bool count does not (~4x slower).
+    # Float counts: a float where-sum is faster on CPU than an int/bool count (BENCHMARKS.md, "Sampler").
     threshold = _largest_passing_value(
       logits, lambda v: jnp.sum(jnp.where(logits >= v, 1.0, 0.0), -1, keepdims=True) >= top_k
     )
@@ -164,7 +164,7 @@ def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
 
   Equivalent in distribution to `jax.random.categorical(key, logits)` (entries at -inf are never
   drawn), but it needs N random numbers instead of N*V Gumbel draws, which dominate a decode
-  step on CPU (N=128, V=32000: ~200 ms of threefry vs ~10 ms here). The vocabulary is cut into
+  step on CPU (BENCHMARKS.md, "Sampler"). The vocabulary is cut into
   ~sqrt(V) blocks: the block is found from the cumulative block masses, then the token within
   the block from the block's own cumulative mass, so every cumulative sum is short (float32
   rounding ~1e-7 relative; XLA's CPU cumsum is also slow on long axes). With u ~ U[0, 1) and

@@ -150,7 +150,7 @@ class TrainConfig:
       (``jaxgrpo.iteration.grpo_iteration`` and the trainer sample at it).
     chunk_size: positions per chunk of the float32 logits (None: unchunked). A chunk holds
       ``rows per micro-batch × chunk_size × V`` float32 logits: aim for a few thousand tokens (64 rows ×
-      32 positions at V = 32000 is 262 MB; 64 × 128 was 1 GB per chunk and a slower step).
+      32 positions at V = 32000 is 262 MB; larger chunks were slower, BENCHMARKS.md "Peers", run C).
     group_size: G, the largest group (bounds ``process_set_sizes``' work; None: B, always correct).
     tree_stats: compute the process-tree statistics for presets without λ weights too (the λ presets
       always report them: they come free from the weights).

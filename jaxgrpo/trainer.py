@@ -46,18 +46,16 @@ checkpointed: the base weights are frozen (``TrainState.frozen``), the reference
 the base model on them (no copy), and the run's :func:`run_meta` carries their fingerprint, so a
 checkpoint is never resumed onto other base weights.
 
-Failures (``docs/failure_modes.md``): after every step the parameters and optimizer state are checked
-for NaN/inf (one reduction) and so is the loss; a non-finite state stops the run with
-:class:`~jaxgrpo.checkpoint.NonFiniteError` before ``checkpoint_fn`` could save it; a policy that
-collapses with finite values (entropy near ln V; ``jaxgrpo.collapse``) stops it the same way
-(``PolicyCollapsed``) or warns. During ``run()``,
-SIGTERM and SIGINT are turned into a stop at the next step boundary: the current step is finished,
-checkpointed through ``checkpoint_fn``, and :class:`TrainingInterrupted` is raised; a second signal
-raises :class:`TrainingAborted` (a ``KeyboardInterrupt``) at once. A mesh that does not fit the model
-or the rollout batch is refused before the model's weights are read. A failed write of
-``metrics.jsonl`` (a full disk) stops the run with ``jaxgrpo.metrics.MetricsWriteError`` after a
-checkpoint attempt of the current step; a resumed run repairs a cut last line. Process 0 holds the
-lock of ``run.out`` (``jaxgrpo.runlock``) while it runs: a second run into it is refused.
+Failures (what each does, what is kept: ``docs/failure_modes.md``): a non-finite state or loss
+(:class:`~jaxgrpo.checkpoint.NonFiniteError`, never saved) stops the run, a collapsed policy
+(``jaxgrpo.collapse``) stops it or warns; SIGTERM/SIGINT during ``run()`` finish and checkpoint the current step, then raise
+:class:`TrainingInterrupted` (a second signal: :class:`TrainingAborted` at once); a mesh that does not
+fit is refused before weights are read; a failed ``metrics.jsonl`` write stops the run after a
+checkpoint attempt; process 0 holds the lock of ``run.out`` (``jaxgrpo.runlock``).
+
+One job at ~980 lines: the loop of a run and the state it must hand over exactly (data position, key,
+signals, checkpoints, several processes agreeing); the pieces it calls (sampling, scoring, the step,
+evaluation, dynamic sampling's ``iteration.select_groups``, async rollouts) live in their own modules.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgrpo as jg
+from jaxgrpo import prefix_hash
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402
@@ -137,7 +138,7 @@ def _linear_block_hashes(tokens, block: int):
   tok = jnp.pad(tokens, ((0, 0), (0, nb * block - t))).astype(jnp.uint32)
   pos = jnp.arange(1, nb * block + 1, dtype=jnp.uint32)[None, :]
   words = [
-    jg.process_sets._fmix32(tok * np.uint32(0x9E3779B1) + pos * np.uint32(0x85EBCA77) + seed)
+    prefix_hash._fmix32(tok * np.uint32(0x9E3779B1) + pos * np.uint32(0x85EBCA77) + seed)
     for seed in (np.uint32(0x2545F491), np.uint32(0x6C8E9CF5))
   ]
   sums = [w.reshape(b, nb, block).sum(axis=-1, dtype=jnp.uint32) for w in words]
@@ -148,7 +149,7 @@ def hash_cost(prompts: int, g: int, t: int, repeats: int) -> dict:
   """Median seconds of the block hashes (current non-linear mixers vs the former linear pre-image)
   and of the whole pairwise call, in alternating rounds."""
   tokens, mask, gid = (jax.device_put(x) for x in make_groups(prompts, g, t))
-  new = jax.jit(lambda x: jg.process_sets._block_hashes(x, 64)[1])
+  new = jax.jit(lambda x: prefix_hash._block_hashes(x, 64)[1])
   old = jax.jit(lambda x: _linear_block_hashes(x, 64))
   full = _jitted("pairwise", g)
   times = _bench.alternating_times([lambda: new(tokens), lambda: old(tokens), lambda: full(tokens, mask, gid)], repeats)

@@ -1,53 +1,22 @@
 """vLLM behind the :class:`~jaxgrpo.engines.base.Engine` interface, colocated in the calling process.
 
-Start-up: the engine is built from the policy's Hugging Face config alone (``cfg.to_hf()`` written to a
-temporary directory, ``load_format="dummy"``): no checkpoint on disk, no second copy of the weights
-besides vLLM's own. Its weights are then set by :meth:`VLLMEngine.push_weights` — after every optimizer
-update — and prompts go in as token ids (``skip_tokenizer_init``: the trainer's tokenizer stays the only one).
+:class:`VLLMEngine` starts from the policy's Hugging Face config alone (``load_format="dummy"``: no
+checkpoint on disk, no copy of the weights besides vLLM's own); :meth:`~VLLMEngine.push_weights`
+sends every parameter through the exporters' name map (``jaxgrpo.models.hf.hf_entries``; a LoRA
+policy merged, NumPy views on CPU) into vLLM's ``reload_weights``, then repacks a tied LM head and
+resets the prefix cache (without either, the engine samples from stale weights).
+:meth:`~VLLMEngine.generate` takes token ids (``int32[B, P]``, ``bool[B, P]``) and returns N = B·G
+rows, one request per row with a seed drawn from ``key`` (a key gives the same rollout for the same
+weights). ``Generation.rollout.log_probs`` follow ``jaxgrpo.sampling.generate``'s contract,
+``log_softmax(logits / temperature)[token]`` over the full vocabulary: vLLM's raw log-probs when
+``logprobs_temperature`` is 1 (exact whatever the filters; greedy too), its processed ones otherwise
+(exact only without top-k, top-p and suppressed ids, which ``generate`` then requires). Suppressed ids
+get a −100 logit bias; EOS ids stop a row and are kept. ``release_memory``/``reacquire_memory``:
+vLLM's sleep mode on a GPU, a prefix-cache reset on CPU. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set
+before vLLM is imported (the engine core runs in this process, so ``collective_rpc`` can take the
+weight iterator); vLLM makes ``torch.set_num_threads`` a no-op process-wide. Needs the ``vllm`` extra.
 
-The weight path (``push_weights``), per parameter, through the same name map the exporters use
-(``jaxgrpo.models.hf.hf_entries``)::
-
-    NNX state --(LoRA: models.lora.merge_lora)--> entry.to_hf(array)   NumPy views on CPU (np.asarray of a
-      CPU jax.Array shares its buffer), jnp on an accelerator
-    --> torch tensor without a copy (torch.from_numpy / torch.from_dlpack; bfloat16 through a uint16 view)
-    --> fused HF tensors (GPT-2's c_attn) concatenated in table order
-    --> llm.collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)
-        (vLLM copies each tensor into its parameter and repacks it for its kernels)
-    --> tied embeddings: the LM head's own packed copy is rebuilt from the new embedding
-        (``quant_method.process_weights_after_loading(lm_head)``): vLLM's CPU backend keeps one, and
-        without this it samples from the stale head
-    --> llm.reset_prefix_cache(): cached KV blocks of prompts (a full block is 128 tokens on CPU) were
-        computed with the old weights and would be reused
-
-TRL's colocate call (``model_runner.model.load_weights``) fails on vLLM's CPU backend (its linear layers
-are repacked after loading); ``reload_weights`` is the path that works on both.
-
-Log-probs: ``Generation.rollout.log_probs`` follow the library's contract (``jaxgrpo.sampling.generate``):
-``log_softmax(logits / temperature)[token]`` over the full vocabulary. vLLM gives it in two ways, fixed
-when the engine starts (``logprobs_temperature``): 1.0 (default) → vLLM's ``raw_logprobs`` (the model's
-log-softmax before any processor: exact for temperature 1 and for greedy decoding, whatever the top-k /
-top-p / suppressed ids); τ ≠ 1 → ``processed_logprobs`` (after temperature and the filters: exact only
-without top-k, top-p and suppressed ids, which :meth:`VLLMEngine.generate` then requires). Greedy calls
-(temperature 0) report the temperature-1 log-softmax in both modes, as ``generate`` does.
-
-Sampling: each of the N = B·G rows is one request with its own seed, drawn from the call's ``key``
-(``jax.random.randint``), so a key gives the same rollout for the same weights and batch. Suppressed ids
-get a logit bias of −100 (vLLM's bound; their probability is multiplied by e^−100 ≈ 4e−44, below float32
-sampling resolution); EOS ids are ``stop_token_ids`` (the EOS token is kept in the completion, as in
-``generate``).
-
-Memory: ``kv_cache_bytes`` is the KV cache (CPU: ``kv_cache_memory_bytes``; without it the CPU worker
-claims most of the RAM). On a GPU, ``gpu_memory_utilization`` is vLLM's share of the device, next to XLA's
-``XLA_PYTHON_CLIENT_MEM_FRACTION``: the two must sum to < 1 (e.g. 0.3 and 0.6; docs/sampling.md,
-"Engines"), and ``release_memory``/``reacquire_memory`` are vLLM's sleep mode (level 1: weights offloaded,
-KV cache dropped). vLLM's CPU worker has no sleep mode: there both calls only drop the prefix cache, and the
-KV cache stays allocated.
-
-Environment: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vLLM is imported (the engine core runs
-in this process: a 2–4 s start instead of 16 s, and ``collective_rpc`` can take the weight iterator).
-vLLM makes ``torch.set_num_threads`` a no-op process-wide and starts its own threads.
-Needs the ``vllm`` extra (vLLM pins transformers; see README, "Set up").
+docs/sampling.md, "Engines": the weight path step by step, memory on one GPU, installation, tests.
 """
 
 from __future__ import annotations

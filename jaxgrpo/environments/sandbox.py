@@ -1,51 +1,26 @@
 """Run untrusted Python (a policy's code) in a separate, bounded process: the code-execution tool.
 
-:func:`run_code` writes the code to ``main.py`` in a fresh temporary directory and runs it with a
-Python interpreter in its own process (``python -I -B main.py``), then returns a
-:class:`SandboxResult` whose :meth:`~SandboxResult.observation` is the text the policy sees. Nothing
-the code does raises in the caller: a timeout, a crash, a memory or output overflow all come back as
-a result, and the call returns within ``wall_s`` (plus the time to kill and reap the process).
+:func:`run_code` writes the code to ``main.py`` in a fresh temporary directory, runs
+``python -I -B main.py`` in its own session and returns a :class:`SandboxResult` whose
+:meth:`~SandboxResult.observation` is the text the policy sees. Nothing the code does raises in the
+caller: a timeout, a crash, a memory or output overflow come back as a result, within ``wall_s``
+(plus the time to kill and reap the process).
 
-Always (any user, any Linux):
+Always: a wall limit (``wall_s``; the process group gets SIGKILL) and a CPU limit per process
+(``RLIMIT_CPU``), ``RLIMIT_AS`` = ``memory_bytes``, ``RLIMIT_FSIZE`` per file, 64 open files, no core
+dumps, output read up to ``max_output_bytes`` (then the group is killed), an environment scrubbed to
+``PATH``, ``HOME`` and ``LANG``. With namespaces (``isolation="namespaces"``; ``"auto"`` picks it as
+root on Linux with ``unshare(1)``, :func:`namespaces_available`) also: no network, a new PID namespace
+(the trainer's processes invisible; nothing outlives the call, ``setsid`` included), every mount
+read-only but the working directory, an unprivileged uid (``RLIMIT_NPROC`` = ``max_processes`` stops a
+fork bomb; root-only files unreadable), new IPC and UTS namespaces.
 
-- **time**: a wall-clock limit (``wall_s``: the whole process group is killed with SIGKILL) and a CPU
-  limit per process (``RLIMIT_CPU`` = ``cpu_s``: SIGXCPU, then SIGKILL one second later);
-- **memory**: ``RLIMIT_AS`` = ``memory_bytes`` of address space per process (a large allocation
-  raises ``MemoryError`` in the child);
-- **files**: ``RLIMIT_FSIZE`` = ``max_file_bytes`` per written file, ``RLIMIT_NOFILE`` = 64 open files,
-  ``RLIMIT_CORE`` = 0; the working directory is a new temporary directory, removed afterwards;
-- **output**: stdout and stderr (merged) are read up to ``max_output_bytes``; past that the process
-  group is killed and the observation says the output was truncated (100 MB of output costs the
-  trainer ``max_output_bytes`` of memory, not 100 MB);
-- **environment**: the child's environment is scrubbed to ``PATH``, ``HOME`` (the working directory)
-  and ``LANG``; ``-I`` makes Python ignore ``PYTHON*`` variables and the user's site directory. The
-  trainer's variables (tokens, keys) are not passed on;
-- **process group**: the child starts a new session (its own process group), killed as a whole.
-
-With namespaces (``isolation="namespaces"``; ``"auto"`` picks it when running as root on Linux with
-``unshare(1)`` available — see :func:`namespaces_available`), additionally:
-
-- **network**: a new network namespace with no interface but a down loopback: every connection fails;
-- **processes**: a new PID namespace (``/proc`` remounted: the trainer's processes, their command
-  lines and environments are invisible); when the sandbox's init dies every process in it dies, so a
-  child that left the process group (``setsid``) cannot outlive the call;
-- **filesystem writes**: a new mount namespace in which every mount is remounted read-only except the
-  working directory (and the new ``/proc``): the code cannot write outside its directory, including
-  ``/tmp`` and ``/dev/shm``;
-- **privileges**: the code runs as an unprivileged user id (not root, no supplementary groups), so
-  ``RLIMIT_NPROC`` = ``max_processes`` applies (root ignores it): a fork bomb stops at that many
-  processes; it cannot read files readable by root only (mode 0600/0700);
-- **IPC and hostname**: new IPC and UTS namespaces.
-
-What it does **not** isolate, in either mode: *reading* world-readable files (system libraries, the
-Python installation, any world-readable file of the trainer — keep secrets and checkpoints out of
-world-readable paths); the number of files in the working directory (only each file's size);
-CPU time summed over many processes (``RLIMIT_CPU`` is per process; the wall limit bounds the
-total); kernel attack surface (no seccomp filter; this is not a security boundary against a
-determined attacker with a kernel exploit). Without namespaces (not root, or no ``unshare``): no
-network isolation, no filesystem write isolation beyond the user's own permissions, ``RLIMIT_NPROC``
-counts every process of the trainer's user, and a child that calls ``setsid`` can escape the group
-kill. :attr:`SandboxResult.isolation` names the layers that were applied to each run.
+Not isolated in either mode: *reading* world-readable files, the number of files in the directory,
+CPU time summed over processes (the wall limit bounds it), the kernel (no seccomp: containment for a
+policy's mistakes, not a boundary against a kernel exploit). Without namespaces also no network or
+write isolation, ``RLIMIT_NPROC`` counts every process of the trainer's user, and ``setsid`` escapes
+the group kill. :attr:`SandboxResult.isolation` names the layers each run had. docs/multiturn.md,
+"What the sandbox isolates".
 """
 
 from __future__ import annotations

@@ -218,6 +218,7 @@ class TabularPolicy:
   init_scale: float = 0.0
 
   def init(self, key):
+    """``f32[2**depth - 1, 2]`` logits: ``init_scale`` · N(0, 1) (zeros, i.e. uniform, by default)."""
     shape = (2**self.depth - 1, 2)
     return self.init_scale * jax.random.normal(key, shape, jnp.float32)
 
