@@ -13,7 +13,8 @@ The package is layered, every import pointing down (README, "The library"):
    Qwen2/2.5, Qwen3); ``jaxgrpo.sampling``: generate, Rollout; ``jaxgrpo.sharding``: make_mesh;
    ``jaxgrpo.distributed``: multi-host start-up.
 3. train step — ``jaxgrpo.train``: init_train_state, make_train_step, make_reference_fn, Batch,
-   TrainConfig, TrainState, TrainStep.
+   TrainConfig, TrainState, TrainStep (``Batch`` is ``jaxgrpo.batch``, its buckets and packing
+   ``jaxgrpo.batch_packing``, both re-exported by ``train``).
 4. iteration/trainer — ``jaxgrpo.iteration``: grpo_iteration and its pieces (sample, score,
    make_batch, place, make_reference, policy_model, rollout_loss), multiturn_iteration and
    sample_multiturn (environments); ``jaxgrpo.data``, ``rewards``,

@@ -17,7 +17,7 @@ before any array is read, the saved trees, ``RunMeta.identity`` and ``RunMeta.fi
 match the running side, and a changed ``RunMeta.guarded`` entry is refused unless ``allow_changed``.
 docs/checkpoints.md ("Crash safety", "Multi-host") and docs/failure_modes.md give the details.
 
-One job at ~900 lines: Orbax save and restore of one run's state with the checks that make a resume
+One job at ~880 lines: Orbax save and restore of one run's state with the checks that make a resume
 exact (tree signatures, run identity, finiteness, failed-save bookkeeping); they share the manager,
 its background save and the meta item, so they stay together.
 

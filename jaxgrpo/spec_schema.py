@@ -1,8 +1,25 @@
 """The schema of a training run: nested, frozen, keyword-only specs and their validation.
 
-A :class:`TrainerConfig` is a few sections, each a frozen dataclass (two of them, ``objective`` and
-``step``, the library's own configs); see ``jaxgrpo.specs`` for the table of sections and their YAML
-form. Every field's type is checked on construction (``jaxgrpo._spec_fields``: TypeError naming the
+A :class:`TrainerConfig` is a few sections, each a frozen dataclass; two of them are the library's
+own configs, embedded as they are::
+
+    model       ModelSpec        an HF directory, or the arithmetic task's synthetic model; dtypes
+    lora        LoRAConfig       LoRA/QLoRA adapters (``jaxgrpo.models.lora``); absent: full fine-tuning
+    data        DataSpec         the prompt set (a dataset, or the synthetic arithmetic task)
+    objective   GRPOConfig       the algorithm (``jaxgrpo.config``): a preset plus overrides
+    rollout     RolloutSpec      G, prompts per step, T, top-p/top-k, dynamic-sampling rounds
+    step        TrainConfig      the jitted step (``jaxgrpo.train``): micro/mini-batches, clipping,
+                                 chunking, packing, and the sampling temperature the log-probs refer to
+    optim       OptimSpec        AdamW and its warm-up
+    reward      RewardSpec       reward functions and weights, verifier time limit, error policy
+    eval        EvalSpec         held-out set, k samples, pass@k, cadence
+    checkpoint  CheckpointSpec   cadence and retention
+    run         RunSpec          steps, seed, output directory, logging, HF export
+    devices     DevicesSpec      mesh and multi-host start-up
+    env         EnvSpec          multi-turn environment and its bounds (``jaxgrpo.environments``); absent:
+                                 single-turn completions scored by ``reward``
+
+Every field's type is checked on construction (``jaxgrpo._spec_fields``: TypeError naming the
 field, the expected type and the value), then each section's values (ValueError naming
 ``section.field``), then the constraints between sections. Reading YAML and dotted overrides is
 ``jaxgrpo.specs``, which re-exports every name here.

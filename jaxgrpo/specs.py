@@ -1,25 +1,8 @@
-"""What a training run is: nested, frozen, keyword-only specs, their YAML form, and validation.
+"""What a training run is, read from YAML and dotted overrides into the nested specs of ``jaxgrpo.spec_schema``.
 
-A :class:`TrainerConfig` is a few sections, each a frozen dataclass; two of them are the library's
-own configs, embedded as they are::
-
-    model       ModelSpec        an HF directory, or the arithmetic task's synthetic model; dtypes
-    lora        LoRAConfig       LoRA/QLoRA adapters (``jaxgrpo.models.lora``); absent: full fine-tuning
-    data        DataSpec         the prompt set (a dataset, or the synthetic arithmetic task)
-    objective   GRPOConfig       the algorithm (``jaxgrpo.config``): a preset plus overrides
-    rollout     RolloutSpec      G, prompts per step, T, top-p/top-k, dynamic-sampling rounds
-    step        TrainConfig      the jitted step (``jaxgrpo.train``): micro/mini-batches, clipping,
-                                 chunking, packing, and the sampling temperature the log-probs refer to
-    optim       OptimSpec        AdamW and its warm-up
-    reward      RewardSpec       reward functions and weights, verifier time limit, error policy
-    eval        EvalSpec         held-out set, k samples, pass@k, cadence
-    checkpoint  CheckpointSpec   cadence and retention
-    run         RunSpec          steps, seed, output directory, logging, HF export
-    devices     DevicesSpec      mesh and multi-host start-up
-    env         EnvSpec          multi-turn environment and its bounds (``jaxgrpo.environments``); absent:
-                                 single-turn completions scored by ``reward``
-
-YAML mirrors it (``scripts/configs/*.yaml``)::
+A :class:`TrainerConfig` is a few sections (``model``, ``lora``, ``data``, ``objective``, ``rollout``,
+``step``, ``optim``, ``reward``, ``eval``, ``checkpoint``, ``run``, ``devices``, ``env``; the table is
+``jaxgrpo.spec_schema``'s docstring); YAML mirrors it (``scripts/configs/*.yaml``)::
 
     model: {path: Qwen/Qwen3-1.7B-Base, dtype: bfloat16}
     lora: {rank: 64, alpha: 128, dropout: 0.05}  # optional: train adapters only (quantize: nf4 = QLoRA)
@@ -36,9 +19,7 @@ naming the field, the expected type and the value, before anything is built. Num
 section names and dotted paths only: a key of the earlier flat config (``group_size``,
 ``demo_layers``, ...) is an unknown key, and its error names the dotted key to write.
 
-The schema (the sections' dataclasses and their validation) is ``jaxgrpo.spec_schema``, the field
-type checker ``jaxgrpo._spec_fields``; this module reads YAML and dotted overrides into them and
-re-exports the schema's names.
+The field type checker is ``jaxgrpo._spec_fields``; this module re-exports every name of the schema.
 """
 
 from __future__ import annotations
