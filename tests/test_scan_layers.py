@@ -259,3 +259,16 @@ def test_checkpoint_of_the_stacked_layout_restores_and_a_loop_target_is_refused(
   _assert_close_trees(flat_params(nnx.state(target)), flat_params(params), rtol=0, atol=0)
   with pytest.raises(ck.CheckpointError, match="does not match the model"):
     ck.restore_params(root, models.build_model(cfg, rngs=nnx.Rngs(0)))
+
+
+def test_run_config_field_builds_a_scanned_policy():
+  """``model.scan_layers`` in a run config reaches the built policy; a non-bool is refused by name."""
+  from jaxgrpo import builders
+  from jaxgrpo.specs import load_config
+
+  cfg = load_config(None, {"model.synthetic": {}, "model.scan_layers": True})
+  assert cfg.model.scan_layers is True and load_config(None, {"model.synthetic": {}}).model.scan_layers is False
+  model, _ = builders.build_policy(cfg.model, seed=0)
+  assert model.scan_layers and model.layers.attn.q.shape[0] == model.config.num_layers
+  with pytest.raises((TypeError, ValueError), match="model.scan_layers"):
+    load_config(None, {"model.synthetic": {}, "model.scan_layers": "sometimes"})
