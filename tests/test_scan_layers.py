@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import G, flat_params, make_batch, tiny_model
+from helpers import G, flat_params, make_batch, run_child, tiny_model
 from hf_utils import (
   FAMILIES,
   assert_greedy_matches_hf,
@@ -229,6 +229,23 @@ def test_lora_with_scan_equals_the_loop_and_exports_the_same_peft(tmp_path):
   assert not lora.has_adapters(partial)  # refused before anything changed
 
 
+def test_qlora_with_scan_equals_the_loop():
+  """Quantised base weights (nf4) with adapters stack too: same logits as the loop model's QLoRA, and the
+  codes are the loop model's, stacked."""
+  cfg = tiny_model().config
+  qcfg = lora.LoRAConfig(rank=2, quantize="nf4", group_size=8)
+  loop = models.build_model(cfg, rngs=nnx.Rngs(0))
+  scan = models.build_model(cfg, rngs=nnx.Rngs(0), scan_layers=True)
+  for m in (loop, scan):
+    lora.apply_lora(m, qcfg, key=jax.random.key(2))
+  codes = scan.layers.mlp.gate.codes
+  assert codes.get_metadata()["out_sharding"][0] == "layers"
+  np.testing.assert_array_equal(np.asarray(codes[...][1]), np.asarray(loop.layers[1].mlp.gate.codes[...]))
+  assert lora.count_params(scan) == lora.count_params(loop)
+  tokens, mask = left_padded_batch(np.random.default_rng(0), 2, 7, cfg.vocab_size, pads=[0, 3])
+  np.testing.assert_allclose(jax_logits(scan, tokens, mask), jax_logits(loop, tokens, mask), atol=2e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # sharding and checkpoints
 
@@ -241,6 +258,46 @@ def test_stacked_axis_takes_no_mesh_axis_and_a_rule_for_it_is_refused():
   assert shardings["layers"]["attn"]["q"].spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   with pytest.raises(ValueError, match="stacked layer axis 'layers' to mesh axes 'fsdp'"):
     shd.tree_shardings(nnx.state(scan), mesh, {**shd.DEFAULT_RULES, "layers": "fsdp"})
+
+
+_MESHES = r"""
+import jax, numpy as np, optax
+from jax.sharding import PartitionSpec as P
+from flax import nnx
+from helpers import G, flat_params, make_batch, tiny_config
+from jaxgrpo import models, sharding as shd, train
+from jaxgrpo.config import preset
+
+assert jax.device_count() == 8
+batch = make_batch()
+results = {}
+for spec in ["data=1", "data=2,fsdp=2,tensor=2"]:
+  mesh = shd.make_mesh(spec, devices=jax.devices()[:1] if spec == "data=1" else None)
+  model = models.build_model(tiny_config(), rngs=nnx.Rngs(0), scan_layers=True, remat="full")
+  opt = optax.sgd(0.5, momentum=0.9)
+  graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+  step = train.make_train_step(graphdef, opt, preset("grpo", beta=0.04), mesh=mesh, shardings=shardings,
+                               train_config=train.TrainConfig(micro_batches=2, group_size=G, chunk_size=8))
+  for _ in range(2):
+    state, metrics = step(state, shd.place_batch(batch, mesh))
+  if spec != "data=1":
+    assert state.params["layers"]["mlp"]["gate"][...].sharding.spec == P(None, "fsdp", "tensor")
+    assert state.params["layers"]["attn"]["q"][...].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert state.opt_state[0].trace["layers"]["attn"]["o"][...].sharding.spec == P(None, "tensor", None, "fsdp")
+  results[spec] = flat_params(state.params)
+  print(spec, float(metrics["loss"]))
+for k, v in results["data=1"].items():
+  np.testing.assert_allclose(results["data=2,fsdp=2,tensor=2"][k], v, rtol=1e-5, atol=1e-7, err_msg=str(k))
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_scanned_train_step_on_an_8_device_mesh_equals_one_device():
+  """The stacked parameters and their optimizer state are sharded with the layer axis unsharded, and
+  two steps (remat inside the scan, β > 0) on a data × fsdp × tensor mesh equal one device's."""
+  assert run_child(_MESHES, devices=8).strip().endswith("OK")
 
 
 def test_checkpoint_of_the_stacked_layout_restores_and_a_loop_target_is_refused(tmp_path):
