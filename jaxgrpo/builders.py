@@ -141,9 +141,13 @@ def build_policy(spec: ModelSpec, *, seed: int, mesh: Mesh | None = None):
   tokenizer = build_tokenizer(spec)
   if spec.synthetic is not None:
     cfg = arithmetic.model_config(spec.synthetic, len(tokenizer))
-    model = models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat=spec.remat)
+    model = models.build_model(
+      cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat=spec.remat, scan_layers=spec.scan_layers
+    )
   else:
-    model = models.load_hf(spec.path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, remat=spec.remat)
+    model = models.load_hf(
+      spec.path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, remat=spec.remat, scan_layers=spec.scan_layers
+    )
   return model, tokenizer
 
 
@@ -212,7 +216,9 @@ def abstract_policy(spec: ModelSpec):
   dtype, param_dtype = DTYPES[spec.dtype], DTYPES[spec.param_dtype]
   tokenizer = build_tokenizer(spec)
   cfg = model_config(spec, tokenizer)
-  build = lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=spec.remat)
+  build = lambda: models.build_model(
+    cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=spec.remat, scan_layers=spec.scan_layers
+  )
   return nnx.eval_shape(build), tokenizer
 
 
@@ -339,7 +345,9 @@ def _stored_lora_base(path: str, cfg: TrainerConfig, meta: dict):
   if cfg.model.synthetic is None or not os.path.isfile(os.path.join(base, "config.json")):
     return None
   spec = cfg.model
-  model = models.load_hf(base, dtype=DTYPES[spec.dtype], param_dtype=DTYPES[spec.param_dtype], remat=spec.remat)
+  model = models.load_hf(
+    base, dtype=DTYPES[spec.dtype], param_dtype=DTYPES[spec.param_dtype], remat=spec.remat, scan_layers=spec.scan_layers
+  )
   add_adapters(model, cfg.lora, seed=cfg.run.seed)
   if lora.base_fingerprint(model) != meta.get("fingerprints", {}).get(BASE_WEIGHTS):
     return None

@@ -25,7 +25,11 @@ logical axis           mesh axis             which arrays
 ``norm``               —                     (replicated)
 ``activation_length``  —                     S of the activations (``"tensor"``: sequence parallelism)
 ``activation_embed``   —                     D of the residual stream (replicated across ``tensor``)
+``layers``             — (always)            L, the leading axis of a scanned layer stack (``scan_layers``)
 =====================  ====================  =========================================================
+
+``layers`` never takes a mesh axis (a rule mapping it to one is refused): the scan reads one layer
+at a time, and a layer split over devices would be gathered whole at every step of the scan.
 
 The models' activations are constrained through the same kind of table (:func:`constrain`; a model's
 table is its ``sharding_rules``, by default this one), only while a mesh is active
@@ -86,7 +90,9 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
   "expert_mlp": None,
   "activation_length": None,
   "activation_embed": None,
+  "layers": None,
 }
+LAYER_AXIS = "layers"  # a scanned layer stack's leading axis (jaxgrpo.models.base.LAYER_AXIS)
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -173,10 +179,15 @@ def logical_to_spec(
   or None).
 
   Logical names missing from ``rules`` and mesh axes missing from ``mesh`` map to None (replicated
-  by design, not by accident). A mesh axis used twice, or a dim not divisible by the product of its
-  mesh axes' sizes, raises ValueError.
+  by design, not by accident). A mesh axis used twice, a dim not divisible by the product of its
+  mesh axes' sizes, or a mesh axis for ``"layers"`` (a scanned stack's leading axis) raises ValueError.
   """
   spec, used = [], set()
+  if LAYER_AXIS in axes and _mesh_axes(rules.get(LAYER_AXIS)):
+    raise ValueError(
+      f"{name}: rules map the stacked layer axis {LAYER_AXIS!r} to mesh axes {rules[LAYER_AXIS]!r}; "
+      "a scanned layer stack (scan_layers) keeps it unsharded: set rules['layers'] = None"
+    )
   for i, a in enumerate(axes):
     ms = tuple(m for m in _mesh_axes(rules.get(a) if a is not None else None) if m in mesh.axis_names)
     for m in ms:

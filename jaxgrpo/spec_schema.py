@@ -95,6 +95,9 @@ class ModelSpec:
       projections, recompute attention scores and the rest: the choice for long rows); ``true`` /
       ``false`` are ``full`` / ``none``. Values and gradients are the same for every policy
       (docs/train.md, "Packing, remat, activation sharding").
+    scan_layers: store the layers stacked and run them as one ``jax.lax.scan``
+      (``jaxgrpo.models.build_model``): compiles the layer once instead of once per layer; same
+      values. Not for MoE models. Default false (docs/models.md, "Layers as a scan": measured).
   """
 
   path: str | None = None
@@ -102,6 +105,7 @@ class ModelSpec:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: Literal["none", "full", "dots", "dots_no_batch"] | bool = "none"
+  scan_layers: bool = False
 
   def __post_init__(self):
     if (self.path is None) == (self.synthetic is None):
@@ -117,6 +121,8 @@ class ModelSpec:
       RematPolicy.parse(self.remat)
     except (TypeError, ValueError) as e:
       raise ValueError(f"`model.remat`: {e}") from None
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"`model.scan_layers` must be true or false; got {self.scan_layers!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,14 @@ and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights,
 
 from __future__ import annotations
 
-from jaxgrpo.models.base import CausalLM, RematPolicy, positions_from_mask, positions_from_segments
+from jaxgrpo.models.base import (
+  CausalLM,
+  RematPolicy,
+  positions_from_mask,
+  positions_from_segments,
+  to_loop_layers,
+  to_scan_layers,
+)
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import (
   GPT2Config,
@@ -69,5 +76,7 @@ __all__ = [
   "routing_scope",
   "save_hf",
   "save_peft",
+  "to_loop_layers",
+  "to_scan_layers",
   "token_log_probs",
 ]

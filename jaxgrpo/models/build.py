@@ -24,6 +24,7 @@ def build_model(
   param_dtype=jnp.float32,
   remat: RematPolicy | str | bool = False,
   rules: Mapping[str, Any] | None = None,
+  scan_layers: bool = False,
 ) -> CausalLM:
   """A randomly initialised model of ``cfg``'s family.
 
@@ -42,14 +43,21 @@ def build_model(
     rules: logical axis → mesh axes for the activation constraints, applied only under a context
       mesh (``with jax.set_mesh(mesh):``); None: ``jaxgrpo.sharding.DEFAULT_RULES``. Use the same
       table as for the parameters. Stored as ``model.sharding_rules`` (``model.rules`` as a dict).
+    scan_layers: store the L layers' parameters stacked on a leading axis (logical axis
+      ``"layers"``, never on a mesh axis) and run them as one ``jax.lax.scan`` (remat inside the
+      scanned body): the layer is compiled once instead of L times (docs/models.md, "Layers as a
+      scan"). Same weights for the same ``rngs`` and the same outputs as the loop. Not for MoE
+      models (ValueError).
 
   Raises:
     TypeError: ``cfg`` is not one of the supported config classes.
+    ValueError: ``scan_layers`` with a MoE config.
   """
+  kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers)
   if isinstance(cfg, GPT2Config):
-    return GPT2Model(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
+    return GPT2Model(cfg, **kw)
   if isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
-    return MoEModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
+    return MoEModel(cfg, **kw)
   if isinstance(cfg, LlamaConfig):
-    return LlamaModel(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
+    return LlamaModel(cfg, **kw)
   raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
+from jaxgrpo.models.base import CausalLM, RematPolicy, check_scan_layers, freeze_rules, stack_blocks
 from jaxgrpo.models.config import GPT2Config
 from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, LayerNorm, param, project, shard_activation
 
@@ -86,6 +86,7 @@ class GPT2Model(CausalLM):
     param_dtype=jnp.float32,
     remat: RematPolicy | str | bool = False,
     rules: Mapping[str, Any] | None = None,
+    scan_layers: bool = False,
   ):
     if not isinstance(config, GPT2Config):
       raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
@@ -95,9 +96,9 @@ class GPT2Model(CausalLM):
     V, D, P = config.vocab_size, config.hidden_size, config.max_position_embeddings
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.wpe = param(rngs.params(), (P, D), (None, "embed"), param_dtype, stddev=0.01)
-    self.layers = nnx.List(
-      [GPT2Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
-    )
+    blocks = [GPT2Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
+    self.scan_layers = check_scan_layers(scan_layers)
+    self.layers = stack_blocks(blocks) if scan_layers else nnx.List(blocks)
     self.final_norm = LayerNorm(D, eps=config.layer_norm_epsilon, dtype=dtype, param_dtype=param_dtype)
     self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
 

@@ -9,7 +9,9 @@ safetensors tensor is never copied whole: each device shard is cut out of the vi
 concatenated along the last axis in table order. A MoE expert weight ``[E, ...]`` is one
 ``StackedEntry``: its E per-expert HF tensors (``...mlp.experts.{e}.gate_proj.weight``), each
 turned into our layout by ``to_ours`` and stacked on a new leading axis (a device shard reads only
-its own experts' slices).
+its own experts' slices). For a scanned layer stack (``scan_layers=True``) the per-layer entries of
+one parameter become one ``LayerEntry`` (the parameter ``[L, *ours]``, layer l from layer l's
+entry); the HF files stay per layer.
 
 Safetensors files are memory-mapped with ``numpy.memmap`` after parsing the (documented, JSON)
 file header ourselves: ``safetensors.safe_open`` copies each tensor it returns, whereas a memmap
@@ -32,12 +34,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jaxgrpo.models.base import RematPolicy
+from jaxgrpo.models.base import RematPolicy, check_scan_layers
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
+from jaxgrpo.models.moe import SCAN_LAYERS_MOE_ERROR
 from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec  # the one rules table lives in jaxgrpo.sharding
 
-__all__ = ["DEFAULT_RULES", "load_hf", "save_hf", "load_tokenizer", "logical_to_spec", "hf_entries"]
+__all__ = [
+  "DEFAULT_RULES",
+  "load_hf",
+  "save_hf",
+  "load_tokenizer",
+  "logical_to_spec",
+  "hf_entries",
+  "stack_layer_entries",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +75,41 @@ class StackedEntry(NamedTuple):
   hf_shape: tuple[int, ...]
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+class LayerEntry(NamedTuple):
+  """One stacked parameter ``[L, *ours]`` of a scanned layer stack: ``layers[l]`` is layer l's
+  ``Entry`` (its ``path`` ``("layers", l, *rest)``); ``path`` is ``("layers", *rest)``."""
+
+  path: tuple
+  layers: tuple[Entry, ...]
+
+  @property
+  def hf_name(self) -> str:
+    return self.layers[0].hf_name
+
+
+def stack_layer_entries(entries: list, num_layers: int) -> list:
+  """The name map of a scanned stack (``scan_layers=True``): the entries ``("layers", l, *rest)``
+  of ``l = 0..L-1`` merged into one ``LayerEntry`` per ``rest`` (in the order of first appearance,
+  so the pieces of a fused HF tensor keep their order); other entries unchanged.
+
+  Raises:
+    ValueError: a ``StackedEntry`` inside a layer (MoE experts: not scannable).
+  """
+  out, groups = [], {}
+  for e in entries:
+    if e.path[0] != "layers":
+      out.append(e)
+      continue
+    if isinstance(e, StackedEntry):
+      raise ValueError(f"{e.hf_name}: stacked (expert) entries cannot be stacked over layers")
+    rest = e.path[2:]
+    if rest not in groups:
+      groups[rest] = [None] * num_layers
+      out.append(("layers",) + rest)  # a placeholder, filled below
+    groups[rest][e.path[1]] = e
+  return [LayerEntry(x, tuple(groups[x[1:]])) if type(x) is tuple else x for x in out]
 
 
 def _same():
@@ -351,6 +397,7 @@ def load_hf(
   mesh: Mesh | None = None,
   rules: Mapping[str, str | None] | None = None,
   remat: RematPolicy | str | bool = False,
+  scan_layers: bool = False,
 ):
   """Load a HF causal-LM directory (or hub id, when reachable) into a ``jaxgrpo.models`` model.
 
@@ -368,6 +415,8 @@ def load_hf(
       model's activation constraints under a context mesh (``model.sharding_rules``).
     remat: the per-layer activation-checkpointing policy: a ``RematPolicy`` or its name (``"none"``,
       ``"full"``, ``"dots"``, ``"dots_no_batch"``; ``True``/``False`` = full/none); see ``build_model``.
+    scan_layers: load into the stacked layout (``build_model(scan_layers=True)``): each stacked
+      parameter is assembled shard by shard from the per-layer HF tensors (no per-layer copy).
 
   Returns:
     The model (its config on ``model.config``).
@@ -377,6 +426,7 @@ def load_hf(
       expected and found shapes).
   """
   remat = RematPolicy.parse(remat)  # a bad name fails before the checkpoint is read
+  check_scan_layers(scan_layers)
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
@@ -389,14 +439,20 @@ def load_hf(
       )
   directory = _resolve(path)
   cfg = config_from_hf(directory)
+  if scan_layers and isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
+    raise ValueError(SCAN_LAYERS_MOE_ERROR.format(type(cfg).__name__))
   rules = DEFAULT_RULES if rules is None else dict(rules)
   tensors = _read_checkpoint(directory)
   abstract = nnx.eval_shape(
-    lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules)
+    lambda: build_model(
+      cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers
+    )
   )
   graphdef, state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(state))
   entries = hf_entries(cfg)
+  if scan_layers:
+    entries = stack_layer_entries(entries, cfg.num_layers)
   missing_params = set(flat) - {e.path for e in entries}
   if missing_params:  # a bug in the name map, not in the checkpoint
     raise AssertionError(f"name map does not cover parameters {sorted(missing_params)}")
@@ -406,15 +462,10 @@ def load_hf(
     if isinstance(e, StackedEntry):
       _load_stacked(e, tensors, flat[e.path], directory, mesh, rules, default_device, np_dtype)
       continue
-    name = e.hf_name
-    if name not in tensors and name.startswith("transformer.") and name[len("transformer.") :] in tensors:
-      name = name[len("transformer.") :]  # original OpenAI-GPT-2 checkpoints have no prefix
-    if name not in tensors:
-      raise ValueError(f"tensor {e.hf_name!r} is missing from the checkpoint in {directory}")
-    found = tuple(tensors[name].shape)
-    if found != tuple(e.hf_shape):
-      raise ValueError(f"tensor {e.hf_name!r} has shape {found}, expected {tuple(e.hf_shape)}")
-    view = e.to_ours(tensors[name])
+    if isinstance(e, LayerEntry):
+      _load_layers(e, tensors, flat[e.path], directory, mesh, rules, default_device, np_dtype)
+      continue
+    view = _view(e, tensors, directory)
     var = flat[e.path]
     if view.shape != tuple(var.shape):
       raise AssertionError(f"name map gives {view.shape} for {e.path}, model has {var.shape}")
@@ -428,6 +479,7 @@ def load_hf(
       view.shape, sharding, lambda idx, view=view, np_dtype=np_dtype: np.array(view[idx], dtype=np_dtype, order="C")
     )
     var.set_value(array)
+  entries = [x for e in entries for x in (e.layers if isinstance(e, LayerEntry) else (e,))]
   used = {e.hf_name for e in entries} | {e.hf_name[len("transformer.") :] for e in entries}
   used |= {n for e in entries if isinstance(e, StackedEntry) for n in e.hf_names}
   if cfg.tie_word_embeddings:
@@ -442,6 +494,36 @@ def load_hf(
       unused[:8],
     )
   return nnx.merge(graphdef, state)
+
+
+def _view(e: Entry, tensors, directory) -> np.ndarray:
+  """``e.to_ours`` of its HF tensor (a view), after checking that it is present with its shape."""
+  name = e.hf_name
+  if name not in tensors and name.startswith("transformer.") and name[len("transformer.") :] in tensors:
+    name = name[len("transformer.") :]  # original OpenAI-GPT-2 checkpoints have no prefix
+  if name not in tensors:
+    raise ValueError(f"tensor {e.hf_name!r} is missing from the checkpoint in {directory}")
+  found = tuple(tensors[name].shape)
+  if found != tuple(e.hf_shape):
+    raise ValueError(f"tensor {e.hf_name!r} has shape {found}, expected {tuple(e.hf_shape)}")
+  return e.to_ours(tensors[name])
+
+
+def _load_layers(e: LayerEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
+  """Set ``var`` (``[L, *ours]``) from the L per-layer tensors of ``e``; each shard stacks its slices."""
+  views = [_view(x, tensors, directory) for x in e.layers]
+  shape = (len(views),) + tuple(views[0].shape)
+  if shape != tuple(var.shape):
+    raise AssertionError(f"name map gives {shape} for {e.path}, model has {var.shape}")
+  if mesh is None:
+    sharding = jax.sharding.SingleDeviceSharding(default_device)
+  else:
+    sharding = NamedSharding(mesh, logical_to_spec(var.get_metadata("out_sharding"), mesh, rules, shape, e.hf_name))
+
+  def shard(idx):
+    return np.stack([np.array(views[i][idx[1:]], dtype=np_dtype) for i in range(len(views))[idx[0]]])
+
+  var.set_value(jax.make_array_from_callback(shape, sharding, shard))
 
 
 def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
@@ -483,6 +565,8 @@ def save_hf(model, path: str | os.PathLike) -> None:
   _, state = nnx.split(model)
   flat = dict(nnx.to_flat_state(state))
   entries = hf_entries(cfg)
+  if model.scan_layers:  # the HF files stay per layer
+    entries = stack_layer_entries(entries, cfg.num_layers)
   extra = sorted(set(flat) - {e.path for e in entries}, key=str)
   if extra:  # LoRA adapters or quantised weights (QLoRA): HF has no tensor for them
     raise ValueError(
@@ -495,6 +579,10 @@ def save_hf(model, path: str | os.PathLike) -> None:
     if isinstance(e, StackedEntry):  # one HF tensor per expert
       for name, v in zip(e.hf_names, value):
         pieces[name] = [e.to_hf(v)]
+      continue
+    if isinstance(e, LayerEntry):  # layer l's tensor(s) from slice [l]
+      for x, v in zip(e.layers, value):
+        pieces.setdefault(x.hf_name, []).append(x.to_hf(v))
       continue
     pieces.setdefault(e.hf_name, []).append(e.to_hf(value))
   tensors = {}

@@ -43,6 +43,7 @@ __all__ = [
   "shard_activation",
   "forward_mode_autodiff",
   "forward_mode_active",
+  "layer_index",
   "project",
   "LoRA",
   "QuantParam",
@@ -80,6 +81,19 @@ def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
 
 
 _FORWARD_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgrpo_forward_mode", default=False)
+_LAYER_INDEX: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("jaxgrpo_layer_index", default=None)
+
+
+@contextlib.contextmanager
+def layer_index(i: jax.Array) -> Iterator[None]:
+  """Inside the block, the layer being traced is ``i`` (an int32 scalar, traced in a scanned stack):
+  a stacked ``LoRA`` (``layer_stride > 0``) draws its dropout stream from it. Entered by the scanned
+  layer stack of ``CausalLM`` (``scan_layers=True``) around each layer's trace."""
+  token = _LAYER_INDEX.set(i)
+  try:
+    yield
+  finally:
+    _LAYER_INDEX.reset(token)
 
 
 @contextlib.contextmanager
@@ -250,6 +264,11 @@ class LoRA(nnx.Module):
   ``fold_in(key[b], stream)`` alone, so it does not depend on how rows are split into micro-batches
   or over devices).
   ``enabled`` (static) False: the adapter is skipped (``Δy = 0``), see ``lora.reference_model``.
+
+  In a scanned layer stack (``scan_layers=True``) one ``LoRA`` holds the adapters of every layer
+  (``A [L, *C, r]``, ``B [L, r, *O]``) and is applied to one layer's slice at a time; its stream in
+  layer ``l`` is ``stream + l · layer_stride`` (``layer_stride`` static, the number of adapters per
+  layer; 0 outside a scanned stack), so the masks equal the loop model's.
   """
 
   def __init__(self, a: jax.Array, b: jax.Array, *, a_axes, b_axes, scale: float, dropout: float, stream: int):
@@ -259,6 +278,7 @@ class LoRA(nnx.Module):
     self.b = nnx.LoRAParam(b, out_sharding=tuple(b_axes), eager_sharding=False)
     self.scale, self.dropout, self.stream = float(scale), float(dropout), int(stream)
     self.enabled = True
+    self.layer_stride = 0
 
   @property
   def rank(self) -> int:
@@ -268,10 +288,16 @@ class LoRA(nnx.Module):
     """``x [..., *C] → Δy [..., *O]`` in ``dtype``."""
     if self.dropout > 0 and dropout_key is not None:
       p_keep = 1.0 - self.dropout
+      stream = self.stream
+      if self.layer_stride:  # a scanned stack: this layer's stream
+        layer = _LAYER_INDEX.get()
+        if layer is None:
+          raise ValueError("a stacked LoRA (layer_stride > 0) is applied outside a scanned layer stack")
+        stream = stream + layer * self.layer_stride
       if dropout_key.ndim == 0:
-        keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, self.stream), p_keep, x.shape)
+        keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, stream), p_keep, x.shape)
       else:  # one key per row of x [B, ...]
-        row = lambda k: jax.random.bernoulli(jax.random.fold_in(k, self.stream), p_keep, x.shape[1:])
+        row = lambda k: jax.random.bernoulli(jax.random.fold_in(k, stream), p_keep, x.shape[1:])
         keep = jax.vmap(row)(dropout_key)
       x = jnp.where(keep, x / p_keep, jnp.zeros((), x.dtype)).astype(x.dtype)
     h = dense(x, self.a[...].astype(dtype), contract=self.a.ndim - 1)  # [..., r]
@@ -348,15 +374,16 @@ class KVCache(NamedTuple):
   """Static-shape decoding cache (a pytree).
 
   k: tuple over layers of [B, N, K, T] keys, v: tuple over layers of [B, N, T, K] values (compute
-  dtype), T = max_len slots. Keys are stored transposed because that is the operand layout XLA's
+  dtype), T = max_len slots; for a scanned layer stack (``scan_layers=True``) one stacked array
+  each, k [L, B, N, K, T] and v [L, B, N, T, K]. Keys are stored transposed because that is the operand layout XLA's
   dot wants for ``q·kᵀ`` (and values for ``p·v``): with [B, T, N, K] it copied (transposed) the
   whole cache of every layer at every decode step, ~20% of the sampler's time on CPU.
   valid: bool[B, T], True on slots holding a real (non-padding) token.
   index: int32 scalar, the next slot to write (same for every row; left-padding keeps rows aligned).
   """
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: tuple[jax.Array, ...] | jax.Array
+  v: tuple[jax.Array, ...] | jax.Array
   valid: jax.Array
   index: jax.Array
 
@@ -365,13 +392,22 @@ class KVCache(NamedTuple):
     return self.valid.shape[1]
 
 
-def init_kv_cache(num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
-  """Empty cache: zeros, no valid slot, index 0."""
+def init_kv_cache(
+  num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, *, stacked: bool = False
+) -> KVCache:
+  """Empty cache: zeros, no valid slot, index 0; ``stacked``: one [L, ...] array for k and for v."""
   for name, value in (("batch_size", batch_size), ("max_len", max_len)):
     if not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   k_shape = (batch_size, num_kv_heads, head_dim, max_len)
   v_shape = (batch_size, num_kv_heads, max_len, head_dim)
+  if stacked:
+    return KVCache(
+      k=jnp.zeros((num_layers,) + k_shape, dtype),
+      v=jnp.zeros((num_layers,) + v_shape, dtype),
+      valid=jnp.zeros((batch_size, max_len), bool),
+      index=jnp.zeros((), jnp.int32),
+    )
   return KVCache(
     k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
     v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)),
@@ -388,6 +424,9 @@ def repeat_cache(cache: KVCache, n: int) -> KVCache:
   if not isinstance(n, int) or n <= 0:
     raise ValueError(f"n must be a positive int, got {n!r}")
   rep = lambda x: jnp.repeat(x, n, axis=0)
+  if not isinstance(cache.k, tuple):  # stacked [L, B, ...]
+    rep_l = lambda x: jnp.repeat(x, n, axis=1)
+    return KVCache(k=rep_l(cache.k), v=rep_l(cache.v), valid=rep(cache.valid), index=cache.index)
   return KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)), valid=rep(cache.valid), index=cache.index)
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.base import CausalLM, RematPolicy, freeze_rules
+from jaxgrpo.models.base import CausalLM, RematPolicy, check_scan_layers, freeze_rules, stack_blocks
 from jaxgrpo.models.config import LlamaConfig
 from jaxgrpo.models.layers import (
   MLP_AXES,
@@ -127,6 +127,7 @@ class LlamaModel(CausalLM):
     param_dtype=jnp.float32,
     remat: RematPolicy | str | bool = False,
     rules: Mapping[str, Any] | None = None,
+    scan_layers: bool = False,
   ):
     if not isinstance(config, LlamaConfig):
       raise TypeError(f"config must be a LlamaConfig/Qwen2Config/Qwen3Config, got {type(config).__name__}")
@@ -135,9 +136,9 @@ class LlamaModel(CausalLM):
     self.remat, self.sharding_rules = RematPolicy.parse(remat), freeze_rules(rules)
     V, D = config.vocab_size, config.hidden_size
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
-    self.layers = nnx.List(
-      [LlamaBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
-    )
+    blocks = [LlamaBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_layers)]
+    self.scan_layers = check_scan_layers(scan_layers)
+    self.layers = stack_blocks(blocks) if scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(D, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
 

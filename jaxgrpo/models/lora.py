@@ -17,6 +17,13 @@ Typical use::
     lora.save_peft(model, out_adapter)                                 # PEFT adapter directory
     lora.load_peft(models.load_hf(path), out_adapter)                  # ... and back (any PEFT LoRA dir)
 
+A scanned model (``scan_layers=True``, layers stacked) is edited through its loop layout: the
+functions that add, quantise, merge, export or import weights unstack the layers
+(``base.to_loop_layers``), work per layer, and stack the result again, so projection paths, the
+adapters' initial values and dropout streams are those of the loop model (the layer stack is held
+twice meanwhile). Every layer must then carry the same adapters (``targets`` naming some layers
+only are refused).
+
 Paper: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (``W + (α/r)·A·B``,
 B = 0 at init); Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with
 LoRA" (rsLoRA, ``α/√r``); Dettmers et al. 2023, "QLoRA" (NF4 base weights, block-wise absmax).
@@ -40,7 +47,7 @@ from jax.sharding import NamedSharding
 from safetensors.numpy import load_file, save_file
 
 from jaxgrpo.models import quant
-from jaxgrpo.models.base import CausalLM
+from jaxgrpo.models.base import CausalLM, stack_blocks, to_loop_layers, to_scan_layers
 from jaxgrpo.models.config import GPT2Config
 from jaxgrpo.models.gpt2 import GPT2MLP
 from jaxgrpo.models.hf import hf_entries
@@ -174,6 +181,17 @@ def _check_model(model) -> None:
     raise TypeError(f"model must be a jaxgrpo.models CausalLM, got {type(model).__name__}")
 
 
+def _edit_layers(model, edit):
+  """``edit(model)``; for a scanned model, ``edit`` of its loop layout, whose layers are then stacked
+  again into ``model`` (in place) — only if ``edit`` and the stacking succeed."""
+  if not model.scan_layers:
+    return edit(model)
+  loop = to_loop_layers(model)
+  out = edit(loop)
+  model.layers = stack_blocks(list(loop.layers))
+  return model if out is loop else out
+
+
 def _sites(model) -> list[_Site]:
   out = []
   for path, module in nnx.iter_modules(model):
@@ -184,8 +202,11 @@ def _sites(model) -> list[_Site]:
 
 
 def projection_paths(model) -> list[str]:
-  """The dotted paths of every projection that can carry an adapter, in model order."""
+  """The dotted paths of every projection that can carry an adapter, in model order (a scanned
+  model's are its loop layout's, ``"layers.3.attn.q"``)."""
   _check_model(model)
+  if model.scan_layers:
+    model = nnx.eval_shape(lambda: to_loop_layers(model))
   return [s.dotted for s in _sites(model)]
 
 
@@ -247,6 +268,9 @@ def quantize_model(
   _check_model(model)
   if kind not in quant.QUANT_KINDS:
     raise ValueError(f"kind must be one of {quant.QUANT_KINDS}, got {kind!r}")
+  if model.scan_layers:
+    _edit_layers(model, lambda m: quantize_model(m, kind, group_size=group_size, targets=targets, rules=rules))
+    return
   sites = _select(_sites(model), None if targets is None else tuple(targets), "quantize_model")
   for s in sites:
     w = s.weight()
@@ -280,6 +304,9 @@ def apply_lora(model, cfg: LoRAConfig, *, key: jax.Array, rules: Mapping[str, An
   _check_model(model)
   if not isinstance(cfg, LoRAConfig):
     raise TypeError(f"cfg must be a LoRAConfig, got {type(cfg).__name__}")
+  if model.scan_layers:
+    _edit_layers(model, lambda m: apply_lora(m, cfg, key=key, rules=rules))
+    return
   all_sites = _sites(model)
   present = [s.dotted for s in all_sites if s.adapter() is not None]
   if present:
@@ -379,6 +406,8 @@ def merge_lora(model, *, param_dtype=None, rules: Mapping[str, Any] | None = Non
   it matches ``model`` up to float rounding (``x·(W + sAB)`` vs ``x·W + s(x·A)·B``).
   """
   _check_model(model)
+  if model.scan_layers:
+    return to_scan_layers(merge_lora(to_loop_layers(model), param_dtype=param_dtype, rules=rules))
   merged = _copy(model)
   default_dtype = merged.embed_tokens.get_value().dtype
   for s in _sites(merged):
@@ -426,7 +455,8 @@ def count_params(model) -> ParamCount:
     else:
       base += x.size
       base_bytes += x.nbytes
-  base += sum(math.prod(s.weight().shape) for s in _sites(model) if isinstance(s.weight(), QuantizedWeight))
+  per_site = model.config.num_layers if model.scan_layers else 1  # a stacked weight's shape is one layer's
+  base += per_site * sum(math.prod(s.weight().shape) for s in _sites(model) if isinstance(s.weight(), QuantizedWeight))
   return ParamCount(base, adapter, base_bytes, adapter_bytes)
 
 
@@ -512,6 +542,8 @@ def save_peft(model, path: str | os.PathLike, *, base_model_name_or_path: str | 
       module with different scales.
   """
   _check_model(model)
+  if model.scan_layers:
+    return save_peft(to_loop_layers(model), path, base_model_name_or_path=base_model_name_or_path)
   adapted = [(t, t.adapter()) for t in _sites(model) if t.adapter() is not None]
   if not adapted:
     raise ValueError("model has no adapters to export")
@@ -616,6 +648,8 @@ def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules:
       model that already has adapters.
   """
   _check_model(model)
+  if model.scan_layers:
+    return _edit_layers(model, lambda m: load_peft(m, path, param_dtype=param_dtype, rules=rules))
   path = os.fspath(path)
   config_file = os.path.join(path, "adapter_config.json")
   weights_file = os.path.join(path, "adapter_model.safetensors")

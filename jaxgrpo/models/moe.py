@@ -485,9 +485,12 @@ class MoEModel(LlamaModel):
     param_dtype=jnp.float32,
     remat: RematPolicy | str | bool = False,
     rules: Mapping[str, Any] | None = None,
+    scan_layers: bool = False,
   ):
     if not isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig)):
       raise TypeError(f"config must be a Qwen3MoeConfig or Qwen2MoeConfig, got {type(config).__name__}")
+    if scan_layers:
+      raise ValueError(SCAN_LAYERS_MOE_ERROR.format(type(config).__name__))
     self.config = config
     self.dtype = dtype
     self.remat, self.sharding_rules = RematPolicy.parse(remat), freeze_rules(rules)
@@ -504,6 +507,12 @@ class MoEModel(LlamaModel):
     scope = _SCOPE.get()
     if scope is not None:
       scope.routes[self.layers[layer].moe_index] = route
+
+
+SCAN_LAYERS_MOE_ERROR = (
+  "scan_layers=True is not supported for MoE models ({}): their layers differ (dense and sparse "
+  "layers, a per-layer routing output), so they cannot be stacked; use scan_layers=False"
+)
 
 
 def is_moe(model) -> bool:
