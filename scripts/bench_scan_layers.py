@@ -22,6 +22,7 @@ The load average is printed before and after.
 
     python scripts/bench_scan_layers.py                       # the BENCHMARKS.md run
     python scripts/bench_scan_layers.py --rounds 1 --buckets 32,64 --layers 8   # a quick look
+    python scripts/bench_scan_layers.py --rounds 0 --hidden 512 --buckets 32    # run time at a wider D
 """
 
 from __future__ import annotations
@@ -116,6 +117,16 @@ class Variant:
     return first - run
 
 
+def print_compile_summary(totals) -> None:
+  print("compile time, summed over the buckets (median over rounds):")
+  all_loop = all_scan = 0.0
+  for program in PROGRAMS:
+    lo, sc = (statistics.median(totals[v, program]) for v in VARIANTS)
+    all_loop, all_scan = all_loop + lo, all_scan + sc
+    print(f"  {program:9s}  loop {lo:7.2f} s   scan {sc:7.2f} s   scan/loop {sc / lo:.3f}")
+  print(f"  {'all':9s}  loop {all_loop:7.2f} s   scan {all_scan:7.2f} s   scan/loop {all_scan / all_loop:.3f}")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--layers", type=int, default=28)
@@ -125,7 +136,7 @@ def main(argv=None):
   ap.add_argument("--group", type=int, default=2)
   ap.add_argument("--prompt", type=int, default=16)
   ap.add_argument("--buckets", default="32,64,128,256,512,1024", help="completion buckets, or 'all' (DEFAULT_BUCKETS)")
-  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--rounds", type=int, default=3, help="compile-time rounds (0: steady state only)")
   ap.add_argument("--run-repeats", type=int, default=15, help="timed calls per variant in the steady state")
   ap.add_argument("--remat", default="none")
   args = ap.parse_args(argv)
@@ -154,7 +165,7 @@ def main(argv=None):
   batches = {t: make_batch(rng, args.batch, args.group, args.prompt, t, args.vocab) for t in buckets}
   # compile time: per round, every program over every bucket, loop and scan in alternating order
   totals = {(v, p): [] for v in VARIANTS for p in PROGRAMS}
-  for program in PROGRAMS:  # warm-up (untimed): the process's first compiles pay one-off costs
+  for program in PROGRAMS if args.rounds else ():  # warm-up (untimed): the first compiles pay one-off costs
     for v in VARIANTS:
       variants[v].compile_seconds(program, batches[buckets[0]], buckets[0])
   for r in range(args.rounds):
@@ -165,13 +176,11 @@ def main(argv=None):
         totals[v, program].append(sum(secs))
         print(f"  round {r} {program:9s} {v}: {sum(secs):7.2f} s  (per bucket {[round(s, 2) for s in secs]})")
     print(f"  load average after round {r}: {load()}")
-  print("compile time, summed over the buckets (median over rounds):")
-  all_loop = all_scan = 0.0
-  for program in PROGRAMS:
-    lo, sc = (statistics.median(totals[v, program]) for v in VARIANTS)
-    all_loop, all_scan = all_loop + lo, all_scan + sc
-    print(f"  {program:9s}  loop {lo:7.2f} s   scan {sc:7.2f} s   scan/loop {sc / lo:.3f}")
-  print(f"  {'all':9s}  loop {all_loop:7.2f} s   scan {all_scan:7.2f} s   scan/loop {all_scan / all_loop:.3f}")
+  if not args.rounds:
+    print("compile time: not measured (--rounds 0)")
+  else:
+    print_compile_summary(totals)
+
   # steady state at the first bucket
   t0 = buckets[0]
   batch = batches[t0]
