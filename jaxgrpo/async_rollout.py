@@ -83,6 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxgrpo import data as data_lib
@@ -223,10 +224,11 @@ class AsyncRollouts:
       self._frozen = tstate.frozen
     else:
       self.rollout_shardings = shd.tree_shardings(tstate.params, self.rollout_mesh, rules)
-      self._transfer = lambda t: jax.device_put(t, self.rollout_shardings)
+      self._transfer = _transfer_fn(tstate.params, self.rollout_shardings)
       self._frozen = None
       if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
-        self._frozen = jax.device_put(tstate.frozen, shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules))
+        frozen_shardings = shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules)
+        self._frozen = _transfer_fn(tstate.frozen, frozen_shardings)(tstate.frozen)
     # π_old of a stale batch: the learner's current parameters (merged with the frozen ones), one pass
     logp_shardings, self._merged = step_fn.shardings.params, False
     if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
@@ -239,6 +241,9 @@ class AsyncRollouts:
       rules=rules,
     )
     self._mismatch = jax.jit(_mean_k3)
+    # CPU processes (gloo): programs on two device sets must not exchange data at the same time (their
+    # collectives share one connection per pair of processes): each program is waited for in turn
+    self._serial = jax.process_count() > 1 and jax.default_backend() == "cpu"
     self._queue: collections.deque[ProducedBatch] = collections.deque()
     self._published: tuple[int, Any] | None = None
     self._started = False
@@ -309,6 +314,8 @@ class AsyncRollouts:
     tokens, mask = data_lib.pad_left([tr.prompts.tokens[i] for i in indices], tr.prompt_len, tr.pad_id)
     tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.rollout_mesh)
     rollout = iteration.sample(model, tokens, mask, tr.sampling, key=key, temperature=tr.train_config.temperature)
+    if self._serial:
+      jax.block_until_ready(rollout)
     dispatched()  # the update now runs alongside (disjoint devices) or after (colocated) the sampler
     return distributed.process_rows(rollout._replace(num_steps=None), self.rollout_mesh)
 
@@ -362,7 +369,7 @@ class AsyncRollouts:
       out["mismatch"] = self._mismatch(old, placed.old_logp, placed.mask)
       placed = placed._replace(old_logp=old, behavior_logp=placed.old_logp)
       if timed:
-        jax.block_until_ready(old)
+        jax.block_until_ready((old, out["mismatch"]))
     if timed:
       out["times"]["async/old_logp_s"] = time.perf_counter() - t1 if stale else 0.0
     t2 = time.perf_counter()
@@ -373,7 +380,7 @@ class AsyncRollouts:
     t3 = time.perf_counter()
     out["state"], out["metrics"] = tr.step_fn(tstate, placed)
     if timed:
-      jax.block_until_ready(out["metrics"])
+      jax.block_until_ready((out["state"], out["metrics"]))
       out["times"].update({"time/reference_s": t3 - t2, "time/update_s": time.perf_counter() - t3})
     return out
 
@@ -402,9 +409,8 @@ class AsyncRollouts:
     ahead = min(n + self.k, self.steps)  # batches produced while this update runs
     overlapped = self._next_index <= ahead
     learner: dict[str, Any] = {}
-    dispatched = _Once(
-      lambda: learner.update(self._dispatch(item, bool(staleness.any()), self.profile or not overlapped))
-    )
+    timed = self.profile or self._serial or not overlapped  # wait after each phase (and time it)
+    dispatched = _Once(lambda: learner.update(self._dispatch(item, bool(staleness.any()), timed)))
     if not overlapped:
       dispatched()
     while self._next_index <= ahead:
@@ -460,6 +466,50 @@ class AsyncRollouts:
         f"resumed at the checkpoint's data position, the producer drew prompts {item.rounds[0][:8]}... but the "
         f"checkpoint recorded {expected[:8]}... as the next untrained ones: the data or its order changed"
       )
+
+
+def _transfer_fn(tree, shardings) -> Callable:
+  """The function that places a tree like ``tree`` (on the train mesh) with ``shardings`` (the rollout
+  mesh's). One process: ``jax.device_put``. Several processes, where JAX cannot move arrays between
+  two device sets: each process copies its own shards device to device when its rollout devices need
+  exactly the blocks its train devices hold (the meshes split the parameters alike per process);
+  a leaf for which some process lacks a block goes through the host instead (an all-gather of it, then
+  each process places its blocks) — decided once, the same way on every process."""
+  if jax.process_count() == 1:
+    return lambda t: jax.device_put(t, shardings)
+  leaves, treedef = jax.tree.flatten(tree)
+  target = jax.tree.leaves(shardings)  # NamedSharding leaves, in the order of the arrays
+  assert len(target) == len(leaves), (len(target), len(leaves))
+  local = [_local_blocks(x, s) is not None for x, s in zip(leaves, target)]
+  every = distributed.gather_objects(local)
+  direct = [all(e[i] for e in every) for i in range(len(leaves))]
+
+  def transfer(t):
+    out = []
+    for x, s, fast in zip(jax.tree.leaves(t), target, direct):
+      if fast:
+        blocks = _local_blocks(x, s)
+      else:
+        host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        blocks = [(d, host[idx]) for d, idx in s.addressable_devices_indices_map(x.shape).items()]
+      arrays = [jax.device_put(b, d) for d, b in blocks]
+      out.append(jax.make_array_from_single_device_arrays(x.shape, s, arrays))
+    return jax.tree.unflatten(treedef, out)
+
+  return transfer
+
+
+def _local_blocks(x: jax.Array, sharding) -> list | None:
+  """``[(rollout device, this process's train shard with exactly its block)]``, or None when a block
+  of this process's rollout devices is not one of its train shards."""
+  key = lambda idx: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(idx, x.shape))
+  held = {key(s.index): s.data for s in x.addressable_shards}
+  blocks = []
+  for d, idx in sharding.addressable_devices_indices_map(x.shape).items():
+    if key(idx) not in held:
+      return None
+    blocks.append((d, held[key(idx)]))
+  return blocks
 
 
 def _check_same_rows(train: Mesh, rollout: Mesh, roll) -> None:
