@@ -1,22 +1,35 @@
-"""Bounded-staleness rollouts: a producer samples the next batches while the learner updates.
+"""Bounded-staleness rollouts: the next batches are generated while the learner updates.
 
-With ``rollout.max_staleness: k`` (k >= 1) the trainer's step is split in two loops that overlap::
+With ``rollout.max_staleness: k`` (k >= 1) one thread runs a fixed schedule; each learner step n
+(trainer's ``train_step``) issues, in this order, on every process::
 
-    producer thread                                   learner (the trainer's thread)
-    ---------------                                   ------------------------------
-    for n = 1, 2, ...:                                for n = 1, 2, ...:
-      wait until version >= n - 1 - k is published      batch n  <- queue         (learner idle)
-      params = the newest published version u           check n - 1 - version <= k for every group
-      batch n = rollout(params) (+ rewards;              old_logp = π_θ(n-1)(batch)   (recomputed)
-        dynamic-sampling refills take the newest)        behavior_logp = the sampler's log-probs
-      queue <- batch n, version u per group              reference, update → θ(n)
-                                                         publish θ(n) to the rollout devices (timed)
+    [batch n not produced yet (the first step, after a restart; every step at k = 0): produce it now
+     with θ(n-1) — the learner waits ("async/learner_idle_s")]
+    for m = next batch .. min(n + k, steps):           produce batch m with the newest published
+      produce(m):                                       version, θ(n-1) (staleness m - n <= k):
+        round 1: dispatch the sampler (rollout mesh) ──┐  asynchronous dispatch, nothing waits
+        [first round of this step only] dispatch the ──┤  learner on batch n (train mesh): place,
+          π_old recomputation (stale groups),          │  reference, update → θ(n)   (asynchronous)
+          reference, update                            │
+        fetch this process's rows  ◄── host blocks until the *sampler* is done (not the update)
+        decode + rewards on the host; [dynamic sampling: gather the rewards, refill rounds]
+    fetch the update's metrics      ◄── host blocks until the update is done ("async/producer_idle_s")
+    publish θ(n) to the rollout devices (copy, or device_put to the rollout mesh; timed)
 
 Parameter version v is the policy after v updates (v = 0: the initial or restored one); the learner
-trains batch n with θ(n-1), so a group sampled with version u has staleness ``n - 1 - u``, and the
-producer may not start batch n before version ``n - 1 - k`` exists: at most ``k + 1`` batches are
-ahead of the learner. k = 0 is the synchronous loop (the trainer then runs its own ``train_step``;
-this class with k = 0 runs the same computation, serially, and equals it bit for bit — tested).
+trains batch n with θ(n-1), so a group sampled with version u has staleness ``n - 1 - u``. In the
+steady state batch n + k is sampled during step n with θ(n-1): staleness exactly k; at most k
+batches wait ahead of the learner. k = 0 is the synchronous loop (the trainer then runs its own
+``train_step``; this class with k = 0 runs the same computation and equals it bit for bit — tested).
+
+**Why one thread.** JAX dispatches computations asynchronously: the host returns from the sampler's
+and the update's calls at once, and the devices run them. On disjoint meshes (``devices.rollout``)
+the two programs run at the same time; the host blocks first on the sampler's tokens (decoding and
+rewards need them), then on the update's metrics. Colocated, the devices run them one after the
+other but the host work (decoding, rewards, reward all-gathers) overlaps the update. And because
+every process issues the same programs and collectives in the same order from one thread, several
+processes (``jax.process_count() > 1``) run this schedule exactly as one does: the sampled tokens,
+rewards and dynamic-sampling decisions are the same as one process's on the same global meshes.
 
 **Off-policy correction.** A stale group's sampler log-probs are the *behaviour* policy μ (the version
 that generated it); the learner recomputes ``old_logp`` (π_old, what the PPO ratio is taken against)
@@ -25,40 +38,44 @@ under its current parameters and passes the sampler's log-probs as ``Batch.behav
 step reports its ``is_*``/``mismatch_kl`` metrics. A batch whose groups are all fresh (staleness 0)
 skips the recomputation: its sampler log-probs are π_old (as in the synchronous step).
 
-**Placement.** Colocated (default): producer and learner share the devices; publishing a version is
+**Placement.** Colocated (default): sampler and learner share the devices; publishing a version is
 a device-side copy of the trained parameters (the step donates its own). Disaggregated
-(``devices.rollout: R``): the producer samples on a mesh of R other devices (``devices.train``
-devices train), and a version is published by ``jax.device_put`` of the trained parameters to the
-rollout mesh's shardings (``async/weight_transfer_s``). LoRA: only the adapters move; the frozen base
+(``devices.rollout: R``): the sampler runs on a mesh of R other devices (``devices.train`` devices
+train), and a version is published by ``jax.device_put`` of the trained parameters to the rollout
+mesh's shardings (``async/weight_transfer_s``). With P processes each process gives ``train / P`` of
+its devices to the train mesh and ``rollout / P`` to the rollout mesh, so each process samples,
+scores and trains the same rows (:func:`make_meshes`). LoRA: only the adapters move; the frozen base
 weights are placed on the rollout mesh once.
 
 **Bookkeeping.** The trainer state after step n holds the data-iterator position and PRNG key *as
-the producer left them after batch n*, plus ``untrained``: the prompt indices the producer had drawn
-beyond it (batches queued or in progress). A checkpoint of step n therefore resumes at the first
-prompt not trained; the untrained groups are generated again (with the resumed parameters) from the
-same iterator draws and keys — no prompt skipped, none trained twice. ``OUT/rollouts.jsonl`` (process
-0) lists every trained step's prompt indices and the version of each group, cut back to the restored
-step on resume like ``metrics.jsonl``.
+the producer left them after batch n*, plus ``untrained``: the prompt indices drawn beyond it
+(batches produced, not trained). A checkpoint of step n therefore resumes at the first prompt not
+trained; the untrained groups are generated again (with the resumed parameters) from the same
+iterator draws and keys — no prompt skipped, none trained twice. Every process computes the same
+state (the schedule is deterministic); at the start every process checks that all hold the same
+step, position, record and key (one all-gather; ``RuntimeError`` otherwise). ``OUT/rollouts.jsonl``
+(process 0 only) lists every trained step's prompt indices and the version of each group, cut back to
+the restored step on resume like ``metrics.jsonl``.
 
 **Metrics** (added to each step's record): ``async/staleness_mean``, ``async/staleness_max``,
-``async/staleness_hist/<s>`` (groups per staleness s = 0..k), ``async/queue_depth`` (batches ready
-when the learner asked), ``async/learner_idle_s`` (learner waiting for a batch), ``async/producer_idle_s``
-(the producer waiting for a version or queue room before this batch), ``async/weight_transfer_s``,
-``async/old_logp_s`` (the recomputation), ``async/mismatch_kl`` (mean k3 of π_old against μ over the
-batch's tokens, 0 when fresh), and the phase times ``time/generate_s`` (sampling + rewards of the
-batch, on the producer), ``time/reference_s``, ``time/update_s``.
-
-One process only: with several processes the producers' collectives would interleave with the
-learner's in a different order on every host (refused at construction).
+``async/staleness_hist/<s>`` (groups per staleness s = 0..k), ``async/queue_depth`` (batches produced
+ahead when the learner took its batch), ``async/learner_idle_s`` (producing the learner's own batch
+before it could start: the first step, a restart, k = 0), ``async/producer_idle_s`` (the host waiting
+for the update after producing the next batches), ``async/weight_transfer_s``, ``async/mismatch_kl``
+(mean k3 of π_old against μ over the batch's tokens, 0 when fresh), ``time/generate_s`` (sampling +
+rewards of the batch), ``time/learner_s`` (from the learner's dispatch to its metrics on the host).
+The learner's phase times ``async/old_logp_s``, ``time/reference_s``, ``time/update_s`` are measured
+(by waiting after each phase) only in steps where nothing else is produced meanwhile (k = 0, the
+last k steps), or in every step with ``profile=True`` (which gives up the overlap).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import json
 import os
-import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -66,14 +83,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxgrpo import iteration
+from jaxgrpo import data as data_lib
+from jaxgrpo import distributed, iteration
 from jaxgrpo import sharding as shd
 from jaxgrpo.metrics import truncate_jsonl
 from jaxgrpo.train import Batch, TrainState, make_reference_fn
 
-__all__ = ["AsyncRollouts", "ProducedBatch", "check_single_process", "make_meshes", "LEDGER"]
+__all__ = ["AsyncRollouts", "ProducedBatch", "make_meshes", "LEDGER"]
 
 #: The file (in ``run.out``) listing each trained step's prompt indices and group versions.
 LEDGER = "rollouts.jsonl"
@@ -83,9 +102,12 @@ def make_meshes(devices_spec, devices=None) -> tuple[Mesh, Mesh | None]:
   """``(train mesh, rollout mesh or None)`` from a ``jaxgrpo.specs.DevicesSpec``.
 
   Colocated (``rollout`` None): one mesh ``mesh`` over every device (``devices.train`` must then be
-  None). Disaggregated: the train mesh (``mesh`` spec) over the first ``train`` devices (None: all but
-  the rollout ones) and the rollout mesh (``rollout_mesh`` spec) over the next ``rollout`` devices;
-  disjoint by construction. ValueError naming the field when they do not fit.
+  None). Disaggregated: the train mesh (``mesh`` spec) over ``train`` devices (None: all but the
+  rollout ones) and the rollout mesh (``rollout_mesh`` spec) over ``rollout`` others; disjoint by
+  construction. One process: the first ``train`` devices, then the next ``rollout``. P processes:
+  every process gives its first ``train / P`` devices to the train mesh and its next ``rollout / P``
+  to the rollout mesh (both meshes list the devices by process, so each process samples and trains
+  its own block of rows). ValueError naming the field when they do not fit.
   """
   devices = list(jax.devices() if devices is None else devices)
   spec = devices_spec.mesh or None
@@ -103,25 +125,26 @@ def make_meshes(devices_spec, devices=None) -> tuple[Mesh, Mesh | None]:
       f"`devices.train`={devices_spec.train} + `devices.rollout`={r} do not fit the {len(devices)} devices "
       "(each needs >= 1, disjoint)"
     )
-  if jax.process_count() > 1:
-    raise ValueError("`devices.rollout` (disaggregated placement) is supported in one process only")
-  train = shd.make_mesh(spec, devices=devices[:t])
-  rollout = shd.make_mesh(devices_spec.rollout_mesh or None, devices=devices[t : t + r])
+  procs = sorted({d.process_index for d in devices})
+  if len(procs) == 1:
+    train_devices, rollout_devices = devices[:t], devices[t : t + r]
+  else:
+    p = len(procs)
+    local = [[d for d in devices if d.process_index == i] for i in procs]
+    if t % p or r % p or t // p + r // p > min(len(x) for x in local):
+      raise ValueError(
+        f"`devices.train`={t} and `devices.rollout`={r} must each divide over the {p} processes and fit each "
+        f"process's {min(len(x) for x in local)} devices (every process trains and samples its own rows)"
+      )
+    train_devices = [d for x in local for d in x[: t // p]]
+    rollout_devices = [d for x in local for d in x[t // p : t // p + r // p]]
+  train = shd.make_mesh(spec, devices=train_devices)
+  rollout = shd.make_mesh(devices_spec.rollout_mesh or None, devices=rollout_devices)
   return train, rollout
 
 
-def check_single_process(max_staleness: int) -> None:
-  """ValueError when the pipeline would run in several processes (refused before any weight is read)."""
-  if jax.process_count() > 1:
-    raise ValueError(
-      f"`rollout.max_staleness`={max_staleness} / `devices.rollout` run in one process only: with "
-      f"{jax.process_count()} processes the producer's collectives would interleave with the learner's in a "
-      "different order on every host; multi-host runs use `rollout.max_staleness: 0` and colocated devices"
-    )
-
-
 class ProducedBatch(NamedTuple):
-  """One batch from the producer (host side, this process's rows).
+  """One produced batch (host side, this process's rows).
 
   Attributes:
     index: n, the step that trains it (1-based).
@@ -133,8 +156,7 @@ class ProducedBatch(NamedTuple):
     key_after: the PRNG key after this batch (the trainer state's key once it is trained).
     position_after: the data-iterator position after this batch.
     rounds: the prompt indices of each sampling round (dynamic sampling: several).
-    generate_s: wall time of sampling and scoring on the producer.
-    producer_idle_s: time the producer waited before it could start this batch.
+    generate_s: wall time of sampling and scoring.
   """
 
   index: int
@@ -147,33 +169,52 @@ class ProducedBatch(NamedTuple):
   position_after: dict
   rounds: list
   generate_s: float
-  producer_idle_s: float
 
 
-class _Stopped(Exception):
-  """The pipeline is closing: the producer leaves its batch unfinished."""
+class _Once:
+  """Calls ``fn`` the first time it is called (the learner's dispatch, after the first sampler call)."""
+
+  def __init__(self, fn: Callable[[], None] | None):
+    self.fn = fn
+
+  def __call__(self) -> None:
+    fn, self.fn = self.fn, None
+    if fn is not None:
+      fn()
 
 
 class AsyncRollouts:
-  """The producer thread, the queue of produced batches and the learner's step of a
-  ``jaxgrpo.trainer.Trainer`` (see the module docstring).
+  """The produced batches and the learner's step of a ``jaxgrpo.trainer.Trainer`` (the schedule of
+  the module docstring).
 
   Args:
     trainer: the trainer (its state, iterator, jitted step and reference, ``_rollout_batch``); this
       object replaces its ``train_step`` (``trainer.rollouts``).
     max_staleness: k >= 0.
-    rollout_mesh: the mesh the producer samples on (None: the trainer's mesh, colocated).
-    steps: the last step the producer samples for (``run.steps``).
+    rollout_mesh: the mesh the sampler runs on (None: the trainer's mesh, colocated).
+    steps: the last step a batch is produced for (``run.steps``).
     resumed: the trainer state was restored (the ledger is cut back to its step).
+    profile: wait after each learner phase to time it (``async/old_logp_s``, ``time/reference_s``,
+      ``time/update_s`` in every step) — the update then no longer overlaps the next batch's rewards.
   """
 
-  def __init__(self, trainer, *, max_staleness: int, rollout_mesh: Mesh | None = None, steps: int, resumed=False):
+  def __init__(
+    self,
+    trainer,
+    *,
+    max_staleness: int,
+    rollout_mesh: Mesh | None = None,
+    steps: int,
+    resumed=False,
+    profile: bool = False,
+  ):
     if not isinstance(max_staleness, int) or max_staleness < 0:
       raise ValueError(f"`max_staleness` must be an int >= 0; got {max_staleness!r}")
-    check_single_process(max_staleness)
-    self.trainer, self.k, self.steps = trainer, max_staleness, steps
+    self.trainer, self.k, self.steps, self.profile = trainer, max_staleness, steps, profile
     self.colocated = rollout_mesh is None
     self.rollout_mesh = trainer.mesh if rollout_mesh is None else rollout_mesh
+    if not self.colocated and jax.process_count() > 1:
+      _check_same_rows(trainer.mesh, self.rollout_mesh, trainer.config.rollout)
     tstate = trainer.state.train
     step_fn = trainer.step_fn
     # the rollout side's placement of the trained parameters (and, once, the frozen ones)
@@ -183,10 +224,11 @@ class AsyncRollouts:
       self._frozen = tstate.frozen
     else:
       self.rollout_shardings = shd.tree_shardings(tstate.params, self.rollout_mesh, rules)
-      self._transfer = lambda t: jax.device_put(t, self.rollout_shardings)
+      self._transfer = _transfer_fn(tstate.params, self.rollout_shardings)
       self._frozen = None
       if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
-        self._frozen = jax.device_put(tstate.frozen, shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules))
+        frozen_shardings = shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules)
+        self._frozen = _transfer_fn(tstate.frozen, frozen_shardings)(tstate.frozen)
     # π_old of a stale batch: the learner's current parameters (merged with the frozen ones), one pass
     logp_shardings, self._merged = step_fn.shardings.params, False
     if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
@@ -198,14 +240,14 @@ class AsyncRollouts:
       train_config=trainer.train_config,
       rules=rules,
     )
-    self._cond = threading.Condition()
+    self._mismatch = jax.jit(_mean_k3)
+    # CPU processes (gloo): programs on two device sets must not exchange data at the same time (their
+    # collectives share one connection per pair of processes): each program is waited for in turn
+    self._serial = jax.process_count() > 1 and jax.default_backend() == "cpu"
     self._queue: collections.deque[ProducedBatch] = collections.deque()
     self._published: tuple[int, Any] | None = None
-    self._error: BaseException | None = None
-    self._stop = False
-    self._thread: threading.Thread | None = None
-    self._busy = threading.Lock()  # held while the producer samples and scores (paused() waits for it)
-    self._drawn: list[list[int]] = []  # rounds drawn by the producer beyond the trained position
+    self._started = False
+    self._drawn: list[list[int]] = []  # rounds drawn beyond the trained position
     self._last_transfer_s = 0.0
     out = trainer.config.run.out
     self._ledger = os.path.join(out, LEDGER) if jax.process_index() == 0 else None
@@ -216,153 +258,145 @@ class AsyncRollouts:
 
   # ------------------------------------------------------------------ lifecycle
   def start(self) -> None:
-    """Publishes the current parameters (version = the state's step) and starts the producer."""
-    if self._thread is not None:
+    """Publishes the current parameters (version = the state's step); batches are then produced
+    from the trained position. Every process checks that all agree on the state first."""
+    if self._started:
       return
     t = self.trainer
     step = int(t.state.train.step)
+    _check_processes_agree(step, t.state.key, t.state.data_position)
     if self._ledger is not None:
       os.makedirs(os.path.dirname(self._ledger), exist_ok=True)
       if self._resumed:
         truncate_jsonl(self._ledger, step)
       elif step == 0 and os.path.exists(self._ledger):
         os.remove(self._ledger)
-    # the producer draws from the trained position (after a close(), the iterator is ahead of it)
+    # produce from the trained position (after a close(), the iterator is ahead of it)
     t.iterator.restore(t.state.data_position)
     self._queue.clear()
-    self._drawn, self._stop, self._error = [], False, None
+    self._drawn = []
     self._publish(step, t.state.train.params)
     self._next_index, self._key = step + 1, t.state.key
-    self._thread = threading.Thread(target=self._produce_loop, name="jaxgrpo-rollout-producer", daemon=True)
-    self._thread.start()
+    self._started = True
 
-  def close(self, timeout: float = 600.0) -> None:
-    """Stops the producer (it finishes the sampling call in flight) and drops the queued batches; a
-    later :meth:`start` (the next ``train_step``) samples them again from the trained position."""
-    with self._cond:
-      self._stop = True
-      self._cond.notify_all()
-    if self._thread is not None:
-      self._thread.join(timeout)
-    self._thread = None
+  def close(self, timeout: float | None = None) -> None:
+    """Drops the batches produced ahead; a later :meth:`start` (the next ``train_step``) produces
+    them again from the trained position. (Nothing runs between two calls: no thread to stop.)"""
     self._queue.clear()
+    self._drawn = []
+    self._started = False
 
   @contextlib.contextmanager
   def paused(self):
-    """Holds the producer between two batches (e.g. while the trainer evaluates with the shared
-    reward workers)."""
-    with self._busy:
-      yield
+    """Kept for the trainer's evaluation: nothing is produced between two ``train_step`` calls."""
+    yield
 
-  # ------------------------------------------------------------------ producer
+  # ------------------------------------------------------------------ producing
   def _publish(self, version: int, params) -> None:
     t0 = time.perf_counter()
     placed = jax.block_until_ready(self._transfer(params))
     self._last_transfer_s = time.perf_counter() - t0
-    with self._cond:
-      self._published = (version, placed)
-      self._cond.notify_all()
+    self._published = (version, placed)
 
   def _latest(self) -> tuple[int, Any]:
-    with self._cond:
-      return self._published
+    return self._published
 
-  def _sample(self, indices, key, versions: list, rounds: list):
-    """One sampling round of the producer: the newest published version on the rollout mesh."""
+  def _sample(self, indices, key, versions: list, rounds: list, dispatched: _Once):
+    """One sampling round on the newest published version and the rollout mesh: the trainer's
+    ``_sample`` with the learner's dispatch between the sampler's call and the fetch of its rows."""
+    tr = self.trainer
     drawn = [int(i) for i in indices]
-    with self._cond:
-      if self._stop:
-        raise _Stopped
-      version, params = self._published
-      self._drawn.append(drawn)
+    version, params = self._published
+    self._drawn.append(drawn)
     versions.append(version)
     rounds.append(drawn)
-    model = iteration.policy_model(self.trainer.graphdef, TrainState(params, None, None, self._frozen))
-    return self.trainer._sample(indices, key, policy=model, mesh=self.rollout_mesh)
+    model = iteration.policy_model(tr.graphdef, TrainState(params, None, None, self._frozen))
+    tokens, mask = data_lib.pad_left([tr.prompts.tokens[i] for i in indices], tr.prompt_len, tr.pad_id)
+    tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.rollout_mesh)
+    rollout = iteration.sample(model, tokens, mask, tr.sampling, key=key, temperature=tr.train_config.temperature)
+    if self._serial:
+      jax.block_until_ready(rollout)
+    dispatched()  # the update now runs alongside (disjoint devices) or after (colocated) the sampler
+    return distributed.process_rows(rollout._replace(num_steps=None), self.rollout_mesh)
 
-  def _produce(self, n: int, idle: float) -> ProducedBatch:
-    """Batch n: the trainer's rollout batch (dynamic sampling included) from the producer's key,
-    each sampling round on the newest published version."""
+  def _produce(self, dispatched: _Once) -> None:
+    """The next batch: the trainer's rollout batch (dynamic sampling included) from the producer's
+    key, queued."""
     t1 = time.perf_counter()
+    n = self._next_index
     tr = self.trainer
     key, sample_key = jax.random.split(self._key)
     versions: list[int] = []
     rounds: list[list[int]] = []
     groups: list[tuple[int, int]] = []
     batch, metrics, tokens = tr._rollout_batch(
-      sample_key, sample=lambda i, k: self._sample(i, k, versions, rounds), kept_groups=groups
+      sample_key, sample=lambda i, k: self._sample(i, k, versions, rounds, dispatched), kept_groups=groups
     )
-    return ProducedBatch(
-      index=n,
-      batch=batch,
-      metrics=metrics,
-      tokens=tokens,
-      prompts=np.asarray([rounds[r][b] for r, b in groups], np.int64),
-      versions=np.asarray([versions[r] for r, _ in groups], np.int64),
-      key_after=key,
-      position_after=tr.iterator.state(),
-      rounds=rounds,
-      generate_s=time.perf_counter() - t1,
-      producer_idle_s=idle,
+    self._queue.append(
+      ProducedBatch(
+        index=n,
+        batch=batch,
+        metrics=metrics,
+        tokens=tokens,
+        prompts=np.asarray([rounds[r][b] for r, b in groups], np.int64),
+        versions=np.asarray([versions[r] for r, _ in groups], np.int64),
+        key_after=key,
+        position_after=tr.iterator.state(),
+        rounds=rounds,
+        generate_s=time.perf_counter() - t1,
+      )
     )
-
-  def _produce_loop(self) -> None:
-    try:
-      while True:
-        n = self._next_index
-        if n > self.steps:
-          return
-        t0 = time.perf_counter()
-        with self._cond:  # version n-1-k must exist; at most k+1 batches ahead of the learner
-          while not self._stop and self._published[0] < n - 1 - self.k:
-            self._cond.wait()
-          if self._stop:
-            return
-        idle = time.perf_counter() - t0
-        with self._busy:
-          produced = self._produce(n, idle)
-        with self._cond:
-          self._queue.append(produced)
-          self._key, self._next_index = produced.key_after, n + 1
-          self._cond.notify_all()
-    except _Stopped:
-      return
-    except BaseException as e:  # handed to the learner, raised in its thread
-      with self._cond:
-        self._error = e
-        self._cond.notify_all()
-
-  # ------------------------------------------------------------------ learner
-  def _next_batch(self) -> tuple[ProducedBatch, int, float]:
-    t0 = time.perf_counter()
-    with self._cond:
-      depth = len(self._queue)
-      while not self._queue and self._error is None:
-        if self._thread is None or not self._thread.is_alive():
-          raise RuntimeError("the rollout producer stopped without a batch (was the pipeline closed?)")
-        self._cond.wait(1.0)
-      if self._error is not None and not self._queue:
-        raise self._error
-      item = self._queue.popleft()
-      # the prompts of this batch are trained from now on: drop them from the untrained record
-      del self._drawn[: len(item.rounds)]
-    return item, depth, time.perf_counter() - t0
+    self._key, self._next_index = key, n + 1
 
   def untrained(self) -> list[list[int]]:
-    """The prompt indices of every sampling round drawn beyond the trained position (queued or in
-    progress), in drawing order: what a checkpoint records as not yet trained."""
-    with self._cond:
-      return [list(r) for r in self._drawn]
+    """The prompt indices of every sampling round drawn beyond the trained position (batches
+    produced, not trained), in drawing order: what a checkpoint records as not yet trained."""
+    return [list(r) for r in self._drawn]
+
+  # ------------------------------------------------------------------ learner
+  def _dispatch(self, item: ProducedBatch, stale: bool, timed: bool) -> dict:
+    """Places batch ``item`` and dispatches π_old (stale groups), the reference and the update; with
+    ``timed`` waits after each phase to time it. Returns the (not yet computed) results."""
+    tr = self.trainer
+    tstate = tr.state.train
+    out: dict[str, Any] = {"t0": time.perf_counter(), "times": {}}
+    placed = iteration.place(item.batch, mesh=tr.mesh, train_config=tr.train_config, process_local=True)
+    t1 = time.perf_counter()
+    out["mismatch"] = None
+    if stale:
+      params = nnx.merge_state(tstate.params, tstate.frozen) if self._merged else tstate.params
+      old = self._policy_logp(params, placed)
+      out["mismatch"] = self._mismatch(old, placed.old_logp, placed.mask)
+      placed = placed._replace(old_logp=old, behavior_logp=placed.old_logp)
+      if timed:
+        jax.block_until_ready((old, out["mismatch"]))
+    if timed:
+      out["times"]["async/old_logp_s"] = time.perf_counter() - t1 if stale else 0.0
+    t2 = time.perf_counter()
+    if tr.reference is not None:
+      placed = tr.reference(placed)
+      if timed:
+        jax.block_until_ready(placed.ref_logp)
+    t3 = time.perf_counter()
+    out["state"], out["metrics"] = tr.step_fn(tstate, placed)
+    if timed:
+      jax.block_until_ready((out["state"], out["metrics"]))
+      out["times"].update({"time/reference_s": t3 - t2, "time/update_s": time.perf_counter() - t3})
+    return out
 
   def train_step(self) -> dict[str, Any]:
-    """One learner step: the next produced batch → (recomputed π_old) → reference → update →
-    publish; returns its metrics (the trainer's, plus ``async/*`` and ``time/*``)."""
+    """One learner step (the schedule of the module docstring); returns its metrics (the trainer's,
+    plus ``async/*`` and ``time/*``), the same on every process but for the times."""
     tr = self.trainer
     self.start()
     t0 = time.perf_counter()
-    item, depth, waited = self._next_batch()
-    tstate = tr.state.train
-    n = int(tstate.step) + 1
+    n = int(tr.state.train.step) + 1
+    depth = len(self._queue)
+    while self._next_index <= n:  # the learner's own batch is not there yet: produce it now
+      self._produce(_Once(None))
+    idle = time.perf_counter() - t0
+    item = self._queue.popleft()
+    del self._drawn[: len(item.rounds)]  # its prompts are trained from now on
     if item.index != n:
       raise RuntimeError(f"the producer's batch {item.index} reached the learner at step {n}")
     staleness = (n - 1) - item.versions
@@ -372,23 +406,21 @@ class AsyncRollouts:
         f"{item.versions.tolist()}): the producer broke the staleness bound"
       )
     self._check_resumed(item)
-    placed = iteration.place(item.batch, mesh=tr.mesh, train_config=tr.train_config, process_local=True)
-    t1 = time.perf_counter()
-    mismatch, old_logp_s = 0.0, 0.0
-    if staleness.any():
-      params = nnx.merge_state(tstate.params, tstate.frozen) if self._merged else tstate.params
-      old = jax.block_until_ready(self._policy_logp(params, placed))
-      mismatch = _mean_k3(np.asarray(old), np.asarray(placed.old_logp), np.asarray(placed.mask))
-      placed = placed._replace(old_logp=old, behavior_logp=placed.old_logp)
-      old_logp_s = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    if tr.reference is not None:
-      placed = tr.reference(placed)
-      jax.block_until_ready(placed.ref_logp)
-    t3 = time.perf_counter()
-    tstate, step_metrics = tr.step_fn(tstate, placed)
-    step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    t4 = time.perf_counter()
+    ahead = min(n + self.k, self.steps)  # batches produced while this update runs
+    overlapped = self._next_index <= ahead
+    learner: dict[str, Any] = {}
+    timed = self.profile or self._serial or not overlapped  # wait after each phase (and time it)
+    dispatched = _Once(lambda: learner.update(self._dispatch(item, bool(staleness.any()), timed)))
+    if not overlapped:
+      dispatched()
+    while self._next_index <= ahead:
+      self._produce(dispatched)  # the first sampler call dispatches the learner
+    dispatched()
+    t_wait = time.perf_counter()
+    step_metrics = {k: float(v) for k, v in jax.device_get(learner["metrics"]).items()}
+    mismatch = 0.0 if learner["mismatch"] is None else float(jax.device_get(learner["mismatch"]))
+    t_done = time.perf_counter()
+    tstate = learner["state"]
     self._publish(n, tstate.params)
     position = {**item.position_after, "untrained": self.untrained()}
     tr.state = type(tr.state)(tstate, item.key_after, position)
@@ -405,14 +437,13 @@ class AsyncRollouts:
         "async/staleness_max": int(staleness.max()),
         **{f"async/staleness_hist/{s}": int((staleness == s).sum()) for s in range(self.k + 1)},
         "async/queue_depth": depth,
-        "async/learner_idle_s": waited,
-        "async/producer_idle_s": item.producer_idle_s,
+        "async/learner_idle_s": idle,
+        "async/producer_idle_s": t_done - t_wait if overlapped else 0.0,
         "async/weight_transfer_s": self._last_transfer_s,
-        "async/old_logp_s": old_logp_s,
         "async/mismatch_kl": mismatch,
         "time/generate_s": item.generate_s,
-        "time/reference_s": t3 - t2,
-        "time/update_s": t4 - t3,
+        "time/learner_s": t_done - learner["t0"],
+        **learner["times"],
       }
     )
     metrics.setdefault("kl", 0.0)
@@ -437,11 +468,81 @@ class AsyncRollouts:
       )
 
 
-def _mean_k3(old: np.ndarray, behavior: np.ndarray, mask: np.ndarray) -> float:
+def _transfer_fn(tree, shardings) -> Callable:
+  """The function that places a tree like ``tree`` (on the train mesh) with ``shardings`` (the rollout
+  mesh's). One process: ``jax.device_put``. Several processes, where JAX cannot move arrays between
+  two device sets: each process copies its own shards device to device when its rollout devices need
+  exactly the blocks its train devices hold (the meshes split the parameters alike per process);
+  a leaf for which some process lacks a block goes through the host instead (an all-gather of it, then
+  each process places its blocks) — decided once, the same way on every process."""
+  if jax.process_count() == 1:
+    return lambda t: jax.device_put(t, shardings)
+  leaves, treedef = jax.tree.flatten(tree)
+  target = jax.tree.leaves(shardings)  # NamedSharding leaves, in the order of the arrays
+  assert len(target) == len(leaves), (len(target), len(leaves))
+  local = [_local_blocks(x, s) is not None for x, s in zip(leaves, target)]
+  every = distributed.gather_objects(local)
+  direct = [all(e[i] for e in every) for i in range(len(leaves))]
+
+  def transfer(t):
+    out = []
+    for x, s, fast in zip(jax.tree.leaves(t), target, direct):
+      if fast:
+        blocks = _local_blocks(x, s)
+      else:
+        host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        blocks = [(d, host[idx]) for d, idx in s.addressable_devices_indices_map(x.shape).items()]
+      arrays = [jax.device_put(b, d) for d, b in blocks]
+      out.append(jax.make_array_from_single_device_arrays(x.shape, s, arrays))
+    return jax.tree.unflatten(treedef, out)
+
+  return transfer
+
+
+def _local_blocks(x: jax.Array, sharding) -> list | None:
+  """``[(rollout device, this process's train shard with exactly its block)]``, or None when a block
+  of this process's rollout devices is not one of its train shards."""
+  key = lambda idx: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(idx, x.shape))
+  held = {key(s.index): s.data for s in x.addressable_shards}
+  blocks = []
+  for d, idx in sharding.addressable_devices_indices_map(x.shape).items():
+    if key(idx) not in held:
+      return None
+    blocks.append((d, held[key(idx)]))
+  return blocks
+
+
+def _check_same_rows(train: Mesh, rollout: Mesh, roll) -> None:
+  """Several processes, disaggregated: each process must hold the same rows of the rollout batch on
+  both meshes (it scores the rows it sampled and feeds them to the update); ValueError otherwise."""
+  rows = roll.prompts_per_step * roll.group_size
+  a, b = shd.process_batch_rows(train, rows), shd.process_batch_rows(rollout, rows)
+  if a != b:
+    raise ValueError(
+      f"`devices.rollout_mesh`: process {jax.process_index()} holds rows {b.start}..{b.stop - 1} of the "
+      f"{rows}-row rollout batch on the rollout mesh but rows {a.start}..{a.stop - 1} on the train mesh; put "
+      "the processes on the batch axes (data or fsdp) of both meshes"
+    )
+
+
+def _check_processes_agree(step: int, key, position: dict) -> None:
+  """Several processes: RuntimeError unless every process holds the same step, PRNG key and data
+  position (with its untrained record) — a resume that read different checkpoints would otherwise
+  train different prompts on different hosts. One small all-gather."""
+  if jax.process_count() == 1:
+    return
+  state = json.dumps([step, np.asarray(jax.random.key_data(key)).tolist(), position], sort_keys=True, default=str)
+  digest = hashlib.sha256(state.encode()).hexdigest()
+  every = distributed.gather_objects([digest, state[:300]])
+  if len({d for d, _ in every}) > 1:
+    lines = "; ".join(f"process {i}: {s}" for i, (_, s) in enumerate(every))
+    raise RuntimeError(f"the processes start the rollouts from different states (step, key, data position): {lines}")
+
+
+def _mean_k3(old: jax.Array, behavior: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean over real tokens of ``k3 = r − log r − 1``, ``r = exp(old − behavior)`` (KL(μ‖π_old) under
-  μ's samples, as ``jaxgrpo.importance``'s ``mismatch_kl``)."""
+  μ's samples, as ``jaxgrpo.importance``'s ``mismatch_kl``); ``f32[]``, 0 without real tokens."""
   m = mask.astype(bool)
-  if not m.any():
-    return 0.0
-  d = np.clip((old - behavior)[m].astype(np.float64), -20.0, 20.0)
-  return float(np.mean(np.exp(d) - d - 1.0))
+  d = jnp.clip(jnp.where(m, old - behavior, 0.0).astype(jnp.float32), -20.0, 20.0)
+  k3 = jnp.where(m, jnp.exp(d) - d - 1.0, 0.0)
+  return k3.sum() / jnp.maximum(m.sum(), 1)

@@ -149,14 +149,24 @@ def initialize(
       raise ValueError(f"process_id must be in [0, num_processes={n}); got {pid!r}")
     if n == 1:
       return False
-    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    _cpu_settings(cpu_collectives)
     start(address, n, pid)
     return True
   if cluster_detected() is not None:
-    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    _cpu_settings(cpu_collectives)
     start()
     return True
   return False
+
+
+def _cpu_settings(cpu_collectives: str) -> None:
+  """Before the CPU backend starts: its cross-process collectives, and synchronous dispatch — with
+  gloo, two programs in flight at once (e.g. on the two disjoint meshes of asynchronous rollouts,
+  ``jaxgrpo.async_rollout``) could exchange their collectives' messages in another order on each
+  process; each CPU program now ends before the next starts (the results are the same; on a CPU
+  the devices share the cores anyway). GPU and TPU backends are not affected."""
+  jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 # ----------------------------------------------------------------------------- rows and hosts

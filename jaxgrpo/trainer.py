@@ -28,10 +28,11 @@ its own checkpoint shards. ``run()`` watches the other processes (``jaxgrpo.dist
 a process that dies or raises ends the others, naming it, within ``devices.host_timeout_s``.
 
 **Asynchronous rollouts** (``rollout.max_staleness`` >= 1, or ``devices.rollout``): ``train_step`` is
-the learner's step of ``jaxgrpo.async_rollout.AsyncRollouts``, whose producer thread calls
-``_rollout_batch`` with its own sampling call (parameters at most k updates old, on the rollout mesh);
-the state's data position is then the one after the last *trained* batch, plus the prompts drawn
-beyond it (``untrained``). docs/trainer.md, "Asynchronous rollouts".
+the learner's step of ``jaxgrpo.async_rollout.AsyncRollouts``, which calls ``_rollout_batch`` for the
+next batches with its own sampling call (parameters at most k updates old, on the rollout mesh) while
+the dispatched update runs — one thread, the same order on every process; the state's data position
+is then the one after the last *trained* batch, plus the prompts drawn beyond it (``untrained``).
+docs/trainer.md, "Asynchronous rollouts".
 
 The run is a :class:`~jaxgrpo.specs.TrainerConfig`; the model and prompts are built by
 ``jaxgrpo.builders``, evaluation is ``jaxgrpo.evaluation.evaluate_policy``. Everything a resume needs
@@ -308,8 +309,6 @@ class Trainer:
     self.collapse_guard = collapse_guard
     self.stop_signal: int | None = None  # set by the signal handlers of handle_signals()
     self.mesh, self.rollout_mesh = async_rollout.make_meshes(cfg.devices)  # rollout_mesh: None colocated
-    if cfg.rollout.max_staleness:
-      async_rollout.check_single_process(cfg.rollout.max_staleness)
     self._check_mesh_fits()
     self._build_model_and_data()
     fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)

@@ -13,10 +13,10 @@ timed in ``--rounds`` alternating rounds of ``--steps`` steps (the order rotated
    phase times on those meshes, nothing overlapping.
 5. ``k1_disagg``: one-step-off on the disjoint meshes.
 
-The measured step is the wall time of a round divided by its steps (the pipeline's period; before a
-round each producer has made every batch it may, so no producer runs while another schedule is
-timed). The predictions are the model's, fed with the phase times measured
-without overlap (runs 2 and 4; π_old recomputation from runs 3 and 5). On a CPU the "disjoint"
+The measured step is the wall time of a round divided by its steps (the pipeline's period; the
+pipeline runs in the trainer's thread, so nothing of one schedule runs while another is timed). The
+predictions are the model's, fed with the phase times measured without overlap (runs 2 and 4;
+π_old recomputation from the last step of runs 3 and 5, where nothing else is produced). On a CPU the "disjoint"
 virtual devices share the same cores, so overlap cannot make anything faster: the gap between
 measured and predicted there is the cost of that sharing, not a property of the pipeline.
 
@@ -115,19 +115,6 @@ def build(mode: str, steps: int, out: str) -> Trainer:
   return tr
 
 
-def settle(tr: Trainer, timeout: float = 120.0) -> None:
-  """Waits until the producer (if any) has made every batch it may make now, so that it does not run
-  while the next schedule is timed."""
-  pipe = tr.rollouts
-  if pipe is None or pipe._thread is None:
-    return
-  trained = int(tr.state.train.step)
-  target = min(pipe.steps, trained + 1 + pipe.k) + 1
-  deadline = time.perf_counter() + timeout
-  while pipe._next_index < target and pipe._thread.is_alive() and time.perf_counter() < deadline:
-    time.sleep(0.01)
-
-
 def measure(steps: int, warmup: int, rounds: int, out: str) -> dict:
   """Every schedule warmed up, then ``rounds`` rounds of ``steps`` steps each, the schedules in a
   rotated order every round (machine noise hits them alike); medians over rounds of the wall time per
@@ -139,7 +126,6 @@ def measure(steps: int, warmup: int, rounds: int, out: str) -> dict:
     for tr in trainers.values():
       for _ in range(warmup):
         tr.train_step()
-      settle(tr)
     for r in range(rounds):
       order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
       for m in order:
@@ -147,14 +133,14 @@ def measure(steps: int, warmup: int, rounds: int, out: str) -> dict:
         t0 = time.perf_counter()
         records[m] += [tr.train_step() for _ in range(steps)]
         periods[m].append((time.perf_counter() - t0) / steps)
-        settle(tr)
   finally:
     for tr in trainers.values():
       if tr.rollouts is not None:
         tr.rollouts.close()
   result = {}
   for m in MODES:
-    phases = {k: statistics.median(rec.get(k, 0.0) for rec in records[m]) for k in KEYS}
+    # a phase time is measured in the steps where nothing else overlaps it (k = 0, the last k steps)
+    phases = {k: statistics.median([rec[k] for rec in records[m] if k in rec] or [0.0]) for k in KEYS}
     result[m] = {"period": statistics.median(periods[m]), "periods": periods[m], **phases}
   return result
 

@@ -2,9 +2,9 @@
 
 - k = 0 through the producer/learner pipeline equals the trainer's synchronous step bit for bit
   (metrics, parameters, key, data position), dynamic sampling included;
-- k = 1 with dynamic sampling: every trained sample's behaviour log-probs equal a teacher-forced
-  recomputation under the parameter version it records (and not under its neighbours), no group is
-  older than k, π_old is recomputed and the mismatch is reported, only informative groups are kept
+- k = 1 with dynamic sampling, dense and LoRA: the deterministic schedule (batch m sampled with
+  θ(m-2)); every trained sample's behaviour log-probs equal a teacher-forced recomputation under the
+  parameter version it records (and not under its neighbours), no group is older than k, π_old is recomputed and the mismatch is reported, only informative groups are kept
   and the producer's draws are the data iterator's sequence;
 - close() and a restart sample again from the trained position; the learner refuses a batch older
   than k;
@@ -82,22 +82,25 @@ def half_constant_reward(prompts, completions, **_):
 
 
 @pytest.mark.slow
-def test_k1_behaviour_logp_is_the_recorded_version_and_never_older_than_k(tmp_path):
-  """One-step-off with dynamic sampling (refill rounds sample with the newest version: a batch's groups
-  may carry different versions)."""
+@pytest.mark.parametrize("adapters", [False, True], ids=["dense", "lora"])
+def test_k1_behaviour_logp_is_the_recorded_version_and_never_older_than_k(tmp_path, adapters):
+  """One-step-off with dynamic sampling, dense and LoRA (the versions are the adapters; the sampler
+  runs them on the frozen base): batch 1 is sampled with θ(0) before step 1, every later batch m
+  (refill rounds included) during step m-1 with θ(m-2) — staleness exactly 1."""
   steps, rounds_max = 4, 3
-  cfg = tiny(
-    **{
-      "run.out": str(tmp_path / "k1"),
-      "run.steps": steps,
-      "rollout.max_staleness": 1,
-      "objective.dynamic_sampling": True,
-      "rollout.dynamic_sampling_max_rounds": rounds_max,
-      "objective.importance_correction": "tis",
-      "optim.learning_rate": 3e-2,
-      "checkpoint.every": 1,
-    }
-  )
+  changes = {
+    "run.out": str(tmp_path / "k1"),
+    "run.steps": steps,
+    "rollout.max_staleness": 1,
+    "objective.dynamic_sampling": True,
+    "rollout.dynamic_sampling_max_rounds": rounds_max,
+    "objective.importance_correction": "tis",
+    "optim.learning_rate": 3e-2,
+    "checkpoint.every": 1,
+  }
+  if adapters:
+    changes["lora"] = {"rank": 4, "alpha": 8.0}
+  cfg = tiny(**changes)
   versions = {}
   tr = Trainer(
     cfg,
@@ -106,13 +109,18 @@ def test_k1_behaviour_logp_is_the_recorded_version_and_never_older_than_k(tmp_pa
     checkpoint_fn=lambda snap, run: versions.__setitem__(int(snap.step), jax.tree.map(np.asarray, snap.params)),
   )
   versions[0] = jax.tree.map(np.asarray, tr.state.train.params)
+  frozen = tr.state.train.frozen
+  assert (frozen is not None and len(jax.tree.leaves(frozen)) > 0) == adapters
   seen = []
   tr.rollouts.observe = seen.append
   recs = [r for r in tr.run() if "loss" in r]
   assert [b.index for b in seen] == list(range(1, steps + 1))
+  assert [b.versions.tolist() for b in seen] == [[0, 0]] + [[m - 2] * 2 for m in range(2, steps + 1)]
+  # overlapped steps do not wait between the learner's phases; the last one (nothing produced) does
+  assert all("time/update_s" not in r for r in recs[:-1]) and recs[-1]["async/old_logp_s"] > 0
 
   def recompute(version, b):
-    model = iteration.policy_model(tr.graphdef, TrainState(versions[version], None, None, None))
+    model = iteration.policy_model(tr.graphdef, TrainState(versions[version], None, None, frozen))
     logp, _ = completion_log_probs(
       model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
     )
@@ -136,7 +144,7 @@ def test_k1_behaviour_logp_is_the_recorded_version_and_never_older_than_k(tmp_pa
         if other in versions:
           assert np.abs(recompute(other, group) - behaviour)[m].max() > 1e-3
     if s.max() > 0:  # π_old recomputed, the mismatch with μ measured, TIS applied
-      assert rec["async/old_logp_s"] > 0 and rec["async/mismatch_kl"] > 0 and "is_weight_mean" in rec
+      assert rec["async/mismatch_kl"] > 0 and "is_weight_mean" in rec
     # dynamic sampling: informative groups kept (unless the rounds ran out), drawn from this batch's rounds
     assert rec["dynamic_sampling/rounds"] == len(b.rounds)
     if len(b.rounds) < rounds_max:
@@ -172,7 +180,7 @@ def test_close_and_restart_resample_from_the_trained_position_and_stale_batches_
     it = PromptIterator(len(tr.prompts.tokens), seed=0)
     ledger = [json.loads(x)["prompts"] for x in open(tmp_path / "o" / async_rollout.LEDGER)]
     assert ledger == [it.next(2).tolist(), it.next(2).tolist()]
-    item, _, _ = pipe._next_batch()
+    item = pipe._queue.popleft()  # batch 3, produced during step 2
     pipe._queue.appendleft(item._replace(versions=item.versions - 2))  # as if sampled 2 updates back
     with pytest.raises(RuntimeError, match=r"staleness .* outside \[0, 1\]"):
       pipe.train_step()
