@@ -7,7 +7,8 @@ collectives), against one process on the same global meshes.
    devices (2 + 2). Both processes log the same metrics bit for bit (timings aside) and the same
    ledger; the two-process run equals the one-process run: the same versions, prompts, rewards,
    completion lengths and dynamic-sampling decisions (the sampler is one program over the global
-   rollout mesh), and — two shards per mesh — the same losses and parameters bit for bit.
+   rollout mesh), and — two shards per mesh — the same losses and parameters bit for bit. Processes
+   that hold different states (step, key, data position) are refused at the start, on every process.
 2. Colocated, ``scripts/train.py --processes 2``: both processes SIGKILLed (a lost node) once three
    steps are in the ledger, the same command again resumes from the last complete checkpoint; the
    trained prompts are the data iterator's sequence, each once, and the checkpoint recorded the
@@ -66,6 +67,15 @@ seen = []
 tr.rollouts.observe = lambda b: seen.append({"versions": b.versions.tolist(), "prompts": b.prompts.tolist(),
                                              "rows": int(b.batch.completions.shape[0])})
 recs = tr.run()
+if nproc > 1:  # a resume that read different states on two processes is refused, on both
+  from jaxgrpo import async_rollout
+  step, key, position = int(tr.state.train.step), tr.state.key, dict(tr.state.data_position)
+  async_rollout._check_processes_agree(step, key, position)  # the run's own state: they agree
+  try:
+    async_rollout._check_processes_agree(step, key, {**position, "untrained": [[pid]]})
+    raise AssertionError("different states were not refused")
+  except RuntimeError as e:
+    assert "start the rollouts from different states" in str(e), e
 params = distributed.to_host(tr.state.train.params)
 if pid == 0:
   np.savez(out + f"/params_{nproc}.npz", *[np.asarray(x) for x in jax.tree.leaves(params)])
