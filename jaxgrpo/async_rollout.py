@@ -496,6 +496,7 @@ def _transfer_fn(tree, shardings) -> Callable:
       out.append(jax.make_array_from_single_device_arrays(x.shape, s, arrays))
     return jax.tree.unflatten(treedef, out)
 
+  transfer.direct = direct  # per leaf: shard by shard (True) or through the host (False)
   return transfer
 
 

@@ -1,12 +1,14 @@
 """Asynchronous rollouts (``rollout.max_staleness: 1``) on two real processes (127.0.0.1, gloo CPU
 collectives), against one process on the same global meshes.
 
-1. Disaggregated (1 rollout + 1 train device per process, ``fsdp=2`` meshes of 2 devices each) with
-   dynamic sampling, 4 steps, ``Trainer.run()`` in each process; the same on one process with 4
+1. Disaggregated (1 rollout + 1 train device per process: train mesh ``fsdp=2``, rollout mesh ``data=2``,
+   so a version reaches the rollout devices shard by shard for replicated parameters and through the
+   host for the fsdp-sharded ones) with dynamic sampling, 4 steps, ``Trainer.run()`` in each process; the same on one process with 4
    devices (2 + 2). Both processes log the same metrics bit for bit (timings aside) and the same
    ledger; the two-process run equals the one-process run: the same versions, prompts, rewards,
    completion lengths and dynamic-sampling decisions (the sampler is one program over the global
-   rollout mesh), and — two shards per mesh — the same losses and parameters bit for bit.
+   rollout mesh), and — two shards per mesh — the same losses and parameters bit for bit. Processes
+   that hold different states (step, key, data position) are refused at the start, on every process.
 2. Colocated, ``scripts/train.py --processes 2``: both processes SIGKILLed (a lost node) once three
    steps are in the ledger, the same command again resumes from the last complete checkpoint; the
    trained prompts are the data iterator's sequence, each once, and the checkpoint recorded the
@@ -51,17 +53,29 @@ assert jax.process_count() == nproc and jax.device_count() == 4
 cfg = tiny(**{"run.out": out, "run.steps": 4, "rollout.max_staleness": 1, "objective.dynamic_sampling": True,
               "rollout.dynamic_sampling_max_rounds": 3, "objective.importance_correction": "tis",
               "optim.learning_rate": 3e-2, "devices.rollout": 2, "devices.train": 2, "devices.mesh": "fsdp=2",
-              "devices.rollout_mesh": "fsdp=2", "devices.host_timeout_s": 60})
+              "devices.rollout_mesh": "data=2", "devices.host_timeout_s": 60})
 tr = Trainer(cfg, reward_fns={"r": (half_constant_reward, 1.0)}, log=None)
 train_ids = {d.id for d in tr.mesh.devices.flat}
 roll_ids = {d.id for d in tr.rollout_mesh.devices.flat}
 assert len(train_ids) == len(roll_ids) == 2 and not train_ids & roll_ids
 # every process holds one device of each mesh
 assert {d.process_index for d in tr.mesh.devices.flat} == {d.process_index for d in tr.rollout_mesh.devices.flat}
+if nproc > 1:  # fsdp-sharded parameters go through the host (replicated on data=2), replicated ones directly
+  direct = tr.rollouts._transfer.direct
+  assert any(direct) and not all(direct), direct
 seen = []
 tr.rollouts.observe = lambda b: seen.append({"versions": b.versions.tolist(), "prompts": b.prompts.tolist(),
                                              "rows": int(b.batch.completions.shape[0])})
 recs = tr.run()
+if nproc > 1:  # a resume that read different states on two processes is refused, on both
+  from jaxgrpo import async_rollout
+  step, key, position = int(tr.state.train.step), tr.state.key, dict(tr.state.data_position)
+  async_rollout._check_processes_agree(step, key, position)  # the run's own state: they agree
+  try:
+    async_rollout._check_processes_agree(step, key, {**position, "untrained": [[pid]]})
+    raise AssertionError("different states were not refused")
+  except RuntimeError as e:
+    assert "start the rollouts from different states" in str(e), e
 params = distributed.to_host(tr.state.train.params)
 if pid == 0:
   np.savez(out + f"/params_{nproc}.npz", *[np.asarray(x) for x in jax.tree.leaves(params)])

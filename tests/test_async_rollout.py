@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -204,6 +205,14 @@ def test_meshes_and_config_errors():
     async_rollout.make_meshes(DevicesSpec(rollout=n))
   train, rollout = async_rollout.make_meshes(DevicesSpec())
   assert rollout is None and train.size == n
+  # several processes: each gives train / P and rollout / P of its own devices (checked before any mesh)
+  fake = [SimpleNamespace(process_index=p, id=4 * p + i) for p in range(2) for i in range(4)]
+  with pytest.raises(
+    ValueError, match=r"`devices.train`=3 and `devices.rollout`=4 must each divide over the 2 processes"
+  ):
+    async_rollout.make_meshes(DevicesSpec(train=3, rollout=4), devices=fake)
+  with pytest.raises(ValueError, match=r"fit each process's 2 devices"):  # process 1 has only 2
+    async_rollout.make_meshes(DevicesSpec(train=2, rollout=4), devices=fake[:6])
 
 
 def _ledger_prompts(out) -> list[int]:
