@@ -204,14 +204,16 @@ def child_env(devices: int) -> dict:
   return e
 
 
-def cli_env(cache_dir) -> dict:
+def cli_env(cache_dir=None) -> dict:
   """The environment of a ``scripts/*.py`` child run on the CPU: no inherited ``XLA_FLAGS``, unbuffered
-  output, and a persistent compilation cache in ``cache_dir`` shared by the runs of one test module."""
+  output, and a persistent compilation cache: the session's (``tests/conftest.py``), else ``cache_dir``."""
   e = dict(os.environ)
   e.pop("XLA_FLAGS", None)
+  cache = e.get("JAX_COMPILATION_CACHE_DIR") or cache_dir
+  if cache:
+    e["JAX_COMPILATION_CACHE_DIR"] = str(cache)
   e.update(
     JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=str(cache_dir),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     PYTHONUNBUFFERED="1",
