@@ -1,10 +1,13 @@
 """Makes the shared test helpers importable one way, ``from helpers import ...`` (tests/helpers.py),
 whatever pytest's import mode (child processes get the same path from ``helpers.child_env``), shares
-one persistent XLA compilation cache across the session, and releases compiled code between test modules."""
+one persistent XLA compilation cache across the session, starts the slowest test modules first, and
+releases compiled code between test modules."""
 
 from __future__ import annotations
 
+import collections
 import gc
+import json
 import os
 import shutil
 import sys
@@ -17,6 +20,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
   sys.path.insert(0, _HERE)
 
+
+DURATIONS = os.path.join(_HERE, "durations.json")
 
 CACHE_ENV = {
   # every program, however small or quick to compile (the suite's are tiny); a size bound turns on
@@ -50,6 +55,46 @@ def pytest_configure(config):
   )
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
   jax.config.update("jax_compilation_cache_max_size", int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--record-durations",
+    action="store_true",
+    help="update tests/durations.json (seconds per test module, setup + call + teardown) at the end of the run",
+  )
+
+
+def pytest_collection_modifyitems(config, items):
+  """Slowest modules first, by ``tests/durations.json``; a module's tests stay together and in order (its
+  module fixtures are built once), unlisted modules follow in collection order. ``-n 2 --dist worksteal``
+  hands each worker a contiguous half of this order and an idle worker steals from the end of the other's
+  queue: with the long runs (vLLM, subprocess trainer runs) at the front, what is left to steal at the end
+  is short, and the two workers finish together instead of one running a 200 s test alone."""
+  with open(DURATIONS) as f:
+    seconds = json.load(f)
+  modules = list(dict.fromkeys(item.path.name for item in items))
+  rank = {m: (-seconds.get(m, 0), i) for i, m in enumerate(modules)}
+  items.sort(key=lambda item: rank[item.path.name])  # stable: the order inside a module is kept
+
+
+_recorded = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+  _recorded[report.nodeid.split("::")[0].rsplit("/", 1)[-1]] += report.duration
+
+
+def pytest_sessionfinish(session):
+  """With ``--record-durations``, in the controller (or a run without xdist): the modules that ran get
+  their measured seconds, the others keep theirs."""
+  if session.config.getoption("--record-durations") and not hasattr(session.config, "workerinput"):
+    with open(DURATIONS) as f:
+      table = {**json.load(f), **{m: round(s) for m, s in _recorded.items()}}
+    table = dict(sorted(table.items(), key=lambda kv: -kv[1]))
+    with open(DURATIONS, "w") as f:
+      json.dump(table, f, indent=0)
+      f.write("\n")
 
 
 @pytest.fixture(scope="module", autouse=True)
