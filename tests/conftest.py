@@ -1,12 +1,17 @@
 """Makes the shared test helpers importable one way, ``from helpers import ...`` (tests/helpers.py),
-whatever pytest's import mode (child processes get the same path from ``helpers.child_env``), and
+whatever pytest's import mode (child processes get the same path from ``helpers.child_env``), shares
+one persistent XLA compilation cache across the session, starts the slowest test modules first, and
 releases compiled code between test modules."""
 
 from __future__ import annotations
 
+import collections
 import gc
+import json
 import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import pytest
@@ -14,6 +19,82 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
   sys.path.insert(0, _HERE)
+
+
+DURATIONS = os.path.join(_HERE, "durations.json")
+
+CACHE_ENV = {
+  # every program, however small or quick to compile (the suite's are tiny); a size bound turns on
+  # JAX's file lock, so concurrent writers and readers (xdist workers, child runs) never see half a file
+  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
+}
+
+
+def pytest_configure(config):
+  """One persistent XLA compilation cache for the whole session: the xdist workers, the test processes'
+  children (``helpers.child_env``, ``helpers.cli_env``: ``scripts/train.py`` runs, 8-device children)
+  inherit it through the environment, so a program compiled once — the same tiny model's train step,
+  sampler and reference, built again by another test, module or run — is read back instead of recompiled.
+  The key covers the program, the devices and ``XLA_FLAGS``, so 1- and 8-device runs keep separate entries.
+
+  The directory is created by the first process (the xdist controller, or a plain pytest run) and deleted
+  when it ends; set ``JAX_COMPILATION_CACHE_DIR`` yourself to keep a cache across runs. No test depends
+  on a compile happening: compile counters listen to ``backend_compile`` events, which a cache hit emits too."""
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    path = tempfile.mkdtemp(prefix="jaxgrpo-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+  for key, value in CACHE_ENV.items():
+    os.environ.setdefault(key, value)
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  env = os.environ
+  jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+  )
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+  jax.config.update("jax_compilation_cache_max_size", int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--record-durations",
+    action="store_true",
+    help="update tests/durations.json (seconds per test module, setup + call + teardown) at the end of the run",
+  )
+
+
+def pytest_collection_modifyitems(config, items):
+  """Slowest modules first, by ``tests/durations.json``; a module's tests stay together and in order (its
+  module fixtures are built once), unlisted modules follow in collection order. ``-n 2 --dist worksteal``
+  hands each worker a contiguous half of this order and an idle worker steals from the end of the other's
+  queue: with the long runs (vLLM, subprocess trainer runs) at the front, what is left to steal at the end
+  is short, and the two workers finish together instead of one running a 200 s test alone."""
+  with open(DURATIONS) as f:
+    seconds = json.load(f)
+  modules = list(dict.fromkeys(item.path.name for item in items))
+  rank = {m: (-seconds.get(m, 0), i) for i, m in enumerate(modules)}
+  items.sort(key=lambda item: rank[item.path.name])  # stable: the order inside a module is kept
+
+
+_recorded = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+  _recorded[report.nodeid.split("::")[0].rsplit("/", 1)[-1]] += report.duration
+
+
+def pytest_sessionfinish(session):
+  """With ``--record-durations``, in the controller (or a run without xdist): the modules that ran get
+  their measured seconds, the others keep theirs."""
+  if session.config.getoption("--record-durations") and not hasattr(session.config, "workerinput"):
+    with open(DURATIONS) as f:
+      table = {**json.load(f), **{m: round(s) for m, s in _recorded.items()}}
+    table = dict(sorted(table.items(), key=lambda kv: -kv[1]))
+    with open(DURATIONS, "w") as f:
+      json.dump(table, f, indent=0)
+      f.write("\n")
 
 
 @pytest.fixture(scope="module", autouse=True)

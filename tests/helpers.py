@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import core_refs
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,15 +85,9 @@ def ref_lambda_sizes(comp, mask, gids):
 
 def ref_advantages(config, batch):
   """Group advantages (population or sample std), FRPO's cost-to-go, in NumPy."""
-  r = np.asarray(batch.rewards, np.float64)
-  gids = np.asarray(batch.group_ids)
-  a = np.zeros_like(r)
-  for gi in np.unique(gids):
-    sel = gids == gi
-    centred = r[sel] - r[sel].mean()
-    if config.advantage_scale == "group":
-      centred = centred / (r[sel].std(ddof=config.std_ddof) + config.std_eps)
-    a[sel] = centred
+  a = core_refs.group_advantages(
+    batch.rewards, np.asarray(batch.group_ids), ddof=config.std_ddof, eps=config.std_eps, scale=config.advantage_scale
+  )
   if config.kl_placement == "future" and config.beta > 0:
     assert config.kl_estimator == "k1"
     m = np.asarray(batch.mask)
@@ -209,14 +204,16 @@ def child_env(devices: int) -> dict:
   return e
 
 
-def cli_env(cache_dir) -> dict:
+def cli_env(cache_dir=None) -> dict:
   """The environment of a ``scripts/*.py`` child run on the CPU: no inherited ``XLA_FLAGS``, unbuffered
-  output, and a persistent compilation cache in ``cache_dir`` shared by the runs of one test module."""
+  output, and a persistent compilation cache: the session's (``tests/conftest.py``), else ``cache_dir``."""
   e = dict(os.environ)
   e.pop("XLA_FLAGS", None)
+  cache = e.get("JAX_COMPILATION_CACHE_DIR") or cache_dir
+  if cache:
+    e["JAX_COMPILATION_CACHE_DIR"] = str(cache)
   e.update(
     JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=str(cache_dir),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     PYTHONUNBUFFERED="1",
@@ -310,17 +307,10 @@ def numpy_gspo_loss(logp, old_logp, mask, advantages, clip_low, clip_high):
 
 
 def numpy_group_advantages(rewards, group_ids, eps=1e-6):
-  """GRPO advantages (population std) under the missing-sample policy: non-finite rewards are left
-  out of their group's mean and std and get advantage 0."""
-  r = np.asarray(rewards, np.float64)
-  gids = np.asarray(group_ids)
-  ok = np.isfinite(r)
-  a = np.zeros_like(r)
-  for g in np.unique(gids):
-    sel = (gids == g) & ok
-    if sel.any():
-      a[sel] = (r[sel] - r[sel].mean()) / (r[sel].std() + eps)
-  return a.astype(np.float32)
+  """``f32[B]`` GRPO advantages (population std) under the missing-sample policy: non-finite rewards are
+  left out of their group's mean and std and get advantage 0 — the kernel tests' loop reference,
+  :func:`core_refs.group_advantages`, the one NumPy GRPO reference of the suite."""
+  return core_refs.group_advantages(rewards, np.asarray(group_ids), eps=eps).astype(np.float32)
 
 
 def load_example(name: str):

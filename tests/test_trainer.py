@@ -235,7 +235,8 @@ def test_short_demo_run_raises_reward(tmp_path):
 
 
 def _run_cli(out, devices: int, mesh: str):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"  # as child_env
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   cmd = [
     sys.executable,
     os.path.join(ROOT, "scripts", "train.py"),
