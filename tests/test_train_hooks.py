@@ -104,7 +104,7 @@ def test_gspo_loss_and_update_match_the_formula_and_micro_batches_change_nothing
   init = flat_params(nnx.split(tiny_model())[1])
   for k in want:
     np.testing.assert_allclose(one[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
-  _assert_same_update(four, one, init)
+  _assert_same_update(four, one, init, rel=2e-6)  # ~16 ulps of the update's scale: 1.1e-6 at XLA opt level 0
 
 
 _GSPO_FSDP = r"""
