@@ -32,11 +32,12 @@ if _HERE not in sys.path:
 DURATIONS = os.path.join(_HERE, "durations.json")
 
 CACHE_ENV = {
-  # every program, however small or quick to compile (the suite's are tiny); a size bound turns on
-  # JAX's file lock, so concurrent writers and readers (xdist workers, child runs) never see half a file
+  # every program, however small or quick to compile (the suite's are tiny). No size bound: a bound turns
+  # on JAX's LRU eviction, which on every write scans all entries under one file lock — O(n^2) over the
+  # ~16,000 programs of a run; the full suite's last 10% crawled with both workers asleep on the lock. A
+  # reader that catches an entry half-written by another process gets a warning and compiles instead.
   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-  "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
 }
 
 
@@ -62,7 +63,6 @@ def pytest_configure(config):
     "jax_persistent_cache_min_compile_time_secs", float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
   )
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
-  jax.config.update("jax_compilation_cache_max_size", int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 def pytest_addoption(parser):
