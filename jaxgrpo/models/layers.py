@@ -12,6 +12,9 @@ Every projection goes through ``project``: the base weight (a plain ``nnx.Param`
 Modules with projections list them in ``PROJECTIONS`` (name → number of contracted dims) and hold
 the adapter of projection ``p`` in the attribute ``p_lora`` (None until
 ``jaxgrpo.models.lora.apply_lora`` sets it).
+
+One job at ~600 lines: the building blocks every family shares (parameters, projection, norms,
+RoPE, cache, attention); each is small and the families compose them.
 """
 
 from __future__ import annotations
