@@ -52,8 +52,8 @@ from jax.sharding import PartitionSpec
 
 from jaxgrpo.models.base import RematPolicy, freeze_rules
 from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
-from jaxgrpo.models.layers import Attention, RMSNorm, _f32_operands_on_cpu, dense, param
-from jaxgrpo.models.llama import LlamaModel, SwiGLU, _swiglu
+from jaxgrpo.models.layers import RMSNorm, _f32_operands_on_cpu, dense, param
+from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, _swiglu
 
 __all__ = [
   "DISPATCH",
@@ -405,7 +405,7 @@ class MoEBlock(nnx.Module):
     return y.astype(self.dtype), Route(logits, experts)
 
 
-class MoEDecoderBlock(nnx.Module):
+class MoEDecoderBlock(LlamaBlock):
   """A Qwen-MoE decoder layer: ``x += attn(rms_1(x))``; ``x += mlp(rms_2(x))`` with ``mlp`` a
   :class:`MoEBlock` (sparse layers, ``moe_index`` = m) or the dense ``SwiGLU`` (``moe_index`` None).
 
@@ -415,22 +415,7 @@ class MoEDecoderBlock(nnx.Module):
   """
 
   def __init__(self, cfg: MoEConfig, layer: int, moe_index: int | None, *, dtype, param_dtype, rngs, rules=None):
-    kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.input_norm = RMSNorm(cfg.hidden_size, **kw)
-    self.attn = Attention(
-      hidden_size=cfg.hidden_size,
-      num_heads=cfg.num_heads,
-      num_kv_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim,
-      qkv_bias=cfg.qkv_bias,
-      o_bias=cfg.o_bias,
-      qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-      inv_freq=cfg.rope_inv_freq(),
-      dtype=dtype,
-      param_dtype=param_dtype,
-      rngs=rngs,
-    )
-    self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
+    self._init_attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.moe_index = moe_index
     if moe_index is None:
       self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -438,8 +423,7 @@ class MoEDecoderBlock(nnx.Module):
       self.mlp = MoEBlock(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rules=rules)
 
   def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
-    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index, dropout_key)
-    x = x + y
+    x, kv = self._attend(x, positions, segment_ids, kv, valid, index, dropout_key)
     h = self.post_attention_norm(x)
     if self.moe_index is None:
       return x + self.mlp(h, dropout_key), kv
