@@ -1,72 +1,22 @@
 """Bounded-staleness rollouts: the next batches are generated while the learner updates.
 
 With ``rollout.max_staleness: k`` (k >= 1) one thread runs a fixed schedule; each learner step n
-(trainer's ``train_step``) issues, in this order, on every process::
+(trainer's ``train_step``): produce batch n now if it is not produced yet (``async/learner_idle_s``);
+produce batches up to ``n + k`` with the newest published version θ(n-1), dispatching the learner's
+programs (π_old recomputation of stale groups, reference, update → θ(n)) right after the first
+sampler dispatch; block on the update's metrics (``async/producer_idle_s``); publish θ(n) to the
+rollout devices (``async/weight_transfer_s``).
 
-    [batch n not produced yet (the first step, after a restart; every step at k = 0): produce it now
-     with θ(n-1) — the learner waits ("async/learner_idle_s")]
-    for m = next batch .. min(n + k, steps):           produce batch m with the newest published
-      produce(m):                                       version, θ(n-1) (staleness m - n <= k):
-        round 1: dispatch the sampler (rollout mesh) ──┐  asynchronous dispatch, nothing waits
-        [first round of this step only] dispatch the ──┤  learner on batch n (train mesh): place,
-          π_old recomputation (stale groups),          │  reference, update → θ(n)   (asynchronous)
-          reference, update                            │
-        fetch this process's rows  ◄── host blocks until the *sampler* is done (not the update)
-        decode + rewards on the host; [dynamic sampling: gather the rewards, refill rounds]
-    fetch the update's metrics      ◄── host blocks until the update is done ("async/producer_idle_s")
-    publish θ(n) to the rollout devices (copy, or device_put to the rollout mesh; timed)
-
-Parameter version v is the policy after v updates (v = 0: the initial or restored one); the learner
-trains batch n with θ(n-1), so a group sampled with version u has staleness ``n - 1 - u``. In the
-steady state batch n + k is sampled during step n with θ(n-1): staleness exactly k; at most k
-batches wait ahead of the learner. k = 0 is the synchronous loop (the trainer then runs its own
-``train_step``; this class with k = 0 runs the same computation and equals it bit for bit — tested).
-
-**Why one thread.** JAX dispatches computations asynchronously: the host returns from the sampler's
-and the update's calls at once, and the devices run them. On disjoint meshes (``devices.rollout``)
-the two programs run at the same time; the host blocks first on the sampler's tokens (decoding and
-rewards need them), then on the update's metrics. Colocated, the devices run them one after the
-other but the host work (decoding, rewards, reward all-gathers) overlaps the update. And because
-every process issues the same programs and collectives in the same order from one thread, several
-processes (``jax.process_count() > 1``) run this schedule exactly as one does: the sampled tokens,
-rewards and dynamic-sampling decisions are the same as one process's on the same global meshes.
-
-**Off-policy correction.** A stale group's sampler log-probs are the *behaviour* policy μ (the version
-that generated it); the learner recomputes ``old_logp`` (π_old, what the PPO ratio is taken against)
-under its current parameters and passes the sampler's log-probs as ``Batch.behavior_logp``, so
-``objective.importance_correction`` (TIS/MIS, ``jaxgrpo.importance``) reweights by π_old/μ and the
-step reports its ``is_*``/``mismatch_kl`` metrics. A batch whose groups are all fresh (staleness 0)
-skips the recomputation: its sampler log-probs are π_old (as in the synchronous step).
-
-**Placement.** Colocated (default): sampler and learner share the devices; publishing a version is
-a device-side copy of the trained parameters (the step donates its own). Disaggregated
-(``devices.rollout: R``): the sampler runs on a mesh of R other devices (``devices.train`` devices
-train), and a version is published by ``jax.device_put`` of the trained parameters to the rollout
-mesh's shardings (``async/weight_transfer_s``). With P processes each process gives ``train / P`` of
-its devices to the train mesh and ``rollout / P`` to the rollout mesh, so each process samples,
-scores and trains the same rows (:func:`make_meshes`). LoRA: only the adapters move; the frozen base
-weights are placed on the rollout mesh once.
-
-**Bookkeeping.** The trainer state after step n holds the data-iterator position and PRNG key *as
-the producer left them after batch n*, plus ``untrained``: the prompt indices drawn beyond it
-(batches produced, not trained). A checkpoint of step n therefore resumes at the first prompt not
-trained; the untrained groups are generated again (with the resumed parameters) from the same
-iterator draws and keys — no prompt skipped, none trained twice. Every process computes the same
-state (the schedule is deterministic); at the start every process checks that all hold the same
-step, position, record and key (one all-gather; ``RuntimeError`` otherwise). ``OUT/rollouts.jsonl``
-(process 0 only) lists every trained step's prompt indices and the version of each group, cut back to
-the restored step on resume like ``metrics.jsonl``.
-
-**Metrics** (added to each step's record): ``async/staleness_mean``, ``async/staleness_max``,
-``async/staleness_hist/<s>`` (groups per staleness s = 0..k), ``async/queue_depth`` (batches produced
-ahead when the learner took its batch), ``async/learner_idle_s`` (producing the learner's own batch
-before it could start: the first step, a restart, k = 0), ``async/producer_idle_s`` (the host waiting
-for the update after producing the next batches), ``async/weight_transfer_s``, ``async/mismatch_kl``
-(mean k3 of π_old against μ over the batch's tokens, 0 when fresh), ``time/generate_s`` (sampling +
-rewards of the batch), ``time/learner_s`` (from the learner's dispatch to its metrics on the host).
-The learner's phase times ``async/old_logp_s``, ``time/reference_s``, ``time/update_s`` are measured
-(by waiting after each phase) only in steps where nothing else is produced meanwhile (k = 0, the
-last k steps), or in every step with ``profile=True`` (which gives up the overlap).
+Version v is the policy after v updates; a group sampled with version u and trained in step n has
+staleness ``n - 1 - u`` in ``[0, k]`` (checked). k = 0 is the synchronous loop, bit for bit. One
+thread and JAX's asynchronous dispatch give the overlap, and make several processes run exactly what
+one process runs on the same global meshes. A stale group's sampler log-probs are the behaviour
+policy μ (``Batch.behavior_logp``); the learner recomputes ``old_logp`` (π_old) so
+``objective.importance_correction`` reweights by π_old/μ. Colocated, a version is a device-side copy;
+disaggregated (``devices.rollout``), a ``jax.device_put`` to the rollout mesh (:func:`make_meshes`;
+LoRA: only the adapters move). The trainer state after step n holds the iterator position and key as
+the producer left them plus ``untrained`` (prompts drawn beyond it), so a resume trains every prompt
+once. The schedule, metrics, placement and failure behaviour: docs/trainer.md "Asynchronous rollouts".
 """
 
 from __future__ import annotations

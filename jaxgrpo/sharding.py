@@ -31,17 +31,9 @@ logical axis           mesh axis             which arrays
 ``layers`` never takes a mesh axis (a rule mapping it to one is refused): the scan reads one layer
 at a time, and a layer split over devices would be gathered whole at every step of the scan.
 
-The models' activations are constrained through the same kind of table (:func:`constrain`; a model's
-table is its ``sharding_rules``, by default this one), only while a mesh is active
-(``with jax.set_mesh(mesh):``): the residual stream is
-``("batch", "activation_length", "activation_embed")``, queries ``("batch", "activation_length",
-"heads", "head_dim")``, keys/values with ``"kv_heads"``, the MLP hidden ``(..., "mlp")``. The batch,
-heads, kv_heads and mlp names are shared with the parameters on purpose: an activation's heads (or MLP
-width) are the output dim of the weight that produced it, and one rule for both means the matmul needs
-no reshard (Megatron-style column/row parallelism), and changing one rule changes both. The model
-width cannot share the parameters' ``embed``: weights put D on ``fsdp`` while activations put their
-rows on ``data × fsdp``, so activations have their own ``activation_embed`` (and ``activation_length``,
-which has no parameter counterpart).
+Activations are constrained through the same kind of table (:func:`constrain`, a model's
+``sharding_rules``) while a mesh is active; their names and why they share the parameters' rules:
+docs/models.md, "Activation sharding".
 
 Nothing is replicated silently: a dimension that does not divide its mesh axes raises ``ValueError``
 naming the parameter (or batch field, or activation), the axis and the sizes.

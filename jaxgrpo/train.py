@@ -20,12 +20,8 @@ Per call (one rollout batch), inside one compiled program:
 Rows are assigned to mini/micro-batches by ``row = i·(M·K) + m·K + k`` (mini-batch m, micro-batch k),
 so the split is the same on every mesh and stays local to each device's rows.
 
-A non-finite reward marks a missing sample (the library-wide policy, see ``jaxgrpo.advantages``):
-the advantage functions leave it out of the group statistics, and the step gives it advantage 0 and
-drops its tokens from the loss (numerator and every count), and reports how many there were
-(``rewards_nonfinite``). That holds with precomputed ``Batch.advantages`` too (the row's given
-advantage is then unused); a batch with advantages needs no rewards (``rewards=None``): then every
-row trains on its given advantage.
+A non-finite reward marks a missing sample: advantage 0, its tokens dropped from the loss
+(numerator and every count), counted in ``rewards_nonfinite`` (docs/train.md, "Missing samples").
 
 The model is split once (``nnx.split``) and the step is a plain function of
 ``(graphdef, TrainState, Batch)``, jitted with explicit shardings and the state donated. Batches are

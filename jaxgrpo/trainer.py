@@ -16,43 +16,18 @@ One step, through the public pieces of ``jaxgrpo.iteration``::
     every checkpoint.every steps (and at every evaluation when checkpoint.best_metric is set, so the
     best evaluated state is on disk): checkpoint_fn(snapshot, run_meta)
 
-**Several processes** (``docs/train.md``, "Running on a pod / a cluster"): every process draws the
-same prompt indices, samples on the global mesh the prompts of its own devices, decodes and scores only
-its own rows and feeds them to the step (``place(..., process_local=True)``); a group never spans two
-processes. Everything the processes must agree on is computed from small all-gathers: the rewards of
-every row (dynamic sampling decides on all of them, so every process keeps the same groups, as one
-process would; kept groups sampled by another process are fetched from it), reward and length
-metrics, evaluation counts, reward counters. The result equals a one-process run on the same mesh.
-Only process 0 writes ``metrics.jsonl``, ``config.json`` and the exported model; every process writes
-its own checkpoint shards. ``run()`` watches the other processes (``jaxgrpo.distributed.watch_hosts``):
-a process that dies or raises ends the others, naming it, within ``devices.host_timeout_s``.
-
-**Asynchronous rollouts** (``rollout.max_staleness`` >= 1, or ``devices.rollout``): ``train_step`` is
-the learner's step of ``jaxgrpo.async_rollout.AsyncRollouts``, which calls ``_rollout_batch`` for the
-next batches with its own sampling call (parameters at most k updates old, on the rollout mesh) while
-the dispatched update runs — one thread, the same order on every process; the state's data position
-is then the one after the last *trained* batch, plus the prompts drawn beyond it (``untrained``).
-docs/trainer.md, "Asynchronous rollouts".
+Several processes (docs/train.md, "Running on a pod / a cluster"): every process draws the same
+prompt indices, decodes, scores and feeds only its own rows; what they must agree on (dynamic
+sampling's rewards, metrics, evaluation counts) comes from small all-gathers, so the result equals a
+one-process run on the same mesh. With ``rollout.max_staleness`` >= 1 or ``devices.rollout``,
+``train_step`` is the learner's step of ``jaxgrpo.async_rollout.AsyncRollouts`` (docs/trainer.md).
 
 The run is a :class:`~jaxgrpo.specs.TrainerConfig`; the model and prompts are built by
 ``jaxgrpo.builders``, evaluation is ``jaxgrpo.evaluation.evaluate_policy``. Everything a resume needs
 is explicit in :class:`TrainerState`: trained parameters, optimizer state and step
-(``jaxgrpo.train.TrainState``), the PRNG key, the data-iterator position. The trainer hands it to
-the checkpoint hook as a ``jaxgrpo.checkpoint.Snapshot`` together with :func:`run_meta` (what
-identifies the run), and reads it back the same way; ``jaxgrpo.checkpoint.Checkpointer`` provides
-both hooks.
-
-With a ``lora`` section (LoRA/QLoRA, ``jaxgrpo.models.lora``) only the adapters are trained and
-checkpointed: the base weights are frozen (``TrainState.frozen``), the reference pass (β > 0) runs
-the base model on them (no copy), and the run's :func:`run_meta` carries their fingerprint, so a
-checkpoint is never resumed onto other base weights.
-
-Failures (what each does, what is kept: ``docs/failure_modes.md``): a non-finite state or loss
-(:class:`~jaxgrpo.checkpoint.NonFiniteError`, never saved) stops the run, a collapsed policy
-(``jaxgrpo.collapse``) stops it or warns; SIGTERM/SIGINT during ``run()`` finish and checkpoint the current step, then raise
-:class:`TrainingInterrupted` (a second signal: :class:`TrainingAborted` at once); a mesh that does not
-fit is refused before weights are read; a failed ``metrics.jsonl`` write stops the run after a
-checkpoint attempt; process 0 holds the lock of ``run.out`` (``jaxgrpo.runlock``).
+(``jaxgrpo.train.TrainState``), the PRNG key, the data-iterator position. Checkpoints go through
+``jaxgrpo.checkpoint.Checkpointer``'s hooks with :func:`run_meta` (what identifies the run; a LoRA
+run's base-weights fingerprint included). Failures and what each keeps: docs/failure_modes.md.
 
 One job at ~980 lines: the loop of a run and the state it must hand over exactly (data position, key,
 signals, checkpoints, several processes agreeing); the pieces it calls (sampling, scoring, the step,

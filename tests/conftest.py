@@ -113,3 +113,11 @@ def _release_compiled_code():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture
+def full_fp32_matmuls():
+  """Parity is about the port, not TF32: full-precision float32 dots on GPU/TPU (no-op on CPU). Model
+  parity modules use it with ``pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")``."""
+  with jax.default_matmul_precision("float32"):
+    yield

@@ -18,11 +18,7 @@ from jaxgrpo.models import lora, quant
 from jaxgrpo.models.layers import LoRA, QuantizedWeight
 from jaxgrpo.sharding import make_mesh, tree_shardings
 
-
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 def _tiny_cfg(family: str, tied: bool = False):

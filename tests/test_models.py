@@ -18,11 +18,7 @@ pytest.importorskip("transformers")
 FP32_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  """Parity is about the port, not TF32: force full-precision float32 dots on GPU/TPU (no-op on CPU)."""
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 def _forward_logits(model, tokens, mask):

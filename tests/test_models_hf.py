@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,11 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  """Full-precision float32 dots on GPU/TPU for parity (no-op on CPU)."""
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 _BAD_LOAD_WORDS = ("missing", "unexpected", "not initialized", "newly initialized", "mismatch")

@@ -23,10 +23,7 @@ from jaxgrpo.sampling import generate
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}  # tiny models: compile time dominates
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,10 +25,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 def _logits(model, tokens, mask):

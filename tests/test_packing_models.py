@@ -23,10 +23,7 @@ TOL = 1e-5
 P, T, L, B = 6, 10, 16, 6  # every sequence fits a row (P + T = L): B rows always suffice
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 def randomized(model, seed=0):

@@ -21,10 +21,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 def _peft_dir(hf_dir, out, config: dict, seed: int):

@@ -40,10 +40,7 @@ transformers = pytest.importorskip("transformers")
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmuls():
-  with jax.default_matmul_precision("float32"):
-    yield
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
 def _stacked_flat(flat: dict) -> dict:

@@ -16,6 +16,9 @@ entry); the HF files stay per layer.
 Safetensors files are memory-mapped with ``numpy.memmap`` after parsing the (documented, JSON)
 file header ourselves: ``safetensors.safe_open`` copies each tensor it returns, whereas a memmap
 view lets a shard read only its own pages.
+
+One job at ~600 lines: translating between Hugging Face checkpoints and our parameters — the
+name tables, the memory-mapped reader and the writer are the two directions of one mapping.
 """
 
 from __future__ import annotations

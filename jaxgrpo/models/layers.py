@@ -12,6 +12,9 @@ Every projection goes through ``project``: the base weight (a plain ``nnx.Param`
 Modules with projections list them in ``PROJECTIONS`` (name → number of contracted dims) and hold
 the adapter of projection ``p`` in the attribute ``p_lora`` (None until
 ``jaxgrpo.models.lora.apply_lora`` sets it).
+
+One job at ~600 lines: the building blocks every family shares (parameters, projection, norms,
+RoPE, cache, attention); each is small and the families compose them.
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ def forward_mode_active() -> bool:
 
 def shard_activation(x: jax.Array, axes: tuple[str | None, ...], name: str) -> jax.Array:
   """``jaxgrpo.sharding.constrain(x, axes, rules, name)`` with the rules of the model being traced
-  (:func:`activation_rules`): a no-op without a context mesh."""
+  (:func:`activation_rules`): a no-op without a context mesh. ``x [*dims]`` with one logical name
+  (or None) per dim in ``axes``; returns ``x`` (same shape and dtype), constrained."""
   return constrain(x, axes, _ACTIVATION_RULES.get(), name)
 
 
@@ -339,7 +343,8 @@ def project(
 class RMSNorm(nnx.Module):
   """``y = x / sqrt(mean(x², -1) + eps) * scale``, computed in float32, returned in ``dtype``.
 
-  scale: [size] (axis "norm"), initialised to ones (HF Llama/Qwen convention, no ``1 +``).
+  x: [..., size] (any float dtype) → y: dtype[..., size]; scale: [size] (axis "norm"), initialised
+  to ones (HF Llama/Qwen convention, no ``1 +``).
   """
 
   def __init__(self, size: int, *, eps: float, dtype, param_dtype):
@@ -354,7 +359,10 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-  """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis, in float32."""
+  """``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis, in float32.
+
+  x: [..., size] → y: dtype[..., size]; scale (ones) and bias (zeros): [size] (axis "norm").
+  """
 
   def __init__(self, size: int, *, eps: float, dtype, param_dtype):
     self.scale = param(None, (size,), ("norm",), param_dtype, init="ones")

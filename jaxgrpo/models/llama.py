@@ -86,7 +86,18 @@ class SwiGLU(nnx.Module):
 
 
 class LlamaBlock(nnx.Module):
+  """A pre-RMSNorm decoder layer: ``x += attn(rms_1(x))``; ``x += mlp(rms_2(x))``, x: dtype[B, S, D].
+
+  ``__call__(x, positions int32[B, S], segment_ids, kv, valid, index, dropout_key)`` returns
+  ``(x [B, S, D], kv)`` (``Attention.__call__`` for the cache arguments).
+  """
+
   def __init__(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self._init_attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def _init_attention(self, cfg: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs) -> None:
+    """``input_norm``, ``attn``, ``post_attention_norm``: the part every Llama-style layer shares."""
     kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     self.input_norm = RMSNorm(cfg.hidden_size, **kw)
     self.attn = Attention(
@@ -103,11 +114,14 @@ class LlamaBlock(nnx.Module):
       rngs=rngs,
     )
     self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
-    self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def _attend(self, x, positions, segment_ids, kv, valid, index, dropout_key):
+    """``(x + attn(rms_1(x)), kv)``: the attention half of the layer."""
+    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index, dropout_key)
+    return x + y, kv
 
   def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
-    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index, dropout_key)
-    x = x + y
+    x, kv = self._attend(x, positions, segment_ids, kv, valid, index, dropout_key)
     return x + self.mlp(self.post_attention_norm(x), dropout_key), kv
 
 

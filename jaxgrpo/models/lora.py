@@ -27,6 +27,9 @@ only are refused).
 Paper: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (``W + (α/r)·A·B``,
 B = 0 at init); Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with
 LoRA" (rsLoRA, ``α/√r``); Dettmers et al. 2023, "QLoRA" (NF4 base weights, block-wise absmax).
+
+One job at ~725 lines: editing a model's projections for low-rank adaptation — every function
+here finds, adds, quantises, disables, merges, counts or (de)serialises the same adapter sites.
 """
 
 from __future__ import annotations

@@ -12,25 +12,13 @@ Axis vocabulary (as in ``layers``): B batch, S tokens, D model width, E experts,
     y_t = Σ_j w_tj · SwiGLU_{e_tj}(x_t)   SwiGLU_e(x) = (silu(x·G_e) * (x·U_e)) · D_e
     y_t += sigmoid(x_t · w_sg) · SwiGLU_shared(x_t)       (Qwen2-MoE's shared expert only)
 
-**Dispatch** (``MoEBlock.dispatch``, :func:`set_dispatch`), all dropless (no token is ever dropped,
-no capacity factor) and equal in value: the T·k (token, expert) assignments are sorted by expert and
-each expert's SwiGLU runs on its contiguous rows as a grouped matmul (3·D·Fe multiply-adds per
-assignment), either
-
-- ``"tiled"`` (default except on TPU): each expert's rows padded to whole tiles of ``TILE`` rows and
-  one matmul per tile (:func:`_tile_matmul`, hand-written backward): at most ``E·TILE`` padding rows;
-- ``"ragged"`` (default on TPU): ``jax.lax.ragged_dot`` with the group sizes: a native grouped matmul
-  on TPU (and on GPU with ``jax_ragged_dot_use_gpu_pallas_triton_lowering``); XLA:CPU and plain GPU
-  expand it to a dense masked product, E times the work (``BENCHMARKS.md``);
-- ``"dense"``: the one-hot baseline, every expert on every token, combined with the routing weights
-  (E/k times the work of the others); the reference in tests and in ``scripts/bench_moe.py``.
-
-**On a mesh** (``with jax.set_mesh(mesh):``) the experts run inside ``jax.shard_map``: each device
-sorts only its own batch rows (``rules["batch"]``), holds E/n experts (``rules["expert"]``, default
-``tensor``: expert parallelism), runs the assignments that fall on its experts and the partial
-outputs are summed over the expert axes (``psum``, the collective that routes tokens back). Tokens are
-replicated over the expert axes (they are batch-sharded over ``data × fsdp`` only), so the dispatch
-needs no all-to-all; the expert axis must not be a batch axis (ValueError).
+**Dispatch** (``MoEBlock.dispatch``, :func:`set_dispatch`), dropless and equal in value: the T·k
+assignments sorted by expert, each expert's SwiGLU a grouped matmul over its rows — ``"tiled"``
+(default except on TPU; :func:`_tile_matmul`), ``"ragged"`` (``jax.lax.ragged_dot``; default on TPU)
+or ``"dense"`` (every expert on every token: the reference). On a mesh the experts run in
+``jax.shard_map``: E/n experts per device (``rules["expert"]``), partial outputs summed by ``psum``,
+no all-to-all (the expert axis must not be a batch axis: ValueError). docs/models.md, "Mixtures
+of experts".
 
 **Routing outputs and replay** go through a :func:`routing_scope`::
 
@@ -38,14 +26,15 @@ needs no all-to-all; the expert axis must not be a batch axis (ValueError).
       hidden, _ = model(tokens, positions, ...)
     scope.routes[m]  # Route(logits f32[B, S, E], experts int32[B, S, k]) of sparse layer m
 
-With ``replay`` the sparse layers use exactly those experts (``e`` replaced, ``w`` = the current
-router's probabilities of those experts, so the router still learns): routing replay, which makes
-the train step's forward use the experts the sampler used. The scope holds one forward's routes (a
-second forward in the same scope overwrites them). Each layer returns its ``Route`` as a third output
-(``CausalLM`` hands it to :meth:`MoEModel._side_output`), so it crosses ``jax.checkpoint`` (remat).
+With ``replay`` the sparse layers use exactly those experts (``w`` = the current router's
+probabilities of them, so the router still learns): routing replay. Each layer returns its ``Route``
+as a third output, so it crosses ``jax.checkpoint`` (remat).
 
 **Router losses** (:func:`load_balancing_loss`, :func:`router_z_loss`) and per-layer metrics
 (:func:`routing_metrics`) are pure functions of the routes and a token mask.
+
+One job at ~600 lines: the sparse MoE decoder — the block, its dispatch kernels and the router's
+routes and losses are one computation, which the decoder layers and the loader call together.
 """
 
 from __future__ import annotations
@@ -63,8 +52,8 @@ from jax.sharding import PartitionSpec
 
 from jaxgrpo.models.base import RematPolicy, freeze_rules
 from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
-from jaxgrpo.models.layers import Attention, RMSNorm, _f32_operands_on_cpu, dense, param
-from jaxgrpo.models.llama import LlamaModel, SwiGLU, _swiglu
+from jaxgrpo.models.layers import RMSNorm, _f32_operands_on_cpu, dense, param
+from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, _swiglu
 
 __all__ = [
   "DISPATCH",
@@ -416,7 +405,7 @@ class MoEBlock(nnx.Module):
     return y.astype(self.dtype), Route(logits, experts)
 
 
-class MoEDecoderBlock(nnx.Module):
+class MoEDecoderBlock(LlamaBlock):
   """A Qwen-MoE decoder layer: ``x += attn(rms_1(x))``; ``x += mlp(rms_2(x))`` with ``mlp`` a
   :class:`MoEBlock` (sparse layers, ``moe_index`` = m) or the dense ``SwiGLU`` (``moe_index`` None).
 
@@ -426,22 +415,7 @@ class MoEDecoderBlock(nnx.Module):
   """
 
   def __init__(self, cfg: MoEConfig, layer: int, moe_index: int | None, *, dtype, param_dtype, rngs, rules=None):
-    kw = dict(eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.input_norm = RMSNorm(cfg.hidden_size, **kw)
-    self.attn = Attention(
-      hidden_size=cfg.hidden_size,
-      num_heads=cfg.num_heads,
-      num_kv_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim,
-      qkv_bias=cfg.qkv_bias,
-      o_bias=cfg.o_bias,
-      qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-      inv_freq=cfg.rope_inv_freq(),
-      dtype=dtype,
-      param_dtype=param_dtype,
-      rngs=rngs,
-    )
-    self.post_attention_norm = RMSNorm(cfg.hidden_size, **kw)
+    self._init_attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.moe_index = moe_index
     if moe_index is None:
       self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -449,8 +423,7 @@ class MoEDecoderBlock(nnx.Module):
       self.mlp = MoEBlock(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rules=rules)
 
   def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
-    y, kv = self.attn(self.input_norm(x), positions, segment_ids, kv, valid, index, dropout_key)
-    x = x + y
+    x, kv = self._attend(x, positions, segment_ids, kv, valid, index, dropout_key)
     h = self.post_attention_norm(x)
     if self.moe_index is None:
       return x + self.mlp(h, dropout_key), kv
