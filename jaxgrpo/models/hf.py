@@ -515,18 +515,7 @@ def _view(e: Entry, tensors, directory) -> np.ndarray:
 def _load_layers(e: LayerEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
   """Set ``var`` (``[L, *ours]``) from the L per-layer tensors of ``e``; each shard stacks its slices."""
   views = [_view(x, tensors, directory) for x in e.layers]
-  shape = (len(views),) + tuple(views[0].shape)
-  if shape != tuple(var.shape):
-    raise AssertionError(f"name map gives {shape} for {e.path}, model has {var.shape}")
-  if mesh is None:
-    sharding = jax.sharding.SingleDeviceSharding(default_device)
-  else:
-    sharding = NamedSharding(mesh, logical_to_spec(var.get_metadata("out_sharding"), mesh, rules, shape, e.hf_name))
-
-  def shard(idx):
-    return np.stack([np.array(views[i][idx[1:]], dtype=np_dtype) for i in range(len(views))[idx[0]]])
-
-  var.set_value(jax.make_array_from_callback(shape, sharding, shard))
+  _set_stack(e, views, var, mesh, rules, default_device, np_dtype)
 
 
 def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
@@ -539,6 +528,12 @@ def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default
     if found != tuple(e.hf_shape):
       raise ValueError(f"tensor {name!r} has shape {found}, expected {tuple(e.hf_shape)}")
     views.append(e.to_ours(tensors[name]))
+  _set_stack(e, views, var, mesh, rules, default_device, np_dtype)
+
+
+def _set_stack(e, views, var, mesh, rules, default_device, np_dtype) -> None:
+  """Set ``var`` (``[N, *ours]``) to the N arrays ``views`` stacked, built shard by shard (each shard reads
+  only its own slices of the memory-mapped tensors)."""
   shape = (len(views),) + tuple(views[0].shape)
   if shape != tuple(var.shape):
     raise AssertionError(f"name map gives {shape} for {e.path}, model has {var.shape}")
@@ -548,8 +543,7 @@ def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default
     sharding = NamedSharding(mesh, logical_to_spec(var.get_metadata("out_sharding"), mesh, rules, shape, e.hf_name))
 
   def shard(idx):
-    experts = range(len(views))[idx[0]]
-    return np.stack([np.array(views[x][idx[1:]], dtype=np_dtype) for x in experts])
+    return np.stack([np.array(views[i][idx[1:]], dtype=np_dtype) for i in range(len(views))[idx[0]]])
 
   var.set_value(jax.make_array_from_callback(shape, sharding, shard))
 
