@@ -204,6 +204,34 @@ def child_env(devices: int) -> dict:
   return e
 
 
+def async_train_cmd(out, steps: int, **extra: str) -> list[str]:
+  """``scripts/train.py`` for an overlapped (``rollout.max_staleness`` 1, TIS) run of the tiny arithmetic
+  model into ``out``: ``steps`` steps, a checkpoint each, no evaluation; ``extra`` adds or replaces dotted keys
+  (``**{"devices.mesh": "data=2"}``)."""
+  cfg = {
+    "model.synthetic": "{hidden_size: 32, num_layers: 1}",
+    "data.arithmetic": "{train_size: 24, eval_size: 4, sft_steps: 0}",
+    "data.max_prompt_tokens": "64",
+    "rollout.group_size": "4",
+    "rollout.prompts_per_step": "2",
+    "rollout.max_new_tokens": "8",
+    "rollout.max_staleness": "1",
+    "objective.importance_correction": "tis",
+    "step.chunk_size": "null",
+    "reward.timeout_s": "null",
+    "eval.every": "0",
+    "eval.samples": "2",
+    "checkpoint.every": "1",
+    "checkpoint.async_save": "false",
+    "run.steps": str(steps),
+    "run.log_every": "1",
+    **extra,
+  }
+  args = [a for k, v in cfg.items() for a in (f"--{k}", v)]
+  script = os.path.join(ROOT, "scripts", "train.py")
+  return [sys.executable, script, *args, "--run.out", str(out), "--no-plot", "--no-progress"]
+
+
 def cli_env(cache_dir=None) -> dict:
   """The environment of a ``scripts/*.py`` child run on the CPU: no inherited ``XLA_FLAGS``, unbuffered
   output, and a persistent compilation cache: the session's (``tests/conftest.py``), else ``cache_dir``."""

@@ -23,12 +23,11 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import cli_env, finish_child, start_child
+from helpers import async_train_cmd, cli_env, finish_child, start_child
 
 from jaxgrpo import async_rollout
 from jaxgrpo import checkpoint as ck
@@ -135,35 +134,14 @@ def test_two_processes_disaggregated_k1_dynamic_sampling_equal_one(tmp_path):
     np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
 
 
-def _train_cmd(out, steps):
-  cfg = {
-    "model.synthetic": "{hidden_size: 32, num_layers: 1}",
-    "data.arithmetic": "{train_size: 24, eval_size: 4, sft_steps: 0}",
-    "data.max_prompt_tokens": "64",
-    "rollout.group_size": "4",
-    "rollout.prompts_per_step": "2",
-    "rollout.max_new_tokens": "8",
-    "rollout.max_staleness": "1",
-    "objective.importance_correction": "tis",
-    "step.chunk_size": "null",
-    "reward.timeout_s": "null",
-    "eval.every": "0",
-    "checkpoint.every": "1",
-    "checkpoint.async_save": "false",
-    "devices.mesh": "data=2,fsdp=2",
-    "devices.host_timeout_s": "10",
-    "run.steps": str(steps),
-    "run.log_every": "1",
-  }
-  args = [a for k, v in cfg.items() for a in (f"--{k}", v)]
-  return [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *args, "--run.out", str(out), "--no-plot"]
+MESH = {"devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": "10"}
 
 
 def test_two_processes_killed_and_resumed_train_every_prompt_once(tmp_path):
   steps = 6  # 12 prompts of 24: no epoch boundary hides a skip
   env = cli_env(tmp_path / "cache")
   out = tmp_path / "run"
-  cmd = [*_train_cmd(out, steps), "--no-progress", "--processes", "2", "--cpu-devices", "2"]
+  cmd = [*async_train_cmd(out, steps, **MESH), "--processes", "2", "--cpu-devices", "2"]
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
   ledger = out / async_rollout.LEDGER
   pids, lines = None, []

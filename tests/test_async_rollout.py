@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from helpers import child_env, cli_env
+from helpers import async_train_cmd, child_env, cli_env
 from test_trainer import ROOT, tiny
 
 from jaxgrpo import async_rollout, iteration
@@ -219,37 +219,6 @@ def _ledger_prompts(out) -> list[int]:
   return [p for line in open(os.path.join(out, async_rollout.LEDGER)) for p in json.loads(line)["prompts"]]
 
 
-def _train_cmd(out, steps):
-  cfg = {
-    "model.synthetic": "{hidden_size: 32, num_layers: 1}",
-    "data.arithmetic": "{train_size: 24, eval_size: 4, sft_steps: 0}",
-    "data.max_prompt_tokens": "64",
-    "rollout.group_size": "4",
-    "rollout.prompts_per_step": "2",
-    "rollout.max_new_tokens": "8",
-    "rollout.max_staleness": "1",
-    "objective.importance_correction": "tis",
-    "step.chunk_size": "null",
-    "reward.timeout_s": "null",
-    "eval.every": "0",
-    "eval.samples": "2",
-    "checkpoint.every": "1",
-    "checkpoint.async_save": "false",
-    "run.steps": str(steps),
-    "run.log_every": "1",
-  }
-  args = [a for k, v in cfg.items() for a in (f"--{k}", v)]
-  return [
-    sys.executable,
-    os.path.join(ROOT, "scripts", "train.py"),
-    *args,
-    "--run.out",
-    str(out),
-    "--no-plot",
-    "--no-progress",
-  ]
-
-
 @pytest.mark.slow
 def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   """SIGKILL a real overlapped run after a few checkpoints (the producer is a batch ahead), resume it:
@@ -258,9 +227,9 @@ def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   steps = 7  # 14 prompts of 24: no epoch boundary hides a skip
   env = cli_env(tmp_path / "cache")
   full = tmp_path / "full"
-  subprocess.run(_train_cmd(full, steps), env=env, check=True, capture_output=True, timeout=600)
+  subprocess.run(async_train_cmd(full, steps), env=env, check=True, capture_output=True, timeout=600)
   out = tmp_path / "killed"
-  proc = subprocess.Popen(_train_cmd(out, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(async_train_cmd(out, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   ledger = out / async_rollout.LEDGER
   deadline = time.time() + 400
   while time.time() < deadline and proc.poll() is None:
@@ -275,7 +244,7 @@ def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   steps_saved = [d.name for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
   untrained = [read_meta(str(out / "checkpoints" / d))["data_position"].get("untrained") for d in steps_saved]
   assert any(u for u in untrained if u), untrained  # a checkpoint recorded groups not yet trained
-  r = subprocess.run(_train_cmd(out, steps), env=env, capture_output=True, timeout=600)
+  r = subprocess.run(async_train_cmd(out, steps), env=env, capture_output=True, timeout=600)
   assert r.returncode == 0, r.stderr.decode()[-3000:]
   trained = _ledger_prompts(out)
   assert sorted(trained) == sorted(_ledger_prompts(full))
