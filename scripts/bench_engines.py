@@ -39,7 +39,6 @@ from flax import nnx
 import jaxgrpo
 from jaxgrpo import iteration, train
 from jaxgrpo.engines import BuiltinEngine
-from jaxgrpo.engines.vllm import VLLMEngine
 from jaxgrpo.models import Qwen3Config, build_model, save_hf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=3, help="timed rounds (tokens/s) and iterations (GRPO)")
   p.add_argument("--smoke", action="store_true", help="the workloads shrunk to a seconds-long run")
   p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+  p.add_argument(
+    "--skip-vllm", action="store_true", help="leave vLLM out (a machine without vLLM's build, e.g. a GPU without it)"
+  )
   p.add_argument("--out", default="runs/bench_engines.json")
   return p.parse_args(argv)
 
@@ -86,12 +88,13 @@ def hf_generate(model, w):
 
   d = tempfile.mkdtemp()
   save_hf(model, d)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+  device = "cuda" if torch.cuda.is_available() else "cpu"  # the accelerator JAX uses, when torch sees one too
+  hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval().to(device)
 
   def run(tokens):
-    ids = torch.from_numpy(tokens.astype(np.int64))
+    ids = torch.from_numpy(tokens.astype(np.int64)).to(device)
     with torch.inference_mode():
-      return hf.generate(
+      out = hf.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         do_sample=True,
@@ -104,6 +107,7 @@ def hf_generate(model, w):
         eos_token_id=None,
         pad_token_id=0,
       )
+      return out.cpu()  # synchronises a CUDA device, as the JAX engines return host arrays
 
   return run
 
@@ -150,10 +154,14 @@ def bench_workload(name: str, args) -> dict:
   max_len = w.prompt_len + w.new_tokens
   print(f"[{name}] {n_params / 1e6:.1f}M parameters, {w.prompts}×{w.samples}×{w.new_tokens} tokens", flush=True)
   builtin = BuiltinEngine(model)
-  t0 = time.perf_counter()
-  v32 = VLLMEngine(model.config, dtype="float32", max_model_len=max_len, model=model)
-  start32 = time.perf_counter() - t0
-  v16 = VLLMEngine(model.config, dtype="bfloat16", max_model_len=max_len, model=model)
+  v32 = v16 = start32 = None
+  if not args.skip_vllm:
+    from jaxgrpo.engines.vllm import VLLMEngine
+
+    t0 = time.perf_counter()
+    v32 = VLLMEngine(model.config, dtype="float32", max_model_len=max_len, model=model)
+    start32 = time.perf_counter() - t0
+    v16 = VLLMEngine(model.config, dtype="bfloat16", max_model_len=max_len, model=model)
   keys = {"n": 0}
 
   def call(engine):
@@ -163,8 +171,10 @@ def bench_workload(name: str, args) -> dict:
 
     return run
 
-  names = ["jaxgrpo built-in", "vLLM float32", "vLLM bfloat16"]
-  fns = [call(builtin), call(v32), call(v16)]
+  names, fns = ["jaxgrpo built-in"], [call(builtin)]
+  if v32 is not None:
+    names += ["vLLM float32", "vLLM bfloat16"]
+    fns += [call(v32), call(v16)]
   if not args.skip_hf:
     names.append("transformers float32")
     hf = hf_generate(model, w)
@@ -175,17 +185,21 @@ def bench_workload(name: str, args) -> dict:
     n: {"median_s": statistics.median(t), "tok_s": n_tokens / statistics.median(t), "runs": t}
     for n, t in zip(names, times)
   }
-  pushes = []
-  for _ in range(5):
-    v32.push_weights(model)
-    pushes.append(v32.push_seconds)
-  push = statistics.median(pushes)
+  push = None
+  if v32 is not None:
+    pushes = []
+    for _ in range(5):
+      v32.push_weights(model)
+      pushes.append(v32.push_seconds)
+    push = statistics.median(pushes)
   iters = {}
   for label, engine, engine_logp in (("jaxgrpo built-in", builtin, False), ("vLLM float32", v32, True)):
-    fn = grpo_iteration_fn(make_model(w), engine, w, uses_engine_logp=engine_logp)
-    iters[label] = _bench.median_time(fn, args.repeats)
-  v32.close()
-  v16.close()
+    if engine is not None:
+      fn = grpo_iteration_fn(make_model(w), engine, w, uses_engine_logp=engine_logp)
+      iters[label] = _bench.median_time(fn, args.repeats)
+  if v32 is not None:
+    v32.close()
+    v16.close()
   out = dict(
     workload=name, params=n_params, tokens=n_tokens, engines=rows, vllm_start_s=start32, push_s=push, iteration_s=iters
   )
@@ -193,7 +207,8 @@ def bench_workload(name: str, args) -> dict:
   print("| engine | median s | tokens/s | ÷ built-in |")
   for n, r in rows.items():
     print(f"| {n} | {r['median_s']:.2f} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.2f} |")
-  print(f"vLLM start {start32:.1f} s; push {push * 1e3:.0f} ms for {n_params / 1e6:.1f}M fp32 parameters")
+  if push is not None:
+    print(f"vLLM start {start32:.1f} s; push {push * 1e3:.0f} ms for {n_params / 1e6:.1f}M fp32 parameters")
   for n, s in iters.items():
     print(f"GRPO iteration through {n}: {s:.2f} s")
   return out

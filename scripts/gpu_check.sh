@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The accelerator rows of BENCHMARKS.md in one run: the binary-tree reproduction (default policy, then the paper's
+# gpt2-small policy), the built-in engine against transformers' generate, layers as a scan at depth 28, the train
+# step, MoE, LoRA/QLoRA and the sampler — each step under its own time limit, in priority order, until a global
+# deadline; one log and one tarball of JSON results under OUT.
+#
+# Usage (on a machine with one GPU and JAX's CUDA build; python3 is its interpreter):
+#   OUT=/some/dir DEADLINE_S=520 bash scripts/gpu_check.sh
+# Wheels missing there (datasets and its two pure-Python requirements; our flax/optax/orbax/chex versions, so the
+# run uses the versions the CPU suite tests) are installed from .whl/ when it exists.
+# Not here: vLLM (its CUDA build is far over the 64 MiB a run may carry) and the disaggregated async rows (one GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-runs/gpu_check}"
+mkdir -p "$OUT/res"
+LOG="$OUT/gpu.log"
+START=$(date +%s)
+DEADLINE_S="${DEADLINE_S:-520}"
+PY="${PY:-python3}"
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxgrpo-gpu-cache XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+
+if [[ -d .whl ]]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PWD:/tmp/site"
+else
+  export PYTHONPATH="$PWD"
+fi
+
+step() {  # step NAME LIMIT_S CMD... : runs CMD under min(LIMIT_S, time left), logs its output and its wall time
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE_S - ($(date +%s) - START)))
+  ((left < limit)) && limit=$left
+  if ((limit < 15)); then
+    echo "=== $name: skipped (deadline)" | tee -a "$LOG"
+    return
+  fi
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  echo "=== $name: rc $? in $(($(date +%s) - t0))s" | tee -a "$LOG"
+}
+
+{
+  nvidia-smi -L
+  "$PY" -c "import jax, flax, optax, transformers, torch; print('jax', jax.__version__, jax.devices(), 'flax', \
+flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+} >>"$LOG" 2>&1
+
+step binary_tree_gpt2 120 "$PY" scripts/binary_tree.py --no-plot --quiet --out "$OUT/res/bt_gpt2"
+step binary_tree_gpt2_small 170 "$PY" scripts/binary_tree.py --policy gpt2-small --seeds 2 --no-plot --quiet \
+  --out "$OUT/res/bt_gpt2_small"
+step engines 100 "$PY" scripts/bench_engines.py --skip-vllm --workloads 20m,150m --repeats 3 --out "$OUT/res/engines.json"
+step scan_layers 100 "$PY" scripts/bench_scan_layers.py --layers 28 --rounds 1 --run-repeats 5
+step train_step 60 "$PY" scripts/bench_train_step.py --rounds 3
+step lora 90 "$PY" scripts/bench_lora.py --steps 3
+step moe 50 "$PY" scripts/bench_moe.py --repeats 3 --skip-mismatch
+step sampler 50 "$PY" scripts/bench_sampler.py --repeats 3
+step binary_tree_gpt2_small_more 120 "$PY" scripts/binary_tree.py --policy gpt2-small --seeds 2 --seed-offset 2 \
+  --no-plot --quiet --out "$OUT/res/bt_gpt2_small_2"
+tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$OUT/res"
+echo "=== total $(($(date +%s) - START))s" | tee -a "$LOG"
