@@ -13,21 +13,20 @@ import shutil
 import sys
 import tempfile
 
-# The test processes compile thousands of tiny programs: XLA's backend optimisations cost more compile
-# time than they save in run time (test_sampling.py + test_models.py: 30% less CPU time). Set before
-# jax is imported, inherited by the xdist workers; child processes set it too (helpers.child_env);
-# ``scripts/*.py`` runs keep the flags users run with (helpers.cli_env).
-_OPT0 = "--xla_backend_optimization_level=0"
-if _OPT0 not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT0}".strip()
-
-import jax  # noqa: E402  (after XLA_FLAGS)
-import pytest  # noqa: E402
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
   sys.path.insert(0, _HERE)
 
+from helpers import TEST_XLA_FLAGS  # noqa: E402  (imports no jax)
+
+# The compile flags of every test process (why: helpers.TEST_XLA_FLAGS). Set before jax is imported, inherited by
+# the xdist workers and by children (helpers.child_env, helpers.cli_env set them too).
+for _flag in TEST_XLA_FLAGS.split():
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 DURATIONS = os.path.join(_HERE, "durations.json")
 

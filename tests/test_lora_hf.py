@@ -121,7 +121,7 @@ def test_save_peft_refuses_models_without_active_adapters(tmp_path):
 
 _MESH_SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import AxisType, PartitionSpec as P

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import train as cli  # noqa: E402  (scripts/train.py)
+from helpers import child_env  # noqa: E402
 
 from jaxgrpo import rewards as R  # noqa: E402
 from jaxgrpo.specs import TrainerConfig, load_config  # noqa: E402
@@ -235,8 +236,7 @@ def test_short_demo_run_raises_reward(tmp_path):
 
 
 def _run_cli(out, devices: int, mesh: str):
-  flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"  # as child_env
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  env = child_env(devices)
   cmd = [
     sys.executable,
     os.path.join(ROOT, "scripts", "train.py"),

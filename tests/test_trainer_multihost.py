@@ -123,7 +123,6 @@ def env(tmp_path_factory):
   (site / "sitecustomize.py").write_text(_AUDIT)
   e = cli_env(tmp_path_factory.mktemp("xla_cache"))
   e.update(
-    XLA_FLAGS="--xla_backend_optimization_level=0",  # --cpu-devices appends the device count
     PYTHONPATH=os.pathsep.join([str(site), ROOT, e.get("PYTHONPATH", "")]),
   )
   return e
