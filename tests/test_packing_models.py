@@ -68,6 +68,11 @@ def packed_forward(model, tokens, positions, segment_ids):
 
 
 @jax.jit
+def plain_forward(model, tokens, positions):
+  return model(tokens, positions)[0]
+
+
+@jax.jit
 def padded_forward(model, tokens, mask):
   hidden, _ = model(tokens, models.positions_from_mask(mask), attention_mask=mask)
   return hidden, shift_log_probs(model, hidden, tokens)
@@ -130,12 +135,13 @@ def test_packed_row_equals_unpadded_single_sequences(family):
   model = tiny(family)
   plen, clen = [2, 3, 1], [5, 4, 9]  # 10 tokens in row 0, 7 + 7 = 14 in row 1
   pt, pm, ct, cm = make_rollout(plen, clen, model.config.vocab_size, 7)
-  pk = packing.pack(pt, pm, ct, cm, row_length=L, num_rows=2)
+  pk = packing.pack(pt, pm, ct, cm, row_length=L, num_rows=B)  # B rows: the program of the test above
   h_pk, _ = packed_forward(model, pk.tokens, pk.positions, pk.segment_ids)
   assert pk.row.tolist() == [1, 1, 0] and pk.segment_ids[1].max() == 2  # two sequences share row 1
+  assert not pk.segment_ids[2:].any()
   for b in range(3):
     seq = np.concatenate([pt[b, P - plen[b] :], ct[b, : clen[b]]])[None]
-    alone, _ = model(jnp.asarray(seq), jnp.arange(seq.shape[1])[None])
+    alone = plain_forward(model, jnp.asarray(seq), jnp.arange(seq.shape[1])[None])
     r, o = pk.row[b], pk.offset[b]
     err = np.abs(np.asarray(h_pk)[r, o : o + seq.shape[1]] - np.asarray(alone)[0]).max()
     assert err <= TOL, (family, b, err)

@@ -1,7 +1,8 @@
 """Packing and activation sharding in the train step on 8 virtual CPU devices (one child process): the
-packed step gives the parameters of the unpacked one-device step on every mesh, its program carries the
-models' activation constraints (traced under ``jax.set_mesh``), each device packs its own sequences
-(no gather of the rows across devices), and XLA never replicates a tensor to reshard it."""
+packed step gives the parameters of the unpacked one-device step on every 8-device mesh (on one device:
+test_train_packing.py), its program carries the models' activation constraints (traced under
+``jax.set_mesh``), each device packs its own sequences (no gather of the rows across devices), and XLA
+never replicates a tensor to reshard it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def run(spec, packing, micro=2, mini=2):
   return flat_params(state.params), {k: float(v) for k, v in metrics.items()}, ref_logp, text, hlo, step, placed
 
 want, want_m, want_ref, *_ = run("data=1", None)
-for spec in ["data=1", "data=8", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4"]:
+# packed == unpacked on one device is test_train_packing.py's (every preset): here the meshes of 8 devices
+for spec in ["data=8", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4"]:
   got, m, ref_logp, text, hlo, step, placed = run(spec, P + T)
   np.testing.assert_allclose(ref_logp, want_ref, rtol=0, atol=1e-5, err_msg=spec)
   for key in ("loss", "grad_norm", "entropy", "tree/mean_process_set_size"):
