@@ -252,7 +252,9 @@ def test_forward_mode_jvp_and_linearize_through_the_log_probs(which):
 
   # a direction on the parameters' own scale (their init std is 0.02): central differences stay linear
   t = jax.tree.map(lambda x: jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype), params)
-  c = jnp.asarray(rng.standard_normal(jax.eval_shape(f, params, False).shape), jnp.float32)  # no eager forward
+  c = jnp.asarray(
+    rng.standard_normal(jax.eval_shape(lambda p: f(p, False), params).shape), jnp.float32
+  )  # no eager forward
 
   @jax.jit
   def run(p, t, c):
