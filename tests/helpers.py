@@ -145,8 +145,12 @@ def reference_update(
     w = None if w is None else w[rows]
   b, t = m.shape
   p = batch.prompt_tokens.shape[1]
+  # the arrays are arguments of the jitted update, not constants in it: one program per config and
+  # shapes, read back from the session's compilation cache by every test that builds the same one
+  data = dict(tokens=tokens, attn=attn, m=m, old=old, ref=ref, adv=adv, w=w)
 
-  def loss_fn(params):
+  def loss_fn(params, d):
+    tokens, attn, m, old, ref, adv, w = (d[k] for k in ("tokens", "attn", "m", "old", "ref", "adv", "w"))
     model = nnx.merge(graphdef, params)
     lp = log_probs(model, tokens, attn, chunk_size=None)[:, p:]
     ratio = jnp.exp(lp - old)
@@ -170,13 +174,14 @@ def reference_update(
       loss = per.sum() / (b * (config.max_tokens or t))
     return loss, (ratio, lp)
 
-  def update(params):
-    (loss, (ratio, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  def update(params, d):
+    (loss, (ratio, lp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, d)
     gnorm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
     scale = jnp.minimum(1.0, max_grad_norm / gnorm)
     new = jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads)
     # entropy of the policy at the completion positions, from the full logits
     model = nnx.merge(graphdef, params)
+    tokens, attn, m = d["tokens"], d["attn"], d["m"]
     hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
     logits = model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
     logq = jax.nn.log_softmax(logits, -1)
@@ -190,7 +195,7 @@ def reference_update(
     }
     return new, metrics
 
-  new, metrics = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params)
+  new, metrics = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params, data)
   flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}
   return flat, {k: float(v) for k, v in metrics.items()}, new
 
@@ -317,14 +322,21 @@ def sgd_update(model, batch, loss_of_logp, *, lr, max_grad_norm):
 
 def numpy_log_probs(model, batch):
   """``f64[B, T]`` completion log-probs from the model's full logits, log-softmax in NumPy (0 on padding)."""
+  import jax
   import jax.numpy as jnp
+  from flax import nnx
 
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
-  positions = jnp.maximum(jnp.cumsum(attn, axis=1) - 1, 0)
-  hidden, _ = model(tokens, positions, attention_mask=attn)
   p = batch.prompt_tokens.shape[1]
-  logits = np.asarray(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), np.float64)
+  graphdef, state = nnx.split(model)
+
+  def forward(state, tokens, attn):  # one jitted program: eager, every op compiles on its first call
+    model = nnx.merge(graphdef, state)
+    hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, axis=1) - 1, 0), attention_mask=attn)
+    return model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
+
+  logits = np.asarray(jax.jit(forward)(state, tokens, attn), np.float64)
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   picked = np.take_along_axis(logits, np.asarray(batch.completions)[..., None], -1)[..., 0]
   return np.where(np.asarray(batch.mask), picked - logz, 0.0)

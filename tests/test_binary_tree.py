@@ -6,6 +6,7 @@ NumPy brute force for the tabular policy, per-path full forwards for the transfo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 from pathlib import Path
@@ -118,14 +119,19 @@ def test_transformer_leaf_logp_matches_per_path_forward():
   from flax import nnx
 
   pol = bt.make_policy("gpt2", depth=3, hidden_size=16, num_layers=1, num_heads=2, vocab_size=5)
-  params = pol.init(jax.random.key(0))
-  params = jax.tree.map(lambda x: x * 8.0, params)  # far from uniform, so the test can fail
-  got = np.asarray(pol.leaf_logp(params))
-  model = nnx.merge(pol.graphdef(), params)
   acts = bt.leaf_actions(3)
   seqs = np.concatenate([np.full((8, 1), bt.BOS), acts[:, :-1]], axis=1)  # one row per leaf
-  hidden, _ = model(jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(3), seqs.shape))
-  logits = np.asarray(model.logits(hidden), np.float64)[..., :2]  # L/R entries only
+
+  @jax.jit  # one program (eager, every op of the init and the forwards compiles on its first call)
+  def run(key, seqs):
+    params = jax.tree.map(lambda x: x * 8.0, pol.init(key))  # far from uniform, so the test can fail
+    model = nnx.merge(pol.graphdef(), params)
+    hidden, _ = model(seqs, jnp.broadcast_to(jnp.arange(3), seqs.shape))  # the plain per-path forward
+    return pol.leaf_logp(params), model.logits(hidden)
+
+  got, logits = run(jax.random.key(0), jnp.asarray(seqs))
+  got = np.asarray(got)
+  logits = np.asarray(logits, np.float64)[..., :2]  # L/R entries only
   top = logits.max(-1, keepdims=True)
   lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]
   want = np.take_along_axis(logits, acts[..., None], -1)[..., 0] - lse
@@ -139,13 +145,23 @@ def test_transformer_leaf_logp_matches_per_path_forward():
 # ----------------------------------------------------------------------------------------------------
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2)
-SHORT = dict(seeds=[0, 1], cells=[(1, -1.0), (2, -0.5)], steps=4, group_size=4)
+# seed 0 twice: "same seed, same run" is read off every sweep of this shape
+SHORT = dict(seeds=[0, 1, 0], cells=[(1, -1.0), (2, -0.5)], steps=4, group_size=4)
+
+
+@functools.cache
+def _short_tabular(algorithm):
+  """The tabular policy's SHORT sweep under plain SGD (lr 1): one compilation of the single-algorithm
+  program per algorithm, shared by the tests below (the separate runs the multi-algorithm sweep is
+  compared with). Algorithms ``tuple``: the multi-algorithm sweep."""
+  pol = bt.make_policy("tabular", init_scale=0.5)  # random init: seeds differ from step 0
+  algorithm = list(algorithm) if isinstance(algorithm, tuple) else algorithm
+  return bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
 
 
 @pytest.mark.parametrize("algorithm", bt.ALGORITHMS)
 def test_short_run_deterministic_per_seed(algorithm):
-  pol = bt.make_policy("tabular", init_scale=0.5)  # random init: seeds differ from step 0
-  out = bt.run_sweep(algorithm, pol, bt.make_optimizer("sgd", 1.0), **{**SHORT, "seeds": [0, 1, 0]})
+  out = _short_tabular(algorithm)
   assert out["target_prob"].shape == (2, 3, 4)
   for k in out:
     np.testing.assert_array_equal(out[k][:, 0], out[k][:, 2])  # same seed, same run
@@ -155,32 +171,29 @@ def test_short_run_deterministic_per_seed(algorithm):
 
 
 def test_algorithms_in_one_compilation_match_separate_runs():
-  pol = bt.make_policy("tabular", init_scale=0.5)
-  algos = ["lambda_grpo", "frpo"]
-  multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
-  assert multi["target_prob"].shape == (2, 2, 2, 4)
-  for i, a in enumerate(algos):
-    one = bt.run_sweep(a, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+  """Every algorithm as a branch of the one-compilation sweep equals its separate run (the separately
+  compiled single-algorithm program), and the branches differ."""
+  multi = _short_tabular(bt.ALGORITHMS)
+  assert multi["target_prob"].shape == (len(bt.ALGORITHMS), 2, 3, 4)
+  assert all(np.all(np.isfinite(v)) for v in multi.values())
+  for i, a in enumerate(bt.ALGORITHMS):
+    one = _short_tabular(a)
     for k in one:
       np.testing.assert_allclose(multi[k][i], one[k], rtol=1e-5, atol=1e-6, err_msg=f"{a}: {k}")
-  assert not np.allclose(multi["target_prob"][0], multi["target_prob"][1])  # the branches differ
+  lam, frpo = bt.ALGORITHMS.index("lambda_grpo"), bt.ALGORITHMS.index("frpo")
+  assert not np.allclose(multi["target_prob"][lam], multi["target_prob"][frpo])  # the branches differ
 
 
 def test_new_losses_share_one_compilation_with_grpo():
   """GSPO, GSPO-token, CISPO, SAPO and GMPO as branches of the one-compilation sweep equal their
-  separate runs. On this task they also equal GRPO: μ = 1 makes every ratio 1, where each of them has
+  separate runs (test above). On this task they also equal GRPO: μ = 1 makes every ratio 1, where each of them has
   GRPO's gradient −A·∇log π (SAPO's gate slope and CISPO's weight are 1), and every trajectory has
   `depth` tokens, so the per-sequence and per-token means weigh tokens alike."""
-  pol = bt.make_policy("tabular", init_scale=0.5)
-  algos = ["grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo"]
-  multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
-  assert multi["target_prob"].shape == (6, 2, 2, 4) and all(np.all(np.isfinite(v)) for v in multi.values())
-  for i, a in enumerate(algos[1:], 1):
-    one = bt.run_sweep(a, pol, bt.make_optimizer("sgd", 1.0), **SHORT)
-    for k in one:
-      np.testing.assert_allclose(multi[k][i], one[k], rtol=1e-5, atol=1e-6, err_msg=f"{a}: {k}")
-  for i in range(1, len(algos)):
-    np.testing.assert_allclose(multi["target_prob"][i], multi["target_prob"][0], rtol=1e-4, atol=1e-6)
+  multi = _short_tabular(bt.ALGORITHMS)
+  grpo = multi["target_prob"][bt.ALGORITHMS.index("grpo")]
+  for a in ["gspo", "gspo_token", "cispo", "sapo", "gmpo"]:
+    np.testing.assert_allclose(multi["target_prob"][bt.ALGORITHMS.index(a)], grpo, rtol=1e-4, atol=1e-6, err_msg=a)
+    np.testing.assert_allclose(_short_tabular(a)["target_prob"], grpo, rtol=1e-4, atol=1e-6, err_msg=a)
 
 
 @pytest.mark.slow  # four compilations of the tabular sweep: ~15 s idle, > 40 s on a loaded CPU
@@ -190,7 +203,7 @@ def test_a_vmapped_beta_grid_matches_separate_runs(tmp_path):
   pol = bt.make_policy("tabular", init_scale=0.5)
   algos, betas = ["grpo", "frpo"], [0.0, 0.3]
   multi = bt.run_sweep(algos, pol, bt.make_optimizer("sgd", 1.0), **SHORT, grid={"beta": betas})
-  assert multi["target_prob"].shape == (2, 2, 2, 2, 4)
+  assert multi["target_prob"].shape == (2, 2, 2, 3, 4)
   for i, h in ((0, 1), (1, 0)):  # GRPO with its KL switched on by the grid; FRPO at β = 0
     a, beta = algos[i], betas[h]
     one = bt.run_sweep(bt.preset(a, beta=beta), pol, bt.make_optimizer("sgd", 1.0), **SHORT)
@@ -213,6 +226,7 @@ def test_transformer_run_deterministic_and_batch_independent():
   opt = bt.make_optimizer("adam", 1e-2)
   a = bt.run_sweep("lambda_frpo", pol, opt, **SHORT)
   assert np.all(np.isfinite(a["loss"])) and not np.array_equal(a["target_prob"][:, 0], a["target_prob"][:, 1])
+  np.testing.assert_array_equal(a["target_prob"][:, 0], a["target_prob"][:, 2])  # same seed, same run
   # a separately compiled run of seed 1 alone reproduces seed 1 of the batch
   c = bt.run_sweep("lambda_frpo", pol, opt, **{**SHORT, "seeds": [1]})
   for k in a:
@@ -229,7 +243,7 @@ def test_objective_hook_plugs_into_the_sweep():
     terms = objective_terms(config, logp, old_logp, advantages, mask, **kw)
     return terms._replace(numerator=2.0 * terms.numerator)
 
-  want = bt.run_sweep("lambda_grpo", pol, bt.make_optimizer("sgd", 1.0), **SHORT)
+  want = _short_tabular("lambda_grpo")
   got = bt.run_sweep("lambda_grpo", pol, bt.make_optimizer("sgd", 0.5), objective_fn=doubled, **SHORT)
   for k in ("target_prob", "target_freq", "reward"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -252,7 +252,9 @@ def test_forward_mode_jvp_and_linearize_through_the_log_probs(which):
 
   # a direction on the parameters' own scale (their init std is 0.02): central differences stay linear
   t = jax.tree.map(lambda x: jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype), params)
-  c = jnp.asarray(rng.standard_normal(f(params, False).shape), jnp.float32)
+  c = jnp.asarray(
+    rng.standard_normal(jax.eval_shape(lambda p: f(p, False), params).shape), jnp.float32
+  )  # no eager forward
 
   @jax.jit
   def run(p, t, c):
@@ -282,7 +284,7 @@ def test_forward_mode_jvp_and_linearize_through_the_log_probs(which):
   _close(fd, jt, 3e-3, "jvp vs central finite differences")
   got, want = float(jnp.vdot(c, jt)), float(_tree_vdot(jtc, t))
   assert got == pytest.approx(want, rel=1e-4), "c·(J·t) vs (Jᵀc)·t through the hand-written gradients"
-  with pytest.raises(TypeError, match="forward-mode autodiff"):  # why the flag exists
-    jax.jvp(lambda p: f(p, False), (params,), (t,))
+  with pytest.raises(TypeError, match="forward-mode autodiff"):  # why the flag exists (refused while tracing)
+    jax.jit(lambda p, t: jax.jvp(lambda p: f(p, False), (p,), (t,)))(params, t)
   with pytest.raises(TypeError, match="`forward_mode` must be a bool"):
     log_probs(nnx.merge(graphdef, params, rest), tokens, mask, forward_mode=1)

@@ -21,11 +21,21 @@ FP32_TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
-def _forward_logits(model, tokens, mask):
-  positions = models.positions_from_mask(jnp.asarray(mask))
-  hidden, cache = model(jnp.asarray(tokens), positions, attention_mask=jnp.asarray(mask))
+def _jitted(fn, model, *args):
+  """``fn(model, *args)`` as one jitted program over the model's state: one compile instead of one per
+  eager op (each distinct op and shape of an eager forward compiles on its first call)."""
+  graphdef, state = nnx.split(model)
+  return jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))(state, *args)
+
+
+def _logits(model, tokens, mask):
+  hidden, cache = model(tokens, models.positions_from_mask(mask), attention_mask=mask)
   assert cache is None
-  return np.asarray(model.logits(hidden), np.float32)
+  return model.logits(hidden)
+
+
+def _forward_logits(model, tokens, mask):
+  return np.asarray(_jitted(_logits, model, jnp.asarray(tokens), jnp.asarray(mask)), np.float32)
 
 
 _TINY = {}
@@ -126,8 +136,13 @@ def test_log_probs_equals_log_softmax_of_hf_logits(tiny_factory, family):
   rng = np.random.default_rng(2)
   tokens, mask = left_padded_batch(rng, 3, 13, model.config.vocab_size, pads=[0, 4, 9])
   ref = _reference_log_probs(hf_logits(hf_model, tokens, mask), tokens, mask, 0.7)
-  for chunk_size in (None, 5):  # 12 scored positions: one chunk, or 3 chunks with padding
-    got = models.log_probs(model, jnp.asarray(tokens), jnp.asarray(mask), temperature=0.7, chunk_size=chunk_size)
+  both = _jitted(  # 12 scored positions: one chunk, or 3 chunks with padding
+    lambda m, t, k: [(c, models.log_probs(m, t, k, temperature=0.7, chunk_size=c)) for c in (None, 5)],
+    model,
+    jnp.asarray(tokens),
+    jnp.asarray(mask),
+  )
+  for chunk_size, got in both:
     assert got.dtype == jnp.float32 and got.shape == tokens.shape
     np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4, err_msg=f"chunk_size={chunk_size}")
 
@@ -143,12 +158,15 @@ def test_bf16_stays_within_documented_tolerance(tiny_untied):
   model = models.load_hf(directory, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
   tokens, mask = left_padded_batch(np.random.default_rng(3), 3, 12, model.config.vocab_size, pads=[0, 2, 6])
   ref = hf_logits(hf_model, tokens, mask)
-  positions = models.positions_from_mask(jnp.asarray(mask))
-  hidden, _ = model(jnp.asarray(tokens), positions, attention_mask=jnp.asarray(mask))
+
+  def forward(model, tokens, mask):
+    hidden, _ = model(tokens, models.positions_from_mask(mask), attention_mask=mask)
+    return hidden, model.logits(hidden), models.log_probs(model, tokens, mask, chunk_size=4)
+
+  hidden, logits, lp = _jitted(forward, model, jnp.asarray(tokens), jnp.asarray(mask))
   assert hidden.dtype == jnp.bfloat16
-  err = np.abs(np.asarray(model.logits(hidden), np.float32) - ref)[mask].max()
+  err = np.abs(np.asarray(logits, np.float32) - ref)[mask].max()
   assert err <= BF16_LOGIT_RTOL * np.abs(ref[mask]).max(), (family, err)
-  lp = models.log_probs(model, jnp.asarray(tokens), jnp.asarray(mask), chunk_size=4)
   assert lp.dtype == jnp.float32
   lp_err = np.abs(np.asarray(lp) - _reference_log_probs(ref, tokens, mask, 1.0)).max()
   assert lp_err <= BF16_LOGPROB_ATOL, (family, lp_err)

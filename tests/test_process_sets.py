@@ -59,9 +59,11 @@ def test_sizes_match_bruteforce(data):
   want = ref.sizes(tokens, mask, gid)
   np.testing.assert_array_equal(sizes_hash(tokens, mask, gid), want)  # traced ids, no bound: auto sorts
   np.testing.assert_array_equal(sizes_exact(tokens, mask, gid), want)
+  # pairwise with the tight bound (the largest group: a program per bound drawn); sort reads no bound
+  # beyond its poisoning check, so one program (the trivially safe bound B) covers it
   gmax = int(np.bincount(gid).max())
-  for method in METHODS:
-    np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=gmax, method=method), want)
+  np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=gmax, method="pairwise"), want)
+  np.testing.assert_array_equal(sizes_bounded(tokens, mask, gid, max_group_size=len(gid), method="sort"), want)
   for method in ("auto",) + METHODS:  # eager: concrete ids, the bound derived from them
     np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
 
@@ -231,9 +233,10 @@ def test_long_completions_across_hash_blocks(t):
 # sort-and-segment vs pairwise at realistic lengths, adversarial groups
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_methods_agree_on_long_noncontiguous_groups(method):
-  # 3 interleaved groups of unequal size, duplicates, empty rows, branch points at block boundaries
+@functools.cache
+def _long_noncontiguous_case():
+  """3 interleaved groups of unequal size, duplicates, empty rows, branch points at block boundaries;
+  the NumPy references (sizes and process rewards, a Python loop: computed once for both methods)."""
   rng = np.random.default_rng(7)
   b, t = 24, 300
   tokens = rng.integers(0, 3, size=(b, t)).astype(np.int32)
@@ -246,10 +249,7 @@ def test_methods_agree_on_long_noncontiguous_groups(method):
   mask = np.arange(t)[None] < lengths[:, None]
   mask[3, 10] = False  # a hole: everything after it is padding
   gid = rng.choice([0, 2, 5], size=b).astype(np.int32)
-  want = _lcp_sizes(tokens, mask, gid)
-  np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
   rewards = rng.normal(size=b).astype(np.float32)
-  got = jg.process_rewards(rewards, tokens, mask, gid, method=method)
   want_r = np.zeros((b, t))
   v = ref.valid_prefix(mask)
   for i in range(b):
@@ -259,6 +259,14 @@ def test_methods_agree_on_long_noncontiguous_groups(method):
           j for j in range(b) if gid[j] == gid[i] and v[j, s_] and (tokens[j, : s_ + 1] == tokens[i, : s_ + 1]).all()
         ]
         want_r[i, s_] = rewards[members].mean()
+  return tokens, mask, gid, rewards, _lcp_sizes(tokens, mask, gid), want_r
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_methods_agree_on_long_noncontiguous_groups(method):
+  tokens, mask, gid, rewards, want, want_r = _long_noncontiguous_case()
+  np.testing.assert_array_equal(jg.process_set_sizes(tokens, mask, gid, method=method), want)
+  got = jg.process_rewards(rewards, tokens, mask, gid, method=method)
   np.testing.assert_allclose(got, want_r, rtol=1e-5, atol=1e-6)
 
 
@@ -334,42 +342,52 @@ def test_group_larger_than_bound_is_poisoned_under_jit():
   tokens, mask, gid = ref.from_strings(["AB", "AB", "AB", "AB", "XY"], group_ids=[0, 0, 0, 0, 1])
   with pytest.raises(ValueError, match="max_group_size"):  # eager: a clear error
     jg.process_set_sizes(tokens, mask, gid, max_group_size=2)
-  for method in ("auto", "pairwise"):
-    f = jax.jit(functools.partial(jg.process_set_sizes, max_group_size=2, method=method))
-    np.testing.assert_array_equal(f(tokens, mask, gid), [[-1, -1]] * 4 + [[1, 1]])
   rewards = np.array([1.0, 0.0, 1.0, 0.0, 1.0], np.float32)
-  r = jax.jit(functools.partial(jg.process_rewards, max_group_size=2))(rewards, tokens, mask, gid)
+  bound = functools.partial(jg.process_set_sizes, max_group_size=2)
+
+  @jax.jit  # every call in one program (one compile, not six)
+  def under_jit(rewards, tokens, mask, gid):
+    return (
+      {method: bound(tokens, mask, gid, method=method) for method in ("auto", "pairwise")},
+      jg.process_rewards(rewards, tokens, mask, gid, max_group_size=2),
+      jg.process_advantages(rewards, tokens, mask, gid, num_groups=2, max_group_size=2),
+      jg.process_tree_stats(tokens, mask, gid, num_groups=2, max_group_size=2, per_group=True),
+      jg.process_set_sizes(tokens, mask, gid, method="sort"),  # the sort method has no bound to exceed
+    )
+
+  sizes, r, a, stats, sort_sizes = under_jit(rewards, tokens, mask, gid)
+  for method, got in sizes.items():
+    np.testing.assert_array_equal(got, [[-1, -1]] * 4 + [[1, 1]], err_msg=method)
   assert np.all(np.isnan(r[:4])) and np.array_equal(r[4], [1.0, 1.0])
-  a = jax.jit(functools.partial(jg.process_advantages, num_groups=2, max_group_size=2))(rewards, tokens, mask, gid)
   assert np.all(np.isnan(a[:4])) and np.array_equal(a[4], [0.0, 0.0])
-  stats = jax.jit(functools.partial(jg.process_tree_stats, num_groups=2, max_group_size=2, per_group=True))(
-    tokens, mask, gid
-  )
   for v in stats.values():
     assert np.isnan(v[0]) and np.isfinite(v[1])
-  # the sort method has no bound to exceed
-  np.testing.assert_array_equal(
-    jax.jit(functools.partial(jg.process_set_sizes, method="sort"))(tokens, mask, gid), [[4, 4]] * 4 + [[1, 1]]
-  )
+  np.testing.assert_array_equal(sort_sizes, [[4, 4]] * 4 + [[1, 1]])
 
 
 def test_out_of_range_group_ids_are_poisoned_under_jit():
   tokens, mask, _ = ref.from_strings(["AB", "AC", "AB", "XY"])
   gid = np.array([0, 0, 2, -1], np.int32)  # 2 is out of range for num_groups=2, -1 everywhere
   rewards = np.array([1.0, 0.0, 1.0, 0.5], np.float32)
-  for method in METHODS:
-    sizes = jax.jit(functools.partial(jg.process_set_sizes, method=method, max_group_size=4))(tokens, mask, gid)
-    np.testing.assert_array_equal(sizes, [[2, 1], [2, 1], [1, 1], [-1, -1]])
-    r = jax.jit(functools.partial(jg.process_rewards, method=method, max_group_size=4))(rewards, tokens, mask, gid)
-    assert np.all(np.isnan(r[3])) and np.all(np.isfinite(r[:3]))
-    adv = jax.jit(functools.partial(jg.process_advantages, num_groups=2, method=method, max_group_size=4))(
-      rewards, tokens, mask, gid
-    )
-    assert np.all(np.isnan(adv[2:])) and np.all(np.isfinite(adv[:2]))
-    stats = jax.jit(functools.partial(jg.process_tree_stats, num_groups=2, method=method, max_group_size=4))(
-      tokens, mask, gid
-    )
-    assert all(np.isnan(v) for v in stats.values())
+
+  @jax.jit  # both methods, every function: one program (one compile, not eight)
+  def under_jit(rewards, tokens, mask, gid):
+    kw = dict(max_group_size=4)
+    return {
+      method: (
+        jg.process_set_sizes(tokens, mask, gid, method=method, **kw),
+        jg.process_rewards(rewards, tokens, mask, gid, method=method, **kw),
+        jg.process_advantages(rewards, tokens, mask, gid, num_groups=2, method=method, **kw),
+        jg.process_tree_stats(tokens, mask, gid, num_groups=2, method=method, **kw),
+      )
+      for method in METHODS
+    }
+
+  for method, (sizes, r, adv, stats) in under_jit(rewards, tokens, mask, gid).items():
+    np.testing.assert_array_equal(sizes, [[2, 1], [2, 1], [1, 1], [-1, -1]], err_msg=method)
+    assert np.all(np.isnan(r[3])) and np.all(np.isfinite(r[:3])), method
+    assert np.all(np.isnan(adv[2:])) and np.all(np.isfinite(adv[:2])), method
+    assert all(np.isnan(v) for v in stats.values()), method
   for bad_gid in (gid, np.array([0, 0, 1, 2], np.int32)):
     with pytest.raises(ValueError, match="group_ids"):
       ps.check_process_set_inputs(tokens, mask, bad_gid, num_groups=2)
@@ -441,12 +459,21 @@ def _baseline_excludes_missing() -> bool:
 def test_nonfinite_rewards_are_missing_samples(method):
   tokens, mask, gid = ref.from_strings(["ABCD", "ABCE", "ABX", "QR", "QS", "Z"], group_ids=[0, 0, 0, 1, 1, 2])
   rewards = np.array([1.0, np.nan, 0.0, 2.0, 1.0, np.inf], np.float32)
-  sizes = jg.process_set_sizes(tokens, mask, gid, method=method)
+
+  @jax.jit  # the three kernels in one program (one compile, not three)
+  def kernels(rewards, tokens, mask, gid):
+    kw = dict(method=method, max_group_size=3)
+    return (
+      jg.process_set_sizes(tokens, mask, gid, **kw),
+      jg.process_rewards(rewards, tokens, mask, gid, **kw),
+      jg.process_advantages(rewards, tokens, mask, gid, 3, **kw),
+    )
+
+  sizes, r, adv = kernels(rewards, tokens, mask, gid)
   np.testing.assert_array_equal(sizes, ref.sizes(tokens, mask, gid))  # the structure is unchanged
-  r = jg.process_rewards(rewards, tokens, mask, gid, method=method)
   np.testing.assert_allclose(r, _ref_process_rewards_missing(rewards, tokens, mask, gid), rtol=1e-6)
   assert float(r[1, 3]) == 0.0 and float(r[1, 2]) == 1.0  # only the missing one left: 0; "ABC": r_0
-  adv = np.asarray(jg.process_advantages(rewards, tokens, mask, gid, 3, method=method))
+  adv = np.asarray(adv)
   np.testing.assert_array_equal(adv[[1, 5]], 0.0)  # missing samples: advantage 0, never NaN
   mean, denom = ref.group_stats(rewards[3:5], np.zeros(2, np.int32))  # group 1 has no missing sample
   want = (np.array([[1.5, 2.0], [1.5, 1.0]]) - mean[:, None]) / denom[:, None]
@@ -583,6 +610,7 @@ def test_bench_process_sets_smoke(capsys):
   spec = importlib.util.spec_from_file_location("bench_process_sets", path)
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
-  rows = bench.main(["--quick"])
+  # --quick's sizes with one group size (--quick runs G = 2 and 5: twice the compiles, the same code)
+  rows = bench.main("--groups 5 --length 70 --prompts 3 --max-rows 0 --repeats 1".split())
   assert rows and all(r["trie_s_per_token"] > 0 for r in rows)
   assert "sort" in capsys.readouterr().out

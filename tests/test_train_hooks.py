@@ -40,8 +40,9 @@ GSPO_CLIP = 0.1  # wide enough to leave some sequences inside, narrow enough to 
 
 
 def _make(config, *, micro=1, mesh=None, model=None, **fns):
+  # one layer by default: each update is compared with a reference on the same model, at half the compile
   mesh = mesh or shd.make_mesh("data=1", devices=jax.devices()[:1])
-  model = model or tiny_model()
+  model = model or tiny_model(layers=1)
   opt = optax.sgd(LR)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
   tc = train.TrainConfig(
@@ -70,7 +71,7 @@ def _assert_same_update(got, want, init, rel=1e-6):
 def _gspo_run(micro):
   gspo = load_example("gspo").gspo_objective
   config = preset("grpo", clip_eps_low=GSPO_CLIP, clip_eps_high=GSPO_CLIP)
-  step, state = _make(config, micro=micro, objective_fn=gspo)
+  step, state = _make(config, micro=micro, model=tiny_model(), objective_fn=gspo)  # 2 layers: both clips occur
   state, metrics = step(state, make_batch()._replace(ref_logp=None))
   return flat_params(state.params), {k: float(v) for k, v in metrics.items()}
 
@@ -170,7 +171,7 @@ def test_custom_advantage_estimator_changes_the_update_as_written():
   state, metrics = step(state, batch)
   adv = _numpy_rloo(batch.rewards, batch.group_ids)
   assert not np.allclose(adv, numpy_group_advantages(batch.rewards, batch.group_ids))  # a different estimator
-  want, want_m, _ = reference_update(tiny_model(), batch, config, lr=LR, max_grad_norm=CLIP, advantages=adv)
+  want, want_m, _ = reference_update(tiny_model(layers=1), batch, config, lr=LR, max_grad_norm=CLIP, advantages=adv)
   got = flat_params(state.params)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
@@ -197,9 +198,9 @@ def test_precomputed_advantages_and_token_weights_are_used_as_given():
     ),
   }
   for name, fields in cases.items():
-    _, state, _ = train.init_train_state(tiny_model(), optax.sgd(LR), step.mesh)
+    _, state, _ = train.init_train_state(tiny_model(layers=1), optax.sgd(LR), step.mesh)
     state, metrics = step(state, batch._replace(**fields))
-    want, want_m, _ = reference_update(tiny_model(), batch, config, lr=LR, max_grad_norm=CLIP, **fields)
+    want, want_m, _ = reference_update(tiny_model(layers=1), batch, config, lr=LR, max_grad_norm=CLIP, **fields)
     got = flat_params(state.params)
     for k in want:
       np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"{name} {k}")
@@ -231,7 +232,7 @@ def test_custom_objective_with_config_none_and_a_data_dependent_denominator():
     num = jnp.sum(jnp.where(mask, -adv[:, None] * lp, 0.0))
     return num / jnp.sum(jnp.where(mask.any(1), jnp.abs(adv), 0.0))
 
-  want, want_loss = sgd_update(tiny_model(), batch, loss, lr=LR, max_grad_norm=CLIP)
+  want, want_loss = sgd_update(tiny_model(layers=1), batch, loss, lr=LR, max_grad_norm=CLIP)
   got = flat_params(state.params)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
@@ -288,7 +289,9 @@ def test_nonfinite_reward_is_a_missing_sample_even_with_nan_log_probs():
   step, state = _make(config)
   state, metrics = step(state, poisoned)
   rows = np.array([i for i in range(b) if i != bad])
-  want, want_m, _ = reference_update(tiny_model(), batch, config, lr=LR, max_grad_norm=CLIP, rows=rows, advantages=adv)
+  want, want_m, _ = reference_update(
+    tiny_model(layers=1), batch, config, lr=LR, max_grad_norm=CLIP, rows=rows, advantages=adv
+  )
   got = flat_params(state.params)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
@@ -307,7 +310,7 @@ def test_precomputed_advantages_need_no_rewards():
   adv = np.random.default_rng(4).standard_normal(b).astype(np.float32)
   step, state = _make(config, advantages_fn=_never)
   state, metrics = step(state, batch._replace(rewards=None, advantages=adv))
-  want, want_m, _ = reference_update(tiny_model(), batch, config, lr=LR, max_grad_norm=CLIP, advantages=adv)
+  want, want_m, _ = reference_update(tiny_model(layers=1), batch, config, lr=LR, max_grad_norm=CLIP, advantages=adv)
   got = flat_params(state.params)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))
@@ -338,7 +341,9 @@ def test_nonfinite_reward_with_the_default_advantages():
   state, metrics = step(state, batch._replace(rewards=rewards))
   adv = numpy_group_advantages(rewards, batch.group_ids)
   rows = np.array([i for i in range(len(rewards)) if i not in (2, 9)])
-  want, _, _ = reference_update(tiny_model(), batch, config, lr=LR, max_grad_norm=CLIP, rows=rows, advantages=adv)
+  want, _, _ = reference_update(
+    tiny_model(layers=1), batch, config, lr=LR, max_grad_norm=CLIP, rows=rows, advantages=adv
+  )
   got = flat_params(state.params)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=str(k))

@@ -38,10 +38,16 @@ def _logits_logp(model, batch):
   """f64 log-softmax of the full logits at the completion positions, and the sampled tokens' log-probs."""
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
-  hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
   p = batch.prompt_tokens.shape[1]
-  logits = np.asarray(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), np.float64)
-  return logits
+  graphdef, state = nnx.split(model)
+
+  @jax.jit  # one program: eager, every op of the forward compiles on its first call
+  def logits(state, tokens, attn):
+    m = nnx.merge(graphdef, state)
+    hidden, _ = m(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+    return m.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
+
+  return np.asarray(logits(state, tokens, attn), np.float64)
 
 
 def _log_softmax_pick(logits, tokens, mask):
@@ -55,7 +61,7 @@ def _batch():
   """make_batch's rollout with old log-probs near the tiny model's own (ratios around 1) and a
   behaviour policy from perturbed logits (for the importance-corrected cases)."""
   batch = make_batch()._replace(ref_logp=None)
-  logits = _logits_logp(tiny_model(), batch)
+  logits = _logits_logp(tiny_model(layers=1), batch)
   rng = np.random.default_rng(3)
   mask = np.asarray(batch.mask)
   own = _log_softmax_pick(logits, batch.completions, mask)
@@ -136,7 +142,7 @@ def _step(name, micro):
   config = preset(name, **CASES[name])
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(LR)
-  graphdef, state, shardings = train.init_train_state(tiny_model(), opt, mesh)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
   tc = train.TrainConfig(
     micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE
   )
@@ -150,7 +156,7 @@ def _step(name, micro):
 
 def _run(name, micro, batch):
   config, mesh, opt, step = _step(name, micro)
-  _, state, _ = train.init_train_state(tiny_model(), opt, mesh)
+  _, state, _ = train.init_train_state(tiny_model(layers=1), opt, mesh)
   state, metrics = step(state, batch)
   return flat_params(state.params), {k: float(v) for k, v in metrics.items()}
 
@@ -164,7 +170,7 @@ def _update(params, init):
 def test_preset_equals_the_formula_and_micro_batches_change_nothing(name):
   batch = _batch()
   config = preset(name, **CASES[name])
-  want, want_loss = reference_update(tiny_model(), batch, config)
+  want, want_loss = reference_update(tiny_model(layers=1), batch, config)
   one, m1 = _run(name, 1, batch)
   four, m4 = _run(name, 4, batch)
   assert m1["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
@@ -174,7 +180,7 @@ def test_preset_equals_the_formula_and_micro_batches_change_nothing(name):
     assert 0 < clipped < 1, clipped  # both branches are exercised
   if config.importance_correction is not None:
     assert m1["mismatch_kl"] > 0 and m1["is_capped_frac"] > 0
-  init = flat_params(nnx.split(tiny_model())[1])
+  init = flat_params(nnx.split(tiny_model(layers=1))[1])
   for k in want:
     np.testing.assert_allclose(one[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"{name} {k}")
   # updates (new − init, each rounded to the parameters' float32 ulps) agree to 1e-5 of their scale
@@ -189,7 +195,7 @@ def test_tis_against_a_perturbed_behaviour_policy():
   mismatch KL and the truncated fraction grow with σ (both 0 at σ = 0, where TIS changes nothing),
   and every update equals the reference with the TIS weights written out."""
   base = make_batch()._replace(ref_logp=None)
-  logits = _logits_logp(tiny_model(), base)
+  logits = _logits_logp(tiny_model(layers=1), base)
   mask = np.asarray(base.mask)
   own = _log_softmax_pick(logits, base.completions, mask).astype(np.float32)
   rng = np.random.default_rng(11)
@@ -197,14 +203,14 @@ def test_tis_against_a_perturbed_behaviour_policy():
   config = preset("grpo", importance_correction="tis", importance_cap=1.5)
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(LR)
-  graphdef, _, shardings = train.init_train_state(tiny_model(), opt, mesh)
+  graphdef, _, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
   tc = train.TrainConfig(max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE)
   step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
   seen = []
   for sigma in (0.0, 0.3, 1.0, 3.0):
     behavior = _log_softmax_pick(logits + sigma * noise, base.completions, mask).astype(np.float32)
     batch = base._replace(old_logp=own, behavior_logp=behavior)
-    _, state, _ = train.init_train_state(tiny_model(), opt, mesh)
+    _, state, _ = train.init_train_state(tiny_model(layers=1), opt, mesh)
     state, m = step(state, batch)
     seen.append((m["mismatch_kl"], m["is_capped_frac"]))
     if sigma == 0.0:
@@ -221,7 +227,7 @@ def test_tis_against_a_perturbed_behaviour_policy():
         per = -jnp.minimum(r * adv, jnp.clip(r, 0.8, 1.2) * adv) * w
         return jnp.sum(jnp.where(jmask, per, 0.0)) / jmask.sum()
 
-      want, want_loss = sgd_update(tiny_model(), batch, tis_loss, lr=LR, max_grad_norm=CLIP)
+      want, want_loss = sgd_update(tiny_model(layers=1), batch, tis_loss, lr=LR, max_grad_norm=CLIP)
       assert m["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
       got = flat_params(state.params)
       for k in want:
