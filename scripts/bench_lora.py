@@ -25,6 +25,7 @@ full, iteration peak memory ≤ 60% of full. Timing figures are only meaningful 
 
   python scripts/bench_lora.py                      # the documented configuration (an accelerator)
   python scripts/bench_lora.py --tiny --in-process  # smoke test, seconds on a CPU
+  python scripts/bench_lora.py --tiny --layers 1    # --tiny's sizes are defaults: other flags override them
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ from jaxgrpo.models import lora
 
 MODES = ("full", "lora", "qlora")
 GROUP = 4  # samples per prompt in the benchmark's rollout batch
+# --tiny: a 2-layer model and a small batch (a smoke test, seconds on a CPU); other flags override these
+TINY = dict(
+  vocab=512,
+  hidden=64,
+  layers=2,
+  heads=4,
+  kv_heads=2,
+  head_dim=16,
+  intermediate=128,
+  batch=4,
+  prompt_len=8,
+  completion_len=24,
+  rank=4,
+  group_size=16,
+  steps=3,
+  decode_prompts=2,
+  decode_samples=2,
+  decode_tokens=4,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,12 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--tiny", action="store_true", help="a tiny model and batch (smoke test)")
   p.add_argument("--in-process", action="store_true", help="run every mode in this process (peaks mix)")
   p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # internal: one mode, JSON on stdout
+  if p.parse_known_args(argv)[0].tiny:  # the tiny sizes as defaults: flags given with --tiny still win
+    p.set_defaults(**TINY)
   args = p.parse_args(argv)
-  if args.tiny:
-    args.vocab, args.hidden, args.layers, args.heads, args.kv_heads = 512, 64, 2, 4, 2
-    args.head_dim, args.intermediate, args.batch, args.prompt_len, args.completion_len = 16, 128, 4, 8, 24
-    args.rank, args.group_size, args.steps = 4, 16, 3
-    args.decode_prompts, args.decode_samples, args.decode_tokens = 2, 2, 4
   args.modes = tuple(m for m in args.modes.split(",") if m)
   unknown = set(args.modes) - set(MODES)
   if unknown:

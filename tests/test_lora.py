@@ -21,15 +21,22 @@ from jaxgrpo.sharding import make_mesh, tree_shardings
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
-def _tiny_cfg(family: str, tied: bool = False):
+def _tiny_cfg(family: str, tied: bool = False, layers: int = 1):
+  """Width 64; one layer where the number of layers does not matter (every projection kind is in it, and
+  compiling a second layer is most of a tiny test's time), two where a check tells the layers apart."""
   if family == "gpt2":
     return models.GPT2Config(
-      vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64, tie_word_embeddings=tied
+      vocab_size=96,
+      hidden_size=64,
+      num_layers=layers,
+      num_heads=4,
+      max_position_embeddings=64,
+      tie_word_embeddings=tied,
     )
   kw = dict(
     vocab_size=96,
     hidden_size=64,
-    num_layers=2,
+    num_layers=layers,
     num_heads=4,
     num_kv_heads=2,
     intermediate_size=128,
@@ -44,10 +51,11 @@ def _tiny_cfg(family: str, tied: bool = False):
 
 
 def _realistic_cfg(family: str):
-  """Widths of real small models (GPT-2 small; Qwen2.5-0.5B / Qwen3-0.6B-like), 2 layers, small vocab."""
+  """Widths of real small models (GPT-2 small; Qwen2.5-0.5B / Qwen3-0.6B-like), one layer (every projection
+  of the width is in it), small vocab."""
   if family == "gpt2":
-    return models.GPT2Config(vocab_size=512, hidden_size=768, num_layers=2, num_heads=12, max_position_embeddings=64)
-  kw = dict(vocab_size=512, num_layers=2, max_position_embeddings=64)
+    return models.GPT2Config(vocab_size=512, hidden_size=768, num_layers=1, num_heads=12, max_position_embeddings=64)
+  kw = dict(vocab_size=512, num_layers=1, max_position_embeddings=64)
   return {
     "llama": lambda: models.LlamaConfig(**kw, hidden_size=1024, num_heads=16, num_kv_heads=8, intermediate_size=2816),
     "qwen2": lambda: models.Qwen2Config(**kw, hidden_size=896, num_heads=14, num_kv_heads=2, intermediate_size=4864),
@@ -92,8 +100,8 @@ def _logits(model, tokens, mask, key=None):
   return np.asarray(_logits_jit(graphdef, state, tokens, mask, key))
 
 
-def _model(family, tied=False, seed=0, **kw):
-  model = models.build_model(_tiny_cfg(family, tied), rngs=nnx.Rngs(seed), **kw)
+def _model(family, tied=False, seed=0, layers=1, **kw):
+  model = models.build_model(_tiny_cfg(family, tied, layers), rngs=nnx.Rngs(seed), **kw)
   _randomise_small_params(model, seed)
   return model
 
@@ -175,7 +183,7 @@ def test_merged_weights_equal_numpy_w_plus_scale_a_b_and_forward_matches():
 def test_scale_and_init_follow_peft():
   assert lora.LoRAConfig(rank=16, alpha=32).scale == 2.0
   assert lora.LoRAConfig(rank=16, alpha=32, rslora=True).scale == 8.0
-  model = _model("qwen3")
+  model = _model("qwen3", layers=2)
   lora.apply_lora(model, lora.LoRAConfig(rank=8, alpha=8), key=jax.random.key(0))
   q = model.layers[0].attn.q_lora  # A [D, r]: kaiming_uniform(a=√5) bound 1/√D
   a = np.asarray(q.a.get_value())
@@ -188,7 +196,7 @@ def test_scale_and_init_follow_peft():
   std = np.concatenate([np.asarray(s.adapter().a.get_value()).ravel() for s in lora._sites(g)]).std()
   assert abs(std - 1 / 8) < 0.01
   # a different key gives different A; the same key the same A
-  h = _model("qwen3")
+  h = _model("qwen3", layers=2)
   lora.apply_lora(h, lora.LoRAConfig(rank=8, alpha=8), key=jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(h.layers[1].mlp.up_lora.a.get_value()), model.layers[1].mlp.up_lora.a[...])
 
@@ -253,14 +261,14 @@ def test_per_row_dropout_keys_make_masks_independent_of_the_batch_split():
   [("gpt2", ["q", "k", "v", "o", "fc", "proj"]), ("llama", ["q", "k", "v", "o", "gate", "up", "down"])],
 )
 def test_default_targets_are_all_attention_and_mlp_projections(family, expected):
-  model = _model(family)
+  model = _model(family, layers=2)
   lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=2), key=jax.random.key(0))
   adapted = [s.name for s in lora._sites(model) if s.adapter() is not None]
   assert adapted == expected * 2
 
 
 def test_target_patterns_select_by_name_or_path_and_unknown_targets_raise():
-  model = _model("llama")
+  model = _model("llama", layers=2)
   lora.apply_lora(
     model, lora.LoRAConfig(rank=2, alpha=2, targets=("q|v", r"layers\.1\.mlp\.down")), key=jax.random.key(0)
   )
@@ -385,7 +393,7 @@ def test_adapter_gradients_with_remat_equal_those_without():
   tokens, mask = _batch(96)
   grads = {}
   for remat in (False, True):
-    model = _model("qwen3", remat=remat)
+    model = _model("qwen3", layers=2, remat=remat)  # two layers: each remat'd layer must use its own weights
     lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8, dropout=0.2), key=jax.random.key(0))
     _randomise_b(model)
     graphdef, adapters, base = nnx.split(model, nnx.LoRAParam, ...)
@@ -403,7 +411,7 @@ def test_adapter_gradients_with_remat_equal_those_without():
 
 
 def test_count_params_and_adam_bytes_match_the_formula():
-  cfg = _tiny_cfg("qwen3")
+  cfg = _tiny_cfg("qwen3", layers=2)
   model = models.build_model(cfg, rngs=nnx.Rngs(0))
   plain = lora.count_params(model)
   r = 8
@@ -418,7 +426,7 @@ def test_count_params_and_adam_bytes_match_the_formula():
 
 
 def test_base_fingerprint_identifies_base_weights_only():
-  a, b = _model("llama"), _model("llama")
+  a, b = _model("llama", layers=2), _model("llama", layers=2)
   assert lora.base_fingerprint(a) == lora.base_fingerprint(b)
   before = lora.base_fingerprint(a)
   lora.apply_lora(a, lora.LoRAConfig(rank=2, alpha=2), key=jax.random.key(0))
@@ -428,7 +436,7 @@ def test_base_fingerprint_identifies_base_weights_only():
   w = b.layers[1].mlp.down
   w.set_value(w.get_value().at[3, 5].add(1e-6))  # one element, one ulp-ish
   assert lora.base_fingerprint(b) != before
-  c = _model("llama")
+  c = _model("llama", layers=2)
   c.layers[0].attn.q.set_value(jnp.swapaxes(c.layers[0].attn.q.get_value(), 1, 1)[:, ::-1])  # permuted heads
   assert lora.base_fingerprint(c) != before
 
@@ -464,7 +472,7 @@ def test_bench_lora_smoke(capsys):
   spec = importlib.util.spec_from_file_location("bench_lora", path)
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
-  res = bench.main(["--tiny", "--in-process", "--steps", "1"])
+  res = bench.main(["--tiny", "--layers", "1", "--in-process", "--steps", "1"])
   assert set(res) == {"full", "lora", "qlora"}
   assert res["full"]["adapter_params"] == 0 and res["lora"]["adapter_params"] > 0
   assert res["lora"]["opt_state_bytes"] < res["full"]["opt_state_bytes"]
