@@ -370,3 +370,26 @@ def load_example(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def session_shared_dir(tmp_path_factory, name: str, build) -> "os.PathLike":
+  """A directory built once per test session and shared by its modules and xdist workers: the first
+  caller of ``name`` runs ``build(path)`` under a file lock, later callers (other modules, the other
+  worker) wait for it and get the same ``path``. Readers must not change it (copy it first). With
+  xdist the directory lies in the parent of the worker's base temp directory (pytest-xdist's recipe
+  for session fixtures shared by workers), which belongs to this session alone."""
+  import fcntl
+  import shutil
+
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent
+  path = base / f"shared-{name}"
+  with open(base / f"shared-{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (path / ".built").exists():  # a failed build leaves no marker: the next caller builds again
+      shutil.rmtree(path, ignore_errors=True)
+      path.mkdir()
+      build(path)
+      (path / ".built").touch()
+  return path

@@ -6,7 +6,10 @@
   write): every resume starts from the latest complete checkpoint and finishes with the uninterrupted
   run's parameters and metrics.
 
-The runs share a persistent XLA compilation cache, so only the first run of each mesh compiles.
+The runs share a persistent XLA compilation cache, so only the first run of each mesh compiles. The two
+reference runs are built once per test session and shared with test_failure_modes_runs.py; only
+test_resume_is_exact's resumed run writes TensorBoard files (and checks them): tensorboardX imports
+torch, ~2.5 s of CPU per run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import cli_env
+from helpers import cli_env, session_shared_dir
 
 from jaxgrpo import checkpoint as ck
 from jaxgrpo.builders import load_policy
@@ -97,13 +100,21 @@ def _params(out):
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]}
 
 
+def reference_runs(env, tmp_path_factory):
+  """``base``: ``base/straight``, the uninterrupted 6-step run, and ``base/three``, a separate run
+  stopped after 3 steps (checkpoints 1-3), without TensorBoard. Built once per test session and shared
+  with test_failure_modes_runs.py (the same two runs): read them, copy them before changing anything."""
+
+  def build(base):
+    _train(env, base / "straight", 6, "--no-tensorboard")
+    _train(env, base / "three", 3, "--no-tensorboard")
+
+  return session_shared_dir(tmp_path_factory, "resume-reference-runs", build)
+
+
 @pytest.fixture(scope="module")
 def straight(env, tmp_path_factory):
-  """The uninterrupted reference: 6 steps; plus a copy of a separate run stopped after 3 steps."""
-  base = tmp_path_factory.mktemp("runs")
-  _train(env, base / "straight", 6)
-  _train(env, base / "three", 3)
-  return base
+  return reference_runs(env, tmp_path_factory)
 
 
 def _assert_same_records(got, want, rtol=0.0, atol=0.0):
@@ -164,9 +175,9 @@ def test_resume_across_mesh_changes(straight, env, tmp_path):
   """Stopped at 3 on 1 device -> steps 4-5 on 8 virtual devices (fsdp=8) -> step 6 on 1 device."""
   run = tmp_path / "run"
   shutil.copytree(straight / "three", run)
-  out = _train(env, run, 5, devices=8)
+  out = _train(env, run, 5, "--no-tensorboard", devices=8)
   assert "devices: 8 (cpu)" in out and re.search(r"resumed from checkpoint \S+ \(step 3\)", out)
-  out = _train(env, run, 6)
+  out = _train(env, run, 6, "--no-tensorboard")
   assert "devices: 1 (cpu)" in out and re.search(r"resumed from checkpoint \S+ \(step 5\)", out)
   # parameters within rtol 1e-5 (reductions split over 8 devices round differently)
   pa, pb = _params(straight / "straight"), _params(run)
@@ -193,7 +204,7 @@ def test_sigkill_at_random_moments_then_resume(straight, env, tmp_path):
     if done and done[-1] >= kill_after:
       continue
     delay = rng.choice([0.0, rng.uniform(0.0, 0.3)])
-    cmd = [sys.executable, TRAIN, *ARGS, "--run.out", str(run), "--run.steps", "6"]
+    cmd = [sys.executable, TRAIN, *ARGS, "--run.out", str(run), "--run.steps", "6", "--no-tensorboard"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     lines = []
     for line in proc.stdout:
@@ -217,7 +228,7 @@ def test_sigkill_at_random_moments_then_resume(straight, env, tmp_path):
     for s in complete:
       ck.verify_step(os.path.join(ckdir, str(s)))
   done = ck.complete_steps(ckdir, log=None)
-  out = _train(env, run, 6)
+  out = _train(env, run, 6, "--no-tensorboard")
   m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", out)
   assert m and int(m.group(1)) == done[-1], out[-2000:]
   got = _params(run)

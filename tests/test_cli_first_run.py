@@ -117,6 +117,8 @@ def test_cli_defaults_with_overrides_and_no_config_run(tmp_path):
   length and the sizes are cut to keep the test short; prompt and completion lengths stay the defaults."""
   small = ["--data.arithmetic.sft_steps", "0", "--data.arithmetic.eval_size", "2", "--data.arithmetic.train_size", "8"]
   small += ["--rollout.prompts_per_step", "1", "--rollout.group_size", "2", "--eval.samples", "1", "--run.steps", "1"]
+  # the verifier's worker process and TensorBoard are not what is tested (~8 s of CPU)
+  small += ["--reward.timeout_s", "null", "--no-tensorboard"]
   r = _cli(tmp_path, "--model.dtype", "float32", "--data.split", "train", *small)
   assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
   cfg = json.load(open(tmp_path / "out" / "config.json"))

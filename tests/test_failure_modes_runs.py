@@ -1,5 +1,6 @@
 """Failure modes of real training runs (``python scripts/train.py`` in child processes; the tiny
-arithmetic run of test_checkpoint_resume.py, with the verifier in its worker process):
+arithmetic run of test_checkpoint_resume.py, whose two reference runs are shared; the signal runs
+have the verifier in its worker process):
 
 * a NaN: the run stops (exit 1) naming the step and the first non-finite metric, nothing
   non-finite is saved and the last good checkpoint is kept (before: exit 0, NaN checkpoints, the
@@ -12,7 +13,8 @@ arithmetic run of test_checkpoint_resume.py, with the verifier in its worker pro
   continue, go on; the last good checkpoint is kept;
 * SIGTERM during a background save and SIGINT mid-run: the step is finished and checkpointed, the
   run exits 128 + signal, and resuming gives exactly the uninterrupted run; a second SIGINT aborts
-  at once; no verifier worker outlives the trainer;
+  at once; no verifier worker outlives the trainer (one run stopped by each in turn, resumed after
+  each stop);
 * bad inputs (truncated or garbage safetensors, a mesh that fits neither the devices nor the model
   nor the batch): exit 2 with one ``error:`` line, no traceback, no stray "cannot schedule new
   futures after interpreter shutdown";
@@ -43,7 +45,7 @@ import time
 import numpy as np
 import pytest
 from helpers import cli_env
-from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records
+from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records, reference_runs
 
 from jaxgrpo import checkpoint as ck
 from jaxgrpo import runlock
@@ -51,9 +53,13 @@ from jaxgrpo.builders import export_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-# the verifier runs in its worker process (reward.timeout_s set): the signal tests check its lifetime
-RUN_ARGS = [("10" if i and ARGS[i - 1] == "--reward.timeout-s" else a) for i, a in enumerate(ARGS)]
-assert RUN_ARGS != ARGS
+# the runs of test_checkpoint_resume.py (its reference runs are shared), without TensorBoard (its import
+# alone is ~2.5 s of CPU per run: tensorboardX imports torch)
+RUN_ARGS = [*ARGS, "--no-tensorboard"]
+# the signal runs: the verifier in its worker process (reward.timeout_s set), whose lifetime they check,
+# and TensorBoard on: every sink of a real run is open when the signal comes
+SIGNAL_ARGS = [("10" if i and ARGS[i - 1] == "--reward.timeout-s" else a) for i, a in enumerate(ARGS)]
+assert SIGNAL_ARGS != ARGS
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +67,8 @@ def env(tmp_path_factory):
   return cli_env(tmp_path_factory.mktemp("xla_cache"))
 
 
-def _cmd(out, steps, *extra):
-  return [sys.executable, TRAIN, *RUN_ARGS, "--run.out", str(out), "--run.steps", str(steps), *extra]
+def _cmd(out, steps, *extra, args=RUN_ARGS):
+  return [sys.executable, TRAIN, *args, "--run.out", str(out), "--run.steps", str(steps), *extra]
 
 
 def _run(env, out, steps, *extra, expect=0):
@@ -73,11 +79,9 @@ def _run(env, out, steps, *extra, expect=0):
 
 @pytest.fixture(scope="module")
 def runs(env, tmp_path_factory):
-  """The uninterrupted 6-step run, and a separate run stopped after 3 steps (checkpoints 1-3)."""
-  base = tmp_path_factory.mktemp("runs")
-  _run(env, base / "straight", 6)
-  _run(env, base / "three", 3)
-  return base
+  """The uninterrupted 6-step run (``straight``), and a separate run stopped after 3 steps (``three``,
+  checkpoints 1-3): test_checkpoint_resume.py's, built once per session. Copy before changing."""
+  return reference_runs(env, tmp_path_factory)
 
 
 def _complete(out):
@@ -251,13 +255,13 @@ def _alive(pid: int) -> bool:
 
 
 def _signal_run(env, out, *extra, after: str, signals: list[int], gap: float = 0.05):
-  """Starts a 6-step run, sends ``signals`` (``gap`` s apart) once a stdout line starts with
-  ``after``; returns (exit status, stdout, stderr, the trainer's child processes, seconds to exit,
-  whether a save was being written when the first signal was sent)."""
+  """Starts (or resumes) a 6-step run with the verifier worker, sends ``signals`` (``gap`` s apart) once
+  a stdout line starts with ``after``; returns (exit status, stdout, stderr, the trainer's child
+  processes, seconds to exit, whether a save was being written when the first signal was sent)."""
   proc = subprocess.Popen(
-    _cmd(out, 6, *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    _cmd(out, 6, *extra, args=SIGNAL_ARGS), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
   )
-  lines, children = [], []
+  lines, children, t0, mid_save = [], [], time.monotonic(), None
   for line in proc.stdout:
     lines.append(line)
     if line.startswith(after):
@@ -270,6 +274,7 @@ def _signal_run(env, out, *extra, after: str, signals: list[int], gap: float = 0
       mid_save = not _no_temporary_dirs(out)
       break
   rest, stderr = proc.communicate(timeout=600)
+  assert mid_save is not None, f"no line starting with {after!r}:\n{''.join(lines)[-3000:]}\n{stderr[-3000:]}"
   return proc.returncode, "".join(lines) + rest, stderr, children, time.monotonic() - t0, mid_save
 
 
@@ -281,10 +286,23 @@ def _assert_no_child_left(children):
   assert not [c for c in children if _alive(c)], "processes outlived the trainer"
 
 
-def test_sigterm_during_a_background_save_finishes_it_and_checkpoints(runs, env, tmp_path):
-  """SIGTERM right after a background save started (usually while it is written). Before: exit
-  by the signal (-15 here), the save abandoned, nothing said."""
+def test_signals_stop_cleanly_and_every_resume_is_exact(runs, env, tmp_path):
+  """One run stopped by each signal scenario in turn, resumed after each stop, then finished; every
+  stop must leave no verifier worker behind, and the finished run must equal the uninterrupted one bit
+  for bit (so every resume was exact; each one also says which step it resumed from).
+
+  1. SIGTERM right after step 2's background save started (usually while it is written). Before: exit
+     by the signal (-15 here), the save abandoned, nothing said.
+  2. Resumed with no periodic checkpoints (checkpoint.every 0), SIGINT once the next step is logged:
+     the step is finished and checkpointed. Before: SIGINT lost every step done since the resume.
+  3. Resumed, two SIGINTs 50 ms apart once a checkpoint was started: abort at once. The first one's
+     stop (finish the step, checkpoint it) can complete inside those 50 ms when the step was nearly
+     done: then the second signal finds no process and the run is a plain first-signal stop. That
+     attempt says nothing about the second signal, so it is repeated (at most three times, each from
+     a fresh copy of the directory that scenario 2 left).
+  4. Resumed to the end."""
   out = tmp_path / "run"
+  # 1. SIGTERM during a background save
   code, stdout, stderr, children, _, mid_save = _signal_run(
     env, out, after="checkpoint: step 2 ", signals=[signal.SIGTERM]
   )
@@ -292,63 +310,58 @@ def test_sigterm_during_a_background_save_finishes_it_and_checkpoints(runs, env,
   assert code == 128 + signal.SIGTERM, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
   m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint of step \1 complete", stderr)
   assert m and "SIGTERM received: finishing the current step" in stderr, stderr
-  stop = int(m.group(1))
-  assert stop >= 2 and f"SIGTERM: stopping after step {stop} (checkpoint of step {stop} started;" in stdout
-  assert _complete(out)[-2:] == [stop - 1, stop] and _no_temporary_dirs(out)  # the save in flight was finished
+  term = int(m.group(1))
+  assert term >= 2 and f"SIGTERM: stopping after step {term} (checkpoint of step {term} started;" in stdout
+  assert _complete(out)[-2:] == [term - 1, term] and _no_temporary_dirs(out)  # the save in flight was finished
   for s in _complete(out):
     ck.verify_step(str(out / "checkpoints" / str(s)))
   _assert_no_child_left(children)
-  r = _run(env, out, 6)
-  assert re.search(rf"resumed from checkpoint \S+ \(step {stop}\)", r.stdout)
-  _assert_same_as_straight(runs, out)
 
-
-def test_sigint_mid_run_checkpoints_the_current_step(runs, env, tmp_path):
-  """No periodic checkpoints (checkpoint.every 0): before, SIGINT lost every step done so far."""
-  out = tmp_path / "run"
+  # 2. SIGINT mid-run without periodic checkpoints
   code, stdout, stderr, children, _, _ = _signal_run(
-    env, out, "--checkpoint.every", "0", after="step 2 loss", signals=[signal.SIGINT]
+    env, out, "--checkpoint.every", "0", after=f"step {term + 1} loss", signals=[signal.SIGINT]
   )
   assert code == 128 + signal.SIGINT, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  assert re.search(rf"resumed from checkpoint \S+ \(step {term}\)", stdout)
   m = re.search(r"stopped by SIGINT after step (\d+); checkpoint of step \1 complete", stderr)
   assert m, stderr
   stop = int(m.group(1))
-  assert stop >= 2 and _complete(out) == [stop] and "Traceback" not in stderr
+  # the one checkpoint since the resume is the signal's
+  assert stop > term and [s for s in _complete(out) if s > term] == [stop] and "Traceback" not in stderr
   _assert_no_child_left(children)
-  r = _run(env, out, 6)
-  assert re.search(rf"resumed from checkpoint \S+ \(step {stop}\)", r.stdout)
-  _assert_same_as_straight(runs, out)
 
-
-def test_second_sigint_aborts_at_once(runs, env, tmp_path):
-  """Two SIGINTs 50 ms apart. The first one's stop (finish the step, checkpoint it) can complete
-  inside those 50 ms when the step was nearly done: then the second signal finds no process and the
-  run is a plain first-signal stop. That attempt says nothing about the second signal, so it is
-  repeated (at most three times, fresh output directories)."""
+  # 3. a second SIGINT aborts at once
+  before = tmp_path / "before_second_sigint"
+  shutil.copytree(out, before)
   for attempt in range(3):
-    out = tmp_path / f"run{attempt}"
+    run = tmp_path / f"run{attempt}"
+    shutil.copytree(before, run)
     code, stdout, stderr, children, seconds, _ = _signal_run(
-      env, out, after="checkpoint: step 2 ", signals=[signal.SIGINT, signal.SIGINT]
+      env, run, after=f"checkpoint: step {stop + 1} ", signals=[signal.SIGINT, signal.SIGINT]
     )
     if "stopped by SIGINT" not in stderr:
       break
     print(f"attempt {attempt}: the first SIGINT's stop finished before the second signal; again")
   assert code == 128 + signal.SIGINT, f"{code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  assert re.search(rf"resumed from checkpoint \S+ \(step {stop}\)", stdout)
   assert "aborted by SIGINT: a checkpoint being written is abandoned" in stderr and "Traceback" not in stderr
   assert "stopped by SIGINT" not in stderr  # it did not wait for the step and its checkpoint
   print(f"second SIGINT: exited {seconds:.2f} s after the first signal")
   _assert_no_child_left(children)
-  done = _complete(out)
+  done = _complete(run)
   # what is said is true (before: "SIGINT: stopped after step 2 (checkpoint of step 2 written)" with
   # step 2's background write abandoned by the second signal)
   claimed = [int(n) for n in re.findall(r"checkpoint of step (\d+) (?:written|complete)", stdout + stderr)]
   assert set(claimed) <= set(done), (claimed, done, stdout[-2000:])
   assert (
-    f"the latest complete checkpoint is step {done[-1]} ({out}/checkpoints/{done[-1]}): the next run resumes" in stderr
+    f"the latest complete checkpoint is step {done[-1]} ({run}/checkpoints/{done[-1]}): the next run resumes" in stderr
   )
-  r = _run(env, out, 6)  # an abandoned save is ignored; the run resumes from the latest complete step
+
+  # 4. an abandoned save is ignored; the run resumes from the latest complete step and ends as the
+  # uninterrupted run did
+  r = _run(env, run, 6)
   assert re.search(rf"resumed from checkpoint \S+ \(step {done[-1]}\)", r.stdout)
-  _assert_same_as_straight(runs, out)
+  _assert_same_as_straight(runs, run)
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -426,13 +439,16 @@ def test_collapse_without_nan_stops_and_keeps_the_good_checkpoints(runs, env, tm
 
 def test_second_run_into_the_same_out_is_refused(env, tmp_path):
   """Two real runs into one --out. Before: both exit 0, the newest checkpoint holds the second run's
-  tensors and metrics.jsonl interleaves both. The lock goes with a SIGKILLed holder."""
+  tensors and metrics.jsonl interleaves both. The lock goes with a SIGKILLed holder. The first run is
+  suspended (SIGSTOP, as by Ctrl-Z) once step 1 is logged: it keeps its lock, and it neither spends
+  the CPU the second run's start-up needs nor finishes while the second one starts."""
   out = tmp_path / "run"
   # 500 steps: still running while the second run starts (it is killed below)
   first = subprocess.Popen(_cmd(out, 500), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
   try:
     for line in first.stdout:
       if line.startswith("step 1 loss"):
+        os.kill(first.pid, signal.SIGSTOP)
         break
     metrics_before = (out / "metrics.jsonl").read_bytes()
     r = _run(env, out, 6, expect=2)
@@ -440,7 +456,7 @@ def test_second_run_into_the_same_out_is_refused(env, tmp_path):
     assert f"error: {out} is in use by another run: pid {first.pid} on host {socket.gethostname()}" in line
     assert "use another --out" in line and "resolved config" not in r.stdout  # refused before anything ran
     _clean_failure(r.stderr)
-    assert (out / "metrics.jsonl").read_bytes()[: len(metrics_before)] == metrics_before
+    assert (out / "metrics.jsonl").read_bytes() == metrics_before  # the holder is stopped: any change is the second's
   finally:
     first.kill()  # SIGKILL: no handler, no finally
     first.communicate(timeout=60)

@@ -1,6 +1,6 @@
 """The trainer's ``env:`` section: a multi-turn run of the synthetic model in an environment written
 against the documented protocol alone (below), with evaluation, the env metrics, packing, LoRA, and an
-exact in-process resume (2 steps, checkpoint, 2 more == 4 straight)."""
+exact in-process resume (the straight run's checkpoint of step 2, then 2 more steps == 4 straight)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,19 @@ def _params(trainer):
 @pytest.mark.slow
 def test_env_run_metrics_eval_and_exact_resume(tmp_path):
   cfg = tiny(
-    **ENV, **{"run.steps": 4, "run.out": str(tmp_path / "a"), "eval.every": 4, "data.arithmetic.sft_steps": 60}
+    **ENV,
+    **{
+      "run.steps": 4,
+      "run.out": str(tmp_path / "a"),
+      "eval.every": 4,
+      "data.arithmetic.sft_steps": 60,
+      "checkpoint.every": 2,
+    },
   )
-  straight = Trainer(cfg, log=None)
+  # the straight run's own snapshot of step 2 is the checkpoint resumed below (a run stopped after 2
+  # steps gives the same state: test_checkpoint_resume.py::test_resume_is_exact, real runs)
+  saved, save, restore_from = _memory_checkpoints()
+  straight = Trainer(cfg, checkpoint_fn=save, log=None)
   records = straight.run(handle_signals=False)
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -75,9 +85,7 @@ def test_env_run_metrics_eval_and_exact_resume(tmp_path):
     assert r["tokens"] == pytest.approx(r["env/policy_tokens"] * 8)  # the loss counts policy tokens only
   evals = [r for r in records if "eval_accuracy" in r]
   assert [r["step"] for r in evals] == [0, 4] and "eval_env/turns" in evals[0]
-  saved, save, restore_from = _memory_checkpoints()
-  first = Trainer(dataclass_replace(cfg, steps=2, out=tmp_path / "b"), checkpoint_fn=save, log=None)
-  first.run(handle_signals=False)
+  assert sorted(saved) == [2, 4]
   resumed = Trainer(dataclass_replace(cfg, steps=4, out=tmp_path / "c"), restore_fn=restore_from(2), log=None)
   assert resumed.resumed
   got = resumed.run(handle_signals=False)
