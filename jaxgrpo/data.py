@@ -24,14 +24,12 @@ import json
 import math
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import datasets
 import numpy as np
 import pyarrow.csv
 import pyarrow.parquet
-
-if TYPE_CHECKING:  # imported where a directory or a hub id is loaded: a second off every CLI start
-  import datasets
 
 __all__ = [
   "INSTRUCTION",
@@ -312,8 +310,6 @@ def _library_call(what: str, fn, *args, **kwargs):
 
 
 def _load_dir(path: str, split: str) -> datasets.Dataset:
-  import datasets
-
   if any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
     ds = _library_call(f"the saved dataset {path}", datasets.load_from_disk, path)
     if isinstance(ds, datasets.DatasetDict):
@@ -350,8 +346,6 @@ def _load_rows(source: str, split: str, name: str | None, limit: int | None) -> 
     elif _looks_local(path):
       raise ValueError(f"`source`: no such file or directory: {path}")
     else:  # a hub id (name: its config, e.g. "main")
-      import datasets
-
       ds = _library_call(f"{path!r} from the Hugging Face hub", datasets.load_dataset, path, name, split=split)
     if limit is not None:
       ds = ds.select(range(min(limit, len(ds))))

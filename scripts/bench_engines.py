@@ -39,6 +39,7 @@ from flax import nnx
 import jaxgrpo
 from jaxgrpo import iteration, train
 from jaxgrpo.engines import BuiltinEngine
+from jaxgrpo.engines.vllm import VLLMEngine  # imports vLLM only when an engine starts
 from jaxgrpo.models import Qwen3Config, build_model, save_hf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,8 +157,6 @@ def bench_workload(name: str, args) -> dict:
   builtin = BuiltinEngine(model)
   v32 = v16 = start32 = None
   if not args.skip_vllm:
-    from jaxgrpo.engines.vllm import VLLMEngine
-
     t0 = time.perf_counter()
     v32 = VLLMEngine(model.config, dtype="float32", max_model_len=max_len, model=model)
     start32 = time.perf_counter() - t0
