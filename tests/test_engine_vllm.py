@@ -42,7 +42,10 @@ def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> Non
   """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache (the session's, else ``cache``)."""
   if not os.path.exists(VENV_PYTHON):
     pytest.fail(f"{VENV_PYTHON} is missing: run `bash scripts/setup_vllm_venv.sh` (the README's test command does)")
+  # the flags users run with, not the suite's compile-speed flags (helpers.TEST_XLA_FLAGS): the learning run's
+  # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
+  env.pop("XLA_FLAGS")
   proc = subprocess.run(
     [VENV_PYTHON, os.path.join(ROOT, "tests", script), *args],
     env=env,
@@ -79,7 +82,9 @@ def test_vllm_matches_the_library_on_every_family_after_every_push(vllm_runs):
     assert r["after_update_vs_old_mean_abs"] > 1.0, r
     assert bf16 or r["after_update_vs_old_mean_abs"] > 1000 * r["after_update_max_abs_logp"], r
     # greedy: the engine's token is the library's argmax given the engine's own prefix
-    assert r["greedy_positions"] > 250, r
+    # coverage: enough clear-margin positions to compare (where greedy stops depends on rounding-level
+    # differences of the build: 144 to 300+ per case); agreement on every one of them is the check below
+    assert r["greedy_positions"] > 100, r
     assert r["greedy_agree"] >= (0.95 if bf16 else 1.0) * r["greedy_positions"], r
     assert r["suppressed_sampled"] == 0 and r["finish_reasons_ok"], r
     if r["case"].get("top_k") or r["case"].get("top_p"):
