@@ -22,9 +22,9 @@ B, P, T, G = 16, 4, 12, 4
 #: XLA flags of every test process and child (tests/conftest.py sets them before jax is imported; child_env and
 #: cli_env pass them on). The suite compiles thousands of tiny programs, so compile time is most of its time:
 #: LLVM at -O0 and XLA:CPU's older loop emitters instead of the MLIR fusion emitters compile a tiny train step in
-#: 1.3 s instead of 4.0 s (CPU time; test_losses + test_advantages_kl: 52 -> 29 s). They change how fast code is
-#: built, not what it computes; every process of a test uses the same flags, so bit-for-bit comparisons between
-#: processes hold.
+#: 1.3 s instead of 4.0 s (CPU time; test_losses + test_advantages_kl: 52 -> 29 s). They change results only at
+#: rounding level (summation order); every process of a test uses the same flags, so bit-for-bit comparisons
+#: between processes hold.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
