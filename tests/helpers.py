@@ -195,7 +195,7 @@ def reference_update(
     }
     return new, metrics
 
-  new, metrics = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params, data)
+  new, metrics = jax.jit(update)(params, data)
   flat = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}
   return flat, {k: float(v) for k, v in metrics.items()}, new
 
@@ -316,7 +316,7 @@ def sgd_update(model, batch, loss_of_logp, *, lr, max_grad_norm):
     scale = jnp.minimum(1.0, max_grad_norm / gnorm)
     return jax.tree.map(lambda p_, g_: p_ - lr * scale * g_, params, grads), loss
 
-  new, loss = jax.jit(update, compiler_options={"xla_backend_optimization_level": 0})(params)
+  new, loss = jax.jit(update)(params)
   return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(new)}, float(loss)
 
 

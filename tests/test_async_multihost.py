@@ -139,7 +139,6 @@ MESH = {"devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": "10"}
 
 def test_two_processes_killed_and_resumed_train_every_prompt_once(tmp_path):
   steps = 6  # 12 prompts of 24: no epoch boundary hides a skip
-  # XLA's backend optimisations cost the cold run a third of its CPU time and do not touch what is tested
   env = cli_env(tmp_path / "cache")  # the tests' compile flags (helpers.TEST_XLA_FLAGS)
   out = tmp_path / "run"
   cmd = [*async_train_cmd(out, steps, **MESH), "--processes", "2", "--cpu-devices", "2"]

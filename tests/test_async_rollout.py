@@ -226,7 +226,6 @@ def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   the trained prompts are those of an uninterrupted run, in the data iterator's order; the
   checkpoint recorded the untrained batch, which was sampled again."""
   steps = 7  # 14 prompts of 24: no epoch boundary hides a skip
-  # XLA's backend optimisations cost the cold run a third of its CPU time and do not touch what is tested
   env = cli_env(tmp_path / "cache")  # the tests' compile flags (helpers.TEST_XLA_FLAGS)
   full = tmp_path / "full"
   subprocess.run(async_train_cmd(full, steps), env=env, check=True, capture_output=True, timeout=600)

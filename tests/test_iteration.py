@@ -16,7 +16,6 @@ from jaxgrpo import sharding as shd
 from jaxgrpo.config import preset
 from jaxgrpo.sampling import Rollout, generate
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 G, T = 4, 6
 
 
@@ -76,7 +75,7 @@ def _step(config, model, micro=2):
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.adam(1e-2)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-  tc = train.TrainConfig(micro_batches=micro, group_size=G, chunk_size=4, compiler_options=FAST_COMPILE)
+  tc = train.TrainConfig(micro_batches=micro, group_size=G, chunk_size=4)
   return train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc), state
 
 

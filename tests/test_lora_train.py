@@ -24,7 +24,6 @@ from jaxgrpo.models import Qwen3Config, build_model, lora
 from jaxgrpo.sampling import generate
 
 LR = 0.5
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _lora_model(*, seed=0, dropout=0.0, quantize=None, b_std=0.05, layers=2):
@@ -48,7 +47,6 @@ def _step(model, *, opt, micro=1, dropout_key=None, config=None, max_grad_norm=N
     max_grad_norm=max_grad_norm,
     group_size=G,
     chunk_size=4,
-    compiler_options=FAST_COMPILE,
     packing=packing,
   )
   step = train.make_train_step(

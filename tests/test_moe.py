@@ -20,9 +20,6 @@ from jaxgrpo.models import lora, moe
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.sampling import generate
 
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}  # tiny models: compile time dominates
-
-
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
@@ -181,7 +178,7 @@ def test_train_step_replays_the_rollout_routing():
   assert batch.routing is r.routing
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(0.0)
-  tc = train.TrainConfig(compiler_options=_FAST_COMPILE)
+  tc = train.TrainConfig()
   metrics = {}
   for name, routing in (("own", r.routing), ("other", (np.asarray(r.routing) + 1) % 8)):
     graphdef, state, sh = train.init_train_state(model, opt, mesh)
@@ -255,9 +252,7 @@ def test_train_step_adds_the_router_losses():
   c_aux, c_z = 0.5, 0.01
   out = {}
   for name, (a, z) in (("with", (c_aux, c_z)), ("without", (0.0, 0.0))):
-    tc = train.TrainConfig(
-      micro_batches=2, max_grad_norm=None, router_aux_loss=a, router_z_loss=z, compiler_options=_FAST_COMPILE
-    )
+    tc = train.TrainConfig(micro_batches=2, max_grad_norm=None, router_aux_loss=a, router_z_loss=z)
     graphdef, state, sh = train.init_train_state(model, opt, mesh)
     step = train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=sh, train_config=tc)
     new, metrics = step(state, batch)

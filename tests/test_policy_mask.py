@@ -22,7 +22,6 @@ from jaxgrpo.config import preset
 from jaxgrpo.process_sets import process_set_sizes
 
 LR = 0.5
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def interleaved_batch(seed=0):
@@ -93,7 +92,7 @@ def _step(name, overrides, packing=None):
   model = tiny_model(layers=1)
   opt = optax.sgd(LR)
   graphdef, _, shardings = train.init_train_state(model, opt, mesh)
-  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=8, compiler_options=FAST_COMPILE, packing=packing)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=8, packing=packing)
   return (
     config,
     mesh,

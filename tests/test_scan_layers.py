@@ -37,8 +37,6 @@ from jaxgrpo.models import lora
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
 
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
@@ -151,7 +149,7 @@ def _train(model, *, trainable=nnx.Param, dropout_key=None, steps=2):
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(0.5, momentum=0.9)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh, trainable=trainable)
-  tc = train.TrainConfig(micro_batches=2, group_size=G, chunk_size=4, compiler_options=FAST_COMPILE)
+  tc = train.TrainConfig(micro_batches=2, group_size=G, chunk_size=4)
   step = train.make_train_step(
     graphdef, opt, preset("grpo"), mesh=mesh, shardings=shardings, train_config=tc, dropout_key=dropout_key
   )

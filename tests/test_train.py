@@ -19,7 +19,6 @@ from jaxgrpo.config import preset
 from jaxgrpo.models import log_probs
 
 LR, CLIP = 0.5, 0.05
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # (preset, overrides): one per aggregation mode, covering KL-in-loss, future-KL, λ weights, dual clip
 CASES = {
@@ -42,9 +41,7 @@ def _setup(name, overrides, micro, iters=1, mesh_spec="data=1"):
     config,
     mesh=mesh,
     shardings=shardings,
-    train_config=train.TrainConfig(
-      micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE
-    ),
+    train_config=train.TrainConfig(micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5),
   )
   return config, mesh, model, opt, step
 
@@ -132,9 +129,7 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
     config,
     mesh=mesh,
     shardings=shardings,
-    train_config=train.TrainConfig(
-      mini_batches=2, max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE
-    ),
+    train_config=train.TrainConfig(mini_batches=2, max_grad_norm=CLIP, group_size=G, chunk_size=5),
   )
   state, _ = step(state, shd.place_batch(batch, mesh))
   b = batch.completions.shape[0]
@@ -172,7 +167,7 @@ def test_reference_fn_matches_model_log_probs(micro):
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   model = tiny_model(seed=3, layers=1)
   graphdef, state, shardings = train.init_train_state(model, optax.sgd(0.1), mesh)
-  tc = train.TrainConfig(chunk_size=5, micro_batches=micro, compiler_options=FAST_COMPILE)
+  tc = train.TrainConfig(chunk_size=5, micro_batches=micro)
   ref_fn = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
   batch = make_batch()
   assert batch.completions.shape[0] % micro == 0

@@ -35,7 +35,6 @@ from jaxgrpo.config import preset
 from jaxgrpo.losses import LossTerms
 
 LR, CLIP = 0.5, 0.05
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 GSPO_CLIP = 0.1  # wide enough to leave some sequences inside, narrow enough to clip others
 
 
@@ -45,9 +44,7 @@ def _make(config, *, micro=1, mesh=None, model=None, **fns):
   model = model or tiny_model(layers=1)
   opt = optax.sgd(LR)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-  tc = train.TrainConfig(
-    micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5, compiler_options=FAST_COMPILE
-  )
+  tc = train.TrainConfig(micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5)
   step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc, **fns)
   return step, state
 

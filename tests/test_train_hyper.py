@@ -15,7 +15,6 @@ from helpers import G, flat_params, make_batch, tiny_model
 
 import jaxgrpo as jg
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 # β > 0 switches the KL term on (structure); the dual clip is on, so its c is an input too
 CONFIG = jg.preset("grpo", beta=0.04, dual_clip=3.0)
 
@@ -29,7 +28,7 @@ def _step(config, **kw):
   mesh, model = _mesh_model()
   opt = optax.sgd(0.5)
   graphdef, _, shardings = jg.init_train_state(model, opt, mesh)
-  tc = jg.TrainConfig(group_size=G, chunk_size=None, compiler_options=FAST_COMPILE)
+  tc = jg.TrainConfig(group_size=G, chunk_size=None)
   return jg.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc, **kw), opt
 
 

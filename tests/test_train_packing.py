@@ -40,7 +40,6 @@ from jaxgrpo import sharding as shd
 from jaxgrpo.config import preset
 
 LR, CLIP = 0.5, 0.05
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 B, P, T, G = 16, 4, 24, 4
 L = P + T  # a sequence with a full prompt and a full completion fills a row exactly
 
@@ -70,7 +69,6 @@ def _make(config, *, packing=None, micro=1, mini=1, model=None, rows=None, **fns
     max_grad_norm=CLIP,
     group_size=G,
     chunk_size=5,
-    compiler_options=FAST_COMPILE,
     tree_stats=True,
     packing=packing,
     packing_rows=rows,
