@@ -23,33 +23,38 @@ The package is layered, every import pointing down (README, "The library"):
    ``collapse`` (the guard against a policy that collapses with finite values). Services beside them:
    ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.runlock`` (one run per output directory).
 
-The kernels (layer 1) are imported with the package and need only JAX and NumPy. Layers 2–3 and
-``jaxgrpo.iteration`` are re-exported here *lazily*: ``jaxgrpo.make_train_step`` (or any name of
-theirs in ``__all__``) imports its module, and Flax and Optax with it, on first access. Import the
-other modules of layer 4 and the services yourself (heavier dependencies: datasets, transformers'
-tokenizers, Orbax).
+Every name in ``__all__`` is re-exported *lazily*: ``import jaxgrpo`` imports nothing else, and
+``jaxgrpo.group_advantages`` (or any other name) imports its module on first access — a kernel (layer 1)
+JAX and NumPy only, ``jaxgrpo.make_train_step`` Flax and Optax too. (So a process that needs one small
+module, such as the verifier worker of ``jaxgrpo.timeout_pool``, does not pay for JAX.) Import the other
+modules of layer 4 and the services yourself (heavier dependencies: datasets, transformers' tokenizers,
+Orbax).
 """
 
 import importlib
 
 from jaxgrpo._version import __version__
-from jaxgrpo.advantages import group_advantages, group_baseline, rloo_advantages
-from jaxgrpo.config import PRESETS, GRPOConfig, GRPOHyper, preset
-from jaxgrpo.importance import ImportanceWeights, importance_weights
-from jaxgrpo.kl import frpo_advantages, future_kl, kl_penalty
-from jaxgrpo.losses import LossHyper, LossTerms, combine_terms, finalize_terms, policy_loss, policy_loss_terms
-from jaxgrpo.objective import objective_terms, rollout_advantages
-from jaxgrpo.process_sets import (
-  prefix_hashes,
-  process_advantages,
-  process_rewards,
-  process_set_sizes,
-  process_tree_stats,
-)
-from jaxgrpo.surrogates import Surrogate, policy_surrogate
 
-# name -> (module, attribute; None for the module itself): imported on first access (layers 2-4 need Flax)
+# name -> (module, attribute; None for the module itself): imported on first access (layer 1 needs JAX and
+# NumPy, layers 2-4 Flax and Optax too)
+_KERNELS = {
+  "jaxgrpo.advantages": ("group_advantages", "group_baseline", "rloo_advantages"),
+  "jaxgrpo.process_sets": (
+    "prefix_hashes",
+    "process_set_sizes",
+    "process_rewards",
+    "process_advantages",
+    "process_tree_stats",
+  ),
+  "jaxgrpo.kl": ("kl_penalty", "future_kl", "frpo_advantages"),
+  "jaxgrpo.losses": ("policy_loss", "policy_loss_terms", "LossHyper", "combine_terms", "finalize_terms", "LossTerms"),
+  "jaxgrpo.surrogates": ("policy_surrogate", "Surrogate"),
+  "jaxgrpo.importance": ("importance_weights", "ImportanceWeights"),
+  "jaxgrpo.config": ("GRPOConfig", "GRPOHyper", "preset", "PRESETS"),
+  "jaxgrpo.objective": ("rollout_advantages", "objective_terms"),
+}
 _LAZY = {
+  **{name: (module, name) for module, names in _KERNELS.items() for name in names},
   **{m: (f"jaxgrpo.{m}", None) for m in ("models", "sampling", "sharding", "train", "iteration")},
   **{n: ("jaxgrpo.models", n) for n in ("build_model", "load_hf", "save_hf", "log_probs")},
   **{n: ("jaxgrpo.sampling", n) for n in ("generate", "Rollout")},
@@ -101,40 +106,4 @@ def __dir__():
   return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = [
-  "__version__",
-  # advantages
-  "group_advantages",
-  "group_baseline",
-  "rloo_advantages",
-  # process sets (λ-GRPO)
-  "prefix_hashes",
-  "process_set_sizes",
-  "process_rewards",
-  "process_advantages",
-  "process_tree_stats",
-  # KL and FRPO
-  "kl_penalty",
-  "future_kl",
-  "frpo_advantages",
-  # losses
-  "policy_loss",
-  "policy_loss_terms",
-  "LossHyper",
-  "combine_terms",
-  "finalize_terms",
-  "LossTerms",
-  "policy_surrogate",
-  "Surrogate",
-  "importance_weights",
-  "ImportanceWeights",
-  # configuration
-  "GRPOConfig",
-  "GRPOHyper",
-  "preset",
-  "PRESETS",
-  "rollout_advantages",
-  "objective_terms",
-  # models, sampling, the train step, the iteration (lazy, in the order of _LAZY)
-  *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]

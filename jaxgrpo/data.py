@@ -24,12 +24,12 @@ import json
 import math
 import os
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import datasets
 import numpy as np
-import pyarrow.csv
-import pyarrow.parquet
+
+if TYPE_CHECKING:
+  import datasets
 
 __all__ = [
   "INSTRUCTION",
@@ -269,7 +269,12 @@ def _read_json(path: str) -> list[dict]:
   return rows
 
 
-def _read_arrow(path: str, read) -> list[dict]:
+def _read_arrow(path: str, ext: str) -> list[dict]:
+  import pyarrow  # here, not at the top: runs without data files do not pay the import (also datasets' below)
+  import pyarrow.csv
+  import pyarrow.parquet
+
+  read = pyarrow.parquet.read_table if ext == "parquet" else pyarrow.csv.read_csv
   try:
     return read(path).to_pylist()
   except (pyarrow.ArrowException, OSError) as e:
@@ -287,7 +292,7 @@ def _read_file(path: str) -> list[dict]:
       return _read_json_lines(path, enumerate(f, 1))
   if ext == "json":
     return _read_json(path)
-  return _read_arrow(path, pyarrow.parquet.read_table if ext == "parquet" else pyarrow.csv.read_csv)
+  return _read_arrow(path, ext)
 
 
 def _looks_local(source: str) -> bool:
@@ -310,6 +315,8 @@ def _library_call(what: str, fn, *args, **kwargs):
 
 
 def _load_dir(path: str, split: str) -> datasets.Dataset:
+  import datasets
+
   if any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
     ds = _library_call(f"the saved dataset {path}", datasets.load_from_disk, path)
     if isinstance(ds, datasets.DatasetDict):
@@ -346,6 +353,8 @@ def _load_rows(source: str, split: str, name: str | None, limit: int | None) -> 
     elif _looks_local(path):
       raise ValueError(f"`source`: no such file or directory: {path}")
     else:  # a hub id (name: its config, e.g. "main")
+      import datasets
+
       ds = _library_call(f"{path!r} from the Hugging Face hub", datasets.load_dataset, path, name, split=split)
     if limit is not None:
       ds = ds.select(range(min(limit, len(ds))))

@@ -24,6 +24,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import uuid
 from typing import Any, Mapping
 
@@ -132,6 +133,27 @@ def _scalars(record: Mapping[str, Any]) -> dict[str, float]:
   }
 
 
+def _summary_writer_class():
+  """tensorboardX's ``SummaryWriter``, imported without loading torch when torch is not loaded yet.
+
+  tensorboardX imports torch (~1.2 s of CPU) at import only to accept torch tensors as values; this logger
+  gives it Python floats and text. ``sys.modules["torch"] = None`` makes that one ``import torch`` fail the way
+  tensorboardX expects when torch is absent; the entry is removed right after, so a later ``import torch``
+  works as usual. (The import runs in the constructor, before a run starts its threads.)"""
+  try:
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+      from tensorboardX import SummaryWriter
+    else:
+      sys.modules["torch"] = None
+      try:
+        from tensorboardX import SummaryWriter
+      finally:
+        del sys.modules["torch"]
+  except ImportError as e:
+    raise ImportError("TensorBoard logging needs tensorboardX: pip install 'jaxgrpo[logging]'") from e
+  return SummaryWriter
+
+
 class MetricsLogger:
   """Fans trainer records out to a progress bar, TensorBoard and (optionally) Weights & Biases.
 
@@ -168,10 +190,7 @@ class MetricsLogger:
     if progress:
       self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     if tensorboard:
-      try:
-        from tensorboardX import SummaryWriter
-      except ImportError as e:
-        raise ImportError("TensorBoard logging needs tensorboardX: pip install 'jaxgrpo[logging]'") from e
+      SummaryWriter = _summary_writer_class()
       # purge_step: events from a crashed run's steps after the resumed checkpoint are dropped
       self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1 if start_step else None)
       if config is not None:

@@ -2,28 +2,45 @@
 
 :class:`TimeoutPool` exists because a thread cannot be stopped and a verifier can hang (sympy spends
 minutes on ``\\boxed{2^{10^{10}}}``): ``map(fn, items)`` runs ``fn`` (importable by name) in one
-``spawn``-ed worker, kills it at ``timeout_s`` per item and restarts it; every result is
+worker process, kills it at ``timeout_s`` per item and restarts it; every result is
 ``(status, value)`` with status ``ok``/``error``/``timeout``. The worker exits when its parent dies,
 however the parent dies. Re-exported by ``jaxgrpo.rewards``.
+
+The worker is a fresh interpreter (``python -c``, the parent's ``sys.path``) that imports only this module
+and ``fn``'s: unlike ``multiprocessing``'s ``spawn`` it does not re-run the parent's ``__main__`` (a training
+script's imports: JAX, Flax, Orbax, seconds of start-up and hundreds of MB), except to find an ``fn``
+defined there.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import math
-import multiprocessing
 import os
 import pickle
+import runpy
 import signal
+import subprocess
 import sys
 import threading
 import time
+import types
+from multiprocessing.connection import Connection, Pipe
 from typing import Any, Callable, Sequence
 
 __all__ = ["TimeoutPool"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
+  """The worker's exit code once it has ended (waits up to 5 s; negative: killed by that signal)."""
+  try:
+    return proc.wait(timeout=5)
+  except subprocess.TimeoutExpired:
+    return None
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -55,10 +72,18 @@ def _call(fn: Callable, args: tuple) -> tuple[str, Any]:
     return ("error", f"{type(e).__name__}: {e}")
 
 
+def _load_main(path: str) -> None:
+  """Runs the parent's main script as ``__mp_main__`` (its ``if __name__ == "__main__"`` block stays off)
+  and makes it ``__main__`` here, so a function pickled as ``__main__.fn`` is found (``spawn`` does this)."""
+  module = types.ModuleType("__mp_main__")
+  module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
+  sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
 def _worker_main(conn, parent_pid: int) -> None:
-  """The verifier process: ``("fn", pickled (fn, warmup))`` loads a function (importing its module)
-  and answers after the warm-up call; ``("items", [args, ...])`` answers one result per item;
-  None or a closed pipe ends it."""
+  """The verifier process: ``("fn", pickled (fn, warmup, main_path))`` loads a function (importing its
+  module; the parent's main script first when ``fn`` lives there) and answers after the warm-up call;
+  ``("items", [args, ...])`` answers one result per item; None or a closed pipe ends it."""
   _die_with_parent(parent_pid)
   fn = None
   try:
@@ -67,7 +92,10 @@ def _worker_main(conn, parent_pid: int) -> None:
       kind, payload = msg
       if kind == "fn":
         try:
-          fn, warmup = pickle.loads(payload)
+          main_path, blob = payload
+          if main_path is not None and sys.modules["__main__"].__dict__.get("__file__") != main_path:
+            _load_main(main_path)
+          fn, warmup = pickle.loads(blob)
         except Exception as e:
           conn.send(("error", f"cannot load the function here: {type(e).__name__}: {e}"))
           continue
@@ -79,15 +107,25 @@ def _worker_main(conn, parent_pid: int) -> None:
     return
 
 
+def _serve() -> None:
+  """The worker's entry point (``python -c``; argv: the parent's ``sys.path`` as JSON, the pipe's file
+  descriptor, the parent's pid)."""
+  _worker_main(Connection(int(sys.argv[2])), int(sys.argv[3]))
+
+
+# the worker's command: the parent's sys.path first (as spawn does), then this module alone
+_BOOT = "import sys, json; sys.path[:] = json.loads(sys.argv[1]); from jaxgrpo.timeout_pool import _serve; _serve()"
+
+
 class TimeoutPool:
   """Runs a function over items in one worker process and *kills* it when an item takes longer
   than ``timeout_s`` (a thread cannot be stopped; a process can). The worker is started with the
-  ``spawn`` method (safe after JAX has started threads) and restarted after a kill.
+  fresh interpreter (safe after JAX has started threads; see the module docstring) and restarted after a kill.
 
   ``map(fn, items)`` → one ``(status, value)`` per item, status ``"ok"``, ``"error"`` (the message
   as value; also when the worker dies on an item, e.g. killed by the OOM killer) or ``"timeout"``
   (killed at the limit, or ``fn`` raised :class:`TimeoutError`). ``fn`` must be importable by name
-  (a module-level function); anything else is a TypeError.
+  (a module-level function, also one of the main script's); anything else is a TypeError.
 
   Start-up, importing ``fn``'s module and one ``fn(*warmup)`` call (when ``warmup`` is given; e.g.
   math-verify imports sympy on its first call) run under ``startup_timeout_s``, so they do not eat
@@ -109,11 +147,12 @@ class TimeoutPool:
     self._proc = self._conn = self._loaded = None
 
   def _start(self):
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True, name="jaxgrpo-verifier")
-    proc.start()
-    child.close()
+    parent, child = Pipe()
+    cmd = [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(child.fileno()), str(os.getpid())]
+    try:
+      proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(child.fileno(),))
+    finally:
+      child.close()
     self._proc, self._conn = proc, parent
     atexit.register(self.close)
     self._reply_within(self.startup_timeout_s, "starting")
@@ -123,8 +162,7 @@ class TimeoutPool:
     try:
       reply = self._conn.recv() if self._conn.poll(seconds) else ("error", f"no answer within {seconds} s")
     except (EOFError, OSError):
-      self._proc.join(timeout=5)
-      reply = ("error", f"it exited (code {self._proc.exitcode}; see its error above)")
+      reply = ("error", f"it exited (code {_exit_code(self._proc)}; see its error above)")
     if reply[0] not in ("ok", "ready"):
       self._kill()
       raise RuntimeError(f"verifier worker failed while {doing}: {reply[1]}")
@@ -135,14 +173,16 @@ class TimeoutPool:
       blob = pickle.dumps((fn, self.warmup))
     except Exception as e:
       raise TypeError(f"`fn` must be a module-level function (it is sent to a worker process); {fn!r}: {e}") from None
-    self._conn.send(("fn", blob))
+    main_path = getattr(sys.modules.get("__main__"), "__file__", None) if fn.__module__ == "__main__" else None
+    self._conn.send(("fn", (main_path, blob)))
     self._reply_within(self.startup_timeout_s, f"loading {getattr(fn, '__qualname__', fn)!r} and its warm-up call")
     self._loaded = fn
 
   def _kill(self):
     if self._proc is not None:
-      self._proc.kill()
-      self._proc.join()
+      if self._proc.poll() is None:
+        self._proc.kill()
+      self._proc.wait()
       self._conn.close()
     self._proc = self._conn = self._loaded = None
 
@@ -151,7 +191,7 @@ class TimeoutPool:
     results: list[tuple[str, Any]] = []
     pending = list(items)
     while pending:
-      if self._proc is None or not self._proc.is_alive():
+      if self._proc is None or self._proc.poll() is not None:
         self._kill()
         self._start()
       try:
@@ -172,8 +212,7 @@ class TimeoutPool:
           results.append(self._conn.recv())
           done += 1
         except (EOFError, OSError):
-          self._proc.join(timeout=5)
-          code = self._proc.exitcode
+          code = _exit_code(self._proc)
           self._kill()
           results.append(("error", f"the verifier worker died on this item (exit code {code})"))
           done += 1
@@ -184,10 +223,10 @@ class TimeoutPool:
   def close(self):
     """Stops the worker (politely, then by force); a later :meth:`map` starts a new one."""
     atexit.unregister(self.close)
-    if self._proc is not None and self._proc.is_alive():
+    if self._proc is not None and self._proc.poll() is None:
       try:
         self._conn.send(None)
-        self._proc.join(timeout=2)
-      except (BrokenPipeError, OSError):
+        self._proc.wait(timeout=2)
+      except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
         pass
     self._kill()

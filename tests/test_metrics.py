@@ -8,6 +8,8 @@ import glob
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -91,6 +93,22 @@ def test_tensorboard_scalars_progress_bar_and_purge_on_resume(tmp_path, capsys):
   ]
   assert purges == [2]  # TensorBoard discards earlier-written events with step >= 2
   assert (2, "loss", 9.0) in _events(os.path.join(out, "tensorboard"))
+
+
+def test_tensorboard_writer_does_not_load_torch_and_leaves_it_importable(tmp_path):
+  # a fresh process: tensorboardX imports torch (~1.2 s) only for its tensor type; the logger keeps it out,
+  # writes the same events, and `import torch` afterwards still works
+  code = (
+    "import sys\nfrom jaxgrpo import metrics as M\n"
+    "with M.MetricsLogger(sys.argv[1], total_steps=2, progress=False, tensorboard=True, is_main=True) as log:\n"
+    "  log({'step': 1, 'loss': 0.5})\n"
+    "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)[:5]\n"
+    "import torch\nprint(torch.ones(2).sum().item())\n"
+  )
+  r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip() == "2.0"
+  assert _events(os.path.join(tmp_path, "tensorboard")) == [(1, "loss", 0.5)]
 
 
 def test_only_the_first_host_logs(tmp_path, capsys):

@@ -473,7 +473,7 @@ def test_worker_ignores_ctrl_c():
     pool.map(dying_verifier, [("a", "a")])
     os.kill(pool._proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
     time.sleep(0.5)
-    assert pool._proc.is_alive()
+    assert pool._proc.poll() is None
     assert pool.map(dying_verifier, [("b", "b")]) == [("ok", True)]
   finally:
     pool.close()
@@ -525,3 +525,32 @@ def test_worker_exits_when_its_parent_is_killed(tmp_path, sig):
     parent.kill()
     if "worker" in locals() and not _gone(worker):
       os.kill(worker, signal.SIGKILL)
+
+
+LEAN_PARENT_SCRIPT = """
+import sys
+import jax, flax  # a training script's imports
+from jaxgrpo import rewards as R
+import reward_verifiers as V
+
+def here(x):
+  return x + "!"
+
+if __name__ == "__main__":
+  pool = R.TimeoutPool(60.0)
+  print(pool.map(V.loaded_modules, [("jax,flax,jaxgrpo.advantages,reward_verifiers",)]))
+  print(pool.map(here, [("main",)]))  # a function of the main script: found there, as spawn would
+  pool.close()
+"""
+
+
+@pytest.mark.subprocess
+def test_worker_imports_only_the_function_module_not_the_parents_main(tmp_path):
+  script = tmp_path / "parent.py"
+  script.write_text(LEAN_PARENT_SCRIPT)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+  r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  lean, main_fn = r.stdout.splitlines()
+  assert lean == "[('ok', ['reward_verifiers'])]"  # neither JAX nor Flax nor the package's kernels
+  assert main_fn == "[('ok', 'main!')]"
