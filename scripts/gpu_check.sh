@@ -6,6 +6,7 @@
 #
 # Usage (on a machine with one GPU and JAX's CUDA build; python3 is its interpreter):
 #   OUT=/some/dir DEADLINE_S=520 bash scripts/gpu_check.sh
+#   ONLY=scan_layers,lora LIMITS=scan_layers=240,lora=200 OUT=... bash scripts/gpu_check.sh   # some steps, longer limits
 # Wheels missing there (datasets and its two pure-Python requirements; our flax/optax/orbax/chex versions, so the
 # run uses the versions the CPU suite tests) are installed from .whl/ when it exists.
 # Not here: vLLM (its CUDA build is far over the 64 MiB a run may carry) and the disaggregated async rows (one GPU).
@@ -29,6 +30,12 @@ fi
 step() {  # step NAME LIMIT_S CMD... : runs CMD under min(LIMIT_S, time left), logs its output and its wall time
   local name=$1 limit=$2
   shift 2
+  if [[ -n "${ONLY:-}" && ",$ONLY," != *",$name,"* ]]; then
+    return
+  fi
+  local override
+  override=$(tr ',' '\n' <<<"${LIMITS:-}" | sed -n "s/^$name=//p")
+  [[ -n "$override" ]] && limit=$override
   local left=$((DEADLINE_S - ($(date +%s) - START)))
   ((left < limit)) && limit=$left
   if ((limit < 15)); then
@@ -51,9 +58,12 @@ step binary_tree_gpt2 120 "$PY" scripts/binary_tree.py --no-plot --quiet --out "
 step binary_tree_gpt2_small 170 "$PY" scripts/binary_tree.py --policy gpt2-small --seeds 2 --no-plot --quiet \
   --out "$OUT/res/bt_gpt2_small"
 step engines 100 "$PY" scripts/bench_engines.py --skip-vllm --workloads 20m,150m --repeats 3 --out "$OUT/res/engines.json"
+step engines_150m 150 "$PY" scripts/bench_engines.py --skip-vllm --workloads 150m --repeats 2 \
+  --out "$OUT/res/engines_150m.json"
 step scan_layers 100 "$PY" scripts/bench_scan_layers.py --layers 28 --rounds 1 --run-repeats 5
 step train_step 60 "$PY" scripts/bench_train_step.py --rounds 3
 step lora 90 "$PY" scripts/bench_lora.py --steps 3
+step lora_adapters 200 "$PY" scripts/bench_lora.py --steps 3 --modes lora,qlora
 step moe 50 "$PY" scripts/bench_moe.py --repeats 3 --skip-mismatch
 step sampler 50 "$PY" scripts/bench_sampler.py --repeats 3
 step binary_tree_gpt2_small_more 120 "$PY" scripts/binary_tree.py --policy gpt2-small --seeds 2 --seed-offset 2 \
