@@ -53,8 +53,7 @@ from jaxgrpo.builders import export_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-# the runs of test_checkpoint_resume.py (its reference runs are shared), without TensorBoard (its import
-# alone is ~2.5 s of CPU per run: tensorboardX imports torch)
+# the runs of test_checkpoint_resume.py (its reference runs are shared), without TensorBoard (as those)
 RUN_ARGS = [*ARGS, "--no-tensorboard"]
 # the signal runs: the verifier in its worker process (reward.timeout_s set), whose lifetime they check,
 # and TensorBoard on: every sink of a real run is open when the signal comes
