@@ -10,6 +10,7 @@ process (no child start-up), the stopped and resumed runs are children.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -54,7 +55,12 @@ def _train_here(out, steps):
   import train as cli
 
   assert jax.device_count() == 1
-  cli.main([*MOE_ARGS, "--run.out", str(out), "--run.steps", str(steps)])  # a failure raises
+  absl = logging.getLogger("absl")
+  level = absl.level
+  try:
+    cli.main([*MOE_ARGS, "--run.out", str(out), "--run.steps", str(steps)])  # a failure raises
+  finally:
+    absl.setLevel(level)  # main quiets absl process-wide (a command-line run's setting): not this process's tests
 
 
 def test_moe_resume_is_exact(tmp_path):

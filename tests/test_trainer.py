@@ -6,6 +6,7 @@ demo run that raises the reward, and 8-virtual-device vs 1-device agreement. The
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -290,7 +291,12 @@ def _run_cli_here(out, mesh: str, capsys):
   child's start-up (imports, ~4 s of CPU) is saved; the 8-device side must be a process of its own."""
   assert jax.device_count() == 1
   capsys.readouterr()
-  cli.main(_cli_args(out, mesh))  # a failure raises (SystemExit, or the error itself)
+  absl = logging.getLogger("absl")
+  level = absl.level
+  try:
+    cli.main(_cli_args(out, mesh))  # a failure raises (SystemExit, or the error itself)
+  finally:
+    absl.setLevel(level)  # main quiets absl process-wide (a command-line run's setting): not this process's tests
   stdout = capsys.readouterr().out
   assert "resolved config" in stdout and "devices: 1" in stdout
   return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
