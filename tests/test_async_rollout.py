@@ -30,11 +30,13 @@ import numpy as np
 import pytest
 from helpers import async_train_cmd, child_env, cli_env
 from test_trainer import ROOT, tiny
+from test_trainer import cli as train_cli  # scripts/train.py
 
 from jaxgrpo import async_rollout, iteration
 from jaxgrpo.checkpoint import read_meta
 from jaxgrpo.data import PromptIterator
 from jaxgrpo.models.log_probs import completion_log_probs
+from jaxgrpo.specs import load_config
 from jaxgrpo.train import TrainState
 from jaxgrpo.trainer import Trainer
 
@@ -227,8 +229,12 @@ def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   checkpoint recorded the untrained batch, which was sampled again."""
   steps = 7  # 14 prompts of 24: no epoch boundary hides a skip
   env = cli_env(tmp_path / "cache")  # the tests' compile flags (helpers.TEST_XLA_FLAGS)
+  # the uninterrupted run: the same command line's config, run in this process (1 device, the same
+  # compile flags and persistent compilation cache: the children below read its programs back)
   full = tmp_path / "full"
-  subprocess.run(async_train_cmd(full, steps), env=env, check=True, capture_output=True, timeout=600)
+  _, overrides = train_cli.parse_args(async_train_cmd(full, steps)[2:])
+  assert jax.device_count() == 1
+  Trainer(load_config(None, overrides), log=None).run(handle_signals=False)
   out = tmp_path / "killed"
   proc = subprocess.Popen(async_train_cmd(out, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   ledger = out / async_rollout.LEDGER

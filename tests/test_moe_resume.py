@@ -4,15 +4,19 @@ default ``rollout.routing_replay: rollout``).
 
 4 steps straight == 2 steps, stop, resume to 4 in the same directory: identical metrics records
 (``moe/...`` router metrics included) and bit-identical final parameters. The runs share a persistent
-XLA compilation cache, so only the first one compiles.
+XLA compilation cache, so only the first one compiles; the straight run is ``main`` in the test
+process (no child start-up), the stopped and resumed runs are children.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from helpers import cli_env
@@ -44,10 +48,25 @@ def _train(env, out, steps):
   return r.stdout
 
 
+def _train_here(out, steps):
+  """The same command through scripts/train.py's ``main`` in this test process (1 CPU device, the children's
+  compile flags and persistent compilation cache: the children below read its programs back)."""
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import train as cli
+
+  assert jax.device_count() == 1
+  absl = logging.getLogger("absl")
+  level = absl.level
+  try:
+    cli.main([*MOE_ARGS, "--run.out", str(out), "--run.steps", str(steps)])  # a failure raises
+  finally:
+    absl.setLevel(level)  # main quiets absl process-wide (a command-line run's setting): not this process's tests
+
+
 def test_moe_resume_is_exact(tmp_path):
   env = cli_env(tmp_path / "xla_cache")
   straight, run = tmp_path / "straight", tmp_path / "resumed"
-  _train(env, straight, STEPS)
+  _train_here(straight, STEPS)  # the straight run: no child's start-up
   want = _records(straight)
   updates = [r for r in want if "loss" in r]
   assert [r["step"] for r in updates] == list(range(1, STEPS + 1))
