@@ -19,7 +19,8 @@ from jaxgrpo.trainer import Trainer
 
 class SecondChance:
   """Answer "What is a + b?"; a wrong (or missing) boxed answer gets one retry: reward 1 at the first
-  turn, 0.5 at the second."""
+  turn, 0.5 at the second, plus a small shaping term, 0.1 × the share of digits in the last turn's text (an
+  untrained policy is never right: without it every advantage is 0 and no step changes the parameters)."""
 
   tools = ()
 
@@ -31,7 +32,8 @@ class SecondChance:
     self.turn += 1
     right = extract_boxed(text) == self.row["answer"]
     if right or self.turn == 2:
-      return StepResult((), (1.0 if self.turn == 1 else 0.5) * right, True)
+      digits = sum(c.isdigit() for c in text) / max(len(text), 1)
+      return StepResult((), (1.0 if self.turn == 1 else 0.5) * right + 0.1 * digits, True)
     return StepResult([{"role": "user", "content": "Wrong. Try again."}], 0.0, False, {"retries": 1.0})
 
 
@@ -87,6 +89,9 @@ def test_env_run_metrics_eval_and_exact_resume(tmp_path):
   evals = [r for r in records if "eval_accuracy" in r]
   assert [r["step"] for r in evals] == [0, 4] and "eval_env/turns" in evals[0]
   assert sorted(saved) == [2, 4]
+  # steps 3 and 4 change the parameters, so the resumed run's equality below can fail
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), saved[2].params, saved[4].params))
+  assert any(moved) and all(r["grad_norm"] > 0 for r in steps), [r["grad_norm"] for r in steps]
   resumed = Trainer(dataclass_replace(cfg, steps=4, out=tmp_path / "c"), restore_fn=restore_from(2), log=None)
   assert resumed.resumed
   got = resumed.run(handle_signals=False)
