@@ -25,8 +25,11 @@ pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 @functools.lru_cache(maxsize=None)
 def _model(family="qwen3_moe", seed=0, dtype=jnp.float32):
-  """A random MoE model with O(1) router logits (routing that is far from uniform)."""
-  cfg = models.config_from_hf(tiny_moe_config(family))
+  """A random MoE model with O(1) router logits (routing that is far from uniform). Qwen3-MoE keeps its 3
+  layers (a dense layer between two sparse ones); Qwen2-MoE, every layer sparse, gets 2 (two sparse layers
+  and a layer below a router are all its tests need; each of its programs compiles faster)."""
+  over = {"num_hidden_layers": 2} if family == "qwen2_moe" else {}
+  cfg = models.config_from_hf(tiny_moe_config(family, **over))
   model = models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
   for path, var in nnx.to_flat_state(nnx.state(model)):
     if path[-1] == "router":
