@@ -25,8 +25,11 @@ pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 @functools.lru_cache(maxsize=None)
 def _model(family="qwen3_moe", seed=0, dtype=jnp.float32):
-  """A random MoE model with O(1) router logits (routing that is far from uniform)."""
-  cfg = models.config_from_hf(tiny_moe_config(family))
+  """A random MoE model with O(1) router logits (routing that is far from uniform). Qwen3-MoE keeps its 3
+  layers (a dense layer between two sparse ones); Qwen2-MoE, every layer sparse, gets 2 (two sparse layers
+  and a layer below a router are all its tests need; each of its programs compiles faster)."""
+  over = {"num_hidden_layers": 2} if family == "qwen2_moe" else {}
+  cfg = models.config_from_hf(tiny_moe_config(family, **over))
   model = models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
   for path, var in nnx.to_flat_state(nnx.state(model)):
     if path[-1] == "router":
@@ -140,6 +143,15 @@ def _rollout(model, record=True, n_prompts=2, g=4, t=6):
   )
 
 
+@nnx.jit
+def _routed_log_probs(model, args, replay):
+  """completion_log_probs under ``moe.routing_scope(replay=replay)``, compiled (one program with and one
+  without replay, instead of hundreds of eager op compiles): the log-probs and the experts the forward used."""
+  with moe.routing_scope(replay=replay) as scope:
+    lp, _ = completion_log_probs(model, *args)
+  return lp, scope.stacked().experts
+
+
 def test_sampler_records_the_experts_a_full_forward_uses_and_replay_forces_them():
   """f32: the sampler's recorded experts (prefill + decode with the KV cache) are those a full
   forward over [prompt ‖ completion] routes to; with replay of other experts the forward uses exactly
@@ -153,19 +165,16 @@ def test_sampler_records_the_experts_a_full_forward_uses_and_replay_forces_them(
   real = np.concatenate([np.asarray(r.prompt_mask), np.asarray(r.mask)], axis=1)
   real[:, -1] = False  # the last completion token is never fed to the sampler
   args = (r.prompt_tokens, r.prompt_mask, r.completions, r.mask)
-  with moe.routing_scope() as scope:
-    lp_free, _ = completion_log_probs(model, *args)
-  free = np.asarray(scope.stacked().experts)
+  lp_free, free = _routed_log_probs(model, args, None)
+  free = np.asarray(free)
   np.testing.assert_array_equal(free[real], np.asarray(r.routing)[real])
-  with moe.routing_scope(replay=r.routing) as scope:
-    lp_replay, _ = completion_log_probs(model, *args)
-  np.testing.assert_array_equal(np.asarray(scope.stacked().experts), np.asarray(r.routing))
+  lp_replay, used = _routed_log_probs(model, args, r.routing)
+  np.testing.assert_array_equal(np.asarray(used), np.asarray(r.routing))
   np.testing.assert_allclose(np.asarray(lp_replay), np.asarray(lp_free), atol=1e-5)
   np.testing.assert_allclose(np.asarray(lp_replay), np.asarray(r.log_probs), atol=1e-4)
   other = (np.asarray(r.routing) + 1) % model.config.num_experts  # a different expert for every token
-  with moe.routing_scope(replay=jnp.asarray(other)) as scope:
-    lp_other, _ = completion_log_probs(model, *args)
-  np.testing.assert_array_equal(np.asarray(scope.stacked().experts), other)
+  lp_other, used = _routed_log_probs(model, args, jnp.asarray(other, r.routing.dtype))
+  np.testing.assert_array_equal(np.asarray(used), other)
   assert np.abs(np.asarray(lp_other) - np.asarray(lp_free))[np.asarray(r.mask)].max() > 1e-3
 
 
@@ -180,9 +189,10 @@ def test_train_step_replays_the_rollout_routing():
   opt = optax.sgd(0.0)
   tc = train.TrainConfig()
   metrics = {}
+  graphdef, _, sh = train.init_train_state(model, opt, mesh)
+  step = train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=sh, train_config=tc)
   for name, routing in (("own", r.routing), ("other", (np.asarray(r.routing) + 1) % 8)):
-    graphdef, state, sh = train.init_train_state(model, opt, mesh)
-    step = train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=sh, train_config=tc)
+    _, state, _ = train.init_train_state(model, opt, mesh)  # a fresh state: the step donates it
     _, metrics[name] = step(state, batch._replace(routing=routing, ref_logp=np.asarray(r.log_probs)))
   assert abs(float(metrics["own"]["ratio_max"]) - 1) < 1e-4 and float(metrics["own"]["approx_kl"]) < 1e-7
   assert float(metrics["other"]["approx_kl"]) > 1e-3

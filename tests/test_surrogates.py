@@ -59,13 +59,17 @@ def batches(draw, per_token_adv=True):
 
 def _jax_loss_and_grads(loss, logp, old, adv, mask, entropy=None, **kw):
   hyper = jg.LossHyper(loss=loss, **kw)
-
-  def f(lp, h):
-    return jg.policy_loss(lp, old, adv, mask, hyper, entropy=h)[0]
-
   h = jnp.zeros_like(logp) if entropy is None else entropy
-  value, (g, gh) = jax.value_and_grad(f, argnums=(0, 1))(jnp.where(mask, logp, 0.0), h)
+  value, (g, gh) = _value_and_grads(jnp.where(mask, logp, 0.0), h, old, adv, mask, hyper)
   return float(value), np.asarray(g), np.asarray(gh)
+
+
+@jax.jit
+def _value_and_grads(lp, h, old, adv, mask, hyper):
+  """Value and gradients (wrt the log-probs and the entropy) of policy_loss, one compiled program per
+  surrogate, aggregation and advantage shape (eager, the library's jitted loss is differentiated in parts)."""
+  f = lambda lp, h: jg.policy_loss(lp, old, adv, mask, hyper, entropy=h)[0]
+  return jax.value_and_grad(f, argnums=(0, 1))(lp, h)
 
 
 def _clean(x, mask):
@@ -117,11 +121,15 @@ def test_everything_composed_equals_the_numpy_formula(batch, loss, aggregation, 
     loss=loss, clip_eps_low=lo, clip_eps_high=hi, aggregation=aggregation, max_tokens=9, beta=0.04, entropy_coef=0.01
   )
 
-  def f(lp, hh):
-    k = jg.kl_penalty(lp, refl, "k3", mask=mask)
-    return jg.policy_loss(lp, old, adv, mask, hyper, token_weights=w, importance=imp, kl=k, entropy=hh)[0]
+  @jax.jit  # one program per case (eager, the library's jitted loss is differentiated in parts)
+  def value_and_grads(lp, hh, old, adv, mask, refl, w, imp):
+    def f(lp, hh):
+      k = jg.kl_penalty(lp, refl, "k3", mask=mask)
+      return jg.policy_loss(lp, old, adv, mask, hyper, token_weights=w, importance=imp, kl=k, entropy=hh)[0]
 
-  value, (g, gh) = jax.value_and_grad(f, argnums=(0, 1))(jnp.where(mask, logp, 0.0), h)
+    return jax.value_and_grad(f, argnums=(0, 1))(lp, hh)
+
+  value, (g, gh) = value_and_grads(jnp.where(mask, logp, 0.0), h, old, adv, mask, refl, w, imp)
   want = ref.loss_and_grads(
     loss,
     _clean(logp, mask),
