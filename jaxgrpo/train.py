@@ -573,7 +573,7 @@ def _check_dropout(spec: _StepSpec, model, packed: bool) -> None:
     )
 
 
-def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
+def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dropout_key=None):
   graphdef, config, tc = spec.graphdef, spec.config, spec.tc
   b, t = batch.completions.shape
   mm, kk = tc.mini_batches, tc.micro_batches
@@ -688,7 +688,7 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper):
     return jax.lax.scan(update, carry, {**rows, "dropout_key": keys})
 
   passes = _num_iterations(config)
-  keys = None if spec.dropout_key is None else _row_dropout_keys(spec.dropout_key, state.step, passes, b)
+  keys = None if dropout_key is None else _row_dropout_keys(dropout_key, state.step, passes, b)
   (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), keys, length=passes)
   metrics = _reduce_updates(metrics)
   metrics.update(extra)
@@ -729,7 +729,7 @@ class TrainStep:
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
       default functions with a β = 0 GRPOConfig; the field is then dropped, one program either way).
-    jitted: the ``jax.jit`` of ``(state without frozen, state.frozen, placed batch, hyper)``; :meth:`lower`
+    jitted: the ``jax.jit`` of ``(state without frozen, state.frozen, placed batch, hyper, dropout key)``; :meth:`lower`
       lowers it under ``jax.set_mesh(step.mesh)``, as each call runs it (e.g. ``memory_analysis()``).
   """
 
@@ -743,15 +743,17 @@ class TrainStep:
     defaults = spec.objective_fn is objective_terms and spec.advantages_fn is rollout_advantages
     self.reads_ref_logp = not (defaults and isinstance(spec.config, GRPOConfig) and not spec.config.needs_reference)
 
-    def fn(state, frozen, batch, hyper):
+    def fn(state, frozen, batch, hyper, dropout_key):
       self.traces += 1
-      return _step_fn(spec, state, frozen, batch, hyper)
+      return _step_fn(spec, state, frozen, batch, hyper, dropout_key)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     donated = shardings._replace(frozen=None)
+    # the dropout key is an argument, not a constant: runs that differ only in their seed share one program
+    self._dropout_key = None if spec.dropout_key is None else jax.device_put(spec.dropout_key, replicated)
     self.jitted = jax.jit(
       fn,
-      in_shardings=(donated, shardings.frozen, self.batch_sharding, replicated),
+      in_shardings=(donated, shardings.frozen, self.batch_sharding, replicated, replicated),
       out_shardings=(donated, replicated),
       donate_argnums=0,
       compiler_options=_options(spec.tc),
@@ -860,7 +862,7 @@ class TrainStep:
     hyper = self.check_hyper(hyper)
     if hyper is not None:  # replicated over the mesh, as the jitted step takes it (every process: the same values)
       hyper = jax.device_put(hyper, NamedSharding(self.mesh, PartitionSpec()))
-    return state._replace(frozen=None), state.frozen, self.place_batch(batch), hyper
+    return state._replace(frozen=None), state.frozen, self.place_batch(batch), hyper, self._dropout_key
 
   def __call__(self, state: TrainState, batch: Batch, hyper=None):
     """One step; ``hyper``: optional hyper-parameter pytree (see the class docstring)."""
@@ -936,7 +938,9 @@ def make_train_step(
       ``fold_in(fold_in(fold_in(dropout_key, s), i), r)``: the same masks on every mesh and for any
       micro/mini-batch split, and a resumed run draws the same masks. Required (ValueError when the
       step is traced) when the model's adapters have dropout > 0. Sampling, the reference pass and
-      evaluation never apply dropout.
+      evaluation never apply dropout. The key is an argument of the compiled step, not a constant in
+      it: steps that differ only in their key lower to the same program (a new seed reads it back from
+      the persistent compilation cache).
     hyper_schedule: ``hyper_schedule(step int32[]) -> hyper`` (for a ``GRPOConfig`` a
       :class:`~jaxgrpo.config.GRPOHyper`, e.g. ``lambda s: config.hyper(beta=0.04 * jnp.minimum(s / 100,
       1.0))``), traced inside the step on ``state.step``: a β / ε / entropy schedule in one compiled

@@ -97,7 +97,7 @@ def test_a_trainer_run_through_vllm_learns_the_arithmetic_demo(vllm_runs):
   learn_records = part(vllm_runs, "learn")["learn"]
   steps = [r for r in learn_records if "loss" in r]
   evals = [r["eval_accuracy"] for r in learn_records if "eval_accuracy" in r]
-  assert len(steps) == 20 and len(evals) == 2
+  assert len(steps) == 12 and len(evals) == 2  # mean reward 0.42 -> 0.62 (first / last 5), eval 0.18 -> 0.24
   for r in steps:  # the engine metrics, every step; fp32 engine vs fp32 trainer: no mismatch to speak of
     assert r["engine/push_s"] > 0 and r["engine/generate_s"] > 0, r
     assert abs(r["engine/mismatch_k3"]) < 1e-6 and r["engine/logp_abs_diff_max"] < 1e-3, r

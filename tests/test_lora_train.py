@@ -177,12 +177,14 @@ def test_dropout_needs_a_key_and_an_unpacked_batch():
 @pytest.mark.slow
 def test_micro_batches_change_nothing_with_lora_dropout():
   """Per-row dropout keys: K = 1 and K = 4 give the same two updates (SGD with momentum); another key
-  gives other updates (the key reaches the adapters)."""
+  gives other updates (the key reaches the adapters) from the same program (the key is an argument of
+  the compiled step, not a constant in it: a new seed does not recompile)."""
   model = _lora_model(dropout=0.3, layers=1)
   init = flat_params(nnx.state(model, nnx.LoRAParam))
-  out = {}
+  out, programs = {}, {}
   for micro, key in ((1, 3), (4, 3), (4, 4)):
     step, state = _step(model, opt=optax.sgd(LR, momentum=0.9), micro=micro, dropout_key=jax.random.key(key))
+    programs[micro, key] = step.lower(state, _batch()).as_text()
     for _ in range(2):
       state, _ = step(state, _batch())
     out[micro, key] = np.concatenate([(flat_params(state.params)[k] - init[k]).ravel() for k in sorted(init)])
@@ -190,6 +192,7 @@ def test_micro_batches_change_nothing_with_lora_dropout():
   assert np.abs(u1).max() > 1e-3
   assert np.abs(out[4, 3] - u1).max() <= 1e-6 * np.abs(u1).max()
   assert np.abs(out[4, 4] - u1).max() > 1e-2 * np.abs(u1).max()
+  assert programs[4, 3] == programs[4, 4] and programs[1, 3] != programs[4, 3]
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,11 +38,11 @@ LEARN = {
   "rollout.prompts_per_step": 16,
   "rollout.max_new_tokens": 16,
   "optim.learning_rate": 2e-4,
-  "eval.every": 20,
+  "eval.every": 12,
   "eval.samples": 4,
   "eval.pass_k": [1],
 }
-STEPS, SAVED = 20, 2  # the learning run's steps; the step it saves and the resumed run restores
+STEPS, SAVED = 12, 2  # the learning run's steps; the step it saves and the resumed run restores
 
 
 def cfg(out, **changes):
