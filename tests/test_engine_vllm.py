@@ -1,13 +1,15 @@
 """The vLLM engine (real vLLM, CPU build) against the library's own log-probs, and a trainer run through it.
 
 vLLM pins transformers<5.20, the main environment has a newer one, so vLLM lives in its own venv
-(``scripts/setup_vllm_venv.sh``, run by the README's test command and ``.ci/run``); these tests run the
+(``scripts/setup_vllm_venv.sh``, which this module runs first: a no-op when the venv is up to date, else a
+build of ~40 s that overlaps the other xdist worker's tests); these tests run the
 engine code in a child process with that venv's python (``tests/vllm_checks.py``, ``tests/vllm_trainer.py``)
 and assert on the numbers it reports.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -38,10 +40,19 @@ def part(runs, name):
   return result
 
 
+def ensure_vllm_venv() -> None:
+  """``bash scripts/setup_vllm_venv.sh`` (idempotent: its stamp file says whether the venv is up to date), under
+  a file lock, so two test processes never build it at once; its output in the failure when it fails."""
+  with open(os.path.join(ROOT, ".venv-vllm.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_vllm_venv.sh")], capture_output=True, text=True)
+  if r.returncode or not os.path.exists(VENV_PYTHON):
+    pytest.fail(f"scripts/setup_vllm_venv.sh failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+
+
 def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> None:
   """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache (the session's, else ``cache``)."""
-  if not os.path.exists(VENV_PYTHON):
-    pytest.fail(f"{VENV_PYTHON} is missing: run `bash scripts/setup_vllm_venv.sh` (the README's test command does)")
+  ensure_vllm_venv()
   # the flags users run with, not the suite's compile-speed flags (helpers.TEST_XLA_FLAGS): the learning run's
   # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
