@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: datasets and pyarrow are imported where a dataset is loaded
   import datasets
 
 __all__ = [

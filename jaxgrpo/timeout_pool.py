@@ -81,7 +81,7 @@ def _load_main(path: str) -> None:
 
 
 def _worker_main(conn, parent_pid: int) -> None:
-  """The verifier process: ``("fn", pickled (fn, warmup, main_path))`` loads a function (importing its
+  """The verifier process: ``("fn", (main_path, pickled (fn, warmup)))`` loads a function (importing its
   module; the parent's main script first when ``fn`` lives there) and answers after the warm-up call;
   ``("items", [args, ...])`` answers one result per item; None or a closed pipe ends it."""
   _die_with_parent(parent_pid)
@@ -119,8 +119,8 @@ _BOOT = "import sys, json; sys.path[:] = json.loads(sys.argv[1]); from jaxgrpo.t
 
 class TimeoutPool:
   """Runs a function over items in one worker process and *kills* it when an item takes longer
-  than ``timeout_s`` (a thread cannot be stopped; a process can). The worker is started with the
-  fresh interpreter (safe after JAX has started threads; see the module docstring) and restarted after a kill.
+  than ``timeout_s`` (a thread cannot be stopped; a process can). The worker is a fresh interpreter
+  (safe after JAX has started threads; see the module docstring), restarted after a kill.
 
   ``map(fn, items)`` → one ``(status, value)`` per item, status ``"ok"``, ``"error"`` (the message
   as value; also when the worker dies on an item, e.g. killed by the OOM killer) or ``"timeout"``
@@ -173,7 +173,9 @@ class TimeoutPool:
       blob = pickle.dumps((fn, self.warmup))
     except Exception as e:
       raise TypeError(f"`fn` must be a module-level function (it is sent to a worker process); {fn!r}: {e}") from None
-    main_path = getattr(sys.modules.get("__main__"), "__file__", None) if fn.__module__ == "__main__" else None
+    main_path = (
+      getattr(sys.modules.get("__main__"), "__file__", None) if getattr(fn, "__module__", None) == "__main__" else None
+    )
     self._conn.send(("fn", (main_path, blob)))
     self._reply_within(self.startup_timeout_s, f"loading {getattr(fn, '__qualname__', fn)!r} and its warm-up call")
     self._loaded = fn

@@ -393,3 +393,20 @@ def session_shared_dir(tmp_path_factory, name: str, build) -> "os.PathLike":
       build(path)
       (path / ".built").touch()
   return path
+
+
+def train_main_here(argv: list[str]) -> None:
+  """``scripts/train.py``'s ``main(argv)`` in this test process (its devices, flags and compilation cache; a
+  failure raises), saving a child's start-up. ``main`` quiets absl's logger process-wide (a command-line run's
+  setting); its level is put back for the process's other tests."""
+  import logging
+
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import train as cli
+
+  absl = logging.getLogger("absl")
+  level = absl.level
+  try:
+    cli.main(argv)
+  finally:
+    absl.setLevel(level)

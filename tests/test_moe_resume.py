@@ -10,8 +10,6 @@ process (no child start-up), the stopped and resumed runs are children.
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +17,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import cli_env
+from helpers import cli_env, train_main_here
 from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -51,16 +49,8 @@ def _train(env, out, steps):
 def _train_here(out, steps):
   """The same command through scripts/train.py's ``main`` in this test process (1 CPU device, the children's
   compile flags and persistent compilation cache: the children below read its programs back)."""
-  sys.path.insert(0, os.path.join(ROOT, "scripts"))
-  import train as cli
-
   assert jax.device_count() == 1
-  absl = logging.getLogger("absl")
-  level = absl.level
-  try:
-    cli.main([*MOE_ARGS, "--run.out", str(out), "--run.steps", str(steps)])  # a failure raises
-  finally:
-    absl.setLevel(level)  # main quiets absl process-wide (a command-line run's setting): not this process's tests
+  train_main_here([*MOE_ARGS, "--run.out", str(out), "--run.steps", str(steps)])
 
 
 def test_moe_resume_is_exact(tmp_path):

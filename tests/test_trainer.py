@@ -6,7 +6,6 @@ demo run that raises the reward, and 8-virtual-device vs 1-device agreement. The
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -20,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import train as cli  # noqa: E402  (scripts/train.py)
-from helpers import child_env  # noqa: E402
+from helpers import child_env, train_main_here  # noqa: E402
 
 from jaxgrpo import rewards as R  # noqa: E402
 from jaxgrpo.specs import TrainerConfig, load_config  # noqa: E402
@@ -294,12 +293,7 @@ def _run_cli_here(out, mesh: str, capsys):
   child's start-up (imports, ~4 s of CPU) is saved; the 8-device side must be a process of its own."""
   assert jax.device_count() == 1
   capsys.readouterr()
-  absl = logging.getLogger("absl")
-  level = absl.level
-  try:
-    cli.main(_cli_args(out, mesh))  # a failure raises (SystemExit, or the error itself)
-  finally:
-    absl.setLevel(level)  # main quiets absl process-wide (a command-line run's setting): not this process's tests
+  train_main_here(_cli_args(out, mesh))
   stdout = capsys.readouterr().out
   assert "resolved config" in stdout and "devices: 1" in stdout
   return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
