@@ -723,3 +723,31 @@ def test_bench_process_sets_smoke(capsys):
   rows = bench.main("--groups 5 --length 70 --prompts 3 --max-rows 0 --repeats 1".split())
   assert rows and all(r["trie_s_per_token"] > 0 for r in rows)
   assert "sort" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset, tree_stats", [("lambda_grpo", False), ("grpo", True)])
+def test_train_step_tree_stats_leave_missing_samples_out(preset, tree_stats):
+  """The train step's ``tree/*`` metrics (λ presets: from the 1/|λ| weights; others with ``tree_stats``: from
+  ``process_set_sizes``) describe the trees of the rows in the sample: a NaN-reward row that shares a prefix
+  is left out, as the trie over the valid rows says."""
+  import optax
+  from helpers import make_batch, tiny_model
+
+  from jaxgrpo import sharding as shd
+  from jaxgrpo import train
+
+  batch = make_batch()
+  comp, mask, gid = batch.completions, batch.mask, batch.group_ids
+  shared = np.flatnonzero((ref.sizes(comp, mask, gid) > 1).any(axis=1))
+  rewards = batch.rewards.copy()
+  rewards[shared[:2]] = [np.nan, np.inf]  # two rows that share a prefix with a mate
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(1e-3)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(group_size=int(np.bincount(gid).max()), tree_stats=tree_stats, chunk_size=5)
+  step = train.make_train_step(graphdef, opt, jg.preset(preset), mesh=mesh, shardings=shardings, train_config=tc)
+  _, metrics = step(state, batch._replace(rewards=rewards))
+  want = _ref_tree_stats(comp, np.where(np.isfinite(rewards)[:, None], mask, False), gid)
+  for k, v in want.items():
+    np.testing.assert_allclose(float(metrics[f"tree/{k}"]), v, rtol=1e-5, err_msg=k)
+  assert float(metrics["rewards_nonfinite"]) == 2
