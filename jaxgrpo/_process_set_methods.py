@@ -16,6 +16,9 @@ up to 64-bit hash collisions (``jaxgrpo.prefix_hash``), with no Python loop over
   inside the first differing block); ``|λ(i,t)| = #{j : lcp(i,j) > t}`` is a suffix histogram.
   ``O(B·T + B·G·(64 + log T))``: cheap for small groups, growing with G. ``exact=True`` compares
   tokens directly (``O(B·G·T)`` memory): the brute-force reference.
+
+Rows outside the sample (``valid`` false: missing samples, non-finite rewards) are members of no
+process set in either method (:func:`_sums`).
 """
 
 from __future__ import annotations
@@ -254,8 +257,16 @@ def _sort_segment(tokens, mask, group_ids, weights):
 # ------------------------------------------------------------------------------------------------ dispatch
 
 
-def _sums(tokens, mask, group_ids, weights, method, bound, exact):
-  """(sizes f32[B, T], sums, overflow bool[B]) by the chosen method."""
+def _sums(tokens, mask, group_ids, weights, method, bound, exact, valid=None):
+  """(sizes f32[B, T], sums, overflow bool[B]) by the chosen method.
+
+  ``valid`` (``bool[B]`` or None: every row): rows outside the sample (missing samples) are members of
+  no process set. Both methods see such a row as an empty completion — a valid prefix of length 0
+  shares no token with any row — so it counts in no other row's ``|λ|`` or sums and its own sizes
+  and sums are 0, as on padding. With every row valid the mask is unchanged (bit-identical results).
+  """
+  if valid is not None:
+    mask = mask & valid[:, None]
   if method == "sort":
     sizes, sums = _sort_segment(tokens, mask, group_ids, weights)
     return sizes, sums, jnp.zeros(tokens.shape[0], bool)

@@ -62,7 +62,8 @@ def _rollout_advantages(
     adv = frpo_advantages(adv, old_logp, ref_logp, mask, beta=beta, kind=config.kl_estimator)
   weights = None
   if config.process_weights:
-    sizes = process_set_sizes(tokens, mask, group_ids, max_group_size=max_group_size)
+    # a missing sample (non-finite reward) is in no process set: it must not halve its mates' weights
+    sizes = process_set_sizes(tokens, mask, group_ids, valid=jnp.isfinite(rewards), max_group_size=max_group_size)
     # 1/|λ| on real tokens, 0 on padding; a negative (poisoned) size stays visible as NaN.
     weights = jnp.where(sizes > 0, 1.0 / jnp.maximum(sizes, 1), jnp.where(sizes < 0, jnp.nan, 0.0))
     weights = weights.astype(jnp.float32)
@@ -98,7 +99,8 @@ def rollout_advantages(
 
   Returns:
     ``(advantages, token_weights)``: advantages ``f32[B]`` (GRPO family) or ``f32[B, T]`` (FRPO);
-    token_weights ``f32[B, T]`` (``1/|λ|``, 0 on padding; NaN where ``process_set_sizes`` reports an
+    token_weights ``f32[B, T]`` (``1/|λ|``, 0 on padding and on missing samples' rows, whose mates count
+    only the rows in the sample — ``jaxgrpo.process_sets``, "Missing samples"; NaN where ``process_set_sizes`` reports an
     invalid input by a negative size, so the failure is not silently hidden) or None.
   """
   config = _check_config(config)

@@ -30,8 +30,18 @@ bound: ``B``, ``O(B²)`` pairs, with a warning), ``exact``, ``scale``/``ddof``/`
 **Under jit** a row whose group id is out of range (negative, or ``>= num_groups``) and every row of
 a group larger than a pairwise bound are *poisoned*: sizes ``-1``, rewards, advantages and tree
 statistics ``NaN`` on the whole row; :func:`check_process_set_inputs` raises on the same conditions
-on the host. ``B = 0`` or ``T = 0`` give empty outputs (tree statistics 0). Non-finite rewards are
-missing samples: left out of the mean ``R(i,t)`` (``|λ|`` unchanged); their step advantages are 0.
+on the host. ``B = 0`` or ``T = 0`` give empty outputs (tree statistics 0).
+
+**Missing samples.** A row with a non-finite reward is a missing sample (``jaxgrpo.advantages``): it
+is not part of the group's sample, so it is a member of no process set. λ(i,t) is a subset of the
+group, and the group's statistics (mean, std) already leave the row out; counting it in a mate's
+``|λ|`` would halve that mate's λ-GRPO weight on their shared tokens and break the theorem's identity
+``Σ_{j∈λ(i,t)} a_j = |λ(i,t)|·A(i,t)`` (the row's advantage is 0, not ``A``). So the row is treated as
+an empty completion: ``|λ|`` 0 on its tokens (as on padding), absent from every other row's ``|λ|``,
+``R`` and tree statistics. ``process_rewards``/``process_advantages`` read it from the rewards;
+``process_set_sizes``/``process_tree_stats`` take it as ``valid=`` (``bool[B]``, e.g.
+``jnp.isfinite(rewards)``; None: every row is in the sample). With every row valid, the results are
+bit-identical to a call without ``valid``.
 """
 
 from __future__ import annotations
@@ -82,6 +92,14 @@ def _bad_rows(group_ids, num_groups):
   return bad
 
 
+def _check_valid(valid, b: int) -> None:
+  if valid is None:
+    return
+  _checks.check_rank(valid, 1, "valid", "bool[B] (True: the row is in the sample, e.g. jnp.isfinite(rewards))")
+  _checks.check_bool(valid, "valid", "bool[B] (True: the row is in the sample, e.g. jnp.isfinite(rewards))")
+  _checks.check_dim(valid, 0, b, "valid", "one flag per row of tokens")
+
+
 def _reward_weights(rewards):
   """(value f32[B], present f32[B]): finite rewards and a 0/1 flag; non-finite ones are missing (0, 0)."""
   r = jax.lax.stop_gradient(rewards.astype(jnp.float32))
@@ -92,18 +110,20 @@ def _reward_weights(rewards):
 # ------------------------------------------------------------------------------------------------ kernels
 
 
-def _sizes_impl(tokens, mask, group_ids, *, method, bound, exact, num_groups=None):
+def _sizes_impl(tokens, mask, group_ids, valid=None, *, method, bound, exact, num_groups=None):
   group_ids = group_ids.astype(jnp.int32)
-  sizes, _, overflow = _sums(tokens, mask, group_ids, [], method, bound, exact)
+  sizes, _, overflow = _sums(tokens, mask, group_ids, [], method, bound, exact, valid)
   bad = overflow | _bad_rows(group_ids, num_groups)
   return jnp.where(bad[:, None], -1, jnp.round(sizes).astype(jnp.int32))
 
 
 def _rewards_impl(rewards, tokens, mask, group_ids, *, method, bound, exact):
-  """(R f32[B, T] (0 on padding), real bool[B, T], overflow bool[B]); missing rewards left out of R."""
+  """(R f32[B, T] (0 on padding), real bool[B, T], overflow bool[B]); a missing sample (non-finite reward)
+  is in no process set: 0 on its own row, left out of every other row's R."""
   value, present = _reward_weights(rewards)
   scale = _huge_group_scale(value, group_ids)  # [B]; 1 unless the group has a reward past 2**120
-  sizes, (sums, counts), overflow = _sums(tokens, mask, group_ids, [value / scale, present], method, bound, exact)
+  weights = [value / scale, present]
+  sizes, (sums, counts), overflow = _sums(tokens, mask, group_ids, weights, method, bound, exact, present > 0)
   counts = jnp.round(counts)
   real = sizes > 0.5
   r_proc = jnp.where(real & (counts > 0), sums / jnp.maximum(counts, 1.0), 0.0) * scale[:, None]
@@ -144,8 +164,7 @@ def _process_advantages(
   group_ids = group_ids.astype(jnp.int32)
   mean, denom = group_baseline(rewards, group_ids, groups, scale=scale, ddof=ddof, eps=eps)
   r_proc, real, overflow = _rewards_impl(rewards, tokens, mask, group_ids, method=method, bound=bound, exact=exact)
-  keep = real & jnp.isfinite(rewards)[:, None]  # a missing sample's steps get advantage 0
-  adv = jnp.where(keep, standardize(r_proc, mean[:, None], denom[:, None]), 0.0)
+  adv = jnp.where(real, standardize(r_proc, mean[:, None], denom[:, None]), 0.0)
   return jnp.where((overflow | _bad_rows(group_ids, num_groups))[:, None], jnp.nan, adv)
 
 
@@ -276,14 +295,27 @@ def _check_rewards(rewards, b: int) -> None:
 
 
 def process_set_sizes(
-  tokens, mask, group_ids, *, max_group_size: int | None = None, exact: bool = False, method: str = "auto"
+  tokens,
+  mask,
+  group_ids,
+  *,
+  valid=None,
+  max_group_size: int | None = None,
+  exact: bool = False,
+  method: str = "auto",
 ):
   """``|λ(i,t)|``: how many members of i's group share its completion prefix up to token t.
+
+  Only rows in the sample count: ``|λ(i,t)| = #{j in group(i), valid[j] : mask[j, 0..t] and
+  tokens[j, 0..t] == tokens[i, 0..t]}`` (module docstring, "Missing samples").
 
   Args:
     tokens: ``int32[B, T]`` right-padded completions.
     mask: ``bool[B, T]`` true on real completion tokens.
     group_ids: ``int32[B]`` in ``[0, 2**31)``, any order, unequal and non-contiguous groups allowed.
+    valid: ``bool[B]`` or None (every row): False marks a row outside the sample (a missing sample,
+      e.g. ``~jnp.isfinite(rewards)``); it is in no process set — 0 on its own tokens, not counted in
+      any other row's ``|λ|``.
     max_group_size: static bound on the largest group (e.g. G) for the pairwise method, checked against
       the groups when ``group_ids`` is concrete. ``None``: the largest group rounded up to a power of
       two when ``group_ids`` is concrete; when it is traced, ``method="auto"`` then sorts (no bound
@@ -295,16 +327,18 @@ def process_set_sizes(
       above it or when the bound is unknown).
 
   Returns:
-    ``int32[B, T]``, ``|λ(i,t)|`` with token t inclusive and multiplicity counted, 0 on padding; ``-1`` on
+    ``int32[B, T]``, ``|λ(i,t)|`` with token t inclusive and multiplicity counted, 0 on padding and on
+    rows with ``valid`` False; ``-1`` on
     every position of a poisoned row (negative group id, or a group larger than the pairwise bound
     under ``jit``). ``B = 0`` or ``T = 0``: an empty array.
 
   Example (SPEC): {ABCD, ABEFHI, JKLM, JKLNQST, JKLNQU, VWYZ} → A,B = 2; J,K,L = 3; N,Q = 2; else 1.
   """
   b, t, method, bound = _plan("process_set_sizes", tokens, mask, group_ids, max_group_size, exact, method)
+  _check_valid(valid, b)
   if b == 0 or t == 0:
     return jnp.zeros((b, t), jnp.int32)
-  return _process_set_sizes(tokens, mask, group_ids, method=method, bound=bound, exact=bool(exact))
+  return _process_set_sizes(tokens, mask, group_ids, valid, method=method, bound=bound, exact=bool(exact))
 
 
 def process_rewards(
@@ -317,15 +351,15 @@ def process_rewards(
   exact: bool = False,
   method: str = "auto",
 ):
-  """The implicit process reward ``R(i,t) = mean_{j in λ(i,t), r_j finite} r_j`` (Monte-Carlo step value).
+  """The implicit process reward ``R(i,t) = mean_{j in λ(i,t)} r_j`` (Monte-Carlo step value).
 
   Args:
-    rewards: ``f32[B]`` outcome rewards; a non-finite reward is a missing sample, left out of every
-      mean it would enter. tokens, mask, group_ids, max_group_size, exact, method: as in
+    rewards: ``f32[B]`` outcome rewards; a non-finite reward is a missing sample: a member of no process
+      set (module docstring), so left out of every mean and ``R`` is 0 on its own row. tokens, mask, group_ids, max_group_size, exact, method: as in
       :func:`process_set_sizes`.
 
   Returns:
-    ``f32[B, T]``, 0 on padding and where no member of ``λ(i,t)`` has a finite reward; NaN on every
+    ``f32[B, T]``, 0 on padding and on a missing sample's row; NaN on every
     position of a poisoned row. On tokens no other member shares, ``R(i,t) = r_i``. No gradient flows
     to ``rewards``.
   """
@@ -359,7 +393,8 @@ def process_advantages(
 
   Args:
     rewards: ``f32[B]``; a non-finite reward is a missing sample: its trajectory's step advantages are
-      0 and it is left out of ``R`` (and of the group statistics, by ``group_baseline``).
+      0 and it is in no process set, so left out of every ``R`` and ``|λ|`` (and of the group
+      statistics, by ``group_baseline``) — the identity above holds with missing samples.
     tokens, mask, group_ids, max_group_size, exact, method: as in :func:`process_set_sizes`.
     num_groups: static int, every group id in ``[0, num_groups)``.
     scale, ddof, eps: static, as in ``group_advantages``.
@@ -434,10 +469,10 @@ def _tree_stats_impl(sizes, group_ids, num_groups, *, groups, per_group):
 
 
 @jax.jit(static_argnames=("groups", "per_group", "method", "bound"))
-def _process_tree_stats(tokens, mask, group_ids, sizes, num_groups, *, groups, per_group, method, bound):
+def _process_tree_stats(tokens, mask, group_ids, sizes, valid, num_groups, *, groups, per_group, method, bound):
   group_ids = group_ids.astype(jnp.int32)
   if sizes is None:
-    sizes = _sizes_impl(tokens, mask, group_ids, method=method, bound=bound, exact=False, num_groups=num_groups)
+    sizes = _sizes_impl(tokens, mask, group_ids, valid, method=method, bound=bound, exact=False, num_groups=num_groups)
   return _tree_stats_impl(sizes, group_ids, num_groups, groups=groups, per_group=per_group)
 
 
@@ -448,6 +483,7 @@ def process_tree_stats(
   num_groups: int,
   *,
   sizes=None,
+  valid=None,
   max_group_size: int | None = None,
   per_group: bool = False,
   method: str = "auto",
@@ -458,6 +494,8 @@ def process_tree_stats(
     tokens, mask, group_ids: as in :func:`process_set_sizes`; num_groups: static int, every group id in
       ``[0, num_groups)``.
     sizes: optional precomputed ``process_set_sizes`` (``int32[B, T]``) to avoid recomputation.
+    valid: ``bool[B]`` or None, as in :func:`process_set_sizes` (used only when ``sizes`` is None; pass
+      it to ``process_set_sizes`` otherwise): a row outside the sample is an empty trajectory here.
     max_group_size, method: as in :func:`process_set_sizes` (used only when ``sizes`` is None).
     per_group: static; False: batch statistics (``f32`` scalars); True: one value per group
       (``f32[num_groups]``), 0 for an empty group (no trajectory with a real token).
@@ -484,6 +522,12 @@ def process_tree_stats(
   if sizes is not None:
     _checks.check_same_shape(sizes, "sizes", tokens, "tokens")
     _checks.check_int(sizes, "sizes", "int32[B, T]")
+    if valid is not None:
+      raise ValueError(
+        "process_tree_stats: pass `valid` to process_set_sizes when you give `sizes` (the sizes already say which "
+        "rows are in the sample); got both `sizes` and `valid`"
+      )
+  _check_valid(valid, b)
   if b == 0 or t == 0:
     shape = (num_groups,) if per_group else ()
     names = ("nontrivial_group_fraction", "mean_path_depth", "intermediate_proportion", "mean_process_set_size")
@@ -494,6 +538,7 @@ def process_tree_stats(
     mask,
     group_ids,
     sizes,
+    valid,
     jnp.int32(num_groups),
     groups=groups,
     per_group=bool(per_group),

@@ -540,7 +540,8 @@ def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int, hyper
     # 1/|λ| exactly; |λ| is a small integer, so round(1/w) recovers it
     sizes = jnp.where(weights > 0, jnp.round(1.0 / jnp.where(weights > 0, weights, 1.0)), 0).astype(jnp.int32)
   elif spec.tc.tree_stats:
-    sizes = process_set_sizes(batch.completions, batch.mask, batch.group_ids, max_group_size=g)
+    valid = None if batch.rewards is None else jnp.isfinite(batch.rewards)  # missing samples: in no process set
+    sizes = process_set_sizes(batch.completions, batch.mask, batch.group_ids, valid=valid, max_group_size=g)
   if batch.token_weights is not None:
     weights = batch.token_weights
   return adv, weights, sizes

@@ -97,26 +97,55 @@ def kl(lp, rlp, kind, max_delta=20.0):
   return {"k1": d, "k2": d**2 / 2, "k3": u + d - 1, "forward_k3": v - d - 1}[kind]
 
 
-def future_kl(lp, rlp, mask, kind, max_delta=20.0):
-  """FRPO's reg(i,t) by explicit loops (float64), from the f-divergence form of FRPO Thm 4.1:
-  reg(t) = f(u_t) - f'(u_t) u_t + Σ_{j>t, m_j} f(u_j), u = exp(-δ) continued by its tangent past
-  e^max_delta (``exp_tangent``)."""
-  b, t = np.shape(lp)
+def _future_kl_terms(lp, rlp, mask, kind, max_delta):
+  """FRPO's reg(i,t) as its terms (float64), from the f-divergence form of FRPO Thm 4.1:
+  reg(t) = own(t) + Σ_{j>t, m_j} later(j), own = f(u_t) - f'(u_t) u_t, later = f(u_j), u = exp(-δ)
+  continued by its tangent past e^max_delta (``exp_tangent``). Returns ``(own, later)``, each f64[B, T]."""
   d = np.asarray(lp, np.float64) - np.asarray(rlp, np.float64)
   u = exp_tangent(-d, max_delta)
+  if kind == "k1":  # f = -log u: f(u) - f'(u) u = δ + 1, constants dropped
+    return d, d
+  if kind == "k3":  # f = -log u + u - 1: f(u) - f'(u) u = δ
+    return d, u + d - 1
+  return 1 - u, -d * u - u + 1  # f = u log u - u + 1 (u log u = -δ u): f(u) - f'(u) u = 1 - u
+
+
+def _future_sum(own, later, mask):
+  """out[i, s] = own[i, s] + Σ_{j>s, mask[i, j]} later[i, j] on real tokens, 0 elsewhere, by explicit loops."""
+  b, t = own.shape
   out = np.zeros((b, t))
   for i in range(b):
     for s in range(t):
-      if not mask[i, s]:
-        continue
-      later = [j for j in range(s + 1, t) if mask[i, j]]
-      if kind == "k1":  # f = -log u: f(u) - f'(u) u = δ + 1, constants dropped
-        out[i, s] = d[i, s] + sum(d[i, j] for j in later)
-      elif kind == "k3":  # f = -log u + u - 1: f(u) - f'(u) u = δ
-        out[i, s] = d[i, s] + sum(u[i, j] + d[i, j] - 1 for j in later)
-      else:  # f = u log u - u + 1 (u log u = -δ u): f(u) - f'(u) u = 1 - u
-        out[i, s] = 1 - u[i, s] + sum(-d[i, j] * u[i, j] - u[i, j] + 1 for j in later)
+      if mask[i, s]:
+        out[i, s] = own[i, s] + sum(later[i, j] for j in range(s + 1, t) if mask[i, j])
   return out
+
+
+def future_kl(lp, rlp, mask, kind, max_delta=20.0):
+  """FRPO's reg(i,t) by explicit loops (float64): :func:`_future_kl_terms` summed over the mask."""
+  return _future_sum(*_future_kl_terms(lp, rlp, mask, kind, max_delta), mask)
+
+
+def future_kl_magnitude(lp, rlp, mask, kind, max_delta=20.0):
+  """Σ of |terms| that :func:`future_kl` adds at each (i, t) (float64): the scale of a float32 kernel's
+  rounding error. Terms of opposite signs can cancel to a result far smaller than they are (own ≈ -9.4e6
+  and later ≈ +9.4e6 give -2.8e4), and float32 keeps about 2**-24 of each term, not of the result."""
+  own, later = _future_kl_terms(lp, rlp, mask, kind, max_delta)
+  return _future_sum(np.abs(own), np.abs(later), mask)
+
+
+def assert_close_to_sum(got, want, magnitude, rtol, atol, what=""):
+  """``|got - want| <= atol + rtol · magnitude`` elementwise: a tolerance relative to the magnitudes
+  summed (e.g. :func:`future_kl_magnitude`), not to the (possibly cancelled) result."""
+  got, want, magnitude = (np.asarray(x, np.float64) for x in (got, want, magnitude))
+  err = np.abs(got - want)
+  bound = atol + rtol * magnitude
+  if not np.all(err <= bound):
+    k = np.unravel_index(np.argmax(err - bound), err.shape)
+    raise AssertionError(
+      f"{what}: {np.sum(err > bound)} of {err.size} values off; worst at {k}: got {got[k]!r}, want {want[k]!r}, "
+      f"|error| {err[k]:.4g} > {bound[k]:.4g} = atol + rtol·Σ|terms| (Σ|terms| = {magnitude[k]:.4g})"
+    )
 
 
 def process_rewards(rewards, tokens, mask, group_ids):

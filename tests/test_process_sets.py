@@ -449,43 +449,152 @@ def _ref_process_rewards_missing(rewards, tokens, mask, gid):
   return out
 
 
-def _baseline_excludes_missing() -> bool:
-  """Whether advantages.group_baseline already leaves non-finite rewards out (the kernels stream's fix)."""
-  mean, _ = jg.group_baseline(np.array([np.nan, 1.0], np.float32), np.zeros(2, np.int32), 1)
-  return bool(np.all(np.isfinite(np.asarray(mean))))
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_nonfinite_rewards_are_missing_samples(method):
   tokens, mask, gid = ref.from_strings(["ABCD", "ABCE", "ABX", "QR", "QS", "Z"], group_ids=[0, 0, 0, 1, 1, 2])
   rewards = np.array([1.0, np.nan, 0.0, 2.0, 1.0, np.inf], np.float32)
+  finite = np.isfinite(rewards)
 
-  @jax.jit  # the three kernels in one program (one compile, not three)
+  @jax.jit  # the kernels in one program (one compile, not four)
   def kernels(rewards, tokens, mask, gid):
     kw = dict(method=method, max_group_size=3)
     return (
       jg.process_set_sizes(tokens, mask, gid, **kw),
+      jg.process_set_sizes(tokens, mask, gid, valid=jnp.isfinite(rewards), **kw),
       jg.process_rewards(rewards, tokens, mask, gid, **kw),
       jg.process_advantages(rewards, tokens, mask, gid, 3, **kw),
     )
 
-  sizes, r, adv = kernels(rewards, tokens, mask, gid)
-  np.testing.assert_array_equal(sizes, ref.sizes(tokens, mask, gid))  # the structure is unchanged
-  np.testing.assert_allclose(r, _ref_process_rewards_missing(rewards, tokens, mask, gid), rtol=1e-6)
-  assert float(r[1, 3]) == 0.0 and float(r[1, 2]) == 1.0  # only the missing one left: 0; "ABC": r_0
+  every, sizes, r, adv = kernels(rewards, tokens, mask, gid)
+  np.testing.assert_array_equal(every, ref.sizes(tokens, mask, gid))  # no `valid`: every row is in the sample
+  kept = np.where(finite[:, None], mask, False)  # a missing sample is an empty completion
+  np.testing.assert_array_equal(sizes, ref.sizes(tokens, kept, gid))
+  np.testing.assert_array_equal(sizes[0], [2, 2, 1, 1])  # "ABCE" (missing) does not share "ABC" with "ABCD"
+  np.testing.assert_allclose(r, _ref_process_rewards_missing(rewards, tokens, kept, gid), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(r)[[1, 5]], 0.0)  # a missing sample's own row: no process set
   adv = np.asarray(adv)
   np.testing.assert_array_equal(adv[[1, 5]], 0.0)  # missing samples: advantage 0, never NaN
-  mean, denom = ref.group_stats(rewards[3:5], np.zeros(2, np.int32))  # group 1 has no missing sample
-  want = (np.array([[1.5, 2.0], [1.5, 1.0]]) - mean[:, None]) / denom[:, None]
-  np.testing.assert_allclose(adv[3:5, :2], want, rtol=1e-5)
-  if not _baseline_excludes_missing():
-    pytest.skip("advantages.group_baseline does not exclude non-finite rewards yet (kernels stream)")
-  finite = np.isfinite(rewards)
   for i in np.flatnonzero(finite):
     members = (gid == gid[i]) & finite
     m, sd = rewards[members].mean(), rewards[members].std()
-    want_i = (_ref_process_rewards_missing(rewards, tokens, mask, gid)[i] - m) / (sd + 1e-6)
+    want_i = (_ref_process_rewards_missing(rewards, tokens, kept, gid)[i] - m) / (sd + 1e-6)
     np.testing.assert_allclose(adv[i], np.where(mask[i], want_i, 0.0), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# missing samples are in no process set (issue 33, item 9): an independent trie over the valid rows
+
+
+def _trie(tokens, mask, gid, rewards):
+  """A dict-of-prefixes counter over the rows in the sample (finite reward): for every (group, prefix)
+  the number of valid rows through it and the sum of their rewards; then per (i, t) of a valid row,
+  ``|λ(i,t)|``, the members and ``R(i,t)``. Missing rows and padding: size 0, no members, R 0."""
+  lengths = np.cumprod(mask, axis=1).sum(axis=1)
+  valid = np.isfinite(rewards)
+  count, total, members = {}, {}, {}
+  for j in np.flatnonzero(valid):
+    for t in range(lengths[j]):
+      key = (int(gid[j]), tuple(tokens[j, : t + 1].tolist()))
+      count[key] = count.get(key, 0) + 1
+      total[key] = total.get(key, 0.0) + float(rewards[j])
+      members.setdefault(key, []).append(int(j))
+  b, t_max = tokens.shape
+  sizes, r_proc, sets = np.zeros((b, t_max), np.int64), np.zeros((b, t_max)), {}
+  for i in np.flatnonzero(valid):
+    for t in range(lengths[i]):
+      key = (int(gid[i]), tuple(tokens[i, : t + 1].tolist()))
+      sizes[i, t], r_proc[i, t], sets[i, t] = count[key], total[key] / count[key], members[key]
+  return sizes, r_proc, sets
+
+
+def _batch_with_missing(seed, b=12, t=9, n_groups=3, vocab=2):
+  """Groups of unequal sizes (shuffled, non-contiguous), unequal lengths, long shared prefixes, duplicates,
+  a NaN and an inf reward in a shared prefix, a missing row that is the only other member of a prefix."""
+  rng = np.random.default_rng(seed)
+  gid = rng.permutation(np.arange(b) % n_groups + (np.arange(b) >= b - 2)).astype(np.int32)  # 4 groups
+  tokens = rng.integers(0, vocab, size=(b, t)).astype(np.int32)
+  for i in range(1, b):  # branch off an earlier row of the group
+    earlier = np.flatnonzero(gid[:i] == gid[i])
+    if earlier.size:
+      cut = rng.integers(1, t + 1)
+      tokens[i, :cut] = tokens[rng.choice(earlier), :cut]
+  lengths = rng.integers(1, t + 1, size=b)
+  mask = np.arange(t)[None, :] < lengths[:, None]
+  rewards = rng.choice(np.array([-1.0, 0.0, 0.5, 1.0], np.float32), size=b)
+  shared = [i for i in range(b) if any(gid[j] == gid[i] and tokens[j, 0] == tokens[i, 0] for j in range(b) if j != i)]
+  bad = rng.choice(shared, size=3, replace=False)
+  rewards[bad] = [np.nan, np.inf, -np.inf]
+  return tokens, mask, gid, rewards
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_missing_samples_are_in_no_process_set(method):
+  """|λ|, R(i,t), A(i,t), the λ-GRPO weights and the tree statistics count only the rows in the sample,
+  against a NumPy trie over the valid rows; the theorem's identity sum_{j in λ(i,t)} a_j = |λ(i,t)|·A(i,t)
+  holds with missing samples (today a missing mate counts in |λ| with a_j = 0, and the identity fails)."""
+  config = jg.preset("lambda_grpo")
+
+  @jax.jit  # one program per method for every seed (one shape)
+  def kernels(rewards, tokens, mask, gid):
+    kw = dict(method=method, max_group_size=8)
+    valid = jnp.isfinite(rewards)
+    return (
+      jg.process_set_sizes(tokens, mask, gid, valid=valid, **kw),
+      jg.process_rewards(rewards, tokens, mask, gid, **kw),
+      jg.process_advantages(rewards, tokens, mask, gid, 4, **kw),
+      jg.group_advantages(rewards, gid, 4),
+      jg.process_tree_stats(tokens, mask, gid, 4, valid=valid, **kw),
+    )
+
+  for seed in range(3):
+    tokens, mask, gid, rewards = _batch_with_missing(seed)
+    sizes, r_proc, step_adv, adv, stats = jax.tree.map(np.asarray, kernels(rewards, tokens, mask, gid))
+    want_sizes, want_r, sets = _trie(tokens, mask, gid, rewards)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    np.testing.assert_allclose(r_proc, want_r, rtol=1e-6, atol=1e-7)
+    valid = np.isfinite(rewards)
+    mean = {g: rewards[(gid == g) & valid].mean() for g in np.unique(gid)}
+    std = {g: rewards[(gid == g) & valid].std() for g in np.unique(gid)}
+    for (i, t), members in sets.items():
+      g = gid[i]
+      want_a = (want_r[i, t] - mean[g]) / (std[g] + 1e-6)
+      np.testing.assert_allclose(step_adv[i, t], want_a, rtol=1e-5, atol=1e-5)
+      # the theorem: the outcome advantages of λ(i,t) sum to |λ(i,t)| times the step advantage
+      np.testing.assert_allclose(adv[members].sum(), sizes[i, t] * step_adv[i, t], rtol=1e-5, atol=1e-5)
+    assert not np.any(step_adv[~valid]) and not np.any(sizes[~valid])
+    # the λ-GRPO token weights (objective.rollout_advantages): 1/|λ| over the rows in the sample
+    _, weights = jg.rollout_advantages(config, rewards, tokens, mask, gid, 4, max_group_size=8)
+    want_w = np.where(want_sizes > 0, 1.0 / np.maximum(want_sizes, 1), 0.0)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-6)
+    # tree statistics: those of the batch without its missing samples
+    want_stats = _ref_tree_stats(tokens, np.where(valid[:, None], mask, False), gid)
+    for k, v in want_stats.items():
+      np.testing.assert_allclose(stats[k], v, rtol=1e-5, err_msg=k)
+
+
+def test_all_valid_rows_give_bit_identical_results():
+  tokens, mask, gid, rewards = _batch_with_missing(0)
+  rewards = np.nan_to_num(rewards, nan=0.5, posinf=1.0, neginf=-1.0)
+  every = np.ones(len(gid), bool)
+  for method in METHODS:
+    np.testing.assert_array_equal(
+      jg.process_set_sizes(tokens, mask, gid, valid=every, method=method),
+      jg.process_set_sizes(tokens, mask, gid, method=method),
+    )
+    a = jg.process_tree_stats(tokens, mask, gid, 4, valid=every, method=method)
+    b = jg.process_tree_stats(tokens, mask, gid, 4, method=method)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_valid_is_checked():
+  tokens, mask, gid = ref.from_strings(["AB", "AC"])
+  with pytest.raises(TypeError, match=r"`valid` must be a boolean array \(bool\[B\]"):
+    jg.process_set_sizes(tokens, mask, gid, valid=np.ones(2, np.float32))
+  with pytest.raises(ValueError, match="`valid`"):
+    jg.process_set_sizes(tokens, mask, gid, valid=np.ones(3, bool))
+  sizes = jg.process_set_sizes(tokens, mask, gid)
+  with pytest.raises(ValueError, match="pass `valid` to process_set_sizes when you give `sizes`"):
+    jg.process_tree_stats(tokens, mask, gid, 1, sizes=sizes, valid=np.ones(2, bool))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -614,3 +723,31 @@ def test_bench_process_sets_smoke(capsys):
   rows = bench.main("--groups 5 --length 70 --prompts 3 --max-rows 0 --repeats 1".split())
   assert rows and all(r["trie_s_per_token"] > 0 for r in rows)
   assert "sort" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset, tree_stats", [("lambda_grpo", False), ("grpo", True)])
+def test_train_step_tree_stats_leave_missing_samples_out(preset, tree_stats):
+  """The train step's ``tree/*`` metrics (λ presets: from the 1/|λ| weights; others with ``tree_stats``: from
+  ``process_set_sizes``) describe the trees of the rows in the sample: a NaN-reward row that shares a prefix
+  is left out, as the trie over the valid rows says."""
+  import optax
+  from helpers import make_batch, tiny_model
+
+  from jaxgrpo import sharding as shd
+  from jaxgrpo import train
+
+  batch = make_batch()
+  comp, mask, gid = batch.completions, batch.mask, batch.group_ids
+  shared = np.flatnonzero((ref.sizes(comp, mask, gid) > 1).any(axis=1))
+  rewards = batch.rewards.copy()
+  rewards[shared[:2]] = [np.nan, np.inf]  # two rows that share a prefix with a mate
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(1e-3)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(group_size=int(np.bincount(gid).max()), tree_stats=tree_stats, chunk_size=5)
+  step = train.make_train_step(graphdef, opt, jg.preset(preset), mesh=mesh, shardings=shardings, train_config=tc)
+  _, metrics = step(state, batch._replace(rewards=rewards))
+  want = _ref_tree_stats(comp, np.where(np.isfinite(rewards)[:, None], mask, False), gid)
+  for k, v in want.items():
+    np.testing.assert_allclose(float(metrics[f"tree/{k}"]), v, rtol=1e-5, err_msg=k)
+  assert float(metrics["rewards_nonfinite"]) == 2
