@@ -511,7 +511,10 @@ class Trainer:
       top_k=s.top_k,
       eos_ids=s.eos_ids,
       pad_id=s.pad_id,
-      suppress_ids=s.suppress_ids if self.train_config.temperature == 1.0 else (),  # see VLLMEngine: τ != 1 needs ()
+      # VLLMEngine at τ != 1 reports full-vocabulary log-probs only without suppressed ids: () there
+      suppress_ids=()
+      if self.train_config.temperature != 1.0 and self.config.rollout.engine == "vllm"
+      else s.suppress_ids,
       key=key,
     )
     self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
