@@ -32,15 +32,21 @@ valid until the next update; sample first, then update — as :func:`grpo_iterat
 parameters are never donated: a copy of the initial parameters, or, for a LoRA policy
 (``jaxgrpo.models.lora``), the state's own frozen base weights with the adapters left out.
 
-One job at ~720 lines: the host-side glue of one iteration (sample, score, build and place the batch,
-select groups, the reference pass, the convenience functions that chain them); each piece is a small
-function a trainer can call alone.
+Engines: :func:`grpo_iteration` (``engine=``) samples through any :class:`jaxgrpo.engines.Engine`, pushing
+the policy first (:func:`engine_sample`); when the engine's log-probs are not the policy's
+(``jaxgrpo.engines.logprobs_are_policy``), they become ``behavior_logp`` and :func:`engine_old_logp`
+recomputes ``old_logp`` with :func:`policy_logp_fn` — the trainer and the multi-turn path use the same two.
+
+One job at ~840 lines: the host-side glue of one iteration (sample, score, build and place the batch,
+select groups, the reference pass, the engine path, the convenience functions that chain them); each piece
+is a small function a trainer can call alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -55,7 +61,9 @@ from jaxgrpo import sharding as shd
 from jaxgrpo.batch import Batch
 from jaxgrpo.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.config import GRPOConfig
+from jaxgrpo.engines.base import check_engine, logprobs_are_policy
 from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
+from jaxgrpo.kl import kl_penalty
 from jaxgrpo.losses import finalize_terms
 from jaxgrpo.models import lora
 from jaxgrpo.objective import objective_terms, rollout_advantages
@@ -75,13 +83,17 @@ __all__ = [
   "IterationResult",
   "Reference",
   "SamplingConfig",
+  "engine_old_logp",
+  "engine_sample",
   "grpo_iteration",
   "make_batch",
   "make_reference",
   "multiturn_iteration",
   "place",
   "place_prompts",
+  "policy_logp_fn",
   "policy_model",
+  "policy_params",
   "rollout_loss",
   "sample",
   "sample_multiturn",
@@ -412,6 +424,91 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, 
   )
 
 
+def engine_sample(
+  engine, model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, temperature: float = 1.0
+) -> tuple[Rollout, dict]:
+  """:func:`sample` through an :class:`~jaxgrpo.engines.Engine`: push ``model`` (merged first with
+  ``sampling.merge_lora``), then ``engine.generate`` with ``sampling``'s arguments.
+
+  The push happens on every call: the policy changes with every update, and an engine that sampled from the
+  previous weights would be silently off-policy (the built-in engine's previous weights are even deleted by
+  the step's donation). An engine makes a push of unchanged weights cheap if it can.
+
+  Returns:
+    ``(rollout, times)``: the ``Rollout`` of N = B·G rows (``num_steps`` None; ``log_probs`` the engine's)
+    and ``{"engine/push_s", "engine/generate_s"}`` in seconds.
+  """
+  check_engine(engine)
+  if sampling.record_routing:
+    raise ValueError("sampling.record_routing: an engine records no routing; sample without engine= for MoE replay")
+  if sampling.merge_lora and lora.has_adapters(model):
+    model = lora.merge_lora(model)
+  t0 = time.perf_counter()
+  engine.push_weights(model)
+  t1 = time.perf_counter()
+  gen = engine.generate(
+    prompt_tokens,
+    prompt_mask,
+    num_samples=sampling.num_samples,
+    max_new_tokens=sampling.max_new_tokens,
+    temperature=temperature,
+    top_p=sampling.top_p,
+    top_k=sampling.top_k,
+    eos_ids=sampling.eos_ids,
+    pad_id=sampling.pad_id,
+    suppress_ids=sampling.suppress_ids,
+    key=key,
+  )
+  rollout = jax.block_until_ready(gen.rollout._replace(num_steps=None))
+  return rollout, {"engine/push_s": t1 - t0, "engine/generate_s": time.perf_counter() - t1}
+
+
+_POLICY_LOGP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def policy_params(state: TrainState):
+  """The policy's variables of ``state`` as one state: ``params`` merged with ``frozen`` when it is not empty."""
+  frozen = state.frozen
+  return nnx.merge_state(state.params, frozen) if frozen is not None and jax.tree.leaves(frozen) else state.params
+
+
+def policy_logp_fn(step: TrainStep) -> Callable:
+  """The jitted ``(policy_params(state), batch) -> f32[B, T]`` log-probs of the batch's completions under
+  the policy (:func:`jaxgrpo.train.make_reference_fn` on the step's graph, mesh, micro-batches, packing and
+  temperature: the numbers the step computes for ``old_logp``). Built once per step (cached)."""
+  fn = _POLICY_LOGP.get(step)
+  if fn is None:
+    sh = step.shardings
+    param_sh = nnx.merge_state(sh.params, sh.frozen) if jax.tree.leaves(sh.frozen) else sh.params
+    fn = make_reference_fn(
+      step.graphdef, mesh=step.mesh, param_shardings=param_sh, train_config=step.train_config, rules=step.rules
+    )
+    _POLICY_LOGP[step] = fn
+  return fn
+
+
+def engine_old_logp(logp_fn: Callable, params, batch: Batch) -> tuple[Batch, dict]:
+  """``batch`` (placed, ``behavior_logp`` = the engine's log-probs μ) with ``old_logp`` recomputed by the
+  policy, ``logp_fn(params, batch)`` (:func:`policy_logp_fn`, :func:`policy_params`), for an engine whose
+  log-probs are not the policy's (``jaxgrpo.engines.logprobs_are_policy`` False: other kernels, dtype,
+  weights). The ratio of the objective is then against the policy that sampled, and the engine mismatch
+  is left to ``GRPOConfig.importance_correction`` (TIS/MIS on ``behavior_logp``).
+
+  Returns:
+    ``(batch, metrics)``: ``engine/mismatch_k3``, the mean over real tokens of ``r − log r − 1`` with
+    ``r = π_old/μ`` (``jaxgrpo.kl``'s k3), and ``engine/logp_abs_diff_max``, max |log π_old − log μ|.
+  """
+  old = logp_fn(params, batch)
+  behavior, mask = batch.behavior_logp, batch.mask
+  k3 = kl_penalty(old, behavior, "forward_k3", mask=mask)
+  n = jnp.maximum(mask.sum(), 1)
+  metrics = {
+    "engine/mismatch_k3": float((k3 * mask).sum() / n),
+    "engine/logp_abs_diff_max": float(jnp.where(mask, abs(old - behavior), 0.0).max()),
+  }
+  return batch._replace(old_logp=old), metrics
+
+
 def score(
   reward_fn: Callable[..., Sequence[float | None]],
   rollout: Rollout,
@@ -588,6 +685,7 @@ def grpo_iteration(
   columns: Mapping[str, Sequence[Any]] | None = None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
   hyper=None,
+  engine=None,
 ) -> IterationResult:
   """One GRPO iteration: sample G completions per prompt, score them with ``reward_fn``, build and
   place the batch, run the reference pass (only when the step reads ``ref_logp``: β > 0 or a custom
@@ -606,6 +704,12 @@ def grpo_iteration(
     buckets: completion-length buckets (None: keep ``max_new_tokens`` columns).
     hyper: optional hyper-parameter pytree of the update (``step(state, batch, hyper)``; e.g.
       ``config.hyper(beta=...)``, a :class:`~jaxgrpo.config.GRPOHyper`), or None.
+    engine: an :class:`~jaxgrpo.engines.Engine` to sample with instead of the built-in sampler (None).
+      Every call pushes the current policy into it first (:func:`engine_sample`; the caller never pushes).
+      When the engine does not declare its log-probs the policy's (``jaxgrpo.engines.logprobs_are_policy``),
+      its log-probs become the batch's ``behavior_logp`` and ``old_logp`` is recomputed with the policy
+      (:func:`engine_old_logp`, one forward pass; metrics ``engine/mismatch_k3``,
+      ``engine/logp_abs_diff_max``); ``engine/push_s`` and ``engine/generate_s`` are added either way.
 
   Returns:
     An :class:`IterationResult` ``(state, metrics, rollout, rewards)``.
@@ -616,23 +720,35 @@ def grpo_iteration(
   """
   _check_iteration(step, sampling, reference, int(np.shape(prompt_tokens)[0]))
   hyper = step.check_hyper(hyper)  # before the rollout, as the other checks
+  engine_metrics, recompute = {}, False
+  if engine is not None:
+    check_engine(engine)
+    recompute = not logprobs_are_policy(engine)
   t0 = time.perf_counter()
-  rollout = jax.block_until_ready(
-    sample(
-      policy_model(step.graphdef, state),
-      prompt_tokens,
-      prompt_mask,
-      sampling,
-      key=key,
-      temperature=step.train_config.temperature,
+  policy, temperature = policy_model(step.graphdef, state), step.train_config.temperature
+  if engine is None:
+    rollout = jax.block_until_ready(
+      sample(policy, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
     )
-  )
+  else:
+    rollout, engine_metrics = engine_sample(
+      engine, policy, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature
+    )
   t1 = time.perf_counter()
   rewards = score(reward_fn, rollout, decode=decode, prompts=prompts, columns=columns)
   t2 = time.perf_counter()
   batch = make_batch(
-    rollout, rewards, mesh=step.mesh, rules=step.rules, buckets=buckets, train_config=step.train_config
+    rollout,
+    rewards,
+    mesh=step.mesh,
+    rules=step.rules,
+    buckets=buckets,
+    train_config=step.train_config,
+    behavior_logp=rollout.log_probs if recompute else None,
   )
+  if recompute:  # the engine's log-probs are μ (behavior_logp); old_logp is the policy's own
+    batch, mismatch = engine_old_logp(policy_logp_fn(step), policy_params(state), batch)
+    engine_metrics.update(mismatch)
   if reference is not None and step.reads_ref_logp:
     batch = reference(batch)
     jax.block_until_ready(batch.ref_logp)
@@ -652,6 +768,7 @@ def grpo_iteration(
     reference_s=t3 - t2,
     update_s=t4 - t3,
     iteration_s=t4 - t0,
+    **engine_metrics,
   )
   return IterationResult(state, metrics, rollout, rewards)
 

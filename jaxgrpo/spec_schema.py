@@ -38,6 +38,7 @@ from jaxgrpo import _checks
 from jaxgrpo._spec_fields import _check_fields
 from jaxgrpo.config import GRPOConfig, preset
 from jaxgrpo.data import INSTRUCTION
+from jaxgrpo.engines.base import load_engine_factory
 from jaxgrpo.environments.spec import EnvSpec
 from jaxgrpo.models import RematPolicy
 from jaxgrpo.models.lora import LoRAConfig
@@ -207,9 +208,11 @@ class RolloutSpec:
     max_staleness: k, the most updates the parameters that sampled a group may lag behind the ones
       it is trained from. 0: the synchronous loop; >= 1: a producer samples the next batches while
       the learner updates (``jaxgrpo.async_rollout``; docs/trainer.md, "Asynchronous rollouts").
-    engine: what generates the rollouts: ``jax`` (the built-in jitted sampler, default) or ``vllm``
+    engine: what generates the rollouts: ``jax`` (the built-in jitted sampler, default), ``vllm``
       (vLLM in this process, the policy's weights pushed after every update; its log-probs become the
-      batch's ``behavior_logp`` and the trainer recomputes ``old_logp``; docs/sampling.md, "Engines").
+      batch's ``behavior_logp`` and the trainer recomputes ``old_logp``), or ``package.module:callable``, a
+      factory of a ``jaxgrpo.engines.Engine`` (imported and checked callable when the config loads; called
+      with ``config``, ``max_model_len``, ``temperature``, ``seed``; docs/sampling.md, "Engines").
     vllm: the vLLM engine's settings (read with ``engine: vllm``).
     routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
       records each token's experts while sampling and the train step and the reference pass reuse
@@ -229,8 +232,10 @@ class RolloutSpec:
   routing_replay: Literal["rollout", "none"] = "rollout"
 
   def __post_init__(self):
-    if self.engine not in ENGINES:
-      raise ValueError(f"`rollout.engine` must be one of {ENGINES}; got {self.engine!r}")
+    if not isinstance(self.engine, str):
+      raise ValueError(f"`rollout.engine` must be 'jax', 'vllm' or 'package.module:callable'; got {self.engine!r}")
+    if self.engine not in ENGINES:  # a user's engine factory: importable and callable, checked now
+      load_engine_factory(self.engine)
     if self.engine != "jax" and self.max_staleness:
       raise ValueError(
         f"`rollout.max_staleness`={self.max_staleness} needs `rollout.engine: jax` (asynchronous rollouts run the "

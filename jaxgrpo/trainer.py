@@ -46,7 +46,6 @@ import time
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -59,10 +58,10 @@ from jaxgrpo import sharding as shd
 from jaxgrpo import train as train_lib
 from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinite
 from jaxgrpo.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
+from jaxgrpo.engines import check_engine, load_engine_factory, logprobs_are_policy
 from jaxgrpo.engines import vllm as vllm_engine
 from jaxgrpo.environments import training as env_training
 from jaxgrpo.evaluation import evaluate_policy
-from jaxgrpo.kl import kl_penalty
 from jaxgrpo.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.models import lora, moe
 from jaxgrpo.sampling import Rollout
@@ -274,8 +273,10 @@ class Trainer:
     self.config = cfg = config
     if cfg.rollout.engine == "vllm":  # before anything heavy
       vllm_engine.check_installed()
-      if jax.process_count() > 1:
-        raise ValueError("`rollout.engine: vllm` runs one process (vLLM colocated in it); this run has several")
+    if cfg.rollout.engine != "jax" and jax.process_count() > 1:
+      raise ValueError(
+        f"`rollout.engine: {cfg.rollout.engine}` runs in one process (the engine colocated in it); this run has several"
+      )
     self.objective = cfg.objective
     self.checkpoint_fn = checkpoint_fn
     self.on_record = on_record
@@ -324,8 +325,8 @@ class Trainer:
       record_routing=roll.routing_replay == "rollout" and moe.is_moe(self.model),
     )
     self.engine, self.policy_logp_fn, self._engine_stale, self._engine_times = None, None, True, {}
-    if roll.engine == "vllm":
-      self._start_vllm()
+    if roll.engine != "jax":
+      self._start_engine()
     # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.environments.training)
     self.make_env = None if cfg.env is None else cfg.env.make_env()
     if cfg.env is not None and jax.process_count() > 1:
@@ -351,30 +352,36 @@ class Trainer:
       )
 
   # ------------------------------------------------------------------ construction
-  def _start_vllm(self) -> None:
-    """The vLLM engine (``rollout.vllm``) and the jitted pass that recomputes the rollout policy's own
-    log-probs (``old_logp``) of the engine's samples (``train.make_reference_fn`` on the policy's
-    parameters: the same micro-batches, temperature and packing as the step)."""
-    v, tc = self.config.rollout.vllm, self.train_config
-    self.engine = vllm_engine.VLLMEngine(
-      self.model.config,
-      dtype=v.dtype,
-      max_model_len=self.prompt_len + self.config.rollout.max_new_tokens,
-      kv_cache_bytes=v.kv_cache_bytes,
-      gpu_memory_utilization=v.gpu_memory_utilization,
-      max_num_seqs=v.max_num_seqs,
-      enforce_eager=v.enforce_eager,
-      logprobs_temperature=tc.temperature,
-      seed=self.config.run.seed,
-    )
-    sh = self.shardings
-    param_sh = nnx.merge_state(sh.params, sh.frozen) if jax.tree.leaves(sh.frozen) else sh.params
-    self.policy_logp_fn = train_lib.make_reference_fn(
-      self.graphdef, mesh=self.mesh, param_shardings=param_sh, train_config=tc
-    )
+  def _start_engine(self) -> None:
+    """The rollout engine of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory
+    (``package.module:callable``, called with the keywords ``config`` — the policy's model config —,
+    ``max_model_len``, ``temperature`` and ``seed``; it must return a ``jaxgrpo.engines.Engine``); and,
+    unless the engine declares its log-probs the policy's (``engines.logprobs_are_policy``), the jitted pass
+    that recomputes the policy's own ``old_logp`` of its samples (``iteration.policy_logp_fn``: the same
+    micro-batches, temperature and packing as the step)."""
+    roll, tc = self.config.rollout, self.train_config
+    settings = dict(max_model_len=self.prompt_len + roll.max_new_tokens, seed=self.config.run.seed)
+    if roll.engine == "vllm":
+      v = roll.vllm
+      self.engine = vllm_engine.VLLMEngine(
+        self.model.config,
+        dtype=v.dtype,
+        kv_cache_bytes=v.kv_cache_bytes,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        max_num_seqs=v.max_num_seqs,
+        enforce_eager=v.enforce_eager,
+        logprobs_temperature=tc.temperature,
+        **settings,
+      )
+    else:
+      factory = load_engine_factory(roll.engine)
+      self.engine = factory(config=self.model.config, temperature=tc.temperature, **settings)
+      check_engine(self.engine, f"the object `rollout.engine: {roll.engine}` returned")
+    if not logprobs_are_policy(self.engine):
+      self.policy_logp_fn = iteration.policy_logp_fn(self.step_fn)
 
   def close(self) -> None:
-    """Shut the rollout engine down (vLLM); the built-in sampler holds nothing."""
+    """Shut the rollout engine down (``engine.close()``); the built-in sampler holds nothing."""
     if self.engine is not None:
       self.engine.close()
       self.engine = None
@@ -504,7 +511,10 @@ class Trainer:
       top_k=s.top_k,
       eos_ids=s.eos_ids,
       pad_id=s.pad_id,
-      suppress_ids=s.suppress_ids if self.train_config.temperature == 1.0 else (),  # see VLLMEngine: τ != 1 needs ()
+      # VLLMEngine at τ != 1 reports full-vocabulary log-probs only without suppressed ids: () there
+      suppress_ids=()
+      if self.train_config.temperature != 1.0 and self.config.rollout.engine == "vllm"
+      else s.suppress_ids,
       key=key,
     )
     self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
@@ -514,20 +524,9 @@ class Trainer:
 
   def _engine_logp(self, placed: train_lib.Batch) -> tuple[train_lib.Batch, dict]:
     """``placed`` with ``old_logp`` recomputed by the trainer (the engine's log-probs stay as
-    ``behavior_logp``: TIS/MIS with ``objective.importance_correction``), and the mismatch metrics:
-    ``engine/mismatch_k3`` (mean over real tokens of ``k3 = r − log r − 1``, ``r = π_old/μ``, as
-    ``jaxgrpo.importance``) and ``engine/logp_abs_diff_max``."""
-    t = self.state.train
-    params = nnx.merge_state(t.params, t.frozen) if t.frozen is not None and jax.tree.leaves(t.frozen) else t.params
-    old = self.policy_logp_fn(params, placed)
-    behavior, mask = placed.behavior_logp, placed.mask
-    k3 = kl_penalty(old, behavior, "forward_k3", mask=mask)
-    n = jnp.maximum(mask.sum(), 1)
-    metrics = {
-      "engine/mismatch_k3": float((k3 * mask).sum() / n),
-      "engine/logp_abs_diff_max": float(jnp.where(mask, abs(old - behavior), 0.0).max()),
-    }
-    return placed._replace(old_logp=old), metrics
+    ``behavior_logp``: TIS/MIS with ``objective.importance_correction``), and the mismatch metrics
+    ``engine/mismatch_k3`` and ``engine/logp_abs_diff_max`` (``iteration.engine_old_logp``)."""
+    return iteration.engine_old_logp(self.policy_logp_fn, iteration.policy_params(self.state.train), placed)
 
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
     rows = [c[m].tolist() for c, m in zip(completions, mask)]
@@ -617,7 +616,7 @@ class Trainer:
       old_logp=cat("log_probs"),
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
       rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
-      behavior_logp=None if self.engine is None else cat("log_probs"),  # the engine's: μ
+      behavior_logp=None if self.policy_logp_fn is None else cat("log_probs"),  # the engine's: μ
       routing=None if parts[0].routing is None else cat("routing"),  # a MoE policy's routing replay
     )
 
@@ -711,9 +710,11 @@ class Trainer:
     t_roll = time.perf_counter() - t0
     # bucketed, packed if set; each process feeds its own rows
     placed = iteration.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
-    if self.engine is not None:  # the trainer's own old_logp; the engine's log-probs are behavior_logp
+    if self.policy_logp_fn is not None:  # the trainer's own old_logp; the engine's log-probs are behavior_logp
       placed, engine_metrics = self._engine_logp(placed)
-      metrics.update(engine_metrics, **self._engine_times)
+      metrics.update(engine_metrics)
+    if self.engine is not None:
+      metrics.update(self._engine_times)
     if self.reference is not None:
       placed = self.reference(placed)
     tstate, step_metrics = self.step_fn(tstate, placed)

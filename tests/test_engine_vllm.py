@@ -26,11 +26,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
   """One child run of ``tests/vllm_trainer.py all`` for the whole module (one vLLM import, one JAX start-up):
-  the families' checks, then the learning run and its resumption; each part's numbers (or traceback)."""
+  the families' checks, the engine API checks, then the learning run and its resumption; each part's numbers
+  (or traceback), and the child's output (stdout, where vLLM logs, then stderr) under ``"output"``."""
   tmp = tmp_path_factory.mktemp("vllm")
   out = tmp / "all.json"
-  run_in_vllm_venv("vllm_trainer.py", "all", str(out), cache=tmp / "xla_cache")
-  return json.loads(out.read_text())
+  output = run_in_vllm_venv("vllm_trainer.py", "all", str(out), cache=tmp / "xla_cache")
+  return {**json.loads(out.read_text()), "output": output}
 
 
 def part(runs, name):
@@ -50,8 +51,9 @@ def ensure_vllm_venv() -> None:
     pytest.fail(f"scripts/setup_vllm_venv.sh failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
 
 
-def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> None:
-  """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache (the session's, else ``cache``)."""
+def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> str:
+  """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache (the session's, else ``cache``);
+  the child's stdout (vLLM's log handler writes there) and stderr."""
   ensure_vllm_venv()
   # the flags users run with, not the suite's compile-speed flags (helpers.TEST_XLA_FLAGS): the learning run's
   # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
@@ -67,6 +69,28 @@ def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> Non
   if proc.returncode:
     sys.stderr.write(proc.stderr[-20000:])
     pytest.fail(f"{script} {' '.join(args)} exited with {proc.returncode}: {proc.stderr[-2000:]}")
+  return proc.stdout + proc.stderr
+
+
+def test_the_engine_refuses_what_it_cannot_report_and_logs_only_real_warnings(vllm_runs):
+  """Issue 33 items 12-13: a temperature other than ``logprobs_temperature`` is one line naming it (every
+  family's engine); head_dim 16 is refused at construction, before vLLM starts; the two expected warnings of
+  every start and push (and the tied head's, during a tied model's push) are gone from the child's output while
+  other warnings of the same loggers still show."""
+  for r in part(vllm_runs, "families"):
+    err = r["other_temperature_error"]
+    assert err is not None and "logprobs_temperature=" in err and "\n" not in err, r
+  api = part(vllm_runs, "engine_api")
+  err = api["head_error"]
+  assert err is not None and "head_dim`=16" in err and "[32, 64, 80" in err and "\n" not in err, api
+  assert api["head_error_s"] < 1.0, api  # nothing of vLLM started
+  output = vllm_runs["output"]
+  assert "Tokenizer not available" not in output
+  assert "RotaryEmbedding: Failed to load weights" not in output
+  # the probes of vllm_checks.engine_api, after the families' engines (tied ones among them) ran
+  assert output.count("ParallelLMHead: Failed to load weights") == 1  # outside a tied push: shown
+  assert "Chat template warmup failed" in output and "RuntimeError: jaxgrpo-probe" in output
+  assert "JaxgrpoProbeLinear: Failed to load weights" in output
 
 
 FP32_TOL = 1e-4  # float32 engine vs float32 library: the probe measured ≤ 1e-5

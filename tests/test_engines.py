@@ -7,10 +7,14 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
-from helpers import tiny_model
+from helpers import flat_params, tiny_model
 
-from jaxgrpo.engines import BuiltinEngine, Engine, finish_reasons
+from jaxgrpo import iteration, train
+from jaxgrpo import sharding as shd
+from jaxgrpo.config import preset
+from jaxgrpo.engines import BuiltinEngine, Engine, Generation, finish_reasons
 from jaxgrpo.engines.vllm import INSTALL_HINT
 from jaxgrpo.sampling import generate
 from jaxgrpo.specs import load_config
@@ -72,3 +76,132 @@ def test_engine_settings_are_checked_by_the_config():
   cfg = load_config(None, {"rollout.engine": "vllm", "rollout.vllm": {"dtype": "bfloat16", "max_num_seqs": 64}})
   assert cfg.rollout.vllm.dtype == "bfloat16" and cfg.rollout.vllm.max_num_seqs == 64
   assert load_config(None, {}).rollout.engine == "jax"
+
+
+# ---------------------------------------------------------------- a user's engine (issue 33 item 7)
+OFFSET = 0.5  # nats the engine adds to every reported log-prob: its μ is not the policy's
+
+
+class OffsetEngine:
+  """A user's engine written against the public protocol only: the jitted sampler on the pushed model, reporting
+  log-probs ``OFFSET`` nats above the policy's (an engine with other kernels / dtype, exaggerated), so its
+  log-probs must not be used as ``old_logp``."""
+
+  name = "offset"
+  logprobs_are_policy = False
+
+  def __init__(self, **settings):
+    self.settings, self.model, self.pushes, self.closed = settings, None, 0, False
+
+  def push_weights(self, model):
+    self.model, self.pushes = model, self.pushes + 1
+
+  def release_memory(self):
+    pass
+
+  def reacquire_memory(self):
+    pass
+
+  def close(self):
+    self.closed = True
+
+  def generate(self, prompt_tokens, prompt_mask, *, eos_ids=(), **kw):
+    r = generate(self.model, prompt_tokens, prompt_mask, eos_ids=eos_ids, **kw)
+    r = r._replace(log_probs=np.where(np.asarray(r.mask), np.asarray(r.log_probs) + OFFSET, 0.0).astype(np.float32))
+    return Generation(r, finish_reasons(r.completions, r.mask, eos_ids))
+
+
+def make_offset_engine(**settings):
+  """``rollout.engine: test_engines:make_offset_engine``."""
+  return OffsetEngine(**settings)
+
+
+def make_not_an_engine(**settings):
+  return object()
+
+
+NOT_CALLABLE = 3
+K3_OFFSET = float(np.exp(-OFFSET) + OFFSET - 1)  # k3 = r − log r − 1 at r = π/μ = e^−OFFSET
+
+
+def _step(model):
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.adam(1e-2)
+  graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+  tc = train.TrainConfig(micro_batches=1, group_size=4, chunk_size=4)
+  return train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=shardings, train_config=tc), state
+
+
+def test_grpo_iteration_takes_a_users_engine_and_recomputes_old_logp():
+  """The user's engine samples exactly what the built-in sampler does, but reports log-probs OFFSET nats off:
+  ``grpo_iteration(engine=...)`` pushes the policy, keeps the engine's log-probs as ``behavior_logp`` and
+  recomputes ``old_logp`` with the policy, so the update equals the built-in iteration's (with the engine's
+  log-probs as old_logp the ratio e^−0.5 would be clipped for negative advantages and the update differ); the
+  mismatch metric is k3 at r = e^−OFFSET. The built-in engine fed a policy whose state the update donated
+  refuses in one line naming push_weights."""
+  step, state = _step(tiny_model(seed=2))
+  _, state2, _ = train.init_train_state(tiny_model(seed=2), optax.adam(1e-2), step.mesh)
+  prompts = np.array([[3, 4, 5], [0, 6, 7]], np.int32)
+  sampling = iteration.SamplingConfig(num_samples=4, max_new_tokens=6, eos_ids=(1,))
+  common = dict(key=jax.random.key(3), reward_fn=lambda p, c: [sum(t % 2 for t in x) for x in c], sampling=sampling)
+  engine = OffsetEngine()
+  out = iteration.grpo_iteration(step, state, prompts, prompts > 0, engine=engine, buckets=None, **common)
+  want = iteration.grpo_iteration(step, state2, prompts, prompts > 0, buckets=None, **common)
+  assert engine.pushes == 1 and out.metrics["grad_norm"] > 0
+  np.testing.assert_array_equal(np.asarray(out.rollout.completions), np.asarray(want.rollout.completions))
+  m = np.asarray(want.rollout.mask)
+  np.testing.assert_allclose(np.asarray(out.rollout.log_probs)[m], np.asarray(want.rollout.log_probs)[m] + OFFSET)
+  got, ref = flat_params(out.state.params), flat_params(want.state.params)
+  for k in ref:
+    np.testing.assert_allclose(got[k], ref[k], atol=1e-4, err_msg=str(k))  # adam: 1% of the step (lr 1e-2)
+  del got, ref  # NumPy views of out.state's buffers: while they live, the step copies instead of donating
+  assert out.metrics["engine/mismatch_k3"] == pytest.approx(K3_OFFSET, rel=1e-4)
+  assert out.metrics["engine/logp_abs_diff_max"] == pytest.approx(OFFSET, abs=1e-4)
+  assert out.metrics["engine/push_s"] >= 0 and "engine/mismatch_k3" not in want.metrics
+  # the built-in engine after an update without a push: one line naming push_weights, not XLA's deleted buffer
+  builtin = BuiltinEngine()
+  out2 = iteration.grpo_iteration(step, out.state, prompts, prompts > 0, engine=builtin, buckets=None, **common)
+  assert "engine/mismatch_k3" not in out2.metrics  # its log-probs are the policy's: used as old_logp
+  kw = dict(num_samples=4, max_new_tokens=6, pad_id=0, key=jax.random.key(0))
+  with pytest.raises(RuntimeError, match=r"call engine\.push_weights\(policy\)") as e:
+    builtin.generate(prompts, prompts > 0, **kw)
+  assert "\n" not in str(e.value)
+  builtin.push_weights(iteration.policy_model(step.graphdef, out2.state))
+  assert builtin.generate(prompts, prompts > 0, **kw).rollout.completions.shape == (8, 6)
+  with pytest.raises(TypeError, match=r"engine must implement jaxgrpo.engines.Engine; got object \(missing: name"):
+    iteration.grpo_iteration(step, out2.state, prompts, prompts > 0, engine=object(), **common)
+
+
+def test_the_trainer_builds_a_users_engine_from_the_config_string(tmp_path):
+  """``rollout.engine: test_engines:make_offset_engine``: checked when the config loads (importable,
+  callable), the factory's result checked at construction; the run samples through it, pushes after every
+  update and recomputes old_logp (mismatch k3 at r = e^−OFFSET every step)."""
+  base = {
+    "model.synthetic": {"hidden_size": 32, "num_layers": 1},
+    "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0},
+    "data.max_prompt_tokens": 64,
+    "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8},
+    "step.chunk_size": None,
+    "reward.timeout_s": None,
+    "eval.every": 0,
+    "run": {"steps": 2, "log_every": 1, "out": str(tmp_path)},
+    "devices.mesh": "",
+  }
+  for bad, msg in (
+    ("no_such_module_xyz:make", r"`rollout.engine`: 'no_such_module_xyz:make': cannot import module"),
+    ("test_engines:missing", r"`rollout.engine`: 'test_engines:missing': module 'test_engines' has no attribute"),
+    ("test_engines:NOT_CALLABLE", r"`rollout.engine`: 'test_engines:NOT_CALLABLE' is not callable \(int\)"),
+  ):
+    with pytest.raises(ValueError, match=msg):
+      load_config(None, {**base, "rollout.engine": bad})
+  with pytest.raises(TypeError, match=r"`rollout.engine: test_engines:make_not_an_engine` returned must implement"):
+    Trainer(load_config(None, {**base, "rollout.engine": "test_engines:make_not_an_engine"}), log=None)
+  trainer = Trainer(load_config(None, {**base, "rollout.engine": "test_engines:make_offset_engine"}), log=None)
+  engine = trainer.engine
+  assert isinstance(engine, OffsetEngine) and set(engine.settings) == {"config", "max_model_len", "temperature", "seed"}
+  records = [r for r in trainer.run() if "loss" in r]
+  trainer.close()
+  assert len(records) == 2 and engine.pushes == 2 and engine.closed
+  for r in records:
+    assert r["engine/mismatch_k3"] == pytest.approx(K3_OFFSET, rel=1e-4), r
+    assert r["engine/push_s"] >= 0 and r["engine/generate_s"] > 0

@@ -16,6 +16,7 @@ entropy is reported (a near-deterministic model would make every comparison triv
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -155,6 +156,11 @@ def one_case(case: dict) -> dict:
   gen = engine.generate(tokens, mask, **settings, key=jax.random.key(7))
   r = gen.rollout
   t0 = _lap(out, "generate", t0)
+  try:  # another temperature than the engine's log-prob temperature: refused before sampling (issue 33 item 12)
+    engine.generate(tokens, mask, **{**settings, "temperature": (tau or 1.0) + 0.3}, key=jax.random.key(7))
+    out["other_temperature_error"] = None
+  except ValueError as e:
+    out["other_temperature_error"] = str(e)
   lib, logits = library(model, r, tau if tau > 0 else 1.0)
   m = np.asarray(r.mask)
   out["tokens"] = int(m.sum())
@@ -228,6 +234,30 @@ def families(cases=CASES) -> list[dict]:
     results.append(one_case(c))
     print(f"vllm_checks: {c} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   return results
+
+
+def engine_api() -> dict:
+  """The engine's checks at construction and its log filters: a head size vLLM's CPU attention lacks (16) is
+  refused before vLLM starts; warnings from the filtered loggers that are not the expected ones still show
+  (the test reads this process's stderr)."""
+  import logging
+
+  small = dataclasses.replace(config("qwen3", True), hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+  t0 = time.perf_counter()
+  try:
+    VLLMEngine(small, kv_cache_bytes=64 * 2**20)
+    head_error = None
+  except ValueError as e:
+    head_error = str(e)
+  seconds = time.perf_counter() - t0
+  # the same loggers, other messages / causes: these must reach stderr
+  logging.getLogger("vllm.renderers.base").warning(
+    "Chat template warmup failed", exc_info=RuntimeError("jaxgrpo-probe")
+  )
+  layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+  layerwise.warning("%s: Failed to load weights", "JaxgrpoProbeLinear")
+  layerwise.warning("%s: Failed to load weights", "ParallelLMHead")  # not during a tied model's push: a real one
+  return {"head_error": head_error, "head_error_s": seconds}
 
 
 def main(argv):

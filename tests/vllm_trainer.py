@@ -80,7 +80,8 @@ def run_all(path=None):
   import vllm_checks
 
   result = {}
-  for name, part in (("families", vllm_checks.families), ("learn", learn)):
+  parts = (("families", vllm_checks.families), ("engine_api", vllm_checks.engine_api), ("learn", learn))
+  for name, part in parts:
     try:
       result[name] = part()
     except Exception:  # the other part still runs; its test reports this traceback

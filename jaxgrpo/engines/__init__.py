@@ -3,7 +3,24 @@ sampler (:class:`~jaxgrpo.engines.builtin.BuiltinEngine`, the default) and vLLM
 (:class:`~jaxgrpo.engines.vllm.VLLMEngine`, imported on use: it needs the ``vllm`` extra). See
 docs/sampling.md, "Engines"."""
 
-from jaxgrpo.engines.base import FINISH_REASONS, Engine, Generation, finish_reasons
+from jaxgrpo.engines.base import (
+  FINISH_REASONS,
+  Engine,
+  Generation,
+  check_engine,
+  finish_reasons,
+  load_engine_factory,
+  logprobs_are_policy,
+)
 from jaxgrpo.engines.builtin import BuiltinEngine
 
-__all__ = ["BuiltinEngine", "Engine", "FINISH_REASONS", "Generation", "finish_reasons"]
+__all__ = [
+  "BuiltinEngine",
+  "Engine",
+  "FINISH_REASONS",
+  "Generation",
+  "check_engine",
+  "finish_reasons",
+  "load_engine_factory",
+  "logprobs_are_policy",
+]

@@ -8,6 +8,7 @@ An engine holds a copy (or a view) of the policy's weights and samples groups of
     gen.rollout.completions / .mask / .log_probs  # int32[N, T], bool[N, T], f32[N, T]; N = B·G
     gen.finish_reasons                            # str[N]: "stop" (an EOS id was sampled) or "length"
     engine.release_memory(); ...; engine.reacquire_memory()   # around the update, on one accelerator
+    engine.close()                                # at the end: frees what the engine holds (idempotent)
 
 The keyword arguments of :meth:`Engine.generate` are those of :func:`jaxgrpo.sampling.generate` (and of
 ``jaxgrpo.iteration.SamplingConfig``), so the built-in sampler and an external engine are drop-in
@@ -18,6 +19,9 @@ over the full vocabulary (temperature 0: temperature 1), i.e. the behaviour poli
 ``jaxgrpo.importance``. For the built-in sampler they equal the trainer's recomputation up to float32
 rounding; for another engine (other kernels, another dtype) they differ, and the trainer recomputes the
 rollout policy's log-probs itself and passes the engine's as ``Batch.behavior_logp`` (TIS/MIS correction).
+An engine says which with the optional class attribute ``logprobs_are_policy`` (:func:`logprobs_are_policy`:
+True only for an engine that declares it; an engine without the attribute gets its log-probs recomputed,
+which is exact for every engine, at the cost of one forward pass).
 
 Implementations: :class:`jaxgrpo.engines.builtin.BuiltinEngine` (the default: the jitted sampler, in
 process, no copy of the weights) and :class:`jaxgrpo.engines.vllm.VLLMEngine` (vLLM, colocated in
@@ -26,6 +30,7 @@ process, weights pushed through the Hugging Face name map).
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
@@ -33,7 +38,15 @@ import numpy as np
 
 from jaxgrpo.sampling import Rollout
 
-__all__ = ["Engine", "Generation", "FINISH_REASONS", "finish_reasons"]
+__all__ = [
+  "Engine",
+  "Generation",
+  "FINISH_REASONS",
+  "check_engine",
+  "finish_reasons",
+  "load_engine_factory",
+  "logprobs_are_policy",
+]
 
 #: The values of ``Generation.finish_reasons``.
 FINISH_REASONS = ("stop", "length")
@@ -92,6 +105,47 @@ class Engine(Protocol):
   def reacquire_memory(self) -> None:
     """Undo :meth:`release_memory` (the weights are pushed again afterwards)."""
     ...
+
+  def close(self) -> None:
+    """Free everything the engine holds (processes, memory, files); nothing is called on it afterwards."""
+    ...
+
+
+def logprobs_are_policy(engine) -> bool:
+  """Whether ``engine``'s ``Generation.rollout.log_probs`` are the policy's own (the train step's recomputation
+  up to float32 rounding), so they can serve as ``old_logp``: the engine's ``logprobs_are_policy`` attribute,
+  False when it has none (then the caller recomputes ``old_logp`` with the policy and keeps the engine's as
+  ``behavior_logp``: ``jaxgrpo.iteration.engine_old_logp``)."""
+  return getattr(engine, "logprobs_are_policy", False) is True
+
+
+def check_engine(engine, what: str = "engine") -> None:
+  """TypeError naming ``what`` unless ``engine`` has the :class:`Engine` interface (the missing members)."""
+  if not isinstance(engine, Engine):
+    members = ("name", "generate", "push_weights", "release_memory", "reacquire_memory", "close")
+    missing = [m for m in members if not hasattr(engine, m)]
+    raise TypeError(
+      f"{what} must implement jaxgrpo.engines.Engine; got {type(engine).__name__} (missing: {', '.join(missing)})"
+    )
+
+
+def load_engine_factory(path: str, what: str = "rollout.engine"):
+  """The callable named by ``"package.module:callable"`` (imported); ValueError naming ``what`` and ``path``
+  when the string has another form, the module does not import or the name is missing or not callable."""
+  module, sep, attr = path.partition(":")
+  if not sep or not module or not attr:
+    raise ValueError(f"`{what}` must be 'jax', 'vllm' or 'package.module:callable'; got {path!r}")
+  try:
+    obj = importlib.import_module(module)
+  except ImportError as e:
+    raise ValueError(f"`{what}`: {path!r}: cannot import module {module!r} ({e})") from None
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      raise ValueError(f"`{what}`: {path!r}: module {module!r} has no attribute {attr!r}")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise ValueError(f"`{what}`: {path!r} is not callable ({type(obj).__name__})")
+  return obj
 
 
 def finish_reasons(completions: np.ndarray, mask: np.ndarray, eos_ids: Sequence[int]) -> np.ndarray:

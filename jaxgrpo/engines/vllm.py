@@ -10,11 +10,18 @@ rows, one request per row with a seed drawn from ``key`` (a key gives the same r
 weights). ``Generation.rollout.log_probs`` follow ``jaxgrpo.sampling.generate``'s contract,
 ``log_softmax(logits / temperature)[token]`` over the full vocabulary: vLLM's raw log-probs when
 ``logprobs_temperature`` is 1 (exact whatever the filters; greedy too), its processed ones otherwise
-(exact only without top-k, top-p and suppressed ids, which ``generate`` then requires). Suppressed ids
+(exact only without top-k, top-p and suppressed ids, which ``generate`` then requires). vLLM fixes the
+log-prob mode when the engine starts, so ``generate`` refuses a temperature other than
+``logprobs_temperature`` (greedy, 0, is allowed: its log-probs are at temperature 1 either way). Suppressed ids
 get a −100 logit bias; EOS ids stop a row and are kept. ``release_memory``/``reacquire_memory``:
 vLLM's sleep mode on a GPU, a prefix-cache reset on CPU. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set
 before vLLM is imported (the engine core runs in this process, so ``collective_rpc`` can take the
 weight iterator); vLLM makes ``torch.set_num_threads`` a no-op process-wide. Needs the ``vllm`` extra.
+
+Checked at construction, before vLLM starts: the head size (vLLM's CPU attention takes only
+:func:`supported_head_sizes`). Two messages vLLM logs on every start and push of this engine, with correct
+results, are filtered (:class:`ExpectedVLLMWarnings`): the chat-template warm-up failing because the engine
+has no tokenizer, and "RotaryEmbedding: Failed to load weights" (the rotary tables are computed, not loaded).
 
 docs/sampling.md, "Engines": the weight path step by step, memory on one GPU, installation, tests.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import tempfile
 import time
@@ -40,7 +48,14 @@ from jaxgrpo.models import lora
 from jaxgrpo.models.hf import hf_entries
 from jaxgrpo.sampling import Rollout
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "check_installed", "hf_weights"]
+__all__ = [
+  "INSTALL_HINT",
+  "ExpectedVLLMWarnings",
+  "VLLMEngine",
+  "check_installed",
+  "hf_weights",
+  "supported_head_sizes",
+]
 
 INSTALL_HINT = (
   "vLLM is not installed in this environment: `pip install 'jaxgrpo[vllm]'` (its own environment: vLLM pins "
@@ -62,6 +77,64 @@ def check_installed() -> None:
   """ImportError with the install hint when vLLM cannot be imported (nothing heavy is loaded otherwise)."""
   if importlib.util.find_spec("vllm") is None:
     raise ImportError(INSTALL_HINT)
+
+
+def supported_head_sizes(on_gpu: bool) -> tuple[int, ...] | None:
+  """The head sizes vLLM's CPU attention backend implements (its ``get_supported_head_sizes``: 32, 64, 80, 96,
+  112, 128, 160, 192, 224, 256, 512 in vLLM 0.32); None on a GPU (the backend is chosen per GPU) or when
+  this vLLM has no such list."""
+  if on_gpu:
+    return None
+  try:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+  except ImportError:
+    return None
+  return tuple(int(h) for h in CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_head_size(config, on_gpu: bool) -> None:
+  """ValueError naming ``head_dim`` when vLLM's attention backend has no kernel for the model's head size."""
+  sizes = supported_head_sizes(on_gpu)
+  if sizes is not None and config.head_dim not in sizes:
+    raise ValueError(
+      f"`config.head_dim`={config.head_dim} (hidden_size {config.hidden_size} / num_heads {config.num_heads} "
+      f"unless set): vLLM's CPU attention supports head sizes {list(sizes)}; pick a model config with one of them"
+    )
+
+
+class ExpectedVLLMWarnings:
+  """A ``logging`` filter for the two warnings vLLM logs on every start / push of :class:`VLLMEngine` whose
+  results are correct, and for nothing else from the same loggers:
+
+  - ``vllm.renderers.base``: "Chat template warmup failed" with a traceback whose exception says
+    "Tokenizer not available" (the engine runs without a tokenizer: ``skip_tokenizer_init``);
+  - ``vllm.model_executor.model_loader.reload.layerwise``: "RotaryEmbedding: Failed to load weights" (the
+    rotary tables are buffers computed at start, not checkpoint weights; a push leaves them as they are),
+    and "ParallelLMHead: Failed to load weights" only while a model with tied embeddings is pushed (it has
+    no ``lm_head.weight``; :meth:`VLLMEngine.push_weights` repacks the head from the embedding right after).
+
+  :meth:`install` adds one instance to each of the two loggers (once per process).
+  """
+
+  LOGGERS = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise")
+  tied_push = False  # set by VLLMEngine.push_weights while a tied model's weights are reloaded
+
+  def filter(self, record) -> bool:
+    if record.msg == "Chat template warmup failed":
+      exc = record.exc_info[1] if record.exc_info else None
+      return not (exc is not None and "Tokenizer not available" in str(exc))
+    if record.msg == "%s: Failed to load weights":
+      return not (
+        record.args == ("RotaryEmbedding",) or (record.args == ("ParallelLMHead",) and ExpectedVLLMWarnings.tied_push)
+      )
+    return True
+
+  @classmethod
+  def install(cls) -> None:
+    for name in cls.LOGGERS:
+      log = logging.getLogger(name)
+      if not any(isinstance(f, cls) for f in log.filters):
+        log.addFilter(cls())
 
 
 def _to_torch(x):
@@ -126,12 +199,14 @@ class VLLMEngine:
     gpu_memory_utilization: vLLM's share of the GPU's memory (ignored on CPU).
     max_num_seqs: the most sequences vLLM decodes at once (continuous batching).
     enforce_eager: run the model eagerly (no torch.compile / CUDA graphs): faster start-up.
-    logprobs_temperature: the temperature of the reported log-probs (see the module docstring).
+    logprobs_temperature: the temperature of the reported log-probs, fixed when vLLM starts: every
+      :meth:`generate` with ``temperature`` > 0 must use this one (the trainer passes ``step.temperature``).
     seed: vLLM's global seed (each request has its own seed from ``generate``'s key).
     model: optional: push these weights at once.
   """
 
   name = "vllm"
+  logprobs_are_policy = False  # other kernels: the trainer recomputes old_logp (engine_old_logp)
 
   def __init__(
     self,
@@ -155,7 +230,10 @@ class VLLMEngine:
       logprobs_temperature, "logprobs_temperature", above=0.0, hint="temperature of the reported log-probs"
     )
     check_installed()
+    self.on_gpu = any(d.platform == "gpu" for d in jax.devices())
+    check_head_size(config, self.on_gpu)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    ExpectedVLLMWarnings.install()
     from vllm import LLM
 
     self.config = config
@@ -166,7 +244,6 @@ class VLLMEngine:
     hf["torch_dtype"] = hf["dtype"] = dtype
     with open(os.path.join(self._dir.name, "config.json"), "w") as f:
       json.dump(hf, f)
-    self.on_gpu = any(d.platform == "gpu" for d in jax.devices())
     kw = dict(
       model=self._dir.name,
       load_format="dummy",
@@ -203,7 +280,11 @@ class VLLMEngine:
       raise RuntimeError("push_weights: the engine's memory is released; call reacquire_memory() first")
     t0 = time.perf_counter()
     weights = hf_weights(model, on_host=not self.on_gpu)
-    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    ExpectedVLLMWarnings.tied_push = bool(self.config.tie_word_embeddings)
+    try:
+      self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    finally:
+      ExpectedVLLMWarnings.tied_push = False
     if self.config.tie_word_embeddings:
       self.llm.apply_model(_repack_lm_head)
     self.llm.reset_prefix_cache()
@@ -271,16 +352,21 @@ class VLLMEngine:
         f"prompt length {tokens.shape[1]} + max_new_tokens {t} exceeds the engine's max_model_len {self.max_model_len}"
       )
     tau = self.logprobs_temperature
+    if temperature > 0 and temperature != tau:  # vLLM's log-prob mode is fixed at start: refuse, never mislabel
+      raise ValueError(
+        f"temperature={temperature}: this engine reports log-probs at logprobs_temperature={tau} (fixed when it "
+        f"starts); build VLLMEngine(config, logprobs_temperature={temperature}) to sample at {temperature}"
+      )
     if tau != 1.0:  # vLLM's processed log-probs: exact only without filters and suppressed ids
       if suppress:
         raise ValueError(
           f"suppress_ids={suppress}: an engine with logprobs_temperature={tau} != 1 reports log-probs after vLLM's "
           "logit bias; pass suppress_ids=() for full-vocabulary log-probs"
         )
-      if temperature > 0 and (temperature != tau or top_k or top_p < 1.0):
+      if temperature > 0 and (top_k or top_p < 1.0):
         raise ValueError(
-          f"temperature={temperature}, top_k={top_k}, top_p={top_p}: an engine with logprobs_temperature={tau} "
-          f"reports full-vocabulary log-probs only at temperature {tau} without top-k / top-p filtering"
+          f"top_k={top_k}, top_p={top_p}: an engine with logprobs_temperature={tau} != 1 reports full-vocabulary "
+          "log-probs only without top-k / top-p filtering"
         )
     b = tokens.shape[0]
     seeds = np.asarray(jax.random.randint(key, (b * g,), 0, 2**31 - 1, dtype=jnp.int32))
