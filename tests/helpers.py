@@ -410,3 +410,21 @@ def train_main_here(argv: list[str]) -> None:
     cli.main(argv)
   finally:
     absl.setLevel(level)
+
+
+def ensure_side_venv(name: str) -> str:
+  """``bash scripts/setup_NAME_venv.sh`` (``.venv-NAME/``; idempotent: its stamp file says whether the venv is up
+  to date, scripts/_venv_common.sh) under the file lock ``.venv-NAME.lock``, so two test processes never build it
+  at once; the venv's python. A failed build fails the test with the script's output."""
+  import fcntl
+
+  import pytest
+
+  python = os.path.join(ROOT, f".venv-{name}", "bin", "python")
+  with open(os.path.join(ROOT, f".venv-{name}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    script = os.path.join(ROOT, "scripts", f"setup_{name}_venv.sh")
+    r = subprocess.run(["bash", script], capture_output=True, text=True)
+  if r.returncode or not os.path.exists(python):
+    pytest.fail(f"scripts/setup_{name}_venv.sh failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+  return python

@@ -9,7 +9,6 @@ and assert on the numbers it reports.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, ensure_side_venv
 
 VENV_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -41,20 +40,10 @@ def part(runs, name):
   return result
 
 
-def ensure_vllm_venv() -> None:
-  """``bash scripts/setup_vllm_venv.sh`` (idempotent: its stamp file says whether the venv is up to date), under
-  a file lock, so two test processes never build it at once; its output in the failure when it fails."""
-  with open(os.path.join(ROOT, ".venv-vllm.lock"), "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_vllm_venv.sh")], capture_output=True, text=True)
-  if r.returncode or not os.path.exists(VENV_PYTHON):
-    pytest.fail(f"scripts/setup_vllm_venv.sh failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
-
-
 def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> str:
   """``.venv-vllm/bin/python tests/SCRIPT ARGS`` with a persistent XLA cache (the session's, else ``cache``);
   the child's stdout (vLLM's log handler writes there) and stderr."""
-  ensure_vllm_venv()
+  ensure_side_venv("vllm")
   # the flags users run with, not the suite's compile-speed flags (helpers.TEST_XLA_FLAGS): the learning run's
   # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}

