@@ -38,7 +38,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.advantages import ADVANTAGE_SCALES
@@ -76,6 +78,15 @@ class GRPOHyper(NamedTuple):
   tau_neg: Any
   importance_cap: Any
   entropy_coef: Any
+
+
+def _f32(v):
+  """A hyper-parameter value as ``f32[]``: a JAX array (or tracer) as a JAX array, anything else as NumPy."""
+  if v is None:
+    return None
+  if isinstance(v, jax.Array):
+    return jnp.asarray(v, jnp.float32)
+  return np.asarray(v, np.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,17 +204,18 @@ class GRPOConfig:
   def hyper(self, **overrides) -> GRPOHyper:
     """This config's numbers as a :class:`GRPOHyper` of ``f32[]`` arrays, some replaced by ``overrides``
     (Python floats or arrays, e.g. a traced ``beta`` computed from the step), checked by
-    :meth:`check_hyper`.
+    :meth:`check_hyper`. A Python or NumPy number becomes a NumPy ``float32[]`` (concrete even inside
+    ``jit``, so a 0 built there still leaves its term out); a JAX array stays a JAX array (traced inside
+    ``jit``: a traced β or entropy coefficient builds its term, :meth:`with_terms_of`).
 
     >>> preset("grpo", beta=0.04).hyper(beta=0.02).beta
-    Array(0.02, dtype=float32)
+    array(0.02, dtype=float32)
     """
     unknown = set(overrides) - set(GRPOHyper._fields)
     if unknown:
       raise TypeError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {list(GRPOHyper._fields)}")
     values = {n: overrides.get(n, getattr(self, n)) for n in GRPOHyper._fields}
-    f32 = lambda v: None if v is None else jnp.asarray(v, jnp.float32)
-    return self.check_hyper(GRPOHyper(**{n: f32(v) for n, v in values.items()}))
+    return self.check_hyper(GRPOHyper(**{n: _f32(v) for n, v in values.items()}))
 
   def check_hyper(self, hyper: GRPOHyper) -> GRPOHyper:
     """``hyper`` if it fits this config (TypeError/ValueError naming the field otherwise): a

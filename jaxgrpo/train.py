@@ -882,7 +882,8 @@ class TrainStep:
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
       raise ValueError(
-        f"preset {c.name!r} (beta={c.beta}, kl_placement={c.kl_placement!r}) needs batch.ref_logp: compute it "
+        f"preset {c.name!r} ({'β from hyper_schedule' if self.hyper_schedule else f'beta={c.beta}'}, "
+        f"kl_placement={c.kl_placement!r}) needs batch.ref_logp: compute it "
         "with make_reference_fn (jaxgrpo.iteration.make_reference)"
       )
     if batch.advantages is None and self.advantages_fn is rollout_advantages and not isinstance(c, GRPOConfig):

@@ -80,6 +80,8 @@ def test_a_beta_and_entropy_schedule_from_zero_builds_both_terms():
   step, graphdef, state = _step(config, hyper_schedule=schedule)
   assert step.reads_ref_logp and step.requires_ref_logp()
   batch = make_batch()
+  with pytest.raises(ValueError, match="β from hyper_schedule.*needs batch.ref_logp"):
+    step.check_batch(batch._replace(ref_logp=None))
   state, m0 = step(state, batch)
   assert float(m0["hyper/beta"]) == 0.0 and float(m0["kl"]) > 0  # β = 0 at step 0: the KL is measured, not applied
   lp, ent = _numpy_logp_entropy(nnx.merge(graphdef, state.params), batch)  # the parameters step 1 starts from
@@ -112,6 +114,9 @@ def test_a_traced_beta_and_entropy_coefficient_build_their_terms():
   np.testing.assert_allclose(float(loss(hyper, batch.ref_logp)), want, rtol=2e-5, atol=1e-6)
   zero = hyper._replace(beta=jnp.float32(0.0), entropy_coef=jnp.float32(0.0))
   np.testing.assert_allclose(float(loss(zero, batch.ref_logp)), _numpy_grpo_loss(lp, ent, batch, 0.0, 0.0), rtol=2e-5)
+  # an ε sweep that builds its hyper inside jit: the config's β = 0 stays a concrete 0, no ref_logp needed
+  sweep = lambda e: objective_terms(config, lp, batch.old_logp, adv, batch.mask, hyper=config.hyper(clip_eps_low=e))
+  assert np.isfinite(float(jax.jit(lambda e: sweep(e).numerator)(jnp.float32(0.1))))
   with pytest.raises(ValueError, match="hyper.beta is traced.*ref_logp"):
     jax.jit(lambda h: objective_terms(config, lp, batch.old_logp, adv, batch.mask, entropy=ent, hyper=h).numerator)(
       hyper
