@@ -38,7 +38,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.advantages import ADVANTAGE_SCALES
@@ -50,6 +52,8 @@ from jaxgrpo.surrogates import SEQUENCE_SURROGATES, SURROGATES
 __all__ = ["KL_PLACEMENTS", "GRPOConfig", "GRPOHyper", "PRESETS", "preset"]
 
 KL_PLACEMENTS = ("loss", "future")
+# the hyper-parameters whose static 0 leaves their term out of the program (and β: the reference pass)
+SWITCHED_TERMS = ("beta", "entropy_coef")
 
 
 class GRPOHyper(NamedTuple):
@@ -59,8 +63,11 @@ class GRPOHyper(NamedTuple):
 
   One compiled program serves every value; the config keeps the structure: its ``β > 0`` switches the
   KL term (and the reference pass) on, its ``entropy_coef != 0`` the entropy bonus, its ``dual_clip``
-  the dual clip (``dual_clip`` here is None exactly when the config's is). Build it with
-  :meth:`GRPOConfig.hyper`. Fields as in :class:`GRPOConfig`.
+  the dual clip (``dual_clip`` here is None exactly when the config's is). A traced β or entropy
+  coefficient is never dropped: where the config's is 0, the kernels build the term anyway
+  (:meth:`GRPOConfig.with_terms_of`; β then needs ``ref_logp``), and a ``hyper_schedule`` that sets
+  them switches them on in the train step. Build it with :meth:`GRPOConfig.hyper`. Fields as in
+  :class:`GRPOConfig`.
   """
 
   beta: Any
@@ -71,6 +78,15 @@ class GRPOHyper(NamedTuple):
   tau_neg: Any
   importance_cap: Any
   entropy_coef: Any
+
+
+def _f32(v):
+  """A hyper-parameter value as ``f32[]``: a JAX array (or tracer) as a JAX array, anything else as NumPy."""
+  if v is None:
+    return None
+  if isinstance(v, jax.Array):
+    return jnp.asarray(v, jnp.float32)
+  return np.asarray(v, np.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,17 +204,18 @@ class GRPOConfig:
   def hyper(self, **overrides) -> GRPOHyper:
     """This config's numbers as a :class:`GRPOHyper` of ``f32[]`` arrays, some replaced by ``overrides``
     (Python floats or arrays, e.g. a traced ``beta`` computed from the step), checked by
-    :meth:`check_hyper`.
+    :meth:`check_hyper`. A Python or NumPy number becomes a NumPy ``float32[]`` (concrete even inside
+    ``jit``, so a 0 built there still leaves its term out); a JAX array stays a JAX array (traced inside
+    ``jit``: a traced β or entropy coefficient builds its term, :meth:`with_terms_of`).
 
     >>> preset("grpo", beta=0.04).hyper(beta=0.02).beta
-    Array(0.02, dtype=float32)
+    array(0.02, dtype=float32)
     """
     unknown = set(overrides) - set(GRPOHyper._fields)
     if unknown:
       raise TypeError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {list(GRPOHyper._fields)}")
     values = {n: overrides.get(n, getattr(self, n)) for n in GRPOHyper._fields}
-    f32 = lambda v: None if v is None else jnp.asarray(v, jnp.float32)
-    return self.check_hyper(GRPOHyper(**{n: f32(v) for n, v in values.items()}))
+    return self.check_hyper(GRPOHyper(**{n: _f32(v) for n, v in values.items()}))
 
   def check_hyper(self, hyper: GRPOHyper) -> GRPOHyper:
     """``hyper`` if it fits this config (TypeError/ValueError naming the field otherwise): a
@@ -230,6 +247,39 @@ class GRPOConfig:
           f"build the step/config with a non-zero {name} (any value; the traced one is used)"
         )
     return hyper
+
+  def with_terms_of(self, hyper: GRPOHyper | None, *, on=None) -> "GRPOConfig":
+    """This config with the KL term (β) and the entropy bonus switched on where ``hyper`` may set a
+    non-zero coefficient while the config's is 0 (which would leave the term out of the program).
+
+    ``on``: the names to switch on (a subset of ``("beta", "entropy_coef")``); None: those whose value in
+    ``hyper`` is traced (not concrete: a ``jit``-ted hyper pytree). The switched-on coefficient is a
+    placeholder (1.0): the structure only, the value applied is ``hyper``'s. Unchanged when nothing
+    switches (the same object, so the default path compiles to the same program)."""
+    if hyper is None:
+      return self
+    if on is None:
+      on = tuple(n for n in SWITCHED_TERMS if _checks.concrete_or_none(getattr(hyper, n)) is None)
+    changes = {n: 1.0 for n in on if getattr(self, n) == 0}
+    return self.replace(**changes) if changes else self
+
+  @property
+  def applied_hyper(self) -> tuple[str, ...]:
+    """The :class:`GRPOHyper` fields this config's program reads: β when > 0, ε_low/ε_high unless
+    ``loss="sapo"``, ``dual_clip`` when set, τ± for ``loss="sapo"``, the IS cap with
+    ``importance_correction``, the entropy coefficient when != 0. The others are not applied (the
+    train step neither logs nor accepts a schedule of them)."""
+    read = {
+      "beta": self.beta > 0,
+      "clip_eps_low": self.loss != "sapo",
+      "clip_eps_high": self.loss != "sapo",
+      "dual_clip": self.dual_clip is not None,
+      "tau_pos": self.loss == "sapo",
+      "tau_neg": self.loss == "sapo",
+      "importance_cap": self.importance_correction is not None,
+      "entropy_coef": self.entropy_coef != 0,
+    }
+    return tuple(n for n in GRPOHyper._fields if read[n])
 
   @property
   def needs_reference(self) -> bool:

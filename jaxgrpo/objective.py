@@ -32,7 +32,7 @@ from jaxgrpo.kl import frpo_advantages, kl_penalty
 from jaxgrpo.losses import LossHyper, LossTerms, policy_loss_terms
 from jaxgrpo.process_sets import group_size_bound, process_set_sizes
 
-__all__ = ["rollout_advantages", "objective_terms"]
+__all__ = ["rollout_advantages", "objective_terms", "uses_entropy"]
 
 
 def _check_config(config) -> GRPOConfig:
@@ -48,6 +48,13 @@ def _number(config: GRPOConfig, hyper: GRPOHyper | None, name: str):
 
 def _check_hyper(config: GRPOConfig, hyper) -> GRPOHyper | None:
   return None if hyper is None else config.check_hyper(hyper)
+
+
+def _why(config: GRPOConfig, given: GRPOConfig, name: str) -> str:
+  """How the term ``name`` came to be on: the config's value, or a traced ``hyper`` value over a 0."""
+  if getattr(given, name) == 0:
+    return f"hyper.{name} is traced, so its term is built although the config's {name} is 0"
+  return f"{name}={getattr(config, name)}"
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_groups", "max_group_size"))
@@ -103,8 +110,9 @@ def rollout_advantages(
     only the rows in the sample — ``jaxgrpo.process_sets``, "Missing samples"; NaN where ``process_set_sizes`` reports an
     invalid input by a negative size, so the failure is not silently hidden) or None.
   """
-  config = _check_config(config)
-  hyper = _check_hyper(config, hyper)
+  given = _check_config(config)
+  hyper = _check_hyper(given, hyper)
+  config = given.with_terms_of(hyper)  # a traced β builds FRPO's future-KL term, never silently dropped
   b, _ = _checks.check_tokens_mask(tokens, mask)
   _checks.check_rank(rewards, 1, "rewards", "f32[B]")
   _checks.check_float(rewards, "rewards", "f32[B]")
@@ -113,7 +121,9 @@ def rollout_advantages(
   num_groups = _checks.check_python_int(num_groups, "num_groups", minimum=1, hint="static number of groups")
   if config.kl_placement == "future" and config.beta > 0:
     if old_logp is None or ref_logp is None:
-      raise ValueError(f"preset {config.name!r} (future-KL, beta={config.beta}) needs `old_logp` and `ref_logp`")
+      raise ValueError(
+        f"preset {config.name!r} (future-KL, {_why(config, given, 'beta')}) needs `old_logp` and `ref_logp`"
+      )
     _checks.check_logp(old_logp, "old_logp", (b, _checks.shape_of(tokens)[1]))
     _checks.check_logp(ref_logp, "ref_logp", (b, _checks.shape_of(tokens)[1]))
   else:
@@ -221,15 +231,18 @@ def objective_terms(
       importance cap, the entropy coefficient) as traced ``f32[]`` arrays — one compiled program for
       every value (a schedule, a ``vmap``-ped grid) — instead of the config's static floats. The
       config keeps the structure (its β > 0 switches the KL term on, its ``entropy_coef != 0`` the
-      bonus, its ``dual_clip`` the dual clip). The train step passes it only when it has one.
+      bonus, its ``dual_clip`` the dual clip), except that a *traced* β or entropy coefficient builds
+      its term even over a config's 0 (it is never silently dropped; ``ref_logp`` / ``entropy`` are
+      then required, ValueError naming them). The train step passes it only when it has one.
   """
-  config = _check_config(config)
-  hyper = _check_hyper(config, hyper)
+  given = _check_config(config)
+  hyper = _check_hyper(given, hyper)
+  config = given.with_terms_of(hyper)  # a traced β / entropy coefficient builds its term, never silently dropped
   _checks.check_logp(logp, "logp")
   shape = _checks.shape_of(logp)
   if config.kl_placement == "loss" and config.beta > 0:
     if ref_logp is None:
-      raise ValueError(f"preset {config.name!r} (beta={config.beta}, KL in the loss) needs `ref_logp`")
+      raise ValueError(f"preset {config.name!r} ({_why(config, given, 'beta')}, KL in the loss) needs `ref_logp`")
     _checks.check_logp(ref_logp, "ref_logp", shape)
   else:
     ref_logp = None  # unused: one compiled program whether or not it is passed
@@ -240,7 +253,7 @@ def objective_terms(
   if config.entropy_coef != 0:
     if entropy is None:
       raise ValueError(
-        f"preset {config.name!r} (entropy_coef={config.entropy_coef}) needs `entropy` f32[B, T] with its gradient "
+        f"preset {config.name!r} ({_why(config, given, 'entropy_coef')}) needs `entropy` f32[B, T] with its gradient "
         "(jaxgrpo.models.log_probs.completion_log_probs(..., with_entropy=True, entropy_grad=True))"
       )
     _checks.check_logp(entropy, "entropy", shape)
@@ -250,3 +263,12 @@ def objective_terms(
   return _objective_terms(
     config, logp, old_logp, advantages, mask, token_weights, ref_logp, behavior_logp, entropy, hyper
   )
+
+
+def uses_entropy(objective_fn):
+  """Mark a custom ``objective_fn`` as taking the policy entropy: the train step then computes it (with
+  its gradient, one extra pass over each logits chunk) and passes ``entropy=`` ``f32[R, T]`` for every
+  config, ``entropy_coef`` 0 included. Sets ``objective_fn.uses_entropy = True`` and returns it (a
+  decorator); any callable with that attribute works the same way."""
+  objective_fn.uses_entropy = True
+  return objective_fn

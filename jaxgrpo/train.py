@@ -40,6 +40,7 @@ pass compiled on the same mesh (:func:`make_reference_fn`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -72,7 +73,7 @@ from jaxgrpo.batch_packing import (
   pack_batch,
   pad_to_bucket,
 )
-from jaxgrpo.config import GRPOConfig, GRPOHyper
+from jaxgrpo.config import SWITCHED_TERMS, GRPOConfig, GRPOHyper
 from jaxgrpo.losses import LossTerms, combine_terms, finalize_terms
 from jaxgrpo.models import lora, moe
 from jaxgrpo.models.base import freeze_rules
@@ -408,9 +409,12 @@ def _depends_on(jaxpr, invar_index: int) -> bool:
   return any(isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars)
 
 
-def _wants_entropy(config) -> bool:
-  """Whether the objective takes the entropy (with its gradient): a GRPOConfig with an entropy bonus."""
-  return isinstance(config, GRPOConfig) and config.entropy_coef != 0
+def _wants_entropy(config, objective_fn=None) -> bool:
+  """Whether the objective takes the entropy (with its gradient): a GRPOConfig with an entropy bonus, or
+  an ``objective_fn`` that asks for it (``objective_fn.uses_entropy = True``, :func:`jaxgrpo.objective.uses_entropy`)."""
+  return (isinstance(config, GRPOConfig) and config.entropy_coef != 0) or bool(
+    getattr(objective_fn, "uses_entropy", False)
+  )
 
 
 def _reads_behavior(config) -> bool:
@@ -418,18 +422,110 @@ def _reads_behavior(config) -> bool:
   return isinstance(config, GRPOConfig) and config.importance_correction is not None
 
 
-def _objective_extras(config, behavior_logp, entropy, hyper) -> dict:
+def _objective_extras(config, behavior_logp, entropy, hyper, objective_fn=None) -> dict:
   """The objective's keywords beyond the pinned signature, passed only when the config asks for them
   or the step has a hyper-parameter pytree (so a custom ``objective_fn`` with the pinned signature
   works with every other config)."""
   extras = {}
   if _reads_behavior(config):
     extras["behavior_logp"] = behavior_logp
-  if _wants_entropy(config):
+  if _wants_entropy(config, objective_fn):
     extras["entropy"] = entropy
   if hyper is not None:
     extras["hyper"] = hyper
   return extras
+
+
+def _structural_zeros(config, hyper):
+  """``hyper`` with a concrete 0 for each coefficient whose term the (effective) config leaves out: a
+  call's ``hyper`` was checked to hold 0 there (:meth:`GRPOConfig.check_hyper`), a schedule's was found
+  not to set it (:func:`_schedule_terms`); the kernels then keep the term out, as the config does."""
+  if not isinstance(config, GRPOConfig) or not isinstance(hyper, GRPOHyper):
+    return hyper
+  return hyper._replace(**{n: np.float32(0.0) for n in SWITCHED_TERMS if getattr(config, n) == 0})
+
+
+def _schedule_terms(config: GRPOConfig, schedule) -> tuple[GRPOConfig, GRPOHyper]:
+  """``(config with every term the schedule sets switched on, its value at step 0)``, checked.
+
+  A field is set by the schedule when it depends on the step or differs from the config's value at step 0.
+  β or the entropy coefficient set over a config's 0 switch their term on (and β the reference pass); a
+  field the config's program never reads (τ± outside SAPO, the IS cap without ``importance_correction``,
+  ε under SAPO) is refused, naming it: it would be logged and never applied."""
+  first = schedule(jnp.int32(0))
+  if not isinstance(first, GRPOHyper):
+    raise TypeError(f"`hyper_schedule` must return a jaxgrpo.GRPOHyper (config.hyper(...)); got {type(first).__name__}")
+  names = [n for n in GRPOHyper._fields if getattr(first, n) is not None]
+  jaxpr = jax.make_jaxpr(lambda step: tuple(getattr(schedule(step), n) for n in names))(jnp.int32(0)).jaxpr
+  tainted = {jaxpr.invars[0]}
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jex_core.Var) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  varies = {n for n, v in zip(names, jaxpr.outvars) if isinstance(v, jex_core.Var) and v in tainted}
+  sets = {n for n in names if n in varies or np.float32(getattr(first, n)) != np.float32(getattr(config, n))}
+  config = config.with_terms_of(first, on=tuple(n for n in SWITCHED_TERMS if n in sets))
+  unread = sorted(sets - set(config.applied_hyper))
+  if unread:
+    raise ValueError(
+      f"`hyper_schedule` sets {unread}, which config {config.name!r} (loss={config.loss!r}, importance_correction="
+      f"{config.importance_correction!r}) never reads: they would be logged and not applied; drop them from the "
+      "schedule or choose a config that uses them"
+    )
+  return config, config.check_hyper(first)
+
+
+def _check_unread(config: GRPOConfig, hyper: GRPOHyper) -> None:
+  """ValueError for a concrete ``hyper`` value that differs from the config's in a field the config's
+  program never reads (it would be logged nowhere and applied nowhere: a silent no-op)."""
+  for n in sorted(set(GRPOHyper._fields) - set(config.applied_hyper) - set(SWITCHED_TERMS)):
+    value, own = _checks.concrete_or_none(getattr(hyper, n)), getattr(config, n)
+    if value is not None and own is not None and (value != np.float32(own)).any():
+      raise ValueError(
+        f"`hyper.{n}` = {value} differs from the config's {own}, but config {config.name!r} (loss={config.loss!r}, "
+        f"importance_correction={config.importance_correction!r}) never reads {n}: leave it at the config's value"
+      )
+
+
+def _accepts(fn, keywords) -> list[str]:
+  """The ``keywords`` that ``fn`` cannot take by name (none with ``**kwargs`` or an unreadable signature)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  if any(p.kind is p.VAR_KEYWORD for p in params):
+    return []
+  names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  return [k for k in keywords if k not in names]
+
+
+def _check_keywords(fn, what: str, keywords: Mapping[str, str]) -> None:
+  """TypeError naming the keywords (and why the step passes them) that the hook ``fn`` does not accept."""
+  missing = _accepts(fn, keywords)
+  if missing:
+    why = "; ".join(f"{k}= ({keywords[k]})" for k in missing)
+    raise TypeError(
+      f"{what} {_fn_name(fn)!r} does not accept the keyword(s) the train step passes: {why}. Add them to its "
+      "signature (or **kwargs)"
+    )
+
+
+def _objective_keywords(config, objective_fn, hyper: bool) -> dict[str, str]:
+  """The keywords the step passes to ``objective_fn``, each with the reason."""
+  kw = {"token_weights": "always", "ref_logp": "always"}
+  if _reads_behavior(config):
+    kw["behavior_logp"] = "config.importance_correction is set"
+  if _wants_entropy(config, objective_fn):
+    kw["entropy"] = "entropy_coef != 0 or objective_fn.uses_entropy"
+  if hyper:
+    kw["hyper"] = "the step has a hyper-parameter pytree"
+  return kw
+
+
+def _advantages_keywords(hyper: bool) -> dict[str, str]:
+  kw = {k: "always" for k in ("old_logp", "ref_logp", "max_group_size")}
+  if hyper:
+    kw["hyper"] = "the step has a hyper-parameter pytree"
+  return kw
 
 
 def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
@@ -440,7 +536,7 @@ def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
 
   def tangent(logp, dlogp, old, adv, mask, weights, ref, behavior, hyper):
     def den(lp, ent):
-      extras = _objective_extras(config, behavior, ent, hyper)
+      extras = _objective_extras(config, behavior, ent, _structural_zeros(config, hyper), objective_fn)
       return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref, **extras).denominator
 
     return jax.jvp(den, (logp, logp), (dlogp, dlogp))[1]
@@ -581,6 +677,7 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dr
   g, num_groups = _group_bound(tc.group_size, b)
   if hyper is None and spec.hyper_schedule is not None:
     hyper = spec.hyper_schedule(state.step)  # traced: one program for every step
+  hyper = _structural_zeros(config, hyper)
 
   # 1. once per rollout batch (no gradient): advantages, token weights, tree statistics.
   adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g, hyper)
@@ -593,8 +690,8 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dr
   adv = jnp.where(missing if adv.ndim == 1 else missing[:, None], 0.0, adv.astype(jnp.float32))
   select = lambda x: None if x is None else jnp.where(loss_mask, x.astype(jnp.float32), 0.0)
   extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
-  if isinstance(hyper, GRPOHyper):
-    extra.update({f"hyper/{k}": jnp.asarray(v, jnp.float32) for k, v in hyper._asdict().items() if v is not None})
+  if isinstance(hyper, GRPOHyper):  # the values applied: a field the config's program does not read is not logged
+    extra.update({f"hyper/{k}": jnp.asarray(getattr(hyper, k), jnp.float32) for k in config.applied_hyper})
   if sizes is not None:
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     extra.update({f"tree/{k}": v for k, v in stats.items()})
@@ -618,11 +715,11 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dr
   def micro_terms(p, mb, scale):
     model = _merge_model(graphdef, p, frozen)
     _check_dropout(spec, model, packed="head_index" in mb)
-    wants_entropy = _wants_entropy(config)
+    wants_entropy = _wants_entropy(config, spec.objective_fn)
     with moe.routing_scope(replay=mb.get("routing")) as scope:  # MoE: replay the rollout's experts if given
       logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
     router_loss, route_sums = _router_terms(model, mb, scope, tc)
-    extras = _objective_extras(config, mb["behavior_logp"], ent, hyper)
+    extras = _objective_extras(config, mb["behavior_logp"], ent, hyper, spec.objective_fn)
     terms = spec.objective_fn(
       config,
       logp,
@@ -721,11 +818,15 @@ class TrainStep:
   config when concrete — to ``advantages_fn`` and ``objective_fn`` (keyword ``hyper=``); without it,
   ``make_train_step(..., hyper_schedule=fn)`` computes ``fn(state.step)`` inside the step; with
   neither, the config's numbers are compile-time constants. One compiled program serves every value
-  (``traces`` stays 1 across a β or ε schedule); the values used are reported as ``hyper/<name>``.
+  (``traces`` stays 1 across a β or ε schedule); the values applied are reported as ``hyper/<name>``.
+  A call's concrete ``hyper`` must hold 0 where the config's β / entropy coefficient is 0 (that term is not
+  in the program: use ``hyper_schedule`` or a config with the term on) and the config's own value in a
+  field its program never reads (ValueError naming the field).
 
   Attributes:
     graphdef, config, train_config, mesh, shardings, objective_fn, advantages_fn, dropout_key,
-      hyper_schedule: as given to :func:`make_train_step`.
+      hyper_schedule: as given to :func:`make_train_step` (``config`` with the terms a ``hyper_schedule``
+      sets switched on).
     rules: the logical-axis rules (the model's own table).
     batch_sharding: the ``NamedSharding`` of every batch array (rows over ``data × fsdp``).
     reads_ref_logp: whether ``batch.ref_logp`` reaches the step's functions (False only for the
@@ -781,7 +882,8 @@ class TrainStep:
     c, tc = self.config, self.train_config
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
       raise ValueError(
-        f"preset {c.name!r} (beta={c.beta}, kl_placement={c.kl_placement!r}) needs batch.ref_logp: compute it "
+        f"preset {c.name!r} ({'β from hyper_schedule' if self.hyper_schedule else f'beta={c.beta}'}, "
+        f"kl_placement={c.kl_placement!r}) needs batch.ref_logp: compute it "
         "with make_reference_fn (jaxgrpo.iteration.make_reference)"
       )
     if batch.advantages is None and self.advantages_fn is rollout_advantages and not isinstance(c, GRPOConfig):
@@ -850,10 +952,15 @@ class TrainStep:
     checked against the config by :meth:`GRPOConfig.check_hyper` when concrete); None stays None."""
     if hyper is None:
       return None
+    if self.hyper_schedule is None:  # the hooks get hyper= from this call on
+      _check_keywords(self.objective_fn, "objective_fn", {"hyper": "a hyper-parameter pytree was passed"})
+      _check_keywords(self.advantages_fn, "advantages_fn", {"hyper": "a hyper-parameter pytree was passed"})
     if isinstance(self.config, GRPOConfig):
       if not isinstance(hyper, GRPOHyper):
         raise TypeError(f"hyper must be a jaxgrpo.GRPOHyper (config.hyper(...)) or None; got {type(hyper).__name__}")
-      return self.config.check_hyper(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), hyper))
+      hyper = self.config.check_hyper(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), hyper))
+      _check_unread(self.config, hyper)
+      return hyper
     return jax.tree.map(jnp.asarray, hyper)
 
   def _args(self, state: TrainState, batch: Batch, hyper=None):
@@ -923,11 +1030,14 @@ def make_train_step(
       :func:`~jaxgrpo.losses.policy_loss_terms` (build on it), else ``loss`` and ``objective/<key>``:
       each ``sums[key]`` added over the micro-batches of an update (a sum, not a mean: divide by a count
       of your own) and averaged over the μ·M updates; ``extrema`` keys (``*_max``/``*_min``) max/min.
-      Two keywords are added only when a ``GRPOConfig`` asks for them: ``behavior_logp=`` ``f32[R, T]``
-      or None (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]``
-      with its gradient (``entropy_coef != 0``); an objective used with such a config must accept them.
-      A third, ``hyper=``, only when the step has a hyper-parameter pytree (a call's ``hyper`` or
-      ``hyper_schedule``); ``advantages_fn`` receives it too.
+      Two keywords are added only when asked for: ``behavior_logp=`` ``f32[R, T]`` or None
+      (``importance_correction`` set; ``batch.behavior_logp``) and ``entropy=`` ``f32[R, T]`` with its
+      gradient (``entropy_coef != 0``, or an objective marked ``objective_fn.uses_entropy = True`` —
+      :func:`jaxgrpo.objective.uses_entropy` — for any config). A third, ``hyper=``, only when the step
+      has a hyper-parameter pytree (a call's ``hyper`` or ``hyper_schedule``); ``advantages_fn``
+      receives it too. The hooks' signatures are checked here (and ``hyper=`` at the first call with a
+      ``hyper``): a keyword the step will pass and the hook cannot take raises TypeError naming it
+      (a hook with ``**kwargs`` takes every keyword).
     advantages_fn: ``advantages_fn(config, rewards, tokens, mask, group_ids, num_groups, *,
       old_logp=None, ref_logp=None, max_group_size=None) -> (advantages, token_weights)`` with
       ``advantages`` ``f32[B]`` or ``f32[B, T]`` and ``token_weights`` ``f32[B, T]`` or None; called
@@ -946,9 +1056,13 @@ def make_train_step(
       :class:`~jaxgrpo.config.GRPOHyper`, e.g. ``lambda s: config.hyper(beta=0.04 * jnp.minimum(s / 100,
       1.0))``), traced inside the step on ``state.step``: a β / ε / entropy schedule in one compiled
       program (a checkpoint resumes it). Evaluated once at step 0 here to check its structure (and
-      its values at step 0); a ``hyper`` passed to the call takes precedence. The config's β > 0 (and
-      ``entropy_coef != 0``) switches the term on; the schedule's value may be 0 at some steps.
-      Custom hooks receive the pytree as ``hyper=`` (see :class:`TrainStep`).
+      its values at step 0); a ``hyper`` passed to the call takes precedence. A field the schedule
+      *sets* (its value depends on the step, or differs from the config's at step 0) is always applied:
+      a β or entropy coefficient set over a config's 0 switches its term on (β: the KL term and the
+      reference pass, ``step.reads_ref_logp``; ``step.config`` is then the config with the term on, a
+      placeholder coefficient 1.0 whose traced value is the schedule's), and a field the config never
+      reads (τ± outside SAPO, the IS cap without ``importance_correction``, ε under SAPO) raises
+      ValueError naming it. Custom hooks receive the pytree as ``hyper=`` (see :class:`TrainStep`).
 
   The state argument is donated, except ``state.frozen`` (see :class:`TrainState`). Metrics (replicated ``f32[]``, averaged over the μ·M updates,
   extrema over them): ``loss``, ``policy_loss``, ``kl``, ``clip_frac_low/high/dual``, ``approx_kl``
@@ -958,7 +1072,8 @@ def make_train_step(
   ``tree/mean_path_depth``, ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
   With ``importance_correction``: ``is_weight_mean``, ``is_ratio_mean``, ``is_ratio_max``,
   ``is_capped_frac``, ``mismatch_kl`` (see :func:`~jaxgrpo.losses.policy_loss`). With a
-  :class:`~jaxgrpo.config.GRPOHyper` in use: ``hyper/<field>``, the values this step used.
+  :class:`~jaxgrpo.config.GRPOHyper` in use: ``hyper/<field>``, the values this step applied (only the
+  fields the config's program reads, :attr:`GRPOConfig.applied_hyper`).
   """
   objective_fn = objective_terms if objective_fn is None else objective_fn
   advantages_fn = rollout_advantages if advantages_fn is None else advantages_fn
@@ -974,12 +1089,10 @@ def make_train_step(
     if not callable(hyper_schedule):
       raise TypeError(f"`hyper_schedule` must be callable (step -> hyper) or None; got {type(hyper_schedule).__name__}")
     if isinstance(config, GRPOConfig):
-      first = hyper_schedule(jnp.int32(0))
-      if not isinstance(first, GRPOHyper):
-        raise TypeError(
-          f"`hyper_schedule` must return a jaxgrpo.GRPOHyper (config.hyper(...)); got {type(first).__name__}"
-        )
-      config.check_hyper(first)
+      config, _ = _schedule_terms(config, hyper_schedule)
+  _check_keywords(objective_fn, "objective_fn", _objective_keywords(config, objective_fn, hyper_schedule is not None))
+  if advantages_fn is not rollout_advantages:
+    _check_keywords(advantages_fn, "advantages_fn", _advantages_keywords(hyper_schedule is not None))
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.train.TrainConfig; got {type(train_config).__name__}")

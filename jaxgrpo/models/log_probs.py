@@ -37,6 +37,34 @@ __all__ = [
 ]
 
 
+_JVP_ERROR = "can't apply forward-mode autodiff"
+
+
+def _forward_mode_hint(fn):
+  """``fn`` re-raising JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function" with the
+  fix: the hand-written reverse-mode gradients are traced as plain autodiff with ``forward_mode=True``."""
+  fix = (
+    "forward_mode=True"
+    if fn.__name__ != "packed_log_probs"
+    else "`with jaxgrpo.models.layers.forward_mode_autodiff():`"
+  )
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except TypeError as e:
+      if _JVP_ERROR not in str(e) or "forward_mode" in str(e):
+        raise
+      raise TypeError(
+        f"{fn.__name__}: jax.jvp / jax.linearize / jax.jacfwd cannot go through the default log-probs (their "
+        f"head, attention softmax and SwiGLU have reverse-mode-only custom VJPs): call it with {fix} "
+        f"(the same values, plain autodiff). JAX said: {e}"
+      ) from e
+
+  return wrapper
+
+
 def _check_chunk_size(chunk_size) -> None:
   if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
     raise ValueError(f"`chunk_size` must be a positive int or None; got {chunk_size!r}")
@@ -155,6 +183,7 @@ def _uses_head_kernel(model) -> bool:
   return isinstance(model, CausalLM)
 
 
+@_forward_mode_hint
 def chunked_log_probs(
   model,
   hidden: jax.Array,
@@ -244,6 +273,7 @@ def chunked_log_probs(
   return unchunk(logp), unchunk(ent)
 
 
+@_forward_mode_hint
 def token_log_probs(
   model,
   hidden: jax.Array,
@@ -273,6 +303,7 @@ def token_log_probs(
   )[0]
 
 
+@_forward_mode_hint
 def log_probs(
   model,
   tokens: jax.Array,
@@ -318,6 +349,7 @@ def log_probs(
   return jnp.concatenate([jnp.zeros((tokens.shape[0], 1), jnp.float32), lp], axis=1)
 
 
+@_forward_mode_hint
 def completion_log_probs(
   model,
   prompt_tokens: jax.Array,
@@ -404,6 +436,7 @@ def _check_packed_args(tokens, positions, segment_ids, head_index, unpack_index,
   return r // blocks, head_index.shape[1] // (r // blocks)
 
 
+@_forward_mode_hint
 def packed_log_probs(
   model,
   tokens: jax.Array,
