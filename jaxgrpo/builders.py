@@ -164,6 +164,7 @@ def build_run_policy(
   mesh: Mesh | None = None,
   log: Callable[[str], None] | None = None,
   save_base: str | None = None,
+  progress: bool = False,
 ):
   """``(model, tokenizer)``: the policy a run starts from — :func:`build_policy`, then the arithmetic
   task's supervised warm-up of the synthetic model (``data.arithmetic.sft_steps``), then the
@@ -173,13 +174,13 @@ def build_run_policy(
   adapters need, :func:`load_policy`). ``save_base``: a LoRA run on the synthetic model writes its
   base (after the warm-up, before quantisation and adapters) there as a Hugging Face directory
   (:func:`stored_base_dir` of the run's checkpoints), so that :func:`load_policy` need not re-run the
-  warm-up; process 0 writes it, replacing what was there."""
+  warm-up; process 0 writes it, replacing what was there. ``progress``: the warm-up shows a bar."""
   log = log or (lambda s: None)
   model, tokenizer = build_policy(cfg.model, seed=cfg.run.seed, mesh=mesh)
   task = cfg.data.arithmetic
   if task is not None and task.sft_steps:  # validated: only with model.synthetic
     rows, _ = arithmetic.task_split(task, seed=cfg.run.seed)
-    res = arithmetic.warm_up(model, tokenizer, rows, task, seed=cfg.run.seed, log=log)
+    res = arithmetic.warm_up(model, tokenizer, rows, task, seed=cfg.run.seed, log=log, progress=progress)
     log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
   if cfg.lora is not None:
     if save_base is not None and cfg.model.synthetic is not None and jax.process_index() == 0:
