@@ -14,6 +14,7 @@ docs/failure_modes.md, "disk full / I/O error".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -129,3 +130,24 @@ def hide_unretrieved_writes(directory: str) -> None:
   logger (idempotent) and adds ``directory`` to it; collected tasks may log late, so it is never removed."""
   _UNRETRIEVED_WRITES.directories.add(os.path.abspath(os.fspath(directory)))
   logging.getLogger("asyncio").addFilter(_UNRETRIEVED_WRITES)  # no-op when already added
+
+
+class _ReadOnlyNoticeFilter(logging.Filter):
+  """Drops Orbax's WARNINGs about ``read_only=True`` (``Given directory is read only=...`` from
+  ``CheckpointManager.__init__``, ``...read_only=True, setting save_interval_steps=0`` / ``create=False``
+  from its options): reading the parameters for an export or evaluation is read-only by design."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    msg = str(record.msg)
+    return not (msg.startswith("Given directory is read only") or "read_only=True, setting" in msg)
+
+
+@contextlib.contextmanager
+def without_read_only_notice():
+  """While open: :class:`_ReadOnlyNoticeFilter` on the ``absl`` logger (Orbax logs through absl)."""
+  f = _ReadOnlyNoticeFilter()
+  logging.getLogger("absl").addFilter(f)
+  try:
+    yield
+  finally:
+    logging.getLogger("absl").removeFilter(f)

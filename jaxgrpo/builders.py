@@ -10,6 +10,7 @@ The one place that turns a :class:`~jaxgrpo.specs.ModelSpec` into a model: an HF
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any, Callable, NamedTuple, Sequence
@@ -163,6 +164,7 @@ def build_run_policy(
   mesh: Mesh | None = None,
   log: Callable[[str], None] | None = None,
   save_base: str | None = None,
+  progress: bool = False,
 ):
   """``(model, tokenizer)``: the policy a run starts from — :func:`build_policy`, then the arithmetic
   task's supervised warm-up of the synthetic model (``data.arithmetic.sft_steps``), then the
@@ -172,13 +174,13 @@ def build_run_policy(
   adapters need, :func:`load_policy`). ``save_base``: a LoRA run on the synthetic model writes its
   base (after the warm-up, before quantisation and adapters) there as a Hugging Face directory
   (:func:`stored_base_dir` of the run's checkpoints), so that :func:`load_policy` need not re-run the
-  warm-up; process 0 writes it, replacing what was there."""
+  warm-up; process 0 writes it, replacing what was there. ``progress``: the warm-up shows a bar."""
   log = log or (lambda s: None)
   model, tokenizer = build_policy(cfg.model, seed=cfg.run.seed, mesh=mesh)
   task = cfg.data.arithmetic
   if task is not None and task.sft_steps:  # validated: only with model.synthetic
     rows, _ = arithmetic.task_split(task, seed=cfg.run.seed)
-    res = arithmetic.warm_up(model, tokenizer, rows, task, seed=cfg.run.seed, log=log)
+    res = arithmetic.warm_up(model, tokenizer, rows, task, seed=cfg.run.seed, log=log, progress=progress)
     log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
   if cfg.lora is not None:
     if save_base is not None and cfg.model.synthetic is not None and jax.process_index() == 0:
@@ -377,17 +379,51 @@ def save_policy(
   if base_dir is not None and peft_dir is None:
     raise ValueError(f"base_dir={base_dir!r} is written beside a PEFT directory: give peft_dir too")
   models.save_hf(lora.merge_lora(model) if adapted else model, out_dir)
-  tokenizer.save_pretrained(out_dir)
+  _finish_hf_dir(out_dir, tokenizer)
   if peft_dir is None:
     return [out_dir]
   written = [out_dir, peft_dir]
   if base_dir is not None:
     models.save_hf(lora.merge_lora(lora.reference_model(model)), base_dir)
-    tokenizer.save_pretrained(base_dir)
+    _finish_hf_dir(base_dir, tokenizer)
     base_model_name_or_path = os.path.abspath(base_dir)
     written.append(base_dir)
   lora.save_peft(model, peft_dir, base_model_name_or_path=base_model_name_or_path)
+  _usual_file_modes(peft_dir)
   return written
+
+
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _finish_hf_dir(out_dir: str, tokenizer) -> None:
+  """The tokenizer beside ``save_hf``'s files, its special-token ids in ``config.json`` where the model's
+  config has none (the synthetic model's) and in ``generation_config.json`` — without an EOS id
+  ``transformers``' ``generate`` runs to its token limit — and every file at the usual mode."""
+  from transformers import GenerationConfig
+
+  tokenizer.save_pretrained(out_dir)
+  path = os.path.join(out_dir, "config.json")
+  with open(path) as f:
+    hf = json.load(f)
+  for key in _TOKEN_IDS:
+    if hf.get(key) is None:
+      hf[key] = getattr(tokenizer, key, None)
+  with open(path, "w") as f:
+    json.dump(hf, f, indent=2, sort_keys=True)
+  GenerationConfig(**{k: hf[k] for k in _TOKEN_IDS}).save_pretrained(out_dir)
+  _usual_file_modes(out_dir)
+
+
+def _usual_file_modes(directory: str) -> None:
+  """Every file directly in ``directory`` at ``0o666 & ~umask`` (0644 under the default umask 022):
+  ``safetensors`` writes its files 0600, which other users (a serving account) cannot read."""
+  umask = os.umask(0)
+  os.umask(umask)
+  for name in os.listdir(directory):
+    path = os.path.join(directory, name)
+    if os.path.isfile(path) and not os.path.islink(path):
+      os.chmod(path, 0o666 & ~umask)
 
 
 def peft_dir_for(out_dir: str) -> str:

@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jaxgrpo import _orbax_noise
 from jaxgrpo._orbax_noise import ClosedLoopNoiseFilter
 from jaxgrpo.checkpoint_files import (
   MANIFEST,
@@ -866,9 +867,10 @@ def restore_params(
     ),
     tree,
   )
-  with ocp.CheckpointManager(
-    root, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers()
-  ) as mgr:
+  with (
+    _orbax_noise.without_read_only_notice(),
+    ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers()) as mgr,
+  ):
     params = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
   if module is not None:
     nnx.update(module, params)

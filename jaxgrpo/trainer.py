@@ -248,6 +248,7 @@ class Trainer:
     reward_fns: extra/replacement reward functions ``{name: (fn, weight)}`` (plain callables
       ``(prompts, completions, **columns) -> list[float]``); None: ``config.reward.weights``.
     log: print function for progress lines (None: silent).
+    progress: a tqdm bar with an ETA for the supervised warm-up instead of its ``log`` lines.
     stop_on_nonfinite_loss: stop (``NonFiniteError``) when a step's loss is NaN or infinite, even
       if the parameters are still finite. A non-finite parameter or optimizer state always stops.
     collapse_guard: ``jaxgrpo.collapse.CollapseGuard``: a policy that collapses with finite values
@@ -264,6 +265,7 @@ class Trainer:
     restore_fn: Callable[[RunMeta, Snapshot], Snapshot | None] | None = None,
     reward_fns: Mapping[str, tuple] | None = None,
     log: Callable[[str], None] | None = print,
+    progress: bool = False,
     on_record: Callable[[dict], None] | None = None,
     stop_on_nonfinite_loss: bool = True,
     collapse_guard: CollapseGuard | None = DEFAULT_GUARD,
@@ -281,6 +283,7 @@ class Trainer:
     self.checkpoint_fn = checkpoint_fn
     self.on_record = on_record
     self.log = log or (lambda s: None)
+    self.progress = progress
     self.stop_on_nonfinite_loss = stop_on_nonfinite_loss
     self.collapse_guard = collapse_guard
     self.stop_signal: int | None = None  # set by the signal handlers of handle_signals()
@@ -447,7 +450,9 @@ class Trainer:
     cfg = self.config
     # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
     base = builders.run_base_dir(cfg.run.out) if self.checkpoint_fn is not None else None  # LoRA: no re-warm-up
-    self.model, self.tokenizer = builders.build_run_policy(cfg, mesh=self.mesh, log=self.log, save_base=base)
+    self.model, self.tokenizer = builders.build_run_policy(
+      cfg, mesh=self.mesh, log=self.log, save_base=base, progress=self.progress
+    )
     self.pad_id, self.eos_ids = builders.special_ids(self.tokenizer)
     sets = builders.build_prompts(cfg.data, cfg.eval, self.tokenizer, seed=cfg.run.seed)
     self.prompts, self.examples = sets.train, sets.train_examples

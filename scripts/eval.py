@@ -25,6 +25,10 @@ import dataclasses
 import json
 import sys
 
+from jaxgrpo.tasks import script_io  # noqa: E402
+
+script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
+
 import jax
 import yaml
 
@@ -44,16 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   problems = p.add_mutually_exclusive_group(required=True)
   problems.add_argument("--dataset", help="hub id or local jsonl/parquet/saved dir")
   problems.add_argument("--arithmetic", action="store_true", help="the arithmetic task's held-out problems")
-  p.add_argument("--split", default="test")
+  p.add_argument("--split", default="test", help="dataset split (default: test)")
   p.add_argument("--mapping", default=None, help="openrs, dapo, gsm8k, math500, or a YAML {prompt:, answer:}")
   p.add_argument("--limit", type=int, default=None, help="first N problems")
   p.add_argument("-k", "--samples", type=int, default=4, help="samples per problem (mean@k)")
-  p.add_argument("--pass-k", type=int, nargs="+", default=[1])
+  p.add_argument("--pass-k", type=int, nargs="+", default=[1], help="k values of pass@k (default: 1)")
   p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--max-new-tokens", type=int, default=1024)
-  p.add_argument("--max-prompt-tokens", type=int, default=512)
-  p.add_argument("--batch-prompts", type=int, default=64)
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+  p.add_argument("--max-new-tokens", type=int, default=1024, help="completion length limit (default: 1024)")
+  p.add_argument("--max-prompt-tokens", type=int, default=512, help="prompt length limit (default: 512)")
+  p.add_argument("--batch-prompts", type=int, default=64, help="prompts sampled per batch (default: 64)")
   p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="with --model: compute and storage dtype")
   p.add_argument("--mesh", default="", help="with --model: mesh spec, e.g. fsdp=-1 (default: every device on fsdp)")
   p.add_argument("--timeout", type=float, default=10.0, help="per-answer verifier timeout (s)")

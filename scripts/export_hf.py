@@ -22,6 +22,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxgrpo.tasks import script_io  # noqa: E402
+
+script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
+
 from jaxgrpo.builders import export_hf
 from jaxgrpo.checkpoint import CheckpointError
 

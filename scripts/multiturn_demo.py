@@ -22,6 +22,10 @@ import json
 import os
 import time
 
+from jaxgrpo.tasks import script_io  # noqa: E402
+
+script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
+
 import jax
 import numpy as np
 import optax
@@ -51,10 +55,15 @@ def evaluate(model, tok, rows, make_env, env_config, sampling, seed, samples) ->
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", required=True)
-  ap.add_argument("--out", default=None)
+  ap.add_argument("--config", required=True, help="the demo's YAML (scripts/configs/multiturn/calculator.yaml)")
+  ap.add_argument(
+    "--out", default=None, help="output directory for metrics.jsonl (default: the config's run.out, + _no_tool)"
+  )
   ap.add_argument("--no-tool", action="store_true", help="the baseline: no tool, warm-up on direct answers")
-  ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument(
+    "--steps", type=int, default=None, help="RL steps (default: the config's run.steps; fewer for a quick look)"
+  )
+  ap.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines instead)")
   args = ap.parse_args(argv)
   with open(args.config) as f:
     cfg = yaml.safe_load(f)
@@ -84,6 +93,7 @@ def main(argv=None):
     batch_size=task["sft_batch_size"],
     learning_rate=task["sft_learning_rate"],
     seed=seed,
+    progress=not args.no_progress,
   )
   sft_s = time.perf_counter() - t0
 
@@ -103,11 +113,14 @@ def main(argv=None):
   records = []
   log = open(os.path.join(out_dir, "metrics.jsonl"), "w")
 
-  def emit(rec):
+  bar = script_io.step_bar(steps, "RL", disable=args.no_progress)
+
+  def emit(rec, show=True):
     records.append(rec)
     log.write(json.dumps(rec) + "\n")
     log.flush()
-    print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()), flush=True)
+    if show:  # above the bar
+      bar.write(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items()))
 
   t0 = time.perf_counter()
   before = evaluate(
@@ -133,7 +146,11 @@ def main(argv=None):
     )
     state = res.state
     keep = ("loss", "reward_mean", "env/turns", "env/tool_calls", "env/tool_errors", "env/tool_s", "iteration_s")
-    emit({"step": s, **{k: res.metrics[k] for k in keep if k in res.metrics}})
+    emit({"step": s, **{k: res.metrics[k] for k in keep if k in res.metrics}}, show=args.no_progress)
+    bar.update(1)
+    if s == 1:  # the first step compiled: the ETA counts the steps after it
+      script_io.start_clock(bar)
+    bar.set_postfix(reward=f"{res.metrics['reward_mean']:.3f}", loss=f"{res.metrics.get('loss', float('nan')):.3f}")
     if s % run["eval_every"] == 0 or s == steps:
       ev = evaluate(
         iteration.policy_model(graphdef, state),
@@ -146,6 +163,7 @@ def main(argv=None):
         run["eval_samples"],
       )
       emit({"step": s, **ev})
+  bar.close()
   rl_s = time.perf_counter() - t_rl
   after = records[-1]
   result = {

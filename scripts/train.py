@@ -62,9 +62,14 @@ if __name__ == "__main__":
     sys.exit(_launch.launch(os.path.abspath(__file__), *_launch.split_args(sys.argv[1:])))
   _simulated_cpu_devices(sys.argv[1:])
 
+from jaxgrpo.tasks import script_io  # noqa: E402
+
+script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
+
 import jax  # after XLA_FLAGS
 
 from jaxgrpo import _orbax_noise, checkpoint, collapse, distributed, metrics, runlock, specs
+from jaxgrpo import data as data_lib
 from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
 from jaxgrpo.collapse import PolicyCollapsed
 from jaxgrpo.metrics import MetricsWriteError
@@ -226,6 +231,21 @@ class CliExit(SystemExit):
     return self.message
 
 
+def _check_local_files(cfg) -> None:
+  """Exit 2 with one line when ``data.dataset``, ``eval.dataset`` or ``model.path`` names a local path (a
+  path, not a hub id: ``jaxgrpo.data``'s rule) that does not exist — checked before anything is printed
+  or built; what the files hold is checked where they are read."""
+
+  model_path = cfg.model.path
+  for field, source in (
+    ("data.dataset", cfg.data.dataset),
+    ("eval.dataset", cfg.eval.dataset),
+    ("model.path", model_path),
+  ):
+    if source and data_lib._looks_local(source) and not os.path.exists(os.path.expanduser(source)):
+      _fail(2, f"error: config field `{field}`: no such file or directory: {source}")
+
+
 def _fail(code: int, message: str):
   print(message, file=sys.stderr, flush=True)
   raise CliExit(code, message)
@@ -328,6 +348,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
     )
   is_main = jax.process_index() == 0
   say = (lambda s: print(s, flush=True)) if is_main else (lambda s: None)
+  _check_local_files(cfg)  # a config error before the resolved-config dump, not after it
   say("resolved config:\n" + json.dumps(cfg.to_dict(), indent=1))
   say(f"objective: {cfg.objective}")
   say(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}")
@@ -357,6 +378,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
     trainer = Trainer(
       cfg,
       log=say,
+      progress=is_main and not args.no_progress,
       checkpoint_fn=ckpt.checkpoint_fn,
       restore_fn=ckpt.restore_fn if resume else None,
       stop_on_nonfinite_loss=args.on_nonfinite_loss == "stop",

@@ -8,9 +8,11 @@ The trainer-level tests (exact resume, mesh change, SIGKILL) are in test_checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -402,9 +404,54 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(tmp_path):
     capture_output=True,
     text=True,
     timeout=300,
+    env=dict(os.environ, PYTHONPATH=root_dir),  # this checkout's jaxgrpo
+    preexec_fn=lambda: os.umask(0o027),  # the files follow the user's umask
   )
   assert r.returncode == 0, r.stderr[-3000:]
+  assert "read only" not in r.stdout + r.stderr and "read_only" not in r.stderr, r.stderr[
+    -3000:
+  ]  # Orbax's notice on a read-only restore
   hf2 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32).eval()
   with torch.no_grad():
     np.testing.assert_array_equal(hf2(torch.from_numpy(tokens)).logits.numpy(), want)
-  assert models.load_hf(str(tmp_path / "hf2")).config == jax_model.config
+  ids = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  assert models.load_hf(str(tmp_path / "hf2")).config == dataclasses.replace(
+    jax_model.config, bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"]
+  )
+
+  # issue 33, item 3: the tokenizer's special-token ids are in the export, so generate stops at EOS
+  assert tok.eos_token_id is not None and tok.pad_token_id is not None
+  for d in (out, str(tmp_path / "hf2")):
+    config = json.load(open(os.path.join(d, "config.json")))
+    gen = json.load(open(os.path.join(d, "generation_config.json")))
+    assert {k: config[k] for k in ids} == ids and {k: gen.get(k) for k in ids} == ids
+  assert hf.generation_config.eos_token_id == tok.eos_token_id
+  assert hf.generation_config.pad_token_id == tok.pad_token_id
+  eos = tok.eos_token_id
+
+  calls = []
+
+  def emit_eos_after_two(module, args, logits):  # the model emits EOS as its 3rd new token (one call a token)
+    calls.append(1)
+    if len(calls) >= 3:
+      logits = logits.clone()
+      logits[:, -1, eos] = 1e4
+    return logits
+
+  prompt = torch.from_numpy(tokens[:1])
+  with torch.no_grad():
+    hf.lm_head.register_forward_hook(emit_eos_after_two)
+    # watch only the new tokens: the model's own greedy picks, then EOS; none after it
+    got = hf.generate(prompt, max_new_tokens=12, do_sample=False)[0, tokens.shape[1] :].tolist()
+  assert len(got) == 3 and got[-1] == eos and eos not in got[:-1], got
+
+  # the usual file modes (safetensors writes 0600): 0644 under umask 022, 0640 under the CLI's 027
+  for d, mode in ((out, 0o666 & ~_umask()), (str(tmp_path / "hf2"), 0o640)):
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
+      assert stat.S_IMODE(os.stat(os.path.join(d, name)).st_mode) == mode, (d, name)
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask

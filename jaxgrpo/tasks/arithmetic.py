@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxgrpo import _checks, models
 from jaxgrpo.data import INSTRUCTION, build_messages
+from jaxgrpo.tasks import script_io
 
 __all__ = [
   "SyntheticModel",
@@ -316,6 +317,7 @@ def sft_warmup(
   noise: float = 0.0,
   log_every: int = 0,
   log: Callable[[str], None] | None = print,
+  progress: bool = False,
 ) -> SFTResult:
   """Supervised warm-up (cross-entropy on the completion tokens) of ``model`` in place.
 
@@ -359,6 +361,7 @@ def sft_warmup(
     seed=seed,
     log_every=log_every,
     log=log,
+    progress=progress,
   )
   return SFTResult(losses, time.perf_counter() - t0)
 
@@ -375,12 +378,15 @@ def sft_sequences(
   seed: int = 0,
   log_every: int = 0,
   log: Callable[[str], None] | None = print,
+  progress: bool = False,
 ) -> list[float]:
   """Cross-entropy on the ``loss_mask`` tokens of fixed sequences, training ``model`` in place:
   ``tokens int32[N, L]`` right-padded, ``attn bool[N, L]`` the real tokens, ``loss_mask bool[N, L]`` the
   target tokens (e.g. a demonstration's completion, or a multi-turn conversation's policy turns).
   AdamW with a cosine schedule, ``batch_size`` rows drawn with replacement per step, 50 steps per
-  compiled ``lax.scan``; returns the loss after every 50 steps (and the last)."""
+  compiled ``lax.scan``; returns the loss after every 50 steps (and the last). ``progress``: a tqdm bar
+  (``script_io.step_bar``; its ETA starts after the first chunk's compilation) with the loss as its
+  postfix, instead of the ``log`` lines."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   opt = optax.adamw(
     optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), steps, learning_rate * 0.1),
@@ -409,15 +415,22 @@ def sft_sequences(
   rng = np.random.default_rng(seed)
   indices = rng.integers(0, len(tokens), size=(steps, batch_size)).astype(np.int32)
   chunk = min(50, steps)
+  bar = script_io.step_bar(steps, "supervised warm-up", disable=not progress)
+  run_first = run_chunk.lower(params, opt_state, indices[:chunk]).compile()
+  script_io.start_clock(bar)
   losses = []
   done = 0
   while done < steps:
     c = chunk if steps - done >= chunk else steps - done
-    params, opt_state, chunk_losses = run_chunk(params, opt_state, indices[done : done + c])
+    run = run_first if c == chunk else run_chunk
+    params, opt_state, chunk_losses = run(params, opt_state, indices[done : done + c])
     done += c
     losses.append(float(chunk_losses[-1]))
-    if log is not None and log_every and (done % max(log_every, chunk) < c or done == steps):
+    bar.update(c)
+    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    if not progress and log is not None and log_every and (done % max(log_every, chunk) < c or done == steps):
       log(f"sft step {done:4d} loss {losses[-1]:.4f}")
+  bar.close()
   nnx.update(model, params)
   return losses
 
@@ -430,9 +443,10 @@ def warm_up(
   *,
   seed: int,
   log: Callable[[str], None] | None = print,
+  progress: bool = False,
 ) -> SFTResult:
   """:func:`sft_warmup` of ``model`` on ``rows`` with ``task``'s settings (``sft_steps``,
-  ``sft_batch_size``, ``sft_learning_rate``, ``sft_noise``), logging four times."""
+  ``sft_batch_size``, ``sft_learning_rate``, ``sft_noise``), logging four times (``progress``: a bar instead)."""
   return sft_warmup(
     model,
     tokenizer,
@@ -444,4 +458,5 @@ def warm_up(
     noise=task.sft_noise,
     log_every=max(1, task.sft_steps // 4),
     log=log,
+    progress=progress,
   )

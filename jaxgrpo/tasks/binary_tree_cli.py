@@ -26,9 +26,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxgrpo.tasks import binary_tree as bt
+from jaxgrpo.tasks import script_io
 
 __all__ = [
   "main",
@@ -79,9 +79,20 @@ def parse_cells(text: str) -> list[tuple[int, float]]:
   return cells
 
 
+class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Appends ``(default: X)`` only to a help text that does not already say its default, and not for an
+  on/off flag or a default of None (nothing to say)."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "default" in text or action.default is None or action.default is False:
+      return text
+    return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    prog="binary_tree.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    prog="binary_tree.py", description=__doc__.split("\n\n")[0], formatter_class=_DefaultsOnceFormatter
   )
   p.add_argument("--seeds", type=int, default=20, help="seeds per cell")
   p.add_argument("--seed-offset", type=int, default=0, help="first seed")
@@ -92,9 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=None, help="learning rate (default: per policy)")
   p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help=f"comma list of {', '.join(bt.ALGORITHMS)}")
   p.add_argument("--cells", default=",".join(f"{n}:{r}" for n, r in bt.PAPER_CELLS), help="comma list of n:r_neg cells")
-  p.add_argument("--depth", type=int, default=4)
+  p.add_argument("--depth", type=int, default=4, help="tree depth: actions per trajectory (leaves = 2^depth)")
   p.add_argument("--target", default=None, help="target path (default LLRL, cut/extended to --depth)")
-  p.add_argument("--other-reward", type=float, default=0.7)
+  p.add_argument(
+    "--other-reward",
+    type=float,
+    default=0.7,
+    help="reward of a path off the target's n-prefix (the cells set the reward on it)",
+  )
   p.add_argument("--window", type=int, default=50, help="target frequency over the last WINDOW steps")
   p.add_argument("--hidden-size", type=int, default=None, help="transformer width (policy default)")
   p.add_argument("--layers", type=int, default=None, help="transformer layers (policy default)")
@@ -210,10 +226,8 @@ def run(args, cfg) -> dict:
   seeds_arr = jnp.asarray(np.asarray(seeds, np.int32))
   bar = None
   if not args.quiet:
-    bar = tqdm(
-      total=args.steps,
-      unit="step",
-      desc=f"binary tree ({len(cfg['algorithms'])} algorithms × {len(cells)} cells × {len(seeds)} seeds)",
+    bar = script_io.step_bar(
+      args.steps, f"binary tree ({len(cfg['algorithms'])} algorithms × {len(cells)} cells × {len(seeds)} seeds)"
     )
 
   def progress(_):
@@ -236,7 +250,8 @@ def run(args, cfg) -> dict:
   t0 = time.perf_counter()
   compiled = sweep.lower(seeds_arr, rewards).compile()
   t1 = time.perf_counter()
-  if bar is not None:
+  if bar is not None:  # the ETA counts the steps from here: the compile above is not a step
+    script_io.start_clock(bar)
     bar.set_postfix_str("training")
   out = jax.block_until_ready(compiled(seeds_arr, rewards))
   out = jax.device_get(out)

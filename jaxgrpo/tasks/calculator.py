@@ -259,11 +259,13 @@ def warm_up(
   learning_rate: float = 3e-3,
   seed: int = 0,
   log=print,
+  progress: bool = False,
 ) -> list[float]:
   """Supervised warm-up on demonstrations (:func:`demonstration`): a fraction ``guess`` answers without
   the tool (a wrong product), a fraction ``operand`` miscopies an operand into the call, the rest are
   correct; ``without_tool``: every demonstration is ``"direct"`` (the no-tool baseline). The loss covers
-  the policy's tokens only. Returns the loss every 50 steps."""
+  the policy's tokens only. Returns the loss every 50 steps. ``progress``: a bar with an ETA instead of
+  the ``log`` lines (``arithmetic.sft_sequences``)."""
   rng = np.random.default_rng([seed, 5])
   seqs, masks = [], []
   for row in rows:
@@ -288,4 +290,5 @@ def warm_up(
     seed=seed,
     log_every=max(1, steps // 4),
     log=log,
+    progress=progress,
   )

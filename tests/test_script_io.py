@@ -1,0 +1,139 @@
+"""Issue 33, item 5: what the scripts print — step bars whose ETA excludes compilation, every flag with
+one help text (no default said twice), transformers' torch banner silenced, a config error before the
+resolved-config dump."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import train_main_here
+
+from jaxgrpo.tasks import binary_tree_cli, script_io
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _eta_seconds(bar) -> float:
+  """The bar's printed ETA (``<MM:SS``) in seconds."""
+  text = bar.format_meter(**bar.format_dict)
+  m = re.search(r"<(\d+):(\d+)", text)
+  assert m, text
+  return 60 * int(m.group(1)) + int(m.group(2))
+
+
+def test_eta_excludes_the_compile():
+  compile_s, step_s, total = 1.0, 0.02, 100
+  for restart in (False, True):
+    bar = script_io.step_bar(total, "t", disable=False)
+    bar.fp = io.StringIO()  # not on the test's stderr
+    assert "compiling" in bar.format_meter(**bar.format_dict)
+    time.sleep(compile_s)  # what the first call of a jitted step costs
+    if restart:
+      script_io.start_clock(bar)
+    time.sleep(step_s)
+    bar.update(1)
+    eta = _eta_seconds(bar)
+    bar.close()
+    if restart:  # (total - 1) steps at the measured step time, not at compile + step
+      assert eta <= 0.5 + (total - 1) * step_s * 3, eta
+    else:  # the bar alone: the compile counted as a step (the binary-tree bar's first `57:42`)
+      assert eta >= (total - 1) * compile_s * 0.9, eta
+
+
+def test_start_clock_keeps_the_count_of_a_first_compiling_step():
+  bar = script_io.step_bar(10, "t")
+  bar.fp = io.StringIO()
+  bar.update(1)  # the compiling step, counted
+  script_io.start_clock(bar)
+  assert bar.n == 1 and bar.format_dict["elapsed"] < 0.5
+  bar.close()
+
+
+def _load_script(name):
+  spec = importlib.util.spec_from_file_location(f"_script_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _help_of(name) -> str:
+  if name == "binary_tree":
+    return binary_tree_cli.build_parser().format_help()
+  mod = _load_script(name)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+    (mod.parse_args if name == "train" else mod.main)(["--help"])
+  return out.getvalue()
+
+
+def _options(help_text: str) -> dict[str, str]:
+  """``{first flag: its help text}`` from argparse's ``--help`` output (the options section)."""
+  entries: dict[str, str] = {}
+  flag = None
+  for line in help_text.split("options:", 1)[1].splitlines():
+    m = re.match(r"^  (-[^\s,]+)(?:, -[^\s,]+)*(?: (?:[A-Z_\[\],.]+|\{[^}]*\}))*(?:\s{2,}(.*))?$", line)
+    if m:
+      flag = m.group(1)
+      entries[flag] = m.group(2) or ""
+    elif flag and line.startswith(" " * 6):
+      entries[flag] += " " + line.strip()
+    elif not line.strip():
+      flag = None
+  return entries
+
+
+@pytest.mark.parametrize("name", ["multiturn_demo", "binary_tree", "export_hf", "eval", "train"])
+def test_every_flag_has_one_help_text(name):
+  options = _options(_help_of(name))
+  assert "-h" in options and len(options) > 2, options
+  missing = [f for f, h in options.items() if not h.strip()]
+  assert not missing, f"{name}: flags without a help text: {missing}"
+  doubled = {f: h for f, h in options.items() if len(re.findall(r"\bdefault\b", h, re.I)) > 1}
+  assert not doubled, f"{name}: a default said twice: {doubled}"
+
+
+def test_the_torch_banner_is_silenced():
+  code = (
+    "import sys; sys.modules['torch'] = None\n"  # torch absent
+    "{pre}import transformers\n"
+    "assert not transformers.utils.is_torch_available()\n"
+  )
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  silenced = "from jaxgrpo.tasks import script_io; script_io.hide_torch_banner()\n"
+  for pre, shown in (("", True), (silenced, False)):
+    r = subprocess.run(
+      [sys.executable, "-c", code.format(pre=pre)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("PyTorch was not found" in r.stderr) == shown, r.stderr[-2000:]
+  # every script installs it before its first import of jaxgrpo beyond script_io (which imports transformers)
+  for name in ("train", "eval", "export_hf", "multiturn_demo"):
+    src = open(os.path.join(ROOT, "scripts", f"{name}.py")).read()
+    first = min(m.start() for m in re.finditer(r"^from jaxgrpo(?!\.tasks import script_io)", src, re.M))
+    assert 0 <= src.find("script_io.hide_torch_banner()") < first, name
+
+
+def test_a_missing_dataset_is_reported_before_the_config_dump(tmp_path, capfd):
+  missing = str(tmp_path / "nope" / "train.jsonl")
+  argv = [
+    "--config",
+    os.path.join(ROOT, "scripts", "configs", "lambda_grpo_openrs.yaml"),
+    "--data.dataset",
+    missing,
+    "--run.out",
+    str(tmp_path / "run"),
+  ]
+  with pytest.raises(BaseException) as e:
+    train_main_here(argv)
+  assert getattr(e.value, "code", None) == 2, e.value
+  r = capfd.readouterr()
+  assert "resolved config" not in r.out, r.out[:500]
+  assert f"`data.dataset`: no such file or directory: {missing}" in r.err, r.err[-2000:]
