@@ -67,7 +67,7 @@ from jaxgrpo.kl import kl_penalty
 from jaxgrpo.losses import finalize_terms
 from jaxgrpo.models import lora
 from jaxgrpo.objective import objective_terms, rollout_advantages
-from jaxgrpo.rewards import group_is_informative
+from jaxgrpo.rewards import finite_reward_stats, group_is_informative
 from jaxgrpo.sampling import Rollout, generate
 from jaxgrpo.train import (
   TrainConfig,
@@ -495,11 +495,14 @@ def engine_old_logp(logp_fn: Callable, params, batch: Batch) -> tuple[Batch, dic
   is left to ``GRPOConfig.importance_correction`` (TIS/MIS on ``behavior_logp``).
 
   Returns:
-    ``(batch, metrics)``: ``engine/mismatch_k3``, the mean over real tokens of ``r − log r − 1`` with
+    ``(batch, metrics)``: ``engine/mismatch_k3``, the mean over real (policy, when the batch has a
+    ``policy_mask``) tokens of ``r − log r − 1`` with
     ``r = π_old/μ`` (``jaxgrpo.kl``'s k3), and ``engine/logp_abs_diff_max``, max |log π_old − log μ|.
   """
   old = logp_fn(params, batch)
   behavior, mask = batch.behavior_logp, batch.mask
+  if batch.policy_mask is not None:  # multi-turn: observation tokens were not sampled by the engine
+    mask = mask & batch.policy_mask
   k3 = kl_penalty(old, behavior, "forward_k3", mask=mask)
   n = jnp.maximum(mask.sum(), 1)
   metrics = {
@@ -757,11 +760,9 @@ def grpo_iteration(
   step_metrics = jax.device_get(step_metrics)
   jax.block_until_ready(state)
   t4 = time.perf_counter()
-  finite = rewards[np.isfinite(rewards)]
   metrics = {k: float(v) for k, v in step_metrics.items()}
   metrics.update(
-    reward_mean=float(finite.mean()) if finite.size else 0.0,
-    reward_std=float(finite.std()) if finite.size else 0.0,
+    **finite_reward_stats(rewards),
     completion_length=float(np.asarray(rollout.mask).sum(axis=1).mean()),
     rollout_s=t1 - t0,
     reward_s=t2 - t1,
@@ -785,6 +786,7 @@ def multiturn_iteration(
   env_config: MultiTurnConfig,
   reference: Reference | None = None,
   buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+  engine=None,
 ) -> IterationResult:
   """One GRPO iteration over multi-turn trajectories: :func:`sample_multiturn` (G per row, the
   environments' rewards), a :class:`~jaxgrpo.train.Batch` with the rollout's ``policy_mask`` (placed,
@@ -796,6 +798,10 @@ def multiturn_iteration(
     rows: B dataset rows; ``make_env(row)`` builds one environment per trajectory.
     tokenizer: the policy's tokenizer (a chat template; turns decoded, observations encoded).
     env_config: a :class:`~jaxgrpo.environments.MultiTurnConfig`.
+    engine: an :class:`~jaxgrpo.engines.Engine` for the turns (None: the built-in sampler), as for
+      :func:`grpo_iteration`: the policy is pushed first, every turn goes to the engine as token ids, and
+      when the engine's log-probs are not the policy's they become ``behavior_logp`` and ``old_logp`` is
+      recomputed with the policy (``engine/mismatch_k3`` over policy tokens only).
 
   Returns:
     An :class:`IterationResult` whose ``rollout`` is the :class:`~jaxgrpo.environments.MultiTurnRollout`
@@ -803,9 +809,19 @@ def multiturn_iteration(
     ``env/tool_s``, ``env/policy_tokens``, ... — :func:`jaxgrpo.environments.rollout_metrics`).
   """
   _check_iteration(step, sampling, reference, len(rows))
+  engine_metrics, recompute = {}, False
+  policy = policy_model(step.graphdef, state)
+  if engine is not None:
+    check_engine(engine)
+    recompute = not logprobs_are_policy(engine)
+    if sampling.merge_lora and lora.has_adapters(policy):
+      policy = lora.merge_lora(policy)
+    tp = time.perf_counter()
+    engine.push_weights(policy)
+    engine_metrics["engine/push_s"] = time.perf_counter() - tp
   t0 = time.perf_counter()
   rollout: MultiTurnRollout = sample_multiturn(
-    policy_model(step.graphdef, state),
+    policy,
     rows,
     make_env,
     tokenizer,
@@ -813,11 +829,21 @@ def multiturn_iteration(
     env_config,
     key=key,
     temperature=step.train_config.temperature,
+    engine=engine,
   )
   t1 = time.perf_counter()
   batch = make_batch(
-    rollout, rollout.rewards, mesh=step.mesh, rules=step.rules, buckets=buckets, train_config=step.train_config
+    rollout,
+    rollout.rewards,
+    mesh=step.mesh,
+    rules=step.rules,
+    buckets=buckets,
+    train_config=step.train_config,
+    behavior_logp=rollout.log_probs if recompute else None,
   )
+  if recompute:  # the engine's log-probs are μ (behavior_logp); old_logp is the policy's own
+    batch, mismatch = engine_old_logp(policy_logp_fn(step), policy_params(state), batch)
+    engine_metrics.update(mismatch)
   if reference is not None and step.reads_ref_logp:
     batch = reference(batch)
     jax.block_until_ready(batch.ref_logp)
@@ -828,9 +854,9 @@ def multiturn_iteration(
   t3 = time.perf_counter()
   metrics = {k: float(v) for k, v in step_metrics.items()}
   metrics.update(rollout_metrics(rollout))
+  metrics.update(engine_metrics)
   metrics.update(
-    reward_mean=float(rollout.rewards.mean()),
-    reward_std=float(rollout.rewards.std()),
+    **finite_reward_stats(rollout.rewards),
     completion_length=float(rollout.mask.sum(axis=1).mean()),
     rollout_s=t1 - t0,
     reward_s=0.0,

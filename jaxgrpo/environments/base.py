@@ -19,8 +19,13 @@ One environment instance serves one trajectory. The rollout calls, for each traj
 - The trajectory's reward is the sum of its step rewards (an outcome reward: give it on the last step).
 - The rollout ends a trajectory itself when it runs out of turns (``max_turns``) or tokens
   (``max_tokens``): the environment is not stepped again and the rewards so far stand. An exception
-  raised by ``step`` ends the trajectory with reward 0 and counts in the ``env_errors`` metric; it never
-  stops the run.
+  raised by ``step`` ends the trajectory — that step adds no reward, the rewards of the earlier steps
+  stand — and counts in the ``env_errors`` metric; it never stops the run.
+- ``skip_special_tokens`` (optional attribute, default False): when True, ``step`` receives the turn
+  decoded without special tokens (``tokenizer.decode(ids, skip_special_tokens=True)``: no ``<|im_end|>``,
+  no reserved tokens around the text an environment parses); the sampled ids are kept either way.
+- A turn ends at EOS, and also at ``</tool_call>`` when the environment has tools (``env.tools`` not
+  empty; ``env.stop_at_tool_call`` in the run config overrides this for every environment).
 
 Nothing here imports JAX: environments are plain host-side Python.
 """
@@ -65,5 +70,6 @@ class Environment(Protocol):
     ...
 
   def step(self, text: str) -> StepResult:
-    """One policy turn (its decoded text) -> observation messages, reward, done, metrics."""
+    """One policy turn (its decoded text; without special tokens when the environment sets
+    ``skip_special_tokens = True``) -> observation messages, reward, done, metrics."""
     ...

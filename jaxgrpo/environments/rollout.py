@@ -52,13 +52,15 @@ class MultiTurnConfig:
     max_tokens: T, tokens per trajectory after the prompt, policy and observation tokens together.
     turn_tokens: tokens per policy turn (None: ``max_tokens``).
     stop_at_tool_call: a turn also ends at the tool-call end tag (``</tool_call>``, when it is one
-      token of the tokenizer); the observation then closes the assistant turn.
+      token of the tokenizer); the observation then closes the assistant turn. None (default): per
+      group, when its environment has tools (``env.tools`` not empty) — an environment without tools
+      gets turns that end at EOS only.
   """
 
   max_turns: int = 4
   max_tokens: int = 256
   turn_tokens: int | None = None
-  stop_at_tool_call: bool = True
+  stop_at_tool_call: bool | None = None
 
   def __post_init__(self):
     for name in ("max_turns", "max_tokens"):
@@ -68,6 +70,8 @@ class MultiTurnConfig:
     t = self.turn_tokens
     if t is not None and (not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= self.max_tokens):
       raise ValueError(f"`env.turn_tokens` must be an int in [1, max_tokens={self.max_tokens}] or null; got {t!r}")
+    if self.stop_at_tool_call not in (None, True, False):
+      raise ValueError(f"`env.stop_at_tool_call` must be true, false or null; got {self.stop_at_tool_call!r}")
 
   @property
   def per_turn(self) -> int:
@@ -127,8 +131,15 @@ def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarra
   return tokens, mask
 
 
+def _turn_text(env, tokenizer, ids: Sequence[int]) -> str:
+  """The text ``env.step`` receives: the turn decoded with its special tokens kept (default), or without
+  them when the environment sets ``skip_special_tokens = True`` (the ids stay as sampled either way)."""
+  return tokenizer.decode(list(ids), skip_special_tokens=bool(getattr(env, "skip_special_tokens", False)))
+
+
 def _step(env, text: str) -> tuple[StepResult, bool]:
-  """``(result, raised)``: an exception in ``env.step`` ends the trajectory with reward 0."""
+  """``(result, raised)``: an exception in ``env.step`` ends the trajectory; this step adds reward 0 and
+  the rewards of the earlier steps stand."""
   try:
     result = env.step(text)
   except Exception:  # noqa: BLE001 — a faulty environment must not stop the run; counted in env_errors
@@ -148,6 +159,7 @@ def sample_multiturn(
   *,
   key,
   temperature: float = 1.0,
+  engine=None,
 ) -> MultiTurnRollout:
   """G multi-turn trajectories per dataset row (see the module docstring).
 
@@ -163,6 +175,10 @@ def sample_multiturn(
     key: PRNG key; turn k samples with ``fold_in(key, k)``.
     temperature: the sampling temperature, the train step's ``TrainConfig.temperature`` (its
       log-probs refer to it).
+    engine: an :class:`~jaxgrpo.engines.Engine` to sample the turns with (None: ``jaxgrpo.sampling.generate``
+      on ``model``). Each turn sends ``prompt ‖ trajectory`` to ``engine.generate`` as token ids (never
+      re-tokenised text); the engine's sampled-token log-probs fill ``log_probs`` on the policy tokens. The
+      caller pushes the weights first (``multiturn_iteration`` does).
 
   Returns:
     A :class:`MultiTurnRollout` (NumPy arrays).
@@ -173,13 +189,17 @@ def sample_multiturn(
     raise ValueError("`rows` is empty: sample_multiturn needs at least one dataset row")
   g, n = sampling.num_samples, len(rows) * sampling.num_samples
   envs = [make_env(row) for row in rows for _ in range(g)]
-  fmt = ChatFormat(tokenizer, tools=getattr(envs[0], "tools", None))
-  prompts = [fmt.prompt_ids(env.reset(rows[i // g])) for i, env in enumerate(envs)]
+  # each group is rendered with its own environment's tools (a group shares its prompt)
+  fmts = [ChatFormat(tokenizer, tools=getattr(envs[b * g], "tools", None)) for b in range(len(rows))]
+  prompts = [fmts[i // g].prompt_ids(env.reset(rows[i // g])) for i, env in enumerate(envs)]
   for i in range(n):
     if prompts[i] != prompts[(i // g) * g]:
       raise ValueError(f"env.reset gave different prompts within group {i // g}: a group must share its prompt")
   t_max, per_turn = env_config.max_tokens, env_config.per_turn
-  stop = _stop_ids(tokenizer, sampling.eos_ids, env_config.stop_at_tool_call)
+  at_tool = env_config.stop_at_tool_call
+  stops = [
+    _stop_ids(tokenizer, sampling.eos_ids, bool(fmts[i // g].tools) if at_tool is None else at_tool) for i in range(n)
+  ]
   p_max = max(len(p) for p in prompts)
   width = -(-(p_max + t_max) // 64) * 64  # one context width per batch (multiples of 64: few compiles)
   limit = model.config.max_position_embeddings
@@ -196,15 +216,11 @@ def sample_multiturn(
   rewards, turns = np.zeros(n, np.float32), np.zeros(n, np.int32)
   metrics: dict[str, np.ndarray] = {k: np.zeros(n, np.float32) for k in (*METRIC_NAMES, "env_errors", "truncated")}
   running = list(range(n))
-  for turn in range(env_config.max_turns):
-    if not running:
-      break
-    rows_padded = running + [running[0]] * (_bucket_rows(len(running)) - len(running))
+
+  def sample_turn(rows_now, stop, turn_key):
+    rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
     ctx, ctx_mask = _left_pad([prompts[i] + traj[i] for i in rows_padded], width, sampling.pad_id)
-    out = generate(
-      model,
-      ctx,
-      ctx_mask,
+    kwargs = dict(
       num_samples=1,
       max_new_tokens=per_turn,
       temperature=temperature,
@@ -213,18 +229,34 @@ def sample_multiturn(
       eos_ids=stop,
       pad_id=sampling.pad_id,
       suppress_ids=sampling.suppress_ids,
-      key=jax.random.fold_in(key, turn),
+      key=turn_key,
     )
-    toks, mask, lps = (np.asarray(x) for x in jax.device_get((out.completions, out.mask, out.log_probs)))
+    out = (
+      generate(model, ctx, ctx_mask, **kwargs) if engine is None else engine.generate(ctx, ctx_mask, **kwargs).rollout
+    )
+    got = jax.device_get((out.completions, out.mask, out.log_probs))
+    return {i: tuple(np.asarray(x)[j] for x in got) for j, i in enumerate(rows_now)}
+
+  for turn in range(env_config.max_turns):
+    if not running:
+      break
+    by_stop: dict[tuple[int, ...], list[int]] = {}
+    for i in running:
+      by_stop.setdefault(stops[i], []).append(i)
+    sampled = {}
+    for s_idx, (stop, rows_now) in enumerate(by_stop.items()):  # one call per stop set (one unless mixed)
+      turn_key = jax.random.fold_in(key, turn)
+      sampled.update(sample_turn(rows_now, stop, turn_key if s_idx == 0 else jax.random.fold_in(turn_key, s_idx)))
     still = []
-    for j, i in enumerate(running):
+    for i in running:
+      tok_i, mask_i, lps_i = sampled[i]
       room = t_max - len(traj[i])
-      ids = toks[j][mask[j]].tolist()[:room]
+      ids = tok_i[mask_i].tolist()[:room]
       traj[i] += ids
       policy[i] += [True] * len(ids)
-      logps[i] += lps[j][mask[j]].tolist()[: len(ids)]
+      logps[i] += lps_i[mask_i].tolist()[: len(ids)]
       turns[i] += 1
-      result, raised = _step(envs[i], tokenizer.decode(ids, skip_special_tokens=False))
+      result, raised = _step(envs[i], _turn_text(envs[i], tokenizer, ids))
       metrics["env_errors"][i] += raised
       rewards[i] += float(result.reward)
       for k, v in (result.metrics or {}).items():
@@ -234,7 +266,7 @@ def sample_multiturn(
       if len(traj[i]) >= t_max:
         metrics["truncated"][i] = 1.0
         continue
-      obs = fmt.observation_ids(result.messages, ids)
+      obs = fmts[i // g].observation_ids(result.messages, ids)
       if len(traj[i]) + len(obs) >= t_max:  # no room for the observation and a turn after it
         metrics["truncated"][i] = 1.0
         continue

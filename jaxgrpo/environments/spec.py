@@ -7,7 +7,7 @@
       max_turns: 3
       max_tokens: 64          # trajectory tokens after the prompt (policy + observations)
       turn_tokens: 32         # per policy turn (null: max_tokens)
-      stop_at_tool_call: true
+      stop_at_tool_call: null # null (default): at </tool_call> when the environment has tools
 
 With this section the trainer samples with :func:`jaxgrpo.environments.sample_multiturn` (one
 environment per trajectory, ``factory(row)``; the row is the dataset example as a dict: ``prompt``,
@@ -58,7 +58,7 @@ class EnvSpec:
   max_turns: int = 4
   max_tokens: int = 256
   turn_tokens: int | None = None
-  stop_at_tool_call: bool = True
+  stop_at_tool_call: bool | None = None
 
   def __post_init__(self):
     self.multiturn_config()  # the bounds' own errors, at construction

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
+from jaxgrpo.rewards import finite_reward_stats
 from jaxgrpo.train import Batch
 
 __all__ = ["env_evaluate", "env_rollout_batch", "example_row"]
@@ -57,8 +58,7 @@ def env_rollout_batch(
   )
   metrics = rollout_metrics(out, time.perf_counter() - t0)
   metrics.update(
-    reward_mean=float(out.rewards.mean()),
-    reward_std=float(out.rewards.std()),
+    **finite_reward_stats(out.rewards),
     completion_length=float(out.mask.sum(1).mean()),
   )
   return Batch.from_rollout(out, out.rewards), metrics, int(out.mask.sum())
