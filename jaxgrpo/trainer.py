@@ -61,6 +61,7 @@ from jaxgrpo.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, Policy
 from jaxgrpo.engines import check_engine, load_engine_factory, logprobs_are_policy
 from jaxgrpo.engines import vllm as vllm_engine
 from jaxgrpo.environments import training as env_training
+from jaxgrpo.environments.rollout import RolloutInterrupted
 from jaxgrpo.evaluation import evaluate_policy
 from jaxgrpo.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.models import lora, moe
@@ -649,6 +650,7 @@ class Trainer:
         key=key,
         batch_prompts=cfg.eval.batch_prompts,
         temperature=cfg.step.temperature if cfg.eval.temperature is None else cfg.eval.temperature,
+        should_stop=self._stop_requested,
       )
     return evaluate_policy(
       self.sampling_policy(),
@@ -711,6 +713,7 @@ class Trainer:
         self.config.env.multiturn_config(),
         key=sample_key,
         temperature=self.train_config.temperature,
+        should_stop=self._stop_requested,
       )
     t_roll = time.perf_counter() - t0
     # bucketed, packed if set; each process feeds its own rows
@@ -791,8 +794,8 @@ class Trainer:
       self.stop_signal = signum
       # no print() here: the main thread may be inside one (reentrant call)
       msg = (
-        f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint of it "
-        "and stopping; send it again to abort at once\n"
+        f"\n{signal.Signals(signum).name} received: finishing the current step (or abandoning it while an "
+        "environment call hangs), then writing a checkpoint and stopping; send it again to abort at once\n"
       )
       os.write(2, msg.encode())
 
@@ -802,6 +805,11 @@ class Trainer:
     finally:
       for s, h in previous.items():
         signal.signal(s, h)
+
+  def _stop_requested(self) -> bool:
+    """Whether SIGTERM/SIGINT asked to stop (this process; the env rollout polls it while an environment call
+    runs, so a hung environment does not hold the signal back)."""
+    return self.stop_signal is not None
 
   def _requested_stop(self) -> int:
     """The signal that asks to stop (0: none), agreed by every process (a multi-host run stops at
@@ -900,12 +908,21 @@ class Trainer:
     collapse = CollapseWatch(guard, self.model.config.vocab_size) if guard and guard.action != "off" else None
     try:
       if self.eval_prompts is not None and start == 0:
-        ev = self.evaluate()
+        try:
+          ev = self.evaluate()
+        except RolloutInterrupted:  # a signal while an environment call of the evaluation hung
+          self._stop_if_requested(start, saved=False, trained=False)
+          raise
         emit({"step": 0, **ev})
         self.log(f"step 0 eval {_fmt(ev)}")
       self._stop_if_requested(start, saved=False, trained=False)  # a signal during the first evaluation
       for _ in range(start, run.steps):
-        m = self.train_step()
+        try:
+          m = self.train_step()
+        except RolloutInterrupted:  # a signal while an environment call hung: the step is abandoned
+          done = int(self.state.train.step)
+          self._stop_if_requested(done, saved=done == last_saved, trained=done > start)
+          raise
         emit(m)
         step = m["step"]
         if every(run.log_every, step):
@@ -918,7 +935,11 @@ class Trainer:
           collapse.check(m, self.log)  # a collapse with finite values (jaxgrpo.collapse)
         evaluated = self.eval_prompts is not None and every(cfg.eval.every, step)
         if evaluated:
-          ev = self.evaluate()
+          try:
+            ev = self.evaluate()
+          except RolloutInterrupted:  # the step is trained: checkpoint it, then stop
+            self._stop_if_requested(step, saved=False)
+            raise
           emit({"step": step, **ev})
           self.log(f"step {step} eval {_fmt(ev)}")
         # an evaluated step is also saved when the best checkpoint by an eval metric is kept

@@ -14,7 +14,13 @@ See docs/multiturn.md.
 from jaxgrpo.environments import sandbox
 from jaxgrpo.environments.base import Environment, StepResult
 from jaxgrpo.environments.chat import ChatFormat
-from jaxgrpo.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
+from jaxgrpo.environments.rollout import (
+  MultiTurnConfig,
+  MultiTurnRollout,
+  RolloutInterrupted,
+  rollout_metrics,
+  sample_multiturn,
+)
 from jaxgrpo.environments.tools import (
   ToolCall,
   ToolEnvironment,
@@ -29,6 +35,7 @@ __all__ = [
   "Environment",
   "MultiTurnConfig",
   "MultiTurnRollout",
+  "RolloutInterrupted",
   "StepResult",
   "ToolCall",
   "ToolEnvironment",

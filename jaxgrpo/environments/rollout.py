@@ -28,6 +28,11 @@ is kept (policy tokens, no end token); an observation that does not fit ends the
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import threading
+import time
+import traceback
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -38,7 +43,9 @@ from jaxgrpo.environments.chat import ChatFormat
 from jaxgrpo.environments.tools import TOOL_CALL_END
 from jaxgrpo.sampling import generate
 
-__all__ = ["MultiTurnConfig", "MultiTurnRollout", "rollout_metrics", "sample_multiturn"]
+__all__ = ["MultiTurnConfig", "MultiTurnRollout", "RolloutInterrupted", "rollout_metrics", "sample_multiturn"]
+
+log = logging.getLogger("jaxgrpo.environments")
 
 METRIC_NAMES = ("tool_calls", "tool_errors", "tool_s")
 
@@ -55,12 +62,21 @@ class MultiTurnConfig:
       token of the tokenizer); the observation then closes the assistant turn. None (default): per
       group, when its environment has tools (``env.tools`` not empty) — an environment without tools
       gets turns that end at EOS only.
+    step_timeout: seconds an ``env.reset`` or ``env.step`` call may take (None: no bound). The call runs in a
+      daemon thread; a step past the bound ends its trajectory (rewards so far stand) and counts in
+      ``env_timeouts``; a reset past it raises ``TimeoutError`` (there is no prompt to train on). Python
+      cannot kill a thread: the abandoned call runs on in the background (the sandbox's tools run in
+      subprocesses, which their own limits kill).
+    fail_fast: re-raise the first exception an environment raises (with its traceback), for debugging,
+      instead of ending the trajectory and counting it in ``env_errors``.
   """
 
   max_turns: int = 4
   max_tokens: int = 256
   turn_tokens: int | None = None
   stop_at_tool_call: bool | None = None
+  step_timeout: float | None = 30.0
+  fail_fast: bool = False
 
   def __post_init__(self):
     for name in ("max_turns", "max_tokens"):
@@ -72,6 +88,11 @@ class MultiTurnConfig:
       raise ValueError(f"`env.turn_tokens` must be an int in [1, max_tokens={self.max_tokens}] or null; got {t!r}")
     if self.stop_at_tool_call not in (None, True, False):
       raise ValueError(f"`env.stop_at_tool_call` must be true, false or null; got {self.stop_at_tool_call!r}")
+    st = self.step_timeout
+    if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf):
+      raise ValueError(f"`env.step_timeout` must be a number of seconds > 0 or null; got {st!r}")
+    if not isinstance(self.fail_fast, bool):
+      raise ValueError(f"`env.fail_fast` must be true or false; got {self.fail_fast!r}")
 
   @property
   def per_turn(self) -> int:
@@ -137,16 +158,99 @@ def _turn_text(env, tokenizer, ids: Sequence[int]) -> str:
   return tokenizer.decode(list(ids), skip_special_tokens=bool(getattr(env, "skip_special_tokens", False)))
 
 
-def _step(env, text: str) -> tuple[StepResult, bool]:
-  """``(result, raised)``: an exception in ``env.step`` ends the trajectory; this step adds reward 0 and
-  the rewards of the earlier steps stand."""
-  try:
-    result = env.step(text)
-  except Exception:  # noqa: BLE001 — a faulty environment must not stop the run; counted in env_errors
-    return StepResult((), 0.0, True, {}), True
-  if not isinstance(result, StepResult):
-    result = StepResult(*result)
-  return result, False
+class RolloutInterrupted(Exception):
+  """The rollout stopped waiting on an environment call because ``should_stop()`` became true (the trainer's
+  SIGTERM/SIGINT): the step is abandoned, nothing of it is trained or saved."""
+
+
+_LOGGED: set = set()  # (type, file, line) of the environment exceptions already logged in this process
+
+
+def _call(fn, arg, timeout: float | None, should_stop: Callable[[], bool] | None):
+  """``("ok", result)``, ``("error", exception)`` or ``("timeout", None)`` of ``fn(arg)``, run in a daemon
+  thread when a ``timeout`` or ``should_stop`` is given (checked every 50 ms; RolloutInterrupted when it
+  turns true)."""
+  if timeout is None and should_stop is None:
+    try:
+      return "ok", fn(arg)
+    except Exception as e:  # noqa: BLE001
+      return "error", e
+  box: dict[str, Any] = {}
+
+  def run():
+    try:
+      box["result"] = fn(arg)
+    except BaseException as e:  # noqa: BLE001 — handed to the caller
+      box["error"] = e
+
+  thread = threading.Thread(target=run, name="jaxgrpo-env-call", daemon=True)
+  thread.start()
+  deadline = None if timeout is None else time.monotonic() + timeout
+  while True:
+    wait = 0.05 if should_stop is not None else max(0.0, deadline - time.monotonic())
+    if deadline is not None:
+      wait = min(wait, max(0.0, deadline - time.monotonic()))
+    thread.join(wait)
+    if not thread.is_alive():
+      break
+    if should_stop is not None and should_stop():
+      raise RolloutInterrupted(f"stopped while waiting on {getattr(fn, '__qualname__', fn)!s}")
+    if deadline is not None and time.monotonic() >= deadline:
+      return "timeout", None
+  if "error" in box:
+    if not isinstance(box["error"], Exception):
+      raise box["error"]  # KeyboardInterrupt, SystemExit: not the environment's fault to count
+    return "error", box["error"]
+  return "ok", box["result"]
+
+
+def _log_first(e: BaseException, what: str) -> None:
+  """Log an environment exception once per (type, file, line) in this process, with the frame that raised it."""
+  frames = traceback.extract_tb(e.__traceback__)
+  frame = frames[-1] if frames else None
+  where = (frame.filename, frame.lineno) if frame else ("?", 0)
+  sig = (type(e).__name__, *where)
+  if sig in _LOGGED:
+    return
+  _LOGGED.add(sig)
+  at = f"{where[0]}:{where[1]} in {frame.name}" if frame else "unknown frame"
+  log.warning(
+    "%s raised %s: %s (at %s); the trajectory ends and counts in env/env_errors — logged once per type and "
+    "place (set env.fail_fast: true to stop at it)\n%s",
+    what,
+    type(e).__name__,
+    e,
+    at,
+    "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip(),
+  )
+
+
+def _step(env, text: str, cfg: MultiTurnConfig, should_stop=None) -> tuple[StepResult, str, BaseException | None]:
+  """``(result, status, exception)``; status ``"ok"``, ``"error"`` (``env.step`` raised) or ``"timeout"``
+  (it ran past ``cfg.step_timeout``). An error or a timeout ends the trajectory: this step adds reward 0
+  and the rewards of the earlier steps stand."""
+  status, out = _call(env.step, text, cfg.step_timeout, should_stop)
+  if status == "error":
+    if cfg.fail_fast:
+      raise out
+    _log_first(out, f"{type(env).__name__}.step")
+  if status != "ok":
+    return StepResult((), 0.0, True, {}), status, out
+  if not isinstance(out, StepResult):
+    out = StepResult(*out)
+  return out, "ok", None
+
+
+def _reset(env, row, cfg: MultiTurnConfig, should_stop=None):
+  status, out = _call(env.reset, row, cfg.step_timeout, should_stop)
+  if status == "timeout":
+    raise TimeoutError(
+      f"{type(env).__name__}.reset did not return within env.step_timeout={cfg.step_timeout} s: there is no "
+      "prompt to sample from (raise env.step_timeout, or fix the environment)"
+    )
+  if status == "error":
+    raise out
+  return out
 
 
 def sample_multiturn(
@@ -160,6 +264,7 @@ def sample_multiturn(
   key,
   temperature: float = 1.0,
   engine=None,
+  should_stop: Callable[[], bool] | None = None,
 ) -> MultiTurnRollout:
   """G multi-turn trajectories per dataset row (see the module docstring).
 
@@ -179,6 +284,9 @@ def sample_multiturn(
       on ``model``). Each turn sends ``prompt ‖ trajectory`` to ``engine.generate`` as token ids (never
       re-tokenised text); the engine's sampled-token log-probs fill ``log_probs`` on the policy tokens. The
       caller pushes the weights first (``multiturn_iteration`` does).
+    should_stop: polled (every 50 ms) while an environment call runs: when it returns True the rollout
+      raises :class:`RolloutInterrupted` (the trainer's first SIGTERM/SIGINT stops a run whose environment
+      hangs). None: not polled.
 
   Returns:
     A :class:`MultiTurnRollout` (NumPy arrays).
@@ -191,7 +299,7 @@ def sample_multiturn(
   envs = [make_env(row) for row in rows for _ in range(g)]
   # each group is rendered with its own environment's tools (a group shares its prompt)
   fmts = [ChatFormat(tokenizer, tools=getattr(envs[b * g], "tools", None)) for b in range(len(rows))]
-  prompts = [fmts[i // g].prompt_ids(env.reset(rows[i // g])) for i, env in enumerate(envs)]
+  prompts = [fmts[i // g].prompt_ids(_reset(env, rows[i // g], env_config, should_stop)) for i, env in enumerate(envs)]
   for i in range(n):
     if prompts[i] != prompts[(i // g) * g]:
       raise ValueError(f"env.reset gave different prompts within group {i // g}: a group must share its prompt")
@@ -214,7 +322,8 @@ def sample_multiturn(
   policy = [[] for _ in range(n)]
   logps = [[] for _ in range(n)]
   rewards, turns = np.zeros(n, np.float32), np.zeros(n, np.int32)
-  metrics: dict[str, np.ndarray] = {k: np.zeros(n, np.float32) for k in (*METRIC_NAMES, "env_errors", "truncated")}
+  names = (*METRIC_NAMES, "env_errors", "env_timeouts", "truncated")
+  metrics: dict[str, np.ndarray] = {k: np.zeros(n, np.float32) for k in names}
   running = list(range(n))
 
   def sample_turn(rows_now, stop, turn_key):
@@ -256,8 +365,12 @@ def sample_multiturn(
       policy[i] += [True] * len(ids)
       logps[i] += lps_i[mask_i].tolist()[: len(ids)]
       turns[i] += 1
-      result, raised = _step(envs[i], _turn_text(envs[i], tokenizer, ids))
-      metrics["env_errors"][i] += raised
+      result, status, error = _step(envs[i], _turn_text(envs[i], tokenizer, ids), env_config, should_stop)
+      if status == "error":
+        metrics["env_errors"][i] += 1
+        metrics.setdefault(f"env_errors/{type(error).__name__}", np.zeros(n, np.float32))[i] += 1
+      elif status == "timeout":
+        metrics["env_timeouts"][i] += 1
       rewards[i] += float(result.reward)
       for k, v in (result.metrics or {}).items():
         metrics.setdefault(k, np.zeros(n, np.float32))[i] += float(v)

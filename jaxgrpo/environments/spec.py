@@ -8,6 +8,8 @@
       max_tokens: 64          # trajectory tokens after the prompt (policy + observations)
       turn_tokens: 32         # per policy turn (null: max_tokens)
       stop_at_tool_call: null # null (default): at </tool_call> when the environment has tools
+      step_timeout: 30        # seconds per env.reset / env.step call (null: unbounded)
+      fail_fast: false        # true: re-raise the first environment exception (debugging)
 
 With this section the trainer samples with :func:`jaxgrpo.environments.sample_multiturn` (one
 environment per trajectory, ``factory(row)``; the row is the dataset example as a dict: ``prompt``,
@@ -51,7 +53,7 @@ class EnvSpec:
 
   Attributes:
     factory: ``"package.module:callable"``, ``callable(row) -> Environment`` (one per trajectory).
-    max_turns, max_tokens, turn_tokens, stop_at_tool_call: :class:`~jaxgrpo.environments.MultiTurnConfig`.
+    max_turns, max_tokens, turn_tokens, stop_at_tool_call, step_timeout, fail_fast: :class:`~jaxgrpo.environments.MultiTurnConfig`.
   """
 
   factory: str
@@ -59,6 +61,8 @@ class EnvSpec:
   max_tokens: int = 256
   turn_tokens: int | None = None
   stop_at_tool_call: bool | None = None
+  step_timeout: float | None = 30.0
+  fail_fast: bool = False
 
   def __post_init__(self):
     self.multiturn_config()  # the bounds' own errors, at construction
@@ -69,6 +73,8 @@ class EnvSpec:
       max_tokens=self.max_tokens,
       turn_tokens=self.turn_tokens,
       stop_at_tool_call=self.stop_at_tool_call,
+      step_timeout=self.step_timeout,
+      fail_fast=self.fail_fast,
     )
 
   def make_env(self) -> Callable[[Any], Any]:

@@ -42,9 +42,11 @@ def env_rollout_batch(
   *,
   key,
   temperature: float = 1.0,
+  should_stop: Callable[[], bool] | None = None,
 ) -> tuple[Batch, dict[str, float], int]:
   """``(Batch with policy_mask, metrics, real tokens)`` of G multi-turn trajectories per example, sampled
-  at ``temperature`` (the train step's ``TrainConfig.temperature``)."""
+  at ``temperature`` (the train step's ``TrainConfig.temperature``); ``should_stop`` as for
+  ``sample_multiturn`` (``RolloutInterrupted`` when it turns true during an environment call)."""
   t0 = time.perf_counter()
   out: MultiTurnRollout = sample_multiturn(
     policy,
@@ -55,6 +57,7 @@ def env_rollout_batch(
     env_config,
     key=key,
     temperature=temperature,
+    should_stop=should_stop,
   )
   metrics = rollout_metrics(out, time.perf_counter() - t0)
   metrics.update(
@@ -76,6 +79,7 @@ def env_evaluate(
   key,
   batch_prompts: int = 128,
   temperature: float = 1.0,
+  should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
   """mean@k of the environment reward on ``examples`` (``eval_accuracy``; k trajectories each at
   ``temperature``) and the per-trajectory turn metrics (``eval_env/...``)."""
@@ -92,6 +96,7 @@ def env_evaluate(
       env_config,
       key=key,
       temperature=temperature,
+      should_stop=should_stop,
     )
     rewards.append(out.rewards)
     parts.append(rollout_metrics(out))

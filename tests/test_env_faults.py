@@ -1,0 +1,230 @@
+"""Environments under faults, in process with a real (tiny) policy: a step that hangs past ``env.step_timeout``
+ends its trajectory and counts in ``env_timeouts``; a reset that hangs raises a TimeoutError naming the bound; an
+exception is logged once per type and place with the user's frame and counted per type; ``fail_fast`` re-raises
+it; ``should_stop`` interrupts a rollout waiting on a hung environment within a fraction of a second."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgrpo.environments import MultiTurnConfig, RolloutInterrupted, StepResult, rollout_metrics, sample_multiturn
+from jaxgrpo.iteration import SamplingConfig
+from jaxgrpo.models import build_model
+from jaxgrpo.tasks import arithmetic, calculator
+
+RELEASE = threading.Event()  # set at teardown: the abandoned threads finish
+
+
+class Faulty:
+  """Turn 1 pays 1.0; then, per row: ``hang`` (the step blocks until RELEASE), ``raise`` (a ValueError from line
+  BUG_LINE), ``key`` (a KeyError), ``reset_hang`` (reset blocks); else a second turn pays 2.0 and ends."""
+
+  tools = ()
+
+  def reset(self, row):
+    self.mode, self.k = row["mode"], 0
+    if self.mode == "reset_hang":
+      RELEASE.wait(60)
+    return [{"role": "user", "content": self.mode}]
+
+  def step(self, text):
+    self.k += 1
+    if self.k == 1:
+      return StepResult([{"role": "tool", "content": "again"}], 1.0, False, {})
+    if self.mode == "hang":
+      RELEASE.wait(60)
+    if self.mode == "raise":
+      raise ValueError("the user's bug")  # BUG_LINE
+    if self.mode == "key":
+      raise KeyError("missing")
+    return StepResult((), 2.0, True, {})
+
+
+BUG_LINE = next(i for i, line in enumerate(open(__file__), 1) if line.rstrip().endswith("# BUG_LINE"))
+
+
+@pytest.fixture(scope="module")
+def setup():
+  tok = calculator.build_tokenizer()
+  cfg = arithmetic.tiny_model_config(len(tok), hidden_size=32, num_layers=1, max_position_embeddings=256)
+  model = build_model(cfg, rngs=nnx.Rngs(0))
+  eos = tok.convert_tokens_to_ids("<|im_end|>")
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
+  yield tok, model, sampling
+  RELEASE.set()
+
+
+def _run(setup, modes, **cfg):
+  tok, model, sampling = setup
+  config = MultiTurnConfig(max_turns=2, max_tokens=40, turn_tokens=6, **cfg)
+  rows = [{"mode": m} for m in modes]
+  return sample_multiturn(model, rows, lambda row: Faulty(), tok, sampling, config, key=jax.random.key(0))
+
+
+def test_a_hanging_step_times_out_and_an_exception_is_logged_once_and_counted_per_type(setup, caplog):
+  t0 = time.monotonic()
+  with caplog.at_level(logging.WARNING, logger="jaxgrpo.environments"):
+    out = _run(setup, ["ok", "hang", "raise", "key"], step_timeout=0.5)
+  # both trajectories of the hanging row waited once each (0.5 s), not the 60 s of the hang
+  assert time.monotonic() - t0 < 30
+  np.testing.assert_array_equal(out.rewards, [3, 3, 1, 1, 1, 1, 1, 1])  # the rewards so far stand
+  np.testing.assert_array_equal(out.metrics["env_timeouts"], [0, 0, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(out.metrics["env_errors"], [0, 0, 0, 0, 1, 1, 1, 1])
+  np.testing.assert_array_equal(out.metrics["env_errors/ValueError"], [0, 0, 0, 0, 1, 1, 0, 0])
+  np.testing.assert_array_equal(out.metrics["env_errors/KeyError"], [0, 0, 0, 0, 0, 0, 1, 1])
+  m = rollout_metrics(out)
+  assert m["env/env_timeouts"] == 0.25 and m["env/env_errors/ValueError"] == 0.25
+  # each distinct exception logged once (two trajectories raised each), naming the user's file:line
+  msgs = [r.getMessage() for r in caplog.records]
+  bug = [x for x in msgs if "ValueError: the user's bug" in x]
+  assert len(bug) == 1 and f"test_env_faults.py:{BUG_LINE}" in bug[0], msgs
+  assert len([x for x in msgs if "KeyError" in x]) == 1
+  # logged once per process: the same bug in the next rollout is counted, not logged again
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxgrpo.environments"):
+    again = _run(setup, ["raise"], step_timeout=None)
+  assert again.metrics["env_errors/ValueError"].tolist() == [1, 1] and not caplog.records
+
+
+def test_fail_fast_reraises_the_environments_exception(setup):
+  with pytest.raises(KeyError, match="missing"):
+    _run(setup, ["ok", "key"], fail_fast=True)
+
+
+def test_a_hanging_reset_raises_a_timeout_naming_the_bound(setup):
+  with pytest.raises(TimeoutError, match=r"Faulty.reset did not return within env.step_timeout=0.3 s"):
+    _run(setup, ["reset_hang"], step_timeout=0.3)
+
+
+def test_should_stop_interrupts_a_rollout_waiting_on_a_hung_environment(setup):
+  tok, model, sampling = setup
+  config = MultiTurnConfig(max_turns=2, max_tokens=40, turn_tokens=6, step_timeout=None)
+  stop_at = time.monotonic() + 1.0
+  t0 = time.monotonic()
+  with pytest.raises(RolloutInterrupted):
+    sample_multiturn(
+      model,
+      [{"mode": "hang"}],
+      lambda row: Faulty(),
+      tok,
+      sampling,
+      config,
+      key=jax.random.key(0),
+      should_stop=lambda: time.monotonic() > stop_at,
+    )
+  assert time.monotonic() - t0 < 20  # not the 60 s of the hang
+
+
+def test_bad_fault_settings_name_the_field():
+  with pytest.raises(ValueError, match="env.step_timeout"):
+    MultiTurnConfig(step_timeout=0)
+  with pytest.raises(ValueError, match="env.fail_fast"):
+    MultiTurnConfig(fail_fast="yes")
+
+
+def make_hanging_env(row):
+  """``env.factory`` of the child run below: one turn, reward 0.1 × the share of digits, until the file
+  ``$JAXGRPO_TEST_HANG`` exists; then every step writes ``<that file>.hung`` and blocks forever."""
+  return _HangWhenTold()
+
+
+class _HangWhenTold:
+  tools = ()
+
+  def reset(self, row):
+    return [{"role": "user", "content": row["problem"]}]
+
+  def step(self, text):
+    flag = os.environ["JAXGRPO_TEST_HANG"]
+    if os.path.exists(flag):
+      open(flag + ".hung", "w").close()
+      while True:
+        time.sleep(1)
+    return StepResult((), 0.1 * sum(c.isdigit() for c in text) / max(len(text), 1), True)
+
+
+@pytest.mark.subprocess
+def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
+  """A real ``scripts/train.py`` run: after step 1 the environment hangs in ``step``; the first SIGTERM stops the
+  run within seconds (not after env.step_timeout = 30 s, never before the change), exit status 128 + 15, and the
+  last complete checkpoint is the last trained step."""
+  from helpers import ROOT, cli_env
+
+  from jaxgrpo import checkpoint as ck
+
+  flag, out = tmp_path / "hang", tmp_path / "run"
+  env = {**cli_env(tmp_path / "xla"), "JAXGRPO_TEST_HANG": str(flag)}
+  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "scripts", "train.py"),
+    "--config",
+    os.path.join(ROOT, "scripts", "configs", "demo_env.yaml"),
+    "--model.synthetic",
+    "{hidden_size: 32, num_layers: 1}",
+    "--data.arithmetic",
+    "{train_size: 32, eval_size: 4, sft_steps: 0}",
+    "--rollout.group-size",
+    "2",
+    "--rollout.prompts-per-step",
+    "2",
+    "--env.factory",
+    "test_env_faults:make_hanging_env",
+    "--env.max-turns",
+    "1",
+    "--env.max-tokens",
+    "8",
+    "--env.turn-tokens",
+    "8",
+    "--eval.every",
+    "1000",
+    "--eval.samples",
+    "1",
+    "--eval.pass-k",
+    "[1]",
+    "--checkpoint.every",
+    "1",
+    "--run.steps",
+    "1000",
+    "--run.out",
+    str(out),
+    "--no-plot",
+    "--no-progress",
+  ]
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  lines = []
+  try:
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("step 1 "):
+        flag.touch()  # the next rollout's environment hangs
+        break
+    t0 = time.monotonic()
+    while not os.path.exists(str(flag) + ".hung") and time.monotonic() - t0 < 120 and proc.poll() is None:
+      time.sleep(0.05)
+    assert os.path.exists(str(flag) + ".hung"), "".join(lines)[-3000:]
+    time.sleep(0.5)  # inside the hung call
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  took = time.monotonic() - t0
+  text = "".join(lines) + rest
+  assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}\n{text[-3000:]}\n{err[-3000:]}"
+  assert took < 15, took  # the hung call is abandoned, not waited for (env.step_timeout is 30 s)
+  stopped = int(re.search(r"stopping after step (\d+)", text + err).group(1))
+  assert stopped >= 1 and ck.complete_steps(str(out / "checkpoints"), log=None)[-1] == stopped
