@@ -112,7 +112,9 @@ class SamplingConfig:
 
   Attributes:
     num_samples: G, completions per prompt (the group size).
-    max_new_tokens: T, the completion length budget.
+    max_new_tokens: T, the completion length budget of single-turn sampling (:func:`sample`,
+      :func:`grpo_iteration`: required there). None (the default) for multi-turn sampling, whose token
+      budgets are ``MultiTurnConfig``'s (``max_tokens``, ``turn_tokens``); a value given there is ignored.
     top_p, top_k: nucleus and top-k filtering (1.0 and 0: off).
     eos_ids: token ids that end a completion (empty: every completion has T tokens).
     pad_id: id written after the end of each completion.
@@ -126,7 +128,7 @@ class SamplingConfig:
   """
 
   num_samples: int
-  max_new_tokens: int
+  max_new_tokens: int | None = None
   top_p: float = 1.0
   top_k: int = 0
   eos_ids: tuple[int, ...] = ()
@@ -141,8 +143,19 @@ class SamplingConfig:
       object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
     for name in ("num_samples", "max_new_tokens"):
       v = getattr(self, name)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
+      if (v is not None or name == "num_samples") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(
+          f"`{name}` must be an int >= 1{' or None (multi-turn)' if name != 'num_samples' else ''}; got {v!r}"
+        )
+
+  def require_max_new_tokens(self, where: str) -> int:
+    """``max_new_tokens``, or a ValueError naming ``where`` when it is None (single-turn sampling needs it)."""
+    if self.max_new_tokens is None:
+      raise ValueError(
+        f"{where}: `SamplingConfig.max_new_tokens` is None; single-turn sampling needs the completion length budget "
+        "(None is for multi-turn sampling only)"
+      )
+    return self.max_new_tokens
 
 
 class Reference(NamedTuple):
@@ -412,7 +425,7 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, 
     prompt_tokens,
     prompt_mask,
     num_samples=sampling.num_samples,
-    max_new_tokens=sampling.max_new_tokens,
+    max_new_tokens=sampling.require_max_new_tokens("sample"),
     temperature=temperature,
     top_p=sampling.top_p,
     top_k=sampling.top_k,
@@ -450,7 +463,7 @@ def engine_sample(
     prompt_tokens,
     prompt_mask,
     num_samples=sampling.num_samples,
-    max_new_tokens=sampling.max_new_tokens,
+    max_new_tokens=sampling.require_max_new_tokens("engine_sample"),
     temperature=temperature,
     top_p=sampling.top_p,
     top_k=sampling.top_k,

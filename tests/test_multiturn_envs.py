@@ -172,7 +172,14 @@ def test_the_builtin_engine_samples_the_same_turns_as_the_default_path(setup):
 
 
 def test_nan_environment_rewards_are_left_out_of_the_reward_statistics(setup):
-  tok, model, sampling, _ = setup
+  """Also: multi-turn sampling needs no ``max_new_tokens`` (the env config bounds the tokens), single-turn
+  sampling refuses a SamplingConfig without one in one line."""
+  from jaxgrpo.iteration import sample
+
+  tok, model, full, _ = setup
+  sampling = SamplingConfig(num_samples=2, eos_ids=full.eos_ids, pad_id=full.pad_id)  # no max_new_tokens
+  with pytest.raises(ValueError, match=r"sample: `SamplingConfig.max_new_tokens` is None; single-turn"):
+    sample(model, np.ones((1, 3), np.int32), np.ones((1, 3), bool), sampling, key=jax.random.key(0))
   rows = [{"q": "x", "r": float("nan")}, {"q": "y", "r": 1.0}, {"q": "z", "r": 3.0}]
   examples = [types.SimpleNamespace(prompt=r["q"], answer="", columns={"q": r["q"], "r": r["r"]}) for r in rows]
   cfg = MultiTurnConfig(max_turns=2, max_tokens=48, turn_tokens=8)
