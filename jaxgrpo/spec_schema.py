@@ -349,7 +349,9 @@ class CheckpointSpec:
   Attributes:
     every: save every ``every`` steps (0: only after the last step).
     keep: keep the last ``keep`` checkpoints.
-    best_metric: also keep the best checkpoint by this evaluation metric (None: recency only).
+    best_metric: also keep the best checkpoint by this evaluation metric (None: recency only). A run with
+      an ``env`` section logs its held-out metric as ``eval_env_reward`` (the mean environment reward, not an
+      accuracy): there ``eval_accuracy`` (the default) stands for it.
     async_save: write in the background (the next save waits for it).
   """
 
@@ -503,6 +505,8 @@ class TrainerConfig:
         "`env` (multi-turn rollouts) does not combine with `rollout.max_staleness`, `objective.dynamic_sampling`, "
         "`devices.rollout` or `rollout.engine: vllm` yet; unset them"
       )
+    if self.env is not None and self.checkpoint.best_metric == "eval_accuracy":  # the env run's held-out metric
+      object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, best_metric="eval_env_reward"))
     if self.rollout.group_size == 1:
       warnings.warn(
         "`rollout.group_size` is 1: every group-relative advantage is 0, so the policy gradient is 0",

@@ -200,19 +200,23 @@ def plot_curves(metrics_path: str, png_path: str) -> bool:
     return False
   recs = metrics.read_jsonl(metrics_path)
   steps = [r for r in recs if "reward_mean" in r]
-  evals = [r for r in recs if "eval_accuracy" in r]
+  held = "eval_env_reward" if any("eval_env_reward" in r for r in recs) else "eval_accuracy"
+  evals = [r for r in recs if held in r]
   fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
   ax[0].plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], lw=1)
   ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
-  keys = {k for r in evals for k in r if k.startswith("eval_pass@") or k == "eval_accuracy"}
+  keys = {k for r in evals for k in r if k.startswith("eval_pass@") or k == held}
   for key in sorted(keys - {"eval_pass@1"}):  # pass@1 equals mean@k
     ax[1].plot(
       [r["step"] for r in evals if key in r],
       [r[key] for r in evals if key in r],
       "o-",
-      label="mean@k" if key == "eval_accuracy" else key[5:],
+      label="mean@k" if key == held else key[5:],
     )
-  ax[1].set(xlabel="step", ylabel="held-out accuracy", title="evaluation", ylim=(0, 1))
+  if held == "eval_accuracy":
+    ax[1].set(xlabel="step", ylabel="held-out accuracy", title="evaluation", ylim=(0, 1))
+  else:  # an env run: the mean environment reward, whose range is the environment's
+    ax[1].set(xlabel="step", ylabel="held-out environment reward", title="evaluation")
   ax[1].legend()
   fig.tight_layout()
   fig.savefig(png_path, dpi=110)
@@ -432,11 +436,13 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
         f"--on-save-error continue); {_latest(ckpt)}",
         file=sys.stderr,
       )
-    evals = [r for r in records if "eval_accuracy" in r]
+    held = "eval_accuracy" if cfg.env is None else "eval_env_reward"
+    evals = [r for r in records if held in r]
     if len(evals) >= 2:
+      what = "" if cfg.env is None else " environment reward"
       print(
-        f"held-out mean@{cfg.eval.samples}: {evals[0]['eval_accuracy']:.3f} (step {evals[0]['step']}) "
-        f"-> {evals[-1]['eval_accuracy']:.3f} (step {evals[-1]['step']})"
+        f"held-out{what} mean@{cfg.eval.samples}: {evals[0][held]:.3f} (step {evals[0]['step']}) "
+        f"-> {evals[-1][held]:.3f} (step {evals[-1]['step']})"
       )
     if not args.no_plot:
       png = os.path.join(out, "curves.png")

@@ -86,8 +86,9 @@ def test_env_run_metrics_eval_and_exact_resume(tmp_path):
   for r in steps:
     assert 1.0 <= r["env/turns"] <= 2.0 and "env/retries" in r and "env/policy_tokens" in r
     assert r["tokens"] == pytest.approx(r["env/policy_tokens"] * 8)  # the loss counts policy tokens only
-  evals = [r for r in records if "eval_accuracy" in r]
+  evals = [r for r in records if "eval_env_reward" in r]  # the mean environment reward, not an accuracy
   assert [r["step"] for r in evals] == [0, 4] and "eval_env/turns" in evals[0]
+  assert not any("eval_accuracy" in r for r in records) and cfg.checkpoint.best_metric == "eval_env_reward"
   assert sorted(saved) == [2, 4]
   # steps 3 and 4 change the parameters, so the resumed run's equality below can fail
   moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), saved[2].params, saved[4].params))

@@ -81,7 +81,7 @@ def env_evaluate(
   temperature: float = 1.0,
   should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
-  """mean@k of the environment reward on ``examples`` (``eval_accuracy``; k trajectories each at
+  """mean@k of the environment reward on ``examples`` (``eval_env_reward``; k trajectories each at
   ``temperature``) and the per-trajectory turn metrics (``eval_env/...``)."""
   k_sampling = dataclasses.replace(sampling, num_samples=k)
   rewards, parts = [], []
@@ -100,7 +100,7 @@ def env_evaluate(
     )
     rewards.append(out.rewards)
     parts.append(rollout_metrics(out))
-  result = {"eval_accuracy": float(np.concatenate(rewards).mean())}
+  result = {"eval_env_reward": float(np.concatenate(rewards).mean())}
   for name in parts[0]:
     result[f"eval_{name}"] = float(np.mean([p[name] for p in parts]))
   return result
