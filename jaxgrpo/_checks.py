@@ -17,6 +17,7 @@ may be Python numbers (static) or arrays (traced; range-checked when concrete): 
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from collections.abc import Sequence
@@ -320,3 +321,23 @@ def check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
         "have a False after a True"
       )
   return prompt_tokens.astype(jnp.int32), prompt_mask
+
+
+def load_callable(path: str, what: str, forms: str = "'package.module:callable'"):
+  """The callable named by ``"package.module:attribute"`` (imported; the attribute may be dotted). ValueError
+  naming the config field ``what`` and ``path`` when the string has another form (``forms`` says the accepted
+  ones), the module does not import, or the name is missing or not callable."""
+  module, sep, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
+  if not sep or not module or not attr:
+    raise ValueError(f"`{what}` must be {forms}; got {path!r}")
+  try:
+    obj = importlib.import_module(module)
+  except ImportError as e:
+    raise ValueError(f"`{what}`: {path!r}: cannot import module {module!r} ({e})") from None
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      raise ValueError(f"`{what}`: {path!r}: module {module!r} has no attribute {attr!r}")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise ValueError(f"`{what}`: {path!r} is not callable ({type(obj).__name__})")
+  return obj

@@ -428,3 +428,20 @@ def ensure_side_venv(name: str) -> str:
   if r.returncode or not os.path.exists(python):
     pytest.fail(f"scripts/setup_{name}_venv.sh failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
   return python
+
+
+def tiny_chat_policy(max_positions: int = 512):
+  """``(tokenizer, model, sampling, eos)`` of the multi-turn tests: the calculator task's Qwen-style chat
+  tokenizer, a 1-layer random policy, and a ``SamplingConfig`` of G = 2 stopping at ``<|im_end|>``."""
+  from flax import nnx
+
+  from jaxgrpo.iteration import SamplingConfig
+  from jaxgrpo.models import build_model
+  from jaxgrpo.tasks import arithmetic, calculator
+
+  tok = calculator.build_tokenizer()
+  cfg = arithmetic.tiny_model_config(len(tok), hidden_size=32, num_layers=1, max_position_embeddings=max_positions)
+  model = build_model(cfg, rngs=nnx.Rngs(0))
+  eos = tok.convert_tokens_to_ids("<|im_end|>")
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
+  return tok, model, sampling, eos

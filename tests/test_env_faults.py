@@ -17,12 +17,9 @@ import time
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import tiny_chat_policy
 
 from jaxgrpo.environments import MultiTurnConfig, RolloutInterrupted, StepResult, rollout_metrics, sample_multiturn
-from jaxgrpo.iteration import SamplingConfig
-from jaxgrpo.models import build_model
-from jaxgrpo.tasks import arithmetic, calculator
 
 RELEASE = threading.Event()  # set at teardown: the abandoned threads finish
 
@@ -57,11 +54,7 @@ BUG_LINE = next(i for i, line in enumerate(open(__file__), 1) if line.rstrip().e
 
 @pytest.fixture(scope="module")
 def setup():
-  tok = calculator.build_tokenizer()
-  cfg = arithmetic.tiny_model_config(len(tok), hidden_size=32, num_layers=1, max_position_embeddings=256)
-  model = build_model(cfg, rngs=nnx.Rngs(0))
-  eos = tok.convert_tokens_to_ids("<|im_end|>")
-  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
+  tok, model, sampling, _ = tiny_chat_policy(max_positions=256)
   yield tok, model, sampling
   RELEASE.set()
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import tiny_chat_policy
 
 from jaxgrpo.engines import BuiltinEngine, Generation, finish_reasons
 from jaxgrpo.environments import MultiTurnConfig, StepResult, sample_multiturn
@@ -19,7 +20,7 @@ from jaxgrpo.environments.training import env_rollout_batch
 from jaxgrpo.iteration import SamplingConfig
 from jaxgrpo.models import build_model, log_probs
 from jaxgrpo.sampling import Rollout
-from jaxgrpo.tasks import arithmetic, calculator
+from jaxgrpo.tasks import arithmetic
 
 LOOKUP = {
   "type": "function",
@@ -93,12 +94,7 @@ class ScriptEngine:
 
 @pytest.fixture(scope="module")
 def setup():
-  tok = calculator.build_tokenizer()
-  cfg = arithmetic.tiny_model_config(len(tok), hidden_size=32, num_layers=1, max_position_embeddings=512)
-  model = build_model(cfg, rngs=nnx.Rngs(0))
-  eos = tok.convert_tokens_to_ids("<|im_end|>")
-  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
-  return tok, model, sampling, eos
+  return tiny_chat_policy()
 
 
 def _template_ids(tok, messages, tools):

@@ -7,13 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import tiny_chat_policy
 
 from jaxgrpo.environments import MultiTurnConfig, StepResult, rollout_metrics, sample_multiturn
 from jaxgrpo.environments.chat import ChatFormat
-from jaxgrpo.iteration import SamplingConfig
-from jaxgrpo.models import build_model, log_probs
-from jaxgrpo.tasks import arithmetic, calculator
+from jaxgrpo.models import log_probs
 
 
 class Scripted:
@@ -38,11 +36,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def setup():
-  tok = calculator.build_tokenizer()
-  cfg = arithmetic.tiny_model_config(len(tok), hidden_size=32, num_layers=1, max_position_embeddings=512)
-  model = build_model(cfg, rngs=nnx.Rngs(0))
-  eos = tok.convert_tokens_to_ids("<|im_end|>")
-  sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
+  tok, model, sampling, _ = tiny_chat_policy()
   return tok, model, sampling
 
 

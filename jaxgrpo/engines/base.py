@@ -30,12 +30,12 @@ process, weights pushed through the Hugging Face name map).
 
 from __future__ import annotations
 
-import importlib
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
 
+from jaxgrpo import _checks
 from jaxgrpo.sampling import Rollout
 
 __all__ = [
@@ -132,20 +132,7 @@ def check_engine(engine, what: str = "engine") -> None:
 def load_engine_factory(path: str, what: str = "rollout.engine"):
   """The callable named by ``"package.module:callable"`` (imported); ValueError naming ``what`` and ``path``
   when the string has another form, the module does not import or the name is missing or not callable."""
-  module, sep, attr = path.partition(":")
-  if not sep or not module or not attr:
-    raise ValueError(f"`{what}` must be 'jax', 'vllm' or 'package.module:callable'; got {path!r}")
-  try:
-    obj = importlib.import_module(module)
-  except ImportError as e:
-    raise ValueError(f"`{what}`: {path!r}: cannot import module {module!r} ({e})") from None
-  for part in attr.split("."):
-    if not hasattr(obj, part):
-      raise ValueError(f"`{what}`: {path!r}: module {module!r} has no attribute {attr!r}")
-    obj = getattr(obj, part)
-  if not callable(obj):
-    raise ValueError(f"`{what}`: {path!r} is not callable ({type(obj).__name__})")
-  return obj
+  return _checks.load_callable(path, what, "'jax', 'vllm' or 'package.module:callable'")
 
 
 def finish_reasons(completions: np.ndarray, mask: np.ndarray, eos_ids: Sequence[int]) -> np.ndarray:

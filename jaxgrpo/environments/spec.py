@@ -21,9 +21,9 @@ environment reward on the held-out set.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable
 
+from jaxgrpo import _checks
 from jaxgrpo.environments.rollout import MultiTurnConfig
 
 __all__ = ["EnvSpec", "load_factory"]
@@ -31,20 +31,7 @@ __all__ = ["EnvSpec", "load_factory"]
 
 def load_factory(path: str) -> Callable[[Any], Any]:
   """The callable named by ``"package.module:attribute"`` (imported); ValueError naming ``env.factory``."""
-  module, sep, attr = path.partition(":")
-  if not sep or not module or not attr:
-    raise ValueError(f"`env.factory` must be 'package.module:callable'; got {path!r}")
-  try:
-    obj = importlib.import_module(module)
-  except ImportError as e:
-    raise ValueError(f"`env.factory` {path!r}: cannot import module {module!r} ({e})") from None
-  for part in attr.split("."):
-    if not hasattr(obj, part):
-      raise ValueError(f"`env.factory` {path!r}: module {module!r} has no attribute {attr!r}")
-    obj = getattr(obj, part)
-  if not callable(obj):
-    raise ValueError(f"`env.factory` {path!r} is not callable ({type(obj).__name__})")
-  return obj
+  return _checks.load_callable(path, "env.factory")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
