@@ -505,6 +505,13 @@ class TrainerConfig:
         "`env` (multi-turn rollouts) does not combine with `rollout.max_staleness`, `objective.dynamic_sampling`, "
         "`devices.rollout` or `rollout.engine: vllm` yet; unset them"
       )
+    if self.env is not None and self.env.episodes is not None:
+      given = [f"{k}={v!r}" for k, v in (("data.dataset", self.data.dataset), ("eval.dataset", self.eval.dataset)) if v]
+      if given:
+        raise ValueError(
+          f"`env.episodes`={self.env.episodes} makes the prompts (the environment's reset builds them from seeds) "
+          f"but {', '.join(given)} names a dataset too: unset it, or unset `env.episodes` to train on the dataset"
+        )
     if self.env is not None and self.checkpoint.best_metric == "eval_accuracy":  # the env run's held-out metric
       object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, best_metric="eval_env_reward"))
     if self.rollout.group_size == 1:

@@ -60,6 +60,7 @@ from jaxgrpo.checkpoint import NonFiniteError, RunMeta, Snapshot, first_nonfinit
 from jaxgrpo.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
 from jaxgrpo.engines import check_engine, load_engine_factory, logprobs_are_policy
 from jaxgrpo.engines import vllm as vllm_engine
+from jaxgrpo.environments import spec as env_spec
 from jaxgrpo.environments import training as env_training
 from jaxgrpo.environments.rollout import RolloutInterrupted
 from jaxgrpo.evaluation import evaluate_policy
@@ -335,7 +336,7 @@ class Trainer:
     self.make_env = None if cfg.env is None else cfg.env.make_env()
     if cfg.env is not None and jax.process_count() > 1:
       raise ValueError("`env` (multi-turn rollouts) runs in one process; multi-host runs are not supported yet")
-    self.iterator = data_lib.PromptIterator(len(self.prompts.tokens), seed=cfg.run.seed)
+    self.iterator = data_lib.PromptIterator(len(self.examples), seed=cfg.run.seed)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
     if restore_fn is not None:
@@ -455,6 +456,12 @@ class Trainer:
       cfg, mesh=self.mesh, log=self.log, save_base=base, progress=self.progress
     )
     self.pad_id, self.eos_ids = builders.special_ids(self.tokenizer)
+    if cfg.env is not None and cfg.env.episodes is not None:  # env.episodes: rows from seeds, no dataset
+      self.prompts = self.eval_prompts = self.prompt_len = None  # reset renders the prompts (sample_multiturn checks)
+      self.examples = env_spec.episode_rows(cfg.env.episodes, "train")
+      n_eval = cfg.env.eval_episodes
+      self.eval_examples = None if n_eval is None else env_spec.episode_rows(n_eval, "eval")
+      return
     sets = builders.build_prompts(cfg.data, cfg.eval, self.tokenizer, seed=cfg.run.seed)
     self.prompts, self.examples = sets.train, sets.train_examples
     self.eval_prompts, self.eval_examples = sets.eval, sets.eval_examples
@@ -630,7 +637,7 @@ class Trainer:
   def evaluate(self, key=None) -> dict[str, float]:
     """mean@k (``eval_accuracy``) and ``eval_pass@k`` on the held-out set with k = eval_samples; with
     several processes each scores its share of the problems and the counts are gathered."""
-    if self.eval_prompts is None:
+    if self.eval_examples is None:
       return {}
     with contextlib.nullcontext() if self.rollouts is None else self.rollouts.paused():  # shared reward workers
       return self._evaluate(key)
@@ -907,7 +914,7 @@ class Trainer:
     guard = self.collapse_guard
     collapse = CollapseWatch(guard, self.model.config.vocab_size) if guard and guard.action != "off" else None
     try:
-      if self.eval_prompts is not None and start == 0:
+      if self.eval_examples is not None and start == 0:
         try:
           ev = self.evaluate()
         except RolloutInterrupted:  # a signal while an environment call of the evaluation hung
@@ -933,7 +940,7 @@ class Trainer:
         self._check_finite(m)  # before anything of this step is evaluated or saved
         if collapse is not None:
           collapse.check(m, self.log)  # a collapse with finite values (jaxgrpo.collapse)
-        evaluated = self.eval_prompts is not None and every(cfg.eval.every, step)
+        evaluated = self.eval_examples is not None and every(cfg.eval.every, step)
         if evaluated:
           try:
             ev = self.evaluate()

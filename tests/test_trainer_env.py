@@ -130,3 +130,71 @@ def test_env_section_errors():
     EnvSpec(factory="a:b", max_turns=0)
   with pytest.raises(ValueError, match="dynamic_sampling"):
     load_config(None, {**ENV, "objective.preset": "dapo"})
+
+
+# ----------------------------------------------------------------------------- env.episodes: no dataset
+SEEN: list[dict] = []  # every row an EpisodeSum environment was reset with (this run's, in order)
+
+
+class EpisodeSum:
+  """Makes its own episode from the row's seed: "What is a + b?" with a, b drawn by ``random.Random(seed)``;
+  reward 1 for the right boxed sum, plus the digit-share shaping of :class:`SecondChance`."""
+
+  tools = ()
+
+  def reset(self, row):
+    import random
+
+    SEEN.append(dict(row))
+    rng = random.Random(row["seed"])
+    self.a, self.b = rng.randint(0, 9), rng.randint(0, 9)
+    return [{"role": "user", "content": f"What is {self.a} + {self.b}?"}]
+
+  def step(self, text):
+    digits = sum(c.isdigit() for c in text) / max(len(text), 1)
+    return StepResult((), float(extract_boxed(text) == str(self.a + self.b)) + 0.1 * digits, True)
+
+
+def make_episode_env(row):
+  return EpisodeSum()
+
+
+def test_env_episodes_train_and_evaluate_without_a_dataset(tmp_path):
+  """``env.episodes: N`` (issue 39.5): the rows are ``{"seed", "episode", "split"}`` built from seeds (the
+  arithmetic task's default data section is not read for prompts), ``env.eval_episodes: M`` is the held-out
+  set (seeds from EVAL_SEED_OFFSET, disjoint from training's), and a dataset named beside it is refused."""
+  import importlib
+
+  from jaxgrpo.environments.spec import EVAL_SEED_OFFSET
+
+  seen = importlib.import_module("test_trainer_env").SEEN  # the module object the factory was loaded from
+  seen.clear()
+  episodes = {
+    "env.factory": "test_trainer_env:make_episode_env",
+    "env.max_turns": 1,
+    "env.max_tokens": 12,
+    "env.episodes": 5,
+    "env.eval_episodes": 3,
+  }
+  cfg = tiny(**episodes, **{"run.out": str(tmp_path)})  # 2 steps, eval k=2 before and after
+  trainer = Trainer(cfg, log=None)
+  assert trainer.examples == [{"seed": i, "episode": i, "split": "train"} for i in range(5)]
+  records = trainer.run(handle_signals=False)
+  g, per_step = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+  evals = [r for r in records if "eval_env_reward" in r]
+  assert [r["step"] for r in evals] == [0, 2] and all(0.0 <= r["eval_env_reward"] <= 1.1 for r in evals)
+  assert [r["step"] for r in records if "loss" in r] == [1, 2]
+  want_eval = [{"seed": EVAL_SEED_OFFSET + j, "episode": j, "split": "eval"} for j in range(3)]
+  chunks = [seen[:6], seen[6 : 6 + 2 * per_step * g], seen[6 + 2 * per_step * g :]]  # eval, 2 steps, eval
+  for chunk in (chunks[0], chunks[2]):
+    assert chunk == [row for row in want_eval for _ in range(2)]  # k = 2 trajectories per held-out episode
+  train_rows = chunks[1]
+  assert len(train_rows) == 2 * per_step * g and all(r["split"] == "train" and 0 <= r["seed"] < 5 for r in train_rows)
+  assert all(set(r) == {"seed", "episode", "split"} and r["seed"] == r["episode"] for r in train_rows)
+  # a dataset beside env.episodes, and eval_episodes without episodes, are refused naming the fields
+  with pytest.raises(ValueError, match=r"env.episodes.*data.dataset='x.jsonl'"):
+    load_config(None, {**episodes, "data.dataset": "x.jsonl"})
+  with pytest.raises(ValueError, match="env.eval_episodes.*needs `env.episodes`"):
+    EnvSpec(factory="a:b", eval_episodes=2)
+  with pytest.raises(ValueError, match=r"env.episodes.*\[1, 1000000000\]"):
+    EnvSpec(factory="a:b", episodes=0)

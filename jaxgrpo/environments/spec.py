@@ -10,12 +10,20 @@
       stop_at_tool_call: null # null (default): at </tool_call> when the environment has tools
       step_timeout: 30        # seconds per env.reset / env.step call (null: unbounded)
       fail_fast: false        # true: re-raise the first environment exception (debugging)
+      episodes: null          # N: train on N episodes from seeds (no dataset; reset builds the prompt)
+      eval_episodes: null     # M: evaluate on M held-out episodes (with episodes)
 
 With this section the trainer samples with :func:`jaxgrpo.environments.sample_multiturn` (one
 environment per trajectory, ``factory(row)``; the row is the dataset example as a dict: ``prompt``,
 ``problem`` — the prompt when it is a string —, ``answer`` and every other column), rewards are the
 environments' (the ``reward`` section is not used for training), and evaluation is mean@k of the
 environment reward on the held-out set.
+
+**Episodes instead of a dataset** (``episodes: N``): an environment that makes its own episodes (a game, a
+generated puzzle) needs no ``data``/``eval`` dataset. Training row ``i`` (``0 <= i < N``) is
+``{"seed": i, "episode": i, "split": "train"}``; with ``eval_episodes: M`` held-out row ``j`` is
+``{"seed": EVAL_SEED_OFFSET + j, "episode": j, "split": "eval"}`` (seeds disjoint from the training ones).
+``reset(row)`` builds the prompt from the seed; ``run.seed`` shuffles the order as for a dataset.
 """
 
 from __future__ import annotations
@@ -26,7 +34,19 @@ from typing import Any, Callable
 from jaxgrpo import _checks
 from jaxgrpo.environments.rollout import MultiTurnConfig
 
-__all__ = ["EnvSpec", "load_factory"]
+__all__ = ["EVAL_SEED_OFFSET", "EnvSpec", "episode_rows", "load_factory"]
+
+#: The seed of held-out episode ``j`` is ``EVAL_SEED_OFFSET + j``; training seeds are ``0 .. episodes - 1``.
+EVAL_SEED_OFFSET = 1_000_000_000
+
+
+def episode_rows(n: int, split: str) -> list[dict]:
+  """The rows of ``n`` generated episodes: ``{"seed", "episode", "split"}``, seeds ``0..n-1`` for
+  ``split="train"`` and ``EVAL_SEED_OFFSET + j`` for ``"eval"``."""
+  if split not in ("train", "eval"):
+    raise ValueError(f"split must be 'train' or 'eval'; got {split!r}")
+  offset = 0 if split == "train" else EVAL_SEED_OFFSET
+  return [{"seed": offset + i, "episode": i, "split": split} for i in range(n)]
 
 
 def load_factory(path: str) -> Callable[[Any], Any]:
@@ -40,10 +60,14 @@ class EnvSpec:
 
   Attributes:
     factory: ``"package.module:callable"``, ``callable(row) -> Environment`` (one per trajectory).
+    episodes: N training episodes from seeds instead of a dataset (None: the ``data`` section's rows).
+    eval_episodes: M held-out episodes (needs ``episodes``; None: no held-out set of episodes).
     max_turns, max_tokens, turn_tokens, stop_at_tool_call, step_timeout, fail_fast: :class:`~jaxgrpo.environments.MultiTurnConfig`.
   """
 
   factory: str
+  episodes: int | None = None
+  eval_episodes: int | None = None
   max_turns: int = 4
   max_tokens: int = 256
   turn_tokens: int | None = None
@@ -53,6 +77,15 @@ class EnvSpec:
 
   def __post_init__(self):
     self.multiturn_config()  # the bounds' own errors, at construction
+    for name in ("episodes", "eval_episodes"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= EVAL_SEED_OFFSET):
+        raise ValueError(f"`env.{name}` must be an int in [1, {EVAL_SEED_OFFSET}] or null; got {v!r}")
+    if self.eval_episodes is not None and self.episodes is None:
+      raise ValueError(
+        f"`env.eval_episodes`={self.eval_episodes} needs `env.episodes` (a dataset run's held-out set is "
+        "`eval.dataset`); set `env.episodes` or unset `env.eval_episodes`"
+      )
 
   def multiturn_config(self) -> MultiTurnConfig:
     return MultiTurnConfig(

@@ -23,7 +23,10 @@ __all__ = ["env_evaluate", "env_rollout_batch", "example_row"]
 
 def example_row(example) -> dict[str, Any]:
   """A ``jaxgrpo.data.MathExample`` as the row an environment gets: its columns, ``prompt``,
-  ``answer``, and ``problem`` (the prompt when it is a string, else its last user message)."""
+  ``answer``, and ``problem`` (the prompt when it is a string, else its last user message). A mapping
+  (an episode row of ``env.episodes``: ``{"seed", "episode", "split"}``) is passed as it is (a copy)."""
+  if isinstance(example, Mapping):
+    return dict(example)
   prompt = example.prompt
   if isinstance(prompt, str):
     problem = prompt
