@@ -229,6 +229,14 @@ def test_multiturn_iteration_with_a_users_engine_recomputes_old_logp_over_policy
   pm = want.rollout.policy_mask
   np.testing.assert_allclose(out.rollout.log_probs[pm], want.rollout.log_probs[pm] + 0.5, atol=1e-6)
   assert out.metrics["engine/mismatch_k3"] == pytest.approx(K3_OFFSET, rel=1e-4)
+  # the recomputed old_logp is a teacher-forced pass of the (pre-update) policy over prompt ‖ trajectory:
+  # the mismatch metrics against the engine's log-probs, in NumPy from that pass, on policy tokens only
+  r = out.rollout
+  tokens, attn = np.concatenate([r.prompt_tokens, r.completions], 1), np.concatenate([r.prompt_mask, r.mask], 1)
+  teacher = np.asarray(log_probs(build_model(cfg, rngs=nnx.Rngs(5)), tokens, attn, chunk_size=None), np.float64)
+  diff = teacher[:, r.prompt_tokens.shape[1] :][pm] - r.log_probs[pm]  # log π_old − log μ
+  np.testing.assert_allclose(out.metrics["engine/mismatch_k3"], np.mean(np.exp(diff) - diff - 1), rtol=1e-3)
+  np.testing.assert_allclose(out.metrics["engine/logp_abs_diff_max"], np.abs(diff).max(), rtol=1e-3)
   for k, v in want.metrics.items():
     if k in ("loss", "grad_norm", "kl", "clip_fraction"):
       assert out.metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
