@@ -148,6 +148,21 @@ class SamplingConfig:
           f"`{name}` must be an int >= 1{' or None (multi-turn)' if name != 'num_samples' else ''}; got {v!r}"
         )
 
+  def generate_kwargs(self, temperature: float, where: str) -> dict[str, Any]:
+    """The keyword arguments of ``jaxgrpo.sampling.generate`` / ``Engine.generate`` for single-turn sampling
+    at ``temperature`` (``key`` and ``record_routing`` are the caller's); ``where`` names the caller in the
+    error of a None ``max_new_tokens``."""
+    return dict(
+      num_samples=self.num_samples,
+      max_new_tokens=self.require_max_new_tokens(where),
+      temperature=temperature,
+      top_p=self.top_p,
+      top_k=self.top_k,
+      eos_ids=self.eos_ids,
+      pad_id=self.pad_id,
+      suppress_ids=self.suppress_ids,
+    )
+
   def require_max_new_tokens(self, where: str) -> int:
     """``max_new_tokens``, or a ValueError naming ``where`` when it is None (single-turn sampling needs it)."""
     if self.max_new_tokens is None:
@@ -418,23 +433,28 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, 
   """
   if not isinstance(sampling, SamplingConfig):
     raise TypeError(f"sampling must be a jaxgrpo.iteration.SamplingConfig; got {type(sampling).__name__}")
-  if sampling.merge_lora and lora.has_adapters(model):
-    model = lora.merge_lora(model)
   return generate(
-    model,
+    _sampled_model(model, sampling),
     prompt_tokens,
     prompt_mask,
-    num_samples=sampling.num_samples,
-    max_new_tokens=sampling.require_max_new_tokens("sample"),
-    temperature=temperature,
-    top_p=sampling.top_p,
-    top_k=sampling.top_k,
-    eos_ids=sampling.eos_ids,
-    pad_id=sampling.pad_id,
-    suppress_ids=sampling.suppress_ids,
+    **sampling.generate_kwargs(temperature, "sample"),
     key=key,
     record_routing=sampling.record_routing,
   )
+
+
+def _sampled_model(model, sampling: SamplingConfig):
+  """The model to sample from: ``model`` merged (``lora.merge_lora``) when ``sampling.merge_lora`` and it has
+  adapters, else ``model``."""
+  return lora.merge_lora(model) if sampling.merge_lora and lora.has_adapters(model) else model
+
+
+def _push_policy(engine, model, sampling: SamplingConfig) -> float:
+  """Push the model to sample from (:func:`_sampled_model`) into ``engine``; the seconds it took."""
+  model = _sampled_model(model, sampling)
+  t0 = time.perf_counter()
+  engine.push_weights(model)
+  return time.perf_counter() - t0
 
 
 def engine_sample(
@@ -454,26 +474,11 @@ def engine_sample(
   check_engine(engine)
   if sampling.record_routing:
     raise ValueError("sampling.record_routing: an engine records no routing; sample without engine= for MoE replay")
-  if sampling.merge_lora and lora.has_adapters(model):
-    model = lora.merge_lora(model)
-  t0 = time.perf_counter()
-  engine.push_weights(model)
+  push_s = _push_policy(engine, model, sampling)
   t1 = time.perf_counter()
-  gen = engine.generate(
-    prompt_tokens,
-    prompt_mask,
-    num_samples=sampling.num_samples,
-    max_new_tokens=sampling.require_max_new_tokens("engine_sample"),
-    temperature=temperature,
-    top_p=sampling.top_p,
-    top_k=sampling.top_k,
-    eos_ids=sampling.eos_ids,
-    pad_id=sampling.pad_id,
-    suppress_ids=sampling.suppress_ids,
-    key=key,
-  )
+  gen = engine.generate(prompt_tokens, prompt_mask, **sampling.generate_kwargs(temperature, "engine_sample"), key=key)
   rollout = jax.block_until_ready(gen.rollout._replace(num_steps=None))
-  return rollout, {"engine/push_s": t1 - t0, "engine/generate_s": time.perf_counter() - t1}
+  return rollout, {"engine/push_s": push_s, "engine/generate_s": time.perf_counter() - t1}
 
 
 _POLICY_LOGP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -686,6 +691,29 @@ def _check_iteration(step: TrainStep, sampling: SamplingConfig, reference, num_p
     raise TypeError(f"reference must be a jaxgrpo.iteration.Reference (make_reference); got {type(reference).__name__}")
 
 
+def _update_batch(step, state, rollout, rewards, buckets, reference, recompute: bool, engine_metrics: dict) -> Batch:
+  """The placed batch the update trains on: :func:`make_batch` of ``rollout`` and ``rewards``; with ``recompute``
+  (an engine whose log-probs are not the policy's) its log-probs become ``behavior_logp`` and ``old_logp`` is the
+  policy's (:func:`engine_old_logp`, whose metrics go into ``engine_metrics``); then the reference pass when the
+  step reads ``ref_logp``."""
+  batch = make_batch(
+    rollout,
+    rewards,
+    mesh=step.mesh,
+    rules=step.rules,
+    buckets=buckets,
+    train_config=step.train_config,
+    behavior_logp=rollout.log_probs if recompute else None,
+  )
+  if recompute:  # the engine's log-probs are μ (behavior_logp); old_logp is the policy's own
+    batch, mismatch = engine_old_logp(policy_logp_fn(step), policy_params(state), batch)
+    engine_metrics.update(mismatch)
+  if reference is not None and step.reads_ref_logp:
+    batch = reference(batch)
+    jax.block_until_ready(batch.ref_logp)
+  return batch
+
+
 def grpo_iteration(
   step: TrainStep,
   state: TrainState,
@@ -753,21 +781,7 @@ def grpo_iteration(
   t1 = time.perf_counter()
   rewards = score(reward_fn, rollout, decode=decode, prompts=prompts, columns=columns)
   t2 = time.perf_counter()
-  batch = make_batch(
-    rollout,
-    rewards,
-    mesh=step.mesh,
-    rules=step.rules,
-    buckets=buckets,
-    train_config=step.train_config,
-    behavior_logp=rollout.log_probs if recompute else None,
-  )
-  if recompute:  # the engine's log-probs are μ (behavior_logp); old_logp is the policy's own
-    batch, mismatch = engine_old_logp(policy_logp_fn(step), policy_params(state), batch)
-    engine_metrics.update(mismatch)
-  if reference is not None and step.reads_ref_logp:
-    batch = reference(batch)
-    jax.block_until_ready(batch.ref_logp)
+  batch = _update_batch(step, state, rollout, rewards, buckets, reference, recompute, engine_metrics)
   t3 = time.perf_counter()
   state, step_metrics = step(state, batch) if hyper is None else step(state, batch, hyper)
   step_metrics = jax.device_get(step_metrics)
@@ -827,11 +841,7 @@ def multiturn_iteration(
   if engine is not None:
     check_engine(engine)
     recompute = not logprobs_are_policy(engine)
-    if sampling.merge_lora and lora.has_adapters(policy):
-      policy = lora.merge_lora(policy)
-    tp = time.perf_counter()
-    engine.push_weights(policy)
-    engine_metrics["engine/push_s"] = time.perf_counter() - tp
+    engine_metrics["engine/push_s"] = _push_policy(engine, policy, sampling)
   t0 = time.perf_counter()
   rollout: MultiTurnRollout = sample_multiturn(
     policy,
@@ -845,21 +855,7 @@ def multiturn_iteration(
     engine=engine,
   )
   t1 = time.perf_counter()
-  batch = make_batch(
-    rollout,
-    rollout.rewards,
-    mesh=step.mesh,
-    rules=step.rules,
-    buckets=buckets,
-    train_config=step.train_config,
-    behavior_logp=rollout.log_probs if recompute else None,
-  )
-  if recompute:  # the engine's log-probs are μ (behavior_logp); old_logp is the policy's own
-    batch, mismatch = engine_old_logp(policy_logp_fn(step), policy_params(state), batch)
-    engine_metrics.update(mismatch)
-  if reference is not None and step.reads_ref_logp:
-    batch = reference(batch)
-    jax.block_until_ready(batch.ref_logp)
+  batch = _update_batch(step, state, rollout, rollout.rewards, buckets, reference, recompute, engine_metrics)
   t2 = time.perf_counter()
   state, step_metrics = step(state, batch)
   step_metrics = jax.device_get(step_metrics)

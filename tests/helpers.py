@@ -445,3 +445,38 @@ def tiny_chat_policy(max_positions: int = 512):
   eos = tok.convert_tokens_to_ids("<|im_end|>")
   sampling = SamplingConfig(num_samples=2, max_new_tokens=1, eos_ids=(eos,), pad_id=tok.pad_token_id)
   return tok, model, sampling, eos
+
+
+_SGD_MESH_MODEL: list = []  # (mesh, 1-layer tiny model), built once per process by sgd_step
+
+
+def _sgd_mesh_model():
+  if not _SGD_MESH_MODEL:
+    import jax
+
+    from jaxgrpo import make_mesh
+
+    _SGD_MESH_MODEL.append((make_mesh("data=1", devices=jax.devices()[:1]), tiny_model(layers=1)))
+  return _SGD_MESH_MODEL[0]
+
+
+def sgd_step(config, **kw):
+  """``(step, opt)``: ``jaxgrpo.make_train_step`` of ``config`` (keywords passed on) for the 1-layer tiny model on a
+  1-device mesh, SGD lr 0.5, G groups, no chunking (the hyper-parameter tests' step)."""
+  import optax
+
+  import jaxgrpo as jg
+
+  mesh, model = _sgd_mesh_model()
+  opt = optax.sgd(0.5)
+  graphdef, _, shardings = jg.init_train_state(model, opt, mesh)
+  tc = jg.TrainConfig(group_size=G, chunk_size=None)
+  return jg.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc, **kw), opt
+
+
+def sgd_state(opt):
+  """A fresh train state of :func:`sgd_step`'s model for ``opt``."""
+  import jaxgrpo as jg
+
+  mesh, model = _sgd_mesh_model()
+  return jg.init_train_state(model, opt, mesh)[1]

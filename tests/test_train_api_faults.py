@@ -10,33 +10,21 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
-from helpers import G, make_batch, numpy_group_advantages, tiny_model
+from helpers import make_batch, numpy_group_advantages, sgd_state, sgd_step, tiny_model
 
 import jaxgrpo as jg
 from jaxgrpo.losses import LossTerms
 from jaxgrpo.objective import objective_terms, uses_entropy
 
 
-@functools.lru_cache(maxsize=None)
-def _mesh_model():
-  return jg.make_mesh("data=1", devices=jax.devices()[:1]), tiny_model(layers=1)
-
-
 def _step(config, **kw):
-  mesh, model = _mesh_model()
-  opt = optax.sgd(0.5)
-  graphdef, state, shardings = jg.init_train_state(model, opt, mesh)
-  tc = jg.TrainConfig(group_size=G, chunk_size=None)
-  step = jg.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc, **kw)
-  return step, graphdef, state
+  step, opt = sgd_step(config, **kw)
+  return step, step.graphdef, sgd_state(opt)
 
 
 def _numpy_logp_entropy(model, batch):
@@ -183,7 +171,7 @@ def test_a_hook_missing_a_keyword_is_refused_when_the_step_is_built():
 def test_jvp_through_the_default_log_probs_names_forward_mode():
   from jaxgrpo.models import completion_log_probs
 
-  _, model = _mesh_model()
+  model = tiny_model(layers=1)
   graphdef, params = nnx.split(model)
   batch = make_batch()
   args = (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)

@@ -4,14 +4,11 @@ constant; a hyper-parameter pytree that does not fit the config is refused befor
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import G, flat_params, make_batch, tiny_model
+from helpers import G, flat_params, make_batch, sgd_state, sgd_step
 
 import jaxgrpo as jg
 
@@ -19,22 +16,7 @@ import jaxgrpo as jg
 CONFIG = jg.preset("grpo", beta=0.04, dual_clip=3.0)
 
 
-@functools.lru_cache(maxsize=None)
-def _mesh_model():
-  return jg.make_mesh("data=1", devices=jax.devices()[:1]), tiny_model(layers=1)
-
-
-def _step(config, **kw):
-  mesh, model = _mesh_model()
-  opt = optax.sgd(0.5)
-  graphdef, _, shardings = jg.init_train_state(model, opt, mesh)
-  tc = jg.TrainConfig(group_size=G, chunk_size=None)
-  return jg.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc, **kw), opt
-
-
-def _state(opt):
-  mesh, model = _mesh_model()
-  return jg.init_train_state(model, opt, mesh)[1]
+_step, _state = sgd_step, sgd_state
 
 
 def _run(step, opt, batch, hypers):
