@@ -6,7 +6,7 @@ ratio by one sequence-level ratio over the real tokens of completion i, clipped 
     s_i = exp(mean_t(log π(y_i,t) − log π_old(y_i,t)))
     L   = −mean_i min(s_i·A_i, clip(s_i, 1−ε_low, 1+ε_high)·A_i)        (A_i: GRPO's group advantages)
 
-The library has GSPO built in (``jaxgrpo.preset("gspo")``, ``"gspo_token"``; ``jaxgrpo.surrogates``,
+The library has GSPO built in (``jaxgrpo.preset("gspo")``, ``"gspo_token"``; ``jaxgrpo.kernels.surrogates``,
 checked against TRL and verl): this script is kept as the worked example of the hook — how research
 code trains its own objective without touching the library — and its objective equals the preset's.
 

@@ -1,34 +1,30 @@
 """jaxgrpo: pure-JAX GRPO, λ-GRPO and FRPO for LLM post-training.
 
-The package is layered, every import pointing down (README, "The library"):
+The folders are the layers, every import pointing down (README, "The library"; tests/test_layers.py checks
+the rule over these prefixes):
 
-1. kernels — ``advantages``: group_advantages, group_baseline, rloo_advantages; ``process_sets``:
-   prefix_hashes, process_set_sizes, process_rewards, process_advantages, process_tree_stats
-   (λ-GRPO); ``kl``: kl_penalty, future_kl, frpo_advantages (FRPO); ``losses``: policy_loss,
-   policy_loss_terms, LossHyper, combine_terms, finalize_terms, LossTerms; ``surrogates``:
-   policy_surrogate (PPO clip, GSPO, GSPO-token, CISPO, SAPO, GMPO); ``importance``:
-   importance_weights (TIS/MIS); ``config``: GRPOConfig, GRPOHyper, preset, PRESETS; ``objective``:
-   rollout_advantages, objective_terms (config → kernels).
-2. models/sampling — ``jaxgrpo.models``: build_model, load_hf, save_hf, log_probs (GPT-2, Llama 3.x,
-   Qwen2/2.5, Qwen3); ``jaxgrpo.sampling``: generate, Rollout; ``jaxgrpo.sharding``: make_mesh;
-   ``jaxgrpo.distributed``: multi-host start-up.
-3. train step — ``jaxgrpo.train``: init_train_state, make_train_step, make_reference_fn, Batch,
-   TrainConfig, TrainState, TrainStep (``Batch`` is ``jaxgrpo.batch``, its buckets and packing
-   ``jaxgrpo.batch_packing``, both re-exported by ``train``).
-4. iteration/trainer — ``jaxgrpo.iteration``: grpo_iteration and its pieces (sample, score,
-   make_batch, place, make_reference, policy_model, rollout_loss), multiturn_iteration and
-   sample_multiturn (environments); ``jaxgrpo.data``, ``rewards``,
-   ``evaluation``, ``tasks`` (binary_tree, arithmetic), ``specs`` (the run config), ``builders`` (model
-   and prompts from it), ``trainer``,
-   ``collapse`` (the guard against a policy that collapses with finite values). Services beside them:
-   ``jaxgrpo.checkpoint``, ``jaxgrpo.metrics``, ``jaxgrpo.runlock`` (one run per output directory).
+``_checks``, ``_version``  the floor: argument checks, the version (import nothing of jaxgrpo)
+``services/``   checkpoints, metrics sinks, the run lock, the verifier pool (callable from every layer)
+``kernels/``    1 advantages, process sets (λ-GRPO), KL and FRPO, surrogates, losses, importance weights,
+                ``GRPOConfig``/``GRPOHyper``, the objective — JAX and NumPy only
+``parallel/``   2 meshes and sharding rules, multi-process start-up
+``models/``     3 GPT-2, Llama 3.x, Qwen2/2.5/3, MoE; LoRA/QLoRA; Hugging Face import/export; log-probs
+``data/``       4 prompts (loading, encoding, iteration), answers, rewards
+``step/``       5 ``Batch``, packing, the jitted train step and the reference pass
+``rollout/``    6 sampling (``SamplingConfig``, ``generate``), engines, environments, one-iteration helpers,
+                asynchronous rollouts
+``run/``        7 the run config, the builders, evaluation, the collapse guard, the ``Trainer`` loop
+``tasks/``      8 the demo and example tasks (arithmetic, binary tree, calculator); registered, never
+                imported by a lower layer
 
 Every name in ``__all__`` is re-exported *lazily*: ``import jaxgrpo`` imports nothing else, and
-``jaxgrpo.group_advantages`` (or any other name) imports its module on first access — a kernel (layer 1)
-JAX and NumPy only, ``jaxgrpo.make_train_step`` Flax and Optax too. (So a process that needs one small
-module, such as the verifier worker of ``jaxgrpo.timeout_pool``, does not pay for JAX.) Import the other
-modules of layer 4 and the services yourself (heavier dependencies: datasets, transformers' tokenizers,
-Orbax).
+``jaxgrpo.group_advantages`` (or any other name) imports its module on first access — a kernel JAX and
+NumPy only, ``jaxgrpo.make_train_step`` Flax and Optax too. (So a process that needs one small module,
+such as the verifier worker of ``jaxgrpo.services.timeout_pool``, does not pay for JAX.) The module
+attributes ``jaxgrpo.models``, ``.sampling``, ``.sharding``, ``.train`` and ``.iteration`` name
+``jaxgrpo.models``, ``jaxgrpo.rollout.sampling``, ``jaxgrpo.parallel.sharding``, ``jaxgrpo.step.train``
+and ``jaxgrpo.rollout.iteration``. Import the run layer and the services by their paths (heavier
+dependencies: datasets, transformers' tokenizers, Orbax).
 """
 
 import importlib
@@ -36,31 +32,42 @@ import importlib
 from jaxgrpo._version import __version__
 
 # name -> (module, attribute; None for the module itself): imported on first access (layer 1 needs JAX and
-# NumPy, layers 2-4 Flax and Optax too)
+# NumPy, the layers above Flax and Optax too)
 _KERNELS = {
-  "jaxgrpo.advantages": ("group_advantages", "group_baseline", "rloo_advantages"),
-  "jaxgrpo.process_sets": (
+  "jaxgrpo.kernels.advantages": ("group_advantages", "group_baseline", "rloo_advantages"),
+  "jaxgrpo.kernels.process_sets": (
     "prefix_hashes",
     "process_set_sizes",
     "process_rewards",
     "process_advantages",
     "process_tree_stats",
   ),
-  "jaxgrpo.kl": ("kl_penalty", "future_kl", "frpo_advantages"),
-  "jaxgrpo.losses": ("policy_loss", "policy_loss_terms", "LossHyper", "combine_terms", "finalize_terms", "LossTerms"),
-  "jaxgrpo.surrogates": ("policy_surrogate", "Surrogate"),
-  "jaxgrpo.importance": ("importance_weights", "ImportanceWeights"),
-  "jaxgrpo.config": ("GRPOConfig", "GRPOHyper", "preset", "PRESETS"),
-  "jaxgrpo.objective": ("rollout_advantages", "objective_terms"),
+  "jaxgrpo.kernels.kl": ("kl_penalty", "future_kl", "frpo_advantages"),
+  "jaxgrpo.kernels.losses": (
+    "policy_loss",
+    "policy_loss_terms",
+    "LossHyper",
+    "combine_terms",
+    "finalize_terms",
+    "LossTerms",
+  ),
+  "jaxgrpo.kernels.surrogates": ("policy_surrogate", "Surrogate"),
+  "jaxgrpo.kernels.importance": ("importance_weights", "ImportanceWeights"),
+  "jaxgrpo.kernels.config": ("GRPOConfig", "GRPOHyper", "preset", "PRESETS"),
+  "jaxgrpo.kernels.objective": ("rollout_advantages", "objective_terms"),
 }
 _LAZY = {
   **{name: (module, name) for module, names in _KERNELS.items() for name in names},
-  **{m: (f"jaxgrpo.{m}", None) for m in ("models", "sampling", "sharding", "train", "iteration")},
+  "models": ("jaxgrpo.models", None),
+  "sampling": ("jaxgrpo.rollout.sampling", None),
+  "sharding": ("jaxgrpo.parallel.sharding", None),
+  "train": ("jaxgrpo.step.train", None),
+  "iteration": ("jaxgrpo.rollout.iteration", None),
   **{n: ("jaxgrpo.models", n) for n in ("build_model", "load_hf", "save_hf", "log_probs")},
-  **{n: ("jaxgrpo.sampling", n) for n in ("generate", "Rollout")},
-  "make_mesh": ("jaxgrpo.sharding", "make_mesh"),
+  **{n: ("jaxgrpo.rollout.sampling", n) for n in ("generate", "Rollout")},
+  "make_mesh": ("jaxgrpo.parallel.sharding", "make_mesh"),
   **{
-    n: ("jaxgrpo.train", n)
+    n: ("jaxgrpo.step.train", n)
     for n in (
       "Batch",
       "TrainConfig",
@@ -71,23 +78,11 @@ _LAZY = {
       "make_train_step",
     )
   },
-  **{
-    n: ("jaxgrpo.iteration", n)
-    for n in (
-      "SamplingConfig",
-      "grpo_iteration",
-      "make_batch",
-      "make_reference",
-      "multiturn_iteration",
-      "place",
-      "place_prompts",
-      "policy_model",
-      "rollout_loss",
-      "sample",
-      "sample_multiturn",
-      "score",
-    )
-  },
+  "SamplingConfig": ("jaxgrpo.rollout.sampling", "SamplingConfig"),
+  **{n: ("jaxgrpo.rollout.iteration", n) for n in ("grpo_iteration", "multiturn_iteration", "rollout_loss")},
+  **{n: ("jaxgrpo.rollout.collect", n) for n in ("place_prompts", "sample", "score")},
+  **{n: ("jaxgrpo.step.feed", n) for n in ("make_batch", "make_reference", "place", "policy_model")},
+  "sample_multiturn": ("jaxgrpo.rollout.environments.rollout", "sample_multiturn"),
 }
 
 

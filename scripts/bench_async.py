@@ -1,5 +1,5 @@
 """Asynchronous rollouts on this machine: measured phase and step times of the real trainer, and the
-step times ``jaxgrpo.pipeline_sim`` predicts from those phase times.
+step times ``jaxgrpo.rollout.pipeline_sim`` predicts from those phase times.
 
 Five schedules of the same demo-sized run, each warmed up (``--warmup`` steps: compilation), then
 timed in ``--rounds`` alternating rounds of ``--steps`` steps (the order rotated every round), on
@@ -52,10 +52,10 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
-from jaxgrpo import async_rollout  # noqa: E402
-from jaxgrpo.pipeline_sim import Phases, simulate  # noqa: E402
-from jaxgrpo.specs import load_config  # noqa: E402
-from jaxgrpo.trainer import Trainer  # noqa: E402
+from jaxgrpo.rollout import async_rollout
+from jaxgrpo.rollout.pipeline_sim import Phases, simulate  # noqa: E402
+from jaxgrpo.run.specs import load_config  # noqa: E402
+from jaxgrpo.run.trainer import Trainer  # noqa: E402
 
 RUN = {
   "model.synthetic": {"hidden_size": 64, "num_layers": 2},

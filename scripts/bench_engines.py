@@ -9,7 +9,7 @@ For each workload of ``scripts/peers/common.py`` (``20m``: the random Qwen3 of 2
 8 samples × 128 new tokens; ``150m``: 158.6M parameters, 8 × 4 × 64), with the same random weights in every
 engine, temperature 1, no filtering, no EOS (every row has exactly T tokens):
 
-1. rollout tokens/s of ``jaxgrpo.engines.BuiltinEngine``, ``VLLMEngine`` in float32 and bfloat16, and
+1. rollout tokens/s of ``jaxgrpo.rollout.engines.BuiltinEngine``, ``VLLMEngine`` in float32 and bfloat16, and
    transformers' ``generate`` (float32), timed round-robin (``_bench.alternating_times``) after one warm-up
    call each (compilation excluded); median of ``--repeats`` rounds;
 2. ``VLLMEngine.push_weights`` seconds (median of 5) against the parameter count (float32 engine);
@@ -37,10 +37,11 @@ import optax
 from flax import nnx
 
 import jaxgrpo
-from jaxgrpo import iteration, train
-from jaxgrpo.engines import BuiltinEngine
-from jaxgrpo.engines.vllm import VLLMEngine  # imports vLLM only when an engine starts
 from jaxgrpo.models import Qwen3Config, build_model, save_hf
+from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.engines import BuiltinEngine
+from jaxgrpo.rollout.engines.vllm import VLLMEngine  # imports vLLM only when an engine starts
+from jaxgrpo.step import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # scripts/_bench.py
@@ -115,7 +116,7 @@ def hf_generate(model, w):
 
 def grpo_iteration_fn(model, engine, w, *, uses_engine_logp: bool):
   """A zero-argument function running one GRPO iteration through ``engine`` (see the module docstring)."""
-  mesh = jaxgrpo.sharding.make_mesh(None)
+  mesh = jaxgrpo.parallel.sharding.make_mesh(None)
   opt = optax.adamw(1e-5)
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
   config = jaxgrpo.preset("grpo", importance_correction="tis")

@@ -11,9 +11,9 @@ parameters and compute, f32 adapters and Adam moments):
   on those same arrays (no copy);
 - ``qlora``: the same adapters on NF4 base weights (``--quantize`` to change the format).
 
-Each mode runs the library's own iteration pieces: ``jaxgrpo.train.init_train_state`` (``trainable``
+Each mode runs the library's own iteration pieces: ``jaxgrpo.step.train.init_train_state`` (``trainable``
 = ``nnx.Param`` or ``nnx.LoRAParam``), ``make_train_step`` with the GRPO preset at β = 0.04 (k3 KL
-in the loss) and ``jaxgrpo.iteration.make_reference``, on a random rollout batch of ``--batch``
+in the loss) and ``jaxgrpo.step.feed.make_reference``, on a random rollout batch of ``--batch``
 sequences (groups of 4). Reported: the parameter, optimizer-state and reference bytes, the compiled
 step's ``memory_analysis()`` (arguments + outputs − aliased + temporaries: its footprint on any
 backend), the device's ``peak_bytes_in_use`` after the reference pass, the steps and a generate call
@@ -43,10 +43,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo import iteration, models, sampling, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo import models
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import lora
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import iteration, sampling
+from jaxgrpo.step import train
 
 MODES = ("full", "lora", "qlora")
 GROUP = 4  # samples per prompt in the benchmark's rollout batch
@@ -175,7 +177,7 @@ def _median_time(fn, n: int, warmup: int = 2) -> float:
 
 
 def run_mode(args, mode: str) -> dict:
-  """Build, compile and time one mode (``jaxgrpo.train``'s step and reference pass); decode
+  """Build, compile and time one mode (``jaxgrpo.step.train``'s step and reference pass); decode
   comparison for the adapter modes."""
   model = build(args, mode)
   counts = lora.count_params(model)

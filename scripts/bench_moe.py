@@ -10,7 +10,7 @@ Models (random weights, Qwen3 attention, ``--layers`` layers of width D):
 - ``moe-onehot``: the same model with the one-hot dispatch (every expert on every token);
 - ``dense``: a SwiGLU of width k·Fe per layer: the same active parameters per token.
 
-Each variant runs ``jaxgrpo.train`` 's step (preset grpo, β = 0) on the same rollout batch; medians
+Each variant runs ``jaxgrpo.step.train`` 's step (preset grpo, β = 0) on the same rollout batch; medians
 of ``--repeats`` calls after one warm-up, the variants alternating. Memory: XLA's
 ``memory_analysis()`` of each compiled step (arguments, outputs, temporaries).
 
@@ -36,12 +36,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo import sharding as shd
-from jaxgrpo import train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import Qwen3Config, Qwen3MoeConfig, build_model, moe
 from jaxgrpo.models.log_probs import completion_log_probs
-from jaxgrpo.sampling import generate
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.step import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402

@@ -1,6 +1,6 @@
-"""What re-prefilling each turn costs the multi-turn rollout (``jaxgrpo.environments.sample_multiturn``).
+"""What re-prefilling each turn costs the multi-turn rollout (``jaxgrpo.rollout.environments.sample_multiturn``).
 
-The built-in rollout re-prefills ``prompt ‖ trajectory so far`` at every turn (``jaxgrpo.sampling.generate``
+The built-in rollout re-prefills ``prompt ‖ trajectory so far`` at every turn (``jaxgrpo.rollout.sampling.generate``
 keeps no KV cache across calls). A sampler that kept the cache would decode the policy's tokens and
 prefill each observation once. This script times, alternately, after one warm-up each (compilation
 excluded), on the same model and the same numbers of tokens:
@@ -31,12 +31,12 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
-from jaxgrpo import data as data_lib  # noqa: E402
-from jaxgrpo.environments import MultiTurnConfig, StepResult, sample_multiturn  # noqa: E402
-from jaxgrpo.environments.chat import ChatFormat  # noqa: E402
-from jaxgrpo.iteration import SamplingConfig  # noqa: E402
+from jaxgrpo import data as data_lib
 from jaxgrpo.models import build_model  # noqa: E402
-from jaxgrpo.sampling import generate  # noqa: E402
+from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn  # noqa: E402
+from jaxgrpo.rollout.environments.chat import ChatFormat  # noqa: E402
+from jaxgrpo.rollout.iteration import SamplingConfig  # noqa: E402
+from jaxgrpo.rollout.sampling import generate  # noqa: E402
 from jaxgrpo.tasks import arithmetic, calculator  # noqa: E402
 
 OBSERVATION = "result: 12345678"

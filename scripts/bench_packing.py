@@ -1,7 +1,7 @@
 """The train step on a long-tailed rollout: packed vs bucket-padded tokens/s, and the remat policies'
 memory and time — all measured in one run.
 
-The workload is the real step (``jaxgrpo.train.make_train_step``: advantages, the clipped objective,
+The workload is the real step (``jaxgrpo.step.train.make_train_step``: advantages, the clipped objective,
 micro-batch accumulation, clipping and the optimizer update) on a rollout of ``--batch`` sequences in
 groups of ``--group``:
 
@@ -40,13 +40,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo import models, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo import models
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
 
 
 def lognormal_rollout(rng, b, group, prompt, max_length, median, sigma, vocab) -> train.Batch:
-  """A host :class:`~jaxgrpo.train.Batch`: left-padded prompts ``[b, prompt]`` (one per group),
+  """A host :class:`~jaxgrpo.step.train.Batch`: left-padded prompts ``[b, prompt]`` (one per group),
   right-padded completions ``[b, max_length]`` of lognormal lengths, rollout log-probs and rewards."""
   groups = b // group
   plen = np.repeat(rng.integers(max(1, prompt // 2), prompt + 1, groups), group)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgrpo as jg
-from jaxgrpo import prefix_hash
+from jaxgrpo.kernels import prefix_hash
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402

@@ -1,4 +1,4 @@
-"""Benchmark `jaxgrpo.sampling.generate` against transformers' `generate` (CPU torch), same weights.
+"""Benchmark `jaxgrpo.rollout.sampling.generate` against transformers' `generate` (CPU torch), same weights.
 
 A random Qwen3-architecture model (defaults: vocab 32000, hidden 384, 4 layers, 8 heads / 4 kv
 heads, head_dim 32, intermediate 1536, tied embeddings, fp32: ~20.5M parameters) is built with
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import models
-from jaxgrpo.sampling import generate
+from jaxgrpo.rollout.sampling import generate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402

@@ -3,7 +3,7 @@
 A narrow 28-layer Qwen3 (Qwen3-0.6B's depth; width 64, so compute is negligible and what is measured
 is compilation) is built twice from the same seed: ``scan_layers=False`` (the loop: every layer
 traced and compiled on its own) and ``scan_layers=True`` (one scanned layer). For each completion
-bucket (``--buckets``, by default the part of ``jaxgrpo.train.DEFAULT_BUCKETS`` this machine runs;
+bucket (``--buckets``, by default the part of ``jaxgrpo.step.train.DEFAULT_BUCKETS`` this machine runs;
 ``--buckets all`` for every one) it compiles the four programs a run compiles per bucket:
 
 - ``sample``: ``sampling.generate`` (prefill of the prompts, then the decode loop; one program),
@@ -39,10 +39,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo import sampling, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import Qwen3Config, build_model
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import sampling
+from jaxgrpo.step import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402

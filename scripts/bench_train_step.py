@@ -31,12 +31,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo import sharding as shd
-from jaxgrpo import train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.kernels.objective import rollout_advantages
+from jaxgrpo.kernels.process_sets import process_tree_stats
 from jaxgrpo.models import Qwen3Config, build_model
-from jaxgrpo.objective import rollout_advantages
-from jaxgrpo.process_sets import process_tree_stats
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402

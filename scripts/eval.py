@@ -32,10 +32,13 @@ script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs 
 import jax
 import yaml
 
-from jaxgrpo import builders, data, rewards, sharding
-from jaxgrpo.checkpoint import CheckpointError
-from jaxgrpo.evaluation import evaluate_policy
-from jaxgrpo.specs import DTYPES, ModelSpec
+from jaxgrpo import data
+from jaxgrpo.data import rewards
+from jaxgrpo.parallel import sharding
+from jaxgrpo.run import builders
+from jaxgrpo.run.evaluation import evaluate_policy
+from jaxgrpo.run.specs import DTYPES, ModelSpec
+from jaxgrpo.services.checkpoint import CheckpointError
 from jaxgrpo.tasks import arithmetic
 
 

@@ -7,7 +7,7 @@ tokenizer files) that ``transformers.AutoModelForCausalLM.from_pretrained`` load
     python scripts/export_hf.py runs/demo/checkpoints/40 runs/demo/hf   # a step directory
 
 Only the parameters are read (no optimizer state); the model is rebuilt from the config saved in the
-checkpoint (``jaxgrpo.builders.load_policy``). The checkpoint's files are verified against its
+checkpoint (``jaxgrpo.run.builders.load_policy``). The checkpoint's files are verified against its
 manifest first. A LoRA/QLoRA checkpoint (adapters only) is restored onto its rebuilt base model
 (refused if the base weights differ from the ones it was trained on), merged into OUT, and its
 adapters are also written as a PEFT adapter directory (``--peft-out``, default ``OUT-peft``) that
@@ -26,8 +26,8 @@ from jaxgrpo.tasks import script_io  # noqa: E402
 
 script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
 
-from jaxgrpo.builders import export_hf
-from jaxgrpo.checkpoint import CheckpointError
+from jaxgrpo.run.builders import export_hf
+from jaxgrpo.services.checkpoint import CheckpointError
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,7 @@
 
 A tiny Qwen3-architecture model and a locally built tokenizer with a Qwen2.5-style tool template; a
 supervised warm-up on imperfect demonstrations (some answer without the tool, some miscopy an operand),
-then RL with ``jaxgrpo.iteration.multiturn_iteration``: the policy calls ``multiply`` in the
+then RL with ``jaxgrpo.rollout.iteration.multiturn_iteration``: the policy calls ``multiply`` in the
 ``<tool_call>`` format, reads the result in the tool role, boxes it. Held-out accuracy
 (``mean@k`` at temperature 1, multi-turn, reward = the right boxed product) before and after RL, every ``eval_every`` steps.
 ``--no-tool``: the same model, warm-up on direct answers (right products, no tool in the prompt) and
@@ -32,11 +32,12 @@ import optax
 import yaml
 from flax import nnx
 
-from jaxgrpo import iteration, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
-from jaxgrpo.environments import MultiTurnConfig, sample_multiturn
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import build_model
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.environments import MultiTurnConfig, sample_multiturn
+from jaxgrpo.step import train
 from jaxgrpo.tasks import arithmetic, calculator
 
 

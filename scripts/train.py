@@ -4,7 +4,7 @@
     python scripts/train.py --config scripts/configs/demo.yaml                 # offline CPU demo
     python scripts/train.py --config scripts/configs/lambda_grpo_openrs.yaml --devices.mesh fsdp=-1 --run.out runs/x
 
-Every field of ``jaxgrpo.specs.TrainerConfig`` can be overridden on the command line as
+Every field of ``jaxgrpo.run.specs.TrainerConfig`` can be overridden on the command line as
 ``--section.field value`` (or ``--section.field=value``; dashes and underscores are interchangeable),
 e.g. ``--rollout.group_size 8 --objective.beta 0.04 --model.synthetic.hidden_size 32``, on top of
 ``--config`` or, without it, of the defaults (the arithmetic demo). A key of the earlier flat config
@@ -24,7 +24,7 @@ pod or cluster every host runs the same command with ``--devices.distributed tru
 Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values, a collapsed
 policy (``--on-collapse``), a failed
 checkpoint save or a failed metrics write (a full disk: the current step is checkpointed first); 2 a bad config, file, mesh or checkpoint, or ``OUT`` in use by another run (its lock,
-``jaxgrpo.runlock``, names the holder's pid and host) (one ``error:`` line, no traceback;
+``jaxgrpo.services.runlock``, names the holder's pid and host) (one ``error:`` line, no traceback;
 ``--traceback`` shows it); 3 (several processes) another process died or failed: this one was stopped,
 naming it; 128 + signal number after SIGTERM (143) or SIGINT (130): the step in progress was finished
 and checkpointed, or, after a second signal, abandoned.
@@ -68,12 +68,14 @@ script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs 
 
 import jax  # after XLA_FLAGS
 
-from jaxgrpo import _orbax_noise, checkpoint, collapse, distributed, metrics, runlock, specs
 from jaxgrpo import data as data_lib
-from jaxgrpo.checkpoint import CheckpointSaveError, NonFiniteError
-from jaxgrpo.collapse import PolicyCollapsed
-from jaxgrpo.metrics import MetricsWriteError
-from jaxgrpo.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
+from jaxgrpo.parallel import distributed
+from jaxgrpo.run import collapse, specs
+from jaxgrpo.run.collapse import PolicyCollapsed
+from jaxgrpo.run.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
+from jaxgrpo.services import _orbax_noise, checkpoint, metrics, runlock
+from jaxgrpo.services.checkpoint import CheckpointSaveError, NonFiniteError
+from jaxgrpo.services.metrics import MetricsWriteError
 
 
 def parse_args(argv=None):
@@ -83,7 +85,7 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
   )
-  p.add_argument("--config", help="YAML config file (sections of jaxgrpo.specs.TrainerConfig)")
+  p.add_argument("--config", help="YAML config file (sections of jaxgrpo.run.specs.TrainerConfig)")
   p.add_argument(
     "--resume",
     action=argparse.BooleanOptionalAction,

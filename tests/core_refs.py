@@ -215,7 +215,7 @@ def _sigmoid(x):
 
 def surrogate(loss, logp, old, adv, mask, *, eps_low, eps_high, dual_clip=None, tau_pos=1.0, tau_neg=1.05):
   """Per-token term p f64[B, T] (0 on padding) and its Jacobian J[i, t, u] = ∂p(i,t)/∂logp(i,u)
-  (rows do not interact) for one of the six surrogates (see jaxgrpo.surrogates' table)."""
+  (rows do not interact) for one of the six surrogates (see jaxgrpo.kernels.surrogates' table)."""
   logp, old = np.asarray(logp, np.float64), np.asarray(old, np.float64)
   mask = np.asarray(mask, bool)
   b, t = logp.shape
@@ -278,7 +278,7 @@ def surrogate(loss, logp, old, adv, mask, *, eps_low, eps_high, dual_clip=None, 
 
 
 def importance(old, behavior, mask, correction, level, cap):
-  """(weights, ratio, capped, k3) f64[B, T] of TIS/MIS (jaxgrpo.importance's table), by loops."""
+  """(weights, ratio, capped, k3) f64[B, T] of TIS/MIS (jaxgrpo.kernels.importance's table), by loops."""
   old, behavior = np.asarray(old, np.float64), np.asarray(behavior, np.float64)
   mask = np.asarray(mask, bool)
   b, t = old.shape

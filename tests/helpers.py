@@ -54,7 +54,7 @@ def tiny_model(seed=0, cfg=None, layers=2):
 def make_batch(seed=0, b=B, p=P, t=T, g=G, vocab_small=3):
   """A rollout-like batch with shared prefixes inside groups (small completion alphabet), ragged
   completion lengths (one empty row), left-padded prompts, and rollout/reference log-probs."""
-  from jaxgrpo.train import Batch
+  from jaxgrpo.step.train import Batch
 
   rng = np.random.default_rng(seed)
   groups = b // g
@@ -435,8 +435,8 @@ def tiny_chat_policy(max_positions: int = 512):
   tokenizer, a 1-layer random policy, and a ``SamplingConfig`` of G = 2 stopping at ``<|im_end|>``."""
   from flax import nnx
 
-  from jaxgrpo.iteration import SamplingConfig
   from jaxgrpo.models import build_model
+  from jaxgrpo.rollout.iteration import SamplingConfig
   from jaxgrpo.tasks import arithmetic, calculator
 
   tok = calculator.build_tokenizer()

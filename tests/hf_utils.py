@@ -138,14 +138,14 @@ def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def assert_greedy_matches_hf(hf_model, model, *, new: int, pad: int):
-  """Greedy ``jaxgrpo.sampling.generate`` of ``model`` (2 samples per prompt) equals transformers' greedy
+  """Greedy ``jaxgrpo.rollout.sampling.generate`` of ``model`` (2 samples per prompt) equals transformers' greedy
   ``generate`` of ``hf_model`` for ``new`` tokens on 3 left-padded prompts of 8 tokens (pads 0, 3, 6);
   refuses near-tied logits (the comparison would not be meaningful). Returns the jaxgrpo rollout."""
   import jax
   import jax.numpy as jnp
   import torch
 
-  from jaxgrpo.sampling import generate
+  from jaxgrpo.rollout.sampling import generate
 
   rng = np.random.default_rng(0)
   batch, prompt_len = 3, 8

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 from helpers import async_train_cmd, cli_env, finish_child, start_child
 
-from jaxgrpo import async_rollout
-from jaxgrpo import checkpoint as ck
 from jaxgrpo.data import PromptIterator
-from jaxgrpo.metrics import read_jsonl
+from jaxgrpo.rollout import async_rollout
+from jaxgrpo.services import checkpoint as ck
+from jaxgrpo.services.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -47,7 +47,7 @@ if nproc > 1:
 import jax, numpy as np
 from test_trainer import tiny
 from test_async_rollout import half_constant_reward
-from jaxgrpo.trainer import Trainer
+from jaxgrpo.run.trainer import Trainer
 assert jax.process_count() == nproc and jax.device_count() == 4
 cfg = tiny(**{"run.out": out, "run.steps": 4, "rollout.max_staleness": 1, "objective.dynamic_sampling": True,
               "rollout.dynamic_sampling_max_rounds": 3, "objective.importance_correction": "tis",

@@ -1,4 +1,4 @@
-"""jaxgrpo.async_rollout: bounded-staleness rollouts.
+"""jaxgrpo.rollout.async_rollout: bounded-staleness rollouts.
 
 - k = 0 through the producer/learner pipeline equals the trainer's synchronous step bit for bit
   (metrics, parameters, key, data position), dynamic sampling included;
@@ -32,13 +32,13 @@ from helpers import async_train_cmd, child_env, cli_env
 from test_trainer import ROOT, tiny
 from test_trainer import cli as train_cli  # scripts/train.py
 
-from jaxgrpo import async_rollout, iteration
-from jaxgrpo.checkpoint import read_meta
 from jaxgrpo.data import PromptIterator
 from jaxgrpo.models.log_probs import completion_log_probs
-from jaxgrpo.specs import load_config
-from jaxgrpo.train import TrainState
-from jaxgrpo.trainer import Trainer
+from jaxgrpo.rollout import async_rollout, iteration
+from jaxgrpo.run.specs import load_config
+from jaxgrpo.run.trainer import Trainer
+from jaxgrpo.services.checkpoint import read_meta
+from jaxgrpo.step.train import TrainState
 
 
 def varied_reward(prompts, completions, **_):
@@ -193,7 +193,7 @@ def test_close_and_restart_resample_from_the_trained_position_and_stale_batches_
 
 
 def test_meshes_and_config_errors():
-  from jaxgrpo.specs import DevicesSpec
+  from jaxgrpo.run.specs import DevicesSpec
 
   with pytest.raises(ValueError, match=r"`devices.train`=2 needs `devices.rollout`"):
     DevicesSpec(train=2)
@@ -267,7 +267,7 @@ import jax, numpy as np
 from test_trainer import tiny
 from test_async_rollout import REWARDS
 from jaxgrpo import async_rollout
-from jaxgrpo.trainer import Trainer
+from jaxgrpo.run.trainer import Trainer
 mode, out = sys.argv[2], sys.argv[3]
 if mode == "disaggregated":
   cfg = tiny(**{"run.out": out, "run.steps": 2, "devices.mesh": "fsdp=4", "devices.rollout": 4,

@@ -1,6 +1,6 @@
-"""jaxgrpo.checkpoint on small hand-built snapshots (no trainer): Orbax's atomic step directories and
+"""jaxgrpo.services.checkpoint on small hand-built snapshots (no trainer): Orbax's atomic step directories and
 our manifest, interrupted and corrupt saves, mismatch errors (trees, run identity, guarded settings),
-retention (last K + best), parameters-only restore, and HF export (jaxgrpo.builders) checked against
+retention (last K + best), parameters-only restore, and HF export (jaxgrpo.run.builders) checked against
 transformers' logits.
 
 The trainer-level tests (exact resume, mesh change, SIGKILL) are in test_checkpoint_resume.py.
@@ -23,14 +23,15 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxgrpo import builders, models
-from jaxgrpo import checkpoint as ck
-from jaxgrpo import sharding as shd
-from jaxgrpo import train as train_lib
-from jaxgrpo.checkpoint import RunMeta, Snapshot
-from jaxgrpo.specs import ModelSpec, load_config
+from jaxgrpo import models
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.run import builders
+from jaxgrpo.run.specs import ModelSpec, load_config
+from jaxgrpo.run.trainer import run_meta
+from jaxgrpo.services import checkpoint as ck
+from jaxgrpo.services.checkpoint import RunMeta, Snapshot
+from jaxgrpo.step import train as train_lib
 from jaxgrpo.tasks.arithmetic import SyntheticModel
-from jaxgrpo.trainer import run_meta
 
 
 def _state(step: int, seed: int = 0, shape=(4, 3)) -> Snapshot:

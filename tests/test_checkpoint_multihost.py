@@ -17,7 +17,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from jax.experimental import multihost_utils
 from flax import nnx
 from jaxgrpo import distributed, sharding as shd, train
-from jaxgrpo.checkpoint import Checkpointer, RunMeta, Snapshot, verify_step
+from jaxgrpo.services.checkpoint import Checkpointer, RunMeta, Snapshot, verify_step
 from helpers import tiny_model
 
 nproc, pid, port, root, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]

@@ -17,10 +17,10 @@ import pytest
 from helpers import cli_env
 from hf_utils import tiny_hf_config
 
-from jaxgrpo import builders
-from jaxgrpo.specs import TrainerConfig, load_config
+from jaxgrpo.run import builders
+from jaxgrpo.run.specs import TrainerConfig, load_config
+from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.tasks import arithmetic
-from jaxgrpo.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")

@@ -1,4 +1,4 @@
-"""jaxgrpo.collapse on metric sequences: the one a learning rate of 1e6 produced in a real run
+"""jaxgrpo.run.collapse on metric sequences: the one a learning rate of 1e6 produced in a real run
 (tests/test_failure_modes_runs.py::test_collapse_without_nan_stops_and_keeps_the_good_checkpoints
 runs it through scripts/train.py), an untrained model that starts near uniform (never flagged), the
 zero-reward rule, warn-once-per-episode, and the settings' checks."""
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from jaxgrpo.collapse import CollapseGuard, CollapseWatch, PolicyCollapsed
+from jaxgrpo.run.collapse import CollapseGuard, CollapseWatch, PolicyCollapsed
 
 V = 128  # the tiny synthetic model's vocabulary: ln V = 4.852
 # entropy and mean reward of steps 1-9 of the tiny run resumed at step 4 with learning rate 1e6

@@ -14,7 +14,7 @@ import sys
 import jax, numpy as np, optax
 from jax.experimental import multihost_utils
 from jaxgrpo import distributed, sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 from helpers import G, make_batch, tiny_model
 
 nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -68,7 +68,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_initialize_flag_errors(monkeypatch):
-  from jaxgrpo import distributed
+  from jaxgrpo.parallel import distributed
 
   for name in (
     "JAX_COORDINATOR_ADDRESS",

@@ -11,14 +11,15 @@ import optax
 import pytest
 from helpers import flat_params, tiny_model
 
-from jaxgrpo import iteration, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
-from jaxgrpo.engines import BuiltinEngine, Engine, Generation, finish_reasons
-from jaxgrpo.engines.vllm import INSTALL_HINT
-from jaxgrpo.sampling import generate
-from jaxgrpo.specs import load_config
-from jaxgrpo.trainer import Trainer
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.engines import BuiltinEngine, Engine, Generation, finish_reasons
+from jaxgrpo.rollout.engines.vllm import INSTALL_HINT
+from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.run.specs import load_config
+from jaxgrpo.run.trainer import Trainer
+from jaxgrpo.step import train
 
 
 def test_finish_reasons_from_the_definition():
@@ -168,7 +169,9 @@ def test_grpo_iteration_takes_a_users_engine_and_recomputes_old_logp():
   assert "\n" not in str(e.value)
   builtin.push_weights(iteration.policy_model(step.graphdef, out2.state))
   assert builtin.generate(prompts, prompts > 0, **kw).rollout.completions.shape == (8, 6)
-  with pytest.raises(TypeError, match=r"engine must implement jaxgrpo.engines.Engine; got object \(missing: name"):
+  with pytest.raises(
+    TypeError, match=r"engine must implement jaxgrpo.rollout.engines.Engine; got object \(missing: name"
+  ):
     iteration.grpo_iteration(step, out2.state, prompts, prompts > 0, engine=object(), **common)
 
 

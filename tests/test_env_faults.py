@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 from helpers import tiny_chat_policy
 
-from jaxgrpo.environments import MultiTurnConfig, RolloutInterrupted, StepResult, rollout_metrics, sample_multiturn
+from jaxgrpo.rollout.environments import (
+  MultiTurnConfig,
+  RolloutInterrupted,
+  StepResult,
+  rollout_metrics,
+  sample_multiturn,
+)
 
 RELEASE = threading.Event()  # set at teardown: the abandoned threads finish
 
@@ -68,7 +74,7 @@ def _run(setup, modes, **cfg):
 
 def test_a_hanging_step_times_out_and_an_exception_is_logged_once_and_counted_per_type(setup, caplog):
   t0 = time.monotonic()
-  with caplog.at_level(logging.WARNING, logger="jaxgrpo.environments"):
+  with caplog.at_level(logging.WARNING, logger="jaxgrpo.rollout.environments"):
     out = _run(setup, ["ok", "hang", "raise", "key"], step_timeout=0.5)
   # both trajectories of the hanging row waited once each (0.5 s), not the 60 s of the hang
   assert time.monotonic() - t0 < 30
@@ -86,7 +92,7 @@ def test_a_hanging_step_times_out_and_an_exception_is_logged_once_and_counted_pe
   assert len([x for x in msgs if "KeyError" in x]) == 1
   # logged once per process: the same bug in the next rollout is counted, not logged again
   caplog.clear()
-  with caplog.at_level(logging.WARNING, logger="jaxgrpo.environments"):
+  with caplog.at_level(logging.WARNING, logger="jaxgrpo.rollout.environments"):
     again = _run(setup, ["raise"], step_timeout=None)
   assert again.metrics["env_errors/ValueError"].tolist() == [1, 1] and not caplog.records
 
@@ -155,7 +161,7 @@ def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
   last complete checkpoint is the last trained step."""
   from helpers import ROOT, cli_env
 
-  from jaxgrpo import checkpoint as ck
+  from jaxgrpo.services import checkpoint as ck
 
   flag, out = tmp_path / "hang", tmp_path / "run"
   env = {**cli_env(tmp_path / "xla"), "JAXGRPO_TEST_HANG": str(flag)}

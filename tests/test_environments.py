@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from jaxgrpo.environments import Environment, StepResult, ToolEnvironment, parse_tool_calls, run_tool_call
-from jaxgrpo.environments.chat import ChatFormat
-from jaxgrpo.environments.sandbox import SandboxLimits
-from jaxgrpo.environments.tools import ToolCall, python_tool
+from jaxgrpo.rollout.environments import Environment, StepResult, ToolEnvironment, parse_tool_calls, run_tool_call
+from jaxgrpo.rollout.environments.chat import ChatFormat
+from jaxgrpo.rollout.environments.sandbox import SandboxLimits
+from jaxgrpo.rollout.environments.tools import ToolCall, python_tool
 from jaxgrpo.tasks import calculator
 
 

@@ -1,4 +1,4 @@
-"""jaxgrpo.evaluation: pass@k against hand-computed values and the combinatorial formula."""
+"""jaxgrpo.run.evaluation: pass@k against hand-computed values and the combinatorial formula."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from math import comb
 import numpy as np
 import pytest
 
-from jaxgrpo.evaluation import mean_at_k, pass_at_k, summarize_eval
+from jaxgrpo.run.evaluation import mean_at_k, pass_at_k, summarize_eval
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import eval as eval_cli  # noqa: E402  (scripts/eval.py)
 
-from jaxgrpo.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
-from jaxgrpo.specs import load_config  # noqa: E402
-from jaxgrpo.trainer import Trainer  # noqa: E402
+from jaxgrpo.run.specs import load_config  # noqa: E402
+from jaxgrpo.run.trainer import Trainer  # noqa: E402
+from jaxgrpo.services.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
 
 
 @pytest.mark.slow

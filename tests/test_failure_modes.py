@@ -31,11 +31,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgrpo import _orbax_noise
-from jaxgrpo import checkpoint as ck
-from jaxgrpo.checkpoint import RunMeta, Snapshot
 from jaxgrpo.models import hf
-from jaxgrpo.trainer import _nonfinite_error
+from jaxgrpo.run.trainer import _nonfinite_error
+from jaxgrpo.services import _orbax_noise
+from jaxgrpo.services import checkpoint as ck
+from jaxgrpo.services.checkpoint import RunMeta, Snapshot
 
 RUN = RunMeta(identity={"model": "tiny"}, guarded={"lr": 1e-2}, config={"run": {"steps": 9}})
 

@@ -47,9 +47,9 @@ import pytest
 from helpers import cli_env
 from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records, reference_runs
 
-from jaxgrpo import checkpoint as ck
-from jaxgrpo import runlock
-from jaxgrpo.builders import export_hf
+from jaxgrpo.run.builders import export_hf
+from jaxgrpo.services import checkpoint as ck
+from jaxgrpo.services import runlock
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 

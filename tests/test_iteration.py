@@ -1,4 +1,4 @@
-"""jaxgrpo.iteration: the reward-function interface, batch placement, the reference, and
+"""jaxgrpo.rollout.iteration: the reward-function interface, batch placement, the reference, and
 ``grpo_iteration`` == the same iteration composed by hand from the lower layers."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 from flax import nnx
 from helpers import flat_params, tiny_model
 
-from jaxgrpo import iteration, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
-from jaxgrpo.sampling import Rollout, generate
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.sampling import Rollout, generate
+from jaxgrpo.step import train
 
 G, T = 4, 6
 

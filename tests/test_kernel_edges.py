@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxgrpo as jg
-from jaxgrpo import advantages as adv_mod
+from jaxgrpo.kernels import advantages as adv_mod
 
 SETTINGS = settings(max_examples=30, deadline=None)
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -18,62 +18,23 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "jaxgrpo"
 
-# Layer of every module (a package stands for its submodules); a module imports only from its own
-# layer or below. The services (checkpoint, metrics) import nothing of jaxgrpo but other services:
-# every layer above the kernels may call them.
-LAYERS = {
-  "services": 0,
-  "kernels": 1,
-  "models/sampling": 2,
-  "train step": 3,
-  "iteration/trainer": 4,
+# The folders are the layers (jaxgrpo/__init__.py): a module imports only from its own rank or below. The floor
+# (``_version``, ``_checks``) imports nothing of jaxgrpo; a service imports only services and the floor, so
+# every layer may call it. A module outside every prefix fails the test (put it in a folder).
+RANKS = {
+  "jaxgrpo._version": -1,
+  "jaxgrpo._checks": -1,
+  "jaxgrpo.services": 0,
+  "jaxgrpo.kernels": 1,
+  "jaxgrpo.parallel": 2,
+  "jaxgrpo.models": 3,
+  "jaxgrpo.data": 4,
+  "jaxgrpo.step": 5,
+  "jaxgrpo.rollout": 6,
+  "jaxgrpo.run": 7,
+  "jaxgrpo.tasks": 8,
 }
-MODULES = {
-  "jaxgrpo._orbax_noise": "services",
-  "jaxgrpo.checkpoint": "services",
-  "jaxgrpo.checkpoint_files": "services",
-  "jaxgrpo.metrics": "services",
-  "jaxgrpo.runlock": "services",
-  "jaxgrpo._version": "kernels",
-  "jaxgrpo._checks": "kernels",
-  "jaxgrpo._numerics": "kernels",
-  "jaxgrpo._hyper": "kernels",
-  "jaxgrpo.advantages": "kernels",
-  "jaxgrpo.process_sets": "kernels",
-  "jaxgrpo.prefix_hash": "kernels",
-  "jaxgrpo._process_set_methods": "kernels",
-  "jaxgrpo.kl": "kernels",
-  "jaxgrpo.losses": "kernels",
-  "jaxgrpo.surrogates": "kernels",
-  "jaxgrpo.importance": "kernels",
-  "jaxgrpo.config": "kernels",
-  "jaxgrpo.objective": "kernels",
-  "jaxgrpo.packing": "kernels",
-  "jaxgrpo.sharding": "models/sampling",
-  "jaxgrpo.distributed": "models/sampling",
-  "jaxgrpo.models": "models/sampling",
-  "jaxgrpo.sampling": "models/sampling",
-  "jaxgrpo.engines": "models/sampling",
-  "jaxgrpo.batch": "train step",
-  "jaxgrpo.batch_packing": "train step",
-  "jaxgrpo.train": "train step",
-  "jaxgrpo.iteration": "iteration/trainer",
-  "jaxgrpo.environments": "iteration/trainer",
-  "jaxgrpo.data": "iteration/trainer",
-  "jaxgrpo.rewards": "iteration/trainer",
-  "jaxgrpo.answers": "iteration/trainer",
-  "jaxgrpo.timeout_pool": "iteration/trainer",
-  "jaxgrpo.evaluation": "iteration/trainer",
-  "jaxgrpo.tasks": "iteration/trainer",
-  "jaxgrpo.specs": "iteration/trainer",
-  "jaxgrpo.spec_schema": "iteration/trainer",
-  "jaxgrpo._spec_fields": "iteration/trainer",
-  "jaxgrpo.builders": "iteration/trainer",
-  "jaxgrpo.trainer": "iteration/trainer",
-  "jaxgrpo.collapse": "iteration/trainer",
-  "jaxgrpo.async_rollout": "iteration/trainer",
-  "jaxgrpo.pipeline_sim": "kernels",
-}
+TOP_LEVEL = {"__init__.py", "_version.py", "_checks.py", *(m.split(".")[1] for m, r in RANKS.items() if r >= 0)}
 # optional extras: the only imports allowed inside a function (each with an install hint)
 EXTRAS = ("matplotlib", "tensorboardX", "wandb", "math_verify", "torch", "peft", "transformers", "vllm")
 # required packages imported where they are used, because importing them costs more than half a second and
@@ -106,10 +67,11 @@ def _module(path: pathlib.Path) -> str:
   return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _layer(module: str) -> str | None:
+def _rank(module: str) -> int | None:
+  """The rank of the longest prefix of ``module`` in RANKS (``None``: outside every folder)."""
   while module:
-    if module in MODULES:
-      return MODULES[module]
+    if module in RANKS:
+      return RANKS[module]
     module = module.rpartition(".")[0]
   return None
 
@@ -132,7 +94,7 @@ def _imports(tree: ast.AST, module: str) -> list[tuple[str, int, bool]]:
         if child.level:  # relative import
           parent = module.split(".")[: len(module.split(".")) - child.level + 1]
           base = ".".join(parent + ([base] if base else []))
-        # `from jaxgrpo import checkpoint` imports the module jaxgrpo.checkpoint
+        # `from jaxgrpo import checkpoint` imports the module jaxgrpo.services.checkpoint
         out.extend(
           (f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base, child.lineno, in_function)
           for a in child.names
@@ -143,24 +105,37 @@ def _imports(tree: ast.AST, module: str) -> list[tuple[str, int, bool]]:
   return out
 
 
+def test_the_top_level_holds_only_the_floor_and_the_layer_folders():
+  entries = {p.name for p in PKG.iterdir() if p.name != "__pycache__"}
+  assert entries == TOP_LEVEL, (
+    f"not a layer folder: {sorted(entries - TOP_LEVEL)}; missing: {sorted(TOP_LEVEL - entries)}"
+  )
+  assert all((PKG / e / "__init__.py").exists() for e in entries if not e.endswith(".py"))
+
+
 def test_every_module_has_a_layer_and_imports_point_down():
   problems = []
   for path in _files():
     module = _module(path)
     if module == "jaxgrpo":
-      continue  # the package's public API re-exports every layer
-    own = _layer(module)
+      continue  # the package's public API re-exports every layer (lazily)
+    own = _rank(module)
     if own is None:
-      problems.append(f"{path.relative_to(ROOT)}: not in the layer table of tests/test_layers.py (add it)")
+      problems.append(f"{path.relative_to(ROOT)}: outside every layer folder of tests/test_layers.py RANKS")
       continue
     for name, line, _ in _imports(ast.parse(path.read_text()), module):
-      if not name.startswith("jaxgrpo.") or name == "jaxgrpo":
+      if not name.startswith("jaxgrpo.") and name != "jaxgrpo":
         continue
-      theirs = _layer(name)
-      if own == "services" and theirs != "services":
-        problems.append(f"{path.relative_to(ROOT)}:{line}: the service {module} imports {name}")
-      elif theirs is not None and LAYERS[theirs] > LAYERS[own]:
-        problems.append(f"{path.relative_to(ROOT)}:{line}: {module} ({own}) imports {name} ({theirs}): an arrow up")
+      theirs = _rank(name)
+      where = f"{path.relative_to(ROOT)}:{line}"
+      if name == "jaxgrpo" or theirs is None:
+        problems.append(f"{where}: {module} imports {name} (import a module of a layer folder)")
+      elif own == -1:
+        problems.append(f"{where}: the floor module {module} imports {name}")
+      elif own == 0 and theirs > 0:
+        problems.append(f"{where}: the service {module} imports {name} (rank {theirs})")
+      elif theirs > own:
+        problems.append(f"{where}: {module} (rank {own}) imports {name} (rank {theirs}): an arrow up")
   assert not problems, "\n".join(problems)
 
 
@@ -186,7 +161,9 @@ def test_no_module_switches_on_the_string_demo(folder):
 
 
 # kernel modules of another stream that do not declare `__all__` yet (remove each once it does)
-KNOWN_WITHOUT_ALL = {f"jaxgrpo/{m}.py" for m in ("advantages", "config", "kl", "losses", "objective", "process_sets")}
+KNOWN_WITHOUT_ALL = {
+  f"jaxgrpo/kernels/{m}.py" for m in ("advantages", "config", "kl", "losses", "objective", "process_sets")
+}
 
 
 def test_every_public_module_declares_all():
@@ -207,14 +184,14 @@ def test_every_public_module_declares_all():
 def test_the_kernels_import_without_flax():
   """``import jaxgrpo`` loads the kernels only (JAX, NumPy); layers 2-4 load on first access (a real
   subprocess: nothing imported by this test process can hide an import)."""
-  kernels = sorted(m for m, layer in MODULES.items() if layer == "kernels")
+  kernels = sorted(_module(p) for p in (PKG / "kernels").glob("*.py"))
   code = (
     "import sys, jaxgrpo; jaxgrpo.group_advantages; jaxgrpo.policy_loss; jaxgrpo.LossHyper; "
     f"[__import__(m) for m in {kernels!r}]; "
     "heavy = sorted(m for m in ('flax', 'optax', 'orbax', 'transformers', 'datasets') if m in sys.modules); "
     "assert not heavy, heavy; "
-    "jaxgrpo.make_train_step; assert 'flax' in sys.modules and 'jaxgrpo.train' in sys.modules; "
-    "assert jaxgrpo.train.make_train_step is jaxgrpo.make_train_step; print('ok')"
+    "jaxgrpo.make_train_step; assert 'flax' in sys.modules and 'jaxgrpo.step.train' in sys.modules; "
+    "assert jaxgrpo.step.train.make_train_step is jaxgrpo.make_train_step; print('ok')"
   )
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -13,10 +13,11 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxgrpo import models, sampling
+from jaxgrpo import models
 from jaxgrpo.models import lora, quant
 from jaxgrpo.models.layers import LoRA, QuantizedWeight
-from jaxgrpo.sharding import make_mesh, tree_shardings
+from jaxgrpo.parallel.sharding import make_mesh, tree_shardings
+from jaxgrpo.rollout import sampling
 
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
@@ -353,7 +354,7 @@ def test_quantize_errors_are_clear():
 
 
 # --------------------------------------------------------------------------------------------
-# Training the adapters only (the minimal step phase 2 will move into jaxgrpo.train)
+# Training the adapters only (the minimal step phase 2 will move into jaxgrpo.step.train)
 
 
 def test_adapter_only_steps_leave_the_base_bit_identical_and_adam_state_is_adapter_sized():

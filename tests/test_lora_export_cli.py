@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from helpers import cli_env
 
-from jaxgrpo import builders, models
+from jaxgrpo import models
 from jaxgrpo.models import lora
+from jaxgrpo.run import builders
 from jaxgrpo.tasks import arithmetic
 
 torch = pytest.importorskip("torch")

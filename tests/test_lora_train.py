@@ -17,11 +17,12 @@ import pytest
 from flax import nnx
 from helpers import G, flat_params, make_batch, numpy_log_probs, reference_update, run_child, tiny_model
 
-from jaxgrpo import iteration, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import Qwen3Config, build_model, lora
-from jaxgrpo.sampling import generate
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.step import train
 
 LR = 0.5
 
@@ -205,7 +206,7 @@ from flax import nnx
 from helpers import G, flat_params, make_batch
 from test_lora_train import _lora_model
 from jaxgrpo import sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
 MESHES = ["data=1", "data=2,fsdp=2,tensor=2"]
@@ -295,7 +296,7 @@ def test_sampling_config_merge_lora_samples_the_merged_model():
 
 
 def _run_config(out, steps, **over):
-  from jaxgrpo import specs
+  from jaxgrpo.run import specs
 
   d = {
     "model.synthetic": {"hidden_size": 32, "num_layers": 1},
@@ -329,8 +330,8 @@ _LENGTH_REWARD = {"length": (lambda prompts, completions, **_: [len(c) / 16 for 
 
 
 def _train(cfg, *, resume=False):
-  from jaxgrpo import checkpoint as ck
-  from jaxgrpo.trainer import Trainer
+  from jaxgrpo.run.trainer import Trainer
+  from jaxgrpo.services import checkpoint as ck
 
   with ck.Checkpointer(ck.checkpoint_dir(cfg.run.out), async_save=False, log=None) as c:
     restore_fn = c.restore_fn if resume else None
@@ -347,8 +348,9 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
   peft = pytest.importorskip("peft")
   from safetensors.numpy import load_file
 
-  from jaxgrpo import builders, models
-  from jaxgrpo import checkpoint as ck
+  from jaxgrpo import models
+  from jaxgrpo.run import builders
+  from jaxgrpo.services import checkpoint as ck
 
   straight, want = _train(_run_config(tmp_path / "straight", 3, **{"run.save_model": True}))
   assert all(r["grad_norm"] > 0 for r in want if "grad_norm" in r)
@@ -369,7 +371,7 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
 
   # other base weights are refused naming both digests (a longer warm-up: other weights, same identity
   # fields; base_fingerprint of other weights: test_lora.py), and so is another LoRA config
-  from jaxgrpo.trainer import run_meta
+  from jaxgrpo.run.trainer import run_meta
 
   template = resumed.state.snapshot()
   other = "0" * 64
@@ -412,7 +414,7 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
 def test_lora_section_is_validated_at_load_time_and_the_ready_configs_load():
   import os
 
-  from jaxgrpo import specs
+  from jaxgrpo.run import specs
 
   cfg = specs.load_config(None, {"lora": {"rank": 8, "alpha": 16, "quantize": "nf4", "group_size": 16}})
   assert cfg.lora == lora.LoRAConfig(rank=8, alpha=16.0, quantize="nf4", group_size=16)

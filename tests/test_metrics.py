@@ -1,4 +1,4 @@
-"""jaxgrpo.metrics: metrics.jsonl truncation on resume, TensorBoard event files (read back and checked),
+"""jaxgrpo.services.metrics: metrics.jsonl truncation on resume, TensorBoard event files (read back and checked),
 progress bar content, first-host-only logging, and the W&B/TensorBoard install hints."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from jaxgrpo import metrics as M
+from jaxgrpo.services import metrics as M
 
 
 def _raw_events(logdir: str) -> list:

@@ -13,12 +13,13 @@ import pytest
 from flax import nnx
 from hf_utils import tiny_moe_config
 
-from jaxgrpo import models, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo import models
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import lora, moe
 from jaxgrpo.models.log_probs import completion_log_probs
-from jaxgrpo.sampling import generate
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.step import train
 
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 

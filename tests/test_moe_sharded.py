@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from hf_utils import tiny_moe_config
 from helpers import flat_params
 from jaxgrpo import models, sharding as shd, train
-from jaxgrpo.config import preset
-from jaxgrpo.sampling import generate
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.rollout.sampling import generate
 
 assert jax.device_count() == 8
 cfg = models.config_from_hf(tiny_moe_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[]))

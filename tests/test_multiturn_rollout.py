@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import tiny_chat_policy
 
-from jaxgrpo.environments import MultiTurnConfig, StepResult, rollout_metrics, sample_multiturn
-from jaxgrpo.environments.chat import ChatFormat
 from jaxgrpo.models import log_probs
+from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, rollout_metrics, sample_multiturn
+from jaxgrpo.rollout.environments.chat import ChatFormat
 
 
 class Scripted:

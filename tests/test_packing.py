@@ -1,4 +1,4 @@
-"""The host-side packer (``jaxgrpo.packing``): layout, index maps, first-fit decreasing, errors.
+"""The host-side packer (``jaxgrpo.step.packing``): layout, index maps, first-fit decreasing, errors.
 
 References are written independently here: the sequences are rebuilt from the packed rows, positions
 from the runs of segment ids, gathers by explicit loops, the optimal number of bins by brute force.
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgrpo import packing
+from jaxgrpo.step import packing
 
 
 def rollout(prompt_lens, completion_lens, P, T, seed=0):

@@ -17,7 +17,8 @@ from hf_utils import FAMILIES, tiny_hf_config
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from jaxgrpo import models, packing
+from jaxgrpo import models
+from jaxgrpo.step import packing
 
 TOL = 1e-5
 P, T, L, B = 6, 10, 16, 6  # every sequence fits a row (P + T = L): B rows always suffice

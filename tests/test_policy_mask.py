@@ -16,10 +16,10 @@ import pytest
 from flax import nnx
 from helpers import G, flat_params, make_batch, reference_update, tiny_model
 
-from jaxgrpo import sharding as shd
-from jaxgrpo import train
-from jaxgrpo.config import preset
-from jaxgrpo.process_sets import process_set_sizes
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.kernels.process_sets import process_set_sizes
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
 
 LR = 0.5
 

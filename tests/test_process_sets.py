@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxgrpo as jg
-from jaxgrpo import process_sets as ps
+from jaxgrpo.kernels import process_sets as ps
 
 SETTINGS = settings(max_examples=60, deadline=None)
 METHODS = ("pairwise", "sort")
@@ -733,8 +733,8 @@ def test_train_step_tree_stats_leave_missing_samples_out(preset, tree_stats):
   import optax
   from helpers import make_batch, tiny_model
 
-  from jaxgrpo import sharding as shd
-  from jaxgrpo import train
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import train
 
   batch = make_batch()
   comp, mask, gid = batch.completions, batch.mask, batch.group_ids

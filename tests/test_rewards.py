@@ -1,4 +1,4 @@
-"""jaxgrpo.rewards: the reward table (fractions, LaTeX, nested boxes, no box, wrong answers), the
+"""jaxgrpo.data.rewards: the reward table (fractions, LaTeX, nested boxes, no box, wrong answers), the
 format reward, a hanging verifier cut by the timeout, failing reward functions stopping the run with
 the sample shown (or scoring 0 and being counted), weighted combination, dynamic-sampling groups."""
 
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reward_verifiers import dying_verifier, hanging_verifier, slow_first_verifier  # the workers import them by name
 
-from jaxgrpo import rewards as R
+from jaxgrpo.data import rewards as R
 
 
 @pytest.mark.parametrize(
@@ -538,7 +538,7 @@ def here(x):
 
 if __name__ == "__main__":
   pool = R.TimeoutPool(60.0)
-  print(pool.map(V.loaded_modules, [("jax,flax,jaxgrpo.advantages,reward_verifiers",)]))
+  print(pool.map(V.loaded_modules, [("jax,flax,jaxgrpo.kernels.advantages,reward_verifiers",)]))
   print(pool.map(here, [("main",)]))  # a function of the main script: found there, as spawn would
   pool.close()
 """

@@ -1,4 +1,4 @@
-"""jaxgrpo.runlock with real processes: a second holder is refused naming the first one's pid and
+"""jaxgrpo.services.runlock with real processes: a second holder is refused naming the first one's pid and
 host; the lock goes with its holder however it ends (SIGKILL included); re-entrant in one process.
 The same through ``scripts/train.py`` (two real runs into one ``--out``) is in
 test_failure_modes_runs.py::test_second_run_into_the_same_out_is_refused."""
@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from jaxgrpo import runlock
+from jaxgrpo.services import runlock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the children load jaxgrpo/runlock.py alone (no JAX import: a second, not ten)
+# the children load jaxgrpo/services/runlock.py alone (no JAX import: a second, not ten)
 _LOAD = f"""
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("runlock", {os.path.join(ROOT, "jaxgrpo", "runlock.py")!r})

@@ -1,4 +1,4 @@
-"""Tests for jaxgrpo.sampling: HF-parity of greedy decoding, log-prob consistency with the train-side
+"""Tests for jaxgrpo.rollout.sampling: HF-parity of greedy decoding, log-prob consistency with the train-side
 recomputation, filtering against a NumPy reference, sampling statistics, early stop, argument errors.
 
 Every reference is independent of the sampler: transformers' `generate` (torch), NumPy, or the
@@ -19,7 +19,7 @@ from flax import nnx
 from hf_utils import FAMILIES, assert_greedy_matches_hf, build_hf_model, tiny_hf_config
 
 from jaxgrpo import models
-from jaxgrpo.sampling import Rollout, filter_logits, generate, sample_categorical
+from jaxgrpo.rollout.sampling import Rollout, filter_logits, generate, sample_categorical
 
 VOCAB = 97
 PAD = 0

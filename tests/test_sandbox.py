@@ -1,5 +1,5 @@
 """The code-execution sandbox with real processes: each hostile program is contained, reported as an
-observation, and the call returns within its wall limit (jaxgrpo.environments.sandbox)."""
+observation, and the call returns within its wall limit (jaxgrpo.rollout.environments.sandbox)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from jaxgrpo.environments.sandbox import SandboxLimits, SandboxResult, namespaces_available, run_code
+from jaxgrpo.rollout.environments.sandbox import SandboxLimits, SandboxResult, namespaces_available, run_code
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, memory_bytes=512 << 20, max_processes=16, max_output_bytes=4096)
 NS = namespaces_available()

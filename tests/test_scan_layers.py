@@ -29,11 +29,12 @@ from hf_utils import (
   tiny_moe_config,
 )
 
-from jaxgrpo import checkpoint as ck
-from jaxgrpo import models, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo import models
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import lora
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.services import checkpoint as ck
+from jaxgrpo.step import train
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -269,7 +270,7 @@ from jax.sharding import PartitionSpec as P
 from flax import nnx
 from helpers import G, flat_params, make_batch, tiny_config
 from jaxgrpo import models, sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
 batch = make_batch()
@@ -323,8 +324,8 @@ def test_checkpoint_of_the_stacked_layout_restores_and_a_loop_target_is_refused(
 
 def test_run_config_field_builds_a_scanned_policy():
   """``model.scan_layers`` in a run config reaches the built policy; a non-bool is refused by name."""
-  from jaxgrpo import builders
-  from jaxgrpo.specs import load_config
+  from jaxgrpo.run import builders
+  from jaxgrpo.run.specs import load_config
 
   cfg = load_config(None, {"model.synthetic": {}, "model.scan_layers": True})
   assert cfg.model.scan_layers is True and load_config(None, {"model.synthetic": {}}).model.scan_layers is False

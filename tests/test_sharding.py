@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxgrpo import sharding as shd
+from jaxgrpo.parallel import sharding as shd
 
 
 def _abstract(data=1, fsdp=1, tensor=1):

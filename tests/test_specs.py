@@ -1,4 +1,4 @@
-"""jaxgrpo.specs: the nested run config, its YAML form, errors for the old flat keys, and validation at load time."""
+"""jaxgrpo.run.specs: the nested run config, its YAML form, errors for the old flat keys, and validation at load time."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import warnings
 import numpy as np
 import pytest
 
-from jaxgrpo import specs
-from jaxgrpo.config import preset
-from jaxgrpo.specs import TrainerConfig, config_from_dict, load_config
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.run import specs
+from jaxgrpo.run.specs import TrainerConfig, config_from_dict, load_config
+from jaxgrpo.step.train import TrainConfig
 from jaxgrpo.tasks.arithmetic import ArithmeticTask, SyntheticModel
-from jaxgrpo.train import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxgrpo as jg
-from jaxgrpo.surrogates import SEQUENCE_SURROGATES, SURROGATES
+from jaxgrpo.kernels.surrogates import SEQUENCE_SURROGATES, SURROGATES
 
 SETTINGS = settings(max_examples=25, deadline=None)
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 from helpers import G, flat_params, make_batch, reference_update, tiny_model
 
-from jaxgrpo import sharding as shd
-from jaxgrpo import train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import log_probs
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
 
 LR, CLIP = 0.5, 0.05
 
@@ -143,7 +143,7 @@ def test_mini_batches_are_sequential_updates_on_strided_rows():
 
 
 def test_batch_from_rollout():
-  from jaxgrpo.sampling import Rollout
+  from jaxgrpo.rollout.sampling import Rollout
 
   src = make_batch()
   rollout = Rollout(

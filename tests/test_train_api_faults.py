@@ -18,8 +18,8 @@ from flax import nnx
 from helpers import make_batch, numpy_group_advantages, sgd_state, sgd_step, tiny_model
 
 import jaxgrpo as jg
-from jaxgrpo.losses import LossTerms
-from jaxgrpo.objective import objective_terms, uses_entropy
+from jaxgrpo.kernels.losses import LossTerms
+from jaxgrpo.kernels.objective import objective_terms, uses_entropy
 
 
 def _step(config, **kw):

@@ -29,10 +29,11 @@ from helpers import (
   tiny_model,
 )
 
-from jaxgrpo import rloo_advantages, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
-from jaxgrpo.losses import LossTerms
+from jaxgrpo import rloo_advantages
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.kernels.losses import LossTerms
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
 
 LR, CLIP = 0.5, 0.05
 GSPO_CLIP = 0.1  # wide enough to leave some sequences inside, narrow enough to clip others
@@ -109,7 +110,7 @@ _GSPO_FSDP = r"""
 import jax, numpy as np, optax
 from helpers import G, flat_params, load_example, make_batch, numpy_gspo_loss, numpy_group_advantages, numpy_log_probs, tiny_model
 from jaxgrpo import sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 2
 gspo = load_example("gspo").gspo_objective
@@ -430,7 +431,7 @@ def test_batch_from_rollout_takes_precomputed_fields_and_pad_to_bucket_fits_them
   src = make_batch()
   b, t = src.completions.shape
   adv, w = np.ones((b, t), np.float32), np.full((b, t), 0.5, np.float32)
-  from jaxgrpo.sampling import Rollout
+  from jaxgrpo.rollout.sampling import Rollout
 
   rollout = Rollout(src.prompt_tokens, src.prompt_mask, src.completions, src.mask, src.old_logp, src.group_ids, t)
   batch = train.Batch.from_rollout(rollout, list(src.rewards), advantages=adv, token_weights=w)

@@ -16,9 +16,9 @@ import pytest
 from flax import nnx
 from helpers import G, flat_params, make_batch, numpy_group_advantages, run_child, sgd_update, tiny_model
 
-from jaxgrpo import sharding as shd
-from jaxgrpo import train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
 
 LR, CLIP = 0.5, 0.05
 
@@ -239,7 +239,7 @@ _MESHES = r"""
 import jax, numpy as np, optax
 from helpers import G, flat_params, make_batch, tiny_model
 from jaxgrpo import sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
 CASES = {

@@ -35,9 +35,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxgrpo
-from jaxgrpo import models, packing, rloo_advantages, train
-from jaxgrpo import sharding as shd
-from jaxgrpo.config import preset
+from jaxgrpo import models, rloo_advantages
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import packing, train
 
 LR, CLIP = 0.5, 0.05
 B, P, T, G = 16, 4, 24, 4
@@ -211,7 +212,7 @@ def test_packed_layout_of_a_batch():
 def test_step_packs_once_and_never_retraces():
   """A NumPy batch is packed by the step, a packed NumPy batch and a placed packed batch
   (``iteration.place``) run the same program; the reference pass reuses the batch's packing."""
-  from jaxgrpo import iteration
+  from jaxgrpo.rollout import iteration
 
   step, ref, state = _make(preset("grpo"), packing=L, micro=2, mini=2)  # grpo's program in the preset test
   batch = _batch()._replace(ref_logp=None)

@@ -14,7 +14,7 @@ import re
 import jax, numpy as np, optax
 from helpers import G, flat_params, make_batch, tiny_model
 from jaxgrpo import sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
 config = preset("lambda_frpo")

@@ -12,7 +12,7 @@ import jax, numpy as np, optax
 from jax.sharding import PartitionSpec as P
 from helpers import G, flat_params, make_batch, tiny_model
 from jaxgrpo import sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
 MESHES = ["data=1", "data=8", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4"]
@@ -68,7 +68,7 @@ _ERRORS = r"""
 import jax, numpy as np, optax, pytest
 from helpers import make_batch, tiny_config, tiny_model
 from jaxgrpo import sharding as shd, train
-from jaxgrpo.config import preset
+from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import build_model
 
 opt = optax.adam(1e-3)

@@ -1,7 +1,7 @@
-"""jaxgrpo.trainer and scripts/train.py: command-line overrides, the checkpoint hook with the full
+"""jaxgrpo.run.trainer and scripts/train.py: command-line overrides, the checkpoint hook with the full
 state, a failing reward function stopping the run with the sample shown, dynamic sampling, a short
 demo run that raises the reward, and 8-virtual-device vs 1-device agreement. The config itself
-(jaxgrpo.specs) is tested in test_specs.py."""
+(jaxgrpo.run.specs) is tested in test_specs.py."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import train as cli  # noqa: E402  (scripts/train.py)
 from helpers import child_env, train_main_here  # noqa: E402
 
-from jaxgrpo import rewards as R  # noqa: E402
-from jaxgrpo.specs import TrainerConfig, load_config  # noqa: E402
-from jaxgrpo.trainer import Trainer, run_meta  # noqa: E402
+from jaxgrpo.data import rewards as R
+from jaxgrpo.run.specs import TrainerConfig, load_config  # noqa: E402
+from jaxgrpo.run.trainer import Trainer, run_meta  # noqa: E402
 
 # a very small demo run: no warm-up unless a test asks for it
 TINY = {

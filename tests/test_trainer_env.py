@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from test_trainer import tiny
 
-from jaxgrpo.environments import StepResult
-from jaxgrpo.environments.spec import EnvSpec, load_factory
-from jaxgrpo.rewards import extract_boxed
-from jaxgrpo.specs import load_config
-from jaxgrpo.trainer import Trainer
+from jaxgrpo.data.rewards import extract_boxed
+from jaxgrpo.rollout.environments import StepResult
+from jaxgrpo.rollout.environments.spec import EnvSpec, load_factory
+from jaxgrpo.run.specs import load_config
+from jaxgrpo.run.trainer import Trainer
 
 
 class SecondChance:
@@ -165,7 +165,7 @@ def test_env_episodes_train_and_evaluate_without_a_dataset(tmp_path):
   set (seeds from EVAL_SEED_OFFSET, disjoint from training's), and a dataset named beside it is refused."""
   import importlib
 
-  from jaxgrpo.environments.spec import EVAL_SEED_OFFSET
+  from jaxgrpo.rollout.environments.spec import EVAL_SEED_OFFSET
 
   seen = importlib.import_module("test_trainer_env").SEEN  # the module object the factory was loaded from
   seen.clear()

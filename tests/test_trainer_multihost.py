@@ -38,9 +38,9 @@ import pytest
 from flax import nnx
 from helpers import cli_env
 
-from jaxgrpo import checkpoint as ck
-from jaxgrpo.builders import load_policy
-from jaxgrpo.metrics import read_jsonl
+from jaxgrpo.run.builders import load_policy
+from jaxgrpo.services import checkpoint as ck
+from jaxgrpo.services.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "scripts", "train.py")

@@ -1,4 +1,4 @@
-"""jaxgrpo.distributed.HostWatchdog against an in-memory key-value store (two or three "processes" in
+"""jaxgrpo.parallel.distributed.HostWatchdog against an in-memory key-value store (two or three "processes" in
 one Python process, a fake clock), and scripts/_launch.py (the --processes launcher) with tiny child
 scripts. The real thing — a killed process among two gloo processes — is in test_trainer_multihost.py."""
 
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from jaxgrpo import distributed
-from jaxgrpo.distributed import EXIT_HOST_FAILED, HostWatchdog
+from jaxgrpo.parallel import distributed
+from jaxgrpo.parallel.distributed import EXIT_HOST_FAILED, HostWatchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

@@ -28,10 +28,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo.engines.vllm import VLLMEngine
 from jaxgrpo.models import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, build_model, lora
 from jaxgrpo.models.log_probs import completion_log_probs, positions_from_mask
-from jaxgrpo.sampling import filter_logits
+from jaxgrpo.rollout.engines.vllm import VLLMEngine
+from jaxgrpo.rollout.sampling import filter_logits
 
 V = 256
 # the checks' programs compile once per case and run a few times: XLA's backend optimisations cost more than

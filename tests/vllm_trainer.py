@@ -15,9 +15,9 @@ import sys
 import tempfile
 import traceback
 
-from jaxgrpo.checkpoint import Checkpointer, checkpoint_dir
-from jaxgrpo.specs import load_config
-from jaxgrpo.trainer import Trainer
+from jaxgrpo.run.specs import load_config
+from jaxgrpo.run.trainer import Trainer
+from jaxgrpo.services.checkpoint import Checkpointer, checkpoint_dir
 
 BASE = {
   # 4 heads of 32: vLLM's CPU attention takes head sizes 32, 64, 80, ...

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo import sharding
 from jaxgrpo.models.layers import (
   KVCache,
   LoRA,
@@ -21,7 +20,8 @@ from jaxgrpo.models.layers import (
   layer_index,
   shard_activation,
 )
-from jaxgrpo.sharding import DEFAULT_RULES
+from jaxgrpo.parallel import sharding
+from jaxgrpo.parallel.sharding import DEFAULT_RULES
 
 __all__ = [
   "CausalLM",
@@ -272,7 +272,7 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
   """Position ids of packed rows: 0, 1, 2, ... restarting at the first token of each segment.
 
   ``int32[B, S]`` from ``int[B, S]`` segment ids (0 = padding, k >= 1 = segment k); a segment is a
-  run of equal ids (each segment must be one contiguous run, as ``jaxgrpo.packing.pack`` lays them
+  run of equal ids (each segment must be one contiguous run, as ``jaxgrpo.step.packing.pack`` lays them
   out). ``out[b, s] = s - first(b, s)`` where ``first(b, s)`` is the start of the run holding s;
   0 on padding (so GPT-2's learned position table is never indexed out of range).
   """

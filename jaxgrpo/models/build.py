@@ -41,7 +41,7 @@ def build_model(
       outputs), ``"dots_no_batch"`` (store the projections, recompute attention scores). ``True`` /
       ``False`` are aliases of ``"full"`` / ``"none"``. Same values and gradients for every policy.
     rules: logical axis → mesh axes for the activation constraints, applied only under a context
-      mesh (``with jax.set_mesh(mesh):``); None: ``jaxgrpo.sharding.DEFAULT_RULES``. Use the same
+      mesh (``with jax.set_mesh(mesh):``); None: ``jaxgrpo.parallel.sharding.DEFAULT_RULES``. Use the same
       table as for the parameters. Stored as ``model.sharding_rules`` (``model.rules`` as a dict).
     scan_layers: store the L layers' parameters stacked on a leading axis (logical axis
       ``"layers"``, never on a mesh axis) and run them as one ``jax.lax.scan`` (remat inside the

@@ -41,7 +41,10 @@ from jaxgrpo.models.base import RematPolicy, check_scan_layers
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
 from jaxgrpo.models.moe import SCAN_LAYERS_MOE_ERROR
-from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec  # the one rules table lives in jaxgrpo.sharding
+from jaxgrpo.parallel.sharding import (  # the one rules table lives in jaxgrpo.parallel.sharding
+  DEFAULT_RULES,
+  logical_to_spec,
+)
 
 __all__ = [
   "DEFAULT_RULES",

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models import quant
-from jaxgrpo.sharding import constrain
+from jaxgrpo.parallel.sharding import constrain
 
 __all__ = [
   "LOGICAL_AXES",
@@ -126,7 +126,7 @@ def forward_mode_active() -> bool:
 
 
 def shard_activation(x: jax.Array, axes: tuple[str | None, ...], name: str) -> jax.Array:
-  """``jaxgrpo.sharding.constrain(x, axes, rules, name)`` with the rules of the model being traced
+  """``jaxgrpo.parallel.sharding.constrain(x, axes, rules, name)`` with the rules of the model being traced
   (:func:`activation_rules`): a no-op without a context mesh. ``x [*dims]`` with one logical name
   (or None) per dim in ``axes``; returns ``x`` (same shape and dtype), constrained."""
   return constrain(x, axes, _ACTIVATION_RULES.get(), name)

@@ -6,7 +6,7 @@ optionally, the entropy of that distribution, one chunk of positions at a time, 
 chunk's logsumexp). Everything else here calls it: :func:`token_log_probs` (hidden states in),
 :func:`log_probs` (a token sequence in) and :func:`completion_log_probs` (prompts and completions in:
 the train step's and the reference pass's path) and :func:`packed_log_probs` (the same for packed
-rows, ``jaxgrpo.packing.PackedSlots``).
+rows, ``jaxgrpo.step.packing.PackedSlots``).
 
 **Forward mode.** The head kernel and the model's attention softmax and SwiGLU have hand-written
 reverse-mode gradients (``jax.custom_vjp``), which JAX cannot differentiate in forward mode. Every
@@ -452,7 +452,7 @@ def packed_log_probs(
   entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
-  ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.packing.PackedSlots``.
+  ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.step.packing.PackedSlots``.
 
   One forward over the packed rows (``segment_ids``: attention never crosses sequences; per-sequence
   ``positions``), then only the completion positions listed in ``head_index`` go through the LM head

@@ -56,7 +56,7 @@ from jaxgrpo.models.gpt2 import GPT2MLP
 from jaxgrpo.models.hf import hf_entries
 from jaxgrpo.models.layers import Attention, LoRA, QuantizedWeight, QuantParam
 from jaxgrpo.models.llama import SwiGLU
-from jaxgrpo.sharding import DEFAULT_RULES, logical_to_spec
+from jaxgrpo.parallel.sharding import DEFAULT_RULES, logical_to_spec
 
 __all__ = [
   "LoRAConfig",
@@ -367,7 +367,7 @@ def base_model(model):
   the result's state is exactly the non-adapter part of ``model``'s —
   ``nnx.split(model, nnx.LoRAParam, ...)[2]`` — and ``nnx.merge(nnx.graphdef(base_model(model)),
   base)`` runs the base model on those arrays alone (no adapter array needed, none copied). This is
-  the LoRA reference pass of ``jaxgrpo.iteration.make_reference``: it costs no second copy of the
+  the LoRA reference pass of ``jaxgrpo.step.feed.make_reference``: it costs no second copy of the
   base weights. ``model`` is not modified.
 
   Raises:
@@ -391,7 +391,7 @@ def has_adapters(model) -> bool:
 
 def adapter_dropout(model) -> float:
   """The largest dropout rate of ``model``'s enabled adapters (0.0 without adapters): when it is
-  positive, training needs a ``dropout_key`` (``jaxgrpo.train.make_train_step``)."""
+  positive, training needs a ``dropout_key`` (``jaxgrpo.step.train.make_train_step``)."""
   _check_model(model)
   rates = [a.dropout for s in _sites(model) if (a := s.adapter()) is not None and a.enabled]
   return max(rates, default=0.0)

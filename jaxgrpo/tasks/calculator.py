@@ -17,7 +17,7 @@ result in the tool role, and boxes it::
 - :func:`build_tokenizer`: a word/character-level tokenizer with the Qwen special tokens and
   :data:`CHAT_TEMPLATE`, a Qwen2.5-style template written for this task (tools rendered as JSON
   schemas in the system turn, ``tool`` messages as ``<tool_response>`` blocks in a user turn).
-- :func:`multiply`: the tool; :func:`make_env`: a :class:`~jaxgrpo.environments.tools.ToolEnvironment`
+- :func:`multiply`: the tool; :func:`make_env`: a :class:`~jaxgrpo.rollout.environments.tools.ToolEnvironment`
   per row, reward 1 for the right boxed product.
 - :func:`calculator_split`: training and held-out problems over disjoint operand pairs.
 - :class:`RetryEnvironment` (:func:`make_retry_env`): a tool-free multi-turn environment for any
@@ -37,10 +37,10 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerFast
 
-from jaxgrpo.environments.base import StepResult
-from jaxgrpo.environments.chat import ChatFormat
-from jaxgrpo.environments.tools import ToolEnvironment, tool_schema
-from jaxgrpo.rewards import extract_boxed
+from jaxgrpo.data.rewards import extract_boxed
+from jaxgrpo.rollout.environments.base import StepResult
+from jaxgrpo.rollout.environments.chat import ChatFormat
+from jaxgrpo.rollout.environments.tools import ToolEnvironment, tool_schema
 from jaxgrpo.tasks.arithmetic import sft_sequences
 
 __all__ = [

@@ -2,14 +2,14 @@
 
     python scripts/peers/worker_jaxgrpo.py MODEL_DIR sample|iter REPEATS [grpo|lambda_grpo|frpo]
 
-sample: `jaxgrpo.sampling.generate` (16 prompts × 8 samples × 128 tokens, temperature 1, no EOS
+sample: `jaxgrpo.rollout.sampling.generate` (16 prompts × 8 samples × 128 tokens, temperature 1, no EOS
 stop), one warm-up (compile) then REPEATS timed calls.
 iter: one full GRPO iteration = rollout (as above) + reward (host) + reference log-probs (β=0.04)
 + one AdamW update of the jitted train step (the preset of the 4th argument, default grpo, with
 seq-mean-token-mean aggregation as Tunix's default and TRL's loss_type="grpo", k3 KL, 2 micro-batches
 of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); one warm-up iteration then REPEATS
 timed ones. The iteration is the library's public one,
-`jaxgrpo.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
+`jaxgrpo.rollout.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from jaxgrpo import iteration, models, train  # noqa: E402
-from jaxgrpo import sharding as shd  # noqa: E402
-from jaxgrpo.config import preset  # noqa: E402
+from jaxgrpo import models
+from jaxgrpo.kernels.config import preset  # noqa: E402
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import iteration
+from jaxgrpo.step import train
 
 SAMPLING = iteration.SamplingConfig(
   num_samples=common.SAMPLES, max_new_tokens=common.NEW_TOKENS, top_p=1.0, top_k=0, pad_id=0

@@ -1,0 +1,316 @@
+"""Algorithm configuration: one frozen dataclass whose fields are the papers' symbols, and named presets.
+
+=================  ==========================================================================
+preset             what it is
+=================  ==========================================================================
+``grpo``           GRPO (DeepSeekMath) with group-std advantages and token-mean aggregation,
+                   the form analysed by λ-GRPO; β=0 (set ``beta=0.04`` for the k3 KL term)
+``dr_grpo``        Dr.GRPO: no std division, ``seq-mean-token-sum-norm``
+``dapo``           DAPO: clip-higher (ε_low 0.2, ε_high 0.28), token-mean, β=0, dynamic sampling
+``lambda_grpo``    λ-GRPO: GRPO with every token term divided by ``|λ(i,t)|``
+``frpo``           FRPO: β=0.01 future-KL (reverse k1) cost-to-go inside the advantage
+``lambda_frpo``    FRPO advantages with λ-GRPO's ``1/|λ|`` token weights (no paper has run it)
+``gspo``           GSPO: sequence-level ratio, ε 3e-4/4e-4, mean over sequences (arXiv:2507.18071)
+``gspo_token``     GSPO-token: GSPO's ratio with per-token gradient routing (same defaults)
+``cispo``          CISPO: clipped stop-gradient IS weight on REINFORCE, weight ≤ 5 and no lower bound
+                   (ε_low 1, ε_high 4; arXiv:2506.13585, ScaleRL's ε_max = 5), token-mean
+``sapo``           SAPO: soft gate, τ_pos 1.0, τ_neg 1.05, mean over sequences (arXiv:2511.20347)
+``gmpo``           GMPO: geometric mean of token ratios clipped to (e^−0.4, e^0.4), mean over
+                   sequences (arXiv:2507.20673)
+=================  ==========================================================================
+
+Composition with λ-GRPO's ``1/|λ|`` weights (``process_weights``) and FRPO's per-token future-KL
+advantage (``kl_placement="future"``) — new combinations, no paper or peer has run them:
+
+- token-level losses (``ppo``, ``gspo_token``, ``cispo``, ``sapo``): both compose — the weight
+  multiplies the token term, the per-token advantage enters the token's surrogate (and picks SAPO's
+  τ by its sign);
+- sequence losses (``gspo``, ``gmpo``): refused when the config is built (``ValueError``): their term
+  is one value per sequence, so neither a per-token weight nor a per-token advantage has a meaning
+  there without a new definition; ``gspo_token`` is GSPO with both.
+
+Off-policy correction (``importance_correction``, :mod:`jaxgrpo.kernels.importance`) and the entropy bonus
+(``entropy_coef``) compose with every loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrpo import _checks
+from jaxgrpo.kernels.advantages import ADVANTAGE_SCALES
+from jaxgrpo.kernels.importance import CORRECTIONS, IMPORTANCE_LEVELS
+from jaxgrpo.kernels.kl import FUTURE_KL_KINDS, KL_KINDS
+from jaxgrpo.kernels.losses import AGGREGATIONS
+from jaxgrpo.kernels.surrogates import SEQUENCE_SURROGATES, SURROGATES
+
+__all__ = ["KL_PLACEMENTS", "GRPOConfig", "GRPOHyper", "PRESETS", "preset"]
+
+KL_PLACEMENTS = ("loss", "future")
+# the hyper-parameters whose static 0 leaves their term out of the program (and β: the reference pass)
+SWITCHED_TERMS = ("beta", "entropy_coef")
+
+
+class GRPOHyper(NamedTuple):
+  """The numbers of a :class:`GRPOConfig` as a pytree of ``f32[]`` arrays: the traced input of a train
+  step (``TrainStep.__call__(..., hyper=)``, ``make_train_step(..., hyper_schedule=)``), of
+  :func:`~jaxgrpo.kernels.objective.objective_terms` and :func:`~jaxgrpo.kernels.objective.rollout_advantages`.
+
+  One compiled program serves every value; the config keeps the structure: its ``β > 0`` switches the
+  KL term (and the reference pass) on, its ``entropy_coef != 0`` the entropy bonus, its ``dual_clip``
+  the dual clip (``dual_clip`` here is None exactly when the config's is). A traced β or entropy
+  coefficient is never dropped: where the config's is 0, the kernels build the term anyway
+  (:meth:`GRPOConfig.with_terms_of`; β then needs ``ref_logp``), and a ``hyper_schedule`` that sets
+  them switches them on in the train step. Build it with :meth:`GRPOConfig.hyper`. Fields as in
+  :class:`GRPOConfig`.
+  """
+
+  beta: Any
+  clip_eps_low: Any
+  clip_eps_high: Any
+  dual_clip: Any
+  tau_pos: Any
+  tau_neg: Any
+  importance_cap: Any
+  entropy_coef: Any
+
+
+def _f32(v):
+  """A hyper-parameter value as ``f32[]``: a JAX array (or tracer) as a JAX array, anything else as NumPy."""
+  if v is None:
+    return None
+  if isinstance(v, jax.Array):
+    return jnp.asarray(v, jnp.float32)
+  return np.asarray(v, np.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+  """The objective of one GRPO-family algorithm. Validated on construction.
+
+  Every field is checked for its type (``TypeError``: e.g. ``beta="0.1"``, ``std_ddof=True``) and
+  its value (``ValueError``: negative, NaN or infinite numbers, unknown names). The config is
+  frozen and hashable, so the jitted kernels take it as a static argument: its numbers are
+  compile-time constants there. To pass them as traced inputs instead (a β/ε/entropy schedule, a
+  ``vmap``-ped grid: one program for every value), build a :class:`GRPOHyper` with :meth:`hyper`.
+
+  Attributes:
+    name: label (the preset's name, or "custom").
+    advantage_scale: ``"group"`` (a_i = (r_i - mean_g)/(std_g + eps)), ``"none"`` (Dr.GRPO) or
+      ``"batch"`` (std over the batch). See ``group_advantages``.
+    std_ddof: ddof of the std (0 = population std, FRPO; TRL and the λ-GRPO code use 1).
+    std_eps: eps added to the std (verl/Tunix 1e-6, TRL 1e-4).
+    process_weights: λ-GRPO — multiply each token term by ``1/|λ(i,t)|``.
+    beta: β, the KL coefficient (0 disables the reference model entirely).
+    kl_estimator: the KL estimator D: for ``kl_placement="loss"`` one of k1, k2, k3, forward_k3;
+      for ``"future"`` one of k1, k3, forward_k3.
+    kl_placement: ``"loss"`` (GRPO: ``+β·D(i,t)`` per token in the loss) or ``"future"`` (FRPO:
+      ``Â = sg(a_i - β·future_kl)`` in the advantage, no KL loss term).
+    loss: the per-token policy term (``jaxgrpo.kernels.surrogates``): ``"ppo"`` (PPO/GRPO's clipped ratio),
+      ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"`` or ``"gmpo"``.
+    clip_eps_low, clip_eps_high: ε_low, ε_high of the clip: of the token ratio (``ppo``), the
+      sequence ratio (``gspo``, ``gspo_token``), the IS weight (``cispo``), the log-ratio (``gmpo``).
+    dual_clip: c of the dual clip for negative advantages (None: off; ``loss="ppo"`` only).
+    tau_pos, tau_neg: SAPO's gate temperatures τ for A > 0 and A <= 0 (read by ``loss="sapo"``).
+    num_iterations: μ, policy updates per rollout batch (PPO-style; ratios differ from 1 when > 1).
+    aggregation: loss aggregation mode (see ``policy_loss``).
+    max_tokens: constant of ``seq-mean-token-sum-norm`` (None: the padded completion length).
+    dynamic_sampling: DAPO — drop groups whose rewards are all equal and refill (trainer).
+    importance_correction: off-policy correction for a behaviour policy μ (inference engine, dtype,
+      staleness) that differs from the rollout log-probs π_old: None, ``"tis"`` (truncated IS) or
+      ``"mis"`` (masked IS); see ``jaxgrpo.kernels.importance``. The behaviour log-probs come from
+      ``Batch.behavior_logp`` (None there: μ = π_old, every weight 1).
+    importance_level: ``"token"`` (a ratio per token) or ``"sequence"`` (the product over the row).
+    importance_cap: C > 0, the cap of the IS ratio (verl's default threshold 2, TRL's 3).
+    entropy_coef: c, entropy bonus ``−c·H(i,t)`` per token, aggregated like the loss (0: off). When
+      non-zero the train step computes the entropy with its gradient and passes it to the objective.
+  """
+
+  name: str = "custom"
+  advantage_scale: str = "group"
+  std_ddof: int = 0
+  std_eps: float = 1e-6
+  process_weights: bool = False
+  beta: float = 0.0
+  kl_estimator: str = "k3"
+  kl_placement: str = "loss"
+  loss: str = "ppo"
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  dual_clip: float | None = None
+  tau_pos: float = 1.0
+  tau_neg: float = 1.05
+  num_iterations: int = 1
+  aggregation: str = "token-mean"
+  max_tokens: int | None = None
+  dynamic_sampling: bool = False
+  importance_correction: str | None = None
+  importance_level: str = "token"
+  importance_cap: float = 2.0
+  entropy_coef: float = 0.0
+
+  def __post_init__(self):
+    c = _checks  # `name` is a free label, checked by whoever builds it (e.g. jaxgrpo.run.specs)
+    c.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
+    c.check_python_int(self.std_ddof, "std_ddof", minimum=0, hint="ddof of the std")
+    c.check_python_float(self.std_eps, "std_eps", at_least=0.0, hint="eps added to the std")
+    c.check_python_bool(self.process_weights, "process_weights")
+    c.check_python_float(self.beta, "beta", at_least=0.0, hint="the KL coefficient β")
+    c.check_choice(self.kl_placement, KL_PLACEMENTS, "kl_placement")
+    kinds = KL_KINDS if self.kl_placement == "loss" else FUTURE_KL_KINDS
+    c.check_choice(self.kl_estimator, kinds, "kl_estimator")
+    c.check_python_float(self.clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip")
+    c.check_python_float(self.clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip")
+    if self.dual_clip is not None:
+      c.check_python_float(self.dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None")
+    c.check_python_int(self.num_iterations, "num_iterations", minimum=1, hint="μ, updates per rollout batch")
+    c.check_choice(self.aggregation, AGGREGATIONS, "aggregation")
+    if self.max_tokens is not None:
+      c.check_python_int(self.max_tokens, "max_tokens", minimum=1, hint="or None for the padded length")
+    c.check_python_bool(self.dynamic_sampling, "dynamic_sampling")
+    c.check_choice(self.loss, SURROGATES, "loss")
+    c.check_python_float(self.tau_pos, "tau_pos", above=0.0, hint="SAPO's τ for A > 0")
+    c.check_python_float(self.tau_neg, "tau_neg", above=0.0, hint="SAPO's τ for A <= 0")
+    if self.dual_clip is not None and self.loss != "ppo":
+      raise ValueError(f"`dual_clip` is PPO's clip for negative advantages; loss={self.loss!r} has none")
+    if self.importance_correction is not None:
+      c.check_choice(self.importance_correction, CORRECTIONS, "importance_correction")
+    c.check_choice(self.importance_level, IMPORTANCE_LEVELS, "importance_level")
+    c.check_python_float(self.importance_cap, "importance_cap", above=0.0, hint="the IS ratio cap C")
+    c.check_python_float(self.entropy_coef, "entropy_coef", hint="the entropy bonus coefficient c")
+    self._check_composition()
+
+  def _check_composition(self) -> None:
+    """The sequence losses refuse per-token weights and per-token advantages (module docstring)."""
+    if self.loss not in SEQUENCE_SURROGATES:
+      return
+    if self.process_weights:
+      raise ValueError(
+        f"loss={self.loss!r} is a sequence-level loss: λ-GRPO's per-token 1/|λ| weights (process_weights=True) "
+        "are undefined for it. Use loss='gspo_token' (GSPO's sequence ratio with token weights) or a token-level "
+        "loss ('ppo', 'cispo', 'sapo')"
+      )
+    if self.kl_placement == "future" and self.beta > 0:
+      raise ValueError(
+        f"loss={self.loss!r} takes one advantage per sequence, but kl_placement='future' (FRPO) makes per-token "
+        "advantages. Use loss='gspo_token' or a token-level loss ('ppo', 'cispo', 'sapo')"
+      )
+
+  def hyper(self, **overrides) -> GRPOHyper:
+    """This config's numbers as a :class:`GRPOHyper` of ``f32[]`` arrays, some replaced by ``overrides``
+    (Python floats or arrays, e.g. a traced ``beta`` computed from the step), checked by
+    :meth:`check_hyper`. A Python or NumPy number becomes a NumPy ``float32[]`` (concrete even inside
+    ``jit``, so a 0 built there still leaves its term out); a JAX array stays a JAX array (traced inside
+    ``jit``: a traced β or entropy coefficient builds its term, :meth:`with_terms_of`).
+
+    >>> preset("grpo", beta=0.04).hyper(beta=0.02).beta
+    array(0.02, dtype=float32)
+    """
+    unknown = set(overrides) - set(GRPOHyper._fields)
+    if unknown:
+      raise TypeError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {list(GRPOHyper._fields)}")
+    values = {n: overrides.get(n, getattr(self, n)) for n in GRPOHyper._fields}
+    return self.check_hyper(GRPOHyper(**{n: _f32(v) for n, v in values.items()}))
+
+  def check_hyper(self, hyper: GRPOHyper) -> GRPOHyper:
+    """``hyper`` if it fits this config (TypeError/ValueError naming the field otherwise): a
+    :class:`GRPOHyper`, ``dual_clip`` None exactly when the config's is, each number in its range, and
+    no non-zero β / entropy coefficient where the config has switched the term off. Values are
+    checked when concrete (a traced value, e.g. a schedule's inside the step, cannot be)."""
+    if not isinstance(hyper, GRPOHyper):
+      raise TypeError(f"`hyper` must be a jaxgrpo.GRPOHyper (config.hyper(...)); got {type(hyper).__name__}")
+    if (hyper.dual_clip is None) != (self.dual_clip is None):
+      raise ValueError(
+        f"`hyper.dual_clip` must be None exactly when the config's is (the dual clip is structural); "
+        f"got {hyper.dual_clip} with config dual_clip={self.dual_clip}"
+      )
+    c = _checks
+    c.check_scalar(hyper.beta, "hyper.beta", at_least=0.0, hint="the KL coefficient β")
+    c.check_scalar(hyper.clip_eps_low, "hyper.clip_eps_low", at_least=0.0, hint="ε_low of the clip")
+    c.check_scalar(hyper.clip_eps_high, "hyper.clip_eps_high", at_least=0.0, hint="ε_high of the clip")
+    if hyper.dual_clip is not None:
+      c.check_scalar(hyper.dual_clip, "hyper.dual_clip", above=1.0, hint="c of the dual clip")
+    c.check_scalar(hyper.tau_pos, "hyper.tau_pos", above=0.0, hint="SAPO's τ for A > 0")
+    c.check_scalar(hyper.tau_neg, "hyper.tau_neg", above=0.0, hint="SAPO's τ for A <= 0")
+    c.check_scalar(hyper.importance_cap, "hyper.importance_cap", above=0.0, hint="the IS ratio cap C")
+    c.check_scalar(hyper.entropy_coef, "hyper.entropy_coef", hint="the entropy bonus coefficient c")
+    for name, on in (("beta", self.beta > 0), ("entropy_coef", self.entropy_coef != 0)):
+      values = c.concrete_or_none(getattr(hyper, name))
+      if not on and values is not None and (values != 0).any():
+        raise ValueError(
+          f"`hyper.{name}` = {values} but the config's {name} is 0, which leaves its term out of the program: "
+          f"build the step/config with a non-zero {name} (any value; the traced one is used)"
+        )
+    return hyper
+
+  def with_terms_of(self, hyper: GRPOHyper | None, *, on=None) -> "GRPOConfig":
+    """This config with the KL term (β) and the entropy bonus switched on where ``hyper`` may set a
+    non-zero coefficient while the config's is 0 (which would leave the term out of the program).
+
+    ``on``: the names to switch on (a subset of ``("beta", "entropy_coef")``); None: those whose value in
+    ``hyper`` is traced (not concrete: a ``jit``-ted hyper pytree). The switched-on coefficient is a
+    placeholder (1.0): the structure only, the value applied is ``hyper``'s. Unchanged when nothing
+    switches (the same object, so the default path compiles to the same program)."""
+    if hyper is None:
+      return self
+    if on is None:
+      on = tuple(n for n in SWITCHED_TERMS if _checks.concrete_or_none(getattr(hyper, n)) is None)
+    changes = {n: 1.0 for n in on if getattr(self, n) == 0}
+    return self.replace(**changes) if changes else self
+
+  @property
+  def applied_hyper(self) -> tuple[str, ...]:
+    """The :class:`GRPOHyper` fields this config's program reads: β when > 0, ε_low/ε_high unless
+    ``loss="sapo"``, ``dual_clip`` when set, τ± for ``loss="sapo"``, the IS cap with
+    ``importance_correction``, the entropy coefficient when != 0. The others are not applied (the
+    train step neither logs nor accepts a schedule of them)."""
+    read = {
+      "beta": self.beta > 0,
+      "clip_eps_low": self.loss != "sapo",
+      "clip_eps_high": self.loss != "sapo",
+      "dual_clip": self.dual_clip is not None,
+      "tau_pos": self.loss == "sapo",
+      "tau_neg": self.loss == "sapo",
+      "importance_cap": self.importance_correction is not None,
+      "entropy_coef": self.entropy_coef != 0,
+    }
+    return tuple(n for n in GRPOHyper._fields if read[n])
+
+  @property
+  def needs_reference(self) -> bool:
+    """Whether reference-model log-probs are needed (β > 0)."""
+    return self.beta > 0
+
+  def replace(self, **changes) -> "GRPOConfig":
+    """A copy with some fields changed (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, dict] = {
+  "grpo": dict(),
+  "dr_grpo": dict(advantage_scale="none", aggregation="seq-mean-token-sum-norm"),
+  "dapo": dict(clip_eps_high=0.28, dynamic_sampling=True),
+  "lambda_grpo": dict(process_weights=True),
+  "frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1"),
+  "lambda_frpo": dict(beta=0.01, kl_placement="future", kl_estimator="k1", process_weights=True),
+  "gspo": dict(loss="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq-mean-token-mean"),
+  "gspo_token": dict(loss="gspo_token", clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq-mean-token-mean"),
+  "cispo": dict(loss="cispo", clip_eps_low=1.0, clip_eps_high=4.0),
+  "sapo": dict(loss="sapo", tau_pos=1.0, tau_neg=1.05, aggregation="seq-mean-token-mean"),
+  "gmpo": dict(loss="gmpo", clip_eps_low=0.4, clip_eps_high=0.4, aggregation="seq-mean-token-mean"),
+}
+
+
+def preset(name: str, **overrides) -> GRPOConfig:
+  """The named preset (see the module table), with optional field overrides.
+
+  >>> preset("lambda_grpo", beta=0.04).process_weights
+  True
+  """
+  _checks.check_choice(name, tuple(PRESETS), "preset name")
+  return GRPOConfig(name=name, **{**PRESETS[name], **overrides})

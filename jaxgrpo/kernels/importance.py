@@ -1,0 +1,118 @@
+"""Off-policy correction for a rollout/trainer mismatch: truncated and masked importance sampling.
+
+The rollout's tokens were sampled by a *behaviour* policy μ (another inference engine, another dtype,
+an older checkpoint) whose log-probs ``behavior_logp`` differ from the trainer's own log-probs of the
+rollout policy, ``old_logp`` (π_old, what the PPO ratio is taken against). The per-token policy term
+is then reweighted by ``v(i,t) = sg(g(r))`` with ``r = π_old / μ`` on the sampled tokens:
+
+=============  =============  ============================================================================
+correction     level          ``v(i,t)``
+=============  =============  ============================================================================
+``"tis"``      ``"token"``    ``min(r_t, C)``, ``r_t = exp(old_logp − behavior_logp)`` (truncated IS)
+``"tis"``      ``"sequence"`` ``min(r_i, C)`` on every token of row i, ``r_i = Π_t r_t = exp(Σ_t (old − behavior))``
+``"mis"``      ``"token"``    ``r_t`` if ``r_t <= C`` else 0 (masked IS: the token leaves the numerator)
+``"mis"``      ``"sequence"`` ``r_i`` if ``r_i <= C`` else 0 on every token of row i
+=============  =============  ============================================================================
+
+``C`` is the cap. The sequence ratio is the product of the token ratios, as TRL's
+``vllm_importance_sampling_mode="sequence_*"`` and verl's ``rollout_is="sequence"``; log-ratios are
+clamped to ±20 before ``exp`` (verl's safety bound). Masked tokens keep their place in the
+aggregation's denominator (their weight is 0, as in TRL and verl's ``rollout_is`` with a lower/upper
+threshold); the weights never carry a gradient. TIS: Yao et al., "Your Efficient RL Framework Secretly
+Brings You Off-Policy RL Training" (2025); MIS / IcePop: Liu et al., "When Speed Kills Stability:
+Demystifying RL Collapse from the Training-Inference Mismatch" (2025).
+
+The mismatch itself is measured by ``k3 = r − log r − 1`` per sampled token (an estimator of
+KL(μ ‖ π_old) under μ's samples, verl's ``rollout_corr/k3_kl``), ``jaxgrpo.kernels.kl.kl_penalty(old_logp,
+behavior_logp, "forward_k3")``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxgrpo import _checks
+from jaxgrpo.kernels import _hyper
+from jaxgrpo.kernels._numerics import select
+from jaxgrpo.kernels.kl import kl_penalty
+
+__all__ = ["CORRECTIONS", "IMPORTANCE_LEVELS", "MAX_LOG_WEIGHT", "ImportanceWeights", "importance_weights"]
+
+CORRECTIONS = ("tis", "mis")
+IMPORTANCE_LEVELS = ("token", "sequence")
+MAX_LOG_WEIGHT = 20.0
+
+
+class ImportanceWeights(NamedTuple):
+  """Off-policy correction of one batch (every field without gradient, 0/False on padding).
+
+  Attributes:
+    weights: ``f32[B, T]`` the weight ``v(i,t)`` multiplying the per-token policy term.
+    ratio: ``f32[B, T]`` the raw ratio r before the cap (token level: ``r_t``; sequence level: ``r_i``
+      on each of row i's tokens), ``exp`` of a log-ratio clamped to ±20.
+    capped: ``bool[B, T]`` tokens whose ratio exceeded the cap (truncated for TIS, masked for MIS).
+    mismatch_kl: ``f32[B, T]`` ``k3 = r_t − log r_t − 1`` per token, the behaviour/rollout mismatch.
+  """
+
+  weights: jax.Array
+  ratio: jax.Array
+  capped: jax.Array
+  mismatch_kl: jax.Array
+
+
+def _importance(old_logp, behavior_logp, mask, *, correction, level, cap) -> ImportanceWeights:
+  sg = jax.lax.stop_gradient
+  real = mask
+  old = select(real, sg(old_logp.astype(jnp.float32)))
+  behavior = select(real, sg(behavior_logp.astype(jnp.float32)))
+  log_r = old - behavior  # [B, T], 0 on padding
+  if level == "sequence":
+    log_r = jnp.broadcast_to(jnp.sum(log_r, axis=1, keepdims=True), log_r.shape)
+  ratio = select(real, jnp.exp(jnp.clip(log_r, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)))
+  capped = real & (ratio > cap)
+  weights = jnp.minimum(ratio, cap) if correction == "tis" else jnp.where(capped, 0.0, ratio)
+  mismatch = kl_penalty(old, behavior, "forward_k3", mask=real)
+  return ImportanceWeights(select(real, weights), ratio, capped, select(real, mismatch))
+
+
+@functools.partial(jax.jit, static_argnames=("correction", "level", "static"))
+def _importance_weights(old_logp, behavior_logp, mask, traced, *, correction, level, static):
+  return _importance(old_logp, behavior_logp, mask, correction=correction, level=level, **_hyper.merge(static, traced))
+
+
+def check_hyper(correction, level, cap) -> dict:
+  """The hyper-parameters, checked: ``correction``/``level`` static, ``cap`` a Python float (static)
+  or an array (traced, range-checked when concrete)."""
+  return dict(
+    correction=_checks.check_choice(correction, CORRECTIONS, "correction"),
+    level=_checks.check_choice(level, IMPORTANCE_LEVELS, "level"),
+    cap=_checks.check_scalar(cap, "cap", above=0.0, hint="the importance-weight cap C"),
+  )
+
+
+def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level="token", cap=2.0):
+  """Truncated (TIS) or masked (MIS) importance weights ``π_old/μ`` at token or sequence level.
+
+  See the module docstring for the formulas and the papers.
+
+  Args:
+    old_logp: ``f32[B, T]`` the trainer's log-probs of the rollout policy (π_old).
+    behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs (μ: the inference engine's).
+    mask: ``bool[B, T]`` real completion tokens; both log-probs are ignored on padding.
+    correction: ``"tis"`` (truncate at the cap) or ``"mis"`` (weight 0 above the cap).
+    level: ``"token"`` (one ratio per token) or ``"sequence"`` (the product over the row).
+    cap: C > 0, a Python float (static) or a ``f32[]`` array (traced) (TRL's ``vllm_importance_sampling_clip_max`` default 3, verl's ``rollout_is_threshold`` 2).
+
+  Returns:
+    :class:`ImportanceWeights` ``(weights, ratio f32[B, T], capped bool[B, T], mismatch_kl f32[B, T])``.
+  """
+  _checks.check_logp_pair(old_logp, behavior_logp, mask, ("old_logp", "behavior_logp"))
+  hyper = check_hyper(correction, level, cap)
+  static, traced = _hyper.split({"cap": hyper["cap"]})
+  return _importance_weights(
+    old_logp, behavior_logp, mask, traced, correction=hyper["correction"], level=hyper["level"], static=static
+  )

@@ -1,0 +1,5 @@
+"""Layer 6, the rollout side: sampling (``sampling``: ``generate``, ``SamplingConfig``), engines
+(``engines``: built-in, vLLM, yours), environments (``environments``: multi-turn agents), one-iteration
+helpers (``iteration``) and asynchronous rollouts (``async_rollout``, ``pipeline_sim``)."""
+
+__all__ = []

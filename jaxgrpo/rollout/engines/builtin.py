@@ -1,0 +1,100 @@
+"""The built-in engine: :func:`jaxgrpo.rollout.sampling.generate` (the jitted static-batch sampler) behind the
+:class:`~jaxgrpo.rollout.engines.base.Engine` interface.
+
+It samples from the model it was last given, in the same process and on the same arrays (no copy: a push
+is a reference swap, so an engine built from a policy that shares the train state's arrays sees every
+update once it is given the new policy). Its log-probs are those the train step recomputes, up to float32
+rounding (``logprobs_are_policy = True``). A policy merged from a train state shares that state's arrays,
+which the next train step donates (deletes): after an update, :meth:`~BuiltinEngine.generate` refuses to run
+until the new policy is pushed (one line naming ``push_weights``, not XLA's "Buffer has been deleted or
+donated"). It holds no memory of its own between calls: ``release_memory`` / ``reacquire_memory`` do
+nothing (XLA frees the KV cache of a call when the call returns).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxgrpo.rollout.engines.base import Generation, finish_reasons
+from jaxgrpo.rollout.sampling import generate
+
+__all__ = ["BuiltinEngine"]
+
+
+class BuiltinEngine:
+  """:func:`jaxgrpo.rollout.sampling.generate` as an engine.
+
+  Args:
+    model: the ``jaxgrpo.models`` decoder to sample from (None: call :meth:`push_weights` first).
+  """
+
+  name = "jax"
+  logprobs_are_policy = True
+
+  def __init__(self, model=None):
+    self.model = model
+
+  def push_weights(self, model) -> None:
+    """Sample from ``model`` from now on (a reference, not a copy)."""
+    self.model = model
+
+  def release_memory(self) -> None:
+    """Nothing to free: the sampler's KV cache lives only during a call."""
+
+  def reacquire_memory(self) -> None:
+    """Nothing to reacquire (see :meth:`release_memory`)."""
+
+  def close(self) -> None:
+    """Drop the reference to the model (nothing else is held)."""
+    self.model = None
+
+  def _check_weights(self) -> None:
+    """RuntimeError when no model was pushed or its arrays were deleted (donated to a train step update)."""
+    if self.model is None:
+      raise RuntimeError("BuiltinEngine.generate: no model yet; call push_weights(model) first")
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(self.model)):
+      if isinstance(x, jax.Array) and x.is_deleted():
+        raise RuntimeError(
+          "BuiltinEngine.generate: the pushed model's weights were deleted (a train step donated the state they "
+          f"came from; first: {jax.tree_util.keystr(path)}); call engine.push_weights(policy) with the updated "
+          "policy after every update"
+        )
+
+  def generate(
+    self,
+    prompt_tokens,
+    prompt_mask,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_ids: Sequence[int] = (),
+    pad_id: int,
+    suppress_ids: Sequence[int] | None = None,
+    key: jax.Array,
+  ) -> Generation:
+    """:func:`jaxgrpo.rollout.sampling.generate` on the last pushed model, plus finish reasons (see
+    :meth:`jaxgrpo.rollout.engines.base.Engine.generate`)."""
+    self._check_weights()
+    rollout = generate(
+      self.model,
+      prompt_tokens,
+      prompt_mask,
+      num_samples=num_samples,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      suppress_ids=suppress_ids,
+      key=key,
+    )
+    reasons = finish_reasons(np.asarray(rollout.completions), np.asarray(rollout.mask), eos_ids)
+    return Generation(rollout, reasons)

@@ -1,0 +1,550 @@
+"""Autoregressive sampling: one jitted program that prefills each prompt once and decodes G samples.
+
+Data flow (axis names: B prompts, G samples per prompt, N = B*G rows, P prompt tokens, T new
+tokens, V vocabulary):
+
+    prompts [B, P] (left-padded) --prefill--> KV cache [B, P+T-1] --repeat_cache(G)--> [N, P+T-1]
+    --lax.while_loop over t (one token per row per step; exits once every row has finished)-->
+    Rollout(completions [N, T] right-padded, mask, log_probs, ...)
+
+The log-probs returned for the sampled tokens are those the train step recomputes for the rollout
+(``jaxgrpo.step.train.completion_log_probs``: one forward over ``[prompt_tokens ‖ completions]`` with the
+mask ``[prompt_mask ‖ mask]``, at the same temperature; ``jaxgrpo.models.log_probs`` gives the same
+numbers): ``log_softmax(logits / temperature)`` over the *full* vocabulary, in float32, whatever
+top-k/top-p filtering or suppressed ids restricted the draw. The train step therefore sees
+``old_logp == log-probs(params at sampling time)`` up to float32 rounding: the PPO ratio is 1
+on-policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo import _checks
+from jaxgrpo import models as _models
+from jaxgrpo.models import moe as _moe
+
+__all__ = ["Rollout", "SamplingConfig", "generate", "filter_logits", "sample_categorical"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+  """How :func:`sample` draws completions (the keyword arguments of ``jaxgrpo.rollout.sampling.generate``).
+
+  The temperature is not here: it is the train step's ``TrainConfig.temperature`` (the rollout
+  log-probs must refer to the temperature the step computes its log-probs at), which
+  :func:`grpo_iteration` passes to :func:`sample`.
+
+  Attributes:
+    num_samples: G, completions per prompt (the group size).
+    max_new_tokens: T, the completion length budget of single-turn sampling (:func:`sample`,
+      :func:`grpo_iteration`: required there). None (the default) for multi-turn sampling, whose token
+      budgets are ``MultiTurnConfig``'s (``max_tokens``, ``turn_tokens``); a value given there is ignored.
+    top_p, top_k: nucleus and top-k filtering (1.0 and 0: off).
+    eos_ids: token ids that end a completion (empty: every completion has T tokens).
+    pad_id: id written after the end of each completion.
+    suppress_ids: token ids never sampled (``generate``'s ``suppress_ids``; None: the pad id unless
+      it is also an EOS id; ``()``: none).
+    merge_lora: sample a LoRA policy from ``models.lora.merge_lora(model)`` (a plain model: no
+      adapter matmuls per token, but a merged copy of every adapted weight while sampling and one
+      merge per call) instead of the adapted model (default). Ignored for a model without adapters.
+    record_routing: record each token's experts (``Rollout.routing``: a mixture-of-experts policy's
+      routing replay, ``jaxgrpo.models.moe``); ValueError from ``generate`` for a dense model.
+  """
+
+  num_samples: int
+  max_new_tokens: int | None = None
+  top_p: float = 1.0
+  top_k: int = 0
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+  suppress_ids: tuple[int, ...] | None = None
+  merge_lora: bool = False
+  record_routing: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+    if self.suppress_ids is not None:
+      object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
+    for name in ("num_samples", "max_new_tokens"):
+      v = getattr(self, name)
+      if (v is not None or name == "num_samples") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(
+          f"`{name}` must be an int >= 1{' or None (multi-turn)' if name != 'num_samples' else ''}; got {v!r}"
+        )
+
+  def generate_kwargs(self, temperature: float, where: str) -> dict[str, Any]:
+    """The keyword arguments of ``jaxgrpo.rollout.sampling.generate`` / ``Engine.generate`` for single-turn sampling
+    at ``temperature`` (``key`` and ``record_routing`` are the caller's); ``where`` names the caller in the
+    error of a None ``max_new_tokens``."""
+    return dict(
+      num_samples=self.num_samples,
+      max_new_tokens=self.require_max_new_tokens(where),
+      temperature=temperature,
+      top_p=self.top_p,
+      top_k=self.top_k,
+      eos_ids=self.eos_ids,
+      pad_id=self.pad_id,
+      suppress_ids=self.suppress_ids,
+    )
+
+  def require_max_new_tokens(self, where: str) -> int:
+    """``max_new_tokens``, or a ValueError naming ``where`` when it is None (single-turn sampling needs it)."""
+    if self.max_new_tokens is None:
+      raise ValueError(
+        f"{where}: `SamplingConfig.max_new_tokens` is None; single-turn sampling needs the completion length budget "
+        "(None is for multi-turn sampling only)"
+      )
+    return self.max_new_tokens
+
+
+class Rollout(NamedTuple):
+  """The output of ``generate``. Row ``b*G + g`` is sample g of prompt b (N = B*G rows).
+
+  Attributes:
+    prompt_tokens: ``int32[N, P]`` — the prompt of each row (prompt b repeated G times), left-padded.
+    prompt_mask: ``bool[N, P]`` — True on real prompt tokens (False on the left padding).
+    completions: ``int32[N, T]`` — sampled tokens, right-padded with ``pad_id`` after the end. No
+      real token is one of the ``suppress_ids`` of the call (by default the pad id).
+    mask: ``bool[N, T]`` — True on real completion tokens: every token up to and including the first
+      EOS (when one was sampled), all T tokens otherwise. ``mask[:, t]`` implies ``mask[:, t-1]``.
+    log_probs: ``f32[N, T]`` — ``log π(token_t | prompt, tokens_<t)`` under the temperature-scaled
+      softmax over the *full* vocabulary (suppressed and filtered ids included in the
+      normalisation; see ``generate``); 0 where ``mask`` is False.
+    group_ids: ``int32[N]`` — ``b`` for row ``b*G + g`` (which prompt the row belongs to).
+    num_steps: ``int32[]`` — how many token positions the decode loop produced (≤ T; smaller when
+      every row hit EOS early). Columns ≥ num_steps are padding in every row.
+    routing: ``uint8/int16[N, P + T, M, k]`` — with ``generate(..., record_routing=True)`` on a
+      mixture of experts (``jaxgrpo.models.moe``, M sparse layers, top-k): the experts each sparse
+      layer routed each token of ``[prompt ‖ completion]`` to while sampling (prompt columns from the
+      prefill, completion token t from the decode step that fed it; the last completion column, never
+      fed, is 0). The routing replay of the train step (``Batch.routing``). None otherwise.
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completions: jax.Array
+  mask: jax.Array
+  log_probs: jax.Array
+  group_ids: jax.Array
+  num_steps: jax.Array
+  routing: jax.Array | None = None
+
+
+def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+  """Top-k then top-p (nucleus) filtering: removed tokens get -inf, kept ones keep their value.
+
+  Applied to already temperature-scaled logits, in this order (as in transformers' sampling):
+    1. top_k > 0: keep tokens whose logit is >= the k-th largest logit (ties at the k-th value are
+       all kept); top_k = 0 keeps everything; top_k >= V keeps everything.
+    2. top_p < 1: with p = softmax(logits after step 1), sorted descending, keep the smallest
+       prefix whose total probability is >= top_p — i.e. token i of the sorted order is kept iff
+       sum_{j<i} p_j < top_p (so the most likely token is always kept) — plus every token tied
+       with the last kept logit.
+
+  Both thresholds are found without sorting (XLA's CPU sort of a [128, 32000] array takes seconds):
+  a 32-step bisection over the order-preserving uint32 images of the float32 logits finds the
+  largest logit c with count(logits >= c) >= top_k, resp. mass(logits >= c) >= top_p; c is a
+  logit of the row, and exactly the smallest kept one of the definitions above. Cost: 32 passes
+  over [..., V] per filter.
+
+  Args:
+    logits: ``f32[..., V]`` (computed in float32; entries already at -inf stay removed).
+    top_k: int >= 0 (static).
+    top_p: float in (0, 1] (static).
+
+  Returns:
+    ``f32[..., V]``: the logits with removed entries set to -inf.
+  """
+  _checks.check_float(logits, "logits", "f32[..., V]")
+  if not _checks.shape_of(logits):
+    raise ValueError("`logits` must have a vocabulary axis (f32[..., V]); got a scalar")
+  return _filter_logits(logits, top_k=_check_top_k(top_k), top_p=_check_top_p(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def _filter_logits(logits, *, top_k, top_p):
+  logits = jnp.asarray(logits, jnp.float32)
+  vocab = logits.shape[-1]
+  if 0 < top_k < vocab:
+    # Float counts: a float where-sum is faster on CPU than an int/bool count (BENCHMARKS.md, "Sampler").
+    threshold = _largest_passing_value(
+      logits, lambda v: jnp.sum(jnp.where(logits >= v, 1.0, 0.0), -1, keepdims=True) >= top_k
+    )
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+  if top_p < 1.0:
+    probs = jax.nn.softmax(logits, axis=-1)
+    threshold = _largest_passing_value(
+      logits, lambda v: jnp.sum(jnp.where(logits >= v, probs, 0.0), -1, keepdims=True) >= top_p
+    )
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+  return logits
+
+
+def _to_ordered_uint32(x: jax.Array) -> jax.Array:
+  """float32 -> uint32 with the same order (x < y iff key(x) < key(y)), for non-NaN x."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_ordered_uint32(key: jax.Array) -> jax.Array:
+  """Inverse of `_to_ordered_uint32` (keys between those of -inf and +inf are non-NaN floats)."""
+  bits = jnp.where(key >> 31 == 1, key ^ jnp.uint32(0x80000000), ~key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _largest_passing_value(x: jax.Array, passes) -> jax.Array:
+  """Largest float32 v in [min(x), max(x)] (per row, [..., 1]) with passes(v) True.
+
+  `passes` must be monotone (True up to some v*, False above) and True at min(x); when v* is
+  where a count or mass over {x >= v} drops, v* is an element of x. Bisection over the ordered
+  uint32 images of the floats: 32 steps cover every float exactly.
+  """
+  lo = _to_ordered_uint32(jnp.min(x, axis=-1, keepdims=True))
+  hi = _to_ordered_uint32(jnp.max(x, axis=-1, keepdims=True))
+
+  def step(_, bounds):
+    lo, hi = bounds
+    gap = hi - lo
+    mid = lo + (gap >> 1) + (gap & 1)  # ceil((lo + hi) / 2) without overflow
+    ok = passes(_from_ordered_uint32(mid))
+    return jnp.where(ok, mid, lo), jnp.where(ok | (mid == lo), hi, mid - 1)
+
+  lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+  return _from_ordered_uint32(lo)
+
+
+def _block_size(vocab: int) -> int:
+  """A block length near sqrt(V) for `sample_categorical`: the divisor of V closest to sqrt(V)
+  within a factor 2 (no padding copy of the [N, V] probabilities), else ceil(sqrt(V))."""
+  root = max(1, math.isqrt(vocab - 1) + 1)
+  divisors = [d for d in range(max(1, root // 2), 2 * root + 1) if vocab % d == 0]
+  return min(divisors, key=lambda d: abs(d - root)) if divisors else root
+
+
+def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+  """One draw per row from softmax(logits), by inverting the CDF with a single uniform per row.
+
+  Equivalent in distribution to `jax.random.categorical(key, logits)` (entries at -inf are never
+  drawn), but it needs N random numbers instead of N*V Gumbel draws, which dominate a decode
+  step on CPU (BENCHMARKS.md, "Sampler"). The vocabulary is cut into
+  ~sqrt(V) blocks: the block is found from the cumulative block masses, then the token within
+  the block from the block's own cumulative mass, so every cumulative sum is short (float32
+  rounding ~1e-7 relative; XLA's CPU cumsum is also slow on long axes). With u ~ U[0, 1) and
+  target = (1 - u) * total in (0, total], the first index whose cumulative mass reaches the
+  target always has positive probability. Resolution: probabilities below ~1e-7 of the row's
+  mass are not reproduced exactly (as with the float32 Gumbel sampler).
+
+  Args:
+    key: a PRNG key.
+    logits: ``f32[N, V]``, unnormalised; -inf for impossible tokens (at least one finite per row).
+
+  Returns:
+    ``int32[N]``.
+  """
+  _checks.check_float(logits, "logits", "f32[N, V]")
+  _checks.check_rank(logits, 2, "logits", "f32[N, V]")
+  return _sample_categorical(key, logits)
+
+
+@jax.jit
+def _sample_categorical(key, logits):
+  n, vocab = logits.shape
+  block = _block_size(vocab)
+  num_blocks = -(-vocab // block)
+  probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [N, V], 0 where -inf
+  if num_blocks * block != vocab:
+    probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab)))
+  probs = probs.reshape(n, num_blocks, block)
+  block_mass = jnp.sum(probs, axis=-1)  # [N, nb]
+  cum = jnp.cumsum(block_mass, axis=-1)  # inclusive
+  before = jnp.concatenate([jnp.zeros((n, 1), cum.dtype), cum[:, :-1]], axis=-1)  # exclusive
+  u = jax.random.uniform(key, (n,), jnp.float32)  # [0, 1)
+  target = (1.0 - u) * cum[:, -1]  # (0, total]
+  b = jnp.minimum(jnp.sum(cum < target[:, None], axis=-1), num_blocks - 1)  # [N]
+  take = lambda x: jnp.take_along_axis(x, b[:, None], axis=-1)[:, 0]
+  # Position of the target inside block b, as a fraction of the block's mass: U(0, 1] given b.
+  frac = jnp.clip((target - take(before)) / take(block_mass), 0.0, 1.0)
+  inner = jnp.take_along_axis(probs, b[:, None, None], axis=1)[:, 0]  # [N, block]
+  inner_cum = jnp.cumsum(inner, axis=-1)
+  inner_target = jnp.maximum(frac * inner_cum[:, -1], jnp.finfo(jnp.float32).tiny)
+  j = jnp.minimum(jnp.sum(inner_cum < inner_target[:, None], axis=-1), block - 1)
+  return (b * block + j).astype(jnp.int32)
+
+
+def generate(
+  model: nnx.Module,
+  prompt_tokens: jax.Array,
+  prompt_mask: jax.Array,
+  *,
+  num_samples: int,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  eos_ids: Sequence[int] = (),
+  pad_id: int,
+  suppress_ids: Sequence[int] | None = None,
+  key: jax.Array,
+  record_routing: bool = False,
+) -> Rollout:
+  """Samples ``num_samples`` completions per prompt with a KV cache, in one jitted program.
+
+  Each prompt is prefilled once (B rows) and its cache shared by its G samples (``repeat_cache``).
+  The decode loop is a ``lax.while_loop`` producing one token per row per step; it stops once
+  every row has finished (sampled one of ``eos_ids``, or reached ``max_new_tokens``).
+
+  Token t of a row is drawn from the *sampling distribution*: the logits of the ``suppress_ids``
+  are set to -inf (the sampler never emits them), then
+
+    * temperature > 0: ``softmax(filter_logits(logits_t / temperature, top_k, top_p))``, with
+      ``sample_categorical`` (one uniform per row) and the key ``fold_in(key, t)``;
+    * temperature == 0: ``argmax(logits_t)`` over the ids not suppressed (greedy; top_k/top_p are
+      irrelevant).
+
+  Its *reported* log-prob (``Rollout.log_probs``) is ``log_softmax(logits_t / temperature)[token]``
+  in float32 over the **full** vocabulary — not over the suppressed or filtered distribution it was
+  drawn from. That is the policy the train step optimises and recomputes
+  (``jaxgrpo.step.train.completion_log_probs`` at the same temperature) without knowing which ids were
+  suppressed, so the PPO ratio is exactly 1 on-policy and no mask has to travel with the batch. The
+  price, as with top-k/top-p: the tokens are not distributed as these log-probs say (the
+  suppressed mass is redistributed over the other ids), which matters only to estimators that
+  reweight by the sampler's own probabilities. With temperature == 0 the log-probs are those of
+  the unscaled softmax, ``log_softmax(logits_t)[token]`` (temperature 1).
+
+  Positions follow the contract: prompt token i of a row is at position ``cumsum(mask)[i] - 1``, and
+  completion token t at position (number of real prompt tokens) + t.
+
+  Args:
+    model: a ``jaxgrpo.models`` decoder (any family).
+    prompt_tokens: ``int32[B, P]``, left-padded prompts (B >= 1, P >= 1).
+    prompt_mask: ``bool[B, P]``, True on real tokens; each row is False...False True...True with at
+      least one True.
+    num_samples: G >= 1, samples per prompt.
+    max_new_tokens: T >= 1, completion length budget.
+    temperature: >= 0 (0 = greedy).
+    top_p: nucleus mass in (0, 1] (1 = off).
+    top_k: >= 0 (0 = off).
+    eos_ids: token ids that end a completion (included in the completion and its mask). Empty:
+      every completion has exactly T tokens.
+    pad_id: int >= 0, the id written after the end of each completion.
+    suppress_ids: token ids the sampler must never emit (each in ``[0, vocab_size)``, not an EOS id,
+      not the whole vocabulary). None (default): ``(pad_id,)`` when the pad id is in the vocabulary
+      and not one of ``eos_ids`` — so a real token can never be mistaken for padding — else ``()``.
+      Pass ``()`` to allow every id.
+    key: a PRNG key (typed ``jax.random.key`` or raw ``uint32[2]``); same key => same rollout.
+    record_routing: record the experts of every token in ``Rollout.routing`` (a mixture-of-experts
+      model only: ValueError for a dense one). The sampled tokens do not change.
+
+  Returns:
+    A ``Rollout`` with N = B*G rows; row b*G + g is sample g of prompt b.
+
+  Raises:
+    TypeError: a wrong type or dtype (e.g. float prompt tokens, ``num_samples=2.0``, a string id).
+    ValueError: a wrong shape or value (e.g. a mask that is not left-padded, ``top_p=0``, an id
+      outside the vocabulary, ``P + T > max_position_embeddings``).
+  """
+  prompt_tokens, prompt_mask = _checks.check_prompts(prompt_tokens, prompt_mask)
+  num_samples = _checks.check_python_int(num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
+  max_new_tokens = _checks.check_python_int(max_new_tokens, "max_new_tokens", minimum=1, hint="T")
+  temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
+  top_p = _check_top_p(top_p)
+  top_k = _check_top_k(top_k)
+  vocab_size = model.config.vocab_size
+  eos_ids = _checks.check_token_ids(eos_ids, "eos_ids", vocab_size)
+  pad_id = _checks.check_python_int(pad_id, "pad_id", minimum=0)
+  suppress_ids = _suppressed_ids(suppress_ids, pad_id, eos_ids, vocab_size)
+  key = _checks.check_prng_key(key)
+  total_len = prompt_tokens.shape[1] + max_new_tokens
+  max_positions = model.config.max_position_embeddings
+  if total_len > max_positions:
+    raise ValueError(
+      f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} = {total_len} "
+      f"exceeds the model's max_position_embeddings {max_positions}"
+    )
+  if not isinstance(record_routing, bool):
+    raise TypeError(f"record_routing must be a bool; got {record_routing!r}")
+  if record_routing and not _moe.is_moe(model):
+    raise ValueError(
+      f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
+    )
+  graphdef, state = nnx.split(model)
+  return _generate_jit(
+    graphdef,
+    state,
+    prompt_tokens,
+    prompt_mask,
+    key,
+    num_samples=num_samples,
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    eos_ids=eos_ids,
+    pad_id=pad_id,
+    suppress_ids=suppress_ids,
+    record_routing=record_routing,
+  )
+
+
+def _check_top_p(top_p) -> float:
+  return _checks.check_python_float(top_p, "top_p", above=0.0, at_most=1.0, hint="1 = no nucleus filtering")
+
+
+def _check_top_k(top_k) -> int:
+  return _checks.check_python_int(top_k, "top_k", minimum=0, hint="0 = no top-k filtering")
+
+
+def _suppressed_ids(suppress_ids, pad_id: int, eos_ids: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+  """The sorted, de-duplicated ids ``generate`` must never emit (see its ``suppress_ids``)."""
+  if suppress_ids is None:
+    return (pad_id,) if pad_id < vocab_size and pad_id not in eos_ids else ()
+  ids = tuple(sorted(set(_checks.check_token_ids(suppress_ids, "suppress_ids", vocab_size))))
+  both = sorted(set(ids) & set(eos_ids))
+  if both:
+    raise ValueError(
+      f"`suppress_ids` and `eos_ids` share {both}: an id cannot both end a completion and never be emitted"
+    )
+  if len(ids) == vocab_size:
+    raise ValueError(f"`suppress_ids` covers the whole vocabulary ({vocab_size} ids): nothing left to sample")
+  return ids
+
+
+@functools.partial(
+  jax.jit,
+  static_argnums=(0,),
+  static_argnames=(
+    "num_samples",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "eos_ids",
+    "pad_id",
+    "suppress_ids",
+    "record_routing",
+  ),
+)
+def _generate_jit(
+  graphdef,
+  state,
+  prompt_tokens,
+  prompt_mask,
+  key,
+  *,
+  num_samples,
+  max_new_tokens,
+  temperature,
+  top_p,
+  top_k,
+  eos_ids,
+  pad_id,
+  suppress_ids,
+  record_routing=False,
+) -> Rollout:
+  model = nnx.merge(graphdef, state)
+  batch, prompt_len = prompt_tokens.shape
+  n_rows = batch * num_samples
+
+  # Prefill: B rows, once per prompt. The last prompt column is real (left padding), so its
+  # hidden state gives the logits of the first completion token.
+  positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)  # [B, P]
+  # The last sampled token is never fed back, so P + T - 1 slots suffice.
+  cache = model.init_cache(batch, prompt_len + max_new_tokens - 1)
+  with _moe.routing_scope() as scope:
+    hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
+  routes = None
+  if record_routing:  # [N, T, M, k] for the completion tokens, filled by the decode loop
+    prompt_routes = jnp.repeat(scope.stacked().experts, num_samples, axis=0)  # [N, P, M, k]
+    routes = jnp.zeros((n_rows, max_new_tokens) + prompt_routes.shape[2:], jnp.int32)
+  first_logits = model.logits(hidden[:, -1], out_dtype=jnp.float32)  # [B, V]
+  cache = _models.repeat_cache(cache, num_samples)  # [N, ...]
+  first_logits = jnp.repeat(first_logits, num_samples, axis=0)  # [N, V]
+  # Position of completion token 0 in every row.
+  start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
+
+  eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
+  suppressed = None
+  if suppress_ids:  # a constant bool[V]: one fused select per step, not a scatter
+    suppressed = np.zeros(first_logits.shape[-1], bool)
+    suppressed[list(suppress_ids)] = True
+
+  def sample(t, logits):
+    """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N] under the full softmax)."""
+    scaled = logits if temperature == 0.0 else logits / temperature  # [N, V]
+    allowed = scaled if suppressed is None else jnp.where(suppressed, -jnp.inf, scaled)
+    if temperature == 0.0:
+      token = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
+    else:
+      filtered = _filter_logits(allowed, top_k=top_k, top_p=top_p)
+      token = _sample_categorical(jax.random.fold_in(key, t), filtered)
+    chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+    return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
+
+  def record(t, logits, carry):
+    """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
+    tokens, logps, lengths, done = carry
+    token, logp = sample(t, logits)
+    token = jnp.where(done, pad_id, token)
+    logp = jnp.where(done, 0.0, logp)
+    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
+    logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
+    lengths = lengths + (~done).astype(jnp.int32)
+    if eos is not None:
+      done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
+    return tokens, logps, lengths, done, token
+
+  buffers = (
+    jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens
+    jnp.zeros((n_rows, max_new_tokens), jnp.float32),  # log-probs
+    jnp.zeros((n_rows,), jnp.int32),  # lengths (real tokens so far)
+    jnp.zeros((n_rows,), bool),  # done
+  )
+  *buffers, last_token = record(0, first_logits, buffers)
+
+  def cond(loop_carry):
+    t, _, _, buffers, _ = loop_carry
+    return (t < max_new_tokens) & ~jnp.all(buffers[3])
+
+  def body(loop_carry):
+    t, cache, last_token, buffers, routes = loop_carry
+    done = buffers[3]
+    # Feed token t-1 (at position start + t - 1) to get the logits of token t.
+    with _moe.routing_scope() as scope:
+      hidden, cache = model(
+        last_token[:, None],
+        (start_pos + t - 1)[:, None],
+        attention_mask=~done[:, None],
+        cache=cache,
+      )
+    if routes is not None:  # the experts of completion token t-1
+      routes = jax.lax.dynamic_update_index_in_dim(routes, scope.stacked().experts[:, 0], t - 1, axis=1)
+    logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)  # [N, V]
+    *buffers, last_token = record(t, logits, buffers)
+    return t + 1, cache, last_token, tuple(buffers), routes
+
+  num_steps, _, _, (tokens, logps, lengths, _), routes = jax.lax.while_loop(
+    cond, body, (jnp.int32(1), cache, last_token, tuple(buffers), routes)
+  )
+  if routes is not None:
+    routes = jnp.concatenate([prompt_routes, routes], axis=1).astype(_moe.replay_dtype(model.config.num_experts))
+  mask = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :] < lengths[:, None]  # [N, T]
+  return Rollout(
+    prompt_tokens=jnp.repeat(prompt_tokens, num_samples, axis=0),
+    prompt_mask=jnp.repeat(prompt_mask, num_samples, axis=0),
+    completions=tokens,
+    mask=mask,
+    log_probs=logps,
+    group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), num_samples),
+    num_steps=num_steps,
+    routing=routes,
+  )

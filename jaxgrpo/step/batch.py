@@ -1,0 +1,232 @@
+"""The train step's input: :class:`Batch`, one rollout batch, its validation and its placement.
+
+``Batch`` holds ``[B, ...]`` fields (B trajectories, P prompt slots, T completion slots; see its
+docstring for every field's shape and dtype). The step (``jaxgrpo.step.train``) and the reference pass
+validate a batch here (ranks, row and column counts, dtypes, one line naming the field) and place it
+on the mesh (``int32``/``bool``/``f32`` arrays on the batch sharding), so a NumPy batch and a placed
+one reach ``jit`` with the same signature. Re-exported as ``jaxgrpo.step.train.Batch``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgrpo import _checks
+from jaxgrpo.step.packing import PackedSlots
+
+__all__ = ["Batch"]
+
+
+class Batch(NamedTuple):
+  """One rollout batch (B = N trajectories, P prompt slots, T completion slots).
+
+  Attributes:
+    prompt_tokens: ``int32[B, P]`` left-padded prompts (``Rollout.prompt_tokens``), P >= 1.
+    prompt_mask: ``bool[B, P]`` real prompt tokens.
+    completions: ``int32[B, T]`` sampled tokens, right-padded.
+    mask: ``bool[B, T]`` real completion tokens.
+    old_logp: ``f32[B, T]`` rollout-policy log-probs of the completions (``Rollout.log_probs``).
+    group_ids: ``int32[B]`` prompt index of each row.
+    rewards: ``f32[B]`` outcome rewards r_i; NaN or ±inf marks a missing sample (advantage 0, its
+      tokens left out of the loss, counted in the ``rewards_nonfinite`` metric) — also when
+      ``advantages`` are given: the row is skipped, its given advantage unused. None is allowed only
+      with ``advantages`` given (the step then reads no rewards and skips no row).
+    ref_logp: ``f32[B, T]`` reference-model log-probs (``jaxgrpo.step.train.make_reference_fn``), or None when
+      nothing reads them (β = 0).
+    advantages: ``f32[B]`` or ``f32[B, T]`` precomputed advantages, or None: the step computes them
+      with its ``advantages_fn``. When given, ``advantages_fn`` is not called and ``rewards`` may be
+      None.
+    token_weights: ``f32[B, T]`` precomputed token weights (λ-GRPO: ``1/|λ|``), or None: the weights
+      of ``advantages_fn`` (or none at all when ``advantages`` is given).
+    behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs of the completions when they differ
+      from ``old_logp`` (another inference engine or dtype, an older checkpoint), read by a
+      ``GRPOConfig`` with ``importance_correction``; None: ``old_logp`` is the behaviour policy's.
+      Dropped (one compiled program) when the config does not read it.
+    routing: ``int[B, P + T, M, k]`` the experts each of the M sparse layers of a mixture of experts
+      used for each token of ``[prompt ‖ completion]`` when sampling (``Rollout.routing``, any integer
+      dtype), or None. Given, the step's and the reference pass's forwards use exactly these experts
+      (routing replay, ``jaxgrpo.models.moe``); None: each forward routes by its own top-k. Not with
+      packing (ValueError).
+    packed: the sequences packed for the step's slots (``jaxgrpo.step.packing.PackedSlots``,
+      :func:`~jaxgrpo.step.batch_packing.pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
+      stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
+    policy_mask: ``bool[B, T]`` the tokens the policy sampled (a subset of ``mask``), or None: all of
+      ``mask``. Multi-turn rollouts (``jaxgrpo.rollout.environments.rollout.sample_multiturn``) interleave the policy's turns
+      with environment observations in ``completions``; the observations are context only: ``mask``
+      (attention, process sets) covers them, the loss does not — they leave the loss numerator and its
+      token count, the KL term, the importance weights, the entropy bonus and the metrics, and their
+      ``ref_logp`` is replaced by ``old_logp`` before ``advantages_fn`` (so FRPO's future KL, whose
+      f-divergence is 0 at πref = πθold, sums over policy tokens only).
+
+  Integer fields may be any integer dtype and float fields any float dtype (the step converts them
+  to ``int32``/``f32``); masks must be boolean.
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completions: jax.Array
+  mask: jax.Array
+  old_logp: jax.Array
+  group_ids: jax.Array
+  rewards: jax.Array | None
+  ref_logp: jax.Array | None = None
+  advantages: jax.Array | None = None
+  token_weights: jax.Array | None = None
+  behavior_logp: jax.Array | None = None
+  packed: PackedSlots | None = None
+  policy_mask: jax.Array | None = None
+  routing: jax.Array | None = None
+
+  @classmethod
+  def from_rollout(
+    cls, rollout, rewards, ref_logp=None, *, advantages=None, token_weights=None, behavior_logp=None, policy_mask=None
+  ) -> "Batch":
+    """A batch from a ``jaxgrpo.rollout.sampling.Rollout`` and its ``f32[N]`` rewards (a list, NumPy or JAX
+    array; None with ``advantages`` given), with optional reference log-probs, precomputed advantages
+    / token weights and behaviour log-probs; the rollout's recorded experts (``Rollout.routing``, routing
+    replay) when it has them."""
+    if rewards is not None:
+      rewards = rewards.astype(jnp.float32) if isinstance(rewards, jax.Array) else np.asarray(rewards, np.float32)
+    return cls(
+      rollout.prompt_tokens,
+      rollout.prompt_mask,
+      rollout.completions,
+      rollout.mask,
+      rollout.log_probs,
+      rollout.group_ids,
+      rewards,
+      ref_logp,
+      advantages,
+      token_weights,
+      behavior_logp,
+      policy_mask=getattr(rollout, "policy_mask", None) if policy_mask is None else policy_mask,
+      routing=getattr(rollout, "routing", None),
+    )
+
+
+# name: (allowed ranks, dtype kind, notation); "T" fields share the completion length
+_FIELDS = {
+  "prompt_tokens": ((2,), "int", "int32[B, P]"),
+  "prompt_mask": ((2,), "bool", "bool[B, P]"),
+  "completions": ((2,), "int", "int32[B, T]"),
+  "mask": ((2,), "bool", "bool[B, T]"),
+  "old_logp": ((2,), "float", "f32[B, T]"),
+  "group_ids": ((1,), "int", "int32[B]"),
+  "rewards": ((1,), "float", "f32[B]"),
+  "ref_logp": ((2,), "float", "f32[B, T]"),
+  "advantages": ((1, 2), "float", "f32[B] or f32[B, T]"),
+  "token_weights": ((2,), "float", "f32[B, T]"),
+  "behavior_logp": ((2,), "float", "f32[B, T]"),
+  "policy_mask": ((2,), "bool", "bool[B, T]"),
+}
+_DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
+_CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
+_REQUIRED = ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", "group_ids", "rewards")
+_REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
+
+
+def _check_fields(batch: Batch, names) -> tuple[int, int]:
+  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``."""
+  if not isinstance(batch, Batch):
+    raise TypeError(f"batch must be a jaxgrpo.step.train.Batch; got {type(batch).__name__}")
+  b, t = np.shape(batch.completions) if np.ndim(batch.completions) == 2 else (None, None)
+  if b is None:
+    raise ValueError(f"batch.completions must have rank 2 (int32[B, T]); got shape {np.shape(batch.completions)}")
+  for name in names:
+    x = getattr(batch, name)
+    if x is None:
+      if name == "rewards" and batch.advantages is None:
+        raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
+      if name in _REQUIRED and name != "rewards":
+        raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
+      continue
+    ranks, kind, notation = _FIELDS[name]
+    shape = np.shape(x)
+    allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
+    if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
+      want = " or ".join(str(a).replace("'P'", "P") for a in allowed)
+      raise ValueError(f"batch.{name} must be {notation} with B = {b} rows and T = {t}, i.e. shape {want}; got {shape}")
+    _CHECK_DTYPE[kind](x, f"batch.{name}", notation)
+  if "prompt_tokens" in names:
+    if np.shape(batch.prompt_tokens)[1] < 1:
+      raise ValueError(f"batch.prompt_tokens needs at least one column; got shape {np.shape(batch.prompt_tokens)}")
+    if np.shape(batch.prompt_mask) != np.shape(batch.prompt_tokens):
+      raise ValueError(
+        f"batch.prompt_mask shape {np.shape(batch.prompt_mask)} != prompt_tokens shape {np.shape(batch.prompt_tokens)}"
+      )
+  return b, t
+
+
+def _check_policy_mask(batch: Batch) -> None:
+  """ValueError when ``batch.policy_mask`` (values on this host) marks a token outside ``batch.mask``."""
+  if batch.policy_mask is None:
+    return
+  pm, m = _host_values(batch.policy_mask), _host_values(batch.mask)
+  if pm is not None and m is not None and (pm & ~m).any():
+    row = int(np.flatnonzero((pm & ~m).any(axis=1))[0])
+    raise ValueError(
+      f"batch.policy_mask must be a subset of batch.mask (policy tokens are real tokens); row {row} is not"
+    )
+
+
+def _check_routing(batch: Batch, b: int, t: int) -> None:
+  """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay), not with a packed batch."""
+  r = batch.routing
+  if r is None:
+    return
+  p = np.shape(batch.prompt_tokens)[1]
+  shape = np.shape(r)
+  if len(shape) != 4 or shape[:2] != (b, p + t):
+    raise ValueError(f"batch.routing must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {shape}")
+  if not np.issubdtype(np.dtype(r.dtype), np.integer):
+    raise TypeError(f"batch.routing must hold integer expert ids; got dtype {r.dtype}")
+  if batch.packed is not None:
+    raise ValueError(
+      "batch.routing (routing replay) is not supported with packing (TrainConfig.packing): train unpacked or "
+      "drop the routing (rollout.routing_replay: none)"
+    )
+
+
+def _place_routing(batch: Batch, sharding) -> Batch:
+  if batch.routing is None:
+    return batch
+  r = batch.routing if isinstance(batch.routing, jax.Array) else np.asarray(batch.routing)
+  return batch._replace(routing=jax.device_put(r, sharding))
+
+
+def _place_fields(batch: Batch, names, sharding) -> Batch:
+  """The fields ``names`` as ``int32``/``bool``/``f32`` arrays on ``sharding`` (a no-op for fields
+  already placed there), so NumPy and placed batches reach ``jit`` with identical signatures."""
+  placed = {}
+  for name in names:
+    x = getattr(batch, name)
+    if x is None:
+      continue
+    dtype = _DTYPES[_FIELDS[name][1]]
+    if isinstance(x, jax.Array):
+      x = x if x.dtype == dtype else x.astype(dtype)
+    else:
+      x = np.asarray(x, dtype)
+    placed[name] = x
+  return batch._replace(**jax.device_put(placed, sharding))
+
+
+def _host_values(x) -> np.ndarray | None:
+  """``x`` as NumPy when its values are on this host (NumPy, or a fully addressable ``jax.Array``)."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  if isinstance(x, jax.Array):
+    return np.asarray(x) if x.is_fully_addressable else None
+  return np.asarray(x)
+
+
+def _place_packed(batch: Batch, sharding) -> Batch:
+  """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``)."""
+  if batch.packed is None:
+    return batch
+  as_int32 = lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.int32 else jnp.asarray(x, jnp.int32)
+  return batch._replace(packed=jax.device_put(jax.tree.map(as_int32, batch.packed), sharding))

@@ -1,0 +1,209 @@
+"""From host rows to the step's inputs: the :class:`~jaxgrpo.step.batch.Batch` placed on the train mesh
+(:func:`place`: bucket padding, packing with ``TrainConfig.packing``, per-process rows; :func:`make_batch`
+from a rollout and its rewards), the frozen reference pass (:func:`make_reference`) and the policy a train
+state holds (:func:`policy_model`, :func:`policy_params`).
+
+Everything here sits between the rollout side and the jitted step, so both the one-call iteration
+(``jaxgrpo.rollout.iteration``) and a trainer's own loop build the step's inputs one way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from jaxgrpo.models import lora
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step.batch import Batch
+from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
+from jaxgrpo.step.train import (
+  TrainConfig,
+  TrainState,
+  TrainStep,
+  _check_not_donated,
+  _merge_model,
+  make_reference_fn,
+)
+
+__all__ = [
+  "Reference",
+  "make_batch",
+  "make_reference",
+  "place",
+  "policy_model",
+  "policy_params",
+]
+
+
+class Reference(NamedTuple):
+  """The frozen reference policy: its parameters and the jitted log-prob pass.
+
+  ``params``: a copy of the initial parameters (full fine-tuning), or a LoRA policy's frozen base
+  weights — the train state's own ``frozen`` arrays, not a copy (the reference is the base model:
+  ``models.lora.base_model``).
+
+  ``reference(batch)`` returns ``batch`` with ``ref_logp`` ``f32[B, T]`` filled in;
+  ``reference.log_probs(batch)`` returns the log-probs alone. Built by :func:`make_reference`.
+  """
+
+  params: Any
+  fn: Callable
+
+  def log_probs(self, batch: Batch) -> jax.Array:
+    """``f32[B, T]`` reference log-probs of ``batch``'s completions (batch-sharded)."""
+    return self.fn(self.params, batch)
+
+  def __call__(self, batch: Batch) -> Batch:
+    return batch._replace(ref_logp=self.log_probs(batch))
+
+
+def policy_model(graphdef, state: TrainState) -> nnx.Module:
+  """The policy as a model, ``nnx.merge(graphdef, state.params, state.frozen)``, for the next rollout.
+
+  It shares ``state``'s arrays: valid until the next call of the train step consumes ``state``.
+  """
+  _check_not_donated(state, "state")
+  return _merge_model(graphdef, state.params, state.frozen)
+
+
+def _trains_adapters_only(params, frozen) -> bool:
+  """Whether ``params`` are exactly the LoRA adapters and ``frozen`` everything else."""
+  flat = nnx.to_flat_state(params)
+  frozen_flat = [] if frozen is None else nnx.to_flat_state(frozen)
+  return (
+    bool(flat)
+    and all(isinstance(v, nnx.LoRAParam) for _, v in flat)
+    and not any(isinstance(v, nnx.LoRAParam) for _, v in frozen_flat)
+  )
+
+
+def make_reference(step: TrainStep, state: TrainState) -> Reference:
+  """The reference policy of ``step`` and the jitted log-prob pass (:func:`jaxgrpo.step.train.make_reference_fn`,
+  same mesh, micro-batches, temperature and chunking as the step). Build it once, from the initial state.
+
+  - LoRA (``state.params`` are the adapters, ``state.frozen`` the base weights — ``init_train_state(...,
+    trainable=nnx.LoRAParam)``): the reference is the base model with the adapters removed
+    (``models.lora.base_model``) running on ``state.frozen`` itself — never donated, not copied. This
+    saves a second copy of the base weights: 2 bytes × N parameters in bf16 (8.0 GB for Qwen3-4B).
+  - Otherwise: a copy of ``state.params`` (placed like the policy's, never donated); a policy whose
+    frozen part is not empty is merged with it unchanged.
+
+  ``state`` may also be the parameters alone (``state.params``, the earlier form) when nothing is frozen.
+  """
+  if not isinstance(state, TrainState):
+    if jax.tree.leaves(step.shardings.frozen):
+      raise TypeError(
+        "make_reference needs the TrainState (not its params) when the step has frozen variables (LoRA): "
+        "make_reference(step, state)"
+      )
+    state = TrainState(state, None, None, None)
+  _check_not_donated((state.params, state.frozen), "state")
+  kw = dict(mesh=step.mesh, train_config=step.train_config, rules=step.rules)
+  if _trains_adapters_only(state.params, state.frozen):
+    base = lora.base_model(_merge_model(step.graphdef, state.params, state.frozen))
+    fn = make_reference_fn(nnx.graphdef(base), param_shardings=step.shardings.frozen, **kw)
+    return Reference(state.frozen, fn)
+  copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=step.shardings.params)
+  params, shardings = copy(state.params), step.shardings.params
+  if state.frozen is not None and jax.tree.leaves(state.frozen):  # a custom filter: frozen, not copied
+    params, shardings = nnx.merge_state(params, state.frozen), nnx.merge_state(shardings, step.shardings.frozen)
+  return Reference(params, make_reference_fn(step.graphdef, param_shardings=shardings, **kw))
+
+
+def policy_params(state: TrainState):
+  """The policy's variables of ``state`` as one state: ``params`` merged with ``frozen`` when it is not empty."""
+  frozen = state.frozen
+  return nnx.merge_state(state.params, frozen) if frozen is not None and jax.tree.leaves(frozen) else state.params
+
+
+def place(
+  batch: Batch,
+  *,
+  mesh: Mesh,
+  rules: Mapping[str, Any] | None = None,
+  buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+  process_local: bool = False,
+  train_config: TrainConfig | None = None,
+) -> Batch:
+  """A host :class:`~jaxgrpo.step.train.Batch` bucket-padded, packed (with ``train_config.packing``) and
+  placed on ``mesh`` (rows over ``data × fsdp``).
+
+  Args:
+    batch: the batch (NumPy or JAX arrays).
+    buckets: completion-length buckets for :func:`jaxgrpo.step.train.pad_to_bucket` (None: keep T).
+    process_local: ``batch`` holds only this process's rows (multi-host: each process feeds its slice,
+      ``jaxgrpo.parallel.sharding.process_batch_rows``); every process then pads to the same bucket, and packs
+      its own device shards' slots with the same rows and head length.
+    train_config: the step's :class:`~jaxgrpo.step.train.TrainConfig`; with ``packing`` set the batch is
+      packed once here (:func:`jaxgrpo.step.train.pack_batch`, the step's slots), and the reference pass
+      and the step use that layout. None: not packed (the step packs it itself if it packs).
+  """
+  multi = process_local and jax.process_count() > 1
+  if buckets is not None:
+    length = None
+    if multi:
+      mask = np.asarray(batch.mask)
+      local = int(mask.any(axis=0).nonzero()[0].max() + 1) if mask.any() else 1
+      length = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+    batch = pad_to_bucket(batch, buckets, length=length)
+  if train_config is not None and train_config.packing is not None and batch.packed is None:
+    batch = _pack(batch, train_config, mesh, rules, multi)
+  placed = shd.place_batch(batch._replace(packed=None), mesh, rules, process_local=process_local)
+  if batch.packed is None:
+    return placed
+  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis
+  place_one = lambda x: shd.place_batch(np.asarray(x, np.int32), mesh, rules, process_local=process_local)
+  return placed._replace(packed=jax.tree.map(place_one, batch.packed))
+
+
+def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batch:
+  """``jaxgrpo.step.train.pack_batch`` for the step of ``tc`` on ``mesh``. With process-local rows (``multi``)
+  this process packs its own shards' slots, then every process repacks to the largest rows per slot and
+  head length of any process, so the global arrays have one shape."""
+  shards = shd.batch_shards(mesh, rules)
+  if multi:  # the rows of one process (1/process_count of the batch, as place_batch assumes) cover its shards
+    if shards % jax.process_count():
+      raise ValueError(
+        f"packing process-local rows needs the batch mesh axes (data×fsdp = {shards}) to divide over the "
+        f"{jax.process_count()} processes"
+      )
+    shards //= jax.process_count()
+  pack = lambda **kw: pack_batch(
+    batch, row_length=tc.packing, shards=shards, mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, **kw
+  )
+  packed = pack(rows=tc.packing_rows)
+  if not multi:
+    return packed
+  rows, head = packed.packed.rows_per_slot, packed.packed.head_index.shape[1] // packed.packed.rows_per_slot
+  rows, head = (int(x) for x in np.max(multihost_utils.process_allgather(np.int32([rows, head])), axis=0))
+  return pack(rows=rows, head_length=head)
+
+
+def make_batch(
+  rollout: Any,
+  rewards,
+  *,
+  mesh: Mesh,
+  rules: Mapping[str, Any] | None = None,
+  advantages=None,
+  token_weights=None,
+  behavior_logp=None,
+  buckets: Sequence[int] | None = DEFAULT_BUCKETS,
+  process_local: bool = False,
+  train_config: TrainConfig | None = None,
+) -> Batch:
+  """A rollout and its ``f32[N]`` rewards as a placed :class:`~jaxgrpo.step.train.Batch` (see :func:`place`:
+  bucketed, packed for ``train_config`` when it packs), with optional precomputed ``advantages``
+  (``f32[N]`` or ``f32[N, T]``) and ``token_weights`` (``f32[N, T]``), and the behaviour policy's
+  ``behavior_logp`` (``f32[N, T]``) when the rollout's log-probs are not the behaviour policy's
+  (off-policy correction, ``GRPOConfig.importance_correction``)."""
+  batch = Batch.from_rollout(
+    rollout, rewards, advantages=advantages, token_weights=token_weights, behavior_logp=behavior_logp
+  )
+  return place(batch, mesh=mesh, rules=rules, buckets=buckets, process_local=process_local, train_config=train_config)
