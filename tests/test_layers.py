@@ -182,7 +182,7 @@ def test_every_public_module_declares_all():
 
 
 def test_the_kernels_import_without_flax():
-  """``import jaxgrpo`` loads the kernels only (JAX, NumPy); layers 2-4 load on first access (a real
+  """``import jaxgrpo`` loads the kernels only (JAX, NumPy); the layers above load on first access (a real
   subprocess: nothing imported by this test process can hide an import)."""
   kernels = sorted(_module(p) for p in (PKG / "kernels").glob("*.py"))
   code = (
