@@ -37,9 +37,8 @@ def main(argv=None):
   )
   model = jaxgrpo.build_model(cfg, rngs=nnx.Rngs(0))
   prompt, prompt_mask = np.array([[1, 2, 3]], np.int32), np.ones((1, 3), bool)
-  rollout = jaxgrpo.generate(
-    model, prompt, prompt_mask, num_samples=args.samples, max_new_tokens=args.tokens, pad_id=0, key=jax.random.key(0)
-  )
+  sampling = jaxgrpo.SamplingConfig(num_samples=args.samples, max_new_tokens=args.tokens, pad_id=0)
+  rollout = jaxgrpo.generate(model, prompt, prompt_mask, sampling, key=jax.random.key(0))
   tokens, mask, gids = rollout.completions, rollout.mask, rollout.group_ids
   rewards = (np.asarray(tokens) == 2).mean(axis=1).astype(np.float32)  # any outcome reward will do
 

@@ -41,6 +41,7 @@ from jaxgrpo.models import Qwen3Config, build_model, save_hf
 from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines import BuiltinEngine
 from jaxgrpo.rollout.engines.vllm import VLLMEngine  # imports vLLM only when an engine starts
+from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.step import train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,8 +80,8 @@ def make_model(w):
   return build_model(cfg, rngs=nnx.Rngs(0))
 
 
-def sampler_kw(w):
-  return dict(num_samples=w.samples, max_new_tokens=w.new_tokens, temperature=1.0, eos_ids=(), pad_id=0)
+def sampler_settings(w) -> SamplingConfig:
+  return SamplingConfig(num_samples=w.samples, max_new_tokens=w.new_tokens, eos_ids=(), pad_id=0)
 
 
 def hf_generate(model, w):
@@ -132,7 +133,7 @@ def grpo_iteration_fn(model, engine, w, *, uses_engine_logp: bool):
     box["n"] += 1
     s = box["state"]
     engine.push_weights(iteration.policy_model(graphdef, s))
-    gen = engine.generate(tokens, mask, **sampler_kw(w), key=jax.random.key(box["n"]))
+    gen = engine.generate(tokens, mask, sampler_settings(w), key=jax.random.key(box["n"]), temperature=1.0)
     r = gen.rollout._replace(num_steps=None)
     rewards = (np.asarray(r.completions) % 2 == 0).mean(1).astype(np.float32)  # a cheap deterministic reward
     behavior = np.asarray(r.log_probs) if uses_engine_logp else None
@@ -167,7 +168,7 @@ def bench_workload(name: str, args) -> dict:
   def call(engine):
     def run():
       keys["n"] += 1
-      return engine.generate(tokens, mask, **sampler_kw(w), key=jax.random.key(keys["n"])).rollout
+      return engine.generate(tokens, mask, sampler_settings(w), key=jax.random.key(keys["n"]), temperature=1.0).rollout
 
     return run
 

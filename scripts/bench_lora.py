@@ -229,12 +229,12 @@ def run_mode(args, mode: str) -> dict:
 
   prompts = jnp.asarray(rng.integers(1, args.vocab, (args.decode_prompts, P)), jnp.int32)
   pmask = jnp.ones(prompts.shape, bool)
-  kw = dict(num_samples=args.decode_samples, max_new_tokens=args.decode_tokens, pad_id=0, temperature=1.0)
+  settings = sampling.SamplingConfig(num_samples=args.decode_samples, max_new_tokens=args.decode_tokens, pad_id=0)
   n_tokens = args.decode_prompts * args.decode_samples * args.decode_tokens
 
   def decode(m, i=[0]):  # noqa: B006 - a fresh key per call
     i[0] += 1
-    return sampling.generate(m, prompts, pmask, key=jax.random.key(i[0]), **kw).completions
+    return sampling.generate(m, prompts, pmask, settings, key=jax.random.key(i[0]), temperature=1.0).completions
 
   res["decode_tokens_per_s"] = n_tokens / _median_time(lambda: decode(model), args.steps)
   if mode != "full":

@@ -40,7 +40,7 @@ from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import Qwen3Config, Qwen3MoeConfig, build_model, moe
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.step import train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
@@ -81,17 +81,10 @@ def rollout_batch(model, args, *, record=False, dtype_model=None):
   groups = args.rows // args.group
   prompts = rng.integers(1, args.vocab, (groups, args.prompt)).astype(np.int32)
   pmask = np.ones_like(prompts, bool)
-  r = generate(
-    dtype_model or model,
-    jnp.asarray(prompts),
-    jnp.asarray(pmask),
-    num_samples=args.group,
-    max_new_tokens=args.new,
-    pad_id=0,
-    suppress_ids=(),
-    key=jax.random.key(0),
-    record_routing=record,
+  sampling = SamplingConfig(
+    num_samples=args.group, max_new_tokens=args.new, pad_id=0, suppress_ids=(), record_routing=record
   )
+  r = generate(dtype_model or model, jnp.asarray(prompts), jnp.asarray(pmask), sampling, key=jax.random.key(0))
   r = jax.tree.map(np.asarray, r)
   return train.Batch.from_rollout(r, rng.random(args.rows).astype(np.float32))
 

@@ -95,14 +95,14 @@ def main(argv=None):
     assert out.mask.sum(1).min() >= total - args.turns, (out.mask.sum(1), total)
     return out.log_probs
 
+  one = SamplingConfig(num_samples=1, max_new_tokens=total, pad_id=tok.pad_token_id)
+  per_turn = SamplingConfig(num_samples=1, max_new_tokens=args.turn_tokens, pad_id=tok.pad_token_id)
+
   def one_decode():
-    return generate(model, tokens, mask, num_samples=1, max_new_tokens=total, pad_id=tok.pad_token_id, key=key)
+    return generate(model, tokens, mask, one, key=key)
 
   def turn_decodes():
-    return [
-      generate(model, tokens, mask, num_samples=1, max_new_tokens=args.turn_tokens, pad_id=tok.pad_token_id, key=key)
-      for _ in range(args.turns)
-    ]
+    return [generate(model, tokens, mask, per_turn, key=key) for _ in range(args.turns)]
 
   times = _bench.alternating_times([multiturn, one_decode, turn_decodes], args.repeats)
   med = [statistics.median(t) for t in times]

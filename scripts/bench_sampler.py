@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import models
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402
@@ -106,22 +106,11 @@ def main(argv=None) -> dict:
   torch_mask = torch.ones_like(torch_prompts)
 
   calls = {"n": 0}
+  settings = SamplingConfig(num_samples=G, max_new_tokens=T, top_p=1.0, top_k=0, eos_ids=(), pad_id=0)
 
   def run_ours():
     calls["n"] += 1
-    out = generate(
-      model,
-      jax_prompts,
-      jax_mask,
-      num_samples=G,
-      max_new_tokens=T,
-      temperature=1.0,
-      top_p=1.0,
-      top_k=0,
-      eos_ids=(),
-      pad_id=0,
-      key=jax.random.key(calls["n"]),
-    )
+    out = generate(model, jax_prompts, jax_mask, settings, key=jax.random.key(calls["n"]), temperature=1.0)
     jax.block_until_ready(out)
     return out
 

@@ -145,7 +145,7 @@ def assert_greedy_matches_hf(hf_model, model, *, new: int, pad: int):
   import jax.numpy as jnp
   import torch
 
-  from jaxgrpo.rollout.sampling import generate
+  from jaxgrpo.rollout.sampling import SamplingConfig, generate
 
   rng = np.random.default_rng(0)
   batch, prompt_len = 3, 8
@@ -166,18 +166,8 @@ def assert_greedy_matches_hf(hf_model, model, *, new: int, pad: int):
   want = out.sequences[:, prompt_len:].numpy()
   scores = np.sort(torch.stack(out.scores, 1).numpy(), axis=-1)
   assert (scores[..., -1] - scores[..., -2]).min() > 1e-3, "near-tied logits: test not meaningful"
-  r = generate(
-    model,
-    jnp.asarray(tokens),
-    jnp.asarray(mask),
-    num_samples=2,
-    max_new_tokens=new,
-    temperature=0.0,
-    eos_ids=(),
-    pad_id=pad,
-    suppress_ids=(),  # transformers suppresses nothing
-    key=jax.random.key(0),
-  )
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=new, pad_id=pad, suppress_ids=())  # HF suppresses nothing
+  r = generate(model, jnp.asarray(tokens), jnp.asarray(mask), sampling, key=jax.random.key(0), temperature=0.0)
   np.testing.assert_array_equal(np.asarray(r.completions), np.repeat(want, 2, axis=0))
   return r
 

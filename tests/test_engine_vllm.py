@@ -69,6 +69,8 @@ def test_the_engine_refuses_what_it_cannot_report_and_logs_only_real_warnings(vl
   for r in part(vllm_runs, "families"):
     err = r["other_temperature_error"]
     assert err is not None and "logprobs_temperature=" in err and "\n" not in err, r
+    err = r["record_routing_error"]
+    assert err is not None and "`sampling.record_routing=True`" in err and "\n" not in err, r
   api = part(vllm_runs, "engine_api")
   err = api["head_error"]
   assert err is not None and "head_dim`=16" in err and "[32, 64, 80" in err and "\n" not in err, api

@@ -14,9 +14,16 @@ from helpers import flat_params, tiny_model
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import iteration
-from jaxgrpo.rollout.engines import BuiltinEngine, Engine, Generation, finish_reasons
+from jaxgrpo.rollout.engines import (
+  GENERATE_SIGNATURE,
+  BuiltinEngine,
+  Engine,
+  Generation,
+  check_engine,
+  finish_reasons,
+)
 from jaxgrpo.rollout.engines.vllm import INSTALL_HINT
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.run.specs import load_config
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.step import train
@@ -41,18 +48,19 @@ def test_builtin_engine_is_the_sampler_and_follows_pushes():
   tokens = rng.integers(1, 128, (2, 5)).astype(np.int32)
   mask = np.ones((2, 5), bool)
   mask[0, :2] = False
-  kw = dict(num_samples=3, max_new_tokens=6, temperature=1.0, eos_ids=(7,), pad_id=0, key=jax.random.key(3))
+  sampling = SamplingConfig(num_samples=3, max_new_tokens=6, eos_ids=(7,), pad_id=0)
+  kw = dict(key=jax.random.key(3), temperature=1.0)
   engine.push_weights(model)
-  gen = engine.generate(tokens, mask, **kw)
-  ref = generate(model, tokens, mask, **kw)
+  gen = engine.generate(tokens, mask, sampling, **kw)
+  ref = generate(model, tokens, mask, sampling, **kw)
   for a, b in zip(gen.rollout, ref):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert gen.finish_reasons.shape == (6,)
   np.testing.assert_array_equal(gen.finish_reasons, finish_reasons(ref.completions, ref.mask, (7,)))
   engine.push_weights(other)
   np.testing.assert_array_equal(
-    np.asarray(engine.generate(tokens, mask, **kw).rollout.log_probs),
-    np.asarray(generate(other, tokens, mask, **kw).log_probs),
+    np.asarray(engine.generate(tokens, mask, sampling, **kw).rollout.log_probs),
+    np.asarray(generate(other, tokens, mask, sampling, **kw).log_probs),
   )
 
 
@@ -106,10 +114,10 @@ class OffsetEngine:
   def close(self):
     self.closed = True
 
-  def generate(self, prompt_tokens, prompt_mask, *, eos_ids=(), **kw):
-    r = generate(self.model, prompt_tokens, prompt_mask, eos_ids=eos_ids, **kw)
+  def generate(self, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0):
+    r = generate(self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
     r = r._replace(log_probs=np.where(np.asarray(r.mask), np.asarray(r.log_probs) + OFFSET, 0.0).astype(np.float32))
-    return Generation(r, finish_reasons(r.completions, r.mask, eos_ids))
+    return Generation(r, finish_reasons(r.completions, r.mask, sampling.eos_ids))
 
 
 def make_offset_engine(**settings):
@@ -119,6 +127,26 @@ def make_offset_engine(**settings):
 
 def make_not_an_engine(**settings):
   return object()
+
+
+class KeywordEngine(OffsetEngine):
+  """A user's engine written against the keyword signature retired by issue 34 (item 5)."""
+
+  def generate(
+    self, prompt_tokens, prompt_mask, *, num_samples, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+    eos_ids=(), pad_id, suppress_ids=None, key,
+  ):  # fmt: skip
+    raise AssertionError("never called: refused before any sampling")
+
+
+def make_keyword_engine(**settings) -> KeywordEngine:
+  """Its class is known from the annotation: refused when the config loads."""
+  return KeywordEngine(**settings)
+
+
+def make_some_engine(**settings):
+  """Says nothing of its class: the engine it returns is refused by check_engine (the trainer, the iterations)."""
+  return KeywordEngine(**settings)
 
 
 NOT_CALLABLE = 3
@@ -163,16 +191,39 @@ def test_grpo_iteration_takes_a_users_engine_and_recomputes_old_logp():
   builtin = BuiltinEngine()
   out2 = iteration.grpo_iteration(step, out.state, prompts, prompts > 0, engine=builtin, buckets=None, **common)
   assert "engine/mismatch_k3" not in out2.metrics  # its log-probs are the policy's: used as old_logp
-  kw = dict(num_samples=4, max_new_tokens=6, pad_id=0, key=jax.random.key(0))
+  settings = SamplingConfig(num_samples=4, max_new_tokens=6, pad_id=0)
   with pytest.raises(RuntimeError, match=r"call engine\.push_weights\(policy\)") as e:
-    builtin.generate(prompts, prompts > 0, **kw)
+    builtin.generate(prompts, prompts > 0, settings, key=jax.random.key(0))
   assert "\n" not in str(e.value)
   builtin.push_weights(iteration.policy_model(step.graphdef, out2.state))
-  assert builtin.generate(prompts, prompts > 0, **kw).rollout.completions.shape == (8, 6)
+  assert builtin.generate(prompts, prompts > 0, settings, key=jax.random.key(0)).rollout.completions.shape == (8, 6)
   with pytest.raises(
     TypeError, match=r"engine must implement jaxgrpo.rollout.engines.Engine; got object \(missing: name"
   ):
     iteration.grpo_iteration(step, out2.state, prompts, prompts > 0, engine=object(), **common)
+
+
+def test_an_engine_with_the_retired_keyword_generate_is_refused_in_one_line_before_it_runs():
+  """issue 34 item 5: ``Engine.generate(prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0)``. A user's
+  engine still written as ``generate(prompt_tokens, prompt_mask, *, num_samples, ..., key)`` is refused by its
+  signature (nothing called): when the config loads if the factory is the class or is annotated with it, else
+  by ``check_engine`` on the engine it returned; one line naming the engine, what it has and what it needs."""
+  for factory in ("test_engines:KeywordEngine", "test_engines:make_keyword_engine"):
+    with pytest.raises(ValueError) as e:
+      load_config(None, {"rollout.engine": factory})
+    msg = str(e.value)
+    assert f"`rollout.engine`: {factory!r}: KeywordEngine.generate(prompt_tokens, prompt_mask, *, num_samples" in msg
+    assert "too many positional arguments" in msg and GENERATE_SIGNATURE in msg and "\n" not in msg, msg
+  for factory in ("test_engines:OffsetEngine", "test_engines:make_some_engine"):  # accepted when the config loads
+    assert load_config(None, {"rollout.engine": factory}).rollout.engine == factory
+  with pytest.raises(TypeError) as e:
+    check_engine(make_some_engine(), "the object `rollout.engine: test_engines:make_some_engine` returned")
+  msg = str(e.value)
+  assert msg.startswith("the object `rollout.engine: test_engines:make_some_engine` returned: KeywordEngine.generate(")
+  assert GENERATE_SIGNATURE in msg and "\n" not in msg, msg
+  assert GENERATE_SIGNATURE == "generate(prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, temperature=1.0)"
+  for engine in (OffsetEngine(), BuiltinEngine()):  # the new signature (with or without defaults for temperature)
+    check_engine(engine)
 
 
 def test_the_trainer_builds_a_users_engine_from_the_config_string(tmp_path):

@@ -125,10 +125,7 @@ def test_grpo_iteration_is_the_hand_composed_iteration():
   )  # fmt: skip
 
   # by hand, from the lower layers
-  rollout = generate(
-    nnx.merge(step.graphdef, state2.params), prompts, pmask, num_samples=G, max_new_tokens=T, eos_ids=(1,), pad_id=0,
-    key=key,
-  )  # fmt: skip
+  rollout = generate(nnx.merge(step.graphdef, state2.params), prompts, pmask, sampling, key=key)
   comps, mask = np.asarray(rollout.completions), np.asarray(rollout.mask)
   rewards = np.array(
     [even(None, [c[m].tolist()], [0.0 if i < G else 0.5])[0] for i, (c, m) in enumerate(zip(comps, mask))], np.float32

@@ -3,6 +3,7 @@ adapter-only training, budget, fingerprint, sampler (references: NumPy and the p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -451,16 +452,21 @@ def test_generate_runs_on_adapted_and_merged_models():
   lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8, dropout=0.2), key=jax.random.key(0))
   _randomise_b(model, std=0.2)
   prompts, pmask = _batch(96, length=5)
-  kw = dict(num_samples=2, max_new_tokens=6, pad_id=0, key=jax.random.key(3), temperature=1.0)
-  adapted = sampling.generate(model, prompts, pmask, **kw)
-  merged = sampling.generate(lora.merge_lora(model), prompts, pmask, **kw)
+  cfg = sampling.SamplingConfig(num_samples=2, max_new_tokens=6, pad_id=0)
+  kw = dict(key=jax.random.key(3), temperature=1.0)
+  adapted = sampling.generate(model, prompts, pmask, cfg, **kw)
+  merged = sampling.generate(lora.merge_lora(model), prompts, pmask, cfg, **kw)
   np.testing.assert_allclose(np.asarray(adapted.log_probs), np.asarray(merged.log_probs), atol=1e-4)
   np.testing.assert_array_equal(np.asarray(adapted.completions), np.asarray(merged.completions))
+  # SamplingConfig(merge_lora=True): generate merges the adapted model itself, the same program and numbers
+  by_field = sampling.generate(model, prompts, pmask, dataclasses.replace(cfg, merge_lora=True), **kw)
+  for name in ("completions", "mask", "log_probs"):
+    np.testing.assert_array_equal(np.asarray(getattr(by_field, name)), np.asarray(getattr(merged, name)), name)
   # the reference model samples exactly what the base model samples (no dropout at sampling time)
   base = _model("llama")
-  ref = sampling.generate(lora.reference_model(model), prompts, pmask, **kw)
+  ref = sampling.generate(lora.reference_model(model), prompts, pmask, cfg, **kw)
   np.testing.assert_array_equal(
-    np.asarray(ref.log_probs), np.asarray(sampling.generate(base, prompts, pmask, **kw).log_probs)
+    np.asarray(ref.log_probs), np.asarray(sampling.generate(base, prompts, pmask, cfg, **kw).log_probs)
   )
 
 

@@ -284,8 +284,8 @@ def test_sampling_config_merge_lora_samples_the_merged_model():
   pmask = jnp.asarray(make_batch().prompt_mask[::4])
   sampling = iteration.SamplingConfig(num_samples=2, max_new_tokens=5, merge_lora=True)
   got = iteration.sample(model, prompts, pmask, sampling, key=jax.random.key(2))
-  kw = dict(num_samples=2, max_new_tokens=5, pad_id=0, suppress_ids=None, key=jax.random.key(2))
-  want = generate(lora.merge_lora(model), prompts, pmask, **kw)
+  plain = iteration.SamplingConfig(num_samples=2, max_new_tokens=5, pad_id=0, suppress_ids=None)
+  want = generate(lora.merge_lora(model), prompts, pmask, plain, key=jax.random.key(2))
   np.testing.assert_array_equal(np.asarray(got.completions), np.asarray(want.completions))
   np.testing.assert_array_equal(np.asarray(got.log_probs), np.asarray(want.log_probs))
 

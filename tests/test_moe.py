@@ -18,7 +18,7 @@ from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import lora, moe
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.step import train
 
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
@@ -132,16 +132,8 @@ def _rollout(model, record=True, n_prompts=2, g=4, t=6):
   rng = np.random.default_rng(2)
   prompts = rng.integers(1, 128, (n_prompts, 5)).astype(np.int32)
   pmask = np.arange(5)[None] >= np.array([0, 2])[:n_prompts, None]
-  return generate(
-    model,
-    jnp.asarray(prompts),
-    jnp.asarray(pmask),
-    num_samples=g,
-    max_new_tokens=t,
-    pad_id=0,
-    key=jax.random.key(0),
-    record_routing=record,
-  )
+  sampling = SamplingConfig(num_samples=g, max_new_tokens=t, pad_id=0, record_routing=record)
+  return generate(model, jnp.asarray(prompts), jnp.asarray(pmask), sampling, key=jax.random.key(0))
 
 
 @nnx.jit

@@ -17,7 +17,7 @@ from hf_utils import tiny_moe_config
 from helpers import flat_params
 from jaxgrpo import models, sharding as shd, train
 from jaxgrpo.kernels.config import preset
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
 
 assert jax.device_count() == 8
 cfg = models.config_from_hf(tiny_moe_config("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[]))
@@ -28,8 +28,8 @@ for path, var in nnx.to_flat_state(nnx.state(model)):
 rng = np.random.default_rng(0)
 prompts = rng.integers(1, 128, (4, 5)).astype(np.int32)
 pmask = np.arange(5)[None] >= np.array([0, 2, 1, 0])[:, None]
-r = generate(model, jnp.asarray(prompts), jnp.asarray(pmask), num_samples=4, max_new_tokens=6, pad_id=0,
-             key=jax.random.key(0), record_routing=True)
+r = generate(model, jnp.asarray(prompts), jnp.asarray(pmask),
+             SamplingConfig(num_samples=4, max_new_tokens=6, pad_id=0, record_routing=True), key=jax.random.key(0))
 r = jax.tree.map(np.asarray, r)
 batch = train.Batch.from_rollout(r, rng.random(16).astype(np.float32), ref_logp=r.log_probs)
 opt = optax.sgd(0.5, momentum=0.9)

@@ -74,7 +74,13 @@ class ScriptEngine:
   def close(self):
     pass
 
-  def generate(self, prompt_tokens, prompt_mask, *, num_samples, max_new_tokens, eos_ids=(), pad_id, **kw):
+  def generate(self, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0):
+    num_samples, max_new_tokens, eos_ids, pad_id = (
+      sampling.num_samples,
+      sampling.max_new_tokens,
+      sampling.eos_ids,
+      sampling.pad_id,
+    )
     p, pm = np.asarray(prompt_tokens), np.asarray(prompt_mask)
     self.sent.append([p[i][pm[i]].tolist() for i in range(len(p))])
     n = len(p) * num_samples

@@ -19,7 +19,7 @@ from flax import nnx
 from hf_utils import FAMILIES, assert_greedy_matches_hf, build_hf_model, tiny_hf_config
 
 from jaxgrpo import models
-from jaxgrpo.rollout.sampling import Rollout, filter_logits, generate, sample_categorical
+from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, filter_logits, generate, sample_categorical
 
 VOCAB = 97
 PAD = 0
@@ -68,9 +68,10 @@ def _prompts(batch: int = 3, length: int = 6, seed: int = 0):
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
-def _generate(model, tokens, mask, **kw):
-  kw = {"num_samples": 2, "max_new_tokens": 8, "eos_ids": (), "pad_id": PAD, "key": jax.random.key(0), **kw}
-  return generate(model, tokens, mask, **kw)
+def _generate(model, tokens, mask, *, key=None, temperature=1.0, **fields):
+  """``generate`` with ``SamplingConfig(**fields)`` (defaults G = 2, T = 8, no EOS, pad 0) and key 0."""
+  sampling = SamplingConfig(**{"num_samples": 2, "max_new_tokens": 8, "pad_id": PAD, **fields})
+  return generate(model, tokens, mask, sampling, key=jax.random.key(0) if key is None else key, temperature=temperature)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -362,8 +363,8 @@ def test_first_token_frequencies_match_filtered_softmax(qwen3, top_k, top_p, sup
   "kw, error, match",
   [
     (dict(num_samples=0), ValueError, "num_samples"),
-    (dict(num_samples=2.0), TypeError, "num_samples"),
-    (dict(num_samples=True), TypeError, "num_samples"),
+    (dict(num_samples=2.0), ValueError, "num_samples"),  # SamplingConfig: an int >= 1
+    (dict(num_samples=True), ValueError, "num_samples"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
     (dict(temperature=-0.1), ValueError, "temperature"),
     (dict(temperature=float("nan")), ValueError, "temperature"),
@@ -390,6 +391,22 @@ def test_bad_arguments_raise_naming_them(qwen3, kw, error, match):
   tokens, mask = _prompts(batch=2)
   with pytest.raises(error, match=match):
     _generate(qwen3, tokens, mask, **kw)
+
+
+def test_generate_takes_one_sampling_config(qwen3):
+  """issue 34 item 5: ``generate(model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0)``; a
+  non-SamplingConfig is refused naming ``sampling``, the retired keyword form by Python, a None budget naming the
+  field."""
+  tokens, mask = _prompts(batch=2)
+  key = jax.random.key(0)
+  with pytest.raises(
+    TypeError, match=r"^generate: `sampling` must be a jaxgrpo\.rollout\.sampling\.SamplingConfig .*got dict$"
+  ):
+    generate(qwen3, tokens, mask, {"num_samples": 2, "max_new_tokens": 4}, key=key)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'num_samples'"):  # the retired keyword form
+    generate(qwen3, tokens, mask, num_samples=2, max_new_tokens=4, pad_id=PAD, key=key)
+  with pytest.raises(ValueError, match=r"^generate: `SamplingConfig\.max_new_tokens` is None"):
+    generate(qwen3, tokens, mask, SamplingConfig(num_samples=2), key=key)
 
 
 @pytest.mark.parametrize(

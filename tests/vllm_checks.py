@@ -31,7 +31,7 @@ from flax import nnx
 from jaxgrpo.models import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, build_model, lora
 from jaxgrpo.models.log_probs import completion_log_probs, positions_from_mask
 from jaxgrpo.rollout.engines.vllm import VLLMEngine
-from jaxgrpo.rollout.sampling import filter_logits
+from jaxgrpo.rollout.sampling import SamplingConfig, filter_logits
 
 V = 256
 # the checks' programs compile once per case and run a few times: XLA's backend optimisations cost more than
@@ -133,10 +133,9 @@ def one_case(case: dict) -> dict:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B = 0 at init: make it matter
       var.set_value(0.2 * jax.random.normal(jax.random.key(hash(path) % 2**31), var.get_value().shape))
   tau = case.get("temperature", 1.0)
-  settings = dict(
+  settings = SamplingConfig(
     num_samples=4,
     max_new_tokens=24,
-    temperature=tau,
     top_p=case.get("top_p", 1.0),
     top_k=case.get("top_k", 0),
     eos_ids=(1,),
@@ -153,14 +152,19 @@ def one_case(case: dict) -> dict:
   t0 = time.perf_counter()
   tokens, mask = prompts(case.get("seed", 0))
   out["prompt_lengths"] = mask.sum(1).tolist()
-  gen = engine.generate(tokens, mask, **settings, key=jax.random.key(7))
+  gen = engine.generate(tokens, mask, settings, key=jax.random.key(7), temperature=tau)
   r = gen.rollout
   t0 = _lap(out, "generate", t0)
   try:  # another temperature than the engine's log-prob temperature: refused before sampling (issue 33 item 12)
-    engine.generate(tokens, mask, **{**settings, "temperature": (tau or 1.0) + 0.3}, key=jax.random.key(7))
+    engine.generate(tokens, mask, settings, key=jax.random.key(7), temperature=(tau or 1.0) + 0.3)
     out["other_temperature_error"] = None
   except ValueError as e:
     out["other_temperature_error"] = str(e)
+  try:  # expert routing: the built-in sampler's only (issue 34 item 5), refused before sampling
+    engine.generate(tokens, mask, dataclasses.replace(settings, record_routing=True), key=jax.random.key(7))
+    out["record_routing_error"] = None
+  except ValueError as e:
+    out["record_routing_error"] = str(e)
   lib, logits = library(model, r, tau if tau > 0 else 1.0)
   m = np.asarray(r.mask)
   out["tokens"] = int(m.sum())
@@ -169,13 +173,11 @@ def one_case(case: dict) -> dict:
   logz = logits - np.logaddexp.reduce(logits, -1, keepdims=True)
   out["entropy"] = float(-(np.exp(logz) * logz).sum(-1)[m].mean())
   out["log_vocab"] = float(np.log(V))
-  if settings["top_k"] or settings["top_p"] < 1.0:
-    allowed = np.asarray(
-      filter_logits(jnp.asarray(logits / (tau or 1.0)), top_k=settings["top_k"], top_p=settings["top_p"])
-    )
+  if settings.top_k or settings.top_p < 1.0:
+    allowed = np.asarray(filter_logits(jnp.asarray(logits / (tau or 1.0)), top_k=settings.top_k, top_p=settings.top_p))
     chosen = np.take_along_axis(allowed, np.asarray(r.completions)[..., None], -1)[..., 0]
     out["outside_filter"] = int((~np.isfinite(chosen))[m].sum())
-  suppressed = (0,) if settings["suppress_ids"] is None else tuple(settings["suppress_ids"])
+  suppressed = (0,) if settings.suppress_ids is None else tuple(settings.suppress_ids)
   out["suppressed_sampled"] = int(np.isin(np.asarray(r.completions), suppressed)[m].sum())
   comps = np.asarray(r.completions)
   lengths = m.sum(1)
@@ -183,16 +185,16 @@ def one_case(case: dict) -> dict:
   out["stop_rows"] = int((gen.finish_reasons == "stop").sum())
   out["finish_reasons_ok"] = bool(
     np.all((gen.finish_reasons == "stop") == ((last == 1) & (lengths > 0)))
-    and np.all((gen.finish_reasons == "length") <= (lengths == settings["max_new_tokens"]))
+    and np.all((gen.finish_reasons == "length") <= (lengths == settings.max_new_tokens))
     and not np.any((comps[:, :-1] == 1) & m[:, 1:])  # nothing after an EOS
   )
   t0 = _lap(out, "library", t0)
   # greedy: engine token == library argmax given the engine's prefix
-  greedy = engine.generate(tokens, mask, **{**settings, "temperature": 0.0}, key=jax.random.key(8)).rollout
+  greedy = engine.generate(tokens, mask, settings, key=jax.random.key(8), temperature=0.0).rollout
   t0 = _lap(out, "greedy_generate", t0)
   greedy_logp, glogits = library(model, greedy, 1.0)
   gm = np.asarray(greedy.mask)
-  if settings["suppress_ids"] is None:
+  if settings.suppress_ids is None:
     glogits[..., 0] = -np.inf
   top2 = np.sort(glogits, -1)[..., -2:]
   clear = gm & (top2[..., 1] - top2[..., 0] > 1e-3)
@@ -206,7 +208,7 @@ def one_case(case: dict) -> dict:
   t0 = _lap(out, "update", t0)
   engine.push_weights(new)
   out["push2_s"] = engine.push_seconds
-  gen2 = engine.generate(tokens, mask, **settings, key=jax.random.key(7)).rollout
+  gen2 = engine.generate(tokens, mask, settings, key=jax.random.key(7), temperature=tau).rollout
   m2 = np.asarray(gen2.mask)
   lib_new, lib_old = library(new, gen2, tau or 1.0)[0], library(model, gen2, tau or 1.0)[0]
   out["after_update_max_abs_logp"] = float(np.abs(lib_new - gen2.log_probs)[m2].max())

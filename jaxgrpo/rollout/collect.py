@@ -21,10 +21,9 @@ from jax.sharding import Mesh
 from jaxgrpo import _checks
 from jaxgrpo.data.rewards import group_is_informative
 from jaxgrpo.kernels.kl import kl_penalty
-from jaxgrpo.models import lora
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.engines.base import check_engine
-from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, generate
+from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling, generate
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import (
   TrainStep,
@@ -148,22 +147,15 @@ def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, 
   Returns:
     A ``Rollout`` of N = B·G rows; row ``b·G + g`` is sample g of prompt b (``group_ids`` = b).
   """
-  if not isinstance(sampling, SamplingConfig):
-    raise TypeError(f"sampling must be a jaxgrpo.rollout.sampling.SamplingConfig; got {type(sampling).__name__}")
-  return generate(
-    _sampled_model(model, sampling),
-    prompt_tokens,
-    prompt_mask,
-    **sampling.generate_kwargs(temperature, "sample"),
-    key=key,
-    record_routing=sampling.record_routing,
-  )
+  check_sampling(sampling, "sample")
+  sampling.require_max_new_tokens("sample")
+  return generate(model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
 
 
 def _sampled_model(model, sampling: SamplingConfig):
   """The model to sample from: ``model`` merged (``lora.merge_lora``) when ``sampling.merge_lora`` and it has
-  adapters, else ``model``."""
-  return lora.merge_lora(model) if sampling.merge_lora and lora.has_adapters(model) else model
+  adapters, else ``model`` (:meth:`SamplingConfig.model_to_sample`)."""
+  return sampling.model_to_sample(model)
 
 
 def _push_policy(engine, model, sampling: SamplingConfig) -> float:
@@ -193,7 +185,8 @@ def engine_sample(
     raise ValueError("sampling.record_routing: an engine records no routing; sample without engine= for MoE replay")
   push_s = _push_policy(engine, model, sampling)
   t1 = time.perf_counter()
-  gen = engine.generate(prompt_tokens, prompt_mask, **sampling.generate_kwargs(temperature, "engine_sample"), key=key)
+  sampling.require_max_new_tokens("engine_sample")
+  gen = engine.generate(prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
   rollout = jax.block_until_ready(gen.rollout._replace(num_steps=None))
   return rollout, {"engine/push_s": push_s, "engine/generate_s": time.perf_counter() - t1}
 

@@ -21,8 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,34 +30,39 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.models import lora as _lora
 from jaxgrpo.models import moe as _moe
 
-__all__ = ["Rollout", "SamplingConfig", "generate", "filter_logits", "sample_categorical"]
+__all__ = ["Rollout", "SamplingConfig", "check_sampling", "generate", "filter_logits", "sample_categorical"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-  """How :func:`sample` draws completions (the keyword arguments of ``jaxgrpo.rollout.sampling.generate``).
+  """How completions are drawn: the settings argument of :func:`generate` and of every engine's
+  ``Engine.generate`` (``jaxgrpo.rollout.engines``), and of ``jaxgrpo.rollout.collect.sample``.
 
   The temperature is not here: it is the train step's ``TrainConfig.temperature`` (the rollout
-  log-probs must refer to the temperature the step computes its log-probs at), which
-  :func:`grpo_iteration` passes to :func:`sample`.
+  log-probs must refer to the temperature the step computes its log-probs at), a separate keyword of
+  ``generate(model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0)`` that
+  ``jaxgrpo.rollout.iteration.grpo_iteration`` passes through ``collect.sample``.
 
   Attributes:
     num_samples: G, completions per prompt (the group size).
-    max_new_tokens: T, the completion length budget of single-turn sampling (:func:`sample`,
-      :func:`grpo_iteration`: required there). None (the default) for multi-turn sampling, whose token
+    max_new_tokens: T, the completion length budget of single-turn sampling (:func:`generate`,
+      ``Engine.generate``, ``grpo_iteration``: required there). None (the default) for multi-turn sampling, whose token
       budgets are ``MultiTurnConfig``'s (``max_tokens``, ``turn_tokens``); a value given there is ignored.
     top_p, top_k: nucleus and top-k filtering (1.0 and 0: off).
     eos_ids: token ids that end a completion (empty: every completion has T tokens).
     pad_id: id written after the end of each completion.
-    suppress_ids: token ids never sampled (``generate``'s ``suppress_ids``; None: the pad id unless
-      it is also an EOS id; ``()``: none).
+    suppress_ids: token ids never sampled (None: the pad id unless it is also an EOS id; ``()``: none).
     merge_lora: sample a LoRA policy from ``models.lora.merge_lora(model)`` (a plain model: no
       adapter matmuls per token, but a merged copy of every adapted weight while sampling and one
       merge per call) instead of the adapted model (default). Ignored for a model without adapters.
+      An engine samples the weights it was pushed: ``collect.engine_sample`` merges before the push, so
+      an ``Engine.generate`` need not read this field (the built-in engine merges an adapted push itself).
     record_routing: record each token's experts (``Rollout.routing``: a mixture-of-experts policy's
-      routing replay, ``jaxgrpo.models.moe``); ValueError from ``generate`` for a dense model.
+      routing replay, ``jaxgrpo.models.moe``); ValueError from ``generate`` for a dense model. An engine
+      that records no routing (vLLM) refuses it.
   """
 
   num_samples: int
@@ -82,20 +86,10 @@ class SamplingConfig:
           f"`{name}` must be an int >= 1{' or None (multi-turn)' if name != 'num_samples' else ''}; got {v!r}"
         )
 
-  def generate_kwargs(self, temperature: float, where: str) -> dict[str, Any]:
-    """The keyword arguments of ``jaxgrpo.rollout.sampling.generate`` / ``Engine.generate`` for single-turn sampling
-    at ``temperature`` (``key`` and ``record_routing`` are the caller's); ``where`` names the caller in the
-    error of a None ``max_new_tokens``."""
-    return dict(
-      num_samples=self.num_samples,
-      max_new_tokens=self.require_max_new_tokens(where),
-      temperature=temperature,
-      top_p=self.top_p,
-      top_k=self.top_k,
-      eos_ids=self.eos_ids,
-      pad_id=self.pad_id,
-      suppress_ids=self.suppress_ids,
-    )
+  def model_to_sample(self, model):
+    """The model :func:`generate` samples from: ``models.lora.merge_lora(model)`` when ``merge_lora`` and
+    ``model`` has adapters, else ``model`` itself (also what ``jaxgrpo.rollout.collect`` pushes to an engine)."""
+    return _lora.merge_lora(model) if self.merge_lora and _lora.has_adapters(model) else model
 
   def require_max_new_tokens(self, where: str) -> int:
     """``max_new_tokens``, or a ValueError naming ``where`` when it is None (single-turn sampling needs it)."""
@@ -105,6 +99,17 @@ class SamplingConfig:
         "(None is for multi-turn sampling only)"
       )
     return self.max_new_tokens
+
+
+def check_sampling(sampling, where: str) -> SamplingConfig:
+  """``sampling``, or a TypeError naming ``where`` unless it is a :class:`SamplingConfig` (the one argument that
+  carries the sampler's settings since the keyword form ``num_samples=, max_new_tokens=, ...`` was retired)."""
+  if not isinstance(sampling, SamplingConfig):
+    raise TypeError(
+      f"{where}: `sampling` must be a jaxgrpo.rollout.sampling.SamplingConfig (num_samples, max_new_tokens, top_p, "
+      f"top_k, eos_ids, pad_id, suppress_ids, merge_lora, record_routing); got {type(sampling).__name__}"
+    )
+  return sampling
 
 
 class Rollout(NamedTuple):
@@ -123,7 +128,7 @@ class Rollout(NamedTuple):
     group_ids: ``int32[N]`` — ``b`` for row ``b*G + g`` (which prompt the row belongs to).
     num_steps: ``int32[]`` — how many token positions the decode loop produced (≤ T; smaller when
       every row hit EOS early). Columns ≥ num_steps are padding in every row.
-    routing: ``uint8/int16[N, P + T, M, k]`` — with ``generate(..., record_routing=True)`` on a
+    routing: ``uint8/int16[N, P + T, M, k]`` — with ``SamplingConfig(record_routing=True)`` on a
       mixture of experts (``jaxgrpo.models.moe``, M sparse layers, top-k): the experts each sparse
       layer routed each token of ``[prompt ‖ completion]`` to while sampling (prompt columns from the
       prefill, completion token t from the decode step that fed it; the last completion column, never
@@ -285,19 +290,12 @@ def generate(
   model: nnx.Module,
   prompt_tokens: jax.Array,
   prompt_mask: jax.Array,
+  sampling: SamplingConfig,
   *,
-  num_samples: int,
-  max_new_tokens: int,
-  temperature: float = 1.0,
-  top_p: float = 1.0,
-  top_k: int = 0,
-  eos_ids: Sequence[int] = (),
-  pad_id: int,
-  suppress_ids: Sequence[int] | None = None,
   key: jax.Array,
-  record_routing: bool = False,
+  temperature: float = 1.0,
 ) -> Rollout:
-  """Samples ``num_samples`` completions per prompt with a KV cache, in one jitted program.
+  """Samples ``sampling.num_samples`` completions per prompt with a KV cache, in one jitted program.
 
   Each prompt is prefilled once (B rows) and its cache shared by its G samples (``repeat_cache``).
   The decode loop is a ``lax.while_loop`` producing one token per row per step; it stops once
@@ -325,25 +323,28 @@ def generate(
   completion token t at position (number of real prompt tokens) + t.
 
   Args:
-    model: a ``jaxgrpo.models`` decoder (any family).
+    model: a ``jaxgrpo.models`` decoder (any family); with ``sampling.merge_lora`` and adapters, the draw is
+      from ``models.lora.merge_lora(model)`` (:meth:`SamplingConfig.model_to_sample`).
     prompt_tokens: ``int32[B, P]``, left-padded prompts (B >= 1, P >= 1).
     prompt_mask: ``bool[B, P]``, True on real tokens; each row is False...False True...True with at
       least one True.
-    num_samples: G >= 1, samples per prompt.
-    max_new_tokens: T >= 1, completion length budget.
-    temperature: >= 0 (0 = greedy).
-    top_p: nucleus mass in (0, 1] (1 = off).
-    top_k: >= 0 (0 = off).
-    eos_ids: token ids that end a completion (included in the completion and its mask). Empty:
-      every completion has exactly T tokens.
-    pad_id: int >= 0, the id written after the end of each completion.
-    suppress_ids: token ids the sampler must never emit (each in ``[0, vocab_size)``, not an EOS id,
-      not the whole vocabulary). None (default): ``(pad_id,)`` when the pad id is in the vocabulary
-      and not one of ``eos_ids`` — so a real token can never be mistaken for padding — else ``()``.
-      Pass ``()`` to allow every id.
+    sampling: a :class:`SamplingConfig`; its fields are the sampler's settings:
+
+      * ``num_samples``: G >= 1, samples per prompt.
+      * ``max_new_tokens``: T >= 1, completion length budget (required here: None is multi-turn only).
+      * ``top_p``: nucleus mass in (0, 1] (1 = off); ``top_k``: >= 0 (0 = off).
+      * ``eos_ids``: token ids that end a completion (included in the completion and its mask). Empty:
+        every completion has exactly T tokens.
+      * ``pad_id``: int >= 0, the id written after the end of each completion.
+      * ``suppress_ids``: token ids the sampler must never emit (each in ``[0, vocab_size)``, not an EOS id,
+        not the whole vocabulary). None (default): ``(pad_id,)`` when the pad id is in the vocabulary
+        and not one of ``eos_ids`` — so a real token can never be mistaken for padding — else ``()``.
+        ``()`` allows every id.
+      * ``merge_lora``: see ``model``.
+      * ``record_routing``: record the experts of every token in ``Rollout.routing`` (a mixture-of-experts
+        model only: ValueError for a dense one). The sampled tokens do not change.
     key: a PRNG key (typed ``jax.random.key`` or raw ``uint32[2]``); same key => same rollout.
-    record_routing: record the experts of every token in ``Rollout.routing`` (a mixture-of-experts
-      model only: ValueError for a dense one). The sampled tokens do not change.
+    temperature: >= 0 (0 = greedy); the train step's ``TrainConfig.temperature`` when training.
 
   Returns:
     A ``Rollout`` with N = B*G rows; row b*G + g is sample g of prompt b.
@@ -353,16 +354,20 @@ def generate(
     ValueError: a wrong shape or value (e.g. a mask that is not left-padded, ``top_p=0``, an id
       outside the vocabulary, ``P + T > max_position_embeddings``).
   """
+  check_sampling(sampling, "generate")
   prompt_tokens, prompt_mask = _checks.check_prompts(prompt_tokens, prompt_mask)
-  num_samples = _checks.check_python_int(num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
-  max_new_tokens = _checks.check_python_int(max_new_tokens, "max_new_tokens", minimum=1, hint="T")
+  num_samples = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
+  max_new_tokens = _checks.check_python_int(
+    sampling.require_max_new_tokens("generate"), "max_new_tokens", minimum=1, hint="T"
+  )
   temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
-  top_p = _check_top_p(top_p)
-  top_k = _check_top_k(top_k)
+  top_p = _check_top_p(sampling.top_p)
+  top_k = _check_top_k(sampling.top_k)
   vocab_size = model.config.vocab_size
-  eos_ids = _checks.check_token_ids(eos_ids, "eos_ids", vocab_size)
-  pad_id = _checks.check_python_int(pad_id, "pad_id", minimum=0)
-  suppress_ids = _suppressed_ids(suppress_ids, pad_id, eos_ids, vocab_size)
+  eos_ids = _checks.check_token_ids(sampling.eos_ids, "eos_ids", vocab_size)
+  pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
+  suppress_ids = _suppressed_ids(sampling.suppress_ids, pad_id, eos_ids, vocab_size)
+  record_routing = sampling.record_routing
   key = _checks.check_prng_key(key)
   total_len = prompt_tokens.shape[1] + max_new_tokens
   max_positions = model.config.max_position_embeddings
@@ -377,7 +382,7 @@ def generate(
     raise ValueError(
       f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
     )
-  graphdef, state = nnx.split(model)
+  graphdef, state = nnx.split(sampling.model_to_sample(model))
   return _generate_jit(
     graphdef,
     state,

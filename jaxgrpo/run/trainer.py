@@ -37,6 +37,7 @@ evaluation, dynamic sampling's ``iteration.select_groups``, async rollouts) live
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -515,24 +516,11 @@ class Trainer:
       self.engine.push_weights(self.sampling_policy())
       self._engine_stale = False
       self._engine_times["engine/push_s"] = time.perf_counter() - t0
-    s = self.sampling
+    # VLLMEngine at τ != 1 reports full-vocabulary log-probs only without suppressed ids: () there
+    vllm_tau = self.train_config.temperature != 1.0 and self.config.rollout.engine == "vllm"
+    s = dataclasses.replace(self.sampling, record_routing=False, **({"suppress_ids": ()} if vllm_tau else {}))
     t1 = time.perf_counter()
-    gen = self.engine.generate(
-      tokens,
-      mask,
-      num_samples=s.num_samples,
-      max_new_tokens=s.max_new_tokens,
-      temperature=self.train_config.temperature,
-      top_p=s.top_p,
-      top_k=s.top_k,
-      eos_ids=s.eos_ids,
-      pad_id=s.pad_id,
-      # VLLMEngine at τ != 1 reports full-vocabulary log-probs only without suppressed ids: () there
-      suppress_ids=()
-      if self.train_config.temperature != 1.0 and self.config.rollout.engine == "vllm"
-      else s.suppress_ids,
-      key=key,
-    )
+    gen = self.engine.generate(tokens, mask, s, key=key, temperature=self.train_config.temperature)
     self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
       time.perf_counter() - t1
     )

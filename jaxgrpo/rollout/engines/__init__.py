@@ -5,6 +5,7 @@ docs/sampling.md, "Engines"."""
 
 from jaxgrpo.rollout.engines.base import (
   FINISH_REASONS,
+  GENERATE_SIGNATURE,
   Engine,
   Generation,
   check_engine,
@@ -18,6 +19,7 @@ __all__ = [
   "BuiltinEngine",
   "Engine",
   "FINISH_REASONS",
+  "GENERATE_SIGNATURE",
   "Generation",
   "check_engine",
   "finish_reasons",

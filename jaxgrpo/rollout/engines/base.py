@@ -3,17 +3,20 @@
 An engine holds a copy (or a view) of the policy's weights and samples groups of completions from it::
 
     engine.push_weights(policy)                   # after every optimizer update: the engine's weights := policy's
-    gen = engine.generate(prompt_tokens, prompt_mask, num_samples=G, max_new_tokens=T,
-                          temperature=1.0, top_p=1.0, top_k=0, eos_ids=(eos,), pad_id=pad, key=key)
+    sampling = SamplingConfig(num_samples=G, max_new_tokens=T, eos_ids=(eos,), pad_id=pad)   # top_p, top_k, ...
+    gen = engine.generate(prompt_tokens, prompt_mask, sampling, key=key, temperature=1.0)
     gen.rollout.completions / .mask / .log_probs  # int32[N, T], bool[N, T], f32[N, T]; N = B·G
     gen.finish_reasons                            # str[N]: "stop" (an EOS id was sampled) or "length"
     engine.release_memory(); ...; engine.reacquire_memory()   # around the update, on one accelerator
     engine.close()                                # at the end: frees what the engine holds (idempotent)
 
-The keyword arguments of :meth:`Engine.generate` are those of :func:`jaxgrpo.rollout.sampling.generate` (and of
-``jaxgrpo.rollout.sampling.SamplingConfig``), so the built-in sampler and an external engine are drop-in
-replacements. ``Generation.rollout`` has the layout of :class:`jaxgrpo.rollout.sampling.Rollout` (row ``b·G + g`` is
-sample g of prompt b, completions right-padded with ``pad_id``, prompts left-padded as given); its
+:meth:`Engine.generate` has the signature of :func:`jaxgrpo.rollout.sampling.generate` without the model,
+``generate(prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0)``: the settings travel in one
+:class:`jaxgrpo.rollout.sampling.SamplingConfig`, so the built-in sampler and an external engine are drop-in
+replacements (:func:`check_engine` refuses an engine whose ``generate`` cannot be called that way, e.g. the
+retired keyword form ``generate(prompt_tokens, prompt_mask, *, num_samples, max_new_tokens, ..., key)``).
+``Generation.rollout`` has the layout of :class:`jaxgrpo.rollout.sampling.Rollout` (row ``b·G + g`` is sample g
+of prompt b, completions right-padded with ``pad_id``, prompts left-padded as given); its
 ``log_probs`` are the **engine's own** log-probs of the sampled tokens, ``log_softmax(logits / temperature)``
 over the full vocabulary (temperature 0: temperature 1), i.e. the behaviour policy μ of
 ``jaxgrpo.kernels.importance``. For the built-in sampler they equal the trainer's recomputation up to float32
@@ -30,18 +33,21 @@ process, weights pushed through the Hugging Face name map).
 
 from __future__ import annotations
 
+import inspect
+import typing
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
 
 from jaxgrpo import _checks
-from jaxgrpo.rollout.sampling import Rollout
+from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
 
 __all__ = [
   "Engine",
   "Generation",
   "FINISH_REASONS",
+  "GENERATE_SIGNATURE",
   "check_engine",
   "finish_reasons",
   "load_engine_factory",
@@ -73,23 +79,14 @@ class Engine(Protocol):
   name: str
 
   def generate(
-    self,
-    prompt_tokens,
-    prompt_mask,
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_ids: Sequence[int] = (),
-    pad_id: int,
-    suppress_ids: Sequence[int] | None = None,
-    key: jax.Array,
+    self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key: jax.Array, temperature: float = 1.0
   ) -> Generation:
-    """G = ``num_samples`` completions of each of the B left-padded prompts ``int32[B, P]`` /
-    ``bool[B, P]``, drawn with the given settings (those of :func:`jaxgrpo.rollout.sampling.generate`); the same
-    ``key`` and weights give the same rollout."""
+    """G = ``sampling.num_samples`` completions of each of the B left-padded prompts ``int32[B, P]`` /
+    ``bool[B, P]``, drawn with ``sampling``'s settings (those of :func:`jaxgrpo.rollout.sampling.generate`:
+    ``max_new_tokens``, ``top_p``, ``top_k``, ``eos_ids``, ``pad_id``, ``suppress_ids``) at ``temperature``;
+    the same ``key`` and weights give the same rollout. ``sampling.merge_lora`` concerns the push (the caller
+    merges before :meth:`push_weights`); an engine that records no expert routing refuses
+    ``sampling.record_routing=True``."""
     ...
 
   def push_weights(self, model) -> None:
@@ -119,20 +116,80 @@ def logprobs_are_policy(engine) -> bool:
   return getattr(engine, "logprobs_are_policy", False) is True
 
 
+#: How :meth:`Engine.generate` is called (the errors of :func:`check_engine` and :func:`load_engine_factory` quote it).
+GENERATE_SIGNATURE = "generate(prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, temperature=1.0)"
+
+
 def check_engine(engine, what: str = "engine") -> None:
-  """TypeError naming ``what`` unless ``engine`` has the :class:`Engine` interface (the missing members)."""
+  """TypeError naming ``what`` unless ``engine`` has the :class:`Engine` interface: the missing members, or a
+  ``generate`` that cannot be called as :data:`GENERATE_SIGNATURE` (e.g. the retired keyword form
+  ``generate(prompt_tokens, prompt_mask, *, num_samples, max_new_tokens, ..., key)``; read with
+  ``inspect.signature``, nothing is run)."""
   if not isinstance(engine, Engine):
     members = ("name", "generate", "push_weights", "release_memory", "reacquire_memory", "close")
     missing = [m for m in members if not hasattr(engine, m)]
     raise TypeError(
-      f"{what} must implement jaxgrpo.rollout.engines.Engine; got {type(engine).__name__} (missing: {', '.join(missing)})"
+      f"{what} must implement jaxgrpo.rollout.engines.Engine; got {type(engine).__name__} "
+      f"(missing: {', '.join(missing)})"
     )
+  problem = _generate_signature_problem(engine.generate, bound=True)
+  if problem:
+    raise TypeError(_signature_message(what, type(engine).__name__, problem))
 
 
 def load_engine_factory(path: str, what: str = "rollout.engine"):
   """The callable named by ``"package.module:callable"`` (imported); ValueError naming ``what`` and ``path``
-  when the string has another form, the module does not import or the name is missing or not callable."""
-  return _checks.load_callable(path, what, "'jax', 'vllm' or 'package.module:callable'")
+  when the string has another form, the module does not import or the name is missing or not callable, or when
+  the engine class it names (the callable itself, or its return annotation) has a ``generate`` that cannot be
+  called as :data:`GENERATE_SIGNATURE` — checked on the class, before any engine is built. A factory whose
+  engine class is not known until it runs is checked by :func:`check_engine` on the engine it returns."""
+  factory = _checks.load_callable(path, what, "'jax', 'vllm' or 'package.module:callable'")
+  cls = _engine_class(factory)
+  if cls is not None:
+    problem = _generate_signature_problem(
+      cls.generate, bound=isinstance(inspect.getattr_static(cls, "generate"), (staticmethod, classmethod))
+    )
+    if problem:
+      raise ValueError(_signature_message(f"`{what}`: {path!r}", cls.__name__, problem))
+  return factory
+
+
+def _engine_class(factory) -> type | None:
+  """The class whose instances ``factory`` makes, when known without calling it (a class with ``generate``, or a
+  function whose return annotation is one); None otherwise."""
+  cls = factory
+  if not isinstance(factory, type):
+    try:
+      cls = typing.get_type_hints(factory).get("return")
+    except Exception:  # an annotation that does not resolve: the engine is checked once it is built
+      return None
+  return cls if isinstance(cls, type) and callable(getattr(cls, "generate", None)) else None
+
+
+def _generate_signature_problem(generate, *, bound: bool) -> str | None:
+  """Why ``generate`` (a bound method, or with ``bound=False`` a function taking ``self`` first) cannot be called
+  as :data:`GENERATE_SIGNATURE`; None when it can or its signature cannot be read (a C callable)."""
+  try:
+    sig = inspect.signature(generate)
+  except (TypeError, ValueError):
+    return None
+  params = list(sig.parameters.values())
+  positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  if not bound and params and params[0].kind in positional:
+    sig = sig.replace(parameters=params[1:])  # self
+  try:
+    sig.bind("prompt_tokens", "prompt_mask", "sampling", key="key", temperature=1.0)
+  except TypeError as e:
+    return f"generate{sig}: {e}"
+  return None
+
+
+def _signature_message(what: str, name: str, problem: str) -> str:
+  return (
+    f"{what}: {name}.{problem}; an engine's generate must be {GENERATE_SIGNATURE} "
+    "(the keyword form num_samples=, max_new_tokens=, ... was retired: read them from the "
+    "jaxgrpo.rollout.sampling.SamplingConfig; CHANGELOG.md, 'One generate signature')"
+  )
 
 
 def finish_reasons(completions: np.ndarray, mask: np.ndarray, eos_ids: Sequence[int]) -> np.ndarray:

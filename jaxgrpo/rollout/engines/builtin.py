@@ -13,14 +13,12 @@ nothing (XLA frees the KV cache of a call when the call returns).
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import jax
 import numpy as np
 from flax import nnx
 
 from jaxgrpo.rollout.engines.base import Generation, finish_reasons
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
 
 __all__ = ["BuiltinEngine"]
 
@@ -65,36 +63,12 @@ class BuiltinEngine:
         )
 
   def generate(
-    self,
-    prompt_tokens,
-    prompt_mask,
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_ids: Sequence[int] = (),
-    pad_id: int,
-    suppress_ids: Sequence[int] | None = None,
-    key: jax.Array,
+    self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key: jax.Array, temperature: float = 1.0
   ) -> Generation:
     """:func:`jaxgrpo.rollout.sampling.generate` on the last pushed model, plus finish reasons (see
-    :meth:`jaxgrpo.rollout.engines.base.Engine.generate`)."""
+    :meth:`jaxgrpo.rollout.engines.base.Engine.generate`; ``sampling.merge_lora`` and ``record_routing`` are
+    honoured as by ``generate``)."""
     self._check_weights()
-    rollout = generate(
-      self.model,
-      prompt_tokens,
-      prompt_mask,
-      num_samples=num_samples,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_p=top_p,
-      top_k=top_k,
-      eos_ids=eos_ids,
-      pad_id=pad_id,
-      suppress_ids=suppress_ids,
-      key=key,
-    )
-    reasons = finish_reasons(np.asarray(rollout.completions), np.asarray(rollout.mask), eos_ids)
+    rollout = generate(self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
+    reasons = finish_reasons(np.asarray(rollout.completions), np.asarray(rollout.mask), sampling.eos_ids)
     return Generation(rollout, reasons)

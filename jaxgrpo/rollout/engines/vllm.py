@@ -35,7 +35,7 @@ import os
 import tempfile
 import time
 import warnings
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ from jaxgrpo import _checks
 from jaxgrpo.models import lora
 from jaxgrpo.models.hf import hf_entries
 from jaxgrpo.rollout.engines.base import FINISH_REASONS, Generation
-from jaxgrpo.rollout.sampling import Rollout
+from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling
 
 __all__ = [
   "INSTALL_HINT",
@@ -307,21 +307,11 @@ class VLLMEngine:
 
   # ------------------------------------------------------------------ sampling
   def generate(
-    self,
-    prompt_tokens,
-    prompt_mask,
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_ids: Sequence[int] = (),
-    pad_id: int,
-    suppress_ids: Sequence[int] | None = None,
-    key: jax.Array,
+    self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key: jax.Array, temperature: float = 1.0
   ) -> Generation:
-    """G completions per prompt from vLLM (the arguments of :func:`jaxgrpo.rollout.sampling.generate`).
+    """G completions per prompt from vLLM (the arguments of :func:`jaxgrpo.rollout.sampling.generate`;
+    ``sampling.merge_lora`` is moot, :meth:`push_weights` merges a LoRA policy; ``sampling.record_routing``
+    is refused: vLLM records no expert routing).
 
     Returns:
       :class:`~jaxgrpo.rollout.engines.base.Generation`: a NumPy ``Rollout`` (``num_steps`` = the longest
@@ -332,16 +322,25 @@ class VLLMEngine:
 
     if self.asleep:
       raise RuntimeError("generate: the engine's memory is released; call reacquire_memory() first")
+    check_sampling(sampling, "VLLMEngine.generate")
+    if sampling.record_routing:
+      raise ValueError(
+        "VLLMEngine.generate: `sampling.record_routing=True` needs the built-in sampler (vLLM records no expert "
+        "routing); pass a SamplingConfig with record_routing=False"
+      )
     tokens, mask = _checks.check_prompts(prompt_tokens, prompt_mask)
     tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
-    g = _checks.check_python_int(num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
-    t = _checks.check_python_int(max_new_tokens, "max_new_tokens", minimum=1, hint="T")
+    g = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
+    t = _checks.check_python_int(
+      sampling.require_max_new_tokens("VLLMEngine.generate"), "max_new_tokens", minimum=1, hint="T"
+    )
     temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
-    top_p = _checks.check_python_float(top_p, "top_p", above=0.0, at_most=1.0, hint="1 = no nucleus filtering")
-    top_k = _checks.check_python_int(top_k, "top_k", minimum=0, hint="0 = no top-k filtering")
+    top_p = _checks.check_python_float(sampling.top_p, "top_p", above=0.0, at_most=1.0, hint="1 = no nucleus filtering")
+    top_k = _checks.check_python_int(sampling.top_k, "top_k", minimum=0, hint="0 = no top-k filtering")
     vocab = self.config.vocab_size
-    eos_ids = _checks.check_token_ids(eos_ids, "eos_ids", vocab)
-    pad_id = _checks.check_python_int(pad_id, "pad_id", minimum=0)
+    eos_ids = _checks.check_token_ids(sampling.eos_ids, "eos_ids", vocab)
+    pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
+    suppress_ids = sampling.suppress_ids
     if suppress_ids is None:
       suppress = (pad_id,) if pad_id < vocab and pad_id not in eos_ids else ()
     else:
@@ -361,7 +360,7 @@ class VLLMEngine:
       if suppress:
         raise ValueError(
           f"suppress_ids={suppress}: an engine with logprobs_temperature={tau} != 1 reports log-probs after vLLM's "
-          "logit bias; pass suppress_ids=() for full-vocabulary log-probs"
+          "logit bias; pass a SamplingConfig with suppress_ids=() for full-vocabulary log-probs"
         )
       if temperature > 0 and (top_k or top_p < 1.0):
         raise ValueError(

@@ -329,20 +329,13 @@ def sample_multiturn(
   def sample_turn(rows_now, stop, turn_key):
     rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
     ctx, ctx_mask = _left_pad([prompts[i] + traj[i] for i in rows_padded], width, sampling.pad_id)
-    kwargs = dict(
-      num_samples=1,
-      max_new_tokens=per_turn,
-      temperature=temperature,
-      top_p=sampling.top_p,
-      top_k=sampling.top_k,
-      eos_ids=stop,
-      pad_id=sampling.pad_id,
-      suppress_ids=sampling.suppress_ids,
-      key=turn_key,
+    turn_sampling = dataclasses.replace(
+      sampling, num_samples=1, max_new_tokens=per_turn, eos_ids=stop, merge_lora=False, record_routing=False
     )
-    out = (
-      generate(model, ctx, ctx_mask, **kwargs) if engine is None else engine.generate(ctx, ctx_mask, **kwargs).rollout
-    )
+    if engine is None:
+      out = generate(model, ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature)
+    else:
+      out = engine.generate(ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature).rollout
     got = jax.device_get((out.completions, out.mask, out.log_probs))
     return {i: tuple(np.asarray(x)[j] for x in got) for j, i in enumerate(rows_now)}
 
