@@ -33,6 +33,7 @@ from jaxgrpo import rloo_advantages
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.kernels.losses import LossTerms
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import terms as step_terms
 from jaxgrpo.step import train
 
 LR, CLIP = 0.5, 0.05
@@ -109,7 +110,7 @@ def test_gspo_loss_and_update_match_the_formula_and_micro_batches_change_nothing
 _GSPO_FSDP = r"""
 import jax, numpy as np, optax
 from helpers import G, flat_params, load_example, make_batch, numpy_gspo_loss, numpy_group_advantages, numpy_log_probs, tiny_model
-from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 2
@@ -252,7 +253,7 @@ def test_a_denominator_with_a_gradient_is_refused_at_trace_time():
   with pytest.raises(ValueError, match="denominator that depends on `logp`"):
     step(state, batch)
   step, _ = _make(None, objective_fn=detached, advantages_fn=_rloo)
-  train._check_denominator(
+  step_terms._check_denominator(
     detached,
     None,
     {

@@ -22,14 +22,8 @@ from jaxgrpo.models import lora
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
-from jaxgrpo.step.train import (
-  TrainConfig,
-  TrainState,
-  TrainStep,
-  _check_not_donated,
-  _merge_model,
-  make_reference_fn,
-)
+from jaxgrpo.step.state import TrainConfig, TrainState, _check_not_donated, _merge_model
+from jaxgrpo.step.train import TrainStep, make_reference_fn
 
 __all__ = [
   "Reference",
