@@ -41,7 +41,7 @@ TIMING = ("tokens_per_sec", "step_time", "rollout_time")
 _WORKER = r"""
 import json, sys
 nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-from jaxgrpo import distributed
+from jaxgrpo.parallel import distributed
 if nproc > 1:
   distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
 import jax, numpy as np
@@ -67,7 +67,7 @@ tr.rollouts.observe = lambda b: seen.append({"versions": b.versions.tolist(), "p
                                              "rows": int(b.batch.completions.shape[0])})
 recs = tr.run()
 if nproc > 1:  # a resume that read different states on two processes is refused, on both
-  from jaxgrpo import async_rollout
+  from jaxgrpo.rollout import async_rollout
   step, key, position = int(tr.state.train.step), tr.state.key, dict(tr.state.data_position)
   async_rollout._check_processes_agree(step, key, position)  # the run's own state: they agree
   try:

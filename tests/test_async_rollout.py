@@ -266,7 +266,7 @@ sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
 from test_trainer import tiny
 from test_async_rollout import REWARDS
-from jaxgrpo import async_rollout
+from jaxgrpo.rollout import async_rollout
 from jaxgrpo.run.trainer import Trainer
 mode, out = sys.argv[2], sys.argv[3]
 if mode == "disaggregated":

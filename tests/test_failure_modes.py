@@ -32,7 +32,7 @@ import optax
 import pytest
 
 from jaxgrpo.models import hf
-from jaxgrpo.run.trainer import _nonfinite_error
+from jaxgrpo.run.control import nonfinite_error as _nonfinite_error
 from jaxgrpo.services import _orbax_noise
 from jaxgrpo.services import checkpoint as ck
 from jaxgrpo.services.checkpoint import RunMeta, Snapshot

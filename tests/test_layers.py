@@ -94,7 +94,7 @@ def _imports(tree: ast.AST, module: str) -> list[tuple[str, int, bool]]:
         if child.level:  # relative import
           parent = module.split(".")[: len(module.split(".")) - child.level + 1]
           base = ".".join(parent + ([base] if base else []))
-        # `from jaxgrpo import checkpoint` imports the module jaxgrpo.services.checkpoint
+        # `from jaxgrpo.services import checkpoint` imports the module jaxgrpo.services.checkpoint
         out.extend(
           (f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base, child.lineno, in_function)
           for a in child.names

@@ -205,7 +205,7 @@ from jax.sharding import PartitionSpec as P
 from flax import nnx
 from helpers import G, flat_params, make_batch
 from test_lora_train import _lora_model
-from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8

@@ -99,7 +99,7 @@ def test_tensorboard_writer_does_not_load_torch_and_leaves_it_importable(tmp_pat
   # a fresh process: tensorboardX imports torch (~1.2 s) only for its tensor type; the logger keeps it out,
   # writes the same events, and `import torch` afterwards still works
   code = (
-    "import sys\nfrom jaxgrpo import metrics as M\n"
+    "import sys\nfrom jaxgrpo.services import metrics as M\n"
     "with M.MetricsLogger(sys.argv[1], total_steps=2, progress=False, tensorboard=True, is_main=True) as log:\n"
     "  log({'step': 1, 'loss': 0.5})\n"
     "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)[:5]\n"

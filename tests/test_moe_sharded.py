@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from hf_utils import tiny_moe_config
 from helpers import flat_params
-from jaxgrpo import models, sharding as shd, train
+from jaxgrpo import models; from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import logging, sys, tempfile
-from jaxgrpo import _orbax_noise, checkpoint
+from jaxgrpo.services import _orbax_noise, checkpoint
 stderr, absl_level = sys.stderr, logging.getLogger("absl").level
 with tempfile.TemporaryDirectory() as d:
   ck = checkpoint.Checkpointer(d + "/ckpt", log=None)

@@ -13,7 +13,7 @@ import re
 import jax, jax.numpy as jnp, numpy as np, pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from jaxgrpo import models, packing, sharding as shd
+from jaxgrpo import models; from jaxgrpo.step import packing; from jaxgrpo.parallel import sharding as shd
 
 assert jax.device_count() == 8
 cfg = models.Qwen3Config(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

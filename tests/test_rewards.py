@@ -481,7 +481,7 @@ def test_worker_ignores_ctrl_c():
 
 PARENT_SCRIPT = """
 import sys, time
-from jaxgrpo import rewards as R
+from jaxgrpo.data import rewards as R
 
 def spin(x):
   while x == "hang":
@@ -530,7 +530,7 @@ def test_worker_exits_when_its_parent_is_killed(tmp_path, sig):
 LEAN_PARENT_SCRIPT = """
 import sys
 import jax, flax  # a training script's imports
-from jaxgrpo import rewards as R
+from jaxgrpo.data import rewards as R
 import reward_verifiers as V
 
 def here(x):

@@ -269,7 +269,7 @@ import jax, numpy as np, optax
 from jax.sharding import PartitionSpec as P
 from flax import nnx
 from helpers import G, flat_params, make_batch, tiny_config
-from jaxgrpo import models, sharding as shd, train
+from jaxgrpo import models; from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8

@@ -389,3 +389,22 @@ def test_the_hook_example_equals_the_gspo_preset():
   (v1, g1), (v2, g2) = jax.jit(lambda: (f(gspo), f(jg.objective_terms)))()
   assert float(v1) == pytest.approx(float(v2), rel=1e-6)
   np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-8)
+
+
+def test_mismatch_k3_is_the_mean_k3_and_max_gap_over_sampled_tokens():
+  """``importance.mismatch_k3`` (the engine path's and async's one mismatch metric) against NumPy written from
+  its definition: mean over masked tokens of r − log r − 1, r = exp(log π_old − log μ), and max |Δ|; masked-out
+  tokens (huge gaps there) change neither; no masked token gives 0, 0."""
+  from jaxgrpo.kernels.importance import mismatch_k3
+
+  rng = np.random.default_rng(3)
+  old = rng.normal(-2.0, 1.0, (3, 7)).astype(np.float32)
+  beh = (old + rng.normal(0.0, 0.7, (3, 7))).astype(np.float32)
+  mask = rng.random((3, 7)) < 0.6
+  beh_out = np.where(mask, beh, old - 50.0).astype(np.float32)  # outside the mask: a gap that would dominate
+  d = (old - beh).astype(np.float64)[mask]
+  want_k3, want_max = np.mean(np.exp(d) - d - 1.0), np.max(np.abs(d))
+  k3, gap = jax.jit(mismatch_k3)(jnp.asarray(old), jnp.asarray(beh_out), jnp.asarray(mask))
+  np.testing.assert_allclose([float(k3), float(gap)], [want_k3, want_max], rtol=1e-5)
+  zero = mismatch_k3(jnp.asarray(old), jnp.asarray(beh), jnp.zeros((3, 7), bool))
+  assert [float(z) for z in zero] == [0.0, 0.0]

@@ -238,7 +238,7 @@ def test_tis_against_a_perturbed_behaviour_policy():
 _MESHES = r"""
 import jax, numpy as np, optax
 from helpers import G, flat_params, make_batch, tiny_model
-from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8

@@ -13,7 +13,7 @@ _CHILD = r"""
 import re
 import jax, numpy as np, optax
 from helpers import G, flat_params, make_batch, tiny_model
-from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8

@@ -11,7 +11,7 @@ import sys
 import jax, numpy as np, optax
 from jax.sharding import PartitionSpec as P
 from helpers import G, flat_params, make_batch, tiny_model
-from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
@@ -67,7 +67,7 @@ print("OK")
 _ERRORS = r"""
 import jax, numpy as np, optax, pytest
 from helpers import make_batch, tiny_config, tiny_model
-from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import build_model
 

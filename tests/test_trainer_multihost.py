@@ -56,7 +56,7 @@ ARGS = [
   "--data.max-prompt-tokens",
   "64",
   "--rollout.group-size",  # G = 2: groups with equal rewards are common, so dynamic sampling refills; steps
-  "2",  # 1 and 2 keep groups that the other process sampled (Trainer._own_groups fetches them)
+  "2",  # 1 and 2 keep groups that the other process sampled (RolloutSource._own_groups fetches them)
   "--rollout.prompts-per-step",
   "2",
   "--rollout.max-new-tokens",

@@ -40,7 +40,14 @@ from jaxgrpo.kernels import _hyper
 from jaxgrpo.kernels._numerics import select
 from jaxgrpo.kernels.kl import kl_penalty
 
-__all__ = ["CORRECTIONS", "IMPORTANCE_LEVELS", "MAX_LOG_WEIGHT", "ImportanceWeights", "importance_weights"]
+__all__ = [
+  "CORRECTIONS",
+  "IMPORTANCE_LEVELS",
+  "MAX_LOG_WEIGHT",
+  "ImportanceWeights",
+  "importance_weights",
+  "mismatch_k3",
+]
 
 CORRECTIONS = ("tis", "mis")
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -116,3 +123,23 @@ def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level
   return _importance_weights(
     old_logp, behavior_logp, mask, traced, correction=hyper["correction"], level=hyper["level"], static=static
   )
+
+
+def mismatch_k3(old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """How far the behaviour policy μ (a rollout engine, or an older version) is from the policy π_old that
+  the objective's ratio uses, over the tokens μ sampled — the one mismatch metric of the engine path
+  (``jaxgrpo.rollout.collect.engine_old_logp``) and of asynchronous rollouts.
+
+  Args:
+    old_logp: ``f32[B, T]`` log π_old of the sampled tokens.
+    behavior_logp: ``f32[B, T]`` log μ of the same tokens.
+    mask: ``bool[B, T]`` the tokens μ sampled (real completion tokens; policy tokens of a multi-turn row).
+
+  Returns:
+    ``(mean_k3, max_abs)``, both ``f32[]``: the mean over masked tokens of ``k3 = r − log r − 1`` with
+    ``r = π_old/μ`` (``kl.kl_penalty(old_logp, behavior_logp, "forward_k3")``, an estimator of KL(μ ‖ π_old)
+    under μ's samples; 0 without masked tokens), and max |log π_old − log μ| over them (0 without).
+  """
+  k3 = kl_penalty(old_logp, behavior_logp, "forward_k3", mask=mask)
+  n = jnp.maximum(mask.sum(), 1)
+  return (k3 * mask).sum() / n, jnp.where(mask, abs(old_logp - behavior_logp), 0.0).max()

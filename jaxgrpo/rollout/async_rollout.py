@@ -37,10 +37,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxgrpo import data as data_lib
+from jaxgrpo.kernels.importance import mismatch_k3
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout import collect
 from jaxgrpo.services.metrics import truncate_jsonl
+from jaxgrpo.step import feed
 from jaxgrpo.step.train import Batch, TrainState, make_reference_fn
 
 __all__ = ["AsyncRollouts", "ProducedBatch", "make_meshes", "LEDGER"]
@@ -100,7 +102,7 @@ class ProducedBatch(NamedTuple):
   Attributes:
     index: n, the step that trains it (1-based).
     batch: the host :class:`~jaxgrpo.step.train.Batch`; ``old_logp`` holds the sampler's log-probs.
-    metrics: the rollout metrics of ``Trainer._rollout_batch`` (rewards, lengths, dynamic sampling).
+    metrics: the rollout metrics of ``RolloutSource.batch`` (rewards, lengths, dynamic sampling).
     tokens: completion tokens of the batch.
     prompts: ``int64[groups]`` the prompt index of each group, in batch order.
     versions: ``int64[groups]`` the parameter version that sampled each group.
@@ -139,7 +141,7 @@ class AsyncRollouts:
   the module docstring).
 
   Args:
-    trainer: the trainer (its state, iterator, jitted step and reference, ``_rollout_batch``); this
+    trainer: the trainer (its state, iterator, jitted step and reference, ``source.batch``); this
       object replaces its ``train_step`` (``trainer.rollouts``).
     max_staleness: k >= 0.
     rollout_mesh: the mesh the sampler runs on (None: the trainer's mesh, colocated).
@@ -191,7 +193,7 @@ class AsyncRollouts:
       train_config=trainer.train_config,
       rules=rules,
     )
-    self._mismatch = jax.jit(_mean_k3)
+    self._mismatch = jax.jit(lambda old, behavior, mask: mismatch_k3(old, behavior, mask.astype(bool))[0])
     # CPU processes (gloo): programs on two device sets must not exchange data at the same time (their
     # collectives share one connection per pair of processes): each program is waited for in turn
     self._serial = jax.process_count() > 1 and jax.default_backend() == "cpu"
@@ -253,18 +255,18 @@ class AsyncRollouts:
     return self._published
 
   def _sample(self, indices, key, versions: list, rounds: list, dispatched: _Once):
-    """One sampling round on the newest published version and the rollout mesh: the trainer's
-    ``_sample`` with the learner's dispatch between the sampler's call and the fetch of its rows."""
+    """One sampling round on the newest published version and the rollout mesh: the rollout
+    source's ``sample`` with the learner's dispatch between the sampler's call and the fetch of its rows."""
     tr = self.trainer
     drawn = [int(i) for i in indices]
     version, params = self._published
     self._drawn.append(drawn)
     versions.append(version)
     rounds.append(drawn)
-    model = iteration.policy_model(tr.graphdef, TrainState(params, None, None, self._frozen))
+    model = feed.policy_model(tr.graphdef, TrainState(params, None, None, self._frozen))
     tokens, mask = data_lib.pad_left([tr.prompts.tokens[i] for i in indices], tr.prompt_len, tr.pad_id)
-    tokens, mask = iteration.place_prompts(tokens, mask, mesh=self.rollout_mesh)
-    rollout = iteration.sample(model, tokens, mask, tr.sampling, key=key, temperature=tr.train_config.temperature)
+    tokens, mask = collect.place_prompts(tokens, mask, mesh=self.rollout_mesh)
+    rollout = collect.sample(model, tokens, mask, tr.sampling, key=key, temperature=tr.train_config.temperature)
     if self._serial:
       jax.block_until_ready(rollout)
     dispatched()  # the update now runs alongside (disjoint devices) or after (colocated) the sampler
@@ -280,7 +282,7 @@ class AsyncRollouts:
     versions: list[int] = []
     rounds: list[list[int]] = []
     groups: list[tuple[int, int]] = []
-    batch, metrics, tokens = tr._rollout_batch(
+    batch, metrics, tokens = tr.source.batch(
       sample_key, sample=lambda i, k: self._sample(i, k, versions, rounds, dispatched), kept_groups=groups
     )
     self._queue.append(
@@ -311,7 +313,7 @@ class AsyncRollouts:
     tr = self.trainer
     tstate = tr.state.train
     out: dict[str, Any] = {"t0": time.perf_counter(), "times": {}}
-    placed = iteration.place(item.batch, mesh=tr.mesh, train_config=tr.train_config, process_local=True)
+    placed = feed.place(item.batch, mesh=tr.mesh, train_config=tr.train_config, process_local=True)
     t1 = time.perf_counter()
     out["mismatch"] = None
     if stale:
@@ -489,12 +491,3 @@ def _check_processes_agree(step: int, key, position: dict) -> None:
   if len({d for d, _ in every}) > 1:
     lines = "; ".join(f"process {i}: {s}" for i, (_, s) in enumerate(every))
     raise RuntimeError(f"the processes start the rollouts from different states (step, key, data position): {lines}")
-
-
-def _mean_k3(old: jax.Array, behavior: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean over real tokens of ``k3 = r − log r − 1``, ``r = exp(old − behavior)`` (KL(μ‖π_old) under
-  μ's samples, as ``jaxgrpo.kernels.importance``'s ``mismatch_kl``); ``f32[]``, 0 without real tokens."""
-  m = mask.astype(bool)
-  d = jnp.clip(jnp.where(m, old - behavior, 0.0).astype(jnp.float32), -20.0, 20.0)
-  k3 = jnp.where(m, jnp.exp(d) - d - 1.0, 0.0)
-  return k3.sum() / jnp.maximum(m.sum(), 1)

@@ -13,14 +13,13 @@ import weakref
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxgrpo import _checks
 from jaxgrpo.data.rewards import group_is_informative
-from jaxgrpo.kernels.kl import kl_penalty
+from jaxgrpo.kernels.importance import mismatch_k3
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.engines.base import check_engine
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling, generate
@@ -220,18 +219,14 @@ def engine_old_logp(logp_fn: Callable, params, batch: Batch) -> tuple[Batch, dic
   Returns:
     ``(batch, metrics)``: ``engine/mismatch_k3``, the mean over real (policy, when the batch has a
     ``policy_mask``) tokens of ``r − log r − 1`` with
-    ``r = π_old/μ`` (``jaxgrpo.kernels.kl``'s k3), and ``engine/logp_abs_diff_max``, max |log π_old − log μ|.
+    ``r = π_old/μ`` (``jaxgrpo.kernels.importance.mismatch_k3``), and ``engine/logp_abs_diff_max``, max |log π_old − log μ|.
   """
   old = logp_fn(params, batch)
   behavior, mask = batch.behavior_logp, batch.mask
   if batch.policy_mask is not None:  # multi-turn: observation tokens were not sampled by the engine
     mask = mask & batch.policy_mask
-  k3 = kl_penalty(old, behavior, "forward_k3", mask=mask)
-  n = jnp.maximum(mask.sum(), 1)
-  metrics = {
-    "engine/mismatch_k3": float((k3 * mask).sum() / n),
-    "engine/logp_abs_diff_max": float(jnp.where(mask, abs(old - behavior), 0.0).max()),
-  }
+  k3, diff = mismatch_k3(old, behavior, mask)
+  metrics = {"engine/mismatch_k3": float(k3), "engine/logp_abs_diff_max": float(diff)}
   return batch._replace(old_logp=old), metrics
 
 

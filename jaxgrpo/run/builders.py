@@ -22,9 +22,11 @@ from jax.sharding import Mesh
 from jaxgrpo import data as data_lib
 from jaxgrpo import models
 from jaxgrpo.models import lora
+from jaxgrpo.parallel import distributed
 from jaxgrpo.run import registry
 from jaxgrpo.run.specs import DTYPES, DataSpec, EvalSpec, ModelSpec, TrainerConfig, config_from_dict
 from jaxgrpo.services import checkpoint
+from jaxgrpo.step import feed
 from jaxgrpo.step import train as train_lib
 
 __all__ = [
@@ -450,6 +452,23 @@ def lora_export_dirs(cfg: TrainerConfig, out_dir: str, peft_dir: str | None = No
   if cfg.model.synthetic is not None:
     return {"peft_dir": peft_dir, "base_dir": base_dir_for(out_dir)}
   return {"peft_dir": peft_dir, "base_model_name_or_path": cfg.model.path}
+
+
+def save_run_model(cfg: TrainerConfig, graphdef, train_state, tokenizer, out_dir: str) -> list[str]:
+  """A run's current policy (``graphdef`` with ``train_state``'s parameters) as a Hugging Face directory
+  (:func:`save_policy`); a LoRA run writes the merged model there and its adapters as a PEFT directory
+  (:func:`lora_export_dirs`). With several processes every process must call it (they all take part in
+  gathering parameters that span processes) and process 0 writes. Returns the directories written."""
+  t = train_state
+  if jax.process_count() > 1:
+    params, frozen = distributed.to_host((t.params, t.frozen))
+    t = t._replace(params=params, frozen=frozen)
+  model = feed.policy_model(graphdef, t)
+  if jax.process_index() != 0:
+    return []
+  if cfg.lora is None:
+    return save_policy(model, tokenizer, out_dir)
+  return save_policy(model, tokenizer, out_dir, **lora_export_dirs(cfg, out_dir))
 
 
 def export_hf(path: str, out_dir: str, *, step: int | None = None, peft_dir: str | None = None) -> list[str]:

@@ -29,8 +29,9 @@ from jaxgrpo.data.rewards import CountingReward
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.environments import training as env_training
 
-__all__ = ["pass_at_k", "mean_at_k", "summarize_eval", "evaluate_policy"]
+__all__ = ["pass_at_k", "mean_at_k", "summarize_eval", "evaluate_policy", "evaluate_run"]
 
 
 def _check(num_samples, num_correct):
@@ -188,3 +189,59 @@ def evaluate_policy(
         totals[name] = totals.get(name, 0) + v
     out.update({f"eval_{c}": v for c, v in totals.items()})
   return out
+
+
+def evaluate_run(
+  cfg,
+  policy,
+  tokenizer,
+  data,
+  *,
+  accuracy,
+  sampling,
+  make_env,
+  pad_id: int,
+  eos_ids,
+  mesh: Mesh,
+  key=None,
+  should_stop: Callable[[], bool] | None = None,
+) -> dict[str, float]:
+  """A run's held-out evaluation (``cfg``: a ``TrainerConfig``; ``data``: its ``assemble.DataParts``):
+  mean@k of the environment reward with ``env`` (``environments.training.env_evaluate``), else mean@k
+  (``eval_accuracy``) and ``eval_pass@k`` of :func:`evaluate_policy`, k = ``eval.samples``, at
+  ``eval.temperature`` (default the step's), from ``key`` (default ``key(run.seed + 1)``)."""
+  key = jax.random.key(cfg.run.seed + 1) if key is None else key
+  temperature = cfg.step.temperature if cfg.eval.temperature is None else cfg.eval.temperature
+  if make_env is not None:  # mean@k of the environment reward
+    return env_training.env_evaluate(
+      policy,
+      data.eval_examples,
+      make_env,
+      tokenizer,
+      sampling,
+      cfg.env.multiturn_config(),
+      k=cfg.eval.samples,
+      key=key,
+      batch_prompts=cfg.eval.batch_prompts,
+      temperature=temperature,
+      should_stop=should_stop,
+    )
+  return evaluate_policy(
+    policy,
+    tokenizer,
+    data.eval_prompts.tokens,
+    [e.answer for e in data.eval_examples],
+    accuracy=accuracy,
+    k=cfg.eval.samples,
+    pass_k=cfg.eval.pass_k,
+    temperature=temperature,
+    max_new_tokens=cfg.rollout.max_new_tokens,
+    prompt_len=data.prompt_len,
+    pad_id=pad_id,
+    eos_ids=eos_ids,
+    batch_prompts=cfg.eval.batch_prompts,
+    top_p=cfg.rollout.top_p,
+    top_k=cfg.rollout.top_k,
+    key=key,
+    mesh=mesh,
+  )

@@ -46,6 +46,7 @@ from jaxgrpo.run.task_specs import ArithmeticTask, SyntheticModel
 from jaxgrpo.step.train import TrainConfig
 
 __all__ = [
+  "check_composition",
   "DTYPES",
   "REWARD_FUNCTIONS",
   "ENGINES",
@@ -236,11 +237,6 @@ class RolloutSpec:
       raise ValueError(f"`rollout.engine` must be 'jax', 'vllm' or 'package.module:callable'; got {self.engine!r}")
     if self.engine not in ENGINES:  # a user's engine factory: importable and callable, checked now
       load_engine_factory(self.engine)
-    if self.engine != "jax" and self.max_staleness:
-      raise ValueError(
-        f"`rollout.max_staleness`={self.max_staleness} needs `rollout.engine: jax` (asynchronous rollouts run the "
-        f"built-in sampler on the producer's parameters); got `rollout.engine: {self.engine}`"
-      )
     _ints("rollout", self, ("group_size", "prompts_per_step", "max_new_tokens", "dynamic_sampling_max_rounds"))
     _ints("rollout", self, ("top_k", "max_staleness"), minimum=0)
     _float("rollout", self, "top_p", above=0.0, at_most=1.0)
@@ -488,23 +484,7 @@ class TrainerConfig:
         UserWarning,
         stacklevel=3,
       )
-    roll = self.rollout
-    if roll.engine == "vllm" and self.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):
-      raise ValueError(
-        f"`rollout.engine: vllm` with `step.temperature`={self.step.temperature} != 1 cannot report full-vocabulary "
-        f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
-        'temperature 1 or no filtering (docs/sampling.md, "Engines")'
-      )
-    if self.env is not None and (
-      self.rollout.max_staleness
-      or self.objective.dynamic_sampling
-      or self.devices.rollout
-      or self.rollout.engine != "jax"
-    ):
-      raise ValueError(
-        "`env` (multi-turn rollouts) does not combine with `rollout.max_staleness`, `objective.dynamic_sampling`, "
-        "`devices.rollout` or `rollout.engine: vllm` yet; unset them"
-      )
+    check_composition(self)
     if self.env is not None and self.env.episodes is not None:
       given = [f"{k}={v!r}" for k, v in (("data.dataset", self.data.dataset), ("eval.dataset", self.eval.dataset)) if v]
       if given:
@@ -538,3 +518,35 @@ def _plain(x):
   if isinstance(x, (list, tuple)):
     return [_plain(v) for v in x]
   return x
+
+
+def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
+  """Every combination of options a run refuses, one line each, in one place: at load (``TrainerConfig``,
+  one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
+  A combination is refused for a physical reason or because it is not built yet (said so); composing the
+  rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind."""
+  roll, env = cfg.rollout, cfg.env
+  if roll.engine != "jax" and roll.max_staleness:  # not built yet: the producer samples with the built-in sampler
+    raise ValueError(
+      f"`rollout.max_staleness`={roll.max_staleness} needs `rollout.engine: jax` (asynchronous rollouts run the "
+      f"built-in sampler on the producer's parameters); got `rollout.engine: {roll.engine}`"
+    )
+  if roll.engine == "vllm" and cfg.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):  # physical
+    raise ValueError(
+      f"`rollout.engine: vllm` with `step.temperature`={cfg.step.temperature} != 1 cannot report full-vocabulary "
+      f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
+      'temperature 1 or no filtering (docs/sampling.md, "Engines")'
+    )
+  if env is not None and (
+    roll.max_staleness or cfg.objective.dynamic_sampling or cfg.devices.rollout or roll.engine != "jax"
+  ):
+    raise ValueError(  # not built yet
+      "`env` (multi-turn rollouts) does not combine with `rollout.max_staleness`, `objective.dynamic_sampling`, "
+      "`devices.rollout` or `rollout.engine: vllm` yet; unset them"
+    )
+  if roll.engine != "jax" and process_count > 1:  # not built yet: one engine colocated in one process
+    raise ValueError(
+      f"`rollout.engine: {roll.engine}` runs in one process (the engine colocated in it); this run has several"
+    )
+  if env is not None and process_count > 1:  # not built yet
+    raise ValueError("`env` (multi-turn rollouts) runs in one process; multi-host runs are not supported yet")

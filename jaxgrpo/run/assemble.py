@@ -1,0 +1,255 @@
+"""From a run config to the parts of a run: the checks that must pass before anything heavy runs (the mesh,
+the rows, the processes, the combination of options), the rollout engine, the sampling settings, the
+prompts or environment episodes, the rewards and the optimizer. ``jaxgrpo.run.trainer.Trainer`` composes
+what these return with the rollout source (``jaxgrpo.rollout.source``) and the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import optax
+from flax import nnx
+
+from jaxgrpo.data import rewards as rewards_lib
+from jaxgrpo.models import moe
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout import collect
+from jaxgrpo.rollout.engines import check_engine, load_engine_factory, logprobs_are_policy
+from jaxgrpo.rollout.engines import vllm as vllm_engine
+from jaxgrpo.rollout.environments import spec as env_spec
+from jaxgrpo.rollout.sampling import SamplingConfig
+from jaxgrpo.rollout.source import RolloutSource, Turns
+from jaxgrpo.run import builders
+from jaxgrpo.run.spec_schema import check_composition
+from jaxgrpo.run.specs import TrainerConfig
+
+__all__ = [
+  "DataParts",
+  "check_before_build",
+  "check_mesh_fits",
+  "build_data",
+  "build_rewards",
+  "optimizer",
+  "sampling_config",
+  "engine_sampling",
+  "start_engine",
+  "rollout_source",
+]
+
+
+def check_before_build(cfg: TrainerConfig) -> None:
+  """What needs the processes (``check_composition`` with ``jax.process_count()``) and the vLLM install:
+  refused before any weight is read."""
+  if cfg.rollout.engine == "vllm":
+    vllm_engine.check_installed()
+  check_composition(cfg, process_count=jax.process_count())
+
+
+def check_mesh_fits(cfg: TrainerConfig, mesh) -> None:
+  """ValueError naming its real cause, before any weight is read or the warm-up runs: the model
+  directory (``config.json``, ``model_type``, tokenizer, chat template: ``model.path``), the row
+  length (``builders.check_lengths``: prompt + completion within the model's positions), the
+  rollout batch over ``step.micro_batches × step.mini_batches``, and the mesh (``devices.mesh``):
+  the model's parameters (abstract; a hub id is checked by the loader, which names the mesh too)
+  and the batch rows over ``data × fsdp``."""
+  roll, step = cfg.rollout, cfg.step
+  rows = roll.prompts_per_step * roll.group_size
+  abstract = None
+  if cfg.model.synthetic is not None or os.path.isdir(cfg.model.path):
+    abstract, tokenizer = builders.abstract_policy(cfg.model)
+    if cfg.model.path is not None:
+      builders.check_chat_template(tokenizer, cfg.model)
+    builders.check_lengths(cfg, abstract.config)
+  splits = step.micro_batches * step.mini_batches
+  if rows % splits:
+    raise ValueError(
+      f"the rollout batch of {rows} rows (rollout.prompts_per_step {roll.prompts_per_step} × rollout.group_size "
+      f"{roll.group_size}) does not split into step.micro_batches {step.micro_batches} × step.mini_batches "
+      f"{step.mini_batches} = {splits} equal parts"
+    )
+  try:
+    if abstract is not None:
+      shd.tree_shardings(nnx.split(abstract)[1], mesh)
+    shd.check_batch_divisible(
+      rows,
+      mesh,
+      splits=splits,
+      what="the rollout batch (rollout.prompts_per_step × rollout.group_size)",
+    )
+    _check_processes(cfg, mesh, rows)
+  except ValueError as e:
+    spec = cfg.devices.mesh or "fsdp=-1"
+    raise ValueError(f"devices.mesh {spec!r} ({mesh.size} devices) does not fit: {e}") from None
+
+
+def _check_processes(cfg: TrainerConfig, mesh, rows: int) -> None:
+  """Several processes: each must hold whole groups of the rollout batch, one contiguous block of
+  ``rows / process_count`` rows (the batch axes ``data × fsdp`` split over the processes)."""
+  n, g = jax.process_count(), cfg.rollout.group_size
+  if n == 1:
+    return
+  mine = shd.process_batch_rows(mesh, rows)
+  if mine.stop - mine.start != rows // n or rows % n:
+    raise ValueError(
+      f"with {n} processes every process must feed 1/{n} of the rollout batch, but process "
+      f"{jax.process_index()}'s devices hold rows {mine.start}..{mine.stop - 1} of {rows}: the batch axes "
+      f"(data×fsdp = {shd.batch_shards(mesh)}) must be a multiple of the process count; put the "
+      "processes on data or fsdp, not on tensor"
+    )
+  if cfg.rollout.prompts_per_step % n:
+    raise ValueError(
+      f"rollout.prompts_per_step {cfg.rollout.prompts_per_step} does not divide over {n} processes: "
+      f"every process samples and scores whole groups of G = {g}"
+    )
+
+
+class DataParts(NamedTuple):
+  """The training and held-out rows: encoded prompts (``data.PromptSet``; None for environment episodes,
+  whose reset renders the prompt), the examples (``data.MathExample`` or episode rows) and the padded
+  prompt length (None for episodes)."""
+
+  prompts: Any
+  examples: Sequence[Any]
+  eval_prompts: Any
+  eval_examples: Sequence[Any] | None
+  prompt_len: int | None
+
+
+def build_data(cfg: TrainerConfig, tokenizer, model_config) -> DataParts:
+  """The run's rows: ``env.episodes`` rows from seeds (no dataset), else ``builders.build_prompts``;
+  ValueError when the longest prompt plus ``rollout.max_new_tokens`` exceeds the model's positions."""
+  if cfg.env is not None and cfg.env.episodes is not None:  # env.episodes: rows from seeds, no dataset
+    n_eval = cfg.env.eval_episodes
+    evals = None if n_eval is None else env_spec.episode_rows(n_eval, "eval")
+    return DataParts(None, env_spec.episode_rows(cfg.env.episodes, "train"), None, evals, None)
+  sets = builders.build_prompts(cfg.data, cfg.eval, tokenizer, seed=cfg.run.seed)
+  limit = model_config.max_position_embeddings
+  if sets.prompt_len + cfg.rollout.max_new_tokens > limit:
+    raise ValueError(
+      f"prompt length {sets.prompt_len} + rollout.max_new_tokens {cfg.rollout.max_new_tokens} exceeds the "
+      f"model's max_position_embeddings {limit}"
+    )
+  return DataParts(sets.train, sets.train_examples, sets.eval, sets.eval_examples, sets.prompt_len)
+
+
+def build_rewards(cfg: TrainerConfig, reward_fns=None) -> tuple[rewards_lib.MathAccuracy, rewards_lib.RewardSet]:
+  """``(accuracy, reward_set)``: the verifier (also the evaluation's) and the weighted reward functions —
+  ``reward_fns`` ``{name: (fn, weight)}``, else ``reward.weights`` over ``accuracy`` and ``format``."""
+  accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
+  if reward_fns is None:
+    table = {"accuracy": accuracy, "format": rewards_lib.format_reward}
+    reward_fns = {name: (table[name], float(w)) for name, w in cfg.reward.weights.items()}
+  return accuracy, rewards_lib.RewardSet(reward_fns, on_error=cfg.reward.on_error)
+
+
+def optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
+  """AdamW at ``optim.learning_rate`` (linear warm-up over ``optim.warmup_steps`` steps' updates)."""
+  o = cfg.optim
+  lr = o.learning_rate
+  if o.warmup_steps:
+    updates = o.warmup_steps * cfg.step.mini_batches * cfg.objective.num_iterations
+    lr = optax.linear_schedule(0.0, o.learning_rate, updates)
+  return optax.adamw(lr, b1=o.adam_b1, b2=o.adam_b2, weight_decay=o.weight_decay)
+
+
+def sampling_config(cfg: TrainerConfig, model, *, pad_id: int, eos_ids: Sequence[int]) -> SamplingConfig:
+  """The rollout's sampling settings; a mixture of experts records its routing while sampling when
+  ``rollout.routing_replay`` is ``rollout`` (replayed by the step)."""
+  roll = cfg.rollout
+  return SamplingConfig(
+    num_samples=roll.group_size,
+    max_new_tokens=roll.max_new_tokens,
+    top_p=roll.top_p,
+    top_k=roll.top_k,
+    eos_ids=tuple(eos_ids),
+    pad_id=pad_id,
+    merge_lora=roll.merge_lora,
+    record_routing=roll.routing_replay == "rollout" and moe.is_moe(model),
+  )
+
+
+def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingConfig:
+  """What an engine receives: no routing record (the engine's experts are not the policy's program), and,
+  for vLLM at a temperature other than 1, no suppressed ids (it reports full-vocabulary log-probs only then)."""
+  vllm_tau = cfg.step.temperature != 1.0 and cfg.rollout.engine == "vllm"
+  return dataclasses.replace(sampling, record_routing=False, **({"suppress_ids": ()} if vllm_tau else {}))
+
+
+def start_engine(cfg: TrainerConfig, model, step_fn, *, prompt_len: int):
+  """``(engine, policy_logp_fn)`` of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory
+  (``package.module:callable``, called with the keywords ``config`` — the policy's model config —,
+  ``max_model_len``, ``temperature`` and ``seed``; it must return a ``jaxgrpo.rollout.engines.Engine``); and,
+  unless the engine declares its log-probs the policy's (``engines.logprobs_are_policy``), the jitted pass
+  that recomputes the policy's own ``old_logp`` of its samples (``collect.policy_logp_fn``: the same
+  micro-batches, temperature and packing as the step). ``(None, None)`` for the built-in sampler."""
+  roll, temperature = cfg.rollout, cfg.step.temperature
+  if roll.engine == "jax":
+    return None, None
+  settings = dict(max_model_len=prompt_len + roll.max_new_tokens, seed=cfg.run.seed)
+  if roll.engine == "vllm":
+    v = roll.vllm
+    engine = vllm_engine.VLLMEngine(
+      model.config,
+      dtype=v.dtype,
+      kv_cache_bytes=v.kv_cache_bytes,
+      gpu_memory_utilization=v.gpu_memory_utilization,
+      max_num_seqs=v.max_num_seqs,
+      enforce_eager=v.enforce_eager,
+      logprobs_temperature=temperature,
+      **settings,
+    )
+  else:
+    factory = load_engine_factory(roll.engine)
+    engine = factory(config=model.config, temperature=temperature, **settings)
+    check_engine(engine, f"the object `rollout.engine: {roll.engine}` returned")
+  return engine, (None if logprobs_are_policy(engine) else collect.policy_logp_fn(step_fn))
+
+
+def rollout_source(
+  cfg: TrainerConfig,
+  *,
+  policy,
+  params,
+  sampling: SamplingConfig,
+  mesh,
+  iterator,
+  data: DataParts,
+  tokenizer,
+  reward_set,
+  pad_id: int,
+  engine=None,
+  policy_logp_fn=None,
+  make_env=None,
+  should_stop=None,
+) -> RolloutSource:
+  """The run's rollout source: the built-in sampler or ``engine`` (with what it receives,
+  :func:`engine_sampling`), single-turn scoring or the environments of ``env`` (``make_env``), dynamic
+  sampling from ``objective``/``rollout`` (see ``jaxgrpo.rollout.source.RolloutSource`` for the arguments)."""
+  roll = cfg.rollout
+  return RolloutSource(
+    policy=policy,
+    params=params,
+    sampling=sampling,
+    train_config=cfg.train_config(),
+    mesh=mesh,
+    iterator=iterator,
+    examples=data.examples,
+    prompts=data.prompts,
+    prompt_len=data.prompt_len,
+    pad_id=pad_id,
+    tokenizer=tokenizer,
+    reward_set=reward_set,
+    prompts_per_step=roll.prompts_per_step,
+    dynamic_sampling=cfg.objective.dynamic_sampling,
+    max_rounds=roll.dynamic_sampling_max_rounds,
+    merge_lora=roll.merge_lora,
+    engine=engine,
+    engine_sampling=None if engine is None else engine_sampling(cfg, sampling),
+    policy_logp_fn=policy_logp_fn,
+    turns=None if make_env is None else Turns(make_env, cfg.env.multiturn_config()),
+    should_stop=should_stop,
+  )
