@@ -38,7 +38,7 @@ def gspo_objective(config, logp, old_logp, advantages, mask, *, token_weights=No
   n = jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1)  # [B, 1] real tokens per sequence
   seq_log_ratio = jnp.sum(jnp.where(mask, logp - old_logp, 0.0), axis=1, keepdims=True) / n  # log s_i
   token_logp = old_logp + sg(seq_log_ratio) + logp - sg(logp)  # exp(token_logp - old_logp) = s_i
-  hyper = jaxgrpo.LossHyper(
+  hyper = jaxgrpo.GRPOHyper(
     clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high, aggregation="seq-mean-token-mean"
   )
   return jaxgrpo.policy_loss_terms(token_logp, old_logp, advantages, mask, hyper)

@@ -46,14 +46,14 @@ _KERNELS = {
   "jaxgrpo.kernels.losses": (
     "policy_loss",
     "policy_loss_terms",
-    "LossHyper",
     "combine_terms",
     "finalize_terms",
     "LossTerms",
   ),
   "jaxgrpo.kernels.surrogates": ("policy_surrogate", "Surrogate"),
   "jaxgrpo.kernels.importance": ("importance_weights", "ImportanceWeights"),
-  "jaxgrpo.kernels.config": ("GRPOConfig", "GRPOHyper", "preset", "PRESETS"),
+  "jaxgrpo.kernels.config": ("GRPOConfig", "preset", "PRESETS"),
+  "jaxgrpo.kernels.hyper": ("GRPOHyper",),
   "jaxgrpo.kernels.objective": ("rollout_advantages", "objective_terms"),
 }
 _LAZY = {

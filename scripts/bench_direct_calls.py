@@ -59,7 +59,7 @@ def calls(d: dict) -> dict:
     "future_kl(k1)": (lambda a, b, m: jg.future_kl(a, b, m), (old, ref, mask)),
     "frpo_advantages": (lambda a, o, r, m: jg.frpo_advantages(a, o, r, m, beta=0.01), (adv, old, ref, mask)),
     "policy_loss": (
-      lambda a, o, x, m: jg.policy_loss(a, o, x, m, jg.LossHyper(beta=0.04), kl=jg.kl_penalty(a, ref, mask=m)),
+      lambda a, o, x, m: jg.policy_loss(a, o, x, m, jg.GRPOHyper(beta=0.04), kl=jg.kl_penalty(a, ref, mask=m)),
       (lp, old, adv, mask),
     ),
     "policy_loss_terms": (lambda a, o, x, m: jg.policy_loss_terms(a, o, x, m), (lp, old, adv, mask)),

@@ -186,7 +186,7 @@ def main(argv=None):
     args.groups, args.length, args.prompts, args.max_rows, args.repeats = [2, 5], 70, 3, 0, 1
 
   print(f"{_bench.backend_line()}; {args.repeats} alternating rounds, medians; load average {os.getloadavg()[0]:.1f}")
-  print(f"auto method: pairwise up to G = {jg.process_sets.SORT_MIN_GROUP_SIZE}, sort above")
+  print(f"auto method: pairwise up to G = {jg.kernels.process_sets.SORT_MIN_GROUP_SIZE}, sort above")
   header = (
     f"{'prompts x G x T':>16} {'tokens':>10} {'trie s/tok':>11} {'pairwise s/tok':>15} {'sort s/tok':>11} "
     f"{'trie/pairwise':>14} {'trie/sort':>10} {'pairwise/sort':>14} {'compile s (pw, sort)':>21} {'load':>5}"

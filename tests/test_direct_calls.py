@@ -40,7 +40,7 @@ CALLS = {
   "group_advantages": lambda d: jg.group_advantages(d["rewards"], d["group_ids"], 2, scale="batch", ddof=1),
   "group_baseline": lambda d: jg.group_baseline(d["rewards"], d["group_ids"], 2),
   "rloo_advantages": lambda d: jg.rloo_advantages(d["rewards"], d["group_ids"], 2),
-  "num_missing": lambda d: jg.advantages.num_missing(d["rewards"]),
+  "num_missing": lambda d: jg.kernels.advantages.num_missing(d["rewards"]),
   "kl_penalty": lambda d: jg.kl_penalty(d["logp"], d["ref"], "forward_k3", mask=d["mask"], max_delta=10.0),
   "future_kl": lambda d: jg.future_kl(d["old"], d["ref"], d["mask"], kind="k3"),
   "frpo_advantages": lambda d: jg.frpo_advantages(d["rewards"], d["old"], d["ref"], d["mask"], beta=0.01),
@@ -49,11 +49,11 @@ CALLS = {
     d["old"],
     d["rewards"],
     d["mask"],
-    jg.LossHyper(beta=0.04, dual_clip=3.0, aggregation="seq-mean-token-mean"),
+    jg.GRPOHyper(beta=0.04, dual_clip=3.0, aggregation="seq-mean-token-mean"),
     kl=d["ref"],
   ),
   "policy_loss_terms": lambda d: jg.policy_loss_terms(
-    d["logp"], d["old"], d["rewards"], d["mask"], jg.LossHyper(max_tokens=8)
+    d["logp"], d["old"], d["rewards"], d["mask"], jg.GRPOHyper(max_tokens=8)
   ),
   "finalize_terms": lambda d: jg.finalize_terms(jg.policy_loss_terms(d["logp"], d["old"], d["rewards"], d["mask"])),
   "rollout_advantages(lambda_frpo)": lambda d: jg.rollout_advantages(

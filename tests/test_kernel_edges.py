@@ -190,7 +190,7 @@ def test_non_finite_rewards_are_excluded_and_get_zero(bad, scale):
   np.testing.assert_allclose(jg.rloo_advantages(r, gid, 3), ref.rloo_advantages(np.asarray(r), np.asarray(gid)))
   g = jax.grad(lambda x: jnp.sum(jg.rloo_advantages(x, gid, 3) ** 2))(r)
   assert _finite(g)
-  assert int(jg.advantages.num_missing(r)) == 2
+  assert int(jg.kernels.advantages.num_missing(r)) == 2
   np.testing.assert_array_equal(adv_mod.is_missing(r), ~np.isfinite(np.asarray(r)))
 
 
@@ -314,7 +314,7 @@ def test_policy_loss_ignores_non_finite_padding(agg):
 
   def loss(x, old_, rlp_, w_, adv_):
     kl = jg.kl_penalty(x, rlp_, "k1")  # no mask here: the loss selects padding away itself
-    hyper = jg.LossHyper(beta=0.04, aggregation=agg, dual_clip=3.0)
+    hyper = jg.GRPOHyper(beta=0.04, aggregation=agg, dual_clip=3.0)
     return jg.policy_loss(x, old_, adv_, mask, hyper, token_weights=w_, kl=kl)[0]
 
   clean = loss(lp, old, rlp, w, adv)
@@ -348,12 +348,12 @@ def test_policy_loss_on_empty_batches_is_zero_with_finite_gradients(agg, shape):
   lp = jnp.zeros(shape)
   mask = jnp.zeros(shape, bool)
   f = lambda x: jg.policy_loss(
-    x, x, jnp.zeros(shape[:1]), mask, jg.LossHyper(aggregation=agg, beta=0.1), kl=jg.kl_penalty(x, x, mask=mask)
+    x, x, jnp.zeros(shape[:1]), mask, jg.GRPOHyper(aggregation=agg, beta=0.1), kl=jg.kl_penalty(x, x, mask=mask)
   )[0]
   assert float(f(lp)) == 0.0
   g = jax.grad(f)(lp)
   assert g.shape == shape
-  terms = jg.policy_loss_terms(lp, lp, jnp.zeros(shape), mask, jg.LossHyper(aggregation=agg))
+  terms = jg.policy_loss_terms(lp, lp, jnp.zeros(shape), mask, jg.GRPOHyper(aggregation=agg))
   assert float(terms.numerator) == 0.0 and float(terms.denominator) == 0.0
 
 
@@ -372,7 +372,7 @@ def test_other_kernels_on_empty_batches():
 
 def _pl(kl=None, **kw):
   x = jnp.zeros((2, 3))
-  return jg.policy_loss(x, x, jnp.zeros(2), jnp.ones((2, 3), bool), jg.LossHyper(**kw), kl=kl)
+  return jg.policy_loss(x, x, jnp.zeros(2), jnp.ones((2, 3), bool), jg.GRPOHyper(**kw), kl=kl)
 
 
 def _ga(**kw):

@@ -186,7 +186,7 @@ def test_the_kernels_import_without_flax():
   subprocess: nothing imported by this test process can hide an import)."""
   kernels = sorted(_module(p) for p in (PKG / "kernels").glob("*.py"))
   code = (
-    "import sys, jaxgrpo; jaxgrpo.group_advantages; jaxgrpo.policy_loss; jaxgrpo.LossHyper; "
+    "import sys, jaxgrpo; jaxgrpo.group_advantages; jaxgrpo.policy_loss; jaxgrpo.GRPOHyper; "
     f"[__import__(m) for m in {kernels!r}]; "
     "heavy = sorted(m for m in ('flax', 'optax', 'orbax', 'transformers', 'datasets') if m in sys.modules); "
     "assert not heavy, heavy; "

@@ -15,7 +15,7 @@ AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 class HandComputed(chex.TestCase):
   """Hand-computed losses, the kernel called directly and inside an outer ``jax.jit`` (chex variants:
-  the :class:`LossHyper` numbers then traced)."""
+  the :class:`GRPOHyper` numbers then traced)."""
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_aggregations_hand_computed(self):
@@ -26,10 +26,10 @@ class HandComputed(chex.TestCase):
     loss = self.variant(lambda a, hyper: jg.policy_loss(lp, lp, a, mask, hyper))
     want = {"token-mean": 6 / 3, "seq-mean-token-mean": (1.5 + 3) / 2, "seq-mean-token-sum-norm": 6 / (3 * 3)}
     for agg, w in want.items():
-      value, metrics = loss(jnp.asarray(-l), jg.LossHyper(aggregation=agg))
+      value, metrics = loss(jnp.asarray(-l), jg.GRPOHyper(aggregation=agg))
       assert float(value) == pytest.approx(w), agg
       assert float(metrics["tokens"]) == 3 and float(metrics["sequences"]) == 2
-    value, _ = loss(jnp.asarray(-l), jg.LossHyper(aggregation="seq-mean-token-sum-norm", max_tokens=4))
+    value, _ = loss(jnp.asarray(-l), jg.GRPOHyper(aggregation="seq-mean-token-sum-norm", max_tokens=4))
     assert float(value) == pytest.approx(6 / 12)
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -42,12 +42,12 @@ class HandComputed(chex.TestCase):
     )
     f32 = jnp.float32
     cases = [  # (ratio, A, hyper, want)
-      (1.25, 1.0, jg.LossHyper(clip_eps_high=f32(0.28)), -1.25),
-      (1.35, 1.0, jg.LossHyper(clip_eps_high=f32(0.28)), -1.28),
-      (1.35, 1.0, jg.LossHyper(clip_eps_high=f32(0.1)), -1.1),
-      (0.5, -1.0, jg.LossHyper(clip_eps_low=f32(0.3)), 0.7),
-      (5.0, -1.0, jg.LossHyper(dual_clip=f32(3.0)), 3.0),
-      (5.0, -1.0, jg.LossHyper(dual_clip=f32(6.0)), 5.0),
+      (1.25, 1.0, jg.GRPOHyper(clip_eps_high=f32(0.28)), -1.25),
+      (1.35, 1.0, jg.GRPOHyper(clip_eps_high=f32(0.28)), -1.28),
+      (1.35, 1.0, jg.GRPOHyper(clip_eps_high=f32(0.1)), -1.1),
+      (0.5, -1.0, jg.GRPOHyper(clip_eps_low=f32(0.3)), 0.7),
+      (5.0, -1.0, jg.GRPOHyper(dual_clip=f32(3.0)), 3.0),
+      (5.0, -1.0, jg.GRPOHyper(dual_clip=f32(6.0)), 5.0),
     ]
     for ratio, adv, hyper, want in cases:
       assert float(loss(f32(ratio), f32(adv), hyper)) == pytest.approx(want, rel=1e-6), (ratio, adv, hyper)
@@ -56,7 +56,7 @@ class HandComputed(chex.TestCase):
 def _one_token_loss(ratio, adv, **kw):
   logp = jnp.log(jnp.array([[ratio]], jnp.float32))
   old = jnp.zeros((1, 1))
-  hyper = jg.LossHyper(**kw)
+  hyper = jg.GRPOHyper(**kw)
   f = lambda lp: jg.policy_loss(lp, old, jnp.array([adv], jnp.float32), jnp.ones((1, 1), bool), hyper)[0]
   return (
     float(f(logp)),
@@ -103,12 +103,12 @@ def test_all_padding_gives_finite_loss_and_grads(agg):
   lp = jnp.full((2, 3), -1.0)
   mask = jnp.zeros((2, 3), bool)
   f = lambda lp: jg.policy_loss(
-    lp, lp - 0.1, jnp.array([1.0, -1.0]), mask, jg.LossHyper(aggregation=agg, beta=0.1), kl=jg.kl_penalty(lp, lp + 0.3)
+    lp, lp - 0.1, jnp.array([1.0, -1.0]), mask, jg.GRPOHyper(aggregation=agg, beta=0.1), kl=jg.kl_penalty(lp, lp + 0.3)
   )[0]
   assert float(f(lp)) == 0.0
   g = jax.grad(f)(lp)
   assert np.all(np.isfinite(g)) and np.all(g == 0)
-  _, metrics = jg.policy_loss(lp, lp, jnp.zeros(2), mask, jg.LossHyper(aggregation=agg))
+  _, metrics = jg.policy_loss(lp, lp, jnp.zeros(2), mask, jg.GRPOHyper(aggregation=agg))
   assert all(np.isfinite(float(v)) for k, v in metrics.items() if not k.endswith(("_max", "_min")))
 
 
@@ -129,7 +129,7 @@ def test_two_micro_batches_equal_the_full_batch(seed, agg, split, per_token_adv)
   lp, old, refl, adv, mask, w = _random_batch(seed)
   if not per_token_adv:
     adv = adv[:, 0]
-  hyper = jg.LossHyper(aggregation=agg, beta=0.04, dual_clip=3.0, clip_eps_high=0.28, max_tokens=5)
+  hyper = jg.GRPOHyper(aggregation=agg, beta=0.04, dual_clip=3.0, clip_eps_high=0.28, max_tokens=5)
 
   def terms(sl):
     return jg.policy_loss_terms(
@@ -156,7 +156,7 @@ def test_token_weights_multiply_policy_and_kl_terms_denominator_unchanged():
   a = adv
   s = np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
   want = np.sum(w * (-s + 0.1 * kl)) / mask.sum()
-  got, _ = jg.policy_loss(lp, old, adv, mask, jg.LossHyper(beta=0.1), token_weights=w, kl=kl)
+  got, _ = jg.policy_loss(lp, old, adv, mask, jg.GRPOHyper(beta=0.1), token_weights=w, kl=kl)
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -203,7 +203,7 @@ def test_theorem_grpo_is_a_prm_and_lambda_grpo_counts_each_step_once(data, seed,
       lp = logp_of(theta)
       kl = jg.kl_penalty(lp, logp_of(jnp.asarray(ref_theta)), "k3")
       return jg.policy_loss(
-        lp, jax.lax.stop_gradient(lp), adv, jnp.asarray(mask), jg.LossHyper(beta=beta), token_weights=weights, kl=kl
+        lp, jax.lax.stop_gradient(lp), adv, jnp.asarray(mask), jg.GRPOHyper(beta=beta), token_weights=weights, kl=kl
       )[0]
 
     return f
@@ -275,7 +275,7 @@ def test_policy_loss_bad_inputs(kw, match):
   hyper = {k: args.pop(k) for k in ("aggregation", "dual_clip", "clip_eps_low") if k in args}
   with pytest.raises((ValueError, TypeError), match=match):
     arrays = [args.pop(k) for k in ("logp", "old_logp", "advantages", "mask")]
-    jg.policy_loss(*arrays, jg.LossHyper(**hyper), **args)
+    jg.policy_loss(*arrays, jg.GRPOHyper(**hyper), **args)
 
 
 # ------------------------------------------------------------- numbers as traced inputs
@@ -291,33 +291,33 @@ def test_traced_numbers_equal_static_ones_under_one_program_and_vmap():
   for name, values in grid.items():
     base = dict(beta=0.04, clip_eps_high=0.2, dual_clip=3.0, entropy_coef=0.01)
     static = [
-      jg.policy_loss(lp, old, adv, mask, jg.LossHyper(**{**base, name: v}), kl=kl, entropy=ent)[0] for v in values
+      jg.policy_loss(lp, old, adv, mask, jg.GRPOHyper(**{**base, name: v}), kl=kl, entropy=ent)[0] for v in values
     ]
 
     def loss(v, name=name, base=base):
-      return jg.policy_loss(lp, old, adv, mask, jg.LossHyper(**{**base, name: v}), kl=kl, entropy=ent)[0]
+      return jg.policy_loss(lp, old, adv, mask, jg.GRPOHyper(**{**base, name: v}), kl=kl, entropy=ent)[0]
 
     swept = jax.vmap(loss)(jnp.asarray(values, jnp.float32))
     np.testing.assert_allclose(swept, static, rtol=1e-6, err_msg=name)
-    before = jg.losses._policy_loss._cache_size()
+    before = jg.kernels.losses._policy_loss._cache_size()
     one_by_one = [loss(jnp.float32(v)) for v in values]
     np.testing.assert_allclose(one_by_one, static, rtol=1e-6, err_msg=name)
-    assert jg.losses._policy_loss._cache_size() == before + 1, "one program for every traced value"
+    assert jg.kernels.losses._policy_loss._cache_size() == before + 1, "one program for every traced value"
     assert len(set(np.asarray(static).tolist())) == len(values), name  # the number matters here
   # a traced β still checks its range when concrete, and a traced β needs the kl input
   with pytest.raises(ValueError, match="beta"):
-    jg.LossHyper(beta=jnp.float32(-0.1))
+    jg.GRPOHyper(beta=jnp.float32(-0.1))
   with pytest.raises(ValueError, match="kl"):
-    jg.policy_loss(lp, old, adv, mask, jg.LossHyper(beta=jnp.float32(0.1)))
-  jg.policy_loss(lp, old, adv, mask, jg.LossHyper(beta=jnp.float32(0.0)))  # a concrete 0 needs none
+    jg.policy_loss(lp, old, adv, mask, jg.GRPOHyper(beta=jnp.float32(0.1)))
+  jg.policy_loss(lp, old, adv, mask, jg.GRPOHyper(beta=jnp.float32(0.0)))  # a concrete 0 needs none
 
 
 def test_a_loss_hyper_is_a_pytree_with_static_structure():
-  h = jg.LossHyper(loss="cispo", beta=jnp.float32(0.1), clip_eps_low=1.0)
+  h = jg.GRPOHyper(loss="cispo", beta=jnp.float32(0.1), clip_eps_low=1.0)
   leaves, treedef = jax.tree.flatten(h)
   assert len(leaves) == 1 and float(leaves[0]) == pytest.approx(0.1)  # only the array is a leaf
   back = jax.tree.unflatten(treedef, leaves)
   assert (back.loss, back.clip_eps_low, back.aggregation) == ("cispo", 1.0, "token-mean")
   with pytest.raises(ValueError, match="scalar"):
     lp, old, _, adv, mask, _ = _random_batch(1)
-    jg.policy_loss(lp, old, adv, mask, jg.LossHyper(clip_eps_low=jnp.zeros(2)))
+    jg.policy_loss(lp, old, adv, mask, jg.GRPOHyper(clip_eps_low=jnp.zeros(2)))

@@ -58,7 +58,7 @@ def batches(draw, per_token_adv=True):
 
 
 def _jax_loss_and_grads(loss, logp, old, adv, mask, entropy=None, **kw):
-  hyper = jg.LossHyper(loss=loss, **kw)
+  hyper = jg.GRPOHyper(loss=loss, **kw)
   h = jnp.zeros_like(logp) if entropy is None else entropy
   value, (g, gh) = _value_and_grads(jnp.where(mask, logp, 0.0), h, old, adv, mask, hyper)
   return float(value), np.asarray(g), np.asarray(gh)
@@ -117,7 +117,7 @@ def test_everything_composed_equals_the_numpy_formula(batch, loss, aggregation, 
   for got_x, want_x, name in zip(imp, want_imp, ("weights", "ratio", "capped", "mismatch_kl")):
     _assert_close(np.asarray(got_x, np.float64), want_x.astype(np.float64), name)
 
-  hyper = jg.LossHyper(
+  hyper = jg.GRPOHyper(
     loss=loss, clip_eps_low=lo, clip_eps_high=hi, aggregation=aggregation, max_tokens=9, beta=0.04, entropy_coef=0.01
   )
 
@@ -159,7 +159,7 @@ def test_micro_batches_change_nothing(batch, loss, aggregation, split):
   logp = jnp.where(mask, logp, 0.0)
   behavior = old - 0.2
   lo, hi = HYPER[loss]
-  hyper = jg.LossHyper(loss=loss, clip_eps_low=lo, clip_eps_high=hi, aggregation=aggregation, max_tokens=T)
+  hyper = jg.GRPOHyper(loss=loss, clip_eps_low=lo, clip_eps_high=hi, aggregation=aggregation, max_tokens=T)
 
   def terms(sl):
     imp = jg.importance_weights(old[sl], behavior[sl], mask[sl], correction="mis", level="sequence", cap=1.5)
@@ -178,7 +178,7 @@ def _one_row(loss, log_ratios, adv, **kw):
   lr = jnp.asarray([log_ratios], jnp.float32)
   old = jnp.full_like(lr, -1.0)
   mask = jnp.ones(lr.shape, bool)
-  f = lambda lp: jg.policy_loss(lp, old, jnp.asarray([adv], jnp.float32), mask, jg.LossHyper(loss=loss, **kw))
+  f = lambda lp: jg.policy_loss(lp, old, jnp.asarray([adv], jnp.float32), mask, jg.GRPOHyper(loss=loss, **kw))
   (value, metrics), g = jax.value_and_grad(f, has_aux=True)(old + lr)
   return float(value), np.asarray(g[0]), metrics
 
@@ -202,7 +202,7 @@ def test_gspo_token_equals_gspo_with_sequence_advantages():
   mask = jnp.asarray(np.arange(6)[None] < np.array([6, 3, 0, 1, 5])[:, None])
   adv = jnp.asarray(rng.normal(size=5), jnp.float32)
   kw = dict(clip_eps_low=0.05, clip_eps_high=0.06, aggregation="seq-mean-token-mean")
-  f = lambda loss: jax.value_and_grad(lambda x: jg.policy_loss(x, old, adv, mask, jg.LossHyper(loss=loss, **kw))[0])(lp)
+  f = lambda loss: jax.value_and_grad(lambda x: jg.policy_loss(x, old, adv, mask, jg.GRPOHyper(loss=loss, **kw))[0])(lp)
   (v1, g1), (v2, g2) = f("gspo"), f("gspo_token")
   assert float(v1) == pytest.approx(float(v2), rel=1e-6)
   np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-8)
@@ -325,9 +325,9 @@ def test_sequence_losses_refuse_lambda_weights_and_future_kl(loss):
   z = jnp.zeros((2, 3))
   mask = jnp.ones((2, 3), bool)
   with pytest.raises(ValueError, match="one advantage per sequence"):
-    jg.policy_loss(z, z, z, mask, jg.LossHyper(loss=loss))
+    jg.policy_loss(z, z, z, mask, jg.GRPOHyper(loss=loss))
   with pytest.raises(ValueError, match="token_weights"):
-    jg.policy_loss(z, z, jnp.zeros(2), mask, jg.LossHyper(loss=loss), token_weights=z)
+    jg.policy_loss(z, z, jnp.zeros(2), mask, jg.GRPOHyper(loss=loss), token_weights=z)
 
 
 @pytest.mark.parametrize("loss", ["gspo_token", "cispo", "sapo"])

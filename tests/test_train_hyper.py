@@ -115,3 +115,14 @@ def test_a_hyper_that_does_not_fit_the_config_is_refused():
       hyper=jg.preset("grpo", beta=0.04).hyper(),
     )
   assert step.traces == 0
+
+
+def test_one_carrier_describes_the_configs_loss_and_refuses_another():
+  """GRPOHyper is the loss's carrier and the step's (issue 34.4): config.hyper() carries the config's loss,
+  aggregation and max_tokens, and a GRPOHyper built for another loss is refused, naming the field."""
+  cfg = jg.preset("cispo")
+  h = cfg.hyper(clip_eps_high=jnp.float32(4.0))
+  assert (h.loss, h.aggregation, h.max_tokens) == (cfg.loss, cfg.aggregation, cfg.max_tokens)
+  assert float(h.clip_eps_high) == 4.0 and float(h.importance_cap) == cfg.importance_cap
+  with pytest.raises(ValueError, match="hyper.loss"):
+    cfg.check_hyper(jg.GRPOHyper(clip_eps_high=jnp.float32(4.0)))  # the default loss is "ppo"

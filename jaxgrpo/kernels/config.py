@@ -36,7 +36,6 @@ Off-policy correction (``importance_correction``, :mod:`jaxgrpo.kernels.importan
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +43,7 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.kernels.advantages import ADVANTAGE_SCALES
+from jaxgrpo.kernels.hyper import GRPOHyper
 from jaxgrpo.kernels.importance import CORRECTIONS, IMPORTANCE_LEVELS
 from jaxgrpo.kernels.kl import FUTURE_KL_KINDS, KL_KINDS
 from jaxgrpo.kernels.losses import AGGREGATIONS
@@ -54,30 +54,6 @@ __all__ = ["KL_PLACEMENTS", "GRPOConfig", "GRPOHyper", "PRESETS", "preset"]
 KL_PLACEMENTS = ("loss", "future")
 # the hyper-parameters whose static 0 leaves their term out of the program (and β: the reference pass)
 SWITCHED_TERMS = ("beta", "entropy_coef")
-
-
-class GRPOHyper(NamedTuple):
-  """The numbers of a :class:`GRPOConfig` as a pytree of ``f32[]`` arrays: the traced input of a train
-  step (``TrainStep.__call__(..., hyper=)``, ``make_train_step(..., hyper_schedule=)``), of
-  :func:`~jaxgrpo.kernels.objective.objective_terms` and :func:`~jaxgrpo.kernels.objective.rollout_advantages`.
-
-  One compiled program serves every value; the config keeps the structure: its ``β > 0`` switches the
-  KL term (and the reference pass) on, its ``entropy_coef != 0`` the entropy bonus, its ``dual_clip``
-  the dual clip (``dual_clip`` here is None exactly when the config's is). A traced β or entropy
-  coefficient is never dropped: where the config's is 0, the kernels build the term anyway
-  (:meth:`GRPOConfig.with_terms_of`; β then needs ``ref_logp``), and a ``hyper_schedule`` that sets
-  them switches them on in the train step. Build it with :meth:`GRPOConfig.hyper`. Fields as in
-  :class:`GRPOConfig`.
-  """
-
-  beta: Any
-  clip_eps_low: Any
-  clip_eps_high: Any
-  dual_clip: Any
-  tau_pos: Any
-  tau_neg: Any
-  importance_cap: Any
-  entropy_coef: Any
 
 
 def _f32(v):
@@ -215,7 +191,9 @@ class GRPOConfig:
     if unknown:
       raise TypeError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {list(GRPOHyper._fields)}")
     values = {n: overrides.get(n, getattr(self, n)) for n in GRPOHyper._fields}
-    return self.check_hyper(GRPOHyper(**{n: _f32(v) for n, v in values.items()}))
+    structure = dict(loss=self.loss, aggregation=self.aggregation, max_tokens=self.max_tokens)
+    # checked once, by check_hyper (its messages name `hyper.<field>`)
+    return self.check_hyper(GRPOHyper()._replace(**{n: _f32(v) for n, v in values.items()}, **structure))
 
   def check_hyper(self, hyper: GRPOHyper) -> GRPOHyper:
     """``hyper`` if it fits this config (TypeError/ValueError naming the field otherwise): a
@@ -229,6 +207,12 @@ class GRPOConfig:
         f"`hyper.dual_clip` must be None exactly when the config's is (the dual clip is structural); "
         f"got {hyper.dual_clip} with config dual_clip={self.dual_clip}"
       )
+    for name in ("loss", "aggregation", "max_tokens"):  # structure: the config's program, not the carrier's
+      if getattr(hyper, name) != getattr(self, name):
+        raise ValueError(
+          f"`hyper.{name}`={getattr(hyper, name)!r} but the config's is {getattr(self, name)!r}: build the "
+          "hyper-parameters with config.hyper(...) so that they describe this config's loss"
+        )
     c = _checks
     c.check_scalar(hyper.beta, "hyper.beta", at_least=0.0, hint="the KL coefficient β")
     c.check_scalar(hyper.clip_eps_low, "hyper.clip_eps_low", at_least=0.0, hint="ε_low of the clip")

@@ -33,16 +33,16 @@ Numerators and denominators add over micro-batches and shards: accumulate :class
 :func:`combine_terms` and call :func:`finalize_terms` once — the result equals the full-batch loss for
 every mode (as long as the micro-batches split rows, and ``max_tokens`` is fixed).
 
-The hyper-parameters are one :class:`LossHyper` (a pytree): the surrogate, the aggregation mode and
-``max_tokens`` static, every number static as a Python float or traced as an array (a β or ε
-schedule, a ``vmap`` over a grid: one compiled program). Every public function here is jitted: a
+The hyper-parameters are one :class:`~jaxgrpo.kernels.hyper.GRPOHyper` (a pytree, the same carrier the
+config and the train step use): the surrogate, the aggregation mode and ``max_tokens`` static, every
+number static as a Python float or traced as an array (a β or ε schedule, a ``vmap`` over a grid: one
+compiled program). Every public function here is jitted: a
 direct call costs what it costs inside ``jit`` after the first call; calling it inside an outer
 ``jit`` works.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -52,6 +52,7 @@ from jaxgrpo import _checks
 from jaxgrpo.kernels import _hyper
 from jaxgrpo.kernels import surrogates as _surrogates
 from jaxgrpo.kernels._numerics import safe_div, safe_sqrt, select
+from jaxgrpo.kernels.hyper import AGGREGATIONS, GRPOHyper
 from jaxgrpo.kernels.importance import ImportanceWeights
 from jaxgrpo.kernels.surrogates import MAX_LOG_RATIO, SURROGATES
 
@@ -59,7 +60,7 @@ __all__ = [
   "AGGREGATIONS",
   "MAX_LOG_RATIO",
   "SURROGATES",
-  "LossHyper",
+  "GRPOHyper",
   "LossTerms",
   "combine_terms",
   "finalize_terms",
@@ -67,7 +68,6 @@ __all__ = [
   "policy_loss",
 ]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _NUMBERS = ("clip_eps_low", "clip_eps_high", "dual_clip", "tau_pos", "tau_neg", "beta", "entropy_coef")
 
 _BIG = float(jnp.finfo(jnp.float32).max)
@@ -171,7 +171,7 @@ def _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, imp
     _checks.check_same_shape(importance.capped, "importance.capped", logp, "logp")
 
 
-def _check_inputs(hyper: "LossHyper", kl, entropy) -> None:
+def _check_inputs(hyper: GRPOHyper, kl, entropy) -> None:
   """A coefficient that may be non-zero needs its input (a static 0, or a concrete array of zeros, not)."""
   if kl is None and _may_be_nonzero(hyper.beta):
     raise ValueError(
@@ -192,67 +192,6 @@ def _may_be_nonzero(x) -> bool:
   return values is None or bool((values != 0).any())
 
 
-# ----------------------------------------------------------------------------- the hyper-parameters
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossHyper:
-  """The hyper-parameters of :func:`policy_loss` / :func:`policy_loss_terms`, validated on construction.
-
-  A pytree: ``loss``, ``aggregation`` and ``max_tokens`` are static (they shape the program); each
-  number is static when given as a Python float (one program per value; a static 0 leaves its term
-  out) and a traced leaf when given as an array (one program for every value, e.g.
-  ``LossHyper(beta=jnp.float32(0.04))``; ``jax.vmap`` over a ``LossHyper`` holding ``f32[N]`` arrays
-  sweeps N values). Array values are range-checked here when concrete; the kernels take scalars.
-
-  Attributes:
-    loss: the surrogate, one of ``"ppo"`` (default), ``"gspo"``, ``"gspo_token"``, ``"cispo"``,
-      ``"sapo"``, ``"gmpo"`` (:mod:`jaxgrpo.kernels.surrogates`).
-    aggregation: one of ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``.
-    max_tokens: int >= 1, the constant of ``seq-mean-token-sum-norm`` (None: ``T``).
-    clip_eps_low, clip_eps_high: finite ε_low, ε_high >= 0 of the clip (DAPO: 0.2, 0.28; GSPO: 3e-4,
-      4e-4; CISPO: the weight's range; GMPO: the log-ratio range, 0.4).
-    dual_clip: finite c > 1 for the dual clip on negative advantages (``"ppo"`` only), or None (static).
-    tau_pos, tau_neg: SAPO's gate temperatures (1.0, 1.05); read only by ``"sapo"``.
-    beta: finite β >= 0, the KL coefficient; a β that may be > 0 requires the ``kl`` input.
-    entropy_coef: finite c: ``−c·H(i,t)`` is added to every token term (an entropy bonus for c > 0); a
-      c that may be non-zero requires the ``entropy`` input.
-  """
-
-  loss: str = "ppo"
-  aggregation: str = "token-mean"
-  max_tokens: int | None = None
-  clip_eps_low: float | jax.Array = 0.2
-  clip_eps_high: float | jax.Array = 0.2
-  dual_clip: float | jax.Array | None = None
-  tau_pos: float | jax.Array = 1.0
-  tau_neg: float | jax.Array = 1.05
-  beta: float | jax.Array = 0.0
-  entropy_coef: float | jax.Array = 0.0
-
-  def __post_init__(self):
-    checked = dict(
-      **_surrogates.check_hyper(
-        self.loss, self.clip_eps_low, self.clip_eps_high, self.dual_clip, self.tau_pos, self.tau_neg
-      ),
-      aggregation=_checks.check_choice(self.aggregation, AGGREGATIONS, "aggregation"),
-      max_tokens=None
-      if self.max_tokens is None
-      else _checks.check_python_int(self.max_tokens, "max_tokens", minimum=1, hint="or None for T"),
-      beta=_checks.check_scalar(self.beta, "beta", at_least=0.0, hint="the KL coefficient β"),
-      entropy_coef=_checks.check_scalar(self.entropy_coef, "entropy_coef", hint="the entropy bonus coefficient"),
-    )
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
-
-  def replace(self, **changes) -> "LossHyper":
-    """A copy with some fields changed (validated again)."""
-    return dataclasses.replace(self, **changes)
-
-
-_hyper.register(LossHyper, numbers=_NUMBERS)
-
-
 # ----------------------------------------------------------------------------- the loss
 
 
@@ -267,7 +206,7 @@ def _aggregate(per_token, m, aggregation, max_tokens):
   return jnp.sum(per_token), jnp.float32(b * (t if max_tokens is None else max_tokens))
 
 
-def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper: LossHyper) -> LossTerms:
+def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper: GRPOHyper) -> LossTerms:
   h = {n: v if _hyper.is_static(v) else _hyper.scalar(v, n) for n, v in ((n, getattr(hyper, n)) for n in _NUMBERS)}
   sg = jax.lax.stop_gradient
   real = mask
@@ -348,9 +287,9 @@ def _policy_loss(logp, old_logp, advantages, mask, token_weights, kl, importance
 
 
 def _checked(logp, old_logp, advantages, mask, hyper, token_weights, kl, importance, entropy):
-  hyper = LossHyper() if hyper is None else hyper
-  if not isinstance(hyper, LossHyper):
-    raise TypeError(f"`hyper` must be a jaxgrpo.LossHyper or None; got {type(hyper).__name__}")
+  hyper = GRPOHyper() if hyper is None else hyper
+  if not isinstance(hyper, GRPOHyper):
+    raise TypeError(f"`hyper` must be a jaxgrpo.GRPOHyper or None; got {type(hyper).__name__}")
   _check_arrays(hyper.loss, logp, old_logp, advantages, mask, token_weights, kl, importance, entropy)
   _check_inputs(hyper, kl, entropy)
   if _hyper.is_static_zero(hyper.entropy_coef):
@@ -363,7 +302,7 @@ def policy_loss_terms(
   old_logp,
   advantages,
   mask,
-  hyper: LossHyper | None = None,
+  hyper: GRPOHyper | None = None,
   *,
   token_weights=None,
   kl=None,
@@ -383,8 +322,9 @@ def policy_loss_terms(
       sequence losses ``"gspo"`` and ``"gmpo"``).
     mask: ``bool[B, T]`` real completion tokens; every other input is ignored (selected away) on
       padding, whatever it holds there.
-    hyper: :class:`LossHyper` — the surrogate, the aggregation, ε, the dual clip, SAPO's τ, β and the
-      entropy coefficient (None: ``LossHyper()``, PPO's clip with ε = 0.2 and token-mean).
+    hyper: :class:`~jaxgrpo.kernels.hyper.GRPOHyper` — the surrogate, the aggregation, ε, the dual clip,
+      SAPO's τ, β and the entropy coefficient (None: ``GRPOHyper()``, PPO's clip with ε = 0.2 and
+      token-mean; ``importance_cap`` is not read here).
     token_weights: optional ``f32[B, T]`` multiplying the whole token term (λ-GRPO: ``1/|λ|``); not
       with ``"gspo"``/``"gmpo"`` (ValueError).
     kl: optional ``f32[B, T]`` per-token KL penalty ``D``, e.g.
@@ -406,7 +346,7 @@ def policy_loss(
   old_logp,
   advantages,
   mask,
-  hyper: LossHyper | None = None,
+  hyper: GRPOHyper | None = None,
   *,
   token_weights=None,
   kl=None,
@@ -416,7 +356,7 @@ def policy_loss(
   """The GRPO-family policy loss (PPO's clipped surrogate by default) with a named aggregation mode.
 
   Same arguments as :func:`policy_loss_terms` (shapes: ``f32[B, T]`` log-probs, ``f32[B]`` or
-  ``f32[B, T]`` advantages, ``bool[B, T]`` mask; ``hyper`` a :class:`LossHyper`).
+  ``f32[B, T]`` advantages, ``bool[B, T]`` mask; ``hyper`` a :class:`~jaxgrpo.kernels.hyper.GRPOHyper`).
 
   Returns:
     ``(loss f32[], metrics)`` where metrics holds ``loss``, ``policy_loss`` (token mean of the

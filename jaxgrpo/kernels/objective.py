@@ -29,7 +29,7 @@ from jaxgrpo.kernels.advantages import group_advantages
 from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
 from jaxgrpo.kernels.importance import importance_weights
 from jaxgrpo.kernels.kl import frpo_advantages, kl_penalty
-from jaxgrpo.kernels.losses import LossHyper, LossTerms, policy_loss_terms
+from jaxgrpo.kernels.losses import LossTerms, policy_loss_terms
 from jaxgrpo.kernels.process_sets import group_size_bound, process_set_sizes
 
 __all__ = ["rollout_advantages", "objective_terms", "uses_entropy"]
@@ -165,7 +165,7 @@ def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, re
       level=config.importance_level,
       cap=number("importance_cap"),
     )
-  loss_hyper = LossHyper(
+  loss_hyper = GRPOHyper(
     loss=config.loss,
     aggregation=config.aggregation,
     max_tokens=config.max_tokens,
@@ -176,7 +176,7 @@ def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, re
     tau_neg=number("tau_neg"),
     beta=number("beta") if kl is not None else 0.0,
     entropy_coef=number("entropy_coef") if config.entropy_coef != 0 else 0.0,
-  )
+  )  # the IS cap went into `importance` above; the loss reads the rest
   return policy_loss_terms(
     logp,
     old_logp,

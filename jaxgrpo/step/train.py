@@ -277,7 +277,9 @@ class TrainStep:
     if isinstance(self.config, GRPOConfig):
       if not isinstance(hyper, GRPOHyper):
         raise TypeError(f"hyper must be a jaxgrpo.GRPOHyper (config.hyper(...)) or None; got {type(hyper).__name__}")
-      hyper = self.config.check_hyper(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), hyper))
+      # every number traced (one program for every value), whether given as an array or a Python float
+      arrays = {n: jnp.asarray(v, jnp.float32) for n, v in hyper.numbers().items() if v is not None}
+      hyper = self.config.check_hyper(hyper._replace(**arrays))
       _check_unread(self.config, hyper)
       return hyper
     return jax.tree.map(jnp.asarray, hyper)

@@ -47,7 +47,7 @@ def ours(inp):
   def loss_fn(aggregation, kind, lo_, hi_, dual=None, beta_=beta):
     def f(x):
       kl = None if kind is None else jg.kl_penalty(x, rp, kind)
-      hyper = jg.LossHyper(
+      hyper = jg.GRPOHyper(
         clip_eps_low=lo_, clip_eps_high=hi_, dual_clip=dual, aggregation=aggregation, beta=beta_ if kind else 0.0
       )
       return jg.policy_loss(x, olp, adv, mask, hyper, kl=kl)[0]
@@ -99,7 +99,7 @@ def ours_new_losses(inp):
       importance = jg.importance_weights(olp, blp, mask, correction=imp[0], level=imp[1], cap=cap)
 
     def f(x, h):
-      hyper = jg.LossHyper(
+      hyper = jg.GRPOHyper(
         loss=loss,
         clip_eps_low=lo_,
         clip_eps_high=hi_,
