@@ -87,7 +87,7 @@ def test_save_is_atomic_manifest_inside_and_exact_roundtrip(tmp_path, monkeypatc
   orig = ck.Checkpointer._finalized
 
   def spy(self):
-    step = self._saving_step
+    step = self._saves.step
     seen.append(
       (
         os.path.isdir(os.path.join(self.directory, f"{step}{ck.TMP_SUFFIX}")),

@@ -154,7 +154,7 @@ def test_foreground_save_writes_the_manifest_before_the_rename(tmp_path, monkeyp
   orig = ck.Checkpointer._finalized
 
   def spy(self):
-    seen.append(os.path.isdir(os.path.join(self.directory, f"{self._saving_step}{ck.TMP_SUFFIX}")))
+    seen.append(os.path.isdir(os.path.join(self.directory, f"{self._saves.step}{ck.TMP_SUFFIX}")))
     orig(self)
 
   monkeypatch.setattr(ck.Checkpointer, "_finalized", spy)

@@ -1,7 +1,8 @@
 """Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen2-MoE) in Flax NNX, and HF checkpoint I/O.
 
 See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints)
-and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights, merge, export).
+and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights, merge;
+``jaxgrpo.models.lora_peft``: PEFT adapter directories, out and in).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from jaxgrpo.models.log_probs import (
   packed_log_probs,
   token_log_probs,
 )
-from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model, save_peft
+from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model
+from jaxgrpo.models.lora_peft import save_peft
 from jaxgrpo.models.moe import MoEModel, routing_scope
 
 __all__ = [

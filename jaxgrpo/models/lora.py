@@ -2,9 +2,11 @@
 (adapters disabled), merging, the parameter/optimizer budget, and export to Hugging Face and PEFT.
 
 The adapter itself (``layers.LoRA``) and the quantised weight (``layers.QuantizedWeight``) live in
-``layers``; every projection calls them through ``layers.project``. This module finds the
-projections of a model (the modules listing ``PROJECTIONS``: attention q/k/v/o, the SwiGLU
-gate/up/down, GPT-2's fc/proj), matches them against target patterns, and edits the model.
+``layers``; every projection calls them through ``layers.project``. This module matches the
+projections of a model (its adapter sites, ``jaxgrpo.models._lora_sites``: the modules listing
+``PROJECTIONS``: attention q/k/v/o, the SwiGLU gate/up/down, GPT-2's fc/proj) against target
+patterns, and edits the model. The PEFT directories (:func:`save_peft`, :func:`load_peft`) are
+``jaxgrpo.models.lora_peft``, re-exported here.
 
 Typical use::
 
@@ -28,35 +30,28 @@ Paper: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (``W
 B = 0 at init); Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with
 LoRA" (rsLoRA, ``α/√r``); Dettmers et al. 2023, "QLoRA" (NF4 base weights, block-wise absmax).
 
-One job at ~725 lines: editing a model's projections for low-rank adaptation — every function
-here finds, adds, quantises, disables, merges, counts or (de)serialises the same adapter sites.
+One job: editing a model's projections for low-rank adaptation — every function here adds,
+quantises, disables, merges, counts or fingerprints the same adapter sites.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import os
 import re
 from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
-from safetensors.numpy import load_file, save_file
 
 from jaxgrpo.models import quant
-from jaxgrpo.models.base import CausalLM, stack_blocks, to_loop_layers, to_scan_layers
-from jaxgrpo.models.config import GPT2Config
-from jaxgrpo.models.gpt2 import GPT2MLP
-from jaxgrpo.models.hf import hf_entries
-from jaxgrpo.models.layers import Attention, LoRA, QuantizedWeight, QuantParam
-from jaxgrpo.models.llama import SwiGLU
-from jaxgrpo.parallel.sharding import DEFAULT_RULES, logical_to_spec
+from jaxgrpo.models._lora_sites import _check_model, _edit_layers, _place, _Site, _sites, _weight_info
+from jaxgrpo.models.base import to_loop_layers, to_scan_layers
+from jaxgrpo.models.layers import LoRA, QuantizedWeight, QuantParam
+from jaxgrpo.models.lora_peft import load_peft, save_peft
 
 __all__ = [
   "LoRAConfig",
@@ -77,7 +72,6 @@ __all__ = [
   "load_peft",
 ]
 
-_ADAPTABLE = (Attention, SwiGLU, GPT2MLP)  # the modules whose projections can carry adapters
 _INITS = ("kaiming", "gaussian")
 
 
@@ -151,59 +145,6 @@ class LoRAConfig:
     return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-class _Site(NamedTuple):
-  """One projection: its module, its name there, its contracted dims and its dotted path."""
-
-  module: nnx.Module
-  name: str
-  contract: int
-  path: tuple  # the weight's path in the model state, e.g. ("layers", 0, "attn", "q")
-
-  @property
-  def dotted(self) -> str:
-    return ".".join(str(p) for p in self.path)
-
-  # The three attribute accessors below are the only name-based access to the model.
-  def weight(self):
-    return getattr(self.module, self.name)
-
-  def adapter(self) -> LoRA | None:
-    return getattr(self.module, self.name + "_lora")
-
-  def set(self, *, weight=None, adapter=None, clear_adapter: bool = False) -> None:
-    if weight is not None:
-      setattr(self.module, self.name, weight)
-    if adapter is not None:
-      setattr(self.module, self.name + "_lora", nnx.data(adapter))
-    if clear_adapter:
-      setattr(self.module, self.name + "_lora", nnx.data(None))
-
-
-def _check_model(model) -> None:
-  if not isinstance(model, CausalLM):
-    raise TypeError(f"model must be a jaxgrpo.models CausalLM, got {type(model).__name__}")
-
-
-def _edit_layers(model, edit):
-  """``edit(model)``; for a scanned model, ``edit`` of its loop layout, whose layers are then stacked
-  again into ``model`` (in place) — only if ``edit`` and the stacking succeed."""
-  if not model.scan_layers:
-    return edit(model)
-  loop = to_loop_layers(model)
-  out = edit(loop)
-  model.layers = stack_blocks(list(loop.layers))
-  return model if out is loop else out
-
-
-def _sites(model) -> list[_Site]:
-  out = []
-  for path, module in nnx.iter_modules(model):
-    if isinstance(module, _ADAPTABLE):
-      for name, contract in module.PROJECTIONS.items():
-        out.append(_Site(module, name, contract, tuple(path) + (name,)))
-  return out
-
-
 def projection_paths(model) -> list[str]:
   """The dotted paths of every projection that can carry an adapter, in model order (a scanned
   model's are its loop layout's, ``"layers.3.attn.q"``)."""
@@ -226,23 +167,6 @@ def _select(sites: list[_Site], targets: tuple[str, ...] | None, what: str) -> l
     )
   chosen = {s.path for h in hits.values() for s in h}
   return [s for s in sites if s.path in chosen]
-
-
-def _weight_info(w) -> tuple[tuple[int, ...], tuple, Any]:
-  """(shape, logical axes, the array whose placement new arrays follow) of a weight."""
-  if isinstance(w, QuantizedWeight):
-    return w.shape, w.axes, w.codes.get_value()
-  return tuple(w.shape), tuple(w.get_metadata()["out_sharding"]), w.get_value()
-
-
-def _place(value: jax.Array, axes: tuple, like, rules: Mapping[str, Any] | None, name: str) -> jax.Array:
-  """``value`` on ``like``'s mesh, sharded by its logical ``axes``, when ``like`` is mesh-sharded."""
-  sharding = getattr(like, "sharding", None)
-  if not isinstance(sharding, NamedSharding):
-    return value
-  rules = DEFAULT_RULES if rules is None else rules
-  spec = logical_to_spec(tuple(axes), sharding.mesh, rules, tuple(value.shape), name)
-  return jax.device_put(value, NamedSharding(sharding.mesh, spec))
 
 
 _quantize_jit = jax.jit(quant.quantize, static_argnames=("kind", "contract", "group_size"))
@@ -508,221 +432,3 @@ def base_fingerprint(model) -> str:
       x = x.astype(jnp.float32)
     h.update(f"{'.'.join(map(str, path))}|{tuple(x.shape)}|{x.dtype}|{int(_checksum_jit(x))};".encode())
   return h.hexdigest()
-
-
-def _hf_module_parts(cfg, out_sizes: Mapping[tuple, int]) -> dict[tuple, tuple[str, int, int, int]]:
-  """weight path → (HF module name, output offset, output size, total output size of that module),
-  for the projections in ``out_sizes`` (path → output size); a fused HF tensor (GPT-2's c_attn)
-  holds its entries' outputs in name-map order."""
-  groups: dict[str, list] = {}
-  for e in hf_entries(cfg):
-    if e.path in out_sizes and e.hf_name.endswith(".weight"):
-      groups.setdefault(e.hf_name[: -len(".weight")], []).append(e.path)
-  out = {}
-  for module, paths in groups.items():
-    total = sum(out_sizes[p] for p in paths)
-    offset = 0
-    for p in paths:
-      out[p] = (module, offset, out_sizes[p], total)
-      offset += out_sizes[p]
-  return out
-
-
-def save_peft(model, path: str | os.PathLike, *, base_model_name_or_path: str | None = None) -> None:
-  """Write the adapters as a PEFT LoRA directory: ``adapter_config.json`` + ``adapter_model.safetensors``.
-
-  ``peft.PeftModel.from_pretrained(transformers_base, path)`` then computes what ``model`` computes
-  (on the unquantised base: a QLoRA model's adapters are exported as they are). Names are PEFT's
-  (``base_model.model.<HF module>.lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]``,
-  HF's flattened input/output order); ``lora_alpha = scale · r`` and ``use_rslora = false``, so
-  PEFT's ``lora_alpha / r`` equals our scale whatever ``rslora`` was. GPT-2's fused ``c_attn``
-  (our separate q, k, v) gets one adapter of rank ``r · #adapted`` with ``A = [A_q; A_k; A_v]``
-  and a block-diagonal B (zero blocks for unadapted parts), declared in ``rank_pattern`` /
-  ``alpha_pattern``: exact.
-
-  Raises:
-    ValueError: no adapters, a disabled adapter (a ``reference_model``), or adapters of one fused
-      module with different scales.
-  """
-  _check_model(model)
-  if model.scan_layers:
-    return save_peft(to_loop_layers(model), path, base_model_name_or_path=base_model_name_or_path)
-  adapted = [(t, t.adapter()) for t in _sites(model) if t.adapter() is not None]
-  if not adapted:
-    raise ValueError("model has no adapters to export")
-  disabled = [s.dotted for s, a in adapted if not a.enabled]
-  if disabled:
-    raise ValueError(f"adapters {disabled[:4]} are disabled (a reference_model); export the policy model")
-  sites = _sites(model)
-  parts = _hf_module_parts(model.config, {t.path: math.prod(t.weight().shape[t.contract :]) for t in sites})
-  modules: dict[str, list] = {}
-  for s, a in adapted:
-    module, offset, size, total = parts[s.path]
-    modules.setdefault(module, []).append((offset, size, total, a))
-  ranks = {m: sum(a.rank for *_, a in items) for m, items in modules.items()}
-  scales = {}
-  for m, items in modules.items():
-    found = {a.scale for *_, a in items}
-    if len(found) != 1:
-      raise ValueError(f"{m}: its adapters have different scales {sorted(found)}; cannot export one PEFT adapter")
-    scales[m] = found.pop()
-  r = max(set(ranks.values()), key=list(ranks.values()).count)  # the most common rank
-  default_scale = max(set(scales.values()), key=list(scales.values()).count)
-  tensors = {}
-  for m, items in modules.items():
-    a_blocks, b_full = [], None
-    row = 0
-    for offset, size, total, a in items:
-      a2 = np.asarray(jax.device_get(a.a.get_value())).reshape(-1, a.rank)  # [in, r]
-      b2 = np.asarray(jax.device_get(a.b.get_value())).reshape(a.rank, -1)  # [r, size]
-      if b_full is None:
-        b_full = np.zeros((ranks[m], total), b2.dtype)
-      a_blocks.append(a2)
-      b_full[row : row + a.rank, offset : offset + size] = b2
-      row += a.rank
-    prefix = f"base_model.model.{m}"
-    tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(np.concatenate(a_blocks, axis=1).T)  # [R, in]
-    tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b_full.T)  # [out, R]
-  rank_pattern = {m: k for m, k in ranks.items() if k != r}
-  alpha_pattern = {m: scales[m] * ranks[m] for m in modules if ranks[m] != r or scales[m] != default_scale}
-  config = {
-    "peft_type": "LORA",
-    "task_type": "CAUSAL_LM",
-    "base_model_name_or_path": base_model_name_or_path,
-    "r": r,
-    "lora_alpha": default_scale * r,
-    "use_rslora": False,
-    "lora_dropout": max(a.dropout for _, a in adapted),
-    "target_modules": sorted(modules),
-    "rank_pattern": rank_pattern,
-    "alpha_pattern": alpha_pattern,
-    "fan_in_fan_out": isinstance(model.config, GPT2Config),  # GPT-2's Conv1D stores [in, out]
-    "bias": "none",
-    "inference_mode": True,
-    "init_lora_weights": True,
-    "modules_to_save": None,
-  }
-  path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
-  save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(path, "adapter_config.json"), "w") as f:
-    json.dump(config, f, indent=2, sort_keys=True)
-
-
-_PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-# PEFT features with no counterpart here: refused by name rather than silently dropped
-_PEFT_UNSUPPORTED = {
-  "use_dora": (False, None),
-  "modules_to_save": (None, []),
-  "layers_to_transform": (None, []),
-  "lora_bias": (False, None),
-  "bias": ("none", None),
-}
-
-
-def _pattern_value(patterns: Mapping[str, Any], module: str, default):
-  """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: the first key that names ``module`` or a
-  dotted suffix of it (``(.*\\.)?key$``), else ``default``."""
-  for key, value in (patterns or {}).items():
-    if re.match(rf"(.*\.)?({key})$", module):
-      return value
-  return default
-
-
-def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules: Mapping[str, Any] | None = None):
-  """Add the adapters of a PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``,
-  as ``peft`` saves them) to ``model`` in place — the inverse of :func:`save_peft`, for any LoRA
-  adapter trained with ``peft`` on the same Hugging Face base (``model = models.load_hf(base)``).
-
-  For a module ``m`` with ``lora_A [R, in]`` and ``lora_B [out, R]``, PEFT computes
-  ``y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` with ``s = α_m / R`` (``α_m / √R`` with ``use_rslora``; ``α_m`` from
-  ``alpha_pattern``, else ``lora_alpha``; R from the tensors, so ``rank_pattern`` needs no lookup).
-  Each of our projections in ``m`` gets ``A = Aᵀ`` reshaped to ``[*C, R]`` and ``B`` = its output
-  columns of ``Bᵀ`` reshaped to ``[R, *O]``, with ``scale = s``: exact (a fused HF module, GPT-2's
-  ``c_attn``, gives q, k and v each the full rank-R ``A`` and its own columns of ``B``). Adapter
-  dropout is ``lora_dropout`` (training only); A and B are stored in ``param_dtype`` and placed
-  like :func:`apply_lora`'s. Returns ``model``.
-
-  Raises:
-    TypeError: ``model`` is not a ``jaxgrpo.models`` model.
-    ValueError: naming the file or module: not a PEFT LoRA directory, a feature with no
-      counterpart here (DoRA, biases, ``modules_to_save``, ``layers_to_transform``), a module that
-      is not a projection of ``model`` (e.g. an embedding), tensor shapes that do not fit, or a
-      model that already has adapters.
-  """
-  _check_model(model)
-  if model.scan_layers:
-    return _edit_layers(model, lambda m: load_peft(m, path, param_dtype=param_dtype, rules=rules))
-  path = os.fspath(path)
-  config_file = os.path.join(path, "adapter_config.json")
-  weights_file = os.path.join(path, "adapter_model.safetensors")
-  try:
-    with open(config_file) as f:
-      config = json.load(f)
-  except OSError as e:
-    raise ValueError(f"{config_file}: cannot read a PEFT adapter config ({e.strerror or e})") from None
-  except ValueError as e:
-    raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-  if config.get("peft_type") != "LORA":
-    raise ValueError(f"{config_file}: peft_type={config.get('peft_type')!r}; only LORA adapters load")
-  for key, allowed in _PEFT_UNSUPPORTED.items():
-    if config.get(key, allowed[0]) not in allowed:
-      raise ValueError(f"{config_file}: {key}={config[key]!r} has no counterpart in jaxgrpo.models.lora")
-  if not os.path.exists(weights_file):
-    raise ValueError(f"{path} has no adapter_model.safetensors (PEFT's safetensors format is the one read)")
-  tensors = load_file(weights_file)
-  pairs: dict[str, dict[str, np.ndarray]] = {}
-  for key, value in tensors.items():
-    m = _PEFT_KEY.match(key)
-    if m is None:
-      raise ValueError(
-        f"{weights_file}: tensor {key!r} is not a LoRA A/B weight (base_model.model.<module>.lora_A/B.weight)"
-      )
-    pairs.setdefault(m["module"], {})[m["ab"]] = value
-  if not pairs:
-    raise ValueError(f"{weights_file} holds no LoRA tensors")
-  sites = _sites(model)
-  present = [s.dotted for s in sites if s.adapter() is not None]
-  if present:
-    raise ValueError(f"model already has adapters on {present[:4]}...; load_peft onto the base model")
-  parts = _hf_module_parts(model.config, {t.path: math.prod(t.weight().shape[t.contract :]) for t in sites})
-  by_module: dict[str, list] = {}
-  for s in sites:
-    module, offset, size, total = parts[s.path]
-    by_module.setdefault(module, []).append((s, offset, size, total))
-  unknown = sorted(set(pairs) - set(by_module))
-  if unknown:
-    raise ValueError(
-      f"{weights_file}: modules {unknown[:4]} are not projections of this {type(model.config).__name__} model "
-      f"(e.g. {sorted(by_module)[:3]}); only attention and MLP projections carry adapters here"
-    )
-  alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
-  dropout = float(config.get("lora_dropout", 0.0) or 0.0)
-  dtype = jnp.dtype(param_dtype)
-  i = 0
-  for module in sorted(pairs):
-    ab = pairs[module]
-    if set(ab) != {"A", "B"}:
-      raise ValueError(f"{weights_file}: {module} has lora_{''.join(ab)} only; both lora_A and lora_B are needed")
-    a_t, b_t = ab["A"].astype(np.float32), ab["B"].astype(np.float32)  # [R, in], [out, R]
-    rank = a_t.shape[0]
-    total = by_module[module][0][3]
-    if a_t.ndim != 2 or b_t.shape != (total, rank):
-      raise ValueError(
-        f"{weights_file}: {module} has lora_A {a_t.shape} and lora_B {b_t.shape}; expected [R, in] and [{total}, R]"
-      )
-    scale = float(_pattern_value(config.get("alpha_pattern"), module, alpha)) / (math.sqrt(rank) if rslora else rank)
-    for s, offset, size, _ in by_module[module]:
-      shape, axes, like = _weight_info(s.weight())
-      c_shape, o_shape = shape[: s.contract], shape[s.contract :]
-      if math.prod(c_shape) != a_t.shape[1]:
-        raise ValueError(f"{weights_file}: {module}.lora_A has {a_t.shape[1]} inputs; {s.dotted} takes {c_shape}")
-      a = jnp.asarray(a_t.T.reshape(c_shape + (rank,)))
-      b = jnp.asarray(b_t[offset : offset + size].T.reshape((rank,) + o_shape))
-      a_axes = tuple(axes[: s.contract]) + (None,)
-      b_axes = (None,) + tuple(axes[s.contract :])
-      a = _place(a.astype(dtype), a_axes, like, rules, s.dotted + "_lora.a")
-      b = _place(b.astype(dtype), b_axes, like, rules, s.dotted + "_lora.b")
-      s.set(adapter=LoRA(a, b, a_axes=a_axes, b_axes=b_axes, scale=scale, dropout=dropout, stream=i))
-      i += 1
-  return model
