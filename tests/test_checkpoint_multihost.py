@@ -16,7 +16,8 @@ import sys
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.experimental import multihost_utils
 from flax import nnx
-from jaxgrpo import distributed, sharding as shd, train
+from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import distributed
 from jaxgrpo.services.checkpoint import Checkpointer, RunMeta, Snapshot, verify_step
 from helpers import tiny_model
 

@@ -13,7 +13,8 @@ _CHILD = r"""
 import sys
 import jax, numpy as np, optax
 from jax.experimental import multihost_utils
-from jaxgrpo import distributed, sharding as shd, train
+from jaxgrpo import sharding as shd, train
+from jaxgrpo.parallel import distributed
 from jaxgrpo.kernels.config import preset
 from helpers import G, make_batch, tiny_model
 

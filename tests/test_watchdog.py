@@ -227,7 +227,7 @@ _FAILING = r"""
 import sys, time
 import numpy as np
 from jax.experimental import multihost_utils
-from jaxgrpo import distributed
+from jaxgrpo.parallel import distributed
 
 n, i, port, failing = 2, int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 distributed.initialize(f"127.0.0.1:{port}", n, i, heartbeat_timeout=60)
