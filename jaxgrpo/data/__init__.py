@@ -1,4 +1,5 @@
 """Math prompt sets: loading, column mappings, chat templating, a resumable shuffled iterator.
+One job: a run's prompts, from a file or hub id to the left-padded token rows the sampler takes.
 
 Data flow::
 

@@ -1,4 +1,6 @@
 """Model configs: one frozen, keyword-only dataclass per family, built from a HF ``config.json``.
+One job: describing an architecture (fields, HF defaults, checks); every family's config is here so the ports,
+the loader and the builders read them from one module.
 
 Common fields (all families): ``vocab_size`` (V), ``hidden_size`` (D), ``num_layers`` (L),
 ``num_heads`` (H), ``num_kv_heads`` (N, = H without GQA), ``head_dim`` (K),

@@ -1,4 +1,5 @@
 """Per-token log-probabilities (and entropies) without materialising the float32 ``[B, T, V]`` logits.
+One job: the policy's log-probs of given tokens — one chunked head kernel and the entry points that feed it.
 
 One kernel, :func:`chunked_log_probs`, computes ``log_softmax(logits / temperature)[target]`` and,
 optionally, the entropy of that distribution, one chunk of positions at a time, with its own gradient

@@ -1,4 +1,6 @@
 """The binary-tree synthetic task of λ-GRPO (Sullivan & Koller, arXiv:2509.21154, §4 and Table 1).
+One job: that experiment — the tree, its rewards, the policies, the exact whole-tree training step and the runs over
+cells and seeds — in one module, so the paper's setting reads in one place (the CLI is ``binary_tree_cli``).
 
 A trajectory is ``depth`` actions, each L (token 0) or R (token 1): a path from the root of a complete
 binary tree to one of its ``2**depth`` leaves. One leaf path is the target ``T``. Rewards::
