@@ -10,6 +10,8 @@
 - ``_step_fn`` — composes them.
 
 With the helpers they share (row splitting, the objective's keyword checks, the hyper-parameter schedule).
+One job at ~610 lines: what happens inside the compiled step, which must agree on one row layout and one
+scale; the jitted wrapper, its shardings and the reference pass are ``jaxgrpo.step.train``.
 """
 
 from __future__ import annotations
