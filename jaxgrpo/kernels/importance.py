@@ -29,7 +29,6 @@ behavior_logp, "forward_k3")``.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -86,9 +85,7 @@ def _importance(old_logp, behavior_logp, mask, *, correction, level, cap) -> Imp
   return ImportanceWeights(select(real, weights), ratio, capped, select(real, mismatch))
 
 
-@functools.partial(jax.jit, static_argnames=("correction", "level", "static"))
-def _importance_weights(old_logp, behavior_logp, mask, traced, *, correction, level, static):
-  return _importance(old_logp, behavior_logp, mask, correction=correction, level=level, **_hyper.merge(static, traced))
+_importance_jit = _hyper.jit(_importance, static_argnames=("correction", "level"), numbers=("cap",))
 
 
 def check_hyper(correction, level, cap) -> dict:
@@ -118,11 +115,7 @@ def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level
     :class:`ImportanceWeights` ``(weights, ratio f32[B, T], capped bool[B, T], mismatch_kl f32[B, T])``.
   """
   _checks.check_logp_pair(old_logp, behavior_logp, mask, ("old_logp", "behavior_logp"))
-  hyper = check_hyper(correction, level, cap)
-  static, traced = _hyper.split({"cap": hyper["cap"]})
-  return _importance_weights(
-    old_logp, behavior_logp, mask, traced, correction=hyper["correction"], level=hyper["level"], static=static
-  )
+  return _importance_jit(old_logp, behavior_logp, mask, **check_hyper(correction, level, cap))
 
 
 def mismatch_k3(old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

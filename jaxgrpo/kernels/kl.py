@@ -35,8 +35,6 @@ what it costs inside ``jit`` after the first call; calling it inside an outer ``
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -84,9 +82,7 @@ def _kl_penalty(logp, ref_logp, mask, *, kind, max_delta):
   return exp_excess(delta, max_delta)  # exp(δ) - δ - 1
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "static"))
-def _kl_penalty_jit(logp, ref_logp, mask, traced, *, kind, static):
-  return _kl_penalty(logp, ref_logp, mask, kind=kind, **_hyper.merge(static, traced))
+_kl_penalty_jit = _hyper.jit(_kl_penalty, static_argnames=("kind",), numbers=("max_delta",))
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None, max_delta: float = MAX_DELTA):
@@ -108,8 +104,7 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None, max_delta: float 
   """
   kind = _checks.check_choice(kind, KL_KINDS, "kind")
   _check_pair(logp, ref_logp, mask, "f32[B, T]")
-  static, traced = _hyper.split({"max_delta": _check_max_delta(max_delta)})
-  return _kl_penalty_jit(logp, ref_logp, mask, traced, kind=kind, static=static)
+  return _kl_penalty_jit(logp, ref_logp, mask, kind=kind, max_delta=_check_max_delta(max_delta))
 
 
 def _check_future(logp, ref_logp, mask, kind, max_delta, logp_name="logp"):
@@ -122,7 +117,7 @@ def _check_future(logp, ref_logp, mask, kind, max_delta, logp_name="logp"):
   return kind, _check_max_delta(max_delta)
 
 
-def _future_kl(logp, ref_logp, mask, kind, max_delta):
+def _future_kl(logp, ref_logp, mask, *, kind, max_delta):
   delta = _delta(logp, ref_logp, mask)  # 0 on padding
   if kind == "k1":
     now, later = delta, delta
@@ -135,9 +130,7 @@ def _future_kl(logp, ref_logp, mask, kind, max_delta):
   return select(mask, now + tail)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "static"))
-def _future_kl_jit(logp, ref_logp, mask, traced, *, kind, static):
-  return _future_kl(logp, ref_logp, mask, kind, **_hyper.merge(static, traced))
+_future_kl_jit = _hyper.jit(_future_kl, static_argnames=("kind",), numbers=("max_delta",))
 
 
 def future_kl(logp, ref_logp, mask, *, kind: str = "k1", max_delta: float = MAX_DELTA):
@@ -170,15 +163,17 @@ def future_kl(logp, ref_logp, mask, *, kind: str = "k1", max_delta: float = MAX_
     ``f32[B, T]``, 0 on padding.
   """
   kind, max_delta = _check_future(logp, ref_logp, mask, kind, max_delta)
-  static, traced = _hyper.split({"max_delta": max_delta})
-  return _future_kl_jit(logp, ref_logp, mask, traced, kind=kind, static=static)
+  return _future_kl_jit(logp, ref_logp, mask, kind=kind, max_delta=max_delta)
 
 
 def _frpo_advantages(advantages, old_logp, ref_logp, mask, *, beta, kind, max_delta):
   adv = advantages.astype(jnp.float32)
   adv = adv[:, None] if adv.ndim == 1 else adv
-  reg = _future_kl(old_logp, ref_logp, mask, kind, max_delta)
+  reg = _future_kl(old_logp, ref_logp, mask, kind=kind, max_delta=max_delta)
   return jax.lax.stop_gradient(select(mask, select(mask, adv) - beta * reg))
+
+
+_frpo_advantages_jit = _hyper.jit(_frpo_advantages, static_argnames=("kind",), numbers=("beta", "max_delta"))
 
 
 def frpo_advantages(
@@ -209,10 +204,4 @@ def frpo_advantages(
   shape, adv_shape = _checks.shape_of(old_logp), _checks.shape_of(advantages)
   if adv_shape not in (shape[:1], shape):
     raise ValueError(f"`advantages` must have shape {shape[:1]} or {shape} (matching `old_logp`); got {adv_shape}")
-  static, traced = _hyper.split({"beta": beta, "max_delta": max_delta})
-  return _frpo_advantages_jit(advantages, old_logp, ref_logp, mask, traced, kind=kind, static=static)
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "static"))
-def _frpo_advantages_jit(advantages, old_logp, ref_logp, mask, traced, *, kind, static):
-  return _frpo_advantages(advantages, old_logp, ref_logp, mask, kind=kind, **_hyper.merge(static, traced))
+  return _frpo_advantages_jit(advantages, old_logp, ref_logp, mask, kind=kind, beta=beta, max_delta=max_delta)

@@ -207,7 +207,8 @@ def _aggregate(per_token, m, aggregation, max_tokens):
 
 
 def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entropy, hyper: GRPOHyper) -> LossTerms:
-  h = {n: v if _hyper.is_static(v) else _hyper.scalar(v, n) for n, v in ((n, getattr(hyper, n)) for n in _NUMBERS)}
+  traced = {n: getattr(hyper, n) for n in _NUMBERS if not _hyper.is_static(getattr(hyper, n))}
+  h = hyper._replace(**{n: _hyper.scalar(v, n) for n, v in traced.items()})  # traced numbers as f32[]
   sg = jax.lax.stop_gradient
   real = mask
   m = mask.astype(jnp.float32)
@@ -216,21 +217,21 @@ def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entr
     old_logp,
     advantages,
     mask,
-    loss=hyper.loss,
-    clip_eps_low=h["clip_eps_low"],
-    clip_eps_high=h["clip_eps_high"],
-    dual_clip=h["dual_clip"],
-    tau_pos=h["tau_pos"],
-    tau_neg=h["tau_neg"],
+    loss=h.loss,
+    clip_eps_low=h.clip_eps_low,
+    clip_eps_high=h.clip_eps_high,
+    dual_clip=h.dual_clip,
+    tau_pos=h.tau_pos,
+    tau_neg=h.tau_neg,
   )
   per_token = sur.loss  # 0 on padding
   if importance is not None:
     per_token = per_token * select(real, sg(importance.weights.astype(jnp.float32)))
   kl_term = jnp.zeros_like(per_token) if kl is None else select(real, kl.astype(jnp.float32))
-  if kl is not None and not _hyper.is_static_zero(h["beta"]):
-    per_token = per_token + h["beta"] * kl_term
-  if entropy is not None and not _hyper.is_static_zero(h["entropy_coef"]):
-    per_token = per_token - h["entropy_coef"] * select(real, entropy.astype(jnp.float32))
+  if kl is not None and not _hyper.is_static_zero(h.beta):
+    per_token = per_token + h.beta * kl_term
+  if entropy is not None and not _hyper.is_static_zero(h.entropy_coef):
+    per_token = per_token - h.entropy_coef * select(real, entropy.astype(jnp.float32))
   if token_weights is not None:
     per_token = per_token * select(real, sg(token_weights.astype(jnp.float32)))
   per_token = select(real, per_token)

@@ -46,7 +46,6 @@ clamp). Padding is selected away from every input before any arithmetic.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -207,9 +206,8 @@ def check_advantages(loss: str, advantages, shape) -> None:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("loss", "static"))
-def _policy_surrogate(logp, old_logp, advantages, mask, traced, *, loss, static):
-  return _surrogate(logp, old_logp, advantages, mask, loss=loss, **_hyper.merge(static, traced))
+_NUMBERS = ("clip_eps_low", "clip_eps_high", "dual_clip", "tau_pos", "tau_neg")
+_surrogate_jit = _hyper.jit(_surrogate, static_argnames=("loss",), numbers=_NUMBERS)
 
 
 def policy_surrogate(
@@ -247,5 +245,4 @@ def policy_surrogate(
   hyper = check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg)
   loss = hyper.pop("loss")
   check_advantages(loss, advantages, shape)
-  static, traced = _hyper.split(hyper)
-  return _policy_surrogate(logp, old_logp, advantages, mask, traced, loss=loss, static=static)
+  return _surrogate_jit(logp, old_logp, advantages, mask, loss=loss, **hyper)
