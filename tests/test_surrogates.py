@@ -394,7 +394,8 @@ def test_the_hook_example_equals_the_gspo_preset():
 def test_mismatch_k3_is_the_mean_k3_and_max_gap_over_sampled_tokens():
   """``importance.mismatch_k3`` (the engine path's and async's one mismatch metric) against NumPy written from
   its definition: mean over masked tokens of r − log r − 1, r = exp(log π_old − log μ), and max |Δ|; masked-out
-  tokens (huge gaps there) change neither; no masked token gives 0, 0."""
+  tokens (huge gaps there) change neither; no masked token (or B = 0, T = 0) gives 0, 0; a gap past 20 follows
+  the linear continuation of kl's exponential; a wrong shape or mask dtype is refused naming the argument."""
   from jaxgrpo.kernels.importance import mismatch_k3
 
   rng = np.random.default_rng(3)
@@ -408,3 +409,12 @@ def test_mismatch_k3_is_the_mean_k3_and_max_gap_over_sampled_tokens():
   np.testing.assert_allclose([float(k3), float(gap)], [want_k3, want_max], rtol=1e-5)
   zero = mismatch_k3(jnp.asarray(old), jnp.asarray(beh), jnp.zeros((3, 7), bool))
   assert [float(z) for z in zero] == [0.0, 0.0]
+  empty = mismatch_k3(jnp.zeros((2, 0)), jnp.zeros((2, 0)), jnp.zeros((2, 0), bool))
+  assert [float(z) for z in empty] == [0.0, 0.0]
+  # past |Δ| = 20 the exponential continues linearly (kl.MAX_DELTA): e^20·(1 + Δ − 20) − Δ − 1, finite
+  far, gap = mismatch_k3(jnp.full((1, 1), 25.0), jnp.zeros((1, 1)), jnp.ones((1, 1), bool))
+  np.testing.assert_allclose([float(far), float(gap)], [np.exp(20.0) * 6.0 - 26.0, 25.0], rtol=1e-6)
+  with pytest.raises(ValueError, match="`behavior_logp` must have shape"):
+    mismatch_k3(jnp.asarray(old), jnp.asarray(beh[:, :5]), jnp.asarray(mask))
+  with pytest.raises(TypeError, match="`mask` must be a boolean"):
+    mismatch_k3(jnp.asarray(old), jnp.asarray(beh), jnp.asarray(mask, jnp.int32))

@@ -123,16 +123,26 @@ def mismatch_k3(old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) 
   the objective's ratio uses, over the tokens μ sampled — the one mismatch metric of the engine path
   (``jaxgrpo.rollout.collect.engine_old_logp``) and of asynchronous rollouts.
 
+  With ``Δ = old_logp − behavior_logp`` and ``r = exp(Δ) = π_old/μ`` per token::
+
+      mean_k3 = Σ_t m·(r − log r − 1) / max(Σ_t m, 1)          max_abs = max_t m·|Δ|
+
+  ``r − log r − 1 = exp(Δ) − Δ − 1 >= 0`` is ``kl.kl_penalty(old_logp, behavior_logp, "forward_k3")``, an
+  estimator of KL(μ ‖ π_old) under μ's samples; for ``Δ > 20`` (``kl.MAX_DELTA``) its exponential continues
+  linearly, so a huge gap gives a large finite value, not inf. Tokens outside ``mask`` change
+  neither number, inf/NaN log-probs there included.
+
   Args:
     old_logp: ``f32[B, T]`` log π_old of the sampled tokens.
     behavior_logp: ``f32[B, T]`` log μ of the same tokens.
     mask: ``bool[B, T]`` the tokens μ sampled (real completion tokens; policy tokens of a multi-turn row).
 
   Returns:
-    ``(mean_k3, max_abs)``, both ``f32[]``: the mean over masked tokens of ``k3 = r − log r − 1`` with
-    ``r = π_old/μ`` (``kl.kl_penalty(old_logp, behavior_logp, "forward_k3")``, an estimator of KL(μ ‖ π_old)
-    under μ's samples; 0 without masked tokens), and max |log π_old − log μ| over them (0 without).
+    ``(mean_k3, max_abs)``, both ``f32[]``; ``(0, 0)`` without masked tokens (B = 0 or T = 0 included).
+    Works inside ``jit``; a wrong shape or dtype raises naming the argument.
   """
+  _checks.check_logp_pair(old_logp, behavior_logp, mask, ("old_logp", "behavior_logp"))
   k3 = kl_penalty(old_logp, behavior_logp, "forward_k3", mask=mask)
   n = jnp.maximum(mask.sum(), 1)
-  return (k3 * mask).sum() / n, jnp.where(mask, abs(old_logp - behavior_logp), 0.0).max()
+  gap = jnp.max(jnp.where(mask, abs(old_logp - behavior_logp), 0.0), initial=0.0)
+  return (k3 * mask).sum() / n, gap.astype(jnp.float32)
