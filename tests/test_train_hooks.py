@@ -33,7 +33,7 @@ from jaxgrpo import rloo_advantages
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.kernels.losses import LossTerms
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.step import terms as step_terms
+from jaxgrpo.step import hooks as step_hooks
 from jaxgrpo.step import train
 
 LR, CLIP = 0.5, 0.05
@@ -253,7 +253,7 @@ def test_a_denominator_with_a_gradient_is_refused_at_trace_time():
   with pytest.raises(ValueError, match="denominator that depends on `logp`"):
     step(state, batch)
   step, _ = _make(None, objective_fn=detached, advantages_fn=_rloo)
-  step_terms._check_denominator(
+  step_hooks._check_denominator(
     detached,
     None,
     {

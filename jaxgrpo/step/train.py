@@ -30,15 +30,27 @@ same program.
 
 The batch itself (``jaxgrpo.step.batch``: fields, validation, placement) and its fitting to compiled
 shapes (``jaxgrpo.step.batch_packing``: bucket padding, slot packing) are their own modules, re-exported
-here (``train.Batch``, ``train.pad_to_bucket``, ``train.pack_batch``, ...). The state and static
-configuration (:class:`TrainState`, :func:`init_train_state`, :class:`TrainConfig`) are
-``jaxgrpo.step.state``, the named pieces of the step function ``jaxgrpo.step.terms`` (both re-exported
-here); this module is the jitted wrapper (:class:`TrainStep`, :func:`make_train_step`) and the reference
-pass compiled on the same mesh (:func:`make_reference_fn`).
+here (``train.Batch``, ``train.pad_to_bucket``, ``train.pack_batch``, ...). So are the state and static
+configuration (``jaxgrpo.step.state``: :class:`TrainState`, :class:`TrainConfig`, :func:`init_train_state`).
+The step's pieces are plain functions, each callable alone:
+
+- ``jaxgrpo.step.hooks``: the hooks' contract (the keywords the step passes, the trace-time checks of what
+  they return) and the hyper-parameter pytree (schedules, the terms a config leaves out);
+- ``jaxgrpo.step.terms``: what a call computes before its updates (``step_hyper``; ``prepare_rows``: step 1 and
+  the ``[M, K, R, ...]`` split; ``pass_fields``: the per-pass LoRA dropout keys) and one micro-batch's loss terms
+  (``micro_terms``; the router strategy ``RouterLosses`` / ``NO_ROUTER`` built once from the model);
+- ``jaxgrpo.step.update``: steps 2-4 (``token_scale``, ``accumulate_grads``, ``apply_update``, ``update``,
+  ``train_epochs``).
+
+MoE routing replay (a row field), LoRA dropout keys (per-pass row fields) and packing (the packed slots split
+like the rows) reach them as inputs, not as branches of the step. This module composes them (``_step_fn``),
+jits the composition (:class:`TrainStep`, :func:`make_train_step`) and compiles the reference pass on the same
+mesh (:func:`make_reference_fn`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -74,30 +86,40 @@ from jaxgrpo.step.batch_packing import (
   pack_batch,
   pad_to_bucket,
 )
+from jaxgrpo.step.hooks import (
+  _advantages_keywords,
+  _check_denominator,
+  _check_keywords,
+  _check_unread,
+  _objective_keywords,
+  _reads_behavior,
+  _schedule_terms,
+)
 from jaxgrpo.step.state import (
   TrainConfig,
   TrainState,
   _check_not_donated,
   _checked_rules,
   _graph_rules,
+  _merge_model,
   init_train_state,
 )
 from jaxgrpo.step.terms import (
-  _advantages_keywords,
-  _check_keywords,
-  _check_unread,
   _group_bound,
   _merge_rows,
   _micro_log_probs,
-  _objective_keywords,
-  _reads_behavior,
-  _schedule_terms,
+  _num_iterations,
   _slot_inputs,
   _split_rows,
   _split_slots,
-  _step_fn,
   _StepSpec,
+  micro_terms,
+  pass_fields,
+  prepare_rows,
+  router_losses,
+  step_hyper,
 )
+from jaxgrpo.step.update import _reduce_updates, train_epochs
 
 __all__ = [
   "DEFAULT_BUCKETS",
@@ -114,6 +136,27 @@ __all__ = [
   "pack_batch",
   "pad_to_bucket",
 ]
+
+
+def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dropout_key=None):
+  """One train step, traced: ``(TrainState without frozen, metrics)`` from the state, the frozen variables,
+  the placed batch, the call's hyper-parameter pytree (or None) and the run's dropout key (or None) — the
+  hyper-parameters applied (:func:`~jaxgrpo.step.terms.step_hyper`), the rows
+  (:func:`~jaxgrpo.step.terms.prepare_rows`), μ passes of M updates (:func:`~jaxgrpo.step.update.train_epochs`),
+  the metrics reduced over the updates."""
+  hyper = step_hyper(spec, state.step, hyper)
+  prepared = prepare_rows(spec, batch, hyper)  # once per rollout batch: rows [M, K, R, ...]
+  _check_denominator(spec.objective_fn, spec.config, prepared.example, hyper)
+  terms = functools.partial(micro_terms, spec, frozen, hyper)  # (params, mb, scale) -> (scale·numerator, aux)
+  shapes = jax.eval_shape(lambda p, mb: terms(p, mb, 1.0)[1], state.params, prepared.example)
+  passes = _num_iterations(spec.config)
+  per_pass = pass_fields(dropout_key, state.step, passes, batch.completions.shape[0])  # dropout keys, or {}
+  grad_fn = jax.grad(terms, has_aux=True)
+  carry = (state.params, state.opt_state)
+  (params, opt_state), metrics = train_epochs(spec, grad_fn, shapes, *carry, prepared.rows, per_pass, passes)
+  metrics = _reduce_updates(metrics)
+  metrics.update(prepared.extra)
+  return TrainState(params, opt_state, state.step + 1), metrics  # frozen: reattached by TrainStep
 
 
 def _options(tc: TrainConfig):
@@ -417,9 +460,9 @@ def make_train_step(
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.step.train.TrainConfig; got {type(train_config).__name__}")
-  rules = _checked_rules(_graph_rules(graphdef, shardings.params, shardings.frozen), rules, "make_train_step")
+  abstract = _merge_model(graphdef, shardings.params, shardings.frozen)  # static attributes only
+  rules = _checked_rules(abstract.sharding_rules, rules, "make_train_step")
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *shd.batch_sharding(mesh, rules).spec))
-  blocks = shd.batch_shards(mesh, rules)
   spec = _StepSpec(
     graphdef,
     optimizer,
@@ -429,9 +472,10 @@ def make_train_step(
     advantages_fn,
     shardings.params,
     rows_sh,
-    blocks,
-    _check_run_key(dropout_key),
-    hyper_schedule,
+    blocks=shd.batch_shards(mesh, rules),
+    dropout_key=_check_run_key(dropout_key),
+    hyper_schedule=hyper_schedule,
+    router=router_losses(abstract, train_config),  # a mixture of experts' router losses, or none
   )
   return TrainStep(spec, mesh, shardings, rules)
 
