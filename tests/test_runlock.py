@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the children load jaxgrpo/services/runlock.py alone (no JAX import: a second, not ten)
 _LOAD = f"""
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("runlock", {os.path.join(ROOT, "jaxgrpo", "runlock.py")!r})
+spec = importlib.util.spec_from_file_location("runlock", {os.path.join(ROOT, "jaxgrpo", "services", "runlock.py")!r})
 runlock = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(runlock)
 """
