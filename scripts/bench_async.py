@@ -111,7 +111,7 @@ def build(mode: str, steps: int, out: str) -> Trainer:
     )
   tr = Trainer(load_config(None, changes), reward_fns={"varied": (varied_reward, 1.0)}, log=None)
   if mode == "k0":
-    tr.rollouts = async_rollout.AsyncRollouts(tr, max_staleness=0, steps=steps)
+    tr.schedule = async_rollout.AsyncRollouts(tr.source, tr.learner, tr.state, max_staleness=0, steps=steps)
   return tr
 
 
@@ -135,8 +135,7 @@ def measure(steps: int, warmup: int, rounds: int, out: str) -> dict:
         periods[m].append((time.perf_counter() - t0) / steps)
   finally:
     for tr in trainers.values():
-      if tr.rollouts is not None:
-        tr.rollouts.close()
+      tr.schedule.close()
   result = {}
   for m in MODES:
     # a phase time is measured in the steps where nothing else overlaps it (k = 0, the last k steps)

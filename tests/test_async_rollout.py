@@ -61,7 +61,9 @@ def test_k0_pipeline_equals_the_synchronous_trainer_bit_for_bit(tmp_path):
   sync = Trainer(tiny(**{**changes, "run.out": str(tmp_path / "s")}), reward_fns=REWARDS, log=None)
   assert sync.rollouts is None  # max_staleness 0, colocated: today's loop
   piped = Trainer(tiny(**{**changes, "run.out": str(tmp_path / "p")}), reward_fns=REWARDS, log=None)
-  piped.rollouts = async_rollout.AsyncRollouts(piped, max_staleness=0, steps=3)
+  piped.schedule = async_rollout.AsyncRollouts(
+    piped.source, piped.learner, piped.state, max_staleness=0, steps=3, out_dir=str(tmp_path / "p")
+  )
   try:
     for _ in range(3):
       ms, mp = sync.train_step(), piped.train_step()
@@ -177,17 +179,17 @@ def test_close_and_restart_resample_from_the_trained_position_and_stale_batches_
   tr = Trainer(cfg, reward_fns=REWARDS, log=None)
   pipe = tr.rollouts
   try:
-    pipe.train_step()
+    tr.train_step()
     pipe.close()  # the producer was a batch (or two) ahead: dropped, sampled again below
     assert tr.iterator.state()["offset"] > 2
-    pipe.train_step()
+    tr.train_step()
     it = PromptIterator(len(tr.prompts.tokens), seed=0)
     ledger = [json.loads(x)["prompts"] for x in open(tmp_path / "o" / async_rollout.LEDGER)]
     assert ledger == [it.next(2).tolist(), it.next(2).tolist()]
     item = pipe._queue.popleft()  # batch 3, produced during step 2
     pipe._queue.appendleft(item._replace(versions=item.versions - 2))  # as if sampled 2 updates back
     with pytest.raises(RuntimeError, match=r"staleness .* outside \[0, 1\]"):
-      pipe.train_step()
+      tr.train_step()
   finally:
     pipe.close()
 

@@ -128,8 +128,7 @@ def test_env_section_errors():
     load_factory("no_such_module_xyz:make")
   with pytest.raises(ValueError, match="env.max_turns"):
     EnvSpec(factory="a:b", max_turns=0)
-  with pytest.raises(ValueError, match="dynamic_sampling"):
-    load_config(None, {**ENV, "objective.preset": "dapo"})
+  assert load_config(None, {**ENV, "objective.preset": "dapo"}).objective.dynamic_sampling  # composes (test_compose.py)
 
 
 # ----------------------------------------------------------------------------- env.episodes: no dataset

@@ -22,7 +22,6 @@ once. The schedule, metrics, placement and failure behaviour: docs/trainer.md "A
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import json
 import os
@@ -32,18 +31,16 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxgrpo import data as data_lib
-from jaxgrpo.kernels.importance import mismatch_k3
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import collect
+from jaxgrpo.rollout.schedule import StepOut, step_metrics
+from jaxgrpo.rollout.source import Produced
 from jaxgrpo.services.metrics import truncate_jsonl
 from jaxgrpo.step import feed
-from jaxgrpo.step.train import Batch, TrainState, make_reference_fn
+from jaxgrpo.step.train import Batch, TrainState
 
 __all__ = ["AsyncRollouts", "ProducedBatch", "make_meshes", "LEDGER"]
 
@@ -105,7 +102,8 @@ class ProducedBatch(NamedTuple):
     metrics: the rollout metrics of ``RolloutSource.batch`` (rewards, lengths, dynamic sampling).
     tokens: completion tokens of the batch.
     prompts: ``int64[groups]`` the prompt index of each group, in batch order.
-    versions: ``int64[groups]`` the parameter version that sampled each group.
+    versions: ``int64[groups]`` the parameter version that sampled each group (every turn of a
+      multi-turn group: one batch is sampled with one version).
     key_after: the PRNG key after this batch (the trainer state's key once it is trained).
     position_after: the data-iterator position after this batch.
     rounds: the prompt indices of each sampling round (dynamic sampling: several).
@@ -130,46 +128,54 @@ class _Once:
   def __init__(self, fn: Callable[[], None] | None):
     self.fn = fn
 
-  def __call__(self) -> None:
+  def __call__(self, *_) -> None:
     fn, self.fn = self.fn, None
     if fn is not None:
       fn()
 
 
 class AsyncRollouts:
-  """The produced batches and the learner's step of a ``jaxgrpo.run.trainer.Trainer`` (the schedule of
-  the module docstring).
+  """The bounded-staleness schedule (the module docstring): ``step(state)`` trains batch n while batches
+  up to n + k are produced with the newest published version.
 
   Args:
-    trainer: the trainer (its state, iterator, jitted step and reference, ``source.batch``); this
-      object replaces its ``train_step`` (``trainer.rollouts``).
+    source: the run's rollout source (``jaxgrpo.rollout.source.RolloutSource``: sampler or engine,
+      single- or multi-turn, dynamic sampling).
+    learner: the run's learner (``jaxgrpo.rollout.schedule.Learner``).
+    state: the run's state ``(train, key, data_position)`` at construction (the parameters' placement
+      and the frozen variables; a restored state's record of untrained prompts).
     max_staleness: k >= 0.
-    rollout_mesh: the mesh the sampler runs on (None: the trainer's mesh, colocated).
+    rollout_mesh: the mesh the sampler runs on (None: the learner's mesh, colocated).
     steps: the last step a batch is produced for (``run.steps``).
-    resumed: the trainer state was restored (the ledger is cut back to its step).
+    out_dir: where process 0 writes :data:`LEDGER` (None: no ledger).
+    resumed: the state was restored (the ledger is cut back to its step).
     profile: wait after each learner phase to time it (``async/old_logp_s``, ``time/reference_s``,
       ``time/update_s`` in every step) — the update then no longer overlaps the next batch's rewards.
   """
 
   def __init__(
     self,
-    trainer,
+    source,
+    learner,
+    state,
     *,
     max_staleness: int,
     rollout_mesh: Mesh | None = None,
     steps: int,
+    out_dir: str | None = None,
     resumed=False,
     profile: bool = False,
   ):
     if not isinstance(max_staleness, int) or max_staleness < 0:
       raise ValueError(f"`max_staleness` must be an int >= 0; got {max_staleness!r}")
-    self.trainer, self.k, self.steps, self.profile = trainer, max_staleness, steps, profile
+    self.source, self.learner = source, learner
+    self.k, self.steps, self.profile = max_staleness, steps, profile
     self.colocated = rollout_mesh is None
-    self.rollout_mesh = trainer.mesh if rollout_mesh is None else rollout_mesh
+    self.rollout_mesh = learner.mesh if rollout_mesh is None else rollout_mesh
     if not self.colocated and jax.process_count() > 1:
-      _check_same_rows(trainer.mesh, self.rollout_mesh, trainer.config.rollout)
-    tstate = trainer.state.train
-    step_fn = trainer.step_fn
+      _check_same_rows(learner.mesh, self.rollout_mesh, source.rows_per_step)
+    tstate, step_fn = state[0], learner.step_fn
+    self.graphdef = step_fn.graphdef
     # the rollout side's placement of the trained parameters (and, once, the frozen ones)
     rules = step_fn.rules
     if self.colocated:
@@ -182,18 +188,6 @@ class AsyncRollouts:
       if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
         frozen_shardings = shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules)
         self._frozen = _transfer_fn(tstate.frozen, frozen_shardings)(tstate.frozen)
-    # π_old of a stale batch: the learner's current parameters (merged with the frozen ones), one pass
-    logp_shardings, self._merged = step_fn.shardings.params, False
-    if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
-      logp_shardings, self._merged = nnx.merge_state(logp_shardings, step_fn.shardings.frozen), True
-    self._policy_logp = make_reference_fn(
-      step_fn.graphdef,
-      mesh=trainer.mesh,
-      param_shardings=logp_shardings,
-      train_config=trainer.train_config,
-      rules=rules,
-    )
-    self._mismatch = jax.jit(lambda old, behavior, mask: mismatch_k3(old, behavior, mask.astype(bool))[0])
     # CPU processes (gloo): programs on two device sets must not exchange data at the same time (their
     # collectives share one connection per pair of processes): each program is waited for in turn
     self._serial = jax.process_count() > 1 and jax.default_backend() == "cpu"
@@ -202,22 +196,21 @@ class AsyncRollouts:
     self._started = False
     self._drawn: list[list[int]] = []  # rounds drawn beyond the trained position
     self._last_transfer_s = 0.0
-    out = trainer.config.run.out
-    self._ledger = os.path.join(out, LEDGER) if jax.process_index() == 0 else None
+    self._ledger = os.path.join(out_dir, LEDGER) if out_dir is not None and jax.process_index() == 0 else None
     self._resumed = resumed
-    self._check_untrained = list(trainer.state.data_position.get("untrained", []))
+    self._check_untrained = list(state[2].get("untrained", []))
     #: called with every trained :class:`ProducedBatch` (inspection, tests); None: nothing
     self.observe: Callable[[ProducedBatch], None] | None = None
 
   # ------------------------------------------------------------------ lifecycle
-  def start(self) -> None:
-    """Publishes the current parameters (version = the state's step); batches are then produced
-    from the trained position. Every process checks that all agree on the state first."""
+  def start(self, state) -> None:
+    """Publishes the parameters of ``state`` (version = its step); batches are then produced from its
+    data position. Every process checks that all agree on the state first."""
     if self._started:
       return
-    t = self.trainer
-    step = int(t.state.train.step)
-    _check_processes_agree(step, t.state.key, t.state.data_position)
+    train, key, position = state
+    step = int(train.step)
+    _check_processes_agree(step, key, position)
     if self._ledger is not None:
       os.makedirs(os.path.dirname(self._ledger), exist_ok=True)
       if self._resumed:
@@ -225,24 +218,19 @@ class AsyncRollouts:
       elif step == 0 and os.path.exists(self._ledger):
         os.remove(self._ledger)
     # produce from the trained position (after a close(), the iterator is ahead of it)
-    t.iterator.restore(t.state.data_position)
+    self.source.iterator.restore(position)
     self._queue.clear()
     self._drawn = []
-    self._publish(step, t.state.train.params)
-    self._next_index, self._key = step + 1, t.state.key
+    self._publish(step, train.params)
+    self._next_index, self._key = step + 1, key
     self._started = True
 
   def close(self, timeout: float | None = None) -> None:
-    """Drops the batches produced ahead; a later :meth:`start` (the next ``train_step``) produces
+    """Drops the batches produced ahead; a later :meth:`start` (the next :meth:`step`) produces
     them again from the trained position. (Nothing runs between two calls: no thread to stop.)"""
     self._queue.clear()
     self._drawn = []
     self._started = False
-
-  @contextlib.contextmanager
-  def paused(self):
-    """Kept for the trainer's evaluation: nothing is produced between two ``train_step`` calls."""
-    yield
 
   # ------------------------------------------------------------------ producing
   def _publish(self, version: int, params) -> None:
@@ -254,49 +242,36 @@ class AsyncRollouts:
   def _latest(self) -> tuple[int, Any]:
     return self._published
 
-  def _sample(self, indices, key, versions: list, rounds: list, dispatched: _Once):
-    """One sampling round on the newest published version and the rollout mesh: the rollout
-    source's ``sample`` with the learner's dispatch between the sampler's call and the fetch of its rows."""
-    tr = self.trainer
-    drawn = [int(i) for i in indices]
-    version, params = self._published
-    self._drawn.append(drawn)
-    versions.append(version)
-    rounds.append(drawn)
-    model = feed.policy_model(tr.graphdef, TrainState(params, None, None, self._frozen))
-    tokens, mask = data_lib.pad_left([tr.prompts.tokens[i] for i in indices], tr.prompt_len, tr.pad_id)
-    tokens, mask = collect.place_prompts(tokens, mask, mesh=self.rollout_mesh)
-    rollout = collect.sample(model, tokens, mask, tr.sampling, key=key, temperature=tr.train_config.temperature)
-    if self._serial:
-      jax.block_until_ready(rollout)
-    dispatched()  # the update now runs alongside (disjoint devices) or after (colocated) the sampler
-    return distributed.process_rows(rollout._replace(num_steps=None), self.rollout_mesh)
-
   def _produce(self, dispatched: _Once) -> None:
-    """The next batch: the trainer's rollout batch (dynamic sampling included) from the producer's
-    key, queued."""
-    t1 = time.perf_counter()
+    """The next batch: the source's batch (dynamic sampling, environments, an engine included) of the
+    newest published version on the rollout mesh, from the producer's key, queued. The learner's
+    dispatch runs once the first sampler call is dispatched."""
     n = self._next_index
-    tr = self.trainer
     key, sample_key = jax.random.split(self._key)
-    versions: list[int] = []
-    rounds: list[list[int]] = []
-    groups: list[tuple[int, int]] = []
-    batch, metrics, tokens = tr.source.batch(
-      sample_key, sample=lambda i, k: self._sample(i, k, versions, rounds, dispatched), kept_groups=groups
+    version, params = self._published
+    model = feed.policy_model(self.graphdef, TrainState(params, None, None, self._frozen))
+
+    def on_sampled(rollout):
+      if self._serial and rollout is not None:
+        jax.block_until_ready(rollout)
+      dispatched()  # the update now runs alongside (disjoint devices) or after (colocated) the sampler
+
+    produced = self.source.batch(
+      sample_key, policy=model, version=version, mesh=self.rollout_mesh, on_sampled=on_sampled
     )
+    self._drawn += produced.rounds
     self._queue.append(
       ProducedBatch(
         index=n,
-        batch=batch,
-        metrics=metrics,
-        tokens=tokens,
-        prompts=np.asarray([rounds[r][b] for r, b in groups], np.int64),
-        versions=np.asarray([versions[r] for r, _ in groups], np.int64),
+        batch=produced.batch,
+        metrics=produced.metrics,
+        tokens=produced.tokens,
+        prompts=np.asarray([produced.rounds[r][b] for r, b in produced.kept], np.int64),
+        versions=np.full(len(produced.kept), version, np.int64),
         key_after=key,
-        position_after=tr.iterator.state(),
-        rounds=rounds,
-        generate_s=time.perf_counter() - t1,
+        position_after=self.source.iterator.state(),
+        rounds=produced.rounds,
+        generate_s=produced.rollout_s,
       )
     )
     self._key, self._next_index = key, n + 1
@@ -307,43 +282,14 @@ class AsyncRollouts:
     return [list(r) for r in self._drawn]
 
   # ------------------------------------------------------------------ learner
-  def _dispatch(self, item: ProducedBatch, stale: bool, timed: bool) -> dict:
-    """Places batch ``item`` and dispatches π_old (stale groups), the reference and the update; with
-    ``timed`` waits after each phase to time it. Returns the (not yet computed) results."""
-    tr = self.trainer
-    tstate = tr.state.train
-    out: dict[str, Any] = {"t0": time.perf_counter(), "times": {}}
-    placed = feed.place(item.batch, mesh=tr.mesh, train_config=tr.train_config, process_local=True)
-    t1 = time.perf_counter()
-    out["mismatch"] = None
-    if stale:
-      params = nnx.merge_state(tstate.params, tstate.frozen) if self._merged else tstate.params
-      old = self._policy_logp(params, placed)
-      out["mismatch"] = self._mismatch(old, placed.old_logp, placed.mask)
-      placed = placed._replace(old_logp=old, behavior_logp=placed.old_logp)
-      if timed:
-        jax.block_until_ready((old, out["mismatch"]))
-    if timed:
-      out["times"]["async/old_logp_s"] = time.perf_counter() - t1 if stale else 0.0
-    t2 = time.perf_counter()
-    if tr.reference is not None:
-      placed = tr.reference(placed)
-      if timed:
-        jax.block_until_ready(placed.ref_logp)
-    t3 = time.perf_counter()
-    out["state"], out["metrics"] = tr.step_fn(tstate, placed)
-    if timed:
-      jax.block_until_ready((out["state"], out["metrics"]))
-      out["times"].update({"time/reference_s": t3 - t2, "time/update_s": time.perf_counter() - t3})
-    return out
-
-  def train_step(self) -> dict[str, Any]:
-    """One learner step (the schedule of the module docstring); returns its metrics (the trainer's,
-    plus ``async/*`` and ``time/*``), the same on every process but for the times."""
-    tr = self.trainer
-    self.start()
+  def step(self, state) -> StepOut:
+    """One learner step (the schedule of the module docstring) from ``state`` = ``(train, key,
+    data_position)``; returns the state after it and its metrics (the synchronous step's, plus
+    ``async/*`` and ``time/*``), the same on every process but for the times."""
+    self.start(state)
+    train = state[0]
     t0 = time.perf_counter()
-    n = int(tr.state.train.step) + 1
+    n = int(train.step) + 1
     depth = len(self._queue)
     while self._next_index <= n:  # the learner's own batch is not there yet: produce it now
       self._produce(_Once(None))
@@ -361,31 +307,25 @@ class AsyncRollouts:
     self._check_resumed(item)
     ahead = min(n + self.k, self.steps)  # batches produced while this update runs
     overlapped = self._next_index <= ahead
-    learner: dict[str, Any] = {}
+    learned: dict[str, Any] = {}
     timed = self.profile or self._serial or not overlapped  # wait after each phase (and time it)
-    dispatched = _Once(lambda: learner.update(self._dispatch(item, bool(staleness.any()), timed)))
+    engine = not self.source.logprobs_are_policy
+    recompute = bool(staleness.any()) or engine
+    dispatched = _Once(lambda: learned.update(self.learner(train, item.batch, recompute=recompute, timed=timed)))
     if not overlapped:
       dispatched()
     while self._next_index <= ahead:
       self._produce(dispatched)  # the first sampler call dispatches the learner
     dispatched()
     t_wait = time.perf_counter()
-    step_metrics = {k: float(v) for k, v in jax.device_get(learner["metrics"]).items()}
-    mismatch = 0.0 if learner["mismatch"] is None else float(jax.device_get(learner["mismatch"]))
+    jax.block_until_ready(learned["metrics"])
     t_done = time.perf_counter()
-    tstate = learner["state"]
-    self._publish(n, tstate.params)
-    position = {**item.position_after, "untrained": self.untrained()}
-    tr.state = type(tr.state)(tstate, item.key_after, position)
-    dt = time.perf_counter() - t0
-    metrics = dict(item.metrics)
-    metrics.update(step_metrics)
+    produced = Produced(item.batch, item.metrics, item.tokens, item.rounds, [], None, item.generate_s)
+    metrics = step_metrics(produced, learned, t0=t0, engine=engine)
+    self._publish(n, learned["state"].params)
+    mismatch = 0.0 if learned["mismatch"] is None else float(jax.device_get(learned["mismatch"][0]))
     metrics.update(
       {
-        "step": int(tstate.step),
-        "tokens_per_sec": item.tokens / dt,
-        "step_time": dt,
-        "rollout_time": item.generate_s,
         "async/staleness_mean": float(staleness.mean()),
         "async/staleness_max": int(staleness.max()),
         **{f"async/staleness_hist/{s}": int((staleness == s).sum()) for s in range(self.k + 1)},
@@ -395,18 +335,18 @@ class AsyncRollouts:
         "async/weight_transfer_s": self._last_transfer_s,
         "async/mismatch_kl": mismatch,
         "time/generate_s": item.generate_s,
-        "time/learner_s": t_done - learner["t0"],
-        **learner["times"],
+        "time/learner_s": t_done - learned["t0"],
+        **learned["times"],
       }
     )
-    metrics.setdefault("kl", 0.0)
     if self._ledger is not None:
       with open(self._ledger, "a") as f:
         rec = {"step": n, "prompts": item.prompts.tolist(), "versions": item.versions.tolist()}
         f.write(json.dumps(rec) + "\n")
     if self.observe is not None:
       self.observe(item)
-    return metrics
+    position = {**item.position_after, "untrained": self.untrained()}
+    return StepOut(learned["state"], item.key_after, position, metrics)
 
   def _check_resumed(self, item: ProducedBatch) -> None:
     """After a resume: the first sampling round drawn again must be the first one the checkpoint
@@ -466,10 +406,9 @@ def _local_blocks(x: jax.Array, sharding) -> list | None:
   return blocks
 
 
-def _check_same_rows(train: Mesh, rollout: Mesh, roll) -> None:
-  """Several processes, disaggregated: each process must hold the same rows of the rollout batch on
-  both meshes (it scores the rows it sampled and feeds them to the update); ValueError otherwise."""
-  rows = roll.prompts_per_step * roll.group_size
+def _check_same_rows(train: Mesh, rollout: Mesh, rows: int) -> None:
+  """Several processes, disaggregated: each process must hold the same rows of the ``rows``-row rollout batch
+  on both meshes (it scores the rows it sampled and feeds them to the update); ValueError otherwise."""
   a, b = shd.process_batch_rows(train, rows), shd.process_batch_rows(rollout, rows)
   if a != b:
     raise ValueError(

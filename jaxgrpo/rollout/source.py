@@ -1,21 +1,23 @@
-"""The rollout source: one object that yields this process's placed, scored batch of a step.
+"""The rollout source: one object that yields this process's scored rows of a step's batch.
 
 A source composes what a run's config names, each part an argument rather than a branch of the loop::
 
-    sampler     the built-in sampler on the current policy (``collect.place_prompts`` + ``collect.sample``
-                on the global mesh), or an engine (vLLM, a user's) that gets the policy's weights
-                pushed when an update made them stale
-    turns       single-turn: decode, score with the ``RewardSet``, gather every row's reward; or
-                multi-turn: G trajectories per prompt in the environments (``make_env``), rewards theirs
-    selection   dynamic sampling: rounds until the batch holds ``prompts_per_step`` informative groups
-                (``collect.select_groups``); every process keeps the same groups and feeds its own rows
-    correction  an engine whose log-probs are not the policy's: they become ``behavior_logp`` and the
-                policy's ``old_logp`` is recomputed (``collect.engine_old_logp``: the mismatch metrics)
+    sampler     the built-in sampler on a policy (``collect.place_prompts`` + ``collect.sample`` on a mesh),
+                or an engine (vLLM, a user's) that gets the policy's weights pushed when the version it
+                holds is not the one asked for
+    turns       single-turn: decode, score with the ``RewardSet``; or multi-turn: G trajectories per
+                prompt in the environments (``make_env``), rewards theirs, each turn sent to the sampler
+                or the engine as token ids
+    selection   rounds until the batch holds ``prompts_per_step`` groups; with dynamic sampling only
+                informative ones (``collect.select_groups``); every process keeps the same groups and
+                feeds its own rows
 
-The loop (``jaxgrpo.run.trainer.Trainer``) calls :meth:`RolloutSource.next` once per step, the step, then
-:meth:`RolloutSource.after_step`; the asynchronous producer (``jaxgrpo.rollout.async_rollout``) calls
-:meth:`RolloutSource.batch` with its own sampler. The source holds no train state: it reads the current
-policy through the two callables it is given. It is built from a run config by ``jaxgrpo.run.assemble``.
+:meth:`RolloutSource.batch` returns the host rows (:class:`Produced`); the learner
+(``jaxgrpo.rollout.schedule.Learner``) places them, recomputes ``old_logp`` when the sampler's log-probs
+are not the policy's (an engine, a stale version) and updates. The schedules
+(``jaxgrpo.rollout.schedule.Synchronous``, ``jaxgrpo.rollout.async_rollout.AsyncRollouts``) call the source
+with the policy and version they sample; the source holds no train state. It is built from a run config
+by ``jaxgrpo.run.assemble``.
 
 Several processes: every process draws the same prompt indices, samples one program on the global mesh,
 decodes and scores its own rows; every row's reward and length is then gathered (one small all-gather
@@ -38,30 +40,35 @@ from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import collect
+from jaxgrpo.rollout.engines.collective import CollectiveSampler
 from jaxgrpo.rollout.environments import training as env_training
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
-from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
-from jaxgrpo.step.train import TrainConfig
 
-__all__ = ["RolloutSource", "Scored", "Turns", "rows_to_columns"]
+__all__ = ["RolloutSource", "Produced", "Turns", "rows_to_columns"]
 
 
-class Scored(NamedTuple):
-  """What :meth:`RolloutSource.next` returns.
+class Produced(NamedTuple):
+  """What :meth:`RolloutSource.batch` returns.
 
   Attributes:
-    batch: this process's rows as a placed :class:`~jaxgrpo.step.batch.Batch` (bucketed, packed when the
-      step packs; ``old_logp`` the policy's, ``behavior_logp`` an engine's when they differ).
-    metrics: ``{name: float}``: rewards, completion length, dynamic sampling, engine and env metrics.
+    batch: this process's rows as a host :class:`~jaxgrpo.step.batch.Batch` (``old_logp`` the sampler's
+      log-probs; ``policy_mask`` for multi-turn rows; ``group_ids`` the group's position in the batch).
+    metrics: ``{name: float}``: rewards, completion length, dynamic sampling, env and engine metrics.
     tokens: completion tokens of the whole batch (every process).
-    rollout_s: seconds of sampling and scoring (before placement).
+    rounds: the prompt indices drawn by each sampling round (dynamic sampling: several).
+    kept: ``(round, group)`` of every group of the batch, in batch order.
+    version: the policy version that sampled the batch (as given to :meth:`RolloutSource.batch`).
+    rollout_s: seconds of sampling and scoring.
   """
 
   batch: Batch
   metrics: dict
   tokens: int
+  rounds: list
+  kept: list
+  version: Any
   rollout_s: float
 
 
@@ -71,6 +78,21 @@ class Turns:
 
   make_env: Callable
   config: MultiTurnConfig
+
+
+class _Round(NamedTuple):
+  rows: Batch  # this process's rows (host; group_ids = the group within the round)
+  rewards: np.ndarray  # every row's reward, every process
+  per_fn: dict
+  lengths: np.ndarray
+  counters: dict
+  metrics: dict  # multi-turn: the environments' metrics of the round
+
+
+def _pad_prompts(rows: Batch, width: int, pad_id: int) -> Batch:
+  """``rows`` with the prompts left-padded to ``width`` columns."""
+  pad = lambda x, v: np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=v)
+  return rows._replace(prompt_tokens=pad(rows.prompt_tokens, pad_id), prompt_mask=pad(rows.prompt_mask, False))
 
 
 def rows_to_columns(examples: Sequence[data_lib.MathExample], repeat: int) -> dict[str, list]:
@@ -90,15 +112,14 @@ def rows_to_columns(examples: Sequence[data_lib.MathExample], repeat: int) -> di
 
 
 class RolloutSource:
-  """Yields this process's scored, placed batch of a step (see the module docstring).
+  """Yields this process's scored rows of a step's batch (see the module docstring).
 
   Args:
-    policy: ``policy() -> nnx.Module``, the current policy (parameters of the current train state).
-    params: ``params() -> pytree``, the current policy parameters as the step's log-prob pass takes them
-      (``feed.policy_params``; read only when ``policy_logp_fn`` is set).
+    policy: ``policy() -> nnx.Module``, the current policy (parameters of the current train state): what
+      :meth:`batch` samples when it is given no other.
     sampling: the :class:`~jaxgrpo.rollout.sampling.SamplingConfig` (G = ``num_samples``).
-    train_config: the step's ``TrainConfig`` (temperature, buckets, packing).
-    mesh: the train mesh (prompts are placed on it; the batch is fed to it).
+    temperature: the sampling temperature (the step's ``TrainConfig.temperature``).
+    mesh: the train mesh (prompts are placed on it unless a call names another).
     iterator: the ``data.PromptIterator`` over ``examples`` (its position is the run's data position).
     examples: the training rows (``data.MathExample``, or environment episode rows).
     prompts, prompt_len, pad_id: the encoded prompts (None for environment episodes).
@@ -108,8 +129,8 @@ class RolloutSource:
     dynamic_sampling, max_rounds: drop groups with equal rewards and sample again, at most ``max_rounds``.
     merge_lora: sample the merged policy (``models.lora.merge_lora``).
     engine: an engine (None: the built-in sampler); ``engine_sampling`` the SamplingConfig it receives.
-    policy_logp_fn: the jitted policy log-prob pass (``collect.policy_logp_fn``) when the engine's log-probs
-      are not the policy's (None otherwise).
+    logprobs_are_policy: the sampler's log-probs are the policy's own (the built-in sampler; an engine that
+      declares it): False makes the learner recompute ``old_logp`` and keep these as ``behavior_logp``.
     turns: :class:`Turns` for multi-turn rollouts (None: single-turn).
     should_stop: polled during environment calls (a signal stops a hung environment).
   """
@@ -118,9 +139,8 @@ class RolloutSource:
     self,
     *,
     policy: Callable[[], nnx.Module],
-    params: Callable[[], Any],
     sampling: SamplingConfig,
-    train_config: TrainConfig,
+    temperature: float,
     mesh,
     iterator: data_lib.PromptIterator,
     examples: Sequence[Any],
@@ -135,63 +155,84 @@ class RolloutSource:
     merge_lora: bool = False,
     engine=None,
     engine_sampling: SamplingConfig | None = None,
-    policy_logp_fn: Callable | None = None,
+    logprobs_are_policy: bool = True,
     turns: Turns | None = None,
     should_stop: Callable[[], bool] | None = None,
   ):
-    self._policy, self._params = policy, params
-    self.sampling, self.train_config, self.mesh = sampling, train_config, mesh
+    self._policy = policy
+    self.sampling, self.temperature, self.mesh = sampling, temperature, mesh
     self.iterator, self.examples = iterator, examples
     self.prompts, self.prompt_len, self.pad_id = prompts, prompt_len, pad_id
     self.tokenizer, self.reward_set = tokenizer, reward_set
     self.prompts_per_step, self.dynamic_sampling, self.max_rounds = prompts_per_step, dynamic_sampling, max_rounds
     self.merge_lora = merge_lora
-    self.engine, self.engine_sampling, self.policy_logp_fn = engine, engine_sampling, policy_logp_fn
+    self.engine, self.engine_sampling = engine, engine_sampling
+    self.logprobs_are_policy = logprobs_are_policy
     self.turns, self.should_stop = turns, should_stop
-    self.engine_stale = True  # the engine holds no weights of this policy yet
-    self.engine_times: dict[str, float] = {}
+    self._engine_version: Any = None  # the version whose weights the engine holds (None: none yet)
+    self._engine_times: dict[str, float] = {}
+
+  @property
+  def rows_per_step(self) -> int:
+    """B·G rows of a step's batch."""
+    return self.prompts_per_step * self.sampling.num_samples
 
   # ------------------------------------------------------------------ sampling
-  def sampling_policy(self) -> nnx.Module:
-    """What sampling and evaluation run: the policy, or its ``models.lora.merge_lora`` with ``merge_lora``."""
-    policy = self._policy()
+  def sampling_policy(self, policy: nnx.Module | None = None) -> nnx.Module:
+    """What sampling and evaluation run: ``policy`` (default the current one), or its
+    ``models.lora.merge_lora`` with ``merge_lora``."""
+    policy = self._policy() if policy is None else policy
     return lora.merge_lora(policy) if self.merge_lora else policy
 
-  def sample(self, indices, key, *, policy=None, mesh=None) -> Rollout:
-    """This process's rows (NumPy; all rows in one process) of G completions of the prompts ``indices``
-    (every process passes the same): one sampler program on the global mesh, each process sending its own
-    prompts (``collect.place_prompts``). ``policy``/``mesh``: another policy and its mesh (the rollout
-    producer's; default the current policy on the train mesh)."""
-    mesh = self.mesh if mesh is None else mesh
-    tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
-    if self.engine is not None:  # the engine holds the pushed weights (max_staleness 0 only, checked in the spec)
-      return self._sample_engine(tokens, mask, key)
-    tokens, mask = collect.place_prompts(tokens, mask, mesh=mesh)
-    rollout = collect.sample(
-      self._policy() if policy is None else policy,
-      tokens,
-      mask,
-      self.sampling,
-      key=key,
-      temperature=self.train_config.temperature,
-    )
-    return distributed.process_rows(rollout._replace(num_steps=None), mesh)
+  def _engine(self, policy, version):
+    """The engine, holding ``version``'s weights: pushed first when it holds another version (or none).
+    Several processes: each process's engine gets the whole policy, gathered from every process's shards
+    (``distributed.to_host``). Times go to ``engine/push_s`` and ``engine/generate_s``."""
+    if version is None or version != self._engine_version:
+      t0 = time.perf_counter()
+      model = self.sampling_policy(policy)
+      if jax.process_count() > 1:  # the parameters span the processes: a whole host copy for this one's engine
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, distributed.to_host(state))
+      self.engine.push_weights(model)
+      self._engine_version = version
+      self._engine_times["engine/push_s"] = time.perf_counter() - t0
+    return self.engine
 
-  def _sample_engine(self, tokens, mask, key) -> Rollout:
-    """The rollout from the engine; the policy's weights are pushed first when an update (or a restore)
-    changed them. Times go to ``engine_times`` (``engine/push_s``, ``engine/generate_s``)."""
+  def _generate(self, tokens, mask, key, *, policy, version) -> Rollout:
+    engine = self._engine(policy, version)
     t0 = time.perf_counter()
-    if self.engine_stale:
-      self.engine.push_weights(self.sampling_policy())
-      self.engine_stale = False
-      self.engine_times["engine/push_s"] = time.perf_counter() - t0
-    temperature = self.train_config.temperature
-    t1 = time.perf_counter()
-    gen = self.engine.generate(tokens, mask, self.engine_sampling, key=key, temperature=temperature)
-    self.engine_times["engine/generate_s"] = self.engine_times.get("engine/generate_s", 0.0) + (
-      time.perf_counter() - t1
+    gen = engine.generate(tokens, mask, self.engine_sampling, key=key, temperature=self.temperature)
+    self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
+      time.perf_counter() - t0
     )
     return gen.rollout._replace(num_steps=None)
+
+  def sample(self, indices, key, *, policy=None, mesh=None, version=None, on_sampled=None) -> Rollout:
+    """This process's rows (NumPy; all rows in one process) of G completions of the prompts ``indices``
+    (every process passes the same): one sampler program on ``mesh`` (default the train mesh), each process
+    sending its own prompts (``collect.place_prompts``), or the engine (each process's its own prompts). ``policy``: the policy to sample
+    (default the current one); ``version``: its version (an engine gets it pushed when it holds another);
+    ``on_sampled(rollout)``: called once the sampler is dispatched, before its rows are fetched."""
+    tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
+    if self.engine is not None:  # several processes: each process's engine samples its own groups
+      g, first = self.sampling.num_samples, 0
+      if jax.process_count() > 1:
+        mine = shd.process_batch_rows(self.mesh, len(indices) * g)
+        first, last = mine.start // g, mine.stop // g
+        tokens, mask, key = tokens[first:last], mask[first:last], jax.random.fold_in(key, first)
+      if on_sampled is not None:
+        on_sampled(None)  # the learner runs while the engine samples
+      rollout = self._generate(tokens, mask, key, policy=policy, version=version)
+      return rollout._replace(group_ids=np.asarray(rollout.group_ids) + first)
+    mesh = self.mesh if mesh is None else mesh
+    tokens, mask = collect.place_prompts(tokens, mask, mesh=mesh)
+    rollout = collect.sample(
+      self._policy() if policy is None else policy, tokens, mask, self.sampling, key=key, temperature=self.temperature
+    )
+    if on_sampled is not None:
+      on_sampled(rollout)
+    return distributed.process_rows(rollout._replace(num_steps=None), mesh)
 
   # ------------------------------------------------------------------ single-turn scoring
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -207,51 +248,113 @@ class RolloutSource:
     columns = rows_to_columns([self.examples[i] for i in prompt_of_row], 1)
     return self.reward_set(prompts, texts, columns)
 
-  def batch(self, key, *, sample=None, kept_groups=None) -> tuple[Batch, dict, int]:
-    """Samples ``prompts_per_step`` groups (refilled under dynamic sampling) → (this process's rows of
-    the host Batch, metrics, completion tokens of the whole batch). ``sample(indices, key)``: the sampling
-    call (default :meth:`sample`); ``kept_groups``: a list extended with ``(round, group)`` of every
-    group of the batch, in batch order."""
+  # ------------------------------------------------------------------ one round
+  def _round(self, indices, key, *, policy, mesh, version, on_sampled) -> _Round:
+    """One sampling round of the prompts ``indices``: this process's rows, and every row's reward and length."""
+    if self.turns is not None:
+      return self._env_round(indices, key, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
+    rows = self.sample(indices, key, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
+    res = self.score(indices, rows)
+    lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
+    total, per_fn, lengths = distributed.all_rows((res.total, res.per_fn, lengths), self.mesh)
+    counters: dict[str, int] = {}
+    for c in distributed.gather_objects(res.counters):
+      for k, v in c.items():
+        counters[k] = counters.get(k, 0) + v
+    return _Round(Batch.from_rollout(rows, res.total), total, per_fn, lengths, counters, {})
+
+  def _env_round(self, indices, key, *, policy, mesh, version, on_sampled) -> _Round:
+    """G trajectories per prompt in the environments, each turn sampled by the built-in sampler on ``policy``
+    or by the engine holding ``version``. Several processes: each runs the environments of its own groups,
+    its turns sampled in collective rounds (``engines.collective.CollectiveSampler``); rewards, lengths and
+    the environments' metrics are gathered."""
+    g, procs = self.sampling.num_samples, jax.process_count()
+    first, last = 0, len(indices)
+    if procs > 1:
+      mine = shd.process_batch_rows(self.mesh, len(indices) * g)
+      first, last = mine.start // g, mine.stop // g
+    collective = None
+    if self.engine is None and procs > 1:
+      collective = CollectiveSampler(self.sampling_policy(policy), self.mesh if mesh is None else mesh, key=key)
+    engine = collective or (None if self.engine is None else self._engine(policy, version))
+    if on_sampled is not None:
+      on_sampled(None)  # the learner may run while the environments step (the sampler's copy is its own)
+    t0 = time.perf_counter()
+    rows, metrics, _ = env_training.env_rollout_batch(
+      self.sampling_policy(policy),
+      [self.examples[i] for i in indices[first:last]],
+      self.turns.make_env,
+      self.tokenizer,
+      self.sampling if self.engine is None else self.engine_sampling,
+      self.turns.config,
+      key=key,
+      temperature=self.temperature,
+      should_stop=self.should_stop,
+      engine=engine,
+    )
+    if collective is not None:
+      collective.drain()  # the other processes' turns may still need this one's devices
+    elif engine is not None:
+      self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
+        time.perf_counter() - t0
+      )
+    for k in ("reward_mean", "reward_std", "completion_length"):
+      metrics.pop(k)  # the batch's, over the kept groups: batch()
+    lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
+    rows = rows._replace(group_ids=np.asarray(rows.group_ids) + first)
+    if procs > 1:  # one prompt width (global arrays), the environments' metrics over every row
+      every = distributed.gather_objects([rows.prompt_tokens.shape[1], metrics])
+      rows = _pad_prompts(rows, max(w for w, _ in every), self.pad_id)
+      metrics = {k: float(np.mean([m.get(k, 0.0) for _, m in every])) for k in sorted({k for _, m in every for k in m})}
+    rewards, lengths = distributed.all_rows((np.asarray(rows.rewards, np.float32), lengths), self.mesh)
+    return _Round(rows, rewards, {}, lengths, {}, metrics)
+
+  # ------------------------------------------------------------------ one step's batch
+  def batch(self, key, *, policy=None, version=None, mesh=None, on_sampled=None) -> Produced:
+    """Samples ``prompts_per_step`` groups (refilled under dynamic sampling), scored: this process's rows
+    of the host Batch. ``policy``/``version``/``mesh``/``on_sampled``: as for :meth:`sample` (the
+    asynchronous producer passes the version it publishes and the rollout mesh)."""
+    t0 = time.perf_counter()
+    self._engine_times = {}
     g, groups = self.sampling.num_samples, self.prompts_per_step
-    rounds, counters = [], {}
+    rounds: list[_Round] = []
+    drawn: list[list[int]] = []
     selection = None
     while selection is None or not selection.done:
-      key, sub = jax.random.split(key)
+      # multi-turn's first round samples with the step's key itself (as before rounds applied to it)
+      key, sub = jax.random.split(key) if self.turns is None or rounds else (key, key)
       indices = self.iterator.next(groups)
-      rows = (self.sample if sample is None else sample)(indices, sub)
-      res = self.score(indices, rows)
-      lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
-      total, per_fn, lengths = distributed.all_rows((res.total, res.per_fn, lengths), self.mesh)
-      for c in distributed.gather_objects(res.counters):
-        for k, v in c.items():
-          counters[k] = counters.get(k, 0) + v
-      rounds.append((rows, total, per_fn, lengths))
+      drawn.append([int(i) for i in indices])
+      rounds.append(self._round(indices, sub, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled))
       selection = collect.select_groups(
-        [r[1] for r in rounds],
+        [r.rewards for r in rounds],
         num_groups=groups,
         group_size=g,
         max_rounds=self.max_rounds,
         dynamic=self.dynamic_sampling,
       )
-    kept, dropped = selection.kept, selection.dropped
-    if kept_groups is not None:
-      kept_groups.extend(kept)
+    kept = selection.kept
     batch = self._own_groups(rounds, kept)
-    rewards = np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept]).astype(np.float32)
-    lengths = np.concatenate([rounds[r][3][b * g : (b + 1) * g] for r, b in kept])
-    metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std())}
-    for name in rounds[0][2]:
-      values = np.concatenate([rounds[r][2][name][b * g : (b + 1) * g] for r, b in kept])
-      metrics[f"reward/{name}"] = float(values.mean())
+    of_kept = lambda values: np.concatenate([values(rounds[r])[b * g : (b + 1) * g] for r, b in kept])
+    rewards = of_kept(lambda r: r.rewards).astype(np.float32)
+    lengths = of_kept(lambda r: r.lengths)
+    metrics = rewards_lib.finite_reward_stats(rewards)  # a missing sample (NaN) is not a number to average
+    for name in rounds[0].per_fn:
+      values = of_kept(lambda r, name=name: r.per_fn[name])
+      metrics[f"reward/{name}"] = rewards_lib.finite_reward_stats(values)["reward_mean"]
     metrics["completion_length"] = float(lengths.mean())
     if self.dynamic_sampling:
-      metrics["dynamic_sampling/dropped_groups"] = dropped
+      metrics["dynamic_sampling/dropped_groups"] = selection.dropped
       metrics["dynamic_sampling/rounds"] = len(rounds)
-    for k, v in counters.items():
-      metrics[f"reward_counters/{k}"] = v
-    return batch, metrics, int(lengths.sum())
+    for k in sorted({k for r in rounds for k in r.counters}):
+      metrics[f"reward_counters/{k}"] = sum(r.counters.get(k, 0) for r in rounds)
+    for name in rounds[0].metrics:  # multi-turn: the environments' metrics, mean over the rounds
+      metrics[name] = float(np.mean([r.metrics[name] for r in rounds if name in r.metrics]))
+    if self.engine is not None:
+      metrics.update(self._engine_times)
+    return Produced(batch, metrics, int(lengths.sum()), drawn, list(kept), version, time.perf_counter() - t0)
 
-  def _own_groups(self, rounds: list, kept: list[tuple[int, int]]) -> Batch:
+  def _own_groups(self, rounds: list[_Round], kept: list[tuple[int, int]]) -> Batch:
     """This process's rows of the batch of the ``kept`` groups (``(round, group)``, in batch order).
 
     The group at position j is fed by the process that sampled position j of a round; a kept group
@@ -262,59 +365,22 @@ class RolloutSource:
     first, last = mine.start // g, mine.stop // g
     per = last - first  # groups per process
     elsewhere = sorted({r for j, (r, b) in enumerate(kept) if b // per != j // per})
-    fetched = {r: distributed.all_rows(rounds[r][0], self.mesh) for r in elsewhere}
+    fetched = {r: distributed.all_rows(rounds[r].rows, self.mesh) for r in elsewhere}
     parts = []
     for j in range(first, last):
       r, b = kept[j]
-      rows, start = (rounds[r][0], (b - first) * g) if b // per == j // per else (fetched[r], b * g)
-      parts.append(Rollout(*[None if x is None else x[start : start + g] for x in rows]))
-    cat = lambda field: np.concatenate([getattr(p, field) for p in parts])
-    return Batch(
-      prompt_tokens=cat("prompt_tokens"),
-      prompt_mask=cat("prompt_mask"),
-      completions=cat("completions"),
-      mask=cat("mask"),
-      old_logp=cat("log_probs"),
+      rows, start = (rounds[r].rows, (b - first) * g) if b // per == j // per else (fetched[r], b * g)
+      parts.append(jax.tree.map(lambda x, s=start: x[s : s + g], rows))
+    width = max(p.prompt_tokens.shape[1] for p in parts)  # multi-turn rounds differ in prompt width
+    if jax.process_count() > 1:
+      width = max(distributed.gather_objects(width))
+    parts = [_pad_prompts(p, width, self.pad_id) for p in parts]
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+    return batch._replace(
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),
-      rewards=np.concatenate([rounds[r][1][b * g : (b + 1) * g] for r, b in kept[first:last]]).astype(np.float32),
-      behavior_logp=None if self.policy_logp_fn is None else cat("log_probs"),  # the engine's: μ
-      routing=None if parts[0].routing is None else cat("routing"),  # a MoE policy's routing replay
+      rewards=np.asarray(batch.rewards, np.float32),
+      behavior_logp=None if self.logprobs_are_policy else batch.old_logp,  # the sampler's: μ
     )
-
-  # ------------------------------------------------------------------ one step's batch
-  def next(self, key) -> Scored:
-    """The step's batch: sampled and scored (single- or multi-turn), placed on the train mesh (each process
-    its own rows), with the engine's mismatch correction and timings."""
-    t0 = time.perf_counter()
-    self.engine_times = {}
-    if self.turns is None:
-      batch, metrics, tokens = self.batch(key)
-    else:  # multi-turn: G trajectories per prompt in the environments; rewards are theirs
-      examples = [self.examples[i] for i in self.iterator.next(self.prompts_per_step)]
-      batch, metrics, tokens = env_training.env_rollout_batch(
-        self.sampling_policy(),
-        examples,
-        self.turns.make_env,
-        self.tokenizer,
-        self.sampling,
-        self.turns.config,
-        key=key,
-        temperature=self.train_config.temperature,
-        should_stop=self.should_stop,
-      )
-    rollout_s = time.perf_counter() - t0
-    # bucketed, packed if set; each process feeds its own rows
-    placed = feed.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
-    if self.policy_logp_fn is not None:  # the policy's own old_logp; the engine's log-probs are behavior_logp
-      placed, engine_metrics = collect.engine_old_logp(self.policy_logp_fn, self._params(), placed)
-      metrics.update(engine_metrics)
-    if self.engine is not None:
-      metrics.update(self.engine_times)
-    return Scored(placed, metrics, tokens, rollout_s)
-
-  def after_step(self) -> None:
-    """An update changed the policy: the engine's weights are the old policy's until the next push."""
-    self.engine_stale = True
 
   def close(self) -> None:
     """Shut the engine down (``engine.close()``); the built-in sampler holds nothing."""

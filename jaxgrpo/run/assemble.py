@@ -1,7 +1,7 @@
 """From a run config to the parts of a run: the checks that must pass before anything heavy runs (the mesh,
 the rows, the processes, the combination of options), the rollout engine, the sampling settings, the
-prompts or environment episodes, the rewards and the optimizer. ``jaxgrpo.run.trainer.Trainer`` composes
-what these return with the rollout source (``jaxgrpo.rollout.source``) and the loop.
+prompts or environment episodes, the rewards, the optimizer, the rollout source and the schedule that meets it
+with the learner. ``jaxgrpo.run.trainer.Trainer`` composes what these return with the loop.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from flax import nnx
 from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.models import moe
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import collect
+from jaxgrpo.rollout.async_rollout import AsyncRollouts
 from jaxgrpo.rollout.engines import check_engine, load_engine_factory, logprobs_are_policy
 from jaxgrpo.rollout.engines import vllm as vllm_engine
 from jaxgrpo.rollout.environments import spec as env_spec
 from jaxgrpo.rollout.sampling import SamplingConfig
+from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
 from jaxgrpo.run.spec_schema import check_composition
@@ -38,6 +39,7 @@ __all__ = [
   "engine_sampling",
   "start_engine",
   "rollout_source",
+  "schedule",
 ]
 
 
@@ -179,17 +181,20 @@ def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingCon
   return dataclasses.replace(sampling, record_routing=False, **({"suppress_ids": ()} if vllm_tau else {}))
 
 
-def start_engine(cfg: TrainerConfig, model, step_fn, *, prompt_len: int):
-  """``(engine, policy_logp_fn)`` of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory
-  (``package.module:callable``, called with the keywords ``config`` — the policy's model config —,
-  ``max_model_len``, ``temperature`` and ``seed``; it must return a ``jaxgrpo.rollout.engines.Engine``); and,
-  unless the engine declares its log-probs the policy's (``engines.logprobs_are_policy``), the jitted pass
-  that recomputes the policy's own ``old_logp`` of its samples (``collect.policy_logp_fn``: the same
-  micro-batches, temperature and packing as the step). ``(None, None)`` for the built-in sampler."""
+def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
+  """The engine of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory (``package.module:callable``,
+  called with the keywords ``config`` — the policy's model config —, ``max_model_len``, ``temperature`` and
+  ``seed``; it must return a ``jaxgrpo.rollout.engines.Engine``). None for the built-in sampler. Multi-turn
+  (``env``): ``max_model_len`` holds the prompt, ``env.max_tokens`` and one turn."""
   roll, temperature = cfg.rollout, cfg.step.temperature
   if roll.engine == "jax":
-    return None, None
-  settings = dict(max_model_len=prompt_len + roll.max_new_tokens, seed=cfg.run.seed)
+    return None
+  if cfg.env is None:
+    max_len = prompt_len + roll.max_new_tokens
+  else:  # every turn sends prompt ‖ trajectory: the prompt, the trajectory's budget and one more turn
+    mt = cfg.env.multiturn_config()
+    max_len = prompt_len + mt.max_tokens + mt.per_turn
+  settings = dict(max_model_len=max_len, seed=cfg.run.seed)
   if roll.engine == "vllm":
     v = roll.vllm
     engine = vllm_engine.VLLMEngine(
@@ -206,14 +211,13 @@ def start_engine(cfg: TrainerConfig, model, step_fn, *, prompt_len: int):
     factory = load_engine_factory(roll.engine)
     engine = factory(config=model.config, temperature=temperature, **settings)
     check_engine(engine, f"the object `rollout.engine: {roll.engine}` returned")
-  return engine, (None if logprobs_are_policy(engine) else collect.policy_logp_fn(step_fn))
+  return engine
 
 
 def rollout_source(
   cfg: TrainerConfig,
   *,
   policy,
-  params,
   sampling: SamplingConfig,
   mesh,
   iterator,
@@ -222,19 +226,18 @@ def rollout_source(
   reward_set,
   pad_id: int,
   engine=None,
-  policy_logp_fn=None,
   make_env=None,
   should_stop=None,
 ) -> RolloutSource:
   """The run's rollout source: the built-in sampler or ``engine`` (with what it receives,
-  :func:`engine_sampling`), single-turn scoring or the environments of ``env`` (``make_env``), dynamic
-  sampling from ``objective``/``rollout`` (see ``jaxgrpo.rollout.source.RolloutSource`` for the arguments)."""
+  :func:`engine_sampling`; its log-probs the policy's only when it declares so,
+  ``engines.logprobs_are_policy``), single-turn scoring or the environments of ``env`` (``make_env``),
+  dynamic sampling from ``objective``/``rollout`` (see ``jaxgrpo.rollout.source.RolloutSource``)."""
   roll = cfg.rollout
   return RolloutSource(
     policy=policy,
-    params=params,
     sampling=sampling,
-    train_config=cfg.train_config(),
+    temperature=cfg.step.temperature,
     mesh=mesh,
     iterator=iterator,
     examples=data.examples,
@@ -249,7 +252,25 @@ def rollout_source(
     merge_lora=roll.merge_lora,
     engine=engine,
     engine_sampling=None if engine is None else engine_sampling(cfg, sampling),
-    policy_logp_fn=policy_logp_fn,
+    logprobs_are_policy=engine is None or logprobs_are_policy(engine),
     turns=None if make_env is None else Turns(make_env, cfg.env.multiturn_config()),
     should_stop=should_stop,
+  )
+
+
+def schedule(cfg: TrainerConfig, source: RolloutSource, learner: Learner, state, *, rollout_mesh, resumed: bool):
+  """The run's schedule: :class:`~jaxgrpo.rollout.schedule.Synchronous`, or with ``rollout.max_staleness`` >= 1
+  or ``devices.rollout`` (``rollout_mesh``) the bounded-staleness producer/learner
+  (``jaxgrpo.rollout.async_rollout.AsyncRollouts``, its ledger in ``run.out``)."""
+  if not cfg.rollout.max_staleness and rollout_mesh is None:
+    return Synchronous(source, learner)
+  return AsyncRollouts(
+    source,
+    learner,
+    state,
+    max_staleness=cfg.rollout.max_staleness,
+    rollout_mesh=rollout_mesh,
+    steps=cfg.run.steps,
+    out_dir=cfg.run.out,
+    resumed=resumed,
   )

@@ -29,6 +29,7 @@ from jaxgrpo.data.rewards import CountingReward
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.engines.collective import CollectiveSampler
 from jaxgrpo.rollout.environments import training as env_training
 
 __all__ = ["pass_at_k", "mean_at_k", "summarize_eval", "evaluate_policy", "evaluate_run"]
@@ -213,19 +214,7 @@ def evaluate_run(
   key = jax.random.key(cfg.run.seed + 1) if key is None else key
   temperature = cfg.step.temperature if cfg.eval.temperature is None else cfg.eval.temperature
   if make_env is not None:  # mean@k of the environment reward
-    return env_training.env_evaluate(
-      policy,
-      data.eval_examples,
-      make_env,
-      tokenizer,
-      sampling,
-      cfg.env.multiturn_config(),
-      k=cfg.eval.samples,
-      key=key,
-      batch_prompts=cfg.eval.batch_prompts,
-      temperature=temperature,
-      should_stop=should_stop,
-    )
+    return _env_evaluate(cfg, policy, tokenizer, data, sampling, make_env, mesh, key, temperature, should_stop)
   return evaluate_policy(
     policy,
     tokenizer,
@@ -245,3 +234,36 @@ def evaluate_run(
     key=key,
     mesh=mesh,
   )
+
+
+def _env_evaluate(cfg, policy, tokenizer, data, sampling, make_env, mesh, key, temperature, should_stop) -> dict:
+  """``environments.training.env_evaluate`` of the held-out rows; several processes: each evaluates its share
+  (contiguous), its turns sampled in collective rounds (``engines.collective.CollectiveSampler``), and the means
+  are combined weighted by rows."""
+  examples, procs = data.eval_examples, jax.process_count()
+  lo = len(examples) * jax.process_index() // procs
+  hi = len(examples) * (jax.process_index() + 1) // procs
+  engine = None if procs == 1 else CollectiveSampler(policy, mesh, key=key)
+  result = {}
+  if hi > lo:
+    result = env_training.env_evaluate(
+      policy,
+      examples[lo:hi],
+      make_env,
+      tokenizer,
+      sampling,
+      cfg.env.multiturn_config(),
+      k=cfg.eval.samples,
+      key=key,
+      batch_prompts=cfg.eval.batch_prompts,
+      temperature=temperature,
+      should_stop=should_stop,
+      engine=engine,
+    )
+  if engine is None:
+    return result
+  engine.drain()
+  every = [(n, r) for n, r in distributed.gather_objects([hi - lo, result]) if n]
+  total = sum(n for n, _ in every)
+  names = sorted({k for _, r in every for k in r})  # a metric an environment reported on some process only: 0 elsewhere
+  return {k: sum(n * r.get(k, 0.0) for n, r in every) / total for k in names}

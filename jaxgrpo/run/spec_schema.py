@@ -525,28 +525,15 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
   A combination is refused for a physical reason or because it is not built yet (said so); composing the
   rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind."""
-  roll, env = cfg.rollout, cfg.env
-  if roll.engine != "jax" and roll.max_staleness:  # not built yet: the producer samples with the built-in sampler
-    raise ValueError(
-      f"`rollout.max_staleness`={roll.max_staleness} needs `rollout.engine: jax` (asynchronous rollouts run the "
-      f"built-in sampler on the producer's parameters); got `rollout.engine: {roll.engine}`"
-    )
+  roll = cfg.rollout
   if roll.engine == "vllm" and cfg.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):  # physical
     raise ValueError(
       f"`rollout.engine: vllm` with `step.temperature`={cfg.step.temperature} != 1 cannot report full-vocabulary "
       f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
       'temperature 1 or no filtering (docs/sampling.md, "Engines")'
     )
-  if env is not None and (
-    roll.max_staleness or cfg.objective.dynamic_sampling or cfg.devices.rollout or roll.engine != "jax"
-  ):
-    raise ValueError(  # not built yet
-      "`env` (multi-turn rollouts) does not combine with `rollout.max_staleness`, `objective.dynamic_sampling`, "
-      "`devices.rollout` or `rollout.engine: vllm` yet; unset them"
-    )
-  if roll.engine != "jax" and process_count > 1:  # not built yet: one engine colocated in one process
+  if roll.engine != "jax" and cfg.devices.rollout:  # physical: the engine places itself
     raise ValueError(
-      f"`rollout.engine: {roll.engine}` runs in one process (the engine colocated in it); this run has several"
+      f"`devices.rollout`={cfg.devices.rollout} gives the built-in sampler devices of its own; `rollout.engine: "
+      f"{roll.engine}` samples on the engine's own devices: unset one"
     )
-  if env is not None and process_count > 1:  # not built yet
-    raise ValueError("`env` (multi-turn rollouts) runs in one process; multi-host runs are not supported yet")

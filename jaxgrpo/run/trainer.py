@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -52,6 +51,7 @@ from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout import async_rollout
 from jaxgrpo.rollout.environments.rollout import RolloutInterrupted
+from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.run import assemble, builders
 from jaxgrpo.run.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
 from jaxgrpo.run.control import RunControl, TrainingAborted, TrainingInterrupted
@@ -221,14 +221,13 @@ class Trainer:
     # frozen base itself, no copy
     self.reference = feed.make_reference(self.step_fn, train_state) if self.step_fn.reads_ref_logp else None
     self.sampling = assemble.sampling_config(cfg, self.model, pad_id=self.pad_id, eos_ids=self.eos_ids)
-    engine, policy_logp_fn = assemble.start_engine(cfg, self.model, self.step_fn, prompt_len=self.data.prompt_len)
+    engine = assemble.start_engine(cfg, self.model, prompt_len=self.data.prompt_len)
     # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.rollout.environments.training)
     self.make_env = None if cfg.env is None else cfg.env.make_env()
     self.iterator = data_lib.PromptIterator(len(self.data.examples), seed=cfg.run.seed)
     self.source = assemble.rollout_source(
       cfg,
       policy=self.policy,
-      params=lambda: feed.policy_params(self.state.train),
       sampling=self.sampling,
       mesh=self.mesh,
       iterator=self.iterator,
@@ -237,10 +236,10 @@ class Trainer:
       reward_set=self.reward_set,
       pad_id=self.pad_id,
       engine=engine,
-      policy_logp_fn=policy_logp_fn,
       make_env=self.make_env,
       should_stop=self.control.stop_requested,
     )
+    self.learner = Learner(self.step_fn, self.reference, mesh=self.mesh, train_config=self.train_config)
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
     if restore_fn is not None:
@@ -249,16 +248,11 @@ class Trainer:
         self.state = TrainerState.from_snapshot(restored, train_state.frozen)
         self.iterator.restore(self.state.data_position)
         self.resumed = True
-    # rollout.max_staleness >= 1 or devices.rollout: the producer/learner pipeline replaces train_step
-    self.rollouts = None
-    if cfg.rollout.max_staleness or self.rollout_mesh is not None:
-      self.rollouts = async_rollout.AsyncRollouts(
-        self,
-        max_staleness=cfg.rollout.max_staleness,
-        rollout_mesh=self.rollout_mesh,
-        steps=cfg.run.steps,
-        resumed=self.resumed,
-      )
+    #: how a step meets the source: synchronous, or bounded staleness with rollout.max_staleness >= 1 or
+    #: devices.rollout (jaxgrpo.rollout.schedule, jaxgrpo.rollout.async_rollout)
+    self.schedule = assemble.schedule(
+      cfg, self.source, self.learner, self.state, rollout_mesh=self.rollout_mesh, resumed=self.resumed
+    )
 
   # ------------------------------------------------------------------ what the parts hold
   prompts = property(lambda self: self.data.prompts, doc="The encoded training prompts (None for episodes).")
@@ -267,7 +261,10 @@ class Trainer:
   eval_examples = property(lambda self: self.data.eval_examples, doc="The held-out rows (None: no evaluation).")
   prompt_len = property(lambda self: self.data.prompt_len, doc="The padded prompt length.")
   engine = property(lambda self: self.source.engine, doc="The rollout engine (None: the built-in sampler).")
-  policy_logp_fn = property(lambda self: self.source.policy_logp_fn, doc="The engine path's old_logp pass.")
+  rollouts = property(
+    lambda self: None if isinstance(self.schedule, Synchronous) else self.schedule,
+    doc="The bounded-staleness schedule (``async_rollout.AsyncRollouts``), None when synchronous.",
+  )
 
   @property
   def stop_signal(self) -> int | None:
@@ -304,21 +301,20 @@ class Trainer:
     several processes each scores its share of the problems and the counts are gathered."""
     if self.eval_examples is None:
       return {}
-    with contextlib.nullcontext() if self.rollouts is None else self.rollouts.paused():  # shared reward workers
-      return evaluate_run(
-        self.config,
-        self.sampling_policy(),
-        self.tokenizer,
-        self.data,
-        accuracy=self.accuracy,
-        sampling=self.sampling,
-        make_env=self.make_env,
-        pad_id=self.pad_id,
-        eos_ids=self.eos_ids,
-        mesh=self.mesh,
-        key=key,
-        should_stop=self.control.stop_requested,
-      )
+    return evaluate_run(
+      self.config,
+      self.sampling_policy(),
+      self.tokenizer,
+      self.data,
+      accuracy=self.accuracy,
+      sampling=self.sampling,
+      make_env=self.make_env,
+      pad_id=self.pad_id,
+      eos_ids=self.eos_ids,
+      mesh=self.mesh,
+      key=key,
+      should_stop=self.control.stop_requested,
+    )
 
   def save_model(self, out_dir: str) -> list[str]:
     """Writes the current policy as a Hugging Face directory (``builders.save_policy``); a LoRA run
@@ -330,34 +326,11 @@ class Trainer:
 
   # ------------------------------------------------------------------ the loop
   def train_step(self) -> dict[str, Any]:
-    """One rollout → reward → update step; returns its metrics (the same on every process). With
-    ``rollout.max_staleness`` >= 1 or ``devices.rollout``: the learner's step of ``self.rollouts``
-    (``jaxgrpo.rollout.async_rollout``)."""
-    if self.rollouts is not None:
-      return self.rollouts.train_step()
-    t0 = time.perf_counter()
-    tstate, key, _ = self.state
-    key, sample_key = jax.random.split(key)
-    scored = self.source.next(sample_key)
-    placed, metrics = scored.batch, scored.metrics
-    if self.reference is not None:
-      placed = self.reference(placed)
-    tstate, step_metrics = self.step_fn(tstate, placed)
-    self.source.after_step()  # an engine's weights are the old policy's until the next push
-    step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    self.state = TrainerState(tstate, key, self.iterator.state())
-    dt = time.perf_counter() - t0
-    metrics.update(step_metrics)
-    metrics.update(
-      {
-        "step": int(tstate.step),
-        "tokens_per_sec": scored.tokens / dt,
-        "step_time": dt,
-        "rollout_time": scored.rollout_s,
-      }
-    )
-    metrics.setdefault("kl", 0.0)
-    return metrics
+    """One rollout → reward → update step of the run's schedule (:attr:`schedule`); returns its metrics
+    (the same on every process)."""
+    out = self.schedule.step(self.state)
+    self.state = TrainerState(out.train, out.key, out.data_position)
+    return out.metrics
 
   def run(self, *, handle_signals: bool = True) -> list[dict]:
     """Trains for ``run.steps`` steps; writes ``OUT/metrics.jsonl`` and ``OUT/config.json``;
@@ -461,8 +434,7 @@ class Trainer:
         e, last_saved, self.state.train, self.state.snapshot, self.run_meta
       ) from e.__cause__
     finally:
-      if self.rollouts is not None:
-        self.rollouts.close()
+      self.schedule.close()
       if f is not None:
         f.close()
       self.accuracy.close()

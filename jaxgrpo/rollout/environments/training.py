@@ -2,8 +2,7 @@
 batch of dataset examples, and the held-out evaluation by environment reward.
 
 Both are plain functions of the policy, the examples and the settings — the trainer's loop, resume,
-packing, LoRA and checkpoints stay the trainer's. One process (a multi-host run with ``env`` is refused
-by the trainer).
+packing, LoRA and checkpoints stay the trainer's. One process holds every row of a rollout.
 """
 
 from __future__ import annotations
@@ -46,10 +45,12 @@ def env_rollout_batch(
   key,
   temperature: float = 1.0,
   should_stop: Callable[[], bool] | None = None,
+  engine=None,
 ) -> tuple[Batch, dict[str, float], int]:
   """``(Batch with policy_mask, metrics, real tokens)`` of G multi-turn trajectories per example, sampled
-  at ``temperature`` (the train step's ``TrainConfig.temperature``); ``should_stop`` as for
-  ``sample_multiturn`` (``RolloutInterrupted`` when it turns true during an environment call)."""
+  at ``temperature`` (the train step's ``TrainConfig.temperature``); ``should_stop`` and ``engine`` as for
+  ``sample_multiturn`` (``RolloutInterrupted`` when it turns true during an environment call; each turn
+  sent to the engine as token ids, its weights pushed by the caller)."""
   t0 = time.perf_counter()
   out: MultiTurnRollout = sample_multiturn(
     policy,
@@ -61,6 +62,7 @@ def env_rollout_batch(
     key=key,
     temperature=temperature,
     should_stop=should_stop,
+    engine=engine,
   )
   metrics = rollout_metrics(out, time.perf_counter() - t0)
   metrics.update(
@@ -83,9 +85,11 @@ def env_evaluate(
   batch_prompts: int = 128,
   temperature: float = 1.0,
   should_stop: Callable[[], bool] | None = None,
+  engine=None,
 ) -> dict[str, float]:
   """mean@k of the environment reward on ``examples`` (``eval_env_reward``; k trajectories each at
-  ``temperature``) and the per-trajectory turn metrics (``eval_env/...``)."""
+  ``temperature``) and the per-trajectory turn metrics (``eval_env/...``); ``engine`` as for
+  ``sample_multiturn``."""
   k_sampling = dataclasses.replace(sampling, num_samples=k)
   rewards, parts = [], []
   for start in range(0, len(examples), batch_prompts):
@@ -100,6 +104,7 @@ def env_evaluate(
       key=key,
       temperature=temperature,
       should_stop=should_stop,
+      engine=engine,
     )
     rewards.append(out.rewards)
     parts.append(rollout_metrics(out))

@@ -1,0 +1,141 @@
+"""How a run's steps meet the rollout source: the learner and the synchronous schedule.
+
+::
+
+    Learner        places a produced batch on the train mesh (``feed.place``: buckets, packing, each
+                   process its own rows), recomputes ``old_logp`` under the current parameters when the
+                   sampler's log-probs are not the policy's (an engine's; an older version's) and keeps
+                   the sampler's as ``behavior_logp``, runs the reference pass (β > 0) and the jitted step
+    Synchronous    one step = the source's batch of the current policy, then the learner
+    AsyncRollouts  (``jaxgrpo.rollout.async_rollout``) bounded staleness: batches of older versions,
+                   produced while the learner updates
+
+A schedule takes the run's state ``(train, key, data_position)`` and returns a :class:`StepOut`; it
+holds no train state between steps, so the loop (``jaxgrpo.run.trainer``) owns the one copy that is
+checkpointed. Which schedule a run uses, and with which source, is decided by ``jaxgrpo.run.assemble``
+from the config — the loop does not branch on it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxgrpo.kernels.importance import mismatch_k3
+from jaxgrpo.rollout import collect
+from jaxgrpo.rollout.source import Produced, RolloutSource
+from jaxgrpo.step import feed
+from jaxgrpo.step.batch import Batch
+from jaxgrpo.step.train import TrainState, TrainStep
+
+__all__ = ["Learner", "StepOut", "Synchronous", "step_metrics"]
+
+
+class StepOut(NamedTuple):
+  """The state after a step (``train``, ``key``, ``data_position``) and the step's metrics."""
+
+  train: TrainState
+  key: Any
+  data_position: dict
+  metrics: dict
+
+
+def _mismatch(old, behavior, mask, policy_mask):
+  if policy_mask is not None:  # multi-turn: observation tokens were not sampled
+    mask = mask & policy_mask
+  return mismatch_k3(old, behavior, mask.astype(bool))
+
+
+class Learner:
+  """What a step applies to a produced batch: placement, π_old recomputation, reference, update.
+
+  Args:
+    step_fn: the jitted step (``jaxgrpo.step.train.make_train_step``).
+    reference: the frozen reference (``feed.make_reference``), or None (β = 0).
+    mesh: the train mesh; ``train_config``: the step's ``TrainConfig`` (buckets, packing).
+  """
+
+  def __init__(self, step_fn: TrainStep, reference, *, mesh, train_config):
+    self.step_fn, self.reference, self.mesh, self.train_config = step_fn, reference, mesh, train_config
+    self._mismatch = jax.jit(_mismatch)
+
+  def policy_logp(self, train: TrainState, placed: Batch) -> jax.Array:
+    """``f32[B, T]`` the policy's log-probs of ``placed``'s completions under ``train``'s parameters
+    (``collect.policy_logp_fn``: the step's micro-batches, temperature and packing)."""
+    return collect.policy_logp_fn(self.step_fn)(feed.policy_params(train), placed)
+
+  def __call__(self, train: TrainState, batch: Batch, *, recompute: bool, timed: bool = False) -> dict:
+    """Dispatches the step on host ``batch`` (nothing waited for unless ``timed``). ``recompute``: the
+    batch's ``old_logp`` are the sampler's, not this policy's: they become ``behavior_logp`` (μ, read by
+    ``objective.importance_correction``) and ``old_logp`` is recomputed; ``mismatch`` is then
+    ``(k3, max |log π_old − log μ|)`` over the sampled tokens (``kernels.importance.mismatch_k3``).
+
+    Returns ``{"state", "metrics", "mismatch", "times", "t0"}`` (``times``: the phases, when ``timed``)."""
+    out: dict[str, Any] = {"t0": time.perf_counter(), "times": {}, "mismatch": None}
+    placed = feed.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
+    t1 = time.perf_counter()
+    if recompute:
+      old = self.policy_logp(train, placed)
+      out["mismatch"] = self._mismatch(old, placed.old_logp, placed.mask, placed.policy_mask)
+      placed = placed._replace(old_logp=old, behavior_logp=placed.old_logp)
+      if timed:
+        jax.block_until_ready((old, out["mismatch"]))
+    if timed:
+      out["times"]["async/old_logp_s"] = time.perf_counter() - t1 if recompute else 0.0
+    t2 = time.perf_counter()
+    if self.reference is not None:
+      placed = self.reference(placed)
+      if timed:
+        jax.block_until_ready(placed.ref_logp)
+    t3 = time.perf_counter()
+    out["state"], out["metrics"] = self.step_fn(train, placed)
+    if timed:
+      jax.block_until_ready((out["state"], out["metrics"]))
+      out["times"].update({"time/reference_s": t3 - t2, "time/update_s": time.perf_counter() - t3})
+    return out
+
+
+def step_metrics(produced: Produced, learned: dict, *, t0: float, engine: bool) -> dict:
+  """A step's metrics (waits for the update): the rollout's, the update's, ``step``, ``tokens_per_sec``,
+  ``step_time`` (since ``t0``), ``rollout_time`` and, for an engine's batch, ``engine/mismatch_k3`` and
+  ``engine/logp_abs_diff_max``."""
+  fetched = jax.device_get(learned["metrics"])
+  seconds = time.perf_counter() - t0
+  metrics = dict(produced.metrics)
+  if engine and learned["mismatch"] is not None:
+    k3, diff = jax.device_get(learned["mismatch"])
+    metrics.update({"engine/mismatch_k3": float(k3), "engine/logp_abs_diff_max": float(diff)})
+  metrics.update({k: float(v) for k, v in fetched.items()})
+  metrics.update(
+    {
+      "step": int(learned["state"].step),
+      "tokens_per_sec": produced.tokens / seconds,
+      "step_time": seconds,
+      "rollout_time": produced.rollout_s,
+    }
+  )
+  metrics.setdefault("kl", 0.0)
+  return metrics
+
+
+class Synchronous:
+  """One step: the source's batch of the current policy (version = the state's step), then the learner."""
+
+  def __init__(self, source: RolloutSource, learner: Learner):
+    self.source, self.learner = source, learner
+
+  def step(self, state) -> StepOut:
+    """``state``: ``(train, key, data_position)`` → the state after one step and its metrics."""
+    t0 = time.perf_counter()
+    train, key, _ = state
+    key, sample_key = jax.random.split(key)
+    produced = self.source.batch(sample_key, version=int(train.step))
+    engine = not self.source.logprobs_are_policy
+    learned = self.learner(train, produced.batch, recompute=engine)
+    metrics = step_metrics(produced, learned, t0=t0, engine=engine)
+    return StepOut(learned["state"], key, self.source.iterator.state(), metrics)
+
+  def close(self) -> None:
+    """Nothing is produced ahead."""
