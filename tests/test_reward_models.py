@@ -172,3 +172,18 @@ def test_sharded_on_a_tensor_mesh_matches_transformers(tmp_path):
   )
   run_child(code, devices=4, timeout=300)
   np.testing.assert_allclose(np.load(tmp_path / "got.npy"), hf_scores(hf, tokens, mask), atol=1e-4, rtol=0)
+
+
+def test_bench_reward_model_smoke(capsys):
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_reward_model.py")
+  spec = importlib.util.spec_from_file_location("bench_reward_model", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = bench.main(
+    ["--hidden", "64", "--layers", "1", "--vocab", "256", "--batch", "2", "--seq", "16", "--rounds", "1"]
+  )
+  assert out["max_abs_diff"] < 1e-4 and out["ratio"] > 0
+  assert "ratio (jaxgrpo tokens/s / transformers tokens/s)" in capsys.readouterr().out
