@@ -13,8 +13,10 @@ the rule over these prefixes):
 ``step/``       5 ``Batch``, packing, the jitted train step and the reference pass
 ``rollout/``    6 sampling (``SamplingConfig``, ``generate``), engines, environments, one-iteration helpers,
                 asynchronous rollouts
-``run/``        7 the run config, the builders, evaluation, the collapse guard, the ``Trainer`` loop
-``tasks/``      8 the demo and example tasks (arithmetic, binary tree, calculator); registered, never
+``rewards/``    7 learned and remote rewards: sequence-classifier reward models, generative judges through any
+                engine, HTTP reward services (failures are missing samples, counted)
+``run/``        8 the run config, the builders, evaluation, the collapse guard, the ``Trainer`` loop
+``tasks/``      9 the demo and example tasks (arithmetic, binary tree, calculator); registered, never
                 imported by a lower layer
 
 Every name in ``__all__`` is re-exported *lazily*: ``import jaxgrpo`` imports nothing else, and

@@ -31,8 +31,9 @@ RANKS = {
   "jaxgrpo.data": 4,
   "jaxgrpo.step": 5,
   "jaxgrpo.rollout": 6,
-  "jaxgrpo.run": 7,
-  "jaxgrpo.tasks": 8,
+  "jaxgrpo.rewards": 7,
+  "jaxgrpo.run": 8,
+  "jaxgrpo.tasks": 9,
 }
 TOP_LEVEL = {"__init__.py", "_version.py", "_checks.py", *(m.split(".")[1] for m, r in RANKS.items() if r >= 0)}
 # optional extras: the only imports allowed inside a function (each with an install hint)

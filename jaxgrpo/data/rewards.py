@@ -16,6 +16,11 @@ Error contract (one rule for every reward function, :class:`MathAccuracy` includ
 - A function that scores a batch but fails on some samples raises :class:`SampleErrors` *after*
   scoring the rest (the good scores are kept, the failed samples named). :class:`MathAccuracy`
   does this for a verifier exception and for a missing ground truth (None, NaN, empty).
+- A function whose ``nan_is_missing`` attribute is True (the learned and remote rewards of
+  ``jaxgrpo.rewards``: a judge's unparsable verdict, a reward service that failed) returns NaN for a
+  sample it could not score: a *missing sample*, not an error. :class:`RewardSet` keeps it NaN in
+  ``per_fn`` and ``total`` (the row gets advantage 0 and stays out of the loss, as ``rollout.collect.score``
+  documents) and counts it (``"<name>/missing"``) whatever ``on_error`` says; never a silent 0.
 - A verifier *timeout* is not an error: the sample scores 0 and is counted (``"<name>/timeouts"``)
   whatever ``on_error`` says. It is a property of the completion (sympy spends minutes on
   ``\\boxed{2^{10^{10}}}``); stopping the run over it would let one completion end training.
@@ -275,7 +280,8 @@ class RewardSet:
     on_error: ``"raise"`` (default): an exception (or :class:`SampleErrors`) or a
       non-finite/missing value stops the run with the offending sample (prompt, completion,
       columns) in a :class:`RewardError`; ``"zero"``: such samples score 0 for that function and
-      are counted (``"<name>/errors"``). See the module docstring for timeouts.
+      are counted (``"<name>/errors"``). See the module docstring for timeouts and for the NaN of a
+      function with ``nan_is_missing = True`` (a missing sample, ``"<name>/missing"``).
   """
 
   def __init__(self, fns, *, on_error: str = "raise"):
@@ -336,9 +342,14 @@ class RewardSet:
         raise
     if len(vals) != n:
       raise RewardError(f"reward function {name!r} returned {len(vals)} values for {n} completions")
+    missing = 0
     for i, v in enumerate(vals):
-      if not math.isfinite(v) and i not in failed:
+      if math.isnan(v) and i not in failed and getattr(fn, "nan_is_missing", False) is True:
+        missing += 1  # a missing sample by the function's own account: kept NaN, counted
+      elif not math.isfinite(v) and i not in failed:
         failed[i] = f"non-finite reward {v}"
+    if missing:
+      counters[f"{name}/missing"] = counters.get(f"{name}/missing", 0) + missing
     if failed:
       if self.on_error == "raise":
         i = min(failed)

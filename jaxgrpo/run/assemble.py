@@ -11,21 +11,24 @@ import os
 from typing import Any, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from jaxgrpo.data import rewards as rewards_lib
-from jaxgrpo.models import moe
+from jaxgrpo.models import load_hf, load_tokenizer, moe
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rewards import judge, remote, reward_model
 from jaxgrpo.rollout.async_rollout import AsyncRollouts
 from jaxgrpo.rollout.engines import check_engine, load_engine_factory, logprobs_are_policy
 from jaxgrpo.rollout.engines import vllm as vllm_engine
+from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.environments import spec as env_spec
 from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
-from jaxgrpo.run.spec_schema import check_composition
+from jaxgrpo.run.spec_schema import RewardSourceSpec, check_composition
 from jaxgrpo.run.specs import TrainerConfig
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
   "check_mesh_fits",
   "build_data",
   "build_rewards",
+  "reward_source",
+  "reward_sources",
   "optimizer",
   "sampling_config",
   "engine_sampling",
@@ -140,12 +145,50 @@ def build_data(cfg: TrainerConfig, tokenizer, model_config) -> DataParts:
 
 def build_rewards(cfg: TrainerConfig, reward_fns=None) -> tuple[rewards_lib.MathAccuracy, rewards_lib.RewardSet]:
   """``(accuracy, reward_set)``: the verifier (also the evaluation's) and the weighted reward functions —
-  ``reward_fns`` ``{name: (fn, weight)}``, else ``reward.weights`` over ``accuracy`` and ``format``."""
+  ``reward_fns`` ``{name: (fn, weight)}``, else ``reward.weights`` over ``accuracy`` and ``format``; plus the
+  learned and remote rewards of ``reward.sources`` (:func:`reward_sources`)."""
   accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
   if reward_fns is None:
     table = {"accuracy": accuracy, "format": rewards_lib.format_reward}
     reward_fns = {name: (table[name], float(w)) for name, w in cfg.reward.weights.items()}
-  return accuracy, rewards_lib.RewardSet(reward_fns, on_error=cfg.reward.on_error)
+  sources = reward_sources(cfg)
+  clash = sorted(set(sources) & set(reward_fns))
+  if clash:
+    raise ValueError(f"`reward.sources` names {clash} are also names of `reward_fns`; rename the sources")
+  return accuracy, rewards_lib.RewardSet({**reward_fns, **sources}, on_error=cfg.reward.on_error)
+
+
+def reward_source(spec: RewardSourceSpec):
+  """The reward function of one ``reward.sources`` entry (``jaxgrpo.rewards``): a reward model on the default
+  device, a judge model run by the built-in engine, or a reward service."""
+  dtype = jnp.dtype(spec.dtype)
+  if spec.kind == "reward_model":
+    return reward_model.RewardModelReward(spec.path, batch_size=spec.batch_size, name=spec.name, dtype=dtype)
+  if spec.kind == "judge":
+    kw = {k: v for k, v in (("template", spec.template), ("rubric", spec.rubric)) if v is not None}
+    engine = BuiltinEngine(load_hf(spec.path, dtype=dtype, param_dtype=dtype))
+    return judge.JudgeReward(
+      engine,
+      load_tokenizer(spec.path),
+      reference_column=spec.reference_column,
+      max_new_tokens=spec.max_new_tokens,
+      name=spec.name,
+      **kw,
+    )
+  return remote.RemoteReward(
+    spec.url,
+    batch_size=spec.batch_size,
+    max_concurrency=spec.max_concurrency,
+    timeout_s=spec.timeout_s,
+    retries=spec.retries,
+    deadline_s=spec.deadline_s,
+    name=spec.name,
+  )
+
+
+def reward_sources(cfg: TrainerConfig) -> dict[str, tuple[Any, float]]:
+  """``{name: (fn, weight)}`` of ``reward.sources`` (empty when there are none)."""
+  return {s.name: (reward_source(s), float(s.weight)) for s in cfg.reward.sources}
 
 
 def optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:

@@ -49,6 +49,8 @@ __all__ = [
   "check_composition",
   "DTYPES",
   "REWARD_FUNCTIONS",
+  "REWARD_SOURCE_KINDS",
+  "RewardSourceSpec",
   "ENGINES",
   "ModelSpec",
   "DataSpec",
@@ -272,6 +274,60 @@ class OptimSpec:
     _ints("optim", self, ("warmup_steps",), minimum=0)
 
 
+REWARD_SOURCE_KINDS = ("reward_model", "judge", "remote")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardSourceSpec:
+  """One learned or remote reward of ``reward.sources`` (``jaxgrpo.rewards``; docs/rewards.md).
+
+  Attributes:
+    name: its name in the metrics (``reward/<name>``, ``reward_counters/<name>/...``); not ``accuracy``/``format``.
+    kind: ``reward_model`` (``path``: a ``*ForSequenceClassification`` folder), ``judge`` (``path``: the judge's
+      causal-LM folder, run by the built-in engine) or ``remote`` (``url``).
+    weight: its weight in the sum.
+    path, url: where it is (see ``kind``).
+    dtype: ``float32`` or ``bfloat16`` (reward model, judge).
+    batch_size: rows per reward-model call or per request.
+    template, rubric: the judge's prompt (None: ``jaxgrpo.rewards.judge`` defaults).
+    reference_column: the column filling the judge template's ``{reference}``.
+    max_new_tokens: the judge's reply budget.
+    timeout_s, retries, max_concurrency, deadline_s: the remote client's limits.
+  """
+
+  name: str
+  kind: str
+  weight: float = 1.0
+  path: str | None = None
+  url: str | None = None
+  dtype: str = "float32"
+  batch_size: int = 8
+  template: str | None = None
+  rubric: str | None = None
+  reference_column: str | None = None
+  max_new_tokens: int = 64
+  timeout_s: float = 30.0
+  retries: int = 2
+  max_concurrency: int = 4
+  deadline_s: float = 120.0
+
+  def __post_init__(self):
+    where = f"reward.sources[{self.name!r}]"
+    if not self.name or self.name in REWARD_FUNCTIONS:
+      raise ValueError(f"`{where}.name` must be a non-empty name other than {REWARD_FUNCTIONS}; got {self.name!r}")
+    _checks.check_choice(self.kind, REWARD_SOURCE_KINDS, f"{where}.kind")
+    _checks.check_choice(self.dtype, ("float32", "bfloat16"), f"{where}.dtype")
+    _checks.check_python_float(self.weight, f"{where}.weight")
+    need = "url" if self.kind == "remote" else "path"
+    if not getattr(self, need):
+      raise ValueError(f"`{where}.{need}` is required for kind {self.kind!r}")
+    for name in ("batch_size", "max_new_tokens", "max_concurrency"):
+      _checks.check_python_int(getattr(self, name), f"{where}.{name}", minimum=1)
+    _checks.check_python_int(self.retries, f"{where}.retries", minimum=0)
+    for name in ("timeout_s", "deadline_s"):
+      _checks.check_python_float(getattr(self, name), f"{where}.{name}", above=0.0, hint="seconds")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSpec:
   """The reward: a weighted sum of named functions.
@@ -281,11 +337,14 @@ class RewardSpec:
       answer is right) and ``format`` (``jaxgrpo.data.rewards.format_reward``: a boxed answer is present).
     timeout_s: per-sample verifier time limit in a worker process (None: no worker process).
     on_error: ``raise`` (stop, showing the sample) or ``zero`` (score 0 and count it).
+    sources: learned and remote rewards added to the sum (:class:`RewardSourceSpec`: reward models, judges,
+      reward services); their unscored rows are missing samples (NaN, counted), whatever ``on_error`` says.
   """
 
   weights: Mapping[str, float] = dataclasses.field(default_factory=lambda: {"accuracy": 1.0})
   timeout_s: float | None = 10.0
   on_error: str = "raise"
+  sources: tuple[RewardSourceSpec, ...] = ()
 
   def __post_init__(self):
     unknown = set(self.weights) - set(REWARD_FUNCTIONS)
@@ -297,6 +356,9 @@ class RewardSpec:
       _checks.check_python_float(weight, f"reward.weights.{name}")
     if self.timeout_s is not None:
       _float("reward", self, "timeout_s", above=0.0, hint="seconds, or None for no worker process")
+    names = [s.name for s in self.sources]
+    if len(set(names)) != len(names):
+      raise ValueError(f"`reward.sources` names must be distinct; got {names}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
