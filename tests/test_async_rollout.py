@@ -12,7 +12,8 @@
   multiset of prompts as an uninterrupted run (and as the data iterator's order);
 - disaggregated placement (4 + 4 of 8 CPU devices, in a child process) trains on the train mesh,
   samples on the rollout mesh, reports the weight transfer, and at k = 0 equals a colocated
-  synchronous run on a 4-device mesh.
+  synchronous run on a 4-device mesh; a multi-turn run there one step off samples every turn with the
+  version published on the rollout devices.
 """
 
 from __future__ import annotations
@@ -266,6 +267,7 @@ DISAGG_CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
+from flax import nnx
 from test_trainer import tiny
 from test_async_rollout import REWARDS
 from jaxgrpo.rollout import async_rollout
@@ -289,6 +291,21 @@ if mode == "disaggregated":
     tr.rollouts.close()
   on_train = {d.id for x in jax.tree.leaves(tr.state.train.params) for d in x.devices()}
   assert on_train == train_ids and not (train_ids & roll_ids)
+  # multi-turn on the rollout devices, one step off (issue 35.3): the environments' turns run on the producer's
+  # published version there while the learner updates on the train devices
+  from test_trainer_env import ENV
+  ecfg = tiny(**ENV, **{"run.out": out + "/env", "run.steps": 2, "devices.mesh": "fsdp=4", "devices.rollout": 4,
+                         "devices.train": 4, "devices.rollout_mesh": "fsdp=4", "rollout.max_staleness": 1,
+                         "objective.importance_correction": "tis", "optim.learning_rate": 3e-2})
+  etr = Trainer(ecfg, log=None)
+  sampled_on = []
+  generate = etr.source.sampling_policy
+  etr.source.sampling_policy = lambda policy=None: (sampled_on.append(
+    {d.id for x in jax.tree.leaves(nnx.state(policy)) for d in x.devices()}), generate(policy))[1]
+  erecs = [r for r in etr.run(handle_signals=False) if "loss" in r]
+  assert [r["async/staleness_max"] for r in erecs] == [0, 1] and all(r["env/turns"] >= 1 for r in erecs), erecs
+  sampled_on = [s for s in sampled_on if s]  # policy None: the evaluation (the learner's policy, train devices)
+  assert len(sampled_on) == 2 and all(s == roll_ids for s in sampled_on), sampled_on
 else:
   cfg = tiny(**{"run.out": out, "run.steps": 2, "devices.mesh": "fsdp=4", "optim.learning_rate": 3e-2})
   tr = Trainer(cfg, reward_fns=REWARDS, log=None)
