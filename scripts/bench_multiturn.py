@@ -1,11 +1,14 @@
-"""What re-prefilling each turn costs the multi-turn rollout (``jaxgrpo.rollout.environments.sample_multiturn``).
+"""What the multi-turn rollout (``jaxgrpo.rollout.environments.sample_multiturn``) costs with and without the
+KV cache kept across turns.
 
-The built-in rollout re-prefills ``prompt ‖ trajectory so far`` at every turn (``jaxgrpo.rollout.sampling.generate``
-keeps no KV cache across calls). A sampler that kept the cache would decode the policy's tokens and
-prefill each observation once. This script times, alternately, after one warm-up each (compilation
+``sample_multiturn(..., kv_cache=False)`` re-prefills ``prompt ‖ trajectory so far`` at every turn
+(``jaxgrpo.rollout.sampling.generate`` keeps no KV cache across calls); the default ``kv_cache=True``
+(``jaxgrpo.rollout.sampling.ConversationSampler``) keeps one cache per rollout, decodes the policy's tokens and
+prefills each observation once. This script times, alternately, after one warm-up each (compilation
 excluded), on the same model and the same numbers of tokens:
 
-- ``multiturn``: ``sample_multiturn`` with a scripted environment: every trajectory takes exactly
+- ``multiturn``: ``sample_multiturn`` with a scripted environment, re-prefill (``kv_cache=False``) and cached
+  (``kv_cache=True``): every trajectory takes exactly
   ``--turns`` turns of exactly ``--turn-tokens`` policy tokens (no EOS), each answered by the same
   observation; host work (decode, environment, template) included;
 - ``one decode``: one ``generate`` call decoding all of a trajectory's tokens (policy and observation)
@@ -89,11 +92,13 @@ def main(argv=None):
   tokens, mask = data_lib.pad_left(prompts, p_len, tok.pad_token_id)
   key = jax.random.key(0)
 
-  def multiturn():
-    out = sample_multiturn(model, rows, lambda r: Fixed(args.turns), tok, sampling, env_config, key=key)
+  def multiturn(kv_cache):
+    out = sample_multiturn(
+      model, rows, lambda r: Fixed(args.turns), tok, sampling, env_config, key=key, kv_cache=kv_cache
+    )
     # an observation is one token shorter after a turn that happened to end in <|im_end|> (not written twice)
     assert out.mask.sum(1).min() >= total - args.turns, (out.mask.sum(1), total)
-    return out.log_probs
+    return out
 
   one = SamplingConfig(num_samples=1, max_new_tokens=total, pad_id=tok.pad_token_id)
   per_turn = SamplingConfig(num_samples=1, max_new_tokens=args.turn_tokens, pad_id=tok.pad_token_id)
@@ -104,15 +109,29 @@ def main(argv=None):
   def turn_decodes():
     return [generate(model, tokens, mask, per_turn, key=key) for _ in range(args.turns)]
 
-  times = _bench.alternating_times([multiturn, one_decode, turn_decodes], args.repeats)
+  reprefill, cached = multiturn(False), multiturn(True)
+  same_ids = bool((reprefill.completions == cached.completions).all())
+  logp_diff = float(abs(reprefill.log_probs - cached.log_probs).max())
+  times = _bench.alternating_times(
+    [lambda: multiturn(False), lambda: multiturn(True), one_decode, turn_decodes], args.repeats
+  )
   med = [statistics.median(t) for t in times]
   print(
     f"rows {args.rows}, prompt {p_len} tokens, {args.turns} turns × {args.turn_tokens} policy tokens, "
     f"{args.turns - 1} observations × {obs_len} tokens = {total} tokens per trajectory"
   )
-  for name, t in zip(("multiturn (re-prefill per turn)", "one continuous decode", "turn decodes alone"), med):
+  names = (
+    "multiturn (re-prefill per turn)",
+    "multiturn (KV cache kept)",
+    "one continuous decode",
+    "turn decodes alone",
+  )
+  for name, t in zip(names, med):
     print(f"{name:34s} {t:7.3f} s  ({args.rows * total / t:8.0f} trajectory tokens/s)")
-  print(f"re-prefill rollout / one continuous decode: {med[0] / med[1]:.2f}x")
+  print(f"cached vs re-prefill: same token ids {same_ids}, max |log-prob difference| {logp_diff:.2e}")
+  print(f"re-prefill rollout / one continuous decode: {med[0] / med[2]:.2f}x")
+  print(f"cached rollout / one continuous decode: {med[1] / med[2]:.2f}x")
+  print(f"re-prefill / cached: {med[0] / med[1]:.2f}x")
   return med
 
 

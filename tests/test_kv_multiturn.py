@@ -1,0 +1,158 @@
+"""The KV cache kept across turns (issue 35.2): the per-row cache of the models (``init_cache(per_row=True)``)
+against the uncached full forward for every family, and ``sample_multiturn``'s cached sampler
+(``ConversationSampler``) against the re-prefill path (``kv_cache=False``) and against the teacher-forced
+log-probs of the final trajectories (``jaxgrpo.models.log_probs``, the uncached forward)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import tiny_chat_policy
+from hf_utils import FAMILIES, MOE_FAMILIES, tiny_hf_config, tiny_moe_config
+from test_packing_models import randomized
+
+from jaxgrpo import models
+from jaxgrpo.models import log_probs
+from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn
+from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
+from jaxgrpo.rollout.sampling import ConversationSampler, SamplingConfig
+
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
+
+
+def _tiny(family, scan=False):
+  hf = tiny_moe_config(family) if family in MOE_FAMILIES else tiny_hf_config(family)
+  model = randomized(models.build_model(models.config_from_hf(hf), rngs=nnx.Rngs(0)))
+  return models.to_scan_layers(model) if scan else model
+
+
+@pytest.mark.parametrize(
+  "family,scan", [(f, False) for f in FAMILIES + MOE_FAMILIES] + [("qwen3", True)], ids=lambda v: str(v)
+)
+def test_per_row_cache_appends_equal_full_forward(family, scan):
+  """Rows append chunks of different lengths (some rows none) and single decode tokens (some rows masked) to
+  one per-row cache; every fed token's hidden state equals the uncached forward of the whole sequence at
+  that position, and ``index``/``valid`` count exactly each row's tokens."""
+  model = _tiny(family, scan)
+  rng = np.random.default_rng(0)
+  # per row: the lengths of its appends, in call order (0: the row sits out that call)
+  steps = [(4, 1, 6), (3, 5, 0), (1, 0, 1), (0, 1, 1), (2, 7, 3)]
+  total = np.sum(steps, axis=0)
+  seqs = [rng.integers(1, 128, size=t).tolist() for t in total]
+  max_len = int(total.max()) + 3
+  graphdef, state = nnx.split(model)
+  call = jax.jit(lambda state, *a, **kw: nnx.merge(graphdef, state)(*a, **kw))  # one compile per width
+  cache = model.init_cache(3, max_len, per_row=True)
+  got = [[] for _ in range(3)]
+  done = np.zeros(3, int)
+  width = 8  # one pad column more than the longest append: padded tails must not count
+  for lens in steps:
+    tokens = np.zeros((3, width), np.int32)
+    mask = np.zeros((3, width), bool)
+    for r, n in enumerate(lens):
+      tokens[r, :n], mask[r, :n] = seqs[r][done[r] : done[r] + n], True
+    positions = done[:, None] + np.arange(width)[None]
+    hidden, cache = call(state, tokens, jnp.asarray(positions, jnp.int32), attention_mask=mask, cache=cache)
+    for r, n in enumerate(lens):
+      got[r].append(np.asarray(hidden[r, :n], np.float32))
+    done += lens
+  np.testing.assert_array_equal(cache.index, total)
+  np.testing.assert_array_equal(cache.valid, np.arange(max_len)[None] < total[:, None])
+  full = np.zeros((3, int(total.max())), np.int32)
+  full_mask = np.zeros_like(full, bool)
+  for r, s in enumerate(seqs):
+    full[r, : len(s)], full_mask[r, : len(s)] = s, True
+  ref, _ = call(state, full, models.positions_from_mask(jnp.asarray(full_mask)), attention_mask=full_mask)
+  for r in range(3):
+    np.testing.assert_allclose(np.concatenate(got[r]), np.asarray(ref[r, : total[r]], np.float32), atol=2e-5)
+
+
+class Scripted:
+  """``row["turns"]`` policy turns, each answered by ``obs k`` (a tool message of a few tokens)."""
+
+  def __init__(self, tools=()):
+    self.tools = tools
+
+  def reset(self, row):
+    self.row, self.k = row, 0
+    return [{"role": "user", "content": f"go {row['turns']} {row.get('tag', '')}"}]
+
+  def step(self, text):
+    self.k += 1
+    if self.k >= self.row["turns"]:
+      return StepResult((), float(self.k), True)
+    return StepResult([{"role": "tool", "content": f"obs {self.k} " * self.k}], 0.0, False)
+
+
+TOOL = {
+  "type": "function",
+  "function": {"name": "calc", "description": "A calculator.", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.9), (0.0, 1.0)])
+def test_cached_rollout_equals_reprefill_and_teacher_forcing(temperature, top_p):
+  """Ragged turn counts, observations of growing length, a turn cut by the token budget, and two stop sets
+  (the group with a tool also stops at ``</tool_call>``: two keys in one cached call): the cached rollout
+  gives the re-prefill path's token ids, masks and rewards exactly and its log-probs within float32
+  rounding, and its log-probs are the uncached forward's over the final ``prompt ‖ trajectory``."""
+  tok, model, sampling, _ = tiny_chat_policy()
+  sampling = SamplingConfig(
+    num_samples=2, eos_ids=sampling.eos_ids, pad_id=sampling.pad_id, top_p=top_p, suppress_ids=None
+  )
+  assert isinstance(tok.convert_tokens_to_ids(TOOL_CALL_END), int)
+  rows = [{"turns": 1}, {"turns": 3, "tag": "tool"}, {"turns": 4}]
+  make_env = lambda row: Scripted((TOOL,) if row.get("tag") else ())
+  cfg = MultiTurnConfig(max_turns=4, max_tokens=72, turn_tokens=14)
+  key = jax.random.key(3)
+  outs = [
+    sample_multiturn(model, rows, make_env, tok, sampling, cfg, key=key, temperature=temperature, kv_cache=kv)
+    for kv in (False, True)
+  ]
+  old, new = outs
+  for name in ("prompt_tokens", "prompt_mask", "completions", "mask", "policy_mask", "rewards", "turns"):
+    np.testing.assert_array_equal(getattr(new, name), getattr(old, name), err_msg=name)
+  assert (new.turns > 1).sum() >= 2 and new.mask.sum(1).max() > 40  # several turns were taken
+  np.testing.assert_allclose(new.log_probs, old.log_probs, atol=2e-5)
+  assert (new.log_probs[~new.policy_mask] == 0).all()
+  tokens = np.concatenate([new.prompt_tokens, new.completions], 1)
+  attn = np.concatenate([new.prompt_mask, new.mask], 1)
+  lp = log_probs(model, tokens, attn, chunk_size=None, temperature=temperature or 1.0)
+  lp = np.asarray(lp)[:, new.prompt_tokens.shape[1] :]
+  np.testing.assert_allclose(np.where(new.policy_mask, lp, 0), new.log_probs, atol=2e-5)
+
+
+def test_conversation_sampler_moe_and_errors():
+  """A MoE policy through the cached sampler: its log-probs equal the uncached forward's over the
+  conversation; bad inputs are refused with the argument named."""
+  model = _tiny("qwen3_moe")
+  prompts = [[3, 4, 5], [3, 4, 5], [7], [7]]
+  sampling = SamplingConfig(num_samples=2, pad_id=0)
+  conv = ConversationSampler(model, prompts, sampling, max_len=24)
+  key = jax.random.key(0)
+  first = conv.turn([(key, [0, 1, 2, 3])], max_new_tokens=4, budgets={1: 2})
+  second = conv.turn([(key, [3, 0])], max_new_tokens=4, appended={0: [9, 10, 11], 3: [12]})
+  convs = {
+    0: prompts[0] + first[0][0].tolist() + [9, 10, 11] + second[0][0].tolist(),
+    3: prompts[3] + first[3][0].tolist() + [12] + second[3][0].tolist(),
+  }
+  assert len(first[1][0]) == 2 and conv.length(0) == len(convs[0])
+  for i, ids in convs.items():
+    lp = np.asarray(log_probs(model, np.asarray([ids]), np.ones((1, len(ids)), bool), chunk_size=None))[0]
+    p = len(prompts[i])
+    t1 = len(first[i][0])
+    want = np.concatenate([lp[p : p + t1], lp[len(ids) - len(second[i][0]) :]])
+    np.testing.assert_allclose(np.concatenate([first[i][1], second[i][1]]), want, atol=2e-5)
+  with pytest.raises(ValueError, match="exceed the cache"):
+    conv.turn([(key, [0])], max_new_tokens=8, appended={0: list(range(1, 12))})
+  with pytest.raises(ValueError, match=r"budgets\[2\]"):
+    conv.turn([(key, [2])], max_new_tokens=4, budgets={2: 5})
+  with pytest.raises(ValueError, match="appear once"):
+    conv.turn([(key, [2]), (key, [2])], max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"prompts\[1\]"):
+    ConversationSampler(model, [[1, 2], [1, 3]], sampling, max_len=8)
+  with pytest.raises(ValueError, match="max_len"):
+    ConversationSampler(model, [[1, 2], [1, 2]], sampling, max_len=1)
