@@ -150,9 +150,49 @@ def test_conversation_sampler_moe_and_errors():
     conv.turn([(key, [0])], max_new_tokens=8, appended={0: list(range(1, 12))})
   with pytest.raises(ValueError, match=r"budgets\[2\]"):
     conv.turn([(key, [2])], max_new_tokens=4, budgets={2: 5})
+  with pytest.raises(ValueError, match=r"rows \[1\] that take no turn"):
+    conv.turn([(key, [2])], max_new_tokens=4, appended={1: [5]})
+  with pytest.raises(ValueError, match=r"appended\[2\]"):
+    conv.turn([(key, [2])], max_new_tokens=4, appended={2: [10**6]})
   with pytest.raises(ValueError, match="appear once"):
     conv.turn([(key, [2]), (key, [2])], max_new_tokens=4)
   with pytest.raises(ValueError, match=r"prompts\[1\]"):
     ConversationSampler(model, [[1, 2], [1, 3]], sampling, max_len=8)
   with pytest.raises(ValueError, match="max_len"):
     ConversationSampler(model, [[1, 2], [1, 2]], sampling, max_len=1)
+
+
+_MESH_CHILD = """
+import jax, numpy as np
+from flax import nnx
+from helpers import tiny_chat_policy
+from test_multiturn_rollout import Scripted
+from jaxgrpo.parallel.sharding import make_mesh, shard_tree
+from jaxgrpo.rollout.environments import MultiTurnConfig, sample_multiturn
+
+tok, model, sampling, _ = tiny_chat_policy()
+rows = [{"turns": 1}, {"turns": 3}]
+cfg = MultiTurnConfig(max_turns=4, max_tokens=80, turn_tokens=12)
+run = lambda m, kv: sample_multiturn(m, rows, lambda r: Scripted(), tok, sampling, cfg, key=jax.random.key(0), kv_cache=kv)
+ref = run(model, False)
+for spec in ("fsdp=2", "tensor=2"):
+  mesh = make_mesh(spec)
+  graphdef, state = nnx.split(model)
+  with jax.set_mesh(mesh):
+    out = run(nnx.merge(graphdef, shard_tree(state, mesh)[0]), True)
+  same = bool((out.completions == ref.completions).all() and (out.policy_mask == ref.policy_mask).all())
+  print(spec, same, float(np.abs(out.log_probs - ref.log_probs).max()), int(out.mask.sum()))
+"""
+
+
+@pytest.mark.slow
+def test_cached_rollout_on_a_sharded_policy():
+  """The per-row cache's scatter writes under a 2-device mesh (FSDP- and tensor-sharded weights, the
+  activations constrained by the model's rules): the same trajectories as the unsharded re-prefill path."""
+  from helpers import run_child
+
+  lines = run_child(_MESH_CHILD, devices=2).strip().splitlines()[-2:]
+  assert [line.split()[0] for line in lines] == ["fsdp=2", "tensor=2"], lines
+  for line in lines:
+    spec, same, diff, tokens = line.split()
+    assert same == "True" and float(diff) < 2e-5 and int(tokens) > 40, line

@@ -645,7 +645,7 @@ class ConversationSampler:
       raise ValueError(
         f"`max_len` must be in [longest prompt = {longest}, max_position_embeddings = {limit}]; got {max_len}"
       )
-    self.max_len, self.num_rows = max_len, len(prompts)
+    self.max_len, self.num_rows, self.vocab_size = max_len, len(prompts), vocab
     self._graphdef, self._state = nnx.split(model)
     heads = [p[:-1] for p in prompts[::g]]
     width = _bucket_width(max(1, max(len(h) for h in heads)), max_len)
@@ -691,6 +691,11 @@ class ConversationSampler:
     if len({jnp.asarray(k).dtype for k in keys}) > 1:
       raise TypeError("`batches` keys must be all typed (jax.random.key) or all raw uint32[2] keys")
     rows = np.flatnonzero(active).tolist()
+    idle = sorted(set(appended) - set(rows))
+    if idle:
+      raise ValueError(f"`appended` has tokens for rows {idle} that take no turn in `batches`")
+    for i, ids in appended.items():
+      _checks.check_token_ids(tuple(ids), f"appended[{i}]", self.vocab_size)
     budget = np.zeros(n, np.int32)
     feeds = {}
     for i in rows:
