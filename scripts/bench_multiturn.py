@@ -19,6 +19,10 @@ excluded), on the same model and the same numbers of tokens:
 
     python scripts/bench_multiturn.py                 # BENCHMARKS.md, "Multi-turn rollout: re-prefill"
     python scripts/bench_multiturn.py --rows 4 --turns 2 --turn-tokens 4 --repeats 1   # smoke run
+    python scripts/bench_multiturn.py --long-every 8  # ragged: 1 trajectory in 8 takes the 4 turns, the rest one
+
+With ``--long-every K`` only the two multiturn variants are ragged (one decode and the turn decodes still time
+every row at its full length: compare the two multiturn lines then).
 """
 
 from __future__ import annotations
@@ -68,6 +72,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--rows", type=int, default=32, help="trajectories (prompts × G with G = 1)")
   ap.add_argument("--turns", type=int, default=4)
+  ap.add_argument(
+    "--long-every",
+    type=int,
+    default=1,
+    help="ragged turns: trajectory i takes --turns turns when i %% K == 0, else one (1: all take --turns)",
+  )
   ap.add_argument("--turn-tokens", type=int, default=24)
   ap.add_argument("--hidden", type=int, default=64)
   ap.add_argument("--layers", type=int, default=2)
@@ -79,7 +89,10 @@ def main(argv=None):
     len(tok), hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=1024
   )
   model = build_model(cfg, rngs=nnx.Rngs(0))
-  rows = [{"problem": f"What is {10 + i} * {20 + i}?"} for i in range(args.rows)]
+  rows = [
+    {"problem": f"What is {10 + i} * {20 + i}?", "turns": args.turns if i % args.long_every == 0 else 1}
+    for i in range(args.rows)
+  ]
   fmt = ChatFormat(tok)
   obs_len = len(fmt.observation_ids([{"role": "tool", "content": OBSERVATION}], fmt.encode("x")))
   total = args.turns * args.turn_tokens + (args.turns - 1) * obs_len
@@ -94,10 +107,11 @@ def main(argv=None):
 
   def multiturn(kv_cache):
     out = sample_multiturn(
-      model, rows, lambda r: Fixed(args.turns), tok, sampling, env_config, key=key, kv_cache=kv_cache
+      model, rows, lambda r: Fixed(r["turns"]), tok, sampling, env_config, key=key, kv_cache=kv_cache
     )
     # an observation is one token shorter after a turn that happened to end in <|im_end|> (not written twice)
-    assert out.mask.sum(1).min() >= total - args.turns, (out.mask.sum(1), total)
+    long = [i % args.long_every == 0 for i in range(args.rows)]
+    assert out.mask.sum(1)[long].min() >= total - args.turns, (out.mask.sum(1), total)
     return out
 
   one = SamplingConfig(num_samples=1, max_new_tokens=total, pad_id=tok.pad_token_id)

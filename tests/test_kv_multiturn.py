@@ -126,26 +126,42 @@ def test_cached_rollout_equals_reprefill_and_teacher_forcing(temperature, top_p)
 
 
 def test_conversation_sampler_moe_and_errors():
-  """A MoE policy through the cached sampler: its log-probs equal the uncached forward's over the
-  conversation; bad inputs are refused with the argument named."""
+  """A MoE policy through the cached sampler, turns over subsets of the rows (a subset of 3 of 6 rows decodes
+  as 4 rows, one a padding row, and is written back into the full cache): every turn's log-probs equal the
+  uncached forward's over the conversation so far, rows that sat out a turn included; bad inputs are refused
+  with the argument named."""
   model = _tiny("qwen3_moe")
-  prompts = [[3, 4, 5], [3, 4, 5], [7], [7]]
+  prompts = [[3, 4, 5]] * 2 + [[7]] * 2 + [[8, 9]] * 2
   sampling = SamplingConfig(num_samples=2, pad_id=0)
   conv = ConversationSampler(model, prompts, sampling, max_len=24)
   key = jax.random.key(0)
-  first = conv.turn([(key, [0, 1, 2, 3])], max_new_tokens=4, budgets={1: 2})
-  second = conv.turn([(key, [3, 0])], max_new_tokens=4, appended={0: [9, 10, 11], 3: [12]})
-  convs = {
-    0: prompts[0] + first[0][0].tolist() + [9, 10, 11] + second[0][0].tolist(),
-    3: prompts[3] + first[3][0].tolist() + [12] + second[3][0].tolist(),
-  }
-  assert len(first[1][0]) == 2 and conv.length(0) == len(convs[0])
-  for i, ids in convs.items():
-    lp = np.asarray(log_probs(model, np.asarray([ids]), np.ones((1, len(ids)), bool), chunk_size=None))[0]
-    p = len(prompts[i])
-    t1 = len(first[i][0])
-    want = np.concatenate([lp[p : p + t1], lp[len(ids) - len(second[i][0]) :]])
-    np.testing.assert_allclose(np.concatenate([first[i][1], second[i][1]]), want, atol=2e-5)
+  convs = {i: list(p) for i, p in enumerate(prompts)}
+  sampled = {i: [] for i in convs}  # (start, log-probs) of each turn
+
+  def turn(rows, appended=None, budgets=None):
+    for i, ids in (appended or {}).items():
+      convs[i] += ids
+    out = conv.turn([(key, rows)], max_new_tokens=4, appended=appended, budgets=budgets)
+    assert sorted(out) == sorted(rows)
+    for i, (ids, lps) in out.items():
+      sampled[i].append((len(convs[i]), lps))
+      convs[i] += ids.tolist()
+    return out
+
+  first = turn([0, 1, 2, 3, 4, 5], budgets={1: 2})
+  turn([3, 0, 5], appended={0: [9, 10, 11], 3: [12]})  # 3 of 6 rows: 4 decode rows, one padding
+  turn([1, 4, 2], appended={1: [13, 14]})  # rows that sat out the last turn (the same 4-row program)
+  turn([0, 3, 5, 2], appended={5: [15]})  # rows whose cache came back from a subset's decode
+  assert len(first[1][0]) == 2 and all(conv.length(i) == len(c) for i, c in convs.items())
+  width = max(len(c) for c in convs.values())
+  tokens, mask = np.zeros((len(convs), width), np.int32), np.zeros((len(convs), width), bool)
+  for i, ids in convs.items():  # right-padded: real token k of each row at position k
+    tokens[i, : len(ids)], mask[i, : len(ids)] = ids, True
+  lp = np.asarray(log_probs(model, tokens, mask, chunk_size=None))
+  for i in convs:
+    for start, lps in sampled[i]:
+      np.testing.assert_allclose(lps, lp[i, start : start + len(lps)], atol=2e-5, err_msg=f"row {i}")
+  assert sum(len(v) for v in sampled.values()) == 16
   with pytest.raises(ValueError, match="exceed the cache"):
     conv.turn([(key, [0])], max_new_tokens=8, appended={0: list(range(1, 12))})
   with pytest.raises(ValueError, match=r"budgets\[2\]"):

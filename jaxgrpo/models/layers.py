@@ -39,6 +39,8 @@ __all__ = [
   "KVCache",
   "init_kv_cache",
   "repeat_cache",
+  "take_cache_rows",
+  "put_cache_rows",
   "apply_rope",
   "Attention",
   "dense",
@@ -438,6 +440,38 @@ def init_kv_cache(
     valid=jnp.zeros((batch_size, max_len), bool),
     index=index,
   )
+
+
+def _map_rows(fn, cache: KVCache, *others: KVCache) -> KVCache:
+  """``fn(x, *others' x, axis)`` on every array of the cache(s), ``axis`` its batch axis (1 for a stacked
+  [L, B, ...] k/v, else 0)."""
+  kv_axis = 0 if isinstance(cache.k, tuple) else 1
+  if kv_axis == 0:
+    k = tuple(fn(*xs, 0) for xs in zip(cache.k, *(o.k for o in others)))
+    v = tuple(fn(*xs, 0) for xs in zip(cache.v, *(o.v for o in others)))
+  else:
+    k, v = fn(cache.k, *(o.k for o in others), 1), fn(cache.v, *(o.v for o in others), 1)
+  valid = fn(cache.valid, *(o.valid for o in others), 0)
+  index = fn(cache.index, *(o.index for o in others), 0) if cache.index.ndim else cache.index
+  return KVCache(k=k, v=v, valid=valid, index=index)
+
+
+def take_cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+  """The cache of rows ``rows int32[R]`` (``x[rows]`` on the batch axis); an index out of ``[0, B)`` gives an
+  empty row (zeros, no valid slot, index 0): a padding row. With :func:`put_cache_rows`, a decode over the R
+  rows of a larger cache that are still running."""
+  return _map_rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="fill", fill_value=0), cache)
+
+
+def put_cache_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:
+  """``cache`` with its rows ``rows int32[R]`` replaced by ``sub``'s R rows (indices out of ``[0, B)``, the
+  padding rows of :func:`take_cache_rows`, are dropped; ``rows`` must not repeat an index in range)."""
+
+  def put(x, y, axis):
+    at = x.at[rows] if axis == 0 else x.at[:, rows]
+    return at.set(y, mode="drop")
+
+  return _map_rows(put, cache, sub)
 
 
 def repeat_cache(cache: KVCache, n: int) -> KVCache:

@@ -691,6 +691,8 @@ class ConversationSampler:
     if len({jnp.asarray(k).dtype for k in keys}) > 1:
       raise TypeError("`batches` keys must be all typed (jax.random.key) or all raw uint32[2] keys")
     rows = np.flatnonzero(active).tolist()
+    if not rows:
+      return {}
     idle = sorted(set(appended) - set(rows))
     if idle:
       raise ValueError(f"`appended` has tokens for rows {idle} that take no turn in `batches`")
@@ -709,30 +711,38 @@ class ConversationSampler:
           f"row {i}: {self._length[i]} tokens + {len(feeds[i]) - 1} appended + a turn of {b} exceed the cache "
           f"(max_len = {self.max_len} slots holds conversations of max_len + 1 tokens)"
         )
+    # The decode runs over the rows taking a turn only, their count rounded up to a power of two (padding rows
+    # out of range: empty, budget 0, dropped on the way back), or over all N rows when that is no smaller.
+    r = 1 << max(0, (len(rows) - 1).bit_length())
+    order = list(range(n)) if r >= n else rows + [n] * (r - len(rows))  # decode row -> cache row
     width = _bucket_width(max(len(f) for f in feeds.values()), self.max_len)
-    feed = np.full((n, width), self.pad_id, np.int32)
-    feed_mask = np.zeros((n, width), bool)
-    feed_pos = np.zeros(n, np.int32)
-    for i, f in feeds.items():
-      feed[i, : len(f)], feed_mask[i, : len(f)] = f, True
-      feed_pos[i] = self._length[i] - 1
+    feed = np.full((len(order), width), self.pad_id, np.int32)
+    feed_mask = np.zeros((len(order), width), bool)
+    feed_pos = np.zeros(len(order), np.int32)
     stops = [tuple(stop_ids.get(i, ())) for i in rows]
     s_width = max(1, max(len(s) for s in stops))
-    stop_table = np.full((n, 1 << (s_width - 1).bit_length()), -1, np.int32)
-    for i, s in zip(rows, stops):
-      stop_table[i, : len(s)] = s
+    stop_table = np.full((len(order), 1 << (s_width - 1).bit_length()), -1, np.int32)
+    slot = {i: j for j, i in enumerate(order) if i in feeds}
+    for i, j in slot.items():
+      f = feeds[i]
+      feed[j, : len(f)], feed_mask[j, : len(f)] = f, True
+      feed_pos[j] = self._length[i] - 1
+      stop_table[j, : len(stop_ids.get(i, ()))] = stop_ids.get(i, ())
+    pick = np.asarray([min(i, n - 1) for i in order])  # per-row inputs of the padding rows: any, unused
+    budget = np.where(np.asarray(order) < n, budget[pick], 0).astype(np.int32)
     self._cache, tokens, logps, lengths = _conversation_turn_jit(
       self._graphdef,
       self._state,
       self._cache,
+      None if r >= n else np.asarray(order, np.int32),
       feed,
       feed_mask,
       feed_pos,
       budget,
       stop_table,
       jnp.stack(keys),
-      key_index,
-      draw_index,
+      key_index[pick],
+      draw_index[pick],
       max_new_tokens=t_new,
       temperature=self.temperature,
       top_p=self.top_p,
@@ -743,10 +753,11 @@ class ConversationSampler:
     tokens, logps, lengths = jax.device_get((tokens, logps, lengths))
     out = {}
     for i in rows:
-      m = int(lengths[i])
-      out[i] = (np.asarray(tokens[i, :m]), np.asarray(logps[i, :m]))
+      j = slot[i]
+      m = int(lengths[j])
+      out[i] = (np.asarray(tokens[j, :m]), np.asarray(logps[j, :m]))
       self._length[i] += len(feeds[i]) - 1 + m
-      self._pending[i] = int(tokens[i, m - 1])
+      self._pending[i] = int(tokens[j, m - 1])
     return out
 
 
@@ -771,7 +782,8 @@ def _conversation_prefill_jit(graphdef, state, tokens, mask, *, num_samples, max
 def _conversation_turn_jit(
   graphdef,
   state,
-  cache,
+  full_cache,
+  rows,
   feed,
   feed_mask,
   feed_pos,
@@ -788,10 +800,12 @@ def _conversation_turn_jit(
   pad_id,
   suppress_ids,
 ):
-  """One turn of ``ConversationSampler``: the chunk ``feed [N, W]`` (right-padded, row i from position
-  ``feed_pos[i]``) onto the per-row cache, then the decode loop of ``_generate_jit`` with per-row budgets and
-  stop ids, rows with ``budget == 0`` done from the start. Returns (cache, tokens, log-probs, lengths)."""
+  """One turn of ``ConversationSampler`` over R rows of the per-row cache (``rows int32[R]``, their cache rows;
+  out of range: padding; None: all N): the chunk ``feed [R, W]`` (right-padded, row i from position
+  ``feed_pos[i]``) onto the cache, then the decode loop of ``_generate_jit`` with per-row budgets and stop
+  ids, rows with ``budget == 0`` done from the start. Returns (full cache, tokens, log-probs, lengths)."""
   model = nnx.merge(graphdef, state)
+  cache = full_cache if rows is None else _models.take_cache_rows(full_cache, rows)
   n_rows, width = feed.shape
   positions = feed_pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
   hidden, cache = model(feed, positions, attention_mask=feed_mask, cache=cache)
@@ -841,4 +855,6 @@ def _conversation_turn_jit(
   _, cache, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
     cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
   )
+  if rows is not None:
+    cache = _models.put_cache_rows(full_cache, rows, cache)
   return cache, tokens, logps, lengths
