@@ -16,6 +16,7 @@ from test_packing_models import randomized
 
 from jaxgrpo import models
 from jaxgrpo.models import log_probs
+from jaxgrpo.models.layers import init_kv_cache
 from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
 from jaxgrpo.rollout.sampling import ConversationSampler, SamplingConfig
@@ -212,3 +213,27 @@ def test_cached_rollout_on_a_sharded_policy():
   for line in lines:
     spec, same, diff, tokens = line.split()
     assert same == "True" and float(diff) < 2e-5 and int(tokens) > 40, line
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["per-layer", "stacked"])
+def test_take_and_put_cache_rows_against_numpy(scan):
+  """``take_cache_rows`` is NumPy row indexing with empty rows for out-of-range indices; ``put_cache_rows``
+  NumPy row assignment that skips them — on the batch axis of every array (axis 1 of a stacked k/v)."""
+  cache = init_kv_cache(2, 4, 6, 2, 3, jnp.float32, stacked=scan, per_row=True)  # L=2, B=4, T=6, N=2, K=3
+  leaves, treedef = jax.tree.flatten(cache)
+  rng = np.random.default_rng(1)
+  rand = lambda x: (rng.random(x.shape) < 0.5) if x.dtype == bool else rng.integers(0, 9, x.shape).astype(x.dtype)
+  cache = jax.tree.unflatten(treedef, [jnp.asarray(rand(x)) for x in leaves])
+  rows = np.array([2, 0, 4, 3], np.int32)  # 4: out of range, a padding row
+  sub = models.take_cache_rows(cache, jnp.asarray(rows))
+  new = jax.tree.map(lambda x: jnp.asarray(rand(x)), sub)
+  back = models.put_cache_rows(cache, jnp.asarray(rows), new)
+  for x, s, n, b in zip(*(jax.tree.leaves(t) for t in (cache, sub, new, back))):
+    x, s, n, b = map(np.asarray, (x, s, n, b))
+    axis = 1 if scan and x.ndim == 5 else 0
+    xm, sm, nm, bm = (np.moveaxis(a, axis, 0) for a in (x, s, n, b))
+    np.testing.assert_array_equal(sm[[0, 1, 3]], xm[[2, 0, 3]])
+    assert not sm[2].any()  # the padding row is empty
+    want = xm.copy()
+    want[[2, 0, 3]] = nm[[0, 1, 3]]
+    np.testing.assert_array_equal(bm, want)

@@ -598,8 +598,10 @@ class ConversationSampler:
   row's previous turn (or of its prompt) followed by the tokens appended since (an environment's
   observation) — right-padded to a bucketed width, at each row's own slots and positions, then a
   ``lax.while_loop`` decode of the turn from the logits of the chunk's last real token, as :func:`generate`
-  does after its prefill. Rows that take no turn are masked (their cache rows do not change). The last
-  sampled token of a turn is fed by the next turn's chunk.
+  does after its prefill. A turn runs over the rows taking it only (their cache rows gathered, their count
+  rounded up to a power of two with empty padding rows, and written back: ``models.take_cache_rows`` /
+  ``put_cache_rows``), or over all N rows, masked, when that is no smaller; the other rows' cache is unchanged.
+  The last sampled token of a turn is fed by the next turn's chunk.
 
   Same tokens and log-probs as :func:`generate` on the whole conversation so far (``prompt ‖ …`` left-padded)
   up to float32 rounding, for the same keys: the uniforms of a batch ``(key, rows)`` of :meth:`turn` are
