@@ -1,11 +1,14 @@
-"""What re-prefilling each turn costs the multi-turn rollout (``jaxgrpo.rollout.environments.sample_multiturn``).
+"""What the multi-turn rollout (``jaxgrpo.rollout.environments.sample_multiturn``) costs with and without the
+KV cache kept across turns.
 
-The built-in rollout re-prefills ``prompt ‖ trajectory so far`` at every turn (``jaxgrpo.rollout.sampling.generate``
-keeps no KV cache across calls). A sampler that kept the cache would decode the policy's tokens and
-prefill each observation once. This script times, alternately, after one warm-up each (compilation
+``sample_multiturn(..., kv_cache=False)`` re-prefills ``prompt ‖ trajectory so far`` at every turn
+(``jaxgrpo.rollout.sampling.generate`` keeps no KV cache across calls); the default ``kv_cache=True``
+(``jaxgrpo.rollout.sampling.ConversationSampler``) keeps one cache per rollout, decodes the policy's tokens and
+prefills each observation once. This script times, alternately, after one warm-up each (compilation
 excluded), on the same model and the same numbers of tokens:
 
-- ``multiturn``: ``sample_multiturn`` with a scripted environment: every trajectory takes exactly
+- ``multiturn``: ``sample_multiturn`` with a scripted environment, re-prefill (``kv_cache=False``) and cached
+  (``kv_cache=True``): every trajectory takes exactly
   ``--turns`` turns of exactly ``--turn-tokens`` policy tokens (no EOS), each answered by the same
   observation; host work (decode, environment, template) included;
 - ``one decode``: one ``generate`` call decoding all of a trajectory's tokens (policy and observation)
@@ -16,6 +19,10 @@ excluded), on the same model and the same numbers of tokens:
 
     python scripts/bench_multiturn.py                 # BENCHMARKS.md, "Multi-turn rollout: re-prefill"
     python scripts/bench_multiturn.py --rows 4 --turns 2 --turn-tokens 4 --repeats 1   # smoke run
+    python scripts/bench_multiturn.py --long-every 8  # ragged: 1 trajectory in 8 takes the 4 turns, the rest one
+
+With ``--long-every K`` only the two multiturn variants are ragged (one decode and the turn decodes still time
+every row at its full length: compare the two multiturn lines then).
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--rows", type=int, default=32, help="trajectories (prompts × G with G = 1)")
   ap.add_argument("--turns", type=int, default=4)
+  ap.add_argument(
+    "--long-every",
+    type=int,
+    default=1,
+    help="ragged turns: trajectory i takes --turns turns when i %% K == 0, else one (1: all take --turns)",
+  )
   ap.add_argument("--turn-tokens", type=int, default=24)
   ap.add_argument("--hidden", type=int, default=64)
   ap.add_argument("--layers", type=int, default=2)
@@ -76,7 +89,10 @@ def main(argv=None):
     len(tok), hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=1024
   )
   model = build_model(cfg, rngs=nnx.Rngs(0))
-  rows = [{"problem": f"What is {10 + i} * {20 + i}?"} for i in range(args.rows)]
+  rows = [
+    {"problem": f"What is {10 + i} * {20 + i}?", "turns": args.turns if i % args.long_every == 0 else 1}
+    for i in range(args.rows)
+  ]
   fmt = ChatFormat(tok)
   obs_len = len(fmt.observation_ids([{"role": "tool", "content": OBSERVATION}], fmt.encode("x")))
   total = args.turns * args.turn_tokens + (args.turns - 1) * obs_len
@@ -89,11 +105,14 @@ def main(argv=None):
   tokens, mask = data_lib.pad_left(prompts, p_len, tok.pad_token_id)
   key = jax.random.key(0)
 
-  def multiturn():
-    out = sample_multiturn(model, rows, lambda r: Fixed(args.turns), tok, sampling, env_config, key=key)
+  def multiturn(kv_cache):
+    out = sample_multiturn(
+      model, rows, lambda r: Fixed(r["turns"]), tok, sampling, env_config, key=key, kv_cache=kv_cache
+    )
     # an observation is one token shorter after a turn that happened to end in <|im_end|> (not written twice)
-    assert out.mask.sum(1).min() >= total - args.turns, (out.mask.sum(1), total)
-    return out.log_probs
+    long = [i % args.long_every == 0 for i in range(args.rows)]
+    assert out.mask.sum(1)[long].min() >= total - args.turns, (out.mask.sum(1), total)
+    return out
 
   one = SamplingConfig(num_samples=1, max_new_tokens=total, pad_id=tok.pad_token_id)
   per_turn = SamplingConfig(num_samples=1, max_new_tokens=args.turn_tokens, pad_id=tok.pad_token_id)
@@ -104,15 +123,29 @@ def main(argv=None):
   def turn_decodes():
     return [generate(model, tokens, mask, per_turn, key=key) for _ in range(args.turns)]
 
-  times = _bench.alternating_times([multiturn, one_decode, turn_decodes], args.repeats)
+  reprefill, cached = multiturn(False), multiturn(True)
+  same_ids = bool((reprefill.completions == cached.completions).all())
+  logp_diff = float(abs(reprefill.log_probs - cached.log_probs).max())
+  times = _bench.alternating_times(
+    [lambda: multiturn(False), lambda: multiturn(True), one_decode, turn_decodes], args.repeats
+  )
   med = [statistics.median(t) for t in times]
   print(
     f"rows {args.rows}, prompt {p_len} tokens, {args.turns} turns × {args.turn_tokens} policy tokens, "
     f"{args.turns - 1} observations × {obs_len} tokens = {total} tokens per trajectory"
   )
-  for name, t in zip(("multiturn (re-prefill per turn)", "one continuous decode", "turn decodes alone"), med):
+  names = (
+    "multiturn (re-prefill per turn)",
+    "multiturn (KV cache kept)",
+    "one continuous decode",
+    "turn decodes alone",
+  )
+  for name, t in zip(names, med):
     print(f"{name:34s} {t:7.3f} s  ({args.rows * total / t:8.0f} trajectory tokens/s)")
-  print(f"re-prefill rollout / one continuous decode: {med[0] / med[1]:.2f}x")
+  print(f"cached vs re-prefill: same token ids {same_ids}, max |log-prob difference| {logp_diff:.2e}")
+  print(f"re-prefill rollout / one continuous decode: {med[0] / med[2]:.2f}x")
+  print(f"cached rollout / one continuous decode: {med[1] / med[2]:.2f}x")
+  print(f"re-prefill / cached: {med[0] / med[1]:.2f}x")
   return med
 
 

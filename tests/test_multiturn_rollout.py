@@ -108,7 +108,7 @@ def test_bad_config():
 
 @pytest.mark.slow
 def test_bench_multiturn_smoke():
-  """scripts/bench_multiturn.py runs (tiny sizes) and times all three variants."""
+  """scripts/bench_multiturn.py runs (tiny sizes) and times all four variants."""
   import importlib.util
   import os
 
@@ -119,4 +119,4 @@ def test_bench_multiturn_smoke():
   med = mod.main(
     ["--rows", "2", "--turns", "2", "--turn-tokens", "3", "--hidden", "16", "--layers", "1", "--repeats", "1"]
   )
-  assert len(med) == 3 and all(t > 0 for t in med)
+  assert len(med) == 4 and all(t > 0 for t in med)

@@ -29,7 +29,7 @@ from jaxgrpo.models.config import (
 )
 from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to_spec, save_hf
-from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, repeat_cache
+from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, put_cache_rows, repeat_cache, take_cache_rows
 from jaxgrpo.models.llama import LlamaModel
 from jaxgrpo.models.log_probs import (
   chunked_log_probs,
@@ -73,11 +73,13 @@ __all__ = [
   "packed_log_probs",
   "positions_from_mask",
   "positions_from_segments",
+  "put_cache_rows",
   "reference_model",
   "repeat_cache",
   "routing_scope",
   "save_hf",
   "save_peft",
+  "take_cache_rows",
   "to_loop_layers",
   "to_scan_layers",
   "token_log_probs",

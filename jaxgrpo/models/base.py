@@ -340,14 +340,17 @@ class CausalLM(nnx.Module):
         ``segment_ids > 0``) and with ``cache``. None: one segment per row (``attention_mask``).
       cache: None for a full causal forward over the S tokens, or a ``KVCache`` whose slots
         ``[cache.index, cache.index + S)`` receive the new tokens (the caller keeps
-        ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit).
+        ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit). A per-row cache
+        (``init_cache(..., per_row=True)``, ``index int32[B]``) writes row b at ``[index[b], index[b] + S)``
+        and advances ``index[b]`` by the row's real tokens: ``attention_mask`` must then be right-padded.
       dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only: one key, or
         one key per row (``key[B]``, typed, or raw ``uint32[B, 2]``) for masks independent of the
         batch split; None (the default: sampling, reference and evaluation passes) applies no
         dropout. Ignored by a model without adapters or with dropout 0.
 
     Returns:
-      (hidden [B, S, D] after the final norm in compute dtype, new cache with ``index += S`` or None).
+      (hidden [B, S, D] after the final norm in compute dtype, new cache with ``index += S`` (per row: += the
+      row's real tokens) or None).
     """
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
@@ -387,7 +390,16 @@ class CausalLM(nnx.Module):
       if tokens.shape[1] > cache.max_len:
         raise ValueError(f"{tokens.shape[1]} new tokens do not fit a cache of {cache.max_len} slots")
       index = cache.index.astype(jnp.int32)
-      valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (jnp.zeros((), jnp.int32), index))
+      if index.ndim == 0:
+        valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (jnp.zeros((), jnp.int32), index))
+        next_index = index + tokens.shape[1]
+      elif index.shape != (tokens.shape[0],):
+        raise ValueError(f"cache.index must be a scalar or int32[B] with B = {tokens.shape[0]}; got {index.shape}")
+      else:  # per-row (KVCache): row b's tokens at slots index[b] + s, right-padded, advance by its real tokens
+        slots = index[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        valid = cache.valid.at[rows, slots].set(attention_mask, mode="drop")
+        next_index = index + jnp.sum(attention_mask, axis=1, dtype=jnp.int32)
     else:
       index = valid = None
     if self.remat is RematPolicy.NONE:
@@ -402,7 +414,7 @@ class CausalLM(nnx.Module):
         hidden = shard_activation(self.final_norm(x), RESIDUAL_AXES, "final hidden")
         if cache is None:
           return hidden, None
-        return hidden, KVCache(k=kv[0], v=kv[1], valid=valid, index=index + tokens.shape[1])
+        return hidden, KVCache(k=kv[0], v=kv[1], valid=valid, index=next_index)
       for i, layer in enumerate(self.layers):
         kv = None if cache is None else (cache.k[i], cache.v[i])
         out = apply(layer, x, positions, segment_ids, kv, valid, index, dropout_key)
@@ -416,7 +428,7 @@ class CausalLM(nnx.Module):
       hidden = shard_activation(self.final_norm(x), RESIDUAL_AXES, "final hidden")
     if cache is None:
       return hidden, None
-    return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, index=index + tokens.shape[1])
+    return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid, index=next_index)
 
   def _scan(self, apply, x, positions, segment_ids, cache, valid, index, dropout_key):
     """The stacked layers as one ``jax.lax.scan`` over (each layer's slice of the stacked state, its
@@ -468,9 +480,17 @@ class CausalLM(nnx.Module):
     """
     return head_logits(self.head_weight, hidden, tied=self.lm_head is None, dtype=self.dtype, out_dtype=out_dtype)
 
-  def init_cache(self, batch_size: int, max_len: int) -> KVCache:
-    """Empty ``KVCache`` for ``batch_size`` rows and ``max_len`` slots, in the compute dtype."""
+  def init_cache(self, batch_size: int, max_len: int, *, per_row: bool = False) -> KVCache:
+    """Empty ``KVCache`` for ``batch_size`` rows and ``max_len`` slots, in the compute dtype; ``per_row``:
+    each row appends at its own slot (``index int32[batch_size]``, see ``KVCache``)."""
     cfg = self.config
     return init_kv_cache(
-      cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype, stacked=self.scan_layers
+      cfg.num_layers,
+      batch_size,
+      max_len,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      self.dtype,
+      stacked=self.scan_layers,
+      per_row=per_row,
     )

@@ -39,6 +39,8 @@ __all__ = [
   "KVCache",
   "init_kv_cache",
   "repeat_cache",
+  "take_cache_rows",
+  "put_cache_rows",
   "apply_rope",
   "Attention",
   "dense",
@@ -387,7 +389,13 @@ class KVCache(NamedTuple):
   dot wants for ``q·kᵀ`` (and values for ``p·v``): with [B, T, N, K] it copied (transposed) the
   whole cache of every layer at every decode step, ~20% of the sampler's time on CPU.
   valid: bool[B, T], True on slots holding a real (non-padding) token.
-  index: int32 scalar, the next slot to write (same for every row; left-padding keeps rows aligned).
+  index: int32 scalar, the next slot to write (same for every row; left-padding keeps rows aligned), or
+    ``int32[B]``, each row's own next slot (a *per-row* cache, ``init_kv_cache(..., per_row=True)``): the S
+    new tokens of row b go to slots ``[index[b], index[b] + S)`` (writes past ``max_len`` are dropped) and
+    ``index[b]`` advances by the row's number of real tokens, so a call's ``attention_mask`` must be
+    right-padded (real tokens first) and each row's real tokens fill its slots without holes. That lets
+    rows of different lengths append tokens to one cache of a fixed size (the multi-turn sampler keeps one
+    across turns: ``jaxgrpo.rollout.sampling.ConversationSampler``).
   """
 
   k: tuple[jax.Array, ...] | jax.Array
@@ -401,27 +409,69 @@ class KVCache(NamedTuple):
 
 
 def init_kv_cache(
-  num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, *, stacked: bool = False
+  num_layers: int,
+  batch_size: int,
+  max_len: int,
+  num_kv_heads: int,
+  head_dim: int,
+  dtype,
+  *,
+  stacked: bool = False,
+  per_row: bool = False,
 ) -> KVCache:
-  """Empty cache: zeros, no valid slot, index 0; ``stacked``: one [L, ...] array for k and for v."""
+  """Empty cache: zeros, no valid slot, index 0; ``stacked``: one [L, ...] array for k and for v;
+  ``per_row``: ``index`` is ``int32[batch_size]`` (each row appends at its own slot, see ``KVCache``)."""
   for name, value in (("batch_size", batch_size), ("max_len", max_len)):
     if not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   k_shape = (batch_size, num_kv_heads, head_dim, max_len)
   v_shape = (batch_size, num_kv_heads, max_len, head_dim)
+  index = jnp.zeros((batch_size,) if per_row else (), jnp.int32)
   if stacked:
     return KVCache(
       k=jnp.zeros((num_layers,) + k_shape, dtype),
       v=jnp.zeros((num_layers,) + v_shape, dtype),
       valid=jnp.zeros((batch_size, max_len), bool),
-      index=jnp.zeros((), jnp.int32),
+      index=index,
     )
   return KVCache(
     k=tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers)),
     v=tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers)),
     valid=jnp.zeros((batch_size, max_len), bool),
-    index=jnp.zeros((), jnp.int32),
+    index=index,
   )
+
+
+def _map_rows(fn, cache: KVCache, *others: KVCache) -> KVCache:
+  """``fn(x, *others' x, axis)`` on every array of the cache(s), ``axis`` its batch axis (1 for a stacked
+  [L, B, ...] k/v, else 0)."""
+  kv_axis = 0 if isinstance(cache.k, tuple) else 1
+  if kv_axis == 0:
+    k = tuple(fn(*xs, 0) for xs in zip(cache.k, *(o.k for o in others)))
+    v = tuple(fn(*xs, 0) for xs in zip(cache.v, *(o.v for o in others)))
+  else:
+    k, v = fn(cache.k, *(o.k for o in others), 1), fn(cache.v, *(o.v for o in others), 1)
+  valid = fn(cache.valid, *(o.valid for o in others), 0)
+  index = fn(cache.index, *(o.index for o in others), 0) if cache.index.ndim else cache.index
+  return KVCache(k=k, v=v, valid=valid, index=index)
+
+
+def take_cache_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+  """The cache of rows ``rows int32[R]`` (``x[rows]`` on the batch axis); an index out of ``[0, B)`` gives an
+  empty row (zeros, no valid slot, index 0): a padding row. With :func:`put_cache_rows`, a decode over the R
+  rows of a larger cache that are still running."""
+  return _map_rows(lambda x, axis: jnp.take(x, rows, axis=axis, mode="fill", fill_value=0), cache)
+
+
+def put_cache_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:
+  """``cache`` with its rows ``rows int32[R]`` replaced by ``sub``'s R rows (indices out of ``[0, B)``, the
+  padding rows of :func:`take_cache_rows`, are dropped; ``rows`` must not repeat an index in range)."""
+
+  def put(x, y, axis):
+    at = x.at[rows] if axis == 0 else x.at[:, rows]
+    return at.set(y, mode="drop")
+
+  return _map_rows(put, cache, sub)
 
 
 def repeat_cache(cache: KVCache, n: int) -> KVCache:
@@ -432,10 +482,11 @@ def repeat_cache(cache: KVCache, n: int) -> KVCache:
   if not isinstance(n, int) or n <= 0:
     raise ValueError(f"n must be a positive int, got {n!r}")
   rep = lambda x: jnp.repeat(x, n, axis=0)
+  index = rep(cache.index) if cache.index.ndim else cache.index  # a per-row index is repeated with its rows
   if not isinstance(cache.k, tuple):  # stacked [L, B, ...]
     rep_l = lambda x: jnp.repeat(x, n, axis=1)
-    return KVCache(k=rep_l(cache.k), v=rep_l(cache.v), valid=rep(cache.valid), index=cache.index)
-  return KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)), valid=rep(cache.valid), index=cache.index)
+    return KVCache(k=rep_l(cache.k), v=rep_l(cache.v), valid=rep(cache.valid), index=index)
+  return KVCache(k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)), valid=rep(cache.valid), index=index)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -544,6 +595,8 @@ class Attention(nnx.Module):
     cache (``CausalLM`` rejects packed rows there). With cache: k/v of the new tokens are written at slots
     ``[cache_index, cache_index+S)`` of ``cache_kv`` (keys [B,N,K,T], values [B,N,T,K]) and query i
     attends to the slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
+    A per-row ``cache_index`` (``int32[B]``, see ``KVCache``): row b's tokens go to its slots
+    ``[cache_index[b], cache_index[b]+S)`` (a scatter; slots past the cache are dropped) and attend likewise.
     Returns (y [B,S,D], new (k, v) or None).
     """
     B, S, _ = x.shape
@@ -572,20 +625,29 @@ class Attention(nnx.Module):
       new_kv = None
     else:
       ck, cv = cache_kv
-      zero = jnp.zeros((), jnp.int32)
-      keys = jax.lax.dynamic_update_slice(
-        ck, jnp.transpose(k, (0, 2, 3, 1)).astype(ck.dtype), (zero, zero, zero, cache_index)
-      )  # [B,N,K,T]
-      values = jax.lax.dynamic_update_slice(
-        cv, jnp.transpose(v, (0, 2, 1, 3)).astype(cv.dtype), (zero, zero, cache_index, zero)
-      )  # [B,N,T,K]
+      if cache_index.ndim == 0:
+        zero = jnp.zeros((), jnp.int32)
+        keys = jax.lax.dynamic_update_slice(
+          ck, jnp.transpose(k, (0, 2, 3, 1)).astype(ck.dtype), (zero, zero, zero, cache_index)
+        )  # [B,N,K,T]
+        values = jax.lax.dynamic_update_slice(
+          cv, jnp.transpose(v, (0, 2, 1, 3)).astype(cv.dtype), (zero, zero, cache_index, zero)
+        )  # [B,N,T,K]
+        q_slot = (cache_index + jnp.arange(S))[None]  # [1,S]
+      else:  # per-row slots [B,S]: advanced indices on the batch and slot axes put [B,S] first
+        q_slot = cache_index[:, None] + jnp.arange(S)[None]
+        rows = jnp.arange(B)[:, None]
+        keys = ck.at[rows, :, :, q_slot].set(k.astype(ck.dtype), mode="drop")  # [B,N,K,T]
+        values = cv.at[rows, :, q_slot, :].set(v.astype(cv.dtype), mode="drop")  # [B,N,T,K]
       new_kv = (keys, values)
-      q_slot = cache_index + jnp.arange(S)
       k_slot = jnp.arange(values.shape[2])
       key_ok = cache_valid[:, None, :]  # [B,1,T]
       if not small:  # prefill: once per generate call; [B,T,N,K] as in the uncached path
         keys, values = jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
-    mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_ok  # [B,S,T]
+    if cache_kv is None:
+      mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_ok  # [B,S,T]
+    else:
+      mask = (k_slot[None, None, :] <= q_slot[:, :, None]) & key_ok  # [B,S,T]
     q = q.reshape(B, S, N, G, K)
     f32 = lambda x: x.astype(jnp.float32)
     if small:

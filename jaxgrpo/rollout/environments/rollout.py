@@ -4,19 +4,24 @@ For N = prompts × G trajectories (one environment each, ``make_env(row)``)::
 
     prompt_i = ChatFormat.prompt_ids(env_i.reset(row))          # rendered with tools=env.tools
     repeat (at most max_turns times), over the trajectories still running, batched:
-      turn_i  = generate(policy, prompt_i ‖ traj_i)              # until EOS / </tool_call> / turn_tokens
+      turn_i  = sample(policy, prompt_i ‖ traj_i)                # until EOS / </tool_call> / turn_tokens
       traj_i += turn_i                                           # policy tokens, kept as sampled
       result  = env_i.step(decode(turn_i))                       # host side, one call per trajectory
       traj_i += ChatFormat.observation_ids(result.messages, turn_i)   # context tokens (policy_mask False)
     until result.done, max_turns turns, or max_tokens tokens in traj_i
 
-Trajectories finish at different turns (ragged): each turn samples only the running ones (their count
-rounded up to a power of two with copies of one of them, whose samples are discarded, so a few shapes
-compile). The sampler is ``jaxgrpo.rollout.sampling.generate``: every turn **re-prefills** the whole
-conversation so far (``prompt ‖ traj``, left-padded to one width per batch) and decodes with a fresh KV
-cache — it does not keep the cache between turns. The cost of that is one prefill of the conversation
-per turn (measured in BENCHMARKS.md, "Multi-turn rollout"); the tokens and log-probs are those of one
-continuous decode up to float rounding, since the prefix is the same token ids at the same positions.
+Trajectories finish at different turns (ragged). The sampler (``kv_cache=True``, the default) is
+``jaxgrpo.rollout.sampling.ConversationSampler``: one per-row KV cache of ``prompt + max_tokens`` slots for
+the whole rollout; each prompt is prefilled once, and each turn prefills only what the cache lacks — the
+last token of the row's previous turn and the observation appended since, as one chunk at the row's own
+slots and positions — then decodes the turn (rows that have ended sit out, masked). ``kv_cache=False`` (and
+any ``engine``) re-prefills instead: every turn samples the running trajectories (their count rounded up to
+a power of two with copies of one of them, whose samples are discarded, so a few shapes compile) with
+``jaxgrpo.rollout.sampling.generate`` on the whole conversation so far (``prompt ‖ traj``, left-padded to
+one width per batch) and a fresh KV cache. Both give the same token ids and, up to float32 rounding, the
+same log-probs for the same key (the cached sampler draws each row's uniforms as the re-prefill batch
+would); the re-prefill costs one prefill of the whole conversation per turn (BENCHMARKS.md, "Multi-turn
+rollout").
 
 Token accounting: ``completions`` holds ``turn_1 ‖ obs_1 ‖ turn_2 ‖ … ‖ turn_K`` right-padded to
 ``max_tokens``; ``mask`` marks all of it (the model attends to the observations; λ-GRPO's process
@@ -41,7 +46,7 @@ import numpy as np
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
-from jaxgrpo.rollout.sampling import generate
+from jaxgrpo.rollout.sampling import ConversationSampler, _suppressed_ids, generate
 
 __all__ = ["MultiTurnConfig", "MultiTurnRollout", "RolloutInterrupted", "rollout_metrics", "sample_multiturn"]
 
@@ -265,6 +270,7 @@ def sample_multiturn(
   temperature: float = 1.0,
   engine=None,
   should_stop: Callable[[], bool] | None = None,
+  kv_cache: bool = True,
 ) -> MultiTurnRollout:
   """G multi-turn trajectories per dataset row (see the module docstring).
 
@@ -287,6 +293,11 @@ def sample_multiturn(
     should_stop: polled (every 50 ms) while an environment call runs: when it returns True the rollout
       raises :class:`RolloutInterrupted` (the trainer's first SIGTERM/SIGINT stops a run whose environment
       hangs). None: not polled.
+    kv_cache: sample with ``jaxgrpo.rollout.sampling.ConversationSampler`` (default): one KV cache per
+      rollout, kept across turns — each observation is prefilled onto it and decoding continues — instead of
+      re-prefilling ``prompt ‖ trajectory`` every turn (False, the former path). Same tokens and log-probs up
+      to float32 rounding for the same key. Not used with an ``engine``, nor when groups' stop ids give
+      different suppressed ids (a pad id that is a stop id of some groups only): those re-prefill.
 
   Returns:
     A :class:`MultiTurnRollout` (NumPy arrays).
@@ -325,6 +336,21 @@ def sample_multiturn(
   names = (*METRIC_NAMES, "env_errors", "env_timeouts", "truncated")
   metrics: dict[str, np.ndarray] = {k: np.zeros(n, np.float32) for k in names}
   running = list(range(n))
+  suppress = {_suppressed_ids(sampling.suppress_ids, sampling.pad_id, s, model.config.vocab_size) for s in stops}
+  conv = None
+  if kv_cache and engine is None and len(suppress) == 1:
+    # every token of a trajectory after the prompt fits: p_max + t_max tokens, the last never fed
+    conv = ConversationSampler(
+      model, prompts, sampling, max_len=p_max + t_max - 1, temperature=temperature, suppress_eos=stops[0]
+    )
+  appended: dict[int, list[int]] = {}  # the observation each row got since its last turn (kv_cache)
+
+  def cached_turn(batches):
+    budgets = {i: min(per_turn, t_max - len(traj[i])) for _, rows_now in batches for i in rows_now}
+    got = conv.turn(
+      batches, max_new_tokens=per_turn, appended=appended, budgets=budgets, stop_ids={i: stops[i] for i in running}
+    )
+    return {i: (tok_i, np.ones(len(tok_i), bool), lps_i) for i, (tok_i, lps_i) in got.items()}
 
   def sample_turn(rows_now, stop, turn_key):
     rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
@@ -345,10 +371,16 @@ def sample_multiturn(
     by_stop: dict[tuple[int, ...], list[int]] = {}
     for i in running:
       by_stop.setdefault(stops[i], []).append(i)
-    sampled = {}
-    for s_idx, (stop, rows_now) in enumerate(by_stop.items()):  # one call per stop set (one unless mixed)
+    sampled, batches = {}, []
+    for s_idx, rows_now in enumerate(by_stop.values()):  # one call per stop set (one unless mixed)
       turn_key = jax.random.fold_in(key, turn)
-      sampled.update(sample_turn(rows_now, stop, turn_key if s_idx == 0 else jax.random.fold_in(turn_key, s_idx)))
+      batches.append((turn_key if s_idx == 0 else jax.random.fold_in(turn_key, s_idx), rows_now))
+    if conv is not None:  # one call for every stop set: the keys draw as the separate calls below would
+      sampled = cached_turn(batches)
+      appended.clear()
+    else:
+      for (turn_key, rows_now), stop in zip(batches, by_stop):
+        sampled.update(sample_turn(rows_now, stop, turn_key))
     still = []
     for i in running:
       tok_i, mask_i, lps_i = sampled[i]
@@ -377,6 +409,7 @@ def sample_multiturn(
         metrics["truncated"][i] = 1.0
         continue
       traj[i] += obs
+      appended[i] = obs
       policy[i] += [False] * len(obs)
       logps[i] += [0.0] * len(obs)
       still.append(i)
