@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The accelerator rows of BENCHMARKS.md in one run: the binary-tree reproduction (default policy, then the paper's
+# The accelerator rows of BENCHMARKS.md in one run: the sizes users train first (scripts/bench_accel.py: Qwen3-0.6B-
+# and 1.7B-shaped random models in bf16 — train-step MFU against the chip's bf16 peak, decode tokens/s against the
+# HBM roofline, one whole GRPO iteration; results as OUT/res/accel_<shape>.json), then the binary-tree reproduction (default policy, then the paper's
 # gpt2-small policy), the built-in engine against transformers' generate, layers as a scan at depth 28, the train
 # step, MoE, LoRA/QLoRA and the sampler — each step under its own time limit, in priority order, until a global
 # deadline; one log and one tarball of JSON results under OUT.
@@ -7,6 +9,8 @@
 # Usage (on a machine with one GPU and JAX's CUDA build; python3 is its interpreter):
 #   OUT=/some/dir DEADLINE_S=520 bash scripts/gpu_check.sh
 #   ONLY=scan_layers,lora LIMITS=scan_layers=240,lora=200 OUT=... bash scripts/gpu_check.sh   # some steps, longer limits
+#   DRY=1 OUT=/tmp/dry bash scripts/gpu_check.sh    # the CPU dry path (tests/test_gpu_check.py): the plumbing and
+#                                                  # bench_accel.py at its toy shape, nothing else
 # Wheels missing there (datasets and its two pure-Python requirements; our flax/optax/orbax/chex versions, so the
 # run uses the versions the CPU suite tests) are installed from .whl/ when it exists.
 # Not here: vLLM (its CUDA build is far over the 64 MiB a run may carry) and the disaggregated async rows (one GPU).
@@ -48,12 +52,18 @@ step() {  # step NAME LIMIT_S CMD... : runs CMD under min(LIMIT_S, time left), l
   echo "=== $name: rc $? in $(($(date +%s) - t0))s" | tee -a "$LOG"
 }
 
+if [[ -n "${DRY:-}" ]]; then
+  ONLY=accel_dry
+fi
 {
-  nvidia-smi -L
+  nvidia-smi -L || echo "no nvidia-smi"
   "$PY" -c "import jax, flax, optax, transformers, torch; print('jax', jax.__version__, jax.devices(), 'flax', \
 flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 } >>"$LOG" 2>&1
 
+step accel_dry 120 "$PY" scripts/bench_accel.py --dry --out "$OUT/res"
+step accel_0.6b 150 "$PY" scripts/bench_accel.py --shapes 0.6b --out "$OUT/res"
+step accel_1.7b 170 "$PY" scripts/bench_accel.py --shapes 1.7b --out "$OUT/res"
 step binary_tree_gpt2 120 "$PY" scripts/binary_tree.py --no-plot --quiet --out "$OUT/res/bt_gpt2"
 step binary_tree_gpt2_small 170 "$PY" scripts/binary_tree.py --policy gpt2-small --seeds 2 --no-plot --quiet \
   --out "$OUT/res/bt_gpt2_small"
