@@ -65,6 +65,20 @@ def main(argv=None):
     "--steps", type=int, default=None, help="RL steps (default: the config's run.steps; fewer for a quick look)"
   )
   ap.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines instead)")
+  ap.add_argument(
+    "--engine",
+    choices=("jax", "vllm"),
+    default="jax",
+    help="what samples the RL turns: the built-in sampler (its KV cache kept across turns) or vLLM (in the "
+    "vLLM venv, scripts/setup_vllm_venv.sh; its prefix cache serves each turn's re-sent conversation). "
+    "Evaluation always runs the built-in sampler",
+  )
+  ap.add_argument(
+    "--hidden",
+    type=int,
+    default=None,
+    help="model width (default: the config's model.hidden_size); vLLM's CPU attention needs head_dim = hidden/4 >= 32",
+  )
   args = ap.parse_args(argv)
   with open(args.config) as f:
     cfg = yaml.safe_load(f)
@@ -77,8 +91,16 @@ def main(argv=None):
 
   tok = calculator.build_tokenizer()
   model_cfg = arithmetic.tiny_model_config(
-    len(tok), hidden_size=m["hidden_size"], num_layers=m["num_layers"], max_position_embeddings=512
+    len(tok),
+    hidden_size=m["hidden_size"] if args.hidden is None else args.hidden,
+    num_layers=m["num_layers"],
+    max_position_embeddings=512,
   )
+  engine = None
+  if args.engine == "vllm":  # checked before the warm-up: head_dim, the install
+    from jaxgrpo.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(model_cfg, max_model_len=512, seed=seed, kv_cache_bytes=128 * 2**20)
   model = build_model(model_cfg, rngs=nnx.Rngs(seed))
   train_rows, eval_rows = calculator.calculator_split(task["train_size"], task["eval_size"], seed=seed)
   make_env = calculator.make_env_without_tool if args.no_tool else calculator.make_env
@@ -131,6 +153,7 @@ def main(argv=None):
   rng = np.random.default_rng([seed, 6])
   key = jax.random.key(seed)
   t_rl = time.perf_counter()
+  turns_done, rollout_s = 0.0, 0.0
   for s in range(1, steps + 1):
     rows = [train_rows[int(i)] for i in rng.integers(0, len(train_rows), roll["prompts_per_step"])]
     key, sub = jax.random.split(key)
@@ -144,9 +167,22 @@ def main(argv=None):
       sampling=sampling,
       env_config=env_config,
       reference=reference,
+      engine=engine,
     )
     state = res.state
-    keep = ("loss", "reward_mean", "env/turns", "env/tool_calls", "env/tool_errors", "env/tool_s", "iteration_s")
+    turns_done += res.metrics["env/turns"] * len(rows) * roll["group_size"]
+    rollout_s += res.metrics["rollout_s"] if s > 1 else 0.0  # the first step compiles
+    turns_done = turns_done if s > 1 else 0.0
+    keep = (
+      "loss",
+      "reward_mean",
+      "env/turns",
+      "env/tool_calls",
+      "env/tool_errors",
+      "env/tool_s",
+      "rollout_s",
+      "iteration_s",
+    )
     emit({"step": s, **{k: res.metrics[k] for k in keep if k in res.metrics}}, show=args.no_progress)
     bar.update(1)
     if s == 1:  # the first step compiled: the ETA counts the steps after it
@@ -179,7 +215,12 @@ def main(argv=None):
     "total_s": time.perf_counter() - t_start,
     "sft_final_loss": losses[-1] if losses else None,
     "steps": steps,
+    "engine": args.engine,
+    "hidden_size": model_cfg.hidden_size,
+    "turns_per_s": turns_done / rollout_s if rollout_s else None,  # RL rollouts after the first (compiling) step
   }
+  if engine is not None:
+    engine.close()
   log.write(json.dumps({"result": result}) + "\n")
   log.close()
   print("RESULT " + json.dumps(result), flush=True)
