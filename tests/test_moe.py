@@ -331,3 +331,18 @@ def test_pad_to_bucket_fits_the_routing_columns():
   padded = train.pad_to_bucket(b, (40,))
   assert padded.routing.shape == (2, 43, 1, 2) and not padded.routing[:, 8:].any()
   np.testing.assert_array_equal(padded.routing[:, :8], b.routing)
+
+
+def test_default_dispatch_follows_the_backend_measurements():
+  """Tiled on the CPU (ragged_dot expands densely there), ragged_dot on GPU and TPU (2.6x faster on one H200),
+  tiled for an unknown backend; a new layer takes the current backend's."""
+  assert [moe.default_dispatch(b) for b in ("cpu", "gpu", "cuda", "tpu", "rocm", "metal")] == [
+    "tiled",
+    "ragged",
+    "ragged",
+    "ragged",
+    "ragged",
+    "tiled",
+  ]
+  model = _model()
+  assert {m.dispatch for _, m in nnx.iter_graph(model) if isinstance(m, moe.MoEBlock)} == {moe.default_dispatch()}

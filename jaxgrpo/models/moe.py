@@ -14,7 +14,8 @@ Axis vocabulary (as in ``layers``): B batch, S tokens, D model width, E experts,
 
 **Dispatch** (``MoEBlock.dispatch``, :func:`set_dispatch`), dropless and equal in value: the T·k
 assignments sorted by expert, each expert's SwiGLU a grouped matmul over its rows — ``"tiled"``
-(default except on TPU; :func:`_tile_matmul`), ``"ragged"`` (``jax.lax.ragged_dot``; default on TPU)
+(default on the CPU; :func:`_tile_matmul`), ``"ragged"`` (``jax.lax.ragged_dot``; default on GPU and TPU,
+:func:`default_dispatch` from measurements)
 or ``"dense"`` (every expert on every token: the reference). On a mesh the experts run in
 ``jax.shard_map``: E/n experts per device (``rules["expert"]``), partial outputs summed by ``psum``,
 no all-to-all (the expert axis must not be a batch axis: ValueError). docs/models.md, "Mixtures
@@ -71,10 +72,21 @@ __all__ = [
   "routing_sums",
   "routing_scope",
   "set_dispatch",
+  "default_dispatch",
 ]
 
 DISPATCH = ("tiled", "ragged", "dense")
 MoEConfig = Qwen3MoeConfig | Qwen2MoeConfig
+#: the default dispatch per backend, from measurements (BENCHMARKS.md, ``scripts/bench_moe.py``): on XLA:CPU
+#: ``ragged_dot`` is a dense masked expansion (2.74x slower than tiled, Intel Xeon); on one H200 ``ragged_dot``
+#: was 2.6x faster than tiled (3.5 vs 9.1 ms a step); on TPU it is the native grouped matmul
+DEFAULT_DISPATCH = {"cpu": "tiled", "gpu": "ragged", "cuda": "ragged", "rocm": "ragged", "tpu": "ragged"}
+
+
+def default_dispatch(backend: str | None = None) -> str:
+  """The dispatch a new sparse layer uses on ``backend`` (default ``jax.default_backend()``):
+  :data:`DEFAULT_DISPATCH`, ``"tiled"`` for a backend not in it (the one that never expands densely)."""
+  return DEFAULT_DISPATCH.get(jax.default_backend() if backend is None else backend, "tiled")
 
 
 class Route(NamedTuple):
@@ -351,7 +363,7 @@ class MoEBlock(nnx.Module):
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     self.dtype = dtype
     self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, E
-    self.dispatch = "ragged" if jax.default_backend() == "tpu" else "tiled"
+    self.dispatch = default_dispatch()
     self.rules = freeze_rules(rules)
     self.router = param(rngs.params(), (D, E), ("embed", None), param_dtype)
     self.gate = param(rngs.params(), (E, D, F), ("expert", "embed", "expert_mlp"), param_dtype)
