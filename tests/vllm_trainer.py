@@ -76,11 +76,46 @@ def learn(path=None):
   return {"learn": records, "resumed": resumed}
 
 
+MOE = {  # a Qwen3-MoE synthetic model (4 experts, top-2, width 128) through vLLM, TIS on
+  "model.synthetic": {"hidden_size": 128, "num_layers": 2, "num_experts": 4, "experts_per_tok": 2},
+  "data.arithmetic": {"train_size": 200, "eval_size": 8, "sft_steps": 300, "sft_noise": 0.7, "max_operand": 9},
+  "rollout.group_size": 8,
+  "rollout.prompts_per_step": 4,
+  "rollout.max_new_tokens": 16,
+  "optim.learning_rate": 2e-4,
+  "eval.samples": 1,
+  "run.steps": 2,
+}
+
+
+def moe(path=None):
+  """Issue 35 item 6: a MoE policy trained two steps through vLLM with ``rollout.routing_replay: none``
+  (every step's engine metrics), and the one-line refusal of ``routing_replay: rollout`` (the default) with
+  vLLM, raised before any weight is read."""
+  out = tempfile.mkdtemp()
+  log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  try:
+    Trainer(cfg(out, **MOE), log=log)
+    refusal = None
+  except ValueError as e:
+    refusal = str(e)
+  trainer = Trainer(cfg(out, **MOE, **{"rollout.routing_replay": "none"}), log=log)
+  records = trainer.run()
+  trainer.close()
+  return {"records": records, "refusal": refusal}
+
+
 def run_all(path=None):
   import vllm_checks
 
   result = {}
-  parts = (("families", vllm_checks.families), ("engine_api", vllm_checks.engine_api), ("learn", learn))
+  parts = (
+    ("families", vllm_checks.families),
+    ("engine_api", vllm_checks.engine_api),
+    ("lora_sync", vllm_checks.lora_sync),
+    ("moe", moe),
+    ("learn", learn),
+  )
   for name, part in parts:
     try:
       result[name] = part()
@@ -92,6 +127,6 @@ def run_all(path=None):
 
 if __name__ == "__main__":
   check, path = sys.argv[1], sys.argv[2]
-  result = {"learn": learn, "all": run_all}[check](path)
+  result = {"learn": learn, "moe": moe, "all": run_all}[check](path)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)

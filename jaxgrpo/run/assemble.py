@@ -37,6 +37,7 @@ __all__ = [
   "sampling_config",
   "engine_sampling",
   "start_engine",
+  "check_engine_policy",
   "rollout_source",
 ]
 
@@ -64,6 +65,7 @@ def check_mesh_fits(cfg: TrainerConfig, mesh) -> None:
     if cfg.model.path is not None:
       builders.check_chat_template(tokenizer, cfg.model)
     builders.check_lengths(cfg, abstract.config)
+    check_engine_policy(cfg, abstract.config)
   splits = step.micro_batches * step.mini_batches
   if rows % splits:
     raise ValueError(
@@ -179,6 +181,23 @@ def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingCon
   return dataclasses.replace(sampling, record_routing=False, **({"suppress_ids": ()} if vllm_tau else {}))
 
 
+#: why ``rollout.routing_replay: rollout`` is refused with vLLM (a MoE policy only; measured without it:
+#: docs/sampling.md, "Engines").
+VLLM_ROUTING_REPLAY_ERROR = (
+  "`rollout.routing_replay: rollout` with `rollout.engine: vllm` and a mixture-of-experts policy: vLLM 0.32 "
+  "returns routed experts only from its Model Runner V2 (`enable_return_routed_experts`), which needs Triton, "
+  "absent from its CPU build; set `rollout.routing_replay: none` (each pass then routes by its own top-k)"
+)
+
+
+def check_engine_policy(cfg: TrainerConfig, model_config) -> None:
+  """What the engine cannot do for this policy, one line each, before any weight is read (the model's
+  config is known): routing replay of a MoE policy through vLLM (:data:`VLLM_ROUTING_REPLAY_ERROR`)."""
+  roll = cfg.rollout
+  if roll.engine == "vllm" and roll.routing_replay == "rollout" and hasattr(model_config, "num_experts"):
+    raise ValueError(VLLM_ROUTING_REPLAY_ERROR)
+
+
 def start_engine(cfg: TrainerConfig, model, step_fn, *, prompt_len: int):
   """``(engine, policy_logp_fn)`` of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory
   (``package.module:callable``, called with the keywords ``config`` — the policy's model config —,
@@ -189,9 +208,12 @@ def start_engine(cfg: TrainerConfig, model, step_fn, *, prompt_len: int):
   roll, temperature = cfg.rollout, cfg.step.temperature
   if roll.engine == "jax":
     return None, None
+  check_engine_policy(cfg, model.config)
   settings = dict(max_model_len=prompt_len + roll.max_new_tokens, seed=cfg.run.seed)
   if roll.engine == "vllm":
     v = roll.vllm
+    # adapter-only sync once `rollout.vllm.lora_sync` exists (spec_schema.VLLMSpec); merged pushes otherwise
+    lora_sync = cfg.lora is not None and getattr(v, "lora_sync", False)
     engine = vllm_engine.VLLMEngine(
       model.config,
       dtype=v.dtype,
@@ -200,6 +222,7 @@ def start_engine(cfg: TrainerConfig, model, step_fn, *, prompt_len: int):
       max_num_seqs=v.max_num_seqs,
       enforce_eager=v.enforce_eager,
       logprobs_temperature=temperature,
+      lora_rank=cfg.lora.rank if lora_sync else None,
       **settings,
     )
   else:
