@@ -13,7 +13,8 @@ MLP projection, random A and B) in ONE ``VLLMEngine(lora_rank=r)`` (float32):
    ``lora.save_peft`` into a directory and vLLM's ``add_lora`` of a new ``LoRARequest``); and the first adapter
    push, which sends the base too;
 2. the rollouts after each path: ``--prompts`` × ``--samples`` × ``--new-tokens`` at temperature 1 with the same
-   seeds, their generate seconds, the share of identical tokens and max |Δ log-prob| over the positions before a
+   seeds, their generate seconds (median of ``--gen-repeats`` alternating rounds after a warm-up round: vLLM's
+   LoRA adds the adapter matmuls to every decoded token), the share of identical tokens and max |Δ log-prob| over the positions before a
    row's first differing token (the two paths sample the same policy).
 
 Numbers depend on the machine's load: say so when recording them (BENCHMARKS.md, "Engines").
@@ -83,14 +84,17 @@ def one(name: str, args) -> dict:
     adapter_s.append(engine.push_seconds)
   out["merged_push_s"] = statistics.median(merged_s)
   out["adapter_push_s"] = statistics.median(adapter_s)
-  rollouts = {}
-  for path in ("adapter", "merged"):
-    engine.lora_rank = args.rank if path == "adapter" else None
-    engine.push_weights(model)
-    engine.generate(tokens, mask, settings, key=jax.random.key(1))  # warm-up
-    t0 = time.perf_counter()
-    rollouts[path] = engine.generate(tokens, mask, settings, key=jax.random.key(7)).rollout
-    out[f"{path}_generate_s"] = time.perf_counter() - t0
+  rollouts, gen_s = {}, {"adapter": [], "merged": []}
+  for round_ in range(args.gen_repeats + 1):  # alternating rounds; the first is a warm-up
+    for path in ("adapter", "merged"):
+      engine.lora_rank = args.rank if path == "adapter" else None
+      engine.push_weights(model)
+      t0 = time.perf_counter()
+      rollouts[path] = engine.generate(tokens, mask, settings, key=jax.random.key(7)).rollout
+      if round_:
+        gen_s[path].append(time.perf_counter() - t0)
+  for path, times in gen_s.items():
+    out[f"{path}_generate_s"] = statistics.median(times)
   a, m = rollouts["adapter"], rollouts["merged"]
   same = np.asarray(a.completions) == np.asarray(m.completions)
   before = np.cumprod(same, axis=1).astype(bool)
@@ -106,6 +110,7 @@ def main(argv=None):
   p.add_argument("--workloads", default="20m,150m")
   p.add_argument("--rank", type=int, default=16)
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--gen-repeats", type=int, default=3, help="timed generate rounds per path (alternating)")
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--samples", type=int, default=4)
   p.add_argument("--new-tokens", type=int, default=32)

@@ -158,7 +158,7 @@ def test_lora_adapter_only_sync_matches_the_merged_push(vllm_runs):
     assert r[f"{name}_tokens"] > 200 and r[f"{name}_max_abs_logp"] < FP32_TOL, r
   assert r["paths_same_tokens"] == 1.0 and r["paths_positions"] > 200 and r["paths_max_abs_logp"] < FP32_TOL, r
   assert r["after_update_vs_old_mean_abs"] > 1.0, r  # the updated adapter is sampled, not the stale one
-  # adapter pushes without the base: faster than the merged push of the same policy (measured 11 vs 35 ms)
+  # adapter pushes without the base: faster than the merged push of the same policy (measured 11 vs 35-84 ms)
   assert np.median(r["adapter_push_s"]) < np.median(r["merged_push_s"]), r
 
 
