@@ -36,6 +36,7 @@ from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import build_model
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import iteration
+from jaxgrpo.rollout.engines.vllm import VLLMEngine
 from jaxgrpo.rollout.environments import MultiTurnConfig, sample_multiturn
 from jaxgrpo.step import train
 from jaxgrpo.tasks import arithmetic, calculator
@@ -98,8 +99,6 @@ def main(argv=None):
   )
   engine = None
   if args.engine == "vllm":  # checked before the warm-up: head_dim, the install
-    from jaxgrpo.rollout.engines.vllm import VLLMEngine
-
     engine = VLLMEngine(model_cfg, max_model_len=512, seed=seed, kv_cache_bytes=128 * 2**20)
   model = build_model(model_cfg, rngs=nnx.Rngs(seed))
   train_rows, eval_rows = calculator.calculator_split(task["train_size"], task["eval_size"], seed=seed)

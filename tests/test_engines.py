@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -259,3 +260,33 @@ def test_the_trainer_builds_a_users_engine_from_the_config_string(tmp_path):
   for r in records:
     assert r["engine/mismatch_k3"] == pytest.approx(K3_OFFSET, rel=1e-4), r
     assert r["engine/push_s"] >= 0 and r["engine/generate_s"] > 0
+
+
+def test_routing_replay_through_vllm_is_refused_for_a_moe_policy_in_one_line():
+  """Issue 35 item 6: vLLM 0.32's CPU build cannot return routed experts (Model Runner V2 needs Triton; checked
+  in its venv by tests/test_engine_vllm.py), so a MoE policy with ``rollout.engine: vllm`` and the default
+  ``routing_replay: rollout`` is one line naming the reason and the fix; ``none``, a dense policy or the
+  built-in sampler pass. Checked on the abstract model (``assemble.check_mesh_fits`` runs it before any weight)."""
+  from jaxgrpo.run import assemble, builders
+
+  moe = {"model.synthetic": {"hidden_size": 128, "num_layers": 1, "num_experts": 4, "experts_per_tok": 2}}
+  with pytest.raises(ValueError) as e:  # a synthetic MoE: refused at load (spec_schema.check_composition)
+    load_config(None, {**moe, "rollout.engine": "vllm", "devices.mesh": ""})
+  ok = load_config(None, {**moe, "rollout.engine": "vllm", "rollout.routing_replay": "none"})
+  abstract, _ = builders.abstract_policy(ok.model)
+  with pytest.raises(ValueError) as e2:  # a model directory's MoE: refused on its abstract config, before weights
+    # (a loaded config with a synthetic MoE cannot hold it: stand in for a model directory's config)
+    assemble.check_engine_policy(
+      SimpleNamespace(rollout=SimpleNamespace(engine="vllm", routing_replay="rollout")), abstract.config
+    )
+  assert str(e2.value) == str(e.value)
+  msg = str(e.value)
+  assert (
+    "\n" not in msg and "`rollout.routing_replay: none`" in msg and "Triton" in msg and "`rollout.engine: vllm`" in msg
+  )
+  assemble.check_engine_policy(
+    load_config(None, {**moe, "rollout.engine": "vllm", "rollout.routing_replay": "none"}), abstract.config
+  )
+  assemble.check_engine_policy(load_config(None, moe), abstract.config)  # the built-in sampler replays
+  dense = load_config(None, {"rollout.engine": "vllm", "model.synthetic": {"hidden_size": 128}})
+  assemble.check_engine_policy(dense, builders.abstract_policy(dense.model)[0].config)

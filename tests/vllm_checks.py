@@ -28,7 +28,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxgrpo.models import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, build_model, lora
+from jaxgrpo.models import (
+  GPT2Config,
+  LlamaConfig,
+  Qwen2Config,
+  Qwen2MoeConfig,
+  Qwen3Config,
+  Qwen3MoeConfig,
+  build_model,
+  lora,
+)
 from jaxgrpo.models.log_probs import completion_log_probs, positions_from_mask
 from jaxgrpo.rollout.engines.vllm import VLLMEngine
 from jaxgrpo.rollout.sampling import SamplingConfig, filter_logits
@@ -44,6 +53,12 @@ def config(family: str, tied: bool):
   if family == "gpt2":
     return GPT2Config(**common, tie_word_embeddings=tied)
   kw = dict(**common, num_kv_heads=1, head_dim=32, intermediate_size=128, tie_word_embeddings=tied)
+  if family == "qwen3_moe":  # 8 experts, top-2, renormalised; layer 0 dense (mlp_only_layers)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    return Qwen3MoeConfig(**kw, **moe, mlp_only_layers=(0,))
+  if family == "qwen2_moe":  # 6 experts, top-2, not renormalised, a gated shared expert
+    moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return Qwen2MoeConfig(**kw, **moe)
   return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](**kw)
 
 
@@ -170,6 +185,8 @@ def one_case(case: dict) -> dict:
   out["tokens"] = int(m.sum())
   out["max_abs_logp"] = float(np.abs(lib - r.log_probs)[m].max())
   out["mean_abs_logp"] = float(np.abs(lib - r.log_probs)[m].mean())
+  log_r = (lib - r.log_probs)[m].astype(np.float64)  # log π/μ: the trainer's engine/mismatch_k3 of these tokens
+  out["mismatch_k3"] = float(np.mean(np.exp(log_r) - log_r - 1))
   logz = logits - np.logaddexp.reduce(logits, -1, keepdims=True)
   out["entropy"] = float(-(np.exp(logz) * logz).sum(-1)[m].mean())
   out["log_vocab"] = float(np.log(V))
@@ -204,7 +221,7 @@ def one_case(case: dict) -> dict:
   out["greedy_max_abs_logp"] = float(np.abs(greedy_logp - greedy.log_probs)[gm].max())
   # an optimizer update, pushed: the engine must follow the new policy (not stale weights or prefix cache)
   t0 = _lap(out, "greedy_library", t0)
-  new = update(model, r)
+  new = update(model, r, lr=case.get("lr", 3e-2))
   t0 = _lap(out, "update", t0)
   engine.push_weights(new)
   out["push2_s"] = engine.push_seconds
@@ -225,6 +242,10 @@ CASES = [
   dict(family="qwen3", tied=False, lora=True),
   dict(family="qwen3", tied=True, temperature=0.7, suppress_ids=()),
   dict(family="qwen2", tied=False, dtype="bfloat16"),
+  # mixtures of experts (issue 35 item 6): the fused-MoE path of vLLM's CPU build, experts through the HF map
+  dict(family="qwen3_moe", tied=True, lr=6e-2),  # at 3e-2 its update moved the samples' log-probs 0.95 nats
+  dict(family="qwen2_moe", tied=False, top_k=20),
+  dict(family="qwen3_moe", tied=False, dtype="bfloat16"),
 ]
 
 
@@ -236,6 +257,89 @@ def families(cases=CASES) -> list[dict]:
     results.append(one_case(c))
     print(f"vllm_checks: {c} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
   return results
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=_OPT0)
+def _update_adapters(graphdef, adapters, rest, prompt_tokens, prompt_mask, completions, mask, lr):
+  opt = optax.adamw(lr)
+
+  def loss(adapters):
+    m = nnx.merge(graphdef, adapters, rest)
+    logp, _ = completion_log_probs(m, prompt_tokens, prompt_mask, completions, mask, chunk_size=None)
+    return -jnp.sum(logp * mask) / jnp.sum(mask)
+
+  grads = jax.grad(loss)(adapters)
+  updates, _ = opt.update(grads, opt.init(adapters), adapters)
+  return optax.apply_updates(adapters, updates)
+
+
+def lora_sync(reps: int = 5) -> dict:
+  """Adapter-only sync (``VLLMEngine(lora_rank=r)``) against the merged push, in one engine: a Qwen3 LoRA
+  policy (rank 4, random B) pushed as adapters, then merged (``lora.merge_lora``, a plain model: the merged
+  path), the same prompts and seeds sampled after each; one AdamW step on the adapters only, pushed as
+  adapters (the base stays: no base push). Every rollout's log-probs vs the library's; push seconds of each
+  path (median of ``reps`` pushes of the same model, the engine's ``push_seconds``)."""
+  cfg = config("qwen3", False)
+  model = random_model(cfg, 3)
+  lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), key=jax.random.key(1))
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+    var.set_value(0.2 * jax.random.normal(jax.random.key(hash(path) % 2**31), var.get_value().shape))
+  settings = SamplingConfig(num_samples=4, max_new_tokens=24, eos_ids=(1,), pad_id=0)
+  tokens, mask = prompts(3)
+  engine = VLLMEngine(cfg, lora_rank=4, kv_cache_bytes=64 * 2**20)
+  out = {}
+
+  def sample_and_compare(name, policy):
+    r = engine.generate(tokens, mask, settings, key=jax.random.key(7)).rollout
+    lib, _ = library(policy, r, 1.0)
+    m = np.asarray(r.mask)
+    out[f"{name}_max_abs_logp"] = float(np.abs(lib - r.log_probs)[m].max())
+    out[f"{name}_tokens"] = int(m.sum())
+    return r
+
+  engine.push_weights(model)
+  out["first_adapter_push_s"] = engine.push_seconds  # the base and the adapters
+  out["adapter_request"] = engine._lora_request is not None
+  r_adapter = sample_and_compare("adapter", model)
+  engine.lora_rank = None  # this engine's merged path: push_weights merges the LoRA policy (lora.merge_lora)
+  engine.push_weights(model)
+  out["merged_request"] = engine._lora_request is not None
+  r_merged = sample_and_compare("merged", model)
+  same = np.asarray(r_adapter.completions) == np.asarray(r_merged.completions)
+  both = np.asarray(r_adapter.mask) & np.asarray(r_merged.mask)
+  out["paths_same_tokens"] = float(same[both].mean())
+  first = np.cumprod(same | ~both, axis=1).astype(bool) & both  # positions before the first differing token
+  out["paths_max_abs_logp"] = float(
+    np.abs(np.asarray(r_adapter.log_probs) - np.asarray(r_merged.log_probs))[first].max()
+  )
+  out["paths_positions"] = int(first.sum())
+  merged_s = []
+  for _ in range(reps):
+    engine.push_weights(model)
+    merged_s.append(engine.push_seconds)
+  engine.lora_rank = 4
+  # an update of the adapters only: the adapter push leaves the base in vLLM (after the merged pushes above,
+  # its first push re-sends the base; the timed ones after it do not)
+  graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+  r = r_adapter
+  new = nnx.merge(
+    graphdef,
+    _update_adapters(graphdef, adapters, rest, r.prompt_tokens, r.prompt_mask, r.completions, r.mask, 3e-2),
+    rest,
+  )
+  engine.push_weights(new)
+  out["adapter_push_after_merged_s"] = engine.push_seconds
+  adapter_s = []
+  for _ in range(reps):
+    engine.push_weights(new)
+    adapter_s.append(engine.push_seconds)
+  r_new = sample_and_compare("after_update", new)
+  lib_old, _ = library(model, r_new, 1.0)
+  out["after_update_vs_old_mean_abs"] = float(np.abs(lib_old - r_new.log_probs)[np.asarray(r_new.mask)].mean())
+  out["merged_push_s"] = merged_s
+  out["adapter_push_s"] = adapter_s
+  engine.close()
+  return out
 
 
 def engine_api() -> dict:

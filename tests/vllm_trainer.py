@@ -11,6 +11,7 @@ one JAX start-up); each part's result, or its traceback, under its name.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -76,11 +77,85 @@ def learn(path=None):
   return {"learn": records, "resumed": resumed}
 
 
+MOE = {  # a Qwen3-MoE synthetic model (4 experts, top-2, width 128) through vLLM, TIS on
+  "model.synthetic": {"hidden_size": 128, "num_layers": 2, "num_experts": 4, "experts_per_tok": 2},
+  "data.arithmetic": {"train_size": 200, "eval_size": 8, "sft_steps": 300, "sft_noise": 0.7, "max_operand": 9},
+  "rollout.group_size": 8,
+  "rollout.prompts_per_step": 4,
+  "rollout.max_new_tokens": 16,
+  "optim.learning_rate": 2e-4,
+  "eval.samples": 1,
+  "run.steps": 2,
+}
+
+
+def moe(path=None):
+  """Issue 35 item 6: a MoE policy trained two steps through vLLM with ``rollout.routing_replay: none``
+  (every step's engine metrics), and the one-line refusal of ``routing_replay: rollout`` (the default) with
+  vLLM, raised before any weight is read."""
+  out = tempfile.mkdtemp()
+  log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  try:
+    Trainer(cfg(out, **MOE), log=log)
+    refusal = None
+  except ValueError as e:
+    refusal = str(e)
+  trainer = Trainer(cfg(out, **MOE, **{"rollout.routing_replay": "none"}), log=log)
+  records = trainer.run()
+  trainer.close()
+  return {"records": records, "refusal": refusal}
+
+
+def compose(path=None):
+  """Issue 35.8: an environment through vLLM, one step off, with dynamic sampling (every turn's ids to the engine,
+  the producer's published version pushed; test_trainer_env's SecondChance at width 128): two steps with a
+  checkpoint of step 1 in memory, then a new Trainer (a new engine) restoring it and running step 2 — the
+  ledgers must agree (every prompt once, in order)."""
+  import jax
+  import jax.numpy as jnp
+  from test_trainer_env import ENV
+
+  out = tempfile.mkdtemp()
+  log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  changes = {
+    **ENV,
+    "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0},
+    "rollout.group_size": 4,
+    "rollout.prompts_per_step": 2,
+    "rollout.max_staleness": 1,
+    "objective.dynamic_sampling": True,
+    "rollout.dynamic_sampling_max_rounds": 2,
+    "optim.learning_rate": 3e-2,
+    "checkpoint.every": 1,
+    "run.steps": 2,
+  }
+  saved = {}
+
+  def save(snap, run):
+    saved[int(snap.step)] = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, snap)
+
+  trainer = Trainer(cfg(out + "/a", **changes), log=log, checkpoint_fn=save)
+  records = trainer.run(handle_signals=False)
+  trainer.close()
+  trainer = Trainer(cfg(out + "/b", **changes), log=log, restore_fn=lambda run, template: saved[1])
+  resumed = trainer.run(handle_signals=False)
+  trainer.close()
+  ledger = lambda d: [json.loads(x) for x in open(os.path.join(d, "rollouts.jsonl"))]  # noqa: E731
+  return {"records": records, "resumed": resumed, "ledger": ledger(out + "/a"), "resumed_ledger": ledger(out + "/b")}
+
+
 def run_all(path=None):
   import vllm_checks
 
   result = {}
-  parts = (("families", vllm_checks.families), ("engine_api", vllm_checks.engine_api), ("learn", learn))
+  parts = (
+    ("families", vllm_checks.families),
+    ("engine_api", vllm_checks.engine_api),
+    ("lora_sync", vllm_checks.lora_sync),
+    ("moe", moe),
+    ("compose", compose),
+    ("learn", learn),
+  )
   for name, part in parts:
     try:
       result[name] = part()
@@ -92,6 +167,6 @@ def run_all(path=None):
 
 if __name__ == "__main__":
   check, path = sys.argv[1], sys.argv[2]
-  result = {"learn": learn, "all": run_all}[check](path)
+  result = {"learn": learn, "moe": moe, "compose": compose, "all": run_all}[check](path)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)

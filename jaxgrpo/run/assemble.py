@@ -28,7 +28,7 @@ from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
-from jaxgrpo.run.spec_schema import RewardSourceSpec, check_composition
+from jaxgrpo.run.spec_schema import VLLM_ROUTING_REPLAY_ERROR, RewardSourceSpec, check_composition
 from jaxgrpo.run.specs import TrainerConfig
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
   "sampling_config",
   "engine_sampling",
   "start_engine",
+  "check_engine_policy",
   "rollout_source",
   "schedule",
 ]
@@ -71,6 +72,7 @@ def check_mesh_fits(cfg: TrainerConfig, mesh) -> None:
     if cfg.model.path is not None:
       builders.check_chat_template(tokenizer, cfg.model)
     builders.check_lengths(cfg, abstract.config)
+    check_engine_policy(cfg, abstract.config)
   splits = step.micro_batches * step.mini_batches
   if rows % splits:
     raise ValueError(
@@ -224,6 +226,14 @@ def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingCon
   return dataclasses.replace(sampling, record_routing=False, **({"suppress_ids": ()} if vllm_tau else {}))
 
 
+def check_engine_policy(cfg: TrainerConfig, model_config) -> None:
+  """What the engine cannot do for this policy, one line each, before any weight is read (the model's
+  config is known): routing replay of a MoE policy through vLLM (:data:`VLLM_ROUTING_REPLAY_ERROR`)."""
+  roll = cfg.rollout
+  if roll.engine == "vllm" and roll.routing_replay == "rollout" and hasattr(model_config, "num_experts"):
+    raise ValueError(VLLM_ROUTING_REPLAY_ERROR)
+
+
 def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
   """The engine of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory (``package.module:callable``,
   called with the keywords ``config`` — the policy's model config —, ``max_model_len``, ``temperature`` and
@@ -232,6 +242,7 @@ def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
   roll, temperature = cfg.rollout, cfg.step.temperature
   if roll.engine == "jax":
     return None
+  check_engine_policy(cfg, model.config)
   if cfg.env is None:
     max_len = prompt_len + roll.max_new_tokens
   else:  # every turn sends prompt ‖ trajectory: the prompt, the trajectory's budget and one more turn
@@ -240,6 +251,7 @@ def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
   settings = dict(max_model_len=max_len, seed=cfg.run.seed)
   if roll.engine == "vllm":
     v = roll.vllm
+    lora_sync = cfg.lora is not None and v.lora_sync  # adapter-only pushes (merged otherwise)
     engine = vllm_engine.VLLMEngine(
       model.config,
       dtype=v.dtype,
@@ -248,6 +260,7 @@ def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
       max_num_seqs=v.max_num_seqs,
       enforce_eager=v.enforce_eager,
       logprobs_temperature=temperature,
+      lora_rank=cfg.lora.rank if lora_sync else None,
       **settings,
     )
   else:

@@ -177,6 +177,9 @@ class VLLMSpec:
       ``XLA_PYTHON_CLIENT_MEM_FRACTION`` + this < 1).
     max_num_seqs: the most sequences vLLM decodes at once.
     enforce_eager: no torch.compile / CUDA graphs (faster start-up, slower decoding on a GPU).
+    lora_sync: a LoRA run pushes only the adapters (vLLM's LoRA support; the base weights once) instead of the
+      merged weights. Off by default: on the CPU build vLLM's LoRA decoding is 1.7-3.3x slower than decoding
+      merged weights, more than the cheaper push saves (BENCHMARKS.md, "LoRA into vLLM").
   """
 
   dtype: str = "float32"
@@ -184,6 +187,7 @@ class VLLMSpec:
   gpu_memory_utilization: float = 0.3
   max_num_seqs: int = 256
   enforce_eager: bool = True
+  lora_sync: bool = False
 
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -191,6 +195,7 @@ class VLLMSpec:
     _ints("rollout.vllm", self, ("kv_cache_bytes", "max_num_seqs"))
     _float("rollout.vllm", self, "gpu_memory_utilization", above=0.0, at_most=1.0)
     _checks.check_python_bool(self.enforce_eager, "rollout.vllm.enforce_eager")
+    _checks.check_python_bool(self.lora_sync, "rollout.vllm.lora_sync")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -582,12 +587,24 @@ def _plain(x):
   return x
 
 
+#: why ``rollout.routing_replay: rollout`` is refused with vLLM (a MoE policy only; measured without it:
+#: docs/sampling.md, "Engines").
+VLLM_ROUTING_REPLAY_ERROR = (
+  "`rollout.routing_replay: rollout` with `rollout.engine: vllm` and a mixture-of-experts policy: vLLM 0.32 "
+  "returns routed experts only from its Model Runner V2 (`enable_return_routed_experts`), which needs Triton, "
+  "absent from its CPU build; set `rollout.routing_replay: none` (each pass then routes by its own top-k)"
+)
+
+
 def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   """Every combination of options a run refuses, one line each, in one place: at load (``TrainerConfig``,
   one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
   A combination is refused for a physical reason or because it is not built yet (said so); composing the
   rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind."""
   roll = cfg.rollout
+  synthetic_moe = cfg.model.synthetic is not None and getattr(cfg.model.synthetic, "num_experts", 0)
+  if roll.engine == "vllm" and roll.routing_replay == "rollout" and synthetic_moe:  # physical (the CPU build)
+    raise ValueError(VLLM_ROUTING_REPLAY_ERROR)
   if roll.engine == "vllm" and cfg.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):  # physical
     raise ValueError(
       f"`rollout.engine: vllm` with `step.temperature`={cfg.step.temperature} != 1 cannot report full-vocabulary "

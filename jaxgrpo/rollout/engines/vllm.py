@@ -4,7 +4,11 @@
 checkpoint on disk, no copy of the weights besides vLLM's own); :meth:`~VLLMEngine.push_weights`
 sends every parameter through the exporters' name map (``jaxgrpo.models.hf.hf_entries``; a LoRA
 policy merged, NumPy views on CPU) into vLLM's ``reload_weights``, then repacks a tied LM head and
-resets the prefix cache (without either, the engine samples from stale weights).
+resets the prefix cache (without either, the engine samples from stale weights). Qwen3-MoE / Qwen2-MoE
+policies go the same way (one HF tensor per expert, ``...mlp.experts.{e}.gate_proj.weight``, into vLLM's fused-MoE
+layers); on CPU their experts are re-prepacked after every push (:func:`_repack_cpu_experts`: vLLM 0.32 skips
+that step on a weight update). With ``lora_rank`` a LoRA policy is synced as adapters only (a PEFT directory
+and a ``LoRARequest``; the base only when its fingerprint changed) instead of merged.
 :meth:`~VLLMEngine.generate` takes token ids (``int32[B, P]``, ``bool[B, P]``) and returns N = B·G
 rows, one request per row with a seed drawn from ``key`` (a key gives the same rollout for the same
 weights). ``Generation.rollout.log_probs`` follow ``jaxgrpo.rollout.sampling.generate``'s contract,
@@ -32,8 +36,10 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
+import typing
 import warnings
 from typing import Iterator
 
@@ -44,7 +50,8 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo.models import lora
-from jaxgrpo.models.hf import hf_entries
+from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
+from jaxgrpo.models.hf import StackedEntry, hf_entries
 from jaxgrpo.rollout.engines.base import FINISH_REASONS, Generation
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling
 
@@ -68,6 +75,8 @@ ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
+  "qwen3_moe": "Qwen3MoeForCausalLM",
+  "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 _SUPPRESS_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
@@ -100,6 +109,21 @@ def check_head_size(config, on_gpu: bool) -> None:
       f"`config.head_dim`={config.head_dim} (hidden_size {config.hidden_size} / num_heads {config.num_heads} "
       f"unless set): vLLM's CPU attention supports head sizes {list(sizes)}; pick a model config with one of them"
     )
+
+
+def check_moe_sizes(config, on_gpu: bool) -> None:
+  """ValueError naming ``moe_intermediate_size`` / ``hidden_size`` when a MoE policy's expert sizes are not
+  multiples of 32 on CPU: vLLM's CPU grouped-gemm experts need the hidden size in multiples of 32 and pad the
+  expert width to one, and the push's repack (:func:`_repack_cpu_experts`) re-lays unpadded experts only."""
+  if on_gpu or not isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig)):
+    return
+  for name in ("moe_intermediate_size", "hidden_size"):
+    value = getattr(config, name)
+    if value % 32:
+      raise ValueError(
+        f"`config.{name}`={value}: vLLM's CPU fused-MoE kernel (pushed weights re-laid by the engine) needs "
+        f"{name} a multiple of 32; pick a model config with one"
+      )
 
 
 class ExpectedVLLMWarnings:
@@ -169,7 +193,12 @@ def hf_weights(model, *, on_host: bool | None = None) -> Iterator[tuple[str, obj
   pieces: dict[str, list] = {}
   for e in entries:
     value = flat[e.path].get_value()
-    pieces.setdefault(e.hf_name, []).append(e.to_hf(np.asarray(value) if on_host else value))
+    value = np.asarray(value) if on_host else value
+    if isinstance(e, StackedEntry):  # MoE experts [E, ...]: one HF tensor per expert, a view of slice e
+      for name, v in zip(e.hf_names, value):
+        pieces[name] = [e.to_hf(v)]
+      continue
+    pieces.setdefault(e.hf_name, []).append(e.to_hf(value))
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     for name, parts in pieces.items():
@@ -188,11 +217,56 @@ def _repack_lm_head(model) -> None:
     method.process_weights_after_loading(head)
 
 
+def _cpu_experts(layer):
+  """The CPU grouped-gemm experts kernel of a fused-MoE layer (vLLM's ``CPUUnquantizedExperts``: it has an
+  ``isa`` and prepacks its weights), or None for any other layer / backend."""
+  kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+  experts = getattr(kernel, "fused_experts", None)
+  if experts is None or not isinstance(getattr(experts, "isa", None), str) or getattr(experts, "_use_zentorch", True):
+    return None
+  return experts
+
+
+def _repack_cpu_experts(model) -> int:
+  """Prepack every CPU fused-MoE layer's just-reloaded ``w13_weight`` / ``w2_weight`` in place; the number of
+  layers repacked.
+
+  vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel`` prepacks the experts into the CPU kernel's
+  grouped-gemm layout (``fused_experts.process_weights_after_loading``) only on the first load: on a weight
+  update (``moe_kernel`` already built) it copies the checkpoint-layout tensors into the parameters and skips
+  the prepack, so the kernel reads unpacked weights as packed ones (log-probs ~10 nats off after the first
+  push). This runs the same prepack (``vllm._custom_ops.cpu_prepack_moe_weight``, the kernel's ``isa``) on
+  them, which is what the first load computes from the same tensors (checked bit for bit)."""
+  from vllm._custom_ops import cpu_prepack_moe_weight
+
+  count = 0
+  for layer in model.modules():
+    experts = _cpu_experts(layer)
+    if experts is None or not hasattr(layer, "w13_weight"):
+      continue
+    for name in ("w13_weight", "w2_weight"):
+      w = getattr(layer, name)
+      w.data.copy_(cpu_prepack_moe_weight(w.data, experts.isa))
+    count += 1
+  return count
+
+
+def _vllm_lora_rank(rank: int) -> int:
+  """The smallest ``max_lora_rank`` vLLM accepts (its ``MaxLoRARanks``) that holds ``rank``."""
+  from vllm.config.lora import MaxLoRARanks
+
+  allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+  fits = [r for r in allowed if r >= rank]
+  if not fits:
+    raise ValueError(f"`lora_rank`={rank}: vLLM's LoRA takes ranks up to {allowed[-1]}; push merged (lora_rank=None)")
+  return fits[0]
+
+
 class VLLMEngine:
   """vLLM in this process, sampling from the weights last pushed (see the module docstring).
 
   Args:
-    config: the policy's model config (``model.config``; the four dense families).
+    config: the policy's model config (``model.config``): GPT-2, Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE.
     dtype: vLLM's compute and weight dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     max_model_len: the longest prompt + completion (default: ``config.max_position_embeddings``).
     kv_cache_bytes: the KV cache size in bytes (CPU; default 256 MiB). None on a GPU: ``gpu_memory_utilization``.
@@ -202,6 +276,10 @@ class VLLMEngine:
     logprobs_temperature: the temperature of the reported log-probs, fixed when vLLM starts: every
       :meth:`generate` with ``temperature`` > 0 must use this one (the trainer passes ``step.temperature``).
     seed: vLLM's global seed (each request has its own seed from ``generate``'s key).
+    lora_rank: the policy's LoRA rank ``r``: vLLM starts with LoRA enabled (``enable_lora``, ``max_loras=1``,
+      ``max_lora_rank`` the smallest rank vLLM allows ≥ r, 3r for GPT-2's fused ``c_attn``) and
+      :meth:`push_weights` syncs a LoRA policy's adapters only (a PEFT directory loaded as a ``LoRARequest``;
+      the base weights only when they changed). None (default): a LoRA policy is pushed merged.
     model: optional: push these weights at once.
   """
 
@@ -220,6 +298,7 @@ class VLLMEngine:
     enforce_eager: bool = True,
     logprobs_temperature: float = 1.0,
     seed: int = 0,
+    lora_rank: int | None = None,
     model=None,
   ):
     family = getattr(config, "model_type", None)
@@ -232,11 +311,19 @@ class VLLMEngine:
     check_installed()
     self.on_gpu = any(d.platform == "gpu" for d in jax.devices())
     check_head_size(config, self.on_gpu)
+    check_moe_sizes(config, self.on_gpu)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     ExpectedVLLMWarnings.install()
     from vllm import LLM
 
     self.config = config
+    self.moe = isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig))
+    if lora_rank is not None:
+      lora_rank = _checks.check_python_int(lora_rank, "lora_rank", minimum=1, hint="the policy's LoRA rank r")
+    self.lora_rank = lora_rank
+    self._lora_request = None  # the adapter of the last adapter-only push
+    self._lora_version = 0
+    self._base_fingerprint = None  # lora.base_fingerprint of the base weights in vLLM (adapter-only sync)
     self.max_model_len = int(max_model_len or config.max_position_embeddings)
     self._dir = tempfile.TemporaryDirectory(prefix="jaxgrpo-vllm-")
     hf = config.to_hf()
@@ -256,6 +343,10 @@ class VLLMEngine:
       enable_prefix_caching=True,
       logprobs_mode="raw_logprobs" if self.logprobs_temperature == 1.0 else "processed_logprobs",
     )
+    if lora_rank is not None:
+      kw.update(
+        enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank * (3 if family == "gpt2" else 1))
+      )
     if self.on_gpu:
       kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
     else:
@@ -279,6 +370,16 @@ class VLLMEngine:
     if self.asleep:
       raise RuntimeError("push_weights: the engine's memory is released; call reacquire_memory() first")
     t0 = time.perf_counter()
+    if self.lora_rank is not None and lora.has_adapters(model):
+      self._push_adapters(model)
+    else:
+      self._lora_request = self._base_fingerprint = None
+      self._reload(model)
+    self.llm.reset_prefix_cache()
+    self.push_seconds = time.perf_counter() - t0
+
+  def _reload(self, model) -> None:
+    """All of ``model``'s weights (a LoRA policy merged) into vLLM's parameters, then the CPU repacks."""
     weights = hf_weights(model, on_host=not self.on_gpu)
     ExpectedVLLMWarnings.tied_push = bool(self.config.tie_word_embeddings)
     try:
@@ -287,8 +388,31 @@ class VLLMEngine:
       ExpectedVLLMWarnings.tied_push = False
     if self.config.tie_word_embeddings:
       self.llm.apply_model(_repack_lm_head)
-    self.llm.reset_prefix_cache()
-    self.push_seconds = time.perf_counter() - t0
+    if self.moe and not self.on_gpu:
+      self.llm.apply_model(_repack_cpu_experts)
+
+  def _push_adapters(self, model) -> None:
+    """Adapter-only sync: the base weights (``lora.base_model``, dequantised) when their fingerprint changed,
+    then the adapters as a PEFT directory (``lora.save_peft``) loaded into vLLM now as a new ``LoRARequest``
+    (the previous one removed): every later :meth:`generate` samples base + adapters."""
+    from vllm.lora.request import LoRARequest
+
+    fingerprint = lora.base_fingerprint(model)
+    if fingerprint != self._base_fingerprint:
+      self._base_fingerprint = None
+      self._reload(lora.base_model(model))
+      self._base_fingerprint = fingerprint
+    self._lora_version += 1
+    path = os.path.join(self._dir.name, f"adapter-{self._lora_version}")
+    lora.save_peft(model, path)
+    request = LoRARequest(f"jaxgrpo-policy-{self._lora_version}", self._lora_version, path)
+    engine = self.llm.llm_engine
+    if not engine.add_lora(request):
+      raise RuntimeError(f"push_weights: vLLM did not load the adapter directory {path}")
+    previous, self._lora_request = self._lora_request, request
+    if previous is not None:
+      engine.remove_lora(previous.lora_int_id)
+      shutil.rmtree(previous.lora_path, ignore_errors=True)
 
   def release_memory(self) -> None:
     """GPU: vLLM's sleep mode, level 1 (weights to host memory, KV cache freed). CPU: the prefix cache is
@@ -310,8 +434,8 @@ class VLLMEngine:
     self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key: jax.Array, temperature: float = 1.0
   ) -> Generation:
     """G completions per prompt from vLLM (the arguments of :func:`jaxgrpo.rollout.sampling.generate`;
-    ``sampling.merge_lora`` is moot, :meth:`push_weights` merges a LoRA policy; ``sampling.record_routing``
-    is refused: vLLM records no expert routing).
+    ``sampling.merge_lora`` is moot, :meth:`push_weights` merges a LoRA policy or syncs its adapters;
+    ``sampling.record_routing`` is refused: vLLM 0.32's CPU build cannot return the routed experts).
 
     Returns:
       :class:`~jaxgrpo.rollout.engines.base.Generation`: a NumPy ``Rollout`` (``num_steps`` = the longest
@@ -325,8 +449,9 @@ class VLLMEngine:
     check_sampling(sampling, "VLLMEngine.generate")
     if sampling.record_routing:
       raise ValueError(
-        "VLLMEngine.generate: `sampling.record_routing=True` needs the built-in sampler (vLLM records no expert "
-        "routing); pass a SamplingConfig with record_routing=False"
+        "VLLMEngine.generate: `sampling.record_routing=True` needs the built-in sampler (vLLM 0.32 returns routed "
+        "experts only from its Model Runner V2, which needs Triton, absent from its CPU build); pass a "
+        "SamplingConfig with record_routing=False"
       )
     tokens, mask = _checks.check_prompts(prompt_tokens, prompt_mask)
     tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
@@ -389,7 +514,7 @@ class VLLMEngine:
           detokenize=False,
         )
       )
-    outputs = self.llm.generate(prompts, params, use_tqdm=False)
+    outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
     comps = np.full((b * g, t), pad_id, np.int32)
     logps = np.zeros((b * g, t), np.float32)
     lengths = np.zeros(b * g, np.int32)
