@@ -13,14 +13,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import train_main_here
 from jax.sharding import AbstractMesh
-from test_trainer import tiny
+from test_trainer import ROOT, tiny
 from test_trainer_env import _memory_checkpoints, _params
 
 from jaxgrpo.rewards.reward_model import (
@@ -67,6 +69,18 @@ def test_a_reward_model_batch_must_split_over_the_mesh():
   mesh = AbstractMesh((1, 2, 1), ("data", "fsdp", "tensor"))
   with pytest.raises(ValueError, match=r"reward.sources\['rm'\].batch_size` must be a multiple .* = 2\).*got 3"):
     assemble.reward_source(spec, mesh=mesh)  # refused before the folder is read
+
+
+def test_the_demo_config_without_its_reward_model_is_one_error_line(tmp_path, capfd):
+  missing = str(tmp_path / "no_rm")
+  argv = ["--config", os.path.join(ROOT, "scripts", "configs", "demo_rm.yaml"), "--run.out", str(tmp_path / "run")]
+  argv += ["--reward.sources", f"[{{name: rm, kind: reward_model, path: {missing}}}]"]
+  with pytest.raises(BaseException) as e:
+    train_main_here(argv)
+  assert getattr(e.value, "code", None) == 2, e.value
+  r = capfd.readouterr()
+  assert "resolved config" not in r.out  # before anything is built (the warm-up)
+  assert f"`reward.sources['rm'].path`: no such file or directory: {missing}" in r.err, r.err[-2000:]
 
 
 @pytest.mark.slow
