@@ -238,15 +238,16 @@ class CliExit(SystemExit):
 
 
 def _check_local_files(cfg) -> None:
-  """Exit 2 with one line when ``data.dataset``, ``eval.dataset`` or ``model.path`` names a local path (a
-  path, not a hub id: ``jaxgrpo.data``'s rule) that does not exist — checked before anything is printed
-  or built; what the files hold is checked where they are read."""
+  """Exit 2 with one line when ``data.dataset``, ``eval.dataset``, ``model.path`` or a ``reward.sources`` path
+  names a local path (a path, not a hub id: ``jaxgrpo.data``'s rule) that does not exist — checked before
+  anything is printed or built; what the files hold is checked where they are read."""
 
   model_path = cfg.model.path
   for field, source in (
     ("data.dataset", cfg.data.dataset),
     ("eval.dataset", cfg.eval.dataset),
     ("model.path", model_path),
+    *((f"reward.sources[{s.name!r}].path", s.path) for s in cfg.reward.sources if s.path),
   ):
     if source and data_lib._looks_local(source) and not os.path.exists(os.path.expanduser(source)):
       _fail(2, f"error: config field `{field}`: no such file or directory: {source}")

@@ -90,7 +90,7 @@ def _options(help_text: str) -> dict[str, str]:
   return entries
 
 
-@pytest.mark.parametrize("name", ["multiturn_demo", "binary_tree", "export_hf", "eval", "train"])
+@pytest.mark.parametrize("name", ["multiturn_demo", "binary_tree", "export_hf", "eval", "train", "train_reward_model"])
 def test_every_flag_has_one_help_text(name):
   options = _options(_help_of(name))
   assert "-h" in options and len(options) > 2, options
@@ -115,7 +115,7 @@ def test_the_torch_banner_is_silenced():
     assert r.returncode == 0, r.stderr[-2000:]
     assert ("PyTorch was not found" in r.stderr) == shown, r.stderr[-2000:]
   # every script installs it before its first import of jaxgrpo beyond script_io (which imports transformers)
-  for name in ("train", "eval", "export_hf", "multiturn_demo"):
+  for name in ("train", "eval", "export_hf", "multiturn_demo", "train_reward_model"):
     src = open(os.path.join(ROOT, "scripts", f"{name}.py")).read()
     first = min(m.start() for m in re.finditer(r"^from jaxgrpo(?!\.tasks import script_io)", src, re.M))
     assert 0 <= src.find("script_io.hide_torch_banner()") < first, name

@@ -20,6 +20,7 @@ is skipped the same way, so the scores are the ones the model was trained to giv
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from safetensors.numpy import load_file, save_file
 
 from jaxgrpo import _checks
 from jaxgrpo.data.rewards import CountingReward
@@ -47,13 +49,23 @@ from jaxgrpo.models.hf import (
   hf_entries,
   load_tokenizer,
   logical_to_spec,
+  save_hf,
   stack_layer_entries,
 )
 from jaxgrpo.models.layers import dense, param
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.sharding import DEFAULT_RULES
 
-__all__ = ["RewardModel", "RewardModelReward", "last_token_index", "load_reward_model", "SCORE_HEAD"]
+__all__ = [
+  "RewardModel",
+  "RewardModelReward",
+  "last_token_index",
+  "load_reward_model",
+  "save_reward_model",
+  "encode_row",
+  "parameter_bytes",
+  "SCORE_HEAD",
+]
 
 #: The classifier head's tensor name in a transformers checkpoint (``GenericForSequenceClassification.score``).
 SCORE_HEAD = "score.weight"
@@ -278,6 +290,56 @@ def load_reward_model(
   return model
 
 
+def save_reward_model(model: RewardModel, path: str | os.PathLike, tokenizer=None) -> None:
+  """Write ``model`` as a Hugging Face ``<Family>ForSequenceClassification`` folder that
+  ``transformers.AutoModelForSequenceClassification`` and :func:`load_reward_model` read: the decoder's
+  tensors (``jaxgrpo.models.save_hf``: ``model.*``, no LM head), ``score.weight [num_labels, D]`` and a
+  ``config.json`` with the classifier's ``architectures``, ``num_labels`` and ``pad_token_id``; ``tokenizer``
+  (when given) saved beside them. Parameters are gathered to the host (single-process)."""
+  if not isinstance(model, RewardModel):
+    raise TypeError(f"`model` must be a RewardModel; got {type(model).__name__}")
+  path = os.fspath(path)
+  save_hf(model.model, path)
+  weights = os.path.join(path, "model.safetensors")
+  tensors = load_file(weights)
+  tensors[SCORE_HEAD] = np.ascontiguousarray(np.asarray(jax.device_get(model.score_head[...])).T)
+  save_file(tensors, weights, metadata={"format": "pt"})
+  raw = _config_json(path)
+  raw["architectures"] = [raw["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+  raw["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
+  raw["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
+  raw["pad_token_id"] = model.pad_token_id
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(raw, f, indent=2, sort_keys=True)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(path)
+
+
+def parameter_bytes(model: nnx.Module) -> tuple[int, int]:
+  """``(total, per_device)``: the bytes of ``model``'s parameters, and the most any one device holds (its
+  shards: the total divided by the shards of each sharded tensor; a replicated tensor counts in full)."""
+  total, per_device = 0, collections.Counter()
+  for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    total += x.size * x.dtype.itemsize
+    for shard in x.addressable_shards:
+      per_device[shard.device] += shard.data.size * x.dtype.itemsize
+  return int(total), int(max(per_device.values(), default=0))
+
+
+def encode_row(tokenizer, prompt: Any, completion: str) -> list[int]:
+  """The token ids a :class:`RewardModelReward` scores for one row: ``tokenizer``'s chat template over
+  ``[user: prompt, assistant: completion]`` (a prompt that is a message list is used as it is), else
+  ``prompt + completion`` with the tokenizer's special tokens. Train a reward model on rows encoded this way."""
+  if getattr(tokenizer, "chat_template", None):
+    messages = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": str(prompt)}]
+    messages.append({"role": "assistant", "content": completion})
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+  if isinstance(prompt, (list, tuple)):
+    raise TypeError("a prompt given as a message list needs a tokenizer with a chat template")
+  return list(tokenizer(str(prompt) + completion)["input_ids"])
+
+
 def _bucket(n: int, multiple: int, cap: int) -> int:
   return min(cap, -(-max(n, 1) // multiple) * multiple)
 
@@ -337,16 +399,8 @@ class RewardModelReward(CountingReward):
     self.__name__ = name
 
   def encode(self, prompt: Any, completion: str) -> list[int]:
-    """The token ids of one row (see the class docstring)."""
-    tok = self.tokenizer
-    if getattr(tok, "chat_template", None):
-      messages = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": str(prompt)}]
-      messages.append({"role": "assistant", "content": completion})
-      text = tok.apply_chat_template(messages, tokenize=False)
-      return list(tok(text, add_special_tokens=False)["input_ids"])
-    if isinstance(prompt, (list, tuple)):
-      raise TypeError("a prompt given as a message list needs a tokenizer with a chat template")
-    return list(tok(str(prompt) + completion)["input_ids"])
+    """The token ids of one row (:func:`encode_row` with the reward model's tokenizer)."""
+    return encode_row(self.tokenizer, prompt, completion)
 
   def score_ids(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
     """``f32[N]`` rewards of already tokenized rows (the ``label`` output of the head)."""

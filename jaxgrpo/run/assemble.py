@@ -12,8 +12,10 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.models import load_hf, load_tokenizer, moe
@@ -145,27 +147,40 @@ def build_data(cfg: TrainerConfig, tokenizer, model_config) -> DataParts:
   return DataParts(sets.train, sets.train_examples, sets.eval, sets.eval_examples, sets.prompt_len)
 
 
-def build_rewards(cfg: TrainerConfig, reward_fns=None) -> tuple[rewards_lib.MathAccuracy, rewards_lib.RewardSet]:
+def build_rewards(
+  cfg: TrainerConfig, reward_fns=None, *, mesh=None
+) -> tuple[rewards_lib.MathAccuracy, rewards_lib.RewardSet]:
   """``(accuracy, reward_set)``: the verifier (also the evaluation's) and the weighted reward functions —
   ``reward_fns`` ``{name: (fn, weight)}``, else ``reward.weights`` over ``accuracy`` and ``format``; plus the
-  learned and remote rewards of ``reward.sources`` (:func:`reward_sources`)."""
+  learned and remote rewards of ``reward.sources`` (:func:`reward_sources`; its reward models on ``mesh``,
+  the trainer's: beside the policy)."""
   accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
   if reward_fns is None:
     table = {"accuracy": accuracy, "format": rewards_lib.format_reward}
     reward_fns = {name: (table[name], float(w)) for name, w in cfg.reward.weights.items()}
-  sources = reward_sources(cfg)
+  sources = reward_sources(cfg, mesh=mesh)
   clash = sorted(set(sources) & set(reward_fns))
   if clash:
     raise ValueError(f"`reward.sources` names {clash} are also names of `reward_fns`; rename the sources")
   return accuracy, rewards_lib.RewardSet({**reward_fns, **sources}, on_error=cfg.reward.on_error)
 
 
-def reward_source(spec: RewardSourceSpec):
-  """The reward function of one ``reward.sources`` entry (``jaxgrpo.rewards``): a reward model on the default
-  device, a judge model run by the built-in engine, or a reward service."""
+def reward_source(spec: RewardSourceSpec, *, mesh=None):
+  """The reward function of one ``reward.sources`` entry (``jaxgrpo.rewards``): a reward model (its parameters
+  sharded over ``mesh`` by the policy's rules, ``DEFAULT_RULES``; None: the default device), a judge model run
+  by the built-in engine on the default device, or a reward service.
+
+  Raises:
+    ValueError: a reward model's ``batch_size`` that does not split over ``mesh``'s batch axes (data × fsdp)."""
   dtype = jnp.dtype(spec.dtype)
   if spec.kind == "reward_model":
-    return reward_model.RewardModelReward(spec.path, batch_size=spec.batch_size, name=spec.name, dtype=dtype)
+    mesh = _process_mesh(mesh)
+    if mesh is not None and spec.batch_size % shd.batch_shards(mesh):
+      raise ValueError(
+        f"`reward.sources[{spec.name!r}].batch_size` must be a multiple of the mesh's batch shards (data × fsdp = "
+        f"{shd.batch_shards(mesh)}): the reward model scores its batches on the policy's mesh; got {spec.batch_size}"
+      )
+    return reward_model.RewardModelReward(spec.path, batch_size=spec.batch_size, name=spec.name, dtype=dtype, mesh=mesh)
   if spec.kind == "judge":
     kw = {k: v for k, v in (("template", spec.template), ("rubric", spec.rubric)) if v is not None}
     engine = BuiltinEngine(load_hf(spec.path, dtype=dtype, param_dtype=dtype))
@@ -188,9 +203,18 @@ def reward_source(spec: RewardSourceSpec):
   )
 
 
-def reward_sources(cfg: TrainerConfig) -> dict[str, tuple[Any, float]]:
-  """``{name: (fn, weight)}`` of ``reward.sources`` (empty when there are none)."""
-  return {s.name: (reward_source(s), float(s.weight)) for s in cfg.reward.sources}
+def _process_mesh(mesh):
+  """``mesh``, or with several processes this process's devices of it as one ``fsdp`` axis: every process
+  scores its own rows (``RolloutSource.score``), so its reward model must be addressable by it alone."""
+  if mesh is None or jax.process_count() == 1:
+    return mesh
+  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  return Mesh(np.asarray(mine), ("fsdp",))
+
+
+def reward_sources(cfg: TrainerConfig, *, mesh=None) -> dict[str, tuple[Any, float]]:
+  """``{name: (fn, weight)}`` of ``reward.sources`` (empty when there are none); reward models on ``mesh``."""
+  return {s.name: (reward_source(s, mesh=mesh), float(s.weight)) for s in cfg.reward.sources}
 
 
 def optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:

@@ -201,7 +201,7 @@ class Trainer:
     self.data = assemble.build_data(cfg, self.tokenizer, self.model.config)
     fingerprint = None if cfg.lora is None else lora.base_fingerprint(self.model)
     self.run_meta = run_meta(cfg, base_fingerprint=fingerprint)
-    self.accuracy, self.reward_set = assemble.build_rewards(cfg, reward_fns)
+    self.accuracy, self.reward_set = assemble.build_rewards(cfg, reward_fns, mesh=self.mesh)  # RMs beside the policy
     self.optimizer = assemble.optimizer(cfg)
     trainable = nnx.Param if cfg.lora is None else nnx.LoRAParam  # LoRA: the adapters only
     self.graphdef, train_state, self.shardings = train_lib.init_train_state(
