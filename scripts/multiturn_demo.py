@@ -74,11 +74,13 @@ def main(argv=None):
     "vLLM venv, scripts/setup_vllm_venv.sh; its prefix cache serves each turn's re-sent conversation). "
     "Evaluation always runs the built-in sampler",
   )
+  ap.add_argument("--hidden", type=int, default=None, help="model width (default: the config's model.hidden_size)")
   ap.add_argument(
-    "--hidden",
+    "--heads",
     type=int,
-    default=None,
-    help="model width (default: the config's model.hidden_size); vLLM's CPU attention needs head_dim = hidden/4 >= 32",
+    default=4,
+    help="attention heads (kv heads: half; head_dim = width / heads). vLLM's CPU attention needs head_dim >= 32: "
+    "--heads 2 at the default width 64",
   )
   args = ap.parse_args(argv)
   with open(args.config) as f:
@@ -97,6 +99,15 @@ def main(argv=None):
     num_layers=m["num_layers"],
     max_position_embeddings=512,
   )
+  if args.heads != model_cfg.num_heads:
+    if model_cfg.hidden_size % args.heads:
+      raise SystemExit(f"--heads {args.heads} must divide the width {model_cfg.hidden_size}")
+    model_cfg = dataclasses.replace(
+      model_cfg,
+      num_heads=args.heads,
+      num_kv_heads=max(1, args.heads // 2),
+      head_dim=model_cfg.hidden_size // args.heads,
+    )
   engine = None
   if args.engine == "vllm":  # checked before the warm-up: head_dim, the install
     engine = VLLMEngine(model_cfg, max_model_len=512, seed=seed, kv_cache_bytes=128 * 2**20)
@@ -216,6 +227,7 @@ def main(argv=None):
     "steps": steps,
     "engine": args.engine,
     "hidden_size": model_cfg.hidden_size,
+    "heads": model_cfg.num_heads,
     "turns_per_s": turns_done / rollout_s if rollout_s else None,  # RL rollouts after the first (compiling) step
   }
   if engine is not None:

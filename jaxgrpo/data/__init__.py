@@ -420,13 +420,15 @@ def build_messages(prompt: str | list[dict], instruction: str | None = INSTRUCTI
 
 @dataclasses.dataclass(frozen=True)
 class EncodedPrompts:
-  """Templated prompts: ``tokens[i]`` (list of ids) and ``texts[i]`` for ``examples[kept[i]]``;
+  """Templated prompts: ``tokens[i]`` (list of ids) and ``texts[i]`` for ``examples[kept[i]]``, rendered from the
+  chat ``messages[i]`` (instruction included; what a reward model with its own template should render);
   ``num_dropped`` prompts were longer than the limit."""
 
   tokens: list[list[int]]
   texts: list[str]
   kept: list[int]
   num_dropped: int
+  messages: list[list[dict]] | None = None
 
 
 def encode_prompts(
@@ -444,7 +446,7 @@ def encode_prompts(
   """
   if max_prompt_tokens < 1:
     raise ValueError(f"`max_prompt_tokens` must be >= 1; got {max_prompt_tokens}")
-  tokens, texts, kept = [], [], []
+  tokens, texts, kept, conversations = [], [], [], []
   for i, ex in enumerate(examples):
     messages = build_messages(ex.prompt, instruction)
     if chat_template:
@@ -457,6 +459,7 @@ def encode_prompts(
     tokens.append(list(ids))
     texts.append(text)
     kept.append(i)
+    conversations.append(messages)
   dropped = len(examples) - len(kept)
   if dropped:
     warnings.warn(
@@ -466,7 +469,7 @@ def encode_prompts(
     )
   if not kept:
     raise ValueError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
-  return EncodedPrompts(tokens=tokens, texts=texts, kept=kept, num_dropped=dropped)
+  return EncodedPrompts(tokens=tokens, texts=texts, kept=kept, num_dropped=dropped, messages=conversations)
 
 
 def pad_left(token_lists: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

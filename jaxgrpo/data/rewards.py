@@ -91,6 +91,12 @@ def finite_reward_stats(rewards) -> dict[str, float]:
   return {"reward_mean": float(finite.mean()), "reward_std": float(finite.std())}
 
 
+#: the column with each row's prompt as chat messages, before the policy's chat template (the trainer's rows),
+#: passed only to reward functions with ``wants_prompt_messages = True`` (a reward model, a judge: they render
+#: the conversation with their own template; ``prompts`` are the texts the policy's template made)
+PROMPT_MESSAGES = "prompt_messages"
+
+
 # ----------------------------------------------------------------------------- reward functions
 class CountingReward:
   """Base of reward functions that keep counters (timeouts, verifier errors) for the metrics;
@@ -371,9 +377,11 @@ class RewardSet:
       )
     counters: dict[str, int] = {}
     per_fn, total = {}, np.zeros(n, np.float32)
+    plain = {k: v for k, v in columns.items() if k != PROMPT_MESSAGES}
     for name, fn, w in self.fns:
+      cols = columns if getattr(fn, "wants_prompt_messages", False) else plain  # the functions that ask for it
       try:
-        vals = self._one(name, fn, list(prompts), list(completions), columns, counters)
+        vals = self._one(name, fn, list(prompts), list(completions), cols, counters)
       finally:
         if isinstance(fn, CountingReward):
           for k, v in fn.pop_counters().items():

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.data.answers import extract_boxed, parse_number
-from jaxgrpo.data.rewards import CountingReward
+from jaxgrpo.data.rewards import PROMPT_MESSAGES, CountingReward
 from jaxgrpo.rollout.engines.base import check_engine
 from jaxgrpo.rollout.sampling import SamplingConfig
 
@@ -129,6 +129,9 @@ class JudgeReward(CountingReward):
 
   nan_is_missing = True  # RewardSet keeps a NaN as a missing sample (jaxgrpo.data.rewards)
 
+  #: given the ``prompt_messages`` column (``data.rewards.PROMPT_MESSAGES``): each prompt before the policy's template
+  wants_prompt_messages = True
+
   def __init__(
     self,
     engine,
@@ -223,6 +226,7 @@ class JudgeReward(CountingReward):
       if self.reference_column not in columns:
         raise ValueError(f"the judge needs the column {self.reference_column!r}; got columns {sorted(columns)}")
       refs = list(columns[self.reference_column])
+    prompts = columns.get(PROMPT_MESSAGES) or prompts  # the trainer's rows: the question before the policy's template
     special = self.tokenizer.bos_token is not None and not self.chat
     ids = [
       list(self.tokenizer(self.render(p, c, r), add_special_tokens=special)["input_ids"])

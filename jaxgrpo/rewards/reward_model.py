@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors.numpy import load_file, save_file
 
 from jaxgrpo import _checks
-from jaxgrpo.data.rewards import CountingReward
+from jaxgrpo.data.rewards import PROMPT_MESSAGES, CountingReward
 from jaxgrpo.models.base import freeze_rules, positions_from_mask
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import LlamaConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
@@ -363,6 +363,9 @@ class RewardModelReward(CountingReward):
     name: the reward's name in a ``RewardSet`` (``__name__``).
   """
 
+  #: given the ``prompt_messages`` column (``data.rewards.PROMPT_MESSAGES``): each prompt before the policy's template
+  wants_prompt_messages = True
+
   def __init__(
     self,
     model: RewardModel | str | os.PathLike,
@@ -420,5 +423,7 @@ class RewardModelReward(CountingReward):
   def __call__(self, prompts, completions, **columns) -> list[float]:
     if len(prompts) != len(completions):
       raise ValueError(f"`prompts` ({len(prompts)}) and `completions` ({len(completions)}) must have one entry per row")
+    # the trainer's rows carry their prompt as chat messages: rendered once, with this model's template
+    prompts = columns.get(PROMPT_MESSAGES) or prompts
     rows = [self.encode(p, c) for p, c in zip(prompts, completions)]
     return [float(v) for v in self.score_ids(rows)]

@@ -246,6 +246,10 @@ class RolloutSource:
     texts = self._decode(rows.completions, rows.mask)
     prompts = [self.prompts.texts[i] for i in prompt_of_row]
     columns = rows_to_columns([self.examples[i] for i in prompt_of_row], 1)
+    if (
+      self.prompts.messages is not None and rewards_lib.PROMPT_MESSAGES not in columns
+    ):  # for a reward model's own template
+      columns[rewards_lib.PROMPT_MESSAGES] = [self.prompts.messages[i] for i in prompt_of_row]
     return self.reward_set(prompts, texts, columns)
 
   # ------------------------------------------------------------------ one round

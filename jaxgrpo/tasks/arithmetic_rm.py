@@ -88,14 +88,12 @@ def encode_pairs(
   tokenizer, pairs: Sequence[Pair], *, instruction: str | None = INSTRUCTION, seq_len: int | None = None
 ):
   """``(tokens int32[2N, L], mask bool[2N, L])``: rows ``2i`` (chosen) and ``2i + 1`` (rejected), right-padded
-  with the tokenizer's pad id; each rendered as the trainer's reward model sees it — the prompt templated as
-  the trainer templates it (``build_messages`` with ``instruction``, the generation prompt), then
-  ``encode_row``."""
+  with the tokenizer's pad id; each rendered as the trainer's reward model sees it — the prompt's chat messages
+  (``build_messages`` with ``instruction``: the trainer's ``prompt_messages`` column) and the completion through
+  the reward model's own template (``encode_row``)."""
   rows = []
   for pair in pairs:
-    prompt = tokenizer.apply_chat_template(
-      build_messages(pair.problem, instruction), tokenize=False, add_generation_prompt=True
-    )
+    prompt = build_messages(pair.problem, instruction)  # the trainer's `prompt_messages` column of the row
     rows += [encode_row(tokenizer, prompt, pair.chosen), encode_row(tokenizer, prompt, pair.rejected)]
   width = max(len(r) for r in rows) if seq_len is None else seq_len
   if max(len(r) for r in rows) > width:
