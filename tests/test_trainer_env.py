@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from envs_for_tests import SecondChance
 from test_trainer import tiny
 
 from jaxgrpo.data.rewards import extract_boxed
@@ -17,28 +18,8 @@ from jaxgrpo.run.specs import load_config
 from jaxgrpo.run.trainer import Trainer
 
 
-class SecondChance:
-  """Answer "What is a + b?"; a wrong (or missing) boxed answer gets one retry: reward 1 at the first
-  turn, 0.5 at the second, plus a small shaping term, 0.1 × the share of digits in the last turn's text (an
-  untrained policy is never right: without it every advantage is 0 and no step changes the parameters)."""
-
-  tools = ()
-
-  def reset(self, row):
-    self.row, self.turn = row, 0
-    return [{"role": "user", "content": row["problem"]}]
-
-  def step(self, text):
-    self.turn += 1
-    right = extract_boxed(text) == self.row["answer"]
-    if right or self.turn == 2:
-      digits = sum(c.isdigit() for c in text) / max(len(text), 1)
-      return StepResult((), (1.0 if self.turn == 1 else 0.5) * right + 0.1 * digits, True)
-    return StepResult([{"role": "user", "content": "Wrong. Try again."}], 0.0, False, {"retries": 1.0})
-
-
 def make_env(row):
-  return SecondChance()
+  return SecondChance()  # envs_for_tests.SecondChance (no pytest import: the vLLM venv's child uses it too)
 
 
 ENV = {"env.factory": "test_trainer_env:make_env", "env.max_turns": 2, "env.max_tokens": 40, "env.turn_tokens": 12}

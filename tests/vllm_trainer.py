@@ -106,35 +106,9 @@ def moe(path=None):
   return {"records": records, "refusal": refusal}
 
 
-class Retry:
-  """test_trainer_env's SecondChance without pytest (this venv has none): a wrong boxed sum gets one retry;
-  reward 1 / 0.5, plus 0.1 × the digit share of the last turn (an untrained policy still gets gradients)."""
-
-  tools = ()
-
-  def reset(self, row):
-    self.row, self.turn = row, 0
-    return [{"role": "user", "content": row["problem"]}]
-
-  def step(self, text):
-    from jaxgrpo.data.rewards import extract_boxed
-    from jaxgrpo.rollout.environments import StepResult
-
-    self.turn += 1
-    right = extract_boxed(text) == self.row["answer"]
-    if right or self.turn == 2:
-      digits = sum(c.isdigit() for c in text) / max(len(text), 1)
-      return StepResult((), (1.0 if self.turn == 1 else 0.5) * right + 0.1 * digits, True)
-    return StepResult([{"role": "user", "content": "Wrong. Try again."}], 0.0, False)
-
-
-def make_env(row):
-  return Retry()
-
-
 def compose(path=None):
   """Issue 35.8: an environment through vLLM, one step off, with dynamic sampling (every turn's ids to the engine,
-  the producer's published version pushed; :class:`Retry` at width 128): two steps with a
+  the producer's published version pushed; ``envs_for_tests.SecondChance`` at width 128): two steps with a
   checkpoint of step 1 in memory, then a new Trainer (a new engine) restoring it and running step 2 — the
   ledgers must agree (every prompt once, in order)."""
   import jax
@@ -143,7 +117,7 @@ def compose(path=None):
   out = tempfile.mkdtemp()
   log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
   changes = {
-    **{"env.factory": "vllm_trainer:make_env", "env.max_turns": 2, "env.max_tokens": 40, "env.turn_tokens": 12},
+    **{"env.factory": "envs_for_tests:make_env", "env.max_turns": 2, "env.max_tokens": 40, "env.turn_tokens": 12},
     "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0},
     "rollout.group_size": 4,
     "rollout.prompts_per_step": 2,

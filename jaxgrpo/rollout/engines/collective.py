@@ -31,13 +31,15 @@ import numpy as np
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.engines.base import Generation, finish_reasons
+from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 
 __all__ = ["CollectiveSampler"]
 
 
-class CollectiveSampler:
-  """An engine over the global mesh whose ``generate`` is a collective round (module docstring).
+class CollectiveSampler(BuiltinEngine):
+  """An engine over the global mesh whose ``generate`` is a collective round (module docstring); pushing,
+  releasing and closing are the built-in engine's (a reference to the model, nothing else held).
 
   Args:
     model: the policy (its parameters on ``mesh``).
@@ -50,20 +52,8 @@ class CollectiveSampler:
   logprobs_are_policy = True
 
   def __init__(self, model, mesh, *, key):
-    self.model, self.mesh, self.key, self.rounds = model, mesh, key, 0
-
-  def push_weights(self, model) -> None:
-    """Sample from ``model`` from now on."""
-    self.model = model
-
-  def release_memory(self) -> None:
-    """Nothing held between calls."""
-
-  def reacquire_memory(self) -> None:
-    """Nothing to reacquire."""
-
-  def close(self) -> None:
-    self.model = None
+    super().__init__(model)
+    self.mesh, self.key, self.rounds = mesh, key, 0
 
   def generate(self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key=None, temperature: float = 1.0):
     """This process's ``Generation`` of ``prompt_tokens`` (``int32[n, P]`` left-padded, its own rows), sampled in
