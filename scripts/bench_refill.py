@@ -161,8 +161,7 @@ def main(argv=None) -> dict:
     f"= {(tokens - B * G) / max(1, static_steps * S):.0%} of slot-steps used; first call incl. compile {static_compile:.1f}s"
   )
   print(
-    f"refill : {info['boundaries']} boundaries, {info['decode_steps']} decode steps, {info['prefills']} rows "
-    f"prefilled, {info['slot_steps_used'] / max(1, info['decode_steps'] * S):.0%} of slot-steps used; first call "
+    f"refill : {info['boundaries']} boundaries, {info['decode_steps']} decode steps, {info['slot_steps_used'] / max(1, info['decode_steps'] * S):.0%} of slot-steps used; first call "
     f"incl. compile {refill_compile:.1f}s"
   )
   print(f"static generate : median {static_s:.3f}s  {static_tps:9.1f} tok/s  runs {[round(t, 3) for t in times[0]]}")

@@ -4,11 +4,13 @@ ends frees its slot for the next queued sample at the next refill boundary.
 Data flow (B prompts, G samples per prompt, N = B·G rows, P prompt tokens, T new tokens, S slots, K decode
 steps per boundary):
 
+    prompts [B, P] --prefill once (one jitted program)--> prompt cache [B, W] (per-row, right-aligned) and the
+      last prompt token's hidden state [B, D]
     queue: rows 0..N-1 in order (row b·G + g is sample g of prompt b)
     per boundary, one jitted program:
-      prefill the R newcomers' prompts (R = queued rows taken into the free slots, rounded up to a power of
-      two) into a fresh per-row cache of R rows, draw their token 0, write those rows into the free slots
-      of the S-row per-row KV cache (``models.put_cache_rows``);
+      admit the R newcomers (the queued rows taken into the free slots, R rounded up to a power of two):
+      copy their prompt's cache row into their slot of the S-row per-row KV cache (``models.put_cache_rows``)
+      and draw their token 0 from the prompt's hidden state;
       then up to K decode steps over the S slots in a ``lax.while_loop`` (exits early when no slot is running)
     the host reads the slots' done flags (S booleans) and picks the next newcomers
     --> Rollout(completions [N, T], mask, log_probs, ...) as ``sampling.generate`` returns it.
@@ -50,9 +52,9 @@ def generate_refill(
 
   A row runs in one slot from its prefill to its end (one of ``eos_ids``, ``max_new_tokens`` or its entry of
   ``budgets``); at the next boundary (every ``refill_every`` decode steps, or as soon as no slot is running)
-  its slot takes the next row of the queue (rows in order 0..N-1): the newcomer's prompt is prefilled at its
-  own slots and positions of a per-row KV cache (``model.init_cache(S, P + T - 1, per_row=True)``), then it
-  decodes with the others. A long row no longer holds S - 1 finished rows idle, as in a static batch.
+  its slot takes the next row of the queue (rows in order 0..N-1): the newcomer's prompt, prefilled once per
+  prompt at the start (one chunk per prompt, real token k at slot and position k), is copied into its slot of
+  a per-row KV cache (``model.init_cache(S, P + T - 1, per_row=True)``), and it decodes with the others. A long row no longer holds S - 1 finished rows idle, as in a static batch.
 
   **Same rollout as** ``generate`` for the same key, row by row: token t of row r is drawn with uniform
   ``r`` of ``jax.random.uniform(fold_in(key, t), (N,))`` — exactly the uniform ``generate`` uses for that
@@ -61,7 +63,8 @@ def generate_refill(
   so they agree to float32 rounding; the token ids are identical unless a uniform falls within that rounding
   of a CDF boundary. With ``budgets``, row r is ``generate``'s row r cut after ``budgets[r]`` tokens.
 
-  Each prompt is prefilled once per sample (``generate`` prefills it once per group and shares the cache).
+  Memory: the S-row cache, the B prompts' cache of W <= P slots (W: the longest prompt rounded up to a power
+  of two), the [T, N] uniforms and the [N, T] outputs.
 
   Args:
     model, prompt_tokens (``int32[B, P]``, left-padded), prompt_mask (``bool[B, P]``), sampling, key,
@@ -73,8 +76,8 @@ def generate_refill(
     budgets: None, or ``int[N]`` with entries in ``[1, T]``: row r stops after ``budgets[r]`` tokens (its
       mask covers them) unless it samples an EOS first.
     info: None, or a dict that receives ``boundaries`` (jitted programs run), ``decode_steps`` (decode
-      steps over the S slots, all boundaries), ``slot_steps_used`` (real tokens decoded after token 0) and
-      ``prefills`` (rows prefilled).
+      steps over the S slots, all boundaries) and ``slot_steps_used`` (real tokens decoded after token 0).
+
 
   Returns:
     A :class:`jaxgrpo.rollout.sampling.Rollout` with N rows, as ``generate`` returns it (``routing`` None;
@@ -137,6 +140,13 @@ def generate_refill(
 
   host_tokens, host_mask = (np.asarray(x) for x in jax.device_get((prompt_tokens, prompt_mask)))
   real = host_mask.sum(axis=1)  # real prompt tokens of each prompt
+  width = _sampling._bucket_width(int(real.max()), max_len)
+  chunk = np.full((batch, width), pad_id, np.int32)
+  chunk_mask = np.zeros((batch, width), bool)
+  for b in range(batch):  # right-aligned: real prompt token k at slot and position k
+    chunk[b, : real[b]] = host_tokens[b, prompt_len - real[b] :]
+    chunk_mask[b, : real[b]] = True
+  prompt_cache, prompt_hidden = _prefill_jit(graphdef, state, chunk, chunk_mask)
   table = _uniform_table(key, num_rows=n, max_new_tokens=t_max) if temperature > 0 else jnp.zeros((1, 1))
   carry = _init_jit(
     graphdef,
@@ -149,30 +159,33 @@ def generate_refill(
     pad_id=pad_id,
   )
   done = np.ones(slots, bool)  # host copy of each slot's "free" flag (finished or never used)
-  queued, boundaries, decode_steps, prefills = 0, 0, 0, 0
+  queued, boundaries, decode_steps = 0, 0, 0
   while True:
     free = np.flatnonzero(done)
     take = min(len(free), n - queued)
     if take == 0 and done.all():
       break
     # R newcomers (a power of two <= S; padding rows: row N, slot S, nothing written). A boundary without
-    # newcomers runs the same program with one padding row (one compiled program fewer; a 1-row prefill).
+    # newcomers runs the same program with one padding row (one compiled program fewer).
     r = min(slots, 1 << max(0, take - 1).bit_length())
     new_rows = np.full(r, n, np.int32)
     new_slots = np.full(r, slots, np.int32)
     new_rows[:take] = np.arange(queued, queued + take)
     new_slots[:take] = free[:take]
-    prompts = new_rows[:take] // g
-    width = _sampling._bucket_width(int(real[prompts].max()) if take else 1, max_len)
-    chunk = np.full((r, width), pad_id, np.int32)
-    chunk_mask = np.zeros((r, width), bool)
-    for j, b in enumerate(prompts):  # right-padded: real prompt token k at slot and position k
-      chunk[j, : real[b]] = host_tokens[b, prompt_len - real[b] :]
-      chunk_mask[j, : real[b]] = True
     queued += take
-    prefills += take
-    newcomers = (new_rows, new_slots, chunk, chunk_mask)
-    carry, steps = _boundary_jit(graphdef, state, carry, table, newcomers, refill_every=every, **static)
+    carry, steps = _boundary_jit(
+      graphdef,
+      state,
+      carry,
+      prompt_cache,
+      prompt_hidden,
+      table,
+      new_rows,
+      new_slots,
+      refill_every=every,
+      num_samples=g,
+      **static,
+    )
     done, steps = jax.device_get((carry[5], steps))  # the one host read per boundary: S flags and a count
     done = np.asarray(done)
     boundaries += 1
@@ -183,7 +196,6 @@ def generate_refill(
       boundaries=boundaries,
       decode_steps=decode_steps,
       slot_steps_used=int(jnp.sum(jnp.maximum(lengths - 1, 0))),
-      prefills=prefills,
     )
   mask = jnp.arange(t_max, dtype=jnp.int32)[None, :] < lengths[:, None]
   return Rollout(
@@ -231,15 +243,43 @@ def _init_jit(graphdef, state, row_budget, *, num_slots, num_rows, max_len, max_
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every",) + _STATIC, donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill_jit(graphdef, state, chunk, chunk_mask):
+  """The B prompts, right-aligned in ``chunk int32[B, W]``, into a per-row cache of W slots (real token k at
+  slot and position k), and the final hidden state of each prompt's last real token ``[B, D]``."""
+  model = nnx.merge(graphdef, state)
+  batch, width = chunk.shape
+  cache = model.init_cache(batch, width, per_row=True)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
+  hidden, cache = model(chunk, positions, attention_mask=chunk_mask, cache=cache)
+  last = jnp.maximum(jnp.sum(chunk_mask, axis=1, dtype=jnp.int32) - 1, 0)
+  return cache, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+
+
+def _pad_slots(cache, max_len: int):
+  """A per-row cache of W slots as one of ``max_len >= W`` slots (the extra slots empty)."""
+  extra = max_len - cache.max_len
+  pad = lambda x, axis: jnp.pad(x, [(0, extra if a == x.ndim + axis else 0) for a in range(x.ndim)])
+  k = tuple(pad(x, -1) for x in cache.k) if isinstance(cache.k, tuple) else pad(cache.k, -1)  # [.., N, K, T]
+  v = tuple(pad(x, -2) for x in cache.v) if isinstance(cache.v, tuple) else pad(cache.v, -2)  # [.., N, T, K]
+  return cache._replace(k=k, v=v, valid=pad(cache.valid, -1))
+
+
+@functools.partial(
+  jax.jit, static_argnums=(0,), static_argnames=("refill_every", "num_samples") + _STATIC, donate_argnums=(2,)
+)
 def _boundary_jit(
   graphdef,
   state,
   carry,
+  prompt_cache,
+  prompt_hidden,
   table,
-  newcomers,
+  rows,
+  slots,
   *,
   refill_every,
+  num_samples,
   max_new_tokens,
   temperature,
   top_p,
@@ -248,9 +288,9 @@ def _boundary_jit(
   pad_id,
   suppress_ids,
 ):
-  """One refill boundary: prefill ``newcomers`` = (rows int32[R], slots int32[R], chunk int32[R, W],
-  chunk_mask bool[R, W]; padding rows: row N, slot S, an empty chunk) into their slots and draw their token 0,
-  then up to ``refill_every`` decode steps over the S slots. Returns (carry, decode steps run)."""
+  """One refill boundary: the newcomers ``rows int32[R]`` enter ``slots int32[R]`` (padding: row N, slot S) —
+  their prompts' cache rows copied from ``prompt_cache`` into their slots, their token 0 drawn from
+  ``prompt_hidden`` — then up to ``refill_every`` decode steps over the S slots. Returns (carry, decode steps)."""
   model = nnx.merge(graphdef, state)
   cache, s_row, s_t, s_start, s_last, s_done, s_budget, row_budget, out_tok, out_lp, out_len = carry
   num_rows = out_tok.shape[0]
@@ -264,23 +304,19 @@ def _boundary_jit(
   def ends(token):
     return jnp.zeros(token.shape, bool) if eos is None else jnp.any(token[:, None] == eos[None, :], axis=-1)
 
-  # Prefill the newcomers into their slots and draw their token 0.
-  rows, slots, chunk, chunk_mask = newcomers
-  r, width = chunk.shape
-  sub = model.init_cache(r, cache.max_len, per_row=True)
-  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (r, width))
-  hidden, sub = model(chunk, positions, attention_mask=chunk_mask, cache=sub)
-  n_feed = jnp.sum(chunk_mask, axis=1, dtype=jnp.int32)
-  last = jnp.maximum(n_feed - 1, 0)
-  logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], out_dtype=jnp.float32)
-  token, logp = draw(logits, jnp.zeros((r,), jnp.int32), rows)
-  cache = _models.put_cache_rows(cache, slots, sub)
+  # The newcomers: their prompt's cache rows into their slots (the slot's old row, valid slots and index
+  # replaced), their token 0 from the prompt's last hidden state.
+  prompts = rows // num_samples  # padding rows: prompt B, out of range (an empty row, dropped)
+  sub = _models.take_cache_rows(prompt_cache, prompts)
+  cache = _models.put_cache_rows(cache, slots, _pad_slots(sub, cache.max_len))
+  hidden = jnp.take(prompt_hidden, prompts, axis=0, mode="fill", fill_value=0)
+  token, logp = draw(model.logits(hidden, out_dtype=jnp.float32), jnp.zeros(rows.shape, jnp.int32), rows)
   budget = jnp.take(row_budget, rows, mode="fill", fill_value=1)
   out_tok = out_tok.at[rows, 0].set(token, mode="drop")
   out_lp = out_lp.at[rows, 0].set(logp, mode="drop")
   out_len = out_len.at[rows].set(1, mode="drop")
   put = lambda x, y: x.at[slots].set(y, mode="drop")
-  s_row, s_t, s_start, s_last = put(s_row, rows), put(s_t, 1), put(s_start, n_feed), put(s_last, token)
+  s_row, s_t, s_start, s_last = put(s_row, rows), put(s_t, 1), put(s_start, sub.index), put(s_last, token)
   s_done, s_budget = put(s_done, ends(token) | (budget <= 1)), put(s_budget, budget)
 
   def cond(c):
