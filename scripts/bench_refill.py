@@ -136,10 +136,14 @@ def main(argv=None) -> dict:
   m = np.arange(t_b)[None] < budgets[:S][:, None]
   ref_ids, ref_lps = np.asarray(static_out[0].completions), np.asarray(static_out[0].log_probs)
   ids, lps = np.asarray(refill_out.completions)[:S, :t_b], np.asarray(refill_out.log_probs)[:S, :t_b]
-  same = int(np.sum(np.all(np.where(m, ref_ids == ids, True), axis=1)))
-  worst = float(np.max(np.abs(np.where(m, ref_lps - lps, 0))))
+  differs = np.where(m, ref_ids != ids, False)
+  same = int(np.sum(~differs.any(axis=1)))
+  first = np.where(differs.any(axis=1), differs.argmax(axis=1), t_b)  # each row's first differing token
+  before = np.arange(t_b)[None] < np.minimum(first, budgets[:S])[:, None]  # the common prefix of each row
+  worst = float(np.max(np.abs(np.where(before, ref_lps - lps, 0))))
   print(
-    f"check: first static batch vs refill rows 0..{S - 1}: identical ids in {same}/{S} rows, max |dlogp| {worst:.2e}"
+    f"check: first static batch vs refill rows 0..{S - 1}: identical ids in {same}/{S} rows (first differing "
+    f"token of the others: {sorted(first[first < t_b].tolist())}); max |dlogp| on the common prefixes {worst:.2e}"
   )
 
   report = lambda r, t: print(f"round {r}: static {t[0]:.2f}s, refill {t[1]:.2f}s", flush=True)
