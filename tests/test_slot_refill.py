@@ -40,7 +40,7 @@ def _check_rows(out, ref, lengths):
 
 def test_refill_equals_static_sampler_dense():
   """15 rows (5 prompts of 1..6 real tokens x 3 samples) through 4 slots, a boundary every 3 steps: EOS ids end
-  rows at steps 2..12; then the same with per-row budgets (row r = generate's row r cut at its budget). A
+  rows after 3 to 12 tokens; then the same with per-row budgets (row r = generate's row r cut at its budget). A
   sampler that drew with the slot's index, or the step of the boundary instead of the row's own step, or
   prefilled a newcomer at the wrong positions, would change ids."""
   model = randomized(models.build_model(models.config_from_hf(tiny_hf_config("qwen3")), rngs=nnx.Rngs(0)))
@@ -57,6 +57,20 @@ def test_refill_equals_static_sampler_dense():
   budgets = np.random.default_rng(1).integers(1, 13, 15)
   out = generate_refill(model, tokens, mask, sampling, key=key, num_slots=4, refill_every=3, budgets=budgets)
   _check_rows(out, ref, np.minimum(lengths, budgets))
+
+
+def test_refill_scan_layers_greedy():
+  """A scanned layer stack (one stacked [L, ...] cache, whose prompt rows are padded to the slot cache's length
+  on their own axes) and greedy decoding (no uniforms): 8 rows in 3 slots equal generate's."""
+  model = randomized(models.build_model(models.config_from_hf(tiny_hf_config("qwen3")), rngs=nnx.Rngs(1)))
+  model = models.to_scan_layers(model)
+  tokens, mask = _prompts(4, 5, [5, 2, 1, 3], seed=2)
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=7, eos_ids=tuple(range(5, 128, 6)))
+  key = jax.random.key(0)
+  ref = generate(model, tokens, mask, sampling, key=key, temperature=0.0)
+  lengths = np.asarray(ref.mask.sum(1))
+  out = generate_refill(model, tokens, mask, sampling, key=key, temperature=0.0, num_slots=3, refill_every=2)
+  _check_rows(out, ref, lengths)
 
 
 def test_refill_moe_and_errors():
