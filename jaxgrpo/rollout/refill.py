@@ -54,12 +54,13 @@ def generate_refill(
   ``budgets``); at the next boundary (every ``refill_every`` decode steps, or as soon as no slot is running)
   its slot takes the next row of the queue (rows in order 0..N-1): the newcomer's prompt, prefilled once per
   prompt at the start (one chunk per prompt, real token k at slot and position k), is copied into its slot of
-  a per-row KV cache (``model.init_cache(S, P + T - 1, per_row=True)``), and it decodes with the others. A long row no longer holds S - 1 finished rows idle, as in a static batch.
+  a per-row KV cache (``model.init_cache(S, P + T - 1, per_row=True)``), and it decodes with the others. A
+  long row no longer holds S - 1 finished rows idle, as in a static batch.
 
   **Same rollout as** ``generate`` for the same key, row by row: token t of row r is drawn with uniform
   ``r`` of ``jax.random.uniform(fold_in(key, t), (N,))`` — exactly the uniform ``generate`` uses for that
   row and step — whatever slot and boundary it runs in (the [T, N] uniforms are drawn once per call: T·N·4
-  bytes). The logits are computed over other batch shapes (S or R rows instead of B / N, a per-row cache),
+  bytes). The logits are computed over other batch shapes (S slots instead of N rows, a per-row cache),
   so they agree to float32 rounding; the token ids are identical unless a uniform falls within that rounding
   of a CDF boundary. With ``budgets``, row r is ``generate``'s row r cut after ``budgets[r]`` tokens.
 
@@ -71,13 +72,12 @@ def generate_refill(
       temperature: as for ``generate`` (``sampling.max_new_tokens`` = T required; ``record_routing`` is refused).
     num_slots: S >= 1, rows decoded at once (the KV cache holds S rows); S > N uses N.
     refill_every: K >= 1, decode steps between refill boundaries (static: one compiled decode loop). A small
-      K refills sooner (fewer idle slot-steps) but runs more boundaries (a host round trip and a prefill
-      program each).
+      K refills sooner (fewer idle slot-steps) but runs more boundaries (a host round trip and a copy of the
+      newcomers' prompt rows each).
     budgets: None, or ``int[N]`` with entries in ``[1, T]``: row r stops after ``budgets[r]`` tokens (its
       mask covers them) unless it samples an EOS first.
     info: None, or a dict that receives ``boundaries`` (jitted programs run), ``decode_steps`` (decode
       steps over the S slots, all boundaries) and ``slot_steps_used`` (real tokens decoded after token 0).
-
 
   Returns:
     A :class:`jaxgrpo.rollout.sampling.Rollout` with N rows, as ``generate`` returns it (``routing`` None;
