@@ -3,7 +3,7 @@ KV cache kept across turns.
 
 ``sample_multiturn(..., kv_cache=False)`` re-prefills ``prompt ‖ trajectory so far`` at every turn
 (``jaxgrpo.rollout.sampling.generate`` keeps no KV cache across calls); the default ``kv_cache=True``
-(``jaxgrpo.rollout.sampling.ConversationSampler``) keeps one cache per rollout, decodes the policy's tokens and
+(``jaxgrpo.rollout.conversation.ConversationSampler``) keeps one cache per rollout, decodes the policy's tokens and
 prefills each observation once. This script times, alternately, after one warm-up each (compilation
 excluded), on the same model and the same numbers of tokens:
 

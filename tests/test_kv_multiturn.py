@@ -17,9 +17,10 @@ from test_packing_models import randomized
 from jaxgrpo import models
 from jaxgrpo.models import log_probs
 from jaxgrpo.models.layers import init_kv_cache
+from jaxgrpo.rollout.conversation import ConversationSampler
 from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
-from jaxgrpo.rollout.sampling import ConversationSampler, SamplingConfig
+from jaxgrpo.rollout.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 

@@ -395,7 +395,7 @@ class KVCache(NamedTuple):
     ``index[b]`` advances by the row's number of real tokens, so a call's ``attention_mask`` must be
     right-padded (real tokens first) and each row's real tokens fill its slots without holes. That lets
     rows of different lengths append tokens to one cache of a fixed size (the multi-turn sampler keeps one
-    across turns: ``jaxgrpo.rollout.sampling.ConversationSampler``).
+    across turns: ``jaxgrpo.rollout.conversation.ConversationSampler``).
   """
 
   k: tuple[jax.Array, ...] | jax.Array

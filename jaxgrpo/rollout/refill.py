@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import sampling as _sampling
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
 
@@ -140,7 +141,7 @@ def generate_refill(
 
   host_tokens, host_mask = (np.asarray(x) for x in jax.device_get((prompt_tokens, prompt_mask)))
   real = host_mask.sum(axis=1)  # real prompt tokens of each prompt
-  width = _sampling._bucket_width(int(real.max()), max_len)
+  width = _conversation._bucket_width(int(real.max()), max_len)
   chunk = np.full((batch, width), pad_id, np.int32)
   chunk_mask = np.zeros((batch, width), bool)
   for b in range(batch):  # right-aligned: real prompt token k at slot and position k

@@ -11,7 +11,7 @@ For N = prompts × G trajectories (one environment each, ``make_env(row)``)::
     until result.done, max_turns turns, or max_tokens tokens in traj_i
 
 Trajectories finish at different turns (ragged). The sampler (``kv_cache=True``, the default) is
-``jaxgrpo.rollout.sampling.ConversationSampler``: one per-row KV cache of ``prompt + max_tokens`` slots for
+``jaxgrpo.rollout.conversation.ConversationSampler``: one per-row KV cache of ``prompt + max_tokens`` slots for
 the whole rollout; each prompt is prefilled once, and each turn prefills only what the cache lacks — the
 last token of the row's previous turn and the observation appended since, as one chunk at the row's own
 slots and positions — then decodes the turn (rows that have ended sit out, masked). ``kv_cache=False`` (and
@@ -43,10 +43,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from jaxgrpo.rollout.conversation import ConversationSampler
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
-from jaxgrpo.rollout.sampling import ConversationSampler, _suppressed_ids, generate
+from jaxgrpo.rollout.sampling import _suppressed_ids, generate
 
 __all__ = ["MultiTurnConfig", "MultiTurnRollout", "RolloutInterrupted", "rollout_metrics", "sample_multiturn"]
 
@@ -293,7 +294,7 @@ def sample_multiturn(
     should_stop: polled (every 50 ms) while an environment call runs: when it returns True the rollout
       raises :class:`RolloutInterrupted` (the trainer's first SIGTERM/SIGINT stops a run whose environment
       hangs). None: not polled.
-    kv_cache: sample with ``jaxgrpo.rollout.sampling.ConversationSampler`` (default): one KV cache per
+    kv_cache: sample with ``jaxgrpo.rollout.conversation.ConversationSampler`` (default): one KV cache per
       rollout, kept across turns — each observation is prefilled onto it and decoding continues — instead of
       re-prefilling ``prompt ‖ trajectory`` every turn (False, the former path). Same tokens and log-probs up
       to float32 rounding for the same key. Not used with an ``engine``, nor when groups' stop ids give

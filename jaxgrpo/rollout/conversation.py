@@ -1,0 +1,307 @@
+"""The multi-turn sampler with one KV cache kept across turns (:class:`ConversationSampler`): a module of its own
+beside :func:`jaxgrpo.rollout.sampling.generate`, whose token draws it shares (``_draw``: the same uniforms per row
+and position, so the same keys give the same ids as re-prefilling each turn with ``generate``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo import _checks
+from jaxgrpo import models as _models
+from jaxgrpo.rollout.sampling import (
+  _check_top_k,
+  _check_top_p,
+  _draw,
+  _suppressed_ids,
+  _suppressed_mask,
+  check_sampling,
+)
+
+__all__ = ["ConversationSampler"]
+
+
+def _bucket_width(n: int, cap: int) -> int:
+  """A chunk width >= n from few values (powers of two, at least 8), at most ``cap`` (the cache size)."""
+  return min(cap, max(8, 1 << max(0, (n - 1).bit_length())))
+
+
+class ConversationSampler:
+  """Samples N conversations turn by turn with **one KV cache kept across turns** (the multi-turn rollout's
+  sampler, ``jaxgrpo.rollout.environments.sample_multiturn``).
+
+  Conversation i is ``prompts[i] ‖ turn₁ ‖ appended₁ ‖ turn₂ ‖ …``. The cache is a per-row cache of
+  ``max_len`` slots (``model.init_cache(..., per_row=True)``: row i's tokens fill its slots without holes,
+  token k of the conversation at slot k and position k). The constructor prefills each group's prompt once
+  (all of it but its last token; the G rows of a group share it, ``repeat_cache``); each :meth:`turn` is one
+  jitted program per row batch: a chunked prefill of the tokens not yet in the cache — the last token of the
+  row's previous turn (or of its prompt) followed by the tokens appended since (an environment's
+  observation) — right-padded to a bucketed width, at each row's own slots and positions, then a
+  ``lax.while_loop`` decode of the turn from the logits of the chunk's last real token, as :func:`generate`
+  does after its prefill. A turn runs over the rows taking it only (their cache rows gathered, their count
+  rounded up to a power of two with empty padding rows, and written back: ``models.take_cache_rows`` /
+  ``put_cache_rows``), or over all N rows, masked, when that is no smaller; the other rows' cache is unchanged.
+  The last sampled token of a turn is fed by the next turn's chunk.
+
+  Same tokens and log-probs as :func:`generate` on the whole conversation so far (``prompt ‖ …`` left-padded)
+  up to float32 rounding, for the same keys: the uniforms of a batch ``(key, rows)`` of :meth:`turn` are
+  those ``generate`` draws for a batch of exactly those rows in that order (with
+  ``jax_threefry_partitionable``, the default, the first n uniforms of a draw of any size are the same).
+
+  Args:
+    model: the policy (any ``jaxgrpo.models`` family, dense or MoE; the adapted model with LoRA).
+    prompts: N token-id lists (each >= 1 token); rows ``b·G .. b·G+G-1`` share one prompt.
+    sampling: a :class:`SamplingConfig` (``num_samples`` = G, ``top_k``, ``top_p``, ``pad_id``,
+      ``suppress_ids``; ``max_new_tokens``, ``eos_ids``, ``merge_lora`` and ``record_routing`` are not read:
+      :meth:`turn` takes its budgets and stop ids, and nothing is merged or recorded).
+    max_len: cache slots, the longest conversation (prompt and every turn and appended token) minus one
+      (the last sampled token is never fed); at most ``max_position_embeddings``.
+    temperature: as for :func:`generate`.
+    suppress_eos: the stop ids the default ``suppress_ids`` is computed against (``SamplingConfig.suppress_ids``
+      None: the pad id unless it is one of them).
+  """
+
+  def __init__(self, model, prompts, sampling, *, max_len: int, temperature: float = 1.0, suppress_eos=()):
+    check_sampling(sampling, "ConversationSampler")
+    g = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
+    max_len = _checks.check_python_int(max_len, "max_len", minimum=1, hint="cache slots")
+    self.temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
+    self.top_p, self.top_k = _check_top_p(sampling.top_p), _check_top_k(sampling.top_k)
+    vocab = model.config.vocab_size
+    self.pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
+    self.suppress_ids = _suppressed_ids(
+      sampling.suppress_ids, self.pad_id, _checks.check_token_ids(tuple(suppress_eos), "suppress_eos", vocab), vocab
+    )
+    prompts = [list(p) for p in prompts]
+    if not prompts or len(prompts) % g:
+      raise ValueError(f"`prompts` must be B·G >= 1 token-id lists with G = num_samples = {g}; got {len(prompts)}")
+    for i, p in enumerate(prompts):
+      if not p:
+        raise ValueError(f"`prompts[{i}]` is empty: every conversation needs at least one prompt token")
+      if p != prompts[(i // g) * g]:
+        raise ValueError(f"`prompts[{i}]` differs from its group's first prompt (rows b·G..b·G+G-1 share one)")
+      _checks.check_token_ids(tuple(p), f"prompts[{i}]", vocab)
+    limit = model.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if not longest <= max_len <= limit:
+      raise ValueError(
+        f"`max_len` must be in [longest prompt = {longest}, max_position_embeddings = {limit}]; got {max_len}"
+      )
+    self.max_len, self.num_rows, self.vocab_size = max_len, len(prompts), vocab
+    self._graphdef, self._state = nnx.split(model)
+    heads = [p[:-1] for p in prompts[::g]]
+    width = _bucket_width(max(1, max(len(h) for h in heads)), max_len)
+    tokens = np.full((len(heads), width), self.pad_id, np.int32)
+    mask = np.zeros((len(heads), width), bool)
+    for b, h in enumerate(heads):
+      tokens[b, : len(h)], mask[b, : len(h)] = h, True
+    self._cache = _conversation_prefill_jit(self._graphdef, self._state, tokens, mask, num_samples=g, max_len=max_len)
+    self._pending = [p[-1] for p in prompts]  # the token of each row not yet in the cache
+    self._length = [len(p) for p in prompts]  # tokens of each conversation (its pending token included)
+
+  def length(self, row: int) -> int:
+    """Tokens in conversation ``row`` so far (prompt, turns and appended tokens)."""
+    return self._length[row]
+
+  def turn(self, batches, *, max_new_tokens: int, appended=None, budgets=None, stop_ids=None):
+    """One turn of the rows of ``batches``: append their ``appended`` tokens, then sample until a stop id,
+    the row's budget or ``max_new_tokens``.
+
+    Args:
+      batches: ``[(key, rows), ...]``: row ``rows[j]`` samples with the uniforms ``generate(..., key=key)`` gives
+        row j of a batch of ``len(rows)`` (token t: ``fold_in(key, t)``). Each row at most once over the batches.
+      max_new_tokens: T, the static decode length of this turn (a compiled program per value).
+      appended: ``{row: ids}``, context tokens placed after the row's last turn (an observation), or None.
+      budgets: ``{row: int in [1, T]}``: tokens the row may sample this turn (default T).
+      stop_ids: ``{row: tuple of ids}``: a sampled stop id ends the row's turn (kept in it); default none.
+
+    Returns:
+      ``{row: (tokens int32[L], log_probs f32[L])}`` for the rows of ``batches`` (NumPy), L >= 1; log-probs as
+      :func:`generate` reports them.
+    """
+    t_new = _checks.check_python_int(max_new_tokens, "max_new_tokens", minimum=1, hint="T")
+    n, appended, budgets, stop_ids = self.num_rows, appended or {}, budgets or {}, stop_ids or {}
+    keys, key_index, draw_index, active = [], np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool)
+    for k, (key, rows) in enumerate(batches):
+      keys.append(_checks.check_prng_key(key, f"batches[{k}] key"))
+      for j, i in enumerate(rows):
+        if not 0 <= i < n or active[i]:
+          raise ValueError(f"batches[{k}] row {i}: rows must be in [0, {n}) and appear once over the batches")
+        active[i], key_index[i], draw_index[i] = True, k, j
+    if not keys:
+      return {}
+    if len({jnp.asarray(k).dtype for k in keys}) > 1:
+      raise TypeError("`batches` keys must be all typed (jax.random.key) or all raw uint32[2] keys")
+    rows = np.flatnonzero(active).tolist()
+    if not rows:
+      return {}
+    idle = sorted(set(appended) - set(rows))
+    if idle:
+      raise ValueError(f"`appended` has tokens for rows {idle} that take no turn in `batches`")
+    for i, ids in appended.items():
+      _checks.check_token_ids(tuple(ids), f"appended[{i}]", self.vocab_size)
+    budget = np.zeros(n, np.int32)
+    feeds = {}
+    for i in rows:
+      b = budgets.get(i, t_new)
+      if not isinstance(b, (int, np.integer)) or not 1 <= b <= t_new:
+        raise ValueError(f"budgets[{i}] must be an int in [1, max_new_tokens = {t_new}]; got {b!r}")
+      budget[i] = b
+      feeds[i] = [self._pending[i], *appended.get(i, ())]
+      if self._length[i] + len(feeds[i]) - 1 + b - 1 > self.max_len:
+        raise ValueError(
+          f"row {i}: {self._length[i]} tokens + {len(feeds[i]) - 1} appended + a turn of {b} exceed the cache "
+          f"(max_len = {self.max_len} slots holds conversations of max_len + 1 tokens)"
+        )
+    # The decode runs over the rows taking a turn only, their count rounded up to a power of two (padding rows
+    # out of range: empty, budget 0, dropped on the way back), or over all N rows when that is no smaller.
+    r = 1 << max(0, (len(rows) - 1).bit_length())
+    order = list(range(n)) if r >= n else rows + [n] * (r - len(rows))  # decode row -> cache row
+    width = _bucket_width(max(len(f) for f in feeds.values()), self.max_len)
+    feed = np.full((len(order), width), self.pad_id, np.int32)
+    feed_mask = np.zeros((len(order), width), bool)
+    feed_pos = np.zeros(len(order), np.int32)
+    stops = [tuple(stop_ids.get(i, ())) for i in rows]
+    s_width = max(1, max(len(s) for s in stops))
+    stop_table = np.full((len(order), 1 << (s_width - 1).bit_length()), -1, np.int32)
+    slot = {i: j for j, i in enumerate(order) if i in feeds}
+    for i, j in slot.items():
+      f = feeds[i]
+      feed[j, : len(f)], feed_mask[j, : len(f)] = f, True
+      feed_pos[j] = self._length[i] - 1
+      stop_table[j, : len(stop_ids.get(i, ()))] = stop_ids.get(i, ())
+    pick = np.asarray([min(i, n - 1) for i in order])  # per-row inputs of the padding rows: any, unused
+    budget = np.where(np.asarray(order) < n, budget[pick], 0).astype(np.int32)
+    self._cache, tokens, logps, lengths = _conversation_turn_jit(
+      self._graphdef,
+      self._state,
+      self._cache,
+      None if r >= n else np.asarray(order, np.int32),
+      feed,
+      feed_mask,
+      feed_pos,
+      budget,
+      stop_table,
+      jnp.stack(keys),
+      key_index[pick],
+      draw_index[pick],
+      max_new_tokens=t_new,
+      temperature=self.temperature,
+      top_p=self.top_p,
+      top_k=self.top_k,
+      pad_id=self.pad_id,
+      suppress_ids=self.suppress_ids,
+    )
+    tokens, logps, lengths = jax.device_get((tokens, logps, lengths))
+    out = {}
+    for i in rows:
+      j = slot[i]
+      m = int(lengths[j])
+      out[i] = (np.asarray(tokens[j, :m]), np.asarray(logps[j, :m]))
+      self._length[i] += len(feeds[i]) - 1 + m
+      self._pending[i] = int(tokens[j, m - 1])
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_samples", "max_len"))
+def _conversation_prefill_jit(graphdef, state, tokens, mask, *, num_samples, max_len):
+  """The per-row cache of ``ConversationSampler``: B right-padded prompt heads at slots and positions 0..,
+  repeated G times."""
+  model = nnx.merge(graphdef, state)
+  batch, width = tokens.shape
+  cache = model.init_cache(batch, max_len, per_row=True)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (batch, width))
+  _, cache = model(tokens, positions, attention_mask=mask, cache=cache)
+  return _models.repeat_cache(cache, num_samples)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnums=(0,),
+  static_argnames=("max_new_tokens", "temperature", "top_p", "top_k", "pad_id", "suppress_ids"),
+  donate_argnums=(2,),
+)
+def _conversation_turn_jit(
+  graphdef,
+  state,
+  full_cache,
+  rows,
+  feed,
+  feed_mask,
+  feed_pos,
+  budget,
+  stop_table,
+  keys,
+  key_index,
+  draw_index,
+  *,
+  max_new_tokens,
+  temperature,
+  top_p,
+  top_k,
+  pad_id,
+  suppress_ids,
+):
+  """One turn of ``ConversationSampler`` over R rows of the per-row cache (``rows int32[R]``, their cache rows;
+  out of range: padding; None: all N): the chunk ``feed [R, W]`` (right-padded, row i from position
+  ``feed_pos[i]``) onto the cache, then the decode loop of ``_generate_jit`` with per-row budgets and stop
+  ids, rows with ``budget == 0`` done from the start. Returns (full cache, tokens, log-probs, lengths)."""
+  model = nnx.merge(graphdef, state)
+  cache = full_cache if rows is None else _models.take_cache_rows(full_cache, rows)
+  n_rows, width = feed.shape
+  positions = feed_pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
+  hidden, cache = model(feed, positions, attention_mask=feed_mask, cache=cache)
+  n_feed = jnp.sum(feed_mask, axis=1, dtype=jnp.int32)
+  last = jnp.maximum(n_feed - 1, 0)
+  first_logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], out_dtype=jnp.float32)
+  start_pos = feed_pos + n_feed  # position of token 0 of the turn
+  suppressed = _suppressed_mask(suppress_ids, first_logits.shape[-1])
+
+  def uniforms(t):
+    per_key = [jax.random.uniform(jax.random.fold_in(keys[k], t), (n_rows,), jnp.float32) for k in range(len(keys))]
+    return jnp.stack(per_key)[key_index, draw_index]
+
+  def record(t, logits, carry):
+    tokens, logps, lengths, done = carry
+    token, logp = _draw(
+      logits, lambda: uniforms(t), temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed
+    )
+    token = jnp.where(done, pad_id, token)
+    logp = jnp.where(done, 0.0, logp)
+    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
+    logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
+    lengths = lengths + (~done).astype(jnp.int32)
+    done = done | jnp.any(token[:, None] == stop_table, axis=-1) | (lengths >= budget)
+    return tokens, logps, lengths, done, token
+
+  buffers = (
+    jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),
+    jnp.zeros((n_rows, max_new_tokens), jnp.float32),
+    jnp.zeros((n_rows,), jnp.int32),
+    budget <= 0,
+  )
+  *buffers, last_token = record(0, first_logits, buffers)
+
+  def cond(loop_carry):
+    t, _, _, buffers = loop_carry
+    return (t < max_new_tokens) & ~jnp.all(buffers[3])
+
+  def body(loop_carry):
+    t, cache, last_token, buffers = loop_carry
+    done = buffers[3]
+    hidden, cache = model(last_token[:, None], (start_pos + t - 1)[:, None], attention_mask=~done[:, None], cache=cache)
+    logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)
+    *buffers, last_token = record(t, logits, buffers)
+    return t + 1, cache, last_token, tuple(buffers)
+
+  _, cache, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
+    cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
+  )
+  if rows is not None:
+    cache = _models.put_cache_rows(full_cache, rows, cache)
+  return cache, tokens, logps, lengths
