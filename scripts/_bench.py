@@ -21,7 +21,16 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["timed", "median_time", "alternating_times", "medians", "matmul_flops", "read_bandwidth", "backend_line"]
+__all__ = [
+  "add_model_args",
+  "timed",
+  "median_time",
+  "alternating_times",
+  "medians",
+  "matmul_flops",
+  "read_bandwidth",
+  "backend_line",
+]
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -99,3 +108,16 @@ def backend_line() -> str:
   """``"jax <version>, <backend> (<device kind>), <n> device(s)"``."""
   devices = jax.devices()
   return f"jax {jax.__version__}, {jax.default_backend()} ({devices[0].device_kind}), {len(devices)} device(s)"
+
+
+def add_model_args(p) -> None:
+  """The Qwen3-architecture workload's shape flags (default: the 20.5M-parameter model of the sampler benches:
+  vocab 32000, width 384, 4 layers, 8 heads / 4 kv heads of 32, intermediate 1536) and ``--seed``."""
+  p.add_argument("--vocab", type=int, default=32000)
+  p.add_argument("--hidden", type=int, default=384)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--head-dim", type=int, default=32)
+  p.add_argument("--intermediate", type=int, default=1536)
+  p.add_argument("--seed", type=int, default=0)

@@ -53,14 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the lengths (median T/10)")
   p.add_argument("--prompt-len", type=int, default=32, help="P, tokens per prompt")
   p.add_argument("--repeats", type=int, default=3, help="timed runs of each sampler (alternating)")
-  p.add_argument("--vocab", type=int, default=32000)
-  p.add_argument("--hidden", type=int, default=384)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=4)
-  p.add_argument("--head-dim", type=int, default=32)
-  p.add_argument("--intermediate", type=int, default=1536)
-  p.add_argument("--seed", type=int, default=0)
+  _bench.add_model_args(p)
   return p.parse_args(argv)
 
 
