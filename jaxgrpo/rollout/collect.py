@@ -30,6 +30,7 @@ from jaxgrpo.step.train import (
 )
 
 __all__ = [
+  "sampled_token_mismatch",
   "GroupSelection",
   "engine_old_logp",
   "engine_sample",
@@ -209,6 +210,15 @@ def policy_logp_fn(step: TrainStep) -> Callable:
   return fn
 
 
+def sampled_token_mismatch(old_logp, behavior_logp, mask, policy_mask=None):
+  """``(k3, max |log π_old − log μ|)`` over the tokens the sampler drew (``kernels.importance.mismatch_k3``):
+  ``mask`` (``bool[B, T]``), and of it only ``policy_mask`` for multi-turn rows (observation tokens were not
+  sampled). The engine path here and the learner (``jaxgrpo.rollout.schedule.Learner``, jitted) share it."""
+  if policy_mask is not None:
+    mask = mask & policy_mask
+  return mismatch_k3(old_logp, behavior_logp, mask.astype(bool))
+
+
 def engine_old_logp(logp_fn: Callable, params, batch: Batch) -> tuple[Batch, dict]:
   """``batch`` (placed, ``behavior_logp`` = the engine's log-probs μ) with ``old_logp`` recomputed by the
   policy, ``logp_fn(params, batch)`` (:func:`policy_logp_fn`, :func:`policy_params`), for an engine whose
@@ -222,10 +232,7 @@ def engine_old_logp(logp_fn: Callable, params, batch: Batch) -> tuple[Batch, dic
     ``r = π_old/μ`` (``jaxgrpo.kernels.importance.mismatch_k3``), and ``engine/logp_abs_diff_max``, max |log π_old − log μ|.
   """
   old = logp_fn(params, batch)
-  behavior, mask = batch.behavior_logp, batch.mask
-  if batch.policy_mask is not None:  # multi-turn: observation tokens were not sampled by the engine
-    mask = mask & batch.policy_mask
-  k3, diff = mismatch_k3(old, behavior, mask)
+  k3, diff = sampled_token_mismatch(old, batch.behavior_logp, batch.mask, batch.policy_mask)
   metrics = {"engine/mismatch_k3": float(k3), "engine/logp_abs_diff_max": float(diff)}
   return batch._replace(old_logp=old), metrics
 

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxgrpo.kernels.importance import mismatch_k3
 from jaxgrpo.rollout import collect
 from jaxgrpo.rollout.source import Produced, RolloutSource
 from jaxgrpo.step import feed
@@ -42,12 +41,6 @@ class StepOut(NamedTuple):
   metrics: dict
 
 
-def _mismatch(old, behavior, mask, policy_mask):
-  if policy_mask is not None:  # multi-turn: observation tokens were not sampled
-    mask = mask & policy_mask
-  return mismatch_k3(old, behavior, mask.astype(bool))
-
-
 class Learner:
   """What a step applies to a produced batch: placement, π_old recomputation, reference, update.
 
@@ -59,7 +52,7 @@ class Learner:
 
   def __init__(self, step_fn: TrainStep, reference, *, mesh, train_config):
     self.step_fn, self.reference, self.mesh, self.train_config = step_fn, reference, mesh, train_config
-    self._mismatch = jax.jit(_mismatch)
+    self._mismatch = jax.jit(collect.sampled_token_mismatch)
 
   def policy_logp(self, train: TrainState, placed: Batch) -> jax.Array:
     """``f32[B, T]`` the policy's log-probs of ``placed``'s completions under ``train``'s parameters

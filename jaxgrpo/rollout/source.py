@@ -177,6 +177,18 @@ class RolloutSource:
     """B·G rows of a step's batch."""
     return self.prompts_per_step * self.sampling.num_samples
 
+  def _own_groups_range(self, groups: int) -> tuple[int, int]:
+    """``[first, last)``: the groups of a ``groups``-group batch whose rows this process holds
+    (``sharding.process_batch_rows``; all of them in one process)."""
+    g = self.sampling.num_samples
+    mine = shd.process_batch_rows(self.mesh, groups * g)
+    return mine.start // g, mine.stop // g
+
+  def _add_generate_time(self, t0: float) -> None:
+    self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
+      time.perf_counter() - t0
+    )
+
   # ------------------------------------------------------------------ sampling
   def sampling_policy(self, policy: nnx.Module | None = None) -> nnx.Module:
     """What sampling and evaluation run: ``policy`` (default the current one), or its
@@ -203,9 +215,7 @@ class RolloutSource:
     engine = self._engine(policy, version)
     t0 = time.perf_counter()
     gen = engine.generate(tokens, mask, self.engine_sampling, key=key, temperature=self.temperature)
-    self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
-      time.perf_counter() - t0
-    )
+    self._add_generate_time(t0)
     return gen.rollout._replace(num_steps=None)
 
   def sample(self, indices, key, *, policy=None, mesh=None, version=None, on_sampled=None) -> Rollout:
@@ -216,10 +226,9 @@ class RolloutSource:
     ``on_sampled(rollout)``: called once the sampler is dispatched, before its rows are fetched."""
     tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
     if self.engine is not None:  # several processes: each process's engine samples its own groups
-      g, first = self.sampling.num_samples, 0
+      first = 0
       if jax.process_count() > 1:
-        mine = shd.process_batch_rows(self.mesh, len(indices) * g)
-        first, last = mine.start // g, mine.stop // g
+        first, last = self._own_groups_range(len(indices))
         tokens, mask, key = tokens[first:last], mask[first:last], jax.random.fold_in(key, first)
       if on_sampled is not None:
         on_sampled(None)  # the learner runs while the engine samples
@@ -272,20 +281,19 @@ class RolloutSource:
     or by the engine holding ``version``. Several processes: each runs the environments of its own groups,
     its turns sampled in collective rounds (``engines.collective.CollectiveSampler``); rewards, lengths and
     the environments' metrics are gathered."""
-    g, procs = self.sampling.num_samples, jax.process_count()
-    first, last = 0, len(indices)
-    if procs > 1:
-      mine = shd.process_batch_rows(self.mesh, len(indices) * g)
-      first, last = mine.start // g, mine.stop // g
+    procs = jax.process_count()
+    first, last = self._own_groups_range(len(indices)) if procs > 1 else (0, len(indices))
+    # the model the turns run on (merged once); with an engine only its config is read (the engine samples)
+    model = self.sampling_policy(policy) if self.engine is None else (self._policy() if policy is None else policy)
     collective = None
     if self.engine is None and procs > 1:
-      collective = CollectiveSampler(self.sampling_policy(policy), self.mesh if mesh is None else mesh, key=key)
+      collective = CollectiveSampler(model, self.mesh if mesh is None else mesh, key=key)
     engine = collective or (None if self.engine is None else self._engine(policy, version))
     if on_sampled is not None:
       on_sampled(None)  # the learner may run while the environments step (the sampler's copy is its own)
     t0 = time.perf_counter()
     rows, metrics, _ = env_training.env_rollout_batch(
-      self.sampling_policy(policy),
+      model,
       [self.examples[i] for i in indices[first:last]],
       self.turns.make_env,
       self.tokenizer,
@@ -299,9 +307,7 @@ class RolloutSource:
     if collective is not None:
       collective.drain()  # the other processes' turns may still need this one's devices
     elif engine is not None:
-      self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
-        time.perf_counter() - t0
-      )
+      self._add_generate_time(t0)
     for k in ("reward_mean", "reward_std", "completion_length"):
       metrics.pop(k)  # the batch's, over the kept groups: batch()
     lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
@@ -365,8 +371,7 @@ class RolloutSource:
     sampled by another process is fetched from it (``all_rows`` of its round: only for rounds some
     process needs, decided identically everywhere from ``kept``)."""
     g = self.sampling.num_samples
-    mine = shd.process_batch_rows(self.mesh, len(kept) * g)
-    first, last = mine.start // g, mine.stop // g
+    first, last = self._own_groups_range(len(kept))
     per = last - first  # groups per process
     elsewhere = sorted({r for j, (r, b) in enumerate(kept) if b // per != j // per})
     fetched = {r: distributed.all_rows(rounds[r].rows, self.mesh) for r in elsewhere}
