@@ -37,7 +37,6 @@ from jax.sharding import Mesh
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.schedule import StepOut, step_metrics
-from jaxgrpo.rollout.source import Produced
 from jaxgrpo.services.metrics import truncate_jsonl
 from jaxgrpo.step import feed
 from jaxgrpo.step.train import Batch, TrainState
@@ -320,8 +319,7 @@ class AsyncRollouts:
     t_wait = time.perf_counter()
     jax.block_until_ready(learned["metrics"])
     t_done = time.perf_counter()
-    produced = Produced(item.batch, item.metrics, item.tokens, item.rounds, [], None, item.generate_s)
-    metrics = step_metrics(produced, learned, t0=t0, engine=engine)
+    metrics = step_metrics(item.metrics, item.tokens, item.generate_s, learned, t0=t0, engine=engine)
     self._publish(n, learned["state"].params)
     mismatch = 0.0 if learned["mismatch"] is None else float(jax.device_get(learned["mismatch"][0]))
     metrics.update(

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxgrpo.rollout import collect
-from jaxgrpo.rollout.source import Produced, RolloutSource
+from jaxgrpo.rollout.source import RolloutSource
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import TrainState, TrainStep
@@ -90,13 +90,15 @@ class Learner:
     return out
 
 
-def step_metrics(produced: Produced, learned: dict, *, t0: float, engine: bool) -> dict:
-  """A step's metrics (waits for the update): the rollout's, the update's, ``step``, ``tokens_per_sec``,
-  ``step_time`` (since ``t0``), ``rollout_time`` and, for an engine's batch, ``engine/mismatch_k3`` and
-  ``engine/logp_abs_diff_max``."""
+def step_metrics(
+  rollout_metrics: dict, tokens: int, rollout_s: float, learned: dict, *, t0: float, engine: bool
+) -> dict:
+  """A step's metrics (waits for the update): the rollout's (``Produced.metrics``), the update's, ``step``,
+  ``tokens_per_sec`` (``tokens`` over the seconds since ``t0``), ``step_time``, ``rollout_time``
+  (``rollout_s``) and, for an engine's batch, ``engine/mismatch_k3`` and ``engine/logp_abs_diff_max``."""
   fetched = jax.device_get(learned["metrics"])
   seconds = time.perf_counter() - t0
-  metrics = dict(produced.metrics)
+  metrics = dict(rollout_metrics)
   if engine and learned["mismatch"] is not None:
     k3, diff = jax.device_get(learned["mismatch"])
     metrics.update({"engine/mismatch_k3": float(k3), "engine/logp_abs_diff_max": float(diff)})
@@ -104,9 +106,9 @@ def step_metrics(produced: Produced, learned: dict, *, t0: float, engine: bool) 
   metrics.update(
     {
       "step": int(learned["state"].step),
-      "tokens_per_sec": produced.tokens / seconds,
+      "tokens_per_sec": tokens / seconds,
       "step_time": seconds,
-      "rollout_time": produced.rollout_s,
+      "rollout_time": rollout_s,
     }
   )
   metrics.setdefault("kl", 0.0)
@@ -127,7 +129,7 @@ class Synchronous:
     produced = self.source.batch(sample_key, version=int(train.step))
     engine = not self.source.logprobs_are_policy
     learned = self.learner(train, produced.batch, recompute=engine)
-    metrics = step_metrics(produced, learned, t0=t0, engine=engine)
+    metrics = step_metrics(produced.metrics, produced.tokens, produced.rollout_s, learned, t0=t0, engine=engine)
     return StepOut(learned["state"], key, self.source.iterator.state(), metrics)
 
   def close(self) -> None:
