@@ -137,6 +137,7 @@ def test_resume_is_exact(straight, env, tmp_path):
   shutil.copytree(straight / "three", run)
   out = _train(env, run, 6)  # no --resume: on by default when OUT has a checkpoint
   assert re.search(r"resumed from checkpoint .*/checkpoints/3 \(step 3\)", out)
+  assert f"supervised warm-up: read from {run}/checkpoints/base " in out  # the stored base: no second warm-up
   got = _records(run)
   _assert_same_records([r for r in got if r["step"] > 3], [r for r in want if r["step"] > 3])
   _assert_same_records(got, want)  # steps 0-3 were kept, nothing duplicated

@@ -145,7 +145,8 @@ def test_moe_policies_through_vllm_without_routing_replay(vllm_runs):
   for r in steps:  # float32 engine and trainer, no replay: the mismatch is rounding
     assert abs(r["engine/mismatch_k3"]) < 1e-6 and r["engine/logp_abs_diff_max"] < 1e-3, r
     assert r["engine/push_s"] > 0, r
-  assert steps[0]["grad_norm"] > 0, steps  # the second push sends updated experts (measured reward 0.19, 0.22)
+  # the second push sends updated experts: the entropy bonus moves a policy without a warm-up (measured 0.0058)
+  assert steps[0]["grad_norm"] > 0, steps
 
 
 def test_an_environment_through_vllm_one_step_off_resumes_every_prompt_once(vllm_runs):

@@ -318,3 +318,35 @@ def test_cli_two_steps_8_devices_matches_1_device(tmp_path, capsys):
     for k in ("loss", "kl", "policy_loss", "entropy", "grad_norm"):
       if k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), k
+
+
+def test_the_stored_warm_up_is_read_back_only_for_the_same_inputs(tmp_path):
+  """A run with checkpoints keeps the synthetic model's warmed-up base (``OUT/checkpoints/base``, with the
+  warm-up's inputs beside it): building the same run again reads it bit for bit instead of re-running the
+  warm-up (a resumed run: test_checkpoint_resume.py); another seed or warm-up length runs the warm-up again."""
+  from flax import nnx
+
+  from jaxgrpo.run import builders
+
+  task = {"train_size": 64, "eval_size": 8, "sft_steps": 4, "sft_batch_size": 4}
+  cfg = tiny(**{"data.arithmetic": task, "run.out": str(tmp_path)})
+  base = builders.run_base_dir(str(tmp_path))
+  logs = []
+
+  def build(c):
+    model, _ = builders.build_run_policy(c, base_dir=base, log=logs.append)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+  warmed = build(cfg)
+  assert re.match(r"supervised warm-up: 4 steps in", logs[-1]), logs
+  assert json.load(open(os.path.join(base, builders.WARM_UP_KEY)))["seed"] == cfg.run.seed
+  read = build(cfg)
+  assert logs[-1].startswith(f"supervised warm-up: read from {base} "), logs
+  for a, b in zip(warmed, read, strict=True):
+    np.testing.assert_array_equal(a, b)
+  initial, _ = builders.build_policy(cfg.model, seed=cfg.run.seed)  # what was read is the warm-up's, not the init
+  assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(read, jax.tree.leaves(nnx.state(initial, nnx.Param))))
+  build(tiny(**{"data.arithmetic": {**task, "sft_steps": 2}, "run.out": str(tmp_path)}))
+  assert re.match(r"supervised warm-up: 2 steps in", logs[-1]), logs
+  build(tiny(**{"data.arithmetic": task, "run.out": str(tmp_path), "run.seed": 1}))
+  assert re.match(r"supervised warm-up: 4 steps in", logs[-1]), logs

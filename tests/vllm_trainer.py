@@ -79,7 +79,10 @@ def learn(path=None):
 
 MOE = {  # a Qwen3-MoE synthetic model (4 experts, top-2, width 128) through vLLM, TIS on
   "model.synthetic": {"hidden_size": 128, "num_layers": 2, "num_experts": 4, "experts_per_tok": 2},
-  "data.arithmetic": {"train_size": 200, "eval_size": 8, "sft_steps": 300, "sft_noise": 0.7, "max_operand": 9},
+  # no warm-up: an entropy bonus makes step 1's update non-zero whatever the rewards (the push after it must
+  # send changed experts)
+  "data.arithmetic": {"train_size": 200, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
+  "objective.entropy_coef": 0.01,
   "rollout.group_size": 8,
   "rollout.prompts_per_step": 4,
   "rollout.max_new_tokens": 16,

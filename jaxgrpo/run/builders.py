@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxgrpo import data as data_lib
 from jaxgrpo import models
+from jaxgrpo._version import __version__
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.run import registry
@@ -168,7 +169,7 @@ def build_run_policy(
   *,
   mesh: Mesh | None = None,
   log: Callable[[str], None] | None = None,
-  save_base: str | None = None,
+  base_dir: str | None = None,
   progress: bool = False,
 ):
   """``(model, tokenizer)``: the policy a run starts from — :func:`build_policy`, then the arithmetic
@@ -176,24 +177,72 @@ def build_run_policy(
   ``lora`` section's adapters (:func:`add_adapters`; quantising the base weights for QLoRA).
 
   Deterministic in the config: rebuilding it gives the same base weights (what a LoRA checkpoint's
-  adapters need, :func:`load_policy`). ``save_base``: a LoRA run on the synthetic model writes its
-  base (after the warm-up, before quantisation and adapters) there as a Hugging Face directory
-  (:func:`stored_base_dir` of the run's checkpoints), so that :func:`load_policy` need not re-run the
-  warm-up; process 0 writes it, replacing what was there. ``progress``: the warm-up shows a bar."""
+  adapters need, :func:`load_policy`, and a resumed run's reference). ``base_dir`` (the run's
+  :func:`run_base_dir`): where a run on the synthetic model keeps its base (after the warm-up, before
+  quantisation and adapters) as a Hugging Face directory, with the warm-up's inputs
+  (:func:`warm_up_key`: the model spec, the task, the seed, the library version) beside it. When the
+  directory holds the base of the same inputs, its weights are read instead of re-running the warm-up
+  (a resumed run, ``load_policy``); else the warm-up runs and process 0 writes the directory,
+  replacing what was there (also for a LoRA run without a warm-up: its adapters' base).
+  ``progress``: the warm-up shows a bar."""
   log = log or (lambda s: None)
   model, tokenizer = build_policy(cfg.model, seed=cfg.run.seed, mesh=mesh)
   task = cfg.data.arithmetic
-  if task is not None and task.sft_steps:  # validated: only with model.synthetic
-    rows, _ = registry.task("arithmetic").task_split(task, seed=cfg.run.seed)
-    res = registry.task("arithmetic").warm_up(
-      model, tokenizer, rows, task, seed=cfg.run.seed, log=log, progress=progress
-    )
-    log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
+  warm = task is not None and task.sft_steps  # validated: only with model.synthetic
+  if warm and base_dir is not None and _read_stored_warm_up(model, base_dir, cfg):
+    log(f"supervised warm-up: read from {base_dir} (stored for the same model, task and seed; not re-run)")
+  else:
+    if warm:
+      rows, _ = registry.task("arithmetic").task_split(task, seed=cfg.run.seed)
+      res = registry.task("arithmetic").warm_up(
+        model, tokenizer, rows, task, seed=cfg.run.seed, log=log, progress=progress
+      )
+      log(f"supervised warm-up: {task.sft_steps} steps in {res.seconds:.1f} s, final loss {res.losses[-1]:.3f}")
+    stores = warm or (cfg.lora is not None and cfg.model.synthetic is not None)
+    if base_dir is not None and stores and jax.process_index() == 0:
+      _write_dir(base_dir, lambda tmp: _write_base(model, tmp, cfg if warm else None))
   if cfg.lora is not None:
-    if save_base is not None and cfg.model.synthetic is not None and jax.process_index() == 0:
-      _write_dir(save_base, lambda tmp: models.save_hf(model, tmp))
     add_adapters(model, cfg.lora, seed=cfg.run.seed)
   return model, tokenizer
+
+
+WARM_UP_KEY = "jaxgrpo_warm_up.json"
+
+
+def warm_up_key(cfg: TrainerConfig) -> dict:
+  """What the synthetic model's warmed-up weights are a function of: the model spec, the arithmetic task
+  (its warm-up settings among them), ``run.seed`` and the library version (written beside a stored base,
+  :data:`WARM_UP_KEY`; another value anywhere means the warm-up runs again)."""
+  d = cfg.to_dict()
+  return {"model": d["model"], "arithmetic": d["data"]["arithmetic"], "seed": d["run"]["seed"], "version": __version__}
+
+
+def _write_base(model, tmp: str, cfg: TrainerConfig | None) -> None:
+  models.save_hf(model, tmp)
+  if cfg is not None:
+    with open(os.path.join(tmp, WARM_UP_KEY), "w") as f:
+      json.dump(warm_up_key(cfg), f, indent=1)
+
+
+def _read_stored_warm_up(model, base_dir: str, cfg: TrainerConfig) -> bool:
+  """Puts the weights stored in ``base_dir`` into ``model`` when they are the warm-up of ``cfg``'s inputs
+  (:func:`warm_up_key`); False (nothing read) when the directory, its key or its weights are missing or other."""
+  try:
+    with open(os.path.join(base_dir, WARM_UP_KEY)) as f:
+      if json.load(f) != json.loads(json.dumps(warm_up_key(cfg))):
+        return False
+  except (OSError, ValueError):
+    return False
+  spec = cfg.model
+  stored = models.load_hf(
+    base_dir,
+    dtype=DTYPES[spec.dtype],
+    param_dtype=DTYPES[spec.param_dtype],
+    remat=spec.remat,
+    scan_layers=spec.scan_layers,
+  )
+  nnx.update(model, nnx.state(stored, nnx.Param))
+  return True
 
 
 def _write_dir(path: str, write: Callable[[str], None]) -> None:

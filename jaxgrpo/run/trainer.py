@@ -193,9 +193,12 @@ class Trainer:
     self.mesh, self.rollout_mesh = async_rollout.make_meshes(cfg.devices)  # rollout_mesh: None colocated
     assemble.check_mesh_fits(cfg, self.mesh)
     # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
-    base = builders.run_base_dir(cfg.run.out) if checkpoint_fn is not None else None  # LoRA: no re-warm-up
+    # a run with checkpoints keeps the synthetic model's warmed-up base beside them: a resumed run reads it
+    # instead of re-running the warm-up, and so do load_policy / export of a LoRA run
+    checkpointed = checkpoint_fn is not None or restore_fn is not None
+    base = builders.run_base_dir(cfg.run.out) if checkpointed else None
     self.model, self.tokenizer = builders.build_run_policy(
-      cfg, mesh=self.mesh, log=self.log, save_base=base, progress=progress
+      cfg, mesh=self.mesh, log=self.log, base_dir=base, progress=progress
     )
     self.pad_id, self.eos_ids = builders.special_ids(self.tokenizer)
     self.data = assemble.build_data(cfg, self.tokenizer, self.model.config)
