@@ -3,8 +3,9 @@
 - every trained token's behaviour log-prob equals a teacher-forced recomputation under the version it records
   (and rows do span two versions); the step's importance weights equal a NumPy TIS computation from those
   recorded log-probs and π_old (θ(n-1) recomputed here); the metrics count the rows that span versions;
-- a group holding a token older than the bound is dropped before it can be trained, counted
-  (``rollout/dropped_rows``) and listed in the ledger, never trained;
+- rows that could not wait for the next batch within the bound are finished in this one (no drops); a group
+  holding a token older than the bound is dropped before it can be trained, counted (``rollout/dropped_rows``)
+  and listed in the ledger, never trained;
 - combinations it does not build are refused at load, one line each; off by default (the async tests run
   unchanged);
 - a real run killed (SIGKILL) and resumed trains or drops every drawn prompt exactly once: the checkpoint
@@ -22,13 +23,19 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import async_train_cmd, cli_env
+from hf_utils import tiny_hf_config
 from test_async_rollout import REWARDS
+from test_packing_models import randomized
 from test_trainer import tiny
 
-from jaxgrpo.data import PromptIterator
+from jaxgrpo import models
+from jaxgrpo.data import PromptIterator, pad_left
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout import async_rollout, iteration
+from jaxgrpo.rollout.partial import RowPool
+from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.services.checkpoint import read_meta
 from jaxgrpo.step.train import TrainState
@@ -101,13 +108,58 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
   assert crossing > 0  # rows did cross a weight update
   ledger = [json.loads(x) for x in open(tmp_path / "p" / async_rollout.LEDGER)]
   assert [r["prompts"] for r in ledger] == [b.prompts.tolist() for b in seen]
-  # dropped: the aged group while batch 5 was produced (and any group the schedule itself let age past k)
-  assert old.prompt in ledger[4]["dropped"]
+  # dropped: only the aged group, while batch 5 was produced; rows that could not wait were finished instead
+  assert [r["dropped"] for r in ledger] == [[], [], [], [], [old.prompt]]
   dropped = [p for r in ledger for p in r["dropped"]]
   assert [r["rollout/dropped_rows"] for r in recs] == [4 * len(r["dropped"]) for r in ledger]
   assert recs[-1]["rollout/dropped_rows_total"] == 4 * len(dropped)
   trained = [p for r in ledger for p in r["prompts"]]
   assert not set(dropped) & set(trained) and len(set(trained)) == len(trained)
+
+
+def test_pool_finishes_a_row_that_cannot_wait_and_each_token_is_its_versions(full_fp32_matmuls):
+  """The row pool alone, three versions (three random models), k = 2, one group per batch, G = 2, 4 slots:
+  batch 1 takes the short group and leaves prompt 0's long row running; batch 2 (version 1) continues it
+  re-prefilled; batch 3 (version 2) may not leave it running (its version-0 tokens would be 3 old in batch 4):
+  it finishes it after a short group is already complete, and takes it first (oldest). Its tokens span the
+  three versions, each token's log-prob that version's teacher-forced one."""
+  cfg = models.config_from_hf(tiny_hf_config("qwen3"))
+  policies = [randomized(models.build_model(cfg, rngs=nnx.Rngs(0)), seed=v) for v in range(3)]
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 100, 1 + i % 5).tolist() for i in range(8)]
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=12)
+  pool = RowPool(
+    sampling=sampling,
+    temperature=1.0,
+    prompt_len=6,
+    num_slots=4,
+    refill_every=2,
+    budget_of=lambda p, s: 10 if (p, s) == (0, 0) else 1,
+  )
+  order = iter(range(8))
+  draw = lambda: [next(order)]
+  taken, infos = [], []
+  for batch in (1, 2, 3):
+    v = batch - 1
+    infos.append(
+      pool.run(
+        policies[v], v, jax.random.key(batch), need=1, draw=draw, prompt_tokens=prompts, batch=batch, max_staleness=2
+      )
+    )
+    taken.append(pool.take(1)[0])
+  assert [g.prompt for g in taken] == [1, 2, 0]
+  assert [i["finishing_boundaries"] > 0 for i in infos] == [False, False, True]
+  assert infos[1]["reprefilled"] == 1 and infos[2]["reprefilled"] >= 1  # the long row, under each new version
+  long = taken[2].rows[0]
+  assert long.t == 10 and set(long.versions[:10].tolist()) == {0, 1, 2} and pool.untrained() == [3, 4]
+  tok, mask = pad_left([prompts[0]], 6, 0)
+  comp, cmask = long.tokens[None], (np.arange(12) < long.t)[None]
+  for v, policy in enumerate(policies):
+    lp, _ = completion_log_probs(policy, tok, mask, comp, cmask, temperature=1.0, chunk_size=None)
+    err = np.abs(np.asarray(lp)[0] - long.logp)[long.versions == v]
+    assert err.max() < 2e-5, (v, err)
+    other = np.abs(np.asarray(lp)[0] - long.logp)[(long.versions >= 0) & (long.versions != v)]
+    assert other.min() > 1e-4  # another version's log-probs differ: the test can fail
 
 
 def test_partial_rollouts_refuse_what_they_do_not_build():

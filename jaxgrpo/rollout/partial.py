@@ -8,7 +8,7 @@ row no longer holds the batch back; it finishes in a later one.
 Data flow (S slots, T new tokens, P prompt width, K decode steps per boundary)::
 
     rounds of prompt indices (the data iterator's) --> queue of rows (G per prompt, a key each)
-    per boundary, one jitted program (:func:`_segment_jit`):
+    per boundary, two jitted programs (:func:`_admit_jit`, :func:`_decode_jit`):
       admit R rows into slots: prefill each row's context ``prompt ‖ completion[:t]`` (t = 0 for a new row)
       with the *current* weights into its slot of the S-row per-row KV cache, draw its token t from the
       context's last hidden state; then up to K decode steps over the S slots
@@ -57,6 +57,7 @@ class PoolRow:
   """
 
   prompt: int
+  group: int
   key: np.ndarray
   budget: int
   tokens: np.ndarray
@@ -73,11 +74,13 @@ class PoolRow:
 
 @dataclasses.dataclass
 class PoolGroup:
-  """The G rows of one prompt; ``seq`` its place in drawing order."""
+  """The G rows of one prompt; ``seq`` its place in drawing order, ``started`` the version its first row
+  entered a slot with (None: queued)."""
 
   seq: int
   prompt: int
   rows: list
+  started: int | None = None
 
   @property
   def complete(self) -> bool:
@@ -157,6 +160,7 @@ class RowPool:
         rows.append(
           PoolRow(
             prompt=p,
+            group=self._seq,
             key=keys[b * self.g + s],
             budget=budget,
             tokens=np.full(self.t_max, self.sampling.pad_id, np.int32),
@@ -173,8 +177,9 @@ class RowPool:
     return [g for _, g in sorted(self.groups.items()) if g.complete]
 
   def take(self, n: int) -> list[PoolGroup]:
-    """Removes and returns the first ``n`` complete groups (drawing order)."""
-    out = self.complete()[:n]
+    """Removes and returns ``n`` complete groups: the oldest first (by their oldest token, then drawing order:
+    the groups that can wait least), returned in drawing order."""
+    out = sorted(sorted(self.complete(), key=lambda g: (g.oldest(), g.seq))[:n], key=lambda g: g.seq)
     for grp in out:
       del self.groups[grp.seq]
     return out
@@ -201,12 +206,66 @@ class RowPool:
     return sum(r is not None for r in self._slot_rows)
 
   # ------------------------------------------------------------------ decoding
-  def run(self, model, version: int, key, *, need: int, draw, prompt_tokens, on_dispatched=None) -> dict:
-    """Decodes until ``need`` groups are complete, with ``model`` (version ``version``; a running row
-    started under another version is re-prefilled first). ``draw()`` returns the next round of prompt
-    indices when the queue is empty (queued with a key from ``key``); ``prompt_tokens[i]``: prompt i's
-    token ids. ``on_dispatched()``: after the first boundary's program is dispatched. Returns
-    ``{"boundaries", "reprefilled"}``."""
+  def overdue(self, keep_from: int | None) -> set[int]:
+    """The incomplete groups holding a token older than version ``keep_from`` (None: none)."""
+    if keep_from is None:
+      return set()
+    return {q for q, g in self.groups.items() if not g.complete and g.oldest() is not None and g.oldest() < keep_from}
+
+  def may_start(self, version: int, batch: int, max_staleness: int, need: int) -> bool:
+    """Whether a new group may start now (version ``version``, producing batch ``batch`` of ``need`` groups)
+    and still be trained within ``max_staleness``: a group started with version u must be trained by batch
+    ``u + 1 + k`` (its deadline). The new group's deadline is the latest, so (earliest deadline first) every
+    deadline stays met iff the started groups, plus it, fit the ``need`` groups of each batch from ``batch``
+    to that deadline (the earlier deadlines were met before)."""
+    started = sum(g.started is not None for g in self.groups.values())
+    return started + 1 <= need * (version + 1 + max_staleness - batch + 1)
+
+  def _next_rows(self, free: list[int], finishing: set[int] | None, draw, key, rounds: list, may_start) -> list[int]:
+    """Fills the free slots from the queue (drawing a round when it is empty); ``finishing``: only rows of
+    those groups, nothing drawn; ``may_start()``: whether the next queued group may start (else nothing more
+    enters). Returns the slots filled."""
+    filled = []
+    for s in free:
+      if finishing is not None:
+        row = next((r for r in self._queue if r.group in finishing), None)
+        if row is None:
+          break
+        self._queue.remove(row)
+      else:
+        if not self._queue:
+          self.add_round(draw(), jax.random.fold_in(key, len(rounds)))
+          rounds.append(None)
+        if self.groups[self._queue[0].group].started is None and not may_start():
+          break
+        row = self._queue.popleft()
+      self._slot_rows[s] = row
+      filled.append(s)
+      if self.groups[row.group].started is None:
+        self.groups[row.group].started = self._version
+    return filled
+
+  def run(
+    self,
+    model,
+    version: int,
+    key,
+    *,
+    need: int,
+    draw,
+    prompt_tokens,
+    batch: int | None = None,
+    max_staleness: int | None = None,
+    on_dispatched=None,
+  ) -> dict:
+    """Decodes until ``need`` groups are complete, with ``model`` (version ``version``; a running row started
+    under another version is re-prefilled first). With ``batch`` (m, the batch produced) and ``max_staleness``
+    (k): an incomplete group holding a token older than m - k is finished now (it could not wait for batch
+    m + 1), and a new group starts only if :meth:`may_start` (every started group can still be trained
+    within k). ``draw()`` returns
+    the next round of prompt indices when the queue is empty (queued with a key from ``key``);
+    ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``: after the first boundary's programs
+    are dispatched. Returns ``{"boundaries", "reprefilled", "finishing_boundaries"}``."""
     graphdef, state = nnx.split(self.sampling.model_to_sample(model))
     if "suppress_ids" not in self._static:
       vocab = model.config.vocab_size
@@ -222,22 +281,23 @@ class RowPool:
         max_new_tokens=self.t_max,
         pad_id=self.sampling.pad_id,
       )
-    info = {"boundaries": 0, "reprefilled": 0}
-    rounds = 0
-    while len(self.complete()) < need:
+    info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
+    rounds: list = []
+    while True:
+      short = len(self.complete()) < need
+      overdue = self.overdue(None if max_staleness is None else batch - max_staleness)
+      if not short and not overdue:
+        break
       # rows started under another version: their contexts re-prefilled with these weights first
       readmit = [] if version == self._version else [s for s, r in enumerate(self._slot_rows) if r is not None]
       self._version = version
       info["reprefilled"] += len(readmit)
+      info["finishing_boundaries"] += not short
       free = [s for s, r in enumerate(self._slot_rows) if r is None]
       admit = list(readmit)
       if self.refill or len(free) == self.slots:
-        for s in free:
-          if not self._queue:
-            self.add_round(draw(), jax.random.fold_in(key, rounds))
-            rounds += 1
-          self._slot_rows[s] = self._queue.popleft()
-          admit.append(s)
+        may_start = lambda: max_staleness is None or self.may_start(version, batch, max_staleness, need)
+        admit += self._next_rows(free, None if short else overdue, draw, key, rounds, may_start)
       if not admit and self.running() == 0:
         raise RuntimeError(f"RowPool: {len(self.complete())} of {need} groups complete and nothing left to decode")
       self._boundary(graphdef, state, sorted(admit), version, prompt_tokens)
@@ -247,9 +307,9 @@ class RowPool:
     return info
 
   def _boundary(self, graphdef, state, admit: list[int], version: int, prompt_tokens) -> None:
-    """One jitted program: the rows of slots ``admit`` (re)admitted with their contexts, then K decode steps;
-    the host copies updated."""
-    r = min(self.slots, 1 << max(0, len(admit) - 1).bit_length())  # a power of two (few compiled programs)
+    """Two jitted programs: the rows of slots ``admit`` (re)admitted with their contexts (one program per
+    admitted-row count and context width bucket), then K decode steps (one program); the host copies updated."""
+    r = min(self.slots, max(8, 1 << max(0, len(admit) - 1).bit_length()))  # 8, 16, ...: few compiled programs
     rows = [self._slot_rows[s] for s in admit]
     lens = [len(prompt_tokens[row.prompt]) + row.t for row in rows]
     width = _conversation._bucket_width(max(lens, default=1), self.max_len)
@@ -266,7 +326,9 @@ class RowPool:
       ctx_mask[i, : lens[i]] = True
       plen[i], start_t[i], budgets[i], keys[i], slots[i] = len(p), row.t, row.budget, row.key, s
       row_tok[i], row_lp[i] = row.tokens, row.logp
-    self._carry, _ = _segment_jit(
+    static = dict(self._static)
+    static.pop("max_new_tokens")
+    self._carry = _admit_jit(
       graphdef,
       state,
       self._carry,
@@ -280,9 +342,9 @@ class RowPool:
       slots,
       keys,
       budgets,
-      refill_every=self.every,
-      **self._static,
+      **static,
     )
+    self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, **self._static)
     self._stop = np.zeros(self.slots, bool)
     t, done, tok, lp = (np.asarray(x) for x in jax.device_get(tuple(self._carry[i] for i in (1, 4, 7, 8))))
     for s, row in enumerate(self._slot_rows):
@@ -324,8 +386,28 @@ def _uniforms(keys, t):
   return jax.vmap(one)(keys, t)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every",) + _STATIC, donate_argnums=(2,))
-def _segment_jit(
+_ADMIT_STATIC = ("temperature", "top_p", "top_k", "eos_ids", "pad_id", "suppress_ids")
+
+
+def _drawer(model, *, temperature, top_p, top_k, suppress_ids):
+  """``draw(logits, keys, t) -> (token, log-prob)``, each slot's uniform from its own key and step."""
+  suppressed = _sampling._suppressed_mask(suppress_ids, model.config.vocab_size)
+
+  def draw(logits, keys, t):
+    u = lambda: _uniforms(keys, t)
+    return _sampling._draw(logits, u, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
+
+  return draw
+
+
+def _ends(token, eos_ids):
+  if not eos_ids:
+    return jnp.zeros(token.shape, bool)
+  return jnp.any(token[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=_ADMIT_STATIC, donate_argnums=(2,))
+def _admit_jit(
   graphdef,
   state,
   carry,
@@ -340,8 +422,6 @@ def _segment_jit(
   keys,
   budgets,
   *,
-  refill_every,
-  max_new_tokens,
   temperature,
   top_p,
   top_k,
@@ -349,23 +429,12 @@ def _segment_jit(
   pad_id,
   suppress_ids,
 ):
-  """One boundary: slots ``stop`` halt; R rows enter ``slots int32[R]`` (padding: slot S) — their contexts
-  ``ctx int32[R, W]`` (real tokens first) prefilled into their cache rows, their completion so far
-  (``row_tok``, ``row_lp``) copied, token ``start_t`` drawn from the context's last hidden state — then up
-  to ``refill_every`` decode steps over the S slots. Returns (carry, decode steps)."""
+  """Slots ``stop`` halt; R rows enter ``slots int32[R]`` (padding: slot S): their contexts ``ctx int32[R, W]``
+  (real tokens first) prefilled into their cache rows, their completion so far (``row_tok``, ``row_lp``)
+  copied, token ``start_t`` drawn from the context's last hidden state. Returns the carry."""
   model = nnx.merge(graphdef, state)
+  draw = _drawer(model, temperature=temperature, top_p=top_p, top_k=top_k, suppress_ids=suppress_ids)
   cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
-  num_slots = s_t.shape[0]
-  eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
-  suppressed = _sampling._suppressed_mask(suppress_ids, model.config.vocab_size)
-
-  def draw(logits, keys, t):
-    u = lambda: _uniforms(keys, t)
-    return _sampling._draw(logits, u, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
-
-  def ends(token):
-    return jnp.zeros(token.shape, bool) if eos is None else jnp.any(token[:, None] == eos[None, :], axis=-1)
-
   s_done = s_done | stop
   r, width = ctx.shape
   sub = model.init_cache(r, width, per_row=True)
@@ -380,7 +449,31 @@ def _segment_jit(
   out_tok = put(out_tok, row_tok.at[at, start_t].set(token))
   out_lp = put(out_lp, row_lp.at[at, start_t].set(logp))
   s_t, s_start, s_last, s_key = put(s_t, start_t + 1), put(s_start, plen), put(s_last, token), put(s_key, keys)
-  s_done, s_budget = put(s_done, ends(token) | (start_t + 1 >= budgets)), put(s_budget, budgets)
+  s_done, s_budget = put(s_done, _ends(token, eos_ids) | (start_t + 1 >= budgets)), put(s_budget, budgets)
+  return cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every",) + _STATIC, donate_argnums=(2,))
+def _decode_jit(
+  graphdef,
+  state,
+  carry,
+  *,
+  refill_every,
+  max_new_tokens,
+  temperature,
+  top_p,
+  top_k,
+  eos_ids,
+  pad_id,
+  suppress_ids,
+):
+  """Up to ``refill_every`` decode steps over the S slots (a ``lax.while_loop`` that exits once no slot
+  runs). Returns (carry, decode steps)."""
+  model = nnx.merge(graphdef, state)
+  draw = _drawer(model, temperature=temperature, top_p=top_p, top_k=top_k, suppress_ids=suppress_ids)
+  cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
+  num_slots = s_t.shape[0]
 
   def cond(c):
     return (c[0] < refill_every) & ~jnp.all(c[4])
@@ -395,7 +488,7 @@ def _segment_jit(
     col = jnp.minimum(s_t, max_new_tokens - 1)
     out_tok = out_tok.at[at, col].set(token, mode="drop")
     out_lp = out_lp.at[at, col].set(logp, mode="drop")
-    s_done = s_done | (active & (ends(token) | (s_t + 1 >= s_budget)))
+    s_done = s_done | (active & (_ends(token, eos_ids) | (s_t + 1 >= s_budget)))
     s_t = s_t + active.astype(jnp.int32)
     s_last = jnp.where(active, token, s_last)
     return k + 1, cache, s_t, s_last, s_done, out_tok, out_lp

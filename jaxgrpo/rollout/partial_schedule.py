@@ -7,11 +7,16 @@ slots and continue, re-prefilled, under the next version. Every token carries it
 was sampled with (the batch's ``old_logp``; the learner recomputes π_old and keeps them as μ, so TIS/MIS weigh
 each token by π_old/μ of its own version).
 
-Staleness, per token: a token of version u trained in step m has staleness ``m - 1 - u``. Before producing
-batch m, every group (running, queued or complete) holding a token older than ``m - 1 - k`` is dropped — it
-could never be trained within k — and counted (``rollout/dropped_rows``; the ledger's ``dropped``); the learner
-then checks every trained group's oldest token against k as before. The producer runs ``ahead`` <= k - 1
-batches ahead of the learner (default k - 1), leaving a version for a row to cross.
+Staleness, per token: a token of version u trained in step m has staleness ``m - 1 - u``. The producer runs
+``ahead`` <= k - 1 batches ahead of the learner (default k - 1), leaving k - ahead versions for a row to cross.
+A group started with version u must be trained by batch u + 1 + k; a new group starts only while every started
+group can still meet its deadline (at most ``prompts_per_step`` groups per batch: ``RowPool.may_start``), and
+producing batch m does not stop while a group holding a token older than ``m - k`` is incomplete (left running,
+it could not be trained in batch m + 1 within k): such rows are finished now (no new rows enter meanwhile;
+``rollout/finishing_boundaries``). Before producing batch m, any group (running, queued or complete) still
+holding a token older than ``m - 1 - k`` — a complete group that waited, a restored or altered pool — is
+dropped and counted (``rollout/dropped_rows``, ``rollout/dropped_rows_total``; the ledger's ``dropped``), never
+trained; the learner then checks every trained group's oldest token against k as before.
 
 Checkpoints: the state after step n records the prompts drawn and not yet trained nor dropped
 (``data_position["untrained"]``, one round, drawing order) and the iterator's position after batch n was
@@ -126,6 +131,8 @@ class PartialRollouts(AsyncRollouts):
       need=self.source.prompts_per_step,
       draw=lambda: self._draw(rounds),
       prompt_tokens=self.source.prompts.tokens,
+      batch=n,
+      max_staleness=self.k,
       on_dispatched=dispatched,
     )
     groups = self.pool.take(self.source.prompts_per_step)
@@ -142,6 +149,7 @@ class PartialRollouts(AsyncRollouts):
         "rollout/in_flight_rows": self.pool.running(),
         "rollout/reprefilled_rows": info["reprefilled"],
         "rollout/boundaries": info["boundaries"],
+        "rollout/finishing_boundaries": info["finishing_boundaries"],
       }
     )
     self._drawn += rounds
