@@ -262,10 +262,9 @@ class RowPool:
     under another version is re-prefilled first). With ``batch`` (m, the batch produced) and ``max_staleness``
     (k): an incomplete group holding a token older than m - k is finished now (it could not wait for batch
     m + 1), and a new group starts only if :meth:`may_start` (every started group can still be trained
-    within k). ``draw()`` returns
-    the next round of prompt indices when the queue is empty (queued with a key from ``key``);
-    ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``: after the first boundary's programs
-    are dispatched. Returns ``{"boundaries", "reprefilled", "finishing_boundaries"}``."""
+    within k). ``draw()`` returns the next round of prompt indices when the queue is empty (queued with a
+    key from ``key``); ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``: after the first
+    boundary's programs are dispatched. Returns ``{"boundaries", "reprefilled", "finishing_boundaries"}``."""
     graphdef, state = nnx.split(self.sampling.model_to_sample(model))
     if "suppress_ids" not in self._static:
       vocab = model.config.vocab_size
