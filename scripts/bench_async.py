@@ -27,9 +27,11 @@ measured and predicted there is the cost of that sharing, not a property of the 
 tenth of ``max_new_tokens`` (``--sigma``), imposed as row budgets in the row pool; a static batch (the sync and
 one-step-off schedules' sampler) decodes until its longest row ends, which here is ``max_new_tokens`` (the
 untrained model samples no EOS; with 64 rows the tail reaches it). Schedules: ``lt_k0`` (phase times),
-``lt_sync``, ``lt_k1``, ``lt_partial`` (k = 2, one batch ahead, ``refill: false``), ``lt_partial_refill``
-(``refill: true``), both partial with twice B·G slots, and ``lt_k1_disagg`` / ``lt_partial_refill_disagg`` on
-half the devices each; the model's prediction beside each from the measured generation and learner phases.
+``lt_sync``, ``lt_k1``; partial rollouts with twice B·G slots: ``lt_partial0`` / ``lt_partial0_refill`` (k = 1,
+nothing ahead: sync + partial, and the pool's generation time alone), ``lt_partial`` / ``lt_partial_refill``
+(k = 2, one batch ahead; ``refill: false`` / ``true``); ``lt_k1_disagg`` / ``lt_partial_refill_disagg`` on half
+the devices each. Beside each, the phase model's step from the generation time measured alone and the learner
+phases of ``lt_k0`` (π_old from ``lt_k1``).
 
     python scripts/bench_async.py --long-tail --cpu-devices 2
 """
@@ -182,7 +184,17 @@ def predictions(m: dict) -> dict:
   }
 
 
-LT_MODES = ("lt_k0", "lt_sync", "lt_k1", "lt_partial", "lt_partial_refill", "lt_k1_disagg", "lt_partial_refill_disagg")
+LT_MODES = (
+  "lt_k0",
+  "lt_sync",
+  "lt_k1",
+  "lt_partial0",
+  "lt_partial0_refill",
+  "lt_partial",
+  "lt_partial_refill",
+  "lt_k1_disagg",
+  "lt_partial_refill_disagg",
+)
 LT_RUN = {"rollout.max_new_tokens": 64, "rollout.prompts_per_step": 8, "rollout.group_size": 8}
 
 
@@ -203,9 +215,10 @@ def build_long_tail(mode: str, steps: int, out: str, sigma: float) -> Trainer:
   rows = LT_RUN["rollout.prompts_per_step"] * LT_RUN["rollout.group_size"]
   if mode in ("lt_k1", "lt_k1_disagg"):
     changes["rollout.max_staleness"] = 1
-  if mode.startswith("lt_partial"):
-    changes["rollout.max_staleness"] = 2
-    changes["rollout.partial"] = {"enabled": True, "slots": 2 * rows, "refill": "refill" in mode, "ahead": 1}
+  if mode.startswith("lt_partial"):  # lt_partial0*: nothing ahead (k = 1): the pool's generation time alone
+    ahead = 0 if mode.startswith("lt_partial0") else 1
+    changes["rollout.max_staleness"] = ahead + 1
+    changes["rollout.partial"] = {"enabled": True, "slots": 2 * rows, "refill": "refill" in mode, "ahead": ahead}
   if mode.endswith("_disagg"):
     changes.update(
       {
@@ -247,7 +260,7 @@ def long_tail(args) -> dict:
 
   def predict(m, k, disaggregated):
     ph = Phases(
-      generate=gen(m),
+      generate=gen(m),  # measured without overlap (lt_k0, lt_partial0*)
       reference=k0["time/reference_s"],
       update=k0["time/update_s"],
       old_logp=old if k else 0.0,
@@ -255,22 +268,26 @@ def long_tail(args) -> dict:
     )
     return simulate(ph, steps=50, max_staleness=k, disaggregated=disaggregated).step_time
 
+  # schedule: (its generation phase measured alone, batches ahead, disjoint pools); the disaggregated rows are
+  # predicted from the colocated phase times (on real hardware each pool has its own devices)
   plan = {
-    "lt_sync": (0, False),
-    "lt_k1": (1, False),
-    "lt_partial": (1, False),
-    "lt_partial_refill": (1, False),
-    "lt_k1_disagg": (1, True),
-    "lt_partial_refill_disagg": (1, True),
+    "lt_sync": ("lt_k0", 0, False),
+    "lt_k1": ("lt_k0", 1, False),
+    "lt_partial0": ("lt_partial0", 0, False),
+    "lt_partial0_refill": ("lt_partial0_refill", 0, False),
+    "lt_partial": ("lt_partial0", 1, False),
+    "lt_partial_refill": ("lt_partial0_refill", 1, False),
+    "lt_k1_disagg": ("lt_k0", 1, True),
+    "lt_partial_refill_disagg": ("lt_partial0_refill", 1, True),
   }
   print("\n| schedule | measured step (s) | generate (s) | predicted step (s) | partial rows | dropped rows |")
   print("|---|---|---|---|---|---|")
   result = {}
-  for m, (k, d) in plan.items():
+  for m, (phase, k, d) in plan.items():
     result[m] = {
       "period": statistics.median(periods[m]),
       "generate_s": gen(m),
-      "predicted": predict(m, k, d),
+      "predicted": predict(phase, k, d),
       "partial_rows": med(m, "rollout/partial_rows"),
       "dropped_rows": sum(rec.get("rollout/dropped_rows", 0) for rec in records[m]),
     }
