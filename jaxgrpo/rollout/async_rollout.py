@@ -107,6 +107,8 @@ class ProducedBatch(NamedTuple):
     position_after: the data-iterator position after this batch.
     rounds: the prompt indices of each sampling round (dynamic sampling: several).
     generate_s: wall time of sampling and scoring.
+    token_versions: partial rollouts: ``int64[rows, T]`` the version that sampled each completion token
+      (-1 on padding); None: every token of a group has the group's version.
   """
 
   index: int
@@ -119,6 +121,7 @@ class ProducedBatch(NamedTuple):
   position_after: dict
   rounds: list
   generate_s: float
+  token_versions: np.ndarray | None = None
 
 
 class _Once:
@@ -169,6 +172,7 @@ class AsyncRollouts:
       raise ValueError(f"`max_staleness` must be an int >= 0; got {max_staleness!r}")
     self.source, self.learner = source, learner
     self.k, self.steps, self.profile = max_staleness, steps, profile
+    self.ahead = max_staleness  # batches produced ahead of the learner (partial rollouts: fewer)
     self.colocated = rollout_mesh is None
     self.rollout_mesh = learner.mesh if rollout_mesh is None else rollout_mesh
     if not self.colocated and jax.process_count() > 1:
@@ -304,7 +308,7 @@ class AsyncRollouts:
         f"{item.versions.tolist()}): the producer broke the staleness bound"
       )
     self._check_resumed(item)
-    ahead = min(n + self.k, self.steps)  # batches produced while this update runs
+    ahead = min(n + self.ahead, self.steps)  # batches produced while this update runs
     overlapped = self._next_index <= ahead
     learned: dict[str, Any] = {}
     timed = self.profile or self._serial or not overlapped  # wait after each phase (and time it)
@@ -339,12 +343,19 @@ class AsyncRollouts:
     )
     if self._ledger is not None:
       with open(self._ledger, "a") as f:
-        rec = {"step": n, "prompts": item.prompts.tolist(), "versions": item.versions.tolist()}
-        f.write(json.dumps(rec) + "\n")
+        f.write(json.dumps(self._ledger_record(n, item)) + "\n")
     if self.observe is not None:
       self.observe(item)
-    position = {**item.position_after, "untrained": self.untrained()}
-    return StepOut(learned["state"], item.key_after, position, metrics)
+    return StepOut(learned["state"], item.key_after, self._position_after(item), metrics)
+
+  def _ledger_record(self, n: int, item: ProducedBatch) -> dict:
+    """The :data:`LEDGER` line of step ``n``."""
+    return {"step": n, "prompts": item.prompts.tolist(), "versions": item.versions.tolist()}
+
+  def _position_after(self, item: ProducedBatch) -> dict:
+    """The data position the state records after training ``item``: the iterator's, and the rounds drawn
+    beyond it (untrained)."""
+    return {**item.position_after, "untrained": self.untrained()}
 
   def _check_resumed(self, item: ProducedBatch) -> None:
     """After a resume: the first sampling round drawn again must be the first one the checkpoint

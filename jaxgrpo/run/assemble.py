@@ -26,6 +26,7 @@ from jaxgrpo.rollout.engines import check_engine, load_engine_factory, logprobs_
 from jaxgrpo.rollout.engines import vllm as vllm_engine
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.environments import spec as env_spec
+from jaxgrpo.rollout.partial_schedule import PartialRollouts
 from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
@@ -341,16 +342,27 @@ def rollout_source(
 def schedule(cfg: TrainerConfig, source: RolloutSource, learner: Learner, state, *, rollout_mesh, resumed: bool):
   """The run's schedule: :class:`~jaxgrpo.rollout.schedule.Synchronous`, or with ``rollout.max_staleness`` >= 1
   or ``devices.rollout`` (``rollout_mesh``) the bounded-staleness producer/learner
-  (``jaxgrpo.rollout.async_rollout.AsyncRollouts``, its ledger in ``run.out``)."""
+  (``jaxgrpo.rollout.async_rollout.AsyncRollouts``, its ledger in ``run.out``); with ``rollout.partial.enabled`` its
+  partial-rollouts form (``jaxgrpo.rollout.partial_schedule.PartialRollouts``)."""
   if not cfg.rollout.max_staleness and rollout_mesh is None:
     return Synchronous(source, learner)
-  return AsyncRollouts(
-    source,
-    learner,
-    state,
+  common = dict(
     max_staleness=cfg.rollout.max_staleness,
     rollout_mesh=rollout_mesh,
     steps=cfg.run.steps,
     out_dir=cfg.run.out,
     resumed=resumed,
   )
+  part = cfg.rollout.partial
+  if part.enabled:  # rows in flight across updates (jaxgrpo.rollout.partial_schedule)
+    return PartialRollouts(
+      source,
+      learner,
+      state,
+      num_slots=part.slots,
+      refill_every=part.refill_every,
+      refill=part.refill,
+      ahead=part.ahead,
+      **common,
+    )
+  return AsyncRollouts(source, learner, state, **common)

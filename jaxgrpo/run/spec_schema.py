@@ -56,6 +56,7 @@ __all__ = [
   "DataSpec",
   "RolloutSpec",
   "VLLMSpec",
+  "PartialSpec",
   "OptimSpec",
   "RewardSpec",
   "EvalSpec",
@@ -199,6 +200,38 @@ class VLLMSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PartialSpec:
+  """Partial rollouts (``jaxgrpo.rollout.partial_schedule``; docs/async.md, "Partial rollouts"): rows still
+  decoding when a batch is complete stay in flight across the weight update and continue under the new version;
+  every token keeps the version and log-prob it was sampled with, and the staleness bound applies per token.
+
+  Attributes:
+    enabled: on (needs ``rollout.max_staleness`` >= 1).
+    slots: rows in flight at once (None: a step's ``prompts_per_step`` x ``group_size`` rows).
+    refill: a slot freed by an ended row takes the next row at the next boundary (slot refill); false: new rows
+      enter only when every slot is free.
+    refill_every: decode steps between boundaries (where rows enter and the host reads the slots).
+    ahead: batches produced ahead of the learner, in [0, max_staleness - 1] (None: max_staleness - 1), so a
+      row can cross max_staleness - ahead versions before it is dropped.
+  """
+
+  enabled: bool = False
+  slots: int | None = None
+  refill: bool = True
+  refill_every: int = 8
+  ahead: int | None = None
+
+  def __post_init__(self):
+    _checks.check_python_bool(self.enabled, "rollout.partial.enabled")
+    _checks.check_python_bool(self.refill, "rollout.partial.refill")
+    _ints("rollout.partial", self, ("refill_every",))
+    if self.slots is not None:
+      _ints("rollout.partial", self, ("slots",))
+    if self.ahead is not None:
+      _ints("rollout.partial", self, ("ahead",), minimum=0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutSpec:
   """Sampling the groups of one step (the temperature is ``step.temperature``: the train step's
   log-probs refer to it, so it is one value for both).
@@ -222,6 +255,7 @@ class RolloutSpec:
       factory of a ``jaxgrpo.rollout.engines.Engine`` (imported and checked callable when the config loads; called
       with ``config``, ``max_model_len``, ``temperature``, ``seed``; docs/sampling.md, "Engines").
     vllm: the vLLM engine's settings (read with ``engine: vllm``).
+    partial: partial rollouts (:class:`PartialSpec`; off by default).
     routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
       records each token's experts while sampling and the train step and the reference pass reuse
       them (routing replay); ``none``: every forward routes by its own top-k. Ignored by a dense model.
@@ -237,6 +271,7 @@ class RolloutSpec:
   max_staleness: int = 0
   engine: str = "jax"
   vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
+  partial: PartialSpec = dataclasses.field(default_factory=PartialSpec)
   routing_replay: Literal["rollout", "none"] = "rollout"
 
   def __post_init__(self):
@@ -615,4 +650,54 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     raise ValueError(
       f"`devices.rollout`={cfg.devices.rollout} gives the built-in sampler devices of its own; `rollout.engine: "
       f"{roll.engine}` samples on the engine's own devices: unset one"
+    )
+  if roll.partial.enabled:
+    _check_partial(cfg, process_count, synthetic_moe)
+
+
+#: why partial rollouts are refused with vLLM (not built): what its API would need.
+VLLM_PARTIAL_ERROR = (
+  "`rollout.partial.enabled` with `rollout.engine: vllm`: not built; vLLM's offline `LLM.generate` runs a batch "
+  "to completion under one set of weights, so a row would have to be aborted and re-submitted as prompt + partial "
+  "tokens after each push (its prefix cache re-prefills them); use `rollout.engine: jax` for partial rollouts"
+)
+
+
+def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> None:
+  """The combinations partial rollouts refuse, one line each."""
+  roll, part = cfg.rollout, cfg.rollout.partial
+  if roll.max_staleness < 1:
+    raise ValueError(
+      "`rollout.partial.enabled` needs `rollout.max_staleness` >= 1 (a row crossing a weight update holds tokens "
+      f"one version older); got {roll.max_staleness}"
+    )
+  if part.ahead is not None and part.ahead >= roll.max_staleness:
+    raise ValueError(
+      f"`rollout.partial.ahead`={part.ahead} must be < `rollout.max_staleness`={roll.max_staleness}: a row carried "
+      "into the next batch would always be older than max_staleness"
+    )
+  if roll.engine == "vllm":
+    raise ValueError(VLLM_PARTIAL_ERROR)
+  if roll.engine != "jax":
+    raise ValueError(
+      f"`rollout.partial.enabled` with `rollout.engine: {roll.engine}`: an engine generates whole batches; partial "
+      "rollouts run in the built-in sampler (`rollout.engine: jax`)"
+    )
+  if cfg.env is not None:
+    raise ValueError(
+      "`rollout.partial.enabled` with `env` (multi-turn): not built; a row in flight would span environment turns"
+    )
+  if cfg.objective.dynamic_sampling:
+    raise ValueError(
+      "`rollout.partial.enabled` with `objective.dynamic_sampling`: not built; the row pool takes complete groups "
+      "as they finish, with no sampling rounds to refill"
+    )
+  if synthetic_moe and roll.routing_replay == "rollout":
+    raise ValueError(
+      "`rollout.partial.enabled` with a mixture-of-experts policy and `rollout.routing_replay: rollout`: the row "
+      "pool records no experts; set `rollout.routing_replay: none`"
+    )
+  if process_count > 1:
+    raise ValueError(
+      f"`rollout.partial.enabled` with {process_count} processes: not built; the row pool is one process's"
     )

@@ -1,0 +1,498 @@
+"""Partial rollouts: rows kept in flight across weight updates, each token tagged with the version that sampled it.
+
+A :class:`RowPool` decodes rows in a fixed number of slots (as ``jaxgrpo.rollout.refill``) and is *kept between
+batches*: a batch takes the first complete groups (every one of its G rows ended), and the rows still running stay
+in their slots for the next batch, which continues them with whatever version was published in between. So a long
+row no longer holds the batch back; it finishes in a later one.
+
+Data flow (S slots, T new tokens, P prompt width, K decode steps per boundary)::
+
+    rounds of prompt indices (the data iterator's) --> queue of rows (G per prompt, a key each)
+    per boundary, two jitted programs (:func:`_admit_jit`, :func:`_decode_jit`):
+      admit R rows into slots: prefill each row's context ``prompt ‖ completion[:t]`` (t = 0 for a new row)
+      with the *current* weights into its slot of the S-row per-row KV cache, draw its token t from the
+      context's last hidden state; then up to K decode steps over the S slots
+    the host reads the slots' tokens, log-probs and counts, tags the new tokens with the version, frees the
+    slots of ended rows
+    a version change: every running row is admitted again (its context re-prefilled with the new weights)
+
+**Re-prefilled, not kept KV.** At a version change the KV of a running row is recomputed under the new weights
+(one prefill of its context per running row and update). Every token t is then sampled from exactly
+``π_v(· | prompt, completion[:t])`` of one version v, so its recorded log-prob is that policy's log-prob of it
+(what a teacher-forced pass under version v recomputes) and the per-token version is a true statement. Keeping
+the old KV would save the prefill, but a token would then be drawn from a mixture (old keys/values, new
+queries) that no version's teacher-forced pass reproduces.
+
+A token's uniform is ``uniform(fold_in(row key, t))``: a row's tokens depend on its key and on the versions
+it ran under, not on its slot or boundary. One process only (the trainer refuses several).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo import models as _models
+from jaxgrpo.rollout import conversation as _conversation
+from jaxgrpo.rollout import refill as _refill
+from jaxgrpo.rollout import sampling as _sampling
+from jaxgrpo.rollout.sampling import SamplingConfig
+
+__all__ = ["RowPool", "PoolRow", "PoolGroup"]
+
+
+@dataclasses.dataclass
+class PoolRow:
+  """One row: its prompt, key, budget and what it has sampled so far (host copies).
+
+  Attributes:
+    tokens, logp: ``int32[T]``, ``f32[T]`` the completion so far (pad / 0 after ``t``).
+    versions: ``int64[T]`` the version that sampled each token (-1 after ``t``).
+  """
+
+  prompt: int
+  group: int
+  key: np.ndarray
+  budget: int
+  tokens: np.ndarray
+  logp: np.ndarray
+  versions: np.ndarray
+  t: int = 0
+  done: bool = False
+
+  def span(self) -> tuple[int, int]:
+    """(oldest, newest) version of the sampled tokens."""
+    v = self.versions[: self.t]
+    return int(v.min()), int(v.max())
+
+
+@dataclasses.dataclass
+class PoolGroup:
+  """The G rows of one prompt; ``seq`` its place in drawing order, ``started`` the version its first row
+  entered a slot with (None: queued)."""
+
+  seq: int
+  prompt: int
+  rows: list
+  started: int | None = None
+
+  @property
+  def complete(self) -> bool:
+    return all(r.done for r in self.rows)
+
+  def oldest(self) -> int | None:
+    """The oldest version of any sampled token (None: nothing sampled yet)."""
+    started = [r.span()[0] for r in self.rows if r.t]
+    return min(started) if started else None
+
+
+class RowPool:
+  """S decode slots whose rows survive between batches (see the module docstring).
+
+  Args:
+    sampling: the run's ``SamplingConfig`` (G, T = ``max_new_tokens``, EOS, filtering, pad).
+    temperature: the sampling temperature.
+    prompt_len: P, the prompt width (left-padded prompts of at most P tokens).
+    num_slots: S >= 1, rows decoded at once (the KV cache holds S rows of P + T - 1 positions).
+    refill_every: K >= 1, decode steps between boundaries.
+    refill: a slot freed by an ended row takes the next queued row at the next boundary (slot refill); False:
+      new rows enter only when no slot is running (a static batch whose unfinished rows carry over).
+    budget_of: None, or ``budget_of(prompt, sample) -> int in [1, T]``, a row's token budget (benchmarks).
+  """
+
+  def __init__(
+    self,
+    *,
+    sampling: SamplingConfig,
+    temperature: float,
+    prompt_len: int,
+    num_slots: int,
+    refill_every: int,
+    refill: bool = True,
+    budget_of=None,
+  ):
+    self.sampling, self.temperature = sampling, float(temperature)
+    self.g = sampling.num_samples
+    self.t_max = sampling.require_max_new_tokens("RowPool")
+    self.prompt_len, self.slots, self.every, self.refill = prompt_len, num_slots, refill_every, refill
+    self.budget_of = budget_of
+    self.max_len = prompt_len + self.t_max - 1
+    self._static = dict(
+      max_new_tokens=self.t_max,
+      temperature=self.temperature,
+      top_p=sampling.top_p,
+      top_k=sampling.top_k,
+      eos_ids=tuple(sampling.eos_ids),
+      pad_id=sampling.pad_id,
+    )
+    self.reset()
+
+  def reset(self) -> None:
+    """Empties the pool (slots, queue, groups); the device state is rebuilt at the next :meth:`run`."""
+    self._slot_rows: list[PoolRow | None] = [None] * self.slots
+    self._queue: collections.deque[PoolRow] = collections.deque()
+    self.groups: dict[int, PoolGroup] = {}  # drawn, neither taken nor dropped, by seq
+    self._seq = 0
+    self._version = None
+    self._carry = None
+    self._stop = np.zeros(self.slots, bool)
+
+  # ------------------------------------------------------------------ bookkeeping
+  def add_round(self, prompts, key) -> None:
+    """Queues G rows of each prompt of ``prompts`` (a drawing round), row j's key ``fold_in(key, j)``."""
+    prompts = [int(p) for p in prompts]
+    if not prompts:
+      return
+    n = len(prompts) * self.g
+    keys = np.asarray(jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(jnp.arange(n)))
+    for b, p in enumerate(prompts):
+      rows = []
+      for s in range(self.g):
+        budget = self.t_max if self.budget_of is None else int(self.budget_of(p, s))
+        if not 1 <= budget <= self.t_max:
+          raise ValueError(f"`budget_of({p}, {s})` must be in [1, max_new_tokens = {self.t_max}]; got {budget}")
+        rows.append(
+          PoolRow(
+            prompt=p,
+            group=self._seq,
+            key=keys[b * self.g + s],
+            budget=budget,
+            tokens=np.full(self.t_max, self.sampling.pad_id, np.int32),
+            logp=np.zeros(self.t_max, np.float32),
+            versions=np.full(self.t_max, -1, np.int64),
+          )
+        )
+      self.groups[self._seq] = PoolGroup(self._seq, p, rows)
+      self._queue.extend(rows)
+      self._seq += 1
+
+  def complete(self) -> list[PoolGroup]:
+    """The complete groups, in drawing order."""
+    return [g for _, g in sorted(self.groups.items()) if g.complete]
+
+  def take(self, n: int) -> list[PoolGroup]:
+    """Removes and returns ``n`` complete groups: the oldest first (by their oldest token, then drawing order:
+    the groups that can wait least), returned in drawing order."""
+    out = sorted(sorted(self.complete(), key=lambda g: (g.oldest(), g.seq))[:n], key=lambda g: g.seq)
+    for grp in out:
+      del self.groups[grp.seq]
+    return out
+
+  def drop_older(self, oldest_allowed: int) -> list[PoolGroup]:
+    """Removes the groups with a token older than version ``oldest_allowed`` (they can no longer be trained
+    within the staleness bound): their running rows stop, their queued rows leave the queue. Returns them."""
+    dropped = [g for _, g in sorted(self.groups.items()) if (g.oldest() is not None and g.oldest() < oldest_allowed)]
+    gone = {id(r) for g in dropped for r in g.rows}
+    for s, row in enumerate(self._slot_rows):
+      if row is not None and id(row) in gone:
+        self._slot_rows[s], self._stop[s] = None, True
+    self._queue = collections.deque(r for r in self._queue if id(r) not in gone)
+    for grp in dropped:
+      del self.groups[grp.seq]
+    return dropped
+
+  def untrained(self) -> list[int]:
+    """The prompts drawn and neither taken nor dropped, in drawing order (one entry per group)."""
+    return [g.prompt for _, g in sorted(self.groups.items())]
+
+  def running(self) -> int:
+    """Rows in the slots now."""
+    return sum(r is not None for r in self._slot_rows)
+
+  # ------------------------------------------------------------------ decoding
+  def overdue(self, keep_from: int | None) -> set[int]:
+    """The incomplete groups holding a token older than version ``keep_from`` (None: none)."""
+    if keep_from is None:
+      return set()
+    return {q for q, g in self.groups.items() if not g.complete and g.oldest() is not None and g.oldest() < keep_from}
+
+  def may_start(self, version: int, batch: int, max_staleness: int, need: int) -> bool:
+    """Whether a new group may start now (version ``version``, producing batch ``batch`` of ``need`` groups)
+    and still be trained within ``max_staleness``: a group started with version u must be trained by batch
+    ``u + 1 + k`` (its deadline). The new group's deadline is the latest, so (earliest deadline first) every
+    deadline stays met iff the started groups, plus it, fit the ``need`` groups of each batch from ``batch``
+    to that deadline (the earlier deadlines were met before)."""
+    started = sum(g.started is not None for g in self.groups.values())
+    return started + 1 <= need * (version + 1 + max_staleness - batch + 1)
+
+  def _next_rows(self, free: list[int], finishing: set[int] | None, draw, key, rounds: list, may_start) -> list[int]:
+    """Fills the free slots from the queue (drawing a round when it is empty); ``finishing``: only rows of
+    those groups, nothing drawn; ``may_start()``: whether the next queued group may start (else nothing more
+    enters). Returns the slots filled."""
+    filled = []
+    for s in free:
+      if finishing is not None:
+        row = next((r for r in self._queue if r.group in finishing), None)
+        if row is None:
+          break
+        self._queue.remove(row)
+      else:
+        if not self._queue:
+          self.add_round(draw(), jax.random.fold_in(key, len(rounds)))
+          rounds.append(None)
+        if self.groups[self._queue[0].group].started is None and not may_start():
+          break
+        row = self._queue.popleft()
+      self._slot_rows[s] = row
+      filled.append(s)
+      if self.groups[row.group].started is None:
+        self.groups[row.group].started = self._version
+    return filled
+
+  def run(
+    self,
+    model,
+    version: int,
+    key,
+    *,
+    need: int,
+    draw,
+    prompt_tokens,
+    batch: int | None = None,
+    max_staleness: int | None = None,
+    on_dispatched=None,
+  ) -> dict:
+    """Decodes until ``need`` groups are complete, with ``model`` (version ``version``; a running row started
+    under another version is re-prefilled first). With ``batch`` (m, the batch produced) and ``max_staleness``
+    (k): an incomplete group holding a token older than m - k is finished now (it could not wait for batch
+    m + 1), and a new group starts only if :meth:`may_start` (every started group can still be trained
+    within k). ``draw()`` returns the next round of prompt indices when the queue is empty (queued with a
+    key from ``key``); ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``: after the first
+    boundary's programs are dispatched. Returns ``{"boundaries", "reprefilled", "finishing_boundaries"}``."""
+    graphdef, state = nnx.split(self.sampling.model_to_sample(model))
+    if "suppress_ids" not in self._static:
+      vocab = model.config.vocab_size
+      self._static["suppress_ids"] = _sampling._suppressed_ids(
+        self.sampling.suppress_ids, self.sampling.pad_id, self._static["eos_ids"], vocab
+      )
+    if self._carry is None:
+      self._carry = _init_jit(
+        graphdef,
+        state,
+        num_slots=self.slots,
+        max_len=self.max_len,
+        max_new_tokens=self.t_max,
+        pad_id=self.sampling.pad_id,
+      )
+    info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
+    rounds: list = []
+    while True:
+      short = len(self.complete()) < need
+      overdue = self.overdue(None if max_staleness is None else batch - max_staleness)
+      if not short and not overdue:
+        break
+      # rows started under another version: their contexts re-prefilled with these weights first
+      readmit = [] if version == self._version else [s for s, r in enumerate(self._slot_rows) if r is not None]
+      self._version = version
+      info["reprefilled"] += len(readmit)
+      info["finishing_boundaries"] += not short
+      free = [s for s, r in enumerate(self._slot_rows) if r is None]
+      admit = list(readmit)
+      if self.refill or len(free) == self.slots:
+        may_start = lambda: max_staleness is None or self.may_start(version, batch, max_staleness, need)
+        admit += self._next_rows(free, None if short else overdue, draw, key, rounds, may_start)
+      if not admit and self.running() == 0:
+        raise RuntimeError(f"RowPool: {len(self.complete())} of {need} groups complete and nothing left to decode")
+      self._boundary(graphdef, state, sorted(admit), version, prompt_tokens)
+      info["boundaries"] += 1
+      if info["boundaries"] == 1 and on_dispatched is not None:
+        on_dispatched()
+    return info
+
+  def _boundary(self, graphdef, state, admit: list[int], version: int, prompt_tokens) -> None:
+    """Two jitted programs: the rows of slots ``admit`` (re)admitted with their contexts (one program per
+    admitted-row count and context width bucket), then K decode steps (one program); the host copies updated."""
+    r = min(self.slots, max(8, 1 << max(0, len(admit) - 1).bit_length()))  # 8, 16, ...: few compiled programs
+    rows = [self._slot_rows[s] for s in admit]
+    lens = [len(prompt_tokens[row.prompt]) + row.t for row in rows]
+    width = _conversation._bucket_width(max(lens, default=1), self.max_len)
+    ctx = np.full((r, width), self.sampling.pad_id, np.int32)
+    ctx_mask = np.zeros((r, width), bool)
+    plen, start_t, budgets = np.zeros(r, np.int32), np.zeros(r, np.int32), np.ones(r, np.int32)
+    row_tok = np.full((r, self.t_max), self.sampling.pad_id, np.int32)
+    row_lp = np.zeros((r, self.t_max), np.float32)
+    keys = np.zeros((r, 2), np.uint32)
+    slots = np.full(r, self.slots, np.int32)
+    for i, (s, row) in enumerate(zip(admit, rows)):
+      p = list(prompt_tokens[row.prompt])
+      ctx[i, : lens[i]] = p + row.tokens[: row.t].tolist()  # real tokens first: token k at position k
+      ctx_mask[i, : lens[i]] = True
+      plen[i], start_t[i], budgets[i], keys[i], slots[i] = len(p), row.t, row.budget, row.key, s
+      row_tok[i], row_lp[i] = row.tokens, row.logp
+    static = dict(self._static)
+    static.pop("max_new_tokens")
+    self._carry = _admit_jit(
+      graphdef,
+      state,
+      self._carry,
+      self._stop,
+      ctx,
+      ctx_mask,
+      plen,
+      start_t,
+      row_tok,
+      row_lp,
+      slots,
+      keys,
+      budgets,
+      **static,
+    )
+    self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, **self._static)
+    self._stop = np.zeros(self.slots, bool)
+    t, done, tok, lp = (np.asarray(x) for x in jax.device_get(tuple(self._carry[i] for i in (1, 4, 7, 8))))
+    for s, row in enumerate(self._slot_rows):
+      if row is None:
+        continue
+      new = int(t[s])
+      row.tokens[:new], row.logp[:new] = tok[s, :new], lp[s, :new]
+      row.versions[row.t : new] = version
+      row.t = new
+      if done[s]:
+        row.done, self._slot_rows[s] = True, None
+
+
+_STATIC = ("max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "pad_id", "suppress_ids")
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len", "max_new_tokens", "pad_id"))
+def _init_jit(graphdef, state, *, num_slots, max_len, max_new_tokens, pad_id):
+  """The empty carry: (cache, slot t, slot prompt length, slot last token, slot done, slot budget, slot key,
+  slot tokens, slot log-probs)."""
+  model = nnx.merge(graphdef, state)
+  s = num_slots
+  return (
+    model.init_cache(s, max_len, per_row=True),
+    jnp.zeros((s,), jnp.int32),  # t: tokens the slot's row has sampled
+    jnp.zeros((s,), jnp.int32),  # the row's real prompt length (position of its completion token 0)
+    jnp.zeros((s,), jnp.int32),  # last sampled token (fed next)
+    jnp.ones((s,), bool),  # done (or free)
+    jnp.zeros((s,), jnp.int32),  # the row's budget
+    jnp.zeros((s, 2), jnp.uint32),  # the row's key data
+    jnp.full((s, max_new_tokens), pad_id, jnp.int32),
+    jnp.zeros((s, max_new_tokens), jnp.float32),
+  )
+
+
+def _uniforms(keys, t):
+  """``f32[S]``: ``uniform(fold_in(key_s, t_s))`` of each slot (a row's own stream, whatever its slot)."""
+  one = lambda k, i: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(k), i), (), jnp.float32)
+  return jax.vmap(one)(keys, t)
+
+
+_ADMIT_STATIC = ("temperature", "top_p", "top_k", "eos_ids", "pad_id", "suppress_ids")
+
+
+def _drawer(model, *, temperature, top_p, top_k, suppress_ids):
+  """``draw(logits, keys, t) -> (token, log-prob)``, each slot's uniform from its own key and step."""
+  suppressed = _sampling._suppressed_mask(suppress_ids, model.config.vocab_size)
+
+  def draw(logits, keys, t):
+    u = lambda: _uniforms(keys, t)
+    return _sampling._draw(logits, u, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
+
+  return draw
+
+
+def _ends(token, eos_ids):
+  if not eos_ids:
+    return jnp.zeros(token.shape, bool)
+  return jnp.any(token[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=_ADMIT_STATIC, donate_argnums=(2,))
+def _admit_jit(
+  graphdef,
+  state,
+  carry,
+  stop,
+  ctx,
+  ctx_mask,
+  plen,
+  start_t,
+  row_tok,
+  row_lp,
+  slots,
+  keys,
+  budgets,
+  *,
+  temperature,
+  top_p,
+  top_k,
+  eos_ids,
+  pad_id,
+  suppress_ids,
+):
+  """Slots ``stop`` halt; R rows enter ``slots int32[R]`` (padding: slot S): their contexts ``ctx int32[R, W]``
+  (real tokens first) prefilled into their cache rows, their completion so far (``row_tok``, ``row_lp``)
+  copied, token ``start_t`` drawn from the context's last hidden state. Returns the carry."""
+  model = nnx.merge(graphdef, state)
+  draw = _drawer(model, temperature=temperature, top_p=top_p, top_k=top_k, suppress_ids=suppress_ids)
+  cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
+  s_done = s_done | stop
+  r, width = ctx.shape
+  sub = model.init_cache(r, width, per_row=True)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (r, width))
+  hidden, sub = model(ctx, positions, attention_mask=ctx_mask, cache=sub)
+  last = jnp.maximum(jnp.sum(ctx_mask, axis=1, dtype=jnp.int32) - 1, 0)
+  hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+  cache = _models.put_cache_rows(cache, slots, _refill._pad_slots(sub, cache.max_len))
+  token, logp = draw(model.logits(hidden, out_dtype=jnp.float32), keys, start_t)
+  at = jnp.arange(r)
+  put = lambda x, y: x.at[slots].set(y, mode="drop")
+  out_tok = put(out_tok, row_tok.at[at, start_t].set(token))
+  out_lp = put(out_lp, row_lp.at[at, start_t].set(logp))
+  s_t, s_start, s_last, s_key = put(s_t, start_t + 1), put(s_start, plen), put(s_last, token), put(s_key, keys)
+  s_done, s_budget = put(s_done, _ends(token, eos_ids) | (start_t + 1 >= budgets)), put(s_budget, budgets)
+  return cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every",) + _STATIC, donate_argnums=(2,))
+def _decode_jit(
+  graphdef,
+  state,
+  carry,
+  *,
+  refill_every,
+  max_new_tokens,
+  temperature,
+  top_p,
+  top_k,
+  eos_ids,
+  pad_id,
+  suppress_ids,
+):
+  """Up to ``refill_every`` decode steps over the S slots (a ``lax.while_loop`` that exits once no slot
+  runs). Returns (carry, decode steps)."""
+  model = nnx.merge(graphdef, state)
+  draw = _drawer(model, temperature=temperature, top_p=top_p, top_k=top_k, suppress_ids=suppress_ids)
+  cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
+  num_slots = s_t.shape[0]
+
+  def cond(c):
+    return (c[0] < refill_every) & ~jnp.all(c[4])
+
+  def body(c):
+    k, cache, s_t, s_last, s_done, out_tok, out_lp = c
+    active = ~s_done
+    pos = jnp.maximum(s_start + s_t - 1, 0)  # feed token t-1 at position prompt length + t - 1
+    hidden, cache = model(s_last[:, None], pos[:, None], attention_mask=active[:, None], cache=cache)
+    token, logp = draw(model.logits(hidden[:, 0], out_dtype=jnp.float32), s_key, s_t)
+    at = jnp.where(active, jnp.arange(num_slots), num_slots)  # finished slots write nowhere
+    col = jnp.minimum(s_t, max_new_tokens - 1)
+    out_tok = out_tok.at[at, col].set(token, mode="drop")
+    out_lp = out_lp.at[at, col].set(logp, mode="drop")
+    s_done = s_done | (active & (_ends(token, eos_ids) | (s_t + 1 >= s_budget)))
+    s_t = s_t + active.astype(jnp.int32)
+    s_last = jnp.where(active, token, s_last)
+    return k + 1, cache, s_t, s_last, s_done, out_tok, out_lp
+
+  k, cache, s_t, s_last, s_done, out_tok, out_lp = jax.lax.while_loop(
+    cond, body, (jnp.int32(0), cache, s_t, s_last, s_done, out_tok, out_lp)
+  )
+  return (cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp), k
