@@ -91,7 +91,7 @@ def test_cell_trains_two_steps_and_resumes_exactly(tmp_path, cell):
 
 def test_what_is_refused_and_what_loads():
   """The combinations that once were refused load; the refusals left name their physical reason."""
-  from jaxgrpo.run.spec_schema import check_composition
+  from jaxgrpo.run.composition import check_composition
   from jaxgrpo.run.specs import load_config
 
   for changes in CELLS.values():

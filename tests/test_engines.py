@@ -270,7 +270,7 @@ def test_routing_replay_through_vllm_is_refused_for_a_moe_policy_in_one_line():
   from jaxgrpo.run import assemble, builders
 
   moe = {"model.synthetic": {"hidden_size": 128, "num_layers": 1, "num_experts": 4, "experts_per_tok": 2}}
-  with pytest.raises(ValueError) as e:  # a synthetic MoE: refused at load (spec_schema.check_composition)
+  with pytest.raises(ValueError) as e:  # a synthetic MoE: refused at load (composition.check_composition)
     load_config(None, {**moe, "rollout.engine": "vllm", "devices.mesh": ""})
   ok = load_config(None, {**moe, "rollout.engine": "vllm", "rollout.routing_replay": "none"})
   abstract, _ = builders.abstract_policy(ok.model)

@@ -31,7 +31,8 @@ from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
-from jaxgrpo.run.spec_schema import VLLM_ROUTING_REPLAY_ERROR, RewardSourceSpec, check_composition
+from jaxgrpo.run.composition import VLLM_ROUTING_REPLAY_ERROR, check_composition
+from jaxgrpo.run.spec_schema import RewardSourceSpec
 from jaxgrpo.run.specs import TrainerConfig
 
 __all__ = [

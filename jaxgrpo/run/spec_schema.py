@@ -22,7 +22,11 @@ own configs, embedded as they are::
 Every field's type is checked on construction (``jaxgrpo.run._spec_fields``: TypeError naming the
 field, the expected type and the value), then each section's values (ValueError naming
 ``section.field``), then the constraints between sections. Reading YAML and dotted overrides is
-``jaxgrpo.run.specs``, which re-exports every name here.
+``jaxgrpo.run.specs``, which re-exports every name here. Which combinations of sections a run refuses is
+``jaxgrpo.run.composition``.
+
+One job at ~620 lines: the sections of one config and their checks; each section is short, and splitting them
+across modules would scatter the one schema a user reads.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.rollout.engines.base import load_engine_factory
 from jaxgrpo.rollout.environments.spec import EnvSpec
 from jaxgrpo.run._spec_fields import _check_fields
+from jaxgrpo.run.composition import VLLM_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.task_specs import ArithmeticTask, SyntheticModel
 from jaxgrpo.step.train import TrainConfig
 
 __all__ = [
   "check_composition",
+  "VLLM_ROUTING_REPLAY_ERROR",
   "DTYPES",
   "REWARD_FUNCTIONS",
   "REWARD_SOURCE_KINDS",
@@ -620,84 +626,3 @@ def _plain(x):
   if isinstance(x, (list, tuple)):
     return [_plain(v) for v in x]
   return x
-
-
-#: why ``rollout.routing_replay: rollout`` is refused with vLLM (a MoE policy only; measured without it:
-#: docs/sampling.md, "Engines").
-VLLM_ROUTING_REPLAY_ERROR = (
-  "`rollout.routing_replay: rollout` with `rollout.engine: vllm` and a mixture-of-experts policy: vLLM 0.32 "
-  "returns routed experts only from its Model Runner V2 (`enable_return_routed_experts`), which needs Triton, "
-  "absent from its CPU build; set `rollout.routing_replay: none` (each pass then routes by its own top-k)"
-)
-
-
-def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
-  """Every combination of options a run refuses, one line each, in one place: at load (``TrainerConfig``,
-  one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
-  A combination is refused for a physical reason or because it is not built yet (said so); composing the
-  rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind."""
-  roll = cfg.rollout
-  synthetic_moe = cfg.model.synthetic is not None and getattr(cfg.model.synthetic, "num_experts", 0)
-  if roll.engine == "vllm" and roll.routing_replay == "rollout" and synthetic_moe:  # physical (the CPU build)
-    raise ValueError(VLLM_ROUTING_REPLAY_ERROR)
-  if roll.engine == "vllm" and cfg.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):  # physical
-    raise ValueError(
-      f"`rollout.engine: vllm` with `step.temperature`={cfg.step.temperature} != 1 cannot report full-vocabulary "
-      f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
-      'temperature 1 or no filtering (docs/sampling.md, "Engines")'
-    )
-  if roll.engine != "jax" and cfg.devices.rollout:  # physical: the engine places itself
-    raise ValueError(
-      f"`devices.rollout`={cfg.devices.rollout} gives the built-in sampler devices of its own; `rollout.engine: "
-      f"{roll.engine}` samples on the engine's own devices: unset one"
-    )
-  if roll.partial.enabled:
-    _check_partial(cfg, process_count, synthetic_moe)
-
-
-#: why partial rollouts are refused with vLLM (not built): what its API would need.
-VLLM_PARTIAL_ERROR = (
-  "`rollout.partial.enabled` with `rollout.engine: vllm`: not built; vLLM's offline `LLM.generate` runs a batch "
-  "to completion under one set of weights, so a row would have to be aborted and re-submitted as prompt + partial "
-  "tokens after each push (its prefix cache re-prefills them); use `rollout.engine: jax` for partial rollouts"
-)
-
-
-def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> None:
-  """The combinations partial rollouts refuse, one line each."""
-  roll, part = cfg.rollout, cfg.rollout.partial
-  if roll.max_staleness < 1:
-    raise ValueError(
-      "`rollout.partial.enabled` needs `rollout.max_staleness` >= 1 (a row crossing a weight update holds tokens "
-      f"one version older); got {roll.max_staleness}"
-    )
-  if part.ahead is not None and part.ahead >= roll.max_staleness:
-    raise ValueError(
-      f"`rollout.partial.ahead`={part.ahead} must be < `rollout.max_staleness`={roll.max_staleness}: a row carried "
-      "into the next batch would always be older than max_staleness"
-    )
-  if roll.engine == "vllm":
-    raise ValueError(VLLM_PARTIAL_ERROR)
-  if roll.engine != "jax":
-    raise ValueError(
-      f"`rollout.partial.enabled` with `rollout.engine: {roll.engine}`: an engine generates whole batches; partial "
-      "rollouts run in the built-in sampler (`rollout.engine: jax`)"
-    )
-  if cfg.env is not None:
-    raise ValueError(
-      "`rollout.partial.enabled` with `env` (multi-turn): not built; a row in flight would span environment turns"
-    )
-  if cfg.objective.dynamic_sampling:
-    raise ValueError(
-      "`rollout.partial.enabled` with `objective.dynamic_sampling`: not built; the row pool takes complete groups "
-      "as they finish, with no sampling rounds to refill"
-    )
-  if synthetic_moe and roll.routing_replay == "rollout":
-    raise ValueError(
-      "`rollout.partial.enabled` with a mixture-of-experts policy and `rollout.routing_replay: rollout`: the row "
-      "pool records no experts; set `rollout.routing_replay: none`"
-    )
-  if process_count > 1:
-    raise ValueError(
-      f"`rollout.partial.enabled` with {process_count} processes: not built; the row pool is one process's"
-    )
