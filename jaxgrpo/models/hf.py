@@ -462,7 +462,7 @@ def load_hf(
   missing_params = set(flat) - {e.path for e in entries}
   if missing_params:  # a bug in the name map, not in the checkpoint
     raise AssertionError(f"name map does not cover parameters {sorted(missing_params)}")
-  default_device = jax.devices()[0]
+  default_device = jax.local_devices()[0]  # this process's (with several, jax.devices()[0] is process 0's)
   np_dtype = np.dtype(param_dtype)
   for e in entries:
     if isinstance(e, StackedEntry):

@@ -16,6 +16,8 @@ import shutil
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -241,7 +243,9 @@ def _read_stored_warm_up(model, base_dir: str, cfg: TrainerConfig) -> bool:
     remat=spec.remat,
     scan_layers=spec.scan_layers,
   )
-  nnx.update(model, nnx.state(stored, nnx.Param))
+  # placed as the warm-up leaves its result: uncommitted arrays on this process's default device (the train state
+  # then places them on the mesh, also across processes)
+  nnx.update(model, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), nnx.state(stored, nnx.Param)))
   return True
 
 

@@ -565,6 +565,7 @@ class Checkpointer:
         Nothing on disk is modified, except that without ``step`` a corrupt latest step is moved
         aside first under ``on_corrupt="quarantine"`` (:meth:`resume_step`).
     """
+    self.wait()  # a save still being written in the background is part of what is on disk
     run = run or RunMeta()
     if step is None:
       step = self.resume_step()
