@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import cli_env, session_shared_dir
+from helpers import RUN_XLA_FLAGS, cli_env, session_shared_dir
 
 from jaxgrpo.run.builders import load_policy
 from jaxgrpo.services import checkpoint as ck
@@ -79,7 +79,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  return cli_env(tmp_path_factory.mktemp("xla_cache"))
+  return cli_env(tmp_path_factory.mktemp("xla_cache"), xla_flags=RUN_XLA_FLAGS)  # one configuration, ~25 runs
 
 
 def _train(env, out, steps, *extra, devices=None):

@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import cli_env
+from helpers import RUN_XLA_FLAGS, cli_env
 from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records, reference_runs
 
 from jaxgrpo.run.builders import export_hf
@@ -63,7 +63,7 @@ assert SIGNAL_ARGS != ARGS
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  return cli_env(tmp_path_factory.mktemp("xla_cache"))
+  return cli_env(tmp_path_factory.mktemp("xla_cache"), xla_flags=RUN_XLA_FLAGS)  # one configuration, ~25 runs
 
 
 def _cmd(out, steps, *extra, args=RUN_ARGS):
