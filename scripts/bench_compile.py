@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -296,7 +297,8 @@ def first_step_child(args) -> None:
 
 
 def first_step(args) -> dict:
-  """Two children with one persistent cache directory: cold (empty) then warm; their marks."""
+  """Two children with one persistent cache directory: cold (empty) then warm; their marks. A temporary
+  directory (no ``--cache-dir``) is deleted at the end."""
   cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxgrpo_cc_")
   argv = [a for a in sys.argv[1:] if a != "--first-step"]
   out = {}
@@ -321,6 +323,8 @@ def first_step(args) -> dict:
     out[which] = marks
     print(f"{which} cache ({cache}): " + ", ".join(f"{k} {v:.1f} s" for k, v in marks.items()), flush=True)
   print(f"load average at end: {load()}")
+  if not args.cache_dir:
+    shutil.rmtree(cache, ignore_errors=True)
   return out
 
 
