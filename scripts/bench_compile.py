@@ -16,12 +16,16 @@ cold compile. ``--rounds`` repeats everything (layouts alternated) and the table
 
 ``--first-step`` instead measures, in fresh child processes, the time from process start to the first
 train step beginning: import, build the random model (real weights, ``--dtype``), compile and run a small
-rollout (``generate``), the reference pass, then the step; once with an empty persistent cache (cold) and
-once more with the cache the first child wrote (warm).
+rollout (``generate``), the reference pass, then compile the step (``--first-step-run``: run it too); once with
+an empty persistent cache (cold) and once more with the cache the first child wrote (warm); the programs that
+compiled for 1 s or more are listed from the children's ``jax_log_compiles`` lines.
 
-    python scripts/bench_compile.py                                 # the BENCHMARKS.md table (0.6B shape, both)
+``--run`` times the programs' steady state instead (real random weights, layouts in alternation, medians).
+
+    python scripts/bench_compile.py --max-new-tokens 256            # the BENCHMARKS.md table (0.6B shape, both)
     python scripts/bench_compile.py --scan scan --buckets 128       # one layout, one bucket
-    python scripts/bench_compile.py --first-step --scan scan        # process start -> first step, cold/warm
+    python scripts/bench_compile.py --first-step --scan scan --max-new-tokens 32   # start -> first step
+    python scripts/bench_compile.py --run --num-layers 4 --buckets 128 --max-new-tokens 32 --run-repeats 5
     python scripts/bench_compile.py --tiny                          # a smoke run (2 layers, D = 64)
 """
 
@@ -31,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -296,6 +301,20 @@ def first_step_child(args) -> None:
   print("MARKS " + json.dumps(marks), flush=True)
 
 
+def compile_log(stderr: str) -> dict:
+  """``{program: (seconds, read from the persistent cache)}`` of the programs that took 1 s or more, from the
+  ``jax_log_compiles`` lines of a child's stderr."""
+  out, hits = {}, set()
+  for line in stderr.splitlines():
+    m = re.search(r"Persistent compilation cache hit for '([^']+)'", line)
+    if m:
+      hits.add(m.group(1))
+    m = re.search(r"Finished XLA compilation of (\S+) in ([0-9.e+-]+) sec", line)
+    if m and float(m.group(2)) >= 1.0:
+      out[m.group(1)] = float(m.group(2))
+  return {name: (secs, name in hits) for name, secs in out.items()}
+
+
 def first_step(args) -> dict:
   """Two children with one persistent cache directory: cold (empty) then warm; their marks. A temporary
   directory (no ``--cache-dir``) is deleted at the end."""
@@ -304,7 +323,7 @@ def first_step(args) -> dict:
   out = {}
   print(backend_line())
   for which in ("cold", "warm"):
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_LOG_COMPILES="1")
     if which == "cold" and os.listdir(cache):
       raise SystemExit(f"--cache-dir {cache} is not empty: the cold run needs an empty one")
     print(f"load average before the {which} child: {load()}", flush=True)
@@ -320,8 +339,11 @@ def first_step(args) -> dict:
       raise SystemExit(f"the {which} child failed (rc {res.returncode}):\n{res.stdout}\n{res.stderr}")
     marks = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("MARKS "))[6:])
     marks["process wall (parent)"] = wall
+    marks["compiles"] = compile_log(res.stderr)
     out[which] = marks
-    print(f"{which} cache ({cache}): " + ", ".join(f"{k} {v:.1f} s" for k, v in marks.items()), flush=True)
+    print(f"{which} cache ({cache}): " + ", ".join(f"{k} {v:.1f} s" for k, v in marks.items() if k != "compiles"))
+    for name, (secs, hit) in marks["compiles"].items():
+      print(f"    {name}: {'read from the cache' if hit else 'compiled'} in {secs:.1f} s", flush=True)
   print(f"load average at end: {load()}")
   if not args.cache_dir:
     shutil.rmtree(cache, ignore_errors=True)
