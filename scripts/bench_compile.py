@@ -301,18 +301,20 @@ def first_step_child(args) -> None:
   print("MARKS " + json.dumps(marks), flush=True)
 
 
-def compile_log(stderr: str) -> dict:
-  """``{program: (seconds, read from the persistent cache)}`` of the programs that took 1 s or more, from the
-  ``jax_log_compiles`` lines of a child's stderr."""
-  out, hits = {}, set()
+def compile_log(stderr: str) -> list:
+  """``[(program, seconds, read from the persistent cache)]`` of the programs that took 1 s or more, in order,
+  from the ``jax_log_compiles`` lines of a child's stderr (a cache hit is logged just before its program's
+  "Finished XLA compilation" line, whose seconds then are the read)."""
+  out, hit = [], False
   for line in stderr.splitlines():
-    m = re.search(r"Persistent compilation cache hit for '([^']+)'", line)
-    if m:
-      hits.add(m.group(1))
+    if "Persistent compilation cache hit for" in line:
+      hit = True
     m = re.search(r"Finished XLA compilation of (\S+) in ([0-9.e+-]+) sec", line)
-    if m and float(m.group(2)) >= 1.0:
-      out[m.group(1)] = float(m.group(2))
-  return {name: (secs, name in hits) for name, secs in out.items()}
+    if m:
+      if float(m.group(2)) >= 1.0:
+        out.append((m.group(1), float(m.group(2)), hit))
+      hit = False
+  return out
 
 
 def first_step(args) -> dict:
@@ -342,7 +344,7 @@ def first_step(args) -> dict:
     marks["compiles"] = compile_log(res.stderr)
     out[which] = marks
     print(f"{which} cache ({cache}): " + ", ".join(f"{k} {v:.1f} s" for k, v in marks.items() if k != "compiles"))
-    for name, (secs, hit) in marks["compiles"].items():
+    for name, secs, hit in marks["compiles"]:
       print(f"    {name}: {'read from the cache' if hit else 'compiled'} in {secs:.1f} s", flush=True)
   print(f"load average at end: {load()}")
   if not args.cache_dir:
