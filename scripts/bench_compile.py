@@ -190,7 +190,7 @@ class Programs:
     t0 = time.perf_counter()
     lowered = self.lower(program, bucket)
     t1 = time.perf_counter()
-    lowered.compile()
+    lowered.compile(compiler_options=self.args.compiler_options)
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -214,7 +214,7 @@ def _compile_table(args) -> dict:
     f"Qwen3 L={cfg.num_layers} D={cfg.hidden_size} H={cfg.num_heads}/{cfg.num_kv_heads}x{cfg.head_dim} "
     f"F={cfg.intermediate_size} V={cfg.vocab_size} {args.dtype}; {args.batch} rows (groups of {args.group}), "
     f"prompt {args.prompt}; sample max_new_tokens {args.max_new_tokens}; step/reference buckets {list(buckets)}; "
-    f"{args.rounds} round(s)"
+    f"{args.rounds} round(s); XLA compiler options {args.compiler_options}; XLA_FLAGS {os.environ.get('XLA_FLAGS')!r}"
   )
   print(f"load average at start: {load()}")
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
@@ -353,11 +353,17 @@ def first_step(args) -> dict:
 
 
 def run_times(args) -> dict:
-  """Steady-state seconds of the three programs per layout (real random weights), timed in alternation."""
+  """Steady-state seconds of the three programs per layout (real random weights), timed in alternation. With
+  ``--compiler-options`` and one layout: that layout with the default options vs with those (step and reference
+  pass; the sampler takes no options in a run)."""
   cfg = model_config(args)
   dtype = DTYPES[args.dtype]
   bucket = (args.buckets or default_buckets(args.max_new_tokens))[0]
   layouts = ("loop", "scan") if args.scan == "both" else (args.scan,)
+  options = {lay: None for lay in layouts}
+  if args.compiler_options and len(layouts) == 1:
+    layouts = (layouts[0], f"{layouts[0]}+options")
+    options = {layouts[0]: None, layouts[1]: args.compiler_options}
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   print(backend_line())
   print(
@@ -367,7 +373,6 @@ def run_times(args) -> dict:
     flush=True,
   )
   opt = optax.sgd(1e-6)
-  tc = train.TrainConfig(micro_batches=1, group_size=args.group)
   config = dataclasses.replace(preset("grpo"), beta=0.04)
   rng = np.random.default_rng(0)
   batch = host_batch(rng, args.batch, args.group, args.prompt, bucket, cfg.vocab_size)
@@ -377,7 +382,8 @@ def run_times(args) -> dict:
   )
   fns = {}
   for lay in layouts:
-    model = build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, scan_layers=lay == "scan")
+    tc = train.TrainConfig(micro_batches=1, group_size=args.group, compiler_options=options[lay])
+    model = build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, scan_layers=lay.startswith("scan"))
     graphdef, state, shardings = train.init_train_state(model, opt, mesh)
     del model
     step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
@@ -400,7 +406,7 @@ def run_times(args) -> dict:
     med = _bench.medians(times)
     out[program] = dict(zip(layouts, med))
     cells = "   ".join(f"{lay} {m:8.3f} s" for lay, m in zip(layouts, med))
-    ratio = f"   scan/loop {med[1] / med[0]:.3f}" if len(layouts) == 2 else ""
+    ratio = f"   {layouts[1]}/{layouts[0]} {med[1] / med[0]:.3f}" if len(layouts) == 2 else ""
     print(f"  {program:9s}  {cells}{ratio}   (load {load()})", flush=True)
   return out
 
@@ -424,6 +430,12 @@ def parse(argv=None):
   ap.add_argument("--max-new-tokens", type=int, default=512, help="the sampler's budget; the top bucket")
   ap.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split(",")), help="completion buckets")
   ap.add_argument("--rounds", type=int, default=1)
+  ap.add_argument(
+    "--compiler-options",
+    type=json.loads,
+    help="XLA options (JSON), e.g. '{\"xla_backend_optimization_level\": 0}': every program of the compile table; --run "
+    "with one --scan layout: its step and reference pass with and without them",
+  )
   ap.add_argument(
     "--programs",
     type=lambda s: tuple(s.split(",")),
