@@ -67,3 +67,23 @@ def test_bench_compile_smoke(capsys):
   assert jax.config.jax_enable_compilation_cache == was  # the bench turns the persistent cache back on
   assert "| reference | 32 |" in out and "| all |" in out
   assert len(res["loop/reference"]) == 1 and res["loop/reference"][0] > 0 and res["scan/reference"][0] > 0
+
+
+def test_compile_log_reads_compiles_and_cache_reads_in_order():
+  """The --first-step parser: jax_log_compiles lines of a child (a cache hit is logged before its program's
+  "Finished XLA compilation" line); programs under 1 s left out."""
+  bench = _load()
+  log = "\n".join(
+    [
+      "WARNING:jax._src.dispatch:Finished XLA compilation of jit(_normal) in 0.2 sec",
+      "WARNING:jax._src.dispatch:Finished XLA compilation of jit(_generate_jit) in 9.5 sec",
+      "WARNING:jax._src.compiler:Persistent compilation cache hit for 'jit_fn' with key 'jit_fn-abc'",
+      "WARNING:jax._src.dispatch:Finished XLA compilation of jit(fn) in 2.25 sec",
+      "WARNING:jax._src.dispatch:Finished XLA compilation of jit(fn) in 14 sec",
+    ]
+  )
+  assert bench.compile_log(log) == [
+    ("jit(_generate_jit)", 9.5, False),
+    ("jit(fn)", 2.25, True),
+    ("jit(fn)", 14.0, False),
+  ]
