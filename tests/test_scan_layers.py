@@ -137,6 +137,53 @@ def test_conversions_build_and_cache_checks():
     models.build_model(cfg, rngs=nnx.Rngs(0), scan_layers="yes")
 
 
+def test_generate_of_a_scanned_model_samples_as_the_loop_and_the_stacked_cache_decodes_alike():
+  """``generate`` unstacks a scanned model once, outside its decode loop: sampled tokens, log-probs and lengths
+  equal the loop model's bit for bit (temperature 1, EOS on). The stacked KV cache (the model's own decode path,
+  which the multi-turn and refill samplers use) gives the loop cache's logits over a prefill and two tokens."""
+  from jaxgrpo.rollout import sampling
+  from jaxgrpo.rollout.sampling import SamplingConfig, generate
+
+  cfg = models.Qwen3Config(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8
+  )
+  loop = models.build_model(cfg, rngs=nnx.Rngs(0))
+  scan = models.build_model(cfg, rngs=nnx.Rngs(0), scan_layers=True)
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(1, 64, (3, 6)), jnp.int32)
+  mask = jnp.asarray(np.arange(6)[None] >= np.array([[0], [2], [4]]))  # left padding
+  sc = SamplingConfig(num_samples=2, max_new_tokens=9, eos_ids=(5,), pad_id=0)
+  want = generate(loop, prompts, mask, sc, key=jax.random.key(3))
+  got = generate(scan, prompts, mask, sc, key=jax.random.key(3))
+  for name in ("completions", "mask", "log_probs", "num_steps"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+  assert np.asarray(want.mask).sum() > 9  # tokens were sampled (not all rows ended at once)
+  # the program: the loop model's loops only (the decode while_loop), no layer scan inside it
+  kw = dict(num_samples=2, max_new_tokens=9, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(5,), pad_id=0)
+  whiles = {
+    name: sampling._generate_jit.lower(*nnx.split(m), prompts, mask, jax.random.key(3), suppress_ids=(0,), **kw)
+    .as_text()
+    .count("stablehlo.while")
+    for name, m in (("loop", loop), ("scan", scan))
+  }
+  assert whiles["scan"] == whiles["loop"] >= 1, whiles
+
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+  @nnx.jit
+  def decode(model):
+    cache = model.init_cache(3, 8)
+    hidden, cache = model(prompts, positions, attention_mask=mask, cache=cache)
+    out = [model.logits(hidden[:, -1])]
+    for t in range(2):
+      tok = jnp.argmax(out[-1], -1).astype(jnp.int32)[:, None]
+      hidden, cache = model(tok, positions[:, -1:] + 1 + t, attention_mask=jnp.ones((3, 1), bool), cache=cache)
+      out.append(model.logits(hidden[:, 0]))
+    return jnp.stack(out)
+
+  np.testing.assert_allclose(np.asarray(decode(scan)), np.asarray(decode(loop)), rtol=1e-5, atol=1e-5)
+
+
 def test_moe_is_refused_by_name(tmp_path):
   cfg = models.config_from_hf(tiny_moe_config("qwen3_moe"))
   with pytest.raises(ValueError, match=r"scan_layers=True is not supported for MoE models \(Qwen3MoeConfig\)"):

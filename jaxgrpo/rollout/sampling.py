@@ -492,6 +492,11 @@ def _generate_jit(
   record_routing=False,
 ) -> Rollout:
   model = nnx.merge(graphdef, state)
+  # A scanned layer stack (scan_layers) is unstacked here, once per call, outside the decode loop: a scan inside
+  # it would slice (copy) every layer's weights out of the stack at every token, and decoding reads the weights
+  # once per token anyway (Qwen3 D=1024, 4 layers, bf16, CPU: 1.19x slower scanned; BENCHMARKS.md, "Compile
+  # time at depth"). Same values as the loop model: this is the loop model, built in the program.
+  model = _models.to_loop_layers(model) if getattr(model, "scan_layers", False) else model
   batch, prompt_len = prompt_tokens.shape
   n_rows = batch * num_samples
 

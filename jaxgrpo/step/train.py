@@ -572,4 +572,6 @@ def make_reference_fn(
       cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
       return jitted(ref_params, cols if placed.routing is None else cols + (placed.routing,))
 
+  # the jitted programs, for ahead-of-time lowering (``.jitted.lower(params, columns)``; scripts/bench_compile.py)
+  reference_log_probs.jitted, reference_log_probs.jitted_packed = jitted, jitted_packed
   return reference_log_probs
