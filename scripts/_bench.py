@@ -7,6 +7,7 @@
 - :func:`matmul_flops`, :func:`read_bandwidth`: this machine's float32 matmul throughput and memory
   read bandwidth, measured in the same run as the benchmark (the peaks MFU and roofline floors use).
 - :func:`backend_line`: one line naming jax, the backend and the devices.
+- :func:`grpo_batch`: a random NumPy GRPO batch of given rows, group, prompt and completion lengths.
 
 A bench script imports it as ``import _bench`` after putting its own directory on ``sys.path``
 (so that tests can load the script by its path).
@@ -20,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
   "add_model_args",
@@ -30,6 +32,7 @@ __all__ = [
   "matmul_flops",
   "read_bandwidth",
   "backend_line",
+  "grpo_batch",
 ]
 
 
@@ -121,3 +124,19 @@ def add_model_args(p) -> None:
   p.add_argument("--head-dim", type=int, default=32)
   p.add_argument("--intermediate", type=int, default=1536)
   p.add_argument("--seed", type=int, default=0)
+
+
+def grpo_batch(rng, b: int, g: int, p: int, t: int, vocab: int):
+  """A NumPy ``jaxgrpo.step.train.Batch`` of ``b`` rows in groups of ``g``: prompts of ``p`` tokens, completions of
+  ``t`` (one full-length row per group, so the bucket is ``t``), rollout and reference log-probs."""
+  from jaxgrpo.step import train
+
+  prompts = np.repeat(rng.integers(1, vocab, (b // g, p)), g, axis=0).astype(np.int32)
+  lens = rng.integers(t // 2, t + 1, b)
+  lens[::g] = t
+  mask = np.arange(t)[None] < lens[:, None]
+  comp = np.where(mask, rng.integers(1, vocab, (b, t)), 0).astype(np.int32)
+  old = np.where(mask, -3.0 + 0.3 * rng.standard_normal((b, t)), 0).astype(np.float32)
+  rewards = rng.integers(0, 2, b).astype(np.float32)
+  gids = np.repeat(np.arange(b // g), g).astype(np.int32)
+  return train.Batch(prompts, np.ones((b, p), bool), comp, mask, old, gids, rewards, old + 0.01)

@@ -101,19 +101,6 @@ def default_buckets(max_new_tokens: int) -> tuple[int, ...]:
   return tuple(b for b in train.DEFAULT_BUCKETS if b <= top) or (top,)
 
 
-def host_batch(rng, b: int, g: int, p: int, t: int, vocab: int) -> train.Batch:
-  """A NumPy rollout batch: ``b`` rows in groups of ``g``, prompts of ``p``, completions of ``t`` tokens."""
-  prompts = np.repeat(rng.integers(1, vocab, (b // g, p)), g, axis=0).astype(np.int32)
-  lens = rng.integers(t // 2, t + 1, b)
-  lens[::g] = t
-  mask = np.arange(t)[None] < lens[:, None]
-  comp = np.where(mask, rng.integers(1, vocab, (b, t)), 0).astype(np.int32)
-  old = np.where(mask, -3.0 + 0.3 * rng.standard_normal((b, t)), 0).astype(np.float32)
-  rewards = rng.integers(0, 2, b).astype(np.float32)
-  gids = np.repeat(np.arange(b // g), g).astype(np.int32)
-  return train.Batch(prompts, np.ones((b, p), bool), comp, mask, old, gids, rewards, old + 0.01)
-
-
 def _abstract(tree, shardings):
   """``tree``'s arrays as ``ShapeDtypeStruct`` s with ``shardings`` (a matching prefix tree)."""
 
@@ -174,7 +161,7 @@ class Programs:
         suppress_ids=(0,),
         record_routing=False,
       )
-    batch = host_batch(rng, a.batch, a.group, a.prompt, bucket, self.cfg.vocab_size)
+    batch = _bench.grpo_batch(rng, a.batch, a.group, a.prompt, bucket, self.cfg.vocab_size)
     with jax.set_mesh(self.mesh):
       if program == "step":
         placed = self.step.place_batch(batch)
@@ -375,7 +362,7 @@ def run_times(args) -> dict:
   opt = optax.sgd(1e-6)
   config = dataclasses.replace(preset("grpo"), beta=0.04)
   rng = np.random.default_rng(0)
-  batch = host_batch(rng, args.batch, args.group, args.prompt, bucket, cfg.vocab_size)
+  batch = _bench.grpo_batch(rng, args.batch, args.group, args.prompt, bucket, cfg.vocab_size)
   prompts = jnp.asarray(batch.prompt_tokens[:: args.group])
   scfg = sampling.SamplingConfig(
     num_samples=args.group, max_new_tokens=args.max_new_tokens, eos_ids=(), pad_id=0, suppress_ids=(0,)

@@ -56,21 +56,6 @@ def load() -> str:
   return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def make_batch(rng, b: int, g: int, p: int, t: int, vocab: int) -> train.Batch:
-  """A rollout batch of ``b`` rows in groups of ``g``: prompts of ``p`` tokens, completions of ``t``
-  (one full-length row per group, so the bucket is ``t``), rollout and reference log-probs."""
-  prompts = np.repeat(rng.integers(1, vocab, (b // g, p)), g, axis=0).astype(np.int32)
-  pmask = np.ones((b, p), bool)
-  lens = rng.integers(t // 2, t + 1, b)
-  lens[::g] = t
-  mask = np.arange(t)[None] < lens[:, None]
-  comp = np.where(mask, rng.integers(1, vocab, (b, t)), 0).astype(np.int32)
-  old = np.where(mask, -3.0 + 0.3 * rng.standard_normal((b, t)), 0).astype(np.float32)
-  rewards = rng.integers(0, 2, b).astype(np.float32)
-  gids = np.repeat(np.arange(b // g), g).astype(np.int32)
-  return train.Batch(prompts, pmask, comp, mask, old, gids, rewards, old + 0.01)
-
-
 class Variant:
   """One model (loop or scan) with its train step, reference pass and sampler arguments."""
 
@@ -163,7 +148,7 @@ def main(argv=None):
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   variants = {name: Variant(cfg, scan=name == "scan", args=args, mesh=mesh) for name in VARIANTS}
   rng = np.random.default_rng(0)
-  batches = {t: make_batch(rng, args.batch, args.group, args.prompt, t, args.vocab) for t in buckets}
+  batches = {t: _bench.grpo_batch(rng, args.batch, args.group, args.prompt, t, args.vocab) for t in buckets}
   # compile time: per round, every program over every bucket, loop and scan in alternating order
   totals = {(v, p): [] for v in VARIANTS for p in PROGRAMS}
   for program in PROGRAMS if args.rounds else ():  # warm-up (untimed): the first compiles pay one-off costs

@@ -38,7 +38,7 @@ def test_abstract_reference_program_runs_the_real_weights():
   model = build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, scan_layers=True)
   graphdef, state, shardings = train.init_train_state(model, optax.sgd(0.0), mesh)
   reference = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params)
-  batch = bench.host_batch(np.random.default_rng(0), 4, 2, 16, 32, cfg.vocab_size)
+  batch = bench._bench.grpo_batch(np.random.default_rng(0), 4, 2, 16, 32, cfg.vocab_size)
   cols = tuple(jnp.asarray(getattr(batch, f)) for f in ("prompt_tokens", "prompt_mask", "completions", "mask"))
   got = np.asarray(compiled(state.params, cols))
   np.testing.assert_array_equal(got, np.asarray(reference(state.params, batch)))
