@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo.step import train
+
 __all__ = [
   "add_model_args",
   "timed",
@@ -129,8 +131,6 @@ def add_model_args(p) -> None:
 def grpo_batch(rng, b: int, g: int, p: int, t: int, vocab: int):
   """A NumPy ``jaxgrpo.step.train.Batch`` of ``b`` rows in groups of ``g``: prompts of ``p`` tokens, completions of
   ``t`` (one full-length row per group, so the bucket is ``t``), rollout and reference log-probs."""
-  from jaxgrpo.step import train
-
   prompts = np.repeat(rng.integers(1, vocab, (b // g, p)), g, axis=0).astype(np.int32)
   lens = rng.integers(t // 2, t + 1, b)
   lens[::g] = t

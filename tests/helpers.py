@@ -488,3 +488,20 @@ def sgd_state(opt):
 
   mesh, model = _sgd_mesh_model()
   return jg.init_train_state(model, opt, mesh)[1]
+
+
+def kill_after_ledger_lines(proc: subprocess.Popen, ledger, lines: int = 3, timeout: float = 400) -> int:
+  """SIGKILLs the asynchronous run ``proc`` once its ledger (``rollouts.jsonl``) holds ``lines`` lines (the run
+  must still be alive then: its stderr is shown otherwise); the number of ledger lines after the kill."""
+  import signal
+  import time
+
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    if ledger.exists() and len(ledger.read_text().splitlines()) >= lines:
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  return len(ledger.read_text().splitlines())

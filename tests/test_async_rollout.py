@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
-from helpers import async_train_cmd, child_env, cli_env
+from helpers import async_train_cmd, child_env, cli_env, kill_after_ledger_lines
 from test_trainer import ROOT, tiny
 from test_trainer import cli as train_cli  # scripts/train.py
 
@@ -241,15 +239,7 @@ def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   out = tmp_path / "killed"
   proc = subprocess.Popen(async_train_cmd(out, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   ledger = out / async_rollout.LEDGER
-  deadline = time.time() + 400
-  while time.time() < deadline and proc.poll() is None:
-    if ledger.exists() and len(ledger.read_text().splitlines()) >= 3:
-      break
-    time.sleep(0.05)
-  assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  done = len(ledger.read_text().splitlines())
+  done = kill_after_ledger_lines(proc, ledger)
   assert 3 <= done < steps
   steps_saved = [d.name for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
   untrained = [read_meta(str(out / "checkpoints" / d))["data_position"].get("untrained") for d in steps_saved]

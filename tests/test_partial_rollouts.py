@@ -15,16 +15,14 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import async_train_cmd, cli_env
+from helpers import async_train_cmd, cli_env, kill_after_ledger_lines
 from hf_utils import tiny_hf_config
 from test_async_rollout import REWARDS
 from test_packing_models import randomized
@@ -201,15 +199,7 @@ def test_resume_after_kill_trains_or_drops_every_prompt_once(tmp_path):
   env = cli_env(tmp_path / "cache")
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   ledger = out / async_rollout.LEDGER
-  deadline = time.time() + 400
-  while time.time() < deadline and proc.poll() is None:
-    if ledger.exists() and len(ledger.read_text().splitlines()) >= 3:
-      break
-    time.sleep(0.05)
-  assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  done = len(ledger.read_text().splitlines())
+  done = kill_after_ledger_lines(proc, ledger)
   assert 3 <= done < steps
   last = max(int(d.name) for d in (out / "checkpoints").iterdir() if d.name.isdigit())
   recorded = read_meta(str(out / "checkpoints" / str(last)))["data_position"]["untrained"]
