@@ -21,6 +21,7 @@ import functools
 import json
 import sys
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -146,7 +147,7 @@ def one_case(case: dict) -> dict:
   if case.get("lora"):
     lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), key=jax.random.key(1))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # B = 0 at init: make it matter
-      var.set_value(0.2 * jax.random.normal(jax.random.key(hash(path) % 2**31), var.get_value().shape))
+      var.set_value(0.2 * jax.random.normal(jax.random.key(zlib.crc32(str(path).encode())), var.get_value().shape))
   tau = case.get("temperature", 1.0)
   settings = SamplingConfig(
     num_samples=4,
@@ -239,7 +240,9 @@ CASES = [
   dict(family="gpt2", tied=True),
   dict(family="llama", tied=False, top_k=20),
   dict(family="qwen2", tied=True, top_p=0.9),
-  dict(family="qwen3", tied=False, lora=True),
+  # seed 1: adapters drawn from a fixed seed (a CRC of the path; Python's hash() changed them every process) make
+  # the seed-0 model stop early on 7 of its 12 rows (199 tokens compared); seed 1: 288
+  dict(family="qwen3", tied=False, lora=True, seed=1),
   dict(family="qwen3", tied=True, temperature=0.7, suppress_ids=()),
   dict(family="qwen2", tied=False, dtype="bfloat16"),
   # mixtures of experts (issue 35 item 6): the fused-MoE path of vLLM's CPU build, experts through the HF map
@@ -283,7 +286,7 @@ def lora_sync(reps: int = 5) -> dict:
   model = random_model(cfg, 3)
   lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), key=jax.random.key(1))
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
-    var.set_value(0.2 * jax.random.normal(jax.random.key(hash(path) % 2**31), var.get_value().shape))
+    var.set_value(0.2 * jax.random.normal(jax.random.key(zlib.crc32(str(path).encode())), var.get_value().shape))
   settings = SamplingConfig(num_samples=4, max_new_tokens=24, eos_ids=(1,), pad_id=0)
   tokens, mask = prompts(3)
   engine = VLLMEngine(cfg, lora_rank=4, kv_cache_bytes=64 * 2**20)
