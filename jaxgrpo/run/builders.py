@@ -226,6 +226,17 @@ def _write_base(model, tmp: str, cfg: TrainerConfig | None) -> None:
       json.dump(warm_up_key(cfg), f, indent=1)
 
 
+def _load_stored_base(base_dir: str, spec: ModelSpec):
+  """The synthetic model stored in ``base_dir`` (:func:`stored_base_dir`), in ``spec``'s dtypes and layout."""
+  return models.load_hf(
+    base_dir,
+    dtype=DTYPES[spec.dtype],
+    param_dtype=DTYPES[spec.param_dtype],
+    remat=spec.remat,
+    scan_layers=spec.scan_layers,
+  )
+
+
 def _read_stored_warm_up(model, base_dir: str, cfg: TrainerConfig) -> bool:
   """Puts the weights stored in ``base_dir`` into ``model`` when they are the warm-up of ``cfg``'s inputs
   (:func:`warm_up_key`); False (nothing read) when the directory, its key or its weights are missing or other."""
@@ -235,14 +246,7 @@ def _read_stored_warm_up(model, base_dir: str, cfg: TrainerConfig) -> bool:
         return False
   except (OSError, ValueError):
     return False
-  spec = cfg.model
-  stored = models.load_hf(
-    base_dir,
-    dtype=DTYPES[spec.dtype],
-    param_dtype=DTYPES[spec.param_dtype],
-    remat=spec.remat,
-    scan_layers=spec.scan_layers,
-  )
+  stored = _load_stored_base(base_dir, cfg.model)
   # placed as the warm-up leaves its result: uncommitted arrays on this process's default device (the train state
   # then places them on the mesh, also across processes)
   nnx.update(model, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), nnx.state(stored, nnx.Param)))
@@ -407,9 +411,7 @@ def _stored_lora_base(path: str, cfg: TrainerConfig, meta: dict):
   if cfg.model.synthetic is None or not os.path.isfile(os.path.join(base, "config.json")):
     return None
   spec = cfg.model
-  model = models.load_hf(
-    base, dtype=DTYPES[spec.dtype], param_dtype=DTYPES[spec.param_dtype], remat=spec.remat, scan_layers=spec.scan_layers
-  )
+  model = _load_stored_base(base, spec)
   add_adapters(model, cfg.lora, seed=cfg.run.seed)
   if lora.base_fingerprint(model) != meta.get("fingerprints", {}).get(BASE_WEIGHTS):
     return None
