@@ -28,7 +28,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
   def log_message(self, *args):  # keep the test output clean
     pass
 
+  def _leave(self):
+    """This request stops counting as in flight: before its reply is written, since the client may send its next
+    request the moment the reply arrives (counting until after the write saw one request more than the client
+    ever had outstanding)."""
+    if self._counted:
+      self._counted = False
+      with self.server.lock:
+        self.server.in_flight -= 1
+
   def _reply(self, code: int, body: bytes, length: int | None = None):
+    self._leave()
     self.send_response(code)
     self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(len(body) if length is None else length))
@@ -43,6 +53,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       srv.in_flight += 1
       srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
       calls = srv.calls[self.path] = srv.calls.get(self.path, 0) + 1
+    self._counted = True
     try:
       comps, answers = payload["completions"], payload["metadata"].get("answer", [""] * len(payload["completions"]))
       scores = [expected(c, a) for c, a in zip(comps, answers)]
@@ -50,7 +61,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
       if path == "/flaky" and calls <= 2:
         path = "/fail"
       if path in ("/ok", "/flaky"):
-        time.sleep(0.05)  # long enough for requests to overlap
+        time.sleep(0.05)  # long enough for requests to overlap; under load, up to 2 s until a second one arrives
+        for _ in range(40 if srv.await_overlap else 0):
+          if srv.max_in_flight >= 2:
+            break
+          time.sleep(0.05)
         self._reply(200, json.dumps({"scores": scores}).encode())
       elif path == "/slow":
         time.sleep(3.0)
@@ -69,8 +84,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
       elif path == "/nulls":  # the service could not score the odd rows
         self._reply(200, json.dumps({"scores": [s if i % 2 == 0 else None for i, s in enumerate(scores)]}).encode())
     finally:
-      with srv.lock:
-        srv.in_flight -= 1
+      self._leave()
 
 
 class Server(http.server.ThreadingHTTPServer):
@@ -86,6 +100,7 @@ class Server(http.server.ThreadingHTTPServer):
 def server():
   srv = Server(("127.0.0.1", 0), Handler)
   srv.lock, srv.requests, srv.calls, srv.in_flight, srv.max_in_flight = threading.Lock(), [], {}, 0, 0
+  srv.await_overlap = False
   thread = threading.Thread(target=srv.serve_forever, daemon=True)
   thread.start()
   srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
@@ -102,6 +117,7 @@ WANT = [expected(c, a) for c, a in zip(COMPLETIONS, ANSWERS)]
 
 
 def test_scores_batched_concurrent_and_bounded(server):
+  server.await_overlap = True
   fn = RemoteReward(server.url + "/ok", batch_size=3, max_concurrency=2, backoff_s=0.01)
   got = fn(PROMPTS, COMPLETIONS, answer=ANSWERS, level=[np.int64(i) for i in range(ROWS)])
   np.testing.assert_allclose(got, WANT, rtol=0, atol=1e-12)
