@@ -456,3 +456,13 @@ def _umask() -> int:
   mask = os.umask(0)
   os.umask(mask)
   return mask
+
+
+def test_restore_waits_for_a_save_still_being_written(tmp_path):
+  """A restore right after an asynchronous save of the same Checkpointer reads that save: a 48 MB state keeps the
+  background write busy well past the call (without the wait, restore found no complete checkpoint)."""
+  root = str(tmp_path / "ck")
+  state, template = _state(3, shape=(3000, 4000)), _state(0, shape=(3000, 4000))
+  with ck.Checkpointer(root, log=None) as c:
+    c.save(state, CFG)
+    _assert_same_state(c.restore(template, CFG), state)
