@@ -459,10 +459,10 @@ def _umask() -> int:
 
 
 def test_restore_waits_for_a_save_still_being_written(tmp_path):
-  """A restore right after an asynchronous save of the same Checkpointer reads that save: a 48 MB state keeps the
-  background write busy well past the call (without the wait, restore found no complete checkpoint)."""
+  """A restore right after an asynchronous save of the same Checkpointer reads that save (the template is built
+  first, so the restore starts while the files are written; without the wait: "no complete checkpoint")."""
   root = str(tmp_path / "ck")
-  state, template = _state(3, shape=(3000, 4000)), _state(0, shape=(3000, 4000))
+  state, template = _state(3), _state(0)
   with ck.Checkpointer(root, log=None) as c:
     c.save(state, CFG)
     _assert_same_state(c.restore(template, CFG), state)
