@@ -208,6 +208,7 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
     assert sorted(settled + pending) == sorted(PromptIterator(64, seed=0).next(position["offset"]).tolist())
     return settled
 
+  assert p0["final"] == p1["final"]  # one data position: every iterator caught up with the furthest
   settled_once(ledger, [], p0["final"])
   assert p0["position_1"]["untrained"] and p0["position_1"] == p1["position_1"]
   assert [x["step"] for x in resumed] == [2, 3] and p0["resumed_final"] == p1["resumed_final"]
