@@ -1,4 +1,4 @@
-"""Partial rollouts under the bounded-staleness schedule (``rollout.partial``; docs/async.md, "Partial rollouts").
+"""Partial rollouts under the bounded-staleness schedule (``rollout.partial``; docs/trainer.md, "Partial rollouts").
 
 :class:`PartialRollouts` is ``AsyncRollouts`` whose batches come from a :class:`~jaxgrpo.rollout.partial.RowPool`
 kept across weight updates: producing batch m with the newest published version v decodes until
