@@ -5,7 +5,12 @@ over the processes; both processes log the same metrics (every decision gathered
 straight run's checkpoint of step 1 equals its step 2 bit for bit (parameters, loss, rewards). Then the same for
 a user's engine, single-turn (issue 35.5): one engine per process, pushed a whole host copy of the policy
 gathered from every process's shards, sampling that process's own groups; the policy recomputes ``old_logp``
-(``engine/mismatch_k3`` equals the engine's known offset).
+(``engine/mismatch_k3`` equals the engine's known offset). Then partial rollouts (issue 36, ``rollout.partial``,
+k = 2, ragged lengths so rows are in flight at every step): each process's row pool samples its own group of
+every batch (its rows' group ids), every own token's μ is the teacher-forced log-prob of the version it records
+(rows do cross a version), both processes log the same metrics, a group aged on process 0 alone is dropped and
+counted on both and listed in the ledger; every prompt the data iterator drew (its order rebuilt here) is trained,
+dropped or recorded untrained exactly once, in the straight run and in one resumed from step 1's state.
 
 (Two processes do not equal one process here: a turn's sampler batch holds each process's running rows
 padded to the largest, so the rows sit at other global indices than in one process; docs/trainer.md.)
@@ -19,6 +24,8 @@ import socket
 
 import pytest
 from helpers import finish_child, start_child
+
+from jaxgrpo.data import PromptIterator
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
@@ -69,10 +76,63 @@ egot = eres.run(handle_signals=False)
 esame = all(np.array_equal(a, np.asarray(b)) for a, b in zip(eparams, jax.tree.leaves(eres.state.train.params)))
 # the engine's model is a whole host copy (NumPy) of the policy, equal on both processes
 engine_params = [np.asarray(x).tolist() for x in jax.tree.leaves(nnx_state(pushes[0].model))][:1]
+# partial rollouts (issue 36): each process's row pool feeds its own group of every batch (B = 2, k = 2)
+from test_partial_rollouts import PARTIAL, ragged
+from jaxgrpo.rollout import async_rollout
+from jaxgrpo.step.train import TrainState
+from jaxgrpo.step import feed
+from jaxgrpo.models.log_probs import completion_log_probs
+pcfg = tiny(**{"run.out": out + "/p", "run.steps": 3, "checkpoint.every": 1, "rollout.max_staleness": 2,
+               "rollout.partial": PARTIAL, "objective.importance_correction": "tis", "optim.learning_rate": 3e-2,
+               "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120})
+saved, host, positions = {}, {}, {}
+def psave(snap, meta):
+  save(snap, meta)
+  host[int(snap.step)] = distributed.to_host(snap.params)
+  positions[int(snap.step)] = snap.data_position
+ptr = Trainer(pcfg, checkpoint_fn=psave, reward_fns=REWARDS, log=None)
+ptr.rollouts.pool.budget_of = ragged
+host[0] = distributed.to_host(ptr.state.train.params)
+pseen, aged = [], []
+def pobserve(b):
+  pseen.append(b)
+  if b.index == 1 and pid == 0:  # a group in flight made 5 versions old: producing batch 3 drops it (both log it)
+    g = next(g for g in ptr.rollouts.pool.groups.values() if g.oldest() is not None)
+    for row in g.rows:
+      row.versions[: row.t] -= 5
+    aged.append(g.prompt)
+ptr.rollouts.observe = pobserve
+precs = ptr.run(handle_signals=False)
+pfinal = dict(ptr.state.data_position)
+# mu of each own token is the teacher-forced log-prob under the version it records
+local = lambda tree: jax.device_put(tree, jax.local_devices()[0])
+err, crossing = 0.0, 0
+for b in pseen:
+  tv, mask, mu = b.token_versions, np.asarray(b.batch.mask), np.asarray(b.batch.old_logp)
+  assert ((tv >= 0) == mask).all() and b.batch.completions.shape[0] == 4, tv
+  assert np.asarray(b.batch.group_ids).tolist() == [pid] * 4, b.batch.group_ids
+  crossing += int(sum((r[m].max() > r[m].min()) for r, m in zip(tv, mask) if m.any()))
+  for v in np.unique(tv[mask]):
+    model = feed.policy_model(ptr.graphdef, TrainState(local(host[int(v)]), None, None, ptr.state.train.frozen))
+    bb = jax.tree.map(lambda x: None if x is None else np.asarray(x), b.batch)
+    lp, _ = completion_log_probs(model, bb.prompt_tokens, bb.prompt_mask, bb.completions, bb.mask, temperature=1.0, chunk_size=None)
+    sel = mask & (tv == v)
+    err = max(err, float(np.abs(np.asarray(lp) - mu)[sel].max()))
+pledger = [json.loads(x) for x in open(out + "/p/" + async_rollout.LEDGER)] if pid == 0 else None
+# resumed from step 1's state: steps 2 and 3 again
+pres = Trainer(dataclasses.replace(pcfg, run=dataclasses.replace(pcfg.run, out=out + "/pb")),
+               restore_fn=lambda meta, template: saved[1], reward_fns=REWARDS, log=None)
+pres.rollouts.pool.budget_of = ragged
+pgot = pres.run(handle_signals=False)
+pres_final = dict(pres.state.data_position)
+pres_ledger = [json.loads(x) for x in open(out + "/pb/" + async_rollout.LEDGER)] if pid == 0 else None
+partial = {"recs": precs, "resumed": pgot, "final": pfinal, "resumed_final": pres_final, "ledger": pledger,
+           "resumed_ledger": pres_ledger, "seen": [{"prompts": b.prompts.tolist(), "versions": b.versions.tolist()} for b in pseen],
+           "aged": aged, "mu_err": err, "crossing": crossing, "position_1": positions[1]}
 with open(out + f"/recs_{pid}.json", "w") as f:
   json.dump({"recs": recs, "resumed": got, "same": same, "resets": resets, "engine_recs": erecs,
              "engine_resumed": egot, "engine_same": esame, "engine_pushes": pushes[0].pushes,
-             "engine_params": engine_params}, f)
+             "engine_params": engine_params, "partial": partial}, f)
 print("OK")
 """
 
@@ -123,3 +183,34 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   ewant = [x for x in esteps if x["step"] == 2][0]
   ehave = [x for x in r0["engine_resumed"] if "loss" in x][0]
   assert ehave["loss"] == ewant["loss"] and ehave["reward_mean"] == ewant["reward_mean"]
+  # partial rollouts: every process runs its own row pool (its own group of each batch, its rows' tokens and
+  # versions), the bookkeeping gathered: the same metrics on both, drops counted over both (the group aged on
+  # process 0 alone), mu of each token its version's own log-prob
+  p0, p1 = r0["partial"], r1["partial"]
+  assert [timing(x) for x in p0["recs"]] == [timing(x) for x in p1["recs"]]
+  assert [timing(x) for x in p0["resumed"]] == [timing(x) for x in p1["resumed"]]
+  psteps = [x for x in p0["recs"] if "loss" in x]
+  assert [x["step"] for x in psteps] == [1, 2, 3] and p0["seen"] == p1["seen"]
+  assert p0["mu_err"] < 2e-5 and p1["mu_err"] < 2e-5, (p0["mu_err"], p1["mu_err"])
+  assert p0["crossing"] + p1["crossing"] == sum(x["rollout/partial_rows"] for x in psteps) > 0  # rows crossed
+  ledger, resumed = p0["ledger"], p0["resumed_ledger"]
+  assert [x["prompts"] for x in ledger] == [b["prompts"] for b in p0["seen"]]
+  assert len(p0["aged"]) == 1 and not p1["aged"]
+  assert [x["dropped"] for x in ledger] == [[], [], p0["aged"]]
+  assert [x["rollout/dropped_rows"] for x in psteps] == [0, 0, 4] and psteps[-1]["rollout/dropped_rows_total"] == 4
+  # every prompt drawn (the data iterator's order, rebuilt here) is trained, dropped or recorded untrained, once
+  # each: in the straight run, and in the run resumed from step 1's state (which recorded rows in flight)
+
+  def settled_once(lines, before, position):
+    settled = before + [p for x in lines for p in x["prompts"] + x["dropped"]]
+    pending = [p for rnd in position["untrained"] for p in rnd]
+    assert len(set(settled)) == len(settled), settled
+    assert sorted(settled + pending) == sorted(PromptIterator(64, seed=0).next(position["offset"]).tolist())
+    return settled
+
+  assert p0["final"] == p1["final"]  # one data position: every iterator caught up with the furthest
+  settled_once(ledger, [], p0["final"])
+  assert p0["position_1"]["untrained"] and p0["position_1"] == p1["position_1"]
+  assert [x["step"] for x in resumed] == [2, 3] and p0["resumed_final"] == p1["resumed_final"]
+  after = settled_once(resumed, ledger[0]["prompts"], p0["resumed_final"])
+  assert set(p0["position_1"]["untrained"][0]) <= set(after[2:])  # drawn again first, then settled

@@ -34,6 +34,7 @@ from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout import async_rollout, iteration
 from jaxgrpo.rollout.partial import RowPool
 from jaxgrpo.rollout.sampling import SamplingConfig
+from jaxgrpo.run.composition import check_composition
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.services.checkpoint import read_meta
 from jaxgrpo.step.train import TrainState
@@ -173,6 +174,7 @@ def test_partial_rollouts_refuse_what_they_do_not_build():
     tiny(**{**on, "rollout.max_staleness": 1, "objective.dynamic_sampling": True})
   with pytest.raises(ValueError, match=r"`rollout.partial.refill_every` must be >= 1; got 0"):
     tiny(**{**on, "rollout.max_staleness": 1, "rollout.partial": {"enabled": True, "refill_every": 0}})
+  check_composition(tiny(**{**on, "rollout.max_staleness": 1}), process_count=2)  # built: test_compose_multihost.py
 
 
 CHILD = r"""

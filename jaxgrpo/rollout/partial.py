@@ -24,7 +24,8 @@ the old KV would save the prefill, but a token would then be drawn from a mixtur
 queries) that no version's teacher-forced pass reproduces.
 
 A token's uniform is ``uniform(fold_in(row key, t))``: a row's tokens depend on its key and on the versions
-it ran under, not on its slot or boundary. One process only (the trainer refuses several).
+it ran under, not on its slot or boundary. A pool is one process's: with several processes each runs its own
+(``jaxgrpo.rollout.partial_schedule``).
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ class RowPool:
       self.groups[self._seq] = PoolGroup(self._seq, p, rows)
       self._queue.extend(rows)
       self._seq += 1
+
+  @property
+  def next_seq(self) -> int:
+    """The ``seq`` the next queued group gets (its place in this pool's drawing order)."""
+    return self._seq
 
   def complete(self) -> list[PoolGroup]:
     """The complete groups, in drawing order."""

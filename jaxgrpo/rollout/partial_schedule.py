@@ -1,4 +1,4 @@
-"""Partial rollouts under the bounded-staleness schedule (``rollout.partial``; docs/async.md, "Partial rollouts").
+"""Partial rollouts under the bounded-staleness schedule (``rollout.partial``; docs/trainer.md, "Partial rollouts").
 
 :class:`PartialRollouts` is ``AsyncRollouts`` whose batches come from a :class:`~jaxgrpo.rollout.partial.RowPool`
 kept across weight updates: producing batch m with the newest published version v decodes until
@@ -23,6 +23,35 @@ Checkpoints: the state after step n records the prompts drawn and not yet traine
 produced; the rows in flight are **discarded**, and a resume draws those prompts again first (sampled anew
 with the restored version), then continues the iterator. So kill and resume train or drop every drawn prompt
 exactly once, in drawing order up to the pool's reordering of groups that finish early.
+
+Several processes (P; colocated or disaggregated). A pool's rows are host state and its programs take each
+row's context from the host, so a pool cannot be one program over devices of several processes: **every
+process runs a pool of its own**, on its first device of the rollout mesh, with a whole copy of the version
+(gathered from the processes' shards once per version; replicated leaves are copied device to device). The
+design keeps what one process guarantees:
+
+- *Rows.* The train mesh gives process p the groups ``[first_p, first_p + B/P)`` of a batch (checked at
+  construction: P equal disjoint blocks of whole groups). Every process draws the same rounds from its copy of
+  the data iterator and queues its share of each: entries ``rank, rank + P, ...`` of the round (rank = p's block
+  among the P; the same rule splits a resume's untrained list of any length). Its pool decodes with ``slots``
+  slots (default B·G/P) and a batch takes its first B/P complete groups, so the sharded batch holds the same
+  number of rows on every process and each process feeds its own; the row keys fold in ``first_p``.
+- *Iterator in step.* A process draws a round when its own queue runs dry, so processes may draw different
+  numbers of rounds while producing batch m; after it each draws (and queues its share of) the rounds it is
+  behind the furthest one (one small all-gather), so every iterator is at the same position.
+- *Staleness*, per process and per token, as above with B/P groups per batch (``may_start``, finishing, drops):
+  the bound on every token is unchanged.
+- *Bookkeeping, global.* Each group keeps its place in the global drawing order (round offset + index in the
+  round). After producing batch m one all-gather gives every process the batch's prompts and oldest versions
+  (in batch order: by ``first_p``), the dropped groups and the untrained groups (the union over processes, in
+  global drawing order), every row's reward and length, and the pool counters; so the ledger (written by process
+  0: prompts, versions, ``newest``, ``dropped`` of every process), the checkpoint's ``untrained`` and every
+  metric (``rollout/*`` rows summed, ``rollout/version_span`` and the boundary counts the maximum, rewards and
+  lengths over all rows) are the same on every process. A resume deals the recorded untrained prompts out again
+  (the rule above), so every drawn prompt is trained or dropped exactly once.
+- *Order of collectives.* The learner's programs span the processes; with several processes they are
+  dispatched at one fixed point of each production (before the pool runs) rather than after the pool's first
+  boundary (which a process with enough complete groups never reaches).
 """
 
 from __future__ import annotations
@@ -31,9 +60,11 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxgrpo import data as data_lib
 from jaxgrpo.data import rewards as rewards_lib
+from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.async_rollout import AsyncRollouts, ProducedBatch
 from jaxgrpo.rollout.partial import PoolGroup, RowPool
 from jaxgrpo.rollout.sampling import Rollout
@@ -50,7 +81,7 @@ class PartialRollouts(AsyncRollouts):
   Args:
     source, learner, state, max_staleness, rollout_mesh, steps, out_dir, resumed, profile: as for
       ``AsyncRollouts`` (k = ``max_staleness`` >= 1: the bound on every token).
-    num_slots: rows in flight (None: a step's B·G rows).
+    num_slots: rows in flight, per process (None: a step's B·G rows, B·G/P with P processes).
     refill_every, refill: the pool's boundaries (``RowPool``).
     ahead: batches produced ahead of the learner, in ``[0, k - 1]`` (None: k - 1).
     budget_of: ``RowPool``'s (benchmarks: imposed completion lengths).
@@ -79,10 +110,9 @@ class PartialRollouts(AsyncRollouts):
         f"`rollout.partial.ahead`={ahead} must be in [0, max_staleness - 1 = {max_staleness - 1}]: a row carried "
         "into the next batch would otherwise be older than max_staleness"
       )
-    if jax.process_count() > 1:
-      raise ValueError("partial rollouts run in one process (the row pool is this process's)")
     self.ahead = ahead
-    rows = source.rows_per_step
+    self._init_processes()
+    rows = source.rows_per_step // self._procs
     self.pool = RowPool(
       sampling=source.sampling,
       temperature=source.temperature,
@@ -94,6 +124,7 @@ class PartialRollouts(AsyncRollouts):
     )
     self.dropped_rows_total = 0
     self._dropped_by_index: dict[int, list[int]] = {}  # batch index -> prompts dropped while producing it
+    self._newest_by_index: dict[int, int | None] = {}  # batch index -> its newest token version (every process)
 
   def start(self, state) -> None:
     """As ``AsyncRollouts.start``; the pool starts empty with the state's untrained prompts queued first."""
@@ -102,6 +133,7 @@ class PartialRollouts(AsyncRollouts):
     super().start(state)
     self.pool.reset()
     self._resume_round = [int(p) for r in state[2].get("untrained", []) for p in r]
+    self._iter_rounds, self._drawn_count, self._pos, self._local = 0, 0, {}, None
 
   def close(self, timeout: float | None = None) -> None:
     """As ``AsyncRollouts.close``; the rows in flight are dropped too (drawn again after a restart)."""
@@ -109,59 +141,68 @@ class PartialRollouts(AsyncRollouts):
     self.pool.reset()
 
   def _draw(self, rounds: list) -> list[int]:
-    if self._resume_round:
-      out, self._resume_round = self._resume_round, []
-    else:
-      out = [int(i) for i in self.source.iterator.next(self.source.prompts_per_step)]
-    rounds.append(out)
-    return out
+    """The next round (the resume's untrained prompts first, then the iterator's), recorded whole in ``rounds``;
+    returns this process's share of it (the next round when the share is empty)."""
+    while True:
+      if self._resume_round:
+        out, self._resume_round = self._resume_round, []
+      else:
+        out = [int(i) for i in self.source.iterator.next(self.source.prompts_per_step)]
+        self._iter_rounds += 1
+      rounds.append(out)
+      share = self._share(out)
+      if share:
+        return share
 
   def _produce(self, dispatched) -> None:
     n = self._next_index
     key, sample_key = jax.random.split(self._key)
     version, params = self._published
-    model = feed.policy_model(self.graphdef, TrainState(params, None, None, self._frozen))
+    model = self._sampling_model(version, params)
     t0 = time.perf_counter()
     dropped = self.pool.drop_older(n - 1 - self.k)
     rounds: list = []
+    sample_key, catch_up_key = self._process_keys(sample_key)
+    if self._procs > 1:
+      dispatched()  # at a fixed point of every process's sequence of collectives (the module docstring)
     info = self.pool.run(
       model,
       version,
       sample_key,
-      need=self.source.prompts_per_step,
+      need=self._need,
       draw=lambda: self._draw(rounds),
       prompt_tokens=self.source.prompts.tokens,
       batch=n,
       max_staleness=self.k,
-      on_dispatched=dispatched,
+      on_dispatched=dispatched if self._procs == 1 else None,
     )
-    groups = self.pool.take(self.source.prompts_per_step)
+    self._catch_up(rounds, catch_up_key)
+    groups = self.pool.take(self._need)
     batch, metrics, tokens, versions = self._scored(groups)
-    dropped_rows = sum(len(g.rows) for g in dropped)
-    self.dropped_rows_total += dropped_rows
-    spans = np.asarray([r.span()[1] - r.span()[0] for g in groups for r in g.rows])
+    every = self._gather_bookkeeping(groups, dropped, info, versions)
+    self.dropped_rows_total += every["dropped_rows"]
     metrics.update(
       {
-        "rollout/partial_rows": int((spans > 0).sum()),
-        "rollout/version_span": int(spans.max()),
-        "rollout/dropped_rows": dropped_rows,
+        "rollout/partial_rows": every["partial_rows"],
+        "rollout/version_span": every["version_span"],
+        "rollout/dropped_rows": every["dropped_rows"],
         "rollout/dropped_rows_total": self.dropped_rows_total,
-        "rollout/in_flight_rows": self.pool.running(),
-        "rollout/reprefilled_rows": info["reprefilled"],
-        "rollout/boundaries": info["boundaries"],
-        "rollout/finishing_boundaries": info["finishing_boundaries"],
+        "rollout/in_flight_rows": every["in_flight"],
+        "rollout/reprefilled_rows": every["reprefilled"],
+        "rollout/boundaries": every["boundaries"],
+        "rollout/finishing_boundaries": every["finishing_boundaries"],
       }
     )
     self._drawn += rounds
-    untrained = self.pool.untrained()
+    untrained = every["untrained"]
     self._queue.append(
       ProducedBatch(
         index=n,
         batch=batch,
         metrics=metrics,
         tokens=tokens,
-        prompts=np.asarray([g.prompt for g in groups], np.int64),
-        versions=np.asarray([g.oldest() for g in groups], np.int64),
+        prompts=np.asarray(every["prompts"], np.int64),
+        versions=np.asarray(every["versions"], np.int64),
         key_after=key,
         position_after={**self.source.iterator.state(), "untrained": [untrained] if untrained else []},
         rounds=rounds,
@@ -169,7 +210,8 @@ class PartialRollouts(AsyncRollouts):
         token_versions=versions,
       )
     )
-    self._dropped_by_index[n] = [g.prompt for g in dropped]
+    self._dropped_by_index[n] = every["dropped"]
+    self._newest_by_index[n] = every["newest"]
     self._key, self._next_index = key, n + 1
 
   def _scored(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
@@ -193,26 +235,171 @@ class PartialRollouts(AsyncRollouts):
     )
     res = src.score(prompts, rollout)
     rewards = np.asarray(res.total, np.float32)
-    metrics = rewards_lib.finite_reward_stats(rewards)
-    for name, values in res.per_fn.items():
+    every_reward, per_fn, every_length, counters = self._gather_scores(rewards, res.per_fn, lengths, res.counters)
+    metrics = rewards_lib.finite_reward_stats(every_reward)
+    for name, values in per_fn.items():
       metrics[f"reward/{name}"] = rewards_lib.finite_reward_stats(np.asarray(values, np.float32))["reward_mean"]
-    metrics["completion_length"] = float(lengths.mean())
-    for k in sorted(res.counters):
-      metrics[f"reward_counters/{k}"] = res.counters[k]
+    metrics["completion_length"] = float(every_length.mean())
+    for k in sorted(counters):
+      metrics[f"reward_counters/{k}"] = counters[k]
     versions = np.stack([r.versions for r in rows])
-    return Batch.from_rollout(rollout, rewards), metrics, int(lengths.sum()), versions
+    rollout = rollout._replace(group_ids=rollout.group_ids + self._first)  # the groups' places in the global batch
+    return Batch.from_rollout(rollout, rewards), metrics, int(every_length.sum()), versions
 
   def untrained(self) -> list[list[int]]:
-    """The prompts drawn and neither trained nor dropped (one round, drawing order)."""
+    """The prompts drawn and neither trained nor dropped (one round, drawing order; several processes: this
+    process's pool, and the queued batches' prompts of every process)."""
     u = self.pool.untrained() + [int(p) for b in self._queue for p in b.prompts]
     return [u] if u else []
 
   def _position_after(self, item: ProducedBatch) -> dict:
+    for done in [i for i in self._newest_by_index if i <= item.index]:  # processes without the ledger
+      self._newest_by_index.pop(done)
+      self._dropped_by_index.pop(done, None)
     return item.position_after
 
   def _ledger_record(self, n: int, item: ProducedBatch) -> dict:
     rec = super()._ledger_record(n, item)
     live = item.token_versions[item.token_versions >= 0]
-    rec["newest"] = int(live.max()) if live.size else None
+    rec["newest"] = self._newest_by_index.pop(n, int(live.max()) if live.size else None)
     rec["dropped"] = self._dropped_by_index.pop(n, [])
     return rec
+
+  # ------------------------------------------------------------------ several processes (the module docstring)
+  def _init_processes(self) -> None:
+    """``_procs`` (P), ``_need`` (groups per batch of this process's pool), ``_rank`` and ``_first`` (its block
+    of the batch's groups) and ``_device`` (where its pool runs). ValueError unless the train mesh splits the
+    batch into P equal disjoint blocks of whole groups."""
+    self._procs, self._need, self._rank, self._first, self._device = 1, self.source.prompts_per_step, 0, 0, None
+    self._iter_rounds, self._drawn_count, self._pos, self._local = 0, 0, {}, None
+    self._local_frozen: tuple | None = None
+    procs = jax.process_count()
+    if procs == 1:
+      return
+    b = self.source.prompts_per_step
+    first, last = self.source._own_groups_range(b)
+    blocks = sorted({(int(a), int(z)) for a, z in distributed.gather_objects([int(first), int(last)])})
+    per = b // procs
+    if b % procs or blocks != [(i * per, (i + 1) * per) for i in range(procs)]:
+      raise ValueError(
+        f"partial rollouts with {procs} processes: each process's pool feeds its own block of whole groups, so the "
+        f"train mesh (`devices.mesh`) must give the {procs} processes equal disjoint blocks of the "
+        f"`rollout.prompts_per_step`={b} groups (G = {self.source.sampling.num_samples} rows each); it gives "
+        f"groups {blocks}: put the processes on the batch axes (data or fsdp) and make prompts_per_step a "
+        "multiple of the process count"
+      )
+    self._procs, self._need, self._rank, self._first = procs, per, first // per, first
+    self._device = next(d for d in self.rollout_mesh.devices.flat if d.process_index == jax.process_index())
+
+  def _sampling_model(self, version: int, params):
+    """The policy the pool samples: the published one (one process), or a whole copy of it on this process's
+    device (several; made once per version: a collective, at the same point on every process)."""
+    if self._procs == 1:
+      return feed.policy_model(self.graphdef, TrainState(params, None, None, self._frozen))
+    if self._local_frozen is None:
+      self._local_frozen = (None if self._frozen is None else self._to_local(self._frozen),)
+    if self._local is None or self._local[0] != version:
+      self._local = (version, self._to_local(params))
+    return feed.policy_model(self.graphdef, TrainState(self._local[1], None, None, self._local_frozen[0]))
+
+  def _to_local(self, tree):
+    """``tree`` (global arrays) whole on this process's device: replicated leaves copied device to device,
+    sharded ones gathered from every process's shards (``process_allgather``) first."""
+
+    def one(x):
+      if not isinstance(x, jax.Array):
+        return x
+      if x.is_fully_replicated:
+        return jax.device_put(x.addressable_data(0), self._device)
+      return jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)), self._device)
+
+    return jax.tree.map(one, tree)
+
+  def _process_keys(self, sample_key):
+    """``(the pool's key, the catch-up rounds' key)``: one process, ``(sample_key, None)``; several, both folded
+    with this process's first group (the processes' rows draw different uniforms)."""
+    if self._procs == 1:
+      return sample_key, None
+    return tuple(jax.random.split(jax.random.fold_in(sample_key, self._first)))
+
+  def _share(self, drawn: list[int]) -> list[int]:
+    """This process's share of a drawn round (entries ``rank, rank + P, ...``), each group's place in the global
+    drawing order recorded by the ``seq`` the pool gives it next."""
+    picked = range(self._rank, len(drawn), self._procs)
+    for j, i in enumerate(picked):
+      self._pos[self.pool.next_seq + j] = self._drawn_count + i
+    self._drawn_count += len(drawn)
+    return [drawn[i] for i in picked]
+
+  def _catch_up(self, rounds: list, key) -> None:
+    """Several processes: draws the rounds this process is behind the furthest one (its share queued), so every
+    process's iterator is at the same position."""
+    if self._procs == 1:
+      return
+    behind = max(distributed.gather_objects(self._iter_rounds)) - self._iter_rounds
+    for i in range(behind):
+      out = [int(p) for p in self.source.iterator.next(self.source.prompts_per_step)]
+      self._iter_rounds += 1
+      rounds.append(out)
+      self.pool.add_round(self._share(out), jax.random.fold_in(key, i))
+
+  def _gather_scores(self, rewards: np.ndarray, per_fn: dict, lengths: np.ndarray, counters: dict):
+    """Every process's rewards, per-function rewards and lengths (batch order) and the summed counters."""
+    if self._procs == 1:
+      return rewards, per_fn, lengths, counters
+    mine = [
+      self._first,
+      np.asarray(rewards, np.float32).tolist(),
+      {k: np.asarray(v, np.float32).tolist() for k, v in per_fn.items()},
+      np.asarray(lengths).tolist(),
+      counters,
+    ]
+    every = sorted(distributed.gather_objects(mine), key=lambda e: e[0])
+    summed: dict = {}
+    for e in every:
+      for k, v in e[4].items():
+        summed[k] = summed.get(k, 0) + v
+    return (
+      np.asarray([r for e in every for r in e[1]], np.float32),
+      {k: np.asarray([r for e in every for r in e[2][k]], np.float32) for k in per_fn},
+      np.asarray([r for e in every for r in e[3]], np.int32),
+      summed,
+    )
+
+  def _gather_bookkeeping(self, groups: list[PoolGroup], dropped: list[PoolGroup], info: dict, versions) -> dict:
+    """The produced batch's bookkeeping over every process (one all-gather; one process: its own): the batch's
+    prompts and oldest versions (batch order), the dropped and the untrained prompts (global drawing order),
+    the row counts and the newest token version."""
+    pos = lambda g: self._pos.pop(g.seq)
+    live = versions[versions >= 0]
+    mine = {
+      "first": self._first,
+      "prompts": [g.prompt for g in groups],
+      "versions": [g.oldest() for g in groups],
+      "spans": [r.span()[1] - r.span()[0] for g in groups for r in g.rows],
+      "dropped": [[pos(g), g.prompt] for g in dropped],
+      "dropped_rows": sum(len(g.rows) for g in dropped),
+      "untrained": [[self._pos[q], g.prompt] for q, g in sorted(self.pool.groups.items())],
+      "in_flight": self.pool.running(),
+      "newest": int(live.max()) if live.size else None,
+      **{k: info[k] for k in ("reprefilled", "boundaries", "finishing_boundaries")},
+    }
+    for g in groups:
+      pos(g)
+    every = sorted(distributed.gather_objects(mine), key=lambda e: e["first"])
+    spans = np.asarray([s for e in every for s in e["spans"]])
+    newest = [e["newest"] for e in every if e["newest"] is not None]
+    return {
+      "prompts": [p for e in every for p in e["prompts"]],
+      "versions": [v for e in every for v in e["versions"]],
+      "partial_rows": int((spans > 0).sum()),
+      "version_span": int(spans.max()),
+      "dropped": [p for _, p in sorted(x for e in every for x in e["dropped"])],
+      "dropped_rows": sum(e["dropped_rows"] for e in every),
+      "untrained": [p for _, p in sorted(x for e in every for x in e["untrained"])],
+      "in_flight": sum(e["in_flight"] for e in every),
+      "reprefilled": sum(e["reprefilled"] for e in every),
+      "boundaries": max(e["boundaries"] for e in every),
+      "finishing_boundaries": max(e["finishing_boundaries"] for e in every),
+      "newest": max(newest) if newest else None,
+    }

@@ -89,7 +89,3 @@ def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> Non
       "`rollout.partial.enabled` with a mixture-of-experts policy and `rollout.routing_replay: rollout`: the row "
       "pool records no experts; set `rollout.routing_replay: none`"
     )
-  if process_count > 1:
-    raise ValueError(
-      f"`rollout.partial.enabled` with {process_count} processes: not built; the row pool is one process's"
-    )

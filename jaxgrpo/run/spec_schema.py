@@ -213,7 +213,8 @@ class PartialSpec:
 
   Attributes:
     enabled: on (needs ``rollout.max_staleness`` >= 1).
-    slots: rows in flight at once (None: a step's ``prompts_per_step`` x ``group_size`` rows).
+    slots: rows in flight at once, per process (None: a step's ``prompts_per_step`` x ``group_size`` rows, divided
+      by the number of processes).
     refill: a slot freed by an ended row takes the next row at the next boundary (slot refill); false: new rows
       enter only when every slot is free.
     refill_every: decode steps between boundaries (where rows enter and the host reads the slots).
