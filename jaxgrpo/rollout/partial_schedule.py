@@ -36,6 +36,7 @@ from jaxgrpo import data as data_lib
 from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.rollout.async_rollout import AsyncRollouts, ProducedBatch
 from jaxgrpo.rollout.partial import PoolGroup, RowPool
+from jaxgrpo.rollout.partial_env import EpisodePool
 from jaxgrpo.rollout.sampling import Rollout
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
@@ -83,15 +84,18 @@ class PartialRollouts(AsyncRollouts):
       raise ValueError("partial rollouts run in one process (the row pool is this process's)")
     self.ahead = ahead
     rows = source.rows_per_step
-    self.pool = RowPool(
-      sampling=source.sampling,
-      temperature=source.temperature,
-      prompt_len=source.prompt_len,
-      num_slots=rows if num_slots is None else num_slots,
-      refill_every=refill_every,
-      refill=refill,
-      budget_of=budget_of,
-    )
+    if source.turns is not None:  # multi-turn: trajectories kept turn by turn (jaxgrpo.rollout.partial_env)
+      self.pool = EpisodePool(source, num_slots=rows if num_slots is None else num_slots, refill=refill)
+    else:
+      self.pool = RowPool(
+        sampling=source.sampling,
+        temperature=source.temperature,
+        prompt_len=source.prompt_len,
+        num_slots=rows if num_slots is None else num_slots,
+        refill_every=refill_every,
+        refill=refill,
+        budget_of=budget_of,
+      )
     self.dropped_rows_total = 0
     self._dropped_by_index: dict[int, list[int]] = {}  # batch index -> prompts dropped while producing it
 
@@ -130,7 +134,7 @@ class PartialRollouts(AsyncRollouts):
       sample_key,
       need=self.source.prompts_per_step,
       draw=lambda: self._draw(rounds),
-      prompt_tokens=self.source.prompts.tokens,
+      prompt_tokens=None if self.source.prompts is None else self.source.prompts.tokens,
       batch=n,
       max_staleness=self.k,
       on_dispatched=dispatched,
@@ -175,6 +179,8 @@ class PartialRollouts(AsyncRollouts):
   def _scored(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
     """The host batch of ``groups`` (their rows, scored by the source's rewards), its rollout metrics, its
     completion tokens and the ``int64[rows, T]`` token versions."""
+    if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
+      return self.pool.scored(groups)
     src, g = self.source, self.source.sampling.num_samples
     prompts = [grp.prompt for grp in groups]
     tokens, mask = data_lib.pad_left([src.prompts.tokens[i] for i in prompts], src.prompt_len, src.pad_id)
