@@ -129,8 +129,19 @@ pres_ledger = [json.loads(x) for x in open(out + "/pb/" + async_rollout.LEDGER)]
 partial = {"recs": precs, "resumed": pgot, "final": pfinal, "resumed_final": pres_final, "ledger": pledger,
            "resumed_ledger": pres_ledger, "seen": [{"prompts": b.prompts.tolist(), "versions": b.versions.tolist()} for b in pseen],
            "aged": aged, "mu_err": err, "crossing": crossing, "position_1": positions[1]}
+# environments with partial rollouts: each process's episode pool runs its own groups' trajectories, turn by turn
+env_resets = list(resets)
+vcfg = tiny(**test_trainer_env.ENV, **{"run.out": out + "/v", "run.steps": 2, "rollout.max_staleness": 2,
+               "rollout.partial": {"enabled": True}, "objective.importance_correction": "tis",
+               "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120})
+vtr = Trainer(vcfg, log=None)
+vseen = []
+vtr.rollouts.observe = vseen.append
+venv = {"recs": vtr.run(handle_signals=False), "pool": type(vtr.rollouts.pool).__name__,
+        "groups": [np.asarray(b.batch.group_ids).tolist() for b in vseen],
+        "policy": [bool(np.asarray(b.batch.policy_mask).any()) for b in vseen]}
 with open(out + f"/recs_{pid}.json", "w") as f:
-  json.dump({"recs": recs, "resumed": got, "same": same, "resets": resets, "engine_recs": erecs,
+  json.dump({"recs": recs, "resumed": got, "same": same, "resets": env_resets, "env_partial": venv, "engine_recs": erecs,
              "engine_resumed": egot, "engine_same": esame, "engine_pushes": pushes[0].pushes,
              "engine_params": engine_params, "partial": partial}, f)
 print("OK")
@@ -213,4 +224,11 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   assert p0["position_1"]["untrained"] and p0["position_1"] == p1["position_1"]
   assert [x["step"] for x in resumed] == [2, 3] and p0["resumed_final"] == p1["resumed_final"]
   after = settled_once(resumed, ledger[0]["prompts"], p0["resumed_final"])
+  # environments with partial rollouts on two processes: each its own episode pool and groups, the same metrics
+  v0, v1 = r0["env_partial"], r1["env_partial"]
+  assert v0["pool"] == v1["pool"] == "EpisodePool" and v0["policy"] == v1["policy"] == [True, True]
+  assert [timing(x) for x in v0["recs"]] == [timing(x) for x in v1["recs"]]
+  vsteps = [x for x in v0["recs"] if "loss" in x]
+  assert [x["step"] for x in vsteps] == [1, 2] and all(x["grad_norm"] > 0 and x["env/turns"] >= 1 for x in vsteps)
+  assert v0["groups"] == [[0] * 4] * 2 and v1["groups"] == [[1] * 4] * 2
   assert set(p0["position_1"]["untrained"][0]) <= set(after[2:])  # drawn again first, then settled

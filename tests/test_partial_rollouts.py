@@ -177,6 +177,99 @@ def test_partial_rollouts_refuse_what_they_do_not_build():
   check_composition(tiny(**{**on, "rollout.max_staleness": 1}), process_count=2)  # built: test_compose_multihost.py
 
 
+class Countdown:
+  """An environment whose episodes last 1, 2 or 3 turns (by creation order: the groups of a batch end at
+  different turns, so trajectories are in flight when a batch is taken), rewarded 0.1 × the share of digits in
+  each turn's text (advantages are not all 0), "Go on." after each turn but the last."""
+
+  tools = ()
+  made = [0]
+
+  def __init__(self):
+    self.length, self.turn = 1 + self.made[0] % 3, 0
+    self.made[0] += 1
+
+  def reset(self, row):
+    return [{"role": "user", "content": row["problem"]}]
+
+  def step(self, text):
+    from jaxgrpo.rollout.environments import StepResult
+
+    self.turn += 1
+    reward = 0.1 * sum(c.isdigit() for c in text) / max(len(text), 1)
+    if self.turn == self.length:
+      return StepResult((), reward, True)
+    return StepResult([{"role": "user", "content": "Go on."}], reward, False)
+
+
+def make_countdown(row):
+  """``env.factory: test_partial_rollouts:make_countdown``."""
+  return Countdown()
+
+
+def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path):
+  """Multi-turn partial rollouts (``jaxgrpo.rollout.partial_env``): episodes of 1-3 turns kept across weight
+  updates; every policy token's behaviour log-prob equals a teacher-forced recomputation under the version it
+  records (and trajectories do span two versions, a turn being one version's); observations are not policy
+  tokens; every trained group's trajectories are complete; the ledger trains each drawn prompt once."""
+  steps = 4
+  cfg = tiny(
+    **{
+      "env.factory": "test_partial_rollouts:make_countdown",
+      "env.max_turns": 3,
+      "env.max_tokens": 48,
+      "env.turn_tokens": 6,
+      "run.out": str(tmp_path / "p"),
+      "run.steps": steps,
+      "rollout.max_staleness": 2,
+      "rollout.partial": {"enabled": True, "slots": 12},
+      "objective.importance_correction": "tis",
+      "optim.learning_rate": 3e-2,
+    }
+  )
+  tr = Trainer(cfg, log=None)
+  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
+  frozen = tr.state.train.frozen
+  pipe = tr.rollouts
+  assert type(pipe.pool).__name__ == "EpisodePool"
+  seen, recs = [], []
+  pipe.observe = seen.append
+
+  def logp_under(version, b):
+    model = iteration.policy_model(tr.graphdef, TrainState(versions[version], None, None, frozen))
+    lp, _ = completion_log_probs(
+      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
+    )
+    return np.asarray(lp)
+
+  try:
+    for step in range(1, steps + 1):
+      recs.append(tr.train_step())
+      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
+  finally:
+    pipe.close()
+  crossing = 0
+  for b, rec in zip(seen, recs):
+    n, mask, pol = b.index, np.asarray(b.batch.mask), np.asarray(b.batch.policy_mask)
+    mu, tv = np.asarray(b.batch.old_logp), b.token_versions
+    assert ((tv >= 0) == mask).all() and (pol <= mask).all() and (mask & ~pol).any()  # observations: no loss
+    assert tv[pol].min() >= n - 1 - 2 and tv[pol].max() <= n - 1
+    assert all((np.diff(row[m]) >= 0).all() for row, m in zip(tv, mask))  # a trajectory's versions only grow
+    spans = np.asarray([row[m].max() - row[m].min() for row, m in zip(tv, pol)])
+    assert rec["rollout/partial_rows"] == int((spans > 0).sum())
+    crossing += int((spans > 0).sum())
+    for v in np.unique(tv[pol]):
+      sel = pol & (tv == v)
+      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (n, v)
+      if int(v) + 1 in versions:
+        assert np.abs(logp_under(int(v) + 1, b.batch) - mu)[sel].max() > 1e-3
+    assert 1.0 <= rec["env/turns"] <= 3.0 and rec["async/staleness_max"] == int(n - 1 - b.versions.min())
+  assert crossing > 0  # trajectories did continue under a newer version
+  ledger = [json.loads(x) for x in open(tmp_path / "p" / async_rollout.LEDGER)]
+  trained = [p for r in ledger for p in r["prompts"]]
+  assert [r["prompts"] for r in ledger] == [b.prompts.tolist() for b in seen] and len(set(trained)) == len(trained)
+
+
 CHILD = r"""
 import runpy, sys
 sys.path.insert(0, sys.argv[1])

@@ -67,7 +67,9 @@ from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.async_rollout import AsyncRollouts, ProducedBatch
 from jaxgrpo.rollout.partial import PoolGroup, RowPool
+from jaxgrpo.rollout.partial_env import EpisodePool
 from jaxgrpo.rollout.sampling import Rollout
+from jaxgrpo.rollout.source import pad_prompts
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import TrainState
@@ -113,15 +115,18 @@ class PartialRollouts(AsyncRollouts):
     self.ahead = ahead
     self._init_processes()
     rows = source.rows_per_step // self._procs
-    self.pool = RowPool(
-      sampling=source.sampling,
-      temperature=source.temperature,
-      prompt_len=source.prompt_len,
-      num_slots=rows if num_slots is None else num_slots,
-      refill_every=refill_every,
-      refill=refill,
-      budget_of=budget_of,
-    )
+    if source.turns is not None:  # multi-turn: trajectories kept turn by turn (jaxgrpo.rollout.partial_env)
+      self.pool = EpisodePool(source, num_slots=rows if num_slots is None else num_slots, refill=refill)
+    else:
+      self.pool = RowPool(
+        sampling=source.sampling,
+        temperature=source.temperature,
+        prompt_len=source.prompt_len,
+        num_slots=rows if num_slots is None else num_slots,
+        refill_every=refill_every,
+        refill=refill,
+        budget_of=budget_of,
+      )
     self.dropped_rows_total = 0
     self._dropped_by_index: dict[int, list[int]] = {}  # batch index -> prompts dropped while producing it
     self._newest_by_index: dict[int, int | None] = {}  # batch index -> its newest token version (every process)
@@ -171,7 +176,7 @@ class PartialRollouts(AsyncRollouts):
       sample_key,
       need=self._need,
       draw=lambda: self._draw(rounds),
-      prompt_tokens=self.source.prompts.tokens,
+      prompt_tokens=None if self.source.prompts is None else self.source.prompts.tokens,
       batch=n,
       max_staleness=self.k,
       on_dispatched=dispatched if self._procs == 1 else None,
@@ -217,6 +222,8 @@ class PartialRollouts(AsyncRollouts):
   def _scored(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
     """The host batch of ``groups`` (their rows, scored by the source's rewards), its rollout metrics, its
     completion tokens and the ``int64[rows, T]`` token versions."""
+    if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
+      return self._scored_episodes(groups)
     src, g = self.source, self.source.sampling.num_samples
     prompts = [grp.prompt for grp in groups]
     tokens, mask = data_lib.pad_left([src.prompts.tokens[i] for i in prompts], src.prompt_len, src.pad_id)
@@ -245,6 +252,22 @@ class PartialRollouts(AsyncRollouts):
     versions = np.stack([r.versions for r in rows])
     rollout = rollout._replace(group_ids=rollout.group_ids + self._first)  # the groups' places in the global batch
     return Batch.from_rollout(rollout, rewards), metrics, int(every_length.sum()), versions
+
+  def _scored_episodes(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
+    """``_scored`` of environment trajectories: their batch (one prompt width on every process), the metrics of
+    the synchronous environment batch over every process's rows, the real tokens, the token versions."""
+    out, env_metrics, versions = self.pool.scored(groups)
+    lengths = out.mask.sum(1).astype(np.int32)
+    rewards, _, every_length, _ = self._gather_scores(out.rewards, {}, lengths, {})
+    rows = Batch.from_rollout(out._replace(group_ids=out.group_ids + self._first), out.rewards)
+    if self._procs > 1:  # equal rows per process: the mean of the processes' means is every row's
+      every = distributed.gather_objects([rows.prompt_tokens.shape[1], env_metrics])
+      rows = pad_prompts(rows, max(w for w, _ in every), self.source.pad_id)
+      names = sorted({k for _, m in every for k in m})
+      env_metrics = {k: float(np.mean([m.get(k, 0.0) for _, m in every])) for k in names}
+    metrics = {**env_metrics, **rewards_lib.finite_reward_stats(rewards)}
+    metrics["completion_length"] = float(every_length.mean())
+    return rows, metrics, int(every_length.sum()), versions
 
   def untrained(self) -> list[list[int]]:
     """The prompts drawn and neither trained nor dropped (one round, drawing order; several processes: this

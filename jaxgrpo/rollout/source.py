@@ -46,7 +46,7 @@ from jaxgrpo.rollout.environments.rollout import MultiTurnConfig
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
 from jaxgrpo.step.batch import Batch
 
-__all__ = ["RolloutSource", "Produced", "Turns", "rows_to_columns"]
+__all__ = ["RolloutSource", "Produced", "Turns", "pad_prompts", "rows_to_columns"]
 
 
 class Produced(NamedTuple):
@@ -89,7 +89,7 @@ class _Round(NamedTuple):
   metrics: dict  # multi-turn: the environments' metrics of the round
 
 
-def _pad_prompts(rows: Batch, width: int, pad_id: int) -> Batch:
+def pad_prompts(rows: Batch, width: int, pad_id: int) -> Batch:
   """``rows`` with the prompts left-padded to ``width`` columns."""
   pad = lambda x, v: np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=v)
   return rows._replace(prompt_tokens=pad(rows.prompt_tokens, pad_id), prompt_mask=pad(rows.prompt_mask, False))
@@ -314,7 +314,7 @@ class RolloutSource:
     rows = rows._replace(group_ids=np.asarray(rows.group_ids) + first)
     if procs > 1:  # one prompt width (global arrays), the environments' metrics over every row
       every = distributed.gather_objects([rows.prompt_tokens.shape[1], metrics])
-      rows = _pad_prompts(rows, max(w for w, _ in every), self.pad_id)
+      rows = pad_prompts(rows, max(w for w, _ in every), self.pad_id)
       metrics = {k: float(np.mean([m.get(k, 0.0) for _, m in every])) for k in sorted({k for _, m in every for k in m})}
     rewards, lengths = distributed.all_rows((np.asarray(rows.rewards, np.float32), lengths), self.mesh)
     return _Round(rows, rewards, {}, lengths, {}, metrics)
@@ -383,7 +383,7 @@ class RolloutSource:
     width = max(p.prompt_tokens.shape[1] for p in parts)  # multi-turn rounds differ in prompt width
     if jax.process_count() > 1:
       width = max(distributed.gather_objects(width))
-    parts = [_pad_prompts(p, width, self.pad_id) for p in parts]
+    parts = [pad_prompts(p, width, self.pad_id) for p in parts]
     batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
     return batch._replace(
       group_ids=np.repeat(np.arange(first, last, dtype=np.int32), g),

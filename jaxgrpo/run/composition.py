@@ -75,10 +75,6 @@ def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> Non
       f"`rollout.partial.enabled` with `rollout.engine: {roll.engine}`: an engine generates whole batches; partial "
       "rollouts run in the built-in sampler (`rollout.engine: jax`)"
     )
-  if cfg.env is not None:
-    raise ValueError(
-      "`rollout.partial.enabled` with `env` (multi-turn): not built; a row in flight would span environment turns"
-    )
   if cfg.objective.dynamic_sampling:
     raise ValueError(
       "`rollout.partial.enabled` with `objective.dynamic_sampling`: not built; the row pool takes complete groups "

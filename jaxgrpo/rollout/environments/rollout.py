@@ -49,7 +49,17 @@ from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
 from jaxgrpo.rollout.sampling import _suppressed_ids, generate
 
-__all__ = ["MultiTurnConfig", "MultiTurnRollout", "RolloutInterrupted", "rollout_metrics", "sample_multiturn"]
+__all__ = [
+  "MultiTurnConfig",
+  "MultiTurnRollout",
+  "RolloutInterrupted",
+  "Trajectory",
+  "assemble",
+  "rollout_metrics",
+  "sample_multiturn",
+  "sample_turn",
+  "turn_batches",
+]
 
 log = logging.getLogger("jaxgrpo.rollout.environments")
 
@@ -133,6 +143,85 @@ class MultiTurnRollout(NamedTuple):
   rewards: np.ndarray
   turns: np.ndarray
   metrics: dict
+
+
+#: the per-trajectory metrics every rollout reports (zeros when nothing happened)
+BASE_METRICS = (*METRIC_NAMES, "env_errors", "env_timeouts", "truncated")
+
+
+@dataclasses.dataclass(eq=False)
+class Trajectory:
+  """One trajectory between turns (host side): its environment, its rendered prompt, the stop ids of its
+  turns, and what it holds so far. :func:`sample_multiturn` runs a batch of them to the end; partial
+  rollouts (``jaxgrpo.rollout.partial_env``) keep them across weight updates.
+
+  Attributes:
+    tokens: the interleaved trajectory after the prompt (policy and observation token ids).
+    policy: per token, whether the policy sampled it; logp: per token, its sampling log-prob (0 on
+      observations); version: per token, the policy version of the turn that sampled it or that it follows.
+    reward: the sum of the step rewards (float32, summed as the steps come); turns: policy turns so far.
+    metrics: per-trajectory sums (:data:`BASE_METRICS`, ``env_errors/<Type>``, the environment's own).
+    appended: the observation appended after the last turn (None: none).
+    running: the trajectory takes another turn.
+  """
+
+  env: Any
+  fmt: ChatFormat
+  prompt: list
+  stop: tuple
+  tokens: list = dataclasses.field(default_factory=list)
+  policy: list = dataclasses.field(default_factory=list)
+  logp: list = dataclasses.field(default_factory=list)
+  version: list = dataclasses.field(default_factory=list)
+  reward: np.float32 = np.float32(0.0)
+  turns: int = 0
+  metrics: dict = dataclasses.field(default_factory=lambda: {k: np.float32(0.0) for k in BASE_METRICS})
+  appended: list | None = None
+  running: bool = True
+
+  def _count(self, name: str, value) -> None:
+    self.metrics[name] = np.float32(self.metrics.get(name, np.float32(0.0)) + np.float32(float(value)))
+
+  def add_turn(
+    self, ids, lps, *, cfg: MultiTurnConfig, tokenizer, should_stop=None, last_turn: bool, version: int = 0
+  ) -> bool:
+    """Appends a sampled turn (``ids``/``lps``: its tokens and log-probs, cut to the room left), steps the
+    environment with its text, and appends the observation when another turn follows and fits. Returns
+    :attr:`running`: False after ``done``, an error, a timeout, the last turn, or when ``max_tokens`` leaves
+    no room (``truncated``)."""
+    ids = list(ids)[: cfg.max_tokens - len(self.tokens)]
+    self.tokens += ids
+    self.policy += [True] * len(ids)
+    self.logp += list(lps)[: len(ids)]
+    self.version += [version] * len(ids)
+    self.turns += 1
+    self.appended = None
+    result, status, error = _step(self.env, _turn_text(self.env, tokenizer, ids), cfg, should_stop)
+    if status == "error":
+      self._count("env_errors", 1)
+      self._count(f"env_errors/{type(error).__name__}", 1)
+    elif status == "timeout":
+      self._count("env_timeouts", 1)
+    self.reward = np.float32(self.reward + np.float32(float(result.reward)))
+    for k, v in (result.metrics or {}).items():
+      self._count(k, v)
+    self.running = False
+    if result.done or last_turn:
+      return False
+    if len(self.tokens) >= cfg.max_tokens:
+      self._count("truncated", 1)
+      return False
+    obs = self.fmt.observation_ids(result.messages, ids)
+    if len(self.tokens) + len(obs) >= cfg.max_tokens:  # no room for the observation and a turn after it
+      self._count("truncated", 1)
+      return False
+    self.tokens += obs
+    self.policy += [False] * len(obs)
+    self.logp += [0.0] * len(obs)
+    self.version += [version] * len(obs)
+    self.appended = obs
+    self.running = True
+    return True
 
 
 def _stop_ids(tokenizer, eos_ids: Sequence[int], stop_at_tool_call: bool) -> tuple[int, ...]:
@@ -309,33 +398,15 @@ def sample_multiturn(
     raise ValueError("`rows` is empty: sample_multiturn needs at least one dataset row")
   g, n = sampling.num_samples, len(rows) * sampling.num_samples
   envs = [make_env(row) for row in rows for _ in range(g)]
-  # each group is rendered with its own environment's tools (a group shares its prompt)
-  fmts = [ChatFormat(tokenizer, tools=getattr(envs[b * g], "tools", None)) for b in range(len(rows))]
-  prompts = [fmts[i // g].prompt_ids(_reset(env, rows[i // g], env_config, should_stop)) for i, env in enumerate(envs)]
-  for i in range(n):
-    if prompts[i] != prompts[(i // g) * g]:
-      raise ValueError(f"env.reset gave different prompts within group {i // g}: a group must share its prompt")
-  t_max, per_turn = env_config.max_tokens, env_config.per_turn
-  at_tool = env_config.stop_at_tool_call
-  stops = [
-    _stop_ids(tokenizer, sampling.eos_ids, bool(fmts[i // g].tools) if at_tool is None else at_tool) for i in range(n)
+  trs = [
+    tr
+    for b, row in enumerate(rows)
+    for tr in start_group(envs[b * g : (b + 1) * g], row, b, tokenizer, sampling.eos_ids, env_config, should_stop)
   ]
+  t_max, per_turn = env_config.max_tokens, env_config.per_turn
+  prompts, stops = [tr.prompt for tr in trs], [tr.stop for tr in trs]
   p_max = max(len(p) for p in prompts)
-  width = -(-(p_max + t_max) // 64) * 64  # one context width per batch (multiples of 64: few compiles)
-  limit = model.config.max_position_embeddings
-  if width + per_turn > limit:
-    width = p_max + t_max
-    if width + per_turn > limit:
-      raise ValueError(
-        f"prompt ({p_max}) + env.max_tokens ({t_max}) + turn tokens ({per_turn}) exceed the model's "
-        f"max_position_embeddings ({limit})"
-      )
-  traj = [[] for _ in range(n)]
-  policy = [[] for _ in range(n)]
-  logps = [[] for _ in range(n)]
-  rewards, turns = np.zeros(n, np.float32), np.zeros(n, np.int32)
-  names = (*METRIC_NAMES, "env_errors", "env_timeouts", "truncated")
-  metrics: dict[str, np.ndarray] = {k: np.zeros(n, np.float32) for k in names}
+  width = context_width(p_max, env_config, model.config.max_position_embeddings)
   running = list(range(n))
   suppress = {_suppressed_ids(sampling.suppress_ids, sampling.pad_id, s, model.config.vocab_size) for s in stops}
   conv = None
@@ -344,89 +415,115 @@ def sample_multiturn(
     conv = ConversationSampler(
       model, prompts, sampling, max_len=p_max + t_max - 1, temperature=temperature, suppress_eos=stops[0]
     )
-  appended: dict[int, list[int]] = {}  # the observation each row got since its last turn (kv_cache)
 
   def cached_turn(batches):
-    budgets = {i: min(per_turn, t_max - len(traj[i])) for _, rows_now in batches for i in rows_now}
+    budgets = {i: min(per_turn, t_max - len(trs[i].tokens)) for _, rows_now in batches for i in rows_now}
+    appended = {i: trs[i].appended for i in running if trs[i].appended is not None}
     got = conv.turn(
       batches, max_new_tokens=per_turn, appended=appended, budgets=budgets, stop_ids={i: stops[i] for i in running}
     )
     return {i: (tok_i, np.ones(len(tok_i), bool), lps_i) for i, (tok_i, lps_i) in got.items()}
 
-  def sample_turn(rows_now, stop, turn_key):
-    rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
-    ctx, ctx_mask = _left_pad([prompts[i] + traj[i] for i in rows_padded], width, sampling.pad_id)
-    turn_sampling = dataclasses.replace(
-      sampling, num_samples=1, max_new_tokens=per_turn, eos_ids=stop, merge_lora=False, record_routing=False
-    )
-    if engine is None:
-      out = generate(model, ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature)
-    else:
-      out = engine.generate(ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature).rollout
-    got = jax.device_get((out.completions, out.mask, out.log_probs))
-    return {i: tuple(np.asarray(x)[j] for x in got) for j, i in enumerate(rows_now)}
-
   for turn in range(env_config.max_turns):
     if not running:
       break
-    by_stop: dict[tuple[int, ...], list[int]] = {}
-    for i in running:
-      by_stop.setdefault(stops[i], []).append(i)
-    sampled, batches = {}, []
-    for s_idx, rows_now in enumerate(by_stop.values()):  # one call per stop set (one unless mixed)
-      turn_key = jax.random.fold_in(key, turn)
-      batches.append((turn_key if s_idx == 0 else jax.random.fold_in(turn_key, s_idx), rows_now))
+    batches = turn_batches(running, stops, jax.random.fold_in(key, turn))
     if conv is not None:  # one call for every stop set: the keys draw as the separate calls below would
       sampled = cached_turn(batches)
-      appended.clear()
     else:
-      for (turn_key, rows_now), stop in zip(batches, by_stop):
-        sampled.update(sample_turn(rows_now, stop, turn_key))
-    still = []
+      sampled = {}
+      for turn_key, rows_now in batches:
+        sampled.update(
+          sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, temperature=temperature, engine=engine)
+        )
+    last = turn == env_config.max_turns - 1
     for i in running:
       tok_i, mask_i, lps_i = sampled[i]
-      room = t_max - len(traj[i])
-      ids = tok_i[mask_i].tolist()[:room]
-      traj[i] += ids
-      policy[i] += [True] * len(ids)
-      logps[i] += lps_i[mask_i].tolist()[: len(ids)]
-      turns[i] += 1
-      result, status, error = _step(envs[i], _turn_text(envs[i], tokenizer, ids), env_config, should_stop)
-      if status == "error":
-        metrics["env_errors"][i] += 1
-        metrics.setdefault(f"env_errors/{type(error).__name__}", np.zeros(n, np.float32))[i] += 1
-      elif status == "timeout":
-        metrics["env_timeouts"][i] += 1
-      rewards[i] += float(result.reward)
-      for k, v in (result.metrics or {}).items():
-        metrics.setdefault(k, np.zeros(n, np.float32))[i] += float(v)
-      if result.done or turn == env_config.max_turns - 1:
-        continue
-      if len(traj[i]) >= t_max:
-        metrics["truncated"][i] = 1.0
-        continue
-      obs = fmts[i // g].observation_ids(result.messages, ids)
-      if len(traj[i]) + len(obs) >= t_max:  # no room for the observation and a turn after it
-        metrics["truncated"][i] = 1.0
-        continue
-      traj[i] += obs
-      appended[i] = obs
-      policy[i] += [False] * len(obs)
-      logps[i] += [0.0] * len(obs)
-      still.append(i)
-    running = still
-  return _assemble(prompts, traj, policy, logps, rewards, turns, metrics, g, t_max, sampling.pad_id)
+      trs[i].add_turn(
+        tok_i[mask_i].tolist(),
+        lps_i[mask_i].tolist(),
+        cfg=env_config,
+        tokenizer=tokenizer,
+        should_stop=should_stop,
+        last_turn=last,
+      )
+    running = [i for i in running if trs[i].running]
+  return assemble(trs, g, t_max, sampling.pad_id)
 
 
-def _assemble(prompts, traj, policy, logps, rewards, turns, metrics, g, t_max, pad_id) -> MultiTurnRollout:
-  n = len(traj)
-  p_tok, p_mask = _left_pad(prompts, max(len(p) for p in prompts), pad_id)
+def start_group(envs, row, group: int, tokenizer, eos_ids, cfg: MultiTurnConfig, should_stop=None) -> list[Trajectory]:
+  """The G trajectories of one group: each environment of ``envs`` reset with ``row`` (within
+  ``cfg.step_timeout``), the prompts rendered with the group's tools (they must agree), the turns' stop ids."""
+  fmt = ChatFormat(tokenizer, tools=getattr(envs[0], "tools", None))
+  prompts = [fmt.prompt_ids(_reset(env, row, cfg, should_stop)) for env in envs]
+  if any(p != prompts[0] for p in prompts):
+    raise ValueError(f"env.reset gave different prompts within group {group}: a group must share its prompt")
+  at_tool = bool(fmt.tools) if cfg.stop_at_tool_call is None else cfg.stop_at_tool_call
+  stop = _stop_ids(tokenizer, eos_ids, at_tool)
+  return [Trajectory(env, fmt, p, stop) for env, p in zip(envs, prompts)]
+
+
+def context_width(p_max: int, cfg: MultiTurnConfig, limit: int) -> int:
+  """The re-prefill context width of prompts up to ``p_max`` tokens: ``p_max + max_tokens`` rounded up to a
+  multiple of 64 (few compiled shapes) while a turn still fits the model's ``limit`` positions."""
+  width = -(-(p_max + cfg.max_tokens) // 64) * 64
+  if width + cfg.per_turn > limit:
+    width = p_max + cfg.max_tokens
+    if width + cfg.per_turn > limit:
+      raise ValueError(
+        f"prompt ({p_max}) + env.max_tokens ({cfg.max_tokens}) + turn tokens ({cfg.per_turn}) exceed the model's "
+        f"max_position_embeddings ({limit})"
+      )
+  return width
+
+
+def turn_batches(rows: Sequence[int], stops: Sequence[tuple], turn_key) -> list[tuple[Any, list[int]]]:
+  """The running rows split by their stop ids (one sampler call per stop set, one unless groups mix tools):
+  ``[(key, rows)]``, the first set sampled with ``turn_key``, set j with ``fold_in(turn_key, j)``."""
+  by_stop: dict[tuple[int, ...], list[int]] = {}
+  for i in rows:
+    by_stop.setdefault(stops[i], []).append(i)
+  return [(turn_key if j == 0 else jax.random.fold_in(turn_key, j), r) for j, r in enumerate(by_stop.values())]
+
+
+def sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, *, temperature, engine=None) -> dict:
+  """One turn of the trajectories ``trs[i]``, ``i`` in ``rows_now`` (one stop set), re-prefilled: ``prompt ‖
+  trajectory`` left-padded to ``width``, the row count rounded up to a power of two (copies of the first row,
+  discarded); sampled by ``generate`` on ``model`` or by ``engine``. Returns ``{i: (tokens, mask, log-probs)}``
+  (NumPy rows of ``per_turn``)."""
+  rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
+  ctx, ctx_mask = _left_pad([trs[i].prompt + trs[i].tokens for i in rows_padded], width, sampling.pad_id)
+  turn_sampling = dataclasses.replace(
+    sampling,
+    num_samples=1,
+    max_new_tokens=per_turn,
+    eos_ids=trs[rows_now[0]].stop,
+    merge_lora=False,
+    record_routing=False,
+  )
+  if engine is None:
+    out = generate(model, ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature)
+  else:
+    out = engine.generate(ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature).rollout
+  got = jax.device_get((out.completions, out.mask, out.log_probs))
+  return {i: tuple(np.asarray(x)[j] for x in got) for j, i in enumerate(rows_now)}
+
+
+def assemble(trs: Sequence[Trajectory], g: int, t_max: int, pad_id: int) -> MultiTurnRollout:
+  """The :class:`MultiTurnRollout` of trajectories ``trs`` (G per group, in group order; right-padded to
+  ``t_max``); a metric absent from a trajectory is 0 there."""
+  n = len(trs)
+  p_tok, p_mask = _left_pad([tr.prompt for tr in trs], max(len(tr.prompt) for tr in trs), pad_id)
   comp = np.full((n, t_max), pad_id, np.int32)
   mask, pmask = np.zeros((n, t_max), bool), np.zeros((n, t_max), bool)
   lp = np.zeros((n, t_max), np.float32)
-  for i in range(n):
-    k = len(traj[i])
-    comp[i, :k], mask[i, :k], pmask[i, :k], lp[i, :k] = traj[i], True, policy[i], logps[i]
+  for i, tr in enumerate(trs):
+    k = len(tr.tokens)
+    comp[i, :k], mask[i, :k], pmask[i, :k], lp[i, :k] = tr.tokens, True, tr.policy, tr.logp
+  names = list(BASE_METRICS) + sorted({k for tr in trs for k in tr.metrics} - set(BASE_METRICS))
+  metrics = {k: np.asarray([tr.metrics.get(k, 0.0) for tr in trs], np.float32) for k in names}
+  rewards = np.asarray([tr.reward for tr in trs], np.float32)
+  turns = np.asarray([tr.turns for tr in trs], np.int32)
   gids = np.repeat(np.arange(n // g, dtype=np.int32), g)
   return MultiTurnRollout(p_tok, p_mask, comp, mask, lp, gids, None, pmask, rewards, turns, metrics)
 

@@ -1,0 +1,205 @@
+"""Partial rollouts of multi-turn environments: trajectories kept in flight across weight updates, turn by turn.
+
+:class:`EpisodePool` is the environment counterpart of :class:`~jaxgrpo.rollout.partial.RowPool` (the same
+group bookkeeping: drawing rounds, ``take``, ``drop_older``, the staleness deadlines of ``may_start`` and the
+finishing rule; docs/trainer.md, "Partial rollouts"). Its unit of work is a *turn*: every trajectory in one of
+the S places samples its next turn with the current version, its environment steps, and the observation is
+appended; a trajectory that ends (``done``, an error, ``max_turns``, ``max_tokens``) frees its place for the next
+queued one. A batch takes the first ``prompts_per_step`` groups whose G trajectories all ended; the others stay,
+and their next turns run under whatever version is published by then. So an episode with many turns no longer
+holds the batch back; it finishes in a later one::
+
+    group drawn --> G environments reset (when its first trajectory gets a place) --> prompt ids
+    per boundary, over the trajectories in places:   turn_i = sample(π_v, prompt_i ‖ traj_i)   (one turn)
+                                                      env_i.step(turn_i); traj_i += turn_i ‖ observation_i
+    a batch = the first complete groups; the rest carry over (their environments with them)
+
+**Version granularity: the turn.** A turn is sampled whole by one version (the version changes only between
+batches, and a batch ends at a turn boundary), so every policy token carries the version of its turn and its
+behaviour log-prob; observation tokens carry the version of the turn they follow (they are not trained on).
+Every turn re-prefills ``prompt ‖ trajectory`` (``jaxgrpo.rollout.environments.rollout.sample_turn``): a
+trajectory crossing a version is sampled from exactly ``π_v(· | context)`` — the KV-cached
+``ConversationSampler``, whose cache lives for one rollout, is not used here. With an engine
+(``rollout.engine``) each turn goes to the engine as token ids, its weights pushed when the version changed.
+
+Checkpoints discard the trajectories in flight (their prompts are recorded as untrained and drawn again on
+resume), as for the built-in pool: environments hold state no checkpoint can restore.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+
+from jaxgrpo.rollout.environments import rollout as _episodes
+from jaxgrpo.rollout.environments.training import example_row
+from jaxgrpo.rollout.partial import PoolGroup, RowPool
+
+__all__ = ["EpisodePool"]
+
+
+class _Place:
+  """One trajectory of a group (``PoolGroup.rows`` entry): its :class:`Trajectory` once the group started."""
+
+  def __init__(self, prompt: int, group: int, index: int):
+    self.prompt, self.group, self.index = prompt, group, index
+    self.trajectory: _episodes.Trajectory | None = None
+    self.done = False
+
+  @property
+  def t(self) -> int:
+    """Policy tokens sampled so far."""
+    return 0 if self.trajectory is None else sum(self.trajectory.policy)
+
+  def span(self) -> tuple[int, int]:
+    """(oldest, newest) version of the sampled policy tokens."""
+    tr = self.trajectory
+    v = [ver for ver, pol in zip(tr.version, tr.policy) if pol]
+    return min(v), max(v)
+
+
+class EpisodePool(RowPool):
+  """S places of multi-turn trajectories kept between batches (the module docstring).
+
+  Args:
+    source: the run's rollout source (``jaxgrpo.rollout.source.RolloutSource`` with ``turns``): its
+      examples, environments, tokenizer, sampling settings, temperature, engine and ``should_stop``.
+    num_slots: S >= G, trajectories in flight at once.
+    refill: a place freed by an ended trajectory takes the next queued one at the next turn; False: new
+      trajectories enter only when none runs.
+  """
+
+  def __init__(self, source, *, num_slots: int, refill: bool = True):
+    self.source = source
+    self.sampling = source.sampling if source.engine is None else source.engine_sampling
+    self.cfg = source.turns.config
+    self.g = self.sampling.num_samples
+    if num_slots < self.g:
+      raise ValueError(f"`rollout.partial.slots`={num_slots} must hold a group's {self.g} trajectories")
+    self.t_max, self.slots, self.refill = self.cfg.max_tokens, num_slots, refill
+    self.reset()
+
+  def reset(self) -> None:
+    """Empties the pool (places, queue, groups; their environments are let go)."""
+    self._slot_rows: list[_Place | None] = [None] * self.slots
+    self._queue: collections.deque[_Place] = collections.deque()
+    self.groups: dict[int, PoolGroup] = {}
+    self._seq = 0
+    self._version = None
+    self._stop = np.zeros(self.slots, bool)
+
+  def add_round(self, prompts, key) -> None:
+    """Queues the G trajectories of each prompt index of ``prompts`` (a drawing round)."""
+    for p in (int(p) for p in prompts):
+      rows = [_Place(p, self._seq, j) for j in range(self.g)]
+      self.groups[self._seq] = PoolGroup(self._seq, p, rows)
+      self._queue.extend(rows)
+      self._seq += 1
+
+  def _start(self, place: _Place) -> None:
+    """The place's group's environments, made and reset when its first trajectory enters."""
+    if place.trajectory is not None:
+      return
+    grp = self.groups[place.group]
+    src = self.source
+    row = example_row(src.examples[grp.prompt])
+    envs = [src.turns.make_env(row) for _ in grp.rows]
+    trs = _episodes.start_group(envs, row, grp.seq, src.tokenizer, self.sampling.eos_ids, self.cfg, src.should_stop)
+    for r, tr in zip(grp.rows, trs):
+      r.trajectory = tr
+
+  def run(
+    self,
+    model,
+    version: int,
+    key,
+    *,
+    need: int,
+    draw,
+    prompt_tokens=None,
+    batch: int | None = None,
+    max_staleness: int | None = None,
+    on_dispatched=None,
+  ) -> dict:
+    """Runs turns until ``need`` groups are complete, with ``model`` (version ``version``) or the source's
+    engine holding it; ``batch``, ``max_staleness``, ``draw``, ``on_dispatched`` as for ``RowPool.run``
+    (``prompt_tokens`` unused: the environments render the prompts). Returns ``{"boundaries",
+    "reprefilled", "finishing_boundaries"}`` (reprefilled: trajectories that continued under a new
+    version)."""
+    src = self.source
+    engine = None if src.engine is None else src._engine(model, version)
+    sampler = None if engine is not None else src.sampling_policy(model)
+    limit = (sampler or model).config.max_position_embeddings
+    info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
+    rounds: list = []
+    turn_key = jax.random.fold_in(key, 1 << 30)  # row keys are not used: distinct from the rounds' keys
+    while True:
+      short = len(self.complete()) < need
+      overdue = self.overdue(None if max_staleness is None else batch - max_staleness)
+      if not short and not overdue:
+        break
+      if version != self._version:
+        info["reprefilled"] += sum(r is not None and r.t > 0 for r in self._slot_rows)
+      self._version = version
+      info["finishing_boundaries"] += not short
+      free = [s for s, r in enumerate(self._slot_rows) if r is None]
+      if self.refill or len(free) == self.slots:
+        may_start = lambda: max_staleness is None or self.may_start(version, batch, max_staleness, need)
+        for s in self._next_rows(free, None if short else overdue, draw, key, rounds, may_start):
+          self._start(self._slot_rows[s])
+      if self.running() == 0:
+        raise RuntimeError(f"EpisodePool: {len(self.complete())} of {need} groups complete and nothing left to run")
+      self._turn(sampler, engine, jax.random.fold_in(turn_key, info["boundaries"]), version, limit)
+      info["boundaries"] += 1
+      if info["boundaries"] == 1 and on_dispatched is not None:
+        on_dispatched()
+    return info
+
+  def _turn(self, sampler, engine, key, version: int, limit: int) -> None:
+    """One turn of every trajectory in a place (re-prefilled, one call per stop set), the environments
+    stepped; ended trajectories leave their places."""
+    places = [s for s, r in enumerate(self._slot_rows) if r is not None]
+    trs = {s: self._slot_rows[s].trajectory for s in places}
+    width = _episodes.context_width(max(len(tr.prompt) for tr in trs.values()), self.cfg, limit)
+    sampled = {}
+    for k, rows_now in _episodes.turn_batches(places, {s: trs[s].stop for s in places}, key):
+      sampled.update(
+        _episodes.sample_turn(
+          sampler,
+          trs,
+          rows_now,
+          k,
+          self.sampling,
+          self.cfg.per_turn,
+          width,
+          temperature=self.source.temperature,
+          engine=engine,
+        )
+      )
+    for s in places:
+      tok, mask, lps = sampled[s]
+      tr = trs[s]
+      running = tr.add_turn(
+        tok[mask].tolist(),
+        lps[mask].tolist(),
+        cfg=self.cfg,
+        tokenizer=self.source.tokenizer,
+        should_stop=self.source.should_stop,
+        last_turn=tr.turns == self.cfg.max_turns - 1,
+        version=version,
+      )
+      if not running:
+        self._slot_rows[s].done, self._slot_rows[s] = True, None
+
+  def scored(self, groups: list[PoolGroup]) -> tuple[_episodes.MultiTurnRollout, dict, np.ndarray]:
+    """The rollout of the complete ``groups`` (this process's rows; environment rewards), its environment
+    metrics (per-trajectory means, ``rollout_metrics``) and the ``int64[rows, T]`` token versions (-1 on
+    padding)."""
+    trs = [r.trajectory for grp in groups for r in grp.rows]
+    out = _episodes.assemble(trs, self.g, self.t_max, self.sampling.pad_id)
+    versions = np.full((len(trs), self.t_max), -1, np.int64)
+    for i, tr in enumerate(trs):
+      versions[i, : len(tr.version)] = tr.version
+    return out, _episodes.rollout_metrics(out), versions
