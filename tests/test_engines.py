@@ -99,6 +99,7 @@ class OffsetEngine:
 
   name = "offset"
   logprobs_are_policy = False
+  static_shapes = True  # the jitted sampler: the partial rollouts' pool buckets its shapes (few compiles)
 
   def __init__(self, **settings):
     self.settings, self.model, self.pushes, self.closed = settings, None, 0, False

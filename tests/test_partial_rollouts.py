@@ -6,6 +6,8 @@
 - rows that could not wait for the next batch within the bound are finished in this one (no drops); a group
   holding a token older than the bound is dropped before it can be trained, counted (``rollout/dropped_rows``)
   and listed in the ledger, never trained;
+- the same through an engine (``EnginePool``: a user's engine in a trainer run, the ``BuiltinEngine`` in the
+  pool alone; vLLM in its own venv, tests/vllm_trainer.py ``partial``);
 - combinations it does not build are refused at load, one line each; off by default (the async tests run
   unchanged);
 - a real run killed (SIGKILL) and resumed trains or drops every drawn prompt exactly once: the checkpoint
@@ -25,6 +27,7 @@ from flax import nnx
 from helpers import async_train_cmd, cli_env, kill_after_ledger_lines
 from hf_utils import tiny_hf_config
 from test_async_rollout import REWARDS
+from test_engines import OFFSET
 from test_packing_models import randomized
 from test_trainer import tiny
 
@@ -32,7 +35,9 @@ from jaxgrpo import models
 from jaxgrpo.data import PromptIterator, pad_left
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout import async_rollout, iteration
+from jaxgrpo.rollout.engines import BuiltinEngine
 from jaxgrpo.rollout.partial import RowPool
+from jaxgrpo.rollout.partial_engine import EnginePool
 from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.run.composition import check_composition
 from jaxgrpo.run.trainer import Trainer
@@ -47,8 +52,13 @@ def ragged(prompt: int, sample: int) -> int:
   return 1 + (7 * prompt + 3 * sample) % 8
 
 
-def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(tmp_path):
+@pytest.mark.parametrize("engine", [None, "test_engines:make_offset_engine"], ids=["builtin", "engine"])
+def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(tmp_path, engine):
+  """The built-in row pool, and a user's engine (``OffsetEngine``: the jitted sampler reporting log-probs
+  ``OFFSET`` nats above the policy's) through ``EnginePool``: each boundary re-submits prompt ‖ completion so
+  far, so μ of every token is its version's log-prob (+ the offset), pushed when the version changed."""
   steps = 5
+  offset = 0.0 if engine is None else OFFSET
   cfg = tiny(
     **{
       "run.out": str(tmp_path / "p"),
@@ -57,6 +67,7 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
       "rollout.partial": PARTIAL,
       "objective.importance_correction": "tis",
       "optim.learning_rate": 3e-2,
+      **({} if engine is None else {"rollout.engine": engine}),
     }
   )
   tr = Trainer(cfg, reward_fns=REWARDS, log=None)
@@ -64,6 +75,7 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
   frozen = tr.state.train.frozen
   pipe = tr.rollouts
   assert type(pipe).__name__ == "PartialRollouts" and pipe.ahead == 1
+  assert type(pipe.pool) is (RowPool if engine is None else EnginePool)
   pipe.pool.budget_of = ragged
   seen, recs = [], []
   pipe.observe = seen.append
@@ -95,16 +107,21 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
     crossing += int((spans > 0).sum())
     for v in np.unique(tv[mask]):  # μ of each token is its own version's log-prob, not a neighbour's
       sel = mask & (tv == v)
-      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (n, v)
+      assert np.abs(logp_under(int(v), b.batch) + offset - mu)[sel].max() < 2e-5, (n, v)
       if int(v) + 1 in versions:
-        assert np.abs(logp_under(int(v) + 1, b.batch) - mu)[sel].max() > 1e-3
+        assert np.abs(logp_under(int(v) + 1, b.batch) + offset - mu)[sel].max() > 1e-3
     # the step's TIS weights, from π_old = θ(n-1) and the recorded μ (token level, cap 2)
     ratio = np.exp(logp_under(n - 1, b.batch) - mu)[mask]
     assert rec["is_ratio_max"] == pytest.approx(ratio.max(), rel=1e-4)
     assert rec["is_weight_mean"] == pytest.approx(np.minimum(ratio, 2.0).mean(), rel=1e-4)
     assert rec["is_capped_frac"] == pytest.approx((ratio > 2.0).mean(), abs=1e-6)
     assert rec["async/staleness_max"] == int(n - 1 - b.versions.min())
+    if engine is not None:  # the learner's mismatch: k3 of log π_old/μ over the sampled tokens
+      log_r = (logp_under(n - 1, b.batch) - mu)[mask].astype(np.float64)
+      assert rec["engine/mismatch_k3"] == pytest.approx(np.mean(np.exp(log_r) - log_r - 1), rel=1e-4)
   assert crossing > 0  # rows did cross a weight update
+  if engine is not None:  # one push per version sampled with: batch n is produced by θ(max(0, n - 2))
+    assert tr.engine.pushes == steps - 1 and sum("engine/push_s" in r for r in recs) == steps - 1
   ledger = [json.loads(x) for x in open(tmp_path / "p" / async_rollout.LEDGER)]
   assert [r["prompts"] for r in ledger] == [b.prompts.tolist() for b in seen]
   # dropped: only the aged group, while batch 5 was produced; rows that could not wait were finished instead
@@ -116,18 +133,31 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
   assert not set(dropped) & set(trained) and len(set(trained)) == len(trained)
 
 
-def test_pool_finishes_a_row_that_cannot_wait_and_each_token_is_its_versions(full_fp32_matmuls):
+@pytest.mark.parametrize("through", ["pool", "engine"])
+def test_pool_finishes_a_row_that_cannot_wait_and_each_token_is_its_versions(full_fp32_matmuls, through):
   """The row pool alone, three versions (three random models), k = 2, one group per batch, G = 2, 4 slots:
   batch 1 takes the short group and leaves prompt 0's long row running; batch 2 (version 1) continues it
   re-prefilled; batch 3 (version 2) may not leave it running (its version-0 tokens would be 3 old in batch 4):
   it finishes it after a short group is already complete, and takes it first (oldest). Its tokens span the
-  three versions, each token's log-prob that version's teacher-forced one."""
+  three versions, each token's log-prob that version's teacher-forced one. ``engine``: the same through
+  ``EnginePool`` and the ``BuiltinEngine`` (prompt ‖ completion so far re-submitted every boundary; a push
+  per version)."""
   cfg = models.config_from_hf(tiny_hf_config("qwen3"))
   policies = [randomized(models.build_model(cfg, rngs=nnx.Rngs(0)), seed=v) for v in range(3)]
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 100, 1 + i % 5).tolist() for i in range(8)]
   sampling = SamplingConfig(num_samples=2, max_new_tokens=12)
-  pool = RowPool(
+  engine, pushed = BuiltinEngine(), []
+
+  def engine_for(model, version):
+    if not pushed or pushed[-1] != version:
+      engine.push_weights(model)
+      pushed.append(version)
+    return engine
+
+  engine_args = dict(engine_for=engine_for, engine_sampling=sampling) if through == "engine" else {}
+  pool = (EnginePool if engine_args else RowPool)(
+    **engine_args,
     sampling=sampling,
     temperature=1.0,
     prompt_len=6,
@@ -159,6 +189,7 @@ def test_pool_finishes_a_row_that_cannot_wait_and_each_token_is_its_versions(ful
     assert err.max() < 2e-5, (v, err)
     other = np.abs(np.asarray(lp)[0] - long.logp)[(long.versions >= 0) & (long.versions != v)]
     assert other.min() > 1e-4  # another version's log-probs differ: the test can fail
+  assert pushed == ([0, 1, 2] if engine_args else [])
 
 
 def test_partial_rollouts_refuse_what_they_do_not_build():
@@ -168,8 +199,8 @@ def test_partial_rollouts_refuse_what_they_do_not_build():
     tiny(**on)
   with pytest.raises(ValueError, match=r"`rollout.partial.ahead`=2 must be < `rollout.max_staleness`=2"):
     tiny(**{**on, "rollout.max_staleness": 2, "rollout.partial": {"enabled": True, "ahead": 2}})
-  with pytest.raises(ValueError, match=r"`rollout.engine: vllm`: not built; vLLM's offline `LLM.generate`"):
-    tiny(**{**on, "rollout.max_staleness": 1, "rollout.engine": "vllm"})
+  for engine in ("vllm", "test_engines:make_offset_engine"):  # engines load (EnginePool; vLLM: tests/vllm_trainer.py)
+    assert tiny(**{**on, "rollout.max_staleness": 1, "rollout.engine": engine}).rollout.partial.enabled
   with pytest.raises(ValueError, match=r"with `objective.dynamic_sampling`: not built"):
     tiny(**{**on, "rollout.max_staleness": 1, "objective.dynamic_sampling": True})
   with pytest.raises(ValueError, match=r"`rollout.partial.refill_every` must be >= 1; got 0"):

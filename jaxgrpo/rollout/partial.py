@@ -271,21 +271,7 @@ class RowPool:
     within k). ``draw()`` returns the next round of prompt indices when the queue is empty (queued with a
     key from ``key``); ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``: after the first
     boundary's programs are dispatched. Returns ``{"boundaries", "reprefilled", "finishing_boundaries"}``."""
-    graphdef, state = nnx.split(self.sampling.model_to_sample(model))
-    if "suppress_ids" not in self._static:
-      vocab = model.config.vocab_size
-      self._static["suppress_ids"] = _sampling._suppressed_ids(
-        self.sampling.suppress_ids, self.sampling.pad_id, self._static["eos_ids"], vocab
-      )
-    if self._carry is None:
-      self._carry = _init_jit(
-        graphdef,
-        state,
-        num_slots=self.slots,
-        max_len=self.max_len,
-        max_new_tokens=self.t_max,
-        pad_id=self.sampling.pad_id,
-      )
+    decoder = self._prepare(model, version, key)
     info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
     rounds: list = []
     while True:
@@ -305,15 +291,36 @@ class RowPool:
         admit += self._next_rows(free, None if short else overdue, draw, key, rounds, may_start)
       if not admit and self.running() == 0:
         raise RuntimeError(f"RowPool: {len(self.complete())} of {need} groups complete and nothing left to decode")
-      self._boundary(graphdef, state, sorted(admit), version, prompt_tokens)
+      self._boundary(decoder, sorted(admit), version, prompt_tokens)
       info["boundaries"] += 1
       if info["boundaries"] == 1 and on_dispatched is not None:
         on_dispatched()
     return info
 
-  def _boundary(self, graphdef, state, admit: list[int], version: int, prompt_tokens) -> None:
+  def _prepare(self, model, version: int, key):
+    """What :meth:`_boundary` decodes with in this :meth:`run` (here ``(graphdef, state)`` of ``model``; the
+    device carry built on first use). ``jaxgrpo.rollout.partial_engine.EnginePool`` decodes with an engine."""
+    graphdef, state = nnx.split(self.sampling.model_to_sample(model))
+    if "suppress_ids" not in self._static:
+      vocab = model.config.vocab_size
+      self._static["suppress_ids"] = _sampling._suppressed_ids(
+        self.sampling.suppress_ids, self.sampling.pad_id, self._static["eos_ids"], vocab
+      )
+    if self._carry is None:
+      self._carry = _init_jit(
+        graphdef,
+        state,
+        num_slots=self.slots,
+        max_len=self.max_len,
+        max_new_tokens=self.t_max,
+        pad_id=self.sampling.pad_id,
+      )
+    return graphdef, state
+
+  def _boundary(self, decoder, admit: list[int], version: int, prompt_tokens) -> None:
     """Two jitted programs: the rows of slots ``admit`` (re)admitted with their contexts (one program per
     admitted-row count and context width bucket), then K decode steps (one program); the host copies updated."""
+    graphdef, state = decoder
     r = min(self.slots, max(8, 1 << max(0, len(admit) - 1).bit_length()))  # 8, 16, ...: few compiled programs
     rows = [self._slot_rows[s] for s in admit]
     lens = [len(prompt_tokens[row.prompt]) + row.t for row in rows]

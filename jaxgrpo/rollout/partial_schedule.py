@@ -67,6 +67,7 @@ from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.async_rollout import AsyncRollouts, ProducedBatch
 from jaxgrpo.rollout.partial import PoolGroup, RowPool
+from jaxgrpo.rollout.partial_engine import EnginePool
 from jaxgrpo.rollout.partial_env import EpisodePool
 from jaxgrpo.rollout.sampling import Rollout
 from jaxgrpo.rollout.source import pad_prompts
@@ -118,7 +119,12 @@ class PartialRollouts(AsyncRollouts):
     if source.turns is not None:  # multi-turn: trajectories kept turn by turn (jaxgrpo.rollout.partial_env)
       self.pool = EpisodePool(source, num_slots=rows if num_slots is None else num_slots, refill=refill)
     else:
-      self.pool = RowPool(
+      # an engine's pool re-submits each running row at every boundary (jaxgrpo.rollout.partial_engine)
+      engine = (
+        {} if source.engine is None else {"engine_for": source._engine, "engine_sampling": source.engine_sampling}
+      )
+      self.pool = (EnginePool if engine else RowPool)(
+        **engine,
         sampling=source.sampling,
         temperature=source.temperature,
         prompt_len=source.prompt_len,
@@ -165,6 +171,7 @@ class PartialRollouts(AsyncRollouts):
     version, params = self._published
     model = self._sampling_model(version, params)
     t0 = time.perf_counter()
+    self.source._engine_times = {}  # an engine's push_s (engine_for)
     dropped = self.pool.drop_older(n - 1 - self.k)
     rounds: list = []
     sample_key, catch_up_key = self._process_keys(sample_key)
@@ -198,6 +205,8 @@ class PartialRollouts(AsyncRollouts):
         "rollout/finishing_boundaries": every["finishing_boundaries"],
       }
     )
+    if isinstance(self.pool, EnginePool):
+      metrics.update({**self.source._engine_times, "engine/generate_s": self.pool.generate_s})
     self._drawn += rounds
     untrained = every["untrained"]
     self._queue.append(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
   from jaxgrpo.run.spec_schema import TrainerConfig
 
-__all__ = ["VLLM_PARTIAL_ERROR", "VLLM_ROUTING_REPLAY_ERROR", "check_composition"]
+__all__ = ["VLLM_ROUTING_REPLAY_ERROR", "check_composition"]
 
 
 #: why ``rollout.routing_replay: rollout`` is refused with vLLM (a MoE policy only; measured without it:
@@ -47,14 +47,6 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     _check_partial(cfg, process_count, synthetic_moe)
 
 
-#: why partial rollouts are refused with vLLM (not built): what its API would need.
-VLLM_PARTIAL_ERROR = (
-  "`rollout.partial.enabled` with `rollout.engine: vllm`: not built; vLLM's offline `LLM.generate` runs a batch "
-  "to completion under one set of weights, so a row would have to be aborted and re-submitted as prompt + partial "
-  "tokens after each push (its prefix cache re-prefills them); use `rollout.engine: jax` for partial rollouts"
-)
-
-
 def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> None:
   """The combinations partial rollouts refuse, one line each."""
   roll, part = cfg.rollout, cfg.rollout.partial
@@ -67,13 +59,6 @@ def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> Non
     raise ValueError(
       f"`rollout.partial.ahead`={part.ahead} must be < `rollout.max_staleness`={roll.max_staleness}: a row carried "
       "into the next batch would always be older than max_staleness"
-    )
-  if roll.engine == "vllm":
-    raise ValueError(VLLM_PARTIAL_ERROR)
-  if roll.engine != "jax":
-    raise ValueError(
-      f"`rollout.partial.enabled` with `rollout.engine: {roll.engine}`: an engine generates whole batches; partial "
-      "rollouts run in the built-in sampler (`rollout.engine: jax`)"
     )
   if cfg.objective.dynamic_sampling:
     raise ValueError(

@@ -24,7 +24,9 @@ rounding; for another engine (other kernels, another dtype) they differ, and the
 rollout policy's log-probs itself and passes the engine's as ``Batch.behavior_logp`` (TIS/MIS correction).
 An engine says which with the optional class attribute ``logprobs_are_policy`` (:func:`logprobs_are_policy`:
 True only for an engine that declares it; an engine without the attribute gets its log-probs recomputed,
-which is exact for every engine, at the cost of one forward pass).
+which is exact for every engine, at the cost of one forward pass). A second optional class attribute,
+``static_shapes = True``, says that ``generate`` compiles a program per input shape (a jitted sampler): callers
+that vary the batch (partial rollouts, ``jaxgrpo.rollout.partial_engine``) then pad it to few shapes.
 
 Implementations: :class:`jaxgrpo.rollout.engines.builtin.BuiltinEngine` (the default: the jitted sampler, in
 process, no copy of the weights) and :class:`jaxgrpo.rollout.engines.vllm.VLLMEngine` (vLLM, colocated in

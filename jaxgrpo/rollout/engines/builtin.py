@@ -32,6 +32,7 @@ class BuiltinEngine:
 
   name = "jax"
   logprobs_are_policy = True
+  static_shapes = True  # one compiled program per shape: callers bucket shapes (jaxgrpo.rollout.partial_engine)
 
   def __init__(self, model=None):
     self.model = model

@@ -4,7 +4,7 @@
 checkpoint on disk, no copy of the weights besides vLLM's own); :meth:`~VLLMEngine.push_weights`
 sends every parameter through the exporters' name map (``jaxgrpo.models.hf.hf_entries``; a LoRA
 policy merged, NumPy views on CPU) into vLLM's ``reload_weights``, then repacks a tied LM head and
-resets the prefix cache (without either, the engine samples from stale weights). Qwen3-MoE / Qwen2-MoE
+resets the prefix cache, checked (without either, the engine samples from stale weights). Qwen3-MoE / Qwen2-MoE
 policies go the same way (one HF tensor per expert, ``...mlp.experts.{e}.gate_proj.weight``, into vLLM's fused-MoE
 layers); on CPU their experts are re-prepacked after every push (:func:`_repack_cpu_experts`: vLLM 0.32 skips
 that step on a weight update). With ``lora_rank`` a LoRA policy is synced as adapters only (a PEFT directory
@@ -375,8 +375,20 @@ class VLLMEngine:
     else:
       self._lora_request = self._base_fingerprint = None
       self._reload(model)
-    self.llm.reset_prefix_cache()
+    self._reset_prefix_cache("push_weights")
     self.push_seconds = time.perf_counter() - t0
+
+  def _reset_prefix_cache(self, what: str) -> None:
+    """Drops every cached KV block, or RuntimeError: vLLM resets its prefix cache only when no request holds a
+    block (it returns False and logs a warning otherwise), and a prompt sharing a prefix with an earlier one
+    — partial rollouts re-submit prompt ‖ completion so far after every push — would then be continued from
+    KV computed with the old weights."""
+    if not self.llm.reset_prefix_cache():
+      raise RuntimeError(
+        f"{what}: vLLM could not reset its prefix cache (unfinished requests hold KV blocks: "
+        f"has_unfinished_requests={self.llm.llm_engine.has_unfinished_requests()}), so a prompt with a cached prefix "
+        "would reuse KV computed with the old weights; finish or abort those requests first"
+      )
 
   def _reload(self, model) -> None:
     """All of ``model``'s weights (a LoRA policy merged) into vLLM's parameters, then the CPU repacks."""
@@ -420,7 +432,7 @@ class VLLMEngine:
     if self.on_gpu:
       self.llm.sleep(level=1)
     else:
-      self.llm.reset_prefix_cache()
+      self._reset_prefix_cache("release_memory")
     self.asleep = True
 
   def reacquire_memory(self) -> None:
