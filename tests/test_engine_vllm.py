@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
   """One child run of ``tests/vllm_trainer.py all`` for the whole module (one vLLM import, one JAX start-up):
-  the families' checks, the engine API checks, then the learning run and its resumption; each part's numbers
+  the families' checks, the engine API checks, partial rollouts, then the trainer runs; each part's numbers
   (or traceback), and the child's output (stdout, where vLLM logs, then stderr) under ``"output"``."""
   tmp = tmp_path_factory.mktemp("vllm")
   out = tmp / "all.json"
@@ -122,6 +122,25 @@ def test_vllm_matches_the_library_on_every_family_after_every_push(vllm_runs):
       assert r["outside_filter"] == 0, r  # sampled tokens lie in the library's top-k / top-p set
   assert sum(r["stop_rows"] for r in results) > 0  # EOS rows are exercised
   assert np.median([r["push2_s"] for r in results]) < 2.0
+
+
+def test_partial_rollouts_through_vllm_resubmit_rows_across_pushes(vllm_runs):
+  """Issue 36: partial rollouts through vLLM (``EnginePool``, ``tests/vllm_checks.partial``): a row re-submitted
+  as prompt ‖ completion so far at every boundary crosses two pushes; each of its tokens has the log-prob of
+  the version it records (contexts of 150+ tokens: the prefix cache holds their first KV block). The same
+  context after a reload *without* the prefix-cache reset is far off (the cache would serve KV of the old
+  weights), so the reset each push does is what keeps it exact; a push while a request holds KV blocks, when
+  vLLM cannot reset the cache, is refused in one line."""
+  r = part(vllm_runs, "partial")
+  assert r["taken"] == [1, 2, 0] and r["pushed"] == [0, 1, 2], r
+  assert [0, 1, 2] in r["spans"], r["spans"]  # prompt 0's long row spans the three versions
+  assert r["infos"][1]["reprefilled"] == 1 and r["infos"][2]["finishing_boundaries"] > 0, r["infos"]
+  assert min(r["contexts"]) > 128, r["contexts"]  # every context fills a 128-token KV block
+  for v in r["per_version"]:
+    assert v["tokens"] >= 4 and v["max_abs_logp"] < FP32_TOL and v["other_version_min_mean_abs"] > 1.0, v
+  assert r["stale_cache_max_abs_logp"] > 0.1 and r["after_reset_max_abs_logp"] < FP32_TOL, r
+  err = r["held_blocks_error"]
+  assert err is not None and "could not reset its prefix cache" in err and "\n" not in err, err
 
 
 def test_moe_policies_through_vllm_without_routing_replay(vllm_runs):

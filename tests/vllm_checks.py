@@ -12,6 +12,9 @@ entropy is reported (a near-deterministic model would make every comparison triv
      library's top-2 logit gap is > 1e-3; free-running comparisons flip on near-ties);
   3. one AdamW step on the NLL of the samples → push → sample the same prompts again: max |Δ| to the new
      policy's log-probs and mean |Δ| to the old policy's (stale weights or a stale prefix cache show here).
+
+``partial``: partial rollouts through vLLM (``EnginePool``), a row across two pushes, and the prefix-cache reset's
+checks (:func:`partial`).
 """
 
 from __future__ import annotations
@@ -345,6 +348,120 @@ def lora_sync(reps: int = 5) -> dict:
   return out
 
 
+def partial() -> dict:
+  """Issue 36: partial rollouts through vLLM (``jaxgrpo.rollout.partial_engine.EnginePool``: each boundary
+  re-submits every running row as prompt ‖ completion so far; each new version pushed, which resets the prefix
+  cache). Three versions (three random Qwen3 models, tied head), k = 2, one group per batch, G = 2, 4 slots,
+  prompts of 150–200 tokens (a full 128-token KV block, so re-submissions hit the prefix cache) and K = 4
+  tokens per boundary: prompt 0's first row (24 tokens; the others 4) runs across both pushes and is finished
+  in batch 3. Every token's engine log-prob vs the library's teacher-forced one under the version it records,
+  and vs another version's. Then the checks of the reset itself: the same context sampled after a reload of
+  version 0 *without* the reset (the cached version-2 KV is reused: far off), and ``push_weights`` refusing
+  while a request holds KV blocks (vLLM cannot reset its prefix cache then)."""
+  from types import SimpleNamespace
+
+  from vllm import SamplingParams
+  from vllm.inputs import TokensPrompt
+
+  from jaxgrpo.rollout.partial_engine import EnginePool
+
+  cfg = config("qwen3", True)
+  policies = [random_model(cfg, seed) for seed in (0, 1, 2)]
+  tokens, mask = prompts(4, b=8)
+  prompt_ids = [t[m].tolist() for t, m in zip(tokens, mask)]
+  settings = SamplingConfig(num_samples=2, max_new_tokens=24, eos_ids=(1,), pad_id=0)
+  engine = VLLMEngine(cfg, kv_cache_bytes=64 * 2**20)
+  pushed = []
+
+  def engine_for(model, version):
+    if not pushed or pushed[-1] != version:
+      engine.push_weights(model)
+      pushed.append(version)
+    return engine
+
+  pool = EnginePool(
+    engine_for=engine_for,
+    engine_sampling=settings,
+    sampling=settings,
+    temperature=1.0,
+    prompt_len=tokens.shape[1],
+    num_slots=4,
+    refill_every=4,
+    budget_of=lambda p, s: 24 if (p, s) == (0, 0) else 4,
+  )
+  order = iter(range(8))
+  taken, infos = [], []
+  for batch in (1, 2, 3):
+    v = batch - 1
+    info = pool.run(
+      policies[v],
+      v,
+      jax.random.key(batch),
+      need=1,
+      draw=lambda: [next(order)],
+      prompt_tokens=prompt_ids,
+      batch=batch,
+      max_staleness=2,
+    )
+    infos.append(info)
+    taken.append(pool.take(1)[0])
+  rows = [r for g in taken for r in g.rows]
+  r = SimpleNamespace(
+    prompt_tokens=tokens[[row.prompt for row in rows]],
+    prompt_mask=mask[[row.prompt for row in rows]],
+    completions=np.stack([row.tokens for row in rows]),
+    mask=np.arange(settings.max_new_tokens)[None] < np.asarray([row.t for row in rows])[:, None],
+  )
+  logp = np.stack([row.logp for row in rows])
+  versions = np.stack([row.versions for row in rows])
+  out = {"taken": [g.prompt for g in taken], "pushed": pushed, "infos": infos, "per_version": []}
+  out["spans"] = [sorted(set(row.versions[: row.t].tolist())) for row in rows]
+  lib = [library(p, r, 1.0)[0] for p in policies]
+  for v in range(3):
+    sel = versions == v
+    out["per_version"].append(
+      {
+        "version": v,
+        "tokens": int(sel.sum()),
+        "max_abs_logp": float(np.abs(lib[v] - logp)[sel].max()),
+        "other_version_min_mean_abs": min(float(np.abs(lib[u] - logp)[sel].mean()) for u in range(3) if u != v),
+      }
+    )
+  out["contexts"] = [len(prompt_ids[row.prompt]) + row.t for row in rows]
+  # the reset matters: version 0's weights reloaded *without* the reset, the long row's context sampled again
+  long = next(row for row in rows if row.t == 24)
+  context = np.asarray([prompt_ids[long.prompt] + long.tokens[:20].tolist()], np.int32)
+  one = dataclasses.replace(settings, num_samples=1, max_new_tokens=4)
+  engine._reload(policies[0])  # no reset: version 2's cached blocks of this context stay
+  stale = engine.generate(context, np.ones_like(context, bool), one, key=jax.random.key(9)).rollout
+  engine.push_weights(policies[0])  # with the reset
+  fresh = engine.generate(context, np.ones_like(context, bool), one, key=jax.random.key(9)).rollout
+  for name, g in (("stale_cache", stale), ("after_reset", fresh)):
+    # the long row's prompt ‖ 20 tokens ‖ the 4 new ones, in the rows' shapes above (no new compile)
+    comp = np.concatenate([long.tokens[:20], np.asarray(g.completions)[0]])
+    again = SimpleNamespace(
+      prompt_tokens=np.repeat(tokens[[long.prompt]], len(rows), 0),
+      prompt_mask=np.repeat(mask[[long.prompt]], len(rows), 0),
+      completions=np.repeat(comp[None], len(rows), 0),
+      mask=np.repeat((np.arange(24) < 20 + np.asarray(g.mask)[0].sum())[None], len(rows), 0),
+    )
+    lp = library(policies[0], again, 1.0)[0][0, 20:]
+    out[f"{name}_max_abs_logp"] = float(np.abs(lp - np.asarray(g.log_probs)[0])[np.asarray(g.mask)[0]].max())
+  # a request holding KV blocks: vLLM cannot reset its prefix cache, so the push refuses
+  core = engine.llm.llm_engine
+  core.add_request("jaxgrpo-probe", TokensPrompt(prompt_token_ids=prompt_ids[0]), SamplingParams(max_tokens=8))
+  core.step()
+  try:
+    engine.push_weights(policies[1])
+    out["held_blocks_error"] = None
+  except RuntimeError as e:
+    out["held_blocks_error"] = str(e)
+  core.abort_request(["jaxgrpo-probe"])
+  engine.push_weights(policies[1])  # nothing holds a block now: the reset succeeds
+  engine.close()
+  return out
+
+
 def engine_api() -> dict:
   """The engine's checks at construction and its log filters: a head size vLLM's CPU attention lacks (16) is
   refused before vLLM starts; warnings from the filtered loggers that are not the expected ones still show
@@ -371,9 +488,12 @@ def engine_api() -> dict:
 
 def main(argv):
   check, path = argv[1], argv[2]
-  if check != "families":
+  if check == "partial":
+    results = partial()
+  elif check == "families":
+    results = families(CASES[int(argv[3]) if len(argv) > 3 else 0 :])
+  else:
     raise SystemExit(f"unknown check {check!r}")
-  results = families(CASES[int(argv[3]) if len(argv) > 3 else 0 :])
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
 

@@ -153,6 +153,7 @@ def run_all(path=None):
   parts = (
     ("families", vllm_checks.families),
     ("engine_api", vllm_checks.engine_api),
+    ("partial", vllm_checks.partial),
     ("lora_sync", vllm_checks.lora_sync),
     ("moe", moe),
     ("compose", compose),

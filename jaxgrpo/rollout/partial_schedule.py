@@ -1,8 +1,9 @@
 """Partial rollouts under the bounded-staleness schedule (``rollout.partial``; docs/trainer.md, "Partial rollouts").
 
 :class:`PartialRollouts` is ``AsyncRollouts`` whose batches come from a :class:`~jaxgrpo.rollout.partial.RowPool`
-kept across weight updates: producing batch m with the newest published version v decodes until
-``prompts_per_step`` groups are complete and takes those (drawing order); rows still running stay in their
+kept across weight updates (an engine's run: :class:`~jaxgrpo.rollout.partial_engine.EnginePool`, which
+re-submits each running row to the engine at every boundary): producing batch m with the newest published
+version v decodes until ``prompts_per_step`` groups are complete and takes those (drawing order); rows still running stay in their
 slots and continue, re-prefilled, under the next version. Every token carries its version and the log-prob it
 was sampled with (the batch's ``old_logp``; the learner recomputes π_old and keeps them as μ, so TIS/MIS weigh
 each token by π_old/μ of its own version).
