@@ -12,7 +12,8 @@ with the cell's own invariant checked against a hand computation:
   ``engine/mismatch_k3`` equals exp(-0.5) + 0.5 - 1, the k3 of that offset — over policy tokens only (the
   observation tokens' zeros would change it) — at every step whose batch is not stale;
 - that engine with bounded staleness, single-turn;
-- all of them at once (engine × environment × async × dynamic sampling).
+- all of them at once (engine × environment × async × dynamic sampling);
+- partial rollouts through that engine (``rollout.partial``: rows re-submitted to it at every boundary).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ CELLS = {
   "env-engine": {**ENV, **ENGINE},
   "engine-async": {**ENGINE, **ASYNC},
   "env-engine-async-dynamic": {**ENV, **ENGINE, **ASYNC, **DYNAMIC},
+  # partial rollouts through the engine (EnginePool), one batch ahead: the resume re-draws the rows in flight
+  "engine-partial": {
+    **ENGINE,
+    **ASYNC,
+    "rollout.max_staleness": 2,
+    "rollout.partial": {"enabled": True, "refill_every": 2},
+  },
 }
 K3_OF_OFFSET = math.exp(-OFFSET) + OFFSET - 1  # r - log r - 1 at r = π/μ = exp(-0.5)
 
