@@ -8,14 +8,19 @@
   and listed in the ledger, never trained;
 - the same through an engine (``EnginePool``: a user's engine in a trainer run, the ``BuiltinEngine`` in the
   pool alone; vLLM in its own venv, tests/vllm_trainer.py ``partial``);
-- combinations it does not build are refused at load, one line each; off by default (the async tests run
-  unchanged);
+- dynamic sampling on the pool: the filtered groups are those with equal recorded rewards, counted and listed in
+  the ledger, and ``untrained`` stays every drawn prompt neither trained, filtered nor dropped;
+- a MoE (no routing replay) and a LoRA policy train under partial rollouts, each token its version's;
+- combinations it does not build are refused at load, one line each (MoE routing replay for its mathematical
+  reason); off by default (the async tests run unchanged);
 - a real run killed (SIGKILL) and resumed trains or drops every drawn prompt exactly once: the checkpoint
   discards the rows in flight and records their prompts, drawn again first after the resume.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -39,6 +44,7 @@ from jaxgrpo.rollout.engines import BuiltinEngine
 from jaxgrpo.rollout.partial import RowPool
 from jaxgrpo.rollout.partial_engine import EnginePool
 from jaxgrpo.rollout.sampling import SamplingConfig
+from jaxgrpo.run import assemble
 from jaxgrpo.run.composition import check_composition
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.services.checkpoint import read_meta
@@ -192,6 +198,140 @@ def test_pool_finishes_a_row_that_cannot_wait_and_each_token_is_its_versions(ful
   assert pushed == ([0, 1, 2] if engine_args else [])
 
 
+def mostly_constant_reward(prompts, completions, **_):
+  """Constant (an uninformative group) for two prompt lengths in three, else differing between completions."""
+  return [1.0 if len(p) % 3 else float(sum(map(ord, c)) % 5) for p, c in zip(prompts, completions)]
+
+
+def test_dynamic_sampling_filters_like_the_sync_path_and_every_drawn_prompt_is_settled_once(tmp_path):
+  """``objective.dynamic_sampling`` on the pool: every complete group is scored once; the filtered ones are
+  exactly those whose recorded rewards are all equal (NumPy, from the rewards the reward function returned),
+  counted in ``dynamic_sampling/dropped_groups`` and listed in the ledger's ``filtered``; a trained group is
+  informative unless the round limit filled the batch. A ``close()`` mid-run (what a resume does: the pool is
+  emptied, the recorded untrained prompts drawn again first) keeps the bookkeeping exact: after every step the
+  state's ``untrained`` is the iterator's drawn prompts less those trained, filtered or dropped, in order."""
+  steps, max_rounds, g = 6, 2, 4
+  cfg = tiny(
+    **{
+      "run.out": str(tmp_path / "ds"),
+      "run.steps": steps,
+      "rollout.max_staleness": 2,
+      "rollout.partial": PARTIAL,
+      "objective.importance_correction": "tis",
+      "objective.dynamic_sampling": True,
+      "rollout.dynamic_sampling_max_rounds": max_rounds,
+      "optim.learning_rate": 3e-2,
+    }
+  )
+  tr = Trainer(cfg, reward_fns={"r": (mostly_constant_reward, 1.0)}, log=None)
+  pipe = tr.rollouts
+  pipe.pool.budget_of = ragged
+  scored, score = [], pipe.source.score  # every row scored: (prompt index, reward), in order
+
+  def recording(indices, rows):
+    res = score(indices, rows)
+    scored.extend(zip(np.asarray(indices)[np.asarray(rows.group_ids)].tolist(), np.asarray(res.total).tolist()))
+    return res
+
+  pipe.source.score = recording
+  seen, recs, positions = [], [], []
+  pipe.observe = lambda item: seen.append((item, list(scored)))
+  try:
+    for step in range(1, steps + 1):
+      recs.append(tr.train_step())
+      positions.append(tr.state.data_position)
+      if step == 3:
+        pipe.close()  # the rows in flight are dropped; the next step draws the recorded prompts first
+  finally:
+    pipe.close()
+  ledger = [json.loads(x) for x in open(tmp_path / "ds" / async_rollout.LEDGER)]
+  assert [r["prompts"] for r in ledger] == [b.prompts.tolist() for b, _ in seen]
+  settled: list[int] = []
+  for n, (rec, line, (item, rows)) in enumerate(zip(recs, ledger, seen), start=1):
+    groups = {}  # the rewards each prompt's group got when it was last scored (before this batch was trained)
+    for i in range(0, len(rows), g):
+      assert len({p for p, _ in rows[i : i + g]}) == 1  # a call scores whole groups
+      groups[rows[i][0]] = np.asarray([r for _, r in rows[i : i + g]], np.float32)
+    constant = {p for p, r in groups.items() if np.ptp(r) == 0}  # equal rewards: no advantage
+    assert set(line["filtered"]) <= constant, n
+    trained_constant = len(set(line["prompts"]) & constant)
+    assert rec["dynamic_sampling/dropped_groups"] == len(line["filtered"]) + trained_constant
+    assert trained_constant == 0 or rec["dynamic_sampling/rounds"] == max_rounds  # filled only at the limit
+    assert 1 <= rec["dynamic_sampling/rounds"] <= max_rounds
+    want = np.concatenate([groups[p] for p in line["prompts"]])
+    assert np.array_equal(np.asarray(item.batch.rewards), want), n  # each group trains its own rewards
+    settled += line["prompts"] + line["filtered"] + line["dropped"]
+    assert len(set(settled)) == len(settled)  # nothing trained, filtered or dropped twice
+    drawn = PromptIterator(len(tr.prompts.tokens), seed=0).next(positions[n - 1]["offset"]).tolist()
+    pending = [p for rnd in positions[n - 1]["untrained"] for p in rnd]
+    assert pending == [p for p in drawn if p not in settled], n  # untrained: drawn, not settled, in order
+  assert sum(len(r["filtered"]) for r in ledger) > 0 and max(r["dynamic_sampling/rounds"] for r in recs) > 1
+
+
+MOE = {"hidden_size": 32, "num_layers": 1, "num_experts": 4, "experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("policy", ["moe", "lora"])
+def test_a_moe_or_lora_policy_trains_under_partial_rollouts(tmp_path, policy):
+  """A mixture of experts (``routing_replay: none``: each pass routes by its own top-k) and a LoRA policy (the
+  versions are the adapters on the frozen base) under partial rollouts: rows cross a version, each token's
+  behaviour log-prob is its own version's teacher-forced one (another version's differs), and the update moves
+  the trained parameters (LoRA: the adapters only, the base bit for bit unchanged)."""
+  changes = {
+    "run.out": str(tmp_path / policy),
+    "run.steps": 3,
+    "rollout.max_staleness": 2,
+    "rollout.partial": PARTIAL,
+    "objective.importance_correction": "tis",
+    "optim.learning_rate": 3e-2,
+  }
+  if policy == "moe":
+    changes.update({"model.synthetic": MOE, "rollout.routing_replay": "none"})
+  else:
+    changes["lora"] = {"rank": 4, "alpha": 8.0}
+  tr = Trainer(tiny(**changes), reward_fns=REWARDS, log=None)
+  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
+  frozen = tr.state.train.frozen
+  base = jax.tree.map(np.asarray, frozen)
+  assert (len(jax.tree.leaves(frozen)) > 0) == (policy == "lora")
+  pipe, seen = tr.rollouts, []
+  pipe.pool.budget_of = ragged
+  pipe.observe = seen.append
+  try:
+    for step in (1, 2, 3):
+      tr.train_step()
+      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
+  finally:
+    pipe.close()
+
+  def logp_under(version, b):
+    params = jax.device_put(versions[version])  # device arrays: the MoE layer indexes its experts by tracers
+    model = iteration.policy_model(tr.graphdef, TrainState(params, None, None, frozen))
+    lp, _ = completion_log_probs(
+      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
+    )
+    return np.asarray(lp)
+
+  crossing = 0
+  for b in seen:
+    mask, mu, tv = np.asarray(b.batch.mask), np.asarray(b.batch.old_logp), b.token_versions
+    spans = sum(int(row[m].max() > row[m].min()) for row, m in zip(tv, mask))
+    crossing += spans
+    for v in np.unique(tv[mask]) if spans else ():  # the batches of rows that crossed a version
+      sel = mask & (tv == v)
+      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (b.index, v)
+      assert np.abs(logp_under(int(v) + 1, b.batch) - mu)[sel].max() > 1e-3
+  assert crossing > 0
+  if policy == "moe":  # a sampler recording experts (a MoE checkpoint's, which the load check cannot see): refused
+    recording = copy.copy(tr.source)
+    recording.sampling = dataclasses.replace(tr.source.sampling, record_routing=True)
+    with pytest.raises(ValueError, match=r"no single routing per position"):
+      assemble.schedule(tr.config, recording, tr.learner, tr.state, rollout_mesh=None, resumed=False)
+  moved = [np.abs(a - b).max() for a, b in zip(jax.tree.leaves(versions[0]), jax.tree.leaves(versions[3]))]
+  assert min(moved) > 0 if policy == "lora" else max(moved) > 0  # LoRA: every adapter moved
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(tr.state.train.frozen)))
+
+
 def test_partial_rollouts_refuse_what_they_do_not_build():
   assert tiny().rollout.partial.enabled is False
   on = {"rollout.partial": {"enabled": True}, "objective.importance_correction": "tis"}
@@ -201,8 +341,10 @@ def test_partial_rollouts_refuse_what_they_do_not_build():
     tiny(**{**on, "rollout.max_staleness": 2, "rollout.partial": {"enabled": True, "ahead": 2}})
   for engine in ("vllm", "test_engines:make_offset_engine"):  # engines load (EnginePool; vLLM: tests/vllm_trainer.py)
     assert tiny(**{**on, "rollout.max_staleness": 1, "rollout.engine": engine}).rollout.partial.enabled
-  with pytest.raises(ValueError, match=r"with `objective.dynamic_sampling`: not built"):
-    tiny(**{**on, "rollout.max_staleness": 1, "objective.dynamic_sampling": True})
+  tiny(**{**on, "rollout.max_staleness": 1, "objective.dynamic_sampling": True})  # builds
+  with pytest.raises(ValueError, match=r"no single routing per position .* set `rollout.routing_replay: none`"):
+    tiny(**{**on, "rollout.max_staleness": 1, "model.synthetic": MOE})  # routing_replay: rollout, the default
+  tiny(**{**on, "rollout.max_staleness": 1, "model.synthetic": MOE, "rollout.routing_replay": "none"})  # builds
   with pytest.raises(ValueError, match=r"`rollout.partial.refill_every` must be >= 1; got 0"):
     tiny(**{**on, "rollout.max_staleness": 1, "rollout.partial": {"enabled": True, "refill_every": 0}})
   check_composition(tiny(**{**on, "rollout.max_staleness": 1}), process_count=2)  # built: test_compose_multihost.py

@@ -19,8 +19,15 @@ holding a token older than ``m - 1 - k`` — a complete group that waited, a res
 dropped and counted (``rollout/dropped_rows``, ``rollout/dropped_rows_total``; the ledger's ``dropped``), never
 trained; the learner then checks every trained group's oldest token against k as before.
 
+Dynamic sampling (``objective.dynamic_sampling``): each complete group is scored once and filtered when its
+rewards are all equal (the synchronous rule); rounds of the pool run until ``prompts_per_step`` informative
+groups are complete, at most ``max_rounds``, then the batch is filled with filtered groups as the synchronous
+path fills it (:meth:`PartialRollouts._informative`). Filtered prompts are consumed (the ledger's ``filtered``).
+Several processes: each pool filters its own groups for its own block; the counts are summed, the rounds the
+largest.
+
 Checkpoints: the state after step n records the prompts drawn and not yet trained nor dropped
-(``data_position["untrained"]``, one round, drawing order) and the iterator's position after batch n was
+(``data_position["untrained"]``, one round, drawing order; filtered prompts are not) and the iterator's position after batch n was
 produced; the rows in flight are **discarded**, and a resume draws those prompts again first (sampled anew
 with the restored version), then continues the iterator. So kill and resume train or drop every drawn prompt
 exactly once, in drawing order up to the pool's reordering of groups that finish early.
@@ -137,6 +144,9 @@ class PartialRollouts(AsyncRollouts):
     self.dropped_rows_total = 0
     self._dropped_by_index: dict[int, list[int]] = {}  # batch index -> prompts dropped while producing it
     self._newest_by_index: dict[int, int | None] = {}  # batch index -> its newest token version (every process)
+    # dynamic sampling: the rewards of complete groups, by seq (scored once), and the prompts filtered per batch
+    self._group_scores: dict[int, tuple[np.ndarray, dict]] = {}
+    self._filtered_by_index: dict[int, list[int]] = {}
 
   def start(self, state) -> None:
     """As ``AsyncRollouts.start``; the pool starts empty with the state's untrained prompts queued first."""
@@ -144,6 +154,7 @@ class PartialRollouts(AsyncRollouts):
       return
     super().start(state)
     self.pool.reset()
+    self._group_scores = {}
     self._resume_round = [int(p) for r in state[2].get("untrained", []) for p in r]
     self._iter_rounds, self._drawn_count, self._pos, self._local = 0, 0, {}, None
 
@@ -151,6 +162,7 @@ class PartialRollouts(AsyncRollouts):
     """As ``AsyncRollouts.close``; the rows in flight are dropped too (drawn again after a restart)."""
     super().close(timeout)
     self.pool.reset()
+    self._group_scores = {}
 
   def _draw(self, rounds: list) -> list[int]:
     """The next round (the resume's untrained prompts first, then the iterator's), recorded whole in ``rounds``;
@@ -189,10 +201,13 @@ class PartialRollouts(AsyncRollouts):
       max_staleness=self.k,
       on_dispatched=dispatched if self._procs == 1 else None,
     )
-    self._catch_up(rounds, catch_up_key)
-    groups = self.pool.take(self._need)
-    batch, metrics, tokens, versions = self._scored(groups)
-    every = self._gather_bookkeeping(groups, dropped, info, versions)
+    if self.source.dynamic_sampling:
+      groups, scores, filtered, selection = self._informative(model, version, sample_key, n, info, rounds)
+    else:
+      groups, scores, filtered, selection = self.pool.take(self._need), None, [], None
+    self._catch_up(rounds, catch_up_key)  # after every draw (take only removes complete groups: order-free)
+    batch, metrics, tokens, versions = self._scored(groups, scores)
+    every = self._gather_bookkeeping(groups, dropped, info, versions, filtered, selection)
     self.dropped_rows_total += every["dropped_rows"]
     metrics.update(
       {
@@ -204,6 +219,7 @@ class PartialRollouts(AsyncRollouts):
         "rollout/reprefilled_rows": every["reprefilled"],
         "rollout/boundaries": every["boundaries"],
         "rollout/finishing_boundaries": every["finishing_boundaries"],
+        **every["selection"],
       }
     )
     if isinstance(self.pool, EnginePool):
@@ -227,13 +243,69 @@ class PartialRollouts(AsyncRollouts):
     )
     self._dropped_by_index[n] = every["dropped"]
     self._newest_by_index[n] = every["newest"]
+    self._filtered_by_index[n] = every["filtered"]
     self._key, self._next_index = key, n + 1
 
-  def _scored(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
-    """The host batch of ``groups`` (their rows, scored by the source's rewards), its rollout metrics, its
-    completion tokens and the ``int64[rows, T]`` token versions."""
-    if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
-      return self._scored_episodes(groups)
+  def _informative(self, model, version, key, n, info, rounds) -> tuple[list[PoolGroup], tuple, list, dict]:
+    """Dynamic sampling (``objective.dynamic_sampling``), the synchronous path's rule and limit on the pool:
+    each complete group is scored once; one whose rewards are all equal (``rewards.group_is_informative``,
+    what ``collect.select_groups`` applies) leaves the pool, filtered. A round is one :meth:`RowPool.run` to
+    this pool's groups of a batch complete (the first is ``_produce``'s, whose ``info`` this adds to); while
+    fewer informative groups are complete and fewer than ``max_rounds`` rounds ran, another round decodes
+    (and draws) on. At the limit the batch is filled with the filtered groups, earliest drawn first (zero
+    advantage), as ``select_groups`` fills it. Returns (groups, their ``(rewards, per_fn, counters)``, the
+    filtered groups not trained, ``{"dropped_groups", "rounds"}`` of this pool)."""
+    src, need, g = self.source, self._need, self.source.sampling.num_samples
+    counters: dict[str, int] = {}
+    spare: list[PoolGroup] = []
+    done = 1
+    while True:
+      fresh = [grp for grp in self.pool.complete() if grp.seq not in self._group_scores]
+      if fresh:
+        if isinstance(self.pool, EpisodePool):  # the environments' rewards, in the trajectories
+          res = rewards_lib.RewardResult(self.pool.scored(fresh)[0].rewards, {}, {})
+        else:
+          res = src.score([grp.prompt for grp in fresh], self._rollout(fresh)[0])
+        total = np.asarray(res.total, np.float32)
+        informative = rewards_lib.group_is_informative(total, np.repeat(np.arange(len(fresh)), g), len(fresh))
+        for name, count in res.counters.items():
+          counters[name] = counters.get(name, 0) + count
+        for j, grp in enumerate(fresh):
+          rows = slice(j * g, (j + 1) * g)
+          per_fn = {name: np.asarray(v, np.float32)[rows] for name, v in res.per_fn.items()}
+          self._group_scores[grp.seq] = (total[rows], per_fn)
+          if not informative[j]:
+            spare.append(self.pool.groups.pop(grp.seq))
+      if len(self.pool.complete()) >= need or done >= src.max_rounds:
+        break
+      done += 1
+      more = self.pool.run(
+        model,
+        version,
+        jax.random.fold_in(key, done),  # the first round's rows are keyed from `key` itself
+        need=need,
+        draw=lambda: self._draw(rounds),
+        prompt_tokens=None if src.prompts is None else src.prompts.tokens,
+        batch=n,
+        max_staleness=self.k,
+      )
+      for name in info:
+        info[name] += more[name]
+    groups = self.pool.take(need)
+    groups += spare[: need - len(groups)]  # the round limit: zero-advantage groups, earliest drawn first
+    used = {grp.seq for grp in groups}
+    filtered = [grp for grp in spare if grp.seq not in used]
+    scores = [self._group_scores.pop(grp.seq) for grp in groups]
+    for grp in filtered:
+      self._group_scores.pop(grp.seq)
+    live = set(self.pool.groups)  # groups dropped (staleness) since they were scored: forgotten
+    self._group_scores = {q: v for q, v in self._group_scores.items() if q in live}
+    total = np.concatenate([t for t, _ in scores])
+    per_fn = {name: np.concatenate([p[name] for _, p in scores]) for name in scores[0][1]}
+    return groups, (total, per_fn, counters), filtered, {"dropped_groups": len(spare), "rounds": done}
+
+  def _rollout(self, groups: list[PoolGroup]) -> tuple[Rollout, np.ndarray]:
+    """The :class:`Rollout` of ``groups``' rows (group ids: positions in ``groups``) and the rows' lengths."""
     src, g = self.source, self.source.sampling.num_samples
     prompts = [grp.prompt for grp in groups]
     tokens, mask = data_lib.pad_left([src.prompts.tokens[i] for i in prompts], src.prompt_len, src.pad_id)
@@ -250,16 +322,27 @@ class PartialRollouts(AsyncRollouts):
       num_steps=None,
       routing=None,
     )
-    res = src.score(prompts, rollout)
-    rewards = np.asarray(res.total, np.float32)
-    every_reward, per_fn, every_length, counters = self._gather_scores(rewards, res.per_fn, lengths, res.counters)
+    return rollout, lengths
+
+  def _scored(self, groups: list[PoolGroup], scores: tuple | None = None) -> tuple[Batch, dict, int, np.ndarray]:
+    """The host batch of ``groups`` (their rows, scored by the source's rewards unless ``scores`` =
+    ``(rewards, per_fn, counters)`` of these rows is given), its rollout metrics, its completion tokens and
+    the ``int64[rows, T]`` token versions."""
+    if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
+      return self._scored_episodes(groups)
+    rollout, lengths = self._rollout(groups)
+    if scores is None:
+      res = self.source.score([grp.prompt for grp in groups], rollout)
+      scores = (res.total, res.per_fn, res.counters)
+    rewards = np.asarray(scores[0], np.float32)
+    every_reward, per_fn, every_length, counters = self._gather_scores(rewards, scores[1], lengths, scores[2])
     metrics = rewards_lib.finite_reward_stats(every_reward)
     for name, values in per_fn.items():
       metrics[f"reward/{name}"] = rewards_lib.finite_reward_stats(np.asarray(values, np.float32))["reward_mean"]
     metrics["completion_length"] = float(every_length.mean())
     for k in sorted(counters):
       metrics[f"reward_counters/{k}"] = counters[k]
-    versions = np.stack([r.versions for r in rows])
+    versions = np.stack([r.versions for grp in groups for r in grp.rows])
     rollout = rollout._replace(group_ids=rollout.group_ids + self._first)  # the groups' places in the global batch
     return Batch.from_rollout(rollout, rewards), metrics, int(every_length.sum()), versions
 
@@ -289,6 +372,7 @@ class PartialRollouts(AsyncRollouts):
     for done in [i for i in self._newest_by_index if i <= item.index]:  # processes without the ledger
       self._newest_by_index.pop(done)
       self._dropped_by_index.pop(done, None)
+      self._filtered_by_index.pop(done, None)
     return item.position_after
 
   def _ledger_record(self, n: int, item: ProducedBatch) -> dict:
@@ -296,6 +380,9 @@ class PartialRollouts(AsyncRollouts):
     live = item.token_versions[item.token_versions >= 0]
     rec["newest"] = self._newest_by_index.pop(n, int(live.max()) if live.size else None)
     rec["dropped"] = self._dropped_by_index.pop(n, [])
+    filtered = self._filtered_by_index.pop(n, [])
+    if self.source.dynamic_sampling:
+      rec["filtered"] = filtered
     return rec
 
   # ------------------------------------------------------------------ several processes (the module docstring)
@@ -399,10 +486,13 @@ class PartialRollouts(AsyncRollouts):
       summed,
     )
 
-  def _gather_bookkeeping(self, groups: list[PoolGroup], dropped: list[PoolGroup], info: dict, versions) -> dict:
+  def _gather_bookkeeping(
+    self, groups: list[PoolGroup], dropped: list[PoolGroup], info: dict, versions, filtered=(), selection=None
+  ) -> dict:
     """The produced batch's bookkeeping over every process (one all-gather; one process: its own): the batch's
-    prompts and oldest versions (batch order), the dropped and the untrained prompts (global drawing order),
-    the row counts and the newest token version."""
+    prompts and oldest versions (batch order), the dropped, filtered and untrained prompts (global drawing
+    order), the row counts, the newest token version and the ``dynamic_sampling/*`` metrics (``selection``:
+    this pool's; counts summed, rounds the largest; {} without dynamic sampling)."""
     pos = lambda g: self._pos.pop(g.seq)
     live = versions[versions >= 0]
     mine = {
@@ -412,6 +502,8 @@ class PartialRollouts(AsyncRollouts):
       "spans": [r.span()[1] - r.span()[0] for g in groups for r in g.rows],
       "dropped": [[pos(g), g.prompt] for g in dropped],
       "dropped_rows": sum(len(g.rows) for g in dropped),
+      "filtered": [[pos(g), g.prompt] for g in filtered],
+      "selection": selection,
       "untrained": [[self._pos[q], g.prompt] for q, g in sorted(self.pool.groups.items())],
       "in_flight": self.pool.running(),
       "newest": int(live.max()) if live.size else None,
@@ -429,6 +521,13 @@ class PartialRollouts(AsyncRollouts):
       "version_span": int(spans.max()),
       "dropped": [p for _, p in sorted(x for e in every for x in e["dropped"])],
       "dropped_rows": sum(e["dropped_rows"] for e in every),
+      "filtered": [p for _, p in sorted(x for e in every for x in e["filtered"])],
+      "selection": {}
+      if selection is None
+      else {
+        "dynamic_sampling/dropped_groups": sum(e["selection"]["dropped_groups"] for e in every),
+        "dynamic_sampling/rounds": max(e["selection"]["rounds"] for e in every),
+      },
       "untrained": [p for _, p in sorted(x for e in every for x in e["untrained"])],
       "in_flight": sum(e["in_flight"] for e in every),
       "reprefilled": sum(e["reprefilled"] for e in every),

@@ -31,7 +31,7 @@ from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
-from jaxgrpo.run.composition import VLLM_ROUTING_REPLAY_ERROR, check_composition
+from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, VLLM_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.spec_schema import RewardSourceSpec
 from jaxgrpo.run.specs import TrainerConfig
 
@@ -355,6 +355,8 @@ def schedule(cfg: TrainerConfig, source: RolloutSource, learner: Learner, state,
     resumed=resumed,
   )
   part = cfg.rollout.partial
+  if part.enabled and source.sampling.record_routing:  # a MoE checkpoint (the load-time check sees synthetic ones)
+    raise ValueError(PARTIAL_ROUTING_REPLAY_ERROR)
   if part.enabled:  # rows in flight across updates (jaxgrpo.rollout.partial_schedule)
     return PartialRollouts(
       source,

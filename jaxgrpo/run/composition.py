@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
   from jaxgrpo.run.spec_schema import TrainerConfig
 
-__all__ = ["VLLM_ROUTING_REPLAY_ERROR", "check_composition"]
+__all__ = ["PARTIAL_ROUTING_REPLAY_ERROR", "VLLM_ROUTING_REPLAY_ERROR", "check_composition"]
 
 
 #: why ``rollout.routing_replay: rollout`` is refused with vLLM (a MoE policy only; measured without it:
@@ -47,6 +47,15 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     _check_partial(cfg, process_count, synthetic_moe)
 
 
+#: why partial rollouts refuse MoE routing replay (mathematical: no routing to replay exists).
+PARTIAL_ROUTING_REPLAY_ERROR = (
+  "`rollout.partial.enabled` with a mixture-of-experts policy and `rollout.routing_replay: rollout`: a row "
+  "re-prefilled at a weight update routes its earlier positions once per version, and each token was sampled "
+  "through its own version's experts at those positions, so no single routing per position (what replay gives the "
+  "learner's one pass) reproduces every token's sampling; set `rollout.routing_replay: none`"
+)
+
+
 def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> None:
   """The combinations partial rollouts refuse, one line each."""
   roll, part = cfg.rollout, cfg.rollout.partial
@@ -60,13 +69,5 @@ def _check_partial(cfg: TrainerConfig, process_count: int, synthetic_moe) -> Non
       f"`rollout.partial.ahead`={part.ahead} must be < `rollout.max_staleness`={roll.max_staleness}: a row carried "
       "into the next batch would always be older than max_staleness"
     )
-  if cfg.objective.dynamic_sampling:
-    raise ValueError(
-      "`rollout.partial.enabled` with `objective.dynamic_sampling`: not built; the row pool takes complete groups "
-      "as they finish, with no sampling rounds to refill"
-    )
-  if synthetic_moe and roll.routing_replay == "rollout":
-    raise ValueError(
-      "`rollout.partial.enabled` with a mixture-of-experts policy and `rollout.routing_replay: rollout`: the row "
-      "pool records no experts; set `rollout.routing_replay: none`"
-    )
+  if synthetic_moe and roll.routing_replay == "rollout":  # mathematical
+    raise ValueError(PARTIAL_ROUTING_REPLAY_ERROR)

@@ -207,7 +207,7 @@ class VLLMSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PartialSpec:
-  """Partial rollouts (``jaxgrpo.rollout.partial_schedule``; docs/async.md, "Partial rollouts"): rows still
+  """Partial rollouts (``jaxgrpo.rollout.partial_schedule``; docs/trainer.md, "Partial rollouts"): rows still
   decoding when a batch is complete stay in flight across the weight update and continue under the new version;
   every token keeps the version and log-prob it was sampled with, and the staleness bound applies per token.
 
@@ -249,7 +249,8 @@ class RolloutSpec:
     max_new_tokens: T, the longest completion.
     top_p, top_k: nucleus and top-k sampling (1.0 and 0: off).
     dynamic_sampling_max_rounds: with ``objective.dynamic_sampling`` (DAPO), the most sampling
-      rounds per step before the batch is filled with zero-advantage groups.
+      rounds per step before the batch is filled with zero-advantage groups (partial rollouts: runs of the row
+      pool to ``prompts_per_step`` complete groups).
     merge_lora: with a ``lora`` section, sample (and evaluate) from ``models.lora.merge_lora`` of
       the policy — no adapter matmuls per token, but a merged copy of the adapted weights while
       sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
