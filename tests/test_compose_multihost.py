@@ -10,7 +10,9 @@ k = 2, ragged lengths so rows are in flight at every step): each process's row p
 every batch (its rows' group ids), every own token's μ is the teacher-forced log-prob of the version it records
 (rows do cross a version), both processes log the same metrics, a group aged on process 0 alone is dropped and
 counted on both and listed in the ledger; every prompt the data iterator drew (its order rebuilt here) is trained,
-dropped or recorded untrained exactly once, in the straight run and in one resumed from step 1's state.
+dropped or recorded untrained exactly once, in the straight run and in one resumed from step 1's state (that one
+with dynamic sampling: each pool filters its own groups; the filtered prompts, gathered into the ledger, are
+settled too and counted in the summed ``dynamic_sampling/dropped_groups``).
 
 (Two processes do not equal one process here: a turn's sampler batch holds each process's running rows
 padded to the largest, so the rows sit at other global indices than in one process; docs/trainer.md.)
@@ -78,6 +80,7 @@ esame = all(np.array_equal(a, np.asarray(b)) for a, b in zip(eparams, jax.tree.l
 engine_params = [np.asarray(x).tolist() for x in jax.tree.leaves(nnx_state(pushes[0].model))][:1]
 # partial rollouts (issue 36): each process's row pool feeds its own group of every batch (B = 2, k = 2)
 from test_partial_rollouts import PARTIAL, ragged
+from test_async_rollout import half_constant_reward
 from jaxgrpo.rollout import async_rollout
 from jaxgrpo.step.train import TrainState
 from jaxgrpo.step import feed
@@ -119,9 +122,12 @@ for b in pseen:
     sel = mask & (tv == v)
     err = max(err, float(np.abs(np.asarray(lp) - mu)[sel].max()))
 pledger = [json.loads(x) for x in open(out + "/p/" + async_rollout.LEDGER)] if pid == 0 else None
-# resumed from step 1's state: steps 2 and 3 again
-pres = Trainer(dataclasses.replace(pcfg, run=dataclasses.replace(pcfg.run, out=out + "/pb")),
-               restore_fn=lambda meta, template: saved[1], reward_fns=REWARDS, log=None)
+# resumed from step 1's state: steps 2 and 3 again, with dynamic sampling (each pool filters its own groups)
+pds = dataclasses.replace(pcfg, run=dataclasses.replace(pcfg.run, out=out + "/pb"),
+                          objective=dataclasses.replace(pcfg.objective, dynamic_sampling=True),
+                          rollout=dataclasses.replace(pcfg.rollout, dynamic_sampling_max_rounds=2))
+pres = Trainer(pds, restore_fn=lambda meta, template: saved[1],
+               reward_fns={"r": (half_constant_reward, 1.0)}, log=None)
 pres.rollouts.pool.budget_of = ragged
 pgot = pres.run(handle_signals=False)
 pres_final = dict(pres.state.data_position)
@@ -213,7 +219,7 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   # each: in the straight run, and in the run resumed from step 1's state (which recorded rows in flight)
 
   def settled_once(lines, before, position):
-    settled = before + [p for x in lines for p in x["prompts"] + x["dropped"]]
+    settled = before + [p for x in lines for p in x["prompts"] + x["dropped"] + x.get("filtered", [])]
     pending = [p for rnd in position["untrained"] for p in rnd]
     assert len(set(settled)) == len(settled), settled
     assert sorted(settled + pending) == sorted(PromptIterator(64, seed=0).next(position["offset"]).tolist())
@@ -224,6 +230,11 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   assert p0["position_1"]["untrained"] and p0["position_1"] == p1["position_1"]
   assert [x["step"] for x in resumed] == [2, 3] and p0["resumed_final"] == p1["resumed_final"]
   after = settled_once(resumed, ledger[0]["prompts"], p0["resumed_final"])
+  # the resumed run's dynamic sampling: the filtered prompts (both processes', in the ledger) are settled above and
+  # counted in the summed metric (which also counts groups filled in at the round limit)
+  rsteps = [x for x in p0["resumed"] if "loss" in x]
+  assert all(x["dynamic_sampling/dropped_groups"] >= len(line["filtered"]) for x, line in zip(rsteps, resumed))
+  assert sum(len(line["filtered"]) for line in resumed) > 0, resumed
   # environments with partial rollouts on two processes: each its own episode pool and groups, the same metrics
   v0, v1 = r0["env_partial"], r1["env_partial"]
   assert v0["pool"] == v1["pool"] == "EpisodePool" and v0["policy"] == v1["policy"] == [True, True]
