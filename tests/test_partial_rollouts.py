@@ -41,6 +41,7 @@ from jaxgrpo.data import PromptIterator, pad_left
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout import async_rollout, iteration
 from jaxgrpo.rollout.engines import BuiltinEngine
+from jaxgrpo.rollout.environments.training import example_row
 from jaxgrpo.rollout.partial import RowPool
 from jaxgrpo.rollout.partial_engine import EnginePool
 from jaxgrpo.rollout.sampling import SamplingConfig
@@ -358,8 +359,8 @@ class Countdown:
   tools = ()
   made = [0]
 
-  def __init__(self):
-    self.length, self.turn = 1 + self.made[0] % 3, 0
+  def __init__(self, flat: bool = False):
+    self.length, self.turn, self.flat = 1 + self.made[0] % 3, 0, flat
     self.made[0] += 1
 
   def reset(self, row):
@@ -369,7 +370,7 @@ class Countdown:
     from jaxgrpo.rollout.environments import StepResult
 
     self.turn += 1
-    reward = 0.1 * sum(c.isdigit() for c in text) / max(len(text), 1)
+    reward = 0.0 if self.flat else 0.1 * sum(c.isdigit() for c in text) / max(len(text), 1)
     if self.turn == self.length:
       return StepResult((), reward, True)
     return StepResult([{"role": "user", "content": "Go on."}], reward, False)
@@ -380,15 +381,22 @@ def make_countdown(row):
   return Countdown()
 
 
+def make_flat_countdown(row):
+  """``Countdown`` rewarding 0 on every turn for a problem of even length (a group dynamic sampling filters)."""
+  return Countdown(flat=len(row["problem"]) % 2 == 0)
+
+
 def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path):
   """Multi-turn partial rollouts (``jaxgrpo.rollout.partial_env``): episodes of 1-3 turns kept across weight
   updates; every policy token's behaviour log-prob equals a teacher-forced recomputation under the version it
   records (and trajectories do span two versions, a turn being one version's); observations are not policy
-  tokens; every trained group's trajectories are complete; the ledger trains each drawn prompt once."""
+  tokens; every trained group's trajectories are complete; the ledger trains each drawn prompt once. With dynamic
+  sampling: half the environments reward 0 on every turn; their groups are filtered (or filled in at the round
+  limit), counted, never trained as informative."""
   steps = 4
   cfg = tiny(
     **{
-      "env.factory": "test_partial_rollouts:make_countdown",
+      "env.factory": "test_partial_rollouts:make_flat_countdown",
       "env.max_turns": 3,
       "env.max_tokens": 48,
       "env.turn_tokens": 6,
@@ -396,6 +404,8 @@ def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path)
       "run.steps": steps,
       "rollout.max_staleness": 2,
       "rollout.partial": {"enabled": True, "slots": 12},
+      "objective.dynamic_sampling": True,
+      "rollout.dynamic_sampling_max_rounds": 2,
       "objective.importance_correction": "tis",
       "optim.learning_rate": 3e-2,
     }
@@ -441,6 +451,16 @@ def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path)
   ledger = [json.loads(x) for x in open(tmp_path / "p" / async_rollout.LEDGER)]
   trained = [p for r in ledger for p in r["prompts"]]
   assert [r["prompts"] for r in ledger] == [b.prompts.tolist() for b in seen] and len(set(trained)) == len(trained)
+  # dynamic sampling on the episode pool: a trained group's rewards differ unless the round limit filled it in
+  # (a flat environment's group never does); every equal-reward group met is counted
+  flat = lambda p: len(example_row(tr.source.examples[p])["problem"]) % 2 == 0  # the row the environment gets
+  for b, rec, line in zip(seen, recs, ledger):
+    equal = np.ptp(np.asarray(b.batch.rewards).reshape(len(b.prompts), -1), axis=1) == 0
+    assert rec["dynamic_sampling/dropped_groups"] == len(line["filtered"]) + int(equal.sum())
+    assert not equal.any() or rec["dynamic_sampling/rounds"] == 2
+    assert all(equal[j] for j, p in enumerate(line["prompts"]) if flat(p))
+  filtered = [p for r in ledger for p in r["filtered"]]
+  assert filtered and not set(filtered) & set(trained) and len(set(filtered)) == len(filtered)
 
 
 CHILD = r"""
