@@ -292,6 +292,7 @@ class PartialRollouts(AsyncRollouts):
       for name in info:
         info[name] += more[name]
     groups = self.pool.take(need)
+    spare.sort(key=lambda grp: grp.seq)  # drawing order (a group drawn early may complete in a later round)
     groups += spare[: need - len(groups)]  # the round limit: zero-advantage groups, earliest drawn first
     used = {grp.seq for grp in groups}
     filtered = [grp for grp in spare if grp.seq not in used]
