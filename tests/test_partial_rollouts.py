@@ -204,13 +204,15 @@ def mostly_constant_reward(prompts, completions, **_):
   return [1.0 if len(p) % 3 else float(sum(map(ord, c)) % 5) for p, c in zip(prompts, completions)]
 
 
-def test_dynamic_sampling_filters_like_the_sync_path_and_every_drawn_prompt_is_settled_once(tmp_path):
+@pytest.mark.parametrize("engine", [None, "test_engines:make_offset_engine"], ids=["builtin", "engine"])
+def test_dynamic_sampling_filters_like_the_sync_path_and_every_drawn_prompt_is_settled_once(tmp_path, engine):
   """``objective.dynamic_sampling`` on the pool: every complete group is scored once; the filtered ones are
   exactly those whose recorded rewards are all equal (NumPy, from the rewards the reward function returned),
   counted in ``dynamic_sampling/dropped_groups`` and listed in the ledger's ``filtered``; a trained group is
   informative unless the round limit filled the batch. A ``close()`` mid-run (what a resume does: the pool is
   emptied, the recorded untrained prompts drawn again first) keeps the bookkeeping exact: after every step the
-  state's ``untrained`` is the iterator's drawn prompts less those trained, filtered or dropped, in order."""
+  state's ``untrained`` is the iterator's drawn prompts less those trained, filtered or dropped, in order. The
+  same through a user's engine (``EnginePool``)."""
   steps, max_rounds, g = 6, 2, 4
   cfg = tiny(
     **{
@@ -222,10 +224,12 @@ def test_dynamic_sampling_filters_like_the_sync_path_and_every_drawn_prompt_is_s
       "objective.dynamic_sampling": True,
       "rollout.dynamic_sampling_max_rounds": max_rounds,
       "optim.learning_rate": 3e-2,
+      **({} if engine is None else {"rollout.engine": engine}),
     }
   )
   tr = Trainer(cfg, reward_fns={"r": (mostly_constant_reward, 1.0)}, log=None)
   pipe = tr.rollouts
+  assert type(pipe.pool) is (RowPool if engine is None else EnginePool)
   pipe.pool.budget_of = ragged
   scored, score = [], pipe.source.score  # every row scored: (prompt index, reward), in order
 
