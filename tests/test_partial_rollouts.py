@@ -54,6 +54,23 @@ from jaxgrpo.step.train import TrainState
 PARTIAL = {"enabled": True, "refill_every": 2}
 
 
+def log_probs_under(tr, versions: dict):
+  """``logp(version, batch) -> f32[rows, T]``: the teacher-forced log-probs of ``batch``'s completions under the
+  parameters ``versions[version]`` (host copies, placed on the device: a MoE layer indexes its experts by
+  tracers) of the trainer ``tr``'s policy, with its frozen variables as they are now."""
+  frozen = tr.state.train.frozen
+
+  def logp(version, b):
+    params = jax.device_put(versions[version])
+    model = iteration.policy_model(tr.graphdef, TrainState(params, None, None, frozen))
+    lp, _ = completion_log_probs(
+      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
+    )
+    return np.asarray(lp)
+
+  return logp
+
+
 def ragged(prompt: int, sample: int) -> int:
   """Completion budgets of 1..8 tokens (the untrained tiny model rarely samples EOS)."""
   return 1 + (7 * prompt + 3 * sample) % 8
@@ -79,7 +96,6 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
   )
   tr = Trainer(cfg, reward_fns=REWARDS, log=None)
   versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
-  frozen = tr.state.train.frozen
   pipe = tr.rollouts
   assert type(pipe).__name__ == "PartialRollouts" and pipe.ahead == 1
   assert type(pipe.pool) is (RowPool if engine is None else EnginePool)
@@ -87,12 +103,7 @@ def test_tokens_carry_their_version_into_the_loss_and_stale_groups_are_dropped(t
   seen, recs = [], []
   pipe.observe = seen.append
 
-  def logp_under(version, b):
-    model = iteration.policy_model(tr.graphdef, TrainState(versions[version], None, None, frozen))
-    lp, _ = completion_log_probs(
-      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
-    )
-    return np.asarray(lp)
+  logp_under = log_probs_under(tr, versions)
 
   try:
     for step in range(1, steps + 1):
@@ -309,13 +320,7 @@ def test_a_moe_or_lora_policy_trains_under_partial_rollouts(tmp_path, policy):
   finally:
     pipe.close()
 
-  def logp_under(version, b):
-    params = jax.device_put(versions[version])  # device arrays: the MoE layer indexes its experts by tracers
-    model = iteration.policy_model(tr.graphdef, TrainState(params, None, None, frozen))
-    lp, _ = completion_log_probs(
-      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
-    )
-    return np.asarray(lp)
+  logp_under = log_probs_under(tr, versions)
 
   crossing = 0
   for b in seen:
@@ -416,18 +421,12 @@ def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path)
   )
   tr = Trainer(cfg, log=None)
   versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
-  frozen = tr.state.train.frozen
   pipe = tr.rollouts
   assert type(pipe.pool).__name__ == "EpisodePool"
   seen, recs = [], []
   pipe.observe = seen.append
 
-  def logp_under(version, b):
-    model = iteration.policy_model(tr.graphdef, TrainState(versions[version], None, None, frozen))
-    lp, _ = completion_log_probs(
-      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
-    )
-    return np.asarray(lp)
+  logp_under = log_probs_under(tr, versions)
 
   try:
     for step in range(1, steps + 1):
