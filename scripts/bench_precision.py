@@ -40,12 +40,16 @@ import common  # noqa: E402
 
 from jaxgrpo import models  # noqa: E402
 from jaxgrpo.kernels.config import preset  # noqa: E402
+from jaxgrpo.models import layers  # noqa: E402
 from jaxgrpo.models.log_probs import completion_log_probs  # noqa: E402
 from jaxgrpo.parallel import sharding as shd  # noqa: E402
 from jaxgrpo.rollout import iteration  # noqa: E402
 from jaxgrpo.step import train  # noqa: E402
 
 PRECISIONS = {"fp32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.float32)}
+# diagnostic: mixed precision as before the native bf16 dot (``layers._mixed_on_cpu`` False while this
+# runner traces: f32-accumulated dots upcast to float32, projections bf16 x bf16 -> bf16)
+VARIANTS = {**PRECISIONS, "bf16-upcast": PRECISIONS["bf16"]}
 PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
 
 
@@ -63,7 +67,7 @@ def build(precision: str, seed: int):
     tie_word_embeddings=True,
     max_position_embeddings=max(512, common.PROMPT_LEN + common.NEW_TOKENS),
   )
-  dtype, param_dtype = PRECISIONS[precision]
+  dtype, param_dtype = VARIANTS[precision]
   return models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
 
 
@@ -75,8 +79,9 @@ class Runner:
   """One precision's model, train step, reference and state, as ``worker_jaxgrpo.py`` builds them."""
 
   def __init__(self, precision: str, seed: int):
+    self.precision = precision
     self.model = build(precision, seed)
-    name, overrides = common.jaxgrpo_preset()
+    name, overrides = common.jaxgrpo_preset([])  # grpo, as the peers' jaxgrpo row
     opt = optax.adamw(common.LR)
     mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
     rows = common.PROMPTS * common.SAMPLES
@@ -89,7 +94,20 @@ class Runner:
     )
     self.reference = iteration.make_reference(self.step, self.state.params)
 
+  def traced(self, fn, *args):
+    """``fn(*args)`` with this runner's dot choice in effect (``bf16-upcast``: the earlier code's)."""
+    native = layers._mixed_on_cpu
+    if self.precision == "bf16-upcast":
+      layers._mixed_on_cpu = lambda *xs: False  # read when the programs are traced (the warm-up call)
+    try:
+      return fn(*args)
+    finally:
+      layers._mixed_on_cpu = native
+
   def iterate(self, prompts, pmask, key) -> dict:
+    return self.traced(self._iterate, prompts, pmask, key)
+
+  def _iterate(self, prompts, pmask, key) -> dict:
     t0 = time.perf_counter()
     out = iteration.grpo_iteration(
       self.step,
@@ -131,10 +149,17 @@ def logp_gap(sampler_model, fp32_model, prompts, pmask, key) -> tuple[float, flo
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--precision", choices=("both", *PRECISIONS), default="both")
+  ap.add_argument(
+    "--precision",
+    default="fp32,bf16",
+    help="comma-separated, of fp32, bf16 and bf16-upcast (the mixed precision of the earlier code, diagnosis)",
+  )
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
-  names = list(PRECISIONS) if args.precision == "both" else [args.precision]
+  names = args.precision.split(",")
+  for n in names:
+    if n not in VARIANTS:
+      raise SystemExit(f"--precision: {n!r} is not one of {sorted(VARIANTS)}")
   print(f"jax {jax.__version__}, {jax.default_backend()}; workload {common.WORKLOAD.name}: {common.MODEL}", flush=True)
   prompts = jnp.asarray(common.prompt_ids(), jnp.int32)
   pmask = jnp.ones(prompts.shape, bool)
@@ -152,16 +177,16 @@ def main(argv=None):
       for p in PHASES:
         times[n][p].append(t[p])
       print(f"[round {r}] {n}: " + ", ".join(f"{p} {t[p]:.2f}" for p in PHASES), flush=True)
-  print("\nmedians over rounds, s" + (" (ratio fp32 / bf16: median of per-round ratios)" if len(names) == 2 else ""))
+  print(f"\nmedians over rounds, s; ratios {names[0]} / other: median of the per-round ratios (each round's values)")
   for p in PHASES:
     cells = [f"{n} {statistics.median(times[n][p]):.2f}" for n in names]
-    if len(names) == 2:
-      ratios = [a / b for a, b in zip(times["fp32"][p], times["bf16"][p])]
-      cells.append(f"ratio {statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
+    for n in names[1:]:
+      ratios = [a / b for a, b in zip(times[names[0]][p], times[n][p])]
+      cells.append(f"{names[0]}/{n} {statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
     print(f"  {p:12s} " + "; ".join(cells))
   fp32_model = runners["fp32"].model if "fp32" in runners else build("fp32", args.seed)
   for n in names:
-    mx, mean = logp_gap(runners[n].model, fp32_model, prompts, pmask, jax.random.key(7))
+    mx, mean = runners[n].traced(logp_gap, runners[n].model, fp32_model, prompts, pmask, jax.random.key(7))
     print(f"{n} sampler log-probs vs the float32 recomputation: max |dlogp| {mx:.3g}, mean {mean:.3g}")
 
 
