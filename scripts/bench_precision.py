@@ -177,12 +177,18 @@ def main(argv=None):
       for p in PHASES:
         times[n][p].append(t[p])
       print(f"[round {r}] {n}: " + ", ".join(f"{p} {t[p]:.2f}" for p in PHASES), flush=True)
-  print(f"\nmedians over rounds, s; ratios {names[0]} / other: median of the per-round ratios (each round's values)")
+  print(
+    f"\nmedians (and minima) over rounds, s; ratios {names[0]} / other: median of the per-round ratios (each round's "
+    "values), and the ratio of the minima (the least-loaded repetition of each)"
+  )
   for p in PHASES:
-    cells = [f"{n} {statistics.median(times[n][p]):.2f}" for n in names]
+    cells = [f"{n} {statistics.median(times[n][p]):.2f} (min {min(times[n][p]):.2f})" for n in names]
     for n in names[1:]:
       ratios = [a / b for a, b in zip(times[names[0]][p], times[n][p])]
-      cells.append(f"{names[0]}/{n} {statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
+      cells.append(
+        f"{names[0]}/{n} {statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}; minima "
+        f"{min(times[names[0]][p]) / min(times[n][p]):.2f}x)"
+      )
     print(f"  {p:12s} " + "; ".join(cells))
   fp32_model = runners["fp32"].model if "fp32" in runners else build("fp32", args.seed)
   for n in names:
