@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Any, Iterator, Mapping, NamedTuple
 
@@ -135,14 +136,70 @@ def shard_activation(x: jax.Array, axes: tuple[str | None, ...], name: str) -> j
 
 
 def _f32_operands_on_cpu(*xs, preferred_element_type=None):
-  """XLA:CPU has no bf16 × bf16 → f32 kernel for some dot layouts ("Unsupported element type for
-  DotThunk"): there, operands asked to accumulate in float32 are upcast first. Exact (a product of
-  two bf16 numbers is exact in float32) and CPU-only; accelerators keep the low-precision matmul."""
+  """XLA:CPU has no bf16 × bf16 → f32 kernel for the dot layouts its YNNPACK fusion declines
+  ("Unsupported element type for DotThunk", see :func:`_mixed_on_cpu`): for the dots ``dense`` does
+  not route to :func:`_mixed_einsum` (attention, the MoE dispatch, mixed operand dtypes), operands
+  asked to accumulate in float32 are upcast first. Exact (a product of two bf16 numbers is exact in
+  float32) and CPU-only; accelerators keep the low-precision matmul."""
   if (
     preferred_element_type == jnp.float32 and jax.default_backend() == "cpu" and any(x.dtype != jnp.float32 for x in xs)
   ):
     return tuple(x.astype(jnp.float32) for x in xs)
   return xs
+
+
+def _mixed_on_cpu(*xs) -> bool:
+  """Whether the 2-D dot of ``dense`` runs as :func:`_mixed_einsum` (bf16 operands, float32
+  accumulation): on XLA:CPU, every operand bfloat16, outside :func:`forward_mode_autodiff` (a
+  ``custom_vjp`` has no forward mode) and outside ``jax.shard_map`` regions where an operand varies
+  over a mesh axis (the hand-written backward does not sum weight gradients over them).
+
+  Chosen by backend, dtype and layout, not by CPU model. XLA:CPU (jax 0.10.2) hands a bf16 × bf16 →
+  f32 dot to its YNNPACK fusion, which picks the CPU's bf16 kernel at run time; a dot YNNPACK declines
+  falls to XLA's own DotThunk, which has no bf16 × bf16 → f32 kernel ("Unsupported element type for
+  DotThunk::Execute: BF16 x BF16 = F32", raised when the program runs). The 2-D products of ``dense``
+  and their backward products run (``tests/test_mixed_precision.py``); the batched attention einsums
+  over a KV cache laid out ``[B, N, K, T]`` do not, so attention and the MoE dispatch keep
+  :func:`_f32_operands_on_cpu` (docs/models.md, "Mixed precision on the CPU")."""
+  if jax.default_backend() != "cpu" or _FORWARD_MODE.get():
+    return False
+  if not all(x.dtype == jnp.bfloat16 for x in xs):
+    return False
+  return not any(_varying(x) for x in xs)
+
+
+def _varying(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (empty outside)."""
+  t = jax.typeof(x)
+  manual = getattr(t, "manual_axis_type", None)
+  return frozenset(manual.varying) if manual is not None else frozenset(getattr(t, "vma", ()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """``einsum(spec, a, b)`` of bf16 operands accumulated in float32 (returns float32), with a backward
+  whose products also take bf16 operands: the cotangent is rounded to bf16 first, as the cotangent of
+  a bf16 activation is in any bf16 training (JAX's own transpose would multiply the float32 cotangent
+  by the bf16 operand, a mixed-dtype dot XLA:CPU runs slower than float32). ``spec`` ``"A,B->C"``
+  with every index of A and of B in one of the other two terms (a plain contraction)."""
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _mixed_einsum_fwd(spec, a, b):
+  return _mixed_einsum(spec, a, b), (a, b)
+
+
+def _mixed_einsum_bwd(spec, res, g):
+  a, b = res
+  ins, out = spec.split("->")
+  sa, sb = ins.split(",")
+  g = g.astype(a.dtype)
+  da = jnp.einsum(f"{out},{sb}->{sa}", g, b, preferred_element_type=jnp.float32)
+  db = jnp.einsum(f"{sa},{out}->{sb}", a, g, preferred_element_type=jnp.float32)
+  return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_mixed_einsum.defvjp(_mixed_einsum_fwd, _mixed_einsum_bwd)
 
 
 def dense(
@@ -171,6 +228,11 @@ def dense(
   if tuple(wc) != tuple(c):
     raise ValueError(f"dense: x's last {contract} dims {c} do not match w's contracted dims {wc}")
   x2 = x.reshape(math.prod(lead), math.prod(c))
+  if preferred_element_type in (None, jnp.float32) and _mixed_on_cpu(x2, w):
+    # bf16 on XLA:CPU: accumulated in float32 (and rounded back to bf16 unless float32 was asked)
+    w2 = w.reshape(math.prod(out), math.prod(c)) if transpose_w else w.reshape(math.prod(c), math.prod(out))
+    y = _mixed_einsum("tc,oc->to" if transpose_w else "tc,co->to", x2, w2)
+    return y.astype(preferred_element_type or x.dtype).reshape(*lead, *out)
   x2, w = _f32_operands_on_cpu(x2, w, preferred_element_type=preferred_element_type)
   if transpose_w:
     y = jnp.einsum(

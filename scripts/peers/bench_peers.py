@@ -4,6 +4,7 @@
     python scripts/peers/bench_peers.py --workload 150m --rounds 3    # the 158.6M-parameter workload
     PEERS_SMOKE=1 python scripts/peers/bench_peers.py --rounds 1      # seconds-scale check of the plumbing
     python scripts/peers/bench_peers.py --summarise A.jsonl B.jsonl   # tabulate earlier raw results
+    python scripts/peers/bench_peers.py --precision bf16 --tasks sample,iter --impls jaxgrpo,tunix  # mixed precision
 
 Each measurement is its own process (so its peak resident memory, `ru_maxrss`, is its own):
 `worker_jaxgrpo.py` in this environment, `worker_tunix.py` in the Tunix venv, `worker_trl.py` in
@@ -23,6 +24,12 @@ Workloads (``--workload``, passed to every worker as ``PEERS_WORKLOAD``; see `co
 ``20m`` — the random Qwen3 of 20.5M parameters, 16 prompts × 32 tokens, 8 samples each, 128 new
 tokens; ``150m`` — a Qwen3 of 158.6M parameters, 8 prompts × 4 samples × 64 new tokens. Temperature
 1.0, no EOS stop.
+
+Precision (``--precision``, passed to every worker as ``PEERS_PRECISION``): ``fp32`` (the default; the
+workloads are defined in float32) or ``bf16``, each library in its own mixed-precision mode at otherwise the
+same settings: jaxgrpo ``load_hf(dtype=bfloat16, param_dtype=float32)``, Tunix ``ModelConfig(dtype=bfloat16,
+param_dtype=float32)``, TRL ``bf16=True`` (autocast; its sampler under ``torch.autocast``). Results go to
+``peers_bench_<workload>_bf16.md``.
 
 Tasks:
   sample: rollout throughput, generated tokens per second;
@@ -206,8 +213,12 @@ def table(workload: str, smoke: bool, results: list[dict], probes: list[dict], i
   get = s.get
   floor_s = {r: flops["total"] / (g * 1e9) for r, g in gf.items()}
   m = w.model
+  precision = sorted({r.get("precision", "fp32") for r in results})
+  mixed = (
+    " in bf16 mixed precision (each library's own: bf16 compute, float32 parameters)" if "bf16" in precision else ""
+  )
   lines = [
-    f"### Workload {workload}{' (PEERS_SMOKE: not a measurement)' if smoke else ''}: {m.n_params:,}-parameter Qwen3 "
+    f"### Workload {workload}{mixed}{' (PEERS_SMOKE: not a measurement)' if smoke else ''}: {m.n_params:,}-parameter Qwen3 "
     f"(D {m.hidden}, {m.layers} layers, {m.heads}/{m.kv_heads} heads of {m.head_dim}, I {m.intermediate}, "
     f"V {m.vocab}), {w.prompts} prompts × {w.samples} samples × {w.new_tokens} new tokens, micro-batches of "
     f"{w.micro} rows",
@@ -351,6 +362,13 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=1, help="timed repetitions per process")
   ap.add_argument("--tasks", default="sample,iter")
   ap.add_argument("--impls", default=DEFAULT_IMPLS, help="comma-separated; also trl:defaults")
+  ap.add_argument(
+    "--precision",
+    choices=("fp32", "bf16"),
+    default="fp32",
+    help="fp32 (the benchmark's workload) or bf16: each library in its own mixed-precision mode (bf16 compute, "
+    "float32 parameters), passed to the workers as PEERS_PRECISION",
+  )
   ap.add_argument("--model", help="the saved model (default: $PEERS_ROOT/model for 20m, model-150m for 150m)")
   ap.add_argument("--timeout", type=float, default=3600)
   ap.add_argument("--out", help="markdown table (default .peers/out/peers_bench_<workload>.md; raw .jsonl beside)")
@@ -367,7 +385,9 @@ def main(argv=None):
     command(impl, "iter", 1, "")  # fail on an unknown name before anything runs
   smoke = bool(os.environ.get("PEERS_SMOKE"))
   model_dir = args.model or os.path.join(common.peers_root(), common.get_workload(args.workload).model_dir_name)
-  out = args.out or os.path.join(ROOT, ".peers", "out", f"peers_bench_{args.workload}{'_smoke' if smoke else ''}.md")
+  os.environ["PEERS_PRECISION"] = args.precision  # every worker inherits it (common.PRECISION)
+  tag = f"{args.workload}{'_bf16' if args.precision == 'bf16' else ''}{'_smoke' if smoke else ''}"
+  out = args.out or os.path.join(ROOT, ".peers", "out", f"peers_bench_{tag}.md")
   os.makedirs(os.path.dirname(out), exist_ok=True)
   raw = os.path.splitext(out)[0] + ".jsonl"
   records = []
@@ -384,7 +404,7 @@ def main(argv=None):
     commit = git_commit()
 
     def record(res):
-      res.update(workload=args.workload, smoke=smoke, commit=commit)
+      res.update(workload=args.workload, smoke=smoke, commit=commit, precision=args.precision)
       records.append(res)
       with open(raw, "a") as f:
         f.write(json.dumps(res) + "\n")

@@ -141,6 +141,13 @@ BETA, LR, MICRO = (
   WORKLOAD.micro,
 )  # KL coefficient, AdamW learning rate, rows per micro-batch
 CHUNK = WORKLOAD.chunk  # jaxgrpo's log-prob chunk (positions)
+# ``PEERS_PRECISION``: ``fp32`` (the default, every library in float32) or ``bf16`` (each library in its own
+# mixed-precision mode, bf16 compute with float32 parameters: jaxgrpo ``load_hf(dtype=bfloat16,
+# param_dtype=float32)``, Tunix ``ModelConfig(dtype=bfloat16, param_dtype=float32)``, TRL ``bf16=True`` autocast)
+PRECISIONS = ("fp32", "bf16")
+PRECISION = os.environ.get("PEERS_PRECISION", "fp32")
+if PRECISION not in PRECISIONS:
+  raise ValueError(f"PEERS_PRECISION={PRECISION!r}; expected one of {PRECISIONS}")
 
 
 def model_flops(w: Workload) -> dict[str, float]:
@@ -426,6 +433,7 @@ def report(result: dict) -> None:
   end = environment()
   result.update(_RECORD)
   result["workload"] = WORKLOAD.name
+  result["precision"] = PRECISION
   result["smoke"] = bool(os.environ.get("PEERS_SMOKE"))
   result["peak_rss_gb"] = round(peak_rss_gb(), 3)
   result["pid"] = os.getpid()

@@ -2,6 +2,8 @@
 
     python scripts/peers/worker_jaxgrpo.py MODEL_DIR sample|iter REPEATS [grpo|lambda_grpo|frpo]
 
+``PEERS_PRECISION=bf16`` loads the model in mixed precision (bf16 compute, float32 parameters; `DTYPES`).
+
 sample: `jaxgrpo.rollout.sampling.generate` (16 prompts × 8 samples × 128 tokens, temperature 1, no EOS
 stop), one warm-up (compile) then REPEATS timed calls.
 iter: one full GRPO iteration = rollout (as above) + reward (host) + reference log-probs (β=0.04)
@@ -30,6 +32,9 @@ from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import iteration
 from jaxgrpo.step import train
 
+# PEERS_PRECISION (common.PRECISION): bf16 is jaxgrpo's mixed precision, bf16 compute over float32 parameters
+# (float32 accumulation in the head and in every `dense` product on the CPU, float32 AdamW state)
+DTYPES = {"fp32": {}, "bf16": dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)}
 SAMPLING = iteration.SamplingConfig(
   num_samples=common.SAMPLES, max_new_tokens=common.NEW_TOKENS, top_p=1.0, top_k=0, pad_id=0
 )
@@ -43,13 +48,14 @@ def even_token_fraction(prompts, completions):
 def main():
   model_dir, task, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
   t0 = time.perf_counter()
-  model = models.load_hf(model_dir)
+  model = models.load_hf(model_dir, **DTYPES[common.PRECISION])
   load_s = time.perf_counter() - t0
   prompts = jnp.asarray(common.prompt_ids(), jnp.int32)
   pmask = jnp.ones(prompts.shape, bool)
   n_tokens = common.PROMPTS * common.SAMPLES * common.NEW_TOKENS
 
   res = {"impl": "jaxgrpo", "task": task, "load_s": load_s, "jax": jax.__version__}
+  res["compute_dtype"], res["param_dtype"] = str(jnp.dtype(model.dtype)), str(model.embed_tokens[...].dtype)
   if task == "sample":
     t0 = time.perf_counter()
     jax.block_until_ready(iteration.sample(model, prompts, pmask, SAMPLING, key=jax.random.key(0)))

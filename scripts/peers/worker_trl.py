@@ -94,8 +94,17 @@ def grpo_args(output_dir: str, steps: int, name: str):
     dataloader_num_workers=0,
     disable_tqdm=True,
     seed=0,
-    **VARIANTS[name],
+    **precision_args(name),
   )
+
+
+def precision_args(name: str) -> dict:
+  """The variant's GRPOConfig settings; with ``PEERS_PRECISION=bf16`` the ``fair`` variant runs TRL's own
+  mixed precision (``bf16=True``: bf16 autocast on the CPU, float32 weights), nothing else changed."""
+  args = dict(VARIANTS[name])
+  if common.PRECISION == "bf16":
+    args["bf16"] = True
+  return args
 
 
 def make_trainer(model, tok, reward_fn, steps: int, output_dir: str, name: str):
@@ -188,7 +197,8 @@ def main():
     mask = torch.ones_like(ids)
 
     def run(n):
-      with torch.inference_mode():
+      autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=common.PRECISION == "bf16")
+      with torch.inference_mode(), autocast:
         return model.generate(
           input_ids=ids,
           attention_mask=mask,

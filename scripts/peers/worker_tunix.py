@@ -2,6 +2,8 @@
 
     .peers/tunix/bin/python scripts/peers/worker_tunix.py MODEL_DIR sample|iter REPEATS
 
+``PEERS_PRECISION=bf16``: Tunix's Qwen3 with ``dtype=bfloat16, param_dtype=float32`` (`DTYPES`).
+
 The saved HF model of the workload (``PEERS_WORKLOAD``, shape ``common.MODEL``) is loaded with
 Tunix's Qwen3 safetensors loader (`tunix.models.qwen3.params.create_model_from_safe_tensors`) on a
 1×1 mesh whose axes are `AxisType.Auto` (Tunix's Qwen3 needs that). The word-level HF tokenizer is
@@ -36,6 +38,11 @@ CACHE = (
 )  # KV-cache slots: prompt + completion, rounded up to 128
 
 
+# PEERS_PRECISION (common.PRECISION): bf16 is Tunix's mixed precision, ModelConfig(dtype=bfloat16,
+# param_dtype=float32): its einsums take bf16 operands (bf16 results), the parameters stay float32
+DTYPES = {"fp32": {}, "bf16": dict(dtype=jax.numpy.bfloat16, param_dtype=jax.numpy.float32)}
+
+
 def load(model_dir, mesh):
   from tunix.models.qwen3 import model as qwen3_model
   from tunix.models.qwen3 import params as qwen3_params
@@ -52,9 +59,16 @@ def load(model_dir, mesh):
     rope_theta=1_000_000,
     norm_eps=1e-6,
     use_tied_embedding=True,
+    **DTYPES[common.PRECISION],
   )
   with jax.set_mesh(mesh):
     return qwen3_params.create_model_from_safe_tensors(model_dir, cfg, mesh)
+
+
+def nnx_state(model):
+  from flax import nnx
+
+  return nnx.state(model, nnx.Param)
 
 
 def main():
@@ -71,6 +85,8 @@ def main():
     "load_s": time.perf_counter() - t0,
     "tunix": version("google-tunix"),
     "jax": jax.__version__,
+    "compute_dtype": str(jax.numpy.dtype(model.config.dtype)) if hasattr(model, "config") else None,
+    "param_dtype": sorted({str(x.dtype) for x in jax.tree.leaves(nnx_state(model))}),
   }
   texts = common.prompt_texts()
   n_tokens = common.PROMPTS * common.SAMPLES * common.NEW_TOKENS

@@ -1,0 +1,123 @@
+"""Mixed precision on the CPU (``jaxgrpo.models.layers.dense``): bf16 operands run as a native bf16 × bf16 →
+float32 dot, forward and backward, against a NumPy reference of the bf16-rounded operands; float32 operands
+keep the plain float32 dot; the attention einsums that XLA:CPU cannot run in bf16 × bf16 → f32 (they keep the
+float32 upcast) still run in a mixed-precision model's cached prefill, decode and gradient."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgrpo import models
+from jaxgrpo.models.layers import dense, forward_mode_autodiff
+from jaxgrpo.models.log_probs import completion_log_probs
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's dot lowering")
+
+BF16_ULP = 2.0**-8  # relative spacing of bfloat16 (8 significand bits)
+
+
+def _bf16(a):
+  """``a`` rounded to bfloat16, back in float64 (the operand values the dot really multiplies)."""
+  return np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+
+
+def _dot_operand_types(fn, *args) -> list[str]:
+  """The ``(lhs, rhs) -> out`` element types of every dot_general in ``fn``'s lowered StableHLO."""
+  text = jax.jit(fn).lower(*args).as_text()
+  out = []
+  for line in text.splitlines():
+    if "stablehlo.dot_general" in line:
+      out.append(line.rsplit(":", 1)[1].strip())
+  return out
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_bf16_dense_is_a_native_f32_accumulated_dot_forward_and_backward(transpose_w):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 5, 24))
+  w = rng.normal(size=(40, 24) if transpose_w else (24, 40))
+  c = rng.normal(size=(3, 5, 40))  # the cotangent of the float32 output
+  xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  w_cf = _bf16(w).T if transpose_w else _bf16(w)  # [C, O]
+
+  def f(x, w):
+    return dense(x, w, transpose_w=transpose_w, preferred_element_type=jnp.float32)
+
+  y = f(xb, wb)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), _bf16(x) @ w_cf, rtol=1e-5, atol=1e-5)  # f32 accumulation of exact products
+  (dx, dw) = jax.grad(lambda x, w: jnp.sum(f(x, w) * jnp.asarray(c, jnp.float32)), argnums=(0, 1))(xb, wb)
+  assert dx.dtype == dw.dtype == jnp.bfloat16
+  cb = _bf16(c)  # the backward multiplies the cotangent rounded to bf16
+  want_dx = cb @ w_cf.T
+  want_dw = np.einsum("tc,to->co", _bf16(x).reshape(-1, 24), cb.reshape(-1, 40))
+  want_dw = want_dw.T if transpose_w else want_dw
+  for got, want in ((dx, want_dx), (dw, want_dw)):  # one bf16 rounding of the float32 result
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=BF16_ULP, atol=BF16_ULP * np.abs(want).max())
+  # no upcast: every dot of the forward and of the gradient takes bf16 operands and returns float32
+  sigs = _dot_operand_types(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1)), xb, wb)
+  assert len(sigs) == 3, sigs
+  assert all(s.count("bf16>") == 2 and s.endswith("xf32>") for s in sigs), sigs
+
+
+def test_bf16_projection_rounds_the_f32_accumulation_and_f32_operands_keep_the_plain_dot():
+  rng = np.random.default_rng(1)
+  x, w = rng.normal(size=(7, 32)), rng.normal(size=(32, 16))
+  y = dense(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))  # a projection: bf16 out
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float64), _bf16(np.asarray(_bf16(x) @ _bf16(w), np.float32)))
+  x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)  # float32: the same ops as before
+  np.testing.assert_array_equal(np.asarray(dense(x32, w32)), np.asarray(jax.jit(jnp.dot)(x32, w32)))
+  sigs = _dot_operand_types(lambda a, b: dense(a, b), x32, w32)
+  assert len(sigs) == 1 and "bf16" not in sigs[0], sigs
+  with forward_mode_autodiff():  # a custom_vjp has no forward mode: the upcast path there
+    _, t = jax.jvp(
+      lambda a: dense(a, jnp.asarray(w, jnp.bfloat16)),
+      (jnp.asarray(x, jnp.bfloat16),),
+      (jnp.ones((7, 32), jnp.bfloat16),),
+    )
+  np.testing.assert_allclose(np.asarray(t, np.float64), np.ones((7, 32)) @ _bf16(w), rtol=BF16_ULP)
+
+
+def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient():
+  """bf16 compute over float32 parameters: the batched attention einsums (kept upcast) and the native dense dots
+  run together in the cached prefill (keys laid out [B, N, K, T]), a decode step and the log-prob gradient."""
+  cfg = models.Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=64,
+  )
+  f32 = models.build_model(cfg, rngs=nnx.Rngs(0))
+  mixed = models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(1, 64, (2, 12)), jnp.int32)
+  mask = jnp.ones((2, 12), bool)
+
+  def prefill_then_decode(model):
+    cache = model.init_cache(2, 16)
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    h, cache = model(tokens[:, :11], pos[:, :11], attention_mask=mask[:, :11], cache=cache)
+    h2, _ = model(tokens[:, 11:], pos[:, 11:], attention_mask=mask[:, 11:], cache=cache)
+    return model.logits(jnp.concatenate([h, h2], axis=1), out_dtype=jnp.float32)
+
+  got, want = jax.jit(prefill_then_decode)(mixed), jax.jit(prefill_then_decode)(f32)
+  assert np.abs(np.asarray(got) - np.asarray(want)).max() < 0.05 * np.abs(np.asarray(want)).max()
+
+  def loss(model):
+    lp, _ = completion_log_probs(model, tokens[:, :4], mask[:, :4], tokens[:, 4:], mask[:, 4:])
+    return jnp.sum(lp)
+
+  g_mixed = nnx.grad(loss)(mixed)
+  g_f32 = nnx.grad(loss)(f32)
+  a, b = g_mixed["embed_tokens"][...], g_f32["embed_tokens"][...]
+  assert a.dtype == jnp.float32  # the gradient of float32 parameters
+  assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.05 * np.abs(np.asarray(b)).max()
