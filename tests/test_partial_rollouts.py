@@ -395,14 +395,17 @@ def make_flat_countdown(row):
   return Countdown(flat=len(row["problem"]) % 2 == 0)
 
 
-def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path):
+@pytest.mark.parametrize("engine", [None, "test_engines:make_offset_engine"], ids=["builtin", "engine"])
+def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path, engine):
   """Multi-turn partial rollouts (``jaxgrpo.rollout.partial_env``): episodes of 1-3 turns kept across weight
   updates; every policy token's behaviour log-prob equals a teacher-forced recomputation under the version it
   records (and trajectories do span two versions, a turn being one version's); observations are not policy
   tokens; every trained group's trajectories are complete; the ledger trains each drawn prompt once. With dynamic
   sampling: half the environments reward 0 on every turn; their groups are filtered (or filled in at the round
-  limit), counted, never trained as informative."""
+  limit), counted, never trained as informative. ``engine``: every turn through a user's engine (``OffsetEngine``,
+  each turn's ids sent as a prompt; its log-probs, 0.5 nats above the policy's, are μ)."""
   steps = 4
+  offset = 0.0 if engine is None else OFFSET
   cfg = tiny(
     **{
       "env.factory": "test_partial_rollouts:make_flat_countdown",
@@ -417,6 +420,7 @@ def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path)
       "rollout.dynamic_sampling_max_rounds": 2,
       "objective.importance_correction": "tis",
       "optim.learning_rate": 3e-2,
+      **({} if engine is None else {"rollout.engine": engine}),
     }
   )
   tr = Trainer(cfg, log=None)
@@ -446,11 +450,13 @@ def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path)
     crossing += int((spans > 0).sum())
     for v in np.unique(tv[pol]):
       sel = pol & (tv == v)
-      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (n, v)
+      assert np.abs(logp_under(int(v), b.batch) + offset - mu)[sel].max() < 2e-5, (n, v)
       if int(v) + 1 in versions:
-        assert np.abs(logp_under(int(v) + 1, b.batch) - mu)[sel].max() > 1e-3
+        assert np.abs(logp_under(int(v) + 1, b.batch) + offset - mu)[sel].max() > 1e-3
     assert 1.0 <= rec["env/turns"] <= 3.0 and rec["async/staleness_max"] == int(n - 1 - b.versions.min())
   assert crossing > 0  # trajectories did continue under a newer version
+  if engine is not None:  # the engine got each version it sampled with, once
+    assert tr.engine.pushes == sum("engine/push_s" in r for r in recs) >= 2
   ledger = [json.loads(x) for x in open(tmp_path / "p" / async_rollout.LEDGER)]
   trained = [p for r in ledger for p in r["prompts"]]
   assert [r["prompts"] for r in ledger] == [b.prompts.tolist() for b in seen] and len(set(trained)) == len(trained)

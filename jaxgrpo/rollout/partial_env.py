@@ -29,6 +29,7 @@ resume), as for the built-in pool: environments hold state no checkpoint can res
 from __future__ import annotations
 
 import collections
+import time
 
 import jax
 import numpy as np
@@ -79,6 +80,7 @@ class EpisodePool(RowPool):
     if num_slots < self.g:
       raise ValueError(f"`rollout.partial.slots`={num_slots} must hold a group's {self.g} trajectories")
     self.t_max, self.slots, self.refill = self.cfg.max_tokens, num_slots, refill
+    self.generate_s = 0.0  # seconds sampling turns in the last run (the engine's ``engine/generate_s``)
     self.reset()
 
   def reset(self) -> None:
@@ -134,6 +136,7 @@ class EpisodePool(RowPool):
     limit = (sampler or model).config.max_position_embeddings
     info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
     rounds: list = []
+    self.generate_s = 0.0
     turn_key = jax.random.fold_in(key, 1 << 30)  # row keys are not used: distinct from the rounds' keys
     while True:
       short = len(self.complete()) < need
@@ -163,7 +166,7 @@ class EpisodePool(RowPool):
     places = [s for s, r in enumerate(self._slot_rows) if r is not None]
     trs = {s: self._slot_rows[s].trajectory for s in places}
     width = _episodes.context_width(max(len(tr.prompt) for tr in trs.values()), self.cfg, limit)
-    sampled = {}
+    sampled, t0 = {}, time.perf_counter()
     for k, rows_now in _episodes.turn_batches(places, {s: trs[s].stop for s in places}, key):
       sampled.update(
         _episodes.sample_turn(
@@ -178,6 +181,7 @@ class EpisodePool(RowPool):
           engine=engine,
         )
       )
+    self.generate_s += time.perf_counter() - t0
     for s in places:
       tok, mask, lps = sampled[s]
       tr = trs[s]

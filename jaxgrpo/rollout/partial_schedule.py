@@ -222,7 +222,7 @@ class PartialRollouts(AsyncRollouts):
         **every["selection"],
       }
     )
-    if isinstance(self.pool, EnginePool):
+    if self.source.engine is not None:  # EnginePool, or an EpisodePool's turns through the engine
       metrics.update({**self.source._engine_times, "engine/generate_s": self.pool.generate_s})
     self._drawn += rounds
     untrained = every["untrained"]
