@@ -94,7 +94,8 @@ class ClosedLoopNoiseFilter:
 
 class _UnretrievedWriteFilter(logging.Filter):
   """Drops asyncio's ``Task/Future exception was never retrieved`` records about writes into the
-  temporary directory of a checkpoint save under one of ``directories``. When a save fails (a full
+  temporary directory of a checkpoint save under one of ``directories``, and those of an ``OSError`` raised in
+  Orbax's own write code (a full disk detected when a file is closed: the error names no path). When a save fails (a full
   disk), Orbax raises the first write error — reported by ``Checkpointer`` in one line — and
   the sibling writes (and gathers of them) that failed too are logged by asyncio when they are
   collected, at any later time. Every other record passes."""
@@ -105,10 +106,23 @@ class _UnretrievedWriteFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    if not re.match(r"\w+ exception was never retrieved", message):  # Task, Future, _GatheringFuture
+    if not self.directories or not re.match(r"\w+ exception was never retrieved", message):  # Task, Future, ...
       return True
-    text = message + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else "")
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, OSError) and _raised_in_orbax(record.exc_info[2]):
+      return False  # an OS error of Orbax's own file writes (ENOSPC at close names no file)
+    text = message + (str(exc) if exc else "")
     return not any(re.search(re.escape(d) + r"/\d+" + re.escape(ORBAX_TMP_SUFFIX), text) for d in self.directories)
+
+
+def _raised_in_orbax(tb) -> bool:
+  """Whether traceback ``tb`` passes through Orbax's checkpoint code (its path writers)."""
+  marker = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+  while tb is not None:
+    if marker in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 _UNRETRIEVED_WRITES = _UnretrievedWriteFilter()
