@@ -243,10 +243,10 @@ CASES = [
   dict(family="gpt2", tied=True),
   dict(family="llama", tied=False, top_k=20),
   dict(family="qwen2", tied=True, top_p=0.9),
-  # seed 1: adapters drawn from a fixed seed (a CRC of the path; Python's hash() changed them every process) make
-  # the seed-0 model stop early on 7 of its 12 rows (199 tokens compared); seed 1: 288
-  dict(family="qwen3", tied=False, lora=True, seed=1),
-  dict(family="qwen3", tied=True, temperature=0.7, suppress_ids=()),
+  # one qwen3 case for LoRA, another temperature and EOS not suppressed (one engine start fewer in the suite:
+  # measured 288 tokens, max |dlogp| 1.7e-5, greedy 288/288, after the update 15.6 nats from the old policy);
+  # seed 1: the seed-0 adapters (a CRC of the path) made the model stop early (199 tokens compared)
+  dict(family="qwen3", tied=True, lora=True, seed=1, temperature=0.7, suppress_ids=()),
   dict(family="qwen2", tied=False, dtype="bfloat16"),
   # mixtures of experts (issue 35 item 6): the fused-MoE path of vLLM's CPU build, experts through the HF map
   dict(family="qwen3_moe", tied=True, lr=6e-2),  # at 3e-2 its update moved the samples' log-probs 0.95 nats
