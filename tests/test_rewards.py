@@ -361,6 +361,27 @@ def test_math_verify_backend(pred, gold, equal):
   assert R.math_verify_match(pred, gold) is equal
 
 
+def test_plain_integers_are_compared_as_math_verify_compares_them():
+  """Two plain integers skip math-verify (no sympy import, no parse): the verdict must be math-verify's own,
+  computed here by the package itself on the boxed strings."""
+  import random
+
+  import math_verify
+
+  def reference(pred, gold):
+    golds = math_verify.parse(f"$\\boxed{{{gold}}}$", parsing_timeout=None)
+    preds = math_verify.parse(f"$\\boxed{{{pred}}}$", parsing_timeout=None)
+    return any(math_verify.verify(g, p, timeout_seconds=None) for g in golds for p in preds)
+
+  rng = random.Random(0)
+  pairs = [("0", "0"), ("-0", "0"), ("007", "7"), ("+5", "5"), (" 12 ", "12"), ("-5", "5"), ("10", "100")]
+  pairs += [("123456789012345678901234567890", "123456789012345678901234567890")]
+  for _ in range(100):
+    a = rng.randint(-(10**6), 10**6)
+    pairs.append((str(a), str(a if rng.random() < 0.5 else a + rng.choice([-1, 1, 10]))))
+  assert [R.math_verify_match(p, g) for p, g in pairs] == [reference(p, g) for p, g in pairs]
+
+
 @pytest.mark.subprocess
 def test_math_verify_and_builtin_agree_on_the_table_through_the_worker():
   comps, golds = [c for c, _, _ in TABLE], [g for _, g, _ in TABLE]
@@ -393,15 +414,15 @@ def test_math_verify_errors_and_timeouts_are_reported(monkeypatch):
 
   monkeypatch.setattr(math_verify, "verify", broken)
   with pytest.raises(RuntimeError, match="sympy exploded"):
-    R.math_verify_match("1", "1")
+    R.math_verify_match("1.5", "1.5")
   acc = R.MathAccuracy(backend="math_verify", timeout_s=None)
   with pytest.raises(R.SampleErrors, match="sympy exploded"):
-    acc(["p"], ["\\boxed{1}"], answer=["1"])
+    acc(["p"], ["\\boxed{1.5}"], answer=["1.5"])
   rs = R.RewardSet({"accuracy": acc})
   with pytest.raises(R.RewardError, match=r"sample 0: verifier error RuntimeError: sympy exploded"):
-    rs(["p"], ["\\boxed{1}"], {"answer": ["1"]})
+    rs(["p"], ["\\boxed{1.5}"], {"answer": ["1.5"]})
   zero = R.MathAccuracy(backend="math_verify", timeout_s=None, on_error="zero")
-  assert zero(["p"], ["\\boxed{1}"], answer=["1"]) == [0.0]
+  assert zero(["p"], ["\\boxed{1.5}"], answer=["1.5"]) == [0.0]
   assert zero.pop_counters() == {"verifier_errors": 1}
 
   def slow(*a, **k):
@@ -409,8 +430,8 @@ def test_math_verify_errors_and_timeouts_are_reported(monkeypatch):
 
   monkeypatch.setattr(math_verify, "verify", slow)
   with pytest.raises(TimeoutError):
-    R.math_verify_match("1", "1")
-  res = R.RewardSet({"accuracy": acc})(["p"], ["\\boxed{1}"], {"answer": ["1"]})  # a timeout never raises
+    R.math_verify_match("1.5", "1.5")
+  res = R.RewardSet({"accuracy": acc})(["p"], ["\\boxed{1.5}"], {"answer": ["1.5"]})  # a timeout never raises
   assert res.per_fn["accuracy"].tolist() == [0.0] and res.counters == {"accuracy/timeouts": 1}
 
 
