@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo.models import Qwen3Config
 from jaxgrpo.step import train
 
 __all__ = [
@@ -140,3 +141,19 @@ def grpo_batch(rng, b: int, g: int, p: int, t: int, vocab: int):
   rewards = rng.integers(0, 2, b).astype(np.float32)
   gids = np.repeat(np.arange(b // g), g).astype(np.int32)
   return train.Batch(prompts, np.ones((b, p), bool), comp, mask, old, gids, rewards, old + 0.01)
+
+
+def qwen3_config(shape, tokens: int) -> Qwen3Config:
+  """The tied-embedding Qwen3 of a peers workload's ``ModelShape`` (``scripts/peers/common.py``: vocab, hidden,
+  layers, heads, kv_heads, head_dim, intermediate), with positions for ``tokens`` (prompt + new; at least 512)."""
+  return Qwen3Config(
+    vocab_size=shape.vocab,
+    hidden_size=shape.hidden,
+    num_layers=shape.layers,
+    num_heads=shape.heads,
+    num_kv_heads=shape.kv_heads,
+    head_dim=shape.head_dim,
+    intermediate_size=shape.intermediate,
+    tie_word_embeddings=True,
+    max_position_embeddings=max(512, tokens),
+  )

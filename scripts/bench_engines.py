@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 
 import jaxgrpo
-from jaxgrpo.models import Qwen3Config, build_model, save_hf
+from jaxgrpo.models import build_model, save_hf
 from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines import BuiltinEngine
 from jaxgrpo.rollout.engines.vllm import VLLMEngine  # imports vLLM only when an engine starts
@@ -65,19 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_model(w):
-  m = w.model
-  cfg = Qwen3Config(
-    vocab_size=m.vocab,
-    hidden_size=m.hidden,
-    num_layers=m.layers,
-    num_heads=m.heads,
-    num_kv_heads=m.kv_heads,
-    head_dim=m.head_dim,
-    intermediate_size=m.intermediate,
-    tie_word_embeddings=True,
-    max_position_embeddings=max(512, w.prompt_len + w.new_tokens),
-  )
-  return build_model(cfg, rngs=nnx.Rngs(0))
+  return build_model(_bench.qwen3_config(w.model, w.prompt_len + w.new_tokens), rngs=nnx.Rngs(0))
 
 
 def sampler_settings(w) -> SamplingConfig:

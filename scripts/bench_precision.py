@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import _bench  # noqa: E402
 import common  # noqa: E402
 
 from jaxgrpo import models  # noqa: E402
@@ -55,18 +56,7 @@ PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
 
 def build(precision: str, seed: int):
   """The workload's random Qwen3 in ``precision`` (same float32 weights for every precision)."""
-  m = common.MODEL
-  cfg = models.Qwen3Config(
-    vocab_size=m.vocab,
-    hidden_size=m.hidden,
-    num_layers=m.layers,
-    num_heads=m.heads,
-    num_kv_heads=m.kv_heads,
-    head_dim=m.head_dim,
-    intermediate_size=m.intermediate,
-    tie_word_embeddings=True,
-    max_position_embeddings=max(512, common.PROMPT_LEN + common.NEW_TOKENS),
-  )
+  cfg = _bench.qwen3_config(common.MODEL, common.PROMPT_LEN + common.NEW_TOKENS)
   dtype, param_dtype = VARIANTS[precision]
   return models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
 
