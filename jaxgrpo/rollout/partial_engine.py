@@ -38,6 +38,7 @@ import time
 import jax
 import numpy as np
 
+from jaxgrpo.data import pad_left
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout.partial import RowPool
 from jaxgrpo.rollout.sampling import SamplingConfig
@@ -85,11 +86,8 @@ class EnginePool(RowPool):
     if getattr(engine, "static_shapes", False) is True:  # few shapes: few compiled programs
       width = _conversation._bucket_width(width, self.prompt_len + self.t_max - n)
       count = min(self.slots, 1 << (count - 1).bit_length())
-    tokens = np.full((count, width), self.engine_sampling.pad_id, np.int32)
-    mask = np.zeros((count, width), bool)
-    for i in range(count):
-      c = contexts[i if i < len(rows) else 0]
-      tokens[i, width - len(c) :], mask[i, width - len(c) :] = c, True  # left-padded
+    contexts += [contexts[0]] * (count - len(rows))  # padding rows: copies of the first, their output discarded
+    tokens, mask = pad_left(contexts, width, self.engine_sampling.pad_id)
     sampling = dataclasses.replace(self.engine_sampling, num_samples=1, max_new_tokens=n)
     key = jax.random.fold_in(self._key, self._calls)
     self._calls += 1

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from jaxgrpo.data import pad_left
 from jaxgrpo.rollout.conversation import ConversationSampler
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
@@ -235,16 +236,6 @@ def _stop_ids(tokenizer, eos_ids: Sequence[int], stop_at_tool_call: bool) -> tup
 
 def _bucket_rows(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
-
-
-def _left_pad(seqs: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  tokens = np.full((len(seqs), width), pad_id, np.int32)
-  mask = np.zeros((len(seqs), width), bool)
-  for i, s in enumerate(seqs):
-    if s:
-      tokens[i, width - len(s) :] = s
-      mask[i, width - len(s) :] = True
-  return tokens, mask
 
 
 def _turn_text(env, tokenizer, ids: Sequence[int]) -> str:
@@ -492,7 +483,7 @@ def sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, *, te
   discarded); sampled by ``generate`` on ``model`` or by ``engine``. Returns ``{i: (tokens, mask, log-probs)}``
   (NumPy rows of ``per_turn``)."""
   rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
-  ctx, ctx_mask = _left_pad([trs[i].prompt + trs[i].tokens for i in rows_padded], width, sampling.pad_id)
+  ctx, ctx_mask = pad_left([trs[i].prompt + trs[i].tokens for i in rows_padded], width, sampling.pad_id)
   turn_sampling = dataclasses.replace(
     sampling,
     num_samples=1,
@@ -513,7 +504,7 @@ def assemble(trs: Sequence[Trajectory], g: int, t_max: int, pad_id: int) -> Mult
   """The :class:`MultiTurnRollout` of trajectories ``trs`` (G per group, in group order; right-padded to
   ``t_max``); a metric absent from a trajectory is 0 there."""
   n = len(trs)
-  p_tok, p_mask = _left_pad([tr.prompt for tr in trs], max(len(tr.prompt) for tr in trs), pad_id)
+  p_tok, p_mask = pad_left([tr.prompt for tr in trs], max(len(tr.prompt) for tr in trs), pad_id)
   comp = np.full((n, t_max), pad_id, np.int32)
   mask, pmask = np.zeros((n, t_max), bool), np.zeros((n, t_max), bool)
   lp = np.zeros((n, t_max), np.float32)
