@@ -28,7 +28,6 @@ resume), as for the built-in pool: environments hold state no checkpoint can res
 
 from __future__ import annotations
 
-import collections
 import time
 
 import jax
@@ -82,15 +81,6 @@ class EpisodePool(RowPool):
     self.t_max, self.slots, self.refill = self.cfg.max_tokens, num_slots, refill
     self.generate_s = 0.0  # seconds sampling turns in the last run (the engine's ``engine/generate_s``)
     self.reset()
-
-  def reset(self) -> None:
-    """Empties the pool (places, queue, groups; their environments are let go)."""
-    self._slot_rows: list[_Place | None] = [None] * self.slots
-    self._queue: collections.deque[_Place] = collections.deque()
-    self.groups: dict[int, PoolGroup] = {}
-    self._seq = 0
-    self._version = None
-    self._stop = np.zeros(self.slots, bool)
 
   def add_round(self, prompts, key) -> None:
     """Queues the G trajectories of each prompt index of ``prompts`` (a drawing round)."""
