@@ -1,7 +1,9 @@
 """Mixed precision on the CPU (``jaxgrpo.models.layers.dense``): bf16 operands run as a native bf16 × bf16 →
-float32 dot, forward and backward, against a NumPy reference of the bf16-rounded operands; float32 operands
-keep the plain float32 dot; the attention einsums that XLA:CPU cannot run in bf16 × bf16 → f32 (they keep the
-float32 upcast) still run in a mixed-precision model's cached prefill, decode and gradient."""
+float32 dot, forward and backward, against a NumPy reference of the bf16-rounded operands (``cpu_bf16_dots
+("native")``, the default where AMX is granted), or as float32 products of the same operands (``"float32"``, the
+default without AMX: scripts/no_amx.py's test checks the choice); float32 operands keep the plain float32 dot; the
+attention einsums that XLA:CPU cannot run in bf16 × bf16 → f32 (they keep the float32 upcast) still run in a
+mixed-precision model's cached prefill, decode and gradient, with either kind of dense product."""
 
 from __future__ import annotations
 
@@ -12,10 +14,17 @@ import pytest
 from flax import nnx
 
 from jaxgrpo import models
-from jaxgrpo.models.layers import dense, forward_mode_autodiff
+from jaxgrpo.models.layers import cpu_bf16_dots, dense, forward_mode_autodiff
 from jaxgrpo.models.log_probs import completion_log_probs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's dot lowering")
+
+
+@pytest.fixture
+def native():
+  with cpu_bf16_dots("native"):  # whatever this CPU's default
+    yield
+
 
 BF16_ULP = 2.0**-8  # relative spacing of bfloat16 (8 significand bits)
 
@@ -36,7 +45,7 @@ def _dot_operand_types(fn, *args) -> list[str]:
 
 
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_bf16_dense_is_a_native_f32_accumulated_dot_forward_and_backward(transpose_w):
+def test_bf16_dense_is_a_native_f32_accumulated_dot_forward_and_backward(native, transpose_w):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(3, 5, 24))
   w = rng.normal(size=(40, 24) if transpose_w else (24, 40))
@@ -64,7 +73,7 @@ def test_bf16_dense_is_a_native_f32_accumulated_dot_forward_and_backward(transpo
   assert all(s.count("bf16>") == 2 and s.endswith("xf32>") for s in sigs), sigs
 
 
-def test_bf16_projection_rounds_the_f32_accumulation_and_f32_operands_keep_the_plain_dot():
+def test_bf16_projection_rounds_the_f32_accumulation_and_f32_operands_keep_the_plain_dot(native):
   rng = np.random.default_rng(1)
   x, w = rng.normal(size=(7, 32)), rng.normal(size=(32, 16))
   y = dense(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))  # a projection: bf16 out
@@ -83,7 +92,41 @@ def test_bf16_projection_rounds_the_f32_accumulation_and_f32_operands_keep_the_p
   np.testing.assert_allclose(np.asarray(t, np.float64), np.ones((7, 32)) @ _bf16(w), rtol=BF16_ULP)
 
 
-def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient():
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_float32_products_of_bf16_operands_forward_and_backward(transpose_w):
+  """``cpu_bf16_dots("float32")`` (the default without AMX): every dot of the forward and the gradient takes
+  float32 operands; the values are the native path's (exact products, float32 sums, one rounding to bf16)."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(3, 5, 24))
+  w = rng.normal(size=(40, 24) if transpose_w else (24, 40))
+  c = rng.normal(size=(3, 5, 40))
+  xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  w_cf = _bf16(w).T if transpose_w else _bf16(w)
+  with cpu_bf16_dots("float32"):
+
+    def f(x, w, out=jnp.float32):
+      return dense(x, w, transpose_w=transpose_w, preferred_element_type=out)
+
+    y, proj = f(xb, wb), f(xb, wb, None)
+    assert y.dtype == jnp.float32 and proj.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y), _bf16(x) @ w_cf, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(proj, np.float64), _bf16(x) @ w_cf, rtol=BF16_ULP, atol=1e-5)
+    (dx, dw) = jax.grad(lambda x, w: jnp.sum(f(x, w) * jnp.asarray(c, jnp.float32)), argnums=(0, 1))(xb, wb)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    want_dx = c @ w_cf.T  # the float32 cotangent: not rounded to bf16 on this path
+    want_dw = np.einsum("tc,to->co", _bf16(x).reshape(-1, 24), c.reshape(-1, 40))
+    want_dw = want_dw.T if transpose_w else want_dw
+    for got, want in ((dx, want_dx), (dw, want_dw)):
+      np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=BF16_ULP, atol=BF16_ULP * np.abs(want).max())
+    sigs = _dot_operand_types(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1)), xb, wb)
+    assert len(sigs) == 3 and not any("bf16" in s for s in sigs), sigs
+  with pytest.raises(ValueError, match=r"mode must be one of \('auto', 'native', 'float32'\); got 'fp32'"):
+    with cpu_bf16_dots("fp32"):
+      pass
+
+
+@pytest.mark.parametrize("mode", ["native", "float32"])
+def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
   """bf16 compute over float32 parameters: the batched attention einsums (kept upcast) and the native dense dots
   run together in the cached prefill (keys laid out [B, N, K, T]), a decode step and the log-prob gradient."""
   cfg = models.Qwen3Config(
@@ -109,15 +152,17 @@ def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient():
     h2, _ = model(tokens[:, 11:], pos[:, 11:], attention_mask=mask[:, 11:], cache=cache)
     return model.logits(jnp.concatenate([h, h2], axis=1), out_dtype=jnp.float32)
 
-  got, want = jax.jit(prefill_then_decode)(mixed), jax.jit(prefill_then_decode)(f32)
+  with cpu_bf16_dots(mode):
+    got, want = jax.jit(prefill_then_decode)(mixed), jax.jit(prefill_then_decode)(f32)
   assert np.abs(np.asarray(got) - np.asarray(want)).max() < 0.05 * np.abs(np.asarray(want)).max()
 
   def loss(model):
     lp, _ = completion_log_probs(model, tokens[:, :4], mask[:, :4], tokens[:, 4:], mask[:, 4:])
     return jnp.sum(lp)
 
-  g_mixed = nnx.grad(loss)(mixed)
-  g_f32 = nnx.grad(loss)(f32)
+  with cpu_bf16_dots(mode):
+    g_mixed = nnx.grad(loss)(mixed)
+    g_f32 = nnx.grad(loss)(f32)
   a, b = g_mixed["embed_tokens"][...], g_f32["embed_tokens"][...]
   assert a.dtype == jnp.float32  # the gradient of float32 parameters
   assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.05 * np.abs(np.asarray(b)).max()

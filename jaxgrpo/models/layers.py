@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import functools
 import math
+import platform
+import sys
 from typing import Any, Iterator, Mapping, NamedTuple
 
 import jax
@@ -87,6 +90,8 @@ def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
 
 
 _FORWARD_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgrpo_forward_mode", default=False)
+_CPU_BF16_DOTS: contextvars.ContextVar[str] = contextvars.ContextVar("jaxgrpo_cpu_bf16_dots", default="auto")
+CPU_BF16_DOTS = ("auto", "native", "float32")
 _LAYER_INDEX: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("jaxgrpo_layer_index", default=None)
 
 
@@ -123,6 +128,48 @@ def forward_mode_autodiff(enabled: bool = True) -> Iterator[None]:
     _FORWARD_MODE.reset(token)
 
 
+@contextlib.contextmanager
+def cpu_bf16_dots(mode: str) -> Iterator[None]:
+  """How the bfloat16 products of :func:`dense` run on XLA:CPU while models are traced inside the block:
+
+  - ``"native"``: bf16 operands, float32 accumulation (:func:`_mixed_einsum`, forward and backward);
+  - ``"float32"``: the operands cast to float32 first, the product in float32, the result rounded back to the
+    activation dtype (the same exact products and float32 accumulation, another summation order);
+  - ``"auto"`` (the default): ``"native"`` where the process may use Intel AMX (:func:`amx_granted`), else
+    ``"float32"``. Measured on the 20m GRPO iteration (``scripts/bench_precision.py``, BENCHMARKS.md "Mixed
+    precision without AMX"): native bf16 is 1.50x faster than float32 with AMX and 1.47x slower without it
+    (the same Intel Xeon refused AMX by ``scripts/no_amx.py``: avx512_bf16 only).
+
+  Accelerators are not affected (their bf16 matmul is native). Read at trace time, like
+  :func:`forward_mode_autodiff`."""
+  if mode not in CPU_BF16_DOTS:
+    raise ValueError(f"cpu_bf16_dots: mode must be one of {CPU_BF16_DOTS}; got {mode!r}")
+  token = _CPU_BF16_DOTS.set(mode)
+  try:
+    yield
+  finally:
+    _CPU_BF16_DOTS.reset(token)
+
+
+@functools.cache
+def amx_granted() -> bool:
+  """Whether this process may use Intel AMX: Linux on x86-64 grants the tile state on request
+  (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, which XLA:CPU's kernels make themselves before using
+  it); False on another CPU or OS, a kernel without AMX, or a process refused it (``scripts/no_amx.py``)."""
+  if sys.platform != "linux" or platform.machine() != "x86_64":
+    return False
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  except (OSError, AttributeError):
+    return False
+
+
+def _native_bf16_dots() -> bool:
+  mode = _CPU_BF16_DOTS.get()
+  return amx_granted() if mode == "auto" else mode == "native"
+
+
 def forward_mode_active() -> bool:
   """Whether :func:`forward_mode_autodiff` is in effect (at trace time)."""
   return _FORWARD_MODE.get()
@@ -154,7 +201,8 @@ def _mixed_on_cpu(*xs) -> bool:
   ``custom_vjp`` has no forward mode) and outside ``jax.shard_map`` regions where an operand varies
   over a mesh axis (the hand-written backward does not sum weight gradients over them).
 
-  Chosen by backend, dtype and layout, not by CPU model. XLA:CPU (jax 0.10.2) hands a bf16 × bf16 →
+  Chosen by backend, dtype and layout; whether the products then take bf16 or float32 operands by
+  :func:`cpu_bf16_dots` (AMX or not). XLA:CPU (jax 0.10.2) hands a bf16 × bf16 →
   f32 dot to its YNNPACK fusion, which picks the CPU's bf16 kernel at run time; a dot YNNPACK declines
   falls to XLA's own DotThunk, which has no bf16 × bf16 → f32 kernel ("Unsupported element type for
   DotThunk::Execute: BF16 x BF16 = F32", raised when the program runs). The 2-D products of ``dense``
@@ -229,9 +277,14 @@ def dense(
     raise ValueError(f"dense: x's last {contract} dims {c} do not match w's contracted dims {wc}")
   x2 = x.reshape(math.prod(lead), math.prod(c))
   if preferred_element_type in (None, jnp.float32) and _mixed_on_cpu(x2, w):
-    # bf16 on XLA:CPU: accumulated in float32 (and rounded back to bf16 unless float32 was asked)
+    # bf16 on XLA:CPU: accumulated in float32 (and rounded back to bf16 unless float32 was asked); the products
+    # with bf16 operands where they are fast (cpu_bf16_dots), else in float32
     w2 = w.reshape(math.prod(out), math.prod(c)) if transpose_w else w.reshape(math.prod(c), math.prod(out))
-    y = _mixed_einsum("tc,oc->to" if transpose_w else "tc,co->to", x2, w2)
+    spec = "tc,oc->to" if transpose_w else "tc,co->to"
+    if _native_bf16_dots():
+      y = _mixed_einsum(spec, x2, w2)
+    else:
+      y = jnp.einsum(spec, x2.astype(jnp.float32), w2.astype(jnp.float32))
     return y.astype(preferred_element_type or x.dtype).reshape(*lead, *out)
   x2, w = _f32_operands_on_cpu(x2, w, preferred_element_type=preferred_element_type)
   if transpose_w:
