@@ -10,7 +10,10 @@ instruction faults, so every library that uses AMX (XLA:CPU's oneDNN / XNNPACK k
 falls back to AVX-512 when refused. This script installs a seccomp filter that answers that request with EPERM
 (all other system calls pass), then ``exec``s the command; the filter is inherited by every child and cannot be
 lifted. What it emulates is the instruction set only (avx512_bf16 stays): caches, memory bandwidth and clocks are
-still this machine's, so a figure measured under it is "this CPU without AMX", not another CPU.
+still this machine's, so a figure measured under it is "this CPU without AMX", not another CPU. Software that looks
+at CPUID alone and uses AMX without asking is killed by SIGILL under it: vLLM's CPU build (its own bf16 kernels) is,
+so the vLLM tests cannot run through this script (the whole suite otherwise passes under it: the dense layers'
+float32-product path, ``jaxgrpo.models.layers.cpu_bf16_dots``).
 
 Measured on the Intel Xeon here (a 512×1024 by 1024×1024 ``jnp.dot``, bfloat16 operands, float32 result): 1543
 GFLOP/s with AMX, 225 without; float32 371 and 377 (BENCHMARKS.md, "Mixed precision without AMX").
