@@ -33,28 +33,19 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxgrpo.models import Qwen3Config, build_model, lora
+from jaxgrpo.models import build_model, lora
 from jaxgrpo.rollout.engines.vllm import VLLMEngine
 from jaxgrpo.rollout.sampling import SamplingConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "peers"))  # scripts/peers/common.py
+import _bench  # noqa: E402  (scripts/_bench.py: this script's directory is on sys.path)
 import common  # noqa: E402
 
 
 def policy(shape, rank: int, seed: int = 0):
   """The workload's random Qwen3 (tied, float32) with rank-``rank`` adapters on every projection, B random."""
-  cfg = Qwen3Config(
-    vocab_size=shape.vocab,
-    hidden_size=shape.hidden,
-    num_layers=shape.layers,
-    num_heads=shape.heads,
-    num_kv_heads=shape.kv_heads,
-    head_dim=shape.head_dim,
-    intermediate_size=shape.intermediate,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-  )
+  cfg = _bench.qwen3_config(shape, 512)
   model = build_model(cfg, rngs=nnx.Rngs(seed))
   lora.apply_lora(model, lora.LoRAConfig(rank=rank, alpha=2.0 * rank), key=jax.random.key(seed + 1))
   for i, (_path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):

@@ -13,7 +13,8 @@ lifted. What it emulates is the instruction set only (avx512_bf16 stays): caches
 still this machine's, so a figure measured under it is "this CPU without AMX", not another CPU. Software that looks
 at CPUID alone and uses AMX without asking is killed by SIGILL under it: vLLM's CPU build (its own bf16 kernels) is,
 so the vLLM tests cannot run through this script (the whole suite otherwise passes under it: the dense layers'
-float32-product path, ``jaxgrpo.models.layers.cpu_bf16_dots``).
+float32-product path, ``jaxgrpo.models.layers.cpu_bf16_dots``). ``jaxgrpo.models.layers.amx_request()`` makes the
+request itself: EPERM under this script.
 
 Measured on the Intel Xeon here (a 512×1024 by 1024×1024 ``jnp.dot``, bfloat16 operands, float32 result): 1543
 GFLOP/s with AMX, 225 without; float32 371 and 377 (BENCHMARKS.md, "Mixed precision without AMX").
@@ -30,7 +31,6 @@ import struct
 import sys
 
 ARCH_REQ_XCOMP_PERM = 0x1023  # arch/x86/include/uapi/asm/prctl.h
-XFEATURE_XTILEDATA = 18
 _NR_ARCH_PRCTL = 158  # x86-64
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
@@ -76,20 +76,11 @@ def deny_amx() -> None:
     raise SystemExit(f"error: installing the seccomp filter failed: {os.strerror(ctypes.get_errno())}")
 
 
-def amx_request() -> int:
-  """``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`` in this process: 0 when AMX is granted, else the
-  errno (EPERM under :func:`deny_amx`; another value on a CPU or kernel without AMX)."""
-  libc = ctypes.CDLL(None, use_errno=True)
-  rc = libc.syscall(_NR_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-  return 0 if rc == 0 else ctypes.get_errno()
-
-
 def main(argv: list[str]) -> None:
   if not argv or argv[0] in ("-h", "--help"):
     print(__doc__)
     raise SystemExit(0 if argv else 2)
   deny_amx()
-  os.environ["JAXGRPO_UNDER_NO_AMX"] = "1"  # for tests/test_no_amx.py, when a whole suite runs under it
   try:
     os.execvp(argv[0], argv)
   except OSError as e:

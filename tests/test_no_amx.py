@@ -13,6 +13,8 @@ import sys
 import pytest
 from helpers import ROOT, child_env
 
+from jaxgrpo.models import layers
+
 SCRIPT = os.path.join(ROOT, "scripts", "no_amx.py")
 pytestmark = [
   pytest.mark.subprocess,
@@ -20,11 +22,9 @@ pytestmark = [
 ]
 
 _PROBE = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-import no_amx
 import jax, jax.numpy as jnp, numpy as np
-print("request", no_amx.amx_request())
+from jaxgrpo.models import layers
+print("request", layers.amx_request())
 rng = np.random.default_rng(0)
 a = rng.integers(-8, 8, (64, 256)).astype(np.float32)  # small integers: exact in bfloat16, exact sums in float32
 b = rng.integers(-8, 8, (256, 128)).astype(np.float32)
@@ -32,13 +32,12 @@ y = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))(
   jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
 )
 print("exact", bool(np.array_equal(np.asarray(y), a @ b)))
-from jaxgrpo.models import layers
 print("native", layers._native_bf16_dots())  # cpu_bf16_dots "auto": bf16 products only where AMX is granted
 """
 
 
 def _probe(*launcher):
-  cmd = [*launcher, sys.executable, "-c", _PROBE, os.path.join(ROOT, "scripts")]
+  cmd = [*launcher, sys.executable, "-c", _PROBE]
   r = subprocess.run(cmd, env=child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert r.returncode == 0, r.stderr[-3000:]
   return dict(line.split() for line in r.stdout.splitlines() if line.startswith(("request", "exact", "native")))
@@ -51,7 +50,7 @@ def test_a_command_through_no_amx_is_refused_amx_and_still_computes_bf16_dots():
   # without the filter the kernel decides: granted (0) on a CPU with AMX, another errno without it; the dense
   # layers' bf16 products follow (jaxgrpo.models.layers.cpu_bf16_dots "auto")
   assert plain["exact"] == "True" and plain["native"] == str(plain["request"] == "0"), plain
-  if os.environ.get("JAXGRPO_UNDER_NO_AMX") != "1":  # the suite itself run through no_amx.py: refused too
+  if layers.amx_request() != errno.EPERM:  # unless this suite itself runs through no_amx.py (refused too)
     assert plain["request"] != str(errno.EPERM), plain
 
 

@@ -244,8 +244,10 @@ def test_short_demo_run_raises_reward(tmp_path):
     "--no-plot",
     "--no-progress",
   ]
-  r = subprocess.run(cmd, env=cli_env(xla_flags=RUN_XLA_FLAGS), capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert r.returncode == 0, r.stderr[-5000:]
+  proc = subprocess.run(
+    cmd, env=cli_env(xla_flags=RUN_XLA_FLAGS), capture_output=True, text=True, timeout=600, cwd=ROOT
+  )
+  assert proc.returncode == 0, proc.stderr[-5000:]
   recs = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
   r = [x["reward_mean"] for x in recs if "reward_mean" in x]
   ev = [x["eval_accuracy"] for x in recs if "eval_accuracy" in x]

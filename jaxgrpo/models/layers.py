@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import errno
 import functools
 import math
 import platform
@@ -151,18 +152,23 @@ def cpu_bf16_dots(mode: str) -> Iterator[None]:
     _CPU_BF16_DOTS.reset(token)
 
 
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # Linux x86-64 (asm/prctl.h)
+
+
+def amx_request() -> int:
+  """Linux's AMX permission request in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, which
+  XLA:CPU's kernels make themselves before using AMX): 0 when granted, else its errno (EPERM in a process refused it
+  by ``scripts/no_amx.py``; EINVAL or another value on a CPU or kernel without AMX); ENOSYS off Linux x86-64."""
+  if sys.platform != "linux" or platform.machine() != "x86_64":
+    return errno.ENOSYS
+  libc = ctypes.CDLL(None, use_errno=True)
+  return 0 if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0 else ctypes.get_errno()
+
+
 @functools.cache
 def amx_granted() -> bool:
-  """Whether this process may use Intel AMX: Linux on x86-64 grants the tile state on request
-  (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, which XLA:CPU's kernels make themselves before using
-  it); False on another CPU or OS, a kernel without AMX, or a process refused it (``scripts/no_amx.py``)."""
-  if sys.platform != "linux" or platform.machine() != "x86_64":
-    return False
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  except (OSError, AttributeError):
-    return False
+  """Whether this process may use Intel AMX (:func:`amx_request` succeeds); asked once per process."""
+  return amx_request() == 0
 
 
 def _native_bf16_dots() -> bool:
