@@ -17,9 +17,11 @@ from jaxgrpo import models as _models
 from jaxgrpo.rollout.sampling import (
   _check_top_k,
   _check_top_p,
+  _decode_logits,
   _draw,
   _suppressed_ids,
   _suppressed_mask,
+  _write_token,
   check_sampling,
 )
 
@@ -267,16 +269,11 @@ def _conversation_turn_jit(
     return jnp.stack(per_key)[key_index, draw_index]
 
   def record(t, logits, carry):
-    tokens, logps, lengths, done = carry
     token, logp = _draw(
       logits, lambda: uniforms(t), temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed
     )
-    token = jnp.where(done, pad_id, token)
-    logp = jnp.where(done, 0.0, logp)
-    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
-    logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
-    lengths = lengths + (~done).astype(jnp.int32)
-    done = done | jnp.any(token[:, None] == stop_table, axis=-1) | (lengths >= budget)
+    tokens, logps, lengths, token = _write_token(t, token, logp, carry, pad_id)
+    done = carry[3] | jnp.any(token[:, None] == stop_table, axis=-1) | (lengths >= budget)
     return tokens, logps, lengths, done, token
 
   buffers = (
@@ -294,8 +291,7 @@ def _conversation_turn_jit(
   def body(loop_carry):
     t, cache, last_token, buffers = loop_carry
     done = buffers[3]
-    hidden, cache = model(last_token[:, None], (start_pos + t - 1)[:, None], attention_mask=~done[:, None], cache=cache)
-    logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)
+    logits, cache = _decode_logits(model, last_token, start_pos + t - 1, ~done, cache)
     *buffers, last_token = record(t, logits, buffers)
     return t + 1, cache, last_token, tuple(buffers)
 

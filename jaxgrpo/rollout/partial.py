@@ -280,7 +280,7 @@ class RowPool:
       if not short and not overdue:
         break
       # rows started under another version: their contexts re-prefilled with these weights first
-      readmit = [] if version == self._version else [s for s, r in enumerate(self._slot_rows) if r is not None]
+      readmit = [] if version == self._version else self._readmitted()
       self._version = version
       info["reprefilled"] += len(readmit)
       info["finishing_boundaries"] += not short
@@ -289,13 +289,20 @@ class RowPool:
       if self.refill or len(free) == self.slots:
         may_start = lambda: max_staleness is None or self.may_start(version, batch, max_staleness, need)
         admit += self._next_rows(free, None if short else overdue, draw, key, rounds, may_start)
-      if not admit and self.running() == 0:
-        raise RuntimeError(f"RowPool: {len(self.complete())} of {need} groups complete and nothing left to decode")
+      if self.running() == 0:
+        raise RuntimeError(
+          f"{type(self).__name__}: {len(self.complete())} of {need} groups complete and nothing left to decode"
+        )
       self._boundary(decoder, sorted(admit), version, prompt_tokens)
       info["boundaries"] += 1
       if info["boundaries"] == 1 and on_dispatched is not None:
         on_dispatched()
     return info
+
+  def _readmitted(self) -> list[int]:
+    """The slots whose rows are re-prefilled when the version changes (here every running row: its KV cache
+    was computed with the old weights); :meth:`run` counts them as ``reprefilled``."""
+    return [s for s, r in enumerate(self._slot_rows) if r is not None]
 
   def _prepare(self, model, version: int, key):
     """What :meth:`_boundary` decodes with in this :meth:`run` (here ``(graphdef, state)`` of ``model``; the
@@ -412,12 +419,6 @@ def _drawer(model, *, temperature, top_p, top_k, suppress_ids):
   return draw
 
 
-def _ends(token, eos_ids):
-  if not eos_ids:
-    return jnp.zeros(token.shape, bool)
-  return jnp.any(token[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
-
-
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=_ADMIT_STATIC, donate_argnums=(2,))
 def _admit_jit(
   graphdef,
@@ -461,7 +462,7 @@ def _admit_jit(
   out_tok = put(out_tok, row_tok.at[at, start_t].set(token))
   out_lp = put(out_lp, row_lp.at[at, start_t].set(logp))
   s_t, s_start, s_last, s_key = put(s_t, start_t + 1), put(s_start, plen), put(s_last, token), put(s_key, keys)
-  s_done, s_budget = put(s_done, _ends(token, eos_ids) | (start_t + 1 >= budgets)), put(s_budget, budgets)
+  s_done, s_budget = put(s_done, _sampling._ends(token, eos_ids) | (start_t + 1 >= budgets)), put(s_budget, budgets)
   return cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp
 
 
@@ -492,17 +493,13 @@ def _decode_jit(
 
   def body(c):
     k, cache, s_t, s_last, s_done, out_tok, out_lp = c
-    active = ~s_done
-    pos = jnp.maximum(s_start + s_t - 1, 0)  # feed token t-1 at position prompt length + t - 1
-    hidden, cache = model(s_last[:, None], pos[:, None], attention_mask=active[:, None], cache=cache)
-    token, logp = draw(model.logits(hidden[:, 0], out_dtype=jnp.float32), s_key, s_t)
+    active, logits, cache = _refill._slot_logits(model, cache, s_start, s_t, s_last, s_done)
+    token, logp = draw(logits, s_key, s_t)
     at = jnp.where(active, jnp.arange(num_slots), num_slots)  # finished slots write nowhere
     col = jnp.minimum(s_t, max_new_tokens - 1)
     out_tok = out_tok.at[at, col].set(token, mode="drop")
     out_lp = out_lp.at[at, col].set(logp, mode="drop")
-    s_done = s_done | (active & (_ends(token, eos_ids) | (s_t + 1 >= s_budget)))
-    s_t = s_t + active.astype(jnp.int32)
-    s_last = jnp.where(active, token, s_last)
+    s_t, s_last, s_done = _refill._advance(active, token, s_t, s_last, s_done, s_budget, eos_ids)
     return k + 1, cache, s_t, s_last, s_done, out_tok, out_lp
 
   k, cache, s_t, s_last, s_done, out_tok, out_lp = jax.lax.while_loop(

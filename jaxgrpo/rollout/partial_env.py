@@ -102,53 +102,28 @@ class EpisodePool(RowPool):
     for r, tr in zip(grp.rows, trs):
       r.trajectory = tr
 
-  def run(
-    self,
-    model,
-    version: int,
-    key,
-    *,
-    need: int,
-    draw,
-    prompt_tokens=None,
-    batch: int | None = None,
-    max_staleness: int | None = None,
-    on_dispatched=None,
-  ) -> dict:
-    """Runs turns until ``need`` groups are complete, with ``model`` (version ``version``) or the source's
-    engine holding it; ``batch``, ``max_staleness``, ``draw``, ``on_dispatched`` as for ``RowPool.run``
-    (``prompt_tokens`` unused: the environments render the prompts). Returns ``{"boundaries",
-    "reprefilled", "finishing_boundaries"}`` (reprefilled: trajectories that continued under a new
-    version)."""
+  def _readmitted(self) -> list[int]:
+    """The trajectories that continue under a new version (every turn re-prefills its context anyway)."""
+    return [s for s, r in enumerate(self._slot_rows) if r is not None and r.t > 0]
+
+  def _prepare(self, model, version: int, key):
+    """What :meth:`_boundary` runs turns with in this ``run``: the source's engine holding ``model`` (version
+    ``version``), else the sampling policy; the context limit; the turns' key (the rows' keys are not used)."""
     src = self.source
     engine = None if src.engine is None else src._engine(model, version)
     sampler = None if engine is not None else src.sampling_policy(model)
+    self.generate_s, self._turns = 0.0, 0
     limit = (sampler or model).config.max_position_embeddings
-    info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
-    rounds: list = []
-    self.generate_s = 0.0
-    turn_key = jax.random.fold_in(key, 1 << 30)  # row keys are not used: distinct from the rounds' keys
-    while True:
-      short = len(self.complete()) < need
-      overdue = self.overdue(None if max_staleness is None else batch - max_staleness)
-      if not short and not overdue:
-        break
-      if version != self._version:
-        info["reprefilled"] += sum(r is not None and r.t > 0 for r in self._slot_rows)
-      self._version = version
-      info["finishing_boundaries"] += not short
-      free = [s for s, r in enumerate(self._slot_rows) if r is None]
-      if self.refill or len(free) == self.slots:
-        may_start = lambda: max_staleness is None or self.may_start(version, batch, max_staleness, need)
-        for s in self._next_rows(free, None if short else overdue, draw, key, rounds, may_start):
-          self._start(self._slot_rows[s])
-      if self.running() == 0:
-        raise RuntimeError(f"EpisodePool: {len(self.complete())} of {need} groups complete and nothing left to run")
-      self._turn(sampler, engine, jax.random.fold_in(turn_key, info["boundaries"]), version, limit)
-      info["boundaries"] += 1
-      if info["boundaries"] == 1 and on_dispatched is not None:
-        on_dispatched()
-    return info
+    return sampler, engine, jax.random.fold_in(key, 1 << 30), limit
+
+  def _boundary(self, decoder, admit: list[int], version: int, prompt_tokens) -> None:
+    """The admitted trajectories' environments started (a group's when its first one enters), then one turn of
+    every trajectory in a place (``prompt_tokens`` unused: the environments render the prompts)."""
+    for s in admit:
+      self._start(self._slot_rows[s])
+    sampler, engine, turn_key, limit = decoder
+    self._turn(sampler, engine, jax.random.fold_in(turn_key, self._turns), version, limit)
+    self._turns += 1
 
   def _turn(self, sampler, engine, key, version: int, limit: int) -> None:
     """One turn of every trajectory in a place (re-prefilled, one call per stop set), the environments

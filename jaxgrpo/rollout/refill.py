@@ -257,6 +257,21 @@ def _prefill_jit(graphdef, state, chunk, chunk_mask):
   return cache, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
+def _slot_logits(model, cache, s_start, s_t, s_last, s_done):
+  """One decode step over the S slots: each running slot feeds its token t-1 at position start + t - 1
+  (finished slots masked out). Returns (active ``bool[S]``, the logits of token t ``f32[S, V]``, the cache)."""
+  active = ~s_done
+  logits, cache = _sampling._decode_logits(model, s_last, jnp.maximum(s_start + s_t - 1, 0), active, cache)
+  return active, logits, cache
+
+
+def _advance(active, token, s_t, s_last, s_done, s_budget, eos_ids):
+  """The running slots past their drawn ``token``: a slot ends at an EOS id or its budget. Returns
+  (``s_t``, ``s_last``, ``s_done``)."""
+  s_done = s_done | (active & (_sampling._ends(token, eos_ids) | (s_t + 1 >= s_budget)))
+  return s_t + active.astype(jnp.int32), jnp.where(active, token, s_last), s_done
+
+
 def _pad_slots(cache, max_len: int):
   """A per-row cache of W slots as one of ``max_len >= W`` slots (the extra slots empty)."""
   extra = max_len - cache.max_len
@@ -295,15 +310,11 @@ def _boundary_jit(
   model = nnx.merge(graphdef, state)
   cache, s_row, s_t, s_start, s_last, s_done, s_budget, row_budget, out_tok, out_lp, out_len = carry
   num_rows = out_tok.shape[0]
-  eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
   suppressed = _sampling._suppressed_mask(suppress_ids, model.config.vocab_size)
 
   def draw(logits, t, rows):
     u = lambda: table[jnp.minimum(t, table.shape[0] - 1), jnp.clip(rows, 0, table.shape[1] - 1)]
     return _sampling._draw(logits, u, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
-
-  def ends(token):
-    return jnp.zeros(token.shape, bool) if eos is None else jnp.any(token[:, None] == eos[None, :], axis=-1)
 
   # The newcomers: their prompt's cache rows into their slots (the slot's old row, valid slots and index
   # replaced), their token 0 from the prompt's last hidden state.
@@ -318,7 +329,7 @@ def _boundary_jit(
   out_len = out_len.at[rows].set(1, mode="drop")
   put = lambda x, y: x.at[slots].set(y, mode="drop")
   s_row, s_t, s_start, s_last = put(s_row, rows), put(s_t, 1), put(s_start, sub.index), put(s_last, token)
-  s_done, s_budget = put(s_done, ends(token) | (budget <= 1)), put(s_budget, budget)
+  s_done, s_budget = put(s_done, _sampling._ends(token, eos_ids) | (budget <= 1)), put(s_budget, budget)
 
   def cond(c):
     k, _, _, _, s_done, *_ = c
@@ -326,18 +337,13 @@ def _boundary_jit(
 
   def body(c):
     k, cache, s_t, s_last, s_done, out_tok, out_lp, out_len = c
-    active = ~s_done
-    pos = jnp.maximum(s_start + s_t - 1, 0)  # feed token t-1 at position start + t - 1
-    hidden, cache = model(s_last[:, None], pos[:, None], attention_mask=active[:, None], cache=cache)
-    logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)
+    active, logits, cache = _slot_logits(model, cache, s_start, s_t, s_last, s_done)
     token, logp = draw(logits, s_t, s_row)
     at = jnp.where(active, s_row, num_rows)  # finished slots write nowhere
     out_tok = out_tok.at[at, s_t].set(token, mode="drop")
     out_lp = out_lp.at[at, s_t].set(logp, mode="drop")
     out_len = out_len.at[at].set(s_t + 1, mode="drop")
-    s_done = s_done | (active & (ends(token) | (s_t + 1 >= s_budget)))
-    s_t = s_t + active.astype(jnp.int32)
-    s_last = jnp.where(active, token, s_last)
+    s_t, s_last, s_done = _advance(active, token, s_t, s_last, s_done, s_budget, eos_ids)
     return k + 1, cache, s_t, s_last, s_done, out_tok, out_lp, out_len
 
   k, cache, s_t, s_last, s_done, out_tok, out_lp, out_len = jax.lax.while_loop(

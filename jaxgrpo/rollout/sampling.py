@@ -427,6 +427,31 @@ def _draw(logits, uniforms, *, temperature, top_k, top_p, suppressed):
   return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
+def _decode_logits(model, last, pos, active, cache):
+  """One decode step of ``N`` rows: token ``last int32[N]`` fed at position ``pos int32[N]`` (rows not
+  ``active bool[N]`` masked out of the cache) -> (the next token's logits ``f32[N, V]``, the cache)."""
+  hidden, cache = model(last[:, None], pos[:, None], attention_mask=active[:, None], cache=cache)
+  return model.logits(hidden[:, 0], out_dtype=jnp.float32), cache
+
+
+def _write_token(t, token, logp, buffers, pad_id):
+  """Token ``t`` of every row (``token int32[N]``, ``logp f32[N]``) into ``buffers = (tokens int32[N, T], logps
+  f32[N, T], lengths int32[N], done bool[N])``: pad / 0 where a row is done. Returns (tokens, logps, lengths,
+  the token written)."""
+  tokens, logps, lengths, done = buffers
+  token = jnp.where(done, pad_id, token)
+  tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
+  logps = jax.lax.dynamic_update_index_in_dim(logps, jnp.where(done, 0.0, logp), t, axis=1)
+  return tokens, logps, lengths + (~done).astype(jnp.int32), token
+
+
+def _ends(token, eos_ids):
+  """``bool[N]``: whether each of ``token int32[N]`` is one of ``eos_ids`` (a static tuple; empty: never)."""
+  if not eos_ids:
+    return jnp.zeros(token.shape, bool)
+  return jnp.any(token[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
+
+
 def _suppressed_mask(suppress_ids, vocab: int):
   """A constant bool[V] of the suppressed ids (one fused select per step, not a scatter), or None."""
   if not suppress_ids:
@@ -517,7 +542,6 @@ def _generate_jit(
   # Position of completion token 0 in every row.
   start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
 
-  eos = jnp.asarray(eos_ids, jnp.int32) if eos_ids else None
   suppressed = _suppressed_mask(suppress_ids, first_logits.shape[-1])
 
   def sample(t, logits):
@@ -527,16 +551,8 @@ def _generate_jit(
 
   def record(t, logits, carry):
     """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
-    tokens, logps, lengths, done = carry
-    token, logp = sample(t, logits)
-    token = jnp.where(done, pad_id, token)
-    logp = jnp.where(done, 0.0, logp)
-    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, t, axis=1)
-    logps = jax.lax.dynamic_update_index_in_dim(logps, logp, t, axis=1)
-    lengths = lengths + (~done).astype(jnp.int32)
-    if eos is not None:
-      done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
-    return tokens, logps, lengths, done, token
+    tokens, logps, lengths, token = _write_token(t, *sample(t, logits), carry, pad_id)
+    return tokens, logps, lengths, carry[3] | _ends(token, eos_ids), token
 
   buffers = (
     jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens
@@ -555,15 +571,9 @@ def _generate_jit(
     done = buffers[3]
     # Feed token t-1 (at position start + t - 1) to get the logits of token t.
     with _moe.routing_scope() as scope:
-      hidden, cache = model(
-        last_token[:, None],
-        (start_pos + t - 1)[:, None],
-        attention_mask=~done[:, None],
-        cache=cache,
-      )
+      logits, cache = _decode_logits(model, last_token, start_pos + t - 1, ~done, cache)  # [N, V]
     if routes is not None:  # the experts of completion token t-1
       routes = jax.lax.dynamic_update_index_in_dim(routes, scope.stacked().experts[:, 0], t - 1, axis=1)
-    logits = model.logits(hidden[:, 0], out_dtype=jnp.float32)  # [N, V]
     *buffers, last_token = record(t, logits, buffers)
     return t + 1, cache, last_token, tuple(buffers), routes
 
