@@ -166,3 +166,49 @@ def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
   a, b = g_mixed["embed_tokens"][...], g_f32["embed_tokens"][...]
   assert a.dtype == jnp.float32  # the gradient of float32 parameters
   assert np.abs(np.asarray(a) - np.asarray(b)).max() < 0.05 * np.abs(np.asarray(b)).max()
+
+
+@pytest.mark.parametrize("mode", ["native", "float32"])
+def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(mode, monkeypatch):
+  """On the CPU a bf16 model's KV cache is float32 (``layers.kv_cache_dtype``: XLA:CPU would otherwise write a
+  float32 copy of the whole cache at every decode step): it holds exactly the bf16-rounded keys and values, and
+  the sampler draws the same tokens with the same log-probs as from a bf16 cache (forced here, as before)."""
+  from jaxgrpo.models import base
+  from jaxgrpo.rollout import sampling
+
+  cfg = models.Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=64,
+  )
+  mixed = models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  assert models.build_model(cfg, rngs=nnx.Rngs(0)).init_cache(2, 16).k[0].dtype == jnp.float32
+  prompts = jnp.asarray(np.random.default_rng(3).integers(1, 64, (2, 6)), jnp.int32)
+  pmask = jnp.ones(prompts.shape, bool)
+  cfg_s = sampling.SamplingConfig(num_samples=3, max_new_tokens=10, top_p=1.0, top_k=0, pad_id=0)
+
+  def run():
+    with cpu_bf16_dots(mode):
+      cache = mixed.init_cache(2, 16)
+      pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+      _, cache = jax.jit(lambda m, c: m(prompts, pos, attention_mask=pmask, cache=c))(mixed, cache)
+      r = sampling.generate(mixed, prompts, pmask, cfg_s, key=jax.random.key(5))
+    return cache, r
+
+  cache, r = run()
+  assert cache.k[0].dtype == cache.v[1].dtype == jnp.float32
+  for x in (*cache.k, *cache.v):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
+  monkeypatch.setattr(base, "kv_cache_dtype", lambda dtype: dtype)  # the bf16 cache of before
+  jax.clear_caches()
+  cache_b, r_b = run()
+  assert cache_b.k[0].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(r.completions), np.asarray(r_b.completions))
+  np.testing.assert_allclose(np.asarray(r.log_probs), np.asarray(r_b.log_probs), rtol=0, atol=1e-6)
+  jax.clear_caches()

@@ -17,6 +17,7 @@ from jaxgrpo.models.layers import (
   activation_rules,
   dense,
   init_kv_cache,
+  kv_cache_dtype,
   layer_index,
   shard_activation,
 )
@@ -481,7 +482,8 @@ class CausalLM(nnx.Module):
     return head_logits(self.head_weight, hidden, tied=self.lm_head is None, dtype=self.dtype, out_dtype=out_dtype)
 
   def init_cache(self, batch_size: int, max_len: int, *, per_row: bool = False) -> KVCache:
-    """Empty ``KVCache`` for ``batch_size`` rows and ``max_len`` slots, in the compute dtype; ``per_row``:
+    """Empty ``KVCache`` for ``batch_size`` rows and ``max_len`` slots, in ``kv_cache_dtype`` of the compute dtype
+    (the compute dtype; float32 for bf16 on the CPU); ``per_row``:
     each row appends at its own slot (``index int32[batch_size]``, see ``KVCache``)."""
     cfg = self.config
     return init_kv_cache(
@@ -490,7 +492,7 @@ class CausalLM(nnx.Module):
       max_len,
       cfg.num_kv_heads,
       cfg.head_dim,
-      self.dtype,
+      kv_cache_dtype(self.dtype),
       stacked=self.scan_layers,
       per_row=per_row,
     )
