@@ -125,14 +125,12 @@ def test_float32_products_of_bf16_operands_forward_and_backward(transpose_w):
       pass
 
 
-@pytest.mark.parametrize("mode", ["native", "float32"])
-def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
-  """bf16 compute over float32 parameters: the batched attention einsums (kept upcast) and the native dense dots
-  run together in the cached prefill (keys laid out [B, N, K, T]), a decode step and the log-prob gradient."""
-  cfg = models.Qwen3Config(
+def _tiny_qwen3(num_layers: int) -> models.Qwen3Config:
+  """A tiny tied Qwen3 (V 64, D 32, 4 query / 2 kv heads of 8) for the model-level tests."""
+  return models.Qwen3Config(
     vocab_size=64,
     hidden_size=32,
-    num_layers=1,
+    num_layers=num_layers,
     num_heads=4,
     num_kv_heads=2,
     head_dim=8,
@@ -140,6 +138,13 @@ def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
     tie_word_embeddings=True,
     max_position_embeddings=64,
   )
+
+
+@pytest.mark.parametrize("mode", ["native", "float32"])
+def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
+  """bf16 compute over float32 parameters: the batched attention einsums (kept upcast) and the native dense dots
+  run together in the cached prefill (keys laid out [B, N, K, T]), a decode step and the log-prob gradient."""
+  cfg = _tiny_qwen3(num_layers=1)
   f32 = models.build_model(cfg, rngs=nnx.Rngs(0))
   mixed = models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
   tokens = jnp.asarray(np.random.default_rng(2).integers(1, 64, (2, 12)), jnp.int32)
@@ -176,17 +181,7 @@ def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(
   from jaxgrpo.models import base
   from jaxgrpo.rollout import sampling
 
-  cfg = models.Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    max_position_embeddings=64,
-  )
+  cfg = _tiny_qwen3(num_layers=2)
   mixed = models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
   assert models.build_model(cfg, rngs=nnx.Rngs(0)).init_cache(2, 16).k[0].dtype == jnp.float32
   prompts = jnp.asarray(np.random.default_rng(3).integers(1, 64, (2, 6)), jnp.int32)
