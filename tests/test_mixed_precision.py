@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxgrpo import models
-from jaxgrpo.models.layers import cpu_bf16_dots, dense, forward_mode_autodiff
+from jaxgrpo.models.layers import cpu_bf16_dots, cpu_kv_cache, dense, forward_mode_autodiff
 from jaxgrpo.models.log_probs import completion_log_probs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's dot lowering")
@@ -174,11 +174,11 @@ def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
 
 
 @pytest.mark.parametrize("mode", ["native", "float32"])
-def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(mode, monkeypatch):
+def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(mode):
   """On the CPU a bf16 model's KV cache is float32 (``layers.kv_cache_dtype``: XLA:CPU would otherwise write a
   float32 copy of the whole cache at every decode step): it holds exactly the bf16-rounded keys and values, and
-  the sampler draws the same tokens with the same log-probs as from a bf16 cache (forced here, as before)."""
-  from jaxgrpo.models import base
+  the sampler draws the same tokens with the same log-probs as from a bf16 cache (``cpu_kv_cache("compute")``, the
+  cache of before, half the bytes)."""
   from jaxgrpo.rollout import sampling
 
   cfg = _tiny_qwen3(num_layers=2)
@@ -188,8 +188,8 @@ def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(
   pmask = jnp.ones(prompts.shape, bool)
   cfg_s = sampling.SamplingConfig(num_samples=3, max_new_tokens=10, top_p=1.0, top_k=0, pad_id=0)
 
-  def run():
-    with cpu_bf16_dots(mode):
+  def run(cache_mode="float32"):
+    with cpu_bf16_dots(mode), cpu_kv_cache(cache_mode):
       cache = mixed.init_cache(2, 16)
       pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
       _, cache = jax.jit(lambda m, c: m(prompts, pos, attention_mask=pmask, cache=c))(mixed, cache)
@@ -200,10 +200,20 @@ def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(
   assert cache.k[0].dtype == cache.v[1].dtype == jnp.float32
   for x in (*cache.k, *cache.v):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)))
-  monkeypatch.setattr(base, "kv_cache_dtype", lambda dtype: dtype)  # the bf16 cache of before
-  jax.clear_caches()
-  cache_b, r_b = run()
+  jax.clear_caches()  # the programs are traced again, under the other cache mode
+  cache_b, r_b = run("compute")
   assert cache_b.k[0].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(r.completions), np.asarray(r_b.completions))
   np.testing.assert_allclose(np.asarray(r.log_probs), np.asarray(r_b.log_probs), rtol=0, atol=1e-6)
   jax.clear_caches()
+
+
+def test_cpu_kv_cache_refuses_an_unknown_mode_and_leaves_float32_models_alone():
+  with pytest.raises(ValueError, match=r"cpu_kv_cache: mode must be one of \('float32', 'compute'\); got 'bf16'"):
+    with cpu_kv_cache("bf16"):
+      pass
+  from jaxgrpo.models.layers import kv_cache_dtype
+
+  with cpu_kv_cache("compute"):
+    assert kv_cache_dtype(jnp.bfloat16) == jnp.bfloat16 and kv_cache_dtype(jnp.float32) == jnp.float32
+  assert kv_cache_dtype(jnp.bfloat16) == jnp.float32 and kv_cache_dtype(jnp.float32) == jnp.float32

@@ -93,6 +93,8 @@ def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
 _FORWARD_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgrpo_forward_mode", default=False)
 _CPU_BF16_DOTS: contextvars.ContextVar[str] = contextvars.ContextVar("jaxgrpo_cpu_bf16_dots", default="auto")
 CPU_BF16_DOTS = ("auto", "native", "float32")
+_CPU_KV_CACHE: contextvars.ContextVar[str] = contextvars.ContextVar("jaxgrpo_cpu_kv_cache", default="float32")
+CPU_KV_CACHE = ("float32", "compute")
 _LAYER_INDEX: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("jaxgrpo_layer_index", default=None)
 
 
@@ -152,6 +154,21 @@ def cpu_bf16_dots(mode: str) -> Iterator[None]:
     _CPU_BF16_DOTS.reset(token)
 
 
+@contextlib.contextmanager
+def cpu_kv_cache(mode: str) -> Iterator[None]:
+  """The dtype of a bf16 model's KV cache on XLA:CPU for the programs traced inside the block
+  (:func:`kv_cache_dtype`): ``"float32"`` (the default: the same bf16-rounded values in float32, the faster decode)
+  or ``"compute"`` (bf16: half the cache's bytes, where memory matters more than decode speed; the 20m rollout ran
+  1.7x slower that way with AMX, 1.3x without). Other dtypes and backends are not affected. Read at trace time."""
+  if mode not in CPU_KV_CACHE:
+    raise ValueError(f"cpu_kv_cache: mode must be one of {CPU_KV_CACHE}; got {mode!r}")
+  token = _CPU_KV_CACHE.set(mode)
+  try:
+    yield
+  finally:
+    _CPU_KV_CACHE.reset(token)
+
+
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # Linux x86-64 (asm/prctl.h)
 
 
@@ -183,8 +200,9 @@ def kv_cache_dtype(dtype):
   bf16 cache XLA:CPU writes a whole float32 copy of every layer's cache at every decode step (its loop fusion
   takes the conversion with the cache update; the reduction then runs in YNNPACK, which reads float32). Measured
   on the 20m rollout (BENCHMARKS.md, "Mixed precision on the CPU"): 1.7x faster with AMX, 1.3x without it.
-  Accelerators keep the compute dtype. Read at trace time."""
-  if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu":
+  Accelerators keep the compute dtype; :func:`cpu_kv_cache` ``("compute")`` keeps it on the CPU too (half the bytes).
+  Read at trace time."""
+  if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu" and _CPU_KV_CACHE.get() == "float32":
     return jnp.float32
   return dtype
 
