@@ -76,6 +76,16 @@ _ACTIVATION_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvar
 
 
 @contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
+  """``var`` set to ``value`` inside the block, restored after (the body of every trace-time switch here)."""
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
+@contextlib.contextmanager
 def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
   """Inside the block, :func:`shard_activation` uses ``rules`` (None: ``DEFAULT_RULES``).
 
@@ -83,11 +93,8 @@ def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
   trace, so the layers need no extra argument. The rules reach ``jax.jit``'s cache key through the
   model (a static attribute of its graphdef), never through this context alone.
   """
-  token = _ACTIVATION_RULES.set(rules)
-  try:
+  with _scoped(_ACTIVATION_RULES, rules):
     yield
-  finally:
-    _ACTIVATION_RULES.reset(token)
 
 
 _FORWARD_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgrpo_forward_mode", default=False)
@@ -103,11 +110,8 @@ def layer_index(i: jax.Array) -> Iterator[None]:
   """Inside the block, the layer being traced is ``i`` (an int32 scalar, traced in a scanned stack):
   a stacked ``LoRA`` (``layer_stride > 0``) draws its dropout stream from it. Entered by the scanned
   layer stack of ``CausalLM`` (``scan_layers=True``) around each layer's trace."""
-  token = _LAYER_INDEX.set(i)
-  try:
+  with _scoped(_LAYER_INDEX, i):
     yield
-  finally:
-    _LAYER_INDEX.reset(token)
 
 
 @contextlib.contextmanager
@@ -124,11 +128,8 @@ def forward_mode_autodiff(enabled: bool = True) -> Iterator[None]:
   *traced*: enter it inside the function you transform or ``jit`` (``log_probs(..., forward_mode=True)``
   does), not around calls of an already compiled function.
   """
-  token = _FORWARD_MODE.set(bool(enabled))
-  try:
+  with _scoped(_FORWARD_MODE, bool(enabled)):
     yield
-  finally:
-    _FORWARD_MODE.reset(token)
 
 
 @contextlib.contextmanager
@@ -147,11 +148,8 @@ def cpu_bf16_dots(mode: str) -> Iterator[None]:
   :func:`forward_mode_autodiff`."""
   if mode not in CPU_BF16_DOTS:
     raise ValueError(f"cpu_bf16_dots: mode must be one of {CPU_BF16_DOTS}; got {mode!r}")
-  token = _CPU_BF16_DOTS.set(mode)
-  try:
+  with _scoped(_CPU_BF16_DOTS, mode):
     yield
-  finally:
-    _CPU_BF16_DOTS.reset(token)
 
 
 @contextlib.contextmanager
@@ -162,11 +160,8 @@ def cpu_kv_cache(mode: str) -> Iterator[None]:
   1.7x slower that way with AMX, 1.3x without). Other dtypes and backends are not affected. Read at trace time."""
   if mode not in CPU_KV_CACHE:
     raise ValueError(f"cpu_kv_cache: mode must be one of {CPU_KV_CACHE}; got {mode!r}")
-  token = _CPU_KV_CACHE.set(mode)
-  try:
+  with _scoped(_CPU_KV_CACHE, mode):
     yield
-  finally:
-    _CPU_KV_CACHE.reset(token)
 
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18  # Linux x86-64 (asm/prctl.h)
