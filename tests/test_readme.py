@@ -1,21 +1,153 @@
-"""The README's code runs as written, and its set-up commands are the ones CI uses."""
+"""Every Python block of README.md and docs/*.md runs as pasted, and the README's set-up commands are the ones CI
+uses.
 
+Each document's Python blocks run in one child process (8 virtual CPU devices, a fresh temporary working
+directory), one after another, each in a namespace of its own: a block runs as a user pastes it, defining what it
+needs itself, and the import of JAX and the compiled programs are shared by the blocks of one document.
+"""
+
+import configparser
+import importlib.util
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from helpers import child_env, finish_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+
+#: a fenced block, at any indentation: (indent, language, body)
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", flags=re.S | re.M)
+
+#: the child: runs every ```python block of the document argv[1] (under the repository argv[2]), each in a fresh
+#: namespace, and names the document and the block's first line when one fails
+RUN_BLOCKS = r"""
+import re, sys, textwrap, time
+doc, root = sys.argv[1], sys.argv[2]
+text = open(f"{root}/{doc}").read()
+for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, flags=re.S | re.M):
+  line = text[: m.start()].count("\n") + 2
+  code = textwrap.dedent(m.group(2))
+  t0 = time.perf_counter()
+  print(f"--- {doc}:{line}", flush=True)
+  exec(compile(code, f"{doc}:{line}", "exec"), {"__name__": "__main__"})
+  print(f"--- {doc}:{line} ran in {time.perf_counter() - t0:.1f} s", flush=True)
+"""
 
 
-def _python_blocks():
-  return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+def python_blocks(doc: str) -> list[str]:
+  return [body for _, lang, body in FENCE.findall((ROOT / doc).read_text()) if lang == "python"]
 
 
-def test_readme_tour_runs(capsys):
-  blocks = _python_blocks()
-  assert blocks, "README has no python example"
-  for code in blocks:
-    exec(compile(code, "README.md", "exec"), {})
-  assert "nontrivial_group_fraction" in capsys.readouterr().out
+def test_every_doc_with_code_is_checked():
+  """The list of documents covers README.md and every docs/*.md (a new document is picked up by the glob)."""
+  assert "README.md" in DOCS and "docs/checkpoints.md" in DOCS
+  assert sum(len(python_blocks(d)) for d in DOCS) >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)])
+def test_doc_python_blocks_run_as_pasted(doc, tmp_path):
+  proc = subprocess.Popen(
+    [sys.executable, "-c", RUN_BLOCKS, doc, str(ROOT)],
+    env=child_env(8),
+    cwd=tmp_path,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  out = finish_child(proc, timeout=600)
+  assert out.count(" ran in ") == len(python_blocks(doc)), out
+  if doc == "README.md":
+    assert "nontrivial_group_fraction" in out
+
+
+def command_lines(doc: str) -> list[str]:
+  """The commands of the ```bash blocks (and of the untagged blocks that run a script) of ``doc``, one per
+  command: continuation lines joined."""
+  lines = []
+  for _, lang, body in FENCE.findall((ROOT / doc).read_text()):
+    if lang == "bash" or (lang == "" and "scripts/" in body):
+      lines += [ln for ln in body.replace("\\\n", " ").splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+  return lines
+
+
+def script_calls(line: str) -> list[tuple[str, list[str]]]:
+  """``[(script path, its arguments)]`` of one shell line: every ``scripts/*.py`` or ``scripts/*.sh`` it runs,
+  including inside a quoted ``--command "..."``; ``$i`` reads as 0."""
+  calls, words = [], shlex.split(line.replace("$i", "0"), comments=True)
+  for i, word in enumerate(words):
+    if " " in word and "scripts/" in word:
+      calls += script_calls(word)
+    elif re.fullmatch(r"scripts/\S+\.(py|sh)", word):
+      args = []
+      for w in words[i + 1 :]:
+        if w in ("&&", "||", ";", "|"):
+          break
+        args.append(w)
+      calls.append((word, args))
+  return calls
+
+
+def _help_options(scripts: list[str]) -> dict[str, set[str]]:
+  """``{script: the options its --help lists}``, the scripts run side by side."""
+  procs = {
+    s: subprocess.Popen([sys.executable, s, "--help"], cwd=ROOT, env=child_env(1), stdout=subprocess.PIPE, text=True)
+    for s in scripts
+  }
+  return {s: set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", finish_child(p, timeout=300))) for s, p in procs.items()}
+
+
+#: scripts/train.py's flags that its launcher reads before jax is imported (its parse_args refuses them in a
+#: process that imported jax): checked against its --help instead
+LAUNCHER_FLAGS = ("--processes", "--cpu-devices")
+
+
+@pytest.mark.subprocess
+def test_documented_commands_name_existing_scripts_flags_and_extras():
+  """Every ``python scripts/X.py ...`` of a bash block of README.md and docs/*.md names a script (and a
+  ``--config scripts/...`` file) that exists, every flag it passes is one the script's ``--help`` lists (``scripts/train.py``: its own ``parse_args``, which
+  checks the dotted config keys against the config), and every ``pip install -e '.[extra]'`` names extras that
+  setup.cfg declares."""
+  cfg = configparser.ConfigParser(interpolation=None)
+  cfg.read(ROOT / "setup.cfg")
+  extras = set(cfg["options.extras_require"])
+  calls, problems = [], []
+  for doc in DOCS:
+    for line in command_lines(doc):
+      for names in re.findall(r"pip install[^\n]*?-e '?\.\[([\w,]+)\]", line):
+        problems += [f"{doc}: `{line}`: no extra [{n}] in setup.cfg" for n in names.split(",") if n not in extras]
+      calls += [(doc, line, script, args) for script, args in script_calls(line)]
+  assert {c[2] for c in calls} >= {"scripts/train.py", "scripts/eval.py", "scripts/export_hf.py"}
+  for doc, line, script, args in calls:
+    files = [script] + [b for a, b in zip(args, args[1:]) if a == "--config" and b.startswith("scripts/")]
+    problems += [f"{doc}: `{line}`: {f} does not exist" for f in files if not (ROOT / f).is_file()]
+  options = _help_options(sorted({c[2] for c in calls if c[2].endswith(".py")}))
+  spec = importlib.util.spec_from_file_location("train_cli_for_docs", ROOT / "scripts" / "train.py")
+  train_cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(train_cli)
+  for doc, line, script, args in calls:
+    if script not in options:
+      continue
+    if script == "scripts/train.py":
+      launcher = [i for i, a in enumerate(args) if a in LAUNCHER_FLAGS]
+      problems += [
+        f"{doc}: `{line}`: {script} has no option {args[i]}" for i in launcher if args[i] not in options[script]
+      ]
+      args = [a for i, a in enumerate(args) if i not in launcher and i - 1 not in launcher]
+      try:
+        train_cli.parse_args(args)
+      except SystemExit:
+        problems.append(f"{doc}: `{line}`: scripts/train.py refuses these arguments (its error is printed above)")
+      continue
+    flags = [a.split("=")[0] for a in args if re.match(r"--?[A-Za-z]", a)]
+    problems += [f"{doc}: `{line}`: {script} has no option {f}" for f in flags if f not in options[script]]
+  assert not problems, "\n".join(problems)
 
 
 def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
