@@ -73,8 +73,8 @@ def _logits(model, tokens):
   return np.asarray(model.logits(hidden, out_dtype=jnp.float32))
 
 
-def _run(cmd, env):
-  r = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+def _run(cmd, env, cwd=ROOT):
+  r = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=900, cwd=cwd)
   assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
   return r
 
@@ -89,8 +89,9 @@ def _export_script():
 @pytest.mark.slow
 def test_lora_export_on_the_synthetic_base_names_and_writes_the_base(tmp_path, monkeypatch, capfd):
   env = cli_env(tmp_path / "cache")
+  monkeypatch.chdir(tmp_path)  # relative paths, as a user types them: the run, the exports, the PEFT base
   out = tmp_path / "run"
-  _run([os.path.join(ROOT, "scripts", "train.py"), *ARGS, "--run.out", str(out)], env)
+  _run([os.path.join(ROOT, "scripts", "train.py"), *ARGS, "--run.out", "run"], env, cwd=tmp_path)
   assert os.path.isfile(out / "checkpoints" / "base" / "model.safetensors")  # the warmed-up base, stored once
 
   # rebuilding the policy reads the stored base: the warm-up is never run (export and load_policy)
@@ -100,7 +101,7 @@ def test_lora_export_on_the_synthetic_base_names_and_writes_the_base(tmp_path, m
   monkeypatch.setattr(arithmetic, "warm_up", no_warm_up)
   # scripts/export_hf.py's main in this process (a child's start-up is ~8 s of CPU; the guard above holds here)
   capfd.readouterr()
-  assert _export_script().main([str(out), str(tmp_path / "hf")]) == 0
+  assert _export_script().main(["run", "hf"]) == 0
   r = capfd.readouterr()
   assert "wrote " in r.out and "supervised warm-up" not in r.out + r.err
   policy, _, cfg = builders.load_policy(str(out))
@@ -109,16 +110,18 @@ def test_lora_export_on_the_synthetic_base_names_and_writes_the_base(tmp_path, m
   ours = _logits(policy, tokens)
   assert np.abs(ours - _logits(lora.reference_model(policy), tokens)).max() > 1e-3  # the adapters were trained
 
-  for export in (out / "model", tmp_path / "hf"):  # end of the run (run.save_model) and scripts/export_hf.py
+  for export in ("run/model", "hf"):  # end of the run (run.save_model) and scripts/export_hf.py
     peft_dir = f"{export}-peft"
     base_dir = json.loads(open(os.path.join(peft_dir, "adapter_config.json")).read())["base_model_name_or_path"]
-    assert base_dir == os.path.abspath(f"{export}-base")
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-      got = peft.PeftModel.from_pretrained(base, peft_dir).eval()(torch.from_numpy(tokens)).logits.numpy()
+    # the path relative to where the export ran, as PEFT writes a base loaded by its path (issue 46, item 7;
+    # before: the absolute path, /home/<user>/... in a directory meant to be shared)
+    assert base_dir == f"{export}-base" and os.path.isdir(base_dir), base_dir
+    with torch.no_grad():  # peft reads the base from adapter_config.json itself
+      peft_model = peft.AutoPeftModelForCausalLM.from_pretrained(peft_dir, dtype=torch.float32).eval()
+      got = peft_model(torch.from_numpy(tokens)).logits.numpy()
     err = np.abs(got - ours).max()
     assert err < 1e-4, err
-    print(f"{export.name}: peft on the exported base vs the policy: max |Δ logit| = {err:.2e}")
+    print(f"{export}: peft on the exported base vs the policy: max |Δ logit| = {err:.2e}")
     transformers.AutoTokenizer.from_pretrained(base_dir)  # the base carries its tokenizer
     with jax.default_matmul_precision("float32"):
       back = lora.load_peft(models.load_hf(base_dir), peft_dir)

@@ -173,3 +173,13 @@ def test_readme_setup_is_two_commands_with_one_line_each_and_the_details_are_in_
   for topic in ("-n 2", "TEST_XLA_FLAGS", "durations.json", "setup_vllm_venv.sh", "setup_base_venv.sh"):
     assert topic in contributing, topic
   assert "JAXGRPO_HYPOTHESIS_RANDOM=1" in contributing and "tests/conftest.py" in contributing
+
+
+def test_the_peft_export_has_a_documented_install():
+  """Issue 46, item 7: loading a LoRA export's PEFT directory needs ``peft``, which no documented install gave: the
+  ``peft`` extra declares it and docs/checkpoints.md installs it (test_documented_commands_... checks the extra
+  names of every ``pip install -e`` line)."""
+  cfg = configparser.ConfigParser(interpolation=None)
+  cfg.read(ROOT / "setup.cfg")
+  assert re.search(r"^peft\b", cfg["options.extras_require"]["peft"].strip(), flags=re.M)
+  assert any("pip install -e '.[peft]'" in line for line in command_lines("docs/checkpoints.md"))

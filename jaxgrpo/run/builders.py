@@ -434,7 +434,9 @@ def save_policy(
   ``peft.PeftModel.from_pretrained`` loads onto the base model. ``base_dir`` (a base that is not an
   HF directory, e.g. the synthetic model): the base itself — adapters removed, quantised weights
   dequantised, so PEFT on it computes what ``model`` computes — is written there with the
-  tokenizer, and the PEFT directory names it. Returns the directories written."""
+  tokenizer, and the PEFT directory names it by its path relative to the working directory (never an
+  absolute one: ``peft.AutoPeftModelForCausalLM.from_pretrained(peft_dir)`` run from the same directory finds
+  it). Returns the directories written."""
   adapted = lora.has_adapters(model)
   if peft_dir is not None and not adapted:
     raise ValueError(f"peft_dir={peft_dir!r}: the model has no adapters to write as a PEFT directory")
@@ -448,7 +450,9 @@ def save_policy(
   if base_dir is not None:
     models.save_hf(lora.merge_lora(lora.reference_model(model)), base_dir)
     _finish_hf_dir(base_dir, tokenizer)
-    base_model_name_or_path = os.path.abspath(base_dir)
+    # relative, as PEFT writes the path its base was loaded from: the tree stays movable, and no local absolute path
+    # (home directory, user name) leaks into a directory that is shared or pushed to a hub
+    base_model_name_or_path = os.path.relpath(base_dir)
     written.append(base_dir)
   lora.save_peft(model, peft_dir, base_model_name_or_path=base_model_name_or_path)
   _usual_file_modes(peft_dir)
