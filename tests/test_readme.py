@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import child_env, finish_child
+from helpers import child_env, cli_env, finish_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -39,6 +39,49 @@ for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, flags=re.S | re.M):
 """
 
 
+def _demo_export(cwd: pathlib.Path) -> None:
+  """What docs/checkpoints.md's transformers check reads: the demo run's export, ``runs/demo/hf``, made the
+  documented way (scripts/train.py with demo.yaml, then scripts/export_hf.py) but short: 400 warm-up steps (the
+  completion format is learned; 800 in the demo) and one RL step."""
+  short = ["--data.arithmetic.sft_steps", "400", "--run.steps", "1", "--eval.every", "0"]
+  for cmd in (
+    ["train.py", "--config", str(ROOT / "scripts/configs/demo.yaml"), "--run.out", "runs/demo", *short, "--no-plot"],
+    ["export_hf.py", "runs/demo", "runs/demo/hf"],
+  ):
+    cmd = [sys.executable, str(ROOT / "scripts" / cmd[0]), *cmd[1:]]
+    out = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"{cmd}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+def _jaxgrpo_greedy(run: str, problem: str) -> str:
+  """The greedy (temperature 0) completion jaxgrpo's own sampler gives ``problem`` from the checkpoint of ``run``,
+  the prompt rendered by the trainer's path (``encode_prompts``: the instruction, the chat template)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxgrpo.data import MathExample, encode_prompts
+  from jaxgrpo.rollout.sampling import SamplingConfig, generate
+  from jaxgrpo.run.builders import load_policy
+
+  model, tok, cfg = load_policy(run)
+  ids = jnp.asarray(encode_prompts(tok, [MathExample(problem, "")], max_prompt_tokens=64).tokens, jnp.int32)
+  sampling = SamplingConfig(num_samples=1, max_new_tokens=20, eos_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id)
+  r = generate(model, ids, jnp.ones_like(ids, bool), sampling, key=jax.random.key(0), temperature=0.0)
+  return tok.decode(np.asarray(r.completions[0])[np.asarray(r.mask[0])], skip_special_tokens=True)
+
+
+#: a document's set-up: what its bash blocks make before its Python blocks read it
+SETUP = {"docs/checkpoints.md": _demo_export}
+
+
+def block_output(out: str, doc: str, needle: str) -> str:
+  """What the block of ``doc`` that contains ``needle`` printed (the runner's markers delimit it)."""
+  text = (ROOT / doc).read_text()
+  line = next(text[: m.start()].count("\n") + 2 for m in FENCE.finditer(text) if needle in m.group(3))
+  return out.split(f"--- {doc}:{line}\n", 1)[1].split(f"--- {doc}:{line} ran in", 1)[0]
+
+
 def python_blocks(doc: str) -> list[str]:
   return [body for _, lang, body in FENCE.findall((ROOT / doc).read_text()) if lang == "python"]
 
@@ -53,6 +96,8 @@ def test_every_doc_with_code_is_checked():
 @pytest.mark.subprocess
 @pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)])
 def test_doc_python_blocks_run_as_pasted(doc, tmp_path):
+  if doc in SETUP:
+    SETUP[doc](tmp_path)
   proc = subprocess.Popen(
     [sys.executable, "-c", RUN_BLOCKS, doc, str(ROOT)],
     env=child_env(8),
@@ -65,6 +110,12 @@ def test_doc_python_blocks_run_as_pasted(doc, tmp_path):
   assert out.count(" ran in ") == len(python_blocks(doc)), out
   if doc == "README.md":
     assert "nontrivial_group_fraction" in out
+  if doc == "docs/checkpoints.md":
+    # issue 46, item 1: transformers on the export, with the prompt as the doc renders it, completes the problem as
+    # jaxgrpo's sampler does on the checkpoint with the trainer's rendering (before: a bare "3+4=" and noise)
+    printed = block_output(out, doc, "apply_chat_template").strip()
+    assert printed == _jaxgrpo_greedy(str(tmp_path / "runs" / "demo"), "What is 12 + 5?"), printed
+    assert re.fullmatch(r"12\+5=\d+\. \\boxed\{\d+\}", printed), printed
 
 
 def command_lines(doc: str) -> list[str]:
