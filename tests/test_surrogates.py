@@ -298,6 +298,26 @@ def test_masked_tokens_stay_in_the_denominator_and_metrics_report_the_mismatch()
   assert float(m["is_weight_mean"]) == pytest.approx(0.5)
 
 
+def test_with_tis_policy_loss_is_the_unweighted_surrogate_and_is_policy_loss_the_weighted_one():
+  """issue 47: with TIS ``loss`` is weighted by v = min(π_old/μ, C) while ``policy_loss`` is the surrogate alone;
+  both are logged, the weighted one as ``is_policy_loss`` (before, only the unweighted one, named as if it were
+  the loss's policy part). NumPy from the formula: at ρ = 1 the PPO term is p = −A."""
+  rng = np.random.default_rng(0)
+  old = rng.normal(-1.0, 0.3, (3, 5)).astype(np.float32)
+  behavior = (old + rng.normal(0.0, 0.8, old.shape)).astype(np.float32)
+  adv = rng.normal(size=3).astype(np.float32)
+  mask = np.arange(5)[None, :] < np.array([[5], [3], [1]])
+  v = np.minimum(np.exp(old - behavior), 2.0)
+  p = -np.broadcast_to(adv[:, None], old.shape)
+  imp = jg.importance_weights(old, behavior, mask, correction="tis", cap=2.0)
+  loss, m = jg.policy_loss(old, old, adv, mask, importance=imp)
+  assert float(m["policy_loss"]) == pytest.approx(p[mask].mean(), rel=1e-5)
+  assert float(m["is_policy_loss"]) == pytest.approx((v * p)[mask].mean(), rel=1e-5)
+  assert float(loss) == pytest.approx((v * p)[mask].mean(), rel=1e-5)
+  assert abs(float(m["is_policy_loss"]) - float(m["policy_loss"])) > 0.05  # the two differ here
+  assert "is_policy_loss" not in jg.policy_loss(old, old, adv, mask)[1]  # only with a correction
+
+
 # ----------------------------------------------------------------------------- config: presets and compositions
 
 
