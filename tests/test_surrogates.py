@@ -100,20 +100,21 @@ def test_value_and_gradient_equal_the_numpy_formula(batch, loss, aggregation):
 @SETTINGS
 @given(batches(), st.sampled_from(["ppo", "gspo_token", "cispo", "sapo"]), st.sampled_from(AGGS), st.data())
 def test_everything_composed_equals_the_numpy_formula(batch, loss, aggregation, data):
-  """Token losses with λ-style token weights, per-token advantages, a k3 KL term, TIS/MIS weights at
-  either level and an entropy bonus: l = w·(v·p + β·D − c·H)."""
+  """Token losses with λ-style token weights, per-token advantages, a k3 KL term, TIS/MIS/IcePop weights at
+  either level or sequence masking, and an entropy bonus: l = w·(v·p + β·D − c·H)."""
   logp, old, adv, mask = batch
   rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
-  correction = data.draw(st.sampled_from(["tis", "mis"]))
-  level = data.draw(st.sampled_from(["token", "sequence"]))
+  correction = data.draw(st.sampled_from(["tis", "mis", "icepop", "seq_mask"]))
+  level = "token" if correction == "seq_mask" else data.draw(st.sampled_from(["token", "sequence"]))
   cap = data.draw(st.sampled_from([0.5, 1.2, 2.0]))
+  low = data.draw(st.sampled_from([0.3, 0.9])) * min(cap, 1.0) if correction in ("icepop", "seq_mask") else None
   behavior = jnp.where(mask, old + rng.normal(0, 0.3, old.shape).astype(np.float32), -jnp.inf)
   refl = jnp.where(mask, old + rng.normal(0, 0.3, old.shape).astype(np.float32), jnp.nan)
   w = jnp.asarray(rng.uniform(0.1, 1.0, old.shape).astype(np.float32))
   h = jnp.asarray(rng.uniform(0.0, 3.0, old.shape).astype(np.float32))
   lo, hi = HYPER[loss]
-  imp = jg.importance_weights(old, behavior, mask, correction=correction, level=level, cap=cap)
-  want_imp = ref.importance(_clean(old, mask), _clean(behavior, mask), mask, correction, level, cap)
+  imp = jg.importance_weights(old, behavior, mask, correction=correction, level=level, cap=cap, low=low)
+  want_imp = ref.importance(_clean(old, mask), _clean(behavior, mask), mask, correction, level, cap, low)
   for got_x, want_x, name in zip(imp, want_imp, ("weights", "ratio", "capped", "mismatch_kl")):
     _assert_close(np.asarray(got_x, np.float64), want_x.astype(np.float64), name)
 
