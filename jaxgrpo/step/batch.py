@@ -42,7 +42,7 @@ def check_temperature(sampled_at, step_temperature: float, what: str, fix: str) 
   ``step_temperature`` (``TrainConfig.temperature``): the step would compute its ratio against log-probs of
   another distribution (the first, supposedly on-policy, update already off 1). ``what`` names the source,
   ``fix`` the remedy."""
-  if sampled_at is None or logprob_temperature(sampled_at) == float(step_temperature):
+  if sampled_at is None or logprob_temperature(sampled_at) == logprob_temperature(step_temperature):
     return
   greedy = " (greedy: log-probs at temperature 1)" if float(sampled_at) == 0.0 else ""
   raise ValueError(
