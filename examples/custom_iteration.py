@@ -62,7 +62,9 @@ def main(argv=None):
   key = jax.random.key(0)
   for i in range(args.steps):
     key, sub = jax.random.split(key)
-    rollout = jaxgrpo.sample(jaxgrpo.policy_model(graphdef, state), prompts, prompt_mask, sampling, key=sub)
+    policy = jaxgrpo.policy_model(graphdef, state)
+    # at the step's temperature: the rollout carries it, and a step at another one refuses the batch
+    rollout = jaxgrpo.sample(policy, prompts, prompt_mask, sampling, key=sub, temperature=tc.temperature)
     rewards = jaxgrpo.score(letters_reward, rollout, decode=decode, columns={"target": ["abc", "def"]})
     batch = jaxgrpo.make_batch(rollout, rewards, mesh=mesh)
     batch = reference(batch)  # ref_logp for the KL term

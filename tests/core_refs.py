@@ -277,20 +277,32 @@ def surrogate(loss, logp, old, adv, mask, *, eps_low, eps_high, dual_clip=None, 
   return p, jac
 
 
-def importance(old, behavior, mask, correction, level, cap):
-  """(weights, ratio, capped, k3) f64[B, T] of TIS/MIS (jaxgrpo.kernels.importance's table), by loops."""
+def importance(old, behavior, mask, correction, level, cap, low=0.5):
+  """(weights, ratio, capped, k3) f64[B, T] of TIS/MIS/IcePop/sequence masking (jaxgrpo.kernels.importance's
+  table), by loops. IcePop (Ring-1T, arXiv:2510.18855): M(k) = k on [low, cap], else 0. Sequence masking: the
+  row's geometric-mean ratio exp(mean_t log r_t) outside [low, cap] masks the whole row, weight 1 otherwise."""
   old, behavior = np.asarray(old, np.float64), np.asarray(behavior, np.float64)
   mask = np.asarray(mask, bool)
   b, t = old.shape
   w, r, cp, k3 = (np.zeros((b, t)) for _ in range(4))
   for i in range(b):
     d = np.where(mask[i], old[i] - behavior[i], 0.0)
-    for u in np.flatnonzero(mask[i]):
-      lr = d.sum() if level == "sequence" else d[u]
+    real = np.flatnonzero(mask[i])
+    for u in real:
+      if correction == "seq_mask":
+        lr = d.sum() / len(real)
+      else:
+        lr = d.sum() if level == "sequence" else d[u]
       ratio = np.exp(np.clip(lr, -MAX_LOG, MAX_LOG))
       r[i, u] = ratio
-      cp[i, u] = ratio > cap
-      w[i, u] = min(ratio, cap) if correction == "tis" else (0.0 if ratio > cap else ratio)
+      outside = ratio > cap or (correction in ("icepop", "seq_mask") and ratio < low)
+      cp[i, u] = outside
+      if correction == "tis":
+        w[i, u] = min(ratio, cap)
+      elif correction == "seq_mask":
+        w[i, u] = 0.0 if outside else 1.0
+      else:
+        w[i, u] = 0.0 if outside else ratio
       k3[i, u] = np.exp(np.clip(d[u], -MAX_LOG, MAX_LOG)) - d[u] - 1
   return w, r, cp.astype(bool), k3
 

@@ -169,3 +169,29 @@ def test_judge_arguments_are_checked():
   judge = JudgeReward(engine, tok, reference_column="answer", template="{answer} {reference}")
   with pytest.raises(ValueError, match="needs the column 'answer'"):
     judge(["q"], ["a"])
+
+
+def test_the_documented_judge_shows_the_reference_and_a_template_without_it_is_refused():
+  """docs/rewards.md's ``JudgeReward(engine, tok, reference_column="answer")``: the rendered prompt holds the
+  reference (before, the default template had no ``{reference}`` and the column was read, then dropped)."""
+  from jaxgrpo.tasks.arithmetic import build_tokenizer
+
+  tok = build_tokenizer()
+  engine = CountingEngine(None)
+  judge = JudgeReward(engine, tok, reference_column="answer", chat=False)
+  text = judge.render("what is 2+2?", "5", reference="4")
+  assert text.endswith("Question: what is 2+2?\n\nReference answer: 4\n\nAnswer: 5\n\nIs the answer correct?")
+  assert "Reference" not in JudgeReward(engine, tok, chat=False).render("what is 2+2?", "5")
+  with pytest.raises(ValueError, match=r"no \{reference\} placeholder, so the judge would never see the reference"):
+    JudgeReward(engine, tok, reference_column="answer", template="{question} {answer}")
+
+
+def test_a_template_with_literal_json_braces_is_refused_with_the_hint_to_double_them():
+  from jaxgrpo.tasks.arithmetic import build_tokenizer
+
+  tok = build_tokenizer()
+  engine = CountingEngine(None)
+  with pytest.raises(ValueError, match=r'must be doubled: \{\{"score": 1\}\}'):
+    JudgeReward(engine, tok, template='{question} {answer} Reply as JSON: {"score": <0-10>}', chat=False)
+  judge = JudgeReward(engine, tok, template='{answer} Reply as JSON: {{"score": <0-10>}}', chat=False)
+  assert judge.render("q", "7") == '7 Reply as JSON: {"score": <0-10>}'

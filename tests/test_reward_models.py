@@ -187,3 +187,36 @@ def test_bench_reward_model_smoke(capsys):
   )
   assert out["max_abs_diff"] < 1e-4 and out["ratio"] > 0
   assert "ratio (jaxgrpo tokens/s / transformers tokens/s)" in capsys.readouterr().out
+
+
+def test_an_overflowing_score_is_a_missing_sample(tmp_path):
+  """A head that overflows float32 (every score weight 3e38: transformers' logits are ±inf too) gives missing
+  samples (NaN, counted ``nonfinite``) in a RewardSet, whatever its ``on_error``: before, the reward function
+  returned ±inf and a RewardSet raised (or, with ``on_error="zero"``, scored those rows 0)."""
+  from jaxgrpo.data.rewards import RewardSet
+  from jaxgrpo.tasks.arithmetic import build_tokenizer
+
+  tok = build_tokenizer()
+  path, hf = make_classifier(tmp_path / "rm", "qwen2", tied=False, vocab_size=len(tok))
+  hf.config.pad_token_id = tok.pad_token_id
+  with torch.no_grad():
+    hf.score.weight.fill_(3e38)
+  hf.save_pretrained(path)
+  fn = RewardModelReward(load_reward_model(path), tok, batch_size=2, pad_multiple=16, name="rm")
+  completions = ["\\boxed{5}", "\\boxed{9}", "4+4=8", "no"]
+  want = []
+  for c in completions:
+    text = tok.apply_chat_template(
+      [{"role": "user", "content": "q"}, {"role": "assistant", "content": c}], tokenize=False
+    )
+    with torch.no_grad():
+      want.append(
+        float(hf(input_ids=tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]).logits[0, 0])
+      )
+  bad = ~np.isfinite(want)
+  assert bad.any()  # the premise: transformers' own scores overflow
+  for on_error in ("raise", "zero"):
+    res = RewardSet([fn], on_error=on_error)(["q"] * 4, completions)
+    assert np.isnan(res.total[bad]).all()
+    np.testing.assert_allclose(res.total[~bad], np.asarray(want)[~bad], rtol=1e-3)
+    assert res.counters == {"rm/missing": int(bad.sum()), "rm/nonfinite": int(bad.sum())}

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxgrpo.data.rewards import RewardSet
+from jaxgrpo.data.rewards import RewardError, RewardSet
 from jaxgrpo.rewards.remote import RemoteReward
 
 
@@ -81,6 +81,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
       elif path == "/cut":  # promises more bytes than it sends, then closes the connection
         self._reply(200, json.dumps({"scores": scores}).encode()[:10], length=500)
         self.close_connection = True
+      elif path == "/infinite":  # what json.dumps(float("inf")) writes, and a literal that overflows a double
+        self._reply(200, b'{"scores": [Infinity, -Infinity, 1e999, 0.5, NaN]}')
+      elif path == "/trickle":  # headers at once, then the body one byte every 0.2 s (each read within the timeout)
+        body = json.dumps({"scores": scores}).encode()
+        self._leave()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        for i in range(len(body)):
+          self.wfile.write(body[i : i + 1])
+          self.wfile.flush()
+          time.sleep(0.2)
       elif path == "/nulls":  # the service could not score the odd rows
         self._reply(200, json.dumps({"scores": [s if i % 2 == 0 else None for i, s in enumerate(scores)]}).encode())
     finally:
@@ -198,6 +210,51 @@ def test_missing_rows_stay_nan_in_a_reward_set(server):
   assert np.isnan(res.total[odd]).all() and np.isnan(res.per_fn["service"][odd]).all()
   np.testing.assert_allclose(res.total[~odd], 0.5 * np.asarray(WANT)[~odd], rtol=1e-6)
   assert res.counters == {"service/requests": 1, "service/null_scores": 5, "service/missing": 5}
+
+
+def test_infinite_scores_are_missing_samples_on_every_path(server):
+  """``Infinity``/``-Infinity``/``1e999``/``NaN`` in a reply are missing samples (NaN, counted ``nonfinite_scores``)
+  the same way alone, in a RewardSet that raises and in one that zeroes errors: before, they came back as ±inf,
+  a RewardSet raised, and ``on_error="zero"`` scored them 0 (real advantages, nothing counted missing)."""
+  fn = RemoteReward(server.url + "/infinite", batch_size=5, name="service")
+  got = fn(PROMPTS[:5], COMPLETIONS[:5])
+  assert [math.isnan(x) for x in got] == [True, True, True, False, True] and got[3] == 0.5
+  assert fn.pop_counters() == {"requests": 1, "nonfinite_scores": 4}
+  for on_error in ("raise", "zero"):
+    res = RewardSet([(fn, 2.0)], on_error=on_error)(PROMPTS[:5], COMPLETIONS[:5])
+    want = np.array([np.nan, np.nan, np.nan, 1.0, np.nan], np.float32)
+    np.testing.assert_array_equal(res.total, want)
+    assert res.counters == {"service/requests": 1, "service/nonfinite_scores": 4, "service/missing": 4}
+
+
+def test_an_infinite_score_of_a_nan_is_missing_function_is_missing_in_a_reward_set():
+  """The rule holds for any learned reward (``nan_is_missing``): ±inf is missing (NaN, counted), never an error
+  or a 0; a plain verifiable function's inf stays an error."""
+
+  class Learned:
+    nan_is_missing = True
+    __name__ = "learned"
+
+    def __call__(self, prompts, completions, **columns):
+      return [math.inf, -math.inf, math.nan, 0.25]
+
+  for on_error in ("raise", "zero"):
+    res = RewardSet([Learned()], on_error=on_error)(["p"] * 4, ["c"] * 4)
+    assert np.isnan(res.total[:3]).all() and res.total[3] == 0.25
+    assert res.counters == {"learned/missing": 3, "learned/nonfinite": 2}
+  with pytest.raises(RewardError, match="non-finite reward inf"):
+    RewardSet([lambda p, c: [math.inf]])(["p"], ["c"])
+
+
+def test_an_attempt_cut_by_the_deadline_is_a_request_and_a_timeout(server):
+  """A body still arriving at the deadline (each byte within the socket timeout): the call returns at the deadline
+  and counts the attempt (before: ``deadline_rows`` only, no request, no timeout)."""
+  fn = RemoteReward(server.url + "/trickle", batch_size=ROWS, retries=2, timeout_s=5.0, deadline_s=0.6)
+  t0 = time.monotonic()
+  got = fn(PROMPTS, COMPLETIONS)
+  assert time.monotonic() - t0 < 1.5
+  assert all(math.isnan(x) for x in got)
+  assert fn.pop_counters() == {"requests": 1, "timeouts": 1, "deadline_rows": ROWS}
 
 
 def test_arguments_are_checked():

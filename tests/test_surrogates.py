@@ -100,20 +100,21 @@ def test_value_and_gradient_equal_the_numpy_formula(batch, loss, aggregation):
 @SETTINGS
 @given(batches(), st.sampled_from(["ppo", "gspo_token", "cispo", "sapo"]), st.sampled_from(AGGS), st.data())
 def test_everything_composed_equals_the_numpy_formula(batch, loss, aggregation, data):
-  """Token losses with λ-style token weights, per-token advantages, a k3 KL term, TIS/MIS weights at
-  either level and an entropy bonus: l = w·(v·p + β·D − c·H)."""
+  """Token losses with λ-style token weights, per-token advantages, a k3 KL term, TIS/MIS/IcePop weights at
+  either level or sequence masking, and an entropy bonus: l = w·(v·p + β·D − c·H)."""
   logp, old, adv, mask = batch
   rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
-  correction = data.draw(st.sampled_from(["tis", "mis"]))
-  level = data.draw(st.sampled_from(["token", "sequence"]))
+  correction = data.draw(st.sampled_from(["tis", "mis", "icepop", "seq_mask"]))
+  level = "token" if correction == "seq_mask" else data.draw(st.sampled_from(["token", "sequence"]))
   cap = data.draw(st.sampled_from([0.5, 1.2, 2.0]))
+  low = data.draw(st.sampled_from([0.3, 0.9])) * min(cap, 1.0) if correction in ("icepop", "seq_mask") else None
   behavior = jnp.where(mask, old + rng.normal(0, 0.3, old.shape).astype(np.float32), -jnp.inf)
   refl = jnp.where(mask, old + rng.normal(0, 0.3, old.shape).astype(np.float32), jnp.nan)
   w = jnp.asarray(rng.uniform(0.1, 1.0, old.shape).astype(np.float32))
   h = jnp.asarray(rng.uniform(0.0, 3.0, old.shape).astype(np.float32))
   lo, hi = HYPER[loss]
-  imp = jg.importance_weights(old, behavior, mask, correction=correction, level=level, cap=cap)
-  want_imp = ref.importance(_clean(old, mask), _clean(behavior, mask), mask, correction, level, cap)
+  imp = jg.importance_weights(old, behavior, mask, correction=correction, level=level, cap=cap, low=low)
+  want_imp = ref.importance(_clean(old, mask), _clean(behavior, mask), mask, correction, level, cap, low)
   for got_x, want_x, name in zip(imp, want_imp, ("weights", "ratio", "capped", "mismatch_kl")):
     _assert_close(np.asarray(got_x, np.float64), want_x.astype(np.float64), name)
 
@@ -296,6 +297,26 @@ def test_masked_tokens_stay_in_the_denominator_and_metrics_report_the_mismatch()
   assert float(m["is_capped_frac"]) == 0.5 and float(m["is_ratio_max"]) == pytest.approx(np.exp(3.0), rel=1e-5)
   assert float(m["mismatch_kl"]) == pytest.approx((np.exp(3) - 3 - 1) / 2, rel=1e-5)
   assert float(m["is_weight_mean"]) == pytest.approx(0.5)
+
+
+def test_with_tis_policy_loss_is_the_unweighted_surrogate_and_is_policy_loss_the_weighted_one():
+  """issue 47: with TIS ``loss`` is weighted by v = min(π_old/μ, C) while ``policy_loss`` is the surrogate alone;
+  both are logged, the weighted one as ``is_policy_loss`` (before, only the unweighted one, named as if it were
+  the loss's policy part). NumPy from the formula: at ρ = 1 the PPO term is p = −A."""
+  rng = np.random.default_rng(0)
+  old = rng.normal(-1.0, 0.3, (3, 5)).astype(np.float32)
+  behavior = (old + rng.normal(0.0, 0.8, old.shape)).astype(np.float32)
+  adv = rng.normal(size=3).astype(np.float32)
+  mask = np.arange(5)[None, :] < np.array([[5], [3], [1]])
+  v = np.minimum(np.exp(old - behavior), 2.0)
+  p = -np.broadcast_to(adv[:, None], old.shape)
+  imp = jg.importance_weights(old, behavior, mask, correction="tis", cap=2.0)
+  loss, m = jg.policy_loss(old, old, adv, mask, importance=imp)
+  assert float(m["policy_loss"]) == pytest.approx(p[mask].mean(), rel=1e-5)
+  assert float(m["is_policy_loss"]) == pytest.approx((v * p)[mask].mean(), rel=1e-5)
+  assert float(loss) == pytest.approx((v * p)[mask].mean(), rel=1e-5)
+  assert abs(float(m["is_policy_loss"]) - float(m["policy_loss"])) > 0.05  # the two differ here
+  assert "is_policy_loss" not in jg.policy_loss(old, old, adv, mask)[1]  # only with a correction
 
 
 # ----------------------------------------------------------------------------- config: presets and compositions

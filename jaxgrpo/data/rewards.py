@@ -20,7 +20,9 @@ Error contract (one rule for every reward function, :class:`MathAccuracy` includ
   ``jaxgrpo.rewards``: a judge's unparsable verdict, a reward service that failed) returns NaN for a
   sample it could not score: a *missing sample*, not an error. :class:`RewardSet` keeps it NaN in
   ``per_fn`` and ``total`` (the row gets advantage 0 and stays out of the loss, as ``rollout.collect.score``
-  documents) and counts it (``"<name>/missing"``) whatever ``on_error`` says; never a silent 0.
+  documents) and counts it (``"<name>/missing"``) whatever ``on_error`` says; never a silent 0. A ±inf
+  from such a function is the same missing sample (NaN, counted in ``"<name>/missing"`` and
+  ``"<name>/nonfinite"``): one rule for every non-finite learned, judged or remote score, on every path.
 - A verifier *timeout* is not an error: the sample scores 0 and is counted (``"<name>/timeouts"``)
   whatever ``on_error`` says. It is a property of the completion (sympy spends minutes on
   ``\\boxed{2^{10^{10}}}``); stopping the run over it would let one completion end training.
@@ -348,14 +350,17 @@ class RewardSet:
         raise
     if len(vals) != n:
       raise RewardError(f"reward function {name!r} returned {len(vals)} values for {n} completions")
-    missing = 0
+    missing, infinite = 0, 0
     for i, v in enumerate(vals):
-      if math.isnan(v) and i not in failed and getattr(fn, "nan_is_missing", False) is True:
-        missing += 1  # a missing sample by the function's own account: kept NaN, counted
+      if not math.isfinite(v) and i not in failed and getattr(fn, "nan_is_missing", False) is True:
+        missing += 1  # a missing sample by the function's own account (NaN, or ±inf): kept NaN, counted
+        infinite += not math.isnan(v)
+        vals[i] = math.nan
       elif not math.isfinite(v) and i not in failed:
         failed[i] = f"non-finite reward {v}"
-    if missing:
-      counters[f"{name}/missing"] = counters.get(f"{name}/missing", 0) + missing
+    for key, count in (("missing", missing), ("nonfinite", infinite)):
+      if count:
+        counters[f"{name}/{key}"] = counters.get(f"{name}/{key}", 0) + count
     if failed:
       if self.on_error == "raise":
         i = min(failed)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import _checks
+from jaxgrpo.kernels import importance as _importance
 from jaxgrpo.kernels.advantages import ADVANTAGE_SCALES
 from jaxgrpo.kernels.hyper import GRPOHyper
 from jaxgrpo.kernels.importance import CORRECTIONS, IMPORTANCE_LEVELS
@@ -98,11 +99,16 @@ class GRPOConfig:
     max_tokens: constant of ``seq-mean-token-sum-norm`` (None: the padded completion length).
     dynamic_sampling: DAPO — drop groups whose rewards are all equal and refill (trainer).
     importance_correction: off-policy correction for a behaviour policy μ (inference engine, dtype,
-      staleness) that differs from the rollout log-probs π_old: None, ``"tis"`` (truncated IS) or
-      ``"mis"`` (masked IS); see ``jaxgrpo.kernels.importance``. The behaviour log-probs come from
+      staleness) that differs from the rollout log-probs π_old: None, ``"tis"`` (truncated IS), ``"mis"``
+      (masked IS), ``"icepop"`` (two-sided token masking to the band ``[importance_low, importance_cap]``) or
+      ``"seq_mask"`` (a whole row masked when its geometric-mean ratio leaves the band); see
+      ``jaxgrpo.kernels.importance``. The behaviour log-probs come from
       ``Batch.behavior_logp`` (None there: μ = π_old, every weight 1).
     importance_level: ``"token"`` (a ratio per token) or ``"sequence"`` (the product over the row).
-    importance_cap: C > 0, the cap of the IS ratio (verl's default threshold 2, TRL's 3).
+    importance_cap: C > 0, the cap of the IS ratio (verl's default threshold 2, TRL's 3); the band's upper
+      bound for ``"icepop"`` / ``"seq_mask"`` (IcePop: 5).
+    importance_low: L in (0, C), the band's lower bound, read only by ``"icepop"`` and ``"seq_mask"`` (None:
+      0.5, IcePop's α; ``jaxgrpo.kernels.importance.DEFAULT_LOW``).
     entropy_coef: c, entropy bonus ``−c·H(i,t)`` per token, aggregated like the loss (0: off). When
       non-zero the train step computes the entropy with its gradient and passes it to the objective.
   """
@@ -128,6 +134,7 @@ class GRPOConfig:
   importance_correction: str | None = None
   importance_level: str = "token"
   importance_cap: float = 2.0
+  importance_low: float | None = None
   entropy_coef: float = 0.0
 
   def __post_init__(self):
@@ -158,8 +165,37 @@ class GRPOConfig:
       c.check_choice(self.importance_correction, CORRECTIONS, "importance_correction")
     c.check_choice(self.importance_level, IMPORTANCE_LEVELS, "importance_level")
     c.check_python_float(self.importance_cap, "importance_cap", above=0.0, hint="the IS ratio cap C")
+    if self.importance_low is not None:
+      c.check_python_float(self.importance_low, "importance_low", above=0.0, hint="the band's lower bound L")
+    self._check_importance_band()
     c.check_python_float(self.entropy_coef, "entropy_coef", hint="the entropy bonus coefficient c")
     self._check_composition()
+
+  def _check_importance_band(self) -> None:
+    """``importance_low`` only with a band correction (``icepop``, ``seq_mask``), below ``importance_cap``;
+    ``seq_mask`` at ``importance_level="token"`` (it is sequence-level by its geometric mean)."""
+    band = self.importance_correction in _importance.BAND_CORRECTIONS
+    if self.importance_low is not None and not band:
+      raise ValueError(
+        f"`importance_low`={self.importance_low!r} is the lower bound of a band, read only with "
+        f"importance_correction 'icepop' or 'seq_mask'; got importance_correction={self.importance_correction!r}: "
+        "drop importance_low or choose a band correction"
+      )
+    if not band:
+      return
+    low = _importance.DEFAULT_LOW if self.importance_low is None else self.importance_low
+    if not low < self.importance_cap:
+      raise ValueError(
+        f"the band [importance_low, importance_cap] must have importance_low < importance_cap; got "
+        f"importance_low={low!r}{' (the default)' if self.importance_low is None else ''}, "
+        f"importance_cap={self.importance_cap!r}"
+      )
+    if self.importance_correction == "seq_mask" and self.importance_level != "token":
+      raise ValueError(
+        "importance_correction='seq_mask' is sequence-level by definition (the geometric mean of a row's token "
+        f"ratios): leave importance_level at 'token' (got {self.importance_level!r}), or use 'icepop' with "
+        "importance_level='sequence' for the product of the ratios"
+      )
 
   def _check_composition(self) -> None:
     """The sequence losses refuse per-token weights and per-token advantages (module docstring)."""

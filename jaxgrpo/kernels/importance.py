@@ -12,7 +12,22 @@ correction     level          ``v(i,t)``
 ``"tis"``      ``"sequence"`` ``min(r_i, C)`` on every token of row i, ``r_i = Π_t r_t = exp(Σ_t (old − behavior))``
 ``"mis"``      ``"token"``    ``r_t`` if ``r_t <= C`` else 0 (masked IS: the token leaves the numerator)
 ``"mis"``      ``"sequence"`` ``r_i`` if ``r_i <= C`` else 0 on every token of row i
+``"icepop"``   ``"token"``    ``r_t`` if ``L <= r_t <= C`` else 0 (two-sided token masking, IcePop)
+``"icepop"``   ``"sequence"`` ``r_i`` if ``L <= r_i <= C`` else 0 on every token of row i
+``"seq_mask"`` (sequence)     1 on every token of row i if ``L <= ρ_i <= C`` else 0, with the geometric mean
+                              ``ρ_i = exp(Σ_t m·(old − behavior) / Σ_t m)`` (sequence-level masking)
 =============  =============  ============================================================================
+
+``L`` is the lower bound of the band ``[L, C]`` (``low``; read by ``icepop`` and ``seq_mask`` only). IcePop
+(inclusionAI, Ring-1T, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model",
+arXiv:2510.18855, its ``M(k; α, β) = k`` for ``α <= k <= β`` else 0 on ``k = π_train/π_infer`` of the
+sampled token) discards the tokens whose training/inference probabilities disagree by more than the band
+in *either* direction, keeping the ratio as the weight inside it; MIS is its one-sided form. The
+sequence-level masking drops a whole row when the geometric mean of its token ratios leaves the band —
+the length-normalised ratio, so a long row is not rejected for its length alone (verl's geometric rejection
+sampling, ``rollout_rs="geometric"``; Liu et al. below, part 3) — and keeps the others unweighted (a
+rejection, no reweighting). ``ratio`` reports ``ρ_i`` on its tokens there, and ``capped`` marks every
+token of a dropped row.
 
 ``C`` is the cap. The sequence ratio is the product of the token ratios, as TRL's
 ``vllm_importance_sampling_mode="sequence_*"`` and verl's ``rollout_is="sequence"``; log-ratios are
@@ -40,17 +55,23 @@ from jaxgrpo.kernels._numerics import select
 from jaxgrpo.kernels.kl import kl_penalty
 
 __all__ = [
+  "BAND_CORRECTIONS",
   "CORRECTIONS",
   "IMPORTANCE_LEVELS",
+  "DEFAULT_LOW",
   "MAX_LOG_WEIGHT",
   "ImportanceWeights",
   "importance_weights",
   "mismatch_k3",
 ]
 
-CORRECTIONS = ("tis", "mis")
+CORRECTIONS = ("tis", "mis", "icepop", "seq_mask")
+#: the corrections that read the band's lower bound ``low``
+BAND_CORRECTIONS = ("icepop", "seq_mask")
 IMPORTANCE_LEVELS = ("token", "sequence")
 MAX_LOG_WEIGHT = 20.0
+#: the band's default lower bound L (IcePop's α = 0.5)
+DEFAULT_LOW = 0.5
 
 
 class ImportanceWeights(NamedTuple):
@@ -60,7 +81,8 @@ class ImportanceWeights(NamedTuple):
     weights: ``f32[B, T]`` the weight ``v(i,t)`` multiplying the per-token policy term.
     ratio: ``f32[B, T]`` the raw ratio r before the cap (token level: ``r_t``; sequence level: ``r_i``
       on each of row i's tokens), ``exp`` of a log-ratio clamped to ±20.
-    capped: ``bool[B, T]`` tokens whose ratio exceeded the cap (truncated for TIS, masked for MIS).
+    capped: ``bool[B, T]`` tokens whose ratio exceeded the cap (truncated for TIS, masked for MIS) or left the
+      band ``[low, cap]`` (masked: ``icepop``, every token of a dropped row for ``seq_mask``).
     mismatch_kl: ``f32[B, T]`` ``k3 = r_t − log r_t − 1`` per token, the behaviour/rollout mismatch.
   """
 
@@ -70,36 +92,62 @@ class ImportanceWeights(NamedTuple):
   mismatch_kl: jax.Array
 
 
-def _importance(old_logp, behavior_logp, mask, *, correction, level, cap) -> ImportanceWeights:
+def _importance(old_logp, behavior_logp, mask, *, correction, level, cap, low) -> ImportanceWeights:
   sg = jax.lax.stop_gradient
   real = mask
   old = select(real, sg(old_logp.astype(jnp.float32)))
   behavior = select(real, sg(behavior_logp.astype(jnp.float32)))
   log_r = old - behavior  # [B, T], 0 on padding
-  if level == "sequence":
+  if correction == "seq_mask":  # the geometric mean: the row's mean log-ratio (0 for an empty row)
+    n = jnp.sum(real, axis=1, keepdims=True).astype(jnp.float32)
+    log_r = jnp.broadcast_to(jnp.sum(log_r, axis=1, keepdims=True) / jnp.maximum(n, 1.0), log_r.shape)
+  elif level == "sequence":
     log_r = jnp.broadcast_to(jnp.sum(log_r, axis=1, keepdims=True), log_r.shape)
   ratio = select(real, jnp.exp(jnp.clip(log_r, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)))
-  capped = real & (ratio > cap)
-  weights = jnp.minimum(ratio, cap) if correction == "tis" else jnp.where(capped, 0.0, ratio)
+  outside = (ratio > cap) | (ratio < low) if correction in BAND_CORRECTIONS else ratio > cap
+  capped = real & outside
+  if correction == "tis":
+    weights = jnp.minimum(ratio, cap)
+  elif correction == "seq_mask":
+    weights = jnp.where(capped, 0.0, 1.0)
+  else:  # mis, icepop: the ratio inside, 0 outside
+    weights = jnp.where(capped, 0.0, ratio)
   mismatch = kl_penalty(old, behavior, "forward_k3", mask=real)
   return ImportanceWeights(select(real, weights), ratio, capped, select(real, mismatch))
 
 
-_importance_jit = _hyper.jit(_importance, static_argnames=("correction", "level"), numbers=("cap",))
+_importance_jit = _hyper.jit(_importance, static_argnames=("correction", "level"), numbers=("cap", "low"))
 
 
-def check_hyper(correction, level, cap) -> dict:
-  """The hyper-parameters, checked: ``correction``/``level`` static, ``cap`` a Python float (static)
-  or an array (traced, range-checked when concrete)."""
-  return dict(
-    correction=_checks.check_choice(correction, CORRECTIONS, "correction"),
-    level=_checks.check_choice(level, IMPORTANCE_LEVELS, "level"),
-    cap=_checks.check_scalar(cap, "cap", above=0.0, hint="the importance-weight cap C"),
-  )
+def check_hyper(correction, level, cap, low=None) -> dict:
+  """The hyper-parameters, checked: ``correction``/``level`` static, ``cap`` and ``low`` Python floats (static)
+  or arrays (traced, range-checked when concrete); ``low`` only with a band correction (``icepop``,
+  ``seq_mask``: None there is :data:`DEFAULT_LOW`), below ``cap`` when both are concrete."""
+  correction = _checks.check_choice(correction, CORRECTIONS, "correction")
+  level = _checks.check_choice(level, IMPORTANCE_LEVELS, "level")
+  cap = _checks.check_scalar(cap, "cap", above=0.0, hint="the importance-weight cap C")
+  if correction not in BAND_CORRECTIONS:
+    if low is not None:
+      raise ValueError(
+        f"`low`={low!r} is the lower bound of a band, read only by correction 'icepop' or 'seq_mask'; "
+        f"correction={correction!r} has none: drop it"
+      )
+    return dict(correction=correction, level=level, cap=cap, low=0.0)
+  if correction == "seq_mask" and level != "token":
+    raise ValueError(
+      "correction='seq_mask' is sequence-level by definition (the geometric mean of a row's token ratios); "
+      f"leave `level` at 'token' (got {level!r}), or use correction='icepop' with level='sequence' for the product"
+    )
+  low = _checks.check_scalar(DEFAULT_LOW if low is None else low, "low", above=0.0, hint="the band's lower bound L")
+  lo, hi = _checks.concrete_or_none(low), _checks.concrete_or_none(cap)
+  if lo is not None and hi is not None and not float(lo) < float(hi):
+    raise ValueError(f"the band [low, cap] must have low < cap; got low={float(lo)!r}, cap={float(hi)!r}")
+  return dict(correction=correction, level=level, cap=cap, low=low)
 
 
-def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level="token", cap=2.0):
-  """Truncated (TIS) or masked (MIS) importance weights ``π_old/μ`` at token or sequence level.
+def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level="token", cap=2.0, low=None):
+  """Truncated (TIS), masked (MIS), two-sided masked (IcePop) or sequence-masked importance weights of
+  ``π_old/μ`` at token or sequence level.
 
   See the module docstring for the formulas and the papers.
 
@@ -107,15 +155,20 @@ def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level
     old_logp: ``f32[B, T]`` the trainer's log-probs of the rollout policy (π_old).
     behavior_logp: ``f32[B, T]`` the behaviour policy's log-probs (μ: the inference engine's).
     mask: ``bool[B, T]`` real completion tokens; both log-probs are ignored on padding.
-    correction: ``"tis"`` (truncate at the cap) or ``"mis"`` (weight 0 above the cap).
-    level: ``"token"`` (one ratio per token) or ``"sequence"`` (the product over the row).
+    correction: ``"tis"`` (truncate at the cap), ``"mis"`` (weight 0 above the cap), ``"icepop"`` (weight 0
+      outside ``[low, cap]``) or ``"seq_mask"`` (a row's weights 0 when its geometric-mean ratio leaves
+      ``[low, cap]``, else 1).
+    level: ``"token"`` (one ratio per token) or ``"sequence"`` (the product over the row; not with
+      ``seq_mask``, which is sequence-level by its geometric mean).
     cap: C > 0, a Python float (static) or a ``f32[]`` array (traced) (TRL's ``vllm_importance_sampling_clip_max`` default 3, verl's ``rollout_is_threshold`` 2).
+    low: L in (0, C), the band's lower bound (``icepop``, ``seq_mask`` only; None: :data:`DEFAULT_LOW` = 0.5,
+      IcePop's α); a Python float (static) or a ``f32[]`` array (traced).
 
   Returns:
     :class:`ImportanceWeights` ``(weights, ratio f32[B, T], capped bool[B, T], mismatch_kl f32[B, T])``.
   """
   _checks.check_logp_pair(old_logp, behavior_logp, mask, ("old_logp", "behavior_logp"))
-  return _importance_jit(old_logp, behavior_logp, mask, **check_hyper(correction, level, cap))
+  return _importance_jit(old_logp, behavior_logp, mask, **check_hyper(correction, level, cap, low))
 
 
 def mismatch_k3(old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -102,6 +102,7 @@ def combine_terms(a: LossTerms, b: LossTerms) -> LossTerms:
 # optional token-mean metrics: (sum key, metric name), present when the loss had the input
 _OPTIONAL_MEANS = (
   ("is_weight", "is_weight_mean"),
+  ("is_policy", "is_policy_loss"),
   ("is_ratio", "is_ratio_mean"),
   ("is_capped", "is_capped_frac"),
   ("mismatch_kl", "mismatch_kl"),
@@ -269,6 +270,7 @@ def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entr
   if importance is not None:
     sums.update(
       is_weight=tsum(importance.weights),
+      is_policy=sg(jnp.sum(sur.loss * select(real, importance.weights.astype(jnp.float32)))),
       is_ratio=tsum(importance.ratio),
       is_capped=count(real & importance.capped),
       mismatch_kl=tsum(importance.mismatch_kl),
@@ -361,10 +363,13 @@ def policy_loss(
 
   Returns:
     ``(loss f32[], metrics)`` where metrics holds ``loss``, ``policy_loss`` (token mean of the
-    surrogate term ``p``) and ``kl`` (token means, unweighted), clip fractions ``clip_frac_low``
+    surrogate term ``p`` *before* the importance weight ``v`` and the token weight ``w``: the surrogate alone)
+    and ``kl`` (token means, unweighted), clip fractions ``clip_frac_low``
     (A<0, ratio below its range), ``clip_frac_high`` (A>0, above), ``clip_frac_dual``, ``approx_kl``
     (mean of ρ-1-log ρ, KL to the rollout policy), the token ratio ρ's mean/min/max and advantage
-    mean/std/min/max over real tokens; with ``importance``: ``is_weight_mean``, ``is_ratio_mean``,
+    mean/std/min/max over real tokens; with ``importance``: ``is_policy_loss`` (token mean of ``v·p``, the
+    policy term as the loss applies it: ``loss`` itself for a token-mean loss without β, entropy or ``w``),
+    ``is_weight_mean``, ``is_ratio_mean``,
     ``is_ratio_max`` (the raw ratio π_old/μ), ``is_capped_frac`` (tokens truncated or masked) and
     ``mismatch_kl`` (mean k3 between π_old and μ); with an entropy bonus: ``entropy``. An all-padding
     or empty (B = 0 or T = 0) batch gives loss 0 and finite gradients.

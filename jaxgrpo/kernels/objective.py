@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxgrpo import _checks
 from jaxgrpo.kernels.advantages import group_advantages
 from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
-from jaxgrpo.kernels.importance import importance_weights
+from jaxgrpo.kernels.importance import BAND_CORRECTIONS, importance_weights
 from jaxgrpo.kernels.kl import frpo_advantages, kl_penalty
 from jaxgrpo.kernels.losses import LossTerms, policy_loss_terms
 from jaxgrpo.kernels.process_sets import group_size_bound, process_set_sizes
@@ -164,6 +164,7 @@ def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, re
       correction=config.importance_correction,
       level=config.importance_level,
       cap=number("importance_cap"),
+      low=config.importance_low if config.importance_correction in BAND_CORRECTIONS else None,
     )
   loss_hyper = GRPOHyper(
     loss=config.loss,

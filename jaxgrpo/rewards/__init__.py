@@ -10,7 +10,14 @@ A judge reply without a score and a failed service request give NaN, a *missing 
 loss; ``RewardSet`` keeps it and counts ``"<name>/missing"``), and a counter saying why — never a silent 0.
 """
 
-from jaxgrpo.rewards.judge import DEFAULT_RUBRIC, DEFAULT_TEMPLATE, VERDICTS, JudgeReward, parse_judgment
+from jaxgrpo.rewards.judge import (
+  DEFAULT_RUBRIC,
+  DEFAULT_TEMPLATE,
+  REFERENCE_TEMPLATE,
+  VERDICTS,
+  JudgeReward,
+  parse_judgment,
+)
 from jaxgrpo.rewards.remote import RemoteReward
 from jaxgrpo.rewards.reward_model import RewardModel, RewardModelReward, last_token_index, load_reward_model
 
@@ -18,6 +25,7 @@ __all__ = [
   "DEFAULT_RUBRIC",
   "DEFAULT_TEMPLATE",
   "JudgeReward",
+  "REFERENCE_TEMPLATE",
   "RemoteReward",
   "RewardModel",
   "RewardModelReward",

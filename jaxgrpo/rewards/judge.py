@@ -27,14 +27,19 @@ from jaxgrpo.data.rewards import PROMPT_MESSAGES, CountingReward
 from jaxgrpo.rollout.engines.base import check_engine
 from jaxgrpo.rollout.sampling import SamplingConfig
 
-__all__ = ["DEFAULT_RUBRIC", "DEFAULT_TEMPLATE", "VERDICTS", "JudgeReward", "parse_judgment"]
+__all__ = ["DEFAULT_RUBRIC", "DEFAULT_TEMPLATE", "REFERENCE_TEMPLATE", "VERDICTS", "JudgeReward", "parse_judgment"]
 
 DEFAULT_RUBRIC = (
   "You are grading an answer to a question. Reply with one word: yes if the answer is correct and complete, "
   "no otherwise."
 )
 #: The placeholders: ``{rubric}``, ``{question}``, ``{answer}``, and ``{reference}`` (the ``reference_column``).
+#: The default without a ``reference_column``.
 DEFAULT_TEMPLATE = "{rubric}\n\nQuestion: {question}\n\nAnswer: {answer}\n\nIs the answer correct?"
+#: The default with a ``reference_column``: the judge is shown the reference answer.
+REFERENCE_TEMPLATE = (
+  "{rubric}\n\nQuestion: {question}\n\nReference answer: {reference}\n\nAnswer: {answer}\n\nIs the answer correct?"
+)
 
 #: Verdict words (case-insensitive, whole words) and their scores.
 VERDICTS: Mapping[str, float] = {
@@ -110,9 +115,13 @@ class JudgeReward(CountingReward):
     engine: an ``Engine`` (``jaxgrpo.rollout.engines``) holding the judge model; called once per call with all
       rows (``num_samples=1``).
     tokenizer: the judge model's tokenizer (renders and decodes).
-    template: the judge prompt (placeholders ``{rubric}``, ``{question}``, ``{answer}``, ``{reference}``).
+    template: the judge prompt (placeholders ``{rubric}``, ``{question}``, ``{answer}``, ``{reference}``; a literal
+      brace is doubled, ``{{"score": 1}}``). None: :data:`REFERENCE_TEMPLATE` with a ``reference_column``, else
+      :data:`DEFAULT_TEMPLATE`.
     rubric: the grading instructions (:data:`DEFAULT_RUBRIC`).
-    reference_column: the dataset column filling ``{reference}`` (e.g. ``"answer"``); None: not used.
+    reference_column: the dataset column filling ``{reference}`` (e.g. ``"answer"``); None: not used. A template
+      that names one uses ``{reference}`` and the other way round (either mismatch is refused: a reference the
+      judge never sees is a silent no-op).
     parser: reply → score or None (default :func:`parse_judgment`).
     scale: ``(lo, hi)``: a parsed number x becomes ``(x - lo) / (hi - lo)``; one outside ``[lo, hi]`` is
       missing (counted ``out_of_range``). None: scores as parsed.
@@ -137,7 +146,7 @@ class JudgeReward(CountingReward):
     engine,
     tokenizer,
     *,
-    template: str = DEFAULT_TEMPLATE,
+    template: str | None = None,
     rubric: str = DEFAULT_RUBRIC,
     reference_column: str | None = None,
     parser: Callable[[str], float | None] = parse_judgment,
@@ -152,16 +161,9 @@ class JudgeReward(CountingReward):
   ):
     super().__init__()
     check_engine(engine, "`engine`")
-    if not isinstance(template, str) or "{answer}" not in template:
-      raise ValueError(f"`template` must be a str with an {{answer}} placeholder; got {template!r:.200}")
-    try:
-      template.format(rubric="", question="", answer="", reference="")
-    except (KeyError, IndexError, ValueError) as e:
-      raise ValueError(
-        f"`template` may use only {{rubric}}, {{question}}, {{answer}}, {{reference}}; got {e!r} in {template!r:.200}"
-      ) from None
-    if "{reference}" in template and reference_column is None:
-      raise ValueError("`template` uses {reference}: name the column that holds it with `reference_column`")
+    if template is None:
+      template = DEFAULT_TEMPLATE if reference_column is None else REFERENCE_TEMPLATE
+    _check_template(template, reference_column)
     if not callable(parser):
       raise TypeError(f"`parser` must be a callable (reply: str) -> float | None; got {parser!r}")
     if scale is not None:
@@ -253,6 +255,27 @@ class JudgeReward(CountingReward):
       self.last_replies[i] = replies[j]
       out[i] = self._score(replies[j])
     return out
+
+
+def _check_template(template: Any, reference_column: str | None) -> None:
+  """One line for a template that cannot be filled, or whose ``{reference}`` and ``reference_column`` disagree."""
+  if not isinstance(template, str) or "{answer}" not in template:
+    raise ValueError(f"`template` must be a str with an {{answer}} placeholder; got {template!r:.200}")
+  try:
+    template.format(rubric="", question="", answer="", reference="")
+  except (KeyError, IndexError, ValueError) as e:
+    raise ValueError(
+      f"`template` may use only {{rubric}}, {{question}}, {{answer}}, {{reference}}; got {e!r} in {template!r:.200}. "
+      'A literal brace (JSON such as {"score": 1}) must be doubled: {{"score": 1}}'
+    ) from None
+  if "{reference}" in template and reference_column is None:
+    raise ValueError("`template` uses {reference}: name the column that holds it with `reference_column`")
+  if reference_column is not None and "{reference}" not in template:
+    raise ValueError(
+      f"`reference_column`={reference_column!r} but `template` has no {{reference}} placeholder, so the judge would "
+      f"never see the reference; put {{reference}} in the template, or leave `template` out (the default "
+      f"REFERENCE_TEMPLATE shows it), or drop `reference_column`; got {template!r:.200}"
+    )
 
 
 def _last_user(messages) -> str:

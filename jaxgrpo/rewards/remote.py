@@ -6,7 +6,9 @@ The protocol (one POST per batch of rows, JSON both ways)::
     request   {"prompts": [str, ...], "completions": [str, ...], "metadata": {column: [value, ...], ...}}
     response  {"scores": [float | null, ...]}        # one entry per row of the request, in order
 
-A ``null`` score is a row the service could not score (missing, counted ``null_scores``). Every other
+A ``null`` score is a row the service could not score (missing, counted ``null_scores``); so is a non-finite one
+(``Infinity``, ``-Infinity``, ``NaN`` or an overflowing ``1e999``, which Python's ``json`` reads as ±inf/NaN: missing,
+counted ``nonfinite_scores``, never passed on as a number). Every other
 departure from the protocol — a non-2xx status, a body that is not JSON or not an object with ``scores``, a list
 of the wrong length, a body cut short, a connection error, a request that takes longer than ``timeout_s`` — is a
 failed attempt: counted by kind (``http_errors``, ``bad_responses``, ``timeouts``, ``connection_errors``) and
@@ -14,7 +16,8 @@ retried after an exponential backoff (``backoff_s · 2^attempt``, at most ``back
 ``retries`` times (a 4xx other than 408/429 is not retried: the request itself is wrong). A batch that fails
 every attempt leaves its rows NaN (``failed_rows``). The whole call ends by ``deadline_s``: each attempt's
 timeout and each backoff are cut to the time left, and rows still unscored then are NaN (``deadline_rows``), so a
-training step never waits on the service longer than that.
+training step never waits on the service longer than that; an attempt still in flight at the deadline (a slow body
+arriving) counts as a request and a timeout.
 
 Standard library only (``urllib.request`` in a ``concurrent.futures`` thread pool).
 """
@@ -27,6 +30,7 @@ import json
 import math
 import random
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +61,47 @@ class _Attempt(Exception):
   def __init__(self, kind: str, why: str, retry: bool = True):
     super().__init__(why)
     self.kind, self.retry = kind, retry
+
+
+class _Tally:
+  """The counter increments of one batch's attempts, readable (once, ``close``) while its thread still runs: an
+  attempt in flight when the call reads it was cut by the deadline and counts as a ``timeouts``; what the thread
+  does afterwards is not counted."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.events: dict[str, int] = {}
+    self._in_flight = self._closed = False
+
+  def _add(self, kind: str):
+    self.events[kind] = self.events.get(kind, 0) + 1
+
+  def start(self, retry: bool) -> bool:
+    """An attempt begins (False: the call has already read the tally; make none)."""
+    with self._lock:
+      if self._closed:
+        return False
+      if retry:
+        self._add("retries")
+      self._add("requests")
+      self._in_flight = True
+      return True
+
+  def end(self, kind: str | None):
+    """The attempt ended: failed (``kind``, the counter) or succeeded (None)."""
+    with self._lock:
+      if not self._closed:
+        self._in_flight = False
+        if kind is not None:
+          self._add(kind)
+
+  def close(self) -> dict[str, int]:
+    with self._lock:
+      self._closed = True
+      if self._in_flight:
+        self._add("timeouts")
+        self._in_flight = False
+      return dict(self.events)
 
 
 class RemoteReward(CountingReward):
@@ -115,8 +160,9 @@ class RemoteReward(CountingReward):
     self.last_errors: list[str] = []  # the last failure of each batch that failed in the last call
 
   # ------------------------------------------------------------------ one request
-  def _post(self, body: bytes, n: int, timeout: float) -> list[float]:
-    """The ``n`` scores of one request (NaN for a null), or ``_Attempt`` naming what went wrong."""
+  def _post(self, body: bytes, n: int, timeout: float) -> list[float | None]:
+    """The ``n`` scores of one request (None for a null; non-finite values as read), or ``_Attempt`` naming what
+    went wrong."""
     request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
     try:
       with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -146,36 +192,34 @@ class RemoteReward(CountingReward):
     out = []
     for s in scores:
       if s is None:
-        out.append(math.nan)
+        out.append(None)
       elif isinstance(s, (int, float)) and not isinstance(s, bool):
         out.append(float(s))
       else:
         raise _Attempt("bad_responses", f"a score is {s!r}, not a number or null")
     return out
 
-  def _batch(self, body: bytes, n: int, deadline: float) -> tuple[list[float] | None, dict[str, int], str]:
+  def _batch(self, body: bytes, n: int, deadline: float, tally: _Tally) -> tuple[list[float | None] | None, str]:
     """Attempts until one succeeds, a non-retryable failure, ``retries`` are spent or the deadline passes:
-    ``(scores or None, counter increments, the last failure)``."""
-    events: dict[str, int] = {}
+    ``(scores or None, the last failure)``; the counter increments go to ``tally`` as they happen."""
     why = ""
     for attempt in range(self.retries + 1):
       left = deadline - time.monotonic()
-      if left <= 0:
+      if left <= 0 or not tally.start(retry=attempt > 0):
         break
-      if attempt:
-        events["retries"] = events.get("retries", 0) + 1
-      events["requests"] = events.get("requests", 0) + 1
       try:
-        return self._post(body, n, min(self.timeout_s, left)), events, ""
+        scores = self._post(body, n, min(self.timeout_s, left))
+        tally.end(None)
+        return scores, ""
       except _Attempt as e:
-        events[e.kind] = events.get(e.kind, 0) + 1
+        tally.end(e.kind)
         why = f"{e.kind}: {e}"
         if not e.retry:
           break
       if attempt < self.retries:
         wait = min(self.backoff_s * 2**attempt, self.backoff_max_s) * self._rng.uniform(0.5, 1.0)
         time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
-    return None, events, why
+    return None, why
 
   # ------------------------------------------------------------------ the reward function
   def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **columns) -> list[float]:
@@ -194,7 +238,7 @@ class RemoteReward(CountingReward):
     chunks = [range(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
     pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="remote-reward")
     try:
-      futures = {}
+      futures, tallies = {}, {}
       for rows in chunks:
         payload = {
           "prompts": [prompts[i] for i in rows],
@@ -202,23 +246,26 @@ class RemoteReward(CountingReward):
           "metadata": {c: [columns[c][i] for i in rows] for c in names},
         }
         body = json.dumps(payload, default=_jsonable).encode()
-        futures[pool.submit(self._batch, body, len(rows), deadline)] = rows
+        tally = _Tally()
+        future = pool.submit(self._batch, body, len(rows), deadline, tally)
+        futures[future], tallies[future] = rows, tally
       done, _ = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
       for future, rows in futures.items():
+        for k, v in tallies[future].close().items():  # an attempt still in flight: cut by the deadline
+          self._count(k, v)
         if future not in done:
           self._count("deadline_rows", len(rows))
           continue
-        scores, events, why = future.result()
-        for k, v in events.items():
-          self._count(k, v)
+        scores, why = future.result()
         if scores is None:
           self._count("deadline_rows" if not why else "failed_rows", len(rows))
           if why:
             self.last_errors.append(why)
           continue
         for i, s in zip(rows, scores):
-          out[i] = s
-        self._count("null_scores", sum(math.isnan(s) for s in scores))
+          out[i] = s if s is not None and math.isfinite(s) else math.nan
+        self._count("null_scores", sum(s is None for s in scores))
+        self._count("nonfinite_scores", sum(s is not None and not math.isfinite(s) for s in scores))
     finally:
       pool.shutdown(wait=False, cancel_futures=True)  # a request still running ends by its own (cut) timeout
     return out

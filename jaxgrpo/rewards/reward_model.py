@@ -361,7 +361,12 @@ class RewardModelReward(CountingReward):
     max_length: the longest row in tokens (default: the model's ``max_position_embeddings``).
     label: which of the head's outputs is the reward (0 for a scalar reward model).
     name: the reward's name in a ``RewardSet`` (``__name__``).
+
+  Counters (``pop_counters``): ``truncated``; ``nonfinite`` (a NaN or ±inf score: returned as NaN, a missing
+  sample).
   """
+
+  nan_is_missing = True  # a non-finite score (an overflowing head) is a missing sample (jaxgrpo.data.rewards)
 
   #: given the ``prompt_messages`` column (``data.rewards.PROMPT_MESSAGES``): each prompt before the policy's template
   wants_prompt_messages = True
@@ -426,4 +431,7 @@ class RewardModelReward(CountingReward):
     # the trainer's rows carry their prompt as chat messages: rendered once, with this model's template
     prompts = columns.get(PROMPT_MESSAGES) or prompts
     rows = [self.encode(p, c) for p, c in zip(prompts, completions)]
-    return [float(v) for v in self.score_ids(rows)]
+    scores = self.score_ids(rows)
+    bad = ~np.isfinite(scores)
+    self._count("nonfinite", int(bad.sum()))  # a missing sample (NaN), never a number
+    return [float(v) for v in np.where(bad, np.nan, scores)]

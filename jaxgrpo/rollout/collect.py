@@ -21,7 +21,7 @@ from jaxgrpo import _checks
 from jaxgrpo.data.rewards import group_is_informative
 from jaxgrpo.kernels.importance import mismatch_k3
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout.engines.base import check_engine
+from jaxgrpo.rollout.engines.base import check_engine, check_generation
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling, generate
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import (
@@ -176,9 +176,13 @@ def engine_sample(
   previous weights would be silently off-policy (the built-in engine's previous weights are even deleted by
   the step's donation). An engine makes a push of unchanged weights cheap if it can.
 
+  The engine's ``Generation`` is checked before it is used (``jaxgrpo.rollout.engines.base.check_generation``:
+  B·G rows, group ids, shapes, prefix masks, finite log-probs on real tokens, and a reported temperature equal
+  to ``temperature``): a ValueError naming the engine and what was wrong.
+
   Returns:
-    ``(rollout, times)``: the ``Rollout`` of N = B·G rows (``num_steps`` None; ``log_probs`` the engine's)
-    and ``{"engine/push_s", "engine/generate_s"}`` in seconds.
+    ``(rollout, times)``: the ``Rollout`` of N = B·G rows (``num_steps`` None; ``log_probs`` the engine's;
+    ``temperature`` the engine's, else ``temperature``) and ``{"engine/push_s", "engine/generate_s"}`` in seconds.
   """
   check_engine(engine)
   if sampling.record_routing:
@@ -187,6 +191,14 @@ def engine_sample(
   t1 = time.perf_counter()
   sampling.require_max_new_tokens("engine_sample")
   gen = engine.generate(prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
+  gen = check_generation(
+    engine,
+    gen,
+    num_prompts=int(np.shape(prompt_tokens)[0]),
+    num_samples=sampling.num_samples,
+    max_new_tokens=sampling.max_new_tokens,
+    temperature=temperature,
+  )
   rollout = jax.block_until_ready(gen.rollout._replace(num_steps=None))
   return rollout, {"engine/push_s": push_s, "engine/generate_s": time.perf_counter() - t1}
 

@@ -45,7 +45,17 @@ from jaxgrpo.rollout import refill as _refill
 from jaxgrpo.rollout import sampling as _sampling
 from jaxgrpo.rollout.sampling import SamplingConfig
 
-__all__ = ["RowPool", "PoolRow", "PoolGroup"]
+__all__ = ["RowPool", "PoolRow", "PoolGroup", "DataExhausted"]
+
+
+class DataExhausted(RuntimeError):
+  """:meth:`RowPool.run` needs more groups than the data has left: ``draw()`` returned no prompts (the end of the
+  data) and every row drawn is done. ``complete`` groups are complete (``pool.take(complete)`` returns them),
+  ``need`` were asked for."""
+
+  def __init__(self, message: str, complete: int, need: int):
+    super().__init__(message)
+    self.complete, self.need = complete, need
 
 
 @dataclasses.dataclass
@@ -143,6 +153,7 @@ class RowPool:
     self._version = None
     self._carry = None
     self._stop = np.zeros(self.slots, bool)
+    self._exhausted = False  # draw() returned no prompts in this run()
 
   # ------------------------------------------------------------------ bookkeeping
   def add_round(self, prompts, key) -> None:
@@ -239,8 +250,14 @@ class RowPool:
           break
         self._queue.remove(row)
       else:
+        if not self._queue and self._exhausted:
+          break
         if not self._queue:
-          self.add_round(draw(), jax.random.fold_in(key, len(rounds)))
+          prompts = list(draw())
+          if not prompts:  # the end of the data: the rows drawn so far finish, nothing more starts
+            self._exhausted = True
+            break
+          self.add_round(prompts, jax.random.fold_in(key, len(rounds)))
           rounds.append(None)
         if self.groups[self._queue[0].group].started is None and not may_start():
           break
@@ -269,11 +286,15 @@ class RowPool:
     (k): an incomplete group holding a token older than m - k is finished now (it could not wait for batch
     m + 1), and a new group starts only if :meth:`may_start` (every started group can still be trained
     within k). ``draw()`` returns the next round of prompt indices when the queue is empty (queued with a
-    key from ``key``); ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``: after the first
-    boundary's programs are dispatched. Returns ``{"boundaries", "reprefilled", "finishing_boundaries"}``."""
+    key from ``key``); an empty round is the end of the data: nothing more is drawn in this call, the rows
+    already drawn finish, and when they leave fewer than ``need`` complete groups :class:`DataExhausted` says so
+    (the complete groups stay in the pool). ``prompt_tokens[i]``: prompt i's token ids. ``on_dispatched()``:
+    after the first boundary's programs are dispatched. Returns ``{"boundaries", "reprefilled",
+    "finishing_boundaries"}``."""
     decoder = self._prepare(model, version, key)
     info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
     rounds: list = []
+    self._exhausted = False
     while True:
       short = len(self.complete()) < need
       overdue = self.overdue(None if max_staleness is None else batch - max_staleness)
@@ -289,6 +310,15 @@ class RowPool:
       if self.refill or len(free) == self.slots:
         may_start = lambda: max_staleness is None or self.may_start(version, batch, max_staleness, need)
         admit += self._next_rows(free, None if short else overdue, draw, key, rounds, may_start)
+      if self.running() == 0 and self._exhausted:
+        done = len(self.complete())
+        raise DataExhausted(
+          f"{type(self).__name__}.run: draw() returned no prompts (the end of the data) and every row drawn is "
+          f"done: {done} of the {need} groups asked for are complete; take them with pool.take({done}), or draw "
+          "from data that does not run out (a PromptIterator starts another epoch)",
+          done,
+          need,
+        )
       if self.running() == 0:
         raise RuntimeError(
           f"{type(self).__name__}: {len(self.complete())} of {need} groups complete and nothing left to decode"

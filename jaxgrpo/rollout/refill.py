@@ -32,6 +32,7 @@ from jaxgrpo import models as _models
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import sampling as _sampling
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
+from jaxgrpo.step.batch import Temperature
 
 __all__ = ["generate_refill"]
 
@@ -208,6 +209,7 @@ def generate_refill(
     group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), g),
     num_steps=jnp.max(lengths),
     routing=None,
+    temperature=Temperature(temperature),
   )
 
 

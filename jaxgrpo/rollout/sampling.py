@@ -32,6 +32,7 @@ from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.models import lora as _lora
 from jaxgrpo.models import moe as _moe
+from jaxgrpo.step.batch import Temperature
 
 __all__ = [
   "Rollout",
@@ -140,6 +141,10 @@ class Rollout(NamedTuple):
       layer routed each token of ``[prompt ‖ completion]`` to while sampling (prompt columns from the
       prefill, completion token t from the decode step that fed it; the last completion column, never
       fed, is 0). The routing replay of the train step (``Batch.routing``). None otherwise.
+    temperature: the temperature the rows were sampled at (a ``jaxgrpo.step.batch.Temperature``: a float that
+      ``jax.tree.map`` and ``jit`` pass through), set by :func:`generate`; ``Batch.from_rollout`` carries it to
+      the train step, which refuses log-probs of another temperature than its own. None: not known (a rollout
+      built by hand or by an engine that does not say), not checked.
   """
 
   prompt_tokens: jax.Array
@@ -150,6 +155,7 @@ class Rollout(NamedTuple):
   group_ids: jax.Array
   num_steps: jax.Array
   routing: jax.Array | None = None
+  temperature: Temperature | None = None
 
 
 def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
@@ -358,7 +364,7 @@ def generate(
     temperature: >= 0 (0 = greedy); the train step's ``TrainConfig.temperature`` when training.
 
   Returns:
-    A ``Rollout`` with N = B*G rows; row b*G + g is sample g of prompt b.
+    A ``Rollout`` with N = B*G rows; row b*G + g is sample g of prompt b; ``temperature`` is ``temperature``.
 
   Raises:
     TypeError: a wrong type or dtype (e.g. float prompt tokens, ``num_samples=2.0``, a string id).
@@ -394,7 +400,7 @@ def generate(
       f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
     )
   graphdef, state = nnx.split(sampling.model_to_sample(model))
-  return _generate_jit(
+  rollout = _generate_jit(
     graphdef,
     state,
     prompt_tokens,
@@ -410,6 +416,7 @@ def generate(
     suppress_ids=suppress_ids,
     record_routing=record_routing,
   )
+  return rollout._replace(temperature=Temperature(temperature))
 
 
 def _draw(logits, uniforms, *, temperature, top_k, top_p, suppressed):

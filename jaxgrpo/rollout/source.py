@@ -40,6 +40,7 @@ from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import collect
+from jaxgrpo.rollout.engines.base import check_generation
 from jaxgrpo.rollout.engines.collective import CollectiveSampler
 from jaxgrpo.rollout.environments import training as env_training
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig
@@ -215,6 +216,15 @@ class RolloutSource:
     engine = self._engine(policy, version)
     t0 = time.perf_counter()
     gen = engine.generate(tokens, mask, self.engine_sampling, key=key, temperature=self.temperature)
+    s = self.engine_sampling
+    gen = check_generation(
+      engine,
+      gen,
+      num_prompts=len(tokens),
+      num_samples=s.num_samples,
+      max_new_tokens=s.max_new_tokens,
+      temperature=self.temperature,
+    )
     self._add_generate_time(t0)
     return gen.rollout._replace(num_steps=None)
 

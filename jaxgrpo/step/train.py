@@ -77,6 +77,7 @@ from jaxgrpo.step.batch import (
   _place_fields,
   _place_packed,
   _place_routing,
+  check_temperature,
 )
 from jaxgrpo.step.batch_packing import (
   DEFAULT_BUCKETS,
@@ -239,9 +240,11 @@ class TrainStep:
     fields the configuration needs, divisibility over ``data × fsdp × M × K``, a packed batch's layout
     (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
     group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
-    ``batch.rewards`` may be None when ``batch.advantages`` is given."""
+    ``batch.rewards`` may be None when ``batch.advantages`` is given. A ``batch.temperature`` (the rollout's)
+    must match ``train_config.temperature`` (:func:`~jaxgrpo.step.batch.check_temperature`)."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
+    _check_batch_temperature(batch, tc)
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
       raise ValueError(
         f"preset {c.name!r} ({'β from hyper_schedule' if self.hyper_schedule else f'beta={c.beta}'}, "
@@ -300,8 +303,10 @@ class TrainStep:
   def place_batch(self, batch: Batch) -> Batch:
     """``batch`` packed (:meth:`pack`), validated (:meth:`check_batch`) and placed on the mesh with the
     step's dtypes; what each call does before the jitted step (a no-op for a batch this returned)."""
+    _check_batch_temperature(batch, self.train_config)  # before packing: one line, nothing computed
     batch = self.pack(batch)
     self.check_batch(batch)
+    batch = batch._replace(temperature=None)  # checked: one compiled program whatever the batch carries
     if not self.reads_ref_logp and batch.ref_logp is not None:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not _reads_behavior(self.config) and batch.behavior_logp is not None:
@@ -349,6 +354,16 @@ class TrainStep:
     args = self._args(state, batch, hyper)
     with jax.set_mesh(self.mesh):
       return self.jitted.lower(*args)
+
+
+def _check_batch_temperature(batch: Batch, tc: TrainConfig) -> None:
+  check_temperature(
+    batch.temperature,
+    tc.temperature,
+    "the batch (batch.temperature, from its Rollout)",
+    f"sample at the step's temperature (jaxgrpo.sample(..., temperature=step.train_config.temperature), as "
+    f"grpo_iteration does), or build the step with TrainConfig(temperature={float(batch.temperature or 1.0)!r})",
+  )
 
 
 def make_train_step(
@@ -434,7 +449,7 @@ def make_train_step(
   ``grad_norm`` (before clipping), ``tokens``, ``sequences``, ``rewards_nonfinite`` (missing
   samples) and, for λ presets or with ``tree_stats``, ``tree/nontrivial_group_fraction``,
   ``tree/mean_path_depth``, ``tree/intermediate_proportion``, ``tree/mean_process_set_size``.
-  With ``importance_correction``: ``is_weight_mean``, ``is_ratio_mean``, ``is_ratio_max``,
+  With ``importance_correction``: ``is_policy_loss``, ``is_weight_mean``, ``is_ratio_mean``, ``is_ratio_max``,
   ``is_capped_frac``, ``mismatch_kl`` (see :func:`~jaxgrpo.kernels.losses.policy_loss`). With a
   :class:`~jaxgrpo.kernels.config.GRPOHyper` in use: ``hyper/<field>``, the values this step applied (only the
   fields the config's program reads, :attr:`GRPOConfig.applied_hyper`).
@@ -557,6 +572,7 @@ def make_reference_fn(
 
   def reference_log_probs(ref_params, batch: Batch):
     b, _ = _check_fields(batch, _REFERENCE_FIELDS)
+    _check_batch_temperature(batch, tc)
     _check_not_donated(ref_params, "ref_params")
     shd.check_batch_divisible(b, mesh, rules, splits=slots if tc.packing else k)
     if tc.packing is not None and batch.packed is None:

@@ -44,6 +44,7 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
+from jaxgrpo.step.batch import Temperature, check_temperature
 
 __all__ = [
   "Engine",
@@ -51,6 +52,7 @@ __all__ = [
   "FINISH_REASONS",
   "GENERATE_SIGNATURE",
   "check_engine",
+  "check_generation",
   "finish_reasons",
   "load_engine_factory",
   "logprobs_are_policy",
@@ -192,6 +194,84 @@ def _signature_message(what: str, name: str, problem: str) -> str:
     "(the keyword form num_samples=, max_new_tokens=, ... was retired: read them from the "
     "jaxgrpo.rollout.sampling.SamplingConfig; CHANGELOG.md, 'One generate signature')"
   )
+
+
+def check_generation(
+  engine, gen, *, num_prompts: int, num_samples: int, max_new_tokens: int, temperature: float
+) -> Generation:
+  """What ``engine.generate`` returned, checked before anything trains on it; ``gen`` with its rollout's
+  ``temperature`` set to ``temperature`` when the engine left it None (the temperature it was asked for).
+
+  Checked: a :class:`Generation` whose rollout has N = ``num_prompts`` × ``num_samples`` rows; ``completions``
+  ``int[N, T]`` with 1 <= T <= ``max_new_tokens``; ``mask`` ``bool[N, T]``, True on a prefix of each row;
+  ``log_probs`` ``float[N, T]``, finite where ``mask`` is True; ``group_ids`` ``int[N]`` equal to
+  ``b`` for row ``b·G + g``; ``prompt_tokens``/``prompt_mask`` with N rows; ``finish_reasons`` N long; and the
+  rollout's ``temperature``, when the engine reports one, the one asked for (log-probs at 1 for greedy).
+
+  Raises:
+    ValueError (TypeError for a wrong type): one line naming the engine and what was wrong.
+  """
+  name = f"engine {getattr(engine, 'name', '?')!r} ({type(engine).__name__})"
+  problem = _generation_problem(gen, num_prompts * num_samples, num_samples, max_new_tokens)
+  if problem is not None:
+    kind, why = problem
+    raise kind(
+      f"{name}.generate returned {why}; an engine must return {num_prompts} prompts × {num_samples} = "
+      f"{num_prompts * num_samples} rows in the layout of jaxgrpo.rollout.sampling.Rollout"
+    )
+  rollout = gen.rollout
+  if rollout.temperature is None:
+    return gen._replace(rollout=rollout._replace(temperature=Temperature(temperature)))
+  check_temperature(
+    rollout.temperature,
+    temperature,
+    f"{name}: its rollout (Generation.rollout.temperature)",
+    f"the engine must sample at the temperature it is given (generate(..., temperature={temperature!r}))",
+  )
+  return gen
+
+
+def _generation_problem(gen, n: int, g: int, max_new_tokens: int) -> tuple[type, str] | None:
+  """``(exception type, what is wrong)`` with ``gen``, or None (see :func:`check_generation`)."""
+  if not isinstance(gen, Generation) or not isinstance(gen.rollout, Rollout):
+    return TypeError, f"a {type(gen).__name__}, not a jaxgrpo.rollout.engines.Generation(rollout=Rollout(...), ...)"
+  r = gen.rollout
+  comps, mask, logp = (np.asarray(x) for x in (r.completions, r.mask, r.log_probs))
+  if comps.ndim != 2 or comps.shape[0] != n:
+    return ValueError, f"completions of shape {comps.shape}: {comps.shape[0] if comps.ndim else 0} rows, not {n}"
+  t = comps.shape[1]
+  if not 1 <= t <= max_new_tokens:
+    return (
+      ValueError,
+      f"completions of shape {comps.shape}: {t} columns, not between 1 and max_new_tokens={max_new_tokens}",
+    )
+  for field, x, kind in (("mask", mask, np.bool_), ("log_probs", logp, np.floating)):
+    if x.shape != (n, t) or not np.issubdtype(x.dtype, kind):
+      return (
+        ValueError,
+        f"{field} of shape {x.shape} and dtype {x.dtype}, not {'bool' if kind is np.bool_ else 'float'}[{n}, {t}]",
+      )
+  if (mask[:, 1:] & ~mask[:, :-1]).any():
+    row = int(np.flatnonzero((mask[:, 1:] & ~mask[:, :-1]).any(axis=1))[0])
+    return ValueError, f"a mask that is not a prefix of row {row} (a real token after padding)"
+  bad = mask & ~np.isfinite(logp)
+  if bad.any():
+    row, col = (int(i[0]) for i in np.nonzero(bad))
+    return ValueError, f"a non-finite log-prob {logp[row, col]} on the real token [{row}, {col}]"
+  gids = np.asarray(r.group_ids)
+  want = np.repeat(np.arange(n // g), g)
+  if gids.shape != (n,) or not np.array_equal(gids, want):
+    return (
+      ValueError,
+      f"group_ids {gids.tolist()[:12]}{'...' if gids.size > 12 else ''} (shape {gids.shape}), not b for row b·G + g",
+    )
+  for field in ("prompt_tokens", "prompt_mask"):
+    shape = np.shape(getattr(r, field))
+    if len(shape) != 2 or shape[0] != n:
+      return ValueError, f"{field} of shape {shape}, not [{n}, P]"
+  if len(gen.finish_reasons) != n:
+    return ValueError, f"{len(gen.finish_reasons)} finish_reasons for {n} rows"
+  return None
 
 
 def finish_reasons(completions: np.ndarray, mask: np.ndarray, eos_ids: Sequence[int]) -> np.ndarray:
