@@ -22,7 +22,8 @@ pod or cluster every host runs the same command with ``--devices.distributed tru
 ``--devices.coordinator_address``, ``--devices.num_processes``, ``--devices.process_id``).
 
 Exit status (``docs/failure_modes.md``): 0 done; 1 training stopped by non-finite values, a collapsed
-policy (``--on-collapse``), a failed
+policy (``--on-collapse``; the checkpoint holding the collapsed policy is moved aside), a run that cannot learn
+(``run.max_zero_advantage_steps``), a failed
 checkpoint save or a failed metrics write (a full disk: the current step is checkpointed first); 2 a bad config, file, mesh or checkpoint, or ``OUT`` in use by another run (its lock,
 ``jaxgrpo.services.runlock``, names the holder's pid and host) (one ``error:`` line, no traceback;
 ``--traceback`` shows it); 3 (several processes) another process died or failed: this one was stopped,
@@ -71,7 +72,7 @@ import jax  # after XLA_FLAGS
 from jaxgrpo import data as data_lib
 from jaxgrpo.parallel import distributed
 from jaxgrpo.run import collapse, specs
-from jaxgrpo.run.collapse import PolicyCollapsed
+from jaxgrpo.run.collapse import NoLearningSignal, PolicyCollapsed
 from jaxgrpo.run.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
 from jaxgrpo.services import _orbax_noise, checkpoint, metrics, runlock
 from jaxgrpo.services.checkpoint import CheckpointSaveError, NonFiniteError
@@ -293,6 +294,43 @@ def _latest(ckpt) -> str:
   return f"the last complete checkpoint is step {steps[-1]} ({os.path.join(ckpt.directory, str(steps[-1]))})"
 
 
+#: what stops a run early with one ``error:`` line (or the signal's line), after the checkpointer was closed
+_STOPS = (
+  TrainingInterrupted,
+  NonFiniteError,
+  PolicyCollapsed,
+  NoLearningSignal,
+  CheckpointSaveError,
+  MetricsWriteError,
+)
+
+
+def _set_aside_condemned(ckpt, error: PolicyCollapsed) -> None:
+  """The checkpoint of the step whose policy the collapse guard condemned (``error.condemned``: the metrics of
+  ``error.step`` measure it) moved aside, so that neither the message nor the next run takes it as good."""
+  try:
+    error.set_aside = ckpt.set_aside(
+      error.condemned, "collapsed", f"holds the policy that collapsed at step {error.step}"
+    )
+  except Exception:  # noqa: BLE001 - a failed save of that step: it is not complete, nothing to move
+    error.set_aside = None
+
+
+def _after_collapse(ckpt, error: PolicyCollapsed) -> str:
+  """What the message of a collapse adds: the condemned checkpoint moved aside, the last good one (or none)."""
+  moved = getattr(error, "set_aside", None)
+  what = f"the checkpoint of step {error.condemned} was moved aside to {moved}; " if moved else ""
+  steps = ckpt.steps()
+  if not steps:
+    return (
+      what + f"there is no checkpoint from before the collapse in {ckpt.directory}: start again with other settings"
+    )
+  good = os.path.join(ckpt.directory, str(steps[-1]))
+  return (
+    what + f"the last good checkpoint is step {steps[-1]} ({good}): run again with other settings to resume from it"
+  )
+
+
 def _report(error: BaseException, ckpt) -> CliExit:
   """Exit status and final message of a run that stopped early (after the checkpointer was closed)."""
   if isinstance(error, TrainingInterrupted):
@@ -306,7 +344,9 @@ def _report(error: BaseException, ckpt) -> CliExit:
     msg = f"stopped by {name} after step {error.step}; {what}"
     print(msg, file=sys.stderr, flush=True)
     return CliExit(128 + error.signum, msg)
-  if isinstance(error, (NonFiniteError, PolicyCollapsed)):
+  if isinstance(error, PolicyCollapsed):
+    msg = f"error: {error} ({_after_collapse(ckpt, error)})"
+  elif isinstance(error, (NonFiniteError, NoLearningSignal)):
     msg = f"error: {error} ({_latest(ckpt)})"
   elif isinstance(error, MetricsWriteError):  # a full disk: say whether the steps done were kept
     kept = (
@@ -334,7 +374,9 @@ def main(argv=None):
     heartbeat = max(10, int(2 * dev.host_timeout_s))  # JAX's own timeout after the watchdog's named stop
     distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id, heartbeat_timeout=heartbeat)
   # another process's death or error stops this one with a message naming it (exit status 3)
-  with distributed.watch_hosts(dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError, PolicyCollapsed)):
+  with distributed.watch_hosts(
+    dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError, PolicyCollapsed, NoLearningSignal)
+  ):
     return _train(args, cfg, t_wall, t_cpu)
 
 
@@ -347,7 +389,8 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       _fail(2, f"error: {e}")
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
-  if not resume and has_checkpoint:
+  start_over = not resume and has_checkpoint  # allowed when every checkpoint is corrupt: they are moved aside
+  if start_over and any(p is None for p in checkpoint.step_problems(checkpoint.checkpoint_dir(out)).values()):
     _fail(
       2,
       f"error: {checkpoint.checkpoint_dir(out)} holds checkpoints of an earlier run and --no-resume "
@@ -374,6 +417,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       on_corrupt=args.on_corrupt,
     )
   _orbax_noise.hide_unretrieved_writes(ckpt.directory)  # asyncio's records of a failed save's sibling writes
+  if start_over:  # --no-resume and every checkpoint corrupt: moved aside (kept), the run starts from step 0
+    with _input_errors(args, ckpt.close):
+      ckpt.set_aside_corrupt()
   with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
     guard = collapse.CollapseGuard(
       action=args.on_collapse,
@@ -411,8 +457,10 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   with trainer.handle_signals():  # also while the last checkpoint is written
     try:
       records = trainer.run()
-    except (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError) as e:
+    except _STOPS as e:
       stopped = e
+      if isinstance(e, PolicyCollapsed):
+        _set_aside_condemned(ckpt, e)
     except KeyboardInterrupt:  # a second signal: exit at once, without waiting for the save in flight
       raise
     except BaseException:  # a bug or a reward error: its traceback, after the save in flight is on disk
@@ -424,9 +472,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   if stopped is None and closing:
     stopped = closing[0]
   if stopped is not None:
-    if args.traceback or not isinstance(
-      stopped, (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError)
-    ):
+    if args.traceback or not isinstance(stopped, _STOPS):
       raise stopped
     raise _report(stopped, ckpt)
   if trainer.stop_signal is not None:

@@ -220,16 +220,48 @@ def test_corrupt_latest_step_is_quarantined_and_the_previous_one_resumes(tmp_pat
   c.close()
 
 
-def test_only_step_corrupt_starts_fresh(tmp_path):
+def test_only_step_corrupt_starting_over_is_explicit(tmp_path):
+  """Every checkpoint corrupt: the resume is refused naming each step and the way to start over, nothing moved
+  (before: the step was moved aside and the run silently started from step 0); set_aside_corrupt() moves them
+  aside, then the run starts fresh."""
   root = str(tmp_path / "ckpt")
   with ck.Checkpointer(root, log=None) as c:
     c.save(_state(1), CFG)
+    c.save(_state(2), CFG)
   os.remove(os.path.join(root, "1", "params", "_METADATA"))
+  os.remove(os.path.join(root, "2", "meta", "metadata"))
   logged = []
   with ck.Checkpointer(root, log=logged.append) as c:
+    with pytest.raises(
+      ck.CheckpointError,
+      match=r"every checkpoint in .* is corrupt \(step 2: .*meta/metadata: "
+      r"missing; step 1: .*params/_METADATA: missing\); .*nothing was moved.*--no-resume",
+    ):
+      c.restore_fn(CFG, _state(0))
+    assert sorted(os.listdir(root)) == ["1", "2"]
+    assert len(c.set_aside_corrupt()) == 2
     assert c.restore_fn(CFG, _state(0)) is None
-  assert any("no earlier complete step" in m for m in logged)
-  assert [n for n in os.listdir(root) if n.startswith("1.corrupt-")]
+  assert sorted(n.split(".")[0] for n in os.listdir(root) if ".corrupt-" in n) == ["1", "2"]
+  assert ck.recovery_hint(root, 3).startswith("Recovery: there is no earlier complete checkpoint")
+
+
+def test_recovery_hint_recommends_only_intact_steps(tmp_path):
+  """A corrupt step 3 whose earlier step 2 is corrupt too: the hint names step 1, never 2 (before: "e.g. --step
+  2"); with step 1 corrupt as well, it says there is no earlier intact checkpoint."""
+  root = str(tmp_path / "ckpt")
+  with ck.Checkpointer(root, log=None, max_to_keep=None) as c:
+    for step in (1, 2, 3):
+      c.save(_state(step), CFG)
+  for step in (3, 2):
+    with open(os.path.join(root, str(step), "meta", "metadata"), "r+b") as f:
+      f.write(b"#")
+  hint = ck.recovery_hint(root, 3)
+  assert "use an earlier complete step ([1]; e.g. --step 1)" in hint and "step 2" not in hint, hint
+  with open(os.path.join(root, "1", "meta", "metadata"), "r+b") as f:
+    f.write(b"#")
+  assert ck.recovery_hint(root, 3).startswith(
+    "Recovery: there is no earlier intact checkpoint (steps [1, 2] are corrupt too)"
+  )
 
 
 def test_flipped_bytes_are_caught_by_the_checksum(tmp_path):

@@ -413,24 +413,43 @@ def test_mesh_that_does_not_fit_one_clear_line(env, tmp_path):
 # ----------------------------------------------------------------------------- collapse without NaN
 
 
+def _policy_entropy(step_dir) -> float:
+  """The mean next-token entropy (nats) of the policy saved in ``step_dir`` on a few token sequences, from its
+  logits with NumPy (H = -Σ p log p; the run's own entropy metric is not used)."""
+  from jaxgrpo.run.builders import load_policy
+
+  model, _, _ = load_policy(str(step_dir))
+  tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (4, 12)).astype(np.int32)
+  hidden, _ = model(tokens, np.broadcast_to(np.arange(12), (4, 12)))
+  z = np.asarray(model.logits(hidden), np.float64)
+  logp = z - z.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  return float(-(np.exp(logp) * logp).sum(-1).mean())
+
+
 def test_collapse_without_nan_stops_and_keeps_the_good_checkpoints(runs, env, tmp_path):
   """Resumed with a learning rate of 1e6: the parameters stay finite but the policy becomes uniform
-  (entropy = ln 128 from step 5 on, reward 0). Before: exit 0, and keep-last-2 deleted steps 3 and 4
-  in favour of collapsed ones."""
+  (entropy = ln 128, reward 0). The guard trips at step N, whose metrics measure the policy step N - 1 left:
+  that checkpoint is moved aside and the message names step N - 2, checked good from its own logits. Before:
+  exit 0, and keep-last-2 deleted steps 3 and 4 in favour of collapsed ones; then (issue 46) checkpoint
+  N - 1, as collapsed as step N, was kept and named "the last complete checkpoint"."""
   out = tmp_path / "run"
   shutil.copytree(runs / "three", out)
   r = _run(env, out, 8, "--optim.learning-rate", "1e6", "--allow-changed-config", "--checkpoint.keep", "2", expect=1)
   m = re.search(r"error: training stopped at step (\d+): the policy collapsed \(entropy (\S+) nats is", r.stderr)
   assert m, r.stderr[-3000:]
   bad = int(m.group(1))
-  assert bad >= 4 and float(m.group(2)) >= 0.95 * np.log(128)
-  assert (
-    f"Nothing of step {bad} was saved" in r.stderr and f"the last complete checkpoint is step {bad - 1}" in r.stderr
-  )
+  assert bad >= 5 and float(m.group(2)) >= 0.95 * np.log(128)
+  assert f"Nothing of step {bad} was saved" in r.stderr
+  assert re.search(rf"the checkpoint of step {bad - 1} was moved aside to \S+/{bad - 1}\.collapsed-", r.stderr)
+  assert f"the last good checkpoint is step {bad - 2} ({out}/checkpoints/{bad - 2})" in r.stderr
   _clean_failure(r.stderr)
-  assert _complete(out) == [bad - 2, bad - 1]
-  entropy = {x["step"]: x["entropy"] for x in _records(out) if "entropy" in x}
-  assert entropy[bad - 1] < 0.5 * np.log(128)  # the kept checkpoints are from before the collapse
+  assert _complete(out) == [bad - 2]
+  (aside,) = [n for n in os.listdir(out / "checkpoints") if n.startswith(f"{bad - 1}.collapsed-")]
+  condemned = tmp_path / "condemned" / "checkpoints" / str(bad - 1)  # a step directory again, to load it
+  shutil.copytree(out / "checkpoints" / aside, condemned)
+  assert _policy_entropy(condemned) >= 0.95 * np.log(128)  # the moved-aside policy is the collapsed one
+  assert _policy_entropy(out / "checkpoints" / str(bad - 2)) < 0.5 * np.log(128)  # the named one is good
 
 
 # ----------------------------------------------------------------------------- one run per directory

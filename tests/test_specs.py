@@ -173,9 +173,14 @@ def test_numbers_are_parsed_as_numbers():
   assert specs.field_type("reward.weights.format") is float and specs.field_type("objective.preset") is str
 
 
-def test_group_size_one_warns_that_advantages_vanish():
-  with pytest.warns(UserWarning, match="every group-relative advantage is 0"):
+def test_a_run_that_cannot_learn_is_refused_at_load():
+  """A group of one (advantage r - mean = 0) or a weight of 0 on every reward: every advantage is 0 at every
+  step (before: a warning for G = 1, nothing for the weights; loss 0 at every step, exit 0)."""
+  with pytest.raises(ValueError, match=r"`rollout.group_size` is 1: .* set `rollout.group_size` >= 2"):
     load_config(None, {"rollout.group_size": 1})
+  with pytest.raises(ValueError, match=r"`reward.weights`=\{'accuracy': 0.0\}: every reward has weight 0"):
+    load_config(None, {"reward.weights": {"accuracy": 0.0}})
+  load_config(None, {"reward.weights": {"accuracy": 0.0, "format": 0.5}})  # one non-zero weight is enough
 
 
 def test_specs_are_frozen_keyword_only_and_type_checked_in_python_too():

@@ -81,15 +81,16 @@ __all__ = [
 
 
 def finite_reward_stats(rewards) -> dict[str, float]:
-  """``{"reward_mean", "reward_std"}`` of the finite entries of ``rewards`` (``f32[N]``; 0.0 when none).
+  """``{"reward_mean", "reward_std"}`` of the finite entries of ``rewards`` (``f32[N]``; NaN when none).
 
   A non-finite reward (NaN/±inf) is a missing sample (advantage 0, counted in ``rewards_nonfinite``), not
-  a number to average: the logged statistics describe the rows that were scored.
+  a number to average: the logged statistics describe the rows that were scored, and a batch without a
+  finite reward has none to describe (NaN, not a mean reward of 0).
   """
   r = np.asarray(rewards).reshape(-1)
   finite = r[np.isfinite(r)]
   if not finite.size:
-    return {"reward_mean": 0.0, "reward_std": 0.0}
+    return {"reward_mean": float("nan"), "reward_std": float("nan")}
   return {"reward_mean": float(finite.mean()), "reward_std": float(finite.std())}
 
 

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.schedule import StepOut, step_metrics
+from jaxgrpo.services.checkpoint_files import move_aside
 from jaxgrpo.services.metrics import truncate_jsonl
 from jaxgrpo.step import feed
 from jaxgrpo.step.train import Batch, TrainState
@@ -218,8 +219,8 @@ class AsyncRollouts:
       os.makedirs(os.path.dirname(self._ledger), exist_ok=True)
       if self._resumed:
         truncate_jsonl(self._ledger, step)
-      elif step == 0 and os.path.exists(self._ledger):
-        os.remove(self._ledger)
+      elif step == 0 and os.path.exists(self._ledger):  # an earlier run's: kept, as its metrics.jsonl
+        move_aside(self._ledger, "earlier")
     # produce from the trained position (after a close(), the iterator is ahead of it)
     self.source.iterator.restore(position)
     self._queue.clear()

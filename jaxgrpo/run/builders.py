@@ -191,7 +191,7 @@ def build_run_policy(
   model, tokenizer = build_policy(cfg.model, seed=cfg.run.seed, mesh=mesh)
   task = cfg.data.arithmetic
   warm = task is not None and task.sft_steps  # validated: only with model.synthetic
-  if warm and base_dir is not None and _read_stored_warm_up(model, base_dir, cfg):
+  if warm and base_dir is not None and _read_stored_warm_up(model, base_dir, cfg, log=log):
     log(f"supervised warm-up: read from {base_dir} (stored for the same model, task and seed; not re-run)")
   else:
     if warm:
@@ -220,10 +220,32 @@ def warm_up_key(cfg: TrainerConfig) -> dict:
 
 
 def _write_base(model, tmp: str, cfg: TrainerConfig | None) -> None:
+  """The base as an HF directory, every file at the usual mode, with a manifest (size and CRC32 of every file,
+  ``checkpoint.write_files_manifest``) that :func:`_verified_base` checks before the base is read."""
   models.save_hf(model, tmp)
   if cfg is not None:
     with open(os.path.join(tmp, WARM_UP_KEY), "w") as f:
       json.dump(warm_up_key(cfg), f, indent=1)
+  _usual_file_modes(tmp)
+  checkpoint.write_files_manifest(tmp)
+
+
+def _verified_base(base_dir: str, log: Callable[[str], None] | None) -> bool:
+  """Whether the stored base in ``base_dir`` matches its manifest (every file's size and CRC32). A damaged one
+  (or one without a manifest) is moved aside to ``base.corrupt-<UTC time>`` by process 0 (kept, not deleted),
+  with a ``WARNING:`` through ``log``: the caller rebuilds it (the warm-up is deterministic in its inputs)."""
+  try:
+    checkpoint.verify_step(base_dir)
+    return True
+  except checkpoint.CheckpointError as e:
+    reason = " ".join(str(e).split())
+  if jax.process_index() == 0:
+    target = checkpoint.move_aside(base_dir, "corrupt")
+    (log or print)(
+      f"WARNING: the stored warm-up model is damaged ({reason}); moved aside to {target} (kept, not deleted); "
+      "re-running the warm-up, which gives the same weights, as the base and KL reference"
+    )
+  return False
 
 
 def _load_stored_base(base_dir: str, spec: ModelSpec):
@@ -237,14 +259,17 @@ def _load_stored_base(base_dir: str, spec: ModelSpec):
   )
 
 
-def _read_stored_warm_up(model, base_dir: str, cfg: TrainerConfig) -> bool:
+def _read_stored_warm_up(model, base_dir: str, cfg: TrainerConfig, *, log=None) -> bool:
   """Puts the weights stored in ``base_dir`` into ``model`` when they are the warm-up of ``cfg``'s inputs
-  (:func:`warm_up_key`); False (nothing read) when the directory, its key or its weights are missing or other."""
+  (:func:`warm_up_key`) and intact (:func:`_verified_base`: a damaged base is moved aside); False (nothing
+  read) when the directory, its key or its weights are missing, other or damaged."""
   try:
     with open(os.path.join(base_dir, WARM_UP_KEY)) as f:
       if json.load(f) != json.loads(json.dumps(warm_up_key(cfg))):
         return False
   except (OSError, ValueError):
+    return False
+  if not _verified_base(base_dir, log):
     return False
   stored = _load_stored_base(base_dir, cfg.model)
   # placed as the warm-up leaves its result: uncommitted arrays on this process's default device (the train state
@@ -409,6 +434,10 @@ def _stored_lora_base(path: str, cfg: TrainerConfig, meta: dict):
   caller rebuilds the base, re-running the warm-up)."""
   base = stored_base_dir(path)
   if cfg.model.synthetic is None or not os.path.isfile(os.path.join(base, "config.json")):
+    return None
+  try:  # a damaged base is rebuilt (the caller re-runs the warm-up), never read
+    checkpoint.verify_step(base)
+  except checkpoint.CheckpointError:
     return None
   spec = cfg.model
   model = _load_stored_base(base, spec)

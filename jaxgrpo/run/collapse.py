@@ -17,8 +17,11 @@ the sampling distribution, in nats; ``reward_mean``):
   with a non-zero reward (0: rule off).
 
 ``action`` ``"stop"`` raises :class:`PolicyCollapsed` naming the step and the rule before anything of
-that step is evaluated or saved (the earlier checkpoints stay the newest); ``"warn"`` logs one line
-per episode and goes on; ``"off"`` disables the guard.
+that step is evaluated or saved; ``"warn"`` logs one line per episode and goes on; ``"off"`` disables the
+guard. The metrics of step N describe the policy that step N - 1 left (step N samples from it), so when
+step N trips the guard, a checkpoint of step N - 1 holds the collapsed policy: ``scripts/train.py`` moves
+it aside (``Checkpointer.set_aside``) and names the last checkpoint before it, whose policy step N - 1's
+metrics passed.
 """
 
 from __future__ import annotations
@@ -27,17 +30,30 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-__all__ = ["CollapseGuard", "CollapseWatch", "PolicyCollapsed", "ACTIONS", "DEFAULT_GUARD"]
+__all__ = [
+  "CollapseGuard",
+  "CollapseWatch",
+  "PolicyCollapsed",
+  "ACTIONS",
+  "DEFAULT_GUARD",
+  "NoLearningSignal",
+  "no_learning_signal",
+  "SignalWatch",
+]
 
 ACTIONS = ("stop", "warn", "off")
 
 
 class PolicyCollapsed(RuntimeError):
-  """The policy collapsed (finite values). Attributes: ``step``, ``reason`` (the rule and values)."""
+  """The policy collapsed (finite values). Attributes: ``step``, ``reason`` (the rule and values) and
+  ``condemned`` (``step - 1``): the step whose updated policy the metrics of ``step`` measure (its rollouts
+  were sampled from it), so a checkpoint of ``condemned`` holds the collapsed policy too
+  (``scripts/train.py`` moves it aside, ``Checkpointer.set_aside``)."""
 
   def __init__(self, message: str, *, step: int, reason: str):
     super().__init__(message)
     self.step, self.reason = step, reason
+    self.condemned = step - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +114,7 @@ class CollapseWatch:
           f"distribution; limit {frac:.0%}): the policy collapsed to uniform"
         )
     reward, n = metrics.get("reward_mean"), self.guard.zero_reward_steps
-    if n and isinstance(reward, float):
+    if n and isinstance(reward, float) and math.isfinite(reward):  # NaN: no finite reward, not a non-zero one
       if reward != 0.0:
         self._rewarded, self._zero_run = True, 0
       elif self._rewarded:
@@ -119,10 +135,10 @@ class CollapseWatch:
     if self.guard.action == "stop":
       raise PolicyCollapsed(
         f"training stopped at step {step}: the policy collapsed ({reason}); its parameters are finite. "
-        f"Nothing of step {step} was saved and the earlier checkpoints are kept (the best one by the "
-        "held-out metric too). Usual cause: a learning rate far too large. Resume from the last good "
-        "checkpoint with other settings (a changed learning rate needs --allow-changed-config); "
-        "--on-collapse warn would go on",
+        f"Nothing of step {step} was saved; its metrics measure the policy step {step - 1} left (its rollouts "
+        f"were sampled from it), so a checkpoint of step {step - 1} is not good either. Usual cause: a "
+        "learning rate far too large. Resume from a checkpoint before it with other settings (a changed "
+        "learning rate needs --allow-changed-config); --on-collapse warn would go on",
         step=step,
         reason=reason,
       )
@@ -133,3 +149,65 @@ class CollapseWatch:
 
 #: the default: stop when the entropy reaches 95% of ln V (``Trainer(collapse_guard=...)``)
 DEFAULT_GUARD = CollapseGuard()
+
+
+class NoLearningSignal(RuntimeError):
+  """Training stopped because nothing was learned for ``run.max_zero_advantage_steps`` consecutive steps
+  (:class:`SignalWatch`). Attributes: ``step``, ``reason`` (the cause, with the numbers)."""
+
+  def __init__(self, message: str, *, step: int, reason: str):
+    super().__init__(message)
+    self.step, self.reason = step, reason
+
+
+def no_learning_signal(metrics: Mapping[str, Any]) -> str | None:
+  """Why a step's update learned nothing from its rewards, from its metrics (None: it could learn):
+
+  * ``"no finite reward"``: every reward was NaN/±inf (``reward_mean`` NaN: missing samples, no row in the loss);
+  * ``"every advantage 0"``: ``advantage_min == advantage_max == 0`` (every group's rewards equal: a reward that
+    never varies, e.g. always 0)."""
+  reward = metrics.get("reward_mean")
+  if isinstance(reward, float) and math.isnan(reward):
+    return "no finite reward"
+  lo, hi = metrics.get("advantage_min"), metrics.get("advantage_max")
+  if isinstance(lo, float) and isinstance(hi, float) and lo == 0.0 and hi == 0.0:
+    return "every advantage 0"
+  return None
+
+
+class SignalWatch:
+  """Stops a run that cannot learn: :meth:`check` raises :class:`NoLearningSignal` after ``steps`` consecutive
+  steps of :func:`no_learning_signal` (0: never), naming the cause and the likely fix.
+
+  Args:
+    steps: ``run.max_zero_advantage_steps``.
+  """
+
+  def __init__(self, steps: int):
+    self.steps = steps
+    self._run: list[str] = []
+
+  def check(self, metrics: Mapping[str, Any]) -> None:
+    why = no_learning_signal(metrics)
+    self._run = [] if why is None else [*self._run, why]
+    if not self.steps or len(self._run) < self.steps:
+      return
+    step = int(metrics["step"])
+    if all(w == "no finite reward" for w in self._run):
+      cause = (
+        "no reward was finite (every reward NaN/inf: missing samples, nothing in the loss); check the reward "
+        "functions or the environment's rewards"
+      )
+    else:
+      reward = metrics.get("reward_mean")
+      cause = (
+        f"every advantage was 0 (the rewards within every group were equal; last mean reward {reward}); check "
+        "`reward.weights` and the reward functions (a reward that never varies), or the task's difficulty"
+      )
+    reason = f"{cause}"
+    raise NoLearningSignal(
+      f"training stopped at step {step}: nothing was learned in the last {self.steps} steps: {reason}. "
+      "Nothing of this step was saved; the limit is `run.max_zero_advantage_steps` (0: never stop)",
+      step=step,
+      reason=reason,
+    )

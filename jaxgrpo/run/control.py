@@ -69,7 +69,7 @@ def nonfinite_error(
   ``state_where`` is the first non-finite parameter / optimizer-state entry (None: all finite). A
   non-finite state always stops; a non-finite ``loss`` stops when ``stop_on_loss``.
   """
-  bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+  bad = _nonfinite_metrics(metrics)
   loss_bad = "loss" in bad
   if state_where is None and not (loss_bad and stop_on_loss):
     return None
@@ -93,6 +93,18 @@ def nonfinite_error(
     step=step,
     where=bad[0] if bad else state_where,
   )
+
+
+def _nonfinite_metrics(metrics: Mapping[str, Any]) -> list[str]:
+  """The non-finite metrics, leaving out the reward statistics that are NaN because no reward was finite
+  (``data.rewards.finite_reward_stats``: missing samples, said in a line of their own)."""
+  return [
+    k
+    for k, v in metrics.items()
+    if isinstance(v, float)
+    and not math.isfinite(v)
+    and not (math.isnan(v) and (k in ("reward_mean", "reward_std") or k.startswith("reward/")))
+  ]
 
 
 def _first_nonfinite_state(train_state) -> str | None:
@@ -194,7 +206,13 @@ class RunControl:
     err = nonfinite_error(step, metrics, _first_nonfinite_state(train_state), stop_on_loss=self.stop_on_nonfinite_loss)
     if err is not None:
       raise err
-    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    reward = metrics.get("reward_mean")
+    if isinstance(reward, float) and math.isnan(reward):
+      self.log(
+        f"warning: step {step}: no finite reward in the batch (every reward NaN/inf: missing samples, nothing "
+        "in the loss; reward_mean is NaN)"
+      )
+    bad = _nonfinite_metrics(metrics)
     if bad:
       self.log(
         f"warning: step {step}: non-finite metrics {', '.join(bad)}; the parameters are finite, training goes on"

@@ -481,6 +481,9 @@ class RunSpec:
     out: output directory (``metrics.jsonl``, ``config.json``, ``checkpoints/``, ``model/``).
     log_every: a progress line every ``log_every`` steps.
     save_model: write the final policy and tokenizer to ``OUT/model`` as a Hugging Face directory.
+    max_zero_advantage_steps: stop (``jaxgrpo.run.collapse.NoLearningSignal``, exit 1) after this many consecutive
+      steps in which every advantage was 0 or no reward was finite: nothing is learned from such a step (a reward
+      that never varies within a group, every reward NaN). 0: never stop.
   """
 
   steps: int = 100
@@ -488,9 +491,10 @@ class RunSpec:
   out: str = "runs/train"
   log_every: int = 1
   save_model: bool = False
+  max_zero_advantage_steps: int = 20
 
   def __post_init__(self):
-    _ints("run", self, ("steps", "seed"), minimum=0)
+    _ints("run", self, ("steps", "seed", "max_zero_advantage_steps"), minimum=0)
     _ints("run", self, ("log_every",))
 
 
@@ -604,12 +608,7 @@ class TrainerConfig:
         )
     if self.env is not None and self.checkpoint.best_metric == "eval_accuracy":  # the env run's held-out metric
       object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, best_metric="eval_env_reward"))
-    if self.rollout.group_size == 1:
-      warnings.warn(
-        "`rollout.group_size` is 1: every group-relative advantage is 0, so the policy gradient is 0",
-        UserWarning,
-        stacklevel=3,
-      )
+    _check_can_learn(self)
 
   def train_config(self) -> TrainConfig:
     """The step's :class:`~jaxgrpo.step.train.TrainConfig` with ``group_size`` = G (``rollout.group_size``)."""
@@ -618,6 +617,24 @@ class TrainerConfig:
   def to_dict(self) -> dict:
     """The nested, JSON-serialisable form; ``config_from_dict(cfg.to_dict()) == cfg``."""
     return _plain(self)
+
+
+def _check_can_learn(cfg: TrainerConfig) -> None:
+  """ValueError when no step of the run could learn: a group of one (every advantage is relative to its group's
+  rewards, so it is 0), or a weight of 0 on every reward of a single-turn run (every reward is 0)."""
+  if cfg.rollout.group_size == 1:
+    raise ValueError(
+      "`rollout.group_size` is 1: every advantage is relative to its group (r - the group's mean reward), so a "
+      "group of one has advantage 0 and nothing is learned; set `rollout.group_size` >= 2 (the demo uses 8)"
+    )
+  weights = [*cfg.reward.weights.values(), *(s.weight for s in cfg.reward.sources)]
+  if cfg.env is None and not any(weights):
+    raise ValueError(
+      f"`reward.weights`={dict(cfg.reward.weights)}: every reward has weight 0"
+      + (" (`reward.sources` too)" if cfg.reward.sources else "")
+      + ", so every reward is 0, every advantage is 0 and nothing is learned; give a reward a non-zero weight, "
+      "e.g. `--reward.weights '{accuracy: 1.0}'`"
+    )
 
 
 def _plain(x):

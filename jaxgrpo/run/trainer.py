@@ -53,12 +53,19 @@ from jaxgrpo.rollout import async_rollout
 from jaxgrpo.rollout.environments.rollout import RolloutInterrupted
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.run import assemble, builders
-from jaxgrpo.run.collapse import DEFAULT_GUARD, CollapseGuard, CollapseWatch, PolicyCollapsed
+from jaxgrpo.run.collapse import (
+  DEFAULT_GUARD,
+  CollapseGuard,
+  CollapseWatch,
+  NoLearningSignal,
+  PolicyCollapsed,
+  SignalWatch,
+)
 from jaxgrpo.run.control import RunControl, TrainingAborted, TrainingInterrupted
 from jaxgrpo.run.evaluation import evaluate_run
 from jaxgrpo.run.specs import TrainerConfig
 from jaxgrpo.services import runlock
-from jaxgrpo.services.checkpoint import NonFiniteError, RunMeta, Snapshot
+from jaxgrpo.services.checkpoint import NonFiniteError, RunMeta, Snapshot, move_aside
 from jaxgrpo.services.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.step import feed
 from jaxgrpo.step import train as train_lib
@@ -347,6 +354,8 @@ class Trainer:
         directory's lock while it runs; re-entrant within one process).
       NonFiniteError: a step made the parameters or optimizer state (or the loss) non-finite.
       jaxgrpo.run.collapse.PolicyCollapsed: the policy collapsed with finite values (``collapse_guard``).
+      jaxgrpo.run.collapse.NoLearningSignal: every advantage was 0, or no reward finite, for
+        ``run.max_zero_advantage_steps`` consecutive steps (raised before that step is evaluated or saved).
       jaxgrpo.services.metrics.MetricsWriteError: writing ``metrics.jsonl`` (or ``on_record``) failed, e.g. a
         full disk; a checkpoint of the current step was attempted first (the message says how it went).
       TrainingInterrupted: SIGTERM/SIGINT; the step it stopped at was checkpointed. The signal
@@ -360,7 +369,8 @@ class Trainer:
     are not reported.
     """
     watch = distributed.watch_hosts(
-      self.config.devices.host_timeout_s, collective=(NonFiniteError, PolicyCollapsed, TrainingInterrupted)
+      self.config.devices.host_timeout_s,
+      collective=(NonFiniteError, PolicyCollapsed, NoLearningSignal, TrainingInterrupted),
     )
     with self.handle_signals() if handle_signals else contextlib.nullcontext(), watch:
       return self._run()
@@ -387,6 +397,7 @@ class Trainer:
     every = lambda n, step: (n and step % n == 0) or step == run.steps
     guard = self.collapse_guard
     collapse = CollapseWatch(guard, self.model.config.vocab_size) if guard and guard.action != "off" else None
+    learning = SignalWatch(run.max_zero_advantage_steps)  # a run that cannot learn stops (jaxgrpo.run.collapse)
     try:
       if self.eval_examples is not None and start == 0:
         try:
@@ -414,6 +425,7 @@ class Trainer:
         self.control.check_finite(m, self.state.train)  # before anything of this step is evaluated or saved
         if collapse is not None:
           collapse.check(m, self.log)  # a collapse with finite values (jaxgrpo.run.collapse)
+        learning.check(m)
         evaluated = self.eval_examples is not None and every(cfg.eval.every, step)
         if evaluated:
           try:
@@ -448,7 +460,8 @@ class Trainer:
 
 def _open_outputs(cfg: TrainerConfig, start: int, *, resumed: bool, log, lock) -> Any:
   """Process 0's outputs: ``metrics.jsonl`` opened unbuffered (a failed write leaves nothing behind; a resumed
-  run first drops the records after its step and a cut last line) and ``config.json`` written. A full disk
+  run first drops the records after its step and a cut last line; a run from step 0 moves an earlier run's
+  records aside to ``metrics.jsonl.earlier-<UTC time>``, never truncating them) and ``config.json`` written. A full disk
   here is one ``MetricsWriteError`` line (the run lock released), not a traceback."""
   path = os.path.join(cfg.run.out, "metrics.jsonl")
   f = None
@@ -457,6 +470,11 @@ def _open_outputs(cfg: TrainerConfig, start: int, *, resumed: bool, log, lock) -
       dropped = truncate_jsonl(path, start)
       if dropped:
         log(f"{path}: dropped {dropped} line(s) after step {start} or cut short (resuming from step {start})")
+    if not resumed and os.path.isfile(path) and os.path.getsize(path):  # an earlier run's: never truncated
+      log(
+        f"{path}: the records of an earlier run were moved aside to {move_aside(path, 'earlier')} (starting from "
+        f"step {start})"
+      )
     f = open(path, "ab" if resumed else "wb", buffering=0)
     with open(os.path.join(cfg.run.out, "config.json"), "w") as cf:
       json.dump(cfg.to_dict(), cf, indent=1)

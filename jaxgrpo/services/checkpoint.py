@@ -49,10 +49,13 @@ from jaxgrpo.services.checkpoint_files import (
   checkpoint_root,
   complete_steps,
   has_checkpoint,
+  move_aside,
   quarantine_incomplete_steps,
   quarantine_step,
   recovery_hint,
+  step_problems,
   verify_step,
+  write_files_manifest,
 )
 from jaxgrpo.services.checkpoint_files import TMP_SUFFIX as TMP_SUFFIX
 from jaxgrpo.services.checkpoint_files import _step_dirs as _step_dirs
@@ -88,6 +91,9 @@ __all__ = [
   "checkpoint_root",
   "complete_steps",
   "verify_step",
+  "write_files_manifest",
+  "move_aside",
+  "step_problems",
   "read_meta",
   "restore_params",
   "MANIFEST",

@@ -27,10 +27,13 @@ __all__ = [
   "checkpoint_root",
   "complete_steps",
   "has_checkpoint",
+  "move_aside",
   "quarantine_incomplete_steps",
   "quarantine_step",
   "recovery_hint",
+  "step_problems",
   "verify_step",
+  "write_files_manifest",
 ]
 
 MANIFEST = "jaxgrpo_manifest.json"
@@ -70,7 +73,7 @@ def _crc32(path: str) -> int:
   return crc
 
 
-def _file_table(step_path: str, checksum: bool) -> dict[str, dict]:
+def _file_table(step_path: str, checksum: bool, *, top_level: bool = False) -> dict[str, dict]:
   table = {}
   for dirpath, _, files in os.walk(step_path):
     for name in files:
@@ -78,7 +81,7 @@ def _file_table(step_path: str, checksum: bool) -> dict[str, dict]:
       rel = os.path.relpath(full, step_path)
       if rel == MANIFEST or rel.startswith(MANIFEST):
         continue
-      if os.sep not in rel:
+      if os.sep not in rel and not top_level:
         # Orbax's own step files (_CHECKPOINT_METADATA, commit_success.txt) are rewritten
         # after the callback that writes this manifest: only the item directories are covered
         continue
@@ -89,14 +92,22 @@ def _file_table(step_path: str, checksum: bool) -> dict[str, dict]:
   return dict(sorted(table.items()))
 
 
-def _write_manifest(step_path: str, step: int, checksum: bool) -> None:
-  manifest = {"step": int(step), "files": _file_table(step_path, checksum)}
+def _write_manifest(step_path: str, step: int | None, checksum: bool, *, top_level: bool = False) -> None:
+  files = _file_table(step_path, checksum, top_level=top_level)
+  manifest = {"step": None if step is None else int(step), "files": files}
   tmp = os.path.join(step_path, MANIFEST + ".partial")
   with open(tmp, "w") as f:
     json.dump(manifest, f)
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, os.path.join(step_path, MANIFEST))
+
+
+def write_files_manifest(directory: str) -> None:
+  """Writes :data:`MANIFEST` (size and CRC32 of every file, the top-level ones included) into ``directory``,
+  e.g. the warm-up model a run keeps beside its checkpoints (``OUT/checkpoints/base``), so that
+  :func:`verify_step` checks it like a step."""
+  _write_manifest(directory, None, True, top_level=True)
 
 
 def verify_step(step_path: str, *, checksum: bool = True) -> None:
@@ -174,6 +185,14 @@ def quarantine_incomplete_steps(root: str, log: Callable[[str], None] | None = p
   return moved
 
 
+def move_aside(path: str, what: str) -> str:
+  """Renames ``path`` to a free name ``<path>.<what>-<UTC time>[-n]`` beside it (nothing is deleted);
+  returns the new path."""
+  target = _aside(os.path.normpath(os.fspath(path)), what)
+  os.rename(path, target)
+  return target
+
+
 def _aside(path: str, what: str) -> str:
   """A free name ``<path>.<what>-<UTC time>[-n]`` beside ``path``."""
   stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -193,11 +212,31 @@ def quarantine_step(root: str, step: int) -> str:
   return target
 
 
+def step_problems(root: str, *, checksum: bool = True) -> dict[int, str | None]:
+  """``{step: None if intact, else what is wrong (one line)}`` for every complete step of ``root``
+  (:func:`verify_step` of each: every file is read when ``checksum``)."""
+  problems = {}
+  for step in complete_steps(root, log=None):
+    try:
+      verify_step(os.path.join(root, str(step)), checksum=checksum)
+      problems[step] = None
+    except CheckpointError as e:
+      problems[step] = " ".join(str(e).split())
+  return problems
+
+
 def recovery_hint(root: str, step: int) -> str:
-  """How to get past a corrupt ``root/<step>``: the earlier complete steps and what to run."""
+  """How to get past a corrupt ``root/<step>``: the earlier intact steps (each verified: a corrupt one is never
+  recommended) and what to run."""
   path = os.path.join(root, str(step))
-  earlier = [s for s in complete_steps(root, log=None) if s < step]
+  problems = {s: p for s, p in step_problems(root).items() if s < step}
+  earlier = [s for s, p in problems.items() if p is None]
   move = f"move it aside (`mv {path} {path}.corrupt`)"
+  if not earlier and problems:
+    return (
+      f"Recovery: there is no earlier intact checkpoint (steps {sorted(problems)} are corrupt too): {move} and "
+      "start again (scripts/train.py --no-resume moves every corrupt step aside and starts from step 0)."
+    )
   if earlier:
     return (
       f"Recovery: {move}, or use an earlier complete step ({earlier}; e.g. --step {earlier[-1]}); "

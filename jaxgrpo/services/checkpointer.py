@@ -32,9 +32,11 @@ from jaxgrpo.services.checkpoint_files import (
   _step_dirs,
   _write_manifest,
   complete_steps,
+  move_aside,
   quarantine_incomplete_steps,
   quarantine_step,
   recovery_hint,
+  step_problems,
   verify_step,
 )
 from jaxgrpo.services.snapshot import (
@@ -494,6 +496,23 @@ class Checkpointer:
   def __exit__(self, *exc):
     self.close()
 
+  def set_aside(self, step: int, what: str, reason: str) -> str | None:
+    """Moves the complete checkpoint ``step`` aside to ``<step>.<what>-<UTC time>`` (first host; nothing is
+    deleted), after the save in flight, e.g. the step whose policy the collapse guard condemned
+    (``jaxgrpo.run.collapse.PolicyCollapsed.condemned``): the next run resumes from an earlier one. Logged
+    with ``reason``. Returns the new path, or None when ``step`` is not a complete checkpoint."""
+    self._saves.settle()
+    if step not in self.steps():
+      return None
+    path = os.path.join(self.directory, str(step))
+    target = move_aside(path, what) if self._is_main else f"{path}.{what}-*"
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxgrpo.services.checkpoint: step {step} set aside")
+    self.manager.reload()  # Orbax must forget the step, or it would refuse to save it again
+    self._verified.discard(step)
+    self.log(f"WARNING: checkpoint {path} {reason}: moved aside to {target} (kept, not deleted)")
+    return target
+
   # ------------------------------------------------------------------ restoring
   def steps(self) -> list[int]:
     """Complete steps on disk, ascending (see :func:`complete_steps`)."""
@@ -532,9 +551,10 @@ class Checkpointer:
     Raises:
       CheckpointError: (``on_corrupt="stop"``) the latest step is corrupt; names the file and the recovery.
     """
+    corrupt: dict[int, CheckpointError] = {}  # newest first; moved aside once an intact earlier step is found
     for step in reversed(self.steps()):
       if step in self._verified:
-        return step
+        return self._set_aside_later(corrupt, step)
       path = os.path.join(self.directory, str(step))
       try:
         verify_step(path, checksum=self.checksum)
@@ -545,11 +565,35 @@ class Checkpointer:
             f"{' '.join(str(e).split())}. {recovery_hint(self.directory, step)} (this run was started with "
             "on_corrupt 'stop', scripts/train.py --on-corrupt stop)"
           ) from None
-        _set_aside(self.manager, self.directory, step, e, is_main=self._is_main, log=self.log)
+        corrupt[step] = e
         continue
       self._verified.add(step)
-      return step
+      return self._set_aside_later(corrupt, step)
+    if corrupt:  # starting over must be explicit: nothing is moved, the run is refused
+      listed = "; ".join(f"step {s}: {' '.join(str(e).split())}" for s, e in corrupt.items())
+      raise CheckpointError(
+        f"every checkpoint in {self.directory} is corrupt ({listed}); nothing to resume from, nothing was moved. "
+        "To start over from step 0: scripts/train.py --no-resume (moves them aside to <step>.corrupt-<UTC time> "
+        "and keeps metrics.jsonl, moved aside too); from Python, Checkpointer.set_aside_corrupt() first"
+      )
     return None
+
+  def _set_aside_later(self, corrupt: Mapping[int, CheckpointError], step: int) -> int:
+    """Moves the corrupt steps after the intact ``step`` aside (``on_corrupt="quarantine"``); returns ``step``."""
+    for bad, error in sorted(corrupt.items()):  # oldest first: each message names the step resumed from
+      _set_aside(self.manager, self.directory, bad, error, is_main=self._is_main, log=self.log)
+    return step
+
+  def set_aside_corrupt(self) -> list[str]:
+    """Moves every corrupt complete step aside to ``<step>.corrupt-<UTC time>`` (logged; nothing is deleted), e.g.
+    to start over explicitly when every checkpoint is corrupt (``scripts/train.py --no-resume``). Returns the
+    new paths."""
+    self._saves.settle()
+    moved = []
+    for step, problem in step_problems(self.directory, checksum=self.checksum).items():
+      if problem is not None:
+        moved.append(self.set_aside(step, "corrupt", f"is corrupt ({problem})"))
+    return moved
 
   def restore(self, template: Snapshot, run: RunMeta | None = None, *, step: int | None = None) -> Snapshot:
     """The snapshot saved at ``step`` (None: the latest complete one), placed like ``template``.
