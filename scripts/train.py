@@ -70,6 +70,7 @@ import jax  # after XLA_FLAGS
 
 from jaxgrpo import data as data_lib
 from jaxgrpo.parallel import distributed
+from jaxgrpo.rollout.environments import EnvironmentFailed
 from jaxgrpo.run import collapse, specs
 from jaxgrpo.run.collapse import PolicyCollapsed
 from jaxgrpo.run.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
@@ -293,6 +294,26 @@ def _latest(ckpt) -> str:
   return f"the last complete checkpoint is step {steps[-1]} ({os.path.join(ckpt.directory, str(steps[-1]))})"
 
 
+def _save_traceback(out: str, error: BaseException) -> str:
+  """Appends ``error``'s traceback (its causes included) to ``OUT/error.log``; returns the path."""
+  path = os.path.join(out, "error.log")
+  with open(path, "a") as f:
+    f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+    f.write("".join(traceback.format_exception(error)))
+  return path
+
+
+#: what stops a run with one line and exit status 1 (the traceback in OUT/error.log for an environment's)
+_STOPS = (
+  TrainingInterrupted,
+  NonFiniteError,
+  PolicyCollapsed,
+  CheckpointSaveError,
+  MetricsWriteError,
+  EnvironmentFailed,
+)
+
+
 def _report(error: BaseException, ckpt) -> CliExit:
   """Exit status and final message of a run that stopped early (after the checkpointer was closed)."""
   if isinstance(error, TrainingInterrupted):
@@ -308,6 +329,9 @@ def _report(error: BaseException, ckpt) -> CliExit:
     return CliExit(128 + error.signum, msg)
   if isinstance(error, (NonFiniteError, PolicyCollapsed)):
     msg = f"error: {error} ({_latest(ckpt)})"
+  elif isinstance(error, EnvironmentFailed):  # the user's environment raised: its traceback goes to a file
+    log_path = _save_traceback(os.path.dirname(ckpt.directory), error)
+    msg = f"error: {error}; training stopped ({_latest(ckpt)}); the traceback is in {log_path} (--traceback shows it)"
   elif isinstance(error, MetricsWriteError):  # a full disk: say whether the steps done were kept
     kept = (
       f"checkpoint of step {error.step} complete in {ckpt.directory}" if error.step in ckpt.steps() else _latest(ckpt)
@@ -411,7 +435,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   with trainer.handle_signals():  # also while the last checkpoint is written
     try:
       records = trainer.run()
-    except (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError) as e:
+    except _STOPS as e:
       stopped = e
     except KeyboardInterrupt:  # a second signal: exit at once, without waiting for the save in flight
       raise
@@ -424,9 +448,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   if stopped is None and closing:
     stopped = closing[0]
   if stopped is not None:
-    if args.traceback or not isinstance(
-      stopped, (TrainingInterrupted, NonFiniteError, PolicyCollapsed, CheckpointSaveError, MetricsWriteError)
-    ):
+    if args.traceback or not isinstance(stopped, _STOPS):
       raise stopped
     raise _report(stopped, ckpt)
   if trainer.stop_signal is not None:
