@@ -79,13 +79,19 @@ from jaxgrpo.services.checkpoint import CheckpointSaveError, NonFiniteError
 from jaxgrpo.services.metrics import MetricsWriteError
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors in one line (``train.py: error: ...``), without the usage block first: the message names
+  the flag and its fix; ``--help`` shows the usage."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv=None):
   """``(args, overrides)``: the script's own flags, and ``{dotted config key: value}`` for every
   ``--key value`` (checked against the config; a key that is not a field is an error naming the
   dotted key it most likely means)."""
-  p = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-  )
+  p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   p.add_argument("--config", help="YAML config file (sections of jaxgrpo.run.specs.TrainerConfig)")
   p.add_argument(
     "--resume",

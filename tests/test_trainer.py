@@ -117,6 +117,16 @@ def test_cli_old_flat_flags_are_one_error_naming_the_dotted_key(capsys):
     cli.parse_args(["--model", "demo"])  # a section takes a mapping
 
 
+def test_cli_unknown_key_is_one_line_with_a_did_you_mean_and_no_usage_block(capsys):
+  """``--objective.presett grpo``: one line (before: the 11-line usage block first, and no hint)."""
+  with pytest.raises(SystemExit) as e:
+    cli.parse_args(["--objective.presett", "grpo"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "usage:" not in err[0], err
+  assert "error: unknown config key `objective.presett` (did you mean `objective.preset`?)" in err[0], err
+
+
 def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
   bad = tmp_path / "bad.yaml"
   bad.write_text("rollout:\n  group_size: 4\n   prompts_per_step: 2\n")
