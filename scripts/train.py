@@ -375,6 +375,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       lock = runlock.RunLock(out).acquire()  # noqa: F841 - held until this process ends
     except runlock.RunDirLocked as e:
       _fail(2, f"error: {e}")
+    except OSError as e:  # a file of that name, no permission, a read-only file system: one line
+      what = "is a file, not a directory" if os.path.isfile(out) else f"cannot be created ({e.strerror})"
+      _fail(2, f"error: config field `run.out`: {out} {what}: name a directory (created when missing)")
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   if not resume and has_checkpoint:

@@ -453,7 +453,7 @@ def test_second_run_into_the_same_out_is_refused(env, tmp_path):
     r = _run(env, out, 6, expect=2)
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert f"error: {out} is in use by another run: pid {first.pid} on host {socket.gethostname()}" in line
-    assert "use another --out" in line and "resolved config" not in r.stdout  # refused before anything ran
+    assert "use another --run.out" in line and "resolved config" not in r.stdout  # refused before anything ran
     _clean_failure(r.stderr)
     assert (out / "metrics.jsonl").read_bytes() == metrics_before  # the holder is stopped: any change is the second's
   finally:

@@ -137,3 +137,47 @@ def test_a_missing_dataset_is_reported_before_the_config_dump(tmp_path, capfd):
   r = capfd.readouterr()
   assert "resolved config" not in r.out, r.out[:500]
   assert f"`data.dataset`: no such file or directory: {missing}" in r.err, r.err[-2000:]
+
+
+def test_a_relative_reward_model_path_that_does_not_exist_is_a_missing_local_path(tmp_path, monkeypatch, capfd):
+  """``runs/arith_rm`` where ``runs`` is a local directory names a local path (``jaxgrpo._checks.names_local_path``):
+  missing, it is one line before anything is built (before: taken for a hub id, a network error after the
+  warm-up); ``load_reward_model`` says the same without asking the hub. ``owner/name`` without a local ``owner``
+  stays a hub id."""
+  from jaxgrpo import _checks
+  from jaxgrpo.rewards.reward_model import load_reward_model
+
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "runs").mkdir()
+  assert _checks.names_local_path("runs/arith_rm") and _checks.names_local_path("./arith_rm")
+  assert _checks.names_local_path("../x/y") and _checks.names_local_path("~/m") and _checks.names_local_path("/m")
+  assert not _checks.names_local_path("Qwen/Qwen3-0.6B") and not _checks.names_local_path("gpt2")
+  with pytest.raises(ValueError, match=r"'runs/arith_rm': no such local directory"):
+    load_reward_model("runs/arith_rm")
+  argv = [
+    "--config",
+    os.path.join(ROOT, "scripts", "configs", "demo_rm.yaml"),
+    "--reward.sources",
+    "[{name: rm, kind: reward_model, path: runs/arith_rm, weight: 1.0}]",
+    "--run.out",
+    str(tmp_path / "run"),
+  ]
+  with pytest.raises(BaseException) as e:
+    train_main_here(argv)
+  assert getattr(e.value, "code", None) == 2, e.value
+  r = capfd.readouterr()
+  assert "resolved config" not in r.out, r.out[:500]
+  assert "`reward.sources['rm'].path`: no such file or directory: runs/arith_rm" in r.err, r.err[-2000:]
+
+
+def test_run_out_naming_a_file_is_one_line(tmp_path, capfd):
+  """``--run.out`` naming an existing file: exit 2 with one line (before: a FileExistsError traceback)."""
+  path = tmp_path / "a_file"
+  path.write_text("x")
+  with pytest.raises(BaseException) as e:
+    train_main_here(["--run.out", str(path)])
+  assert getattr(e.value, "code", None) == 2, e.value
+  err = capfd.readouterr().err.strip().splitlines()
+  assert err == [
+    f"error: config field `run.out`: {path} is a file, not a directory: name a directory (created when missing)"
+  ]

@@ -136,6 +136,23 @@ def test_a_mistyped_dotted_key_gets_a_did_you_mean(tmp_path, text, overrides, ma
     load_config(_write(tmp_path, text) if text else None, overrides)
 
 
+def test_a_mistyped_best_metric_is_refused_with_the_known_names():
+  """``checkpoint.best_metric`` must be a metric the evaluation logs (before: a typo silently turned keep-best
+  off: no record ever had it)."""
+  demo = os.path.join(ROOT, "scripts", "configs", "demo.yaml")
+  with pytest.raises(ValueError, match=r"`checkpoint.best_metric`='eval_acuracy' is not a metric the evaluation logs"):
+    load_config(demo, {"checkpoint.best_metric": "eval_acuracy"})
+  with pytest.raises(ValueError, match=r"use one of \['eval_accuracy', 'eval_pass@1', 'eval_pass@4'\]"):
+    load_config(demo, {"checkpoint.best_metric": "eval_pass@8"})  # pass_k is [1, 4]
+  assert load_config(demo, {"checkpoint.best_metric": "eval_pass@4"}).checkpoint.best_metric == "eval_pass@4"
+  assert load_config(demo, {"checkpoint.best_metric": None}).checkpoint.best_metric is None
+  env = os.path.join(ROOT, "scripts", "configs", "demo_env.yaml")
+  assert load_config(env).checkpoint.best_metric == "eval_env_reward"  # the default stands for the env's metric
+  assert load_config(env, {"checkpoint.best_metric": "eval_env/turns"}).checkpoint.best_metric == "eval_env/turns"
+  with pytest.raises(ValueError, match=r"use one of \['eval_env_reward', 'eval_env/<metric>'\]"):
+    load_config(env, {"checkpoint.best_metric": "eval_pass@1"})
+
+
 def test_a_command_line_source_on_a_file_with_the_other_gives_the_whole_fix_in_one_error(tmp_path):
   """``--model.path ./models/nope`` on the demo config: one error with every flag the fix needs and the missing
   path (before: three tries — `model.synthetic` to null, then `data.arithmetic.sft_steps` to zero, then the path);
