@@ -260,6 +260,23 @@ def _check_local_files(cfg) -> None:
       _fail(2, f"error: config field `{field}`: no such file or directory: {source}")
 
 
+def _check_steps_left(at: int | None, steps: int, directory: str, say) -> None:
+  """A resumed run whose checkpoint (step ``at``) is already past ``run.steps`` would train nothing and exit 0:
+  refused (ValueError: exit 2, one line). At exactly ``run.steps`` the run is complete: said, and it ends."""
+  if at is None:
+    return
+  if at > steps:
+    raise ValueError(
+      f"`run.steps`={steps} but the checkpoint in {directory} is at step {at}: nothing would be trained. To "
+      f"train further, give --run.steps above {at}; to start over with {steps} steps, use another --run.out"
+    )
+  if at == steps:
+    say(
+      f"the checkpoint in {directory} is at step {at} = run.steps: the run is complete, nothing to train "
+      f"(give --run.steps above {at} to train further)"
+    )
+
+
 def _fail(code: int, message: str):
   print(message, file=sys.stderr, flush=True)
   raise CliExit(code, message)
@@ -414,7 +431,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       zero_reward_steps=args.collapse_zero_reward_steps,
     )
     if resume:  # refuse a mismatching checkpoint before the model is built
-      ckpt.check_run(run_meta(cfg))
+      _check_steps_left(ckpt.check_run(run_meta(cfg)), cfg.run.steps, ckpt.directory, say)
     trainer = Trainer(
       cfg,
       log=say,

@@ -181,3 +181,45 @@ def test_run_out_naming_a_file_is_one_line(tmp_path, capfd):
   assert err == [
     f"error: config field `run.out`: {path} is a file, not a directory: name a directory (created when missing)"
   ]
+
+
+def test_resuming_past_run_steps_is_refused_and_a_complete_run_says_so(tmp_path, capfd):
+  """A checkpoint at step 2 resumed with ``--run.steps 1``: exit 2, one line saying nothing would be trained and
+  the two fixes (before: exit 0 with only ``run.steps: 2 -> 1`` logged); with ``--run.steps 2`` (the run is
+  complete) a line says so and the run ends without training."""
+  out = str(tmp_path / "run")
+  argv = [
+    "--model.synthetic",
+    "{hidden_size: 16, num_layers: 1}",
+    "--data.arithmetic",
+    "{train_size: 16, eval_size: 2, sft_steps: 0}",
+    "--rollout.group-size",
+    "2",
+    "--rollout.prompts-per-step",
+    "2",
+    "--rollout.max-new-tokens",
+    "4",
+    "--eval.every",
+    "0",
+    "--checkpoint.every",
+    "1",
+    "--run.out",
+    out,
+    "--no-plot",
+    "--no-progress",
+    "--no-tensorboard",
+  ]
+  train_main_here([*argv, "--run.steps", "2"])
+  capfd.readouterr()
+  with pytest.raises(BaseException) as e:
+    train_main_here([*argv, "--run.steps", "1"])
+  assert getattr(e.value, "code", None) == 2, e.value
+  err = capfd.readouterr().err.strip().splitlines()
+  assert err[-1] == (
+    f"error: `run.steps`=1 but the checkpoint in {out}/checkpoints is at step 2: nothing would be trained. To "
+    "train further, give --run.steps above 2; to start over with 1 steps, use another --run.out"
+  ), err
+  lines_before = open(os.path.join(out, "metrics.jsonl")).read()
+  train_main_here([*argv, "--run.steps", "2"])
+  assert f"the checkpoint in {out}/checkpoints is at step 2 = run.steps: the run is complete" in capfd.readouterr().out
+  assert open(os.path.join(out, "metrics.jsonl")).read().count('"loss"') == lines_before.count('"loss"')
