@@ -423,6 +423,8 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       on_save_error=args.on_save_error,
       on_corrupt=args.on_corrupt,
     )
+  global _CHECKPOINTER
+  _CHECKPOINTER = ckpt
   _orbax_noise.hide_unretrieved_writes(ckpt.directory)  # asyncio's records of a failed save's sibling writes
   with _input_errors(args, ckpt.close):  # bad files, a mesh that does not fit, a checkpoint that does not match
     guard = collapse.CollapseGuard(
@@ -506,8 +508,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   return records
 
 
-#: the run's checkpoint directory once known (what _abort reports)
+#: the run's checkpoint directory once known, and its checkpointer once built (what _abort reports)
 _CHECKPOINTS: str | None = None
+_CHECKPOINTER = None
 
 
 def _abort(signum: int) -> None:
@@ -525,7 +528,9 @@ def _abort(signum: int) -> None:
       if steps
       else f"there is no complete checkpoint in {_CHECKPOINTS}: the next run starts from step 0"
     )
-  print(f"\naborted by {name}: a checkpoint being written is abandoned; {where}", file=sys.stderr, flush=True)
+  writing = _CHECKPOINTER is not None and _CHECKPOINTER.writing  # before: said so always (also in the warm-up)
+  abandoned = "the checkpoint being written is abandoned; " if writing else ""
+  print(f"\naborted by {name}: {abandoned}{where}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(128 + signum)
 

@@ -223,3 +223,44 @@ def test_resuming_past_run_steps_is_refused_and_a_complete_run_says_so(tmp_path,
   train_main_here([*argv, "--run.steps", "2"])
   assert f"the checkpoint in {out}/checkpoints is at step 2 = run.steps: the run is complete" in capfd.readouterr().out
   assert open(os.path.join(out, "metrics.jsonl")).read().count('"loss"') == lines_before.count('"loss"')
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_during_the_warm_up_does_not_claim_an_abandoned_checkpoint(tmp_path):
+  """A real ``scripts/train.py`` interrupted by SIGINT during the synthetic model's warm-up (before any step):
+  exit 130 with one line saying there is no checkpoint, and no "checkpoint being written is abandoned" — none
+  was being written (before: said always)."""
+  import signal
+
+  from helpers import cli_env
+
+  out = tmp_path / "run"
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "scripts", "train.py"),
+    "--model.synthetic",
+    "{hidden_size: 16, num_layers: 1}",
+    "--data.arithmetic",
+    "{train_size: 64, eval_size: 2, sft_steps: 1000000}",
+    "--run.out",
+    str(out),
+    "--no-progress",
+  ]
+  env = {**cli_env(tmp_path / "xla"), "PYTHONPATH": ROOT}
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  try:
+    for line in proc.stdout:
+      if line.startswith("devices:"):
+        break
+    time.sleep(5)  # building the model, then the warm-up's steps
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+  assert "step 1 " not in rest  # it was still in the warm-up
+  assert "being written" not in err, err[-2000:]
+  assert err.strip().splitlines()[-1] == (
+    f"aborted by SIGINT: there is no complete checkpoint in {out}/checkpoints: the next run starts from step 0"
+  ), err[-2000:]
