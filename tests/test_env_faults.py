@@ -251,7 +251,9 @@ def make_broken_reset_env(row):
   return _BrokenReset()
 
 
-def _train_cmd(tmp_path, factory: str, *extra) -> tuple[list, dict]:
+def _train_cmd(tmp_path, factory: str, *extra, steps: int = 2) -> tuple[list, dict]:
+  """A real ``scripts/train.py`` run of demo_env.yaml's tiny form with ``env.factory`` = ``factory`` (one turn of
+  8 tokens, 2 groups of 2) into ``tmp_path/run``; ``(command, environment)``."""
   from helpers import ROOT, cli_env
 
   env = {**cli_env(tmp_path / "xla"), "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
@@ -279,7 +281,7 @@ def _train_cmd(tmp_path, factory: str, *extra) -> tuple[list, dict]:
     "--eval.every",
     "1000",
     "--run.steps",
-    "2",
+    str(steps),
     "--run.out",
     str(tmp_path / "run"),
     "--no-plot",
@@ -328,49 +330,14 @@ def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
   """A real ``scripts/train.py`` run: after step 1 the environment hangs in ``step``; the first SIGTERM stops the
   run within seconds (not after env.step_timeout = 30 s, never before the change), exit status 128 + 15, and the
   last complete checkpoint is the last trained step."""
-  from helpers import ROOT, cli_env
+  from helpers import ROOT
 
   from jaxgrpo.services import checkpoint as ck
 
   flag, out = tmp_path / "hang", tmp_path / "run"
-  env = {**cli_env(tmp_path / "xla"), "JAXGRPO_TEST_HANG": str(flag)}
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
-  cmd = [
-    sys.executable,
-    os.path.join(ROOT, "scripts", "train.py"),
-    "--config",
-    os.path.join(ROOT, "scripts", "configs", "demo_env.yaml"),
-    "--model.synthetic",
-    "{hidden_size: 32, num_layers: 1}",
-    "--data.arithmetic",
-    "{train_size: 32, eval_size: 4, sft_steps: 0}",
-    "--rollout.group-size",
-    "2",
-    "--rollout.prompts-per-step",
-    "2",
-    "--env.factory",
-    "test_env_faults:make_hanging_env",
-    "--env.max-turns",
-    "1",
-    "--env.max-tokens",
-    "8",
-    "--env.turn-tokens",
-    "8",
-    "--eval.every",
-    "1000",
-    "--eval.samples",
-    "1",
-    "--eval.pass-k",
-    "[1]",
-    "--checkpoint.every",
-    "1",
-    "--run.steps",
-    "1000",
-    "--run.out",
-    str(out),
-    "--no-plot",
-    "--no-progress",
-  ]
+  extra = ["--eval.samples", "1", "--eval.pass-k", "[1]", "--checkpoint.every", "1"]
+  cmd, env = _train_cmd(tmp_path, "test_env_faults:make_hanging_env", *extra, steps=1000)
+  env["JAXGRPO_TEST_HANG"] = str(flag)
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
   lines = []
   try:

@@ -121,6 +121,16 @@ def test_the_torch_banner_is_silenced():
     assert 0 <= src.find("script_io.hide_torch_banner()") < first, name
 
 
+def _refused_before_the_config_dump(argv, capfd) -> str:
+  """``scripts/train.py``'s main on ``argv`` exits 2 before it prints the resolved config; returns its stderr."""
+  with pytest.raises(BaseException) as e:
+    train_main_here(argv)
+  assert getattr(e.value, "code", None) == 2, e.value
+  r = capfd.readouterr()
+  assert "resolved config" not in r.out, r.out[:500]
+  return r.err
+
+
 def test_a_missing_dataset_is_reported_before_the_config_dump(tmp_path, capfd):
   missing = str(tmp_path / "nope" / "train.jsonl")
   argv = [
@@ -131,12 +141,8 @@ def test_a_missing_dataset_is_reported_before_the_config_dump(tmp_path, capfd):
     "--run.out",
     str(tmp_path / "run"),
   ]
-  with pytest.raises(BaseException) as e:
-    train_main_here(argv)
-  assert getattr(e.value, "code", None) == 2, e.value
-  r = capfd.readouterr()
-  assert "resolved config" not in r.out, r.out[:500]
-  assert f"`data.dataset`: no such file or directory: {missing}" in r.err, r.err[-2000:]
+  err = _refused_before_the_config_dump(argv, capfd)
+  assert f"`data.dataset`: no such file or directory: {missing}" in err, err[-2000:]
 
 
 def test_a_relative_reward_model_path_that_does_not_exist_is_a_missing_local_path(tmp_path, monkeypatch, capfd):
@@ -162,12 +168,8 @@ def test_a_relative_reward_model_path_that_does_not_exist_is_a_missing_local_pat
     "--run.out",
     str(tmp_path / "run"),
   ]
-  with pytest.raises(BaseException) as e:
-    train_main_here(argv)
-  assert getattr(e.value, "code", None) == 2, e.value
-  r = capfd.readouterr()
-  assert "resolved config" not in r.out, r.out[:500]
-  assert "`reward.sources['rm'].path`: no such file or directory: runs/arith_rm" in r.err, r.err[-2000:]
+  err = _refused_before_the_config_dump(argv, capfd)
+  assert "`reward.sources['rm'].path`: no such file or directory: runs/arith_rm" in err, err[-2000:]
 
 
 def test_run_out_naming_a_file_is_one_line(tmp_path, capfd):
