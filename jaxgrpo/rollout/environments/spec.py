@@ -83,7 +83,6 @@ class EnvSpec:
 
   def __post_init__(self):
     self.multiturn_config()  # the bounds' own errors, at construction
-    self.make_env()  # a mistyped factory is refused when the config loads, not after the warm-up
     for name in ("episodes", "eval_episodes"):
       v = getattr(self, name)
       if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= EVAL_SEED_OFFSET):
@@ -93,6 +92,7 @@ class EnvSpec:
         f"`env.eval_episodes`={self.eval_episodes} needs `env.episodes` (a dataset run's held-out set is "
         "`eval.dataset`); set `env.episodes` or unset `env.eval_episodes`"
       )
+    self.make_env()  # a mistyped factory is refused when the config loads, not after the warm-up
 
   def multiturn_config(self) -> MultiTurnConfig:
     return MultiTurnConfig(
