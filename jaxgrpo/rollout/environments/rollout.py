@@ -95,7 +95,8 @@ class MultiTurnConfig:
       against ``workers`` until the call returns — so the threads of a process stay at most ``workers``
       however many calls time out (the sandbox's tools run in subprocesses, which their own limits kill).
     workers: the most environment calls running at once in this process (threads, abandoned calls included;
-      >= 1). 1: one call at a time, as an environment that shares state between its instances unlocked needs.
+      >= 1; 32). 1: one call at a time, as an environment that shares state between its instances unlocked needs.
+      Each running call may hold a process of its own (the sandbox's code tool): at most ``workers`` at once.
     fail_fast: re-raise the first exception an environment raises (with its traceback), for debugging,
       instead of ending the trajectory and counting it in ``env_errors``.
   """
@@ -105,7 +106,7 @@ class MultiTurnConfig:
   turn_tokens: int | None = None
   stop_at_tool_call: bool | None = None
   step_timeout: float | None = 30.0
-  workers: int = 64
+  workers: int = 32
   fail_fast: bool = False
 
   def __post_init__(self):

@@ -10,7 +10,7 @@
       stop_at_tool_call: null # null (default): at </tool_call> when the environment has tools
       step_timeout: 30        # seconds per env.reset / env.step call (null: unbounded); a turn's calls run
                               # concurrently, so a turn waits at most step_timeout x ceil(calls / workers)
-      workers: 64             # environment calls at once (threads, timed-out ones included)
+      workers: 32             # environment calls at once (threads, timed-out ones included)
       fail_fast: false        # true: re-raise the first environment exception (debugging)
       episodes: null          # N: train on N episodes from seeds (no dataset; reset builds the prompt)
       eval_episodes: null     # M: evaluate on M held-out episodes (with episodes)
@@ -78,7 +78,7 @@ class EnvSpec:
   turn_tokens: int | None = None
   stop_at_tool_call: bool | None = None
   step_timeout: float | None = 30.0
-  workers: int = 64
+  workers: int = 32
   fail_fast: bool = False
 
   def __post_init__(self):
