@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import os
 from collections.abc import Sequence
 
 import jax
@@ -341,3 +342,21 @@ def load_callable(path: str, what: str, forms: str = "'package.module:callable'"
   if not callable(obj):
     raise ValueError(f"`{what}`: {path!r} is not callable ({type(obj).__name__})")
   return obj
+
+
+def names_local_path(source: str) -> bool:
+  """Whether ``source`` names a local path rather than a hub id (``owner/name``, or a bare name).
+
+  The rule: a local path starts with ``/``, ``.`` (``./``, ``../``) or ``~``; or holds more than one ``/``
+  (or the platform's other separator); or its first part is a local directory (``runs/arith_rm`` where ``runs``
+  exists: what the scripts write). Anything else is a hub id — ``Qwen/Qwen3-1.7B`` stays one unless a local
+  ``Qwen`` directory exists, where it names ``Qwen/Qwen3-1.7B`` in it (write ``./Qwen/...`` to be explicit).
+  A local path that does not exist is then an error naming it, never a hub download."""
+  source = os.fspath(source)
+  first, sep, _ = source.partition("/")
+  return (
+    source.startswith(("/", ".", "~"))
+    or source.count("/") > 1
+    or (os.sep != "/" and os.sep in source)
+    or bool(sep and first and os.path.isdir(first))
+  )

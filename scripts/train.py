@@ -71,6 +71,7 @@ import jax  # after XLA_FLAGS
 
 from jaxgrpo import data as data_lib
 from jaxgrpo.parallel import distributed
+from jaxgrpo.rollout.environments import EnvironmentFailed
 from jaxgrpo.run import collapse, specs
 from jaxgrpo.run.collapse import NoLearningSignal, PolicyCollapsed
 from jaxgrpo.run.trainer import Trainer, TrainingAborted, TrainingInterrupted, run_meta
@@ -79,13 +80,19 @@ from jaxgrpo.services.checkpoint import CheckpointSaveError, NonFiniteError
 from jaxgrpo.services.metrics import MetricsWriteError
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors in one line (``train.py: error: ...``), without the usage block first: the message names
+  the flag and its fix; ``--help`` shows the usage."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv=None):
   """``(args, overrides)``: the script's own flags, and ``{dotted config key: value}`` for every
   ``--key value`` (checked against the config; a key that is not a field is an error naming the
   dotted key it most likely means)."""
-  p = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
-  )
+  p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
   p.add_argument("--config", help="YAML config file (sections of jaxgrpo.run.specs.TrainerConfig)")
   p.add_argument(
     "--resume",
@@ -254,6 +261,23 @@ def _check_local_files(cfg) -> None:
       _fail(2, f"error: config field `{field}`: no such file or directory: {source}")
 
 
+def _check_steps_left(at: int | None, steps: int, directory: str, say) -> None:
+  """A resumed run whose checkpoint (step ``at``) is already past ``run.steps`` would train nothing and exit 0:
+  refused (ValueError: exit 2, one line). At exactly ``run.steps`` the run is complete: said, and it ends."""
+  if at is None:
+    return
+  if at > steps:
+    raise ValueError(
+      f"`run.steps`={steps} but the checkpoint in {directory} is at step {at}: nothing would be trained. To "
+      f"train further, give --run.steps above {at}; to start over with {steps} steps, use another --run.out"
+    )
+  if at == steps:
+    say(
+      f"the checkpoint in {directory} is at step {at} = run.steps: the run is complete, nothing to train "
+      f"(give --run.steps above {at} to train further)"
+    )
+
+
 def _fail(code: int, message: str):
   print(message, file=sys.stderr, flush=True)
   raise CliExit(code, message)
@@ -294,7 +318,17 @@ def _latest(ckpt) -> str:
   return f"the last complete checkpoint is step {steps[-1]} ({os.path.join(ckpt.directory, str(steps[-1]))})"
 
 
+def _save_traceback(out: str, error: BaseException) -> str:
+  """Appends ``error``'s traceback (its causes included) to ``OUT/error.log``; returns the path."""
+  path = os.path.join(out, "error.log")
+  with open(path, "a") as f:
+    f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+    f.write("".join(traceback.format_exception(error)))
+  return path
+
+
 #: what stops a run early with one ``error:`` line (or the signal's line), after the checkpointer was closed
+#: (the traceback in OUT/error.log for an environment's)
 _STOPS = (
   TrainingInterrupted,
   NonFiniteError,
@@ -302,6 +336,7 @@ _STOPS = (
   NoLearningSignal,
   CheckpointSaveError,
   MetricsWriteError,
+  EnvironmentFailed,
 )
 
 
@@ -348,6 +383,9 @@ def _report(error: BaseException, ckpt) -> CliExit:
     msg = f"error: {error} ({_after_collapse(ckpt, error)})"
   elif isinstance(error, (NonFiniteError, NoLearningSignal)):
     msg = f"error: {error} ({_latest(ckpt)})"
+  elif isinstance(error, EnvironmentFailed):  # the user's environment raised: its traceback goes to a file
+    log_path = _save_traceback(os.path.dirname(ckpt.directory), error)
+    msg = f"error: {error}; training stopped ({_latest(ckpt)}); the traceback is in {log_path} (--traceback shows it)"
   elif isinstance(error, MetricsWriteError):  # a full disk: say whether the steps done were kept
     kept = (
       f"checkpoint of step {error.step} complete in {ckpt.directory}" if error.step in ckpt.steps() else _latest(ckpt)
@@ -387,6 +425,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       lock = runlock.RunLock(out).acquire()  # noqa: F841 - held until this process ends
     except runlock.RunDirLocked as e:
       _fail(2, f"error: {e}")
+    except OSError as e:  # a file of that name, no permission, a read-only file system: one line
+      what = "is a file, not a directory" if os.path.isfile(out) else f"cannot be created ({e.strerror})"
+      _fail(2, f"error: config field `run.out`: {out} {what}: name a directory (created when missing)")
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   start_over = not resume and has_checkpoint  # allowed when every checkpoint is corrupt: they are moved aside
@@ -416,6 +457,8 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       on_save_error=args.on_save_error,
       on_corrupt=args.on_corrupt,
     )
+  global _CHECKPOINTER
+  _CHECKPOINTER = ckpt
   _orbax_noise.hide_unretrieved_writes(ckpt.directory)  # asyncio's records of a failed save's sibling writes
   if start_over:  # --no-resume and every checkpoint corrupt: moved aside (kept), the run starts from step 0
     with _input_errors(args, ckpt.close):
@@ -427,7 +470,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
       zero_reward_steps=args.collapse_zero_reward_steps,
     )
     if resume:  # refuse a mismatching checkpoint before the model is built
-      ckpt.check_run(run_meta(cfg))
+      _check_steps_left(ckpt.check_run(run_meta(cfg)), cfg.run.steps, ckpt.directory, say)
     trainer = Trainer(
       cfg,
       log=say,
@@ -504,8 +547,9 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   return records
 
 
-#: the run's checkpoint directory once known (what _abort reports)
+#: the run's checkpoint directory once known, and its checkpointer once built (what _abort reports)
 _CHECKPOINTS: str | None = None
+_CHECKPOINTER = None
 
 
 def _abort(signum: int) -> None:
@@ -523,7 +567,9 @@ def _abort(signum: int) -> None:
       if steps
       else f"there is no complete checkpoint in {_CHECKPOINTS}: the next run starts from step 0"
     )
-  print(f"\naborted by {name}: a checkpoint being written is abandoned; {where}", file=sys.stderr, flush=True)
+  writing = _CHECKPOINTER is not None and _CHECKPOINTER.writing  # before: said so always (also in the warm-up)
+  abandoned = "the checkpoint being written is abandoned; " if writing else ""
+  print(f"\naborted by {name}: {abandoned}{where}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(128 + signum)
 

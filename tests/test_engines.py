@@ -131,6 +131,11 @@ def make_not_an_engine(**settings):
   return object()
 
 
+def make_broken_engine(**settings):
+  """A factory with a bug: it raises when the trainer calls it."""
+  raise RuntimeError(f"no GPU for max_model_len={settings['max_model_len']}")
+
+
 class KeywordEngine(OffsetEngine):
   """A user's engine written against the keyword signature retired by issue 34 (item 5)."""
 
@@ -261,6 +266,34 @@ def test_the_trainer_builds_a_users_engine_from_the_config_string(tmp_path):
   for r in records:
     assert r["engine/mismatch_k3"] == pytest.approx(K3_OFFSET, rel=1e-4), r
     assert r["engine/push_s"] >= 0 and r["engine/generate_s"] > 0
+
+
+def test_an_engine_factory_that_raises_is_one_line(tmp_path, capfd):
+  """``rollout.engine: test_engines:make_broken_engine`` raises a RuntimeError when called: ``scripts/train.py``
+  exits 2 with one ``error:`` line naming the field, the exception and its message (before: a traceback; only
+  ValueError/TypeError were one line); the exception stays the cause (``--traceback``)."""
+  from helpers import train_main_here
+
+  argv = [
+    "--model.synthetic",
+    "{hidden_size: 16, num_layers: 1}",
+    "--data.arithmetic",
+    "{train_size: 16, eval_size: 2, sft_steps: 0}",
+    "--rollout.engine",
+    "test_engines:make_broken_engine",
+    "--run.out",
+    str(tmp_path / "run"),
+    "--no-progress",
+  ]
+  with pytest.raises(SystemExit) as e:
+    train_main_here(argv)
+  assert e.value.code == 2
+  err = capfd.readouterr().err.strip().splitlines()
+  assert "Traceback" not in "\n".join(err), err
+  assert err[-1].startswith(
+    "error: `rollout.engine: test_engines:make_broken_engine`: the factory raised RuntimeError: no GPU for "
+    "max_model_len="
+  ), err
 
 
 def test_routing_replay_through_vllm_is_refused_for_a_moe_policy_in_one_line():

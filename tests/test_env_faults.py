@@ -126,11 +126,92 @@ def test_should_stop_interrupts_a_rollout_waiting_on_a_hung_environment(setup):
   assert time.monotonic() - t0 < 20  # not the 60 s of the hang
 
 
+class Slow:
+  """A real slow environment: ``reset`` returns at once; ``step`` sleeps ``row["sleep"]`` seconds (a real
+  ``time.sleep``), then ends the trajectory with reward 1."""
+
+  tools = ()
+
+  def reset(self, row):
+    self.sleep = row["sleep"]
+    return [{"role": "user", "content": "slow"}]
+
+  def step(self, text):
+    time.sleep(self.sleep)
+    return StepResult((), 1.0, True, {})
+
+
+def _env_threads() -> int:
+  return sum(t.name == "jaxgrpo-env-call" and t.is_alive() for t in threading.enumerate())
+
+
+def _slow_rollout(setup, sleep: float, rows: int, **cfg):
+  tok, model, sampling = setup
+  config = MultiTurnConfig(max_turns=1, max_tokens=6, **cfg)
+  data = [{"sleep": sleep, "row": r} for r in range(rows)]
+  return sample_multiturn(model, data, lambda row: Slow(), tok, sampling, config, key=jax.random.key(1))
+
+
+def test_a_turn_of_slow_steps_waits_one_timeout_in_all_and_logs_the_first_naming_its_row(setup, caplog):
+  """32 trajectories whose ``step`` sleeps 4 s, ``env.step_timeout`` 0.5 s: the calls of the turn run at once, so
+  the turn waits ~0.5 s in all (before: one call after the other, 32 x 0.5 = 16 s); the first timeout is logged
+  once, naming the environment, the trajectory and its row (before: only the ``env_timeouts`` count)."""
+  _slow_rollout(setup, 0.0, 16, step_timeout=5.0)  # compile the sampler's shapes outside the timing
+  t0 = time.monotonic()
+  with caplog.at_level(logging.WARNING, logger="jaxgrpo.rollout.environments"):
+    out = _slow_rollout(setup, 4.0, 16, step_timeout=0.5)
+  took = time.monotonic() - t0
+  assert took < 6.0, took  # one 0.5 s bound for the whole turn (plus sampling), not 16 s
+  np.testing.assert_array_equal(out.metrics["env_timeouts"], np.ones(32))
+  np.testing.assert_array_equal(out.rewards, np.zeros(32))
+  lines = [r.getMessage() for r in caplog.records if "did not return within" in r.getMessage()]
+  assert len(lines) == 1, lines  # the first time only
+  assert lines[0].startswith("Slow.step of trajectory 0 of group 0 (row {'sleep': 4.0, 'row': 0})"), lines
+  assert "env.step_timeout=0.5 s" in lines[0] and "env/env_timeouts" in lines[0]
+
+
+def test_timed_out_calls_keep_at_most_workers_threads_and_a_turn_is_bounded_as_a_whole(setup):
+  """Steps that sleep 6 s, ``env.step_timeout`` 0.4 s, 16 trajectories, ``env.workers`` = 4 more than the
+  environment threads already alive (the hung calls of the tests above count: the bound is the process's):
+  4 calls start and time out, the 12 others find no free thread and time out when the turn's time is up, 0.4 s x
+  ceil(16 / workers) — never more than ``workers`` environment threads (before: one abandoned thread per
+  timed-out call, 16 more per rollout, and 16 x 0.4 s in a row). The next rollout, whose resets find every
+  thread still held, stops with a TimeoutError saying so. When the sleeps end, so do their threads."""
+  time.sleep(4.5)  # the previous test's abandoned calls (4 s sleeps) have returned
+  base = _env_threads()
+  workers = base + 4
+  _slow_rollout(setup, 0.0, 8, step_timeout=5.0, workers=workers)  # compile
+  assert _env_threads() == base
+  t0 = time.monotonic()
+  out = _slow_rollout(setup, 6.0, 8, step_timeout=0.4, workers=workers)
+  took = time.monotonic() - t0
+  assert _env_threads() <= workers, (_env_threads(), workers)
+  assert took < 0.4 * -(-16 // workers) + 2.5, took  # the bound plus sampling
+  np.testing.assert_array_equal(out.metrics["env_timeouts"], np.ones(16))
+  with pytest.raises(
+    TimeoutError, match=rf"Slow.reset did not run within .*it never started: all env.workers={workers} environment"
+  ):
+    _slow_rollout(setup, 6.0, 8, step_timeout=0.4, workers=workers)
+  assert _env_threads() <= workers
+  time.sleep(6.5)
+  assert _env_threads() == base  # the abandoned calls returned and their threads ended
+
+
+def test_a_turn_of_steps_within_the_bound_gets_every_reward(setup):
+  """Concurrency changes nothing for calls within the bound: 16 steps of 0.2 s on 4 free threads, bound 1 s (a
+  turn may take 1 s x ceil(16 / 4)): every reward counts, no timeout."""
+  out = _slow_rollout(setup, 0.2, 8, step_timeout=1.0, workers=_env_threads() + 4)
+  np.testing.assert_array_equal(out.rewards, np.ones(16))
+  np.testing.assert_array_equal(out.metrics["env_timeouts"], np.zeros(16))
+
+
 def test_bad_fault_settings_name_the_field():
   with pytest.raises(ValueError, match="env.step_timeout"):
     MultiTurnConfig(step_timeout=0)
   with pytest.raises(ValueError, match="env.fail_fast"):
     MultiTurnConfig(fail_fast="yes")
+  with pytest.raises(ValueError, match="env.workers"):
+    MultiTurnConfig(workers=0)
 
 
 def make_hanging_env(row):
@@ -154,18 +235,28 @@ class _HangWhenTold:
     return StepResult((), 0.1 * sum(c.isdigit() for c in text) / max(len(text), 1), True)
 
 
-@pytest.mark.subprocess
-def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
-  """A real ``scripts/train.py`` run: after step 1 the environment hangs in ``step``; the first SIGTERM stops the
-  run within seconds (not after env.step_timeout = 30 s, never before the change), exit status 128 + 15, and the
-  last complete checkpoint is the last trained step."""
+def make_broken_env(row):
+  """``env.factory`` of the child run below: raises, as a factory with a bug does."""
+  raise KeyError(f"no level for {row['answer']!r}")
+
+
+class _BrokenReset:
+  tools = ()
+
+  def reset(self, row):
+    return [{"role": "user", "content": row["no such column"]}]
+
+
+def make_broken_reset_env(row):
+  return _BrokenReset()
+
+
+def _train_cmd(tmp_path, factory: str, *extra, steps: int = 2) -> tuple[list, dict]:
+  """A real ``scripts/train.py`` run of demo_env.yaml's tiny form with ``env.factory`` = ``factory`` (one turn of
+  8 tokens, 2 groups of 2) into ``tmp_path/run``; ``(command, environment)``."""
   from helpers import ROOT, cli_env
 
-  from jaxgrpo.services import checkpoint as ck
-
-  flag, out = tmp_path / "hang", tmp_path / "run"
-  env = {**cli_env(tmp_path / "xla"), "JAXGRPO_TEST_HANG": str(flag)}
-  env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+  env = {**cli_env(tmp_path / "xla"), "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
   cmd = [
     sys.executable,
     os.path.join(ROOT, "scripts", "train.py"),
@@ -180,7 +271,7 @@ def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
     "--rollout.prompts-per-step",
     "2",
     "--env.factory",
-    "test_env_faults:make_hanging_env",
+    factory,
     "--env.max-turns",
     "1",
     "--env.max-tokens",
@@ -189,19 +280,64 @@ def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
     "8",
     "--eval.every",
     "1000",
-    "--eval.samples",
-    "1",
-    "--eval.pass-k",
-    "[1]",
-    "--checkpoint.every",
-    "1",
     "--run.steps",
-    "1000",
+    str(steps),
     "--run.out",
-    str(out),
+    str(tmp_path / "run"),
     "--no-plot",
     "--no-progress",
+    *extra,
   ]
+  return cmd, env
+
+
+def test_a_mistyped_env_factory_is_refused_when_the_config_loads():
+  """As ``rollout.engine``'s: imported when the config loads (before: after the warm-up, 55 s into the demo)."""
+  from jaxgrpo.run import specs
+
+  with pytest.raises(ValueError, match=r"`env.factory`: 'jaxgrpo.tasks.calculatr:make_env': cannot import module"):
+    specs.load_config("scripts/configs/demo_env.yaml", {"env.factory": "jaxgrpo.tasks.calculatr:make_env"})
+  with pytest.raises(ValueError, match=r"`env.factory`: .* has no attribute 'make_enw'"):
+    specs.load_config("scripts/configs/demo_env.yaml", {"env.factory": "jaxgrpo.tasks.calculator:make_enw"})
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+  "factory, said",
+  [
+    ("test_env_faults:make_broken_env", 'the environment factory make_broken_env(row) raised KeyError: "no level for'),
+    ("test_env_faults:make_broken_reset_env", "_BrokenReset.reset raised KeyError: 'no such column' (row {"),
+  ],
+)
+def test_an_environment_whose_factory_or_reset_raises_stops_the_run_in_one_line(tmp_path, factory, said):
+  """A real ``scripts/train.py`` run whose environment factory (or ``reset``) raises: exit 1 with one ``error:``
+  line naming the call, the exception and the row, and the traceback in ``OUT/error.log`` (before: a 43-54-line
+  traceback on the console)."""
+  cmd, env = _train_cmd(tmp_path, factory)
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  err = proc.stderr.strip().splitlines()
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert err[-1].startswith("error: " + said), err[-3:]
+  log_path = str(tmp_path / "run" / "error.log")
+  assert f"the traceback is in {log_path}" in err[-1]
+  text = open(log_path).read()
+  assert "Traceback" in text and "KeyError" in text and "test_env_faults.py" in text
+
+
+@pytest.mark.subprocess
+def test_the_first_sigterm_stops_a_run_whose_environment_hangs(tmp_path):
+  """A real ``scripts/train.py`` run: after step 1 the environment hangs in ``step``; the first SIGTERM stops the
+  run within seconds (not after env.step_timeout = 30 s, never before the change), exit status 128 + 15, and the
+  last complete checkpoint is the last trained step."""
+  from helpers import ROOT
+
+  from jaxgrpo.services import checkpoint as ck
+
+  flag, out = tmp_path / "hang", tmp_path / "run"
+  extra = ["--eval.samples", "1", "--eval.pass-k", "[1]", "--checkpoint.every", "1"]
+  cmd, env = _train_cmd(tmp_path, "test_env_faults:make_hanging_env", *extra, steps=1000)
+  env["JAXGRPO_TEST_HANG"] = str(flag)
   proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
   lines = []
   try:

@@ -51,7 +51,7 @@ def test_second_holder_refused_until_the_first_dies(tmp_path, kill):
       runlock.RunLock(out).acquire()
     msg = str(e.value)
     assert f"{out} is in use by another run: pid {proc.pid} on host {socket.gethostname()}" in msg
-    assert "use another --out" in msg and "\n" not in msg
+    assert "use another --run.out" in msg and "\n" not in msg  # the CLI's flag (--out is refused)
     assert e.value.holder["pid"] == proc.pid
   finally:
     proc.send_signal(kill)

@@ -121,6 +121,16 @@ def test_the_torch_banner_is_silenced():
     assert 0 <= src.find("script_io.hide_torch_banner()") < first, name
 
 
+def _refused_before_the_config_dump(argv, capfd) -> str:
+  """``scripts/train.py``'s main on ``argv`` exits 2 before it prints the resolved config; returns its stderr."""
+  with pytest.raises(BaseException) as e:
+    train_main_here(argv)
+  assert getattr(e.value, "code", None) == 2, e.value
+  r = capfd.readouterr()
+  assert "resolved config" not in r.out, r.out[:500]
+  return r.err
+
+
 def test_a_missing_dataset_is_reported_before_the_config_dump(tmp_path, capfd):
   missing = str(tmp_path / "nope" / "train.jsonl")
   argv = [
@@ -131,9 +141,128 @@ def test_a_missing_dataset_is_reported_before_the_config_dump(tmp_path, capfd):
     "--run.out",
     str(tmp_path / "run"),
   ]
+  err = _refused_before_the_config_dump(argv, capfd)
+  assert f"`data.dataset`: no such file or directory: {missing}" in err, err[-2000:]
+
+
+def test_a_relative_reward_model_path_that_does_not_exist_is_a_missing_local_path(tmp_path, monkeypatch, capfd):
+  """``runs/arith_rm`` where ``runs`` is a local directory names a local path (``jaxgrpo._checks.names_local_path``):
+  missing, it is one line before anything is built (before: taken for a hub id, a network error after the
+  warm-up); ``load_reward_model`` says the same without asking the hub. ``owner/name`` without a local ``owner``
+  stays a hub id."""
+  from jaxgrpo import _checks
+  from jaxgrpo.rewards.reward_model import load_reward_model
+
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "runs").mkdir()
+  assert _checks.names_local_path("runs/arith_rm") and _checks.names_local_path("./arith_rm")
+  assert _checks.names_local_path("../x/y") and _checks.names_local_path("~/m") and _checks.names_local_path("/m")
+  assert not _checks.names_local_path("Qwen/Qwen3-0.6B") and not _checks.names_local_path("gpt2")
+  with pytest.raises(ValueError, match=r"'runs/arith_rm': no such local directory"):
+    load_reward_model("runs/arith_rm")
+  argv = [
+    "--config",
+    os.path.join(ROOT, "scripts", "configs", "demo_rm.yaml"),
+    "--reward.sources",
+    "[{name: rm, kind: reward_model, path: runs/arith_rm, weight: 1.0}]",
+    "--run.out",
+    str(tmp_path / "run"),
+  ]
+  err = _refused_before_the_config_dump(argv, capfd)
+  assert "`reward.sources['rm'].path`: no such file or directory: runs/arith_rm" in err, err[-2000:]
+
+
+def test_run_out_naming_a_file_is_one_line(tmp_path, capfd):
+  """``--run.out`` naming an existing file: exit 2 with one line (before: a FileExistsError traceback)."""
+  path = tmp_path / "a_file"
+  path.write_text("x")
   with pytest.raises(BaseException) as e:
-    train_main_here(argv)
+    train_main_here(["--run.out", str(path)])
   assert getattr(e.value, "code", None) == 2, e.value
-  r = capfd.readouterr()
-  assert "resolved config" not in r.out, r.out[:500]
-  assert f"`data.dataset`: no such file or directory: {missing}" in r.err, r.err[-2000:]
+  err = capfd.readouterr().err.strip().splitlines()
+  assert err == [
+    f"error: config field `run.out`: {path} is a file, not a directory: name a directory (created when missing)"
+  ]
+
+
+def test_resuming_past_run_steps_is_refused_and_a_complete_run_says_so(tmp_path, capfd):
+  """A checkpoint at step 2 resumed with ``--run.steps 1``: exit 2, one line saying nothing would be trained and
+  the two fixes (before: exit 0 with only ``run.steps: 2 -> 1`` logged); with ``--run.steps 2`` (the run is
+  complete) a line says so and the run ends without training."""
+  out = str(tmp_path / "run")
+  argv = [
+    "--model.synthetic",
+    "{hidden_size: 16, num_layers: 1}",
+    "--data.arithmetic",
+    "{train_size: 16, eval_size: 2, sft_steps: 0}",
+    "--rollout.group-size",
+    "2",
+    "--rollout.prompts-per-step",
+    "2",
+    "--rollout.max-new-tokens",
+    "4",
+    "--eval.every",
+    "0",
+    "--checkpoint.every",
+    "1",
+    "--run.out",
+    out,
+    "--no-plot",
+    "--no-progress",
+    "--no-tensorboard",
+  ]
+  train_main_here([*argv, "--run.steps", "2"])
+  capfd.readouterr()
+  with pytest.raises(BaseException) as e:
+    train_main_here([*argv, "--run.steps", "1"])
+  assert getattr(e.value, "code", None) == 2, e.value
+  err = capfd.readouterr().err.strip().splitlines()
+  assert err[-1] == (
+    f"error: `run.steps`=1 but the checkpoint in {out}/checkpoints is at step 2: nothing would be trained. To "
+    "train further, give --run.steps above 2; to start over with 1 steps, use another --run.out"
+  ), err
+  lines_before = open(os.path.join(out, "metrics.jsonl")).read()
+  train_main_here([*argv, "--run.steps", "2"])
+  assert f"the checkpoint in {out}/checkpoints is at step 2 = run.steps: the run is complete" in capfd.readouterr().out
+  assert open(os.path.join(out, "metrics.jsonl")).read().count('"loss"') == lines_before.count('"loss"')
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_during_the_warm_up_does_not_claim_an_abandoned_checkpoint(tmp_path):
+  """A real ``scripts/train.py`` interrupted by SIGINT during the synthetic model's warm-up (before any step):
+  exit 130 with one line saying there is no checkpoint, and no "checkpoint being written is abandoned" — none
+  was being written (before: said always)."""
+  import signal
+
+  from helpers import cli_env
+
+  out = tmp_path / "run"
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "scripts", "train.py"),
+    "--model.synthetic",
+    "{hidden_size: 16, num_layers: 1}",
+    "--data.arithmetic",
+    "{train_size: 64, eval_size: 2, sft_steps: 1000000}",
+    "--run.out",
+    str(out),
+    "--no-progress",
+  ]
+  env = {**cli_env(tmp_path / "xla"), "PYTHONPATH": ROOT}
+  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  try:
+    for line in proc.stdout:
+      if line.startswith("devices:"):
+        break
+    time.sleep(5)  # building the model, then the warm-up's steps
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+  assert "step 1 " not in rest  # it was still in the warm-up
+  assert "being written" not in err, err[-2000:]
+  assert err.strip().splitlines()[-1] == (
+    f"aborted by SIGINT: there is no complete checkpoint in {out}/checkpoints: the next run starts from step 0"
+  ), err[-2000:]

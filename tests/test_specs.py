@@ -115,6 +115,64 @@ def test_an_old_flat_key_is_one_error_naming_its_dotted_key(tmp_path, key, dotte
 
 
 @pytest.mark.parametrize(
+  "text, overrides, match",
+  [
+    ("rollout: {group_sise: 8}\n", {}, r"`rollout.group_sise`: did you mean `rollout.group_size`\?"),
+    ("objective: {presett: grpo}\n", {}, r"`objective.presett`: did you mean `objective.preset`\?"),
+    ("objective: {preset: grpo, bta: 0.1}\n", {}, r"`objective.bta`: did you mean `objective.beta`\?"),
+    (
+      "",
+      {"objective.presett": "grpo"},
+      r"unknown config key `objective.presett` \(did you mean `objective.preset`\?\)",
+    ),
+    ("", {"rollout.group_sise": 8}, r"unknown config key `rollout.group_sise` \(did you mean `rollout.group_size`\?\)"),
+    ("", {"rollout.learning_rate": 1.0}, r"`rollout.learning_rate` \(did you mean `optim.learning_rate`\?\)"),
+  ],
+)
+def test_a_mistyped_dotted_key_gets_a_did_you_mean(tmp_path, text, overrides, match):
+  """A mistyped key inside a section, in YAML or as a dotted override, names its likely spelling (issue 46 item 5;
+  before: only the old flat keys got a hint, a dotted key only the list of valid keys)."""
+  with pytest.raises(ValueError, match=match):
+    load_config(_write(tmp_path, text) if text else None, overrides)
+
+
+def test_a_mistyped_best_metric_is_refused_with_the_known_names():
+  """``checkpoint.best_metric`` must be a metric the evaluation logs (before: a typo silently turned keep-best
+  off: no record ever had it)."""
+  demo = os.path.join(ROOT, "scripts", "configs", "demo.yaml")
+  with pytest.raises(ValueError, match=r"`checkpoint.best_metric`='eval_acuracy' is not a metric the evaluation logs"):
+    load_config(demo, {"checkpoint.best_metric": "eval_acuracy"})
+  with pytest.raises(ValueError, match=r"use one of \['eval_accuracy', 'eval_pass@1', 'eval_pass@4'\]"):
+    load_config(demo, {"checkpoint.best_metric": "eval_pass@8"})  # pass_k is [1, 4]
+  assert load_config(demo, {"checkpoint.best_metric": "eval_pass@4"}).checkpoint.best_metric == "eval_pass@4"
+  assert load_config(demo, {"checkpoint.best_metric": None}).checkpoint.best_metric is None
+  env = os.path.join(ROOT, "scripts", "configs", "demo_env.yaml")
+  assert load_config(env).checkpoint.best_metric == "eval_env_reward"  # the default stands for the env's metric
+  assert load_config(env, {"checkpoint.best_metric": "eval_env/turns"}).checkpoint.best_metric == "eval_env/turns"
+  with pytest.raises(ValueError, match=r"use one of \['eval_env_reward', 'eval_env/<metric>'\]"):
+    load_config(env, {"checkpoint.best_metric": "eval_pass@1"})
+
+
+def test_a_command_line_source_on_a_file_with_the_other_gives_the_whole_fix_in_one_error(tmp_path):
+  """``--model.path ./models/nope`` on the demo config: one error with every flag the fix needs and the missing
+  path (before: three tries — `model.synthetic` to null, then `data.arithmetic.sft_steps` to zero, then the path);
+  the flags it names make the config load."""
+  demo = os.path.join(ROOT, "scripts", "configs", "demo.yaml")
+  with pytest.raises(ValueError) as e:
+    load_config(demo, {"model.path": "./models/nope"})
+  msg = str(e.value)
+  assert "`model.path` given on the command line and `model.synthetic` in the file" in msg, msg
+  assert "add --model.synthetic null --data.arithmetic.sft_steps 0" in msg, msg
+  assert msg.endswith("and `model.path`: no such file or directory: ./models/nope"), msg
+  model = tmp_path / "model"
+  model.mkdir()
+  cfg = load_config(demo, {"model.path": str(model), "model.synthetic": None, "data.arithmetic.sft_steps": 0})
+  assert cfg.model.path == str(model) and cfg.data.arithmetic.sft_steps == 0
+  with pytest.raises(ValueError, match=r"`data.dataset` given on the command line .*: add --data.arithmetic null$"):
+    load_config(demo, {"data.dataset": "openai/gsm8k"})
+
+
+@pytest.mark.parametrize(
   "text, error, match",
   [
     ("model: demo\n", TypeError, r"config section `model` must be a mapping of fields; got 'demo'"),

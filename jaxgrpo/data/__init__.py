@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from jaxgrpo import _checks
+
 if TYPE_CHECKING:  # annotations only: datasets and pyarrow are imported where a dataset is loaded
   import datasets
 
@@ -297,14 +299,9 @@ def _read_file(path: str) -> list[dict]:
 
 
 def _looks_local(source: str) -> bool:
-  """A path, not a hub id (``owner/name``): starts with ``/``, ``.`` or ``~``, has more than one
-  ``/``, or ends in a known file extension."""
-  return (
-    source.startswith(("/", ".", "~"))
-    or source.count("/") > 1
-    or (os.sep != "/" and os.sep in source)
-    or source.lower().endswith(tuple("." + e for e in FILE_TYPES))
-  )
+  """A path, not a hub id: ``jaxgrpo._checks.names_local_path`` (starts with ``/``, ``.`` or ``~``, has more than
+  one ``/``, or its first part is a local directory), or a name ending in a known file extension."""
+  return _checks.names_local_path(source) or source.lower().endswith(tuple("." + e for e in FILE_TYPES))
 
 
 def _library_call(what: str, fn, *args, **kwargs):

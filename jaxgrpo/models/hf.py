@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jaxgrpo import _checks
 from jaxgrpo.models.base import RematPolicy, check_scan_layers
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
@@ -387,12 +388,21 @@ def _resolve(path: str | os.PathLike) -> str:
     return path
   if os.path.exists(path):
     raise ValueError(f"path {path!r} must be a model directory, not a file")
+  if _checks.names_local_path(path):  # `runs/rm` with a local `runs`, `./x`, `/x`: never a hub id
+    raise ValueError(
+      f"{path!r}: no such local directory (a path that starts with /, ./, ../ or ~, has several '/', or whose "
+      "first part is a local directory is local, not a hub id): check the path"
+    )
   try:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
   except Exception as e:  # noqa: BLE001 - re-raised with the reason
-    raise ValueError(f"{path!r} is not a local directory and could not be fetched from the hub: {e}") from e
+    reason = " ".join(str(e).split())  # one line
+    raise ValueError(
+      f"{path!r} is not a local directory (none under {os.getcwd()}) and could not be fetched from the hub as a "
+      f"hub id: {reason}"
+    ) from e
 
 
 def load_hf(

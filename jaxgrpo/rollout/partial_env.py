@@ -97,7 +97,7 @@ class EpisodePool(RowPool):
     grp = self.groups[place.group]
     src = self.source
     row = example_row(src.examples[grp.prompt])
-    envs = [src.turns.make_env(row) for _ in grp.rows]
+    envs = _episodes.make_envs(src.turns.make_env, row, len(grp.rows), grp.seq)
     trs = _episodes.start_group(envs, row, grp.seq, src.tokenizer, self.sampling.eos_ids, self.cfg, src.should_stop)
     for r, tr in zip(grp.rows, trs):
       r.trajectory = tr
@@ -127,7 +127,7 @@ class EpisodePool(RowPool):
 
   def _turn(self, sampler, engine, key, version: int, limit: int) -> None:
     """One turn of every trajectory in a place (re-prefilled, one call per stop set), the environments
-    stepped; ended trajectories leave their places."""
+    stepped concurrently (``add_turns``); ended trajectories leave their places."""
     places = [s for s, r in enumerate(self._slot_rows) if r is not None]
     trs = {s: self._slot_rows[s].trajectory for s in places}
     width = _episodes.context_width(max(len(tr.prompt) for tr in trs.values()), self.cfg, limit)
@@ -147,19 +147,17 @@ class EpisodePool(RowPool):
         )
       )
     self.generate_s += time.perf_counter() - t0
-    for s in places:
-      tok, mask, lps = sampled[s]
-      tr = trs[s]
-      running = tr.add_turn(
-        tok[mask].tolist(),
-        lps[mask].tolist(),
-        cfg=self.cfg,
-        tokenizer=self.source.tokenizer,
-        should_stop=self.source.should_stop,
-        last_turn=tr.turns == self.cfg.max_turns - 1,
-        version=version,
-      )
-      if not running:
+    running = _episodes.add_turns(
+      [trs[s] for s in places],
+      [_episodes.policy_turn(sampled[s]) for s in places],
+      cfg=self.cfg,
+      tokenizer=self.source.tokenizer,
+      should_stop=self.source.should_stop,
+      last_turn=[trs[s].turns == self.cfg.max_turns - 1 for s in places],
+      version=version,
+    )
+    for s, still in zip(places, running):
+      if not still:
         self._slot_rows[s].done, self._slot_rows[s] = True, None
 
   def scored(self, groups: list[PoolGroup]) -> tuple[_episodes.MultiTurnRollout, dict, np.ndarray]:

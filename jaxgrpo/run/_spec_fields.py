@@ -11,6 +11,7 @@ mapping (``objective: {preset: NAME, ...}`` → ``jaxgrpo.kernels.config.preset`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -122,6 +123,23 @@ def _check_fields(spec, path: str) -> None:
     _convert(getattr(spec, f.name), hints[f.name], _join(path, f.name))
 
 
+def did_you_mean(key: str, valid) -> list[str]:
+  """The entries of ``valid`` closest to the mistyped ``key`` (``presett`` → ``preset``, ``group_sise`` →
+  ``group_size``; at most two, most similar first; none when nothing is close)."""
+  return difflib.get_close_matches(str(key), [str(v) for v in valid], n=2, cutoff=0.6)
+
+
+def _unknown_keys(unknown: list[str], valid: list[str], path: str) -> ValueError:
+  """The error for keys of a section that are not its fields, each with its likely spelling."""
+  hints = []
+  for k in unknown:
+    close = did_you_mean(k, valid)
+    if close:
+      hints.append(f"`{_join(path, k)}`: did you mean {' or '.join(f'`{_join(path, c)}`' for c in close)}?")
+  hint = f" ({'; '.join(hints)})" if hints else ""
+  return ValueError(f"unknown key(s) {unknown} in `{path or 'config'}`{hint}; valid keys: {valid}")
+
+
 def _build(cls, d: Mapping[str, Any], path: str):
   if cls is GRPOConfig and "preset" in d:
     return _build_preset(d, path)
@@ -129,8 +147,7 @@ def _build(cls, d: Mapping[str, Any], path: str):
   names = [f.name for f in dataclasses.fields(cls) if f.init]
   unknown = sorted(str(k) for k in set(d) - set(names))
   if unknown:
-    extra = " (or `preset`)" if cls is GRPOConfig else ""
-    raise ValueError(f"unknown key(s) {unknown} in `{path or 'config'}`; valid keys: {names}{extra}")
+    raise _unknown_keys(unknown, names + (["preset"] if cls is GRPOConfig else []), path)
   kwargs = {k: _convert(v, hints[k], _join(path, k)) for k, v in d.items()}
   if not path:  # the whole config (TrainerConfig): its messages name whole paths already
     return cls(**kwargs)
@@ -149,7 +166,7 @@ def _build_preset(d: Mapping[str, Any], path: str) -> GRPOConfig:
   hints = typing.get_type_hints(GRPOConfig)
   unknown = sorted(set(rest) - set(hints))
   if unknown:
-    raise ValueError(f"unknown key(s) {unknown} in `{path}`; valid keys: preset, {sorted(hints)}")
+    raise _unknown_keys(unknown, ["preset", *sorted(hints)], path)
   try:
     return preset(name, **{k: _convert(v, hints[k], _join(path, k)) for k, v in rest.items()})
   except ValueError as e:

@@ -291,7 +291,10 @@ def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
     )
   else:
     factory = load_engine_factory(roll.engine)
-    engine = factory(config=model.config, temperature=temperature, **settings)
+    try:
+      engine = factory(config=model.config, temperature=temperature, **settings)
+    except Exception as e:  # the user's factory: one line naming it (its traceback is the cause)
+      raise ValueError(f"`rollout.engine: {roll.engine}`: the factory raised {type(e).__name__}: {e}") from e
     check_engine(engine, f"the object `rollout.engine: {roll.engine}` returned")
   return engine
 

@@ -533,6 +533,20 @@ class DevicesSpec:
       raise ValueError(f"`devices.train`={self.train} needs `devices.rollout` (disaggregated placement)")
 
 
+def _check_best_metric(name: str | None, ev: EvalSpec, env: bool) -> None:
+  """``checkpoint.best_metric`` must be a metric the held-out evaluation logs (a mistyped one would never be seen,
+  silently turning keep-best off): ``eval_accuracy`` and ``eval_pass@k`` (k of ``eval.pass_k``); with ``env``,
+  ``eval_env_reward`` and ``eval_env/<name>`` (the environment's own metrics are known only when it runs)."""
+  if name is None:
+    return
+  known = ["eval_env_reward", "eval_env/<metric>"] if env else ["eval_accuracy", *(f"eval_pass@{k}" for k in ev.pass_k)]
+  if not isinstance(name, str) or not (name in known or (env and name.startswith("eval_env/") and len(name) > 9)):
+    raise ValueError(
+      f"`checkpoint.best_metric`={name!r} is not a metric the evaluation logs, so no checkpoint would be kept as "
+      f"the best: use one of {known} (null: keep the last `checkpoint.keep` only)"
+    )
+
+
 def _arithmetic_model() -> ModelSpec:
   return ModelSpec(synthetic=SyntheticModel())
 
@@ -608,6 +622,7 @@ class TrainerConfig:
         )
     if self.env is not None and self.checkpoint.best_metric == "eval_accuracy":  # the env run's held-out metric
       object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, best_metric="eval_env_reward"))
+    _check_best_metric(self.checkpoint.best_metric, self.eval, self.env is not None)
     _check_can_learn(self)
 
   def train_config(self) -> TrainConfig:

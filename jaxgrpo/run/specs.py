@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -35,8 +36,9 @@ from typing import Any
 
 import yaml
 
+from jaxgrpo.data import _looks_local
 from jaxgrpo.kernels.config import GRPOConfig
-from jaxgrpo.run._spec_fields import _NONFINITE, _build, _join
+from jaxgrpo.run._spec_fields import _NONFINITE, _build, _join, did_you_mean
 from jaxgrpo.run.spec_schema import (
   DTYPES,
   ENGINES,
@@ -54,6 +56,7 @@ from jaxgrpo.run.spec_schema import (
   TrainerConfig,
   VLLMSpec,
 )
+from jaxgrpo.run.task_specs import ArithmeticTask
 
 __all__ = [
   "DTYPES",
@@ -105,7 +108,13 @@ def field_type(path: str):
     hints = typing.get_type_hints(cls)
     if part not in hints:
       valid = sorted(hints) + (["preset"] if cls is GRPOConfig else [])
-      raise ValueError(f"unknown config key `{path}`: `{walked or 'config'}` has no `{part}`; valid keys: {valid}")
+      close = [_join(walked, c) for c in did_you_mean(part, valid)]
+      if not close and walked:  # a field of another section (`--rollout.learning_rate`)
+        close = [p for p in _leaf_paths() if p.rsplit(".", 1)[-1] == part]
+      hint = f" (did you mean {' or '.join(f'`{c}`' for c in close)}?)" if close else ""
+      raise ValueError(
+        f"unknown config key `{path}`{hint}: `{walked or 'config'}` has no `{part}`; valid keys: {valid}"
+      )
     hint, walked = hints[part], _join(walked, part)
     if i == len(parts) - 1:
       return hint
@@ -257,6 +266,60 @@ def _with_default_sources(nested: dict, overrides: Mapping[str, Any]) -> dict:
   return nested
 
 
+def _cli_given(overrides: Mapping[str, Any], path: str) -> bool:
+  return any(k == path or k.startswith(path + ".") for k in overrides)
+
+
+def _missing_local(fixed: dict) -> list[str]:
+  """``model.path`` / ``data.dataset`` of ``fixed`` that name a local path that does not exist (the CLI's rule)."""
+  fields = (
+    ("model.path", (fixed.get("model") or {}).get("path")),
+    ("data.dataset", (fixed.get("data") or {}).get("dataset")),
+  )
+  return [
+    f"and `{field}`: no such file or directory: {src}"
+    for field, src in fields
+    if isinstance(src, str) and _looks_local(src) and not os.path.exists(os.path.expanduser(src))
+  ]
+
+
+def _check_sources(nested: dict, overrides: Mapping[str, Any]) -> None:
+  """One error with the whole fix when a source given on the command line meets the file's other source
+  (``--model.path DIR`` on a file with ``model.synthetic``; ``--data.dataset X`` on ``data.arithmetic``): the
+  flags that null the other source, zero the synthetic model's warm-up when the model is no longer synthetic,
+  and whatever else the config so fixed still gets wrong (a missing local path included) — instead of one
+  error per try."""
+  fixes: dict[str, Any] = {}
+  said = []
+  for section, (_, sources) in _DEFAULT_SOURCE.items():
+    sec = nested.get(section)
+    given = [s for s in sources if isinstance(sec, dict) and sec.get(s) is not None]
+    cli = [s for s in given if _cli_given(overrides, f"{section}.{s}")]
+    if len(given) == 2 and len(cli) == 1:
+      other = next(s for s in given if s != cli[0])
+      fixes[f"{section}.{other}"] = None
+      said.append(f"`{section}.{cli[0]}` given on the command line and `{section}.{other}` in the file (one of them)")
+  if not fixes:
+    return
+  fixed = copy.deepcopy(nested)
+  for key, value in fixes.items():
+    _assign(fixed, key, value)
+  arith = (fixed.get("data") or {}).get("arithmetic")
+  if (fixed.get("model") or {}).get("path") is not None and isinstance(arith, dict):
+    if arith.get("sft_steps", ArithmeticTask().sft_steps):
+      fixes["data.arithmetic.sft_steps"] = 0
+      _assign(fixed, "data.arithmetic.sft_steps", 0)
+      said.append("the warm-up (`data.arithmetic.sft_steps`) trains the synthetic model only")
+  flags = " ".join(f"--{k} {'null' if v is None else v}" for k, v in fixes.items())
+  rest = []
+  try:
+    _build(TrainerConfig, fixed, "")
+  except (ValueError, TypeError) as e:
+    rest.append(f"and then: {e}")
+  rest += _missing_local(fixed)
+  raise ValueError(f"{'; '.join(said)}: add {flags}" + "".join(f"; {r}" for r in rest))
+
+
 # ----------------------------------------------------------------------------- YAML
 
 
@@ -320,4 +383,5 @@ def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) ->
   nested = _with_default_sources(_nest(read_yaml(path) if path else {}, where), overrides)
   for key, value in overrides.items():
     _assign(nested, key, copy.deepcopy(value))
+  _check_sources(nested, overrides)
   return _build(TrainerConfig, nested, "")

@@ -469,6 +469,12 @@ class Checkpointer:
       + (" (writing in the background)" if self.async_save else "")
     )
 
+  @property
+  def writing(self) -> bool:
+    """Whether a background save is still being written (what an abort abandons)."""
+    watcher = self._saves.watcher
+    return watcher is not None and watcher.is_alive()
+
   def wait(self) -> None:
     """Blocks until the running save (if any) is on disk; raises its failure with ``on_save_error="stop"``."""
     self._saves.settle()

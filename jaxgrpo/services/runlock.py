@@ -1,6 +1,6 @@
 """An exclusive lock on a run directory, so that two runs never write into the same ``OUT``.
 
-Two runs started with the same ``--out`` would both write ``metrics.jsonl`` (interleaved, with
+Two runs started with the same ``--run.out`` would both write ``metrics.jsonl`` (interleaved, with
 corrupt lines) and checkpoints (the newest holding the other run's tensors), and both exit 0. The
 first run takes the lock; a second one is refused with one line naming the holder.
 
@@ -98,7 +98,7 @@ class RunLock:
       raise RunDirLocked(
         f"{self.directory} is in use by another run: {who} holds {self.path}. Two runs in one directory "
         "would overwrite each other's checkpoints and metrics: wait for it to end (or stop it), or use "
-        "another --out (run.out)",
+        "another --run.out",
         directory=self.directory,
         holder=holder,
       ) from None

@@ -15,6 +15,8 @@ from jaxgrpo.rollout.environments import sandbox
 from jaxgrpo.rollout.environments.base import Environment, StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.rollout import (
+  EnvironmentFailed,
+  EnvironmentTimeout,
   MultiTurnConfig,
   MultiTurnRollout,
   RolloutInterrupted,
@@ -33,6 +35,8 @@ from jaxgrpo.rollout.environments.tools import (
 __all__ = [
   "ChatFormat",
   "Environment",
+  "EnvironmentFailed",
+  "EnvironmentTimeout",
   "MultiTurnConfig",
   "MultiTurnRollout",
   "RolloutInterrupted",

@@ -6,7 +6,7 @@ For N = prompts × G trajectories (one environment each, ``make_env(row)``)::
     repeat (at most max_turns times), over the trajectories still running, batched:
       turn_i  = sample(policy, prompt_i ‖ traj_i)                # until EOS / </tool_call> / turn_tokens
       traj_i += turn_i                                           # policy tokens, kept as sampled
-      result  = env_i.step(decode(turn_i))                       # host side, one call per trajectory
+      result  = env_i.step(decode(turn_i))                       # host side, the turn's calls concurrent
       traj_i += ChatFormat.observation_ids(result.messages, turn_i)   # context tokens (policy_mask False)
     until result.done, max_turns turns, or max_tokens tokens in traj_i
 
@@ -53,12 +53,18 @@ from jaxgrpo.rollout.sampling import _suppressed_ids, generate
 __all__ = [
   "MultiTurnConfig",
   "MultiTurnRollout",
+  "EnvironmentFailed",
+  "EnvironmentTimeout",
   "RolloutInterrupted",
   "Trajectory",
+  "add_turns",
   "assemble",
+  "call_all",
+  "policy_turn",
   "rollout_metrics",
   "sample_multiturn",
   "sample_turn",
+  "start_groups",
   "turn_batches",
 ]
 
@@ -79,11 +85,18 @@ class MultiTurnConfig:
       token of the tokenizer); the observation then closes the assistant turn. None (default): per
       group, when its environment has tools (``env.tools`` not empty) — an environment without tools
       gets turns that end at EOS only.
-    step_timeout: seconds an ``env.reset`` or ``env.step`` call may take (None: no bound). The call runs in a
-      daemon thread; a step past the bound ends its trajectory (rewards so far stand) and counts in
-      ``env_timeouts``; a reset past it raises ``TimeoutError`` (there is no prompt to train on). Python
-      cannot kill a thread: the abandoned call runs on in the background (the sandbox's tools run in
-      subprocesses, which their own limits kill).
+    step_timeout: seconds an ``env.reset`` or ``env.step`` call may take (None: no bound). The calls of a turn
+      (and the resets of a rollout) run concurrently in daemon threads, at most ``workers`` at once, so a turn
+      waits at most ``step_timeout × ⌈calls / workers⌉`` seconds in all (one ``step_timeout`` when every
+      call has a thread), however many calls hang. A step past the bound ends its trajectory (rewards so far
+      stand), counts in ``env_timeouts`` and is logged the first time per environment class (naming the
+      trajectory's row); a reset past it raises ``TimeoutError`` (there is no prompt to train on). Python
+      cannot kill a thread: the abandoned call runs on in the background and keeps its thread, which counts
+      against ``workers`` until the call returns — so the threads of a process stay at most ``workers``
+      however many calls time out (the sandbox's tools run in subprocesses, which their own limits kill).
+    workers: the most environment calls running at once in this process (threads, abandoned calls included;
+      >= 1; 32). 1: one call at a time, as an environment that shares state between its instances unlocked needs.
+      Each running call may hold a process of its own (the sandbox's code tool): at most ``workers`` at once.
     fail_fast: re-raise the first exception an environment raises (with its traceback), for debugging,
       instead of ending the trajectory and counting it in ``env_errors``.
   """
@@ -93,10 +106,11 @@ class MultiTurnConfig:
   turn_tokens: int | None = None
   stop_at_tool_call: bool | None = None
   step_timeout: float | None = 30.0
+  workers: int = 32
   fail_fast: bool = False
 
   def __post_init__(self):
-    for name in ("max_turns", "max_tokens"):
+    for name in ("max_turns", "max_tokens", "workers"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"`env.{name}` must be an int >= 1; got {v!r}")
@@ -164,6 +178,7 @@ class Trajectory:
     metrics: per-trajectory sums (:data:`BASE_METRICS`, ``env_errors/<Type>``, the environment's own).
     appended: the observation appended after the last turn (None: none).
     running: the trajectory takes another turn.
+    where: which trajectory this is, for the log (``start_group``: ``"trajectory j of group b (row {...})"``).
   """
 
   env: Any
@@ -179,6 +194,7 @@ class Trajectory:
   metrics: dict = dataclasses.field(default_factory=lambda: {k: np.float32(0.0) for k in BASE_METRICS})
   appended: list | None = None
   running: bool = True
+  where: str = ""
 
   def _count(self, name: str, value) -> None:
     self.metrics[name] = np.float32(self.metrics.get(name, np.float32(0.0)) + np.float32(float(value)))
@@ -189,7 +205,19 @@ class Trajectory:
     """Appends a sampled turn (``ids``/``lps``: its tokens and log-probs, cut to the room left), steps the
     environment with its text, and appends the observation when another turn follows and fits. Returns
     :attr:`running`: False after ``done``, an error, a timeout, the last turn, or when ``max_tokens`` leaves
-    no room (``truncated``)."""
+    no room (``truncated``). One trajectory of :func:`add_turns`."""
+    return add_turns(
+      [self],
+      [(ids, lps)],
+      cfg=cfg,
+      tokenizer=tokenizer,
+      should_stop=should_stop,
+      last_turn=[last_turn],
+      version=version,
+    )[0]
+
+  def _append_turn(self, ids, lps, cfg: MultiTurnConfig, version: int) -> list:
+    """The sampled turn appended (cut to the room left); returns its ids."""
     ids = list(ids)[: cfg.max_tokens - len(self.tokens)]
     self.tokens += ids
     self.policy += [True] * len(ids)
@@ -197,7 +225,10 @@ class Trajectory:
     self.version += [version] * len(ids)
     self.turns += 1
     self.appended = None
-    result, status, error = _step(self.env, _turn_text(self.env, tokenizer, ids), cfg, should_stop)
+    return ids
+
+  def _end_turn(self, ids, result: StepResult, status: str, error, cfg: MultiTurnConfig, last_turn: bool, version):
+    """The environment's answer to the turn ``ids`` counted and its observation appended (see add_turn)."""
     if status == "error":
       self._count("env_errors", 1)
       self._count(f"env_errors/{type(error).__name__}", 1)
@@ -225,6 +256,37 @@ class Trajectory:
     return True
 
 
+def policy_turn(sample) -> tuple[list, list]:
+  """``(ids, log-probs)`` of a sampled row ``(tokens, mask, log_probs)`` (``sample_turn``'s), its masked tokens."""
+  tokens, mask, lps = sample
+  return tokens[mask].tolist(), lps[mask].tolist()
+
+
+def add_turns(
+  trs: Sequence[Trajectory], turns, *, cfg: MultiTurnConfig, tokenizer, should_stop=None, last_turn, version: int = 0
+) -> list[bool]:
+  """One turn of each trajectory of ``trs``: ``turns[i] = (ids, log-probs)`` appended to ``trs[i]``, the
+  environments stepped with their texts **concurrently** (:func:`call_all`: at most ``cfg.workers`` threads,
+  the turn bounded as a whole by ``cfg.step_timeout``), and each observation appended when another turn
+  follows (``last_turn[i]`` False) and fits. Returns each trajectory's :attr:`Trajectory.running`.
+  ``cfg.fail_fast`` re-raises the first environment exception (in trajectory order) once every call ended."""
+  ids = [tr._append_turn(i, lp, cfg, version) for tr, (i, lp) in zip(trs, turns)]
+  calls = [(tr.env.step, _turn_text(tr.env, tokenizer, i)) for tr, i in zip(trs, ids)]
+  outcomes = call_all(calls, timeout=cfg.step_timeout, workers=cfg.workers, should_stop=should_stop)
+  for tr, (status, out) in zip(trs, outcomes):
+    if status == "error":
+      if cfg.fail_fast:
+        raise out
+      _log_first(out, f"{type(tr.env).__name__}.step")
+    elif status == "timeout":
+      _log_timeout(tr, out, cfg)
+  running = []
+  for tr, i, (status, out), last in zip(trs, ids, outcomes, last_turn):
+    result = _step_result(out) if status == "ok" else StepResult((), 0.0, True, {})
+    running.append(tr._end_turn(i, result, status, out if status == "error" else None, cfg, last, version))
+  return running
+
+
 def _stop_ids(tokenizer, eos_ids: Sequence[int], stop_at_tool_call: bool) -> tuple[int, ...]:
   ids = list(eos_ids)
   if stop_at_tool_call:
@@ -250,44 +312,125 @@ class RolloutInterrupted(Exception):
 
 
 _LOGGED: set = set()  # (type, file, line) of the environment exceptions already logged in this process
+_TIMEOUTS_LOGGED: set = set()  # environment classes whose first timeout was logged in this process
+
+#: the environment-call threads of this process still running, abandoned (timed-out) calls included; a call
+#: starts only while fewer than its ``workers`` run, so they stay bounded however many calls hang
+_LIVE: set = set()
+_LIVE_CHANGED = threading.Condition()
 
 
-def _call(fn, arg, timeout: float | None, should_stop: Callable[[], bool] | None):
-  """``("ok", result)``, ``("error", exception)`` or ``("timeout", None)`` of ``fn(arg)``, run in a daemon
-  thread when a ``timeout`` or ``should_stop`` is given (checked every 50 ms; RolloutInterrupted when it
-  turns true)."""
-  if timeout is None and should_stop is None:
-    try:
-      return "ok", fn(arg)
-    except Exception as e:  # noqa: BLE001
-      return "error", e
-  box: dict[str, Any] = {}
+#: the reason of a call that found no free thread until its turn's time was up
+_NO_THREAD = (
+  "it never started: all env.workers={workers} environment threads were held by earlier calls still running, "
+  "calls that timed out among them (an environment that hangs holds its threads until it returns)"
+)
 
-  def run():
-    try:
-      box["result"] = fn(arg)
-    except BaseException as e:  # noqa: BLE001 — handed to the caller
-      box["error"] = e
 
-  thread = threading.Thread(target=run, name="jaxgrpo-env-call", daemon=True)
-  thread.start()
-  deadline = None if timeout is None else time.monotonic() + timeout
-  while True:
-    wait = 0.05 if should_stop is not None else max(0.0, deadline - time.monotonic())
-    if deadline is not None:
-      wait = min(wait, max(0.0, deadline - time.monotonic()))
-    thread.join(wait)
-    if not thread.is_alive():
-      break
-    if should_stop is not None and should_stop():
-      raise RolloutInterrupted(f"stopped while waiting on {getattr(fn, '__qualname__', fn)!s}")
-    if deadline is not None and time.monotonic() >= deadline:
-      return "timeout", None
+class EnvironmentFailed(RuntimeError):
+  """An environment could not be made or reset (``env.factory`` or ``reset`` raised): there is no prompt to
+  sample from. The message is one line naming the call, the exception and the row; the original exception is
+  the ``__cause__`` (its traceback is the user's)."""
+
+
+class EnvironmentTimeout(EnvironmentFailed, TimeoutError):
+  """A ``reset`` did not return (or could not start) within ``env.step_timeout``: no prompt to sample from."""
+
+
+def _short(row, limit: int = 160) -> str:
+  text = repr(dict(row)) if isinstance(row, Mapping) else repr(row)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _run_call(fn, arg, box: dict) -> None:
+  """The body of one environment-call thread: ``fn(arg)`` into ``box``; leaves :data:`_LIVE` when it ends."""
+  try:
+    box["result"] = fn(arg)
+  except BaseException as e:  # noqa: BLE001 — handed to the caller
+    box["error"] = e
+  finally:
+    with _LIVE_CHANGED:
+      _LIVE.discard(threading.current_thread())
+      box["done"] = True
+      _LIVE_CHANGED.notify_all()
+
+
+def _outcome(box: dict) -> tuple[str, Any]:
   if "error" in box:
     if not isinstance(box["error"], Exception):
       raise box["error"]  # KeyboardInterrupt, SystemExit: not the environment's fault to count
     return "error", box["error"]
   return "ok", box["result"]
+
+
+def call_all(calls, *, timeout: float | None, workers: int, should_stop: Callable[[], bool] | None = None):
+  """``fn(arg)`` for each ``(fn, arg)`` of ``calls``, concurrently → ``[(status, value)]`` in order: ``("ok",
+  result)``, ``("error", exception)`` or ``("timeout", reason)``.
+
+  Each call runs in a daemon thread named ``jaxgrpo-env-call``; a call starts only while fewer than ``workers``
+  such threads are alive in this process (:data:`_LIVE`: an abandoned call keeps its thread until it returns,
+  so threads never exceed ``workers``). A call times out ``timeout`` seconds after it started, and every call
+  not done ``timeout × ⌈len(calls) / workers⌉`` seconds after this function began times out too (also one
+  that could not start: every thread held by a hung call) — the wall time is bounded as a whole. A call that
+  times out is abandoned (Python cannot stop a thread). ``should_stop`` is polled every 50 ms:
+  :class:`RolloutInterrupted` when it turns true. KeyboardInterrupt/SystemExit raised by a call are re-raised.
+  """
+  results: list[Any] = [None] * len(calls)
+  queue = list(range(len(calls)))[::-1]  # popped from the end: in order
+  running: dict[int, tuple[float, dict]] = {}
+  t0 = time.monotonic()
+  turn_end = None if timeout is None else t0 + timeout * math.ceil(len(calls) / workers)
+  with _LIVE_CHANGED:
+    while queue or running:
+      now = time.monotonic()
+      while queue and len(_LIVE) < workers:
+        i = queue.pop()
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=_run_call, args=(*calls[i], box), name="jaxgrpo-env-call", daemon=True)
+        _LIVE.add(thread)
+        thread.start()
+        running[i] = (now, box)
+      for i, (start, box) in list(running.items()):
+        if box.get("done"):
+          results[i] = _outcome(box)
+          del running[i]
+        elif timeout is not None and now >= min(start + timeout, turn_end):
+          results[i] = ("timeout", f"still running after {now - start:.1f} s")
+          del running[i]
+      if turn_end is not None and now >= turn_end:
+        for i in queue:
+          results[i] = ("timeout", _NO_THREAD.format(workers=workers))
+        queue = []
+      if not (queue or running):
+        break
+      if should_stop is not None and should_stop():
+        fn = calls[next(iter(running), queue[-1] if queue else 0)][0]
+        raise RolloutInterrupted(f"stopped while waiting on {getattr(fn, '__qualname__', fn)!s}")
+      wake = [] if timeout is None else [turn_end, *(start + timeout for start, _ in running.values())]
+      wait = max(0.0, min(wake) - now) if wake else None
+      if should_stop is not None:
+        wait = 0.05 if wait is None else min(wait, 0.05)
+      _LIVE_CHANGED.wait(wait)
+  return results
+
+
+def _log_timeout(tr: Trajectory, reason: str, cfg: MultiTurnConfig) -> None:
+  """Log an environment's first step timeout in this process (per class), naming the trajectory and its row."""
+  name = type(tr.env).__name__
+  if name in _TIMEOUTS_LOGGED:
+    return
+  _TIMEOUTS_LOGGED.add(name)
+  log.warning(
+    "%s.step of %s did not return within env.step_timeout=%s s (%s): the trajectory ends (its rewards so far "
+    "stand; counted in env/env_timeouts) and the call is abandoned, its thread running on (at most env.workers=%d "
+    "environment threads at once) — logged the first time per environment class; raise env.step_timeout or fix "
+    "the environment",
+    name,
+    tr.where or "a trajectory",
+    cfg.step_timeout,
+    reason,
+    cfg.workers,
+  )
 
 
 def _log_first(e: BaseException, what: str) -> None:
@@ -311,32 +454,43 @@ def _log_first(e: BaseException, what: str) -> None:
   )
 
 
-def _step(env, text: str, cfg: MultiTurnConfig, should_stop=None) -> tuple[StepResult, str, BaseException | None]:
-  """``(result, status, exception)``; status ``"ok"``, ``"error"`` (``env.step`` raised) or ``"timeout"``
-  (it ran past ``cfg.step_timeout``). An error or a timeout ends the trajectory: this step adds reward 0
-  and the rewards of the earlier steps stand."""
-  status, out = _call(env.step, text, cfg.step_timeout, should_stop)
-  if status == "error":
-    if cfg.fail_fast:
-      raise out
-    _log_first(out, f"{type(env).__name__}.step")
-  if status != "ok":
-    return StepResult((), 0.0, True, {}), status, out
-  if not isinstance(out, StepResult):
-    out = StepResult(*out)
-  return out, "ok", None
+def _step_result(out) -> StepResult:
+  return out if isinstance(out, StepResult) else StepResult(*out)
 
 
-def _reset(env, row, cfg: MultiTurnConfig, should_stop=None):
-  status, out = _call(env.reset, row, cfg.step_timeout, should_stop)
-  if status == "timeout":
-    raise TimeoutError(
-      f"{type(env).__name__}.reset did not return within env.step_timeout={cfg.step_timeout} s: there is no "
-      "prompt to sample from (raise env.step_timeout, or fix the environment)"
-    )
-  if status == "error":
-    raise out
-  return out
+def make_envs(make_env: Callable, row, count: int, group: int) -> list:
+  """``count`` environments ``make_env(row)`` of group ``group``; :class:`EnvironmentFailed` (one line naming the
+  factory, the exception and the row) when the factory raises."""
+  try:
+    return [make_env(row) for _ in range(count)]
+  except Exception as e:
+    name = getattr(make_env, "__qualname__", type(make_env).__name__)
+    raise EnvironmentFailed(
+      f"the environment factory {name}(row) raised {type(e).__name__}: {e} (group {group}, row {_short(row)})"
+    ) from e
+
+
+def reset_all(envs, rows, cfg: MultiTurnConfig, should_stop=None) -> list:
+  """``envs[i].reset(rows[i])`` for every i, concurrently (:func:`call_all`): the initial messages.
+  :class:`EnvironmentTimeout` (a ``TimeoutError`` naming the bound and the row) when one ran past
+  ``cfg.step_timeout``; :class:`EnvironmentFailed` when one raised (the exception as its cause)."""
+  outcomes = call_all(
+    [(env.reset, row) for env, row in zip(envs, rows)],
+    timeout=cfg.step_timeout,
+    workers=cfg.workers,
+    should_stop=should_stop,
+  )
+  for env, row, (status, out) in zip(envs, rows, outcomes):
+    name = type(env).__name__
+    if status == "timeout":
+      what = "did not run" if out.startswith("it never started") else "did not return"
+      raise EnvironmentTimeout(
+        f"{name}.reset {what} within env.step_timeout={cfg.step_timeout} s ({out}; row {_short(row)}): "
+        "there is no prompt to sample from (fix the environment, or raise env.step_timeout / env.workers)"
+      )
+    if status == "error":
+      raise EnvironmentFailed(f"{name}.reset raised {type(out).__name__}: {out} (row {_short(row)})") from out
+  return [out for _, out in outcomes]
 
 
 def sample_multiturn(
@@ -388,12 +542,8 @@ def sample_multiturn(
   if not rows:
     raise ValueError("`rows` is empty: sample_multiturn needs at least one dataset row")
   g, n = sampling.num_samples, len(rows) * sampling.num_samples
-  envs = [make_env(row) for row in rows for _ in range(g)]
-  trs = [
-    tr
-    for b, row in enumerate(rows)
-    for tr in start_group(envs[b * g : (b + 1) * g], row, b, tokenizer, sampling.eos_ids, env_config, should_stop)
-  ]
+  groups = [(make_envs(make_env, row, g, b), row, b) for b, row in enumerate(rows)]
+  trs = start_groups(groups, tokenizer, sampling.eos_ids, env_config, should_stop)
   t_max, per_turn = env_config.max_tokens, env_config.per_turn
   prompts, stops = [tr.prompt for tr in trs], [tr.stop for tr in trs]
   p_max = max(len(p) for p in prompts)
@@ -428,16 +578,14 @@ def sample_multiturn(
           sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, temperature=temperature, engine=engine)
         )
     last = turn == env_config.max_turns - 1
-    for i in running:
-      tok_i, mask_i, lps_i = sampled[i]
-      trs[i].add_turn(
-        tok_i[mask_i].tolist(),
-        lps_i[mask_i].tolist(),
-        cfg=env_config,
-        tokenizer=tokenizer,
-        should_stop=should_stop,
-        last_turn=last,
-      )
+    add_turns(
+      [trs[i] for i in running],
+      [policy_turn(sampled[i]) for i in running],
+      cfg=env_config,
+      tokenizer=tokenizer,
+      should_stop=should_stop,
+      last_turn=[last] * len(running),
+    )
     running = [i for i in running if trs[i].running]
   return assemble(trs, g, t_max, sampling.pad_id)
 
@@ -445,13 +593,25 @@ def sample_multiturn(
 def start_group(envs, row, group: int, tokenizer, eos_ids, cfg: MultiTurnConfig, should_stop=None) -> list[Trajectory]:
   """The G trajectories of one group: each environment of ``envs`` reset with ``row`` (within
   ``cfg.step_timeout``), the prompts rendered with the group's tools (they must agree), the turns' stop ids."""
-  fmt = ChatFormat(tokenizer, tools=getattr(envs[0], "tools", None))
-  prompts = [fmt.prompt_ids(_reset(env, row, cfg, should_stop)) for env in envs]
-  if any(p != prompts[0] for p in prompts):
-    raise ValueError(f"env.reset gave different prompts within group {group}: a group must share its prompt")
-  at_tool = bool(fmt.tools) if cfg.stop_at_tool_call is None else cfg.stop_at_tool_call
-  stop = _stop_ids(tokenizer, eos_ids, at_tool)
-  return [Trajectory(env, fmt, p, stop) for env, p in zip(envs, prompts)]
+  return start_groups([(envs, row, group)], tokenizer, eos_ids, cfg, should_stop)
+
+
+def start_groups(groups, tokenizer, eos_ids, cfg: MultiTurnConfig, should_stop=None) -> list[Trajectory]:
+  """The trajectories of ``groups`` (``[(envs, row, group index)]``, in order): every environment reset with its
+  group's row, all concurrently (:func:`reset_all`), then each group as :func:`start_group` describes."""
+  flat = [(env, row) for envs, row, _ in groups for env in envs]
+  messages = iter(reset_all([e for e, _ in flat], [r for _, r in flat], cfg, should_stop))
+  trs = []
+  for envs, row, group in groups:
+    fmt = ChatFormat(tokenizer, tools=getattr(envs[0], "tools", None))
+    prompts = [fmt.prompt_ids(next(messages)) for _ in envs]
+    if any(p != prompts[0] for p in prompts):
+      raise ValueError(f"env.reset gave different prompts within group {group}: a group must share its prompt")
+    at_tool = bool(fmt.tools) if cfg.stop_at_tool_call is None else cfg.stop_at_tool_call
+    stop = _stop_ids(tokenizer, eos_ids, at_tool)
+    where = [f"trajectory {j} of group {group} (row {_short(row)})" for j in range(len(envs))]
+    trs += [Trajectory(env, fmt, p, stop, where=w) for env, p, w in zip(envs, prompts, where)]
+  return trs
 
 
 def context_width(p_max: int, cfg: MultiTurnConfig, limit: int) -> int:

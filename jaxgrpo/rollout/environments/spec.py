@@ -8,7 +8,9 @@
       max_tokens: 64          # trajectory tokens after the prompt (policy + observations)
       turn_tokens: 32         # per policy turn (null: max_tokens)
       stop_at_tool_call: null # null (default): at </tool_call> when the environment has tools
-      step_timeout: 30        # seconds per env.reset / env.step call (null: unbounded)
+      step_timeout: 30        # seconds per env.reset / env.step call (null: unbounded); a turn's calls run
+                              # concurrently, so a turn waits at most step_timeout x ceil(calls / workers)
+      workers: 32             # environment calls at once (threads, timed-out ones included)
       fail_fast: false        # true: re-raise the first environment exception (debugging)
       episodes: null          # N: train on N episodes from seeds (no dataset; reset builds the prompt)
       eval_episodes: null     # M: evaluate on M held-out episodes (with episodes)
@@ -62,7 +64,10 @@ class EnvSpec:
     factory: ``"package.module:callable"``, ``callable(row) -> Environment`` (one per trajectory).
     episodes: N training episodes from seeds instead of a dataset (None: the ``data`` section's rows).
     eval_episodes: M held-out episodes (needs ``episodes``; None: no held-out set of episodes).
-    max_turns, max_tokens, turn_tokens, stop_at_tool_call, step_timeout, fail_fast: :class:`~jaxgrpo.rollout.environments.MultiTurnConfig`.
+    max_turns, max_tokens, turn_tokens, stop_at_tool_call, step_timeout, workers, fail_fast:
+      :class:`~jaxgrpo.rollout.environments.MultiTurnConfig`.
+
+  The factory is imported and checked callable at construction (when the config loads, before anything heavy).
   """
 
   factory: str
@@ -73,6 +78,7 @@ class EnvSpec:
   turn_tokens: int | None = None
   stop_at_tool_call: bool | None = None
   step_timeout: float | None = 30.0
+  workers: int = 32
   fail_fast: bool = False
 
   def __post_init__(self):
@@ -86,6 +92,7 @@ class EnvSpec:
         f"`env.eval_episodes`={self.eval_episodes} needs `env.episodes` (a dataset run's held-out set is "
         "`eval.dataset`); set `env.episodes` or unset `env.eval_episodes`"
       )
+    self.make_env()  # a mistyped factory is refused when the config loads, not after the warm-up
 
   def multiturn_config(self) -> MultiTurnConfig:
     return MultiTurnConfig(
@@ -94,6 +101,7 @@ class EnvSpec:
       turn_tokens=self.turn_tokens,
       stop_at_tool_call=self.stop_at_tool_call,
       step_timeout=self.step_timeout,
+      workers=self.workers,
       fail_fast=self.fail_fast,
     )
 
