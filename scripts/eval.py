@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import warnings
 
 from jaxgrpo.tasks import script_io  # noqa: E402
 
@@ -200,12 +201,20 @@ def run_config(args, saved, s: dict):
 
 
 def _policy(args):
-  """``(model, tokenizer)`` of ``--model`` or ``--checkpoint``."""
+  """``(model, tokenizer)`` of ``--model`` or ``--checkpoint``: the weights read."""
   if args.checkpoint:
     model, tokenizer, _ = builders.load_policy(args.checkpoint, step=args.step)
     return model, tokenizer
   spec = ModelSpec(path=args.model, dtype=args.dtype, param_dtype=args.dtype)
   return builders.build_policy(spec, seed=0, mesh=sharding.make_mesh(args.mesh or None))
+
+
+def _light_policy(args, saved):
+  """``(tokenizer, model config)`` of ``--model`` or the checkpoint's model: the tokenizer and ``config.json``
+  only (no weight is read), so a bad directory or a prompt limit nothing fits is reported first."""
+  spec = saved.model if saved is not None else ModelSpec(path=args.model, dtype=args.dtype, param_dtype=args.dtype)
+  tokenizer = builders.build_tokenizer(spec)
+  return tokenizer, builders.model_config(spec, tokenizer)
 
 
 def _problems(args, saved, seed: int):
@@ -232,24 +241,35 @@ def own_heldout(args, saved) -> bool:
   return saved is not None and not args.dataset and (not args.arithmetic or saved.data.arithmetic is not None)
 
 
-def _evaluate_own(args, saved, s, model, tok) -> dict:
-  """The trainer's evaluation of the checkpoint (``evaluate_checkpoint``) under the overridden run config."""
+def _prepare_own(args, saved, s, tok, config):
+  """The run's held-out rows under the overridden run config: ``(run config, assemble.DataParts)``."""
   cfg = run_config(args, saved, s)
-  parts = assemble.build_data(cfg, tok, model.config)
+  parts = assemble.build_data(cfg, tok, config)
+  if parts.eval_prompts is not None and not parts.eval_prompts.tokens:
+    raise ValueError(f"every held-out prompt is longer than --max-prompt-tokens {s['max_prompt_tokens']}: raise it")
+  return cfg, parts
+
+
+def _evaluate_own(prepared, s, model, tok) -> dict:
+  """The trainer's evaluation of the checkpoint (``evaluate_checkpoint``)."""
+  cfg, parts = prepared
   out = evaluate_checkpoint(cfg, model, tok, data=parts)
   dropped = parts.eval_prompts.num_dropped if parts.eval_prompts is not None else 0
   return {"problems": len(parts.eval_examples or ()), "dropped_prompts": dropped, "samples": s["samples"], **out}
 
 
-def _evaluate_given(args, saved, s, model, tok) -> dict:
-  """``evaluate_policy`` on ``--dataset`` or the arithmetic task's held-out set."""
+def _prepare_given(args, saved, s, tok, config):
+  """``--dataset`` or the arithmetic task's held-out set, encoded: ``(encoded prompts, answers, seed)``."""
   seed = args.seed if args.seed is not None else (saved.run.seed if saved is not None else 0)
   examples = _problems(args, saved, seed)
   instruction = saved.data.instruction if saved is not None else data.INSTRUCTION
   enc = data.encode_prompts(tok, examples, max_prompt_tokens=s["max_prompt_tokens"], instruction=instruction)
-  if not enc.tokens:
-    raise ValueError(f"no prompt fits in --max-prompt-tokens {s['max_prompt_tokens']}: raise it")
-  answers = [examples[i].answer for i in enc.kept]
+  return enc, [examples[i].answer for i in enc.kept], seed
+
+
+def _evaluate_given(prepared, s, model, tok, saved) -> dict:
+  """``evaluate_policy`` on the prepared prompts."""
+  enc, answers, seed = prepared
   pad_id, eos_ids = builders.special_ids(tok)
   on_error = saved.reward.on_error if saved is not None else "zero"
   accuracy = rewards.MathAccuracy(timeout_s=s["timeout"], on_error=on_error)
@@ -277,15 +297,36 @@ def _evaluate_given(args, saved, s, model, tok) -> dict:
   return {"problems": len(answers), "dropped_prompts": enc.num_dropped, "samples": s["samples"], **out}
 
 
+def _prepare(args, saved, s):
+  """Everything before the weights: the tokenizer, ``config.json``, the prompts (a warning about dropped prompts
+  is shown only when some prompt is left: else the one ``error:`` line says it). Returns ``(tokenizer, prepared)``."""
+  tok, config = _light_policy(args, saved)
+  prepare = _prepare_own if own_heldout(args, saved) else _prepare_given
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      prepared = prepare(args, saved, s, tok, config)
+    except ValueError as e:
+      if "max_prompt_tokens" in str(e) and "--max-prompt-tokens" not in str(e):
+        raise ValueError(f"{e} (--max-prompt-tokens {s['max_prompt_tokens']}): raise it") from None
+      raise
+  for w in caught:
+    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+  return tok, prepared
+
+
 def main(argv=None):
   args = parse_args(argv)
   check_args(args)
   try:  # an empty or damaged run, a bad model directory or data set: one line, no traceback
     saved = saved_config(args)
     s = settings(args, saved)
+    tok, prepared = _prepare(args, saved, s)
     model, tok = _policy(args)
-    evaluate = _evaluate_own if own_heldout(args, saved) else _evaluate_given
-    out = evaluate(args, saved, s, model, tok)
+    if own_heldout(args, saved):
+      out = _evaluate_own(prepared, s, model, tok)
+    else:
+      out = _evaluate_given(prepared, s, model, tok, saved)
   except (CheckpointError, ValueError, OSError) as e:
     _bad_input(e)
   if args.json:

@@ -3,16 +3,21 @@ checkpoint (the model rebuilt from the config saved with it): the same policy gi
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
+from helpers import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import eval as eval_cli  # noqa: E402  (scripts/eval.py)
 
+from jaxgrpo.models import load_hf  # noqa: E402
 from jaxgrpo.run.specs import load_config  # noqa: E402
 from jaxgrpo.run.trainer import Trainer  # noqa: E402
 from jaxgrpo.services.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
@@ -105,3 +110,110 @@ def test_eval_of_a_checkpoint_is_the_trainers_own_evaluation_of_that_step(tmp_pa
     k: evals[2][k] for k in ("eval_accuracy", "eval_pass@1", "eval_pass@4")
   }
   assert "the run's held-out set (24 problems, k=4, T=1.0)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ issue 46 item 13: eval.py's bad input
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+  """A 2-step tiny run with checkpoints at steps 1 and 2 and its model saved as an HF directory."""
+  out = tmp_path_factory.mktemp("run")
+  cfg = load_config(
+    None,
+    {
+      "model.synthetic": {"hidden_size": 32, "num_layers": 1},
+      "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
+      "data.max_prompt_tokens": 64,
+      "rollout.group_size": 2,
+      "rollout.prompts_per_step": 2,
+      "rollout.max_new_tokens": 6,
+      "step.chunk_size": None,
+      "run.steps": 2,
+      "eval.samples": 2,
+      "eval.pass_k": [1, 2],
+      "checkpoint.every": 1,
+      "reward.timeout_s": None,
+      "run.save_model": True,
+      "run.out": str(out),
+    },
+  )
+  with Checkpointer(checkpoint_dir(out), log=None) as ckpt:
+    Trainer(cfg, log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
+  return out
+
+
+def _one_error_line(argv, capsys) -> str:
+  """eval.py's ``main(argv)`` must exit 2 with one ``error:`` line on stderr and nothing else."""
+  with pytest.raises(SystemExit) as e:
+    eval_cli.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  lines = [x for x in err.splitlines() if x.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: "), err
+  return lines[0]
+
+
+@pytest.mark.parametrize(
+  "options, expected",
+  [
+    (["-k", "0"], "error: -k is the samples per problem: expected an int >= 1; got 0"),
+    (["--temperature", "-1"], "error: --temperature: expected a finite number >= 0 (0 = greedy); got -1.0"),
+    (["--max-prompt-tokens", "5"], "longer than max_prompt_tokens=5 (--max-prompt-tokens 5): raise it"),
+    (["-k", "2", "--pass-k", "1", "8"], "error: --pass-k 1 8: pass@j needs j <= -k (the samples per problem, 2)"),
+    (["--step", "999"], "no step 999 in "),
+  ],
+)
+def test_eval_bad_options_are_one_error_line(saved_run, capsys, options, expected):
+  """Before: ValueError tracebacks (exit 1) for -k 0, --temperature -1, --max-prompt-tokens 5; --pass-k 8 with
+  -k 2 dropped without a word; --step 999 called corrupt, with a `mv` of a folder that does not exist."""
+  line = _one_error_line(["--checkpoint", str(saved_run), "--arithmetic", *options], capsys)
+  assert expected in line, line
+  if options[0] == "--step":
+    assert "the complete steps are [1, 2] (e.g. --step 2)" in line and "mv " not in line and "corrupt" not in line
+
+
+def test_eval_a_run_pass_k_above_a_smaller_k_is_said(saved_run, capsys):
+  """The run's own pass@2 with -k 1 is not reported, and stderr says so (before: dropped without a word)."""
+  out = eval_cli.main(["--checkpoint", str(saved_run), "-k", "1", "--json"])
+  assert "eval_pass@1" in out and "eval_pass@2" not in out and out["samples"] == 1
+  assert "note: the run's pass@[2] not reported: -k 1 samples per problem" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "num_attention_heads"])
+def test_eval_a_config_json_without_a_required_key_names_the_file_and_key(saved_run, tmp_path, capsys, key):
+  """Before: a KeyError traceback ending in the bare key."""
+  model = tmp_path / "model"
+  shutil.copytree(saved_run / "model", model)
+  cfg = json.loads((model / "config.json").read_text())
+  del cfg[key]
+  (model / "config.json").write_text(json.dumps(cfg))
+  line = _one_error_line(["--model", str(model), "--arithmetic"], capsys)
+  assert f"{model / 'config.json'}: missing the key '{key}'" in line, line
+
+
+def test_eval_a_missing_local_model_path_is_not_looked_up_on_the_hub(tmp_path, capsys, monkeypatch):
+  """Before: "'./models/nope' is not a local directory and could not be fetched from the hub: ..."."""
+  monkeypatch.chdir(tmp_path)
+  line = _one_error_line(["--model", "./models/nope", "--arithmetic"], capsys)
+  assert line == (
+    "error: --model ./models/nope: no such file or directory (a local path; a hub id has the form owner/name)"
+  )
+  with pytest.raises(ValueError, match="'./models/nope': no such directory"):  # the library's loader likewise
+    load_hf("./models/nope")
+
+
+def test_train_names_the_config_json_and_the_missing_key(saved_run, tmp_path):
+  """train.py's message was ``error: model.path '…': 'hidden_size'``; now the file and the key."""
+  model = tmp_path / "model"
+  shutil.copytree(saved_run / "model", model)
+  cfg = json.loads((model / "config.json").read_text())
+  del cfg["hidden_size"]
+  (model / "config.json").write_text(json.dumps(cfg))
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config"]
+  cmd += [os.path.join(ROOT, "scripts", "configs", "demo.yaml"), "--model.path", str(model)]
+  cmd += ["--model.synthetic", "null", "--data.arithmetic.sft_steps", "0", "--run.out", str(tmp_path / "out")]
+  r = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert f"{model / 'config.json'}: missing the key 'hidden_size'" in r.stderr, r.stderr[-3000:]
+  assert "Traceback" not in r.stderr

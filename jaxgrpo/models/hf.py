@@ -387,6 +387,8 @@ def _resolve(path: str | os.PathLike) -> str:
     return path
   if os.path.exists(path):
     raise ValueError(f"path {path!r} must be a model directory, not a file")
+  if path.startswith(("/", ".", "~")) or path.count("/") > 1:  # a local path (a hub id is owner/name)
+    raise ValueError(f"{path!r}: no such directory (a local path; a hub id has the form owner/name)")
   try:
     from huggingface_hub import snapshot_download
 
