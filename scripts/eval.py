@@ -175,13 +175,18 @@ def settings(args, saved) -> dict:
   return out
 
 
+def _task_with_options(args, task):
+  """The arithmetic task with the ``--arithmetic-*`` sizes given."""
+  given = {n: getattr(args, f"arithmetic_{n}") for n in ("max_operand", "eval_size", "train_size")}
+  return dataclasses.replace(task, **{n: v for n, v in given.items() if v is not None})
+
+
 def run_config(args, saved, s: dict):
   """``saved`` (a checkpoint's ``TrainerConfig``) with the settings ``s`` and the options given applied."""
   r = dataclasses.replace
   task = saved.data.arithmetic
   if task is not None:
-    given = {n: getattr(args, f"arithmetic_{n}") for n in ("max_operand", "eval_size", "train_size")}
-    task = r(task, **{n: v for n, v in given.items() if v is not None})
+    task = _task_with_options(args, task)
   ev = r(
     saved.eval,
     samples=s["samples"],
@@ -223,9 +228,7 @@ def _problems(args, saved, seed: int):
     mapping = yaml.safe_load(args.mapping) if args.mapping else None
     return data.load_math_dataset(args.dataset, split=args.split, mapping=mapping, limit=args.limit)
   task = saved.data.arithmetic if saved is not None and saved.data.arithmetic is not None else None
-  task = task or arithmetic.ArithmeticTask()
-  given = {n: getattr(args, f"arithmetic_{n}") for n in ("max_operand", "eval_size", "train_size")}
-  task = dataclasses.replace(task, **{n: v for n, v in given.items() if v is not None})
+  task = _task_with_options(args, task or arithmetic.ArithmeticTask())
   _, rows = arithmetic.task_split(task, seed=seed)
   return data.examples_from_rows(rows[: args.limit], "openrs")
 

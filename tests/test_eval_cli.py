@@ -23,26 +23,29 @@ from jaxgrpo.run.trainer import Trainer  # noqa: E402
 from jaxgrpo.services.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
 
 
+def _train_tiny(out, **changes) -> list[dict]:
+  """A tiny arithmetic run (no warm-up) into ``out``, ``changes`` over its settings; returns its records."""
+  settings = {
+    "model.synthetic": {"hidden_size": 32, "num_layers": 1},
+    "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
+    "data.max_prompt_tokens": 64,
+    "rollout.group_size": 2,
+    "rollout.prompts_per_step": 2,
+    "rollout.max_new_tokens": 6,
+    "step.chunk_size": None,
+    "run.steps": 1,
+    "reward.timeout_s": None,
+    "run.save_model": True,
+    "run.out": str(out),
+  }
+  cfg = load_config(None, {**settings, **changes})
+  with Checkpointer(checkpoint_dir(out), log=None) as ckpt:
+    return Trainer(cfg, log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
+
+
 @pytest.mark.slow
 def test_eval_script_reads_a_saved_run(tmp_path, capsys):
-  cfg = load_config(
-    None,
-    {
-      "model.synthetic": {"hidden_size": 32, "num_layers": 1},
-      "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
-      "data.max_prompt_tokens": 64,
-      "rollout.group_size": 2,
-      "rollout.prompts_per_step": 2,
-      "rollout.max_new_tokens": 6,
-      "step.chunk_size": None,
-      "run.steps": 1,
-      "reward.timeout_s": None,
-      "run.save_model": True,
-      "run.out": str(tmp_path),
-    },
-  )
-  with Checkpointer(checkpoint_dir(tmp_path), log=None) as ckpt:
-    Trainer(cfg, log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
+  _train_tiny(tmp_path)
   assert os.path.exists(tmp_path / "model" / "config.json")
   common = ["-k", "2", "--pass-k", "1", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "64", "--timeout", "30"]
   out = eval_cli.main(
@@ -71,32 +74,24 @@ def test_eval_script_reads_a_saved_run(tmp_path, capsys):
 def test_eval_of_a_checkpoint_is_the_trainers_own_evaluation_of_that_step(tmp_path, capsys):
   """Issue 46 item 3: ``eval.py --checkpoint OUT --step N`` (and the README's ``--arithmetic -k K`` form) gives
   the numbers of step N's eval record in metrics.jsonl: one computation (``evaluation.evaluate_checkpoint``:
-  the run's prompts with their instruction, padded length, completion length, sampling keys and verifier).
-  Before, eval.py sampled 1024 new tokens from un-instructed prompts padded to another length (demo: mean@4
-  0.443 against the trainer's 0.471 at step 60)."""
-  cfg = load_config(
-    None,
-    {
-      "model.synthetic": {"hidden_size": 32, "num_layers": 1},
-      "data.arithmetic": {"train_size": 256, "eval_size": 24, "sft_steps": 120, "max_operand": 4},
-      "data.max_prompt_tokens": 64,
-      "rollout.group_size": 4,
-      "rollout.prompts_per_step": 4,
-      "rollout.max_new_tokens": 12,
-      "step.chunk_size": None,
-      "optim.learning_rate": 3.0e-3,
-      "run.steps": 2,
-      "reward.timeout_s": None,
-      "eval.every": 1,
-      "eval.samples": 4,
-      "eval.pass_k": [1, 4],
-      "eval.batch_prompts": 8,  # 3 sampling calls, each with its own key
-      "checkpoint.every": 1,
-      "run.out": str(tmp_path),
-    },
-  )
-  with Checkpointer(checkpoint_dir(tmp_path), log=None) as ckpt:
-    records = Trainer(cfg, log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
+  the run's prompts, padded length, completion length, batch size (each sampling call has its own key) and
+  verifier). Before, eval.py sampled up to 1024 new tokens in batches of 64 where the demo's trainer samples 20
+  in batches of 128 (demo: mean@4 0.443 against the trainer's 0.471 at step 60)."""
+  changes = {
+    "data.arithmetic": {"train_size": 256, "eval_size": 24, "sft_steps": 120, "max_operand": 4},
+    "rollout.group_size": 4,
+    "rollout.prompts_per_step": 4,
+    "rollout.max_new_tokens": 12,
+    "optim.learning_rate": 3.0e-3,
+    "run.steps": 2,
+    "run.save_model": False,
+    "eval.every": 1,
+    "eval.samples": 4,
+    "eval.pass_k": [1, 4],
+    "eval.batch_prompts": 8,  # 3 sampling calls, each with its own key
+    "checkpoint.every": 1,
+  }
+  records = _train_tiny(tmp_path, **changes)
   evals = {r["step"]: r for r in records if "eval_accuracy" in r}
   assert evals[2]["eval_accuracy"] > 0  # the warm-up makes some answers right: the comparison is not 0 == 0
   for step in (1, 2):
@@ -119,27 +114,7 @@ def test_eval_of_a_checkpoint_is_the_trainers_own_evaluation_of_that_step(tmp_pa
 def saved_run(tmp_path_factory):
   """A 2-step tiny run with checkpoints at steps 1 and 2 and its model saved as an HF directory."""
   out = tmp_path_factory.mktemp("run")
-  cfg = load_config(
-    None,
-    {
-      "model.synthetic": {"hidden_size": 32, "num_layers": 1},
-      "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
-      "data.max_prompt_tokens": 64,
-      "rollout.group_size": 2,
-      "rollout.prompts_per_step": 2,
-      "rollout.max_new_tokens": 6,
-      "step.chunk_size": None,
-      "run.steps": 2,
-      "eval.samples": 2,
-      "eval.pass_k": [1, 2],
-      "checkpoint.every": 1,
-      "reward.timeout_s": None,
-      "run.save_model": True,
-      "run.out": str(out),
-    },
-  )
-  with Checkpointer(checkpoint_dir(out), log=None) as ckpt:
-    Trainer(cfg, log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
+  _train_tiny(out, **{"run.steps": 2, "eval.samples": 2, "eval.pass_k": [1, 2], "checkpoint.every": 1})
   return out
 
 
