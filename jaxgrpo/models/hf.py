@@ -388,7 +388,9 @@ def _resolve(path: str | os.PathLike) -> str:
   if os.path.exists(path):
     raise ValueError(f"path {path!r} must be a model directory, not a file")
   if path.startswith(("/", ".", "~")) or path.count("/") > 1:  # a local path (a hub id is owner/name)
-    raise ValueError(f"{path!r}: no such directory (a local path; a hub id has the form owner/name)")
+    raise ValueError(
+      f"{path!r} is not a local directory: no such path (a path, not a hub id owner/name: not looked up)"
+    )
   try:
     from huggingface_hub import snapshot_download
 
