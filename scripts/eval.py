@@ -247,6 +247,9 @@ def own_heldout(args, saved) -> bool:
 def _prepare_own(args, saved, s, tok, config):
   """The run's held-out rows under the overridden run config: ``(run config, assemble.DataParts)``."""
   cfg = run_config(args, saved, s)
+  episodes = cfg.env is not None and cfg.env.episodes is not None
+  if not (cfg.data.arithmetic or cfg.eval.dataset or (episodes and cfg.env.eval_episodes)):
+    raise ValueError(f"the run in {args.checkpoint} has no held-out set (eval.dataset): pass --dataset SET")
   parts = assemble.build_data(cfg, tok, config)
   if parts.eval_prompts is not None and not parts.eval_prompts.tokens:
     raise ValueError(f"every held-out prompt is longer than --max-prompt-tokens {s['max_prompt_tokens']}: raise it")
