@@ -11,7 +11,9 @@ run's split: ``run.seed``), rendered as the trainer's reward model sees them (th
 ``data.instruction``). It is written as a Hugging Face folder (weights, ``config.json``, the tokenizer) to
 the ``path`` of the config's first ``reward.sources`` entry of kind ``reward_model`` (``--out`` overrides),
 with ``rm_metrics.json``: the held-out pair accuracy per rejected kind (problems never trained on) and the
-fit's losses and seconds. Exit status 2 on a bad config (one ``error:`` line).
+fit's losses and seconds. The fit shows a progress bar (``reward model``: ``compiling`` until its program is
+compiled, then the loss and an ETA that does not count the compile; ``--no-progress``: none). Exit status 2 on
+a bad config (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
   ap.add_argument("--hidden-size", type=int, default=64, help="the classifier's width (the demo policy's)")
   ap.add_argument("--num-layers", type=int, default=2, help="the classifier's decoder layers")
   ap.add_argument("--seed", type=int, default=0, help="the initialisation, pairs and batches")
+  ap.add_argument("--no-progress", action="store_true", help="no progress bar (the fit prints its result only)")
   args = ap.parse_args(argv)
 
   try:
@@ -58,6 +61,7 @@ def main(argv=None) -> int:
     return 2
   tokenizer = arithmetic.build_tokenizer()
   train_rows, held_rows = arithmetic.task_split(task, seed=cfg.run.seed)
+  print(f"fitting the reward model on the preference pairs of {len(train_rows)} training problems", flush=True)
   res = arithmetic_rm.train_reward_model(
     tokenizer,
     train_rows,
@@ -68,6 +72,7 @@ def main(argv=None) -> int:
     num_layers=args.num_layers,
     seed=args.seed,
     instruction=cfg.data.instruction,
+    progress=not args.no_progress,
   )
   held = arithmetic_rm.preference_pairs(held_rows, seed=args.seed + 1)
   accuracy = arithmetic_rm.pair_accuracy(res.model, tokenizer, held, instruction=cfg.data.instruction)

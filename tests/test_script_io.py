@@ -158,7 +158,7 @@ def test_a_relative_reward_model_path_that_does_not_exist_is_a_missing_local_pat
   assert _checks.names_local_path("runs/arith_rm") and _checks.names_local_path("./arith_rm")
   assert _checks.names_local_path("../x/y") and _checks.names_local_path("~/m") and _checks.names_local_path("/m")
   assert not _checks.names_local_path("Qwen/Qwen3-0.6B") and not _checks.names_local_path("gpt2")
-  with pytest.raises(ValueError, match=r"'runs/arith_rm': no such local directory"):
+  with pytest.raises(ValueError, match=r"'runs/arith_rm' is not a local directory"):
     load_reward_model("runs/arith_rm")
   argv = [
     "--config",
@@ -266,3 +266,43 @@ def test_ctrl_c_during_the_warm_up_does_not_claim_an_abandoned_checkpoint(tmp_pa
   assert err.strip().splitlines()[-1] == (
     f"aborted by SIGINT: there is no complete checkpoint in {out}/checkpoints: the next run starts from step 0"
   ), err[-2000:]
+
+
+def test_the_train_bar_shows_compiling_and_times_its_eta_from_the_first_step():
+  """Issue 46 item 4: the trainer's ``train`` bar (``MetricsLogger``) says ``compiling`` until the first step's
+  record, and its ETA counts the steps after it only (before: ``1/60 [00:19<18:58, 19.30s/step]`` for a 40 s run,
+  the first step's compile taken as the step time)."""
+  from jaxgrpo.services.metrics import MetricsLogger
+
+  compile_s, step_s, total = 1.0, 0.02, 100
+  logger = MetricsLogger(os.devnull, total_steps=total, tensorboard=False)
+  bar = logger.bar
+  bar.fp = io.StringIO()
+  assert "compiling" in bar.format_meter(**bar.format_dict)
+  time.sleep(compile_s)  # the warm-up, the first evaluation, the first step's compile
+  logger({"step": 1, "loss": 0.1, "reward_mean": 0.5})
+  assert "compiling" not in bar.format_meter(**bar.format_dict)
+  time.sleep(step_s)
+  logger({"step": 2, "loss": 0.1, "reward_mean": 0.5})
+  eta = _eta_seconds(bar)
+  logger.close()
+  assert eta <= 0.5 + (total - 2) * step_s * 3, eta  # at the compile's pace it would be ~50 s
+
+
+def test_train_reward_model_shows_a_bar_with_compiling_and_the_steps(tmp_path):
+  """Issue 46 item 4: scripts/train_reward_model.py printed nothing for minutes (203 s on the demo); its fit
+  now has a ``reward model`` bar: ``compiling``, then every step counted, with the loss."""
+  with open(os.path.join(ROOT, "scripts", "configs", "demo_rm.yaml")) as f:
+    text = f.read()
+  config = tmp_path / "rm.yaml"
+  config.write_text(text.replace("train_size: 4000", "train_size: 32").replace("eval_size: 128", "eval_size: 8"))
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train_reward_model.py"), "--config", str(config)]
+  cmd += ["--out", str(tmp_path / "rm"), "--steps", "60", "--batch-size", "4", "--hidden-size", "16"]
+  cmd += ["--num-layers", "1"]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  frames = re.split(r"[\r\n]", r.stderr)
+  bars = [x for x in frames if x.startswith("reward model:")]
+  assert any("compiling" in x and "0/60" in x for x in bars), bars
+  assert any("60/60" in x and "loss=" in x for x in bars), bars
+  assert "fitting the reward model" in r.stdout and "saved to" in r.stdout

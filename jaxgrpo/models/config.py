@@ -503,13 +503,23 @@ def config_from_hf(config: dict | str | os.PathLike) -> ModelConfig:
 
   Raises ValueError on a missing or unsupported ``model_type``.
   """
+  where = "the config"
   if not isinstance(config, dict):
-    path = os.fspath(config)
+    path = where = os.fspath(config)
     if os.path.isdir(path):
-      path = os.path.join(path, "config.json")
+      path = where = os.path.join(path, "config.json")
     with open(path) as f:
-      config = json.load(f)
+      try:
+        config = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
   model_type = config.get("model_type")
   if model_type not in _FAMILIES:
     raise ValueError(f"Unsupported model_type={model_type!r}; supported: {sorted(_FAMILIES)}")
-  return _FAMILIES[model_type].from_hf(config)
+  try:
+    return _FAMILIES[model_type].from_hf(config)
+  except KeyError as e:  # a required field: name it and the file, not a bare 'hidden_size'
+    raise ValueError(
+      f"{where}: missing the key {e.args[0]!r}, which a model_type={model_type!r} config needs "
+      f"(re-save it with transformers' save_pretrained, or add the key)"
+    ) from None

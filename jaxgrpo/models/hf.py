@@ -390,8 +390,8 @@ def _resolve(path: str | os.PathLike) -> str:
     raise ValueError(f"path {path!r} must be a model directory, not a file")
   if _checks.names_local_path(path):  # `runs/rm` with a local `runs`, `./x`, `/x`: never a hub id
     raise ValueError(
-      f"{path!r}: no such local directory (a path that starts with /, ./, ../ or ~, has several '/', or whose "
-      "first part is a local directory is local, not a hub id): check the path"
+      f"{path!r} is not a local directory: no such path (a path, not a hub id owner/name: not looked up; a path "
+      "that starts with /, ./, ../ or ~, has several '/', or whose first part is a local directory is local)"
     )
   try:
     from huggingface_hub import snapshot_download

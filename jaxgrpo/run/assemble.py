@@ -149,6 +149,12 @@ def build_data(cfg: TrainerConfig, tokenizer, model_config) -> DataParts:
   return DataParts(sets.train, sets.train_examples, sets.eval, sets.eval_examples, sets.prompt_len)
 
 
+def verifier(cfg: TrainerConfig) -> rewards_lib.MathAccuracy:
+  """The run's answer verifier (``reward.timeout_s``, ``reward.on_error``): the accuracy reward and the
+  held-out evaluation's scorer (the trainer's and ``scripts/eval.py --checkpoint``'s)."""
+  return rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
+
+
 def build_rewards(
   cfg: TrainerConfig, reward_fns=None, *, mesh=None
 ) -> tuple[rewards_lib.MathAccuracy, rewards_lib.RewardSet]:
@@ -156,7 +162,7 @@ def build_rewards(
   ``reward_fns`` ``{name: (fn, weight)}``, else ``reward.weights`` over ``accuracy`` and ``format``; plus the
   learned and remote rewards of ``reward.sources`` (:func:`reward_sources`; its reward models on ``mesh``,
   the trainer's: beside the policy)."""
-  accuracy = rewards_lib.MathAccuracy(timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
+  accuracy = verifier(cfg)
   if reward_fns is None:
     table = {"accuracy": accuracy, "format": rewards_lib.format_reward}
     reward_fns = {name: (table[name], float(w)) for name, w in cfg.reward.weights.items()}

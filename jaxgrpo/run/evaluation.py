@@ -31,8 +31,17 @@ from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines.collective import CollectiveSampler
 from jaxgrpo.rollout.environments import training as env_training
+from jaxgrpo.run import assemble, builders
 
-__all__ = ["pass_at_k", "mean_at_k", "summarize_eval", "evaluate_policy", "evaluate_run"]
+__all__ = [
+  "pass_at_k",
+  "mean_at_k",
+  "summarize_eval",
+  "evaluate_policy",
+  "eval_settings",
+  "evaluate_run",
+  "evaluate_checkpoint",
+]
 
 
 def _check(num_samples, num_correct):
@@ -192,6 +201,22 @@ def evaluate_policy(
   return out
 
 
+def eval_settings(cfg) -> dict:
+  """The sampling settings of a run's held-out evaluation (``cfg``: a ``TrainerConfig``), as keyword arguments
+  of :func:`evaluate_policy`: ``k`` = ``eval.samples``, ``pass_k`` = ``eval.pass_k``, ``temperature`` =
+  ``eval.temperature`` (None: ``step.temperature``), ``max_new_tokens``, ``top_p``, ``top_k`` of ``rollout``,
+  ``batch_prompts`` = ``eval.batch_prompts``."""
+  return {
+    "k": cfg.eval.samples,
+    "pass_k": tuple(cfg.eval.pass_k),
+    "temperature": cfg.step.temperature if cfg.eval.temperature is None else cfg.eval.temperature,
+    "max_new_tokens": cfg.rollout.max_new_tokens,
+    "top_p": cfg.rollout.top_p,
+    "top_k": cfg.rollout.top_k,
+    "batch_prompts": cfg.eval.batch_prompts,
+  }
+
+
 def evaluate_run(
   cfg,
   policy,
@@ -203,17 +228,18 @@ def evaluate_run(
   make_env,
   pad_id: int,
   eos_ids,
-  mesh: Mesh,
+  mesh: Mesh | None,
   key=None,
   should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
   """A run's held-out evaluation (``cfg``: a ``TrainerConfig``; ``data``: its ``assemble.DataParts``):
   mean@k of the environment reward with ``env`` (``environments.training.env_evaluate``), else mean@k
-  (``eval_accuracy``) and ``eval_pass@k`` of :func:`evaluate_policy`, k = ``eval.samples``, at
-  ``eval.temperature`` (default the step's), from ``key`` (default ``key(run.seed + 1)``)."""
+  (``eval_accuracy``) and ``eval_pass@k`` of :func:`evaluate_policy` with :func:`eval_settings`, from ``key``
+  (default ``key(run.seed + 1)``)."""
   key = jax.random.key(cfg.run.seed + 1) if key is None else key
-  temperature = cfg.step.temperature if cfg.eval.temperature is None else cfg.eval.temperature
+  settings = eval_settings(cfg)
   if make_env is not None:  # mean@k of the environment reward
+    temperature = settings["temperature"]
     return _env_evaluate(cfg, policy, tokenizer, data, sampling, make_env, mesh, key, temperature, should_stop)
   return evaluate_policy(
     policy,
@@ -221,19 +247,49 @@ def evaluate_run(
     data.eval_prompts.tokens,
     [e.answer for e in data.eval_examples],
     accuracy=accuracy,
-    k=cfg.eval.samples,
-    pass_k=cfg.eval.pass_k,
-    temperature=temperature,
-    max_new_tokens=cfg.rollout.max_new_tokens,
     prompt_len=data.prompt_len,
     pad_id=pad_id,
     eos_ids=eos_ids,
-    batch_prompts=cfg.eval.batch_prompts,
-    top_p=cfg.rollout.top_p,
-    top_k=cfg.rollout.top_k,
     key=key,
     mesh=mesh,
+    **settings,
   )
+
+
+def evaluate_checkpoint(cfg, policy, tokenizer, *, data=None, mesh: Mesh | None = None) -> dict[str, float]:
+  """The trainer's held-out evaluation of ``policy`` under the run config ``cfg`` (e.g. a checkpoint's saved
+  config, ``builders.load_policy``), rebuilt piece by piece as ``Trainer`` builds it: the same rows, prompts and
+  padded prompt length (``assemble.build_data``), verifier (``assemble.verifier``), sampling settings, environment
+  (``env.factory``) and key (``key(run.seed + 1)``), through :func:`evaluate_run`. So ``scripts/eval.py
+  --checkpoint OUT --step N`` prints the numbers of step N's eval record in ``OUT/metrics.jsonl``. ``data``: the
+  ``assemble.build_data(cfg, tokenizer, policy.config)`` already built (None: built here).
+
+  Raises:
+    ValueError: the run has no held-out set (``eval.dataset`` unset and no ``data.arithmetic``, or an
+      ``env.episodes`` run without ``env.eval_episodes``).
+  """
+  pad_id, eos_ids = builders.special_ids(tokenizer)
+  data = assemble.build_data(cfg, tokenizer, policy.config) if data is None else data
+  if data.eval_examples is None:
+    raise ValueError("the run has no held-out set (eval.dataset, data.arithmetic or env.eval_episodes): pass one")
+  sampling = assemble.sampling_config(cfg, policy, pad_id=pad_id, eos_ids=eos_ids)
+  make_env = None if cfg.env is None else cfg.env.make_env()
+  accuracy = assemble.verifier(cfg)
+  try:
+    return evaluate_run(
+      cfg,
+      policy,
+      tokenizer,
+      data,
+      accuracy=accuracy,
+      sampling=sampling,
+      make_env=make_env,
+      pad_id=pad_id,
+      eos_ids=eos_ids,
+      mesh=mesh,
+    )
+  finally:
+    accuracy.close()
 
 
 def _env_evaluate(cfg, policy, tokenizer, data, sampling, make_env, mesh, key, temperature, should_stop) -> dict:

@@ -280,4 +280,8 @@ def _resolve_step(path: str, step: int | None) -> tuple[str, int]:
     if not steps:
       raise CheckpointError(f"no complete checkpoint in {root}")
     step = steps[-1]
+  elif not os.path.isdir(os.path.join(root, str(step))):  # not saved (or deleted): nothing to recover
+    steps = complete_steps(root, log=None)
+    which = f"the complete steps are {steps} (e.g. --step {steps[-1]})" if steps else "it holds no complete step"
+    raise CheckpointError(f"no step {step} in {root}: {which}")
   return root, step

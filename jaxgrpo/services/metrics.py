@@ -29,7 +29,8 @@ import uuid
 from typing import Any, Mapping
 
 import jax
-from tqdm import tqdm
+
+from jaxgrpo.services import progress as progress_lib
 
 __all__ = ["MetricsLogger", "MetricsWriteError", "append_record", "truncate_jsonl", "read_jsonl"]
 
@@ -188,7 +189,10 @@ class MetricsLogger:
     if not is_main:
       return
     if progress:
-      self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+      # "compiling" until the first step's record: its clock (rate, ETA) restarts there, so the first step's
+      # compile (and the warm-up, the first evaluation before it) is not taken as the time of a step
+      self.bar = progress_lib.step_bar(total_steps, "train", initial=start_step, dynamic_ncols=True)
+    self._clock_started = False
     if tensorboard:
       SummaryWriter = _summary_writer_class()
       # purge_step: events from a crashed run's steps after the resumed checkpoint are dropped
@@ -226,6 +230,9 @@ class MetricsLogger:
       self.wandb_run.log(scalars, step=step)
     if self.bar is not None and "loss" in record:  # a training step (eval records carry no loss)
       self.bar.n = step
+      if not self._clock_started:  # the first step of this process compiled: time the ETA from its end
+        progress_lib.start_clock(self.bar)
+        self._clock_started = True
       self.bar.set_postfix({name: f"{record[k]:.3g}" for k, name in _BAR_FIELDS if k in record}, refresh=False)
       self.bar.refresh()
 

@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxgrpo.data import INSTRUCTION, build_messages
 from jaxgrpo.rewards.reward_model import RewardModel, encode_row
+from jaxgrpo.tasks import script_io
 from jaxgrpo.tasks.arithmetic import solution_text, tiny_model_config
 
 __all__ = [
@@ -126,6 +127,7 @@ def train_reward_model(
   seed: int = 0,
   instruction: str | None = INSTRUCTION,
   init_from: nnx.Module | None = None,
+  progress: bool = False,
 ) -> RMResult:
   """A fresh ``Qwen3ForSequenceClassification``-shaped :class:`RewardModel` (one label, ``hidden_size`` wide,
   ``num_layers`` deep, over ``tokenizer``'s vocabulary; its pad id the tokenizer's) fitted for ``steps``
@@ -134,7 +136,8 @@ def train_reward_model(
 
   ``init_from``: a causal LM of the same decoder (e.g. the demo's warmed-up policy, as reward models start
   from the SFT model) whose decoder weights start the fit (``hidden_size``/``num_layers`` are then its own);
-  None: a random decoder."""
+  None: a random decoder. ``progress``: a tqdm bar ``reward model`` (``script_io.step_bar``: ``compiling``
+  until the first chunk's program is compiled, the ETA timed from then) with the loss as its postfix."""
   if steps < 1 or batch_size < 1:
     raise ValueError(f"`steps` and `batch_size` must be >= 1; got {steps} and {batch_size}")
   t0 = time.perf_counter()
@@ -175,11 +178,18 @@ def train_reward_model(
 
   indices = np.random.default_rng([seed, 4]).integers(0, len(pairs), size=(steps, batch_size)).astype(np.int32)
   losses, done, chunk = [], 0, min(50, steps)
+  bar = script_io.step_bar(steps, "reward model", disable=not progress)
+  run_first = run_chunk.lower(params, opt_state, indices[:chunk]).compile()
+  script_io.start_clock(bar)
   while done < steps:
     c = min(chunk, steps - done)
-    params, opt_state, chunk_losses = run_chunk(params, opt_state, indices[done : done + c])
+    run = run_first if c == chunk else run_chunk
+    params, opt_state, chunk_losses = run(params, opt_state, indices[done : done + c])
     done += c
     losses.append(float(chunk_losses[-1]))
+    bar.update(c)
+    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+  bar.close()
   nnx.update(model, params)
   return RMResult(model, losses, time.perf_counter() - t0)
 

@@ -37,6 +37,7 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerFast
 
+from jaxgrpo.data import INSTRUCTION, build_messages
 from jaxgrpo.data.rewards import extract_boxed
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
@@ -180,16 +181,22 @@ class RetryEnvironment:
   """A tool-free multi-turn environment for any ``{problem, answer}`` row (e.g. the arithmetic task):
   a wrong or missing boxed answer gets ``"Wrong. Try again."`` and another turn, up to ``retries``;
   the reward is ``decay**k`` for a right answer at retry k (1 at the first turn), else 0.
-  Metric: ``retries``."""
+  Metric: ``retries``.
+
+  The prompt is the single-turn prompt: the problem with ``instruction`` appended
+  (``jaxgrpo.data.build_messages``; default the ``\\boxed{}`` instruction of ``data.instruction``, which the
+  arithmetic warm-up's prompts carry). Without it the warmed-up demo policy answers the bare question
+  with noise (held-out reward 0.020 instead of 0.213 at step 0) and RL has almost no signal to learn from.
+  """
 
   tools = ()
 
-  def __init__(self, retries: int = 1, decay: float = 0.5):
-    self.retries, self.decay = retries, decay
+  def __init__(self, retries: int = 1, decay: float = 0.5, instruction: str | None = INSTRUCTION):
+    self.retries, self.decay, self.instruction = retries, decay, instruction
 
   def reset(self, row: Mapping) -> list[dict]:
     self.row, self.turn = row, 0
-    return [{"role": "user", "content": str(row["problem"])}]
+    return build_messages(str(row["problem"]), self.instruction)
 
   def step(self, text: str) -> StepResult:
     right = boxed_reward(self.row, text) == 1.0

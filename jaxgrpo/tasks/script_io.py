@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from tqdm.auto import tqdm
+from jaxgrpo.services.progress import start_clock, step_bar
 
 __all__ = ["TORCH_BANNER", "hide_torch_banner", "start_clock", "step_bar"]
 
@@ -30,23 +30,3 @@ def hide_torch_banner() -> None:
   """Process-wide, before ``transformers`` is imported: the filter above on the ``transformers`` logger
   (idempotent). Every other transformers record passes."""
   logging.getLogger("transformers").addFilter(_BANNER_FILTER)
-
-
-def step_bar(total: int, desc: str, *, disable: bool = False) -> tqdm:
-  """A tqdm bar of ``total`` steps, showing ``compiling`` until :func:`start_clock` is called."""
-  bar = tqdm(total=total, unit="step", desc=desc, disable=disable)
-  bar.set_postfix_str("compiling")
-  return bar
-
-
-def start_clock(bar: tqdm) -> None:
-  """Restarts ``bar``'s clock after compilation, keeping its count ``n``: elapsed time, rate and ETA then
-  cover only the steps run from now on (``initial`` = ``n``), so a compile before this call — or a first,
-  compiling step already counted — is not taken as the time of a step. ETA = (total − n) / rate with
-  rate = (n − n₀) / (t − t₀) measured from this call (tqdm's smoothing aside)."""
-  if bar.disable:
-    return
-  n = bar.n
-  bar.reset()  # n = 0, start_t = now, the smoothed rate forgotten
-  bar.n = bar.last_print_n = bar.initial = n
-  bar.set_postfix_str("")
