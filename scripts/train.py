@@ -169,6 +169,12 @@ def parse_args(argv=None):
     p.error("--processes starts the processes: give it on the command line of scripts/train.py")
   if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
     p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
+  return args, parse_overrides(p, rest)
+
+
+def parse_overrides(p: argparse.ArgumentParser, rest) -> dict:
+  """``{dotted config key: value}`` of the ``--section.field value`` tokens ``rest`` (``p.error`` for a token that
+  is not one, or a key that is not a field); ``scripts/plan.py`` reads its overrides with it too."""
   overrides = {}
   i = 0
   while i < len(rest):
@@ -187,7 +193,7 @@ def parse_args(argv=None):
     except ValueError as e:
       p.error(str(e))
     i += 1
-  return args, overrides
+  return overrides
 
 
 def plot_curves(metrics_path: str, png_path: str) -> bool:
