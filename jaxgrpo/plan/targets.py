@@ -111,6 +111,20 @@ def chip_of_kind(device_kind: str) -> Chip | None:
   return next((CHIPS[f] for key, f in _KINDS if key in kind and ("tpu" in kind) == f.startswith("v")), None)
 
 
+def _device_chip(device) -> Chip | None:
+  """The datasheet of this machine's accelerator, its memory the runtime's ``bytes_limit`` when it reports one (what
+  a program may really use); None for a CPU."""
+  if device.platform == "cpu":
+    return None
+  chip = chip_of_kind(device.device_kind)
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  limit = (stats or {}).get("bytes_limit")
+  if limit:
+    base = chip or Chip(device.device_kind, 0, float("nan"), float("nan"), "unknown chip: no roofline")
+    chip = dataclasses.replace(base, hbm_bytes=int(limit), source=f"{base.source}; memory: the runtime's bytes_limit")
+  return chip
+
+
 def _bad(text: str, why: str) -> ValueError:
   return ValueError(
     f"--topology {text!r}: {why}; expected a Cloud TPU name (v5p-64, v5e-16, v5litepod-64, v6e-256, v4-8), a "
@@ -125,7 +139,7 @@ def parse_target(text: str, slices: int = 1) -> Target:
   t = text.strip().lower()
   if t == "devices":
     d = jax.devices()
-    return Target(text, d[0].platform, "devices", chip_of_kind(d[0].device_kind), len(d))
+    return Target(text, d[0].platform, "devices", _device_chip(d[0]), len(d))
   if m := re.fullmatch(r"cpu-(\d+)", t):
     return Target(text, "cpu", "cpu", None, int(m.group(1)), slices)
   if m := re.fullmatch(r"(h100|h200|a100)-(\d+)", t):
