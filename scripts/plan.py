@@ -57,6 +57,7 @@ def _before_jax(argv) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   elif re.match(r"(v4|v5p|v5e|v5litepod|v6e)[-:]|v5:", topo.strip().lower()):
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiling processes share libtpu's lock file
     if importlib.util.find_spec("libtpu") is None:
       venv = os.path.join(os.path.dirname(HERE), ".venv-tpu", "bin", "python")
       if not os.path.exists(venv):
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     return 2
   print(plan.to_json() if args.json else plan_lib.format_table(plan), flush=True)
   if plan.refusal:
-    log(f"refused: {plan.refusal}")
+    print(f"refused: {plan.refusal}", file=sys.stderr, flush=True)
     return 1
   return 0
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, ensure_side_venv
 
 from jaxgrpo import plan
 
@@ -116,3 +116,22 @@ def test_gpu_target_is_an_estimate():
   assert [x.name for x in p.programs] == ["step", "sampler"]
   assert all(x.verdict.startswith("estimated") for x in p.programs)
   assert any("estimated by formula" in n for n in p.notes)
+
+
+def _tpu_env() -> dict:
+  env = cli_env()
+  env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")  # several libtpu processes; no metadata server
+  return env
+
+
+def test_8b_on_v5e_16_at_one_micro_batch_is_refused_by_the_tpu_compiler():
+  """Qwen3-8B shapes, the pod workload, one micro-batch, compiled for v5e:4x4 by XLA's TPU compiler (libtpu, through
+  .venv-tpu): the step does not fit (its temporaries alone exceed the chip's 15.75 GiB); one line says so."""
+  python = ensure_side_venv("tpu")
+  cmd = [python, PLAN, "--config", POD, "--topology", "v5e-16", "--programs", "step", "--no-fix"]
+  r = subprocess.run(cmd, capture_output=True, text=True, env=_tpu_env(), timeout=900)
+  assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+  refused = [ln for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
+  assert len(refused) == 1, r.stderr[-3000:]
+  assert "the step program does not fit v5e-16" in refused[0] and "of 16.00)" in refused[0]
+  assert "exceeds available HBM (15.75G)" in r.stdout  # the compiler's own words, in the table's notes

@@ -288,7 +288,7 @@ def _notes(target: Target) -> list[str]:
       f"chip: {c.name}, HBM {c.hbm_bytes / GiB:.2f} GiB, dense bf16 peak {c.peak_flops / 1e12:.0f} TFLOP/s, HBM "
       f"{c.hbm_bw / 1e12:.3f} TB/s (datasheet: {c.source})"
     )
-  if not target.fit_test:
+  if target.platform == "cpu":
     notes.append(
       "XLA:CPU: only the argument, output and alias bytes are meaningful; the temporaries are the CPU compiler's "
       "(1.2-1.4x the TPU's in a trial): this is not a fit test"
@@ -313,25 +313,23 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   n = target.devices_total
   pb, cb = np.dtype(DTYPES[cfg.model.param_dtype]).itemsize, np.dtype(DTYPES[cfg.model.dtype]).itemsize
   n_params = _param_count(mc)
-  state = n_params * pb * 4 / n  # parameters, two moments, the gradient accumulator
-  ref = n_params * pb / n if cfg.objective.beta > 0 else 0
+  param_bytes = n_params * pb / n  # one copy of the parameters, sharded
+  state = 3 * param_bytes  # parameters and AdamW's two moments: the step's arguments, donated (aliased) outputs
+  ref = param_bytes if cfg.objective.beta > 0 else 0
   rows = s.rows / n / tc.mini_batches / tc.micro_batches
   seq = s.prompt_len + s.completion_len
   per_layer = (1 if str(cfg.model.remat) in ("full", "True") else 14) * rows * seq * mc.hidden_size * cb
-  acts = (
-    mc.num_layers * per_layer + rows * mc.num_heads * seq * seq * 4 + rows * (tc.chunk_size or seq) * mc.vocab_size * 4
-  )
+  scores = rows * mc.num_heads * seq * seq * 4
+  logits = rows * (tc.chunk_size or seq) * mc.vocab_size * 4
+  acts = mc.num_layers * per_layer + scores + logits + param_bytes  # + the gradient accumulator
   step = ProgramPlan("step", tc.micro_batches, other_resident_bytes=int(ref), verdict="estimated")
-  step.argument_bytes, step.output_bytes, step.alias_bytes = int(state), int(state), int(state)
+  step.argument_bytes = step.output_bytes = step.alias_bytes = int(state)
   step.temp_bytes, step.code_bytes = int(acts), 0
   kv = s.rows / n * (s.prompt_len + s.new_tokens) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * cb
-  samp = ProgramPlan("sampler", tc.micro_batches, other_resident_bytes=int(state / 4 * 3 - state / 4 + ref))
-  samp.argument_bytes, samp.output_bytes, samp.alias_bytes = int(n_params * pb / n), 0, 0
-  samp.temp_bytes, samp.code_bytes, samp.verdict = (
-    int(n_params * cb + kv + s.rows / n * mc.vocab_size * 4),
-    0,
-    "estimated",
-  )
+  samp = ProgramPlan("sampler", tc.micro_batches, other_resident_bytes=int(2 * param_bytes + ref))  # the moments
+  samp.argument_bytes, samp.output_bytes, samp.alias_bytes = int(param_bytes), 0, 0
+  samp.temp_bytes = int(n_params * cb + kv + s.rows / n * mc.vocab_size * 4)
+  samp.code_bytes, samp.verdict = 0, "estimated"
   passes = getattr(cfg.objective, "num_iterations", 1) or 1
   step.flops = fl.step_flops(mc, s.rows, s.prompt_len, s.completion_len, passes)
   samp.flops = fl.sampler_flops(mc, s.prompts, s.group, s.prompt_len, s.new_tokens)
