@@ -21,15 +21,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo.models import build_model, lora, moe
-from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout import sampling
 from jaxgrpo.run import assemble, builders
 from jaxgrpo.run.spec_schema import DTYPES
 from jaxgrpo.step import train
-from jaxgrpo.step.batch import _DTYPES, _FIELDS, _REFERENCE_FIELDS
-from jaxgrpo.step.state import TrainState
 
-__all__ = ["RunPrograms", "RunShape", "run_shape", "per_device_bytes"]
+__all__ = ["RunPrograms", "RunShape", "abstract_model", "per_device_bytes", "run_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +66,6 @@ def _sds(shape, dtype, sharding):
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def _abstract(tree, shardings):
-  """``tree``'s arrays as ``ShapeDtypeStruct`` s with ``shardings`` (a matching prefix tree)."""
-
-  def one(s, x):
-    if isinstance(x, nnx.Variable):
-      return x.replace(_sds(x.shape, x.dtype, s))
-    return _sds(x.shape, x.dtype, s)
-
-  return jax.tree.map(one, shardings, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
 def abstract_model(cfg, model_config):
   """The run's policy as ``ShapeDtypeStruct`` s: ``build_model`` of ``model_config`` with the run's dtypes, remat
   and layout, and the ``lora`` section's adapters (``builders.add_adapters``)."""
@@ -101,25 +87,6 @@ def abstract_model(cfg, model_config):
   return nnx.eval_shape(build)
 
 
-def abstract_train_state(model, optimizer, mesh, trainable):
-  """``(graphdef, TrainState of ShapeDtypeStruct s, TrainState of shardings)``: what ``init_train_state`` returns,
-  abstract (compile-only devices hold no array)."""
-  rules = model.rules
-  graphdef, params, frozen = nnx.split(model, trainable, ...)
-  param_sh = shd.tree_shardings(params, mesh, rules)
-  opt_abstract = jax.eval_shape(optimizer.init, params)
-  opt_sh = shd.tree_shardings(opt_abstract, mesh, rules)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  shardings = TrainState(param_sh, opt_sh, replicated, shd.tree_shardings(frozen, mesh, rules))
-  state = TrainState(
-    _abstract(params, param_sh),
-    _abstract(opt_abstract, opt_sh),
-    _sds((), jnp.int32, replicated),
-    _abstract(frozen, shardings.frozen),
-  )
-  return graphdef, state, shardings
-
-
 def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None) -> train.Batch:
   """A NumPy batch of the run's largest shapes (one full-length completion per group: the top bucket)."""
   rng = np.random.default_rng(0)
@@ -135,21 +102,6 @@ def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None) ->
   if routing is not None:
     batch = batch._replace(routing=np.zeros((b, p + t) + routing, np.int32))
   return batch
-
-
-def _abstract_batch(batch: train.Batch, names, sharding) -> train.Batch:
-  """What ``place_batch`` would place, as ``ShapeDtypeStruct`` s: the fields ``names`` in their step dtypes, the
-  packed slots (int32) and the routing on ``sharding``."""
-  fields = {}
-  for name in names:
-    x = getattr(batch, name)
-    if x is not None:
-      fields[name] = _sds(np.shape(x), _DTYPES[_FIELDS[name][1]], sharding)
-  if batch.packed is not None:
-    fields["packed"] = jax.tree.map(lambda x: _sds(np.shape(x), jnp.int32, sharding), batch.packed)
-  if batch.routing is not None:
-    fields["routing"] = _sds(np.shape(batch.routing), jnp.int32, sharding)
-  return batch._replace(**fields)
 
 
 class RunPrograms:
@@ -170,7 +122,9 @@ class RunPrograms:
     model = abstract_model(cfg, model_config)
     self.optimizer = assemble.optimizer(cfg)
     trainable = nnx.Param if cfg.lora is None else nnx.LoRAParam
-    self.graphdef, self.state, self.shardings = abstract_train_state(model, self.optimizer, mesh, trainable)
+    self.graphdef, self.state, self.shardings = train.init_train_state(
+      model, self.optimizer, mesh, trainable=trainable, abstract=True
+    )
     self.train_config = cfg.train_config()
     self.step = train.make_train_step(
       self.graphdef, self.optimizer, cfg.objective, mesh=mesh, shardings=self.shardings, train_config=self.train_config
@@ -204,34 +158,15 @@ class RunPrograms:
     ]()
 
   def _batch(self) -> train.Batch:
-    host = _host_batch(self.shape, self.model_config.vocab_size, self._routing)
-    host = self.step.pack(host)
-    self.step.check_batch(host)
-    return host
+    return _host_batch(self.shape, self.model_config.vocab_size, self._routing)
 
   def _step(self):
     host = self._batch()
-    if not self.step.reads_ref_logp:
-      host = host._replace(ref_logp=None)
-    host = host._replace(behavior_logp=None) if self.cfg.rollout.engine == "jax" else host
-    batch = _abstract_batch(host, _FIELDS, self.step.batch_sharding)
-    key = None
-    if self.step.dropout_key is not None:
-      key = jax.eval_shape(lambda: self.step.dropout_key)
-      key = _sds(key.shape, key.dtype, NamedSharding(self.mesh, PartitionSpec()))
-    with jax.set_mesh(self.mesh):
-      return self.step.jitted.lower(self.state._replace(frozen=None), self.state.frozen, batch, None, key)
+    return self.step.lower(self.state, host if self.cfg.rollout.engine != "jax" else host._replace(behavior_logp=None))
 
   def _log_probs(self, graphdef, params, shardings):
     fn = train.make_reference_fn(graphdef, mesh=self.mesh, param_shardings=shardings, train_config=self.train_config)
-    host = self._batch()
-    bsh = self.step.batch_sharding
-    batch = _abstract_batch(host, _REFERENCE_FIELDS, bsh)
-    with jax.set_mesh(self.mesh):
-      if batch.packed is not None:
-        return fn.jitted_packed.lower(params, batch.packed.unpack_index, train._slot_inputs(batch.packed))
-      cols = tuple(getattr(batch, n) for n in _REFERENCE_FIELDS)
-      return fn.jitted.lower(params, cols if batch.routing is None else cols + (batch.routing,))
+    return fn.lower(params, self._batch())
 
   def _reference(self):
     return self._log_probs(self._ref_graphdef, self._ref_params, self._ref_sh)

@@ -72,6 +72,7 @@ class ProgramPlan:
   error: str | None = None
   fix: str | None = None
   tried: list = dataclasses.field(default_factory=list)
+  searched: bool = False
 
   @property
   def total_bytes(self) -> int | None:
@@ -110,11 +111,26 @@ class RunPlan:
     bad = next((p for p in self.programs if p.verdict == "does not fit"), None)
     if bad is None:
       return None
-    got = f"{bad.total_bytes / GiB:.2f} GiB/device" if bad.total_bytes is not None else _short(bad.error)
-    fix = bad.fix or "no change found by compiling: use more chips (a larger fsdp axis)"
-    return (
-      f"the {bad.name} program does not fit {self.target.name} ({got} of {self.target.chip.hbm_bytes / GiB:.2f}); {fix}"
-    )
+    hbm = self.target.chip.hbm_bytes / GiB
+    got = f"{bad.total_bytes / GiB:.2f} of {hbm:.2f} GiB/device" if bad.total_bytes is not None else None
+    got = got or _compiler_words(bad.error)
+    fix = bad.fix or _no_fix(bad)
+    return f"the {bad.name} program does not fit {self.target.name} ({got}); {fix}"
+
+
+def _no_fix(p: ProgramPlan) -> str:
+  if not p.searched:
+    return "no fix searched (--no-fix; scripts/plan.py without it compiles more micro-batches until one fits)"
+  return "no change found by compiling: use more chips (a larger fsdp axis)"
+
+
+def _compiler_words(msg: str | None) -> str:
+  """What XLA said, shortly: ``XLA: HLO temporaries 26.93G, 15.75G of HBM available`` from its RESOURCE_EXHAUSTED
+  message (else its first line)."""
+  m = re.search(r"required for (.+?) \(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)", msg or "")
+  if m:
+    return f"XLA: {m.group(1)} {m.group(2)}, {m.group(3)} of HBM available"
+  return _short(msg)
 
 
 def _short(msg: str | None, n: int = 160) -> str:
@@ -183,6 +199,15 @@ def compile_program(programs: RunPrograms, name: str, target: Target, compile_fn
   return plan
 
 
+def _breakdown(p: ProgramPlan) -> str:
+  """`` (total X GiB/device: arguments a, outputs o, aliased x, temporaries t, code c, other resident r)``."""
+  if p.total_bytes is None:
+    return ""
+  parts = (p.argument_bytes, p.output_bytes, p.alias_bytes, p.temp_bytes, p.code_bytes, p.other_resident_bytes)
+  names = ("arguments", "outputs", "aliased", "temporaries", "code", "other resident")
+  return f" (total {_gib(p.total_bytes)} GiB/device: " + ", ".join(f"{n} {_gib(b)}" for n, b in zip(names, parts)) + ")"
+
+
 def _micro_batch_candidates(cfg, mesh, rules) -> list[int]:
   """Micro-batch counts above the config's that divide each device's rows of one mini-batch, ascending."""
   rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -218,7 +243,7 @@ def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) 
     p = compile_program(RunPrograms(c, model_config, mesh), name, target)
     gib = None if p.total_bytes is None else p.total_bytes / GiB
     tried.append((change, p.verdict, gib))
-    log(f"  fix search: {name} with {change}: {p.verdict}" + (f" ({gib:.2f} GiB/device)" if gib else ""))
+    log(f"  fix search: {name} with {change}: {p.verdict} in {p.compile_s:.0f} s" + _breakdown(p))
     if p.verdict == "fits":
       return f"{change} fits ({gib:.2f} GiB/device; found by compiling)", tried
   return None, tried
@@ -261,9 +286,10 @@ def plan_run(
     if p not in progs.names:
       raise ValueError(f"program {p!r} is not one this run executes ({', '.join(progs.names)})")
     plan = compile_program(progs, p, target)
-    log(f"  {p}: {plan.verdict} in {plan.compile_s:.1f} s" + (f" ({plan.error})" if plan.error else ""))
+    log(f"  {p}: {plan.verdict} in {plan.compile_s:.1f} s" + (f" ({plan.error})" if plan.error else _breakdown(plan)))
     if plan.verdict == "does not fit" and fix and target.fit_test:
       plan.fix, plan.tried = find_fix(cfg, model_config, mesh, p, target, log)
+      plan.searched = True
     out.append(plan)
   notes = _notes(target)
   return RunPlan(target, name, dataclasses.asdict(progs.shape), dict(mesh.shape), out, notes)
@@ -397,5 +423,5 @@ def format_table(plan: RunPlan) -> str:
     if p.error:
       tail.append(f"{p.name}: {p.error}")
     if p.verdict == "does not fit":
-      tail.append(f"{p.name}: fix: {p.fix or 'none found by compiling: use more chips (a larger fsdp axis)'}")
+      tail.append(f"{p.name}: fix: {p.fix or _no_fix(p)}")
   return "\n".join(head + rows + tail)
