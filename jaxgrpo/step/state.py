@@ -166,6 +166,22 @@ def _graph_rules(graphdef, param_shardings, frozen_shardings=None) -> tuple:
   return _merge_model(graphdef, param_shardings, frozen_shardings).sharding_rules
 
 
+def _check_can_hold_arrays(mesh: Mesh) -> None:
+  """ValueError in one line when ``mesh``'s devices belong to no backend of this process (compile-only devices of
+  ``jax.experimental.topologies``, e.g. a TPU slice described on a CPU host): they cannot hold the state."""
+  device = mesh.devices.flat[0]
+  try:
+    local = device in jax.devices(device.platform)
+  except RuntimeError:  # no such backend in this process
+    local = False
+  if not local:
+    raise ValueError(
+      f"init_train_state: the mesh's devices ({device.device_kind}, platform {device.platform!r}) are not devices of "
+      "this process (compile-only, e.g. from jax.experimental.topologies) and cannot hold arrays; pass "
+      "abstract=True to describe the state and compile the step ahead of time (TrainStep.lower)"
+    )
+
+
 def init_train_state(
   model,
   optimizer: optax.GradientTransformation,
@@ -218,6 +234,8 @@ def init_train_state(
   opt_sh = shd.tree_shardings(opt_abstract, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
   shardings = TrainState(param_sh, opt_sh, replicated, frozen_sh)
+  if not abstract:
+    _check_can_hold_arrays(mesh)
   if abstract:
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     state = TrainState(shd.abstract_tree(params, param_sh), shd.abstract_tree(opt_abstract, opt_sh), step)
