@@ -139,3 +139,18 @@ def test_8b_on_v5e_16_at_one_micro_batch_is_refused_by_the_tpu_compiler():
     "micro-batches until one fits)"
   )
   assert "exceeds available HBM (15.75G)" in r.stdout  # the compiler's own words, in the table's notes
+
+
+def test_train_plan_only_prints_the_table_and_exits_before_anything_is_loaded(tmp_path):
+  """``scripts/train.py --plan-only``: the plan of this machine's devices (the step and the sampler of the demo run,
+  no reference pass at β = 0), exit 0, and no output directory written."""
+  out = tmp_path / "out"
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config", DEMO, "--plan-only",
+         "--run.out", str(out), "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+         "--rollout.max_new_tokens", "8", "--objective.beta", "0.0"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  table = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+  assert [ln.split(" | ")[0][2:] for ln in table[1:]] == ["step", "sampler"]
+  assert all(ln.rstrip(" |").endswith("no fit test") for ln in table[1:])
+  assert "not a fit test" in r.stdout and not out.exists()
