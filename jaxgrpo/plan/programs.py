@@ -150,7 +150,9 @@ class RunPrograms:
     """Per-device bytes of the run's long-lived arrays that program ``name`` does not take as arguments."""
     opt = per_device_bytes(self.state.opt_state)
     ref = self.resident.get("reference copy", 0)
-    return {"step": ref, "sampler": opt + ref, "reference": self.resident["train state"], "old_logp": opt + ref}[name]
+    # the reference pass of a LoRA run reads the frozen base weights, which the train state holds: not counted twice
+    state = self.resident["train state"] - (per_device_bytes(self.state.frozen) if self.cfg.lora is not None else 0)
+    return {"step": ref, "sampler": opt + ref, "reference": state, "old_logp": opt + ref}[name]
 
   def lower(self, name: str) -> jax.stages.Lowered:
     return {"step": self._step, "sampler": self._sampler, "reference": self._reference, "old_logp": self._old_logp}[
