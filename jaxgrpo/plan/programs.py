@@ -24,6 +24,7 @@ from jaxgrpo.models import build_model, lora, moe
 from jaxgrpo.rollout import sampling
 from jaxgrpo.run import assemble, builders
 from jaxgrpo.run.spec_schema import DTYPES
+from jaxgrpo.run.trainer import dropout_key
 from jaxgrpo.step import train
 
 __all__ = ["RunPrograms", "RunShape", "abstract_model", "per_device_bytes", "run_shape"]
@@ -127,7 +128,13 @@ class RunPrograms:
     )
     self.train_config = cfg.train_config()
     self.step = train.make_train_step(
-      self.graphdef, self.optimizer, cfg.objective, mesh=mesh, shardings=self.shardings, train_config=self.train_config
+      self.graphdef,
+      self.optimizer,
+      cfg.objective,
+      mesh=mesh,
+      shardings=self.shardings,
+      train_config=self.train_config,
+      dropout_key=None if cfg.lora is None else dropout_key(cfg.run.seed),  # as the Trainer: LoRA dropout
     )
     self.sample_graphdef = nnx.graphdef(model)
     replay = cfg.rollout.routing_replay == "rollout" and moe.is_moe(model)
