@@ -154,3 +154,19 @@ def test_train_plan_only_prints_the_table_and_exits_before_anything_is_loaded(tm
   assert [ln.split(" | ")[0][2:] for ln in table[1:]] == ["step", "sampler"]
   assert all(ln.rstrip(" |").endswith("no fit test") for ln in table[1:])
   assert "not a fit test" in r.stdout and not out.exists()
+
+
+def test_a_sampler_whose_prompts_do_not_divide_the_mesh_is_refused_in_one_line():
+  """4 prompts (× G 2 = 8 rows: the step's batch divides the 8 devices) on cpu-8: the sampler's prefill holds the 4
+  prompts, which 8 devices cannot share; the plan says so before any weight exists (the pod workload on v5e-256:
+  64 prompts over 256 chips, docs/scale.md)."""
+  cmd = [sys.executable, PLAN, "--config", DEMO, "--topology", "cpu-8", "--programs", "sampler",
+         "--rollout.prompts_per_step", "4", "--rollout.group_size", "2"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+  refused = [ln for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
+  assert refused == [
+    "refused: the sampler program does not compile for cpu-8: ValueError: embeddings: dim 0 ('batch', size 4) is "
+    "not divisible by mesh axis 'data'×'fsdp' of size 8 (mesh data=1 × fsdp=8 × tensor=1 over 8 devices); change "
+    "the mesh or the rules"
+  ]

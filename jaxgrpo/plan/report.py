@@ -107,10 +107,12 @@ class RunPlan:
 
   @property
   def refusal(self) -> str | None:
-    """One line for the first program that does not fit (with its fix), or None."""
-    bad = next((p for p in self.programs if p.verdict == "does not fit"), None)
+    """One line for the first program that does not fit (with its fix) or does not compile (the error), or None."""
+    bad = next((p for p in self.programs if p.verdict in ("does not fit", "error")), None)
     if bad is None:
       return None
+    if bad.verdict == "error":
+      return f"the {bad.name} program does not compile for {self.target.name}: {_short(bad.error, 400)}"
     hbm = self.target.chip.hbm_bytes / GiB
     got = f"{bad.total_bytes / GiB:.2f} of {hbm:.2f} GiB/device" if bad.total_bytes is not None else None
     got = got or _compiler_words(bad.error)
