@@ -18,6 +18,8 @@ the rule over these prefixes):
 ``run/``        8 the run config, the builders, evaluation, the collapse guard, the ``Trainer`` loop
 ``tasks/``      9 the demo and example tasks (arithmetic, binary tree, calculator); registered, never
                 imported by a lower layer
+``plan/``       10 compile every program of a run ahead of time for a target (a TPU topology from a CPU, ``cpu-N``,
+                this machine) and say what fits where (``scripts/plan.py``)
 
 Every name in ``__all__`` is re-exported *lazily*: ``import jaxgrpo`` imports nothing else, and
 ``jaxgrpo.group_advantages`` (or any other name) imports its module on first access — a kernel JAX and

@@ -38,6 +38,7 @@ from flax import nnx
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import Qwen3Config, build_model
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.plan import step_flops
 from jaxgrpo.rollout.iteration import grpo_iteration
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.step import feed, train
@@ -92,12 +93,8 @@ def chip(device) -> tuple[str, float | None, float | None]:
 
 
 def model_flops(cfg, b, p, t) -> float:
-  """Model FLOPs of one train step (forward + backward, no recomputation counted)."""
-  d, v, n_l = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
-  h, k, n_kv, f = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size
-  per_layer = d * h * k * 2 + d * n_kv * k * 2 + 3 * d * f
-  s = p + t
-  return 6 * n_l * per_layer * b * s + 6 * d * v * b * t + 6 * n_l * h * k * s * s * b
+  """Model FLOPs of one train step (forward + backward, no recomputation counted): ``jaxgrpo.plan.step_flops``."""
+  return step_flops(cfg, b, p, t)
 
 
 def decode_bytes(cfg, n_params, rows, p, t) -> float:

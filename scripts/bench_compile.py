@@ -50,15 +50,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from jaxgrpo.kernels.config import preset  # noqa: E402
 from jaxgrpo.models import Qwen3Config, build_model  # noqa: E402
 from jaxgrpo.parallel import sharding as shd  # noqa: E402
 from jaxgrpo.rollout import sampling  # noqa: E402
 from jaxgrpo.step import feed, train  # noqa: E402
-from jaxgrpo.step.batch import _REFERENCE_FIELDS, _place_fields  # noqa: E402
-from jaxgrpo.step.state import TrainState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/_bench.py, also when loaded by path
 import _bench  # noqa: E402
@@ -101,17 +98,6 @@ def default_buckets(max_new_tokens: int) -> tuple[int, ...]:
   return tuple(b for b in train.DEFAULT_BUCKETS if b <= top) or (top,)
 
 
-def _abstract(tree, shardings):
-  """``tree``'s arrays as ``ShapeDtypeStruct`` s with ``shardings`` (a matching prefix tree)."""
-
-  def one(s, x):
-    if isinstance(x, nnx.Variable):
-      return x.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s))
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-
-  return jax.tree.map(one, shardings, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
 class Programs:
   """The abstract model of one layout and the jitted functions whose compile time is measured."""
 
@@ -122,21 +108,14 @@ class Programs:
       lambda: build_model(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, scan_layers=scan, remat=args.remat)
     )
     opt = optax.adamw(1e-6)
-    rules = model.rules
-    self.graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
-    param_sh = shd.tree_shardings(params, mesh, rules)
-    opt_abstract = jax.eval_shape(opt.init, params)
-    opt_sh = shd.tree_shardings(opt_abstract, mesh, rules)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = TrainState(param_sh, opt_sh, replicated, shd.tree_shardings(frozen, mesh, rules))
-    self.params = _abstract(params, param_sh)
-    self.opt_state = _abstract(opt_abstract, opt_sh)
-    self.frozen = _abstract(frozen, shardings.frozen)
-    self.step_count = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    # the public abstract path: ShapeDtypeStructs with the run's shardings, nothing allocated
+    self.graphdef, self.state, shardings = train.init_train_state(model, opt, mesh, abstract=True)
     tc = train.TrainConfig(micro_batches=1, group_size=args.group)
     config = dataclasses.replace(preset("grpo"), beta=0.04)  # β > 0: the run has a reference pass
     self.step = train.make_train_step(self.graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
-    self.reference = train.make_reference_fn(self.graphdef, mesh=mesh, param_shardings=param_sh, train_config=tc)
+    self.reference = train.make_reference_fn(
+      self.graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc
+    )
     self.sample_graphdef, _ = nnx.split(model)
 
   def lower(self, program: str, bucket: int) -> jax.stages.Lowered:
@@ -144,7 +123,7 @@ class Programs:
     rng = np.random.default_rng(0)
     if program == "sample":
       prompts = jnp.asarray(rng.integers(1, self.cfg.vocab_size, (a.batch // a.group, a.prompt)), jnp.int32)
-      state = nnx.State.merge(self.params, self.frozen)
+      state = nnx.State.merge(self.state.params, self.state.frozen)
       return sampling._generate_jit.lower(
         self.sample_graphdef,
         state,
@@ -162,14 +141,9 @@ class Programs:
         record_routing=False,
       )
     batch = _bench.grpo_batch(rng, a.batch, a.group, a.prompt, bucket, self.cfg.vocab_size)
-    with jax.set_mesh(self.mesh):
-      if program == "step":
-        placed = self.step.place_batch(batch)
-        state = TrainState(self.params, self.opt_state, self.step_count, None)
-        return self.step.jitted.lower(state, self.frozen, placed, None, None)
-      placed = _place_fields(batch, _REFERENCE_FIELDS, self.step.batch_sharding)
-      cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
-      return self.reference.jitted.lower(self.params, cols)
+    if program == "step":
+      return self.step.lower(self.state, batch)
+    return self.reference.lower(self.state.params, batch)
 
   def compile_seconds(self, program: str, bucket: int) -> tuple[float, float]:
     """``(trace s, compile s)`` of ``program`` at ``bucket``, after ``jax.clear_caches()``."""

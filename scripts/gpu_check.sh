@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The accelerator rows of BENCHMARKS.md in one run: the sizes users train first (scripts/bench_accel.py: Qwen3-0.6B-
+# The accelerator rows of BENCHMARKS.md in one run: first scripts/plan.py --devices (the compiler's per-device bytes
+# of the pod workload at Qwen3-0.6B on this GPU, beside the formula's GPU estimate), then the sizes users train first (scripts/bench_accel.py: Qwen3-0.6B-
 # and 1.7B-shaped random models in bf16 — train-step MFU against the chip's bf16 peak, decode tokens/s against the
 # HBM roofline, one whole GRPO iteration; results as OUT/res/accel_<shape>.json), then the binary-tree reproduction (default policy, then the paper's
 # gpt2-small policy), the built-in engine against transformers' generate, layers as a scan at depth 28, the train
@@ -61,6 +62,11 @@ fi
 flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 } >>"$LOG" 2>&1
 
+# first: the plan of the pod workload (Qwen3-0.6B, 64 completions) compiled for this GPU, beside the formula's
+# estimate for the same chip (docs/scale.md, "GPU targets: estimated"): the estimate checked against the compiler
+PLAN_ARGS=(--config scripts/configs/pod_grpo.yaml --model qwen3-0.6b --rollout.prompts_per_step 8 --no-fix --json)
+step plan_devices 150 bash -c "\"$PY\" scripts/plan.py --devices --programs step,sampler ${PLAN_ARGS[*]} >\"$OUT/res/plan_devices.json\""
+step plan_estimate 30 bash -c "\"$PY\" scripts/plan.py --topology h100-1 ${PLAN_ARGS[*]} >\"$OUT/res/plan_estimate.json\""
 step accel_dry 120 "$PY" scripts/bench_accel.py --dry --out "$OUT/res"
 step accel_0.6b 150 "$PY" scripts/bench_accel.py --shapes 0.6b --out "$OUT/res"
 step accel_1.7b 170 "$PY" scripts/bench_accel.py --shapes 1.7b --out "$OUT/res"

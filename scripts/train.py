@@ -70,6 +70,7 @@ script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs 
 import jax  # after XLA_FLAGS
 
 from jaxgrpo import data as data_lib
+from jaxgrpo import plan as plan_lib
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.environments import EnvironmentFailed
 from jaxgrpo.run import collapse, specs
@@ -120,6 +121,19 @@ def parse_args(argv=None):
     help="simulate N CPU devices (sets XLA_FLAGS before jax is imported; on the command line only)",
   )
   p.add_argument("--no-plot", action="store_true", help="do not write OUT/curves.png")
+  p.add_argument(
+    "--plan-only",
+    action="store_true",
+    help="compile the run's programs for this machine's devices from abstract inputs (no weight or data read), "
+    "print what each needs per device (jaxgrpo.plan; scripts/plan.py for other targets) and exit: 0 every program "
+    "fits, 1 one does not (its fix printed)",
+  )
+  p.add_argument(
+    "--no-plan-check",
+    action="store_true",
+    help="on an accelerator, skip compiling the train step and the sampler ahead of time before anything is loaded "
+    "(the check that refuses a program that cannot fit, in one line naming the fix)",
+  )
   p.add_argument(
     "--processes",
     type=int,
@@ -177,6 +191,12 @@ def parse_args(argv=None):
     p.error("--processes starts the processes: give it on the command line of scripts/train.py")
   if args.cpu_devices and f"device_count={args.cpu_devices}" not in os.environ.get("XLA_FLAGS", ""):
     p.error("--cpu-devices is read before jax is imported: give it on the command line of scripts/train.py")
+  return args, parse_overrides(p, rest)
+
+
+def parse_overrides(p: argparse.ArgumentParser, rest) -> dict:
+  """``{dotted config key: value}`` of the ``--section.field value`` tokens ``rest`` (``p.error`` for a token that
+  is not one, or a key that is not a field); ``scripts/plan.py`` reads its overrides with it too."""
   overrides = {}
   i = 0
   while i < len(rest):
@@ -195,7 +215,7 @@ def parse_args(argv=None):
     except ValueError as e:
       p.error(str(e))
     i += 1
-  return args, overrides
+  return overrides
 
 
 def plot_curves(metrics_path: str, png_path: str) -> bool:
@@ -412,10 +432,36 @@ def main(argv=None):
     heartbeat = max(10, int(2 * dev.host_timeout_s))  # JAX's own timeout after the watchdog's named stop
     distributed.initialize(dev.coordinator_address, dev.num_processes, dev.process_id, heartbeat_timeout=heartbeat)
   # another process's death or error stops this one with a message naming it (exit status 3)
+  if args.plan_only:
+    return _plan_only(args, cfg)
   with distributed.watch_hosts(
     dev.host_timeout_s, collective=(TrainingInterrupted, NonFiniteError, PolicyCollapsed, NoLearningSignal)
   ):
     return _train(args, cfg, t_wall, t_cpu)
+
+
+def _plan_only(args, cfg):
+  """``--plan-only``: the plan's table for this machine's devices; exit 1 (the one-line fix) when a program does
+  not fit."""
+  say = (lambda s: print(s, flush=True)) if jax.process_index() == 0 else (lambda s: None)
+  with _input_errors(args):
+    plan = plan_lib.plan_run(cfg, plan_lib.parse_target("devices"), log=say)
+  say(plan_lib.format_table(plan))
+  if plan.refusal:
+    _fail(1, f"error: {plan.refusal}")
+  return []
+
+
+def _check_fits(args, cfg, say) -> None:
+  """On an accelerator: compile the train step and the sampler for the run's mesh from abstract inputs before any
+  weight or datum is loaded (``jaxgrpo.plan``); one that cannot fit stops the run (exit 2) in one line naming the
+  change that fits, found by compiling, instead of an out-of-memory error after minutes of loading."""
+  if args.no_plan_check or jax.default_backend() == "cpu":
+    return
+  with _input_errors(args):
+    plan = plan_lib.plan_run(cfg, plan_lib.parse_target("devices"), programs=("step", "sampler"), log=say)
+  if plan.refusal:
+    _fail(2, f"error: {plan.refusal} (--no-plan-check skips this check)")
 
 
 def _train(args, cfg, t_wall: float, t_cpu: float):
@@ -443,6 +489,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
   say("resolved config:\n" + json.dumps(cfg.to_dict(), indent=1))
   say(f"objective: {cfg.objective}")
   say(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: {jax.process_count()}")
+  _check_fits(args, cfg, say)  # an accelerator: a program that cannot fit is refused before anything is loaded
   ck = cfg.checkpoint
   global _CHECKPOINTS
   _CHECKPOINTS = checkpoint.checkpoint_dir(out)

@@ -34,6 +34,7 @@ RANKS = {
   "jaxgrpo.rewards": 7,
   "jaxgrpo.run": 8,
   "jaxgrpo.tasks": 9,
+  "jaxgrpo.plan": 10,
 }
 TOP_LEVEL = {"__init__.py", "_version.py", "_checks.py", *(m.split(".")[1] for m, r in RANKS.items() if r >= 0)}
 # optional extras: the only imports allowed inside a function (each with an install hint)

@@ -18,6 +18,7 @@ from jaxgrpo.kernels.config import preset
 from jaxgrpo.models import lora, moe
 from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.step import train
 
@@ -335,7 +336,7 @@ def test_pad_to_bucket_fits_the_routing_columns():
 
 def test_default_dispatch_follows_the_backend_measurements():
   """Tiled on the CPU (ragged_dot expands densely there), ragged_dot on GPU and TPU (2.6x faster on one H200),
-  tiled for an unknown backend; a new layer takes the current backend's."""
+  tiled for an unknown backend; a new layer is "auto": the platform its program is traced for decides."""
   assert [moe.default_dispatch(b) for b in ("cpu", "gpu", "cuda", "tpu", "rocm", "metal")] == [
     "tiled",
     "ragged",
@@ -345,4 +346,7 @@ def test_default_dispatch_follows_the_backend_measurements():
     "tiled",
   ]
   model = _model()
-  assert {m.dispatch for _, m in nnx.iter_graph(model) if isinstance(m, moe.MoEBlock)} == {moe.default_dispatch()}
+  assert {m.dispatch for _, m in nnx.iter_graph(model) if isinstance(m, moe.MoEBlock)} == {"auto"}
+  with target_platform("tpu"):
+    assert moe.default_dispatch() == "ragged"  # the target's, not this CPU host's
+  assert moe.default_dispatch() == moe.default_dispatch(jax.default_backend())  # no mesh, no target: the default

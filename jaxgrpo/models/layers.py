@@ -35,6 +35,7 @@ from flax import nnx
 
 from jaxgrpo.models import quant
 from jaxgrpo.parallel.sharding import constrain
+from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
   "LOGICAL_AXES",
@@ -189,7 +190,8 @@ def _native_bf16_dots() -> bool:
 
 
 def kv_cache_dtype(dtype):
-  """The KV cache's dtype for a model computing in ``dtype``: ``dtype`` itself, except bfloat16 on XLA:CPU, where
+  """The KV cache's dtype for a model computing in ``dtype``: ``dtype`` itself, except bfloat16 for a CPU target
+  (:func:`jaxgrpo.parallel.target.current_platform`: the program's devices, not the host's backend), where
   the cache holds the same bf16-rounded keys and values in float32 (the same numbers, twice the bytes). The
   decoding attention reads the cache in float32 either way (a multiply-and-reduce accumulated in float32); from a
   bf16 cache XLA:CPU writes a whole float32 copy of every layer's cache at every decode step (its loop fusion
@@ -197,7 +199,7 @@ def kv_cache_dtype(dtype):
   on the 20m rollout (BENCHMARKS.md, "Mixed precision on the CPU"): 1.7x faster with AMX, 1.3x without it.
   Accelerators keep the compute dtype; :func:`cpu_kv_cache` ``("compute")`` keeps it on the CPU too (half the bytes).
   Read at trace time."""
-  if jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu" and _CPU_KV_CACHE.get() == "float32":
+  if jnp.dtype(dtype) == jnp.bfloat16 and current_platform() == "cpu" and _CPU_KV_CACHE.get() == "float32":
     return jnp.float32
   return dtype
 
@@ -219,10 +221,9 @@ def _f32_operands_on_cpu(*xs, preferred_element_type=None):
   ("Unsupported element type for DotThunk", see :func:`_mixed_on_cpu`): for the dots ``dense`` does
   not route to :func:`_mixed_einsum` (attention, the MoE dispatch, mixed operand dtypes), operands
   asked to accumulate in float32 are upcast first. Exact (a product of two bf16 numbers is exact in
-  float32) and CPU-only; accelerators keep the low-precision matmul."""
-  if (
-    preferred_element_type == jnp.float32 and jax.default_backend() == "cpu" and any(x.dtype != jnp.float32 for x in xs)
-  ):
+  float32) and for a CPU target only (:func:`jaxgrpo.parallel.target.current_platform`); accelerators keep the
+  low-precision matmul."""
+  if preferred_element_type == jnp.float32 and current_platform() == "cpu" and any(x.dtype != jnp.float32 for x in xs):
     return tuple(x.astype(jnp.float32) for x in xs)
   return xs
 
@@ -233,7 +234,7 @@ def _mixed_on_cpu(*xs) -> bool:
   ``custom_vjp`` has no forward mode) and outside ``jax.shard_map`` regions where an operand varies
   over a mesh axis (the hand-written backward does not sum weight gradients over them).
 
-  Chosen by backend, dtype and layout; whether the products then take bf16 or float32 operands by
+  Chosen by the target platform (:func:`jaxgrpo.parallel.target.current_platform`), dtype and layout; whether the products then take bf16 or float32 operands by
   :func:`cpu_bf16_dots` (AMX or not). XLA:CPU (jax 0.10.2) hands a bf16 × bf16 →
   f32 dot to its YNNPACK fusion, which picks the CPU's bf16 kernel at run time; a dot YNNPACK declines
   falls to XLA's own DotThunk, which has no bf16 × bf16 → f32 kernel ("Unsupported element type for
@@ -241,7 +242,7 @@ def _mixed_on_cpu(*xs) -> bool:
   and their backward products run (``tests/test_mixed_precision.py``); the batched attention einsums
   over a KV cache laid out ``[B, N, K, T]`` do not, so attention and the MoE dispatch keep
   :func:`_f32_operands_on_cpu` (docs/models.md, "Mixed precision on the CPU")."""
-  if jax.default_backend() != "cpu" or _FORWARD_MODE.get():
+  if current_platform() != "cpu" or _FORWARD_MODE.get():
     return False
   if not all(x.dtype == jnp.bfloat16 for x in xs):
     return False

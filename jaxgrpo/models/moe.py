@@ -14,8 +14,8 @@ Axis vocabulary (as in ``layers``): B batch, S tokens, D model width, E experts,
 
 **Dispatch** (``MoEBlock.dispatch``, :func:`set_dispatch`), dropless and equal in value: the T·k
 assignments sorted by expert, each expert's SwiGLU a grouped matmul over its rows — ``"tiled"``
-(default on the CPU; :func:`_tile_matmul`), ``"ragged"`` (``jax.lax.ragged_dot``; default on GPU and TPU,
-:func:`default_dispatch` from measurements)
+(default for a CPU target; :func:`_tile_matmul`), ``"ragged"`` (``jax.lax.ragged_dot``; default for GPU and
+TPU targets, :func:`default_dispatch` from measurements: the platform of the devices the program is compiled for)
 or ``"dense"`` (every expert on every token: the reference). On a mesh the experts run in
 ``jax.shard_map``: E/n experts per device (``rules["expert"]``), partial outputs summed by ``psum``,
 no all-to-all (the expert axis must not be a batch axis: ValueError). docs/models.md, "Mixtures
@@ -55,6 +55,7 @@ from jaxgrpo.models.base import RematPolicy, freeze_rules
 from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
 from jaxgrpo.models.layers import RMSNorm, _f32_operands_on_cpu, dense, param
 from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, _swiglu
+from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
   "DISPATCH",
@@ -84,9 +85,10 @@ DEFAULT_DISPATCH = {"cpu": "tiled", "gpu": "ragged", "cuda": "ragged", "rocm": "
 
 
 def default_dispatch(backend: str | None = None) -> str:
-  """The dispatch a new sparse layer uses on ``backend`` (default ``jax.default_backend()``):
-  :data:`DEFAULT_DISPATCH`, ``"tiled"`` for a backend not in it (the one that never expands densely)."""
-  return DEFAULT_DISPATCH.get(jax.default_backend() if backend is None else backend, "tiled")
+  """The dispatch of a sparse layer whose ``dispatch`` is ``"auto"`` (the default) on ``backend`` (default: the
+  platform of the program being traced, :func:`jaxgrpo.parallel.target.current_platform`): :data:`DEFAULT_DISPATCH`,
+  ``"tiled"`` for a backend not in it (the one that never expands densely)."""
+  return DEFAULT_DISPATCH.get(current_platform() if backend is None else backend, "tiled")
 
 
 class Route(NamedTuple):
@@ -354,7 +356,8 @@ class MoEBlock(nnx.Module):
   Parameters: ``router [D, E]`` ("embed", None); ``gate``, ``up [E, D, Fe]`` ("expert", "embed",
   "expert_mlp"); ``down [E, Fe, D]`` ("expert", "expert_mlp", "embed"); Qwen2-MoE: ``shared`` (a
   ``SwiGLU`` of width ``shared_expert_intermediate_size``, adapters allowed) and ``shared_gate [D, 1]``
-  ("embed", None). Static: ``dispatch`` ("tiled", "ragged" or "dense", module docstring), ``top_k``, ``norm_topk_prob``,
+  ("embed", None). Static: ``dispatch`` ("tiled", "ragged" or "dense", module docstring; "auto", the default:
+  :func:`default_dispatch` of the platform the program is traced for), ``top_k``, ``norm_topk_prob``,
   ``rules`` (the model's rules table, for the mesh layout of the dispatch). The routed experts take
   no LoRA adapter (``jaxgrpo.models.lora`` lists only attention and dense/shared MLP projections).
   """
@@ -363,7 +366,7 @@ class MoEBlock(nnx.Module):
     D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     self.dtype = dtype
     self.top_k, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, E
-    self.dispatch = default_dispatch()
+    self.dispatch = "auto"
     self.rules = freeze_rules(rules)
     self.router = param(rngs.params(), (D, E), ("embed", None), param_dtype)
     self.gate = param(rngs.params(), (E, D, F), ("expert", "embed", "expert_mlp"), param_dtype)
@@ -395,13 +398,14 @@ class MoEBlock(nnx.Module):
 
   def __call__(self, x: jax.Array, dropout_key=None, replay: jax.Array | None = None):
     """x ``[B, S, D]`` → (y ``[B, S, D]`` in the compute dtype, :class:`Route`)."""
-    if self.dispatch not in _EXPERT_FNS:
-      raise ValueError(f"MoEBlock.dispatch must be one of {DISPATCH}; got {self.dispatch!r}")
+    dispatch = default_dispatch() if self.dispatch == "auto" else self.dispatch
+    if dispatch not in _EXPERT_FNS:
+      raise ValueError(f"MoEBlock.dispatch must be one of {DISPATCH} or 'auto'; got {self.dispatch!r}")
     logits, experts, weights = self.route(x, replay)
     # HF casts the routing weights to the hidden dtype before weighting the experts' outputs
     weights = weights.astype(self.dtype).astype(jnp.float32)
     y = _run_experts(
-      _EXPERT_FNS[self.dispatch],
+      _EXPERT_FNS[dispatch],
       x,
       experts,
       weights,
@@ -512,10 +516,10 @@ def num_moe_layers(model) -> int:
 
 def set_dispatch(model, dispatch: str) -> None:
   """Set every sparse layer's expert computation: ``"tiled"``, ``"ragged"`` (grouped matmuls) or
-  ``"dense"`` (the one-hot baseline); see the module docstring. A static attribute: a jitted function
-  retraces."""
-  if dispatch not in DISPATCH:
-    raise ValueError(f"dispatch must be one of {DISPATCH}; got {dispatch!r}")
+  ``"dense"`` (the one-hot baseline); see the module docstring; or ``"auto"`` (a new layer's: :func:`default_dispatch`
+  of the platform the program is traced for). A static attribute: a jitted function retraces."""
+  if dispatch not in DISPATCH + ("auto",):
+    raise ValueError(f"dispatch must be one of {DISPATCH} or 'auto'; got {dispatch!r}")
   for _, module in nnx.iter_modules(model):
     if isinstance(module, MoEBlock):
       module.dispatch = dispatch

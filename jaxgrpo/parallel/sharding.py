@@ -54,6 +54,7 @@ __all__ = [
   "BATCH_AXES",
   "DEFAULT_RULES",
   "MESH_AXES",
+  "abstract_tree",
   "batch_sharding",
   "check_batch_divisible",
   "constrain",
@@ -230,6 +231,21 @@ def tree_shardings(tree, mesh: Mesh, rules: Mapping[str, Any] | None = None):
     return NamedSharding(mesh, PartitionSpec())
 
   return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def abstract_tree(tree, shardings):
+  """``tree`` with every array (a ``jax.Array``, a NumPy array, a ``jax.ShapeDtypeStruct``, or an ``nnx.Variable``
+  holding one) replaced by a ``jax.ShapeDtypeStruct`` of its shape and dtype placed by ``shardings`` (the tree of
+  :func:`tree_shardings`: one sharding per array or ``nnx.Variable``); a Variable keeps its metadata and holds the
+  struct. Nothing is allocated or transferred: what ``jax.jit(...).lower`` takes to compile ahead of time, also
+  for devices that cannot hold arrays (``jax.experimental.topologies``' compile-only devices)."""
+
+  def one(sharding, x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+  return jax.tree.map(one, shardings, tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 def shard_tree(tree, mesh: Mesh, rules: Mapping[str, Any] | None = None):

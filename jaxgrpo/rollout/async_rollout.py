@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.parallel.target import platform_of
 from jaxgrpo.rollout.schedule import StepOut, step_metrics
 from jaxgrpo.services.checkpoint_files import move_aside
 from jaxgrpo.services.metrics import truncate_jsonl
@@ -194,7 +195,7 @@ class AsyncRollouts:
         self._frozen = _transfer_fn(tstate.frozen, frozen_shardings)(tstate.frozen)
     # CPU processes (gloo): programs on two device sets must not exchange data at the same time (their
     # collectives share one connection per pair of processes): each program is waited for in turn
-    self._serial = jax.process_count() > 1 and jax.default_backend() == "cpu"
+    self._serial = jax.process_count() > 1 and platform_of(step_fn.mesh) == "cpu"
     self._queue: collections.deque[ProducedBatch] = collections.deque()
     self._published: tuple[int, Any] | None = None
     self._started = False

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout.sampling import (
   _check_top_k,
   _check_top_p,
@@ -102,7 +103,10 @@ class ConversationSampler:
     mask = np.zeros((len(heads), width), bool)
     for b, h in enumerate(heads):
       tokens[b, : len(h)], mask[b, : len(h)] = h, True
-    self._cache = _conversation_prefill_jit(self._graphdef, self._state, tokens, mask, num_samples=g, max_len=max_len)
+    with target_platform(
+      self._state
+    ):  # the program of the devices that hold the model (docs/models.md, "Target platform")
+      self._cache = _conversation_prefill_jit(self._graphdef, self._state, tokens, mask, num_samples=g, max_len=max_len)
     self._pending = [p[-1] for p in prompts]  # the token of each row not yet in the cache
     self._length = [len(p) for p in prompts]  # tokens of each conversation (its pending token included)
 
@@ -179,26 +183,29 @@ class ConversationSampler:
       stop_table[j, : len(stop_ids.get(i, ()))] = stop_ids.get(i, ())
     pick = np.asarray([min(i, n - 1) for i in order])  # per-row inputs of the padding rows: any, unused
     budget = np.where(np.asarray(order) < n, budget[pick], 0).astype(np.int32)
-    self._cache, tokens, logps, lengths = _conversation_turn_jit(
-      self._graphdef,
-      self._state,
-      self._cache,
-      None if r >= n else np.asarray(order, np.int32),
-      feed,
-      feed_mask,
-      feed_pos,
-      budget,
-      stop_table,
-      jnp.stack(keys),
-      key_index[pick],
-      draw_index[pick],
-      max_new_tokens=t_new,
-      temperature=self.temperature,
-      top_p=self.top_p,
-      top_k=self.top_k,
-      pad_id=self.pad_id,
-      suppress_ids=self.suppress_ids,
-    )
+    with target_platform(
+      self._state
+    ):  # the program of the devices that hold the model (docs/models.md, "Target platform")
+      self._cache, tokens, logps, lengths = _conversation_turn_jit(
+        self._graphdef,
+        self._state,
+        self._cache,
+        None if r >= n else np.asarray(order, np.int32),
+        feed,
+        feed_mask,
+        feed_pos,
+        budget,
+        stop_table,
+        jnp.stack(keys),
+        key_index[pick],
+        draw_index[pick],
+        max_new_tokens=t_new,
+        temperature=self.temperature,
+        top_p=self.top_p,
+        top_k=self.top_k,
+        pad_id=self.pad_id,
+        suppress_ids=self.suppress_ids,
+      )
     tokens, logps, lengths = jax.device_get((tokens, logps, lengths))
     out = {}
     for i in rows:

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo import models as _models
+from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import refill as _refill
 from jaxgrpo.rollout import sampling as _sampling
@@ -344,14 +345,15 @@ class RowPool:
         self.sampling.suppress_ids, self.sampling.pad_id, self._static["eos_ids"], vocab
       )
     if self._carry is None:
-      self._carry = _init_jit(
-        graphdef,
-        state,
-        num_slots=self.slots,
-        max_len=self.max_len,
-        max_new_tokens=self.t_max,
-        pad_id=self.sampling.pad_id,
-      )
+      with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
+        self._carry = _init_jit(
+          graphdef,
+          state,
+          num_slots=self.slots,
+          max_len=self.max_len,
+          max_new_tokens=self.t_max,
+          pad_id=self.sampling.pad_id,
+        )
     return graphdef, state
 
   def _boundary(self, decoder, admit: list[int], version: int, prompt_tokens) -> None:
@@ -377,23 +379,24 @@ class RowPool:
       row_tok[i], row_lp[i] = row.tokens, row.logp
     static = dict(self._static)
     static.pop("max_new_tokens")
-    self._carry = _admit_jit(
-      graphdef,
-      state,
-      self._carry,
-      self._stop,
-      ctx,
-      ctx_mask,
-      plen,
-      start_t,
-      row_tok,
-      row_lp,
-      slots,
-      keys,
-      budgets,
-      **static,
-    )
-    self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, **self._static)
+    with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
+      self._carry = _admit_jit(
+        graphdef,
+        state,
+        self._carry,
+        self._stop,
+        ctx,
+        ctx_mask,
+        plen,
+        start_t,
+        row_tok,
+        row_lp,
+        slots,
+        keys,
+        budgets,
+        **static,
+      )
+      self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, **self._static)
     self._stop = np.zeros(self.slots, bool)
     t, done, tok, lp = (np.asarray(x) for x in jax.device_get(tuple(self._carry[i] for i in (1, 4, 7, 8))))
     for s, row in enumerate(self._slot_rows):

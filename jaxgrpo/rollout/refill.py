@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import sampling as _sampling
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
@@ -148,50 +149,51 @@ def generate_refill(
   for b in range(batch):  # right-aligned: real prompt token k at slot and position k
     chunk[b, : real[b]] = host_tokens[b, prompt_len - real[b] :]
     chunk_mask[b, : real[b]] = True
-  prompt_cache, prompt_hidden = _prefill_jit(graphdef, state, chunk, chunk_mask)
-  table = _uniform_table(key, num_rows=n, max_new_tokens=t_max) if temperature > 0 else jnp.zeros((1, 1))
-  carry = _init_jit(
-    graphdef,
-    state,
-    jnp.asarray(row_budget),
-    num_slots=slots,
-    num_rows=n,
-    max_len=max_len,
-    max_new_tokens=t_max,
-    pad_id=pad_id,
-  )
-  done = np.ones(slots, bool)  # host copy of each slot's "free" flag (finished or never used)
-  queued, boundaries, decode_steps = 0, 0, 0
-  while True:
-    free = np.flatnonzero(done)
-    take = min(len(free), n - queued)
-    if take == 0 and done.all():
-      break
-    # R newcomers (a power of two <= S; padding rows: row N, slot S, nothing written). A boundary without
-    # newcomers runs the same program with one padding row (one compiled program fewer).
-    r = min(slots, 1 << max(0, take - 1).bit_length())
-    new_rows = np.full(r, n, np.int32)
-    new_slots = np.full(r, slots, np.int32)
-    new_rows[:take] = np.arange(queued, queued + take)
-    new_slots[:take] = free[:take]
-    queued += take
-    carry, steps = _boundary_jit(
+  with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
+    prompt_cache, prompt_hidden = _prefill_jit(graphdef, state, chunk, chunk_mask)
+    table = _uniform_table(key, num_rows=n, max_new_tokens=t_max) if temperature > 0 else jnp.zeros((1, 1))
+    carry = _init_jit(
       graphdef,
       state,
-      carry,
-      prompt_cache,
-      prompt_hidden,
-      table,
-      new_rows,
-      new_slots,
-      refill_every=every,
-      num_samples=g,
-      **static,
+      jnp.asarray(row_budget),
+      num_slots=slots,
+      num_rows=n,
+      max_len=max_len,
+      max_new_tokens=t_max,
+      pad_id=pad_id,
     )
-    done, steps = jax.device_get((carry[5], steps))  # the one host read per boundary: S flags and a count
-    done = np.asarray(done)
-    boundaries += 1
-    decode_steps += int(steps)
+    done = np.ones(slots, bool)  # host copy of each slot's "free" flag (finished or never used)
+    queued, boundaries, decode_steps = 0, 0, 0
+    while True:
+      free = np.flatnonzero(done)
+      take = min(len(free), n - queued)
+      if take == 0 and done.all():
+        break
+      # R newcomers (a power of two <= S; padding rows: row N, slot S, nothing written). A boundary without
+      # newcomers runs the same program with one padding row (one compiled program fewer).
+      r = min(slots, 1 << max(0, take - 1).bit_length())
+      new_rows = np.full(r, n, np.int32)
+      new_slots = np.full(r, slots, np.int32)
+      new_rows[:take] = np.arange(queued, queued + take)
+      new_slots[:take] = free[:take]
+      queued += take
+      carry, steps = _boundary_jit(
+        graphdef,
+        state,
+        carry,
+        prompt_cache,
+        prompt_hidden,
+        table,
+        new_rows,
+        new_slots,
+        refill_every=every,
+        num_samples=g,
+        **static,
+      )
+      done, steps = jax.device_get((carry[5], steps))  # the one host read per boundary: S flags and a count
+      done = np.asarray(done)
+      boundaries += 1
+      decode_steps += int(steps)
   out_tokens, out_logps, lengths = carry[-3:]
   if info is not None:
     info.update(

@@ -32,6 +32,7 @@ from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.models import lora as _lora
 from jaxgrpo.models import moe as _moe
+from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.step.batch import Temperature
 
 __all__ = [
@@ -400,22 +401,23 @@ def generate(
       f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
     )
   graphdef, state = nnx.split(sampling.model_to_sample(model))
-  rollout = _generate_jit(
-    graphdef,
-    state,
-    prompt_tokens,
-    prompt_mask,
-    key,
-    num_samples=num_samples,
-    max_new_tokens=max_new_tokens,
-    temperature=temperature,
-    top_p=top_p,
-    top_k=top_k,
-    eos_ids=eos_ids,
-    pad_id=pad_id,
-    suppress_ids=suppress_ids,
-    record_routing=record_routing,
-  )
+  with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
+    rollout = _generate_jit(
+      graphdef,
+      state,
+      prompt_tokens,
+      prompt_mask,
+      key,
+      num_samples=num_samples,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      suppress_ids=suppress_ids,
+      record_routing=record_routing,
+    )
   return rollout._replace(temperature=Temperature(temperature))
 
 

@@ -256,9 +256,23 @@ def _place_fields(batch: Batch, names, sharding) -> Batch:
   return batch._replace(**jax.device_put(placed, sharding))
 
 
+def _abstract_batch(batch: Batch, names, sharding) -> Batch:
+  """``batch`` as :func:`_place_fields`, :func:`_place_packed` and :func:`_place_routing` would place it (the
+  fields ``names`` in the step's dtypes, ``packed`` int32, ``routing`` as given), every array a
+  ``jax.ShapeDtypeStruct`` on ``sharding`` instead: nothing transferred, for lowering ahead of time."""
+  sds = lambda x, dtype: jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+  fields = {n: sds(getattr(batch, n), _DTYPES[_FIELDS[n][1]]) for n in names if getattr(batch, n) is not None}
+  if batch.packed is not None:
+    fields["packed"] = jax.tree.map(lambda x: sds(x, jnp.int32), batch.packed)
+  if batch.routing is not None:
+    fields["routing"] = sds(batch.routing, batch.routing.dtype)
+  return batch._replace(**fields)
+
+
 def _host_values(x) -> np.ndarray | None:
-  """``x`` as NumPy when its values are on this host (NumPy, or a fully addressable ``jax.Array``)."""
-  if isinstance(x, jax.core.Tracer):
+  """``x`` as NumPy when its values are on this host (NumPy, or a fully addressable ``jax.Array``); None for a
+  tracer, a ``jax.ShapeDtypeStruct`` (no values) or an array on other hosts."""
+  if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
     return None
   if isinstance(x, jax.Array):
     return np.asarray(x) if x.is_fully_addressable else None

@@ -166,6 +166,22 @@ def _graph_rules(graphdef, param_shardings, frozen_shardings=None) -> tuple:
   return _merge_model(graphdef, param_shardings, frozen_shardings).sharding_rules
 
 
+def _check_can_hold_arrays(mesh: Mesh) -> None:
+  """ValueError in one line when ``mesh``'s devices belong to no backend of this process (compile-only devices of
+  ``jax.experimental.topologies``, e.g. a TPU slice described on a CPU host): they cannot hold the state."""
+  device = mesh.devices.flat[0]
+  try:
+    local = device in jax.devices(device.platform)
+  except RuntimeError:  # no such backend in this process
+    local = False
+  if not local:
+    raise ValueError(
+      f"init_train_state: the mesh's devices ({device.device_kind}, platform {device.platform!r}) are not devices of "
+      "this process (compile-only, e.g. from jax.experimental.topologies) and cannot hold arrays; pass "
+      "abstract=True to describe the state and compile the step ahead of time (TrainStep.lower)"
+    )
+
+
 def init_train_state(
   model,
   optimizer: optax.GradientTransformation,
@@ -173,9 +189,10 @@ def init_train_state(
   rules: Mapping[str, Any] | None = None,
   *,
   trainable=nnx.Param,
+  abstract: bool = False,
 ):
   """Split ``model`` once into trained and frozen variables; place both and a fresh optimizer state
-  (of the trained variables only) on ``mesh``.
+  (of the trained variables only) on ``mesh`` — or, with ``abstract=True``, only describe them.
 
   Args:
     model: a ``jaxgrpo.models`` model (or any NNX module holding only ``nnx.Param`` s).
@@ -186,6 +203,13 @@ def init_train_state(
       base weights are frozen, gradients and Adam moments exist for the adapters only). Any
       ``nnx.filterlib`` filter works; it must select floating-point arrays only (quantised codes are
       refused, naming them).
+    abstract: False (default): the state's arrays are placed on ``mesh``. True: nothing is allocated, placed or
+      compiled; the state holds ``jax.ShapeDtypeStruct`` s with the same shapes, dtypes and shardings (the
+      parameters in their ``nnx.Variable`` s, as ``jaxgrpo.parallel.sharding.abstract_tree`` gives them), for
+      :meth:`TrainStep.lower <jaxgrpo.step.train.TrainStep.lower>` and ``.compile().memory_analysis()`` ahead of
+      time — on any mesh, compile-only devices included (``jax.experimental.topologies``: a TPU slice described
+      on a CPU host). ``model`` may then be abstract itself (``nnx.eval_shape(lambda: build_model(...))``: no
+      parameter ever materialised on the host).
 
   ``rules`` (the logical-axis rules of the parameters) defaults to the model's own table
   (``model.rules``, the one its activation constraints use); other rules raise ValueError.
@@ -199,6 +223,7 @@ def init_train_state(
     holds the model's own arrays when they already have these shardings. Raises ValueError (before
     anything is compiled) for any dimension the mesh does not divide, e.g. heads % tensor.
   """
+  abstract = _checks.check_python_bool(abstract, "abstract")
   rules = _checked_rules(model.sharding_rules, rules, "init_train_state")
   graphdef, params, frozen = nnx.split(model, trainable, ...)
   _check_params_only(nnx.state(model))
@@ -209,6 +234,12 @@ def init_train_state(
   opt_sh = shd.tree_shardings(opt_abstract, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
   shardings = TrainState(param_sh, opt_sh, replicated, frozen_sh)
+  if not abstract:
+    _check_can_hold_arrays(mesh)
+  if abstract:
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    state = TrainState(shd.abstract_tree(params, param_sh), shd.abstract_tree(opt_abstract, opt_sh), step)
+    return graphdef, state._replace(frozen=shd.abstract_tree(frozen, frozen_sh)), shardings
   params = jax.device_put(params, param_sh)
   # the step donates its state: copy, so that the model's own arrays are never donated
   params = jax.jit(_copy_tree, out_shardings=param_sh)(params)

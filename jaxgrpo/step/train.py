@@ -70,6 +70,7 @@ from jaxgrpo.step.batch import (
   _FIELDS,
   _REFERENCE_FIELDS,
   Batch,
+  _abstract_batch,
   _check_fields,
   _check_policy_mask,
   _check_routing,
@@ -214,8 +215,9 @@ class TrainStep:
 
     replicated = NamedSharding(mesh, PartitionSpec())
     donated = shardings._replace(frozen=None)
-    # the dropout key is an argument, not a constant: runs that differ only in their seed share one program
-    self._dropout_key = None if spec.dropout_key is None else jax.device_put(spec.dropout_key, replicated)
+    # the dropout key is an argument, not a constant: runs that differ only in their seed share one program.
+    # Placed at the first call (lower places nothing: the mesh may be compile-only)
+    self._dropout_key = None
     self.jitted = jax.jit(
       fn,
       in_shardings=(donated, shardings.frozen, self.batch_sharding, replicated, replicated),
@@ -300,9 +302,9 @@ class TrainStep:
       rows=tc.packing_rows,
     )
 
-  def place_batch(self, batch: Batch) -> Batch:
-    """``batch`` packed (:meth:`pack`), validated (:meth:`check_batch`) and placed on the mesh with the
-    step's dtypes; what each call does before the jitted step (a no-op for a batch this returned)."""
+  def _prepare_batch(self, batch: Batch) -> Batch:
+    """``batch`` packed (:meth:`pack`) and validated (:meth:`check_batch`), without the fields this step never
+    reads (one compiled program whether they are given or not)."""
     _check_batch_temperature(batch, self.train_config)  # before packing: one line, nothing computed
     batch = self.pack(batch)
     self.check_batch(batch)
@@ -311,6 +313,12 @@ class TrainStep:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not _reads_behavior(self.config) and batch.behavior_logp is not None:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
+    return batch
+
+  def place_batch(self, batch: Batch) -> Batch:
+    """``batch`` packed (:meth:`pack`), validated (:meth:`check_batch`) and placed on the mesh with the
+    step's dtypes; what each call does before the jitted step (a no-op for a batch this returned)."""
+    batch = self._prepare_batch(batch)
     placed = _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
     return _place_routing(placed, self.batch_sharding)
 
@@ -337,8 +345,11 @@ class TrainStep:
       raise TypeError(f"state must be a jaxgrpo.step.train.TrainState; got {type(state).__name__}")
     _check_not_donated(state, "state")
     hyper = self.check_hyper(hyper)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
     if hyper is not None:  # replicated over the mesh, as the jitted step takes it (every process: the same values)
-      hyper = jax.device_put(hyper, NamedSharding(self.mesh, PartitionSpec()))
+      hyper = jax.device_put(hyper, replicated)
+    if self._dropout_key is None and self.dropout_key is not None:
+      self._dropout_key = jax.device_put(self.dropout_key, replicated)
     return state._replace(frozen=None), state.frozen, self.place_batch(batch), hyper, self._dropout_key
 
   def __call__(self, state: TrainState, batch: Batch, hyper=None):
@@ -349,11 +360,27 @@ class TrainStep:
     return new._replace(frozen=state.frozen), metrics
 
   def lower(self, state: TrainState, batch: Batch, hyper=None) -> jax.stages.Lowered:
-    """The jitted step lowered for ``state`` and ``batch`` (checked and placed as a call would be),
-    without running it: ``.compile().memory_analysis()`` gives the program's memory footprint."""
-    args = self._args(state, batch, hyper)
+    """The program a call ``self(state, batch, hyper)`` runs, lowered (not compiled, not run; nothing placed or
+    transferred): ``.compile()`` then ``.memory_analysis()`` / ``.as_text()`` describe it.
+
+    ``state``: a :class:`TrainState` of arrays, or of ``jax.ShapeDtypeStruct`` s with shardings
+    (``init_train_state(..., abstract=True)``). ``batch``: a :class:`Batch` of NumPy arrays, placed arrays or
+    ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are read, checked as a call checks them; the value checks
+    need values: group ids, a packed layout's index map). Packing (``TrainConfig.packing``) packs on the host:
+    give NumPy fields, or an abstract batch that already carries ``packed``. ``hyper``: as for a call (concrete
+    values or None). The batch, ``hyper`` and the dropout key enter as ``ShapeDtypeStruct`` s with the step's
+    dtypes and shardings, so this works on any mesh, compile-only devices included
+    (``jax.experimental.topologies``), and lowers the same program as a call."""
+    if not isinstance(state, TrainState):
+      raise TypeError(f"state must be a jaxgrpo.step.train.TrainState; got {type(state).__name__}")
+    _check_not_donated(state, "state")
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    as_struct = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated)
+    hyper = jax.tree.map(as_struct, self.check_hyper(hyper))
+    key = None if self.dropout_key is None else as_struct(self.dropout_key)
+    batch = _abstract_batch(self._prepare_batch(batch), _FIELDS, self.batch_sharding)
     with jax.set_mesh(self.mesh):
-      return self.jitted.lower(*args)
+      return self.jitted.lower(state._replace(frozen=None), state.frozen, batch, hyper, key)
 
 
 def _check_batch_temperature(batch: Batch, tc: TrainConfig) -> None:
@@ -518,7 +545,8 @@ def make_reference_fn(
   train_config: TrainConfig | None = None,
   rules: Mapping[str, Any] | None = None,
 ) -> Callable:
-  """Jitted ``(ref_params, batch) -> ref_logp f32[B, T]`` (batch-sharded) under the same mesh.
+  """Jitted ``(ref_params, batch) -> ref_logp f32[B, T]`` (batch-sharded) under the same mesh; its ``.lower(ref_params,
+  batch)`` lowers the program ahead of time from arrays or ``jax.ShapeDtypeStruct`` s (as :meth:`TrainStep.lower`).
 
   ``ref_params`` has ``graphdef``'s structure and the shardings ``param_shardings`` and must not be
   the train state's own parameters (the step donates those): ``jaxgrpo.step.feed.make_reference``
@@ -570,7 +598,7 @@ def make_reference_fn(
     fn_packed, in_shardings=(param_shardings, bsh, bsh), out_shardings=bsh, compiler_options=options
   )
 
-  def reference_log_probs(ref_params, batch: Batch):
+  def prepare(ref_params, batch: Batch) -> Batch:
     b, _ = _check_fields(batch, _REFERENCE_FIELDS)
     _check_batch_temperature(batch, tc)
     _check_not_donated(ref_params, "ref_params")
@@ -581,13 +609,30 @@ def make_reference_fn(
       )
     _check_packing(batch, tc, blocks, slots)
     _check_routing(batch, b, np.shape(batch.completions)[1])
-    placed = _place_routing(_place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh), bsh)
-    with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
-      if placed.packed is not None:
-        return jitted_packed(ref_params, placed.packed.unpack_index, _slot_inputs(placed.packed))
-      cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
-      return jitted(ref_params, cols if placed.routing is None else cols + (placed.routing,))
+    return batch
 
-  # the jitted programs, for ahead-of-time lowering (``.jitted.lower(params, columns)``; scripts/bench_compile.py)
+  def program(placed: Batch):
+    """(the jitted program, its arguments after the parameters) for a placed (or abstract) batch."""
+    if placed.packed is not None:
+      return jitted_packed, (placed.packed.unpack_index, _slot_inputs(placed.packed))
+    cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
+    return jitted, (cols if placed.routing is None else cols + (placed.routing,),)
+
+  def reference_log_probs(ref_params, batch: Batch):
+    batch = prepare(ref_params, batch)
+    fn, args = program(_place_routing(_place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh), bsh))
+    with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
+      return fn(ref_params, *args)
+
+  def lower(ref_params, batch: Batch) -> jax.stages.Lowered:
+    """The program ``reference_log_probs(ref_params, batch)`` runs, lowered (nothing placed or run), for
+    parameters and a batch of arrays or ``jax.ShapeDtypeStruct`` s (as :meth:`TrainStep.lower`)."""
+    fn, args = program(_abstract_batch(prepare(ref_params, batch), _REFERENCE_FIELDS, bsh))
+    with jax.set_mesh(mesh):
+      return fn.lower(ref_params, *args)
+
+  # the jitted programs (``.jitted.lower(params, columns)``), and ``.lower(ref_params, batch)`` for ahead-of-time
+  # lowering (scripts/bench_compile.py, jaxgrpo.plan)
   reference_log_probs.jitted, reference_log_probs.jitted_packed = jitted, jitted_packed
+  reference_log_probs.lower = lower
   return reference_log_probs

@@ -1,0 +1,215 @@
+"""The programs a run executes, built from abstract inputs (``jax.ShapeDtypeStruct`` s with their shardings: no
+parameter is materialised, nothing runs), ready to ``lower()`` for any mesh — compile-only TPU devices included.
+
+:class:`RunPrograms` reads the run config (``jaxgrpo.run.specs.TrainerConfig``) as the ``Trainer`` does: the
+model (``model.dtype``/``param_dtype``/``remat``/``scan_layers``, the ``lora`` section's adapters), AdamW
+(``assemble.optimizer``), the step's ``TrainConfig`` (micro/mini-batches, packing, chunking), the objective (β > 0:
+the reference pass), the rollout (``prompts_per_step`` × ``group_size``, ``max_new_tokens``; an engine other than
+``jax``: the π_old recomputation) and the mesh (``devices.mesh`` over the target's devices). The completion length
+compiled is the top bucket of ``max_new_tokens`` (``train.bucket_length``) and the prompt length
+``data.max_prompt_tokens`` rounded up to 16: the largest shapes of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxgrpo.models import build_model, lora, moe
+from jaxgrpo.rollout import sampling
+from jaxgrpo.run import assemble, builders
+from jaxgrpo.run.spec_schema import DTYPES
+from jaxgrpo.run.trainer import dropout_key
+from jaxgrpo.step import train
+
+__all__ = ["RunPrograms", "RunShape", "abstract_model", "per_device_bytes", "run_shape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+  """The largest shapes a run compiles: ``prompts`` × ``group`` rows, prompts of ``prompt_len`` tokens, completions of
+  ``completion_len`` (the top bucket of ``new_tokens``)."""
+
+  prompts: int
+  group: int
+  prompt_len: int
+  new_tokens: int
+  completion_len: int
+
+  @property
+  def rows(self) -> int:
+    return self.prompts * self.group
+
+
+def run_shape(cfg) -> RunShape:
+  roll = cfg.rollout
+  prompt = -(-cfg.data.max_prompt_tokens // 16) * 16
+  return RunShape(
+    roll.prompts_per_step, roll.group_size, prompt, roll.max_new_tokens, train.bucket_length(roll.max_new_tokens)
+  )
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes one device holds of ``tree`` (``ShapeDtypeStruct`` s with shardings; the largest shard)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def _sds(shape, dtype, sharding):
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def abstract_model(cfg, model_config):
+  """The run's policy as ``ShapeDtypeStruct`` s: ``build_model`` of ``model_config`` with the run's dtypes, remat
+  and layout, and the ``lora`` section's adapters (``builders.add_adapters``)."""
+  spec = cfg.model
+
+  def build():
+    model = build_model(
+      model_config,
+      rngs=nnx.Rngs(0),
+      dtype=DTYPES[spec.dtype],
+      param_dtype=DTYPES[spec.param_dtype],
+      remat=spec.remat,
+      scan_layers=spec.scan_layers,
+    )
+    if cfg.lora is not None:
+      builders.add_adapters(model, cfg.lora, seed=cfg.run.seed)
+    return model
+
+  return nnx.eval_shape(build)
+
+
+def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None) -> train.Batch:
+  """A NumPy batch of the run's largest shapes (one full-length completion per group: the top bucket)."""
+  rng = np.random.default_rng(0)
+  b, g, p, t = shape.rows, shape.group, shape.prompt_len, shape.completion_len
+  lens = rng.integers(max(1, t // 2), t + 1, b)
+  lens[::g] = t
+  mask = np.arange(t)[None] < lens[:, None]
+  comp = np.where(mask, rng.integers(1, vocab, (b, t)), 0).astype(np.int32)
+  old = np.where(mask, -3.0, 0.0).astype(np.float32)
+  prompts = np.repeat(rng.integers(1, vocab, (b // g, p)), g, axis=0).astype(np.int32)
+  batch = train.Batch(prompts, np.ones((b, p), bool), comp, mask, old, np.repeat(np.arange(b // g), g).astype(np.int32),
+                      rng.integers(0, 2, b).astype(np.float32), old)  # fmt: skip
+  if routing is not None:
+    batch = batch._replace(routing=np.zeros((b, p + t) + routing, np.int32))
+  return batch
+
+
+class RunPrograms:
+  """The programs of one run on ``mesh``, abstract; :meth:`lower` gives each one's ``jax.stages.Lowered``.
+
+  Attributes:
+    names: the programs this run executes, in order of importance: ``step`` (the train step), ``sampler``
+      (``rollout.sampling.generate``: prefill + decode loop), ``reference`` (β > 0), ``old_logp`` (the π_old
+      recomputation of an engine whose log-probs are not the policy's).
+    shape: the :class:`RunShape`; state, shardings, graphdef, step: as the ``Trainer`` builds them.
+    resident: ``{name: per-device bytes}`` of the arrays that live through the whole run (train state; the
+      reference's copy of the parameters).
+  """
+
+  def __init__(self, cfg, model_config, mesh):
+    self.cfg, self.model_config, self.mesh = cfg, model_config, mesh
+    self.shape = run_shape(cfg)
+    model = abstract_model(cfg, model_config)
+    self.optimizer = assemble.optimizer(cfg)
+    trainable = nnx.Param if cfg.lora is None else nnx.LoRAParam
+    self.graphdef, self.state, self.shardings = train.init_train_state(
+      model, self.optimizer, mesh, trainable=trainable, abstract=True
+    )
+    self.train_config = cfg.train_config()
+    self.step = train.make_train_step(
+      self.graphdef,
+      self.optimizer,
+      cfg.objective,
+      mesh=mesh,
+      shardings=self.shardings,
+      train_config=self.train_config,
+      dropout_key=None if cfg.lora is None else dropout_key(cfg.run.seed),  # as the Trainer: LoRA dropout
+    )
+    self.sample_graphdef = nnx.graphdef(model)
+    replay = cfg.rollout.routing_replay == "rollout" and moe.is_moe(model)
+    n_moe = sum(model_config.is_moe_layer(i) for i in range(model_config.num_layers)) if replay else 0
+    self._routing = (n_moe, model_config.num_experts_per_tok) if replay else None
+    self.names = ("step", "sampler")
+    self.names += ("reference",) if self.step.reads_ref_logp else ()
+    self.names += ("old_logp",) if cfg.rollout.engine != "jax" else ()
+    lora_ref = cfg.lora is not None
+    self.resident = {"train state": per_device_bytes(self.state)}
+    if self.step.reads_ref_logp and not lora_ref:
+      self.resident["reference copy"] = per_device_bytes(self.state.params)
+    if lora_ref:
+      self._ref_graphdef = nnx.graphdef(lora.base_model(model))
+      self._ref_params, self._ref_sh = self.state.frozen, self.shardings.frozen
+    else:
+      self._ref_graphdef, self._ref_params, self._ref_sh = self.graphdef, self.state.params, self.shardings.params
+
+  def other_resident(self, name: str) -> int:
+    """Per-device bytes of the run's long-lived arrays that program ``name`` does not take as arguments."""
+    opt = per_device_bytes(self.state.opt_state)
+    ref = self.resident.get("reference copy", 0)
+    # the reference pass of a LoRA run reads the frozen base weights, which the train state holds: not counted twice
+    state = self.resident["train state"] - (per_device_bytes(self.state.frozen) if self.cfg.lora is not None else 0)
+    return {"step": ref, "sampler": opt + ref, "reference": state, "old_logp": opt + ref}[name]
+
+  def lower(self, name: str) -> jax.stages.Lowered:
+    return {"step": self._step, "sampler": self._sampler, "reference": self._reference, "old_logp": self._old_logp}[
+      name
+    ]()
+
+  def _batch(self) -> train.Batch:
+    return _host_batch(self.shape, self.model_config.vocab_size, self._routing)
+
+  def _step(self):
+    host = self._batch()
+    return self.step.lower(self.state, host if self.cfg.rollout.engine != "jax" else host._replace(behavior_logp=None))
+
+  def _log_probs(self, graphdef, params, shardings):
+    fn = train.make_reference_fn(graphdef, mesh=self.mesh, param_shardings=shardings, train_config=self.train_config)
+    return fn.lower(params, self._batch())
+
+  def _reference(self):
+    return self._log_probs(self._ref_graphdef, self._ref_params, self._ref_sh)
+
+  def _old_logp(self):
+    params, sh = self.state.params, self.shardings.params
+    if jax.tree.leaves(self.shardings.frozen):
+      params, sh = nnx.merge_state(params, self.state.frozen), nnx.merge_state(sh, self.shardings.frozen)
+    return self._log_probs(self.graphdef, params, sh)
+
+  def _sampler(self):
+    s, mc = self.shape, self.model_config
+    bsh = self.step.batch_sharding
+    prompts = _sds((s.prompts, s.prompt_len), jnp.int32, bsh)
+    mask = _sds((s.prompts, s.prompt_len), jnp.bool_, bsh)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = _sds(key.shape, key.dtype, NamedSharding(self.mesh, PartitionSpec()))
+    state = nnx.State.merge(self.state.params, self.state.frozen)
+    eos = mc.eos_token_id if isinstance(mc.eos_token_id, (tuple, list)) else (mc.eos_token_id or 1,)
+    pad = 0 if 0 not in eos else max(eos) + 1
+    with jax.set_mesh(self.mesh):
+      return sampling._generate_jit.lower(
+        self.sample_graphdef,
+        state,
+        prompts,
+        mask,
+        key,
+        num_samples=s.group,
+        max_new_tokens=s.new_tokens,
+        temperature=float(self.train_config.temperature),
+        top_p=float(self.cfg.rollout.top_p),
+        top_k=int(self.cfg.rollout.top_k),
+        eos_ids=tuple(int(e) for e in eos),
+        pad_id=pad,
+        suppress_ids=(pad,),
+        record_routing=self._routing is not None,
+      )

@@ -1,0 +1,172 @@
+"""``jaxgrpo.plan`` and ``scripts/plan.py``: a run's programs compiled ahead of time for a target.
+
+The byte counts are compared with an independent count by formula (the model's shape, the FSDP rules of
+``jaxgrpo.parallel.sharding``'s table: every weight's D over ``fsdp``, norm scales replicated), the topology names
+with Cloud TPU's published slice shapes, the refusal with XLA's TPU compiler (through ``.venv-tpu``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, cli_env, ensure_side_venv
+
+from jaxgrpo import plan
+
+PLAN = os.path.join(ROOT, "scripts", "plan.py")
+DEMO = os.path.join(ROOT, "scripts", "configs", "demo.yaml")
+POD = os.path.join(ROOT, "scripts", "configs", "pod_grpo.yaml")
+# a toy Qwen3 whose weight matrices dominate (the replicated norm scales are 0.02% of the parameters)
+TOY = dict(model_type="qwen3", vocab_size=32768, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=64, intermediate_size=512, max_position_embeddings=512,
+           tie_word_embeddings=False)  # fmt: skip
+
+
+def _toy_counts(n: int) -> tuple[int, int]:
+  """``(parameters sharded over fsdp, parameters replicated)`` of TOY, by formula."""
+  d, v, L, h, kv, k, f = 256, 32768, 2, 4, 2, 64, 512
+  matrices = 2 * v * d + L * (d * h * k + 2 * d * kv * k + h * k * d + 3 * d * f)
+  vectors = L * (2 * d + 2 * k) + d  # two RMSNorms per layer, q/k norms over head_dim, the final norm
+  return matrices, vectors
+
+
+@pytest.mark.parametrize(
+  "name, topology, devices",
+  [
+    ("v5p-64", "v5:2x4x4", 32),  # v5p names count TensorCores: 2 per chip
+    ("v5p-128", "v5:4x4x4", 64),
+    ("v5e-16", "v5e:4x4", 16),
+    ("v5litepod-256", "v5e:16x16", 256),
+    ("v6e-64", "v6e:8x8", 64),
+    ("v4-8", "v4:2x2x1", 4),
+    ("v5e:2x2", "v5e:2x2", 4),
+  ],
+)
+def test_topology_names_map_to_cloud_tpu_slices(name, topology, devices):
+  t = plan.parse_target(name)
+  assert (t.topology, t.chips, t.platform, t.kind) == (topology, devices, "tpu", "topology")
+
+
+def test_unknown_topology_is_refused_in_one_line():
+  with pytest.raises(ValueError) as e:
+    plan.parse_target("v5p-63")
+  assert "\n" not in str(e.value) and "v5p-63" in str(e.value) and "TensorCores" in str(e.value)
+  with pytest.raises(ValueError, match="unknown; expected a Cloud TPU name"):
+    plan.parse_target("tpu-9000")
+
+
+def test_collectives_are_counted_by_kind_in_hlo_text():
+  hlo = """
+  %ag = bf16[8,4]{1,0} all-gather-start(%p), dimensions={0}
+  %agd = bf16[8,4]{1,0} all-gather-done(%ag)
+  %ar = f32[] all-reduce(%x), to_apply=%sum
+  %rs = f32[2] reduce-scatter(%y), dimensions={0}
+  %cp = f32[2] collective-permute(%z), source_target_pairs={{0,1}}
+  %all-gather.2 = bf16[8]{0} all-gather(%q), dimensions={0}
+  """
+  assert plan.count_collectives(hlo) == {
+    "all-gather": 2,
+    "all-reduce": 1,
+    "reduce-scatter": 1,
+    "collective-permute": 1,
+  }
+
+
+def test_step_flops_follow_the_palm_formula():
+  cfg = plan.model_config("qwen3-8b")
+  b, p, t = 512, 256, 1024
+  n = 36 * (2 * 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 3 * 4096 * 12288)
+  want = 6 * n * b * (p + t) + 6 * 4096 * 151936 * b * t + 6 * 36 * 32 * 128 * (p + t) ** 2 * b
+  assert plan.step_flops(cfg, b, p, t) == pytest.approx(want, rel=1e-12)
+
+
+def test_plan_on_cpu8_argument_and_alias_bytes_match_the_sharded_state(tmp_path):
+  """The step's per-device argument bytes = (parameters + AdamW's two moments, float32, sharded over 8) + the
+  replicated norms, counters and step + the batch's rows / 8; the donated state aliases: alias bytes = the state."""
+  config = tmp_path / "config.json"
+  config.write_text(json.dumps(TOY))
+  cmd = [sys.executable, PLAN, "--config", DEMO, "--model", str(config), "--topology", "cpu-8", "--programs", "step",
+         "--json", "--objective.beta", "0.0", "--rollout.prompts_per_step", "8", "--rollout.group_size", "4",
+         "--rollout.max_new_tokens", "32", "--data.max_prompt_tokens", "32"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout)
+  assert out["mesh"]["fsdp"] == 8 and "not a fit test" in " ".join(out["notes"])
+  step = out["programs"][0]
+  assert step["name"] == "step" and step["verdict"] == "no fit test"
+  matrices, vectors = _toy_counts(8)
+  counters = 4 + 4  # state.step and AdamW's count, int32, replicated
+  state = 3 * 4 * (matrices // 8 + vectors) + counters
+  rows, p, t = 32, 32, 32
+  batch = rows // 8 * (p * 4 + p * 1 + t * 4 + t * 1 + t * 4 + 4 + 4)  # tokens, mask, completions, mask, old_logp,
+  # group ids, rewards
+  assert step["argument_bytes"] == pytest.approx(state + batch, rel=1e-3)
+  assert step["alias_bytes"] == pytest.approx(state, rel=1e-3)
+  assert step["collectives"].get("all-gather", 0) > 0  # FSDP gathers the weights
+
+
+def test_gpu_target_is_an_estimate():
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(POD, {})
+  p = plan.plan_run(cfg, plan.parse_target("h100-8"), log=None)
+  assert [x.name for x in p.programs] == ["step", "sampler"]
+  assert all(x.verdict.startswith("estimated") for x in p.programs)
+  assert any("estimated by formula" in n for n in p.notes)
+
+
+def _tpu_env() -> dict:
+  env = cli_env()
+  env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")  # several libtpu processes; no metadata server
+  return env
+
+
+def test_8b_on_v5e_16_at_one_micro_batch_is_refused_by_the_tpu_compiler():
+  """Qwen3-8B shapes, the pod workload, one micro-batch, compiled for v5e:4x4 by XLA's TPU compiler (libtpu, through
+  .venv-tpu): the step does not fit (its temporaries alone exceed the chip's 15.75 GiB); one line says so."""
+  python = ensure_side_venv("tpu")
+  cmd = [python, PLAN, "--config", POD, "--topology", "v5e-16", "--programs", "step", "--no-fix"]
+  r = subprocess.run(cmd, capture_output=True, text=True, env=_tpu_env(), timeout=900)
+  assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+  refused = [ln for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
+  assert len(refused) == 1, r.stderr[-3000:]
+  assert refused[0].startswith("refused: the step program does not fit v5e-16 (XLA: HLO temporaries ")
+  assert refused[0].endswith(
+    "15.75G of HBM available); no fix searched (--no-fix; scripts/plan.py without it compiles more "
+    "micro-batches until one fits)"
+  )
+  assert "exceeds available HBM (15.75G)" in r.stdout  # the compiler's own words, in the table's notes
+
+
+def test_train_plan_only_prints_the_table_and_exits_before_anything_is_loaded(tmp_path):
+  """``scripts/train.py --plan-only``: the plan of this machine's devices (the step and the sampler of the demo run,
+  no reference pass at β = 0), exit 0, and no output directory written."""
+  out = tmp_path / "out"
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config", DEMO, "--plan-only",
+         "--run.out", str(out), "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+         "--rollout.max_new_tokens", "8", "--objective.beta", "0.0"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  table = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+  assert [ln.split(" | ")[0][2:] for ln in table[1:]] == ["step", "sampler"]
+  assert all(ln.rstrip(" |").endswith("no fit test") for ln in table[1:])
+  assert "not a fit test" in r.stdout and not out.exists()
+
+
+def test_a_sampler_whose_prompts_do_not_divide_the_mesh_is_refused_in_one_line():
+  """4 prompts (× G 2 = 8 rows: the step's batch divides the 8 devices) on cpu-8: the sampler's prefill holds the 4
+  prompts, which 8 devices cannot share; the plan says so before any weight exists (the pod workload on v5e-256:
+  64 prompts over 256 chips, docs/scale.md)."""
+  cmd = [sys.executable, PLAN, "--config", DEMO, "--topology", "cpu-8", "--programs", "sampler",
+         "--rollout.prompts_per_step", "4", "--rollout.group_size", "2"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+  refused = [ln for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
+  assert refused == [
+    "refused: the sampler program does not compile for cpu-8: ValueError: embeddings: dim 0 ('batch', size 4) is "
+    "not divisible by mesh axis 'data'×'fsdp' of size 8 (mesh data=1 × fsdp=8 × tensor=1 over 8 devices); change "
+    "the mesh or the rules"
+  ]

@@ -1,0 +1,252 @@
+"""Programs compiled for a TPU slice from this CPU host, and the CPU programs' fingerprints.
+
+Run as a child by tests/test_tpu_aot.py with ``.venv-tpu/bin/python`` (scripts/setup_tpu_venv.sh: jax[tpu] with
+libtpu, no TPU attached: ``jax.experimental.topologies`` gives compile-only devices), and imported by
+tests/test_target_platform.py in the main environment (:func:`cpu_program_hashes`). Imports nothing of the test
+helpers (the side venv has no pytest or hypothesis).
+
+    python tests/tpu_aot_checks.py tpu          # one JSON line: TPU dots, memory analysis, CPU hashes (side venv)
+    python tests/tpu_aot_checks.py cpu-hashes   # the CPU programs' hashes, to re-pin CPU_PROGRAM_SHA256
+
+:data:`CPU_PROGRAM_SHA256` pins the sha256 of the lowered StableHLO text of small CPU programs (train step and
+sampler of a bf16 model, a mixture of experts' step) as main produced them before the target platform was read
+from the mesh (commit 1ed8a20): reading it must not change a CPU program by one byte. A deliberate change of those
+programs re-pins them with the second command (say why in the commit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxgrpo as jg
+from jaxgrpo import models
+from jaxgrpo.models.layers import cpu_bf16_dots, cpu_kv_cache
+from jaxgrpo.parallel.target import target_platform
+from jaxgrpo.rollout import sampling
+
+#: the TPU slice of the checks: v5e-4 (4 chips, one host), MaxText's argument values for it
+TOPOLOGY = dict(
+  platform="tpu",
+  topology_name="v5e:2x2",
+  chip_config_name="default",
+  chips_per_host_bounds=(2, 2, 1),
+  num_slices=1,
+  wrap=(False, False, False),
+)
+MESH = "data=2,fsdp=2"
+G = 4
+#: the model whose sharded state is counted: one Qwen3 layer, every weight matrix's dims multiples of 128 (the
+#: per-chip arrays fill whole TPU tiles, so the compiler's byte counts hold no padding beyond a few KiB)
+SIZED = dict(vocab_size=4096, hidden_size=512, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128)
+SIZED_F = 2048
+SIZED_BATCH = dict(b=32, p=128, t=128)
+
+CPU_PROGRAM_SHA256 = {
+  "dense_step/float32": "4c318d7535bfab01509925474d8fe2c363fea932ee4893816487a94bac074918",
+  "dense_step/native": "9288f261850c8a48c4081cabc27d492af42531b38a7d01340f9a84eeebbea8dc",
+  "moe_step/float32": "44e09a69ce68ec58f9dfc683b84972c96dd73c8c11790c9e581a308fdd302cd5",
+  "moe_step/native": "d0f39e7a07e7b40cb2d393714812a8f1fdb2bd1bae8dd5c920372a14489714f3",
+  "sampler/float32/kv_compute": "8b75625e5671592c35a587db2f626c5e2b94ca2eb20d67403b7b344aada6b681",
+  "sampler/float32/kv_float32": "308ef109d6082f418300067f6529ec2614e86775971c34e6807ddb404d486163",
+  "sampler/native/kv_compute": "d9546bd5580bb05b1b4a9687f0c7c0eb40309cf48c69d2bb1dc841c7e5505307",
+  "sampler/native/kv_float32": "ec2eb22ebeea3a4c53d337297ca57fa06986db32ea87982ceed4b0f393ed0457",
+}
+
+
+def dense_config(**over):
+  """A Qwen3 config (tied embeddings, q/k norms); ``over`` replaces fields."""
+  base = dict(
+    vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, intermediate_size=64
+  )
+  return models.Qwen3Config(**{**base, **over}, tie_word_embeddings=True)
+
+
+def moe_config():
+  """A 2-layer Qwen3-MoE config: 8 experts of width 32, top-2."""
+  return models.Qwen3MoeConfig(
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=8,
+    intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    tie_word_embeddings=True,
+  )
+
+
+def make_batch(b: int = 16, p: int = 4, t: int = 12, vocab: int = 128, seed: int = 0) -> jg.Batch:
+  """A NumPy GRPO batch of ``b`` rows in groups of :data:`G` (prompt ``p``, completion ``t`` tokens)."""
+  rng = np.random.default_rng(seed)
+  mask = np.arange(t)[None] < rng.integers(1, t + 1, b)[:, None]
+  return jg.Batch(
+    prompt_tokens=rng.integers(1, vocab, (b, p)).astype(np.int32),
+    prompt_mask=np.ones((b, p), bool),
+    completions=np.where(mask, rng.integers(1, vocab, (b, t)), 0).astype(np.int32),
+    mask=mask,
+    old_logp=np.where(mask, -3.0, 0.0).astype(np.float32),
+    group_ids=np.repeat(np.arange(b // G), G).astype(np.int32),
+    rewards=rng.random(b).astype(np.float32),
+  )
+
+
+def dot_types(text: str) -> list[str]:
+  """``"(lhs type, rhs type) -> out type"`` of every ``stablehlo.dot_general`` in a lowered module's text."""
+  return [line.rsplit(":", 1)[1].strip() for line in text.splitlines() if "stablehlo.dot_general" in line]
+
+
+def f32_dots(text: str) -> list[str]:
+  """The dots of ``text`` whose two operands are both float32."""
+  return [d for d in dot_types(text) if d.split("->")[0].count("xf32>") == 2]
+
+
+def _step(cfg, mesh, *, abstract: bool, mu_dtype=None, micro_batches: int = 2):
+  """``(step, state)``: a GRPO train step (AdamW) for a bf16 model of ``cfg`` on ``mesh``; the state abstract
+  (``init_train_state(..., abstract=True)`` of an ``nnx.eval_shape`` model: nothing allocated) or real."""
+  build = lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  model = nnx.eval_shape(build) if abstract else build()
+  opt = optax.adamw(1e-3, mu_dtype=mu_dtype)
+  extra = dict(abstract=True) if abstract else {}
+  graphdef, state, shardings = jg.init_train_state(model, opt, mesh, **extra)
+  tc = jg.TrainConfig(micro_batches=micro_batches, group_size=G)
+  step = jg.make_train_step(graphdef, opt, jg.preset("grpo"), mesh=mesh, shardings=shardings, train_config=tc)
+  return step, state
+
+
+def _sampler_text(graphdef, state, prompts, prompt_mask, key) -> str:
+  """The StableHLO of ``generate``'s program (G samples of 8 new tokens) for the model's arrays as given, traced
+  for the platform of those arrays (as ``generate`` traces it)."""
+  with target_platform(state):
+    return sampling._generate_jit.lower(
+      graphdef,
+      state,
+      prompts,
+      prompt_mask,
+      key,
+      num_samples=G,
+      max_new_tokens=8,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=0,
+      eos_ids=(1,),
+      pad_id=0,
+      suppress_ids=(0,),
+      record_routing=False,
+    ).as_text()
+
+
+def _sha(lower) -> str:
+  """sha256 of the StableHLO text of ``lower()``, traced afresh: ``jax.jit`` caches a trace by its arguments'
+  types, not by the trace-time switches (``cpu_bf16_dots``, ``cpu_kv_cache``), so the caches are cleared first."""
+  jax.clear_caches()
+  return hashlib.sha256(lower().encode()).hexdigest()
+
+
+def cpu_program_hashes(modes=("native", "float32"), moe: bool = True) -> dict[str, str]:
+  """sha256 of the StableHLO text of the CPU programs pinned by :data:`CPU_PROGRAM_SHA256`, on a 1-device CPU
+  mesh, under the ``cpu_bf16_dots`` ``modes`` (whatever this CPU's AMX); ``moe``: the MoE step's too."""
+  cpu = jax.devices("cpu")[:1]
+  mesh = jg.make_mesh("data=1", devices=cpu)
+  batch = make_batch()
+  out = {}
+  dense_step, dense_state = _step(dense_config(), mesh, abstract=False)
+  moe_step, moe_state = _step(moe_config(), mesh, abstract=False) if moe else (None, None)
+  model = models.build_model(dense_config(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  graphdef, state = nnx.split(model)
+  prompts = jax.device_put(batch.prompt_tokens[::G], cpu[0])
+  prompt_mask = jax.device_put(batch.prompt_mask[::G], cpu[0])
+  key = jax.device_put(jax.random.key(0), cpu[0])
+  for mode in modes:
+    with cpu_bf16_dots(mode):
+      out[f"dense_step/{mode}"] = _sha(lambda: dense_step.lower(dense_state, batch).as_text())
+      if moe:
+        out[f"moe_step/{mode}"] = _sha(lambda: moe_step.lower(moe_state, batch).as_text())
+      for cache in ("float32", "compute"):
+        with cpu_kv_cache(cache):
+          out[f"sampler/{mode}/kv_{cache}"] = _sha(lambda: _sampler_text(graphdef, state, prompts, prompt_mask, key))
+  return out
+
+
+def _abstract(x, sharding):
+  return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding)
+
+
+def tpu_report() -> dict:
+  """Programs compiled for :data:`TOPOLOGY` from this host: the dots of the sized bf16 model's train step and
+  sampler, and of a mixture of experts' step (StableHLO); the step's ``memory_analysis()`` (compiled) with the
+  model's dimensions; the CPU programs' hashes in this environment; seconds per phase."""
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  t0 = time.perf_counter()
+  devices = topologies.get_topology_desc(**TOPOLOGY).devices
+  mesh = jg.make_mesh(MESH, devices=devices)
+  cfg = dense_config(**SIZED, intermediate_size=SIZED_F)
+  step, state = _step(cfg, mesh, abstract=True, mu_dtype=jnp.float32)
+  batch = make_batch(**SIZED_BATCH, vocab=cfg.vocab_size)
+  lowered = step.lower(state, batch)
+  step_text = lowered.as_text()
+  t1 = time.perf_counter()
+  memory = lowered.compile().memory_analysis()
+  t2 = time.perf_counter()
+  moe_step, moe_state = _step(moe_config(), mesh, abstract=True)
+  moe_text = moe_step.lower(moe_state, make_batch()).as_text()
+  replicated = NamedSharding(mesh, PartitionSpec())
+  rows = step.batch_sharding
+  graphdef = nnx.split(nnx.eval_shape(lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))[0]
+  sample_state = nnx.State.merge(state.params, state.frozen)
+  prompts = batch.prompt_tokens[:: G * 2][:4]  # 4 prompts: divisible by data × fsdp
+  sample_text = _sampler_text(
+    graphdef,
+    sample_state,
+    _abstract(prompts, rows),
+    _abstract(np.ones(prompts.shape, bool), rows),
+    jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
+  )
+  try:  # the real state cannot be placed on compile-only devices: one line saying so
+    _step(dense_config(), mesh, abstract=False)
+    refusal = None
+  except ValueError as e:
+    refusal = str(e)
+  t3 = time.perf_counter()
+  hashes = cpu_program_hashes(modes=("native",), moe=False)  # a few of them: libtpu changes no CPU program
+  t4 = time.perf_counter()
+  return {
+    "device_kind": devices[0].device_kind,
+    "platform": devices[0].platform,
+    "chips": len(devices),
+    "default_backend": jax.default_backend(),
+    "step_dots": dot_types(step_text),
+    "step_f32_dots": f32_dots(step_text),
+    "sample_dots": dot_types(sample_text),
+    "sample_f32_dots": f32_dots(sample_text),
+    "moe_f32_dots": f32_dots(moe_text),
+    "moe_ragged_dot": "ragged_dot" in moe_text,
+    "memory": {
+      "argument": memory.argument_size_in_bytes,
+      "output": memory.output_size_in_bytes,
+      "alias": memory.alias_size_in_bytes,
+      "temp": memory.temp_size_in_bytes,
+    },
+    "cpu_hashes": hashes,
+    "concrete_refusal": refusal,
+    "seconds": {"lower": t1 - t0, "compile": t2 - t1, "moe_and_sampler": t3 - t2, "cpu_hashes": t4 - t3},
+  }
+
+
+if __name__ == "__main__":
+  what = sys.argv[1] if len(sys.argv) > 1 else "tpu"
+  result = tpu_report() if what == "tpu" else cpu_program_hashes()
+  print(json.dumps(result, sort_keys=True))
