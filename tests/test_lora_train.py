@@ -422,7 +422,11 @@ def test_lora_section_is_validated_at_load_time_and_the_ready_configs_load():
   assert specs.load_config(None, {}).lora is None and specs.load_config(None, {"lora": None}).lora is None
   bad = [
     ({"lora": {"rank": 0}}, ValueError, r"in `lora`: rank must be a positive int, got 0"),
-    ({"lora": {"rnak": 8}}, ValueError, r"unknown key\(s\) \['rnak'\] in `lora`; valid keys: \['rank'"),
+    (
+      {"lora": {"rnak": 8}},
+      ValueError,
+      r"unknown key\(s\) \['rnak'\] in `lora` \(`lora.rnak`: did you mean `lora.rank`\?\); valid keys: \['rank'",
+    ),
     ({"lora": {"rank": "x"}}, TypeError, r"config field `lora.rank`: expected int; got 'x' \(str\)"),
     ({"lora": {"quantize": "int3"}}, ValueError, r"quantize must be None or one of"),
     ({"rollout.merge_lora": True}, ValueError, r"`rollout.merge_lora` is true but there is no `lora` section"),
