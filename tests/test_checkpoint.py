@@ -9,12 +9,15 @@ The trainer-level tests (exact resume, mesh change, SIGKILL) are in test_checkpo
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -498,3 +501,28 @@ def test_restore_waits_for_a_save_still_being_written(tmp_path):
   with ck.Checkpointer(root, log=None) as c:
     c.save(state, CFG)
     _assert_same_state(c.restore(template, CFG), state)
+
+
+def test_close_removes_a_failed_saves_directory_that_a_late_write_recreated(tmp_path):
+  """Orbax reports the first failed write of a save while its other writes may still run, and a write creates
+  its parent directories again (CI: `test_disk_full_on_a_small_tmpfs` found a temporary directory after the
+  run had exited). A late writer thread recreates the failed step's temporary directory 0.3 s after the
+  failure was reported; close() must still leave none (before: it removed them once and returned)."""
+  root = str(tmp_path / "ck")
+  c = ck.Checkpointer(root, log=None, on_save_error="continue")
+  c.save(_state(1))
+  c.wait()
+  tmp = os.path.join(root, f"2{ck.TMP_SUFFIX}-1234")
+  os.makedirs(os.path.join(tmp, "d"))
+  c._saves.fail(2, OSError(errno.ENOSPC, "No space left on device"))  # what the save's watcher reports
+  assert not os.path.exists(tmp)  # removed at once
+
+  def late_write():
+    time.sleep(0.3)
+    os.makedirs(os.path.join(tmp, "d", "chunk"), exist_ok=True)
+
+  writer = threading.Thread(target=late_write)
+  writer.start()
+  c.close()
+  writer.join()
+  assert sorted(os.listdir(root)) == ["1"], os.listdir(root)

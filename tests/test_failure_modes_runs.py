@@ -183,7 +183,7 @@ def test_disk_full_on_a_small_tmpfs(runs, env, tmp_path):
     _clean_failure(r.stderr)
     assert "ERROR:absl" not in r.stdout + r.stderr  # Orbax's own tracebacks are not shown
     done = _complete(out)
-    assert done == [step - 2, step - 1] and _no_temporary_dirs(out), done
+    assert done == [step - 2, step - 1] and _no_temporary_dirs(out), (done, sorted(os.listdir(mnt)))
     for s in done:
       ck.verify_step(str(mnt / str(s)))
   finally:

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 import jax
@@ -219,6 +220,26 @@ class _Saves:
     final = os.path.join(self.directory, str(step))
     if os.path.isdir(final) and not os.path.exists(os.path.join(final, MANIFEST)):
       quarantine_incomplete_steps(self.directory, log=self.log)
+
+  def remove_partial_until_quiet(self, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
+    """The last cleanup of failed saves (at close): Orbax reports the first failed write of a save while its
+    other writes may still run in its threads, and a write creates its parent directories again — so the
+    temporary directories of a failed step can reappear after :meth:`remove_partial`. Removes them until none
+    reappeared for ``quiet_s`` seconds (at most ``limit_s``). No cost when no save failed."""
+    if not self.partial_steps or not self.is_main:
+      return
+    deadline = time.monotonic() + limit_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+      _, tmps = _step_dirs(self.directory)
+      left = [t for t in tmps if any(os.path.basename(t).startswith(f"{s}{TMP_SUFFIX}") for s in self.partial_steps)]
+      if left:
+        for step in self.partial_steps:
+          self.remove_partial(step)
+        quiet_since = time.monotonic()
+      elif time.monotonic() - quiet_since >= quiet_s:
+        return
+      time.sleep(0.05)
 
   def fail(self, step: int, exc: BaseException) -> None:
     """Records, reports (through ``log``, at once) and cleans up a failed save of ``step``."""
@@ -493,8 +514,7 @@ class Checkpointer:
       except Exception:  # noqa: BLE001 - a failed save was reported by settle
         if not self.failed_saves:
           raise
-      for step in self._saves.partial_steps:
-        self._saves.remove_partial(step)
+      self._saves.remove_partial_until_quiet()
 
   def __enter__(self):
     return self
