@@ -1,6 +1,7 @@
 """Makes the shared test helpers importable one way, ``from helpers import ...`` (tests/helpers.py),
 whatever pytest's import mode (child processes get the same path from ``helpers.child_env``), shares
-one persistent XLA compilation cache across the session, starts the slowest test modules first,
+one persistent XLA compilation cache across the session, starts the slowest test modules first and the
+side venvs' builds in the background,
 releases compiled code between test modules, and makes the property tests reproducible.
 
 **Property tests (hypothesis) are derandomized.** Every run — CI, a submission's check, a developer's
@@ -21,6 +22,8 @@ import gc
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 
@@ -81,6 +84,52 @@ def pytest_configure(config):
     "jax_persistent_cache_min_compile_time_secs", float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
   )
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+  _prebuild_side_venvs(config)
+
+
+# side venvs (tests/helpers.py ensure_side_venv) -> the test modules that use them. Their builds wait on the package
+# index, not the CPU (.venv-vllm: 176 s wall, 19 CPU-s): started in the background when a session that runs those
+# modules begins, they are ready (or nearly) when the modules' turn comes, instead of a worker sleeping through them.
+SIDE_VENVS = {
+  "vllm": ("test_engine_vllm.py",),
+  "tpu": ("test_tpu_aot.py", "test_plan.py"),
+  "base": ("test_base_install.py",),
+}
+
+
+def _runs_module(args: list[str], module: str) -> bool:
+  """Whether a session started with the path arguments ``args`` collects ``tests/<module>``."""
+  target = os.path.join(_HERE, module)
+  for arg in args or [_HERE]:
+    path = os.path.abspath(arg.split("::")[0])
+    if path == target or (os.path.isdir(path) and target.startswith(path.rstrip(os.sep) + os.sep)):
+      return True
+  return False
+
+
+def _prebuild_side_venvs(config) -> None:
+  """In the session's first process only (the xdist controller, or a plain pytest run)."""
+  if hasattr(config, "workerinput"):
+    return
+  from helpers import side_venv_build_command
+
+  args = [a for a in config.invocation_params.args if not a.startswith("-") and os.path.exists(a.split("::")[0])]
+  for name, modules in SIDE_VENVS.items():
+    if any(_runs_module(args, m) for m in modules):
+      log = open(os.path.join(tempfile.gettempdir(), f"jaxgrpo-prebuild-{name}.log"), "w")
+      child = subprocess.Popen(
+        side_venv_build_command(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+      )
+      config.add_cleanup(lambda c=child, f=log: _stop_build(c, f))
+
+
+def _stop_build(child: subprocess.Popen, log) -> None:
+  """At the session's end: a build still running (its modules were deselected, or the session stopped early) is
+  stopped with its children; the venv's stamp is written only by a finished build, so the next session rebuilds."""
+  if child.poll() is None:
+    os.killpg(child.pid, signal.SIGTERM)
+  child.wait()
+  log.close()
 
 
 def pytest_addoption(parser):

@@ -424,19 +424,29 @@ def train_main_here(argv: list[str]) -> None:
     absl.setLevel(level)
 
 
+def side_venv_build_command(name: str) -> list[str]:
+  """``bash scripts/setup_NAME_venv.sh`` under the file lock ``.venv-NAME.lock`` (a child python holds it), so
+  that two processes never build the same venv at once: what :func:`ensure_side_venv` runs in the foreground
+  and tests/conftest.py starts in the background at the beginning of a session."""
+  script = os.path.join(ROOT, "scripts", f"setup_{name}_venv.sh")
+  lock = os.path.join(ROOT, f".venv-{name}.lock")
+  hold = (
+    "import fcntl, subprocess, sys; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+    "sys.exit(subprocess.call(['bash', sys.argv[2]]))"
+  )
+  return [sys.executable, "-c", hold, lock, script]
+
+
 def ensure_side_venv(name: str) -> str:
   """``bash scripts/setup_NAME_venv.sh`` (``.venv-NAME/``; idempotent: its stamp file says whether the venv is up
   to date, scripts/_venv_common.sh) under the file lock ``.venv-NAME.lock``, so two test processes never build it
-  at once; the venv's python. A failed build fails the test with the script's output."""
-  import fcntl
-
+  at once (:func:`side_venv_build_command`); the venv's python. A failed build fails the test with the script's
+  output. A build that tests/conftest.py started in the background holds the lock: this waits for it, and then the
+  script returns at once."""
   import pytest
 
   python = os.path.join(ROOT, f".venv-{name}", "bin", "python")
-  with open(os.path.join(ROOT, f".venv-{name}.lock"), "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    script = os.path.join(ROOT, "scripts", f"setup_{name}_venv.sh")
-    r = subprocess.run(["bash", script], capture_output=True, text=True)
+  r = subprocess.run(side_venv_build_command(name), capture_output=True, text=True)
   if r.returncode or not os.path.exists(python):
     pytest.fail(f"scripts/setup_{name}_venv.sh failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
   return python
