@@ -125,7 +125,7 @@ NUMBERS: dict[str, Number] = _declare(
   Number(
     "importance_low",
     None,
-    "the band's lower bound L, or None for 0.5",
+    "the band's lower bound L, or None for IcePop's α, importance.DEFAULT_LOW",
     above=0.0,
     optional=True,
     carrier="config",
