@@ -43,18 +43,22 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.kernels import importance as _importance
+from jaxgrpo.kernels import numbers as _numbers
+from jaxgrpo.kernels import surrogates as _surrogates
 from jaxgrpo.kernels.advantages import ADVANTAGE_SCALES
 from jaxgrpo.kernels.hyper import GRPOHyper
 from jaxgrpo.kernels.importance import CORRECTIONS, IMPORTANCE_LEVELS
 from jaxgrpo.kernels.kl import FUTURE_KL_KINDS, KL_KINDS
 from jaxgrpo.kernels.losses import AGGREGATIONS
-from jaxgrpo.kernels.surrogates import SEQUENCE_SURROGATES, SURROGATES
+from jaxgrpo.kernels.numbers import NUMBERS
 
 __all__ = ["KL_PLACEMENTS", "GRPOConfig", "GRPOHyper", "PRESETS", "preset"]
 
 KL_PLACEMENTS = ("loss", "future")
 # the hyper-parameters whose static 0 leaves their term out of the program (and β: the reference pass)
-SWITCHED_TERMS = ("beta", "entropy_coef")
+SWITCHED_TERMS = _numbers.SWITCHED
+# the GRPOHyper fields that are structure: the config's program, not the carrier's
+_STRUCTURE = ("loss", "aggregation", *_numbers.names(carrier="static"))
 
 
 def _f32(v):
@@ -67,6 +71,7 @@ def _f32(v):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@_numbers.add_fields(tuple(NUMBERS), read_by=_surrogates.read_by)
 class GRPOConfig:
   """The objective of one GRPO-family algorithm. Validated on construction.
 
@@ -76,27 +81,28 @@ class GRPOConfig:
   compile-time constants there. To pass them as traced inputs instead (a β/ε/entropy schedule, a
   ``vmap``-ped grid: one program for every value), build a :class:`GRPOHyper` with :meth:`hyper`.
 
+  The numbers (the fields after ``importance_level``) are declared once, in
+  :data:`jaxgrpo.kernels.numbers.NUMBERS` (default, range, hint, reader); their lines below are generated
+  from it. ε_low, ε_high bound the token ratio (``ppo``), the sequence ratio (``gspo``, ``gspo_token``), the
+  IS weight (``cispo``) or the log-ratio (``gmpo``); ``importance_cap`` is also the band's upper bound for
+  ``"icepop"`` / ``"seq_mask"`` (IcePop: 5; verl's TIS threshold 2, TRL's 3), ``importance_low`` its lower
+  bound (read by those two only; None: ``jaxgrpo.kernels.importance.DEFAULT_LOW``); a non-zero
+  ``entropy_coef`` adds ``−c·H(i,t)`` per token, aggregated like the loss (the train step then computes the
+  entropy with its gradient).
+
   Attributes:
     name: label (the preset's name, or "custom").
     advantage_scale: ``"group"`` (a_i = (r_i - mean_g)/(std_g + eps)), ``"none"`` (Dr.GRPO) or
       ``"batch"`` (std over the batch). See ``group_advantages``.
-    std_ddof: ddof of the std (0 = population std, FRPO; TRL and the λ-GRPO code use 1).
-    std_eps: eps added to the std (verl/Tunix 1e-6, TRL 1e-4).
     process_weights: λ-GRPO — multiply each token term by ``1/|λ(i,t)|``.
-    beta: β, the KL coefficient (0 disables the reference model entirely).
     kl_estimator: the KL estimator D: for ``kl_placement="loss"`` one of k1, k2, k3, forward_k3;
       for ``"future"`` one of k1, k3, forward_k3.
     kl_placement: ``"loss"`` (GRPO: ``+β·D(i,t)`` per token in the loss) or ``"future"`` (FRPO:
       ``Â = sg(a_i - β·future_kl)`` in the advantage, no KL loss term).
-    loss: the per-token policy term (``jaxgrpo.kernels.surrogates``): ``"ppo"`` (PPO/GRPO's clipped ratio),
-      ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"`` or ``"gmpo"``.
-    clip_eps_low, clip_eps_high: ε_low, ε_high of the clip: of the token ratio (``ppo``), the
-      sequence ratio (``gspo``, ``gspo_token``), the IS weight (``cispo``), the log-ratio (``gmpo``).
-    dual_clip: c of the dual clip for negative advantages (None: off; ``loss="ppo"`` only).
-    tau_pos, tau_neg: SAPO's gate temperatures τ for A > 0 and A <= 0 (read by ``loss="sapo"``).
-    num_iterations: μ, policy updates per rollout batch (PPO-style; ratios differ from 1 when > 1).
+    loss: the per-token policy term, a name of :data:`jaxgrpo.kernels.surrogates.REGISTRY`: ``"ppo"``
+      (PPO/GRPO's clipped ratio), ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"``, ``"gmpo"`` or a
+      registered one.
     aggregation: loss aggregation mode (see ``policy_loss``).
-    max_tokens: constant of ``seq-mean-token-sum-norm`` (None: the padded completion length).
     dynamic_sampling: DAPO — drop groups whose rewards are all equal and refill (trainer).
     importance_correction: off-policy correction for a behaviour policy μ (inference engine, dtype,
       staleness) that differs from the rollout log-probs π_old: None, ``"tis"`` (truncated IS), ``"mis"``
@@ -105,70 +111,35 @@ class GRPOConfig:
       ``jaxgrpo.kernels.importance``. The behaviour log-probs come from
       ``Batch.behavior_logp`` (None there: μ = π_old, every weight 1).
     importance_level: ``"token"`` (a ratio per token) or ``"sequence"`` (the product over the row).
-    importance_cap: C > 0, the cap of the IS ratio (verl's default threshold 2, TRL's 3); the band's upper
-      bound for ``"icepop"`` / ``"seq_mask"`` (IcePop: 5).
-    importance_low: L in (0, C), the band's lower bound, read only by ``"icepop"`` and ``"seq_mask"`` (None:
-      0.5, IcePop's α; ``jaxgrpo.kernels.importance.DEFAULT_LOW``).
-    entropy_coef: c, entropy bonus ``−c·H(i,t)`` per token, aggregated like the loss (0: off). When
-      non-zero the train step computes the entropy with its gradient and passes it to the objective.
   """
 
   name: str = "custom"
   advantage_scale: str = "group"
-  std_ddof: int = 0
-  std_eps: float = 1e-6
   process_weights: bool = False
-  beta: float = 0.0
   kl_estimator: str = "k3"
   kl_placement: str = "loss"
   loss: str = "ppo"
-  clip_eps_low: float = 0.2
-  clip_eps_high: float = 0.2
-  dual_clip: float | None = None
-  tau_pos: float = 1.0
-  tau_neg: float = 1.05
-  num_iterations: int = 1
   aggregation: str = "token-mean"
-  max_tokens: int | None = None
   dynamic_sampling: bool = False
   importance_correction: str | None = None
   importance_level: str = "token"
-  importance_cap: float = 2.0
-  importance_low: float | None = None
-  entropy_coef: float = 0.0
 
   def __post_init__(self):
     c = _checks  # `name` is a free label, checked by whoever builds it (e.g. jaxgrpo.run.specs)
     c.check_choice(self.advantage_scale, ADVANTAGE_SCALES, "advantage_scale")
-    c.check_python_int(self.std_ddof, "std_ddof", minimum=0, hint="ddof of the std")
-    c.check_python_float(self.std_eps, "std_eps", at_least=0.0, hint="eps added to the std")
     c.check_python_bool(self.process_weights, "process_weights")
-    c.check_python_float(self.beta, "beta", at_least=0.0, hint="the KL coefficient β")
     c.check_choice(self.kl_placement, KL_PLACEMENTS, "kl_placement")
     kinds = KL_KINDS if self.kl_placement == "loss" else FUTURE_KL_KINDS
     c.check_choice(self.kl_estimator, kinds, "kl_estimator")
-    c.check_python_float(self.clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip")
-    c.check_python_float(self.clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip")
-    if self.dual_clip is not None:
-      c.check_python_float(self.dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None")
-    c.check_python_int(self.num_iterations, "num_iterations", minimum=1, hint="μ, updates per rollout batch")
     c.check_choice(self.aggregation, AGGREGATIONS, "aggregation")
-    if self.max_tokens is not None:
-      c.check_python_int(self.max_tokens, "max_tokens", minimum=1, hint="or None for the padded length")
     c.check_python_bool(self.dynamic_sampling, "dynamic_sampling")
-    c.check_choice(self.loss, SURROGATES, "loss")
-    c.check_python_float(self.tau_pos, "tau_pos", above=0.0, hint="SAPO's τ for A > 0")
-    c.check_python_float(self.tau_neg, "tau_neg", above=0.0, hint="SAPO's τ for A <= 0")
-    if self.dual_clip is not None and self.loss != "ppo":
-      raise ValueError(f"`dual_clip` is PPO's clip for negative advantages; loss={self.loss!r} has none")
     if self.importance_correction is not None:
       c.check_choice(self.importance_correction, CORRECTIONS, "importance_correction")
     c.check_choice(self.importance_level, IMPORTANCE_LEVELS, "importance_level")
-    c.check_python_float(self.importance_cap, "importance_cap", above=0.0, hint="the IS ratio cap C")
-    if self.importance_low is not None:
-      c.check_python_float(self.importance_low, "importance_low", above=0.0, hint="the band's lower bound L")
+    for name, number in NUMBERS.items():
+      number.check(getattr(self, name))
+    _surrogates.check_loss(self.loss, {n: getattr(self, n) for n in _surrogates.NUMBERS_READ})
     self._check_importance_band()
-    c.check_python_float(self.entropy_coef, "entropy_coef", hint="the entropy bonus coefficient c")
     self._check_composition()
 
   def _check_importance_band(self) -> None:
@@ -199,7 +170,7 @@ class GRPOConfig:
 
   def _check_composition(self) -> None:
     """The sequence losses refuse per-token weights and per-token advantages (module docstring)."""
-    if self.loss not in SEQUENCE_SURROGATES:
+    if not _surrogates.surrogate_spec(self.loss).sequence_level:
       return
     if self.process_weights:
       raise ValueError(
@@ -227,7 +198,7 @@ class GRPOConfig:
     if unknown:
       raise TypeError(f"unknown hyper-parameter(s) {sorted(unknown)}; expected some of {list(GRPOHyper._fields)}")
     values = {n: overrides.get(n, getattr(self, n)) for n in GRPOHyper._fields}
-    structure = dict(loss=self.loss, aggregation=self.aggregation, max_tokens=self.max_tokens)
+    structure = {n: getattr(self, n) for n in _STRUCTURE}
     # checked once, by check_hyper (its messages name `hyper.<field>`)
     return self.check_hyper(GRPOHyper()._replace(**{n: _f32(v) for n, v in values.items()}, **structure))
 
@@ -238,30 +209,23 @@ class GRPOConfig:
     checked when concrete (a traced value, e.g. a schedule's inside the step, cannot be)."""
     if not isinstance(hyper, GRPOHyper):
       raise TypeError(f"`hyper` must be a jaxgrpo.GRPOHyper (config.hyper(...)); got {type(hyper).__name__}")
-    if (hyper.dual_clip is None) != (self.dual_clip is None):
-      raise ValueError(
-        f"`hyper.dual_clip` must be None exactly when the config's is (the dual clip is structural); "
-        f"got {hyper.dual_clip} with config dual_clip={self.dual_clip}"
-      )
-    for name in ("loss", "aggregation", "max_tokens"):  # structure: the config's program, not the carrier's
+    for name in GRPOHyper._fields:
+      if NUMBERS[name].optional and (getattr(hyper, name) is None) != (getattr(self, name) is None):
+        raise ValueError(
+          f"`hyper.{name}` must be None exactly when the config's is (None leaves it out of the program: it is "
+          f"structural); got {getattr(hyper, name)} with config {name}={getattr(self, name)}"
+        )
+    for name in _STRUCTURE:  # structure: the config's program, not the carrier's
       if getattr(hyper, name) != getattr(self, name):
         raise ValueError(
           f"`hyper.{name}`={getattr(hyper, name)!r} but the config's is {getattr(self, name)!r}: build the "
           "hyper-parameters with config.hyper(...) so that they describe this config's loss"
         )
-    c = _checks
-    c.check_scalar(hyper.beta, "hyper.beta", at_least=0.0, hint="the KL coefficient β")
-    c.check_scalar(hyper.clip_eps_low, "hyper.clip_eps_low", at_least=0.0, hint="ε_low of the clip")
-    c.check_scalar(hyper.clip_eps_high, "hyper.clip_eps_high", at_least=0.0, hint="ε_high of the clip")
-    if hyper.dual_clip is not None:
-      c.check_scalar(hyper.dual_clip, "hyper.dual_clip", above=1.0, hint="c of the dual clip")
-    c.check_scalar(hyper.tau_pos, "hyper.tau_pos", above=0.0, hint="SAPO's τ for A > 0")
-    c.check_scalar(hyper.tau_neg, "hyper.tau_neg", above=0.0, hint="SAPO's τ for A <= 0")
-    c.check_scalar(hyper.importance_cap, "hyper.importance_cap", above=0.0, hint="the IS ratio cap C")
-    c.check_scalar(hyper.entropy_coef, "hyper.entropy_coef", hint="the entropy bonus coefficient c")
-    for name, on in (("beta", self.beta > 0), ("entropy_coef", self.entropy_coef != 0)):
-      values = c.concrete_or_none(getattr(hyper, name))
-      if not on and values is not None and (values != 0).any():
+    for name in GRPOHyper._fields:
+      NUMBERS[name].check_value(getattr(hyper, name), f"hyper.{name}")
+    for name in SWITCHED_TERMS:
+      values = _checks.concrete_or_none(getattr(hyper, name))
+      if getattr(self, name) == 0 and values is not None and (values != 0).any():
         raise ValueError(
           f"`hyper.{name}` = {values} but the config's {name} is 0, which leaves its term out of the program: "
           f"build the step/config with a non-zero {name} (any value; the traced one is used)"
@@ -285,21 +249,20 @@ class GRPOConfig:
 
   @property
   def applied_hyper(self) -> tuple[str, ...]:
-    """The :class:`GRPOHyper` fields this config's program reads: β when > 0, ε_low/ε_high unless
-    ``loss="sapo"``, ``dual_clip`` when set, τ± for ``loss="sapo"``, the IS cap with
-    ``importance_correction``, the entropy coefficient when != 0. The others are not applied (the
-    train step neither logs nor accepts a schedule of them)."""
-    read = {
-      "beta": self.beta > 0,
-      "clip_eps_low": self.loss != "sapo",
-      "clip_eps_high": self.loss != "sapo",
-      "dual_clip": self.dual_clip is not None,
-      "tau_pos": self.loss == "sapo",
-      "tau_neg": self.loss == "sapo",
-      "importance_cap": self.importance_correction is not None,
-      "entropy_coef": self.entropy_coef != 0,
-    }
-    return tuple(n for n in GRPOHyper._fields if read[n])
+    """The :class:`GRPOHyper` fields this config's program reads: a surrogate's number when ``loss`` reads
+    it (ε_low/ε_high unless ``loss="sapo"``, τ± for ``"sapo"``), the IS cap with ``importance_correction``,
+    β and the entropy coefficient when != 0 — an optional number (``dual_clip``) only when set. The others
+    are not applied (the train step neither logs nor accepts a schedule of them)."""
+    return tuple(n for n in GRPOHyper._fields if self._reads(n))
+
+  def _reads(self, name: str) -> bool:
+    """Whether this config's program reads the number ``name`` (:attr:`applied_hyper`)."""
+    number, value = NUMBERS[name], getattr(self, name)
+    on = {
+      "surrogate": lambda: name in _surrogates.surrogate_spec(self.loss).numbers,
+      "importance": lambda: self.importance_correction is not None,
+    }.get(number.read_by, lambda: True)()
+    return on and value is not None and not (number.switch and value == 0)
 
   @property
   def needs_reference(self) -> bool:

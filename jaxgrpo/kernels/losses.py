@@ -54,6 +54,7 @@ from jaxgrpo.kernels import surrogates as _surrogates
 from jaxgrpo.kernels._numerics import safe_div, safe_sqrt, select
 from jaxgrpo.kernels.hyper import AGGREGATIONS, GRPOHyper
 from jaxgrpo.kernels.importance import ImportanceWeights
+from jaxgrpo.kernels.numbers import names
 from jaxgrpo.kernels.surrogates import MAX_LOG_RATIO, SURROGATES
 
 __all__ = [
@@ -68,7 +69,8 @@ __all__ = [
   "policy_loss",
 ]
 
-_NUMBERS = ("clip_eps_low", "clip_eps_high", "dual_clip", "tau_pos", "tau_neg", "beta", "entropy_coef")
+#: the numbers the loss reads (the surrogates', β and the entropy coefficient; the IS cap is the objective's)
+_NUMBERS = names(carrier="traced", read_by=("surrogate", "loss"))
 
 _BIG = float(jnp.finfo(jnp.float32).max)
 
@@ -151,7 +153,7 @@ def _check_arrays(loss, logp, old_logp, advantages, mask, token_weights, kl, imp
   _surrogates.check_advantages(loss, advantages, shape)
   if token_weights is not None:
     _checks.check_logp(token_weights, "token_weights", shape)
-    if loss in _surrogates.SEQUENCE_SURROGATES:
+    if _surrogates.surrogate_spec(loss).sequence_level:
       raise ValueError(
         f"loss={loss!r} is a sequence-level loss and takes no per-token `token_weights` (λ-GRPO's 1/|λ| is "
         "undefined for it); use loss='gspo_token' for GSPO's sequence ratio with token weights"
@@ -213,18 +215,8 @@ def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entr
   sg = jax.lax.stop_gradient
   real = mask
   m = mask.astype(jnp.float32)
-  sur = _surrogates._surrogate(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    loss=h.loss,
-    clip_eps_low=h.clip_eps_low,
-    clip_eps_high=h.clip_eps_high,
-    dual_clip=h.dual_clip,
-    tau_pos=h.tau_pos,
-    tau_neg=h.tau_neg,
-  )
+  numbers = {n: getattr(h, n) for n in _surrogates.NUMBERS_READ}
+  sur = _surrogates.surrogate_terms(logp, old_logp, advantages, mask, loss=h.loss, **numbers)
   per_token = sur.loss  # 0 on padding
   if importance is not None:
     per_token = per_token * select(real, sg(importance.weights.astype(jnp.float32)))

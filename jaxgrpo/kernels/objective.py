@@ -31,6 +31,7 @@ from jaxgrpo.kernels.importance import BAND_CORRECTIONS, importance_weights
 from jaxgrpo.kernels.kl import frpo_advantages, kl_penalty
 from jaxgrpo.kernels.losses import LossTerms, policy_loss_terms
 from jaxgrpo.kernels.process_sets import group_size_bound, process_set_sizes
+from jaxgrpo.kernels.surrogates import NUMBERS_READ
 
 __all__ = ["rollout_advantages", "objective_terms", "uses_entropy"]
 
@@ -170,11 +171,7 @@ def _objective_terms(config, logp, old_logp, advantages, mask, token_weights, re
     loss=config.loss,
     aggregation=config.aggregation,
     max_tokens=config.max_tokens,
-    clip_eps_low=number("clip_eps_low"),
-    clip_eps_high=number("clip_eps_high"),
-    dual_clip=number("dual_clip"),
-    tau_pos=number("tau_pos"),
-    tau_neg=number("tau_neg"),
+    **{n: number(n) for n in NUMBERS_READ},
     beta=number("beta") if kl is not None else 0.0,
     entropy_coef=number("entropy_coef") if config.entropy_coef != 0 else 0.0,
   )  # the IS cap went into `importance` above; the loss reads the rest

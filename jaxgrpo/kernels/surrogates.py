@@ -42,11 +42,18 @@ split across micro-batches or devices, so the sequence quantities are exact unde
 Log-ratios are clamped to ``±MAX_LOG_RATIO`` (20) before ``exp``: the token log-ratio for
 ``ppo``/``cispo``/``sapo``, the sequence mean for ``gspo``/``gspo_token``/``gmpo`` (no gradient beyond the
 clamp). Padding is selected away from every input before any arithmetic.
+
+**The registry.** :data:`REGISTRY` maps each ``loss`` name to a :class:`SurrogateSpec` ``(fn, numbers,
+sequence_level)``: the function of the per-token term, the numbers it reads (by name, from
+:data:`jaxgrpo.kernels.numbers.NUMBERS`) and whether its term is one value per sequence. Everything that takes
+a ``loss`` — :class:`~jaxgrpo.kernels.config.GRPOConfig`, :class:`~jaxgrpo.kernels.hyper.GRPOHyper`, the loss,
+the objective, the train step, a run config's ``objective.loss`` — looks the name up here, so a new loss is
+one :func:`register_surrogate` call (docs/train.md, "A new surrogate", has a runnable example).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,13 +61,27 @@ import jax.numpy as jnp
 from jaxgrpo import _checks
 from jaxgrpo.kernels import _hyper
 from jaxgrpo.kernels._numerics import safe_div, select
+from jaxgrpo.kernels.numbers import NUMBERS, names
 
-__all__ = ["MAX_LOG_RATIO", "SEQUENCE_SURROGATES", "SURROGATES", "Surrogate", "policy_surrogate"]
+__all__ = [
+  "MAX_LOG_RATIO",
+  "NUMBERS_READ",
+  "REGISTRY",
+  "SEQUENCE_SURROGATES",
+  "SURROGATES",
+  "Surrogate",
+  "SurrogateSpec",
+  "policy_surrogate",
+  "read_by",
+  "readers",
+  "register_surrogate",
+  "surrogate_spec",
+  "surrogate_terms",
+]
 
-SURROGATES = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo")
-#: Surrogates whose term is one value per sequence: they need ``f32[B]`` advantages and refuse token weights.
-SEQUENCE_SURROGATES = ("gspo", "gmpo")
 MAX_LOG_RATIO = 20.0
+#: the numbers a surrogate may read (the ``"surrogate"`` numbers of ``jaxgrpo.kernels.numbers``), in their order
+NUMBERS_READ = names(carrier="traced", read_by="surrogate")
 
 
 class Surrogate(NamedTuple):
@@ -81,6 +102,25 @@ class Surrogate(NamedTuple):
   clip_dual: jax.Array
 
 
+class SurrogateSpec(NamedTuple):
+  """One registered loss (:data:`REGISTRY`).
+
+  Attributes:
+    fn: ``fn(logp, old_logp, adv, real, **numbers) -> Surrogate``, a pure JAX function of ``logp`` ``f32[B, T]``
+      (differentiable), ``old_logp`` ``f32[B, T]`` (no gradient), the advantages ``adv`` (``f32[B, T]`` for a
+      token-level loss, ``f32[B]`` for a sequence-level one; no gradient) and ``real`` ``bool[B, T]``, every
+      input already 0 on padding; ``numbers``: exactly the keywords named in ``numbers``, each a Python float
+      (static) or an ``f32[]`` (traced). It returns :class:`Surrogate`, its ``loss`` 0 on padding.
+    numbers: the names of the numbers ``fn`` reads, from :data:`NUMBERS_READ`.
+    sequence_level: the term is one value per sequence: ``f32[B]`` advantages only, and the config refuses
+      λ-GRPO's token weights and FRPO's per-token advantages with it.
+  """
+
+  fn: Callable
+  numbers: tuple[str, ...] = ()
+  sequence_level: bool = False
+
+
 def _row_mean(x, real):
   """``f32[B]`` mean of ``x`` over each row's real tokens (0 for an empty row; finite gradient)."""
   return safe_div(jnp.sum(select(real, x), axis=1), jnp.sum(real, axis=1).astype(jnp.float32))
@@ -90,105 +130,168 @@ def _on_tokens(per_row, real):
   return select(real, jnp.broadcast_to(per_row[:, None], real.shape))
 
 
-def _ppo(log_ratio, adv, real, eps_low, eps_high, dual_clip) -> Surrogate:
-  ratio = jnp.exp(log_ratio)
-  s = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
+def _log_ratio(logp, old_logp):
+  """The token log-ratio clamped to ``±MAX_LOG_RATIO`` (0 on padding: the inputs are)."""
+  return jnp.clip(logp - old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def _ppo(logp, old_logp, adv, real, *, clip_eps_low, clip_eps_high, dual_clip) -> Surrogate:
+  ratio = jnp.exp(_log_ratio(logp, old_logp))
+  s = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)
   dual = jnp.zeros_like(real)
   if dual_clip is not None:
     dual = real & (adv < 0) & (s < dual_clip * adv)
     s = jnp.where(dual, dual_clip * adv, s)
-  low = real & (adv < 0) & (ratio < 1.0 - eps_low)
-  high = real & (adv > 0) & (ratio > 1.0 + eps_high)
+  low = real & (adv < 0) & (ratio < 1.0 - clip_eps_low)
+  high = real & (adv > 0) & (ratio > 1.0 + clip_eps_high)
   return Surrogate(select(real, -s), low, high, dual)
 
 
-def _gspo(logp, old_logp, adv, real, eps_low, eps_high) -> Surrogate:
+def _gspo(logp, old_logp, adv, real, *, clip_eps_low, clip_eps_high) -> Surrogate:
   s = jnp.exp(jnp.clip(_row_mean(logp - old_logp, real), -MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B], with gradient
-  per_row = -jnp.minimum(s * adv, jnp.clip(s, 1.0 - eps_low, 1.0 + eps_high) * adv)
-  low = _on_tokens((adv < 0) & (s < 1.0 - eps_low), real)
-  high = _on_tokens((adv > 0) & (s > 1.0 + eps_high), real)
+  per_row = -jnp.minimum(s * adv, jnp.clip(s, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)
+  low = _on_tokens((adv < 0) & (s < 1.0 - clip_eps_low), real)
+  high = _on_tokens((adv > 0) & (s > 1.0 + clip_eps_high), real)
   return Surrogate(_on_tokens(per_row, real), low, high, jnp.zeros_like(real))
 
 
-def _gspo_token(logp, old_logp, adv, real, eps_low, eps_high) -> Surrogate:
+def _gspo_token(logp, old_logp, adv, real, *, clip_eps_low, clip_eps_high) -> Surrogate:
   sg = jax.lax.stop_gradient
   log_s = sg(jnp.clip(_row_mean(logp - old_logp, real), -MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B]
   s = jnp.exp(log_s[:, None] + logp - sg(logp))  # value s_i, gradient s_i ∇logp on its own token
-  per = -jnp.minimum(s * adv, jnp.clip(s, 1.0 - eps_low, 1.0 + eps_high) * adv)
-  low = real & (adv < 0) & (s < 1.0 - eps_low)
-  high = real & (adv > 0) & (s > 1.0 + eps_high)
+  per = -jnp.minimum(s * adv, jnp.clip(s, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)
+  low = real & (adv < 0) & (s < 1.0 - clip_eps_low)
+  high = real & (adv > 0) & (s > 1.0 + clip_eps_high)
   return Surrogate(select(real, per), low, high, jnp.zeros_like(real))
 
 
-def _cispo(logp, log_ratio, adv, real, eps_low, eps_high) -> Surrogate:
-  ratio = jnp.exp(log_ratio)
-  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
-  low = real & (ratio < 1.0 - eps_low)
-  high = real & (ratio > 1.0 + eps_high)
+def _cispo(logp, old_logp, adv, real, *, clip_eps_low, clip_eps_high) -> Surrogate:
+  ratio = jnp.exp(_log_ratio(logp, old_logp))
+  weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high))
+  low = real & (ratio < 1.0 - clip_eps_low)
+  high = real & (ratio > 1.0 + clip_eps_high)
   return Surrogate(select(real, -weight * adv * logp), low, high, jnp.zeros_like(real))
 
 
-def _sapo(log_ratio, adv, real, tau_pos, tau_neg) -> Surrogate:
-  ratio = jnp.exp(log_ratio)
+def _sapo(logp, old_logp, adv, real, *, tau_pos, tau_neg) -> Surrogate:
+  ratio = jnp.exp(_log_ratio(logp, old_logp))
   tau = jnp.where(adv > 0, tau_pos, tau_neg)
   gate = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
   none = jnp.zeros_like(real)
   return Surrogate(select(real, -gate * adv), none, none, none)
 
 
-def _gmpo(logp, old_logp, adv, real, eps_low, eps_high) -> Surrogate:
+def _gmpo(logp, old_logp, adv, real, *, clip_eps_low, clip_eps_high) -> Surrogate:
   log_ratio = logp - old_logp  # 0 on padding (selected inputs)
   a = adv[:, None]
-  clipped = jnp.where(a > 0, jnp.minimum(log_ratio, eps_high), jnp.where(a < 0, jnp.maximum(log_ratio, -eps_low), 0.0))
+  clipped = jnp.where(
+    a > 0, jnp.minimum(log_ratio, clip_eps_high), jnp.where(a < 0, jnp.maximum(log_ratio, -clip_eps_low), 0.0)
+  )
   s = jnp.exp(jnp.clip(_row_mean(clipped, real), -MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B] geometric mean
-  low = real & (a < 0) & (log_ratio < -eps_low)
-  high = real & (a > 0) & (log_ratio > eps_high)
+  low = real & (a < 0) & (log_ratio < -clip_eps_low)
+  high = real & (a > 0) & (log_ratio > clip_eps_high)
   return Surrogate(_on_tokens(-adv * s, real), low, high, jnp.zeros_like(real))
 
 
-def _surrogate(logp, old_logp, advantages, mask, *, loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg):
-  """The surrogate on float32 inputs with padding selected away (called by the loss kernel)."""
+_EPS = ("clip_eps_low", "clip_eps_high")
+
+#: every loss by name; extend it with :func:`register_surrogate`
+REGISTRY: dict[str, SurrogateSpec] = {
+  "ppo": SurrogateSpec(_ppo, (*_EPS, "dual_clip")),
+  "gspo": SurrogateSpec(_gspo, _EPS, sequence_level=True),
+  "gspo_token": SurrogateSpec(_gspo_token, _EPS),
+  "cispo": SurrogateSpec(_cispo, _EPS),
+  "sapo": SurrogateSpec(_sapo, ("tau_pos", "tau_neg")),
+  "gmpo": SurrogateSpec(_gmpo, _EPS, sequence_level=True),
+}
+#: the built-in losses' names (:data:`REGISTRY` also holds the ones registered later)
+SURROGATES = tuple(REGISTRY)
+#: the built-in losses whose term is one value per sequence (``f32[B]`` advantages, no token weights)
+SEQUENCE_SURROGATES = tuple(n for n, s in REGISTRY.items() if s.sequence_level)
+
+
+def register_surrogate(name: str, fn: Callable, *, numbers=(), sequence_level: bool = False) -> SurrogateSpec:
+  """Register the loss ``name`` (see :class:`SurrogateSpec` for ``fn``'s contract): from then on
+  ``GRPOConfig(loss=name)``, ``GRPOHyper(loss=name)``, ``policy_surrogate(..., loss=name)`` and a run config's
+  ``objective.loss: name`` use it, with every aggregation, the KL and entropy terms, the off-policy correction and
+  the token weights (token-level losses). A name is registered once: the compiled programs are cached by it.
+
+  >>> spec = register_surrogate("reinforce_doc", lambda logp, old_logp, adv, real: Surrogate(
+  ...   -adv * logp, jnp.zeros_like(real), jnp.zeros_like(real), jnp.zeros_like(real)))
+  >>> REGISTRY.pop("reinforce_doc") is spec
+  True
+  """
+  if not isinstance(name, str) or not name.isidentifier():
+    raise ValueError(f"a surrogate's `name` must be an identifier str (e.g. 'my_loss'); got {name!r}")
+  if name in REGISTRY:
+    raise ValueError(f"surrogate {name!r} is already registered (as {REGISTRY[name].fn!r}): choose another name")
+  if not callable(fn):
+    raise TypeError(f"surrogate {name!r}: `fn` must be callable (logp, old_logp, adv, real, **numbers); got {fn!r}")
+  numbers = tuple(numbers) if isinstance(numbers, (tuple, list)) else numbers
+  if not isinstance(numbers, tuple) or any(n not in NUMBERS_READ for n in numbers):
+    raise ValueError(
+      f"surrogate {name!r}: `numbers` must be a tuple of some of {list(NUMBERS_READ)} (a new number is one "
+      f"jaxgrpo.kernels.numbers.Number in NUMBERS); got {numbers!r}"
+    )
+  spec = SurrogateSpec(fn, numbers, _checks.check_python_bool(sequence_level, "sequence_level"))
+  REGISTRY[name] = spec
+  return spec
+
+
+def surrogate_spec(loss) -> SurrogateSpec:
+  """The :class:`SurrogateSpec` of ``loss`` (ValueError listing the registered names otherwise)."""
+  return REGISTRY[_checks.check_choice(loss, tuple(REGISTRY), "loss")]
+
+
+def readers(number: str) -> tuple[str, ...]:
+  """The registered losses that read ``number``."""
+  return tuple(n for n, s in REGISTRY.items() if number in s.numbers)
+
+
+def read_by(number: str) -> str | None:
+  """Who reads ``number``, for docstrings: ``"loss 'ppo'"`` for a surrogate's number, else None."""
+  if NUMBERS[number].read_by != "surrogate":
+    return None
+  return f"loss {', '.join(map(repr, readers(number)))}"
+
+
+def surrogate_terms(logp, old_logp, advantages, mask, *, loss, **numbers) -> Surrogate:
+  """The surrogate ``loss`` inside a traced function, unchecked (the loss kernel's call): the inputs as
+  float32 with padding selected away, the advantages broadcast to ``[B, T]`` for a token-level loss, and
+  the numbers ``loss`` reads (:attr:`SurrogateSpec.numbers`) taken from ``numbers``."""
+  spec = REGISTRY[loss]
   sg = jax.lax.stop_gradient
   real = mask
   b, t = logp.shape
   logp = select(real, logp.astype(jnp.float32))
   old_logp = select(real, sg(old_logp.astype(jnp.float32)))
   adv = sg(advantages.astype(jnp.float32))
-  if loss in SEQUENCE_SURROGATES:  # f32[B], checked by the wrappers
-    return (_gspo if loss == "gspo" else _gmpo)(logp, old_logp, adv, real, clip_eps_low, clip_eps_high)
-  adv = select(real, jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, (b, t)))
-  if loss == "gspo_token":
-    return _gspo_token(logp, old_logp, adv, real, clip_eps_low, clip_eps_high)
-  log_ratio = jnp.clip(logp - old_logp, -MAX_LOG_RATIO, MAX_LOG_RATIO)  # 0 on padding
-  if loss == "ppo":
-    return _ppo(log_ratio, adv, real, clip_eps_low, clip_eps_high, dual_clip)
-  if loss == "cispo":
-    return _cispo(logp, log_ratio, adv, real, clip_eps_low, clip_eps_high)
-  return _sapo(log_ratio, adv, real, tau_pos, tau_neg)
+  if not spec.sequence_level:  # a sequence-level loss takes f32[B], checked by the wrappers
+    adv = select(real, jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, (b, t)))
+  return spec.fn(logp, old_logp, adv, real, **{n: numbers[n] for n in spec.numbers})
 
 
 # ----------------------------------------------------------------------------- checks
 
 
-def check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg) -> dict:
-  """The surrogate's hyper-parameters, checked: ``loss`` static; each number a Python float (static) or
-  an array (traced, range-checked when concrete; :func:`jaxgrpo._checks.check_scalar`)."""
-  loss = _checks.check_choice(loss, SURROGATES, "loss")
-  dual_clip = (
-    None
-    if dual_clip is None
-    else _checks.check_scalar(dual_clip, "dual_clip", above=1.0, hint="c of the dual clip, typically 3, or None")
-  )
-  if dual_clip is not None and loss != "ppo":
-    raise ValueError(f"`dual_clip` is PPO's clip for negative advantages; loss={loss!r} has none: pass dual_clip=None")
-  return dict(
-    loss=loss,
-    clip_eps_low=_checks.check_scalar(clip_eps_low, "clip_eps_low", at_least=0.0, hint="ε_low of the clip"),
-    clip_eps_high=_checks.check_scalar(clip_eps_high, "clip_eps_high", at_least=0.0, hint="ε_high of the clip"),
-    dual_clip=dual_clip,
-    tau_pos=_checks.check_scalar(tau_pos, "tau_pos", above=0.0, hint="SAPO's τ for A > 0"),
-    tau_neg=_checks.check_scalar(tau_neg, "tau_neg", above=0.0, hint="SAPO's τ for A <= 0"),
-  )
+def check_loss(loss, numbers: dict) -> str:
+  """``loss``, a registered name, checked with its ``numbers``: an optional number (None: off, e.g. the dual
+  clip) set to a value is refused when the loss does not read it."""
+  spec = surrogate_spec(loss)
+  for n, value in numbers.items():
+    if value is not None and NUMBERS[n].optional and n not in spec.numbers:
+      raise ValueError(
+        f"`{n}` ({NUMBERS[n].hint}) is read by loss {' or '.join(map(repr, readers(n)))} only; loss={loss!r} "
+        f"has none: pass {n}=None"
+      )
+  return loss
+
+
+def check_numbers(loss, numbers: dict) -> dict:
+  """``numbers`` (a Python float: static, or an array: traced and range-checked when concrete; each
+  :meth:`~jaxgrpo.kernels.numbers.Number.check_value`) with ``loss`` checked by :func:`check_loss`."""
+  checked = {n: NUMBERS[n].check_value(v) for n, v in numbers.items()}
+  return dict(loss=check_loss(loss, checked), **checked)
 
 
 def check_advantages(loss: str, advantages, shape) -> None:
@@ -198,7 +301,7 @@ def check_advantages(loss: str, advantages, shape) -> None:
   got = _checks.shape_of(advantages)
   if got not in (shape[:1], shape):
     raise ValueError(f"`advantages` must have shape {shape[:1]} or {shape}; got {got}")
-  if loss in SEQUENCE_SURROGATES and got != shape[:1]:
+  if surrogate_spec(loss).sequence_level and got != shape[:1]:
     raise ValueError(
       f"loss={loss!r} takes one advantage per sequence, f32[B] = {shape[:1]}; got per-token advantages {got} "
       "(e.g. FRPO's). Use a token-level loss: 'gspo_token' (GSPO's sequence ratio with per-token advantages), "
@@ -206,43 +309,35 @@ def check_advantages(loss: str, advantages, shape) -> None:
     )
 
 
-_NUMBERS = ("clip_eps_low", "clip_eps_high", "dual_clip", "tau_pos", "tau_neg")
-_surrogate_jit = _hyper.jit(_surrogate, static_argnames=("loss",), numbers=_NUMBERS)
+_surrogate_jit = _hyper.jit(surrogate_terms, static_argnames=("loss",), numbers=NUMBERS_READ)
 
 
-def policy_surrogate(
-  logp,
-  old_logp,
-  advantages,
-  mask,
-  *,
-  loss="ppo",
-  clip_eps_low=0.2,
-  clip_eps_high=0.2,
-  dual_clip=None,
-  tau_pos=1.0,
-  tau_neg=1.05,
-) -> Surrogate:
+def policy_surrogate(logp, old_logp, advantages, mask, *, loss="ppo", **numbers) -> Surrogate:
   """The per-token policy term ``p(i,t)`` of ``loss`` (see the module table), unaggregated.
 
   Args:
     logp: ``f32[B, T]`` current-policy log-probs of the sampled tokens (differentiable).
     old_logp: ``f32[B, T]`` rollout-policy log-probs (no gradient).
-    advantages: ``f32[B]`` or ``f32[B, T]`` (``f32[B]`` only for ``"gspo"`` and ``"gmpo"``).
+    advantages: ``f32[B]`` or ``f32[B, T]`` (``f32[B]`` only for the sequence-level losses, ``"gspo"`` and
+      ``"gmpo"``).
     mask: ``bool[B, T]`` real tokens; every other input is ignored on padding.
-    loss: one of ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"``, ``"gmpo"``.
-    clip_eps_low, clip_eps_high: ε_low, ε_high >= 0 (each number here a Python float, static, or a
-      ``f32[]`` array, traced: ``jaxgrpo.kernels._hyper``): the ratio range ``[1−ε_low, 1+ε_high]``
-      (``ppo``, ``gspo``, ``gspo_token``; ``cispo``'s weight), the log-ratio range
-      ``[−ε_low, ε_high]`` for ``gmpo``.
-    dual_clip: c > 1 of PPO's dual clip (``"ppo"`` only), or None.
-    tau_pos, tau_neg: SAPO's gate temperatures τ for A > 0 and A <= 0 (paper: 1.0, 1.05).
+    loss: a name of :data:`REGISTRY`: ``"ppo"``, ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"sapo"``,
+      ``"gmpo"`` or a registered one.
+    numbers: any of :data:`NUMBERS_READ` by keyword (each a Python float, static, or a ``f32[]`` array,
+      traced: ``jaxgrpo.kernels._hyper``; the others at their defaults, ``jaxgrpo.kernels.numbers``):
+      ``clip_eps_low``, ``clip_eps_high`` — ε_low, ε_high >= 0: the ratio range ``[1−ε_low, 1+ε_high]``
+      (``ppo``, ``gspo``, ``gspo_token``; ``cispo``'s weight), the log-ratio range ``[−ε_low, ε_high]`` for
+      ``gmpo``; ``dual_clip`` — c > 1 of PPO's dual clip (``"ppo"`` only), or None; ``tau_pos``, ``tau_neg`` —
+      SAPO's gate temperatures τ for A > 0 and A <= 0 (paper: 1.0, 1.05).
 
   Returns:
     :class:`Surrogate` ``(loss f32[B, T], clip_low, clip_high, clip_dual bool[B, T])``.
   """
+  unknown = sorted(set(numbers) - set(NUMBERS_READ))
+  if unknown:
+    raise TypeError(f"policy_surrogate: unknown keyword(s) {unknown}; the numbers are {list(NUMBERS_READ)}")
   shape = _checks.check_logp_pair(logp, old_logp, mask, ("logp", "old_logp"))
-  hyper = check_hyper(loss, clip_eps_low, clip_eps_high, dual_clip, tau_pos, tau_neg)
+  hyper = check_numbers(loss, {n: numbers.get(n, NUMBERS[n].default) for n in NUMBERS_READ})
   loss = hyper.pop("loss")
   check_advantages(loss, advantages, shape)
   return _surrogate_jit(logp, old_logp, advantages, mask, loss=loss, **hyper)
