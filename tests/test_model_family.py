@@ -132,6 +132,28 @@ def test_a_registered_family_builds_scans_and_carries_lora_adapters_peft_reads(t
   assert err < 1e-4, err
 
 
+def test_a_registered_family_with_reward_model_support_scores_as_transformers_classifier(tmp_path, mistral):
+  from jaxgrpo.rewards.reward_model import load_reward_model
+
+  config = transformers.AutoConfig.for_model(**TINY, pad_token_id=3, num_labels=2)
+  torch.manual_seed(4)
+  reference = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+  assert type(reference).__name__ == "MistralForSequenceClassification"
+  with torch.no_grad():
+    for name, p in reference.named_parameters():
+      p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
+    reference.score.weight.mul_(20.0)  # scores of order 1
+  reference.save_pretrained(tmp_path / "rm")
+  rm = load_reward_model(tmp_path / "rm")
+  tokens = np.random.default_rng(3).integers(4, 128, (3, 10))
+  tokens[1, 7:] = tokens[2, :4] = 3  # right and left padding (transformers reads the last non-pad token)
+  mask = tokens != 3
+  with torch.no_grad():
+    want = reference(input_ids=torch.as_tensor(tokens), attention_mask=torch.as_tensor(mask).long()).logits.numpy()
+  assert np.abs(want).max() > 0.1
+  np.testing.assert_allclose(rm.score(tokens, mask), want, atol=1e-4, rtol=0)
+
+
 def test_an_unregistered_family_is_refused_by_name():
   with pytest.raises(ValueError, match=r"Unsupported model_type='mistral'; supported: \[.*'qwen3'"):
     models.config_from_hf(TINY)
