@@ -1,5 +1,9 @@
 """Model ports (GPT-2, Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen2-MoE) in Flax NNX, and HF checkpoint I/O.
 
+Each family is one entry of the registry (``jaxgrpo.models.registry``: config class, model class, HF name map, LoRA
+sites, what the engine and the reward model support); the built-in entries are ``jaxgrpo.models.families``,
+imported here, and ``register_family`` adds one (docs/models.md, "Adding a model family").
+
 See docs/models.md for the call contract (config, call signature, KV cache, log_probs, checkpoints)
 and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights, merge;
 ``jaxgrpo.models.lora_peft``: PEFT adapter directories, out and in).
@@ -7,6 +11,7 @@ and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights,
 
 from __future__ import annotations
 
+from jaxgrpo.models import families  # noqa: F401  (registers the built-in families)
 from jaxgrpo.models.base import (
   CausalLM,
   RematPolicy,
@@ -41,10 +46,12 @@ from jaxgrpo.models.log_probs import (
 from jaxgrpo.models.lora import LoRAConfig, apply_lora, merge_lora, reference_model
 from jaxgrpo.models.lora_peft import save_peft
 from jaxgrpo.models.moe import MoEModel, routing_scope
+from jaxgrpo.models.registry import Family, family_of, register_family
 
 __all__ = [
   "CausalLM",
   "DEFAULT_RULES",
+  "Family",
   "GPT2Config",
   "GPT2Model",
   "KVCache",
@@ -65,6 +72,7 @@ __all__ = [
   "chunked_log_probs",
   "completion_log_probs",
   "config_from_hf",
+  "family_of",
   "load_hf",
   "load_tokenizer",
   "log_probs",
@@ -74,6 +82,7 @@ __all__ = [
   "positions_from_mask",
   "positions_from_segments",
   "put_cache_rows",
+  "register_family",
   "reference_model",
   "repeat_cache",
   "routing_scope",

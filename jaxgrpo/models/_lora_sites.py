@@ -3,8 +3,8 @@ every LoRA edit shares.
 
 Private to ``jaxgrpo.models.lora`` (which adds, quantises, merges and counts) and ``jaxgrpo.models.lora_peft``
 (which writes and reads PEFT directories): a :class:`_Site` is one projection of a model (the modules listing
-``PROJECTIONS``: attention q/k/v/o, the SwiGLU gate/up/down, GPT-2's fc/proj) with the only name-based access to
-its weight and adapter; :func:`_edit_layers` runs an edit on a scanned model's loop layout; :func:`_place` puts a
+``PROJECTIONS``, which the model's family names in its registry entry, ``Family.lora_modules``: attention q/k/v/o,
+the SwiGLU gate/up/down, GPT-2's fc/proj) with the only name-based access to its weight and adapter; :func:`_edit_layers` runs an edit on a scanned model's loop layout; :func:`_place` puts a
 new array on its weight's mesh.
 """
 
@@ -17,12 +17,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxgrpo.models.base import CausalLM, stack_blocks, to_loop_layers
-from jaxgrpo.models.gpt2 import GPT2MLP
-from jaxgrpo.models.layers import Attention, LoRA, QuantizedWeight
-from jaxgrpo.models.llama import SwiGLU
+from jaxgrpo.models.layers import LoRA, QuantizedWeight
+from jaxgrpo.models.registry import family_of
 from jaxgrpo.parallel.sharding import DEFAULT_RULES, logical_to_spec
-
-_ADAPTABLE = (Attention, SwiGLU, GPT2MLP)  # the modules whose projections can carry adapters
 
 
 class _Site(NamedTuple):
@@ -70,9 +67,11 @@ def _edit_layers(model, edit):
 
 
 def _sites(model) -> list[_Site]:
+  """The projections of the modules the model's family adapts (``Family.lora_modules``), in module order."""
+  adaptable = family_of(model.config).lora_modules
   out = []
   for path, module in nnx.iter_modules(model):
-    if isinstance(module, _ADAPTABLE):
+    if isinstance(module, adaptable):
       for name, contract in module.PROJECTIONS.items():
         out.append(_Site(module, name, contract, tuple(path) + (name,)))
   return out

@@ -1,4 +1,5 @@
-"""``build_model``: a randomly initialised model of a config's family (below ``hf.py``, which loads into it)."""
+"""``build_model``: a randomly initialised model of a config's family (``jaxgrpo.models.registry``; below ``hf.py``,
+which loads into it)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models.base import CausalLM, RematPolicy
-from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig
-from jaxgrpo.models.gpt2 import GPT2Model
-from jaxgrpo.models.llama import LlamaModel
-from jaxgrpo.models.moe import MoEModel
+from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.models.registry import family_of
 
 __all__ = ["build_model"]
 
@@ -29,7 +28,8 @@ def build_model(
   """A randomly initialised model of ``cfg``'s family.
 
   Args:
-    cfg: ``GPT2Config`` → ``GPT2Model``; ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` → ``LlamaModel``;
+    cfg: a config of a registered family (``jaxgrpo.models.registry``), built by its ``Family.model``:
+      ``GPT2Config`` → ``GPT2Model``; ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` → ``LlamaModel``;
       ``Qwen3MoeConfig``/``Qwen2MoeConfig`` → ``jaxgrpo.models.moe.MoEModel``.
     rngs: ``nnx.Rngs`` with a ``params`` stream (weights ~ N(0, 0.02²), biases 0, norm scales 1).
     dtype: compute dtype (activations, matmul inputs, KV cache). Softmax, norms and log-probs are
@@ -50,14 +50,8 @@ def build_model(
       models (ValueError).
 
   Raises:
-    TypeError: ``cfg`` is not one of the supported config classes.
+    TypeError: ``cfg`` is not a config of a registered family.
     ValueError: ``scan_layers`` with a MoE config.
   """
   kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers)
-  if isinstance(cfg, GPT2Config):
-    return GPT2Model(cfg, **kw)
-  if isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
-    return MoEModel(cfg, **kw)
-  if isinstance(cfg, LlamaConfig):
-    return LlamaModel(cfg, **kw)
-  raise TypeError(f"cfg must be one of GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config; got {type(cfg).__name__}")
+  return family_of(cfg).model(cfg, **kw)

@@ -1,6 +1,7 @@
 """Model configs: one frozen, keyword-only dataclass per family, built from a HF ``config.json``.
-One job: describing an architecture (fields, HF defaults, checks); every family's config is here so the ports,
-the loader and the builders read them from one module.
+One job: describing an architecture (fields, HF defaults, checks); every built-in family's config is here so the
+ports, the loader and the builders read them from one module (``config_from_hf`` finds a family's class through
+``jaxgrpo.models.registry``, so a family registered from its own module is read the same way).
 
 Common fields (all families): ``vocab_size`` (V), ``hidden_size`` (D), ``num_layers`` (L),
 ``num_heads`` (H), ``num_kv_heads`` (N, = H without GQA), ``head_dim`` (K),
@@ -23,6 +24,8 @@ import os
 from typing import Any, ClassVar
 
 import numpy as np
+
+from jaxgrpo.models.registry import config_class
 
 __all__ = [
   "RopeScaling",
@@ -493,13 +496,11 @@ class Qwen2MoeConfig(_MoEFields, Qwen2Config):
 
 
 ModelConfig = GPT2Config | LlamaConfig
-_FAMILIES = {
-  c.model_type: c for c in (GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig)
-}
 
 
 def config_from_hf(config: dict | str | os.PathLike) -> ModelConfig:
-  """Config of the right family from a HF config dict, a ``config.json`` path or a model directory.
+  """Config of the right family from a HF config dict, a ``config.json`` path or a model directory: the config
+  class registered for its ``model_type`` (``jaxgrpo.models.registry.config_class``).
 
   Raises ValueError on a missing or unsupported ``model_type``.
   """
@@ -514,10 +515,9 @@ def config_from_hf(config: dict | str | os.PathLike) -> ModelConfig:
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
   model_type = config.get("model_type")
-  if model_type not in _FAMILIES:
-    raise ValueError(f"Unsupported model_type={model_type!r}; supported: {sorted(_FAMILIES)}")
+  cls = config_class(model_type)  # the registered families' (jaxgrpo.models.registry)
   try:
-    return _FAMILIES[model_type].from_hf(config)
+    return cls.from_hf(config)
   except KeyError as e:  # a required field: name it and the file, not a bare 'hidden_size'
     raise ValueError(
       f"{where}: missing the key {e.args[0]!r}, which a model_type={model_type!r} config needs "

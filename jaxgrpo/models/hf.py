@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: ``load_hf`` / ``save_hf`` / ``load_tokenizer``, and the name maps.
 
-Each family has a table of ``Entry(path, hf_name, hf_shape, to_ours, to_hf)``: ``path`` is the
+Each family has a table (its registry entry's ``hf_names``, ``jaxgrpo.models.registry``; the built-in ones are
+``gpt2_entries``, ``llama_entries``, ``moe_entries``) of ``Entry(path, hf_name, hf_shape, to_ours, to_hf)``: ``path`` is the
 parameter's path in the NNX state, ``to_ours`` turns the HF tensor into our layout using only
 NumPy *views* (reshape of a contiguous array, transpose, slicing), so that a memory-mapped
 safetensors tensor is never copied whole: each device shard is cut out of the view by
@@ -40,8 +41,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jaxgrpo import _checks
 from jaxgrpo.models.base import RematPolicy, check_scan_layers
 from jaxgrpo.models.build import build_model
-from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
-from jaxgrpo.models.moe import SCAN_LAYERS_MOE_ERROR
+from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
+from jaxgrpo.models.registry import family_of
 from jaxgrpo.parallel.sharding import (  # the one rules table lives in jaxgrpo.parallel.sharding
   DEFAULT_RULES,
   logical_to_spec,
@@ -55,6 +56,9 @@ __all__ = [
   "logical_to_spec",
   "hf_entries",
   "stack_layer_entries",
+  "gpt2_entries",
+  "llama_entries",
+  "moe_entries",
 ]
 
 logger = logging.getLogger(__name__)
@@ -147,7 +151,8 @@ def _bias_heads(n, k):
   return lambda a: a.reshape(n, k), lambda a: a.reshape(n * k)
 
 
-def _gpt2_entries(cfg: GPT2Config) -> list[Entry]:
+def gpt2_entries(cfg: GPT2Config) -> list[Entry]:
+  """GPT-2's name map (``transformer.*``; the fused ``c_attn`` split into q, k, v)."""
   D, H, K, F, V, P = (
     cfg.hidden_size,
     cfg.num_heads,
@@ -204,7 +209,8 @@ def _gpt2_entries(cfg: GPT2Config) -> list[Entry]:
   return out
 
 
-def _llama_entries(cfg: LlamaConfig) -> list[Entry]:
+def llama_entries(cfg: LlamaConfig) -> list[Entry]:
+  """The Llama / Qwen2 / Qwen3 name map (``model.*``; biases, q/k norms and the head as the flags say)."""
   D, H, N, K, F, V = (
     cfg.hidden_size,
     cfg.num_heads,
@@ -255,13 +261,13 @@ def _llama_entries(cfg: LlamaConfig) -> list[Entry]:
   return out
 
 
-def _moe_entries(cfg) -> list:
+def moe_entries(cfg) -> list:
   """Qwen3-MoE / Qwen2-MoE: the Llama-family map, with each sparse layer's dense MLP replaced by the
   router (``mlp.gate.weight [E, D]``), the stacked experts (``mlp.experts.{e}.{gate,up,down}_proj``)
   and, for Qwen2-MoE, the shared expert and its gate (``mlp.shared_expert*``)."""
   D, E, F = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   sparse = set(cfg.moe_layers)
-  out = [e for e in _llama_entries(cfg) if not (e.path[0] == "layers" and e.path[1] in sparse and e.path[2] == "mlp")]
+  out = [e for e in llama_entries(cfg) if not (e.path[0] == "layers" and e.path[1] in sparse and e.path[2] == "mlp")]
   for i in sorted(sparse):
     p = f"model.layers.{i}.mlp."
     L = ("layers", i, "mlp")
@@ -282,14 +288,9 @@ def _moe_entries(cfg) -> list:
 
 
 def hf_entries(cfg: ModelConfig) -> list[Entry]:
-  """The name map of ``cfg``'s family: one ``Entry`` (or ``StackedEntry``) per parameter of ``build_model(cfg)``."""
-  if isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
-    return _moe_entries(cfg)
-  if isinstance(cfg, GPT2Config):
-    return _gpt2_entries(cfg)
-  if isinstance(cfg, LlamaConfig):
-    return _llama_entries(cfg)
-  raise TypeError(f"cfg must be a model config, got {type(cfg).__name__}")
+  """The name map of ``cfg``'s family (its ``Family.hf_names``, ``jaxgrpo.models.registry``): one ``Entry`` (or
+  ``StackedEntry``) per parameter of ``build_model(cfg)``."""
+  return family_of(cfg).hf_names(cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,15 +456,13 @@ def load_hf(
       )
   directory = _resolve(path)
   cfg = config_from_hf(directory)
-  if scan_layers and isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
-    raise ValueError(SCAN_LAYERS_MOE_ERROR.format(type(cfg).__name__))
   rules = DEFAULT_RULES if rules is None else dict(rules)
-  tensors = _read_checkpoint(directory)
-  abstract = nnx.eval_shape(
+  abstract = nnx.eval_shape(  # the model refuses what it cannot build (MoE with scan_layers) before any read
     lambda: build_model(
       cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers
     )
   )
+  tensors = _read_checkpoint(directory)
   graphdef, state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(state))
   entries = hf_entries(cfg)

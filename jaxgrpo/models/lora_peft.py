@@ -22,9 +22,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxgrpo.models._lora_sites import _check_model, _edit_layers, _place, _sites, _weight_info
 from jaxgrpo.models.base import to_loop_layers
-from jaxgrpo.models.config import GPT2Config
 from jaxgrpo.models.hf import hf_entries
 from jaxgrpo.models.layers import LoRA
+from jaxgrpo.models.registry import family_of
 
 __all__ = ["save_peft", "load_peft"]
 
@@ -115,7 +115,7 @@ def save_peft(model, path: str | os.PathLike, *, base_model_name_or_path: str | 
     "target_modules": sorted(modules),
     "rank_pattern": rank_pattern,
     "alpha_pattern": alpha_pattern,
-    "fan_in_fan_out": isinstance(model.config, GPT2Config),  # GPT-2's Conv1D stores [in, out]
+    "fan_in_fan_out": family_of(model.config).hf_conv1d,  # GPT-2's Conv1D stores [in, out]
     "bias": "none",
     "inference_mode": True,
     "init_lora_weights": True,

@@ -38,7 +38,7 @@ from jaxgrpo import _checks
 from jaxgrpo.data.rewards import PROMPT_MESSAGES, CountingReward
 from jaxgrpo.models.base import freeze_rules, positions_from_mask
 from jaxgrpo.models.build import build_model
-from jaxgrpo.models.config import LlamaConfig, Qwen2MoeConfig, Qwen3MoeConfig, config_from_hf
+from jaxgrpo.models.config import LlamaConfig, config_from_hf
 from jaxgrpo.models.hf import (
   Entry,
   LayerEntry,
@@ -53,6 +53,7 @@ from jaxgrpo.models.hf import (
   stack_layer_entries,
 )
 from jaxgrpo.models.layers import dense, param
+from jaxgrpo.models.registry import family_of, registered
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.sharding import DEFAULT_RULES
 
@@ -104,10 +105,9 @@ class RewardModel(nnx.Module):
     rules: Mapping[str, Any] | None = None,
     scan_layers: bool = False,
   ):
-    if not isinstance(config, LlamaConfig) or isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig)):
-      raise TypeError(
-        f"config must be a LlamaConfig, Qwen2Config or Qwen3Config (a dense decoder); got {type(config).__name__}"
-      )
+    if not family_of(config).reward_model:
+      names = ", ".join(f.config.__name__ for f in registered() if f.reward_model)
+      raise TypeError(f"config must be one of {names} (a dense decoder); got {type(config).__name__}")
     num_labels = _checks.check_python_int(num_labels, "num_labels", minimum=1, hint="the score head's width")
     config = dataclasses.replace(config, tie_word_embeddings=True)  # no LM head: a classifier never has one
     self.model = build_model(
@@ -227,8 +227,9 @@ def load_reward_model(
       "*ForSequenceClassification checkpoint (Llama, Qwen2, Qwen3)"
     )
   cfg = config_from_hf(raw)
-  if not isinstance(cfg, LlamaConfig) or isinstance(cfg, (Qwen3MoeConfig, Qwen2MoeConfig)):
-    raise ValueError(f"{directory}: model_type={raw.get('model_type')!r}; reward models: llama, qwen2, qwen3")
+  if not family_of(cfg).reward_model:
+    names = ", ".join(f.model_type for f in registered() if f.reward_model)
+    raise ValueError(f"{directory}: model_type={raw.get('model_type')!r}; reward models: {names}")
   tensors = _read_checkpoint(directory)
   if SCORE_HEAD not in tensors:
     raise ValueError(f"tensor {SCORE_HEAD!r} (the classifier head) is missing from the checkpoint in {directory}")

@@ -32,6 +32,7 @@ docs/sampling.md, "Engines": the weight path step by step, memory on one GPU, in
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import logging
@@ -50,8 +51,8 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo.models import lora
-from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
 from jaxgrpo.models.hf import StackedEntry, hf_entries
+from jaxgrpo.models.registry import family_of, registered
 from jaxgrpo.rollout.engines.base import FINISH_REASONS, Generation
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling
 
@@ -69,15 +70,6 @@ INSTALL_HINT = (
   "transformers<5.20), or `bash scripts/setup_vllm_venv.sh` and run with `.venv-vllm/bin/python`"
 )
 
-#: transformers class names vLLM picks its model implementation by (``architectures`` of config.json).
-ARCHITECTURES = {
-  "gpt2": "GPT2LMHeadModel",
-  "llama": "LlamaForCausalLM",
-  "qwen2": "Qwen2ForCausalLM",
-  "qwen3": "Qwen3ForCausalLM",
-  "qwen3_moe": "Qwen3MoeForCausalLM",
-  "qwen2_moe": "Qwen2MoeForCausalLM",
-}
 DTYPES = ("float32", "bfloat16", "float16")
 _SUPPRESS_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
 
@@ -115,7 +107,7 @@ def check_moe_sizes(config, on_gpu: bool) -> None:
   """ValueError naming ``moe_intermediate_size`` / ``hidden_size`` when a MoE policy's expert sizes are not
   multiples of 32 on CPU: vLLM's CPU grouped-gemm experts need the hidden size in multiples of 32 and pad the
   expert width to one, and the push's repack (:func:`_repack_cpu_experts`) re-lays unpadded experts only."""
-  if on_gpu or not isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig)):
+  if on_gpu or not family_of(config).experts:
     return
   for name in ("moe_intermediate_size", "hidden_size"):
     value = getattr(config, name)
@@ -124,6 +116,12 @@ def check_moe_sizes(config, on_gpu: bool) -> None:
         f"`config.{name}`={value}: vLLM's CPU fused-MoE kernel (pushed weights re-laid by the engine) needs "
         f"{name} a multiple of 32; pick a model config with one"
       )
+
+
+def _most_fused(config) -> int:
+  """The most projections one HF weight tensor of the family's name map holds (3: GPT-2's fused ``c_attn``; 1
+  otherwise): a PEFT adapter of that tensor has up to that many times the policy's rank (``lora.save_peft``)."""
+  return max(collections.Counter(e.hf_name for e in hf_entries(config) if e.hf_name.endswith(".weight")).values())
 
 
 class ExpectedVLLMWarnings:
@@ -301,9 +299,9 @@ class VLLMEngine:
     lora_rank: int | None = None,
     model=None,
   ):
-    family = getattr(config, "model_type", None)
-    if family not in ARCHITECTURES:
-      raise ValueError(f"`config` must be a jaxgrpo model config of {sorted(ARCHITECTURES)}; got {config!r:.80}")
+    served = sorted(f.model_type for f in registered() if f.vllm)  # the registry's (jaxgrpo.models.registry)
+    if getattr(config, "model_type", None) not in served or not family_of(config).vllm:
+      raise ValueError(f"`config` must be a jaxgrpo model config of {served}; got {config!r:.80}")
     dtype = _checks.check_choice(dtype, DTYPES, "dtype")
     self.logprobs_temperature = _checks.check_python_float(
       logprobs_temperature, "logprobs_temperature", above=0.0, hint="temperature of the reported log-probs"
@@ -317,7 +315,7 @@ class VLLMEngine:
     from vllm import LLM
 
     self.config = config
-    self.moe = isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig))
+    self.moe = family_of(config).experts
     if lora_rank is not None:
       lora_rank = _checks.check_python_int(lora_rank, "lora_rank", minimum=1, hint="the policy's LoRA rank r")
     self.lora_rank = lora_rank
@@ -326,8 +324,7 @@ class VLLMEngine:
     self._base_fingerprint = None  # lora.base_fingerprint of the base weights in vLLM (adapter-only sync)
     self.max_model_len = int(max_model_len or config.max_position_embeddings)
     self._dir = tempfile.TemporaryDirectory(prefix="jaxgrpo-vllm-")
-    hf = config.to_hf()
-    hf["architectures"] = [ARCHITECTURES[family]]
+    hf = config.to_hf()  # its architectures: the transformers class vLLM picks its implementation by
     hf["torch_dtype"] = hf["dtype"] = dtype
     with open(os.path.join(self._dir.name, "config.json"), "w") as f:
       json.dump(hf, f)
@@ -344,9 +341,7 @@ class VLLMEngine:
       logprobs_mode="raw_logprobs" if self.logprobs_temperature == 1.0 else "processed_logprobs",
     )
     if lora_rank is not None:
-      kw.update(
-        enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank * (3 if family == "gpt2" else 1))
-      )
+      kw.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank * _most_fused(config)))
     if self.on_gpu:
       kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
     else:
