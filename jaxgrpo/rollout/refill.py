@@ -29,11 +29,11 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.models.log_probs import Temperature
 from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import sampling as _sampling
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
-from jaxgrpo.step.batch import Temperature
 
 __all__ = ["generate_refill"]
 

@@ -32,8 +32,8 @@ from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.models import lora as _lora
 from jaxgrpo.models import moe as _moe
+from jaxgrpo.models.log_probs import Temperature
 from jaxgrpo.parallel.target import target_platform
-from jaxgrpo.step.batch import Temperature
 
 __all__ = [
   "Rollout",
@@ -142,7 +142,7 @@ class Rollout(NamedTuple):
       layer routed each token of ``[prompt ‖ completion]`` to while sampling (prompt columns from the
       prefill, completion token t from the decode step that fed it; the last completion column, never
       fed, is 0). The routing replay of the train step (``Batch.routing``). None otherwise.
-    temperature: the temperature the rows were sampled at (a ``jaxgrpo.step.batch.Temperature``: a float that
+    temperature: the temperature the rows were sampled at (a ``jaxgrpo.models.log_probs.Temperature``: a float that
       ``jax.tree.map`` and ``jit`` pass through), set by :func:`generate`; ``Batch.from_rollout`` carries it to
       the train step, which refuses log-probs of another temperature than its own. None: not known (a rollout
       built by hand or by an engine that does not say), not checked.
