@@ -293,6 +293,19 @@ def check_prng_key(key, name: str = "key") -> jax.Array:
   return key
 
 
+def check_positions(terms, limit: int, whose: str, fix: str) -> None:
+  """The one length rule: a row of ``sum(n for _, n in terms)`` tokens (a prompt, its completion, ...) must fit
+  the ``limit`` positions of ``whose`` (a model's ``max_position_embeddings``, an engine's ``max_model_len``).
+  ``terms``: ``[(text, n), ...]``, each ``text`` naming its count as the user set it (``"prompt length 20"``).
+  ValueError in one line naming the numbers and ``fix``:
+  ``"prompt length 20 + max_new_tokens 200 = 220 exceeds the 128 positions of the model (max_position_embeddings):
+  shorten the prompts or lower SamplingConfig.max_new_tokens"``."""
+  total = sum(n for _, n in terms)
+  if total > limit:
+    said = " + ".join(text for text, _ in terms)
+    raise ValueError(f"{said} = {total} exceeds the {limit} positions of {whose}: {fix}")
+
+
 def check_prompts(prompt_tokens, prompt_mask) -> tuple[jax.Array, jax.Array]:
   """``int32[B, P]`` tokens and their ``bool[B, P]`` mask, left-padded with >= 1 real token per row.
 

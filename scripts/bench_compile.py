@@ -123,23 +123,10 @@ class Programs:
     rng = np.random.default_rng(0)
     if program == "sample":
       prompts = jnp.asarray(rng.integers(1, self.cfg.vocab_size, (a.batch // a.group, a.prompt)), jnp.int32)
-      state = nnx.State.merge(self.state.params, self.state.frozen)
-      return sampling._generate_jit.lower(
-        self.sample_graphdef,
-        state,
-        prompts,
-        jnp.ones(prompts.shape, bool),
-        jax.random.key(0),
-        num_samples=a.group,
-        max_new_tokens=bucket,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        eos_ids=(1,),
-        pad_id=0,
-        suppress_ids=(0,),
-        record_routing=False,
-      )
+      model = nnx.merge(self.sample_graphdef, nnx.State.merge(self.state.params, self.state.frozen))
+      config = sampling.SamplingConfig(num_samples=a.group, max_new_tokens=bucket, eos_ids=(1,), pad_id=0)
+      policy = sampling.SamplingPolicy.from_config(config, temperature=1.0, vocab_size=self.cfg.vocab_size)
+      return sampling.lower_generate(model, prompts, jnp.ones(prompts.shape, bool), policy, key=jax.random.key(0))
     batch = _bench.grpo_batch(rng, a.batch, a.group, a.prompt, bucket, self.cfg.vocab_size)
     if program == "step":
       return self.step.lower(self.state, batch)

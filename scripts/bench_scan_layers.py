@@ -78,24 +78,15 @@ class Variant:
     a = self.args
     rng = np.random.default_rng(1)
     prompts = jnp.asarray(rng.integers(1, a.vocab, (a.batch // a.group, a.prompt)), jnp.int32)
-    graphdef, state = nnx.split(self.sample_model)
-    return (graphdef, state, prompts, jnp.ones(prompts.shape, bool), jax.random.key(0)), dict(
-      num_samples=a.group,
-      max_new_tokens=new_tokens,
-      temperature=1.0,
-      top_p=1.0,
-      top_k=0,
-      eos_ids=(),
-      pad_id=0,
-      suppress_ids=(),
-      record_routing=False,
-    )
+    config = sampling.SamplingConfig(num_samples=a.group, max_new_tokens=new_tokens, pad_id=0, suppress_ids=())
+    return (self.sample_model, prompts, jnp.ones(prompts.shape, bool), config), dict(key=jax.random.key(0))
 
   def compile_seconds(self, program: str, batch: train.Batch, bucket: int) -> float:
     jax.clear_caches()
     if program == "sample":
-      pos, kw = self.sample_args(bucket)
-      return _bench.timed(lambda: sampling._generate_jit.lower(*pos, **kw).compile() and 0)
+      (model, prompts, mask, config), kw = self.sample_args(bucket)
+      policy = sampling.SamplingPolicy.from_config(config, temperature=1.0, vocab_size=model.config.vocab_size)
+      return _bench.timed(lambda: sampling.lower_generate(model, prompts, mask, policy, **kw).compile() and 0)
     if program == "step":
       return _bench.timed(lambda: self.step.lower(self.state, batch).compile() and 0)
     first = _bench.timed(lambda: self.reference(self.ref_params, batch))
@@ -136,7 +127,7 @@ def main(argv=None):
     num_heads=4,
     num_kv_heads=2,
     head_dim=args.hidden // 4,
-    max_position_embeddings=args.prompt + max(buckets) + 1,
+    max_position_embeddings=args.prompt + max(*buckets, 64) + 1,  # 64: the steady-state sample
     tie_word_embeddings=True,
   )
   print(_bench.backend_line())
@@ -182,7 +173,7 @@ def main(argv=None):
     pos, kw = var.sample_args(64)
     fns[v, "step"] = step
     fns[v, "reference"] = lambda var=var: var.reference(var.ref_params, batch)
-    fns[v, "sample"] = lambda pos=pos, kw=kw: sampling._generate_jit(*pos, **kw).completions
+    fns[v, "sample"] = lambda pos=pos, kw=kw: sampling.generate(*pos, **kw).completions
   print(f"steady state (bucket {t0}; sample: 64 new tokens), median of {args.run_repeats} alternating calls:")
   for program in ("step", "reference", "sample"):
     times = _bench.alternating_times([fns[v, program] for v in VARIANTS], args.run_repeats, warmup=2)

@@ -159,11 +159,9 @@ def test_generate_of_a_scanned_model_samples_as_the_loop_and_the_stacked_cache_d
     np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
   assert np.asarray(want.mask).sum() > 9  # tokens were sampled (not all rows ended at once)
   # the program: the loop model's loops only (the decode while_loop), no layer scan inside it
-  kw = dict(num_samples=2, max_new_tokens=9, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(5,), pad_id=0)
+  policy = sampling.SamplingPolicy.from_config(sc, temperature=1.0, vocab_size=64)
   whiles = {
-    name: sampling._generate_jit.lower(*nnx.split(m), prompts, mask, jax.random.key(3), suppress_ids=(0,), **kw)
-    .as_text()
-    .count("stablehlo.while")
+    name: sampling.lower_generate(m, prompts, mask, policy, key=jax.random.key(3)).as_text().count("stablehlo.while")
     for name, m in (("loop", loop), ("scan", scan))
   }
   assert whiles["scan"] == whiles["loop"] >= 1, whiles

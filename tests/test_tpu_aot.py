@@ -83,7 +83,7 @@ def test_a_bf16_model_compiled_for_a_tpu_has_bf16_products(report):
   all bf16 × bf16, the step's too but for the backward products of the hand-written gradients (the LM head's
   log-prob kernel and the attention softmax: a float32 cotangent times a bf16 activation, by design); a mixture
   of experts' step dispatches with ragged_dot."""
-  for name in ("step", "sample"):
+  for name in ("step", "sample", "sample_mesh"):  # sample_mesh: lower_generate(..., mesh=the slice's mesh)
     dots = report[f"{name}_dots"]
     assert dots and report[f"{name}_f32_dots"] == [], (name, report[f"{name}_f32_dots"])
     assert all("xbf16>" in d.split("->")[0] for d in dots), (name, dots)

@@ -30,7 +30,6 @@ from flax import nnx
 import jaxgrpo as jg
 from jaxgrpo import models
 from jaxgrpo.models.layers import cpu_bf16_dots, cpu_kv_cache
-from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import sampling
 
 #: the TPU slice of the checks: v5e-4 (4 chips, one host), MaxText's argument values for it
@@ -125,26 +124,13 @@ def _step(cfg, mesh, *, abstract: bool, mu_dtype=None, micro_batches: int = 2):
   return step, state
 
 
-def _sampler_text(graphdef, state, prompts, prompt_mask, key) -> str:
+def _sampler_text(graphdef, state, prompts, prompt_mask, key, mesh=None) -> str:
   """The StableHLO of ``generate``'s program (G samples of 8 new tokens) for the model's arrays as given, traced
-  for the platform of those arrays (as ``generate`` traces it)."""
-  with target_platform(state):
-    return sampling._generate_jit.lower(
-      graphdef,
-      state,
-      prompts,
-      prompt_mask,
-      key,
-      num_samples=G,
-      max_new_tokens=8,
-      temperature=1.0,
-      top_p=1.0,
-      top_k=0,
-      eos_ids=(1,),
-      pad_id=0,
-      suppress_ids=(0,),
-      record_routing=False,
-    ).as_text()
+  for the platform of those arrays (``sampling.lower_generate``: as ``generate`` traces it), or in ``mesh``."""
+  model = nnx.merge(graphdef, state)
+  config = sampling.SamplingConfig(num_samples=G, max_new_tokens=8, eos_ids=(1,), pad_id=0)  # suppresses the pad id
+  policy = sampling.SamplingPolicy.from_config(config, temperature=1.0, vocab_size=model.config.vocab_size)
+  return sampling.lower_generate(model, prompts, prompt_mask, policy, key=key, mesh=mesh).as_text()
 
 
 def _sha(lower) -> str:
@@ -208,13 +194,15 @@ def tpu_report() -> dict:
   graphdef = nnx.split(nnx.eval_shape(lambda: models.build_model(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))[0]
   sample_state = nnx.State.merge(state.params, state.frozen)
   prompts = batch.prompt_tokens[:: G * 2][:4]  # 4 prompts: divisible by data × fsdp
-  sample_text = _sampler_text(
+  sample_args = (
     graphdef,
     sample_state,
     _abstract(prompts, rows),
     _abstract(np.ones(prompts.shape, bool), rows),
     jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
   )
+  sample_text = _sampler_text(*sample_args)
+  sample_mesh_text = _sampler_text(*sample_args, mesh=mesh)  # lower_generate(..., mesh=): the mesh's platform
   try:  # the real state cannot be placed on compile-only devices: one line saying so
     _step(dense_config(), mesh, abstract=False)
     refusal = None
@@ -232,6 +220,8 @@ def tpu_report() -> dict:
     "step_f32_dots": f32_dots(step_text),
     "sample_dots": dot_types(sample_text),
     "sample_f32_dots": f32_dots(sample_text),
+    "sample_mesh_dots": dot_types(sample_mesh_text),
+    "sample_mesh_f32_dots": f32_dots(sample_mesh_text),
     "moe_f32_dots": f32_dots(moe_text),
     "moe_ragged_dot": "ragged_dot" in moe_text,
     "memory": {

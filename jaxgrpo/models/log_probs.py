@@ -1,5 +1,6 @@
 """Per-token log-probabilities (and entropies) without materialising the float32 ``[B, T, V]`` logits.
-One job: the policy's log-probs of given tokens — one chunked head kernel and the entry points that feed it.
+One job: the policy's log-probs of given tokens — one chunked head kernel and the entry points that feed it —
+and the temperature they refer to (:class:`Temperature`, :func:`check_temperature`, below the samplers and the step).
 
 One kernel, :func:`chunked_log_probs`, computes ``log_softmax(logits / temperature)[target]`` and,
 optionally, the entropy of that distribution, one chunk of positions at a time, with its own gradient
@@ -29,13 +30,47 @@ from jaxgrpo.models.base import CausalLM, head_logits, positions_from_mask
 from jaxgrpo.models.layers import forward_mode_active, forward_mode_autodiff
 
 __all__ = [
+  "Temperature",
+  "check_temperature",
   "chunked_log_probs",
   "completion_log_probs",
   "head_log_probs",
   "log_probs",
+  "logprob_temperature",
   "packed_log_probs",
   "token_log_probs",
 ]
+
+
+@jax.tree_util.register_static
+class Temperature(float):
+  """The temperature a rollout was sampled at, as ``Rollout.temperature`` and ``Batch.temperature`` carry it: a
+  ``float`` that is a pytree node without leaves, so ``jax.tree.map``, ``jit`` and ``device_put`` pass it through
+  unchanged (a plain float would be a leaf: sliced, concatenated and traced like the arrays)."""
+
+  def __repr__(self) -> str:
+    return f"Temperature({float(self)!r})"
+
+
+def logprob_temperature(temperature: float) -> float:
+  """The temperature that log-probs sampled at ``temperature`` refer to: ``temperature`` itself, or 1 for greedy
+  sampling (0: the sampler reports the unscaled softmax, ``jaxgrpo.rollout.sampling.generate``)."""
+  return 1.0 if float(temperature) == 0.0 else float(temperature)
+
+
+def check_temperature(sampled_at, step_temperature: float, what: str, fix: str) -> None:
+  """ValueError in one line when log-probs sampled at ``sampled_at`` (None: unknown, not checked) do not refer to
+  ``step_temperature`` (``TrainConfig.temperature``): the step would compute its ratio against log-probs of
+  another distribution (the first, supposedly on-policy, update already off 1). ``what`` names the source,
+  ``fix`` the remedy."""
+  if sampled_at is None or logprob_temperature(sampled_at) == logprob_temperature(step_temperature):
+    return
+  greedy = " (greedy: log-probs at temperature 1)" if float(sampled_at) == 0.0 else ""
+  raise ValueError(
+    f"{what} was sampled at temperature {float(sampled_at)!r}{greedy}, but the train step's "
+    f"TrainConfig.temperature is {float(step_temperature)!r}: its log-probs are not the step's, so the ratio "
+    f"π_θ/π_old would be off 1 before any update; {fix}"
+  )
 
 
 _JVP_ERROR = "can't apply forward-mode autodiff"

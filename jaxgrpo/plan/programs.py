@@ -196,20 +196,18 @@ class RunPrograms:
     state = nnx.State.merge(self.state.params, self.state.frozen)
     eos = mc.eos_token_id if isinstance(mc.eos_token_id, (tuple, list)) else (mc.eos_token_id or 1,)
     pad = 0 if 0 not in eos else max(eos) + 1
-    with jax.set_mesh(self.mesh):
-      return sampling._generate_jit.lower(
-        self.sample_graphdef,
-        state,
-        prompts,
-        mask,
-        key,
-        num_samples=s.group,
-        max_new_tokens=s.new_tokens,
-        temperature=float(self.train_config.temperature),
-        top_p=float(self.cfg.rollout.top_p),
-        top_k=int(self.cfg.rollout.top_k),
-        eos_ids=tuple(int(e) for e in eos),
-        pad_id=pad,
-        suppress_ids=(pad,),
-        record_routing=self._routing is not None,
-      )
+    config = sampling.SamplingConfig(
+      num_samples=s.group,
+      max_new_tokens=s.new_tokens,
+      top_p=float(self.cfg.rollout.top_p),
+      top_k=int(self.cfg.rollout.top_k),
+      eos_ids=tuple(int(e) for e in eos),
+      pad_id=pad,
+      suppress_ids=(pad,),
+      record_routing=self._routing is not None,
+    )
+    policy = sampling.SamplingPolicy.from_config(
+      config, temperature=float(self.train_config.temperature), vocab_size=mc.vocab_size
+    )
+    model = nnx.merge(self.sample_graphdef, state)
+    return sampling.lower_generate(model, prompts, mask, policy, key=key, mesh=self.mesh)

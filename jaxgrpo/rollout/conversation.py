@@ -5,6 +5,7 @@ and position, so the same keys give the same ids as re-prefilling each turn with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,16 +16,7 @@ from flax import nnx
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.parallel.target import target_platform
-from jaxgrpo.rollout.sampling import (
-  _check_top_k,
-  _check_top_p,
-  _decode_logits,
-  _draw,
-  _suppressed_ids,
-  _suppressed_mask,
-  _write_token,
-  check_sampling,
-)
+from jaxgrpo.rollout.sampling import SamplingPolicy, _decode_logits, _draw, _suppressed_mask, _write_token
 
 __all__ = ["ConversationSampler"]
 
@@ -70,16 +62,13 @@ class ConversationSampler:
   """
 
   def __init__(self, model, prompts, sampling, *, max_len: int, temperature: float = 1.0, suppress_eos=()):
-    check_sampling(sampling, "ConversationSampler")
-    g = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
-    max_len = _checks.check_python_int(max_len, "max_len", minimum=1, hint="cache slots")
-    self.temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
-    self.top_p, self.top_k = _check_top_p(sampling.top_p), _check_top_k(sampling.top_k)
     vocab = model.config.vocab_size
-    self.pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
-    self.suppress_ids = _suppressed_ids(
-      sampling.suppress_ids, self.pad_id, _checks.check_token_ids(tuple(suppress_eos), "suppress_eos", vocab), vocab
+    # the turns' policy: max_new_tokens is each turn's own, the default suppressed ids resolved against the stop ids
+    self.policy = SamplingPolicy.from_config(
+      sampling, temperature=temperature, vocab_size=vocab, stop_ids=suppress_eos, where="ConversationSampler"
     )
+    g, self.pad_id = self.policy.num_samples, self.policy.pad_id
+    max_len = _checks.check_python_int(max_len, "max_len", minimum=1, hint="cache slots")
     prompts = [list(p) for p in prompts]
     if not prompts or len(prompts) % g:
       raise ValueError(f"`prompts` must be B·G >= 1 token-id lists with G = num_samples = {g}; got {len(prompts)}")
@@ -199,12 +188,7 @@ class ConversationSampler:
         jnp.stack(keys),
         key_index[pick],
         draw_index[pick],
-        max_new_tokens=t_new,
-        temperature=self.temperature,
-        top_p=self.top_p,
-        top_k=self.top_k,
-        pad_id=self.pad_id,
-        suppress_ids=self.suppress_ids,
+        policy=dataclasses.replace(self.policy, max_new_tokens=t_new),
       )
     tokens, logps, lengths = jax.device_get((tokens, logps, lengths))
     out = {}
@@ -229,12 +213,7 @@ def _conversation_prefill_jit(graphdef, state, tokens, mask, *, num_samples, max
   return _models.repeat_cache(cache, num_samples)
 
 
-@functools.partial(
-  jax.jit,
-  static_argnums=(0,),
-  static_argnames=("max_new_tokens", "temperature", "top_p", "top_k", "pad_id", "suppress_ids"),
-  donate_argnums=(2,),
-)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",), donate_argnums=(2,))
 def _conversation_turn_jit(
   graphdef,
   state,
@@ -249,18 +228,15 @@ def _conversation_turn_jit(
   key_index,
   draw_index,
   *,
-  max_new_tokens,
-  temperature,
-  top_p,
-  top_k,
-  pad_id,
-  suppress_ids,
+  policy,
 ):
   """One turn of ``ConversationSampler`` over R rows of the per-row cache (``rows int32[R]``, their cache rows;
   out of range: padding; None: all N): the chunk ``feed [R, W]`` (right-padded, row i from position
   ``feed_pos[i]``) onto the cache, then the decode loop of ``_generate_jit`` with per-row budgets and stop
-  ids, rows with ``budget == 0`` done from the start. Returns (full cache, tokens, log-probs, lengths)."""
+  ids, rows with ``budget == 0`` done from the start; ``policy`` (a ``SamplingPolicy``) with the turn's
+  ``max_new_tokens``. Returns (full cache, tokens, log-probs, lengths)."""
   model = nnx.merge(graphdef, state)
+  max_new_tokens, pad_id = policy.max_new_tokens, policy.pad_id
   cache = full_cache if rows is None else _models.take_cache_rows(full_cache, rows)
   n_rows, width = feed.shape
   positions = feed_pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
@@ -269,16 +245,14 @@ def _conversation_turn_jit(
   last = jnp.maximum(n_feed - 1, 0)
   first_logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], out_dtype=jnp.float32)
   start_pos = feed_pos + n_feed  # position of token 0 of the turn
-  suppressed = _suppressed_mask(suppress_ids, first_logits.shape[-1])
+  suppressed = _suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
 
   def uniforms(t):
     per_key = [jax.random.uniform(jax.random.fold_in(keys[k], t), (n_rows,), jnp.float32) for k in range(len(keys))]
     return jnp.stack(per_key)[key_index, draw_index]
 
   def record(t, logits, carry):
-    token, logp = _draw(
-      logits, lambda: uniforms(t), temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed
-    )
+    token, logp = _draw(logits, lambda: uniforms(t), policy, suppressed)
     tokens, logps, lengths, token = _write_token(t, token, logp, carry, pad_id)
     done = carry[3] | jnp.any(token[:, None] == stop_table, axis=-1) | (lengths >= budget)
     return tokens, logps, lengths, done, token

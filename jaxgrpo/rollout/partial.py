@@ -135,14 +135,7 @@ class RowPool:
     self.prompt_len, self.slots, self.every, self.refill = prompt_len, num_slots, refill_every, refill
     self.budget_of = budget_of
     self.max_len = prompt_len + self.t_max - 1
-    self._static = dict(
-      max_new_tokens=self.t_max,
-      temperature=self.temperature,
-      top_p=sampling.top_p,
-      top_k=sampling.top_k,
-      eos_ids=tuple(sampling.eos_ids),
-      pad_id=sampling.pad_id,
-    )
+    self._policy = None  # the SamplingPolicy, resolved against the model's vocabulary at the first run
     self.reset()
 
   def reset(self) -> None:
@@ -339,21 +332,13 @@ class RowPool:
     """What :meth:`_boundary` decodes with in this :meth:`run` (here ``(graphdef, state)`` of ``model``; the
     device carry built on first use). ``jaxgrpo.rollout.partial_engine.EnginePool`` decodes with an engine."""
     graphdef, state = nnx.split(self.sampling.model_to_sample(model))
-    if "suppress_ids" not in self._static:
-      vocab = model.config.vocab_size
-      self._static["suppress_ids"] = _sampling._suppressed_ids(
-        self.sampling.suppress_ids, self.sampling.pad_id, self._static["eos_ids"], vocab
+    if self._policy is None:
+      self._policy = _sampling.SamplingPolicy.from_config(
+        self.sampling, temperature=self.temperature, vocab_size=model.config.vocab_size, where=type(self).__name__
       )
     if self._carry is None:
       with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
-        self._carry = _init_jit(
-          graphdef,
-          state,
-          num_slots=self.slots,
-          max_len=self.max_len,
-          max_new_tokens=self.t_max,
-          pad_id=self.sampling.pad_id,
-        )
+        self._carry = _init_jit(graphdef, state, num_slots=self.slots, max_len=self.max_len, policy=self._policy)
     return graphdef, state
 
   def _boundary(self, decoder, admit: list[int], version: int, prompt_tokens) -> None:
@@ -377,8 +362,6 @@ class RowPool:
       ctx_mask[i, : lens[i]] = True
       plen[i], start_t[i], budgets[i], keys[i], slots[i] = len(p), row.t, row.budget, row.key, s
       row_tok[i], row_lp[i] = row.tokens, row.logp
-    static = dict(self._static)
-    static.pop("max_new_tokens")
     with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
       self._carry = _admit_jit(
         graphdef,
@@ -394,9 +377,9 @@ class RowPool:
         slots,
         keys,
         budgets,
-        **static,
+        policy=self._policy,
       )
-      self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, **self._static)
+      self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, policy=self._policy)
     self._stop = np.zeros(self.slots, bool)
     t, done, tok, lp = (np.asarray(x) for x in jax.device_get(tuple(self._carry[i] for i in (1, 4, 7, 8))))
     for s, row in enumerate(self._slot_rows):
@@ -410,15 +393,12 @@ class RowPool:
         row.done, self._slot_rows[s] = True, None
 
 
-_STATIC = ("max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "pad_id", "suppress_ids")
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len", "max_new_tokens", "pad_id"))
-def _init_jit(graphdef, state, *, num_slots, max_len, max_new_tokens, pad_id):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len", "policy"))
+def _init_jit(graphdef, state, *, num_slots, max_len, policy):
   """The empty carry: (cache, slot t, slot prompt length, slot last token, slot done, slot budget, slot key,
   slot tokens, slot log-probs)."""
   model = nnx.merge(graphdef, state)
-  s = num_slots
+  s, max_new_tokens, pad_id = num_slots, policy.max_new_tokens, policy.pad_id
   return (
     model.init_cache(s, max_len, per_row=True),
     jnp.zeros((s,), jnp.int32),  # t: tokens the slot's row has sampled
@@ -438,21 +418,19 @@ def _uniforms(keys, t):
   return jax.vmap(one)(keys, t)
 
 
-_ADMIT_STATIC = ("temperature", "top_p", "top_k", "eos_ids", "pad_id", "suppress_ids")
-
-
-def _drawer(model, *, temperature, top_p, top_k, suppress_ids):
-  """``draw(logits, keys, t) -> (token, log-prob)``, each slot's uniform from its own key and step."""
-  suppressed = _sampling._suppressed_mask(suppress_ids, model.config.vocab_size)
+def _drawer(model, policy):
+  """``draw(logits, keys, t) -> (token, log-prob)`` under ``policy``, each slot's uniform from its own key and
+  step."""
+  suppressed = _sampling._suppressed_mask(policy.suppress_ids, model.config.vocab_size)
 
   def draw(logits, keys, t):
     u = lambda: _uniforms(keys, t)
-    return _sampling._draw(logits, u, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
+    return _sampling._draw(logits, u, policy, suppressed)
 
   return draw
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=_ADMIT_STATIC, donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",), donate_argnums=(2,))
 def _admit_jit(
   graphdef,
   state,
@@ -468,18 +446,14 @@ def _admit_jit(
   keys,
   budgets,
   *,
-  temperature,
-  top_p,
-  top_k,
-  eos_ids,
-  pad_id,
-  suppress_ids,
+  policy,
 ):
   """Slots ``stop`` halt; R rows enter ``slots int32[R]`` (padding: slot S): their contexts ``ctx int32[R, W]``
   (real tokens first) prefilled into their cache rows, their completion so far (``row_tok``, ``row_lp``)
-  copied, token ``start_t`` drawn from the context's last hidden state. Returns the carry."""
+  copied, token ``start_t`` drawn from the context's last hidden state under ``policy`` (a ``SamplingPolicy``).
+  Returns the carry."""
   model = nnx.merge(graphdef, state)
-  draw = _drawer(model, temperature=temperature, top_p=top_p, top_k=top_k, suppress_ids=suppress_ids)
+  draw = _drawer(model, policy)
   cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
   s_done = s_done | stop
   r, width = ctx.shape
@@ -495,29 +469,20 @@ def _admit_jit(
   out_tok = put(out_tok, row_tok.at[at, start_t].set(token))
   out_lp = put(out_lp, row_lp.at[at, start_t].set(logp))
   s_t, s_start, s_last, s_key = put(s_t, start_t + 1), put(s_start, plen), put(s_last, token), put(s_key, keys)
-  s_done, s_budget = put(s_done, _sampling._ends(token, eos_ids) | (start_t + 1 >= budgets)), put(s_budget, budgets)
+  s_done, s_budget = (
+    put(s_done, _sampling._ends(token, policy.eos_ids) | (start_t + 1 >= budgets)),
+    put(s_budget, budgets),
+  )
   return cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every",) + _STATIC, donate_argnums=(2,))
-def _decode_jit(
-  graphdef,
-  state,
-  carry,
-  *,
-  refill_every,
-  max_new_tokens,
-  temperature,
-  top_p,
-  top_k,
-  eos_ids,
-  pad_id,
-  suppress_ids,
-):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every", "policy"), donate_argnums=(2,))
+def _decode_jit(graphdef, state, carry, *, refill_every, policy):
   """Up to ``refill_every`` decode steps over the S slots (a ``lax.while_loop`` that exits once no slot
-  runs). Returns (carry, decode steps)."""
+  runs), drawn under ``policy`` (a ``SamplingPolicy``). Returns (carry, decode steps)."""
   model = nnx.merge(graphdef, state)
-  draw = _drawer(model, temperature=temperature, top_p=top_p, top_k=top_k, suppress_ids=suppress_ids)
+  draw = _drawer(model, policy)
+  max_new_tokens, eos_ids = policy.max_new_tokens, policy.eos_ids
   cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
   num_slots = s_t.shape[0]
 

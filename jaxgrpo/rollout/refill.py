@@ -29,11 +29,11 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.models.log_probs import Temperature
 from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import sampling as _sampling
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
-from jaxgrpo.step.batch import Temperature
 
 __all__ = ["generate_refill"]
 
@@ -90,32 +90,23 @@ def generate_refill(
     TypeError / ValueError: as ``generate``; ``num_slots`` or ``refill_every`` not an int >= 1, ``budgets``
       of the wrong shape or outside ``[1, T]``, ``record_routing=True``.
   """
-  _sampling.check_sampling(sampling, "generate_refill")
   prompt_tokens, prompt_mask = _checks.check_prompts(prompt_tokens, prompt_mask)
-  g = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
-  t_max = _checks.check_python_int(
-    sampling.require_max_new_tokens("generate_refill"), "max_new_tokens", minimum=1, hint="T"
+  policy = _sampling.SamplingPolicy.from_config(
+    sampling, temperature=temperature, vocab_size=model.config.vocab_size, where="generate_refill"
   )
   slots = _checks.check_python_int(num_slots, "num_slots", minimum=1, hint="S, rows decoded at once")
   every = _checks.check_python_int(
     refill_every, "refill_every", minimum=1, hint="K, decode steps between refill boundaries"
   )
-  temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
-  top_p, top_k = _sampling._check_top_p(sampling.top_p), _sampling._check_top_k(sampling.top_k)
-  vocab = model.config.vocab_size
-  eos_ids = _checks.check_token_ids(sampling.eos_ids, "eos_ids", vocab)
-  pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
-  suppress_ids = _sampling._suppressed_ids(sampling.suppress_ids, pad_id, eos_ids, vocab)
   key = _checks.check_prng_key(key)
-  if sampling.record_routing:
+  if policy.record_routing:
     raise ValueError("generate_refill: `record_routing=True` is not supported (use generate for routing replay)")
+  graphdef, state = _sampling._split_sampled(
+    sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate_refill"
+  )
+  g, t_max, pad_id = policy.num_samples, policy.max_new_tokens, policy.pad_id
   batch, prompt_len = prompt_tokens.shape
   n = batch * g
-  if prompt_len + t_max > model.config.max_position_embeddings:
-    raise ValueError(
-      f"prompt length {prompt_len} + max_new_tokens {t_max} = {prompt_len + t_max} exceeds the model's "
-      f"max_position_embeddings {model.config.max_position_embeddings}"
-    )
   if budgets is None:
     row_budget = np.full(n, t_max, np.int32)
   else:
@@ -130,16 +121,6 @@ def generate_refill(
     row_budget = row_budget.astype(np.int32)
   slots = min(slots, n)
   max_len = prompt_len + t_max - 1
-  graphdef, state = nnx.split(sampling.model_to_sample(model))
-  static = dict(
-    max_new_tokens=t_max,
-    temperature=temperature,
-    top_p=top_p,
-    top_k=top_k,
-    eos_ids=eos_ids,
-    pad_id=pad_id,
-    suppress_ids=suppress_ids,
-  )
 
   host_tokens, host_mask = (np.asarray(x) for x in jax.device_get((prompt_tokens, prompt_mask)))
   real = host_mask.sum(axis=1)  # real prompt tokens of each prompt
@@ -151,17 +132,8 @@ def generate_refill(
     chunk_mask[b, : real[b]] = True
   with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
     prompt_cache, prompt_hidden = _prefill_jit(graphdef, state, chunk, chunk_mask)
-    table = _uniform_table(key, num_rows=n, max_new_tokens=t_max) if temperature > 0 else jnp.zeros((1, 1))
-    carry = _init_jit(
-      graphdef,
-      state,
-      jnp.asarray(row_budget),
-      num_slots=slots,
-      num_rows=n,
-      max_len=max_len,
-      max_new_tokens=t_max,
-      pad_id=pad_id,
-    )
+    table = _uniform_table(key, num_rows=n, max_new_tokens=t_max) if policy.temperature > 0 else jnp.zeros((1, 1))
+    carry = _init_jit(graphdef, state, jnp.asarray(row_budget), num_slots=slots, max_len=max_len, policy=policy)
     done = np.ones(slots, bool)  # host copy of each slot's "free" flag (finished or never used)
     queued, boundaries, decode_steps = 0, 0, 0
     while True:
@@ -187,8 +159,7 @@ def generate_refill(
         new_rows,
         new_slots,
         refill_every=every,
-        num_samples=g,
-        **static,
+        policy=policy,
       )
       done, steps = jax.device_get((carry[5], steps))  # the one host read per boundary: S flags and a count
       done = np.asarray(done)
@@ -211,7 +182,7 @@ def generate_refill(
     group_ids=jnp.repeat(jnp.arange(batch, dtype=jnp.int32), g),
     num_steps=jnp.max(lengths),
     routing=None,
-    temperature=Temperature(temperature),
+    temperature=Temperature(policy.temperature),
   )
 
 
@@ -222,17 +193,12 @@ def _uniform_table(key, *, num_rows, max_new_tokens):
   return jax.lax.map(lambda t: jax.random.uniform(jax.random.fold_in(key, t), (num_rows,), jnp.float32), steps)
 
 
-_STATIC = ("max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "pad_id", "suppress_ids")
-
-
-@functools.partial(
-  jax.jit, static_argnums=(0,), static_argnames=("num_slots", "num_rows", "max_len", "max_new_tokens", "pad_id")
-)
-def _init_jit(graphdef, state, row_budget, *, num_slots, num_rows, max_len, max_new_tokens, pad_id):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len", "policy"))
+def _init_jit(graphdef, state, row_budget, *, num_slots, max_len, policy):
   """The empty carry: (cache, slot row, slot token index, slot start position, slot last token, slot done,
-  slot budget, row budgets, out tokens, out log-probs, out lengths)."""
+  slot budget, row budgets, out tokens, out log-probs, out lengths) for the ``N = row_budget.shape[0]`` rows."""
   model = nnx.merge(graphdef, state)
-  s = num_slots
+  s, num_rows, max_new_tokens, pad_id = num_slots, row_budget.shape[0], policy.max_new_tokens, policy.pad_id
   return (
     model.init_cache(s, max_len, per_row=True),
     jnp.full((s,), -1, jnp.int32),  # global row in the slot (-1: never used)
@@ -285,44 +251,25 @@ def _pad_slots(cache, max_len: int):
   return cache._replace(k=k, v=v, valid=pad(cache.valid, -1))
 
 
-@functools.partial(
-  jax.jit, static_argnums=(0,), static_argnames=("refill_every", "num_samples") + _STATIC, donate_argnums=(2,)
-)
-def _boundary_jit(
-  graphdef,
-  state,
-  carry,
-  prompt_cache,
-  prompt_hidden,
-  table,
-  rows,
-  slots,
-  *,
-  refill_every,
-  num_samples,
-  max_new_tokens,
-  temperature,
-  top_p,
-  top_k,
-  eos_ids,
-  pad_id,
-  suppress_ids,
-):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("refill_every", "policy"), donate_argnums=(2,))
+def _boundary_jit(graphdef, state, carry, prompt_cache, prompt_hidden, table, rows, slots, *, refill_every, policy):
   """One refill boundary: the newcomers ``rows int32[R]`` enter ``slots int32[R]`` (padding: row N, slot S) —
   their prompts' cache rows copied from ``prompt_cache`` into their slots, their token 0 drawn from
-  ``prompt_hidden`` — then up to ``refill_every`` decode steps over the S slots. Returns (carry, decode steps)."""
+  ``prompt_hidden`` — then up to ``refill_every`` decode steps over the S slots, drawn under ``policy`` (a
+  ``SamplingPolicy``). Returns (carry, decode steps)."""
   model = nnx.merge(graphdef, state)
   cache, s_row, s_t, s_start, s_last, s_done, s_budget, row_budget, out_tok, out_lp, out_len = carry
   num_rows = out_tok.shape[0]
-  suppressed = _sampling._suppressed_mask(suppress_ids, model.config.vocab_size)
+  suppressed = _sampling._suppressed_mask(policy.suppress_ids, model.config.vocab_size)
+  eos_ids = policy.eos_ids
 
   def draw(logits, t, rows):
     u = lambda: table[jnp.minimum(t, table.shape[0] - 1), jnp.clip(rows, 0, table.shape[1] - 1)]
-    return _sampling._draw(logits, u, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
+    return _sampling._draw(logits, u, policy, suppressed)
 
   # The newcomers: their prompt's cache rows into their slots (the slot's old row, valid slots and index
   # replaced), their token 0 from the prompt's last hidden state.
-  prompts = rows // num_samples  # padding rows: prompt B, out of range (an empty row, dropped)
+  prompts = rows // policy.num_samples  # padding rows: prompt B, out of range (an empty row, dropped)
   sub = _models.take_cache_rows(prompt_cache, prompts)
   cache = _models.put_cache_rows(cache, slots, _pad_slots(sub, cache.max_len))
   hidden = jnp.take(prompt_hidden, prompts, axis=0, mode="fill", fill_value=0)

@@ -14,6 +14,10 @@ numbers): ``log_softmax(logits / temperature)`` over the *full* vocabulary, in f
 top-k/top-p filtering or suppressed ids restricted the draw. The train step therefore sees
 ``old_logp == log-probs(params at sampling time)`` up to float32 rounding: the PPO ratio is 1
 on-policy.
+
+Longer than ~600 lines for one job, the built-in sampler: its settings (``SamplingConfig`` and the policy
+every jitted sampler takes, ``SamplingPolicy``), its draw (``filter_logits``, ``sample_categorical``, ``_draw``:
+shared by the slot-refill, partial and conversation samplers) and its program (``generate``, ``lower_generate``).
 """
 
 from __future__ import annotations
@@ -32,15 +36,17 @@ from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.models import lora as _lora
 from jaxgrpo.models import moe as _moe
+from jaxgrpo.models.log_probs import Temperature
 from jaxgrpo.parallel.target import target_platform
-from jaxgrpo.step.batch import Temperature
 
 __all__ = [
   "Rollout",
   "SamplingConfig",
+  "SamplingPolicy",
   "check_sampling",
-  "generate",
   "filter_logits",
+  "generate",
+  "lower_generate",
   "sample_categorical",
 ]
 
@@ -53,7 +59,8 @@ class SamplingConfig:
   The temperature is not here: it is the train step's ``TrainConfig.temperature`` (the rollout
   log-probs must refer to the temperature the step computes its log-probs at), a separate keyword of
   ``generate(model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0)`` that
-  ``jaxgrpo.rollout.iteration.grpo_iteration`` passes through ``collect.sample``.
+  ``jaxgrpo.rollout.iteration.grpo_iteration`` passes through ``collect.sample``. The two meet once, where a
+  sampler starts, in the :class:`SamplingPolicy` its jitted programs take.
 
   Attributes:
     num_samples: G, completions per prompt (the group size).
@@ -121,6 +128,72 @@ def check_sampling(sampling, where: str) -> SamplingConfig:
   return sampling
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingPolicy:
+  """What a jitted sampler draws with: a :class:`SamplingConfig`'s settings, checked and resolved against the
+  model's vocabulary, **and the temperature** — the one static (hashable) argument of every jitted sampler
+  (``generate``'s program, the slot-refill boundary of ``jaxgrpo.rollout.refill``, the partial pool's admit and
+  decode programs, the conversation turn of ``jaxgrpo.rollout.conversation``). Built by :meth:`from_config`;
+  passed to :func:`lower_generate`.
+
+  A policy of its own rather than a ``temperature`` field on ``SamplingConfig``: the temperature belongs to the
+  train step (``TrainConfig.temperature``; the rollout's log-probs must refer to the temperature the step
+  recomputes them at), so the user's config does not carry a second copy that could disagree with it; the
+  policy is derived from both once, where a sampler starts, and then travels as one value.
+
+  Attributes:
+    num_samples: G >= 1, samples per prompt.
+    max_new_tokens: T >= 1, the completion budget (a conversation turn's own); None: multi-turn sampling.
+    temperature: >= 0 (0 = greedy), a float.
+    top_p: in (0, 1] (1 = off); top_k: >= 0 (0 = off).
+    eos_ids: the token ids that end a completion, each in ``[0, vocab_size)``.
+    pad_id: the id written after the end of each completion.
+    suppress_ids: the ids never sampled, resolved (sorted; ``SamplingConfig.suppress_ids`` None: the pad id
+      unless it is a stop id or outside the vocabulary).
+    record_routing: record each token's experts (mixture of experts, ``Rollout.routing``).
+  """
+
+  num_samples: int
+  max_new_tokens: int | None
+  temperature: float
+  top_p: float
+  top_k: int
+  eos_ids: tuple[int, ...]
+  pad_id: int
+  suppress_ids: tuple[int, ...]
+  record_routing: bool = False
+
+  @classmethod
+  def from_config(
+    cls, sampling: SamplingConfig, *, temperature: float, vocab_size: int, stop_ids=None, where: str = "SamplingPolicy"
+  ) -> SamplingPolicy:
+    """The :class:`SamplingPolicy` of ``sampling`` at ``temperature`` for a vocabulary of ``vocab_size`` ids: every
+    setting checked (TypeError / ValueError in one line naming the field, e.g. ``top_p=0``, an id outside the
+    vocabulary, ``suppress_ids`` that share an EOS id), ``suppress_ids`` resolved. ``stop_ids``: the ids the default
+    ``suppress_ids`` is resolved against (None: ``sampling.eos_ids``; a conversation's turns stop at their own
+    ids). ``where`` names the caller in a wrong-type message."""
+    check_sampling(sampling, where)
+    vocab_size = _checks.check_python_int(vocab_size, "vocab_size", minimum=1)
+    eos_ids = _checks.check_token_ids(sampling.eos_ids, "eos_ids", vocab_size)
+    pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
+    stops = eos_ids if stop_ids is None else _checks.check_token_ids(tuple(stop_ids), "stop_ids", vocab_size)
+    if not isinstance(sampling.record_routing, bool):
+      raise TypeError(f"record_routing must be a bool; got {sampling.record_routing!r}")
+    return cls(
+      num_samples=_checks.check_python_int(
+        sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt"
+      ),
+      max_new_tokens=sampling.max_new_tokens,
+      temperature=_checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy"),
+      top_p=_check_top_p(sampling.top_p),
+      top_k=_check_top_k(sampling.top_k),
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      suppress_ids=_suppressed_ids(sampling.suppress_ids, pad_id, stops, vocab_size),
+      record_routing=sampling.record_routing,
+    )
+
+
 class Rollout(NamedTuple):
   """The output of ``generate``. Row ``b*G + g`` is sample g of prompt b (N = B*G rows).
 
@@ -142,7 +215,7 @@ class Rollout(NamedTuple):
       layer routed each token of ``[prompt ‖ completion]`` to while sampling (prompt columns from the
       prefill, completion token t from the decode step that fed it; the last completion column, never
       fed, is 0). The routing replay of the train step (``Batch.routing``). None otherwise.
-    temperature: the temperature the rows were sampled at (a ``jaxgrpo.step.batch.Temperature``: a float that
+    temperature: the temperature the rows were sampled at (a ``jaxgrpo.models.log_probs.Temperature``: a float that
       ``jax.tree.map`` and ``jit`` pass through), set by :func:`generate`; ``Batch.from_rollout`` carries it to
       the train step, which refuses log-probs of another temperature than its own. None: not known (a rollout
       built by hand or by an engine that does not say), not checked.
@@ -372,59 +445,120 @@ def generate(
     ValueError: a wrong shape or value (e.g. a mask that is not left-padded, ``top_p=0``, an id
       outside the vocabulary, ``P + T > max_position_embeddings``).
   """
-  check_sampling(sampling, "generate")
   prompt_tokens, prompt_mask = _checks.check_prompts(prompt_tokens, prompt_mask)
-  num_samples = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
-  max_new_tokens = _checks.check_python_int(
-    sampling.require_max_new_tokens("generate"), "max_new_tokens", minimum=1, hint="T"
+  policy = SamplingPolicy.from_config(
+    sampling, temperature=temperature, vocab_size=model.config.vocab_size, where="generate"
   )
-  temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
-  top_p = _check_top_p(sampling.top_p)
-  top_k = _check_top_k(sampling.top_k)
-  vocab_size = model.config.vocab_size
-  eos_ids = _checks.check_token_ids(sampling.eos_ids, "eos_ids", vocab_size)
-  pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
-  suppress_ids = _suppressed_ids(sampling.suppress_ids, pad_id, eos_ids, vocab_size)
-  record_routing = sampling.record_routing
   key = _checks.check_prng_key(key)
-  total_len = prompt_tokens.shape[1] + max_new_tokens
-  max_positions = model.config.max_position_embeddings
-  if total_len > max_positions:
-    raise ValueError(
-      f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} = {total_len} "
-      f"exceeds the model's max_position_embeddings {max_positions}"
-    )
-  if not isinstance(record_routing, bool):
-    raise TypeError(f"record_routing must be a bool; got {record_routing!r}")
-  if record_routing and not _moe.is_moe(model):
+  if policy.record_routing and not _moe.is_moe(model):
     raise ValueError(
       f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
     )
-  graphdef, state = nnx.split(sampling.model_to_sample(model))
+  graphdef, state = _split_sampled(sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate")
   with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
-    rollout = _generate_jit(
-      graphdef,
-      state,
-      prompt_tokens,
-      prompt_mask,
-      key,
-      num_samples=num_samples,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_p=top_p,
-      top_k=top_k,
-      eos_ids=eos_ids,
-      pad_id=pad_id,
-      suppress_ids=suppress_ids,
-      record_routing=record_routing,
+    rollout = _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, policy=policy)
+  return rollout._replace(temperature=Temperature(policy.temperature))
+
+
+def lower_generate(
+  model: nnx.Module,
+  prompt_tokens,
+  prompt_mask,
+  policy: SamplingPolicy,
+  *,
+  key,
+  mesh: jax.sharding.Mesh | None = None,
+) -> jax.stages.Lowered:
+  """The program :func:`generate` runs, lowered (traced, not compiled) for these inputs, which may be abstract:
+  nothing is allocated, so a program for devices this host cannot run on (a TPU slice from
+  ``jax.experimental.topologies``, ``jaxgrpo.plan``) is built from ``jax.ShapeDtypeStruct`` s with shardings.
+  ``.compile()`` it for the executable and its ``memory_analysis()``; ``.as_text()`` is the StableHLO.
+
+  The same program as ``generate(model, prompt_tokens, prompt_mask, sampling, key=key, temperature=t)`` for
+  ``policy = SamplingPolicy.from_config(sampling, temperature=t, vocab_size=...)`` and arrays of these shapes, dtypes and
+  placements (``generate`` runs ``_generate_jit`` with exactly these arguments; tests/test_sampling_policy.py
+  compares the two StableHLO texts).
+
+  Args:
+    model: the model sampled (``SamplingConfig.model_to_sample``: merge the adapters first for ``merge_lora``),
+      real or abstract (``nnx.eval_shape``, or ``nnx.merge(graphdef, abstract_state)``).
+    prompt_tokens: ``int32[B, P]``; prompt_mask: ``bool[B, P]`` — arrays or ``jax.ShapeDtypeStruct`` s (only
+      shapes, dtypes and shardings are read; no layout check).
+    policy: a :class:`SamplingPolicy` with ``max_new_tokens`` set (:meth:`SamplingPolicy.from_config`).
+    key: a PRNG key or its ``jax.ShapeDtypeStruct`` (typed key ``[]`` or raw ``uint32[2]``).
+    mesh: the mesh the program runs on: traced inside ``jax.set_mesh(mesh)``, for the platform of its devices
+      (``jaxgrpo.parallel.target``); None: for the platform of the model's arrays, as ``generate`` traces it.
+
+  Returns:
+    A ``jax.stages.Lowered``.
+
+  Raises:
+    TypeError / ValueError: in one line, before tracing: ``policy`` not a ``SamplingPolicy``, a wrong rank,
+      dtype or shape of the prompts or key, ``P + T`` over the model's positions, routing on a dense model.
+  """
+  if not isinstance(policy, SamplingPolicy):
+    raise TypeError(
+      f"lower_generate: `policy` must be a jaxgrpo.rollout.sampling.SamplingPolicy (SamplingPolicy.from_config(sampling, "
+      f"temperature=..., vocab_size=...)); got {type(policy).__name__}"
     )
-  return rollout._replace(temperature=Temperature(temperature))
+  _check_prompt_specs(prompt_tokens, prompt_mask, key)
+  graphdef, state = _split_sampled(model, tuple(prompt_tokens.shape), policy, "lower_generate")
+  scope = target_platform(state) if mesh is None else jax.set_mesh(mesh)
+  with scope:
+    return _generate_jit.lower(graphdef, state, prompt_tokens, prompt_mask, key, policy=policy)
 
 
-def _draw(logits, uniforms, *, temperature, top_k, top_p, suppressed):
-  """One token per row of ``logits f32[N, V]`` from the sampling distribution of :func:`generate`, and its
-  log-prob under the full temperature-scaled softmax: ``(token int32[N], log-prob f32[N])``. ``uniforms()``
-  gives the draw's ``f32[N]`` uniforms (not called when greedy); ``suppressed``: None or a constant bool[V]."""
+def _split_sampled(model, prompt_shape: tuple[int, int], policy: SamplingPolicy, where: str):
+  """``nnx.split(model)`` once ``policy`` can sample it: ``max_new_tokens`` set, prompt + completion within the
+  model's positions, routing recorded only for a mixture of experts (ValueError in one line, naming ``where``)."""
+  if policy.max_new_tokens is None:
+    raise ValueError(
+      f"{where}: `SamplingConfig.max_new_tokens` is None; single-turn sampling needs the completion length budget "
+      "(None is for multi-turn sampling only)"
+    )
+  check_fits_model(prompt_shape[1], policy.max_new_tokens, model.config)
+  if policy.record_routing and not _moe.is_moe(model):
+    raise ValueError(
+      f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
+    )
+  return nnx.split(model)
+
+
+def check_fits_model(prompt_len: int, max_new_tokens: int, config) -> None:
+  """ValueError in one line unless a prompt of ``prompt_len`` slots plus ``max_new_tokens`` completion tokens fit
+  the ``max_position_embeddings`` of the model ``config`` (``jaxgrpo._checks.check_positions``)."""
+  _checks.check_positions(
+    [(f"prompt length {prompt_len}", prompt_len), (f"max_new_tokens {max_new_tokens}", max_new_tokens)],
+    config.max_position_embeddings,
+    "the model (max_position_embeddings)",
+    "shorten the prompts or lower SamplingConfig.max_new_tokens",
+  )
+
+
+def _check_prompt_specs(prompt_tokens, prompt_mask, key) -> None:
+  """Rank, dtype and shape of abstract sampler inputs (``jax.ShapeDtypeStruct`` or arrays): ``int32[B, P]``
+  tokens, a ``bool[B, P]`` mask, a typed ``[]`` or raw ``uint32[2]`` key."""
+  for x, name, dtype, want in (
+    (prompt_tokens, "prompt_tokens", jnp.int32, "int32[B, P]"),
+    (prompt_mask, "prompt_mask", jnp.bool_, "bool[B, P]"),
+  ):
+    if len(x.shape) != 2 or 0 in x.shape or x.dtype != dtype:
+      raise ValueError(f"`{name}` must be {want} with B, P >= 1; got {x.dtype}{list(x.shape)}")
+  if tuple(prompt_mask.shape) != tuple(prompt_tokens.shape):
+    raise ValueError(
+      f"`prompt_mask` must have the shape of `prompt_tokens` {list(prompt_tokens.shape)}; got {list(prompt_mask.shape)}"
+    )
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  if (typed and tuple(key.shape) != ()) or (not typed and (key.dtype != jnp.uint32 or tuple(key.shape) != (2,))):
+    raise ValueError(f"`key` must be a single PRNG key (typed [] or raw uint32[2]); got {key.dtype}{list(key.shape)}")
+
+
+def _draw(logits, uniforms, policy: SamplingPolicy, suppressed):
+  """One token per row of ``logits f32[N, V]`` from the sampling distribution of :func:`generate` under
+  ``policy`` (its temperature, top-k, top-p), and its log-prob under the full temperature-scaled softmax:
+  ``(token int32[N], log-prob f32[N])``. ``uniforms()`` gives the draw's ``f32[N]`` uniforms (not called when
+  greedy); ``suppressed``: None or a constant bool[V] (:func:`_suppressed_mask` of ``policy.suppress_ids``)."""
+  temperature, top_k, top_p = policy.temperature, policy.top_k, policy.top_p
   scaled = logits if temperature == 0.0 else logits / temperature  # [N, V]
   allowed = scaled if suppressed is None else jnp.where(suppressed, -jnp.inf, scaled)
   if temperature == 0.0:
@@ -493,38 +627,11 @@ def _suppressed_ids(suppress_ids, pad_id: int, eos_ids: tuple[int, ...], vocab_s
   return ids
 
 
-@functools.partial(
-  jax.jit,
-  static_argnums=(0,),
-  static_argnames=(
-    "num_samples",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "eos_ids",
-    "pad_id",
-    "suppress_ids",
-    "record_routing",
-  ),
-)
-def _generate_jit(
-  graphdef,
-  state,
-  prompt_tokens,
-  prompt_mask,
-  key,
-  *,
-  num_samples,
-  max_new_tokens,
-  temperature,
-  top_p,
-  top_k,
-  eos_ids,
-  pad_id,
-  suppress_ids,
-  record_routing=False,
-) -> Rollout:
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",))
+def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy: SamplingPolicy) -> Rollout:
+  """``generate``'s program: G samples of each prompt under ``policy`` (the one static argument besides the
+  graph definition)."""
+  num_samples, max_new_tokens, pad_id = policy.num_samples, policy.max_new_tokens, policy.pad_id
   model = nnx.merge(graphdef, state)
   # A scanned layer stack (scan_layers) is unstacked here, once per call, outside the decode loop: a scan inside
   # it would slice (copy) every layer's weights out of the stack at every token, and decoding reads the weights
@@ -542,7 +649,7 @@ def _generate_jit(
   with _moe.routing_scope() as scope:
     hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
   routes = None
-  if record_routing:  # [N, T, M, k] for the completion tokens, filled by the decode loop
+  if policy.record_routing:  # [N, T, M, k] for the completion tokens, filled by the decode loop
     prompt_routes = jnp.repeat(scope.stacked().experts, num_samples, axis=0)  # [N, P, M, k]
     routes = jnp.zeros((n_rows, max_new_tokens) + prompt_routes.shape[2:], jnp.int32)
   first_logits = model.logits(hidden[:, -1], out_dtype=jnp.float32)  # [B, V]
@@ -551,17 +658,17 @@ def _generate_jit(
   # Position of completion token 0 in every row.
   start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
 
-  suppressed = _suppressed_mask(suppress_ids, first_logits.shape[-1])
+  suppressed = _suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
 
   def sample(t, logits):
     """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N] under the full softmax)."""
     uniforms = lambda: jax.random.uniform(jax.random.fold_in(key, t), (logits.shape[0],), jnp.float32)
-    return _draw(logits, uniforms, temperature=temperature, top_k=top_k, top_p=top_p, suppressed=suppressed)
+    return _draw(logits, uniforms, policy, suppressed)
 
   def record(t, logits, carry):
     """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
     tokens, logps, lengths, token = _write_token(t, *sample(t, logits), carry, pad_id)
-    return tokens, logps, lengths, carry[3] | _ends(token, eos_ids), token
+    return tokens, logps, lengths, carry[3] | _ends(token, policy.eos_ids), token
 
   buffers = (
     jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens

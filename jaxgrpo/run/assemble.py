@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxgrpo import _checks
 from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.models import load_hf, load_tokenizer, moe
 from jaxgrpo.parallel import sharding as shd
@@ -140,12 +141,13 @@ def build_data(cfg: TrainerConfig, tokenizer, model_config) -> DataParts:
     evals = None if n_eval is None else env_spec.episode_rows(n_eval, "eval")
     return DataParts(None, env_spec.episode_rows(cfg.env.episodes, "train"), None, evals, None)
   sets = builders.build_prompts(cfg.data, cfg.eval, tokenizer, seed=cfg.run.seed)
-  limit = model_config.max_position_embeddings
-  if sets.prompt_len + cfg.rollout.max_new_tokens > limit:
-    raise ValueError(
-      f"prompt length {sets.prompt_len} + rollout.max_new_tokens {cfg.rollout.max_new_tokens} exceeds the "
-      f"model's max_position_embeddings {limit}"
-    )
+  p, t = sets.prompt_len, cfg.rollout.max_new_tokens
+  _checks.check_positions(
+    [(f"prompt length {p}", p), (f"rollout.max_new_tokens {t}", t)],
+    model_config.max_position_embeddings,
+    "the model (max_position_embeddings)",
+    "lower data.max_prompt_tokens or rollout.max_new_tokens",
+  )
   return DataParts(sets.train, sets.train_examples, sets.eval, sets.eval_examples, sets.prompt_len)
 
 

@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxgrpo import _checks, models
 from jaxgrpo import data as data_lib
-from jaxgrpo import models
 from jaxgrpo._version import __version__
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
@@ -129,14 +129,15 @@ def check_lengths(cfg: TrainerConfig, config) -> None:
   prompt (``data.max_prompt_tokens`` rounded up to the prompt bucket of 16, :func:`prompt_length`)
   plus ``rollout.max_new_tokens`` must be at most ``max_position_embeddings`` of ``config``."""
   prompt = -(-cfg.data.max_prompt_tokens // 16) * 16
-  limit = config.max_position_embeddings
-  if prompt + cfg.rollout.max_new_tokens > limit:
-    source = "model.synthetic" if cfg.model.synthetic is not None else f"model.path {cfg.model.path!r}"
-    raise ValueError(
-      f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} (padded to {prompt}) + rollout.max_new_tokens "
-      f"{cfg.rollout.max_new_tokens} = {prompt + cfg.rollout.max_new_tokens} exceeds the {limit} positions of "
-      f"{source} (max_position_embeddings): lower one of the two"
-    )
+  source = "model.synthetic" if cfg.model.synthetic is not None else f"model.path {cfg.model.path!r}"
+  t = cfg.rollout.max_new_tokens
+  _checks.check_positions(
+    [(f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} (padded to {prompt})", prompt)]
+    + [(f"rollout.max_new_tokens {t}", t)],
+    config.max_position_embeddings,
+    f"{source} (max_position_embeddings)",
+    "lower one of the two",
+  )
 
 
 def build_policy(spec: ModelSpec, *, seed: int, mesh: Mesh | None = None):

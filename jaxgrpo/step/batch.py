@@ -16,40 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo import _checks
+from jaxgrpo.models.log_probs import Temperature
 from jaxgrpo.step.packing import PackedSlots
 
-__all__ = ["Batch", "Temperature", "check_temperature", "logprob_temperature"]
-
-
-@jax.tree_util.register_static
-class Temperature(float):
-  """The temperature a rollout was sampled at, as ``Rollout.temperature`` and ``Batch.temperature`` carry it: a
-  ``float`` that is a pytree node without leaves, so ``jax.tree.map``, ``jit`` and ``device_put`` pass it through
-  unchanged (a plain float would be a leaf: sliced, concatenated and traced like the arrays)."""
-
-  def __repr__(self) -> str:
-    return f"Temperature({float(self)!r})"
-
-
-def logprob_temperature(temperature: float) -> float:
-  """The temperature that log-probs sampled at ``temperature`` refer to: ``temperature`` itself, or 1 for greedy
-  sampling (0: the sampler reports the unscaled softmax, ``jaxgrpo.rollout.sampling.generate``)."""
-  return 1.0 if float(temperature) == 0.0 else float(temperature)
-
-
-def check_temperature(sampled_at, step_temperature: float, what: str, fix: str) -> None:
-  """ValueError in one line when log-probs sampled at ``sampled_at`` (None: unknown, not checked) do not refer to
-  ``step_temperature`` (``TrainConfig.temperature``): the step would compute its ratio against log-probs of
-  another distribution (the first, supposedly on-policy, update already off 1). ``what`` names the source,
-  ``fix`` the remedy."""
-  if sampled_at is None or logprob_temperature(sampled_at) == logprob_temperature(step_temperature):
-    return
-  greedy = " (greedy: log-probs at temperature 1)" if float(sampled_at) == 0.0 else ""
-  raise ValueError(
-    f"{what} was sampled at temperature {float(sampled_at)!r}{greedy}, but the train step's "
-    f"TrainConfig.temperature is {float(step_temperature)!r}: its log-probs are not the step's, so the ratio "
-    f"π_θ/π_old would be off 1 before any update; {fix}"
-  )
+__all__ = ["Batch"]
 
 
 class Batch(NamedTuple):
@@ -92,9 +62,9 @@ class Batch(NamedTuple):
       token count, the KL term, the importance weights, the entropy bonus and the metrics, and their
       ``ref_logp`` is replaced by ``old_logp`` before ``advantages_fn`` (so FRPO's future KL, whose
       f-divergence is 0 at πref = πθold, sums over policy tokens only).
-    temperature: the temperature the rollout was sampled at (a :class:`Temperature`; ``Rollout.temperature``,
+    temperature: the temperature the rollout was sampled at (a ``jaxgrpo.models.log_probs.Temperature``; ``Rollout.temperature``,
       copied by :meth:`from_rollout`), or None: not known, not checked. The step refuses a batch whose log-probs
-      refer to another temperature than its ``TrainConfig.temperature`` (:func:`check_temperature`; greedy
+      refer to another temperature than its ``TrainConfig.temperature`` (``jaxgrpo.models.log_probs.check_temperature``; greedy
       rollouts, temperature 0, refer to 1) and drops the field before its compiled program.
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them

@@ -64,7 +64,7 @@ from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
 from jaxgrpo.kernels.losses import LossTerms
 from jaxgrpo.kernels.objective import objective_terms, rollout_advantages
 from jaxgrpo.models import moe
-from jaxgrpo.models.log_probs import completion_log_probs
+from jaxgrpo.models.log_probs import check_temperature, completion_log_probs
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import (
   _FIELDS,
@@ -78,7 +78,6 @@ from jaxgrpo.step.batch import (
   _place_fields,
   _place_packed,
   _place_routing,
-  check_temperature,
 )
 from jaxgrpo.step.batch_packing import (
   DEFAULT_BUCKETS,
@@ -243,7 +242,7 @@ class TrainStep:
     (``batch.packed``, with ``train_config.packing`` only), and — when the values are on this host —
     group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
     ``batch.rewards`` may be None when ``batch.advantages`` is given. A ``batch.temperature`` (the rollout's)
-    must match ``train_config.temperature`` (:func:`~jaxgrpo.step.batch.check_temperature`)."""
+    must match ``train_config.temperature`` (:func:`~jaxgrpo.models.log_probs.check_temperature`)."""
     b, t = _check_fields(batch, _FIELDS)
     c, tc = self.config, self.train_config
     _check_batch_temperature(batch, tc)

@@ -43,8 +43,8 @@ import jax
 import numpy as np
 
 from jaxgrpo import _checks
+from jaxgrpo.models.log_probs import Temperature, check_temperature
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
-from jaxgrpo.step.batch import Temperature, check_temperature
 
 __all__ = [
   "Engine",

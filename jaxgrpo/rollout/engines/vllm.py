@@ -54,7 +54,7 @@ from jaxgrpo.models import lora
 from jaxgrpo.models.hf import StackedEntry, hf_entries
 from jaxgrpo.models.registry import family_of, registered
 from jaxgrpo.rollout.engines.base import FINISH_REASONS, Generation
-from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling
+from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, SamplingPolicy, check_sampling
 
 __all__ = [
   "INSTALL_HINT",
@@ -462,26 +462,19 @@ class VLLMEngine:
       )
     tokens, mask = _checks.check_prompts(prompt_tokens, prompt_mask)
     tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
-    g = _checks.check_python_int(sampling.num_samples, "num_samples", minimum=1, hint="G, samples per prompt")
-    t = _checks.check_python_int(
-      sampling.require_max_new_tokens("VLLMEngine.generate"), "max_new_tokens", minimum=1, hint="T"
+    policy = SamplingPolicy.from_config(
+      sampling, temperature=temperature, vocab_size=self.config.vocab_size, where="VLLMEngine.generate"
     )
-    temperature = _checks.check_python_float(temperature, "temperature", at_least=0.0, hint="0 = greedy")
-    top_p = _checks.check_python_float(sampling.top_p, "top_p", above=0.0, at_most=1.0, hint="1 = no nucleus filtering")
-    top_k = _checks.check_python_int(sampling.top_k, "top_k", minimum=0, hint="0 = no top-k filtering")
-    vocab = self.config.vocab_size
-    eos_ids = _checks.check_token_ids(sampling.eos_ids, "eos_ids", vocab)
-    pad_id = _checks.check_python_int(sampling.pad_id, "pad_id", minimum=0)
-    suppress_ids = sampling.suppress_ids
-    if suppress_ids is None:
-      suppress = (pad_id,) if pad_id < vocab and pad_id not in eos_ids else ()
-    else:
-      suppress = tuple(sorted(set(_checks.check_token_ids(suppress_ids, "suppress_ids", vocab))))
+    t = sampling.require_max_new_tokens("VLLMEngine.generate")
+    g, temperature, top_p, top_k = policy.num_samples, policy.temperature, policy.top_p, policy.top_k
+    eos_ids, pad_id, suppress = policy.eos_ids, policy.pad_id, policy.suppress_ids
     key = _checks.check_prng_key(key)
-    if tokens.shape[1] + t > self.max_model_len:
-      raise ValueError(
-        f"prompt length {tokens.shape[1]} + max_new_tokens {t} exceeds the engine's max_model_len {self.max_model_len}"
-      )
+    _checks.check_positions(
+      [(f"prompt length {tokens.shape[1]}", tokens.shape[1]), (f"max_new_tokens {t}", t)],
+      self.max_model_len,
+      "the engine (max_model_len)",
+      "shorten the prompts, lower SamplingConfig.max_new_tokens or build the engine with a larger max_model_len",
+    )
     tau = self.logprobs_temperature
     if temperature > 0 and temperature != tau:  # vLLM's log-prob mode is fixed at start: refuse, never mislabel
       raise ValueError(

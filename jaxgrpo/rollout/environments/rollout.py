@@ -43,12 +43,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from jaxgrpo import _checks
 from jaxgrpo.data import pad_left
 from jaxgrpo.rollout.conversation import ConversationSampler
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
-from jaxgrpo.rollout.sampling import _suppressed_ids, generate
+from jaxgrpo.rollout.sampling import SamplingPolicy, generate
 
 __all__ = [
   "MultiTurnConfig",
@@ -549,7 +550,11 @@ def sample_multiturn(
   p_max = max(len(p) for p in prompts)
   width = context_width(p_max, env_config, model.config.max_position_embeddings)
   running = list(range(n))
-  suppress = {_suppressed_ids(sampling.suppress_ids, sampling.pad_id, s, model.config.vocab_size) for s in stops}
+  vocab = model.config.vocab_size
+  suppress = {
+    SamplingPolicy.from_config(sampling, temperature=temperature, vocab_size=vocab, stop_ids=s).suppress_ids
+    for s in stops
+  }
   conv = None
   if kv_cache and engine is None and len(suppress) == 1:
     # every token of a trajectory after the prompt fits: p_max + t_max tokens, the last never fed
@@ -620,11 +625,13 @@ def context_width(p_max: int, cfg: MultiTurnConfig, limit: int) -> int:
   width = -(-(p_max + cfg.max_tokens) // 64) * 64
   if width + cfg.per_turn > limit:
     width = p_max + cfg.max_tokens
-    if width + cfg.per_turn > limit:
-      raise ValueError(
-        f"prompt ({p_max}) + env.max_tokens ({cfg.max_tokens}) + turn tokens ({cfg.per_turn}) exceed the model's "
-        f"max_position_embeddings ({limit})"
-      )
+    _checks.check_positions(
+      [(f"prompt {p_max}", p_max), (f"env.max_tokens {cfg.max_tokens}", cfg.max_tokens)]
+      + [(f"turn tokens {cfg.per_turn}", cfg.per_turn)],
+      limit,
+      "the model (max_position_embeddings)",
+      "lower env.max_tokens or env.turn_tokens, or shorten the prompts",
+    )
   return width
 
 
