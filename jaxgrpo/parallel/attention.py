@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
 from jaxgrpo._checks import check_choice, check_python_int, shape_of
 from jaxgrpo.kernels.attention import blockwise_attention
@@ -121,8 +122,6 @@ def _pad_to(x: jax.Array, rows: int) -> jax.Array:
 def _splash(q, k, v, seg, causal, scale, block, interpret):
   """The splash kernel per batch row and key/value head: multi-query over the G query heads of each kv head.
   The sequence is padded to a multiple of the tile (padding rows get segment 0: never seen by real rows)."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
   B, S, H, K = q.shape
   N = k.shape[2]
   G = H // N
