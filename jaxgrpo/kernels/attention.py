@@ -190,17 +190,24 @@ def _kv_bounds(static, nq_rows, nk, offset):
   return hi, lo
 
 
-def _forward(static, q, k, v, seg_q, seg_k, offset):
-  """Padded forward: ``out [B, S, H, K]`` (q's dtype) and ``lse [B, N, G, Sp]`` float32 (+inf on unseen rows,
-  so that ``exp(s − lse) = 0`` there in the backward pass)."""
-  _, _, bq, bk, dt = static
+def _padded(static, q, k, v, seg_q, seg_k):
+  """The inputs padded to whole blocks: ``q [B, Sp, N, G, K]``, ``k, v [B, Tp, N, K]``, the segment ids (padding
+  rows get 0: never seen), and the dims ``(B, S, H, K, T, N, G, Sp, Tp)``."""
+  _, _, bq, bk, _ = static
   B, S, H, K = q.shape
   T, N = k.shape[1], k.shape[2]
   G = H // N
   Sp, Tp = _ceil(S, bq) * bq, _ceil(T, bk) * bk
   qp = _pad_rows(q, Sp).reshape(B, Sp, N, G, K)
-  kp, vp = _pad_rows(k, Tp), _pad_rows(v, Tp)
-  sq, sk = _pad_rows(seg_q, Sp), _pad_rows(seg_k, Tp)
+  padded = (qp, _pad_rows(k, Tp), _pad_rows(v, Tp), _pad_rows(seg_q, Sp), _pad_rows(seg_k, Tp))
+  return padded, (B, S, H, K, T, N, G, Sp, Tp)
+
+
+def _forward(static, q, k, v, seg_q, seg_k, offset):
+  """Padded forward: ``out [B, S, H, K]`` (q's dtype) and ``lse [B, N, G, Sp]`` float32 (+inf on unseen rows,
+  so that ``exp(s − lse) = 0`` there in the backward pass)."""
+  _, _, bq, bk, dt = static
+  (qp, kp, vp, sq, sk), (B, S, H, K, T, N, G, Sp, Tp) = _padded(static, q, k, v, seg_q, seg_k)
   hi, _ = _kv_bounds(static, Sp, Tp // bk, offset)
 
   def q_block(i, carry):
@@ -265,14 +272,8 @@ def _attention_bwd(static, res, cotangents):
   q, k, v, seg_q, seg_k, offset, out, lse = res
   d_out, d_lse = cotangents
   _, scale, bq, bk, dt = static
-  B, S, H, K = q.shape
-  T, N = k.shape[1], k.shape[2]
-  G = H // N
-  Sp, Tp = _ceil(S, bq) * bq, _ceil(T, bk) * bk
-  qp = _pad_rows(q, Sp).reshape(B, Sp, N, G, K)
+  (qp, kp, vp, sq, sk), (B, S, H, K, T, N, G, Sp, Tp) = _padded(static, q, k, v, seg_q, seg_k)
   dop = _pad_rows(d_out, Sp).reshape(B, Sp, N, G, K)
-  kp, vp = _pad_rows(k, Tp), _pad_rows(v, Tp)
-  sq, sk = _pad_rows(seg_q, Sp), _pad_rows(seg_k, Tp)
   # Δ_i = rowsum(dout_i ∘ out_i) − dlse_i: the lse cotangent enters ds = p ∘ (dp − Δ) as + p·dlse
   delta = jnp.sum(d_out.astype(_F32) * out.astype(_F32), axis=-1) - jnp.where(
     jnp.isfinite(d_lse), d_lse.astype(_F32), 0.0
