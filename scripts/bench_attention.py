@@ -5,9 +5,11 @@ layer's projections (D = 64, 4 heads of 16, no RoPE), attention, the output proj
 linear read-out ``⟨y, w⟩`` with respect to the input and the four weights. ``dense`` calls
 ``jaxgrpo.models.layers.Attention`` as the model does today (scores ``[B, N, G, L, L]`` in float32); ``blockwise``
 applies the same weights around ``jaxgrpo.parallel.attention.attention(implementation="blockwise")`` (the CPU's
-default blocks). The child reports its peak RSS (``ru_maxrss``) over its RSS before the first compile, and the
-median time of ``--repeats`` warm calls. The parent watches each child's RSS and stops one that passes ``--cap-gib``
-(the machine is shared: a dense row at 16k tokens would take ~10 GiB); such a row reads "over the cap".
+default blocks). The child compiles the gradient, resets its peak RSS (``/proc/self/clear_refs``), runs it once and
+``--repeats`` times more, and reports the peak RSS (``VmHWM``) over the RSS before the first run (the program's
+temporaries and outputs, not the compiler's) and the median time of the repeats. The parent watches each child's RSS and stops one that passes ``--cap-gib``
+(the machine is shared: a dense row at 16k tokens would take ~10 GiB); such a row reads "over the cap"; one that XLA
+refuses to allocate (RESOURCE_EXHAUSTED) reads "out of memory" with XLA's line.
 Ends with the memory slope: the ratio of the peak over the baseline from each length to the next (linear: 2×
 per doubling, quadratic: 4×).
 
@@ -21,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -38,13 +39,20 @@ GIB = 2**30
 D, H, N, K = 64, 4, 4, 16
 
 
-def _rss(pid: int | str = "self") -> int:
-  """Resident bytes of a process (Linux ``/proc/PID/status``: VmRSS); 0 once it is gone."""
+def _rss(pid: int | str = "self", field: str = "VmRSS") -> int:
+  """Resident bytes of a process (Linux ``/proc/PID/status``: ``VmRSS`` now, ``VmHWM`` its peak); 0 once it is
+  gone."""
   try:
     with open(f"/proc/{pid}/status") as f:
-      return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+      return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
   except (OSError, StopIteration):
     return 0
+
+
+def _reset_peak() -> None:
+  """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux: ``5`` into ``/proc/self/clear_refs``)."""
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
 
 
 def _child(impl: str, length: int, repeats: int) -> dict:
@@ -70,14 +78,16 @@ def _child(impl: str, length: int, repeats: int) -> dict:
 
   fn = {"dense": dense, "blockwise": blockwise}[impl]
   grad = jax.jit(jax.grad(lambda p, x: jnp.vdot(fn(p, x), w), argnums=(0, 1)))
+  compiled = grad.lower(weights, x).compile()
+  _reset_peak()  # the compiler's own peak is not the program's
   base = _rss()
-  jax.block_until_ready(grad(weights, x))  # compile and first run
+  jax.block_until_ready(compiled(weights, x))  # the first run: fresh pages for every buffer
   times = []
   for _ in range(repeats):
     t = time.perf_counter()
-    jax.block_until_ready(grad(weights, x))
+    jax.block_until_ready(compiled(weights, x))
     times.append(time.perf_counter() - t)
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+  peak = _rss(field="VmHWM")
   return {"impl": impl, "length": length, "peak_over_base": peak - base, "seconds": sorted(times)[len(times) // 2]}
 
 
@@ -94,6 +104,8 @@ def _run(impl: str, length: int, repeats: int, cap: float) -> dict:
       return {"impl": impl, "length": length, "over_cap": top}
     time.sleep(0.05)
   out, err = proc.communicate()
+  if proc.returncode and "RESOURCE_EXHAUSTED" in err:  # XLA refused the program's buffers before RSS grew
+    return {"impl": impl, "length": length, "out_of_memory": err.strip().splitlines()[-1][:160]}
   if proc.returncode:
     raise SystemExit(f"bench_attention: the {impl} child at {length} tokens exited {proc.returncode}:\n{err[-3000:]}")
   return json.loads(out.strip().splitlines()[-1])
@@ -128,12 +140,14 @@ def main(argv=None) -> list[dict]:
     for length in sorted(args.lengths):
       r = _run(impl, length, args.repeats, args.cap_gib * GIB)
       rows.append(r)
-      if "over_cap" in r:
+      if "out_of_memory" in r:
+        print(f"| {length:,} | {impl} | out of memory: {r['out_of_memory']} | — |")
+      elif "over_cap" in r:
         print(f"| {length:,} | {impl} | over the {args.cap_gib:g} GiB cap (stopped at {r['over_cap'] / GIB:.2f}) | — |")
       else:
-        print(f"| {length:,} | {impl} | {r['peak_over_base'] / GIB:.3f} GiB | {r['seconds']:.3f} s |", flush=True)
-  for impl in args.impls:
-    done = [r for r in rows if r["impl"] == impl and "over_cap" not in r]
+        print(f"| {length:,} | {impl} | {r['peak_over_base'] / 2**20:,.1f} MiB | {r['seconds']:.3f} s |", flush=True)
+  for impl in args.impls:  # lengths whose peak is under 1 MiB (allocator noise) give no ratio
+    done = [r for r in rows if r["impl"] == impl and r.get("peak_over_base", 0) >= 2**20]
     slopes = [f"{b['length']}/{a['length']} ×{b['peak_over_base'] / a['peak_over_base']:.2f}"
               for a, b in zip(done, done[1:])]  # fmt: skip
     print(f"# memory slope, {impl}: {', '.join(slopes) or '—'}")
