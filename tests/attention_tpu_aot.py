@@ -18,17 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tpu_aot_checks import TOPOLOGY  # the v5e:2x2 slice of tests/test_tpu_aot.py (this script's folder)
 
 from jaxgrpo.parallel.attention import attention, choose_implementation
 
-TOPOLOGY = dict(
-  platform="tpu",
-  topology_name="v5e:2x2",
-  chip_config_name="default",
-  chips_per_host_bounds=(2, 2, 1),
-  num_slices=1,
-  wrap=(False, False, False),
-)
 H, N, K = 32, 8, 128  # Qwen3-8B: 32 query heads, 8 key/value heads, head dim 128
 
 
