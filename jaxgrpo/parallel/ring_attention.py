@@ -1,0 +1,84 @@
+"""Ring attention: causal self-attention over a sequence sharded along a ``context`` mesh axis.
+
+Liu, Zaharia and Abbeel (2023), "Ring Attention with Blockwise Transformers for Near-Infinite Context". Each of the
+``n`` devices of the axis holds a chunk of ``C = S / n`` consecutive tokens of q, k, v and the segment ids. In
+``n`` steps each device attends its query chunk to the key/value chunk it holds
+(:func:`jaxgrpo.kernels.attention.blockwise_attention_with_lse`, with the chunk's global offset in the causal
+mask), merges the partial result into its running one by the log-sum-exp, and passes the key/value chunk on to
+the next device (``jax.lax.ppermute``, a ring). Merging two partials ``(o_a, ℓ_a)``, ``(o_b, ℓ_b)`` of disjoint key
+sets::
+
+    ℓ = log(e^ℓ_a + e^ℓ_b),   o = o_a·e^(ℓ_a − ℓ) + o_b·e^(ℓ_b − ℓ)
+
+(rows that have seen no key yet have ``ℓ = −∞`` and ``o = 0``; they stay so without NaN). Chunks entirely after
+the query chunk cost nothing: the blockwise kernel's loops skip every block of them.
+
+Gradients: reverse-mode autodiff through the ring (the blockwise kernel's VJP takes the cotangent of the
+log-sum-exp; ``ppermute``'s transpose is the reverse ring). It keeps each step's key/value chunk for the backward
+pass, so a device holds the whole sequence's k and v (``[B, S, N, K]``, not the ``[B, N, G, S, S]`` scores) in the
+backward pass; a hand-written ring backward that passes dk, dv around instead is not done.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxgrpo.kernels.attention import blockwise_attention_with_lse
+from jaxgrpo.parallel.attention import default_blocks
+
+__all__ = ["merge_partials", "ring_attention", "ring_attention_shard"]
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+  """The attention over the union of two disjoint key sets from each one's ``out [B, S, H, K]`` and ``lse
+  [B, S, H]`` (float32; ``−∞`` where a row saw no key). Finite values and gradients on such rows."""
+  m = jnp.maximum(lse_a, lse_b)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  wa, wb = jnp.exp(lse_a - m_safe), jnp.exp(lse_b - m_safe)  # exp(−∞) = 0
+  z = wa + wb
+  seen = z > 0
+  z_safe = jnp.where(seen, z, 1.0)
+  lse = jnp.where(seen, m_safe + jnp.log(z_safe), -jnp.inf)
+  out = (out_a.astype(jnp.float32) * (wa / z_safe)[..., None]) + (out_b.astype(jnp.float32) * (wb / z_safe)[..., None])
+  return out, lse
+
+
+def ring_attention_shard(q, k, v, segment_ids, *, axis_name: str, causal=True, scale=None, block_q=None, block_kv=None):
+  """The body inside ``jax.shard_map``: this device's chunk ``q [B, C, H, K]``, ``k, v [B, C, N, K]``,
+  ``segment_ids int[B, C]`` (chunk r holds global rows ``[r·C, (r+1)·C)``); returns its ``[B, C, H, K]``
+  output rows (q's dtype)."""
+  n = jax.lax.axis_size(axis_name)
+  r = jax.lax.axis_index(axis_name)
+  C = q.shape[1]
+  bq, bk = default_blocks()
+  kw = dict(causal=causal, scale=scale, block_q=block_q or bq, block_kv=block_kv or bk, q_segment_ids=segment_ids)
+  ring = [(i, (i + 1) % n) for i in range(n)]
+  out = lse = None
+  kc, vc, sc = k, v, segment_ids
+  for t in range(n):
+    source = (r - t) % n  # whose chunk this device holds after t passes
+    o, l = blockwise_attention_with_lse(q, kc, vc, kv_segment_ids=sc, q_offset=(r - source) * C, **kw)
+    out, lse = (o.astype(jnp.float32), l) if out is None else merge_partials(out, lse, o, l)
+    if t + 1 < n:
+      kc, vc, sc = (jax.lax.ppermute(x, axis_name, ring) for x in (kc, vc, sc))
+  return out.astype(q.dtype)
+
+
+def ring_attention(q, k, v, segment_ids, mesh, *, axis: str = "context", causal=True, scale=None, **blocks):
+  """Causal self-attention within segments (as :func:`jaxgrpo.parallel.attention.attention`) of ``q [B, S, H, K]``,
+  ``k, v [B, S, N, K]``, ``segment_ids int[B, S]`` with the sequence dim split over the mesh axis ``axis``
+  (``S`` divisible by its size); other dims replicated. Returns ``[B, S, H, K]`` sharded the same way."""
+  if axis not in mesh.shape:
+    raise ValueError(
+      f"ring_attention: `axis` {axis!r} is not an axis of the mesh {dict(mesh.shape)}; name the context axis"
+    )
+  n = mesh.shape[axis]
+  if q.shape[1] % n:
+    raise ValueError(
+      f"ring_attention: the sequence length {q.shape[1]} must be divisible by the {axis!r} axis size {n}"
+    )
+  spec = P(None, axis)
+  body = lambda q, k, v, s: ring_attention_shard(q, k, v, s, axis_name=axis, causal=causal, scale=scale, **blocks)
+  return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(q, k, v, segment_ids)

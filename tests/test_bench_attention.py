@@ -1,0 +1,34 @@
+"""``scripts/bench_attention.py`` runs as documented (BENCHMARKS.md): one child process per (implementation,
+length), a table row each with the child's peak RSS and time, the memory slope; a child whose RSS passes the cap
+is stopped and reported so (the parent's watchdog, for real: the cap is below a JAX process's own size)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, cli_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+SCRIPT = os.path.join(ROOT, "scripts", "bench_attention.py")
+
+
+def _run(*args: str) -> str:
+  out = subprocess.run([sys.executable, SCRIPT, *args], env=cli_env(), capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def test_rows_and_slope():
+  text = _run("--lengths", "256", "512", "--impls", "blockwise", "--repeats", "1")
+  rows = [line for line in text.splitlines() if line.startswith("| 256 ") or line.startswith("| 512 ")]
+  assert len(rows) == 2 and all(" MiB | " in r and r.rstrip().endswith("s |") for r in rows), text
+  assert "# memory slope, blockwise: 512/256 ×" in text, text
+
+
+def test_a_child_over_the_cap_is_stopped():
+  text = _run("--lengths", "256", "--impls", "dense", "--cap-gib", "0.05")
+  assert "| 256 | dense | over the 0.05 GiB cap (stopped at" in text, text
+  assert "# memory slope, dense: —" in text, text
