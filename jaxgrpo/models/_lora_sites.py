@@ -16,9 +16,10 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxgrpo.models.attention import Attention
 from jaxgrpo.models.base import CausalLM, stack_blocks, to_loop_layers
 from jaxgrpo.models.gpt2 import GPT2MLP
-from jaxgrpo.models.layers import Attention, LoRA, QuantizedWeight
+from jaxgrpo.models.layers import LoRA, QuantizedWeight
 from jaxgrpo.models.llama import SwiGLU
 from jaxgrpo.parallel.sharding import DEFAULT_RULES, logical_to_spec
 
