@@ -308,6 +308,9 @@ def _restore_arrays(manager, step: int, meta: Mapping[str, Any], template: Snaps
 class Checkpointer:
   """Saves and restores :class:`Snapshot` s with their :class:`RunMeta`, with Orbax.
 
+  One job at ~340 lines: one ``CheckpointManager``'s lifecycle (save, keep, quarantine, restore); its
+  self-contained parts are the module-level helpers (module docstring).
+
   Args:
     directory: checkpoint root (``checkpoint_dir(cfg.out)``).
     max_to_keep: K most recent complete checkpoints kept (None: all). Older ones are deleted only

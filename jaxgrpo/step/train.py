@@ -46,6 +46,9 @@ MoE routing replay (a row field), LoRA dropout keys (per-pass row fields) and pa
 like the rows) reach them as inputs, not as branches of the step. This module composes them (``_step_fn``),
 jits the composition (:class:`TrainStep`, :func:`make_train_step`) and compiles the reference pass on the same
 mesh (:func:`make_reference_fn`).
+
+One job at ~640 lines: composing the pieces above into one jitted step and its reference pass (the checks
+that run before the jitted call included); every piece it composes is in its own module.
 """
 
 from __future__ import annotations
