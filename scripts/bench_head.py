@@ -5,9 +5,9 @@ Three custom VJPs replace autodiff in the train step's backward pass, each with 
 - ``head``: ``jaxgrpo.models.log_probs.head_log_probs``, the chunked log-prob/entropy kernel; its
   backward pass recomputes a chunk's logits and needs only the chunk's logsumexp (before: the chunk
   under ``jax.checkpoint``, autodiff of logsumexp / take_along_axis / the entropy);
-- ``softmax``: the attention softmax (``jaxgrpo.models.layers._attention_softmax``): keeps only the
+- ``softmax``: the attention softmax (``jaxgrpo.models.attention._attention_softmax``): keeps only the
   probabilities;
-- ``swiglu``: ``silu(g) * u`` (``jaxgrpo.models.llama._swiglu``): keeps only ``g`` and ``u``.
+- ``swiglu``: ``silu(g) * u`` (``jaxgrpo.models.llama.swiglu``): keeps only ``g`` and ``u``.
 
 For each variant (cumulative: ``autodiff`` = none of them, ``+head``, ``+softmax``, ``+swiglu`` = the
 library) the script compiles (1) the gradient of ``chunked_log_probs`` alone (the LM head: w.r.t. the
@@ -52,7 +52,7 @@ import _bench  # noqa: E402
 import bench_train_step  # noqa: E402
 
 _log_probs = importlib.import_module("jaxgrpo.models.log_probs")
-_layers = importlib.import_module("jaxgrpo.models.layers")
+_attention = importlib.import_module("jaxgrpo.models.attention")
 _llama = importlib.import_module("jaxgrpo.models.llama")
 
 MIB = 2**20
@@ -75,9 +75,9 @@ def variant(name: str):
     if keep < 1:  # the chunk under jax.checkpoint, as for a model that is not a CausalLM
       stack.enter_context(mock.patch.object(_log_probs, "_uses_head_kernel", lambda model: False))
     if keep < 2:
-      stack.enter_context(mock.patch.object(_layers, "_attention_softmax", _plain_softmax))
+      stack.enter_context(mock.patch.object(_attention, "_attention_softmax", _plain_softmax))
     if keep < 3:
-      stack.enter_context(mock.patch.object(_llama, "_swiglu", _plain_swiglu))
+      stack.enter_context(mock.patch.object(_llama, "swiglu", _plain_swiglu))
     yield
 
 

@@ -48,7 +48,7 @@ from jaxgrpo.rollout import iteration  # noqa: E402
 from jaxgrpo.step import train  # noqa: E402
 
 PRECISIONS = {"fp32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.float32)}
-# diagnostic: mixed precision as before the native bf16 dot (``layers._mixed_on_cpu`` False while this
+# diagnostic: mixed precision as before the native bf16 dot (``layers.mixed_on_cpu``, the name ``dense`` reads, False while this
 # runner traces: f32-accumulated dots upcast to float32, projections bf16 x bf16 -> bf16)
 VARIANTS = {**PRECISIONS, "bf16-upcast": PRECISIONS["bf16"]}
 PHASES = ("rollout_s", "reference_s", "update_s", "iteration_s")
@@ -86,13 +86,13 @@ class Runner:
 
   def traced(self, fn, *args):
     """``fn(*args)`` with this runner's dot choice in effect (``bf16-upcast``: the earlier code's)."""
-    native = layers._mixed_on_cpu
+    native = layers.mixed_on_cpu
     if self.precision == "bf16-upcast":
-      layers._mixed_on_cpu = lambda *xs: False  # read when the programs are traced (the warm-up call)
+      layers.mixed_on_cpu = lambda *xs: False  # read when the programs are traced (the warm-up call)
     try:
       return fn(*args)
     finally:
-      layers._mixed_on_cpu = native
+      layers.mixed_on_cpu = native
 
   def iterate(self, prompts, pmask, key) -> dict:
     return self.traced(self._iterate, prompts, pmask, key)

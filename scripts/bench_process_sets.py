@@ -149,7 +149,7 @@ def hash_cost(prompts: int, g: int, t: int, repeats: int) -> dict:
   """Median seconds of the block hashes (current non-linear mixers vs the former linear pre-image)
   and of the whole pairwise call, in alternating rounds."""
   tokens, mask, gid = (jax.device_put(x) for x in make_groups(prompts, g, t))
-  new = jax.jit(lambda x: prefix_hash._block_hashes(x, 64)[1])
+  new = jax.jit(lambda x: prefix_hash.block_hashes(x, 64)[1])
   old = jax.jit(lambda x: _linear_block_hashes(x, 64))
   full = _jitted("pairwise", g)
   times = _bench.alternating_times([lambda: new(tokens), lambda: old(tokens), lambda: full(tokens, mask, gid)], repeats)

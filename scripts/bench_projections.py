@@ -1,11 +1,11 @@
-"""Two XLA:CPU layout effects behind `jaxgrpo.models.layers`, each against its baseline in the same run.
+"""Two XLA:CPU layout effects behind `jaxgrpo.models.layers` and `jaxgrpo.models.attention`, each against its baseline in the same run.
 
 1. SwiGLU forward+backward: ``einsum("bsd,df->bsf")`` (the weight gradient contracts two dims,
    b and s, and XLA:CPU materialises a transposed copy of the activation gradient) vs
    ``layers.dense`` (token dims flattened: one 2-D matmul, one contracting dim).
 2. One decode step of attention over a KV cache: the earlier [B, T, N, K] cache with a batched
    einsum vs the [B, N, K, T] / [B, N, T, K] cache with the multiply-and-reduce that
-   ``layers.Attention`` uses for S·G <= 8 query rows per kv head.
+   ``attention.Attention`` uses for S·G <= 8 query rows per kv head.
 
 Defaults are the peers workload (64 rows × 160 tokens, D=384, F=1536; decode at 128 rows, 160
 cache slots, 8 heads / 4 kv heads, head_dim 32). Medians over ``--repeats`` after one warm-up,
@@ -47,7 +47,7 @@ def decode_einsum(q, k_btnk, v_btnk):
 
 
 def decode_reduce(q, k_bnkt, v_bntk):
-  """q [B,1,N,G,K]; keys [B,N,K,T], values [B,N,T,K]: multiply-and-reduce (as layers.Attention)."""
+  """q [B,1,N,G,K]; keys [B,N,K,T], values [B,N,T,K]: multiply-and-reduce (as attention.Attention)."""
   qt = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B,N,G,S,K]
   s = jnp.sum(qt[..., None] * k_bnkt[:, :, None, None], axis=-2)  # [B,N,G,S,T]
   p = jax.nn.softmax(s, axis=-1)

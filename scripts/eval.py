@@ -139,7 +139,7 @@ def check_args(args) -> None:
   if bad:
     _bad_input(f"--pass-k: expected ints >= 1; got {bad}")
   for flag, path in (("--model", args.model), ("--checkpoint", args.checkpoint), ("--dataset", args.dataset)):
-    if path and data._looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+    if path and data.looks_local(path) and not os.path.exists(os.path.expanduser(path)):
       _bad_input(f"{flag} {path}: no such file or directory (a local path; a hub id has the form owner/name)")
 
 

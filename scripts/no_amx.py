@@ -13,7 +13,7 @@ lifted. What it emulates is the instruction set only (avx512_bf16 stays): caches
 still this machine's, so a figure measured under it is "this CPU without AMX", not another CPU. Software that looks
 at CPUID alone and uses AMX without asking is killed by SIGILL under it: vLLM's CPU build (its own bf16 kernels) is,
 so the vLLM tests cannot run through this script (the whole suite otherwise passes under it: the dense layers'
-float32-product path, ``jaxgrpo.models.layers.cpu_bf16_dots``). ``jaxgrpo.models.layers.amx_request()`` makes the
+float32-product path, ``jaxgrpo.models.backend.cpu_bf16_dots``). ``jaxgrpo.models.backend.amx_request()`` makes the
 request itself: EPERM under this script.
 
 Measured on the Intel Xeon here (a 512×1024 by 1024×1024 ``jnp.dot``, bfloat16 operands, float32 result): 1543

@@ -277,7 +277,7 @@ def _check_local_files(cfg) -> None:
     ("model.path", model_path),
     *((f"reward.sources[{s.name!r}].path", s.path) for s in cfg.reward.sources if s.path),
   ):
-    if source and data_lib._looks_local(source) and not os.path.exists(os.path.expanduser(source)):
+    if source and data_lib.looks_local(source) and not os.path.exists(os.path.expanduser(source)):
       _fail(2, f"error: config field `{field}`: no such file or directory: {source}")
 
 

@@ -323,7 +323,7 @@ def test_a_checkpoint_of_another_format_is_refused_with_a_message(tmp_path):
   meta = json.load(open(meta_path))
   meta.pop("format")
   json.dump(meta, open(meta_path, "w"))
-  ck._write_manifest(os.path.join(root, "1"), 1, checksum=True)  # a consistent step of the old format
+  ck.write_manifest(os.path.join(root, "1"), 1, checksum=True)  # a consistent step of the old format
   with pytest.raises(ck.CheckpointError, match=r"meta format 1, this jaxgrpo reads format 2"):
     ck.Checkpointer(root, log=None).restore(_state(0), CFG)
 

@@ -221,7 +221,7 @@ def test_sigkill_at_random_moments_then_resume(straight, env, tmp_path):
       m = re.search(r"resumed from checkpoint \S+ \(step (\d+)\)", "".join(lines))
       assert m and int(m.group(1)) == done[-1], "".join(lines[-30:])
       resumed_from.append(done[-1])
-    _, tmps = ck._step_dirs(ckdir)
+    _, tmps = ck.step_dirs(ckdir)
     complete = ck.complete_steps(ckdir, log=None)
     during_save += bool(tmps) or kill_after not in complete
     # at most the step whose save was interrupted is lost

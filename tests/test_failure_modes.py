@@ -321,12 +321,12 @@ def test_safetensors_reader_roundtrip_and_clear_errors(tmp_path):
   d.mkdir()
   (d / "model.safetensors.index.json").write_text("{not json")
   with pytest.raises(ValueError, match=r"model.safetensors.index.json is not a safetensors index"):
-    hf._read_checkpoint(str(d))
+    hf.read_checkpoint(str(d))
   (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
   with pytest.raises(ValueError, match=r"lists shards that are not in .*part-1.safetensors"):
-    hf._read_checkpoint(str(d))
+    hf.read_checkpoint(str(d))
   shutil.copy(good, d / "part-1.safetensors")
-  assert set(hf._read_checkpoint(str(d))) == {"a", "b"}
+  assert set(hf.read_checkpoint(str(d))) == {"a", "b"}
 
 
 def test_closed_loop_noise_filter_drops_only_that_traceback():

@@ -31,7 +31,7 @@ from jaxgrpo.models import Qwen3Config, build_model
 from jaxgrpo.models.log_probs import chunked_log_probs, head_log_probs
 
 _log_probs = importlib.import_module("jaxgrpo.models.log_probs")
-_layers = importlib.import_module("jaxgrpo.models.layers")
+_attention = importlib.import_module("jaxgrpo.models.attention")
 _llama = importlib.import_module("jaxgrpo.models.llama")
 
 V, D, B, T = 32000, 256, 2, 12
@@ -176,8 +176,8 @@ def test_attention_softmax_rule():
   x[1, 1, 2, 3, 4:] = -1e30
   x = jnp.asarray(x)
   g = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-  np.testing.assert_array_equal(np.asarray(_layers._attention_softmax(x)), np.asarray(jax.nn.softmax(x, axis=-1)))
-  got = jax.grad(lambda x: jnp.sum(g * _layers._attention_softmax(x)))(x)
+  np.testing.assert_array_equal(np.asarray(_attention._attention_softmax(x)), np.asarray(jax.nn.softmax(x, axis=-1)))
+  got = jax.grad(lambda x: jnp.sum(g * _attention._attention_softmax(x)))(x)
   want = jax.grad(lambda x: jnp.sum(g * jax.nn.softmax(x, axis=-1)))(x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
@@ -186,10 +186,8 @@ def test_attention_softmax_rule():
 def test_swiglu_rule(dtype, tol):
   rng = np.random.default_rng(1)
   g, u, ct = (jnp.asarray(rng.standard_normal((3, 5, 64)) * 4, jnp.float32).astype(dtype) for _ in range(3))
-  np.testing.assert_array_equal(
-    np.asarray(_llama._swiglu(g, u), np.float32), np.asarray(jax.nn.silu(g) * u, np.float32)
-  )
-  got = jax.grad(lambda g, u: jnp.sum((ct * _llama._swiglu(g, u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
+  np.testing.assert_array_equal(np.asarray(_llama.swiglu(g, u), np.float32), np.asarray(jax.nn.silu(g) * u, np.float32))
+  got = jax.grad(lambda g, u: jnp.sum((ct * _llama.swiglu(g, u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
   want = jax.grad(lambda g, u: jnp.sum((ct * (jax.nn.silu(g) * u)).astype(jnp.float32)), argnums=(0, 1))(g, u)
   for a, b, what in zip(got, want, ("d gate", "d up")):
     assert a.dtype == b.dtype

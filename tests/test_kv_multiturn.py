@@ -16,7 +16,7 @@ from test_packing_models import randomized
 
 from jaxgrpo import models
 from jaxgrpo.models import log_probs
-from jaxgrpo.models.layers import init_kv_cache
+from jaxgrpo.models.attention import init_kv_cache
 from jaxgrpo.rollout.conversation import ConversationSampler
 from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END

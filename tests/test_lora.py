@@ -120,7 +120,7 @@ def test_zero_b_first_forward_is_bit_identical_at_realistic_width(family):
   tokens, mask = _batch(512, length=16)
   base = _logits(model, tokens, mask)
   lora.apply_lora(model, lora.LoRAConfig(rank=16, alpha=32, dropout=0.1), key=jax.random.key(0))
-  assert all(s.adapter() is not None for s in lora._sites(model))
+  assert all(s.adapter() is not None for s in lora.adapter_sites(model))
   np.testing.assert_array_equal(_logits(model, tokens, mask), base)
   # dropout on the adapter input only: with B = 0 a dropout key changes nothing either
   np.testing.assert_array_equal(_logits(model, tokens, mask, jax.random.key(5)), base)
@@ -167,7 +167,7 @@ def test_merged_weights_equal_numpy_w_plus_scale_a_b_and_forward_matches():
   _randomise_b(model)
   merged = lora.merge_lora(model)
   assert cfg.scale == 12 / 2.0
-  for s, m in zip(lora._sites(model), lora._sites(merged)):
+  for s, m in zip(lora.adapter_sites(model), lora.adapter_sites(merged)):
     ad = s.adapter()
     w = np.asarray(s.weight().get_value(), np.float64)
     a = np.asarray(ad.a.get_value(), np.float64).reshape(-1, 4)
@@ -195,7 +195,7 @@ def test_scale_and_init_follow_peft():
   np.testing.assert_array_equal(np.asarray(q.b.get_value()), 0.0)
   g = _model("qwen3")
   lora.apply_lora(g, lora.LoRAConfig(rank=8, alpha=8, init="gaussian"), key=jax.random.key(0))
-  std = np.concatenate([np.asarray(s.adapter().a.get_value()).ravel() for s in lora._sites(g)]).std()
+  std = np.concatenate([np.asarray(s.adapter().a.get_value()).ravel() for s in lora.adapter_sites(g)]).std()
   assert abs(std - 1 / 8) < 0.01
   # a different key gives different A; the same key the same A
   h = _model("qwen3", layers=2)
@@ -223,7 +223,7 @@ def test_dropout_masks_differ_per_adapter_and_per_key_in_a_model():
   model = _model("qwen3")
   lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8, dropout=0.5), key=jax.random.key(0))
   _randomise_b(model)
-  streams = [s.adapter().stream for s in lora._sites(model)]
+  streams = [s.adapter().stream for s in lora.adapter_sites(model)]
   assert streams == list(range(len(streams)))
   tokens, mask = _batch(96)
   k1, k2 = jax.random.key(1), jax.random.key(2)
@@ -265,7 +265,7 @@ def test_per_row_dropout_keys_make_masks_independent_of_the_batch_split():
 def test_default_targets_are_all_attention_and_mlp_projections(family, expected):
   model = _model(family, layers=2)
   lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=2), key=jax.random.key(0))
-  adapted = [s.name for s in lora._sites(model) if s.adapter() is not None]
+  adapted = [s.name for s in lora.adapter_sites(model) if s.adapter() is not None]
   assert adapted == expected * 2
 
 
@@ -274,7 +274,7 @@ def test_target_patterns_select_by_name_or_path_and_unknown_targets_raise():
   lora.apply_lora(
     model, lora.LoRAConfig(rank=2, alpha=2, targets=("q|v", r"layers\.1\.mlp\.down")), key=jax.random.key(0)
   )
-  adapted = [s.dotted for s in lora._sites(model) if s.adapter() is not None]
+  adapted = [s.dotted for s in lora.adapter_sites(model) if s.adapter() is not None]
   assert adapted == ["layers.0.attn.q", "layers.0.attn.v", "layers.1.attn.q", "layers.1.attn.v", "layers.1.mlp.down"]
   with pytest.raises(ValueError, match="already has adapters"):
     lora.apply_lora(model, lora.LoRAConfig(rank=2, alpha=2), key=jax.random.key(0))
@@ -327,7 +327,7 @@ def test_qlora_forward_equals_the_dequantised_base_model_exactly(kind):
   lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8, quantize=kind, group_size=16), key=jax.random.key(0))
   # a plain model whose projection weights are the dequantised ones (NumPy-side copy)
   plain = _model("qwen2")
-  for s, p in zip(lora._sites(model), lora._sites(plain)):
+  for s, p in zip(lora.adapter_sites(model), lora.adapter_sites(plain)):
     p.weight().set_value(jnp.asarray(np.asarray(s.weight().dequantize(jnp.float32))))
   dequant_base = _logits(plain, tokens, mask)
   np.testing.assert_array_equal(_logits(model, tokens, mask), dequant_base)  # B = 0
@@ -336,7 +336,7 @@ def test_qlora_forward_equals_the_dequantised_base_model_exactly(kind):
   assert rel < {"int8": 0.03, "int4": 0.25, "nf4": 0.25}[kind], rel
   _randomise_b(model)
   merged = lora.merge_lora(model)  # dequantised + adapter, in the embedding's dtype
-  assert not any(isinstance(s.weight(), QuantizedWeight) for s in lora._sites(merged))
+  assert not any(isinstance(s.weight(), QuantizedWeight) for s in lora.adapter_sites(merged))
   np.testing.assert_allclose(_logits(merged, tokens, mask), _logits(model, tokens, mask), atol=2e-5, rtol=1e-5)
   counts = lora.count_params(model)
   assert counts.base == lora.count_params(plain).base

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from jaxgrpo import models
-from jaxgrpo.models.layers import cpu_bf16_dots, cpu_kv_cache, dense, forward_mode_autodiff
+from jaxgrpo.models.backend import cpu_bf16_dots, cpu_kv_cache
+from jaxgrpo.models.layers import dense, forward_mode_autodiff
 from jaxgrpo.models.log_probs import completion_log_probs
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's dot lowering")
@@ -175,7 +176,7 @@ def test_mixed_precision_model_runs_cached_prefill_decode_and_gradient(mode):
 
 @pytest.mark.parametrize("mode", ["native", "float32"])
 def test_bf16_kv_cache_holds_bf16_values_in_float32_and_samples_as_a_bf16_cache(mode):
-  """On the CPU a bf16 model's KV cache is float32 (``layers.kv_cache_dtype``: XLA:CPU would otherwise write a
+  """On the CPU a bf16 model's KV cache is float32 (``backend.kv_cache_dtype``: XLA:CPU would otherwise write a
   float32 copy of the whole cache at every decode step): it holds exactly the bf16-rounded keys and values, and
   the sampler draws the same tokens with the same log-probs as from a bf16 cache (``cpu_kv_cache("compute")``, the
   cache of before, half the bytes)."""
@@ -212,7 +213,7 @@ def test_cpu_kv_cache_refuses_an_unknown_mode_and_leaves_float32_models_alone():
   with pytest.raises(ValueError, match=r"cpu_kv_cache: mode must be one of \('float32', 'compute'\); got 'bf16'"):
     with cpu_kv_cache("bf16"):
       pass
-  from jaxgrpo.models.layers import kv_cache_dtype
+  from jaxgrpo.models.backend import kv_cache_dtype
 
   with cpu_kv_cache("compute"):
     assert kv_cache_dtype(jnp.bfloat16) == jnp.bfloat16 and kv_cache_dtype(jnp.float32) == jnp.float32

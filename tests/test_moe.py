@@ -264,7 +264,7 @@ def test_train_step_adds_the_router_losses():
   assert "moe/aux_loss" in metrics
 
   graphdef, state = nnx.split(model)
-  half = lambda x: x[0::2], lambda x: x[1::2]  # micro-batch k holds rows k, k + K, ... (train._split_rows)
+  half = lambda x: x[0::2], lambda x: x[1::2]  # micro-batch k holds rows k, k + K, ... (terms.split_micro)
 
   def router_loss(s):
     m = nnx.merge(graphdef, s)

@@ -1,6 +1,6 @@
 """scripts/no_amx.py: a command run through it is refused AMX (the real system call in a real child), still
 computes bfloat16 matrix products (XLA:CPU falls back, no SIGILL) with the same values, and the dense layers then
-take float32 products (``jaxgrpo.models.layers.cpu_bf16_dots`` "auto"); bad use is one line."""
+take float32 products (``jaxgrpo.models.backend.cpu_bf16_dots`` "auto"); bad use is one line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 from helpers import ROOT, child_env
 
-from jaxgrpo.models import layers
+from jaxgrpo.models import backend
 
 SCRIPT = os.path.join(ROOT, "scripts", "no_amx.py")
 pytestmark = [
@@ -23,8 +23,8 @@ pytestmark = [
 
 _PROBE = r"""
 import jax, jax.numpy as jnp, numpy as np
-from jaxgrpo.models import layers
-print("request", layers.amx_request())
+from jaxgrpo.models import backend
+print("request", backend.amx_request())
 rng = np.random.default_rng(0)
 a = rng.integers(-8, 8, (64, 256)).astype(np.float32)  # small integers: exact in bfloat16, exact sums in float32
 b = rng.integers(-8, 8, (256, 128)).astype(np.float32)
@@ -32,7 +32,7 @@ y = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))(
   jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
 )
 print("exact", bool(np.array_equal(np.asarray(y), a @ b)))
-print("native", layers._native_bf16_dots())  # cpu_bf16_dots "auto": bf16 products only where AMX is granted
+print("native", backend.native_bf16_dots())  # cpu_bf16_dots "auto": bf16 products only where AMX is granted
 """
 
 
@@ -48,9 +48,9 @@ def test_a_command_through_no_amx_is_refused_amx_and_still_computes_bf16_dots():
   denied = _probe(sys.executable, SCRIPT)
   assert denied == {"request": str(errno.EPERM), "exact": "True", "native": "False"}, denied
   # without the filter the kernel decides: granted (0) on a CPU with AMX, another errno without it; the dense
-  # layers' bf16 products follow (jaxgrpo.models.layers.cpu_bf16_dots "auto")
+  # layers' bf16 products follow (jaxgrpo.models.backend.cpu_bf16_dots "auto")
   assert plain["exact"] == "True" and plain["native"] == str(plain["request"] == "0"), plain
-  if layers.amx_request() != errno.EPERM:  # unless this suite itself runs through no_amx.py (refused too)
+  if backend.amx_request() != errno.EPERM:  # unless this suite itself runs through no_amx.py (refused too)
     assert plain["request"] != str(errno.EPERM), plain
 
 

@@ -50,7 +50,8 @@ from flax import nnx
 import jaxgrpo as jg
 from jaxgrpo import models
 from jaxgrpo.models import moe
-from jaxgrpo.models.layers import cpu_bf16_dots, dense, kv_cache_dtype
+from jaxgrpo.models.backend import cpu_bf16_dots, kv_cache_dtype
+from jaxgrpo.models.layers import dense
 from jaxgrpo.parallel.target import current_platform, target_platform
 import tpu_aot_checks as checks
 

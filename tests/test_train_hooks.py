@@ -253,7 +253,7 @@ def test_a_denominator_with_a_gradient_is_refused_at_trace_time():
   with pytest.raises(ValueError, match="denominator that depends on `logp`"):
     step(state, batch)
   step, _ = _make(None, objective_fn=detached, advantages_fn=_rloo)
-  step_hooks._check_denominator(
+  step_hooks.check_denominator(
     detached,
     None,
     {

@@ -29,7 +29,7 @@ from flax import nnx
 
 import jaxgrpo as jg
 from jaxgrpo import models
-from jaxgrpo.models.layers import cpu_bf16_dots, cpu_kv_cache
+from jaxgrpo.models.backend import cpu_bf16_dots, cpu_kv_cache
 from jaxgrpo.rollout import sampling
 
 #: the TPU slice of the checks: v5e-4 (4 chips, one host), MaxText's argument values for it

@@ -298,7 +298,7 @@ def _read_file(path: str) -> list[dict]:
   return _read_arrow(path, ext)
 
 
-def _looks_local(source: str) -> bool:
+def looks_local(source: str) -> bool:
   """A path, not a hub id: ``jaxgrpo._checks.names_local_path`` (starts with ``/``, ``.`` or ``~``, has more than
   one ``/``, or its first part is a local directory), or a name ending in a known file extension."""
   return _checks.names_local_path(source) or source.lower().endswith(tuple("." + e for e in FILE_TYPES))
@@ -348,7 +348,7 @@ def _load_rows(source: str, split: str, name: str | None, limit: int | None) -> 
   else:
     if os.path.isdir(path):
       ds = _load_dir(path, split)
-    elif _looks_local(path):
+    elif looks_local(path):
       raise ValueError(f"`source`: no such file or directory: {path}")
     else:  # a hub id (name: its config, e.g. "main")
       import datasets

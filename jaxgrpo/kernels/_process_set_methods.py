@@ -1,7 +1,7 @@
 """The two methods that compute λ-GRPO's process sets (``jaxgrpo.kernels.process_sets``), inside ``jit``.
 
 Both return, for tokens ``int32[B, T]``, mask ``bool[B, T]`` and group ids ``int32[B]``, the sizes
-``|λ(i,t)|`` and sums ``Σ_{j∈λ(i,t)} w_j`` of per-row weights, ``f32[B, T]`` each (:func:`_sums`), equal
+``|λ(i,t)|`` and sums ``Σ_{j∈λ(i,t)} w_j`` of per-row weights, ``f32[B, T]`` each (:func:`method_sums`), equal
 up to 64-bit hash collisions (``jaxgrpo.kernels.prefix_hash``), with no Python loop over trajectories:
 
 - ``"sort"`` (sort-and-segment): the rows are sorted once by (group id, completion), comparing two
@@ -18,7 +18,7 @@ up to 64-bit hash collisions (``jaxgrpo.kernels.prefix_hash``), with no Python l
   tokens directly (``O(B·G·T)`` memory): the brute-force reference.
 
 Rows outside the sample (``valid`` false: missing samples, non-finite rewards) are members of no
-process set in either method (:func:`_sums`).
+process set in either method (:func:`method_sums`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo.kernels.prefix_hash import _block_hashes
+from jaxgrpo.kernels.prefix_hash import block_hashes
 
 __all__: list[str] = []
 
@@ -95,7 +95,7 @@ def _lcp_pairs(tok, block_hash, lengths, a, c, block: int):
 
 def _lcp_blocked(tokens, lengths, idx, ok, block: int):
   """Longest common valid prefix of i and idx[i, k] (hashed blocks, then tokens). int32[B, G]."""
-  tok, block_hash = _block_hashes(tokens, block)
+  tok, block_hash = block_hashes(tokens, block)
   rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], idx.shape)
   return jnp.where(ok, _lcp_pairs(tok, block_hash, lengths, rows, idx, block), 0)
 
@@ -176,7 +176,7 @@ def _sorted_rows(tokens, lengths, group_ids, block: int):
   """
   b = tokens.shape[0]
   n = 1 << max(b - 1, 0).bit_length()  # network size: B rounded up to a power of two
-  tok, block_hash = _block_hashes(tokens, block)
+  tok, block_hash = block_hashes(tokens, block)
 
   def less(x, y):  # is row x strictly before row y? Network filler rows (index >= B) go last.
     fx, fy = x >= b, y >= b
@@ -257,7 +257,7 @@ def _sort_segment(tokens, mask, group_ids, weights):
 # ------------------------------------------------------------------------------------------------ dispatch
 
 
-def _sums(tokens, mask, group_ids, weights, method, bound, exact, valid=None):
+def method_sums(tokens, mask, group_ids, weights, method, bound, exact, valid=None):
   """(sizes f32[B, T], sums, overflow bool[B]) by the chosen method.
 
   ``valid`` (``bool[B]`` or None: every row): rows outside the sample (missing samples) are members of

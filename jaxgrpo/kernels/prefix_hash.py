@@ -4,7 +4,7 @@ Every (token, position) pair is mixed to two 32-bit words by two *different* non
 (word 0: ``F(F(tok ^ s0) + L(pos ^ q0))``, word 1: ``L(L(tok ^ s1) ^ F(pos ^ q1))`` with ``F``
 MurmurHash3's finaliser and ``L`` the "lowbias32" finaliser, both bijections of uint32); summing
 each word along ``t`` modulo 2**32 gives a 64-bit hash of every prefix (:func:`prefix_hashes`,
-``uint32[B, T, 2]``; ``_block_hashes``: the same at the end of every block of tokens).
+``uint32[B, T, 2]``; ``block_hashes``: the same at the end of every block of tokens).
 
 - *Certain:* equal prefixes of equal length hash equal; two prefixes of equal length that differ in
   exactly one position hash differently in *both* words (each word is a bijection of the token at a
@@ -96,7 +96,7 @@ def prefix_hashes(tokens, mask):
   return _prefix_hashes(tokens)
 
 
-def _block_hashes(tokens, block: int):
+def block_hashes(tokens, block: int):
   """``(tok int32[B, nb·block], block_hash uint32[B, nb, 2])``: tokens zero-padded to whole blocks and the
   64-bit prefix hash at the end of every block of ``block`` tokens."""
   b, t = tokens.shape

@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.kernels._numerics import pow2_scale
-from jaxgrpo.kernels._process_set_methods import _sums
+from jaxgrpo.kernels._process_set_methods import method_sums
 from jaxgrpo.kernels.advantages import group_baseline, standardize
 from jaxgrpo.kernels.prefix_hash import prefix_hashes
 
@@ -112,7 +112,7 @@ def _reward_weights(rewards):
 
 def _sizes_impl(tokens, mask, group_ids, valid=None, *, method, bound, exact, num_groups=None):
   group_ids = group_ids.astype(jnp.int32)
-  sizes, _, overflow = _sums(tokens, mask, group_ids, [], method, bound, exact, valid)
+  sizes, _, overflow = method_sums(tokens, mask, group_ids, [], method, bound, exact, valid)
   bad = overflow | _bad_rows(group_ids, num_groups)
   return jnp.where(bad[:, None], -1, jnp.round(sizes).astype(jnp.int32))
 
@@ -123,7 +123,7 @@ def _rewards_impl(rewards, tokens, mask, group_ids, *, method, bound, exact):
   value, present = _reward_weights(rewards)
   scale = _huge_group_scale(value, group_ids)  # [B]; 1 unless the group has a reward past 2**120
   weights = [value / scale, present]
-  sizes, (sums, counts), overflow = _sums(tokens, mask, group_ids, weights, method, bound, exact, present > 0)
+  sizes, (sums, counts), overflow = method_sums(tokens, mask, group_ids, weights, method, bound, exact, present > 0)
   counts = jnp.round(counts)
   real = sizes > 0.5
   r_proc = jnp.where(real & (counts > 0), sums / jnp.maximum(counts, 1.0), 0.0) * scale[:, None]

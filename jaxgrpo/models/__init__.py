@@ -12,6 +12,7 @@ and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights,
 from __future__ import annotations
 
 from jaxgrpo.models import families  # noqa: F401  (registers the built-in families)
+from jaxgrpo.models.attention import KVCache, put_cache_rows, repeat_cache, take_cache_rows
 from jaxgrpo.models.base import (
   CausalLM,
   RematPolicy,
@@ -34,7 +35,7 @@ from jaxgrpo.models.config import (
 )
 from jaxgrpo.models.gpt2 import GPT2Model
 from jaxgrpo.models.hf import DEFAULT_RULES, load_hf, load_tokenizer, logical_to_spec, save_hf
-from jaxgrpo.models.layers import LOGICAL_AXES, KVCache, put_cache_rows, repeat_cache, take_cache_rows
+from jaxgrpo.models.layers import LOGICAL_AXES
 from jaxgrpo.models.llama import LlamaModel
 from jaxgrpo.models.log_probs import (
   chunked_log_probs,

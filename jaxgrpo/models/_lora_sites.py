@@ -2,9 +2,10 @@
 every LoRA edit shares.
 
 Private to ``jaxgrpo.models.lora`` (which adds, quantises, merges and counts) and ``jaxgrpo.models.lora_peft``
-(which writes and reads PEFT directories): a :class:`_Site` is one projection of a model (the modules listing
+(which writes and reads PEFT directories): a :class:`Site` is one projection of a model (the modules listing
 ``PROJECTIONS``, which the model's family names in its registry entry, ``Family.lora_modules``: attention q/k/v/o,
-the SwiGLU gate/up/down, GPT-2's fc/proj) with the only name-based access to its weight and adapter; :func:`_edit_layers` runs an edit on a scanned model's loop layout; :func:`_place` puts a
+the SwiGLU gate/up/down, GPT-2's fc/proj) with the only name-based access to its weight and adapter;
+:func:`edit_layers` runs an edit on a scanned model's loop layout; :func:`place_like` puts a
 new array on its weight's mesh.
 """
 
@@ -22,7 +23,7 @@ from jaxgrpo.models.registry import family_of
 from jaxgrpo.parallel.sharding import DEFAULT_RULES, logical_to_spec
 
 
-class _Site(NamedTuple):
+class Site(NamedTuple):
   """One projection: its module, its name there, its contracted dims and its dotted path."""
 
   module: nnx.Module
@@ -50,12 +51,12 @@ class _Site(NamedTuple):
       setattr(self.module, self.name + "_lora", nnx.data(None))
 
 
-def _check_model(model) -> None:
+def check_model(model) -> None:
   if not isinstance(model, CausalLM):
     raise TypeError(f"model must be a jaxgrpo.models CausalLM, got {type(model).__name__}")
 
 
-def _edit_layers(model, edit):
+def edit_layers(model, edit):
   """``edit(model)``; for a scanned model, ``edit`` of its loop layout, whose layers are then stacked
   again into ``model`` (in place) — only if ``edit`` and the stacking succeed."""
   if not model.scan_layers:
@@ -66,25 +67,25 @@ def _edit_layers(model, edit):
   return model if out is loop else out
 
 
-def _sites(model) -> list[_Site]:
+def adapter_sites(model) -> list[Site]:
   """The projections of the modules the model's family adapts (``Family.lora_modules``), in module order."""
   adaptable = family_of(model.config).lora_modules
   out = []
   for path, module in nnx.iter_modules(model):
     if isinstance(module, adaptable):
       for name, contract in module.PROJECTIONS.items():
-        out.append(_Site(module, name, contract, tuple(path) + (name,)))
+        out.append(Site(module, name, contract, tuple(path) + (name,)))
   return out
 
 
-def _weight_info(w) -> tuple[tuple[int, ...], tuple, Any]:
+def weight_info(w) -> tuple[tuple[int, ...], tuple, Any]:
   """(shape, logical axes, the array whose placement new arrays follow) of a weight."""
   if isinstance(w, QuantizedWeight):
     return w.shape, w.axes, w.codes.get_value()
   return tuple(w.shape), tuple(w.get_metadata()["out_sharding"]), w.get_value()
 
 
-def _place(value: jax.Array, axes: tuple, like, rules: Mapping[str, Any] | None, name: str) -> jax.Array:
+def place_like(value: jax.Array, axes: tuple, like, rules: Mapping[str, Any] | None, name: str) -> jax.Array:
   """``value`` on ``like``'s mesh, sharded by its logical ``axes``, when ``like`` is mesh-sharded."""
   sharding = getattr(like, "sharding", None)
   if not isinstance(sharding, NamedSharding):

@@ -11,16 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.layers import (
-  KVCache,
-  LoRA,
-  activation_rules,
-  dense,
-  init_kv_cache,
-  kv_cache_dtype,
-  layer_index,
-  shard_activation,
-)
+from jaxgrpo.models.attention import KVCache, init_kv_cache
+from jaxgrpo.models.backend import kv_cache_dtype
+from jaxgrpo.models.layers import LoRA, activation_rules, dense, layer_index, shard_activation
 from jaxgrpo.parallel import sharding
 from jaxgrpo.parallel.sharding import DEFAULT_RULES
 

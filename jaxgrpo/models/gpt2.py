@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.attention import Attention
 from jaxgrpo.models.base import CausalLM, RematPolicy, check_scan_layers, freeze_rules, stack_blocks
 from jaxgrpo.models.config import GPT2Config
-from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, Attention, LayerNorm, param, project, shard_activation
+from jaxgrpo.models.layers import MLP_AXES, TABLE_AXES, LayerNorm, param, project, shard_activation
 
 __all__ = ["GPT2Model"]
 

@@ -362,7 +362,7 @@ def _mmap_safetensors(path: str) -> dict[str, np.ndarray]:
   return {name: data[base + s : base + e].view(dt).reshape(sh) for name, (s, e, dt, sh) in specs.items()}
 
 
-def _read_checkpoint(directory: str) -> dict[str, np.ndarray]:
+def read_checkpoint(directory: str) -> dict[str, np.ndarray]:
   index = os.path.join(directory, "model.safetensors.index.json")
   if os.path.exists(index):
     try:
@@ -383,7 +383,7 @@ def _read_checkpoint(directory: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _resolve(path: str | os.PathLike) -> str:
+def resolve_path(path: str | os.PathLike) -> str:
   path = os.fspath(path)
   if os.path.isdir(path):
     return path
@@ -454,7 +454,7 @@ def load_hf(
         "propagate shardings: build the mesh with axis_types=(AxisType.Auto,) * ndim "
         "(jax.make_mesh defaults to Explicit)"
       )
-  directory = _resolve(path)
+  directory = resolve_path(path)
   cfg = config_from_hf(directory)
   rules = DEFAULT_RULES if rules is None else dict(rules)
   abstract = nnx.eval_shape(  # the model refuses what it cannot build (MoE with scan_layers) before any read
@@ -462,7 +462,7 @@ def load_hf(
       cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers
     )
   )
-  tensors = _read_checkpoint(directory)
+  tensors = read_checkpoint(directory)
   graphdef, state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(state))
   entries = hf_entries(cfg)
@@ -478,9 +478,9 @@ def load_hf(
       _load_stacked(e, tensors, flat[e.path], directory, mesh, rules, default_device, np_dtype)
       continue
     if isinstance(e, LayerEntry):
-      _load_layers(e, tensors, flat[e.path], directory, mesh, rules, default_device, np_dtype)
+      load_layers(e, tensors, flat[e.path], directory, mesh, rules, default_device, np_dtype)
       continue
-    view = _view(e, tensors, directory)
+    view = tensor_view(e, tensors, directory)
     var = flat[e.path]
     if view.shape != tuple(var.shape):
       raise AssertionError(f"name map gives {view.shape} for {e.path}, model has {var.shape}")
@@ -511,7 +511,7 @@ def load_hf(
   return nnx.merge(graphdef, state)
 
 
-def _view(e: Entry, tensors, directory) -> np.ndarray:
+def tensor_view(e: Entry, tensors, directory) -> np.ndarray:
   """``e.to_ours`` of its HF tensor (a view), after checking that it is present with its shape."""
   name = e.hf_name
   if name not in tensors and name.startswith("transformer.") and name[len("transformer.") :] in tensors:
@@ -524,9 +524,9 @@ def _view(e: Entry, tensors, directory) -> np.ndarray:
   return e.to_ours(tensors[name])
 
 
-def _load_layers(e: LayerEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
+def load_layers(e: LayerEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
   """Set ``var`` (``[L, *ours]``) from the L per-layer tensors of ``e``; each shard stacks its slices."""
-  views = [_view(x, tensors, directory) for x in e.layers]
+  views = [tensor_view(x, tensors, directory) for x in e.layers]
   _set_stack(e, views, var, mesh, rules, default_device, np_dtype)
 
 
@@ -609,4 +609,4 @@ def load_tokenizer(path: str | os.PathLike):
   """``transformers.AutoTokenizer.from_pretrained`` on the same directory (or hub id)."""
   from transformers import AutoTokenizer
 
-  return AutoTokenizer.from_pretrained(_resolve(path))
+  return AutoTokenizer.from_pretrained(resolve_path(path))

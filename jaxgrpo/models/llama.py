@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.attention import Attention
 from jaxgrpo.models.base import CausalLM, RematPolicy, check_scan_layers, freeze_rules, stack_blocks
 from jaxgrpo.models.config import LlamaConfig
 from jaxgrpo.models.layers import (
   MLP_AXES,
   TABLE_AXES,
-  Attention,
   RMSNorm,
   forward_mode_active,
   param,
@@ -30,7 +30,7 @@ __all__ = ["LlamaModel"]
 
 
 @jax.custom_vjp
-def _swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
   """``silu(g) * u`` (the same forward pass), whose backward pass keeps only ``g`` and ``u``, with
   ``s = sigmoid(g)``::
 
@@ -42,7 +42,7 @@ def _swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def _swiglu_fwd(g, u):
-  return _swiglu(g, u), (g, u)
+  return swiglu(g, u), (g, u)
 
 
 def _swiglu_bwd(residuals, ct):
@@ -51,7 +51,7 @@ def _swiglu_bwd(residuals, ct):
   return ct * u * s * (1 + g * (1 - s)), ct * g * s
 
 
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class SwiGLU(nnx.Module):
@@ -80,7 +80,7 @@ class SwiGLU(nnx.Module):
     kw = dict(dtype=self.dtype, dropout_key=dropout_key)
     g = project(x, self.gate, self.gate_bias, self.gate_lora, **kw)
     u = project(x, self.up, self.up_bias, self.up_lora, **kw)
-    h = jax.nn.silu(g) * u if forward_mode_active() else _swiglu(g, u)  # plain autodiff: jvp-able
+    h = jax.nn.silu(g) * u if forward_mode_active() else swiglu(g, u)  # plain autodiff: jvp-able
     h = shard_activation(h, MLP_AXES, "MLP hidden")  # [B, S, F]
     return project(h, self.down, self.down_bias, self.down_lora, **kw)
 

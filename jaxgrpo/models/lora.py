@@ -48,7 +48,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxgrpo.models import quant
-from jaxgrpo.models._lora_sites import _check_model, _edit_layers, _place, _Site, _sites, _weight_info
+from jaxgrpo.models._lora_sites import Site, adapter_sites, check_model, edit_layers, place_like, weight_info
 from jaxgrpo.models.base import to_loop_layers, to_scan_layers
 from jaxgrpo.models.layers import LoRA, QuantizedWeight, QuantParam
 from jaxgrpo.models.lora_peft import load_peft, save_peft
@@ -148,13 +148,13 @@ class LoRAConfig:
 def projection_paths(model) -> list[str]:
   """The dotted paths of every projection that can carry an adapter, in model order (a scanned
   model's are its loop layout's, ``"layers.3.attn.q"``)."""
-  _check_model(model)
+  check_model(model)
   if model.scan_layers:
     model = nnx.eval_shape(lambda: to_loop_layers(model))
-  return [s.dotted for s in _sites(model)]
+  return [s.dotted for s in adapter_sites(model)]
 
 
-def _select(sites: list[_Site], targets: tuple[str, ...] | None, what: str) -> list[_Site]:
+def _select(sites: list[Site], targets: tuple[str, ...] | None, what: str) -> list[Site]:
   if targets is None:
     return sites
   hits = {t: [s for s in sites if re.fullmatch(t, s.dotted) or re.fullmatch(t, s.name)] for t in targets}
@@ -192,13 +192,13 @@ def quantize_model(
     group_size: 4-bit group size (must divide every weight's last contracted dim).
     targets: patterns as in ``LoRAConfig.targets``; None = every projection.
   """
-  _check_model(model)
+  check_model(model)
   if kind not in quant.QUANT_KINDS:
     raise ValueError(f"kind must be one of {quant.QUANT_KINDS}, got {kind!r}")
   if model.scan_layers:
-    _edit_layers(model, lambda m: quantize_model(m, kind, group_size=group_size, targets=targets, rules=rules))
+    edit_layers(model, lambda m: quantize_model(m, kind, group_size=group_size, targets=targets, rules=rules))
     return
-  sites = _select(_sites(model), None if targets is None else tuple(targets), "quantize_model")
+  sites = _select(adapter_sites(model), None if targets is None else tuple(targets), "quantize_model")
   for s in sites:
     w = s.weight()
     if isinstance(w, QuantizedWeight):
@@ -207,11 +207,11 @@ def quantize_model(
       raise ValueError(f"{s.dotted} already has an adapter; quantise before apply_lora")
     quant.quantized_shapes(tuple(w.shape), kind=kind, contract=s.contract, group_size=group_size)  # checks
   for s in sites:
-    shape, axes, like = _weight_info(s.weight())
+    shape, axes, like = weight_info(s.weight())
     codes, scales = _quantize_jit(s.weight().get_value(), kind=kind, contract=s.contract, group_size=group_size)
     qw = QuantizedWeight(codes, scales, kind=kind, contract=s.contract, group_size=group_size, shape=shape, axes=axes)
-    qw.codes.set_value(_place(codes, axes, like, rules, s.dotted + ".codes"))
-    qw.scales.set_value(_place(scales, qw.scales.get_metadata()["out_sharding"], like, rules, s.dotted + ".scales"))
+    qw.codes.set_value(place_like(codes, axes, like, rules, s.dotted + ".codes"))
+    qw.scales.set_value(place_like(scales, qw.scales.get_metadata()["out_sharding"], like, rules, s.dotted + ".scales"))
     s.set(weight=qw)
 
 
@@ -228,13 +228,13 @@ def apply_lora(model, cfg: LoRAConfig, *, key: jax.Array, rules: Mapping[str, An
     TypeError: ``model`` is not a ``jaxgrpo.models`` model.
     ValueError: the model already has adapters, or a target matches no projection.
   """
-  _check_model(model)
+  check_model(model)
   if not isinstance(cfg, LoRAConfig):
     raise TypeError(f"cfg must be a LoRAConfig, got {type(cfg).__name__}")
   if model.scan_layers:
-    _edit_layers(model, lambda m: apply_lora(m, cfg, key=key, rules=rules))
+    edit_layers(model, lambda m: apply_lora(m, cfg, key=key, rules=rules))
     return
-  all_sites = _sites(model)
+  all_sites = adapter_sites(model)
   present = [s.dotted for s in all_sites if s.adapter() is not None]
   if present:
     raise ValueError(f"model already has adapters on {present[:4]}...; merge_lora first or start from the base")
@@ -243,7 +243,7 @@ def apply_lora(model, cfg: LoRAConfig, *, key: jax.Array, rules: Mapping[str, An
     quantize_model(model, cfg.quantize, group_size=cfg.group_size, rules=rules)
   dtype = jnp.dtype(cfg.param_dtype)
   for i, s in enumerate(sites):
-    shape, axes, like = _weight_info(s.weight())
+    shape, axes, like = weight_info(s.weight())
     c_shape, o_shape = shape[: s.contract], shape[s.contract :]
     k = jax.random.fold_in(key, i)
     if cfg.init == "kaiming":
@@ -254,8 +254,8 @@ def apply_lora(model, cfg: LoRAConfig, *, key: jax.Array, rules: Mapping[str, An
     b = jnp.zeros((cfg.rank,) + o_shape, jnp.float32)
     a_axes = tuple(axes[: s.contract]) + (None,)
     b_axes = (None,) + tuple(axes[s.contract :])
-    a = _place(a.astype(dtype), a_axes, like, rules, s.dotted + "_lora.a")
-    b = _place(b.astype(dtype), b_axes, like, rules, s.dotted + "_lora.b")
+    a = place_like(a.astype(dtype), a_axes, like, rules, s.dotted + "_lora.a")
+    b = place_like(b.astype(dtype), b_axes, like, rules, s.dotted + "_lora.b")
     s.set(adapter=LoRA(a, b, a_axes=a_axes, b_axes=b_axes, scale=cfg.scale, dropout=cfg.dropout, stream=i))
 
 
@@ -274,9 +274,9 @@ def reference_model(model):
   ``nnx.merge(ref_graphdef, state)`` with the *policy's* state (adapters included, then unused):
   the reference costs no second copy of the base weights (2 bytes × parameter count in bf16).
   """
-  _check_model(model)
+  check_model(model)
   ref = _copy(model)
-  adapters = [s.adapter() for s in _sites(ref) if s.adapter() is not None]
+  adapters = [s.adapter() for s in adapter_sites(ref) if s.adapter() is not None]
   if not adapters:
     raise ValueError("model has no adapters; its reference is the model itself")
   for a in adapters:
@@ -297,9 +297,9 @@ def base_model(model):
   Raises:
     ValueError: ``model`` has no adapters.
   """
-  _check_model(model)
+  check_model(model)
   base = _copy(model)
-  sites = [s for s in _sites(base) if s.adapter() is not None]
+  sites = [s for s in adapter_sites(base) if s.adapter() is not None]
   if not sites:
     raise ValueError("model has no adapters; its base model is the model itself")
   for s in sites:
@@ -309,15 +309,15 @@ def base_model(model):
 
 def has_adapters(model) -> bool:
   """Whether any projection of ``model`` carries a ``LoRA`` adapter (enabled or not)."""
-  _check_model(model)
-  return any(s.adapter() is not None for s in _sites(model))
+  check_model(model)
+  return any(s.adapter() is not None for s in adapter_sites(model))
 
 
 def adapter_dropout(model) -> float:
   """The largest dropout rate of ``model``'s enabled adapters (0.0 without adapters): when it is
   positive, training needs a ``dropout_key`` (``jaxgrpo.step.train.make_train_step``)."""
-  _check_model(model)
-  rates = [a.dropout for s in _sites(model) if (a := s.adapter()) is not None and a.enabled]
+  check_model(model)
+  rates = [a.dropout for s in adapter_sites(model) if (a := s.adapter()) is not None and a.enabled]
   return max(rates, default=0.0)
 
 
@@ -332,19 +332,19 @@ def merge_lora(model, *, param_dtype=None, rules: Mapping[str, Any] | None = Non
   ``models.save_hf`` writes and what ``sampling.generate`` can decode without adapter matmuls;
   it matches ``model`` up to float rounding (``x·(W + sAB)`` vs ``x·W + s(x·A)·B``).
   """
-  _check_model(model)
+  check_model(model)
   if model.scan_layers:
     return to_scan_layers(merge_lora(to_loop_layers(model), param_dtype=param_dtype, rules=rules))
   merged = _copy(model)
   default_dtype = merged.embed_tokens.get_value().dtype
-  for s in _sites(merged):
+  for s in adapter_sites(merged):
     w, ad = s.weight(), s.adapter()
     active, quantised = ad is not None and ad.enabled, isinstance(w, QuantizedWeight)
     if ad is not None:
       s.set(clear_adapter=True)
     if not active and not quantised:
       continue
-    shape, axes, like = _weight_info(w)
+    shape, axes, like = weight_info(w)
     value = w.dequantize(jnp.float32) if quantised else w.get_value().astype(jnp.float32)
     if active:
       a = ad.a.get_value().astype(jnp.float32)
@@ -353,7 +353,7 @@ def merge_lora(model, *, param_dtype=None, rules: Mapping[str, Any] | None = Non
     dtype = param_dtype if param_dtype is not None else default_dtype if quantised else w.get_value().dtype
     value = value.astype(dtype)
     if isinstance(getattr(like, "sharding", None), NamedSharding):  # keep the weight on its mesh
-      value = _place(value, axes, like, rules, s.dotted) if quantised else jax.device_put(value, like.sharding)
+      value = place_like(value, axes, like, rules, s.dotted) if quantised else jax.device_put(value, like.sharding)
     s.set(weight=nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False))
   return merged
 
@@ -370,7 +370,7 @@ class ParamCount(NamedTuple):
 
 def count_params(model) -> ParamCount:
   """Count base and adapter parameters of ``model`` (see ``ParamCount``)."""
-  _check_model(model)
+  check_model(model)
   base = adapter = base_bytes = adapter_bytes = 0
   for _, v in nnx.to_flat_state(nnx.state(model)):
     x = v.get_value()
@@ -383,7 +383,9 @@ def count_params(model) -> ParamCount:
       base += x.size
       base_bytes += x.nbytes
   per_site = model.config.num_layers if model.scan_layers else 1  # a stacked weight's shape is one layer's
-  base += per_site * sum(math.prod(s.weight().shape) for s in _sites(model) if isinstance(s.weight(), QuantizedWeight))
+  base += per_site * sum(
+    math.prod(s.weight().shape) for s in adapter_sites(model) if isinstance(s.weight(), QuantizedWeight)
+  )
   return ParamCount(base, adapter, base_bytes, adapter_bytes)
 
 
@@ -422,7 +424,7 @@ def base_fingerprint(model) -> str:
   """A hex digest identifying the base weights (everything but ``nnx.LoRAParam``): SHA-256 of each
   variable's path, shape, dtype and ``_checksum`` (computed on device, 4 bytes per array come to
   the host). Checkpoints of adapters record it to refuse resuming onto other base weights."""
-  _check_model(model)
+  check_model(model)
   h = hashlib.sha256()
   for path, v in sorted(nnx.to_flat_state(nnx.state(model)), key=lambda pv: str(pv[0])):
     if isinstance(v, nnx.LoRAParam):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from jaxgrpo.models._lora_sites import _check_model, _edit_layers, _place, _sites, _weight_info
+from jaxgrpo.models._lora_sites import adapter_sites, check_model, edit_layers, place_like, weight_info
 from jaxgrpo.models.base import to_loop_layers
 from jaxgrpo.models.hf import hf_entries
 from jaxgrpo.models.layers import LoRA
@@ -63,16 +63,16 @@ def save_peft(model, path: str | os.PathLike, *, base_model_name_or_path: str | 
     ValueError: no adapters, a disabled adapter (a ``reference_model``), or adapters of one fused
       module with different scales.
   """
-  _check_model(model)
+  check_model(model)
   if model.scan_layers:
     return save_peft(to_loop_layers(model), path, base_model_name_or_path=base_model_name_or_path)
-  adapted = [(t, t.adapter()) for t in _sites(model) if t.adapter() is not None]
+  adapted = [(t, t.adapter()) for t in adapter_sites(model) if t.adapter() is not None]
   if not adapted:
     raise ValueError("model has no adapters to export")
   disabled = [s.dotted for s, a in adapted if not a.enabled]
   if disabled:
     raise ValueError(f"adapters {disabled[:4]} are disabled (a reference_model); export the policy model")
-  sites = _sites(model)
+  sites = adapter_sites(model)
   parts = _hf_module_parts(model.config, {t.path: math.prod(t.weight().shape[t.contract :]) for t in sites})
   modules: dict[str, list] = {}
   for s, a in adapted:
@@ -169,9 +169,9 @@ def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules:
       is not a projection of ``model`` (e.g. an embedding), tensor shapes that do not fit, or a
       model that already has adapters.
   """
-  _check_model(model)
+  check_model(model)
   if model.scan_layers:
-    return _edit_layers(model, lambda m: load_peft(m, path, param_dtype=param_dtype, rules=rules))
+    return edit_layers(model, lambda m: load_peft(m, path, param_dtype=param_dtype, rules=rules))
   path = os.fspath(path)
   config_file = os.path.join(path, "adapter_config.json")
   weights_file = os.path.join(path, "adapter_model.safetensors")
@@ -200,7 +200,7 @@ def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules:
     pairs.setdefault(m["module"], {})[m["ab"]] = value
   if not pairs:
     raise ValueError(f"{weights_file} holds no LoRA tensors")
-  sites = _sites(model)
+  sites = adapter_sites(model)
   present = [s.dotted for s in sites if s.adapter() is not None]
   if present:
     raise ValueError(f"model already has adapters on {present[:4]}...; load_peft onto the base model")
@@ -232,7 +232,7 @@ def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules:
       )
     scale = float(_pattern_value(config.get("alpha_pattern"), module, alpha)) / (math.sqrt(rank) if rslora else rank)
     for s, offset, size, _ in by_module[module]:
-      shape, axes, like = _weight_info(s.weight())
+      shape, axes, like = weight_info(s.weight())
       c_shape, o_shape = shape[: s.contract], shape[s.contract :]
       if math.prod(c_shape) != a_t.shape[1]:
         raise ValueError(f"{weights_file}: {module}.lora_A has {a_t.shape[1]} inputs; {s.dotted} takes {c_shape}")
@@ -240,8 +240,8 @@ def load_peft(model, path: str | os.PathLike, *, param_dtype=jnp.float32, rules:
       b = jnp.asarray(b_t[offset : offset + size].T.reshape((rank,) + o_shape))
       a_axes = tuple(axes[: s.contract]) + (None,)
       b_axes = (None,) + tuple(axes[s.contract :])
-      a = _place(a.astype(dtype), a_axes, like, rules, s.dotted + "_lora.a")
-      b = _place(b.astype(dtype), b_axes, like, rules, s.dotted + "_lora.b")
+      a = place_like(a.astype(dtype), a_axes, like, rules, s.dotted + "_lora.a")
+      b = place_like(b.astype(dtype), b_axes, like, rules, s.dotted + "_lora.b")
       s.set(adapter=LoRA(a, b, a_axes=a_axes, b_axes=b_axes, scale=scale, dropout=dropout, stream=i))
       i += 1
   return model

@@ -51,10 +51,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxgrpo.models.backend import f32_operands_on_cpu
 from jaxgrpo.models.base import RematPolicy, freeze_rules
 from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
-from jaxgrpo.models.layers import RMSNorm, _f32_operands_on_cpu, dense, param
-from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, _swiglu
+from jaxgrpo.models.layers import RMSNorm, dense, param
+from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, swiglu
 from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
@@ -170,10 +171,10 @@ def _ragged_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
   # ragged_dot leaves rows past the last group unspecified, in its output and in its lhs cotangent:
   # mask both (the where's transpose zeroes their cotangent before it reaches x)
   xs = jnp.where(valid, jnp.take(x, rows, axis=0), 0).astype(dtype)  # [T·k, D]
-  ops = lambda a, w: _f32_operands_on_cpu(a, w.astype(dtype), preferred_element_type=jnp.float32)
+  ops = lambda a, w: f32_operands_on_cpu(a, w.astype(dtype), preferred_element_type=jnp.float32)
   g = jax.lax.ragged_dot(*ops(xs, gate), sizes, preferred_element_type=jnp.float32).astype(dtype)
   u = jax.lax.ragged_dot(*ops(xs, up), sizes, preferred_element_type=jnp.float32).astype(dtype)
-  h = _swiglu(g, u)  # [T·k, Fe]
+  h = swiglu(g, u)  # [T·k, Fe]
   y = jax.lax.ragged_dot(*ops(h, down), sizes, preferred_element_type=jnp.float32)  # f32 [T·k, D]
   w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]  # 0 for other experts' rows
   y = jnp.where(valid, y * w[:, None], 0.0)
@@ -197,7 +198,7 @@ def _tile_matmul(xt: jax.Array, w: jax.Array, tile_expert: jax.Array) -> jax.Arr
 
 
 def _mm(a, b):
-  return jnp.dot(*_f32_operands_on_cpu(a, b, preferred_element_type=jnp.float32), preferred_element_type=jnp.float32)
+  return jnp.dot(*f32_operands_on_cpu(a, b, preferred_element_type=jnp.float32), preferred_element_type=jnp.float32)
 
 
 def _varying_axes(a) -> frozenset:
@@ -269,7 +270,7 @@ def _tiled_experts(x, experts, weights, gate, up, down, *, first=0, dtype, tile=
   xp = jnp.zeros((n_tiles * tile, x.shape[-1]), dtype).at[pos].set(xs, mode="drop").reshape(n_tiles, tile, -1)
   tm = lambda a, w: _tile_matmul(a, w.astype(dtype), tile_expert.astype(jnp.int32))
   g, u = tm(xp, gate).astype(dtype), tm(xp, up).astype(dtype)
-  h = _swiglu(g, u)  # [n_tiles, tile, Fe]
+  h = swiglu(g, u)  # [n_tiles, tile, Fe]
   yp = tm(h, down).reshape(n_tiles * tile, -1)  # f32
   y = jnp.take(yp, jnp.minimum(pos, n_tiles * tile - 1), axis=0)  # [T·k, D] in sorted order
   w = jnp.where(in_range, weights.reshape(-1), 0.0)[order]
@@ -284,10 +285,10 @@ def _dense_experts(x, experts, weights, gate, up, down, *, first=0, dtype):
   n_local = gate.shape[0]
   combine = jnp.sum(jax.nn.one_hot(experts - first, n_local, dtype=jnp.float32) * weights[..., None], axis=1)
   xd = x.astype(dtype)
-  g = jnp.einsum("td,edf->etf", *_f32_operands_on_cpu(xd, gate.astype(dtype), preferred_element_type=jnp.float32))
-  u = jnp.einsum("td,edf->etf", *_f32_operands_on_cpu(xd, up.astype(dtype), preferred_element_type=jnp.float32))
-  h = _swiglu(g.astype(dtype), u.astype(dtype))  # [E, T, Fe]
-  y = jnp.einsum("etf,efd->etd", *_f32_operands_on_cpu(h, down.astype(dtype), preferred_element_type=jnp.float32))
+  g = jnp.einsum("td,edf->etf", *f32_operands_on_cpu(xd, gate.astype(dtype), preferred_element_type=jnp.float32))
+  u = jnp.einsum("td,edf->etf", *f32_operands_on_cpu(xd, up.astype(dtype), preferred_element_type=jnp.float32))
+  h = swiglu(g.astype(dtype), u.astype(dtype))  # [E, T, Fe]
+  y = jnp.einsum("etf,efd->etd", *f32_operands_on_cpu(h, down.astype(dtype), preferred_element_type=jnp.float32))
   return jnp.einsum("etd,te->td", y.astype(jnp.float32), combine)
 
 

@@ -42,15 +42,15 @@ from jaxgrpo.models.config import LlamaConfig, config_from_hf
 from jaxgrpo.models.hf import (
   Entry,
   LayerEntry,
-  _load_layers,
-  _read_checkpoint,
-  _resolve,
-  _view,
   hf_entries,
+  load_layers,
   load_tokenizer,
   logical_to_spec,
+  read_checkpoint,
+  resolve_path,
   save_hf,
   stack_layer_entries,
+  tensor_view,
 )
 from jaxgrpo.models.layers import dense, param
 from jaxgrpo.models.registry import family_of, registered
@@ -218,7 +218,7 @@ def load_reward_model(
     ValueError: a folder whose ``architectures`` is not a sequence classifier, a family other than
       Llama/Qwen2/Qwen3, a missing or mis-shaped tensor (named), or ``score.weight`` missing.
   """
-  directory = _resolve(path)
+  directory = resolve_path(path)
   raw = _config_json(directory)
   arch = (raw.get("architectures") or [None])[0]
   if not (isinstance(arch, str) and arch.endswith("ForSequenceClassification")):
@@ -230,7 +230,7 @@ def load_reward_model(
   if not family_of(cfg).reward_model:
     names = ", ".join(f.model_type for f in registered() if f.reward_model)
     raise ValueError(f"{directory}: model_type={raw.get('model_type')!r}; reward models: {names}")
-  tensors = _read_checkpoint(directory)
+  tensors = read_checkpoint(directory)
   if SCORE_HEAD not in tensors:
     raise ValueError(f"tensor {SCORE_HEAD!r} (the classifier head) is missing from the checkpoint in {directory}")
   head = tensors[SCORE_HEAD]
@@ -273,9 +273,9 @@ def load_reward_model(
   for e in entries:
     var = flat[e.path]
     if isinstance(e, LayerEntry):
-      _load_layers(e, tensors, var, directory, mesh, rules, device, np_dtype)
+      load_layers(e, tensors, var, directory, mesh, rules, device, np_dtype)
       continue
-    view = _view(e, tensors, directory)
+    view = tensor_view(e, tensors, directory)
     if mesh is None:
       sharding = jax.sharding.SingleDeviceSharding(device)
     else:

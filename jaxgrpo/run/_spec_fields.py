@@ -3,8 +3,8 @@
 :func:`_convert` checks ``value`` against the annotation ``hint`` of the field at dotted ``path`` and
 converts where the annotation says so (a mapping → the section's dataclass, a list → a tuple, an int
 → a float; ``nan``/``inf`` spellings → floats, refused as non-finite); a wrong type is one TypeError
-naming the field, the expected type and the value. :func:`_check_fields` applies it to every field of
-a constructed spec (``TrainerConfig.__post_init__``); :func:`_build` constructs a dataclass from a
+naming the field, the expected type and the value. :func:`check_fields` applies it to every field of
+a constructed spec (``TrainerConfig.__post_init__``); :func:`build_spec` constructs a dataclass from a
 mapping (``objective: {preset: NAME, ...}`` → ``jaxgrpo.kernels.config.preset``).
 """
 
@@ -25,8 +25,8 @@ __all__: list[str] = []
 
 #: ``{token: float}``: the spellings of NaN and ±inf read as floats on the command line (plain YAML
 #: reads ``nan``/``inf`` as strings), so that the field check refuses them as non-finite numbers
-_NONFINITE = {t: float(t.replace(".", "")) for t in ("nan", ".nan", "inf", ".inf", "infinity")}
-_NONFINITE.update({sign + t: float(sign + t.replace(".", "")) for t in ("inf", ".inf", "infinity") for sign in "+-"})
+NONFINITE = {t: float(t.replace(".", "")) for t in ("nan", ".nan", "inf", ".inf", "infinity")}
+NONFINITE.update({sign + t: float(sign + t.replace(".", "")) for t in ("inf", ".inf", "infinity") for sign in "+-"})
 
 
 def _type_name(hint) -> str:
@@ -41,7 +41,7 @@ def _type_error(path: str, hint, value) -> TypeError:
   return TypeError(f"config field `{path}`: expected {_type_name(hint)}; got {value!r} ({type(value).__name__})")
 
 
-def _join(path: str, key) -> str:
+def join_path(path: str, key) -> str:
   return f"{path}.{key}" if path else str(key)
 
 
@@ -77,8 +77,8 @@ def _convert(value, hint, path: str):
       return value
     raise _type_error(path, hint, value)
   if hint is float:
-    if isinstance(value, str) and value.strip().lower() in _NONFINITE:  # YAML reads `inf`, `nan` as strings
-      value = _NONFINITE[value.strip().lower()]
+    if isinstance(value, str) and value.strip().lower() in NONFINITE:  # YAML reads `inf`, `nan` as strings
+      value = NONFINITE[value.strip().lower()]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       if not math.isfinite(value):
         raise ValueError(f"config field `{path}`: expected a finite number; got {value}")
@@ -100,14 +100,14 @@ def _convert(value, hint, path: str):
   if origin in (Mapping, dict, typing.Mapping):
     key_hint, value_hint = typing.get_args(hint)
     if isinstance(value, Mapping):
-      return {_convert(k, key_hint, path): _convert(v, value_hint, _join(path, k)) for k, v in value.items()}
+      return {_convert(k, key_hint, path): _convert(v, value_hint, join_path(path, k)) for k, v in value.items()}
     raise _type_error(path, hint, value)
   if dataclasses.is_dataclass(hint):
     if isinstance(value, hint):
-      _check_fields(value, path)
+      check_fields(value, path)
       return value
     if isinstance(value, Mapping):
-      return _build(hint, value, path)
+      return build_spec(hint, value, path)
     raise _type_error(path, hint, value)
   if isinstance(hint, type):
     if isinstance(value, hint):
@@ -116,11 +116,11 @@ def _convert(value, hint, path: str):
   return value  # e.g. a Callable field of a library config: not written in YAML; its class checks it
 
 
-def _check_fields(spec, path: str) -> None:
+def check_fields(spec, path: str) -> None:
   """Type-checks every field of a constructed spec (recursively); TypeError naming the field."""
   hints = typing.get_type_hints(type(spec))
   for f in dataclasses.fields(spec):
-    _convert(getattr(spec, f.name), hints[f.name], _join(path, f.name))
+    _convert(getattr(spec, f.name), hints[f.name], join_path(path, f.name))
 
 
 def did_you_mean(key: str, valid) -> list[str]:
@@ -135,12 +135,12 @@ def _unknown_keys(unknown: list[str], valid: list[str], path: str) -> ValueError
   for k in unknown:
     close = did_you_mean(k, valid)
     if close:
-      hints.append(f"`{_join(path, k)}`: did you mean {' or '.join(f'`{_join(path, c)}`' for c in close)}?")
+      hints.append(f"`{join_path(path, k)}`: did you mean {' or '.join(f'`{join_path(path, c)}`' for c in close)}?")
   hint = f" ({'; '.join(hints)})" if hints else ""
   return ValueError(f"unknown key(s) {unknown} in `{path or 'config'}`{hint}; valid keys: {valid}")
 
 
-def _build(cls, d: Mapping[str, Any], path: str):
+def build_spec(cls, d: Mapping[str, Any], path: str):
   if cls is GRPOConfig and "preset" in d:
     return _build_preset(d, path)
   hints = typing.get_type_hints(cls)
@@ -148,7 +148,7 @@ def _build(cls, d: Mapping[str, Any], path: str):
   unknown = sorted(str(k) for k in set(d) - set(names))
   if unknown:
     raise _unknown_keys(unknown, names + (["preset"] if cls is GRPOConfig else []), path)
-  kwargs = {k: _convert(v, hints[k], _join(path, k)) for k, v in d.items()}
+  kwargs = {k: _convert(v, hints[k], join_path(path, k)) for k, v in d.items()}
   if not path:  # the whole config (TrainerConfig): its messages name whole paths already
     return cls(**kwargs)
   try:
@@ -160,7 +160,7 @@ def _build(cls, d: Mapping[str, Any], path: str):
 def _build_preset(d: Mapping[str, Any], path: str) -> GRPOConfig:
   """``objective: {preset: NAME, <GRPOConfig field>: value, ...}`` → ``preset(NAME, **fields)``."""
   rest = {k: v for k, v in d.items() if k != "preset"}
-  name = _convert(d["preset"], str, _join(path, "preset"))
+  name = _convert(d["preset"], str, join_path(path, "preset"))
   if "name" in rest:
     raise ValueError(f"`{path}`: give `preset` (a preset and overrides) or `name` (a custom config), not both")
   hints = typing.get_type_hints(GRPOConfig)
@@ -168,6 +168,6 @@ def _build_preset(d: Mapping[str, Any], path: str) -> GRPOConfig:
   if unknown:
     raise _unknown_keys(unknown, ["preset", *sorted(hints)], path)
   try:
-    return preset(name, **{k: _convert(v, hints[k], _join(path, k)) for k, v in rest.items()})
+    return preset(name, **{k: _convert(v, hints[k], join_path(path, k)) for k, v in rest.items()})
   except ValueError as e:
     raise ValueError(f"in `{path}`: {e}") from None

@@ -45,7 +45,7 @@ from jaxgrpo.models import RematPolicy
 from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.rollout.engines.base import load_engine_factory
 from jaxgrpo.rollout.environments.spec import EnvSpec
-from jaxgrpo.run._spec_fields import _check_fields
+from jaxgrpo.run._spec_fields import check_fields
 from jaxgrpo.run.composition import VLLM_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.task_specs import ArithmeticTask, SyntheticModel
 from jaxgrpo.step.train import TrainConfig
@@ -580,7 +580,7 @@ class TrainerConfig:
   env: EnvSpec | None = None
 
   def __post_init__(self):
-    _check_fields(self, "")
+    check_fields(self, "")
     arithmetic = self.data.arithmetic
     if arithmetic is not None and arithmetic.sft_steps and self.model.synthetic is None:
       raise ValueError(

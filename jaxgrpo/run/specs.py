@@ -36,9 +36,9 @@ from typing import Any
 
 import yaml
 
-from jaxgrpo.data import _looks_local
+from jaxgrpo.data import looks_local
 from jaxgrpo.kernels.config import GRPOConfig
-from jaxgrpo.run._spec_fields import _NONFINITE, _build, _join, did_you_mean
+from jaxgrpo.run._spec_fields import NONFINITE, build_spec, did_you_mean, join_path
 from jaxgrpo.run.spec_schema import (
   DTYPES,
   ENGINES,
@@ -108,14 +108,14 @@ def field_type(path: str):
     hints = typing.get_type_hints(cls)
     if part not in hints:
       valid = sorted(hints) + (["preset"] if cls is GRPOConfig else [])
-      close = [_join(walked, c) for c in did_you_mean(part, valid)]
+      close = [join_path(walked, c) for c in did_you_mean(part, valid)]
       if not close and walked:  # a field of another section (`--rollout.learning_rate`)
         close = [p for p in _leaf_paths() if p.rsplit(".", 1)[-1] == part]
       hint = f" (did you mean {' or '.join(f'`{c}`' for c in close)}?)" if close else ""
       raise ValueError(
         f"unknown config key `{path}`{hint}: `{walked or 'config'}` has no `{part}`; valid keys: {valid}"
       )
-    hint, walked = hints[part], _join(walked, part)
+    hint, walked = hints[part], join_path(walked, part)
     if i == len(parts) - 1:
       return hint
     union = typing.get_origin(hint) in (types.UnionType, typing.Union)
@@ -136,13 +136,13 @@ def _leaf_paths(cls=None, prefix: str = "") -> list[str]:
   cls = TrainerConfig if cls is None else cls
   out = []
   for name, hint in typing.get_type_hints(cls).items():
-    path = _join(prefix, name)
+    path = join_path(prefix, name)
     union = typing.get_origin(hint) in (types.UnionType, typing.Union)
     inner = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
     sub = [a for a in inner if dataclasses.is_dataclass(a)]
     out += _leaf_paths(sub[0], path) if sub else [path]
   if cls is GRPOConfig:
-    out.append(_join(prefix, "preset"))
+    out.append(join_path(prefix, "preset"))
   return out
 
 
@@ -203,8 +203,8 @@ def parse_override(key: str, text: str):
   args = set(typing.get_args(hint)) or {hint}
   if args <= {str, type(None)}:
     return None if text in ("null", "~") and type(None) in args else text
-  if float in args and text.strip().lower() in _NONFINITE:
-    return _NONFINITE[text.strip().lower()]
+  if float in args and text.strip().lower() in NONFINITE:
+    return NONFINITE[text.strip().lower()]
   value = parse_value(text)
   if path in SECTIONS and not isinstance(value, Mapping) and not (value is None and path in _OPTIONAL_SECTIONS):
     raise ValueError(
@@ -279,7 +279,7 @@ def _missing_local(fixed: dict) -> list[str]:
   return [
     f"and `{field}`: no such file or directory: {src}"
     for field, src in fields
-    if isinstance(src, str) and _looks_local(src) and not os.path.exists(os.path.expanduser(src))
+    if isinstance(src, str) and looks_local(src) and not os.path.exists(os.path.expanduser(src))
   ]
 
 
@@ -313,7 +313,7 @@ def _check_sources(nested: dict, overrides: Mapping[str, Any]) -> None:
   flags = " ".join(f"--{k} {'null' if v is None else v}" for k, v in fixes.items())
   rest = []
   try:
-    _build(TrainerConfig, fixed, "")
+    build_spec(TrainerConfig, fixed, "")
   except (ValueError, TypeError) as e:
     rest.append(f"and then: {e}")
   rest += _missing_local(fixed)
@@ -363,7 +363,7 @@ def read_yaml(path: str) -> dict:
 def config_from_dict(d: Mapping[str, Any], *, where: str = "config") -> TrainerConfig:
   """A :class:`TrainerConfig` from its nested dict form (YAML, ``to_dict()``). Unknown keys are errors
   naming the valid ones (for a key of the earlier flat config: its dotted form)."""
-  return _build(TrainerConfig, _nest(d, where), "")
+  return build_spec(TrainerConfig, _nest(d, where), "")
 
 
 def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) -> TrainerConfig:
@@ -384,4 +384,4 @@ def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) ->
   for key, value in overrides.items():
     _assign(nested, key, copy.deepcopy(value))
   _check_sources(nested, overrides)
-  return _build(TrainerConfig, nested, "")
+  return build_spec(TrainerConfig, nested, "")

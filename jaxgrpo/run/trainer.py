@@ -151,6 +151,9 @@ class Trainer:
   """Builds the model, data, rewards, mesh and jitted steps from a :class:`~jaxgrpo.run.specs.TrainerConfig`;
   ``run()`` trains, logging to ``OUT/metrics.jsonl``.
 
+  One job at ~310 lines: the loop's run control (build, step, evaluate, save, stop); what it builds is
+  ``jaxgrpo.run.builders`` / ``assemble``, the rollout is ``jaxgrpo.rollout.source``'s.
+
   Args:
     config: the run.
     checkpoint_fn: called as ``checkpoint_fn(snapshot: jaxgrpo.services.checkpoint.Snapshot, run: RunMeta)``

@@ -44,7 +44,6 @@ from jaxgrpo.services._orbax_noise import ClosedLoopNoiseFilter
 from jaxgrpo.services.checkpoint_files import (
   MANIFEST,
   CheckpointError,
-  _resolve_step,
   checkpoint_dir,
   checkpoint_root,
   complete_steps,
@@ -53,13 +52,14 @@ from jaxgrpo.services.checkpoint_files import (
   quarantine_incomplete_steps,
   quarantine_step,
   recovery_hint,
+  resolve_step,
   step_problems,
   verify_step,
   write_files_manifest,
 )
 from jaxgrpo.services.checkpoint_files import TMP_SUFFIX as TMP_SUFFIX
-from jaxgrpo.services.checkpoint_files import _step_dirs as _step_dirs
-from jaxgrpo.services.checkpoint_files import _write_manifest as _write_manifest
+from jaxgrpo.services.checkpoint_files import step_dirs as step_dirs
+from jaxgrpo.services.checkpoint_files import write_manifest as write_manifest
 from jaxgrpo.services.checkpointer import ON_CORRUPT as ON_CORRUPT
 from jaxgrpo.services.checkpointer import Checkpointer, CheckpointSaveError
 from jaxgrpo.services.snapshot import (
@@ -67,12 +67,12 @@ from jaxgrpo.services.snapshot import (
   NonFiniteError,
   RunMeta,
   Snapshot,
-  _check_fingerprints,
-  _compare_signatures,
-  _handlers,
-  _signature,
+  check_fingerprints,
+  checkpoint_handlers,
+  compare_signatures,
   first_nonfinite,
   read_meta,
+  tree_signature,
 )
 
 __all__ = [
@@ -123,7 +123,7 @@ def restore_params(
     CheckpointError: no complete checkpoint, corrupt files, a parameter tree that differs from
       ``target`` (names the entries), or different fingerprints (shows both digests).
   """
-  root, step = _resolve_step(path, step)
+  root, step = resolve_step(path, step)
   step_path = os.path.join(root, str(step))
   if verify:
     try:
@@ -133,8 +133,8 @@ def restore_params(
   module = target if isinstance(target, nnx.Module) else None
   tree = nnx.state(module) if module is not None else target
   meta = read_meta(step_path)
-  _check_fingerprints(step_path, meta, fingerprints or {})
-  problems = _compare_signatures(meta["params_signature"], _signature(tree), "params", check_dtype=False)
+  check_fingerprints(step_path, meta, fingerprints or {})
+  problems = compare_signatures(meta["params_signature"], tree_signature(tree), "params", check_dtype=False)
   if problems:
     raise CheckpointError(f"checkpoint {step_path} does not match the model:\n  " + "\n  ".join(problems[:20]))
   abstract = jax.tree.map(
@@ -145,7 +145,9 @@ def restore_params(
   )
   with (
     _orbax_noise.without_read_only_notice(),
-    ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers()) as mgr,
+    ocp.CheckpointManager(
+      root, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=checkpoint_handlers()
+    ) as mgr,
   ):
     params = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
   if module is not None:

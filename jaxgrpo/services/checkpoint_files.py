@@ -49,7 +49,7 @@ def checkpoint_dir(out: str) -> str:
   return os.path.join(os.fspath(out), "checkpoints")
 
 
-def _step_dirs(root: str) -> tuple[dict[int, str], list[str]]:
+def step_dirs(root: str) -> tuple[dict[int, str], list[str]]:
   """``({step: path}, [temporary dirs])`` of a checkpoint root (no validation)."""
   steps, tmps = {}, []
   if not os.path.isdir(root):
@@ -92,7 +92,7 @@ def _file_table(step_path: str, checksum: bool, *, top_level: bool = False) -> d
   return dict(sorted(table.items()))
 
 
-def _write_manifest(step_path: str, step: int | None, checksum: bool, *, top_level: bool = False) -> None:
+def write_manifest(step_path: str, step: int | None, checksum: bool, *, top_level: bool = False) -> None:
   files = _file_table(step_path, checksum, top_level=top_level)
   manifest = {"step": None if step is None else int(step), "files": files}
   tmp = os.path.join(step_path, MANIFEST + ".partial")
@@ -107,7 +107,7 @@ def write_files_manifest(directory: str) -> None:
   """Writes :data:`MANIFEST` (size and CRC32 of every file, the top-level ones included) into ``directory``,
   e.g. the warm-up model a run keeps beside its checkpoints (``OUT/checkpoints/base``), so that
   :func:`verify_step` checks it like a step."""
-  _write_manifest(directory, None, True, top_level=True)
+  write_manifest(directory, None, True, top_level=True)
 
 
 def verify_step(step_path: str, *, checksum: bool = True) -> None:
@@ -148,7 +148,7 @@ def complete_steps(root: str, log: Callable[[str], None] | None = print) -> list
   reported through ``log`` and left out. File contents are checked later, by :func:`verify_step`.
   """
   log = log or (lambda s: None)
-  steps, tmps = _step_dirs(root)
+  steps, tmps = step_dirs(root)
   for t in tmps:
     log(f"ignoring incomplete checkpoint save {t} (interrupted before it was finalized)")
   done = []
@@ -169,7 +169,7 @@ def quarantine_incomplete_steps(root: str, log: Callable[[str], None] | None = p
   sees it. Returns the new paths (each one reported through ``log``).
   """
   log = log or (lambda s: None)
-  steps, _ = _step_dirs(root)
+  steps, _ = step_dirs(root)
   moved = []
   for step in sorted(steps):
     path = steps[step]
@@ -271,7 +271,7 @@ def checkpoint_root(path: str) -> str:
   return _resolve_root(path)[0]
 
 
-def _resolve_step(path: str, step: int | None) -> tuple[str, int]:
+def resolve_step(path: str, step: int | None) -> tuple[str, int]:
   """``(checkpoint root, step)``: ``step``, else the step named by ``path``, else the latest complete."""
   root, path_step = _resolve_root(path)
   step = path_step if step is None else step

@@ -30,26 +30,26 @@ from jaxgrpo.services.checkpoint_files import (
   MANIFEST,
   TMP_SUFFIX,
   CheckpointError,
-  _step_dirs,
-  _write_manifest,
   complete_steps,
   move_aside,
   quarantine_incomplete_steps,
   quarantine_step,
   recovery_hint,
+  step_dirs,
   step_problems,
   verify_step,
+  write_manifest,
 )
 from jaxgrpo.services.snapshot import (
   NonFiniteError,
   RunMeta,
   Snapshot,
-  _abstract,
-  _changed_config,
-  _check_meta,
-  _handlers,
-  _meta_item,
-  _nonfinite_state,
+  abstract_tree,
+  changed_config,
+  check_meta,
+  checkpoint_handlers,
+  meta_item,
+  nonfinite_state,
   read_meta,
 )
 
@@ -213,7 +213,7 @@ class _Saves:
     without a manifest is moved aside). First host only."""
     if not self.is_main:
       return
-    _, tmps = _step_dirs(self.directory)
+    _, tmps = step_dirs(self.directory)
     for t in tmps:
       if os.path.basename(t).startswith(f"{step}{TMP_SUFFIX}"):
         shutil.rmtree(t, ignore_errors=True)
@@ -231,7 +231,7 @@ class _Saves:
     deadline = time.monotonic() + limit_s
     quiet_since = time.monotonic()
     while time.monotonic() < deadline:
-      _, tmps = _step_dirs(self.directory)
+      _, tmps = step_dirs(self.directory)
       left = [t for t in tmps if any(os.path.basename(t).startswith(f"{s}{TMP_SUFFIX}") for s in self.partial_steps)]
       if left:
         for step in self.partial_steps:
@@ -314,8 +314,8 @@ def _restore_arrays(manager, step: int, meta: Mapping[str, Any], template: Snaps
   restored = manager.restore(
     step,
     args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(_abstract(template.params)),
-      opt_state=ocp.args.StandardRestore(_abstract(template.opt_state)),
+      params=ocp.args.StandardRestore(abstract_tree(template.params)),
+      opt_state=ocp.args.StandardRestore(abstract_tree(template.opt_state)),
     ),
   )
   key = jax.random.wrap_key_data(np.asarray(meta["key_data"], np.uint32), impl=meta["key_impl"])
@@ -328,6 +328,9 @@ def _restore_arrays(manager, step: int, meta: Mapping[str, Any], template: Snaps
 
 class Checkpointer:
   """Saves and restores :class:`Snapshot` s with their :class:`RunMeta`, with Orbax.
+
+  One job at ~340 lines: one ``CheckpointManager``'s lifecycle (save, keep, quarantine, restore); its
+  self-contained parts are the module-level helpers (module docstring).
 
   Args:
     directory: checkpoint root (``checkpoint_dir(cfg.out)``).
@@ -400,7 +403,7 @@ class Checkpointer:
       preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
       async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized),
     )
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+    self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=checkpoint_handlers())
     # `log` is looked up at each call: scripts/train.py replaces it after construction
     self._saves = _Saves(
       self.manager, self.directory, on_save_error=on_save_error, is_main=self._is_main, log=lambda s: self.log(s)
@@ -419,7 +422,7 @@ class Checkpointer:
       return
     tmp = os.path.join(self.directory, f"{step}{TMP_SUFFIX}")
     target = tmp if os.path.isdir(tmp) else os.path.join(self.directory, str(step))
-    _write_manifest(target, step, self.checksum)
+    write_manifest(target, step, self.checksum)
 
   def observe(self, record: Mapping[str, Any]) -> None:
     """Feeds a metrics record (``{"step": s, ...}``); ``best_metric`` values are kept for the save of s.
@@ -448,7 +451,7 @@ class Checkpointer:
         ``on_save_error="stop"``.
     """
     step = int(jax.device_get(snapshot.step))
-    where = _nonfinite_state(snapshot) if self.check_finite else None
+    where = nonfinite_state(snapshot) if self.check_finite else None
     if where is not None:
       raise NonFiniteError(
         f"refusing to save step {step}: {where} holds NaN or infinite values; nothing was written and the "
@@ -459,7 +462,7 @@ class Checkpointer:
     self._saves.settle()  # one save at a time: the manifest callback must see the step it belongs to
     best = self._best.saving(step) if self._best is not None else None
     metrics = best if metrics is None else metrics
-    meta = _meta_item(step, snapshot, run or RunMeta(), metrics)
+    meta = meta_item(step, snapshot, run or RunMeta(), metrics)
     self._saves.step = step
     try:
       self.manager.save(
@@ -567,7 +570,7 @@ class Checkpointer:
       if step is None:
         return None
     where = os.path.join(self.directory, str(step))
-    _check_meta(where, self.read_meta(step), None, run, allow_changed=self.allow_changed)
+    check_meta(where, self.read_meta(step), None, run, allow_changed=self.allow_changed)
     return step
 
   def resume_step(self) -> int | None:
@@ -651,10 +654,10 @@ class Checkpointer:
         raise CheckpointError(f"{e}\n{recovery_hint(self.directory, step)}") from None
       self._verified.add(step)
     meta = self.read_meta(step)
-    guarded = _check_meta(path, meta, template, run, allow_changed=self.allow_changed)
+    guarded = check_meta(path, meta, template, run, allow_changed=self.allow_changed)
     if guarded:
       self.log("resuming with changed settings (allowed): " + "; ".join(guarded))
-    if changed := _changed_config(meta["config"], run.config):
+    if changed := changed_config(meta["config"], run.config):
       self.log("resuming with changed settings: " + ", ".join(changed))
     snapshot = _restore_arrays(self.manager, step, meta, template)
     self.log(f"resumed from checkpoint {path} (step {meta['step']})")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxgrpo.services.checkpoint_files import CheckpointError, _resolve_step, recovery_hint
+from jaxgrpo.services.checkpoint_files import CheckpointError, recovery_hint, resolve_step
 
 __all__ = ["FORMAT", "NonFiniteError", "RunMeta", "Snapshot", "first_nonfinite", "read_meta"]
 
@@ -143,21 +143,21 @@ def first_nonfinite(tree, prefix: str = "") -> str | None:
   return f"{prefix}{jax.tree_util.keystr(flat[bad[0]][0])}" if bad.size else None
 
 
-def _nonfinite_state(snapshot: Snapshot) -> str | None:
+def nonfinite_state(snapshot: Snapshot) -> str | None:
   return first_nonfinite(snapshot.params, "params") or first_nonfinite(snapshot.opt_state, "opt_state")
 
 
-def _abstract(tree):
+def abstract_tree(tree):
   """ShapeDtypeStructs with the shardings of ``tree`` (arrays or ShapeDtypeStructs)."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
-def _signature(tree) -> dict[str, tuple[list[int], str]]:
+def tree_signature(tree) -> dict[str, tuple[list[int], str]]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {jax.tree_util.keystr(p): (list(x.shape), str(np.dtype(x.dtype))) for p, x in flat}
 
 
-def _compare_signatures(
+def compare_signatures(
   saved: Mapping[str, Any], current: Mapping[str, Any], what: str, *, check_dtype: bool = True
 ) -> list[str]:
   problems = []
@@ -174,7 +174,7 @@ def _compare_signatures(
   return problems
 
 
-def _handlers():
+def checkpoint_handlers():
   return {
     "params": ocp.StandardCheckpointHandler(),
     "opt_state": ocp.StandardCheckpointHandler(),
@@ -185,7 +185,7 @@ def _handlers():
 # ----------------------------------------------------------------------------- the meta item
 
 
-def _meta_item(step: int, snapshot: Snapshot, run: RunMeta, metrics: Mapping[str, float] | None) -> dict:
+def meta_item(step: int, snapshot: Snapshot, run: RunMeta, metrics: Mapping[str, float] | None) -> dict:
   """The JSON ``meta`` item saved with ``snapshot`` at ``step`` (see :func:`read_meta` for its keys)."""
   key = snapshot.key
   return {
@@ -198,14 +198,14 @@ def _meta_item(step: int, snapshot: Snapshot, run: RunMeta, metrics: Mapping[str
     "guarded": dict(run.guarded),
     "config": dict(run.config),
     "fingerprints": dict(run.fingerprints),
-    "params_signature": _signature(snapshot.params),
-    "opt_state_signature": _signature(snapshot.opt_state),
+    "params_signature": tree_signature(snapshot.params),
+    "opt_state_signature": tree_signature(snapshot.opt_state),
     "process_count": jax.process_count(),
     "metrics": dict(metrics) if metrics else None,
   }
 
 
-def _check_meta(where: str, meta: dict, template: Snapshot | None, run: RunMeta, *, allow_changed: bool) -> list[str]:
+def check_meta(where: str, meta: dict, template: Snapshot | None, run: RunMeta, *, allow_changed: bool) -> list[str]:
   """Compares the saved ``meta`` of the step directory ``where`` with the running side, before any array is read:
   the format, the tree signatures of ``template`` (None: not compared), ``run.identity``, ``run.fingerprints``
   and ``run.guarded``. Returns the guarded differences that ``allow_changed`` lets through (to be logged).
@@ -222,8 +222,8 @@ def _check_meta(where: str, meta: dict, template: Snapshot | None, run: RunMeta,
     )
   problems = []
   if template is not None:
-    problems += _compare_signatures(meta["params_signature"], _signature(template.params), "params")
-    problems += _compare_signatures(meta["opt_state_signature"], _signature(template.opt_state), "opt_state")
+    problems += compare_signatures(meta["params_signature"], tree_signature(template.params), "params")
+    problems += compare_signatures(meta["opt_state_signature"], tree_signature(template.opt_state), "opt_state")
   identity = _differences(meta["identity"], run.identity)
   if problems or identity:
     shown = identity + problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
@@ -232,7 +232,7 @@ def _check_meta(where: str, meta: dict, template: Snapshot | None, run: RunMeta,
       + "\n  ".join(shown)
       + "\nNothing was overwritten; use another output directory or matching settings."
     )
-  _check_fingerprints(where, meta, run.fingerprints)
+  check_fingerprints(where, meta, run.fingerprints)
   guarded = _differences(meta["guarded"], run.guarded)
   if guarded and not allow_changed:
     raise CheckpointError(
@@ -244,14 +244,14 @@ def _check_meta(where: str, meta: dict, template: Snapshot | None, run: RunMeta,
   return guarded
 
 
-def _changed_config(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def changed_config(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
   """``"key: saved -> current"`` for every leaf of the saved config whose running value differs (a leaf only one
   side has is not listed)."""
   saved_cfg, cur_cfg = _flatten(saved), _flatten(_json(dict(current)))
   return [f"{k}: {v!r} -> {cur_cfg[k]!r}" for k, v in sorted(saved_cfg.items()) if k in cur_cfg and cur_cfg[k] != v]
 
 
-def _check_fingerprints(where: str, meta: Mapping[str, Any], fingerprints: Mapping[str, str]) -> None:
+def check_fingerprints(where: str, meta: Mapping[str, Any], fingerprints: Mapping[str, str]) -> None:
   """CheckpointError unless every stated fingerprint equals the saved one (both digests shown)."""
   saved = meta.get("fingerprints") or {}
   differ = [k for k in sorted(fingerprints) if saved.get(k) != fingerprints[k]]
@@ -276,7 +276,7 @@ def read_meta(path: str, *, step: int | None = None) -> dict:
   Raises:
     CheckpointError: no complete checkpoint, or an unreadable meta item.
   """
-  root, step = _resolve_step(path, step)
+  root, step = resolve_step(path, step)
   file = os.path.join(root, str(step), "meta", "metadata")
   try:
     with open(file) as f:

@@ -120,7 +120,7 @@ def _as_temperature(t) -> Temperature | None:
 
 
 # name: (allowed ranks, dtype kind, notation); "T" fields share the completion length
-_FIELDS = {
+FIELDS = {
   "prompt_tokens": ((2,), "int", "int32[B, P]"),
   "prompt_mask": ((2,), "bool", "bool[B, P]"),
   "completions": ((2,), "int", "int32[B, T]"),
@@ -137,10 +137,10 @@ _FIELDS = {
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
 _REQUIRED = ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", "group_ids", "rewards")
-_REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
+REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
 
 
-def _check_fields(batch: Batch, names) -> tuple[int, int]:
+def check_fields(batch: Batch, names) -> tuple[int, int]:
   """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``."""
   if not isinstance(batch, Batch):
     raise TypeError(f"batch must be a jaxgrpo.step.train.Batch; got {type(batch).__name__}")
@@ -153,9 +153,9 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
       if name == "rewards" and batch.advantages is None:
         raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
       if name in _REQUIRED and name != "rewards":
-        raise ValueError(f"batch.{name} is required ({_FIELDS[name][2]}); got None")
+        raise ValueError(f"batch.{name} is required ({FIELDS[name][2]}); got None")
       continue
-    ranks, kind, notation = _FIELDS[name]
+    ranks, kind, notation = FIELDS[name]
     shape = np.shape(x)
     allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
     if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
@@ -172,11 +172,11 @@ def _check_fields(batch: Batch, names) -> tuple[int, int]:
   return b, t
 
 
-def _check_policy_mask(batch: Batch) -> None:
+def check_policy_mask(batch: Batch) -> None:
   """ValueError when ``batch.policy_mask`` (values on this host) marks a token outside ``batch.mask``."""
   if batch.policy_mask is None:
     return
-  pm, m = _host_values(batch.policy_mask), _host_values(batch.mask)
+  pm, m = host_values(batch.policy_mask), host_values(batch.mask)
   if pm is not None and m is not None and (pm & ~m).any():
     row = int(np.flatnonzero((pm & ~m).any(axis=1))[0])
     raise ValueError(
@@ -184,7 +184,7 @@ def _check_policy_mask(batch: Batch) -> None:
     )
 
 
-def _check_routing(batch: Batch, b: int, t: int) -> None:
+def check_routing(batch: Batch, b: int, t: int) -> None:
   """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay), not with a packed batch."""
   r = batch.routing
   if r is None:
@@ -202,14 +202,14 @@ def _check_routing(batch: Batch, b: int, t: int) -> None:
     )
 
 
-def _place_routing(batch: Batch, sharding) -> Batch:
+def place_routing(batch: Batch, sharding) -> Batch:
   if batch.routing is None:
     return batch
   r = batch.routing if isinstance(batch.routing, jax.Array) else np.asarray(batch.routing)
   return batch._replace(routing=jax.device_put(r, sharding))
 
 
-def _place_fields(batch: Batch, names, sharding) -> Batch:
+def place_fields(batch: Batch, names, sharding) -> Batch:
   """The fields ``names`` as ``int32``/``bool``/``f32`` arrays on ``sharding`` (a no-op for fields
   already placed there), so NumPy and placed batches reach ``jit`` with identical signatures."""
   placed = {}
@@ -217,7 +217,7 @@ def _place_fields(batch: Batch, names, sharding) -> Batch:
     x = getattr(batch, name)
     if x is None:
       continue
-    dtype = _DTYPES[_FIELDS[name][1]]
+    dtype = _DTYPES[FIELDS[name][1]]
     if isinstance(x, jax.Array):
       x = x if x.dtype == dtype else x.astype(dtype)
     else:
@@ -226,12 +226,12 @@ def _place_fields(batch: Batch, names, sharding) -> Batch:
   return batch._replace(**jax.device_put(placed, sharding))
 
 
-def _abstract_batch(batch: Batch, names, sharding) -> Batch:
-  """``batch`` as :func:`_place_fields`, :func:`_place_packed` and :func:`_place_routing` would place it (the
+def abstract_batch(batch: Batch, names, sharding) -> Batch:
+  """``batch`` as :func:`place_fields`, :func:`place_packed` and :func:`place_routing` would place it (the
   fields ``names`` in the step's dtypes, ``packed`` int32, ``routing`` as given), every array a
   ``jax.ShapeDtypeStruct`` on ``sharding`` instead: nothing transferred, for lowering ahead of time."""
   sds = lambda x, dtype: jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
-  fields = {n: sds(getattr(batch, n), _DTYPES[_FIELDS[n][1]]) for n in names if getattr(batch, n) is not None}
+  fields = {n: sds(getattr(batch, n), _DTYPES[FIELDS[n][1]]) for n in names if getattr(batch, n) is not None}
   if batch.packed is not None:
     fields["packed"] = jax.tree.map(lambda x: sds(x, jnp.int32), batch.packed)
   if batch.routing is not None:
@@ -239,7 +239,7 @@ def _abstract_batch(batch: Batch, names, sharding) -> Batch:
   return batch._replace(**fields)
 
 
-def _host_values(x) -> np.ndarray | None:
+def host_values(x) -> np.ndarray | None:
   """``x`` as NumPy when its values are on this host (NumPy, or a fully addressable ``jax.Array``); None for a
   tracer, a ``jax.ShapeDtypeStruct`` (no values) or an array on other hosts."""
   if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
@@ -249,7 +249,7 @@ def _host_values(x) -> np.ndarray | None:
   return np.asarray(x)
 
 
-def _place_packed(batch: Batch, sharding) -> Batch:
+def place_packed(batch: Batch, sharding) -> Batch:
   """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``)."""
   if batch.packed is None:
     return batch

@@ -5,7 +5,7 @@ Bucketing: :func:`pad_to_bucket` trims or pads the completion axis T to the smal
 lengths mean a few compiled programs. Packing: :func:`pack_batch` packs the batch's sequences slot
 by slot (``jaxgrpo.step.packing.pack_slots``; slot of row b: :func:`batch_slots`, the step's
 device shard × mini-batch × micro-batch), so every micro-batch holds exactly the sequences of the
-unpacked step. ``_check_packing`` tells whether a packed batch fits a step. The ``[B, T]`` fields
+unpacked step. ``check_packing`` tells whether a packed batch fits a step. The ``[B, T]`` fields
 are never changed by packing; only the model's forward reads ``Batch.packed``.
 
 Re-exported from ``jaxgrpo.step.train`` (``train.pad_to_bucket``, ``train.pack_batch``, ...).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxgrpo import _checks
-from jaxgrpo.step.batch import Batch, _host_values
+from jaxgrpo.step.batch import Batch, host_values
 from jaxgrpo.step.packing import PackedSlots, pack_slots
 
 __all__ = ["DEFAULT_BUCKETS", "batch_slots", "bucket_length", "pack_batch", "pad_to_bucket"]
@@ -79,7 +79,7 @@ def pack_batch(
   """
   if not isinstance(batch, Batch):
     raise TypeError(f"batch must be a jaxgrpo.step.train.Batch; got {type(batch).__name__}")
-  fields = [_host_values(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
+  fields = [host_values(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
   if any(x is None for x in fields):
     raise ValueError("pack_batch packs on the host: the batch's tokens and masks must be NumPy or fully addressable")
   b = fields[2].shape[0] if fields[2].ndim == 2 else 0
@@ -95,7 +95,7 @@ def pack_batch(
   return batch._replace(packed=packed)
 
 
-def _check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
+def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
   """ValueError unless ``batch.packed`` is what ``tc`` asks for: absent without packing; with it, a
   ``PackedSlots`` of row length ``tc.packing`` (and ``tc.packing_rows`` rows per slot) over
   ``shards × splits`` slots for this batch — and, for NumPy fields, its slots those of

@@ -22,7 +22,7 @@ from jaxgrpo.models import lora
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
-from jaxgrpo.step.state import TrainConfig, TrainState, _check_not_donated, _merge_model
+from jaxgrpo.step.state import TrainConfig, TrainState, check_not_donated, merge_model
 from jaxgrpo.step.train import TrainStep, make_reference_fn
 
 __all__ = [
@@ -62,8 +62,8 @@ def policy_model(graphdef, state: TrainState) -> nnx.Module:
 
   It shares ``state``'s arrays: valid until the next call of the train step consumes ``state``.
   """
-  _check_not_donated(state, "state")
-  return _merge_model(graphdef, state.params, state.frozen)
+  check_not_donated(state, "state")
+  return merge_model(graphdef, state.params, state.frozen)
 
 
 def _trains_adapters_only(params, frozen) -> bool:
@@ -97,10 +97,10 @@ def make_reference(step: TrainStep, state: TrainState) -> Reference:
         "make_reference(step, state)"
       )
     state = TrainState(state, None, None, None)
-  _check_not_donated((state.params, state.frozen), "state")
+  check_not_donated((state.params, state.frozen), "state")
   kw = dict(mesh=step.mesh, train_config=step.train_config, rules=step.rules)
   if _trains_adapters_only(state.params, state.frozen):
-    base = lora.base_model(_merge_model(step.graphdef, state.params, state.frozen))
+    base = lora.base_model(merge_model(step.graphdef, state.params, state.frozen))
     fn = make_reference_fn(nnx.graphdef(base), param_shardings=step.shardings.frozen, **kw)
     return Reference(state.frozen, fn)
   copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=step.shardings.params)

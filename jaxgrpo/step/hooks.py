@@ -2,11 +2,11 @@
 
 ``objective_fn`` and ``advantages_fn`` (``jaxgrpo.step.train.make_train_step``) get a pinned signature plus
 keywords the configuration asks for (``behavior_logp=``, ``entropy=``, ``hyper=``): which ones
-(:func:`_objective_extras`, :func:`_objective_keywords`, :func:`_advantages_keywords`), the check that a hook
-takes them (:func:`_check_keywords`), the trace-time checks of what the hooks return (:func:`_check_denominator`:
-the denominator has no gradient; :func:`_check_advantages_out`: shapes), and the hyper-parameter pytree
-(:func:`_schedule_terms`: the terms a ``hyper_schedule`` sets; :func:`_structural_zeros`: the terms the config
-leaves out stay out; :func:`_check_unread`: no silently ignored value). Everything here is a pure function of
+(:func:`objective_extras`, :func:`objective_keywords`, :func:`advantages_keywords`), the check that a hook
+takes them (:func:`check_keywords`), the trace-time checks of what the hooks return (:func:`check_denominator`:
+the denominator has no gradient; :func:`check_advantages_out`: shapes), and the hyper-parameter pytree
+(:func:`schedule_terms`: the terms a ``hyper_schedule`` sets; :func:`structural_zeros`: the terms the config
+leaves out stay out; :func:`check_unread`: no silently ignored value). Everything here is a pure function of
 the configuration, the hooks and abstract shapes; ``jaxgrpo.step.train`` re-exports the names.
 """
 
@@ -40,7 +40,7 @@ def _depends_on(jaxpr, invar_index: int) -> bool:
   return any(isinstance(v, jex_core.Var) and v in tainted for v in jaxpr.outvars)
 
 
-def _wants_entropy(config, objective_fn=None) -> bool:
+def needs_entropy(config, objective_fn=None) -> bool:
   """Whether the objective takes the entropy (with its gradient): a GRPOConfig with an entropy bonus, or
   an ``objective_fn`` that asks for it (``objective_fn.uses_entropy = True``, :func:`jaxgrpo.kernels.objective.uses_entropy`)."""
   return (isinstance(config, GRPOConfig) and config.entropy_coef != 0) or bool(
@@ -48,35 +48,35 @@ def _wants_entropy(config, objective_fn=None) -> bool:
   )
 
 
-def _reads_behavior(config) -> bool:
+def reads_behavior(config) -> bool:
   """Whether the objective takes ``behavior_logp``: a GRPOConfig with an off-policy correction."""
   return isinstance(config, GRPOConfig) and config.importance_correction is not None
 
 
-def _objective_extras(config, behavior_logp, entropy, hyper, objective_fn=None) -> dict:
+def objective_extras(config, behavior_logp, entropy, hyper, objective_fn=None) -> dict:
   """The objective's keywords beyond the pinned signature, passed only when the config asks for them
   or the step has a hyper-parameter pytree (so a custom ``objective_fn`` with the pinned signature
   works with every other config)."""
   extras = {}
-  if _reads_behavior(config):
+  if reads_behavior(config):
     extras["behavior_logp"] = behavior_logp
-  if _wants_entropy(config, objective_fn):
+  if needs_entropy(config, objective_fn):
     extras["entropy"] = entropy
   if hyper is not None:
     extras["hyper"] = hyper
   return extras
 
 
-def _structural_zeros(config, hyper):
+def structural_zeros(config, hyper):
   """``hyper`` with a concrete 0 for each coefficient whose term the (effective) config leaves out: a
   call's ``hyper`` was checked to hold 0 there (:meth:`GRPOConfig.check_hyper`), a schedule's was found
-  not to set it (:func:`_schedule_terms`); the kernels then keep the term out, as the config does."""
+  not to set it (:func:`schedule_terms`); the kernels then keep the term out, as the config does."""
   if not isinstance(config, GRPOConfig) or not isinstance(hyper, GRPOHyper):
     return hyper
   return hyper._replace(**{n: np.float32(0.0) for n in SWITCHED_TERMS if getattr(config, n) == 0})
 
 
-def _schedule_terms(config: GRPOConfig, schedule) -> tuple[GRPOConfig, GRPOHyper]:
+def schedule_terms(config: GRPOConfig, schedule) -> tuple[GRPOConfig, GRPOHyper]:
   """``(config with every term the schedule sets switched on, its value at step 0)``, checked.
 
   A field is set by the schedule when it depends on the step or differs from the config's value at step 0.
@@ -105,7 +105,7 @@ def _schedule_terms(config: GRPOConfig, schedule) -> tuple[GRPOConfig, GRPOHyper
   return config, config.check_hyper(first)
 
 
-def _check_unread(config: GRPOConfig, hyper: GRPOHyper) -> None:
+def check_unread(config: GRPOConfig, hyper: GRPOHyper) -> None:
   """ValueError for a concrete ``hyper`` value that differs from the config's in a field the config's
   program never reads (it would be logged nowhere and applied nowhere: a silent no-op)."""
   for n in sorted(set(GRPOHyper._fields) - set(config.applied_hyper) - set(SWITCHED_TERMS)):
@@ -129,7 +129,7 @@ def _accepts(fn, keywords) -> list[str]:
   return [k for k in keywords if k not in names]
 
 
-def _check_keywords(fn, what: str, keywords: Mapping[str, str]) -> None:
+def check_keywords(fn, what: str, keywords: Mapping[str, str]) -> None:
   """TypeError naming the keywords (and why the step passes them) that the hook ``fn`` does not accept."""
   missing = _accepts(fn, keywords)
   if missing:
@@ -140,26 +140,26 @@ def _check_keywords(fn, what: str, keywords: Mapping[str, str]) -> None:
     )
 
 
-def _objective_keywords(config, objective_fn, hyper: bool) -> dict[str, str]:
+def objective_keywords(config, objective_fn, hyper: bool) -> dict[str, str]:
   """The keywords the step passes to ``objective_fn``, each with the reason."""
   kw = {"token_weights": "always", "ref_logp": "always"}
-  if _reads_behavior(config):
+  if reads_behavior(config):
     kw["behavior_logp"] = "config.importance_correction is set"
-  if _wants_entropy(config, objective_fn):
+  if needs_entropy(config, objective_fn):
     kw["entropy"] = "entropy_coef != 0 or objective_fn.uses_entropy"
   if hyper:
     kw["hyper"] = "the step has a hyper-parameter pytree"
   return kw
 
 
-def _advantages_keywords(hyper: bool) -> dict[str, str]:
+def advantages_keywords(hyper: bool) -> dict[str, str]:
   kw = {k: "always" for k in ("old_logp", "ref_logp", "max_group_size")}
   if hyper:
     kw["hyper"] = "the step has a hyper-parameter pytree"
   return kw
 
 
-def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
+def check_denominator(objective_fn, config, mb, hyper=None) -> None:
   """Trace-time check of the objective contract: the denominator has no gradient with respect to
   ``logp`` (nor to the entropy, when the objective takes it). Its tangent (``jax.jvp``) must be a
   symbolic zero — true for anything built from masks, advantages, rewards, shapes or
@@ -167,7 +167,7 @@ def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
 
   def tangent(logp, dlogp, old, adv, mask, weights, ref, behavior, hyper):
     def den(lp, ent):
-      extras = _objective_extras(config, behavior, ent, _structural_zeros(config, hyper), objective_fn)
+      extras = objective_extras(config, behavior, ent, structural_zeros(config, hyper), objective_fn)
       return objective_fn(config, lp, old, adv, mask, token_weights=weights, ref_logp=ref, **extras).denominator
 
     return jax.jvp(den, (logp, logp), (dlogp, dlogp))[1]
@@ -187,7 +187,7 @@ def _check_denominator(objective_fn, config, mb, hyper=None) -> None:
     )
 
 
-def _check_advantages_out(adv, weights, b: int, t: int) -> None:
+def check_advantages_out(adv, weights, b: int, t: int) -> None:
   """Trace-time check of what ``advantages_fn`` returned (a custom one may get it wrong)."""
   if np.shape(adv) not in ((b,), (b, t)) or not jnp.issubdtype(adv.dtype, jnp.floating):
     raise ValueError(

@@ -22,7 +22,7 @@ from jaxgrpo.parallel import sharding as shd
 __all__ = ["TrainConfig", "TrainState", "init_train_state"]
 
 
-def _check_not_donated(tree, what: str) -> None:
+def check_not_donated(tree, what: str) -> None:
   """ValueError if any array of ``tree`` was deleted (donated to an earlier call)."""
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
     if isinstance(x, jax.Array) and x.is_deleted():
@@ -52,7 +52,7 @@ class TrainState(NamedTuple):
   frozen: Any = None
 
 
-def _merge_model(graphdef, params, frozen=None):
+def merge_model(graphdef, params, frozen=None):
   """The model of ``graphdef`` holding ``params`` and ``frozen`` (None: nothing frozen); no copy."""
   return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
@@ -148,7 +148,7 @@ def _copy_tree(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def _checked_rules(model_rules: tuple, rules: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+def checked_rules(model_rules: tuple, rules: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
   """The one rules table of a model: its own (``model.sharding_rules``, which its activation
   constraints use) when ``rules`` is None, else ``rules``, which must be the same table."""
   if rules is not None and freeze_rules(rules) != model_rules:
@@ -160,10 +160,10 @@ def _checked_rules(model_rules: tuple, rules: Mapping[str, Any] | None, where: s
   return dict(model_rules)
 
 
-def _graph_rules(graphdef, param_shardings, frozen_shardings=None) -> tuple:
+def graph_rules(graphdef, param_shardings, frozen_shardings=None) -> tuple:
   """``model.sharding_rules`` of the model ``graphdef`` describes (merged with the parameter and frozen
   shardings: only the static attributes are read)."""
-  return _merge_model(graphdef, param_shardings, frozen_shardings).sharding_rules
+  return merge_model(graphdef, param_shardings, frozen_shardings).sharding_rules
 
 
 def _check_can_hold_arrays(mesh: Mesh) -> None:
@@ -224,7 +224,7 @@ def init_train_state(
     anything is compiled) for any dimension the mesh does not divide, e.g. heads % tensor.
   """
   abstract = _checks.check_python_bool(abstract, "abstract")
-  rules = _checked_rules(model.sharding_rules, rules, "init_train_state")
+  rules = checked_rules(model.sharding_rules, rules, "init_train_state")
   graphdef, params, frozen = nnx.split(model, trainable, ...)
   _check_params_only(nnx.state(model))
   _check_trainable(params, trainable)

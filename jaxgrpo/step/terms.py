@@ -34,9 +34,9 @@ from jaxgrpo.kernels.process_sets import process_set_sizes, process_tree_stats
 from jaxgrpo.models import lora, moe
 from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
 from jaxgrpo.step.batch import Batch
-from jaxgrpo.step.hooks import _check_advantages_out, _objective_extras, _structural_zeros, _wants_entropy
+from jaxgrpo.step.hooks import check_advantages_out, needs_entropy, objective_extras, structural_zeros
 from jaxgrpo.step.packing import PackedSlots
-from jaxgrpo.step.state import TrainConfig, _merge_model
+from jaxgrpo.step.state import TrainConfig, merge_model
 
 __all__ = [
   "NO_ROUTER",
@@ -55,7 +55,7 @@ __all__ = [
 # ----------------------------------------------------------------------------- row layout
 
 
-def _split_rows(x, m: int, k: int):
+def split_micro(x, m: int, k: int):
   """``[B, ...] -> [M, K, B/(M·K), ...]`` with row ``i·(M·K) + m·K + k`` at ``[m, k, i]``."""
   if x is None:
     return None
@@ -64,17 +64,17 @@ def _split_rows(x, m: int, k: int):
   return jnp.moveaxis(x, 0, 2)
 
 
-def _split_slots(x, n: int, m: int, k: int):
+def split_slots(x, n: int, m: int, k: int):
   """Packed slot arrays ``[n·M·K·X, ...]`` (slot ``d·(M·K) + m·K + k`` = device shard d, mini-batch m,
   micro-batch k; X rows or one head buffer per slot) -> ``[M, K, n·X, ...]``, shard d's X at
-  ``[m, k, d·X : (d+1)·X]``: the layout of :func:`_split_rows`' ``[M, K, B/(M·K), ...]``."""
+  ``[m, k, d·X : (d+1)·X]``: the layout of :func:`split_micro`' ``[M, K, B/(M·K), ...]``."""
   x = x.reshape((n, m, k, x.shape[0] // (n * m * k)) + x.shape[1:])
   x = jnp.moveaxis(x, 0, 2)  # [M, K, n, X, ...]
   return x.reshape(x.shape[:2] + (n * x.shape[3],) + x.shape[4:])
 
 
-def _merge_rows(x, m: int, k: int):
-  """Inverse of :func:`_split_rows`: ``[M, K, B/(M·K), ...] -> [B, ...]``."""
+def merge_rows(x, m: int, k: int):
+  """Inverse of :func:`split_micro`: ``[M, K, B/(M·K), ...] -> [B, ...]``."""
   x = jnp.moveaxis(x, 2, 0)
   return x.reshape((x.shape[0] * m * k,) + x.shape[3:])
 
@@ -95,14 +95,14 @@ def _model_inputs(batch: Batch) -> dict:
   return dict(unpack_index=batch.packed.unpack_index)
 
 
-def _slot_inputs(packed: PackedSlots) -> dict:
-  """The packed rows and head buffers (split by slot, :func:`_split_slots`)."""
+def slot_inputs(packed: PackedSlots) -> dict:
+  """The packed rows and head buffers (split by slot, :func:`split_slots`)."""
   return dict(
     tokens=packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids, head_index=packed.head_index
   )
 
 
-def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool, entropy_grad: bool = False):
+def micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool, entropy_grad: bool = False):
   """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
   rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
   has a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
@@ -117,12 +117,12 @@ def _micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entro
 # ----------------------------------------------------------------------------- the step's static description
 
 
-def _num_iterations(config) -> int:
+def num_iterations_of(config) -> int:
   """μ: ``GRPOConfig.num_iterations``; 1 for any other config object."""
   return config.num_iterations if isinstance(config, GRPOConfig) else 1
 
 
-def _group_bound(group_size: int | None, b: int) -> tuple[int, int]:
+def group_bound(group_size: int | None, b: int) -> tuple[int, int]:
   """``(largest group, number of groups)`` the step is compiled for: ``(B, B)`` without a group size."""
   g = b if group_size is None else min(group_size, b)
   return g, (b if group_size is None else -(-b // g))
@@ -191,7 +191,7 @@ def router_losses(model, tc: TrainConfig) -> RouterLosses | _NoRouter:
 
 
 @dataclasses.dataclass(frozen=True)
-class _StepSpec:
+class StepSpec:
   """Everything static one compiled step is made of (built once by ``make_train_step``)."""
 
   graphdef: Any
@@ -211,7 +211,7 @@ class _StepSpec:
 # ----------------------------------------------------------------------------- once per rollout batch
 
 
-def _rollout_terms(spec: _StepSpec, batch: Batch, num_groups: int, g: int, hyper):
+def _rollout_terms(spec: StepSpec, batch: Batch, num_groups: int, g: int, hyper):
   """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
   config = spec.config
   if batch.policy_mask is not None and batch.ref_logp is not None:  # observations: δ = 0, f(1) = 0
@@ -257,7 +257,7 @@ def _row_dropout_keys(run_key, step, passes: int, b: int) -> jax.Array:
   return jax.vmap(per_pass)(jnp.arange(passes, dtype=jnp.uint32))
 
 
-def _check_dropout(spec: _StepSpec, model, packed: bool) -> None:
+def _check_dropout(spec: StepSpec, model, packed: bool) -> None:
   """Trace-time: adapters with dropout > 0 need the step's ``dropout_key`` (no silent no-dropout) and
   an unpacked batch (the per-row masks are drawn in the ``[prompt ‖ completion]`` row layout)."""
   rate = lora.adapter_dropout(model)
@@ -274,16 +274,16 @@ def _check_dropout(spec: _StepSpec, model, packed: bool) -> None:
     )
 
 
-def step_hyper(spec: _StepSpec, step: jax.Array, hyper):
+def step_hyper(spec: StepSpec, step: jax.Array, hyper):
   """The hyper-parameter pytree this call applies: ``hyper`` as given (a call's own), else
   ``spec.hyper_schedule(step)`` traced on ``step`` (``int32[]``: one program for every step), else None; with
-  a concrete 0 for every term the config leaves out (:func:`~jaxgrpo.step.hooks._structural_zeros`)."""
+  a concrete 0 for every term the config leaves out (:func:`~jaxgrpo.step.hooks.structural_zeros`)."""
   if hyper is None and spec.hyper_schedule is not None:
     hyper = spec.hyper_schedule(step)  # traced: one program for every step
-  return _structural_zeros(spec.config, hyper)
+  return structural_zeros(spec.config, hyper)
 
 
-def loss_rows(spec: _StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
+def loss_rows(spec: StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
   """Once per rollout batch (no gradient): the per-row inputs of the loss and the batch's extra metrics.
 
   Returns ``(rows, extra)``. ``rows``: the model inputs of each row (``prompt_tokens i32[B, P]``,
@@ -296,9 +296,9 @@ def loss_rows(spec: _StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
   """
   config = spec.config
   b, t = batch.completions.shape
-  g, num_groups = _group_bound(spec.tc.group_size, b)
+  g, num_groups = group_bound(spec.tc.group_size, b)
   adv, weights, sizes = _rollout_terms(spec, batch, num_groups, g, hyper)
-  _check_advantages_out(adv, weights, b, t)
+  check_advantages_out(adv, weights, b, t)
   # [B] missing samples (non-finite rewards): advantage 0, no tokens in the loss; none without rewards
   missing = jnp.zeros((b,), bool) if batch.rewards is None else ~jnp.isfinite(batch.rewards)
   loss_mask = batch.mask & ~missing[:, None]  # [B, T]
@@ -324,16 +324,16 @@ def loss_rows(spec: _StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
   return rows, extra
 
 
-def split_rows(spec: _StepSpec, rows: dict, packed: PackedSlots | None) -> dict:
-  """``rows`` ``[B, ...]`` -> ``[M, K, R, ...]`` (row ``i·(M·K) + m·K + k`` at ``[m, k, i]``, :func:`_split_rows`),
+def split_rows(spec: StepSpec, rows: dict, packed: PackedSlots | None) -> dict:
+  """``rows`` ``[B, ...]`` -> ``[M, K, R, ...]`` (row ``i·(M·K) + m·K + k`` at ``[m, k, i]``, :func:`split_micro`),
   R over ``data × fsdp``: each device keeps its own rows. With packing, ``packed``'s slot arrays (``tokens``,
   ``positions``, ``segment_ids`` ``i32[n·M·K·X, L]``, ``head_index``) are added, split the same way: slot
-  ``d·(M·K) + m·K + k`` (device shard d) at ``[m, k]`` (:func:`_split_slots`)."""
+  ``d·(M·K) + m·K + k`` (device shard d) at ``[m, k]`` (:func:`split_slots`)."""
   mm, kk = spec.tc.mini_batches, spec.tc.micro_batches
-  rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), spec.rows_sh), rows)
+  rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(split_micro(x, mm, kk), spec.rows_sh), rows)
   if packed is not None:  # and its own packed rows: slot d·(M·K) + m·K + k
-    split = lambda x: jax.lax.with_sharding_constraint(_split_slots(x, spec.blocks, mm, kk), spec.rows_sh)
-    rows.update(jax.tree.map(split, _slot_inputs(packed)))
+    split = lambda x: jax.lax.with_sharding_constraint(split_slots(x, spec.blocks, mm, kk), spec.rows_sh)
+    rows.update(jax.tree.map(split, slot_inputs(packed)))
   return rows
 
 
@@ -353,7 +353,7 @@ class Rows(NamedTuple):
   example: dict
 
 
-def prepare_rows(spec: _StepSpec, batch: Batch, hyper) -> Rows:
+def prepare_rows(spec: StepSpec, batch: Batch, hyper) -> Rows:
   """Once per rollout batch, no gradient: :func:`loss_rows` split into mini/micro-batches (:func:`split_rows`,
   ``row = i·(M·K) + m·K + k``, packed slots included), with one micro-batch as the example of shapes."""
   rows, extra = loss_rows(spec, batch, hyper)
@@ -373,7 +373,7 @@ def pass_fields(dropout_key, step: jax.Array, passes: int, b: int) -> dict:
 # ----------------------------------------------------------------------------- one micro-batch
 
 
-def micro_terms(spec: _StepSpec, frozen, hyper, params, mb: dict, scale):
+def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
   """One micro-batch's loss terms, differentiable in ``params`` (``jax.grad(..., has_aux=True)``).
 
   Args:
@@ -391,13 +391,13 @@ def micro_terms(spec: _StepSpec, frozen, hyper, params, mb: dict, scale):
     sums (``{}`` for a dense model).
   """
   config, tc = spec.config, spec.tc
-  model = _merge_model(spec.graphdef, params, frozen)
+  model = merge_model(spec.graphdef, params, frozen)
   _check_dropout(spec, model, packed="head_index" in mb)
-  wants_entropy = _wants_entropy(config, spec.objective_fn)
+  wants_entropy = needs_entropy(config, spec.objective_fn)
   with moe.routing_scope(replay=mb.get("routing")) as scope:  # MoE: replay the rollout's experts if given
-    logp, ent = _micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    logp, ent = micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
   router_loss, route_sums = spec.router.terms(mb, scope)
-  extras = _objective_extras(config, mb["behavior_logp"], ent, hyper, spec.objective_fn)
+  extras = objective_extras(config, mb["behavior_logp"], ent, hyper, spec.objective_fn)
   terms = spec.objective_fn(
     config,
     logp,

@@ -46,6 +46,9 @@ MoE routing replay (a row field), LoRA dropout keys (per-pass row fields) and pa
 like the rows) reach them as inputs, not as branches of the step. This module composes them (``_step_fn``),
 jits the composition (:class:`TrainStep`, :func:`make_train_step`) and compiles the reference pass on the same
 mesh (:func:`make_reference_fn`).
+
+One job at ~640 lines: composing the pieces above into one jitted step and its reference pass (the checks
+that run before the jitted call included); every piece it composes is in its own module.
 """
 
 from __future__ import annotations
@@ -67,60 +70,60 @@ from jaxgrpo.models import moe
 from jaxgrpo.models.log_probs import check_temperature, completion_log_probs
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import (
-  _FIELDS,
-  _REFERENCE_FIELDS,
+  FIELDS,
+  REFERENCE_FIELDS,
   Batch,
-  _abstract_batch,
-  _check_fields,
-  _check_policy_mask,
-  _check_routing,
-  _host_values,
-  _place_fields,
-  _place_packed,
-  _place_routing,
+  abstract_batch,
+  check_fields,
+  check_policy_mask,
+  check_routing,
+  host_values,
+  place_fields,
+  place_packed,
+  place_routing,
 )
 from jaxgrpo.step.batch_packing import (
   DEFAULT_BUCKETS,
-  _check_packing,
   batch_slots,
   bucket_length,
+  check_packing,
   pack_batch,
   pad_to_bucket,
 )
 from jaxgrpo.step.hooks import (
-  _advantages_keywords,
-  _check_denominator,
-  _check_keywords,
-  _check_unread,
-  _objective_keywords,
-  _reads_behavior,
-  _schedule_terms,
+  advantages_keywords,
+  check_denominator,
+  check_keywords,
+  check_unread,
+  objective_keywords,
+  reads_behavior,
+  schedule_terms,
 )
 from jaxgrpo.step.state import (
   TrainConfig,
   TrainState,
-  _check_not_donated,
-  _checked_rules,
-  _graph_rules,
-  _merge_model,
+  check_not_donated,
+  checked_rules,
+  graph_rules,
   init_train_state,
+  merge_model,
 )
 from jaxgrpo.step.terms import (
-  _group_bound,
-  _merge_rows,
-  _micro_log_probs,
-  _num_iterations,
-  _slot_inputs,
-  _split_rows,
-  _split_slots,
-  _StepSpec,
+  StepSpec,
+  group_bound,
+  merge_rows,
+  micro_log_probs,
   micro_terms,
+  num_iterations_of,
   pass_fields,
   prepare_rows,
   router_losses,
+  slot_inputs,
+  split_micro,
+  split_slots,
   step_hyper,
 )
-from jaxgrpo.step.update import _reduce_updates, train_epochs
+from jaxgrpo.step.update import reduce_updates, train_epochs
 
 __all__ = [
   "DEFAULT_BUCKETS",
@@ -139,7 +142,7 @@ __all__ = [
 ]
 
 
-def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dropout_key=None):
+def _step_fn(spec: StepSpec, state: TrainState, frozen, batch: Batch, hyper, dropout_key=None):
   """One train step, traced: ``(TrainState without frozen, metrics)`` from the state, the frozen variables,
   the placed batch, the call's hyper-parameter pytree (or None) and the run's dropout key (or None) — the
   hyper-parameters applied (:func:`~jaxgrpo.step.terms.step_hyper`), the rows
@@ -147,15 +150,15 @@ def _step_fn(spec: _StepSpec, state: TrainState, frozen, batch: Batch, hyper, dr
   the metrics reduced over the updates."""
   hyper = step_hyper(spec, state.step, hyper)
   prepared = prepare_rows(spec, batch, hyper)  # once per rollout batch: rows [M, K, R, ...]
-  _check_denominator(spec.objective_fn, spec.config, prepared.example, hyper)
+  check_denominator(spec.objective_fn, spec.config, prepared.example, hyper)
   terms = functools.partial(micro_terms, spec, frozen, hyper)  # (params, mb, scale) -> (scale·numerator, aux)
   shapes = jax.eval_shape(lambda p, mb: terms(p, mb, 1.0)[1], state.params, prepared.example)
-  passes = _num_iterations(spec.config)
+  passes = num_iterations_of(spec.config)
   per_pass = pass_fields(dropout_key, state.step, passes, batch.completions.shape[0])  # dropout keys, or {}
   grad_fn = jax.grad(terms, has_aux=True)
   carry = (state.params, state.opt_state)
   (params, opt_state), metrics = train_epochs(spec, grad_fn, shapes, *carry, prepared.rows, per_pass, passes)
-  metrics = _reduce_updates(metrics)
+  metrics = reduce_updates(metrics)
   metrics.update(prepared.extra)
   return TrainState(params, opt_state, state.step + 1), metrics  # frozen: reattached by TrainStep
 
@@ -198,7 +201,7 @@ class TrainStep:
       lowers it under ``jax.set_mesh(step.mesh)``, as each call runs it (e.g. ``memory_analysis()``).
   """
 
-  def __init__(self, spec: _StepSpec, mesh: Mesh, shardings: TrainState, rules):
+  def __init__(self, spec: StepSpec, mesh: Mesh, shardings: TrainState, rules):
     self.graphdef, self.config, self.train_config = spec.graphdef, spec.config, spec.tc
     self.objective_fn, self.advantages_fn = spec.objective_fn, spec.advantages_fn
     self.dropout_key, self.hyper_schedule = spec.dropout_key, spec.hyper_schedule
@@ -243,7 +246,7 @@ class TrainStep:
     group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
     ``batch.rewards`` may be None when ``batch.advantages`` is given. A ``batch.temperature`` (the rollout's)
     must match ``train_config.temperature`` (:func:`~jaxgrpo.models.log_probs.check_temperature`)."""
-    b, t = _check_fields(batch, _FIELDS)
+    b, t = check_fields(batch, FIELDS)
     c, tc = self.config, self.train_config
     _check_batch_temperature(batch, tc)
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
@@ -264,11 +267,11 @@ class TrainStep:
           "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
-    _check_policy_mask(batch)
-    _check_routing(batch, b, t)
-    _check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
-    g, num_groups = _group_bound(tc.group_size, b)
-    ids = _host_values(batch.group_ids)
+    check_policy_mask(batch)
+    check_routing(batch, b, t)
+    check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
+    g, num_groups = group_bound(tc.group_size, b)
+    ids = host_values(batch.group_ids)
     if ids is None or ids.size == 0:
       return
     if ids.min() < 0 or ids.max() >= num_groups:
@@ -291,7 +294,7 @@ class TrainStep:
     tc = self.train_config
     if tc.packing is None or batch.packed is not None:
       return batch
-    _check_fields(batch, _FIELDS)  # the usual errors for a malformed batch, before the packer reads it
+    check_fields(batch, FIELDS)  # the usual errors for a malformed batch, before the packer reads it
     return pack_batch(
       batch,
       row_length=tc.packing,
@@ -310,7 +313,7 @@ class TrainStep:
     batch = batch._replace(temperature=None)  # checked: one compiled program whatever the batch carries
     if not self.reads_ref_logp and batch.ref_logp is not None:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
-    if not _reads_behavior(self.config) and batch.behavior_logp is not None:
+    if not reads_behavior(self.config) and batch.behavior_logp is not None:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
     return batch
 
@@ -318,8 +321,8 @@ class TrainStep:
     """``batch`` packed (:meth:`pack`), validated (:meth:`check_batch`) and placed on the mesh with the
     step's dtypes; what each call does before the jitted step (a no-op for a batch this returned)."""
     batch = self._prepare_batch(batch)
-    placed = _place_packed(_place_fields(batch, _FIELDS, self.batch_sharding), self.batch_sharding)
-    return _place_routing(placed, self.batch_sharding)
+    placed = place_packed(place_fields(batch, FIELDS, self.batch_sharding), self.batch_sharding)
+    return place_routing(placed, self.batch_sharding)
 
   def check_hyper(self, hyper):
     """``hyper`` as the step takes it: every leaf an array (``f32[]`` for a :class:`GRPOHyper`,
@@ -327,22 +330,22 @@ class TrainStep:
     if hyper is None:
       return None
     if self.hyper_schedule is None:  # the hooks get hyper= from this call on
-      _check_keywords(self.objective_fn, "objective_fn", {"hyper": "a hyper-parameter pytree was passed"})
-      _check_keywords(self.advantages_fn, "advantages_fn", {"hyper": "a hyper-parameter pytree was passed"})
+      check_keywords(self.objective_fn, "objective_fn", {"hyper": "a hyper-parameter pytree was passed"})
+      check_keywords(self.advantages_fn, "advantages_fn", {"hyper": "a hyper-parameter pytree was passed"})
     if isinstance(self.config, GRPOConfig):
       if not isinstance(hyper, GRPOHyper):
         raise TypeError(f"hyper must be a jaxgrpo.GRPOHyper (config.hyper(...)) or None; got {type(hyper).__name__}")
       # every number traced (one program for every value), whether given as an array or a Python float
       arrays = {n: jnp.asarray(v, jnp.float32) for n, v in hyper.numbers().items() if v is not None}
       hyper = self.config.check_hyper(hyper._replace(**arrays))
-      _check_unread(self.config, hyper)
+      check_unread(self.config, hyper)
       return hyper
     return jax.tree.map(jnp.asarray, hyper)
 
   def _args(self, state: TrainState, batch: Batch, hyper=None):
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be a jaxgrpo.step.train.TrainState; got {type(state).__name__}")
-    _check_not_donated(state, "state")
+    check_not_donated(state, "state")
     hyper = self.check_hyper(hyper)
     replicated = NamedSharding(self.mesh, PartitionSpec())
     if hyper is not None:  # replicated over the mesh, as the jitted step takes it (every process: the same values)
@@ -372,12 +375,12 @@ class TrainStep:
     (``jax.experimental.topologies``), and lowers the same program as a call."""
     if not isinstance(state, TrainState):
       raise TypeError(f"state must be a jaxgrpo.step.train.TrainState; got {type(state).__name__}")
-    _check_not_donated(state, "state")
+    check_not_donated(state, "state")
     replicated = NamedSharding(self.mesh, PartitionSpec())
     as_struct = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated)
     hyper = jax.tree.map(as_struct, self.check_hyper(hyper))
     key = None if self.dropout_key is None else as_struct(self.dropout_key)
-    batch = _abstract_batch(self._prepare_batch(batch), _FIELDS, self.batch_sharding)
+    batch = abstract_batch(self._prepare_batch(batch), FIELDS, self.batch_sharding)
     with jax.set_mesh(self.mesh):
       return self.jitted.lower(state._replace(frozen=None), state.frozen, batch, hyper, key)
 
@@ -494,17 +497,17 @@ def make_train_step(
     if not callable(hyper_schedule):
       raise TypeError(f"`hyper_schedule` must be callable (step -> hyper) or None; got {type(hyper_schedule).__name__}")
     if isinstance(config, GRPOConfig):
-      config, _ = _schedule_terms(config, hyper_schedule)
-  _check_keywords(objective_fn, "objective_fn", _objective_keywords(config, objective_fn, hyper_schedule is not None))
+      config, _ = schedule_terms(config, hyper_schedule)
+  check_keywords(objective_fn, "objective_fn", objective_keywords(config, objective_fn, hyper_schedule is not None))
   if advantages_fn is not rollout_advantages:
-    _check_keywords(advantages_fn, "advantages_fn", _advantages_keywords(hyper_schedule is not None))
+    check_keywords(advantages_fn, "advantages_fn", advantages_keywords(hyper_schedule is not None))
   train_config = TrainConfig() if train_config is None else train_config
   if not isinstance(train_config, TrainConfig):
     raise TypeError(f"train_config must be a jaxgrpo.step.train.TrainConfig; got {type(train_config).__name__}")
-  abstract = _merge_model(graphdef, shardings.params, shardings.frozen)  # static attributes only
-  rules = _checked_rules(abstract.sharding_rules, rules, "make_train_step")
+  abstract = merge_model(graphdef, shardings.params, shardings.frozen)  # static attributes only
+  rules = checked_rules(abstract.sharding_rules, rules, "make_train_step")
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *shd.batch_sharding(mesh, rules).spec))
-  spec = _StepSpec(
+  spec = StepSpec(
     graphdef,
     optimizer,
     config,
@@ -564,7 +567,7 @@ def make_reference_fn(
   :func:`make_train_step` (default: the model's own table).
   """
   tc = TrainConfig() if train_config is None else train_config
-  rules = _checked_rules(_graph_rules(graphdef, param_shardings), rules, "make_reference_fn")
+  rules = checked_rules(graph_rules(graphdef, param_shardings), rules, "make_reference_fn")
   bsh = shd.batch_sharding(mesh, rules)
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
   blocks = shd.batch_shards(mesh, rules)
@@ -574,22 +577,22 @@ def make_reference_fn(
   def fn(params, cols):
     model = nnx.merge(graphdef, params)
     shape = cols[2].shape
-    cols = [jax.lax.with_sharding_constraint(_split_rows(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
+    cols = [jax.lax.with_sharding_constraint(split_micro(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
 
     def one(mb):
       with moe.routing_scope(replay=mb[4] if len(mb) > 4 else None):  # MoE: the rollout's experts if given
         return completion_log_probs(model, *mb[:4], temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
 
     logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
-    return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of _split_rows
+    return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of split_micro
 
   def fn_packed(params, unpack_index, packed_rows):
     model = nnx.merge(graphdef, params)
-    mbs = {"unpack_index": jax.lax.with_sharding_constraint(_split_rows(unpack_index, 1, slots), rows_sh)[0]}
+    mbs = {"unpack_index": jax.lax.with_sharding_constraint(split_micro(unpack_index, 1, slots), rows_sh)[0]}
     for name, x in packed_rows.items():  # [M·K, blocks·X, ...]: slot j of every device shard
-      mbs[name] = jax.lax.with_sharding_constraint(_split_slots(x, blocks, 1, slots), rows_sh)[0]
-    logp = jax.lax.map(lambda mb: _micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
-    return _merge_rows(logp[None], 1, slots)
+      mbs[name] = jax.lax.with_sharding_constraint(split_slots(x, blocks, 1, slots), rows_sh)[0]
+    logp = jax.lax.map(lambda mb: micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
+    return merge_rows(logp[None], 1, slots)
 
   options = _options(tc)
   jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=options)
@@ -598,35 +601,35 @@ def make_reference_fn(
   )
 
   def prepare(ref_params, batch: Batch) -> Batch:
-    b, _ = _check_fields(batch, _REFERENCE_FIELDS)
+    b, _ = check_fields(batch, REFERENCE_FIELDS)
     _check_batch_temperature(batch, tc)
-    _check_not_donated(ref_params, "ref_params")
+    check_not_donated(ref_params, "ref_params")
     shd.check_batch_divisible(b, mesh, rules, splits=slots if tc.packing else k)
     if tc.packing is not None and batch.packed is None:
       batch = pack_batch(
         batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
       )
-    _check_packing(batch, tc, blocks, slots)
-    _check_routing(batch, b, np.shape(batch.completions)[1])
+    check_packing(batch, tc, blocks, slots)
+    check_routing(batch, b, np.shape(batch.completions)[1])
     return batch
 
   def program(placed: Batch):
     """(the jitted program, its arguments after the parameters) for a placed (or abstract) batch."""
     if placed.packed is not None:
-      return jitted_packed, (placed.packed.unpack_index, _slot_inputs(placed.packed))
-    cols = tuple(getattr(placed, name) for name in _REFERENCE_FIELDS)
+      return jitted_packed, (placed.packed.unpack_index, slot_inputs(placed.packed))
+    cols = tuple(getattr(placed, name) for name in REFERENCE_FIELDS)
     return jitted, (cols if placed.routing is None else cols + (placed.routing,),)
 
   def reference_log_probs(ref_params, batch: Batch):
     batch = prepare(ref_params, batch)
-    fn, args = program(_place_routing(_place_packed(_place_fields(batch, _REFERENCE_FIELDS, bsh), bsh), bsh))
+    fn, args = program(place_routing(place_packed(place_fields(batch, REFERENCE_FIELDS, bsh), bsh), bsh))
     with jax.set_mesh(mesh):  # the models' activation constraints apply while this mesh is set
       return fn(ref_params, *args)
 
   def lower(ref_params, batch: Batch) -> jax.stages.Lowered:
     """The program ``reference_log_probs(ref_params, batch)`` runs, lowered (nothing placed or run), for
     parameters and a batch of arrays or ``jax.ShapeDtypeStruct`` s (as :meth:`TrainStep.lower`)."""
-    fn, args = program(_abstract_batch(prepare(ref_params, batch), _REFERENCE_FIELDS, bsh))
+    fn, args = program(abstract_batch(prepare(ref_params, batch), REFERENCE_FIELDS, bsh))
     with jax.set_mesh(mesh):
       return fn.lower(ref_params, *args)
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxgrpo.kernels.losses import LossTerms, combine_terms, finalize_terms
-from jaxgrpo.step.terms import _split_rows, _StepSpec
+from jaxgrpo.step.terms import StepSpec, split_micro
 
 __all__ = ["accumulate_grads", "apply_update", "token_scale", "train_epochs", "update", "update_metrics"]
 
@@ -37,7 +37,7 @@ def _zero_terms(example: LossTerms) -> LossTerms:
   return LossTerms(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros(example.sums), extrema)
 
 
-def _reduce_updates(metrics):
+def reduce_updates(metrics):
   """Metrics stacked over the μ·M updates -> one value each (max of maxima, min of minima, else mean)."""
   out = {}
   for k, v in metrics.items():
@@ -84,7 +84,7 @@ def _add_micro_batch(grad_fn: Callable, params, scale, param_sh, acc, mb):
   return (grads, combine_terms(terms, terms_k), ent + ent_k, tokens, routes), None
 
 
-def accumulate_grads(spec: _StepSpec, grad_fn: Callable, shapes, params, mini: dict, scale):
+def accumulate_grads(spec: StepSpec, grad_fn: Callable, shapes, params, mini: dict, scale):
   """The sums over one mini-batch's K micro-batches (``lax.scan``).
 
   Args:
@@ -110,7 +110,7 @@ def accumulate_grads(spec: _StepSpec, grad_fn: Callable, shapes, params, mini: d
   return jax.lax.scan(add, init, mini)[0]
 
 
-def apply_update(spec: _StepSpec, params, opt_state, grads, terms: LossTerms, scale):
+def apply_update(spec: StepSpec, params, opt_state, grads, terms: LossTerms, scale):
   """Divide once (``∇L = Σ_k ∇numerator_k / Σ_k denominator_k``: ``grads`` are :func:`accumulate_grads`'
   ``Σ_k scale·∇numerator_k``; 0 when the denominators sum to 0), clip by global norm
   (``spec.tc.max_grad_norm``; None: no clipping), cast to the parameters' dtypes and apply ``spec.optimizer``.
@@ -139,7 +139,7 @@ def update_metrics(router, terms: LossTerms, ent, tokens, grad_norm, routes) -> 
   return metrics
 
 
-def update(spec: _StepSpec, grad_fn: Callable, shapes, carry, mini: dict):
+def update(spec: StepSpec, grad_fn: Callable, shapes, carry, mini: dict):
   """One optimizer update on the mini-batch ``mini`` (``[K, R, ...]``) from ``carry = (params, opt_state)``:
   :func:`token_scale`, :func:`accumulate_grads`, :func:`apply_update`; ``((params, opt_state), metrics)``
   (:func:`update_metrics`)."""
@@ -150,17 +150,15 @@ def update(spec: _StepSpec, grad_fn: Callable, shapes, carry, mini: dict):
   return (params, opt_state), update_metrics(spec.router, terms, ent, tokens, grad_norm, routes)
 
 
-def _epoch(spec: _StepSpec, step: Callable, rows: dict, carry, fields: dict):
+def _epoch(spec: StepSpec, step: Callable, rows: dict, carry, fields: dict):
   """One pass over the batch: ``lax.scan`` of ``step`` (:func:`update`) over the M mini-batches of ``rows``
   (``[M, K, R, ...]``) with this pass's row fields (``[B, ...]`` each, split like the rows) added."""
   mm, kk = spec.tc.mini_batches, spec.tc.micro_batches
-  fields = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(_split_rows(x, mm, kk), spec.rows_sh), fields)
+  fields = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(split_micro(x, mm, kk), spec.rows_sh), fields)
   return jax.lax.scan(step, carry, {**rows, **fields})
 
 
-def train_epochs(
-  spec: _StepSpec, grad_fn: Callable, shapes, params, opt_state, rows: dict, per_pass: dict, passes: int
-):
+def train_epochs(spec: StepSpec, grad_fn: Callable, shapes, params, opt_state, rows: dict, per_pass: dict, passes: int):
   """μ = ``passes`` passes over ``rows`` (``[M, K, R, ...]``), M updates each: ``((params, opt_state), metrics
   [μ, M])``. ``per_pass``: the row fields that differ between passes, ``[μ, B, ...]`` each
   (``jaxgrpo.step.terms.pass_fields``: every row's LoRA dropout key per pass, or ``{}``)."""

@@ -381,9 +381,9 @@ def make_sweep(
     raise ValueError(f"group size must be >= 2; got {group_size}")
   if not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps must be a positive int; got {steps!r}")
-  grid = _check_grid(grid)
+  grid = check_grid(grid)
   if grid is not None:
-    configs = [_switch_on(c, grid) for c in configs]
+    configs = [switch_on(c, grid) for c in configs]
   actions = jnp.asarray(leaf_actions(depth))
   mask = jnp.ones((group_size, depth), bool)
   group_ids = jnp.zeros((group_size,), jnp.int32)
@@ -481,7 +481,7 @@ def make_sweep(
 GRID_FIELDS = ("beta", "clip_eps_low", "clip_eps_high")
 
 
-def _check_grid(grid):
+def check_grid(grid):
   """``{name: tuple of floats}`` (names in GRID_FIELDS, equal non-zero lengths), or None."""
   if grid is None:
     return None
@@ -495,7 +495,7 @@ def _check_grid(grid):
   return grid
 
 
-def _switch_on(config: GRPOConfig, grid) -> GRPOConfig:
+def switch_on(config: GRPOConfig, grid) -> GRPOConfig:
   """``config`` with its KL term on when a β of the grid is > 0 (the structure; the value is traced)."""
   top = max(grid.get("beta", (0.0,)))
   return config.replace(beta=top) if config.beta == 0 and top > 0 else config

@@ -134,7 +134,7 @@ def parse_grid(text: str | None) -> dict | None:
   name, _, values = text.partition("=")
   try:
     grid = {name.strip(): tuple(float(v) for v in values.split(","))}
-    return bt._check_grid(grid)
+    return bt.check_grid(grid)
   except ValueError as e:
     raise FlagError(f"--grid must look like 'beta=0,0.01,0.04' (one of {', '.join(bt.GRID_FIELDS)}): {e}") from None
 
@@ -199,7 +199,7 @@ def resolve(args) -> dict:
   if grid is not None:
     for a in algorithms:  # the structure the grid needs (e.g. a dual clip) must be valid for each preset
       try:
-        bt._switch_on(bt.preset(a), grid)
+        bt.switch_on(bt.preset(a), grid)
       except (ValueError, TypeError) as e:
         raise FlagError(f"--grid with {a}: {str(e).splitlines()[0]}") from None
   h = 1 if grid is None else len(next(iter(grid.values())))

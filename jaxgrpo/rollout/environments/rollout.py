@@ -28,6 +28,10 @@ Token accounting: ``completions`` holds ``turn_1 ‖ obs_1 ‖ turn_2 ‖ … �
 sets hash them), ``policy_mask`` only the turns (the loss; see ``jaxgrpo.step.train.Batch.policy_mask``);
 ``log_probs`` are the sampler's on policy tokens and 0 on observations. A turn cut by the token budget
 is kept (policy tokens, no end token); an observation that does not fit ends the trajectory without it.
+
+One job at ~690 lines: the multi-turn rollout loop — trajectories and their token accounting, the environments'
+calls (concurrent, with timeouts, failures and stops) and the assembly of the batch; the cached sampler is
+``jaxgrpo.rollout.conversation``, the chat rendering ``environments.chat``.
 """
 
 from __future__ import annotations
