@@ -1,9 +1,9 @@
-"""Peak memory and time of the gradient of one attention layer: today's dense ``layers.Attention`` vs blockwise.
+"""Peak memory and time of the gradient of one attention layer: today's dense ``attention.Attention`` vs blockwise.
 
 Each (implementation, length) runs in a fresh child process (``--child``) on one row of ``L`` tokens: the
 layer's projections (D = 64, 4 heads of 16, no RoPE), attention, the output projection, and the gradient of a
 linear read-out ``⟨y, w⟩`` with respect to the input and the four weights. ``dense`` calls
-``jaxgrpo.models.layers.Attention`` as the model does today (scores ``[B, N, G, L, L]`` in float32); ``blockwise``
+``jaxgrpo.models.attention.Attention`` as the model does today (scores ``[B, N, G, L, L]`` in float32); ``blockwise``
 applies the same weights around ``jaxgrpo.parallel.attention.attention(implementation="blockwise")`` (the CPU's
 default blocks). The child compiles the gradient, resets its peak RSS (``/proc/self/clear_refs``), runs it once and
 ``--repeats`` times more, and reports the peak RSS (``VmHWM``) over the RSS before the first run (the program's
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxgrpo.models.layers import Attention
+from jaxgrpo.models.attention import Attention
 from jaxgrpo.parallel.attention import attention
 
 GIB = 2**30

@@ -1,5 +1,5 @@
 """Blockwise attention (``jaxgrpo.kernels.attention``) against a NumPy reference written from the softmax-attention
-formula, values and gradients, and against ``jaxgrpo.models.layers.Attention`` (today's dense attention)."""
+formula, values and gradients, and against ``jaxgrpo.models.attention.Attention`` (today's dense attention)."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def test_bad_shapes_get_one_clear_line():
 def _layers_attention(H, N, K, D, seed):
   from flax import nnx
 
-  from jaxgrpo.models.layers import Attention
+  from jaxgrpo.models.attention import Attention
 
   return Attention(
     hidden_size=D,
@@ -203,7 +203,7 @@ def _layers_attention(H, N, K, D, seed):
 
 @pytest.mark.parametrize("H,N", [(4, 4), (4, 2)])
 def test_equals_the_layers_attention_on_the_real_rows(H, N):
-  """The same projections around blockwise attention equal ``layers.Attention`` (its dense einsum and softmax),
+  """The same projections around blockwise attention equal ``attention.Attention`` (its dense einsum and softmax),
   values and input gradients, on packed and left-padded rows. Padding query rows are excluded: the dense path
   gives them a uniform average (scores all −1e30), blockwise gives zeros; the loss masks them either way."""
   B, S, D, K = 2, 21, 16, 8

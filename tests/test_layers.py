@@ -205,34 +205,7 @@ def test_the_kernels_import_without_flax():
 # kernels/{config,hyper,_hyper,surrogates}.py, run/{assemble,composition}.py): ``(importing file, "module.name")``.
 # Owned by another stream this round: each entry goes once its module makes the name public or moves it.
 KNOWN_PRIVATE = {
-  ("jaxgrpo/kernels/losses.py", "jaxgrpo.kernels.surrogates._surrogate"),
-  ("jaxgrpo/plan/programs.py", "jaxgrpo.rollout.sampling._generate_jit"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._check_top_k"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._check_top_p"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._decode_logits"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._draw"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._suppressed_ids"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._suppressed_mask"),
-  ("jaxgrpo/rollout/conversation.py", "jaxgrpo.rollout.sampling._write_token"),
-  ("jaxgrpo/rollout/environments/rollout.py", "jaxgrpo.rollout.sampling._suppressed_ids"),
   ("jaxgrpo/rollout/iteration.py", "jaxgrpo.rollout.collect._push_policy"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.conversation._bucket_width"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.refill._advance"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.refill._pad_slots"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.refill._slot_logits"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.sampling._draw"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.sampling._ends"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.sampling._suppressed_ids"),
-  ("jaxgrpo/rollout/partial.py", "jaxgrpo.rollout.sampling._suppressed_mask"),
-  ("jaxgrpo/rollout/partial_engine.py", "jaxgrpo.rollout.conversation._bucket_width"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.conversation._bucket_width"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._check_top_k"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._check_top_p"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._decode_logits"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._draw"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._ends"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._suppressed_ids"),
-  ("jaxgrpo/rollout/refill.py", "jaxgrpo.rollout.sampling._suppressed_mask"),
 }
 
 

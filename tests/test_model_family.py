@@ -17,7 +17,7 @@ from hf_utils import build_hf_model, hf_logits, jax_logits, left_padded_batch
 
 from jaxgrpo import models
 from jaxgrpo.models import hf, lora, registry
-from jaxgrpo.models.layers import Attention
+from jaxgrpo.models.attention import Attention
 from jaxgrpo.models.llama import SwiGLU
 
 torch = pytest.importorskip("torch")

@@ -8,9 +8,9 @@ any lookup. A new family is registered the same way from its own module (docs/mo
 from __future__ import annotations
 
 from jaxgrpo.models import hf
+from jaxgrpo.models.attention import Attention
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 from jaxgrpo.models.gpt2 import GPT2MLP, GPT2Model
-from jaxgrpo.models.layers import Attention
 from jaxgrpo.models.llama import LlamaModel, SwiGLU
 from jaxgrpo.models.moe import MoEModel
 from jaxgrpo.models.registry import Family, register_family

@@ -1,5 +1,5 @@
 """The multi-turn sampler with one KV cache kept across turns (:class:`ConversationSampler`): a module of its own
-beside :func:`jaxgrpo.rollout.sampling.generate`, whose token draws it shares (``_draw``: the same uniforms per row
+beside :func:`jaxgrpo.rollout.sampling.generate`, whose token draws it shares (``draw_token``: the same uniforms per row
 and position, so the same keys give the same ids as re-prefilling each turn with ``generate``).
 """
 
@@ -16,12 +16,12 @@ from flax import nnx
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.parallel.target import target_platform
-from jaxgrpo.rollout.sampling import SamplingPolicy, _decode_logits, _draw, _suppressed_mask, _write_token
+from jaxgrpo.rollout.sampling import SamplingPolicy, decode_logits, draw_token, suppressed_mask, write_token
 
 __all__ = ["ConversationSampler"]
 
 
-def _bucket_width(n: int, cap: int) -> int:
+def bucket_width(n: int, cap: int) -> int:
   """A chunk width >= n from few values (powers of two, at least 8), at most ``cap`` (the cache size)."""
   return min(cap, max(8, 1 << max(0, (n - 1).bit_length())))
 
@@ -87,7 +87,7 @@ class ConversationSampler:
     self.max_len, self.num_rows, self.vocab_size = max_len, len(prompts), vocab
     self._graphdef, self._state = nnx.split(model)
     heads = [p[:-1] for p in prompts[::g]]
-    width = _bucket_width(max(1, max(len(h) for h in heads)), max_len)
+    width = bucket_width(max(1, max(len(h) for h in heads)), max_len)
     tokens = np.full((len(heads), width), self.pad_id, np.int32)
     mask = np.zeros((len(heads), width), bool)
     for b, h in enumerate(heads):
@@ -157,7 +157,7 @@ class ConversationSampler:
     # out of range: empty, budget 0, dropped on the way back), or over all N rows when that is no smaller.
     r = 1 << max(0, (len(rows) - 1).bit_length())
     order = list(range(n)) if r >= n else rows + [n] * (r - len(rows))  # decode row -> cache row
-    width = _bucket_width(max(len(f) for f in feeds.values()), self.max_len)
+    width = bucket_width(max(len(f) for f in feeds.values()), self.max_len)
     feed = np.full((len(order), width), self.pad_id, np.int32)
     feed_mask = np.zeros((len(order), width), bool)
     feed_pos = np.zeros(len(order), np.int32)
@@ -245,15 +245,15 @@ def _conversation_turn_jit(
   last = jnp.maximum(n_feed - 1, 0)
   first_logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], out_dtype=jnp.float32)
   start_pos = feed_pos + n_feed  # position of token 0 of the turn
-  suppressed = _suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
+  suppressed = suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
 
   def uniforms(t):
     per_key = [jax.random.uniform(jax.random.fold_in(keys[k], t), (n_rows,), jnp.float32) for k in range(len(keys))]
     return jnp.stack(per_key)[key_index, draw_index]
 
   def record(t, logits, carry):
-    token, logp = _draw(logits, lambda: uniforms(t), policy, suppressed)
-    tokens, logps, lengths, token = _write_token(t, token, logp, carry, pad_id)
+    token, logp = draw_token(logits, lambda: uniforms(t), policy, suppressed)
+    tokens, logps, lengths, token = write_token(t, token, logp, carry, pad_id)
     done = carry[3] | jnp.any(token[:, None] == stop_table, axis=-1) | (lengths >= budget)
     return tokens, logps, lengths, done, token
 
@@ -272,7 +272,7 @@ def _conversation_turn_jit(
   def body(loop_carry):
     t, cache, last_token, buffers = loop_carry
     done = buffers[3]
-    logits, cache = _decode_logits(model, last_token, start_pos + t - 1, ~done, cache)
+    logits, cache = decode_logits(model, last_token, start_pos + t - 1, ~done, cache)
     *buffers, last_token = record(t, logits, buffers)
     return t + 1, cache, last_token, tuple(buffers)
 

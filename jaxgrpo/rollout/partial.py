@@ -348,7 +348,7 @@ class RowPool:
     r = min(self.slots, max(8, 1 << max(0, len(admit) - 1).bit_length()))  # 8, 16, ...: few compiled programs
     rows = [self._slot_rows[s] for s in admit]
     lens = [len(prompt_tokens[row.prompt]) + row.t for row in rows]
-    width = _conversation._bucket_width(max(lens, default=1), self.max_len)
+    width = _conversation.bucket_width(max(lens, default=1), self.max_len)
     ctx = np.full((r, width), self.sampling.pad_id, np.int32)
     ctx_mask = np.zeros((r, width), bool)
     plen, start_t, budgets = np.zeros(r, np.int32), np.zeros(r, np.int32), np.ones(r, np.int32)
@@ -421,11 +421,11 @@ def _uniforms(keys, t):
 def _drawer(model, policy):
   """``draw(logits, keys, t) -> (token, log-prob)`` under ``policy``, each slot's uniform from its own key and
   step."""
-  suppressed = _sampling._suppressed_mask(policy.suppress_ids, model.config.vocab_size)
+  suppressed = _sampling.suppressed_mask(policy.suppress_ids, model.config.vocab_size)
 
   def draw(logits, keys, t):
     u = lambda: _uniforms(keys, t)
-    return _sampling._draw(logits, u, policy, suppressed)
+    return _sampling.draw_token(logits, u, policy, suppressed)
 
   return draw
 
@@ -462,7 +462,7 @@ def _admit_jit(
   hidden, sub = model(ctx, positions, attention_mask=ctx_mask, cache=sub)
   last = jnp.maximum(jnp.sum(ctx_mask, axis=1, dtype=jnp.int32) - 1, 0)
   hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-  cache = _models.put_cache_rows(cache, slots, _refill._pad_slots(sub, cache.max_len))
+  cache = _models.put_cache_rows(cache, slots, _refill.pad_slots(sub, cache.max_len))
   token, logp = draw(model.logits(hidden, out_dtype=jnp.float32), keys, start_t)
   at = jnp.arange(r)
   put = lambda x, y: x.at[slots].set(y, mode="drop")
@@ -470,7 +470,7 @@ def _admit_jit(
   out_lp = put(out_lp, row_lp.at[at, start_t].set(logp))
   s_t, s_start, s_last, s_key = put(s_t, start_t + 1), put(s_start, plen), put(s_last, token), put(s_key, keys)
   s_done, s_budget = (
-    put(s_done, _sampling._ends(token, policy.eos_ids) | (start_t + 1 >= budgets)),
+    put(s_done, _sampling.is_eos(token, policy.eos_ids) | (start_t + 1 >= budgets)),
     put(s_budget, budgets),
   )
   return cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp
@@ -491,13 +491,13 @@ def _decode_jit(graphdef, state, carry, *, refill_every, policy):
 
   def body(c):
     k, cache, s_t, s_last, s_done, out_tok, out_lp = c
-    active, logits, cache = _refill._slot_logits(model, cache, s_start, s_t, s_last, s_done)
+    active, logits, cache = _refill.slot_logits(model, cache, s_start, s_t, s_last, s_done)
     token, logp = draw(logits, s_key, s_t)
     at = jnp.where(active, jnp.arange(num_slots), num_slots)  # finished slots write nowhere
     col = jnp.minimum(s_t, max_new_tokens - 1)
     out_tok = out_tok.at[at, col].set(token, mode="drop")
     out_lp = out_lp.at[at, col].set(logp, mode="drop")
-    s_t, s_last, s_done = _refill._advance(active, token, s_t, s_last, s_done, s_budget, eos_ids)
+    s_t, s_last, s_done = _refill.advance_slots(active, token, s_t, s_last, s_done, s_budget, eos_ids)
     return k + 1, cache, s_t, s_last, s_done, out_tok, out_lp
 
   k, cache, s_t, s_last, s_done, out_tok, out_lp = jax.lax.while_loop(

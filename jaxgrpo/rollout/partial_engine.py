@@ -84,7 +84,7 @@ class EnginePool(RowPool):
     width = max(len(c) for c in contexts)
     count = len(rows)
     if getattr(engine, "static_shapes", False) is True:  # few shapes: few compiled programs
-      width = _conversation._bucket_width(width, self.prompt_len + self.t_max - n)
+      width = _conversation.bucket_width(width, self.prompt_len + self.t_max - n)
       count = min(self.slots, 1 << (count - 1).bit_length())
     contexts += [contexts[0]] * (count - len(rows))  # padding rows: copies of the first, their output discarded
     tokens, mask = pad_left(contexts, width, self.engine_sampling.pad_id)

@@ -101,7 +101,7 @@ def generate_refill(
   key = _checks.check_prng_key(key)
   if policy.record_routing:
     raise ValueError("generate_refill: `record_routing=True` is not supported (use generate for routing replay)")
-  graphdef, state = _sampling._split_sampled(
+  graphdef, state = _sampling.split_sampled(
     sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate_refill"
   )
   g, t_max, pad_id = policy.num_samples, policy.max_new_tokens, policy.pad_id
@@ -124,7 +124,7 @@ def generate_refill(
 
   host_tokens, host_mask = (np.asarray(x) for x in jax.device_get((prompt_tokens, prompt_mask)))
   real = host_mask.sum(axis=1)  # real prompt tokens of each prompt
-  width = _conversation._bucket_width(int(real.max()), max_len)
+  width = _conversation.bucket_width(int(real.max()), max_len)
   chunk = np.full((batch, width), pad_id, np.int32)
   chunk_mask = np.zeros((batch, width), bool)
   for b in range(batch):  # right-aligned: real prompt token k at slot and position k
@@ -227,22 +227,22 @@ def _prefill_jit(graphdef, state, chunk, chunk_mask):
   return cache, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
 
 
-def _slot_logits(model, cache, s_start, s_t, s_last, s_done):
+def slot_logits(model, cache, s_start, s_t, s_last, s_done):
   """One decode step over the S slots: each running slot feeds its token t-1 at position start + t - 1
   (finished slots masked out). Returns (active ``bool[S]``, the logits of token t ``f32[S, V]``, the cache)."""
   active = ~s_done
-  logits, cache = _sampling._decode_logits(model, s_last, jnp.maximum(s_start + s_t - 1, 0), active, cache)
+  logits, cache = _sampling.decode_logits(model, s_last, jnp.maximum(s_start + s_t - 1, 0), active, cache)
   return active, logits, cache
 
 
-def _advance(active, token, s_t, s_last, s_done, s_budget, eos_ids):
+def advance_slots(active, token, s_t, s_last, s_done, s_budget, eos_ids):
   """The running slots past their drawn ``token``: a slot ends at an EOS id or its budget. Returns
   (``s_t``, ``s_last``, ``s_done``)."""
-  s_done = s_done | (active & (_sampling._ends(token, eos_ids) | (s_t + 1 >= s_budget)))
+  s_done = s_done | (active & (_sampling.is_eos(token, eos_ids) | (s_t + 1 >= s_budget)))
   return s_t + active.astype(jnp.int32), jnp.where(active, token, s_last), s_done
 
 
-def _pad_slots(cache, max_len: int):
+def pad_slots(cache, max_len: int):
   """A per-row cache of W slots as one of ``max_len >= W`` slots (the extra slots empty)."""
   extra = max_len - cache.max_len
   pad = lambda x, axis: jnp.pad(x, [(0, extra if a == x.ndim + axis else 0) for a in range(x.ndim)])
@@ -260,18 +260,18 @@ def _boundary_jit(graphdef, state, carry, prompt_cache, prompt_hidden, table, ro
   model = nnx.merge(graphdef, state)
   cache, s_row, s_t, s_start, s_last, s_done, s_budget, row_budget, out_tok, out_lp, out_len = carry
   num_rows = out_tok.shape[0]
-  suppressed = _sampling._suppressed_mask(policy.suppress_ids, model.config.vocab_size)
+  suppressed = _sampling.suppressed_mask(policy.suppress_ids, model.config.vocab_size)
   eos_ids = policy.eos_ids
 
   def draw(logits, t, rows):
     u = lambda: table[jnp.minimum(t, table.shape[0] - 1), jnp.clip(rows, 0, table.shape[1] - 1)]
-    return _sampling._draw(logits, u, policy, suppressed)
+    return _sampling.draw_token(logits, u, policy, suppressed)
 
   # The newcomers: their prompt's cache rows into their slots (the slot's old row, valid slots and index
   # replaced), their token 0 from the prompt's last hidden state.
   prompts = rows // policy.num_samples  # padding rows: prompt B, out of range (an empty row, dropped)
   sub = _models.take_cache_rows(prompt_cache, prompts)
-  cache = _models.put_cache_rows(cache, slots, _pad_slots(sub, cache.max_len))
+  cache = _models.put_cache_rows(cache, slots, pad_slots(sub, cache.max_len))
   hidden = jnp.take(prompt_hidden, prompts, axis=0, mode="fill", fill_value=0)
   token, logp = draw(model.logits(hidden, out_dtype=jnp.float32), jnp.zeros(rows.shape, jnp.int32), rows)
   budget = jnp.take(row_budget, rows, mode="fill", fill_value=1)
@@ -280,7 +280,7 @@ def _boundary_jit(graphdef, state, carry, prompt_cache, prompt_hidden, table, ro
   out_len = out_len.at[rows].set(1, mode="drop")
   put = lambda x, y: x.at[slots].set(y, mode="drop")
   s_row, s_t, s_start, s_last = put(s_row, rows), put(s_t, 1), put(s_start, sub.index), put(s_last, token)
-  s_done, s_budget = put(s_done, _sampling._ends(token, eos_ids) | (budget <= 1)), put(s_budget, budget)
+  s_done, s_budget = put(s_done, _sampling.is_eos(token, eos_ids) | (budget <= 1)), put(s_budget, budget)
 
   def cond(c):
     k, _, _, _, s_done, *_ = c
@@ -288,13 +288,13 @@ def _boundary_jit(graphdef, state, carry, prompt_cache, prompt_hidden, table, ro
 
   def body(c):
     k, cache, s_t, s_last, s_done, out_tok, out_lp, out_len = c
-    active, logits, cache = _slot_logits(model, cache, s_start, s_t, s_last, s_done)
+    active, logits, cache = slot_logits(model, cache, s_start, s_t, s_last, s_done)
     token, logp = draw(logits, s_t, s_row)
     at = jnp.where(active, s_row, num_rows)  # finished slots write nowhere
     out_tok = out_tok.at[at, s_t].set(token, mode="drop")
     out_lp = out_lp.at[at, s_t].set(logp, mode="drop")
     out_len = out_len.at[at].set(s_t + 1, mode="drop")
-    s_t, s_last, s_done = _advance(active, token, s_t, s_last, s_done, s_budget, eos_ids)
+    s_t, s_last, s_done = advance_slots(active, token, s_t, s_last, s_done, s_budget, eos_ids)
     return k + 1, cache, s_t, s_last, s_done, out_tok, out_lp, out_len
 
   k, cache, s_t, s_last, s_done, out_tok, out_lp, out_len = jax.lax.while_loop(

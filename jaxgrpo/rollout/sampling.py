@@ -16,7 +16,7 @@ top-k/top-p filtering or suppressed ids restricted the draw. The train step ther
 on-policy.
 
 Longer than ~600 lines for one job, the built-in sampler: its settings (``SamplingConfig`` and the policy
-every jitted sampler takes, ``SamplingPolicy``), its draw (``filter_logits``, ``sample_categorical``, ``_draw``:
+every jitted sampler takes, ``SamplingPolicy``), its draw (``filter_logits``, ``sample_categorical``, ``draw_token``:
 shared by the slot-refill, partial and conversation samplers) and its program (``generate``, ``lower_generate``).
 """
 
@@ -454,7 +454,7 @@ def generate(
     raise ValueError(
       f"record_routing=True needs a mixture-of-experts model (jaxgrpo.models.moe); got {type(model).__name__}"
     )
-  graphdef, state = _split_sampled(sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate")
+  graphdef, state = split_sampled(sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate")
   with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
     rollout = _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, policy=policy)
   return rollout._replace(temperature=Temperature(policy.temperature))
@@ -502,13 +502,13 @@ def lower_generate(
       f"temperature=..., vocab_size=...)); got {type(policy).__name__}"
     )
   _check_prompt_specs(prompt_tokens, prompt_mask, key)
-  graphdef, state = _split_sampled(model, tuple(prompt_tokens.shape), policy, "lower_generate")
+  graphdef, state = split_sampled(model, tuple(prompt_tokens.shape), policy, "lower_generate")
   scope = target_platform(state) if mesh is None else jax.set_mesh(mesh)
   with scope:
     return _generate_jit.lower(graphdef, state, prompt_tokens, prompt_mask, key, policy=policy)
 
 
-def _split_sampled(model, prompt_shape: tuple[int, int], policy: SamplingPolicy, where: str):
+def split_sampled(model, prompt_shape: tuple[int, int], policy: SamplingPolicy, where: str):
   """``nnx.split(model)`` once ``policy`` can sample it: ``max_new_tokens`` set, prompt + completion within the
   model's positions, routing recorded only for a mixture of experts (ValueError in one line, naming ``where``)."""
   if policy.max_new_tokens is None:
@@ -553,11 +553,11 @@ def _check_prompt_specs(prompt_tokens, prompt_mask, key) -> None:
     raise ValueError(f"`key` must be a single PRNG key (typed [] or raw uint32[2]); got {key.dtype}{list(key.shape)}")
 
 
-def _draw(logits, uniforms, policy: SamplingPolicy, suppressed):
+def draw_token(logits, uniforms, policy: SamplingPolicy, suppressed):
   """One token per row of ``logits f32[N, V]`` from the sampling distribution of :func:`generate` under
   ``policy`` (its temperature, top-k, top-p), and its log-prob under the full temperature-scaled softmax:
   ``(token int32[N], log-prob f32[N])``. ``uniforms()`` gives the draw's ``f32[N]`` uniforms (not called when
-  greedy); ``suppressed``: None or a constant bool[V] (:func:`_suppressed_mask` of ``policy.suppress_ids``)."""
+  greedy); ``suppressed``: None or a constant bool[V] (:func:`suppressed_mask` of ``policy.suppress_ids``)."""
   temperature, top_k, top_p = policy.temperature, policy.top_k, policy.top_p
   scaled = logits if temperature == 0.0 else logits / temperature  # [N, V]
   allowed = scaled if suppressed is None else jnp.where(suppressed, -jnp.inf, scaled)
@@ -570,14 +570,14 @@ def _draw(logits, uniforms, policy: SamplingPolicy, suppressed):
   return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
-def _decode_logits(model, last, pos, active, cache):
+def decode_logits(model, last, pos, active, cache):
   """One decode step of ``N`` rows: token ``last int32[N]`` fed at position ``pos int32[N]`` (rows not
   ``active bool[N]`` masked out of the cache) -> (the next token's logits ``f32[N, V]``, the cache)."""
   hidden, cache = model(last[:, None], pos[:, None], attention_mask=active[:, None], cache=cache)
   return model.logits(hidden[:, 0], out_dtype=jnp.float32), cache
 
 
-def _write_token(t, token, logp, buffers, pad_id):
+def write_token(t, token, logp, buffers, pad_id):
   """Token ``t`` of every row (``token int32[N]``, ``logp f32[N]``) into ``buffers = (tokens int32[N, T], logps
   f32[N, T], lengths int32[N], done bool[N])``: pad / 0 where a row is done. Returns (tokens, logps, lengths,
   the token written)."""
@@ -588,14 +588,14 @@ def _write_token(t, token, logp, buffers, pad_id):
   return tokens, logps, lengths + (~done).astype(jnp.int32), token
 
 
-def _ends(token, eos_ids):
+def is_eos(token, eos_ids):
   """``bool[N]``: whether each of ``token int32[N]`` is one of ``eos_ids`` (a static tuple; empty: never)."""
   if not eos_ids:
     return jnp.zeros(token.shape, bool)
   return jnp.any(token[:, None] == jnp.asarray(eos_ids, jnp.int32)[None, :], axis=-1)
 
 
-def _suppressed_mask(suppress_ids, vocab: int):
+def suppressed_mask(suppress_ids, vocab: int):
   """A constant bool[V] of the suppressed ids (one fused select per step, not a scatter), or None."""
   if not suppress_ids:
     return None
@@ -658,17 +658,17 @@ def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy: S
   # Position of completion token 0 in every row.
   start_pos = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), num_samples)  # [N]
 
-  suppressed = _suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
+  suppressed = suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
 
   def sample(t, logits):
     """logits f32[N, V] for step t -> (token int32[N], log-prob f32[N] under the full softmax)."""
     uniforms = lambda: jax.random.uniform(jax.random.fold_in(key, t), (logits.shape[0],), jnp.float32)
-    return _draw(logits, uniforms, policy, suppressed)
+    return draw_token(logits, uniforms, policy, suppressed)
 
   def record(t, logits, carry):
     """Samples token t and writes it into the carry's buffers (pad / 0 for finished rows)."""
-    tokens, logps, lengths, token = _write_token(t, *sample(t, logits), carry, pad_id)
-    return tokens, logps, lengths, carry[3] | _ends(token, policy.eos_ids), token
+    tokens, logps, lengths, token = write_token(t, *sample(t, logits), carry, pad_id)
+    return tokens, logps, lengths, carry[3] | is_eos(token, policy.eos_ids), token
 
   buffers = (
     jnp.full((n_rows, max_new_tokens), pad_id, jnp.int32),  # tokens
@@ -687,7 +687,7 @@ def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy: S
     done = buffers[3]
     # Feed token t-1 (at position start + t - 1) to get the logits of token t.
     with _moe.routing_scope() as scope:
-      logits, cache = _decode_logits(model, last_token, start_pos + t - 1, ~done, cache)  # [N, V]
+      logits, cache = decode_logits(model, last_token, start_pos + t - 1, ~done, cache)  # [N, V]
     if routes is not None:  # the experts of completion token t-1
       routes = jax.lax.dynamic_update_index_in_dim(routes, scope.stacked().experts[:, 0], t - 1, axis=1)
     *buffers, last_token = record(t, logits, buffers)
