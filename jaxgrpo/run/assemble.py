@@ -276,10 +276,12 @@ def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
   (``jax``), vLLM (``rollout.vllm``), or a user's factory (``package.module:callable``, called with the keywords
   ``config`` — the policy's model config —, ``max_model_len``, ``temperature`` and ``seed``; it must return a
   ``jaxgrpo.rollout.engines.Engine``). Multi-turn (``env``): ``max_model_len`` holds the prompt, ``env.max_tokens``
-  and one turn."""
+  and one turn; None for ``env.episodes`` (no encoded prompts: the model's own positions)."""
   roll = cfg.rollout
   check_engine_policy(cfg, model.config)
-  if cfg.env is None:
+  if prompt_len is None:  # env.episodes: the environments render the prompts (the model's positions bound them)
+    max_len = None
+  elif cfg.env is None:
     max_len = prompt_len + roll.max_new_tokens
   else:  # every turn sends prompt ‖ trajectory: the prompt, the trajectory's budget and one more turn
     mt = cfg.env.multiturn_config()

@@ -99,7 +99,7 @@ def build_engine(
   name: str,
   model,
   *,
-  max_model_len: int,
+  max_model_len: int | None,
   temperature: float,
   seed: int,
   options: Any = None,
