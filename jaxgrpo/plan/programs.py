@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo.models import build_model, lora, moe
 from jaxgrpo.rollout import sampling
+from jaxgrpo.rollout.engines import registry as engine_registry
 from jaxgrpo.run import assemble, builders
 from jaxgrpo.run.spec_schema import DTYPES
 from jaxgrpo.run.trainer import dropout_key
@@ -142,7 +143,9 @@ class RunPrograms:
     self._routing = (n_moe, model_config.num_experts_per_tok) if replay else None
     self.names = ("step", "sampler")
     self.names += ("reference",) if self.step.reads_ref_logp else ()
-    self.names += ("old_logp",) if cfg.rollout.engine != "jax" else ()
+    # the learner recomputes old_logp for an engine whose log-probs are not the policy's (its class says so)
+    self._recomputes = not engine_registry.capability(cfg.rollout.engine, "logprobs_are_policy")
+    self.names += ("old_logp",) if self._recomputes else ()
     lora_ref = cfg.lora is not None
     self.resident = {"train state": per_device_bytes(self.state)}
     if self.step.reads_ref_logp and not lora_ref:
@@ -171,7 +174,7 @@ class RunPrograms:
 
   def _step(self):
     host = self._batch()
-    return self.step.lower(self.state, host if self.cfg.rollout.engine != "jax" else host._replace(behavior_logp=None))
+    return self.step.lower(self.state, host if self._recomputes else host._replace(behavior_logp=None))
 
   def _log_probs(self, graphdef, params, shardings):
     fn = train.make_reference_fn(graphdef, mesh=self.mesh, param_shardings=shardings, train_config=self.train_config)

@@ -15,13 +15,12 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from jaxgrpo import _checks
 from jaxgrpo.data.rewards import group_is_informative
 from jaxgrpo.kernels.importance import mismatch_k3
-from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.engines.base import check_engine, check_generation
+from jaxgrpo.rollout.engines.builtin import place_prompts
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling, generate
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import (
@@ -36,6 +35,7 @@ __all__ = [
   "engine_sample",
   "place_prompts",
   "policy_logp_fn",
+  "recompute_old_logp",
   "sample",
   "score",
   "select_groups",
@@ -102,34 +102,6 @@ def select_groups(
   if len(kept) < num_groups and len(rewards) >= max_rounds:
     kept += spare[: num_groups - len(kept)]  # give up refilling: these groups have zero advantage
   return GroupSelection(kept=kept, dropped=len(spare), done=len(kept) == num_groups)
-
-
-def place_prompts(prompt_tokens, prompt_mask, *, mesh: Mesh, rules: Mapping[str, Any] | None = None):
-  """The prompts of one :func:`sample` call laid out for the global mesh, so that the sampler runs on
-  every process's devices with each process transferring only its own prompts.
-
-  When B divides the batch axes (``data × fsdp``) the rows are placed over them: each process passes
-  only the prompts :func:`jaxgrpo.parallel.sharding.process_batch_rows` gives it
-  (``place_batch(..., process_local=True)``), and its devices sample those prompts' G·B/``process_count``
-  rows. Otherwise the arrays are returned as they are (NumPy, replicated: the same on every process).
-  Either way the sampler is one program over the global mesh, so each row's tokens — its PRNG draws
-  depend only on the key, the step and the row's global index — do not depend on how many
-  processes run it; :func:`jaxgrpo.parallel.distributed.process_rows` then gives each process its own rows.
-
-  Args:
-    prompt_tokens: ``int32[B, P]`` left-padded prompts, every process the same (NumPy);
-      prompt_mask: ``bool[B, P]``.
-    mesh, rules: the mesh and rules table of the step.
-
-  Returns:
-    ``(prompt_tokens, prompt_mask)`` for :func:`sample`.
-  """
-  tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask)
-  b = tokens.shape[0]
-  if b % shd.batch_shards(mesh, rules):
-    return tokens, mask
-  rows = shd.process_batch_rows(mesh, b, rules)
-  return shd.place_batch((tokens[rows], mask[rows]), mesh, rules, process_local=True)
 
 
 def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, temperature: float = 1.0) -> Rollout:
@@ -231,22 +203,37 @@ def sampled_token_mismatch(old_logp, behavior_logp, mask, policy_mask=None):
   return mismatch_k3(old_logp, behavior_logp, mask.astype(bool))
 
 
+def recompute_old_logp(logp_fn: Callable, params, batch: Batch, *, mismatch: Callable = sampled_token_mismatch):
+  """The one log-prob recomputation (the learner's, ``jaxgrpo.rollout.schedule.Learner``, and the engine path's,
+  :func:`engine_old_logp`): ``batch`` (placed; ``old_logp`` the sampler's log-probs μ) with ``old_logp`` :=
+  ``logp_fn(params, batch)`` (π_old: :func:`policy_logp_fn`) and ``behavior_logp`` := μ, and
+  ``mismatch(π_old, μ, mask, policy_mask)`` (:func:`sampled_token_mismatch`: ``(k3, max |log π_old − log μ|)``
+  over the sampled tokens; the learner passes it jitted). Nothing is waited for.
+
+  Returns:
+    ``(batch, mismatch)``.
+  """
+  old = logp_fn(params, batch)
+  return batch._replace(old_logp=old, behavior_logp=batch.old_logp), mismatch(
+    old, batch.old_logp, batch.mask, batch.policy_mask
+  )
+
+
 def engine_old_logp(logp_fn: Callable, params, batch: Batch) -> tuple[Batch, dict]:
   """``batch`` (placed, ``behavior_logp`` = the engine's log-probs μ) with ``old_logp`` recomputed by the
   policy, ``logp_fn(params, batch)`` (:func:`policy_logp_fn`, :func:`policy_params`), for an engine whose
   log-probs are not the policy's (``jaxgrpo.rollout.engines.logprobs_are_policy`` False: other kernels, dtype,
-  weights). The ratio of the objective is then against the policy that sampled, and the engine mismatch
-  is left to ``GRPOConfig.importance_correction`` (TIS/MIS on ``behavior_logp``).
+  weights): :func:`recompute_old_logp`. The ratio of the objective is then against the policy that sampled, and
+  the engine mismatch is left to ``GRPOConfig.importance_correction`` (TIS/MIS on ``behavior_logp``).
 
   Returns:
     ``(batch, metrics)``: ``engine/mismatch_k3``, the mean over real (policy, when the batch has a
     ``policy_mask``) tokens of ``r − log r − 1`` with
     ``r = π_old/μ`` (``jaxgrpo.kernels.importance.mismatch_k3``), and ``engine/logp_abs_diff_max``, max |log π_old − log μ|.
   """
-  old = logp_fn(params, batch)
-  k3, diff = sampled_token_mismatch(old, batch.behavior_logp, batch.mask, batch.policy_mask)
+  batch, (k3, diff) = recompute_old_logp(logp_fn, params, batch._replace(old_logp=batch.behavior_logp))
   metrics = {"engine/mismatch_k3": float(k3), "engine/logp_abs_diff_max": float(diff)}
-  return batch._replace(old_logp=old), metrics
+  return batch, metrics
 
 
 def score(

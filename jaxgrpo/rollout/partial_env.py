@@ -33,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.environments import rollout as _episodes
 from jaxgrpo.rollout.environments.training import example_row
 from jaxgrpo.rollout.partial import PoolGroup, RowPool
@@ -73,7 +74,7 @@ class EpisodePool(RowPool):
 
   def __init__(self, source, *, num_slots: int, refill: bool = True):
     self.source = source
-    self.sampling = source.sampling if source.engine is None else source.engine_sampling
+    self.sampling = source.engine_sampling  # what the engine receives (the built-in one: the run's settings)
     self.cfg = source.turns.config
     self.g = self.sampling.num_samples
     if num_slots < self.g:
@@ -108,12 +109,13 @@ class EpisodePool(RowPool):
 
   def _prepare(self, model, version: int, key):
     """What :meth:`_boundary` runs turns with in this ``run``: the source's engine holding ``model`` (version
-    ``version``), else the sampling policy; the context limit; the turns' key (the rows' keys are not used)."""
-    src = self.source
-    engine = None if src.engine is None else src._engine(model, version)
-    sampler = None if engine is not None else src.sampling_policy(model)
+    ``version``; ``engines.driver.turn_sampler``: the built-in one's pushed policy re-prefilled by ``sample_turn``,
+    another engine's ``generate``); the context limit; the turns' key (the rows' keys are not used)."""
+    engine = self.source.engine_holding(model, version)
+    policy, engine = driver.turn_sampler(engine, model)  # this process's pool: no collective rounds
+    sampler = None if engine is not None else policy
     self.generate_s, self._turns = 0.0, 0
-    limit = (sampler or model).config.max_position_embeddings
+    limit = policy.config.max_position_embeddings
     return sampler, engine, jax.random.fold_in(key, 1 << 30), limit
 
   def _boundary(self, decoder, admit: list[int], version: int, prompt_tokens) -> None:

@@ -73,12 +73,13 @@ from jax.experimental import multihost_utils
 from jaxgrpo import data as data_lib
 from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.parallel import distributed
+from jaxgrpo.rollout import scoring
 from jaxgrpo.rollout.async_rollout import AsyncRollouts, ProducedBatch
+from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.partial import PoolGroup, RowPool
 from jaxgrpo.rollout.partial_engine import EnginePool
 from jaxgrpo.rollout.partial_env import EpisodePool
 from jaxgrpo.rollout.sampling import Rollout
-from jaxgrpo.rollout.source import pad_prompts
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import TrainState
@@ -127,11 +128,11 @@ class PartialRollouts(AsyncRollouts):
     if source.turns is not None:  # multi-turn: trajectories kept turn by turn (jaxgrpo.rollout.partial_env)
       self.pool = EpisodePool(source, num_slots=rows if num_slots is None else num_slots, refill=refill)
     else:
-      # an engine's pool re-submits each running row at every boundary (jaxgrpo.rollout.partial_engine)
-      engine = (
-        {} if source.engine is None else {"engine_for": source._engine, "engine_sampling": source.engine_sampling}
-      )
-      self.pool = (EnginePool if engine else RowPool)(
+      # the built-in engine's rows decode in the pool's own slots; another engine's pool re-submits each running
+      # row at every boundary (jaxgrpo.rollout.partial_engine)
+      on_mesh = driver.samples_on_mesh(source.engine)
+      engine = {} if on_mesh else {"engine_for": source.engine_holding, "engine_sampling": source.engine_sampling}
+      self.pool = (RowPool if on_mesh else EnginePool)(
         **engine,
         sampling=source.sampling,
         temperature=source.temperature,
@@ -222,7 +223,7 @@ class PartialRollouts(AsyncRollouts):
         **every["selection"],
       }
     )
-    if self.source.engine is not None:  # EnginePool, or an EpisodePool's turns through the engine
+    if not driver.samples_on_mesh(self.source.engine):  # EnginePool, or an EpisodePool's turns through the engine
       metrics.update({**self.source._engine_times, "engine/generate_s": self.pool.generate_s})
     self._drawn += rounds
     untrained = every["untrained"]
@@ -267,7 +268,7 @@ class PartialRollouts(AsyncRollouts):
         else:
           res = src.score([grp.prompt for grp in fresh], self._rollout(fresh)[0])
         total = np.asarray(res.total, np.float32)
-        informative = rewards_lib.group_is_informative(total, np.repeat(np.arange(len(fresh)), g), len(fresh))
+        informative = scoring.informative(total, g)
         for name, count in res.counters.items():
           counters[name] = counters.get(name, 0) + count
         for j, grp in enumerate(fresh):
@@ -327,8 +328,8 @@ class PartialRollouts(AsyncRollouts):
 
   def _scored(self, groups: list[PoolGroup], scores: tuple | None = None) -> tuple[Batch, dict, int, np.ndarray]:
     """The host batch of ``groups`` (their rows, scored by the source's rewards unless ``scores`` =
-    ``(rewards, per_fn, counters)`` of these rows is given), its rollout metrics, its completion tokens and
-    the ``int64[rows, T]`` token versions."""
+    ``(rewards, per_fn, counters)`` of these rows is given), its rollout metrics (``scoring.batch_metrics`` over
+    every process's rows), its completion tokens and the ``int64[rows, T]`` token versions."""
     if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
       return self._scored_episodes(groups)
     rollout, lengths = self._rollout(groups)
@@ -336,31 +337,20 @@ class PartialRollouts(AsyncRollouts):
       res = self.source.score([grp.prompt for grp in groups], rollout)
       scores = (res.total, res.per_fn, res.counters)
     rewards = np.asarray(scores[0], np.float32)
-    every_reward, per_fn, every_length, counters = self._gather_scores(rewards, scores[1], lengths, scores[2])
-    metrics = rewards_lib.finite_reward_stats(every_reward)
-    for name, values in per_fn.items():
-      metrics[f"reward/{name}"] = rewards_lib.finite_reward_stats(np.asarray(values, np.float32))["reward_mean"]
-    metrics["completion_length"] = float(every_length.mean())
-    for k in sorted(counters):
-      metrics[f"reward_counters/{k}"] = counters[k]
+    every = scoring.gather_scores(rewards, scores[1], lengths, scores[2], self.source.mesh)
     versions = np.stack([r.versions for grp in groups for r in grp.rows])
     rollout = rollout._replace(group_ids=rollout.group_ids + self._first)  # the groups' places in the global batch
-    return Batch.from_rollout(rollout, rewards), metrics, int(every_length.sum()), versions
+    return Batch.from_rollout(rollout, rewards), scoring.batch_metrics(*every), int(every[2].sum()), versions
 
   def _scored_episodes(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
     """``_scored`` of environment trajectories: their batch (one prompt width on every process), the metrics of
     the synchronous environment batch over every process's rows, the real tokens, the token versions."""
     out, env_metrics, versions = self.pool.scored(groups)
     lengths = out.mask.sum(1).astype(np.int32)
-    rewards, _, every_length, _ = self._gather_scores(out.rewards, {}, lengths, {})
+    rewards, _, every_length, _ = scoring.gather_scores(out.rewards, {}, lengths, {}, self.source.mesh)
     rows = Batch.from_rollout(out._replace(group_ids=out.group_ids + self._first), out.rewards)
-    if self._procs > 1:  # equal rows per process: the mean of the processes' means is every row's
-      every = distributed.gather_objects([rows.prompt_tokens.shape[1], env_metrics])
-      rows = pad_prompts(rows, max(w for w, _ in every), self.source.pad_id)
-      names = sorted({k for _, m in every for k in m})
-      env_metrics = {k: float(np.mean([m.get(k, 0.0) for _, m in every])) for k in names}
-    metrics = {**env_metrics, **rewards_lib.finite_reward_stats(rewards)}
-    metrics["completion_length"] = float(every_length.mean())
+    rows, env_metrics = scoring.gather_env_rows(rows, env_metrics, self.source.pad_id)
+    metrics = scoring.batch_metrics(rewards, {}, every_length, {}, env=env_metrics)
     return rows, metrics, int(every_length.sum()), versions
 
   def untrained(self) -> list[list[int]]:
@@ -463,29 +453,6 @@ class PartialRollouts(AsyncRollouts):
       self._iter_rounds += 1
       rounds.append(out)
       self.pool.add_round(self._share(out), jax.random.fold_in(key, i))
-
-  def _gather_scores(self, rewards: np.ndarray, per_fn: dict, lengths: np.ndarray, counters: dict):
-    """Every process's rewards, per-function rewards and lengths (batch order) and the summed counters."""
-    if self._procs == 1:
-      return rewards, per_fn, lengths, counters
-    mine = [
-      self._first,
-      np.asarray(rewards, np.float32).tolist(),
-      {k: np.asarray(v, np.float32).tolist() for k, v in per_fn.items()},
-      np.asarray(lengths).tolist(),
-      counters,
-    ]
-    every = sorted(distributed.gather_objects(mine), key=lambda e: e[0])
-    summed: dict = {}
-    for e in every:
-      for k, v in e[4].items():
-        summed[k] = summed.get(k, 0) + v
-    return (
-      np.asarray([r for e in every for r in e[1]], np.float32),
-      {k: np.asarray([r for e in every for r in e[2][k]], np.float32) for k in per_fn},
-      np.asarray([r for e in every for r in e[3]], np.int32),
-      summed,
-    )
 
   def _gather_bookkeeping(
     self, groups: list[PoolGroup], dropped: list[PoolGroup], info: dict, versions, filtered=(), selection=None

@@ -69,12 +69,12 @@ class Learner:
     out: dict[str, Any] = {"t0": time.perf_counter(), "times": {}, "mismatch": None}
     placed = feed.place(batch, mesh=self.mesh, train_config=self.train_config, process_local=True)
     t1 = time.perf_counter()
-    if recompute:
-      old = self.policy_logp(train, placed)
-      out["mismatch"] = self._mismatch(old, placed.old_logp, placed.mask, placed.policy_mask)
-      placed = placed._replace(old_logp=old, behavior_logp=placed.old_logp)
+    if recompute:  # collect.recompute_old_logp: the engine path's recomputation too
+      logp_fn = collect.policy_logp_fn(self.step_fn)
+      params = feed.policy_params(train)
+      placed, out["mismatch"] = collect.recompute_old_logp(logp_fn, params, placed, mismatch=self._mismatch)
       if timed:
-        jax.block_until_ready((old, out["mismatch"]))
+        jax.block_until_ready((placed.old_logp, out["mismatch"]))
     if timed:
       out["times"]["async/old_logp_s"] = time.perf_counter() - t1 if recompute else 0.0
     t2 = time.perf_counter()

@@ -2,19 +2,21 @@
 
 A source composes what a run's config names, each part an argument rather than a branch of the loop::
 
-    sampler     the built-in sampler on a policy (``collect.place_prompts`` + ``collect.sample`` on a mesh),
-                or an engine (vLLM, a user's) that gets the policy's weights pushed when the version it
-                holds is not the one asked for
+    engine      whatever samples (``jaxgrpo.rollout.engines``): the built-in sampler (``BuiltinEngine``, one
+                program on a mesh, the default), vLLM or a user's; it gets the policy pushed when the version
+                it holds is not the one asked for, and is driven by its capabilities (``engines.driver``:
+                one path, no test of which engine it is)
     turns       single-turn: decode, score with the ``RewardSet``; or multi-turn: G trajectories per
-                prompt in the environments (``make_env``), rewards theirs, each turn sent to the sampler
-                or the engine as token ids
+                prompt in the environments (``make_env``), rewards theirs, each turn sampled by the engine
     selection   rounds until the batch holds ``prompts_per_step`` groups; with dynamic sampling only
                 informative ones (``collect.select_groups``); every process keeps the same groups and
                 feeds its own rows
 
 :meth:`RolloutSource.batch` returns the host rows (:class:`Produced`); the learner
 (``jaxgrpo.rollout.schedule.Learner``) places them, recomputes ``old_logp`` when the sampler's log-probs
-are not the policy's (an engine, a stale version) and updates. The schedules
+are not the policy's (an engine that does not declare ``logprobs_are_policy``, a stale version) and updates.
+Scores, their gathering over processes and the batch's metrics are ``jaxgrpo.rollout.scoring``'s (the partial
+pools use the same). The schedules
 (``jaxgrpo.rollout.schedule.Synchronous``, ``jaxgrpo.rollout.async_rollout.AsyncRollouts``) call the source
 with the policy and version they sample; the source holds no train state. It is built from a run config
 by ``jaxgrpo.run.assemble``.
@@ -39,12 +41,13 @@ from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import collect
-from jaxgrpo.rollout.engines.base import check_generation
-from jaxgrpo.rollout.engines.collective import CollectiveSampler
+from jaxgrpo.rollout import collect, scoring
+from jaxgrpo.rollout.engines import driver
+from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.environments import training as env_training
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
+from jaxgrpo.rollout.scoring import Scored, pad_prompts
 from jaxgrpo.step.batch import Batch
 
 __all__ = ["RolloutSource", "Produced", "Turns", "pad_prompts", "rows_to_columns"]
@@ -81,21 +84,6 @@ class Turns:
   config: MultiTurnConfig
 
 
-class _Round(NamedTuple):
-  rows: Batch  # this process's rows (host; group_ids = the group within the round)
-  rewards: np.ndarray  # every row's reward, every process
-  per_fn: dict
-  lengths: np.ndarray
-  counters: dict
-  metrics: dict  # multi-turn: the environments' metrics of the round
-
-
-def pad_prompts(rows: Batch, width: int, pad_id: int) -> Batch:
-  """``rows`` with the prompts left-padded to ``width`` columns."""
-  pad = lambda x, v: np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=v)
-  return rows._replace(prompt_tokens=pad(rows.prompt_tokens, pad_id), prompt_mask=pad(rows.prompt_mask, False))
-
-
 def rows_to_columns(examples: Sequence[data_lib.MathExample], repeat: int) -> dict[str, list]:
   """Per-row reward columns: ``answer`` plus every dataset column, each example repeated ``repeat`` times."""
   cols: dict[str, list] = {"answer": []}
@@ -129,8 +117,11 @@ class RolloutSource:
     prompts_per_step: B, groups per step.
     dynamic_sampling, max_rounds: drop groups with equal rewards and sample again, at most ``max_rounds``.
     merge_lora: sample the merged policy (``models.lora.merge_lora``).
-    engine: an engine (None: the built-in sampler); ``engine_sampling`` the SamplingConfig it receives.
-    logprobs_are_policy: the sampler's log-probs are the policy's own (the built-in sampler; an engine that
+    engine: what samples (``jaxgrpo.rollout.engines.Engine``; None: a
+      :class:`~jaxgrpo.rollout.engines.builtin.BuiltinEngine`, the built-in sampler); ``engine_sampling`` the
+      SamplingConfig it receives (None: ``sampling``). How it is driven follows its capabilities
+      (``jaxgrpo.rollout.engines.driver``), never its name.
+    logprobs_are_policy: the engine's log-probs are the policy's own (the built-in sampler; an engine that
       declares it): False makes the learner recompute ``old_logp`` and keep these as ``behavior_logp``.
     turns: :class:`Turns` for multi-turn rollouts (None: single-turn).
     should_stop: polled during environment calls (a signal stops a hung environment).
@@ -167,7 +158,8 @@ class RolloutSource:
     self.tokenizer, self.reward_set = tokenizer, reward_set
     self.prompts_per_step, self.dynamic_sampling, self.max_rounds = prompts_per_step, dynamic_sampling, max_rounds
     self.merge_lora = merge_lora
-    self.engine, self.engine_sampling = engine, engine_sampling
+    self.engine = BuiltinEngine() if engine is None else engine
+    self.engine_sampling = sampling if engine_sampling is None else engine_sampling
     self.logprobs_are_policy = logprobs_are_policy
     self.turns, self.should_stop = turns, should_stop
     self._engine_version: Any = None  # the version whose weights the engine holds (None: none yet)
@@ -185,10 +177,15 @@ class RolloutSource:
     mine = shd.process_batch_rows(self.mesh, groups * g)
     return mine.start // g, mine.stop // g
 
-  def _add_generate_time(self, t0: float) -> None:
-    self._engine_times["engine/generate_s"] = self._engine_times.get("engine/generate_s", 0.0) + (
-      time.perf_counter() - t0
-    )
+  def _add_time(self, name: str, seconds: float | None) -> None:
+    """Adds ``seconds`` to the metric ``name`` (``engine/*``); None (an engine on the mesh: its calls return
+    once dispatched, a push is a reference swap) records nothing."""
+    if seconds is not None:
+      self._engine_times[name] = self._engine_times.get(name, 0.0) + seconds
+
+  def _seconds_since(self, t0: float) -> float | None:
+    """Seconds since ``t0`` of an engine call, None for an engine on the mesh (see :meth:`_add_time`)."""
+    return None if driver.samples_on_mesh(self.engine) else time.perf_counter() - t0
 
   # ------------------------------------------------------------------ sampling
   def sampling_policy(self, policy: nnx.Module | None = None) -> nnx.Module:
@@ -197,61 +194,41 @@ class RolloutSource:
     policy = self._policy() if policy is None else policy
     return lora.merge_lora(policy) if self.merge_lora else policy
 
-  def _engine(self, policy, version):
-    """The engine, holding ``version``'s weights: pushed first when it holds another version (or none).
-    Several processes: each process's engine gets the whole policy, gathered from every process's shards
-    (``distributed.to_host``). Times go to ``engine/push_s`` and ``engine/generate_s``."""
-    if version is None or version != self._engine_version:
+  def engine_holding(self, policy, version):
+    """The engine, holding ``version``'s weights (``policy``: that version's policy, None: the current one):
+    pushed first (``driver.push_policy``: merged with ``merge_lora``; several processes: gathered for an engine
+    off the mesh) when it holds another version or none, or on every call for an engine on the mesh (a
+    reference swap). Push times go to ``engine/push_s``."""
+    if version is None or version != self._engine_version or driver.samples_on_mesh(self.engine):
       t0 = time.perf_counter()
-      model = self.sampling_policy(policy)
-      if jax.process_count() > 1:  # the parameters span the processes: a whole host copy for this one's engine
-        graphdef, state = nnx.split(model)
-        model = nnx.merge(graphdef, distributed.to_host(state))
-      self.engine.push_weights(model)
+      driver.push_policy(self.engine, self.sampling_policy(policy))
+      self._engine_times.pop("engine/push_s", None)  # the last push's
+      self._add_time("engine/push_s", self._seconds_since(t0))
       self._engine_version = version
-      self._engine_times["engine/push_s"] = time.perf_counter() - t0
     return self.engine
-
-  def _generate(self, tokens, mask, key, *, policy, version) -> Rollout:
-    engine = self._engine(policy, version)
-    t0 = time.perf_counter()
-    gen = engine.generate(tokens, mask, self.engine_sampling, key=key, temperature=self.temperature)
-    s = self.engine_sampling
-    gen = check_generation(
-      engine,
-      gen,
-      num_prompts=len(tokens),
-      num_samples=s.num_samples,
-      max_new_tokens=s.max_new_tokens,
-      temperature=self.temperature,
-    )
-    self._add_generate_time(t0)
-    return gen.rollout._replace(num_steps=None)
 
   def sample(self, indices, key, *, policy=None, mesh=None, version=None, on_sampled=None) -> Rollout:
     """This process's rows (NumPy; all rows in one process) of G completions of the prompts ``indices``
-    (every process passes the same): one sampler program on ``mesh`` (default the train mesh), each process
-    sending its own prompts (``collect.place_prompts``), or the engine (each process's its own prompts). ``policy``: the policy to sample
-    (default the current one); ``version``: its version (an engine gets it pushed when it holds another);
-    ``on_sampled(rollout)``: called once the sampler is dispatched, before its rows are fetched."""
+    (every process passes the same), sampled by the engine holding ``version`` (``driver.sample_rows``: the
+    built-in one as one program on ``mesh``, default the train mesh, each process sending its own prompts;
+    another engine on each process's own prompts). ``policy``: the policy to sample (default the current one);
+    ``version``: its version (pushed when the engine holds another); ``on_sampled(rollout)``: called once the
+    sampler is dispatched, before its rows are fetched (None for an engine that samples synchronously)."""
     tokens, mask = data_lib.pad_left([self.prompts.tokens[i] for i in indices], self.prompt_len, self.pad_id)
-    if self.engine is not None:  # several processes: each process's engine samples its own groups
-      first = 0
-      if jax.process_count() > 1:
-        first, last = self._own_groups_range(len(indices))
-        tokens, mask, key = tokens[first:last], mask[first:last], jax.random.fold_in(key, first)
-      if on_sampled is not None:
-        on_sampled(None)  # the learner runs while the engine samples
-      rollout = self._generate(tokens, mask, key, policy=policy, version=version)
-      return rollout._replace(group_ids=np.asarray(rollout.group_ids) + first)
-    mesh = self.mesh if mesh is None else mesh
-    tokens, mask = collect.place_prompts(tokens, mask, mesh=mesh)
-    rollout = collect.sample(
-      self._policy() if policy is None else policy, tokens, mask, self.sampling, key=key, temperature=self.temperature
+    engine = self.engine_holding(policy, version)
+    t0 = time.perf_counter()
+    rows = driver.sample_rows(
+      engine,
+      tokens,
+      mask,
+      self.engine_sampling,
+      key=key,
+      temperature=self.temperature,
+      mesh=self.mesh if mesh is None else mesh,
+      on_dispatched=on_sampled,
     )
-    if on_sampled is not None:
-      on_sampled(rollout)
-    return distributed.process_rows(rollout._replace(num_steps=None), mesh)
+    self._add_time("engine/generate_s", self._seconds_since(t0))
+    return rows
 
   # ------------------------------------------------------------------ single-turn scoring
   def _decode(self, completions: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -272,33 +249,28 @@ class RolloutSource:
     return self.reward_set(prompts, texts, columns)
 
   # ------------------------------------------------------------------ one round
-  def _round(self, indices, key, *, policy, mesh, version, on_sampled) -> _Round:
+  def _round(self, indices, key, *, policy, mesh, version, on_sampled) -> Scored:
     """One sampling round of the prompts ``indices``: this process's rows, and every row's reward and length."""
     if self.turns is not None:
       return self._env_round(indices, key, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
     rows = self.sample(indices, key, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
     res = self.score(indices, rows)
     lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
-    total, per_fn, lengths = distributed.all_rows((res.total, res.per_fn, lengths), self.mesh)
-    counters: dict[str, int] = {}
-    for c in distributed.gather_objects(res.counters):
-      for k, v in c.items():
-        counters[k] = counters.get(k, 0) + v
-    return _Round(Batch.from_rollout(rows, res.total), total, per_fn, lengths, counters, {})
+    total, per_fn, lengths, counters = scoring.gather_scores(res.total, res.per_fn, lengths, res.counters, self.mesh)
+    return Scored(Batch.from_rollout(rows, res.total), total, per_fn, lengths, counters, {})
 
-  def _env_round(self, indices, key, *, policy, mesh, version, on_sampled) -> _Round:
-    """G trajectories per prompt in the environments, each turn sampled by the built-in sampler on ``policy``
-    or by the engine holding ``version``. Several processes: each runs the environments of its own groups,
-    its turns sampled in collective rounds (``engines.collective.CollectiveSampler``); rewards, lengths and
-    the environments' metrics are gathered."""
+  def _env_round(self, indices, key, *, policy, mesh, version, on_sampled) -> Scored:
+    """G trajectories per prompt in the environments, each turn sampled by the engine holding ``version``
+    (``driver.turn_sampler``: the built-in one's KV-cached conversation sampler on the pushed policy, another
+    engine's ``generate``). Several processes: each runs the environments of its own groups, the built-in
+    sampler's turns in collective rounds (``engines.collective.CollectiveSampler``); rewards, lengths and the
+    environments' metrics are gathered."""
     procs = jax.process_count()
     first, last = self._own_groups_range(len(indices)) if procs > 1 else (0, len(indices))
-    # the model the turns run on (merged once); with an engine only its config is read (the engine samples)
-    model = self.sampling_policy(policy) if self.engine is None else (self._policy() if policy is None else policy)
-    collective = None
-    if self.engine is None and procs > 1:
-      collective = CollectiveSampler(model, self.mesh if mesh is None else mesh, key=key)
-    engine = collective or (None if self.engine is None else self._engine(policy, version))
+    engine = self.engine_holding(policy, version)
+    model, turn_engine = driver.turn_sampler(
+      engine, self._policy() if policy is None else policy, mesh=self.mesh if mesh is None else mesh, key=key
+    )
     if on_sampled is not None:
       on_sampled(None)  # the learner may run while the environments step (the sampler's copy is its own)
     t0 = time.perf_counter()
@@ -307,27 +279,22 @@ class RolloutSource:
       [self.examples[i] for i in indices[first:last]],
       self.turns.make_env,
       self.tokenizer,
-      self.sampling if self.engine is None else self.engine_sampling,
+      self.engine_sampling,
       self.turns.config,
       key=key,
       temperature=self.temperature,
       should_stop=self.should_stop,
-      engine=engine,
+      engine=turn_engine,
     )
-    if collective is not None:
-      collective.drain()  # the other processes' turns may still need this one's devices
-    elif engine is not None:
-      self._add_generate_time(t0)
+    driver.finish_turns(turn_engine)
+    self._add_time("engine/generate_s", self._seconds_since(t0))
     for k in ("reward_mean", "reward_std", "completion_length"):
       metrics.pop(k)  # the batch's, over the kept groups: batch()
     lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
     rows = rows._replace(group_ids=np.asarray(rows.group_ids) + first)
-    if procs > 1:  # one prompt width (global arrays), the environments' metrics over every row
-      every = distributed.gather_objects([rows.prompt_tokens.shape[1], metrics])
-      rows = pad_prompts(rows, max(w for w, _ in every), self.pad_id)
-      metrics = {k: float(np.mean([m.get(k, 0.0) for _, m in every])) for k in sorted({k for _, m in every for k in m})}
+    rows, metrics = scoring.gather_env_rows(rows, metrics, self.pad_id)
     rewards, lengths = distributed.all_rows((np.asarray(rows.rewards, np.float32), lengths), self.mesh)
-    return _Round(rows, rewards, {}, lengths, {}, metrics)
+    return Scored(rows, rewards, {}, lengths, {}, metrics)
 
   # ------------------------------------------------------------------ one step's batch
   def batch(self, key, *, policy=None, version=None, mesh=None, on_sampled=None) -> Produced:
@@ -337,7 +304,7 @@ class RolloutSource:
     t0 = time.perf_counter()
     self._engine_times = {}
     g, groups = self.sampling.num_samples, self.prompts_per_step
-    rounds: list[_Round] = []
+    rounds: list[Scored] = []
     drawn: list[list[int]] = []
     selection = None
     while selection is None or not selection.done:
@@ -356,25 +323,23 @@ class RolloutSource:
     kept = selection.kept
     batch = self._own_groups(rounds, kept)
     of_kept = lambda values: np.concatenate([values(rounds[r])[b * g : (b + 1) * g] for r, b in kept])
-    rewards = of_kept(lambda r: r.rewards).astype(np.float32)
     lengths = of_kept(lambda r: r.lengths)
-    metrics = rewards_lib.finite_reward_stats(rewards)  # a missing sample (NaN) is not a number to average
-    for name in rounds[0].per_fn:
-      values = of_kept(lambda r, name=name: r.per_fn[name])
-      metrics[f"reward/{name}"] = rewards_lib.finite_reward_stats(values)["reward_mean"]
-    metrics["completion_length"] = float(lengths.mean())
-    if self.dynamic_sampling:
-      metrics["dynamic_sampling/dropped_groups"] = selection.dropped
-      metrics["dynamic_sampling/rounds"] = len(rounds)
-    for k in sorted({k for r in rounds for k in r.counters}):
-      metrics[f"reward_counters/{k}"] = sum(r.counters.get(k, 0) for r in rounds)
-    for name in rounds[0].metrics:  # multi-turn: the environments' metrics, mean over the rounds
-      metrics[name] = float(np.mean([r.metrics[name] for r in rounds if name in r.metrics]))
-    if self.engine is not None:
-      metrics.update(self._engine_times)
+    per_fn = {name: of_kept(lambda r, name=name: r.per_fn[name]) for name in rounds[0].per_fn}
+    counters = {k: sum(r.counters.get(k, 0) for r in rounds) for k in {k for r in rounds for k in r.counters}}
+    dynamic = {"dynamic_sampling/dropped_groups": selection.dropped, "dynamic_sampling/rounds": len(rounds)}
+    metrics = scoring.batch_metrics(
+      of_kept(lambda r: r.rewards),
+      per_fn,
+      lengths,
+      counters,
+      extra=dynamic if self.dynamic_sampling else None,
+      # multi-turn: the environments' metrics, mean over the rounds
+      env={k: float(np.mean([r.metrics[k] for r in rounds if k in r.metrics])) for k in rounds[0].metrics},
+    )
+    metrics.update(self._engine_times)
     return Produced(batch, metrics, int(lengths.sum()), drawn, list(kept), version, time.perf_counter() - t0)
 
-  def _own_groups(self, rounds: list[_Round], kept: list[tuple[int, int]]) -> Batch:
+  def _own_groups(self, rounds: list[Scored], kept: list[tuple[int, int]]) -> Batch:
     """This process's rows of the batch of the ``kept`` groups (``(round, group)``, in batch order).
 
     The group at position j is fed by the process that sampled position j of a round; a kept group
@@ -402,7 +367,7 @@ class RolloutSource:
     )
 
   def close(self) -> None:
-    """Shut the engine down (``engine.close()``); the built-in sampler holds nothing."""
-    if self.engine is not None:
-      self.engine.close()
-      self.engine = None
+    """Shut the engine down (``engine.close()``, once; the built-in sampler drops its reference to the policy)."""
+    engine, self.engine = self.engine, None
+    if engine is not None:  # closed before
+      engine.close()

@@ -23,8 +23,8 @@ from jaxgrpo.models import load_hf, load_tokenizer, moe
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rewards import judge, remote, reward_model
 from jaxgrpo.rollout.async_rollout import AsyncRollouts
-from jaxgrpo.rollout.engines import check_engine, load_engine_factory, logprobs_are_policy
-from jaxgrpo.rollout.engines import vllm as vllm_engine
+from jaxgrpo.rollout.engines import logprobs_are_policy
+from jaxgrpo.rollout.engines import registry as engine_registry
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.environments import spec as env_spec
 from jaxgrpo.rollout.partial_schedule import PartialRollouts
@@ -32,7 +32,7 @@ from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
-from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, VLLM_ROUTING_REPLAY_ERROR, check_composition
+from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.spec_schema import RewardSourceSpec
 from jaxgrpo.run.specs import TrainerConfig
 
@@ -55,10 +55,9 @@ __all__ = [
 
 
 def check_before_build(cfg: TrainerConfig) -> None:
-  """What needs the processes (``check_composition`` with ``jax.process_count()``) and the vLLM install:
-  refused before any weight is read."""
-  if cfg.rollout.engine == "vllm":
-    vllm_engine.check_installed()
+  """What needs the processes (``check_composition`` with ``jax.process_count()``) and the engine's install
+  (``engines.registry.check_installed``: vLLM's): refused before any weight is read."""
+  engine_registry.check_installed(cfg.rollout.engine)
   check_composition(cfg, process_count=jax.process_count())
 
 
@@ -254,57 +253,50 @@ def sampling_config(cfg: TrainerConfig, model, *, pad_id: int, eos_ids: Sequence
 
 
 def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingConfig:
-  """What an engine receives: no routing record (the engine's experts are not the policy's program), and,
-  for vLLM at a temperature other than 1, no suppressed ids (it reports full-vocabulary log-probs only then)."""
-  vllm_tau = cfg.step.temperature != 1.0 and cfg.rollout.engine == "vllm"
-  return dataclasses.replace(sampling, record_routing=False, **({"suppress_ids": ()} if vllm_tau else {}))
+  """What the engine of ``rollout.engine`` receives, by its class's capabilities (``engines.registry``): the
+  routing record only when it records routing (``records_routing``: the built-in sampler; another engine's
+  experts are not the policy's program), and no suppressed ids at a temperature other than 1 when its log-probs
+  are then those of the filtered distribution (``filtered_logprobs_off_unit_temperature``: vLLM)."""
+  name = cfg.rollout.engine
+  filtered = cfg.step.temperature != 1.0 and engine_registry.capability(name, "filtered_logprobs_off_unit_temperature")
+  routing = sampling.record_routing and engine_registry.capability(name, "records_routing")
+  return dataclasses.replace(sampling, record_routing=routing, **({"suppress_ids": ()} if filtered else {}))
 
 
 def check_engine_policy(cfg: TrainerConfig, model_config) -> None:
   """What the engine cannot do for this policy, one line each, before any weight is read (the model's
-  config is known): routing replay of a MoE policy through vLLM (:data:`VLLM_ROUTING_REPLAY_ERROR`)."""
+  config is known): routing replay of a MoE policy through an engine that refuses it (its class's
+  ``routing_replay_refusal``: vLLM)."""
   roll = cfg.rollout
-  if roll.engine == "vllm" and roll.routing_replay == "rollout" and hasattr(model_config, "num_experts"):
-    raise ValueError(VLLM_ROUTING_REPLAY_ERROR)
+  refusal = engine_registry.capability(roll.engine, "routing_replay_refusal", None)
+  if refusal and roll.routing_replay == "rollout" and hasattr(model_config, "num_experts"):
+    raise ValueError(refusal)
 
 
 def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
-  """The engine of ``rollout.engine``: vLLM (``rollout.vllm``), or a user's factory (``package.module:callable``,
-  called with the keywords ``config`` — the policy's model config —, ``max_model_len``, ``temperature`` and
-  ``seed``; it must return a ``jaxgrpo.rollout.engines.Engine``). None for the built-in sampler. Multi-turn
-  (``env``): ``max_model_len`` holds the prompt, ``env.max_tokens`` and one turn."""
-  roll, temperature = cfg.rollout, cfg.step.temperature
-  if roll.engine == "jax":
-    return None
+  """The engine of ``rollout.engine``, built by name (``engines.registry.build_engine``): the built-in sampler
+  (``jax``), vLLM (``rollout.vllm``), or a user's factory (``package.module:callable``, called with the keywords
+  ``config`` — the policy's model config —, ``max_model_len``, ``temperature`` and ``seed``; it must return a
+  ``jaxgrpo.rollout.engines.Engine``). Multi-turn (``env``): ``max_model_len`` holds the prompt, ``env.max_tokens``
+  and one turn; None for ``env.episodes`` (no encoded prompts: the model's own positions)."""
+  roll = cfg.rollout
   check_engine_policy(cfg, model.config)
-  if cfg.env is None:
+  if prompt_len is None:  # env.episodes: the environments render the prompts (the model's positions bound them)
+    max_len = None
+  elif cfg.env is None:
     max_len = prompt_len + roll.max_new_tokens
   else:  # every turn sends prompt ‖ trajectory: the prompt, the trajectory's budget and one more turn
     mt = cfg.env.multiturn_config()
     max_len = prompt_len + mt.max_tokens + mt.per_turn
-  settings = dict(max_model_len=max_len, seed=cfg.run.seed)
-  if roll.engine == "vllm":
-    v = roll.vllm
-    lora_sync = cfg.lora is not None and v.lora_sync  # adapter-only pushes (merged otherwise)
-    engine = vllm_engine.VLLMEngine(
-      model.config,
-      dtype=v.dtype,
-      kv_cache_bytes=v.kv_cache_bytes,
-      gpu_memory_utilization=v.gpu_memory_utilization,
-      max_num_seqs=v.max_num_seqs,
-      enforce_eager=v.enforce_eager,
-      logprobs_temperature=temperature,
-      lora_rank=cfg.lora.rank if lora_sync else None,
-      **settings,
-    )
-  else:
-    factory = load_engine_factory(roll.engine)
-    try:
-      engine = factory(config=model.config, temperature=temperature, **settings)
-    except Exception as e:  # the user's factory: one line naming it (its traceback is the cause)
-      raise ValueError(f"`rollout.engine: {roll.engine}`: the factory raised {type(e).__name__}: {e}") from e
-    check_engine(engine, f"the object `rollout.engine: {roll.engine}` returned")
-  return engine
+  return engine_registry.build_engine(
+    roll.engine,
+    model,
+    max_model_len=max_len,
+    temperature=cfg.step.temperature,
+    seed=cfg.run.seed,
+    options=getattr(roll, roll.engine, None),  # the engine's own section (rollout.vllm), if it has one
+    lora_rank=None if cfg.lora is None else cfg.lora.rank,
+  )
 
 
 def rollout_source(
@@ -322,8 +314,8 @@ def rollout_source(
   make_env=None,
   should_stop=None,
 ) -> RolloutSource:
-  """The run's rollout source: the built-in sampler or ``engine`` (with what it receives,
-  :func:`engine_sampling`; its log-probs the policy's only when it declares so,
+  """The run's rollout source: ``engine`` (:func:`start_engine`; None: the built-in sampler) with what it
+  receives (:func:`engine_sampling`; its log-probs the policy's only when it declares so,
   ``engines.logprobs_are_policy``), single-turn scoring or the environments of ``env`` (``make_env``),
   dynamic sampling from ``objective``/``rollout`` (see ``jaxgrpo.rollout.source.RolloutSource``)."""
   roll = cfg.rollout
@@ -344,7 +336,7 @@ def rollout_source(
     max_rounds=roll.dynamic_sampling_max_rounds,
     merge_lora=roll.merge_lora,
     engine=engine,
-    engine_sampling=None if engine is None else engine_sampling(cfg, sampling),
+    engine_sampling=engine_sampling(cfg, sampling),
     logprobs_are_policy=engine is None or logprobs_are_policy(engine),
     turns=None if make_env is None else Turns(make_env, cfg.env.multiturn_config()),
     should_stop=should_stop,

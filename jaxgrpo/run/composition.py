@@ -8,37 +8,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxgrpo.rollout.engines.registry import capability
+
 if TYPE_CHECKING:
   from jaxgrpo.run.spec_schema import TrainerConfig
 
-__all__ = ["PARTIAL_ROUTING_REPLAY_ERROR", "VLLM_ROUTING_REPLAY_ERROR", "check_composition"]
-
-
-#: why ``rollout.routing_replay: rollout`` is refused with vLLM (a MoE policy only; measured without it:
-#: docs/sampling.md, "Engines").
-VLLM_ROUTING_REPLAY_ERROR = (
-  "`rollout.routing_replay: rollout` with `rollout.engine: vllm` and a mixture-of-experts policy: vLLM 0.32 "
-  "returns routed experts only from its Model Runner V2 (`enable_return_routed_experts`), which needs Triton, "
-  "absent from its CPU build; set `rollout.routing_replay: none` (each pass then routes by its own top-k)"
-)
+__all__ = ["PARTIAL_ROUTING_REPLAY_ERROR", "check_composition"]
 
 
 def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   """Every combination of options a run refuses, one line each, in one place: at load (``TrainerConfig``,
   one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
   A combination is refused for a physical reason or because it is not built yet (said so); composing the
-  rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind."""
+  rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind. What an engine cannot do is asked
+  of its class (``jaxgrpo.rollout.engines.registry.capability``), never of its name."""
   roll = cfg.rollout
   synthetic_moe = cfg.model.synthetic is not None and getattr(cfg.model.synthetic, "num_experts", 0)
-  if roll.engine == "vllm" and roll.routing_replay == "rollout" and synthetic_moe:  # physical (the CPU build)
-    raise ValueError(VLLM_ROUTING_REPLAY_ERROR)
-  if roll.engine == "vllm" and cfg.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):  # physical
+  refusal = capability(roll.engine, "routing_replay_refusal", None)  # vLLM's: physical (its CPU build)
+  if refusal and roll.routing_replay == "rollout" and synthetic_moe:
+    raise ValueError(refusal)
+  filtered = capability(roll.engine, "filtered_logprobs_off_unit_temperature")
+  if filtered and cfg.step.temperature != 1.0 and (roll.top_k or roll.top_p < 1.0):  # physical
     raise ValueError(
-      f"`rollout.engine: vllm` with `step.temperature`={cfg.step.temperature} != 1 cannot report full-vocabulary "
-      f"log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): use "
-      'temperature 1 or no filtering (docs/sampling.md, "Engines")'
+      f"`rollout.engine: {roll.engine}` with `step.temperature`={cfg.step.temperature} != 1 cannot report "
+      f"full-vocabulary log-probs after top-k/top-p filtering (rollout.top_k={roll.top_k}, rollout.top_p={roll.top_p}): "
+      'use temperature 1 or no filtering (docs/sampling.md, "Engines")'
     )
-  if roll.engine != "jax" and cfg.devices.rollout:  # physical: the engine places itself
+  if not capability(roll.engine, "samples_on_mesh") and cfg.devices.rollout:  # physical: the engine places itself
     raise ValueError(
       f"`devices.rollout`={cfg.devices.rollout} gives the built-in sampler devices of its own; `rollout.engine: "
       f"{roll.engine}` samples on the engine's own devices: unset one"

@@ -43,16 +43,16 @@ from jaxgrpo.data import INSTRUCTION
 from jaxgrpo.kernels.config import GRPOConfig, preset
 from jaxgrpo.models import RematPolicy
 from jaxgrpo.models.lora import LoRAConfig
+from jaxgrpo.rollout.engines import registry as _engine_registry
 from jaxgrpo.rollout.engines.base import load_engine_factory
 from jaxgrpo.rollout.environments.spec import EnvSpec
 from jaxgrpo.run._spec_fields import check_fields
-from jaxgrpo.run.composition import VLLM_ROUTING_REPLAY_ERROR, check_composition
+from jaxgrpo.run.composition import check_composition
 from jaxgrpo.run.task_specs import ArithmeticTask, SyntheticModel
 from jaxgrpo.step.train import TrainConfig
 
 __all__ = [
   "check_composition",
-  "VLLM_ROUTING_REPLAY_ERROR",
   "DTYPES",
   "REWARD_FUNCTIONS",
   "REWARD_SOURCE_KINDS",
@@ -169,7 +169,8 @@ class DataSpec:
     _ints("data", self, ("max_prompt_tokens",))
 
 
-ENGINES = ("jax", "vllm")
+#: the engines ``rollout.engine`` names (``jaxgrpo.rollout.engines.registry``); else "package.module:callable"
+ENGINES = tuple(_engine_registry.ENGINES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

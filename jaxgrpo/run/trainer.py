@@ -273,7 +273,7 @@ class Trainer:
   eval_prompts = property(lambda self: self.data.eval_prompts, doc="The encoded held-out prompts.")
   eval_examples = property(lambda self: self.data.eval_examples, doc="The held-out rows (None: no evaluation).")
   prompt_len = property(lambda self: self.data.prompt_len, doc="The padded prompt length.")
-  engine = property(lambda self: self.source.engine, doc="The rollout engine (None: the built-in sampler).")
+  engine = property(lambda self: self.source.engine, doc="The rollout engine (the built-in one by default).")
   rollouts = property(
     lambda self: None if isinstance(self.schedule, Synchronous) else self.schedule,
     doc="The bounded-staleness schedule (``async_rollout.AsyncRollouts``), None when synchronous.",
@@ -289,7 +289,7 @@ class Trainer:
     self.control.stop_signal = signum
 
   def close(self) -> None:
-    """Shut the rollout engine down (``engine.close()``); the built-in sampler holds nothing."""
+    """Shut the rollout engine down (``engine.close()``; the built-in one drops its reference to the policy)."""
     self.source.close()
 
   def policy(self) -> nnx.Module:

@@ -1,7 +1,8 @@
 """Inference engines behind one interface (:class:`~jaxgrpo.rollout.engines.base.Engine`): the built-in jitted
 sampler (:class:`~jaxgrpo.rollout.engines.builtin.BuiltinEngine`, the default) and vLLM
-(:class:`~jaxgrpo.rollout.engines.vllm.VLLMEngine`, imported on use: it needs the ``vllm`` extra). See
-docs/sampling.md, "Engines"."""
+(:class:`~jaxgrpo.rollout.engines.vllm.VLLMEngine`; the ``vllm`` package is imported on use: it needs the ``vllm``
+extra). A run builds one by name (:mod:`jaxgrpo.rollout.engines.registry`) and drives it by its class's
+capabilities, never its name (:mod:`jaxgrpo.rollout.engines.driver`). See docs/sampling.md, "Engines"."""
 
 from jaxgrpo.rollout.engines.base import (
   FINISH_REASONS,

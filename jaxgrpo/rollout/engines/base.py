@@ -53,6 +53,7 @@ __all__ = [
   "GENERATE_SIGNATURE",
   "check_engine",
   "check_generation",
+  "factory_engine_class",
   "finish_reasons",
   "load_engine_factory",
   "logprobs_are_policy",
@@ -148,7 +149,7 @@ def load_engine_factory(path: str, what: str = "rollout.engine"):
   called as :data:`GENERATE_SIGNATURE` — checked on the class, before any engine is built. A factory whose
   engine class is not known until it runs is checked by :func:`check_engine` on the engine it returns."""
   factory = _checks.load_callable(path, what, "'jax', 'vllm' or 'package.module:callable'")
-  cls = _engine_class(factory)
+  cls = factory_engine_class(factory)
   if cls is not None:
     problem = _generate_signature_problem(
       cls.generate, bound=isinstance(inspect.getattr_static(cls, "generate"), (staticmethod, classmethod))
@@ -158,7 +159,7 @@ def load_engine_factory(path: str, what: str = "rollout.engine"):
   return factory
 
 
-def _engine_class(factory) -> type | None:
+def factory_engine_class(factory) -> type | None:
   """The class whose instances ``factory`` makes, when known without calling it (a class with ``generate``, or a
   function whose return annotation is one); None otherwise."""
   cls = factory

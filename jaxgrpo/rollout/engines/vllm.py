@@ -283,6 +283,15 @@ class VLLMEngine:
 
   name = "vllm"
   logprobs_are_policy = False  # other kernels: the trainer recomputes old_logp (engine_old_logp)
+  #: at a temperature other than 1 vLLM reports the log-probs of the filtered distribution (after top-k, top-p
+  #: and suppressed ids): a run refuses those filters then and sends no suppressed ids (jaxgrpo.run.assemble)
+  filtered_logprobs_off_unit_temperature = True
+  #: why a mixture of experts' routing replay (``rollout.routing_replay: rollout``) is refused through it
+  routing_replay_refusal = (
+    "`rollout.routing_replay: rollout` with `rollout.engine: vllm` and a mixture-of-experts policy: vLLM 0.32 "
+    "returns routed experts only from its Model Runner V2 (`enable_return_routed_experts`), which needs Triton, "
+    "absent from its CPU build; set `rollout.routing_replay: none` (each pass then routes by its own top-k)"
+  )
 
   def __init__(
     self,

@@ -1,0 +1,102 @@
+"""One scorer's bookkeeping for every schedule: the scored rows of a sampling round or a pool's complete groups,
+gathered over the processes, and the rollout metrics of a batch.
+
+The synchronous source (``jaxgrpo.rollout.source.RolloutSource``; the bounded-staleness producer calls it) and
+the partial pools (``jaxgrpo.rollout.partial_schedule.PartialRollouts``) score rows the same way (single-turn:
+``RolloutSource.score`` with the run's ``RewardSet``; multi-turn: the environments' rewards) and report the same
+metrics from the same numbers::
+
+    Scored(rows, rewards, per_fn, lengths, counters, metrics)   this process's host rows; every process's rewards
+                                                               (f32[N]), per-function rewards, lengths (int32[N])
+    gather_scores(rewards, per_fn, lengths, counters, mesh)    every process's rows, in batch order; counters summed
+    gather_env_rows(rows, metrics, pad_id)                     one prompt width, the environments' metrics over
+                                                               every process's rows
+    batch_metrics(rewards, per_fn, lengths, counters, env=...) reward_mean/std (finite rewards), reward/<fn>,
+                                                               completion_length, reward_counters/<k>, env/*
+    informative(rewards, group_size)                           bool[groups]: rewards not all equal (dynamic sampling)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxgrpo.data import rewards as rewards_lib
+from jaxgrpo.parallel import distributed
+from jaxgrpo.step.batch import Batch
+
+__all__ = ["Scored", "batch_metrics", "gather_env_rows", "gather_scores", "informative", "pad_prompts"]
+
+
+class Scored(NamedTuple):
+  """Scored rows: a sampling round of the source, or a pool's groups.
+
+  Attributes:
+    rows: this process's rows (host :class:`~jaxgrpo.step.batch.Batch`, rewards set).
+    rewards: ``f32[N]`` every row's reward, every process (batch order).
+    per_fn: ``{name: f32[N]}`` every row's unweighted reward per function ({} for environment rewards).
+    lengths: ``int32[N]`` every row's completion length.
+    counters: the reward functions' counters, summed over the processes.
+    metrics: multi-turn: the environments' metrics ({} for single-turn rows).
+  """
+
+  rows: Batch
+  rewards: np.ndarray
+  per_fn: dict
+  lengths: np.ndarray
+  counters: dict
+  metrics: dict
+
+
+def pad_prompts(rows: Batch, width: int, pad_id: int) -> Batch:
+  """``rows`` with the prompts left-padded to ``width`` columns."""
+  pad = lambda x, v: np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=v)
+  return rows._replace(prompt_tokens=pad(rows.prompt_tokens, pad_id), prompt_mask=pad(rows.prompt_mask, False))
+
+
+def gather_scores(rewards, per_fn: dict, lengths, counters: dict, mesh) -> tuple[np.ndarray, dict, np.ndarray, dict]:
+  """Every process's ``rewards`` (``f32``), ``per_fn`` and ``lengths`` (this process's rows: those
+  ``sharding.process_batch_rows`` of ``mesh`` names) in batch order (``distributed.all_rows``), and the counters
+  summed over the processes (one all-gather). One process: its own, as given."""
+  total, per_fn, lengths = distributed.all_rows((np.asarray(rewards, np.float32), per_fn, lengths), mesh)
+  summed: dict[str, int] = {}
+  for c in distributed.gather_objects(counters):
+    for k, v in c.items():
+      summed[k] = summed.get(k, 0) + v
+  return total, per_fn, lengths, summed
+
+
+def gather_env_rows(rows: Batch, metrics: dict, pad_id: int) -> tuple[Batch, dict]:
+  """Several processes: ``rows`` (this process's environment trajectories) left-padded to the widest prompt of
+  every process (one width for the global arrays) and ``metrics`` (this process's means) the mean over the
+  processes (equal rows per process: every row's mean). One process: both as given."""
+  every = distributed.gather_objects([rows.prompt_tokens.shape[1], metrics])
+  if len(every) == 1:
+    return rows, metrics
+  rows = pad_prompts(rows, max(w for w, _ in every), pad_id)
+  names = sorted({k for _, m in every for k in m})
+  return rows, {k: float(np.mean([m.get(k, 0.0) for _, m in every])) for k in names}
+
+
+def batch_metrics(rewards, per_fn: dict, lengths, counters: dict, *, extra: dict | None = None, env=None) -> dict:
+  """A batch's rollout metrics from every row of it: ``reward_mean``/``reward_std`` over the finite ``rewards``
+  (``rewards.finite_reward_stats``: a missing sample is not a number to average), ``reward/<name>`` the finite
+  mean of each function's ``per_fn`` rewards, ``completion_length`` the mean of ``lengths``, then ``extra`` (e.g.
+  ``dynamic_sampling/*``), ``reward_counters/<k>`` (sorted) and the environments' ``env`` metrics."""
+  metrics = rewards_lib.finite_reward_stats(np.asarray(rewards, np.float32))
+  for name, values in per_fn.items():
+    metrics[f"reward/{name}"] = rewards_lib.finite_reward_stats(np.asarray(values, np.float32))["reward_mean"]
+  metrics["completion_length"] = float(np.asarray(lengths).mean())
+  metrics.update(extra or {})
+  for k in sorted(counters):
+    metrics[f"reward_counters/{k}"] = counters[k]
+  metrics.update(env or {})
+  return metrics
+
+
+def informative(rewards, group_size: int) -> np.ndarray:
+  """``bool[groups]``: the groups (``group_size`` consecutive rows of ``rewards``) whose rewards are not all equal
+  (``rewards.group_is_informative``: the groups dynamic sampling keeps)."""
+  groups = len(rewards) // group_size
+  return rewards_lib.group_is_informative(rewards, np.repeat(np.arange(groups), group_size), groups)
