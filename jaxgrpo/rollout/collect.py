@@ -130,7 +130,7 @@ def _sampled_model(model, sampling: SamplingConfig):
   return sampling.model_to_sample(model)
 
 
-def _push_policy(engine, model, sampling: SamplingConfig) -> float:
+def timed_push(engine, model, sampling: SamplingConfig) -> float:
   """Push the model to sample from (:func:`_sampled_model`) into ``engine``; the seconds it took."""
   model = _sampled_model(model, sampling)
   t0 = time.perf_counter()
@@ -159,7 +159,7 @@ def engine_sample(
   check_engine(engine)
   if sampling.record_routing:
     raise ValueError("sampling.record_routing: an engine records no routing; sample without engine= for MoE replay")
-  push_s = _push_policy(engine, model, sampling)
+  push_s = timed_push(engine, model, sampling)
   t1 = time.perf_counter()
   sampling.require_max_new_tokens("engine_sample")
   gen = engine.generate(prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)

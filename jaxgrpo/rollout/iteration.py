@@ -57,7 +57,6 @@ from jaxgrpo.kernels.objective import objective_terms, rollout_advantages
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.collect import (
   GroupSelection,
-  _push_policy,
   engine_old_logp,
   engine_sample,
   place_prompts,
@@ -65,6 +64,7 @@ from jaxgrpo.rollout.collect import (
   sample,
   score,
   select_groups,
+  timed_push,
 )
 from jaxgrpo.rollout.engines.base import check_engine, logprobs_are_policy
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
@@ -358,7 +358,7 @@ def multiturn_iteration(
   if engine is not None:
     check_engine(engine)
     recompute = not logprobs_are_policy(engine)
-    engine_metrics["engine/push_s"] = _push_policy(engine, policy, sampling)
+    engine_metrics["engine/push_s"] = timed_push(engine, policy, sampling)
   t0 = time.perf_counter()
   rollout: MultiTurnRollout = sample_multiturn(
     policy,

@@ -107,6 +107,9 @@ class PoolGroup:
 class RowPool:
   """S decode slots whose rows survive between batches (see the module docstring).
 
+  One job, the slots' life cycle, in over 300 lines: admit rows into free slots, decode them in fixed-length
+  rounds, take out the finished ones and carry the unfinished across weight updates.
+
   Args:
     sampling: the run's ``SamplingConfig`` (G, T = ``max_new_tokens``, EOS, filtering, pad).
     temperature: the sampling temperature.

@@ -90,6 +90,9 @@ __all__ = ["PartialRollouts"]
 class PartialRollouts(AsyncRollouts):
   """``AsyncRollouts`` with partial rollouts (the module docstring).
 
+  One job, in over 300 lines: the bounded-staleness schedule when rows stay in flight across updates — which
+  pool rows are admitted, finished, scored and trained at each step, and their version bookkeeping.
+
   Args:
     source, learner, state, max_staleness, rollout_mesh, steps, out_dir, resumed, profile: as for
       ``AsyncRollouts`` (k = ``max_staleness`` >= 1: the bound on every token).

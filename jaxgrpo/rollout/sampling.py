@@ -15,7 +15,7 @@ top-k/top-p filtering or suppressed ids restricted the draw. The train step ther
 ``old_logp == log-probs(params at sampling time)`` up to float32 rounding: the PPO ratio is 1
 on-policy.
 
-Longer than ~600 lines for one job, the built-in sampler: its settings (``SamplingConfig`` and the policy
+One job, the built-in sampler, in over 600 lines: its settings (``SamplingConfig`` and the policy
 every jitted sampler takes, ``SamplingPolicy``), its draw (``filter_logits``, ``sample_categorical``, ``draw_token``:
 shared by the slot-refill, partial and conversation samplers) and its program (``generate``, ``lower_generate``).
 """
