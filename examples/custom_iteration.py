@@ -1,6 +1,6 @@
 """A hand-written λ-GRPO iteration with a custom Python reward on decoded text.
 
-The pieces of ``jaxgrpo.rollout.iteration`` composed by hand — what ``grpo_iteration`` does in one call —
+The pieces of ``jaxgrpo.loop.iteration`` composed by hand — what ``grpo_iteration`` does in one call —
 with a reference model (β = 0.04, k3 KL in the loss). The "tokenizer" maps token id i to a letter;
 the reward asks each completion to use its prompt's target letters.
 

@@ -9,16 +9,17 @@ the rule over these prefixes):
                 ``GRPOConfig``/``GRPOHyper``, the objective — JAX and NumPy only
 ``parallel/``   2 meshes and sharding rules, multi-process start-up
 ``models/``     3 GPT-2, Llama 3.x, Qwen2/2.5/3, MoE; LoRA/QLoRA; Hugging Face import/export; log-probs
-``data/``       4 prompts (loading, encoding, iteration), answers, rewards
-``step/``       5 ``Batch``, packing, the jitted train step and the reference pass
-``rollout/``    6 sampling (``SamplingConfig``, ``generate``), engines, environments, one-iteration helpers,
-                asynchronous rollouts
-``rewards/``    7 learned and remote rewards: sequence-classifier reward models, generative judges through any
-                engine, HTTP reward services (failures are missing samples, counted)
-``run/``        8 the run config, the builders, evaluation, the collapse guard, the ``Trainer`` loop
-``tasks/``      9 the demo and example tasks (arithmetic, binary tree, calculator); registered, never
+``data/``       4 prompts (loading, encoding, iteration), answers
+``rollout/``    5 sampling (``SamplingConfig``, ``generate``, slot refill, conversations), engines, environments
+``rewards/``    6 every reward: ``RewardSet`` and the verifiable rewards, sequence-classifier reward models,
+                generative judges through any engine, HTTP reward services (failures are missing samples, counted)
+``step/``       7 ``Batch``, packing, the jitted train step and the reference pass
+``loop/``       8 the rollout source, scoring and batch assembly, the learner and its schedules, asynchronous and
+                partial rollouts, the one-iteration API
+``run/``        9 the run config, the builders, evaluation, the collapse guard, the ``Trainer`` loop
+``tasks/``      10 the demo and example tasks (arithmetic, binary tree, calculator); registered, never
                 imported by a lower layer
-``plan/``       10 compile every program of a run ahead of time for a target (a TPU topology from a CPU, ``cpu-N``,
+``plan/``       11 compile every program of a run ahead of time for a target (a TPU topology from a CPU, ``cpu-N``,
                 this machine) and say what fits where (``scripts/plan.py``)
 
 Every name in ``__all__`` is re-exported *lazily*: ``import jaxgrpo`` imports nothing else, and
@@ -27,7 +28,7 @@ NumPy only, ``jaxgrpo.make_train_step`` Flax and Optax too. (So a process that n
 such as the verifier worker of ``jaxgrpo.services.timeout_pool``, does not pay for JAX.) The module
 attributes ``jaxgrpo.models``, ``.sampling``, ``.sharding``, ``.train`` and ``.iteration`` name
 ``jaxgrpo.models``, ``jaxgrpo.rollout.sampling``, ``jaxgrpo.parallel.sharding``, ``jaxgrpo.step.train``
-and ``jaxgrpo.rollout.iteration``. Import the run layer and the services by their paths (heavier
+and ``jaxgrpo.loop.iteration``. Import the run layer and the services by their paths (heavier
 dependencies: datasets, transformers' tokenizers, Orbax).
 """
 
@@ -66,7 +67,7 @@ _LAZY = {
   "sampling": ("jaxgrpo.rollout.sampling", None),
   "sharding": ("jaxgrpo.parallel.sharding", None),
   "train": ("jaxgrpo.step.train", None),
-  "iteration": ("jaxgrpo.rollout.iteration", None),
+  "iteration": ("jaxgrpo.loop.iteration", None),
   **{n: ("jaxgrpo.models", n) for n in ("build_model", "load_hf", "save_hf", "log_probs")},
   **{n: ("jaxgrpo.rollout.sampling", n) for n in ("generate", "Rollout")},
   "make_mesh": ("jaxgrpo.parallel.sharding", "make_mesh"),
@@ -83,8 +84,8 @@ _LAZY = {
     )
   },
   "SamplingConfig": ("jaxgrpo.rollout.sampling", "SamplingConfig"),
-  **{n: ("jaxgrpo.rollout.iteration", n) for n in ("grpo_iteration", "multiturn_iteration", "rollout_loss")},
-  **{n: ("jaxgrpo.rollout.collect", n) for n in ("place_prompts", "sample", "score")},
+  **{n: ("jaxgrpo.loop.iteration", n) for n in ("grpo_iteration", "multiturn_iteration", "rollout_loss")},
+  **{n: ("jaxgrpo.loop.collect", n) for n in ("place_prompts", "sample", "score")},
   **{n: ("jaxgrpo.step.feed", n) for n in ("make_batch", "make_reference", "place", "policy_model")},
   "sample_multiturn": ("jaxgrpo.rollout.environments.rollout", "sample_multiturn"),
 }

@@ -10,7 +10,7 @@ on the CPU at toy sizes, which the test suite does):
 - **decode**: tokens/s of the built-in sampler (``rollout.sampling.generate``) against the **HBM roofline**: every
   decode step reads the weights once and each row's KV cache so far, ``bytes = params·2 + rows·L·2·KV·K·2·(P + t)``
   summed over the T steps; roofline tokens/s = rows·T / (bytes / HBM bandwidth);
-- **GRPO iteration**: one ``rollout.iteration.grpo_iteration`` (sample, score, update) end to end.
+- **GRPO iteration**: one ``loop.iteration.grpo_iteration`` (sample, score, update) end to end.
 
 Results go to ``OUT/accel_<shape>.json`` (and stdout). On a chip not in :data:`CHIPS` (or the CPU) MFU and the
 roofline are left out (None) rather than computed against a guessed peak.
@@ -36,10 +36,10 @@ import optax
 from flax import nnx
 
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop.iteration import grpo_iteration
 from jaxgrpo.models import Qwen3Config, build_model
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.plan import step_flops
-from jaxgrpo.rollout.iteration import grpo_iteration
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.step import feed, train
 

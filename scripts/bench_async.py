@@ -1,5 +1,5 @@
 """Asynchronous rollouts on this machine: measured phase and step times of the real trainer, and the
-step times ``jaxgrpo.rollout.pipeline_sim`` predicts from those phase times.
+step times ``jaxgrpo.loop.pipeline_sim`` predicts from those phase times.
 
 Five schedules of the same demo-sized run, each warmed up (``--warmup`` steps: compilation), then
 timed in ``--rounds`` alternating rounds of ``--steps`` steps (the order rotated every round), on
@@ -65,8 +65,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
-from jaxgrpo.rollout import async_rollout
-from jaxgrpo.rollout.pipeline_sim import Phases, simulate  # noqa: E402
+from jaxgrpo.loop import async_rollout
+from jaxgrpo.loop.pipeline_sim import Phases, simulate  # noqa: E402
 from jaxgrpo.run.specs import load_config  # noqa: E402
 from jaxgrpo.run.trainer import Trainer  # noqa: E402
 

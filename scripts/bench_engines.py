@@ -37,8 +37,8 @@ import optax
 from flax import nnx
 
 import jaxgrpo
+from jaxgrpo.loop import iteration
 from jaxgrpo.models import build_model, save_hf
-from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines import BuiltinEngine
 from jaxgrpo.rollout.engines.vllm import VLLMEngine  # imports vLLM only when an engine starts
 from jaxgrpo.rollout.sampling import SamplingConfig

@@ -45,9 +45,10 @@ from flax import nnx
 
 from jaxgrpo import models
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop import iteration
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration, sampling
+from jaxgrpo.rollout import sampling
 from jaxgrpo.step import train
 
 MODES = ("full", "lora", "qlora")

@@ -39,10 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
 from jaxgrpo import data as data_lib
+from jaxgrpo.loop.iteration import SamplingConfig  # noqa: E402
 from jaxgrpo.models import build_model  # noqa: E402
 from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn  # noqa: E402
 from jaxgrpo.rollout.environments.chat import ChatFormat  # noqa: E402
-from jaxgrpo.rollout.iteration import SamplingConfig  # noqa: E402
 from jaxgrpo.rollout.sampling import generate  # noqa: E402
 from jaxgrpo.tasks import arithmetic, calculator  # noqa: E402
 

@@ -11,7 +11,7 @@ models hold the same float32 weights: ``fp32`` (``dtype=param_dtype=float32``, t
 ``bf16`` (``dtype=bfloat16, param_dtype=float32``: jaxgrpo's mixed precision, what ``model.dtype: bfloat16``
 with the default ``model.param_dtype: float32`` of a run config gives).
 
-Every round runs one whole GRPO iteration (``jaxgrpo.rollout.iteration.grpo_iteration``) per precision, the
+Every round runs one whole GRPO iteration (``jaxgrpo.loop.iteration.grpo_iteration``) per precision, the
 order alternating from round to round, after one warm-up iteration each; the phases it times are reported:
 the rollout (the sampler), the reference pass (with the host reward) and the train step. Medians over the
 rounds and the median of the per-round ratios fp32 ÷ bf16 (the machine may be shared: quote the ratios).

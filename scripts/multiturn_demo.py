@@ -6,7 +6,7 @@
 
 A tiny Qwen3-architecture model and a locally built tokenizer with a Qwen2.5-style tool template; a
 supervised warm-up on imperfect demonstrations (some answer without the tool, some miscopy an operand),
-then RL with ``jaxgrpo.rollout.iteration.multiturn_iteration``: the policy calls ``multiply`` in the
+then RL with ``jaxgrpo.loop.iteration.multiturn_iteration``: the policy calls ``multiply`` in the
 ``<tool_call>`` format, reads the result in the tool role, boxes it. Held-out accuracy
 (``mean@k`` at temperature 1, multi-turn, reward = the right boxed product) before and after RL, every ``eval_every`` steps.
 ``--no-tool``: the same model, warm-up on direct answers (right products, no tool in the prompt) and
@@ -33,9 +33,9 @@ import yaml
 from flax import nnx
 
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop import iteration
 from jaxgrpo.models import build_model
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines.vllm import VLLMEngine
 from jaxgrpo.rollout.environments import MultiTurnConfig, sample_multiturn
 from jaxgrpo.step import train

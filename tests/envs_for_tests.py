@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxgrpo.data.rewards import extract_boxed
+from jaxgrpo.rewards.reward_set import extract_boxed
 from jaxgrpo.rollout.environments import StepResult
 
 

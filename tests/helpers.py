@@ -457,8 +457,8 @@ def tiny_chat_policy(max_positions: int = 512):
   tokenizer, a 1-layer random policy, and a ``SamplingConfig`` of G = 2 stopping at ``<|im_end|>``."""
   from flax import nnx
 
+  from jaxgrpo.loop.iteration import SamplingConfig
   from jaxgrpo.models import build_model
-  from jaxgrpo.rollout.iteration import SamplingConfig
   from jaxgrpo.tasks import arithmetic, calculator
 
   tok = calculator.build_tokenizer()

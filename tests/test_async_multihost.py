@@ -30,7 +30,7 @@ import pytest
 from helpers import async_train_cmd, cli_env, finish_child, start_child
 
 from jaxgrpo.data import PromptIterator
-from jaxgrpo.rollout import async_rollout
+from jaxgrpo.loop import async_rollout
 from jaxgrpo.services import checkpoint as ck
 from jaxgrpo.services.metrics import read_jsonl
 
@@ -67,7 +67,7 @@ tr.rollouts.observe = lambda b: seen.append({"versions": b.versions.tolist(), "p
                                              "rows": int(b.batch.completions.shape[0])})
 recs = tr.run()
 if nproc > 1:  # a resume that read different states on two processes is refused, on both
-  from jaxgrpo.rollout import async_rollout
+  from jaxgrpo.loop import async_rollout
   step, key, position = int(tr.state.train.step), tr.state.key, dict(tr.state.data_position)
   async_rollout._check_processes_agree(step, key, position)  # the run's own state: they agree
   try:

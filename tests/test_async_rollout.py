@@ -1,4 +1,4 @@
-"""jaxgrpo.rollout.async_rollout: bounded-staleness rollouts.
+"""jaxgrpo.loop.async_rollout: bounded-staleness rollouts.
 
 - k = 0 through the producer/learner pipeline equals the trainer's synchronous step bit for bit
   (metrics, parameters, key, data position), dynamic sampling included;
@@ -32,8 +32,8 @@ from test_trainer import ROOT, tiny
 from test_trainer import cli as train_cli  # scripts/train.py
 
 from jaxgrpo.data import PromptIterator
+from jaxgrpo.loop import async_rollout, iteration
 from jaxgrpo.models.log_probs import completion_log_probs
-from jaxgrpo.rollout import async_rollout, iteration
 from jaxgrpo.run.specs import load_config
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.services.checkpoint import read_meta
@@ -260,7 +260,7 @@ import jax, numpy as np
 from flax import nnx
 from test_trainer import tiny
 from test_async_rollout import REWARDS
-from jaxgrpo.rollout import async_rollout
+from jaxgrpo.loop import async_rollout
 from jaxgrpo.run.trainer import Trainer
 mode, out = sys.argv[2], sys.argv[3]
 if mode == "disaggregated":

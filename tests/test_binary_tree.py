@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxgrpo import finalize_terms, objective_terms, preset, process_set_sizes, rollout_advantages
-from jaxgrpo.rollout.iteration import rollout_loss
+from jaxgrpo.loop.iteration import rollout_loss
 from jaxgrpo.tasks import binary_tree as bt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ def test_transformer_run_deterministic_and_batch_independent():
 
 
 def test_objective_hook_plugs_into_the_sweep():
-  """The sweep's loss is jaxgrpo.rollout.iteration.rollout_loss with the train step's hooks: an objective that
+  """The sweep's loss is jaxgrpo.loop.iteration.rollout_loss with the train step's hooks: an objective that
   doubles the loss under plain SGD at half the learning rate is the same run (SGD is linear in the
   gradient), and rollout_loss equals the kernels composed by hand."""
   pol = bt.make_policy("tabular", init_scale=0.5)

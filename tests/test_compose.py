@@ -28,7 +28,7 @@ from test_engines import OFFSET
 from test_trainer import tiny
 from test_trainer_env import ENV, _memory_checkpoints, _params, dataclass_replace
 
-from jaxgrpo.rollout import async_rollout
+from jaxgrpo.loop import async_rollout
 from jaxgrpo.run.trainer import Trainer
 
 ENGINE = {"rollout.engine": "test_engines:make_offset_engine", "objective.importance_correction": "tis"}

@@ -81,7 +81,7 @@ engine_params = [np.asarray(x).tolist() for x in jax.tree.leaves(nnx_state(pushe
 # partial rollouts (issue 36): each process's row pool feeds its own group of every batch (B = 2, k = 2)
 from test_partial_rollouts import PARTIAL, ragged
 from test_async_rollout import half_constant_reward
-from jaxgrpo.rollout import async_rollout
+from jaxgrpo.loop import async_rollout
 from jaxgrpo.step.train import TrainState
 from jaxgrpo.step import feed
 from jaxgrpo.models.log_probs import completion_log_probs

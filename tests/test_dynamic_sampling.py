@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxgrpo.rollout import iteration
+from jaxgrpo.loop import iteration
 
 
 def _reference(rounds: list[list[float]], n: int, g: int, max_rounds: int):

@@ -13,8 +13,8 @@ import pytest
 from helpers import flat_params, tiny_model
 
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop import iteration
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines import (
   GENERATE_SIGNATURE,
   BuiltinEngine,

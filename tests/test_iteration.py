@@ -1,4 +1,4 @@
-"""jaxgrpo.rollout.iteration: the reward-function interface, batch placement, the reference, and
+"""jaxgrpo.loop.iteration: the reward-function interface, batch placement, the reference, and
 ``grpo_iteration`` == the same iteration composed by hand from the lower layers."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from flax import nnx
 from helpers import flat_params, tiny_model
 
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop import iteration
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.sampling import Rollout, generate
 from jaxgrpo.step import train
 

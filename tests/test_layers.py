@@ -29,12 +29,13 @@ RANKS = {
   "jaxgrpo.parallel": 2,
   "jaxgrpo.models": 3,
   "jaxgrpo.data": 4,
-  "jaxgrpo.step": 5,
-  "jaxgrpo.rollout": 6,
-  "jaxgrpo.rewards": 7,
-  "jaxgrpo.run": 8,
-  "jaxgrpo.tasks": 9,
-  "jaxgrpo.plan": 10,
+  "jaxgrpo.rollout": 5,
+  "jaxgrpo.rewards": 6,
+  "jaxgrpo.step": 7,
+  "jaxgrpo.loop": 8,
+  "jaxgrpo.run": 9,
+  "jaxgrpo.tasks": 10,
+  "jaxgrpo.plan": 11,
 }
 TOP_LEVEL = {"__init__.py", "_version.py", "_checks.py", *(m.split(".")[1] for m, r in RANKS.items() if r >= 0)}
 # optional extras: the only imports allowed inside a function (each with an install hint)

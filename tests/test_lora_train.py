@@ -18,9 +18,9 @@ from flax import nnx
 from helpers import G, flat_params, make_batch, numpy_log_probs, reference_update, run_child, tiny_model
 
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop import iteration
 from jaxgrpo.models import Qwen3Config, build_model, lora
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.sampling import generate
 from jaxgrpo.step import train
 

@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 from helpers import tiny_chat_policy
 
+from jaxgrpo.loop.episodes import env_rollout_batch
+from jaxgrpo.loop.iteration import SamplingConfig
 from jaxgrpo.models import build_model, log_probs
 from jaxgrpo.rollout.engines import BuiltinEngine, Generation, finish_reasons
 from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn
-from jaxgrpo.rollout.environments.training import env_rollout_batch
-from jaxgrpo.rollout.iteration import SamplingConfig
 from jaxgrpo.rollout.sampling import Rollout
 from jaxgrpo.tasks import arithmetic
 
@@ -180,7 +180,7 @@ def test_the_builtin_engine_samples_the_same_turns_as_the_default_path(setup):
 def test_nan_environment_rewards_are_left_out_of_the_reward_statistics(setup):
   """Also: multi-turn sampling needs no ``max_new_tokens`` (the env config bounds the tokens), single-turn
   sampling refuses a SamplingConfig without one in one line."""
-  from jaxgrpo.rollout.iteration import sample
+  from jaxgrpo.loop.iteration import sample
 
   tok, model, full, _ = setup
   sampling = SamplingConfig(num_samples=2, eos_ids=full.eos_ids, pad_id=full.pad_id)  # no max_new_tokens
@@ -206,8 +206,8 @@ def test_multiturn_iteration_with_a_users_engine_recomputes_old_logp_over_policy
   from test_engines import K3_OFFSET, OffsetEngine
 
   from jaxgrpo import preset
+  from jaxgrpo.loop import iteration
   from jaxgrpo.parallel import sharding as shd
-  from jaxgrpo.rollout import iteration
   from jaxgrpo.step import train
 
   tok, _, sampling, _ = setup

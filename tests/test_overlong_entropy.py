@@ -12,8 +12,8 @@ from helpers import make_batch, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgrpo.data.rewards import overlong_penalty
 from jaxgrpo.models.log_probs import completion_log_probs
+from jaxgrpo.rewards.reward_set import overlong_penalty
 
 
 def _dapo_eq13(length, l_max, l_cache):

@@ -38,12 +38,12 @@ from test_trainer import tiny
 
 from jaxgrpo import models
 from jaxgrpo.data import PromptIterator, pad_left
+from jaxgrpo.loop import async_rollout, iteration
+from jaxgrpo.loop.episodes import example_row
+from jaxgrpo.loop.partial.engine import EnginePool
+from jaxgrpo.loop.partial.pool import RowPool
 from jaxgrpo.models.log_probs import completion_log_probs
-from jaxgrpo.rollout import async_rollout, iteration
 from jaxgrpo.rollout.engines import BuiltinEngine
-from jaxgrpo.rollout.environments.training import example_row
-from jaxgrpo.rollout.partial import RowPool
-from jaxgrpo.rollout.partial_engine import EnginePool
 from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.run import assemble
 from jaxgrpo.run.composition import check_composition
@@ -399,7 +399,7 @@ def make_flat_countdown(row):
 
 @pytest.mark.parametrize("engine", ["test_engines:make_offset_engine"], ids=["engine"])
 def test_environment_trajectories_continue_across_updates_turn_by_turn(tmp_path, engine):
-  """Multi-turn partial rollouts (``jaxgrpo.rollout.partial_env``): episodes of 1-3 turns kept across weight
+  """Multi-turn partial rollouts (``jaxgrpo.loop.partial.env``): episodes of 1-3 turns kept across weight
   updates; every policy token's behaviour log-prob equals a teacher-forced recomputation under the version it
   records (and trajectories do span two versions, a turn being one version's); observations are not policy
   tokens; every trained group's trajectories are complete; the ledger trains each drawn prompt once. With dynamic
@@ -480,7 +480,7 @@ CHILD = r"""
 import runpy, sys
 sys.path.insert(0, sys.argv[1])
 from test_partial_rollouts import ragged
-from jaxgrpo.rollout import partial_schedule
+from jaxgrpo.loop.partial import schedule as partial_schedule
 init = partial_schedule.PartialRollouts.__init__
 partial_schedule.PartialRollouts.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "budget_of": ragged})
 sys.argv = sys.argv[2:]

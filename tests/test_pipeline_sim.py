@@ -1,4 +1,4 @@
-"""jaxgrpo.rollout.pipeline_sim: the discrete-event model of the rollout/learner pipeline, against hand-derived
+"""jaxgrpo.loop.pipeline_sim: the discrete-event model of the rollout/learner pipeline, against hand-derived
 timelines and verl's published phase breakdowns (docs/advance/one_step_off.md and fully_async.md of
 volcengine/verl; the numbers are quoted in BENCHMARKS.md, "Asynchronous rollouts")."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxgrpo.rollout.pipeline_sim import Phases, simulate
+from jaxgrpo.loop.pipeline_sim import Phases, simulate
 
 
 def test_synchronous_step_is_the_sum_of_the_phases():

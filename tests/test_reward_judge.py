@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxgrpo.data.rewards import RewardSet
 from jaxgrpo.rewards.judge import JudgeReward, parse_judgment
+from jaxgrpo.rewards.reward_set import RewardSet
 
 CASES = [
   # boxed first: a number, a verdict word, or nothing usable (a box is never skipped over)

@@ -193,7 +193,7 @@ def test_an_overflowing_score_is_a_missing_sample(tmp_path):
   """A head that overflows float32 (every score weight 3e38: transformers' logits are ±inf too) gives missing
   samples (NaN, counted ``nonfinite``) in a RewardSet, whatever its ``on_error``: before, the reward function
   returned ±inf and a RewardSet raised (or, with ``on_error="zero"``, scored those rows 0)."""
-  from jaxgrpo.data.rewards import RewardSet
+  from jaxgrpo.rewards.reward_set import RewardSet
   from jaxgrpo.tasks.arithmetic import build_tokenizer
 
   tok = build_tokenizer()

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxgrpo.data.rewards import RewardError, RewardSet
 from jaxgrpo.rewards.remote import RemoteReward
+from jaxgrpo.rewards.reward_set import RewardError, RewardSet
 
 
 def expected(completion: str, answer) -> float:

@@ -1,4 +1,4 @@
-"""jaxgrpo.data.rewards: the reward table (fractions, LaTeX, nested boxes, no box, wrong answers), the
+"""jaxgrpo.rewards.reward_set: the reward table (fractions, LaTeX, nested boxes, no box, wrong answers), the
 format reward, a hanging verifier cut by the timeout, failing reward functions stopping the run with
 the sample shown (or scoring 0 and being counted), weighted combination, dynamic-sampling groups."""
 
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reward_verifiers import dying_verifier, hanging_verifier, slow_first_verifier  # the workers import them by name
 
-from jaxgrpo.data import rewards as R
+from jaxgrpo.rewards import reward_set as R
 
 
 @pytest.mark.parametrize(
@@ -502,7 +502,7 @@ def test_worker_ignores_ctrl_c():
 
 PARENT_SCRIPT = """
 import sys, time
-from jaxgrpo.data import rewards as R
+from jaxgrpo.rewards import reward_set as R
 
 def spin(x):
   while x == "hang":
@@ -551,7 +551,7 @@ def test_worker_exits_when_its_parent_is_killed(tmp_path, sig):
 LEAN_PARENT_SCRIPT = """
 import sys
 import jax, flax  # a training script's imports
-from jaxgrpo.data import rewards as R
+from jaxgrpo.rewards import reward_set as R
 import reward_verifiers as V
 
 def here(x):

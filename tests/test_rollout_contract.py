@@ -18,8 +18,8 @@ import pytest
 from helpers import tiny_model
 
 from jaxgrpo.kernels.config import preset
+from jaxgrpo.loop import iteration
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
 from jaxgrpo.rollout.engines import Generation, finish_reasons
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.step import train
@@ -186,7 +186,7 @@ def test_a_row_pool_whose_draw_runs_out_ends_in_one_clear_line():
   """``RowPool.run(draw=...)`` with ``draw()`` returning ``[]`` (no more prompts): the rows already drawn finish;
   enough complete groups return normally, too few raise :class:`DataExhausted` naming how many are complete (they
   stay in the pool). Before: ``IndexError: deque index out of range``."""
-  from jaxgrpo.rollout.partial import DataExhausted, RowPool
+  from jaxgrpo.loop.partial.pool import DataExhausted, RowPool
 
   model = tiny_model(seed=2)
   sampling = SamplingConfig(num_samples=2, max_new_tokens=4, eos_ids=(1,), pad_id=0)

@@ -1,4 +1,4 @@
-"""Issue 49 item 2: the one scorer's bookkeeping (``jaxgrpo.rollout.scoring``: the rollout metrics of a batch,
+"""Issue 49 item 2: the one scorer's bookkeeping (``jaxgrpo.loop.scoring``: the rollout metrics of a batch,
 the gathers, the dynamic-sampling test) that the synchronous source, the bounded-staleness producer and the
 partial pools share, and the one log-prob recomputation (``collect.recompute_old_logp``) of the learner and the
 engine path, each against NumPy from its definition. That every schedule reports the same numbers through
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo.rollout import collect, scoring
+from jaxgrpo.loop import collect, scoring
 from jaxgrpo.step.batch import Batch
 
 

@@ -212,7 +212,7 @@ def test_packed_layout_of_a_batch():
 def test_step_packs_once_and_never_retraces():
   """A NumPy batch is packed by the step, a packed NumPy batch and a placed packed batch
   (``iteration.place``) run the same program; the reference pass reuses the batch's packing."""
-  from jaxgrpo.rollout import iteration
+  from jaxgrpo.loop import iteration
 
   step, ref, state = _make(preset("grpo"), packing=L, micro=2, mini=2)  # grpo's program in the preset test
   batch = _batch()._replace(ref_logp=None)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import train as cli  # noqa: E402  (scripts/train.py)
 from helpers import RUN_XLA_FLAGS, child_env, cli_env, train_main_here  # noqa: E402
 
-from jaxgrpo.data import rewards as R
+from jaxgrpo.rewards import reward_set as R
 from jaxgrpo.run.specs import TrainerConfig, load_config  # noqa: E402
 from jaxgrpo.run.trainer import Trainer, run_meta  # noqa: E402
 from jaxgrpo.services.metrics import read_jsonl  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 from envs_for_tests import SecondChance
 from test_trainer import tiny
 
-from jaxgrpo.data.rewards import extract_boxed
+from jaxgrpo.rewards.reward_set import extract_boxed
 from jaxgrpo.rollout.environments import StepResult
 from jaxgrpo.rollout.environments.spec import EnvSpec, load_factory
 from jaxgrpo.run.specs import load_config

@@ -349,7 +349,7 @@ def lora_sync(reps: int = 5) -> dict:
 
 
 def partial() -> dict:
-  """Issue 36: partial rollouts through vLLM (``jaxgrpo.rollout.partial_engine.EnginePool``: each boundary
+  """Issue 36: partial rollouts through vLLM (``jaxgrpo.loop.partial.engine.EnginePool``: each boundary
   re-submits every running row as prompt ‖ completion so far; each new version pushed, which resets the prefix
   cache). Three versions (three random Qwen3 models, tied head), k = 2, one group per batch, G = 2, 4 slots,
   prompts of 150–200 tokens (a full 128-token KV block, so re-submissions hit the prefix cache) and K = 4
@@ -363,7 +363,7 @@ def partial() -> dict:
   from vllm import SamplingParams
   from vllm.inputs import TokensPrompt
 
-  from jaxgrpo.rollout.partial_engine import EnginePool
+  from jaxgrpo.loop.partial.engine import EnginePool
 
   cfg = config("qwen3", True)
   policies = [random_model(cfg, seed) for seed in (0, 1, 2)]

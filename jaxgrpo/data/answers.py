@@ -7,7 +7,7 @@ in one linear pass over at most the last :data:`BOXED_SEARCH_CHARS` characters;
 fractions, ``\\frac``/``\\dfrac``, simple LaTeX; :func:`normalize_answer`, :func:`parse_number`),
 and :func:`math_verify_match`, ``math-verify`` (the ``math`` extra) with its own signal-based
 timeouts switched off (the hard limit is ``jaxgrpo.services.timeout_pool.TimeoutPool``'s). Host side, pure
-Python; re-exported by ``jaxgrpo.data.rewards``, whose ``MathAccuracy`` runs them.
+Python; re-exported by ``jaxgrpo.rewards.reward_set``, whose ``MathAccuracy`` runs them.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def importance_weights(old_logp, behavior_logp, mask, *, correction="tis", level
 def mismatch_k3(old_logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """How far the behaviour policy μ (a rollout engine, or an older version) is from the policy π_old that
   the objective's ratio uses, over the tokens μ sampled — the one mismatch metric of the engine path
-  (``jaxgrpo.rollout.collect.engine_old_logp``) and of asynchronous rollouts.
+  (``jaxgrpo.loop.collect.engine_old_logp``) and of asynchronous rollouts.
 
   With ``Δ = old_logp − behavior_logp`` and ``r = exp(Δ) = π_old/μ`` per token::
 

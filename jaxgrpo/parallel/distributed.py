@@ -149,7 +149,7 @@ def initialize(
 def _cpu_settings(cpu_collectives: str) -> None:
   """Before the CPU backend starts: its cross-process collectives, and synchronous dispatch — with
   gloo, two programs in flight at once (e.g. on the two disjoint meshes of asynchronous rollouts,
-  ``jaxgrpo.rollout.async_rollout``) could exchange their collectives' messages in another order on each
+  ``jaxgrpo.loop.async_rollout``) could exchange their collectives' messages in another order on each
   process; each CPU program now ends before the next starts (the results are the same; on a CPU
   the devices share the cores anyway). GPU and TPU backends are not affected."""
   jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)

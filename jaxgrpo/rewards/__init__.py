@@ -1,5 +1,7 @@
-"""Learned and remote rewards (docs/rewards.md), each a reward function
-``(prompts, completions, **columns) -> list[float]`` for ``jaxgrpo.data.rewards.RewardSet``:
+"""Rewards, in one home (docs/rewards.md): ``reward_set`` (``RewardSet``: weighted reward functions, the
+verifiable format and accuracy rewards, run in a timeout pool) and the learned and remote rewards, each a reward
+function
+``(prompts, completions, **columns) -> list[float]`` for ``jaxgrpo.rewards.reward_set.RewardSet``:
 
 - ``reward_model``: Hugging Face ``*ForSequenceClassification`` reward models (Llama, Qwen2, Qwen3) on the policy's
   decoder, read at the last non-pad token as transformers does; :class:`RewardModelReward` scores text.
@@ -10,27 +12,29 @@ A judge reply without a score and a failed service request give NaN, a *missing 
 loss; ``RewardSet`` keeps it and counts ``"<name>/missing"``), and a counter saying why — never a silent 0.
 """
 
-from jaxgrpo.rewards.judge import (
-  DEFAULT_RUBRIC,
-  DEFAULT_TEMPLATE,
-  REFERENCE_TEMPLATE,
-  VERDICTS,
-  JudgeReward,
-  parse_judgment,
-)
-from jaxgrpo.rewards.remote import RemoteReward
-from jaxgrpo.rewards.reward_model import RewardModel, RewardModelReward, last_token_index, load_reward_model
+import importlib
 
-__all__ = [
-  "DEFAULT_RUBRIC",
-  "DEFAULT_TEMPLATE",
-  "JudgeReward",
-  "REFERENCE_TEMPLATE",
-  "RemoteReward",
-  "RewardModel",
-  "RewardModelReward",
-  "VERDICTS",
-  "last_token_index",
-  "load_reward_model",
-  "parse_judgment",
-]
+_NAMES = {
+  "jaxgrpo.rewards.judge": (
+    "DEFAULT_RUBRIC",
+    "DEFAULT_TEMPLATE",
+    "REFERENCE_TEMPLATE",
+    "VERDICTS",
+    "JudgeReward",
+    "parse_judgment",
+  ),
+  "jaxgrpo.rewards.remote": ("RemoteReward",),
+  "jaxgrpo.rewards.reward_model": ("RewardModel", "RewardModelReward", "last_token_index", "load_reward_model"),
+}
+_WHERE = {n: m for m, names in _NAMES.items() for n in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+  """Imported on first access: ``jaxgrpo.rewards.reward_set`` (what the verifier worker of
+  ``jaxgrpo.services.timeout_pool`` unpickles) must not pull in JAX through the judge or the reward model."""
+  if name not in _WHERE:
+    raise AttributeError(f"module 'jaxgrpo.rewards' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_WHERE[name]), name)
+  globals()[name] = value
+  return value

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.data.answers import extract_boxed, parse_number
-from jaxgrpo.data.rewards import PROMPT_MESSAGES, CountingReward
+from jaxgrpo.rewards.reward_set import PROMPT_MESSAGES, CountingReward
 from jaxgrpo.rollout.engines.base import check_engine
 from jaxgrpo.rollout.sampling import SamplingConfig
 
@@ -136,9 +136,9 @@ class JudgeReward(CountingReward):
   Counters (``pop_counters``): ``unparsable``, ``out_of_range``, ``too_long``.
   """
 
-  nan_is_missing = True  # RewardSet keeps a NaN as a missing sample (jaxgrpo.data.rewards)
+  nan_is_missing = True  # RewardSet keeps a NaN as a missing sample (jaxgrpo.rewards.reward_set)
 
-  #: given the ``prompt_messages`` column (``data.rewards.PROMPT_MESSAGES``): each prompt before the policy's template
+  #: given the ``prompt_messages`` column (``rewards.reward_set.PROMPT_MESSAGES``): each prompt before the policy's template
   wants_prompt_messages = True
 
   def __init__(

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jaxgrpo import _checks
-from jaxgrpo.data.rewards import CountingReward
+from jaxgrpo.rewards.reward_set import CountingReward
 
 __all__ = ["RemoteReward"]
 
@@ -125,7 +125,7 @@ class RemoteReward(CountingReward):
   left NaN, by cause).
   """
 
-  nan_is_missing = True  # RewardSet keeps a NaN as a missing sample (jaxgrpo.data.rewards)
+  nan_is_missing = True  # RewardSet keeps a NaN as a missing sample (jaxgrpo.rewards.reward_set)
 
   def __init__(
     self,

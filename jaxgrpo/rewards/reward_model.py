@@ -35,7 +35,6 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors.numpy import load_file, save_file
 
 from jaxgrpo import _checks
-from jaxgrpo.data.rewards import PROMPT_MESSAGES, CountingReward
 from jaxgrpo.models.base import freeze_rules, positions_from_mask
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import LlamaConfig, config_from_hf
@@ -56,6 +55,7 @@ from jaxgrpo.models.layers import dense, param
 from jaxgrpo.models.registry import family_of, registered
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.sharding import DEFAULT_RULES
+from jaxgrpo.rewards.reward_set import PROMPT_MESSAGES, CountingReward
 
 __all__ = [
   "RewardModel",
@@ -367,9 +367,9 @@ class RewardModelReward(CountingReward):
   sample).
   """
 
-  nan_is_missing = True  # a non-finite score (an overflowing head) is a missing sample (jaxgrpo.data.rewards)
+  nan_is_missing = True  # a non-finite score (an overflowing head) is a missing sample (jaxgrpo.rewards.reward_set)
 
-  #: given the ``prompt_messages`` column (``data.rewards.PROMPT_MESSAGES``): each prompt before the policy's template
+  #: given the ``prompt_messages`` column (``rewards.reward_set.PROMPT_MESSAGES``): each prompt before the policy's template
   wants_prompt_messages = True
 
   def __init__(

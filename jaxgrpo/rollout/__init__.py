@@ -1,6 +1,6 @@
-"""Layer 6, the rollout side: sampling (``sampling``: ``generate``, ``SamplingConfig``; ``refill``: slot refill),
-engines
-(``engines``: built-in, vLLM, yours), environments (``environments``: multi-turn agents), one-iteration
-helpers (``iteration``) and asynchronous rollouts (``async_rollout``, ``pipeline_sim``)."""
+"""Layer 5, the rollout side (no train step below it): sampling (``sampling``: ``generate``, ``SamplingConfig``;
+``refill``: slot refill; ``conversation``: multi-turn sampling), engines (``engines``: built-in, vLLM, yours) and
+environments (``environments``: multi-turn agents). What turns samples into training batches is one layer above
+the step: ``jaxgrpo.loop``."""
 
 __all__ = []

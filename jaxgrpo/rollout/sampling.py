@@ -54,12 +54,12 @@ __all__ = [
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
   """How completions are drawn: the settings argument of :func:`generate` and of every engine's
-  ``Engine.generate`` (``jaxgrpo.rollout.engines``), and of ``jaxgrpo.rollout.collect.sample``.
+  ``Engine.generate`` (``jaxgrpo.rollout.engines``), and of ``jaxgrpo.loop.collect.sample``.
 
   The temperature is not here: it is the train step's ``TrainConfig.temperature`` (the rollout
   log-probs must refer to the temperature the step computes its log-probs at), a separate keyword of
   ``generate(model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0)`` that
-  ``jaxgrpo.rollout.iteration.grpo_iteration`` passes through ``collect.sample``. The two meet once, where a
+  ``jaxgrpo.loop.iteration.grpo_iteration`` passes through ``collect.sample``. The two meet once, where a
   sampler starts, in the :class:`SamplingPolicy` its jitted programs take.
 
   Attributes:
@@ -104,7 +104,7 @@ class SamplingConfig:
 
   def model_to_sample(self, model):
     """The model :func:`generate` samples from: ``models.lora.merge_lora(model)`` when ``merge_lora`` and
-    ``model`` has adapters, else ``model`` itself (also what ``jaxgrpo.rollout.collect`` pushes to an engine)."""
+    ``model`` has adapters, else ``model`` itself (also what ``jaxgrpo.loop.collect`` pushes to an engine)."""
     return _lora.merge_lora(model) if self.merge_lora and _lora.has_adapters(model) else model
 
   def require_max_new_tokens(self, where: str) -> int:

@@ -18,19 +18,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxgrpo import _checks
-from jaxgrpo.data import rewards as rewards_lib
+from jaxgrpo.loop.async_rollout import AsyncRollouts
+from jaxgrpo.loop.partial.schedule import PartialRollouts
+from jaxgrpo.loop.schedule import Learner, Synchronous
+from jaxgrpo.loop.source import RolloutSource, Turns
 from jaxgrpo.models import load_hf, load_tokenizer, moe
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rewards import judge, remote, reward_model
-from jaxgrpo.rollout.async_rollout import AsyncRollouts
+from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import logprobs_are_policy
 from jaxgrpo.rollout.engines import registry as engine_registry
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.environments import spec as env_spec
-from jaxgrpo.rollout.partial_schedule import PartialRollouts
 from jaxgrpo.rollout.sampling import SamplingConfig
-from jaxgrpo.rollout.schedule import Learner, Synchronous
-from jaxgrpo.rollout.source import RolloutSource, Turns
 from jaxgrpo.run import builders
 from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.spec_schema import RewardSourceSpec
@@ -317,7 +317,7 @@ def rollout_source(
   """The run's rollout source: ``engine`` (:func:`start_engine`; None: the built-in sampler) with what it
   receives (:func:`engine_sampling`; its log-probs the policy's only when it declares so,
   ``engines.logprobs_are_policy``), single-turn scoring or the environments of ``env`` (``make_env``),
-  dynamic sampling from ``objective``/``rollout`` (see ``jaxgrpo.rollout.source.RolloutSource``)."""
+  dynamic sampling from ``objective``/``rollout`` (see ``jaxgrpo.loop.source.RolloutSource``)."""
   roll = cfg.rollout
   return RolloutSource(
     policy=policy,
@@ -344,10 +344,10 @@ def rollout_source(
 
 
 def schedule(cfg: TrainerConfig, source: RolloutSource, learner: Learner, state, *, rollout_mesh, resumed: bool):
-  """The run's schedule: :class:`~jaxgrpo.rollout.schedule.Synchronous`, or with ``rollout.max_staleness`` >= 1
+  """The run's schedule: :class:`~jaxgrpo.loop.schedule.Synchronous`, or with ``rollout.max_staleness`` >= 1
   or ``devices.rollout`` (``rollout_mesh``) the bounded-staleness producer/learner
-  (``jaxgrpo.rollout.async_rollout.AsyncRollouts``, its ledger in ``run.out``); with ``rollout.partial.enabled`` its
-  partial-rollouts form (``jaxgrpo.rollout.partial_schedule.PartialRollouts``)."""
+  (``jaxgrpo.loop.async_rollout.AsyncRollouts``, its ledger in ``run.out``); with ``rollout.partial.enabled`` its
+  partial-rollouts form (``jaxgrpo.loop.partial.schedule.PartialRollouts``)."""
   if not cfg.rollout.max_staleness and rollout_mesh is None:
     return Synchronous(source, learner)
   common = dict(
@@ -360,7 +360,7 @@ def schedule(cfg: TrainerConfig, source: RolloutSource, learner: Learner, state,
   part = cfg.rollout.partial
   if part.enabled and source.sampling.record_routing:  # a MoE checkpoint (the load-time check sees synthetic ones)
     raise ValueError(PARTIAL_ROUTING_REPLAY_ERROR)
-  if part.enabled:  # rows in flight across updates (jaxgrpo.rollout.partial_schedule)
+  if part.enabled:  # rows in flight across updates (jaxgrpo.loop.partial.schedule)
     return PartialRollouts(
       source,
       learner,

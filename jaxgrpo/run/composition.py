@@ -20,7 +20,7 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   """Every combination of options a run refuses, one line each, in one place: at load (``TrainerConfig``,
   one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
   A combination is refused for a physical reason or because it is not built yet (said so); composing the
-  rollout source (``jaxgrpo.rollout.source``) is what lifts the second kind. What an engine cannot do is asked
+  rollout source (``jaxgrpo.loop.source``) is what lifts the second kind. What an engine cannot do is asked
   of its class (``jaxgrpo.rollout.engines.registry.capability``), never of its name."""
   roll = cfg.rollout
   synthetic_moe = cfg.model.synthetic is not None and getattr(cfg.model.synthetic, "num_experts", 0)

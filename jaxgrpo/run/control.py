@@ -97,7 +97,7 @@ def nonfinite_error(
 
 def _nonfinite_metrics(metrics: Mapping[str, Any]) -> list[str]:
   """The non-finite metrics, leaving out the reward statistics that are NaN because no reward was finite
-  (``data.rewards.finite_reward_stats``: missing samples, said in a line of their own)."""
+  (``rewards.reward_set.finite_reward_stats``: missing samples, said in a line of their own)."""
   return [
     k
     for k, v in metrics.items()

@@ -10,7 +10,7 @@ computed as ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` (stable for large n). mean@k is
 of k samples per problem, ``E_problems[c / n]`` with n = k samples (the λ-GRPO / FRPO papers'
 "mean@k"; pass@1 equals it).
 
-:func:`evaluate_policy` samples k completions per held-out prompt (``jaxgrpo.rollout.collect.sample``),
+:func:`evaluate_policy` samples k completions per held-out prompt (``jaxgrpo.loop.collect.sample``),
 scores them with a reward function and reports both (the trainer's evaluation and ``scripts/eval.py``).
 With several processes each samples and scores its share of the problems on the global mesh and the
 correct counts are gathered.
@@ -25,12 +25,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxgrpo.data import pad_left
-from jaxgrpo.data.rewards import CountingReward
+from jaxgrpo.loop import episodes as env_training
+from jaxgrpo.loop import iteration
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
+from jaxgrpo.rewards.reward_set import CountingReward
 from jaxgrpo.rollout.engines.collective import CollectiveSampler
-from jaxgrpo.rollout.environments import training as env_training
 from jaxgrpo.run import assemble, builders
 
 __all__ = [
@@ -129,7 +129,7 @@ def evaluate_policy(
 
   Samples ``k`` completions per prompt (``jaxgrpo.rollout.sampling.generate``), decodes them, scores them
   with ``accuracy`` (a reward function ``(prompts, completions, answer=...) -> list[float]``, e.g.
-  :class:`~jaxgrpo.data.rewards.MathAccuracy`; a score > 0.5 counts as correct) and returns
+  :class:`~jaxgrpo.rewards.reward_set.MathAccuracy`; a score > 0.5 counts as correct) and returns
   ``{"eval_accuracy": mean@k, "eval_pass@j": ... for j in pass_k}`` (the unbiased estimator,
   :func:`pass_at_k`) plus the verifier's counters (``eval_<counter>``).
 

@@ -208,7 +208,7 @@ class VLLMSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PartialSpec:
-  """Partial rollouts (``jaxgrpo.rollout.partial_schedule``; docs/trainer.md, "Partial rollouts"): rows still
+  """Partial rollouts (``jaxgrpo.loop.partial.schedule``; docs/trainer.md, "Partial rollouts"): rows still
   decoding when a batch is complete stay in flight across the weight update and continue under the new version;
   every token keeps the version and log-prob it was sampled with, and the staleness bound applies per token.
 
@@ -257,7 +257,7 @@ class RolloutSpec:
       sampling — instead of the adapted model (default; see docs/models.md, "Sampling").
     max_staleness: k, the most updates the parameters that sampled a group may lag behind the ones
       it is trained from. 0: the synchronous loop; >= 1: a producer samples the next batches while
-      the learner updates (``jaxgrpo.rollout.async_rollout``; docs/trainer.md, "Asynchronous rollouts").
+      the learner updates (``jaxgrpo.loop.async_rollout``; docs/trainer.md, "Asynchronous rollouts").
     engine: what generates the rollouts: ``jax`` (the built-in jitted sampler, default), ``vllm``
       (vLLM in this process, the policy's weights pushed after every update; its log-probs become the
       batch's ``behavior_logp`` and the trainer recomputes ``old_logp``), or ``package.module:callable``, a
@@ -382,8 +382,8 @@ class RewardSpec:
   """The reward: a weighted sum of named functions.
 
   Attributes:
-    weights: ``{name: weight}`` over ``accuracy`` (``jaxgrpo.data.rewards.MathAccuracy``: the boxed
-      answer is right) and ``format`` (``jaxgrpo.data.rewards.format_reward``: a boxed answer is present).
+    weights: ``{name: weight}`` over ``accuracy`` (``jaxgrpo.rewards.reward_set.MathAccuracy``: the boxed
+      answer is right) and ``format`` (``jaxgrpo.rewards.reward_set.format_reward``: a boxed answer is present).
     timeout_s: per-sample verifier time limit in a worker process (None: no worker process).
     on_error: ``raise`` (stop, showing the sample) or ``zero`` (score 0 and count it).
     sources: learned and remote rewards added to the sum (:class:`RewardSourceSpec`: reward models, judges,

@@ -1,6 +1,6 @@
 """The training loop: rollout → reward → update, with evaluation, metrics and checkpoint hooks.
 
-One step, through the rollout source (``jaxgrpo.rollout.source``) and the step::
+One step, through the rollout source (``jaxgrpo.loop.source``) and the step::
 
     prompt indices   = PromptIterator.next(prompts_per_step)             (every process: the same B)
     rollout          = collect.sample(policy_model(...), place_prompts(this process's prompts))
@@ -20,7 +20,7 @@ Several processes (docs/train.md, "Running on a pod / a cluster"): every process
 prompt indices, decodes, scores and feeds only its own rows; what they must agree on (dynamic
 sampling's rewards, metrics, evaluation counts) comes from small all-gathers, so the result equals a
 one-process run on the same mesh. With ``rollout.max_staleness`` >= 1 or ``devices.rollout``,
-``train_step`` is the learner's step of ``jaxgrpo.rollout.async_rollout.AsyncRollouts`` (docs/trainer.md).
+``train_step`` is the learner's step of ``jaxgrpo.loop.async_rollout.AsyncRollouts`` (docs/trainer.md).
 
 The run is a :class:`~jaxgrpo.run.specs.TrainerConfig`; the model and prompts are built by
 ``jaxgrpo.run.builders``, evaluation is ``jaxgrpo.run.evaluation.evaluate_policy``. Everything a resume needs
@@ -30,9 +30,9 @@ is explicit in :class:`TrainerState`: trained parameters, optimizer state and st
 run's base-weights fingerprint included). Failures and what each keeps: docs/failure_modes.md.
 
 The loop only: the parts are built by ``jaxgrpo.run.assemble`` (checks, engine, data, rewards, optimizer),
-the batch of a step comes from the rollout source (``jaxgrpo.rollout.source.RolloutSource``: sampler ×
+the batch of a step comes from the rollout source (``jaxgrpo.loop.source.RolloutSource``: sampler ×
 single- or multi-turn × dynamic sampling × engine correction) or the asynchronous producer
-(``jaxgrpo.rollout.async_rollout``), and signals, stop requests and finite checks are the run-control
+(``jaxgrpo.loop.async_rollout``), and signals, stop requests and finite checks are the run-control
 service (``jaxgrpo.run.control``).
 """
 
@@ -47,11 +47,11 @@ import jax
 from flax import nnx
 
 from jaxgrpo import data as data_lib
+from jaxgrpo.loop import async_rollout
+from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
-from jaxgrpo.rollout import async_rollout
 from jaxgrpo.rollout.environments.rollout import RolloutInterrupted
-from jaxgrpo.rollout.schedule import Learner, Synchronous
 from jaxgrpo.run import assemble, builders
 from jaxgrpo.run.collapse import (
   DEFAULT_GUARD,
@@ -152,7 +152,7 @@ class Trainer:
   ``run()`` trains, logging to ``OUT/metrics.jsonl``.
 
   One job at ~310 lines: the loop's run control (build, step, evaluate, save, stop); what it builds is
-  ``jaxgrpo.run.builders`` / ``assemble``, the rollout is ``jaxgrpo.rollout.source``'s.
+  ``jaxgrpo.run.builders`` / ``assemble``, the rollout is ``jaxgrpo.loop.source``'s.
 
   Args:
     config: the run.
@@ -235,7 +235,7 @@ class Trainer:
     self.reference = feed.make_reference(self.step_fn, train_state) if self.step_fn.reads_ref_logp else None
     self.sampling = assemble.sampling_config(cfg, self.model, pad_id=self.pad_id, eos_ids=self.eos_ids)
     engine = assemble.start_engine(cfg, self.model, prompt_len=self.data.prompt_len)
-    # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.rollout.environments.training)
+    # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.loop.episodes)
     self.make_env = None if cfg.env is None else cfg.env.make_env()
     self.iterator = data_lib.PromptIterator(len(self.data.examples), seed=cfg.run.seed)
     self.source = assemble.rollout_source(
@@ -262,7 +262,7 @@ class Trainer:
         self.iterator.restore(self.state.data_position)
         self.resumed = True
     #: how a step meets the source: synchronous, or bounded staleness with rollout.max_staleness >= 1 or
-    #: devices.rollout (jaxgrpo.rollout.schedule, jaxgrpo.rollout.async_rollout)
+    #: devices.rollout (jaxgrpo.loop.schedule, jaxgrpo.loop.async_rollout)
     self.schedule = assemble.schedule(
       cfg, self.source, self.learner, self.state, rollout_mesh=self.rollout_mesh, resumed=self.resumed
     )

@@ -4,7 +4,7 @@
 minutes on ``\\boxed{2^{10^{10}}}``): ``map(fn, items)`` runs ``fn`` (importable by name) in one
 worker process, kills it at ``timeout_s`` per item and restarts it; every result is
 ``(status, value)`` with status ``ok``/``error``/``timeout``. The worker exits when its parent dies,
-however the parent dies. Re-exported by ``jaxgrpo.data.rewards``.
+however the parent dies. Re-exported by ``jaxgrpo.rewards.reward_set``.
 
 The worker is a fresh interpreter (``python -c``, the parent's ``sys.path``) that imports only this module
 and ``fn``'s: unlike ``multiprocessing``'s ``spawn`` it does not re-run the parent's ``__main__`` (a training

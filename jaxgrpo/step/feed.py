@@ -4,7 +4,7 @@ from a rollout and its rewards), the frozen reference pass (:func:`make_referenc
 state holds (:func:`policy_model`, :func:`policy_params`).
 
 Everything here sits between the rollout side and the jitted step, so both the one-call iteration
-(``jaxgrpo.rollout.iteration``) and a trainer's own loop build the step's inputs one way.
+(``jaxgrpo.loop.iteration``) and a trainer's own loop build the step's inputs one way.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class TrainConfig:
       made (``GRPOConfig.num_iterations``), so a step makes μ·M updates.
     max_grad_norm: clip the gradient to this global norm (None: no clipping).
     temperature: the sampling temperature the log-probs refer to; the one temperature of training
-      (``jaxgrpo.rollout.iteration.grpo_iteration`` and the trainer sample at it).
+      (``jaxgrpo.loop.iteration.grpo_iteration`` and the trainer sample at it).
     chunk_size: positions per chunk of the float32 logits (None: unchunked). A chunk holds
       ``rows per micro-batch × chunk_size × V`` float32 logits: aim for a few thousand tokens (64 rows ×
       32 positions at V = 32000 is 262 MB; larger chunks were slower, BENCHMARKS.md "Peers", run C).

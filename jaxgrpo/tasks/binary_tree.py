@@ -50,8 +50,8 @@ from flax import nnx
 
 from jaxgrpo.kernels.config import GRPOConfig, preset
 from jaxgrpo.kernels.objective import objective_terms, rollout_advantages
+from jaxgrpo.loop.iteration import rollout_loss
 from jaxgrpo.models import GPT2Config, build_model
-from jaxgrpo.rollout.iteration import rollout_loss
 
 __all__ = [
   "ALGORITHMS",
@@ -353,7 +353,7 @@ def make_sweep(
   ``algorithms``: one preset name (or ``GRPOConfig``): outputs are ``[C, S, steps]``; or a sequence
   of them: outputs are ``[A, C, S, steps]``. Several algorithms share one compilation: the policy's
   forward/backward is ``vmap``-ped over them and each algorithm's loss
-  (:func:`jaxgrpo.rollout.iteration.rollout_loss`: ``advantages_fn`` → ``objective_fn`` → ``finalize_terms``
+  (:func:`jaxgrpo.loop.iteration.rollout_loss`: ``advantages_fn`` → ``objective_fn`` → ``finalize_terms``
   under its own config, the train step's hooks and defaults) is a branch of ``lax.switch`` on the
   algorithm's index. Under ``vmap`` every branch is evaluated and
   selected, which costs little: the branches see only ``[G, depth]`` arrays.

@@ -38,7 +38,7 @@ from tokenizers import models as tk_models
 from transformers import PreTrainedTokenizerFast
 
 from jaxgrpo.data import INSTRUCTION, build_messages
-from jaxgrpo.data.rewards import extract_boxed
+from jaxgrpo.rewards.reward_set import extract_boxed
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import ToolEnvironment, tool_schema

@@ -11,7 +11,7 @@ iter: one full GRPO iteration = rollout (as above) + reward (host) + reference l
 seq-mean-token-mean aggregation as Tunix's default and TRL's loss_type="grpo", k3 KL, 2 micro-batches
 of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); one warm-up iteration then REPEATS
 timed ones. The iteration is the library's public one,
-`jaxgrpo.rollout.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
+`jaxgrpo.loop.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import optax  # noqa: E402
 
 from jaxgrpo import models
 from jaxgrpo.kernels.config import preset  # noqa: E402
+from jaxgrpo.loop import iteration
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import iteration
 from jaxgrpo.step import train
 
 # PEERS_PRECISION (common.PRECISION): bf16 is jaxgrpo's mixed precision, bf16 compute over float32 parameters

@@ -26,7 +26,7 @@ An engine says which with the optional class attribute ``logprobs_are_policy`` (
 True only for an engine that declares it; an engine without the attribute gets its log-probs recomputed,
 which is exact for every engine, at the cost of one forward pass). A second optional class attribute,
 ``static_shapes = True``, says that ``generate`` compiles a program per input shape (a jitted sampler): callers
-that vary the batch (partial rollouts, ``jaxgrpo.rollout.partial_engine``) then pad it to few shapes.
+that vary the batch (partial rollouts, ``jaxgrpo.loop.partial.engine``) then pad it to few shapes.
 
 Implementations: :class:`jaxgrpo.rollout.engines.builtin.BuiltinEngine` (the default: the jitted sampler, in
 process, no copy of the weights) and :class:`jaxgrpo.rollout.engines.vllm.VLLMEngine` (vLLM, colocated in
@@ -117,7 +117,7 @@ def logprobs_are_policy(engine) -> bool:
   """Whether ``engine``'s ``Generation.rollout.log_probs`` are the policy's own (the train step's recomputation
   up to float32 rounding), so they can serve as ``old_logp``: the engine's ``logprobs_are_policy`` attribute,
   False when it has none (then the caller recomputes ``old_logp`` with the policy and keeps the engine's as
-  ``behavior_logp``: ``jaxgrpo.rollout.collect.engine_old_logp``)."""
+  ``behavior_logp``: ``jaxgrpo.loop.collect.engine_old_logp``)."""
   return getattr(engine, "logprobs_are_policy", False) is True
 
 

@@ -49,7 +49,7 @@ def place_prompts(prompt_tokens, prompt_mask, *, mesh: Mesh, rules: Mapping[str,
     mesh, rules: the mesh and rules table of the step.
 
   Returns:
-    ``(prompt_tokens, prompt_mask)`` for ``jaxgrpo.rollout.collect.sample``.
+    ``(prompt_tokens, prompt_mask)`` for ``jaxgrpo.loop.collect.sample``.
   """
   tokens, mask = np.asarray(prompt_tokens), np.asarray(prompt_mask)
   b = tokens.shape[0]
@@ -68,7 +68,7 @@ class BuiltinEngine:
 
   name = "jax"
   logprobs_are_policy = True
-  static_shapes = True  # one compiled program per shape: callers bucket shapes (jaxgrpo.rollout.partial_engine)
+  static_shapes = True  # one compiled program per shape: callers bucket shapes (jaxgrpo.loop.partial.engine)
   samples_on_mesh = True  # sample_rows: one program on the caller's mesh; the library's programs run on .model
   records_routing = True  # SamplingConfig.record_routing: a mixture of experts' routing, replayed by the step
 

@@ -1,4 +1,4 @@
-"""Environments and tools for multi-turn rollouts (host side, beside ``jaxgrpo.rollout.iteration``).
+"""Environments and tools for multi-turn rollouts (host side, beside ``jaxgrpo.loop.iteration``).
 
 - ``base``: the protocol — :class:`Environment` (``tools``, ``reset(row)``, ``step(text)``) and
   :class:`StepResult` (messages, reward, done, metrics).

@@ -173,7 +173,7 @@ BASE_METRICS = (*METRIC_NAMES, "env_errors", "env_timeouts", "truncated")
 class Trajectory:
   """One trajectory between turns (host side): its environment, its rendered prompt, the stop ids of its
   turns, and what it holds so far. :func:`sample_multiturn` runs a batch of them to the end; partial
-  rollouts (``jaxgrpo.rollout.partial_env``) keep them across weight updates.
+  rollouts (``jaxgrpo.loop.partial.env``) keep them across weight updates.
 
   Attributes:
     tokens: the interleaved trajectory after the prompt (policy and observation token ids).

@@ -1,8 +1,8 @@
 """One scorer's bookkeeping for every schedule: the scored rows of a sampling round or a pool's complete groups,
 gathered over the processes, and the rollout metrics of a batch.
 
-The synchronous source (``jaxgrpo.rollout.source.RolloutSource``; the bounded-staleness producer calls it) and
-the partial pools (``jaxgrpo.rollout.partial_schedule.PartialRollouts``) score rows the same way (single-turn:
+The synchronous source (``jaxgrpo.loop.source.RolloutSource``; the bounded-staleness producer calls it) and
+the partial pools (``jaxgrpo.loop.partial.schedule.PartialRollouts``) score rows the same way (single-turn:
 ``RolloutSource.score`` with the run's ``RewardSet``; multi-turn: the environments' rewards) and report the same
 metrics from the same numbers::
 
@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxgrpo.data import rewards as rewards_lib
 from jaxgrpo.parallel import distributed
+from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.step.batch import Batch
 
 __all__ = ["Scored", "batch_metrics", "gather_env_rows", "gather_scores", "informative", "pad_prompts"]

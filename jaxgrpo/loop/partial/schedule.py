@@ -1,7 +1,7 @@
 """Partial rollouts under the bounded-staleness schedule (``rollout.partial``; docs/trainer.md, "Partial rollouts").
 
-:class:`PartialRollouts` is ``AsyncRollouts`` whose batches come from a :class:`~jaxgrpo.rollout.partial.RowPool`
-kept across weight updates (an engine's run: :class:`~jaxgrpo.rollout.partial_engine.EnginePool`, which
+:class:`PartialRollouts` is ``AsyncRollouts`` whose batches come from a :class:`~jaxgrpo.loop.partial.pool.RowPool`
+kept across weight updates (an engine's run: :class:`~jaxgrpo.loop.partial.engine.EnginePool`, which
 re-submits each running row to the engine at every boundary): producing batch m with the newest published
 version v decodes until ``prompts_per_step`` groups are complete and takes those (drawing order); rows still running stay in their
 slots and continue, re-prefilled, under the next version. Every token carries its version and the log-prob it
@@ -71,14 +71,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxgrpo import data as data_lib
-from jaxgrpo.data import rewards as rewards_lib
+from jaxgrpo.loop import scoring
+from jaxgrpo.loop.async_rollout import AsyncRollouts, ProducedBatch
+from jaxgrpo.loop.partial.engine import EnginePool
+from jaxgrpo.loop.partial.env import EpisodePool
+from jaxgrpo.loop.partial.pool import PoolGroup, RowPool
 from jaxgrpo.parallel import distributed
-from jaxgrpo.rollout import scoring
-from jaxgrpo.rollout.async_rollout import AsyncRollouts, ProducedBatch
+from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import driver
-from jaxgrpo.rollout.partial import PoolGroup, RowPool
-from jaxgrpo.rollout.partial_engine import EnginePool
-from jaxgrpo.rollout.partial_env import EpisodePool
 from jaxgrpo.rollout.sampling import Rollout
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
@@ -128,11 +128,11 @@ class PartialRollouts(AsyncRollouts):
     self.ahead = ahead
     self._init_processes()
     rows = source.rows_per_step // self._procs
-    if source.turns is not None:  # multi-turn: trajectories kept turn by turn (jaxgrpo.rollout.partial_env)
+    if source.turns is not None:  # multi-turn: trajectories kept turn by turn (jaxgrpo.loop.partial.env)
       self.pool = EpisodePool(source, num_slots=rows if num_slots is None else num_slots, refill=refill)
     else:
       # the built-in engine's rows decode in the pool's own slots; another engine's pool re-submits each running
-      # row at every boundary (jaxgrpo.rollout.partial_engine)
+      # row at every boundary (jaxgrpo.loop.partial.engine)
       on_mesh = driver.samples_on_mesh(source.engine)
       engine = {} if on_mesh else {"engine_for": source.engine_holding, "engine_sampling": source.engine_sampling}
       self.pool = (RowPool if on_mesh else EnginePool)(

@@ -7,7 +7,7 @@
                    sampler's log-probs are not the policy's (an engine's; an older version's) and keeps
                    the sampler's as ``behavior_logp``, runs the reference pass (β > 0) and the jitted step
     Synchronous    one step = the source's batch of the current policy, then the learner
-    AsyncRollouts  (``jaxgrpo.rollout.async_rollout``) bounded staleness: batches of older versions,
+    AsyncRollouts  (``jaxgrpo.loop.async_rollout``) bounded staleness: batches of older versions,
                    produced while the learner updates
 
 A schedule takes the run's state ``(train, key, data_position)`` and returns a :class:`StepOut`; it
@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxgrpo.rollout import collect
-from jaxgrpo.rollout.source import RolloutSource
+from jaxgrpo.loop import collect
+from jaxgrpo.loop.source import RolloutSource
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import TrainState, TrainStep

@@ -13,11 +13,11 @@ A source composes what a run's config names, each part an argument rather than a
                 feeds its own rows
 
 :meth:`RolloutSource.batch` returns the host rows (:class:`Produced`); the learner
-(``jaxgrpo.rollout.schedule.Learner``) places them, recomputes ``old_logp`` when the sampler's log-probs
+(``jaxgrpo.loop.schedule.Learner``) places them, recomputes ``old_logp`` when the sampler's log-probs
 are not the policy's (an engine that does not declare ``logprobs_are_policy``, a stale version) and updates.
-Scores, their gathering over processes and the batch's metrics are ``jaxgrpo.rollout.scoring``'s (the partial
+Scores, their gathering over processes and the batch's metrics are ``jaxgrpo.loop.scoring``'s (the partial
 pools use the same). The schedules
-(``jaxgrpo.rollout.schedule.Synchronous``, ``jaxgrpo.rollout.async_rollout.AsyncRollouts``) call the source
+(``jaxgrpo.loop.schedule.Synchronous``, ``jaxgrpo.loop.async_rollout.AsyncRollouts``) call the source
 with the policy and version they sample; the source holds no train state. It is built from a run config
 by ``jaxgrpo.run.assemble``.
 
@@ -37,17 +37,17 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo import data as data_lib
-from jaxgrpo.data import rewards as rewards_lib
+from jaxgrpo.loop import collect, scoring
+from jaxgrpo.loop import episodes as env_training
+from jaxgrpo.loop.scoring import Scored, pad_prompts
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout import collect, scoring
+from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
-from jaxgrpo.rollout.environments import training as env_training
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig
-from jaxgrpo.rollout.scoring import Scored, pad_prompts
 from jaxgrpo.step.batch import Batch
 
 __all__ = ["RolloutSource", "Produced", "Turns", "pad_prompts", "rows_to_columns"]
@@ -113,7 +113,7 @@ class RolloutSource:
     examples: the training rows (``data.MathExample``, or environment episode rows).
     prompts, prompt_len, pad_id: the encoded prompts (None for environment episodes).
     tokenizer: decodes completions (single-turn scoring) and renders turns (multi-turn).
-    reward_set: a ``data.rewards.RewardSet`` (single-turn).
+    reward_set: a ``rewards.reward_set.RewardSet`` (single-turn).
     prompts_per_step: B, groups per step.
     dynamic_sampling, max_rounds: drop groups with equal rewards and sample again, at most ``max_rounds``.
     merge_lora: sample the merged policy (``models.lora.merge_lora``).

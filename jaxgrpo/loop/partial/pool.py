@@ -25,7 +25,7 @@ queries) that no version's teacher-forced pass reproduces.
 
 A token's uniform is ``uniform(fold_in(row key, t))``: a row's tokens depend on its key and on the versions
 it ran under, not on its slot or boundary. A pool is one process's: with several processes each runs its own
-(``jaxgrpo.rollout.partial_schedule``).
+(``jaxgrpo.loop.partial.schedule``).
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ class RowPool:
 
   def _prepare(self, model, version: int, key):
     """What :meth:`_boundary` decodes with in this :meth:`run` (here ``(graphdef, state)`` of ``model``; the
-    device carry built on first use). ``jaxgrpo.rollout.partial_engine.EnginePool`` decodes with an engine."""
+    device carry built on first use). ``jaxgrpo.loop.partial.engine.EnginePool`` decodes with an engine."""
     graphdef, state = nnx.split(self.sampling.model_to_sample(model))
     if self._policy is None:
       self._policy = _sampling.SamplingPolicy.from_config(

@@ -34,10 +34,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxgrpo.loop.schedule import StepOut, step_metrics
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.target import platform_of
-from jaxgrpo.rollout.schedule import StepOut, step_metrics
 from jaxgrpo.services.checkpoint_files import move_aside
 from jaxgrpo.services.metrics import truncate_jsonl
 from jaxgrpo.step import feed
@@ -143,9 +143,9 @@ class AsyncRollouts:
   up to n + k are produced with the newest published version.
 
   Args:
-    source: the run's rollout source (``jaxgrpo.rollout.source.RolloutSource``: sampler or engine,
+    source: the run's rollout source (``jaxgrpo.loop.source.RolloutSource``: sampler or engine,
       single- or multi-turn, dynamic sampling).
-    learner: the run's learner (``jaxgrpo.rollout.schedule.Learner``).
+    learner: the run's learner (``jaxgrpo.loop.schedule.Learner``).
     state: the run's state ``(train, key, data_position)`` at construction (the parameters' placement
       and the frozen variables; a restored state's record of untrained prompts).
     max_staleness: k >= 0.

@@ -1,6 +1,6 @@
 """Partial rollouts of multi-turn environments: trajectories kept in flight across weight updates, turn by turn.
 
-:class:`EpisodePool` is the environment counterpart of :class:`~jaxgrpo.rollout.partial.RowPool` (the same
+:class:`EpisodePool` is the environment counterpart of :class:`~jaxgrpo.loop.partial.pool.RowPool` (the same
 group bookkeeping: drawing rounds, ``take``, ``drop_older``, the staleness deadlines of ``may_start`` and the
 finishing rule; docs/trainer.md, "Partial rollouts"). Its unit of work is a *turn*: every trajectory in one of
 the S places samples its next turn with the current version, its environment steps, and the observation is
@@ -33,10 +33,10 @@ import time
 import jax
 import numpy as np
 
+from jaxgrpo.loop.episodes import example_row
+from jaxgrpo.loop.partial.pool import PoolGroup, RowPool
 from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.environments import rollout as _episodes
-from jaxgrpo.rollout.environments.training import example_row
-from jaxgrpo.rollout.partial import PoolGroup, RowPool
 
 __all__ = ["EpisodePool"]
 
@@ -65,7 +65,7 @@ class EpisodePool(RowPool):
   """S places of multi-turn trajectories kept between batches (the module docstring).
 
   Args:
-    source: the run's rollout source (``jaxgrpo.rollout.source.RolloutSource`` with ``turns``): its
+    source: the run's rollout source (``jaxgrpo.loop.source.RolloutSource`` with ``turns``): its
       examples, environments, tokenizer, sampling settings, temperature, engine and ``should_stop``.
     num_slots: S >= G, trajectories in flight at once.
     refill: a place freed by an ended trajectory takes the next queued one at the next turn; False: new

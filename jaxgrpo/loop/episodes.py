@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxgrpo.data.rewards import finite_reward_stats
+from jaxgrpo.rewards.reward_set import finite_reward_stats
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
 from jaxgrpo.step.train import Batch
 

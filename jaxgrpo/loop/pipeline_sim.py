@@ -12,7 +12,7 @@ Two agents share one or two device pools:
 Colocated placement is one pool, time-shared first come first served (a job holds the devices to its
 end, as one XLA program does); disaggregated placement gives each agent its own pool. Jobs are
 executed in the order their agents become ready (ties: the learner first), which is the event order of
-this two-agent system. The same rules as ``jaxgrpo.rollout.async_rollout``; the times are inputs — measured on
+this two-agent system. The same rules as ``jaxgrpo.loop.async_rollout``; the times are inputs — measured on
 the devices each pool really has (a phase on fewer devices takes longer: the model does not scale
 them).
 

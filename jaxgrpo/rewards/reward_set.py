@@ -19,7 +19,7 @@ Error contract (one rule for every reward function, :class:`MathAccuracy` includ
 - A function whose ``nan_is_missing`` attribute is True (the learned and remote rewards of
   ``jaxgrpo.rewards``: a judge's unparsable verdict, a reward service that failed) returns NaN for a
   sample it could not score: a *missing sample*, not an error. :class:`RewardSet` keeps it NaN in
-  ``per_fn`` and ``total`` (the row gets advantage 0 and stays out of the loss, as ``rollout.collect.score``
+  ``per_fn`` and ``total`` (the row gets advantage 0 and stays out of the loss, as ``loop.collect.score``
   documents) and counts it (``"<name>/missing"``) whatever ``on_error`` says; never a silent 0. A ±inf
   from such a function is the same missing sample (NaN, counted in ``"<name>/missing"`` and
   ``"<name>/nonfinite"``): one rule for every non-finite learned, judged or remote score, on every path.

@@ -37,7 +37,7 @@ the policy first (:func:`engine_sample`); when the engine's log-probs are not th
 (``jaxgrpo.rollout.engines.logprobs_are_policy``), they become ``behavior_logp`` and :func:`engine_old_logp`
 recomputes ``old_logp`` with :func:`policy_logp_fn` — the trainer and the multi-turn path use the same two.
 
-The pieces live where they belong — sampling and scoring in ``jaxgrpo.rollout.collect``, the step's
+The pieces live where they belong — sampling and scoring in ``jaxgrpo.loop.collect``, the step's
 inputs in ``jaxgrpo.step.feed``, ``SamplingConfig`` in ``jaxgrpo.rollout.sampling`` — and are re-exported
 here, so ``jaxgrpo.iteration.sample`` (the public module attribute) keeps naming them.
 """
@@ -50,12 +50,10 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from jaxgrpo.data.rewards import finite_reward_stats
 from jaxgrpo.kernels.config import GRPOConfig
 from jaxgrpo.kernels.losses import finalize_terms
 from jaxgrpo.kernels.objective import objective_terms, rollout_advantages
-from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.rollout.collect import (
+from jaxgrpo.loop.collect import (
   GroupSelection,
   engine_old_logp,
   engine_sample,
@@ -66,6 +64,8 @@ from jaxgrpo.rollout.collect import (
   select_groups,
   timed_push,
 )
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rewards.reward_set import finite_reward_stats
 from jaxgrpo.rollout.engines.base import check_engine, logprobs_are_policy
 from jaxgrpo.rollout.environments.rollout import MultiTurnConfig, MultiTurnRollout, rollout_metrics, sample_multiturn
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig

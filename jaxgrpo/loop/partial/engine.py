@@ -1,6 +1,6 @@
 """Partial rollouts through an engine (vLLM, a user's ``package.module:callable``, the ``BuiltinEngine``).
 
-:class:`EnginePool` is a :class:`~jaxgrpo.rollout.partial.RowPool` whose boundaries call an engine's
+:class:`EnginePool` is a :class:`~jaxgrpo.loop.partial.pool.RowPool` whose boundaries call an engine's
 ``generate`` (``jaxgrpo.rollout.engines.base.Engine``) instead of the pool's own jitted programs. The
 bookkeeping — groups, queue, slots, refill, the staleness deadlines, ``take`` / ``drop_older`` /
 ``untrained`` — is the row pool's; only how a boundary decodes differs::
@@ -39,19 +39,19 @@ import jax
 import numpy as np
 
 from jaxgrpo.data import pad_left
+from jaxgrpo.loop.partial.pool import RowPool
 from jaxgrpo.rollout import conversation as _conversation
-from jaxgrpo.rollout.partial import RowPool
 from jaxgrpo.rollout.sampling import SamplingConfig
 
 __all__ = ["EnginePool"]
 
 
 class EnginePool(RowPool):
-  """A :class:`~jaxgrpo.rollout.partial.RowPool` decoded by an engine (the module docstring).
+  """A :class:`~jaxgrpo.loop.partial.pool.RowPool` decoded by an engine (the module docstring).
 
   Args:
     engine_for: ``engine_for(model, version) -> engine``: the engine holding ``version``'s weights (pushed when
-      it holds another; ``jaxgrpo.rollout.source.RolloutSource._engine``).
+      it holds another; ``jaxgrpo.loop.source.RolloutSource._engine``).
     engine_sampling: the ``SamplingConfig`` the engine receives (EOS, pad, filters); ``num_samples`` and
       ``max_new_tokens`` are set per call.
     sampling, temperature, prompt_len, num_slots, refill_every, refill, budget_of: as for ``RowPool``

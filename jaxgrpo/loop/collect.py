@@ -2,7 +2,7 @@
 policy (:func:`sample`) or an engine (:func:`engine_sample`, pushing the policy first), recompute the policy's
 own log-probs when an engine's are not (:func:`policy_logp_fn`, :func:`engine_old_logp`), score the rows
 with a Python reward function (:func:`score`) and pick the informative groups for dynamic sampling
-(:func:`select_groups`). ``jaxgrpo.rollout.iteration`` chains these into one iteration; the trainer's
+(:func:`select_groups`). ``jaxgrpo.loop.iteration`` chains these into one iteration; the trainer's
 rollout source calls them one at a time.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo import _checks
-from jaxgrpo.data.rewards import group_is_informative
 from jaxgrpo.kernels.importance import mismatch_k3
+from jaxgrpo.rewards.reward_set import group_is_informative
 from jaxgrpo.rollout.engines.base import check_engine, check_generation
 from jaxgrpo.rollout.engines.builtin import place_prompts
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling, generate
@@ -197,14 +197,14 @@ def policy_logp_fn(step: TrainStep) -> Callable:
 def sampled_token_mismatch(old_logp, behavior_logp, mask, policy_mask=None):
   """``(k3, max |log π_old − log μ|)`` over the tokens the sampler drew (``kernels.importance.mismatch_k3``):
   ``mask`` (``bool[B, T]``), and of it only ``policy_mask`` for multi-turn rows (observation tokens were not
-  sampled). The engine path here and the learner (``jaxgrpo.rollout.schedule.Learner``, jitted) share it."""
+  sampled). The engine path here and the learner (``jaxgrpo.loop.schedule.Learner``, jitted) share it."""
   if policy_mask is not None:
     mask = mask & policy_mask
   return mismatch_k3(old_logp, behavior_logp, mask.astype(bool))
 
 
 def recompute_old_logp(logp_fn: Callable, params, batch: Batch, *, mismatch: Callable = sampled_token_mismatch):
-  """The one log-prob recomputation (the learner's, ``jaxgrpo.rollout.schedule.Learner``, and the engine path's,
+  """The one log-prob recomputation (the learner's, ``jaxgrpo.loop.schedule.Learner``, and the engine path's,
   :func:`engine_old_logp`): ``batch`` (placed; ``old_logp`` the sampler's log-probs μ) with ``old_logp`` :=
   ``logp_fn(params, batch)`` (π_old: :func:`policy_logp_fn`) and ``behavior_logp`` := μ, and
   ``mismatch(π_old, μ, mask, policy_mask)`` (:func:`sampled_token_mismatch`: ``(k3, max |log π_old − log μ|)``
