@@ -41,10 +41,10 @@ import common  # noqa: E402
 
 from jaxgrpo import models  # noqa: E402
 from jaxgrpo.kernels.config import preset  # noqa: E402
+from jaxgrpo.loop import iteration  # noqa: E402
 from jaxgrpo.models import layers  # noqa: E402
 from jaxgrpo.models.log_probs import completion_log_probs  # noqa: E402
 from jaxgrpo.parallel import sharding as shd  # noqa: E402
-from jaxgrpo.rollout import iteration  # noqa: E402
 from jaxgrpo.step import train  # noqa: E402
 
 PRECISIONS = {"fp32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.float32)}

@@ -44,8 +44,8 @@ import jax
 import yaml
 
 from jaxgrpo import data
-from jaxgrpo.data import rewards
 from jaxgrpo.parallel import sharding
+from jaxgrpo.rewards import reward_set as rewards
 from jaxgrpo.run import assemble, builders
 from jaxgrpo.run.evaluation import eval_settings, evaluate_checkpoint, evaluate_policy
 from jaxgrpo.run.specs import DTYPES, ModelSpec, config_from_dict
