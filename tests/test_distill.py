@@ -248,3 +248,77 @@ def test_bad_inputs_are_refused_in_one_line():
     distill.reverse_kl_advantages(lt[..., 0], lt[..., 1], mask, clip=0.0)
   with pytest.raises(ValueError, match="topk_ids"):
     distill.gather_topk(logits, ids[:1])
+
+
+# ----------------------------------------------------------------------------- through the train step
+
+
+@pytest.mark.parametrize(
+  "name, overrides, weight",
+  [
+    ("grpo", {}, 0.5),  # RL + w·distill
+    pytest.param("lambda_grpo", {}, 2.0, marks=pytest.mark.slow),  # with λ-GRPO's 1/|λ| token weights
+    (None, {}, 1.0),  # distillation alone: no rewards read
+  ],
+)
+def test_train_step_with_distillation_advantages(name, overrides, weight):
+  """``Batch.advantages = combine_advantages(rollout_advantages(...), reverse_kl_advantages(...), w)``: the
+  advantage equals NumPy's ``a_RL + w·(log π_t − log π_s)`` on the policy's tokens, and one step of
+  ``make_train_step`` equals the hand-written SGD update of the clipped surrogate with that advantage over
+  the policy's tokens (observation tokens out of the loss and out of the distillation term)."""
+  import optax
+  from helpers import G, flat_params, make_batch, ref_advantages, ref_lambda_sizes, reference_update, tiny_model
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.kernels.objective import rollout_advantages
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import train
+
+  config = preset(name or "grpo", **overrides)
+  batch = make_batch(11)
+  mask = np.asarray(batch.mask)
+  policy = mask.copy()
+  policy[:, [2, 5]] = False  # observation tokens
+  rng = np.random.default_rng(12)
+  teacher = np.where(mask, np.asarray(batch.old_logp) + 0.5 * rng.standard_normal(mask.shape), 0).astype(np.float32)
+  old = np.asarray(batch.old_logp, np.float64)
+  want = weight * np.where(policy, teacher - old, 0.0)
+  weights = None
+  distill_adv = distill.reverse_kl_advantages(batch.old_logp, teacher, mask, policy_mask=policy)
+  if name is None:
+    adv = distill.combine_advantages(None, distill_adv, weight)
+    batch = batch._replace(rewards=None)
+  else:
+    want = ref_advantages(config, batch)[:, None] + want
+    rl, weights = rollout_advantages(
+      config, batch.rewards, batch.completions, mask, batch.group_ids, len(set(batch.group_ids.tolist()))
+    )
+    adv = distill.combine_advantages(rl, distill_adv, weight)
+    if config.process_weights:
+      sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
+      np.testing.assert_allclose(np.asarray(weights), np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(adv)[mask], want[mask], rtol=1e-5, atol=1e-6)
+
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(0.5)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=8)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+  fed = batch._replace(advantages=adv, token_weights=weights, policy_mask=policy)
+  if not step.reads_ref_logp:
+    fed = fed._replace(ref_logp=None)
+  state, metrics = step(state, fed)
+  want_params, want_metrics, _ = reference_update(
+    tiny_model(layers=1),
+    batch,
+    config,
+    lr=0.5,
+    max_grad_norm=1e30,
+    advantages=want,
+    token_weights=weights,
+    loss_mask=policy,
+  )
+  got = flat_params(state.params)
+  for k in want_params:
+    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
+  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
