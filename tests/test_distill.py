@@ -258,6 +258,7 @@ def test_bad_inputs_are_refused_in_one_line():
   [
     ("grpo", {}, 0.5),  # RL + w·distill
     pytest.param("lambda_grpo", {}, 2.0, marks=pytest.mark.slow),  # with λ-GRPO's 1/|λ| token weights
+    ("frpo", {"beta": 0.5}, 0.5),  # FRPO's per-token advantage (its cost to go over the policy's tokens)
     (None, {}, 1.0),  # distillation alone: no rewards read
   ],
 )
@@ -289,9 +290,19 @@ def test_train_step_with_distillation_advantages(name, overrides, weight):
     adv = distill.combine_advantages(None, distill_adv, weight)
     batch = batch._replace(rewards=None)
   else:
-    want = ref_advantages(config, batch)[:, None] + want
+    # FRPO: the reference is the rollout policy on observation tokens (δ = 0 there), as the step does
+    ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
+    rl_want = ref_advantages(config, batch._replace(ref_logp=ref))
+    want = (rl_want[:, None] if rl_want.ndim == 1 else rl_want) + want
     rl, weights = rollout_advantages(
-      config, batch.rewards, batch.completions, mask, batch.group_ids, len(set(batch.group_ids.tolist()))
+      config,
+      batch.rewards,
+      batch.completions,
+      mask,
+      batch.group_ids,
+      len(set(batch.group_ids.tolist())),
+      old_logp=batch.old_logp,
+      ref_logp=ref,
     )
     adv = distill.combine_advantages(rl, distill_adv, weight)
     if config.process_weights:
