@@ -333,3 +333,32 @@ def test_train_step_with_distillation_advantages(name, overrides, weight):
   for k in want_params:
     np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
   assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("kind, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)])
+def test_a_teacher_with_fewer_than_k_ids(kind, beta):
+  """A −inf teacher log-prob (an engine that returned fewer than k ids) takes the id out of the set for both
+  models: the divergence equals NumPy's over the remaining ids, those ids get no gradient; a position with
+  no finite id gives 0 (finite gradient); a NaN teacher log-prob stays visible (NaN), never hidden."""
+  logits, ids, lt, mask, policy = topk_inputs(seed=8)
+  lt = lt.copy()
+  lt[0, 0, 2:] = -np.inf  # two ids left
+  lt[1, 3, 1] = -np.inf  # three ids left
+  lt[1, 2, :] = -np.inf  # none left
+  f = _loss(kind, beta, ids, lt, mask, None)
+  value, grad = jax.value_and_grad(f)(jnp.asarray(logits))
+  z = np.take_along_axis(logits.astype(np.float64), ids, axis=-1)
+  want = np.zeros((B, T))
+  for b, t in zip(*np.nonzero(mask)):
+    keep = np.isfinite(lt[b, t])
+    if keep.any():
+      want[b, t] = ref_divergence(z[b, t, keep], lt[b, t, keep].astype(np.float64), kind, beta)
+  per = distill.topk_divergence(z.astype(np.float32), lt, mask, kind=kind, beta=beta)
+  np.testing.assert_allclose(np.asarray(per), want, rtol=1e-5, atol=1e-6)
+  assert float(value) == pytest.approx(want[mask].sum() / mask.sum(), rel=1e-5)
+  g = np.asarray(grad)
+  assert np.isfinite(g).all()
+  assert np.all(g[0, 0, ids[0, 0, 2:]] == 0) and np.all(g[1, 3, ids[1, 3, 1]] == 0) and np.all(g[1, 2] == 0)
+  assert np.any(g[0, 0, ids[0, 0, :2]] != 0)
+  lt[0, 1, 0] = np.nan
+  assert np.isnan(float(_loss(kind, beta, ids, lt, mask, None)(jnp.asarray(logits))))

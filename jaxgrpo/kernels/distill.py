@@ -39,7 +39,9 @@ are *renormalised over those k ids* — ``log p_t = teacher_logp − logsumexp_k
 ``log p_s = z − logsumexp_k(z)`` with ``z`` the student's logits (or log-probs: the same after
 renormalisation) gathered at the ids — and the tail (every other id, for both models) is dropped: the
 divergence is the one between the two distributions *conditioned on the top-k set*. With k = V it is the
-exact full-vocabulary divergence. The student's gradient reaches only its logits at the k ids (the tail's
+exact full-vocabulary divergence. A teacher log-prob of ``−inf`` (an engine that returned fewer than k
+ids, padded) takes its id out of the set for both models; a position with no finite id is not distilled
+(per-token loss 0, still counted by :func:`topk_distill_loss`'s denominator). The student's gradient reaches only its logits at the k ids (the tail's
 logits have zero gradient). Everything is computed in float32 in log space (``logsumexp``; ``p·log p`` as
 ``exp(log p)·log p``, never ``log`` of a probability), so no ``log(0)`` arises and large logits stay finite.
 
@@ -184,27 +186,34 @@ def gather_topk(student_logits, topk_ids):
   return jnp.take_along_axis(student_logits.astype(jnp.float32), topk_ids, axis=-1)
 
 
-def _renormalise(x):
-  return x - jax.scipy.special.logsumexp(x, axis=-1, keepdims=True)
+def _renormalise(x, in_set):
+  """``x − logsumexp(x)`` over the ids in the set, 0 outside it (every row holds at least one id)."""
+  lse = jax.scipy.special.logsumexp(jnp.where(in_set, x, -jnp.inf), axis=-1, keepdims=True)
+  return select(in_set, x - lse)
 
 
-def _kl(log_p, log_q):
-  """``Σ_k p (log p − log q)`` from log-probs (``p = exp(log p)``; no log of a probability)."""
-  return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+def _kl(log_p, log_q, in_set):
+  """``Σ_k p (log p − log q)`` over the ids in the set, from log-probs (``p = exp(log p)``; no log of a
+  probability)."""
+  return jnp.sum(select(in_set, jnp.exp(log_p) * (log_p - log_q)), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "beta"))
 def _topk_divergence(student_topk, teacher_topk_logp, where, kind, beta):
-  keep = where[..., None]
-  log_s = _renormalise(select(keep, student_topk.astype(jnp.float32)))
-  log_t = _renormalise(select(keep, teacher_topk_logp.astype(jnp.float32)))
+  teacher = select(where[..., None], teacher_topk_logp.astype(jnp.float32))
+  in_set = teacher != -jnp.inf  # −inf: the id is not in the set (fewer than k returned); NaN stays visible
+  where = jnp.logical_and(where, jnp.any(in_set, axis=-1))  # no id at all: nothing to distill there
+  in_set = jnp.logical_and(in_set, where[..., None])
+  keep = jnp.logical_or(in_set, ~where[..., None])  # off the distilled positions: any finite row (the zeros)
+  log_s = _renormalise(select(in_set, student_topk.astype(jnp.float32)), keep)
+  log_t = _renormalise(select(in_set, teacher), keep)
   if kind == "forward_kl" or (kind == "jsd" and beta == 0.0):
-    per_token = _kl(log_t, log_s)
+    per_token = _kl(log_t, log_s, in_set)
   elif kind == "reverse_kl" or (kind == "jsd" and beta == 1.0):
-    per_token = _kl(log_s, log_t)
+    per_token = _kl(log_s, log_t, in_set)
   else:  # 0 < β < 1: log m = logsumexp(log β + log p_t, log(1−β) + log p_s)
     log_m = jnp.logaddexp(jnp.log(beta) + log_t, jnp.log1p(-beta) + log_s)
-    per_token = beta * _kl(log_t, log_m) + (1.0 - beta) * _kl(log_s, log_m)
+    per_token = beta * _kl(log_t, log_m, in_set) + (1.0 - beta) * _kl(log_s, log_m, in_set)
   return select(where, per_token)
 
 
