@@ -156,6 +156,11 @@ def _flops_and_bytes(programs: RunPrograms, name: str, plan: ProgramPlan) -> tup
     return fl.step_flops(mc, s.rows, s.prompt_len, s.completion_len, passes), plan.argument_bytes + plan.output_bytes
   if name in ("reference", "old_logp"):
     return fl.forward_flops(mc, s.rows, s.prompt_len, s.completion_len), plan.argument_bytes + plan.output_bytes
+  if name in programs.reward_models:  # every row of a step, in calls of batch_size rows
+    b, t = programs.reward_model_shape(name)
+    calls = -(-s.rows // b)
+    per_call = fl.forward_flops(programs.reward_models[name][3], b, t, 0)
+    return calls * per_call, calls * (plan.argument_bytes + plan.output_bytes)
   compute = np.dtype(DTYPES[cfg.model.dtype]).itemsize
   tensor = dict(programs.mesh.shape).get("tensor", 1)
   weights = fl.active_matmul_params(mc) * compute / tensor  # every device reads the (gathered) layer weights
@@ -191,6 +196,8 @@ def compile_program(programs: RunPrograms, name: str, target: Target, compile_fn
     plan.roofline_s = max(plan.flops / n / chip.peak_flops, plan.memory_bytes / chip.hbm_bw)
     s = programs.shape
     tokens = s.rows * (s.new_tokens if name == "sampler" else s.prompt_len + s.completion_len)
+    if name in programs.reward_models:
+      tokens = s.rows * programs.reward_model_shape(name)[1]
     plan.tokens_per_s_per_device = tokens / plan.roofline_s / n
   if not target.fit_test:
     plan.verdict = "no fit test"
@@ -226,8 +233,8 @@ def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) 
   the divisors: a compile that does not fit fails in seconds), then ``model.remat: full`` at the most
   micro-batches. ``(one-line fix or None, [(change, verdict, GiB/device or None)] tried)``."""
   tried = []
-  if name == "sampler":
-    return None, tried  # the sampler takes every prompt at once: no knob of the step changes it
+  if name == "sampler" or name.startswith("reward_model:"):
+    return None, tried  # the sampler takes every prompt at once, a reward model its batch: no knob of the step
   base = RunPrograms(cfg, model_config, mesh)
   cands = _micro_batch_candidates(cfg, mesh, base.step.rules)
   order, k = [], cfg.step.micro_batches
