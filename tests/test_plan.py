@@ -206,3 +206,26 @@ def test_a_configured_reward_model_is_planned_with_its_sharded_weights(tmp_path)
   assert rmp["output_bytes"] == rows * 1 * 4  # f32[64, 1] scores, rows over fsdp
   assert step["other_resident_bytes"] == pytest.approx(weights, rel=1e-3), step  # β = 0: no reference copy
   assert rmp["flops"] > 0 and rmp["other_resident_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts():
+  """``jaxgrpo.plan.plan_run`` with its fix search, end to end through XLA's TPU compiler (``.venv-tpu``) for
+  v5e:2x2 (4 chips): a one-layer model whose float32 logits are, by formula, 32 rows x 256 tokens x 2**19 x 4 B =
+  16 GiB per chip at one micro-batch (more than the 15.75 GiB XLA leaves) and 8 GiB at two. The compiler refuses
+  one micro-batch (RESOURCE_EXHAUSTED, in seconds); the search compiles two, which fits; the refusal names it."""
+  import tpu_aot_checks as checks
+
+  python = ensure_side_venv("tpu")
+  r = subprocess.run([python, os.path.join(ROOT, "tests", "tpu_aot_checks.py"), "fix"], capture_output=True,
+                     text=True, env=_tpu_env() | {"JAX_PLATFORMS": "cpu"}, timeout=900)  # fmt: skip
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  rows = 16 * 8 // out["mesh"]["fsdp"]
+  assert out["mesh"]["fsdp"] == 4 and rows * 256 * checks.FIX_MODEL["vocab_size"] * 4 == 16 * 2**30
+  assert out["verdict"] == "does not fit" and "RESOURCE_EXHAUSTED" in out["error"], out
+  assert [t[:2] for t in out["tried"]] == [["--step.micro_batches 2", "fits"]], out["tried"]
+  assert out["refusal"].startswith("the step program does not fit v5e:2x2 (XLA: HLO temporaries "), out["refusal"]
+  assert out["refusal"].endswith(
+    f"; --step.micro_batches 2 fits ({out['tried'][0][2]:.2f} GiB/device; found by compiling)"
+  )
