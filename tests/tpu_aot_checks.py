@@ -47,7 +47,7 @@ MESH = "data=2,fsdp=2"
 G = 4
 #: the model whose sharded state is counted: one Qwen3 layer, every weight matrix's dims multiples of 128 (the
 #: per-chip arrays fill whole TPU tiles, so the compiler's byte counts hold no padding beyond a few KiB)
-SIZED = dict(vocab_size=4096, hidden_size=512, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128)
+SIZED = dict(vocab_size=5120, hidden_size=512, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128)
 SIZED_F = 2048
 SIZED_BATCH = dict(b=32, p=128, t=128)
 
