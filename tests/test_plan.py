@@ -229,3 +229,19 @@ def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts():
   assert out["refusal"].endswith(
     f"; --step.micro_batches 2 fits ({out['tried'][0][2]:.2f} GiB/device; found by compiling)"
   )
+
+
+def test_a_reward_model_without_its_config_json_is_refused_in_one_line(tmp_path):
+  """A ``reward.sources`` reward model whose folder has no config.json: exit 2, one ``error:`` line naming the
+  field, the path and what the plan reads, before anything compiles."""
+  config = tmp_path / "rm.yaml"
+  config.write_text(open(DEMO_RM).read().replace("path: ./runs/arith_rm,", f"path: {tmp_path / 'nothing'},"))
+  r = subprocess.run([sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2"], capture_output=True,
+                     text=True, env=cli_env(), timeout=600)  # fmt: skip
+  assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+  errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+  assert errors == [
+    f"error: `reward.sources['rm'].path` '{tmp_path / 'nothing'}': the plan reads the reward model's shape from "
+    "its config.json, which is not there; give a *ForSequenceClassification folder or hub id (only config.json "
+    "is read)"
+  ], r.stderr[-2000:]

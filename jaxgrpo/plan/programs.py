@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxgrpo import _checks
 from jaxgrpo.models import build_model, lora, moe
 from jaxgrpo.models.config import config_from_hf
 from jaxgrpo.parallel import sharding as shd
@@ -98,19 +99,33 @@ def abstract_model(cfg, model_config):
 RM_PAD_MULTIPLE = 64
 
 
+def _reward_model_config(spec) -> str:
+  """The path of the ``config.json`` of a reward model's ``path``: in its folder, or only that file fetched from
+  the hub for a hub id (the run downloads the whole model there anyway). ValueError in one line otherwise."""
+  where, path = f"reward.sources[{spec.name!r}].path", os.fspath(spec.path)
+  local = os.path.join(path, "config.json")
+  if os.path.isfile(local):
+    return local
+  if not os.path.exists(path) and not _checks.names_local_path(path):
+    try:
+      from huggingface_hub import hf_hub_download
+
+      return hf_hub_download(path, "config.json")
+    except Exception as e:  # noqa: BLE001 - one line with the reason
+      reason = " ".join(str(e).split())[:200]
+      raise ValueError(f"`{where}` {path!r}: its config.json could not be fetched from the hub: {reason}") from None
+  raise ValueError(
+    f"`{where}` {path!r}: the plan reads the reward model's shape from its config.json, which is not there; give a "
+    "*ForSequenceClassification folder or hub id (only config.json is read)"
+  )
+
+
 def abstract_reward_model(spec, mesh):
   """The reward model of a ``reward.sources`` entry (``kind: reward_model``) as ``ShapeDtypeStruct`` s: a
   ``rewards.reward_model.RewardModel`` of its folder's ``config.json`` (``num_labels``, ``pad_token_id``; the
   weights are not read), in ``spec.dtype``, ``DEFAULT_RULES``, as ``assemble.reward_source`` loads it on the
-  policy's mesh. ValueError in one line when the folder has no ``config.json``."""
-  where = f"reward.sources[{spec.name!r}].path"
-  path = os.path.join(os.fspath(spec.path), "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(
-      f"`{where}` {spec.path!r}: the plan reads the reward model's shape from its config.json, which is not there; "
-      "give a local *ForSequenceClassification folder (only config.json is read)"
-    )
-  with open(path) as f:
+  policy's mesh. ValueError in one line when there is no ``config.json`` (:func:`_reward_model_config`)."""
+  with open(_reward_model_config(spec)) as f:
     raw = json.load(f)
   num_labels = int(raw.get("num_labels") or len(raw.get("id2label") or {}) or 1)
   pad = raw.get("pad_token_id")
