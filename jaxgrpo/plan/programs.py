@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 
+import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,9 +109,7 @@ def _reward_model_config(spec) -> str:
     return local
   if not os.path.exists(path) and not _checks.names_local_path(path):
     try:
-      from huggingface_hub import hf_hub_download
-
-      return hf_hub_download(path, "config.json")
+      return huggingface_hub.hf_hub_download(path, "config.json")
     except Exception as e:  # noqa: BLE001 - one line with the reason
       reason = " ".join(str(e).split())[:200]
       raise ValueError(f"`{where}` {path!r}: its config.json could not be fetched from the hub: {reason}") from None
