@@ -245,3 +245,38 @@ def test_a_reward_model_without_its_config_json_is_refused_in_one_line(tmp_path)
     "its config.json, which is not there; give a *ForSequenceClassification folder or hub id (only config.json "
     "is read)"
   ], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  "devices, prompts, want",
+  [
+    # the pod workload on v5e-256 (Qwen3-8B: 32 heads, 8 KV heads): the TPU compiler's 93.86 GiB per chip
+    (
+      256,
+      64,
+      "rollout.prompts_per_step 64 is not a multiple of the 256 devices of the batch axes (data×fsdp), so "
+      "every device holds all 64 prompts and the KV cache of all 512 rows: --rollout.prompts_per_step 256 (a multiple "
+      "of 256) or --devices.mesh fsdp=64,tensor=4 (prompts over 64, heads over 4) splits them (not compiled)",
+    ),
+    # 8 devices (cpu-8), 12 prompts: gcd 4, the other 2 on the tensor axis
+    (
+      8,
+      12,
+      "rollout.prompts_per_step 12 is not a multiple of the 8 devices of the batch axes (data×fsdp), so every "
+      "device holds all 12 prompts and the KV cache of all 96 rows: --rollout.prompts_per_step 16 (a multiple of 8) "
+      "or --devices.mesh fsdp=4,tensor=2 (prompts over 4, heads over 2) splits them (not compiled)",
+    ),
+    (8, 16, None),  # a multiple: the prompts are split, nothing to fix
+  ],
+)
+def test_the_sampler_fix_names_prompts_per_step_a_multiple_of_the_batch_axes(devices, prompts, want):
+  """A sampler whose prompts do not divide the batch axes runs with every prompt and the whole KV cache on every
+  device (the run passes them replicated): its fix names the numbers and the counts that split them. Before, the
+  plan offered no change for a sampler ("use more chips", the opposite of the fix)."""
+  from jax.sharding import AbstractMesh
+
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(POD, {"rollout.prompts_per_step": prompts})
+  mesh = AbstractMesh((1, devices, 1), ("data", "fsdp", "tensor"))
+  assert plan.sampler_fix(cfg, plan.model_config("qwen3-8b"), mesh) == want

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import time
@@ -33,7 +34,7 @@ from jaxgrpo.plan.targets import GiB, Target, target_devices
 from jaxgrpo.run import builders
 from jaxgrpo.run.spec_schema import DTYPES
 
-__all__ = ["ProgramPlan", "RunPlan", "count_collectives", "estimate_gpu", "format_table", "plan_run"]
+__all__ = ["ProgramPlan", "RunPlan", "count_collectives", "estimate_gpu", "format_table", "plan_run", "sampler_fix"]
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -228,13 +229,37 @@ def _with(cfg, **step):
   return dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, **step))
 
 
+def sampler_fix(cfg, model_config, mesh) -> str | None:
+  """The sampler's fix when ``rollout.prompts_per_step`` does not divide the batch axes (``data × fsdp``): the run
+  then passes its prompts replicated (``collect.place_prompts``), and the prefill's rows and the KV cache of all
+  B·G rows are whole on every device (Qwen3-8B, 64 prompts on v5e-256: 93.86 GiB of temporaries per chip). The
+  line names the numbers and the change that splits them (by this rule, not compiled); None when they divide."""
+  n, p = shd.batch_shards(mesh, shd.DEFAULT_RULES), cfg.rollout.prompts_per_step
+  if p % n == 0:
+    return None
+  up = -(-p // n) * n
+  fix = (
+    f"rollout.prompts_per_step {p} is not a multiple of the {n} devices of the batch axes (data×fsdp), so every "
+    f"device holds all {p} prompts and the KV cache of all {p * cfg.rollout.group_size} rows: "
+    f"--rollout.prompts_per_step {up} (a multiple of {n})"
+  )
+  shared = math.gcd(p, n)
+  tensor = n // shared * dict(mesh.shape).get("tensor", 1)
+  heads = (model_config.num_heads, model_config.num_kv_heads)
+  if shared < n and all(h % tensor == 0 for h in heads):  # the rest of the devices on the tensor axis
+    fix += f" or --devices.mesh fsdp={shared},tensor={tensor} (prompts over {shared}, heads over {tensor})"
+  return fix + " splits them (not compiled)"
+
+
 def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) -> tuple[str | None, list]:
   """The smallest change that makes program ``name`` fit, found by compiling: more micro-batches (doubling through
   the divisors: a compile that does not fit fails in seconds), then ``model.remat: full`` at the most
   micro-batches. ``(one-line fix or None, [(change, verdict, GiB/device or None)] tried)``."""
   tried = []
-  if name == "sampler" or name.startswith("reward_model:"):
-    return None, tried  # the sampler takes every prompt at once, a reward model its batch: no knob of the step
+  if name == "sampler":
+    return sampler_fix(cfg, model_config, mesh), tried
+  if name.startswith("reward_model:"):
+    return None, tried  # a reward model scores its batch_size rows at once: no knob of the step changes it
   base = RunPrograms(cfg, model_config, mesh)
   cands = _micro_batch_candidates(cfg, mesh, base.step.rules)
   order, k = [], cfg.step.micro_batches
