@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,16 +34,24 @@ EXTRA = {"qwen3-30b-a3b": ("--model.scan_layers", "false")}  # MoE layers are a 
 
 
 def rows() -> list[tuple[str, str, str, str]]:
-  """``(config, model, topology, program)`` in priority order: the 8B at 1,024 new tokens, the 8B at 8,192 on
-  three slices, then the other models; each program its own process (a row that runs out of time loses one)."""
-  out = [("pod_grpo", "qwen3-8b", t) for t in TOPOLOGIES]
-  out += [("pod_grpo_8k", "qwen3-8b", t) for t in ("v5p-64", "v5p-128", "v6e-256")]
-  out += [("pod_grpo", m, t) for m in MODELS[1:] for t in TOPOLOGIES]
-  out = sorted(out, key=lambda r: r in DONE)  # the rows compiled before this script last
-  return sorted((r + (p,) for r in out for p in PROGRAMS), key=lambda r: r in LOGGED)
+  """``(config, model, topology, program)`` in priority order: the 8B at 1,024 new tokens; the 8B at 8,192 on three
+  slices (first what the compiler says at one micro-batch, no fix search, then the most micro-batches); then the
+  other models. Each program is its own process (a row that runs out of time loses one program)."""
+  k8 = ("v5p-64", "v5p-128", "v6e-256")
+  first = [("pod_grpo", "qwen3-8b", "v5p-128", "sampler")]
+  first += [("pod_grpo_8k", "qwen3-8b", t, "step:no-fix") for t in k8]
+  first += [("pod_grpo", "qwen3-8b", "v5e-256", "sampler")]  # 64 prompts over 256 chips: the sampler as the run has it
+  first += [("pod_grpo", "qwen3-8b", "v6e-256", p) for p in ("step", "sampler")]
+  first += [("pod_grpo_8k", "qwen3-8b", t, p) for p in ("step:most-micro-batches", "sampler") for t in k8]
+  rest = [("pod_grpo", m, t) for m in MODELS[1:] for t in TOPOLOGIES] + [
+    ("pod_grpo", "qwen3-8b", t) for t in TOPOLOGIES
+  ]
+  rest = sorted(rest, key=lambda r: r in DONE)  # the rows compiled before this script last
+  rest = [r + (p,) for r in rest for p in ("step", "sampler")]
+  rest = [r for r in rest if r not in first and r not in LOGGED] + sorted(LOGGED)
+  return first + rest
 
 
-PROGRAMS = ("step", "sampler")
 #: compiled by this script's first version, whose row (step and sampler in one process) ran out of time after the
 #: step: its numbers are in that log (docs/scale.md)
 LOGGED = {("pod_grpo", "qwen3-8b", "v5p-128", "step")}
@@ -52,10 +61,24 @@ DONE = {("pod_grpo", "qwen3-8b", t) for t in ("v5e-16", "v5e-64", "v5e-256", "v5
   ("pod_grpo", "qwen3-1.7b", "v5e-16"),
   ("pod_grpo", "qwen3-0.6b", "v5e-16"),
 }
+#: the chips of each topology name (for the most micro-batches: one row per chip)
+CHIPS = {"v5e-16": 16, "v5e-64": 64, "v5e-256": 256, "v5p-64": 32, "v5p-128": 64, "v6e-64": 64, "v6e-256": 256}
 
 
 def row_name(config: str, model: str, topology: str, program: str) -> str:
-  return f"{config}__{model}__{topology}__{program}"
+  return f"{config}__{model}__{topology}__{program.replace(':', '_')}"
+
+
+def _program_args(config: str, topology: str, program: str) -> tuple[str, ...]:
+  """``step`` / ``sampler``; ``step:no-fix`` (what the compiler says at the config's micro-batches, no search);
+  ``step:most-micro-batches`` (one row per chip: 512 rows / chips micro-batches, no search)."""
+  name, _, variant = program.partition(":")
+  args = ("--programs", name)
+  if variant == "no-fix":
+    args += ("--no-fix",)
+  elif variant == "most-micro-batches":
+    args += ("--no-fix", "--step.micro_batches", str(512 // CHIPS[topology]))
+  return args
 
 
 def command(config: str, model: str, topology: str, program: str | None = None) -> list[str]:
@@ -69,7 +92,7 @@ def command(config: str, model: str, topology: str, program: str | None = None) 
     "--topology",
     topology,
     *EXTRA.get(model, ()),
-    *(("--programs", program, "--json") if program else ()),
+    *((*_program_args(config, topology, program), "--json") if program else ()),
   ]
 
 
@@ -103,16 +126,23 @@ def _gib(x) -> str:
   return "-" if x is None else f"{x / GiB:.2f}"
 
 
+def _compiler(p: dict) -> str:
+  """What the compiler said of a program that did not compile: ``XLA: HLO temporaries 269.65G of 95.74G``."""
+  m = re.search(r"required for (.+?) \(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)", p.get("error") or "")
+  return f"XLA: {m.group(1)} {m.group(2)} of {m.group(3)}" if m else (p.get("error") or "")[:120]
+
+
 def _step_cell(p: dict) -> str:
-  """``12.19 (1)``, or the fix: ``9.18 (2; at 1: 17.15, does not fit)``."""
+  """``12.19 (1)``, the fix: ``9.18 (2; at 1: 17.15, does not fit)``, or the compiler's refusal."""
   if p["verdict"] == "fits":
     return f"{_gib(p['total_bytes'])} ({p['micro_batches']})"
-  at = f"at {p['micro_batches']}: " + (_gib(p["total_bytes"]) + ", " if p["total_bytes"] else "") + p["verdict"]
+  said = _gib(p["total_bytes"]) if p["total_bytes"] else _compiler(p)
+  at = f"at {p['micro_batches']}: {said}, {p['verdict']}"
   good = next((t for t in p.get("tried", []) if t[1] == "fits"), None)
   if good is not None:
     return f"{good[2]:.2f} ({good[0].split()[-1]}; {at})"
   tried = ", ".join(t[0].split()[-1] for t in p.get("tried", []))
-  return f"does not fit ({at}; tried micro-batches {tried or 'none'})"
+  return f"does not fit ({at}" + (f"; tried {tried}" if tried else "") + ")"
 
 
 def _sampler_cell(p: dict | None) -> str:
@@ -120,7 +150,9 @@ def _sampler_cell(p: dict | None) -> str:
     return "not compiled yet"
   if p["verdict"] == "error":
     return f"does not compile: {p['error'][:120]}"
-  return f"{_gib(p['total_bytes'])} ({p['verdict']})" if p["verdict"] != "fits" else _gib(p["total_bytes"])
+  if p["verdict"] == "fits":
+    return _gib(p["total_bytes"])
+  return f"{_gib(p['total_bytes']) if p['total_bytes'] else _compiler(p)}: {p['verdict']}"
 
 
 def _load(row) -> dict | None:
@@ -135,23 +167,24 @@ def table() -> None:
     if row[:3] not in seen:
       seen.append(row[:3])
   for config, model, topo in seen:
-    plans = {p: _load((config, model, topo, p)) for p in PROGRAMS}
+    names = [r[3] for r in rows() if r[:3] == (config, model, topo)]
+    plans = {p: _load((config, model, topo, p)) for p in names}
     if not any(plans.values()):
       continue
-    step = plans["step"]["programs"][0] if plans["step"] else None
-    samp = plans["sampler"]["programs"][0] if plans["sampler"] else None
+    steps = [(p, plans[p]["programs"][0], plans[p]["wall_s"]) for p in names if p.startswith("step") and plans[p]]
+    samp = plans["sampler"]["programs"][0] if plans.get("sampler") else None
     chips = next(p for p in plans.values() if p)["target"]["chips"]
-    comp = "-" if not step else f"{step['compile_s']:.0f}"
-    if step and step.get("searched"):
-      comp += f" (fix search: {plans['step']['wall_s']:.0f} in all)"
+    cells = [_step_cell(st) for _, st, _ in steps] or ["not compiled yet"]
+    comp = "; ".join(f"{st['compile_s']:.0f}" + (f" (fix search: {w:.0f} in all)" if st.get("searched") else "")
+                     for _, st, w in steps) or "-"  # fmt: skip
     comp += f", {samp['compile_s']:.0f}" if samp and samp["compile_s"] is not None else ", -"
-    roof = "-" if not step or step["roofline_s"] is None else f"{step['roofline_s']:.2f}"
-    tok = "-" if not step or step["tokens_per_s_per_device"] is None else f"{step['tokens_per_s_per_device']:,.0f}"
+    step = next((st for _, st, _ in steps if st["roofline_s"] is not None), None)
+    roof = "-" if step is None else f"{step['roofline_s']:.2f}"
+    tok = "-" if step is None else f"{step['tokens_per_s_per_device']:,.0f}"
     cmd = "python " + " ".join(command(config, model, topo))
     print(
-      f"| {model}{' (8k)' if config.endswith('8k') else ''} | {topo} | {chips} | "
-      f"{_step_cell(step) if step else 'not compiled yet'} | {_sampler_cell(samp)} | {roof} | {tok} | {comp} | "
-      f"`{cmd}` |"
+      f"| {model}{' (8k)' if config.endswith('8k') else ''} | {topo} | {chips} | {'; '.join(cells)} | "
+      f"{_sampler_cell(samp)} | {roof} | {tok} | {comp} | `{cmd}` |"
     )
 
 
