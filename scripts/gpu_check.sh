@@ -64,9 +64,15 @@ flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__ver
 
 # first: the plan of the pod workload (Qwen3-0.6B, 64 completions) compiled for this GPU, beside the formula's
 # estimate for the same chip (docs/scale.md, "GPU targets: estimated"): the estimate checked against the compiler
+# (the estimate of the chip lent: an H200 or A100 is not an H100's datasheet)
 PLAN_ARGS=(--config scripts/configs/pod_grpo.yaml --model qwen3-0.6b --rollout.prompts_per_step 8 --no-fix --json)
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+  *H200*) ESTIMATE=h200-1 ;;
+  *A100*) ESTIMATE=a100-1 ;;
+  *) ESTIMATE=h100-1 ;;
+esac
 step plan_devices 150 bash -c "\"$PY\" scripts/plan.py --devices --programs step,sampler ${PLAN_ARGS[*]} >\"$OUT/res/plan_devices.json\""
-step plan_estimate 30 bash -c "\"$PY\" scripts/plan.py --topology h100-1 ${PLAN_ARGS[*]} >\"$OUT/res/plan_estimate.json\""
+step plan_estimate 30 bash -c "\"$PY\" scripts/plan.py --topology $ESTIMATE ${PLAN_ARGS[*]} >\"$OUT/res/plan_estimate.json\""
 step accel_dry 120 "$PY" scripts/bench_accel.py --dry --out "$OUT/res"
 step accel_0.6b 150 "$PY" scripts/bench_accel.py --shapes 0.6b --out "$OUT/res"
 step accel_1.7b 170 "$PY" scripts/bench_accel.py --shapes 1.7b --out "$OUT/res"

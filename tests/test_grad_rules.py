@@ -152,6 +152,29 @@ def test_head_log_probs_equal_full_logits_autodiff_and_the_checkpoint_path(
     assert float(err) <= rtol, f"{what}: max |Δ| / max |ref| = {float(err):.2e} > {rtol:.0e}"
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_head_matmul_grads_are_products_in_the_compute_dtype_accumulated_in_float32(tied, dtype):
+  """The head kernel's backward products on an accelerator (``log_probs._head_matmul_grads``): the logits'
+  float32 cotangent rounded to the compute dtype, times the weight / the hidden states, summed in float32 —
+  against NumPy float64 of the same rounded operands (∂h = g·w, ∂w = gᵀ·h tied; ∂h = g·wᵀ, ∂w = hᵀ·g untied)."""
+  rng = np.random.default_rng(3)
+  shape_w = (24, 16) if tied else (16, 24)  # [V, D] tied, [D, V] untied
+  w = jnp.asarray(rng.standard_normal(shape_w), jnp.float32).astype(dtype)
+  h = jnp.asarray(rng.standard_normal((2, 5, 16)), jnp.float32).astype(dtype)
+  g = jnp.asarray(rng.standard_normal((2, 5, 24)), jnp.float32)
+  dw, dh = jax.jit(lambda w, h, g: _log_probs._head_matmul_grads(w, h, g, tied=tied, dtype=dtype))(w, h, g)
+  assert dw.dtype == w.dtype and dh.dtype == h.dtype
+  g64 = np.asarray(g.astype(dtype), np.float64).reshape(10, 24)
+  w64, h64 = np.asarray(w, np.float64), np.asarray(h, np.float64).reshape(10, 16)
+  v_by_d = w64 if tied else w64.T
+  dh_ref = (g64 @ v_by_d).reshape(2, 5, 16)
+  dw_ref = g64.T @ h64 if tied else h64.T @ g64
+  rtol = 1e-6 if dtype == jnp.float32 else 2**-8  # the float32 sum rounded once to bfloat16
+  _close(dh, dh_ref, rtol, "d hidden")
+  _close(dw, dw_ref, rtol, "d head weight")
+
+
 def test_head_log_probs_rejects_bad_input():
   w, h, tgt = jnp.zeros((16, 4)), jnp.zeros((2, 3, 4)), jnp.zeros((2, 3), jnp.int32)
   kw = dict(tied=True, dtype=jnp.float32)

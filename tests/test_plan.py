@@ -19,6 +19,7 @@ from jaxgrpo import plan
 PLAN = os.path.join(ROOT, "scripts", "plan.py")
 DEMO = os.path.join(ROOT, "scripts", "configs", "demo.yaml")
 POD = os.path.join(ROOT, "scripts", "configs", "pod_grpo.yaml")
+DEMO_RM = os.path.join(ROOT, "scripts", "configs", "demo_rm.yaml")
 # a toy Qwen3 whose weight matrices dominate (the replicated norm scales are 0.02% of the parameters)
 TOY = dict(model_type="qwen3", vocab_size=32768, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=64, intermediate_size=512, max_position_embeddings=512,
@@ -156,17 +157,126 @@ def test_train_plan_only_prints_the_table_and_exits_before_anything_is_loaded(tm
   assert "not a fit test" in r.stdout and not out.exists()
 
 
-def test_a_sampler_whose_prompts_do_not_divide_the_mesh_is_refused_in_one_line():
-  """4 prompts (× G 2 = 8 rows: the step's batch divides the 8 devices) on cpu-8: the sampler's prefill holds the 4
-  prompts, which 8 devices cannot share; the plan says so before any weight exists (the pod workload on v5e-256:
-  64 prompts over 256 chips, docs/scale.md)."""
-  cmd = [sys.executable, PLAN, "--config", DEMO, "--topology", "cpu-8", "--programs", "sampler",
+def test_a_sampler_whose_prompts_do_not_divide_the_mesh_compiles_as_the_run_places_them():
+  """4 prompts (× G 2 = 8 rows) on cpu-8: the 4 prompts do not divide the 8 devices of the batch axes, so the run
+  passes them replicated (``collect.place_prompts``) and ``sampling.generate`` traces with no context mesh; the
+  plan lowers the same program, which compiles (the pod workload on v5e-256: 64 prompts over 256 chips). Before,
+  the plan lowered the prompts sharded over the batch axes under ``jax.set_mesh`` and refused a program the run
+  never builds ("embeddings: dim 0 ('batch', size 4) is not divisible by mesh axis 'data'×'fsdp' of size 8")."""
+  cmd = [sys.executable, PLAN, "--config", DEMO, "--topology", "cpu-8", "--programs", "sampler", "--json",
          "--rollout.prompts_per_step", "4", "--rollout.group_size", "2"]  # fmt: skip
   r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
-  assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-  refused = [ln for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
-  assert refused == [
-    "refused: the sampler program does not compile for cpu-8: ValueError: embeddings: dim 0 ('batch', size 4) is "
-    "not divisible by mesh axis 'data'×'fsdp' of size 8 (mesh data=1 × fsdp=8 × tensor=1 over 8 devices); change "
-    "the mesh or the rules"
-  ]
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  (sampler,) = json.loads(r.stdout)["programs"]
+  assert sampler["name"] == "sampler" and sampler["verdict"] == "no fit test" and sampler["error"] is None, sampler
+
+
+# a toy Qwen3 reward model (a classifier: tied embedding, no LM head, score head [D, 1])
+TOY_RM = dict(architectures=["Qwen3ForSequenceClassification"], model_type="qwen3", vocab_size=512, hidden_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+              max_position_embeddings=512, tie_word_embeddings=True, num_labels=1, pad_token_id=0)  # fmt: skip
+
+
+def test_a_configured_reward_model_is_planned_with_its_sharded_weights(tmp_path):
+  """demo_rm.yaml's reward model (``reward.sources``: kind reward_model, batch_size 64), from a folder holding only
+  its config.json (no weights: the plan is abstract), on cpu-2: the plan compiles its scoring forward
+  (``RewardModel.score``'s program) on one call of 64 rows × (prompt 64 + 20 new tokens, padded to 128), and its
+  argument bytes per device are the float32 weights (every matrix's D over fsdp = 2, norms replicated) + the
+  tokens and mask of 32 rows, by formula; while the step runs the reward model's weights stay resident. Before,
+  the plan had no reward-model program (and left its weights out of every total)."""
+  rm = tmp_path / "rm"
+  rm.mkdir()
+  (rm / "config.json").write_text(json.dumps(TOY_RM))
+  config = tmp_path / "rm.yaml"
+  text = open(DEMO_RM).read()
+  assert "path: ./runs/arith_rm," in text
+  config.write_text(text.replace("path: ./runs/arith_rm,", f"path: {rm},"))
+  cmd = [sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2", "--json", "--objective.beta", "0.0",
+         "--programs", "step,reward_model:rm"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  step, rmp = json.loads(r.stdout)["programs"]
+  assert rmp["name"] == "reward_model:rm" and rmp["verdict"] == "no fit test", rmp
+  d, v, layers, h, kv, k, f = 64, 512, 2, 4, 2, 16, 128
+  matrices = v * d + layers * (d * h * k + 2 * d * kv * k + h * k * d + 3 * d * f) + d * 1  # + the score head
+  vectors = layers * (2 * d + 2 * k) + d
+  weights = 4 * (matrices // 2 + vectors)
+  rows, tokens = 64 // 2, 128
+  assert rmp["argument_bytes"] == pytest.approx(weights + rows * tokens * (4 + 1), rel=1e-3), rmp
+  assert rmp["output_bytes"] == rows * 1 * 4  # f32[64, 1] scores, rows over fsdp
+  assert step["other_resident_bytes"] == pytest.approx(weights, rel=1e-3), step  # β = 0: no reference copy
+  assert rmp["flops"] > 0 and rmp["other_resident_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts():
+  """``jaxgrpo.plan.plan_run`` with its fix search, end to end through XLA's TPU compiler (``.venv-tpu``) for
+  v5e:2x2 (4 chips): a one-layer model whose float32 logits are, by formula, 32 rows x 256 tokens x 2**19 x 4 B =
+  16 GiB per chip at one micro-batch (more than the 15.75 GiB XLA leaves) and 8 GiB at two. The compiler refuses
+  one micro-batch (RESOURCE_EXHAUSTED, in seconds); the search compiles two, which fits; the refusal names it."""
+  import tpu_aot_checks as checks
+
+  python = ensure_side_venv("tpu")
+  r = subprocess.run([python, os.path.join(ROOT, "tests", "tpu_aot_checks.py"), "fix"], capture_output=True,
+                     text=True, env=_tpu_env() | {"JAX_PLATFORMS": "cpu"}, timeout=900)  # fmt: skip
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  rows = 16 * 8 // out["mesh"]["fsdp"]
+  assert out["mesh"]["fsdp"] == 4 and rows * 256 * checks.FIX_MODEL["vocab_size"] * 4 == 16 * 2**30
+  assert out["verdict"] == "does not fit" and "RESOURCE_EXHAUSTED" in out["error"], out
+  assert [t[:2] for t in out["tried"]] == [["--step.micro_batches 2", "fits"]], out["tried"]
+  assert out["refusal"].startswith("the step program does not fit v5e:2x2 (XLA: HLO temporaries "), out["refusal"]
+  assert out["refusal"].endswith(
+    f"; --step.micro_batches 2 fits ({out['tried'][0][2]:.2f} GiB/device; found by compiling)"
+  )
+
+
+def test_a_reward_model_without_its_config_json_is_refused_in_one_line(tmp_path):
+  """A ``reward.sources`` reward model whose folder has no config.json: exit 2, one ``error:`` line naming the
+  field, the path and what the plan reads, before anything compiles."""
+  config = tmp_path / "rm.yaml"
+  config.write_text(open(DEMO_RM).read().replace("path: ./runs/arith_rm,", f"path: {tmp_path / 'nothing'},"))
+  r = subprocess.run([sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2"], capture_output=True,
+                     text=True, env=cli_env(), timeout=600)  # fmt: skip
+  assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+  errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+  assert errors == [
+    f"error: `reward.sources['rm'].path` '{tmp_path / 'nothing'}': the plan reads the reward model's shape from "
+    "its config.json, which is not there; give a *ForSequenceClassification folder or hub id (only config.json "
+    "is read)"
+  ], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  "devices, prompts, want",
+  [
+    # the pod workload on v5e-256 (Qwen3-8B: 32 heads, 8 KV heads): the TPU compiler's 93.86 GiB per chip
+    (
+      256,
+      64,
+      "rollout.prompts_per_step 64 is not a multiple of the 256 devices of the batch axes (data×fsdp), so "
+      "every device holds all 64 prompts and the KV cache of all 512 rows: --rollout.prompts_per_step 256 (a multiple "
+      "of 256) or --devices.mesh fsdp=64,tensor=4 (prompts over 64, heads over 4) splits them (not compiled)",
+    ),
+    # 8 devices (cpu-8), 12 prompts: gcd 4, the other 2 on the tensor axis
+    (
+      8,
+      12,
+      "rollout.prompts_per_step 12 is not a multiple of the 8 devices of the batch axes (data×fsdp), so every "
+      "device holds all 12 prompts and the KV cache of all 96 rows: --rollout.prompts_per_step 16 (a multiple of 8) "
+      "or --devices.mesh fsdp=4,tensor=2 (prompts over 4, heads over 2) splits them (not compiled)",
+    ),
+    (8, 16, None),  # a multiple: the prompts are split, nothing to fix
+  ],
+)
+def test_the_sampler_fix_names_prompts_per_step_a_multiple_of_the_batch_axes(devices, prompts, want):
+  """A sampler whose prompts do not divide the batch axes runs with every prompt and the whole KV cache on every
+  device (the run passes them replicated): its fix names the numbers and the counts that split them. Before, the
+  plan offered no change for a sampler ("use more chips", the opposite of the fix)."""
+  from jax.sharding import AbstractMesh
+
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(POD, {"rollout.prompts_per_step": prompts})
+  mesh = AbstractMesh((1, devices, 1), ("data", "fsdp", "tensor"))
+  assert plan.sampler_fix(cfg, plan.model_config("qwen3-8b"), mesh) == want

@@ -6,7 +6,8 @@ compile-only v5e devices). The child, tests/tpu_aot_checks.py, builds a bf16 Qwe
 experts' step for it. Checked here against counts from the model's dimensions, not from the code:
 
 - every product of the bf16 model is bf16 × bf16 (on the code before the target platform was read from the
-  mesh, the host's "cpu" backend gave the TPU program float32 × float32 dots, 52 of the tiny model's 58);
+  mesh, the host's "cpu" backend gave the TPU program float32 × float32 dots, 52 of the tiny model's 58), the LM
+  head's log-prob kernel's backward included (before: a float32 cotangent times bf16);
 - the step's argument bytes per chip equal the sharded state (bf16 parameters, AdamW's float32 first and bf16
   second moments, its count and the step counter) plus the batch rows of one chip, by formula, within 0.1%;
 - the donated state aliases the output: alias bytes equal the state's bytes within 0.1%;
@@ -80,9 +81,9 @@ def test_the_program_is_compiled_for_the_tpu_slice_not_the_cpu_host(report):
 
 def test_a_bf16_model_compiled_for_a_tpu_has_bf16_products(report):
   """No dot_general of the bf16 model's train step or sampler multiplies two float32 operands: the sampler's are
-  all bf16 × bf16, the step's too but for the backward products of the hand-written gradients (the LM head's
-  log-prob kernel and the attention softmax: a float32 cotangent times a bf16 activation, by design); a mixture
-  of experts' step dispatches with ragged_dot."""
+  all bf16 × bf16, the step's too but for the backward products of the attention softmax's hand-written gradient
+  (a float32 cotangent times a bf16 activation; issue 50 replaces that attention); a mixture of experts' step
+  dispatches with ragged_dot."""
   for name in ("step", "sample", "sample_mesh"):  # sample_mesh: lower_generate(..., mesh=the slice's mesh)
     dots = report[f"{name}_dots"]
     assert dots and report[f"{name}_f32_dots"] == [], (name, report[f"{name}_f32_dots"])
@@ -91,6 +92,18 @@ def test_a_bf16_model_compiled_for_a_tpu_has_bf16_products(report):
   assert all(d.split("->")[1].strip().endswith("xf32>") for d in mixed), mixed
   assert all(d.split("->")[0].count("xbf16>") == 2 for d in report["sample_dots"]), report["sample_dots"]
   assert report["moe_ragged_dot"]
+
+
+def test_the_lm_head_kernel_backward_multiplies_bf16_by_bf16_on_a_tpu(report):
+  """Every product of the bf16 TPU step that has a vocabulary-sized operand (V = 5120, a size no other dimension
+  of the sized model has: the LM head's forward and its log-prob kernel's two backward products) is bf16 × bf16
+  accumulated in float32. Before, the kernel's backward took the transpose of the forward's dot: its float32
+  cotangent times the bf16 weight or hidden states (f32 × bf16, which a TPU runs as a float32 matmul)."""
+  v = checks.SIZED["vocab_size"]
+  head = [d for d in report["step_dots"] if f"x{v}x" in d.split("->")[0] or f"<{v}x" in d.split("->")[0]]
+  assert len(head) >= 3, report["step_dots"]  # the forward and the two backward products (more: chunks, remat)
+  assert all(d.split("->")[0].count("xbf16>") == 2 for d in head), head
+  assert all(d.split("->")[1].strip().endswith("xf32>") for d in head), head
 
 
 def test_argument_bytes_are_the_sharded_state_and_batch_and_the_donated_state_aliases(report):

@@ -7,6 +7,7 @@ helpers (the side venv has no pytest or hypothesis).
 
     python tests/tpu_aot_checks.py tpu          # one JSON line: TPU dots, memory analysis, CPU hashes (side venv)
     python tests/tpu_aot_checks.py cpu-hashes   # the CPU programs' hashes, to re-pin CPU_PROGRAM_SHA256
+    python tests/tpu_aot_checks.py fix          # jaxgrpo.plan's fix search on FIX_MODEL for v5e:2x2 (side venv)
 
 :data:`CPU_PROGRAM_SHA256` pins the sha256 of the lowered StableHLO text of small CPU programs (train step and
 sampler of a bf16 model, a mixture of experts' step) as main produced them before the target platform was read
@@ -45,7 +46,7 @@ MESH = "data=2,fsdp=2"
 G = 4
 #: the model whose sharded state is counted: one Qwen3 layer, every weight matrix's dims multiples of 128 (the
 #: per-chip arrays fill whole TPU tiles, so the compiler's byte counts hold no padding beyond a few KiB)
-SIZED = dict(vocab_size=4096, hidden_size=512, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128)
+SIZED = dict(vocab_size=5120, hidden_size=512, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128)
 SIZED_F = 2048
 SIZED_BATCH = dict(b=32, p=128, t=128)
 
@@ -236,7 +237,47 @@ def tpu_report() -> dict:
   }
 
 
+#: a one-layer Qwen3 whose float32 logits dominate the step: 32 rows per chip x 256 completion tokens x a vocabulary
+#: of 2**19 x 4 bytes = 16 GiB at one micro-batch (more than a v5e chip's 15.75 GiB), 8 GiB at two
+FIX_MODEL = dict(model_type="qwen3", vocab_size=2**19, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64, intermediate_size=256, max_position_embeddings=4096,
+                 tie_word_embeddings=True)  # fmt: skip
+#: the run: scripts/configs/demo.yaml (float32, no chunking of the head: its logits are whole) with these overrides
+FIX_OVERRIDES = {"rollout.prompts_per_step": 16, "rollout.group_size": 8, "rollout.max_new_tokens": 256,
+                 "data.max_prompt_tokens": 64, "objective.beta": 0.0}  # fmt: skip
+
+
+def fix_search_report() -> dict:
+  """``jaxgrpo.plan.plan_run`` of the step of :data:`FIX_OVERRIDES` on :data:`FIX_MODEL` for ``v5e:2x2`` (4
+  chips), with the fix search: the step's verdict, the compiler's error, what the search compiled, the refusal."""
+  import os
+  import tempfile
+
+  from jaxgrpo import plan
+  from jaxgrpo.run import specs
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "config.json")
+    with open(path, "w") as f:
+      json.dump(FIX_MODEL, f)
+    model_config = plan.model_config(path)
+  cfg = specs.load_config(os.path.join(root, "scripts", "configs", "demo.yaml"), dict(FIX_OVERRIDES))
+  t0 = time.perf_counter()
+  result = plan.plan_run(cfg, plan.parse_target("v5e:2x2"), model_config, programs=("step",), log=None)
+  (step,) = result.programs
+  return {
+    "mesh": result.mesh,
+    "verdict": step.verdict,
+    "error": step.error,
+    "tried": step.tried,
+    "fix": step.fix,
+    "refusal": result.refusal,
+    "seconds": time.perf_counter() - t0,
+  }
+
+
 if __name__ == "__main__":
   what = sys.argv[1] if len(sys.argv) > 1 else "tpu"
-  result = tpu_report() if what == "tpu" else cpu_program_hashes()
+  result = {"tpu": tpu_report, "fix": fix_search_report}.get(what, cpu_program_hashes)()
   print(json.dumps(result, sort_keys=True))

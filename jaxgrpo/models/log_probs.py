@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxgrpo.models.base import CausalLM, head_logits, positions_from_mask
 from jaxgrpo.models.layers import forward_mode_active, forward_mode_autodiff
+from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
   "Temperature",
@@ -194,8 +195,34 @@ def _head_log_probs_bwd(static, residuals, cotangents):
   dz = jnp.where(target, g_logp[..., None], 0.0) - g_logp[..., None] * p
   if entropy_grad:
     dz = dz - g_ent[..., None] * p * (z - (lse - ent)[..., None])
-  dw, dh = head_vjp(dz / temperature)
+  if jnp.dtype(dtype) != jnp.float32 and current_platform() != "cpu":
+    dw, dh = _head_matmul_grads(w, h, dz / temperature, tied=tied, dtype=dtype)
+  else:
+    dw, dh = head_vjp(dz / temperature)
   return dw, dh, None, None
+
+
+def _head_matmul_grads(w, h, g, *, tied: bool, dtype):
+  """``(∂/∂w, ∂/∂h)`` of the head matmul ``z = h·wᵀ`` (``tied``: ``w [V, D]``) or ``h·w`` (``w [D, V]``) from
+  the logits' float32 cotangent ``g [B, C, V]``, for a low-precision ``dtype`` on an accelerator: ``g`` rounded
+  to ``dtype`` so that both products are ``dtype × dtype`` accumulated in float32 (the forward's precision; the
+  transpose of the forward's dot would multiply a float32 ``g`` by the ``dtype`` operand, which TPUs run as a
+  float32 matmul):
+
+      ∂h[b, c, d] = Σ_v g[b, c, v] · w[v, d]  (tied)   or  Σ_v g[b, c, v] · w[d, v]
+      ∂w[v, d]    = Σ_bc g[b, c, v] · h[b, c, d]  (tied),  ∂w[d, v] = Σ_bc h[b, c, d] · g[b, c, v]
+
+  returned in ``w``'s and ``h``'s dtypes. Float32 programs and XLA:CPU keep the transpose (``jax.vjp``): their
+  values and programs do not change (``tests/test_target_platform.py`` pins the CPU ones)."""
+  g, hc, wc = g.astype(dtype), h.astype(dtype), w.astype(dtype)
+  f32 = jnp.float32
+  if tied:
+    dh = jnp.einsum("bcv,vd->bcd", g, wc, preferred_element_type=f32)
+    dw = jnp.einsum("bcv,bcd->vd", g, hc, preferred_element_type=f32)
+  else:
+    dh = jnp.einsum("bcv,dv->bcd", g, wc, preferred_element_type=f32)
+    dw = jnp.einsum("bcd,bcv->dv", hc, g, preferred_element_type=f32)
+  return dw.astype(w.dtype), dh.astype(h.dtype)
 
 
 _head_log_probs.defvjp(_head_log_probs_fwd, _head_log_probs_bwd)

@@ -21,6 +21,7 @@ from jaxgrpo.plan.report import (
   find_fix,
   format_table,
   plan_run,
+  sampler_fix,
 )
 from jaxgrpo.plan.shapes import NAMED_SHAPES, model_config
 from jaxgrpo.plan.targets import CHIPS, Chip, Target, chip_of_kind, parse_target, target_devices
@@ -47,6 +48,7 @@ __all__ = [
   "per_device_bytes",
   "plan_run",
   "run_shape",
+  "sampler_fix",
   "sampler_flops",
   "step_flops",
   "target_devices",

@@ -13,14 +13,21 @@ compiled is the top bucket of ``max_new_tokens`` (``train.bucket_length``) and t
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
+import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxgrpo import _checks
 from jaxgrpo.models import build_model, lora, moe
+from jaxgrpo.models.config import config_from_hf
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rewards import reward_model as rm_lib
 from jaxgrpo.rollout import sampling
 from jaxgrpo.rollout.engines import registry as engine_registry
 from jaxgrpo.run import assemble, builders
@@ -28,7 +35,7 @@ from jaxgrpo.run.spec_schema import DTYPES
 from jaxgrpo.run.trainer import dropout_key
 from jaxgrpo.step import train
 
-__all__ = ["RunPrograms", "RunShape", "abstract_model", "per_device_bytes", "run_shape"]
+__all__ = ["RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +96,55 @@ def abstract_model(cfg, model_config):
   return nnx.eval_shape(build)
 
 
+#: rows are right-padded to a multiple of this many tokens (``RewardModelReward``'s default, which the run uses)
+RM_PAD_MULTIPLE = 64
+
+
+def _reward_model_config(spec) -> str:
+  """The path of the ``config.json`` of a reward model's ``path``: in its folder, or only that file fetched from
+  the hub for a hub id (the run downloads the whole model there anyway). ValueError in one line otherwise."""
+  where, path = f"reward.sources[{spec.name!r}].path", os.fspath(spec.path)
+  local = os.path.join(path, "config.json")
+  if os.path.isfile(local):
+    return local
+  if not os.path.exists(path) and not _checks.names_local_path(path):
+    try:
+      return huggingface_hub.hf_hub_download(path, "config.json")
+    except Exception as e:  # noqa: BLE001 - one line with the reason
+      reason = " ".join(str(e).split())[:200]
+      raise ValueError(f"`{where}` {path!r}: its config.json could not be fetched from the hub: {reason}") from None
+  raise ValueError(
+    f"`{where}` {path!r}: the plan reads the reward model's shape from its config.json, which is not there; give a "
+    "*ForSequenceClassification folder or hub id (only config.json is read)"
+  )
+
+
+def abstract_reward_model(spec, mesh):
+  """The reward model of a ``reward.sources`` entry (``kind: reward_model``) as ``ShapeDtypeStruct`` s: a
+  ``rewards.reward_model.RewardModel`` of its folder's ``config.json`` (``num_labels``, ``pad_token_id``; the
+  weights are not read), in ``spec.dtype``, ``DEFAULT_RULES``, as ``assemble.reward_source`` loads it on the
+  policy's mesh. ValueError in one line when there is no ``config.json`` (:func:`_reward_model_config`)."""
+  with open(_reward_model_config(spec)) as f:
+    raw = json.load(f)
+  num_labels = int(raw.get("num_labels") or len(raw.get("id2label") or {}) or 1)
+  pad = raw.get("pad_token_id")
+  pad = pad[0] if isinstance(pad, list) and pad else pad
+  dtype = DTYPES[spec.dtype]
+  model = nnx.eval_shape(
+    lambda: rm_lib.RewardModel(
+      config_from_hf(raw),
+      num_labels,
+      pad_token_id=pad,
+      rngs=nnx.Rngs(0),
+      dtype=dtype,
+      param_dtype=dtype,
+      rules=shd.DEFAULT_RULES,
+    )  # fmt: skip
+  )
+  model.mesh = mesh  # static, as load_reward_model sets it
+  return model
+
+
 def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None) -> train.Batch:
   """A NumPy batch of the run's largest shapes (one full-length completion per group: the top bucket)."""
   rng = np.random.default_rng(0)
@@ -112,7 +168,8 @@ class RunPrograms:
   Attributes:
     names: the programs this run executes, in order of importance: ``step`` (the train step), ``sampler``
       (``rollout.sampling.generate``: prefill + decode loop), ``reference`` (β > 0), ``old_logp`` (the π_old
-      recomputation of an engine whose log-probs are not the policy's).
+      recomputation of an engine whose log-probs are not the policy's), ``reward_model:<name>`` (each
+      ``reward.sources`` entry of ``kind: reward_model``: its scoring forward, one call of ``batch_size`` rows).
     shape: the :class:`RunShape`; state, shardings, graphdef, step: as the ``Trainer`` builds them.
     resident: ``{name: per-device bytes}`` of the arrays that live through the whole run (train state; the
       reference's copy of the parameters).
@@ -146,10 +203,20 @@ class RunPrograms:
     # the learner recomputes old_logp for an engine whose log-probs are not the policy's (its class says so)
     self._recomputes = not engine_registry.capability(cfg.rollout.engine, "logprobs_are_policy")
     self.names += ("old_logp",) if self._recomputes else ()
+    self.reward_models = {}  # program name -> (spec, graphdef, abstract state with shardings, decoder config)
+    for spec in cfg.reward.sources:
+      if spec.kind == "reward_model":
+        rm = abstract_reward_model(spec, mesh)
+        rm_graphdef, rm_state = nnx.split(rm)
+        rm_state = shd.abstract_tree(rm_state, shd.tree_shardings(rm_state, mesh, shd.DEFAULT_RULES))
+        self.reward_models[f"reward_model:{spec.name}"] = (spec, rm_graphdef, rm_state, rm.config)
+    self.names += tuple(self.reward_models)
     lora_ref = cfg.lora is not None
     self.resident = {"train state": per_device_bytes(self.state)}
     if self.step.reads_ref_logp and not lora_ref:
       self.resident["reference copy"] = per_device_bytes(self.state.params)
+    for name, (_, _, rm_state, _) in self.reward_models.items():
+      self.resident[name] = per_device_bytes(rm_state)  # loaded once, beside the policy, for the whole run
     if lora_ref:
       self._ref_graphdef = nnx.graphdef(lora.base_model(model))
       self._ref_params, self._ref_sh = self.state.frozen, self.shardings.frozen
@@ -162,12 +229,34 @@ class RunPrograms:
     ref = self.resident.get("reference copy", 0)
     # the reference pass of a LoRA run reads the frozen base weights, which the train state holds: not counted twice
     state = self.resident["train state"] - (per_device_bytes(self.state.frozen) if self.cfg.lora is not None else 0)
-    return {"step": ref, "sampler": opt + ref, "reference": state, "old_logp": opt + ref}[name]
+    rms = sum(self.resident[n] for n in self.reward_models if n != name)  # every reward model but this program's
+    if name in self.reward_models:
+      return self.resident["train state"] + ref + rms
+    return rms + {"step": ref, "sampler": opt + ref, "reference": state, "old_logp": opt + ref}[name]
 
   def lower(self, name: str) -> jax.stages.Lowered:
+    if name in self.reward_models:
+      return self._reward_model(name)
     return {"step": self._step, "sampler": self._sampler, "reference": self._reference, "old_logp": self._old_logp}[
       name
     ]()
+
+  def reward_model_shape(self, name: str) -> tuple[int, int]:
+    """``(rows, tokens)`` of one call of reward model ``name``: its ``batch_size`` rows of the longest prompt +
+    completion, right-padded to a multiple of 64 tokens and capped at its positions (``RewardModelReward``)."""
+    spec, _, _, config = self.reward_models[name]
+    cap, s = config.max_position_embeddings, self.shape
+    return spec.batch_size, min(cap, -(-(s.prompt_len + s.new_tokens) // RM_PAD_MULTIPLE) * RM_PAD_MULTIPLE)
+
+  def _reward_model(self, name: str):
+    """``RewardModel.score``'s program (``reward_model._score_program``) on one call's ``[batch_size, S]``, under
+    the mesh as ``score`` runs it."""
+    _, graphdef, state, _ = self.reward_models[name]
+    b, t = self.reward_model_shape(name)
+    bsh = shd.batch_sharding(self.mesh, shd.DEFAULT_RULES)
+    tokens, mask = _sds((b, t), jnp.int32, bsh), _sds((b, t), jnp.bool_, bsh)
+    with jax.set_mesh(self.mesh):
+      return rm_lib._score_program.lower(graphdef, state, tokens, mask)
 
   def _batch(self) -> train.Batch:
     return _host_batch(self.shape, self.model_config.vocab_size, self._routing)
@@ -191,11 +280,14 @@ class RunPrograms:
 
   def _sampler(self):
     s, mc = self.shape, self.model_config
-    bsh = self.step.batch_sharding
-    prompts = _sds((s.prompts, s.prompt_len), jnp.int32, bsh)
-    mask = _sds((s.prompts, s.prompt_len), jnp.bool_, bsh)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    # as ``collect.place_prompts`` places them: over the batch axes when they divide the prompts, else replicated
+    divides = s.prompts % shd.batch_shards(self.mesh, self.step.rules) == 0
+    psh = self.step.batch_sharding if divides else replicated
+    prompts = _sds((s.prompts, s.prompt_len), jnp.int32, psh)
+    mask = _sds((s.prompts, s.prompt_len), jnp.bool_, psh)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    key = _sds(key.shape, key.dtype, NamedSharding(self.mesh, PartitionSpec()))
+    key = _sds(key.shape, key.dtype, replicated)
     state = nnx.State.merge(self.state.params, self.state.frozen)
     eos = mc.eos_token_id if isinstance(mc.eos_token_id, (tuple, list)) else (mc.eos_token_id or 1,)
     pad = 0 if 0 not in eos else max(eos) + 1
@@ -213,4 +305,6 @@ class RunPrograms:
       config, temperature=float(self.train_config.temperature), vocab_size=mc.vocab_size
     )
     model = nnx.merge(self.sample_graphdef, state)
-    return sampling.lower_generate(model, prompts, mask, policy, key=key, mesh=self.mesh)
+    # as ``sampling.generate`` traces it: the platform of the state's devices, no context mesh (no activation
+    # constraints), the prompts placed as the run places them
+    return sampling.lower_generate(model, prompts, mask, policy, key=key)

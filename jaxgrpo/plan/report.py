@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import time
@@ -33,7 +34,7 @@ from jaxgrpo.plan.targets import GiB, Target, target_devices
 from jaxgrpo.run import builders
 from jaxgrpo.run.spec_schema import DTYPES
 
-__all__ = ["ProgramPlan", "RunPlan", "count_collectives", "estimate_gpu", "format_table", "plan_run"]
+__all__ = ["ProgramPlan", "RunPlan", "count_collectives", "estimate_gpu", "format_table", "plan_run", "sampler_fix"]
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -156,6 +157,11 @@ def _flops_and_bytes(programs: RunPrograms, name: str, plan: ProgramPlan) -> tup
     return fl.step_flops(mc, s.rows, s.prompt_len, s.completion_len, passes), plan.argument_bytes + plan.output_bytes
   if name in ("reference", "old_logp"):
     return fl.forward_flops(mc, s.rows, s.prompt_len, s.completion_len), plan.argument_bytes + plan.output_bytes
+  if name in programs.reward_models:  # every row of a step, in calls of batch_size rows
+    b, t = programs.reward_model_shape(name)
+    calls = -(-s.rows // b)
+    per_call = fl.forward_flops(programs.reward_models[name][3], b, t, 0)
+    return calls * per_call, calls * (plan.argument_bytes + plan.output_bytes)
   compute = np.dtype(DTYPES[cfg.model.dtype]).itemsize
   tensor = dict(programs.mesh.shape).get("tensor", 1)
   weights = fl.active_matmul_params(mc) * compute / tensor  # every device reads the (gathered) layer weights
@@ -191,6 +197,8 @@ def compile_program(programs: RunPrograms, name: str, target: Target, compile_fn
     plan.roofline_s = max(plan.flops / n / chip.peak_flops, plan.memory_bytes / chip.hbm_bw)
     s = programs.shape
     tokens = s.rows * (s.new_tokens if name == "sampler" else s.prompt_len + s.completion_len)
+    if name in programs.reward_models:
+      tokens = s.rows * programs.reward_model_shape(name)[1]
     plan.tokens_per_s_per_device = tokens / plan.roofline_s / n
   if not target.fit_test:
     plan.verdict = "no fit test"
@@ -221,13 +229,37 @@ def _with(cfg, **step):
   return dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, **step))
 
 
+def sampler_fix(cfg, model_config, mesh) -> str | None:
+  """The sampler's fix when ``rollout.prompts_per_step`` does not divide the batch axes (``data × fsdp``): the run
+  then passes its prompts replicated (``collect.place_prompts``), and the prefill's rows and the KV cache of all
+  B·G rows are whole on every device (Qwen3-8B, 64 prompts on v5e-256: 93.86 GiB of temporaries per chip). The
+  line names the numbers and the change that splits them (by this rule, not compiled); None when they divide."""
+  n, p = shd.batch_shards(mesh, shd.DEFAULT_RULES), cfg.rollout.prompts_per_step
+  if p % n == 0:
+    return None
+  up = -(-p // n) * n
+  fix = (
+    f"rollout.prompts_per_step {p} is not a multiple of the {n} devices of the batch axes (data×fsdp), so every "
+    f"device holds all {p} prompts and the KV cache of all {p * cfg.rollout.group_size} rows: "
+    f"--rollout.prompts_per_step {up} (a multiple of {n})"
+  )
+  shared = math.gcd(p, n)
+  tensor = n // shared * dict(mesh.shape).get("tensor", 1)
+  heads = (model_config.num_heads, model_config.num_kv_heads)
+  if shared < n and all(h % tensor == 0 for h in heads):  # the rest of the devices on the tensor axis
+    fix += f" or --devices.mesh fsdp={shared},tensor={tensor} (prompts over {shared}, heads over {tensor})"
+  return fix + " splits them (not compiled)"
+
+
 def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) -> tuple[str | None, list]:
   """The smallest change that makes program ``name`` fit, found by compiling: more micro-batches (doubling through
   the divisors: a compile that does not fit fails in seconds), then ``model.remat: full`` at the most
   micro-batches. ``(one-line fix or None, [(change, verdict, GiB/device or None)] tried)``."""
   tried = []
   if name == "sampler":
-    return None, tried  # the sampler takes every prompt at once: no knob of the step changes it
+    return sampler_fix(cfg, model_config, mesh), tried
+  if name.startswith("reward_model:"):
+    return None, tried  # a reward model scores its batch_size rows at once: no knob of the step changes it
   base = RunPrograms(cfg, model_config, mesh)
   cands = _micro_batch_candidates(cfg, mesh, base.step.rules)
   order, k = [], cfg.step.micro_batches
