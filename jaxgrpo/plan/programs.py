@@ -249,14 +249,14 @@ class RunPrograms:
     return spec.batch_size, min(cap, -(-(s.prompt_len + s.new_tokens) // RM_PAD_MULTIPLE) * RM_PAD_MULTIPLE)
 
   def _reward_model(self, name: str):
-    """``RewardModel.score``'s program (``reward_model._score_program``) on one call's ``[batch_size, S]``, under
+    """``RewardModel.score``'s program (``reward_model.score_program``) on one call's ``[batch_size, S]``, under
     the mesh as ``score`` runs it."""
     _, graphdef, state, _ = self.reward_models[name]
     b, t = self.reward_model_shape(name)
     bsh = shd.batch_sharding(self.mesh, shd.DEFAULT_RULES)
     tokens, mask = _sds((b, t), jnp.int32, bsh), _sds((b, t), jnp.bool_, bsh)
     with jax.set_mesh(self.mesh):
-      return rm_lib._score_program.lower(graphdef, state, tokens, mask)
+      return rm_lib.score_program.lower(graphdef, state, tokens, mask)
 
   def _batch(self) -> train.Batch:
     return _host_batch(self.shape, self.model_config.vocab_size, self._routing)

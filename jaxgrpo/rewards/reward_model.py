@@ -173,16 +173,16 @@ class RewardModel(nnx.Module):
     tokens, mask = tokens.astype(np.int32), mask.astype(bool)
     graphdef, state = nnx.split(self)
     if self.mesh is None:
-      return np.asarray(_score_program(graphdef, state, tokens, mask))
+      return np.asarray(score_program(graphdef, state, tokens, mask))
     shd.check_batch_divisible(b, self.mesh, self.rules, what="reward-model batch")
     sharding = shd.batch_sharding(self.mesh, self.rules)
     tokens, mask = jax.device_put(tokens, sharding), jax.device_put(mask, sharding)
     with jax.set_mesh(self.mesh):
-      return np.asarray(_score_program(graphdef, state, tokens, mask))
+      return np.asarray(score_program(graphdef, state, tokens, mask))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score_program(graphdef, state, tokens, mask):
+def score_program(graphdef, state, tokens, mask):
   """The one scoring program: compiled once per graph (model) and ``[B, S]``."""
   return nnx.merge(graphdef, state)(tokens, mask)
 
