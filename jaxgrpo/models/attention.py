@@ -46,7 +46,7 @@ KV_AXES = ("batch", "activation_length", "kv_heads", "head_dim")  # k, v of the 
 IMPLEMENTATIONS = ("auto", "dense") + tuple(i for i in kernels.IMPLEMENTATIONS if i != "auto")
 # ``auto``: dense below this many query rows, the platform's kernel from it on. The crossover measured on this CPU
 # (BENCHMARKS.md, "Attention in the model": one layer's forward + backward, dense vs blockwise, 256 to 2k tokens).
-AUTO_MIN_LENGTH = 1024
+AUTO_MIN_LENGTH = 512
 _PLATFORM_ONLY = {kernel: platform for platform, kernel in kernels.FUSED.items()}  # splash: tpu, cudnn: gpu
 
 

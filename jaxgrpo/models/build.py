@@ -51,7 +51,7 @@ def build_model(
       scan"). Same weights for the same ``rngs`` and the same outputs as the loop. Not for MoE
       models (ValueError).
     attention: the attention implementation of every layer (``jaxgrpo.models.attention.IMPLEMENTATIONS``):
-      ``"auto"`` (dense below ``AUTO_MIN_LENGTH`` = 1024 query rows, the target platform's kernel from it on),
+      ``"auto"`` (dense below ``AUTO_MIN_LENGTH`` = 512 query rows, the target platform's kernel from it on),
       ``"dense"``, ``"blockwise"`` (every platform), ``"splash"`` (TPU), ``"cudnn"`` (GPU); docs/models.md,
       "Attention implementations". Same values on real tokens; set later with ``set_attention(model, name)``.
 

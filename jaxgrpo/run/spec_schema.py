@@ -111,7 +111,7 @@ class ModelSpec:
       (``jaxgrpo.models.build_model``): compiles the layer once instead of once per layer; same
       values. Not for MoE models. Default false (docs/models.md, "Layers as a scan": measured).
     attention: the attention implementation (``jaxgrpo.models.attention.IMPLEMENTATIONS``): ``auto`` (dense
-      below 1024 tokens a row, the platform's kernel from there: memory linear in the length), ``dense``,
+      below 512 tokens a row, the platform's kernel from there: memory linear in the length), ``dense``,
       ``blockwise``, ``splash`` (TPU only), ``cudnn`` (GPU only) (docs/models.md, "Attention implementations").
   """
 
