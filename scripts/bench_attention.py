@@ -197,7 +197,8 @@ def main(argv=None) -> list[dict]:
   print(
     f"# {_cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; {args.mode}: D={D}, {H} heads of {K}"
   )
-  print("| tokens | attention | peak RSS over baseline | time of one gradient |")
+  what = "one train step" if args.mode == "step" else "one gradient"
+  print(f"| tokens | attention | peak RSS over baseline | time of {what} |")
   print("| ---: | --- | ---: | ---: |")
   rows = []
   for impl in args.impls:
