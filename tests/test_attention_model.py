@@ -207,3 +207,14 @@ def test_a_blockwise_model_loaded_from_transformers_gives_its_logits_and_greedy_
   err = np.abs(jax_logits(model, tokens, mask) - hf_logits(hf_model, tokens, mask))[mask].max()
   assert err < 1e-4, err
   assert_greedy_matches_hf(hf_model, model, new=5, pad=0)
+
+
+@pytest.mark.parametrize("layout", [dict(scan_layers=True), dict(remat="full")], ids=["scan_layers", "remat"])
+def test_blockwise_under_a_scanned_stack_or_remat_equals_dense(layout):
+  tokens, mask = _ragged(2, 20, seed=5)
+  grads = []
+  for attention in ("dense", "blockwise"):
+    model = build_model(CONFIGS["qwen3-gqa"], rngs=nnx.Rngs(0), attention=attention, **layout)
+    grads.append(_value_and_grad(model, lambda m: (jnp.sum(log_probs(m, tokens, mask)), None)))
+  np.testing.assert_allclose(float(grads[1][0][0]), float(grads[0][0][0]), rtol=1e-5)
+  _assert_close_tree(grads[1][1], grads[0][1], atol=1e-5)
