@@ -32,3 +32,14 @@ def test_a_child_over_the_cap_is_stopped():
   text = _run("--lengths", "256", "--impls", "dense", "--cap-gib", "0.05")
   assert "| 256 | dense | over the 0.05 GiB cap (stopped at" in text, text
   assert "# memory slope, dense: —" in text, text
+
+
+def test_model_and_train_step_modes():
+  """``--mode model`` (a tiny 2-layer model's log-prob gradient) and ``--mode step`` (``make_train_step``), each
+  implementation through the model's own ``attention`` choice."""
+  text = _run("--mode", "model", "--lengths", "256", "--impls", "dense", "blockwise", "--repeats", "1")
+  assert "model: D=64, 4 heads of 16" in text, text
+  assert all(f"| 256 | {impl} | " in text for impl in ("dense", "blockwise")), text
+  text = _run("--mode", "step", "--lengths", "256", "--impls", "blockwise", "--repeats", "1")
+  assert "| tokens | attention | peak RSS over baseline | time of one train step |" in text, text
+  assert "| 256 | blockwise | " in text and " MiB | " in text, text

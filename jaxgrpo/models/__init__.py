@@ -12,7 +12,7 @@ and for LoRA / QLoRA (``jaxgrpo.models.lora``: adapters, quantised base weights,
 from __future__ import annotations
 
 from jaxgrpo.models import families  # noqa: F401  (registers the built-in families)
-from jaxgrpo.models.attention import KVCache, put_cache_rows, repeat_cache, take_cache_rows
+from jaxgrpo.models.attention import KVCache, put_cache_rows, repeat_cache, set_attention, take_cache_rows
 from jaxgrpo.models.base import (
   CausalLM,
   RematPolicy,
@@ -92,5 +92,6 @@ __all__ = [
   "take_cache_rows",
   "to_loop_layers",
   "to_scan_layers",
+  "set_attention",
   "token_log_probs",
 ]

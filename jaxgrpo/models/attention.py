@@ -14,8 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo._checks import check_choice
+from jaxgrpo.kernels.attention import blockwise_attention
 from jaxgrpo.models.backend import f32_operands_on_cpu
 from jaxgrpo.models.layers import RMSNorm, forward_mode_active, param, project, shard_activation
+from jaxgrpo.parallel import attention as kernels
+from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
   "QUERY_AXES",
@@ -27,12 +31,56 @@ __all__ = [
   "put_cache_rows",
   "apply_rope",
   "Attention",
+  "IMPLEMENTATIONS",
+  "AUTO_MIN_LENGTH",
+  "check_implementation",
+  "resolve_implementation",
+  "set_attention",
 ]
 
 _NEG_INF = -1e30  # finite so that fully masked (padding) query rows give no NaN
 _SMALL_QUERY_ROWS = 8  # S·G at most this: attention by multiply-and-reduce instead of a batched dot
 QUERY_AXES = ("batch", "activation_length", "heads", "head_dim")  # q and the attention output [B, S, H, K]
 KV_AXES = ("batch", "activation_length", "kv_heads", "head_dim")  # k, v of the new tokens [B, S, N, K]
+# The model's attention choices: today's dense scores, or a kernel of ``jaxgrpo.parallel.attention``.
+IMPLEMENTATIONS = ("auto", "dense") + tuple(i for i in kernels.IMPLEMENTATIONS if i != "auto")
+# ``auto``: dense below this many query rows, the platform's kernel from it on. The crossover measured on this CPU
+# (BENCHMARKS.md, "Attention in the model": one layer's forward + backward, dense vs blockwise, 256 to 2k tokens).
+AUTO_MIN_LENGTH = 512
+_PLATFORM_ONLY = {kernel: platform for platform, kernel in kernels.FUSED.items()}  # splash: tpu, cudnn: gpu
+
+
+def check_implementation(value, name: str = "attention") -> str:
+  """``value`` if it is one of :data:`IMPLEMENTATIONS`, else one line naming ``name`` and the choices."""
+  return check_choice(value, IMPLEMENTATIONS, name)
+
+
+def resolve_implementation(implementation: str, rows: int, platform: str | None = None) -> str:
+  """What a model's ``attention`` choice runs for ``rows`` query rows on ``platform`` (default: the target
+  platform, :func:`jaxgrpo.parallel.target.current_platform`): ``"dense"``, ``"blockwise"``, ``"splash"`` or
+  ``"cudnn"``. ``auto``: dense when ``rows < AUTO_MIN_LENGTH``, else the platform's kernel (splash on TPU, cuDNN on
+  GPU, blockwise elsewhere). ``splash`` / ``cudnn`` on another platform: ValueError (one line)."""
+  check_implementation(implementation)
+  platform = platform or current_platform()
+  if implementation == "auto":
+    return "dense" if rows < AUTO_MIN_LENGTH else kernels.choose_implementation("auto", platform)
+  need = _PLATFORM_ONLY.get(implementation)
+  if need is not None and platform != need:
+    raise ValueError(
+      f"model attention={implementation!r} is a {need.upper()} kernel but the program targets {platform!r}; "
+      "use 'auto' or 'blockwise' (every platform) or 'dense'"
+    )
+  return implementation
+
+
+def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
+  """Sets the attention implementation (one of :data:`IMPLEMENTATIONS`) of every :class:`Attention` of ``model``
+  (in place; returns ``model``). A static attribute: part of the traced program, not of the weights."""
+  check_implementation(implementation)
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, Attention):
+      module.implementation = implementation
+  return model
 
 
 class KVCache(NamedTuple):
@@ -187,7 +235,11 @@ class Attention(nnx.Module):
   o [H,K,D] ("heads","head_dim","embed"); optional biases [H,K] / [N,K] / [D]; optional per-head
   RMSNorm on q and k over K (Qwen3); optional RoPE (``inv_freq`` given).
 
-  ``softmax(q·kᵀ/√K + mask)`` with scores and softmax in float32; masked entries get -1e30.
+  ``softmax(q·kᵀ/√K + mask)`` with scores and softmax in float32; masked entries get -1e30. ``implementation``
+  (static, :func:`set_attention`): ``dense`` materialises the ``[B,N,G,S,T]`` scores; ``blockwise`` / ``splash`` /
+  ``cudnn`` run the kernels of ``jaxgrpo.parallel.attention`` (memory linear in the length) without a cache and
+  blockwise attention for a prefill into one; ``auto`` (default) is dense below ``AUTO_MIN_LENGTH`` query rows
+  (:func:`resolve_implementation`). Decoding (a few query rows) and forward-mode autodiff are always dense.
   With a context mesh, q and the attention output are constrained to ``QUERY_AXES``, k and v to
   ``KV_AXES`` (:func:`shard_activation`). Adapters: ``q_lora``, ``k_lora``, ``v_lora``, ``o_lora``
   (``LoRA`` or None).
@@ -231,6 +283,7 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     self.inv_freq = None if inv_freq is None else tuple(float(f) for f in inv_freq)
     self.q_lora = self.k_lora = self.v_lora = self.o_lora = nnx.data(None)
+    self.implementation = "auto"  # one of IMPLEMENTATIONS (static), set for a whole model by set_attention
 
   def __call__(
     self,
@@ -299,6 +352,10 @@ class Attention(nnx.Module):
       key_ok = cache_valid[:, None, :]  # [B,1,T]
       if not small:  # prefill: once per generate call; [B,T,N,K] as in the uncached path
         keys, values = jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
+    impl = "dense" if small or forward_mode_active() else resolve_implementation(self.implementation, S)
+    if impl != "dense":  # memory linear in the length; a custom VJP, so never in forward-mode autodiff
+      out = self._kernel(impl, q, keys, values, segment_ids, cache_valid if cache_kv is not None else None, cache_index)
+      return self._output(out, kw), new_kv
     if cache_kv is None:
       mask = (k_slot[None, :] <= q_slot[:, None])[None] & key_ok  # [B,S,T]
     else:
@@ -323,6 +380,27 @@ class Attention(nnx.Module):
       out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)  # [B,N,G,S,K] -> [B,S,H,K]
     else:
       out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
+    return self._output(out, kw), new_kv
+
+  def _output(self, out: jax.Array, kw: dict) -> jax.Array:
+    """The output projection of the attention output ``out [B,S,H,K]``: ``[B,S,D]``."""
     out = shard_activation(out, QUERY_AXES, "attention output")
-    y = project(out, self.o, self.o_bias, self.o_lora, contract=2, **kw)
-    return y, new_kv
+    return project(out, self.o, self.o_bias, self.o_lora, contract=2, **kw)
+
+  def _kernel(self, impl, q, keys, values, segment_ids, cache_valid, cache_index) -> jax.Array:
+    """Attention by ``impl`` (``blockwise``, ``splash``, ``cudnn``): q ``[B,S,H,K]``; keys, values ``[B,T,N,K]``
+    (T = S without a cache). Without a cache (``cache_valid`` None): :func:`jaxgrpo.parallel.attention.attention`
+    with ``segment_ids``. With one (a prefill): blockwise attention of the S queries at slots
+    ``cache_index + i`` over the T slots where ``cache_valid`` (every platform: the fused kernels are
+    self-attention only). Padding query rows give zeros (the dense path averages there; real rows agree).
+    Returns ``[B,S,H,K]`` in the compute dtype."""
+    K = self.head_dim
+    if cache_valid is None:
+      return kernels.attention(q, keys, values, segment_ids, implementation=impl, scale=K**-0.5)
+    block_q, block_kv = kernels.default_blocks()
+    return blockwise_attention(
+      q, keys.astype(self.dtype), values.astype(self.dtype),
+      q_segment_ids=jnp.ones(q.shape[:2], jnp.int32), kv_segment_ids=cache_valid.astype(jnp.int32),
+      q_offset=cache_index, scale=K**-0.5, block_q=block_q, block_kv=block_kv,
+      dot_dtype=jnp.float32 if current_platform() == "cpu" else None,
+    )  # fmt: skip

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.attention import check_implementation, set_attention
 from jaxgrpo.models.base import CausalLM, RematPolicy
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.registry import family_of
@@ -24,6 +25,7 @@ def build_model(
   remat: RematPolicy | str | bool = False,
   rules: Mapping[str, Any] | None = None,
   scan_layers: bool = False,
+  attention: str = "auto",
 ) -> CausalLM:
   """A randomly initialised model of ``cfg``'s family.
 
@@ -48,10 +50,15 @@ def build_model(
       scanned body): the layer is compiled once instead of L times (docs/models.md, "Layers as a
       scan"). Same weights for the same ``rngs`` and the same outputs as the loop. Not for MoE
       models (ValueError).
+    attention: the attention implementation of every layer (``jaxgrpo.models.attention.IMPLEMENTATIONS``):
+      ``"auto"`` (dense below ``AUTO_MIN_LENGTH`` = 512 query rows, the target platform's kernel from it on),
+      ``"dense"``, ``"blockwise"`` (every platform), ``"splash"`` (TPU), ``"cudnn"`` (GPU); docs/models.md,
+      "Attention implementations". Same values on real tokens; set later with ``set_attention(model, name)``.
 
   Raises:
     TypeError: ``cfg`` is not a config of a registered family.
     ValueError: ``scan_layers`` with a MoE config.
   """
+  check_implementation(attention, "attention")
   kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers)
-  return family_of(cfg).model(cfg, **kw)
+  return set_attention(family_of(cfg).model(cfg, **kw), attention)

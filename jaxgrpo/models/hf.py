@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxgrpo import _checks
+from jaxgrpo.models.attention import check_implementation
 from jaxgrpo.models.base import RematPolicy, check_scan_layers
 from jaxgrpo.models.build import build_model
 from jaxgrpo.models.config import GPT2Config, LlamaConfig, ModelConfig, config_from_hf
@@ -415,6 +416,7 @@ def load_hf(
   rules: Mapping[str, str | None] | None = None,
   remat: RematPolicy | str | bool = False,
   scan_layers: bool = False,
+  attention: str = "auto",
 ):
   """Load a HF causal-LM directory (or hub id, when reachable) into a ``jaxgrpo.models`` model.
 
@@ -434,6 +436,8 @@ def load_hf(
       ``"full"``, ``"dots"``, ``"dots_no_batch"``; ``True``/``False`` = full/none); see ``build_model``.
     scan_layers: load into the stacked layout (``build_model(scan_layers=True)``): each stacked
       parameter is assembled shard by shard from the per-layer HF tensors (no per-layer copy).
+    attention: the attention implementation (``"auto"``, ``"dense"``, ``"blockwise"``, ``"splash"``, ``"cudnn"``);
+      see ``build_model``.
 
   Returns:
     The model (its config on ``model.config``).
@@ -444,6 +448,7 @@ def load_hf(
   """
   remat = RematPolicy.parse(remat)  # a bad name fails before the checkpoint is read
   check_scan_layers(scan_layers)
+  check_implementation(attention, "attention")
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
@@ -459,8 +464,15 @@ def load_hf(
   rules = DEFAULT_RULES if rules is None else dict(rules)
   abstract = nnx.eval_shape(  # the model refuses what it cannot build (MoE with scan_layers) before any read
     lambda: build_model(
-      cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers
-    )
+      cfg,
+      rngs=nnx.Rngs(0),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      remat=remat,
+      rules=rules,
+      scan_layers=scan_layers,
+      attention=attention,
+    )  # fmt: skip
   )
   tensors = read_checkpoint(directory)
   graphdef, state = nnx.split(abstract)

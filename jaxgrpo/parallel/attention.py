@@ -28,14 +28,14 @@ from jaxgrpo._checks import check_choice, check_python_int, shape_of
 from jaxgrpo.kernels.attention import blockwise_attention
 from jaxgrpo.parallel.target import current_platform
 
-__all__ = ["BLOCKS", "IMPLEMENTATIONS", "attention", "choose_implementation", "default_blocks"]
+__all__ = ["BLOCKS", "FUSED", "IMPLEMENTATIONS", "attention", "choose_implementation", "default_blocks"]
 
 IMPLEMENTATIONS = ("auto", "blockwise", "splash", "cudnn")
 # (block_q, block_kv) of the blockwise path per target platform. CPU: the fastest pair of a sweep of the gradient
 # at 4k tokens, 4 heads of 16 (128/256: 0.32 s; 128/128: 0.35–0.55 s; 512/512: 2.8 s — larger blocks leave the
 # cache); accelerators: tiles that fill a TPU MXU (512) / a GPU's shared memory (128).
 BLOCKS = {"cpu": (128, 256), "gpu": (128, 128), "tpu": (512, 512)}
-_FUSED = {"tpu": "splash", "gpu": "cudnn"}
+FUSED = {"tpu": "splash", "gpu": "cudnn"}  # the fused kernel of each platform (the others: blockwise)
 SPLASH_BLOCK = 512  # the splash kernel's tile (rows of q and of k/v), clipped to the sequence padded to 128
 
 
@@ -50,7 +50,7 @@ def choose_implementation(implementation: str = "auto", platform: str | None = N
   check_choice(implementation, IMPLEMENTATIONS, "implementation")
   if implementation != "auto":
     return implementation
-  return _FUSED.get(platform or current_platform(), "blockwise")
+  return FUSED.get(platform or current_platform(), "blockwise")
 
 
 def attention(

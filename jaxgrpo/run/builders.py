@@ -152,11 +152,23 @@ def build_policy(spec: ModelSpec, *, seed: int, mesh: Mesh | None = None):
   if spec.synthetic is not None:
     cfg = registry.task("arithmetic").model_config(spec.synthetic, len(tokenizer))
     model = models.build_model(
-      cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat=spec.remat, scan_layers=spec.scan_layers
+      cfg,
+      rngs=nnx.Rngs(seed),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      remat=spec.remat,
+      scan_layers=spec.scan_layers,
+      attention=spec.attention,
     )
   else:
     model = models.load_hf(
-      spec.path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, remat=spec.remat, scan_layers=spec.scan_layers
+      spec.path,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      mesh=mesh,
+      remat=spec.remat,
+      scan_layers=spec.scan_layers,
+      attention=spec.attention,
     )
   return model, tokenizer
 
@@ -257,6 +269,7 @@ def _load_stored_base(base_dir: str, spec: ModelSpec):
     param_dtype=DTYPES[spec.param_dtype],
     remat=spec.remat,
     scan_layers=spec.scan_layers,
+    attention=spec.attention,
   )
 
 
@@ -309,7 +322,13 @@ def abstract_policy(spec: ModelSpec):
   tokenizer = build_tokenizer(spec)
   cfg = model_config(spec, tokenizer)
   build = lambda: models.build_model(
-    cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=spec.remat, scan_layers=spec.scan_layers
+    cfg,
+    rngs=nnx.Rngs(0),
+    dtype=dtype,
+    param_dtype=param_dtype,
+    remat=spec.remat,
+    scan_layers=spec.scan_layers,
+    attention=spec.attention,
   )
   return nnx.eval_shape(build), tokenizer
 

@@ -42,6 +42,7 @@ from jaxgrpo import _checks
 from jaxgrpo.data import INSTRUCTION
 from jaxgrpo.kernels.config import GRPOConfig, preset
 from jaxgrpo.models import RematPolicy
+from jaxgrpo.models.attention import IMPLEMENTATIONS
 from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.rollout.engines import registry as _engine_registry
 from jaxgrpo.rollout.engines.base import load_engine_factory
@@ -109,6 +110,9 @@ class ModelSpec:
     scan_layers: store the layers stacked and run them as one ``jax.lax.scan``
       (``jaxgrpo.models.build_model``): compiles the layer once instead of once per layer; same
       values. Not for MoE models. Default false (docs/models.md, "Layers as a scan": measured).
+    attention: the attention implementation (``jaxgrpo.models.attention.IMPLEMENTATIONS``): ``auto`` (dense
+      below 512 tokens a row, the platform's kernel from there: memory linear in the length), ``dense``,
+      ``blockwise``, ``splash`` (TPU only), ``cudnn`` (GPU only) (docs/models.md, "Attention implementations").
   """
 
   path: str | None = None
@@ -117,6 +121,7 @@ class ModelSpec:
   param_dtype: str = "float32"
   remat: Literal["none", "full", "dots", "dots_no_batch"] | bool = "none"
   scan_layers: bool = False
+  attention: str = "auto"
 
   def __post_init__(self):
     if (self.path is None) == (self.synthetic is None):
@@ -134,6 +139,8 @@ class ModelSpec:
       raise ValueError(f"`model.remat`: {e}") from None
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"`model.scan_layers` must be true or false; got {self.scan_layers!r}")
+    if self.attention not in IMPLEMENTATIONS:
+      raise ValueError(f"`model.attention` must be one of {', '.join(IMPLEMENTATIONS)}; got {self.attention!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
