@@ -53,6 +53,19 @@ def test_auto_follows_the_target_platform_not_the_host():
     choose_implementation("flash")
 
 
+def test_a_partitioned_tpu_program_gets_blockwise_and_splash_is_refused_there():
+  """XLA cannot partition a Pallas call ("Mosaic kernels cannot be automatically partitioned", which is what the plan
+  of an 8B step on v5e-16 raised with `auto` = splash): inside a program traced under a context mesh of several
+  devices, `auto` is blockwise on TPU and `splash` named is refused in one line; one device keeps splash."""
+  with target_platform("tpu"):
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 2), ("data", "fsdp"))):
+      assert choose_implementation("auto") == "blockwise"
+      with pytest.raises(ValueError, match=r"^attention implementation='splash' in a program partitioned over 4 dev"):
+        choose_implementation("splash")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("fsdp",))):
+      assert choose_implementation("auto") == "splash"
+
+
 @pytest.mark.parametrize("H,N", [(4, 2), (4, 1)])
 def test_blockwise_path_equals_the_formula(H, N):
   _assert_equal_on_real_rows(lambda q, k, v: attention(q, k, v, SEG, implementation="auto"), H, N)

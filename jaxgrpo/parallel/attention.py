@@ -28,7 +28,16 @@ from jaxgrpo._checks import check_choice, check_python_int, shape_of
 from jaxgrpo.kernels.attention import blockwise_attention
 from jaxgrpo.parallel.target import current_platform
 
-__all__ = ["BLOCKS", "FUSED", "IMPLEMENTATIONS", "attention", "choose_implementation", "default_blocks"]
+__all__ = [
+  "BLOCKS",
+  "FUSED",
+  "IMPLEMENTATIONS",
+  "UNPARTITIONED",
+  "attention",
+  "choose_implementation",
+  "default_blocks",
+  "partitioned_over",
+]
 
 IMPLEMENTATIONS = ("auto", "blockwise", "splash", "cudnn")
 # (block_q, block_kv) of the blockwise path per target platform. CPU: the fastest pair of a sweep of the gradient
@@ -44,13 +53,34 @@ def default_blocks(platform: str | None = None) -> tuple[int, int]:
   return BLOCKS.get(platform or current_platform(), BLOCKS["cpu"])
 
 
+#: kernels XLA cannot partition by itself: a Pallas (Mosaic) call inside a program partitioned over several devices
+#: needs a ``shard_map`` wrapper, which is not built yet ("Mosaic kernels cannot be automatically partitioned")
+UNPARTITIONED = ("splash",)
+
+
+def partitioned_over() -> int:
+  """The number of devices of the context mesh the program is traced under (``jax.set_mesh``; 0 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 0 if mesh.empty else int(mesh.size)
+
+
 def choose_implementation(implementation: str = "auto", platform: str | None = None) -> str:
   """The implementation ``"auto"`` resolves to on ``platform`` (default: the target platform): ``"splash"`` on
-  TPU, ``"cudnn"`` on GPU, ``"blockwise"`` elsewhere; any other choice is returned as given."""
+  TPU (blockwise inside a program partitioned over several devices: :data:`UNPARTITIONED`), ``"cudnn"`` on GPU,
+  ``"blockwise"`` elsewhere; any other choice is returned as given (``"splash"`` in a partitioned program:
+  ValueError, one line)."""
   check_choice(implementation, IMPLEMENTATIONS, "implementation")
+  devices = partitioned_over()
+  if implementation in UNPARTITIONED and devices > 1:
+    raise ValueError(
+      f"attention implementation={implementation!r} in a program partitioned over {devices} devices: the Pallas "
+      "kernel is not partitioned by XLA and its shard_map wrapper is not built yet; use 'auto' (blockwise there) "
+      "or 'blockwise'"
+    )
   if implementation != "auto":
     return implementation
-  return FUSED.get(platform or current_platform(), "blockwise")
+  kernel = FUSED.get(platform or current_platform(), "blockwise")
+  return "blockwise" if kernel in UNPARTITIONED and devices > 1 else kernel
 
 
 def attention(
