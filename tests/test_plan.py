@@ -280,3 +280,19 @@ def test_the_sampler_fix_names_prompts_per_step_a_multiple_of_the_batch_axes(dev
   cfg = specs.load_config(POD, {"rollout.prompts_per_step": prompts})
   mesh = AbstractMesh((1, devices, 1), ("data", "fsdp", "tensor"))
   assert plan.sampler_fix(cfg, plan.model_config("qwen3-8b"), mesh) == want
+
+
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_the_plan_builds_the_model_with_the_runs_attention(attention):
+  """The plan compiles the attention the run asks for (`model.attention`): before, it built every model with the
+  default, so `--model.attention dense` printed blockwise's bytes for a TPU slice, silently."""
+  from flax import nnx
+
+  from jaxgrpo.models.attention import Attention
+  from jaxgrpo.plan import programs
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(POD, {"model.attention": attention})
+  model = programs.abstract_model(cfg, plan.model_config("qwen3-0.6b"))
+  impls = {m.implementation for _, m in nnx.iter_graph(model) if isinstance(m, Attention)}
+  assert impls == {attention}

@@ -76,8 +76,8 @@ def _sds(shape, dtype, sharding):
 
 
 def abstract_model(cfg, model_config):
-  """The run's policy as ``ShapeDtypeStruct`` s: ``build_model`` of ``model_config`` with the run's dtypes, remat
-  and layout, and the ``lora`` section's adapters (``builders.add_adapters``)."""
+  """The run's policy as ``ShapeDtypeStruct`` s: ``build_model`` of ``model_config`` with the run's dtypes, remat,
+  layout and attention, and the ``lora`` section's adapters (``builders.add_adapters``)."""
   spec = cfg.model
 
   def build():
@@ -88,6 +88,7 @@ def abstract_model(cfg, model_config):
       param_dtype=DTYPES[spec.param_dtype],
       remat=spec.remat,
       scan_layers=spec.scan_layers,
+      attention=spec.attention,
     )
     if cfg.lora is not None:
       builders.add_adapters(model, cfg.lora, seed=cfg.run.seed)
