@@ -163,14 +163,14 @@ class RolloutSource:
     self.logprobs_are_policy = logprobs_are_policy
     self.turns, self.should_stop = turns, should_stop
     self._engine_version: Any = None  # the version whose weights the engine holds (None: none yet)
-    self._engine_times: dict[str, float] = {}
+    self.engine_times: dict[str, float] = {}
 
   @property
   def rows_per_step(self) -> int:
     """B·G rows of a step's batch."""
     return self.prompts_per_step * self.sampling.num_samples
 
-  def _own_groups_range(self, groups: int) -> tuple[int, int]:
+  def own_groups_range(self, groups: int) -> tuple[int, int]:
     """``[first, last)``: the groups of a ``groups``-group batch whose rows this process holds
     (``sharding.process_batch_rows``; all of them in one process)."""
     g = self.sampling.num_samples
@@ -181,7 +181,7 @@ class RolloutSource:
     """Adds ``seconds`` to the metric ``name`` (``engine/*``); None (an engine on the mesh: its calls return
     once dispatched, a push is a reference swap) records nothing."""
     if seconds is not None:
-      self._engine_times[name] = self._engine_times.get(name, 0.0) + seconds
+      self.engine_times[name] = self.engine_times.get(name, 0.0) + seconds
 
   def _seconds_since(self, t0: float) -> float | None:
     """Seconds since ``t0`` of an engine call, None for an engine on the mesh (see :meth:`_add_time`)."""
@@ -202,7 +202,7 @@ class RolloutSource:
     if version is None or version != self._engine_version or driver.samples_on_mesh(self.engine):
       t0 = time.perf_counter()
       driver.push_policy(self.engine, self.sampling_policy(policy))
-      self._engine_times.pop("engine/push_s", None)  # the last push's
+      self.engine_times.pop("engine/push_s", None)  # the last push's
       self._add_time("engine/push_s", self._seconds_since(t0))
       self._engine_version = version
     return self.engine
@@ -266,7 +266,7 @@ class RolloutSource:
     sampler's turns in collective rounds (``engines.collective.CollectiveSampler``); rewards, lengths and the
     environments' metrics are gathered."""
     procs = jax.process_count()
-    first, last = self._own_groups_range(len(indices)) if procs > 1 else (0, len(indices))
+    first, last = self.own_groups_range(len(indices)) if procs > 1 else (0, len(indices))
     engine = self.engine_holding(policy, version)
     model, turn_engine = driver.turn_sampler(
       engine, self._policy() if policy is None else policy, mesh=self.mesh if mesh is None else mesh, key=key
@@ -302,7 +302,7 @@ class RolloutSource:
     of the host Batch. ``policy``/``version``/``mesh``/``on_sampled``: as for :meth:`sample` (the
     asynchronous producer passes the version it publishes and the rollout mesh)."""
     t0 = time.perf_counter()
-    self._engine_times = {}
+    self.engine_times = {}
     g, groups = self.sampling.num_samples, self.prompts_per_step
     rounds: list[Scored] = []
     drawn: list[list[int]] = []
@@ -336,7 +336,7 @@ class RolloutSource:
       # multi-turn: the environments' metrics, mean over the rounds
       env={k: float(np.mean([r.metrics[k] for r in rounds if k in r.metrics])) for k in rounds[0].metrics},
     )
-    metrics.update(self._engine_times)
+    metrics.update(self.engine_times)
     return Produced(batch, metrics, int(lengths.sum()), drawn, list(kept), version, time.perf_counter() - t0)
 
   def _own_groups(self, rounds: list[Scored], kept: list[tuple[int, int]]) -> Batch:
@@ -346,7 +346,7 @@ class RolloutSource:
     sampled by another process is fetched from it (``all_rows`` of its round: only for rounds some
     process needs, decided identically everywhere from ``kept``)."""
     g = self.sampling.num_samples
-    first, last = self._own_groups_range(len(kept))
+    first, last = self.own_groups_range(len(kept))
     per = last - first  # groups per process
     elsewhere = sorted({r for j, (r, b) in enumerate(kept) if b // per != j // per})
     fetched = {r: distributed.all_rows(rounds[r].rows, self.mesh) for r in elsewhere}

@@ -188,7 +188,7 @@ class PartialRollouts(AsyncRollouts):
     version, params = self._published
     model = self._sampling_model(version, params)
     t0 = time.perf_counter()
-    self.source._engine_times = {}  # an engine's push_s (engine_for)
+    self.source.engine_times = {}  # an engine's push_s (engine_for)
     dropped = self.pool.drop_older(n - 1 - self.k)
     rounds: list = []
     sample_key, catch_up_key = self._process_keys(sample_key)
@@ -227,7 +227,7 @@ class PartialRollouts(AsyncRollouts):
       }
     )
     if not driver.samples_on_mesh(self.source.engine):  # EnginePool, or an EpisodePool's turns through the engine
-      metrics.update({**self.source._engine_times, "engine/generate_s": self.pool.generate_s})
+      metrics.update({**self.source.engine_times, "engine/generate_s": self.pool.generate_s})
     self._drawn += rounds
     untrained = every["untrained"]
     self._queue.append(
@@ -391,7 +391,7 @@ class PartialRollouts(AsyncRollouts):
     if procs == 1:
       return
     b = self.source.prompts_per_step
-    first, last = self.source._own_groups_range(b)
+    first, last = self.source.own_groups_range(b)
     blocks = sorted({(int(a), int(z)) for a, z in distributed.gather_objects([int(first), int(last)])})
     per = b // procs
     if b % procs or blocks != [(i * per, (i + 1) * per) for i in range(procs)]:
