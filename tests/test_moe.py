@@ -350,3 +350,19 @@ def test_default_dispatch_follows_the_backend_measurements():
   with target_platform("tpu"):
     assert moe.default_dispatch() == "ragged"  # the target's, not this CPU host's
   assert moe.default_dispatch() == moe.default_dispatch(jax.default_backend())  # no mesh, no target: the default
+
+
+def test_is_moe_reads_the_models_sparse_layers_not_its_class():
+  """A new MoE family's model need not subclass ``MoEModel``: it lists its sparse layers in ``moe_layers``."""
+
+  class OtherFamilyMoE:
+    moe_layers = (1, 3)
+
+  class Dense:
+    pass
+
+  assert moe.is_moe(OtherFamilyMoE()) and moe.num_moe_layers(OtherFamilyMoE()) == 2
+  assert not moe.is_moe(Dense()) and moe.num_moe_layers(Dense()) == 0
+  empty = OtherFamilyMoE()
+  empty.moe_layers = ()
+  assert not moe.is_moe(empty)

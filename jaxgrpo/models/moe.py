@@ -506,13 +506,14 @@ SCAN_LAYERS_MOE_ERROR = (
 
 
 def is_moe(model) -> bool:
-  """Whether ``model`` is a mixture of experts with at least one sparse layer."""
-  return isinstance(model, MoEModel) and len(model.moe_layers) > 0
+  """Whether ``model`` is a mixture of experts with at least one sparse layer: it lists them in ``moe_layers``
+  (any family's model that does, not only :class:`MoEModel` and its subclasses)."""
+  return num_moe_layers(model) > 0
 
 
 def num_moe_layers(model) -> int:
   """M, the number of sparse layers (0 for a dense model)."""
-  return len(model.moe_layers) if isinstance(model, MoEModel) else 0
+  return len(getattr(model, "moe_layers", ()))
 
 
 def set_dispatch(model, dispatch: str) -> None:
