@@ -343,3 +343,56 @@ def test_a_one_step_warm_up_is_refused_naming_the_field():
   with pytest.raises(ValueError, match=r"`arithmetic.sft_steps` must be 0 \(no warm-up\) or >= 2"):
     load_config(None, {"data.arithmetic.sft_steps": 1})
   assert load_config(None, {"data.arithmetic.sft_steps": 2}).data.arithmetic.sft_steps == 2
+
+
+_PLUGIN = """
+import jax.numpy as jnp
+from jaxgrpo.kernels import surrogates
+
+
+def _pg(logp, old_logp, adv, real):
+  none = jnp.zeros_like(real)
+  return surrogates.Surrogate(jnp.where(real, -adv * logp, 0.0), none, none, none)
+
+
+surrogates.register_surrogate("plugin_pg", _pg)
+"""
+
+
+def test_run_imports_registers_a_surrogate_the_config_then_names(tmp_path):
+  """``run.imports`` imports a user's module before the objective is read: its registered loss is nameable in
+  ``objective.loss``; the list travels in ``config.json``, so a fresh process (a resume) reads it back."""
+  import json
+  import subprocess
+  import sys
+
+  (tmp_path / "my_losses.py").write_text(_PLUGIN)
+  cfg_file = tmp_path / "run.yaml"
+  cfg_file.write_text("run: {imports: [my_losses]}\nobjective: {preset: grpo, loss: plugin_pg}\n")
+  code = (
+    "import json, sys; from jaxgrpo.run.specs import load_config, config_from_dict\n"
+    f"cfg = load_config({str(cfg_file)!r})\n"
+    "print(json.dumps([cfg.objective.loss, list(cfg.run.imports), cfg.to_dict()]))\n"
+  )
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+  loss, imports, saved = json.loads(out.stdout.strip().splitlines()[-1])
+  assert (loss, imports) == ("plugin_pg", ["my_losses"])
+  code = (
+    "import json, sys; from jaxgrpo.run.specs import config_from_dict\n"
+    f"print(config_from_dict(json.loads({json.dumps(json.dumps(saved))})).objective.loss)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+  assert out.stdout.strip().splitlines()[-1] == "plugin_pg"
+
+  no_import = tmp_path / "no_import.yaml"
+  no_import.write_text("objective: {preset: grpo, loss: plugin_pg_never_registered}\n")
+  with pytest.raises(ValueError, match="plugin_pg_never_registered"):
+    load_config(str(no_import))
+
+
+def test_run_imports_refuses_a_module_that_cannot_be_imported_and_a_non_list():
+  with pytest.raises(ValueError, match=r"`run\.imports\[1\]`: cannot import 'no_such_module_xyz'"):
+    load_config(None, {"run.imports": ["json", "no_such_module_xyz"]})
+  with pytest.raises(TypeError, match=r"`run\.imports`: expected a list of module names"):
+    load_config(None, {"run.imports": "json"})

@@ -492,6 +492,10 @@ class RunSpec:
     max_zero_advantage_steps: stop (``jaxgrpo.run.collapse.NoLearningSignal``, exit 1) after this many consecutive
       steps in which every advantage was 0 or no reward was finite: nothing is learned from such a step (a reward
       that never varies within a group, every reward NaN). 0: never stop.
+    imports: Python modules imported before the rest of the config is read (``["my_pkg.losses"]``): a module that
+      registers a surrogate (``register_surrogate``), a model family (``register_family``) or an engine makes its
+      name usable in ``objective.loss``, the model's ``config.json`` or ``rollout.engine``. Importable from the
+      Python path (installed, or on ``PYTHONPATH``); recorded in ``config.json``, so a resume imports them again.
   """
 
   steps: int = 100
@@ -500,6 +504,7 @@ class RunSpec:
   log_every: int = 1
   save_model: bool = False
   max_zero_advantage_steps: int = 20
+  imports: tuple[str, ...] = ()
 
   def __post_init__(self):
     _ints("run", self, ("steps", "seed", "max_zero_advantage_steps"), minimum=0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import importlib
 import os
 import re
 import types
@@ -363,7 +364,31 @@ def read_yaml(path: str) -> dict:
 def config_from_dict(d: Mapping[str, Any], *, where: str = "config") -> TrainerConfig:
   """A :class:`TrainerConfig` from its nested dict form (YAML, ``to_dict()``). Unknown keys are errors
   naming the valid ones (for a key of the earlier flat config: its dotted form)."""
-  return build_spec(TrainerConfig, _nest(d, where), "")
+  nested = _nest(d, where)
+  import_run_modules(nested)
+  return build_spec(TrainerConfig, nested, "")
+
+
+def import_run_modules(nested: Mapping[str, Any]) -> None:
+  """Imports the modules of ``run.imports`` (a list of dotted module names) before the config is built, so the
+  names they register (a surrogate, a model family, an engine) are known to the checks of the other sections.
+
+  Raises:
+    TypeError: ``run.imports`` not a list of str (the field and the value named).
+    ValueError: a module that cannot be imported (its index, its name and Python's reason).
+  """
+  run = nested.get("run")
+  names = run.get("imports", ()) if isinstance(run, Mapping) else ()
+  if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+    raise TypeError(f"config field `run.imports`: expected a list of module names (str); got {names!r}")
+  for i, name in enumerate(names):
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      raise ValueError(
+        f"config field `run.imports[{i}]`: cannot import {name!r} ({e}); it must be importable from the Python "
+        "path (installed, or on PYTHONPATH)"
+      ) from None
 
 
 def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) -> TrainerConfig:
@@ -384,4 +409,5 @@ def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) ->
   for key, value in overrides.items():
     _assign(nested, key, copy.deepcopy(value))
   _check_sources(nested, overrides)
+  import_run_modules(nested)
   return build_spec(TrainerConfig, nested, "")
