@@ -185,3 +185,63 @@ def test_train_script_runs_with_a_context_axis(tmp_path):
   assert len(losses) == 2 and np.isfinite(losses).all(), rows
   steps = [f for f in os.listdir(dump) if f.endswith("jit_fn.cpu_after_optimizations.txt")]
   assert steps and any("shard_map/ppermute" in (dump / f).read_text() for f in steps), sorted(os.listdir(dump))[:20]
+
+
+def test_a_context_axis_of_size_1_is_the_3_axis_mesh_of_before():
+  """``context=1`` (or no ``context``) builds the ``(data, fsdp, tensor)`` mesh, so the programs of meshes without
+  context parallelism are unchanged; ``context`` is parsed only where named; ``check_sequence_divisible`` is a
+  no-op without the axis."""
+  import jax
+
+  from jaxgrpo.parallel import sharding as shd
+
+  one = jax.devices()[:1]
+  assert shd.parse_mesh_spec("fsdp=2,context=4") == {"data": 1, "fsdp": 2, "tensor": 1, "context": 4}
+  assert shd.parse_mesh_spec("fsdp=2") == {"data": 1, "fsdp": 2, "tensor": 1}
+  for spec in ("data=1,context=1", "data=1"):
+    mesh = shd.make_mesh(spec, devices=one)
+    assert mesh.axis_names == shd.MESH_AXES and shd.context_size(mesh) == 1
+    shd.check_sequence_divisible(61, mesh)
+  assert shd.DEFAULT_RULES["activation_length"] == shd.CONTEXT_AXIS
+  with pytest.raises(
+    ValueError, match=r"has 4 devices \(data=1 x fsdp=1 x tensor=1 x context=4\) but there are 1 devices"
+  ):
+    shd.make_mesh("context=4", devices=one)
+
+
+def test_train_script_refuses_rows_the_context_axis_does_not_divide(tmp_path):
+  """``scripts/train.py`` exits 2 with one ``error:`` line before any weight is read when a row the run can train
+  on does not split over the ``context`` axis: ``step.packing 126`` on ``context=4``, and on ``context=3`` the
+  unpacked rows (a prompt bucket of 16 + the completion bucket of 64 = 80)."""
+  import subprocess
+
+  from helpers import async_train_cmd, cli_env
+
+  cases = {
+    "packed": ({"devices.mesh": "fsdp=2,context=4", "step.packing": "126"}, "8"),
+    "unpacked": ({"devices.mesh": "context=3", "rollout.max_new_tokens": "64"}, "3"),
+  }
+  procs = {
+    name: subprocess.Popen(
+      [*async_train_cmd(tmp_path / name, 1, **extra), "--cpu-devices", devices],
+      env=cli_env(tmp_path / "cache"),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for name, (extra, devices) in cases.items()
+  }
+  errors = {}
+  for name, proc in procs.items():
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, (name, err[-3000:])
+    errors[name] = [line for line in err.splitlines() if line.startswith("error:")]
+  assert errors["packed"] == [
+    "error: devices.mesh 'fsdp=2,context=4' (8 devices) does not fit: step.packing (the packed row) length 126 is not "
+    "divisible by the mesh's context axis (context=4): pad it by 2 to 128 positions or change the context size"
+  ], errors
+  assert errors["unpacked"] == [
+    "error: devices.mesh 'context=3' (3 devices) does not fit: a [prompt ‖ completion] row of 16 + 64 = 80 positions "
+    "(a prompt bucket of 16s + a completion bucket) is not divisible by the context axis (context=3); use a context "
+    "size that divides every row (e.g. one dividing 16), or step.packing with a multiple of 3"
+  ], errors
