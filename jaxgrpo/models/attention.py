@@ -17,8 +17,17 @@ from flax import nnx
 from jaxgrpo._checks import check_choice
 from jaxgrpo.kernels.attention import blockwise_attention
 from jaxgrpo.models.backend import f32_operands_on_cpu
-from jaxgrpo.models.layers import RMSNorm, forward_mode_active, param, project, shard_activation
+from jaxgrpo.models.layers import (
+  RMSNorm,
+  current_activation_rules,
+  forward_mode_active,
+  param,
+  project,
+  shard_activation,
+)
 from jaxgrpo.parallel import attention as kernels
+from jaxgrpo.parallel.ring_attention import context_attention
+from jaxgrpo.parallel.sharding import context_size
 from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
@@ -34,6 +43,7 @@ __all__ = [
   "IMPLEMENTATIONS",
   "AUTO_MIN_LENGTH",
   "check_implementation",
+  "context_implementation",
   "resolve_implementation",
   "set_attention",
 ]
@@ -71,6 +81,22 @@ def resolve_implementation(implementation: str, rows: int, platform: str | None 
       "use 'auto' or 'blockwise' (every platform) or 'dense'"
     )
   return implementation
+
+
+def context_implementation(implementation: str, context: int) -> str | None:
+  """``"ring"`` when a model's ``attention`` choice runs as ring attention over a ``context`` mesh axis of size
+  ``context`` (> 1; ``auto`` and ``blockwise``: the blockwise kernel inside the ring), None when it does not
+  (``context`` 1, or ``dense``: GSPMD over the split sequence, which gathers the keys); ``splash`` / ``cudnn``
+  with ``context`` > 1: ValueError (one line; the fused kernels are not inside the ring)."""
+  check_implementation(implementation)
+  if context < 2 or implementation == "dense":
+    return None
+  if implementation in _PLATFORM_ONLY:
+    raise ValueError(
+      f"model attention={implementation!r} with a context mesh axis of size {context}: context parallelism runs "
+      "ring attention with the blockwise kernel inside; use 'auto' or 'blockwise' (or drop the context axis)"
+    )
+  return "ring"
 
 
 def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
@@ -239,7 +265,9 @@ class Attention(nnx.Module):
   (static, :func:`set_attention`): ``dense`` materialises the ``[B,N,G,S,T]`` scores; ``blockwise`` / ``splash`` /
   ``cudnn`` run the kernels of ``jaxgrpo.parallel.attention`` (memory linear in the length) without a cache and
   blockwise attention for a prefill into one; ``auto`` (default) is dense below ``AUTO_MIN_LENGTH`` query rows
-  (:func:`resolve_implementation`). Decoding (a few query rows) and forward-mode autodiff are always dense.
+  (:func:`resolve_implementation`). Decoding (a few query rows) and forward-mode autodiff are always dense. Under a
+  context mesh with a ``context`` axis > 1 (context parallelism), ``auto`` and ``blockwise`` run ring attention
+  over it (:func:`context_implementation`, ``jaxgrpo.parallel.ring_attention.context_attention``).
   With a context mesh, q and the attention output are constrained to ``QUERY_AXES``, k and v to
   ``KV_AXES`` (:func:`shard_activation`). Adapters: ``q_lora``, ``k_lora``, ``v_lora``, ``o_lora``
   (``LoRA`` or None).
@@ -352,7 +380,8 @@ class Attention(nnx.Module):
       key_ok = cache_valid[:, None, :]  # [B,1,T]
       if not small:  # prefill: once per generate call; [B,T,N,K] as in the uncached path
         keys, values = jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
-    impl = "dense" if small or forward_mode_active() else resolve_implementation(self.implementation, S)
+    ring = None if cache_kv is not None else context_implementation(self.implementation, context_size())
+    impl = "dense" if small or forward_mode_active() else ring or resolve_implementation(self.implementation, S)
     if impl != "dense":  # memory linear in the length; a custom VJP, so never in forward-mode autodiff
       out = self._kernel(impl, q, keys, values, segment_ids, cache_valid if cache_kv is not None else None, cache_index)
       return self._output(out, kw), new_kv
@@ -395,6 +424,11 @@ class Attention(nnx.Module):
     self-attention only). Padding query rows give zeros (the dense path averages there; real rows agree).
     Returns ``[B,S,H,K]`` in the compute dtype."""
     K = self.head_dim
+    if impl == "ring":
+      dot = jnp.float32 if current_platform() == "cpu" else None  # XLA:CPU: no bf16 × bf16 → f32 batched dot
+      return context_attention(
+        q, keys, values, segment_ids, rules=current_activation_rules(), scale=K**-0.5, dot_dtype=dot
+      )
     if cache_valid is None:
       return kernels.attention(q, keys, values, segment_ids, implementation=impl, scale=K**-0.5)
     block_q, block_kv = kernels.default_blocks()

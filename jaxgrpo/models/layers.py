@@ -110,6 +110,11 @@ def forward_mode_active() -> bool:
   return _FORWARD_MODE.get()
 
 
+def current_activation_rules() -> Mapping[str, Any] | None:
+  """The rules :func:`shard_activation` applies now (those of :func:`activation_rules`; None: the defaults)."""
+  return _ACTIVATION_RULES.get()
+
+
 def shard_activation(x: jax.Array, axes: tuple[str | None, ...], name: str) -> jax.Array:
   """``jaxgrpo.parallel.sharding.constrain(x, axes, rules, name)`` with the rules of the model being traced
   (:func:`activation_rules`): a no-op without a context mesh. ``x [*dims]`` with one logical name

@@ -17,6 +17,11 @@ Gradients: reverse-mode autodiff through the ring (the blockwise kernel's VJP ta
 log-sum-exp; ``ppermute``'s transpose is the reverse ring). It keeps each step's key/value chunk for the backward
 pass, so a device holds the whole sequence's k and v (``[B, S, N, K]``, not the ``[B, N, G, S, S]`` scores) in the
 backward pass; a hand-written ring backward that passes dk, dv around instead is not done.
+
+In the model (:func:`context_attention`): under a context mesh (``jax.set_mesh``) with a ``context`` axis > 1, the
+ring runs over it with the batch and head dims kept on the mesh axes their logical rules give them (``batch`` over
+``data × fsdp``, ``heads`` / ``kv_heads`` over ``tensor``), so composing with fsdp, tensor and data moves no
+activation: each device runs the ring over its own rows and heads.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgrpo.kernels.attention import blockwise_attention_with_lse
 from jaxgrpo.parallel.attention import default_blocks
+from jaxgrpo.parallel.sharding import CONTEXT_AXIS, DEFAULT_RULES, context_size, logical_to_spec
 
-__all__ = ["merge_partials", "ring_attention", "ring_attention_shard"]
+__all__ = ["context_attention", "merge_partials", "ring_attention", "ring_attention_shard"]
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -45,15 +51,19 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
   return out, lse
 
 
-def ring_attention_shard(q, k, v, segment_ids, *, axis_name: str, causal=True, scale=None, block_q=None, block_kv=None):
+def ring_attention_shard(
+  q, k, v, segment_ids, *, axis_name: str, causal=True, scale=None, block_q=None, block_kv=None, dot_dtype=None
+):
   """The body inside ``jax.shard_map``: this device's chunk ``q [B, C, H, K]``, ``k, v [B, C, N, K]``,
   ``segment_ids int[B, C]`` (chunk r holds global rows ``[r·C, (r+1)·C)``); returns its ``[B, C, H, K]``
-  output rows (q's dtype)."""
+  output rows (q's dtype). ``dot_dtype``: the blockwise kernel's product operand dtype (float32 on XLA:CPU for
+  bf16 inputs)."""
   n = jax.lax.axis_size(axis_name)
   r = jax.lax.axis_index(axis_name)
   C = q.shape[1]
   bq, bk = default_blocks()
   kw = dict(causal=causal, scale=scale, block_q=block_q or bq, block_kv=block_kv or bk, q_segment_ids=segment_ids)
+  kw["dot_dtype"] = dot_dtype
   ring = [(i, (i + 1) % n) for i in range(n)]
   out = lse = None
   kc, vc, sc = k, v, segment_ids
@@ -82,3 +92,32 @@ def ring_attention(q, k, v, segment_ids, mesh, *, axis: str = "context", causal=
   spec = P(None, axis)
   body = lambda q, k, v, s: ring_attention_shard(q, k, v, s, axis_name=axis, causal=causal, scale=scale, **blocks)
   return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(q, k, v, segment_ids)
+
+
+def context_attention(q, k, v, segment_ids, *, rules=None, scale=None, dot_dtype=None, block_q=None, block_kv=None):
+  """Ring attention over the ``context`` axis of the context mesh (``jax.set_mesh``), for the model: ``q [B, S,
+  H, K]``, ``k, v [B, S, N, K]``, ``segment_ids int[B, S]`` (global shapes; ``S`` divisible by the context size).
+  The batch dim stays on the mesh axes of ``rules["batch"]``, the head dims on those of ``rules["heads"]`` /
+  ``rules["kv_heads"]`` (default :data:`~jaxgrpo.parallel.sharding.DEFAULT_RULES`), as the model's activation
+  constraints put them. Returns ``[B, S, H, K]`` in q's dtype, zeros on padding rows (segment 0)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  n = context_size(mesh)
+  if n < 2:
+    raise ValueError(f"context_attention needs a context mesh with a '{CONTEXT_AXIS}' axis > 1; got {mesh}")
+  if q.shape[1] % n:
+    pad = -q.shape[1] % n
+    raise ValueError(
+      f"context attention: the sequence length {q.shape[1]} is not divisible by the context axis size {n}: pad it "
+      f"by {pad} positions"
+    )
+  rules = dict(DEFAULT_RULES if rules is None else rules, activation_length=CONTEXT_AXIS)
+  q_spec = logical_to_spec(("batch", "activation_length", "heads", None), mesh, rules, q.shape, "attention queries")
+  kv_spec = logical_to_spec(("batch", "activation_length", "kv_heads", None), mesh, rules, k.shape, "attention keys")
+  seg_spec = logical_to_spec(("batch", "activation_length"), mesh, rules, segment_ids.shape, "segment ids")
+  body = lambda q, k, v, s: ring_attention_shard(
+    q, k, v, s, axis_name=CONTEXT_AXIS, scale=scale, block_q=block_q, block_kv=block_kv, dot_dtype=dot_dtype
+  )
+  ring = jax.shard_map(
+    body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False
+  )
+  return ring(q, k, v, jnp.asarray(segment_ids, jnp.int32))

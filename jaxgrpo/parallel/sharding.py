@@ -5,7 +5,12 @@ Mesh axes (MaxText-style, any of them may have size 1):
 - ``data``: pure data parallelism (parameters replicated across it);
 - ``fsdp``: data parallelism with parameters and optimizer state sharded along the model width
   (ZeRO-3 / FSDP);
-- ``tensor``: tensor (model) parallelism over heads, MLP width and vocabulary.
+- ``tensor``: tensor (model) parallelism over heads, MLP width and vocabulary;
+- ``context`` (:data:`CONTEXT_AXIS`, only in a mesh where it is > 1): context parallelism, the sequence axis
+  of the activations split into consecutive chunks (``activation_length``); the model's attention becomes ring
+  attention over it (``jaxgrpo.parallel.ring_attention``), everything else is GSPMD over the split activations.
+  A mesh without it is the ``(data, fsdp, tensor)`` mesh of before, so the programs of meshes without context
+  parallelism are unchanged.
 
 The models annotate every parameter with logical axis names (``jaxgrpo.models.LOGICAL_AXES``);
 :data:`DEFAULT_RULES` maps them, and the batch axis, to mesh axes:
@@ -23,7 +28,7 @@ logical axis           mesh axis             which arrays
 ``expert_mlp``         —                     Fe of the expert weights (replicated: E takes ``tensor``)
 ``head_dim``           —                     (replicated)
 ``norm``               —                     (replicated)
-``activation_length``  —                     S of the activations (``"tensor"``: sequence parallelism)
+``activation_length``  ``context``           S of the activations (context parallelism; none without the axis)
 ``activation_embed``   —                     D of the residual stream (replicated across ``tensor``)
 ``layers``             — (always)            L, the leading axis of a scanned layer stack (``scan_layers``)
 =====================  ====================  =========================================================
@@ -53,9 +58,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 __all__ = [
   "BATCH_AXES",
   "DEFAULT_RULES",
+  "CONTEXT_AXIS",
   "MESH_AXES",
   "abstract_tree",
   "batch_sharding",
+  "check_sequence_divisible",
+  "context_size",
   "check_batch_divisible",
   "constrain",
   "logical_to_spec",
@@ -68,6 +76,7 @@ __all__ = [
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
+CONTEXT_AXIS = "context"  # the sequence axis: a mesh has it only where its size is > 1 (make_mesh)
 BATCH_AXES = ("data", "fsdp")
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -81,7 +90,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
   "norm": None,
   "expert": "tensor",
   "expert_mlp": None,
-  "activation_length": None,
+  "activation_length": CONTEXT_AXIS,
   "activation_embed": None,
   "layers": None,
 }
@@ -92,7 +101,8 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
   """``"data=2,fsdp=2,tensor=2"`` (or a mapping) → ``{"data": 2, "fsdp": 2, "tensor": 2}``.
 
   Omitted axes have size 1; at most one axis may be ``-1`` (all remaining devices, resolved by
-  :func:`make_mesh`). Unknown axis names, repeated names and sizes < 1 raise ``ValueError``.
+  :func:`make_mesh`). ``context`` (:data:`CONTEXT_AXIS`) is in the result only when the spec names it.
+  Unknown axis names, repeated names and sizes < 1 raise ``ValueError``.
   """
   if spec is None or spec == "":
     items: list[tuple[str, int]] = []
@@ -113,8 +123,8 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
   sizes = dict.fromkeys(MESH_AXES, 1)
   seen = set()
   for name, size in items:
-    if name not in MESH_AXES:
-      raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r}; the axes are {MESH_AXES}")
+    if name not in MESH_AXES + (CONTEXT_AXIS,):
+      raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r}; the axes are {MESH_AXES + (CONTEXT_AXIS,)}")
     if name in seen:
       raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
     seen.add(name)
@@ -129,10 +139,11 @@ def parse_mesh_spec(spec: str | Mapping[str, int] | None) -> dict[str, int]:
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices=None) -> Mesh:
-  """A ``(data, fsdp, tensor)`` mesh of ``AxisType.Auto`` axes (what the models need).
+  """A ``(data, fsdp, tensor)`` mesh of ``AxisType.Auto`` axes (what the models need), with a fourth axis
+  ``context`` when the spec gives it a size > 1 (context parallelism; a ``context=1`` mesh is the 3-axis one).
 
   Args:
-    spec: e.g. ``"data=2,fsdp=2,tensor=2"``, ``"fsdp=-1"`` or ``{"tensor": 4}``; see
+    spec: e.g. ``"data=2,fsdp=2,tensor=2"``, ``"fsdp=-1"``, ``"fsdp=2,context=4"`` or ``{"tensor": 4}``; see
       :func:`parse_mesh_spec`. None: all devices on ``fsdp``.
     devices: the devices to use (default ``jax.devices()``, every process's, in order). The mesh size
       must equal their number: ValueError otherwise (no device is silently left out).
@@ -145,14 +156,34 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, *, devices=None) -> M
     if n % known:
       raise ValueError(f"mesh spec {spec!r}: {n} devices are not divisible by the fixed axes' product {known}")
     sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
-  shape = tuple(sizes[a] for a in MESH_AXES)
+  axes = MESH_AXES + ((CONTEXT_AXIS,) if sizes.get(CONTEXT_AXIS, 1) > 1 else ())
+  shape = tuple(sizes[a] for a in axes)
   if math.prod(shape) != n:
     raise ValueError(
       f"mesh spec {spec!r} has {math.prod(shape)} devices "
-      f"({' x '.join(f'{a}={s}' for a, s in zip(MESH_AXES, shape))}) but there are {n} "
+      f"({' x '.join(f'{a}={s}' for a, s in zip(axes, shape))}) but there are {n} "
       f"devices; the mesh must use every device (set one axis to -1 to fill)"
     )
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+  return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def context_size(mesh=None) -> int:
+  """The size of the ``context`` axis of ``mesh`` (default: the context mesh of ``jax.set_mesh``; 1 without one or
+  without the axis): how many consecutive chunks the activations' sequence axis is split into."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return 1 if mesh.empty or CONTEXT_AXIS not in mesh.axis_names else int(mesh.shape[CONTEXT_AXIS])
+
+
+def check_sequence_divisible(length: int, mesh, what: str = "sequence") -> None:
+  """ValueError (one line) unless ``length`` positions split evenly over the ``context`` axis of ``mesh``; the
+  message says how many positions to pad."""
+  n = context_size(mesh)
+  if length % n:
+    pad = -length % n
+    raise ValueError(
+      f"{what} length {length} is not divisible by the mesh's context axis (context={n}): pad it by {pad} to "
+      f"{length + pad} positions or change the context size"
+    )
 
 
 def _mesh_axes(rule) -> tuple[str, ...]:

@@ -35,10 +35,12 @@ from jaxgrpo.run import builders
 from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.spec_schema import RewardSourceSpec
 from jaxgrpo.run.specs import TrainerConfig
+from jaxgrpo.step import batch_packing as train_batching
 
 __all__ = [
   "DataParts",
   "check_before_build",
+  "check_context_rows",
   "check_mesh_fits",
   "build_data",
   "build_rewards",
@@ -94,9 +96,34 @@ def check_mesh_fits(cfg: TrainerConfig, mesh) -> None:
       what="the rollout batch (rollout.prompts_per_step × rollout.group_size)",
     )
     _check_processes(cfg, mesh, rows)
+    check_context_rows(cfg, mesh)
   except ValueError as e:
     spec = cfg.devices.mesh or "fsdp=-1"
     raise ValueError(f"devices.mesh {spec!r} ({mesh.size} devices) does not fit: {e}") from None
+
+
+def check_context_rows(cfg: TrainerConfig, mesh) -> None:
+  """With a ``context`` mesh axis of size n > 1: ValueError (one line) unless every row the run can train on splits
+  into n chunks — ``step.packing`` when packing, else every ``[prompt ‖ completion]`` length: a prompt bucket
+  (multiples of 16 up to ``data.max_prompt_tokens``) plus a completion bucket (``DEFAULT_BUCKETS`` up to the one of
+  ``rollout.max_new_tokens``)."""
+  n = shd.context_size(mesh)
+  if n < 2:
+    return
+  if cfg.step.packing is not None:
+    shd.check_sequence_divisible(cfg.step.packing, mesh, "step.packing (the packed row)")
+    return
+  longest = train_batching.bucket_length(cfg.rollout.max_new_tokens)
+  completions = sorted({b for b in train_batching.DEFAULT_BUCKETS if b < longest} | {longest})
+  prompts = range(16, -(-cfg.data.max_prompt_tokens // 16) * 16 + 16, 16)
+  bad = next(((p, t) for p in prompts for t in completions if (p + t) % n), None)
+  if bad is not None:
+    p, t = bad
+    raise ValueError(
+      f"a [prompt ‖ completion] row of {p} + {t} = {p + t} positions (a prompt bucket of 16s + a completion "
+      f"bucket) is not divisible by the context axis (context={n}); use a context size that divides every row "
+      f"(e.g. one dividing 16), or step.packing with a multiple of {n}"
+    )
 
 
 def _check_processes(cfg: TrainerConfig, mesh, rows: int) -> None:

@@ -133,6 +133,7 @@ __all__ = [
   "TrainStep",
   "batch_slots",
   "bucket_length",
+  "check_context_length",
   "completion_log_probs",
   "init_train_state",
   "make_reference_fn",
@@ -267,6 +268,7 @@ class TrainStep:
           "(the step would train without the weights): pass token_weights too, e.g. from rollout_advantages"
         )
     shd.check_batch_divisible(b, self.mesh, self.rules, splits=tc.micro_batches * tc.mini_batches)
+    check_context_length(batch, tc, self.mesh)
     check_policy_mask(batch)
     check_routing(batch, b, t)
     check_packing(batch, tc, shd.batch_shards(self.mesh, self.rules), tc.mini_batches * tc.micro_batches)
@@ -383,6 +385,19 @@ class TrainStep:
     batch = abstract_batch(self._prepare_batch(batch), FIELDS, self.batch_sharding)
     with jax.set_mesh(self.mesh):
       return self.jitted.lower(state._replace(frozen=None), state.frozen, batch, hyper, key)
+
+
+def check_context_length(batch: Batch, tc: TrainConfig, mesh: Mesh) -> None:
+  """ValueError (one line, before anything is compiled) unless the rows the model reads — ``[prompt ‖ completion]``
+  of ``P + T`` positions, or the packed rows of ``train_config.packing`` — split evenly over the mesh's ``context``
+  axis (context parallelism); the message says how much to pad (a no-op without the axis)."""
+  if shd.context_size(mesh) < 2:
+    return
+  if tc.packing is not None:
+    shd.check_sequence_divisible(tc.packing, mesh, "TrainConfig.packing (the packed row)")
+  else:
+    p, t = np.shape(batch.prompt_tokens)[1], np.shape(batch.completions)[1]
+    shd.check_sequence_divisible(p + t, mesh, f"the [prompt ‖ completion] row ({p} + {t})")
 
 
 def _check_batch_temperature(batch: Batch, tc: TrainConfig) -> None:
@@ -605,6 +620,7 @@ def make_reference_fn(
     _check_batch_temperature(batch, tc)
     check_not_donated(ref_params, "ref_params")
     shd.check_batch_divisible(b, mesh, rules, splits=slots if tc.packing else k)
+    check_context_length(batch, tc, mesh)
     if tc.packing is not None and batch.packed is None:
       batch = pack_batch(
         batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
