@@ -38,6 +38,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -420,6 +421,11 @@ def _report(error: BaseException, ckpt) -> CliExit:
   return CliExit(1, msg)
 
 
+def _peak_rss_mib() -> float:
+  """This process's peak resident memory so far (``ru_maxrss``: KiB on Linux), in MiB."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main(argv=None):
   t_wall, t_cpu = time.perf_counter(), time.process_time()
   args, overrides = parse_args(argv)
@@ -589,7 +595,7 @@ def _train(args, cfg, t_wall: float, t_cpu: float):
         print(f"wrote {png}")
     print(
       f"total: {time.perf_counter() - t_wall:.0f} s wall, {time.process_time() - t_cpu:.0f} s CPU "
-      "(all threads of this process)"
+      f"(all threads of this process), peak RSS {_peak_rss_mib():.0f} MiB"
     )
   return records
 

@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, ensure_side_venv
+from helpers import ROOT, ensure_side_venv, run_child
+from jax.sharding import PartitionSpec as P
 from test_attention_blockwise import _inputs, _reference
 
-from jaxgrpo.parallel.attention import attention, choose_implementation, default_blocks, gpu_fused
+from jaxgrpo.parallel.attention import attention, choose_implementation, default_blocks, gpu_fused, splash_partition
 from jaxgrpo.parallel.target import target_platform
 
 # packed (segments 1, 2 then padding) and left-padded rows
@@ -53,17 +54,59 @@ def test_auto_follows_the_target_platform_not_the_host():
     choose_implementation("flash")
 
 
-def test_a_partitioned_tpu_program_gets_blockwise_and_splash_is_refused_there():
-  """XLA cannot partition a Pallas call ("Mosaic kernels cannot be automatically partitioned", which is what the plan
-  of an 8B step on v5e-16 raised with `auto` = splash): inside a program traced under a context mesh of several
-  devices, `auto` is blockwise on TPU and `splash` named is refused in one line; one device keeps splash."""
-  with target_platform("tpu"):
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2, 2), ("data", "fsdp"))):
-      assert choose_implementation("auto") == "blockwise"
-      with pytest.raises(ValueError, match=r"^attention implementation='splash' in a program partitioned over 4 dev"):
-        choose_implementation("splash")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("fsdp",))):
-      assert choose_implementation("auto") == "splash"
+def test_a_partitioned_tpu_program_gets_splash_with_its_shard_map_specs():
+  """Inside a program traced under a context mesh of several devices, `auto` on TPU is splash (before: blockwise,
+  and `splash` named was refused), run per device by `jax.shard_map`: rows over data × fsdp, heads over tensor, each
+  only where it divides (4 rows on data=2 × fsdp=2; 3 rows: no batch axis; 1 kv head: no head axis)."""
+  mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  with target_platform("tpu"), jax.sharding.use_abstract_mesh(mesh):
+    assert choose_implementation("auto") == "splash" and choose_implementation("splash") == "splash"
+    assert splash_partition(4, 8) == (P(("data", "fsdp"), None, ("tensor",), None),) * 2 + (P(("data", "fsdp"), None),)
+    assert splash_partition(2, 1)[0] == P(("data",), None, None, None)
+    assert splash_partition(3, 2)[1] == P(None, None, ("tensor",), None)
+
+
+SHARDED_CHILD = r"""
+import json, sys, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxgrpo.parallel.attention import attention
+from jaxgrpo.parallel.sharding import make_mesh
+
+inputs = {k: np.asarray(v) for k, v in json.loads(open(sys.argv[1]).read()).items()}
+q, k, v, w = (jnp.asarray(inputs[n], jnp.float32) for n in ("q", "k", "v", "w"))
+seg = jnp.asarray(inputs["seg"], jnp.int32)
+mesh = make_mesh("data=2,fsdp=2,tensor=2")
+
+def splash(q, k, v):  # interpret=True: the Pallas kernel run by its interpreter on these CPU devices
+  return attention(q, k, v, seg, implementation="splash", interpret=True, block_q=128)
+
+with jax.set_mesh(mesh):
+  q, k, v = (jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))) for x in (q, k, v))
+  fn = jax.jit(jax.grad(lambda q, k, v: jnp.vdot(splash(q, k, v), w), argnums=(0, 1, 2)))
+  text = fn.lower(q, k, v).as_text()
+  out, grads = jax.jit(splash)(q, k, v), fn(q, k, v)
+print(json.dumps({"manual": "sdy.manual_computation" in text or "SPMDFullToShardShape" in text,
+                  "out": np.asarray(out).tolist(), "grads": [np.asarray(g).tolist() for g in grads]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_splash_under_shard_map_on_8_devices_equals_the_formula(tmp_path):
+  """The splash kernel (named: on CPU devices `auto` is blockwise; Pallas interpret mode) inside its `shard_map`
+  wrapper on 8 CPU devices, data=2 × fsdp=2 ×
+  tensor=2 (one row and one kv head of 2 query heads per device), packed and left-padded rows: the program is
+  manually partitioned, and values and gradients equal the NumPy formula (before: `auto` took blockwise here)."""
+  seg = np.concatenate([SEG, SEG[::-1]])
+  q, k, v, w = _inputs(4, seg.shape[1], seg.shape[1], 4, 2, 16, seed=13)
+  w = w * (seg > 0)[..., None, None]
+  path = tmp_path / "inputs.json"
+  path.write_text(json.dumps({n: np.asarray(a).tolist() for n, a in dict(q=q, k=k, v=v, w=w, seg=seg).items()}))
+  result = json.loads(run_child(SHARDED_CHILD, devices=8, args=[str(path)]).strip().splitlines()[-1])
+  assert result["manual"], "the splash kernel did not run inside shard_map"
+  ref = _reference(q, k, v, w, seg, seg)
+  for name, got, want in zip(("out", "dq", "dk", "dv"), (result["out"], *result["grads"]), ref):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("H,N", [(4, 2), (4, 1)])

@@ -125,3 +125,20 @@ def test_a_state_for_compile_only_devices_is_refused_in_one_line_naming_abstract
   transfer (before: XLA's "MakeArraysFromHostBufferShards not available with compile-only client")."""
   line = report["concrete_refusal"]
   assert line is not None and "\n" not in line and "abstract=True" in line and "TPU v5 lite" in line, line
+
+
+def test_a_partitioned_tpu_step_runs_the_splash_kernel_under_shard_map():
+  """A tiny bf16 Qwen3's GRPO step at 640 positions with attention ``auto``, compiled for v5e-4 partitioned as
+  ``fsdp=4``: the model resolves splash, the lowered program holds the Mosaic kernel (``tpu_custom_call``) inside
+  a ``shard_map``, and it compiles. Before, ``auto`` took blockwise in a partitioned program (XLA: "Mosaic kernels
+  cannot be automatically partitioned"), so the program held no Mosaic call."""
+  python = ensure_side_venv("tpu")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+  script = os.path.join(ROOT, "tests", "tpu_aot_checks.py")
+  proc = subprocess.run([python, script, "splash"], env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-6000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["platform"] == "tpu" and r["chips"] == 4, r
+  assert r["implementation"] == "splash" and r["mosaic_kernel"] and r["shard_map"], r
+  assert r["temp_bytes"] > 0, r

@@ -277,7 +277,42 @@ def fix_search_report() -> dict:
   }
 
 
+#: a tiny bf16 Qwen3 whose rows (128 prompt + 512 completion tokens) reach the model's kernel attention (auto:
+#: dense below 512 positions), head dim 128 (the splash kernel's lane width), on the slice as ``fsdp=4``
+SPLASH_MODEL = dict(vocab_size=1024, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=128)
+SPLASH_MESH = "fsdp=4"
+
+
+def splash_step_report() -> dict:
+  """The GRPO step of :data:`SPLASH_MODEL` (attention ``auto``) compiled for :data:`TOPOLOGY` partitioned over
+  its 4 chips: the implementation the model resolves, whether the lowered program holds the Mosaic kernel
+  (``tpu_custom_call``) inside a ``shard_map`` (``sdy.manual_computation``), and the compiled memory."""
+  from jax.experimental import topologies
+
+  from jaxgrpo.models.attention import resolve_implementation
+
+  t0 = time.perf_counter()
+  devices = topologies.get_topology_desc(**TOPOLOGY).devices
+  mesh = jg.make_mesh(SPLASH_MESH, devices=devices)
+  step, state = _step(dense_config(**SPLASH_MODEL, intermediate_size=512), mesh, abstract=True)
+  batch = make_batch(b=16, p=128, t=512, vocab=SPLASH_MODEL["vocab_size"])
+  lowered = step.lower(state, batch)
+  text = lowered.as_text()
+  with jax.set_mesh(mesh):
+    chosen = resolve_implementation("auto", 128 + 512)
+  memory = lowered.compile().memory_analysis()
+  return {
+    "platform": devices[0].platform,
+    "chips": len(devices),
+    "implementation": chosen,
+    "mosaic_kernel": "tpu_custom_call" in text,
+    "shard_map": "sdy.manual_computation" in text,
+    "temp_bytes": memory.temp_size_in_bytes,
+    "seconds": time.perf_counter() - t0,
+  }
+
+
 if __name__ == "__main__":
   what = sys.argv[1] if len(sys.argv) > 1 else "tpu"
-  result = {"tpu": tpu_report, "fix": fix_search_report}.get(what, cpu_program_hashes)()
+  result = {"tpu": tpu_report, "fix": fix_search_report, "splash": splash_step_report}.get(what, cpu_program_hashes)()
   print(json.dumps(result, sort_keys=True))

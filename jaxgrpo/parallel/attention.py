@@ -7,7 +7,10 @@ blockwise attention everywhere else. Memory linear in the sequence length on eve
   time: the devices the program compiles for, not the host), :func:`choose_implementation`;
 - ``"splash"`` (TPU): the Pallas splash-attention kernel that JAX ships
   (``jax.experimental.pallas.ops.tpu.splash_attention``, its multi-query form per key/value head, so grouped heads
-  are never repeated), with its segment ids;
+  are never repeated), with its segment ids; in a program partitioned over several devices (a context mesh of
+  more than one device) it runs inside ``jax.shard_map`` (:func:`splash_partition`): XLA cannot partition a Mosaic
+  call by itself, so each device runs the kernel on its own rows (batch over ``data × fsdp``) and heads (over
+  ``tensor``);
 - ``"cudnn"`` (NVIDIA GPU): ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN's fused attention)
   with the same-segment mask as a ``[B, 1, S, S]`` boolean (one byte per pair and row, no head or float32 factor);
 - ``"blockwise"`` (CPU, and any platform on request): :func:`jaxgrpo.kernels.attention.blockwise_attention`,
@@ -23,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import PartitionSpec as P
 
 from jaxgrpo._checks import check_choice, check_python_int, shape_of
 from jaxgrpo.kernels.attention import blockwise_attention
+from jaxgrpo.parallel.sharding import DEFAULT_RULES
 from jaxgrpo.parallel.target import current_platform
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
   "choose_implementation",
   "default_blocks",
   "partitioned_over",
+  "splash_partition",
 ]
 
 IMPLEMENTATIONS = ("auto", "blockwise", "splash", "cudnn")
@@ -53,8 +59,8 @@ def default_blocks(platform: str | None = None) -> tuple[int, int]:
   return BLOCKS.get(platform or current_platform(), BLOCKS["cpu"])
 
 
-#: kernels XLA cannot partition by itself: a Pallas (Mosaic) call inside a program partitioned over several devices
-#: needs a ``shard_map`` wrapper, which is not built yet ("Mosaic kernels cannot be automatically partitioned")
+#: kernels XLA cannot partition by itself ("Mosaic kernels cannot be automatically partitioned"): inside a program
+#: partitioned over several devices they run in a ``jax.shard_map`` wrapper (:func:`splash_partition`)
 UNPARTITIONED = ("splash",)
 
 
@@ -66,21 +72,40 @@ def partitioned_over() -> int:
 
 def choose_implementation(implementation: str = "auto", platform: str | None = None) -> str:
   """The implementation ``"auto"`` resolves to on ``platform`` (default: the target platform): ``"splash"`` on
-  TPU (blockwise inside a program partitioned over several devices: :data:`UNPARTITIONED`), ``"cudnn"`` on GPU,
-  ``"blockwise"`` elsewhere; any other choice is returned as given (``"splash"`` in a partitioned program:
-  ValueError, one line)."""
+  TPU (one chip or partitioned: :func:`splash_partition`), ``"cudnn"`` on GPU, ``"blockwise"`` elsewhere; any
+  other choice is returned as given."""
   check_choice(implementation, IMPLEMENTATIONS, "implementation")
-  devices = partitioned_over()
-  if implementation in UNPARTITIONED and devices > 1:
-    raise ValueError(
-      f"attention implementation={implementation!r} in a program partitioned over {devices} devices: the Pallas "
-      "kernel is not partitioned by XLA and its shard_map wrapper is not built yet; use 'auto' (blockwise there) "
-      "or 'blockwise'"
-    )
   if implementation != "auto":
     return implementation
-  kernel = FUSED.get(platform or current_platform(), "blockwise")
-  return "blockwise" if kernel in UNPARTITIONED and devices > 1 else kernel
+  return FUSED.get(platform or current_platform(), "blockwise")
+
+
+def _dividing_axes(axes, size: int, mesh) -> tuple[str, ...]:
+  """The longest prefix of the mesh ``axes`` (those of ``mesh`` of size > 1) whose product divides ``size``."""
+  taken, product = [], 1
+  for axis in (a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1):
+    if size % (product * mesh.shape[axis]):
+      break
+    taken.append(axis)
+    product *= mesh.shape[axis]
+  return tuple(taken)
+
+
+def splash_partition(batch: int, kv_heads: int, mesh=None) -> tuple[P, P, P]:
+  """The ``shard_map`` specs ``(q, k/v, segment_ids)`` of the splash kernel on ``mesh`` (default: the context
+  mesh): rows over the batch axes of :data:`~jaxgrpo.parallel.sharding.DEFAULT_RULES` (``data``, ``fsdp``) and
+  heads over its ``kv_heads`` axis (``tensor``), each only where its size divides ``batch`` / ``kv_heads`` (else
+  that dim is whole on every device of the axis: the same values, repeated work). Key/value head ``n`` serves
+  query heads ``[n·G, (n+1)·G)``, so splitting N and H over the same axis keeps each device's groups together.
+  The sequence and head dims are whole on each device (the kernel's tiles run along the sequence)."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  rows = _dividing_axes(_axes(DEFAULT_RULES["batch"]), batch, mesh) or None
+  heads = _dividing_axes(_axes(DEFAULT_RULES["kv_heads"]), kv_heads, mesh) or None
+  return P(rows, None, heads, None), P(rows, None, heads, None), P(rows, None)
+
+
+def _axes(rule) -> tuple[str, ...]:
+  return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
 
 
 def attention(
@@ -125,7 +150,7 @@ def attention(
       dot_dtype=dot,
     )  # fmt: skip
   if impl == "splash":
-    out = _splash(q, k, v, seg, causal, scale, block_q or SPLASH_BLOCK, interpret)
+    out = _splash_sharded(q, k, v, seg, causal, scale, block_q or SPLASH_BLOCK, interpret)
   else:
     out = gpu_fused(q, k, v, seg, causal, scale, "cudnn")
   return jnp.where((seg > 0)[:, :, None, None], out, 0).astype(q.dtype)
@@ -147,6 +172,18 @@ def _check(q, k, v, segment_ids):
 
 def _pad_to(x: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _splash_sharded(q, k, v, seg, causal, scale, block, interpret):
+  """:func:`_splash` on one device, or per device inside ``jax.shard_map`` in a partitioned program (the kernel
+  is built inside the body, for the local shapes; ``check_vma=False``: a Pallas call has no replication rule)."""
+  if partitioned_over() <= 1:
+    return _splash(q, k, v, seg, causal, scale, block, interpret)
+  q_spec, kv_spec, seg_spec = splash_partition(q.shape[0], k.shape[2])
+  body = lambda q, k, v, seg: _splash(q, k, v, seg, causal, scale, block, interpret)
+  return jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False)(
+    q, k, v, seg
+  )
 
 
 def _splash(q, k, v, seg, causal, scale, block, interpret):

@@ -23,7 +23,9 @@ from jaxgrpo.loop.partial.schedule import PartialRollouts
 from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.loop.source import RolloutSource, Turns
 from jaxgrpo.models import load_hf, load_tokenizer, moe
+from jaxgrpo.models.attention import resolve_implementation
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.parallel.target import platform_of
 from jaxgrpo.rewards import judge, remote, reward_model
 from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import logprobs_are_policy
@@ -48,6 +50,7 @@ __all__ = [
   "reward_sources",
   "optimizer",
   "sampling_config",
+  "attention_line",
   "engine_sampling",
   "start_engine",
   "check_engine_policy",
@@ -265,18 +268,28 @@ def optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
 
 def sampling_config(cfg: TrainerConfig, model, *, pad_id: int, eos_ids: Sequence[int]) -> SamplingConfig:
   """The rollout's sampling settings; a mixture of experts records its routing while sampling when
-  ``rollout.routing_replay`` is ``rollout`` (replayed by the step)."""
+  ``rollout.routing_replay`` is ``rollout`` (replayed by the step); ``rollout.ignore_eos``: no EOS ids (every
+  completion has ``max_new_tokens`` tokens)."""
   roll = cfg.rollout
   return SamplingConfig(
     num_samples=roll.group_size,
     max_new_tokens=roll.max_new_tokens,
     top_p=roll.top_p,
     top_k=roll.top_k,
-    eos_ids=tuple(eos_ids),
+    eos_ids=() if roll.ignore_eos else tuple(eos_ids),
     pad_id=pad_id,
     merge_lora=roll.merge_lora,
     record_routing=roll.routing_replay == "rollout" and moe.is_moe(model),
   )
+
+
+def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int) -> str:
+  """The log line naming the attention the train step runs: ``model.attention`` resolved
+  (``models.attention.resolve_implementation``) for rows of ``prompt_len + rollout.max_new_tokens`` positions on
+  the platform of ``mesh``'s devices."""
+  rows = prompt_len + cfg.rollout.max_new_tokens
+  impl = resolve_implementation(cfg.model.attention, rows, platform_of(mesh))
+  return f"attention: model.attention={cfg.model.attention!r} -> {impl} in the train step ({rows} positions a row)"
 
 
 def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingConfig:

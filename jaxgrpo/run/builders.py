@@ -136,7 +136,7 @@ def check_lengths(cfg: TrainerConfig, config) -> None:
     + [(f"rollout.max_new_tokens {t}", t)],
     config.max_position_embeddings,
     f"{source} (max_position_embeddings)",
-    "lower one of the two",
+    "lower one of the two" + ("" if cfg.model.synthetic is None else " or raise model.synthetic.max_positions"),
   )
 
 

@@ -255,6 +255,8 @@ class RolloutSpec:
     group_size: G, completions per prompt.
     prompts_per_step: prompts (groups) per step.
     max_new_tokens: T, the longest completion.
+    ignore_eos: sample every completion to ``max_new_tokens`` tokens, EOS included as an ordinary token
+      (a run at a fixed length: benchmarks, the long-completion demo); default False: a completion ends at EOS.
     top_p, top_k: nucleus and top-k sampling (1.0 and 0: off).
     dynamic_sampling_max_rounds: with ``objective.dynamic_sampling`` (DAPO), the most sampling
       rounds per step before the batch is filled with zero-advantage groups (partial rollouts: runs of the row
@@ -280,6 +282,7 @@ class RolloutSpec:
   group_size: int = 6
   prompts_per_step: int = 4
   max_new_tokens: int = 1024
+  ignore_eos: bool = False
   top_p: float = 1.0
   top_k: int = 0
   dynamic_sampling_max_rounds: int = 4
@@ -299,6 +302,7 @@ class RolloutSpec:
     _ints("rollout", self, ("top_k", "max_staleness"), minimum=0)
     _float("rollout", self, "top_p", above=0.0, at_most=1.0)
     _checks.check_python_bool(self.merge_lora, "rollout.merge_lora")
+    _checks.check_python_bool(self.ignore_eos, "rollout.ignore_eos")
     if self.routing_replay not in ("rollout", "none"):
       raise ValueError(f"`rollout.routing_replay` must be 'rollout' or 'none'; got {self.routing_replay!r}")
 

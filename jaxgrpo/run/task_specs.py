@@ -23,12 +23,15 @@ class SyntheticModel:
       token to ``experts_per_tok`` (k) of E SwiGLU experts of width 2D/k (the dense model's active
       width); 0 (default): the dense Qwen3 model.
     experts_per_tok: k, experts per token (with ``num_experts``).
+    max_positions: the positions the model takes (rotary: no parameter depends on it), at least
+      ``data.max_prompt_tokens + rollout.max_new_tokens``; default 2048 (``tasks.arithmetic.SYNTHETIC_POSITIONS``).
   """
 
   hidden_size: int = 64
   num_layers: int = 2
   num_experts: int = 0
   experts_per_tok: int = 2
+  max_positions: int = 2048
 
   def __post_init__(self):
     _checks.check_python_int(self.num_experts, "synthetic.num_experts", minimum=0, hint="0: a dense model")
@@ -39,6 +42,7 @@ class SyntheticModel:
       )
     _checks.check_python_int(self.num_layers, "synthetic.num_layers", minimum=1)
     _checks.check_python_int(self.hidden_size, "synthetic.hidden_size", minimum=8)
+    _checks.check_python_int(self.max_positions, "synthetic.max_positions", minimum=1)
     if self.hidden_size % 8:
       raise ValueError(
         f"`synthetic.hidden_size` must be a multiple of 8 (4 heads of even width); got {self.hidden_size}"

@@ -164,19 +164,20 @@ def tiny_model_config(
   )
 
 
-#: positions of the synthetic model (rotary: no parameter depends on it): room for the default
-#: ``data.max_prompt_tokens`` 512 + ``rollout.max_new_tokens`` 1024 of ``jaxgrpo.run.specs``
+#: positions of the synthetic model by default (rotary: no parameter depends on it; ``synthetic.max_positions``):
+#: room for the default ``data.max_prompt_tokens`` 512 + ``rollout.max_new_tokens`` 1024 of ``jaxgrpo.run.specs``
 SYNTHETIC_POSITIONS = 2048
 
 
 def model_config(spec: SyntheticModel, vocab_size: int) -> models.Qwen3Config:
   """The Qwen3 (or, with ``spec.num_experts``, Qwen3-MoE) config of ``spec`` over a vocabulary of
-  ``vocab_size`` (``len(build_tokenizer())``), with :data:`SYNTHETIC_POSITIONS` positions."""
+  ``vocab_size`` (``len(build_tokenizer())``), with ``spec.max_positions`` positions (default
+  :data:`SYNTHETIC_POSITIONS`)."""
   cfg = tiny_model_config(
     vocab_size,
     hidden_size=spec.hidden_size,
     num_layers=spec.num_layers,
-    max_position_embeddings=SYNTHETIC_POSITIONS,
+    max_position_embeddings=spec.max_positions,
   )
   if not spec.num_experts:
     return cfg
