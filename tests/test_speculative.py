@@ -248,3 +248,47 @@ def test_refuses_routing_and_bad_settings(peaked):
     generate_speculative(
       peaked, prompts, mask, SamplingConfig(num_samples=1, max_new_tokens=4, record_routing=True), key=jax.random.key(0)
     )
+
+
+def _run_config(tmp_path, **rollout):
+  return {
+    "model.synthetic": {"hidden_size": 32, "num_layers": 1},
+    "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0},
+    "data.max_prompt_tokens": 64,
+    "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 8, **rollout},
+    "step.chunk_size": None,
+    "reward.timeout_s": None,
+    "eval.every": 0,
+    "run": {"steps": 2, "log_every": 1, "out": str(tmp_path)},
+    "devices.mesh": "",
+  }
+
+
+def test_the_trainer_samples_by_rollout_speculative(tmp_path):
+  """``rollout.speculative: ngram``: the built-in engine samples speculatively every step (metrics say so, with the
+  acceptance); the train step's ratio is 1 on-policy (its log-probs are the policy's: ``engine/*`` mismatch absent)."""
+  from jaxgrpo.run.specs import load_config
+  from jaxgrpo.run.trainer import Trainer
+
+  trainer = Trainer(load_config(None, _run_config(tmp_path, speculative="ngram", speculative_tokens=3)), log=None)
+  assert trainer.engine.switch.config == SpeculativeConfig(mode="ngram", num_draft=3, ngram=2)
+  records = [r for r in trainer.run() if "loss" in r]
+  trainer.close()
+  assert len(records) == 2
+  for r in records:
+    assert r["rollout/speculative_on"] == 1.0 and 0.0 <= r["rollout/spec_acceptance"] <= 1.0, r
+    assert "engine/mismatch_k3" not in r
+
+
+def test_combinations_refused_in_one_line(tmp_path):
+  from jaxgrpo.run.specs import load_config
+
+  base = _run_config(tmp_path, speculative="ngram")
+  with pytest.raises(
+    TypeError, match=r"`rollout.speculative`: expected Literal\['off', 'ngram', 'auto'\]; got 'eagle'"
+  ):
+    load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "eagle"}})
+  with pytest.raises(ValueError, match=r"`rollout.speculative: ngram` with `rollout.partial.enabled` is not built"):
+    load_config(None, {**base, "rollout": {**base["rollout"], "max_staleness": 1, "partial": {"enabled": True}}})
+  off = load_config(None, _run_config(tmp_path))
+  assert off.rollout.speculative == "off" and off.rollout.speculative_config() is None

@@ -47,6 +47,7 @@ from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.rollout.engines import registry as _engine_registry
 from jaxgrpo.rollout.engines.base import load_engine_factory
 from jaxgrpo.rollout.environments.spec import EnvSpec
+from jaxgrpo.rollout.speculative import SpeculativeConfig
 from jaxgrpo.run._spec_fields import check_fields
 from jaxgrpo.run.composition import check_composition
 from jaxgrpo.run.task_specs import ArithmeticTask, SyntheticModel
@@ -275,6 +276,11 @@ class RolloutSpec:
     routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
       records each token's experts while sampling and the train step and the reference pass reuse
       them (routing replay); ``none``: every forward routes by its own top-k. Ignored by a dense model.
+    speculative: speculative decoding in the built-in sampler (``jaxgrpo.rollout.speculative``; exact: the same
+      distribution and log-probs): ``off`` (default), ``ngram`` (prompt-lookup drafts, always) or ``auto`` (plain
+      and ngram each timed on the first calls, the faster kept; the measurement logged). docs/sampling.md,
+      "Speculative decoding".
+    speculative_tokens: k, tokens drafted per verify step; speculative_ngram: n, the suffix length looked up.
   """
 
   group_size: int = 6
@@ -289,6 +295,9 @@ class RolloutSpec:
   vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
   partial: PartialSpec = dataclasses.field(default_factory=PartialSpec)
   routing_replay: Literal["rollout", "none"] = "rollout"
+  speculative: Literal["off", "ngram", "auto"] = "off"
+  speculative_tokens: int = 4
+  speculative_ngram: int = 2
 
   def __post_init__(self):
     if not isinstance(self.engine, str):
@@ -301,6 +310,12 @@ class RolloutSpec:
     _checks.check_python_bool(self.merge_lora, "rollout.merge_lora")
     if self.routing_replay not in ("rollout", "none"):
       raise ValueError(f"`rollout.routing_replay` must be 'rollout' or 'none'; got {self.routing_replay!r}")
+    self.speculative_config()  # one line for a bad mode, k or n
+
+  def speculative_config(self) -> SpeculativeConfig | None:
+    """The :class:`~jaxgrpo.rollout.speculative.SpeculativeConfig` of ``speculative`` (None: ``off``)."""
+    spec = SpeculativeConfig(mode=self.speculative, num_draft=self.speculative_tokens, ngram=self.speculative_ngram)
+    return None if spec.mode == "off" else spec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -44,9 +44,10 @@ class EngineEntry:
   check_installed: Callable[[], None] = lambda: None
 
 
-def _build_builtin(model, **_):
-  """The built-in sampler: nothing to start (the rollout source pushes the policy before every call)."""
-  return BuiltinEngine()
+def _build_builtin(model, *, options=None, **_):
+  """The built-in sampler: nothing to start (the rollout source pushes the policy before every call); ``options``:
+  its ``SpeculativeConfig`` (``rollout.speculative``) or None."""
+  return BuiltinEngine(speculative=options)
 
 
 def _build_vllm(model, *, max_model_len, temperature, seed, options, lora_rank, **_):
