@@ -1,0 +1,98 @@
+"""Plain vs speculative (prompt-lookup) decoding in the built-in sampler: tokens/s, acceptance, and what ``auto``
+chooses, on a workload where drafting helps and one where it does not.
+
+    python scripts/bench_speculative.py                       # defaults below; --rounds 3
+    python scripts/bench_speculative.py --prompts 8 --new-tokens 64 --rounds 1   # a quick look
+
+Model: the random Qwen3 architecture of scripts/bench_sampler.py (vocab 32000, hidden 384, 4 layers, 8 / 4 heads,
+head_dim 32, intermediate 1536, tied, fp32). Workloads (B prompts × G samples, P-token random prompts, T new tokens,
+no EOS id: every row has T tokens):
+
+- ``repetitive``: greedy decoding (temperature 0). A random model's greedy continuation falls into short loops, text
+  the prompt lookup drafts well (the regime of copy tasks and of the arithmetic task's repeated digits).
+- ``random``: temperature 1 over the near-uniform 32000-way distribution: drafts are almost never accepted.
+
+Per workload: plain ``generate`` and ``generate_speculative`` timed in alternating rounds after one warm-up each
+(compilation excluded), tokens/s = real completion tokens / median seconds; the acceptance is accepted / drafted
+tokens. ``auto``: a fresh ``SpeculativeSwitch`` run for 5 calls (1 untimed + 1 timed of each kind, then its choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _bench  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxgrpo.models import Qwen3Config, build_model  # noqa: E402
+from jaxgrpo.rollout.sampling import SamplingConfig, generate  # noqa: E402
+from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch, generate_speculative  # noqa: E402
+
+WORKLOADS = {"repetitive": 0.0, "random": 1.0}  # name -> temperature
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--samples", type=int, default=4)
+  ap.add_argument("--prompt-len", type=int, default=32)
+  ap.add_argument("--new-tokens", type=int, default=64)
+  ap.add_argument("--draft", type=int, default=4, help="k, tokens drafted per verify step")
+  ap.add_argument("--ngram", type=int, default=2)
+  ap.add_argument("--rounds", type=int, default=3)
+  args = ap.parse_args(argv)
+  print(_bench.backend_line())
+  cfg = Qwen3Config(
+    vocab_size=32000, hidden_size=384, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+    intermediate_size=1536, tie_word_embeddings=True, max_position_embeddings=4096,
+  )  # fmt: skip
+  model = build_model(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(1, cfg.vocab_size, (args.prompts, args.prompt_len)), jnp.int32)
+  mask = jnp.ones(prompts.shape, bool)
+  sampling = SamplingConfig(num_samples=args.samples, max_new_tokens=args.new_tokens, pad_id=0)
+  spec = SpeculativeConfig(mode="ngram", num_draft=args.draft, ngram=args.ngram)
+  print(f"B={args.prompts} G={args.samples} P={args.prompt_len} T={args.new_tokens} k={args.draft} n={args.ngram}")
+  for name, temperature in WORKLOADS.items():
+    key = jax.random.key(1)
+    stats = {}
+
+    def plain():
+      return generate(model, prompts, mask, sampling, key=key, temperature=temperature).completions
+
+    def ngram():
+      rollout, stats["s"] = generate_speculative(
+        model, prompts, mask, sampling, key=key, temperature=temperature, speculative=spec
+      )
+      return rollout.completions
+
+    (t_plain, t_ngram) = _bench.alternating_times([plain, ngram], args.rounds)
+    times = {"plain": t_plain, "ngram": t_ngram}
+    med = dict(zip(times, _bench.medians([t_plain, t_ngram])))
+    tokens = args.prompts * args.samples * args.new_tokens
+    s = stats["s"]
+    print(
+      f"{name} (temperature {temperature}): plain {med['plain']:.2f} s {tokens / med['plain']:.0f} tok/s | ngram "
+      f"{med['ngram']:.2f} s {tokens / med['ngram']:.0f} tok/s, acceptance {s.acceptance:.3f}, "
+      f"{int(s.verify_steps)} verify steps for {args.new_tokens} tokens | speed-up {med['plain'] / med['ngram']:.2f}x"
+      f" | rounds plain {[round(t, 2) for t in times['plain']]} ngram {[round(t, 2) for t in times['ngram']]}"
+    )
+    switch = SpeculativeSwitch(config=SpeculativeConfig(mode="auto", num_draft=args.draft, ngram=args.ngram))
+    for i in range(5):
+      jax.block_until_ready(
+        switch.sample(model, prompts, mask, sampling, key=jax.random.key(i), temperature=temperature)
+      )
+    print(f"  auto: {switch.measured} -> {switch.mode_now()}")
+
+
+if __name__ == "__main__":
+  logging.basicConfig(level=logging.WARNING)
+  main()
