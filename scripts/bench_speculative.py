@@ -62,35 +62,37 @@ def main(argv=None) -> None:
   spec = SpeculativeConfig(mode="ngram", num_draft=args.draft, ngram=args.ngram)
   print(f"B={args.prompts} G={args.samples} P={args.prompt_len} T={args.new_tokens} k={args.draft} n={args.ngram}")
   for name, temperature in WORKLOADS.items():
-    key = jax.random.key(1)
-    stats = {}
+    _workload(name, temperature, model, prompts, mask, sampling, spec, args)
 
-    def plain():
-      return generate(model, prompts, mask, sampling, key=key, temperature=temperature).completions
 
-    def ngram():
-      rollout, stats["s"] = generate_speculative(
-        model, prompts, mask, sampling, key=key, temperature=temperature, speculative=spec
-      )
-      return rollout.completions
+def _workload(name, temperature, model, prompts, mask, sampling, spec, args) -> None:
+  """Times plain vs ngram decoding on one workload, then runs ``auto`` on it; prints one line each."""
+  key = jax.random.key(1)
+  stats = {}
 
-    (t_plain, t_ngram) = _bench.alternating_times([plain, ngram], args.rounds)
-    times = {"plain": t_plain, "ngram": t_ngram}
-    med = dict(zip(times, _bench.medians([t_plain, t_ngram])))
-    tokens = args.prompts * args.samples * args.new_tokens
-    s = stats["s"]
-    print(
-      f"{name} (temperature {temperature}): plain {med['plain']:.2f} s {tokens / med['plain']:.0f} tok/s | ngram "
-      f"{med['ngram']:.2f} s {tokens / med['ngram']:.0f} tok/s, acceptance {s.acceptance:.3f}, "
-      f"{int(s.verify_steps)} verify steps for {args.new_tokens} tokens | speed-up {med['plain'] / med['ngram']:.2f}x"
-      f" | rounds plain {[round(t, 2) for t in times['plain']]} ngram {[round(t, 2) for t in times['ngram']]}"
+  def plain():
+    return generate(model, prompts, mask, sampling, key=key, temperature=temperature).completions
+
+  def ngram():
+    rollout, stats["s"] = generate_speculative(
+      model, prompts, mask, sampling, key=key, temperature=temperature, speculative=spec
     )
-    switch = SpeculativeSwitch(config=SpeculativeConfig(mode="auto", num_draft=args.draft, ngram=args.ngram))
-    for i in range(5):
-      jax.block_until_ready(
-        switch.sample(model, prompts, mask, sampling, key=jax.random.key(i), temperature=temperature)
-      )
-    print(f"  auto: {switch.measured} -> {switch.mode_now()}")
+    return rollout.completions
+
+  (t_plain, t_ngram) = _bench.alternating_times([plain, ngram], args.rounds)
+  med = dict(zip(("plain", "ngram"), _bench.medians([t_plain, t_ngram])))
+  tokens = args.prompts * args.samples * args.new_tokens
+  s = stats["s"]
+  print(
+    f"{name} (temperature {temperature}): plain {med['plain']:.2f} s {tokens / med['plain']:.0f} tok/s | ngram "
+    f"{med['ngram']:.2f} s {tokens / med['ngram']:.0f} tok/s, acceptance {s.acceptance:.3f}, "
+    f"{int(s.verify_steps)} verify steps for {args.new_tokens} tokens | speed-up {med['plain'] / med['ngram']:.2f}x"
+    f" | rounds plain {[round(t, 2) for t in t_plain]} ngram {[round(t, 2) for t in t_ngram]}"
+  )
+  switch = SpeculativeSwitch(config=SpeculativeConfig(mode="auto", num_draft=args.draft, ngram=args.ngram))
+  for i in range(5):
+    jax.block_until_ready(switch.sample(model, prompts, mask, sampling, key=jax.random.key(i), temperature=temperature))
+  print(f"  auto: {switch.measured} -> {switch.mode_now()}")
 
 
 if __name__ == "__main__":
