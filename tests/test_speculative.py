@@ -64,33 +64,41 @@ def _teacher_forced(model, rollout, temperature):
   return np.where(np.asarray(rollout.mask), out, 0.0)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 0.9), (0.0, 0, 1.0)])
-def test_log_probs_equal_teacher_forced_pass(peaked, temperature, top_k, top_p):
+def test_log_probs_equal_teacher_forced_pass(peaked, temperature, top_k, top_p, drafter):
   prompts, mask = _prompts()
   sampling = SamplingConfig(num_samples=4, max_new_tokens=14, top_k=top_k, top_p=top_p, eos_ids=(1,), pad_id=PAD)
   rollout, stats = generate_speculative(
     peaked, prompts, mask, sampling, key=jax.random.key(3), temperature=temperature,
     speculative=SpeculativeConfig(num_draft=3, ngram=1),
+    draft_model=_model(61, 5.0, seed=4) if drafter == "model" else None,
   )  # fmt: skip
   assert int(stats.accepted) > 0  # accepted drafts are among the checked tokens
   np.testing.assert_allclose(np.asarray(rollout.log_probs), _teacher_forced(peaked, rollout, temperature), atol=1e-5)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "model", "itself"])
 @pytest.mark.parametrize("eos_ids,budget,k", [((), 13, 4), ((30,), 16, 3), ((7, 11), 9, 2)])
-def test_greedy_is_plain_greedy_decoding(peaked, eos_ids, budget, k):
-  """Temperature 0: the same tokens, masks and log-probs as ``generate``, stop tokens and budgets included."""
+def test_greedy_is_plain_greedy_decoding(peaked, eos_ids, budget, k, drafter):
+  """Temperature 0: the same tokens, masks and log-probs as ``generate``, stop tokens and budgets included; with
+  prompt lookup, another model as the draft, or the target as its own draft (every draft accepted)."""
   prompts, mask = _prompts()
   sampling = SamplingConfig(num_samples=2, max_new_tokens=budget, eos_ids=eos_ids, pad_id=PAD)
   plain = generate(peaked, prompts, mask, sampling, key=jax.random.key(0), temperature=0.0)
+  draft = {"ngram": None, "model": _model(61, 5.0, seed=4), "itself": peaked}[drafter]
   spec, stats = generate_speculative(
     peaked, prompts, mask, sampling, key=jax.random.key(0), temperature=0.0,
-    speculative=SpeculativeConfig(num_draft=k, ngram=1),
+    speculative=SpeculativeConfig(num_draft=k, ngram=1), draft_model=draft,
   )  # fmt: skip
+  if drafter == "itself":
+    assert int(stats.accepted) == int(stats.drafted) > 0
   np.testing.assert_array_equal(np.asarray(spec.completions), np.asarray(plain.completions))
   np.testing.assert_array_equal(np.asarray(spec.mask), np.asarray(plain.mask))
   np.testing.assert_allclose(np.asarray(spec.log_probs), np.asarray(plain.log_probs), atol=1e-5)
   assert int(spec.num_steps) == int(np.asarray(plain.mask).sum(1).max())
-  assert int(stats.verify_steps) < budget - 1  # drafts were accepted: fewer target forwards than tokens
+  if drafter != "model":  # drafts were accepted: fewer target forwards than tokens
+    assert int(stats.verify_steps) < budget - 1
 
 
 def test_stop_tokens_budget_and_ragged_rows(peaked):
@@ -183,10 +191,11 @@ def _exact_joint(model, prompt, length, temperature, top_k):
   return np.prod(steps, 0)
 
 
-@pytest.mark.parametrize("top_k", [0, 4])
-def test_sampled_sequences_follow_the_target_distribution(top_k):
+@pytest.mark.parametrize("top_k,drafter", [(0, "ngram"), (4, "ngram"), (0, "model"), (4, "model")])
+def test_sampled_sequences_follow_the_target_distribution(top_k, drafter):
   """The joint distribution of the first 3 tokens of many speculative samples equals the target's (chi-square,
-  p > 1e-4), with drafts accepted and rejected along the way."""
+  p > 1e-4), with drafts accepted and rejected along the way: prompt lookup, and a draft model of its own
+  distribution q (another random model of the same vocabulary)."""
   model = _model(7, 2.0, seed=2)
   prompt = np.array([3, 4, 5, 3, 4, 5, 3], np.int32)
   length, temperature, g = 3, 0.8, 6000
@@ -194,6 +203,7 @@ def test_sampled_sequences_follow_the_target_distribution(top_k):
   rollout, stats = generate_speculative(
     model, jnp.asarray(prompt[None]), jnp.ones((1, len(prompt)), bool), sampling, key=jax.random.key(11),
     temperature=temperature, speculative=SpeculativeConfig(num_draft=2, ngram=1),
+    draft_model=_model(7, 2.0, seed=5) if drafter == "model" else None,
   )  # fmt: skip
   assert 0.05 < stats.acceptance < 0.95  # both branches of the rule ran
   codes = np.ravel_multi_index(np.asarray(rollout.completions).T, (7,) * length)
@@ -244,6 +254,13 @@ def test_refuses_routing_and_bad_settings(peaked):
     SpeculativeConfig(mode="eagle")
   with pytest.raises(ValueError, match="rollout.speculative_tokens"):
     SpeculativeConfig(num_draft=0)
+  with pytest.raises(
+    ValueError, match=r"the draft model's vocab_size 62 != the target's 61: speculative decoding needs"
+  ):
+    generate_speculative(
+      peaked, prompts, mask, SamplingConfig(num_samples=1, max_new_tokens=4), key=jax.random.key(0),
+      draft_model=_model(62, 1.0),
+    )  # fmt: skip
   with pytest.raises(ValueError, match="record_routing"):
     generate_speculative(
       peaked, prompts, mask, SamplingConfig(num_samples=1, max_new_tokens=4, record_routing=True), key=jax.random.key(0)

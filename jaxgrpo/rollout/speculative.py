@@ -4,7 +4,8 @@ Data flow (N = B·G rows, P prompt slots, T new tokens, k drafted tokens, V voca
 
     prompts [B, P] --prefill--> KV cache [B, P+T-1+k] --repeat_cache(G), per-row index--> [N, ...]
     --lax.while_loop (one *verify step* per iteration)-->
-        draft  d [N, k]            (prompt lookup: the last n tokens matched earlier in the row's own context)
+        draft  d [N, k]            (prompt lookup: the last n tokens matched earlier in the row's own context;
+                                    or a draft model: k decode steps of its own cache, d_i ~ q_i)
         verify logits [N, k+1, V]  (one forward of [last ‖ d] at each row's own slots and positions)
         accept / correct           (the rejection rule below: 1 .. k+1 tokens per row)
         rewind                     (each row's cache index and valid slots back to what it kept)
@@ -23,7 +24,8 @@ argmax — the greedy sequence.
 over the full vocabulary (as ``generate`` records), read from the verify forward's logits at the token's
 position: a teacher-forced pass of the target gives the same numbers (tests/test_speculative.py, 1e-5).
 
-One job, speculative sampling: its settings (``SpeculativeConfig``), its draft (``ngram_draft``), its rule
+One job, speculative sampling: its settings (``SpeculativeConfig``), its drafts (``ngram_draft``, a draft model),
+its rule
 (``accept_drafts``), its program (``generate_speculative``) and the ``auto`` switch (``SpeculativeSwitch``).
 """
 
@@ -51,6 +53,7 @@ __all__ = [
   "SpeculativeStats",
   "SpeculativeSwitch",
   "accept_drafts",
+  "check_draft_model",
   "generate_speculative",
   "ngram_draft",
 ]
@@ -182,8 +185,12 @@ def generate_speculative(
   key,
   temperature: float = 1.0,
   speculative: SpeculativeConfig | None = None,
+  draft_model: nnx.Module | None = None,
 ) -> tuple[_sampling.Rollout, SpeculativeStats]:
-  """``jaxgrpo.rollout.sampling.generate`` by speculative decoding with prompt-lookup drafts: the same arguments,
+  """``jaxgrpo.rollout.sampling.generate`` by speculative decoding with prompt-lookup drafts, or with ``draft_model``
+  (a smaller decoder of the same tokenizer: k tokens drawn from its own sampling distribution q under the same
+  temperature, top-k, top-p and suppressed ids, one decode step each, its own KV cache rewound with the target's):
+  the same arguments,
   a ``Rollout`` of the same fields and distribution (exactly: see the module docstring), and the call's
   :class:`SpeculativeStats`. Rows advance by 1 .. k+1 tokens per verify step (each its own cache index and
   position); ``eos_ids`` and ``max_new_tokens`` cut a row's accepted run at the first stop token or the budget.
@@ -191,7 +198,7 @@ def generate_speculative(
 
   Raises:
     ValueError / TypeError (one line, before tracing): as ``generate``; ``record_routing`` (the experts of
-    rejected positions are never a token's: not built).
+    rejected positions are never a token's: not built); a ``draft_model`` of another vocabulary size.
   """
   spec = speculative or SpeculativeConfig()
   if not isinstance(spec, SpeculativeConfig):
@@ -209,11 +216,26 @@ def generate_speculative(
   graphdef, state = _sampling.split_sampled(
     sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate_speculative"
   )
+  draft = None if draft_model is None else nnx.split(check_draft_model(draft_model, model, prompt_tokens.shape, policy))
   with target_platform(state):
     rollout, stats = _speculative_jit(
-      graphdef, state, prompt_tokens, prompt_mask, key, policy=policy, num_draft=spec.num_draft, ngram=spec.ngram
-    )
+      graphdef, state, draft and draft[0], draft and draft[1], prompt_tokens, prompt_mask, key,
+      policy=policy, num_draft=spec.num_draft, ngram=spec.ngram,
+    )  # fmt: skip
   return rollout._replace(temperature=Temperature(policy.temperature)), stats
+
+
+def check_draft_model(draft_model, model, prompt_shape, policy):
+  """``draft_model`` once it can draft for ``model``: a ``jaxgrpo.models`` decoder with the target's vocabulary
+  size (the same tokenizer; ValueError in one line otherwise) whose positions hold the prompt and the budget."""
+  vocab = getattr(getattr(draft_model, "config", None), "vocab_size", None)
+  if vocab != model.config.vocab_size:
+    raise ValueError(
+      f"the draft model's vocab_size {vocab} != the target's {model.config.vocab_size}: speculative decoding needs "
+      "a draft of the same tokenizer (a smaller model of the target's family), or rollout.speculative: ngram"
+    )
+  _sampling.split_sampled(draft_model, prompt_shape, policy, "the draft model")
+  return draft_model
 
 
 def _write_run(buffer, lengths, run, count, width):
@@ -240,9 +262,43 @@ def _emitted_count(run, lengths, done, accepted, policy):
   return count, done | hit | (lengths + count >= policy.max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy", "num_draft", "ngram"))
-def _speculative_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy, num_draft, ngram):
-  """``generate_speculative``'s program."""
+def _prefill(model, prompt_tokens, prompt_mask, positions, slots, g):
+  """The B prompts prefilled once into a cache of ``slots``, repeated G times with a per-row index at P:
+  ``(last hidden f32[N, D] of each prompt, cache)``."""
+  batch, p_len = prompt_tokens.shape
+  hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=model.init_cache(batch, slots))
+  cache = _models.repeat_cache(cache, g)
+  return jnp.repeat(hidden[:, -1], g, axis=0), cache._replace(index=jnp.full((batch * g,), p_len, jnp.int32))
+
+
+def _rewind(cache, index):
+  """``cache`` with each row's index set to ``index int32[N]`` and its slots from there on invalid."""
+  return cache._replace(index=index, valid=cache.valid & (jnp.arange(cache.max_len)[None, :] < index[:, None]))
+
+
+def _draft_tokens(draft, cache, last, pos, active, uniforms, policy, suppressed):
+  """k tokens of the draft model per row, each drawn from its sampling distribution q (``uniforms f32[N, k]``),
+  fed one decode step at a time from ``last`` at positions ``pos int32[N, k+1]``; d_k is fed too, so the draft
+  cache holds ``[last ‖ d_1..d_k]`` like the target's after the verify step. Returns (drafts int32[N, k], log q
+  f32[N, k, V], cache)."""
+  k = uniforms.shape[1]
+  tokens, logqs, token = [], [], last
+  for i in range(k + 1):
+    logits, cache = _sampling.decode_logits(draft, token, pos[:, i], active, cache)
+    if i == k:
+      break
+    _, logq = _sampling_log_probs(logits, policy, suppressed)
+    token = _sampling.categorical_from_uniform(uniforms[:, i], logq)
+    tokens.append(token)
+    logqs.append(logq)
+  return jnp.stack(tokens, 1), jnp.stack(logqs, 1), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("policy", "num_draft", "ngram"))
+def _speculative_jit(
+  graphdef, state, draft_graphdef, draft_state, prompt_tokens, prompt_mask, key, *, policy, num_draft, ngram
+):
+  """``generate_speculative``'s program (``draft_graphdef`` None: prompt-lookup drafts)."""
   g, t_max, pad_id, k = policy.num_samples, policy.max_new_tokens, policy.pad_id, num_draft
   model = nnx.merge(graphdef, state)
   model = _models.to_loop_layers(model) if getattr(model, "scan_layers", False) else model
@@ -250,11 +306,16 @@ def _speculative_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy
   n_rows = batch * g
   rows = jnp.arange(n_rows)
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)
-  cache = model.init_cache(batch, p_len + t_max - 1 + k)  # a verify step may write k slots past the last kept
-  hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
-  first_logits = jnp.repeat(model.logits(hidden[:, -1], out_dtype=jnp.float32), g, axis=0)  # [N, V]
-  cache = _models.repeat_cache(cache, g)
-  cache = cache._replace(index=jnp.full((n_rows,), p_len, jnp.int32))  # per row from here on
+  slots = p_len + t_max - 1 + k  # a verify step may write k slots past the last kept
+  hidden, cache = _prefill(model, prompt_tokens, prompt_mask, positions, slots, g)
+  first_logits = model.logits(hidden, out_dtype=jnp.float32)  # [N, V]
+  draft = None
+  if draft_graphdef is not None:
+    draft = nnx.merge(draft_graphdef, draft_state)
+    draft = _models.to_loop_layers(draft) if getattr(draft, "scan_layers", False) else draft
+    _, draft_cache = _prefill(draft, prompt_tokens, prompt_mask, positions, slots, g)
+  else:
+    draft_cache = cache.index  # a placeholder carry
   prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)  # [N]
   ctx_prompt, ctx_prompt_ok = jnp.repeat(prompt_tokens, g, axis=0), jnp.repeat(prompt_mask, g, axis=0)
   suppressed = _sampling.suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
@@ -273,34 +334,41 @@ def _speculative_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy
     return ~jnp.all(c[4])
 
   def body(c):
-    step, cache, tokens, logps, done, lengths, last, drafted, accepted_total = c
-    context = jnp.concatenate([ctx_prompt, tokens], axis=1)  # [N, P+T]
-    valid = jnp.concatenate([ctx_prompt_ok, jnp.arange(t_max)[None, :] < lengths[:, None]], axis=1)
-    drafts = ngram_draft(context, valid, p_len + lengths, num_draft=k, ngram=ngram)  # [N, k]
-    fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [N, k+1]
+    step, cache, tokens, logps, done, lengths, last, drafted, accepted_total, draft_cache = c
     pos = jnp.minimum(prompt_len[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
     active = ~done
+    u = jax.random.uniform(jax.random.fold_in(key, step), (n_rows, 2 * k + 1), jnp.float32)
+    if draft is None:
+      context = jnp.concatenate([ctx_prompt, tokens], axis=1)  # [N, P+T]
+      valid = jnp.concatenate([ctx_prompt_ok, jnp.arange(t_max)[None, :] < lengths[:, None]], axis=1)
+      drafts, logq = ngram_draft(context, valid, p_len + lengths, num_draft=k, ngram=ngram), None  # [N, k]
+    else:
+      drafts, logq, draft_cache = _draft_tokens(
+        draft, draft_cache, last, pos, active, u[:, k + 1 :], policy, suppressed
+      )
+    fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [N, k+1]
     old_index = cache.index
     hidden, cache = model(fed, pos, attention_mask=jnp.broadcast_to(active[:, None], fed.shape), cache=cache)
     logits = model.logits(hidden, out_dtype=jnp.float32)  # [N, k+1, V]
     scaled, logp = _sampling_log_probs(logits, policy, suppressed)
-    u = jax.random.uniform(jax.random.fold_in(key, step), (n_rows, k + 1), jnp.float32)
-    acc, nxt = accept_drafts(logp, drafts, None, u)
+    acc, nxt = accept_drafts(logp, drafts, logq, u[:, : k + 1])
     run = jnp.where(jnp.arange(k + 1)[None, :] < acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     run_logp = jnp.take_along_axis(scaled, run[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(scaled, axis=-1)
     count, new_done = _emitted_count(run, lengths, done, acc, policy)
     tokens = _write_run(tokens, lengths, run, count, t_max)
     logps = _write_run(logps, lengths, run_logp, count, t_max)
     index = old_index + count  # keep [last ‖ the count-1 accepted drafts]; the rest of the k+1 slots rewound
-    cache = cache._replace(index=index, valid=cache.valid & (jnp.arange(cache.max_len)[None, :] < index[:, None]))
+    cache = _rewind(cache, index)
+    if draft is not None:  # the draft's cache holds the same slots
+      draft_cache = _rewind(draft_cache, index)
     new_last = jnp.take_along_axis(run, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
     last = jnp.where(count > 0, new_last, last)
     drafted = drafted + jnp.sum(jnp.where(active, k, 0))
     accepted_total = accepted_total + jnp.sum(jnp.where(active, acc, 0))
-    return step + 1, cache, tokens, logps, new_done, lengths + count, last, drafted, accepted_total
+    return step + 1, cache, tokens, logps, new_done, lengths + count, last, drafted, accepted_total, draft_cache
 
-  carry = (jnp.int32(1), cache, tokens, logps, done0, count0, token0, zero, zero)
-  steps, _, tokens, logps, _, lengths, _, drafted, accepted = jax.lax.while_loop(cond, body, carry)
+  carry = (jnp.int32(1), cache, tokens, logps, done0, count0, token0, zero, zero, draft_cache)
+  steps, _, tokens, logps, _, lengths, _, drafted, accepted, _ = jax.lax.while_loop(cond, body, carry)
   mask = jnp.arange(t_max)[None, :] < lengths[:, None]
   rollout = _sampling.Rollout(
     prompt_tokens=ctx_prompt,
