@@ -20,6 +20,7 @@ tokens. ``auto``: a fresh ``SpeculativeSwitch`` run for 5 calls (1 untimed + 1 t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -48,6 +49,10 @@ def main(argv=None) -> None:
   ap.add_argument("--draft", type=int, default=4, help="k, tokens drafted per verify step")
   ap.add_argument("--ngram", type=int, default=2)
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument(
+    "--draft-model", action="store_true",
+    help="also time a draft model (random, same vocabulary: hidden 128, 1 layer, 4 / 2 heads, intermediate 512)",
+  )  # fmt: skip
   args = ap.parse_args(argv)
   print(_bench.backend_line())
   cfg = Qwen3Config(
@@ -55,6 +60,10 @@ def main(argv=None) -> None:
     intermediate_size=1536, tie_word_embeddings=True, max_position_embeddings=4096,
   )  # fmt: skip
   model = build_model(cfg, rngs=nnx.Rngs(0))
+  draft = None
+  if args.draft_model:
+    small = dataclasses.replace(cfg, hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    draft = build_model(small, rngs=nnx.Rngs(1))
   rng = np.random.default_rng(0)
   prompts = jnp.asarray(rng.integers(1, cfg.vocab_size, (args.prompts, args.prompt_len)), jnp.int32)
   mask = jnp.ones(prompts.shape, bool)
@@ -62,13 +71,19 @@ def main(argv=None) -> None:
   spec = SpeculativeConfig(mode="ngram", num_draft=args.draft, ngram=args.ngram)
   print(f"B={args.prompts} G={args.samples} P={args.prompt_len} T={args.new_tokens} k={args.draft} n={args.ngram}")
   for name, temperature in WORKLOADS.items():
-    _workload(name, temperature, model, prompts, mask, sampling, spec, args)
+    _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft)
 
 
-def _workload(name, temperature, model, prompts, mask, sampling, spec, args) -> None:
-  """Times plain vs ngram decoding on one workload, then runs ``auto`` on it; prints one line each."""
+def _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft) -> None:
+  """Times plain vs ngram (and draft-model) decoding on one workload, then runs ``auto`` on it; prints a line each."""
   key = jax.random.key(1)
   stats = {}
+
+  def with_draft():
+    rollout, stats["d"] = generate_speculative(
+      model, prompts, mask, sampling, key=key, temperature=temperature, speculative=spec, draft_model=draft
+    )
+    return rollout.completions
 
   def plain():
     return generate(model, prompts, mask, sampling, key=key, temperature=temperature).completions
@@ -79,8 +94,10 @@ def _workload(name, temperature, model, prompts, mask, sampling, spec, args) -> 
     )
     return rollout.completions
 
-  (t_plain, t_ngram) = _bench.alternating_times([plain, ngram], args.rounds)
-  med = dict(zip(("plain", "ngram"), _bench.medians([t_plain, t_ngram])))
+  fns = [plain, ngram] + ([with_draft] if draft is not None else [])
+  times = _bench.alternating_times(fns, args.rounds)
+  t_plain, t_ngram = times[:2]
+  med = dict(zip(("plain", "ngram", "draft"), _bench.medians(times)))
   tokens = args.prompts * args.samples * args.new_tokens
   s = stats["s"]
   print(
@@ -89,6 +106,13 @@ def _workload(name, temperature, model, prompts, mask, sampling, spec, args) -> 
     f"{int(s.verify_steps)} verify steps for {args.new_tokens} tokens | speed-up {med['plain'] / med['ngram']:.2f}x"
     f" | rounds plain {[round(t, 2) for t in t_plain]} ngram {[round(t, 2) for t in t_ngram]}"
   )
+  if draft is not None:
+    d = stats["d"]
+    print(
+      f"  draft model: {med['draft']:.2f} s {tokens / med['draft']:.0f} tok/s, acceptance {d.acceptance:.3f}, "
+      f"{int(d.verify_steps)} verify steps | speed-up {med['plain'] / med['draft']:.2f}x | rounds "
+      f"{[round(t, 2) for t in times[2]]}"
+    )
   switch = SpeculativeSwitch(config=SpeculativeConfig(mode="auto", num_draft=args.draft, ngram=args.ngram))
   for i in range(5):
     jax.block_until_ready(switch.sample(model, prompts, mask, sampling, key=jax.random.key(i), temperature=temperature))

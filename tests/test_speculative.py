@@ -243,9 +243,11 @@ def test_auto_measures_and_logs(peaked, caplog):
       assert metrics["rollout/speculative_on"] == float(kinds[-1] == "ngram")
   m = switch.measured
   assert kinds[:4] == ["plain", "plain", "ngram", "ngram"]
-  assert kinds[4] == ("ngram" if m["ngram_tokens_per_s"] > m["plain_tokens_per_s"] else "plain")
+  assert kinds[4] == ("ngram" if m["speculative_tokens_per_s"] > m["plain_tokens_per_s"] else "plain")
   (line,) = [r.getMessage() for r in caplog.records if "rollout.speculative auto" in r.getMessage()]
-  assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"ngram {m['ngram_tokens_per_s']:.1f}" in line
+  assert (
+    f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"ngram {m['speculative_tokens_per_s']:.1f}" in line
+  )
 
 
 def test_refuses_routing_and_bad_settings(peaked):
@@ -282,19 +284,33 @@ def _run_config(tmp_path, **rollout):
 
 
 def test_the_trainer_samples_by_rollout_speculative(tmp_path):
-  """``rollout.speculative: ngram``: the built-in engine samples speculatively every step (metrics say so, with the
-  acceptance); the train step's ratio is 1 on-policy (its log-probs are the policy's: ``engine/*`` mismatch absent)."""
+  """``rollout.speculative: ngram``, then ``draft`` with a draft model directory: the built-in engine samples
+  speculatively every step (metrics say so, with the acceptance); the train step's ratio is 1 on-policy (its
+  log-probs are the policy's: no ``engine/*`` mismatch). A draft of another vocabulary: one line, before its weights."""
   from jaxgrpo.run.specs import load_config
   from jaxgrpo.run.trainer import Trainer
 
-  trainer = Trainer(load_config(None, _run_config(tmp_path, speculative="ngram", speculative_tokens=3)), log=None)
-  assert trainer.engine.switch.config == SpeculativeConfig(mode="ngram", num_draft=3, ngram=2)
-  records = [r for r in trainer.run() if "loss" in r]
-  trainer.close()
-  assert len(records) == 2
-  for r in records:
-    assert r["rollout/speculative_on"] == 1.0 and 0.0 <= r["rollout/spec_acceptance"] <= 1.0, r
-    assert "engine/mismatch_k3" not in r
+  def run(**rollout):
+    trainer = Trainer(load_config(None, _run_config(tmp_path / rollout["speculative"], **rollout)), log=None)
+    records = [r for r in trainer.run() if "loss" in r]
+    trainer.close()
+    assert len(records) == 2
+    for r in records:
+      assert r["rollout/speculative_on"] == 1.0 and 0.0 <= r["rollout/spec_acceptance"] <= 1.0, r
+      assert "engine/mismatch_k3" not in r
+    return trainer
+
+  trainer = run(speculative="ngram", speculative_tokens=3)
+  assert trainer.engine is None or trainer.engine.switch.config.num_draft == 3
+  vocab = trainer.model.config.vocab_size
+  for v, where in ((vocab, "draft"), (vocab + 1, "wrong")):
+    cfg = models.Qwen3Config(vocab_size=v, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    models.save_hf(models.build_model(cfg, rngs=nnx.Rngs(7)), tmp_path / where)
+  with pytest.raises(ValueError, match=rf"vocab_size {vocab + 1} != the policy's {vocab}: the draft must share"):
+    Trainer(
+      load_config(None, _run_config(tmp_path / "x", speculative="draft", speculative_draft=str(tmp_path / "wrong")))
+    )
+  trainer = run(speculative="draft", speculative_draft=str(tmp_path / "draft"))
 
 
 def test_combinations_refused_in_one_line(tmp_path):
@@ -302,10 +318,14 @@ def test_combinations_refused_in_one_line(tmp_path):
 
   base = _run_config(tmp_path, speculative="ngram")
   with pytest.raises(
-    TypeError, match=r"`rollout.speculative`: expected Literal\['off', 'ngram', 'auto'\]; got 'eagle'"
+    TypeError, match=r"`rollout.speculative`: expected Literal\['off', 'ngram', 'draft', 'auto'\]; got 'eagle'"
   ):
     load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "eagle"}})
   with pytest.raises(ValueError, match=r"`rollout.speculative: ngram` with `rollout.partial.enabled` is not built"):
     load_config(None, {**base, "rollout": {**base["rollout"], "max_staleness": 1, "partial": {"enabled": True}}})
+  with pytest.raises(ValueError, match=r"`rollout.speculative: draft` needs `rollout.speculative_draft`"):
+    load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "draft"}})
+  with pytest.raises(ValueError, match=r"`rollout.speculative_draft` is set but `rollout.speculative: ngram` never"):
+    load_config(None, {**base, "rollout": {**base["rollout"], "speculative_draft": str(tmp_path)}})
   off = load_config(None, _run_config(tmp_path))
   assert off.rollout.speculative == "off" and off.rollout.speculative_config() is None

@@ -55,10 +55,11 @@ __all__ = [
   "accept_drafts",
   "check_draft_model",
   "generate_speculative",
+  "load_draft",
   "ngram_draft",
 ]
 
-MODES = ("off", "ngram", "auto")
+MODES = ("off", "ngram", "draft", "auto")
 _LOG = logging.getLogger(__name__)
 
 
@@ -67,20 +68,33 @@ class SpeculativeConfig:
   """Speculative decoding settings (``rollout.speculative``, ``rollout.speculative_tokens``, ``rollout.ngram``).
 
   Attributes:
-    mode: ``off`` (plain decoding), ``ngram`` (prompt-lookup drafts, always on) or ``auto`` (measure plain and
-      ngram decoding on the first calls, then keep the faster: :class:`SpeculativeSwitch`).
+    mode: ``off`` (plain decoding), ``ngram`` (prompt-lookup drafts, always on), ``draft`` (the draft model of
+      ``draft``, always on) or ``auto`` (measure plain decoding and the speculative kind — the draft model when
+      ``draft`` is set, else ngram — on the first calls, then keep the faster: :class:`SpeculativeSwitch`).
     num_draft: k >= 1, tokens drafted per verify step.
     ngram: n >= 1, the length of the suffix matched in the row's context.
+    draft: the draft model's directory (a HF causal LM of the target's tokenizer, :func:`load_draft`), or None.
   """
 
   mode: str = "ngram"
   num_draft: int = 4
   ngram: int = 2
+  draft: str | None = None
 
   def __post_init__(self):
     _checks.check_choice(self.mode, MODES, "rollout.speculative")
     _checks.check_python_int(self.num_draft, "rollout.speculative_tokens", minimum=1, hint="k drafted tokens")
-    _checks.check_python_int(self.ngram, "rollout.ngram", minimum=1, hint="n, the suffix length matched")
+    _checks.check_python_int(self.ngram, "rollout.speculative_ngram", minimum=1, hint="n, the suffix length matched")
+    if self.mode == "draft" and self.draft is None:
+      raise ValueError(
+        "`rollout.speculative: draft` needs `rollout.speculative_draft`: the directory of a smaller model of the "
+        "policy's tokenizer (or rollout.speculative: ngram, drafts from the context)"
+      )
+    if self.draft is not None and self.mode in ("off", "ngram"):
+      raise ValueError(
+        f"`rollout.speculative_draft` is set but `rollout.speculative: {self.mode}` never reads it: use draft or "
+        "auto, or unset it"
+      )
 
 
 class SpeculativeStats(NamedTuple):
@@ -238,6 +252,18 @@ def check_draft_model(draft_model, model, prompt_shape, policy):
   return draft_model
 
 
+def load_draft(path: str, vocab_size: int) -> nnx.Module:
+  """The draft model of ``path`` (``models.load_hf``, float32), after one line when its ``config.json`` gives
+  another vocabulary size than the target's ``vocab_size`` (read before any weight)."""
+  vocab = _models.config_from_hf(path).vocab_size
+  if vocab != vocab_size:
+    raise ValueError(
+      f"`rollout.speculative_draft` {path}: vocab_size {vocab} != the policy's {vocab_size}: the draft must share "
+      "the policy's tokenizer (a smaller model of its family)"
+    )
+  return _models.load_hf(path)
+
+
 def _write_run(buffer, lengths, run, count, width):
   """``buffer [N, T]`` with ``run [N, R]``'s first ``count[N]`` entries written at columns ``lengths[N] + i``."""
   n_rows, r = run.shape
@@ -386,31 +412,40 @@ def _speculative_jit(
 class SpeculativeSwitch:
   """``rollout.speculative``: samples by plain or speculative decoding, and for ``auto`` decides which by measure.
 
-  ``auto`` times ``warmup`` + 1 calls of each (plain first, then ngram; the first ``warmup`` of each are not timed:
-  they compile), as completion tokens per second of wall time, then keeps ngram for every later call iff its
-  tokens/s beat plain's; the decision and both numbers are logged once (logger ``jaxgrpo.rollout.speculative``)
-  and kept in :attr:`measured`. ``off`` / ``ngram``: always that.
+  The speculative kind is the draft model's when ``draft_model`` is given, else prompt lookup (``ngram``).
+  ``auto`` times ``warmup`` + 1 calls of each (plain first, then speculative; the first ``warmup`` of each are not
+  timed: they compile), as completion tokens per second of wall time, then keeps speculative decoding for every
+  later call iff its tokens/s beat plain's; the decision and both numbers are logged once (logger
+  ``jaxgrpo.rollout.speculative``) and kept in :attr:`measured`. ``off`` / ``ngram`` / ``draft``: always that.
 
   Attributes:
     config: the :class:`SpeculativeConfig`.
+    draft_model: the draft model (``config.draft`` loaded, :func:`load_draft`), or None: prompt lookup.
     warmup: untimed calls of each kind before the timed one (compilation).
-    measured: ``{"plain_tokens_per_s", "ngram_tokens_per_s", "ngram_acceptance", "speculative_on"}`` once decided.
+    measured: ``{"plain_tokens_per_s", "speculative_tokens_per_s", "acceptance", "drafter", "speculative_on"}``
+      once decided.
     calls: calls so far; timing: ``{kind: (tokens/s, stats)}`` of the timed calls while deciding.
   """
 
   config: SpeculativeConfig
+  draft_model: nnx.Module | None = None
   warmup: int = 1
   measured: dict = dataclasses.field(default_factory=dict)
   calls: int = 0
   timing: dict = dataclasses.field(default_factory=dict)
 
+  @property
+  def drafter(self) -> str:
+    """``draft`` (a draft model) or ``ngram`` (prompt lookup)."""
+    return "ngram" if self.draft_model is None else "draft"
+
   def mode_now(self) -> str:
-    """``plain`` or ``ngram``: what the next call runs."""
+    """``plain`` or the drafter (``ngram`` / ``draft``): what the next call runs."""
     if self.config.mode != "auto":
-      return "plain" if self.config.mode == "off" else "ngram"
+      return "plain" if self.config.mode == "off" else self.drafter
     if self.measured:
-      return "ngram" if self.measured["speculative_on"] else "plain"
-    return "plain" if self.calls <= self.warmup else "ngram"
+      return self.drafter if self.measured["speculative_on"] else "plain"
+    return "plain" if self.calls <= self.warmup else self.drafter
 
   def sample(self, model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0):
     """``(Rollout, metrics)``: one call of ``generate`` or :func:`generate_speculative` (:meth:`mode_now`);
@@ -418,41 +453,39 @@ class SpeculativeSwitch:
     mode = self.mode_now()
     start = time.perf_counter()
     if mode == "plain":
-      rollout, stats = (
-        _sampling.generate(model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature),
-        None,
-      )
+      rollout = _sampling.generate(model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
+      stats = None
     else:
       rollout, stats = generate_speculative(
-        model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature, speculative=self.config
-      )
+        model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature, speculative=self.config,
+        draft_model=self.draft_model,
+      )  # fmt: skip
     jax.block_until_ready(rollout.completions)
     seconds = time.perf_counter() - start
     self.calls += 1
     if self.config.mode == "auto" and not self.measured:
       self._observe(mode, int(jnp.sum(rollout.mask)) / seconds, stats)
-    metrics = {"rollout/speculative_on": float(mode == "ngram")}
+    metrics = {"rollout/speculative_on": float(mode != "plain")}
     if stats is not None:
       metrics["rollout/spec_acceptance"] = stats.acceptance
     return rollout, metrics
 
   def _observe(self, mode, tokens_per_s, stats):
     """Record the timed call of each kind; decide once both are in."""
-    timed = self.calls in (self.warmup + 1, 2 * self.warmup + 2)
-    if not timed:
+    if self.calls not in (self.warmup + 1, 2 * self.warmup + 2):
       return
     self.timing[mode] = (tokens_per_s, stats)
-    timing = self.timing
-    if "plain" in timing and "ngram" in timing:
-      plain, (spec, spec_stats) = timing["plain"][0], timing["ngram"]
+    if "plain" in self.timing and self.drafter in self.timing:
+      plain, (spec, spec_stats) = self.timing["plain"][0], self.timing[self.drafter]
       self.measured = {
         "plain_tokens_per_s": plain,
-        "ngram_tokens_per_s": spec,
-        "ngram_acceptance": spec_stats.acceptance,
+        "speculative_tokens_per_s": spec,
+        "acceptance": spec_stats.acceptance,
+        "drafter": self.drafter,
         "speculative_on": spec > plain,
       }
       _LOG.warning(
-        "rollout.speculative auto: plain %.1f tokens/s, ngram %.1f tokens/s at acceptance %.3f (k=%d, n=%d) -> %s",
-        plain, spec, spec_stats.acceptance, self.config.num_draft, self.config.ngram,
-        "ngram on" if spec > plain else "plain decoding",
+        "rollout.speculative auto: plain %.1f tokens/s, %s %.1f tokens/s at acceptance %.3f (k=%d) -> %s",
+        plain, self.drafter, spec, spec_stats.acceptance, self.config.num_draft,
+        f"{self.drafter} on" if spec > plain else "plain decoding",
       )  # fmt: skip

@@ -69,6 +69,7 @@ class BuiltinEngine:
       speculative decoding (``ngram``) or let a :class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch` choose by
       measure (``auto``); None or ``off``: :func:`~jaxgrpo.rollout.sampling.generate`. The last call's
       ``rollout/speculative_on`` and ``rollout/spec_acceptance`` are in :attr:`sample_metrics`.
+    draft_model: the draft model of ``speculative`` (``draft``, or ``auto`` with a draft), or None.
   """
 
   name = "jax"
@@ -78,10 +79,10 @@ class BuiltinEngine:
   records_routing = True  # SamplingConfig.record_routing: a mixture of experts' routing, replayed by the step
   speculates = True  # rollout.speculative: built with a SpeculativeConfig (jaxgrpo.rollout.speculative)
 
-  def __init__(self, model=None, *, speculative: SpeculativeConfig | None = None):
+  def __init__(self, model=None, *, speculative: SpeculativeConfig | None = None, draft_model=None):
     self.model = model
     on = speculative is not None and speculative.mode != "off"
-    self.switch = SpeculativeSwitch(config=speculative) if on else None
+    self.switch = SpeculativeSwitch(config=speculative, draft_model=draft_model) if on else None
     self.sample_metrics: dict[str, float] = {}
 
   def _generate(self, prompt_tokens, prompt_mask, sampling, *, key, temperature) -> Rollout:
