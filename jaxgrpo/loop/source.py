@@ -228,6 +228,7 @@ class RolloutSource:
       on_dispatched=on_sampled,
     )
     self._add_time("engine/generate_s", self._seconds_since(t0))
+    self.engine_times.update(getattr(engine, "sample_metrics", {}))  # rollout.speculative's, when on
     return rows
 
   # ------------------------------------------------------------------ single-turn scoring

@@ -43,6 +43,7 @@ __all__ = [
   "Rollout",
   "SamplingConfig",
   "SamplingPolicy",
+  "categorical_from_uniform",
   "check_sampling",
   "filter_logits",
   "generate",
@@ -350,10 +351,10 @@ def sample_categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _sample_categorical(key, logits):
-  return _categorical_from_uniform(jax.random.uniform(key, (logits.shape[0],), jnp.float32), logits)
+  return categorical_from_uniform(jax.random.uniform(key, (logits.shape[0],), jnp.float32), logits)
 
 
-def _categorical_from_uniform(u, logits):
+def categorical_from_uniform(u, logits):
   """``sample_categorical`` given its uniforms ``u f32[N]`` in [0, 1) (one per row)."""
   n, vocab = logits.shape
   block = _block_size(vocab)
@@ -565,7 +566,7 @@ def draw_token(logits, uniforms, policy: SamplingPolicy, suppressed):
     token = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
   else:
     filtered = _filter_logits(allowed, top_k=top_k, top_p=top_p)
-    token = _categorical_from_uniform(uniforms(), filtered)
+    token = categorical_from_uniform(uniforms(), filtered)
   chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
   return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 

@@ -328,13 +328,15 @@ def start_engine(cfg: TrainerConfig, model, *, prompt_len: int):
   else:  # every turn sends prompt ‖ trajectory: the prompt, the trajectory's budget and one more turn
     mt = cfg.env.multiturn_config()
     max_len = prompt_len + mt.max_tokens + mt.per_turn
+  speculates = engine_registry.capability(roll.engine, "speculates")
   return engine_registry.build_engine(
     roll.engine,
     model,
     max_model_len=max_len,
     temperature=cfg.step.temperature,
     seed=cfg.run.seed,
-    options=getattr(roll, roll.engine, None),  # the engine's own section (rollout.vllm), if it has one
+    # the engine's own section (rollout.vllm), if it has one; the built-in sampler's: rollout.speculative
+    options=roll.speculative_config() if speculates else getattr(roll, roll.engine, None),
     lora_rank=None if cfg.lora is None else cfg.lora.rank,
   )
 

@@ -41,6 +41,28 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     )
   if roll.partial.enabled:
     _check_partial(cfg, process_count, synthetic_moe)
+  if roll.speculative != "off":
+    _check_speculative(cfg, synthetic_moe)
+
+
+def _check_speculative(cfg: TrainerConfig, synthetic_moe) -> None:
+  """The combinations ``rollout.speculative`` refuses, one line each (jaxgrpo.rollout.speculative)."""
+  roll = cfg.rollout
+  if not capability(roll.engine, "speculates"):  # physical: another engine runs its own decoding
+    raise ValueError(
+      f"`rollout.speculative: {roll.speculative}` is the built-in sampler's; `rollout.engine: {roll.engine}` decodes "
+      "by itself (configure its own speculative decoding): set rollout.speculative: off"
+    )
+  for on, what, why in (
+    (roll.partial.enabled, "`rollout.partial.enabled`", "the partial pool decodes its slots one token per step"),
+    (cfg.env is not None, "an `env` section (multi-turn)", "the conversation sampler decodes one token per step"),
+    (synthetic_moe and roll.routing_replay == "rollout", "`rollout.routing_replay: rollout` on a mixture of experts",
+     "a verify step routes rejected drafts too, so the recorded routing is not each token's"),
+  ):  # fmt: skip
+    if on:
+      raise ValueError(
+        f"`rollout.speculative: {roll.speculative}` with {what} is not built yet ({why}); set rollout.speculative: off"
+      )
 
 
 #: why partial rollouts refuse MoE routing replay (mathematical: no routing to replay exists).

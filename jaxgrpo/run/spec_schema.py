@@ -47,6 +47,7 @@ from jaxgrpo.models.lora import LoRAConfig
 from jaxgrpo.rollout.engines import registry as _engine_registry
 from jaxgrpo.rollout.engines.base import load_engine_factory
 from jaxgrpo.rollout.environments.spec import EnvSpec
+from jaxgrpo.rollout.speculative import SpeculativeConfig
 from jaxgrpo.run._spec_fields import check_fields
 from jaxgrpo.run.composition import check_composition
 from jaxgrpo.run.task_specs import ArithmeticTask, SyntheticModel
@@ -277,6 +278,14 @@ class RolloutSpec:
     routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
       records each token's experts while sampling and the train step and the reference pass reuse
       them (routing replay); ``none``: every forward routes by its own top-k. Ignored by a dense model.
+    speculative: speculative decoding in the built-in sampler (``jaxgrpo.rollout.speculative``; exact: the same
+      distribution and log-probs): ``off`` (default), ``ngram`` (prompt-lookup drafts, always), ``draft`` (the
+      draft model of ``speculative_draft``, always) or ``auto`` (plain and speculative decoding — the draft model
+      when ``speculative_draft`` is set, else ngram — each timed on the first calls, the faster kept; the
+      measurement logged). docs/sampling.md, "Speculative decoding".
+    speculative_tokens: k, tokens drafted per verify step; speculative_ngram: n, the suffix length looked up.
+    speculative_draft: the draft model's directory (a HF causal LM of the policy's tokenizer; its vocabulary size
+      checked against the policy's before its weights are read), for ``draft`` and ``auto``.
   """
 
   group_size: int = 6
@@ -292,6 +301,10 @@ class RolloutSpec:
   vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
   partial: PartialSpec = dataclasses.field(default_factory=PartialSpec)
   routing_replay: Literal["rollout", "none"] = "rollout"
+  speculative: Literal["off", "ngram", "draft", "auto"] = "off"
+  speculative_tokens: int = 4
+  speculative_ngram: int = 2
+  speculative_draft: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.engine, str):
@@ -305,6 +318,15 @@ class RolloutSpec:
     _checks.check_python_bool(self.ignore_eos, "rollout.ignore_eos")
     if self.routing_replay not in ("rollout", "none"):
       raise ValueError(f"`rollout.routing_replay` must be 'rollout' or 'none'; got {self.routing_replay!r}")
+    self.speculative_config()  # one line for a bad mode, k or n
+
+  def speculative_config(self) -> SpeculativeConfig | None:
+    """The :class:`~jaxgrpo.rollout.speculative.SpeculativeConfig` of ``speculative`` (None: ``off``)."""
+    spec = SpeculativeConfig(
+      mode=self.speculative, num_draft=self.speculative_tokens, ngram=self.speculative_ngram,
+      draft=self.speculative_draft,
+    )  # fmt: skip
+    return None if spec.mode == "off" else spec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.engines.base import Generation, finish_reasons
 from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, check_sampling, generate
+from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch
 
 __all__ = ["BuiltinEngine", "place_prompts"]
 
@@ -64,6 +65,11 @@ class BuiltinEngine:
 
   Args:
     model: the ``jaxgrpo.models`` decoder to sample from (None: call :meth:`push_weights` first).
+    speculative: a :class:`~jaxgrpo.rollout.speculative.SpeculativeConfig` (``rollout.speculative``): sample by
+      speculative decoding (``ngram``) or let a :class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch` choose by
+      measure (``auto``); None or ``off``: :func:`~jaxgrpo.rollout.sampling.generate`. The last call's
+      ``rollout/speculative_on`` and ``rollout/spec_acceptance`` are in :attr:`sample_metrics`.
+    draft_model: the draft model of ``speculative`` (``draft``, or ``auto`` with a draft), or None.
   """
 
   name = "jax"
@@ -71,9 +77,22 @@ class BuiltinEngine:
   static_shapes = True  # one compiled program per shape: callers bucket shapes (jaxgrpo.loop.partial.engine)
   samples_on_mesh = True  # sample_rows: one program on the caller's mesh; the library's programs run on .model
   records_routing = True  # SamplingConfig.record_routing: a mixture of experts' routing, replayed by the step
+  speculates = True  # rollout.speculative: built with a SpeculativeConfig (jaxgrpo.rollout.speculative)
 
-  def __init__(self, model=None):
+  def __init__(self, model=None, *, speculative: SpeculativeConfig | None = None, draft_model=None):
     self.model = model
+    on = speculative is not None and speculative.mode != "off"
+    self.switch = SpeculativeSwitch(config=speculative, draft_model=draft_model) if on else None
+    self.sample_metrics: dict[str, float] = {}
+
+  def _generate(self, prompt_tokens, prompt_mask, sampling, *, key, temperature) -> Rollout:
+    """:func:`~jaxgrpo.rollout.sampling.generate`, or the speculative switch's call (its metrics kept)."""
+    if self.switch is None:
+      return generate(self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
+    rollout, self.sample_metrics = self.switch.sample(
+      self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature
+    )
+    return rollout
 
   def push_weights(self, model) -> None:
     """Sample from ``model`` from now on (a reference, not a copy)."""
@@ -108,7 +127,7 @@ class BuiltinEngine:
     :meth:`jaxgrpo.rollout.engines.base.Engine.generate`; ``sampling.merge_lora`` and ``record_routing`` are
     honoured as by ``generate``)."""
     self._check_weights()
-    rollout = generate(self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
+    rollout = self._generate(prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
     reasons = finish_reasons(np.asarray(rollout.completions), np.asarray(rollout.mask), sampling.eos_ids)
     return Generation(rollout, reasons)
 
@@ -132,7 +151,7 @@ class BuiltinEngine:
     sampling.require_max_new_tokens("sample")
     self._check_weights()
     tokens, mask = place_prompts(prompt_tokens, prompt_mask, mesh=mesh)
-    rollout = generate(self.model, tokens, mask, sampling, key=key, temperature=temperature)
+    rollout = self._generate(tokens, mask, sampling, key=key, temperature=temperature)
     if on_dispatched is not None:
       on_dispatched(rollout)
     return distributed.process_rows(rollout._replace(num_steps=None), mesh)

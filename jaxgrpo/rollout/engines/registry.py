@@ -23,6 +23,7 @@ from typing import Any, Callable
 from jaxgrpo.rollout.engines import vllm
 from jaxgrpo.rollout.engines.base import check_engine, factory_engine_class, load_engine_factory
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
+from jaxgrpo.rollout.speculative import load_draft
 
 __all__ = ["ENGINES", "EngineEntry", "build_engine", "capability", "check_installed", "engine_class"]
 
@@ -44,9 +45,12 @@ class EngineEntry:
   check_installed: Callable[[], None] = lambda: None
 
 
-def _build_builtin(model, **_):
-  """The built-in sampler: nothing to start (the rollout source pushes the policy before every call)."""
-  return BuiltinEngine()
+def _build_builtin(model, *, options=None, **_):
+  """The built-in sampler: nothing to start (the rollout source pushes the policy before every call); ``options``:
+  its ``SpeculativeConfig`` (``rollout.speculative``; its draft model loaded once its vocabulary is checked) or
+  None."""
+  draft = None if options is None or options.draft is None else load_draft(options.draft, model.config.vocab_size)
+  return BuiltinEngine(speculative=options, draft_model=draft)
 
 
 def _build_vllm(model, *, max_model_len, temperature, seed, options, lora_rank, **_):
