@@ -82,7 +82,7 @@ print("OK")
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", ["unpacked", "packed"])
 def test_context_parallel_step_equals_the_single_device_step_8_devices(packing):
-  """GRPO, λ-GRPO and FRPO (one child each, in parallel pairs): ``fsdp=2,context=4`` (and for GRPO
+  """GRPO, λ-GRPO and FRPO (one child each, side by side): ``fsdp=2,context=4`` (and for GRPO
   ``data=2,context=4`` and ``tensor=2,context=4``) against one device: the losses of two steps and the parameters
   after them agree to float32 rounding (1e-5), and the compiled program passes K/V chunks around the ring."""
   children = [start_child(_STEP, devices=8, args=(name, packing)) for name in ("grpo", "lambda_grpo", "frpo")]
