@@ -78,8 +78,11 @@ def test_log_probs_equal_teacher_forced_pass(peaked, temperature, top_k, top_p, 
   np.testing.assert_allclose(np.asarray(rollout.log_probs), _teacher_forced(peaked, rollout, temperature), atol=1e-5)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "itself"])
-@pytest.mark.parametrize("eos_ids,budget,k", [((), 13, 4), ((30,), 16, 3), ((7, 11), 9, 2)])
+@pytest.mark.parametrize(
+  "eos_ids,budget,k,drafter",
+  [((), 13, 4, "ngram"), ((30,), 16, 3, "ngram"), ((7, 11), 9, 2, "ngram"), ((30,), 16, 3, "model"),
+   ((7, 11), 9, 2, "itself")],
+)  # fmt: skip
 def test_greedy_is_plain_greedy_decoding(peaked, eos_ids, budget, k, drafter):
   """Temperature 0: the same tokens, masks and log-probs as ``generate``, stop tokens and budgets included; with
   prompt lookup, another model as the draft, or the target as its own draft (every draft accepted)."""
