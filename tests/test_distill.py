@@ -8,6 +8,8 @@ w.r.t. the student's *full* logits by central finite differences of the NumPy re
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,3 +364,143 @@ def test_a_teacher_with_fewer_than_k_ids(kind, beta):
   assert np.any(g[0, 0, ids[0, 0, :2]] != 0)
   lt[0, 1, 0] = np.nan
   assert np.isnan(float(_loss(kind, beta, ids, lt, mask, None)(jnp.asarray(logits))))
+
+
+# ----------------------------------------------------------------------------- the teacher and the step's own term
+
+
+def _teacher_logp_numpy(teacher, batch):
+  """The teacher's log-prob of each completion token from its full logits (``log_softmax``), float64."""
+  import jax.numpy as jnp
+
+  p = batch.prompt_tokens.shape[1]
+  tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
+  attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
+  hidden, _ = teacher(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+  logits = np.asarray(teacher.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), np.float64)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  lp = np.take_along_axis(logits, np.asarray(batch.completions)[..., None], -1)[..., 0] - logz
+  return np.where(np.asarray(batch.mask), lp, 0.0)
+
+
+@pytest.mark.parametrize(
+  "name, overrides, weight, clip",
+  [
+    ("grpo", {}, 0.5, None),  # RL + w·distill, the step adds the term itself
+    pytest.param("lambda_grpo", {}, 2.0, 0.3, marks=pytest.mark.slow),  # λ-GRPO's 1/|λ| weights, a clip
+    ("frpo", {"beta": 0.5}, 0.5, 0.3),  # FRPO's per-token advantage
+    (None, {}, 1.0, None),  # distillation alone: rewards None
+  ],
+)
+def test_train_step_with_a_teacher(name, overrides, weight, clip):
+  """``GRPOConfig.distill`` and a teacher (``feed.make_teacher``: another size, the same vocabulary): the
+  teacher's pass equals NumPy's ``log_softmax`` of its full logits at the sampled tokens; one step equals the
+  hand-written SGD update with the NumPy advantage ``a_RL + w·clip(log π_t − log π_s)`` on the policy's tokens
+  (observation tokens out); ``distill/weight`` and ``distill/reverse_kl`` (the mean of ``log π_s − log π_t`` over
+  the distilled tokens) are logged."""
+  import optax
+  from helpers import (
+    G,
+    flat_params,
+    make_batch,
+    ref_advantages,
+    ref_lambda_sizes,
+    reference_update,
+    tiny_config,
+    tiny_model,
+  )
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import feed, train
+
+  d = distill.DistillConfig(weight=weight, clip=clip)
+  config = preset(name or "grpo", distill=d, **overrides)
+  batch = make_batch(21)
+  mask = np.asarray(batch.mask)
+  policy = mask.copy()
+  policy[:, [2, 5]] = False  # observation tokens
+  batch = batch._replace(policy_mask=policy)
+  from flax import nnx
+
+  teacher = build_model(dataclasses.replace(tiny_config(3), hidden_size=48, intermediate_size=96), rngs=nnx.Rngs(7))
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(0.5)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=8)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+  with pytest.raises(ValueError, match="batch.teacher_logp is None"):
+    step.check_batch(batch)
+  taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  want_t = _teacher_logp_numpy(teacher, batch)
+  np.testing.assert_allclose(np.asarray(taught.teacher_logp)[mask], want_t[mask], rtol=1e-5, atol=1e-5)
+
+  old = np.asarray(batch.old_logp, np.float64)
+  own = np.where(policy, np.asarray(taught.teacher_logp, np.float64) - old, 0.0)
+  want = weight * (own if clip is None else np.clip(own, -clip, clip))
+  weights = None
+  if name is None:
+    taught = taught._replace(rewards=None)
+  else:
+    ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
+    rl = ref_advantages(config, batch._replace(ref_logp=ref))
+    want = (rl[:, None] if rl.ndim == 1 else rl) + want
+    if config.process_weights:
+      sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
+      weights = np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0).astype(np.float32)
+  if not step.reads_ref_logp:
+    taught = taught._replace(ref_logp=None)
+  state, metrics = step(state, taught)
+  want_params, want_metrics, _ = reference_update(
+    tiny_model(layers=1),
+    batch,
+    config,
+    lr=0.5,
+    max_grad_norm=1e30,
+    advantages=want,
+    token_weights=weights,
+    loss_mask=policy,
+  )
+  got = flat_params(state.params)
+  for k in want_params:
+    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
+  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+  assert float(metrics["distill/weight"]) == pytest.approx(weight)
+  kl = np.sum(np.where(policy, old - np.asarray(taught.teacher_logp, np.float64), 0.0)) / policy.sum()
+  assert float(metrics["distill/reverse_kl"]) == pytest.approx(kl, rel=1e-5, abs=1e-6)
+
+
+def test_distill_config_and_teacher_are_checked_in_one_line():
+  """A bad kind/β/k/weight/clip, a teacher of another vocabulary, a top-k kind in the step: one line each."""
+  import optax
+  from helpers import make_batch, tiny_config, tiny_model
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import feed, train
+
+  for kw, match in [
+    ({"kind": "kl"}, "distill.kind"),
+    ({"beta": 1.5}, r"`distill.beta` must be <= 1.0"),
+    ({"top_k": 0}, "distill.top_k"),
+    ({"weight": -1.0}, r"`distill.weight` must be >= 0.0"),
+    ({"clip": 0.0}, r"`distill.clip` must be > 0.0"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      distill.DistillConfig(**kw)
+  with pytest.raises(ValueError, match="teacher's vocab_size=64 but the policy's is 128"):
+    from flax import nnx
+
+    feed.make_teacher(
+      None, build_model(dataclasses.replace(tiny_config(1), vocab_size=64), rngs=nnx.Rngs(0)), student_vocab=128
+    )
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(0.1)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  config = preset("grpo", distill=distill.DistillConfig(kind="jsd"))
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings)
+  batch = make_batch(0)
+  with pytest.raises(ValueError, match="top-k forms are not in the train step"):
+    step.check_batch(batch._replace(teacher_logp=batch.old_logp))

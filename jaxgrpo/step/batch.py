@@ -66,6 +66,10 @@ class Batch(NamedTuple):
       copied by :meth:`from_rollout`), or None: not known, not checked. The step refuses a batch whose log-probs
       refer to another temperature than its ``TrainConfig.temperature`` (``jaxgrpo.models.log_probs.check_temperature``; greedy
       rollouts, temperature 0, refer to 1) and drops the field before its compiled program.
+    teacher_logp: ``f32[B, T]`` a distillation teacher's log-probs of the completions (``jaxgrpo.step.feed.Teacher``:
+      a reference pass of the teacher model), read by a config with ``distill`` (``GRPOConfig.distill``, the
+      sampled-token form: ``A += w·(teacher_logp − old_logp)`` on the policy's tokens); None otherwise.
+      Dropped (one compiled program) when the config does not read it.
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -86,6 +90,7 @@ class Batch(NamedTuple):
   policy_mask: jax.Array | None = None
   routing: jax.Array | None = None
   temperature: Temperature | None = None
+  teacher_logp: jax.Array | None = None
 
   @classmethod
   def from_rollout(
@@ -133,6 +138,7 @@ FIELDS = {
   "token_weights": ((2,), "float", "f32[B, T]"),
   "behavior_logp": ((2,), "float", "f32[B, T]"),
   "policy_mask": ((2,), "bool", "bool[B, T]"),
+  "teacher_logp": ((2,), "float", "f32[B, T]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -140,8 +146,9 @@ _REQUIRED = ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", 
 REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
 
 
-def check_fields(batch: Batch, names) -> tuple[int, int]:
-  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``."""
+def check_fields(batch: Batch, names, *, rewards_optional: bool = False) -> tuple[int, int]:
+  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``.
+  ``rewards_optional``: None rewards are allowed without ``advantages`` (a distillation term alone)."""
   if not isinstance(batch, Batch):
     raise TypeError(f"batch must be a jaxgrpo.step.train.Batch; got {type(batch).__name__}")
   b, t = np.shape(batch.completions) if np.ndim(batch.completions) == 2 else (None, None)
@@ -150,7 +157,7 @@ def check_fields(batch: Batch, names) -> tuple[int, int]:
   for name in names:
     x = getattr(batch, name)
     if x is None:
-      if name == "rewards" and batch.advantages is None:
+      if name == "rewards" and batch.advantages is None and not rewards_optional:
         raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
       if name in _REQUIRED and name != "rewards":
         raise ValueError(f"batch.{name} is required ({FIELDS[name][2]}); got None")

@@ -212,4 +212,5 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     packed=packed,
     policy_mask=fit(batch.policy_mask, False),
     routing=routing,
+    teacher_logp=fit(batch.teacher_logp, 0.0),
   )

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from jaxgrpo.kernels import distill
 from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
 from jaxgrpo.kernels.losses import LossTerms
 from jaxgrpo.kernels.objective import rollout_advantages
@@ -40,6 +41,7 @@ from jaxgrpo.step.state import TrainConfig, merge_model
 
 __all__ = [
   "NO_ROUTER",
+  "distill_of",
   "RouterLosses",
   "Rows",
   "loss_rows",
@@ -211,11 +213,37 @@ class StepSpec:
 # ----------------------------------------------------------------------------- once per rollout batch
 
 
+def distill_of(config) -> distill.DistillConfig | None:
+  """The distillation term of ``config`` (``GRPOConfig.distill``), or None (any other config, or none set)."""
+  return config.distill if isinstance(config, GRPOConfig) else None
+
+
+def _distill_advantages(d: distill.DistillConfig, batch: Batch, adv):
+  """``A = a_RL + w·clip(teacher_logp − old_logp)`` on the policy's tokens (:func:`jaxgrpo.kernels.distill.combine_advantages`;
+  ``adv`` None: the term alone), ``f32[B, T]``."""
+  own = distill.reverse_kl_advantages(
+    batch.old_logp, batch.teacher_logp, batch.mask, policy_mask=batch.policy_mask, clip=d.clip
+  )
+  return distill.combine_advantages(adv, own, d.weight)
+
+
+def _distill_metrics(d: distill.DistillConfig, batch: Batch, loss_mask) -> dict:
+  """``distill/weight`` (the w applied) and ``distill/reverse_kl``: the mean over the distilled tokens of
+  ``old_logp − teacher_logp``, the sampled-token estimate of ``KL(π_s ‖ π_t)``."""
+  diff = jnp.where(loss_mask, batch.old_logp.astype(jnp.float32) - batch.teacher_logp.astype(jnp.float32), 0.0)
+  count = jnp.maximum(jnp.sum(loss_mask), 1).astype(jnp.float32)
+  return {"distill/weight": jnp.asarray(d.weight, jnp.float32), "distill/reverse_kl": jnp.sum(diff) / count}
+
+
 def _rollout_terms(spec: StepSpec, batch: Batch, num_groups: int, g: int, hyper):
-  """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
+  """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``; with a distillation
+  term (:func:`distill_of`) its advantage is added (rewards None: the term alone)."""
   config = spec.config
+  d = distill_of(config)
   if batch.policy_mask is not None and batch.ref_logp is not None:  # observations: δ = 0, f(1) = 0
     batch = batch._replace(ref_logp=jnp.where(batch.policy_mask, batch.ref_logp, batch.old_logp))
+  if d is not None and batch.rewards is None:
+    return _distill_advantages(d, batch, None), batch.token_weights, None
   if batch.advantages is None:
     extras = {} if hyper is None else {"hyper": hyper}
     adv, weights = spec.advantages_fn(
@@ -232,6 +260,8 @@ def _rollout_terms(spec: StepSpec, batch: Batch, num_groups: int, g: int, hyper)
     )
   else:
     adv, weights = batch.advantages, None
+  if d is not None:
+    adv = _distill_advantages(d, batch, adv)
   sizes = None
   lambda_weights = (
     spec.advantages_fn is rollout_advantages and isinstance(config, GRPOConfig) and config.process_weights
@@ -309,6 +339,8 @@ def loss_rows(spec: StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
   extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
   if isinstance(hyper, GRPOHyper):  # the values applied: a field the config's program does not read is not logged
     extra.update({f"hyper/{k}": jnp.asarray(getattr(hyper, k), jnp.float32) for k in config.applied_hyper})
+  if distill_of(config) is not None:
+    extra.update(_distill_metrics(distill_of(config), batch, loss_mask))
   if sizes is not None:
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     extra.update({f"tree/{k}": v for k, v in stats.items()})

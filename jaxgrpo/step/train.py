@@ -110,6 +110,7 @@ from jaxgrpo.step.state import (
 )
 from jaxgrpo.step.terms import (
   StepSpec,
+  distill_of,
   group_bound,
   merge_rows,
   micro_log_probs,
@@ -161,6 +162,30 @@ def _step_fn(spec: StepSpec, state: TrainState, frozen, batch: Batch, hyper, dro
   metrics = reduce_updates(metrics)
   metrics.update(prepared.extra)
   return TrainState(params, opt_state, state.step + 1), metrics  # frozen: reattached by TrainStep
+
+
+def _check_distill_batch(config, batch: Batch) -> None:
+  """ValueError in one line when a config's distillation term (``GRPOConfig.distill``) cannot be computed for
+  ``batch``: the sampled-token form needs ``batch.teacher_logp``; precomputed ``batch.advantages`` already hold
+  whatever the caller mixed in; the top-k forms are not in the step."""
+  d = distill_of(config)
+  if d is None:
+    return
+  if not d.sampled:
+    raise ValueError(
+      f"distill.kind={d.kind!r}: the top-k forms are not in the train step yet (only the sampled-token "
+      "advantage is); use distill.kind 'sampled', or add jaxgrpo.kernels.distill.topk_distill_loss in your own objective_fn"
+    )
+  if batch.teacher_logp is None:
+    raise ValueError(
+      "the config has a distillation term (distill) but batch.teacher_logp is None: fill it with the teacher's "
+      "log-probs f32[B, T] (jaxgrpo.step.feed.make_teacher(step, teacher_model)(batch))"
+    )
+  if batch.advantages is not None:
+    raise ValueError(
+      "batch.advantages is given with a distillation term (distill) in the config: the step adds w·A_distill to "
+      "the advantages it computes; pass rewards (or rewards=None for distillation alone), not advantages"
+    )
 
 
 def _options(tc: TrainConfig):
@@ -246,9 +271,10 @@ class TrainStep:
     group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
     ``batch.rewards`` may be None when ``batch.advantages`` is given. A ``batch.temperature`` (the rollout's)
     must match ``train_config.temperature`` (:func:`~jaxgrpo.models.log_probs.check_temperature`)."""
-    b, t = check_fields(batch, FIELDS)
     c, tc = self.config, self.train_config
+    b, t = check_fields(batch, FIELDS, rewards_optional=distill_of(c) is not None)
     _check_batch_temperature(batch, tc)
+    _check_distill_batch(c, batch)
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
       raise ValueError(
         f"preset {c.name!r} ({'β from hyper_schedule' if self.hyper_schedule else f'beta={c.beta}'}, "
@@ -294,7 +320,7 @@ class TrainStep:
     tc = self.train_config
     if tc.packing is None or batch.packed is not None:
       return batch
-    check_fields(batch, FIELDS)  # the usual errors for a malformed batch, before the packer reads it
+    check_fields(batch, FIELDS, rewards_optional=distill_of(self.config) is not None)  # before the packer reads it
     return pack_batch(
       batch,
       row_length=tc.packing,
@@ -315,6 +341,8 @@ class TrainStep:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not reads_behavior(self.config) and batch.behavior_logp is not None:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
+    if distill_of(self.config) is None and batch.teacher_logp is not None:
+      batch = batch._replace(teacher_logp=None)  # no distillation term: one compiled program
     return batch
 
   def place_batch(self, batch: Batch) -> Batch:
