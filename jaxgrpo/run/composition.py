@@ -41,6 +41,28 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     )
   if roll.partial.enabled:
     _check_partial(cfg, process_count, synthetic_moe)
+  if cfg.objective.distill is not None:
+    _check_distill(cfg)
+
+
+def _check_distill(cfg: TrainerConfig) -> None:
+  """The combinations a distillation term (``objective.distill``) refuses, one line each."""
+  d = cfg.objective.distill
+  if d.teacher is None:
+    raise ValueError(
+      "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, or "
+      "`synthetic:<hidden_size>x<num_layers>`"
+    )
+  if not d.sampled:  # not built yet
+    raise ValueError(
+      f"`objective.distill.kind`={d.kind!r}: the top-k forms are not in the train step yet (only the "
+      "sampled-token advantage is); use `objective.distill.kind: sampled`"
+    )
+  if cfg.objective.dynamic_sampling:  # mathematical: the filter reads rewards only
+    raise ValueError(
+      "`objective.dynamic_sampling` with `objective.distill`: a group whose rewards are all equal still carries "
+      "the teacher's per-token signal, and the filter (equal rewards → dropped) would discard it; turn one off"
+    )
 
 
 #: why partial rollouts refuse MoE routing replay (mathematical: no routing to replay exists).
