@@ -115,3 +115,78 @@ def test_what_a_teacher_refuses_in_one_line(tmp_path):
   teacher_lib.check_tokenizers(Other(mine), Other(dict(mine)), "t")
   with pytest.raises(ValueError, match=r"its tokenizer differs from the policy's \(3 vs 3 entries, 2 differing"):
     teacher_lib.check_tokenizers(Other(mine), Other({**mine, "c": 5}), "t")
+
+
+_WORKER = r"""
+import dataclasses, json, sys
+nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+from jaxgrpo.parallel import distributed
+distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
+import jax, jax.numpy as jnp, numpy as np
+from test_async_rollout import REWARDS
+from test_distill_run import TEACHER
+from test_trainer import tiny
+from jaxgrpo.run.trainer import Trainer
+assert jax.process_count() == nproc
+cfg = tiny(**{"objective.distill": TEACHER, "run.out": out, "run.steps": 2, "checkpoint.every": 1,
+              "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120})
+saved = {}
+save = lambda snap, meta: saved.__setitem__(int(snap.step), jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, snap))
+tr = Trainer(cfg, checkpoint_fn=save, reward_fns=REWARDS, log=None)
+recs = tr.run(handle_signals=False)
+gather = lambda t: [np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(t.state.train.params)]
+params = gather(tr)
+res = Trainer(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=out + "/b")),
+              restore_fn=lambda meta, template: saved[1], reward_fns=REWARDS, log=None)
+got = res.run(handle_signals=False)
+same = all(np.array_equal(a, b) for a, b in zip(params, gather(res)))
+with open(f"{out}/recs_{pid}_of_{nproc}.json", "w") as f:
+  json.dump({"recs": recs, "resumed": got, "same": same, "params": [float(np.abs(p).sum()) for p in params]}, f)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_two_processes_with_a_teacher_equal_one_and_resume_exactly(tmp_path):
+  """Two real processes (127.0.0.1, 2 CPU devices each, mesh ``data=2,fsdp=2``): the teacher is placed on the
+  global train mesh like the policy and scores the global batch; both processes log the same metrics, the run
+  resumed from step 1 equals step 2 bit for bit, and the two-process run equals one process of 4 devices with
+  the same mesh (the distillation term's numbers, the loss and the parameters)."""
+  from helpers import finish_child, start_child
+
+  port = _free()
+  (tmp_path / "one").mkdir()
+  procs = [start_child(_WORKER, devices=2, args=(2, i, port, tmp_path)) for i in range(2)]
+  procs.append(start_child(_WORKER, devices=4, args=(1, 0, _free(), tmp_path / "one")))
+  results = []
+  for p in procs:
+    try:
+      results.append(finish_child(p, timeout=500))
+    except AssertionError as e:
+      results.append(str(e))
+  assert all("OK" in r for r in results), "\n=====\n".join(results)
+  r0, r1 = (json.loads((tmp_path / f"recs_{i}_of_2.json").read_text()) for i in range(2))
+  one = json.loads((tmp_path / "one" / "recs_0_of_1.json").read_text())
+  timing = lambda r: {
+    k: v for k, v in r.items() if not (k.endswith("_s") or k in ("tokens_per_sec", "step_time", "rollout_time"))
+  }
+  assert [timing(x) for x in r0["recs"]] == [timing(x) for x in r1["recs"]]
+  steps = [x for x in r0["recs"] if "loss" in x]
+  assert [x["step"] for x in steps] == [1, 2] and all(x["distill/weight"] == TEACHER["weight"] for x in steps)
+  assert r0["same"] and r1["same"], "the resumed run's parameters differ from the straight run's"
+  have = [x for x in r0["resumed"] if "loss" in x][0]
+  assert have["loss"] == steps[1]["loss"] and have["distill/reverse_kl"] == steps[1]["distill/reverse_kl"]
+  single = [x for x in one["recs"] if "loss" in x]
+  for a, b in zip(steps, single):
+    for k in ("loss", "distill/reverse_kl", "reward_mean", "grad_norm"):
+      assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])
+  np.testing.assert_allclose(r0["params"], one["params"], rtol=1e-5)
+
+
+def _free():
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
