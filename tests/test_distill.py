@@ -499,8 +499,153 @@ def test_distill_config_and_teacher_are_checked_in_one_line():
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(0.1)
   graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
-  config = preset("grpo", distill=distill.DistillConfig(kind="jsd"))
-  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings)
   batch = make_batch(0)
-  with pytest.raises(ValueError, match="top-k forms are not in the train step"):
-    step.check_batch(batch._replace(teacher_logp=batch.old_logp))
+  ids = np.zeros(batch.mask.shape + (4,), np.int32)
+  for agg, fields, match in [
+    ("token-mean", {"teacher_logp": batch.old_logp}, "needs batch.teacher_topk_ids"),
+    ("token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids[..., :3] * 1.0}, "must have one shape"),
+    ("seq-mean-token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids * 1.0}, "token-mean' only"),
+  ]:
+    config = preset("grpo", aggregation=agg, distill=distill.DistillConfig(kind="jsd"))
+    step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings)
+    with pytest.raises(ValueError, match=match):
+      step.check_batch(batch._replace(**fields))
+  with pytest.raises(ValueError, match="batch.teacher_topk_ids must be int32\\[B, T, k\\]"):
+    step.check_batch(batch._replace(teacher_topk_ids=ids[..., 0], teacher_topk_logp=ids * 1.0))
+  packed = train.TrainConfig(packing=64)
+  with pytest.raises(ValueError, match="not built for packed batches"):
+    feed.make_teacher(
+      train.make_train_step(
+        graphdef, opt, config.replace(aggregation="token-mean"), mesh=mesh, shardings=shardings, train_config=packed
+      ),
+      tiny_model(layers=1),
+    )
+
+
+def _full_log_softmax(model, batch):
+  """``f32[B, T, V]`` the model's full next-token log-probs at the completion positions (the whole head)."""
+  import jax.numpy as jnp
+
+  p = batch.prompt_tokens.shape[1]
+  tokens = jnp.concatenate([jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.completions)], axis=1)
+  attn = jnp.concatenate([jnp.asarray(batch.prompt_mask), jnp.asarray(batch.mask)], axis=1)
+  hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+  return jax.nn.log_softmax(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), -1)
+
+
+def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta):
+  """Σ over ``where`` of the divergence between the renormalised top-k distributions, written from the formulas
+  (jnp, so that ``jax.grad`` differentiates the formula itself)."""
+  import jax.numpy as jnp
+
+  zs = jnp.take_along_axis(lp_student, ids, -1)
+  ls = zs - jax.nn.logsumexp(zs, -1, keepdims=True)
+  lt = teacher_topk - jax.nn.logsumexp(teacher_topk, -1, keepdims=True)
+  ps, pt = jnp.exp(ls), jnp.exp(lt)
+  if kind == "forward_kl":
+    per = jnp.sum(pt * (lt - ls), -1)
+  elif kind == "reverse_kl":
+    per = jnp.sum(ps * (ls - lt), -1)
+  else:
+    m = beta * pt + (1 - beta) * ps
+    per = beta * jnp.sum(pt * (lt - jnp.log(m)), -1) + (1 - beta) * jnp.sum(ps * (ls - jnp.log(m)), -1)
+  return jnp.sum(jnp.where(where, per, 0.0))
+
+
+@pytest.mark.parametrize(
+  "name, kind, beta, weight",
+  [
+    (None, "forward_kl", 0.5, 1.0),  # the top-k term alone (rewards None)
+    ("grpo", "reverse_kl", 0.5, 0.5),  # GRPO + the term
+    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, marks=pytest.mark.slow),
+    ("frpo", "jsd", 0.5, 0.5),
+  ],
+)
+def test_topk_forms_through_the_step(name, kind, beta, weight):
+  """A top-k form (``distill.kind`` forward/reverse KL, JSD(β)): the teacher's top-k pass equals NumPy's top-k of
+  its full log-softmax; one step equals ``θ − lr·(∇L_RL + w·∇ mean_t D)`` — ``L_RL`` the hand-written update of
+  helpers.reference_update, ``D`` the divergence between the renormalised top-k distributions written from its
+  formula on the student's *full* logits — over the policy's tokens (observations out); the loss and
+  ``distill/topk_divergence`` equal the hand computation."""
+  import optax
+  from flax import nnx
+  from helpers import (
+    G,
+    flat_params,
+    make_batch,
+    ref_advantages,
+    ref_lambda_sizes,
+    reference_update,
+    tiny_config,
+    tiny_model,
+  )
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import feed, train
+
+  k, lr = 5, 0.5
+  overrides = {"beta": 0.5} if name == "frpo" else {}
+  config = preset(
+    name or "grpo", distill=distill.DistillConfig(weight=weight, kind=kind, beta=beta, top_k=k), **overrides
+  )
+  batch = make_batch(31)
+  mask = np.asarray(batch.mask)
+  policy = mask.copy()
+  policy[:, [1, 6]] = False
+  batch = batch._replace(policy_mask=policy)
+  teacher = build_model(dataclasses.replace(tiny_config(2), hidden_size=40, intermediate_size=80), rngs=nnx.Rngs(9))
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(lr)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+  with pytest.raises(ValueError, match="needs batch.teacher_topk_ids"):
+    step.check_batch(batch)
+  taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  full_t = np.asarray(_full_log_softmax(teacher, batch), np.float64)
+  want_ids = np.argsort(-full_t, -1, kind="stable")[..., :k]
+  np.testing.assert_array_equal(np.asarray(taught.teacher_topk_ids)[mask], want_ids[mask])
+  want_top = np.take_along_axis(full_t, want_ids, -1)
+  np.testing.assert_allclose(np.asarray(taught.teacher_topk_logp)[mask], want_top[mask], rtol=1e-5, atol=1e-5)
+
+  ids, top = jnp.asarray(taught.teacher_topk_ids), jnp.asarray(taught.teacher_topk_logp)
+  student = tiny_model(layers=1)
+  sgraph, sparams = nnx.split(student)
+  n = policy.sum()
+  div_loss = lambda prm: (
+    _hand_divergence(_full_log_softmax(nnx.merge(sgraph, prm), batch), ids, top, policy, kind, beta) / n
+  )
+  div, g_div = jax.value_and_grad(div_loss)(sparams)
+  weights = None
+  if name is None:
+    taught, want_adv = taught._replace(rewards=None), np.zeros(mask.shape, np.float32)
+  else:
+    ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
+    rl = ref_advantages(config, batch._replace(ref_logp=ref))
+    want_adv = np.broadcast_to(rl[:, None], mask.shape) if rl.ndim == 1 else rl
+    if config.process_weights:
+      sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
+      weights = np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0).astype(np.float32)
+  if not step.reads_ref_logp:
+    taught = taught._replace(ref_logp=None)
+  state, metrics = step(state, taught)
+  rl_params, rl_metrics, _ = reference_update(
+    tiny_model(layers=1),
+    batch,
+    config,
+    lr=lr,
+    max_grad_norm=1e30,
+    advantages=want_adv,
+    token_weights=weights,
+    loss_mask=policy,
+  )
+  g_flat = flat_params(g_div)
+  got = flat_params(state.params)
+  for key in rl_params:
+    np.testing.assert_allclose(
+      got[key], rl_params[key] - lr * weight * g_flat[key], rtol=2e-5, atol=2e-7, err_msg=str(key)
+    )
+  assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(div), rel=1e-5, abs=1e-7)
+  assert float(metrics["loss"]) == pytest.approx(rl_metrics["loss"] + weight * float(div), rel=1e-5, abs=1e-7)

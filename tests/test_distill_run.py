@@ -8,7 +8,8 @@ straight step 2: parameters bit for bit, loss equal; with bounded staleness the 
   (grad_norm > 0 shows it does);
 - GRPO + distillation; bounded staleness (async, k = 1); partial rollouts through an engine; an environment
   (observation tokens are not distilled: the step's policy mask, checked number for number in
-  tests/test_distill.py::test_train_step_with_a_teacher).
+  tests/test_distill.py::test_train_step_with_a_teacher); a top-k form (JSD over the teacher's top 8, its ids
+  and log-probs carried in the batch; ``distill/topk_divergence`` logged).
 
 The numbers of the term itself (the advantage, the update, the teacher's pass) are checked against NumPy in
 tests/test_distill.py; this file checks that the pieces compose in the trainer.
@@ -35,27 +36,31 @@ RUN_CELLS = {
   "async": (ASYNC, REWARDS),
   "partial": (CELLS["engine-partial"], REWARDS),
   "env": (ENV, None),
+  # a top-k form: the teacher's top-8 per position carried in the batch, the JSD in the loss
+  "topk": ({"objective.distill": {**TEACHER, "kind": "jsd", "top_k": 8, "beta": 0.5}}, REWARDS),
 }
 
 
 def _run_cell(tmp_path, changes, rewards):
   cfg = tiny(
-    **changes,
     **{
       "objective.distill": TEACHER,
+      **changes,
       "run.steps": 2,
       "run.out": str(tmp_path / "a"),
       "checkpoint.every": 1,
       "optim.learning_rate": 3e-2,
-    },
+    }
   )
   saved, save, restore_from = _memory_checkpoints()
   straight = Trainer(cfg, checkpoint_fn=save, reward_fns=rewards, log=None)
   steps = [r for r in straight.run(handle_signals=False) if "loss" in r]
   assert [r["step"] for r in steps] == [1, 2] and sorted(saved) == [1, 2]
+  topk = changes.get("objective.distill", TEACHER).get("kind", "sampled") != "sampled"
   for r in steps:
     assert r["distill/weight"] == TEACHER["weight"] and np.isfinite(r["distill/reverse_kl"]), r
     assert r["grad_norm"] > 0, r
+    assert ("distill/topk_divergence" in r) == topk and (not topk or r["distill/topk_divergence"] > 0), r
   resumed = Trainer(
     dataclass_replace(cfg, steps=2, out=tmp_path / "b"), restore_fn=restore_from(1), reward_fns=rewards, log=None
   )
@@ -86,13 +91,14 @@ def test_cell_with_a_teacher_trains_and_resumes_exactly(tmp_path, cell):
 
 
 def test_what_a_teacher_refuses_in_one_line(tmp_path):
-  """No teacher, a top-k kind (not in the step yet), dynamic sampling, a teacher of another tokenizer, a teacher
+  """No teacher, a top-k kind with packing or another aggregation (not built), dynamic sampling, a teacher of another tokenizer, a teacher
   path that does not exist: one line each, before anything heavy."""
   from jaxgrpo.run import teacher as teacher_lib
 
   for distill, more, match in [
     ({"weight": 1.0}, {}, "needs `teacher`"),
-    ({**TEACHER, "kind": "jsd"}, {}, "top-k forms are not in the train step"),
+    ({**TEACHER, "kind": "jsd"}, {"step.packing": 128}, "not built for packed batches"),
+    ({**TEACHER, "kind": "jsd"}, {"objective.aggregation": "seq-mean-token-mean"}, "built for `token-mean` only"),
     (TEACHER, {"objective.dynamic_sampling": True}, "dynamic_sampling` with `objective.distill`"),
     ({**TEACHER, "kind": "kl"}, {}, "distill.kind"),
     ({**TEACHER, "beta": 2.0}, {}, "distill.beta"),

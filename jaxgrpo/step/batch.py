@@ -70,6 +70,10 @@ class Batch(NamedTuple):
       a reference pass of the teacher model), read by a config with ``distill`` (``GRPOConfig.distill``, the
       sampled-token form: ``A += w·(teacher_logp − old_logp)`` on the policy's tokens); None otherwise.
       Dropped (one compiled program) when the config does not read it.
+    teacher_topk_ids: ``int32[B, T, k]`` a distillation teacher's k most likely ids at each completion
+      position, and ``teacher_topk_logp`` ``f32[B, T, k]`` their log-probs (``jaxgrpo.step.feed.Teacher`` with
+      ``top_k``), read by a config whose ``distill.kind`` is a top-k form (the loss adds
+      ``w·topk_divergence`` at the student's log-probs of those ids); None otherwise.
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -91,6 +95,8 @@ class Batch(NamedTuple):
   routing: jax.Array | None = None
   temperature: Temperature | None = None
   teacher_logp: jax.Array | None = None
+  teacher_topk_ids: jax.Array | None = None
+  teacher_topk_logp: jax.Array | None = None
 
   @classmethod
   def from_rollout(
@@ -139,6 +145,8 @@ FIELDS = {
   "behavior_logp": ((2,), "float", "f32[B, T]"),
   "policy_mask": ((2,), "bool", "bool[B, T]"),
   "teacher_logp": ((2,), "float", "f32[B, T]"),
+  "teacher_topk_ids": ((3,), "int", "int32[B, T, k]"),
+  "teacher_topk_logp": ((3,), "float", "f32[B, T, k]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -164,9 +172,11 @@ def check_fields(batch: Batch, names, *, rewards_optional: bool = False) -> tupl
       continue
     ranks, kind, notation = FIELDS[name]
     shape = np.shape(x)
-    allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
-    if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
-      want = " or ".join(str(a).replace("'P'", "P") for a in allowed)
+    allowed = [
+      (b,) if r == 1 else (b, t, "k") if r == 3 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks
+    ]
+    if not any(len(shape) == len(a) and all(d == e or e in ("P", "k") for d, e in zip(shape, a)) for a in allowed):
+      want = " or ".join(str(a).replace("'P'", "P").replace("'k'", "k") for a in allowed)
       raise ValueError(f"batch.{name} must be {notation} with B = {b} rows and T = {t}, i.e. shape {want}; got {shape}")
     _CHECK_DTYPE[kind](x, f"batch.{name}", notation)
   if "prompt_tokens" in names:

@@ -23,6 +23,7 @@ from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.step.state import TrainConfig, TrainState, check_not_donated, merge_model
+from jaxgrpo.step.terms import distill_of
 from jaxgrpo.step.train import TrainStep, make_reference_fn
 
 __all__ = [
@@ -66,20 +67,27 @@ class Teacher(NamedTuple):
   temperature) of another model that shares the policy's vocabulary.
 
   ``teacher(batch)`` returns ``batch`` with ``teacher_logp`` ``f32[B, T]`` filled in (the teacher's
-  ``log π_t(y_t)`` of each completion token given the prompt and the tokens before it); only those B·T
-  numbers leave the pass. A mixture-of-experts student's recorded routing is not the teacher's: the teacher
-  routes by its own top-k. Built by :func:`make_teacher`.
+  ``log π_t(y_t)`` of each completion token given the prompt and the tokens before it) and, with ``top_k`` = k
+  (a top-k distillation form), ``teacher_topk_ids`` ``int32[B, T, k]`` and ``teacher_topk_logp`` ``f32[B, T, k]``:
+  only those numbers leave the pass (the top-k is taken chunk by chunk where the teacher's parameters are). A
+  mixture-of-experts student's recorded routing is not the teacher's: the teacher routes by its own top-k
+  experts. Built by :func:`make_teacher`.
   """
 
   params: Any
   fn: Callable
+  top_k: int | None = None
 
   def log_probs(self, batch: Batch) -> jax.Array:
     """``f32[B, T]`` the teacher's log-probs of ``batch``'s completions (batch-sharded)."""
-    return self.fn(self.params, batch._replace(routing=None))
+    out = self.fn(self.params, batch._replace(routing=None))
+    return out if self.top_k is None else out[0]
 
   def __call__(self, batch: Batch) -> Batch:
-    return batch._replace(teacher_logp=self.log_probs(batch))
+    if self.top_k is None:
+      return batch._replace(teacher_logp=self.log_probs(batch))
+    logp, ids, topk_logp = self.fn(self.params, batch._replace(routing=None))
+    return batch._replace(teacher_logp=logp, teacher_topk_ids=ids, teacher_topk_logp=topk_logp)
 
 
 def check_teacher_vocab(student_vocab: int, teacher_vocab: int) -> None:
@@ -99,15 +107,21 @@ def make_teacher(step: TrainStep, teacher: nnx.Module, *, student_vocab: int | N
 
   ``student_vocab``: the policy's vocabulary size, checked against the teacher's (:func:`check_teacher_vocab`)
   before anything is placed. The parameters sit beside the policy's: ``4·N_teacher`` bytes more in float32.
+  A step whose config has a top-k distillation form (``GRPOConfig.distill.kind``) gets a top-k pass of its
+  ``distill.top_k``.
   """
+  d = distill_of(step.config) if step is not None else None
+  top_k = None if d is None or d.sampled else d.top_k
   vocab = getattr(getattr(teacher, "config", None), "vocab_size", None)
   if student_vocab is not None and vocab is not None:
     check_teacher_vocab(student_vocab, vocab)
   graphdef, params = nnx.split(teacher)
   shardings = shd.tree_shardings(params, step.mesh, teacher.rules)
   params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)(params)
-  fn = make_reference_fn(graphdef, mesh=step.mesh, param_shardings=shardings, train_config=step.train_config)
-  return Teacher(params, fn)
+  fn = make_reference_fn(
+    graphdef, mesh=step.mesh, param_shardings=shardings, train_config=step.train_config, top_k=top_k
+  )
+  return Teacher(params, fn, top_k)
 
 
 def policy_model(graphdef, state: TrainState) -> nnx.Module:
