@@ -270,7 +270,7 @@ def test_train_step_with_distillation_advantages(name, overrides, weight):
   ``make_train_step`` equals the hand-written SGD update of the clipped surrogate with that advantage over
   the policy's tokens (observation tokens out of the loss and out of the distillation term)."""
   import optax
-  from helpers import G, flat_params, make_batch, ref_advantages, ref_lambda_sizes, reference_update, tiny_model
+  from helpers import G, make_batch, ref_advantages, ref_lambda_sizes, tiny_model
 
   from jaxgrpo.kernels.config import preset
   from jaxgrpo.kernels.objective import rollout_advantages
@@ -321,20 +321,7 @@ def test_train_step_with_distillation_advantages(name, overrides, weight):
   if not step.reads_ref_logp:
     fed = fed._replace(ref_logp=None)
   state, metrics = step(state, fed)
-  want_params, want_metrics, _ = reference_update(
-    tiny_model(layers=1),
-    batch,
-    config,
-    lr=0.5,
-    max_grad_norm=1e30,
-    advantages=want,
-    token_weights=weights,
-    loss_mask=policy,
-  )
-  got = flat_params(state.params)
-  for k in want_params:
-    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
-  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+  _assert_hand_update(state, metrics, batch, config, want, weights, policy)
 
 
 @pytest.mark.parametrize("kind, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)])
@@ -369,6 +356,43 @@ def test_a_teacher_with_fewer_than_k_ids(kind, beta):
 # ----------------------------------------------------------------------------- the teacher and the step's own term
 
 
+def _assert_hand_update(state, metrics, batch, config, advantages, weights, policy, lr=0.5):
+  """The step's parameters and loss equal helpers.reference_update's hand-written SGD step (the clipped surrogate
+  with ``advantages`` over the ``policy`` tokens, λ ``weights`` or None)."""
+  from helpers import flat_params, reference_update, tiny_model
+
+  want_params, want_metrics, _ = reference_update(
+    tiny_model(layers=1),
+    batch,
+    config,
+    lr=lr,
+    max_grad_norm=1e30,
+    advantages=advantages,
+    token_weights=weights,
+    loss_mask=policy,
+  )
+  got = flat_params(state.params)
+  for k in want_params:
+    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
+  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+def _rl_reference(config, batch, policy):
+  """NumPy's RL advantage ``f32[B, T]`` (the reference taken as the rollout policy on observation tokens, as the
+  step does) and λ-GRPO's ``1/|λ|`` weights (None for the other presets)."""
+  from helpers import ref_advantages, ref_lambda_sizes
+
+  mask = np.asarray(batch.mask)
+  ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
+  rl = ref_advantages(config, batch._replace(ref_logp=ref))
+  rl = np.broadcast_to(rl[:, None], mask.shape) if rl.ndim == 1 else rl
+  weights = None
+  if config.process_weights:
+    sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
+    weights = np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0).astype(np.float32)
+  return rl, weights
+
+
 def _teacher_logp_numpy(teacher, batch):
   """The teacher's log-prob of each completion token from its full logits (``log_softmax``), float64."""
   import jax.numpy as jnp
@@ -401,11 +425,7 @@ def test_train_step_with_a_teacher(name, overrides, weight, clip):
   import optax
   from helpers import (
     G,
-    flat_params,
     make_batch,
-    ref_advantages,
-    ref_lambda_sizes,
-    reference_update,
     tiny_config,
     tiny_model,
   )
@@ -443,29 +463,12 @@ def test_train_step_with_a_teacher(name, overrides, weight, clip):
   if name is None:
     taught = taught._replace(rewards=None)
   else:
-    ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
-    rl = ref_advantages(config, batch._replace(ref_logp=ref))
-    want = (rl[:, None] if rl.ndim == 1 else rl) + want
-    if config.process_weights:
-      sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
-      weights = np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0).astype(np.float32)
+    rl, weights = _rl_reference(config, batch, policy)
+    want = rl + want
   if not step.reads_ref_logp:
     taught = taught._replace(ref_logp=None)
   state, metrics = step(state, taught)
-  want_params, want_metrics, _ = reference_update(
-    tiny_model(layers=1),
-    batch,
-    config,
-    lr=0.5,
-    max_grad_norm=1e30,
-    advantages=want,
-    token_weights=weights,
-    loss_mask=policy,
-  )
-  got = flat_params(state.params)
-  for k in want_params:
-    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
-  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+  _assert_hand_update(state, metrics, batch, config, want, weights, policy)
   assert float(metrics["distill/weight"]) == pytest.approx(weight)
   kl = np.sum(np.where(policy, old - np.asarray(taught.teacher_logp, np.float64), 0.0)) / policy.sum()
   assert float(metrics["distill/reverse_kl"]) == pytest.approx(kl, rel=1e-5, abs=1e-6)
@@ -573,8 +576,6 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
     G,
     flat_params,
     make_batch,
-    ref_advantages,
-    ref_lambda_sizes,
     reference_update,
     tiny_config,
     tiny_model,
@@ -622,12 +623,7 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
   if name is None:
     taught, want_adv = taught._replace(rewards=None), np.zeros(mask.shape, np.float32)
   else:
-    ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
-    rl = ref_advantages(config, batch._replace(ref_logp=ref))
-    want_adv = np.broadcast_to(rl[:, None], mask.shape) if rl.ndim == 1 else rl
-    if config.process_weights:
-      sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
-      weights = np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0).astype(np.float32)
+    want_adv, weights = _rl_reference(config, batch, policy)
   if not step.reads_ref_logp:
     taught = taught._replace(ref_logp=None)
   state, metrics = step(state, taught)

@@ -160,11 +160,12 @@ def test_two_processes_with_a_teacher_equal_one_and_resume_exactly(tmp_path):
   resumed from step 1 equals step 2 bit for bit, and the two-process run equals one process of 4 devices with
   the same mesh (the distillation term's numbers, the loss and the parameters)."""
   from helpers import finish_child, start_child
+  from test_compose_multihost import _free_port
 
-  port = _free()
+  port = _free_port()
   (tmp_path / "one").mkdir()
   procs = [start_child(_WORKER, devices=2, args=(2, i, port, tmp_path)) for i in range(2)]
-  procs.append(start_child(_WORKER, devices=4, args=(1, 0, _free(), tmp_path / "one")))
+  procs.append(start_child(_WORKER, devices=4, args=(1, 0, _free_port(), tmp_path / "one")))
   results = []
   for p in procs:
     try:
@@ -190,9 +191,34 @@ def test_two_processes_with_a_teacher_equal_one_and_resume_exactly(tmp_path):
   np.testing.assert_allclose(r0["params"], one["params"], rtol=1e-5)
 
 
-def _free():
-  import socket
+def test_a_run_directory_and_an_hf_directory_as_the_teacher(tmp_path):
+  """A teacher trained by ``scripts/train.py`` (one step of a larger model, checkpointed) named by its run
+  directory, and the same weights exported as an HF directory (``save_hf`` + the tokenizer): each is recognised,
+  loaded with exactly the checkpoint's parameters, placed, and a student trains a step with it."""
+  import dataclasses
 
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  import jax
+  import yaml
+  from flax import nnx
+  from helpers import train_main_here
+
+  from jaxgrpo import models
+  from jaxgrpo.run import builders
+  from jaxgrpo.run import teacher as teacher_lib
+
+  teacher_cfg = tiny(**{"model.synthetic": {"hidden_size": 48, "num_layers": 2}, "run.steps": 1, "checkpoint.every": 1})
+  teacher_cfg = dataclasses.replace(teacher_cfg, run=dataclasses.replace(teacher_cfg.run, out=str(tmp_path / "t")))
+  (tmp_path / "t.yaml").write_text(yaml.safe_dump(teacher_cfg.to_dict()))
+  train_main_here(["--config", str(tmp_path / "t.yaml"), "--no-progress"])
+  model, tokenizer, _ = builders.load_policy(str(tmp_path / "t"))
+  models.save_hf(model, tmp_path / "hf")
+  tokenizer.save_pretrained(str(tmp_path / "hf"))
+  want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+  for path, kind in [(tmp_path / "t", "run"), (tmp_path / "hf", "hf")]:
+    assert teacher_lib.teacher_source(str(path)) == kind
+    cfg = tiny(**{"objective.distill": {**TEACHER, "teacher": str(path)}, "reward.weights": {"accuracy": 0.0}})
+    tr = Trainer(dataclass_replace(cfg, steps=1, out=tmp_path / f"s_{kind}"), log=None)
+    got = [np.asarray(x) for x in jax.tree.leaves(tr.teacher.params)]
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    steps = [r for r in tr.run(handle_signals=False) if "loss" in r]
+    assert steps[0]["grad_norm"] > 0 and np.isfinite(steps[0]["distill/reverse_kl"])

@@ -25,6 +25,7 @@ from jaxgrpo.models import lora
 from jaxgrpo.run import builders
 from jaxgrpo.run.specs import ModelSpec, TrainerConfig
 from jaxgrpo.run.task_specs import SyntheticModel
+from jaxgrpo.services import checkpoint
 
 __all__ = ["build_teacher", "check_tokenizers", "teacher_source"]
 
@@ -46,7 +47,16 @@ def teacher_source(teacher: str) -> str:
       f"`objective.distill.teacher`={teacher!r} does not exist: give an HF model directory, a run directory or "
       "checkpoint of this library, or `synthetic:<hidden_size>x<num_layers>`"
     )
-  return "hf" if os.path.isfile(os.path.join(teacher, "config.json")) else "run"
+  try:  # a run directory (it holds config.json too: the run's), a checkpoint root or a step
+    checkpoint.read_meta(teacher)
+    return "run"
+  except checkpoint.CheckpointError:
+    if os.path.isfile(os.path.join(teacher, "config.json")):
+      return "hf"
+    raise ValueError(
+      f"`objective.distill.teacher`={teacher!r} is neither a run directory or checkpoint of this library (no "
+      "complete checkpoint) nor an HF model directory (no config.json)"
+    ) from None
 
 
 def check_tokenizers(policy_tokenizer, teacher_tokenizer, teacher: str) -> None:
