@@ -8,6 +8,8 @@ w.r.t. the student's *full* logits by central finite differences of the NumPy re
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -268,7 +270,7 @@ def test_train_step_with_distillation_advantages(name, overrides, weight):
   ``make_train_step`` equals the hand-written SGD update of the clipped surrogate with that advantage over
   the policy's tokens (observation tokens out of the loss and out of the distillation term)."""
   import optax
-  from helpers import G, flat_params, make_batch, ref_advantages, ref_lambda_sizes, reference_update, tiny_model
+  from helpers import G, make_batch, ref_advantages, ref_lambda_sizes, tiny_model
 
   from jaxgrpo.kernels.config import preset
   from jaxgrpo.kernels.objective import rollout_advantages
@@ -319,20 +321,7 @@ def test_train_step_with_distillation_advantages(name, overrides, weight):
   if not step.reads_ref_logp:
     fed = fed._replace(ref_logp=None)
   state, metrics = step(state, fed)
-  want_params, want_metrics, _ = reference_update(
-    tiny_model(layers=1),
-    batch,
-    config,
-    lr=0.5,
-    max_grad_norm=1e30,
-    advantages=want,
-    token_weights=weights,
-    loss_mask=policy,
-  )
-  got = flat_params(state.params)
-  for k in want_params:
-    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
-  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+  _assert_hand_update(state, metrics, batch, config, want, weights, policy)
 
 
 @pytest.mark.parametrize("kind, beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)])
@@ -362,3 +351,297 @@ def test_a_teacher_with_fewer_than_k_ids(kind, beta):
   assert np.any(g[0, 0, ids[0, 0, :2]] != 0)
   lt[0, 1, 0] = np.nan
   assert np.isnan(float(_loss(kind, beta, ids, lt, mask, None)(jnp.asarray(logits))))
+
+
+# ----------------------------------------------------------------------------- the teacher and the step's own term
+
+
+def _assert_hand_update(state, metrics, batch, config, advantages, weights, policy, lr=0.5):
+  """The step's parameters and loss equal helpers.reference_update's hand-written SGD step (the clipped surrogate
+  with ``advantages`` over the ``policy`` tokens, λ ``weights`` or None)."""
+  from helpers import flat_params, reference_update, tiny_model
+
+  want_params, want_metrics, _ = reference_update(
+    tiny_model(layers=1),
+    batch,
+    config,
+    lr=lr,
+    max_grad_norm=1e30,
+    advantages=advantages,
+    token_weights=weights,
+    loss_mask=policy,
+  )
+  got = flat_params(state.params)
+  for k in want_params:
+    np.testing.assert_allclose(got[k], want_params[k], rtol=2e-5, atol=1e-7, err_msg=str(k))
+  assert float(metrics["loss"]) == pytest.approx(want_metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+def _rl_reference(config, batch, policy):
+  """NumPy's RL advantage ``f32[B, T]`` (the reference taken as the rollout policy on observation tokens, as the
+  step does) and λ-GRPO's ``1/|λ|`` weights (None for the other presets)."""
+  from helpers import ref_advantages, ref_lambda_sizes
+
+  mask = np.asarray(batch.mask)
+  ref = np.where(policy, np.asarray(batch.ref_logp), np.asarray(batch.old_logp)).astype(np.float32)
+  rl = ref_advantages(config, batch._replace(ref_logp=ref))
+  rl = np.broadcast_to(rl[:, None], mask.shape) if rl.ndim == 1 else rl
+  weights = None
+  if config.process_weights:
+    sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
+    weights = np.where(sizes > 0, 1.0 / np.maximum(sizes, 1), 0.0).astype(np.float32)
+  return rl, weights
+
+
+def _teacher_logp_numpy(teacher, batch):
+  """The teacher's log-prob of each completion token from its full logits (``log_softmax``), float64."""
+  import jax.numpy as jnp
+
+  p = batch.prompt_tokens.shape[1]
+  tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
+  attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
+  hidden, _ = teacher(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+  logits = np.asarray(teacher.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), np.float64)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  lp = np.take_along_axis(logits, np.asarray(batch.completions)[..., None], -1)[..., 0] - logz
+  return np.where(np.asarray(batch.mask), lp, 0.0)
+
+
+@pytest.mark.parametrize(
+  "name, overrides, weight, clip",
+  [
+    ("grpo", {}, 0.5, None),  # RL + w·distill, the step adds the term itself
+    pytest.param("lambda_grpo", {}, 2.0, 0.3, marks=pytest.mark.slow),  # λ-GRPO's 1/|λ| weights, a clip
+    ("frpo", {"beta": 0.5}, 0.5, 0.3),  # FRPO's per-token advantage
+    (None, {}, 1.0, None),  # distillation alone: rewards None
+  ],
+)
+def test_train_step_with_a_teacher(name, overrides, weight, clip):
+  """``GRPOConfig.distill`` and a teacher (``feed.make_teacher``: another size, the same vocabulary): the
+  teacher's pass equals NumPy's ``log_softmax`` of its full logits at the sampled tokens; one step equals the
+  hand-written SGD update with the NumPy advantage ``a_RL + w·clip(log π_t − log π_s)`` on the policy's tokens
+  (observation tokens out); ``distill/weight`` and ``distill/reverse_kl`` (the mean of ``log π_s − log π_t`` over
+  the distilled tokens) are logged."""
+  import optax
+  from helpers import (
+    G,
+    make_batch,
+    tiny_config,
+    tiny_model,
+  )
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import feed, train
+
+  d = distill.DistillConfig(weight=weight, clip=clip)
+  config = preset(name or "grpo", distill=d, **overrides)
+  batch = make_batch(21)
+  mask = np.asarray(batch.mask)
+  policy = mask.copy()
+  policy[:, [2, 5]] = False  # observation tokens
+  batch = batch._replace(policy_mask=policy)
+  from flax import nnx
+
+  teacher = build_model(dataclasses.replace(tiny_config(3), hidden_size=48, intermediate_size=96), rngs=nnx.Rngs(7))
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(0.5)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=8)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+  with pytest.raises(ValueError, match="batch.teacher_logp is None"):
+    step.check_batch(batch)
+  taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  want_t = _teacher_logp_numpy(teacher, batch)
+  np.testing.assert_allclose(np.asarray(taught.teacher_logp)[mask], want_t[mask], rtol=1e-5, atol=1e-5)
+
+  old = np.asarray(batch.old_logp, np.float64)
+  own = np.where(policy, np.asarray(taught.teacher_logp, np.float64) - old, 0.0)
+  want = weight * (own if clip is None else np.clip(own, -clip, clip))
+  weights = None
+  if name is None:
+    taught = taught._replace(rewards=None)
+  else:
+    rl, weights = _rl_reference(config, batch, policy)
+    want = rl + want
+  if not step.reads_ref_logp:
+    taught = taught._replace(ref_logp=None)
+  state, metrics = step(state, taught)
+  _assert_hand_update(state, metrics, batch, config, want, weights, policy)
+  assert float(metrics["distill/weight"]) == pytest.approx(weight)
+  kl = np.sum(np.where(policy, old - np.asarray(taught.teacher_logp, np.float64), 0.0)) / policy.sum()
+  assert float(metrics["distill/reverse_kl"]) == pytest.approx(kl, rel=1e-5, abs=1e-6)
+
+
+def test_distill_config_and_teacher_are_checked_in_one_line():
+  """A bad kind/β/k/weight/clip, a teacher of another vocabulary, a top-k kind in the step: one line each."""
+  import optax
+  from helpers import make_batch, tiny_config, tiny_model
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import feed, train
+
+  for kw, match in [
+    ({"kind": "kl"}, "distill.kind"),
+    ({"beta": 1.5}, r"`distill.beta` must be <= 1.0"),
+    ({"top_k": 0}, "distill.top_k"),
+    ({"weight": -1.0}, r"`distill.weight` must be >= 0.0"),
+    ({"clip": 0.0}, r"`distill.clip` must be > 0.0"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      distill.DistillConfig(**kw)
+  with pytest.raises(ValueError, match="teacher's vocab_size=64 but the policy's is 128"):
+    from flax import nnx
+
+    feed.make_teacher(
+      None, build_model(dataclasses.replace(tiny_config(1), vocab_size=64), rngs=nnx.Rngs(0)), student_vocab=128
+    )
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(0.1)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  batch = make_batch(0)
+  ids = np.zeros(batch.mask.shape + (4,), np.int32)
+  for agg, fields, match in [
+    ("token-mean", {"teacher_logp": batch.old_logp}, "needs batch.teacher_topk_ids"),
+    ("token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids[..., :3] * 1.0}, "must have one shape"),
+    ("seq-mean-token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids * 1.0}, "token-mean' only"),
+  ]:
+    config = preset("grpo", aggregation=agg, distill=distill.DistillConfig(kind="jsd"))
+    step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings)
+    with pytest.raises(ValueError, match=match):
+      step.check_batch(batch._replace(**fields))
+  with pytest.raises(ValueError, match="batch.teacher_topk_ids must be int32\\[B, T, k\\]"):
+    step.check_batch(batch._replace(teacher_topk_ids=ids[..., 0], teacher_topk_logp=ids * 1.0))
+  packed = train.TrainConfig(packing=64)
+  with pytest.raises(ValueError, match="not built for packed batches"):
+    feed.make_teacher(
+      train.make_train_step(
+        graphdef, opt, config.replace(aggregation="token-mean"), mesh=mesh, shardings=shardings, train_config=packed
+      ),
+      tiny_model(layers=1),
+    )
+
+
+def _full_log_softmax(model, batch):
+  """``f32[B, T, V]`` the model's full next-token log-probs at the completion positions (the whole head)."""
+  import jax.numpy as jnp
+
+  p = batch.prompt_tokens.shape[1]
+  tokens = jnp.concatenate([jnp.asarray(batch.prompt_tokens), jnp.asarray(batch.completions)], axis=1)
+  attn = jnp.concatenate([jnp.asarray(batch.prompt_mask), jnp.asarray(batch.mask)], axis=1)
+  hidden, _ = model(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+  return jax.nn.log_softmax(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), -1)
+
+
+def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta):
+  """Σ over ``where`` of the divergence between the renormalised top-k distributions, written from the formulas
+  (jnp, so that ``jax.grad`` differentiates the formula itself)."""
+  import jax.numpy as jnp
+
+  zs = jnp.take_along_axis(lp_student, ids, -1)
+  ls = zs - jax.nn.logsumexp(zs, -1, keepdims=True)
+  lt = teacher_topk - jax.nn.logsumexp(teacher_topk, -1, keepdims=True)
+  ps, pt = jnp.exp(ls), jnp.exp(lt)
+  if kind == "forward_kl":
+    per = jnp.sum(pt * (lt - ls), -1)
+  elif kind == "reverse_kl":
+    per = jnp.sum(ps * (ls - lt), -1)
+  else:
+    m = beta * pt + (1 - beta) * ps
+    per = beta * jnp.sum(pt * (lt - jnp.log(m)), -1) + (1 - beta) * jnp.sum(ps * (ls - jnp.log(m)), -1)
+  return jnp.sum(jnp.where(where, per, 0.0))
+
+
+@pytest.mark.parametrize(
+  "name, kind, beta, weight",
+  [
+    (None, "forward_kl", 0.5, 1.0),  # the top-k term alone (rewards None)
+    ("grpo", "reverse_kl", 0.5, 0.5),  # GRPO + the term
+    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, marks=pytest.mark.slow),
+    ("frpo", "jsd", 0.5, 0.5),
+  ],
+)
+def test_topk_forms_through_the_step(name, kind, beta, weight):
+  """A top-k form (``distill.kind`` forward/reverse KL, JSD(β)): the teacher's top-k pass equals NumPy's top-k of
+  its full log-softmax; one step equals ``θ − lr·(∇L_RL + w·∇ mean_t D)`` — ``L_RL`` the hand-written update of
+  helpers.reference_update, ``D`` the divergence between the renormalised top-k distributions written from its
+  formula on the student's *full* logits — over the policy's tokens (observations out); the loss and
+  ``distill/topk_divergence`` equal the hand computation."""
+  import optax
+  from flax import nnx
+  from helpers import (
+    G,
+    flat_params,
+    make_batch,
+    reference_update,
+    tiny_config,
+    tiny_model,
+  )
+
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.step import feed, train
+
+  k, lr = 5, 0.5
+  overrides = {"beta": 0.5} if name == "frpo" else {}
+  config = preset(
+    name or "grpo", distill=distill.DistillConfig(weight=weight, kind=kind, beta=beta, top_k=k), **overrides
+  )
+  batch = make_batch(31)
+  mask = np.asarray(batch.mask)
+  policy = mask.copy()
+  policy[:, [1, 6]] = False
+  batch = batch._replace(policy_mask=policy)
+  teacher = build_model(dataclasses.replace(tiny_config(2), hidden_size=40, intermediate_size=80), rngs=nnx.Rngs(9))
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(lr)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2)
+  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+  with pytest.raises(ValueError, match="needs batch.teacher_topk_ids"):
+    step.check_batch(batch)
+  taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  full_t = np.asarray(_full_log_softmax(teacher, batch), np.float64)
+  want_ids = np.argsort(-full_t, -1, kind="stable")[..., :k]
+  np.testing.assert_array_equal(np.asarray(taught.teacher_topk_ids)[mask], want_ids[mask])
+  want_top = np.take_along_axis(full_t, want_ids, -1)
+  np.testing.assert_allclose(np.asarray(taught.teacher_topk_logp)[mask], want_top[mask], rtol=1e-5, atol=1e-5)
+
+  ids, top = jnp.asarray(taught.teacher_topk_ids), jnp.asarray(taught.teacher_topk_logp)
+  student = tiny_model(layers=1)
+  sgraph, sparams = nnx.split(student)
+  n = policy.sum()
+  div_loss = lambda prm: (
+    _hand_divergence(_full_log_softmax(nnx.merge(sgraph, prm), batch), ids, top, policy, kind, beta) / n
+  )
+  div, g_div = jax.value_and_grad(div_loss)(sparams)
+  weights = None
+  if name is None:
+    taught, want_adv = taught._replace(rewards=None), np.zeros(mask.shape, np.float32)
+  else:
+    want_adv, weights = _rl_reference(config, batch, policy)
+  if not step.reads_ref_logp:
+    taught = taught._replace(ref_logp=None)
+  state, metrics = step(state, taught)
+  rl_params, rl_metrics, _ = reference_update(
+    tiny_model(layers=1),
+    batch,
+    config,
+    lr=lr,
+    max_grad_norm=1e30,
+    advantages=want_adv,
+    token_weights=weights,
+    loss_mask=policy,
+  )
+  g_flat = flat_params(g_div)
+  got = flat_params(state.params)
+  for key in rl_params:
+    np.testing.assert_allclose(
+      got[key], rl_params[key] - lr * weight * g_flat[key], rtol=2e-5, atol=2e-7, err_msg=str(key)
+    )
+  assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(div), rel=1e-5, abs=1e-7)
+  assert float(metrics["loss"]) == pytest.approx(rl_metrics["loss"] + weight * float(div), rel=1e-5, abs=1e-7)

@@ -46,6 +46,7 @@ from jaxgrpo.kernels import importance as _importance
 from jaxgrpo.kernels import numbers as _numbers
 from jaxgrpo.kernels import surrogates as _surrogates
 from jaxgrpo.kernels.advantages import ADVANTAGE_SCALES
+from jaxgrpo.kernels.distill import DistillConfig
 from jaxgrpo.kernels.hyper import GRPOHyper
 from jaxgrpo.kernels.importance import CORRECTIONS, IMPORTANCE_LEVELS
 from jaxgrpo.kernels.kl import FUTURE_KL_KINDS, KL_KINDS
@@ -81,7 +82,7 @@ class GRPOConfig:
   compile-time constants there. To pass them as traced inputs instead (a β/ε/entropy schedule, a
   ``vmap``-ped grid: one program for every value), build a :class:`GRPOHyper` with :meth:`hyper`.
 
-  The numbers (the fields after ``importance_level``) are declared once, in
+  The numbers (the fields after ``distill``) are declared once, in
   :data:`jaxgrpo.kernels.numbers.NUMBERS` (default, range, hint, reader); their lines below are generated
   from it. ε_low, ε_high bound the token ratio (``ppo``), the sequence ratio (``gspo``, ``gspo_token``), the
   IS weight (``cispo``) or the log-ratio (``gmpo``); ``importance_cap`` is also the band's upper bound for
@@ -111,6 +112,8 @@ class GRPOConfig:
       ``jaxgrpo.kernels.importance``. The behaviour log-probs come from
       ``Batch.behavior_logp`` (None there: μ = π_old, every weight 1).
     importance_level: ``"token"`` (a ratio per token) or ``"sequence"`` (the product over the row).
+    distill: an on-policy distillation term (:class:`jaxgrpo.kernels.distill.DistillConfig`: a teacher's
+      signal added to the advantages with its weight), or None (docs/distillation.md).
   """
 
   name: str = "custom"
@@ -123,6 +126,7 @@ class GRPOConfig:
   dynamic_sampling: bool = False
   importance_correction: str | None = None
   importance_level: str = "token"
+  distill: DistillConfig | None = None
 
   def __post_init__(self):
     c = _checks  # `name` is a free label, checked by whoever builds it (e.g. jaxgrpo.run.specs)
@@ -136,6 +140,8 @@ class GRPOConfig:
     if self.importance_correction is not None:
       c.check_choice(self.importance_correction, CORRECTIONS, "importance_correction")
     c.check_choice(self.importance_level, IMPORTANCE_LEVELS, "importance_level")
+    if self.distill is not None and not isinstance(self.distill, DistillConfig):
+      raise TypeError(f"`distill` must be a jaxgrpo.kernels.distill.DistillConfig or None; got {self.distill!r}")
     for name, number in NUMBERS.items():
       number.check(getattr(self, name))
     _surrogates.check_loss(self.loss, {n: getattr(self, n) for n in _surrogates.NUMBERS_READ})

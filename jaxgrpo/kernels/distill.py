@@ -59,6 +59,7 @@ Shapes: B rows, T completion positions, k top-k ids, V the student's vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -69,6 +70,8 @@ from jaxgrpo.kernels._numerics import safe_div, select
 
 __all__ = [
   "DIVERGENCES",
+  "KINDS",
+  "DistillConfig",
   "reverse_kl_advantages",
   "combine_advantages",
   "gather_topk",
@@ -78,6 +81,49 @@ __all__ = [
 
 #: the full-distribution forms of :func:`topk_divergence`
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+#: every form of :class:`DistillConfig`: the sampled-token advantage, then the top-k divergences
+KINDS = ("sampled", *DIVERGENCES)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig:
+  """A distillation term of the objective (``GRPOConfig.distill``; the run's ``objective.distill``).
+
+  Attributes:
+    teacher: what the run loads as the teacher (read by ``jaxgrpo.run``, not by the kernels): a run
+      directory or checkpoint of this library (``load_policy``), a Hugging Face model directory, or
+      ``synthetic:<hidden_size>x<num_layers>`` (the arithmetic task's model of that shape, seeded, for
+      tests and plans). None: the caller supplies ``Batch.teacher_logp`` itself.
+    weight: ``w >= 0``, the weight of the term: ``A = a_RL + w·A_distill`` (:func:`combine_advantages`).
+    kind: ``"sampled"`` (the sampled-token reverse KL as a per-token advantage,
+      :func:`reverse_kl_advantages`) or a top-k form (``"forward_kl"``, ``"reverse_kl"``, ``"jsd"``,
+      :func:`topk_divergence`).
+    top_k: k, the teacher's ids per position for the top-k forms (>= 1); unused by ``"sampled"``.
+    beta: the JSD's β in ``[0, 1]`` (``"jsd"`` only).
+    clip: ``c > 0`` bounds the sampled-token advantage to ``[−c, c]``; None: no clip.
+  """
+
+  teacher: str | None = None
+  weight: float = 1.0
+  kind: str = "sampled"
+  top_k: int = 16
+  beta: float = 0.5
+  clip: float | None = None
+
+  def __post_init__(self):
+    if self.teacher is not None and not isinstance(self.teacher, str):
+      raise TypeError(f"`distill.teacher` must be a path or `synthetic:<hidden>x<layers>`; got {self.teacher!r}")
+    _checks.check_choice(self.kind, KINDS, "distill.kind")
+    _checks.check_python_float(self.weight, "distill.weight", at_least=0.0, hint="the distillation term's weight w")
+    _checks.check_python_int(self.top_k, "distill.top_k", minimum=1, hint="the teacher's ids per position")
+    _checks.check_python_float(self.beta, "distill.beta", at_least=0.0, at_most=1.0, hint="the JSD's β")
+    if self.clip is not None:
+      _checks.check_python_float(self.clip, "distill.clip", above=0.0, hint="the advantage's bound c, or null")
+
+  @property
+  def sampled(self) -> bool:
+    """Whether the term is the sampled-token advantage (one teacher log-prob per token)."""
+    return self.kind == "sampled"
 
 
 def _positions(mask, policy_mask, shape):

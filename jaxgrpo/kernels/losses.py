@@ -109,6 +109,7 @@ _OPTIONAL_MEANS = (
   ("is_capped", "is_capped_frac"),
   ("mismatch_kl", "mismatch_kl"),
   ("entropy", "entropy"),
+  ("topk_divergence", "distill/topk_divergence"),
 )
 
 

@@ -42,16 +42,20 @@ class StepOut(NamedTuple):
 
 
 class Learner:
-  """What a step applies to a produced batch: placement, π_old recomputation, reference, update.
+  """What a step applies to a produced batch: placement, π_old recomputation, reference, teacher, update.
 
   Args:
     step_fn: the jitted step (``jaxgrpo.step.train.make_train_step``).
     reference: the frozen reference (``feed.make_reference``), or None (β = 0).
     mesh: the train mesh; ``train_config``: the step's ``TrainConfig`` (buckets, packing).
+    teacher: a distillation teacher (``feed.make_teacher``), or None. It scores the batch here, on the learner
+      side, after placement: the exact rows, packing and tokens the step trains (an async or partial batch
+      included), with ``old_logp`` already the policy's when it was recomputed.
   """
 
-  def __init__(self, step_fn: TrainStep, reference, *, mesh, train_config):
+  def __init__(self, step_fn: TrainStep, reference, *, mesh, train_config, teacher=None):
     self.step_fn, self.reference, self.mesh, self.train_config = step_fn, reference, mesh, train_config
+    self.teacher = teacher
     self._mismatch = jax.jit(collect.sampled_token_mismatch)
 
   def policy_logp(self, train: TrainState, placed: Batch) -> jax.Array:
@@ -83,10 +87,17 @@ class Learner:
       if timed:
         jax.block_until_ready(placed.ref_logp)
     t3 = time.perf_counter()
+    if self.teacher is not None:
+      placed = self.teacher(placed)
+      if timed:
+        jax.block_until_ready(placed.teacher_logp)
+    t4 = time.perf_counter()
     out["state"], out["metrics"] = self.step_fn(train, placed)
     if timed:
       jax.block_until_ready((out["state"], out["metrics"]))
-      out["times"].update({"time/reference_s": t3 - t2, "time/update_s": time.perf_counter() - t3})
+      out["times"].update({"time/reference_s": t3 - t2, "time/update_s": time.perf_counter() - t4})
+      if self.teacher is not None:
+        out["times"]["time/teacher_s"] = t4 - t3
     return out
 
 

@@ -34,6 +34,8 @@ __all__ = [
   "Temperature",
   "check_temperature",
   "chunked_log_probs",
+  "chunked_top_k",
+  "chunked_topk_log_probs",
   "completion_log_probs",
   "head_log_probs",
   "log_probs",
@@ -336,6 +338,74 @@ def chunked_log_probs(
   return unchunk(logp), unchunk(ent)
 
 
+def _over_chunks(fn, hidden: jax.Array, extra: jax.Array | None, chunk_size: int | None):
+  """``fn(h [B, C, D], extra [B, C, ...] or None) -> pytree of [B, C, ...]`` over position chunks of ``hidden``
+  (``lax.map``), the chunks put back to ``[B, T, ...]``."""
+  b, t, d = hidden.shape
+  if chunk_size is None or chunk_size >= t:
+    return fn(hidden, extra)
+  n = -(-t // chunk_size)
+  pad = n * chunk_size - t
+
+  def split(x):
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape((b, n, chunk_size) + x.shape[2:]).swapaxes(0, 1)  # [n, B, C, ...]
+
+  out = jax.lax.map(lambda a: fn(a[0], a[1]), (split(hidden), None if extra is None else split(extra)))
+  return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((b, n * chunk_size) + x.shape[3:])[:, :t], out)
+
+
+def _chunk_logits(model, h, temperature):
+  """``f32[B, C, V]`` one chunk's temperature-scaled logits (the only ``V``-wide array of the top-k passes)."""
+  return model.logits(h, out_dtype=jnp.float32) / temperature
+
+
+def chunked_topk_log_probs(
+  model, hidden: jax.Array, ids: jax.Array, *, temperature: float = 1.0, chunk_size: int | None = 256
+) -> jax.Array:
+  """The log-probs of k given ids per position, ``log_softmax(logits(hidden) / temperature)[ids]``, chunked
+  over positions like :func:`chunked_log_probs` (the ``f32[B, C, V]`` logits of one chunk at a time, recomputed
+  in the backward pass under ``jax.checkpoint``; never the ``[B, T, V]`` logits at once). Differentiable: the
+  gradient reaches the logits at the k ids (and, through the logsumexp, every logit).
+
+  Args:
+    model: a model with ``logits(hidden, out_dtype=...)``; ``hidden``: ``[B, T, D]``; ``ids``: ``int[B, T, k]``.
+
+  Returns:
+    ``f32[B, T, k]``.
+  """
+  if ids.ndim != 3 or ids.shape[:2] != hidden.shape[:2]:
+    raise ValueError(f"`ids` must be int[B, T, k] with [B, T] = {hidden.shape[:2]}; got shape {ids.shape}")
+  _check_chunk_size(chunk_size)
+
+  @jax.checkpoint
+  def chunk(h, i):
+    z = _chunk_logits(model, h, temperature)
+    lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    return jnp.take_along_axis(z, i.astype(jnp.int32), axis=-1) - lse
+
+  return _over_chunks(chunk, hidden, ids, chunk_size)
+
+
+def chunked_top_k(
+  model, hidden: jax.Array, k: int, *, temperature: float = 1.0, chunk_size: int | None = 256
+) -> tuple[jax.Array, jax.Array]:
+  """The k most likely ids per position and their log-probs, ``top_k(log_softmax(logits(hidden) / temperature))``,
+  chunked over positions (one chunk's ``f32[B, C, V]`` logits at a time); no gradient (a teacher's pass).
+
+  Returns:
+    ``(ids int32[B, T, k], logp f32[B, T, k])``, ids by decreasing log-prob.
+  """
+  _check_chunk_size(chunk_size)
+
+  def chunk(h, _):
+    z = _chunk_logits(model, h, temperature)
+    top, ids = jax.lax.top_k(z, k)
+    return ids.astype(jnp.int32), top - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+
+  return jax.lax.stop_gradient(_over_chunks(chunk, hidden, None, chunk_size))
+
+
 @_forward_mode_hint
 def token_log_probs(
   model,
@@ -426,7 +496,9 @@ def completion_log_probs(
   entropy_grad: bool = False,
   dropout_key: jax.Array | None = None,
   forward_mode: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+  topk_ids: jax.Array | None = None,
+  top_k: int | None = None,
+) -> tuple:
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
   One forward over ``[prompt ‖ completion]`` (positions from the joint mask); only the T completion
@@ -448,9 +520,13 @@ def completion_log_probs(
     dropout_key: LoRA adapter dropout (training only; the model's ``dropout_key``): one key, or one
       key per row (``key[B]`` typed, or raw ``uint32[B, 2]``). None: no dropout.
     forward_mode: plain autodiff, ``jax.jvp``-able (as :func:`log_probs`).
+    topk_ids: ``int[B, T, k]``: also the log-probs at these ids (:func:`chunked_topk_log_probs`, from the same
+      forward: a distillation student at its teacher's top-k ids).
+    top_k: k: also the k most likely ids and their log-probs (:func:`chunked_top_k`: a distillation teacher).
 
   Returns:
-    ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False.
+    ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False; with ``topk_ids`` a third
+    entry ``f32[B, T, k]``, with ``top_k`` a third entry ``(ids int32[B, T, k], logp f32[B, T, k])`` (not masked).
   """
   if prompt_tokens.ndim != 2 or prompt_tokens.shape[1] < 1:
     raise ValueError(f"`prompt_tokens` must be [B, P] with P >= 1; got shape {prompt_tokens.shape}")
@@ -469,8 +545,15 @@ def completion_log_probs(
       with_entropy=with_entropy,
       entropy_grad=entropy_grad,
     )
+    kw = dict(temperature=temperature, chunk_size=chunk_size)
+    if topk_ids is not None:
+      extra = chunked_topk_log_probs(model, h, topk_ids, **kw)
+    elif top_k is not None:
+      extra = chunked_top_k(model, h, top_k, **kw)
   logp = jnp.where(mask, logp, 0.0)
   ent = None if ent is None else jnp.where(mask, ent, 0.0)
+  if topk_ids is not None or top_k is not None:
+    return logp, ent, extra
   return logp, ent
 
 

@@ -43,6 +43,8 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     _check_partial(cfg, process_count, synthetic_moe)
   if roll.speculative != "off":
     _check_speculative(cfg, synthetic_moe)
+  if cfg.objective.distill is not None:
+    _check_distill(cfg)
 
 
 def _check_speculative(cfg: TrainerConfig, synthetic_moe) -> None:
@@ -63,6 +65,31 @@ def _check_speculative(cfg: TrainerConfig, synthetic_moe) -> None:
       raise ValueError(
         f"`rollout.speculative: {roll.speculative}` with {what} is not built yet ({why}); set rollout.speculative: off"
       )
+
+
+def _check_distill(cfg: TrainerConfig) -> None:
+  """The combinations a distillation term (``objective.distill``) refuses, one line each."""
+  d = cfg.objective.distill
+  if d.teacher is None:
+    raise ValueError(
+      "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, or "
+      "`synthetic:<hidden_size>x<num_layers>`"
+    )
+  if not d.sampled and cfg.step.packing is not None:  # not built yet
+    raise ValueError(
+      f"`objective.distill.kind`={d.kind!r} with `step.packing`={cfg.step.packing}: the top-k forms are not built "
+      "for packed batches; unset `step.packing` or use `objective.distill.kind: sampled`"
+    )
+  if not d.sampled and cfg.objective.aggregation != "token-mean":  # not built yet
+    raise ValueError(
+      f"`objective.distill.kind`={d.kind!r} with `objective.aggregation`={cfg.objective.aggregation!r}: the top-k "
+      "term is a token mean over the loss's token count, built for `token-mean` only; use it or `kind: sampled`"
+    )
+  if cfg.objective.dynamic_sampling:  # mathematical: the filter reads rewards only
+    raise ValueError(
+      "`objective.dynamic_sampling` with `objective.distill`: a group whose rewards are all equal still carries "
+      "the teacher's per-token signal, and the filter (equal rewards → dropped) would discard it; turn one off"
+    )
 
 
 #: why partial rollouts refuse MoE routing replay (mathematical: no routing to replay exists).

@@ -682,7 +682,8 @@ def _check_can_learn(cfg: TrainerConfig) -> None:
       "group of one has advantage 0 and nothing is learned; set `rollout.group_size` >= 2 (the demo uses 8)"
     )
   weights = [*cfg.reward.weights.values(), *(s.weight for s in cfg.reward.sources)]
-  if cfg.env is None and not any(weights):
+  distills = cfg.objective.distill is not None and cfg.objective.distill.weight > 0  # the teacher's signal
+  if cfg.env is None and not any(weights) and not distills:
     raise ValueError(
       f"`reward.weights`={dict(cfg.reward.weights)}: every reward has weight 0"
       + (" (`reward.sources` too)" if cfg.reward.sources else "")

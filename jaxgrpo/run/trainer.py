@@ -53,6 +53,7 @@ from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.environments.rollout import RolloutInterrupted
 from jaxgrpo.run import assemble, builders
+from jaxgrpo.run import teacher as teacher_lib
 from jaxgrpo.run.collapse import (
   DEFAULT_GUARD,
   CollapseGuard,
@@ -253,7 +254,14 @@ class Trainer:
       make_env=self.make_env,
       should_stop=self.control.stop_requested,
     )
-    self.learner = Learner(self.step_fn, self.reference, mesh=self.mesh, train_config=self.train_config)
+    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh
+    self.teacher = None
+    if cfg.objective.distill is not None:
+      teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
+      self.teacher = feed.make_teacher(self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size)
+    self.learner = Learner(
+      self.step_fn, self.reference, mesh=self.mesh, train_config=self.train_config, teacher=self.teacher
+    )
     self.state = TrainerState(train_state, jax.random.key(cfg.run.seed), self.iterator.state())
     self.resumed = False
     if restore_fn is not None:

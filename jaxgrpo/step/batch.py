@@ -66,6 +66,14 @@ class Batch(NamedTuple):
       copied by :meth:`from_rollout`), or None: not known, not checked. The step refuses a batch whose log-probs
       refer to another temperature than its ``TrainConfig.temperature`` (``jaxgrpo.models.log_probs.check_temperature``; greedy
       rollouts, temperature 0, refer to 1) and drops the field before its compiled program.
+    teacher_logp: ``f32[B, T]`` a distillation teacher's log-probs of the completions (``jaxgrpo.step.feed.Teacher``:
+      a reference pass of the teacher model), read by a config with ``distill`` (``GRPOConfig.distill``, the
+      sampled-token form: ``A += w·(teacher_logp − old_logp)`` on the policy's tokens); None otherwise.
+      Dropped (one compiled program) when the config does not read it.
+    teacher_topk_ids: ``int32[B, T, k]`` a distillation teacher's k most likely ids at each completion
+      position, and ``teacher_topk_logp`` ``f32[B, T, k]`` their log-probs (``jaxgrpo.step.feed.Teacher`` with
+      ``top_k``), read by a config whose ``distill.kind`` is a top-k form (the loss adds
+      ``w·topk_divergence`` at the student's log-probs of those ids); None otherwise.
 
   Integer fields may be any integer dtype and float fields any float dtype (the step converts them
   to ``int32``/``f32``); masks must be boolean.
@@ -86,6 +94,9 @@ class Batch(NamedTuple):
   policy_mask: jax.Array | None = None
   routing: jax.Array | None = None
   temperature: Temperature | None = None
+  teacher_logp: jax.Array | None = None
+  teacher_topk_ids: jax.Array | None = None
+  teacher_topk_logp: jax.Array | None = None
 
   @classmethod
   def from_rollout(
@@ -133,6 +144,9 @@ FIELDS = {
   "token_weights": ((2,), "float", "f32[B, T]"),
   "behavior_logp": ((2,), "float", "f32[B, T]"),
   "policy_mask": ((2,), "bool", "bool[B, T]"),
+  "teacher_logp": ((2,), "float", "f32[B, T]"),
+  "teacher_topk_ids": ((3,), "int", "int32[B, T, k]"),
+  "teacher_topk_logp": ((3,), "float", "f32[B, T, k]"),
 }
 _DTYPES = {"int": jnp.int32, "bool": jnp.bool_, "float": jnp.float32}
 _CHECK_DTYPE = {"int": _checks.check_int, "bool": _checks.check_bool, "float": _checks.check_float}
@@ -140,8 +154,9 @@ _REQUIRED = ("prompt_tokens", "prompt_mask", "completions", "mask", "old_logp", 
 REFERENCE_FIELDS = ("prompt_tokens", "prompt_mask", "completions", "mask")
 
 
-def check_fields(batch: Batch, names) -> tuple[int, int]:
-  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``."""
+def check_fields(batch: Batch, names, *, rewards_optional: bool = False) -> tuple[int, int]:
+  """Ranks, rows, completion length and dtypes of ``batch``'s fields ``names``; returns ``(B, T)``.
+  ``rewards_optional``: None rewards are allowed without ``advantages`` (a distillation term alone)."""
   if not isinstance(batch, Batch):
     raise TypeError(f"batch must be a jaxgrpo.step.train.Batch; got {type(batch).__name__}")
   b, t = np.shape(batch.completions) if np.ndim(batch.completions) == 2 else (None, None)
@@ -150,16 +165,18 @@ def check_fields(batch: Batch, names) -> tuple[int, int]:
   for name in names:
     x = getattr(batch, name)
     if x is None:
-      if name == "rewards" and batch.advantages is None:
+      if name == "rewards" and batch.advantages is None and not rewards_optional:
         raise ValueError("batch.rewards is required (f32[B]) unless batch.advantages is given; got None")
       if name in _REQUIRED and name != "rewards":
         raise ValueError(f"batch.{name} is required ({FIELDS[name][2]}); got None")
       continue
     ranks, kind, notation = FIELDS[name]
     shape = np.shape(x)
-    allowed = [(b,) if r == 1 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks]
-    if not any(len(shape) == len(a) and all(d == e or e == "P" for d, e in zip(shape, a)) for a in allowed):
-      want = " or ".join(str(a).replace("'P'", "P") for a in allowed)
+    allowed = [
+      (b,) if r == 1 else (b, t, "k") if r == 3 else (b, t) if notation.endswith("T]") else (b, "P") for r in ranks
+    ]
+    if not any(len(shape) == len(a) and all(d == e or e in ("P", "k") for d, e in zip(shape, a)) for a in allowed):
+      want = " or ".join(str(a).replace("'P'", "P").replace("'k'", "k") for a in allowed)
       raise ValueError(f"batch.{name} must be {notation} with B = {b} rows and T = {t}, i.e. shape {want}; got {shape}")
     _CHECK_DTYPE[kind](x, f"batch.{name}", notation)
   if "prompt_tokens" in names:

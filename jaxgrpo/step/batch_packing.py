@@ -191,7 +191,7 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     x = np.asarray(x)
     if target <= t:
       return x[:, :target]
-    return np.pad(x, ((0, 0), (0, target - t)), constant_values=fill)
+    return np.pad(x, ((0, 0), (0, target - t)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
 
   packed = batch.packed
   if packed is not None:  # the completion slots' head entries: -1 on the columns added
@@ -212,4 +212,7 @@ def pad_to_bucket(batch: Batch, buckets=DEFAULT_BUCKETS, *, length: int | None =
     packed=packed,
     policy_mask=fit(batch.policy_mask, False),
     routing=routing,
+    teacher_logp=fit(batch.teacher_logp, 0.0),
+    teacher_topk_ids=fit(batch.teacher_topk_ids, 0),
+    teacher_topk_logp=fit(batch.teacher_topk_logp, 0.0),
   )

@@ -23,10 +23,14 @@ from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.step.state import TrainConfig, TrainState, check_not_donated, merge_model
+from jaxgrpo.step.terms import distill_of
 from jaxgrpo.step.train import TrainStep, make_reference_fn
 
 __all__ = [
   "Reference",
+  "Teacher",
+  "check_teacher_vocab",
+  "make_teacher",
   "make_batch",
   "make_reference",
   "place",
@@ -55,6 +59,69 @@ class Reference(NamedTuple):
 
   def __call__(self, batch: Batch) -> Batch:
     return batch._replace(ref_logp=self.log_probs(batch))
+
+
+class Teacher(NamedTuple):
+  """A distillation teacher: its parameters on the train mesh and its jitted log-prob pass — a reference pass
+  (:func:`jaxgrpo.step.train.make_reference_fn`: chunked head, float32, the step's micro-batches, packing and
+  temperature) of another model that shares the policy's vocabulary.
+
+  ``teacher(batch)`` returns ``batch`` with ``teacher_logp`` ``f32[B, T]`` filled in (the teacher's
+  ``log π_t(y_t)`` of each completion token given the prompt and the tokens before it) and, with ``top_k`` = k
+  (a top-k distillation form), ``teacher_topk_ids`` ``int32[B, T, k]`` and ``teacher_topk_logp`` ``f32[B, T, k]``:
+  only those numbers leave the pass (the top-k is taken chunk by chunk where the teacher's parameters are). A
+  mixture-of-experts student's recorded routing is not the teacher's: the teacher routes by its own top-k
+  experts. Built by :func:`make_teacher`.
+  """
+
+  params: Any
+  fn: Callable
+  top_k: int | None = None
+
+  def log_probs(self, batch: Batch) -> jax.Array:
+    """``f32[B, T]`` the teacher's log-probs of ``batch``'s completions (batch-sharded)."""
+    out = self.fn(self.params, batch._replace(routing=None))
+    return out if self.top_k is None else out[0]
+
+  def __call__(self, batch: Batch) -> Batch:
+    if self.top_k is None:
+      return batch._replace(teacher_logp=self.log_probs(batch))
+    logp, ids, topk_logp = self.fn(self.params, batch._replace(routing=None))
+    return batch._replace(teacher_logp=logp, teacher_topk_ids=ids, teacher_topk_logp=topk_logp)
+
+
+def check_teacher_vocab(student_vocab: int, teacher_vocab: int) -> None:
+  """ValueError in one line unless the teacher's vocabulary size equals the student's (the teacher scores the
+  student's token ids: the same tokenizer is needed, and its size is the check the models allow)."""
+  if int(student_vocab) != int(teacher_vocab):
+    raise ValueError(
+      f"distillation teacher's vocab_size={teacher_vocab} but the policy's is {student_vocab}: the teacher must "
+      "share the policy's tokenizer (it scores the policy's token ids); pick a teacher of the same tokenizer"
+    )
+
+
+def make_teacher(step: TrainStep, teacher: nnx.Module, *, student_vocab: int | None = None) -> Teacher:
+  """The teacher ``teacher`` (a Flax model of any family or size) placed on ``step``'s mesh, sharded by its own
+  logical-axis rules like the policy (FSDP over ``fsdp``, tensor parallelism over ``tensor``), and its jitted
+  log-prob pass (:class:`Teacher`). Its parameters are a copy (never donated, never trained).
+
+  ``student_vocab``: the policy's vocabulary size, checked against the teacher's (:func:`check_teacher_vocab`)
+  before anything is placed. The parameters sit beside the policy's: ``4·N_teacher`` bytes more in float32.
+  A step whose config has a top-k distillation form (``GRPOConfig.distill.kind``) gets a top-k pass of its
+  ``distill.top_k``.
+  """
+  d = distill_of(step.config) if step is not None else None
+  top_k = None if d is None or d.sampled else d.top_k
+  vocab = getattr(getattr(teacher, "config", None), "vocab_size", None)
+  if student_vocab is not None and vocab is not None:
+    check_teacher_vocab(student_vocab, vocab)
+  graphdef, params = nnx.split(teacher)
+  shardings = shd.tree_shardings(params, step.mesh, teacher.rules)
+  params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)(params)
+  fn = make_reference_fn(
+    graphdef, mesh=step.mesh, param_shardings=shardings, train_config=step.train_config, top_k=top_k
+  )
+  return Teacher(params, fn, top_k)
 
 
 def policy_model(graphdef, state: TrainState) -> nnx.Module:

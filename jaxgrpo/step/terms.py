@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from jaxgrpo.kernels import distill
 from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
 from jaxgrpo.kernels.losses import LossTerms
 from jaxgrpo.kernels.objective import rollout_advantages
@@ -40,6 +41,7 @@ from jaxgrpo.step.state import TrainConfig, merge_model
 
 __all__ = [
   "NO_ROUTER",
+  "distill_of",
   "RouterLosses",
   "Rows",
   "loss_rows",
@@ -102,11 +104,16 @@ def slot_inputs(packed: PackedSlots) -> dict:
   )
 
 
-def micro_log_probs(model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool, entropy_grad: bool = False):
+def micro_log_probs(
+  model, mb: dict, tc: "TrainConfig", blocks: int, with_entropy: bool, entropy_grad: bool = False, topk_ids=None
+):
   """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
   rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
-  has a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
+  has a gradient only with ``entropy_grad`` (an entropy bonus in the loss). ``topk_ids`` ``int[R, T, k]``
+  (unpacked rows only): a third entry, the log-probs at those ids ``f32[R, T, k]`` from the same forward."""
   kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+  if topk_ids is not None:
+    kw["topk_ids"] = topk_ids
   if "head_index" in mb:  # no adapter dropout here: _check_dropout refuses it with packing
     args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
     return packed_log_probs(model, *args, blocks=blocks, **kw)
@@ -211,11 +218,42 @@ class StepSpec:
 # ----------------------------------------------------------------------------- once per rollout batch
 
 
+def distill_of(config) -> distill.DistillConfig | None:
+  """The distillation term of ``config`` (``GRPOConfig.distill``), or None (any other config, or none set)."""
+  return config.distill if isinstance(config, GRPOConfig) else None
+
+
+def _distill_advantages(d: distill.DistillConfig, batch: Batch, adv):
+  """``A = a_RL + w·clip(teacher_logp − old_logp)`` on the policy's tokens (:func:`jaxgrpo.kernels.distill.combine_advantages`;
+  ``adv`` None: the term alone), ``f32[B, T]``."""
+  own = distill.reverse_kl_advantages(
+    batch.old_logp, batch.teacher_logp, batch.mask, policy_mask=batch.policy_mask, clip=d.clip
+  )
+  return distill.combine_advantages(adv, own, d.weight)
+
+
+def _distill_metrics(d: distill.DistillConfig, batch: Batch, loss_mask) -> dict:
+  """``distill/weight`` (the w applied) and ``distill/reverse_kl``: the mean over the distilled tokens of
+  ``old_logp − teacher_logp``, the sampled-token estimate of ``KL(π_s ‖ π_t)`` (every form: the top-k pass
+  returns the sampled tokens' log-probs too). The top-k forms add ``distill/topk_divergence`` in the loss."""
+  out = {"distill/weight": jnp.asarray(d.weight, jnp.float32)}
+  if batch.teacher_logp is None:  # a top-k batch without the sampled tokens' log-probs
+    return out
+  diff = jnp.where(loss_mask, batch.old_logp.astype(jnp.float32) - batch.teacher_logp.astype(jnp.float32), 0.0)
+  count = jnp.maximum(jnp.sum(loss_mask), 1).astype(jnp.float32)
+  return {**out, "distill/reverse_kl": jnp.sum(diff) / count}
+
+
 def _rollout_terms(spec: StepSpec, batch: Batch, num_groups: int, g: int, hyper):
-  """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``."""
+  """Once per rollout batch: ``(advantages, token weights, process-set sizes or None)``; with a distillation
+  term (:func:`distill_of`) its advantage is added (rewards None: the term alone)."""
   config = spec.config
+  d = distill_of(config)
   if batch.policy_mask is not None and batch.ref_logp is not None:  # observations: δ = 0, f(1) = 0
     batch = batch._replace(ref_logp=jnp.where(batch.policy_mask, batch.ref_logp, batch.old_logp))
+  if d is not None and batch.rewards is None:  # the distillation term alone (top-k: in the loss, advantage 0)
+    adv = _distill_advantages(d, batch, None) if d.sampled else jnp.zeros(batch.completions.shape[:1], jnp.float32)
+    return adv, batch.token_weights, None
   if batch.advantages is None:
     extras = {} if hyper is None else {"hyper": hyper}
     adv, weights = spec.advantages_fn(
@@ -232,6 +270,8 @@ def _rollout_terms(spec: StepSpec, batch: Batch, num_groups: int, g: int, hyper)
     )
   else:
     adv, weights = batch.advantages, None
+  if d is not None and d.sampled:
+    adv = _distill_advantages(d, batch, adv)
   sizes = None
   lambda_weights = (
     spec.advantages_fn is rollout_advantages and isinstance(config, GRPOConfig) and config.process_weights
@@ -309,6 +349,8 @@ def loss_rows(spec: StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
   extra = {"rewards_nonfinite": jnp.sum(missing).astype(jnp.float32)}
   if isinstance(hyper, GRPOHyper):  # the values applied: a field the config's program does not read is not logged
     extra.update({f"hyper/{k}": jnp.asarray(getattr(hyper, k), jnp.float32) for k in config.applied_hyper})
+  if distill_of(config) is not None:
+    extra.update(_distill_metrics(distill_of(config), batch, loss_mask))
   if sizes is not None:
     stats = process_tree_stats(batch.completions, batch.mask, batch.group_ids, num_groups, sizes=sizes)
     extra.update({f"tree/{k}": v for k, v in stats.items()})
@@ -321,6 +363,8 @@ def loss_rows(spec: StepSpec, batch: Batch, hyper) -> tuple[dict, dict]:
     ref_logp=select(batch.ref_logp),
     behavior_logp=select(batch.behavior_logp),
   )
+  if distill_of(config) is not None and not distill_of(config).sampled:  # the teacher's top-k, per row
+    rows.update(teacher_topk_ids=batch.teacher_topk_ids, teacher_topk_logp=batch.teacher_topk_logp)
   return rows, extra
 
 
@@ -373,6 +417,15 @@ def pass_fields(dropout_key, step: jax.Array, passes: int, b: int) -> dict:
 # ----------------------------------------------------------------------------- one micro-batch
 
 
+def _add_topk_divergence(d: distill.DistillConfig, terms: LossTerms, student_topk, mb: dict) -> LossTerms:
+  """``terms`` with ``w·Σ topk_divergence`` over the micro-batch's loss tokens added to the numerator (a
+  token-mean loss: its denominator is the token count, so the loss gains ``w·mean_t D``) and the sum in
+  ``sums["topk_divergence"]`` (the metric ``distill/topk_divergence``)."""
+  div = distill.topk_divergence(student_topk, mb["teacher_topk_logp"], mb["loss_mask"], kind=d.kind, beta=d.beta)
+  total = jnp.sum(div)
+  return terms._replace(numerator=terms.numerator + d.weight * total, sums={**terms.sums, "topk_divergence": total})
+
+
 def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
   """One micro-batch's loss terms, differentiable in ``params`` (``jax.grad(..., has_aux=True)``).
 
@@ -395,7 +448,10 @@ def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
   _check_dropout(spec, model, packed="head_index" in mb)
   wants_entropy = needs_entropy(config, spec.objective_fn)
   with moe.routing_scope(replay=mb.get("routing")) as scope:  # MoE: replay the rollout's experts if given
-    logp, ent = micro_log_probs(model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy)
+    out = micro_log_probs(
+      model, mb, tc, spec.blocks, tc.entropy or wants_entropy, wants_entropy, topk_ids=mb.get("teacher_topk_ids")
+    )
+  logp, ent = out[:2]
   router_loss, route_sums = spec.router.terms(mb, scope)
   extras = objective_extras(config, mb["behavior_logp"], ent, hyper, spec.objective_fn)
   terms = spec.objective_fn(
@@ -410,6 +466,8 @@ def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
   )
   if not isinstance(terms, LossTerms):
     raise TypeError(f"objective_fn must return jaxgrpo.kernels.losses.LossTerms; got {type(terms).__name__}")
+  if len(out) > 2:  # a top-k distillation form: + w·Σ_t D(p_t ‖ p_s) over the loss tokens (token-mean)
+    terms = _add_topk_divergence(distill_of(config), terms, out[2], mb)
   ent = None if ent is None else jax.lax.stop_gradient(ent)
   ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
   # the router losses, weighted like the objective: Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k

@@ -47,7 +47,7 @@ like the rows) reach them as inputs, not as branches of the step. This module co
 jits the composition (:class:`TrainStep`, :func:`make_train_step`) and compiles the reference pass on the same
 mesh (:func:`make_reference_fn`).
 
-One job at ~640 lines: composing the pieces above into one jitted step and its reference pass (the checks
+One job at ~700 lines: composing the pieces above into one jitted step and its reference pass (the checks
 that run before the jitted call included); every piece it composes is in its own module.
 """
 
@@ -110,6 +110,7 @@ from jaxgrpo.step.state import (
 )
 from jaxgrpo.step.terms import (
   StepSpec,
+  distill_of,
   group_bound,
   merge_rows,
   micro_log_probs,
@@ -162,6 +163,53 @@ def _step_fn(spec: StepSpec, state: TrainState, frozen, batch: Batch, hyper, dro
   metrics = reduce_updates(metrics)
   metrics.update(prepared.extra)
   return TrainState(params, opt_state, state.step + 1), metrics  # frozen: reattached by TrainStep
+
+
+def _check_distill_batch(config, batch: Batch) -> None:
+  """ValueError in one line when a config's distillation term (``GRPOConfig.distill``) cannot be computed for
+  ``batch``: the sampled-token form needs ``batch.teacher_logp``; precomputed ``batch.advantages`` already hold
+  whatever the caller mixed in; the top-k forms are not in the step."""
+  d = distill_of(config)
+  if d is None:
+    return
+  if not d.sampled:
+    _check_topk_batch(config, d, batch)
+    return
+  if batch.teacher_logp is None:
+    raise ValueError(
+      "the config has a distillation term (distill) but batch.teacher_logp is None: fill it with the teacher's "
+      "log-probs f32[B, T] (jaxgrpo.step.feed.make_teacher(step, teacher_model)(batch))"
+    )
+  if batch.advantages is not None:
+    raise ValueError(
+      "batch.advantages is given with a distillation term (distill) in the config: the step adds w·A_distill to "
+      "the advantages it computes; pass rewards (or rewards=None for distillation alone), not advantages"
+    )
+
+
+def _check_topk_batch(config, d, batch: Batch) -> None:
+  """A top-k distillation form: the teacher's ids and log-probs ``[B, T, k]`` of one k, a token-mean loss (the
+  term is added to the numerator over the same token count), an unpacked batch."""
+  ids, logp = batch.teacher_topk_ids, batch.teacher_topk_logp
+  if ids is None or logp is None:
+    raise ValueError(
+      f"distill.kind={d.kind!r} needs batch.teacher_topk_ids int32[B, T, k] and batch.teacher_topk_logp "
+      "f32[B, T, k]: fill them with the teacher's top-k pass (jaxgrpo.step.feed.make_teacher(step, teacher)(batch))"
+    )
+  if np.shape(ids) != np.shape(logp):
+    raise ValueError(
+      f"batch.teacher_topk_ids {np.shape(ids)} and batch.teacher_topk_logp {np.shape(logp)} must have one shape [B, T, k]"
+    )
+  if config.aggregation != "token-mean":
+    raise ValueError(
+      f"distill.kind={d.kind!r} with aggregation={config.aggregation!r}: the top-k term is a token mean added to "
+      "the loss over its token count, built for aggregation 'token-mean' only; use it, or distill.kind 'sampled'"
+    )
+  if batch.packed is not None:
+    raise ValueError(
+      f"distill.kind={d.kind!r} with a packed batch (TrainConfig.packing): the top-k forms are not built for "
+      "packing; train unpacked or use distill.kind 'sampled'"
+    )
 
 
 def _options(tc: TrainConfig):
@@ -247,9 +295,10 @@ class TrainStep:
     group ids in ``[0, num_groups)`` and no group larger than ``train_config.group_size``. Non-finite rewards are allowed (missing samples);
     ``batch.rewards`` may be None when ``batch.advantages`` is given. A ``batch.temperature`` (the rollout's)
     must match ``train_config.temperature`` (:func:`~jaxgrpo.models.log_probs.check_temperature`)."""
-    b, t = check_fields(batch, FIELDS)
     c, tc = self.config, self.train_config
+    b, t = check_fields(batch, FIELDS, rewards_optional=distill_of(c) is not None)
     _check_batch_temperature(batch, tc)
+    _check_distill_batch(c, batch)
     if self.requires_ref_logp(batch) and batch.ref_logp is None:
       raise ValueError(
         f"preset {c.name!r} ({'β from hyper_schedule' if self.hyper_schedule else f'beta={c.beta}'}, "
@@ -296,7 +345,7 @@ class TrainStep:
     tc = self.train_config
     if tc.packing is None or batch.packed is not None:
       return batch
-    check_fields(batch, FIELDS)  # the usual errors for a malformed batch, before the packer reads it
+    check_fields(batch, FIELDS, rewards_optional=distill_of(self.config) is not None)  # before the packer reads it
     return pack_batch(
       batch,
       row_length=tc.packing,
@@ -317,6 +366,11 @@ class TrainStep:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not reads_behavior(self.config) and batch.behavior_logp is not None:
       batch = batch._replace(behavior_logp=None)  # not read by this config: one compiled program
+    d = distill_of(self.config)  # the teacher's fields the config does not read: one compiled program
+    if d is None or d.sampled:
+      batch = batch._replace(teacher_topk_ids=None, teacher_topk_logp=None)
+    if d is None:
+      batch = batch._replace(teacher_logp=None)
     return batch
 
   def place_batch(self, batch: Batch) -> Batch:
@@ -561,6 +615,7 @@ def make_reference_fn(
   param_shardings,
   train_config: TrainConfig | None = None,
   rules: Mapping[str, Any] | None = None,
+  top_k: int | None = None,
 ) -> Callable:
   """Jitted ``(ref_params, batch) -> ref_logp f32[B, T]`` (batch-sharded) under the same mesh; its ``.lower(ref_params,
   batch)`` lowers the program ahead of time from arrays or ``jax.ShapeDtypeStruct`` s (as :meth:`TrainStep.lower`).
@@ -580,8 +635,18 @@ def make_reference_fn(
   same program.
   The pass is traced under ``jax.set_mesh(mesh)`` (activation constraints apply); ``rules`` as for
   :func:`make_train_step` (default: the model's own table).
+
+  ``top_k``: k, a distillation teacher's pass: it returns ``(logp f32[B, T], ids int32[B, T, k], topk_logp
+  f32[B, T, k])``, the k most likely ids at each position and their log-probs, computed chunk by chunk on the
+  devices that hold the parameters (only the top-k leave the pass; ``jaxgrpo.models.log_probs.chunked_top_k``).
+  Not with packing (ValueError).
   """
   tc = TrainConfig() if train_config is None else train_config
+  if top_k is not None and tc.packing is not None:
+    raise ValueError(
+      f"a teacher's top-k pass (top_k={top_k}) with TrainConfig.packing={tc.packing}: the top-k distillation forms "
+      "are not built for packed batches; train unpacked (unset step.packing) or use distill.kind 'sampled'"
+    )
   rules = checked_rules(graph_rules(graphdef, param_shardings), rules, "make_reference_fn")
   bsh = shd.batch_sharding(mesh, rules)
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
@@ -595,11 +660,15 @@ def make_reference_fn(
     cols = [jax.lax.with_sharding_constraint(split_micro(x, 1, k), rows_sh)[0] for x in cols]  # [K, R, ...]
 
     def one(mb):
+      kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size)
       with moe.routing_scope(replay=mb[4] if len(mb) > 4 else None):  # MoE: the rollout's experts if given
-        return completion_log_probs(model, *mb[:4], temperature=tc.temperature, chunk_size=tc.chunk_size)[0]
+        if top_k is None:
+          return completion_log_probs(model, *mb[:4], **kw)[0]
+        logp, _, (ids, topk_logp) = completion_log_probs(model, *mb[:4], top_k=top_k, **kw)
+        return logp, ids, topk_logp
 
-    logp = jax.lax.map(one, tuple(cols))  # [K, R, T]
-    return jnp.moveaxis(logp, 0, 1).reshape(shape)  # inverse of split_micro
+    out = jax.lax.map(one, tuple(cols))  # [K, R, T, ...]
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(shape + x.shape[3:]), out)  # inverse of split_micro
 
   def fn_packed(params, unpack_index, packed_rows):
     model = nnx.merge(graphdef, params)

@@ -1,0 +1,107 @@
+"""The distillation teacher of a run (``objective.distill.teacher``): which model it names, loaded, its tokenizer
+checked against the policy's in one line.
+
+``objective.distill.teacher`` is one of:
+
+- ``synthetic:<hidden_size>x<num_layers>``: the arithmetic task's model of that shape (``model.synthetic``'s
+  architecture and tokenizer), initialised from ``run.seed + 1`` — untrained, for tests and plans;
+- a Hugging Face model directory (it holds ``config.json``): its weights and tokenizer;
+- a run directory or checkpoint of this library (``jaxgrpo.run.builders.load_policy``): the trained policy of
+  another run (a LoRA run's adapters merged into its base), e.g. a larger model trained on the same task.
+
+The model is then placed on the train mesh beside the policy (``jaxgrpo.step.feed.make_teacher``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from jaxgrpo.models import lora
+from jaxgrpo.run import builders
+from jaxgrpo.run.specs import ModelSpec, TrainerConfig
+from jaxgrpo.run.task_specs import SyntheticModel
+from jaxgrpo.services import checkpoint
+
+__all__ = ["build_teacher", "check_tokenizers", "teacher_source"]
+
+_SYNTHETIC = re.compile(r"^synthetic:(\d+)x(\d+)$")
+
+
+def teacher_source(teacher: str) -> str:
+  """``"synthetic"``, ``"hf"`` or ``"run"``: what ``objective.distill.teacher`` names (ValueError in one line
+  for a ``synthetic:`` of another form or a path that does not exist)."""
+  if teacher.startswith("synthetic:"):
+    if not _SYNTHETIC.match(teacher):
+      raise ValueError(
+        f"`objective.distill.teacher`={teacher!r}: a synthetic teacher is `synthetic:<hidden_size>x<num_layers>`, "
+        "e.g. `synthetic:128x4`"
+      )
+    return "synthetic"
+  if not os.path.exists(teacher):
+    raise ValueError(
+      f"`objective.distill.teacher`={teacher!r} does not exist: give an HF model directory, a run directory or "
+      "checkpoint of this library, or `synthetic:<hidden_size>x<num_layers>`"
+    )
+  try:  # a run directory (it holds config.json too: the run's), a checkpoint root or a step
+    checkpoint.read_meta(teacher)
+    return "run"
+  except checkpoint.CheckpointError:
+    if os.path.isfile(os.path.join(teacher, "config.json")):
+      return "hf"
+    raise ValueError(
+      f"`objective.distill.teacher`={teacher!r} is neither a run directory or checkpoint of this library (no "
+      "complete checkpoint) nor an HF model directory (no config.json)"
+    ) from None
+
+
+def check_tokenizers(policy_tokenizer, teacher_tokenizer, teacher: str) -> None:
+  """ValueError in one line unless the teacher's tokenizer maps every token string to the policy's id (the
+  teacher scores the policy's token ids): the same vocabulary, compared entry by entry."""
+  mine, theirs = _vocab(policy_tokenizer), _vocab(teacher_tokenizer)
+  if mine == theirs:
+    return
+  differ = sorted(set(mine.items()) ^ set(theirs.items()))
+  example = f"; e.g. {differ[0][0]!r}" if differ else ""
+  raise ValueError(
+    f"`objective.distill.teacher`={teacher!r}: its tokenizer differs from the policy's ({len(theirs)} vs "
+    f"{len(mine)} entries, {len(differ)} differing{example}): the teacher must share the policy's tokenizer"
+  )
+
+
+def _vocab(tokenizer) -> dict:
+  get = getattr(tokenizer, "get_vocab", None)
+  return dict(get()) if get is not None else {i: i for i in range(len(tokenizer))}
+
+
+def build_teacher(cfg: TrainerConfig, policy_tokenizer, *, log: Callable[[str], None] | None = None) -> nnx.Module:
+  """The teacher model of ``cfg.objective.distill.teacher`` (module docstring), on the default device (the
+  caller places it: ``jaxgrpo.step.feed.make_teacher``), its tokenizer checked against ``policy_tokenizer``
+  (:func:`check_tokenizers`) before it is returned. The synthetic and HF forms take the policy's dtypes."""
+  d = cfg.objective.distill
+  if d is None or d.teacher is None:
+    raise ValueError(
+      "`objective.distill.teacher` is not set: a run loads its teacher from it (an HF directory, a run "
+      "directory, or `synthetic:<hidden_size>x<num_layers>`)"
+    )
+  kind = teacher_source(d.teacher)
+  dtypes = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+  if kind == "synthetic":
+    hidden, layers = (int(x) for x in _SYNTHETIC.match(d.teacher).groups())
+    spec = ModelSpec(synthetic=SyntheticModel(hidden_size=hidden, num_layers=layers), **dtypes)
+    model, tokenizer = builders.build_policy(spec, seed=cfg.run.seed + 1)
+  elif kind == "hf":
+    model, tokenizer = builders.build_policy(ModelSpec(path=d.teacher, **dtypes), seed=0)
+  else:
+    model, tokenizer, saved = builders.load_policy(d.teacher)
+    if saved.lora is not None:
+      model = lora.merge_lora(model)
+  check_tokenizers(policy_tokenizer, tokenizer, d.teacher)
+  if log is not None:
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    log(f"teacher: {d.teacher} ({kind}, {n:,} parameters), distill kind={d.kind} weight={d.weight}")
+  return model
