@@ -275,6 +275,11 @@ class RolloutSpec:
     routing_replay: a mixture-of-experts policy only (``jaxgrpo.models.moe``): ``rollout`` (default)
       records each token's experts while sampling and the train step and the reference pass reuse
       them (routing replay); ``none``: every forward routes by its own top-k. Ignored by a dense model.
+    quantize: ``none`` (default), ``int8`` or ``fp8``: the built-in sampler draws from weight-only quantised
+      copies of the policy's projections (per output channel, made at every push, LoRA merged first;
+      ``SamplingConfig.quantize``); its log-probs are then μ's, so the learner recomputes ``old_logp`` and
+      ``objective.importance_correction`` (tis/mis) corrects the gap (metric ``engine/mismatch_k3``). ``fp8`` needs
+      a GPU/TPU. Single-turn rollouts of ``engine: jax`` only (docs/sampling.md, "Quantized rollout weights").
   """
 
   group_size: int = 6
@@ -289,6 +294,7 @@ class RolloutSpec:
   vllm: VLLMSpec = dataclasses.field(default_factory=VLLMSpec)
   partial: PartialSpec = dataclasses.field(default_factory=PartialSpec)
   routing_replay: Literal["rollout", "none"] = "rollout"
+  quantize: Literal["none", "int8", "fp8"] = "none"
 
   def __post_init__(self):
     if not isinstance(self.engine, str):
@@ -301,6 +307,13 @@ class RolloutSpec:
     _checks.check_python_bool(self.merge_lora, "rollout.merge_lora")
     if self.routing_replay not in ("rollout", "none"):
       raise ValueError(f"`rollout.routing_replay` must be 'rollout' or 'none'; got {self.routing_replay!r}")
+    if self.quantize not in ("none", "int8", "fp8"):
+      raise ValueError(f"`rollout.quantize` must be 'none', 'int8' or 'fp8'; got {self.quantize!r}")
+    if self.quantize != "none" and self.engine != "jax":
+      raise ValueError(
+        f"`rollout.quantize`={self.quantize!r} quantises the built-in sampler's weights; `rollout.engine` is "
+        f"{self.engine!r} (it loads its own weights): use `engine: jax` or `quantize: none`"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -604,6 +617,11 @@ class TrainerConfig:
       raise ValueError(
         f"`step.group_size`={self.step.group_size} must equal `rollout.group_size`={self.rollout.group_size} "
         "or be unset (the trainer passes G to the step)"
+      )
+    if self.rollout.quantize != "none" and self.env is not None:
+      raise ValueError(
+        f"`rollout.quantize`={self.rollout.quantize!r} applies to single-turn rollouts; the multi-turn sampler "
+        "(`env`) samples the policy's own weights: set `rollout.quantize: none`"
       )
     if self.rollout.merge_lora and self.lora is None:
       raise ValueError("`rollout.merge_lora` is true but there is no `lora` section: there are no adapters to merge")
