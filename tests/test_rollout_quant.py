@@ -237,3 +237,37 @@ def test_fp8_codes_are_e4m3_of_the_scaled_weight_within_the_bound():
   assert np.all(err <= quant.max_abs_error("fp8") * np.asarray(scales) + 4 * np.spacing(np.abs(w)))
   # relative 2⁻⁴ (3 mantissa bits) for normal codes; half the subnormal step 2⁻⁹ below the smallest normal 2⁻⁶
   assert np.all(err <= 2.0**-4 * np.abs(w) + 2.0**-10 * np.asarray(scales) + 4 * np.spacing(np.abs(w)))
+
+
+@pytest.mark.parametrize("schedule", ["sync-lora", "partial-moe"])
+def test_the_trainer_samples_quantised_and_corrects_with_tis(tmp_path, schedule):
+  """``rollout.quantize: int8`` through the trainer — synchronous with a LoRA policy, and partial rollouts (slot
+  refill, async) with a mixture of experts: the learner recomputes ``old_logp`` and logs a positive, finite
+  ``engine/mismatch_k3``, and the step's TIS sees the same gap (``mismatch_kl`` > 0, ratios π_old/μ ≠ 1)."""
+  from test_async_rollout import REWARDS
+  from test_partial_rollouts import MOE, PARTIAL
+  from test_trainer import tiny
+
+  from jaxgrpo.run.trainer import Trainer
+
+  changes = {
+    "run.out": str(tmp_path / schedule),
+    "rollout.quantize": "int8",
+    "objective.importance_correction": "tis",
+    "optim.learning_rate": 3e-2,
+  }
+  if schedule == "sync-lora":
+    changes["lora"] = {"rank": 4, "alpha": 8.0}
+  else:
+    changes.update({
+      "model.synthetic": MOE, "rollout.routing_replay": "none", "rollout.max_staleness": 2, "rollout.partial": PARTIAL,
+    })  # fmt: skip
+  tr = Trainer(tiny(**changes), reward_fns=REWARDS, log=None)
+  assert tr.source.sampling.quantize == "int8" and not tr.source.logprobs_are_policy
+  try:
+    metrics = [tr.train_step() for _ in range(2)]
+  finally:
+    tr.close()
+  for m in metrics:
+    assert 0 < m["engine/mismatch_k3"] < 1e-1 and np.isfinite(m["engine/logp_abs_diff_max"]), m
+    assert m["mismatch_kl"] > 0 and np.isfinite(m["is_weight_mean"]) and m["is_ratio_mean"] != 1.0, m
