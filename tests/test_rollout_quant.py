@@ -216,6 +216,14 @@ def test_refusals_in_one_line():
     RolloutSpec(quantize="int8", engine="vllm")
   with pytest.raises(ValueError, match="`rollout.quantize` must be 'none', 'int8' or 'fp8'; got 'int4'"):
     RolloutSpec(quantize="int4")
+  from test_trainer import tiny
+
+  with pytest.raises(ValueError, match="`rollout.quantize`='int8' applies to single-turn rollouts"):
+    from test_trainer_env import ENV
+
+    tiny(**{"rollout.quantize": "int8", **ENV})
+  with pytest.warns(UserWarning, match="`rollout.quantize`='int8' without `objective.importance_correction`"):
+    tiny(**{"rollout.quantize": "int8"})
 
 
 def test_fp8_codes_are_e4m3_of_the_scaled_weight_within_the_bound():
@@ -271,3 +279,64 @@ def test_the_trainer_samples_quantised_and_corrects_with_tis(tmp_path, schedule)
   for m in metrics:
     assert 0 < m["engine/mismatch_k3"] < 1e-1 and np.isfinite(m["engine/logp_abs_diff_max"]), m
     assert m["mismatch_kl"] > 0 and np.isfinite(m["is_weight_mean"]) and m["is_ratio_mean"] != 1.0, m
+
+
+_ON_A_MESH = r"""
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from hf_utils import tiny_moe_config
+from jaxgrpo import models
+from jaxgrpo.loop.iteration import policy_model
+from jaxgrpo.models import lora
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout.sampling import SamplingConfig, generate
+from jaxgrpo.step import train
+
+cfg = models.config_from_hf(tiny_moe_config("qwen2_moe", num_hidden_layers=2))
+model = models.build_model(cfg, rngs=nnx.Rngs(0))
+for _, var in nnx.to_flat_state(nnx.state(model)):
+  if var.get_value().ndim >= 2:
+    var.set_value(var.get_value() * 4)
+host = jax.tree.map(np.asarray, nnx.state(model))
+mesh = shd.make_mesh("fsdp=2,tensor=2")
+graphdef, state, _ = train.init_train_state(model, optax.sgd(0.1), mesh)
+policy = policy_model(graphdef, state)
+sampling = SamplingConfig(num_samples=2, max_new_tokens=6, quantize="int8")
+sampled = sampling.model_to_sample(policy)
+checked = 0
+modules = dict(nnx.iter_modules(policy))
+for path, q in nnx.iter_modules(sampled):
+  w = modules.get(path)
+  for name in ("q", "k", "v", "o", "gate", "up", "down"):
+    qw = getattr(q, name, None)
+    if not isinstance(qw, models.layers.QuantizedWeight):
+      continue
+    spec = getattr(w, name).get_value().sharding.spec
+    codes, scales = qw.codes.get_value(), qw.scales.get_value()
+    assert codes.sharding.spec == spec, (path, name, codes.sharding.spec, spec)
+    k = getattr(qw, "batch", 0) + qw.contract
+    want = P(*(tuple(spec[: k - qw.contract]) + (None,) * qw.contract + tuple(spec[k:])))
+    assert tuple(scales.sharding.spec) == tuple(want) + (None,) * (len(scales.shape) - len(want)), (path, name)
+    checked += 1
+assert checked == 2 * (4 + 3 + 3), checked  # per layer: attention, shared expert, routed expert stacks
+prompts = np.array([[0, 5, 6, 7], [9, 10, 11, 12]], np.int32)
+on_mesh = generate(policy, prompts, prompts > 0, sampling, key=jax.random.key(3))
+single = models.build_model(cfg, rngs=nnx.Rngs(0))
+nnx.update(single, jax.tree.map(jnp.asarray, host))
+one = generate(single, prompts, prompts > 0, sampling, key=jax.random.key(3))
+np.testing.assert_array_equal(np.asarray(on_mesh.completions), np.asarray(one.completions))
+np.testing.assert_allclose(np.asarray(on_mesh.log_probs), np.asarray(one.log_probs), atol=1e-5)
+print("OK", checked)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_on_a_mesh_codes_and_scales_keep_the_weights_sharding_4_devices():
+  """A mixture of experts on ``fsdp=2, tensor=2`` (4 virtual CPU devices, child process): every code array has its
+  weight's sharding, its scales the same without the contracted dims, and the sampler on the mesh draws the
+  single-device int8 sampler's tokens and log-probs."""
+  from helpers import run_child
+
+  assert run_child(_ON_A_MESH, devices=4, timeout=900).strip().splitlines()[-1].startswith("OK")

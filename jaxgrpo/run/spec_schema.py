@@ -630,6 +630,14 @@ class TrainerConfig:
         f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
         "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
       )
+    if self.rollout.quantize != "none" and self.objective.importance_correction is None:
+      warnings.warn(
+        f"`rollout.quantize`={self.rollout.quantize!r} without `objective.importance_correction`: the groups are "
+        "sampled by the quantised policy μ but trained as if by the learner's π (no π_old/μ reweighting; the gap is "
+        "logged as engine/mismatch_k3); set `objective.importance_correction: tis` (or mis) to correct it",
+        UserWarning,
+        stacklevel=3,
+      )
     if self.rollout.max_staleness and self.objective.importance_correction is None:
       warnings.warn(
         f"`rollout.max_staleness`={self.rollout.max_staleness} without `objective.importance_correction`: stale "
