@@ -135,7 +135,7 @@ def test_bad_arguments_raise_naming_them():
   with pytest.raises(ValueError, match="group_size must be an even"):
     quant.quantize(w, kind="int4", contract=1, group_size=3)
   with pytest.raises(ValueError, match="kind must be one of"):
-    quant.quantize(w, kind="fp8", contract=1)
+    quant.quantize(w, kind="fp4", contract=1)
   with pytest.raises(ValueError, match="contract"):
     quant.quantize(w, kind="int8", contract=2)
   with pytest.raises(TypeError, match="float"):

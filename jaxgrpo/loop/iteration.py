@@ -270,7 +270,8 @@ def grpo_iteration(
       When the engine does not declare its log-probs the policy's (``jaxgrpo.rollout.engines.logprobs_are_policy``),
       its log-probs become the batch's ``behavior_logp`` and ``old_logp`` is recomputed with the policy
       (:func:`engine_old_logp`, one forward pass; metrics ``engine/mismatch_k3``,
-      ``engine/logp_abs_diff_max``); ``engine/push_s`` and ``engine/generate_s`` are added either way.
+      ``engine/logp_abs_diff_max``); ``engine/push_s`` and ``engine/generate_s`` are added either way. The same
+      recomputation (and metrics) with ``sampling.quantize``: the sampler's log-probs are the quantised policy's.
 
   Returns:
     An :class:`IterationResult` ``(state, metrics, rollout, rewards)``.
@@ -281,10 +282,11 @@ def grpo_iteration(
   """
   _check_iteration(step, sampling, reference, int(np.shape(prompt_tokens)[0]))
   hyper = step.check_hyper(hyper)  # before the rollout, as the other checks
-  engine_metrics, recompute = {}, False
+  # quantised rollout weights (sampling.quantize): the sampler's log-probs are μ's, not the policy's
+  engine_metrics, recompute = {}, sampling.quantize is not None
   if engine is not None:
     check_engine(engine)
-    recompute = not logprobs_are_policy(engine)
+    recompute = recompute or not logprobs_are_policy(engine)
   t0 = time.perf_counter()
   policy, temperature = policy_model(step.graphdef, state), step.train_config.temperature
   if engine is None:

@@ -208,8 +208,10 @@ class QuantizedWeight(nnx.Module):
   """A projection weight ``w [*C, *O]`` stored quantised (``jaxgrpo.models.quant``), dequantised per call.
 
   ``codes``/``scales`` are ``QuantParam`` with the weight's logical axes (the grouped dim keeps its
-  name; int8 scales have None on the contracted dims). Static: ``kind``, ``contract``,
-  ``group_size``, ``shape`` (the logical weight shape), ``axes`` (its logical axes).
+  name; int8/fp8 scales have None on the contracted dims). Static: ``kind``, ``contract``,
+  ``group_size``, ``shape`` (the logical weight shape), ``axes`` (its logical axes), ``batch`` (leading
+  dims quantised independently, e.g. 1 for a mixture of experts' ``[E, D, F]``: the weight is
+  ``[*batch, *C, *O]``; per-channel kinds only).
   """
 
   def __init__(
@@ -222,20 +224,35 @@ class QuantizedWeight(nnx.Module):
     group_size: int,
     shape: tuple[int, ...],
     axes: tuple[str | None, ...],
+    batch: int = 0,
   ):
-    codes_shape, scales_shape = quant.quantized_shapes(shape, kind=kind, contract=contract, group_size=group_size)
+    if batch and kind not in quant.PER_CHANNEL_KINDS:
+      raise ValueError(
+        f"a batched (batch={batch}) quantised weight must be one of {quant.PER_CHANNEL_KINDS}; got {kind!r}"
+      )
+    lead = tuple(shape[:batch])
+    codes_shape, scales_shape = quant.quantized_shapes(
+      shape[batch:], kind=kind, contract=contract, group_size=group_size
+    )
+    codes_shape, scales_shape = lead + codes_shape, lead + scales_shape
     if tuple(codes.shape) != codes_shape or tuple(scales.shape) != scales_shape:
       raise ValueError(
         f"{kind} weight {shape}: codes {codes.shape} / scales {scales.shape}, expected {codes_shape} / {scales_shape}"
       )
-    scale_axes = (None,) * contract + tuple(axes[contract:]) if kind == "int8" else tuple(axes)
+    k = batch + contract
+    per_channel = kind in quant.PER_CHANNEL_KINDS
+    scale_axes = tuple(axes[:batch]) + (None,) * contract + tuple(axes[k:]) if per_channel else tuple(axes)
     self.codes = QuantParam(codes, out_sharding=tuple(axes), eager_sharding=False)
     self.scales = QuantParam(scales, out_sharding=scale_axes, eager_sharding=False)
     self.kind, self.contract, self.group_size = kind, contract, group_size
     self.shape, self.axes = tuple(shape), tuple(axes)
+    if batch:  # set only when used: the graph of every other quantised weight stays as it was
+      self.batch = batch
 
   def dequantize(self, dtype) -> jax.Array:
-    """``ŵ [*C, *O]`` in ``dtype``."""
+    """``ŵ [*batch, *C, *O]`` in ``dtype``."""
+    if getattr(self, "batch", 0):  # per channel: the scales broadcast over the batch dims as they are
+      return (self.codes[...].astype(jnp.float32) * self.scales[...]).astype(dtype)
     return quant.dequantize(
       self.codes[...], self.scales[...], kind=self.kind, contract=self.contract, group_size=self.group_size, dtype=dtype
     )

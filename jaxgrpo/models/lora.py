@@ -65,6 +65,7 @@ __all__ = [
   "has_adapters",
   "adapter_dropout",
   "merge_lora",
+  "rollout_weights",
   "count_params",
   "adam_state_bytes",
   "base_fingerprint",
@@ -188,13 +189,14 @@ def quantize_model(
 
   Args:
     model: a ``jaxgrpo.models`` model (modified in place).
-    kind: ``"int8"``, ``"int4"`` or ``"nf4"``.
+    kind: ``"int8"``, ``"int4"`` or ``"nf4"`` (``quant.QUANT_KINDS``), or ``"fp8"`` (a rollout format).
     group_size: 4-bit group size (must divide every weight's last contracted dim).
     targets: patterns as in ``LoRAConfig.targets``; None = every projection.
   """
   check_model(model)
-  if kind not in quant.QUANT_KINDS:
-    raise ValueError(f"kind must be one of {quant.QUANT_KINDS}, got {kind!r}")
+  kinds = quant.QUANT_KINDS + tuple(k for k in quant.ROLLOUT_KINDS if k not in quant.QUANT_KINDS)
+  if kind not in kinds:
+    raise ValueError(f"kind must be one of {kinds}, got {kind!r}")
   if model.scan_layers:
     edit_layers(model, lambda m: quantize_model(m, kind, group_size=group_size, targets=targets, rules=rules))
     return
@@ -434,3 +436,48 @@ def base_fingerprint(model) -> str:
       x = x.astype(jnp.float32)
     h.update(f"{'.'.join(map(str, path))}|{tuple(x.shape)}|{x.dtype}|{int(_checksum_jit(x))};".encode())
   return h.hexdigest()
+
+
+def rollout_weights(model, kind: str, *, rules: Mapping[str, Any] | None = None):
+  """The sampler's copy of ``model`` with weight-only quantised projections (``SamplingConfig.quantize``).
+
+  Adapters are merged first (``w + scale·A·B``; a QLoRA base is dequantised: :func:`merge_lora`), then every
+  projection — attention, MLP and every expert of a mixture of experts — becomes a ``QuantizedWeight`` of
+  ``kind`` (``"int8"`` or ``"fp8"``: one scale per output channel, ``models.quant``), computed from the arrays
+  ``model`` holds now. Embeddings, the LM head and norms keep their dtype. Codes and scales keep each weight's
+  sharding (its logical axes under ``rules``). ``model`` is not modified; its unquantised arrays are shared.
+  The copy computes ``ŵ = q·s`` per call (``layers.project``): the policy it samples is the dequantised model μ.
+
+  Raises:
+    ValueError: ``kind`` is not one of ``quant.ROLLOUT_KINDS``.
+  """
+  check_model(model)
+  if kind not in quant.ROLLOUT_KINDS:
+    raise ValueError(f"rollout_weights: kind must be one of {quant.ROLLOUT_KINDS}; got {kind!r}")
+  sampled = merge_lora(model, rules=rules)  # a copy: adapters merged, quantised (QLoRA) bases dequantised
+  quantize_model(sampled, kind, rules=rules)
+  edit_layers(sampled, lambda m: _quantize_experts(m, kind, rules))
+  return sampled
+
+
+_EXPERT_STACKS = ("gate", "up", "down")  # a mixture of experts' routed weights [E, D, F] / [E, F, D]
+_quantize_experts_jit = jax.jit(
+  jax.vmap(lambda w, kind: quant.quantize(w, kind=kind, contract=1), in_axes=(0, None)), static_argnums=1
+)
+
+
+def _quantize_experts(model, kind: str, rules) -> None:
+  """Every routed-expert stack ``[E, D_in, D_out]`` of ``model`` (loop layout) as a ``QuantizedWeight`` (``batch=1``:
+  one scale per expert and output channel), in place, on its weight's mesh."""
+  for path, module in nnx.iter_modules(model):
+    if not hasattr(module, "num_experts"):
+      continue
+    for name in _EXPERT_STACKS:
+      w = getattr(module, name)
+      shape, axes, like = weight_info(w)
+      codes, scales = _quantize_experts_jit(w.get_value(), kind)
+      dotted = ".".join(map(str, tuple(path) + (name,)))
+      qw = QuantizedWeight(codes, scales, kind=kind, contract=1, group_size=0, shape=shape, axes=axes, batch=1)
+      qw.codes.set_value(place_like(codes, axes, like, rules, dotted + ".codes"))
+      qw.scales.set_value(place_like(scales, qw.scales.get_metadata()["out_sharding"], like, rules, dotted + ".scales"))
+      setattr(module, name, qw)

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec
 from jaxgrpo.models.backend import f32_operands_on_cpu
 from jaxgrpo.models.base import RematPolicy, freeze_rules
 from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
-from jaxgrpo.models.layers import RMSNorm, dense, param
+from jaxgrpo.models.layers import QuantizedWeight, RMSNorm, dense, param
 from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, swiglu
 from jaxgrpo.parallel.target import current_platform
 
@@ -359,7 +359,9 @@ class MoEBlock(nnx.Module):
   ``SwiGLU`` of width ``shared_expert_intermediate_size``, adapters allowed) and ``shared_gate [D, 1]``
   ("embed", None). Static: ``dispatch`` ("tiled", "ragged" or "dense", module docstring; "auto", the default:
   :func:`default_dispatch` of the platform the program is traced for), ``top_k``, ``norm_topk_prob``,
-  ``rules`` (the model's rules table, for the mesh layout of the dispatch). The routed experts take
+  ``rules`` (the model's rules table, for the mesh layout of the dispatch). In the sampler's quantised copy
+  (``models.lora.rollout_weights``) ``gate``/``up``/``down`` are ``QuantizedWeight`` s (``batch=1``, one scale per
+  expert and output channel), dequantised per call. The routed experts take
   no LoRA adapter (``jaxgrpo.models.lora`` lists only attention and dense/shared MLP projections).
   """
 
@@ -410,9 +412,7 @@ class MoEBlock(nnx.Module):
       x,
       experts,
       weights,
-      self.gate[...],
-      self.up[...],
-      self.down[...],
+      *(_expert_weight(w, self.dtype) for w in (self.gate, self.up, self.down)),
       dtype=self.dtype,
       rules=dict(self.rules),
     )
@@ -420,6 +420,12 @@ class MoEBlock(nnx.Module):
       gate = dense(x, self.shared_gate[...].astype(self.dtype), preferred_element_type=jnp.float32)
       y = y + jax.nn.sigmoid(gate) * self.shared(x, dropout_key).astype(jnp.float32)
     return y.astype(self.dtype), Route(logits, experts)
+
+
+def _expert_weight(w, dtype) -> jax.Array:
+  """An expert stack ``[E, ...]``: the parameter's value, or a quantised rollout copy's ``ŵ`` in ``dtype``
+  (``QuantizedWeight`` with ``batch=1``: ``models.lora.rollout_weights``)."""
+  return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w[...]
 
 
 class MoEDecoderBlock(LlamaBlock):

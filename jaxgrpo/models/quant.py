@@ -1,7 +1,8 @@
-"""Weight quantisation for QLoRA base weights: pure array functions, no model code.
+"""Weight quantisation for QLoRA base weights and the sampler's rollout weights: pure array functions, no model
+code.
 
 A projection weight ``w [*C, *O]`` contracts its first ``contract`` dims (``C``) with the input.
-Three formats, all symmetric (no zero point):
+Four formats, all symmetric (no zero point):
 
 - ``"int8"``: one scale per output channel, ``s[o] = max_c |w[c, o]| · (1/127)``,
   ``q = clip(round(w / s), -127, 127)``, int8 codes of the weight's shape; scales
@@ -9,6 +10,10 @@ Three formats, all symmetric (no zero point):
 - ``"int4"``: one scale per group of ``group_size`` consecutive elements along the last contracted
   dim (axis ``contract - 1``), ``s = max_group |w| · (1/7)``, ``q = clip(round(w / s), -7, 7)``;
   ``ŵ = q · s``; ``|w - ŵ| ≤ s / 2``.
+- ``"fp8"``: one scale per output channel, ``s[o] = max_c |w[c, o]| · (1/448)``, ``q = fp8_e4m3fn(w / s)``
+  (round to nearest even; 448 is e4m3's largest finite value), codes ``float8_e4m3fn`` of the weight's shape,
+  scales as int8's. ``ŵ = q · s``; ``|w - ŵ| ≤ 16 · s`` (half the spacing 32 of e4m3's top binade [256, 448];
+  relative to ``|w|`` the error is at most 2⁻⁴). A rollout-weight format (``ROLLOUT_KINDS``), not a QLoRA one.
 - ``"nf4"``: QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of
   Quantized LLMs", §3): ``s = max_group |w|`` (block-wise absmax, blocks of ``group_size``),
   ``q = argmin_j |w / s - NF4[j]|`` over the 16 NF4 levels; ``ŵ = NF4[q] · s``;
@@ -33,9 +38,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["QUANT_KINDS", "NF4_LEVELS", "quantize", "dequantize", "quantized_shapes", "max_abs_error"]
+__all__ = [
+  "QUANT_KINDS",
+  "ROLLOUT_KINDS",
+  "PER_CHANNEL_KINDS",
+  "NF4_LEVELS",
+  "quantize",
+  "dequantize",
+  "quantized_shapes",
+  "max_abs_error",
+]
 
-QUANT_KINDS = ("int8", "int4", "nf4")
+QUANT_KINDS = ("int8", "int4", "nf4")  # QLoRA's base-weight formats (``models.lora.LoRAConfig.quantize``)
+ROLLOUT_KINDS = ("int8", "fp8")  # the sampler's weight formats (``rollout.sampling.SamplingConfig.quantize``)
+PER_CHANNEL_KINDS = ("int8", "fp8")  # one scale per output channel: ``x·ŵ = (x·q)·s``
+_KINDS = QUANT_KINDS + ("fp8",)
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 # The 16 NormalFloat-4 levels of QLoRA (bitsandbytes' NF4 table): quantiles of N(0, 1) normalised
 # to [-1, 1], with an exact 0 (8 levels above 0, 7 below).
@@ -63,14 +81,18 @@ NF4_LEVELS = np.array(
 _NF4_MIDPOINTS = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2).astype(np.float32)  # [15]
 
 
+def _check_kind(kind: str) -> None:
+  if kind not in _KINDS:
+    raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+
+
 def _check(shape: tuple[int, ...], kind: str, contract: int, group_size: int) -> None:
-  if kind not in QUANT_KINDS:
-    raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+  _check_kind(kind)
   if not isinstance(contract, int) or isinstance(contract, bool) or not 1 <= contract < len(shape):
     raise ValueError(
       f"contract must be an int in [1, {len(shape) - 1}] for a weight of shape {shape}, got {contract!r}"
     )
-  if kind != "int8":
+  if kind not in PER_CHANNEL_KINDS:
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or group_size % 2:
       raise ValueError(f"group_size must be an even int >= 2, got {group_size!r}")
     n = shape[contract - 1]
@@ -87,7 +109,7 @@ def quantized_shapes(
   """``(codes shape, scales shape)`` of a ``kind``-quantised weight of ``shape`` (see the module doc)."""
   shape = tuple(shape)
   _check(shape, kind, contract, group_size)
-  if kind == "int8":
+  if kind in PER_CHANNEL_KINDS:
     return shape, (1,) * contract + shape[contract:]
   a = contract - 1
   codes = shape[:a] + (shape[a] // 2,) + shape[a + 1 :]
@@ -127,13 +149,13 @@ def quantize(w: jax.Array, *, kind: str, contract: int, group_size: int = 64) ->
 
   Args:
     w: ``f32[*C, *O]`` (any float dtype; computed in float32), contracting its first ``contract`` dims.
-    kind: ``"int8"`` (per output channel), ``"int4"`` or ``"nf4"`` (per group of ``group_size``
+    kind: ``"int8"`` or ``"fp8"`` (per output channel), ``"int4"`` or ``"nf4"`` (per group of ``group_size``
       along axis ``contract - 1``). Formulas in the module docstring.
     contract: number of leading (contracted) dims, ``1 <= contract < w.ndim``.
     group_size: 4-bit group (block) size; even, dividing ``w.shape[contract - 1]``.
 
   Returns:
-    ``(codes, scales)``: ``int8[*C, *O]`` and ``f32[1.., *O]`` for int8; packed ``uint8`` codes and
+    ``(codes, scales)``: ``int8[*C, *O]`` (``float8_e4m3fn`` for fp8) and ``f32[1.., *O]`` for int8/fp8; packed ``uint8`` codes and
     ``f32`` group scales for int4/nf4 (shapes from ``quantized_shapes``).
   """
   shape = tuple(w.shape)
@@ -145,6 +167,9 @@ def quantize(w: jax.Array, *, kind: str, contract: int, group_size: int = 64) ->
     s = jnp.max(jnp.abs(w), axis=tuple(range(contract)), keepdims=True) * jnp.float32(1 / 127)
     q = jnp.clip(jnp.round(_safe_divide(w, s)), -127, 127).astype(jnp.int8)
     return q, s
+  if kind == "fp8":
+    s = jnp.max(jnp.abs(w), axis=tuple(range(contract)), keepdims=True) * jnp.float32(1 / _FP8_MAX)
+    return jnp.clip(_safe_divide(w, s), -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn), s
   a = contract - 1
   g = _grouped(w, a, group_size)  # [..., n/g, g, ...]
   absmax = jnp.max(jnp.abs(g), axis=a + 1, keepdims=True)
@@ -164,9 +189,8 @@ def dequantize(
   codes: jax.Array, scales: jax.Array, *, kind: str, contract: int, group_size: int = 64, dtype=jnp.float32
 ) -> jax.Array:
   """``ŵ [*C, *O]`` in ``dtype`` from ``quantize``'s ``(codes, scales)`` (computed in float32)."""
-  if kind not in QUANT_KINDS:
-    raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
-  if kind == "int8":
+  _check_kind(kind)
+  if kind in PER_CHANNEL_KINDS:
     return (codes.astype(jnp.float32) * scales).astype(dtype)
   a = contract - 1
   c = _unpack(codes, a)
@@ -180,9 +204,11 @@ def dequantize(
 
 
 def max_abs_error(kind: str) -> float:
-  """The worst-case ``|w - ŵ| / s`` of ``kind`` (scale units): 0.5 for int8/int4, half the largest NF4 gap."""
-  if kind not in QUANT_KINDS:
-    raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+  """The worst-case ``|w - ŵ| / s`` of ``kind`` (scale units): 0.5 for int8/int4, half the largest NF4 gap,
+  16 for fp8 (half e4m3's spacing in [256, 448])."""
+  _check_kind(kind)
+  if kind == "fp8":
+    return 16.0
   if kind == "nf4":
     return float(np.max(np.diff(NF4_LEVELS)) / 2)
   return 0.5

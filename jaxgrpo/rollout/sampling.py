@@ -36,8 +36,9 @@ from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.models import lora as _lora
 from jaxgrpo.models import moe as _moe
+from jaxgrpo.models import quant as _quant
 from jaxgrpo.models.log_probs import Temperature
-from jaxgrpo.parallel.target import target_platform
+from jaxgrpo.parallel.target import platform_of, target_platform
 
 __all__ = [
   "Rollout",
@@ -80,6 +81,11 @@ class SamplingConfig:
     record_routing: record each token's experts (``Rollout.routing``: a mixture-of-experts policy's
       routing replay, ``jaxgrpo.models.moe``); ValueError from ``generate`` for a dense model. An engine
       that records no routing (vLLM) refuses it.
+    quantize: None (default), ``"int8"`` or ``"fp8"``: the built-in samplers draw from
+      ``models.lora.rollout_weights(model, quantize)`` — weight-only, one scale per output channel, made from the
+      model's current arrays at every call (adapters merged first) — and record that policy's log-probs (μ, not
+      the learner's π: the learner recomputes ``old_logp`` and TIS/MIS correct the gap; docs/sampling.md,
+      "Quantized rollout weights"). ``"fp8"`` (e4m3) is refused for a model on the CPU (no fp8 dots there).
   """
 
   num_samples: int
@@ -91,9 +97,15 @@ class SamplingConfig:
   suppress_ids: tuple[int, ...] | None = None
   merge_lora: bool = False
   record_routing: bool = False
+  quantize: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+    if self.quantize is not None and self.quantize not in _quant.ROLLOUT_KINDS:
+      raise ValueError(
+        f"`quantize` must be None or one of {_quant.ROLLOUT_KINDS} (weight-only, per output channel); "
+        f"got {self.quantize!r}"
+      )
     if self.suppress_ids is not None:
       object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))
     for name in ("num_samples", "max_new_tokens"):
@@ -104,8 +116,18 @@ class SamplingConfig:
         )
 
   def model_to_sample(self, model):
-    """The model :func:`generate` samples from: ``models.lora.merge_lora(model)`` when ``merge_lora`` and
-    ``model`` has adapters, else ``model`` itself (also what ``jaxgrpo.loop.collect`` pushes to an engine)."""
+    """The model :func:`generate` samples from: with ``quantize``, ``models.lora.rollout_weights(model, quantize)``
+    (adapters merged, projections quantised from the current arrays; ``"fp8"`` refused on the CPU in one line);
+    else ``models.lora.merge_lora(model)`` when ``merge_lora`` and ``model`` has adapters, else ``model`` itself
+    (also what ``jaxgrpo.loop.collect`` pushes to an engine)."""
+    if self.quantize is not None:
+      platform = platform_of(nnx.state(model))
+      if self.quantize == "fp8" and platform == "cpu":
+        raise ValueError(
+          "SamplingConfig.quantize='fp8': the model is on the CPU, which has no fp8 dots (XLA would emulate them, "
+          "slower than float32); use quantize='int8' there, or fp8 on a GPU/TPU"
+        )
+      return _lora.rollout_weights(model, self.quantize)
     return _lora.merge_lora(model) if self.merge_lora and _lora.has_adapters(model) else model
 
   def require_max_new_tokens(self, where: str) -> int:
@@ -124,7 +146,7 @@ def check_sampling(sampling, where: str) -> SamplingConfig:
   if not isinstance(sampling, SamplingConfig):
     raise TypeError(
       f"{where}: `sampling` must be a jaxgrpo.rollout.sampling.SamplingConfig (num_samples, max_new_tokens, top_p, "
-      f"top_k, eos_ids, pad_id, suppress_ids, merge_lora, record_routing); got {type(sampling).__name__}"
+      f"top_k, eos_ids, pad_id, suppress_ids, merge_lora, record_routing, quantize); got {type(sampling).__name__}"
     )
   return sampling
 

@@ -280,6 +280,7 @@ def sampling_config(cfg: TrainerConfig, model, *, pad_id: int, eos_ids: Sequence
     pad_id=pad_id,
     merge_lora=roll.merge_lora,
     record_routing=roll.routing_replay == "rollout" and moe.is_moe(model),
+    quantize=None if roll.quantize == "none" else roll.quantize,
   )
 
 
@@ -379,7 +380,8 @@ def rollout_source(
     merge_lora=roll.merge_lora,
     engine=engine,
     engine_sampling=engine_sampling(cfg, sampling),
-    logprobs_are_policy=engine is None or logprobs_are_policy(engine),
+    # quantised rollout weights: the sampler's log-probs are μ's, so the learner recomputes old_logp
+    logprobs_are_policy=(engine is None or logprobs_are_policy(engine)) and roll.quantize == "none",
     turns=None if make_env is None else Turns(make_env, cfg.env.multiturn_config()),
     should_stop=should_stop,
   )

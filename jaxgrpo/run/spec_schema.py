@@ -286,6 +286,11 @@ class RolloutSpec:
     speculative_tokens: k, tokens drafted per verify step; speculative_ngram: n, the suffix length looked up.
     speculative_draft: the draft model's directory (a HF causal LM of the policy's tokenizer; its vocabulary size
       checked against the policy's before its weights are read), for ``draft`` and ``auto``.
+    quantize: ``none`` (default), ``int8`` or ``fp8``: the built-in sampler draws from weight-only quantised
+      copies of the policy's projections (per output channel, made at every push, LoRA merged first;
+      ``SamplingConfig.quantize``); its log-probs are then μ's, so the learner recomputes ``old_logp`` and
+      ``objective.importance_correction`` (tis/mis) corrects the gap (metric ``engine/mismatch_k3``). ``fp8`` needs
+      a GPU/TPU. Single-turn rollouts of ``engine: jax`` only (docs/sampling.md, "Quantized rollout weights").
   """
 
   group_size: int = 6
@@ -305,6 +310,7 @@ class RolloutSpec:
   speculative_tokens: int = 4
   speculative_ngram: int = 2
   speculative_draft: str | None = None
+  quantize: Literal["none", "int8", "fp8"] = "none"
 
   def __post_init__(self):
     if not isinstance(self.engine, str):
@@ -318,6 +324,13 @@ class RolloutSpec:
     _checks.check_python_bool(self.ignore_eos, "rollout.ignore_eos")
     if self.routing_replay not in ("rollout", "none"):
       raise ValueError(f"`rollout.routing_replay` must be 'rollout' or 'none'; got {self.routing_replay!r}")
+    if self.quantize not in ("none", "int8", "fp8"):
+      raise ValueError(f"`rollout.quantize` must be 'none', 'int8' or 'fp8'; got {self.quantize!r}")
+    if self.quantize != "none" and self.engine != "jax":
+      raise ValueError(
+        f"`rollout.quantize`={self.quantize!r} quantises the built-in sampler's weights; `rollout.engine` is "
+        f"{self.engine!r} (it loads its own weights): use `engine: jax` or `quantize: none`"
+      )
     self.speculative_config()  # one line for a bad mode, k or n
 
   def speculative_config(self) -> SpeculativeConfig | None:
@@ -636,12 +649,25 @@ class TrainerConfig:
         f"`step.group_size`={self.step.group_size} must equal `rollout.group_size`={self.rollout.group_size} "
         "or be unset (the trainer passes G to the step)"
       )
+    if self.rollout.quantize != "none" and self.env is not None:
+      raise ValueError(
+        f"`rollout.quantize`={self.rollout.quantize!r} applies to single-turn rollouts; the multi-turn sampler "
+        "(`env`) samples the policy's own weights: set `rollout.quantize: none`"
+      )
     if self.rollout.merge_lora and self.lora is None:
       raise ValueError("`rollout.merge_lora` is true but there is no `lora` section: there are no adapters to merge")
     if self.lora is not None and self.lora.dropout > 0 and self.step.packing is not None:
       raise ValueError(
         f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
         "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
+      )
+    if self.rollout.quantize != "none" and self.objective.importance_correction is None:
+      warnings.warn(
+        f"`rollout.quantize`={self.rollout.quantize!r} without `objective.importance_correction`: the groups are "
+        "sampled by the quantised policy μ but trained as if by the learner's π (no π_old/μ reweighting; the gap is "
+        "logged as engine/mismatch_k3); set `objective.importance_correction: tis` (or mis) to correct it",
+        UserWarning,
+        stacklevel=3,
       )
     if self.rollout.max_staleness and self.objective.importance_correction is None:
       warnings.warn(
