@@ -12,7 +12,8 @@ Workloads (``--workload``):
 Completion lengths are uniform in ``[T/2, T]`` with random tokens (no shared completion prefix: ``tree`` then
 shares what ``prompt`` shares). Every layout runs the same GRPO step (``jaxgrpo.step.train``) from the same
 parameters; ``none`` packs each sequence whole into rows of ``P + T`` tokens, the sharing layouts pack each
-micro-batch's trees into rows that hold a whole tree. The layouts' first losses are printed with their difference
+micro-batch's trees into rows that hold a whole tree (``--row-length``: other rows; the compiled step runs on
+every token slot of its rows, padding included, so rows that the trees fill well matter as much as the sharing). The layouts' first losses are printed with their difference
 (equal values, the point of the method), then the median of ``--repeats`` alternating timed calls.
 
 FLOPs (analytic, forward + backward = 3 × forward): ``6·N·tokens`` for the trunk's matmuls (N its matmul
@@ -67,7 +68,7 @@ def analytic_flops(cfg, packed, completion_tokens: int) -> dict:
   hk, kvk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   trunk = layers * (2 * d * hk + 2 * d * kvk + 3 * d * cfg.intermediate_size)
   real = packed.segment_ids > 0
-  tokens = int(real.sum())
+  tokens = int(real.sum())  # the trunk runs on every slot of the rows (packed.tokens.size), padding included
   pairs = int((packed.positions[real] + 1).sum())  # each token attends to its depth + 1 keys
   flops = 6 * trunk * tokens + 6 * cfg.vocab_size * d * completion_tokens + 12 * layers * hk * pairs
   return dict(tokens=tokens, pairs=pairs, flops=flops)
@@ -95,6 +96,7 @@ def main(argv=None):
   ap.add_argument("--workload", choices=sorted(WORKLOADS), default="long")
   ap.add_argument("--layouts", default="none,prompt,tree")
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--row-length", type=int, default=None, help="the trees' row length (default: a group's tree)")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
   w = WORKLOADS[args.workload]
@@ -107,7 +109,7 @@ def main(argv=None):
   batch = train.pad_to_bucket(rollout(np.random.default_rng(args.seed), w, vocab))
   p, t = w["prompt_len"], batch.completions.shape[1]
   branches = w["group"] // w["micro"]  # a group's rows in one micro-batch (the step's split interleaves rows)
-  tree_length = -(-(p + branches * (t + 1)) // 128) * 128  # a group's tree in a micro-batch (a copy per branch)
+  tree_length = args.row_length or -(-(p + branches * (t + 1)) // 128) * 128  # a group's tree in a micro-batch
   completion_tokens = int(np.asarray(batch.mask).sum())
   print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); workload {args.workload}: {w}")
 
