@@ -203,6 +203,8 @@ def test_a_command_line_source_on_a_file_with_the_other_gives_the_whole_fix_in_o
     ("model: {synthetic: {}, remat: dot}\n", TypeError, r"`model.remat`: expected .*'dots_no_batch'.* got 'dot'"),
     ("step: {packing: 0}\n", ValueError, r"`packing` must be >= 1 \(a positive int or None\); got 0"),
     ("step: {packing_rows: 4}\n", ValueError, r"`packing_rows`=4 needs `packing`"),
+    ("step: {prefix_sharing: tree}\n", ValueError, r"`prefix_sharing`='tree' needs `packing`"),
+    ("step: {packing: 64, prefix_sharing: trie}\n", ValueError, r"`prefix_sharing` must be one of 'none', 'prompt'"),
   ],
 )
 def test_bad_configs_name_the_field_the_expected_type_and_the_value(tmp_path, text, error, match):

@@ -22,7 +22,9 @@ Backward (``jax.custom_vjp``): only ``out`` and ``lse`` are kept; each block's p
     dq_i += ds_ij·k_j·scale;  dk_j += ds_ijᵀ·q_i·scale
 
 Mask: query row ``i`` sees key row ``j`` iff ``q_segment_ids[b, i] == kv_segment_ids[b, j] > 0`` and (causal)
-``j <= i + q_offset[b]``. Segment id 0 is padding (a left-padded prompt is its 0/1 mask; packed rows carry
+``j <= i + q_offset[b]`` and, with ``kv_end`` (a prefix tree in pre-order, ``jaxgrpo.step.prefix_tree``),
+``i + q_offset[b] < kv_end[b, j]``: key j is then seen by the query rows ``[j, kv_end[b, j])``, its subtree. Segment
+id 0 is padding (a left-padded prompt is its 0/1 mask; packed rows carry
 ``jaxgrpo.step.packing``'s ids 1, 2, …). A query row that sees no key (padding) gives zeros, and zero gradients.
 Grouped key/value heads (GQA, MQA) are contracted per group, never repeated. With ``causal``, key blocks entirely
 after a query block's last row are skipped (the loops' bounds depend on ``max(q_offset)``).
@@ -56,6 +58,7 @@ def blockwise_attention(
   *,
   q_segment_ids: jax.Array | None = None,
   kv_segment_ids: jax.Array | None = None,
+  kv_end: jax.Array | None = None,
   q_offset: jax.Array | int = 0,
   causal: bool = True,
   scale: float | None = None,
@@ -70,6 +73,8 @@ def blockwise_attention(
     k, v: ``[B, T, N, K]`` keys and values, ``H % N == 0`` (query head ``h`` reads key/value head ``h // (H/N)``).
     q_segment_ids: ``int[B, S]``, 0 = padding, ``k >= 1`` = the k-th packed sequence (default: all 1).
     kv_segment_ids: ``int[B, T]``, the same for the keys (default: all 1).
+    kv_end: ``int[B, T]`` or None: key j is seen only by query rows ``i + q_offset < kv_end[b, j]`` (a tree
+      mask: with the rows in pre-order, ``kv_end[j]`` = j + the size of j's subtree). None: no such bound.
     q_offset: int or ``int[B]`` or ``int[]``: the key slot of query row 0 (causal mask ``j <= i + q_offset``);
       0 for self-attention, the cache index for a prefill into a cache of ``T`` slots.
     causal: mask keys after the query (``j > i + q_offset``).
@@ -85,6 +90,7 @@ def blockwise_attention(
     v,
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
+    kv_end=kv_end,
     q_offset=q_offset,
     causal=causal,
     scale=scale,
@@ -101,6 +107,7 @@ def blockwise_attention_with_lse(
   *,
   q_segment_ids=None,
   kv_segment_ids=None,
+  kv_end=None,
   q_offset=0,
   causal=True,
   scale=None,
@@ -120,7 +127,12 @@ def blockwise_attention_with_lse(
   scale = float(K**-0.5 if scale is None else scale)
   dt = jnp.dtype(q.dtype if dot_dtype is None else dot_dtype)
   static = (bool(causal), scale, bq, bk, dt)  # hashable: the custom_vjp's static argument
-  out, lse = _attention(static, q, k, v, seg_q, seg_k, offset)
+  if kv_end is None:
+    out, lse = _attention(static, q, k, v, seg_q, seg_k, offset)
+  else:
+    if shape_of(kv_end) != (B, T) or not jnp.issubdtype(jnp.asarray(kv_end).dtype, jnp.integer):
+      raise ValueError(f"blockwise_attention: `kv_end` must be an int array of shape {(B, T)}; got {shape_of(kv_end)}")
+    out, lse = _attention(static, q, k, v, seg_q, (seg_k, jnp.asarray(kv_end, jnp.int32)), offset)
   return out, lse
 
 
@@ -159,14 +171,18 @@ def _ceil(a: int, b: int) -> int:
 
 
 def _block_mask(static, seg_q, seg_k, offset, q0, k0):
-  """``bool[B, 1, 1, bq, bk]``: query rows ``q0 + [0, bq)`` see key rows ``k0 + [0, bk)``."""
+  """``bool[B, 1, 1, bq, bk]``: query rows ``q0 + [0, bq)`` see key rows ``k0 + [0, bk)``. ``seg_k`` is the keys'
+  segment ids, or ``(segment ids, kv_end)`` for a tree mask (rows ``i + offset < kv_end[j]`` only)."""
   causal, _, bq, bk, _ = static
+  seg_k, end = seg_k if isinstance(seg_k, tuple) else (seg_k, None)
   sq = jax.lax.dynamic_slice_in_dim(seg_q, q0, bq, axis=1)[:, :, None]
   sk = jax.lax.dynamic_slice_in_dim(seg_k, k0, bk, axis=1)[:, None, :]
   ok = (sq == sk) & (sk > 0)
+  row = lambda: q0 + jnp.arange(bq)[None, :, None] + offset[:, None, None]  # the query rows' key slots
   if causal:
-    qi = q0 + jnp.arange(bq)[None, :, None] + offset[:, None, None]
-    ok = ok & (k0 + jnp.arange(bk)[None, None, :] <= qi)
+    ok = ok & (k0 + jnp.arange(bk)[None, None, :] <= row())
+  if end is not None:
+    ok = ok & (row() < jax.lax.dynamic_slice_in_dim(end, k0, bk, axis=1)[:, None, :])
   return ok[:, None, None]
 
 
@@ -199,7 +215,8 @@ def _padded(static, q, k, v, seg_q, seg_k):
   G = H // N
   Sp, Tp = _ceil(S, bq) * bq, _ceil(T, bk) * bk
   qp = _pad_rows(q, Sp).reshape(B, Sp, N, G, K)
-  padded = (qp, _pad_rows(k, Tp), _pad_rows(v, Tp), _pad_rows(seg_q, Sp), _pad_rows(seg_k, Tp))
+  seg_k = tuple(_pad_rows(x, Tp) for x in seg_k) if isinstance(seg_k, tuple) else _pad_rows(seg_k, Tp)
+  padded = (qp, _pad_rows(k, Tp), _pad_rows(v, Tp), _pad_rows(seg_q, Sp), seg_k)
   return padded, (B, S, H, K, T, N, G, Sp, Tp)
 
 
@@ -313,7 +330,8 @@ def _attention_bwd(static, res, cotangents):
   init = (jnp.zeros((B, Sp, N, G, K), _F32), jnp.zeros((B, Tp, N, K), _F32), jnp.zeros((B, Tp, N, K), _F32))
   dq, dk, dv = jax.lax.fori_loop(0, Tp // bk, kv_block, init)
   dq = dq[:, :S].reshape(B, S, H, K).astype(q.dtype)
-  return dq, dk[:, :T].astype(k.dtype), dv[:, :T].astype(v.dtype), None, None, None
+  seg_k_cotangent = jax.tree.map(lambda _: None, seg_k)  # int inputs (a tree mask's pair too): no cotangent
+  return dq, dk[:, :T].astype(k.dtype), dv[:, :T].astype(v.dtype), None, seg_k_cotangent, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

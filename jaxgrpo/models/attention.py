@@ -40,6 +40,7 @@ __all__ = [
   "put_cache_rows",
   "apply_rope",
   "Attention",
+  "TreeSegments",
   "IMPLEMENTATIONS",
   "AUTO_MIN_LENGTH",
   "check_implementation",
@@ -107,6 +108,21 @@ def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
     if isinstance(module, Attention):
       module.implementation = implementation
   return model
+
+
+class TreeSegments(NamedTuple):
+  """Packed rows whose sequences share prefixes (``jaxgrpo.step.prefix_tree``): what ``CausalLM`` passes its layers
+  as ``segment_ids`` when it is given ``kv_end``. Query i attends key j iff ``ids[i] == ids[j] > 0``, ``j <= i``
+  and ``i < end[j]``: with each segment a forest in pre-order and ``end[j]`` = j + the size of j's subtree, a
+  token sees exactly its ancestors and itself.
+
+  Attributes:
+    ids: ``int32[B, S]`` segment ids (0 = padding).
+    end: ``int32[B, S]`` the end (exclusive) of each key's subtree, in columns of its row.
+  """
+
+  ids: jax.Array
+  end: jax.Array
 
 
 class KVCache(NamedTuple):
@@ -333,8 +349,10 @@ class Attention(nnx.Module):
     attends to the slots j <= cache_index+i with ``cache_valid[:, j]`` (already updated with this step's mask).
     A per-row ``cache_index`` (``int32[B]``, see ``KVCache``): row b's tokens go to its slots
     ``[cache_index[b], cache_index[b]+S)`` (a scatter; slots past the cache are dropped) and attend likewise.
+    ``segment_ids`` may be a :class:`TreeSegments` (no cache): query i then also needs ``i < end[j]``.
     Returns (y [B,S,D], new (k, v) or None).
     """
+    segment_ids, kv_end = segment_ids if isinstance(segment_ids, TreeSegments) else (segment_ids, None)
     B, S, _ = x.shape
     H, N, K = self.num_heads, self.num_kv_heads, self.head_dim
     kw = dict(dtype=self.dtype, dropout_key=dropout_key)
@@ -358,6 +376,8 @@ class Attention(nnx.Module):
       q_slot = k_slot = jnp.arange(S)
       seg_k = segment_ids[:, None, :]  # [B,1,S]
       key_ok = (seg_k == segment_ids[:, :, None]) & (seg_k > 0)  # [B,S,S]: same non-padding segment
+      if kv_end is not None:  # a prefix tree: key j is seen from the rows of its subtree, [j, end[j])
+        key_ok = key_ok & (q_slot[None, :, None] < kv_end[:, None, :])
       new_kv = None
     else:
       ck, cv = cache_kv
@@ -382,6 +402,9 @@ class Attention(nnx.Module):
         keys, values = jnp.transpose(keys, (0, 3, 1, 2)), jnp.transpose(values, (0, 2, 1, 3))
     ring = None if cache_kv is not None else context_implementation(self.implementation, context_size())
     impl = "dense" if small or forward_mode_active() else ring or resolve_implementation(self.implementation, S)
+    if impl != "dense" and kv_end is not None:  # a data-dependent tree mask: the blockwise kernel takes it
+      out = self._tree_kernel(impl, q, keys, values, segment_ids, kv_end)
+      return self._output(out, kw), new_kv
     if impl != "dense":  # memory linear in the length; a custom VJP, so never in forward-mode autodiff
       out = self._kernel(impl, q, keys, values, segment_ids, cache_valid if cache_kv is not None else None, cache_index)
       return self._output(out, kw), new_kv
@@ -415,6 +438,21 @@ class Attention(nnx.Module):
     """The output projection of the attention output ``out [B,S,H,K]``: ``[B,S,D]``."""
     out = shard_activation(out, QUERY_AXES, "attention output")
     return project(out, self.o, self.o_bias, self.o_lora, contract=2, **kw)
+
+  def _tree_kernel(self, impl, q, keys, values, segment_ids, kv_end) -> jax.Array:
+    """Blockwise attention under a prefix tree's mask (:class:`TreeSegments`); ``[B,S,H,K]``. The fused kernels
+    (splash, cuDNN) take masks fixed when the program is built, not a per-batch tree: asked for by name, one line."""
+    if impl in _PLATFORM_ONLY:
+      raise ValueError(
+        f"model attention={impl!r} cannot take a prefix tree's mask (its mask is fixed when the kernel is built; "
+        "the tree changes with every batch): use 'auto' or 'blockwise' with step.prefix_sharing, or 'none'"
+      )
+    block_q, block_kv = kernels.default_blocks()
+    return blockwise_attention(
+      q, keys.astype(self.dtype), values.astype(self.dtype), q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+      kv_end=kv_end, scale=self.head_dim**-0.5, block_q=block_q, block_kv=block_kv,
+      dot_dtype=jnp.float32 if current_platform() == "cpu" else None,
+    )  # fmt: skip
 
   def _kernel(self, impl, q, keys, values, segment_ids, cache_valid, cache_index) -> jax.Array:
     """Attention by ``impl`` (``blockwise``, ``splash``, ``cudnn``): q ``[B,S,H,K]``; keys, values ``[B,T,N,K]``

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.attention import KVCache, init_kv_cache
+from jaxgrpo.models.attention import KVCache, TreeSegments, init_kv_cache
 from jaxgrpo.models.backend import kv_cache_dtype
 from jaxgrpo.models.layers import LoRA, activation_rules, dense, layer_index, shard_activation
 from jaxgrpo.parallel import sharding
@@ -257,6 +257,15 @@ def _check_dropout_key(key, batch: int) -> jax.Array:
   return key
 
 
+def _tree_segments(segment_ids: jax.Array, kv_end) -> TreeSegments:
+  kv_end = jnp.asarray(kv_end)
+  if kv_end.shape != segment_ids.shape or not jnp.issubdtype(kv_end.dtype, jnp.integer):
+    raise ValueError(
+      f"kv_end must be an int array of segment_ids' shape {segment_ids.shape}; got {kv_end.dtype}{list(kv_end.shape)}"
+    )
+  return TreeSegments(segment_ids, kv_end.astype(jnp.int32))
+
+
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   """Position ids for (left-)padded rows: ``clip(cumsum(mask, -1) - 1, 0)``; int32 [B,S] from bool [B,S]."""
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -319,6 +328,7 @@ class CausalLM(nnx.Module):
     segment_ids: jax.Array | None = None,
     cache: KVCache | None = None,
     dropout_key: jax.Array | None = None,
+    kv_end: jax.Array | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder.
 
@@ -341,6 +351,9 @@ class CausalLM(nnx.Module):
         one key per row (``key[B]``, typed, or raw ``uint32[B, 2]``) for masks independent of the
         batch split; None (the default: sampling, reference and evaluation passes) applies no
         dropout. Ignored by a model without adapters or with dropout 0.
+      kv_end: int [B, S] with ``segment_ids``: packed prefix trees (``jaxgrpo.step.prefix_tree``, each segment a
+        forest in pre-order, positions = depths); query i also needs ``i < kv_end[j]`` (key j's subtree ends
+        there), so a token attends exactly to its ancestors and itself. None: plain segments.
 
     Returns:
       (hidden [B, S, D] after the final norm in compute dtype, new cache with ``index += S`` (per row: += the
@@ -362,6 +375,10 @@ class CausalLM(nnx.Module):
       if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array (0 = padding), got {segment_ids.dtype}")
       segment_ids = segment_ids.astype(jnp.int32)
+      if kv_end is not None:
+        segment_ids = _tree_segments(segment_ids, kv_end)
+    elif kv_end is not None:
+      raise ValueError("kv_end (a prefix tree's mask) needs segment_ids (packed rows); got segment_ids=None")
     else:
       if attention_mask is None:
         attention_mask = jnp.ones(tokens.shape, bool)

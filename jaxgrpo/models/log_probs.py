@@ -596,6 +596,7 @@ def packed_log_probs(
   chunk_size: int | None = 256,
   with_entropy: bool = False,
   entropy_grad: bool = False,
+  kv_end: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
   ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.step.packing.PackedSlots``.
@@ -627,6 +628,9 @@ def packed_log_probs(
     with_entropy: also return the entropy of the temperature-scaled policy (no gradient unless
       ``entropy_grad``: an entropy bonus in the loss).
     entropy_grad: differentiate the entropy too (requires ``with_entropy``).
+    kv_end: ``int32[R, L]`` packed prefix trees (``jaxgrpo.step.prefix_tree``: a token attends to its ancestors,
+      the model's ``kv_end``); the column before every listed target holds its parent (or a copy of it), so the
+      gather above is unchanged, and several ``(b, t)`` may share one head entry (their gradients add up there).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1.
@@ -634,7 +638,8 @@ def packed_log_probs(
   rb, h = _check_packed_args(tokens, positions, segment_ids, head_index, unpack_index, blocks)
   r, length = tokens.shape
   tokens = tokens.astype(jnp.int32)
-  hidden, _ = model(tokens, positions, segment_ids=segment_ids)  # [R, L, D]
+  tree = {} if kv_end is None else {"kv_end": kv_end}
+  hidden, _ = model(tokens, positions, segment_ids=segment_ids, **tree)  # [R, L, D]
   d = hidden.shape[-1]
   head_index = head_index.astype(jnp.int32)
   flat = hidden.reshape(blocks, rb * length, d)

@@ -60,6 +60,7 @@ def pack_batch(
   micro_batches: int = 1,
   rows: int | None = None,
   head_length: int | None = None,
+  sharing: str = "none",
 ) -> Batch:
   """``batch`` with ``packed``: its sequences packed slot by slot for the train step
   (``jaxgrpo.step.packing.pack_slots`` with the slots of :func:`batch_slots`), host side.
@@ -76,6 +77,8 @@ def pack_batch(
     mini_batches, micro_batches: M and K of the step.
     rows: rows per slot (``TrainConfig.packing_rows``; None: a power-of-two bucket of the need).
     head_length: LM-head entries per packed row (None: a bucket of the need, see ``pack_slots``).
+    sharing: ``TrainConfig.prefix_sharing``: ``"none"``, or each slot's sequences packed as prefix trees
+      (``"prompt"``, ``"tree"``; ``jaxgrpo.step.prefix_tree``).
   """
   if not isinstance(batch, Batch):
     raise TypeError(f"batch must be a jaxgrpo.step.train.Batch; got {type(batch).__name__}")
@@ -91,6 +94,7 @@ def pack_batch(
     row_length=row_length,
     rows=rows,
     head_length=head_length,
+    sharing=sharing,
   )
   return batch._replace(packed=packed)
 
@@ -118,6 +122,7 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
   rows_total, length = shapes["tokens"] if len(shapes["tokens"]) == 2 else (0, 0)
   rs = rows_total // num_slots if rows_total % num_slots == 0 else 0
   heads = shapes["head_index"]
+  tree = getattr(tc, "prefix_sharing", "none") != "none"
   ok = (
     rs > 0
     and length == tc.packing
@@ -128,16 +133,18 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
     and heads[1] % rs == 0
     and shapes["unpack_index"] == (b, t)
     and shapes["slot"] == (b,)
+    and shapes["kv_end"] == ((rows_total, length) if tree else ())
   )
   if not ok:
     rows_wanted = "Rs" if tc.packing_rows is None else tc.packing_rows
     raise ValueError(
       f"batch.packed does not fit this step: expected {num_slots} slots (data×fsdp {shards} × M·K {splits}) of "
       f"{rows_wanted} rows of L={tc.packing} tokens, i.e. tokens/segment_ids/positions [{num_slots}·{rows_wanted}, "
-      f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}]; got {shapes}. "
+      f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}], kv_end "
+      f"{'as tokens' if tree else 'None'} (prefix_sharing={getattr(tc, 'prefix_sharing', 'none')!r}); got {shapes}. "
       "Pack the batch with step.pack (or train.pack_batch with the step's settings), after bucketing"
     )
-  for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot"):
+  for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot") + ("kv_end",) * tree:
     _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
   # host arrays only (a placed batch was packed by pack_batch, not re-read from the devices every step)
   slot, index, mask = (x if isinstance(x, np.ndarray) else None for x in (packed.slot, packed.unpack_index, batch.mask))

@@ -236,7 +236,13 @@ def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batc
       )
     shards //= jax.process_count()
   pack = lambda **kw: pack_batch(
-    batch, row_length=tc.packing, shards=shards, mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, **kw
+    batch,
+    row_length=tc.packing,
+    shards=shards,
+    mini_batches=tc.mini_batches,
+    micro_batches=tc.micro_batches,
+    sharing=tc.prefix_sharing,
+    **kw,
   )
   packed = pack(rows=tc.packing_rows)
   if not multi:

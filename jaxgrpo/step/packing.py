@@ -20,7 +20,14 @@ The train step packs slot by slot (:func:`pack_slots`, :class:`PackedSlots`): on
 holds exactly the sequences of the unpacked one, with a head buffer listing each slot's completion
 tokens (the only positions that go through the LM head, ``jaxgrpo.models.packed_log_probs``).
 
+With ``sharing`` (``TrainConfig.prefix_sharing``), :func:`pack_slots` packs prefix trees instead of sequences
+(``jaxgrpo.step.prefix_tree``: the tokens that sequences of a slot share are laid out once, with each key's subtree
+end ``kv_end`` for the attention mask); the head buffer and the index maps keep their meaning.
+
 The packers (:func:`pack`, :func:`pack_slots`, :func:`first_fit_decreasing`) are host-side NumPy.
+
+One job at ~600 lines: the packed layout of a rollout's sequences and its index maps (the packers, their checks
+and the gathers between the two layouts).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxgrpo.step.prefix_tree import SHARING, build_trees
 
 __all__ = [
   "HEAD_FRACTIONS",
@@ -300,6 +309,9 @@ class PackedSlots(NamedTuple):
     unpack_index: ``int32[B, T]``: the entry j of ``head_index[slot[b]]`` holding completion token
       ``(b, t)``; -1 where ``mask[b, t]`` is False.
     slot: ``int32[B]``: the slot of each sequence (as given to :func:`pack_slots`).
+    kv_end: None, or with prefix sharing ``int32[S·Rs, L]``: the end (exclusive column) of each key's subtree
+      in its row, the mask's bound (query c sees key j of its segment iff ``j <= c < kv_end[j]``); positions are
+      then depths, and ``(b, t)`` of sequences sharing a completion token share its head entry.
   """
 
   tokens: np.ndarray
@@ -308,6 +320,7 @@ class PackedSlots(NamedTuple):
   head_index: np.ndarray
   unpack_index: np.ndarray
   slot: np.ndarray
+  kv_end: np.ndarray | None = None
 
   @property
   def rows_per_slot(self) -> int:
@@ -334,6 +347,7 @@ def pack_slots(
   row_length: int,
   rows: int | None = None,
   head_length: int | None = None,
+  sharing: str = "none",
 ) -> PackedSlots:
   """Pack each slot's sequences (real prompt tokens, then real completion tokens) into its own rows of
   ``row_length`` tokens by first-fit decreasing (:func:`first_fit_decreasing`, per slot).
@@ -352,6 +366,9 @@ def pack_slots(
     rows: Rs, rows per slot (None: the power-of-two bucket of the need).
     head_length: H (None: the bucket of the need, see above); ``rows · head_length`` must hold every
       slot's completion tokens.
+    sharing: ``"none"`` (each sequence whole), ``"prompt"`` or ``"tree"``: each slot's sequences as prefix
+      trees (``jaxgrpo.step.prefix_tree.build_trees``; a tree is placed whole, like a sequence, and fills
+      ``kv_end``).
 
   Returns:
     A :class:`PackedSlots`.
@@ -369,36 +386,77 @@ def pack_slots(
     raise ValueError(f"`slot` must be an int array of shape ({B},), got {slot.dtype}{list(slot.shape)}")
   if B and (slot.min() < 0 or slot.max() >= S):
     raise ValueError(f"`slot` values must be in [0, num_slots={S}); got values in [{slot.min()}, {slot.max()}]")
+  if sharing not in SHARING:
+    raise ValueError(f"`sharing` must be one of {SHARING}; got {sharing!r}")
+  if sharing != "none":
+    return _pack_tree_slots(prompt_tokens, completions, p_len, c_len, seqs, slot, S, L, rows, head_length, sharing)
   n = p_len + c_len
   bins = np.zeros(seqs.size, np.int64)
   offs = np.zeros(seqs.size, np.int64)
   used = np.zeros(S, np.int64)
-  heads = np.zeros(S, np.int64)
   for s in range(S):
     mine = np.flatnonzero(slot[seqs] == s)
     bins[mine], offs[mine] = first_fit_decreasing(n[seqs[mine]], L)
     used[s] = bins[mine].max() + 1 if mine.size else 0
-    heads[s] = c_len[seqs[mine]].sum()
   Rs = _slot_rows(rows, used, L)
-  H = _head_length(head_length, heads, Rs, L)
   packed = _fill_rows(prompt_tokens, completions, p_len, c_len, seqs, slot[seqs] * Rs + bins, offs, S * Rs, L)
-  # head buffer: each slot's completion columns in row-major order; entry j of slot s ↔ its j-th one
-  completion = packed.completion_mask.reshape(S, Rs * L)
+  return _with_head_buffer(
+    packed.tokens, packed.segment_ids, packed.positions, packed.unpack_index, slot, S, head_length
+  )
+
+
+def _with_head_buffer(tokens, segment_ids, positions, targets, slot, S: int, head_length, kv_end=None) -> PackedSlots:
+  """The :class:`PackedSlots` of packed rows ``[S·Rs, L]`` whose completion token ``(b, t)`` is scored at the flat
+  column ``targets[b, t]`` (-1: none; several ``(b, t)`` may share one): the head buffer lists each slot's scored
+  columns in row-major order (entry j of slot s ↔ its j-th one)."""
+  L = tokens.shape[1]
+  Rs = tokens.shape[0] // S
+  real = targets >= 0  # [B, T]
+  completion = np.zeros(S * Rs * L, bool)
+  completion[targets[real]] = True
+  completion = completion.reshape(S, Rs * L)
+  H = _head_length(head_length, completion.sum(1), Rs, L)
   rank = np.cumsum(completion, axis=1, dtype=np.int64) - 1  # [S, Rs·L]: j at each completion column
   head_index = np.zeros((S, Rs * H), np.int32)
   where_s, where_c = np.nonzero(completion)
   head_index[where_s, rank[where_s, where_c]] = where_c
-  real = packed.unpack_index >= 0  # [B, T]
-  local = packed.unpack_index - (slot * Rs * L)[:, None]  # flat index within the slot's rows
+  local = targets - (slot * Rs * L)[:, None]  # flat index within the slot's rows
   unpack_index = np.where(real, rank[np.broadcast_to(slot[:, None], real.shape), np.where(real, local, 0)], -1)
   return PackedSlots(
-    tokens=packed.tokens,
-    segment_ids=packed.segment_ids,
-    positions=packed.positions,
+    tokens=tokens,
+    segment_ids=segment_ids,
+    positions=positions,
     head_index=head_index,
     unpack_index=unpack_index.astype(np.int32),
     slot=slot.astype(np.int32),
+    kv_end=kv_end,
   )
+
+
+def _pack_tree_slots(prompt_tokens, completions, p_len, c_len, seqs, slot, S, L, rows, head_length, sharing):
+  """:func:`pack_slots` with ``sharing``: each slot's sequences as prefix trees, the trees placed by FFD."""
+  B, P = prompt_tokens.shape
+  T = completions.shape[1]
+  per_slot, used = [], np.zeros(S, np.int64)
+  for s in range(S):
+    mine = seqs[slot[seqs] == s]
+    sequences = [np.concatenate([prompt_tokens[b, P - p_len[b] :], completions[b, : c_len[b]]]) for b in mine]
+    trees = build_trees(sequences, p_len[mine], sharing, L)
+    bins, offs = first_fit_decreasing(np.asarray([t.tokens.size for t in trees], np.int64), L)
+    per_slot.append((mine, trees, bins, offs))
+    used[s] = bins.max() + 1 if bins.size else 0
+  Rs = _slot_rows(rows, used, L)
+  tokens, segment_ids, positions, kv_end = (np.zeros((S * Rs, L), np.int32) for _ in range(4))
+  targets = np.full((B, T), -1, np.int64)
+  for s, (mine, trees, bins, offs) in enumerate(per_slot):
+    for i in np.lexsort((offs, bins)):  # row by row, left to right: segment ids 1, 2, ...
+      tree, r, o = trees[i], s * Rs + int(bins[i]), int(offs[i])
+      cols = slice(o, o + tree.tokens.size)
+      tokens[r, cols], positions[r, cols], kv_end[r, cols] = tree.tokens, tree.depth, o + tree.end
+      segment_ids[r, cols] = segment_ids[r].max() + 1
+      for k, target in zip(tree.members, tree.targets):
+        targets[mine[k], : target.size] = r * L + o + target
+  return _with_head_buffer(tokens, segment_ids, positions, targets, slot, S, head_length, kv_end)
 
 
 def _slot_rows(rows: int | None, used: np.ndarray, L: int) -> int:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxgrpo import _checks
 from jaxgrpo.models.base import freeze_rules
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step.prefix_tree import SHARING
 
 __all__ = ["TrainConfig", "TrainState", "init_train_state"]
 
@@ -83,6 +84,11 @@ class TrainConfig:
     packing_rows: rows of L tokens per micro-batch and device (None: the fewest that hold the fullest
       micro-batch, rounded up to a power of two; a fixed value gives one compiled shape and a
       ValueError for a batch that does not fit).
+    prefix_sharing: ``"none"`` (default), ``"prompt"`` or ``"tree"`` (needs ``packing``): the packed rows hold
+      each micro-batch's sequences as prefix trees (``jaxgrpo.step.prefix_tree``), so a prompt shared by the
+      sequences of a slot (``"prompt"``), or any common prefix, completions included (``"tree"``), is computed
+      once in the step, the reference pass and the π_old recomputation; values and gradients are the
+      row-wise step's.
     router_aux_loss: a mixture of experts' load-balancing coefficient c (HF ``router_aux_loss_coef``;
       0: off): the loss becomes ``Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k`` with ``aux_k`` =
       ``jaxgrpo.models.moe.load_balancing_loss`` of micro-batch k's forward over its real tokens (one
@@ -101,6 +107,7 @@ class TrainConfig:
   compiler_options: Mapping[str, Any] | None = None
   packing: int | None = None
   packing_rows: int | None = None
+  prefix_sharing: str = "none"
   router_aux_loss: float = 0.0
   router_z_loss: float = 0.0
 
@@ -118,6 +125,12 @@ class TrainConfig:
     c.check_python_bool(self.entropy, "entropy")
     for name in ("router_aux_loss", "router_z_loss"):
       c.check_python_float(getattr(self, name), name, at_least=0.0, hint="MoE router loss coefficient")
+    c.check_choice(self.prefix_sharing, SHARING, "prefix_sharing")
+    if self.packing is None and self.prefix_sharing != "none":
+      raise ValueError(
+        f"`prefix_sharing`={self.prefix_sharing!r} needs `packing` (the row length L: the trees are packed rows); "
+        "set packing, e.g. to the longest prompt + max_new_tokens"
+      )
     if self.packing is None and self.packing_rows is not None:
       raise ValueError(f"`packing_rows`={self.packing_rows} needs `packing` (the row length L)")
 

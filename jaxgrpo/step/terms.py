@@ -98,10 +98,13 @@ def _model_inputs(batch: Batch) -> dict:
 
 
 def slot_inputs(packed: PackedSlots) -> dict:
-  """The packed rows and head buffers (split by slot, :func:`split_slots`)."""
-  return dict(
+  """The packed rows and head buffers (split by slot, :func:`split_slots`); prefix-shared rows add ``kv_end``."""
+  inputs = dict(
     tokens=packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids, head_index=packed.head_index
   )
+  if packed.kv_end is not None:  # TrainConfig.prefix_sharing: the trees' mask
+    inputs["kv_end"] = packed.kv_end
+  return inputs
 
 
 def micro_log_probs(
@@ -116,7 +119,7 @@ def micro_log_probs(
     kw["topk_ids"] = topk_ids
   if "head_index" in mb:  # no adapter dropout here: _check_dropout refuses it with packing
     args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
-    return packed_log_probs(model, *args, blocks=blocks, **kw)
+    return packed_log_probs(model, *args, blocks=blocks, kv_end=mb.get("kv_end"), **kw)
   args = (mb["prompt_tokens"], mb["prompt_mask"], mb["completions"], mb["mask"])
   return completion_log_probs(model, *args, dropout_key=mb.get("dropout_key"), **kw)
 

@@ -353,6 +353,7 @@ class TrainStep:
       mini_batches=tc.mini_batches,
       micro_batches=tc.micro_batches,
       rows=tc.packing_rows,
+      sharing=tc.prefix_sharing,
     )
 
   def _prepare_batch(self, batch: Batch) -> Batch:
@@ -692,7 +693,13 @@ def make_reference_fn(
     check_context_length(batch, tc, mesh)
     if tc.packing is not None and batch.packed is None:
       batch = pack_batch(
-        batch, row_length=tc.packing, shards=blocks, mini_batches=tc.mini_batches, micro_batches=k, rows=tc.packing_rows
+        batch,
+        row_length=tc.packing,
+        shards=blocks,
+        mini_batches=tc.mini_batches,
+        micro_batches=k,
+        rows=tc.packing_rows,
+        sharing=tc.prefix_sharing,
       )
     check_packing(batch, tc, blocks, slots)
     check_routing(batch, b, np.shape(batch.completions)[1])
