@@ -45,7 +45,7 @@ from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
-name, packing = sys.argv[1], sys.argv[2] == "packed"
+name, packing, sharing = sys.argv[1], sys.argv[2] != "unpacked", "tree" if sys.argv[2] == "tree" else "none"
 MESHES = ["data=1", "fsdp=2,context=4"] + (["data=2,context=4", "tensor=2,context=4"] if name == "grpo" else [])
 cfg = Qwen3Config(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                   intermediate_size=64, tie_word_embeddings=True)  # grouped heads: 2 query heads per kv head
@@ -55,7 +55,8 @@ config = preset(name)
 batch = long_prefix_batch()  # [prompt ‖ completion] of 64: 4 chunks of 16
 if not config.needs_reference:
   batch = batch._replace(ref_logp=None)
-tc = train.TrainConfig(micro_batches=1, group_size=G, chunk_size=16, packing=128 if packing else None)
+tc = train.TrainConfig(micro_batches=1, group_size=G, chunk_size=16, packing=128 if packing else None,
+                       prefix_sharing=sharing)  # tree: each group's shared prefixes once, the tree mask in the ring
 results = {}
 for spec in MESHES:
   mesh = shd.make_mesh(spec, devices=jax.devices()[:1] if spec == "data=1" else None)
@@ -80,12 +81,15 @@ print("OK")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", ["unpacked", "packed"])
+@pytest.mark.parametrize("packing", ["unpacked", "packed", "tree"])
 def test_context_parallel_step_equals_the_single_device_step_8_devices(packing):
   """GRPO, λ-GRPO and FRPO (one child each, side by side): ``fsdp=2,context=4`` (and for GRPO
   ``data=2,context=4`` and ``tensor=2,context=4``) against one device: the losses of two steps and the parameters
-  after them agree to float32 rounding (1e-5), and the compiled program passes K/V chunks around the ring."""
-  children = [start_child(_STEP, devices=8, args=(name, packing)) for name in ("grpo", "lambda_grpo", "frpo")]
+  after them agree to float32 rounding (1e-5), and the compiled program passes K/V chunks around the ring.
+  ``tree``: packed prefix trees (``step.prefix_sharing: tree``, λ-GRPO and FRPO): the tree mask's bounds travel
+  the ring with their key chunks."""
+  names = ("lambda_grpo", "frpo") if packing == "tree" else ("grpo", "lambda_grpo", "frpo")
+  children = [start_child(_STEP, devices=8, args=(name, packing)) for name in names]
   for child in children:
     assert finish_child(child).strip().endswith("OK")
 

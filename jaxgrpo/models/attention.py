@@ -447,6 +447,12 @@ class Attention(nnx.Module):
         f"model attention={impl!r} cannot take a prefix tree's mask (its mask is fixed when the kernel is built; "
         "the tree changes with every batch): use 'auto' or 'blockwise' with step.prefix_sharing, or 'none'"
       )
+    if impl == "ring":  # a context axis: the tree's bounds travel the ring with their key chunks
+      dot = jnp.float32 if current_platform() == "cpu" else None
+      return context_attention(
+        q, keys, values, segment_ids, rules=current_activation_rules(), scale=self.head_dim**-0.5, dot_dtype=dot,
+        kv_end=kv_end,
+      )  # fmt: skip
     block_q, block_kv = kernels.default_blocks()
     return blockwise_attention(
       q, keys.astype(self.dtype), values.astype(self.dtype), q_segment_ids=segment_ids, kv_segment_ids=segment_ids,

@@ -52,12 +52,25 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def ring_attention_shard(
-  q, k, v, segment_ids, *, axis_name: str, causal=True, scale=None, block_q=None, block_kv=None, dot_dtype=None
+  q,
+  k,
+  v,
+  segment_ids,
+  *,
+  axis_name: str,
+  causal=True,
+  scale=None,
+  block_q=None,
+  block_kv=None,
+  dot_dtype=None,
+  kv_end=None,
 ):
   """The body inside ``jax.shard_map``: this device's chunk ``q [B, C, H, K]``, ``k, v [B, C, N, K]``,
   ``segment_ids int[B, C]`` (chunk r holds global rows ``[r·C, (r+1)·C)``); returns its ``[B, C, H, K]``
   output rows (q's dtype). ``dot_dtype``: the blockwise kernel's product operand dtype (float32 on XLA:CPU for
-  bf16 inputs)."""
+  bf16 inputs). ``kv_end int[B, C]`` (optional): a prefix tree's mask in *global* positions (key j is seen by the
+  query rows ``[j, kv_end[j])``, ``jaxgrpo.step.prefix_tree``); it travels the ring with its key chunk and is
+  shifted to the chunk's own coordinates (``kv_end − source·C``) where the kernel compares it."""
   n = jax.lax.axis_size(axis_name)
   r = jax.lax.axis_index(axis_name)
   C = q.shape[1]
@@ -66,13 +79,16 @@ def ring_attention_shard(
   kw["dot_dtype"] = dot_dtype
   ring = [(i, (i + 1) % n) for i in range(n)]
   out = lse = None
-  kc, vc, sc = k, v, segment_ids
+  chunk = (k, v, segment_ids) if kv_end is None else (k, v, segment_ids, jnp.asarray(kv_end, jnp.int32))
   for t in range(n):
     source = (r - t) % n  # whose chunk this device holds after t passes
+    kc, vc, sc, *ec = chunk
+    if ec:
+      kw["kv_end"] = ec[0] - source * C
     o, l = blockwise_attention_with_lse(q, kc, vc, kv_segment_ids=sc, q_offset=(r - source) * C, **kw)
     out, lse = (o.astype(jnp.float32), l) if out is None else merge_partials(out, lse, o, l)
     if t + 1 < n:
-      kc, vc, sc = (jax.lax.ppermute(x, axis_name, ring) for x in (kc, vc, sc))
+      chunk = tuple(jax.lax.ppermute(x, axis_name, ring) for x in chunk)
   return out.astype(q.dtype)
 
 
@@ -94,12 +110,15 @@ def ring_attention(q, k, v, segment_ids, mesh, *, axis: str = "context", causal=
   return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)(q, k, v, segment_ids)
 
 
-def context_attention(q, k, v, segment_ids, *, rules=None, scale=None, dot_dtype=None, block_q=None, block_kv=None):
+def context_attention(
+  q, k, v, segment_ids, *, rules=None, scale=None, dot_dtype=None, block_q=None, block_kv=None, kv_end=None
+):
   """Ring attention over the ``context`` axis of the context mesh (``jax.set_mesh``), for the model: ``q [B, S,
   H, K]``, ``k, v [B, S, N, K]``, ``segment_ids int[B, S]`` (global shapes; ``S`` divisible by the context size).
   The batch dim stays on the mesh axes of ``rules["batch"]``, the head dims on those of ``rules["heads"]`` /
   ``rules["kv_heads"]`` (default :data:`~jaxgrpo.parallel.sharding.DEFAULT_RULES`), as the model's activation
-  constraints put them. Returns ``[B, S, H, K]`` in q's dtype, zeros on padding rows (segment 0)."""
+  constraints put them. Returns ``[B, S, H, K]`` in q's dtype, zeros on padding rows (segment 0). ``kv_end int[B,
+  S]``: a prefix tree's mask (:func:`ring_attention_shard`), split like the segment ids."""
   mesh = jax.sharding.get_abstract_mesh()
   n = context_size(mesh)
   if n < 2:
@@ -114,10 +133,12 @@ def context_attention(q, k, v, segment_ids, *, rules=None, scale=None, dot_dtype
   q_spec = logical_to_spec(("batch", "activation_length", "heads", None), mesh, rules, q.shape, "attention queries")
   kv_spec = logical_to_spec(("batch", "activation_length", "kv_heads", None), mesh, rules, k.shape, "attention keys")
   seg_spec = logical_to_spec(("batch", "activation_length"), mesh, rules, segment_ids.shape, "segment ids")
-  body = lambda q, k, v, s: ring_attention_shard(
-    q, k, v, s, axis_name=CONTEXT_AXIS, scale=scale, block_q=block_q, block_kv=block_kv, dot_dtype=dot_dtype
-  )
-  ring = jax.shard_map(
-    body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False
-  )
-  return ring(q, k, v, jnp.asarray(segment_ids, jnp.int32))
+  body = lambda q, k, v, s, *e: ring_attention_shard(
+    q, k, v, s, axis_name=CONTEXT_AXIS, scale=scale, block_q=block_q, block_kv=block_kv, dot_dtype=dot_dtype,
+    kv_end=e[0] if e else None,
+  )  # fmt: skip
+  args = (q, k, v, jnp.asarray(segment_ids, jnp.int32))
+  args += () if kv_end is None else (jnp.asarray(kv_end, jnp.int32),)
+  specs = (q_spec, kv_spec, kv_spec, seg_spec, seg_spec)[: len(args)]
+  ring = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
+  return ring(*args)
