@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
   where.add_argument("--devices", action="store_true", help="this machine's devices")
   p.add_argument("--slices", type=int, default=1, help="TPU slices (multi-slice)")
   p.add_argument(
-    "--programs", help="comma-separated subset: step,sampler,reference,old_logp,reward_model:NAME (default: all)"
+    "--programs",
+    help="comma-separated subset: step,sampler,reference,old_logp,reward_model:NAME,teacher (default: all)",
   )
   p.add_argument("--no-fix", action="store_true", help="do not search a fix for a program that does not fit")
   p.add_argument("--json", action="store_true", help="the plan as JSON on stdout (the log on stderr)")

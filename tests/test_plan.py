@@ -208,6 +208,47 @@ def test_a_configured_reward_model_is_planned_with_its_sharded_weights(tmp_path)
   assert rmp["flops"] > 0 and rmp["other_resident_bytes"] > 0
 
 
+def test_a_distillation_teacher_is_planned_beside_the_policy(tmp_path):
+  """demo.yaml with ``objective.distill`` (a ``synthetic:96x3`` teacher, top-k 4, β 0), on cpu-2: the plan compiles
+  the teacher's pass (its top-k on the step's batch) and the step with the teacher's fields in its batch (before:
+  no teacher program, and the step's program failed for want of ``teacher_topk_ids``); the teacher's float32
+  weights (matrices' D over fsdp = 2, vectors replicated; by formula) are resident while the step runs, and the
+  pass returns only ``f32[B, T]`` + ``int32[B, T, k]`` + ``f32[B, T, k]`` per device."""
+  import yaml
+
+  from jaxgrpo.plan.programs import run_shape, teacher_config
+  from jaxgrpo.run.specs import load_config
+
+  k = 4
+  d = yaml.safe_load(open(DEMO))
+  d["objective"].update(beta=0.0, distill={"teacher": "synthetic:96x3", "weight": 1.0, "kind": "forward_kl",
+                                          "top_k": k})  # fmt: skip
+  config = tmp_path / "distill.yaml"
+  config.write_text(yaml.safe_dump(d))
+  cmd = [sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2", "--json", "--programs", "step,teacher"]
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  step, teacher = json.loads(r.stdout)["programs"]
+  assert (step["verdict"], teacher["name"], teacher["verdict"]) == ("no fit test", "teacher", "no fit test"), r.stdout
+  c = teacher_config("synthetic:96x3")
+  v, dm, layers, h, kv, hd, f = c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, \
+    c.intermediate_size  # fmt: skip
+  assert (dm, layers) == (96, 3)
+  matrices = v * dm * (1 if c.tie_word_embeddings else 2) + layers * (2 * dm * h * hd + 2 * dm * kv * hd + 3 * dm * f)
+  weights = 4 * (matrices // 2 + layers * (2 * dm + 2 * hd) + dm)
+  assert step["other_resident_bytes"] == pytest.approx(weights, rel=1e-3), step  # β = 0: the teacher's copy only
+  shape = run_shape(load_config(str(config)))
+  rows, t = shape.rows // 2, shape.completion_len
+  assert teacher["output_bytes"] == pytest.approx(rows * t * (4 + k * (4 + 4)), rel=1e-3), teacher
+  assert teacher["argument_bytes"] > weights and teacher["flops"] > 0
+  # a run directory as the teacher (its checkpoint root or a step too): planned from the run's saved model section
+  run = tmp_path / "teacher_run"
+  (run / "checkpoints" / "60").mkdir(parents=True)
+  (run / "config.json").write_text(json.dumps(load_config(DEMO, {"model.synthetic.hidden_size": 96}).to_dict()))
+  for where in (run, run / "checkpoints", run / "checkpoints" / "60"):
+    assert teacher_config(str(where)).hidden_size == 96, where
+
+
 @pytest.mark.slow
 def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts():
   """``jaxgrpo.plan.plan_run`` with its fix search, end to end through XLA's TPU compiler (``.venv-tpu``) for

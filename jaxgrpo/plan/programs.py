@@ -27,11 +27,14 @@ from jaxgrpo import _checks
 from jaxgrpo.models import build_model, lora, moe
 from jaxgrpo.models.config import config_from_hf
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.plan import shapes
 from jaxgrpo.rewards import reward_model as rm_lib
 from jaxgrpo.rollout import sampling
 from jaxgrpo.rollout.engines import registry as engine_registry
 from jaxgrpo.run import assemble, builders
-from jaxgrpo.run.spec_schema import DTYPES
+from jaxgrpo.run.spec_schema import DTYPES, ModelSpec
+from jaxgrpo.run.specs import config_from_dict
+from jaxgrpo.run.task_specs import SyntheticModel
 from jaxgrpo.run.trainer import dropout_key
 from jaxgrpo.step import train
 
@@ -75,9 +78,10 @@ def _sds(shape, dtype, sharding):
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def abstract_model(cfg, model_config):
+def abstract_model(cfg, model_config, *, adapters: bool = True):
   """The run's policy as ``ShapeDtypeStruct`` s: ``build_model`` of ``model_config`` with the run's dtypes, remat,
-  layout and attention, and the ``lora`` section's adapters (``builders.add_adapters``)."""
+  layout and attention, and the ``lora`` section's adapters (``builders.add_adapters``; not with
+  ``adapters=False``: a distillation teacher, built with the policy's settings as the run builds it)."""
   spec = cfg.model
 
   def build():
@@ -90,11 +94,53 @@ def abstract_model(cfg, model_config):
       scan_layers=spec.scan_layers,
       attention=spec.attention,
     )
-    if cfg.lora is not None:
+    if cfg.lora is not None and adapters:
       builders.add_adapters(model, cfg.lora, seed=cfg.run.seed)
     return model
 
   return nnx.eval_shape(build)
+
+
+def teacher_config(teacher: str):
+  """The model config of ``objective.distill.teacher`` for planning: ``synthetic:<hidden>x<layers>`` (the synthetic
+  model the run builds), a named shape (``qwen3-32b``: ``jaxgrpo.plan.shapes``), or an HF directory /
+  ``config.json``. A run directory of this library is planned from its saved model's HF directory (one line)."""
+  hidden_layers = teacher.removeprefix("synthetic:").split("x") if teacher.startswith("synthetic:") else None
+  if hidden_layers is not None:
+    if len(hidden_layers) != 2 or not all(x.isdigit() for x in hidden_layers):
+      raise ValueError(f"`objective.distill.teacher`={teacher!r}: a synthetic teacher is `synthetic:<hidden>x<layers>`")
+    synthetic = SyntheticModel(hidden_size=int(hidden_layers[0]), num_layers=int(hidden_layers[1]))
+    return builders.model_config(ModelSpec(synthetic=synthetic))
+  run_config = None if _is_hf_dir(teacher) else _run_config_above(teacher)
+  if run_config is not None:  # a run directory, checkpoint root or step of this library: its run's model
+    return builders.model_config(run_config.model)
+  try:
+    return shapes.model_config(teacher)
+  except ValueError as e:
+    raise ValueError(f"`objective.distill.teacher`: {e}") from None
+
+
+def _is_hf_dir(path: str) -> bool:
+  file = os.path.join(path, "config.json")
+  if not os.path.isfile(file):
+    return False
+  with open(file) as f:
+    return "model_type" in json.load(f)
+
+
+def _run_config_above(path: str):
+  """The run config (``config.json`` with a ``model`` section) of the run that holds ``path`` (the run directory,
+  its checkpoint root or a step: up to two levels up); None if none does (an HF directory)."""
+  here = os.path.abspath(path)
+  for _ in range(3):
+    file = os.path.join(here, "config.json")
+    if os.path.isfile(file):
+      with open(file) as f:
+        saved = json.load(f)
+      if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        return config_from_dict(saved)
+    here = os.path.dirname(here)
+  return None
 
 
 #: rows are right-padded to a multiple of this many tokens (``RewardModelReward``'s default, which the run uses)
@@ -146,8 +192,10 @@ def abstract_reward_model(spec, mesh):
   return model
 
 
-def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None) -> train.Batch:
-  """A NumPy batch of the run's largest shapes (one full-length completion per group: the top bucket)."""
+def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None, distill=None) -> train.Batch:
+  """A NumPy batch of the run's largest shapes (one full-length completion per group: the top bucket); with a
+  distillation config (``GRPOConfig.distill``) the teacher's fields the step reads (``teacher_logp``, and the
+  top-k forms' ``[B, T, k]`` ids and log-probs)."""
   rng = np.random.default_rng(0)
   b, g, p, t = shape.rows, shape.group, shape.prompt_len, shape.completion_len
   lens = rng.integers(max(1, t // 2), t + 1, b)
@@ -160,6 +208,12 @@ def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None) ->
                       rng.integers(0, 2, b).astype(np.float32), old)  # fmt: skip
   if routing is not None:
     batch = batch._replace(routing=np.zeros((b, p + t) + routing, np.int32))
+  if distill is not None:
+    batch = batch._replace(teacher_logp=old)
+    if not distill.sampled:
+      k = distill.top_k
+      ids = np.broadcast_to(np.arange(k, dtype=np.int32), (b, t, k))
+      batch = batch._replace(teacher_topk_ids=ids, teacher_topk_logp=np.full((b, t, k), -np.log(k), np.float32))
   return batch
 
 
@@ -212,12 +266,22 @@ class RunPrograms:
         rm_state = shd.abstract_tree(rm_state, shd.tree_shardings(rm_state, mesh, shd.DEFAULT_RULES))
         self.reward_models[f"reward_model:{spec.name}"] = (spec, rm_graphdef, rm_state, rm.config)
     self.names += tuple(self.reward_models)
+    distill = cfg.objective.distill
+    self._teacher = None  # (graphdef, abstract params with shardings, top_k) of the distillation teacher
+    if distill is not None and distill.teacher is not None:
+      teacher = abstract_model(cfg, teacher_config(distill.teacher), adapters=False)
+      t_graphdef, t_params = nnx.split(teacher)
+      t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, mesh, teacher.rules))
+      self._teacher = (t_graphdef, t_params, None if distill.sampled else distill.top_k)
+      self.names += ("teacher",)
     lora_ref = cfg.lora is not None
     self.resident = {"train state": per_device_bytes(self.state)}
     if self.step.reads_ref_logp and not lora_ref:
       self.resident["reference copy"] = per_device_bytes(self.state.params)
     for name, (_, _, rm_state, _) in self.reward_models.items():
       self.resident[name] = per_device_bytes(rm_state)  # loaded once, beside the policy, for the whole run
+    if self._teacher is not None:
+      self.resident["teacher"] = per_device_bytes(self._teacher[1])  # the teacher's copy, the whole run
     if lora_ref:
       self._ref_graphdef = nnx.graphdef(lora.base_model(model))
       self._ref_params, self._ref_sh = self.state.frozen, self.shardings.frozen
@@ -230,17 +294,17 @@ class RunPrograms:
     ref = self.resident.get("reference copy", 0)
     # the reference pass of a LoRA run reads the frozen base weights, which the train state holds: not counted twice
     state = self.resident["train state"] - (per_device_bytes(self.state.frozen) if self.cfg.lora is not None else 0)
-    rms = sum(self.resident[n] for n in self.reward_models if n != name)  # every reward model but this program's
-    if name in self.reward_models:
+    # every reward model and the teacher, but this program's own
+    rms = sum(self.resident[n] for n in (*self.reward_models, "teacher") if n in self.resident and n != name)
+    if name in self.reward_models or name == "teacher":
       return self.resident["train state"] + ref + rms
     return rms + {"step": ref, "sampler": opt + ref, "reference": state, "old_logp": opt + ref}[name]
 
   def lower(self, name: str) -> jax.stages.Lowered:
     if name in self.reward_models:
       return self._reward_model(name)
-    return {"step": self._step, "sampler": self._sampler, "reference": self._reference, "old_logp": self._old_logp}[
-      name
-    ]()
+    programs = dict(step=self._step, sampler=self._sampler, reference=self._reference, old_logp=self._old_logp)
+    return {**programs, "teacher": self._teacher_pass}[name]()
 
   def reward_model_shape(self, name: str) -> tuple[int, int]:
     """``(rows, tokens)`` of one call of reward model ``name``: its ``batch_size`` rows of the longest prompt +
@@ -260,7 +324,7 @@ class RunPrograms:
       return rm_lib.score_program.lower(graphdef, state, tokens, mask)
 
   def _batch(self) -> train.Batch:
-    return _host_batch(self.shape, self.model_config.vocab_size, self._routing)
+    return _host_batch(self.shape, self.model_config.vocab_size, self._routing, self.cfg.objective.distill)
 
   def _step(self):
     host = self._batch()
@@ -268,6 +332,16 @@ class RunPrograms:
 
   def _log_probs(self, graphdef, params, shardings):
     fn = train.make_reference_fn(graphdef, mesh=self.mesh, param_shardings=shardings, train_config=self.train_config)
+    return fn.lower(params, self._batch())
+
+  def _teacher_pass(self):
+    """The distillation teacher's log-prob pass (``step.feed.make_teacher``: the reference pass of the teacher's
+    model, with its top-k for the top-k forms) on the step's batch."""
+    graphdef, params, top_k = self._teacher
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    fn = train.make_reference_fn(
+      graphdef, mesh=self.mesh, param_shardings=shardings, train_config=self.train_config, top_k=top_k
+    )
     return fn.lower(params, self._batch())
 
   def _reference(self):
