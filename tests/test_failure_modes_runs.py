@@ -45,7 +45,16 @@ import time
 import numpy as np
 import pytest
 from helpers import RUN_XLA_FLAGS, cli_env
-from test_checkpoint_resume import ARGS, ROOT, TRAIN, _assert_same_records, _params, _records, reference_runs
+from test_checkpoint_resume import (
+  ARGS,
+  ROOT,
+  TRAIN,
+  _assert_same_records,
+  _params,
+  _records,
+  reference_runs,
+  stored_warm_up,
+)
 
 from jaxgrpo.run.builders import export_hf
 from jaxgrpo.services import checkpoint as ck
@@ -174,6 +183,7 @@ def test_disk_full_on_a_small_tmpfs(runs, env, tmp_path):
   if m.returncode != 0:
     pytest.skip(f"cannot mount a tmpfs here: {m.stderr.strip()}")
   try:
+    stored_warm_up(runs, out)  # on the tmpfs, where a fresh run writes it
     r = _run(env, out, 6, "--checkpoint.keep", "2", expect=1)
     failed = re.search(r"error: checkpoint save of step (\d+) failed: ENOSPC \(No space left on device\)", r.stdout)
     assert failed, r.stdout[-3000:]  # reported at once, in the log
@@ -195,6 +205,7 @@ def test_injected_write_error_with_on_save_error_continue(runs, env, tmp_path):
   checkpoint write fail with EFBIG; lifted again once the failure was reported. With
   --on-save-error continue the run goes on, the next saves succeed and it exits 0 with a warning."""
   out = tmp_path / "run"
+  stored_warm_up(runs, out)
   proc = subprocess.Popen(
     _cmd(out, 6, "--checkpoint.keep", "2", "--on-save-error", "continue"),
     env=env,
@@ -301,7 +312,8 @@ def test_signals_stop_cleanly_and_every_resume_is_exact(runs, env, tmp_path):
      a fresh copy of the directory that scenario 2 left).
   4. Resumed to the end."""
   out = tmp_path / "run"
-  # 1. SIGTERM during a background save
+  # 1. SIGTERM during a background save (a fresh run with its warm-up: the verifier worker starts meanwhile; without
+  # it, step 0's evaluation met a worker still starting at load 22 and recorded a timeout the reference run has not)
   code, stdout, stderr, children, _, mid_save = _signal_run(
     env, out, after="checkpoint: step 2 ", signals=[signal.SIGTERM]
   )
@@ -457,12 +469,13 @@ def test_collapse_without_nan_stops_and_keeps_the_good_checkpoints(runs, env, tm
 # ----------------------------------------------------------------------------- one run per directory
 
 
-def test_second_run_into_the_same_out_is_refused(env, tmp_path):
+def test_second_run_into_the_same_out_is_refused(runs, env, tmp_path):
   """Two real runs into one --out. Before: both exit 0, the newest checkpoint holds the second run's
   tensors and metrics.jsonl interleaves both. The lock goes with a SIGKILLed holder. The first run is
   suspended (SIGSTOP, as by Ctrl-Z) once step 1 is logged: it keeps its lock, and it neither spends
   the CPU the second run's start-up needs nor finishes while the second one starts."""
   out = tmp_path / "run"
+  stored_warm_up(runs, out)
   # 500 steps: still running while the second run starts (it is killed below)
   first = subprocess.Popen(_cmd(out, 500), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
   try:
@@ -512,6 +525,7 @@ def test_disk_full_while_writing_metrics(runs, env, tmp_path):
     (out / "checkpoints").mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(out / "checkpoints")], check=True)
     mounts.append(out / "checkpoints")
+    stored_warm_up(runs, out)
     proc = subprocess.Popen(
       _cmd(out, 6, "--no-tensorboard"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )

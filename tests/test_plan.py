@@ -337,3 +337,34 @@ def test_the_plan_builds_the_model_with_the_runs_attention(attention):
   model = programs.abstract_model(cfg, plan.model_config("qwen3-0.6b"))
   impls = {m.implementation for _, m in nnx.iter_graph(model) if isinstance(m, Attention)}
   assert impls == {attention}
+
+
+def test_a_sampler_whose_prompts_already_split_is_told_what_shrinks_it():
+  """A sampler that does not fit although its prompts split over the batch axes (Qwen3-8B, 64 prompts × G 8 on the 64
+  devices of fsdp): a larger fsdp axis would not divide the prompts (each device already holds one prompt's 8 rows),
+  so the line names what does shrink it: a larger tensor axis (8 KV heads over 2), half the prompts over half the
+  fsdp axis with the other half on the tensor axis (4 KV heads per device), 512 new tokens instead of 1,024. Before,
+  the refusal said "use more chips (a larger fsdp axis)", which would replicate the prompts."""
+  from jax.sharding import AbstractMesh
+
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(POD, {"rollout.prompts_per_step": 64, "rollout.max_new_tokens": 1024})
+  mesh = AbstractMesh((1, 64, 1), ("data", "fsdp", "tensor"))
+  hint = plan.sampler_hint(cfg, plan.model_config("qwen3-8b"), mesh)
+  assert hint == (
+    "no change found: the sampler's 64 prompts already split over the 64 devices of the batch axes (data×fsdp; 8 "
+    "rows and their KV cache per device), so a larger fsdp axis would not split them further; a larger tensor axis "
+    "(--devices.mesh fsdp=64,tensor=2 on 128 devices: the KV cache's 8 heads and the layer weights over 2), or fewer "
+    "prompts per step on the same devices (--rollout.prompts_per_step 32 --devices.mesh fsdp=32,tensor=2: 4 KV heads "
+    "per device), or a shorter rollout (--rollout.max_new_tokens 512: the KV cache holds prompt + new tokens) "
+    "shrinks it (not compiled)"
+  )
+  # 64 prompts on 16 devices: doubling fsdp still divides them, and half the prompts stay a multiple of 16
+  wider = plan.sampler_hint(cfg, plan.model_config("qwen3-8b"), AbstractMesh((1, 16, 1), ("data", "fsdp", "tensor")))
+  assert "--devices.mesh fsdp=32,tensor=1 on 32 devices: 16 rows each" in wider and "would not split" not in wider
+  assert "--rollout.prompts_per_step 32: 16 rows per device" in wider
+  sampler = plan.ProgramPlan("sampler", 1, verdict="does not fit", searched=True, hint=hint, error="RESOURCE_EXHAUSTED")
+  refusal = plan.RunPlan(plan.parse_target("v5e-64"), "qwen3-8b", {}, {}, [sampler], []).refusal
+  assert refusal.startswith("the sampler program does not fit v5e-64") and refusal.endswith("; " + hint)
+  assert "use more chips" not in refusal and "\n" not in refusal

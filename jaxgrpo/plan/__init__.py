@@ -22,6 +22,7 @@ from jaxgrpo.plan.report import (
   format_table,
   plan_run,
   sampler_fix,
+  sampler_hint,
 )
 from jaxgrpo.plan.shapes import NAMED_SHAPES, model_config
 from jaxgrpo.plan.targets import CHIPS, Chip, Target, chip_of_kind, parse_target, target_devices
@@ -49,6 +50,7 @@ __all__ = [
   "plan_run",
   "run_shape",
   "sampler_fix",
+  "sampler_hint",
   "sampler_flops",
   "step_flops",
   "target_devices",

@@ -53,7 +53,8 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 @dataclasses.dataclass
 class ProgramPlan:
   """One program's plan (bytes per device; None where not compiled). ``verdict``: ``fits``, ``does not fit``,
-  ``no fit test`` (XLA:CPU), ``estimated`` (a GPU by formula) or ``error``; ``fix``: the one-line change that fits."""
+  ``no fit test`` (XLA:CPU), ``estimated`` (a GPU by formula) or ``error``; ``fix``: the one-line change that fits;
+  ``hint``: what would shrink it when no change was found (the sampler: :func:`sampler_hint`)."""
 
   name: str
   micro_batches: int
@@ -74,6 +75,7 @@ class ProgramPlan:
   fix: str | None = None
   tried: list = dataclasses.field(default_factory=list)
   searched: bool = False
+  hint: str | None = None
 
   @property
   def total_bytes(self) -> int | None:
@@ -124,7 +126,7 @@ class RunPlan:
 def _no_fix(p: ProgramPlan) -> str:
   if not p.searched:
     return "no fix searched (--no-fix; scripts/plan.py without it compiles more micro-batches until one fits)"
-  return "no change found by compiling: use more chips (a larger fsdp axis)"
+  return p.hint or "no change found by compiling: use more chips (a larger fsdp axis)"
 
 
 def _compiler_words(msg: str | None) -> str:
@@ -251,6 +253,38 @@ def sampler_fix(cfg, model_config, mesh) -> str | None:
   return fix + " splits them (not compiled)"
 
 
+def sampler_hint(cfg, model_config, mesh) -> str:
+  """What shrinks a sampler that does not fit although its prompts already split over the batch axes (``data ×
+  fsdp``, ``n`` devices): per device it holds ``P·G/n`` rows of ``prompt + max_new_tokens`` positions of KV cache,
+  ``kv_heads/tensor`` heads each, and one layer's weights over ``tensor``. A larger fsdp axis helps only while it
+  divides the prompts (``P`` a multiple of ``2n``); a larger tensor axis (more devices, or the same ones with half the prompts over half the fsdp axis) or a
+  shorter rollout does. One line with the numbers (by this rule, not compiled)."""
+  sizes, p, g = dict(mesh.shape), cfg.rollout.prompts_per_step, cfg.rollout.group_size
+  n, t, new = shd.batch_shards(mesh, shd.DEFAULT_RULES), sizes.get("tensor", 1), cfg.rollout.max_new_tokens
+  data, fsdp, kv = sizes.get("data", 1), sizes.get("fsdp", 1), model_config.num_kv_heads
+
+  def mesh_arg(f: int, tt: int) -> str:
+    return "--devices.mesh " + (f"data={data}," if data > 1 else "") + f"fsdp={f},tensor={tt}"
+
+  ways, devices = [], math.prod(sizes.values())
+  if p % (2 * n) == 0:
+    ways.append(f"a larger fsdp axis ({mesh_arg(2 * fsdp, t)} on {2 * devices} devices: {p * g // (2 * n)} rows each)")
+  split = kv % (2 * t) == 0 and model_config.num_heads % (2 * t) == 0
+  if split:
+    ways.append(f"a larger tensor axis ({mesh_arg(fsdp, 2 * t)} on {2 * devices} devices: the KV cache's {kv} heads and the layer weights over {2 * t})")  # fmt: skip
+  if p // 2 and (p // 2) % n == 0:
+    ways.append(f"fewer prompts per step (--rollout.prompts_per_step {p // 2}: {p // 2 * g // n} rows per device)")
+  elif split and fsdp % 2 == 0:  # half the prompts over half the fsdp axis, the other half on the tensor axis
+    ways.append(f"fewer prompts per step on the same devices (--rollout.prompts_per_step {p // 2} {mesh_arg(fsdp // 2, 2 * t)}: {kv // (2 * t)} KV heads per device)")  # fmt: skip
+  if new > 1:
+    ways.append(f"a shorter rollout (--rollout.max_new_tokens {new // 2}: the KV cache holds prompt + new tokens)")
+  stuck = "" if p % (2 * n) == 0 else ", so a larger fsdp axis would not split them further"
+  return (
+    f"no change found: the sampler's {p} prompts already split over the {n} devices of the batch axes (data×fsdp; "
+    f"{p * g // n} rows and their KV cache per device){stuck}; " + ", or ".join(ways) + " shrinks it (not compiled)"
+  )
+
+
 def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) -> tuple[str | None, list]:
   """The smallest change that makes program ``name`` fit, found by compiling: more micro-batches (doubling through
   the divisors: a compile that does not fit fails in seconds), then ``model.remat: full`` at the most
@@ -324,6 +358,8 @@ def plan_run(
     if plan.verdict == "does not fit" and fix and target.fit_test:
       plan.fix, plan.tried = find_fix(cfg, model_config, mesh, p, target, log)
       plan.searched = True
+      if plan.fix is None and p == "sampler":
+        plan.hint = sampler_hint(cfg, model_config, mesh)
     out.append(plan)
   notes = _notes(target)
   return RunPlan(target, name, dataclasses.asdict(progs.shape), dict(mesh.shape), out, notes)
