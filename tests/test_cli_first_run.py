@@ -123,7 +123,8 @@ def test_cli_defaults_with_overrides_and_no_config_run(tmp_path):
   assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
   cfg = json.load(open(tmp_path / "out" / "config.json"))
   assert (
-    cfg["model"]["synthetic"] == {"hidden_size": 64, "num_layers": 2, "num_experts": 0, "experts_per_tok": 2}
+    cfg["model"]["synthetic"]
+    == {"hidden_size": 64, "num_layers": 2, "num_experts": 0, "experts_per_tok": 2, "max_positions": 2048}
     and cfg["model"]["path"] is None
   )
   assert cfg["data"]["max_prompt_tokens"] == 512 and cfg["rollout"]["max_new_tokens"] == 1024

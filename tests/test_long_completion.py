@@ -64,3 +64,22 @@ def test_the_long_completion_config_trains_through_train_py_with_blockwise_atten
   reported = float(re.search(r"peak RSS (\d+) MiB", log).group(1))
   measured = usage.ru_maxrss / 1024  # KiB on Linux
   assert abs(reported - measured) <= 0.02 * measured + 1, (reported, measured)
+
+
+def test_the_attention_line_names_packed_rows_and_per_batch_episodes():
+  """The trainer's attention line for a packed run names the packed row (``step.packing``), and a multi-turn run
+  (no fixed prompt width before its first batch) says the choice is made per batch (before: a TypeError in
+  ``Trainer.__init__`` of every ``env`` run)."""
+  import jax
+
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.run import assemble
+
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  packed = load_config(CONFIG, {"step.packing": 2048})
+  assert assemble.attention_line(packed, mesh, 64).endswith("-> blockwise in the train step (2048 positions a row)")
+  small = load_config(None, {"rollout.max_new_tokens": 20})
+  assert assemble.attention_line(small, mesh, 64).endswith(f"-> dense in the train step ({64 + 20} positions a row)")
+  assert assemble.attention_line(small, mesh, None).endswith(
+    "chosen per batch by its row length (episodes' prompts vary)"
+  )

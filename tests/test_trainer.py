@@ -161,6 +161,7 @@ def test_run_meta_names_identity_and_guarded_fields():
     "num_layers": 1,
     "num_experts": 0,
     "experts_per_tok": 2,
+    "max_positions": 2048,
   }
   assert meta.identity["run.seed"] == 0 and meta.identity["data.arithmetic.train_size"] == 64
   assert meta.guarded == {"optim.learning_rate": 1e-3, "rollout.group_size": 4}

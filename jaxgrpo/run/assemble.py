@@ -23,7 +23,7 @@ from jaxgrpo.loop.partial.schedule import PartialRollouts
 from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.loop.source import RolloutSource, Turns
 from jaxgrpo.models import load_hf, load_tokenizer, moe
-from jaxgrpo.models.attention import resolve_implementation
+from jaxgrpo.models.attention import context_implementation, resolve_implementation
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.target import platform_of
 from jaxgrpo.rewards import judge, remote, reward_model
@@ -284,13 +284,21 @@ def sampling_config(cfg: TrainerConfig, model, *, pad_id: int, eos_ids: Sequence
   )
 
 
-def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int) -> str:
+def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None) -> str:
   """The log line naming the attention the train step runs: ``model.attention`` resolved
-  (``models.attention.resolve_implementation``) for rows of ``prompt_len + rollout.max_new_tokens`` positions on
-  the platform of ``mesh``'s devices."""
-  rows = prompt_len + cfg.rollout.max_new_tokens
+  (``models.attention.resolve_implementation``) for rows of ``step.packing`` positions when packing, else
+  ``prompt_len + rollout.max_new_tokens``, on the platform of ``mesh``'s devices; ring attention over a ``context``
+  axis (``models.attention.context_implementation``). ``prompt_len`` None (multi-turn episodes, whose prompt width
+  is known per batch) without packing: the line says the choice is made per batch."""
+  name = f"attention: model.attention={cfg.model.attention!r}"
+  ring = context_implementation(cfg.model.attention, shd.context_size(mesh))
+  if ring is not None:
+    return f"{name} -> ring attention over the context axis (blockwise inside) in the train step"
+  rows = cfg.step.packing or (None if prompt_len is None else prompt_len + cfg.rollout.max_new_tokens)
+  if rows is None:
+    return f"{name} in the train step: chosen per batch by its row length (episodes' prompts vary)"
   impl = resolve_implementation(cfg.model.attention, rows, platform_of(mesh))
-  return f"attention: model.attention={cfg.model.attention!r} -> {impl} in the train step ({rows} positions a row)"
+  return f"{name} -> {impl} in the train step ({rows} positions a row)"
 
 
 def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingConfig:
