@@ -507,7 +507,6 @@ def test_distill_config_and_teacher_are_checked_in_one_line():
   for agg, fields, match in [
     ("token-mean", {"teacher_logp": batch.old_logp}, "needs batch.teacher_topk_ids"),
     ("token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids[..., :3] * 1.0}, "must have one shape"),
-    ("seq-mean-token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids * 1.0}, "token-mean' only"),
   ]:
     config = preset("grpo", aggregation=agg, distill=distill.DistillConfig(kind="jsd"))
     step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings)
@@ -536,9 +535,11 @@ def _full_log_softmax(model, batch):
   return jax.nn.log_softmax(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), -1)
 
 
-def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta):
-  """Σ over ``where`` of the divergence between the renormalised top-k distributions, written from the formulas
-  (jnp, so that ``jax.grad`` differentiates the formula itself)."""
+def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta, aggregation="token-mean"):
+  """The divergence between the renormalised top-k distributions on ``where``, written from the formulas (jnp,
+  so that ``jax.grad`` differentiates the formula itself), aggregated by hand: ``token-mean`` and
+  ``seq-mean-token-sum-norm`` give the sum ``Σ D`` (the caller divides), ``seq-mean-token-mean`` the mean over
+  the rows with a distilled token of each row's mean ``Σ_t D / n_i``."""
   import jax.numpy as jnp
 
   zs = jnp.take_along_axis(lp_student, ids, -1)
@@ -552,24 +553,32 @@ def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta):
   else:
     m = beta * pt + (1 - beta) * ps
     per = beta * jnp.sum(pt * (lt - jnp.log(m)), -1) + (1 - beta) * jnp.sum(ps * (ls - jnp.log(m)), -1)
-  return jnp.sum(jnp.where(where, per, 0.0))
+  per = jnp.where(where, per, 0.0)
+  if aggregation != "seq-mean-token-mean":
+    return jnp.sum(per)
+  n = where.sum(1)
+  return jnp.mean(jnp.stack([jnp.sum(per[i]) / n[i] for i in range(len(n)) if n[i] > 0]))
 
 
 @pytest.mark.parametrize(
-  "name, kind, beta, weight",
+  "name, kind, beta, weight, aggregation",
   [
-    (None, "forward_kl", 0.5, 1.0),  # the top-k term alone (rewards None)
-    ("grpo", "reverse_kl", 0.5, 0.5),  # GRPO + the term
-    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, marks=pytest.mark.slow),
-    ("frpo", "jsd", 0.5, 0.5),
+    (None, "forward_kl", 0.5, 1.0, "token-mean"),  # the top-k term alone (rewards None)
+    ("grpo", "reverse_kl", 0.5, 0.5, "token-mean"),  # GRPO + the term
+    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, "token-mean", marks=pytest.mark.slow),
+    ("frpo", "jsd", 0.5, 0.5, "token-mean"),
+    (None, "reverse_kl", 0.5, 1.0, "seq-mean-token-mean"),  # the term alone, each row's mean, then the rows'
+    ("grpo", "forward_kl", 0.5, 0.5, "seq-mean-token-mean"),
+    ("grpo", "jsd", 0.3, 2.0, "seq-mean-token-sum-norm"),  # Dr.GRPO's Σ D / (B·max_tokens)
   ],
 )
-def test_topk_forms_through_the_step(name, kind, beta, weight):
+def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation):
   """A top-k form (``distill.kind`` forward/reverse KL, JSD(β)): the teacher's top-k pass equals NumPy's top-k of
   its full log-softmax; one step equals ``θ − lr·(∇L_RL + w·∇ mean_t D)`` — ``L_RL`` the hand-written update of
   helpers.reference_update, ``D`` the divergence between the renormalised top-k distributions written from its
-  formula on the student's *full* logits — over the policy's tokens (observations out); the loss and
-  ``distill/topk_divergence`` equal the hand computation."""
+  formula on the student's *full* logits — over the policy's tokens (observations out), aggregated like the
+  policy term (``mean_t D`` over the tokens, ``mean_i mean_t D`` over the rows, or ``Σ D / (B·max_tokens)``);
+  the loss and ``distill/topk_divergence`` (a token mean whatever the aggregation) equal the hand computation."""
   import optax
   from flax import nnx
   from helpers import (
@@ -588,6 +597,7 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
 
   k, lr = 5, 0.5
   overrides = {"beta": 0.5} if name == "frpo" else {}
+  overrides["aggregation"] = aggregation
   config = preset(
     name or "grpo", distill=distill.DistillConfig(weight=weight, kind=kind, beta=beta, top_k=k), **overrides
   )
@@ -615,10 +625,12 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
   student = tiny_model(layers=1)
   sgraph, sparams = nnx.split(student)
   n = policy.sum()
-  div_loss = lambda prm: (
-    _hand_divergence(_full_log_softmax(nnx.merge(sgraph, prm), batch), ids, top, policy, kind, beta) / n
+  norm = {"token-mean": n, "seq-mean-token-mean": 1.0, "seq-mean-token-sum-norm": mask.size}[aggregation]
+  hand = lambda prm, agg: _hand_divergence(
+    _full_log_softmax(nnx.merge(sgraph, prm), batch), ids, top, policy, kind, beta, agg
   )
-  div, g_div = jax.value_and_grad(div_loss)(sparams)
+  div, g_div = jax.value_and_grad(lambda prm: hand(prm, aggregation) / norm)(sparams)
+  token_mean = hand(sparams, "token-mean") / n
   weights = None
   if name is None:
     taught, want_adv = taught._replace(rewards=None), np.zeros(mask.shape, np.float32)
@@ -643,5 +655,5 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
     np.testing.assert_allclose(
       got[key], rl_params[key] - lr * weight * g_flat[key], rtol=2e-5, atol=2e-7, err_msg=str(key)
     )
-  assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(div), rel=1e-5, abs=1e-7)
+  assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(token_mean), rel=1e-5, abs=1e-7)
   assert float(metrics["loss"]) == pytest.approx(rl_metrics["loss"] + weight * float(div), rel=1e-5, abs=1e-7)

@@ -188,8 +188,8 @@ def _check_distill_batch(config, batch: Batch) -> None:
 
 
 def _check_topk_batch(config, d, batch: Batch) -> None:
-  """A top-k distillation form: the teacher's ids and log-probs ``[B, T, k]`` of one k, a token-mean loss (the
-  term is added to the numerator over the same token count), an unpacked batch."""
+  """A top-k distillation form: the teacher's ids and log-probs ``[B, T, k]`` of one k (the
+  term is aggregated like the policy term, ``jaxgrpo.step.terms``), an unpacked batch."""
   ids, logp = batch.teacher_topk_ids, batch.teacher_topk_logp
   if ids is None or logp is None:
     raise ValueError(
@@ -199,11 +199,6 @@ def _check_topk_batch(config, d, batch: Batch) -> None:
   if np.shape(ids) != np.shape(logp):
     raise ValueError(
       f"batch.teacher_topk_ids {np.shape(ids)} and batch.teacher_topk_logp {np.shape(logp)} must have one shape [B, T, k]"
-    )
-  if config.aggregation != "token-mean":
-    raise ValueError(
-      f"distill.kind={d.kind!r} with aggregation={config.aggregation!r}: the top-k term is a token mean added to "
-      "the loss over its token count, built for aggregation 'token-mean' only; use it, or distill.kind 'sampled'"
     )
   if batch.packed is not None:
     raise ValueError(
