@@ -453,6 +453,7 @@ def test_train_step_with_a_teacher(name, overrides, weight, clip):
   with pytest.raises(ValueError, match="batch.teacher_logp is None"):
     step.check_batch(batch)
   taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  assert taught.packed is None  # the step packs it (or not) itself
   want_t = _teacher_logp_numpy(teacher, batch)
   np.testing.assert_allclose(np.asarray(taught.teacher_logp)[mask], want_t[mask], rtol=1e-5, atol=1e-5)
 
@@ -514,14 +515,6 @@ def test_distill_config_and_teacher_are_checked_in_one_line():
       step.check_batch(batch._replace(**fields))
   with pytest.raises(ValueError, match="batch.teacher_topk_ids must be int32\\[B, T, k\\]"):
     step.check_batch(batch._replace(teacher_topk_ids=ids[..., 0], teacher_topk_logp=ids * 1.0))
-  packed = train.TrainConfig(packing=64)
-  with pytest.raises(ValueError, match="not built for packed batches"):
-    feed.make_teacher(
-      train.make_train_step(
-        graphdef, opt, config.replace(aggregation="token-mean"), mesh=mesh, shardings=shardings, train_config=packed
-      ),
-      tiny_model(layers=1),
-    )
 
 
 def _full_log_softmax(model, batch):
@@ -561,24 +554,28 @@ def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta, aggregati
 
 
 @pytest.mark.parametrize(
-  "name, kind, beta, weight, aggregation",
+  "name, kind, beta, weight, aggregation, packing",
   [
-    (None, "forward_kl", 0.5, 1.0, "token-mean"),  # the top-k term alone (rewards None)
-    ("grpo", "reverse_kl", 0.5, 0.5, "token-mean"),  # GRPO + the term
-    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, "token-mean", marks=pytest.mark.slow),
-    ("frpo", "jsd", 0.5, 0.5, "token-mean"),
-    (None, "reverse_kl", 0.5, 1.0, "seq-mean-token-mean"),  # the term alone, each row's mean, then the rows'
-    ("grpo", "forward_kl", 0.5, 0.5, "seq-mean-token-mean"),
-    ("grpo", "jsd", 0.3, 2.0, "seq-mean-token-sum-norm"),  # Dr.GRPO's Σ D / (B·max_tokens)
+    (None, "forward_kl", 0.5, 1.0, "token-mean", None),  # the top-k term alone (rewards None)
+    ("grpo", "reverse_kl", 0.5, 0.5, "token-mean", None),  # GRPO + the term
+    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, "token-mean", None, marks=pytest.mark.slow),
+    ("frpo", "jsd", 0.5, 0.5, "token-mean", None),
+    (None, "reverse_kl", 0.5, 1.0, "seq-mean-token-mean", None),  # the term alone, each row's mean, then the rows'
+    ("grpo", "forward_kl", 0.5, 0.5, "seq-mean-token-mean", None),
+    ("grpo", "jsd", 0.3, 2.0, "seq-mean-token-sum-norm", None),  # Dr.GRPO's Σ D / (B·max_tokens)
+    ("grpo", "reverse_kl", 0.5, 0.5, "token-mean", 64),  # packed: the head rows' log-probs at the ids
+    (None, "jsd", 0.3, 1.0, "seq-mean-token-mean", 64),
   ],
 )
-def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation):
+def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation, packing):
   """A top-k form (``distill.kind`` forward/reverse KL, JSD(β)): the teacher's top-k pass equals NumPy's top-k of
   its full log-softmax; one step equals ``θ − lr·(∇L_RL + w·∇ mean_t D)`` — ``L_RL`` the hand-written update of
   helpers.reference_update, ``D`` the divergence between the renormalised top-k distributions written from its
   formula on the student's *full* logits — over the policy's tokens (observations out), aggregated like the
   policy term (``mean_t D`` over the tokens, ``mean_i mean_t D`` over the rows, or ``Σ D / (B·max_tokens)``);
-  the loss and ``distill/topk_divergence`` (a token mean whatever the aggregation) equal the hand computation."""
+  the loss and ``distill/topk_divergence`` (a token mean whatever the aggregation) equal the hand computation.
+  Packed (``packing``): the teacher's and the student's top-k from the packed forward's head rows; the step also
+  equals the unpacked step (1e-5)."""
   import optax
   from flax import nnx
   from helpers import (
@@ -610,11 +607,12 @@ def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation):
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(lr)
   graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
-  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2)
+  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2, packing=packing)
   step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
   with pytest.raises(ValueError, match="needs batch.teacher_topk_ids"):
     step.check_batch(batch)
   taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  assert taught.packed is None  # the step packs it (or not) itself
   full_t = np.asarray(_full_log_softmax(teacher, batch), np.float64)
   want_ids = np.argsort(-full_t, -1, kind="stable")[..., :k]
   np.testing.assert_array_equal(np.asarray(taught.teacher_topk_ids)[mask], want_ids[mask])
@@ -656,4 +654,14 @@ def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation):
       got[key], rl_params[key] - lr * weight * g_flat[key], rtol=2e-5, atol=2e-7, err_msg=str(key)
     )
   assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(token_mean), rel=1e-5, abs=1e-7)
+  if packing is not None:  # the same step unpacked, from the same initial parameters and teacher's fields
+    tc = dataclasses.replace(tc, packing=None)
+    graphdef, plain, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+    plain, plain_metrics = train.make_train_step(
+      graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc
+    )(plain, taught)
+    for key, value in flat_params(plain.params).items():
+      np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=str(key))
+    for key in ("loss", "distill/topk_divergence"):
+      assert float(metrics[key]) == pytest.approx(float(plain_metrics[key]), rel=1e-5, abs=1e-7)
   assert float(metrics["loss"]) == pytest.approx(rl_metrics["loss"] + weight * float(div), rel=1e-5, abs=1e-7)

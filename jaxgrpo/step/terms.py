@@ -113,7 +113,7 @@ def micro_log_probs(
   """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
   rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
   has a gradient only with ``entropy_grad`` (an entropy bonus in the loss). ``topk_ids`` ``int[R, T, k]``
-  (unpacked rows only): a third entry, the log-probs at those ids ``f32[R, T, k]`` from the same forward."""
+  (packed or not): a third entry, the log-probs at those ids ``f32[R, T, k]`` from the same forward."""
   kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
   if topk_ids is not None:
     kw["topk_ids"] = topk_ids
