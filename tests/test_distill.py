@@ -565,6 +565,7 @@ def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta, aggregati
     ("grpo", "jsd", 0.3, 2.0, "seq-mean-token-sum-norm", None),  # Dr.GRPO's Σ D / (B·max_tokens)
     ("grpo", "reverse_kl", 0.5, 0.5, "token-mean", 64),  # packed: the head rows' log-probs at the ids
     (None, "jsd", 0.3, 1.0, "seq-mean-token-mean", 64),
+    ("grpo", "forward_kl", 0.5, 1.0, "token-mean", (64, "tree")),  # packed prefix trees (the group's prompt once)
   ],
 )
 def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation, packing):
@@ -607,7 +608,10 @@ def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation, pack
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(lr)
   graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
-  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2, packing=packing)
+  packing, sharing = packing if isinstance(packing, tuple) else (packing, "none")
+  tc = train.TrainConfig(
+    max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2, packing=packing, prefix_sharing=sharing
+  )
   step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
   with pytest.raises(ValueError, match="needs batch.teacher_topk_ids"):
     step.check_batch(batch)
@@ -655,7 +659,7 @@ def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation, pack
     )
   assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(token_mean), rel=1e-5, abs=1e-7)
   if packing is not None:  # the same step unpacked, from the same initial parameters and teacher's fields
-    tc = dataclasses.replace(tc, packing=None)
+    tc = dataclasses.replace(tc, packing=None, prefix_sharing="none")
     graphdef, plain, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
     plain, plain_metrics = train.make_train_step(
       graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc
