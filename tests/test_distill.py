@@ -453,6 +453,7 @@ def test_train_step_with_a_teacher(name, overrides, weight, clip):
   with pytest.raises(ValueError, match="batch.teacher_logp is None"):
     step.check_batch(batch)
   taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  assert taught.packed is None  # the step packs it (or not) itself
   want_t = _teacher_logp_numpy(teacher, batch)
   np.testing.assert_allclose(np.asarray(taught.teacher_logp)[mask], want_t[mask], rtol=1e-5, atol=1e-5)
 
@@ -507,7 +508,6 @@ def test_distill_config_and_teacher_are_checked_in_one_line():
   for agg, fields, match in [
     ("token-mean", {"teacher_logp": batch.old_logp}, "needs batch.teacher_topk_ids"),
     ("token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids[..., :3] * 1.0}, "must have one shape"),
-    ("seq-mean-token-mean", {"teacher_topk_ids": ids, "teacher_topk_logp": ids * 1.0}, "token-mean' only"),
   ]:
     config = preset("grpo", aggregation=agg, distill=distill.DistillConfig(kind="jsd"))
     step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings)
@@ -515,14 +515,6 @@ def test_distill_config_and_teacher_are_checked_in_one_line():
       step.check_batch(batch._replace(**fields))
   with pytest.raises(ValueError, match="batch.teacher_topk_ids must be int32\\[B, T, k\\]"):
     step.check_batch(batch._replace(teacher_topk_ids=ids[..., 0], teacher_topk_logp=ids * 1.0))
-  packed = train.TrainConfig(packing=64)
-  with pytest.raises(ValueError, match="not built for packed batches"):
-    feed.make_teacher(
-      train.make_train_step(
-        graphdef, opt, config.replace(aggregation="token-mean"), mesh=mesh, shardings=shardings, train_config=packed
-      ),
-      tiny_model(layers=1),
-    )
 
 
 def _full_log_softmax(model, batch):
@@ -536,9 +528,11 @@ def _full_log_softmax(model, batch):
   return jax.nn.log_softmax(model.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32), -1)
 
 
-def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta):
-  """Σ over ``where`` of the divergence between the renormalised top-k distributions, written from the formulas
-  (jnp, so that ``jax.grad`` differentiates the formula itself)."""
+def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta, aggregation="token-mean"):
+  """The divergence between the renormalised top-k distributions on ``where``, written from the formulas (jnp,
+  so that ``jax.grad`` differentiates the formula itself), aggregated by hand: ``token-mean`` and
+  ``seq-mean-token-sum-norm`` give the sum ``Σ D`` (the caller divides), ``seq-mean-token-mean`` the mean over
+  the rows with a distilled token of each row's mean ``Σ_t D / n_i``."""
   import jax.numpy as jnp
 
   zs = jnp.take_along_axis(lp_student, ids, -1)
@@ -552,24 +546,37 @@ def _hand_divergence(lp_student, ids, teacher_topk, where, kind, beta):
   else:
     m = beta * pt + (1 - beta) * ps
     per = beta * jnp.sum(pt * (lt - jnp.log(m)), -1) + (1 - beta) * jnp.sum(ps * (ls - jnp.log(m)), -1)
-  return jnp.sum(jnp.where(where, per, 0.0))
+  per = jnp.where(where, per, 0.0)
+  if aggregation != "seq-mean-token-mean":
+    return jnp.sum(per)
+  n = where.sum(1)
+  return jnp.mean(jnp.stack([jnp.sum(per[i]) / n[i] for i in range(len(n)) if n[i] > 0]))
 
 
 @pytest.mark.parametrize(
-  "name, kind, beta, weight",
+  "name, kind, beta, weight, aggregation, packing",
   [
-    (None, "forward_kl", 0.5, 1.0),  # the top-k term alone (rewards None)
-    ("grpo", "reverse_kl", 0.5, 0.5),  # GRPO + the term
-    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, marks=pytest.mark.slow),
-    ("frpo", "jsd", 0.5, 0.5),
+    (None, "forward_kl", 0.5, 1.0, "token-mean", None),  # the top-k term alone (rewards None)
+    ("grpo", "reverse_kl", 0.5, 0.5, "token-mean", None),  # GRPO + the term
+    pytest.param("lambda_grpo", "jsd", 0.3, 2.0, "token-mean", None, marks=pytest.mark.slow),
+    ("frpo", "jsd", 0.5, 0.5, "token-mean", None),
+    (None, "reverse_kl", 0.5, 1.0, "seq-mean-token-mean", None),  # the term alone, each row's mean, then the rows'
+    ("grpo", "forward_kl", 0.5, 0.5, "seq-mean-token-mean", None),
+    ("grpo", "jsd", 0.3, 2.0, "seq-mean-token-sum-norm", None),  # Dr.GRPO's Σ D / (B·max_tokens)
+    ("grpo", "reverse_kl", 0.5, 0.5, "token-mean", 64),  # packed: the head rows' log-probs at the ids
+    (None, "jsd", 0.3, 1.0, "seq-mean-token-mean", 64),
+    ("grpo", "forward_kl", 0.5, 1.0, "token-mean", (64, "tree")),  # packed prefix trees (the group's prompt once)
   ],
 )
-def test_topk_forms_through_the_step(name, kind, beta, weight):
+def test_topk_forms_through_the_step(name, kind, beta, weight, aggregation, packing):
   """A top-k form (``distill.kind`` forward/reverse KL, JSD(β)): the teacher's top-k pass equals NumPy's top-k of
   its full log-softmax; one step equals ``θ − lr·(∇L_RL + w·∇ mean_t D)`` — ``L_RL`` the hand-written update of
   helpers.reference_update, ``D`` the divergence between the renormalised top-k distributions written from its
-  formula on the student's *full* logits — over the policy's tokens (observations out); the loss and
-  ``distill/topk_divergence`` equal the hand computation."""
+  formula on the student's *full* logits — over the policy's tokens (observations out), aggregated like the
+  policy term (``mean_t D`` over the tokens, ``mean_i mean_t D`` over the rows, or ``Σ D / (B·max_tokens)``);
+  the loss and ``distill/topk_divergence`` (a token mean whatever the aggregation) equal the hand computation.
+  Packed (``packing``): the teacher's and the student's top-k from the packed forward's head rows; the step also
+  equals the unpacked step (1e-5)."""
   import optax
   from flax import nnx
   from helpers import (
@@ -588,6 +595,7 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
 
   k, lr = 5, 0.5
   overrides = {"beta": 0.5} if name == "frpo" else {}
+  overrides["aggregation"] = aggregation
   config = preset(
     name or "grpo", distill=distill.DistillConfig(weight=weight, kind=kind, beta=beta, top_k=k), **overrides
   )
@@ -600,11 +608,15 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(lr)
   graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
-  tc = train.TrainConfig(max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2)
+  packing, sharing = packing if isinstance(packing, tuple) else (packing, "none")
+  tc = train.TrainConfig(
+    max_grad_norm=1e30, group_size=G, chunk_size=5, micro_batches=2, packing=packing, prefix_sharing=sharing
+  )
   step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
   with pytest.raises(ValueError, match="needs batch.teacher_topk_ids"):
     step.check_batch(batch)
   taught = feed.make_teacher(step, teacher, student_vocab=128)(batch)
+  assert taught.packed is None  # the step packs it (or not) itself
   full_t = np.asarray(_full_log_softmax(teacher, batch), np.float64)
   want_ids = np.argsort(-full_t, -1, kind="stable")[..., :k]
   np.testing.assert_array_equal(np.asarray(taught.teacher_topk_ids)[mask], want_ids[mask])
@@ -615,10 +627,12 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
   student = tiny_model(layers=1)
   sgraph, sparams = nnx.split(student)
   n = policy.sum()
-  div_loss = lambda prm: (
-    _hand_divergence(_full_log_softmax(nnx.merge(sgraph, prm), batch), ids, top, policy, kind, beta) / n
+  norm = {"token-mean": n, "seq-mean-token-mean": 1.0, "seq-mean-token-sum-norm": mask.size}[aggregation]
+  hand = lambda prm, agg: _hand_divergence(
+    _full_log_softmax(nnx.merge(sgraph, prm), batch), ids, top, policy, kind, beta, agg
   )
-  div, g_div = jax.value_and_grad(div_loss)(sparams)
+  div, g_div = jax.value_and_grad(lambda prm: hand(prm, aggregation) / norm)(sparams)
+  token_mean = hand(sparams, "token-mean") / n
   weights = None
   if name is None:
     taught, want_adv = taught._replace(rewards=None), np.zeros(mask.shape, np.float32)
@@ -643,5 +657,15 @@ def test_topk_forms_through_the_step(name, kind, beta, weight):
     np.testing.assert_allclose(
       got[key], rl_params[key] - lr * weight * g_flat[key], rtol=2e-5, atol=2e-7, err_msg=str(key)
     )
-  assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(div), rel=1e-5, abs=1e-7)
+  assert float(metrics["distill/topk_divergence"]) == pytest.approx(float(token_mean), rel=1e-5, abs=1e-7)
+  if packing is not None:  # the same step unpacked, from the same initial parameters and teacher's fields
+    tc = dataclasses.replace(tc, packing=None, prefix_sharing="none")
+    graphdef, plain, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
+    plain, plain_metrics = train.make_train_step(
+      graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc
+    )(plain, taught)
+    for key, value in flat_params(plain.params).items():
+      np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=str(key))
+    for key in ("loss", "distill/topk_divergence"):
+      assert float(metrics[key]) == pytest.approx(float(plain_metrics[key]), rel=1e-5, abs=1e-7)
   assert float(metrics["loss"]) == pytest.approx(rl_metrics["loss"] + weight * float(div), rel=1e-5, abs=1e-7)

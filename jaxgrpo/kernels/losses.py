@@ -63,6 +63,7 @@ __all__ = [
   "SURROGATES",
   "GRPOHyper",
   "LossTerms",
+  "aggregate",
   "combine_terms",
   "finalize_terms",
   "policy_loss_terms",
@@ -199,8 +200,17 @@ def _may_be_nonzero(x) -> bool:
 # ----------------------------------------------------------------------------- the loss
 
 
-def _aggregate(per_token, m, aggregation, max_tokens):
-  """``(numerator, denominator)`` of ``per_token`` (0 on padding) under ``aggregation``."""
+def aggregate(per_token, m, aggregation: str, max_tokens: int | None):
+  """``(numerator f32[], denominator f32[])`` of a per-token term under ``aggregation`` (module docstring).
+
+  ``per_token`` ``f32[B, T]`` (0 on padding), ``m`` ``f32[B, T]`` the mask (1 on counted tokens), ``n_i = Σ_t m``:
+
+  - ``"token-mean"``: ``(Σ l, Σ m)``;
+  - ``"seq-mean-token-mean"``: ``(Σ_{i: n_i>0} Σ_t l / n_i, #{i: n_i > 0})``;
+  - ``"seq-mean-token-sum-norm"``: ``(Σ l, B · max_tokens)`` (``max_tokens`` None: T).
+
+  Sums over rows, so micro-batches that split whole rows add up to the batch's terms. The train step
+  aggregates a top-k distillation divergence with it too (``jaxgrpo.step.terms``)."""
   b, t = per_token.shape
   row_tokens = jnp.sum(m, axis=1)
   if aggregation == "token-mean":
@@ -229,7 +239,7 @@ def _terms(logp, old_logp, advantages, mask, token_weights, kl, importance, entr
   if token_weights is not None:
     per_token = per_token * select(real, sg(token_weights.astype(jnp.float32)))
   per_token = select(real, per_token)
-  numerator, denominator = _aggregate(per_token, m, hyper.aggregation, hyper.max_tokens)
+  numerator, denominator = aggregate(per_token, m, hyper.aggregation, hyper.max_tokens)
 
   # metrics: the token ratio ρ and the (unweighted) advantages whatever the surrogate
   b, t = m.shape

@@ -597,7 +597,9 @@ def packed_log_probs(
   with_entropy: bool = False,
   entropy_grad: bool = False,
   kv_end: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+  topk_ids: jax.Array | None = None,
+  top_k: int | None = None,
+) -> tuple:
   """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
   ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.step.packing.PackedSlots``.
 
@@ -631,9 +633,17 @@ def packed_log_probs(
     kv_end: ``int32[R, L]`` packed prefix trees (``jaxgrpo.step.prefix_tree``: a token attends to its ancestors,
       the model's ``kv_end``); the column before every listed target holds its parent (or a copy of it), so the
       gather above is unchanged, and several ``(b, t)`` may share one head entry (their gradients add up there).
+    topk_ids: ``int[B, T, k]`` (a distillation student at its teacher's top-k ids): also the log-probs at these
+      ids, from the same head rows: the ids are scattered to their head entries (``ids_head[k, unpack_index[b, t]]
+      = topk_ids[b, t]``; a head entry shared by a prefix tree takes one of its ``(b, t)``'s ids, the same
+      context's), :func:`chunked_topk_log_probs` over the head buffer, then gathered back like ``logp``.
+    top_k: k (a distillation teacher): also the k most likely ids and their log-probs at every head entry
+      (:func:`chunked_top_k`), gathered back to ``[B, T, k]``.
 
   Returns:
-    ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1.
+    ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1; with ``topk_ids`` a
+    third entry ``f32[B, T, k]``, with ``top_k`` a third entry ``(ids int32[B, T, k], logp f32[B, T, k])``
+    (0 where ``unpack_index`` is -1).
   """
   rb, h = _check_packed_args(tokens, positions, segment_ids, head_index, unpack_index, blocks)
   r, length = tokens.shape
@@ -659,8 +669,25 @@ def packed_log_probs(
   index = unpack_index.astype(jnp.int32).reshape(blocks, (b // blocks) * t)
   real = index >= 0
 
-  def unpack(x):  # [blocks·Rb, H] head entries -> [B, T]
-    out = jnp.take_along_axis(x.reshape(blocks, rb * h), jnp.where(real, index, 0), axis=1, mode="clip")
-    return jnp.where(real, out, 0.0).reshape(b, t)
+  def unpack(x):  # [blocks·Rb, H, ...] head entries -> [B, T, ...]
+    x = x.reshape((blocks, rb * h) + x.shape[2:])
+    at = jnp.where(real, index, 0).reshape(index.shape + (1,) * (x.ndim - 2))
+    out = jnp.take_along_axis(x, at, axis=1, mode="clip")
+    return jnp.where(real.reshape(at.shape), out, jnp.zeros((), x.dtype)).reshape((b, t) + x.shape[2:])
 
-  return unpack(logp), None if ent is None else unpack(ent)
+  out = unpack(logp), None if ent is None else unpack(ent)
+  kw = dict(temperature=temperature, chunk_size=chunk_size)
+  if topk_ids is not None:
+    ids = _to_head(topk_ids, index, real, blocks, rb * h).reshape(blocks * rb, h, -1)
+    return (*out, unpack(chunked_topk_log_probs(model, head.reshape(blocks * rb, h, d), ids, **kw)))
+  if top_k is not None:
+    return (*out, jax.tree.map(unpack, chunked_top_k(model, head.reshape(blocks * rb, h, d), top_k, **kw)))
+  return out
+
+
+def _to_head(x, index, real, blocks: int, entries: int):
+  """``x`` ``[B, T, k]`` scattered to the head entries ``[blocks, entries, k]`` (``out[j, index[j, i]] =
+  x_j[i]``, block j's rows flattened; entries with no token stay 0), the inverse of the packed unpack."""
+  x = x.reshape((blocks, index.shape[1]) + x.shape[2:])
+  at = jnp.where(real, index, entries)  # out of range: dropped
+  return jnp.zeros((blocks, entries) + x.shape[2:], x.dtype).at[jnp.arange(blocks)[:, None], at].set(x, mode="drop")

@@ -75,16 +75,6 @@ def _check_distill(cfg: TrainerConfig) -> None:
       "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, or "
       "`synthetic:<hidden_size>x<num_layers>`"
     )
-  if not d.sampled and cfg.step.packing is not None:  # not built yet
-    raise ValueError(
-      f"`objective.distill.kind`={d.kind!r} with `step.packing`={cfg.step.packing}: the top-k forms are not built "
-      "for packed batches; unset `step.packing` or use `objective.distill.kind: sampled`"
-    )
-  if not d.sampled and cfg.objective.aggregation != "token-mean":  # not built yet
-    raise ValueError(
-      f"`objective.distill.kind`={d.kind!r} with `objective.aggregation`={cfg.objective.aggregation!r}: the top-k "
-      "term is a token mean over the loss's token count, built for `token-mean` only; use it or `kind: sampled`"
-    )
   if cfg.objective.dynamic_sampling:  # mathematical: the filter reads rewards only
     raise ValueError(
       "`objective.dynamic_sampling` with `objective.distill`: a group whose rewards are all equal still carries "

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from jaxgrpo.kernels import distill
 from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
-from jaxgrpo.kernels.losses import LossTerms
+from jaxgrpo.kernels.losses import LossTerms, aggregate
 from jaxgrpo.kernels.objective import rollout_advantages
 from jaxgrpo.kernels.process_sets import process_set_sizes, process_tree_stats
 from jaxgrpo.models import lora, moe
@@ -113,7 +113,7 @@ def micro_log_probs(
   """``(logp f32[R, T], entropy or None)`` of one micro-batch's R rows: from ``[prompt ‖ completion]``
   rows, or from their packed rows (``blocks`` device shards, each with its own sequences). The entropy
   has a gradient only with ``entropy_grad`` (an entropy bonus in the loss). ``topk_ids`` ``int[R, T, k]``
-  (unpacked rows only): a third entry, the log-probs at those ids ``f32[R, T, k]`` from the same forward."""
+  (packed or not): a third entry, the log-probs at those ids ``f32[R, T, k]`` from the same forward."""
   kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
   if topk_ids is not None:
     kw["topk_ids"] = topk_ids
@@ -420,13 +420,22 @@ def pass_fields(dropout_key, step: jax.Array, passes: int, b: int) -> dict:
 # ----------------------------------------------------------------------------- one micro-batch
 
 
-def _add_topk_divergence(d: distill.DistillConfig, terms: LossTerms, student_topk, mb: dict) -> LossTerms:
-  """``terms`` with ``w·Σ topk_divergence`` over the micro-batch's loss tokens added to the numerator (a
-  token-mean loss: its denominator is the token count, so the loss gains ``w·mean_t D``) and the sum in
-  ``sums["topk_divergence"]`` (the metric ``distill/topk_divergence``)."""
+def _add_topk_divergence(config, terms: LossTerms, student_topk, mb: dict) -> LossTerms:
+  """``terms`` with ``w·N_agg(D)`` added to the numerator: ``D`` ``f32[R, T]`` the per-token top-k divergence
+  over the micro-batch's loss tokens (``m = loss_mask``, ``n_i = Σ_t m``), aggregated like the policy term
+  (:func:`jaxgrpo.kernels.losses.aggregate`, whose denominator the loss already holds):
+
+  - ``token-mean``: ``N = Σ_{i,t} D`` (the loss gains ``w·Σ D / Σ m``);
+  - ``seq-mean-token-mean``: ``N = Σ_{i: n_i>0} Σ_t D / n_i`` (the loss gains ``w·mean_i mean_t D``);
+  - ``seq-mean-token-sum-norm``: ``N = Σ_{i,t} D`` (the loss gains ``w·Σ D / (B·max_tokens)``).
+
+  The sum ``Σ D`` goes to ``sums["topk_divergence"]`` (the metric ``distill/topk_divergence``, a token mean
+  whatever the aggregation)."""
+  d = distill_of(config)
   div = distill.topk_divergence(student_topk, mb["teacher_topk_logp"], mb["loss_mask"], kind=d.kind, beta=d.beta)
-  total = jnp.sum(div)
-  return terms._replace(numerator=terms.numerator + d.weight * total, sums={**terms.sums, "topk_divergence": total})
+  numerator, _ = aggregate(div, mb["loss_mask"].astype(jnp.float32), config.aggregation, config.max_tokens)
+  sums = {**terms.sums, "topk_divergence": jnp.sum(div)}
+  return terms._replace(numerator=terms.numerator + d.weight * numerator, sums=sums)
 
 
 def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
@@ -469,8 +478,8 @@ def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
   )
   if not isinstance(terms, LossTerms):
     raise TypeError(f"objective_fn must return jaxgrpo.kernels.losses.LossTerms; got {type(terms).__name__}")
-  if len(out) > 2:  # a top-k distillation form: + w·Σ_t D(p_t ‖ p_s) over the loss tokens (token-mean)
-    terms = _add_topk_divergence(distill_of(config), terms, out[2], mb)
+  if len(out) > 2:  # a top-k distillation form: + w·D(p_t ‖ p_s) over the loss tokens, aggregated like the loss
+    terms = _add_topk_divergence(config, terms, out[2], mb)
   ent = None if ent is None else jax.lax.stop_gradient(ent)
   ent_sum = jnp.zeros((), jnp.float32) if ent is None else jnp.sum(jnp.where(mb["loss_mask"], ent, 0.0))
   # the router losses, weighted like the objective: Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k

@@ -67,7 +67,7 @@ from jaxgrpo.kernels.config import GRPOConfig, GRPOHyper
 from jaxgrpo.kernels.losses import LossTerms
 from jaxgrpo.kernels.objective import objective_terms, rollout_advantages
 from jaxgrpo.models import moe
-from jaxgrpo.models.log_probs import check_temperature, completion_log_probs
+from jaxgrpo.models.log_probs import check_temperature, completion_log_probs, packed_log_probs
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.batch import (
   FIELDS,
@@ -188,8 +188,8 @@ def _check_distill_batch(config, batch: Batch) -> None:
 
 
 def _check_topk_batch(config, d, batch: Batch) -> None:
-  """A top-k distillation form: the teacher's ids and log-probs ``[B, T, k]`` of one k, a token-mean loss (the
-  term is added to the numerator over the same token count), an unpacked batch."""
+  """A top-k distillation form: the teacher's ids and log-probs ``[B, T, k]`` of one k (the
+  term is aggregated like the policy term, ``jaxgrpo.step.terms``), packed or not."""
   ids, logp = batch.teacher_topk_ids, batch.teacher_topk_logp
   if ids is None or logp is None:
     raise ValueError(
@@ -199,16 +199,6 @@ def _check_topk_batch(config, d, batch: Batch) -> None:
   if np.shape(ids) != np.shape(logp):
     raise ValueError(
       f"batch.teacher_topk_ids {np.shape(ids)} and batch.teacher_topk_logp {np.shape(logp)} must have one shape [B, T, k]"
-    )
-  if config.aggregation != "token-mean":
-    raise ValueError(
-      f"distill.kind={d.kind!r} with aggregation={config.aggregation!r}: the top-k term is a token mean added to "
-      "the loss over its token count, built for aggregation 'token-mean' only; use it, or distill.kind 'sampled'"
-    )
-  if batch.packed is not None:
-    raise ValueError(
-      f"distill.kind={d.kind!r} with a packed batch (TrainConfig.packing): the top-k forms are not built for "
-      "packing; train unpacked or use distill.kind 'sampled'"
     )
 
 
@@ -609,6 +599,14 @@ def _check_run_key(key):
   return key
 
 
+def _packed_top_k(model, mb: dict, tc: TrainConfig, blocks: int, top_k: int):
+  """One packed slot's teacher pass: ``(logp f32[R, T], ids int32[R, T, k], topk_logp f32[R, T, k])``."""
+  args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
+  kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size)
+  logp, _, (ids, topk_logp) = packed_log_probs(model, *args, blocks=blocks, kv_end=mb.get("kv_end"), top_k=top_k, **kw)
+  return logp, ids, topk_logp
+
+
 def make_reference_fn(
   graphdef,
   *,
@@ -640,14 +638,9 @@ def make_reference_fn(
   ``top_k``: k, a distillation teacher's pass: it returns ``(logp f32[B, T], ids int32[B, T, k], topk_logp
   f32[B, T, k])``, the k most likely ids at each position and their log-probs, computed chunk by chunk on the
   devices that hold the parameters (only the top-k leave the pass; ``jaxgrpo.models.log_probs.chunked_top_k``).
-  Not with packing (ValueError).
+  With packing, from the packed forward's head rows (``jaxgrpo.models.log_probs.packed_log_probs``).
   """
   tc = TrainConfig() if train_config is None else train_config
-  if top_k is not None and tc.packing is not None:
-    raise ValueError(
-      f"a teacher's top-k pass (top_k={top_k}) with TrainConfig.packing={tc.packing}: the top-k distillation forms "
-      "are not built for packed batches; train unpacked (unset step.packing) or use distill.kind 'sampled'"
-    )
   rules = checked_rules(graph_rules(graphdef, param_shardings), rules, "make_reference_fn")
   bsh = shd.batch_sharding(mesh, rules)
   rows_sh = NamedSharding(mesh, PartitionSpec(None, None, *bsh.spec))
@@ -676,8 +669,11 @@ def make_reference_fn(
     mbs = {"unpack_index": jax.lax.with_sharding_constraint(split_micro(unpack_index, 1, slots), rows_sh)[0]}
     for name, x in packed_rows.items():  # [M·K, blocks·X, ...]: slot j of every device shard
       mbs[name] = jax.lax.with_sharding_constraint(split_slots(x, blocks, 1, slots), rows_sh)[0]
-    logp = jax.lax.map(lambda mb: micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
-    return merge_rows(logp[None], 1, slots)
+    if top_k is None:
+      logp = jax.lax.map(lambda mb: micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
+      return merge_rows(logp[None], 1, slots)
+    teach = lambda mb: _packed_top_k(model, mb, tc, blocks, top_k)
+    return jax.tree.map(lambda x: merge_rows(x[None], 1, slots), jax.lax.map(teach, mbs))  # [B, T, ...] each
 
   options = _options(tc)
   jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=options)
