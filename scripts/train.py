@@ -636,6 +636,10 @@ def _exit_multiprocess(code: int) -> None:
 
 
 if __name__ == "__main__":
+  # Ctrl-C before the run installs its own handlers (loading, the warm-up): exit from the handler itself. Raised as a
+  # KeyboardInterrupt it was lost when it landed in a finalizer (Python ignores an exception in ``__del__``; seen
+  # in regex's ``Group.__del__`` during the tokenizer's build), and the run went on.
+  signal.signal(signal.SIGINT, lambda signum, frame: _abort(signum))
   try:
     result = main()
   except TrainingAborted as e:
