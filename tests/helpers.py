@@ -299,6 +299,27 @@ def finish_child(proc: subprocess.Popen, timeout=600) -> str:
   return out
 
 
+def finish_children(procs, timeout=600) -> list[str]:
+  """Wait for every child (one failure does not leave the others running): each one's stdout, or its failure's
+  text (:func:`finish_child`'s AssertionError message) in its place."""
+  results = []
+  for proc in procs:
+    try:
+      results.append(finish_child(proc, timeout=timeout))
+    except AssertionError as e:
+      results.append(str(e))
+  return results
+
+
+def tpu_child_env() -> dict:
+  """The environment of a child run by the libtpu side venv (``ensure_side_venv("tpu")``) that compiles for TPU
+  topologies ahead of time: CPU as the default backend (no TPU probing), libtpu's one-process lockfile off (so
+  concurrent tests coexist), this checkout on the path; no inherited XLA flags or compilation cache."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+  return env
+
+
 def run_child(code: str, *, devices: int, args=(), timeout=600) -> str:
   """Run ``code`` in a fresh Python with ``devices`` virtual CPU devices; returns stdout."""
   return finish_child(start_child(code, devices=devices, args=args), timeout)

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import async_train_cmd, cli_env, finish_child, start_child
+from helpers import async_train_cmd, cli_env, finish_children, start_child
 
 from jaxgrpo.data import PromptIterator
 from jaxgrpo.loop import async_rollout
@@ -103,12 +103,7 @@ def test_two_processes_disaggregated_k1_dynamic_sampling_equal_one(tmp_path):
   port = _free_port()
   procs = [start_child(_WORKER, devices=2, args=(2, i, port, two)) for i in range(2)]
   single = start_child(_WORKER, devices=4, args=(1, 0, 0, one))
-  results = []
-  for p in [*procs, single]:
-    try:
-      results.append(finish_child(p, timeout=400))
-    except AssertionError as e:
-      results.append(str(e))
+  results = finish_children([*procs, single], timeout=400)
   assert all(r.startswith("OK") or "\nOK" in r for r in results), "\n=====\n".join(results)
   r0, r1 = (json.loads((two / f"recs_2_{i}.json").read_text()) for i in range(2))
   r = json.loads((one / "recs_1_0.json").read_text())

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, ensure_side_venv, run_child
+from helpers import ROOT, ensure_side_venv, run_child, tpu_child_env
 from jax.sharding import PartitionSpec as P
 from test_attention_blockwise import _inputs, _reference
 
@@ -156,8 +156,7 @@ def test_splash_kernel_compiles_for_a_tpu_chip_with_memory_linear_in_the_length(
   would be 32 × 32768² × 4 B = 137 GB) and grow ~2× from 16k to 32k (linear; quadratic would be 4×). 8k is not
   compared: XLA lays that program out differently (208 MiB, the 16k program 574 MiB, 32k 1,159 MiB)."""
   python = ensure_side_venv("tpu")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-  env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+  env = tpu_child_env()
   script = os.path.join(ROOT, "tests", "attention_tpu_aot.py")
   proc = subprocess.run([python, script, "16384", "32768"], env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-6000:]

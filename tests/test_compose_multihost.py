@@ -25,7 +25,7 @@ import math
 import socket
 
 import pytest
-from helpers import finish_child, start_child
+from helpers import finish_children, start_child
 
 from jaxgrpo.data import PromptIterator
 
@@ -163,12 +163,7 @@ def _free_port():
 def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   port = _free_port()
   procs = [start_child(_WORKER, devices=2, args=(2, i, port, tmp_path)) for i in range(2)]
-  results = []
-  for p in procs:
-    try:
-      results.append(finish_child(p, timeout=500))
-    except AssertionError as e:
-      results.append(str(e))
+  results = finish_children(procs, timeout=500)
   assert all("OK" in r for r in results), "\n=====\n".join(results)
   r0, r1 = (json.loads((tmp_path / f"recs_{i}.json").read_text()) for i in range(2))
   timing = lambda r: {

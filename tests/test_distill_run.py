@@ -164,19 +164,14 @@ def test_two_processes_with_a_teacher_equal_one_and_resume_exactly(tmp_path):
   global train mesh like the policy and scores the global batch; both processes log the same metrics, the run
   resumed from step 1 equals step 2 bit for bit, and the two-process run equals one process of 4 devices with
   the same mesh (the distillation term's numbers, the loss and the parameters)."""
-  from helpers import finish_child, start_child
+  from helpers import finish_children, start_child
   from test_compose_multihost import _free_port
 
   port = _free_port()
   (tmp_path / "one").mkdir()
   procs = [start_child(_WORKER, devices=2, args=(2, i, port, tmp_path)) for i in range(2)]
   procs.append(start_child(_WORKER, devices=4, args=(1, 0, _free_port(), tmp_path / "one")))
-  results = []
-  for p in procs:
-    try:
-      results.append(finish_child(p, timeout=500))
-    except AssertionError as e:
-      results.append(str(e))
+  results = finish_children(procs, timeout=500)
   assert all("OK" in r for r in results), "\n=====\n".join(results)
   r0, r1 = (json.loads((tmp_path / f"recs_{i}_of_2.json").read_text()) for i in range(2))
   one = json.loads((tmp_path / "one" / "recs_0_of_1.json").read_text())

@@ -20,7 +20,7 @@ import os
 import subprocess
 
 import pytest
-from helpers import ROOT, ensure_side_venv
+from helpers import ROOT, ensure_side_venv, tpu_child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
@@ -29,8 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 def report():
   """The child's JSON report (one libtpu start, two TPU compiles)."""
   python = ensure_side_venv("tpu")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-  env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+  env = tpu_child_env()
   proc = subprocess.run(
     [python, os.path.join(ROOT, "tests", "tpu_quant_checks.py")], env=env, capture_output=True, text=True, timeout=1500
   )

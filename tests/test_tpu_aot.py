@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 import tpu_aot_checks as checks
-from helpers import ROOT, ensure_side_venv
+from helpers import ROOT, ensure_side_venv, tpu_child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
@@ -32,9 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 def report():
   """The child's JSON report (one child for the module: one libtpu start, one TPU compile)."""
   python = ensure_side_venv("tpu")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-  # CPU as the default backend (no TPU probing); libtpu's one-process lockfile off, so concurrent tests coexist
-  env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+  env = tpu_child_env()
   proc = subprocess.run(
     [python, os.path.join(ROOT, "tests", "tpu_aot_checks.py"), "tpu"],
     env=env,
@@ -133,8 +131,7 @@ def test_a_partitioned_tpu_step_runs_the_splash_kernel_under_shard_map():
   a ``shard_map``, and it compiles. Before, ``auto`` took blockwise in a partitioned program (XLA: "Mosaic kernels
   cannot be automatically partitioned"), so the program held no Mosaic call."""
   python = ensure_side_venv("tpu")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-  env.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+  env = tpu_child_env()
   script = os.path.join(ROOT, "tests", "tpu_aot_checks.py")
   proc = subprocess.run([python, script, "splash"], env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-6000:]

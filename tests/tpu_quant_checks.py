@@ -17,18 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tpu_aot_checks import TOPOLOGY  # the same v5e-4 slice as the other TPU checks
 
 from jaxgrpo import models
 from jaxgrpo.rollout import sampling
 
-TOPOLOGY = dict(
-  platform="tpu",
-  topology_name="v5e:2x2",
-  chip_config_name="default",
-  chips_per_host_bounds=(2, 2, 1),
-  num_slices=1,
-  wrap=(False, False, False),
-)
 #: a one-layer Qwen3 with TPU-tile-sized projections (multiples of 128), and a Qwen3-MoE of the same widths
 DENSE = dict(vocab_size=1024, hidden_size=256, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=128)
 MOE = dict(DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
