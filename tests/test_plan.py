@@ -241,12 +241,20 @@ def test_a_distillation_teacher_is_planned_beside_the_policy(tmp_path):
   rows, t = shape.rows // 2, shape.completion_len
   assert teacher["output_bytes"] == pytest.approx(rows * t * (4 + k * (4 + 4)), rel=1e-3), teacher
   assert teacher["argument_bytes"] > weights and teacher["flops"] > 0
-  # a run directory as the teacher (its checkpoint root or a step too): planned from the run's saved model section
+  # a run directory as the teacher (its checkpoint root or a step too): planned from the config saved with its
+  # checkpoint, as the run reads it (``checkpoint.read_meta``); a tiny real run of one step, hidden 48
+  from jaxgrpo.run.trainer import Trainer
+  from jaxgrpo.services.checkpoint import Checkpointer, checkpoint_dir
+
   run = tmp_path / "teacher_run"
-  (run / "checkpoints" / "60").mkdir(parents=True)
-  (run / "config.json").write_text(json.dumps(load_config(DEMO, {"model.synthetic.hidden_size": 96}).to_dict()))
-  for where in (run, run / "checkpoints", run / "checkpoints" / "60"):
-    assert teacher_config(str(where)).hidden_size == 96, where
+  tiny = {"model.synthetic": {"hidden_size": 48, "num_layers": 1}, "run.steps": 1, "run.out": str(run),
+          "data.arithmetic": {"train_size": 64, "eval_size": 8, "sft_steps": 0, "max_operand": 9},
+          "rollout.group_size": 2, "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6,
+          "reward.timeout_s": None}  # fmt: skip
+  with Checkpointer(checkpoint_dir(run), log=None) as ckpt:
+    Trainer(load_config(None, tiny), log=None, checkpoint_fn=ckpt.checkpoint_fn).run()
+  for where in (run, run / "checkpoints", run / "checkpoints" / "1"):
+    assert teacher_config(str(where)).hidden_size == 48, where
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from jaxgrpo.run.spec_schema import DTYPES, ModelSpec
 from jaxgrpo.run.specs import config_from_dict
 from jaxgrpo.run.task_specs import SyntheticModel
 from jaxgrpo.run.trainer import dropout_key
+from jaxgrpo.services import checkpoint
 from jaxgrpo.step import train
 
 __all__ = ["RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape"]
@@ -111,9 +112,13 @@ def teacher_config(teacher: str):
       raise ValueError(f"`objective.distill.teacher`={teacher!r}: a synthetic teacher is `synthetic:<hidden>x<layers>`")
     synthetic = SyntheticModel(hidden_size=int(hidden_layers[0]), num_layers=int(hidden_layers[1]))
     return builders.model_config(ModelSpec(synthetic=synthetic))
-  run_config = None if _is_hf_dir(teacher) else _run_config_above(teacher)
-  if run_config is not None:  # a run directory, checkpoint root or step of this library: its run's model
-    return builders.model_config(run_config.model)
+  if not _is_hf_dir(teacher):
+    try:  # a run directory, checkpoint root or step of this library: the config saved with its checkpoint
+      meta = checkpoint.read_meta(teacher)
+    except checkpoint.CheckpointError:
+      meta = None  # not a run's: a named shape or a config.json, below
+    if meta is not None and meta.get("config"):
+      return builders.model_config(config_from_dict(meta["config"], where=f"config saved in {teacher}").model)
   try:
     return shapes.model_config(teacher)
   except ValueError as e:
@@ -126,21 +131,6 @@ def _is_hf_dir(path: str) -> bool:
     return False
   with open(file) as f:
     return "model_type" in json.load(f)
-
-
-def _run_config_above(path: str):
-  """The run config (``config.json`` with a ``model`` section) of the run that holds ``path`` (the run directory,
-  its checkpoint root or a step: up to two levels up); None if none does (an HF directory)."""
-  here = os.path.abspath(path)
-  for _ in range(3):
-    file = os.path.join(here, "config.json")
-    if os.path.isfile(file):
-      with open(file) as f:
-        saved = json.load(f)
-      if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        return config_from_dict(saved)
-    here = os.path.dirname(here)
-  return None
 
 
 #: rows are right-padded to a multiple of this many tokens (``RewardModelReward``'s default, which the run uses)
