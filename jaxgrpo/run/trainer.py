@@ -52,7 +52,7 @@ from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.environments.rollout import RolloutInterrupted
-from jaxgrpo.run import assemble, builders
+from jaxgrpo.run import assemble, builders, teacher_remote
 from jaxgrpo.run import teacher as teacher_lib
 from jaxgrpo.run.collapse import (
   DEFAULT_GUARD,
@@ -70,6 +70,7 @@ from jaxgrpo.services.checkpoint import NonFiniteError, RunMeta, Snapshot, move_
 from jaxgrpo.services.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.step import feed
 from jaxgrpo.step import train as train_lib
+from jaxgrpo.step.teacher_remote import is_remote_teacher
 
 __all__ = [
   "Trainer",
@@ -256,7 +257,11 @@ class Trainer:
     )
     # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh
     self.teacher = None
-    if cfg.objective.distill is not None:
+    if cfg.objective.distill is not None and is_remote_teacher(cfg.objective.distill.teacher):
+      self.teacher = teacher_remote.connect(
+        cfg, self.tokenizer, student_vocab=self.model.config.vocab_size, train_config=self.train_config, log=self.log
+      )
+    elif cfg.objective.distill is not None:
       teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
       self.teacher = feed.make_teacher(self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size)
     self.learner = Learner(
