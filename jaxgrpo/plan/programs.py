@@ -259,8 +259,9 @@ class RunPrograms:
     self.names += tuple(self.reward_models)
     distill = cfg.objective.distill
     self._teacher = None  # (graphdef, abstract params with shardings, top_k) of the distillation teacher
-    # a remote teacher (http://...) holds nothing on these devices: its server's own plan is its machine's
-    if distill is not None and distill.teacher is not None and not is_remote_teacher(distill.teacher):
+    # a remote teacher (http://...) or vLLM's (vllm:...) holds nothing on the JAX devices planned here
+    served = distill is not None and (is_remote_teacher(distill.teacher) or str(distill.teacher).startswith("vllm:"))
+    if distill is not None and distill.teacher is not None and not served:
       teacher = abstract_model(cfg, teacher_config(distill.teacher), adapters=False)
       t_graphdef, t_params = nnx.split(teacher)
       t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, mesh, teacher.rules))

@@ -9,7 +9,9 @@ checked against the policy's in one line.
 - a run directory or checkpoint of this library (``jaxgrpo.run.builders.load_policy``): the trained policy of
   another run (a LoRA run's adapters merged into its base), e.g. a larger model trained on the same task;
 - ``http://host:port``: a teacher server (``scripts/teacher_server.py`` serving one of the above elsewhere;
-  ``jaxgrpo.run.teacher_remote``), nothing loaded here.
+  ``jaxgrpo.run.teacher_remote``), nothing loaded here;
+- ``vllm:<one of the local forms>``: that model served by vLLM's ``prompt_logprobs``
+  (``jaxgrpo.rollout.engines.vllm_teacher``; the ``vllm`` extra, temperature 1).
 
 The model is then placed on the train mesh beside the policy (``jaxgrpo.step.feed.make_teacher``).
 """
@@ -38,10 +40,15 @@ _SYNTHETIC = re.compile(r"^synthetic:(\d+)x(\d+)$")
 
 
 def teacher_source(teacher: str) -> str:
-  """``"synthetic"``, ``"hf"``, ``"run"`` or ``"remote"`` (``http(s)://``): what ``objective.distill.teacher``
-  names (ValueError in one line for a ``synthetic:`` of another form or a path that does not exist)."""
+  """``"synthetic"``, ``"hf"``, ``"run"``, ``"remote"`` (``http(s)://``) or ``"vllm"`` (``vllm:<local form>``):
+  what ``objective.distill.teacher`` names (ValueError in one line for a ``synthetic:`` of another form or a path
+  that does not exist)."""
   if is_remote_teacher(teacher):
     return "remote"
+  if teacher.startswith("vllm:"):
+    if teacher_source(teacher[5:]) not in ("synthetic", "hf", "run"):
+      raise ValueError(f"`objective.distill.teacher`={teacher!r}: `vllm:` takes a local teacher, not a URL")
+    return "vllm"
   if teacher.startswith("synthetic:"):
     if not _SYNTHETIC.match(teacher):
       raise ValueError(
@@ -103,10 +110,10 @@ def build_teacher(cfg: TrainerConfig, policy_tokenizer, *, log: Callable[[str], 
       "directory, or `synthetic:<hidden_size>x<num_layers>`)"
     )
   kind = teacher_source(d.teacher)
-  if kind == "remote":
+  if kind in ("remote", "vllm"):
     raise ValueError(
-      f"`objective.distill.teacher`={d.teacher!r} is a teacher server: connect to it "
-      "(jaxgrpo.run.teacher_remote.connect), there is no model to build here"
+      f"`objective.distill.teacher`={d.teacher!r} is served outside the train mesh: "
+      "jaxgrpo.run.teacher_remote.connect builds its teacher"
     )
   model, tokenizer = load_teacher(
     d.teacher, seed=cfg.run.seed + 1, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
@@ -123,8 +130,8 @@ def load_teacher(teacher: str, *, seed: int, dtype: str = "float32", param_dtype
   the module docstring), on the default device. ``seed`` initialises a synthetic teacher (a run's in-process
   teacher uses ``run.seed + 1``); the synthetic and HF forms take ``dtype``/``param_dtype``, a run's its own."""
   kind = teacher_source(teacher)
-  if kind == "remote":
-    raise ValueError(f"`teacher`={teacher!r} is a teacher server's URL; a local teacher is loaded from a model")
+  if kind in ("remote", "vllm"):
+    raise ValueError(f"`teacher`={teacher!r} is served (a URL or vllm:...); a local teacher is loaded from a model")
   dtypes = dict(dtype=dtype, param_dtype=param_dtype)
   if kind == "synthetic":
     hidden, layers = (int(x) for x in _SYNTHETIC.match(teacher).groups())

@@ -1,6 +1,7 @@
-"""A distillation teacher on another machine: the server that scores rows with this library's own teacher pass
-(:class:`TeacherScorer`, :func:`make_server`; ``scripts/teacher_server.py`` is its command line) and the run's
-connection to one (:func:`connect`, ``objective.distill.teacher: http://host:port``).
+"""A distillation teacher outside the train mesh: on another machine — the server that scores rows with this
+library's own teacher pass (:class:`TeacherScorer`, :func:`make_server`; ``scripts/teacher_server.py`` is its
+command line) and the run's connection to one (``objective.distill.teacher: http://host:port``) — or in vLLM
+(``vllm:<local teacher>``: ``jaxgrpo.rollout.engines.vllm_teacher``). :func:`connect` builds either.
 
 The protocol and the client's failure behaviour are ``jaxgrpo.step.teacher_remote``'s docstring. The server
 loads a local teacher (``jaxgrpo.run.teacher.load_teacher``: ``synthetic:...``, an HF directory, a run
@@ -25,11 +26,20 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.rollout.engines import vllm_teacher
 from jaxgrpo.run.specs import TrainerConfig
-from jaxgrpo.run.teacher import load_teacher, tokenizer_fingerprint
+from jaxgrpo.run.teacher import check_tokenizers, load_teacher, tokenizer_fingerprint
 from jaxgrpo.step.batch import Batch
+from jaxgrpo.step.feed import check_teacher_vocab
 from jaxgrpo.step.state import TrainConfig
-from jaxgrpo.step.teacher_remote import PROTOCOL, RemoteTeacher, TeacherUnavailable, decode_array, encode_array
+from jaxgrpo.step.teacher_remote import (
+  PROTOCOL,
+  HostTeacher,
+  RemoteTeacher,
+  TeacherUnavailable,
+  decode_array,
+  encode_array,
+)
 from jaxgrpo.step.train import make_reference_fn
 
 __all__ = ["TeacherScorer", "connect", "make_server"]
@@ -182,18 +192,25 @@ def connect(
   student_vocab: int,
   train_config: TrainConfig,
   log: Callable[[str], None] | None = None,
-) -> RemoteTeacher:
-  """The run's teacher server (``cfg.objective.distill.teacher``, an ``http(s)://`` URL), checked at start: it
-  answers ``/info`` (else :class:`~jaxgrpo.step.teacher_remote.TeacherUnavailable`, one line), its vocabulary
-  size is ``student_vocab`` and its tokenizer fingerprint the policy's (ValueError, one line). It scores at the
-  step's temperature, with the top-k of a top-k form (``distill.top_k``)."""
+):
+  """The run's teacher outside the train mesh (``cfg.objective.distill.teacher``: an ``http(s)://`` URL or
+  ``vllm:<local teacher>``), scoring at the step's temperature with the top-k of a top-k form (``distill.top_k``).
+
+  A server is checked at start: it answers ``/info`` (else ValueError, one line), its vocabulary size is
+  ``student_vocab`` and its tokenizer fingerprint the policy's (one line each): a
+  :class:`~jaxgrpo.step.teacher_remote.RemoteTeacher`. A vLLM teacher is loaded here
+  (``jaxgrpo.run.teacher.load_teacher``, its tokenizer checked like an in-process teacher's), its weights pushed
+  into vLLM: a :class:`~jaxgrpo.step.teacher_remote.HostTeacher` of
+  :class:`~jaxgrpo.rollout.engines.vllm_teacher.VLLMTeacher` (temperature 1 only)."""
   d = cfg.objective.distill
   if jax.process_count() > 1:
     raise ValueError(
-      f"`objective.distill.teacher`={d.teacher!r}: a remote teacher runs with a single process (the rows would be "
-      "gathered from every host); use an in-process teacher on several processes"
+      f"`objective.distill.teacher`={d.teacher!r}: a teacher outside the train mesh runs with a single process "
+      "(the rows would be gathered from every host); use an in-process teacher on several processes"
     )
   top_k = None if d.sampled else d.top_k
+  if d.teacher.startswith("vllm:"):
+    return _vllm_teacher(cfg, policy_tokenizer, student_vocab, train_config, top_k, log)
   teacher = RemoteTeacher(d.teacher, top_k=top_k, temperature=train_config.temperature)
   try:
     info = teacher.check(student_vocab, tokenizer_fingerprint(policy_tokenizer))
@@ -206,3 +223,18 @@ def connect(
       f"teacher: {d.teacher} (remote: {info.get('teacher')}, {n} parameters), distill kind={d.kind} weight={d.weight}"
     )
   return teacher
+
+
+def _vllm_teacher(cfg, policy_tokenizer, student_vocab, train_config, top_k, log):
+  d = cfg.objective.distill
+  vllm_teacher.check_engine_temperature(train_config.temperature)  # before anything loads
+  model, tokenizer = load_teacher(
+    d.teacher[5:], seed=cfg.run.seed + 1, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+  )
+  check_tokenizers(policy_tokenizer, tokenizer, d.teacher)
+  check_teacher_vocab(student_vocab, model.config.vocab_size)
+  engine = vllm_teacher.VLLMTeacher(model, top_k=top_k, temperature=train_config.temperature)
+  if log is not None:
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    log(f"teacher: {d.teacher} (vLLM prompt_logprobs, {n:,} parameters), distill kind={d.kind} weight={d.weight}")
+  return HostTeacher(engine.scores, top_k)

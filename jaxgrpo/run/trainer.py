@@ -70,7 +70,6 @@ from jaxgrpo.services.checkpoint import NonFiniteError, RunMeta, Snapshot, move_
 from jaxgrpo.services.metrics import MetricsWriteError, append_record, truncate_jsonl
 from jaxgrpo.step import feed
 from jaxgrpo.step import train as train_lib
-from jaxgrpo.step.teacher_remote import is_remote_teacher
 
 __all__ = [
   "Trainer",
@@ -255,9 +254,11 @@ class Trainer:
       make_env=self.make_env,
       should_stop=self.control.stop_requested,
     )
-    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh
+    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh; or
+    # served outside it (a teacher server, vLLM: jaxgrpo.run.teacher_remote)
     self.teacher = None
-    if cfg.objective.distill is not None and is_remote_teacher(cfg.objective.distill.teacher):
+    d = cfg.objective.distill
+    if d is not None and d.teacher is not None and teacher_lib.teacher_source(d.teacher) in ("remote", "vllm"):
       self.teacher = teacher_remote.connect(
         cfg, self.tokenizer, student_vocab=self.model.config.vocab_size, train_config=self.train_config, log=self.log
       )

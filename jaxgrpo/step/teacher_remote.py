@@ -40,7 +40,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -49,11 +49,13 @@ from jaxgrpo.step.batch import Batch
 
 __all__ = [
   "PROTOCOL",
+  "HostTeacher",
   "RemoteTeacher",
   "TeacherProtocolError",
   "TeacherUnavailable",
   "decode_array",
   "encode_array",
+  "fill_teacher_fields",
   "is_remote_teacher",
 ]
 
@@ -229,18 +231,42 @@ class RemoteTeacher:
     return self(batch).teacher_logp
 
   def __call__(self, batch: Batch) -> Batch:
-    if jax.process_count() > 1:
-      raise ValueError(
-        "a remote teacher (objective.distill.teacher: http://...) runs in a single process: the batch's rows "
-        "would have to be gathered from every host; use an in-process teacher on several processes"
-      )
-    host = [np.asarray(jax.device_get(getattr(batch, n))) for n in ("prompt_tokens", "prompt_mask", "completions")]
-    logp, ids, topk = self.scores(*host, np.asarray(jax.device_get(batch.mask)))
-    sharding = getattr(batch.mask, "sharding", None)
-    place = (lambda x: x) if sharding is None else (lambda x: jax.device_put(x, sharding))
-    if ids is None:
-      return batch._replace(teacher_logp=place(logp))
-    return batch._replace(teacher_logp=place(logp), teacher_topk_ids=place(ids), teacher_topk_logp=place(topk))
+    return fill_teacher_fields(batch, self.scores)
+
+
+class HostTeacher(NamedTuple):
+  """A teacher that scores host rows (an engine's: ``jaxgrpo.rollout.engines.vllm_teacher.VLLMTeacher``), as a
+  drop-in for :class:`jaxgrpo.step.feed.Teacher`: ``scores(prompt_tokens, prompt_mask, completions, mask) ->
+  (logp f32[B, T], ids int32[B, T, k] | None, topk_logp f32[B, T, k] | None)``, ``top_k`` its k or None."""
+
+  scores: Callable
+  top_k: int | None = None
+
+  def log_probs(self, batch: Batch):
+    """``f32[B, T]`` the teacher's log-probs of ``batch``'s completions."""
+    return self(batch).teacher_logp
+
+  def __call__(self, batch: Batch) -> Batch:
+    return fill_teacher_fields(batch, self.scores)
+
+
+def fill_teacher_fields(batch: Batch, scores: Callable) -> Batch:
+  """``batch`` with ``teacher_logp`` (and the top-k fields when ``scores`` returns them) from ``scores`` of its
+  rows gathered to this host, placed like ``batch.mask`` (NumPy for a NumPy batch). Single process only."""
+  if jax.process_count() > 1:
+    raise ValueError(
+      "a teacher served outside the train mesh (a server or an engine) runs in a single process: the batch's rows "
+      "would have to be gathered from every host; use an in-process teacher on several processes"
+    )
+  host = [
+    np.asarray(jax.device_get(getattr(batch, n))) for n in ("prompt_tokens", "prompt_mask", "completions", "mask")
+  ]
+  logp, ids, topk = scores(*host)
+  sharding = getattr(batch.mask, "sharding", None)
+  place = (lambda x: x) if sharding is None else (lambda x: jax.device_put(x, sharding))
+  if ids is None:
+    return batch._replace(teacher_logp=place(logp))
+  return batch._replace(teacher_logp=place(logp), teacher_topk_ids=place(ids), teacher_topk_logp=place(topk))
 
 
 def _error_line(e: urllib.error.HTTPError) -> str:
