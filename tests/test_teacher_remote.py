@@ -247,3 +247,21 @@ def _cli_flags(out, url):
     "devices.mesh": "",
     "objective.distill": json.dumps({"teacher": url, "weight": 0.5}),
   }
+
+
+@pytest.mark.parametrize("teacher", ["http://127.0.0.1:9", "vllm:synthetic:96x3"])
+def test_a_teacher_outside_the_run_is_planned_off_the_train_devices(tmp_path, teacher):
+  """scripts/plan.py with a server or vLLM teacher (nothing is contacted or loaded): the step still compiles with
+  the teacher's fields in its batch, no ``teacher`` program, nothing of the teacher resident beside the step
+  (before: the URL was read as a model name, exit 2)."""
+  import yaml
+
+  d = yaml.safe_load(open(ROOT / "scripts" / "configs" / "demo.yaml"))
+  d["objective"].update(beta=0.0, distill={"teacher": teacher, "weight": 1.0, "kind": "forward_kl", "top_k": 4})
+  config = tmp_path / "distill.yaml"
+  config.write_text(yaml.safe_dump(d))
+  cmd = [sys.executable, str(ROOT / "scripts" / "plan.py"), "--config", str(config), "--topology", "cpu-2", "--json"]
+  r = subprocess.run(cmd + ["--programs", "step"], capture_output=True, text=True, env=child_env(1), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  (step,) = json.loads(r.stdout)["programs"]
+  assert step["verdict"] == "no fit test" and step["other_resident_bytes"] == 0, step
