@@ -86,6 +86,7 @@ def _in_process(top_k, temperature):
   return feed.make_teacher(step, model, student_vocab=128), make_batch(31)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("top_k,temperature", [(None, 1.0), (5, 0.7)])
 def test_remote_scores_equal_the_in_process_teacher(server, top_k, temperature):
   """The server's log-probs of the sampled tokens (and top-k ids and log-probs) equal the in-process teacher's
@@ -104,6 +105,7 @@ def test_remote_scores_equal_the_in_process_teacher(server, top_k, temperature):
   )
 
 
+@pytest.mark.subprocess
 def test_vocabulary_and_tokenizer_are_checked_at_start(server):
   """``check``: the server's vocab size against the policy's, then its tokenizer fingerprint (one line each)."""
   from jaxgrpo.run.teacher import load_teacher, tokenizer_fingerprint
@@ -118,6 +120,7 @@ def test_vocabulary_and_tokenizer_are_checked_at_start(server):
   assert client.check(128, tokenizer_fingerprint(tok))["vocab_size"] == 128
 
 
+@pytest.mark.subprocess
 def test_a_refused_request_and_a_dead_server_in_one_line(server):
   """A token id outside the teacher's vocabulary: the server's 400 line, not retried; nothing listening: every
   attempt fails, then :class:`TeacherUnavailable` naming the URL and the attempts."""
@@ -179,6 +182,8 @@ def _tiny_run(tmp_path, teacher, steps):
   )
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_run_with_a_remote_teacher_trains_like_the_in_process_one(server, tmp_path):
   """Two steps of distillation alone with the remote teacher: the same losses, grad norms and reverse KL as the
   in-process teacher of the same weights (1e-5), and the term trains (grad_norm > 0)."""
@@ -195,6 +200,8 @@ def test_a_run_with_a_remote_teacher_trains_like_the_in_process_one(server, tmp_
       np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_server_killed_mid_run_stops_it(tmp_path):
   """The server killed after step 1: step 2's teacher call retries, then raises TeacherUnavailable (one line,
   the URL); the CLI on a dead URL exits 2 with one ``error:`` line before anything trains."""
@@ -249,6 +256,7 @@ def _cli_flags(out, url):
   }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("teacher", ["http://127.0.0.1:9", "vllm:synthetic:96x3"])
 def test_a_teacher_outside_the_run_is_planned_off_the_train_devices(tmp_path, teacher):
   """scripts/plan.py with a server or vLLM teacher (nothing is contacted or loaded): the step still compiles with
