@@ -80,6 +80,7 @@ from jaxgrpo.run.trainer import Trainer, TrainingAborted, TrainingInterrupted, r
 from jaxgrpo.services import _orbax_noise, checkpoint, metrics, runlock
 from jaxgrpo.services.checkpoint import CheckpointSaveError, NonFiniteError
 from jaxgrpo.services.metrics import MetricsWriteError
+from jaxgrpo.step.teacher_remote import TeacherProtocolError, TeacherUnavailable
 
 
 class _Parser(argparse.ArgumentParser):
@@ -358,6 +359,8 @@ _STOPS = (
   CheckpointSaveError,
   MetricsWriteError,
   EnvironmentFailed,
+  TeacherUnavailable,
+  TeacherProtocolError,
 )
 
 
@@ -402,7 +405,7 @@ def _report(error: BaseException, ckpt) -> CliExit:
     return CliExit(128 + error.signum, msg)
   if isinstance(error, PolicyCollapsed):
     msg = f"error: {error} ({_after_collapse(ckpt, error)})"
-  elif isinstance(error, (NonFiniteError, NoLearningSignal)):
+  elif isinstance(error, (NonFiniteError, NoLearningSignal, TeacherUnavailable, TeacherProtocolError)):
     msg = f"error: {error} ({_latest(ckpt)})"
   elif isinstance(error, EnvironmentFailed):  # the user's environment raised: its traceback goes to a file
     log_path = _save_traceback(os.path.dirname(ckpt.directory), error)

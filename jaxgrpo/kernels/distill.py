@@ -93,7 +93,10 @@ class DistillConfig:
     teacher: what the run loads as the teacher (read by ``jaxgrpo.run``, not by the kernels): a run
       directory or checkpoint of this library (``load_policy``), a Hugging Face model directory, or
       ``synthetic:<hidden_size>x<num_layers>`` (the arithmetic task's model of that shape, seeded, for
-      tests and plans). None: the caller supplies ``Batch.teacher_logp`` itself.
+      tests and plans) — on the train mesh; ``http://host:port``, a teacher server
+      (``scripts/teacher_server.py``, ``jaxgrpo.run.teacher_remote``); or ``vllm:<one of the local forms>``,
+      that model scored by vLLM's ``prompt_logprobs`` (temperature 1 only). None: the caller supplies
+      ``Batch.teacher_logp`` itself.
     weight: ``w >= 0``, the weight of the term: ``A = a_RL + w·A_distill`` (:func:`combine_advantages`).
     kind: ``"sampled"`` (the sampled-token reverse KL as a per-token advantage,
       :func:`reverse_kl_advantages`) or a top-k form (``"forward_kl"``, ``"reverse_kl"``, ``"jsd"``,

@@ -38,6 +38,7 @@ from jaxgrpo.run.task_specs import SyntheticModel
 from jaxgrpo.run.trainer import dropout_key
 from jaxgrpo.services import checkpoint
 from jaxgrpo.step import train
+from jaxgrpo.step.teacher_remote import is_remote_teacher
 
 __all__ = ["RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape"]
 
@@ -258,7 +259,9 @@ class RunPrograms:
     self.names += tuple(self.reward_models)
     distill = cfg.objective.distill
     self._teacher = None  # (graphdef, abstract params with shardings, top_k) of the distillation teacher
-    if distill is not None and distill.teacher is not None:
+    # a remote teacher (http://...) or vLLM's (vllm:...) holds nothing on the JAX devices planned here
+    served = distill is not None and (is_remote_teacher(distill.teacher) or str(distill.teacher).startswith("vllm:"))
+    if distill is not None and distill.teacher is not None and not served:
       teacher = abstract_model(cfg, teacher_config(distill.teacher), adapters=False)
       t_graphdef, t_params = nnx.split(teacher)
       t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, mesh, teacher.rules))

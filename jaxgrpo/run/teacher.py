@@ -7,13 +7,19 @@ checked against the policy's in one line.
   architecture and tokenizer), initialised from ``run.seed + 1`` — untrained, for tests and plans;
 - a Hugging Face model directory (it holds ``config.json``): its weights and tokenizer;
 - a run directory or checkpoint of this library (``jaxgrpo.run.builders.load_policy``): the trained policy of
-  another run (a LoRA run's adapters merged into its base), e.g. a larger model trained on the same task.
+  another run (a LoRA run's adapters merged into its base), e.g. a larger model trained on the same task;
+- ``http://host:port``: a teacher server (``scripts/teacher_server.py`` serving one of the above elsewhere;
+  ``jaxgrpo.run.teacher_remote``), nothing loaded here;
+- ``vllm:<one of the local forms>``: that model served by vLLM's ``prompt_logprobs``
+  (``jaxgrpo.rollout.engines.vllm_teacher``; the ``vllm`` extra, temperature 1).
 
 The model is then placed on the train mesh beside the policy (``jaxgrpo.step.feed.make_teacher``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from typing import Callable
@@ -26,15 +32,23 @@ from jaxgrpo.run import builders
 from jaxgrpo.run.specs import ModelSpec, TrainerConfig
 from jaxgrpo.run.task_specs import SyntheticModel
 from jaxgrpo.services import checkpoint
+from jaxgrpo.step.teacher_remote import is_remote_teacher
 
-__all__ = ["build_teacher", "check_tokenizers", "teacher_source"]
+__all__ = ["build_teacher", "check_tokenizers", "load_teacher", "teacher_source", "tokenizer_fingerprint"]
 
 _SYNTHETIC = re.compile(r"^synthetic:(\d+)x(\d+)$")
 
 
 def teacher_source(teacher: str) -> str:
-  """``"synthetic"``, ``"hf"`` or ``"run"``: what ``objective.distill.teacher`` names (ValueError in one line
-  for a ``synthetic:`` of another form or a path that does not exist)."""
+  """``"synthetic"``, ``"hf"``, ``"run"``, ``"remote"`` (``http(s)://``) or ``"vllm"`` (``vllm:<local form>``):
+  what ``objective.distill.teacher`` names (ValueError in one line for a ``synthetic:`` of another form or a path
+  that does not exist)."""
+  if is_remote_teacher(teacher):
+    return "remote"
+  if teacher.startswith("vllm:"):
+    if teacher_source(teacher[5:]) not in ("synthetic", "hf", "run"):
+      raise ValueError(f"`objective.distill.teacher`={teacher!r}: `vllm:` takes a local teacher, not a URL")
+    return "vllm"
   if teacher.startswith("synthetic:"):
     if not _SYNTHETIC.match(teacher):
       raise ValueError(
@@ -73,6 +87,13 @@ def check_tokenizers(policy_tokenizer, teacher_tokenizer, teacher: str) -> None:
   )
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+  """``"sha256:<hex>"`` of the tokenizer's vocabulary (every (token string, id) pair, sorted): equal exactly when
+  :func:`check_tokenizers` accepts the pair. A teacher server reports its own (``jaxgrpo.run.teacher_remote``)."""
+  items = sorted((str(k), int(v)) for k, v in _vocab(tokenizer).items())
+  return "sha256:" + hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+
+
 def _vocab(tokenizer) -> dict:
   get = getattr(tokenizer, "get_vocab", None)
   return dict(get()) if get is not None else {i: i for i in range(len(tokenizer))}
@@ -89,19 +110,36 @@ def build_teacher(cfg: TrainerConfig, policy_tokenizer, *, log: Callable[[str], 
       "directory, or `synthetic:<hidden_size>x<num_layers>`)"
     )
   kind = teacher_source(d.teacher)
-  dtypes = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-  if kind == "synthetic":
-    hidden, layers = (int(x) for x in _SYNTHETIC.match(d.teacher).groups())
-    spec = ModelSpec(synthetic=SyntheticModel(hidden_size=hidden, num_layers=layers), **dtypes)
-    model, tokenizer = builders.build_policy(spec, seed=cfg.run.seed + 1)
-  elif kind == "hf":
-    model, tokenizer = builders.build_policy(ModelSpec(path=d.teacher, **dtypes), seed=0)
-  else:
-    model, tokenizer, saved = builders.load_policy(d.teacher)
-    if saved.lora is not None:
-      model = lora.merge_lora(model)
+  if kind in ("remote", "vllm"):
+    raise ValueError(
+      f"`objective.distill.teacher`={d.teacher!r} is served outside the train mesh: "
+      "jaxgrpo.run.teacher_remote.connect builds its teacher"
+    )
+  model, tokenizer = load_teacher(
+    d.teacher, seed=cfg.run.seed + 1, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+  )
   check_tokenizers(policy_tokenizer, tokenizer, d.teacher)
   if log is not None:
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     log(f"teacher: {d.teacher} ({kind}, {n:,} parameters), distill kind={d.kind} weight={d.weight}")
   return model
+
+
+def load_teacher(teacher: str, *, seed: int, dtype: str = "float32", param_dtype: str = "float32"):
+  """``(model, tokenizer)`` of a local teacher (``synthetic:...``, an HF directory, a run directory or checkpoint:
+  the module docstring), on the default device. ``seed`` initialises a synthetic teacher (a run's in-process
+  teacher uses ``run.seed + 1``); the synthetic and HF forms take ``dtype``/``param_dtype``, a run's its own."""
+  kind = teacher_source(teacher)
+  if kind in ("remote", "vllm"):
+    raise ValueError(f"`teacher`={teacher!r} is served (a URL or vllm:...); a local teacher is loaded from a model")
+  dtypes = dict(dtype=dtype, param_dtype=param_dtype)
+  if kind == "synthetic":
+    hidden, layers = (int(x) for x in _SYNTHETIC.match(teacher).groups())
+    spec = ModelSpec(synthetic=SyntheticModel(hidden_size=hidden, num_layers=layers), **dtypes)
+    return builders.build_policy(spec, seed=seed)
+  if kind == "hf":
+    return builders.build_policy(ModelSpec(path=teacher, **dtypes), seed=0)
+  model, tokenizer, saved = builders.load_policy(teacher)
+  if saved.lora is not None:
+    model = lora.merge_lora(model)
+  return model, tokenizer

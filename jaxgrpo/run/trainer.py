@@ -52,7 +52,7 @@ from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import distributed
 from jaxgrpo.rollout.environments.rollout import RolloutInterrupted
-from jaxgrpo.run import assemble, builders
+from jaxgrpo.run import assemble, builders, teacher_remote
 from jaxgrpo.run import teacher as teacher_lib
 from jaxgrpo.run.collapse import (
   DEFAULT_GUARD,
@@ -254,9 +254,15 @@ class Trainer:
       make_env=self.make_env,
       should_stop=self.control.stop_requested,
     )
-    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh
+    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh; or
+    # served outside it (a teacher server, vLLM: jaxgrpo.run.teacher_remote)
     self.teacher = None
-    if cfg.objective.distill is not None:
+    d = cfg.objective.distill
+    if d is not None and d.teacher is not None and teacher_lib.teacher_source(d.teacher) in ("remote", "vllm"):
+      self.teacher = teacher_remote.connect(
+        cfg, self.tokenizer, student_vocab=self.model.config.vocab_size, train_config=self.train_config, log=self.log
+      )
+    elif cfg.objective.distill is not None:
       teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
       self.teacher = feed.make_teacher(self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size)
     self.learner = Learner(

@@ -278,6 +278,7 @@ class VLLMEngine:
       ``max_lora_rank`` the smallest rank vLLM allows ≥ r, 3r for GPT-2's fused ``c_attn``) and
       :meth:`push_weights` syncs a LoRA policy's adapters only (a PEFT directory loaded as a ``LoRARequest``;
       the base weights only when they changed). None (default): a LoRA policy is pushed merged.
+    max_logprobs: the most log-probs a request may ask for (vLLM's, default 20; a teacher's top-k may need more).
     model: optional: push these weights at once.
   """
 
@@ -306,6 +307,7 @@ class VLLMEngine:
     logprobs_temperature: float = 1.0,
     seed: int = 0,
     lora_rank: int | None = None,
+    max_logprobs: int = 20,
     model=None,
   ):
     served = sorted(f.model_type for f in registered() if f.vllm)  # the registry's (jaxgrpo.models.registry)
@@ -348,6 +350,7 @@ class VLLMEngine:
       enforce_eager=enforce_eager,
       enable_prefix_caching=True,
       logprobs_mode="raw_logprobs" if self.logprobs_temperature == 1.0 else "processed_logprobs",
+      max_logprobs=int(max_logprobs),
     )
     if lora_rank is not None:
       kw.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank * _most_fused(config)))
