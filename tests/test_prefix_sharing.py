@@ -13,6 +13,7 @@ step without (the same step's two layouts, itself checked against the hand-writt
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +295,24 @@ def test_micro_batches_keep_each_group_whole(mini, micro, shards):
     train.pack_batch(_batch(), row_length=L, shards=shards, mini_batches=m, micro_batches=k, sharing="prompt").packed.segment_ids > 0
   ).sum()  # fmt: skip
   assert columns(micro, mini) == columns(1, mini)
+
+
+def test_contiguous_split_keeps_groups_whole_under_the_documented_condition():
+  """docs/prefix_sharing.md's condition — M = 1 and G divides R = B/(shards·M·K), or M·K divides G and G/M divides
+  R — keeps every group's rows of a mini-batch in one micro-batch (two device shards, every small case)."""
+  checked = 0
+  for mini, micro, g, r in itertools.product(
+    (1, 2, 3, 4), (2, 3, 4), (2, 3, 4, 6, 8, 12, 16, 24), (1, 2, 3, 4, 6, 8, 12)
+  ):
+    if not ((mini == 1 and r % g == 0) or (g % (mini * micro) == 0 and r % (g // mini) == 0)):
+      continue
+    b = 2 * mini * micro * r
+    slots = train.batch_slots(b, shards=2, mini_batches=mini, micro_batches=micro, contiguous=True)
+    for first in range(0, b, g):
+      rows = slots[first : first + g]
+      assert np.unique(rows).size == np.unique(rows // micro).size, (mini, micro, g, r, rows)
+    checked += 1
+  assert checked > 50
 
 
 _SHARDED = r"""
