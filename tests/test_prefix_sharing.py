@@ -13,6 +13,7 @@ step without (the same step's two layouts, itself checked against the hand-writt
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import flat_params, make_batch, numpy_log_probs, tiny_config, tiny_model
+from helpers import flat_params, make_batch, numpy_log_probs, run_child, tiny_config, tiny_model
 
 from jaxgrpo import models
 from jaxgrpo.kernels.attention import blockwise_attention
@@ -203,6 +204,13 @@ def test_packed_tree_log_probs_equal_the_rowwise_numpy_log_softmax(sharing, impl
   np.testing.assert_allclose(np.asarray(logp), numpy_log_probs(model, batch), atol=2e-5)
 
   weights = np.random.default_rng(1).standard_normal((B, T)).astype(np.float32)
+  assert_tree_gradients_equal_rowwise(model, batch, pk, weights)
+
+
+def assert_tree_gradients_equal_rowwise(model, batch, pk, weights):
+  """The gradient of ``Σ weights · logp`` over the packed rows ``pk`` equals that over the unpacked rows of
+  ``batch`` (``models.completion_log_probs``), to float32 rounding (2e-5 of the largest entry)."""
+  args = [jnp.asarray(x) for x in (pk.tokens, pk.positions, pk.segment_ids, pk.head_index, pk.unpack_index)]
   graphdef, params = nnx.split(model)
 
   def tree_loss(params):
@@ -225,7 +233,7 @@ def test_packed_tree_log_probs_equal_the_rowwise_numpy_log_softmax(sharing, impl
 
 
 @functools.lru_cache(maxsize=None)
-def _step(name, sharing, micro=1):
+def _step(name, sharing, micro=1, mini=1):
   """(params, metrics) after one step of preset ``name`` on :func:`_batch`, packed with ``sharing``, and the
   reference pass's log-probs with the same TrainConfig."""
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
@@ -233,8 +241,8 @@ def _step(name, sharing, micro=1):
   model = models.build_model(tiny_config(1), rngs=nnx.Rngs(0))
   graphdef, state, shardings = train.init_train_state(model, opt, mesh)
   tc = train.TrainConfig(
-    micro_batches=micro, max_grad_norm=0.05, group_size=G, chunk_size=5, tree_stats=True, packing=L,
-    prefix_sharing=sharing,
+    micro_batches=micro, mini_batches=mini, max_grad_norm=0.05, group_size=G, chunk_size=5, tree_stats=True,
+    packing=L, prefix_sharing=sharing,
   )  # fmt: skip
   ref = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
   ref_logp = np.asarray(ref(jax.tree.map(jnp.copy, state.params), _batch()))
@@ -244,20 +252,111 @@ def _step(name, sharing, micro=1):
 
 
 @pytest.mark.parametrize(
-  ("name", "sharing", "micro"),
-  [("grpo", "prompt", 1), ("lambda_grpo", "tree", 1), ("lambda_frpo", "tree", 2)],
+  ("name", "sharing", "micro", "mini"),
+  [("grpo", "prompt", 1, 1), ("lambda_grpo", "tree", 1, 1), ("lambda_frpo", "tree", 2, 1), ("grpo", "tree", 2, 2)],
 )
-def test_prefix_shared_step_equals_the_unshared_step(name, sharing, micro):
+def test_prefix_shared_step_equals_the_unshared_step(name, sharing, micro, mini):
   """GRPO, λ-GRPO and FRPO (β > 0: the reference pass too) with prefix sharing: the parameters after the update,
   every metric (λ sizes, tree statistics, loss, KL, entropy) and the reference log-probs equal plain packing's;
-  two micro-batches share within each."""
-  got, want = _step(name, sharing, micro), _step(name, "none", micro)
+  two micro-batches share within each (the contiguous split), two mini-batches make the same two updates."""
+  got, want = _step(name, sharing, micro, mini), _step(name, "none", micro, mini)
   for key in want[0]:
     np.testing.assert_allclose(got[0][key], want[0][key], atol=1e-6, rtol=1e-5, err_msg=key)
   assert got[1].keys() == want[1].keys()
   for key in want[1]:
     assert got[1][key] == pytest.approx(want[1][key], rel=2e-5, abs=1e-6), key
   np.testing.assert_allclose(got[2], want[2], atol=2e-5)
+
+
+@pytest.mark.parametrize(("mini", "micro", "shards"), [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)])
+def test_micro_batches_keep_each_group_whole(mini, micro, shards):
+  """With sharing the step's split is contiguous (``batch_slots(contiguous=True)``, ``terms.split_micro``): each
+  group's rows of a mini-batch are in one slot, every mini-batch holds the rows the interleaved split gives it
+  (the same updates), the step's ``[M, K, R]`` split and the packer's slots agree, and K micro-batches lay out
+  each group's prompt once per mini-batch — as many tree columns as one micro-batch per mini-batch."""
+  from jaxgrpo.step.terms import merge_rows, split_micro
+
+  slots = train.batch_slots(B, shards=shards, mini_batches=mini, micro_batches=micro, contiguous=True)
+  interleaved = train.batch_slots(B, shards=shards, mini_batches=mini, micro_batches=micro)
+  np.testing.assert_array_equal(slots // micro, interleaved // micro)  # the same device shard and mini-batch
+  for g in range(B // G):  # G = 4 divides B/(shards·K) = 8, 4
+    rows = slice(g * G, (g + 1) * G)
+    assert np.unique(slots[rows]).size == mini, (g, slots[rows])
+  split = np.asarray(split_micro(jnp.arange(B), mini, micro, blocks=shards, contiguous=True))  # [M, K, R]
+  r = B // (mini * micro * shards)
+  for m in range(mini):
+    for k in range(micro):
+      for d in range(shards):
+        assert (slots[split[m, k, d * r : (d + 1) * r]] == d * mini * micro + m * micro + k).all()
+  np.testing.assert_array_equal(
+    np.asarray(merge_rows(jnp.asarray(split), mini, micro, blocks=shards, contiguous=True)), np.arange(B)
+  )
+  columns = lambda k, m: (
+    train.pack_batch(_batch(), row_length=L, shards=shards, mini_batches=m, micro_batches=k, sharing="prompt").packed.segment_ids > 0
+  ).sum()  # fmt: skip
+  assert columns(micro, mini) == columns(1, mini)
+
+
+def test_contiguous_split_keeps_groups_whole_under_the_documented_condition():
+  """docs/prefix_sharing.md's condition — M = 1 and G divides R = B/(shards·M·K), or M·K divides G and G/M divides
+  R — keeps every group's rows of a mini-batch in one micro-batch (two device shards, every small case)."""
+  checked = 0
+  for mini, micro, g, r in itertools.product(
+    (1, 2, 3, 4), (2, 3, 4), (2, 3, 4, 6, 8, 12, 16, 24), (1, 2, 3, 4, 6, 8, 12)
+  ):
+    if not ((mini == 1 and r % g == 0) or (g % (mini * micro) == 0 and r % (g // mini) == 0)):
+      continue
+    b = 2 * mini * micro * r
+    slots = train.batch_slots(b, shards=2, mini_batches=mini, micro_batches=micro, contiguous=True)
+    for first in range(0, b, g):
+      rows = slots[first : first + g]
+      assert np.unique(rows).size == np.unique(rows // micro).size, (mini, micro, g, r, rows)
+    checked += 1
+  assert checked > 50
+
+
+_SHARDED = r"""
+import jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+from helpers import flat_params, tiny_config
+from test_prefix_sharing import B, G, L, _batch
+from jaxgrpo import models
+from jaxgrpo.kernels.config import preset
+from jaxgrpo.parallel import sharding as shd
+from jaxgrpo.step import train
+
+assert jax.device_count() == 2
+out = {}
+for spec, packing, sharing in (("data=1", None, "none"), ("data=2", L, "tree")):
+  mesh = shd.make_mesh(spec, devices=jax.devices()[: 1 if spec == "data=1" else 2])
+  opt = optax.sgd(0.5)
+  graphdef, state, shardings = train.init_train_state(models.build_model(tiny_config(1), rngs=nnx.Rngs(0)), opt, mesh)
+  tc = train.TrainConfig(mini_batches=2, micro_batches=2, max_grad_norm=0.05, group_size=G, chunk_size=5,
+                         packing=packing, prefix_sharing=sharing)
+  if sharing == "tree":  # each group's rows of a mini-batch: one slot on one device
+    slots = train.make_train_step(graphdef, opt, preset("lambda_frpo"), mesh=mesh, shardings=shardings,
+                                  train_config=tc).pack(_batch()).packed.slot
+    assert all(np.unique(slots[g * G:(g + 1) * G]).size == 2 for g in range(B // G)), slots
+  ref = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
+  ref_logp = np.asarray(ref(jax.tree.map(jnp.copy, state.params), _batch()))
+  step = train.make_train_step(graphdef, opt, preset("lambda_frpo"), mesh=mesh, shardings=shardings, train_config=tc)
+  state, metrics = step(state, _batch()._replace(ref_logp=ref_logp))
+  out[spec] = flat_params(state.params), float(metrics["loss"]), ref_logp
+(want, want_loss, want_ref), (got, loss, got_ref) = out["data=1"], out["data=2"]
+np.testing.assert_allclose(got_ref, want_ref, atol=2e-5)
+assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss)), (loss, want_loss)
+for k in want:
+  np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=str(k))
+print("OK")
+"""
+
+
+@pytest.mark.subprocess
+def test_contiguous_split_on_two_devices_equals_the_rowwise_step():
+  """``data=2``, M = 2 mini-batches × K = 2 micro-batches, λ-FRPO with ``tree`` sharing (each device splits its
+  own rows contiguously, each group's rows of a mini-batch in one slot): the reference log-probs, the loss and the
+  parameters after the step equal the unpacked step on one device (interleaved split, the same mini-batches)."""
+  assert run_child(_SHARDED, devices=2).strip().endswith("OK")
 
 
 def test_reference_pass_with_sharing_equals_numpy():

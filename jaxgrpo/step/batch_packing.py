@@ -27,13 +27,20 @@ DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # ----------------------------------------------------------------------------- packing
 
 
-def batch_slots(batch_size: int, *, shards: int, mini_batches: int = 1, micro_batches: int = 1) -> np.ndarray:
-  """The train step's slot of each row: ``d·(M·K) + (b mod M·K)`` for row b, where
-  ``d = b // (B / shards)`` is the device shard holding the row (rows over ``data × fsdp``) and
-  ``b mod M·K = m·K + k`` its mini-batch m and micro-batch k (the step's split, row
-  ``i·(M·K) + m·K + k``). Packing each slot alone (:func:`pack_batch`) keeps every micro-batch's
-  sequences — and so its loss terms — exactly those of the unpacked step, and each device's packed
-  rows its own sequences.
+def batch_slots(
+  batch_size: int, *, shards: int, mini_batches: int = 1, micro_batches: int = 1, contiguous: bool = False
+) -> np.ndarray:
+  """The train step's slot of each row (``jaxgrpo.step.terms.split_micro``): ``d·(M·K) + m·K + k`` for the row
+  of index ``c = i·(M·K) + m·K + k`` in device shard ``d = b // n`` (``n = B / shards`` rows per shard: the rows
+  over ``data × fsdp``), m its mini-batch and k its micro-batch:
+
+  - interleaved (the default): ``k = c mod K``, row ``b`` in slot ``d·(M·K) + (b mod M·K)``;
+  - ``contiguous`` (the step's split with prefix sharing): ``k = (i·K + c mod K) // R``, ``R = n / (M·K)``: each
+    micro-batch one run of R consecutive rows of its mini-batch, so that G consecutive rows (a group) fall in one
+    micro-batch of each mini-batch when ``G / M`` divides R (M = 1: G divides ``n / K``).
+
+  Packing each slot alone (:func:`pack_batch`) keeps every micro-batch's sequences — and so its loss terms —
+  exactly those of the unpacked step, and each device's packed rows its own sequences.
 
   Returns:
     ``int32[batch_size]`` in ``[0, shards·M·K)``.
@@ -48,7 +55,13 @@ def batch_slots(batch_size: int, *, shards: int, mini_batches: int = 1, micro_ba
       f"{mini_batches} × {micro_batches}"
     )
   b = np.arange(batch_size)
-  return ((b // (batch_size // shards)) * splits + b % splits).astype(np.int32)
+  n = batch_size // shards
+  shard, c = b // n, b % n
+  if not contiguous:
+    return (shard * splits + c % splits).astype(np.int32)
+  rank = (c // splits) * micro_batches + c % micro_batches
+  micro = rank // (n // splits)
+  return (shard * splits + (c % splits) // micro_batches * micro_batches + micro).astype(np.int32)
 
 
 def pack_batch(
@@ -86,7 +99,8 @@ def pack_batch(
   if any(x is None for x in fields):
     raise ValueError("pack_batch packs on the host: the batch's tokens and masks must be NumPy or fully addressable")
   b = fields[2].shape[0] if fields[2].ndim == 2 else 0
-  slot = batch_slots(b, shards=shards, mini_batches=mini_batches, micro_batches=micro_batches)
+  contiguous = sharing != "none"  # the step's split with prefix sharing (jaxgrpo.step.terms.contiguous_split)
+  slot = batch_slots(b, shards=shards, mini_batches=mini_batches, micro_batches=micro_batches, contiguous=contiguous)
   packed = pack_slots(
     *fields,
     slot,
@@ -148,7 +162,8 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
     _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
   # host arrays only (a placed batch was packed by pack_batch, not re-read from the devices every step)
   slot, index, mask = (x if isinstance(x, np.ndarray) else None for x in (packed.slot, packed.unpack_index, batch.mask))
-  if slot is not None and not np.array_equal(slot, batch_slots(b, shards=shards, mini_batches=1, micro_batches=splits)):
+  split = dict(mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, contiguous=tree)  # splits = M·K
+  if slot is not None and not np.array_equal(slot, batch_slots(b, shards=shards, **split)):
     raise ValueError(
       "batch.packed.slot is not the step's slot of each row (train.batch_slots): the batch was packed for "
       "another mesh or split; pack it with step.pack"

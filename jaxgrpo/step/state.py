@@ -88,7 +88,8 @@ class TrainConfig:
       each micro-batch's sequences as prefix trees (``jaxgrpo.step.prefix_tree``), so a prompt shared by the
       sequences of a slot (``"prompt"``), or any common prefix, completions included (``"tree"``), is computed
       once in the step, the reference pass and the π_old recomputation; values and gradients are the
-      row-wise step's.
+      row-wise step's. With sharing the micro-batches take consecutive rows of their mini-batch (the same
+      mini-batches; ``jaxgrpo.step.terms.split_micro(contiguous=True)``), so a group's rows share one tree.
     router_aux_loss: a mixture of experts' load-balancing coefficient c (HF ``router_aux_loss_coef``;
       0: off): the loss becomes ``Σ_k (num_k + c·aux_k·den_k) / Σ_k den_k`` with ``aux_k`` =
       ``jaxgrpo.models.moe.load_balancing_loss`` of micro-batch k's forward over its real tokens (one

@@ -57,13 +57,33 @@ __all__ = [
 # ----------------------------------------------------------------------------- row layout
 
 
-def split_micro(x, m: int, k: int):
-  """``[B, ...] -> [M, K, B/(M·K), ...]`` with row ``i·(M·K) + m·K + k`` at ``[m, k, i]``."""
+def split_micro(x, m: int, k: int, *, blocks: int = 1, contiguous: bool = False):
+  """``[B, ...] -> [M, K, B/(M·K), ...]``: the step's mini/micro-batch split.
+
+  Default (interleaved): row ``i·(M·K) + m·K + k`` at ``[m, k, i]``.
+
+  ``contiguous`` (prefix sharing, :func:`contiguous_split`): the same mini-batches, and within each device shard
+  (``blocks`` shards of ``n = B/blocks`` consecutive rows) each micro-batch one run of ``R = n/(M·K)`` consecutive
+  rows of its mini-batch. With ``c = i·(M·K) + m·K + k`` a row's index in its shard d, its mini-batch is m as
+  before, its rank in the mini-batch's rows of the shard is ``r = i·K + k``, and it sits at
+  ``[m, r // R, d·R + r mod R]``. A group of consecutive rows thereby stays in one micro-batch of each
+  mini-batch (``jaxgrpo.step.batch_packing.batch_slots``, ``docs/prefix_sharing.md``)."""
   if x is None:
     return None
   b = x.shape[0]
-  x = x.reshape((b // (m * k), m, k) + x.shape[1:])
-  return jnp.moveaxis(x, 0, 2)
+  if not contiguous:
+    x = x.reshape((b // (m * k), m, k) + x.shape[1:])
+    return jnp.moveaxis(x, 0, 2)
+  r, rest = b // (blocks * m * k), x.shape[1:]
+  x = jnp.moveaxis(x.reshape((blocks, r, m, k) + rest), 2, 0)  # [M, D, R, K, ...]: c = i·(M·K) + m·K + k
+  x = x.reshape((m, blocks, k, r) + rest)  # the rank i·K + k in the mini-batch = k'·R + i'
+  return jnp.moveaxis(x, 1, 2).reshape((m, k, blocks * r) + rest)
+
+
+def contiguous_split(tc: TrainConfig) -> bool:
+  """Whether the step of ``tc`` splits its rows contiguously (:func:`split_micro`): with prefix sharing, so that a
+  group's rows share one tree per mini-batch; the interleaved split otherwise (the default programs)."""
+  return tc.prefix_sharing != "none"
 
 
 def split_slots(x, n: int, m: int, k: int):
@@ -75,10 +95,16 @@ def split_slots(x, n: int, m: int, k: int):
   return x.reshape(x.shape[:2] + (n * x.shape[3],) + x.shape[4:])
 
 
-def merge_rows(x, m: int, k: int):
-  """Inverse of :func:`split_micro`: ``[M, K, B/(M·K), ...] -> [B, ...]``."""
-  x = jnp.moveaxis(x, 2, 0)
-  return x.reshape((x.shape[0] * m * k,) + x.shape[3:])
+def merge_rows(x, m: int, k: int, *, blocks: int = 1, contiguous: bool = False):
+  """Inverse of :func:`split_micro` (with the same ``blocks`` and ``contiguous``): ``[M, K, B/(M·K), ...] -> [B,
+  ...]``."""
+  if not contiguous:
+    x = jnp.moveaxis(x, 2, 0)
+    return x.reshape((x.shape[0] * m * k,) + x.shape[3:])
+  r, rest = x.shape[2] // blocks, x.shape[3:]
+  x = jnp.moveaxis(x.reshape((m, k, blocks, r) + rest), 2, 1)  # [M, D, K', R', ...]
+  x = jnp.moveaxis(x.reshape((m, blocks, r, k) + rest), 0, 2)  # [D, R, M, K, ...]
+  return x.reshape((blocks * r * m * k,) + rest)
 
 
 def _model_inputs(batch: Batch) -> dict:
@@ -377,7 +403,10 @@ def split_rows(spec: StepSpec, rows: dict, packed: PackedSlots | None) -> dict:
   ``positions``, ``segment_ids`` ``i32[n·M·K·X, L]``, ``head_index``) are added, split the same way: slot
   ``d·(M·K) + m·K + k`` (device shard d) at ``[m, k]`` (:func:`split_slots`)."""
   mm, kk = spec.tc.mini_batches, spec.tc.micro_batches
-  rows = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(split_micro(x, mm, kk), spec.rows_sh), rows)
+  split_kw = dict(blocks=spec.blocks, contiguous=contiguous_split(spec.tc))
+  rows = jax.tree.map(
+    lambda x: jax.lax.with_sharding_constraint(split_micro(x, mm, kk, **split_kw), spec.rows_sh), rows
+  )
   if packed is not None:  # and its own packed rows: slot d·(M·K) + m·K + k
     split = lambda x: jax.lax.with_sharding_constraint(split_slots(x, spec.blocks, mm, kk), spec.rows_sh)
     rows.update(jax.tree.map(split, slot_inputs(packed)))

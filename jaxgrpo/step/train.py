@@ -110,6 +110,7 @@ from jaxgrpo.step.state import (
 )
 from jaxgrpo.step.terms import (
   StepSpec,
+  contiguous_split,
   distill_of,
   group_bound,
   merge_rows,
@@ -664,16 +665,27 @@ def make_reference_fn(
     out = jax.lax.map(one, tuple(cols))  # [K, R, T, ...]
     return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(shape + x.shape[3:]), out)  # inverse of split_micro
 
+  def to_slots(x):  # [B, ...] -> [M·K, B/(M·K), ...]: the rows of slot j of every device shard, as the step splits
+    if not contiguous_split(tc):
+      return jax.lax.with_sharding_constraint(split_micro(x, 1, slots), rows_sh)[0]
+    x = split_micro(x, tc.mini_batches, k, blocks=blocks, contiguous=True)
+    return jax.lax.with_sharding_constraint(x.reshape((1, slots) + x.shape[2:]), rows_sh)[0]
+
+  def from_slots(x):  # the inverse of to_slots
+    if not contiguous_split(tc):
+      return merge_rows(x[None], 1, slots)
+    return merge_rows(x.reshape((tc.mini_batches, k) + x.shape[1:]), tc.mini_batches, k, blocks=blocks, contiguous=True)
+
   def fn_packed(params, unpack_index, packed_rows):
     model = nnx.merge(graphdef, params)
-    mbs = {"unpack_index": jax.lax.with_sharding_constraint(split_micro(unpack_index, 1, slots), rows_sh)[0]}
+    mbs = {"unpack_index": to_slots(unpack_index)}
     for name, x in packed_rows.items():  # [M·K, blocks·X, ...]: slot j of every device shard
       mbs[name] = jax.lax.with_sharding_constraint(split_slots(x, blocks, 1, slots), rows_sh)[0]
     if top_k is None:
       logp = jax.lax.map(lambda mb: micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
-      return merge_rows(logp[None], 1, slots)
+      return from_slots(logp)
     teach = lambda mb: _packed_top_k(model, mb, tc, blocks, top_k)
-    return jax.tree.map(lambda x: merge_rows(x[None], 1, slots), jax.lax.map(teach, mbs))  # [B, T, ...] each
+    return jax.tree.map(from_slots, jax.lax.map(teach, mbs))  # [B, T, ...] each
 
   options = _options(tc)
   jitted = jax.jit(fn, in_shardings=(param_shardings, bsh), out_shardings=bsh, compiler_options=options)

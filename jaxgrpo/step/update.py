@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxgrpo.kernels.losses import LossTerms, combine_terms, finalize_terms
-from jaxgrpo.step.terms import StepSpec, split_micro
+from jaxgrpo.step.terms import StepSpec, contiguous_split, split_micro
 
 __all__ = ["accumulate_grads", "apply_update", "token_scale", "train_epochs", "update", "update_metrics"]
 
@@ -154,7 +154,8 @@ def _epoch(spec: StepSpec, step: Callable, rows: dict, carry, fields: dict):
   """One pass over the batch: ``lax.scan`` of ``step`` (:func:`update`) over the M mini-batches of ``rows``
   (``[M, K, R, ...]``) with this pass's row fields (``[B, ...]`` each, split like the rows) added."""
   mm, kk = spec.tc.mini_batches, spec.tc.micro_batches
-  fields = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(split_micro(x, mm, kk), spec.rows_sh), fields)
+  kw = dict(blocks=spec.blocks, contiguous=contiguous_split(spec.tc))
+  fields = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(split_micro(x, mm, kk, **kw), spec.rows_sh), fields)
   return jax.lax.scan(step, carry, {**rows, **fields})
 
 
