@@ -66,6 +66,7 @@ __all__ = [
   "assemble",
   "call_all",
   "policy_turn",
+  "quantized_turns",
   "rollout_metrics",
   "sample_multiturn",
   "sample_turn",
@@ -546,6 +547,7 @@ def sample_multiturn(
     raise TypeError(f"env_config must be a MultiTurnConfig; got {type(env_config).__name__}")
   if not rows:
     raise ValueError("`rows` is empty: sample_multiturn needs at least one dataset row")
+  model, sampling = quantized_turns(model, sampling, engine)
   g, n = sampling.num_samples, len(rows) * sampling.num_samples
   groups = [(make_envs(make_env, row, g, b), row, b) for b, row in enumerate(rows)]
   trs = start_groups(groups, tokenizer, sampling.eos_ids, env_config, should_stop)
@@ -597,6 +599,16 @@ def sample_multiturn(
     )
     running = [i for i in running if trs[i].running]
   return assemble(trs, g, t_max, sampling.pad_id)
+
+
+def quantized_turns(model, sampling, engine):
+  """``(model, sampling)`` the turns sample with: without an ``engine`` and with ``sampling.quantize``, the
+  quantised copy ``sampling.model_to_sample(model)`` made once for the whole rollout (from the current arrays,
+  adapters merged) and ``sampling`` with ``quantize`` cleared (the turns' samplers must not quantise it again);
+  else both unchanged (an engine quantises what it is pushed: the collective sampler's ``generate``)."""
+  if engine is not None or sampling.quantize is None:
+    return model, sampling
+  return sampling.model_to_sample(model), dataclasses.replace(sampling, quantize=None, merge_lora=False)
 
 
 def start_group(envs, row, group: int, tokenizer, eos_ids, cfg: MultiTurnConfig, should_stop=None) -> list[Trajectory]:
