@@ -278,8 +278,8 @@ def test_an_env_run_speculates(tmp_path):
 
 
 def test_env_combinations_refused_in_one_line():
-  """What multi-turn speculation does not build yet is refused at load in one line naming the options: with
-  partial rollouts (the episode pool) and on several processes (the collective turn rounds)."""
+  """What multi-turn speculation does not build yet is refused at load in one line naming the options: on
+  several processes (the collective turn rounds)."""
   from test_trainer import tiny
   from test_trainer_env import ENV
 
@@ -287,7 +287,44 @@ def test_env_combinations_refused_in_one_line():
 
   on = {**ENV, "rollout.speculative": "ngram"}
   assert tiny(**on).rollout.speculative == "ngram"  # builds
-  with pytest.raises(ValueError, match=r"with an `env` section and `rollout.partial.enabled` is not built yet"):
-    tiny(**on, **{"rollout.max_staleness": 1, "rollout.partial": {"enabled": True}})
   with pytest.raises(ValueError, match=r"with an `env` section on 2 processes is not built yet"):
     check_composition(tiny(**on), process_count=2)
+
+
+def test_a_partial_env_run_speculates_and_each_token_is_its_versions(tmp_path):
+  """``rollout.speculative: ngram`` with ``env`` and ``rollout.partial`` (the episode pool: each turn by
+  ``generate_speculative`` under the boundary's version): every step speculates (metrics), trajectories cross
+  versions, and every policy token's behaviour log-prob equals the teacher-forced one of the version it records."""
+  from test_partial_rollouts import log_probs_under
+  from test_trainer import tiny
+
+  from jaxgrpo.run.trainer import Trainer
+
+  cfg = tiny(**{
+    "env.factory": "test_partial_rollouts:make_countdown", "env.max_turns": 3, "env.max_tokens": 48,
+    "env.turn_tokens": 6, "run.out": str(tmp_path), "rollout.max_staleness": 2,
+    "rollout.partial": {"enabled": True, "slots": 12}, "objective.importance_correction": "tis",
+    "optim.learning_rate": 3e-2, "rollout.speculative": "ngram", "rollout.speculative_tokens": 3,
+  })  # fmt: skip
+  tr = Trainer(cfg, log=None)
+  pipe = tr.rollouts
+  assert type(pipe.pool).__name__ == "EpisodePool" and pipe.pool.speculative is tr.engine.switch
+  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
+  seen, recs = [], []
+  pipe.observe = seen.append
+  try:
+    for step in range(1, 4):
+      recs.append(tr.train_step())
+      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
+  finally:
+    pipe.close()
+  logp_under = log_probs_under(tr, versions)
+  crossing = 0
+  for b, rec in zip(seen, recs):
+    assert rec["rollout/speculative_on"] == 1.0 and 0.0 <= rec["rollout/spec_acceptance"] <= 1.0, rec
+    pol, mu, tv = np.asarray(b.batch.policy_mask), np.asarray(b.batch.old_logp), b.token_versions
+    crossing += sum(int(row[m].max() > row[m].min()) for row, m in zip(tv, pol) if m.any())
+    for v in np.unique(tv[pol]):
+      sel = pol & (tv == v)
+      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (b.index, v)
+  assert crossing > 0

@@ -59,8 +59,6 @@ def _check_speculative(cfg: TrainerConfig, synthetic_moe, process_count: int = 1
     (roll.partial.enabled and roll.speculative_draft is not None and cfg.env is None,
      "`rollout.partial.enabled` and `rollout.speculative_draft`",
      "the partial pool drafts by prompt lookup; a draft model's KV cache is not kept in its slots"),
-    (cfg.env is not None and roll.partial.enabled, "an `env` section and `rollout.partial.enabled`",
-     "the episode pool's turns are timed per boundary, not per rollout, and do not speculate"),
     (cfg.env is not None and process_count > 1, f"an `env` section on {process_count} processes",
      "the collective turn rounds decode with generate"),
     (synthetic_moe and roll.routing_replay == "rollout", "`rollout.routing_replay: rollout` on a mixture of experts",

@@ -338,13 +338,17 @@ class RowPool:
     if start is None:
       return
     t0, tokens0 = start
-    seconds, tokens = time.perf_counter() - t0, self._tokens_sampled() - tokens0
+    seconds, tokens = self._sampler_seconds(t0), self._tokens_sampled() - tokens0
     counts = self._spec_counts
     stats = None if counts is None else _speculative.SpeculativeStats(*(np.int32(c) for c in counts))
     self.speculative.observe(
       "plain" if counts is None else self.speculative.drafter, tokens / max(seconds, 1e-9), stats
     )
     self.sample_metrics = dict(self.speculative.metrics)
+
+  def _sampler_seconds(self, t0: float) -> float:
+    """Seconds this run spent sampling (here the whole :meth:`run` since ``t0``)."""
+    return time.perf_counter() - t0
 
   def _tokens_sampled(self) -> int:
     """Tokens sampled so far by the rows this pool holds or handed out (a running count)."""
