@@ -187,16 +187,21 @@ def _multiturn(model, tok, sampling, *, temperature, kv_cache=True, switch=None,
   )  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_cache", [True, False], ids=["cached", "reprefill"])
-def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache):
-  """``sample_multiturn`` with a prompt-lookup switch — the cached sampler's verify steps, and the re-prefill path's
-  ``generate_speculative`` per turn — over ragged turns, observations and two stop sets: drafts are accepted, every
-  policy token's recorded log-prob equals the uncached forward's over the final ``prompt ‖ trajectory`` (2e-5),
-  observation tokens carry 0; at temperature 0 the trajectories are plain greedy decoding's, token for token."""
+@pytest.mark.parametrize("kv_cache,drafter", [(True, "ngram"), (False, "ngram"), (True, "draft")])
+def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache, drafter):
+  """``sample_multiturn`` with a speculative switch — the cached sampler's prompt-lookup verify steps, the
+  re-prefill path's ``generate_speculative`` per turn, and a draft model (re-prefilled per turn) — over ragged
+  turns, observations and two stop sets: drafts are accepted, every policy token's recorded log-prob equals the
+  uncached forward's over the final ``prompt ‖ trajectory`` (2e-5), observation tokens carry 0; at temperature 0
+  the trajectories are plain greedy decoding's, token for token."""
   from jaxgrpo.models import log_probs
 
   tok, model, sampling = _chat_policy()
   switch = _switch(k=3, n=1)
+  if drafter == "draft":
+    switch = SpeculativeSwitch(
+      config=SpeculativeConfig(mode="draft", num_draft=3, draft="unused"), draft_model=_chat_policy(scale=3.0)[1]
+    )
   out = _multiturn(model, tok, sampling, temperature=0.3, kv_cache=kv_cache, switch=switch)
   assert switch.metrics["rollout/speculative_on"] == 1.0 and switch.metrics["rollout/spec_acceptance"] > 0.1
   assert (out.turns > 1).sum() >= 2 and (out.mask & ~out.policy_mask).any()
@@ -204,7 +209,7 @@ def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache):
   attn = np.concatenate([out.prompt_mask, out.mask], 1)
   lp = np.asarray(log_probs(model, tokens, attn, chunk_size=None, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
   np.testing.assert_allclose(out.log_probs, np.where(out.policy_mask, lp, 0.0), atol=2e-5)
-  greedy = [_multiturn(model, tok, sampling, temperature=0.0, kv_cache=kv_cache, switch=s) for s in (None, _switch())]
+  greedy = [_multiturn(model, tok, sampling, temperature=0.0, kv_cache=kv_cache, switch=s) for s in (None, switch)]
   for name in ("completions", "mask", "policy_mask", "turns"):
     np.testing.assert_array_equal(getattr(greedy[1], name), getattr(greedy[0], name), err_msg=name)
   np.testing.assert_allclose(greedy[1].log_probs, greedy[0].log_probs, atol=2e-5)
