@@ -123,12 +123,29 @@ def test_pool_auto_times_one_run_of_each_kind_and_logs(caplog):
   assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"{m['speculative_tokens_per_s']:.1f}" in line
 
 
+def _train_observed(tr, steps):
+  """``steps`` steps of the partial-rollout trainer ``tr``: (the produced batches, the step records,
+  ``logp(version, batch)``: teacher-forced log-probs under each version's parameters)."""
+  from test_partial_rollouts import log_probs_under
+
+  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
+  seen, recs = [], []
+  tr.rollouts.observe = seen.append
+  try:
+    for step in range(1, steps + 1):
+      recs.append(tr.train_step())
+      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
+  finally:
+    tr.rollouts.close()
+  return seen, recs, log_probs_under(tr, versions)
+
+
 def test_a_partial_run_speculates(tmp_path):
   """``rollout.speculative: ngram`` with ``rollout.partial`` (refused before): the trainer's row pool decodes by
   verify steps (metrics ``rollout/speculative_on`` 1 and the acceptance), and every trained token's behaviour
   log-prob is the teacher-forced log-prob of the version it records."""
   from test_async_rollout import REWARDS
-  from test_partial_rollouts import PARTIAL, log_probs_under
+  from test_partial_rollouts import PARTIAL
   from test_trainer import tiny
 
   from jaxgrpo.run.trainer import Trainer
@@ -141,16 +158,7 @@ def test_a_partial_run_speculates(tmp_path):
   tr = Trainer(cfg, reward_fns=REWARDS, log=None)
   pipe = tr.rollouts
   assert type(pipe.pool) is RowPool and pipe.pool.speculative is tr.engine.switch
-  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
-  seen, recs = [], []
-  pipe.observe = seen.append
-  try:
-    for step in range(1, 4):
-      recs.append(tr.train_step())
-      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
-  finally:
-    pipe.close()
-  logp_under = log_probs_under(tr, versions)
+  seen, recs, logp_under = _train_observed(tr, 3)
   for b, rec in zip(seen, recs):
     assert rec["rollout/speculative_on"] == 1.0 and 0.0 <= rec["rollout/spec_acceptance"] <= 1.0, rec
     mask, mu, tv = np.asarray(b.batch.mask), np.asarray(b.batch.old_logp), b.token_versions
@@ -300,7 +308,6 @@ def test_a_partial_env_run_speculates_and_each_token_is_its_versions(tmp_path):
   """``rollout.speculative: ngram`` with ``env`` and ``rollout.partial`` (the episode pool: each turn by
   ``generate_speculative`` under the boundary's version): every step speculates (metrics), trajectories cross
   versions, and every policy token's behaviour log-prob equals the teacher-forced one of the version it records."""
-  from test_partial_rollouts import log_probs_under
   from test_trainer import tiny
 
   from jaxgrpo.run.trainer import Trainer
@@ -314,16 +321,7 @@ def test_a_partial_env_run_speculates_and_each_token_is_its_versions(tmp_path):
   tr = Trainer(cfg, log=None)
   pipe = tr.rollouts
   assert type(pipe.pool).__name__ == "EpisodePool" and pipe.pool.speculative is tr.engine.switch
-  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
-  seen, recs = [], []
-  pipe.observe = seen.append
-  try:
-    for step in range(1, 4):
-      recs.append(tr.train_step())
-      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
-  finally:
-    pipe.close()
-  logp_under = log_probs_under(tr, versions)
+  seen, recs, logp_under = _train_observed(tr, 3)
   crossing = 0
   for b, rec in zip(seen, recs):
     assert rec["rollout/speculative_on"] == 1.0 and 0.0 <= rec["rollout/spec_acceptance"] <= 1.0, rec
