@@ -3,6 +3,7 @@ chooses, on a workload where drafting helps and one where it does not.
 
     python scripts/bench_speculative.py                       # defaults below; --rounds 3
     python scripts/bench_speculative.py --prompts 8 --new-tokens 64 --rounds 1   # a quick look
+    python scripts/bench_speculative.py --pool --rounds 2     # the partial-rollout row pool, plain vs verify steps
 
 Model: the random Qwen3 architecture of scripts/bench_sampler.py (vocab 32000, hidden 384, 4 layers, 8 / 4 heads,
 head_dim 32, intermediate 1536, tied, fp32). Workloads (B prompts × G samples, P-token random prompts, T new tokens,
@@ -15,6 +16,9 @@ no EOS id: every row has T tokens):
 Per workload: plain ``generate`` and ``generate_speculative`` timed in alternating rounds after one warm-up each
 (compilation excluded), tokens/s = real completion tokens / median seconds; the acceptance is accepted / drafted
 tokens. ``auto``: a fresh ``SpeculativeSwitch`` run for 5 calls (1 untimed + 1 timed of each kind, then its choice).
+``--pool``: the same workloads through the partial-rollout row pool (``jaxgrpo.loop.partial.pool.RowPool``: B·G
+slots, ``--refill-every`` steps per boundary, one version, every group to completion) without and with prompt-lookup
+verify steps (``speculative=``), timed in alternating rounds the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxgrpo.loop.partial.pool import RowPool  # noqa: E402
 from jaxgrpo.models import Qwen3Config, build_model  # noqa: E402
 from jaxgrpo.rollout.sampling import SamplingConfig, generate  # noqa: E402
 from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch, generate_speculative  # noqa: E402
@@ -53,6 +58,8 @@ def main(argv=None) -> None:
     "--draft-model", action="store_true",
     help="also time a draft model (random, same vocabulary: hidden 128, 1 layer, 4 / 2 heads, intermediate 512)",
   )  # fmt: skip
+  ap.add_argument("--pool", action="store_true", help="time the partial-rollout row pool instead of generate")
+  ap.add_argument("--refill-every", type=int, default=8, help="--pool: steps per boundary")
   args = ap.parse_args(argv)
   print(_bench.backend_line())
   cfg = Qwen3Config(
@@ -71,7 +78,42 @@ def main(argv=None) -> None:
   spec = SpeculativeConfig(mode="ngram", num_draft=args.draft, ngram=args.ngram)
   print(f"B={args.prompts} G={args.samples} P={args.prompt_len} T={args.new_tokens} k={args.draft} n={args.ngram}")
   for name, temperature in WORKLOADS.items():
-    _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft)
+    if args.pool:
+      _pool_workload(name, temperature, model, np.asarray(prompts), sampling, spec, args)
+    else:
+      _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft)
+
+
+def _pool_workload(name, temperature, model, prompts, sampling, spec, args) -> None:
+  """Times the row pool without and with verify steps on one workload; prints a line."""
+  tokens, stats = [p.tolist() for p in prompts], {}
+
+  def run(switch):
+    pool = RowPool(
+      sampling=sampling, temperature=temperature, prompt_len=prompts.shape[1], num_slots=len(tokens) * sampling.num_samples,
+      refill_every=args.refill_every, speculative=switch,
+    )  # fmt: skip
+    drawn = iter([list(range(len(tokens)))])
+    pool.run(model, 0, jax.random.key(1), need=len(tokens), draw=lambda: next(drawn, []), prompt_tokens=tokens)
+    stats["pool"] = pool
+    return jnp.asarray(0)
+
+  plain = lambda: run(None)
+
+  def ngram():
+    out = run(SpeculativeSwitch(config=spec))
+    stats["s"] = stats["pool"].sample_metrics
+    return out
+
+  t_plain, t_ngram = _bench.alternating_times([plain, ngram], args.rounds)
+  med = dict(zip(("plain", "ngram"), _bench.medians([t_plain, t_ngram])))
+  n = len(tokens) * sampling.num_samples * args.new_tokens
+  print(
+    f"pool {name} (temperature {temperature}): plain {med['plain']:.2f} s {n / med['plain']:.0f} tok/s | ngram "
+    f"{med['ngram']:.2f} s {n / med['ngram']:.0f} tok/s, acceptance {stats['s']['rollout/spec_acceptance']:.3f} | "
+    f"speed-up {med['plain'] / med['ngram']:.2f}x | rounds plain {[round(t, 2) for t in t_plain]} ngram "
+    f"{[round(t, 2) for t in t_ngram]}"
+  )
 
 
 def _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft) -> None:

@@ -324,8 +324,10 @@ def test_combinations_refused_in_one_line(tmp_path):
     TypeError, match=r"`rollout.speculative`: expected Literal\['off', 'ngram', 'draft', 'auto'\]; got 'eagle'"
   ):
     load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "eagle"}})
-  with pytest.raises(ValueError, match=r"`rollout.speculative: ngram` with `rollout.partial.enabled` is not built"):
-    load_config(None, {**base, "rollout": {**base["rollout"], "max_staleness": 1, "partial": {"enabled": True}}})
+  partial = {**base["rollout"], "max_staleness": 1, "partial": {"enabled": True}}
+  assert load_config(None, {**base, "rollout": partial}).rollout.partial.enabled  # builds: test_speculative_compose
+  with pytest.raises(ValueError, match=r"with `rollout.partial.enabled` and `rollout.speculative_draft` is not built"):
+    load_config(None, {**base, "rollout": {**partial, "speculative": "auto", "speculative_draft": str(tmp_path)}})
   with pytest.raises(ValueError, match=r"`rollout.speculative: draft` needs `rollout.speculative_draft`"):
     load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "draft"}})
   with pytest.raises(ValueError, match=r"`rollout.speculative_draft` is set but `rollout.speculative: ngram` never"):

@@ -46,11 +46,13 @@ def env_rollout_batch(
   temperature: float = 1.0,
   should_stop: Callable[[], bool] | None = None,
   engine=None,
+  speculative=None,
 ) -> tuple[Batch, dict[str, float], int]:
   """``(Batch with policy_mask, metrics, real tokens)`` of G multi-turn trajectories per example, sampled
   at ``temperature`` (the train step's ``TrainConfig.temperature``); ``should_stop`` and ``engine`` as for
   ``sample_multiturn`` (``RolloutInterrupted`` when it turns true during an environment call; each turn
-  sent to the engine as token ids, its weights pushed by the caller)."""
+  sent to the engine as token ids, its weights pushed by the caller); ``speculative``: the built-in engine's
+  ``SpeculativeSwitch`` (``sample_multiturn``'s)."""
   t0 = time.perf_counter()
   out: MultiTurnRollout = sample_multiturn(
     policy,
@@ -63,6 +65,7 @@ def env_rollout_batch(
     temperature=temperature,
     should_stop=should_stop,
     engine=engine,
+    speculative=speculative,
   )
   metrics = rollout_metrics(out, time.perf_counter() - t0)
   metrics.update(

@@ -347,7 +347,8 @@ def multiturn_iteration(
     engine: an :class:`~jaxgrpo.rollout.engines.Engine` for the turns (None: the built-in sampler), as for
       :func:`grpo_iteration`: the policy is pushed first, every turn goes to the engine as token ids, and
       when the engine's log-probs are not the policy's they become ``behavior_logp`` and ``old_logp`` is
-      recomputed with the policy (``engine/mismatch_k3`` over policy tokens only).
+      recomputed with the policy (``engine/mismatch_k3`` over policy tokens only). The same with
+      ``sampling.quantize`` (the turns sample the quantised policy μ).
 
   Returns:
     An :class:`IterationResult` whose ``rollout`` is the :class:`~jaxgrpo.rollout.environments.MultiTurnRollout`
@@ -355,11 +356,12 @@ def multiturn_iteration(
     ``env/tool_s``, ``env/policy_tokens``, ... — :func:`jaxgrpo.rollout.environments.rollout_metrics`).
   """
   _check_iteration(step, sampling, reference, len(rows))
-  engine_metrics, recompute = {}, False
+  # quantised rollout weights (sampling.quantize): the turns' log-probs are μ's, not the policy's
+  engine_metrics, recompute = {}, sampling.quantize is not None
   policy = policy_model(step.graphdef, state)
   if engine is not None:
     check_engine(engine)
-    recompute = not logprobs_are_policy(engine)
+    recompute = recompute or not logprobs_are_policy(engine)
     engine_metrics["engine/push_s"] = timed_push(engine, policy, sampling)
   t0 = time.perf_counter()
   rollout: MultiTurnRollout = sample_multiturn(

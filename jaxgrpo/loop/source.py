@@ -274,6 +274,7 @@ class RolloutSource:
     )
     if on_sampled is not None:
       on_sampled(None)  # the learner may run while the environments step (the sampler's copy is its own)
+    switch = getattr(engine, "switch", None) if turn_engine is None else None  # rollout.speculative
     t0 = time.perf_counter()
     rows, metrics, _ = env_training.env_rollout_batch(
       model,
@@ -286,8 +287,11 @@ class RolloutSource:
       temperature=self.temperature,
       should_stop=self.should_stop,
       engine=turn_engine,
+      speculative=switch,
     )
     driver.finish_turns(turn_engine)
+    if switch is not None:
+      self.engine_times.update(switch.metrics)
     self._add_time("engine/generate_s", self._seconds_since(t0))
     for k in ("reward_mean", "reward_std", "completion_length"):
       metrics.pop(k)  # the batch's, over the kept groups: batch()

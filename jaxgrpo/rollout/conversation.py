@@ -15,7 +15,9 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.data import pad_left
 from jaxgrpo.parallel.target import target_platform
+from jaxgrpo.rollout import speculative as _speculative
 from jaxgrpo.rollout.sampling import SamplingPolicy, decode_logits, draw_token, suppressed_mask, write_token
 
 __all__ = ["ConversationSampler"]
@@ -59,9 +61,17 @@ class ConversationSampler:
     temperature: as for :func:`generate`.
     suppress_eos: the stop ids the default ``suppress_ids`` is computed against (``SamplingConfig.suppress_ids``
       None: the pad id unless it is one of them).
+    speculative: None, or a ``jaxgrpo.rollout.speculative.SpeculativeConfig`` (prompt lookup): after each turn's
+      first token the decode is by *verify steps* (``speculative.verify_step``): k drafts per row from the row's
+      whole conversation so far, verified at its own slots and positions, 1 .. k+1 tokens kept per step (cut at
+      the row's stop ids and budget), each recorded log-prob the target's; drafting stops at the turn's end,
+      appended tokens are never drafted. The cache holds k slots more. :attr:`stats` counts (verify steps,
+      drafted, accepted) over the turns.
   """
 
-  def __init__(self, model, prompts, sampling, *, max_len: int, temperature: float = 1.0, suppress_eos=()):
+  def __init__(
+    self, model, prompts, sampling, *, max_len: int, temperature: float = 1.0, suppress_eos=(), speculative=None
+  ):
     vocab = model.config.vocab_size
     # the turns' policy: max_new_tokens is each turn's own, the default suppressed ids resolved against the stop ids
     self.policy = SamplingPolicy.from_config(
@@ -85,6 +95,15 @@ class ConversationSampler:
         f"`max_len` must be in [longest prompt = {longest}, max_position_embeddings = {limit}]; got {max_len}"
       )
     self.max_len, self.num_rows, self.vocab_size = max_len, len(prompts), vocab
+    if speculative is not None and speculative.draft is not None:
+      raise ValueError(
+        "ConversationSampler speculates by prompt lookup only: a draft model's cache is not kept across turns "
+        "(sample_multiturn re-prefills each turn with generate_speculative instead)"
+      )
+    self.speculative = speculative
+    self.stats = np.zeros(3, np.int64)  # verify steps, drafted, accepted
+    self._history = [list(p) for p in prompts]  # every token of each conversation (prompt lookup's context)
+    extra = 0 if speculative is None else speculative.num_draft  # a verify step writes k slots past the last kept
     self._graphdef, self._state = nnx.split(model)
     heads = [p[:-1] for p in prompts[::g]]
     width = bucket_width(max(1, max(len(h) for h in heads)), max_len)
@@ -95,7 +114,9 @@ class ConversationSampler:
     with target_platform(
       self._state
     ):  # the program of the devices that hold the model (docs/models.md, "Target platform")
-      self._cache = _conversation_prefill_jit(self._graphdef, self._state, tokens, mask, num_samples=g, max_len=max_len)
+      self._cache = _conversation_prefill_jit(
+        self._graphdef, self._state, tokens, mask, num_samples=g, max_len=max_len + extra
+      )
     self._pending = [p[-1] for p in prompts]  # the token of each row not yet in the cache
     self._length = [len(p) for p in prompts]  # tokens of each conversation (its pending token included)
 
@@ -172,10 +193,15 @@ class ConversationSampler:
       stop_table[j, : len(stop_ids.get(i, ()))] = stop_ids.get(i, ())
     pick = np.asarray([min(i, n - 1) for i in order])  # per-row inputs of the padding rows: any, unused
     budget = np.where(np.asarray(order) < n, budget[pick], 0).astype(np.int32)
+    spec = self.speculative
+    history = None
+    if spec is not None:  # each decode row's conversation so far (real tokens last: prompt lookup's context)
+      ctx = [self._history[i] + list(appended.get(i, ())) if i in feeds else [] for i in order]
+      history = pad_left(ctx, bucket_width(max(len(c) for c in ctx), self.max_len + 1), self.pad_id)
     with target_platform(
       self._state
     ):  # the program of the devices that hold the model (docs/models.md, "Target platform")
-      self._cache, tokens, logps, lengths = _conversation_turn_jit(
+      self._cache, tokens, logps, lengths, counts = _conversation_turn_jit(
         self._graphdef,
         self._state,
         self._cache,
@@ -188,9 +214,13 @@ class ConversationSampler:
         jnp.stack(keys),
         key_index[pick],
         draw_index[pick],
+        history,
         policy=dataclasses.replace(self.policy, max_new_tokens=t_new),
+        num_draft=0 if spec is None else spec.num_draft,
+        ngram=0 if spec is None else spec.ngram,
       )
-    tokens, logps, lengths = jax.device_get((tokens, logps, lengths))
+    tokens, logps, lengths, counts = jax.device_get((tokens, logps, lengths, counts))
+    self.stats += np.asarray(counts, np.int64)
     out = {}
     for i in rows:
       j = slot[i]
@@ -198,6 +228,7 @@ class ConversationSampler:
       out[i] = (np.asarray(tokens[j, :m]), np.asarray(logps[j, :m]))
       self._length[i] += len(feeds[i]) - 1 + m
       self._pending[i] = int(tokens[j, m - 1])
+      self._history[i] += list(appended.get(i, ())) + out[i][0].tolist()
     return out
 
 
@@ -213,7 +244,7 @@ def _conversation_prefill_jit(graphdef, state, tokens, mask, *, num_samples, max
   return _models.repeat_cache(cache, num_samples)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy", "num_draft", "ngram"), donate_argnums=(2,))
 def _conversation_turn_jit(
   graphdef,
   state,
@@ -227,14 +258,19 @@ def _conversation_turn_jit(
   keys,
   key_index,
   draw_index,
+  history=None,
   *,
   policy,
+  num_draft=0,
+  ngram=0,
 ):
   """One turn of ``ConversationSampler`` over R rows of the per-row cache (``rows int32[R]``, their cache rows;
   out of range: padding; None: all N): the chunk ``feed [R, W]`` (right-padded, row i from position
   ``feed_pos[i]``) onto the cache, then the decode loop of ``_generate_jit`` with per-row budgets and stop
   ids, rows with ``budget == 0`` done from the start; ``policy`` (a ``SamplingPolicy``) with the turn's
-  ``max_new_tokens``. Returns (full cache, tokens, log-probs, lengths)."""
+  ``max_new_tokens``. ``num_draft`` k > 0: after token 0, verify steps instead (:func:`_spec_turn`; ``history
+  (int32[R, H], bool[R, H])`` each row's conversation so far, left-padded). Returns (full cache, tokens, log-probs,
+  lengths, ``int32[3]`` verify steps, drafted, accepted)."""
   model = nnx.merge(graphdef, state)
   max_new_tokens, pad_id = policy.max_new_tokens, policy.pad_id
   cache = full_cache if rows is None else _models.take_cache_rows(full_cache, rows)
@@ -264,6 +300,13 @@ def _conversation_turn_jit(
     budget <= 0,
   )
   *buffers, last_token = record(0, first_logits, buffers)
+  if num_draft:
+    row_keys = jax.vmap(jax.random.fold_in)(keys[key_index], draw_index)  # each row's own stream
+    args = (model, cache, last_token, tuple(buffers), start_pos, history, stop_table, budget, row_keys)
+    cache, tokens, logps, lengths, counts = _spec_turn(*args, policy, suppressed, num_draft, ngram)
+    if rows is not None:
+      cache = _models.put_cache_rows(full_cache, rows, cache)
+    return cache, tokens, logps, lengths, counts
 
   def cond(loop_carry):
     t, _, _, buffers = loop_carry
@@ -281,4 +324,25 @@ def _conversation_turn_jit(
   )
   if rows is not None:
     cache = _models.put_cache_rows(full_cache, rows, cache)
-  return cache, tokens, logps, lengths
+  return cache, tokens, logps, lengths, jnp.zeros((3,), jnp.int32)
+
+
+def _spec_turn(model, cache, last, buffers, start_pos, history, stop_table, budget, row_keys, policy, suppressed, k, n):
+  """A turn's tokens 1.. by verify steps (``jaxgrpo.rollout.speculative.lookup_verify_step``) until every row is done:
+  k prompt-lookup drafts (suffix length n) per running row from ``history ‖ turn so far``, fed after its last
+  token at its own positions ``start_pos + length - 1 ..``, accepted with the uniforms ``uniform(fold_in(row_keys,
+  length), (k+1,))`` (each length starts at most one step: fresh uniforms), the kept run cut at the row's stop ids
+  (``stop_table``) and ``budget``, the cache rewound to it. Returns (cache, tokens, log-probs, lengths, ``int32[3]``
+  verify steps, drafted, accepted)."""
+  draw = lambda t: jax.vmap(lambda key, i: jax.random.uniform(jax.random.fold_in(key, i), (k + 1,)))(row_keys, t)
+
+  def body(c):
+    cache, rows, counts = c
+    cache, rows, step = _speculative.lookup_verify_step(
+      model, cache, rows, history, start_pos, draw, budget, stop_table, policy, suppressed, k=k, ngram=n
+    )
+    return cache, rows, counts + step
+
+  carry = (cache, (*buffers, last), jnp.zeros((3,), jnp.int32))
+  cache, (tokens, logps, lengths, _, _), counts = jax.lax.while_loop(lambda c: ~jnp.all(c[1][3]), body, carry)
+  return cache, tokens, logps, lengths, counts

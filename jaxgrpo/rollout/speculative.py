@@ -54,9 +54,14 @@ __all__ = [
   "SpeculativeSwitch",
   "accept_drafts",
   "check_draft_model",
+  "emitted_count",
   "generate_speculative",
   "load_draft",
+  "lookup_verify_step",
   "ngram_draft",
+  "rewind",
+  "verify_step",
+  "write_run",
 ]
 
 MODES = ("off", "ngram", "draft", "auto")
@@ -139,6 +144,41 @@ def ngram_draft(context: jax.Array, valid: jax.Array, end: jax.Array, *, num_dra
   last = end - 1
   idx = jnp.where(best[:, None] >= 0, best[:, None] + 1 + jnp.arange(num_draft)[None, :], last[:, None])
   return jnp.take_along_axis(context, jnp.minimum(idx, last[:, None]), axis=1).astype(jnp.int32)
+
+
+def lookup_verify_step(model, cache, rows, history, start_pos, draw, budget, stop, policy, suppressed, *, k, ngram):
+  """One prompt-lookup verify step of per-row decoding (the partial pool's slots, a conversation turn's rows).
+
+  Args:
+    rows: ``(tokens int32[N, T], log-probs f32[N, T], lengths int32[N], done bool[N], last int32[N])``: each row's
+      tokens so far, its count, whether it ended, its last token (not yet in ``cache``).
+    history: ``(int32[N, H], bool[N, H])`` what precedes each row's tokens, left-padded (prompt lookup's context).
+    start_pos: ``int32[N]`` the position of each row's token 0 (its cache is per row: slot = position).
+    draw: ``draw(lengths) -> f32[N, k+1]`` fresh uniforms for a step emitting from ``lengths`` on.
+    budget: ``int32[N]``; stop: stop ids (``emitted_count``'s ``eos_ids``); k, ngram: static.
+
+  Returns:
+    ``(cache, rows, int32[3])``: the cache rewound to what each row kept, the rows advanced by 1 .. k+1 tokens
+    (0 for ended rows), and (1, drafted, accepted) over the running rows.
+  """
+  tokens, logps, lengths, done, last = rows
+  hist, hist_mask = history
+  t_max = tokens.shape[1]
+  active = ~done
+  context = jnp.concatenate([hist, tokens], axis=1)
+  valid = jnp.concatenate([hist_mask, jnp.arange(t_max)[None, :] < lengths[:, None]], axis=1)
+  drafts = ngram_draft(context, valid, hist.shape[1] + lengths, num_draft=k, ngram=ngram)
+  max_pos = model.config.max_position_embeddings - 1
+  pos = jnp.minimum(start_pos[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
+  old_index = cache.index
+  acc, run, run_logp, cache = verify_step(model, cache, last, drafts, pos, active, draw(lengths), policy, suppressed)
+  count, new_done = emitted_count(run, lengths, done, acc, budget, stop)
+  tokens = write_run(tokens, lengths, run, count, t_max)
+  logps = write_run(logps, lengths, run_logp, count, t_max)
+  new_last = jnp.take_along_axis(run, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+  last = jnp.where(count > 0, new_last, last)
+  step = jnp.stack([jnp.int32(1), jnp.sum(jnp.where(active, k, 0)), jnp.sum(jnp.where(active, acc, 0))])
+  return rewind(cache, old_index + count), (tokens, logps, lengths + count, new_done, last), step
 
 
 def _sampling_log_probs(logits, policy, suppressed):
@@ -264,7 +304,7 @@ def load_draft(path: str, vocab_size: int) -> nnx.Module:
   return _models.load_hf(path)
 
 
-def _write_run(buffer, lengths, run, count, width):
+def write_run(buffer, lengths, run, count, width):
   """``buffer [N, T]`` with ``run [N, R]``'s first ``count[N]`` entries written at columns ``lengths[N] + i``."""
   n_rows, r = run.shape
   cols = lengths[:, None] + jnp.arange(r)[None, :]
@@ -272,20 +312,41 @@ def _write_run(buffer, lengths, run, count, width):
   return buffer.at[jnp.arange(n_rows)[:, None], cols].set(run, mode="drop")
 
 
-def _emitted_count(run, lengths, done, accepted, policy):
-  """How many of a verify step's ``run [N, k+1]`` tokens each row keeps: ``accepted + 1``, cut after the first
-  stop token and at the budget ``max_new_tokens - lengths``, 0 for finished rows; and whether it stopped."""
+def emitted_count(run, lengths, done, accepted, budget, eos_ids):
+  """How many of a verify step's ``run int32[N, k+1]`` tokens each row keeps: ``accepted + 1``, cut after the
+  first stop token and at the budget ``budget - lengths`` (``budget``: int or ``int32[N]``), 0 for finished rows
+  (``done bool[N]``). ``eos_ids``: a static tuple of stop ids, or a per-row table ``int32[N, S]`` (-1: none).
+  Returns ``(count int32[N], done bool[N])``."""
   k1 = run.shape[1]
-  count = jnp.minimum(accepted + 1, policy.max_new_tokens - lengths)
-  if policy.eos_ids:
-    stop = jnp.any(run[..., None] == jnp.asarray(policy.eos_ids, jnp.int32), axis=-1)  # [N, k+1]
+  count = jnp.minimum(accepted + 1, budget - lengths)
+  table = jnp.asarray(eos_ids, jnp.int32).reshape(1, -1) if isinstance(eos_ids, tuple) else eos_ids  # [1 | N, S]
+  if table.shape[1]:
+    stop = jnp.any(run[..., None] == table[:, None, :], axis=-1)  # [N, k+1]
     first = jnp.min(jnp.where(stop, jnp.arange(k1)[None, :], k1), axis=1)
     hit = first < count
     count = jnp.minimum(count, first + 1)
   else:
     hit = jnp.zeros_like(done)
   count = jnp.where(done, 0, count)
-  return count, done | hit | (lengths + count >= policy.max_new_tokens)
+  return count, done | hit | (lengths + count >= budget)
+
+
+def verify_step(model, cache, last, drafts, pos, active, uniforms, policy, suppressed, draft_logq=None):
+  """One verify step of N rows: ``[last ‖ drafts]`` (``int32[N]``, ``int32[N, k]``) fed at positions ``pos
+  int32[N, k+1]`` onto ``cache`` (rows not ``active`` masked), the drafts accepted by :func:`accept_drafts` with
+  ``uniforms f32[N, k+1]``. Returns ``(accepted int32[N], run int32[N, k+1], run_logp f32[N, k+1], cache)``:
+  ``run`` the accepted drafts then the token drawn after them (entries past ``accepted`` + 1 unused), ``run_logp``
+  each one's recorded log-prob (``log_softmax(logits / temperature)`` of the target), ``cache`` with the k+1
+  slots written (the caller keeps the emitted ones: :func:`rewind`)."""
+  k = drafts.shape[1]
+  fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [N, k+1]
+  hidden, cache = model(fed, pos, attention_mask=jnp.broadcast_to(active[:, None], fed.shape), cache=cache)
+  logits = model.logits(hidden, out_dtype=jnp.float32)  # [N, k+1, V]
+  scaled, logp = _sampling_log_probs(logits, policy, suppressed)
+  acc, nxt = accept_drafts(logp, drafts, draft_logq, uniforms)
+  run = jnp.where(jnp.arange(k + 1)[None, :] < acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
+  run_logp = jnp.take_along_axis(scaled, run[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(scaled, axis=-1)
+  return acc, run, run_logp, cache
 
 
 def _prefill(model, prompt_tokens, prompt_mask, positions, slots, g):
@@ -297,7 +358,7 @@ def _prefill(model, prompt_tokens, prompt_mask, positions, slots, g):
   return jnp.repeat(hidden[:, -1], g, axis=0), cache._replace(index=jnp.full((batch * g,), p_len, jnp.int32))
 
 
-def _rewind(cache, index):
+def rewind(cache, index):
   """``cache`` with each row's index set to ``index int32[N]`` and its slots from there on invalid."""
   return cache._replace(index=index, valid=cache.valid & (jnp.arange(cache.max_len)[None, :] < index[:, None]))
 
@@ -351,9 +412,10 @@ def _speculative_jit(
   token0, logp0 = _sampling.draw_token(first_logits, first_u, policy, suppressed)
   lengths0 = jnp.zeros((n_rows,), jnp.int32)
   done0 = jnp.zeros((n_rows,), bool)
-  count0, done0 = _emitted_count(token0[:, None], lengths0, done0, jnp.zeros((n_rows,), jnp.int32), policy)
-  tokens = _write_run(jnp.full((n_rows, t_max), pad_id, jnp.int32), lengths0, token0[:, None], count0, t_max)
-  logps = _write_run(jnp.zeros((n_rows, t_max), jnp.float32), lengths0, logp0[:, None], count0, t_max)
+  zeros = jnp.zeros((n_rows,), jnp.int32)
+  count0, done0 = emitted_count(token0[:, None], lengths0, done0, zeros, policy.max_new_tokens, policy.eos_ids)
+  tokens = write_run(jnp.full((n_rows, t_max), pad_id, jnp.int32), lengths0, token0[:, None], count0, t_max)
+  logps = write_run(jnp.zeros((n_rows, t_max), jnp.float32), lengths0, logp0[:, None], count0, t_max)
   zero = jnp.zeros((), jnp.int32)
 
   def cond(c):
@@ -372,21 +434,17 @@ def _speculative_jit(
       drafts, logq, draft_cache = _draft_tokens(
         draft, draft_cache, last, pos, active, u[:, k + 1 :], policy, suppressed
       )
-    fed = jnp.concatenate([last[:, None], drafts], axis=1)  # [N, k+1]
     old_index = cache.index
-    hidden, cache = model(fed, pos, attention_mask=jnp.broadcast_to(active[:, None], fed.shape), cache=cache)
-    logits = model.logits(hidden, out_dtype=jnp.float32)  # [N, k+1, V]
-    scaled, logp = _sampling_log_probs(logits, policy, suppressed)
-    acc, nxt = accept_drafts(logp, drafts, logq, u[:, : k + 1])
-    run = jnp.where(jnp.arange(k + 1)[None, :] < acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
-    run_logp = jnp.take_along_axis(scaled, run[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(scaled, axis=-1)
-    count, new_done = _emitted_count(run, lengths, done, acc, policy)
-    tokens = _write_run(tokens, lengths, run, count, t_max)
-    logps = _write_run(logps, lengths, run_logp, count, t_max)
+    acc, run, run_logp, cache = verify_step(
+      model, cache, last, drafts, pos, active, u[:, : k + 1], policy, suppressed, logq
+    )
+    count, new_done = emitted_count(run, lengths, done, acc, policy.max_new_tokens, policy.eos_ids)
+    tokens = write_run(tokens, lengths, run, count, t_max)
+    logps = write_run(logps, lengths, run_logp, count, t_max)
     index = old_index + count  # keep [last ‖ the count-1 accepted drafts]; the rest of the k+1 slots rewound
-    cache = _rewind(cache, index)
+    cache = rewind(cache, index)
     if draft is not None:  # the draft's cache holds the same slots
-      draft_cache = _rewind(draft_cache, index)
+      draft_cache = rewind(draft_cache, index)
     new_last = jnp.take_along_axis(run, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
     last = jnp.where(count > 0, new_last, last)
     drafted = drafted + jnp.sum(jnp.where(active, k, 0))
@@ -425,6 +483,7 @@ class SpeculativeSwitch:
     measured: ``{"plain_tokens_per_s", "speculative_tokens_per_s", "acceptance", "drafter", "speculative_on"}``
       once decided.
     calls: calls so far; timing: ``{kind: (tokens/s, stats)}`` of the timed calls while deciding.
+    metrics: the last call's ``rollout/speculative_on`` and (speculative) ``rollout/spec_acceptance``.
   """
 
   config: SpeculativeConfig
@@ -433,6 +492,7 @@ class SpeculativeSwitch:
   measured: dict = dataclasses.field(default_factory=dict)
   calls: int = 0
   timing: dict = dataclasses.field(default_factory=dict)
+  metrics: dict = dataclasses.field(default_factory=dict)
 
   @property
   def drafter(self) -> str:
@@ -461,14 +521,19 @@ class SpeculativeSwitch:
         draft_model=self.draft_model,
       )  # fmt: skip
     jax.block_until_ready(rollout.completions)
-    seconds = time.perf_counter() - start
+    self.observe(mode, int(jnp.sum(rollout.mask)) / (time.perf_counter() - start), stats)
+    return rollout, dict(self.metrics)
+
+  def observe(self, mode: str, tokens_per_s: float, stats: SpeculativeStats | None) -> None:
+    """One call of kind ``mode`` (``plain`` or the drafter) made at ``tokens_per_s`` with ``stats`` (None for
+    plain), counted — :meth:`sample`'s, or a sampler's that decodes by :meth:`mode_now` itself (the partial
+    pool's ``RowPool.run``); ``auto`` decides by it once both timed calls are in."""
     self.calls += 1
-    if self.config.mode == "auto" and not self.measured:
-      self._observe(mode, int(jnp.sum(rollout.mask)) / seconds, stats)
-    metrics = {"rollout/speculative_on": float(mode != "plain")}
+    self.metrics = {"rollout/speculative_on": float(mode != "plain")}
     if stats is not None:
-      metrics["rollout/spec_acceptance"] = stats.acceptance
-    return rollout, metrics
+      self.metrics["rollout/spec_acceptance"] = stats.acceptance
+    if self.config.mode == "auto" and not self.measured:
+      self._observe(mode, tokens_per_s, stats)
 
   def _observe(self, mode, tokens_per_s, stats):
     """Record the timed call of each kind; decide once both are in."""

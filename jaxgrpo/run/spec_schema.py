@@ -290,7 +290,8 @@ class RolloutSpec:
       copies of the policy's projections (per output channel, made at every push, LoRA merged first;
       ``SamplingConfig.quantize``); its log-probs are then μ's, so the learner recomputes ``old_logp`` and
       ``objective.importance_correction`` (tis/mis) corrects the gap (metric ``engine/mismatch_k3``). ``fp8`` needs
-      a GPU/TPU. Single-turn rollouts of ``engine: jax`` only (docs/sampling.md, "Quantized rollout weights").
+      a GPU/TPU. ``engine: jax`` only; single-turn, partial and multi-turn (``env``) rollouts (docs/sampling.md,
+      "Quantized rollout weights").
   """
 
   group_size: int = 6
@@ -648,11 +649,6 @@ class TrainerConfig:
       raise ValueError(
         f"`step.group_size`={self.step.group_size} must equal `rollout.group_size`={self.rollout.group_size} "
         "or be unset (the trainer passes G to the step)"
-      )
-    if self.rollout.quantize != "none" and self.env is not None:
-      raise ValueError(
-        f"`rollout.quantize`={self.rollout.quantize!r} applies to single-turn rollouts; the multi-turn sampler "
-        "(`env`) samples the policy's own weights: set `rollout.quantize: none`"
       )
     if self.rollout.merge_lora and self.lora is None:
       raise ValueError("`rollout.merge_lora` is true but there is no `lora` section: there are no adapters to merge")

@@ -7,7 +7,9 @@ the S places samples its next turn with the current version, its environment ste
 appended; a trajectory that ends (``done``, an error, ``max_turns``, ``max_tokens``) frees its place for the next
 queued one. A batch takes the first ``prompts_per_step`` groups whose G trajectories all ended; the others stay,
 and their next turns run under whatever version is published by then. So an episode with many turns no longer
-holds the batch back; it finishes in a later one::
+holds the batch back; it finishes in a later one. With the built-in engine's ``rollout.speculative`` each turn is
+sampled by ``generate_speculative`` (exact: every token its version's log-prob; ``auto`` compares one run's sampling
+seconds of each kind)::
 
     group drawn --> G environments reset (when its first trajectory gets a place) --> prompt ids
     per boundary, over the trajectories in places:   turn_i = sample(π_v, prompt_i ‖ traj_i)   (one turn)
@@ -81,6 +83,8 @@ class EpisodePool(RowPool):
       raise ValueError(f"`rollout.partial.slots`={num_slots} must hold a group's {self.g} trajectories")
     self.t_max, self.slots, self.refill = self.cfg.max_tokens, num_slots, refill
     self.generate_s = 0.0  # seconds sampling turns in the last run (the engine's ``engine/generate_s``)
+    # the built-in engine's rollout.speculative: each turn by generate_speculative (RowPool.run times the kinds)
+    self.speculative = getattr(source.engine, "switch", None)
     self.reset()
 
   def add_round(self, prompts, key) -> None:
@@ -106,6 +110,11 @@ class EpisodePool(RowPool):
   def _readmitted(self) -> list[int]:
     """The trajectories that continue under a new version (every turn re-prefills its context anyway)."""
     return [s for s, r in enumerate(self._slot_rows) if r is not None and r.t > 0]
+
+  def _sampler_seconds(self, t0: float) -> float:
+    """The seconds of this run's turn sampling (``rollout.speculative: auto`` compares those, not the
+    environments' time)."""
+    return self.generate_s
 
   def _prepare(self, model, version: int, key):
     """What :meth:`_boundary` runs turns with in this ``run``: the source's engine holding ``model`` (version
@@ -134,6 +143,8 @@ class EpisodePool(RowPool):
     trs = {s: self._slot_rows[s].trajectory for s in places}
     width = _episodes.context_width(max(len(tr.prompt) for tr in trs.values()), self.cfg, limit)
     sampled, t0 = {}, time.perf_counter()
+    on = self._spec_counts is not None and engine is None  # this run speculates (the built-in sampler's turns)
+    spec, stats = (self.speculative.config, self.speculative.draft_model) if on else None, np.zeros(3, np.int64)
     for k, rows_now in _episodes.turn_batches(places, {s: trs[s].stop for s in places}, key):
       sampled.update(
         _episodes.sample_turn(
@@ -146,9 +157,14 @@ class EpisodePool(RowPool):
           width,
           temperature=self.source.temperature,
           engine=engine,
+          speculative=spec,
+          stats=stats,
         )
       )
     self.generate_s += time.perf_counter() - t0
+    if on:
+      self._spec_counts = [a + int(b) for a, b in zip(self._spec_counts, stats)]
+    self._sampled_total += sum(int(sampled[s][1].sum()) for s in places)
     running = _episodes.add_turns(
       [trs[s] for s in places],
       [_episodes.policy_turn(sampled[s]) for s in places],

@@ -26,6 +26,15 @@ queries) that no version's teacher-forced pass reproduces.
 A token's uniform is ``uniform(fold_in(row key, t))``: a row's tokens depend on its key and on the versions
 it ran under, not on its slot or boundary. A pool is one process's: with several processes each runs its own
 (``jaxgrpo.loop.partial.schedule``).
+
+**Speculative decoding** (``rollout.speculative``, a ``SpeculativeSwitch``): a boundary's K steps are then verify
+steps (:func:`_spec_decode_jit`, ``jaxgrpo.rollout.speculative.verify_step``): k prompt-lookup drafts per slot
+verified by one forward at the slot's own positions, 1 .. k+1 tokens kept per slot and step, each token's log-prob
+the target's under the boundary's version — a version still changes only between boundaries, and a running row is
+re-prefilled as above, so every token's version and log-prob stay exact.
+
+One job at ~630 lines: the row pool — its bookkeeping (groups, queue, slots, staleness deadlines) and its three
+jitted programs (admit, decode, verify steps).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +50,12 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo import models as _models
+from jaxgrpo.data import pad_left
 from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import conversation as _conversation
 from jaxgrpo.rollout import refill as _refill
 from jaxgrpo.rollout import sampling as _sampling
+from jaxgrpo.rollout import speculative as _speculative
 from jaxgrpo.rollout.sampling import SamplingConfig
 
 __all__ = ["RowPool", "PoolRow", "PoolGroup", "DataExhausted"]
@@ -119,7 +131,15 @@ class RowPool:
     refill: a slot freed by an ended row takes the next queued row at the next boundary (slot refill); False:
       new rows enter only when no slot is running (a static batch whose unfinished rows carry over).
     budget_of: None, or ``budget_of(prompt, sample) -> int in [1, T]``, a row's token budget (benchmarks).
+    speculative: None, or a :class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch` (``rollout.speculative``,
+      prompt lookup): each boundary's K steps are then *verify steps* (:func:`_spec_decode_jit`: k drafts per
+      slot from the row's own ``prompt ‖ completion``, accepted by the rejection rule, 1 .. k+1 tokens per slot
+      and step), every kept token's log-prob the target's under the boundary's version; ``auto`` times one
+      :meth:`run` of each kind (the switch's rule) and keeps the faster. :attr:`sample_metrics` holds the last
+      run's ``rollout/speculative_on`` and ``rollout/spec_acceptance``.
   """
+
+  speculative: _speculative.SpeculativeSwitch | None = None  # the subclasses' pools do not speculate
 
   def __init__(
     self,
@@ -131,13 +151,16 @@ class RowPool:
     refill_every: int,
     refill: bool = True,
     budget_of=None,
+    speculative: _speculative.SpeculativeSwitch | None = None,
   ):
     self.sampling, self.temperature = sampling, float(temperature)
     self.g = sampling.num_samples
     self.t_max = sampling.require_max_new_tokens("RowPool")
     self.prompt_len, self.slots, self.every, self.refill = prompt_len, num_slots, refill_every, refill
     self.budget_of = budget_of
-    self.max_len = prompt_len + self.t_max - 1
+    self.speculative = _check_pool_switch(speculative)
+    # a verify step writes k slots past the last kept one
+    self.max_len = prompt_len + self.t_max - 1 + (0 if speculative is None else speculative.config.num_draft)
     self._policy = None  # the SamplingPolicy, resolved against the model's vocabulary at the first run
     self.reset()
 
@@ -150,6 +173,9 @@ class RowPool:
     self._version = None
     self._carry = None
     self._stop = np.zeros(self.slots, bool)
+    self._sampled_total = 0  # tokens sampled by this pool's rows (auto's tokens per second)
+    self._spec_counts = None  # [verify steps, drafted, accepted] of this run's boundaries; None: plain decoding
+    self.sample_metrics: dict[str, float] = {}
     self._exhausted = False  # draw() returned no prompts in this run()
 
   # ------------------------------------------------------------------ bookkeeping
@@ -292,6 +318,46 @@ class RowPool:
     info = {"boundaries": 0, "reprefilled": 0, "finishing_boundaries": 0}
     rounds: list = []
     self._exhausted = False
+    spec_start = self._start_spec()
+    self._spec_loop(decoder, info, rounds, version, key, need, draw, prompt_tokens, batch, max_staleness, on_dispatched)
+    self._finish_spec(spec_start)
+    return info
+
+  def _start_spec(self):
+    """Before a :meth:`run`: which kind decodes it (the switch's ``mode_now``; None without a switch), its
+    counters zeroed, the clock and the tokens so far."""
+    if self.speculative is None:
+      return None
+    mode = self.speculative.mode_now()
+    self._spec_counts = None if mode == "plain" else [0, 0, 0]
+    return time.perf_counter(), self._tokens_sampled()
+
+  def _finish_spec(self, start) -> None:
+    """After a :meth:`run`: the switch observes it (``auto``: tokens per second of the run, one call of its
+    rule), and :attr:`sample_metrics` says what ran."""
+    if start is None:
+      return
+    t0, tokens0 = start
+    seconds, tokens = self._sampler_seconds(t0), self._tokens_sampled() - tokens0
+    counts = self._spec_counts
+    stats = None if counts is None else _speculative.SpeculativeStats(*(np.int32(c) for c in counts))
+    self.speculative.observe(
+      "plain" if counts is None else self.speculative.drafter, tokens / max(seconds, 1e-9), stats
+    )
+    self.sample_metrics = dict(self.speculative.metrics)
+
+  def _sampler_seconds(self, t0: float) -> float:
+    """Seconds this run spent sampling (here the whole :meth:`run` since ``t0``)."""
+    return time.perf_counter() - t0
+
+  def _tokens_sampled(self) -> int:
+    """Tokens sampled so far by the rows this pool holds or handed out (a running count)."""
+    return self._sampled_total
+
+  def _spec_loop(
+    self, decoder, info, rounds, version, key, need, draw, prompt_tokens, batch, max_staleness, on_dispatched
+  ):
+    """:meth:`run`'s loop (see there)."""
     while True:
       short = len(self.complete()) < need
       overdue = self.overdue(None if max_staleness is None else batch - max_staleness)
@@ -324,7 +390,12 @@ class RowPool:
       info["boundaries"] += 1
       if info["boundaries"] == 1 and on_dispatched is not None:
         on_dispatched()
-    return info
+
+  def _slot_prompts(self, prompt_tokens):
+    """``(int32[S, P], bool[S, P])``: each slot's row's prompt, left-padded to P (empty slots: none), so that
+    ``prompt ‖ completion`` is contiguous for prompt lookup."""
+    rows = [[] if r is None else list(prompt_tokens[r.prompt]) for r in self._slot_rows]
+    return pad_left(rows, self.prompt_len, self.sampling.pad_id)
 
   def _readmitted(self) -> list[int]:
     """The slots whose rows are re-prefilled when the version changes (here every running row: its KV cache
@@ -382,18 +453,70 @@ class RowPool:
         budgets,
         policy=self._policy,
       )
-      self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, policy=self._policy)
+      if self._spec_counts is None:
+        self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, policy=self._policy)
+      else:
+        cfg = self.speculative.config
+        self._carry, counts = _spec_decode_jit(
+          graphdef, state, self._carry, *self._slot_prompts(prompt_tokens), refill_every=self.every,
+          policy=self._policy, num_draft=cfg.num_draft, ngram=cfg.ngram,
+        )  # fmt: skip
+        self._spec_counts = [a + int(b) for a, b in zip(self._spec_counts, jax.device_get(counts))]
     self._stop = np.zeros(self.slots, bool)
     t, done, tok, lp = (np.asarray(x) for x in jax.device_get(tuple(self._carry[i] for i in (1, 4, 7, 8))))
     for s, row in enumerate(self._slot_rows):
       if row is None:
         continue
       new = int(t[s])
+      self._sampled_total += new - row.t
       row.tokens[:new], row.logp[:new] = tok[s, :new], lp[s, :new]
       row.versions[row.t : new] = version
       row.t = new
       if done[s]:
         row.done, self._slot_rows[s] = True, None
+
+
+def _check_pool_switch(switch):
+  """``switch`` (None or a ``SpeculativeSwitch``), or one line: the pool drafts by prompt lookup only."""
+  if switch is not None and switch.draft_model is not None:
+    raise ValueError(
+      "partial rollouts speculate with prompt lookup only (`rollout.speculative: ngram` or `auto` without "
+      "`rollout.speculative_draft`): a draft model's KV cache is not kept in the pool's slots (not built yet)"
+    )
+  return switch
+
+
+@functools.partial(
+  jax.jit, static_argnums=(0,), static_argnames=("refill_every", "policy", "num_draft", "ngram"), donate_argnums=(2,)
+)
+def _spec_decode_jit(graphdef, state, carry, slot_prompt, slot_prompt_mask, *, refill_every, policy, num_draft, ngram):
+  """Up to ``refill_every`` *verify steps* over the S slots (``jaxgrpo.rollout.speculative.lookup_verify_step``): per
+  running slot, k = ``num_draft`` prompt-lookup drafts from ``slot_prompt ‖ completion`` (``int32[S, P]``
+  left-padded, its mask), fed after the slot's last token at its own positions, accepted by the rejection rule
+  with the uniforms ``uniform(fold_in(row key, t), (k+1,))`` (t: the first token the step emits — each t starts
+  at most one step, so every step's uniforms are fresh); the kept run (cut at EOS and the slot's budget)
+  written at the slot's next columns and its cache rewound to it. Returns (carry, ``int32[3]``: verify steps,
+  drafted, accepted)."""
+  model = nnx.merge(graphdef, state)
+  cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
+  suppressed = _sampling.suppressed_mask(policy.suppress_ids, model.config.vocab_size)
+  one = lambda key, t: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), t), (num_draft + 1,))
+  draw = lambda t: jax.vmap(one)(s_key, t)
+  history = (slot_prompt, slot_prompt_mask)
+
+  def body(c):
+    i, cache, rows, counts = c
+    cache, rows, step = _speculative.lookup_verify_step(
+      model, cache, rows, history, s_start, draw, s_budget, policy.eos_ids, policy, suppressed, k=num_draft,
+      ngram=ngram,
+    )  # fmt: skip
+    return i + 1, cache, rows, counts + step
+
+  rows = (out_tok, out_lp, s_t, s_done, s_last)
+  cond = lambda c: (c[0] < refill_every) & ~jnp.all(c[2][3])
+  _, cache, rows, counts = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, jnp.zeros((3,), jnp.int32)))
+  out_tok, out_lp, s_t, s_done, s_last = rows
+  return (cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp), counts
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len", "policy"))

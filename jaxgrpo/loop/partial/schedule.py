@@ -134,7 +134,11 @@ class PartialRollouts(AsyncRollouts):
       # the built-in engine's rows decode in the pool's own slots; another engine's pool re-submits each running
       # row at every boundary (jaxgrpo.loop.partial.engine)
       on_mesh = driver.samples_on_mesh(source.engine)
-      engine = {} if on_mesh else {"engine_for": source.engine_holding, "engine_sampling": source.engine_sampling}
+      # the built-in engine's rollout.speculative switch: the pool's own verify steps (prompt lookup)
+      speculative = {"speculative": getattr(source.engine, "switch", None)}
+      engine = (
+        speculative if on_mesh else {"engine_for": source.engine_holding, "engine_sampling": source.engine_sampling}
+      )
       self.pool = (RowPool if on_mesh else EnginePool)(
         **engine,
         sampling=source.sampling,
@@ -224,6 +228,7 @@ class PartialRollouts(AsyncRollouts):
         "rollout/boundaries": every["boundaries"],
         "rollout/finishing_boundaries": every["finishing_boundaries"],
         **every["selection"],
+        **self.pool.sample_metrics,  # rollout.speculative's, when on
       }
     )
     if not driver.samples_on_mesh(self.source.engine):  # EnginePool, or an EpisodePool's turns through the engine

@@ -54,6 +54,7 @@ from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
 from jaxgrpo.rollout.sampling import SamplingPolicy, generate
+from jaxgrpo.rollout.speculative import SpeculativeStats, generate_speculative
 
 __all__ = [
   "MultiTurnConfig",
@@ -66,6 +67,7 @@ __all__ = [
   "assemble",
   "call_all",
   "policy_turn",
+  "quantized_turns",
   "rollout_metrics",
   "sample_multiturn",
   "sample_turn",
@@ -511,6 +513,7 @@ def sample_multiturn(
   engine=None,
   should_stop: Callable[[], bool] | None = None,
   kv_cache: bool = True,
+  speculative=None,
 ) -> MultiTurnRollout:
   """G multi-turn trajectories per dataset row (see the module docstring).
 
@@ -538,6 +541,17 @@ def sample_multiturn(
       re-prefilling ``prompt ‖ trajectory`` every turn (False, the former path). Same tokens and log-probs up
       to float32 rounding for the same key. Not used with an ``engine``, nor when groups' stop ids give
       different suppressed ids (a pad id that is a stop id of some groups only): those re-prefill.
+    speculative: None, or a ``jaxgrpo.rollout.speculative.SpeculativeSwitch`` (the built-in engine's
+      ``rollout.speculative``; not with an ``engine``): the policy's turns are decoded by exact speculative
+      decoding when the switch says so (``mode_now``) — the cached sampler by prompt-lookup verify steps
+      (``ConversationSampler(speculative=)``), the re-prefill path and any rollout with a draft model by
+      ``generate_speculative`` each turn. Drafting stops at each turn's end; observation tokens are appended,
+      never drafted. The rollout is one call of the switch (``observe``: policy tokens over the sampler's
+      seconds, the environments' time excluded; ``auto`` decides on it; ``switch.metrics`` says what ran).
+
+  With ``sampling.quantize`` (int8 / fp8) and no ``engine``, every turn samples the quantised copy of ``model``
+  made once at the start (:func:`quantized_turns`): the policy tokens' ``log_probs`` are that policy's (μ), so the
+  learner recomputes ``old_logp`` (``multiturn_iteration``, the trainer's rollout source) and TIS/MIS correct it.
 
   Returns:
     A :class:`MultiTurnRollout` (NumPy arrays).
@@ -546,6 +560,7 @@ def sample_multiturn(
     raise TypeError(f"env_config must be a MultiTurnConfig; got {type(env_config).__name__}")
   if not rows:
     raise ValueError("`rows` is empty: sample_multiturn needs at least one dataset row")
+  model, sampling = quantized_turns(model, sampling, engine)
   g, n = sampling.num_samples, len(rows) * sampling.num_samples
   groups = [(make_envs(make_env, row, g, b), row, b) for b, row in enumerate(rows)]
   trs = start_groups(groups, tokenizer, sampling.eos_ids, env_config, should_stop)
@@ -559,12 +574,16 @@ def sample_multiturn(
     SamplingPolicy.from_config(sampling, temperature=temperature, vocab_size=vocab, stop_ids=s).suppress_ids
     for s in stops
   }
+  mode = "plain" if speculative is None or engine is not None else speculative.mode_now()
+  spec = None if mode == "plain" else (speculative.config, speculative.draft_model)
+  stats, sampler_s = np.zeros(3, np.int64), 0.0  # verify steps, drafted, accepted; seconds in the sampler
   conv = None
-  if kv_cache and engine is None and len(suppress) == 1:
+  if kv_cache and engine is None and len(suppress) == 1 and (spec is None or spec[1] is None):
     # every token of a trajectory after the prompt fits: p_max + t_max tokens, the last never fed
     conv = ConversationSampler(
-      model, prompts, sampling, max_len=p_max + t_max - 1, temperature=temperature, suppress_eos=stops[0]
-    )
+      model, prompts, sampling, max_len=p_max + t_max - 1, temperature=temperature, suppress_eos=stops[0],
+      speculative=None if spec is None else spec[0],
+    )  # fmt: skip
 
   def cached_turn(batches):
     budgets = {i: min(per_turn, t_max - len(trs[i].tokens)) for _, rows_now in batches for i in rows_now}
@@ -578,14 +597,28 @@ def sample_multiturn(
     if not running:
       break
     batches = turn_batches(running, stops, jax.random.fold_in(key, turn))
+    t0 = time.perf_counter()
     if conv is not None:  # one call for every stop set: the keys draw as the separate calls below would
       sampled = cached_turn(batches)
     else:
       sampled = {}
       for turn_key, rows_now in batches:
         sampled.update(
-          sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, temperature=temperature, engine=engine)
+          sample_turn(
+            model,
+            trs,
+            rows_now,
+            turn_key,
+            sampling,
+            per_turn,
+            width,
+            temperature=temperature,
+            engine=engine,
+            speculative=spec,
+            stats=stats,
+          )  # fmt: skip
         )
+    sampler_s += time.perf_counter() - t0
     last = turn == env_config.max_turns - 1
     add_turns(
       [trs[i] for i in running],
@@ -596,7 +629,22 @@ def sample_multiturn(
       last_turn=[last] * len(running),
     )
     running = [i for i in running if trs[i].running]
-  return assemble(trs, g, t_max, sampling.pad_id)
+  out = assemble(trs, g, t_max, sampling.pad_id)
+  if speculative is not None and engine is None:
+    counted = stats if conv is None or conv.speculative is None else conv.stats
+    spec_stats = None if spec is None else SpeculativeStats(*(np.int64(c) for c in counted))
+    speculative.observe(mode, float(out.policy_mask.sum()) / max(sampler_s, 1e-9), spec_stats)
+  return out
+
+
+def quantized_turns(model, sampling, engine):
+  """``(model, sampling)`` the turns sample with: without an ``engine`` and with ``sampling.quantize``, the
+  quantised copy ``sampling.model_to_sample(model)`` made once for the whole rollout (from the current arrays,
+  adapters merged) and ``sampling`` with ``quantize`` cleared (the turns' samplers must not quantise it again);
+  else both unchanged (an engine quantises what it is pushed: the collective sampler's ``generate``)."""
+  if engine is not None or sampling.quantize is None:
+    return model, sampling
+  return sampling.model_to_sample(model), dataclasses.replace(sampling, quantize=None, merge_lora=False)
 
 
 def start_group(envs, row, group: int, tokenizer, eos_ids, cfg: MultiTurnConfig, should_stop=None) -> list[Trajectory]:
@@ -648,11 +696,14 @@ def turn_batches(rows: Sequence[int], stops: Sequence[tuple], turn_key) -> list[
   return [(turn_key if j == 0 else jax.random.fold_in(turn_key, j), r) for j, r in enumerate(by_stop.values())]
 
 
-def sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, *, temperature, engine=None) -> dict:
+def sample_turn(
+  model, trs, rows_now, turn_key, sampling, per_turn, width, *, temperature, engine=None, speculative=None, stats=None
+) -> dict:
   """One turn of the trajectories ``trs[i]``, ``i`` in ``rows_now`` (one stop set), re-prefilled: ``prompt ‖
   trajectory`` left-padded to ``width``, the row count rounded up to a power of two (copies of the first row,
-  discarded); sampled by ``generate`` on ``model`` or by ``engine``. Returns ``{i: (tokens, mask, log-probs)}``
-  (NumPy rows of ``per_turn``)."""
+  discarded); sampled by ``generate`` on ``model``, by ``generate_speculative`` with ``speculative = (config,
+  draft model or None)`` (its verify steps, drafted and accepted counts added to ``stats int64[3]``), or by
+  ``engine``. Returns ``{i: (tokens, mask, log-probs)}`` (NumPy rows of ``per_turn``)."""
   rows_padded = rows_now + [rows_now[0]] * (_bucket_rows(len(rows_now)) - len(rows_now))
   ctx, ctx_mask = pad_left([trs[i].prompt + trs[i].tokens for i in rows_padded], width, sampling.pad_id)
   turn_sampling = dataclasses.replace(
@@ -663,7 +714,13 @@ def sample_turn(model, trs, rows_now, turn_key, sampling, per_turn, width, *, te
     merge_lora=False,
     record_routing=False,
   )
-  if engine is None:
+  if engine is None and speculative is not None:
+    out, st = generate_speculative(
+      model, ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature, speculative=speculative[0],
+      draft_model=speculative[1],
+    )  # fmt: skip
+    stats += np.asarray(jax.device_get(tuple(st)), np.int64)
+  elif engine is None:
     out = generate(model, ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature)
   else:
     out = engine.generate(ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature).rollout

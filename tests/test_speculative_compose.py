@@ -1,0 +1,333 @@
+"""Speculative decoding composed with partial rollouts (issue 51.3): the partial pool's verify steps
+(``jaxgrpo.loop.partial.pool._spec_decode_jit``).
+
+References are independent of the code under test: a teacher-forced, cache-free forward of each version's
+parameters (``models.log_probs.completion_log_probs``) for every recorded log-prob, and the target's exact joint
+distribution of the first tokens (enumerated by teacher forcing, NumPy) for the sampled sequences (chi-square).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from test_speculative import _chi_square_p, _exact_joint, _model
+
+from jaxgrpo.data import pad_left
+from jaxgrpo.loop.partial.pool import RowPool
+from jaxgrpo.models.log_probs import completion_log_probs
+from jaxgrpo.rollout.sampling import SamplingConfig
+from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch
+
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
+
+
+def _switch(mode="ngram", k=3, n=1):
+  return SpeculativeSwitch(config=SpeculativeConfig(mode=mode, num_draft=k, ngram=n))
+
+
+def test_pool_verify_steps_record_each_tokens_version_log_prob():
+  """The row pool with prompt-lookup verify steps, three versions (three peaked random models whose greedy-like
+  loops prompt lookup drafts well), k = 3, one group per batch: a long row crosses both updates (re-prefilled
+  under each new version) while drafts are accepted; every recorded log-prob equals the teacher-forced one of
+  the version the row records for that token (2e-5), and differs from the other versions' (the test can fail)."""
+  policies = [_model(61, 5.0, seed=v) for v in range(3)]
+  prompts = [[5, 6, 7, 5, 6, 7, 5][: 2 + i % 6] for i in range(8)]
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=24, pad_id=0)
+  switch = _switch()
+  pool = RowPool(
+    sampling=sampling, temperature=0.2, prompt_len=7, num_slots=4, refill_every=2, speculative=switch,
+    budget_of=lambda p, s: 24 if (p, s) == (0, 0) else 2,
+  )  # fmt: skip
+  order = iter(range(8))
+  taken, infos, metrics = [], [], []
+  for batch in (1, 2, 3):
+    v = batch - 1
+    infos.append(
+      pool.run(
+        policies[v],
+        v,
+        jax.random.key(batch),
+        need=1,
+        draw=lambda: [next(order)],
+        prompt_tokens=prompts,
+        batch=batch,
+        max_staleness=2,
+      )  # fmt: skip
+    )
+    metrics.append(dict(pool.sample_metrics))
+    taken.append(pool.take(1)[0])
+  assert all(m["rollout/speculative_on"] == 1.0 for m in metrics)
+  assert max(m["rollout/spec_acceptance"] for m in metrics) > 0.2  # drafts were accepted (several tokens a step)
+  long = next(r for g in taken for r in g.rows if r.budget == 24)
+  assert long.t == 24 and set(long.versions[:24].tolist()) == {0, 1, 2}
+  rows = [r for g in taken for r in g.rows]
+  for row in rows:
+    tok, mask = pad_left([prompts[row.prompt]], 7, 0)
+    comp, cmask = row.tokens[None], (np.arange(24) < row.t)[None]
+    for v, policy in enumerate(policies):
+      sel = row.versions == v
+      if not sel.any():
+        continue
+      lp, _ = completion_log_probs(policy, tok, mask, comp, cmask, temperature=0.2, chunk_size=None)
+      np.testing.assert_allclose(np.asarray(lp)[0][sel], row.logp[sel], atol=2e-5, err_msg=f"version {v}")
+      if row is long:
+        others = (row.versions >= 0) & (row.versions != v)
+        assert np.abs(np.asarray(lp)[0] - row.logp)[others].min() > 1e-4
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_pool_sequences_follow_the_target_distribution(top_k):
+  """Many rows of one prompt through the pool's verify steps (k = 2, the slots refilled as rows end): the joint
+  distribution of their 3 tokens equals the target's exact one (chi-square, p > 1e-4), with drafts accepted and
+  rejected."""
+  model = _model(7, 2.0, seed=2)
+  prompt = [3, 4, 5, 3, 4, 5, 3]
+  length, g = 3, 4000
+  pool = RowPool(
+    sampling=SamplingConfig(num_samples=g, max_new_tokens=length, top_k=top_k, pad_id=0), temperature=0.8,
+    prompt_len=len(prompt), num_slots=1024, refill_every=2, speculative=_switch(k=2),
+  )  # fmt: skip
+  drawn = iter([[0]])
+  pool.run(model, 0, jax.random.key(11), need=1, draw=lambda: next(drawn, []), prompt_tokens=[prompt])
+  assert 0.05 < pool.sample_metrics["rollout/spec_acceptance"] < 0.95  # both branches of the rule ran
+  (group,) = pool.take(1)
+  seqs = np.stack([r.tokens for r in group.rows])
+  assert (np.asarray([r.t for r in group.rows]) == length).all()
+  counts = np.bincount(np.ravel_multi_index(seqs.T, (7,) * length), minlength=7**length)
+  assert _chi_square_p(counts, _exact_joint(model, np.asarray(prompt), length, 0.8, top_k)) > 1e-4
+
+
+def test_pool_auto_times_one_run_of_each_kind_and_logs(caplog):
+  """``auto`` on the pool: one untimed and one timed run of each kind (plain first), then the faster kept; the
+  logged numbers are those the decision compares, and the metrics say which kind ran."""
+  model = _model(61, 5.0)
+  prompts = [[5, 6, 7, 5, 6, 7, 5]] * 6
+  switch = _switch(mode="auto")
+  pool = RowPool(
+    sampling=SamplingConfig(num_samples=2, max_new_tokens=10, pad_id=0), temperature=0.0, prompt_len=7,
+    num_slots=4, refill_every=4, speculative=switch,
+  )  # fmt: skip
+  order = iter(range(6))
+  kinds = []
+  with caplog.at_level("WARNING", logger="jaxgrpo.rollout.speculative"):
+    for i in range(5):
+      kinds.append(switch.mode_now())
+      pool.run(model, 0, jax.random.key(i), need=1, draw=lambda: [next(order)], prompt_tokens=prompts)
+      assert pool.sample_metrics["rollout/speculative_on"] == float(kinds[-1] == "ngram")
+      pool.take(1)
+  m = switch.measured
+  assert kinds[:4] == ["plain", "plain", "ngram", "ngram"]
+  assert kinds[4] == ("ngram" if m["speculative_on"] else "plain")
+  (line,) = [r.getMessage() for r in caplog.records if "rollout.speculative auto" in r.getMessage()]
+  assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"{m['speculative_tokens_per_s']:.1f}" in line
+
+
+def _train_observed(tr, steps):
+  """``steps`` steps of the partial-rollout trainer ``tr``: (the produced batches, the step records,
+  ``logp(version, batch)``: teacher-forced log-probs under each version's parameters)."""
+  from test_partial_rollouts import log_probs_under
+
+  versions = {0: jax.tree.map(np.asarray, tr.state.train.params)}
+  seen, recs = [], []
+  tr.rollouts.observe = seen.append
+  try:
+    for step in range(1, steps + 1):
+      recs.append(tr.train_step())
+      versions[step] = jax.tree.map(np.asarray, tr.state.train.params)
+  finally:
+    tr.rollouts.close()
+  return seen, recs, log_probs_under(tr, versions)
+
+
+def test_a_partial_run_speculates(tmp_path):
+  """``rollout.speculative: ngram`` with ``rollout.partial`` (refused before): the trainer's row pool decodes by
+  verify steps (metrics ``rollout/speculative_on`` 1 and the acceptance), and every trained token's behaviour
+  log-prob is the teacher-forced log-prob of the version it records."""
+  from test_async_rollout import REWARDS
+  from test_partial_rollouts import PARTIAL
+  from test_trainer import tiny
+
+  from jaxgrpo.run.trainer import Trainer
+
+  cfg = tiny(**{
+    "run.out": str(tmp_path), "run.steps": 3, "rollout.max_staleness": 2, "rollout.partial": PARTIAL,
+    "rollout.speculative": "ngram", "rollout.speculative_tokens": 3, "objective.importance_correction": "tis",
+    "optim.learning_rate": 3e-2,
+  })  # fmt: skip
+  tr = Trainer(cfg, reward_fns=REWARDS, log=None)
+  pipe = tr.rollouts
+  assert type(pipe.pool) is RowPool and pipe.pool.speculative is tr.engine.switch
+  seen, recs, logp_under = _train_observed(tr, 3)
+  for b, rec in zip(seen, recs):
+    assert rec["rollout/speculative_on"] == 1.0 and 0.0 <= rec["rollout/spec_acceptance"] <= 1.0, rec
+    mask, mu, tv = np.asarray(b.batch.mask), np.asarray(b.batch.old_logp), b.token_versions
+    for v in np.unique(tv[mask]):
+      sel = mask & (tv == v)
+      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (b.index, v)
+
+
+# ---------------------------------------------------------------- multi-turn (the conversation sampler)
+
+
+def _chat_policy(scale=4.0):
+  """The multi-turn tests' chat tokenizer and 1-layer policy, its matrices scaled (peaked: drafts get accepted)."""
+  from flax import nnx
+  from helpers import tiny_chat_policy
+
+  tok, model, sampling, _ = tiny_chat_policy()
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state))
+  return tok, model, SamplingConfig(num_samples=2, eos_ids=sampling.eos_ids, pad_id=sampling.pad_id)
+
+
+def _multiturn(model, tok, sampling, *, temperature, kv_cache=True, switch=None, key=3):
+  from test_kv_multiturn import TOOL, Scripted
+
+  from jaxgrpo.rollout.environments import MultiTurnConfig, sample_multiturn
+
+  rows = [{"turns": 2}, {"turns": 3, "tag": "tool"}, {"turns": 3}]
+  make_env = lambda row: Scripted((TOOL,) if row.get("tag") else ())
+  cfg = MultiTurnConfig(max_turns=3, max_tokens=60, turn_tokens=14)
+  return sample_multiturn(
+    model, rows, make_env, tok, sampling, cfg, key=jax.random.key(key), temperature=temperature,
+    kv_cache=kv_cache, speculative=switch,
+  )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_cache,drafter", [(True, "ngram"), (False, "ngram"), (True, "draft")])
+def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache, drafter):
+  """``sample_multiturn`` with a speculative switch — the cached sampler's prompt-lookup verify steps, the
+  re-prefill path's ``generate_speculative`` per turn, and a draft model (re-prefilled per turn) — over ragged
+  turns, observations and two stop sets: drafts are accepted, every policy token's recorded log-prob equals the
+  uncached forward's over the final ``prompt ‖ trajectory`` (2e-5), observation tokens carry 0; at temperature 0
+  the trajectories are plain greedy decoding's, token for token."""
+  from jaxgrpo.models import log_probs
+
+  tok, model, sampling = _chat_policy()
+  switch = _switch(k=3, n=1)
+  if drafter == "draft":
+    switch = SpeculativeSwitch(
+      config=SpeculativeConfig(mode="draft", num_draft=3, draft="unused"), draft_model=_chat_policy(scale=3.0)[1]
+    )
+  out = _multiturn(model, tok, sampling, temperature=0.3, kv_cache=kv_cache, switch=switch)
+  assert switch.metrics["rollout/speculative_on"] == 1.0 and switch.metrics["rollout/spec_acceptance"] > 0.1
+  assert (out.turns > 1).sum() >= 2 and (out.mask & ~out.policy_mask).any()
+  tokens = np.concatenate([out.prompt_tokens, out.completions], 1)
+  attn = np.concatenate([out.prompt_mask, out.mask], 1)
+  lp = np.asarray(log_probs(model, tokens, attn, chunk_size=None, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
+  np.testing.assert_allclose(out.log_probs, np.where(out.policy_mask, lp, 0.0), atol=2e-5)
+  greedy = [_multiturn(model, tok, sampling, temperature=0.0, kv_cache=kv_cache, switch=s) for s in (None, switch)]
+  for name in ("completions", "mask", "policy_mask", "turns"):
+    np.testing.assert_array_equal(getattr(greedy[1], name), getattr(greedy[0], name), err_msg=name)
+  np.testing.assert_allclose(greedy[1].log_probs, greedy[0].log_probs, atol=2e-5)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_conversation_turn_sequences_follow_the_target_distribution(top_k):
+  """Many conversations of one prompt through the cached sampler: a first turn of one token, an appended
+  observation, then a second turn of 3 tokens by verify steps (k = 2, drafts from the whole conversation). Among
+  the rows whose first token is the commonest (one context), the joint distribution of the second turn equals the
+  target's exact one given that context (chi-square, p > 1e-4), with drafts accepted and rejected."""
+  from jaxgrpo.rollout.conversation import ConversationSampler
+
+  model = _model(7, 2.0, seed=2)
+  prompt, g, length = [3, 4, 5, 3, 4, 5, 3], 4000, 3
+  sampling = SamplingConfig(num_samples=g, top_k=top_k, pad_id=0)
+  conv = ConversationSampler(
+    model, [prompt] * g, sampling, max_len=20, temperature=0.8, speculative=SpeculativeConfig(num_draft=2, ngram=1)
+  )
+  first = conv.turn([(jax.random.key(1), list(range(g)))], max_new_tokens=1)
+  second = conv.turn(
+    [(jax.random.key(2), list(range(g)))], max_new_tokens=length, appended={i: [4, 5] for i in range(g)}
+  )
+  drafted, accepted = conv.stats[1:]
+  assert 0.05 < accepted / drafted < 0.95  # both branches of the rule ran
+  by_first = {}
+  for i in range(g):
+    by_first.setdefault(int(first[i][0][0]), []).append(second[i][0])
+  t0, rows = max(by_first.items(), key=lambda kv: len(kv[1]))  # the commonest first token: one context
+  seqs = np.stack(rows)
+  assert seqs.shape == (len(rows), length) and len(rows) > 500
+  counts = np.bincount(np.ravel_multi_index(seqs.T, (7,) * length), minlength=7**length)
+  context = np.asarray(prompt + [t0, 4, 5])
+  assert _chi_square_p(counts, _exact_joint(model, context, length, 0.8, top_k)) > 1e-4
+
+
+def test_multiturn_auto_measures_the_sampler_and_logs(caplog):
+  """``auto`` through ``sample_multiturn``: each rollout is one call of the switch (plain twice, then prompt
+  lookup twice), then the faster kept; the logged numbers are those compared."""
+  tok, model, sampling = _chat_policy()
+  switch = _switch(mode="auto")
+  kinds = []
+  with caplog.at_level("WARNING", logger="jaxgrpo.rollout.speculative"):
+    for i in range(5):
+      kinds.append(switch.mode_now())
+      _multiturn(model, tok, sampling, temperature=0.0, switch=switch, key=i)
+      assert switch.metrics["rollout/speculative_on"] == float(kinds[-1] == "ngram")
+  m = switch.measured
+  assert kinds[:4] == ["plain", "plain", "ngram", "ngram"] and kinds[4] == ("ngram" if m["speculative_on"] else "plain")
+  (line,) = [r.getMessage() for r in caplog.records if "rollout.speculative auto" in r.getMessage()]
+  assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"{m['speculative_tokens_per_s']:.1f}" in line
+
+
+def test_an_env_run_speculates(tmp_path):
+  """``rollout.speculative: ngram`` with an ``env`` section (refused before): every step's turns are decoded by
+  verify steps (``rollout/speculative_on`` 1, the acceptance logged), the log-probs are the policy's (no
+  ``engine/*`` recomputation) and the run trains."""
+  from test_trainer import tiny
+  from test_trainer_env import ENV
+
+  from jaxgrpo.run.trainer import Trainer
+
+  tr = Trainer(tiny(**{**ENV, "run.out": str(tmp_path), "rollout.speculative": "ngram"}), log=None)
+  try:
+    recs = [tr.train_step() for _ in range(2)]
+  finally:
+    tr.close()
+  for r in recs:
+    assert r["rollout/speculative_on"] == 1.0 and 0.0 <= r["rollout/spec_acceptance"] <= 1.0, r
+    assert "engine/mismatch_k3" not in r and np.isfinite(r["loss"]), r
+
+
+def test_env_combinations_refused_in_one_line():
+  """What multi-turn speculation does not build yet is refused at load in one line naming the options: on
+  several processes (the collective turn rounds)."""
+  from test_trainer import tiny
+  from test_trainer_env import ENV
+
+  from jaxgrpo.run.composition import check_composition
+
+  on = {**ENV, "rollout.speculative": "ngram"}
+  assert tiny(**on).rollout.speculative == "ngram"  # builds
+  with pytest.raises(ValueError, match=r"with an `env` section on 2 processes is not built yet"):
+    check_composition(tiny(**on), process_count=2)
+
+
+def test_a_partial_env_run_speculates_and_each_token_is_its_versions(tmp_path):
+  """``rollout.speculative: ngram`` with ``env`` and ``rollout.partial`` (the episode pool: each turn by
+  ``generate_speculative`` under the boundary's version): every step speculates (metrics), trajectories cross
+  versions, and every policy token's behaviour log-prob equals the teacher-forced one of the version it records."""
+  from test_trainer import tiny
+
+  from jaxgrpo.run.trainer import Trainer
+
+  cfg = tiny(**{
+    "env.factory": "test_partial_rollouts:make_countdown", "env.max_turns": 3, "env.max_tokens": 48,
+    "env.turn_tokens": 6, "run.out": str(tmp_path), "rollout.max_staleness": 2,
+    "rollout.partial": {"enabled": True, "slots": 12}, "objective.importance_correction": "tis",
+    "optim.learning_rate": 3e-2, "rollout.speculative": "ngram", "rollout.speculative_tokens": 3,
+  })  # fmt: skip
+  tr = Trainer(cfg, log=None)
+  pipe = tr.rollouts
+  assert type(pipe.pool).__name__ == "EpisodePool" and pipe.pool.speculative is tr.engine.switch
+  seen, recs, logp_under = _train_observed(tr, 3)
+  crossing = 0
+  for b, rec in zip(seen, recs):
+    assert rec["rollout/speculative_on"] == 1.0 and 0.0 <= rec["rollout/spec_acceptance"] <= 1.0, rec
+    pol, mu, tv = np.asarray(b.batch.policy_mask), np.asarray(b.batch.old_logp), b.token_versions
+    crossing += sum(int(row[m].max() > row[m].min()) for row, m in zip(tv, pol) if m.any())
+    for v in np.unique(tv[pol]):
+      sel = pol & (tv == v)
+      assert np.abs(logp_under(int(v), b.batch) - mu)[sel].max() < 2e-5, (b.index, v)
+  assert crossing > 0
