@@ -45,6 +45,11 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     _check_speculative(cfg, synthetic_moe)
   if cfg.objective.distill is not None:
     _check_distill(cfg)
+  elif cfg.devices.teacher is not None:  # physical: nothing to place there
+    raise ValueError(
+      f"`devices.teacher`={cfg.devices.teacher} gives a distillation teacher devices of its own, but "
+      "`objective.distill` is not set: set the teacher or unset devices.teacher"
+    )
 
 
 def _check_speculative(cfg: TrainerConfig, synthetic_moe) -> None:
