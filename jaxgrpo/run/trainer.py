@@ -242,6 +242,14 @@ class Trainer:
     # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.loop.episodes)
     self.make_env = None if cfg.env is None else cfg.env.make_env()
     self.iterator = data_lib.PromptIterator(len(self.data.examples), seed=cfg.run.seed)
+    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh or on
+    # its own devices (devices.teacher)
+    self.teacher = None
+    if cfg.objective.distill is not None:
+      teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
+      self.teacher = feed.make_teacher(
+        self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size, mesh=self.teacher_mesh
+      )
     self.source = assemble.rollout_source(
       cfg,
       policy=self.policy,
@@ -255,15 +263,8 @@ class Trainer:
       engine=engine,
       make_env=self.make_env,
       should_stop=self.control.stop_requested,
+      teacher=self.teacher,
     )
-    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh or on
-    # its own devices (devices.teacher)
-    self.teacher = None
-    if cfg.objective.distill is not None:
-      teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
-      self.teacher = feed.make_teacher(
-        self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size, mesh=self.teacher_mesh
-      )
     self.learner = Learner(
       self.step_fn, self.reference, mesh=self.mesh, train_config=self.train_config, teacher=self.teacher
     )

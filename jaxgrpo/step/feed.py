@@ -29,8 +29,10 @@ from jaxgrpo.step.train import TrainStep, make_reference_fn
 
 __all__ = [
   "Reference",
+  "TEACHER_FIELDS",
   "Teacher",
   "TeacherDevices",
+  "teacher_host_scores",
   "check_teacher_mesh",
   "check_teacher_vocab",
   "make_teacher",
@@ -171,6 +173,24 @@ def make_teacher(
   params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)(params)
   fn = make_reference_fn(graphdef, mesh=target, param_shardings=shardings, train_config=step.train_config, top_k=top_k)
   return Teacher(params, fn, top_k, TeacherDevices(mesh, step.mesh) if own else None)
+
+
+def teacher_host_scores(
+  teacher: Teacher, batch: Batch, *, mesh: Mesh, train_config: TrainConfig | None = None
+) -> Batch:
+  """Host ``batch`` (one process's rows: every row) with the teacher's fields filled in as NumPy of its own width
+  ``T``: ``teacher_logp`` ``f32[B, T]`` (and the top-k's ``int32[B, T, k]``, ``f32[B, T, k]``), from one pass of
+  ``teacher`` on the batch placed on ``mesh`` like the step's (:func:`place`: bucket, packing). What a dynamic-sampling
+  round is scored with when it is sampled: the filter reads the signal and the step trains on these numbers (the
+  learner does not score a batch that carries them)."""
+  t = np.shape(batch.completions)[1]
+  scored = teacher(place(batch, mesh=mesh, train_config=train_config))
+  fields = {n: np.asarray(getattr(scored, n))[:, :t] for n in TEACHER_FIELDS if getattr(scored, n) is not None}
+  return batch._replace(**fields)
+
+
+#: the fields a teacher fills in (:class:`Teacher`)
+TEACHER_FIELDS = ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
 
 
 def check_teacher_mesh(mesh: Mesh, train_mesh: Mesh, train_config: TrainConfig | None) -> None:
