@@ -258,8 +258,10 @@ class RunPrograms:
     self.names += tuple(self.reward_models)
     distill = cfg.objective.distill
     self._teacher = None  # (graphdef, abstract params with shardings, top_k) of the distillation teacher
+    self.teacher_config = None  # its model config (the teacher pass's FLOPs)
     if distill is not None and distill.teacher is not None:
-      teacher = abstract_model(cfg, teacher_config(distill.teacher), adapters=False)
+      self.teacher_config = teacher_config(distill.teacher)
+      teacher = abstract_model(cfg, self.teacher_config, adapters=False)
       t_graphdef, t_params = nnx.split(teacher)
       t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, mesh, teacher.rules))
       self._teacher = (t_graphdef, t_params, None if distill.sampled else distill.top_k)
