@@ -129,3 +129,38 @@ def test_what_dynamic_sampling_with_a_teacher_refuses_in_one_line():
   with pytest.raises(ValueError, match="and 2 processes is not built yet"):
     composition.check_composition(cfg, process_count=2)
   composition.check_composition(cfg, process_count=1)  # one process: composes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", ["async", "env"])
+def test_dynamic_sampling_with_a_teacher_composes(tmp_path, cell):
+  """Bounded staleness (k = 1: the producer scores its rounds with the teacher) and environments (multi-turn rows:
+  the signal over the policy's tokens): two steps train with the counts logged (async, every reward 0: both groups
+  kept for the teacher), and the learner's teacher never runs (the batches carry the collection's log-probs)."""
+  from test_compose import ASYNC
+  from test_trainer_env import ENV
+
+  from jaxgrpo.run.trainer import Trainer
+
+  changes = {"async": {**ASYNC, "reward.weights": {"accuracy": 0.0}}, "env": ENV}[cell]
+  cfg = tiny(
+    **{
+      "objective.distill": TEACHER,
+      "objective.dynamic_sampling": True,
+      "rollout.dynamic_sampling_max_rounds": 2,
+      **changes,
+      "run.steps": 2,
+      "run.out": str(tmp_path),
+    }
+  )
+  tr = Trainer(cfg, log=None)
+  calls = []
+  teacher = tr.learner.teacher
+  tr.learner.teacher = lambda batch: calls.append(1) or teacher(batch)
+  records = [r for r in tr.run(handle_signals=False) if "loss" in r]
+  assert [r["step"] for r in records] == [1, 2] and calls == []
+  for r in records:
+    # async: every reward 0, so every kept group is the teacher's; env: the environment's rewards vary too
+    least = 2 if cell == "async" else 0
+    assert least <= r["dynamic_sampling/kept_by_teacher"] <= 2 and r["grad_norm"] > 0, r
+    assert np.isfinite(r["distill/reverse_kl"])
