@@ -155,3 +155,55 @@ def test_devices_teacher_refuses_in_one_line():
     with pytest.raises(ValueError, match=f"`devices.teacher`={q} must divide over the 2 processes"):
       async_rollout.split_teacher_devices(DevicesSpec(teacher=q), devices)
   assert async_rollout.split_teacher_devices(DevicesSpec(), devices) == (devices, [])
+
+
+_MULTI = r"""
+import json, sys
+nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+from jaxgrpo.parallel import distributed
+distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+from test_async_rollout import REWARDS
+from test_distill_run import TEACHER
+from test_trainer import tiny
+from jaxgrpo.run.trainer import Trainer
+cfg = tiny(**{"objective.distill": TEACHER, "run.out": out, "run.steps": 2, "optim.learning_rate": 3e-2,
+              "devices.mesh": "fsdp=4", "devices.teacher": 4, "devices.teacher_mesh": "fsdp=4",
+              "devices.host_timeout_s": 120})
+tr = Trainer(cfg, reward_fns=REWARDS, log=None)
+teacher = {(d.process_index, d.id) for x in jax.tree.leaves(tr.teacher.params) for d in x.sharding.device_set}
+recs = [r for r in tr.run(handle_signals=False) if "loss" in r]
+params = [float(np.abs(np.asarray(multihost_utils.process_allgather(x, tiled=True))).sum())
+          for x in jax.tree.leaves(tr.state.train.params)]
+json.dump({"recs": recs, "params": params, "teacher": sorted(teacher)}, open(f"{out}/multi_{pid}_of_{nproc}.json", "w"))
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_teacher_on_its_own_devices_on_two_processes_equals_one(tmp_path):
+  """Two real processes of 4 CPU devices each: the teacher on the last 2 devices of each process (its mesh spans both
+  processes), the policy on the first 2 of each; the batch and the log-probs cross meshes shard by shard
+  (``parallel.transfer``). Both processes log the same metrics, equal to one 8-device process's (1e-5)."""
+  from helpers import finish_children, start_child
+  from test_compose_multihost import _free_port
+
+  (tmp_path / "two").mkdir(), (tmp_path / "one").mkdir()
+  port = _free_port()
+  procs = [start_child(_MULTI, devices=4, args=(2, i, port, tmp_path / "two")) for i in range(2)]
+  procs.append(start_child(_MULTI, devices=8, args=(1, 0, _free_port(), tmp_path / "one")))
+  results = finish_children(procs, timeout=600)
+  assert all("OK" in r for r in results), "\n=====\n".join(results)
+  r0, r1, one = (
+    json.load(open(tmp_path / d / f"multi_{i}_of_{n}.json"))
+    for d, i, n in (("two", 0, 2), ("two", 1, 2), ("one", 0, 1))
+  )
+  assert sorted({p for p, _ in r0["teacher"]}) == [0, 1] and len(r0["teacher"]) == 4  # 2 devices of each process
+  for a, b, c in zip(r0["recs"], r1["recs"], one["recs"]):
+    for k in KEYS:
+      assert a[k] == b[k], (k, a[k], b[k])
+      assert a[k] == pytest.approx(c[k], rel=1e-5, abs=1e-6), (k, a[k], c[k])
+  np.testing.assert_allclose(r0["params"], one["params"], rtol=1e-5)
