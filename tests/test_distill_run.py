@@ -91,13 +91,19 @@ def test_cell_with_a_teacher_trains_and_resumes_exactly(tmp_path, cell):
 
 
 def test_what_a_teacher_refuses_in_one_line(tmp_path):
-  """No teacher, dynamic sampling, a teacher of another tokenizer, a teacher
-  path that does not exist: one line each, before anything heavy."""
+  """No teacher, dynamic sampling with partial rollouts, a negative ``min_signal``, a teacher of another tokenizer,
+  a teacher path that does not exist: one line each, before anything heavy (dynamic sampling itself composes:
+  tests/test_distill_dynamic.py)."""
   from jaxgrpo.run import teacher as teacher_lib
 
   for distill, more, match in [
     ({"weight": 1.0}, {}, "needs `teacher`"),
-    (TEACHER, {"objective.dynamic_sampling": True}, "dynamic_sampling` with `objective.distill`"),
+    (
+      TEACHER,
+      {"objective.dynamic_sampling": True, **CELLS["engine-partial"]},
+      "dynamic_sampling` with `objective.distill` and `rollout.partial.enabled` is not built yet",
+    ),
+    ({**TEACHER, "min_signal": -1.0}, {}, "distill.min_signal"),
     ({**TEACHER, "kind": "kl"}, {}, "distill.kind"),
     ({**TEACHER, "beta": 2.0}, {}, "distill.beta"),
   ]:

@@ -119,6 +119,50 @@ def test_gpu_target_is_an_estimate():
   assert any("estimated by formula" in n for n in p.notes)
 
 
+def test_gpu_estimate_with_a_teacher_counts_its_weights_and_its_pass():
+  """scripts/configs/pod_distill.yaml (Qwen3-1.7B student, Qwen3-8B teacher, sampled form) on h100-8: a third
+  program ``teacher`` whose argument is the 8B's bf16 weights over 8 GPUs (counted here from the published shape),
+  whose output is the ``f32[R, T]`` log-probs per GPU, whose FLOPs are the 8B's forward over the batch (2 FLOPs per
+  matmul weight per token, plus attention and head), and whose weights are resident beside the step and the sampler
+  (their other-resident bytes grow by exactly that; before: no teacher row, and nothing counted)."""
+  import dataclasses
+
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(os.path.join(ROOT, "scripts", "configs", "pod_distill.yaml"), {})
+  p = plan.plan_run(cfg, plan.parse_target("h100-8"), log=None)
+  assert [x.name for x in p.programs] == ["step", "sampler", "teacher"]
+  step, sampler, teacher = p.programs
+  # Qwen3-8B: vocab 151,936, D 4,096, 36 layers, 32 heads, 8 KV heads, head_dim 128, MLP 12,288, untied head
+  v, d, layers, h, kv, hd, f = 151936, 4096, 36, 32, 8, 128, 12288
+  weights = 2 * (2 * v * d + layers * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * f)) / 8  # bf16 over 8 GPUs
+  assert teacher.argument_bytes == pytest.approx(weights, rel=1e-6)
+  rows, t = 512 // 8, 1024
+  assert teacher.output_bytes == rows * t * 4
+  tokens = 512 * (256 + 1024)
+  matmul = 2 * tokens * (layers * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * f) + d * v)
+  assert matmul < teacher.flops < 1.3 * matmul  # + attention's S² terms
+  alone = plan.plan_run(dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, distill=None)),
+                        plan.parse_target("h100-8"), log=None)  # fmt: skip
+  for with_teacher, without in zip((step, sampler), alone.programs):
+    assert with_teacher.other_resident_bytes - without.other_resident_bytes == teacher.argument_bytes
+
+
+def test_a_teacher_that_does_not_fit_is_refused_in_one_line():
+  """A ``teacher`` program the compiler found too large (verdict ``does not fit``, no fix found): the plan's refusal is
+  one line naming the teacher's weights and the run's other long-lived bytes per device, and ``devices.teacher``."""
+  gib = 2**30
+  teacher = plan.ProgramPlan("teacher", 1, other_resident_bytes=int(12.5 * gib), verdict="does not fit")
+  teacher.argument_bytes, teacher.output_bytes, teacher.alias_bytes = 80 * gib, gib // 512, 0
+  teacher.temp_bytes, teacher.code_bytes, teacher.searched = 10 * gib, 0, True
+  fits = plan.ProgramPlan("step", 1, verdict="fits")
+  p = plan.RunPlan(plan.parse_target("v5p-64"), "qwen3-1.7b", {}, {"fsdp": 32}, [fits, teacher], [])
+  line = p.refusal
+  assert "\n" not in line and line.startswith("the teacher program does not fit v5p-64 (102.50 of 95.00 GiB/device)")
+  assert "the teacher's weights take 80.00 GiB/device beside the run's 12.50 of long-lived arrays" in line
+  assert "`devices.teacher`" in line and "more chips" in line
+
+
 def _tpu_env() -> dict:
   env = cli_env()
   env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")  # several libtpu processes; no metadata server
@@ -241,6 +285,9 @@ def test_a_distillation_teacher_is_planned_beside_the_policy(tmp_path):
   rows, t = shape.rows // 2, shape.completion_len
   assert teacher["output_bytes"] == pytest.approx(rows * t * (4 + k * (4 + 4)), rel=1e-3), teacher
   assert teacher["argument_bytes"] > weights and teacher["flops"] > 0
+  from jaxgrpo.plan import flops as fl  # the teacher's own forward (before: the policy's sampler FLOPs)
+
+  assert teacher["flops"] == pytest.approx(fl.forward_flops(c, shape.rows, shape.prompt_len, t), rel=1e-9)
   # a run directory as the teacher (its checkpoint root or a step too): planned from the config saved with its
   # checkpoint, as the run reads it (``checkpoint.read_meta``); a tiny real run of one step, hidden 48
   from jaxgrpo.run.trainer import Trainer

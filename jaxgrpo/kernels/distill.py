@@ -104,6 +104,9 @@ class DistillConfig:
     top_k: k, the teacher's ids per position for the top-k forms (>= 1); unused by ``"sampled"``.
     beta: the JSD's β in ``[0, 1]`` (``"jsd"`` only).
     clip: ``c > 0`` bounds the sampled-token advantage to ``[−c, c]``; None: no clip.
+    min_signal: with dynamic sampling (``objective.dynamic_sampling``), a group whose rewards are all equal is still
+      kept when its mean ``|log π_s(y_t) − log π_t(y_t)|`` over its distilled tokens is above this (nats per token,
+      ``jaxgrpo.loop.scoring.teacher_signal``); >= 0. Unused without dynamic sampling.
   """
 
   teacher: str | None = None
@@ -112,6 +115,7 @@ class DistillConfig:
   top_k: int = 16
   beta: float = 0.5
   clip: float | None = None
+  min_signal: float = 1e-3
 
   def __post_init__(self):
     if self.teacher is not None and not isinstance(self.teacher, str):
@@ -122,6 +126,9 @@ class DistillConfig:
     _checks.check_python_float(self.beta, "distill.beta", at_least=0.0, at_most=1.0, hint="the JSD's β")
     if self.clip is not None:
       _checks.check_python_float(self.clip, "distill.clip", above=0.0, hint="the advantage's bound c, or null")
+    _checks.check_python_float(
+      self.min_signal, "distill.min_signal", at_least=0.0, hint="nats per token; dynamic sampling's teacher threshold"
+    )
 
   @property
   def sampled(self) -> bool:

@@ -31,11 +31,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxgrpo.loop.schedule import StepOut, step_metrics
-from jaxgrpo.parallel import distributed
+from jaxgrpo.parallel import distributed, transfer
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.target import platform_of
 from jaxgrpo.services.checkpoint_files import move_aside
@@ -43,7 +42,7 @@ from jaxgrpo.services.metrics import truncate_jsonl
 from jaxgrpo.step import feed
 from jaxgrpo.step.train import Batch, TrainState
 
-__all__ = ["AsyncRollouts", "ProducedBatch", "make_meshes", "LEDGER"]
+__all__ = ["AsyncRollouts", "ProducedBatch", "make_meshes", "make_teacher_mesh", "split_teacher_devices", "LEDGER"]
 
 #: The file (in ``run.out``) listing each trained step's prompt indices and group versions.
 LEDGER = "rollouts.jsonl"
@@ -58,9 +57,10 @@ def make_meshes(devices_spec, devices=None) -> tuple[Mesh, Mesh | None]:
   construction. One process: the first ``train`` devices, then the next ``rollout``. P processes:
   every process gives its first ``train / P`` devices to the train mesh and its next ``rollout / P``
   to the rollout mesh (both meshes list the devices by process, so each process samples and trains
-  its own block of rows). ValueError naming the field when they do not fit.
+  its own block of rows). ValueError naming the field when they do not fit. With ``devices.teacher``
+  the teacher's devices (:func:`make_teacher_mesh`) are set aside first: both meshes divide the others.
   """
-  devices = list(jax.devices() if devices is None else devices)
+  devices = split_teacher_devices(devices_spec, devices)[0]
   spec = devices_spec.mesh or None
   if devices_spec.rollout is None:
     if devices_spec.train is not None:
@@ -74,7 +74,7 @@ def make_meshes(devices_spec, devices=None) -> tuple[Mesh, Mesh | None]:
   if t < 1 or t + r > len(devices):
     raise ValueError(
       f"`devices.train`={devices_spec.train} + `devices.rollout`={r} do not fit the {len(devices)} devices "
-      "(each needs >= 1, disjoint)"
+      f"{_after_teacher(devices_spec)}(each needs >= 1, disjoint)"
     )
   procs = sorted({d.process_index for d in devices})
   if len(procs) == 1:
@@ -92,6 +92,49 @@ def make_meshes(devices_spec, devices=None) -> tuple[Mesh, Mesh | None]:
   train = shd.make_mesh(spec, devices=train_devices)
   rollout = shd.make_mesh(devices_spec.rollout_mesh or None, devices=rollout_devices)
   return train, rollout
+
+
+def split_teacher_devices(devices_spec, devices=None) -> tuple[list, list]:
+  """``(the devices left to the train and rollout meshes, the teacher's devices)`` of ``devices`` (default
+  ``jax.devices()``) for ``devices.teacher`` = q: the last q (P processes: the last q / P of each process, so
+  every process holds the same share of both). ``devices.teacher`` None: ``(devices, [])``. ValueError naming
+  the field when q leaves no device to train on or does not divide over the processes."""
+  devices = list(jax.devices() if devices is None else devices)
+  q = getattr(devices_spec, "teacher", None)
+  if q is None:
+    return devices, []
+  procs = sorted({d.process_index for d in devices})
+  local = [[d for d in devices if d.process_index == i] for i in procs]
+  fewest = min(len(x) for x in local)
+  if q % len(procs) or q // len(procs) >= fewest:
+    raise ValueError(
+      f"`devices.teacher`={q} must divide over the {len(procs)} processes and leave each process at least one "
+      f"of its {fewest} devices to train on ({len(devices)} devices in all): use 1..{len(devices) - len(procs)} "
+      "in steps of the process count, or unset it (the teacher on the train mesh)"
+    )
+  per = q // len(procs)
+  rest = [d for x in local for d in x[: len(x) - per]]
+  return rest, [d for x in local for d in x[len(x) - per :]]
+
+
+def make_teacher_mesh(devices_spec, devices=None) -> Mesh | None:
+  """The distillation teacher's own mesh (``devices.teacher`` devices: :func:`split_teacher_devices`; axes
+  ``devices.teacher_mesh``, ``""``: every one on fsdp), disjoint from the train and rollout meshes of
+  :func:`make_meshes`; None without ``devices.teacher`` (the teacher shares the train mesh)."""
+  teacher_devices = split_teacher_devices(devices_spec, devices)[1]
+  if not teacher_devices:
+    return None
+  try:
+    return shd.make_mesh(devices_spec.teacher_mesh or None, devices=teacher_devices)
+  except ValueError as e:
+    raise ValueError(
+      f"`devices.teacher_mesh`={devices_spec.teacher_mesh!r} over the teacher's {len(teacher_devices)} devices: {e}"
+    ) from None
+
+
+def _after_teacher(devices_spec) -> str:
+  q = getattr(devices_spec, "teacher", None)
+  return "" if q is None else f"left after `devices.teacher`={q} "
 
 
 class ProducedBatch(NamedTuple):
@@ -188,11 +231,11 @@ class AsyncRollouts:
       self._frozen = tstate.frozen
     else:
       self.rollout_shardings = shd.tree_shardings(tstate.params, self.rollout_mesh, rules)
-      self._transfer = _transfer_fn(tstate.params, self.rollout_shardings)
+      self._transfer = transfer.transfer_fn(tstate.params, self.rollout_shardings)
       self._frozen = None
       if tstate.frozen is not None and jax.tree.leaves(tstate.frozen):
         frozen_shardings = shd.tree_shardings(tstate.frozen, self.rollout_mesh, rules)
-        self._frozen = _transfer_fn(tstate.frozen, frozen_shardings)(tstate.frozen)
+        self._frozen = transfer.transfer_fn(tstate.frozen, frozen_shardings)(tstate.frozen)
     # CPU processes (gloo): programs on two device sets must not exchange data at the same time (their
     # collectives share one connection per pair of processes): each program is waited for in turn
     self._serial = jax.process_count() > 1 and platform_of(step_fn.mesh) == "cpu"
@@ -370,51 +413,6 @@ class AsyncRollouts:
         f"resumed at the checkpoint's data position, the producer drew prompts {item.rounds[0][:8]}... but the "
         f"checkpoint recorded {expected[:8]}... as the next untrained ones: the data or its order changed"
       )
-
-
-def _transfer_fn(tree, shardings) -> Callable:
-  """The function that places a tree like ``tree`` (on the train mesh) with ``shardings`` (the rollout
-  mesh's). One process: ``jax.device_put``. Several processes, where JAX cannot move arrays between
-  two device sets: each process copies its own shards device to device when its rollout devices need
-  exactly the blocks its train devices hold (the meshes split the parameters alike per process);
-  a leaf for which some process lacks a block goes through the host instead (an all-gather of it, then
-  each process places its blocks) — decided once, the same way on every process."""
-  if jax.process_count() == 1:
-    return lambda t: jax.device_put(t, shardings)
-  leaves, treedef = jax.tree.flatten(tree)
-  target = jax.tree.leaves(shardings)  # NamedSharding leaves, in the order of the arrays
-  assert len(target) == len(leaves), (len(target), len(leaves))
-  local = [_local_blocks(x, s) is not None for x, s in zip(leaves, target)]
-  every = distributed.gather_objects(local)
-  direct = [all(e[i] for e in every) for i in range(len(leaves))]
-
-  def transfer(t):
-    out = []
-    for x, s, fast in zip(jax.tree.leaves(t), target, direct):
-      if fast:
-        blocks = _local_blocks(x, s)
-      else:
-        host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        blocks = [(d, host[idx]) for d, idx in s.addressable_devices_indices_map(x.shape).items()]
-      arrays = [jax.device_put(b, d) for d, b in blocks]
-      out.append(jax.make_array_from_single_device_arrays(x.shape, s, arrays))
-    return jax.tree.unflatten(treedef, out)
-
-  transfer.direct = direct  # per leaf: shard by shard (True) or through the host (False)
-  return transfer
-
-
-def _local_blocks(x: jax.Array, sharding) -> list | None:
-  """``[(rollout device, this process's train shard with exactly its block)]``, or None when a block
-  of this process's rollout devices is not one of its train shards."""
-  key = lambda idx: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(idx, x.shape))
-  held = {key(s.index): s.data for s in x.addressable_shards}
-  blocks = []
-  for d, idx in sharding.addressable_devices_indices_map(x.shape).items():
-    if key(idx) not in held:
-      return None
-    blocks.append((d, held[key(idx)]))
-  return blocks
 
 
 def _check_same_rows(train: Mesh, rollout: Mesh, rows: int) -> None:

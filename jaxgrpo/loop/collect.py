@@ -51,15 +51,25 @@ class GroupSelection(NamedTuple):
       later used to fill the batch).
     done: True when the batch is decided: ``num_groups`` groups kept, or ``max_rounds`` rounds
       sampled (then the batch is filled with equal-reward groups, the earliest first).
+    by_teacher: how many kept groups have equal rewards but a teacher's signal above ``min_signal`` (kept for the
+      teacher alone; 0 without ``signal``).
   """
 
   kept: list[tuple[int, int]]
   dropped: int
   done: bool
+  by_teacher: int = 0
 
 
 def select_groups(
-  rewards: Sequence[Any], *, num_groups: int, group_size: int, max_rounds: int, dynamic: bool = True
+  rewards: Sequence[Any],
+  *,
+  num_groups: int,
+  group_size: int,
+  max_rounds: int,
+  dynamic: bool = True,
+  signal: Sequence[Any] | None = None,
+  min_signal: float = 0.0,
 ) -> GroupSelection:
   """DAPO's dynamic sampling (Yu et al., arXiv:2503.14476, eq. 11) as a host function of the rounds so far.
 
@@ -77,6 +87,9 @@ def select_groups(
     group_size: G, rows per group, >= 1.
     max_rounds: the most rounds (``rollout.dynamic_sampling_max_rounds``), >= 1.
     dynamic: apply dynamic sampling (``GRPOConfig.dynamic_sampling``).
+    signal: with a distillation teacher, one ``f[num_groups]`` array per round, each group's teacher signal
+      (``jaxgrpo.loop.scoring.teacher_signal``): a group is then informative when its rewards are not all equal
+      **or** its signal is above ``min_signal`` (the teacher still has something to teach it). None: rewards only.
 
   Returns:
     a :class:`GroupSelection`.
@@ -86,22 +99,26 @@ def select_groups(
   if len(rewards) < 1:
     raise ValueError("`rewards` must hold the rewards of at least one round; got none")
   group_ids = np.repeat(np.arange(num_groups), group_size)
-  kept, spare = [], []
+  if signal is not None and len(signal) != len(rewards):
+    raise ValueError(f"`signal` must hold one array per round ({len(rewards)}); got {len(signal)}")
+  kept, spare, by_teacher = [], [], 0
   for r, round_rewards in enumerate(rewards):
     shape = np.shape(round_rewards)
     if shape != (num_groups * group_size,):
       raise ValueError(
         f"`rewards[{r}]` must have shape [num_groups · group_size] = [{num_groups * group_size}]; got {list(shape)}"
       )
-    informative = group_is_informative(round_rewards, group_ids, num_groups) if dynamic else np.ones(num_groups, bool)
+    varied = group_is_informative(round_rewards, group_ids, num_groups) if dynamic else np.ones(num_groups, bool)
+    taught = np.zeros(num_groups, bool) if signal is None else np.asarray(signal[r]) > min_signal
     for b in range(num_groups):
-      if not informative[b]:
+      if not (varied[b] or taught[b]):
         spare.append((r, b))
       elif len(kept) < num_groups:
         kept.append((r, b))
+        by_teacher += int(not varied[b])
   if len(kept) < num_groups and len(rewards) >= max_rounds:
     kept += spare[: num_groups - len(kept)]  # give up refilling: these groups have zero advantage
-  return GroupSelection(kept=kept, dropped=len(spare), done=len(kept) == num_groups)
+  return GroupSelection(kept=kept, dropped=len(spare), done=len(kept) == num_groups, by_teacher=by_teacher)
 
 
 def sample(model, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key, temperature: float = 1.0) -> Rollout:

@@ -87,7 +87,7 @@ class Learner:
       if timed:
         jax.block_until_ready(placed.ref_logp)
     t3 = time.perf_counter()
-    if self.teacher is not None:
+    if self.teacher is not None and placed.teacher_logp is None:  # scored when sampled: dynamic sampling's
       placed = self.teacher(placed)
       if timed:
         jax.block_until_ready(placed.teacher_logp)

@@ -14,6 +14,7 @@ metrics from the same numbers::
     batch_metrics(rewards, per_fn, lengths, counters, env=...) reward_mean/std (finite rewards), reward/<fn>,
                                                                completion_length, reward_counters/<k>, env/*
     informative(rewards, group_size)                           bool[groups]: rewards not all equal (dynamic sampling)
+    teacher_signal(rows, group_size)                           f32[groups]: a distillation teacher's per-token signal
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from jaxgrpo.parallel import distributed
 from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.step.batch import Batch
 
-__all__ = ["Scored", "batch_metrics", "gather_env_rows", "gather_scores", "informative", "pad_prompts"]
+__all__ = [
+  "Scored",
+  "batch_metrics",
+  "gather_env_rows",
+  "gather_scores",
+  "informative",
+  "pad_prompts",
+  "teacher_signal",
+]
 
 
 class Scored(NamedTuple):
@@ -39,6 +48,8 @@ class Scored(NamedTuple):
     lengths: ``int32[N]`` every row's completion length.
     counters: the reward functions' counters, summed over the processes.
     metrics: multi-turn: the environments' metrics ({} for single-turn rows).
+    signal: ``f32[groups]`` every group's distillation signal (:func:`teacher_signal`) when a teacher scored the
+      round for dynamic sampling; None otherwise.
   """
 
   rows: Batch
@@ -47,6 +58,7 @@ class Scored(NamedTuple):
   lengths: np.ndarray
   counters: dict
   metrics: dict
+  signal: np.ndarray | None = None
 
 
 def pad_prompts(rows: Batch, width: int, pad_id: int) -> Batch:
@@ -100,3 +112,24 @@ def informative(rewards, group_size: int) -> np.ndarray:
   (``rewards.group_is_informative``: the groups dynamic sampling keeps)."""
   groups = len(rewards) // group_size
   return rewards_lib.group_is_informative(rewards, np.repeat(np.arange(groups), group_size), groups)
+
+
+def teacher_signal(rows: Batch, group_size: int) -> np.ndarray:
+  """``f32[groups]``: each group's (``group_size`` consecutive rows) mean over its distilled tokens (``mask``, and
+  ``policy_mask`` in multi-turn rows: observation tokens are not distilled) of ``|log π_s(y_t) − log π_t(y_t)|``,
+  the sampler's log-prob (``old_logp``) against the teacher's (``teacher_logp``); 0 for a group without such tokens.
+
+  Why this statistic: the sampled-token advantage is ``w·clip(log π_t − log π_s)`` per token, so a group whose mean
+  ``|log π_s − log π_t|`` is below ε moves the policy by at most ``w·ε`` per token from the teacher — as little as
+  a zero-advantage group moves it from the rewards; and it is 0 exactly where the teacher agrees with the student on
+  every sampled token. It needs only the teacher's log-prob of each sampled token (every form computes it), so
+  the top-k forms use it too (their divergence needs the student's logits, which collection does not compute).
+  """
+  mask = np.asarray(rows.mask, bool)
+  if rows.policy_mask is not None:
+    mask = mask & np.asarray(rows.policy_mask, bool)
+  diff = np.abs(np.asarray(rows.old_logp, np.float64) - np.asarray(rows.teacher_logp, np.float64))
+  groups = mask.shape[0] // group_size
+  total = np.where(mask, diff, 0.0).reshape(groups, -1).sum(1)
+  count = mask.reshape(groups, -1).sum(1)
+  return (total / np.maximum(count, 1)).astype(np.float32)

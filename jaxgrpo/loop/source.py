@@ -125,6 +125,11 @@ class RolloutSource:
       declares it): False makes the learner recompute ``old_logp`` and keep these as ``behavior_logp``.
     turns: :class:`Turns` for multi-turn rollouts (None: single-turn).
     should_stop: polled during environment calls (a signal stops a hung environment).
+    teacher: ``teacher(rows) -> rows`` with the teacher's fields filled (``feed.teacher_host_scores``): dynamic
+      sampling with a distillation teacher. Each round is scored by it when it is sampled, a group is kept when its
+      rewards vary or its teacher signal (``scoring.teacher_signal``) is above ``min_teacher_signal``, and the
+      batch carries those log-probs to the step (``dynamic_sampling/kept_by_teacher``: the groups kept for the
+      teacher alone). None: rewards only.
   """
 
   def __init__(
@@ -150,6 +155,8 @@ class RolloutSource:
     logprobs_are_policy: bool = True,
     turns: Turns | None = None,
     should_stop: Callable[[], bool] | None = None,
+    teacher: Callable[[Batch], Batch] | None = None,
+    min_teacher_signal: float = 0.0,
   ):
     self._policy = policy
     self.sampling, self.temperature, self.mesh = sampling, temperature, mesh
@@ -162,6 +169,7 @@ class RolloutSource:
     self.engine_sampling = sampling if engine_sampling is None else engine_sampling
     self.logprobs_are_policy = logprobs_are_policy
     self.turns, self.should_stop = turns, should_stop
+    self.teacher, self.min_teacher_signal = teacher, min_teacher_signal
     self._engine_version: Any = None  # the version whose weights the engine holds (None: none yet)
     self.engine_times: dict[str, float] = {}
 
@@ -251,9 +259,17 @@ class RolloutSource:
 
   # ------------------------------------------------------------------ one round
   def _round(self, indices, key, *, policy, mesh, version, on_sampled) -> Scored:
-    """One sampling round of the prompts ``indices``: this process's rows, and every row's reward and length."""
-    if self.turns is not None:
-      return self._env_round(indices, key, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
+    """One sampling round of the prompts ``indices``: this process's rows, and every row's reward and length
+    (with a teacher: its log-probs in the rows and every group's signal)."""
+    kw = dict(policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
+    scored = self._env_round(indices, key, **kw) if self.turns is not None else self._single_round(indices, key, **kw)
+    if self.teacher is None:
+      return scored
+    rows = self.teacher(scored.rows)
+    return scored._replace(rows=rows, signal=scoring.teacher_signal(rows, self.sampling.num_samples))
+
+  def _single_round(self, indices, key, *, policy, mesh, version, on_sampled) -> Scored:
+    """One single-turn round: the engine's rows of the prompts ``indices``, their rewards and lengths."""
     rows = self.sample(indices, key, policy=policy, mesh=mesh, version=version, on_sampled=on_sampled)
     res = self.score(indices, rows)
     lengths = np.asarray(rows.mask).sum(1).astype(np.int32)
@@ -324,6 +340,8 @@ class RolloutSource:
         group_size=g,
         max_rounds=self.max_rounds,
         dynamic=self.dynamic_sampling,
+        signal=None if self.teacher is None else [r.signal for r in rounds],
+        min_signal=self.min_teacher_signal,
       )
     kept = selection.kept
     batch = self._own_groups(rounds, kept)
@@ -332,6 +350,8 @@ class RolloutSource:
     per_fn = {name: of_kept(lambda r, name=name: r.per_fn[name]) for name in rounds[0].per_fn}
     counters = {k: sum(r.counters.get(k, 0) for r in rounds) for k in {k for r in rounds for k in r.counters}}
     dynamic = {"dynamic_sampling/dropped_groups": selection.dropped, "dynamic_sampling/rounds": len(rounds)}
+    if self.teacher is not None:
+      dynamic["dynamic_sampling/kept_by_teacher"] = selection.by_teacher
     metrics = scoring.batch_metrics(
       of_kept(lambda r: r.rewards),
       per_fn,

@@ -40,7 +40,10 @@ from jaxgrpo.services import checkpoint
 from jaxgrpo.step import train
 from jaxgrpo.step.teacher_remote import is_remote_teacher
 
-__all__ = ["RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape"]
+__all__ = [
+  "RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape", "served_teacher",
+  "teacher_config",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,12 @@ def abstract_model(cfg, model_config, *, adapters: bool = True):
     return model
 
   return nnx.eval_shape(build)
+
+
+def served_teacher(teacher: str | None) -> bool:
+  """Whether a distillation teacher is served outside the run (a teacher server's ``http://...`` or ``vllm:...``):
+  nothing of it is resident on the JAX devices a plan compiles for."""
+  return teacher is not None and (is_remote_teacher(teacher) or str(teacher).startswith("vllm:"))
 
 
 def teacher_config(teacher: str):
@@ -259,10 +268,11 @@ class RunPrograms:
     self.names += tuple(self.reward_models)
     distill = cfg.objective.distill
     self._teacher = None  # (graphdef, abstract params with shardings, top_k) of the distillation teacher
+    self.teacher_config = None  # its model config (the teacher pass's FLOPs)
     # a remote teacher (http://...) or vLLM's (vllm:...) holds nothing on the JAX devices planned here
-    served = distill is not None and (is_remote_teacher(distill.teacher) or str(distill.teacher).startswith("vllm:"))
-    if distill is not None and distill.teacher is not None and not served:
-      teacher = abstract_model(cfg, teacher_config(distill.teacher), adapters=False)
+    if distill is not None and distill.teacher is not None and not served_teacher(distill.teacher):
+      self.teacher_config = teacher_config(distill.teacher)
+      teacher = abstract_model(cfg, self.teacher_config, adapters=False)
       t_graphdef, t_params = nnx.split(teacher)
       t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, mesh, teacher.rules))
       self._teacher = (t_graphdef, t_params, None if distill.sampled else distill.top_k)

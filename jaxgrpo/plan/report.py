@@ -29,7 +29,7 @@ import numpy as np
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.plan import flops as fl
 from jaxgrpo.plan import shapes
-from jaxgrpo.plan.programs import RunPrograms, run_shape
+from jaxgrpo.plan.programs import RunPrograms, run_shape, served_teacher, teacher_config
 from jaxgrpo.plan.targets import GiB, Target, target_devices
 from jaxgrpo.run import builders
 from jaxgrpo.run.spec_schema import DTYPES
@@ -120,7 +120,20 @@ class RunPlan:
     got = f"{bad.total_bytes / GiB:.2f} of {hbm:.2f} GiB/device" if bad.total_bytes is not None else None
     got = got or _compiler_words(bad.error)
     fix = bad.fix or _no_fix(bad)
+    if bad.name == "teacher":  # a distillation teacher: its weights stay resident for the whole run
+      fix = _teacher_fix(bad, fix)
     return f"the {bad.name} program does not fit {self.target.name} ({got}); {fix}"
+
+
+def _teacher_fix(p: ProgramPlan, fix: str) -> str:
+  """What a distillation teacher that does not fit beside the policy can do: its weights' and the run's other
+  long-lived bytes per device, then the micro-batch fix (its activations) and the ways to free room for its weights."""
+  weights, other = (p.argument_bytes or 0) / GiB, (p.other_resident_bytes or 0) / GiB
+  return (
+    f"the teacher's weights take {weights:.2f} GiB/device beside the run's {other:.2f} of long-lived arrays; {fix}; "
+    "or give the teacher chips of its own (`devices.teacher`, docs/distillation.md), more chips (a larger fsdp "
+    "axis), a bf16 `model.param_dtype`, or a smaller teacher"
+  )
 
 
 def _no_fix(p: ProgramPlan) -> str:
@@ -157,8 +170,11 @@ def _flops_and_bytes(programs: RunPrograms, name: str, plan: ProgramPlan) -> tup
   if name == "step":
     passes = getattr(cfg.objective, "num_iterations", 1) or 1
     return fl.step_flops(mc, s.rows, s.prompt_len, s.completion_len, passes), plan.argument_bytes + plan.output_bytes
-  if name in ("reference", "old_logp"):
-    return fl.forward_flops(mc, s.rows, s.prompt_len, s.completion_len), plan.argument_bytes + plan.output_bytes
+  if name in ("reference", "old_logp", "teacher"):  # a log-prob pass: the policy's, or the teacher's own model
+    pass_config = programs.teacher_config if name == "teacher" else mc
+    return fl.forward_flops(
+      pass_config, s.rows, s.prompt_len, s.completion_len
+    ), plan.argument_bytes + plan.output_bytes
   if name in programs.reward_models:  # every row of a step, in calls of batch_size rows
     b, t = programs.reward_model_shape(name)
     calls = -(-s.rows // b)
@@ -404,7 +420,8 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   gradient accumulator) / devices; the reference copy (β > 0); activations of one micro-batch with the model's
   remat (full: each layer's input, ``L·R·S·D`` in ``dtype``; otherwise ~``14·L·R·S·D``) plus one layer's
   attention scores ``R·H·S²`` float32 (the attention materialises them) and a logits chunk ``R·chunk·V`` float32;
-  the sampler: the weights in ``dtype`` (all of them: FSDP gathers each layer), its KV cache and ``B·V`` logits."""
+  the sampler: the weights in ``dtype`` (all of them: FSDP gathers each layer), its KV cache and ``B·V`` logits;
+  a distillation teacher (``objective.distill``): :func:`_gpu_teacher`, its weights resident beside both."""
   s, mc, tc = run_shape(cfg), model_config, cfg.train_config()
   n = target.devices_total
   pb, cb = np.dtype(DTYPES[cfg.model.param_dtype]).itemsize, np.dtype(DTYPES[cfg.model.dtype]).itemsize
@@ -433,12 +450,41 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   step.roofline_s = max(step.flops / n / chip.peak_flops, 2 * state / chip.hbm_bw)
   mem = fl.decode_hbm_bytes(mc, fl.active_matmul_params(mc) * cb, s.rows / n, s.prompt_len, s.new_tokens, cb)
   samp.roofline_s = max(samp.flops / n / chip.peak_flops, mem / chip.hbm_bw)
-  for p in (step, samp):
+  programs = [step, samp]
+  teacher = _gpu_teacher(cfg, target, rows, seq, other=int(state + ref))
+  if teacher is not None:  # its weights resident beside every program, as the run keeps them
+    step.other_resident_bytes += teacher.argument_bytes
+    samp.other_resident_bytes += teacher.argument_bytes
+    programs.append(teacher)
+  for p in programs:
     if p.total_bytes > chip.hbm_bytes:
       p.verdict = "estimated: does not fit"
   notes = _notes(target) + ["GPU: estimated by formula (jaxgrpo.plan.report.estimate_gpu), nothing compiled"]
   mesh = {"fsdp": n}
-  return RunPlan(target, name, dataclasses.asdict(s), mesh, [step, samp], notes)
+  return RunPlan(target, name, dataclasses.asdict(s), mesh, programs, notes)
+
+
+def _gpu_teacher(cfg, target: Target, rows: float, seq: int, *, other: int) -> ProgramPlan | None:
+  """A distillation teacher's pass on a GPU target by formula (None without ``objective.distill.teacher``): its
+  weights in ``param_dtype`` over the ``n`` GPUs (FSDP, as the run shards it; the argument), one micro-batch's forward
+  working set of ``rows`` rows per GPU — one layer's ``14·R·S·D`` in ``dtype`` (nothing is kept for a backward), its
+  attention scores ``R·H·S²`` float32 and a logits chunk ``R·chunk·V`` float32 (temporaries) — and the ``[R, T]``
+  log-probs plus, for a top-k form, ``[R, T, k]`` ids and log-probs (outputs); ``other``: the policy's state and
+  reference copy, resident meanwhile. FLOPs: the teacher's forward (``flops.forward_flops``)."""
+  d = cfg.objective.distill
+  if d is None or served_teacher(d.teacher):  # none, or served outside the run: nothing resident here
+    return None
+  tmc, tc, s, n = teacher_config(d.teacher), cfg.train_config(), run_shape(cfg), target.devices_total
+  pb, cb = np.dtype(DTYPES[cfg.model.param_dtype]).itemsize, np.dtype(DTYPES[cfg.model.dtype]).itemsize
+  p = ProgramPlan("teacher", tc.micro_batches, other_resident_bytes=other, verdict="estimated")
+  p.argument_bytes = int(_param_count(tmc) * pb / n)
+  per_token = 4 + (0 if d.sampled else 8 * d.top_k)
+  p.output_bytes, p.alias_bytes, p.code_bytes = int(s.rows / n * s.completion_len * per_token), 0, 0
+  working = 14 * rows * seq * tmc.hidden_size * cb + rows * tmc.num_heads * seq * seq * 4
+  p.temp_bytes = int(working + rows * (tc.chunk_size or seq) * tmc.vocab_size * 4)
+  p.flops = fl.forward_flops(tmc, s.rows, s.prompt_len, s.completion_len)
+  p.roofline_s = max(p.flops / n / target.chip.peak_flops, p.argument_bytes / target.chip.hbm_bw)
+  return p
 
 
 def _param_count(mc) -> int:

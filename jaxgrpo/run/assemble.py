@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -38,6 +39,7 @@ from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, check_composit
 from jaxgrpo.run.spec_schema import RewardSourceSpec
 from jaxgrpo.run.specs import TrainerConfig
 from jaxgrpo.step import batch_packing as train_batching
+from jaxgrpo.step import feed
 
 __all__ = [
   "DataParts",
@@ -364,12 +366,17 @@ def rollout_source(
   engine=None,
   make_env=None,
   should_stop=None,
+  teacher=None,
 ) -> RolloutSource:
   """The run's rollout source: ``engine`` (:func:`start_engine`; None: the built-in sampler) with what it
   receives (:func:`engine_sampling`; its log-probs the policy's only when it declares so,
   ``engines.logprobs_are_policy``), single-turn scoring or the environments of ``env`` (``make_env``),
-  dynamic sampling from ``objective``/``rollout`` (see ``jaxgrpo.loop.source.RolloutSource``)."""
+  dynamic sampling from ``objective``/``rollout`` (see ``jaxgrpo.loop.source.RolloutSource``). ``teacher``: the
+  run's distillation teacher (``feed.make_teacher``): with dynamic sampling it scores each round when it is
+  sampled (the filter reads its signal) and the learner trains on those log-probs (no second pass)."""
   roll = cfg.rollout
+  collects = teacher is not None and cfg.objective.dynamic_sampling
+  d = cfg.objective.distill
   return RolloutSource(
     policy=policy,
     sampling=sampling,
@@ -392,6 +399,10 @@ def rollout_source(
     logprobs_are_policy=(engine is None or logprobs_are_policy(engine)) and roll.quantize == "none",
     turns=None if make_env is None else Turns(make_env, cfg.env.multiturn_config()),
     should_stop=should_stop,
+    teacher=partial(feed.teacher_host_scores, teacher, mesh=mesh, train_config=cfg.train_config())
+    if collects
+    else None,
+    min_teacher_signal=d.min_signal if collects else 0.0,
   )
 
 

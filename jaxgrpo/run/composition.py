@@ -44,7 +44,12 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   if roll.speculative != "off":
     _check_speculative(cfg, synthetic_moe, process_count)
   if cfg.objective.distill is not None:
-    _check_distill(cfg)
+    _check_distill(cfg, process_count)
+  elif cfg.devices.teacher is not None:  # physical: nothing to place there
+    raise ValueError(
+      f"`devices.teacher`={cfg.devices.teacher} gives a distillation teacher devices of its own, but "
+      "`objective.distill` is not set: set the teacher or unset devices.teacher"
+    )
 
 
 def _check_speculative(cfg: TrainerConfig, synthetic_moe, process_count: int = 1) -> None:
@@ -70,7 +75,7 @@ def _check_speculative(cfg: TrainerConfig, synthetic_moe, process_count: int = 1
       )
 
 
-def _check_distill(cfg: TrainerConfig) -> None:
+def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:
   """The combinations a distillation term (``objective.distill``) refuses, one line each."""
   d = cfg.objective.distill
   if d.teacher is None:
@@ -78,11 +83,18 @@ def _check_distill(cfg: TrainerConfig) -> None:
       "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, or "
       "`synthetic:<hidden_size>x<num_layers>`"
     )
-  if cfg.objective.dynamic_sampling:  # mathematical: the filter reads rewards only
-    raise ValueError(
-      "`objective.dynamic_sampling` with `objective.distill`: a group whose rewards are all equal still carries "
-      "the teacher's per-token signal, and the filter (equal rewards → dropped) would discard it; turn one off"
-    )
+  if cfg.objective.dynamic_sampling:  # the teacher scores each round when sampled: the source's path only
+    for on, what, why in (
+      (cfg.rollout.partial.enabled, "`rollout.partial.enabled`", "the partial pool selects groups as they complete, "
+       "in its own path, which does not score them with the teacher"),
+      (process_count > 1, f"{process_count} processes", "the teacher's signal of each round is computed on one "
+       "process's rows"),
+    ):  # fmt: skip
+      if on:
+        raise ValueError(
+          f"`objective.dynamic_sampling` with `objective.distill` and {what} is not built yet ({why}); turn "
+          "dynamic sampling off, or run it without that option"
+        )
 
 
 #: why partial rollouts refuse MoE routing replay (mathematical: no routing to replay exists).

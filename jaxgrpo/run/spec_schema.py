@@ -567,6 +567,11 @@ class DevicesSpec:
     train: with ``rollout``: the devices of the training mesh (the first ones; None: all the
       rollout mesh leaves).
     rollout_mesh: the rollout mesh's axes (like ``mesh``; ``""``: every rollout device on fsdp).
+    teacher: a distillation teacher (``objective.distill``) on a mesh of this many devices of its own (the last
+      ones of each process; the train and rollout meshes divide the others): its parameters, its log-prob pass
+      and its top-k stay there, and only the per-token log-probs (and top-k) move to the train mesh; None: the
+      teacher sits on the train mesh beside the policy.
+    teacher_mesh: the teacher mesh's axes (like ``mesh``; ``""``: every teacher device on fsdp).
   """
 
   mesh: str = ""
@@ -578,12 +583,19 @@ class DevicesSpec:
   rollout: int | None = None
   train: int | None = None
   rollout_mesh: str = ""
+  teacher: int | None = None
+  teacher_mesh: str = ""
 
   def __post_init__(self):
     _float("devices", self, "host_timeout_s", at_least=1.0, hint="seconds")
-    _ints("devices", self, tuple(f for f in ("rollout", "train") if getattr(self, f) is not None))
+    _ints("devices", self, tuple(f for f in ("rollout", "train", "teacher") if getattr(self, f) is not None))
     if self.train is not None and self.rollout is None:
       raise ValueError(f"`devices.train`={self.train} needs `devices.rollout` (disaggregated placement)")
+    if self.teacher_mesh and self.teacher is None:
+      raise ValueError(
+        f"`devices.teacher_mesh`={self.teacher_mesh!r} needs `devices.teacher` (the teacher's device count); "
+        "without it the teacher shares the train mesh"
+      )
 
 
 def _check_best_metric(name: str | None, ev: EvalSpec, env: bool) -> None:

@@ -28,13 +28,17 @@ import jax
 from flax import nnx
 
 from jaxgrpo.models import lora
+from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.run import builders
 from jaxgrpo.run.specs import ModelSpec, TrainerConfig
 from jaxgrpo.run.task_specs import SyntheticModel
 from jaxgrpo.services import checkpoint
+from jaxgrpo.step import feed
 from jaxgrpo.step.teacher_remote import is_remote_teacher
 
-__all__ = ["build_teacher", "check_tokenizers", "load_teacher", "teacher_source", "tokenizer_fingerprint"]
+__all__ = [
+  "build_teacher", "check_teacher_devices", "check_tokenizers", "load_teacher", "teacher_source", "tokenizer_fingerprint",
+]  # fmt: skip
 
 _SYNTHETIC = re.compile(r"^synthetic:(\d+)x(\d+)$")
 
@@ -143,3 +147,25 @@ def load_teacher(teacher: str, *, seed: int, dtype: str = "float32", param_dtype
   if saved.lora is not None:
     model = lora.merge_lora(model)
   return model, tokenizer
+
+
+def check_teacher_devices(cfg: TrainerConfig, train_mesh, teacher_mesh, *, log: Callable[[str], None] | None = None):
+  """With ``devices.teacher`` (``teacher_mesh`` not None): ValueError in one line, before the teacher is loaded,
+  unless its mesh is disjoint from the train mesh, the rollout batch's rows split over its ``data × fsdp`` and the
+  step's micro-batches (its pass runs the step's micro-batches), and with ``step.packing`` the two meshes split
+  the rows alike (``jaxgrpo.step.feed.check_teacher_mesh``); then logs where the teacher is."""
+  if teacher_mesh is None:
+    return
+  tc = cfg.train_config()
+  feed.check_teacher_mesh(teacher_mesh, train_mesh, tc)
+  rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+  splits = tc.mini_batches * tc.micro_batches if tc.packing else tc.micro_batches
+  try:
+    shd.check_batch_divisible(rows, teacher_mesh, splits=splits, what="the rollout batch")
+  except ValueError as e:
+    raise ValueError(f"`devices.teacher_mesh`={cfg.devices.teacher_mesh or 'fsdp=-1'!r}: {e}") from None
+  if log is not None:
+    ids = [d.id for d in teacher_mesh.devices.flat]
+    log(
+      f"teacher: on its own {len(ids)} devices {ids} (mesh {dict(teacher_mesh.shape)}), the policy on {train_mesh.size}"
+    )

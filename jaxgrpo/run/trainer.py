@@ -203,6 +203,8 @@ class Trainer:
     self.control = RunControl(log=self.log, stop_on_nonfinite_loss=stop_on_nonfinite_loss, checkpoint_fn=checkpoint_fn)
     self.mesh, self.rollout_mesh = async_rollout.make_meshes(cfg.devices)  # rollout_mesh: None colocated
     assemble.check_mesh_fits(cfg, self.mesh)
+    self.teacher_mesh = async_rollout.make_teacher_mesh(cfg.devices)  # None: the teacher on the train mesh
+    teacher_lib.check_teacher_devices(cfg, self.mesh, self.teacher_mesh, log=self.log)
     # the base model (HF weights, or the synthetic model after its warm-up), then the run's adapters
     # a run with checkpoints keeps the synthetic model's warmed-up base beside them: a resumed run reads it
     # instead of re-running the warm-up, and so do load_policy / export of a LoRA run
@@ -240,6 +242,19 @@ class Trainer:
     # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.loop.episodes)
     self.make_env = None if cfg.env is None else cfg.env.make_env()
     self.iterator = data_lib.PromptIterator(len(self.data.examples), seed=cfg.run.seed)
+    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh or on
+    # its own devices (devices.teacher); or served outside the run (a teacher server, vLLM: run.teacher_remote)
+    self.teacher = None
+    d = cfg.objective.distill
+    if d is not None and d.teacher is not None and teacher_lib.teacher_source(d.teacher) in ("remote", "vllm"):
+      self.teacher = teacher_remote.connect(
+        cfg, self.tokenizer, student_vocab=self.model.config.vocab_size, train_config=self.train_config, log=self.log
+      )
+    elif d is not None:
+      teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
+      self.teacher = feed.make_teacher(
+        self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size, mesh=self.teacher_mesh
+      )
     self.source = assemble.rollout_source(
       cfg,
       policy=self.policy,
@@ -253,18 +268,8 @@ class Trainer:
       engine=engine,
       make_env=self.make_env,
       should_stop=self.control.stop_requested,
+      teacher=self.teacher,
     )
-    # a distillation teacher (objective.distill): loaded, its tokenizer checked, placed on the train mesh; or
-    # served outside it (a teacher server, vLLM: jaxgrpo.run.teacher_remote)
-    self.teacher = None
-    d = cfg.objective.distill
-    if d is not None and d.teacher is not None and teacher_lib.teacher_source(d.teacher) in ("remote", "vllm"):
-      self.teacher = teacher_remote.connect(
-        cfg, self.tokenizer, student_vocab=self.model.config.vocab_size, train_config=self.train_config, log=self.log
-      )
-    elif cfg.objective.distill is not None:
-      teacher_model = teacher_lib.build_teacher(cfg, self.tokenizer, log=self.log)
-      self.teacher = feed.make_teacher(self.step_fn, teacher_model, student_vocab=self.model.config.vocab_size)
     self.learner = Learner(
       self.step_fn, self.reference, mesh=self.mesh, train_config=self.train_config, teacher=self.teacher
     )

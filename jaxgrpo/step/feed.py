@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from jaxgrpo.models import lora
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.step.batch import Batch
+from jaxgrpo.parallel import transfer
+from jaxgrpo.step.batch import REFERENCE_FIELDS, Batch
 from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.step.state import TrainConfig, TrainState, check_not_donated, merge_model
 from jaxgrpo.step.terms import distill_of
@@ -28,7 +29,11 @@ from jaxgrpo.step.train import TrainStep, make_reference_fn
 
 __all__ = [
   "Reference",
+  "TEACHER_FIELDS",
   "Teacher",
+  "TeacherDevices",
+  "teacher_host_scores",
+  "check_teacher_mesh",
   "check_teacher_vocab",
   "make_teacher",
   "make_batch",
@@ -62,32 +67,71 @@ class Reference(NamedTuple):
 
 
 class Teacher(NamedTuple):
-  """A distillation teacher: its parameters on the train mesh and its jitted log-prob pass — a reference pass
-  (:func:`jaxgrpo.step.train.make_reference_fn`: chunked head, float32, the step's micro-batches, packing and
-  temperature) of another model that shares the policy's vocabulary.
+  """A distillation teacher: its parameters on the train mesh (or on a mesh of its own) and its jitted log-prob
+  pass — a reference pass (:func:`jaxgrpo.step.train.make_reference_fn`: chunked head, float32, the step's
+  micro-batches, packing and temperature) of another model that shares the policy's vocabulary.
 
   ``teacher(batch)`` returns ``batch`` with ``teacher_logp`` ``f32[B, T]`` filled in (the teacher's
   ``log π_t(y_t)`` of each completion token given the prompt and the tokens before it) and, with ``top_k`` = k
   (a top-k distillation form), ``teacher_topk_ids`` ``int32[B, T, k]`` and ``teacher_topk_logp`` ``f32[B, T, k]``:
   only those numbers leave the pass (the top-k is taken chunk by chunk where the teacher's parameters are). A
   mixture-of-experts student's recorded routing is not the teacher's: the teacher routes by its own top-k
-  experts. Built by :func:`make_teacher`.
+  experts. ``devices``: a teacher on devices of its own (:class:`TeacherDevices`), None on the train mesh.
+  Built by :func:`make_teacher`.
   """
 
   params: Any
   fn: Callable
   top_k: int | None = None
+  devices: TeacherDevices | None = None
+
+  def _run(self, batch: Batch):
+    batch = batch._replace(routing=None)
+    if self.devices is None:
+      return self.fn(self.params, batch)
+    return self.devices.back(self.fn(self.params, self.devices.there(batch)))
 
   def log_probs(self, batch: Batch) -> jax.Array:
-    """``f32[B, T]`` the teacher's log-probs of ``batch``'s completions (batch-sharded)."""
-    out = self.fn(self.params, batch._replace(routing=None))
+    """``f32[B, T]`` the teacher's log-probs of ``batch``'s completions (batch-sharded on the train mesh)."""
+    out = self._run(batch)
     return out if self.top_k is None else out[0]
 
   def __call__(self, batch: Batch) -> Batch:
     if self.top_k is None:
       return batch._replace(teacher_logp=self.log_probs(batch))
-    logp, ids, topk_logp = self.fn(self.params, batch._replace(routing=None))
+    logp, ids, topk_logp = self._run(batch)
     return batch._replace(teacher_logp=logp, teacher_topk_ids=ids, teacher_topk_logp=topk_logp)
+
+
+class TeacherDevices(NamedTuple):
+  """A teacher on a mesh of its own (``devices.teacher``): what crosses between it and the train mesh.
+
+  :meth:`there` moves the inputs of the teacher's pass — a placed batch's ``prompts``, ``prompt_mask``,
+  ``completions``, ``mask`` and its packed layout — to the teacher mesh (rows over its ``data × fsdp``);
+  :meth:`back` moves the pass's outputs (``f32[B, T]``, and ``int32[B, T, k]``, ``f32[B, T, k]``) to the train
+  mesh's rows. Nothing else crosses: the parameters, the activations and the ``[B, C, V]`` logits chunks stay
+  on the teacher's devices (``jaxgrpo.parallel.transfer.move``: a device-to-device copy).
+  """
+
+  mesh: Mesh
+  train_mesh: Mesh
+  rules: Any = None
+
+  def there(self, batch: Batch) -> Batch:
+    names = [n for n in REFERENCE_FIELDS if getattr(batch, n) is not None]
+    tree = {n: getattr(batch, n) for n in names}
+    if batch.packed is not None:
+      tree["packed"] = batch.packed
+    moved = transfer.move(_as_arrays(tree), shd.batch_sharding(self.mesh, self.rules))
+    return batch._replace(**moved)
+
+  def back(self, out):
+    return transfer.move(out, shd.batch_sharding(self.train_mesh, self.rules))
+
+
+def _as_arrays(tree):
+  """Host arrays of a batch's fields as ``jax.Array`` s (a placed batch's are already)."""
+  return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), tree)
 
 
 def check_teacher_vocab(student_vocab: int, teacher_vocab: int) -> None:
@@ -100,13 +144,18 @@ def check_teacher_vocab(student_vocab: int, teacher_vocab: int) -> None:
     )
 
 
-def make_teacher(step: TrainStep, teacher: nnx.Module, *, student_vocab: int | None = None) -> Teacher:
-  """The teacher ``teacher`` (a Flax model of any family or size) placed on ``step``'s mesh, sharded by its own
-  logical-axis rules like the policy (FSDP over ``fsdp``, tensor parallelism over ``tensor``), and its jitted
-  log-prob pass (:class:`Teacher`). Its parameters are a copy (never donated, never trained).
+def make_teacher(
+  step: TrainStep, teacher: nnx.Module, *, student_vocab: int | None = None, mesh: Mesh | None = None
+) -> Teacher:
+  """The teacher ``teacher`` (a Flax model of any family or size) placed on ``mesh`` (None: ``step``'s mesh),
+  sharded by its own logical-axis rules like the policy (FSDP over ``fsdp``, tensor parallelism over ``tensor``),
+  and its jitted log-prob pass (:class:`Teacher`). Its parameters are a copy (never donated, never trained).
 
   ``student_vocab``: the policy's vocabulary size, checked against the teacher's (:func:`check_teacher_vocab`)
-  before anything is placed. The parameters sit beside the policy's: ``4·N_teacher`` bytes more in float32.
+  before anything is placed. On the train mesh the parameters sit beside the policy's: ``4·N_teacher`` bytes more
+  in float32. ``mesh``: a mesh of other devices (``devices.teacher``, ``jaxgrpo.loop.async_rollout.make_teacher_mesh``):
+  the parameters and the pass (the step's micro-batches, chunking, temperature) live there, and per batch only
+  the pass's inputs go there and its ``[B, T]`` (and ``[B, T, k]``) outputs come back (:class:`TeacherDevices`).
   A step whose config has a top-k distillation form (``GRPOConfig.distill.kind``) gets a top-k pass of its
   ``distill.top_k``.
   """
@@ -115,13 +164,52 @@ def make_teacher(step: TrainStep, teacher: nnx.Module, *, student_vocab: int | N
   vocab = getattr(getattr(teacher, "config", None), "vocab_size", None)
   if student_vocab is not None and vocab is not None:
     check_teacher_vocab(student_vocab, vocab)
+  own = mesh is not None and mesh is not step.mesh
+  if own:
+    check_teacher_mesh(mesh, step.mesh, step.train_config)
+  target = mesh if own else step.mesh
   graphdef, params = nnx.split(teacher)
-  shardings = shd.tree_shardings(params, step.mesh, teacher.rules)
+  shardings = shd.tree_shardings(params, target, teacher.rules)
   params = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=shardings)(params)
-  fn = make_reference_fn(
-    graphdef, mesh=step.mesh, param_shardings=shardings, train_config=step.train_config, top_k=top_k
-  )
-  return Teacher(params, fn, top_k)
+  fn = make_reference_fn(graphdef, mesh=target, param_shardings=shardings, train_config=step.train_config, top_k=top_k)
+  return Teacher(params, fn, top_k, TeacherDevices(mesh, step.mesh) if own else None)
+
+
+def teacher_host_scores(
+  teacher: Teacher, batch: Batch, *, mesh: Mesh, train_config: TrainConfig | None = None
+) -> Batch:
+  """Host ``batch`` (one process's rows: every row) with the teacher's fields filled in as NumPy of its own width
+  ``T``: ``teacher_logp`` ``f32[B, T]`` (and the top-k's ``int32[B, T, k]``, ``f32[B, T, k]``), from one pass of
+  ``teacher`` on the batch placed on ``mesh`` like the step's (:func:`place`: bucket, packing). What a dynamic-sampling
+  round is scored with when it is sampled: the filter reads the signal and the step trains on these numbers (the
+  learner does not score a batch that carries them)."""
+  t = np.shape(batch.completions)[1]
+  scored = teacher(place(batch, mesh=mesh, train_config=train_config))
+  fields = {n: np.asarray(getattr(scored, n))[:, :t] for n in TEACHER_FIELDS if getattr(scored, n) is not None}
+  return batch._replace(**fields)
+
+
+#: the fields a teacher fills in (:class:`Teacher`)
+TEACHER_FIELDS = ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
+
+
+def check_teacher_mesh(mesh: Mesh, train_mesh: Mesh, train_config: TrainConfig | None) -> None:
+  """ValueError in one line unless the teacher's own mesh can run the step's batches: its devices disjoint from
+  the train mesh's, and with ``TrainConfig.packing`` the same ``data × fsdp`` size (the teacher scores the
+  step's packed layout, whose slots are cut per train-mesh shard)."""
+  shared = {d.id for d in mesh.devices.flat} & {d.id for d in train_mesh.devices.flat}
+  if shared:
+    raise ValueError(
+      f"the teacher's mesh shares devices {sorted(shared)} with the train mesh: `devices.teacher` gives the "
+      "teacher devices of its own (unset it to place the teacher on the train mesh)"
+    )
+  mine, theirs = shd.batch_shards(mesh), shd.batch_shards(train_mesh)
+  if train_config is not None and train_config.packing is not None and mine != theirs:
+    raise ValueError(
+      f"`devices.teacher_mesh` splits the rows over data×fsdp = {mine} devices but the train mesh over {theirs}: "
+      f"with `step.packing` the teacher scores the step's packed layout; give the teacher mesh data×fsdp = "
+      f"{theirs} (e.g. `fsdp={theirs}` and the rest on tensor)"
+    )
 
 
 def policy_model(graphdef, state: TrainState) -> nnx.Module:
