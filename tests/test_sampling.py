@@ -7,9 +7,11 @@ model's full (cache-free) forward through `jaxgrpo.models.log_probs`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,15 @@ from flax import nnx
 from hf_utils import FAMILIES, assert_greedy_matches_hf, build_hf_model, tiny_hf_config
 
 from jaxgrpo import models
-from jaxgrpo.rollout.sampling import Rollout, SamplingConfig, filter_logits, generate, sample_categorical
+from jaxgrpo.rollout import sampling
+from jaxgrpo.rollout.sampling import (
+  Rollout,
+  SamplingConfig,
+  SamplingPolicy,
+  filter_logits,
+  generate,
+  sample_categorical,
+)
 
 VOCAB = 97
 PAD = 0
@@ -185,6 +195,57 @@ def test_sample_categorical_frequencies(vocab):
     counts = np.bincount(d, minlength=vocab)
     assert counts[q == 0].sum() == 0
     assert np.all(np.abs(counts / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2 / n)
+
+
+def _untruncated_policy(vocab, suppress_ids, temperature):
+  config = SamplingConfig(num_samples=1, max_new_tokens=1, pad_id=PAD, suppress_ids=suppress_ids)
+  return SamplingPolicy.from_config(config, temperature=temperature, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("vocab", [97, 100])
+def test_untruncated_draw_matches_numpy_with_suppressed_ids(vocab):
+  """GRPO's draw (no top-k/top-p; block sums straight from the logits, the normaliser from the same pass plus the
+  suppressed ids' own terms): frequencies == softmax over the ids not suppressed (5 binomial sd), a suppressed id
+  never drawn even where its logit dominates by 120 nats, and the log-prob == NumPy's float64
+  log_softmax(logits / T)[token] over the full vocabulary. 97: a padded last block; 100: blocks that divide V."""
+  suppress = (0, 5, vocab - 1)
+  policy = _untruncated_policy(vocab, suppress, temperature=0.7)
+  rng = np.random.default_rng(vocab)
+  dists = rng.normal(size=(3, vocab)) * 2
+  dists[1, 5] = 120.0  # a suppressed id far above the rest: the normaliser is its term, the draw ignores it
+  dists[2, 10:] = -np.inf  # sparse support
+  n = 20000
+  logits = jnp.asarray(np.repeat(dists, n, axis=0), jnp.float32)
+  u = jax.random.uniform(jax.random.key(1), (logits.shape[0],), jnp.float32)
+  draw = jax.jit(lambda x, u: sampling.draw_token(x, lambda: u, policy, sampling.suppressed_mask(suppress, vocab)))
+  token, logp = (np.asarray(a) for a in draw(logits, u))
+  scaled = np.asarray(logits, np.float64) / 0.7
+  top = scaled.max(axis=1, keepdims=True)
+  want = scaled - (top + np.log(np.exp(scaled - top).sum(axis=1, keepdims=True)))
+  np.testing.assert_allclose(logp, np.take_along_axis(want, token[:, None].astype(int), 1)[:, 0], atol=1e-5, rtol=0)
+  for row, d in zip(dists, token.reshape(3, n)):
+    q = np.exp(row / 0.7 - np.max(np.delete(row, suppress)) / 0.7)
+    q[list(suppress)] = 0.0
+    q /= q.sum()
+    counts = np.bincount(d, minlength=vocab)
+    assert counts[q == 0].sum() == 0
+    assert np.all(np.abs(counts / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 2 / n)
+
+
+def test_the_decode_loop_writes_no_vocabulary_sized_temporaries():
+  """A decode step of GRPO's draw writes one ``[N, V]`` array, the head's logits: the block sums, the row maximum,
+  the normaliser and the suppressed pad id are reduced or gathered from it, never a masked copy, the probabilities
+  or a second pass for the logsumexp (three more ``[N, V]`` writes per step before; issue 51 item 4). Counted on
+  the compiled program: the top-level fusions whose result is ``f32[N, V]`` (or its block view) — the head in the
+  loop and the first logits repeated over the G samples, once."""
+  vocab, rows = 100, 12  # 3 prompts x G 4; blocks of 10 divide V (no padded copy)
+  model = _qwen3(vocab=vocab)
+  tokens, mask = _prompts(batch=3)
+  policy = _untruncated_policy(vocab, None, temperature=1.0)
+  policy = dataclasses.replace(policy, num_samples=4, max_new_tokens=10)
+  text = sampling.lower_generate(model, tokens, mask, policy, key=jax.random.key(0)).compile().as_text()
+  big = re.findall(rf"%(\S+) = f32\[{rows},(?:{vocab}|10,10)\]\S* fusion\(", text)
+  assert len(big) <= 2, f"[N, V] arrays written: {big}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ helpers (the side venv has no pytest or hypothesis).
 :data:`CPU_PROGRAM_SHA256` pins the sha256 of the lowered StableHLO text of small CPU programs (train step and
 sampler of a bf16 model, a mixture of experts' step) as main produced them before the target platform was read
 from the mesh (commit 1ed8a20): reading it must not change a CPU program by one byte. A deliberate change of those
-programs re-pins them with the second command (say why in the commit).
+programs re-pins them with the second command (say why in the commit). Re-pinned since: the sampler's four, when
+GRPO's untruncated draw stopped writing ``[N, V]`` temporaries (``sampling.block_draw``, issue 51 item 4).
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ CPU_PROGRAM_SHA256 = {
   "dense_step/native": "9288f261850c8a48c4081cabc27d492af42531b38a7d01340f9a84eeebbea8dc",
   "moe_step/float32": "44e09a69ce68ec58f9dfc683b84972c96dd73c8c11790c9e581a308fdd302cd5",
   "moe_step/native": "d0f39e7a07e7b40cb2d393714812a8f1fdb2bd1bae8dd5c920372a14489714f3",
-  "sampler/float32/kv_compute": "8b75625e5671592c35a587db2f626c5e2b94ca2eb20d67403b7b344aada6b681",
-  "sampler/float32/kv_float32": "308ef109d6082f418300067f6529ec2614e86775971c34e6807ddb404d486163",
-  "sampler/native/kv_compute": "d9546bd5580bb05b1b4a9687f0c7c0eb40309cf48c69d2bb1dc841c7e5505307",
-  "sampler/native/kv_float32": "ec2eb22ebeea3a4c53d337297ca57fa06986db32ea87982ceed4b0f393ed0457",
+  "sampler/float32/kv_compute": "f3ecfe3f7b6886915a50fb895ed980b7319aa82e57321ca8b84bf58b73102504",
+  "sampler/float32/kv_float32": "99014a8ba4ae736024cafc592e3bcc81d2ceda612b41be0d39d5de5e729f8360",
+  "sampler/native/kv_compute": "eab8fc880a33c35002b772a833ae9bff496c6fe353796b2e9117afcf81d66387",
+  "sampler/native/kv_float32": "a8bc1bb93d07f8087dd6238f06f124837067d755fc6b6fef82060fa5f5cf1a27",
 }
 
 

@@ -16,7 +16,7 @@ top-k/top-p filtering or suppressed ids restricted the draw. The train step ther
 on-policy.
 
 One job, the built-in sampler, in over 600 lines: its settings (``SamplingConfig`` and the policy
-every jitted sampler takes, ``SamplingPolicy``), its draw (``filter_logits``, ``sample_categorical``, ``draw_token``:
+every jitted sampler takes, ``SamplingPolicy``), its draw (``filter_logits``, ``sample_categorical``, ``block_draw``, ``draw_token``:
 shared by the slot-refill, partial and conversation samplers) and its program (``generate``, ``lower_generate``).
 """
 
@@ -378,14 +378,49 @@ def _sample_categorical(key, logits):
 
 def categorical_from_uniform(u, logits):
   """``sample_categorical`` given its uniforms ``u f32[N]`` in [0, 1) (one per row)."""
+  return block_draw(u, logits)[0]
+
+
+def block_draw(u, logits, suppress_ids: tuple[int, ...] = ()):
+  """The draw of :func:`categorical_from_uniform` from ``logits`` with the ``suppress_ids`` removed (as if they were
+  -inf), and the two row statistics it computes on the way.
+
+  The vocabulary is cut into ``nb`` blocks of ``~sqrt(V)`` ids. With ``m`` the row maximum over the ids not
+  suppressed, the block masses ``sum(exp(logits - m))`` are reduced straight from the logits (one pass; neither the
+  ``[N, V]`` probabilities nor a masked copy of the logits is written): only the few blocks that hold a suppressed
+  id (static) are gathered and summed again without it. The block ``b`` holding ``target = (1 - u) * total`` is
+  found from the cumulative block masses, and only that block's probabilities are recomputed from its logits for
+  the token inside it. The same numbers as masking, then writing the probabilities out: ``exp(logits - m)``
+  elementwise (0 on a suppressed id), summed per block.
+
+  Args:
+    u: ``f32[N]`` in [0, 1), one uniform per row.
+    logits: ``f32[N, V]``, unnormalised; -inf for impossible tokens (at least one finite per row outside
+      ``suppress_ids``).
+    suppress_ids: static ids never drawn (sorted, each in ``[0, V)``).
+
+  Returns:
+    ``(token int32[N], m f32[N], total f32[N])``: the draw, the row maximum and ``sum exp(logits_v - m)`` over the
+    ids not suppressed (:func:`logsumexp_from_draw` turns them into the log-prob's normaliser).
+  """
   n, vocab = logits.shape
   block = _block_size(vocab)
   num_blocks = -(-vocab // block)
-  probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [N, V], 0 where -inf
   if num_blocks * block != vocab:
-    probs = jnp.pad(probs, ((0, 0), (0, num_blocks * block - vocab)))
-  probs = probs.reshape(n, num_blocks, block)
-  block_mass = jnp.sum(probs, axis=-1)  # [N, nb]
+    logits = jnp.pad(logits, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
+  blocks = logits.reshape(n, num_blocks, block)
+  held = np.zeros(num_blocks * block, bool)
+  held[list(suppress_ids)] = True
+  held = held.reshape(num_blocks, block)  # [nb, block], True on a suppressed id
+  fix = np.flatnonzero(held.any(axis=1))  # the blocks that hold one (static, few)
+  fixed = jnp.where(held[fix], -jnp.inf, blocks[:, fix])  # [N, F, block]
+  block_max = jnp.max(blocks, axis=-1)  # [N, nb]
+  if fix.size:
+    block_max = block_max.at[:, fix].set(jnp.max(fixed, axis=-1))
+  m = jnp.max(block_max, axis=-1, keepdims=True)  # [N, 1]
+  block_mass = jnp.sum(jnp.exp(blocks - m[:, :, None]), axis=-1)  # [N, nb], 0 where -inf
+  if fix.size:
+    block_mass = block_mass.at[:, fix].set(jnp.sum(jnp.exp(fixed - m[:, :, None]), axis=-1))
   cum = jnp.cumsum(block_mass, axis=-1)  # inclusive
   before = jnp.concatenate([jnp.zeros((n, 1), cum.dtype), cum[:, :-1]], axis=-1)  # exclusive
   target = (1.0 - u) * cum[:, -1]  # (0, total]
@@ -393,11 +428,30 @@ def categorical_from_uniform(u, logits):
   take = lambda x: jnp.take_along_axis(x, b[:, None], axis=-1)[:, 0]
   # Position of the target inside block b, as a fraction of the block's mass: U(0, 1] given b.
   frac = jnp.clip((target - take(before)) / take(block_mass), 0.0, 1.0)
-  inner = jnp.take_along_axis(probs, b[:, None, None], axis=1)[:, 0]  # [N, block]
-  inner_cum = jnp.cumsum(inner, axis=-1)
+  inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [N, block], block b's logits
+  if fix.size:
+    inner = jnp.where(jnp.asarray(held)[b], -jnp.inf, inner)
+  inner_cum = jnp.cumsum(jnp.exp(inner - m), axis=-1)
   inner_target = jnp.maximum(frac * inner_cum[:, -1], jnp.finfo(jnp.float32).tiny)
   j = jnp.minimum(jnp.sum(inner_cum < inner_target[:, None], axis=-1), block - 1)
-  return (b * block + j).astype(jnp.int32)
+  return (b * block + j).astype(jnp.int32), m[:, 0], cum[:, -1]
+
+
+def logsumexp_from_draw(scaled, m, total, suppress_ids: tuple[int, ...]):
+  """``logsumexp(scaled)`` per row (``f32[N]``) from what :func:`block_draw` computed over ``scaled f32[N, V]``
+  without the ``suppress_ids``: its row maximum ``m f32[N]`` and ``total = sum_{v not suppressed}
+  exp(scaled_v - m)``, plus the suppressed ids' own terms gathered from ``scaled f32[N, V]`` (a few columns, not a
+  pass over V):
+
+      logsumexp(scaled) = M + log(total * exp(m - M) + sum_{s in suppress_ids} exp(scaled_s - M)),
+      M = max(m, max_s scaled_s)
+
+  (no suppressed ids: ``m + log(total)``, the usual max-shifted formula)."""
+  if not suppress_ids:
+    return m + jnp.log(total)
+  held = scaled[:, np.asarray(suppress_ids)]  # [N, S]
+  big = jnp.maximum(m, jnp.max(held, axis=-1))
+  return big + jnp.log(total * jnp.exp(m - big) + jnp.sum(jnp.exp(held - big[:, None]), axis=-1))
 
 
 def generate(
@@ -580,17 +634,26 @@ def draw_token(logits, uniforms, policy: SamplingPolicy, suppressed):
   """One token per row of ``logits f32[N, V]`` from the sampling distribution of :func:`generate` under
   ``policy`` (its temperature, top-k, top-p), and its log-prob under the full temperature-scaled softmax:
   ``(token int32[N], log-prob f32[N])``. ``uniforms()`` gives the draw's ``f32[N]`` uniforms (not called when
-  greedy); ``suppressed``: None or a constant bool[V] (:func:`suppressed_mask` of ``policy.suppress_ids``)."""
+  greedy); ``suppressed``: None or a constant bool[V] (:func:`suppressed_mask` of ``policy.suppress_ids``).
+
+  Without top-k/top-p (GRPO's untruncated policy) the draw is :func:`block_draw` over ``logits / temperature`` with
+  the suppressed ids left out, and the log-prob's normaliser ``logsumexp(logits / temperature)`` comes from the
+  same pass (:func:`logsumexp_from_draw`): the head's logits are the step's only ``[N, V]`` array (BENCHMARKS.md,
+  "Sampler"). With filtering, the filtered logits are drawn from and the normaliser is its own logsumexp."""
   temperature, top_k, top_p = policy.temperature, policy.top_k, policy.top_p
   scaled = logits if temperature == 0.0 else logits / temperature  # [N, V]
   allowed = scaled if suppressed is None else jnp.where(suppressed, -jnp.inf, scaled)
   if temperature == 0.0:
     token = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+  elif top_k == 0 and top_p == 1.0:  # the untruncated policy (GRPO's): the draw's own pass gives the logsumexp
+    token, m, total = block_draw(uniforms(), scaled, policy.suppress_ids)
+    lse = logsumexp_from_draw(scaled, m, total, policy.suppress_ids)
   else:
-    filtered = _filter_logits(allowed, top_k=top_k, top_p=top_p)
-    token = categorical_from_uniform(uniforms(), filtered)
+    token = categorical_from_uniform(uniforms(), _filter_logits(allowed, top_k=top_k, top_p=top_p))
+    lse = jax.nn.logsumexp(scaled, axis=-1)
   chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
-  return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
+  return token, chosen - lse
 
 
 def decode_logits(model, last, pos, active, cache):
