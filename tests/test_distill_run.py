@@ -104,6 +104,8 @@ def test_what_a_teacher_refuses_in_one_line(tmp_path):
       "dynamic_sampling` with `objective.distill` and `rollout.partial.enabled` is not built yet",
     ),
     ({**TEACHER, "min_signal": -1.0}, {}, "distill.min_signal"),
+    ({**TEACHER, "teacher": "http://127.0.0.1:8470"}, {"devices.teacher": 1}, "is served outside the run's JAX"),
+    ({**TEACHER, "teacher": "vllm:synthetic:48x2"}, {"devices.teacher": 1}, "unset devices.teacher$"),
     ({**TEACHER, "kind": "kl"}, {}, "distill.kind"),
     ({**TEACHER, "beta": 2.0}, {}, "distill.beta"),
   ]:

@@ -80,8 +80,13 @@ def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:
   d = cfg.objective.distill
   if d.teacher is None:
     raise ValueError(
-      "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, or "
-      "`synthetic:<hidden_size>x<num_layers>`"
+      "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, "
+      "`synthetic:<hidden_size>x<num_layers>`, a teacher server's `http://host:port` or `vllm:<one of those>`"
+    )
+  if cfg.devices.teacher is not None and d.teacher.startswith(("http://", "https://", "vllm:")):  # physical
+    raise ValueError(
+      f"`devices.teacher`={cfg.devices.teacher} places an in-process teacher, but `objective.distill.teacher`="
+      f"{d.teacher!r} is served outside the run's JAX devices (a server or vLLM): unset devices.teacher"
     )
   if cfg.objective.dynamic_sampling:  # the teacher scores each round when sampled: the source's path only
     for on, what, why in (
