@@ -140,17 +140,33 @@ def pytest_addoption(parser):
   )
 
 
+def module_order(modules: list[str], seconds: dict[str, float]) -> list[str]:
+  """The order the modules start in: slowest first by ``seconds`` (``tests/durations.json``), unlisted ones after
+  in their given order, except that a module waiting on a side venv (:data:`SIDE_VENVS`) never starts the session:
+  the slowest module that needs none goes before it. A session that begins with ``test_engine_vllm.py`` had its
+  first worker sleep on the lock of the background ``.venv-vllm`` build (89 s wall, 20 CPU-s, fresh venv, uv's
+  cache warm, load 16) for whatever of the build its collection did not cover; behind a module of its own the
+  build is done by the time it starts."""
+  rank = {m: (-seconds.get(m, 0), i) for i, m in enumerate(modules)}
+  order = sorted(modules, key=rank.__getitem__)
+  waits = {m for ms in SIDE_VENVS.values() for m in ms}
+  first = next((m for m in order if m not in waits), None)
+  if first is not None and order[0] in waits:
+    order.remove(first)
+    order.insert(0, first)
+  return order
+
+
 def pytest_collection_modifyitems(config, items):
-  """Slowest modules first, by ``tests/durations.json``; a module's tests stay together and in order (its
-  module fixtures are built once), unlisted modules follow in collection order. ``-n 2 --dist worksteal``
-  hands each worker a contiguous half of this order and an idle worker steals from the end of the other's
-  queue: with the long runs (vLLM, subprocess trainer runs) at the front, what is left to steal at the end
-  is short, and the two workers finish together instead of one running a 200 s test alone."""
+  """Modules in :func:`module_order`; a module's tests stay together and in order (its module fixtures are built
+  once). ``-n 2 --dist worksteal`` hands each worker a contiguous half of this order and an idle worker steals
+  from the end of the other's queue: with the long runs (vLLM, subprocess trainer runs) at the front, what is
+  left to steal at the end is short, and the two workers finish together instead of one running a 200 s test
+  alone."""
   with open(DURATIONS) as f:
     seconds = json.load(f)
-  modules = list(dict.fromkeys(item.path.name for item in items))
-  rank = {m: (-seconds.get(m, 0), i) for i, m in enumerate(modules)}
-  items.sort(key=lambda item: rank[item.path.name])  # stable: the order inside a module is kept
+  position = {m: i for i, m in enumerate(module_order(list(dict.fromkeys(item.path.name for item in items)), seconds))}
+  items.sort(key=lambda item: position[item.path.name])  # stable: the order inside a module is kept
 
 
 _recorded = collections.Counter()

@@ -1,0 +1,39 @@
+"""The order in which tests/conftest.py starts the test modules (``module_order``): slowest first by
+tests/durations.json, and never a module that waits on a side venv's background build at the very front."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import DURATIONS, SIDE_VENVS, module_order
+
+WAITS = {m for modules in SIDE_VENVS.values() for m in modules}
+
+
+def test_a_side_venv_module_never_starts_the_session_and_the_rest_is_slowest_first():
+  seconds = {"test_engine_vllm.py": 450, "test_a.py": 300, "test_b.py": 200, "test_tpu_aot.py": 100}
+  modules = ["test_b.py", "test_new.py", "test_tpu_aot.py", "test_a.py", "test_engine_vllm.py", "test_c.py"]
+  # the slowest module that needs no venv moves in front of the vLLM one; unlisted modules follow in their order
+  assert module_order(modules, seconds) == [
+    "test_a.py",
+    "test_engine_vllm.py",
+    "test_b.py",
+    "test_tpu_aot.py",
+    "test_new.py",
+    "test_c.py",
+  ]
+  # without a side-venv module in front, the order is by seconds alone
+  del seconds["test_engine_vllm.py"]
+  assert module_order(["test_c.py", "test_b.py", "test_a.py"], seconds) == ["test_a.py", "test_b.py", "test_c.py"]
+  # only side-venv modules: nothing to move
+  assert module_order(["test_tpu_aot.py", "test_plan.py"], {"test_plan.py": 9}) == ["test_plan.py", "test_tpu_aot.py"]
+
+
+def test_the_recorded_durations_start_with_a_module_that_waits_on_no_build():
+  with open(DURATIONS) as f:
+    seconds = json.load(f)
+  order = module_order(list(seconds), seconds)
+  assert sorted(order) == sorted(seconds)
+  assert order[0] not in WAITS, order[:3]
+  slowest = max(seconds, key=seconds.get)
+  assert order.index(slowest) <= 1, order[:3]  # the slowest module still starts first or second
