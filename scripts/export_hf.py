@@ -22,21 +22,30 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxgrpo.tasks import script_io  # noqa: E402
 
-script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
-
-from jaxgrpo.run.builders import export_hf
-from jaxgrpo.services.checkpoint import CheckpointError
-
-
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("checkpoint", help="run directory (OUT), its checkpoints/ directory, or one step directory")
   p.add_argument("out", help="directory to write the Hugging Face model to")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
   p.add_argument("--peft-out", default=None, help="LoRA checkpoints: the PEFT adapter directory (default: OUT-peft)")
-  args = p.parse_args(argv)
+  return p
+
+
+if __name__ == "__main__":
+  _parser().parse_args()  # --help and a bad flag answer here, before jax and the library are imported
+
+
+from jaxgrpo.tasks import script_io  # noqa: E402
+
+script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
+
+from jaxgrpo.run.builders import export_hf  # noqa: E402
+from jaxgrpo.services.checkpoint import CheckpointError  # noqa: E402
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
   try:
     written = export_hf(args.checkpoint, args.out, step=args.step, peft_dir=args.peft_out)
   except (CheckpointError, ValueError) as e:

@@ -22,6 +22,41 @@ import json
 import os
 import time
 
+
+def _parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config", required=True, help="the demo's YAML (scripts/configs/multiturn/calculator.yaml)")
+  ap.add_argument(
+    "--out", default=None, help="output directory for metrics.jsonl (default: the config's run.out, + _no_tool)"
+  )
+  ap.add_argument("--no-tool", action="store_true", help="the baseline: no tool, warm-up on direct answers")
+  ap.add_argument(
+    "--steps", type=int, default=None, help="RL steps (default: the config's run.steps; fewer for a quick look)"
+  )
+  ap.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines instead)")
+  ap.add_argument(
+    "--engine",
+    choices=("jax", "vllm"),
+    default="jax",
+    help="what samples the RL turns: the built-in sampler (its KV cache kept across turns) or vLLM (in the "
+    "vLLM venv, scripts/setup_vllm_venv.sh; its prefix cache serves each turn's re-sent conversation). "
+    "Evaluation always runs the built-in sampler",
+  )
+  ap.add_argument("--hidden", type=int, default=None, help="model width (default: the config's model.hidden_size)")
+  ap.add_argument(
+    "--heads",
+    type=int,
+    default=4,
+    help="attention heads (kv heads: half; head_dim = width / heads). vLLM's CPU attention needs head_dim >= 32: "
+    "--heads 2 at the default width 64",
+  )
+  return ap
+
+
+if __name__ == "__main__":
+  _parser().parse_args()  # --help and a bad flag answer here, before jax and the library are imported
+
+
 from jaxgrpo.tasks import script_io  # noqa: E402
 
 script_io.hide_torch_banner()  # before transformers is imported: jaxgrpo needs no torch
@@ -56,33 +91,7 @@ def evaluate(model, tok, rows, make_env, env_config, sampling, seed, samples) ->
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", required=True, help="the demo's YAML (scripts/configs/multiturn/calculator.yaml)")
-  ap.add_argument(
-    "--out", default=None, help="output directory for metrics.jsonl (default: the config's run.out, + _no_tool)"
-  )
-  ap.add_argument("--no-tool", action="store_true", help="the baseline: no tool, warm-up on direct answers")
-  ap.add_argument(
-    "--steps", type=int, default=None, help="RL steps (default: the config's run.steps; fewer for a quick look)"
-  )
-  ap.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines instead)")
-  ap.add_argument(
-    "--engine",
-    choices=("jax", "vllm"),
-    default="jax",
-    help="what samples the RL turns: the built-in sampler (its KV cache kept across turns) or vLLM (in the "
-    "vLLM venv, scripts/setup_vllm_venv.sh; its prefix cache serves each turn's re-sent conversation). "
-    "Evaluation always runs the built-in sampler",
-  )
-  ap.add_argument("--hidden", type=int, default=None, help="model width (default: the config's model.hidden_size)")
-  ap.add_argument(
-    "--heads",
-    type=int,
-    default=4,
-    help="attention heads (kv heads: half; head_dim = width / heads). vLLM's CPU attention needs head_dim >= 32: "
-    "--heads 2 at the default width 64",
-  )
-  args = ap.parse_args(argv)
+  args = _parser().parse_args(argv)
   with open(args.config) as f:
     cfg = yaml.safe_load(f)
   m, task, env, roll, run = cfg["model"], cfg["task"], cfg["env"], cfg["rollout"], cfg["run"]

@@ -73,6 +73,7 @@ def _before_jax(argv) -> None:
 
 
 if __name__ == "__main__":
+  _parser().parse_known_args()  # --help and a bad flag answer here, before jax and the library are imported
   _before_jax(sys.argv[1:])
 
 sys.path.insert(0, HERE)

@@ -21,6 +21,24 @@ import argparse
 import signal
 import sys
 
+
+def _parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--teacher", required=True, help="HF model dir, run dir/checkpoint, or synthetic:<hidden>x<layers>")
+  ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+  ap.add_argument("--port", type=int, default=8470, help="the port (0: a free one, printed)")
+  ap.add_argument("--seed", type=int, default=1, help="a synthetic teacher's initialisation seed")
+  ap.add_argument("--dtype", default="float32", help="compute dtype of a synthetic or HF teacher")
+  ap.add_argument("--param-dtype", default="float32", help="parameter dtype of a synthetic or HF teacher")
+  ap.add_argument("--chunk-size", type=int, default=256, help="positions per chunk of the float32 logits")
+  ap.add_argument("--mesh", default=None, help="mesh spec of this host's devices, e.g. fsdp=-1 (default)")
+  return ap
+
+
+if __name__ == "__main__":
+  _parser().parse_args()  # --help and a bad flag answer here, before jax and the library are imported
+
+
 from jaxgrpo.tasks import script_io  # noqa: E402
 
 script_io.hide_torch_banner()
@@ -33,16 +51,7 @@ def _stop(*_):
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--teacher", required=True, help="HF model dir, run dir/checkpoint, or synthetic:<hidden>x<layers>")
-  ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
-  ap.add_argument("--port", type=int, default=8470, help="the port (0: a free one, printed)")
-  ap.add_argument("--seed", type=int, default=1, help="a synthetic teacher's initialisation seed")
-  ap.add_argument("--dtype", default="float32", help="compute dtype of a synthetic or HF teacher")
-  ap.add_argument("--param-dtype", default="float32", help="parameter dtype of a synthetic or HF teacher")
-  ap.add_argument("--chunk-size", type=int, default=256, help="positions per chunk of the float32 logits")
-  ap.add_argument("--mesh", default=None, help="mesh spec of this host's devices, e.g. fsdp=-1 (default)")
-  args = ap.parse_args(argv)
+  args = _parser().parse_args(argv)
   try:
     scorer = TeacherScorer(
       args.teacher,

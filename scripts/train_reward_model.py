@@ -23,16 +23,8 @@ import json
 import os
 import sys
 
-from jaxgrpo.tasks import script_io
 
-script_io.hide_torch_banner()  # before transformers is imported: the fit needs no torch
-
-from jaxgrpo.rewards.reward_model import parameter_bytes, save_reward_model  # noqa: E402
-from jaxgrpo.run.specs import load_config  # noqa: E402
-from jaxgrpo.tasks import arithmetic, arithmetic_rm  # noqa: E402
-
-
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--config", required=True, help="a run config with data.arithmetic and a reward_model source")
   ap.add_argument("--out", default=None, help="the folder to write (default: the reward_model source's path)")
@@ -43,7 +35,24 @@ def main(argv=None) -> int:
   ap.add_argument("--num-layers", type=int, default=2, help="the classifier's decoder layers")
   ap.add_argument("--seed", type=int, default=0, help="the initialisation, pairs and batches")
   ap.add_argument("--no-progress", action="store_true", help="no progress bar (the fit prints its result only)")
-  args = ap.parse_args(argv)
+  return ap
+
+
+if __name__ == "__main__":
+  _parser().parse_args()  # --help and a bad flag answer here, before jax and the library are imported
+
+
+from jaxgrpo.tasks import script_io  # noqa: E402
+
+script_io.hide_torch_banner()  # before transformers is imported: the fit needs no torch
+
+from jaxgrpo.rewards.reward_model import parameter_bytes, save_reward_model  # noqa: E402
+from jaxgrpo.run.specs import load_config  # noqa: E402
+from jaxgrpo.tasks import arithmetic, arithmetic_rm  # noqa: E402
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
 
   try:
     cfg = load_config(args.config)

@@ -4,7 +4,9 @@ vLLM pins transformers<5.20, the main environment has a newer one, so vLLM lives
 (``scripts/setup_vllm_venv.sh``, which this module runs first: a no-op when the venv is up to date, else a
 build of ~40 s that overlaps the other xdist worker's tests); these tests run the
 engine code in a child process with that venv's python (``tests/vllm_checks.py``, ``tests/vllm_trainer.py``)
-and assert on the numbers it reports.
+and assert on the numbers it reports. The vLLM distillation teacher's checks (``tests/vllm_teacher_checks.py``) run
+in the same child: one vLLM import and one JAX start-up for the module (they had a child of their own, ~110 s of
+vLLM start-up more).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 @pytest.fixture(scope="module")
 def vllm_runs(tmp_path_factory):
   """One child run of ``tests/vllm_trainer.py all`` for the whole module (one vLLM import, one JAX start-up):
-  the families' checks, the engine API checks, partial rollouts, then the trainer runs; each part's numbers
+  the families' checks, the engine API checks, partial rollouts, the trainer runs, then the vLLM teacher's
+  checks; each part's numbers
   (or traceback), and the child's output (stdout, where vLLM logs, then stderr) under ``"output"``."""
   tmp = tmp_path_factory.mktemp("vllm")
   out = tmp / "all.json"
-  output = run_in_vllm_venv("vllm_trainer.py", "all", str(out), cache=tmp / "xla_cache")
+  output = run_in_vllm_venv("vllm_trainer.py", "all", str(out), cache=tmp / "xla_cache", timeout=1500)
   return {**json.loads(out.read_text()), "output": output}
 
 
@@ -226,3 +229,40 @@ def test_a_run_through_vllm_resumes_exactly(vllm_runs):
   assert straight[1]["grad_norm"] > 0 or straight[2]["grad_norm"] > 0, straight
   got, want = resumed[3], straight[3]
   assert got == want, {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+
+
+# The vLLM distillation teacher (``objective.distill.teacher: vllm:<teacher>``, issue 52 item 2), the same child's
+# ``teacher_*`` parts (tests/vllm_teacher_checks.py). Tolerance: vLLM's CPU kernels in float32 agree with the
+# library's log-probs to ~1e-5 (docs/sampling.md; the probe notes: 8.6e-6); 1e-4 is asserted, and the top-k ids are
+# compared where the k-th and (k+1)-th log-probs of the Flax teacher differ by more than 1e-4 (a near-tie may order
+# either way).
+
+
+def test_vllm_teacher_matches_the_flax_teacher(vllm_runs):
+  """Given tokens' log-probs and the top-8 (ids and log-probs) from vLLM's ``prompt_logprobs`` equal the Flax
+  teacher's (``feed.make_teacher``, the same weights) within 1e-4 on a model whose output is far from
+  deterministic (entropy > 1 nat)."""
+  r = part(vllm_runs, "teacher_scores")
+  assert r["entropy"] > 1.0, r  # a near-deterministic model would agree trivially
+  assert r["positions"] == 24 + 17 + 9 + 1, r
+  assert r["logp_max_abs_diff"] < 1e-4, r
+  assert r["topk_logp_max_abs_diff"] < 1e-4, r
+  assert r["clear_positions"] > 40 and r["ids_equal_clear"] == r["clear_positions"], r
+
+
+def test_a_vllm_teacher_at_a_temperature_other_than_one_is_refused_in_one_line(vllm_runs):
+  r = part(vllm_runs, "teacher_temperature")
+  assert r["refusal"] is not None and "temperature 1 only, the step's is 0.7" in r["refusal"], r
+  assert "\n" not in r["refusal"] and r["seconds"] < 1.0, r
+
+
+def test_a_run_with_a_vllm_teacher_equals_the_in_process_one(vllm_runs):
+  """Two steps of distillation alone, teacher ``vllm:synthetic:128x1`` vs ``synthetic:128x1`` (the same weights):
+  the same losses, grad norms and reverse KL (1e-4), and the term trains."""
+  run = part(vllm_runs, "teacher_run")
+  a, b = run["vllm"], run["flax"]
+  assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
+  for x, y in zip(a, b):
+    assert x["grad_norm"] > 0
+    for key in ("loss", "grad_norm", "distill/reverse_kl"):
+      np.testing.assert_allclose(x[key], y[key], rtol=1e-4, atol=1e-4, err_msg=key)

@@ -1,12 +1,14 @@
-"""The vLLM teacher (``jaxgrpo.rollout.engines.vllm_teacher``) against the Flax teacher of the same weights, run by
-tests/test_teacher_engine.py in vLLM's venv (``.venv-vllm/bin/python tests/vllm_teacher_checks.py OUT.json``).
-Every number written here is asserted on by the test.
+"""The vLLM teacher (``jaxgrpo.rollout.engines.vllm_teacher``) against the Flax teacher of the same weights: parts of
+the one vLLM child of tests/test_engine_vllm.py (``tests/vllm_trainer.py all`` runs them after the engine's checks,
+as ``teacher_temperature``, ``teacher_scores``, ``teacher_run``: one vLLM import and one JAX start-up for both);
+alone, ``.venv-vllm/bin/python tests/vllm_teacher_checks.py OUT.json [PART ...]``. Every number written here is
+asserted on by the tests.
 
 ``scores``: a tiny random Qwen3 (tests/vllm_checks.py's, V = 256; its mean output entropy reported, so a
 near-deterministic model cannot make the comparison trivial), 4 rows of 30–40 prompt tokens and ragged
 completions of up to 24 tokens: ``feed.make_teacher``'s log-probs and top-8 vs ``VLLMTeacher.scores``' (max |Δ|
 over the real positions; the ids compared where the Flax teacher's 8th and 9th log-probs differ by > 1e-4).
-``temperature``: the one-line refusal of a step temperature other than 1, and how long it took (no vLLM start).
+``temperature``: the one-line refusal (``refusal``) of a step temperature other than 1, and how long it took (no vLLM start).
 ``run``: two steps of distillation alone on the arithmetic task, teacher ``vllm:synthetic:128x1`` and then the
 in-process ``synthetic:128x1`` (the same weights, seed run.seed + 1): their losses, grad norms and reverse KL.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -32,7 +35,6 @@ from jaxgrpo.step import feed, train
 from jaxgrpo.step.batch import Batch
 
 K = 8
-out_dir = ""
 
 
 def _batch(v: int, seed: int = 0, b: int = 4, p: int = 40, t: int = 24) -> Batch:
@@ -101,10 +103,10 @@ def temperature() -> dict:
     err = None
   except ValueError as e:
     err = str(e)
-  return {"error": err, "seconds": time.perf_counter() - t0}
+  return {"refusal": err, "seconds": time.perf_counter() - t0}
 
 
-def run() -> dict:
+def run(out_dir: str | None = None) -> dict:
   from jaxgrpo.run.specs import load_config
   from jaxgrpo.run.trainer import Trainer
 
@@ -122,6 +124,7 @@ def run() -> dict:
     "run.log_every": 1,
     "devices.mesh": "",
   }
+  out_dir = out_dir or tempfile.mkdtemp()
   out = {}
   for name, teacher in (("vllm", "vllm:synthetic:128x1"), ("flax", "synthetic:128x1")):
     cfg = load_config(
@@ -142,8 +145,6 @@ def run() -> dict:
 
 
 def main(argv):
-  global out_dir
-  out_dir = os.path.dirname(os.path.abspath(argv[1]))
   parts = argv[2:] or ("temperature", "scores", "run")
   results = {}
   for name, fn in ((n, globals()[n]) for n in parts):

@@ -4,8 +4,9 @@
 checkpoint at step 2 (a real ``Checkpointer``); then a new Trainer (a new engine, the same config) restores
 that step and runs step 3. Reports the learning run's records (held-out accuracy before / after, every step's
 engine metrics) and the resumed run's, whose step 3 must equal the learning run's step 3.
-``all OUT.json``: ``tests/vllm_checks.py``'s families, then ``learn``, in this one process (one vLLM import,
-one JAX start-up); each part's result, or its traceback, under its name.
+``all OUT.json``: ``tests/vllm_checks.py``'s families, the trainer runs, then ``tests/vllm_teacher_checks.py``'s
+vLLM-teacher checks (``teacher_*``), in this one process (one vLLM import, one JAX start-up); each part's result,
+or its traceback, under its name.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def compose(path=None):
 
 def run_all(path=None):
   import vllm_checks
+  import vllm_teacher_checks
 
   result = {}
   parts = (
@@ -158,6 +160,9 @@ def run_all(path=None):
     ("moe", moe),
     ("compose", compose),
     ("learn", learn),
+    ("teacher_temperature", vllm_teacher_checks.temperature),
+    ("teacher_scores", vllm_teacher_checks.scores),
+    ("teacher_run", vllm_teacher_checks.run),
   )
   for name, part in parts:
     try:

@@ -4,9 +4,9 @@
 For completion position t of row i, vLLM's prompt log-probs at the prompt index ``P_i + t`` (``P_i`` the row's
 real prompt tokens) hold ``log softmax(logits)[y_t]`` of the given token and the k most likely ids with their
 log-probs (its ``rank`` 1..k; the given token's entry is added when it ranks below k): the numbers of
-``jaxgrpo.step.feed.Teacher`` for the same weights, computed by vLLM's kernels (tests/test_teacher_engine.py:
-float32 within 1e-4 of the Flax teacher; ids equal where the Flax teacher's k-th and (k+1)-th log-probs differ by
-more than 1e-4).
+``jaxgrpo.step.feed.Teacher`` for the same weights, computed by vLLM's kernels (tests/test_engine_vllm.py's teacher
+tests: float32 within 1e-4 of the Flax teacher; ids equal where the Flax teacher's k-th and (k+1)-th log-probs
+differ by more than 1e-4).
 
 **Temperature 1 only.** vLLM computes prompt log-probs from the raw logits whatever ``logprobs_mode`` says
 (its ``gpu_model_runner._get_prompt_logprobs_dict``: "prompt tokens skip sampling processors, so processed_* and
