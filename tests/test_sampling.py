@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import re
 
@@ -21,6 +22,7 @@ from flax import nnx
 from hf_utils import FAMILIES, assert_greedy_matches_hf, build_hf_model, tiny_hf_config
 
 from jaxgrpo import models
+from jaxgrpo.models.backend import cpu_bf16_dots
 from jaxgrpo.rollout import sampling
 from jaxgrpo.rollout.sampling import (
   Rollout,
@@ -246,6 +248,57 @@ def test_the_decode_loop_writes_no_vocabulary_sized_temporaries():
   text = sampling.lower_generate(model, tokens, mask, policy, key=jax.random.key(0)).compile().as_text()
   big = re.findall(rf"%(\S+) = f32\[{rows},(?:{vocab}|10,10)\]\S* fusion\(", text)
   assert len(big) <= 2, f"[N, V] arrays written: {big}"
+
+
+def _mixed_qwen3() -> nnx.Module:
+  """A bf16 model over float32 parameters (the mixed-precision sampler's case), tied embedding."""
+  cfg = models.Qwen3Config(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=128,
+  )
+  return models.build_model(cfg, rngs=nnx.Rngs(2), dtype=jnp.bfloat16, param_dtype=jnp.float32)
+
+
+def _called_computations(text: str, root: str) -> str:
+  """The HLO text of computation ``root`` and of every computation it calls (fusions, nested loops, ...)."""
+  bodies = dict(re.findall(r"^(?:ENTRY )?%(\S+) [^\n]*\{\n(.*?)^\}", text, flags=re.M | re.S))
+  seen, todo = set(), [root]
+  while todo:
+    name = todo.pop()
+    if name not in seen and name in bodies:
+      seen.add(name)
+      todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", bodies[name])
+  return "\n".join(bodies[n] for n in seen)
+
+
+def test_the_mixed_precision_decode_loop_rounds_no_weight():
+  """In a bf16 model over float32 parameters, the compiled decode loops (every while body and everything it calls)
+  convert no array of a weight's size, with either bf16 product: XLA:CPU hoists the layers' rounding of each
+  weight to bf16 (and, for float32 products, back) out of the loop and does it once per call (issue 51 item 4
+  suspected it ran at every token; BENCHMARKS.md "Peers", run K continued). A guard on the compiler's loop-invariant code motion:
+  it holds on jax 0.10.2 with or without remat and scanned layers, and fails if an upgrade stops hoisting. Counted
+  over the element counts of the 2-D and larger parameters (the activations' [12, ...] counts differ)."""
+  model = _mixed_qwen3()
+  sizes = {math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model)) if x.ndim >= 2}
+  tokens, mask = _prompts(batch=3)
+  policy = sampling.SamplingPolicy.from_config(
+    SamplingConfig(num_samples=4, max_new_tokens=10, pad_id=PAD), temperature=1.0, vocab_size=VOCAB
+  )
+  for mode in ("float32", "native"):
+    jax.clear_caches()  # the switch is read at trace time, not part of jit's cache key
+    with cpu_bf16_dots(mode):
+      text = sampling.lower_generate(model, tokens, mask, policy, key=jax.random.key(0)).compile().as_text()
+    loop = "\n".join(_called_computations(text, body) for body in re.findall(r"while\([^\n]*body=%([\w.\-]+)", text))
+    converts = re.findall(r"= (?:f32|bf16)\[([\d,]*)\]\S* convert\(", loop)
+    weights = [s for s in converts if s and math.prod(int(d) for d in s.split(",")) in sizes]
+    assert not weights, f"cpu_bf16_dots({mode!r}): the decode loop converts weight-sized arrays {weights}"
 
 
 # ------------------------------------------------------------------------------------------------
