@@ -56,22 +56,22 @@ def test_select_groups_by_hand():
   g = 2
   r0 = np.array([1, 1, 0, 1, 0, 0, 1, 0], np.float32)  # groups: equal, varied, equal, varied
   got = iteration.select_groups([r0], num_groups=4, group_size=g, max_rounds=3)
-  assert got == ([(0, 1), (0, 3)], 2, False)
+  assert got[:3] == ([(0, 1), (0, 3)], 2, False)
   r1 = np.array([0.5, 0.5, 0.2, 0.3, 1, 0, 0, 0], np.float32)  # equal, varied, varied, equal
   got = iteration.select_groups([r0, r1], num_groups=4, group_size=g, max_rounds=3)
-  assert got == ([(0, 1), (0, 3), (1, 1), (1, 2)], 4, True)
+  assert got[:3] == ([(0, 1), (0, 3), (1, 1), (1, 2)], 4, True)
   got = iteration.select_groups([r0, r0], num_groups=4, group_size=g, max_rounds=2)
   # max rounds reached: two varied per round, then no room left, so no equal group is used
-  assert got == ([(0, 1), (0, 3), (1, 1), (1, 3)], 4, True)
+  assert got[:3] == ([(0, 1), (0, 3), (1, 1), (1, 3)], 4, True)
   ones = np.ones(8, np.float32)
   got = iteration.select_groups([ones, ones], num_groups=4, group_size=g, max_rounds=2)
-  assert got == ([(0, 0), (0, 1), (0, 2), (0, 3)], 8, True)  # all equal: the first round's groups
+  assert got[:3] == ([(0, 0), (0, 1), (0, 2), (0, 3)], 8, True)  # all equal: the first round's groups
 
 
 def test_select_groups_without_dynamic_sampling_keeps_the_first_round():
   ones = np.ones(6, np.float32)
   got = iteration.select_groups([ones], num_groups=3, group_size=2, max_rounds=4, dynamic=False)
-  assert got == ([(0, 0), (0, 1), (0, 2)], 0, True)
+  assert got[:3] == ([(0, 0), (0, 1), (0, 2)], 0, True)
 
 
 @pytest.mark.parametrize(

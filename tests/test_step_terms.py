@@ -18,7 +18,9 @@ from jaxgrpo.step.state import TrainConfig
 
 
 def _spec(max_grad_norm, **kw):
-  return types.SimpleNamespace(tc=TrainConfig(max_grad_norm=max_grad_norm, **kw), optimizer=optax.sgd(0.5))
+  return types.SimpleNamespace(
+    tc=TrainConfig(max_grad_norm=max_grad_norm, **kw), optimizer=optax.sgd(0.5), blocks=1
+  )  # one batch shard
 
 
 def test_token_scale_is_the_power_of_two_just_above_one_over_the_real_tokens():
