@@ -44,8 +44,8 @@ def _scaled(model: nnx.Module, scale: float) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
-def _qwen3(seed: int = 0, vocab: int = VOCAB) -> nnx.Module:
-  cfg = models.Qwen3Config(
+def _qwen3_config(vocab: int = VOCAB) -> models.Qwen3Config:
+  return models.Qwen3Config(
     vocab_size=vocab,
     hidden_size=32,
     num_layers=1,  # one layer: the sampler's checks do not depend on depth (the HF parity runs 2 layers)
@@ -56,7 +56,10 @@ def _qwen3(seed: int = 0, vocab: int = VOCAB) -> nnx.Module:
     tie_word_embeddings=True,
     max_position_embeddings=128,
   )
-  return _scaled(models.build_model(cfg, rngs=nnx.Rngs(seed)), 5.0)
+
+
+def _qwen3(seed: int = 0, vocab: int = VOCAB) -> nnx.Module:
+  return _scaled(models.build_model(_qwen3_config(vocab), rngs=nnx.Rngs(seed)), 5.0)
 
 
 @pytest.fixture(scope="module")
@@ -252,18 +255,7 @@ def test_the_decode_loop_writes_no_vocabulary_sized_temporaries():
 
 def _mixed_qwen3() -> nnx.Module:
   """A bf16 model over float32 parameters (the mixed-precision sampler's case), tied embedding."""
-  cfg = models.Qwen3Config(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    max_position_embeddings=128,
-  )
-  return models.build_model(cfg, rngs=nnx.Rngs(2), dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  return models.build_model(_qwen3_config(), rngs=nnx.Rngs(2), dtype=jnp.bfloat16, param_dtype=jnp.float32)
 
 
 def _called_computations(text: str, root: str) -> str:
