@@ -38,11 +38,10 @@ from jaxgrpo.run.task_specs import SyntheticModel
 from jaxgrpo.run.trainer import dropout_key
 from jaxgrpo.services import checkpoint
 from jaxgrpo.step import train
-from jaxgrpo.step.teacher_remote import is_remote_teacher
+from jaxgrpo.step.teacher_remote import is_served_teacher
 
 __all__ = [
-  "RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape", "served_teacher",
-  "teacher_config",
+  "RunPrograms", "RunShape", "abstract_model", "abstract_reward_model", "per_device_bytes", "run_shape", "teacher_config",
 ]  # fmt: skip
 
 
@@ -104,12 +103,6 @@ def abstract_model(cfg, model_config, *, adapters: bool = True):
     return model
 
   return nnx.eval_shape(build)
-
-
-def served_teacher(teacher: str | None) -> bool:
-  """Whether a distillation teacher is served outside the run (a teacher server's ``http://...`` or ``vllm:...``):
-  nothing of it is resident on the JAX devices a plan compiles for."""
-  return teacher is not None and (is_remote_teacher(teacher) or str(teacher).startswith("vllm:"))
 
 
 def teacher_config(teacher: str):
@@ -270,7 +263,7 @@ class RunPrograms:
     self._teacher = None  # (graphdef, abstract params with shardings, top_k) of the distillation teacher
     self.teacher_config = None  # its model config (the teacher pass's FLOPs)
     # a remote teacher (http://...) or vLLM's (vllm:...) holds nothing on the JAX devices planned here
-    if distill is not None and distill.teacher is not None and not served_teacher(distill.teacher):
+    if distill is not None and distill.teacher is not None and not is_served_teacher(distill.teacher):
       self.teacher_config = teacher_config(distill.teacher)
       teacher = abstract_model(cfg, self.teacher_config, adapters=False)
       t_graphdef, t_params = nnx.split(teacher)

@@ -29,10 +29,11 @@ import numpy as np
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.plan import flops as fl
 from jaxgrpo.plan import shapes
-from jaxgrpo.plan.programs import RunPrograms, run_shape, served_teacher, teacher_config
+from jaxgrpo.plan.programs import RunPrograms, run_shape, teacher_config
 from jaxgrpo.plan.targets import GiB, Target, target_devices
 from jaxgrpo.run import builders
 from jaxgrpo.run.spec_schema import DTYPES
+from jaxgrpo.step.teacher_remote import is_served_teacher
 
 __all__ = ["ProgramPlan", "RunPlan", "count_collectives", "estimate_gpu", "format_table", "plan_run", "sampler_fix"]
 
@@ -472,7 +473,7 @@ def _gpu_teacher(cfg, target: Target, rows: float, seq: int, *, other: int) -> P
   log-probs plus, for a top-k form, ``[R, T, k]`` ids and log-probs (outputs); ``other``: the policy's state and
   reference copy, resident meanwhile. FLOPs: the teacher's forward (``flops.forward_flops``)."""
   d = cfg.objective.distill
-  if d is None or served_teacher(d.teacher):  # none, or served outside the run: nothing resident here
+  if d is None or d.teacher is None or is_served_teacher(d.teacher):  # served outside the run: nothing resident here
     return None
   tmc, tc, s, n = teacher_config(d.teacher), cfg.train_config(), run_shape(cfg), target.devices_total
   pb, cb = np.dtype(DTYPES[cfg.model.param_dtype]).itemsize, np.dtype(DTYPES[cfg.model.dtype]).itemsize

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jaxgrpo.rollout.engines.registry import capability
+from jaxgrpo.step.teacher_remote import is_served_teacher
 
 if TYPE_CHECKING:
   from jaxgrpo.run.spec_schema import TrainerConfig
@@ -83,7 +84,7 @@ def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:
       "`objective.distill` needs `teacher`: an HF model directory, a run directory or checkpoint, "
       "`synthetic:<hidden_size>x<num_layers>`, a teacher server's `http://host:port` or `vllm:<one of those>`"
     )
-  if cfg.devices.teacher is not None and d.teacher.startswith(("http://", "https://", "vllm:")):  # physical
+  if cfg.devices.teacher is not None and is_served_teacher(d.teacher):  # physical
     raise ValueError(
       f"`devices.teacher`={cfg.devices.teacher} places an in-process teacher, but `objective.distill.teacher`="
       f"{d.teacher!r} is served outside the run's JAX devices (a server or vLLM): unset devices.teacher"

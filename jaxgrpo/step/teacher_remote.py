@@ -77,6 +77,12 @@ def is_remote_teacher(teacher: str | None) -> bool:
   return isinstance(teacher, str) and teacher.startswith(("http://", "https://"))
 
 
+def is_served_teacher(teacher: str | None) -> bool:
+  """Whether ``objective.distill.teacher`` is served outside the run's JAX devices: a teacher server
+  (:func:`is_remote_teacher`) or vLLM (``vllm:...``); nothing of it is resident on the train devices."""
+  return is_remote_teacher(teacher) or (isinstance(teacher, str) and teacher.startswith("vllm:"))
+
+
 def encode_array(x) -> dict:
   """``x`` (int32, bool or float32 after conversion by kind) as the protocol's ``{"dtype", "shape", "data"}``."""
   x = np.asarray(x)
