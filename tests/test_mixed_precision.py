@@ -218,3 +218,21 @@ def test_cpu_kv_cache_refuses_an_unknown_mode_and_leaves_float32_models_alone():
   with cpu_kv_cache("compute"):
     assert kv_cache_dtype(jnp.bfloat16) == jnp.bfloat16 and kv_cache_dtype(jnp.float32) == jnp.float32
   assert kv_cache_dtype(jnp.bfloat16) == jnp.float32 and kv_cache_dtype(jnp.float32) == jnp.float32
+
+
+def test_the_run_says_when_bf16_is_slower_than_float32_here():
+  """A run with ``model.dtype: bfloat16`` on CPU devices logs one line when its products run as float32 products
+  (no AMX: ``cpu_bf16_dots`` "float32", the "auto" choice there), saying float32, the default, is faster there
+  (BENCHMARKS.md run L: the bf16 rollout 4% slower on the AMD EPYC); nothing with native bf16 products or float32."""
+  from jaxgrpo.parallel import sharding as shd
+  from jaxgrpo.run import assemble
+  from jaxgrpo.run.specs import load_config
+
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  bf16, fp32 = load_config(None, {"model.dtype": "bfloat16"}), load_config(None, {})
+  with cpu_bf16_dots("float32"):
+    line = assemble.precision_line(bf16, mesh)
+    assert line.startswith("precision: model.dtype bfloat16 on a CPU without AMX") and "float32, the default" in line
+    assert assemble.precision_line(fp32, mesh) is None
+  with cpu_bf16_dots("native"):
+    assert assemble.precision_line(bf16, mesh) is None

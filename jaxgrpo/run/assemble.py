@@ -23,7 +23,7 @@ from jaxgrpo.loop.async_rollout import AsyncRollouts
 from jaxgrpo.loop.partial.schedule import PartialRollouts
 from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.loop.source import RolloutSource, Turns
-from jaxgrpo.models import load_hf, load_tokenizer, moe
+from jaxgrpo.models import backend, load_hf, load_tokenizer, moe
 from jaxgrpo.models.attention import context_implementation, resolve_implementation
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.target import platform_of
@@ -301,6 +301,20 @@ def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None) -> st
     return f"{name} in the train step: chosen per batch by its row length (episodes' prompts vary)"
   impl = resolve_implementation(cfg.model.attention, rows, platform_of(mesh))
   return f"{name} -> {impl} in the train step ({rows} positions a row)"
+
+
+def precision_line(cfg: TrainerConfig, mesh: Mesh) -> str | None:
+  """The log line for ``model.dtype: bfloat16`` on CPU devices whose process may not use AMX
+  (``models.backend.native_bf16_dots`` False): there the bf16 products run as float32 products and only the
+  activations are rounded, which costs the rollout 2-4% against float32 (BENCHMARKS.md, run L), so float32 —
+  the default — is the faster and exact choice there; None otherwise."""
+  if jnp.dtype(cfg.model.dtype) != jnp.bfloat16 or platform_of(mesh) != "cpu" or backend.native_bf16_dots():
+    return None
+  return (
+    "precision: model.dtype bfloat16 on a CPU without AMX: its products run as float32 products (bf16 ones are "
+    "slower here) and only the activations are rounded to bf16, so rollouts take 2-4% longer than in float32, "
+    "the default; set model.dtype float32 on this machine unless you need bf16's numbers"
+  )
 
 
 def engine_sampling(cfg: TrainerConfig, sampling: SamplingConfig) -> SamplingConfig:

@@ -238,6 +238,8 @@ class Trainer:
     self.reference = feed.make_reference(self.step_fn, train_state) if self.step_fn.reads_ref_logp else None
     self.sampling = assemble.sampling_config(cfg, self.model, pad_id=self.pad_id, eos_ids=self.eos_ids)
     self.log(assemble.attention_line(cfg, self.mesh, self.data.prompt_len))
+    if (line := assemble.precision_line(cfg, self.mesh)) is not None:
+      self.log(line)
     engine = assemble.start_engine(cfg, self.model, prompt_len=self.data.prompt_len)
     # env: multi-turn rollouts in the environments of env.factory (jaxgrpo.loop.episodes)
     self.make_env = None if cfg.env is None else cfg.env.make_env()
