@@ -408,8 +408,8 @@ def test_combinations_refused_in_one_line(tmp_path):
     load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "eagle"}})
   partial = {**base["rollout"], "max_staleness": 1, "partial": {"enabled": True}}
   assert load_config(None, {**base, "rollout": partial}).rollout.partial.enabled  # builds: test_speculative_compose
-  with pytest.raises(ValueError, match=r"with `rollout.partial.enabled` and `rollout.speculative_draft` is not built"):
-    load_config(None, {**base, "rollout": {**partial, "speculative": "auto", "speculative_draft": str(tmp_path)}})
+  with_draft = {**partial, "speculative": "auto", "speculative_draft": str(tmp_path)}  # builds too (a draft model)
+  assert load_config(None, {**base, "rollout": with_draft}).rollout.speculative_draft == str(tmp_path)
   moe = {"hidden_size": 32, "num_layers": 1, "num_experts": 4, "experts_per_tok": 2}  # routing replay: the default
   assert load_config(None, {**base, "model.synthetic": moe}).rollout.routing_replay == "rollout"  # builds
   with pytest.raises(ValueError, match=r"`rollout.speculative: draft` needs `rollout.speculative_draft`"):

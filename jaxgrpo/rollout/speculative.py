@@ -55,6 +55,7 @@ __all__ = [
   "SpeculativeSwitch",
   "accept_drafts",
   "check_draft_model",
+  "draft_verify_step",
   "emitted_count",
   "generate_speculative",
   "load_draft",
@@ -162,17 +163,52 @@ def lookup_verify_step(model, cache, rows, history, start_pos, draw, budget, sto
     ``(cache, rows, int32[3])``: the cache rewound to what each row kept, the rows advanced by 1 .. k+1 tokens
     (0 for ended rows), and (1, drafted, accepted) over the running rows.
   """
-  tokens, logps, lengths, done, last = rows
+  tokens, lengths = rows[0], rows[2]
   hist, hist_mask = history
-  t_max = tokens.shape[1]
-  active = ~done
   context = jnp.concatenate([hist, tokens], axis=1)
-  valid = jnp.concatenate([hist_mask, jnp.arange(t_max)[None, :] < lengths[:, None]], axis=1)
+  valid = jnp.concatenate([hist_mask, jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]], axis=1)
   drafts = ngram_draft(context, valid, hist.shape[1] + lengths, num_draft=k, ngram=ngram)
+  pos = _row_positions(model, start_pos, lengths, k)
+  return _keep_verified(model, cache, rows, drafts, None, pos, draw(lengths), budget, stop, policy, suppressed)
+
+
+def draft_verify_step(model, cache, draft, draft_cache, rows, start_pos, draw, budget, stop, policy, suppressed, *, k):
+  """:func:`lookup_verify_step` with the draft model ``draft`` (its per-row ``draft_cache`` holding the same slots
+  as ``cache``: each row's context up to, not including, its last token): k tokens d_i ~ q_i of the draft, one
+  decode step each, then the target's verify step and the rule with q.
+
+  Args: as :func:`lookup_verify_step` but ``draw(lengths) -> f32[N, 2k+1]`` (k+1 for the rule, then k for the
+  draft's draws) and no history.
+
+  Returns:
+    ``(cache, draft_cache, rows, int32[3])``: both caches rewound to what each row kept.
+  """
+  lengths, done, last = rows[2], rows[3], rows[4]
+  pos = _row_positions(model, start_pos, lengths, k)
+  u = draw(lengths)
+  drafts, logq, draft_cache = _draft_tokens(draft, draft_cache, last, pos, ~done, u[:, k + 1 :], policy, suppressed)
+  cache, rows, step = _keep_verified(
+    model, cache, rows, drafts, logq, pos, u[:, : k + 1], budget, stop, policy, suppressed
+  )
+  return cache, rewind(draft_cache, cache.index), rows, step
+
+
+def _row_positions(model, start_pos, lengths, k):
+  """``int32[N, k+1]``: the positions of ``[last ‖ k drafts]`` of rows whose token 0 sits at ``start_pos`` and that
+  hold ``lengths`` tokens (clipped to the model's last position)."""
   max_pos = model.config.max_position_embeddings - 1
-  pos = jnp.minimum(start_pos[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
+  return jnp.minimum(start_pos[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
+
+
+def _keep_verified(model, cache, rows, drafts, logq, pos, uniforms, budget, stop, policy, suppressed):
+  """The verify step of ``drafts int32[N, k]`` (``logq``: their draft distributions, None for a deterministic
+  draft) and its bookkeeping: each row's kept run written, its cache rewound. Returns ``(cache, rows, int32[3])``
+  as :func:`lookup_verify_step`."""
+  tokens, logps, lengths, done, last = rows
+  t_max, k = tokens.shape[1], drafts.shape[1]
+  active = ~done
   old_index = cache.index
-  acc, run, run_logp, cache = verify_step(model, cache, last, drafts, pos, active, draw(lengths), policy, suppressed)
+  acc, run, run_logp, cache = verify_step(model, cache, last, drafts, pos, active, uniforms, policy, suppressed, logq)
   count, new_done = emitted_count(run, lengths, done, acc, budget, stop)
   tokens = write_run(tokens, lengths, run, count, t_max)
   logps = write_run(logps, lengths, run_logp, count, t_max)

@@ -61,17 +61,11 @@ def _check_speculative(cfg: TrainerConfig, process_count: int = 1) -> None:
       f"`rollout.speculative: {roll.speculative}` is the built-in sampler's; `rollout.engine: {roll.engine}` decodes "
       "by itself (configure its own speculative decoding): set rollout.speculative: off"
     )
-  for on, what, why in (
-    (roll.partial.enabled and roll.speculative_draft is not None and cfg.env is None,
-     "`rollout.partial.enabled` and `rollout.speculative_draft`",
-     "the partial pool drafts by prompt lookup; a draft model's KV cache is not kept in its slots"),
-    (cfg.env is not None and process_count > 1, f"an `env` section on {process_count} processes",
-     "the collective turn rounds decode with generate"),
-  ):  # fmt: skip
-    if on:
-      raise ValueError(
-        f"`rollout.speculative: {roll.speculative}` with {what} is not built yet ({why}); set rollout.speculative: off"
-      )
+  if cfg.env is not None and process_count > 1:
+    raise ValueError(
+      f"`rollout.speculative: {roll.speculative}` with an `env` section on {process_count} processes is not built "
+      "yet (the collective turn rounds decode with generate); set rollout.speculative: off"
+    )
 
 
 def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:
