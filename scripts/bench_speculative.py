@@ -18,7 +18,8 @@ Per workload: plain ``generate`` and ``generate_speculative`` timed in alternati
 tokens. ``auto``: a fresh ``SpeculativeSwitch`` run for 5 calls (1 untimed + 1 timed of each kind, then its choice).
 ``--pool``: the same workloads through the partial-rollout row pool (``jaxgrpo.loop.partial.pool.RowPool``: B·G
 slots, ``--refill-every`` steps per boundary, one version, every group to completion) without and with prompt-lookup
-verify steps (``speculative=``), timed in alternating rounds the same way.
+verify steps (``speculative=``), timed in alternating rounds the same way; with ``--draft-model`` also with the
+draft model's verify steps (its per-slot cache beside the target's).
 """
 
 from __future__ import annotations
@@ -79,13 +80,14 @@ def main(argv=None) -> None:
   print(f"B={args.prompts} G={args.samples} P={args.prompt_len} T={args.new_tokens} k={args.draft} n={args.ngram}")
   for name, temperature in WORKLOADS.items():
     if args.pool:
-      _pool_workload(name, temperature, model, np.asarray(prompts), sampling, spec, args)
+      _pool_workload(name, temperature, model, np.asarray(prompts), sampling, spec, args, draft)
     else:
       _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft)
 
 
-def _pool_workload(name, temperature, model, prompts, sampling, spec, args) -> None:
-  """Times the row pool without and with verify steps on one workload; prints a line."""
+def _pool_workload(name, temperature, model, prompts, sampling, spec, args, draft=None) -> None:
+  """Times the row pool without and with verify steps (prompt lookup; and the draft model's, when ``draft``) on
+  one workload; prints a line."""
   tokens, stats = [p.tolist() for p in prompts], {}
 
   def run(switch):
@@ -105,15 +107,25 @@ def _pool_workload(name, temperature, model, prompts, sampling, spec, args) -> N
     stats["s"] = stats["pool"].sample_metrics
     return out
 
-  t_plain, t_ngram = _bench.alternating_times([plain, ngram], args.rounds)
-  med = dict(zip(("plain", "ngram"), _bench.medians([t_plain, t_ngram])))
+  def with_draft():
+    out = run(SpeculativeSwitch(config=dataclasses.replace(spec, mode="draft", draft="in memory"), draft_model=draft))
+    stats["d"] = stats["pool"].sample_metrics
+    return out
+
+  times = _bench.alternating_times([plain, ngram] + ([with_draft] if draft is not None else []), args.rounds)
+  med = dict(zip(("plain", "ngram", "draft"), _bench.medians(times)))
   n = len(tokens) * sampling.num_samples * args.new_tokens
-  print(
+  line = (
     f"pool {name} (temperature {temperature}): plain {med['plain']:.2f} s {n / med['plain']:.0f} tok/s | ngram "
     f"{med['ngram']:.2f} s {n / med['ngram']:.0f} tok/s, acceptance {stats['s']['rollout/spec_acceptance']:.3f} | "
-    f"speed-up {med['plain'] / med['ngram']:.2f}x | rounds plain {[round(t, 2) for t in t_plain]} ngram "
-    f"{[round(t, 2) for t in t_ngram]}"
+    f"speed-up {med['plain'] / med['ngram']:.2f}x"
   )
+  if draft is not None:
+    line += (
+      f" | draft model {med['draft']:.2f} s {n / med['draft']:.0f} tok/s, acceptance "
+      f"{stats['d']['rollout/spec_acceptance']:.3f}, speed-up {med['plain'] / med['draft']:.2f}x"
+    )
+  print(line + f" | rounds {[[round(t, 2) for t in ts] for ts in times]}")
 
 
 def _workload(name, temperature, model, prompts, mask, sampling, spec, args, draft) -> None:

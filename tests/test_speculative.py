@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 import scipy.stats
 from flax import nnx
+from hf_utils import tiny_moe_config
 
 from jaxgrpo import models
+from jaxgrpo.models import moe
+from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.rollout.speculative import (
   SpeculativeConfig,
@@ -266,10 +269,89 @@ def test_refuses_routing_and_bad_settings(peaked):
       peaked, prompts, mask, SamplingConfig(num_samples=1, max_new_tokens=4), key=jax.random.key(0),
       draft_model=_model(62, 1.0),
     )  # fmt: skip
-  with pytest.raises(ValueError, match="record_routing"):
+  with pytest.raises(ValueError, match="record_routing=True needs a mixture-of-experts model"):
     generate_speculative(
       peaked, prompts, mask, SamplingConfig(num_samples=1, max_new_tokens=4, record_routing=True), key=jax.random.key(0)
     )
+
+
+def _moe_model(seed: int = 0, logit_scale: float = 1.0) -> nnx.Module:
+  """A random Qwen3-MoE (3 layers, 8 experts, top-2, vocabulary 128) with its router's weights x50 (routes far
+  from ties) and its final norm's scale times ``logit_scale`` (-1: the argmax is the original's argmin — a draft
+  every greedy verify step rejects at once; its routes are the original's)."""
+  model = models.build_model(models.config_from_hf(tiny_moe_config("qwen3_moe")), rngs=nnx.Rngs(seed))
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    scale = 50.0 if path[-1] == "router" else logit_scale if path[0] == "final_norm" else 1.0
+    if scale != 1.0:
+      var.set_value(var.get_value() * scale)
+  return model
+
+
+@nnx.jit
+def _teacher_forced_routes(model, args, replay):
+  """One cache-free forward of ``model`` over [prompt ‖ completion] (``args``: prompt tokens, prompt mask,
+  completions, mask; ``replay``: None, or the experts to use): (the completions' log-probs f32[N, T], the experts
+  every position routed to int32[N, P+T, M, k])."""
+  with moe.routing_scope(replay=replay) as scope:
+    lp, _ = completion_log_probs(model, *args)
+  return lp, scope.stacked().experts
+
+
+@pytest.mark.parametrize(
+  "k,drafter,temperature",
+  [(2, "itself", 0.0), (3, "inverse", 0.0), (4, "other", 1.0), (1, "ngram", 1.0)],
+)  # fmt: skip
+def test_recorded_routes_equal_a_teacher_forced_pass(k, drafter, temperature):
+  """Routing replay with speculative decoding, on a mixture of experts: every fed token's recorded experts (the
+  prompt's from the prefill, a completion token's from the verify step that fed it — rejected drafts' dropped)
+  are those a teacher-forced, cache-free forward of the target routes it to; replaying them gives the recorded
+  log-probs (1e-5). Draft lengths 1-4: the target as its own greedy draft (every draft accepted), its
+  logit-negated copy (every verify step rejects the first draft), another random MoE (some accepted, some
+  rejected) and prompt lookup, both sampled at temperature 1."""
+  model = _moe_model()
+  draft = {"itself": model, "inverse": _moe_model(logit_scale=-1.0), "other": _moe_model(seed=1)}
+  draft = draft.get(drafter)
+  rng = np.random.default_rng(2)
+  prompts = jnp.asarray(rng.integers(2, 128, (2, 6)).astype(np.int32))
+  mask = jnp.asarray(np.arange(6)[None] >= np.array([0, 3])[:, None])
+  sampling = SamplingConfig(num_samples=3, max_new_tokens=12, eos_ids=(1,), pad_id=PAD, record_routing=True)
+  rollout, stats = generate_speculative(
+    model, prompts, mask, sampling, key=jax.random.key(4), temperature=temperature,
+    speculative=SpeculativeConfig(num_draft=k, ngram=1), draft_model=draft,
+  )  # fmt: skip
+  accepted, drafted = int(stats.accepted), int(stats.drafted)
+  want = {"itself": accepted == drafted, "inverse": accepted == 0, "other": 0 < accepted < drafted}
+  assert want.get(drafter, True), stats
+  n, p_len, t_len = rollout.completions.shape[0], rollout.prompt_tokens.shape[1], rollout.completions.shape[1]
+  m, k_e = len(model.moe_layers), model.config.num_experts_per_tok
+  assert rollout.routing.shape == (n, p_len + t_len, m, k_e) and rollout.routing.dtype == jnp.uint8
+  lengths = np.asarray(rollout.mask).sum(1)
+  fed = np.concatenate([np.asarray(rollout.prompt_mask), np.arange(t_len)[None] < lengths[:, None] - 1], axis=1)
+  args = (rollout.prompt_tokens, rollout.prompt_mask, rollout.completions, rollout.mask)
+  lp_free, free = _teacher_forced_routes(model, args, None)
+  np.testing.assert_array_equal(np.asarray(rollout.routing)[fed], np.asarray(free)[fed])
+  lp_replay, _ = _teacher_forced_routes(model, args, rollout.routing)
+  real, recorded = np.asarray(rollout.mask), np.asarray(rollout.log_probs)
+  np.testing.assert_allclose(np.asarray(lp_replay)[real], recorded[real], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lp_free)[real], recorded[real], atol=1e-5)
+
+
+def test_a_moe_run_with_routing_replay_trains_speculatively(tmp_path):
+  """``rollout.speculative: ngram`` on a synthetic mixture of experts with ``rollout.routing_replay: rollout``
+  (the default): the run builds, samples speculatively every step, and its train step replays the recorded
+  routes — on-policy, the first update's ratio is 1 (a route that was not the token's would move it)."""
+  from jaxgrpo.run.specs import load_config
+  from jaxgrpo.run.trainer import Trainer
+
+  cfg = _run_config(tmp_path, speculative="ngram", speculative_tokens=3)
+  cfg["model.synthetic"] = {"hidden_size": 32, "num_layers": 1, "num_experts": 4, "experts_per_tok": 2}
+  trainer = Trainer(load_config(None, cfg), log=None)
+  records = [r for r in trainer.run() if "loss" in r]
+  trainer.close()
+  assert len(records) == 2
+  for r in records:
+    assert r["rollout/speculative_on"] == 1.0 and np.isfinite(r["loss"]), r
+    assert abs(r["ratio_max"] - 1.0) < 1e-4 and "moe/0/load_max" in r, r
 
 
 def _run_config(tmp_path, **rollout):
@@ -326,8 +408,10 @@ def test_combinations_refused_in_one_line(tmp_path):
     load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "eagle"}})
   partial = {**base["rollout"], "max_staleness": 1, "partial": {"enabled": True}}
   assert load_config(None, {**base, "rollout": partial}).rollout.partial.enabled  # builds: test_speculative_compose
-  with pytest.raises(ValueError, match=r"with `rollout.partial.enabled` and `rollout.speculative_draft` is not built"):
-    load_config(None, {**base, "rollout": {**partial, "speculative": "auto", "speculative_draft": str(tmp_path)}})
+  with_draft = {**partial, "speculative": "auto", "speculative_draft": str(tmp_path)}  # builds too (a draft model)
+  assert load_config(None, {**base, "rollout": with_draft}).rollout.speculative_draft == str(tmp_path)
+  moe = {"hidden_size": 32, "num_layers": 1, "num_experts": 4, "experts_per_tok": 2}  # routing replay: the default
+  assert load_config(None, {**base, "model.synthetic": moe}).rollout.routing_replay == "rollout"  # builds
   with pytest.raises(ValueError, match=r"`rollout.speculative: draft` needs `rollout.speculative_draft`"):
     load_config(None, {**base, "rollout": {**base["rollout"], "speculative": "draft"}})
   with pytest.raises(ValueError, match=r"`rollout.speculative_draft` is set but `rollout.speculative: ngram` never"):

@@ -22,19 +22,27 @@ from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")  # tests/conftest.py
 
 
-def _switch(mode="ngram", k=3, n=1):
-  return SpeculativeSwitch(config=SpeculativeConfig(mode=mode, num_draft=k, ngram=n))
+def _switch(mode="ngram", k=3, n=1, draft=None):
+  """A speculative switch: prompt lookup (``ngram``), or with ``draft`` (a model) that draft model (mode
+  ``ngram`` becomes ``draft``)."""
+  if draft is None:
+    return SpeculativeSwitch(config=SpeculativeConfig(mode=mode, num_draft=k, ngram=n))
+  mode = "draft" if mode == "ngram" else mode
+  return SpeculativeSwitch(config=SpeculativeConfig(mode=mode, num_draft=k, draft="in memory"), draft_model=draft)
 
 
-def test_pool_verify_steps_record_each_tokens_version_log_prob():
-  """The row pool with prompt-lookup verify steps, three versions (three peaked random models whose greedy-like
-  loops prompt lookup drafts well), k = 3, one group per batch: a long row crosses both updates (re-prefilled
-  under each new version) while drafts are accepted; every recorded log-prob equals the teacher-forced one of
-  the version the row records for that token (2e-5), and differs from the other versions' (the test can fail)."""
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_pool_verify_steps_record_each_tokens_version_log_prob(drafter):
+  """The row pool with verify steps — prompt lookup, or a draft model (version 0's parameters, which do not
+  change: its per-slot cache re-prefilled with each readmitted row) — three versions (three peaked random
+  models whose greedy-like loops prompt lookup drafts well), k = 3, one group per batch: a long row crosses both
+  updates (re-prefilled under each new version) while drafts are accepted; every recorded log-prob equals the
+  teacher-forced one of the version the row records for that token (2e-5), and differs from the other
+  versions' (the test can fail)."""
   policies = [_model(61, 5.0, seed=v) for v in range(3)]
   prompts = [[5, 6, 7, 5, 6, 7, 5][: 2 + i % 6] for i in range(8)]
   sampling = SamplingConfig(num_samples=2, max_new_tokens=24, pad_id=0)
-  switch = _switch()
+  switch = _switch(draft=policies[0] if drafter == "model" else None)
   pool = RowPool(
     sampling=sampling, temperature=0.2, prompt_len=7, num_slots=4, refill_every=2, speculative=switch,
     budget_of=lambda p, s: 24 if (p, s) == (0, 0) else 2,
@@ -76,17 +84,19 @@ def test_pool_verify_steps_record_each_tokens_version_log_prob():
         assert np.abs(np.asarray(lp)[0] - row.logp)[others].min() > 1e-4
 
 
-@pytest.mark.parametrize("top_k", [0, 4])
-def test_pool_sequences_follow_the_target_distribution(top_k):
-  """Many rows of one prompt through the pool's verify steps (k = 2, the slots refilled as rows end): the joint
+@pytest.mark.parametrize("top_k,drafter", [(0, "ngram"), (4, "ngram"), (0, "model"), (4, "model")])
+def test_pool_sequences_follow_the_target_distribution(top_k, drafter):
+  """Many rows of one prompt through the pool's verify steps (k = 2, the slots refilled as rows end), prompt
+  lookup or a draft model (another random model of the vocabulary, its cache refilled with the slots): the joint
   distribution of their 3 tokens equals the target's exact one (chi-square, p > 1e-4), with drafts accepted and
   rejected."""
   model = _model(7, 2.0, seed=2)
   prompt = [3, 4, 5, 3, 4, 5, 3]
   length, g = 3, 4000
+  draft = _model(7, 2.0, seed=5) if drafter == "model" else None
   pool = RowPool(
     sampling=SamplingConfig(num_samples=g, max_new_tokens=length, top_k=top_k, pad_id=0), temperature=0.8,
-    prompt_len=len(prompt), num_slots=1024, refill_every=2, speculative=_switch(k=2),
+    prompt_len=len(prompt), num_slots=1024, refill_every=2, speculative=_switch(k=2, draft=draft),
   )  # fmt: skip
   drawn = iter([[0]])
   pool.run(model, 0, jax.random.key(11), need=1, draw=lambda: next(drawn, []), prompt_tokens=[prompt])
@@ -98,27 +108,34 @@ def test_pool_sequences_follow_the_target_distribution(top_k):
   assert _chi_square_p(counts, _exact_joint(model, np.asarray(prompt), length, 0.8, top_k)) > 1e-4
 
 
-def test_pool_auto_times_one_run_of_each_kind_and_logs(caplog):
+@pytest.mark.parametrize("drafter", ["ngram", "itself"])
+def test_pool_auto_times_one_run_of_each_kind_and_logs(caplog, drafter):
   """``auto`` on the pool: one untimed and one timed run of each kind (plain first), then the faster kept; the
-  logged numbers are those the decision compares, and the metrics say which kind ran."""
+  logged numbers are those the decision compares, and the metrics say which kind ran. With the target as its own
+  draft model (greedy): every draft is accepted — the draft's cache holds each slot's context, rows that ran
+  plain steps in flight included (odd prompts' rows are long: re-prefilled when the kind turns to drafting)."""
   model = _model(61, 5.0)
-  prompts = [[5, 6, 7, 5, 6, 7, 5]] * 6
-  switch = _switch(mode="auto")
+  prompts = [[5, 6, 7, 5, 6, 7, 5]] * 12
+  switch = _switch(mode="auto", draft=model if drafter == "itself" else None)
   pool = RowPool(
     sampling=SamplingConfig(num_samples=2, max_new_tokens=10, pad_id=0), temperature=0.0, prompt_len=7,
-    num_slots=4, refill_every=4, speculative=switch,
+    num_slots=4, refill_every=4, speculative=switch, budget_of=lambda p, s: 10 if p % 2 else 2,
   )  # fmt: skip
-  order = iter(range(6))
-  kinds = []
+  order = iter(range(12))
+  kinds, running = [], []
   with caplog.at_level("WARNING", logger="jaxgrpo.rollout.speculative"):
     for i in range(5):
       kinds.append(switch.mode_now())
-      pool.run(model, 0, jax.random.key(i), need=1, draw=lambda: [next(order)], prompt_tokens=prompts)
-      assert pool.sample_metrics["rollout/speculative_on"] == float(kinds[-1] == "ngram")
+      running.append(pool.running())
+      info = pool.run(model, 0, jax.random.key(i), need=1, draw=lambda: [next(order)], prompt_tokens=prompts)
+      assert pool.sample_metrics["rollout/speculative_on"] == float(kinds[-1] == switch.drafter)
+      if drafter == "itself" and kinds[-1] == "draft" and info["boundaries"]:
+        assert pool.sample_metrics["rollout/spec_acceptance"] == 1.0, pool.sample_metrics
       pool.take(1)
   m = switch.measured
-  assert kinds[:4] == ["plain", "plain", "ngram", "ngram"]
-  assert kinds[4] == ("ngram" if m["speculative_on"] else "plain")
+  d = switch.drafter
+  assert kinds[:4] == ["plain", "plain", d, d] and running[2] > 0  # the first drafting run: rows in flight
+  assert kinds[4] == (d if m["speculative_on"] else "plain")
   (line,) = [r.getMessage() for r in caplog.records if "rollout.speculative auto" in r.getMessage()]
   assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"{m['speculative_tokens_per_s']:.1f}" in line
 
@@ -140,24 +157,36 @@ def _train_observed(tr, steps):
   return seen, recs, log_probs_under(tr, versions)
 
 
-def test_a_partial_run_speculates(tmp_path):
-  """``rollout.speculative: ngram`` with ``rollout.partial`` (refused before): the trainer's row pool decodes by
-  verify steps (metrics ``rollout/speculative_on`` 1 and the acceptance), and every trained token's behaviour
-  log-prob is the teacher-forced log-prob of the version it records."""
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_a_partial_run_speculates(tmp_path, drafter):
+  """``rollout.speculative: ngram`` — and ``draft`` with a draft model directory (``rollout.speculative_draft``)
+  — with ``rollout.partial`` (each refused before): the trainer's row pool decodes by verify steps (metrics
+  ``rollout/speculative_on`` 1 and the acceptance), and every trained token's behaviour log-prob is the
+  teacher-forced log-prob of the version it records."""
+  from flax import nnx
   from test_async_rollout import REWARDS
   from test_partial_rollouts import PARTIAL
   from test_trainer import tiny
 
+  from jaxgrpo import models
   from jaxgrpo.run.trainer import Trainer
 
-  cfg = tiny(**{
+  over = {
     "run.out": str(tmp_path), "run.steps": 3, "rollout.max_staleness": 2, "rollout.partial": PARTIAL,
     "rollout.speculative": "ngram", "rollout.speculative_tokens": 3, "objective.importance_correction": "tis",
     "optim.learning_rate": 3e-2,
-  })  # fmt: skip
-  tr = Trainer(cfg, reward_fns=REWARDS, log=None)
+  }  # fmt: skip
+  if drafter == "draft":  # a smaller model of the policy's vocabulary, saved as a HF directory
+    probe = Trainer(tiny(**over), reward_fns=REWARDS, log=None)
+    vocab = probe.model.config.vocab_size
+    probe.close()
+    small = models.Qwen3Config(vocab_size=vocab, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    models.save_hf(models.build_model(small, rngs=nnx.Rngs(7)), tmp_path / "draft")
+    over.update({"rollout.speculative": "draft", "rollout.speculative_draft": str(tmp_path / "draft")})
+  tr = Trainer(tiny(**over), reward_fns=REWARDS, log=None)
   pipe = tr.rollouts
   assert type(pipe.pool) is RowPool and pipe.pool.speculative is tr.engine.switch
+  assert (tr.engine.switch.draft_model is None) == (drafter == "ngram")
   seen, recs, logp_under = _train_observed(tr, 3)
   for b, rec in zip(seen, recs):
     assert rec["rollout/speculative_on"] == 1.0 and 0.0 <= rec["rollout/spec_acceptance"] <= 1.0, rec

@@ -43,6 +43,7 @@ from flax import nnx
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
+from jaxgrpo.models import moe as _moe
 from jaxgrpo.models.log_probs import Temperature
 from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import sampling as _sampling
@@ -54,6 +55,7 @@ __all__ = [
   "SpeculativeSwitch",
   "accept_drafts",
   "check_draft_model",
+  "draft_verify_step",
   "emitted_count",
   "generate_speculative",
   "load_draft",
@@ -161,17 +163,52 @@ def lookup_verify_step(model, cache, rows, history, start_pos, draw, budget, sto
     ``(cache, rows, int32[3])``: the cache rewound to what each row kept, the rows advanced by 1 .. k+1 tokens
     (0 for ended rows), and (1, drafted, accepted) over the running rows.
   """
-  tokens, logps, lengths, done, last = rows
+  tokens, lengths = rows[0], rows[2]
   hist, hist_mask = history
-  t_max = tokens.shape[1]
-  active = ~done
   context = jnp.concatenate([hist, tokens], axis=1)
-  valid = jnp.concatenate([hist_mask, jnp.arange(t_max)[None, :] < lengths[:, None]], axis=1)
+  valid = jnp.concatenate([hist_mask, jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]], axis=1)
   drafts = ngram_draft(context, valid, hist.shape[1] + lengths, num_draft=k, ngram=ngram)
+  pos = _row_positions(model, start_pos, lengths, k)
+  return _keep_verified(model, cache, rows, drafts, None, pos, draw(lengths), budget, stop, policy, suppressed)
+
+
+def draft_verify_step(model, cache, draft, draft_cache, rows, start_pos, draw, budget, stop, policy, suppressed, *, k):
+  """:func:`lookup_verify_step` with the draft model ``draft`` (its per-row ``draft_cache`` holding the same slots
+  as ``cache``: each row's context up to, not including, its last token): k tokens d_i ~ q_i of the draft, one
+  decode step each, then the target's verify step and the rule with q.
+
+  Args: as :func:`lookup_verify_step` but ``draw(lengths) -> f32[N, 2k+1]`` (k+1 for the rule, then k for the
+  draft's draws) and no history.
+
+  Returns:
+    ``(cache, draft_cache, rows, int32[3])``: both caches rewound to what each row kept.
+  """
+  lengths, done, last = rows[2], rows[3], rows[4]
+  pos = _row_positions(model, start_pos, lengths, k)
+  u = draw(lengths)
+  drafts, logq, draft_cache = _draft_tokens(draft, draft_cache, last, pos, ~done, u[:, k + 1 :], policy, suppressed)
+  cache, rows, step = _keep_verified(
+    model, cache, rows, drafts, logq, pos, u[:, : k + 1], budget, stop, policy, suppressed
+  )
+  return cache, rewind(draft_cache, cache.index), rows, step
+
+
+def _row_positions(model, start_pos, lengths, k):
+  """``int32[N, k+1]``: the positions of ``[last ‖ k drafts]`` of rows whose token 0 sits at ``start_pos`` and that
+  hold ``lengths`` tokens (clipped to the model's last position)."""
   max_pos = model.config.max_position_embeddings - 1
-  pos = jnp.minimum(start_pos[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
+  return jnp.minimum(start_pos[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
+
+
+def _keep_verified(model, cache, rows, drafts, logq, pos, uniforms, budget, stop, policy, suppressed):
+  """The verify step of ``drafts int32[N, k]`` (``logq``: their draft distributions, None for a deterministic
+  draft) and its bookkeeping: each row's kept run written, its cache rewound. Returns ``(cache, rows, int32[3])``
+  as :func:`lookup_verify_step`."""
+  tokens, logps, lengths, done, last = rows
+  t_max, k = tokens.shape[1], drafts.shape[1]
+  active = ~done
   old_index = cache.index
-  acc, run, run_logp, cache = verify_step(model, cache, last, drafts, pos, active, draw(lengths), policy, suppressed)
+  acc, run, run_logp, cache = verify_step(model, cache, last, drafts, pos, active, uniforms, policy, suppressed, logq)
   count, new_done = emitted_count(run, lengths, done, acc, budget, stop)
   tokens = write_run(tokens, lengths, run, count, t_max)
   logps = write_run(logps, lengths, run_logp, count, t_max)
@@ -248,11 +285,15 @@ def generate_speculative(
   a ``Rollout`` of the same fields and distribution (exactly: see the module docstring), and the call's
   :class:`SpeculativeStats`. Rows advance by 1 .. k+1 tokens per verify step (each its own cache index and
   position); ``eos_ids`` and ``max_new_tokens`` cut a row's accepted run at the first stop token or the budget.
-  ``Rollout.num_steps`` is the longest completion.
+  ``Rollout.num_steps`` is the longest completion. With ``sampling.record_routing`` (a mixture-of-experts target)
+  ``Rollout.routing`` is ``generate``'s ``[N, P + T, M, k_e]``: the prefill's routes of the prompt, then each fed
+  completion token's route from the verify step that fed it — the kept inputs ``[last ‖ accepted drafts]`` only,
+  the rejected drafts' routes dropped (:func:`_routed_verify_step`); a row's last token is never fed (0), as in
+  ``generate``. The draft model's routes are never recorded.
 
   Raises:
-    ValueError / TypeError (one line, before tracing): as ``generate``; ``record_routing`` (the experts of
-    rejected positions are never a token's: not built); a ``draft_model`` of another vocabulary size.
+    ValueError / TypeError (one line, before tracing): as ``generate``; a ``draft_model`` of another vocabulary
+    size.
   """
   spec = speculative or SpeculativeConfig()
   if not isinstance(spec, SpeculativeConfig):
@@ -262,11 +303,6 @@ def generate_speculative(
     sampling, temperature=temperature, vocab_size=model.config.vocab_size, where="generate_speculative"
   )
   key = _checks.check_prng_key(key)
-  if policy.record_routing:
-    raise ValueError(
-      "generate_speculative: record_routing=True is not built with speculative decoding (a verify step routes "
-      "rejected drafts too); set rollout.speculative: off for routing replay"
-    )
   graphdef, state = _sampling.split_sampled(
     sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate_speculative"
   )
@@ -288,7 +324,10 @@ def check_draft_model(draft_model, model, prompt_shape, policy):
       f"the draft model's vocab_size {vocab} != the target's {model.config.vocab_size}: speculative decoding needs "
       "a draft of the same tokenizer (a smaller model of the target's family), or rollout.speculative: ngram"
     )
-  _sampling.split_sampled(draft_model, prompt_shape, policy, "the draft model")
+  # the draft's routes are never recorded (a token's route is the target's, read from the verify step)
+  _sampling.split_sampled(
+    draft_model, prompt_shape, dataclasses.replace(policy, record_routing=False), "the draft model"
+  )
   return draft_model
 
 
@@ -305,8 +344,9 @@ def load_draft(path: str, vocab_size: int) -> nnx.Module:
 
 
 def write_run(buffer, lengths, run, count, width):
-  """``buffer [N, T]`` with ``run [N, R]``'s first ``count[N]`` entries written at columns ``lengths[N] + i``."""
-  n_rows, r = run.shape
+  """``buffer [N, T, ...]`` with ``run [N, R, ...]``'s first ``count[N]`` entries written at columns
+  ``lengths[N] + i`` (trailing axes, e.g. a route's ``[M, k]``, written whole)."""
+  n_rows, r = run.shape[:2]
   cols = lengths[:, None] + jnp.arange(r)[None, :]
   cols = jnp.where(jnp.arange(r)[None, :] < count[:, None], cols, width)  # past the buffer: dropped
   return buffer.at[jnp.arange(n_rows)[:, None], cols].set(run, mode="drop")
@@ -349,13 +389,34 @@ def verify_step(model, cache, last, drafts, pos, active, uniforms, policy, suppr
   return acc, run, run_logp, cache
 
 
-def _prefill(model, prompt_tokens, prompt_mask, positions, slots, g):
+def _prefill(model, prompt_tokens, prompt_mask, positions, slots, g, record=False):
   """The B prompts prefilled once into a cache of ``slots``, repeated G times with a per-row index at P:
-  ``(last hidden f32[N, D] of each prompt, cache)``."""
+  ``(last hidden f32[N, D] of each prompt, cache, routes)``; ``routes``: with ``record`` (a mixture of experts)
+  the experts of every prompt slot, ``int32[N, P, M, k]``, else None."""
   batch, p_len = prompt_tokens.shape
-  hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=model.init_cache(batch, slots))
-  cache = _models.repeat_cache(cache, g)
-  return jnp.repeat(hidden[:, -1], g, axis=0), cache._replace(index=jnp.full((batch * g,), p_len, jnp.int32))
+  with _moe.routing_scope() as scope:
+    hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=model.init_cache(batch, slots))
+  routes = jnp.repeat(scope.stacked().experts, g, axis=0) if record else None
+  cache = _models.repeat_cache(cache, g)._replace(index=jnp.full((batch * g,), p_len, jnp.int32))
+  return jnp.repeat(hidden[:, -1], g, axis=0), cache, routes
+
+
+def _routed_verify_step(model, routes, lengths, count_of, *args):
+  """:func:`verify_step` (``args``) that also records the experts of the fed ``[last ‖ drafts]`` the row keeps.
+
+  The inputs a row keeps are ``[last ‖ the accepted drafts]``, its first ``count`` fed positions (``count_of(run,
+  accepted) -> int32[N]``, :func:`emitted_count`'s): completion tokens ``lengths − 1 ..  lengths + count − 2``,
+  whose routes (``int32[N, k+1, M, k_e]`` of the verify forward) are written at those columns of ``routes
+  int32[N, T, M, k_e]`` — the rejected drafts' routes are dropped, as their log-probs are. ``routes`` None (no
+  routing recorded): the step unchanged. Returns ``(accepted, run, run_logp, cache, count, done, routes)``."""
+  if routes is None:
+    acc, run, run_logp, cache = verify_step(model, *args)
+    return (acc, run, run_logp, cache, *count_of(run, acc), None)
+  with _moe.routing_scope() as scope:
+    acc, run, run_logp, cache = verify_step(model, *args)
+  count, done = count_of(run, acc)
+  routes = write_run(routes, lengths - 1, scope.stacked().experts, count, routes.shape[1])
+  return acc, run, run_logp, cache, count, done, routes
 
 
 def rewind(cache, index):
@@ -394,13 +455,13 @@ def _speculative_jit(
   rows = jnp.arange(n_rows)
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)
   slots = p_len + t_max - 1 + k  # a verify step may write k slots past the last kept
-  hidden, cache = _prefill(model, prompt_tokens, prompt_mask, positions, slots, g)
+  hidden, cache, prompt_routes = _prefill(model, prompt_tokens, prompt_mask, positions, slots, g, policy.record_routing)
   first_logits = model.logits(hidden, out_dtype=jnp.float32)  # [N, V]
   draft = None
   if draft_graphdef is not None:
     draft = nnx.merge(draft_graphdef, draft_state)
     draft = _models.to_loop_layers(draft) if getattr(draft, "scan_layers", False) else draft
-    _, draft_cache = _prefill(draft, prompt_tokens, prompt_mask, positions, slots, g)
+    _, draft_cache, _ = _prefill(draft, prompt_tokens, prompt_mask, positions, slots, g)
   else:
     draft_cache = cache.index  # a placeholder carry
   prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)  # [N]
@@ -417,12 +478,15 @@ def _speculative_jit(
   tokens = write_run(jnp.full((n_rows, t_max), pad_id, jnp.int32), lengths0, token0[:, None], count0, t_max)
   logps = write_run(jnp.zeros((n_rows, t_max), jnp.float32), lengths0, logp0[:, None], count0, t_max)
   zero = jnp.zeros((), jnp.int32)
+  routes = None  # [N, T, M, k_e]: completion token j's experts at column j (the last token is never fed: 0)
+  if prompt_routes is not None:
+    routes = jnp.zeros((n_rows, t_max) + prompt_routes.shape[2:], jnp.int32)
 
   def cond(c):
     return ~jnp.all(c[4])
 
   def body(c):
-    step, cache, tokens, logps, done, lengths, last, drafted, accepted_total, draft_cache = c
+    step, cache, tokens, logps, done, lengths, last, drafted, accepted_total, draft_cache, routes = c
     pos = jnp.minimum(prompt_len[:, None] + lengths[:, None] - 1 + jnp.arange(k + 1)[None, :], max_pos)
     active = ~done
     u = jax.random.uniform(jax.random.fold_in(key, step), (n_rows, 2 * k + 1), jnp.float32)
@@ -435,10 +499,10 @@ def _speculative_jit(
         draft, draft_cache, last, pos, active, u[:, k + 1 :], policy, suppressed
       )
     old_index = cache.index
-    acc, run, run_logp, cache = verify_step(
-      model, cache, last, drafts, pos, active, u[:, : k + 1], policy, suppressed, logq
+    count_of = lambda run, acc: emitted_count(run, lengths, done, acc, policy.max_new_tokens, policy.eos_ids)
+    acc, run, run_logp, cache, count, new_done, routes = _routed_verify_step(
+      model, routes, lengths, count_of, cache, last, drafts, pos, active, u[:, : k + 1], policy, suppressed, logq
     )
-    count, new_done = emitted_count(run, lengths, done, acc, policy.max_new_tokens, policy.eos_ids)
     tokens = write_run(tokens, lengths, run, count, t_max)
     logps = write_run(logps, lengths, run_logp, count, t_max)
     index = old_index + count  # keep [last ‖ the count-1 accepted drafts]; the rest of the k+1 slots rewound
@@ -449,10 +513,13 @@ def _speculative_jit(
     last = jnp.where(count > 0, new_last, last)
     drafted = drafted + jnp.sum(jnp.where(active, k, 0))
     accepted_total = accepted_total + jnp.sum(jnp.where(active, acc, 0))
-    return step + 1, cache, tokens, logps, new_done, lengths + count, last, drafted, accepted_total, draft_cache
+    lengths = lengths + count
+    return step + 1, cache, tokens, logps, new_done, lengths, last, drafted, accepted_total, draft_cache, routes
 
-  carry = (jnp.int32(1), cache, tokens, logps, done0, count0, token0, zero, zero, draft_cache)
-  steps, _, tokens, logps, _, lengths, _, drafted, accepted, _ = jax.lax.while_loop(cond, body, carry)
+  carry = (jnp.int32(1), cache, tokens, logps, done0, count0, token0, zero, zero, draft_cache, routes)
+  steps, _, tokens, logps, _, lengths, _, drafted, accepted, _, routes = jax.lax.while_loop(cond, body, carry)
+  if routes is not None:
+    routes = jnp.concatenate([prompt_routes, routes], axis=1).astype(_moe.replay_dtype(model.config.num_experts))
   mask = jnp.arange(t_max)[None, :] < lengths[:, None]
   rollout = _sampling.Rollout(
     prompt_tokens=ctx_prompt,
@@ -462,6 +529,7 @@ def _speculative_jit(
     log_probs=jnp.where(mask, logps, 0.0),
     group_ids=rows // g,
     num_steps=jnp.max(lengths),
+    routing=routes,
   )
   return rollout, SpeculativeStats(verify_steps=steps - 1, drafted=drafted, accepted=accepted)
 

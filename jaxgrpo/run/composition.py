@@ -43,7 +43,7 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   if roll.partial.enabled:
     _check_partial(cfg, process_count, synthetic_moe)
   if roll.speculative != "off":
-    _check_speculative(cfg, synthetic_moe, process_count)
+    _check_speculative(cfg, process_count)
   if cfg.objective.distill is not None:
     _check_distill(cfg, process_count)
   elif cfg.devices.teacher is not None:  # physical: nothing to place there
@@ -53,7 +53,7 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     )
 
 
-def _check_speculative(cfg: TrainerConfig, synthetic_moe, process_count: int = 1) -> None:
+def _check_speculative(cfg: TrainerConfig, process_count: int = 1) -> None:
   """The combinations ``rollout.speculative`` refuses, one line each (jaxgrpo.rollout.speculative)."""
   roll = cfg.rollout
   if not capability(roll.engine, "speculates"):  # physical: another engine runs its own decoding
@@ -61,19 +61,11 @@ def _check_speculative(cfg: TrainerConfig, synthetic_moe, process_count: int = 1
       f"`rollout.speculative: {roll.speculative}` is the built-in sampler's; `rollout.engine: {roll.engine}` decodes "
       "by itself (configure its own speculative decoding): set rollout.speculative: off"
     )
-  for on, what, why in (
-    (roll.partial.enabled and roll.speculative_draft is not None and cfg.env is None,
-     "`rollout.partial.enabled` and `rollout.speculative_draft`",
-     "the partial pool drafts by prompt lookup; a draft model's KV cache is not kept in its slots"),
-    (cfg.env is not None and process_count > 1, f"an `env` section on {process_count} processes",
-     "the collective turn rounds decode with generate"),
-    (synthetic_moe and roll.routing_replay == "rollout", "`rollout.routing_replay: rollout` on a mixture of experts",
-     "a verify step routes rejected drafts too, so the recorded routing is not each token's"),
-  ):  # fmt: skip
-    if on:
-      raise ValueError(
-        f"`rollout.speculative: {roll.speculative}` with {what} is not built yet ({why}); set rollout.speculative: off"
-      )
+  if cfg.env is not None and process_count > 1:
+    raise ValueError(
+      f"`rollout.speculative: {roll.speculative}` with an `env` section on {process_count} processes is not built "
+      "yet (the collective turn rounds decode with generate); set rollout.speculative: off"
+    )
 
 
 def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:

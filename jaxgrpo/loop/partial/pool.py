@@ -28,12 +28,13 @@ it ran under, not on its slot or boundary. A pool is one process's: with several
 (``jaxgrpo.loop.partial.schedule``).
 
 **Speculative decoding** (``rollout.speculative``, a ``SpeculativeSwitch``): a boundary's K steps are then verify
-steps (:func:`_spec_decode_jit`, ``jaxgrpo.rollout.speculative.verify_step``): k prompt-lookup drafts per slot
-verified by one forward at the slot's own positions, 1 .. k+1 tokens kept per slot and step, each token's log-prob
-the target's under the boundary's version — a version still changes only between boundaries, and a running row is
-re-prefilled as above, so every token's version and log-prob stay exact.
+steps (:func:`_spec_decode_jit`, ``jaxgrpo.rollout.speculative.verify_step``): k drafts per slot — prompt lookup,
+or the switch's draft model, whose per-slot KV cache sits beside the target's and gets every admitted row's
+context too (:func:`_draft_admit_jit`) — verified by one forward at the slot's own positions, 1 .. k+1 tokens kept
+per slot and step, each token's log-prob the target's under the boundary's version — a version still changes only
+between boundaries, and a running row is re-prefilled as above, so every token's version and log-prob stay exact.
 
-One job at ~630 lines: the row pool — its bookkeeping (groups, queue, slots, staleness deadlines) and its three
+One job at ~680 lines: the row pool — its bookkeeping (groups, queue, slots, staleness deadlines) and its three
 jitted programs (admit, decode, verify steps).
 """
 
@@ -131,15 +132,17 @@ class RowPool:
     refill: a slot freed by an ended row takes the next queued row at the next boundary (slot refill); False:
       new rows enter only when no slot is running (a static batch whose unfinished rows carry over).
     budget_of: None, or ``budget_of(prompt, sample) -> int in [1, T]``, a row's token budget (benchmarks).
-    speculative: None, or a :class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch` (``rollout.speculative``,
-      prompt lookup): each boundary's K steps are then *verify steps* (:func:`_spec_decode_jit`: k drafts per
-      slot from the row's own ``prompt ‖ completion``, accepted by the rejection rule, 1 .. k+1 tokens per slot
-      and step), every kept token's log-prob the target's under the boundary's version; ``auto`` times one
+    speculative: None, or a :class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch` (``rollout.speculative``):
+      each boundary's K steps are then *verify steps* (:func:`_spec_decode_jit`: k drafts per slot from the row's
+      own ``prompt ‖ completion`` by prompt lookup, or by the switch's ``draft_model`` from its per-slot cache,
+      accepted by the rejection rule, 1 .. k+1 tokens per slot and step), every kept token's log-prob the
+      target's under the boundary's version; ``auto`` times one
       :meth:`run` of each kind (the switch's rule) and keeps the faster. :attr:`sample_metrics` holds the last
       run's ``rollout/speculative_on`` and ``rollout/spec_acceptance``.
   """
 
   speculative: _speculative.SpeculativeSwitch | None = None  # the subclasses' pools do not speculate
+  _draft = None  # (graphdef, state) of the switch's draft model, set by _prepare; None: prompt lookup or no switch
 
   def __init__(
     self,
@@ -158,7 +161,7 @@ class RowPool:
     self.t_max = sampling.require_max_new_tokens("RowPool")
     self.prompt_len, self.slots, self.every, self.refill = prompt_len, num_slots, refill_every, refill
     self.budget_of = budget_of
-    self.speculative = _check_pool_switch(speculative)
+    self.speculative = speculative
     # a verify step writes k slots past the last kept one
     self.max_len = prompt_len + self.t_max - 1 + (0 if speculative is None else speculative.config.num_draft)
     self._policy = None  # the SamplingPolicy, resolved against the model's vocabulary at the first run
@@ -175,6 +178,8 @@ class RowPool:
     self._stop = np.zeros(self.slots, bool)
     self._sampled_total = 0  # tokens sampled by this pool's rows (auto's tokens per second)
     self._spec_counts = None  # [verify steps, drafted, accepted] of this run's boundaries; None: plain decoding
+    self._draft_cache = None  # the draft model's per-slot KV cache (beside the carry's), built on first use
+    self._draft_synced = False  # the draft cache holds every running row (its last run drafted with the model)
     self.sample_metrics: dict[str, float] = {}
     self._exhausted = False  # draw() returned no prompts in this run()
 
@@ -330,6 +335,10 @@ class RowPool:
       return None
     mode = self.speculative.mode_now()
     self._spec_counts = None if mode == "plain" else [0, 0, 0]
+    if self._draft is not None:  # plain runs leave the draft cache behind: its running rows are re-prefilled
+      if mode != "plain" and not self._draft_synced:
+        self._version = None
+      self._draft_synced = mode != "plain"
     return time.perf_counter(), self._tokens_sampled()
 
   def _finish_spec(self, start) -> None:
@@ -413,7 +422,21 @@ class RowPool:
     if self._carry is None:
       with target_platform(state):  # the program of the devices that hold the model (docs/models.md, "Target platform")
         self._carry = _init_jit(graphdef, state, num_slots=self.slots, max_len=self.max_len, policy=self._policy)
+    self._prepare_draft(model)
     return graphdef, state
+
+  def _prepare_draft(self, model) -> None:
+    """The switch's draft model split once (checked against ``model``: its vocabulary and positions) and its
+    per-slot cache built on first use (``max_len`` slots, as the target's)."""
+    draft = None if self.speculative is None else self.speculative.draft_model
+    if draft is None:
+      return
+    if self._draft is None:
+      _speculative.check_draft_model(draft, model, (1, self.prompt_len), self._policy)
+      self._draft = nnx.split(draft)
+    if self._draft_cache is None:
+      with target_platform(self._draft[1]):
+        self._draft_cache = _empty_cache_jit(*self._draft, num_slots=self.slots, max_len=self.max_len)
 
   def _boundary(self, decoder, admit: list[int], version: int, prompt_tokens) -> None:
     """Two jitted programs: the rows of slots ``admit`` (re)admitted with their contexts (one program per
@@ -453,13 +476,18 @@ class RowPool:
         budgets,
         policy=self._policy,
       )
+      drafting = self._spec_counts is not None and self._draft is not None
+      if drafting:  # the same contexts into the same slots of the draft model's cache
+        self._draft_cache = _draft_admit_jit(*self._draft, self._draft_cache, ctx, ctx_mask, slots)
       if self._spec_counts is None:
         self._carry, _ = _decode_jit(graphdef, state, self._carry, refill_every=self.every, policy=self._policy)
       else:
         cfg = self.speculative.config
-        self._carry, counts = _spec_decode_jit(
-          graphdef, state, self._carry, *self._slot_prompts(prompt_tokens), refill_every=self.every,
-          policy=self._policy, num_draft=cfg.num_draft, ngram=cfg.ngram,
+        draft_graphdef, draft_state = self._draft if drafting else (None, None)
+        self._carry, self._draft_cache, counts = _spec_decode_jit(
+          graphdef, state, self._carry, *self._slot_prompts(prompt_tokens), draft_state, self._draft_cache,
+          draft_graphdef=draft_graphdef, refill_every=self.every, policy=self._policy, num_draft=cfg.num_draft,
+          ngram=cfg.ngram,
         )  # fmt: skip
         self._spec_counts = [a + int(b) for a, b in zip(self._spec_counts, jax.device_get(counts))]
     self._stop = np.zeros(self.slots, bool)
@@ -476,47 +504,73 @@ class RowPool:
         row.done, self._slot_rows[s] = True, None
 
 
-def _check_pool_switch(switch):
-  """``switch`` (None or a ``SpeculativeSwitch``), or one line: the pool drafts by prompt lookup only."""
-  if switch is not None and switch.draft_model is not None:
-    raise ValueError(
-      "partial rollouts speculate with prompt lookup only (`rollout.speculative: ngram` or `auto` without "
-      "`rollout.speculative_draft`): a draft model's KV cache is not kept in the pool's slots (not built yet)"
-    )
-  return switch
-
-
 @functools.partial(
-  jax.jit, static_argnums=(0,), static_argnames=("refill_every", "policy", "num_draft", "ngram"), donate_argnums=(2,)
+  jax.jit,
+  static_argnums=(0,),
+  static_argnames=("draft_graphdef", "refill_every", "policy", "num_draft", "ngram"),
+  donate_argnums=(2, 6),
 )
-def _spec_decode_jit(graphdef, state, carry, slot_prompt, slot_prompt_mask, *, refill_every, policy, num_draft, ngram):
-  """Up to ``refill_every`` *verify steps* over the S slots (``jaxgrpo.rollout.speculative.lookup_verify_step``): per
-  running slot, k = ``num_draft`` prompt-lookup drafts from ``slot_prompt ‖ completion`` (``int32[S, P]``
-  left-padded, its mask), fed after the slot's last token at its own positions, accepted by the rejection rule
-  with the uniforms ``uniform(fold_in(row key, t), (k+1,))`` (t: the first token the step emits — each t starts
-  at most one step, so every step's uniforms are fresh); the kept run (cut at EOS and the slot's budget)
-  written at the slot's next columns and its cache rewound to it. Returns (carry, ``int32[3]``: verify steps,
-  drafted, accepted)."""
+def _spec_decode_jit(
+  graphdef, state, carry, slot_prompt, slot_prompt_mask, draft_state, draft_cache, *, draft_graphdef, refill_every,
+  policy, num_draft, ngram,
+):  # fmt: skip
+  """Up to ``refill_every`` *verify steps* over the S slots: per running slot, k = ``num_draft`` drafts — by prompt
+  lookup from ``slot_prompt ‖ completion`` (``int32[S, P]`` left-padded, its mask;
+  ``jaxgrpo.rollout.speculative.lookup_verify_step``), or with ``draft_graphdef`` not None by the draft model
+  (``draft_state``, its per-slot ``draft_cache`` holding each slot's context like the carry's cache;
+  ``draft_verify_step``) — fed after the slot's last token at its own positions, accepted by the rejection rule
+  with the uniforms ``uniform(fold_in(row key, t), (k+1,))`` (``(2k+1,)`` with a draft model: k more for its
+  draws; t: the first token the step emits — each t starts at most one step, so every step's uniforms are
+  fresh); the kept run (cut at EOS and the slot's budget) written at the slot's next columns and its caches
+  rewound to it. Returns (carry, draft_cache, ``int32[3]``: verify steps, drafted, accepted)."""
   model = nnx.merge(graphdef, state)
+  draft = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
   cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
   suppressed = _sampling.suppressed_mask(policy.suppress_ids, model.config.vocab_size)
-  one = lambda key, t: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), t), (num_draft + 1,))
+  width = num_draft + 1 if draft is None else 2 * num_draft + 1
+  one = lambda key, t: jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), t), (width,))
   draw = lambda t: jax.vmap(one)(s_key, t)
   history = (slot_prompt, slot_prompt_mask)
 
   def body(c):
-    i, cache, rows, counts = c
-    cache, rows, step = _speculative.lookup_verify_step(
-      model, cache, rows, history, s_start, draw, s_budget, policy.eos_ids, policy, suppressed, k=num_draft,
-      ngram=ngram,
-    )  # fmt: skip
-    return i + 1, cache, rows, counts + step
+    i, cache, draft_cache, rows, counts = c
+    args = (s_start, draw, s_budget, policy.eos_ids, policy, suppressed)
+    if draft is None:
+      cache, rows, step = _speculative.lookup_verify_step(model, cache, rows, history, *args, k=num_draft, ngram=ngram)
+    else:
+      cache, draft_cache, rows, step = _speculative.draft_verify_step(
+        model, cache, draft, draft_cache, rows, *args, k=num_draft
+      )
+    return i + 1, cache, draft_cache, rows, counts + step
 
   rows = (out_tok, out_lp, s_t, s_done, s_last)
-  cond = lambda c: (c[0] < refill_every) & ~jnp.all(c[2][3])
-  _, cache, rows, counts = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, rows, jnp.zeros((3,), jnp.int32)))
+  cond = lambda c: (c[0] < refill_every) & ~jnp.all(c[3][3])
+  init = (jnp.int32(0), cache, draft_cache, rows, jnp.zeros((3,), jnp.int32))
+  _, cache, draft_cache, rows, counts = jax.lax.while_loop(cond, body, init)
   out_tok, out_lp, s_t, s_done, s_last = rows
-  return (cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp), counts
+  return (cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp), draft_cache, counts
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len"))
+def _empty_cache_jit(graphdef, state, *, num_slots, max_len):
+  """An empty per-slot KV cache of the model ``(graphdef, state)`` (the draft model's, beside the carry's)."""
+  return nnx.merge(graphdef, state).init_cache(num_slots, max_len, per_row=True)
+
+
+def _prefill_slots(model, cache, ctx, ctx_mask, slots):
+  """The contexts ``ctx int32[R, W]`` (real tokens first, ``ctx_mask``) prefilled and put into the rows ``slots
+  int32[R]`` of the per-slot ``cache`` (slot S: padding, dropped). Returns (hidden f32[R, W, D], cache)."""
+  r, width = ctx.shape
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (r, width))
+  hidden, sub = model(ctx, positions, attention_mask=ctx_mask, cache=model.init_cache(r, width, per_row=True))
+  return hidden, _models.put_cache_rows(cache, slots, _refill.pad_slots(sub, cache.max_len))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _draft_admit_jit(graphdef, state, cache, ctx, ctx_mask, slots):
+  """:func:`_admit_jit`'s contexts prefilled into the same slots of the draft model's cache (nothing drawn: the
+  draft's cache holds what the target's holds). Returns the cache."""
+  return _prefill_slots(nnx.merge(graphdef, state), cache, ctx, ctx_mask, slots)[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("num_slots", "max_len", "policy"))
@@ -582,13 +636,10 @@ def _admit_jit(
   draw = _drawer(model, policy)
   cache, s_t, s_start, s_last, s_done, s_budget, s_key, out_tok, out_lp = carry
   s_done = s_done | stop
-  r, width = ctx.shape
-  sub = model.init_cache(r, width, per_row=True)
-  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None], (r, width))
-  hidden, sub = model(ctx, positions, attention_mask=ctx_mask, cache=sub)
+  r = ctx.shape[0]
+  hidden, cache = _prefill_slots(model, cache, ctx, ctx_mask, slots)
   last = jnp.maximum(jnp.sum(ctx_mask, axis=1, dtype=jnp.int32) - 1, 0)
   hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-  cache = _models.put_cache_rows(cache, slots, _refill.pad_slots(sub, cache.max_len))
   token, logp = draw(model.logits(hidden, out_dtype=jnp.float32), keys, start_t)
   at = jnp.arange(r)
   put = lambda x, y: x.at[slots].set(y, mode="drop")
