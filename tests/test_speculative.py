@@ -22,6 +22,7 @@ from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.rollout.speculative import (
   SpeculativeConfig,
+  SpeculativeStats,
   SpeculativeSwitch,
   accept_drafts,
   generate_speculative,
@@ -254,6 +255,21 @@ def test_auto_measures_and_logs(peaked, caplog):
   assert (
     f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"ngram {m['speculative_tokens_per_s']:.1f}" in line
   )
+
+
+def test_auto_does_not_decide_on_calls_that_decoded_nothing():
+  """A sampler run that decoded no token (a partial pool whose groups were already complete) is not one of
+  ``auto``'s calls: before, two empty runs were timed and it logged "plain 0.0 tokens/s, ngram 0.0 tokens/s"."""
+  switch = SpeculativeSwitch(config=SpeculativeConfig(mode="auto", num_draft=3, ngram=1))
+  stats = SpeculativeStats(*(np.int32(c) for c in (0, 0, 0)))
+  for _ in range(4):
+    switch.observe(switch.mode_now(), 0.0, None if switch.mode_now() == "plain" else stats)
+  assert switch.calls == 0 and not switch.measured and switch.mode_now() == "plain"
+  for kind, rate in (("plain", 100.0), ("plain", 100.0), ("ngram", 50.0), ("ngram", 150.0)):
+    assert switch.mode_now() == kind
+    switch.observe(kind, rate, None if kind == "plain" else SpeculativeStats(*(np.int32(c) for c in (8, 6, 2))))
+  assert switch.measured["plain_tokens_per_s"] == 100.0 and switch.measured["speculative_tokens_per_s"] == 150.0
+  assert switch.mode_now() == "ngram"
 
 
 def test_refuses_routing_and_bad_settings(peaked):

@@ -550,7 +550,7 @@ class SpeculativeSwitch:
     warmup: untimed calls of each kind before the timed one (compilation).
     measured: ``{"plain_tokens_per_s", "speculative_tokens_per_s", "acceptance", "drafter", "speculative_on"}``
       once decided.
-    calls: calls so far; timing: ``{kind: (tokens/s, stats)}`` of the timed calls while deciding.
+    calls: calls so far that decoded tokens; timing: ``{kind: (tokens/s, stats)}`` of the timed calls while deciding.
     metrics: the last call's ``rollout/speculative_on`` and (speculative) ``rollout/spec_acceptance``.
   """
 
@@ -595,11 +595,15 @@ class SpeculativeSwitch:
   def observe(self, mode: str, tokens_per_s: float, stats: SpeculativeStats | None) -> None:
     """One call of kind ``mode`` (``plain`` or the drafter) made at ``tokens_per_s`` with ``stats`` (None for
     plain), counted — :meth:`sample`'s, or a sampler's that decodes by :meth:`mode_now` itself (the partial
-    pool's ``RowPool.run``); ``auto`` decides by it once both timed calls are in."""
-    self.calls += 1
+    pool's ``RowPool.run``); ``auto`` decides by it once both timed calls are in. A call that decoded nothing
+    (``tokens_per_s`` 0: a pool run whose groups were complete) is not counted: ``auto`` must not compare empty
+    runs."""
     self.metrics = {"rollout/speculative_on": float(mode != "plain")}
     if stats is not None:
       self.metrics["rollout/spec_acceptance"] = stats.acceptance
+    if tokens_per_s <= 0.0:
+      return
+    self.calls += 1
     if self.config.mode == "auto" and not self.measured:
       self._observe(mode, tokens_per_s, stats)
 
