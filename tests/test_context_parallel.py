@@ -8,10 +8,11 @@ prefixes and the cumulative sums cross the shard boundaries."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
-from helpers import finish_child, ref_lambda_sizes, run_child, start_child
+from helpers import ref_lambda_sizes, run_child, start_child
 
 pytestmark = [pytest.mark.subprocess]
 
@@ -35,7 +36,7 @@ def long_prefix_batch():
 
 
 _STEP = r"""
-import sys
+import sys, traceback
 import jax, numpy as np, optax
 from helpers import G, flat_params
 from test_context_parallel import long_prefix_batch
@@ -45,7 +46,7 @@ from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
-name, packing, sharing = sys.argv[1], sys.argv[2] != "unpacked", "tree" if sys.argv[2] == "tree" else "none"
+name, packings = sys.argv[1], sys.argv[2].split(",")
 MESHES = ["data=1", "fsdp=2,context=4"] + (["data=2,context=4", "tensor=2,context=4"] if name == "grpo" else [])
 cfg = Qwen3Config(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                   intermediate_size=64, tie_word_embeddings=True)  # grouped heads: 2 query heads per kv head
@@ -55,43 +56,79 @@ config = preset(name)
 batch = long_prefix_batch()  # [prompt ‖ completion] of 64: 4 chunks of 16
 if not config.needs_reference:
   batch = batch._replace(ref_logp=None)
-tc = train.TrainConfig(micro_batches=1, group_size=G, chunk_size=16, packing=128 if packing else None,
-                       prefix_sharing=sharing)  # tree: each group's shared prefixes once, the tree mask in the ring
-results = {}
-for spec in MESHES:
-  mesh = shd.make_mesh(spec, devices=jax.devices()[:1] if spec == "data=1" else None)
-  graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-  step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
-  if shd.context_size(mesh) > 1:  # the ring runs: K/V chunks passed around the context axis
-    assert "collective-permute" in step.lower(state, batch).compile().as_text()
-  losses = []
-  for _ in range(2):
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  results[spec] = flat_params(state.params), losses
-  print(spec, losses, flush=True)
-base, base_loss = results["data=1"]
-for spec in MESHES[1:]:
-  params, loss = results[spec]
-  np.testing.assert_allclose(loss, base_loss, rtol=1e-5, atol=1e-6, err_msg=f"{name} {spec} loss")
-  for k in base:
-    np.testing.assert_allclose(params[k], base[k], rtol=1e-5, atol=1e-6, err_msg=f"{name} {spec} {k}")
-print("OK")
+
+
+def check(packing):  # the step on every mesh of MESHES against data=1 for one layout
+  # tree: packed prefix trees, each group's shared prefixes once, the tree mask in the ring
+  tc = train.TrainConfig(micro_batches=1, group_size=G, chunk_size=16, packing=None if packing == "unpacked" else 128,
+                         prefix_sharing="tree" if packing == "tree" else "none")
+  results = {}
+  for spec in MESHES:
+    mesh = shd.make_mesh(spec, devices=jax.devices()[:1] if spec == "data=1" else None)
+    graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+    step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
+    if shd.context_size(mesh) > 1:  # the ring runs: K/V chunks passed around the context axis
+      assert "collective-permute" in step.lower(state, batch).compile().as_text()
+    losses = []
+    for _ in range(2):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+    results[spec] = flat_params(state.params), losses
+    print(packing, spec, losses, flush=True)
+  base, base_loss = results["data=1"]
+  for spec in MESHES[1:]:
+    params, loss = results[spec]
+    np.testing.assert_allclose(loss, base_loss, rtol=1e-5, atol=1e-6, err_msg=f"{name} {packing} {spec} loss")
+    for k in base:
+      np.testing.assert_allclose(params[k], base[k], rtol=1e-5, atol=1e-6, err_msg=f"{name} {packing} {spec} {k}")
+
+
+for packing in packings:  # one layout's failure is reported and the next still runs
+  try:
+    check(packing)
+    print("OK", packing, flush=True)
+  except Exception:
+    traceback.print_exc()
+    print("FAILED", packing, flush=True)
 """
+
+
+#: the layouts each preset's child checks (prefix trees: λ-GRPO and FRPO, whose weights and future-KL use the tree)
+LAYOUTS = {
+  "grpo": ("unpacked", "packed"),
+  "lambda_grpo": ("unpacked", "packed", "tree"),
+  "frpo": ("unpacked", "packed", "tree"),
+}
+
+
+@pytest.fixture(scope="module")
+def context_parallel_children():
+  """One 8-device child per preset, side by side, each checking its layouts one after another (one JAX start-up
+  and one model per preset instead of one per preset and layout): ``{preset: (exit status, stdout, stderr)}``."""
+  children = {name: start_child(_STEP, devices=8, args=(name, ",".join(layouts))) for name, layouts in LAYOUTS.items()}
+  results = {}
+  for name, child in children.items():
+    try:
+      out, err = child.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+      child.kill()
+      out, err = child.communicate()
+    results[name] = (child.returncode, out, err)
+  return results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", ["unpacked", "packed", "tree"])
-def test_context_parallel_step_equals_the_single_device_step_8_devices(packing):
-  """GRPO, λ-GRPO and FRPO (one child each, side by side): ``fsdp=2,context=4`` (and for GRPO
-  ``data=2,context=4`` and ``tensor=2,context=4``) against one device: the losses of two steps and the parameters
-  after them agree to float32 rounding (1e-5), and the compiled program passes K/V chunks around the ring.
+def test_context_parallel_step_equals_the_single_device_step_8_devices(packing, context_parallel_children):
+  """GRPO, λ-GRPO and FRPO: ``fsdp=2,context=4`` (and for GRPO ``data=2,context=4`` and ``tensor=2,context=4``)
+  against one device: the losses of two steps and the parameters after them agree to float32 rounding (1e-5), and
+  the compiled program passes K/V chunks around the ring.
   ``tree``: packed prefix trees (``step.prefix_sharing: tree``, λ-GRPO and FRPO): the tree mask's bounds travel
   the ring with their key chunks."""
-  names = ("lambda_grpo", "frpo") if packing == "tree" else ("grpo", "lambda_grpo", "frpo")
-  children = [start_child(_STEP, devices=8, args=(name, packing)) for name in names]
-  for child in children:
-    assert finish_child(child).strip().endswith("OK")
+  for name, layouts in LAYOUTS.items():
+    if packing in layouts:
+      rc, out, err = context_parallel_children[name]
+      assert f"OK {packing}" in out.splitlines(), f"{name} {packing}: exit {rc}\n{out[-3000:]}\n{err[-8000:]}"
 
 
 _TERMS = r"""

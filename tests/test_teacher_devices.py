@@ -23,70 +23,87 @@ import pytest
 from test_trainer import tiny
 
 _WORKER = r"""
-import json, sys
-own, kind, out = sys.argv[1] == "own", sys.argv[2], sys.argv[3]
+import json, os, sys
+own, kinds, root = sys.argv[1] == "own", sys.argv[2].split(","), sys.argv[3]
 import jax, jax.numpy as jnp, numpy as np
 from test_async_rollout import REWARDS
 from test_distill_run import TEACHER
 from test_trainer import tiny
 from test_trainer_env import _memory_checkpoints, _params, dataclass_replace
 from jaxgrpo.run.trainer import Trainer
-distill = TEACHER if kind == "sampled" else {**TEACHER, "kind": "jsd", "top_k": 8, "beta": 0.5}
-extra = {"devices.teacher": 4, "devices.teacher_mesh": "fsdp=2,tensor=2"} if own else {}
-cfg_changes = {"objective.distill": distill, "devices.mesh": "fsdp=4", "run.steps": 2, "run.out": out + "/a",
-               "checkpoint.every": 1, "optim.learning_rate": 3e-2, "step.micro_batches": 2, **extra}
-cfg = tiny(**cfg_changes)
-saved, save, restore_from = _memory_checkpoints()
-tr = Trainer(cfg, checkpoint_fn=save, reward_fns=REWARDS, log=None)
-ids = lambda tree: sorted({d.id for x in jax.tree.leaves(tree) for d in x.sharding.device_set})
-where = {"policy": ids(tr.state.train.params), "teacher": ids(tr.teacher.params)}
-seen, logp = [], []
-fn = tr.learner.step_fn
-def step(state, batch):  # what the step receives: the teacher's numbers on the train mesh
-  seen.append({n: ids(getattr(batch, n)) for n in ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
-               if getattr(batch, n) is not None})
-  logp.append({n: np.asarray(getattr(batch, n)).tolist() for n in ("teacher_logp", "teacher_topk_logp")
-               if getattr(batch, n) is not None})
-  return fn(state, batch)
-tr.learner.step_fn = step
-recs = [r for r in tr.run(handle_signals=False) if "loss" in r]
-params = {k: v.tolist() for k, v in _params(tr).items()}
-res = Trainer(dataclass_replace(cfg, steps=2, out=out + "/b"), restore_fn=restore_from(1), reward_fns=REWARDS, log=None)
-got = [r for r in res.run(handle_signals=False) if "loss" in r]
-same = all(np.array_equal(a, b) for a, b in zip(_params(tr).values(), _params(res).values()))
-json.dump({"recs": recs, "resumed": got, "same": same, "where": where, "seen": seen, "logp": logp, "params": params},
-          open(out + "/result.json", "w"))
-refusals = []  # each a ValueError before the teacher is loaded (its path does not exist: loading would say so)
-if own and kind == "sampled":
-  for more in ({"devices.teacher": 8}, {"devices.teacher_mesh": "fsdp=3"},
-               {"step.packing": 128, "devices.teacher_mesh": "tensor=4"},
-               {"devices.mesh": "fsdp=2,tensor=2", "devices.teacher_mesh": "fsdp=4", "rollout.prompts_per_step": 1}):
-    try:
-      Trainer(tiny(**{**cfg_changes, **more, "objective.distill": {**distill, "teacher": "/nowhere"}}), log=None)
-      refusals.append(None)
-    except ValueError as e:
-      refusals.append(str(e))
-json.dump(refusals, open(out + "/refusals.json", "w"))
+for kind in kinds:  # one after the other in this process: one JAX start-up for both forms
+  out = os.path.join(root, kind)
+  os.makedirs(out, exist_ok=True)
+  distill = TEACHER if kind == "sampled" else {**TEACHER, "kind": "jsd", "top_k": 8, "beta": 0.5}
+  extra = {"devices.teacher": 4, "devices.teacher_mesh": "fsdp=2,tensor=2"} if own else {}
+  cfg_changes = {"objective.distill": distill, "devices.mesh": "fsdp=4", "run.steps": 2, "run.out": out + "/a",
+                 "checkpoint.every": 1, "optim.learning_rate": 3e-2, "step.micro_batches": 2, **extra}
+  cfg = tiny(**cfg_changes)
+  saved, save, restore_from = _memory_checkpoints()
+  tr = Trainer(cfg, checkpoint_fn=save, reward_fns=REWARDS, log=None)
+  ids = lambda tree: sorted({d.id for x in jax.tree.leaves(tree) for d in x.sharding.device_set})
+  where = {"policy": ids(tr.state.train.params), "teacher": ids(tr.teacher.params)}
+  seen, logp = [], []
+  fn = tr.learner.step_fn
+  def step(state, batch):  # what the step receives: the teacher's numbers on the train mesh
+    seen.append({n: ids(getattr(batch, n)) for n in ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
+                 if getattr(batch, n) is not None})
+    logp.append({n: np.asarray(getattr(batch, n)).tolist() for n in ("teacher_logp", "teacher_topk_logp")
+                 if getattr(batch, n) is not None})
+    return fn(state, batch)
+  tr.learner.step_fn = step
+  recs = [r for r in tr.run(handle_signals=False) if "loss" in r]
+  params = {k: v.tolist() for k, v in _params(tr).items()}
+  res = Trainer(dataclass_replace(cfg, steps=2, out=out + "/b"), restore_fn=restore_from(1), reward_fns=REWARDS, log=None)
+  got = [r for r in res.run(handle_signals=False) if "loss" in r]
+  same = all(np.array_equal(a, b) for a, b in zip(_params(tr).values(), _params(res).values()))
+  json.dump({"recs": recs, "resumed": got, "same": same, "where": where, "seen": seen, "logp": logp, "params": params},
+            open(out + "/result.json", "w"))
+  refusals = []  # each a ValueError before the teacher is loaded (its path does not exist: loading would say so)
+  if own and kind == "sampled":
+    for more in ({"devices.teacher": 8}, {"devices.teacher_mesh": "fsdp=3"},
+                 {"step.packing": 128, "devices.teacher_mesh": "tensor=4"},
+                 {"devices.mesh": "fsdp=2,tensor=2", "devices.teacher_mesh": "fsdp=4", "rollout.prompts_per_step": 1}):
+      try:
+        Trainer(tiny(**{**cfg_changes, **more, "objective.distill": {**distill, "teacher": "/nowhere"}}), log=None)
+        refusals.append(None)
+      except ValueError as e:
+        refusals.append(str(e))
+  json.dump(refusals, open(out + "/refusals.json", "w"))
 print("OK")
 """
 
 KEYS = ("loss", "grad_norm", "distill/reverse_kl", "reward_mean")
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
-@pytest.mark.parametrize("kind", ["sampled", "jsd"])
-def test_a_teacher_on_its_own_devices_equals_one_on_the_train_mesh_and_resumes(tmp_path, kind):
+KINDS = ("sampled", "jsd")
+
+
+@pytest.fixture(scope="module")
+def teacher_device_runs(tmp_path_factory):
+  """The two children the tests below compare, side by side: 8 devices with the teacher on its own 4 (``own``)
+  and 4 devices with the teacher on the train mesh (``shared``), each running both distillation forms one after
+  the other (one JAX start-up per placement, not per placement and form); their results under
+  ``DIR/{own,shared}/{sampled,jsd}/``."""
   from helpers import finish_children, start_child
 
-  (tmp_path / "own").mkdir(), (tmp_path / "shared").mkdir()
+  tmp_path = tmp_path_factory.mktemp("teacher_devices")
+  kinds = ",".join(KINDS)
   procs = [
-    start_child(_WORKER, devices=8, args=("own", kind, tmp_path / "own")),
-    start_child(_WORKER, devices=4, args=("shared", kind, tmp_path / "shared")),
+    start_child(_WORKER, devices=8, args=("own", kinds, tmp_path / "own")),
+    start_child(_WORKER, devices=4, args=("shared", kinds, tmp_path / "shared")),
   ]
-  results = finish_children(procs, timeout=600)
+  results = finish_children(procs, timeout=900)
   assert all("OK" in r for r in results), "\n=====\n".join(results)
-  own, shared = (json.loads((tmp_path / x / "result.json").read_text()) for x in ("own", "shared"))
+  return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_teacher_on_its_own_devices_equals_one_on_the_train_mesh_and_resumes(teacher_device_runs, kind):
+  tmp_path = teacher_device_runs
+  own, shared = (json.loads((tmp_path / x / kind / "result.json").read_text()) for x in ("own", "shared"))
   assert own["where"] == {"policy": [0, 1, 2, 3], "teacher": [4, 5, 6, 7]}, own["where"]
   assert shared["where"] == {"policy": [0, 1, 2, 3], "teacher": [0, 1, 2, 3]}, shared["where"]
   fields = ["teacher_logp"] + (["teacher_topk_ids", "teacher_topk_logp"] if kind == "jsd" else [])
@@ -110,7 +127,7 @@ def test_a_teacher_on_its_own_devices_equals_one_on_the_train_mesh_and_resumes(t
   assert own["resumed"][0]["distill/reverse_kl"] == own["recs"][1]["distill/reverse_kl"]
 
   if kind == "sampled":  # bad values on the 8 devices: one line each, naming the field, before the teacher loads
-    refusals = json.loads((tmp_path / "own" / "refusals.json").read_text())
+    refusals = json.loads((tmp_path / "own" / "sampled" / "refusals.json").read_text())
     want = [
       r"`devices.teacher`=8 must divide over the 1 processes and leave each process at least one of its 8 devices",
       r"`devices.teacher_mesh`='fsdp=3' over the teacher's 4 devices: mesh spec 'fsdp=3' has 3 devices",

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 from jaxgrpo.run.specs import load_config
@@ -164,12 +165,16 @@ def run_all(path=None):
     ("teacher_scores", vllm_teacher_checks.scores),
     ("teacher_run", vllm_teacher_checks.run),
   )
+  seconds = result["seconds"] = {}  # wall seconds of each part (where the module's time goes; not asserted)
   for name, part in parts:
+    t0 = time.perf_counter()
     try:
       result[name] = part()
     except Exception:  # the other part still runs; its test reports this traceback
       result[name] = {"error": traceback.format_exc()}
       print(result[name]["error"], file=sys.stderr, flush=True)
+    seconds[name] = round(time.perf_counter() - t0, 1)
+    print(f"vllm_trainer: part {name} {seconds[name]} s", file=sys.stderr, flush=True)
   return result
 
 
