@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import flat_params
-from hf_utils import build_hf_model, hf_logits, jax_logits, left_padded_batch, tiny_moe_config
+from hf_utils import build_hf_model, hf_logits, jax_logits, left_padded_batch, sharp_moe_model, tiny_moe_config
 
 from jaxgrpo import models
 from jaxgrpo.models import moe
@@ -34,13 +34,7 @@ ALL_SPARSE = {
 
 def _loop_model(family: str, seed: int = 0):
   """A random all-sparse loop model with O(1) router logits (routing far from uniform)."""
-  model = models.build_model(models.config_from_hf(ALL_SPARSE[family]), rngs=nnx.Rngs(seed))
-  for path, var in nnx.to_flat_state(nnx.state(model)):
-    if path[-1] == "router":
-      var.set_value(var.get_value() * 50)
-    elif path[-1] in ("gate", "up", "down", "shared_gate"):
-      var.set_value(var.get_value() * 5)
-  return model
+  return sharp_moe_model(ALL_SPARSE[family], seed)
 
 
 def _forward(model, args, replay):
