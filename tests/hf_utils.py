@@ -91,6 +91,23 @@ def tiny_moe_config(family: str, *, tied: bool = False, vocab_size: int = 128, *
   return {**cfg, **overrides}
 
 
+def sharp_moe_model(config: dict, seed: int = 0, dtype=None):
+  """``build_model`` of the MoE config dict with O(1) router logits (routers x50, experts x5): routing far from
+  uniform, so top-k choices have clear margins over float32 noise."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxgrpo import models
+
+  model = models.build_model(models.config_from_hf(config), rngs=nnx.Rngs(seed), dtype=dtype or jnp.float32)
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    if path[-1] == "router":
+      var.set_value(var.get_value() * 50)
+    elif path[-1] in ("gate", "up", "down", "shared_gate"):
+      var.set_value(var.get_value() * 5)
+  return model
+
+
 def build_hf_model(config: dict, seed: int = 0):
   """The transformers CausalLM of ``config`` (float32, eval mode) with every weight randomised."""
   torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hf_utils import tiny_moe_config
+from hf_utils import sharp_moe_model, tiny_moe_config
 
 from jaxgrpo import models
 from jaxgrpo.kernels.config import preset
@@ -31,14 +31,7 @@ def _model(family="qwen3_moe", seed=0, dtype=jnp.float32):
   layers (a dense layer between two sparse ones); Qwen2-MoE, every layer sparse, gets 2 (two sparse layers
   and a layer below a router are all its tests need; each of its programs compiles faster)."""
   over = {"num_hidden_layers": 2} if family == "qwen2_moe" else {}
-  cfg = models.config_from_hf(tiny_moe_config(family, **over))
-  model = models.build_model(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
-  for path, var in nnx.to_flat_state(nnx.state(model)):
-    if path[-1] == "router":
-      var.set_value(var.get_value() * 50)
-    elif path[-1] in ("gate", "up", "down", "shared_gate"):
-      var.set_value(var.get_value() * 5)
-  return model
+  return sharp_moe_model(tiny_moe_config(family, **over), seed, dtype)
 
 
 def _np_swiglu(x, g, u, d):

@@ -182,9 +182,10 @@ def test_generate_of_a_scanned_model_samples_as_the_loop_and_the_stacked_cache_d
   np.testing.assert_allclose(np.asarray(decode(scan)), np.asarray(decode(loop)), rtol=1e-5, atol=1e-5)
 
 
-def test_moe_is_refused_by_name(tmp_path):
-  cfg = models.config_from_hf(tiny_moe_config("qwen3_moe"))
-  with pytest.raises(ValueError, match=r"scan_layers=True is not supported for MoE models \(Qwen3MoeConfig\)"):
+def test_moe_with_dense_layers_is_refused_naming_them(tmp_path):
+  """A MoE whose layers are all sparse scans (tests/test_moe_scan.py); one with a dense layer is refused by name."""
+  cfg = models.config_from_hf(tiny_moe_config("qwen3_moe"))  # layer 1 dense (mlp_only_layers=[1])
+  with pytest.raises(ValueError, match=r"needs every layer of a MoE model sparse \(Qwen3MoeConfig\): layers \[1\] are"):
     models.build_model(cfg, rngs=nnx.Rngs(0), scan_layers=True)
 
 

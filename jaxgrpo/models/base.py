@@ -293,7 +293,8 @@ class CausalLM(nnx.Module):
   ``embed_tokens`` (the [V, D] "vocab","embed" table), ``lm_head`` ([D, V] or None when tied), and
   implement ``_embed(tokens, positions) -> [B,S,D]``. Each layer is called as
   ``layer(x, positions, segment_ids, kv, valid, index, dropout_key) -> (x, kv)`` (or
-  ``(x, kv, side)``: ``side`` goes to ``self._side_output(i, side)``, e.g. a MoE layer's routing), under
+  ``(x, kv, side)``: ``side`` goes to ``self._side_output(i, side)``, e.g. a MoE layer's routing; a scanned
+  stack's, stacked ``[L, ...]``, to ``self._stacked_side_output(side)``), under
   ``jax.checkpoint`` with the policy of ``self.remat`` (a ``RematPolicy``) unless it is ``NONE``. When a
   mesh is active (``with jax.set_mesh(mesh):``) the activations are constrained by logical axes under
   ``self.sharding_rules`` (``freeze_rules(rules)`` of the constructor's ``rules``, default
@@ -421,14 +422,17 @@ class CausalLM(nnx.Module):
     with activation_rules(self.rules):
       x = shard_activation(self._embed(tokens, positions), RESIDUAL_AXES, "embeddings")
       if self.scan_layers:
-        x, kv = self._scan(apply, x, positions, segment_ids, cache, valid, index, dropout_key)
+        x, kv, side = self._scan(apply, x, positions, segment_ids, cache, valid, index, dropout_key)
+        if side is not None:  # the layers' side outputs stacked [L, ...] (models.moe: the routing)
+          self._stacked_side_output(side)
         hidden = shard_activation(self.final_norm(x), RESIDUAL_AXES, "final hidden")
         if cache is None:
           return hidden, None
         return hidden, KVCache(k=kv[0], v=kv[1], valid=valid, index=next_index)
       for i, layer in enumerate(self.layers):
         kv = None if cache is None else (cache.k[i], cache.v[i])
-        out = apply(layer, x, positions, segment_ids, kv, valid, index, dropout_key)
+        with layer_index(i):
+          out = apply(layer, x, positions, segment_ids, kv, valid, index, dropout_key)
         x, kv = out[0], out[1]
         if len(out) > 2:  # a layer's side output (models.moe: its routing), returned through remat
           self._side_output(i, out[2])
@@ -445,8 +449,9 @@ class CausalLM(nnx.Module):
     """The stacked layers as one ``jax.lax.scan`` over (each layer's slice of the stacked state, its
     index l); the carry is the residual stream ``x [B, S, D]`` and, with a cache, the stacked cache
     ``k [L, B, N, K, T]`` / ``v [L, B, N, T, K]``, whose layer l is read and written back in place (as
-    a scanned input/output it was copied whole at every decode step: 1.2x slower decoding, measured).
-    Returns ``(x, (k, v) or None)``."""
+    a scanned input/output it was copied whole at every decode step: 1.2x slower decoding, measured). A
+    layer's side output (its third output, a MoE layer's routing) is a scanned output, stacked ``[L, ...]``.
+    Returns ``(x, (k, v) or None, side outputs [L, ...] or None)``."""
     graphdef, state = nnx.split(self.layers)
     num_layers = self.config.num_layers
 
@@ -454,29 +459,33 @@ class CausalLM(nnx.Module):
       layer_state, kv, i = xs
       with layer_index(i):
         out = apply(nnx.merge(graphdef, layer_state), x, positions, segment_ids, kv, valid, index, dropout_key)
-      if len(out) > 2:
-        raise NotImplementedError("a layer with a side output (MoE routing) cannot be scanned")
-      return shard_activation(out[0], RESIDUAL_AXES, "output of a scanned layer"), out[1]
+      side = out[2] if len(out) > 2 else None
+      return shard_activation(out[0], RESIDUAL_AXES, "output of a scanned layer"), (out[1], side)
 
     layers = jnp.arange(num_layers, dtype=jnp.int32)
     if cache is None:
-      return jax.lax.scan(body, x, (state, None, layers))
+      x, (_, side) = jax.lax.scan(body, x, (state, None, layers))
+      return x, None, side
 
     def body_cached(carry, xs):
       x, ck, cv = carry
       layer_state, i = xs
       kv = (jax.lax.dynamic_index_in_dim(ck, i, keepdims=False), jax.lax.dynamic_index_in_dim(cv, i, keepdims=False))
-      x, (k, v) = body(x, (layer_state, kv, i))
+      x, ((k, v), side) = body(x, (layer_state, kv, i))
       ck = jax.lax.dynamic_update_index_in_dim(ck, k, i, 0)
       cv = jax.lax.dynamic_update_index_in_dim(cv, v, i, 0)
-      return (x, ck, cv), None
+      return (x, ck, cv), side
 
-    (x, ck, cv), _ = jax.lax.scan(body_cached, (x, cache.k, cache.v), (state, layers))
-    return x, (ck, cv)
+    (x, ck, cv), side = jax.lax.scan(body_cached, (x, cache.k, cache.v), (state, layers))
+    return x, (ck, cv), side
 
   def _side_output(self, layer: int, value) -> None:
     """Receives the third output of a layer that returns ``(x, kv, value)`` (``models.moe``'s
     sparse layers return their routing); the base class drops it."""
+
+  def _stacked_side_output(self, value) -> None:
+    """A scanned stack's side outputs: the L layers' third outputs stacked, every leaf ``[L, ...]``; the base
+    class drops them."""
 
   @property
   def head_weight(self) -> jax.Array:

@@ -48,8 +48,8 @@ def build_model(
     scan_layers: store the L layers' parameters stacked on a leading axis (logical axis
       ``"layers"``, never on a mesh axis) and run them as one ``jax.lax.scan`` (remat inside the
       scanned body): the layer is compiled once instead of L times (docs/models.md, "Layers as a
-      scan"). Same weights for the same ``rngs`` and the same outputs as the loop. Not for MoE
-      models (ValueError).
+      scan"). Same weights for the same ``rngs`` and the same outputs as the loop. A MoE model
+      scans when every layer is sparse (e.g. Qwen3-30B-A3B; ValueError naming the dense layers otherwise).
     attention: the attention implementation of every layer (``jaxgrpo.models.attention.IMPLEMENTATIONS``):
       ``"auto"`` (dense below ``AUTO_MIN_LENGTH`` = 512 query rows, the target platform's kernel from it on),
       ``"dense"``, ``"blockwise"`` (every platform), ``"splash"`` (TPU), ``"cudnn"`` (GPU); docs/models.md,
@@ -57,7 +57,7 @@ def build_model(
 
   Raises:
     TypeError: ``cfg`` is not a config of a registered family.
-    ValueError: ``scan_layers`` with a MoE config.
+    ValueError: ``scan_layers`` with a MoE config that has dense layers (``mlp_only_layers``, ``decoder_sparse_step``).
   """
   check_implementation(attention, "attention")
   kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype, remat=remat, rules=rules, scan_layers=scan_layers)

@@ -12,7 +12,8 @@ concatenated along the last axis in table order. A MoE expert weight ``[E, ...]`
 turned into our layout by ``to_ours`` and stacked on a new leading axis (a device shard reads only
 its own experts' slices). For a scanned layer stack (``scan_layers=True``) the per-layer entries of
 one parameter become one ``LayerEntry`` (the parameter ``[L, *ours]``, layer l from layer l's
-entry); the HF files stay per layer.
+entry; a scanned MoE's experts ``[L, E, *ours]`` from L ``StackedEntry`` s of E tensors each); the HF files
+stay per layer.
 
 Safetensors files are memory-mapped with ``numpy.memmap`` after parsing the (documented, JSON)
 file header ourselves: ``safetensors.safe_open`` copies each tensor it returns, whereas a memmap
@@ -91,10 +92,11 @@ class StackedEntry(NamedTuple):
 
 class LayerEntry(NamedTuple):
   """One stacked parameter ``[L, *ours]`` of a scanned layer stack: ``layers[l]`` is layer l's
-  ``Entry`` (its ``path`` ``("layers", l, *rest)``); ``path`` is ``("layers", *rest)``."""
+  ``Entry`` (its ``path`` ``("layers", l, *rest)``), or its ``StackedEntry`` (MoE experts: the parameter is
+  ``[L, E, *ours]``); ``path`` is ``("layers", *rest)``."""
 
   path: tuple
-  layers: tuple[Entry, ...]
+  layers: tuple[Entry | StackedEntry, ...]
 
   @property
   def hf_name(self) -> str:
@@ -104,18 +106,14 @@ class LayerEntry(NamedTuple):
 def stack_layer_entries(entries: list, num_layers: int) -> list:
   """The name map of a scanned stack (``scan_layers=True``): the entries ``("layers", l, *rest)``
   of ``l = 0..L-1`` merged into one ``LayerEntry`` per ``rest`` (in the order of first appearance,
-  so the pieces of a fused HF tensor keep their order); other entries unchanged.
-
-  Raises:
-    ValueError: a ``StackedEntry`` inside a layer (MoE experts: not scannable).
+  so the pieces of a fused HF tensor keep their order); other entries unchanged. A layer's ``StackedEntry``
+  (MoE experts ``[E, *ours]``) becomes one layer of a ``LayerEntry`` (the parameter ``[L, E, *ours]``).
   """
   out, groups = [], {}
   for e in entries:
     if e.path[0] != "layers":
       out.append(e)
       continue
-    if isinstance(e, StackedEntry):
-      raise ValueError(f"{e.hf_name}: stacked (expert) entries cannot be stacked over layers")
     rest = e.path[2:]
     if rest not in groups:
       groups[rest] = [None] * num_layers
@@ -462,7 +460,7 @@ def load_hf(
   directory = resolve_path(path)
   cfg = config_from_hf(directory)
   rules = DEFAULT_RULES if rules is None else dict(rules)
-  abstract = nnx.eval_shape(  # the model refuses what it cannot build (MoE with scan_layers) before any read
+  abstract = nnx.eval_shape(  # the model refuses what it cannot build (dense MoE layers scanned) before any read
     lambda: build_model(
       cfg,
       rngs=nnx.Rngs(0),
@@ -537,13 +535,17 @@ def tensor_view(e: Entry, tensors, directory) -> np.ndarray:
 
 
 def load_layers(e: LayerEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
-  """Set ``var`` (``[L, *ours]``) from the L per-layer tensors of ``e``; each shard stacks its slices."""
-  views = [tensor_view(x, tensors, directory) for x in e.layers]
+  """Set ``var`` (``[L, *ours]``; MoE experts ``[L, E, *ours]``) from the per-layer tensors of ``e``; each shard
+  stacks its slices."""
+  views = [
+    _stacked_views(x, tensors, directory) if isinstance(x, StackedEntry) else tensor_view(x, tensors, directory)
+    for x in e.layers
+  ]
   _set_stack(e, views, var, mesh, rules, default_device, np_dtype)
 
 
-def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
-  """Set ``var`` (``[E, *ours]``) from the E tensors of ``e``; each shard stacks its experts' slices."""
+def _stacked_views(e: StackedEntry, tensors, directory) -> list[np.ndarray]:
+  """The E views ``to_ours(tensor_e)`` of ``e``, after checking each tensor is present with its shape."""
   views = []
   for name in e.hf_names:
     if name not in tensors:
@@ -552,24 +554,37 @@ def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default
     if found != tuple(e.hf_shape):
       raise ValueError(f"tensor {name!r} has shape {found}, expected {tuple(e.hf_shape)}")
     views.append(e.to_ours(tensors[name]))
-  _set_stack(e, views, var, mesh, rules, default_device, np_dtype)
+  return views
+
+
+def _load_stacked(e: StackedEntry, tensors, var, directory, mesh, rules, default_device, np_dtype) -> None:
+  """Set ``var`` (``[E, *ours]``) from the E tensors of ``e``; each shard stacks its experts' slices."""
+  _set_stack(e, _stacked_views(e, tensors, directory), var, mesh, rules, default_device, np_dtype)
+
+
+def _nested_shape(views) -> tuple[int, ...]:
+  """The shape of ``views`` (an array, or a list of equally nested lists of arrays) stacked."""
+  return (len(views),) + _nested_shape(views[0]) if isinstance(views, list) else tuple(views.shape)
+
+
+def _read(views, idx: tuple, np_dtype) -> np.ndarray:
+  """``stack(views)[idx]`` (``idx`` a tuple of slices, one per axis) read from the views alone."""
+  if not isinstance(views, list):
+    return np.array(views[idx], dtype=np_dtype)
+  return np.stack([_read(views[i], idx[1:], np_dtype) for i in range(len(views))[idx[0]]])
 
 
 def _set_stack(e, views, var, mesh, rules, default_device, np_dtype) -> None:
-  """Set ``var`` (``[N, *ours]``) to the N arrays ``views`` stacked, built shard by shard (each shard reads
-  only its own slices of the memory-mapped tensors)."""
-  shape = (len(views),) + tuple(views[0].shape)
+  """Set ``var`` (``[N, *ours]``, or ``[N, M, *ours]`` for a list of lists) to the arrays ``views`` stacked,
+  built shard by shard (each shard reads only its own slices of the memory-mapped tensors)."""
+  shape = _nested_shape(views)
   if shape != tuple(var.shape):
     raise AssertionError(f"name map gives {shape} for {e.path}, model has {var.shape}")
   if mesh is None:
     sharding = jax.sharding.SingleDeviceSharding(default_device)
   else:
     sharding = NamedSharding(mesh, logical_to_spec(var.get_metadata("out_sharding"), mesh, rules, shape, e.hf_name))
-
-  def shard(idx):
-    return np.stack([np.array(views[i][idx[1:]], dtype=np_dtype) for i in range(len(views))[idx[0]]])
-
-  var.set_value(jax.make_array_from_callback(shape, sharding, shard))
+  var.set_value(jax.make_array_from_callback(shape, sharding, lambda idx: _read(views, tuple(idx), np_dtype)))
 
 
 def save_hf(model, path: str | os.PathLike) -> None:
@@ -601,9 +616,12 @@ def save_hf(model, path: str | os.PathLike) -> None:
       for name, v in zip(e.hf_names, value):
         pieces[name] = [e.to_hf(v)]
       continue
-    if isinstance(e, LayerEntry):  # layer l's tensor(s) from slice [l]
+    if isinstance(e, LayerEntry):  # layer l's tensor(s) from slice [l]; a scanned MoE's experts: one per expert
       for x, v in zip(e.layers, value):
-        pieces.setdefault(x.hf_name, []).append(x.to_hf(v))
+        if isinstance(x, StackedEntry):
+          pieces.update({name: [x.to_hf(ve)] for name, ve in zip(x.hf_names, v)})
+        else:
+          pieces.setdefault(x.hf_name, []).append(x.to_hf(v))
       continue
     pieces.setdefault(e.hf_name, []).append(e.to_hf(value))
   tensors = {}

@@ -44,6 +44,7 @@ __all__ = [
   "shard_activation",
   "forward_mode_autodiff",
   "forward_mode_active",
+  "current_layer_index",
   "layer_index",
   "project",
   "LoRA",
@@ -75,16 +76,25 @@ def activation_rules(rules: Mapping[str, Any] | None) -> Iterator[None]:
 
 
 _FORWARD_MODE: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxgrpo_forward_mode", default=False)
-_LAYER_INDEX: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("jaxgrpo_layer_index", default=None)
+_LAYER_INDEX: contextvars.ContextVar[jax.Array | int | None] = contextvars.ContextVar(
+  "jaxgrpo_layer_index", default=None
+)
 
 
 @contextlib.contextmanager
-def layer_index(i: jax.Array) -> Iterator[None]:
-  """Inside the block, the layer being traced is ``i`` (an int32 scalar, traced in a scanned stack):
-  a stacked ``LoRA`` (``layer_stride > 0``) draws its dropout stream from it. Entered by the scanned
-  layer stack of ``CausalLM`` (``scan_layers=True``) around each layer's trace."""
+def layer_index(i: jax.Array | int) -> Iterator[None]:
+  """Inside the block, the layer being traced is ``i``: an int32 scalar, traced, in a scanned stack; a Python
+  int in the loop. A stacked ``LoRA`` (``layer_stride > 0``) draws its dropout stream from it, a MoE layer
+  finds its sparse-layer index (its replayed experts) from it. Entered by ``CausalLM`` around each layer's
+  trace (the loop and the scanned stack, ``scan_layers=True``)."""
   with scoped(_LAYER_INDEX, i):
     yield
+
+
+def current_layer_index() -> jax.Array | int | None:
+  """The index of the layer being traced (:func:`layer_index`): a Python int in the loop, a traced int32 scalar
+  in a scanned stack, None outside a model's layer stack."""
+  return _LAYER_INDEX.get()
 
 
 @contextlib.contextmanager

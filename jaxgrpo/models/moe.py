@@ -26,10 +26,18 @@ of experts".
     with moe.routing_scope(replay=None) as scope:   # replay: int[B, S, M, k] expert ids, or None
       hidden, _ = model(tokens, positions, ...)
     scope.routes[m]  # Route(logits f32[B, S, E], experts int32[B, S, k]) of sparse layer m
+    scope.stacked()  # every sparse layer's, logits f32[B, S, M, E], experts int32[B, S, M, k]
 
 With ``replay`` the sparse layers use exactly those experts (``w`` = the current router's
 probabilities of them, so the router still learns): routing replay. Each layer returns its ``Route``
-as a third output, so it crosses ``jax.checkpoint`` (remat).
+as a third output, so it crosses ``jax.checkpoint`` (remat). A sparse layer finds its index m from the
+layer being traced (``layers.current_layer_index``): ``moe_layers.index(l)`` in the loop.
+
+**Scanned layers** (``scan_layers=True``, :class:`MoEModel`): when every layer is sparse (Qwen3-MoE with
+``decoder_sparse_step`` 1 and no ``mlp_only_layers``, e.g. Qwen3-30B-A3B), the L = M layers stack like a dense
+model's (``models.base.stack_blocks``) and run as one ``jax.lax.scan``; the routes are the scan's stacked output
+(``[M, B, S, ...]``, ``RoutingScope.scanned``) and layer l (= m) reads its replayed experts by a dynamic slice of
+``replay[:, :, l]``. A config with dense layers is refused by name (the layers differ).
 
 **Router losses** (:func:`load_balancing_loss`, :func:`router_z_loss`) and per-layer metrics
 (:func:`routing_metrics`) are pure functions of the routes and a token mask.
@@ -52,9 +60,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxgrpo.models.backend import f32_operands_on_cpu
-from jaxgrpo.models.base import RematPolicy, freeze_rules
+from jaxgrpo.models.base import RematPolicy, check_scan_layers, freeze_rules, stack_blocks
 from jaxgrpo.models.config import Qwen2MoeConfig, Qwen3MoeConfig
-from jaxgrpo.models.layers import QuantizedWeight, RMSNorm, dense, param
+from jaxgrpo.models.layers import QuantizedWeight, RMSNorm, current_layer_index, dense, param
 from jaxgrpo.models.llama import LlamaBlock, LlamaModel, SwiGLU, swiglu
 from jaxgrpo.parallel.target import current_platform
 
@@ -107,10 +115,14 @@ class RoutingScope:
 
   replay: jax.Array | None
   routes: dict[int, Route] = dataclasses.field(default_factory=dict)
+  #: a scanned stack's routes as the scan stacked them: ``logits f32[M, B, S, E]``, ``experts int32[M, B, S, k]``
+  scanned: Route | None = None
 
   def stacked(self) -> Route:
     """The routes of every sparse layer stacked on axis 2: ``logits f32[B, S, M, E]``,
     ``experts int32[B, S, M, k]`` (the replay layout). ValueError when no forward ran in the scope."""
+    if self.scanned is not None:
+      return Route(*(jnp.moveaxis(a, 0, 2) for a in self.scanned))
     if not self.routes:
       raise ValueError("routing_scope: no MoE forward ran inside the scope (no routes recorded)")
     ms = sorted(self.routes)
@@ -430,38 +442,52 @@ def _expert_weight(w, dtype) -> jax.Array:
 
 class MoEDecoderBlock(LlamaBlock):
   """A Qwen-MoE decoder layer: ``x += attn(rms_1(x))``; ``x += mlp(rms_2(x))`` with ``mlp`` a
-  :class:`MoEBlock` (sparse layers, ``moe_index`` = m) or the dense ``SwiGLU`` (``moe_index`` None).
+  :class:`MoEBlock` (``sparse``: layer ``layer`` is in ``cfg.moe_layers``) or the dense ``SwiGLU``.
 
   A sparse layer returns ``(x, kv, Route)``: the third output is the layer's routing, handed by
-  ``CausalLM.__call__`` to ``MoEModel._side_output``; it reads its replayed experts from the active
-  :func:`routing_scope`.
+  ``CausalLM.__call__`` to ``MoEModel._side_output`` (a scanned stack's, stacked, to
+  ``MoEModel._stacked_side_output``); it reads its replayed experts ``replay[:, :, m]`` from the active
+  :func:`routing_scope`, m found from the layer being traced (``layers.current_layer_index``). Its static
+  attributes (``sparse``, ``moe_layers``) are the same for every sparse layer, so sparse layers stack.
   """
 
-  def __init__(self, cfg: MoEConfig, layer: int, moe_index: int | None, *, dtype, param_dtype, rngs, rules=None):
+  def __init__(self, cfg: MoEConfig, layer: int, *, dtype, param_dtype, rngs, rules=None):
     self._init_attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.moe_index = moe_index
-    if moe_index is None:
-      self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    else:
+    self.moe_layers = tuple(cfg.moe_layers)
+    self.sparse = layer in self.moe_layers
+    if self.sparse:
       self.mlp = MoEBlock(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, rules=rules)
+    else:
+      self.mlp = SwiGLU(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x, positions, segment_ids, kv, valid, index, dropout_key=None):
     x, kv = self._attend(x, positions, segment_ids, kv, valid, index, dropout_key)
     h = self.post_attention_norm(x)
-    if self.moe_index is None:
+    if not self.sparse:
       return x + self.mlp(h, dropout_key), kv
-    scope = _SCOPE.get()
-    replay = None
-    if scope is not None and scope.replay is not None:
-      r = scope.replay
-      if r.shape[:2] != x.shape[:2] or r.shape[3] != self.mlp.top_k or self.moe_index >= r.shape[2]:
-        raise ValueError(
-          f"routing_scope replay has shape {tuple(r.shape)}; this forward needs [B, S, M, k] with "
-          f"[B, S] = {tuple(x.shape[:2])}, M > {self.moe_index}, k = {self.mlp.top_k}"
-        )
-      replay = r[:, :, self.moe_index]
-    y, route = self.mlp(h, dropout_key, replay)
+    y, route = self.mlp(h, dropout_key, self._replay(x.shape[:2]))
     return x + y, kv, route
+
+  def _replay(self, rows: tuple[int, int]) -> jax.Array | None:
+    """This layer's replayed experts ``int[B, S, k]`` from the active :func:`routing_scope` (None without one)."""
+    scope = _SCOPE.get()
+    if scope is None or scope.replay is None:
+      return None
+    r, m_total = scope.replay, len(self.moe_layers)
+    if r.shape[:2] != tuple(rows) or r.shape[2] < m_total or r.shape[3] != self.mlp.top_k:
+      raise ValueError(
+        f"routing_scope replay has shape {tuple(r.shape)}; this forward needs [B, S, M, k] with "
+        f"[B, S] = {tuple(rows)}, M >= {m_total}, k = {self.mlp.top_k}"
+      )
+    layer = current_layer_index()
+    if layer is None:
+      raise ValueError(
+        "routing_scope replay: a MoEDecoderBlock called outside its model's layer stack does not know its "
+        "sparse-layer index; call the model (or enter jaxgrpo.models.layers.layer_index(l) around the layer)"
+      )
+    if isinstance(layer, int):  # the loop: a static slice
+      return r[:, :, self.moe_layers.index(layer)]
+    return jax.lax.dynamic_index_in_dim(r, layer, axis=2, keepdims=False)  # a scanned stack: every layer sparse
 
 
 class MoEModel(LlamaModel):
@@ -470,6 +496,8 @@ class MoEModel(LlamaModel):
 
   Parameters: as ``LlamaModel`` (embed_tokens, layers, final_norm, lm_head), each layer a
   :class:`MoEDecoderBlock`. ``moe_layers``: the indices of the sparse layers (M of them).
+  ``scan_layers=True``: the layers stacked and run as one scan (module docstring, "Scanned layers"); only
+  when every layer is sparse (ValueError naming the dense layers otherwise).
   """
 
   def __init__(
@@ -485,29 +513,38 @@ class MoEModel(LlamaModel):
   ):
     if not isinstance(config, (Qwen3MoeConfig, Qwen2MoeConfig)):
       raise TypeError(f"config must be a Qwen3MoeConfig or Qwen2MoeConfig, got {type(config).__name__}")
-    if scan_layers:
-      raise ValueError(SCAN_LAYERS_MOE_ERROR.format(type(config).__name__))
+    dense_layers = [i for i in range(config.num_layers) if i not in config.moe_layers]
+    if check_scan_layers(scan_layers) and dense_layers:
+      raise ValueError(SCAN_LAYERS_MOE_ERROR.format(type(config).__name__, dense_layers))
     self.config = config
+    self.scan_layers = scan_layers
     self.dtype = dtype
     self.remat, self.sharding_rules = RematPolicy.parse(remat), freeze_rules(rules)
     V, D = config.vocab_size, config.hidden_size
     self.embed_tokens = param(rngs.params(), (V, D), ("vocab", "embed"), param_dtype)
     self.moe_layers = config.moe_layers
-    index = {layer: m for m, layer in enumerate(self.moe_layers)}
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, rules=rules)
-    self.layers = nnx.List([MoEDecoderBlock(config, i, index.get(i), **kw) for i in range(config.num_layers)])
+    blocks = [MoEDecoderBlock(config, i, **kw) for i in range(config.num_layers)]
+    self.layers = stack_blocks(blocks) if scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(D, eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     self.lm_head = None if config.tie_word_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), param_dtype)
 
   def _side_output(self, layer: int, route: Route) -> None:
     scope = _SCOPE.get()
     if scope is not None:
-      scope.routes[self.layers[layer].moe_index] = route
+      scope.routes[self.moe_layers.index(layer)] = route
+
+  def _stacked_side_output(self, route: Route) -> None:
+    """A scanned stack's routes ``[M, B, S, ...]`` (every layer sparse: layer l is sparse layer l)."""
+    scope = _SCOPE.get()
+    if scope is not None:
+      scope.scanned = route
+      scope.routes.update({m: Route(route.logits[m], route.experts[m]) for m in range(route.experts.shape[0])})
 
 
 SCAN_LAYERS_MOE_ERROR = (
-  "scan_layers=True is not supported for MoE models ({}): their layers differ (dense and sparse "
-  "layers, a per-layer routing output), so they cannot be stacked; use scan_layers=False"
+  "scan_layers=True needs every layer of a MoE model sparse ({}): layers {} are dense (mlp_only_layers / "
+  "decoder_sparse_step), so the layers differ and do not stack; use scan_layers=False"
 )
 
 

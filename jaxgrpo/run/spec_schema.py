@@ -110,7 +110,7 @@ class ModelSpec:
       (docs/train.md, "Packing, remat, activation sharding").
     scan_layers: store the layers stacked and run them as one ``jax.lax.scan``
       (``jaxgrpo.models.build_model``): compiles the layer once instead of once per layer; same
-      values. Not for MoE models. Default false (docs/models.md, "Layers as a scan": measured).
+      values. A MoE model only when every layer is sparse. Default false (docs/models.md, "Layers as a scan": measured).
     attention: the attention implementation (``jaxgrpo.models.attention.IMPLEMENTATIONS``): ``auto`` (dense
       below 512 tokens a row, the platform's kernel from there: memory linear in the length), ``dense``,
       ``blockwise``, ``splash`` (TPU only), ``cudnn`` (GPU only) (docs/models.md, "Attention implementations").
