@@ -122,9 +122,9 @@ def test_pool_auto_times_one_run_of_each_kind_and_logs(caplog, drafter):
     num_slots=4, refill_every=4, speculative=switch, budget_of=lambda p, s: 10 if p % 2 else 2,
   )  # fmt: skip
   order = iter(range(12))
-  kinds, running = [], []
+  kinds, running, decided = [], [], None
   with caplog.at_level("WARNING", logger="jaxgrpo.rollout.speculative"):
-    for i in range(5):
+    for i in range(8):  # until one run after the decision (a run that decodes nothing is not one of auto's calls)
       kinds.append(switch.mode_now())
       running.append(pool.running())
       info = pool.run(model, 0, jax.random.key(i), need=1, draw=lambda: [next(order)], prompt_tokens=prompts)
@@ -132,10 +132,14 @@ def test_pool_auto_times_one_run_of_each_kind_and_logs(caplog, drafter):
       if drafter == "itself" and kinds[-1] == "draft" and info["boundaries"]:
         assert pool.sample_metrics["rollout/spec_acceptance"] == 1.0, pool.sample_metrics
       pool.take(1)
+      if decided is not None:
+        break
+      decided = i if switch.measured else None
   m = switch.measured
   d = switch.drafter
+  assert decided is not None and switch.calls >= 4
   assert kinds[:4] == ["plain", "plain", d, d] and running[2] > 0  # the first drafting run: rows in flight
-  assert kinds[4] == (d if m["speculative_on"] else "plain")
+  assert set(kinds[2 : decided + 1]) == {d} and kinds[decided + 1] == (d if m["speculative_on"] else "plain")
   (line,) = [r.getMessage() for r in caplog.records if "rollout.speculative auto" in r.getMessage()]
   assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"{m['speculative_tokens_per_s']:.1f}" in line
 
