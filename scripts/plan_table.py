@@ -10,6 +10,8 @@
 ``runs/plan_table/<config>__<model>__<topology>__<program>.json`` and its log (the per-program lines and the fix
 search) as ``.log``; a row whose JSON exists is skipped, so the command
 resumes where it stopped. A row that runs past ``--timeout`` seconds is stopped and left unsaved (its log stays).
+The child writes its JSON to ``<row>.json.part``: a runner stopped mid-compile leaves the child running, and the
+next ``run`` adopts a finished ``.part`` instead of compiling the row again.
 ``table`` prints one Markdown row per saved plan: the step's and the sampler's GiB per chip (the step's
 micro-batch count: the config's, or the one the fix search compiled), the analytic roofline and the compile
 seconds.
@@ -101,25 +103,40 @@ def run(only: str | None, timeout: float, python: str) -> None:
   env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   for row in rows():
     name = row_name(*row)
-    path = os.path.join(OUT, name + ".json")
-    if (only and only not in name) or os.path.exists(path):
+    path, part = (os.path.join(OUT, name + ext) for ext in (".json", ".json.part"))
+    if (only and only not in name) or os.path.exists(path) or _adopt(part, path):
       continue
     cmd = ["nice", "-n", "10", python, *command(*row)]
     print(f"{time.strftime('%H:%M:%S')} {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    with open(os.path.join(OUT, name + ".log"), "w") as log:
+    # the child writes its JSON to a file, not to a pipe: if this runner is stopped, the compile still finishes and
+    # the next ``run`` adopts its result
+    with open(os.path.join(OUT, name + ".log"), "w") as log, open(part, "w") as out:
       try:
-        res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout)
+        res = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=log, timeout=timeout)
       except subprocess.TimeoutExpired:
         print(f"  stopped after {timeout:.0f} s (not saved)", flush=True)
         continue
     wall = time.time() - t0
-    if res.stdout.strip().startswith("{"):
-      plan = json.loads(res.stdout)
-      plan["wall_s"], plan["exit"] = wall, res.returncode
-      with open(path, "w") as f:
-        json.dump(plan, f, indent=1)
+    _adopt(part, path, wall_s=wall, exit=res.returncode)
     print(f"  exit {res.returncode} in {wall:.0f} s", flush=True)
+
+
+def _adopt(part: str, path: str, **extra) -> bool:
+  """Move a child's finished JSON (``part``) to ``path`` with ``extra`` fields added; False (nothing moved) when
+  ``part`` is missing, empty or not a whole JSON object (the child was stopped or is still compiling)."""
+  try:
+    with open(part) as f:
+      plan = json.load(f)
+  except (OSError, ValueError):
+    return False
+  if not isinstance(plan, dict):
+    return False
+  plan.update(extra)
+  with open(path, "w") as f:
+    json.dump(plan, f, indent=1)
+  os.remove(part)
+  return True
 
 
 def _gib(x) -> str:
