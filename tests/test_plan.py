@@ -109,6 +109,66 @@ def test_plan_on_cpu8_argument_and_alias_bytes_match_the_sharded_state(tmp_path)
   assert step["collectives"].get("all-gather", 0) > 0  # FSDP gathers the weights
 
 
+def test_a_sampler_and_a_teacher_on_devices_of_their_own_are_planned_there(tmp_path):
+  """``devices.rollout 2`` and ``devices.teacher 2`` on cpu-8, as the run splits them: the step's state over the
+  4 devices left (its donated state aliases: the parameters and AdamW's two moments over 4, by formula), the sampler's
+  float32 weights over its own 2 (+ its 8 prompts over them and the key), the teacher's over its own 2 (+ the batch's
+  rows over them), and nothing else resident beside either (the moments and the teacher's weights live elsewhere).
+  Before, the plan put every program on one mesh of all 8 devices whatever the placement."""
+  config = tmp_path / "config.json"
+  config.write_text(json.dumps(TOY))
+  cmd = [sys.executable, PLAN, "--config", DEMO, "--model", str(config), "--topology", "cpu-8", "--programs",
+         "step,sampler,teacher", "--json", "--objective.beta", "0.0", "--rollout.prompts_per_step", "8",
+         "--rollout.group_size", "4", "--rollout.max_new_tokens", "32", "--data.max_prompt_tokens", "32",
+         "--devices.rollout", "2", "--devices.teacher", "2", "--rollout.max_staleness", "1",
+         "--objective.importance_correction", "tis", "--objective.distill.teacher", "synthetic:128x1"]  # fmt: skip
+  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout)
+  assert out["mesh"]["fsdp"] == 4 and {k: v["fsdp"] for k, v in out["own_meshes"].items()} == dict(sampler=2, teacher=2)
+  assert "sampler on its own 2 devices" in r.stderr and "teacher on its own 2 devices" in r.stderr
+  step, sampler, teacher = out["programs"]
+  matrices, vectors = _toy_counts(8)
+  assert step["alias_bytes"] == pytest.approx(3 * 4 * (matrices // 4 + vectors) + 8, rel=1e-3)
+  prompts = 8 // 2 * 32 * (4 + 1)  # int32 tokens and a bool mask, 4 prompts per device
+  assert sampler["argument_bytes"] == pytest.approx(4 * (matrices // 2 + vectors) + prompts + 8, rel=1e-4)
+  # synthetic:128x1: a tied Qwen3 of V 128, D 128, 4 heads (2 KV) of 32, MLP 256 (jaxgrpo.plan.programs)
+  d, v, h, kv, k, f = 128, 128, 4, 2, 32, 256
+  t_matrices, t_vectors = v * d + (2 * d * h * k + 2 * d * kv * k + 3 * d * f), 2 * d + 2 * k + d
+  rows = 32 // 2 * (32 * 5 + 32 * 5)  # the batch's prompts and completions (tokens, masks) over the teacher's 2
+  assert teacher["argument_bytes"] == pytest.approx(4 * (t_matrices // 2 + t_vectors) + rows, rel=1e-3)
+  assert [p["other_resident_bytes"] for p in out["programs"]] == [0, 0, 0]
+
+
+def test_gpu_estimate_splits_the_gpus_as_the_run_places_them():
+  """pod_distill on h100-8 with ``devices.rollout 2`` and ``devices.teacher 2``: the step's state over the 4 GPUs
+  left, the sampler's and the teacher's bf16 weights over their own 2, the teacher's weights resident beside nothing
+  of the policy's, the sampler beside nothing; ``devices`` that leave the step no GPU are refused in one line."""
+  import dataclasses
+
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(os.path.join(ROOT, "scripts", "configs", "pod_distill.yaml"), {})
+  split = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, rollout=2, teacher=2))
+  p = plan.plan_run(split, plan.parse_target("h100-8"), log=None)
+  step, sampler, teacher = p.programs
+  assert p.mesh == {"fsdp": 4} and p.own_meshes == {"sampler": {"fsdp": 2}, "teacher": {"fsdp": 2}}
+  # Qwen3-8B teacher (bf16), Qwen3-1.7B student: vocab 151,936, D 2,048, 28 layers, 16 heads, 8 KV, 128, MLP 6,144
+  v, d, layers, h, kv, hd, f = 151936, 4096, 36, 32, 8, 128, 12288
+  assert teacher.argument_bytes == pytest.approx(
+    2 * (2 * v * d + layers * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * f)) / 2, rel=1e-6
+  )
+  d, layers, h, f = 2048, 28, 16, 6144
+  student = v * d + layers * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * f)  # tied
+  assert sampler.argument_bytes == pytest.approx(2 * student / 2, rel=1e-6)
+  assert step.argument_bytes == pytest.approx(3 * 2 * student / 4, rel=1e-6)
+  assert sampler.other_resident_bytes == 0 and teacher.other_resident_bytes == 0
+  assert step.other_resident_bytes == (2 * student / 4 if cfg.objective.beta > 0 else 0)  # the reference copy only
+  crowded = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, rollout=4, teacher=4))
+  with pytest.raises(ValueError, match=r"`devices.rollout`=4 \+ `devices.teacher`=4 do not fit the target's 8 GPUs"):
+    plan.plan_run(crowded, plan.parse_target("h100-8"), log=None)
+
+
 def test_gpu_target_is_an_estimate():
   from jaxgrpo.run import specs
 

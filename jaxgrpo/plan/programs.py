@@ -223,8 +223,9 @@ class RunPrograms:
       reference's copy of the parameters).
   """
 
-  def __init__(self, cfg, model_config, mesh):
+  def __init__(self, cfg, model_config, mesh, *, rollout_mesh=None, teacher_mesh=None):
     self.cfg, self.model_config, self.mesh = cfg, model_config, mesh
+    self.rollout_mesh, self.teacher_mesh = rollout_mesh, teacher_mesh  # None: the program runs on ``mesh``
     self.shape = run_shape(cfg)
     model = abstract_model(cfg, model_config)
     self.optimizer = assemble.optimizer(cfg)
@@ -267,7 +268,8 @@ class RunPrograms:
       self.teacher_config = teacher_config(distill.teacher)
       teacher = abstract_model(cfg, self.teacher_config, adapters=False)
       t_graphdef, t_params = nnx.split(teacher)
-      t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, mesh, teacher.rules))
+      t_mesh = self.mesh_of("teacher")
+      t_params = shd.abstract_tree(t_params, shd.tree_shardings(t_params, t_mesh, teacher.rules))
       self._teacher = (t_graphdef, t_params, None if distill.sampled else distill.top_k)
       self.names += ("teacher",)
     lora_ref = cfg.lora is not None
@@ -276,7 +278,7 @@ class RunPrograms:
       self.resident["reference copy"] = per_device_bytes(self.state.params)
     for name, (_, _, rm_state, _) in self.reward_models.items():
       self.resident[name] = per_device_bytes(rm_state)  # loaded once, beside the policy, for the whole run
-    if self._teacher is not None:
+    if self._teacher is not None and teacher_mesh is None:  # on devices of its own it is resident only there
       self.resident["teacher"] = per_device_bytes(self._teacher[1])  # the teacher's copy, the whole run
     if lora_ref:
       self._ref_graphdef = nnx.graphdef(lora.base_model(model))
@@ -284,8 +286,17 @@ class RunPrograms:
     else:
       self._ref_graphdef, self._ref_params, self._ref_sh = self.graphdef, self.state.params, self.shardings.params
 
+  def mesh_of(self, name: str):
+    """The mesh program ``name`` runs on: the sampler on ``devices.rollout``'s mesh and the teacher on
+    ``devices.teacher``'s when the run gives them devices of their own, every other program on the train mesh."""
+    own = {"sampler": self.rollout_mesh, "teacher": self.teacher_mesh}.get(name)
+    return self.mesh if own is None else own
+
   def other_resident(self, name: str) -> int:
-    """Per-device bytes of the run's long-lived arrays that program ``name`` does not take as arguments."""
+    """Per-device bytes of the run's long-lived arrays that program ``name`` does not take as arguments (a program on
+    devices of its own shares them with nothing: its weights are its arguments)."""
+    if self.mesh_of(name) is not self.mesh:
+      return 0
     opt = per_device_bytes(self.state.opt_state)
     ref = self.resident.get("reference copy", 0)
     # the reference pass of a LoRA run reads the frozen base weights, which the train state holds: not counted twice
@@ -336,7 +347,7 @@ class RunPrograms:
     graphdef, params, top_k = self._teacher
     shardings = jax.tree.map(lambda x: x.sharding, params)
     fn = train.make_reference_fn(
-      graphdef, mesh=self.mesh, param_shardings=shardings, train_config=self.train_config, top_k=top_k
+      graphdef, mesh=self.mesh_of("teacher"), param_shardings=shardings, train_config=self.train_config, top_k=top_k
     )
     return fn.lower(params, self._batch())
 
@@ -350,16 +361,18 @@ class RunPrograms:
     return self._log_probs(self.graphdef, params, sh)
 
   def _sampler(self):
-    s, mc = self.shape, self.model_config
-    replicated = NamedSharding(self.mesh, PartitionSpec())
+    s, mc, mesh, rules = self.shape, self.model_config, self.mesh_of("sampler"), self.step.rules
+    replicated = NamedSharding(mesh, PartitionSpec())
     # as ``collect.place_prompts`` places them: over the batch axes when they divide the prompts, else replicated
-    divides = s.prompts % shd.batch_shards(self.mesh, self.step.rules) == 0
-    psh = self.step.batch_sharding if divides else replicated
+    divides = s.prompts % shd.batch_shards(mesh, rules) == 0
+    psh = shd.batch_sharding(mesh, rules) if divides else replicated
     prompts = _sds((s.prompts, s.prompt_len), jnp.int32, psh)
     mask = _sds((s.prompts, s.prompt_len), jnp.bool_, psh)
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = _sds(key.shape, key.dtype, replicated)
     state = nnx.State.merge(self.state.params, self.state.frozen)
+    if mesh is not self.mesh:  # devices.rollout: the weights pushed to the rollout mesh, sharded by the same rules
+      state = shd.abstract_tree(state, shd.tree_shardings(state, mesh, rules))
     eos = mc.eos_token_id if isinstance(mc.eos_token_id, (tuple, list)) else (mc.eos_token_id or 1,)
     pad = 0 if 0 not in eos else max(eos) + 1
     config = sampling.SamplingConfig(

@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxgrpo.loop import async_rollout
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.plan import flops as fl
 from jaxgrpo.plan import shapes
@@ -101,6 +102,7 @@ class RunPlan:
   mesh: dict
   programs: list
   notes: list
+  own_meshes: dict = dataclasses.field(default_factory=dict)  # {program: axes} of a program on devices of its own
 
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
@@ -167,7 +169,6 @@ def _is_oom(msg: str) -> bool:
 def _flops_and_bytes(programs: RunPrograms, name: str, plan: ProgramPlan) -> tuple[float, float]:
   """``(analytic FLOPs of the whole program, HBM bytes one device must move at least)``."""
   s, mc, cfg = programs.shape, programs.model_config, programs.cfg
-  n_dev = programs.mesh.devices.size
   if name == "step":
     passes = getattr(cfg.objective, "num_iterations", 1) or 1
     return fl.step_flops(mc, s.rows, s.prompt_len, s.completion_len, passes), plan.argument_bytes + plan.output_bytes
@@ -181,12 +182,11 @@ def _flops_and_bytes(programs: RunPrograms, name: str, plan: ProgramPlan) -> tup
     calls = -(-s.rows // b)
     per_call = fl.forward_flops(programs.reward_models[name][3], b, t, 0)
     return calls * per_call, calls * (plan.argument_bytes + plan.output_bytes)
-  compute = np.dtype(DTYPES[cfg.model.dtype]).itemsize
-  tensor = dict(programs.mesh.shape).get("tensor", 1)
+  compute, mesh = np.dtype(DTYPES[cfg.model.dtype]).itemsize, programs.mesh_of(name)
+  tensor = dict(mesh.shape).get("tensor", 1)
   weights = fl.active_matmul_params(mc) * compute / tensor  # every device reads the (gathered) layer weights
-  rows_per_dev = s.rows / shd.batch_shards(programs.mesh, programs.step.rules)
+  rows_per_dev = s.rows / shd.batch_shards(mesh, programs.step.rules)
   mem = fl.decode_hbm_bytes(mc, weights, rows_per_dev, s.prompt_len, s.new_tokens, compute)
-  del n_dev
   return fl.sampler_flops(mc, s.prompts, s.group, s.prompt_len, s.new_tokens), mem
 
 
@@ -211,7 +211,7 @@ def compile_program(programs: RunPrograms, name: str, target: Target, compile_fn
   plan.code_bytes = int(m.generated_code_size_in_bytes)
   plan.collectives = count_collectives(compiled.as_text())
   plan.flops, plan.memory_bytes = _flops_and_bytes(programs, name, plan)
-  chip, n = target.chip, programs.mesh.devices.size
+  chip, n = target.chip, programs.mesh_of(name).devices.size
   if chip is not None:
     plan.roofline_s = max(plan.flops / n / chip.peak_flops, plan.memory_bytes / chip.hbm_bw)
     s = programs.shape
@@ -234,7 +234,8 @@ def _breakdown(p: ProgramPlan) -> str:
     return ""
   parts = (p.argument_bytes, p.output_bytes, p.alias_bytes, p.temp_bytes, p.code_bytes, p.other_resident_bytes)
   names = ("arguments", "outputs", "aliased", "temporaries", "code", "other resident")
-  return f" (total {_gib(p.total_bytes)} GiB/device: " + ", ".join(f"{n} {_gib(b)}" for n, b in zip(names, parts)) + ")"
+  unit = lambda b: _gib(b) + ("" if _gib(b).endswith("B") else " GiB")  # noqa: E731 - _gib names only MiB and KiB
+  return f" (total {unit(p.total_bytes)}/device: " + ", ".join(f"{n} {unit(b)}" for n, b in zip(names, parts)) + ")"
 
 
 def _micro_batch_candidates(cfg, mesh, rules) -> list[int]:
@@ -248,11 +249,12 @@ def _with(cfg, **step):
   return dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, **step))
 
 
-def sampler_fix(cfg, model_config, mesh) -> str | None:
+def sampler_fix(cfg, model_config, mesh, *, flag: str = "--devices.mesh") -> str | None:
   """The sampler's fix when ``rollout.prompts_per_step`` does not divide the batch axes (``data × fsdp``): the run
   then passes its prompts replicated (``collect.place_prompts``), and the prefill's rows and the KV cache of all
   B·G rows are whole on every device (Qwen3-8B, 64 prompts on v5e-256: 93.86 GiB of temporaries per chip). The
-  line names the numbers and the change that splits them (by this rule, not compiled); None when they divide."""
+  line names the numbers and the change that splits them (by this rule, not compiled); None when they divide.
+  ``flag``: the option that sets ``mesh``'s axes (``--devices.rollout_mesh`` for a sampler on devices of its own)."""
   n, p = shd.batch_shards(mesh, shd.DEFAULT_RULES), cfg.rollout.prompts_per_step
   if p % n == 0:
     return None
@@ -266,22 +268,22 @@ def sampler_fix(cfg, model_config, mesh) -> str | None:
   tensor = n // shared * dict(mesh.shape).get("tensor", 1)
   heads = (model_config.num_heads, model_config.num_kv_heads)
   if shared < n and all(h % tensor == 0 for h in heads):  # the rest of the devices on the tensor axis
-    fix += f" or --devices.mesh fsdp={shared},tensor={tensor} (prompts over {shared}, heads over {tensor})"
+    fix += f" or {flag} fsdp={shared},tensor={tensor} (prompts over {shared}, heads over {tensor})"
   return fix + " splits them (not compiled)"
 
 
-def sampler_hint(cfg, model_config, mesh) -> str:
+def sampler_hint(cfg, model_config, mesh, *, flag: str = "--devices.mesh") -> str:
   """What shrinks a sampler that does not fit although its prompts already split over the batch axes (``data ×
   fsdp``, ``n`` devices): per device it holds ``P·G/n`` rows of ``prompt + max_new_tokens`` positions of KV cache,
   ``kv_heads/tensor`` heads each, and one layer's weights over ``tensor``. A larger fsdp axis helps only while it
   divides the prompts (``P`` a multiple of ``2n``); a larger tensor axis (more devices, or the same ones with half the prompts over half the fsdp axis) or a
-  shorter rollout does. One line with the numbers (by this rule, not compiled)."""
+  shorter rollout does. One line with the numbers (by this rule, not compiled); ``flag`` as :func:`sampler_fix`'s."""
   sizes, p, g = dict(mesh.shape), cfg.rollout.prompts_per_step, cfg.rollout.group_size
   n, t, new = shd.batch_shards(mesh, shd.DEFAULT_RULES), sizes.get("tensor", 1), cfg.rollout.max_new_tokens
   data, fsdp, kv = sizes.get("data", 1), sizes.get("fsdp", 1), model_config.num_kv_heads
 
   def mesh_arg(f: int, tt: int) -> str:
-    return "--devices.mesh " + (f"data={data}," if data > 1 else "") + f"fsdp={f},tensor={tt}"
+    return f"{flag} " + (f"data={data}," if data > 1 else "") + f"fsdp={f},tensor={tt}"
 
   ways, devices = [], math.prod(sizes.values())
   if p % (2 * n) == 0:
@@ -302,17 +304,22 @@ def sampler_hint(cfg, model_config, mesh) -> str:
   )
 
 
-def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) -> tuple[str | None, list]:
+def find_fix(
+  cfg, model_config, mesh, name: str, target: Target, log: Callable, *, rollout_mesh=None, teacher_mesh=None
+) -> tuple[str | None, list]:
   """The smallest change that makes program ``name`` fit, found by compiling: more micro-batches (doubling through
   the divisors: a compile that does not fit fails in seconds), then ``model.remat: full`` at the most
-  micro-batches. ``(one-line fix or None, [(change, verdict, GiB/device or None)] tried)``."""
-  tried = []
+  micro-batches. ``(one-line fix or None, [(change, verdict, GiB/device or None)] tried)``. ``mesh``: the train
+  mesh; ``rollout_mesh`` / ``teacher_mesh``: the sampler's and the teacher's own (``devices.rollout`` /
+  ``devices.teacher``; None: on ``mesh``)."""
+  tried, meshes = [], dict(rollout_mesh=rollout_mesh, teacher_mesh=teacher_mesh)
   if name == "sampler":
-    return sampler_fix(cfg, model_config, mesh), tried
+    own = rollout_mesh is not None
+    return sampler_fix(cfg, model_config, rollout_mesh if own else mesh, flag=_mesh_flag(own)), tried
   if name.startswith("reward_model:"):
     return None, tried  # a reward model scores its batch_size rows at once: no knob of the step changes it
-  base = RunPrograms(cfg, model_config, mesh)
-  cands = _micro_batch_candidates(cfg, mesh, base.step.rules)
+  base = RunPrograms(cfg, model_config, mesh, **meshes)
+  cands = _micro_batch_candidates(cfg, base.mesh_of(name), base.step.rules)
   order, k = [], cfg.step.micro_batches
   while cands:  # doubling: 2k, 4k, ... (the next divisor at or above), then the largest
     nxt = next((c for c in cands if c >= 2 * k), cands[-1])
@@ -325,7 +332,7 @@ def find_fix(cfg, model_config, mesh, name: str, target: Target, log: Callable) 
     remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full"))
     trials.append((f"--model.remat full --step.micro_batches {last}", _with(remat, micro_batches=last)))
   for change, c in trials:
-    p = compile_program(RunPrograms(c, model_config, mesh), name, target)
+    p = compile_program(RunPrograms(c, model_config, mesh, **meshes), name, target)
     gib = None if p.total_bytes is None else p.total_bytes / GiB
     tried.append((change, p.verdict, gib))
     log(f"  fix search: {name} with {change}: {p.verdict} in {p.compile_s:.0f} s" + _breakdown(p))
@@ -360,11 +367,16 @@ def plan_run(
   if target.kind == "estimate":
     return estimate_gpu(cfg, target, model_config, name)
   devices = target_devices(target)
-  mesh = shd.make_mesh(cfg.devices.mesh or "fsdp=-1", devices=devices)  # no mesh given: FSDP over every device
+  # as the run splits them: devices.teacher's last, then devices.rollout's, the train mesh over the rest (no
+  # devices.mesh: FSDP over every one of them)
+  mesh, rollout_mesh = async_rollout.make_meshes(cfg.devices, devices)
+  meshes = dict(rollout_mesh=rollout_mesh, teacher_mesh=async_rollout.make_teacher_mesh(cfg.devices, devices))
   t0 = time.perf_counter()
-  progs = RunPrograms(cfg, model_config, mesh)
+  progs = RunPrograms(cfg, model_config, mesh, **meshes)
+  own = _own_meshes(progs)
   log(
-    f"{target.describe()}; mesh {dict(mesh.shape)}; abstract model and state built in {time.perf_counter() - t0:.1f} s"
+    f"{target.describe()}; mesh {dict(mesh.shape)}{own}; abstract model and state built in "
+    f"{time.perf_counter() - t0:.1f} s"
   )
   out = []
   for p in programs or progs.names:
@@ -373,13 +385,28 @@ def plan_run(
     plan = compile_program(progs, p, target)
     log(f"  {p}: {plan.verdict} in {plan.compile_s:.1f} s" + (f" ({plan.error})" if plan.error else _breakdown(plan)))
     if plan.verdict == "does not fit" and fix and target.fit_test:
-      plan.fix, plan.tried = find_fix(cfg, model_config, mesh, p, target, log)
+      plan.fix, plan.tried = find_fix(cfg, model_config, mesh, p, target, log, **meshes)
       plan.searched = True
       if plan.fix is None and p == "sampler":
-        plan.hint = sampler_hint(cfg, model_config, mesh)
+        plan.hint = sampler_hint(cfg, model_config, progs.mesh_of(p), flag=_mesh_flag(rollout_mesh is not None))
     out.append(plan)
   notes = _notes(target)
-  return RunPlan(target, name, dataclasses.asdict(progs.shape), dict(mesh.shape), out, notes)
+  own_meshes = {p: dict(progs.mesh_of(p).shape) for p in ("sampler", "teacher") if progs.mesh_of(p) is not mesh}
+  return RunPlan(target, name, dataclasses.asdict(progs.shape), dict(mesh.shape), out, notes, own_meshes)
+
+
+def _mesh_flag(own: bool) -> str:
+  return "--devices.rollout_mesh" if own else "--devices.mesh"
+
+
+def _own_meshes(progs: RunPrograms) -> str:
+  """``; sampler on its own N devices {axes}`` for each program on devices of its own (``devices.rollout`` /
+  ``devices.teacher``), else ``""``."""
+  return "".join(
+    f"; {p} on its own {progs.mesh_of(p).devices.size} devices {dict(progs.mesh_of(p).shape)}"
+    for p in ("sampler", "teacher")
+    if progs.mesh_of(p) is not progs.mesh
+  )
 
 
 def _config_of(spec):
@@ -422,9 +449,11 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   remat (full: each layer's input, ``L·R·S·D`` in ``dtype``; otherwise ~``14·L·R·S·D``) plus one layer's
   attention scores ``R·H·S²`` float32 (the attention materialises them) and a logits chunk ``R·chunk·V`` float32;
   the sampler: the weights in ``dtype`` (all of them: FSDP gathers each layer), its KV cache and ``B·V`` logits;
-  a distillation teacher (``objective.distill``): :func:`_gpu_teacher`, its weights resident beside both."""
+  a distillation teacher (``objective.distill``): :func:`_gpu_teacher`, its weights resident beside both.
+  ``devices.rollout`` / ``devices.teacher`` (:func:`_gpu_split`): the sampler and the teacher over their own GPUs
+  (their weights only there), the step over the rest."""
   s, mc, tc = run_shape(cfg), model_config, cfg.train_config()
-  n = target.devices_total
+  n, n_roll, n_teacher = _gpu_split(cfg.devices, target.devices_total)
   pb, cb = np.dtype(DTYPES[cfg.model.param_dtype]).itemsize, np.dtype(DTYPES[cfg.model.dtype]).itemsize
   n_params = _param_count(mc)
   param_bytes = n_params * pb / n  # one copy of the parameters, sharded
@@ -439,35 +468,55 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   step = ProgramPlan("step", tc.micro_batches, other_resident_bytes=int(ref), verdict="estimated")
   step.argument_bytes = step.output_bytes = step.alias_bytes = int(state)
   step.temp_bytes, step.code_bytes = int(acts), 0
-  kv = s.rows / n * (s.prompt_len + s.new_tokens) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * cb
-  samp = ProgramPlan("sampler", tc.micro_batches, other_resident_bytes=int(2 * param_bytes + ref))  # the moments
-  samp.argument_bytes, samp.output_bytes, samp.alias_bytes = int(param_bytes), 0, 0
-  samp.temp_bytes = int(n_params * cb + kv + s.rows / n * mc.vocab_size * 4)
+  ns = n_roll or n  # the sampler's GPUs
+  kv = s.rows / ns * (s.prompt_len + s.new_tokens) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * cb
+  beside = 0 if n_roll else int(2 * param_bytes + ref)  # the moments and the reference, on the train GPUs only
+  samp = ProgramPlan("sampler", tc.micro_batches, other_resident_bytes=beside)
+  samp.argument_bytes, samp.output_bytes, samp.alias_bytes = int(n_params * pb / ns), 0, 0
+  samp.temp_bytes = int(n_params * cb + kv + s.rows / ns * mc.vocab_size * 4)
   samp.code_bytes, samp.verdict = 0, "estimated"
   passes = getattr(cfg.objective, "num_iterations", 1) or 1
   step.flops = fl.step_flops(mc, s.rows, s.prompt_len, s.completion_len, passes)
   samp.flops = fl.sampler_flops(mc, s.prompts, s.group, s.prompt_len, s.new_tokens)
   chip = target.chip
   step.roofline_s = max(step.flops / n / chip.peak_flops, 2 * state / chip.hbm_bw)
-  mem = fl.decode_hbm_bytes(mc, fl.active_matmul_params(mc) * cb, s.rows / n, s.prompt_len, s.new_tokens, cb)
-  samp.roofline_s = max(samp.flops / n / chip.peak_flops, mem / chip.hbm_bw)
+  mem = fl.decode_hbm_bytes(mc, fl.active_matmul_params(mc) * cb, s.rows / ns, s.prompt_len, s.new_tokens, cb)
+  samp.roofline_s = max(samp.flops / ns / chip.peak_flops, mem / chip.hbm_bw)
   programs = [step, samp]
-  teacher = _gpu_teacher(cfg, target, rows, seq, other=int(state + ref))
-  if teacher is not None:  # its weights resident beside every program, as the run keeps them
+  nt = n_teacher or n
+  t_rows = s.rows / nt / tc.mini_batches / tc.micro_batches
+  teacher = _gpu_teacher(cfg, target, t_rows, seq, nt, other=0 if n_teacher else int(state + ref))
+  if teacher is not None and not n_teacher:  # its weights resident beside every program, as the run keeps them
     step.other_resident_bytes += teacher.argument_bytes
-    samp.other_resident_bytes += teacher.argument_bytes
+    if not n_roll:
+      samp.other_resident_bytes += teacher.argument_bytes
+  if teacher is not None:
     programs.append(teacher)
   for p in programs:
     if p.total_bytes > chip.hbm_bytes:
       p.verdict = "estimated: does not fit"
   notes = _notes(target) + ["GPU: estimated by formula (jaxgrpo.plan.report.estimate_gpu), nothing compiled"]
-  mesh = {"fsdp": n}
-  return RunPlan(target, name, dataclasses.asdict(s), mesh, programs, notes)
+  own = {p: {"fsdp": k} for p, k in (("sampler", n_roll), ("teacher", n_teacher if teacher else 0)) if k}
+  return RunPlan(target, name, dataclasses.asdict(s), {"fsdp": n}, programs, notes, own)
 
 
-def _gpu_teacher(cfg, target: Target, rows: float, seq: int, *, other: int) -> ProgramPlan | None:
+def _gpu_split(devices_spec, total: int) -> tuple[int, int, int]:
+  """``(train, rollout, teacher)`` GPU counts of ``total`` as the run splits them (``jaxgrpo.loop.async_rollout``):
+  ``devices.teacher`` q and ``devices.rollout`` r set aside (0 when unset), the train mesh over ``devices.train`` or
+  the rest. ValueError naming the fields when the train mesh would get none or they do not fit ``total``."""
+  q, r = devices_spec.teacher or 0, devices_spec.rollout or 0
+  t = devices_spec.train or total - q - r
+  if t < 1 or t + r + q > total:
+    raise ValueError(
+      f"`devices.train`={devices_spec.train} + `devices.rollout`={devices_spec.rollout} + `devices.teacher`="
+      f"{devices_spec.teacher} do not fit the target's {total} GPUs (each >= 1 where set, disjoint)"
+    )
+  return t, r, q
+
+
+def _gpu_teacher(cfg, target: Target, rows: float, seq: int, n: int, *, other: int) -> ProgramPlan | None:
   """A distillation teacher's pass on a GPU target by formula (None without ``objective.distill.teacher``): its
-  weights in ``param_dtype`` over the ``n`` GPUs (FSDP, as the run shards it; the argument), one micro-batch's forward
+  weights in ``param_dtype`` over its ``n`` GPUs (FSDP, as the run shards it; the argument), one micro-batch's forward
   working set of ``rows`` rows per GPU — one layer's ``14·R·S·D`` in ``dtype`` (nothing is kept for a backward), its
   attention scores ``R·H·S²`` float32 and a logits chunk ``R·chunk·V`` float32 (temporaries) — and the ``[R, T]``
   log-probs plus, for a top-k form, ``[R, T, k]`` ids and log-probs (outputs); ``other``: the policy's state and
@@ -475,7 +524,7 @@ def _gpu_teacher(cfg, target: Target, rows: float, seq: int, *, other: int) -> P
   d = cfg.objective.distill
   if d is None or d.teacher is None or is_served_teacher(d.teacher):  # served outside the run: nothing resident here
     return None
-  tmc, tc, s, n = teacher_config(d.teacher), cfg.train_config(), run_shape(cfg), target.devices_total
+  tmc, tc, s = teacher_config(d.teacher), cfg.train_config(), run_shape(cfg)
   pb, cb = np.dtype(DTYPES[cfg.model.param_dtype]).itemsize, np.dtype(DTYPES[cfg.model.dtype]).itemsize
   p = ProgramPlan("teacher", tc.micro_batches, other_resident_bytes=other, verdict="estimated")
   p.argument_bytes = int(_param_count(tmc) * pb / n)
@@ -516,7 +565,9 @@ def format_table(plan: RunPlan) -> str:
   hbm = "-" if t.chip is None else f"{t.chip.hbm_bytes / GiB:.2f}"
   s = plan.shape
   head = [
-    f"plan: {plan.model} on {t.describe()}; mesh {plan.mesh}; {s['prompts']} prompts x G {s['group']} = "
+    f"plan: {plan.model} on {t.describe()}; mesh {plan.mesh}"
+    + "".join(f"; {p} on its own mesh {axes}" for p, axes in plan.own_meshes.items())
+    + f"; {s['prompts']} prompts x G {s['group']} = "
     f"{s['prompts'] * s['group']} rows, prompt {s['prompt_len']} + {s['new_tokens']} new tokens (completion "
     f"bucket {s['completion_len']})",
     "",
