@@ -37,7 +37,7 @@ def split_draft(draft_model, model, speculative, max_len: int, policy: SamplingP
   if speculative is None:
     raise ValueError(
       "ConversationSampler: `draft_model` is given but `speculative` is None; pass "
-      "speculative=SpeculativeConfig(mode='draft', num_draft=k, draft=...) to draft with it, or drop draft_model"
+      "speculative=SpeculativeConfig(num_draft=k) to draft with it, or drop draft_model"
     )
   limit = getattr(getattr(draft_model, "config", None), "max_position_embeddings", None)
   if limit is not None and limit < max_len:
