@@ -20,6 +20,13 @@ excluded), on the same model and the same numbers of tokens:
     python scripts/bench_multiturn.py                 # BENCHMARKS.md, "Multi-turn rollout: re-prefill"
     python scripts/bench_multiturn.py --rows 4 --turns 2 --turn-tokens 4 --repeats 1   # smoke run
     python scripts/bench_multiturn.py --long-every 8  # ragged: 1 trajectory in 8 takes the 4 turns, the rest one
+    python scripts/bench_multiturn.py --draft-model small --repeats 3   # also speculative turns with a draft model
+
+``--draft-model small|self`` adds two variants: ``sample_multiturn`` decoding every turn by verify steps with a draft
+model (``rollout.speculative: draft``, k = ``--draft-tokens``), re-prefilled per turn (``generate_speculative``,
+``kv_cache=False``) and cached (``ConversationSampler(draft_model=)``: the draft's KV cache kept beside the
+policy's). ``small``: a random model of the vocabulary (hidden ``--hidden`` / 2, 1 layer), drafts rarely
+accepted; ``self``: the policy itself as its draft, every draft accepted (p = q) — the best case.
 
 With ``--long-every K`` only the two multiturn variants are ragged (one decode and the turn decodes still time
 every row at its full length: compare the two multiturn lines then).
@@ -44,6 +51,7 @@ from jaxgrpo.models import build_model  # noqa: E402
 from jaxgrpo.rollout.environments import MultiTurnConfig, StepResult, sample_multiturn  # noqa: E402
 from jaxgrpo.rollout.environments.chat import ChatFormat  # noqa: E402
 from jaxgrpo.rollout.sampling import generate  # noqa: E402
+from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch  # noqa: E402
 from jaxgrpo.tasks import arithmetic, calculator  # noqa: E402
 
 OBSERVATION = "result: 12345678"
@@ -82,6 +90,8 @@ def main(argv=None):
   ap.add_argument("--hidden", type=int, default=64)
   ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--draft-model", choices=("small", "self"), default=None, help="also time a draft model's turns")
+  ap.add_argument("--draft-tokens", type=int, default=4, help="k, tokens drafted per verify step")
   args = ap.parse_args(argv)
   print(_bench.backend_line())
   tok = calculator.build_tokenizer()
@@ -105,10 +115,25 @@ def main(argv=None):
   tokens, mask = data_lib.pad_left(prompts, p_len, tok.pad_token_id)
   key = jax.random.key(0)
 
-  def multiturn(kv_cache):
-    out = sample_multiturn(
-      model, rows, lambda r: Fixed(r["turns"]), tok, sampling, env_config, key=key, kv_cache=kv_cache
+  draft = None
+  if args.draft_model == "self":
+    draft = model
+  elif args.draft_model == "small":
+    small = arithmetic.tiny_model_config(
+      len(tok), hidden_size=args.hidden // 2, num_layers=1, max_position_embeddings=1024
     )
+    draft = build_model(small, rngs=nnx.Rngs(1))
+  spec = SpeculativeConfig(mode="draft", num_draft=args.draft_tokens, draft="in memory")
+  acceptance = {}
+
+  def multiturn(kv_cache, draft_model=None):
+    switch = None if draft_model is None else SpeculativeSwitch(config=spec, draft_model=draft_model)
+    out = sample_multiturn(
+      model, rows, lambda r: Fixed(r["turns"]), tok, sampling, env_config, key=key, kv_cache=kv_cache,
+      speculative=switch,
+    )  # fmt: skip
+    if switch is not None:
+      acceptance[kv_cache] = switch.metrics["rollout/spec_acceptance"]
     # an observation is one token shorter after a turn that happened to end in <|im_end|> (not written twice)
     long = [i % args.long_every == 0 for i in range(args.rows)]
     assert out.mask.sum(1)[long].min() >= total - args.turns, (out.mask.sum(1), total)
@@ -126,9 +151,10 @@ def main(argv=None):
   reprefill, cached = multiturn(False), multiturn(True)
   same_ids = bool((reprefill.completions == cached.completions).all())
   logp_diff = float(abs(reprefill.log_probs - cached.log_probs).max())
-  times = _bench.alternating_times(
-    [lambda: multiturn(False), lambda: multiturn(True), one_decode, turn_decodes], args.repeats
-  )
+  fns = [lambda: multiturn(False), lambda: multiturn(True), one_decode, turn_decodes]
+  if draft is not None:
+    fns += [lambda: multiturn(False, draft), lambda: multiturn(True, draft)]
+  times = _bench.alternating_times(fns, args.repeats)
   med = [statistics.median(t) for t in times]
   print(
     f"rows {args.rows}, prompt {p_len} tokens, {args.turns} turns × {args.turn_tokens} policy tokens, "
@@ -139,13 +165,21 @@ def main(argv=None):
     "multiturn (KV cache kept)",
     "one continuous decode",
     "turn decodes alone",
+    f"draft model {args.draft_model} (re-prefill per turn)",
+    f"draft model {args.draft_model} (KV caches kept)",
   )
   for name, t in zip(names, med):
-    print(f"{name:34s} {t:7.3f} s  ({args.rows * total / t:8.0f} trajectory tokens/s)")
+    print(f"{name:40s} {t:7.3f} s  ({args.rows * total / t:8.0f} trajectory tokens/s)")
   print(f"cached vs re-prefill: same token ids {same_ids}, max |log-prob difference| {logp_diff:.2e}")
   print(f"re-prefill rollout / one continuous decode: {med[0] / med[2]:.2f}x")
   print(f"cached rollout / one continuous decode: {med[1] / med[2]:.2f}x")
   print(f"re-prefill / cached: {med[0] / med[1]:.2f}x")
+  if draft is not None:
+    print(
+      f"draft model (k={args.draft_tokens}): acceptance re-prefill {acceptance[False]:.3f}, cached "
+      f"{acceptance[True]:.3f}; re-prefill / cached: {med[4] / med[5]:.2f}x; cached plain / cached draft: "
+      f"{med[1] / med[5]:.2f}x"
+    )
   return med
 
 

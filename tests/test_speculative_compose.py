@@ -8,7 +8,10 @@ distribution of the first tokens (enumerated by teacher forcing, NumPy) for the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_speculative import _chi_square_p, _exact_joint, _model
@@ -228,13 +231,13 @@ def _multiturn(model, tok, sampling, *, temperature, kv_cache=True, switch=None,
   )  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_cache,drafter", [(True, "ngram"), (False, "ngram"), (True, "draft")])
+@pytest.mark.parametrize("kv_cache,drafter", [(True, "ngram"), (False, "ngram"), (True, "draft"), (False, "draft")])
 def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache, drafter):
-  """``sample_multiturn`` with a speculative switch — the cached sampler's prompt-lookup verify steps, the
-  re-prefill path's ``generate_speculative`` per turn, and a draft model (re-prefilled per turn) — over ragged
-  turns, observations and two stop sets: drafts are accepted, every policy token's recorded log-prob equals the
-  uncached forward's over the final ``prompt ‖ trajectory`` (2e-5), observation tokens carry 0; at temperature 0
-  the trajectories are plain greedy decoding's, token for token."""
+  """``sample_multiturn`` with a speculative switch — the cached sampler's verify steps (prompt lookup, or a draft
+  model whose cache is kept across turns beside the policy's), and the re-prefill path's ``generate_speculative``
+  per turn — over ragged turns, observations and two stop sets: drafts are accepted, every policy token's recorded
+  log-prob equals the uncached forward's over the final ``prompt ‖ trajectory`` (2e-5), observation tokens carry
+  0; at temperature 0 the trajectories are plain greedy decoding's, token for token."""
   from jaxgrpo.models import log_probs
 
   tok, model, sampling = _chat_policy()
@@ -256,19 +259,25 @@ def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache, drafter):
   np.testing.assert_allclose(greedy[1].log_probs, greedy[0].log_probs, atol=2e-5)
 
 
-@pytest.mark.parametrize("top_k", [0, 4])
-def test_conversation_turn_sequences_follow_the_target_distribution(top_k):
+@pytest.mark.parametrize("top_k,drafter", [(0, "ngram"), (4, "ngram"), (0, "model"), (4, "model")])
+def test_conversation_turn_sequences_follow_the_target_distribution(top_k, drafter):
   """Many conversations of one prompt through the cached sampler: a first turn of one token, an appended
-  observation, then a second turn of 3 tokens by verify steps (k = 2, drafts from the whole conversation). Among
-  the rows whose first token is the commonest (one context), the joint distribution of the second turn equals the
-  target's exact one given that context (chi-square, p > 1e-4), with drafts accepted and rejected."""
+  observation, then a second turn of 3 tokens by verify steps (k = 2, drafts from the whole conversation by
+  prompt lookup, or by a draft model — another random model of the vocabulary — from its own cache kept across
+  the turns). Among the rows whose first token is the commonest (one context), the joint distribution of the
+  second turn equals the target's exact one given that context (chi-square, p > 1e-4), with drafts accepted and
+  rejected."""
   from jaxgrpo.rollout.conversation import ConversationSampler
 
   model = _model(7, 2.0, seed=2)
   prompt, g, length = [3, 4, 5, 3, 4, 5, 3], 4000, 3
   sampling = SamplingConfig(num_samples=g, top_k=top_k, pad_id=0)
+  spec = SpeculativeConfig(num_draft=2, ngram=1)
+  draft = None
+  if drafter == "model":
+    spec, draft = SpeculativeConfig(mode="draft", num_draft=2, draft="in memory"), _model(7, 2.0, seed=5)
   conv = ConversationSampler(
-    model, [prompt] * g, sampling, max_len=20, temperature=0.8, speculative=SpeculativeConfig(num_draft=2, ngram=1)
+    model, [prompt] * g, sampling, max_len=20, temperature=0.8, speculative=spec, draft_model=draft
   )
   first = conv.turn([(jax.random.key(1), list(range(g)))], max_new_tokens=1)
   second = conv.turn(
@@ -285,6 +294,112 @@ def test_conversation_turn_sequences_follow_the_target_distribution(top_k):
   counts = np.bincount(np.ravel_multi_index(seqs.T, (7,) * length), minlength=7**length)
   context = np.asarray(prompt + [t0, 4, 5])
   assert _chi_square_p(counts, _exact_joint(model, context, length, 0.8, top_k)) > 1e-4
+
+
+def _draft_switch(draft, k=3):
+  return SpeculativeSwitch(config=SpeculativeConfig(mode="draft", num_draft=k, draft="in memory"), draft_model=draft)
+
+
+def test_conversation_draft_model_cache_is_kept_across_turns():
+  """The cached sampler with a draft model (a flatter copy of the policy: drafts accepted and rejected) over turns
+  of every row and of subsets (padding rows), appended observations, budgets and stop ids: every recorded
+  log-prob equals the uncached forward's over the conversation so far (1e-5); after the turns the draft's cache
+  holds exactly each conversation but its last token — index, valid slots, and keys and values equal to a fresh
+  cache-free prefill of the draft over it (1e-5): the observations were fed to it and the rejected drafts' slots
+  discarded."""
+  from jaxgrpo.models import log_probs
+  from jaxgrpo.rollout.conversation import ConversationSampler
+
+  model, draft = _model(61, 5.0, seed=0), _model(61, 3.0, seed=0)
+  prompts = [[5, 6, 7, 5]] * 2 + [[9, 10]] * 2 + [[3]] * 2
+  sampling = SamplingConfig(num_samples=2, pad_id=0)
+  spec = SpeculativeConfig(mode="draft", num_draft=3, draft="in memory")
+  conv = ConversationSampler(
+    model, prompts, sampling, max_len=60, temperature=0.7, speculative=spec, draft_model=draft
+  )  # fmt: skip
+  convs = {i: list(p) for i, p in enumerate(prompts)}
+  sampled = {i: [] for i in convs}  # (start, log-probs) of each turn
+
+  def turn(key, rows, appended=None, budgets=None, stop_ids=None):
+    for i, ids in (appended or {}).items():
+      convs[i] += ids
+    out = conv.turn([(jax.random.key(key), rows)], max_new_tokens=8, appended=appended, budgets=budgets,
+                    stop_ids=stop_ids)  # fmt: skip
+    for i, (ids, lps) in out.items():
+      sampled[i].append((len(convs[i]), lps))
+      convs[i] += ids.tolist()
+
+  turn(0, [0, 1, 2, 3, 4, 5], budgets={1: 3}, stop_ids={4: (7,)})
+  turn(1, [3, 0, 5], appended={0: [9, 10, 11], 3: [12]})  # 3 of 6 rows: 4 decode rows, one padding
+  turn(2, [1, 4, 2], appended={1: [13, 14]})
+  turn(3, [0, 3, 5, 2], appended={5: [15]}, budgets={2: 2})
+  drafted, accepted = conv.stats[1:]
+  assert 0.1 < accepted / drafted < 0.95, conv.stats  # both branches of the rule ran
+  width = max(len(c) for c in convs.values())
+  tokens, mask = np.zeros((len(convs), width), np.int32), np.zeros((len(convs), width), bool)
+  for i, ids in convs.items():  # right-padded: real token k of each row at position k
+    tokens[i, : len(ids)], mask[i, : len(ids)] = ids, True
+  lp = np.asarray(log_probs(model, tokens, mask, chunk_size=None, temperature=0.7))
+  for i in convs:
+    for start, lps in sampled[i]:
+      np.testing.assert_allclose(lps, lp[i, start : start + len(lps)], atol=1e-5, err_msg=f"row {i}")
+  cache = conv.draft_cache
+  for i, ids in convs.items():
+    held = len(ids) - 1  # the last sampled token is not fed yet
+    assert conv.length(i) == len(ids) and int(cache.index[i]) == held
+    assert np.asarray(cache.valid[i, :held]).all() and not np.asarray(cache.valid[i, held:]).any()
+    fresh = draft.init_cache(1, held, per_row=True)
+    _, fresh = draft(jnp.asarray([ids[:-1]]), jnp.arange(held)[None], attention_mask=jnp.ones((1, held), bool),
+                     cache=fresh)  # fmt: skip
+    for got, want in zip(cache.k + cache.v, fresh.k + fresh.v):
+      got = np.asarray(got[i])
+      got = got[..., :held] if got.shape[-1] == cache.max_len else got[:, :held]  # keys [N, K, T], values [N, T, K]
+      np.testing.assert_allclose(got, np.asarray(want[0]), atol=1e-5, err_msg=f"row {i}")
+
+
+def test_multiturn_with_a_draft_model_keeps_its_cache_and_self_drafting_accepts_all(monkeypatch):
+  """``sample_multiturn`` with a draft model takes the cached path (the re-prefill sampler is made to fail: no turn
+  re-prefills; the old code re-prefilled every turn with ``generate_speculative``); with the policy as its own
+  draft at temperature 0 every draft is accepted over all the turns and the trajectories and log-probs are plain
+  greedy decoding's (that the draft's cache follows each conversation is checked slot by slot in
+  ``test_conversation_draft_model_cache_is_kept_across_turns``)."""
+  from jaxgrpo.rollout.environments import rollout as multiturn
+
+  tok, model, sampling = _chat_policy()
+  plain = _multiturn(model, tok, sampling, temperature=0.0)
+
+  def refused(*args, **kwargs):
+    raise AssertionError("a turn was re-prefilled with generate_speculative")
+
+  monkeypatch.setattr(multiturn, "generate_speculative", refused)
+  switch = _draft_switch(model)
+  out = _multiturn(model, tok, sampling, temperature=0.0, switch=switch)
+  assert switch.metrics["rollout/speculative_on"] == 1.0 and switch.metrics["rollout/spec_acceptance"] == 1.0
+  assert (out.turns > 1).sum() >= 2 and (out.mask & ~out.policy_mask).any()
+  for name in ("completions", "mask", "policy_mask", "turns"):
+    np.testing.assert_array_equal(getattr(out, name), getattr(plain, name), err_msg=name)
+  np.testing.assert_allclose(out.log_probs, plain.log_probs, atol=1e-5)
+
+
+def test_conversation_draft_model_refused_in_one_line():
+  """A draft model the cached sampler cannot use is refused before any prefill, one line naming the fix: without
+  ``speculative``, of another vocabulary, of fewer positions than the conversations."""
+  from jaxgrpo.rollout.conversation import ConversationSampler
+
+  model, sampling = _model(61, 5.0), SamplingConfig(num_samples=2, pad_id=0)
+  spec = SpeculativeConfig(mode="draft", num_draft=3, draft="in memory")
+  prompts = [[5, 6]] * 2
+  with pytest.raises(ValueError, match=r"`draft_model` is given but `speculative` is None"):
+    ConversationSampler(model, prompts, sampling, max_len=20, draft_model=_model(61, 1.0))
+  with pytest.raises(ValueError, match=r"vocab_size 7 != the target's 61"):
+    ConversationSampler(model, prompts, sampling, max_len=20, speculative=spec, draft_model=_model(7, 1.0))
+  from flax import nnx
+
+  from jaxgrpo import models
+
+  longer = models.build_model(dataclasses.replace(model.config, max_position_embeddings=256), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"max_position_embeddings 128 < max_len 129"):
+    ConversationSampler(longer, prompts, sampling, max_len=129, speculative=spec, draft_model=_model(61, 1.0))
 
 
 def test_multiturn_auto_measures_the_sampler_and_logs(caplog):

@@ -28,6 +28,27 @@ def bucket_width(n: int, cap: int) -> int:
   return min(cap, max(8, 1 << max(0, (n - 1).bit_length())))
 
 
+def split_draft(draft_model, model, speculative, max_len: int, policy: SamplingPolicy):
+  """``nnx.split(draft_model)`` once it can draft the conversations of ``model`` (None: None): ``speculative``
+  set, the policy's vocabulary (``speculative.check_draft_model``) and ``max_len`` positions (ValueError in one
+  line each)."""
+  if draft_model is None:
+    return None
+  if speculative is None:
+    raise ValueError(
+      "ConversationSampler: `draft_model` is given but `speculative` is None; pass "
+      "speculative=SpeculativeConfig(num_draft=k) to draft with it, or drop draft_model"
+    )
+  limit = getattr(getattr(draft_model, "config", None), "max_position_embeddings", None)
+  if limit is not None and limit < max_len:
+    raise ValueError(
+      f"ConversationSampler: the draft model's max_position_embeddings {limit} < max_len {max_len}: its cache "
+      "holds the whole conversation; use a draft of at least max_len positions or lower env.max_tokens"
+    )
+  one = dataclasses.replace(policy, max_new_tokens=1, record_routing=False)
+  return nnx.split(_speculative.check_draft_model(draft_model, model, (1, 1), one))
+
+
 class ConversationSampler:
   """Samples N conversations turn by turn with **one KV cache kept across turns** (the multi-turn rollout's
   sampler, ``jaxgrpo.rollout.environments.sample_multiturn``).
@@ -61,16 +82,31 @@ class ConversationSampler:
     temperature: as for :func:`generate`.
     suppress_eos: the stop ids the default ``suppress_ids`` is computed against (``SamplingConfig.suppress_ids``
       None: the pad id unless it is one of them).
-    speculative: None, or a ``jaxgrpo.rollout.speculative.SpeculativeConfig`` (prompt lookup): after each turn's
-      first token the decode is by *verify steps* (``speculative.verify_step``): k drafts per row from the row's
-      whole conversation so far, verified at its own slots and positions, 1 .. k+1 tokens kept per step (cut at
-      the row's stop ids and budget), each recorded log-prob the target's; drafting stops at the turn's end,
-      appended tokens are never drafted. The cache holds k slots more. :attr:`stats` counts (verify steps,
-      drafted, accepted) over the turns.
+    speculative: None, or a ``jaxgrpo.rollout.speculative.SpeculativeConfig``: after each turn's first token the
+      decode is by *verify steps* (``speculative.verify_step``): k drafts per row — by prompt lookup from the
+      row's whole conversation so far, or by ``draft_model`` — verified at its own slots and positions, 1 .. k+1
+      tokens kept per step (cut at the row's stop ids and budget), each recorded log-prob the target's; drafting
+      stops at the turn's end, appended tokens are never drafted. The cache holds k slots more. :attr:`stats`
+      counts (verify steps, drafted, accepted) over the turns.
+    draft_model: None (prompt lookup), or the draft model (a ``jaxgrpo.models`` decoder of the policy's
+      vocabulary, ``speculative.load_draft``; needs ``speculative``): its own per-row KV cache is kept beside the
+      policy's for the whole conversation — the same slots and positions: prefilled with the prompt heads, fed
+      each turn's chunk (the pending token and the appended observation) as the policy's is, advanced by the
+      k draft decode steps of each verify step (``speculative.draft_verify_step``: d_i ~ q_i, the rule with q)
+      and rewound with the policy's to what each row kept. So no turn re-prefills the conversation.
   """
 
   def __init__(
-    self, model, prompts, sampling, *, max_len: int, temperature: float = 1.0, suppress_eos=(), speculative=None
+    self,
+    model,
+    prompts,
+    sampling,
+    *,
+    max_len: int,
+    temperature: float = 1.0,
+    suppress_eos=(),
+    speculative=None,
+    draft_model=None,
   ):
     vocab = model.config.vocab_size
     # the turns' policy: max_new_tokens is each turn's own, the default suppressed ids resolved against the stop ids
@@ -95,11 +131,7 @@ class ConversationSampler:
         f"`max_len` must be in [longest prompt = {longest}, max_position_embeddings = {limit}]; got {max_len}"
       )
     self.max_len, self.num_rows, self.vocab_size = max_len, len(prompts), vocab
-    if speculative is not None and speculative.draft is not None:
-      raise ValueError(
-        "ConversationSampler speculates by prompt lookup only: a draft model's cache is not kept across turns "
-        "(sample_multiturn re-prefills each turn with generate_speculative instead)"
-      )
+    self._draft = split_draft(draft_model, model, speculative, max_len, self.policy)  # (graphdef, state) or None
     self.speculative = speculative
     self.stats = np.zeros(3, np.int64)  # verify steps, drafted, accepted
     self._history = [list(p) for p in prompts]  # every token of each conversation (prompt lookup's context)
@@ -117,8 +149,20 @@ class ConversationSampler:
       self._cache = _conversation_prefill_jit(
         self._graphdef, self._state, tokens, mask, num_samples=g, max_len=max_len + extra
       )
+      # the draft model's cache: the same slots as the policy's (None without a draft model)
+      self._draft_cache = None
+      if self._draft is not None:
+        self._draft_cache = _conversation_prefill_jit(
+          *self._draft, tokens, mask, num_samples=g, max_len=max_len + extra
+        )
     self._pending = [p[-1] for p in prompts]  # the token of each row not yet in the cache
     self._length = [len(p) for p in prompts]  # tokens of each conversation (its pending token included)
+
+  @property
+  def draft_cache(self):
+    """The draft model's per-row ``KVCache`` (None without a draft model): row i holds conversation i but its
+    last token at slots (and positions) ``0 .. length(i) - 2``, as the policy's cache does."""
+    return self._draft_cache
 
   def length(self, row: int) -> int:
     """Tokens in conversation ``row`` so far (prompt, turns and appended tokens)."""
@@ -195,16 +239,17 @@ class ConversationSampler:
     budget = np.where(np.asarray(order) < n, budget[pick], 0).astype(np.int32)
     spec = self.speculative
     history = None
-    if spec is not None:  # each decode row's conversation so far (real tokens last: prompt lookup's context)
+    if spec is not None and self._draft is None:  # each decode row's conversation so far (prompt lookup's context)
       ctx = [self._history[i] + list(appended.get(i, ())) if i in feeds else [] for i in order]
       history = pad_left(ctx, bucket_width(max(len(c) for c in ctx), self.max_len + 1), self.pad_id)
+    draft_graphdef, draft_state = self._draft or (None, None)
     with target_platform(
       self._state
     ):  # the program of the devices that hold the model (docs/models.md, "Target platform")
-      self._cache, tokens, logps, lengths, counts = _conversation_turn_jit(
+      (self._cache, self._draft_cache), tokens, logps, lengths, counts = _conversation_turn_jit(
         self._graphdef,
         self._state,
-        self._cache,
+        (self._cache, self._draft_cache),
         None if r >= n else np.asarray(order, np.int32),
         feed,
         feed_mask,
@@ -215,6 +260,8 @@ class ConversationSampler:
         key_index[pick],
         draw_index[pick],
         history,
+        draft_state,
+        draft_graphdef=draft_graphdef,
         policy=dataclasses.replace(self.policy, max_new_tokens=t_new),
         num_draft=0 if spec is None else spec.num_draft,
         ngram=0 if spec is None else spec.ngram,
@@ -244,11 +291,13 @@ def _conversation_prefill_jit(graphdef, state, tokens, mask, *, num_samples, max
   return _models.repeat_cache(cache, num_samples)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy", "num_draft", "ngram"), donate_argnums=(2,))
+@functools.partial(
+  jax.jit, static_argnums=(0,), static_argnames=("draft_graphdef", "policy", "num_draft", "ngram"), donate_argnums=(2,)
+)
 def _conversation_turn_jit(
   graphdef,
   state,
-  full_cache,
+  full_caches,
   rows,
   feed,
   feed_mask,
@@ -259,29 +308,42 @@ def _conversation_turn_jit(
   key_index,
   draw_index,
   history=None,
+  draft_state=None,
   *,
+  draft_graphdef=None,
   policy,
   num_draft=0,
   ngram=0,
 ):
-  """One turn of ``ConversationSampler`` over R rows of the per-row cache (``rows int32[R]``, their cache rows;
-  out of range: padding; None: all N): the chunk ``feed [R, W]`` (right-padded, row i from position
-  ``feed_pos[i]``) onto the cache, then the decode loop of ``_generate_jit`` with per-row budgets and stop
-  ids, rows with ``budget == 0`` done from the start; ``policy`` (a ``SamplingPolicy``) with the turn's
-  ``max_new_tokens``. ``num_draft`` k > 0: after token 0, verify steps instead (:func:`_spec_turn`; ``history
-  (int32[R, H], bool[R, H])`` each row's conversation so far, left-padded). Returns (full cache, tokens, log-probs,
-  lengths, ``int32[3]`` verify steps, drafted, accepted)."""
+  """One turn of ``ConversationSampler`` over R rows of the per-row caches ``full_caches`` (the policy's, and the
+  draft model's or None; ``rows int32[R]``, their cache rows; out of range: padding; None: all N): the chunk
+  ``feed [R, W]`` (right-padded, row i from position ``feed_pos[i]``) onto the cache(s), then the decode loop
+  of ``_generate_jit`` with per-row budgets and stop ids, rows with ``budget == 0`` done from the start;
+  ``policy`` (a ``SamplingPolicy``) with the turn's ``max_new_tokens``. ``num_draft`` k > 0: after token 0,
+  verify steps instead (:func:`_spec_turn`): prompt-lookup drafts from ``history (int32[R, H], bool[R, H])``
+  (each row's conversation so far, left-padded), or with ``draft_graphdef`` the draft model's (``draft_state``).
+  Returns ((policy cache, draft cache or None), tokens, log-probs, lengths, ``int32[3]`` verify steps, drafted,
+  accepted)."""
   model = nnx.merge(graphdef, state)
+  draft = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
   max_new_tokens, pad_id = policy.max_new_tokens, policy.pad_id
-  cache = full_cache if rows is None else _models.take_cache_rows(full_cache, rows)
+  take = lambda full: full if full is None or rows is None else _models.take_cache_rows(full, rows)
+  cache, draft_cache = (take(c) for c in full_caches)
   n_rows, width = feed.shape
   positions = feed_pos[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
   hidden, cache = model(feed, positions, attention_mask=feed_mask, cache=cache)
+  if draft is not None:  # the same chunk at the same slots: the draft's cache holds what the policy's holds
+    _, draft_cache = draft(feed, positions, attention_mask=feed_mask, cache=draft_cache)
   n_feed = jnp.sum(feed_mask, axis=1, dtype=jnp.int32)
   last = jnp.maximum(n_feed - 1, 0)
   first_logits = model.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], out_dtype=jnp.float32)
   start_pos = feed_pos + n_feed  # position of token 0 of the turn
   suppressed = suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
+
+  def put(caches):
+    if rows is None:
+      return caches
+    return tuple(c if c is None else _models.put_cache_rows(f, rows, c) for f, c in zip(full_caches, caches))
 
   def uniforms(t):
     per_key = [jax.random.uniform(jax.random.fold_in(keys[k], t), (n_rows,), jnp.float32) for k in range(len(keys))]
@@ -302,11 +364,9 @@ def _conversation_turn_jit(
   *buffers, last_token = record(0, first_logits, buffers)
   if num_draft:
     row_keys = jax.vmap(jax.random.fold_in)(keys[key_index], draw_index)  # each row's own stream
-    args = (model, cache, last_token, tuple(buffers), start_pos, history, stop_table, budget, row_keys)
-    cache, tokens, logps, lengths, counts = _spec_turn(*args, policy, suppressed, num_draft, ngram)
-    if rows is not None:
-      cache = _models.put_cache_rows(full_cache, rows, cache)
-    return cache, tokens, logps, lengths, counts
+    args = (model, (cache, draft, draft_cache), last_token, tuple(buffers), start_pos, history, stop_table, budget)
+    caches, tokens, logps, lengths, counts = _spec_turn(*args, row_keys, policy, suppressed, num_draft, ngram)
+    return put(caches), tokens, logps, lengths, counts
 
   def cond(loop_carry):
     t, _, _, buffers = loop_carry
@@ -322,27 +382,35 @@ def _conversation_turn_jit(
   _, cache, _, (tokens, logps, lengths, _) = jax.lax.while_loop(
     cond, body, (jnp.int32(1), cache, last_token, tuple(buffers))
   )
-  if rows is not None:
-    cache = _models.put_cache_rows(full_cache, rows, cache)
-  return cache, tokens, logps, lengths, jnp.zeros((3,), jnp.int32)
+  return put((cache, draft_cache)), tokens, logps, lengths, jnp.zeros((3,), jnp.int32)
 
 
-def _spec_turn(model, cache, last, buffers, start_pos, history, stop_table, budget, row_keys, policy, suppressed, k, n):
-  """A turn's tokens 1.. by verify steps (``jaxgrpo.rollout.speculative.lookup_verify_step``) until every row is done:
-  k prompt-lookup drafts (suffix length n) per running row from ``history ‖ turn so far``, fed after its last
-  token at its own positions ``start_pos + length - 1 ..``, accepted with the uniforms ``uniform(fold_in(row_keys,
-  length), (k+1,))`` (each length starts at most one step: fresh uniforms), the kept run cut at the row's stop ids
-  (``stop_table``) and ``budget``, the cache rewound to it. Returns (cache, tokens, log-probs, lengths, ``int32[3]``
-  verify steps, drafted, accepted)."""
-  draw = lambda t: jax.vmap(lambda key, i: jax.random.uniform(jax.random.fold_in(key, i), (k + 1,)))(row_keys, t)
+def _spec_turn(
+  model, caches, last, buffers, start_pos, history, stop_table, budget, row_keys, policy, suppressed, k, n
+):
+  """A turn's tokens 1.. by verify steps until every row is done: k drafts per running row — prompt lookup
+  (``jaxgrpo.rollout.speculative.lookup_verify_step``, suffix length n) from ``history ‖ turn so far``, or, with
+  ``caches = (cache, draft, draft_cache)`` holding a draft model, k decode steps of the draft from its own cache
+  (``draft_verify_step``) — fed after its last token at its own positions ``start_pos + length - 1 ..``,
+  accepted with the uniforms ``uniform(fold_in(row_keys, length), (k+1,))`` (``(2k+1,)`` with a draft model: k
+  more for its draws; each length starts at most one step: fresh uniforms), the kept run cut at the row's stop
+  ids (``stop_table``) and ``budget``, the cache(s) rewound to it. Returns ((cache, draft cache or None), tokens,
+  log-probs, lengths, ``int32[3]`` verify steps, drafted, accepted)."""
+  cache, draft, draft_cache = caches
+  width = k + 1 if draft is None else 2 * k + 1
+  draw = lambda t: jax.vmap(lambda key, i: jax.random.uniform(jax.random.fold_in(key, i), (width,)))(row_keys, t)
+  args = (start_pos, draw, budget, stop_table, policy, suppressed)
 
   def body(c):
-    cache, rows, counts = c
-    cache, rows, step = _speculative.lookup_verify_step(
-      model, cache, rows, history, start_pos, draw, budget, stop_table, policy, suppressed, k=k, ngram=n
-    )
-    return cache, rows, counts + step
+    (cache, draft_cache), rows, counts = c
+    if draft is None:
+      cache, rows, step = _speculative.lookup_verify_step(model, cache, rows, history, *args, k=k, ngram=n)
+    else:
+      cache, draft_cache, rows, step = _speculative.draft_verify_step(
+        model, cache, draft, draft_cache, rows, *args, k=k
+      )
+    return (cache, draft_cache), rows, counts + step
 
-  carry = (cache, (*buffers, last), jnp.zeros((3,), jnp.int32))
-  cache, (tokens, logps, lengths, _, _), counts = jax.lax.while_loop(lambda c: ~jnp.all(c[1][3]), body, carry)
-  return cache, tokens, logps, lengths, counts
+  carry = ((cache, draft_cache), (*buffers, last), jnp.zeros((3,), jnp.int32))
+  caches, (tokens, logps, lengths, _, _), counts = jax.lax.while_loop(lambda c: ~jnp.all(c[1][3]), body, carry)
+  return caches, tokens, logps, lengths, counts

@@ -543,10 +543,10 @@ def sample_multiturn(
       different suppressed ids (a pad id that is a stop id of some groups only): those re-prefill.
     speculative: None, or a ``jaxgrpo.rollout.speculative.SpeculativeSwitch`` (the built-in engine's
       ``rollout.speculative``; not with an ``engine``): the policy's turns are decoded by exact speculative
-      decoding when the switch says so (``mode_now``) — the cached sampler by prompt-lookup verify steps
-      (``ConversationSampler(speculative=)``), the re-prefill path and any rollout with a draft model by
-      ``generate_speculative`` each turn. Drafting stops at each turn's end; observation tokens are appended,
-      never drafted. The rollout is one call of the switch (``observe``: policy tokens over the sampler's
+      decoding when the switch says so (``mode_now``) — the cached sampler by verify steps
+      (``ConversationSampler(speculative=, draft_model=)``: prompt lookup, or the switch's draft model, whose own
+      KV cache is kept beside the policy's across turns), the re-prefill path by ``generate_speculative`` each
+      turn. Drafting stops at each turn's end; observation tokens are appended, never drafted. The rollout is one call of the switch (``observe``: policy tokens over the sampler's
       seconds, the environments' time excluded; ``auto`` decides on it; ``switch.metrics`` says what ran).
 
   With ``sampling.quantize`` (int8 / fp8) and no ``engine``, every turn samples the quantised copy of ``model``
@@ -578,11 +578,11 @@ def sample_multiturn(
   spec = None if mode == "plain" else (speculative.config, speculative.draft_model)
   stats, sampler_s = np.zeros(3, np.int64), 0.0  # verify steps, drafted, accepted; seconds in the sampler
   conv = None
-  if kv_cache and engine is None and len(suppress) == 1 and (spec is None or spec[1] is None):
+  if kv_cache and engine is None and len(suppress) == 1:
     # every token of a trajectory after the prompt fits: p_max + t_max tokens, the last never fed
     conv = ConversationSampler(
       model, prompts, sampling, max_len=p_max + t_max - 1, temperature=temperature, suppress_eos=stops[0],
-      speculative=None if spec is None else spec[0],
+      speculative=None if spec is None else spec[0], draft_model=None if spec is None else spec[1],
     )  # fmt: skip
 
   def cached_turn(batches):
