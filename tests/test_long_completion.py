@@ -83,3 +83,8 @@ def test_the_attention_line_names_packed_rows_and_per_batch_episodes():
   assert assemble.attention_line(small, mesh, None).endswith(
     "chosen per batch by its row length (episodes' prompts vary)"
   )
+  # an env run's trajectories are env.max_tokens wide; rollout.max_new_tokens (1,024 by default) is not used there
+  # (before: the line named 48 + 1,024 positions and "blockwise", while the step ran dense rows of 48 + 64)
+  env = load_config(os.path.join(ROOT, "scripts", "configs", "demo_env.yaml"), {"env.max_tokens": 64})
+  assert env.rollout.max_new_tokens != 64
+  assert assemble.attention_line(env, mesh, 48).endswith("-> dense in the train step (112 positions a row)")

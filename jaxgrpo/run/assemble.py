@@ -289,14 +289,16 @@ def sampling_config(cfg: TrainerConfig, model, *, pad_id: int, eos_ids: Sequence
 def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None) -> str:
   """The log line naming the attention the train step runs: ``model.attention`` resolved
   (``models.attention.resolve_implementation``) for rows of ``step.packing`` positions when packing, else
-  ``prompt_len + rollout.max_new_tokens``, on the platform of ``mesh``'s devices; ring attention over a ``context``
-  axis (``models.attention.context_implementation``). ``prompt_len`` None (multi-turn episodes, whose prompt width
-  is known per batch) without packing: the line says the choice is made per batch."""
+  ``prompt_len +`` the completion width (``rollout.max_new_tokens``; with ``env``, ``env.max_tokens``: a
+  trajectory's tokens), on the platform of ``mesh``'s devices; ring attention over a ``context`` axis
+  (``models.attention.context_implementation``). ``prompt_len`` None (multi-turn episodes, whose prompt width is
+  known per batch) without packing: the line says the choice is made per batch."""
   name = f"attention: model.attention={cfg.model.attention!r}"
   ring = context_implementation(cfg.model.attention, shd.context_size(mesh))
   if ring is not None:
     return f"{name} -> ring attention over the context axis (blockwise inside) in the train step"
-  rows = cfg.step.packing or (None if prompt_len is None else prompt_len + cfg.rollout.max_new_tokens)
+  width = cfg.rollout.max_new_tokens if cfg.env is None else cfg.env.multiturn_config().max_tokens
+  rows = cfg.step.packing or (None if prompt_len is None else prompt_len + width)
   if rows is None:
     return f"{name} in the train step: chosen per batch by its row length (episodes' prompts vary)"
   impl = resolve_implementation(cfg.model.attention, rows, platform_of(mesh))
