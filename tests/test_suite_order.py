@@ -50,6 +50,7 @@ def test_the_session_and_its_children_write_bytecode_even_where_the_environment_
   same modules; the side venvs hold no bytecode): a fresh Python started with it set, importing the conftest, ends
   up writing bytecode and passes no such setting on; a child of the suite then writes the ``__pycache__`` of a
   module it imports."""
+  assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ  # this process (an xdist worker)
   code = (
     "import os, sys; sys.path.insert(0, sys.argv[1]); import conftest; "
     "print(sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE' in os.environ)"
