@@ -1,7 +1,7 @@
 """Makes the shared test helpers importable one way, ``from helpers import ...`` (tests/helpers.py),
 whatever pytest's import mode (child processes get the same path from ``helpers.child_env``), shares
-one persistent XLA compilation cache across the session, starts the slowest test modules first and the
-side venvs' builds in the background,
+one persistent XLA compilation cache across the session, writes bytecode even under PYTHONDONTWRITEBYTECODE,
+starts the slowest test modules first and the side venvs' builds in the background,
 releases compiled code between test modules, and makes the property tests reproducible.
 
 **Property tests (hypothesis) are derandomized.** Every run — CI, a submission's check, a developer's
@@ -38,6 +38,14 @@ from helpers import TEST_XLA_FLAGS  # noqa: E402  (imports no jax)
 for _flag in TEST_XLA_FLAGS.split():
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+# Bytecode is written (``__pycache__``, git-ignored) even where PYTHONDONTWRITEBYTECODE is set, for this process, the
+# xdist workers and every child: the suite starts a few hundred Pythons that import the same modules, and without
+# bytecode each compiles them from source again — this checkout's (0.35 CPU-s a start for ``jaxgrpo.run.trainer``)
+# and, in the side venvs, which are installed without bytecode (uv's default), jax, torch and vLLM (a ``.venv-tpu``
+# child's ``import jax, flax.nnx, optax``: 2.45 CPU-s from source, 1.0 with bytecode; ``import vllm``: 16.7 vs 7.7).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+  sys.dont_write_bytecode = False
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402

@@ -54,9 +54,9 @@ def run(python, script: str, *args: str, cache) -> str:
   cache); its stdout, or a failure naming the command and showing its output's end."""
   cmd = [python, os.path.join("scripts", script), *args]
   # the venv's modules are not compiled to bytecode at install (uv's default): the first run writes what it imports
-  # for the next ones, even where PYTHONDONTWRITEBYTECODE is set (2.5 s less per start here: 2.8 s to
-  # `train.py --help` instead of 5.5 s)
-  env = {k: v for k, v in cli_env(cache).items() if k != "PYTHONDONTWRITEBYTECODE"}
+  # for the next ones, even where PYTHONDONTWRITEBYTECODE is set (tests/conftest.py drops it for the session; 2.5 s
+  # less per start here: 2.8 s to `train.py --help` instead of 5.5 s)
+  env = cli_env(cache)
   r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, (
     f"`{' '.join(cmd[1:])}` failed in .venv-base (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"

@@ -4,8 +4,14 @@ tests/durations.json, and never a module that waits on a side venv's background 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from conftest import DURATIONS, SIDE_VENVS, module_order
+from helpers import ROOT, child_env, cli_env
+
+TESTS = os.path.join(ROOT, "tests")
 
 WAITS = {m for modules in SIDE_VENVS.values() for m in modules}
 
@@ -37,3 +43,23 @@ def test_the_recorded_durations_start_with_a_module_that_waits_on_no_build():
   assert order[0] not in WAITS, order[:3]
   slowest = max(seconds, key=seconds.get)
   assert order.index(slowest) <= 1, order[:3]  # the slowest module still starts first or second
+
+
+def test_the_session_and_its_children_write_bytecode_even_where_the_environment_says_not_to(tmp_path):
+  """tests/conftest.py drops PYTHONDONTWRITEBYTECODE for the session (the few hundred Pythons it starts import the
+  same modules; the side venvs hold no bytecode): a fresh Python started with it set, importing the conftest, ends
+  up writing bytecode and passes no such setting on; a child of the suite then writes the ``__pycache__`` of a
+  module it imports."""
+  assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ  # this process (an xdist worker)
+  code = (
+    "import os, sys; sys.path.insert(0, sys.argv[1]); import conftest; "
+    "print(sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE' in os.environ)"
+  )
+  env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ROOT}
+  out = subprocess.run([sys.executable, "-c", code, TESTS], env=env, capture_output=True, text=True, check=True)
+  assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr[-2000:]
+  (tmp_path / "probe_module.py").write_text("X = 1\n")
+  child = cli_env()
+  assert "PYTHONDONTWRITEBYTECODE" not in child and "PYTHONDONTWRITEBYTECODE" not in child_env(1)
+  subprocess.run([sys.executable, "-c", "import probe_module"], env=child, cwd=tmp_path, check=True)
+  assert list((tmp_path / "__pycache__").glob("probe_module.*.pyc")), sorted(p.name for p in tmp_path.iterdir())
