@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -116,15 +117,18 @@ def _runs_module(args: list[str], module: str) -> bool:
 
 
 def _prebuild_side_venvs(config) -> None:
-  """In the session's first process only (the xdist controller, or a plain pytest run)."""
-  if hasattr(config, "workerinput"):
+  """In the session's first process only (the xdist controller, or a plain pytest run), and not for
+  ``--collect-only`` (no test runs). Each build logs to ``<tmp>/jaxgrpo-prebuild-<name>-<checkout hash>.log``:
+  sessions of other checkouts keep their own logs."""
+  if hasattr(config, "workerinput") or config.option.collectonly:
     return
   from helpers import side_venv_build_command
 
   args = [a for a in config.invocation_params.args if not a.startswith("-") and os.path.exists(a.split("::")[0])]
   for name, modules in SIDE_VENVS.items():
     if any(_runs_module(args, m) for m in modules):
-      log = open(os.path.join(tempfile.gettempdir(), f"jaxgrpo-prebuild-{name}.log"), "w")
+      tag = hashlib.sha1(_HERE.encode()).hexdigest()[:8]
+      log = open(os.path.join(tempfile.gettempdir(), f"jaxgrpo-prebuild-{name}-{tag}.log"), "w")
       child = subprocess.Popen(
         side_venv_build_command(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
       )

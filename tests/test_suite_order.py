@@ -63,3 +63,20 @@ def test_the_session_and_its_children_write_bytecode_even_where_the_environment_
   assert "PYTHONDONTWRITEBYTECODE" not in child and "PYTHONDONTWRITEBYTECODE" not in child_env(1)
   subprocess.run([sys.executable, "-c", "import probe_module"], env=child, cwd=tmp_path, check=True)
   assert list((tmp_path / "__pycache__").glob("probe_module.*.pyc")), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_collect_only_session_starts_no_side_venv_build():
+  """``pytest --collect-only`` runs no test, so tests/conftest.py starts no background venv build for it (before: the
+  builds of the selected side-venv modules started and were killed at the session's end)."""
+  from types import SimpleNamespace
+
+  from conftest import _prebuild_side_venvs
+
+  cleanups = []
+  config = SimpleNamespace(
+    option=SimpleNamespace(collectonly=True),
+    invocation_params=SimpleNamespace(args=(os.path.join(TESTS, "test_engine_vllm.py"),)),
+    add_cleanup=cleanups.append,  # a started build registers its stop here
+  )
+  _prebuild_side_venvs(config)
+  assert cleanups == []
