@@ -323,18 +323,32 @@ def test_an_env_run_speculates(tmp_path):
     assert "engine/mismatch_k3" not in r and np.isfinite(r["loss"]), r
 
 
-def test_env_combinations_refused_in_one_line():
-  """What multi-turn speculation does not build yet is refused at load in one line naming the options: on
-  several processes (the collective turn rounds)."""
+def test_env_runs_speculate_on_several_processes_and_engines_are_refused():
+  """Multi-turn speculation on several processes passes the run's checks (it was refused as not built; the
+  collective turn rounds speculate: tests/test_compose_multihost.py runs it on two processes), with prompt lookup,
+  a draft model, ``auto`` and partial rollouts; what stays refused, in one line, is another engine (it decodes by
+  itself: physical)."""
   from test_trainer import tiny
   from test_trainer_env import ENV
 
   from jaxgrpo.run.composition import check_composition
 
-  on = {**ENV, "rollout.speculative": "ngram"}
-  assert tiny(**on).rollout.speculative == "ngram"  # builds
-  with pytest.raises(ValueError, match=r"with an `env` section on 2 processes is not built yet"):
-    check_composition(tiny(**on), process_count=2)
+  for over in (
+    {"rollout.speculative": "ngram"},
+    {"rollout.speculative": "draft", "rollout.speculative_draft": "a/draft"},
+    {
+      "rollout.speculative": "auto",
+      "rollout.max_staleness": 1,
+      "rollout.partial": {"enabled": True},
+      "objective.importance_correction": "tis",
+    },
+  ):
+    cfg = tiny(**ENV, **over)
+    check_composition(cfg, process_count=2)  # returns: nothing refused
+    assert cfg.rollout.speculative == over["rollout.speculative"]
+  engine = {**ENV, "rollout.speculative": "ngram", "rollout.engine": "test_engines:make_offset_engine"}
+  with pytest.raises(ValueError, match=r"`rollout.engine: test_engines:make_offset_engine` decodes by itself"):
+    tiny(**engine)
 
 
 def test_a_partial_env_run_speculates_and_each_token_is_its_versions(tmp_path):
