@@ -24,8 +24,8 @@ so no process waits for a turn structure the others do not share. One process: a
 :class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch`): the kind of a rollout is the switch's ``mode_now()``,
 read once when the sampler is made (one per rollout) from a switch whose state is the same on every process
 (below), so every process enters the same program with the same shapes. A speculating rollout's rounds call
-``generate_speculative`` — prompt lookup, or the switch's draft model replicated on every device of the mesh
-(:func:`draft_on_mesh`: a small model; its draft steps need no collective) — and every policy token's
+``generate_speculative`` — prompt lookup, or the switch's draft model, which ``generate_speculative`` replicates
+on every device of the mesh (``jaxgrpo.rollout.speculative.draft_on_mesh``) — and every policy token's
 recorded log-prob stays the target's (exact speculative decoding). Each round's statistics (verify steps,
 drafted, accepted) are the global program's, the same scalars on every process, and are summed over the
 rollout's rounds, padding rows included (as the single-process re-prefill path counts its bucket copies).
@@ -43,12 +43,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import weakref
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel import sharding as shd
@@ -57,9 +54,7 @@ from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
 from jaxgrpo.rollout.speculative import SpeculativeStats, generate_speculative
 
-__all__ = ["CollectiveSampler", "draft_on_mesh"]
-
-_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft model -> {mesh: its replicated copy}
+__all__ = ["CollectiveSampler"]
 
 
 class CollectiveSampler(BuiltinEngine):
@@ -87,7 +82,6 @@ class CollectiveSampler(BuiltinEngine):
     self.mesh, self.key, self.rounds = mesh, key, 0
     self.switch = switch
     self.mode = "plain" if switch is None else switch.mode_now()
-    self.draft = draft_on_mesh(switch.draft_model, mesh) if self.mode == "draft" else None
     self.stats, self.seconds = np.zeros(3, np.int64), 0.0
 
   def generate(self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key=None, temperature: float = 1.0):
@@ -158,24 +152,10 @@ class CollectiveSampler(BuiltinEngine):
       return generate(self.model, tokens, mask, sampling, key=key, temperature=temperature)
     rollout, stats = generate_speculative(
       self.model, tokens, mask, sampling, key=key, temperature=temperature, speculative=self.switch.config,
-      draft_model=self.draft,
+      draft_model=self.switch.draft_model,
     )  # fmt: skip
     self.stats += np.asarray(jax.device_get(tuple(stats)), np.int64)  # scalars: replicated on every process
     return rollout
-
-
-def draft_on_mesh(draft, mesh):
-  """The draft model ``draft`` (loaded on this process's default device, the same values on every process)
-  with every parameter replicated on each device of ``mesh``, so ``generate_speculative`` runs it in the
-  target's program on the global mesh; made once per draft and mesh."""
-  placed = _PLACED.setdefault(draft, {})
-  if mesh not in placed:
-    graphdef, state = nnx.split(draft)
-    sharding = NamedSharding(mesh, PartitionSpec())
-    host = jax.tree.map(np.asarray, state)
-    copy = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host)
-    placed[mesh] = nnx.merge(graphdef, copy)
-  return placed[mesh]
 
 
 def _sampling(settings: str) -> SamplingConfig:
