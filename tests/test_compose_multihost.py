@@ -140,9 +140,11 @@ partial = {"recs": precs, "resumed": pgot, "final": pfinal, "resumed_final": pre
            "resumed_ledger": pres_ledger, "seen": [{"prompts": b.prompts.tolist(), "versions": b.versions.tolist()} for b in pseen],
            "aged": aged, "mu_err": err, "crossing": crossing, "position_1": positions[1]}
 # environments with partial rollouts: each process's episode pool runs its own groups' trajectories, turn by turn
+# (each turn by prompt-lookup speculative decoding: the pools' counts combined over the processes)
 env_resets = list(resets)
 vcfg = tiny(**test_trainer_env.ENV, **{"run.out": out + "/v", "run.steps": 2, "rollout.max_staleness": 2,
                "rollout.partial": {"enabled": True}, "objective.importance_correction": "tis",
+               "rollout.speculative": "ngram",
                "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120})
 vtr = Trainer(vcfg, log=None)
 vseen = []
@@ -277,11 +279,13 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   assert all(x["dynamic_sampling/dropped_groups"] >= len(line["filtered"]) for x, line in zip(rsteps, resumed))
   assert sum(len(line["filtered"]) for line in resumed) > 0, resumed
   # environments with partial rollouts on two processes: each its own episode pool and groups, the same metrics
+  # (the speculative ones too: each pool's counts combined over the processes)
   v0, v1 = r0["env_partial"], r1["env_partial"]
   assert v0["pool"] == v1["pool"] == "EpisodePool" and v0["policy"] == v1["policy"] == [True, True]
   assert [timing(x) for x in v0["recs"]] == [timing(x) for x in v1["recs"]]
   vsteps = [x for x in v0["recs"] if "loss" in x]
   assert [x["step"] for x in vsteps] == [1, 2] and all(x["grad_norm"] > 0 and x["env/turns"] >= 1 for x in vsteps)
+  assert all(x["rollout/speculative_on"] == 1.0 and 0 <= x["rollout/spec_acceptance"] <= 1 for x in vsteps), vsteps
   assert v0["groups"] == [[0] * 4] * 2 and v1["groups"] == [[1] * 4] * 2
   assert set(p0["position_1"]["untrained"][0]) <= set(after[2:])  # drawn again first, then settled
   # rollout.speculative on two processes (issue 51.3; with environments refused before, and a draft model failed
