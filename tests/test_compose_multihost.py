@@ -167,6 +167,7 @@ logging.getLogger("jaxgrpo.rollout.speculative").addHandler(_Keep())
 def spec_run(env, **over):  # every step's records, the switch, each step's sampled-token error to teacher forcing
   scfg = tiny(**(test_trainer_env.ENV if env else {}), **{
     "run.steps": 3, "rollout.speculative": "auto", "rollout.speculative_ngram": 1, "step.temperature": 0.2,
+    "data.arithmetic": {"train_size": 64, "eval_size": 0, "sft_steps": 0},  # no evaluation: the rollouts only
     "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120, **over})
   stn = Trainer(scfg, log=None, **({} if env else {"reward_fns": REWARDS}))
   stn.engine.switch.warmup = 0
