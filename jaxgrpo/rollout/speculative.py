@@ -295,8 +295,9 @@ def generate_speculative(
   ``Rollout.routing`` is ``generate``'s ``[N, P + T, M, k_e]``: the prefill's routes of the prompt, then each fed
   completion token's route from the verify step that fed it — the kept inputs ``[last ‖ accepted drafts]`` only,
   the rejected drafts' routes dropped (:func:`_routed_verify_step`); a row's last token is never fed (0), as in
-  ``generate``. The draft model's routes are never recorded. A target whose parameters sit on a mesh (of one
-  process or several) gets the draft replicated on that mesh's devices (:func:`draft_on_mesh`).
+  ``generate``. The draft model's routes are never recorded. A target whose parameters sit on a mesh of other
+  devices than the draft's (several processes: always) gets the draft replicated on that mesh
+  (:func:`draft_on_mesh`).
 
   Raises:
     ValueError / TypeError (one line, before tracing): as ``generate``; a ``draft_model`` of another vocabulary
