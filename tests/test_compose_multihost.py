@@ -15,8 +15,9 @@ with dynamic sampling: each pool filters its own groups; the filtered prompts, g
 settled too and counted in the summed ``dynamic_sampling/dropped_groups``). Then speculative decoding in the
 multi-turn collective rounds (issue 51.3): ``auto`` timing plain then prompt-lookup rollouts and deciding alike on
 both processes from the numbers they agreed on; every policy token's recorded log-prob equals a teacher-forced
-pass of the parameters that sampled it (1e-5), observations carry 0; and the same for single-turn rows with a
-draft model (its copy replicated on the mesh).
+pass of the parameters that sampled it (1e-5), observations carry 0; the same for single-turn rows with a
+draft model (its copy replicated on the mesh); and environments with partial rollouts speculating by prompt
+lookup, each process's episode pool in its own programs, the speculative metrics combined over both.
 
 (Two processes do not equal one process here: a turn's sampler batch holds each process's running rows
 padded to the largest, so the rows sit at other global indices than in one process; docs/trainer.md.)
