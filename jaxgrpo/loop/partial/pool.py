@@ -356,7 +356,7 @@ class RowPool:
       "plain" if counts is None else self.speculative.drafter, tokens / max(seconds, 1e-9), stats
     )
     self.sample_metrics = dict(self.speculative.metrics)
-    self.spec_counts = (counts is not None, *(0 if counts is None else int(c) for c in counts[1:]))
+    self.spec_counts = (False, 0, 0) if counts is None else (True, int(counts[1]), int(counts[2]))
 
   def _sampler_seconds(self, t0: float) -> float:
     """Seconds this run spent sampling (here the whole :meth:`run` since ``t0``)."""
