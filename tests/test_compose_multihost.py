@@ -167,7 +167,7 @@ class _Keep(logging.Handler):
 logging.getLogger("jaxgrpo.rollout.speculative").addHandler(_Keep())
 def spec_run(env, **over):  # every step's records, the switch, each step's sampled-token error to teacher forcing
   scfg = tiny(**(test_trainer_env.ENV if env else {}), **{
-    "run.steps": 3, "rollout.speculative": "auto", "rollout.speculative_ngram": 1, "step.temperature": 0.2,
+    "run.steps": 3, "rollout.speculative": "auto", "rollout.speculative_ngram": 1,
     "data.arithmetic": {"train_size": 64, "eval_size": 0, "sft_steps": 0},  # no evaluation: the rollouts only
     "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120, **over})
   stn = Trainer(scfg, log=None, **({} if env else {"reward_fns": REWARDS}))
@@ -184,7 +184,7 @@ def spec_run(env, **over):  # every step's records, the switch, each step's samp
   for params, b in seen:
     model = feed.policy_model(stn.graphdef, TrainState(local(params), None, None, stn.state.train.frozen))
     b = jax.tree.map(lambda x: None if x is None else np.asarray(x), b)
-    lp, _ = completion_log_probs(model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=0.2, chunk_size=None)
+    lp, _ = completion_log_probs(model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None)
     sampled = b.mask if b.policy_mask is None else b.policy_mask
     assert (b.mask & ~sampled).any() == env and (b.old_logp[~sampled] == 0).all()  # observations: 0
     err.append(float(np.abs(np.asarray(lp) - b.old_logp)[sampled].max()))
