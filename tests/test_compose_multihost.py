@@ -12,7 +12,12 @@ every batch (its rows' group ids), every own token's μ is the teacher-forced lo
 counted on both and listed in the ledger; every prompt the data iterator drew (its order rebuilt here) is trained,
 dropped or recorded untrained exactly once, in the straight run and in one resumed from step 1's state (that one
 with dynamic sampling: each pool filters its own groups; the filtered prompts, gathered into the ledger, are
-settled too and counted in the summed ``dynamic_sampling/dropped_groups``).
+settled too and counted in the summed ``dynamic_sampling/dropped_groups``). Then speculative decoding in the
+multi-turn collective rounds (issue 51.3): ``auto`` timing plain then prompt-lookup rollouts and deciding alike on
+both processes from the numbers they agreed on; every policy token's recorded log-prob equals a teacher-forced
+pass of the parameters that sampled it (1e-5), observations carry 0; the same for single-turn rows with a
+draft model (its copy replicated on the mesh); and environments with partial rollouts speculating by prompt
+lookup, each process's episode pool in its own programs, the speculative metrics combined over both.
 
 (Two processes do not equal one process here: a turn's sampler batch holds each process's running rows
 padded to the largest, so the rows sit at other global indices than in one process; docs/trainer.md.)
@@ -136,9 +141,11 @@ partial = {"recs": precs, "resumed": pgot, "final": pfinal, "resumed_final": pre
            "resumed_ledger": pres_ledger, "seen": [{"prompts": b.prompts.tolist(), "versions": b.versions.tolist()} for b in pseen],
            "aged": aged, "mu_err": err, "crossing": crossing, "position_1": positions[1]}
 # environments with partial rollouts: each process's episode pool runs its own groups' trajectories, turn by turn
+# (each turn by prompt-lookup speculative decoding: the pools' counts combined over the processes)
 env_resets = list(resets)
 vcfg = tiny(**test_trainer_env.ENV, **{"run.out": out + "/v", "run.steps": 2, "rollout.max_staleness": 2,
                "rollout.partial": {"enabled": True}, "objective.importance_correction": "tis",
+               "rollout.speculative": "ngram",
                "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120})
 vtr = Trainer(vcfg, log=None)
 vseen = []
@@ -146,10 +153,53 @@ vtr.rollouts.observe = vseen.append
 venv = {"recs": vtr.run(handle_signals=False), "pool": type(vtr.rollouts.pool).__name__,
         "groups": [np.asarray(b.batch.group_ids).tolist() for b in vseen],
         "policy": [bool(np.asarray(b.batch.policy_mask).any()) for b in vseen]}
+# rollout.speculative on two processes (issue 51.3). `auto` with its timed calls taken at once (warmup 0): step 1
+# plain, step 2 speculative, step 3 the faster, decided from numbers both processes agreed on. Multi-turn: each
+# turn's collective round is one generate_speculative program (prompt lookup); single-turn: the sampler's one
+# program over both processes, with a draft model (replicated on the mesh)
+import logging
+from flax import nnx
+from jaxgrpo import models
+spec_log = []
+class _Keep(logging.Handler):
+  def emit(self, record):
+    spec_log.append(record.getMessage())
+logging.getLogger("jaxgrpo.rollout.speculative").addHandler(_Keep())
+def spec_run(env, **over):  # every step's records, the switch, each step's sampled-token error to teacher forcing
+  scfg = tiny(**(test_trainer_env.ENV if env else {}), **{
+    "run.steps": 3, "rollout.speculative": "auto", "rollout.speculative_ngram": 1,
+    "data.arithmetic": {"train_size": 64, "eval_size": 0, "sft_steps": 0},  # no evaluation: the rollouts only
+    "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120, **over})
+  stn = Trainer(scfg, log=None, **({} if env else {"reward_fns": REWARDS}))
+  stn.engine.switch.warmup = 0
+  seen, batch_fn = [], stn.source.batch
+  def capture(*a, **kw):  # the batch and the parameters that sampled it (whole, on the host)
+    params = distributed.to_host(stn.state.train.params)
+    got = batch_fn(*a, **kw)
+    seen.append((params, got.batch))
+    return got
+  stn.source.batch = capture
+  recs = stn.run(handle_signals=False)
+  err = []
+  for params, b in seen:
+    model = feed.policy_model(stn.graphdef, TrainState(local(params), None, None, stn.state.train.frozen))
+    b = jax.tree.map(lambda x: None if x is None else np.asarray(x), b)
+    lp, _ = completion_log_probs(model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None)
+    sampled = b.mask if b.policy_mask is None else b.policy_mask
+    assert (b.mask & ~sampled).any() == env and (b.old_logp[~sampled] == 0).all()  # observations: 0
+    err.append(float(np.abs(np.asarray(lp) - b.old_logp)[sampled].max()))
+  return {"recs": recs, "err": err, "measured": stn.engine.switch.measured, "vocab": stn.model.config.vocab_size}
+spec = spec_run(True, **{"run.out": out + "/s"})
+spec["log"] = list(spec_log)
+small = models.Qwen3Config(vocab_size=spec["vocab"], hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+models.save_hf(models.build_model(small, rngs=nnx.Rngs(7)), out + f"/draft_{pid}")  # the same weights on both
+single = spec_run(False, **{"run.out": out + "/d", "rollout.speculative_draft": out + f"/draft_{pid}"})
+single["log"] = spec_log[len(spec["log"]):]
+spec["single"] = single
 with open(out + f"/recs_{pid}.json", "w") as f:
   json.dump({"recs": recs, "resumed": got, "same": same, "resets": env_resets, "env_partial": venv, "engine_recs": erecs,
              "engine_resumed": egot, "engine_same": esame, "engine_pushes": pushes[0].pushes,
-             "engine_params": engine_params, "partial": partial}, f)
+             "engine_params": engine_params, "partial": partial, "spec": spec}, f)
 print("OK")
 """
 
@@ -231,10 +281,30 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   assert all(x["dynamic_sampling/dropped_groups"] >= len(line["filtered"]) for x, line in zip(rsteps, resumed))
   assert sum(len(line["filtered"]) for line in resumed) > 0, resumed
   # environments with partial rollouts on two processes: each its own episode pool and groups, the same metrics
+  # (the speculative ones too: each pool's counts combined over the processes)
   v0, v1 = r0["env_partial"], r1["env_partial"]
   assert v0["pool"] == v1["pool"] == "EpisodePool" and v0["policy"] == v1["policy"] == [True, True]
   assert [timing(x) for x in v0["recs"]] == [timing(x) for x in v1["recs"]]
   vsteps = [x for x in v0["recs"] if "loss" in x]
   assert [x["step"] for x in vsteps] == [1, 2] and all(x["grad_norm"] > 0 and x["env/turns"] >= 1 for x in vsteps)
+  assert all(x["rollout/speculative_on"] == 1.0 and 0 <= x["rollout/spec_acceptance"] <= 1 for x in vsteps), vsteps
   assert v0["groups"] == [[0] * 4] * 2 and v1["groups"] == [[1] * 4] * 2
   assert set(p0["position_1"]["untrained"][0]) <= set(after[2:])  # drawn again first, then settled
+  # rollout.speculative on two processes (issue 51.3; with environments refused before, and a draft model failed
+  # on a mesh of other devices): multi-turn, the turns' collective rounds speculate by prompt lookup; single-turn,
+  # with a draft model replicated on the mesh. Each `auto` made one decision on both processes, from the agreed
+  # numbers it logged, applied in step 3; every sampled token's recorded log-prob is a teacher-forced pass's of the
+  # parameters that sampled it
+  for s0, s1, drafter in ((r0["spec"], r1["spec"], "ngram"), (r0["spec"]["single"], r1["spec"]["single"], "draft")):
+    assert [timing(x) for x in s0["recs"]] == [timing(x) for x in s1["recs"]]
+    ssteps = [x for x in s0["recs"] if "loss" in x]
+    assert [x["step"] for x in ssteps] == [1, 2, 3] and all(x["grad_norm"] > 0 for x in ssteps)
+    m = s0["measured"]
+    assert m == s1["measured"] and m["drafter"] == drafter
+    assert [x["rollout/speculative_on"] for x in ssteps] == [0.0, 1.0, float(m["speculative_on"])]
+    assert ssteps[1]["rollout/spec_acceptance"] == m["acceptance"] > 0
+    assert len(s0["err"] + s1["err"]) == 6 and max(s0["err"] + s1["err"]) < 1e-5, (s0["err"], s1["err"])
+    for s in (s0, s1):
+      (line,) = s["log"]
+      want = f"plain {m['plain_tokens_per_s']:.1f} tokens/s, {drafter} {m['speculative_tokens_per_s']:.1f} tokens/s"
+      assert line.startswith("rollout.speculative auto: ") and want in line, (line, want)

@@ -217,7 +217,7 @@ def _chat_policy(scale=4.0):
   return tok, model, SamplingConfig(num_samples=2, eos_ids=sampling.eos_ids, pad_id=sampling.pad_id)
 
 
-def _multiturn(model, tok, sampling, *, temperature, kv_cache=True, switch=None, key=3):
+def _multiturn(model, tok, sampling, *, temperature, kv_cache=True, switch=None, key=3, engine=None):
   from test_kv_multiturn import TOOL, Scripted
 
   from jaxgrpo.rollout.environments import MultiTurnConfig, sample_multiturn
@@ -227,7 +227,7 @@ def _multiturn(model, tok, sampling, *, temperature, kv_cache=True, switch=None,
   cfg = MultiTurnConfig(max_turns=3, max_tokens=60, turn_tokens=14)
   return sample_multiturn(
     model, rows, make_env, tok, sampling, cfg, key=jax.random.key(key), temperature=temperature,
-    kv_cache=kv_cache, speculative=switch,
+    kv_cache=kv_cache, speculative=switch, engine=engine,
   )  # fmt: skip
 
 
@@ -419,6 +419,39 @@ def test_multiturn_auto_measures_the_sampler_and_logs(caplog):
   assert f"plain {m['plain_tokens_per_s']:.1f} tokens/s" in line and f"{m['speculative_tokens_per_s']:.1f}" in line
 
 
+def test_collective_rounds_speculate_with_the_target_log_probs():
+  """The collective turn rounds (``CollectiveSampler``, what several processes' multi-turn runs sample with; here
+  one process) with a prompt-lookup switch: every round is a ``generate_speculative`` program (drafts accepted,
+  the rounds' counts summed), ``finish`` makes the rollout one call of the switch, every policy token's recorded
+  log-prob equals the uncached forward's (2e-5), and at temperature 0 the trajectories are plain rounds' greedy
+  ones, token for token. (Two real processes: tests/test_compose_multihost.py.)"""
+  from jaxgrpo.models import log_probs
+  from jaxgrpo.parallel.sharding import make_mesh
+  from jaxgrpo.rollout.engines.collective import CollectiveSampler
+
+  tok, model, sampling = _chat_policy()
+  mesh = make_mesh("data=1", devices=jax.devices()[:1])
+
+  def rollout(switch, temperature):
+    engine = CollectiveSampler(model, mesh, key=jax.random.key(5), switch=switch)
+    out = _multiturn(model, tok, sampling, temperature=temperature, engine=engine)
+    engine.finish(int(out.policy_mask.sum()))
+    return out, engine
+
+  switch = _switch(k=3, n=1)
+  out, engine = rollout(switch, 0.3)
+  assert engine.mode == "ngram" and engine.rounds >= 3 and engine.stats[0] > 0 and switch.calls == 1
+  assert switch.metrics == {"rollout/speculative_on": 1.0, "rollout/spec_acceptance": engine.stats[2] / engine.stats[1]}
+  assert switch.metrics["rollout/spec_acceptance"] > 0.1 and (out.mask & ~out.policy_mask).any()
+  tokens = np.concatenate([out.prompt_tokens, out.completions], 1)
+  attn = np.concatenate([out.prompt_mask, out.mask], 1)
+  lp = np.asarray(log_probs(model, tokens, attn, chunk_size=None, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
+  np.testing.assert_allclose(out.log_probs, np.where(out.policy_mask, lp, 0.0), atol=2e-5)
+  greedy = [rollout(s, 0.0)[0] for s in (None, _switch(k=3, n=1))]
+  for name in ("completions", "mask", "policy_mask", "turns"):
+    np.testing.assert_array_equal(getattr(greedy[1], name), getattr(greedy[0], name), err_msg=name)
+
+
 def test_an_env_run_speculates(tmp_path):
   """``rollout.speculative: ngram`` with an ``env`` section (refused before): every step's turns are decoded by
   verify steps (``rollout/speculative_on`` 1, the acceptance logged), the log-probs are the policy's (no
@@ -438,18 +471,32 @@ def test_an_env_run_speculates(tmp_path):
     assert "engine/mismatch_k3" not in r and np.isfinite(r["loss"]), r
 
 
-def test_env_combinations_refused_in_one_line():
-  """What multi-turn speculation does not build yet is refused at load in one line naming the options: on
-  several processes (the collective turn rounds)."""
+def test_env_runs_speculate_on_several_processes_and_engines_are_refused():
+  """Multi-turn speculation on several processes passes the run's checks (it was refused as not built; the
+  collective turn rounds speculate: tests/test_compose_multihost.py runs it on two processes), with prompt lookup,
+  a draft model, ``auto`` and partial rollouts; what stays refused, in one line, is another engine (it decodes by
+  itself: physical)."""
   from test_trainer import tiny
   from test_trainer_env import ENV
 
   from jaxgrpo.run.composition import check_composition
 
-  on = {**ENV, "rollout.speculative": "ngram"}
-  assert tiny(**on).rollout.speculative == "ngram"  # builds
-  with pytest.raises(ValueError, match=r"with an `env` section on 2 processes is not built yet"):
-    check_composition(tiny(**on), process_count=2)
+  for over in (
+    {"rollout.speculative": "ngram"},
+    {"rollout.speculative": "draft", "rollout.speculative_draft": "a/draft"},
+    {
+      "rollout.speculative": "auto",
+      "rollout.max_staleness": 1,
+      "rollout.partial": {"enabled": True},
+      "objective.importance_correction": "tis",
+    },
+  ):
+    cfg = tiny(**ENV, **over)
+    check_composition(cfg, process_count=2)  # returns: nothing refused
+    assert cfg.rollout.speculative == over["rollout.speculative"]
+  engine = {**ENV, "rollout.speculative": "ngram", "rollout.engine": "test_engines:make_offset_engine"}
+  with pytest.raises(ValueError, match=r"`rollout.engine: test_engines:make_offset_engine` decodes by itself"):
+    tiny(**engine)
 
 
 def test_a_partial_env_run_speculates_and_each_token_is_its_versions(tmp_path):

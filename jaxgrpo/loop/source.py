@@ -290,7 +290,9 @@ class RolloutSource:
     )
     if on_sampled is not None:
       on_sampled(None)  # the learner may run while the environments step (the sampler's copy is its own)
-    switch = getattr(engine, "switch", None) if turn_engine is None else None  # rollout.speculative
+    # rollout.speculative: the built-in engine's switch, observed by sample_multiturn in one process, by the
+    # collective rounds' finish (numbers agreed by every process) in several
+    switch = getattr(engine, "switch", None)
     t0 = time.perf_counter()
     rows, metrics, _ = env_training.env_rollout_batch(
       model,
@@ -303,9 +305,9 @@ class RolloutSource:
       temperature=self.temperature,
       should_stop=self.should_stop,
       engine=turn_engine,
-      speculative=switch,
+      speculative=switch if turn_engine is None else None,
     )
-    driver.finish_turns(turn_engine)
+    driver.finish_turns(turn_engine, int(np.asarray(rows.policy_mask).sum()))
     if switch is not None:
       self.engine_times.update(switch.metrics)
     self._add_time("engine/generate_s", self._seconds_since(t0))

@@ -35,16 +35,20 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo import _checks
 from jaxgrpo import models as _models
 from jaxgrpo.models import moe as _moe
 from jaxgrpo.models.log_probs import Temperature
+from jaxgrpo.parallel import distributed
 from jaxgrpo.parallel.target import target_platform
 from jaxgrpo.rollout import sampling as _sampling
 
@@ -55,6 +59,7 @@ __all__ = [
   "SpeculativeSwitch",
   "accept_drafts",
   "check_draft_model",
+  "draft_on_mesh",
   "draft_verify_step",
   "emitted_count",
   "generate_speculative",
@@ -68,6 +73,7 @@ __all__ = [
 
 MODES = ("off", "ngram", "draft", "auto")
 _LOG = logging.getLogger(__name__)
+_PLACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft model -> {mesh: its replicated copy}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -289,7 +295,9 @@ def generate_speculative(
   ``Rollout.routing`` is ``generate``'s ``[N, P + T, M, k_e]``: the prefill's routes of the prompt, then each fed
   completion token's route from the verify step that fed it — the kept inputs ``[last ‖ accepted drafts]`` only,
   the rejected drafts' routes dropped (:func:`_routed_verify_step`); a row's last token is never fed (0), as in
-  ``generate``. The draft model's routes are never recorded.
+  ``generate``. The draft model's routes are never recorded. A target whose parameters sit on a mesh of other
+  devices than the draft's (several processes: always) gets the draft replicated on that mesh
+  (:func:`draft_on_mesh`).
 
   Raises:
     ValueError / TypeError (one line, before tracing): as ``generate``; a ``draft_model`` of another vocabulary
@@ -306,7 +314,9 @@ def generate_speculative(
   graphdef, state = _sampling.split_sampled(
     sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate_speculative"
   )
-  draft = None if draft_model is None else nnx.split(check_draft_model(draft_model, model, prompt_tokens.shape, policy))
+  if draft_model is not None:
+    draft_model = _on_targets_devices(check_draft_model(draft_model, model, prompt_tokens.shape, policy), state)
+  draft = None if draft_model is None else nnx.split(draft_model)
   with target_platform(state):
     rollout, stats = _speculative_jit(
       graphdef, state, draft and draft[0], draft and draft[1], prompt_tokens, prompt_mask, key,
@@ -329,6 +339,31 @@ def check_draft_model(draft_model, model, prompt_shape, policy):
     draft_model, prompt_shape, dataclasses.replace(policy, record_routing=False), "the draft model"
   )
   return draft_model
+
+
+def draft_on_mesh(draft, mesh):
+  """The draft model ``draft`` (loaded on one device of this process, the same values on every process) with
+  every parameter replicated on each device of ``mesh`` — a small model, so its draft steps need no collective —
+  for a target on that mesh (one program: its arrays must share the target's devices); made once per draft and
+  mesh."""
+  placed = _PLACED.setdefault(draft, {})
+  if mesh not in placed:
+    graphdef, state = nnx.split(draft)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    host = jax.tree.map(np.asarray, state)
+    copy = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx]), host)
+    placed[mesh] = nnx.merge(graphdef, copy)
+  return placed[mesh]
+
+
+def _on_targets_devices(draft, target_state):
+  """``draft``, replicated on the target's mesh (:func:`draft_on_mesh`) when the target's parameters are on a
+  mesh whose devices the draft's are not."""
+  sharding = next((x.sharding for x in jax.tree.leaves(target_state) if isinstance(x, jax.Array)), None)
+  if not isinstance(sharding, NamedSharding):
+    return draft
+  held = {d for x in jax.tree.leaves(nnx.state(draft)) if isinstance(x, jax.Array) for d in x.sharding.device_set}
+  return draft if held == set(sharding.device_set) else draft_on_mesh(draft, sharding.mesh)
 
 
 def load_draft(path: str, vocab_size: int) -> nnx.Module:
@@ -575,9 +610,12 @@ class SpeculativeSwitch:
       return self.drafter if self.measured["speculative_on"] else "plain"
     return "plain" if self.calls <= self.warmup else self.drafter
 
-  def sample(self, model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0):
+  def sample(self, model, prompt_tokens, prompt_mask, sampling, *, key, temperature=1.0, collective=False):
     """``(Rollout, metrics)``: one call of ``generate`` or :func:`generate_speculative` (:meth:`mode_now`);
-    metrics ``rollout/speculative_on`` (1.0 / 0.0) and, for a speculative call, ``rollout/spec_acceptance``."""
+    metrics ``rollout/speculative_on`` (1.0 / 0.0) and, for a speculative call, ``rollout/spec_acceptance``.
+    ``collective``: the call is one program over several processes (``BuiltinEngine.sample_rows``), its
+    seconds taken as the slowest process's (one small all-gather), so every process observes the same call and
+    ``auto`` decides the same everywhere (each process timing itself could choose another program)."""
     mode = self.mode_now()
     start = time.perf_counter()
     if mode == "plain":
@@ -589,7 +627,10 @@ class SpeculativeSwitch:
         draft_model=self.draft_model,
       )  # fmt: skip
     jax.block_until_ready(rollout.completions)
-    self.observe(mode, int(jnp.sum(rollout.mask)) / (time.perf_counter() - start), stats)
+    seconds = time.perf_counter() - start
+    if collective:
+      seconds = max(distributed.gather_objects(seconds))
+    self.observe(mode, int(jnp.sum(rollout.mask)) / seconds, stats)
     return rollout, dict(self.metrics)
 
   def observe(self, mode: str, tokens_per_s: float, stats: SpeculativeStats | None) -> None:

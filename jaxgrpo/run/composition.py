@@ -43,7 +43,7 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   if roll.partial.enabled:
     _check_partial(cfg, process_count, synthetic_moe)
   if roll.speculative != "off":
-    _check_speculative(cfg, process_count)
+    _check_speculative(cfg)
   if cfg.objective.distill is not None:
     _check_distill(cfg, process_count)
   elif cfg.devices.teacher is not None:  # physical: nothing to place there
@@ -53,18 +53,15 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
     )
 
 
-def _check_speculative(cfg: TrainerConfig, process_count: int = 1) -> None:
-  """The combinations ``rollout.speculative`` refuses, one line each (jaxgrpo.rollout.speculative)."""
+def _check_speculative(cfg: TrainerConfig) -> None:
+  """The combination ``rollout.speculative`` refuses, in one line (jaxgrpo.rollout.speculative). It composes with
+  everything else, multi-turn on several processes included (the collective rounds speculate:
+  ``jaxgrpo.rollout.engines.collective``)."""
   roll = cfg.rollout
   if not capability(roll.engine, "speculates"):  # physical: another engine runs its own decoding
     raise ValueError(
       f"`rollout.speculative: {roll.speculative}` is the built-in sampler's; `rollout.engine: {roll.engine}` decodes "
       "by itself (configure its own speculative decoding): set rollout.speculative: off"
-    )
-  if cfg.env is not None and process_count > 1:
-    raise ValueError(
-      f"`rollout.speculative: {roll.speculative}` with an `env` section on {process_count} processes is not built "
-      "yet (the collective turn rounds decode with generate); set rollout.speculative: off"
     )
 
 

@@ -138,7 +138,8 @@ class RowPool:
       accepted by the rejection rule, 1 .. k+1 tokens per slot and step), every kept token's log-prob the
       target's under the boundary's version; ``auto`` times one
       :meth:`run` of each kind (the switch's rule) and keeps the faster. :attr:`sample_metrics` holds the last
-      run's ``rollout/speculative_on`` and ``rollout/spec_acceptance``.
+      run's ``rollout/speculative_on`` and ``rollout/spec_acceptance``, :attr:`spec_counts` its
+      ``(speculated, drafted, accepted)`` (several processes' pools combine them: ``jaxgrpo.loop.partial.schedule``).
   """
 
   speculative: _speculative.SpeculativeSwitch | None = None  # the subclasses' pools do not speculate
@@ -181,6 +182,7 @@ class RowPool:
     self._draft_cache = None  # the draft model's per-slot KV cache (beside the carry's), built on first use
     self._draft_synced = False  # the draft cache holds every running row (its last run drafted with the model)
     self.sample_metrics: dict[str, float] = {}
+    self.spec_counts: tuple[bool, int, int] | None = None  # the last run's (speculated, drafted, accepted)
     self._exhausted = False  # draw() returned no prompts in this run()
 
   # ------------------------------------------------------------------ bookkeeping
@@ -354,6 +356,7 @@ class RowPool:
       "plain" if counts is None else self.speculative.drafter, tokens / max(seconds, 1e-9), stats
     )
     self.sample_metrics = dict(self.speculative.metrics)
+    self.spec_counts = (False, 0, 0) if counts is None else (True, int(counts[1]), int(counts[2]))
 
   def _sampler_seconds(self, t0: float) -> float:
     """Seconds this run spent sampling (here the whole :meth:`run` since ``t0``)."""

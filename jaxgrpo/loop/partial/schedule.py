@@ -228,7 +228,7 @@ class PartialRollouts(AsyncRollouts):
         "rollout/boundaries": every["boundaries"],
         "rollout/finishing_boundaries": every["finishing_boundaries"],
         **every["selection"],
-        **self.pool.sample_metrics,  # rollout.speculative's, when on
+        **every["speculative"],  # rollout.speculative's, when on: over every process's pool
       }
     )
     if not driver.samples_on_mesh(self.source.engine):  # EnginePool, or an EpisodePool's turns through the engine
@@ -483,6 +483,7 @@ class PartialRollouts(AsyncRollouts):
       "untrained": [[self._pos[q], g.prompt] for q, g in sorted(self.pool.groups.items())],
       "in_flight": self.pool.running(),
       "newest": int(live.max()) if live.size else None,
+      "speculative": self.pool.spec_counts,
       **{k: info[k] for k in ("reprefilled", "boundaries", "finishing_boundaries")},
     }
     for g in groups:
@@ -505,9 +506,25 @@ class PartialRollouts(AsyncRollouts):
         "dynamic_sampling/rounds": max(e["selection"]["rounds"] for e in every),
       },
       "untrained": [p for _, p in sorted(x for e in every for x in e["untrained"])],
+      "speculative": _spec_metrics([e["speculative"] for e in every if e["speculative"] is not None]),
       "in_flight": sum(e["in_flight"] for e in every),
       "reprefilled": sum(e["reprefilled"] for e in every),
       "boundaries": max(e["boundaries"] for e in every),
       "finishing_boundaries": max(e["finishing_boundaries"] for e in every),
       "newest": max(newest) if newest else None,
     }
+
+
+def _spec_metrics(counts: list) -> dict[str, float]:
+  """``rollout/speculative_on`` (the share of the processes' pools whose last run speculated: each pool is its own
+  process's programs, so ``auto`` may choose per process) and ``rollout/spec_acceptance`` (accepted over drafted,
+  summed over those pools) of the pools' ``spec_counts`` ``[(speculated, drafted, accepted)]``; {} without a
+  switch. One process: its pool's own ``sample_metrics``."""
+  if not counts:
+    return {}
+  on = [c for c in counts if c[0]]
+  out = {"rollout/speculative_on": len(on) / len(counts)}
+  if on:
+    drafted = sum(c[1] for c in on)
+    out["rollout/spec_acceptance"] = sum(c[2] for c in on) / drafted if drafted else 0.0
+  return out

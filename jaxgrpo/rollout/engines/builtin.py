@@ -85,12 +85,13 @@ class BuiltinEngine:
     self.switch = SpeculativeSwitch(config=speculative, draft_model=draft_model) if on else None
     self.sample_metrics: dict[str, float] = {}
 
-  def _generate(self, prompt_tokens, prompt_mask, sampling, *, key, temperature) -> Rollout:
-    """:func:`~jaxgrpo.rollout.sampling.generate`, or the speculative switch's call (its metrics kept)."""
+  def _generate(self, prompt_tokens, prompt_mask, sampling, *, key, temperature, collective=False) -> Rollout:
+    """:func:`~jaxgrpo.rollout.sampling.generate`, or the speculative switch's call (its metrics kept;
+    ``collective``: one program over every process, timed alike on each: ``SpeculativeSwitch.sample``)."""
     if self.switch is None:
       return generate(self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature)
     rollout, self.sample_metrics = self.switch.sample(
-      self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature
+      self.model, prompt_tokens, prompt_mask, sampling, key=key, temperature=temperature, collective=collective
     )
     return rollout
 
@@ -151,7 +152,7 @@ class BuiltinEngine:
     sampling.require_max_new_tokens("sample")
     self._check_weights()
     tokens, mask = place_prompts(prompt_tokens, prompt_mask, mesh=mesh)
-    rollout = self._generate(tokens, mask, sampling, key=key, temperature=temperature)
+    rollout = self._generate(tokens, mask, sampling, key=key, temperature=temperature, collective=True)
     if on_dispatched is not None:
       on_dispatched(rollout)
     return distributed.process_rows(rollout._replace(num_steps=None), mesh)

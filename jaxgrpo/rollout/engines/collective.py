@@ -12,18 +12,37 @@ other context widths, and may stop at other ids. :class:`CollectiveSampler` is a
     for each distinct settings of the round, in one order on every process:
         each process places its rows (or R padding rows), left-padded to the round's width
         one sampler program on the global mesh (key = fold_in(key, round))  each row's draws: key + row
+            generate, or generate_speculative when the rollout speculates (below)
         each process takes its own rows back (distributed.process_rows)
 
 A process whose rollout has finished calls :meth:`CollectiveSampler.drain`, which joins rounds as "idle"
 until every process is idle. The rounds pair the n-th call of every process, whatever turn each is at,
-so no process waits for a turn structure the others do not share. One process: a round is the plain
-sampler on the mesh.
+so no process waits for a turn structure the others do not share. One process: a round is the sampler
+(plain or speculative) on the mesh.
+
+**Speculative rounds** (``rollout.speculative``, the built-in engine's
+:class:`~jaxgrpo.rollout.speculative.SpeculativeSwitch`): the kind of a rollout is the switch's ``mode_now()``,
+read once when the sampler is made (one per rollout) from a switch whose state is the same on every process
+(below), so every process enters the same program with the same shapes. A speculating rollout's rounds call
+``generate_speculative`` — prompt lookup, or the switch's draft model, which ``generate_speculative`` replicates
+on every device of the mesh (``jaxgrpo.rollout.speculative.draft_on_mesh``) — and every policy token's
+recorded log-prob stays the target's (exact speculative decoding). Each round's statistics (verify steps,
+drafted, accepted) are the global program's, the same scalars on every process, and are summed over the
+rollout's rounds, padding rows included (as the single-process re-prefill path counts its bucket copies).
+
+**One decision on every process.** :meth:`CollectiveSampler.finish` (after the rollout: :meth:`drain`, then
+one small all-gather) makes the rollout one call of the switch with numbers agreed by all processes: the
+policy tokens of every process's trajectories summed, over the slowest process's seconds in the rounds'
+programs (dispatch to its rows fetched; never the environments' time nor the wait for another process's
+request). Every process thus observes the same call, and ``auto``'s timed calls, its decision and the logged
+measurement are the same everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import jax
 import numpy as np
@@ -33,6 +52,7 @@ from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rollout.engines.base import Generation, finish_reasons
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.sampling import SamplingConfig, generate
+from jaxgrpo.rollout.speculative import SpeculativeStats, generate_speculative
 
 __all__ = ["CollectiveSampler"]
 
@@ -46,14 +66,23 @@ class CollectiveSampler(BuiltinEngine):
     mesh: the mesh the sampler runs on.
     key: the PRNG key of the rollout; round r samples with ``fold_in(key, r)`` (the same on every process,
       whatever key a caller passes).
+    switch: the run's ``SpeculativeSwitch`` (``rollout.speculative``), or None: plain rounds. Its
+      ``mode_now()`` is read here, once: the kind of every round of this rollout (:attr:`mode`).
+
+  Attributes:
+    mode: ``plain``, ``ngram`` or ``draft``; stats: ``int64[3]`` verify steps, drafted, accepted summed over the
+      speculative rounds; seconds: this process's seconds in the rounds' programs.
   """
 
   name = "jax-collective"
   logprobs_are_policy = True
 
-  def __init__(self, model, mesh, *, key):
+  def __init__(self, model, mesh, *, key, switch=None):
     super().__init__(model)
     self.mesh, self.key, self.rounds = mesh, key, 0
+    self.switch = switch
+    self.mode = "plain" if switch is None else switch.mode_now()
+    self.stats, self.seconds = np.zeros(3, np.int64), 0.0
 
   def generate(self, prompt_tokens, prompt_mask, sampling: SamplingConfig, *, key=None, temperature: float = 1.0):
     """This process's ``Generation`` of ``prompt_tokens`` (``int32[n, P]`` left-padded, its own rows), sampled in
@@ -67,6 +96,19 @@ class CollectiveSampler(BuiltinEngine):
     """Join rounds as idle until every process is idle (call once this process's rollout is done)."""
     while self._round(None) is not None:
       pass
+
+  def finish(self, policy_tokens: int) -> None:
+    """After this process's rollout (``policy_tokens``: its trajectories' policy tokens): :meth:`drain`, then,
+    with a switch, the rollout is one call of it, observed with numbers agreed by every process (module
+    docstring): ``sum(policy_tokens) / max(seconds)`` over the processes and the rounds' summed stats. Every
+    process must call it once per rollout (it all-gathers)."""
+    self.drain()
+    if self.switch is None:
+      return
+    every = distributed.gather_objects([int(policy_tokens), float(self.seconds)])
+    tokens, seconds = sum(t for t, _ in every), max(s for _, s in every)
+    stats = None if self.mode == "plain" else SpeculativeStats(*(np.int64(c) for c in self.stats))
+    self.switch.observe(self.mode, tokens / max(seconds, 1e-9), stats)
 
   def _round(self, request):
     mine = None if request is None else (int(request[0].shape[0]), int(request[0].shape[1]), request[2])
@@ -94,13 +136,26 @@ class CollectiveSampler(BuiltinEngine):
       if jax.process_count() > 1:
         tokens, mask = shd.place_batch((tokens, mask), self.mesh, process_local=True)
       key = jax.random.fold_in(self.key, self.rounds)
-      rollout = generate(self.model, tokens, mask, sampling, key=key, temperature=json.loads(settings)["temperature"])
+      t0 = time.perf_counter()
+      rollout = self._sample(tokens, mask, sampling, key, json.loads(settings)["temperature"])
       rows = distributed.process_rows(rollout._replace(num_steps=None), self.mesh)
+      self.seconds += time.perf_counter() - t0
       if own:
         n = request[0].shape[0]
         rows = rows._replace(prompt_tokens=request[0], prompt_mask=request[1])
         result = jax.tree.map(lambda x, n=n: x if x is None or x.shape[0] == n else x[:n], rows)
     return result
+
+  def _sample(self, tokens, mask, sampling, key, temperature):
+    """One round's program: ``generate``, or ``generate_speculative`` of :attr:`mode` (its stats summed)."""
+    if self.mode == "plain":
+      return generate(self.model, tokens, mask, sampling, key=key, temperature=temperature)
+    rollout, stats = generate_speculative(
+      self.model, tokens, mask, sampling, key=key, temperature=temperature, speculative=self.switch.config,
+      draft_model=self.switch.draft_model,
+    )  # fmt: skip
+    self.stats += np.asarray(jax.device_get(tuple(stats)), np.int64)  # scalars: replicated on every process
+    return rollout
 
 
 def _sampling(settings: str) -> SamplingConfig:

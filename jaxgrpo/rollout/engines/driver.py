@@ -102,17 +102,19 @@ def turn_sampler(engine, policy, *, mesh=None, key=None) -> tuple:
   and ``engine``), ``engine`` holding the version to sample (pushed by the caller). An engine on the mesh: its
   pushed model and no engine (the KV-cached conversation sampler runs on the model), or, given ``mesh`` with
   several processes, a :class:`CollectiveSampler` on it (each process's turns in collective rounds keyed by
-  ``key``; :func:`finish_turns` after the rollout). Another engine: ``policy`` (its config is read) and the
-  engine (each turn sent as token ids)."""
+  ``key``, speculative when the engine's ``rollout.speculative`` switch says so; :func:`finish_turns` after the
+  rollout). Another engine: ``policy`` (its config is read) and the engine (each turn sent as token ids)."""
   if not samples_on_mesh(engine):
     return policy, engine
   if mesh is not None and jax.process_count() > 1:
-    return engine.model, CollectiveSampler(engine.model, mesh, key=key)
+    return engine.model, CollectiveSampler(engine.model, mesh, key=key, switch=getattr(engine, "switch", None))
   return engine.model, None
 
 
-def finish_turns(turn_engine) -> None:
+def finish_turns(turn_engine, policy_tokens: int = 0) -> None:
   """After a multi-turn rollout: a :class:`CollectiveSampler` joins the other processes' rounds until every
-  process is done (their turns may still need this process's devices); nothing for another engine."""
+  process is done (their turns may still need this process's devices), then its speculative switch observes the
+  rollout with numbers agreed by every process (``policy_tokens``: this process's trajectories' policy tokens;
+  ``CollectiveSampler.finish``); nothing for another engine."""
   if isinstance(turn_engine, CollectiveSampler):
-    turn_engine.drain()
+    turn_engine.finish(policy_tokens)
