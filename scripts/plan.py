@@ -32,7 +32,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    allow_abbrev=False,
+    epilog="Any other --section.key VALUE overrides the config, as for scripts/train.py (e.g. --step.micro_batches "
+    "4, --devices.rollout 2).",
   )
   p.add_argument("--config", help="the run's YAML config (scripts/train.py's)")
   p.add_argument("--model", help="a named shape (qwen3-8b, ...) or a config.json path / model directory")

@@ -200,6 +200,14 @@ def test_documented_commands_name_existing_scripts_flags_and_extras():
       except SystemExit:
         problems.append(f"{doc}: `{line}`: scripts/train.py refuses these arguments (its error is printed above)")
       continue
+    if script == "scripts/plan.py":  # its dotted keys override the config as scripts/train.py's do
+      dotted = [i for i, a in enumerate(args) if re.match(r"--\w+\.\w", a)]
+      config = [x for a, b in zip(args, args[1:]) if a == "--config" for x in (a, b)]
+      try:
+        train_cli.parse_args(config + [x for i in dotted for x in args[i : i + 2]])
+      except SystemExit:
+        problems.append(f"{doc}: `{line}`: scripts/train.py's config refuses its dotted keys (error printed above)")
+      args = [a for i, a in enumerate(args) if i not in dotted and i - 1 not in dotted]
     flags = [a.split("=")[0] for a in args if re.match(r"--?[A-Za-z]", a)]
     problems += [f"{doc}: `{line}`: {script} has no option {f}" for f in flags if f not in options[script]]
   assert not problems, "\n".join(problems)
