@@ -221,6 +221,12 @@ def test_a_teacher_that_does_not_fit_is_refused_in_one_line():
   assert "\n" not in line and line.startswith("the teacher program does not fit v5p-64 (102.50 of 95.00 GiB/device)")
   assert "the teacher's weights take 80.00 GiB/device beside the run's 12.50 of long-lived arrays" in line
   assert "`devices.teacher`" in line and "more chips" in line
+  # a teacher already on devices of its own (devices.teacher 4) shares them with nothing: more of them is the way
+  own = plan.RunPlan(plan.parse_target("v5p-64"), "qwen3-1.7b", {}, {"fsdp": 28}, [fits, teacher], [],
+                     {"teacher": {"data": 1, "fsdp": 4, "tensor": 1}})  # fmt: skip
+  line = own.refusal
+  assert "\n" not in line and "the teacher's weights take 80.00 GiB/device on its own 4 devices" in line
+  assert "a larger `devices.teacher`" in line and "chips of its own" not in line
 
 
 def _tpu_env() -> dict:

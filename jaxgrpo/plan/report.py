@@ -12,6 +12,9 @@ seconds; then ``model.remat: full``), in one line.
 On ``cpu-N`` (XLA:CPU) only the argument, output and alias bytes mean what they will on the accelerator: the
 CPU's temporaries are not the TPU's (1.2-1.4x in a trial), so there is no fit test. A GPU target (``h100-8``) is
 an estimate by formula (:func:`estimate_gpu`), nothing compiled.
+
+One job, in over 600 lines: a run's per-program plan for a target — compiled (the bytes, FLOPs, roofline and the
+fix search) or, for a GPU, the same rows by formula — and its one-line refusal and table.
 """
 
 from __future__ import annotations
@@ -124,14 +127,21 @@ class RunPlan:
     got = got or _compiler_words(bad.error)
     fix = bad.fix or _no_fix(bad)
     if bad.name == "teacher":  # a distillation teacher: its weights stay resident for the whole run
-      fix = _teacher_fix(bad, fix)
+      fix = _teacher_fix(bad, fix, own=self.own_meshes.get("teacher"))
     return f"the {bad.name} program does not fit {self.target.name} ({got}); {fix}"
 
 
-def _teacher_fix(p: ProgramPlan, fix: str) -> str:
-  """What a distillation teacher that does not fit beside the policy can do: its weights' and the run's other
-  long-lived bytes per device, then the micro-batch fix (its activations) and the ways to free room for its weights."""
+def _teacher_fix(p: ProgramPlan, fix: str, own: dict | None = None) -> str:
+  """What a distillation teacher that does not fit can do: its weights' and the run's other long-lived bytes per
+  device, then the micro-batch fix (its activations) and the ways to free room for its weights. ``own``: the axes
+  of the teacher's own mesh (``devices.teacher``), where nothing else is resident: then more of them is the way."""
   weights, other = (p.argument_bytes or 0) / GiB, (p.other_resident_bytes or 0) / GiB
+  if own:
+    devices = math.prod(own.values())
+    return (
+      f"the teacher's weights take {weights:.2f} GiB/device on its own {devices} devices (`devices.teacher`); {fix}; "
+      "or give it more devices (a larger `devices.teacher`), a bf16 `model.param_dtype`, or a smaller teacher"
+    )
   return (
     f"the teacher's weights take {weights:.2f} GiB/device beside the run's {other:.2f} of long-lived arrays; {fix}; "
     "or give the teacher chips of its own (`devices.teacher`, docs/distillation.md), more chips (a larger fsdp "
