@@ -14,7 +14,8 @@ One scenario, three launches (CI time: each launch is ~40 s of start-up and comp
 
 The two-process run must equal the one-process run: the same sampled tokens (the sampler is one
 program over the global mesh, its PRNG draws do not depend on which process holds a row), hence
-identical rewards, completion lengths, dynamic-sampling decisions and evaluation; losses, gradient
+identical rewards, completion lengths, dynamic-sampling decisions (rewards and a distillation teacher's
+per-group signal, each process scoring its own rows with the teacher, gathered) and evaluation; losses, gradient
 norms and parameters within
 float32 rounding (the cross-process reductions go through gloo in another order). Files: metrics,
 config, logs and TensorBoard are written by process 0 only (every ``open`` for writing is recorded by
@@ -71,6 +72,11 @@ ARGS = [
   "0.04",
   "--objective.dynamic_sampling",  # groups kept/refilled from rewards gathered over both processes
   "true",
+  # and a distillation teacher's signal (issue 52): each process scores its own rows, the per-group signals are
+  # gathered. min_signal sits inside the measured signals (3.4-4.1, at least 0.08 away): step 1 drops an
+  # equal-reward group for a low signal and refills, step 2 keeps one for the teacher alone
+  "--objective.distill",
+  "{teacher: 'synthetic:48x2', weight: 0.5, clip: 5.0, min_signal: 3.5}",
   "--rollout.dynamic_sampling_max_rounds",
   "3",
   "--eval.every",
@@ -249,6 +255,7 @@ def test_two_processes_equal_one_a_killed_process_is_named_and_the_restart_resum
   assert any(r.get("eval_accuracy", 0) > 0 for r in one)  # the evaluation compares something
   assert len({r["reward_mean"] for r in one if "loss" in r}) > 1 or one[1]["reward_std"] > 0
   assert any(r.get("dynamic_sampling/rounds", 1) > 1 for r in one)  # a group was dropped and refilled
+  assert any(r.get("dynamic_sampling/kept_by_teacher", 0) > 0 for r in one)  # an equal-reward group kept
   for a, b in zip(two, one):
     assert a.keys() == b.keys(), (a, b)
     for k in a:

@@ -15,6 +15,7 @@ metrics from the same numbers::
                                                                completion_length, reward_counters/<k>, env/*
     informative(rewards, group_size)                           bool[groups]: rewards not all equal (dynamic sampling)
     teacher_signal(rows, group_size)                           f32[groups]: a distillation teacher's per-token signal
+    gather_groups(values, group_size, mesh)                    every process's per-group values, in batch order
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
   "Scored",
   "batch_metrics",
   "gather_env_rows",
+  "gather_groups",
   "gather_scores",
   "informative",
   "pad_prompts",
@@ -77,6 +79,15 @@ def gather_scores(rewards, per_fn: dict, lengths, counters: dict, mesh) -> tuple
     for k, v in c.items():
       summed[k] = summed.get(k, 0) + v
   return total, per_fn, lengths, summed
+
+
+def gather_groups(values, group_size: int, mesh) -> np.ndarray:
+  """Every process's per-group ``values`` (``f32[groups / P]`` of this process's groups: its rows,
+  ``sharding.process_batch_rows`` of ``mesh``, hold whole groups of ``group_size``) as ``f32[groups]`` in batch
+  order on every process (each value rides on its group's rows through ``distributed.all_rows``, as the rewards
+  do). One process: its own, as given."""
+  rows = np.repeat(np.asarray(values, np.float32), group_size)
+  return distributed.all_rows(rows, mesh)[::group_size]
 
 
 def gather_env_rows(rows: Batch, metrics: dict, pad_id: int) -> tuple[Batch, dict]:

@@ -23,7 +23,8 @@ by ``jaxgrpo.run.assemble``.
 
 Several processes: every process draws the same prompt indices, samples one program on the global mesh,
 decodes and scores its own rows; every row's reward and length is then gathered (one small all-gather
-per round), so every process keeps the same groups, in the same order, as one process would.
+per round; with a distillation teacher, every group's signal too), so every process keeps the same groups, in the
+same order, as one process would.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class RolloutSource:
       sampling with a distillation teacher. Each round is scored by it when it is sampled, a group is kept when its
       rewards vary or its teacher signal (``scoring.teacher_signal``) is above ``min_teacher_signal``, and the
       batch carries those log-probs to the step (``dynamic_sampling/kept_by_teacher``: the groups kept for the
-      teacher alone). None: rewards only.
+      teacher alone). Several processes: each scores its own rows (one teacher program on the global mesh) and
+      every group's signal is gathered with the rewards' rows (``scoring.gather_groups``), so every process keeps
+      the same groups. None: rewards only.
   """
 
   def __init__(
@@ -265,8 +268,8 @@ class RolloutSource:
     scored = self._env_round(indices, key, **kw) if self.turns is not None else self._single_round(indices, key, **kw)
     if self.teacher is None:
       return scored
-    rows = self.teacher(scored.rows)
-    return scored._replace(rows=rows, signal=scoring.teacher_signal(rows, self.sampling.num_samples))
+    g, rows = self.sampling.num_samples, self.teacher(scored.rows)  # several processes: each scores its own rows
+    return scored._replace(rows=rows, signal=scoring.gather_groups(scoring.teacher_signal(rows, g), g, self.mesh))
 
   def _single_round(self, indices, key, *, policy, mesh, version, on_sampled) -> Scored:
     """One single-turn round: the engine's rows of the prompts ``indices``, their rewards and lengths."""

@@ -45,7 +45,7 @@ def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   if roll.speculative != "off":
     _check_speculative(cfg)
   if cfg.objective.distill is not None:
-    _check_distill(cfg, process_count)
+    _check_distill(cfg)
   elif cfg.devices.teacher is not None:  # physical: nothing to place there
     raise ValueError(
       f"`devices.teacher`={cfg.devices.teacher} gives a distillation teacher devices of its own, but "
@@ -65,7 +65,7 @@ def _check_speculative(cfg: TrainerConfig) -> None:
     )
 
 
-def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:
+def _check_distill(cfg: TrainerConfig) -> None:
   """The combinations a distillation term (``objective.distill``) refuses, one line each."""
   d = cfg.objective.distill
   if d.teacher is None:
@@ -78,18 +78,12 @@ def _check_distill(cfg: TrainerConfig, process_count: int = 1) -> None:
       f"`devices.teacher`={cfg.devices.teacher} places an in-process teacher, but `objective.distill.teacher`="
       f"{d.teacher!r} is served outside the run's JAX devices (a server or vLLM): unset devices.teacher"
     )
-  if cfg.objective.dynamic_sampling:  # the teacher scores each round when sampled: the source's path only
-    for on, what, why in (
-      (cfg.rollout.partial.enabled, "`rollout.partial.enabled`", "the partial pool selects groups as they complete, "
-       "in its own path, which does not score them with the teacher"),
-      (process_count > 1, f"{process_count} processes", "the teacher's signal of each round is computed on one "
-       "process's rows"),
-    ):  # fmt: skip
-      if on:
-        raise ValueError(
-          f"`objective.dynamic_sampling` with `objective.distill` and {what} is not built yet ({why}); turn "
-          "dynamic sampling off, or run it without that option"
-        )
+  if cfg.objective.dynamic_sampling and cfg.rollout.partial.enabled:  # the teacher scores each round: the source's
+    raise ValueError(
+      "`objective.dynamic_sampling` with `objective.distill` and `rollout.partial.enabled` is not built yet (the "
+      "partial pool selects groups as they complete, in its own path, which does not score them with the teacher); "
+      "turn dynamic sampling off, or run it without that option"
+    )
 
 
 #: why partial rollouts refuse MoE routing replay (mathematical: no routing to replay exists).

@@ -19,8 +19,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxgrpo.models import lora
+from jaxgrpo.parallel import distributed, transfer
 from jaxgrpo.parallel import sharding as shd
-from jaxgrpo.parallel import transfer
 from jaxgrpo.step.batch import REFERENCE_FIELDS, Batch
 from jaxgrpo.step.batch_packing import DEFAULT_BUCKETS, pack_batch, pad_to_bucket
 from jaxgrpo.step.state import TrainConfig, TrainState, check_not_donated, merge_model
@@ -178,15 +178,17 @@ def make_teacher(
 def teacher_host_scores(
   teacher: Teacher, batch: Batch, *, mesh: Mesh, train_config: TrainConfig | None = None
 ) -> Batch:
-  """Host ``batch`` (one process's rows: every row) with the teacher's fields filled in as NumPy of its own width
+  """Host ``batch`` (this process's rows: every row in one process; on several, the rows
+  ``sharding.process_batch_rows`` of ``mesh`` names) with the teacher's fields filled in as NumPy of its own width
   ``T``: ``teacher_logp`` ``f32[B, T]`` (and the top-k's ``int32[B, T, k]``, ``f32[B, T, k]``), from one pass of
-  ``teacher`` on the batch placed on ``mesh`` like the step's (:func:`place`: bucket, packing). What a dynamic-sampling
-  round is scored with when it is sampled: the filter reads the signal and the step trains on these numbers (the
-  learner does not score a batch that carries them)."""
+  ``teacher`` on the batch placed on ``mesh`` like the step's (:func:`place` with ``process_local``: bucket,
+  packing; every process enters the one program with its own rows and takes its own rows of the result,
+  ``distributed.process_rows``). What a dynamic-sampling round is scored with when it is sampled: the filter reads
+  the signal and the step trains on these numbers (the learner does not score a batch that carries them)."""
   t = np.shape(batch.completions)[1]
-  scored = teacher(place(batch, mesh=mesh, train_config=train_config))
-  fields = {n: np.asarray(getattr(scored, n))[:, :t] for n in TEACHER_FIELDS if getattr(scored, n) is not None}
-  return batch._replace(**fields)
+  scored = teacher(place(batch, mesh=mesh, train_config=train_config, process_local=True))
+  fields = {n: getattr(scored, n) for n in TEACHER_FIELDS if getattr(scored, n) is not None}
+  return batch._replace(**{n: x[:, :t] for n, x in distributed.process_rows(fields, mesh).items()})
 
 
 #: the fields a teacher fills in (:class:`Teacher`)
