@@ -1,7 +1,8 @@
 """A multi-turn run (``env:``) on two real processes (127.0.0.1, gloo CPU collectives, 2 devices each, mesh
 ``data=2,fsdp=2``), issue 35.4: each process runs the environments of its own groups only (its turns sampled
-in collective rounds, ``jaxgrpo.rollout.engines.collective``), with dynamic sampling and an evaluation split
-over the processes; both processes log the same metrics (every decision gathered); a run resumed from the
+in collective rounds, ``jaxgrpo.rollout.engines.collective``), with dynamic sampling (and a distillation teacher
+scoring each process's own rows, its per-group signals gathered; issue 52) and an evaluation split over the
+processes; both processes log the same metrics (every decision gathered); a run resumed from the
 straight run's checkpoint of step 1 equals its step 2 bit for bit (parameters, loss, rewards). Then the same for
 a user's engine, single-turn (issue 35.5): one engine per process, pushed a whole host copy of the policy
 gathered from every process's shards, sampling that process's own groups; the policy recomputes ``old_logp``
@@ -52,8 +53,12 @@ assert jax.process_count() == 2 and jax.device_count() == 4
 resets = []
 reset = test_trainer_env.SecondChance.reset
 test_trainer_env.SecondChance.reset = lambda self, row: (resets.append(row["problem"]), reset(self, row))[1]
+# with a distillation teacher (issue 52): each process scores its own multi-turn rows, the signals are gathered;
+# min_signal out of reach, so the groups kept are the rewards' (a refill stays possible)
+from test_distill_run import TEACHER
 cfg = tiny(**test_trainer_env.ENV, **{"run.out": out, "run.steps": 2, "checkpoint.every": 1, "eval.every": 2,
               "objective.dynamic_sampling": True, "rollout.dynamic_sampling_max_rounds": 2,
+              "objective.distill": {**TEACHER, "min_signal": 1e9},
               "optim.learning_rate": 3e-2, "devices.mesh": "data=2,fsdp=2", "devices.host_timeout_s": 120})
 saved = {}
 save = lambda snap, meta: saved.__setitem__(int(snap.step), jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, snap))
@@ -223,6 +228,7 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   steps = [x for x in r0["recs"] if "loss" in x]
   assert [x["step"] for x in steps] == [1, 2] and all(x["grad_norm"] > 0 for x in steps)
   assert all(1.0 <= x["env/turns"] <= 2.0 for x in steps) and any("eval_env_reward" in x for x in r0["recs"])
+  assert all(x["dynamic_sampling/kept_by_teacher"] == 0 and math.isfinite(x["distill/reverse_kl"]) for x in steps)
   # each process reset only the environments of its own rows: per sampling round its one group (G = 4 rows of
   # the B = 2 groups), per evaluation its half of the 8 held-out problems x 2 samples (steps 0 and 2, and the
   # resumed run's step 2)
