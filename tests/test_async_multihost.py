@@ -3,7 +3,8 @@ collectives), against one process on the same global meshes.
 
 1. Disaggregated (1 rollout + 1 train device per process: train mesh ``fsdp=2``, rollout mesh ``data=2``,
    so a version reaches the rollout devices shard by shard for replicated parameters and through the
-   host for the fsdp-sharded ones) with dynamic sampling, 4 steps, ``Trainer.run()`` in each process; the same on one process with 4
+   host for the fsdp-sharded ones) with dynamic sampling and a distillation teacher (each process scores
+   its own rows of each produced round on the train mesh, the per-group signals gathered), 4 steps, ``Trainer.run()`` in each process; the same on one process with 4
    devices (2 + 2). Both processes log the same metrics bit for bit (timings aside) and the same
    ledger; the two-process run equals the one-process run: the same versions, prompts, rewards,
    completion lengths and dynamic-sampling decisions (the sampler is one program over the global
@@ -52,7 +53,10 @@ assert jax.process_count() == nproc and jax.device_count() == 4
 cfg = tiny(**{"run.out": out, "run.steps": 4, "rollout.max_staleness": 1, "objective.dynamic_sampling": True,
               "rollout.dynamic_sampling_max_rounds": 3, "objective.importance_correction": "tis",
               "optim.learning_rate": 3e-2, "devices.rollout": 2, "devices.train": 2, "devices.mesh": "fsdp=2",
-              "devices.rollout_mesh": "data=2", "devices.host_timeout_s": 60})
+              "devices.rollout_mesh": "data=2", "devices.host_timeout_s": 60,
+              # a distillation teacher scoring each produced round (each process its own rows, the per-group
+              # signals gathered; issue 52); min_signal out of reach: the rewards keep the groups
+              "objective.distill": {"teacher": "synthetic:48x2", "weight": 0.5, "clip": 5.0, "min_signal": 1e9}})
 tr = Trainer(cfg, reward_fns={"r": (half_constant_reward, 1.0)}, log=None)
 train_ids = {d.id for d in tr.mesh.devices.flat}
 roll_ids = {d.id for d in tr.rollout_mesh.devices.flat}
@@ -120,6 +124,7 @@ def test_two_processes_disaggregated_k1_dynamic_sampling_equal_one(tmp_path):
   a, b = ([x for x in _strip(rr["recs"]) if "loss" in x] for rr in (r0, r))
   assert [x["step"] for x in a] == [x["step"] for x in b] == [1, 2, 3, 4]
   assert sum(x["dynamic_sampling/dropped_groups"] for x in a) > 0  # refills happened
+  assert all(x["dynamic_sampling/kept_by_teacher"] == 0 and np.isfinite(x["distill/reverse_kl"]) for x in a)
   # bit for bit: with two shards per mesh every cross-device reduction adds two partial sums, the same
   # two numbers in either process layout (a commutative float add); measured equal, not just close
   assert a == b
