@@ -78,7 +78,8 @@ def _check_distill(cfg: TrainerConfig) -> None:
       f"`devices.teacher`={cfg.devices.teacher} places an in-process teacher, but `objective.distill.teacher`="
       f"{d.teacher!r} is served outside the run's JAX devices (a server or vLLM): unset devices.teacher"
     )
-  if cfg.objective.dynamic_sampling and cfg.rollout.partial.enabled:  # the teacher scores each round: the source's
+  # the teacher scores each dynamic-sampling round in the rollout source's path, which the partial pool does not take
+  if cfg.objective.dynamic_sampling and cfg.rollout.partial.enabled:
     raise ValueError(
       "`objective.dynamic_sampling` with `objective.distill` and `rollout.partial.enabled` is not built yet (the "
       "partial pool selects groups as they complete, in its own path, which does not score them with the teacher); "

@@ -80,6 +80,7 @@ from jaxgrpo.parallel import distributed
 from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.sampling import Rollout
+from jaxgrpo.rollout.speculative import SpeculativeStats
 from jaxgrpo.step import feed
 from jaxgrpo.step.batch import Batch
 from jaxgrpo.step.train import TrainState
@@ -518,13 +519,13 @@ class PartialRollouts(AsyncRollouts):
 def _spec_metrics(counts: list) -> dict[str, float]:
   """``rollout/speculative_on`` (the share of the processes' pools whose last run speculated: each pool is its own
   process's programs, so ``auto`` may choose per process) and ``rollout/spec_acceptance`` (accepted over drafted,
-  summed over those pools) of the pools' ``spec_counts`` ``[(speculated, drafted, accepted)]``; {} without a
-  switch. One process: its pool's own ``sample_metrics``."""
+  summed over those pools: ``SpeculativeStats.acceptance``) of the pools' ``spec_counts`` ``[(speculated, drafted,
+  accepted)]``; {} without a switch. One process: the numbers of its pool's own ``sample_metrics``."""
   if not counts:
     return {}
   on = [c for c in counts if c[0]]
   out = {"rollout/speculative_on": len(on) / len(counts)}
   if on:
-    drafted = sum(c[1] for c in on)
-    out["rollout/spec_acceptance"] = sum(c[2] for c in on) / drafted if drafted else 0.0
+    summed = SpeculativeStats(0, sum(c[1] for c in on), sum(c[2] for c in on))
+    out["rollout/spec_acceptance"] = summed.acceptance
   return out
