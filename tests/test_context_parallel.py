@@ -8,11 +8,12 @@ prefixes and the cumulative sums cross the shard boundaries."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import numpy as np
 import pytest
-from helpers import ref_lambda_sizes, run_child, start_child
+from helpers import ref_lambda_sizes, start_child
 
 pytestmark = [pytest.mark.subprocess]
 
@@ -36,7 +37,6 @@ def long_prefix_batch():
 
 
 _STEP = r"""
-import sys, traceback
 import jax, numpy as np, optax
 from helpers import G, flat_params
 from test_context_parallel import long_prefix_batch
@@ -46,19 +46,18 @@ from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
 from jaxgrpo.kernels.config import preset
 
 assert jax.device_count() == 8
-name, packings = sys.argv[1], sys.argv[2].split(",")
-MESHES = ["data=1", "fsdp=2,context=4"] + (["data=2,context=4", "tensor=2,context=4"] if name == "grpo" else [])
 cfg = Qwen3Config(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                   intermediate_size=64, tie_word_embeddings=True)  # grouped heads: 2 query heads per kv head
 model = build_model(cfg, rngs=nnx.Rngs(0))
 opt = optax.sgd(0.5, momentum=0.9)  # linear in the gradient: last-bit gradient differences stay last-bit
-config = preset(name)
-batch = long_prefix_batch()  # [prompt ‖ completion] of 64: 4 chunks of 16
-if not config.needs_reference:
-  batch = batch._replace(ref_logp=None)
 
 
-def check(packing):  # the step on every mesh of MESHES against data=1 for one layout
+def check(name, packing):  # the step on every mesh of MESHES against data=1 for one preset and layout
+  MESHES = ["data=1", "fsdp=2,context=4"] + (["data=2,context=4", "tensor=2,context=4"] if name == "grpo" else [])
+  config = preset(name)
+  batch = long_prefix_batch()  # [prompt ‖ completion] of 64: 4 chunks of 16
+  if not config.needs_reference:
+    batch = batch._replace(ref_logp=None)
   # tree: packed prefix trees, each group's shared prefixes once, the tree mask in the ring
   tc = train.TrainConfig(micro_batches=1, group_size=G, chunk_size=16, packing=None if packing == "unpacked" else 128,
                          prefix_sharing="tree" if packing == "tree" else "none")
@@ -74,119 +73,140 @@ def check(packing):  # the step on every mesh of MESHES against data=1 for one l
       state, metrics = step(state, batch)
       losses.append(float(metrics["loss"]))
     results[spec] = flat_params(state.params), losses
-    print(packing, spec, losses, flush=True)
+    print(name, packing, spec, losses, flush=True)
   base, base_loss = results["data=1"]
   for spec in MESHES[1:]:
     params, loss = results[spec]
     np.testing.assert_allclose(loss, base_loss, rtol=1e-5, atol=1e-6, err_msg=f"{name} {packing} {spec} loss")
     for k in base:
       np.testing.assert_allclose(params[k], base[k], rtol=1e-5, atol=1e-6, err_msg=f"{name} {packing} {spec} {k}")
-
-
-for packing in packings:  # one layout's failure is reported and the next still runs
-  try:
-    check(packing)
-    print("OK", packing, flush=True)
-  except Exception:
-    traceback.print_exc()
-    print("FAILED", packing, flush=True)
 """
 
 
-#: the layouts each preset's child checks (prefix trees: λ-GRPO and FRPO, whose weights and future-KL use the tree)
+#: the layouts each preset's check covers (prefix trees: λ-GRPO and FRPO, whose weights and future-KL use the tree)
 LAYOUTS = {
   "grpo": ("unpacked", "packed"),
   "lambda_grpo": ("unpacked", "packed", "tree"),
   "frpo": ("unpacked", "packed", "tree"),
 }
+STEP_TEST = "test_context_parallel_step_equals_the_single_device_step_8_devices"
+TERMS_TEST = "test_lambda_weights_and_future_kl_of_sequence_split_rows_equal_numpy_8_devices"
+
+# the one child's driver: each part (``terms``, or ``preset:layout``) in turn; a part's failure is reported (its
+# traceback, then ``FAILED part``) and the next still runs
+_DRIVER = r"""
+import json, sys, traceback
+for part in sys.argv[1:]:
+  try:
+    if part == "terms":
+      print("TERMS " + json.dumps(terms()), flush=True)
+    else:
+      check(*part.split(":"))
+      print("OK", part, flush=True)
+  except Exception:
+    traceback.print_exc()
+    print("FAILED", part, flush=True)
+"""
+
+
+def child_parts(items) -> list[str]:
+  """The parts the selected tests of this module read: ``terms`` for the NumPy comparison, ``preset:layout`` for
+  each layout's step test (a ``-m "not slow"`` run starts no step check)."""
+  names = [
+    (item.originalname, getattr(item, "callspec", None))
+    for item in items
+    if item.path.name == os.path.basename(__file__)
+  ]
+  parts = ["terms"] if any(name == TERMS_TEST for name, _ in names) else []
+  packings = {spec.params["packing"] for name, spec in names if name == STEP_TEST}
+  return parts + [f"{name}:{p}" for name, layouts in LAYOUTS.items() for p in layouts if p in packings]
 
 
 @pytest.fixture(scope="module")
-def context_parallel_children():
-  """One 8-device child per preset, side by side, each checking its layouts one after another (one JAX start-up
-  and one model per preset instead of one per preset and layout): ``{preset: (exit status, stdout, stderr)}``."""
-  children = {name: start_child(_STEP, devices=8, args=(name, ",".join(layouts))) for name, layouts in LAYOUTS.items()}
-  results = {}
-  for name, child in children.items():
-    try:
-      out, err = child.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-      child.kill()
-      out, err = child.communicate()
-    results[name] = (child.returncode, out, err)
-  return results
+def context_parallel_child(request):
+  """One 8-device child for the whole module: the λ-GRPO/FRPO terms, then every preset's layouts one after another
+  (one JAX start-up and one model instead of one per preset, and one more for the terms), the parts the selected
+  tests read (:func:`child_parts`): ``(exit status, stdout, stderr)``."""
+  child = start_child(_TERMS + _STEP + _DRIVER, devices=8, args=child_parts(request.session.items))
+  try:
+    out, err = child.communicate(timeout=900)
+  except subprocess.TimeoutExpired:
+    child.kill()
+    out, err = child.communicate()
+  return child.returncode, out, err
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", ["unpacked", "packed", "tree"])
-def test_context_parallel_step_equals_the_single_device_step_8_devices(packing, context_parallel_children):
+def test_context_parallel_step_equals_the_single_device_step_8_devices(packing, context_parallel_child):
   """GRPO, λ-GRPO and FRPO: ``fsdp=2,context=4`` (and for GRPO ``data=2,context=4`` and ``tensor=2,context=4``)
   against one device: the losses of two steps and the parameters after them agree to float32 rounding (1e-5), and
   the compiled program passes K/V chunks around the ring.
   ``tree``: packed prefix trees (``step.prefix_sharing: tree``, λ-GRPO and FRPO): the tree mask's bounds travel
   the ring with their key chunks."""
+  rc, out, err = context_parallel_child
   for name, layouts in LAYOUTS.items():
     if packing in layouts:
-      rc, out, err = context_parallel_children[name]
-      assert f"OK {packing}" in out.splitlines(), f"{name} {packing}: exit {rc}\n{out[-3000:]}\n{err[-8000:]}"
+      assert f"OK {name}:{packing}" in out.splitlines(), f"{name} {packing}: exit {rc}\n{out[-3000:]}\n{err[-8000:]}"
 
 
 _TERMS = r"""
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-from test_context_parallel import long_prefix_batch
-from jaxgrpo.kernels.config import preset
-from jaxgrpo.kernels.objective import rollout_advantages
-from jaxgrpo.parallel import sharding as shd
+def terms():  # the λ-GRPO weights and FRPO advantages of sequence-split rows, then the refusals
+  import json, sys
+  import jax, jax.numpy as jnp, numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from test_context_parallel import long_prefix_batch
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.kernels.objective import rollout_advantages
+  from jaxgrpo.parallel import sharding as shd
 
-mesh = shd.make_mesh("fsdp=2,context=4")
-split = NamedSharding(mesh, P(("data", "fsdp"), "context"))  # [B, T]: rows over fsdp, the sequence over context
-batch = long_prefix_batch()
-out = {}
-for name in ("lambda_grpo", "frpo"):
-  config = preset(name)
-  tokens, mask, old, ref = (jax.device_put(np.asarray(x), split) for x in
-                            (batch.completions, batch.mask, batch.old_logp, batch.ref_logp))
-  fn = jax.jit(lambda r, t, m, g, o, f: rollout_advantages(config, r, t, m, g, 2, old_logp=o, ref_logp=f,
-                                                            max_group_size=4))
-  with jax.set_mesh(mesh):
-    adv, weights = fn(jnp.asarray(batch.rewards), tokens, mask, jnp.asarray(batch.group_ids), old, ref)
-  out[name] = {"adv": np.asarray(adv).tolist(), "weights": np.asarray(weights).tolist()}
+  mesh = shd.make_mesh("fsdp=2,context=4")
+  split = NamedSharding(mesh, P(("data", "fsdp"), "context"))  # [B, T]: rows over fsdp, the sequence over context
+  batch = long_prefix_batch()
+  out = {}
+  for name in ("lambda_grpo", "frpo"):
+    config = preset(name)
+    tokens, mask, old, ref = (jax.device_put(np.asarray(x), split) for x in
+                              (batch.completions, batch.mask, batch.old_logp, batch.ref_logp))
+    fn = jax.jit(lambda r, t, m, g, o, f: rollout_advantages(config, r, t, m, g, 2, old_logp=o, ref_logp=f,
+                                                              max_group_size=4))
+    with jax.set_mesh(mesh):
+      adv, weights = fn(jnp.asarray(batch.rewards), tokens, mask, jnp.asarray(batch.group_ids), old, ref)
+    out[name] = {"adv": np.asarray(adv).tolist(), "weights": np.asarray(weights).tolist()}
 
-# the refusals, one line each, before anything is compiled
-import optax, pytest
-from helpers import tiny_model
-from jaxgrpo.models.attention import context_implementation
-from jaxgrpo.step import train
-compiles = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
-graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), optax.sgd(0.1), mesh)
-n = len(compiles)
-for packing, short, match in ((None, batch._replace(completions=batch.completions[:, :54], mask=batch.mask[:, :54],
-    old_logp=batch.old_logp[:, :54], ref_logp=batch.ref_logp[:, :54]),
-    r"the \[prompt ‖ completion\] row \(8 \+ 54\) length 62 is not divisible by the mesh's context axis "
-    r"\(context=4\): pad it by 2 to 64 positions"),
-    (126, batch, r"TrainConfig.packing \(the packed row\) length 126 is not divisible .* pad it by 2 to 128")):
-  tc = train.TrainConfig(group_size=4, packing=packing)
-  step = train.make_train_step(graphdef, optax.sgd(0.1), preset("grpo"), mesh=mesh, shardings=shardings,
-                               train_config=tc)
-  with pytest.raises(ValueError, match=match):
-    step(state, short._replace(ref_logp=None))
-  reference = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
-  with pytest.raises(ValueError, match=match):
-    reference(state.params, short)
-assert len(compiles) == n and step.traces == 0, compiles[n:]
-with pytest.raises(ValueError, match="attention='splash' with a context mesh axis of size 4: .* use 'auto' or 'blockwise'"):
-  context_implementation("splash", 4)
-assert context_implementation("auto", 4) == context_implementation("blockwise", 2) == "ring"
-assert context_implementation("auto", 1) is None and context_implementation("dense", 4) is None
-print(json.dumps(out))
+  # the refusals, one line each, before anything is compiled
+  import optax, pytest
+  from helpers import tiny_model
+  from jaxgrpo.models.attention import context_implementation
+  from jaxgrpo.step import train
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+  graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), optax.sgd(0.1), mesh)
+  n = len(compiles)
+  for packing, short, match in ((None, batch._replace(completions=batch.completions[:, :54], mask=batch.mask[:, :54],
+      old_logp=batch.old_logp[:, :54], ref_logp=batch.ref_logp[:, :54]),
+      r"the \[prompt ‖ completion\] row \(8 \+ 54\) length 62 is not divisible by the mesh's context axis "
+      r"\(context=4\): pad it by 2 to 64 positions"),
+      (126, batch, r"TrainConfig.packing \(the packed row\) length 126 is not divisible .* pad it by 2 to 128")):
+    tc = train.TrainConfig(group_size=4, packing=packing)
+    step = train.make_train_step(graphdef, optax.sgd(0.1), preset("grpo"), mesh=mesh, shardings=shardings,
+                                 train_config=tc)
+    with pytest.raises(ValueError, match=match):
+      step(state, short._replace(ref_logp=None))
+    reference = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
+    with pytest.raises(ValueError, match=match):
+      reference(state.params, short)
+  assert len(compiles) == n and step.traces == 0, compiles[n:]
+  with pytest.raises(ValueError, match="attention='splash' with a context mesh axis of size 4: .* use 'auto' or 'blockwise'"):
+    context_implementation("splash", 4)
+  assert context_implementation("auto", 4) == context_implementation("blockwise", 2) == "ring"
+  assert context_implementation("auto", 1) is None and context_implementation("dense", 4) is None
+  return out
 """
 
 
-def test_lambda_weights_and_future_kl_of_sequence_split_rows_equal_numpy_8_devices():
+def test_lambda_weights_and_future_kl_of_sequence_split_rows_equal_numpy_8_devices(context_parallel_child):
   """The process-set sizes (prefix hashes over the completion) and FRPO's future-KL reversed cumulative sum, on
   ``[B, T]`` arrays split over ``fsdp=2,context=4`` (chunks of 14 completion tokens; shared prefixes of up to the
   whole row): λ-GRPO's token weights equal ``1/|λ(i,t)|`` by brute force, FRPO's advantages the NumPy cost-to-go."""
@@ -194,7 +214,10 @@ def test_lambda_weights_and_future_kl_of_sequence_split_rows_equal_numpy_8_devic
 
   from jaxgrpo.kernels.config import preset
 
-  out = json.loads(run_child(_TERMS, devices=8).strip().splitlines()[-1])
+  rc, text, err = context_parallel_child
+  line = [x for x in text.splitlines() if x.startswith("TERMS ")]
+  assert line, f"terms: exit {rc}\n{text[-3000:]}\n{err[-8000:]}"
+  out = json.loads(line[0][len("TERMS ") :])
   batch = long_prefix_batch()
   mask = np.asarray(batch.mask)
   sizes = ref_lambda_sizes(np.asarray(batch.completions), mask, np.asarray(batch.group_ids))
