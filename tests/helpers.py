@@ -529,3 +529,15 @@ def kill_after_ledger_lines(proc: subprocess.Popen, ledger, lines: int = 3, time
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   return len(ledger.read_text().splitlines())
+
+
+def child_result(proc: subprocess.Popen, timeout=900) -> tuple[int, str, str]:
+  """``(exit status, stdout, stderr)`` of a child (killed after ``timeout`` s): what a module fixture that runs
+  several tests' checks in one child keeps, for each test to read its part and show the child's output when it
+  failed (:func:`finish_child` raises instead)."""
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+  return proc.returncode, out, err

@@ -3,11 +3,12 @@ optimizer state really are sharded, and bad meshes / batches fail before anythin
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from helpers import finish_child, run_child, start_child
+from helpers import child_result, start_child
 
 _EQUIVALENCE = r"""
-import sys
 import jax, numpy as np, optax
 from jax.sharding import PartitionSpec as P
 from helpers import G, flat_params, make_batch, tiny_model
@@ -55,7 +56,7 @@ def check(name):
       emb = state.params["embed_tokens"][...]
       assert emb.sharding.spec == P("tensor", "fsdp") and emb.addressable_shards[0].data.shape == (128 // t, 32 // f)
     results[spec] = flat_params(state.params)
-    print(spec, {k: round(float(v), 5) for k, v in metrics.items() if k in ("loss", "grad_norm")})
+    print(name, spec, {k: round(float(v), 5) for k, v in metrics.items() if k in ("loss", "grad_norm")})
 
   base = results["data=1"]
   for spec in MESHES[1:]:
@@ -63,54 +64,81 @@ def check(name):
       np.testing.assert_allclose(results[spec][k], base[k], rtol=1e-5, atol=1e-7, err_msg=f"{name} {spec} {k}")
 
 
-for name in sys.argv[1:]:  # one process for every preset: the start-up and the shared programs once
-  check(name)
-print("OK")
 """
 
 _ERRORS = r"""
-import jax, numpy as np, optax, pytest
-from helpers import make_batch, tiny_config, tiny_model
-from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
-from jaxgrpo.kernels.config import preset
-from jaxgrpo.models import build_model
+def errors():  # bad meshes and batches fail before anything is compiled
+  import jax, numpy as np, optax, pytest
+  from helpers import make_batch, tiny_config, tiny_model
+  from jaxgrpo.parallel import sharding as shd; from jaxgrpo.step import train
+  from jaxgrpo.kernels.config import preset
+  from jaxgrpo.models import build_model
 
-opt = optax.adam(1e-3)
-model = tiny_model()  # eager init compiles small programs: build it before counting
-batch = make_batch(b=12, g=4)._replace(ref_logp=None)
-compiles = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
-with pytest.raises(ValueError, match=r"has 4 devices .* but there are 8 devices"):
-  shd.make_mesh("data=2,fsdp=2")
-with pytest.raises(ValueError, match="unknown axis 'model'"):
-  shd.make_mesh("model=8")
-# heads not divisible by tensor: 4 heads over tensor=8
-with pytest.raises(ValueError, match=r"attn/[qk]: dim 1 \('(kv_)?heads', size 4\) is not divisible by mesh axis 'tensor' of size 8"):
-  train.init_train_state(model, opt, shd.make_mesh("tensor=8"))
-assert not compiles, compiles
-# batch not divisible across data x fsdp: 12 rows over data=4 x fsdp=2
-mesh = shd.make_mesh("data=4,fsdp=2")
-graphdef, state, shardings = train.init_train_state(model, opt, mesh)
-step = train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=shardings)
-n = len(compiles)
-with pytest.raises(ValueError, match=r"batch size 12 is not divisible by the batch mesh axes \(data×fsdp = 8\)"):
-  shd.place_batch(batch, mesh)
-with pytest.raises(ValueError, match=r"batch size 12 is not divisible"):
-  step(state, batch)
-assert len(compiles) == n and step.traces == 0, compiles
-print("OK")
+  opt = optax.adam(1e-3)
+  model = tiny_model()  # eager init compiles small programs: build it before counting
+  batch = make_batch(b=12, g=4)._replace(ref_logp=None)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None)
+  with pytest.raises(ValueError, match=r"has 4 devices .* but there are 8 devices"):
+    shd.make_mesh("data=2,fsdp=2")
+  with pytest.raises(ValueError, match="unknown axis 'model'"):
+    shd.make_mesh("model=8")
+  # heads not divisible by tensor: 4 heads over tensor=8
+  with pytest.raises(ValueError, match=r"attn/[qk]: dim 1 \('(kv_)?heads', size 4\) is not divisible by mesh axis 'tensor' of size 8"):
+    train.init_train_state(model, opt, shd.make_mesh("tensor=8"))
+  assert not compiles, compiles
+  # batch not divisible across data x fsdp: 12 rows over data=4 x fsdp=2
+  mesh = shd.make_mesh("data=4,fsdp=2")
+  graphdef, state, shardings = train.init_train_state(model, opt, mesh)
+  step = train.make_train_step(graphdef, opt, preset("grpo"), mesh=mesh, shardings=shardings)
+  n = len(compiles)
+  with pytest.raises(ValueError, match=r"batch size 12 is not divisible by the batch mesh axes \(data×fsdp = 8\)"):
+    shd.place_batch(batch, mesh)
+  with pytest.raises(ValueError, match=r"batch size 12 is not divisible"):
+    step(state, batch)
+  assert len(compiles) == n and step.traces == 0, compiles
 """
 
 
+# the one child's driver: each part (``errors``, or a preset's equivalence) in turn; a part's failure is reported (its
+# traceback, then ``FAILED part``) and the next still runs
+_DRIVER = r"""
+import sys, traceback
+for part in sys.argv[1:]:
+  try:
+    errors() if part == "errors" else check(part)
+    print("OK", part, flush=True)
+  except Exception:
+    traceback.print_exc()
+    print("FAILED", part, flush=True)
+"""
+PRESETS = ("grpo", "lambda_grpo", "frpo")
+
+
+@pytest.fixture(scope="module")
+def sharded_child(request):
+  """One 8-device child for the module (one JAX start-up): the error checks, then grpo, lambda_grpo and frpo one
+  after the other, for the tests selected (a ``-m "not slow"`` run checks the errors only): ``(exit status, stdout,
+  stderr)``."""
+  selected = {i.originalname for i in request.session.items if i.path.name == os.path.basename(__file__)}
+  parts = ["errors"] * ("test_errors_before_compiling_8_devices" in selected)
+  parts += list(PRESETS) * ("test_sharding_changes_nothing_8_devices" in selected)
+  child = start_child(_ERRORS + _EQUIVALENCE + _DRIVER, devices=8, args=parts)
+  return child_result(child)
+
+
 @pytest.mark.subprocess
-def test_errors_before_compiling_8_devices():
-  assert run_child(_ERRORS, devices=8).strip().endswith("OK")
+def test_errors_before_compiling_8_devices(sharded_child):
+  rc, out, err = sharded_child
+  assert "OK errors" in out.splitlines(), f"exit {rc}\n{out[-3000:]}\n{err[-8000:]}"
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_sharding_changes_nothing_8_devices():
+def test_sharding_changes_nothing_8_devices(sharded_child):
   """grpo, lambda_grpo and frpo, one after the other in one child process (8 devices)."""
-  out = finish_child(start_child(_EQUIVALENCE, devices=8, args=("grpo", "lambda_grpo", "frpo")))
-  assert out.strip().endswith("OK") and out.count("data=8") == 3, out
+  rc, out, err = sharded_child
+  for name in PRESETS:
+    assert f"OK {name}" in out.splitlines(), f"{name}: exit {rc}\n{out[-3000:]}\n{err[-8000:]}"
+  assert out.count("data=8") == 3, out
