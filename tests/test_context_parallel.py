@@ -13,7 +13,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import ref_lambda_sizes, start_child
+from helpers import child_result, ref_lambda_sizes, start_child
 
 pytestmark = [pytest.mark.subprocess]
 
@@ -128,12 +128,7 @@ def context_parallel_child(request):
   (one JAX start-up and one model instead of one per preset, and one more for the terms), the parts the selected
   tests read (:func:`child_parts`): ``(exit status, stdout, stderr)``."""
   child = start_child(_TERMS + _STEP + _DRIVER, devices=8, args=child_parts(request.session.items))
-  try:
-    out, err = child.communicate(timeout=900)
-  except subprocess.TimeoutExpired:
-    child.kill()
-    out, err = child.communicate()
-  return child.returncode, out, err
+  return child_result(child)
 
 
 @pytest.mark.slow
@@ -235,7 +230,6 @@ def test_train_script_runs_with_a_context_axis(tmp_path):
   finish with finite losses, and the train step XLA compiled (its optimized HLO, dumped) runs the ring (the
   ``ppermute`` of ``shard_map`` in its optimized HLO's op names)."""
   import os
-  import subprocess
 
   from helpers import TEST_XLA_FLAGS, async_train_cmd, cli_env
 
@@ -277,7 +271,6 @@ def test_train_script_refuses_rows_the_context_axis_does_not_divide(tmp_path):
   """``scripts/train.py`` exits 2 with one ``error:`` line before any weight is read when a row the run can train
   on does not split over the ``context`` axis: ``step.packing 126`` on ``context=4``, and on ``context=3`` the
   unpacked rows (a prompt bucket of 16 + the completion bucket of 64 = 80)."""
-  import subprocess
 
   from helpers import async_train_cmd, cli_env
 
