@@ -202,9 +202,12 @@ def test_a_run_with_a_remote_teacher_trains_like_the_in_process_one(server, tmp_
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_the_server_killed_mid_run_stops_it(tmp_path):
+def test_the_server_killed_mid_run_stops_it(tmp_path, capfd):
   """The server killed after step 1: step 2's teacher call retries, then raises TeacherUnavailable (one line,
-  the URL); the CLI on a dead URL exits 2 with one ``error:`` line before anything trains."""
+  the URL); the CLI on a dead URL exits 2 with one ``error:`` line before anything trains (``scripts/train.py``'s
+  ``main`` in this process: what it checks needs no process of its own)."""
+  from helpers import train_main_here
+
   from jaxgrpo.run.trainer import Trainer
 
   proc, url = start_server()
@@ -227,16 +230,14 @@ def test_the_server_killed_mid_run_stops_it(tmp_path):
       stop(proc)
   assert steps == [1]
   assert "\n" not in str(e.value)
-  cli = subprocess.run(
-    [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", os.devnull, "--no-progress"]
-    + [f"--{k}={v}" for k, v in _cli_flags(tmp_path / "cli", url).items()],
-    capture_output=True,
-    text=True,
-    env=child_env(1),
-    timeout=300,
-  )
-  assert cli.returncode == 2, cli.stderr[-2000:]
-  lines = cli.stderr.strip().splitlines()
+  capfd.readouterr()
+  with pytest.raises(SystemExit) as cli:
+    train_main_here(
+      ["--config", os.devnull, "--no-progress"] + [f"--{k}={v}" for k, v in _cli_flags(tmp_path / "cli", url).items()]
+    )
+  err = capfd.readouterr().err
+  assert cli.value.code == 2, err[-2000:]
+  lines = err.strip().splitlines()
   assert lines[-1].startswith("error: `objective.distill.teacher`: remote teacher") and url in lines[-1]
 
 
@@ -256,20 +257,56 @@ def _cli_flags(out, url):
   }
 
 
+PLAN_TEACHERS = ("http://127.0.0.1:9", "vllm:synthetic:96x3")
+
+# scripts/plan.py's main, once per config given, in one process of 2 CPU devices (what --topology cpu-2 sets before
+# jax is imported): {config: {"rc": exit status, "stdout": its stdout}} on the last line
+_PLAN = r"""
+import contextlib, io, json, os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+import plan
+results = {}
+for config in sys.argv[1:]:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rc = plan.main(["--config", config, "--topology", "cpu-2", "--json", "--programs", "step"])
+  results[config] = {"rc": rc, "stdout": out.getvalue()}
+print("PLANS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def teacher_plans(request, tmp_path_factory):
+  """``{teacher: (exit status, stdout, the child's stderr)}``: scripts/plan.py's main for each teacher of
+  PLAN_TEACHERS the selected tests name (the demo config, distilling from it), one after the other in one child of
+  2 CPU devices (one JAX start-up instead of one per teacher)."""
+  import yaml
+  from helpers import child_result, start_child
+
+  mine = [item for item in request.session.items if item.path.name == os.path.basename(__file__)]
+  teachers = [t for t in PLAN_TEACHERS if any(f"[{t}]" in item.name for item in mine)]
+  configs = {}
+  for i, teacher in enumerate(teachers):
+    d = yaml.safe_load(open(ROOT / "scripts" / "configs" / "demo.yaml"))
+    d["objective"].update(beta=0.0, distill={"teacher": teacher, "weight": 1.0, "kind": "forward_kl", "top_k": 4})
+    configs[teacher] = tmp_path_factory.mktemp("plan") / f"distill_{i}.yaml"
+    configs[teacher].write_text(yaml.safe_dump(d))
+  child = start_child(_PLAN, devices=2, args=list(configs.values()))
+  rc, out, err = child_result(child, timeout=600)
+  last = out.strip().splitlines()[-1:] or [""]
+  if rc != 0 or not last[0].startswith("PLANS "):  # each test reads the failure
+    return {t: (f"child exit {rc}", out, err) for t in teachers}
+  results = json.loads(last[0][len("PLANS ") :])
+  return {t: (results[str(c)]["rc"], results[str(c)]["stdout"], err) for t, c in configs.items()}
+
+
 @pytest.mark.subprocess
-@pytest.mark.parametrize("teacher", ["http://127.0.0.1:9", "vllm:synthetic:96x3"])
-def test_a_teacher_outside_the_run_is_planned_off_the_train_devices(tmp_path, teacher):
+@pytest.mark.parametrize("teacher", PLAN_TEACHERS)
+def test_a_teacher_outside_the_run_is_planned_off_the_train_devices(teacher_plans, teacher):
   """scripts/plan.py with a server or vLLM teacher (nothing is contacted or loaded): the step still compiles with
   the teacher's fields in its batch, no ``teacher`` program, nothing of the teacher resident beside the step
   (before: the URL was read as a model name, exit 2)."""
-  import yaml
-
-  d = yaml.safe_load(open(ROOT / "scripts" / "configs" / "demo.yaml"))
-  d["objective"].update(beta=0.0, distill={"teacher": teacher, "weight": 1.0, "kind": "forward_kl", "top_k": 4})
-  config = tmp_path / "distill.yaml"
-  config.write_text(yaml.safe_dump(d))
-  cmd = [sys.executable, str(ROOT / "scripts" / "plan.py"), "--config", str(config), "--topology", "cpu-2", "--json"]
-  r = subprocess.run(cmd + ["--programs", "step"], capture_output=True, text=True, env=child_env(1), timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  (step,) = json.loads(r.stdout)["programs"]
+  rc, stdout, err = teacher_plans[teacher]
+  assert rc == 0, (rc, stdout[-2000:], err[-3000:])
+  (step,) = json.loads(stdout)["programs"]
   assert step["verdict"] == "no fit test" and step["other_resident_bytes"] == 0, step
