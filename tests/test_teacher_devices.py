@@ -15,6 +15,7 @@ fsdp=2,tensor=2``, another layout than the policy's).
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import NamedTuple
 
@@ -24,7 +25,7 @@ from test_trainer import tiny
 
 _WORKER = r"""
 import json, os, sys
-own, kinds, root = sys.argv[1] == "own", sys.argv[2].split(","), sys.argv[3]
+own, kinds, root = sys.argv[1] == "own", [k for k in sys.argv[2].split(",") if k], sys.argv[3]
 import jax, jax.numpy as jnp, numpy as np
 from test_async_rollout import REWARDS
 from test_distill_run import TEACHER
@@ -70,6 +71,9 @@ for kind in kinds:  # one after the other in this process: one JAX start-up for 
       except ValueError as e:
         refusals.append(str(e))
   json.dump(refusals, open(out + "/refusals.json", "w"))
+if len(sys.argv) > 4:  # then the two-process test's one-process run (8 devices), in this process
+  os.makedirs(sys.argv[4], exist_ok=True)
+  multi_run(1, 0, sys.argv[4])
 print("OK")
 """
 
@@ -79,20 +83,26 @@ KEYS = ("loss", "grad_norm", "distill/reverse_kl", "reward_mean")
 KINDS = ("sampled", "jsd")
 
 
+SAME_MESH_TEST = "test_a_teacher_on_its_own_devices_equals_one_on_the_train_mesh_and_resumes"
+TWO_PROCESSES_TEST = "test_a_teacher_on_its_own_devices_on_two_processes_equals_one"
+
+
 @pytest.fixture(scope="module")
-def teacher_device_runs(tmp_path_factory):
-  """The two children the tests below compare, side by side: 8 devices with the teacher on its own 4 (``own``)
-  and 4 devices with the teacher on the train mesh (``shared``), each running both distillation forms one after
-  the other (one JAX start-up per placement, not per placement and form); their results under
-  ``DIR/{own,shared}/{sampled,jsd}/``."""
+def teacher_device_runs(request, tmp_path_factory):
+  """The children the tests below compare, side by side: 8 devices with the teacher on its own 4 (``own``) and 4
+  devices with the teacher on the train mesh (``shared``), each running the selected distillation forms one after
+  the other (one JAX start-up per placement, not per placement and form); the ``own`` child then runs the
+  two-process test's one-process run (8 devices, its own JAX start-up saved). Their results under
+  ``DIR/{own,shared}/{sampled,jsd}/`` and ``DIR/one/``."""
   from helpers import finish_children, start_child
 
   tmp_path = tmp_path_factory.mktemp("teacher_devices")
-  kinds = ",".join(KINDS)
-  procs = [
-    start_child(_WORKER, devices=8, args=("own", kinds, tmp_path / "own")),
-    start_child(_WORKER, devices=4, args=("shared", kinds, tmp_path / "shared")),
-  ]
+  mine = [item for item in request.session.items if item.path.name == os.path.basename(__file__)]
+  kinds = ",".join(k for k in KINDS if any(i.originalname == SAME_MESH_TEST and k in i.name for i in mine))
+  one = [tmp_path / "one"] if any(i.originalname == TWO_PROCESSES_TEST for i in mine) else []
+  procs = [start_child(_MULTI_RUN + _WORKER, devices=8, args=("own", kinds, tmp_path / "own", *one))]
+  if kinds:
+    procs.append(start_child(_WORKER, devices=4, args=("shared", kinds, tmp_path / "shared")))
   results = finish_children(procs, timeout=900)
   assert all("OK" in r for r in results), "\n=====\n".join(results)
   return tmp_path
@@ -174,50 +184,59 @@ def test_devices_teacher_refuses_in_one_line():
   assert async_rollout.split_teacher_devices(DevicesSpec(), devices) == (devices, [])
 
 
-_MULTI = r"""
-import json, sys
+# the run test_a_teacher_on_its_own_devices_on_two_processes_equals_one compares: each of the two processes runs it,
+# and the fixture's 8-device child once more as the one-process run
+_MULTI_RUN = r"""
+def multi_run(nproc, pid, out):
+  import json
+  import jax
+  from jax.experimental import multihost_utils
+  import numpy as np
+  from test_async_rollout import REWARDS
+  from test_distill_run import TEACHER
+  from test_trainer import tiny
+  from jaxgrpo.run.trainer import Trainer
+  assert jax.process_count() == nproc and jax.device_count() == 8, (jax.process_count(), jax.device_count())
+  cfg = tiny(**{"objective.distill": TEACHER, "run.out": out, "run.steps": 2, "optim.learning_rate": 3e-2,
+                "devices.mesh": "fsdp=4", "devices.teacher": 4, "devices.teacher_mesh": "fsdp=4",
+                "devices.host_timeout_s": 120})
+  tr = Trainer(cfg, reward_fns=REWARDS, log=None)
+  teacher = {(d.process_index, d.id) for x in jax.tree.leaves(tr.teacher.params) for d in x.sharding.device_set}
+  recs = [r for r in tr.run(handle_signals=False) if "loss" in r]
+  params = [float(np.abs(np.asarray(multihost_utils.process_allgather(x, tiled=True))).sum())
+            for x in jax.tree.leaves(tr.state.train.params)]
+  json.dump({"recs": recs, "params": params, "teacher": sorted(teacher)}, open(f"{out}/multi_{pid}_of_{nproc}.json", "w"))
+"""
+
+_MULTI = (
+  _MULTI_RUN
+  + r"""
+import sys
 nproc, pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 from jaxgrpo.parallel import distributed
 distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
-import jax
-from jax.experimental import multihost_utils
-import numpy as np
-from test_async_rollout import REWARDS
-from test_distill_run import TEACHER
-from test_trainer import tiny
-from jaxgrpo.run.trainer import Trainer
-cfg = tiny(**{"objective.distill": TEACHER, "run.out": out, "run.steps": 2, "optim.learning_rate": 3e-2,
-              "devices.mesh": "fsdp=4", "devices.teacher": 4, "devices.teacher_mesh": "fsdp=4",
-              "devices.host_timeout_s": 120})
-tr = Trainer(cfg, reward_fns=REWARDS, log=None)
-teacher = {(d.process_index, d.id) for x in jax.tree.leaves(tr.teacher.params) for d in x.sharding.device_set}
-recs = [r for r in tr.run(handle_signals=False) if "loss" in r]
-params = [float(np.abs(np.asarray(multihost_utils.process_allgather(x, tiled=True))).sum())
-          for x in jax.tree.leaves(tr.state.train.params)]
-json.dump({"recs": recs, "params": params, "teacher": sorted(teacher)}, open(f"{out}/multi_{pid}_of_{nproc}.json", "w"))
+multi_run(nproc, pid, out)
 print("OK")
 """
+)
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_a_teacher_on_its_own_devices_on_two_processes_equals_one(tmp_path):
+def test_a_teacher_on_its_own_devices_on_two_processes_equals_one(tmp_path, teacher_device_runs):
   """Two real processes of 4 CPU devices each: the teacher on the last 2 devices of each process (its mesh spans both
   processes), the policy on the first 2 of each; the batch and the log-probs cross meshes shard by shard
   (``parallel.transfer``). Both processes log the same metrics, equal to one 8-device process's (1e-5)."""
   from helpers import finish_children, start_child
   from test_compose_multihost import _free_port
 
-  (tmp_path / "two").mkdir(), (tmp_path / "one").mkdir()
+  (tmp_path / "two").mkdir()
   port = _free_port()
   procs = [start_child(_MULTI, devices=4, args=(2, i, port, tmp_path / "two")) for i in range(2)]
-  procs.append(start_child(_MULTI, devices=8, args=(1, 0, _free_port(), tmp_path / "one")))
   results = finish_children(procs, timeout=600)
   assert all("OK" in r for r in results), "\n=====\n".join(results)
-  r0, r1, one = (
-    json.load(open(tmp_path / d / f"multi_{i}_of_{n}.json"))
-    for d, i, n in (("two", 0, 2), ("two", 1, 2), ("one", 0, 1))
-  )
+  r0, r1 = (json.load(open(tmp_path / "two" / f"multi_{i}_of_2.json")) for i in range(2))
+  one = json.load(open(teacher_device_runs / "one" / "multi_0_of_1.json"))  # the fixture's 8-device child
   assert sorted({p for p, _ in r0["teacher"]}) == [0, 1] and len(r0["teacher"]) == 4  # 2 devices of each process
   for a, b, c in zip(r0["recs"], r1["recs"], one["recs"]):
     for k in KEYS:
