@@ -4,9 +4,8 @@ is stopped and reported so (the parent's watchdog, for real: the cap is below a 
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 from helpers import ROOT, cli_env
@@ -15,26 +14,39 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 SCRIPT = os.path.join(ROOT, "scripts", "bench_attention.py")
 
 
-def _run(*args: str) -> str:
-  out = subprocess.run([sys.executable, SCRIPT, *args], env=cli_env(), capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout
+@pytest.fixture
+def _run(monkeypatch, capsys):
+  """The script's ``main(argv)`` in this process (the parent: it starts, watches and reads the children as the command
+  does; its own start-up, ~3 CPU-s of imports, is what running it in a child added), the children with
+  ``helpers.cli_env``'s environment; returns what it printed."""
+  spec = importlib.util.spec_from_file_location("bench_attention_script", SCRIPT)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  for k, v in cli_env().items():
+    monkeypatch.setenv(k, v)
+
+  def run(*args: str) -> str:
+    capsys.readouterr()
+    script.main(list(args))
+    return capsys.readouterr().out
+
+  return run
 
 
-def test_rows_and_slope():
+def test_rows_and_slope(_run):
   text = _run("--lengths", "256", "512", "--impls", "blockwise", "--repeats", "1")
   rows = [line for line in text.splitlines() if line.startswith("| 256 ") or line.startswith("| 512 ")]
   assert len(rows) == 2 and all(" MiB | " in r and r.rstrip().endswith("s |") for r in rows), text
   assert "# memory slope, blockwise: 512/256 ×" in text, text
 
 
-def test_a_child_over_the_cap_is_stopped():
+def test_a_child_over_the_cap_is_stopped(_run):
   text = _run("--lengths", "256", "--impls", "dense", "--cap-gib", "0.05")
   assert "| 256 | dense | over the 0.05 GiB cap (stopped at" in text, text
   assert "# memory slope, dense: —" in text, text
 
 
-def test_model_and_train_step_modes():
+def test_model_and_train_step_modes(_run):
   """``--mode model`` (a tiny 2-layer model's log-prob gradient) and ``--mode step`` (``make_train_step``), each
   implementation through the model's own ``attention`` choice."""
   text = _run("--mode", "model", "--lengths", "256", "--impls", "dense", "blockwise", "--repeats", "1")

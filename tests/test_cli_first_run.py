@@ -10,20 +10,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from helpers import cli_env
+from helpers import train_main_here
 from hf_utils import tiny_hf_config
 
 from jaxgrpo.run import builders
 from jaxgrpo.run.specs import TrainerConfig, load_config
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.tasks import arithmetic
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "scripts", "train.py")
 
 
 def _model_dir(path, *, chat_template=True, tokenizer=True, **config) -> str:
@@ -102,14 +97,22 @@ def test_the_defaults_fit_the_default_model():
     builders.check_lengths(too_long, config)
 
 
-def _cli(tmp_path, *args, timeout=600):
-  env = cli_env(tmp_path / "cache")
-  cmd = [sys.executable, TRAIN, "--no-plot", "--no-progress", "--run.out", str(tmp_path / "out"), *args]
-  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def _cli(tmp_path, capfd, *args):
+  """``scripts/train.py``'s ``main`` on ``args`` in this process (``helpers.train_main_here``: the same code as the
+  command, without a child's ~3 CPU-s of start-up): ``(exit status, stdout, stderr)``."""
+  argv = ["--no-plot", "--no-progress", "--run.out", str(tmp_path / "out"), *args]
+  capfd.readouterr()
+  try:
+    train_main_here(argv)
+    code = 0
+  except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else 1
+  r = capfd.readouterr()
+  return code, r.out, r.err
 
 
 @pytest.mark.slow
-def test_cli_defaults_with_overrides_and_no_config_run(tmp_path):
+def test_cli_defaults_with_overrides_and_no_config_run(tmp_path, capfd):
   """``scripts/train.py`` without ``--config``: overrides of single fields of the default model and
   data (``--model.dtype``, ``--data.split``) keep the synthetic model and the arithmetic task (item
   9; before: "got path=None, synthetic=None"), and the default lengths (512 prompt tokens + 1024 new
@@ -119,8 +122,8 @@ def test_cli_defaults_with_overrides_and_no_config_run(tmp_path):
   small += ["--rollout.prompts_per_step", "1", "--rollout.group_size", "2", "--eval.samples", "1", "--run.steps", "1"]
   # the verifier's worker process and TensorBoard are not what is tested (~8 s of CPU)
   small += ["--reward.timeout_s", "null", "--no-tensorboard"]
-  r = _cli(tmp_path, "--model.dtype", "float32", "--data.split", "train", *small)
-  assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+  code, out, err = _cli(tmp_path, capfd, "--model.dtype", "float32", "--data.split", "train", *small)
+  assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
   cfg = json.load(open(tmp_path / "out" / "config.json"))
   assert (
     cfg["model"]["synthetic"]
@@ -138,14 +141,14 @@ def test_cli_defaults_with_overrides_and_no_config_run(tmp_path):
     (["--data.arithmetic.sft_steps", "1"], r"`arithmetic.sft_steps` must be 0 \(no warm-up\) or >= 2"),
   ],
 )
-def test_cli_bad_numbers_and_old_keys_are_one_line_before_any_work(tmp_path, args, want):
-  """Through the real script: ``inf`` on the command line is a number, refused as non-finite (item
+def test_cli_bad_numbers_and_old_keys_are_one_line_before_any_work(tmp_path, capfd, args, want):
+  """Through the real script's ``main``: ``inf`` on the command line is a number, refused as non-finite (item
   12; before: a type error for the string 'inf', and ``.inf`` in a file was accepted and the run died
   at step 1); ``sft_steps: 1`` is refused naming the field (before: optax's ``decay_steps`` error after
   the data was built)."""
-  r = _cli(tmp_path, *args)
-  assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-  lines = [x for x in r.stderr.splitlines() if x.strip()]
-  assert re.search(want, lines[-1]), r.stderr
-  assert "Traceback" not in r.stderr and "supervised warm-up" not in r.stdout
+  code, out, err = _cli(tmp_path, capfd, *args)
+  assert code == 2, f"exit {code}\n{out[-2000:]}\n{err[-2000:]}"
+  lines = [x for x in err.splitlines() if x.strip()]
+  assert re.search(want, lines[-1]), err
+  assert "Traceback" not in err and "supervised warm-up" not in out
   assert not os.path.exists(tmp_path / "out")

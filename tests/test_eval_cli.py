@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
-from helpers import cli_env
+from helpers import train_main_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -44,14 +43,14 @@ def _train_tiny(out, **changes) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_eval_script_reads_a_saved_run(tmp_path, capsys):
-  _train_tiny(tmp_path)
-  assert os.path.exists(tmp_path / "model" / "config.json")
+def test_eval_script_reads_a_saved_run(saved_run, capsys):
+  """The module's saved run (its model saved at the end, step 2: the latest checkpoint's parameters)."""
+  assert os.path.exists(saved_run / "model" / "config.json")
   common = ["-k", "2", "--pass-k", "1", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "64", "--timeout", "30"]
   out = eval_cli.main(
     [
       "--model",
-      str(tmp_path / "model"),
+      str(saved_run / "model"),
       "--arithmetic",
       *common,
       "--arithmetic-eval-size",
@@ -66,7 +65,7 @@ def test_eval_script_reads_a_saved_run(tmp_path, capsys):
   assert 0.0 <= out["eval_accuracy"] <= out["eval_pass@2"] <= 1.0
   assert "eval_pass@1" in capsys.readouterr().out
   # the checkpoint: the run's own task and seed, the same parameters -> the same numbers
-  from_ckpt = eval_cli.main(["--checkpoint", str(tmp_path), "--arithmetic", *common, "--json"])
+  from_ckpt = eval_cli.main(["--checkpoint", str(saved_run), "--arithmetic", *common, "--json"])
   assert from_ckpt == out
 
 
@@ -178,17 +177,20 @@ def test_eval_a_missing_local_model_path_is_not_looked_up_on_the_hub(tmp_path, c
     load_hf("./models/nope")
 
 
-def test_train_names_the_config_json_and_the_missing_key(saved_run, tmp_path):
-  """train.py's message was ``error: model.path '…': 'hidden_size'``; now the file and the key."""
+def test_train_names_the_config_json_and_the_missing_key(saved_run, tmp_path, capfd):
+  """train.py's message was ``error: model.path '…': 'hidden_size'``; now the file and the key (its ``main`` in
+  this process: ``helpers.train_main_here``)."""
   model = tmp_path / "model"
   shutil.copytree(saved_run / "model", model)
   cfg = json.loads((model / "config.json").read_text())
   del cfg["hidden_size"]
   (model / "config.json").write_text(json.dumps(cfg))
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config"]
-  cmd += [os.path.join(ROOT, "scripts", "configs", "demo.yaml"), "--model.path", str(model)]
-  cmd += ["--model.synthetic", "null", "--data.arithmetic.sft_steps", "0", "--run.out", str(tmp_path / "out")]
-  r = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert r.returncode == 2, r.stderr[-3000:]
-  assert f"{model / 'config.json'}: missing the key 'hidden_size'" in r.stderr, r.stderr[-3000:]
-  assert "Traceback" not in r.stderr
+  argv = ["--config", os.path.join(ROOT, "scripts", "configs", "demo.yaml"), "--model.path", str(model)]
+  argv += ["--model.synthetic", "null", "--data.arithmetic.sft_steps", "0", "--run.out", str(tmp_path / "out")]
+  capfd.readouterr()
+  with pytest.raises(BaseException) as e:
+    train_main_here(argv)
+  err = capfd.readouterr().err
+  assert getattr(e.value, "code", None) == 2, (e.value, err[-3000:])
+  assert f"{model / 'config.json'}: missing the key 'hidden_size'" in err, err[-3000:]
+  assert "Traceback" not in err

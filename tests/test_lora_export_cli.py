@@ -9,14 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cli_env
+from helpers import train_main_here
 
 from jaxgrpo import models
 from jaxgrpo.models import lora
@@ -73,12 +71,6 @@ def _logits(model, tokens):
   return np.asarray(model.logits(hidden, out_dtype=jnp.float32))
 
 
-def _run(cmd, env, cwd=ROOT):
-  r = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=900, cwd=cwd)
-  assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-  return r
-
-
 def _export_script():
   spec = importlib.util.spec_from_file_location("export_hf_script", os.path.join(ROOT, "scripts", "export_hf.py"))
   mod = importlib.util.module_from_spec(spec)
@@ -88,10 +80,10 @@ def _export_script():
 
 @pytest.mark.slow
 def test_lora_export_on_the_synthetic_base_names_and_writes_the_base(tmp_path, monkeypatch, capfd):
-  env = cli_env(tmp_path / "cache")
   monkeypatch.chdir(tmp_path)  # relative paths, as a user types them: the run, the exports, the PEFT base
   out = tmp_path / "run"
-  _run([os.path.join(ROOT, "scripts", "train.py"), *ARGS, "--run.out", "run"], env, cwd=tmp_path)
+  # scripts/train.py's main in this process (helpers.train_main_here: a child's start-up is ~3 CPU-s)
+  train_main_here([*ARGS, "--run.out", "run"])
   assert os.path.isfile(out / "checkpoints" / "base" / "model.safetensors")  # the warmed-up base, stored once
 
   # rebuilding the policy reads the stored base: the warm-up is never run (export and load_policy)
