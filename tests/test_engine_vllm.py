@@ -51,6 +51,11 @@ def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> str
   # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
   env.pop("XLA_FLAGS")
+  # torch's OpenMP threads (libgomp, vLLM's CPU kernels) sleep between parallel regions instead of spinning (as
+  # tests/conftest.py sets for the session; here too for a child started otherwise): the same numbers, far less CPU
+  # on a busy machine. The first two families' cases (vLLM's import and first engine included), side by side at load
+  # ~35: 41.9 CPU-s and 307 s spinning, 28.5 CPU-s and 147 s passive, every reported number equal
+  env["OMP_WAIT_POLICY"] = "PASSIVE"
   proc = subprocess.run(
     [VENV_PYTHON, os.path.join(ROOT, "tests", script), *args],
     env=env,
