@@ -216,3 +216,12 @@ def full_fp32_matmuls():
   parity modules use it with ``pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")``."""
   with jax.default_matmul_precision("float32"):
     yield
+
+
+# torch's OpenMP threads (libgomp: torch's CPU kernels in the test processes and their children) sleep between
+# parallel regions instead of spinning: the same work and numbers, far less CPU where the cores are shared, as in the
+# suite (two workers on two cores). A loop of 3,000 small torch products with 2 threads beside the other jobs:
+# 15.1-18.8 CPU-s and 105 s wall spinning, 0.4 CPU-s and 1-4 s passive. Set here, before any test module imports
+# torch; the workers and every child inherit it (but the vLLM child: tests/test_engine_vllm.py says why). A value
+# already set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

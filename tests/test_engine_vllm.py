@@ -51,6 +51,12 @@ def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> str
   # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
   env.pop("XLA_FLAGS")
+  # libgomp's default wait (its threads spin between torch's parallel regions), not tests/conftest.py's passive one:
+  # test_lora_adapter_only_sync_matches_the_merged_push times the adapter push against the merged push, and only the
+  # spinning keeps the merged one slower. The whole child side by side (load 15-30; every other check passed each
+  # time, the same numbers): spinning 354.8 CPU-s, adapter pushes 13-15 ms, merged 162-185 ms; passive 234.5 CPU-s,
+  # 24-33 vs 25-27 ms (that test failed); GOMP_SPINCOUNT=10000 252.0 CPU-s, 12-49 vs 27-58 ms (passed, barely)
+  env.pop("OMP_WAIT_POLICY", None)
   proc = subprocess.run(
     [VENV_PYTHON, os.path.join(ROOT, "tests", script), *args],
     env=env,

@@ -10,13 +10,13 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
-from helpers import ROOT, cli_env, ensure_side_venv
+from helpers import ROOT, cli_env, ensure_side_venv, train_main_here
 
 from jaxgrpo import plan
 
-PLAN = os.path.join(ROOT, "scripts", "plan.py")
 DEMO = os.path.join(ROOT, "scripts", "configs", "demo.yaml")
 POD = os.path.join(ROOT, "scripts", "configs", "pod_grpo.yaml")
 DEMO_RM = os.path.join(ROOT, "scripts", "configs", "demo_rm.yaml")
@@ -32,6 +32,63 @@ def _toy_counts(n: int) -> tuple[int, int]:
   matrices = 2 * v * d + L * (d * h * k + 2 * d * kv * k + h * k * d + 3 * d * f)
   vectors = L * (2 * d + 2 * k) + d  # two RMSNorms per layer, q/k norms over head_dim, the final norm
   return matrices, vectors
+
+
+# a toy Qwen3 reward model (a classifier: tied embedding, no LM head, score head [D, 1])
+TOY_RM = dict(architectures=["Qwen3ForSequenceClassification"], model_type="qwen3", vocab_size=512, hidden_size=64,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+              max_position_embeddings=512, tie_word_embeddings=True, num_labels=1, pad_token_id=0)  # fmt: skip
+TEACHER_TOP_K = 4
+
+
+def _plan_inputs(d) -> dict[str, list[str]]:
+  """The input files of the CPU plans under ``d`` and each plan's ``scripts/plan.py`` arguments, by name."""
+  (d / "config.json").write_text(json.dumps(TOY))
+  small = ["--rollout.prompts_per_step", "8", "--rollout.group_size", "4", "--rollout.max_new_tokens", "32",
+           "--data.max_prompt_tokens", "32"]  # fmt: skip
+  rm = d / "rm"
+  rm.mkdir()
+  (rm / "config.json").write_text(json.dumps(TOY_RM))
+  text = open(DEMO_RM).read()
+  assert "path: ./runs/arith_rm," in text
+  (d / "rm.yaml").write_text(text.replace("path: ./runs/arith_rm,", f"path: {rm},"))
+  (d / "rm_missing.yaml").write_text(text.replace("path: ./runs/arith_rm,", f"path: {d / 'nothing'},"))
+  import yaml
+
+  demo = yaml.safe_load(open(DEMO))
+  demo["objective"].update(beta=0.0, distill={"teacher": "synthetic:96x3", "weight": 1.0, "kind": "forward_kl",
+                                             "top_k": TEACHER_TOP_K})  # fmt: skip
+  (d / "distill.yaml").write_text(yaml.safe_dump(demo))
+  model = ["--config", DEMO, "--model", str(d / "config.json"), "--topology", "cpu-8"]
+  return {
+    "cpu8": [*model, "--programs", "step", "--json", "--objective.beta", "0.0", *small],
+    "own_devices": [*model, "--programs", "step,sampler,teacher", "--json", "--objective.beta", "0.0", *small,
+                    "--devices.rollout", "2", "--devices.teacher", "2", "--rollout.max_staleness", "1",
+                    "--objective.importance_correction", "tis", "--objective.distill.teacher", "synthetic:128x1"],
+    "replicated_prompts": ["--config", DEMO, "--topology", "cpu-8", "--programs", "sampler", "--json",
+                           "--rollout.prompts_per_step", "4", "--rollout.group_size", "2"],
+    "reward_model": ["--config", str(d / "rm.yaml"), "--topology", "cpu-2", "--json", "--objective.beta", "0.0",
+                     "--programs", "step,reward_model:rm"],
+    "teacher": ["--config", str(d / "distill.yaml"), "--topology", "cpu-2", "--json", "--programs", "step,teacher"],
+    "rm_missing": ["--config", str(d / "rm_missing.yaml"), "--topology", "cpu-2"],
+  }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_plans(tmp_path_factory):
+  """The module's ``scripts/plan.py`` runs on host CPU devices (``cpu-8``, ``cpu-2``), each its ``main`` in ONE child
+  with 8 devices (tests/plan_here.py: one start-up and one import for the six; a child each before): per name the
+  run's ``returncode``, ``stdout`` and ``stderr`` as a process of its own gives them, and ``dir``, its input files."""
+  d = tmp_path_factory.mktemp("plans")
+  runs = _plan_inputs(d)
+  (d / "runs.json").write_text(json.dumps(runs))
+  env = cli_env()
+  env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+  cmd = [sys.executable, os.path.join(ROOT, "tests", "plan_here.py"), str(d / "runs.json"), str(d / "out.json")]
+  r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+  if r.returncode:
+    pytest.fail(f"tests/plan_here.py exited with {r.returncode}:\n{r.stderr[-6000:]}")
+  return {k: SimpleNamespace(**v) for k, v in json.loads((d / "out.json").read_text()).items()} | {"dir": d}
 
 
 @pytest.mark.parametrize(
@@ -84,15 +141,10 @@ def test_step_flops_follow_the_palm_formula():
   assert plan.step_flops(cfg, b, p, t) == pytest.approx(want, rel=1e-12)
 
 
-def test_plan_on_cpu8_argument_and_alias_bytes_match_the_sharded_state(tmp_path):
+def test_plan_on_cpu8_argument_and_alias_bytes_match_the_sharded_state(cpu_plans):
   """The step's per-device argument bytes = (parameters + AdamW's two moments, float32, sharded over 8) + the
   replicated norms, counters and step + the batch's rows / 8; the donated state aliases: alias bytes = the state."""
-  config = tmp_path / "config.json"
-  config.write_text(json.dumps(TOY))
-  cmd = [sys.executable, PLAN, "--config", DEMO, "--model", str(config), "--topology", "cpu-8", "--programs", "step",
-         "--json", "--objective.beta", "0.0", "--rollout.prompts_per_step", "8", "--rollout.group_size", "4",
-         "--rollout.max_new_tokens", "32", "--data.max_prompt_tokens", "32"]  # fmt: skip
-  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  r = cpu_plans["cpu8"]
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout)
   assert out["mesh"]["fsdp"] == 8 and "not a fit test" in " ".join(out["notes"])
@@ -109,20 +161,13 @@ def test_plan_on_cpu8_argument_and_alias_bytes_match_the_sharded_state(tmp_path)
   assert step["collectives"].get("all-gather", 0) > 0  # FSDP gathers the weights
 
 
-def test_a_sampler_and_a_teacher_on_devices_of_their_own_are_planned_there(tmp_path):
+def test_a_sampler_and_a_teacher_on_devices_of_their_own_are_planned_there(cpu_plans):
   """``devices.rollout 2`` and ``devices.teacher 2`` on cpu-8, as the run splits them: the step's state over the
   4 devices left (its donated state aliases: the parameters and AdamW's two moments over 4, by formula), the sampler's
   float32 weights over its own 2 (+ its 8 prompts over them and the key), the teacher's over its own 2 (+ the batch's
   rows over them), and nothing else resident beside either (the moments and the teacher's weights live elsewhere).
   Before, the plan put every program on one mesh of all 8 devices whatever the placement."""
-  config = tmp_path / "config.json"
-  config.write_text(json.dumps(TOY))
-  cmd = [sys.executable, PLAN, "--config", DEMO, "--model", str(config), "--topology", "cpu-8", "--programs",
-         "step,sampler,teacher", "--json", "--objective.beta", "0.0", "--rollout.prompts_per_step", "8",
-         "--rollout.group_size", "4", "--rollout.max_new_tokens", "32", "--data.max_prompt_tokens", "32",
-         "--devices.rollout", "2", "--devices.teacher", "2", "--rollout.max_staleness", "1",
-         "--objective.importance_correction", "tis", "--objective.distill.teacher", "synthetic:128x1"]  # fmt: skip
-  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  r = cpu_plans["own_devices"]
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout)
   assert out["mesh"]["fsdp"] == 4 and {k: v["fsdp"] for k, v in out["own_meshes"].items()} == dict(sampler=2, teacher=2)
@@ -235,12 +280,27 @@ def _tpu_env() -> dict:
   return env
 
 
-def test_8b_on_v5e_16_at_one_micro_batch_is_refused_by_the_tpu_compiler():
+@pytest.fixture(scope="module")
+def tpu_plans(tmp_path_factory):
+  """The module's compiles for TPU slices (XLA's TPU compiler, libtpu through ``.venv-tpu``) in ONE child
+  (tests/plan_here.py: one start-up, one libtpu load; a child each before): ``v5e_16``, ``scripts/plan.py``'s run
+  (``returncode``, ``stdout``, ``stderr``), and ``fix``, tests/tpu_aot_checks.py's fix-search report."""
+  d = tmp_path_factory.mktemp("tpu_plans")
+  runs = {"v5e_16": ["--config", POD, "--topology", "v5e-16", "--programs", "step", "--no-fix"]}
+  (d / "runs.json").write_text(json.dumps(runs))
+  python = ensure_side_venv("tpu")
+  cmd = [python, os.path.join(ROOT, "tests", "plan_here.py"), str(d / "runs.json"), str(d / "out.json"), "fix"]
+  r = subprocess.run(cmd, capture_output=True, text=True, env=_tpu_env() | {"JAX_PLATFORMS": "cpu"}, timeout=1500)
+  if r.returncode:
+    pytest.fail(f"tests/plan_here.py exited with {r.returncode}:\n{r.stderr[-6000:]}")
+  out = json.loads((d / "out.json").read_text())
+  return {"v5e_16": SimpleNamespace(**out["v5e_16"]), "fix": out["fix"]}
+
+
+def test_8b_on_v5e_16_at_one_micro_batch_is_refused_by_the_tpu_compiler(tpu_plans):
   """Qwen3-8B shapes, the pod workload, one micro-batch, compiled for v5e:4x4 by XLA's TPU compiler (libtpu, through
   .venv-tpu): the step does not fit (its temporaries alone exceed the chip's 15.75 GiB); one line says so."""
-  python = ensure_side_venv("tpu")
-  cmd = [python, PLAN, "--config", POD, "--topology", "v5e-16", "--programs", "step", "--no-fix"]
-  r = subprocess.run(cmd, capture_output=True, text=True, env=_tpu_env(), timeout=900)
+  r = tpu_plans["v5e_16"]
   assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
   refused = [ln for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
   assert len(refused) == 1, r.stderr[-3000:]
@@ -252,58 +312,44 @@ def test_8b_on_v5e_16_at_one_micro_batch_is_refused_by_the_tpu_compiler():
   assert "exceeds available HBM (15.75G)" in r.stdout  # the compiler's own words, in the table's notes
 
 
-def test_train_plan_only_prints_the_table_and_exits_before_anything_is_loaded(tmp_path):
+def test_train_plan_only_prints_the_table_and_exits_before_anything_is_loaded(tmp_path, capsys):
   """``scripts/train.py --plan-only``: the plan of this machine's devices (the step and the sampler of the demo run,
-  no reference pass at β = 0), exit 0, and no output directory written."""
+  no reference pass at β = 0), exit 0, and no output directory written. Its ``main`` in this process (one device,
+  the suite's flags, as the child it was: a child's start-up saved; a refusal exits through ``SystemExit``)."""
   out = tmp_path / "out"
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--config", DEMO, "--plan-only",
-         "--run.out", str(out), "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-         "--rollout.max_new_tokens", "8", "--objective.beta", "0.0"]  # fmt: skip
-  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  table = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+  argv = ["--config", DEMO, "--plan-only", "--run.out", str(out), "--rollout.prompts_per_step", "2",
+          "--rollout.group_size", "2", "--rollout.max_new_tokens", "8", "--objective.beta", "0.0"]  # fmt: skip
+  try:
+    train_main_here(argv)
+  except SystemExit as e:
+    pytest.fail(f"scripts/train.py --plan-only exited with {e.code}: {capsys.readouterr().err[-3000:]}")
+  r = capsys.readouterr()
+  table = [ln for ln in r.out.splitlines() if ln.startswith("| ")]
   assert [ln.split(" | ")[0][2:] for ln in table[1:]] == ["step", "sampler"]
   assert all(ln.rstrip(" |").endswith("no fit test") for ln in table[1:])
-  assert "not a fit test" in r.stdout and not out.exists()
+  assert "not a fit test" in r.out and not out.exists()
 
 
-def test_a_sampler_whose_prompts_do_not_divide_the_mesh_compiles_as_the_run_places_them():
+def test_a_sampler_whose_prompts_do_not_divide_the_mesh_compiles_as_the_run_places_them(cpu_plans):
   """4 prompts (× G 2 = 8 rows) on cpu-8: the 4 prompts do not divide the 8 devices of the batch axes, so the run
   passes them replicated (``collect.place_prompts``) and ``sampling.generate`` traces with no context mesh; the
   plan lowers the same program, which compiles (the pod workload on v5e-256: 64 prompts over 256 chips). Before,
   the plan lowered the prompts sharded over the batch axes under ``jax.set_mesh`` and refused a program the run
   never builds ("embeddings: dim 0 ('batch', size 4) is not divisible by mesh axis 'data'×'fsdp' of size 8")."""
-  cmd = [sys.executable, PLAN, "--config", DEMO, "--topology", "cpu-8", "--programs", "sampler", "--json",
-         "--rollout.prompts_per_step", "4", "--rollout.group_size", "2"]  # fmt: skip
-  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  r = cpu_plans["replicated_prompts"]
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   (sampler,) = json.loads(r.stdout)["programs"]
   assert sampler["name"] == "sampler" and sampler["verdict"] == "no fit test" and sampler["error"] is None, sampler
 
 
-# a toy Qwen3 reward model (a classifier: tied embedding, no LM head, score head [D, 1])
-TOY_RM = dict(architectures=["Qwen3ForSequenceClassification"], model_type="qwen3", vocab_size=512, hidden_size=64,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-              max_position_embeddings=512, tie_word_embeddings=True, num_labels=1, pad_token_id=0)  # fmt: skip
-
-
-def test_a_configured_reward_model_is_planned_with_its_sharded_weights(tmp_path):
+def test_a_configured_reward_model_is_planned_with_its_sharded_weights(cpu_plans):
   """demo_rm.yaml's reward model (``reward.sources``: kind reward_model, batch_size 64), from a folder holding only
   its config.json (no weights: the plan is abstract), on cpu-2: the plan compiles its scoring forward
   (``RewardModel.score``'s program) on one call of 64 rows × (prompt 64 + 20 new tokens, padded to 128), and its
   argument bytes per device are the float32 weights (every matrix's D over fsdp = 2, norms replicated) + the
   tokens and mask of 32 rows, by formula; while the step runs the reward model's weights stay resident. Before,
   the plan had no reward-model program (and left its weights out of every total)."""
-  rm = tmp_path / "rm"
-  rm.mkdir()
-  (rm / "config.json").write_text(json.dumps(TOY_RM))
-  config = tmp_path / "rm.yaml"
-  text = open(DEMO_RM).read()
-  assert "path: ./runs/arith_rm," in text
-  config.write_text(text.replace("path: ./runs/arith_rm,", f"path: {rm},"))
-  cmd = [sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2", "--json", "--objective.beta", "0.0",
-         "--programs", "step,reward_model:rm"]  # fmt: skip
-  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  r = cpu_plans["reward_model"]
   assert r.returncode == 0, r.stderr[-3000:]
   step, rmp = json.loads(r.stdout)["programs"]
   assert rmp["name"] == "reward_model:rm" and rmp["verdict"] == "no fit test", rmp
@@ -318,25 +364,18 @@ def test_a_configured_reward_model_is_planned_with_its_sharded_weights(tmp_path)
   assert rmp["flops"] > 0 and rmp["other_resident_bytes"] > 0
 
 
-def test_a_distillation_teacher_is_planned_beside_the_policy(tmp_path):
+def test_a_distillation_teacher_is_planned_beside_the_policy(cpu_plans, tmp_path):
   """demo.yaml with ``objective.distill`` (a ``synthetic:96x3`` teacher, top-k 4, β 0), on cpu-2: the plan compiles
   the teacher's pass (its top-k on the step's batch) and the step with the teacher's fields in its batch (before:
   no teacher program, and the step's program failed for want of ``teacher_topk_ids``); the teacher's float32
   weights (matrices' D over fsdp = 2, vectors replicated; by formula) are resident while the step runs, and the
   pass returns only ``f32[B, T]`` + ``int32[B, T, k]`` + ``f32[B, T, k]`` per device."""
-  import yaml
-
   from jaxgrpo.plan.programs import run_shape, teacher_config
   from jaxgrpo.run.specs import load_config
 
-  k = 4
-  d = yaml.safe_load(open(DEMO))
-  d["objective"].update(beta=0.0, distill={"teacher": "synthetic:96x3", "weight": 1.0, "kind": "forward_kl",
-                                          "top_k": k})  # fmt: skip
-  config = tmp_path / "distill.yaml"
-  config.write_text(yaml.safe_dump(d))
-  cmd = [sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2", "--json", "--programs", "step,teacher"]
-  r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600)
+  k = TEACHER_TOP_K
+  config = cpu_plans["dir"] / "distill.yaml"  # demo.yaml, β 0, distill from synthetic:96x3 with top-k 4
+  r = cpu_plans["teacher"]
   assert r.returncode == 0, r.stderr[-3000:]
   step, teacher = json.loads(r.stdout)["programs"]
   assert (step["verdict"], teacher["name"], teacher["verdict"]) == ("no fit test", "teacher", "no fit test"), r.stdout
@@ -371,18 +410,15 @@ def test_a_distillation_teacher_is_planned_beside_the_policy(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts():
+def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts(tpu_plans):
   """``jaxgrpo.plan.plan_run`` with its fix search, end to end through XLA's TPU compiler (``.venv-tpu``) for
   v5e:2x2 (4 chips): a one-layer model whose float32 logits are, by formula, 32 rows x 256 tokens x 2**19 x 4 B =
   16 GiB per chip at one micro-batch (more than the 15.75 GiB XLA leaves) and 8 GiB at two. The compiler refuses
   one micro-batch (RESOURCE_EXHAUSTED, in seconds); the search compiles two, which fits; the refusal names it."""
   import tpu_aot_checks as checks
 
-  python = ensure_side_venv("tpu")
-  r = subprocess.run([python, os.path.join(ROOT, "tests", "tpu_aot_checks.py"), "fix"], capture_output=True,
-                     text=True, env=_tpu_env() | {"JAX_PLATFORMS": "cpu"}, timeout=900)  # fmt: skip
-  assert r.returncode == 0, r.stderr[-3000:]
-  out = json.loads(r.stdout.strip().splitlines()[-1])
+  out = tpu_plans["fix"]
+  assert "failed" not in out, out.get("failed")  # the report raised (its traceback)
   rows = 16 * 8 // out["mesh"]["fsdp"]
   assert out["mesh"]["fsdp"] == 4 and rows * 256 * checks.FIX_MODEL["vocab_size"] * 4 == 16 * 2**30
   assert out["verdict"] == "does not fit" and "RESOURCE_EXHAUSTED" in out["error"], out
@@ -393,17 +429,14 @@ def test_the_fix_search_names_the_micro_batch_count_the_tpu_compiler_accepts():
   )
 
 
-def test_a_reward_model_without_its_config_json_is_refused_in_one_line(tmp_path):
+def test_a_reward_model_without_its_config_json_is_refused_in_one_line(cpu_plans):
   """A ``reward.sources`` reward model whose folder has no config.json: exit 2, one ``error:`` line naming the
   field, the path and what the plan reads, before anything compiles."""
-  config = tmp_path / "rm.yaml"
-  config.write_text(open(DEMO_RM).read().replace("path: ./runs/arith_rm,", f"path: {tmp_path / 'nothing'},"))
-  r = subprocess.run([sys.executable, PLAN, "--config", str(config), "--topology", "cpu-2"], capture_output=True,
-                     text=True, env=cli_env(), timeout=600)  # fmt: skip
+  r, missing = cpu_plans["rm_missing"], cpu_plans["dir"] / "nothing"
   assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
   errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
   assert errors == [
-    f"error: `reward.sources['rm'].path` '{tmp_path / 'nothing'}': the plan reads the reward model's shape from "
+    f"error: `reward.sources['rm'].path` '{missing}': the plan reads the reward model's shape from "
     "its config.json, which is not there; give a *ForSequenceClassification folder or hub id (only config.json "
     "is read)"
   ], r.stderr[-2000:]

@@ -29,12 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 
 @pytest.fixture(scope="module")
-def report():
-  """The child's JSON report (one child for the module: one libtpu start, one TPU compile)."""
+def reports():
+  """The child's JSON reports, ``tpu`` and ``splash`` (one child for the module: one start-up, one libtpu load;
+  the splash step's test had a child of its own); a report that raised holds ``"failed"``, its traceback."""
   python = ensure_side_venv("tpu")
   env = tpu_child_env()
   proc = subprocess.run(
-    [python, os.path.join(ROOT, "tests", "tpu_aot_checks.py"), "tpu"],
+    [python, os.path.join(ROOT, "tests", "tpu_aot_checks.py"), "tpu", "splash"],
     env=env,
     capture_output=True,
     text=True,
@@ -43,6 +44,19 @@ def report():
   if proc.returncode:
     pytest.fail(f"tpu_aot_checks.py exited with {proc.returncode}:\n{proc.stderr[-6000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _report(reports, name: str) -> dict:
+  r = reports[name]
+  if "failed" in r:
+    pytest.fail(f"the child's {name!r} report failed:\n{r['failed']}")
+  return r
+
+
+@pytest.fixture(scope="module")
+def report(reports):
+  """The ``tpu`` report: the sized model's step, sampler and MoE step for the slice, the CPU programs' hashes."""
+  return _report(reports, "tpu")
 
 
 def _mesh_sizes() -> dict[str, int]:
@@ -125,17 +139,12 @@ def test_a_state_for_compile_only_devices_is_refused_in_one_line_naming_abstract
   assert line is not None and "\n" not in line and "abstract=True" in line and "TPU v5 lite" in line, line
 
 
-def test_a_partitioned_tpu_step_runs_the_splash_kernel_under_shard_map():
+def test_a_partitioned_tpu_step_runs_the_splash_kernel_under_shard_map(reports):
   """A tiny bf16 Qwen3's GRPO step at 640 positions with attention ``auto``, compiled for v5e-4 partitioned as
   ``fsdp=4``: the model resolves splash, the lowered program holds the Mosaic kernel (``tpu_custom_call``) inside
   a ``shard_map``, and it compiles. Before, ``auto`` took blockwise in a partitioned program (XLA: "Mosaic kernels
-  cannot be automatically partitioned"), so the program held no Mosaic call."""
-  python = ensure_side_venv("tpu")
-  env = tpu_child_env()
-  script = os.path.join(ROOT, "tests", "tpu_aot_checks.py")
-  proc = subprocess.run([python, script, "splash"], env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-6000:]
-  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  cannot be automatically partitioned"), so the program held no Mosaic call. (The module's child compiles it.)"""
+  r = _report(reports, "splash")
   assert r["platform"] == "tpu" and r["chips"] == 4, r
   assert r["implementation"] == "splash" and r["mosaic_kernel"] and r["shard_map"], r
   assert r["temp_bytes"] > 0, r

@@ -8,6 +8,7 @@ helpers (the side venv has no pytest or hypothesis).
     python tests/tpu_aot_checks.py tpu          # one JSON line: TPU dots, memory analysis, CPU hashes (side venv)
     python tests/tpu_aot_checks.py cpu-hashes   # the CPU programs' hashes, to re-pin CPU_PROGRAM_SHA256
     python tests/tpu_aot_checks.py fix          # jaxgrpo.plan's fix search on FIX_MODEL for v5e:2x2 (side venv)
+    python tests/tpu_aot_checks.py tpu splash   # several reports in one process: {"tpu": ..., "splash": ...}
 
 :data:`CPU_PROGRAM_SHA256` pins the sha256 of the lowered StableHLO text of small CPU programs (train step and
 sampler of a bf16 model, a mixture of experts' step) as main produced them before the target platform was read
@@ -313,7 +314,28 @@ def splash_step_report() -> dict:
   }
 
 
+REPORTS = {"tpu": tpu_report, "fix": fix_search_report, "splash": splash_step_report}
+
+
+def reports(names: list[str]) -> dict:
+  """Several reports in this one process (one start-up, one libtpu load): ``{name: report}``, a report that raised
+  as ``{"failed": its traceback}`` (the others still run; ``"error"`` is a field of the fix report)."""
+  import traceback
+
+  out = {}
+  for name in names:
+    try:
+      out[name] = REPORTS[name]()
+    except Exception:  # noqa: BLE001 - reported to the test that reads this report
+      out[name] = {"failed": traceback.format_exc()}
+      print(out[name]["failed"], file=sys.stderr, flush=True)
+  return out
+
+
 if __name__ == "__main__":
-  what = sys.argv[1] if len(sys.argv) > 1 else "tpu"
-  result = {"tpu": tpu_report, "fix": fix_search_report, "splash": splash_step_report}.get(what, cpu_program_hashes)()
+  names = sys.argv[1:] or ["tpu"]
+  if len(names) > 1:  # python tests/tpu_aot_checks.py tpu splash: {"tpu": ..., "splash": ...}
+    result = reports(names)
+  else:
+    result = REPORTS.get(names[0], cpu_program_hashes)()
   print(json.dumps(result, sort_keys=True))
