@@ -32,6 +32,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
   sys.path.insert(0, _HERE)
 
+# NumPy's OpenBLAS runs one thread per process (unless set): its idle threads spin like OpenMP's, and the suite's
+# NumPy references are small products that gain nothing from a second thread on cores both workers already use.
+# 300 products of 128 x 256 by 256 x 512 beside other jobs (load ~30): 4.4-5.0 CPU-s and 11-17 s wall with the
+# default threads, 0.22 CPU-s and ~1 s with one. Set before anything imports NumPy; every child inherits it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from helpers import TEST_XLA_FLAGS  # noqa: E402  (imports no jax)
 
 # The compile flags of every test process (why: helpers.TEST_XLA_FLAGS). Set before jax is imported, inherited by
@@ -221,7 +227,7 @@ def full_fp32_matmuls():
 # torch's OpenMP threads (libgomp: torch's CPU kernels in the test processes and their children) sleep between
 # parallel regions instead of spinning: the same work and numbers, far less CPU where the cores are shared, as in the
 # suite (two workers on two cores). A loop of 3,000 small torch products with 2 threads beside the other jobs:
-# 15.1-18.8 CPU-s and 105 s wall spinning, 0.4 CPU-s and 1-4 s passive. Set here, before any test module imports
-# torch; the workers and every child inherit it (but the vLLM child: tests/test_engine_vllm.py says why). A value
+# 15.1-18.8 CPU-s and 105 s wall spinning, 0.4 CPU-s and 1-4 s passive; the vLLM child (torch inside vLLM) 354.8 ->
+# 234.5 CPU-s. Set here, before any test module imports torch; the workers and every child inherit it. A value
 # already set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -51,12 +51,6 @@ def run_in_vllm_venv(script: str, *args: str, cache, timeout: int = 1200) -> str
   # trajectory is a property of the default build (under the test flags its evaluation accuracy stayed flat)
   env = {**cli_env(cache), "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
   env.pop("XLA_FLAGS")
-  # libgomp's default wait (its threads spin between torch's parallel regions), not tests/conftest.py's passive one:
-  # test_lora_adapter_only_sync_matches_the_merged_push times the adapter push against the merged push, and only the
-  # spinning keeps the merged one slower. The whole child side by side (load 15-30; every other check passed each
-  # time, the same numbers): spinning 354.8 CPU-s, adapter pushes 13-15 ms, merged 162-185 ms; passive 234.5 CPU-s,
-  # 24-33 vs 25-27 ms (that test failed); GOMP_SPINCOUNT=10000 252.0 CPU-s, 12-49 vs 27-58 ms (passed, barely)
-  env.pop("OMP_WAIT_POLICY", None)
   proc = subprocess.run(
     [VENV_PYTHON, os.path.join(ROOT, "tests", script), *args],
     env=env,
@@ -200,8 +194,9 @@ def test_lora_adapter_only_sync_matches_the_merged_push(vllm_runs):
     assert r[f"{name}_tokens"] > 200 and r[f"{name}_max_abs_logp"] < FP32_TOL, r
   assert r["paths_same_tokens"] == 1.0 and r["paths_positions"] > 200 and r["paths_max_abs_logp"] < FP32_TOL, r
   assert r["after_update_vs_old_mean_abs"] > 1.0, r  # the updated adapter is sampled, not the stale one
-  # adapter pushes without the base: faster than the merged push of the same policy (measured 11 vs 35-84 ms)
-  assert np.median(r["adapter_push_s"]) < np.median(r["merged_push_s"]), r
+  # adapter pushes leave the base in vLLM; every merged push reloads all the weights. Counted, not timed: at this
+  # size the two pushes' seconds depend on the machine's load and threads (BENCHMARKS.md, "LoRA into vLLM", times them)
+  assert r["adapter_base_pushes"] == 0 and r["merged_base_pushes"] == len(r["merged_push_s"]) == 5, r
 
 
 def test_a_trainer_run_through_vllm_learns_the_arithmetic_demo(vllm_runs):

@@ -286,8 +286,9 @@ def lora_sync(reps: int = 5) -> dict:
   """Adapter-only sync (``VLLMEngine(lora_rank=r)``) against the merged push, in one engine: a Qwen3 LoRA
   policy (rank 4, random B) pushed as adapters, then merged (``lora.merge_lora``, a plain model: the merged
   path), the same prompts and seeds sampled after each; one AdamW step on the adapters only, pushed as
-  adapters (the base stays: no base push). Every rollout's log-probs vs the library's; push seconds of each
-  path (median of ``reps`` pushes of the same model, the engine's ``push_seconds``)."""
+  adapters (the base stays: no base push). Every rollout's log-probs vs the library's; the full weight pushes
+  each path made (counted at the engine's ``_reload``) and its push seconds (``reps`` pushes of the same model, the
+  engine's ``push_seconds``; recorded, not asserted: BENCHMARKS.md times the two paths)."""
   cfg = config("qwen3", False)
   model = random_model(cfg, 3)
   lora.apply_lora(model, lora.LoRAConfig(rank=4, alpha=8.0), key=jax.random.key(1))
@@ -297,6 +298,9 @@ def lora_sync(reps: int = 5) -> dict:
   tokens, mask = prompts(3)
   engine = VLLMEngine(cfg, lora_rank=4, kv_cache_bytes=64 * 2**20)
   out = {}
+  base_pushes = []  # one entry per full weight push into vLLM (the engine's _reload): what the adapter path avoids
+  reload = engine._reload
+  engine._reload = lambda m: (base_pushes.append(1), reload(m))[1]
 
   def sample_and_compare(name, policy):
     r = engine.generate(tokens, mask, settings, key=jax.random.key(7)).rollout
@@ -322,10 +326,11 @@ def lora_sync(reps: int = 5) -> dict:
     np.abs(np.asarray(r_adapter.log_probs) - np.asarray(r_merged.log_probs))[first].max()
   )
   out["paths_positions"] = int(first.sum())
-  merged_s = []
+  merged_s, before = [], len(base_pushes)
   for _ in range(reps):
     engine.push_weights(model)
     merged_s.append(engine.push_seconds)
+  out["merged_base_pushes"] = len(base_pushes) - before
   engine.lora_rank = 4
   # an update of the adapters only: the adapter push leaves the base in vLLM (after the merged pushes above,
   # its first push re-sends the base; the timed ones after it do not)
@@ -338,10 +343,11 @@ def lora_sync(reps: int = 5) -> dict:
   )
   engine.push_weights(new)
   out["adapter_push_after_merged_s"] = engine.push_seconds
-  adapter_s = []
+  adapter_s, before = [], len(base_pushes)
   for _ in range(reps):
     engine.push_weights(new)
     adapter_s.append(engine.push_seconds)
+  out["adapter_base_pushes"] = len(base_pushes) - before
   r_new = sample_and_compare("after_update", new)
   lib_old, _ = library(model, r_new, 1.0)
   out["after_update_vs_old_mean_abs"] = float(np.abs(lib_old - r_new.log_probs)[np.asarray(r_new.mask)].mean())
