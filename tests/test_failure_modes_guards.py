@@ -21,7 +21,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import RUN_XLA_FLAGS, cli_env
+from helpers import RUN_XLA_FLAGS, cli_env, script_main_here
 from test_checkpoint_resume import ROOT
 from test_failure_modes_runs import _assert_same_as_straight, _run, runs  # noqa: F401 - the shared fixture
 
@@ -31,6 +31,7 @@ from jaxgrpo.services import checkpoint as ck
 from jaxgrpo.services.metrics import read_jsonl
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import train as train_cli  # noqa: E402  (scripts/train.py)
 
 
 @pytest.fixture(scope="module")
@@ -202,15 +203,29 @@ def test_a_reward_that_never_varies_stops_the_run_in_one_line(env, tmp_path):
   assert "`reward.weights`" in line and "`run.max_zero_advantage_steps`" in line
   recs = [x for x in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if "loss" in x]
   assert [x["step"] for x in recs] == [1, 2, 3] and all(x["reward_mean"] == 0.0 for x in recs)
-  for bad, field in (
-    (["--reward.weights", "{accuracy: 0.0}"], "error: `reward.weights`={'accuracy': 0.0}: every reward has weight 0"),
-    (["--rollout.group-size", "1"], "error: `rollout.group_size` is 1: every advantage is relative to its group"),
+  # the config's refusals: the first through scripts/train.py's main in this process (the same code path and
+  # output, without a child's start-up), the second in a child (exit status, stderr)
+  for here, bad, field in (
+    (
+      True,
+      ["--reward.weights", "{accuracy: 0.0}"],
+      "error: `reward.weights`={'accuracy': 0.0}: every reward has weight 0",
+    ),
+    (
+      False,
+      ["--rollout.group-size", "1"],
+      "error: `rollout.group_size` is 1: every advantage is relative to its group",
+    ),
   ):
-    r = subprocess.run([*train, *bad], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
-    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    if here:
+      code, stdout, stderr = script_main_here(train_cli.main, [*train[2:], *bad])
+    else:
+      r = subprocess.run([*train, *bad], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+      code, stdout, stderr = r.returncode, r.stdout, r.stderr
+    assert code == 2, f"exit {code}\n{stderr[-3000:]}"
+    (line,) = [x for x in stderr.splitlines() if x.strip()]
     assert line.startswith(field), line
-    assert "resolved config" not in r.stdout  # before anything
+    assert "resolved config" not in stdout  # before anything
 
 
 # ----------------------------------------------------------------------------- every checkpoint corrupt

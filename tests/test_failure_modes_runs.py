@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import RUN_XLA_FLAGS, cli_env
+from helpers import RUN_XLA_FLAGS, cli_env, script_main_here
 from test_checkpoint_resume import (
   ARGS,
   ROOT,
@@ -60,7 +60,12 @@ from jaxgrpo.run.builders import export_hf
 from jaxgrpo.services import checkpoint as ck
 from jaxgrpo.services import runlock
 
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import eval as eval_cli  # noqa: E402  (scripts/eval.py)
+import train as train_cli  # noqa: E402  (scripts/train.py)
+
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+EVAL = os.path.join(ROOT, "scripts", "eval.py")
 
 # the runs of test_checkpoint_resume.py (its reference runs are shared), without TensorBoard (as those)
 RUN_ARGS = [*ARGS, "--no-tensorboard"]
@@ -393,13 +398,20 @@ def hf_dir(runs, tmp_path_factory):
   return out
 
 
-def _bad_run(env, out, *extra):
-  cmd = [sys.executable, TRAIN, *RUN_ARGS, "--run.out", str(out), "--run.steps", "2", *extra]
-  r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-  _clean_failure(r.stderr)
-  (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-  assert "supervised warm-up" not in r.stdout  # refused before anything heavy
+def _bad_run(env, out, *extra, here=False):
+  """``scripts/train.py`` with bad inputs: exit 2, one ``error:`` line (returned), nothing heavy run. ``here``:
+  through its ``main`` in this process (the same code path and output, without a child's start-up), for the
+  cases of a family whose other case runs in a child."""
+  argv = [*RUN_ARGS, "--run.out", str(out), "--run.steps", "2", *extra]
+  if here:
+    code, stdout, stderr = script_main_here(train_cli.main, argv)
+  else:
+    r = subprocess.run([sys.executable, TRAIN, *argv], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    code, stdout, stderr = r.returncode, r.stdout, r.stderr
+  assert code == 2, f"exit {code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  _clean_failure(stderr)
+  (line,) = [x for x in stderr.splitlines() if x.startswith("error:")]
+  assert "supervised warm-up" not in stdout  # refused before anything heavy
   return line
 
 
@@ -416,11 +428,12 @@ def test_bad_safetensors_one_clear_line(hf_dir, env, tmp_path, damage):
     path.write_bytes(os.urandom(4096))
     want = r"\S+model.safetensors is not a valid safetensors file"
   hf_args = ["--model.synthetic", "null", "--model.path", str(model), "--data.arithmetic.sft_steps", "0"]
-  assert re.search(want, _bad_run(env, tmp_path / "out", *hf_args))
+  # the truncated file in a child (exit status, stderr, interpreter shutdown), the garbage one through main here
+  assert re.search(want, _bad_run(env, tmp_path / "out", *hf_args, here=damage == "garbage"))
 
 
 def test_mesh_that_does_not_fit_one_clear_line(env, tmp_path):
-  line = _bad_run(env, tmp_path / "a", "--devices.mesh", "tensor=3")
+  line = _bad_run(env, tmp_path / "a", "--devices.mesh", "tensor=3", here=True)  # this process: 1 device
   assert "mesh spec 'tensor=3' has 3 devices" in line and "there are 1 devices" in line
   line = _bad_run(env, tmp_path / "b", "--devices.mesh", "fsdp=-1", "--cpu-devices", "3")  # width 32 over 3
   assert re.search(r"devices.mesh 'fsdp=-1' \(3 devices\) does not fit: \S+: dim \d \('embed', size 32\)", line)
@@ -606,11 +619,15 @@ def test_eval_on_an_empty_or_damaged_run_one_clear_line(runs, env, tmp_path, dam
   else:
     shutil.copytree(runs / "three", out)
     os.remove(out / "checkpoints" / "3" / damage)
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "eval.py"), "--checkpoint", str(out), "--arithmetic"]
-  r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-  _clean_failure(r.stderr)
-  (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+  argv = ["--checkpoint", str(out), "--arithmetic"]
+  if damage == "empty":  # in a child: exit status, stderr, interpreter shutdown
+    r = subprocess.run([sys.executable, EVAL, *argv], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    code, stdout, stderr = r.returncode, r.stdout, r.stderr
+  else:  # the damaged runs through scripts/eval.py's main in this process: the same code path and output
+    code, stdout, stderr = script_main_here(eval_cli.main, argv)
+  assert code == 2, f"exit {code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+  _clean_failure(stderr)
+  (line,) = [x for x in stderr.splitlines() if x.strip()]
   if damage == "empty":
     assert line == f"error: no complete checkpoint in {out}"
   else:

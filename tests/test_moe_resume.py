@@ -4,13 +4,15 @@ default ``rollout.routing_replay: rollout``).
 
 4 steps straight == 2 steps, stop, resume to 4 in the same directory: identical metrics records
 (``moe/...`` router metrics included) and bit-identical final parameters. The runs share a persistent
-XLA compilation cache, so only the first one compiles; the straight run is ``main`` in the test
-process (no child start-up), the stopped and resumed runs are children.
+XLA compilation cache, so only the first one compiles; the straight run and the stopped one are ``main``
+in the test process (no child start-up; the stopped one reads the straight run's stored warm-up), the resumed
+run is a child: the resume crosses a process boundary.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -62,7 +64,12 @@ def test_moe_resume_is_exact(tmp_path):
   assert [r["step"] for r in updates] == list(range(1, STEPS + 1))
   assert all(r["grad_norm"] > 0 for r in updates) and any(r["advantage_std"] > 0 for r in updates)  # real updates
   assert all(any(k.startswith("moe/0/") for k in r) and "moe/aux_loss" in r for r in updates), updates[0].keys()
-  _train(env, run, STEPS // 2)
+  # the stopped run: here too, from the straight run's stored warm-up (read back bit for bit), into a directory of
+  # its own (this process keeps the lock of every run it made); the child resumes a copy of it
+  half_run = tmp_path / "half"
+  shutil.copytree(straight / "checkpoints" / "base", half_run / "checkpoints" / "base")
+  _train_here(half_run, STEPS // 2)
+  shutil.copytree(half_run, run)
   half = _params(run)
   out = _train(env, run, STEPS)  # resume is on by default when OUT has a checkpoint
   assert re.search(rf"resumed from checkpoint \S+ \(step {STEPS // 2}\)", out), out[-2000:]
