@@ -27,13 +27,19 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from helpers import async_train_cmd, child_env, cli_env, kill_after_ledger_lines
+from helpers import (
+  async_train_cmd,
+  child_env,
+  cli_env,
+  kill_after_ledger_lines,
+  ref_completion_log_probs,
+  train_main_here,
+)
 from test_trainer import ROOT, tiny
 from test_trainer import cli as train_cli  # scripts/train.py
 
 from jaxgrpo.data import PromptIterator
 from jaxgrpo.loop import async_rollout, iteration
-from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.run.specs import load_config
 from jaxgrpo.run.trainer import Trainer
 from jaxgrpo.services.checkpoint import read_meta
@@ -125,10 +131,7 @@ def test_k1_behaviour_logp_is_the_recorded_version_and_never_older_than_k(tmp_pa
 
   def recompute(version, b):
     model = iteration.policy_model(tr.graphdef, TrainState(versions[version], None, None, frozen))
-    logp, _ = completion_log_probs(
-      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
-    )
-    return np.asarray(logp)
+    return np.asarray(ref_completion_log_probs(model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask))
 
   stale, g = 0, tr.config.rollout.group_size
   for b, rec in zip(seen, recs):
@@ -227,7 +230,8 @@ def _ledger_prompts(out) -> list[int]:
 def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   """SIGKILL a real overlapped run after a few checkpoints (the producer is a batch ahead), resume it:
   the trained prompts are those of an uninterrupted run, in the data iterator's order; the
-  checkpoint recorded the untrained batch, which was sampled again."""
+  checkpoint recorded the untrained batch, which was sampled again. The resumed run needs no process of its own
+  (nothing kills it): ``scripts/train.py``'s ``main`` in this process."""
   steps = 7  # 14 prompts of 24: no epoch boundary hides a skip
   env = cli_env(tmp_path / "cache")  # the tests' compile flags (helpers.TEST_XLA_FLAGS)
   # the uninterrupted run: the same command line's config, run in this process (1 device, the same
@@ -244,8 +248,7 @@ def test_resume_after_kill_trains_every_prompt_once(tmp_path):
   steps_saved = [d.name for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
   untrained = [read_meta(str(out / "checkpoints" / d))["data_position"].get("untrained") for d in steps_saved]
   assert any(u for u in untrained if u), untrained  # a checkpoint recorded groups not yet trained
-  r = subprocess.run(async_train_cmd(out, steps), env=env, capture_output=True, timeout=600)
-  assert r.returncode == 0, r.stderr.decode()[-3000:]
+  train_main_here(async_train_cmd(out, steps)[2:])  # the resume needs no process of its own; raises on failure
   trained = _ledger_prompts(out)
   assert sorted(trained) == sorted(_ledger_prompts(full))
   it = PromptIterator(24, seed=0)

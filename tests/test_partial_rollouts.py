@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import async_train_cmd, cli_env, kill_after_ledger_lines
+from helpers import async_train_cmd, cli_env, kill_after_ledger_lines, ref_completion_log_probs
 from hf_utils import tiny_hf_config
 from test_async_rollout import REWARDS
 from test_engines import OFFSET
@@ -42,7 +42,6 @@ from jaxgrpo.loop import async_rollout, iteration
 from jaxgrpo.loop.episodes import example_row
 from jaxgrpo.loop.partial.engine import EnginePool
 from jaxgrpo.loop.partial.pool import RowPool
-from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout.engines import BuiltinEngine
 from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.run import assemble
@@ -63,10 +62,7 @@ def log_probs_under(tr, versions: dict):
   def logp(version, b):
     params = jax.device_put(versions[version])
     model = iteration.policy_model(tr.graphdef, TrainState(params, None, None, frozen))
-    lp, _ = completion_log_probs(
-      model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask, temperature=1.0, chunk_size=None
-    )
-    return np.asarray(lp)
+    return np.asarray(ref_completion_log_probs(model, b.prompt_tokens, b.prompt_mask, b.completions, b.mask))
 
   return logp
 
@@ -202,7 +198,7 @@ def test_pool_finishes_a_row_that_cannot_wait_and_each_token_is_its_versions(ful
   tok, mask = pad_left([prompts[0]], 6, 0)
   comp, cmask = long.tokens[None], (np.arange(12) < long.t)[None]
   for v, policy in enumerate(policies):
-    lp, _ = completion_log_probs(policy, tok, mask, comp, cmask, temperature=1.0, chunk_size=None)
+    lp = ref_completion_log_probs(policy, tok, mask, comp, cmask)
     err = np.abs(np.asarray(lp)[0] - long.logp)[long.versions == v]
     assert err.max() < 2e-5, (v, err)
     other = np.abs(np.asarray(lp)[0] - long.logp)[(long.versions >= 0) & (long.versions != v)]
@@ -489,10 +485,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.slow
-def test_resume_after_kill_trains_or_drops_every_prompt_once(tmp_path):
+def test_resume_after_kill_trains_or_drops_every_prompt_once(tmp_path, monkeypatch):
   """SIGKILL a real ``scripts/train.py`` with partial rollouts (ragged lengths: rows in flight at every
   checkpoint), resume it: every drawn prompt is trained or dropped exactly once, nothing is skipped, and the
-  prompts a checkpoint recorded in flight are the first drawn after the resume."""
+  prompts a checkpoint recorded in flight are the first drawn after the resume. The resumed run needs no process
+  of its own (nothing kills it): ``scripts/train.py``'s ``main`` in this process, with the child's ragged budgets."""
   steps = 7
   out = tmp_path / "killed"
   cmd = async_train_cmd(out, steps, **{"rollout.max_staleness": "2", "rollout.partial": json.dumps(PARTIAL)})
@@ -505,8 +502,14 @@ def test_resume_after_kill_trains_or_drops_every_prompt_once(tmp_path):
   last = max(int(d.name) for d in (out / "checkpoints").iterdir() if d.name.isdigit())
   recorded = read_meta(str(out / "checkpoints" / str(last)))["data_position"]["untrained"]
   assert recorded and recorded[0], recorded  # rows were in flight: discarded, their prompts recorded
-  r = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
-  assert r.returncode == 0, r.stderr.decode()[-3000:]
+  from helpers import train_main_here
+
+  from jaxgrpo.loop.partial import schedule as partial_schedule
+
+  init = partial_schedule.PartialRollouts.__init__
+  ragged_init = lambda self, *a, **kw: init(self, *a, **{**kw, "budget_of": ragged})  # as CHILD does
+  monkeypatch.setattr(partial_schedule.PartialRollouts, "__init__", ragged_init)
+  train_main_here(cmd[5:])  # the same arguments (after python -c CHILD tests/ scripts/train.py); raises on failure
   lines = [json.loads(x) for x in ledger.read_text().splitlines()]
   assert [x["step"] for x in lines] == list(range(1, steps + 1))
   settled = [p for x in lines for p in x["prompts"] + x["dropped"]]

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import tiny_model
+from helpers import ref_log_probs, tiny_model
 from hf_utils import tiny_moe_config
 
 from jaxgrpo import models
@@ -129,7 +129,7 @@ def _teacher_forced(model, rollout) -> np.ndarray:
   p = rollout.prompt_tokens.shape[1]
   tokens = jnp.concatenate([rollout.prompt_tokens, rollout.completions], axis=1)
   mask = jnp.concatenate([rollout.prompt_mask, rollout.mask], axis=1)
-  lp = models.log_probs(model, tokens, mask, temperature=float(rollout.temperature))
+  lp = ref_log_probs(model, tokens, mask, temperature=float(rollout.temperature))
   return np.where(np.asarray(rollout.mask), np.asarray(lp)[:, p:], 0.0)
 
 
@@ -245,7 +245,7 @@ def test_multiturn_rollout_samples_the_quantised_policy(kv_cache):
   tokens = np.concatenate([out.prompt_tokens, out.completions], 1)
   attn = np.concatenate([out.prompt_mask, out.mask], 1)
   p = out.prompt_tokens.shape[1]
-  teacher = lambda m: np.asarray(models.log_probs(m, tokens, attn, chunk_size=None))[:, p:]
+  teacher = lambda m: np.asarray(ref_log_probs(m, tokens, attn))[:, p:]
   want = teacher(_dequantised_plain(model, sampling.model_to_sample(model)))
   np.testing.assert_allclose(out.log_probs, np.where(out.policy_mask, want, 0.0), rtol=1e-5, atol=1e-5)
   assert (out.log_probs[~out.policy_mask] == 0).all()

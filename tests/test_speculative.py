@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import scipy.stats
 from flax import nnx
+from helpers import ref_logits
 from hf_utils import tiny_moe_config
 
 from jaxgrpo import models
@@ -54,13 +55,12 @@ def _prompts():
 
 def _teacher_forced(model, rollout, temperature):
   """log_softmax(logits / temperature)[token] of every completion token from one cache-free forward over
-  [prompt ‖ completion] (NumPy after the forward): f32[N, T]."""
+  [prompt ‖ completion] (jitted, ``helpers.ref_logits``; NumPy after the forward): f32[N, T]."""
   tokens = np.concatenate([np.asarray(rollout.prompt_tokens), np.asarray(rollout.completions)], 1)
   mask = np.concatenate([np.asarray(rollout.prompt_mask), np.asarray(rollout.mask)], 1)
   positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
-  hidden = model(jnp.asarray(tokens), jnp.asarray(positions), attention_mask=jnp.asarray(mask))
-  hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-  logits = np.asarray(model.logits(hidden, out_dtype=jnp.float32), np.float64) / (temperature or 1.0)
+  logits = ref_logits(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+  logits = np.asarray(logits, np.float64) / (temperature or 1.0)
   logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True))
   logp -= logits.max(-1, keepdims=True)
   p_len, t_len = rollout.prompt_tokens.shape[1], rollout.completions.shape[1]
@@ -179,14 +179,13 @@ def test_rejection_rule_first_token_is_exactly_p(with_q):
 
 def _exact_joint(model, prompt, length, temperature, top_k):
   """The target's exact probability of every sequence of ``length`` tokens after ``prompt`` under
-  temperature and top-k (NumPy from one cache-free forward per sequence prefix): f64[V**length]."""
+  temperature and top-k (NumPy from one cache-free forward of every sequence, ``helpers.ref_logits``): f64[V**length]."""
   vocab = model.config.vocab_size
   seqs = np.array(list(itertools.product(range(vocab), repeat=length)), np.int32)
   tokens = np.concatenate([np.repeat(prompt[None], len(seqs), 0), seqs], 1)
   positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-  hidden = model(jnp.asarray(tokens), jnp.asarray(positions), attention_mask=jnp.ones(tokens.shape, bool))
-  hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-  logits = np.asarray(model.logits(hidden, out_dtype=jnp.float32), np.float64) / temperature
+  logits = ref_logits(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.ones(tokens.shape, bool))
+  logits = np.asarray(logits, np.float64) / temperature
   logits[..., PAD] = -np.inf  # the default suppressed id
   if top_k:
     kth = np.sort(logits, -1)[..., -top_k][..., None]

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from helpers import ref_completion_log_probs, ref_log_probs
 from test_speculative import _chi_square_p, _exact_joint, _model
 
 from jaxgrpo.data import pad_left
 from jaxgrpo.loop.partial.pool import RowPool
-from jaxgrpo.models.log_probs import completion_log_probs
 from jaxgrpo.rollout.sampling import SamplingConfig
 from jaxgrpo.rollout.speculative import SpeculativeConfig, SpeculativeSwitch
 
@@ -80,7 +81,7 @@ def test_pool_verify_steps_record_each_tokens_version_log_prob(drafter):
       sel = row.versions == v
       if not sel.any():
         continue
-      lp, _ = completion_log_probs(policy, tok, mask, comp, cmask, temperature=0.2, chunk_size=None)
+      lp = ref_completion_log_probs(policy, tok, mask, comp, cmask, temperature=0.2)
       np.testing.assert_allclose(np.asarray(lp)[0][sel], row.logp[sel], atol=2e-5, err_msg=f"version {v}")
       if row is long:
         others = (row.versions >= 0) & (row.versions != v)
@@ -170,12 +171,12 @@ def test_a_partial_run_speculates(tmp_path, drafter):
   — with ``rollout.partial`` (each refused before): the trainer's row pool decodes by verify steps (metrics
   ``rollout/speculative_on`` 1 and the acceptance), and every trained token's behaviour log-prob is the
   teacher-forced log-prob of the version it records."""
-  from flax import nnx
   from test_async_rollout import REWARDS
   from test_partial_rollouts import PARTIAL
   from test_trainer import tiny
 
   from jaxgrpo import models
+  from jaxgrpo.run import builders
   from jaxgrpo.run.trainer import Trainer
 
   over = {
@@ -184,9 +185,7 @@ def test_a_partial_run_speculates(tmp_path, drafter):
     "optim.learning_rate": 3e-2,
   }  # fmt: skip
   if drafter == "draft":  # a smaller model of the policy's vocabulary, saved as a HF directory
-    probe = Trainer(tiny(**over), reward_fns=REWARDS, log=None)
-    vocab = probe.model.config.vocab_size
-    probe.close()
+    vocab = builders.model_config(tiny(**over).model).vocab_size
     small = models.Qwen3Config(vocab_size=vocab, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     models.save_hf(models.build_model(small, rngs=nnx.Rngs(7)), tmp_path / "draft")
     over.update({"rollout.speculative": "draft", "rollout.speculative_draft": str(tmp_path / "draft")})
@@ -208,7 +207,6 @@ def test_a_partial_run_speculates(tmp_path, drafter):
 
 def _chat_policy(scale=4.0):
   """The multi-turn tests' chat tokenizer and 1-layer policy, its matrices scaled (peaked: drafts get accepted)."""
-  from flax import nnx
   from helpers import tiny_chat_policy
 
   tok, model, sampling, _ = tiny_chat_policy()
@@ -238,8 +236,6 @@ def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache, drafter):
   per turn — over ragged turns, observations and two stop sets: drafts are accepted, every policy token's recorded
   log-prob equals the uncached forward's over the final ``prompt ‖ trajectory`` (2e-5), observation tokens carry
   0; at temperature 0 the trajectories are plain greedy decoding's, token for token."""
-  from jaxgrpo.models import log_probs
-
   tok, model, sampling = _chat_policy()
   switch = _switch(k=3, n=1)
   if drafter == "draft":
@@ -251,7 +247,7 @@ def test_multiturn_speculative_log_probs_are_teacher_forced(kv_cache, drafter):
   assert (out.turns > 1).sum() >= 2 and (out.mask & ~out.policy_mask).any()
   tokens = np.concatenate([out.prompt_tokens, out.completions], 1)
   attn = np.concatenate([out.prompt_mask, out.mask], 1)
-  lp = np.asarray(log_probs(model, tokens, attn, chunk_size=None, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
+  lp = np.asarray(ref_log_probs(model, tokens, attn, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
   np.testing.assert_allclose(out.log_probs, np.where(out.policy_mask, lp, 0.0), atol=2e-5)
   greedy = [_multiturn(model, tok, sampling, temperature=0.0, kv_cache=kv_cache, switch=s) for s in (None, switch)]
   for name in ("completions", "mask", "policy_mask", "turns"):
@@ -300,6 +296,15 @@ def _draft_switch(draft, k=3):
   return SpeculativeSwitch(config=SpeculativeConfig(mode="draft", num_draft=k, draft="in memory"), draft_model=draft)
 
 
+@nnx.jit
+def _fresh_prefill(model, ids):
+  """``model``'s per-row KV cache after one cache-free prefill of ``ids`` ``int32[1, L]`` (positions 0 .. L-1,
+  every token real) into a fresh cache of L slots; jitted (one program per L)."""
+  held = ids.shape[1]
+  fresh = model.init_cache(1, held, per_row=True)
+  return model(ids, jnp.arange(held)[None], attention_mask=jnp.ones((1, held), bool), cache=fresh)[1]
+
+
 def test_conversation_draft_model_cache_is_kept_across_turns():
   """The cached sampler with a draft model (a flatter copy of the policy: drafts accepted and rejected) over turns
   of every row and of subsets (padding rows), appended observations, budgets and stop ids: every recorded
@@ -307,7 +312,6 @@ def test_conversation_draft_model_cache_is_kept_across_turns():
   holds exactly each conversation but its last token — index, valid slots, and keys and values equal to a fresh
   cache-free prefill of the draft over it (1e-5): the observations were fed to it and the rejected drafts' slots
   discarded."""
-  from jaxgrpo.models import log_probs
   from jaxgrpo.rollout.conversation import ConversationSampler
 
   model, draft = _model(61, 5.0, seed=0), _model(61, 3.0, seed=0)
@@ -339,18 +343,16 @@ def test_conversation_draft_model_cache_is_kept_across_turns():
   tokens, mask = np.zeros((len(convs), width), np.int32), np.zeros((len(convs), width), bool)
   for i, ids in convs.items():  # right-padded: real token k of each row at position k
     tokens[i, : len(ids)], mask[i, : len(ids)] = ids, True
-  lp = np.asarray(log_probs(model, tokens, mask, chunk_size=None, temperature=0.7))
+  lp = np.asarray(ref_log_probs(model, tokens, mask, temperature=0.7))
   for i in convs:
     for start, lps in sampled[i]:
       np.testing.assert_allclose(lps, lp[i, start : start + len(lps)], atol=1e-5, err_msg=f"row {i}")
-  cache = conv.draft_cache
+  cache = jax.tree.map(np.asarray, conv.draft_cache)  # host copies: indexing them compiles nothing
   for i, ids in convs.items():
     held = len(ids) - 1  # the last sampled token is not fed yet
     assert conv.length(i) == len(ids) and int(cache.index[i]) == held
     assert np.asarray(cache.valid[i, :held]).all() and not np.asarray(cache.valid[i, held:]).any()
-    fresh = draft.init_cache(1, held, per_row=True)
-    _, fresh = draft(jnp.asarray([ids[:-1]]), jnp.arange(held)[None], attention_mask=jnp.ones((1, held), bool),
-                     cache=fresh)  # fmt: skip
+    fresh = jax.tree.map(np.asarray, _fresh_prefill(draft, jnp.asarray([ids[:-1]])))
     for got, want in zip(cache.k + cache.v, fresh.k + fresh.v):
       got = np.asarray(got[i])
       got = got[..., :held] if got.shape[-1] == cache.max_len else got[:, :held]  # keys [N, K, T], values [N, T, K]
@@ -393,8 +395,6 @@ def test_conversation_draft_model_refused_in_one_line():
     ConversationSampler(model, prompts, sampling, max_len=20, draft_model=_model(61, 1.0))
   with pytest.raises(ValueError, match=r"vocab_size 7 != the target's 61"):
     ConversationSampler(model, prompts, sampling, max_len=20, speculative=spec, draft_model=_model(7, 1.0))
-  from flax import nnx
-
   from jaxgrpo import models
 
   longer = models.build_model(dataclasses.replace(model.config, max_position_embeddings=256), rngs=nnx.Rngs(0))
@@ -425,7 +425,6 @@ def test_collective_rounds_speculate_with_the_target_log_probs():
   the rounds' counts summed), ``finish`` makes the rollout one call of the switch, every policy token's recorded
   log-prob equals the uncached forward's (2e-5), and at temperature 0 the trajectories are plain rounds' greedy
   ones, token for token. (Two real processes: tests/test_compose_multihost.py.)"""
-  from jaxgrpo.models import log_probs
   from jaxgrpo.parallel.sharding import make_mesh
   from jaxgrpo.rollout.engines.collective import CollectiveSampler
 
@@ -445,7 +444,7 @@ def test_collective_rounds_speculate_with_the_target_log_probs():
   assert switch.metrics["rollout/spec_acceptance"] > 0.1 and (out.mask & ~out.policy_mask).any()
   tokens = np.concatenate([out.prompt_tokens, out.completions], 1)
   attn = np.concatenate([out.prompt_mask, out.mask], 1)
-  lp = np.asarray(log_probs(model, tokens, attn, chunk_size=None, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
+  lp = np.asarray(ref_log_probs(model, tokens, attn, temperature=0.3))[:, out.prompt_tokens.shape[1] :]
   np.testing.assert_allclose(out.log_probs, np.where(out.policy_mask, lp, 0.0), atol=2e-5)
   greedy = [rollout(s, 0.0)[0] for s in (None, _switch(k=3, n=1))]
   for name in ("completions", "mask", "policy_mask", "turns"):
