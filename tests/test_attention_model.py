@@ -42,8 +42,9 @@ def _ragged(batch: int, length: int, seed: int = 0):
 
 
 def _value_and_grad(model, fn):
+  """``fn``'s value and gradient in one jitted program (eager, every op would compile on its own first call)."""
   graphdef, params = nnx.split(model)
-  return jax.value_and_grad(lambda p: fn(nnx.merge(graphdef, p)), has_aux=True)(params)
+  return jax.jit(jax.value_and_grad(lambda p: fn(nnx.merge(graphdef, p)), has_aux=True))(params)
 
 
 def _assert_close_tree(a, b, atol):
@@ -158,11 +159,10 @@ def test_forward_mode_autodiff_runs_through_a_blockwise_model():
   graphdef, params = nnx.split(block)
   tangent = jax.tree.map(jnp.ones_like, params)
   f = lambda p: log_probs(nnx.merge(graphdef, p), tokens, mask, forward_mode=True)
-  _, jvp_block = jax.jvp(f, (params,), (tangent,))
+  _, jvp_block = jax.jit(lambda p, t: jax.jvp(f, (p,), (t,)))(params, tangent)
   graphdef_d, params_d = nnx.split(dense)
-  _, jvp_dense = jax.jvp(
-    lambda p: log_probs(nnx.merge(graphdef_d, p), tokens, mask, forward_mode=True), (params_d,), (tangent,)
-  )
+  f_dense = lambda p: log_probs(nnx.merge(graphdef_d, p), tokens, mask, forward_mode=True)
+  _, jvp_dense = jax.jit(lambda p, t: jax.jvp(f_dense, (p,), (t,)))(params_d, tangent)
   np.testing.assert_allclose(np.asarray(jvp_block), np.asarray(jvp_dense), rtol=1e-5, atol=1e-5)
 
 
@@ -176,11 +176,16 @@ def test_a_second_prefill_into_a_filled_cache_attends_from_the_cache_index(per_r
   m1 = jnp.ones((B, S1), bool)
   m2 = jnp.asarray(np.arange(S2)[None] < np.array([[S2], [S2 - 3]]), bool) if per_row else jnp.ones((B, S2), bool)
   outs = []
-  for model in _pair(CONFIGS["qwen3-gqa"]):
+
+  @jax.jit  # one program per model (eager, every op would compile on its own first call)
+  def two_chunks(model):
     cache = model.init_cache(B, 24, per_row=per_row)
     _, cache = model(first, jnp.broadcast_to(jnp.arange(S1), (B, S1)), attention_mask=m1, cache=cache)
     hidden, _ = model(second, S1 + jnp.broadcast_to(jnp.arange(S2), (B, S2)), attention_mask=m2, cache=cache)
-    outs.append(np.asarray(jnp.where(m2[..., None], hidden, 0)))
+    return jnp.where(m2[..., None], hidden, 0)
+
+  for model in _pair(CONFIGS["qwen3-gqa"]):
+    outs.append(np.asarray(two_chunks(model)))
   np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 

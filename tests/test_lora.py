@@ -247,7 +247,8 @@ def test_per_row_dropout_keys_make_masks_independent_of_the_batch_split():
   assert np.abs(whole - _logits(model, tokens, mask)).max() > 1e-3  # dropout is on
   raw = jax.random.key_data(keys)  # raw uint32 [B, 2] keys are accepted too
   np.testing.assert_array_equal(_logits(model, tokens, mask, raw), whole)
-  hidden = lambda key: model(tokens, models.positions_from_mask(mask), dropout_key=key)
+  # traced only (the checks refuse at trace time; eager, the ops before them would each compile)
+  hidden = lambda key: jax.eval_shape(lambda k: model(tokens, models.positions_from_mask(mask), dropout_key=k), key)
   with pytest.raises(ValueError, match=r"one per row \(shape \(4,\)\)"):
     hidden(keys[:3])
   with pytest.raises(TypeError, match="PRNG key"):

@@ -346,6 +346,7 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
+  from hf_utils import jax_logits
   from safetensors.numpy import load_file
 
   from jaxgrpo import models
@@ -387,8 +388,7 @@ def test_trainer_lora_resume_is_exact_refuses_other_base_weights_and_exports(tmp
   policy = straight.policy()
   tokens = np.asarray(make_batch().prompt_tokens[:3], np.int64) % policy.config.vocab_size
   mask = np.ones(tokens.shape, bool)
-  hidden, _ = policy(jnp.asarray(tokens), models.positions_from_mask(jnp.asarray(mask)))
-  ours = np.asarray(policy.logits(hidden, out_dtype=jnp.float32))
+  ours = jax_logits(policy, tokens, mask)  # the policy's logits, one jitted forward (all-ones mask)
   out = tmp_path / "straight"
   merged = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
   with torch.no_grad():

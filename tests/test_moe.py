@@ -204,14 +204,13 @@ def test_load_balancing_loss_matches_transformers():
   logits = rng.standard_normal((b, s, m, e)).astype(np.float32) * 2
   mask = np.arange(s)[None] >= np.array([0, 3, 1])[:, None]
   experts = np.argsort(-logits, axis=-1)[..., :k]
-  ours = moe.load_balancing_loss(moe.Route(jnp.asarray(logits), jnp.asarray(experts)), jnp.asarray(mask), e)
+  lb_loss = jax.jit(moe.load_balancing_loss, static_argnums=2)  # one program (eager: each op compiles on its own)
+  ours = lb_loss(moe.Route(jnp.asarray(logits), jnp.asarray(experts)), jnp.asarray(mask), e)
   gate_logits = tuple(torch.as_tensor(logits[:, :, i].reshape(b * s, e)) for i in range(m))
   want = hf.load_balancing_loss_func(gate_logits, e, k, torch.as_tensor(mask.astype(np.int64)))
   np.testing.assert_allclose(float(ours), float(want), rtol=1e-5)
   want_unmasked = hf.load_balancing_loss_func(gate_logits, e, k, None)
-  ours_unmasked = moe.load_balancing_loss(
-    moe.Route(jnp.asarray(logits), jnp.asarray(experts)), jnp.ones((b, s), bool), e
-  )
+  ours_unmasked = lb_loss(moe.Route(jnp.asarray(logits), jnp.asarray(experts)), jnp.ones((b, s), bool), e)
   np.testing.assert_allclose(float(ours_unmasked), float(want_unmasked), rtol=1e-5)
 
 
@@ -222,8 +221,9 @@ def test_z_loss_and_routing_metrics_against_numpy():
   mask = np.arange(5)[None] >= np.array([0, 2])[:, None]
   route = moe.Route(jnp.asarray(logits, jnp.float32), jnp.asarray(experts))
   lse = np.log(np.exp(logits).sum(-1))
-  np.testing.assert_allclose(float(moe.router_z_loss(route, jnp.asarray(mask))), (lse**2)[mask].mean(), rtol=1e-5)
-  metrics = moe.routing_metrics(moe.routing_sums(route, jnp.asarray(mask), 4))
+  z_loss = jax.jit(moe.router_z_loss)(route, jnp.asarray(mask))  # one program each (eager: each op on its own)
+  np.testing.assert_allclose(float(z_loss), (lse**2)[mask].mean(), rtol=1e-5)
+  metrics = jax.jit(lambda r, m: moe.routing_metrics(moe.routing_sums(r, m, 4)))(route, jnp.asarray(mask))
   p = np.exp(logits - lse[..., None])
   for m in range(3):
     counts = np.bincount(experts[mask][:, m].reshape(-1), minlength=4)

@@ -167,8 +167,9 @@ def test_blockwise_tree_mask_equals_numpy_attention():
       q, k, v, q_segment_ids=seg, kv_segment_ids=seg, kv_end=end, block_q=4, block_kv=4, dot_dtype=jnp.float32
     )
 
-  np.testing.assert_allclose(np.asarray(blockwise(q, k, v)), numpy_attention(q, k, v), atol=2e-6)
-  grads = jax.grad(lambda *a: jnp.sum(blockwise(*a) * w), argnums=(0, 1, 2))(q, k, v)
+  # jitted: one program each (eager, every op would compile on its own first call)
+  np.testing.assert_allclose(np.asarray(jax.jit(blockwise)(q, k, v)), numpy_attention(q, k, v), atol=2e-6)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(blockwise(*a) * w), argnums=(0, 1, 2)))(q, k, v)
   eps = 1e-3  # central differences of the NumPy attention in float64, a few entries of each input
   for arg, g in enumerate(grads):
     for idx in [(0, 5, 0, 1), (0, 9, 1, 3), (1, 3, 1, 0)]:
@@ -200,7 +201,7 @@ def test_packed_tree_log_probs_equal_the_rowwise_numpy_log_softmax(sharing, impl
   plain = _packed(batch, "none")
   assert (pk.segment_ids > 0).sum() < (plain.segment_ids > 0).sum()
   args = [jnp.asarray(x) for x in (pk.tokens, pk.positions, pk.segment_ids, pk.head_index, pk.unpack_index)]
-  logp, _ = packed_log_probs(model, *args, kv_end=jnp.asarray(pk.kv_end), chunk_size=None)
+  logp, _ = jax.jit(lambda m: packed_log_probs(m, *args, kv_end=jnp.asarray(pk.kv_end), chunk_size=None))(model)
   np.testing.assert_allclose(np.asarray(logp), numpy_log_probs(model, batch), atol=2e-5)
 
   weights = np.random.default_rng(1).standard_normal((B, T)).astype(np.float32)
@@ -224,7 +225,8 @@ def assert_tree_gradients_equal_rowwise(model, batch, pk, weights):
     )  # fmt: skip
     return jnp.sum(out * weights)
 
-  got, want = (flat_params(jax.grad(f)(params)) for f in (tree_loss, row_loss))
+  # one jitted program each (eager, every op would compile on its own first call)
+  got, want = (flat_params(jax.jit(jax.grad(f))(params)) for f in (tree_loss, row_loss))
   for key in want:
     np.testing.assert_allclose(got[key], want[key], atol=2e-5 * max(1.0, np.abs(want[key]).max()), err_msg=key)
 
@@ -244,11 +246,23 @@ def _step(name, sharing, micro=1, mini=1):
     micro_batches=micro, mini_batches=mini, max_grad_norm=0.05, group_size=G, chunk_size=5, tree_stats=True,
     packing=L, prefix_sharing=sharing,
   )  # fmt: skip
-  ref = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=shardings.params, train_config=tc)
-  ref_logp = np.asarray(ref(jax.tree.map(jnp.copy, state.params), _batch()))
   step = train.make_train_step(graphdef, opt, preset(name), mesh=mesh, shardings=shardings, train_config=tc)
+  ref_logp = _ref_logp(graphdef, mesh, state.params, shardings.params, tc)
   state, metrics = step(state, _batch())
   return flat_params(state.params), {k: float(v) for k, v in metrics.items()}, ref_logp
+
+
+def _ref_logp(graphdef, mesh, params, param_shardings, tc):
+  """The reference pass's log-probs of the initial parameters on :func:`_batch` under ``tc``'s layout (it does not
+  depend on the preset: computed once per layout, :func:`_ref_memo`)."""
+  key = (tc.prefix_sharing, tc.micro_batches, tc.mini_batches)
+  if key not in _ref_memo:
+    ref = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=param_shardings, train_config=tc)
+    _ref_memo[key] = np.asarray(ref(jax.tree.map(jnp.copy, params), _batch()))
+  return _ref_memo[key]
+
+
+_ref_memo: dict = {}
 
 
 @pytest.mark.parametrize(

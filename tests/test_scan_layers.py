@@ -90,7 +90,8 @@ def test_scanned_model_matches_transformers_and_the_loop(tmp_path, family):
   assert np.abs(got - want)[mask].max() < 1e-4
   assert np.abs(got - jax_logits(loop, tokens, mask))[mask].max() < 1e-5
   # log-probs of the tokens (the head kernel) against transformers' log-softmax
-  lp = np.asarray(models.log_probs(scan, jnp.asarray(tokens), jnp.asarray(mask), chunk_size=None))
+  # one jitted program (eager, every op of the forward would compile on its own first call)
+  lp = np.asarray(jax.jit(lambda m, t, k: models.log_probs(m, t, k, chunk_size=None))(scan, tokens, mask))
   hf_lp = torch.log_softmax(torch.as_tensor(want[:, :-1]), -1).numpy()
   hf_lp = np.take_along_axis(hf_lp, tokens[:, 1:, None], -1)[..., 0]
   both = mask[:, 1:] & mask[:, :-1]
@@ -270,8 +271,8 @@ def test_lora_with_scan_equals_the_loop_and_exports_the_same_peft(tmp_path):
   assert max(np.abs(want[k] - stacked[k]).max() for k in want) > 1e-3
   _assert_close_trees(got, want, rtol=1e-4, atol=1e-6)
   pos = models.positions_from_mask(jnp.asarray(mask))
-  dropped, _ = scan(jnp.asarray(tokens), pos, attention_mask=jnp.asarray(mask), dropout_key=jax.random.key(3))
-  plain, _ = scan(jnp.asarray(tokens), pos, attention_mask=jnp.asarray(mask))
+  forward = jax.jit(lambda m, key: m(jnp.asarray(tokens), pos, attention_mask=jnp.asarray(mask), dropout_key=key)[0])
+  dropped, plain = forward(scan, jax.random.key(3)), forward(scan, None)
   assert np.abs(np.asarray(dropped - plain)).max() > 1e-2  # the key reaches the stacked adapters' masks
   partial = models.build_model(cfg, rngs=nnx.Rngs(0), scan_layers=True)
   with pytest.raises(ValueError, match="layer 1 has 0 adapters, layer 0 has 1"):

@@ -37,16 +37,17 @@ def _logits_logp(model, batch):
   """f64 log-softmax of the full logits at the completion positions, and the sampled tokens' log-probs."""
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
-  p = batch.prompt_tokens.shape[1]
   graphdef, state = nnx.split(model)
+  return np.asarray(_full_logits(graphdef, batch.prompt_tokens.shape[1], state, tokens, attn), np.float64)
 
-  @jax.jit  # one program: eager, every op of the forward compiles on its first call
-  def logits(state, tokens, attn):
-    m = nnx.merge(graphdef, state)
-    hidden, _ = m(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
-    return m.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
 
-  return np.asarray(logits(state, tokens, attn), np.float64)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _full_logits(graphdef, p, state, tokens, attn):
+  """One program for every call (eager, every op of the forward would compile on its first call; a jit built
+  per call would trace and lower it again)."""
+  m = nnx.merge(graphdef, state)
+  hidden, _ = m(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
+  return m.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
 
 
 def _log_softmax_pick(logits, tokens, mask):
