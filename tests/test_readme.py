@@ -1,17 +1,13 @@
 """Every Python block of README.md and docs/*.md runs as pasted, and the README's set-up commands are the ones CI
 uses.
 
-Every document's Python blocks run in one child process (8 virtual CPU devices), each document in a fresh temporary
-working directory of its own, its blocks one after another, each in a namespace of its own: a block runs as a user
-pastes it, defining what it needs itself; the import of JAX and the compiled programs are shared. A block that fails
-ends its document (its traceback is that document's test's message), the next document still runs.
+Each document's Python blocks run in one child process (8 virtual CPU devices, a fresh temporary working
+directory), one after another, each in a namespace of its own: a block runs as a user pastes it, defining what it
+needs itself, and the import of JAX and the compiled programs are shared by the blocks of one document.
 """
 
 import configparser
-import contextlib
 import importlib.util
-import io
-import json
 import pathlib
 import re
 import shlex
@@ -19,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import RUN_XLA_FLAGS, child_env, cli_env, finish_child, session_shared_dir
+from helpers import RUN_XLA_FLAGS, child_env, cli_env, finish_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -27,54 +23,38 @@ DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.m
 #: a fenced block, at any indentation: (indent, language, body)
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", flags=re.S | re.M)
 
-#: the child: runs every ```python block of the documents argv[2:] (each ``DOC=DIR``: run in the working directory
-#: DIR) of the repository argv[1], each block in a fresh namespace; a block that fails prints its traceback and ends
-#: its document, the next document still runs. Each document's output lies between ``=== DOC`` and ``=== DOC end``.
+#: the child: runs every ```python block of the document argv[1] (under the repository argv[2]), each in a fresh
+#: namespace, and names the document and the block's first line when one fails
 RUN_BLOCKS = r"""
-import os, re, sys, textwrap, time, traceback
-root = sys.argv[1]
-for arg in sys.argv[2:]:
-  doc, cwd = arg.split("=", 1)
-  os.chdir(cwd)
-  text = open(f"{root}/{doc}").read()
-  print(f"=== {doc}", flush=True)
-  try:
-    for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, flags=re.S | re.M):
-      line = text[: m.start()].count("\n") + 2
-      code = textwrap.dedent(m.group(2))
-      t0 = time.perf_counter()
-      print(f"--- {doc}:{line}", flush=True)
-      exec(compile(code, f"{doc}:{line}", "exec"), {"__name__": "__main__"})
-      print(f"--- {doc}:{line} ran in {time.perf_counter() - t0:.1f} s", flush=True)
-  except Exception:
-    traceback.print_exc(file=sys.stdout)
-  print(f"=== {doc} end", flush=True)
+import re, sys, textwrap, time
+doc, root = sys.argv[1], sys.argv[2]
+text = open(f"{root}/{doc}").read()
+for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, flags=re.S | re.M):
+  line = text[: m.start()].count("\n") + 2
+  code = textwrap.dedent(m.group(2))
+  t0 = time.perf_counter()
+  print(f"--- {doc}:{line}", flush=True)
+  exec(compile(code, f"{doc}:{line}", "exec"), {"__name__": "__main__"})
+  print(f"--- {doc}:{line} ran in {time.perf_counter() - t0:.1f} s", flush=True)
 """
-
-
-def _export_script():
-  spec = importlib.util.spec_from_file_location("export_hf_for_docs", ROOT / "scripts" / "export_hf.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def _demo_export(cwd: pathlib.Path) -> None:
   """What docs/checkpoints.md's transformers check reads: the demo run's export, ``runs/demo/hf``, made the
-  documented way (scripts/train.py with demo.yaml, then scripts/export_hf.py's ``main``, here in this process) but
-  short: 400 warm-up steps (the completion format is learned; 800 in the demo; 200 were not enough: ``12+4=17.
-  \\boxed{17}``), one RL step and the two evaluations a run makes (before the first step and after the last) on 4
-  held-out problems instead of 128 (``eval.limit``: the split, hence the warm-up's data, unchanged), under XLA's default
-  flags as a user runs it (``helpers.RUN_XLA_FLAGS``: the warm-up's 400 steps execute ~3x faster than under the
-  suite's fast-compile flags; the train run alone, cold cache, AMD EPYC without AMX at load 18: 41.9 instead of 49.1
-  CPU-s)."""
-  short = ["--data.arithmetic.sft_steps", "400", "--run.steps", "1", "--eval.every", "0", "--eval.limit", "4"]
-  cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "scripts/configs/demo.yaml")]
-  # not what the check reads: the verifier's worker process and TensorBoard (its import pulls in torch)
-  cmd += ["--run.out", "runs/demo", *short, "--reward.timeout_s", "null", "--no-plot", "--no-tensorboard"]
-  out = subprocess.run(cmd, cwd=cwd, env=cli_env(xla_flags=RUN_XLA_FLAGS), capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, f"{cmd}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
-  assert _export_script().main([str(cwd / "runs" / "demo"), str(cwd / "runs" / "demo" / "hf")]) == 0
+  documented way (scripts/train.py with demo.yaml, then scripts/export_hf.py) but short: 400 warm-up steps (the
+  completion format is learned; 800 in the demo) and one RL step, under XLA's default flags as a user runs it
+  (``helpers.RUN_XLA_FLAGS``: the warm-up's 400 steps execute ~3x faster than under the suite's fast-compile flags;
+  the train run alone, cold cache, AMD EPYC without AMX at load 18: 41.9 instead of 49.1 CPU-s)."""
+  short = ["--data.arithmetic.sft_steps", "400", "--run.steps", "1", "--eval.every", "0"]
+  for cmd in (
+    ["train.py", "--config", str(ROOT / "scripts/configs/demo.yaml"), "--run.out", "runs/demo", *short, "--no-plot"],
+    ["export_hf.py", "runs/demo", "runs/demo/hf"],
+  ):
+    cmd = [sys.executable, str(ROOT / "scripts" / cmd[0]), *cmd[1:]]
+    out = subprocess.run(
+      cmd, cwd=cwd, env=cli_env(xla_flags=RUN_XLA_FLAGS), capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, f"{cmd}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
 
 
 def _jaxgrpo_greedy(run: str, problem: str) -> str:
@@ -110,81 +90,35 @@ def python_blocks(doc: str) -> list[str]:
   return [body for _, lang, body in FENCE.findall((ROOT / doc).read_text()) if lang == "python"]
 
 
-def python_blocks_text(doc: str) -> str:
-  return "\n".join(python_blocks(doc))
-
-
 def test_every_doc_with_code_is_checked():
   """The list of documents covers README.md and every docs/*.md (a new document is picked up by the glob)."""
   assert "README.md" in DOCS and "docs/checkpoints.md" in DOCS
   assert sum(len(python_blocks(d)) for d in DOCS) >= 20
 
 
-#: the documents with Python blocks, in the child's order: a document that sets ``jax_num_cpu_devices`` (allowed
-#: only before JAX's backend starts) first, so that it meets a fresh process as a user's paste does
-RUN_DOCS = sorted(
-  (d for d in DOCS if python_blocks(d)), key=lambda d: "jax_num_cpu_devices" not in python_blocks_text(d)
-)
-
-
-def _run_docs(path: pathlib.Path) -> None:
-  """Every document's blocks in ONE child (8 virtual CPU devices; ~3 CPU-s of imports and JAX start-up, and the
-  programs the documents share, paid once instead of once per document), each document in a fresh working
-  directory of its own (``path/<doc>``, after its :data:`SETUP`); ``path/results.json``: ``{doc: what its blocks
-  printed, or why they did not run}``."""
-  results, run = {}, []
-  for doc in RUN_DOCS:
-    cwd = path / doc.replace("/", "_")
-    cwd.mkdir()
-    try:
-      if doc in SETUP:
-        SETUP[doc](cwd)
-      run.append(f"{doc}={cwd}")
-    except Exception as e:  # its test fails with this; the other documents still run (and nothing is built twice)
-      results[doc] = f"its set-up failed: {type(e).__name__}: {e}"
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)])
+def test_doc_python_blocks_run_as_pasted(doc, tmp_path):
+  if doc in SETUP:
+    SETUP[doc](tmp_path)
   proc = subprocess.Popen(
-    [sys.executable, "-c", RUN_BLOCKS, str(ROOT), *run],
+    [sys.executable, "-c", RUN_BLOCKS, doc, str(ROOT)],
     env=child_env(8),
-    cwd=path,
+    cwd=tmp_path,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
   )
-  try:
-    out, err = proc.communicate(timeout=1200)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    out, err = proc.communicate()
-  died = f"\nthe child failed (rc {proc.returncode})" if proc.returncode else ""
-  for arg in run:
-    doc = arg.split("=", 1)[0]
-    section = out.split(f"=== {doc}\n", 1)[1:]
-    results[doc] = (section[0].split(f"=== {doc} end\n", 1)[0] if section else "(did not start)") + died
-  results["stderr"] = err[-8000:]
-  (path / "results.json").write_text(json.dumps(results))
-
-
-@pytest.fixture(scope="module")
-def doc_runs(tmp_path_factory) -> pathlib.Path:
-  """The directory of :func:`_run_docs`, built once per session (shared with a worker that steals a test)."""
-  return session_shared_dir(tmp_path_factory, "doc_python_blocks", _run_docs)
-
-
-@pytest.mark.slow
-@pytest.mark.subprocess
-@pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)])
-def test_doc_python_blocks_run_as_pasted(doc, doc_runs):
-  results = json.loads((doc_runs / "results.json").read_text())
-  out = results[doc]
-  assert out.count(" ran in ") == len(python_blocks(doc)), f"{out}\nthe child's STDERR:\n{results['stderr']}"
+  out = finish_child(proc, timeout=600)
+  assert out.count(" ran in ") == len(python_blocks(doc)), out
   if doc == "README.md":
     assert "nontrivial_group_fraction" in out
   if doc == "docs/checkpoints.md":
     # issue 46, item 1: transformers on the export, with the prompt as the doc renders it, completes the problem as
     # jaxgrpo's sampler does on the checkpoint with the trainer's rendering (before: a bare "3+4=" and noise)
     printed = block_output(out, doc, "apply_chat_template").strip()
-    run = doc_runs / doc.replace("/", "_") / "runs" / "demo"
-    assert printed == _jaxgrpo_greedy(str(run), "What is 12 + 5?"), printed
+    assert printed == _jaxgrpo_greedy(str(tmp_path / "runs" / "demo"), "What is 12 + 5?"), printed
     assert re.fullmatch(r"12\+5=\d+\. \\boxed\{\d+\}", printed), printed
 
 
@@ -215,38 +149,13 @@ def script_calls(line: str) -> list[tuple[str, list[str]]]:
   return calls
 
 
-#: the scripts whose parser is built after the library's import (a child's ``--help`` costs ~3 CPU-s of imports):
-#: their ``--help`` is read from the same parser in this process (``scripts/binary_tree.py`` is
-#: ``binary_tree_cli.main``); every other script answers ``--help`` in a child before jax is imported (~0.1 CPU-s)
-PARSED_HERE = {"scripts/train.py": "parse_args", "scripts/eval.py": "parse_args"}
-
-
-def _help_here(script: str) -> str:
-  if script == "scripts/binary_tree.py":
-    from jaxgrpo.tasks import binary_tree_cli
-
-    assert "from jaxgrpo.tasks.binary_tree_cli import main" in (ROOT / script).read_text()
-    return binary_tree_cli.build_parser().format_help()
-  spec = importlib.util.spec_from_file_location(f"docs_help_{pathlib.Path(script).stem}", ROOT / script)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-    getattr(module, PARSED_HERE[script])(["--help"])
-  return out.getvalue()
-
-
 def _help_options(scripts: list[str]) -> dict[str, set[str]]:
-  """``{script: the options its --help lists}``, the children's scripts run side by side."""
-  here = {s for s in scripts if s in PARSED_HERE or s == "scripts/binary_tree.py"}
+  """``{script: the options its --help lists}``, the scripts run side by side."""
   procs = {
     s: subprocess.Popen([sys.executable, s, "--help"], cwd=ROOT, env=child_env(1), stdout=subprocess.PIPE, text=True)
     for s in scripts
-    if s not in here
   }
-  texts = {s: _help_here(s) for s in sorted(here)}
-  texts.update((s, finish_child(p, timeout=300)) for s, p in procs.items())
-  return {s: set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", text)) for s, text in texts.items()}
+  return {s: set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", finish_child(p, timeout=300))) for s, p in procs.items()}
 
 
 #: scripts/train.py's flags that its launcher reads before jax is imported (its parse_args refuses them in a
