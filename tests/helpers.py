@@ -7,6 +7,7 @@ pytest, and :func:`child_env` does the same for child processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -278,13 +279,9 @@ def start_child(code: str, *, devices: int, args=()) -> subprocess.Popen:
 
 def finish_child(proc: subprocess.Popen, timeout=600) -> str:
   """Wait for a child; its stdout, or AssertionError with its output when it failed."""
-  try:
-    out, err = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    out, err = proc.communicate()
-  if proc.returncode != 0:
-    raise AssertionError(f"child failed (rc {proc.returncode}):\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-8000:]}")
+  code, out, err = child_result(proc, timeout=timeout)
+  if code != 0:
+    raise AssertionError(f"child failed (rc {code}):\nSTDOUT:\n{out[-4000:]}\nSTDERR:\n{err[-8000:]}")
   return out
 
 
@@ -421,15 +418,22 @@ def train_main_here(argv: list[str]) -> None:
   """``scripts/train.py``'s ``main(argv)`` in this test process (its devices, flags and compilation cache; a
   failure raises), saving a child's start-up. ``main`` quiets absl's logger process-wide (a command-line run's
   setting); its level is put back for the process's other tests."""
-  import logging
-
   sys.path.insert(0, os.path.join(ROOT, "scripts"))
   import train as cli
+
+  with _absl_level_kept():
+    cli.main(argv)
+
+
+@contextlib.contextmanager
+def _absl_level_kept():
+  """A script's ``main`` quiets absl's logger process-wide (a command-line run's setting): put its level back."""
+  import logging
 
   absl = logging.getLogger("absl")
   level = absl.level
   try:
-    cli.main(argv)
+    yield
   finally:
     absl.setLevel(level)
 
@@ -550,21 +554,15 @@ def script_main_here(main, argv: list[str]) -> tuple[int, str, str]:
   refusals that a command gives before anything heavy runs: the same code path as a child's, without a child's
   ~3 CPU-s of start-up; each refusal family keeps one check in a real child. absl's level is put back as
   :func:`train_main_here` does."""
-  import contextlib
   import io
-  import logging
 
-  absl = logging.getLogger("absl")
-  level = absl.level
   out, err = io.StringIO(), io.StringIO()
   code = 0
   try:
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with _absl_level_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
       main(argv)
   except SystemExit as e:
     code = 0 if e.code is None else e.code
-  finally:
-    absl.setLevel(level)
   return code, out.getvalue(), err.getvalue()
 
 

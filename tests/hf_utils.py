@@ -9,8 +9,6 @@ with HF-consistent position ids.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -195,22 +193,9 @@ def jax_logits(model, tokens, mask) -> np.ndarray:
   """``f32[B, T, V]`` logits of a jaxgrpo ``model`` on a left-padded batch (positions from the mask, as
   :func:`hf_logits` gives them to transformers)."""
   import jax.numpy as jnp
-
-  return np.asarray(_jitted_logits()(model, jnp.asarray(tokens), jnp.asarray(mask)))
-
-
-@functools.cache
-def _jitted_logits():
-  """:func:`jax_logits`'s forward as one program per model and shape (eager, each of its ops would compile on its
-  own first call: ~100 small compiles a model)."""
-  import jax
-  import jax.numpy as jnp
+  from helpers import ref_logits
 
   from jaxgrpo import models
 
-  @jax.jit
-  def logits(model, tokens, mask):
-    hidden, _ = model(tokens, models.positions_from_mask(mask), attention_mask=mask)
-    return model.logits(hidden, out_dtype=jnp.float32)
-
-  return logits
+  mask = jnp.asarray(mask)
+  return np.asarray(ref_logits(model, jnp.asarray(tokens), models.positions_from_mask(mask), mask))
