@@ -474,15 +474,28 @@ def _check_fits(args, cfg, say) -> None:
 
 
 def _train(args, cfg, t_wall: float, t_cpu: float):
+  """The run, holding ``run.out``'s lock (process 0) until it ends: a second run into the same directory is refused
+  (exit 2) while this one runs, and a later one — another process, or ``main`` called again in this one — may
+  resume from it once it returned or raised (a process that dies releases the lock with it)."""
   out = cfg.run.out
-  if jax.process_index() == 0:  # one run per output directory: a second one is refused (exit 2)
+  lock = None
+  if jax.process_index() == 0:
     try:
-      lock = runlock.RunLock(out).acquire()  # noqa: F841 - held until this process ends
+      lock = runlock.RunLock(out).acquire()
     except runlock.RunDirLocked as e:
       _fail(2, f"error: {e}")
     except OSError as e:  # a file of that name, no permission, a read-only file system: one line
       what = "is a file, not a directory" if os.path.isfile(out) else f"cannot be created ({e.strerror})"
       _fail(2, f"error: config field `run.out`: {out} {what}: name a directory (created when missing)")
+  try:
+    return _train_locked(args, cfg, t_wall, t_cpu)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_locked(args, cfg, t_wall: float, t_cpu: float):
+  out = cfg.run.out
   has_checkpoint = checkpoint.has_checkpoint(out)
   resume = has_checkpoint if args.resume is None else args.resume  # on by default when OUT has one
   start_over = not resume and has_checkpoint  # allowed when every checkpoint is corrupt: they are moved aside

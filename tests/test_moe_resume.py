@@ -64,12 +64,10 @@ def test_moe_resume_is_exact(tmp_path):
   assert [r["step"] for r in updates] == list(range(1, STEPS + 1))
   assert all(r["grad_norm"] > 0 for r in updates) and any(r["advantage_std"] > 0 for r in updates)  # real updates
   assert all(any(k.startswith("moe/0/") for k in r) and "moe/aux_loss" in r for r in updates), updates[0].keys()
-  # the stopped run: here too, from the straight run's stored warm-up (read back bit for bit), into a directory of
-  # its own (this process keeps the lock of every run it made); the child resumes a copy of it
-  half_run = tmp_path / "half"
-  shutil.copytree(straight / "checkpoints" / "base", half_run / "checkpoints" / "base")
-  _train_here(half_run, STEPS // 2)
-  shutil.copytree(half_run, run)
+  # the stopped run: here too, from the straight run's stored warm-up (read back bit for bit); the child resumes it
+  # in the same directory (main released the run's lock when it returned: a child that found it held would exit 2)
+  shutil.copytree(straight / "checkpoints" / "base", run / "checkpoints" / "base")
+  _train_here(run, STEPS // 2)
   half = _params(run)
   out = _train(env, run, STEPS)  # resume is on by default when OUT has a checkpoint
   assert re.search(rf"resumed from checkpoint \S+ \(step {STEPS // 2}\)", out), out[-2000:]
