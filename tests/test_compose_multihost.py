@@ -13,7 +13,8 @@ every batch (its rows' group ids), every own token's μ is the teacher-forced lo
 counted on both and listed in the ledger; every prompt the data iterator drew (its order rebuilt here) is trained,
 dropped or recorded untrained exactly once, in the straight run and in one resumed from step 1's state (that one
 with dynamic sampling: each pool filters its own groups; the filtered prompts, gathered into the ledger, are
-settled too and counted in the summed ``dynamic_sampling/dropped_groups``). Then speculative decoding in the
+settled too and counted in the summed ``dynamic_sampling/dropped_groups``; a distillation teacher scores each complete
+group, its pass taken by both processes in turns). Then speculative decoding in the
 multi-turn collective rounds (issue 51.3): ``auto`` timing plain then prompt-lookup rollouts and deciding alike on
 both processes from the numbers they agreed on; every policy token's recorded log-prob equals a teacher-forced
 pass of the parameters that sampled it (1e-5), observations carry 0; the same for single-turn rows with a
@@ -132,9 +133,12 @@ for b in pseen:
     sel = mask & (tv == v)
     err = max(err, float(np.abs(np.asarray(lp) - mu)[sel].max()))
 pledger = [json.loads(x) for x in open(out + "/p/" + async_rollout.LEDGER)] if pid == 0 else None
-# resumed from step 1's state: steps 2 and 3 again, with dynamic sampling (each pool filters its own groups)
+# resumed from step 1's state: steps 2 and 3 again, with dynamic sampling (each pool filters its own groups) and a
+# distillation teacher scoring each complete group (its pass spans both processes: every process takes each turn,
+# its rows padded to the other's; min_signal out of reach, so the groups kept are the rewards')
+teacher_cfg = tiny(**{"objective.distill": {**TEACHER, "min_signal": 1e9}}).objective.distill
 pds = dataclasses.replace(pcfg, run=dataclasses.replace(pcfg.run, out=out + "/pb"),
-                          objective=dataclasses.replace(pcfg.objective, dynamic_sampling=True),
+                          objective=dataclasses.replace(pcfg.objective, dynamic_sampling=True, distill=teacher_cfg),
                           rollout=dataclasses.replace(pcfg.rollout, dynamic_sampling_max_rounds=2))
 pres = Trainer(pds, restore_fn=lambda meta, template: saved[1],
                reward_fns={"r": (half_constant_reward, 1.0)}, log=None)
@@ -285,6 +289,7 @@ def test_two_processes_run_their_own_environments_and_resume_exactly(tmp_path):
   # counted in the summed metric (which also counts groups filled in at the round limit)
   rsteps = [x for x in p0["resumed"] if "loss" in x]
   assert all(x["dynamic_sampling/dropped_groups"] >= len(line["filtered"]) for x, line in zip(rsteps, resumed))
+  assert all(x["dynamic_sampling/kept_by_teacher"] == 0 and math.isfinite(x["distill/reverse_kl"]) for x in rsteps)
   assert sum(len(line["filtered"]) for line in resumed) > 0, resumed
   # environments with partial rollouts on two processes: each its own episode pool and groups, the same metrics
   # (the speculative ones too: each pool's counts combined over the processes)

@@ -62,7 +62,16 @@ def test_teacher_signal_and_the_selection_match_numpy():
     collect.select_groups([rewards], num_groups=4, group_size=g, max_rounds=1, signal=[], min_signal=0.0)
 
 
-def _run(tmp_path, name, *, same_teacher: bool):
+#: partial rollouts (the built-in engine's row pool, k = 1): the pool selects groups as they complete, in its own
+#: path, which scores each complete group with the teacher once
+PARTIAL = {
+  "rollout.max_staleness": 1,
+  "objective.importance_correction": "tis",
+  "rollout.partial": {"enabled": True, "refill_every": 2},
+}
+
+
+def _run(tmp_path, name, *, same_teacher: bool, changes=None):
   """One step, every reward 0 (every group's rewards equal), dynamic sampling with at most 2 rounds; what each
   round's teacher scored, the learner's teacher calls and the step's teacher log-probs, recorded."""
   from jaxgrpo.run.trainer import Trainer
@@ -76,6 +85,7 @@ def _run(tmp_path, name, *, same_teacher: bool):
       "reward.weights": {"accuracy": 0.0},
       "run.steps": 1,
       "run.out": str(tmp_path / name),
+      **(changes or {}),
     }
   )
   tr = Trainer(cfg, log=None)
@@ -93,9 +103,14 @@ def _run(tmp_path, name, *, same_teacher: bool):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("partial", [False, True], ids=["rounds", "partial_pool"])
 @pytest.mark.parametrize("same_teacher", [False, True], ids=["teacher_disagrees", "teacher_equals_student"])
-def test_equal_rewards_are_kept_for_a_teacher_that_still_teaches(tmp_path, same_teacher):
-  rec, rounds, learner_calls, stepped = _run(tmp_path, "r", same_teacher=same_teacher)
+def test_equal_rewards_are_kept_for_a_teacher_that_still_teaches(tmp_path, same_teacher, partial):
+  """Synchronous rounds, and partial rollouts' pool (a round: the pool decoding until a batch's groups are
+  complete; each complete group scored by the teacher once, as it completes)."""
+  rec, rounds, learner_calls, stepped = _run(
+    tmp_path, "r", same_teacher=same_teacher, changes=PARTIAL if partial else None
+  )
   g, groups, threshold = 4, 2, TEACHER.get("min_signal", 1e-3)
   assert all(np.all(r.rewards == 0) for r in rounds)  # every group's rewards are equal
   signals = [_signal_numpy(r.old_logp, r.teacher_logp, r.mask, r.policy_mask, g) for r in rounds]
@@ -117,32 +132,35 @@ def test_equal_rewards_are_kept_for_a_teacher_that_still_teaches(tmp_path, same_
   np.testing.assert_array_equal(stepped[0][:, :t], first.teacher_logp)
 
 
-def test_what_dynamic_sampling_with_a_teacher_refuses_in_one_line():
-  """Partial rollouts (their pool selects groups in its own path): not built yet, one line. Several processes
-  compose (each scores its own rows, the signals are gathered: tests/test_trainer_multihost.py runs it)."""
+def test_dynamic_sampling_with_a_teacher_is_refused_with_nothing():
+  """Every rollout path composes: synchronous rounds, bounded staleness, partial rollouts' pools (the built-in
+  engine's and another engine's), on one process or several (each scores its own rows; the signals are gathered,
+  or, in the partial pools, every process takes each turn of the teacher's pass:
+  tests/test_trainer_multihost.py and tests/test_compose_multihost.py run them)."""
   from test_compose import CELLS
 
   from jaxgrpo.run import composition
 
-  with pytest.raises(ValueError, match="and `rollout.partial.enabled` is not built yet"):
-    tiny(**{"objective.distill": TEACHER, "objective.dynamic_sampling": True, **CELLS["engine-partial"]})
-  cfg = tiny(**{"objective.distill": TEACHER, "objective.dynamic_sampling": True})
-  for processes in (1, 2):
-    composition.check_composition(cfg, process_count=processes)
+  for changes in ({}, PARTIAL, CELLS["engine-partial"]):
+    cfg = tiny(**{"objective.distill": TEACHER, "objective.dynamic_sampling": True, **changes})
+    for processes in (1, 2):
+      composition.check_composition(cfg, process_count=processes)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", ["async", "env"])
+@pytest.mark.parametrize("cell", ["async", "env", "env-partial"])
 def test_dynamic_sampling_with_a_teacher_composes(tmp_path, cell):
-  """Bounded staleness (k = 1: the producer scores its rounds with the teacher) and environments (multi-turn rows:
-  the signal over the policy's tokens): two steps train with the counts logged (async, every reward 0: both groups
-  kept for the teacher), and the learner's teacher never runs (the batches carry the collection's log-probs)."""
+  """Bounded staleness (k = 1: the producer scores its rounds with the teacher), environments (multi-turn rows:
+  the signal over the policy's tokens) and environments in partial rollouts' episode pool (each complete group's
+  trajectories scored once): two steps train with the counts logged (async, every reward 0: both groups kept for
+  the teacher), and the learner's teacher never runs (the batches carry the collection's log-probs)."""
   from test_compose import ASYNC
   from test_trainer_env import ENV
 
   from jaxgrpo.run.trainer import Trainer
 
-  changes = {"async": {**ASYNC, "reward.weights": {"accuracy": 0.0}}, "env": ENV}[cell]
+  changes = {"async": {**ASYNC, "reward.weights": {"accuracy": 0.0}}, "env": ENV, "env-partial": {**ENV, **PARTIAL}}
+  changes = changes[cell]
   cfg = tiny(
     **{
       "objective.distill": TEACHER,

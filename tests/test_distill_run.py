@@ -22,7 +22,7 @@ import json
 import numpy as np
 import pytest
 from test_async_rollout import REWARDS
-from test_compose import ASYNC, CELLS
+from test_compose import ASYNC, CELLS, DYNAMIC
 from test_trainer import tiny
 from test_trainer_env import ENV, _memory_checkpoints, _params, dataclass_replace
 
@@ -35,6 +35,8 @@ RUN_CELLS = {
   "grpo": ({}, REWARDS),
   "async": (ASYNC, REWARDS),
   "partial": (CELLS["engine-partial"], REWARDS),
+  # another engine's partial pool selecting groups with the teacher's signal (each complete group scored once)
+  "partial-dynamic": ({**CELLS["engine-partial"], **DYNAMIC}, REWARDS),
   "env": (ENV, None),
   # a top-k form: the teacher's top-8 per position carried in the batch, the JSD in the loss
   "topk": ({"objective.distill": {**TEACHER, "kind": "jsd", "top_k": 8, "beta": 0.5}}, REWARDS),
@@ -61,6 +63,7 @@ def _run_cell(tmp_path, changes, rewards):
     assert r["distill/weight"] == TEACHER["weight"] and np.isfinite(r["distill/reverse_kl"]), r
     assert r["grad_norm"] > 0, r
     assert ("distill/topk_divergence" in r) == topk and (not topk or r["distill/topk_divergence"] > 0), r
+    assert ("dynamic_sampling/kept_by_teacher" in r) == changes.get("objective.dynamic_sampling", False), r
   resumed = Trainer(
     dataclass_replace(cfg, steps=2, out=tmp_path / "b"), restore_fn=restore_from(1), reward_fns=rewards, log=None
   )
@@ -98,11 +101,6 @@ def test_what_a_teacher_refuses_in_one_line(tmp_path):
 
   for distill, more, match in [
     ({"weight": 1.0}, {}, "needs `teacher`"),
-    (
-      TEACHER,
-      {"objective.dynamic_sampling": True, **CELLS["engine-partial"]},
-      "dynamic_sampling` with `objective.distill` and `rollout.partial.enabled` is not built yet",
-    ),
     ({**TEACHER, "min_signal": -1.0}, {}, "distill.min_signal"),
     ({**TEACHER, "teacher": "http://127.0.0.1:8470"}, {"devices.teacher": 1}, "is served outside the run's JAX"),
     ({**TEACHER, "teacher": "vllm:synthetic:48x2"}, {"devices.teacher": 1}, "unset devices.teacher$"),

@@ -1,7 +1,8 @@
 """Which combinations of a run's options are refused, one line each and in one place: the check the
 :class:`~jaxgrpo.run.spec_schema.TrainerConfig` runs at load (one process assumed) and the trainer runs
 again at start (``process_count`` = ``jax.process_count()``). A refusal names the options and its reason:
-physical (what a device, the engine's build or its API cannot do) or not built yet (said so).
+physical or mathematical (what a device, the engine's build or its API cannot do; what has no meaning), never
+"not built yet".
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ __all__ = ["PARTIAL_ROUTING_REPLAY_ERROR", "check_composition"]
 def check_composition(cfg: TrainerConfig, *, process_count: int = 1) -> None:
   """Every combination of options a run refuses, one line each, in one place: at load (``TrainerConfig``,
   one process assumed) and again when the trainer starts (``process_count`` = ``jax.process_count()``).
-  A combination is refused for a physical reason or because it is not built yet (said so); composing the
-  rollout source (``jaxgrpo.loop.source``) is what lifts the second kind. What an engine cannot do is asked
-  of its class (``jaxgrpo.rollout.engines.registry.capability``), never of its name."""
+  A combination is refused only for a physical or mathematical reason, stated in its line. What an engine cannot
+  do is asked of its class (``jaxgrpo.rollout.engines.registry.capability``), never of its name."""
   roll = cfg.rollout
   synthetic_moe = cfg.model.synthetic is not None and getattr(cfg.model.synthetic, "num_experts", 0)
   refusal = capability(roll.engine, "routing_replay_refusal", None)  # vLLM's: physical (its CPU build)
@@ -77,13 +77,6 @@ def _check_distill(cfg: TrainerConfig) -> None:
     raise ValueError(
       f"`devices.teacher`={cfg.devices.teacher} places an in-process teacher, but `objective.distill.teacher`="
       f"{d.teacher!r} is served outside the run's JAX devices (a server or vLLM): unset devices.teacher"
-    )
-  # the teacher scores each dynamic-sampling round in the rollout source's path, which the partial pool does not take
-  if cfg.objective.dynamic_sampling and cfg.rollout.partial.enabled:
-    raise ValueError(
-      "`objective.dynamic_sampling` with `objective.distill` and `rollout.partial.enabled` is not built yet (the "
-      "partial pool selects groups as they complete, in its own path, which does not score them with the teacher); "
-      "turn dynamic sampling off, or run it without that option"
     )
 
 

@@ -20,11 +20,13 @@ dropped and counted (``rollout/dropped_rows``, ``rollout/dropped_rows_total``; t
 trained; the learner then checks every trained group's oldest token against k as before.
 
 Dynamic sampling (``objective.dynamic_sampling``): each complete group is scored once and filtered when its
-rewards are all equal (the synchronous rule); rounds of the pool run until ``prompts_per_step`` informative
-groups are complete, at most ``max_rounds``, then the batch is filled with filtered groups as the synchronous
-path fills it (:meth:`PartialRollouts._informative`). Filtered prompts are consumed (the ledger's ``filtered``).
-Several processes: each pool filters its own groups for its own block; the counts are summed, the rounds the
-largest.
+rewards are all equal (the synchronous rule), unless a distillation teacher (``objective.distill``) still
+disagrees with the student on its tokens: the teacher scores each complete group once, and the step trains on
+those log-probs; rounds of the pool run until ``prompts_per_step`` informative groups are complete, at most
+``max_rounds``, then the batch is filled with filtered groups as the synchronous path fills it
+(:meth:`PartialRollouts._informative`). Filtered prompts are consumed (the ledger's ``filtered``). Several
+processes: each pool filters its own groups for its own block (with a teacher, whose pass spans the processes,
+in turns every process takes); the counts are summed, the rounds the largest.
 
 Checkpoints: the state after step n records the prompts drawn and not yet trained nor dropped
 (``data_position["untrained"]``, one round, drawing order; filtered prompts are not) and the iterator's position after batch n was
@@ -77,6 +79,7 @@ from jaxgrpo.loop.partial.engine import EnginePool
 from jaxgrpo.loop.partial.env import EpisodePool
 from jaxgrpo.loop.partial.pool import PoolGroup, RowPool
 from jaxgrpo.parallel import distributed
+from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.sampling import Rollout
@@ -259,23 +262,30 @@ class PartialRollouts(AsyncRollouts):
   def _informative(self, model, version, key, n, info, rounds) -> tuple[list[PoolGroup], tuple, list, dict]:
     """Dynamic sampling (``objective.dynamic_sampling``), the synchronous path's rule and limit on the pool:
     each complete group is scored once; one whose rewards are all equal (``rewards.group_is_informative``,
-    what ``collect.select_groups`` applies) leaves the pool, filtered. A round is one :meth:`RowPool.run` to
-    this pool's groups of a batch complete (the first is ``_produce``'s, whose ``info`` this adds to); while
-    fewer informative groups are complete and fewer than ``max_rounds`` rounds ran, another round decodes
-    (and draws) on. At the limit the batch is filled with the filtered groups, earliest drawn first (zero
-    advantage), as ``select_groups`` fills it. Returns (groups, their ``(rewards, per_fn, counters)``, the
-    filtered groups not trained, ``{"dropped_groups", "rounds"}`` of this pool)."""
+    what ``collect.select_groups`` applies) leaves the pool, filtered — unless a distillation teacher still
+    disagrees with the student on its tokens (its signal above ``min_signal``, :meth:`_teacher_scores`: the
+    synchronous rule too). A round is one :meth:`RowPool.run` to this pool's groups of a batch complete (the
+    first is ``_produce``'s, whose ``info`` this adds to); while fewer informative groups are complete and fewer
+    than ``max_rounds`` rounds ran, another round decodes (and draws) on. At the limit the batch is filled with
+    the filtered groups, earliest drawn first (zero advantage), as ``select_groups`` fills it. With a teacher and
+    several processes every process takes every turn of the loop (the teacher's pass spans them), a process
+    whose pool is done scoring no rows. Returns (groups, their ``(rewards, per_fn, counters, teacher fields or
+    None)``, the filtered groups not trained, ``{"dropped_groups", "rounds"}`` of this pool, and
+    ``"kept_by_teacher"`` with a teacher)."""
     src, need, g = self.source, self._need, self.source.sampling.num_samples
+    taught = src.teacher is not None
     counters: dict[str, int] = {}
     spare: list[PoolGroup] = []
     done = 1
     while True:
       fresh = [grp for grp in self.pool.complete() if grp.seq not in self._group_scores]
+      rows_of = self._fresh_rows(fresh) if fresh else None
+      signal, fields = self._teacher_scores(rows_of, len(fresh)) if taught else (None, None)
       if fresh:
         if isinstance(self.pool, EpisodePool):  # the environments' rewards, in the trajectories
-          res = rewards_lib.RewardResult(self.pool.scored(fresh)[0].rewards, {}, {})
+          res = rewards_lib.RewardResult(rows_of.rewards, {}, {})
         else:
-          res = src.score([grp.prompt for grp in fresh], self._rollout(fresh)[0])
+          res = src.score([grp.prompt for grp in fresh], rows_of)
         total = np.asarray(res.total, np.float32)
         informative = scoring.informative(total, g)
         for name, count in res.counters.items():
@@ -283,10 +293,19 @@ class PartialRollouts(AsyncRollouts):
         for j, grp in enumerate(fresh):
           rows = slice(j * g, (j + 1) * g)
           per_fn = {name: np.asarray(v, np.float32)[rows] for name, v in res.per_fn.items()}
-          self._group_scores[grp.seq] = (total[rows], per_fn)
-          if not informative[j]:
+          # equal rewards, but the teacher still disagrees with the student on the group's tokens: kept
+          by_teacher = bool(taught and not informative[j] and signal[j] > src.min_teacher_signal)
+          own = None if fields is None else {name: x[rows] for name, x in fields.items()}
+          self._group_scores[grp.seq] = (total[rows], per_fn, own, by_teacher)
+          if not (informative[j] or by_teacher):
             spare.append(self.pool.groups.pop(grp.seq))
-      if len(self.pool.complete()) >= need or done >= src.max_rounds:
+      finished = len(self.pool.complete()) >= need or done >= src.max_rounds
+      if taught and self._procs > 1:  # the teacher's pass spans the processes: each turn is taken by all of them
+        if all(distributed.gather_objects(finished)):
+          break
+        if finished:
+          continue
+      elif finished:
         break
       done += 1
       more = self.pool.run(
@@ -311,9 +330,60 @@ class PartialRollouts(AsyncRollouts):
       self._group_scores.pop(grp.seq)
     live = set(self.pool.groups)  # groups dropped (staleness) since they were scored: forgotten
     self._group_scores = {q: v for q, v in self._group_scores.items() if q in live}
-    total = np.concatenate([t for t, _ in scores])
-    per_fn = {name: np.concatenate([p[name] for _, p in scores]) for name in scores[0][1]}
-    return groups, (total, per_fn, counters), filtered, {"dropped_groups": len(spare), "rounds": done}
+    total = np.concatenate([s[0] for s in scores])
+    per_fn = {name: np.concatenate([s[1][name] for s in scores]) for name in scores[0][1]}
+    fields = None if not taught else {n: np.concatenate([s[2][n] for s in scores]) for n in scores[0][2]}
+    selection = {"dropped_groups": len(spare), "rounds": done}
+    if taught:
+      selection["kept_by_teacher"] = sum(s[3] for s in scores)
+    return groups, (total, per_fn, counters, fields), filtered, selection
+
+  def _fresh_rows(self, fresh: list[PoolGroup]):
+    """The complete ``fresh`` groups' rows (this process's, group ids their positions in ``fresh``): a
+    :class:`Rollout` of the pool's rows, or an environment pool's trajectories (their rewards in them)."""
+    if isinstance(self.pool, EpisodePool):
+      return self.pool.scored(fresh)[0]
+    return self._rollout(fresh)[0]
+
+  def _teacher_scores(self, rows, groups: int) -> tuple[np.ndarray | None, dict | None]:
+    """Dynamic sampling with a distillation teacher: ``rows`` (:meth:`_fresh_rows` of ``groups`` complete groups
+    of this process; None when it has none) scored by the teacher as a synchronous round is
+    (``RolloutSource.teacher``: one pass of the train mesh's program) — each group's signal ``f32[groups]``
+    (``scoring.teacher_signal``) and the rows' teacher fields (``feed.TEACHER_FIELDS``, kept for the step: the
+    learner does not score them again); ``(None, None)`` without rows.
+
+    The pass is one program over the mesh's devices, so its rows are padded (blank rows, their scores dropped)
+    to a multiple of the mesh's batch shards; with several processes every process enters it at each of
+    :meth:`_informative`'s turns with the most rows, prompt width and length any process has, and none enters
+    when no process has rows."""
+    src, g = self.source, self.source.sampling.num_samples
+    n = groups * g
+    shape = (0, 0, 0) if rows is None else (n, *np.shape(rows.prompt_tokens)[1:], *np.shape(rows.completions)[1:])
+    most, width, t = (max(e[i] for e in distributed.gather_objects(list(shape))) for i in range(3))
+    if most == 0:
+      return None, None
+    shards = shd.batch_shards(src.mesh)
+    target = -(-most // shards) * shards
+    episodes = isinstance(self.pool, EpisodePool)
+    blank = _blank_rows(target - n, width, t, src.pad_id, policy_mask=episodes)
+    if rows is None:
+      src.teacher(blank)
+      return None, None
+    own = Batch(
+      prompt_tokens=np.asarray(rows.prompt_tokens, np.int32),
+      prompt_mask=np.asarray(rows.prompt_mask, bool),
+      completions=np.asarray(rows.completions, np.int32),
+      mask=np.asarray(rows.mask, bool),
+      old_logp=np.asarray(rows.log_probs, np.float32),
+      group_ids=np.repeat(np.arange(groups, dtype=np.int32), g),
+      rewards=np.zeros(n, np.float32),
+      policy_mask=np.asarray(rows.policy_mask, bool) if episodes else None,
+    )
+    own = scoring.pad_prompts(own, width, src.pad_id)
+    both = jax.tree.map(lambda a, b: np.concatenate([a, b]), own, blank)
+    scored = src.teacher(both)
+    fields = {f: np.asarray(getattr(scored, f))[:n] for f in feed.TEACHER_FIELDS if getattr(scored, f) is not None}
+    return scoring.teacher_signal(own._replace(**fields), g), fields
 
   def _rollout(self, groups: list[PoolGroup]) -> tuple[Rollout, np.ndarray]:
     """The :class:`Rollout` of ``groups``' rows (group ids: positions in ``groups``) and the rows' lengths."""
@@ -337,10 +407,13 @@ class PartialRollouts(AsyncRollouts):
 
   def _scored(self, groups: list[PoolGroup], scores: tuple | None = None) -> tuple[Batch, dict, int, np.ndarray]:
     """The host batch of ``groups`` (their rows, scored by the source's rewards unless ``scores`` =
-    ``(rewards, per_fn, counters)`` of these rows is given), its rollout metrics (``scoring.batch_metrics`` over
-    every process's rows), its completion tokens and the ``int64[rows, T]`` token versions."""
+    ``(rewards, per_fn, counters, teacher fields or None)`` of these rows is given: :meth:`_informative`'s), its
+    rollout metrics (``scoring.batch_metrics`` over every process's rows), its completion tokens and the
+    ``int64[rows, T]`` token versions."""
+    taught = {} if scores is None or scores[3] is None else scores[3]  # the teacher's, scored when selected
     if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
-      return self._scored_episodes(groups)
+      batch, *rest = self._scored_episodes(groups)
+      return (batch._replace(**taught), *rest)
     rollout, lengths = self._rollout(groups)
     if scores is None:
       res = self.source.score([grp.prompt for grp in groups], rollout)
@@ -349,7 +422,8 @@ class PartialRollouts(AsyncRollouts):
     every = scoring.gather_scores(rewards, scores[1], lengths, scores[2], self.source.mesh)
     versions = np.stack([r.versions for grp in groups for r in grp.rows])
     rollout = rollout._replace(group_ids=rollout.group_ids + self._first)  # the groups' places in the global batch
-    return Batch.from_rollout(rollout, rewards), scoring.batch_metrics(*every), int(every[2].sum()), versions
+    batch = Batch.from_rollout(rollout, rewards)._replace(**taught)
+    return batch, scoring.batch_metrics(*every), int(every[2].sum()), versions
 
   def _scored_episodes(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
     """``_scored`` of environment trajectories: their batch (one prompt width on every process), the metrics of
@@ -505,6 +579,11 @@ class PartialRollouts(AsyncRollouts):
       else {
         "dynamic_sampling/dropped_groups": sum(e["selection"]["dropped_groups"] for e in every),
         "dynamic_sampling/rounds": max(e["selection"]["rounds"] for e in every),
+        **(
+          {"dynamic_sampling/kept_by_teacher": sum(e["selection"]["kept_by_teacher"] for e in every)}
+          if "kept_by_teacher" in selection
+          else {}
+        ),
       },
       "untrained": [p for _, p in sorted(x for e in every for x in e["untrained"])],
       "speculative": _spec_metrics([e["speculative"] for e in every if e["speculative"] is not None]),
@@ -529,3 +608,20 @@ def _spec_metrics(counts: list) -> dict[str, float]:
     summed = SpeculativeStats(0, sum(c[1] for c in on), sum(c[2] for c in on))
     out["rollout/spec_acceptance"] = summed.acceptance
   return out
+
+
+def _blank_rows(k: int, width: int, t: int, pad_id: int, *, policy_mask: bool) -> Batch:
+  """``k`` rows that fill a teacher pass's batch and are then dropped: one real prompt token (the pad id; a row
+  attends to something), no completion token; with ``policy_mask`` (environment rows) that field too."""
+  prompt_mask = np.zeros((k, width), bool)
+  prompt_mask[:, -1] = True
+  return Batch(
+    prompt_tokens=np.full((k, width), pad_id, np.int32),
+    prompt_mask=prompt_mask,
+    completions=np.full((k, t), pad_id, np.int32),
+    mask=np.zeros((k, t), bool),
+    old_logp=np.zeros((k, t), np.float32),
+    group_ids=np.zeros(k, np.int32),
+    rewards=np.zeros(k, np.float32),
+    policy_mask=np.zeros((k, t), bool) if policy_mask else None,
+  )
