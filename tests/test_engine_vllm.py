@@ -88,7 +88,11 @@ def test_the_engine_refuses_what_it_cannot_report_and_logs_only_real_warnings(vl
 
 
 FP32_TOL = 1e-4  # float32 engine vs float32 library: the probe measured ≤ 1e-5
-BF16_TOL = 0.3  # bfloat16 engine vs float32 library (transformers bf16 vs fp32: 0.15)
+# bfloat16 engine vs float32 library (transformers bf16 vs fp32: 0.15): the largest of ~280 tokens depends on the CPU's
+# bf16 path (dense qwen2: max 0.35 / 0.40 after the update, mean 0.041, on an AMD EPYC without AVX-512 — family 25
+# model 1 —, ≤ 0.3 on one with avx512_bf16); the mean bounds the error of every token (a wrong push: nats)
+BF16_TOL = 0.6
+BF16_MEAN_TOL = 0.1
 
 
 def test_vllm_matches_the_library_on_every_family_after_every_push(vllm_runs):
@@ -105,11 +109,11 @@ def test_vllm_matches_the_library_on_every_family_after_every_push(vllm_runs):
     assert 0.3 < r["entropy"] < 0.8 * r["log_vocab"], r
     # the engine's sampled-token log-probs are the library's, after the first push and after an update
     assert r["tokens"] > 200
-    if bf16 and r["case"]["family"].endswith("_moe"):
-      # bfloat16 experts vs the float32 library: a near-tie routed otherwise moves that token's log-prob by
-      # nats (measured max 2.9, mean 0.042); the mean and the mismatch are bounded in the MoE test below
-      assert r["mean_abs_logp"] < 0.1, r
-    else:
+    if bf16:
+      assert r["mean_abs_logp"] < BF16_MEAN_TOL, r
+    # bfloat16 experts vs the float32 library: a near-tie routed otherwise moves that token's log-prob by nats
+    # (measured max 2.9, mean 0.042), so a bf16 MoE has no per-token bound; its mismatch is bounded in the MoE test
+    if not (bf16 and r["case"]["family"].endswith("_moe")):
       assert r["max_abs_logp"] < tol and r["after_update_max_abs_logp"] < tol and r["greedy_max_abs_logp"] < tol, r
     # the old policy's log-probs of the new samples are far off: stale weights (the tied head) or a stale
     # prefix cache (prompts > 128 tokens) would have matched them instead of the new ones

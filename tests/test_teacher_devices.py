@@ -120,18 +120,32 @@ def test_a_teacher_on_its_own_devices_equals_one_on_the_train_mesh_and_resumes(t
   assert own["seen"] == [{f: [0, 1, 2, 3] for f in fields}] * 2, own["seen"]
   assert [r["step"] for r in own["recs"]] == [1, 2]
   for a, b in zip(own["recs"], shared["recs"]):
+    # step 1 from the same parameters: equal to float32 rounding of the teacher's two layouts (1e-6); step 2 from
+    # parameters that step 1's AdamW moved apart by up to 1e-4 where g ~ 0 (below): 1e-5 (measured 3.3e-6 on the
+    # gradient norm on an AMD EPYC without AVX-512, ≤ 1e-6 on one with it)
+    tol = 1e-6 if a["step"] == 1 else 1e-5
     for k in KEYS + (("distill/topk_divergence",) if kind == "jsd" else ()):
-      assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-6), (k, a[k], b[k])
+      assert a[k] == pytest.approx(b[k], rel=tol, abs=1e-6), (k, a[k], b[k])
     assert a["grad_norm"] > 0
   for a, b in zip(own["logp"], shared["logp"]):  # what the teacher's pass sends: the same numbers
     assert sorted(a) == sorted(b)
     for k in a:
       np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
   # AdamW's first steps move an entry by about lr·g/(|g| + ε): where g is near 0 the ~1e-7 float noise of the
-  # teacher's other layout (tensor=2) shows up to 1e-4 at learning rate 3e-2 (one entry in 1,024 here); the
-  # loss and gradient norm above are equal to 1e-6
-  for k in own["params"]:
-    np.testing.assert_allclose(own["params"][k], shared["params"][k], rtol=0, atol=2e-4, err_msg=k)
+  # teacher's other layout (tensor=2) moves it by up to ~lr (3e-2 here) per step, and step 2's gradients then
+  # differ a little everywhere. Measured (jsd, the larger): 0.26% of the ~17k entries beyond 1e-5, one beyond 1e-4
+  # (2.6e-4) on an AMD EPYC without AVX-512; one entry in 1,024 beyond 1e-4 on one with it. So: over all the
+  # parameters at most 1% of the entries beyond 1e-5 and 0.1% beyond 1e-4, none beyond two steps' bound (2.5·lr);
+  # the loss and gradient norm above are equal to 1e-6 at step 1, 1e-5 at step 2
+  diff = np.concatenate(
+    [np.abs(np.asarray(own["params"][k]) - np.asarray(shared["params"][k])).ravel() for k in own["params"]]
+  )
+  assert (diff > 1e-5).mean() <= 0.01 and (diff > 1e-4).mean() <= 0.001 and diff.max() < 2.5 * 3e-2, (
+    (diff > 1e-5).sum(),
+    (diff > 1e-4).sum(),
+    diff.size,
+    diff.max(),
+  )
   assert own["same"], "the resumed run's parameters differ from the straight run's"
   assert own["resumed"][0]["loss"] == own["recs"][1]["loss"]
   assert own["resumed"][0]["distill/reverse_kl"] == own["recs"][1]["distill/reverse_kl"]
