@@ -78,8 +78,8 @@ from jaxgrpo.loop.async_rollout import AsyncRollouts, ProducedBatch
 from jaxgrpo.loop.partial.engine import EnginePool
 from jaxgrpo.loop.partial.env import EpisodePool
 from jaxgrpo.loop.partial.pool import PoolGroup, RowPool
+from jaxgrpo.loop.partial.teacher import teacher_scores
 from jaxgrpo.parallel import distributed
-from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.rewards import reward_set as rewards_lib
 from jaxgrpo.rollout.engines import driver
 from jaxgrpo.rollout.sampling import Rollout
@@ -263,7 +263,7 @@ class PartialRollouts(AsyncRollouts):
     """Dynamic sampling (``objective.dynamic_sampling``), the synchronous path's rule and limit on the pool:
     each complete group is scored once; one whose rewards are all equal (``rewards.group_is_informative``,
     what ``collect.select_groups`` applies) leaves the pool, filtered — unless a distillation teacher still
-    disagrees with the student on its tokens (its signal above ``min_signal``, :meth:`_teacher_scores`: the
+    disagrees with the student on its tokens (its signal above ``min_signal``, :func:`teacher_scores`: the
     synchronous rule too). A round is one :meth:`RowPool.run` to this pool's groups of a batch complete (the
     first is ``_produce``'s, whose ``info`` this adds to); while fewer informative groups are complete and fewer
     than ``max_rounds`` rounds ran, another round decodes (and draws) on. At the limit the batch is filled with
@@ -273,16 +273,16 @@ class PartialRollouts(AsyncRollouts):
     None)``, the filtered groups not trained, ``{"dropped_groups", "rounds"}`` of this pool, and
     ``"kept_by_teacher"`` with a teacher)."""
     src, need, g = self.source, self._need, self.source.sampling.num_samples
-    taught = src.teacher is not None
+    taught, episodes = src.teacher is not None, isinstance(self.pool, EpisodePool)
     counters: dict[str, int] = {}
     spare: list[PoolGroup] = []
     done = 1
     while True:
       fresh = [grp for grp in self.pool.complete() if grp.seq not in self._group_scores]
       rows_of = self._fresh_rows(fresh) if fresh else None
-      signal, fields = self._teacher_scores(rows_of, len(fresh)) if taught else (None, None)
+      signal, fields = teacher_scores(src, rows_of, len(fresh), episodes=episodes) if taught else (None, None)
       if fresh:
-        if isinstance(self.pool, EpisodePool):  # the environments' rewards, in the trajectories
+        if episodes:  # the environments' rewards, in the trajectories
           res = rewards_lib.RewardResult(rows_of.rewards, {}, {})
         else:
           res = src.score([grp.prompt for grp in fresh], rows_of)
@@ -344,46 +344,6 @@ class PartialRollouts(AsyncRollouts):
     if isinstance(self.pool, EpisodePool):
       return self.pool.scored(fresh)[0]
     return self._rollout(fresh)[0]
-
-  def _teacher_scores(self, rows, groups: int) -> tuple[np.ndarray | None, dict | None]:
-    """Dynamic sampling with a distillation teacher: ``rows`` (:meth:`_fresh_rows` of ``groups`` complete groups
-    of this process; None when it has none) scored by the teacher as a synchronous round is
-    (``RolloutSource.teacher``: one pass of the train mesh's program) — each group's signal ``f32[groups]``
-    (``scoring.teacher_signal``) and the rows' teacher fields (``feed.TEACHER_FIELDS``, kept for the step: the
-    learner does not score them again); ``(None, None)`` without rows.
-
-    The pass is one program over the mesh's devices, so its rows are padded (blank rows, their scores dropped)
-    to a multiple of the mesh's batch shards; with several processes every process enters it at each of
-    :meth:`_informative`'s turns with the most rows, prompt width and length any process has, and none enters
-    when no process has rows."""
-    src, g = self.source, self.source.sampling.num_samples
-    n = groups * g
-    shape = (0, 0, 0) if rows is None else (n, *np.shape(rows.prompt_tokens)[1:], *np.shape(rows.completions)[1:])
-    most, width, t = (max(e[i] for e in distributed.gather_objects(list(shape))) for i in range(3))
-    if most == 0:
-      return None, None
-    shards = shd.batch_shards(src.mesh)
-    target = -(-most // shards) * shards
-    episodes = isinstance(self.pool, EpisodePool)
-    blank = _blank_rows(target - n, width, t, src.pad_id, policy_mask=episodes)
-    if rows is None:
-      src.teacher(blank)
-      return None, None
-    own = Batch(
-      prompt_tokens=np.asarray(rows.prompt_tokens, np.int32),
-      prompt_mask=np.asarray(rows.prompt_mask, bool),
-      completions=np.asarray(rows.completions, np.int32),
-      mask=np.asarray(rows.mask, bool),
-      old_logp=np.asarray(rows.log_probs, np.float32),
-      group_ids=np.repeat(np.arange(groups, dtype=np.int32), g),
-      rewards=np.zeros(n, np.float32),
-      policy_mask=np.asarray(rows.policy_mask, bool) if episodes else None,
-    )
-    own = scoring.pad_prompts(own, width, src.pad_id)
-    both = jax.tree.map(lambda a, b: np.concatenate([a, b]), own, blank)
-    scored = src.teacher(both)
-    fields = {f: np.asarray(getattr(scored, f))[:n] for f in feed.TEACHER_FIELDS if getattr(scored, f) is not None}
-    return scoring.teacher_signal(own._replace(**fields), g), fields
 
   def _rollout(self, groups: list[PoolGroup]) -> tuple[Rollout, np.ndarray]:
     """The :class:`Rollout` of ``groups``' rows (group ids: positions in ``groups``) and the rows' lengths."""
@@ -608,20 +568,3 @@ def _spec_metrics(counts: list) -> dict[str, float]:
     summed = SpeculativeStats(0, sum(c[1] for c in on), sum(c[2] for c in on))
     out["rollout/spec_acceptance"] = summed.acceptance
   return out
-
-
-def _blank_rows(k: int, width: int, t: int, pad_id: int, *, policy_mask: bool) -> Batch:
-  """``k`` rows that fill a teacher pass's batch and are then dropped: one real prompt token (the pad id; a row
-  attends to something), no completion token; with ``policy_mask`` (environment rows) that field too."""
-  prompt_mask = np.zeros((k, width), bool)
-  prompt_mask[:, -1] = True
-  return Batch(
-    prompt_tokens=np.full((k, width), pad_id, np.int32),
-    prompt_mask=prompt_mask,
-    completions=np.full((k, t), pad_id, np.int32),
-    mask=np.zeros((k, t), bool),
-    old_logp=np.zeros((k, t), np.float32),
-    group_ids=np.zeros(k, np.int32),
-    rewards=np.zeros(k, np.float32),
-    policy_mask=np.zeros((k, t), bool) if policy_mask else None,
-  )
