@@ -7,7 +7,9 @@ each round when it is sampled; the step trains on those log-probs (no second tea
 - a run whose rewards are all equal: with a teacher that disagrees every group is kept (``kept_by_teacher``);
   with a teacher equal to the student every group is dropped and the batch is filled after ``max_rounds``; the
   logged counts equal the ones NumPy computes from the scored rounds; the learner's teacher never runs, and the
-  step receives the collection's teacher log-probs.
+  step receives the collection's teacher log-probs — through synchronous rounds and through partial rollouts' row
+  pool (each complete group scored once, when it completes);
+- every rollout path composes with it (bounded staleness, environments, environments in partial rollouts).
 """
 
 from __future__ import annotations
