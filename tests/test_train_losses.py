@@ -14,8 +14,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import G, flat_params, make_batch, numpy_group_advantages, run_child, sgd_update, tiny_model
+from helpers import G, flat_params, make_batch, numpy_group_advantages, ref_logits, run_child, sgd_update, tiny_model
 
+from jaxgrpo import models
 from jaxgrpo.kernels.config import preset
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step import train
@@ -37,17 +38,9 @@ def _logits_logp(model, batch):
   """f64 log-softmax of the full logits at the completion positions, and the sampled tokens' log-probs."""
   tokens = jnp.concatenate([batch.prompt_tokens, batch.completions], axis=1)
   attn = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
-  graphdef, state = nnx.split(model)
-  return np.asarray(_full_logits(graphdef, batch.prompt_tokens.shape[1], state, tokens, attn), np.float64)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _full_logits(graphdef, p, state, tokens, attn):
-  """One program for every call (eager, every op of the forward would compile on its first call; a jit built
-  per call would trace and lower it again)."""
-  m = nnx.merge(graphdef, state)
-  hidden, _ = m(tokens, jnp.maximum(jnp.cumsum(attn, 1) - 1, 0), attention_mask=attn)
-  return m.logits(hidden[:, p - 1 : -1], out_dtype=jnp.float32)
+  p = batch.prompt_tokens.shape[1]
+  logits = ref_logits(model, tokens, models.positions_from_mask(attn), attn)  # one jitted forward (helpers)
+  return np.asarray(logits[:, p - 1 : -1], np.float64)
 
 
 def _log_softmax_pick(logits, tokens, mask):
