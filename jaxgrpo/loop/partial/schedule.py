@@ -370,10 +370,10 @@ class PartialRollouts(AsyncRollouts):
     ``(rewards, per_fn, counters, teacher fields or None)`` of these rows is given: :meth:`_informative`'s), its
     rollout metrics (``scoring.batch_metrics`` over every process's rows), its completion tokens and the
     ``int64[rows, T]`` token versions."""
-    taught = {} if scores is None or scores[3] is None else scores[3]  # the teacher's, scored when selected
+    teacher_fields = {} if scores is None or scores[3] is None else scores[3]  # scored when selected
     if isinstance(self.pool, EpisodePool):  # environment rewards, policy and observation tokens
       batch, *rest = self._scored_episodes(groups)
-      return (batch._replace(**taught), *rest)
+      return (batch._replace(**teacher_fields), *rest)
     rollout, lengths = self._rollout(groups)
     if scores is None:
       res = self.source.score([grp.prompt for grp in groups], rollout)
@@ -382,7 +382,7 @@ class PartialRollouts(AsyncRollouts):
     every = scoring.gather_scores(rewards, scores[1], lengths, scores[2], self.source.mesh)
     versions = np.stack([r.versions for grp in groups for r in grp.rows])
     rollout = rollout._replace(group_ids=rollout.group_ids + self._first)  # the groups' places in the global batch
-    batch = Batch.from_rollout(rollout, rewards)._replace(**taught)
+    batch = Batch.from_rollout(rollout, rewards)._replace(**teacher_fields)
     return batch, scoring.batch_metrics(*every), int(every[2].sum()), versions
 
   def _scored_episodes(self, groups: list[PoolGroup]) -> tuple[Batch, dict, int, np.ndarray]:
