@@ -189,6 +189,110 @@ def test_train_step_replays_the_rollout_routing():
     step.place_batch(batch._replace(routing=np.asarray(r.routing)[:, 1:]))
 
 
+@functools.lru_cache(maxsize=None)
+def _replay_batch():
+  """test_prefix_sharing's batch (groups sharing prompts, completions over 3 tokens: shared completion prefixes,
+  identical rows, a group with no shared prefix, an empty row) with routing to replay: the experts a free forward
+  uses, each moved to the next expert — other experts than top-k everywhere, the same ones wherever two sequences
+  share a prefix (the same tokens in the same context), as a sampler's record has them."""
+  from test_prefix_sharing import _batch
+
+  batch = _batch()
+  model = _model("qwen3_moe")
+  args = tuple(jnp.asarray(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask))
+  lp_free, free = _routed_log_probs(model, args, None)
+  other = jnp.asarray((np.asarray(free) + 1) % model.config.num_experts, jnp.uint8)
+  lp_other, used = _routed_log_probs(model, args, other)
+  np.testing.assert_array_equal(np.asarray(used), np.asarray(other))
+  return batch._replace(routing=np.asarray(other)), np.asarray(lp_other), np.asarray(lp_free)
+
+
+@functools.lru_cache(maxsize=None)
+def _replay_step(packing, sharing="none"):
+  """(parameters after one SGD step, metrics, the reference pass's log-probs) of λ-GRPO on :func:`_replay_batch`
+  with its routing, packed into rows of ``packing`` tokens (None: unpacked)."""
+  from helpers import flat_params
+  from test_prefix_sharing import G
+
+  batch, _, _ = _replay_batch()
+  model = _model("qwen3_moe")
+  mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
+  opt = optax.sgd(0.5)
+  graphdef, state, sh = train.init_train_state(model, opt, mesh)
+  tc = train.TrainConfig(group_size=G, micro_batches=2, packing=packing, prefix_sharing=sharing)
+  ref = train.make_reference_fn(graphdef, mesh=mesh, param_shardings=sh.params, train_config=tc)
+  ref_logp = np.asarray(ref(jax.tree.map(jnp.copy, state.params), batch))
+  step = train.make_train_step(graphdef, opt, preset("lambda_grpo"), mesh=mesh, shardings=sh, train_config=tc)
+  state, metrics = step(state, batch)
+  return flat_params(state.params), {k: float(v) for k, v in metrics.items()}, ref_logp
+
+
+@pytest.mark.parametrize("sharing", ["none", "tree"])
+def test_packed_step_and_reference_replay_the_rollout_routing(sharing):
+  """Routing replay composes with packing: the packed layout carries each token's recorded experts
+  (``PackedSlots.routing``; with prefix sharing a shared token's one copy), so the packed reference pass gives the
+  log-probs of the unpacked forward under the same replayed experts (not the free top-k routing's), and the packed
+  step the unpacked step's update and metrics (router load and entropy included)."""
+  batch, lp_other, lp_free = _replay_batch()
+  mask = np.asarray(batch.mask)
+  assert np.abs(lp_other - lp_free)[mask].max() > 1e-3  # the replayed experts change the log-probs
+  packed = _replay_step(64, sharing)
+  unpacked = _replay_step(None)
+  np.testing.assert_allclose(packed[2][mask], lp_other[mask], atol=2e-5)
+  np.testing.assert_allclose(unpacked[2][mask], lp_other[mask], atol=2e-5)
+  for key in unpacked[0]:
+    np.testing.assert_allclose(packed[0][key], unpacked[0][key], atol=1e-6, rtol=1e-5, err_msg=key)
+  assert packed[1].keys() == unpacked[1].keys()
+  for key in unpacked[1]:
+    if not key.startswith("moe/"):
+      assert packed[1][key] == pytest.approx(unpacked[1][key], rel=2e-5, abs=1e-6), key
+  # the router's load is that of the replayed experts over the forward's tokens: every real token unpacked; packed,
+  # the tokens of sequences with a completion token, each shared token once (and its branch copies) with sharing
+  routing = np.asarray(batch.routing)
+  real = np.concatenate([np.asarray(batch.prompt_mask), mask], axis=1)
+  pk = train.pack_batch(batch, row_length=64, micro_batches=2, sharing=sharing).packed
+  expected = {
+    "unpacked": (unpacked[1], routing[real]),
+    "packed": (
+      packed[1],
+      routing[real & mask.any(1)[:, None]] if sharing == "none" else pk.routing[pk.segment_ids > 0],
+    ),
+  }
+  for name, (metrics, experts) in expected.items():
+    for m in range(routing.shape[2]):
+      share = np.bincount(experts[:, m].ravel(), minlength=8) / experts[:, m].size
+      nz = share[share > 0]
+      assert metrics[f"moe/{m}/load_min"] == pytest.approx(share.min(), abs=1e-6), (name, m)
+      assert metrics[f"moe/{m}/load_max"] == pytest.approx(share.max(), abs=1e-6), (name, m)
+      assert metrics[f"moe/{m}/load_entropy"] == pytest.approx(-(nz * np.log(nz)).sum(), abs=1e-5), (name, m)
+
+
+def test_packing_moves_the_routing_with_its_tokens():
+  """``pack_batch``: each packed column carries the routing of the rollout token it holds (every completion token's
+  scored column: the experts recorded at ``(b, P + t)``), expert 0 on padding, in the routing's dtype;
+  ``batch.routing`` becomes None; routing set on a batch packed without it is refused."""
+  from jaxgrpo.step.batch import check_routing
+
+  batch, _, _ = _replay_batch()
+  routing = np.asarray(batch.routing)
+  b, p = np.shape(batch.prompt_tokens)
+  mask = np.asarray(batch.mask)
+  for sharing in ("none", "prompt", "tree"):
+    packed = train.pack_batch(batch, row_length=64, micro_batches=2, sharing=sharing)
+    pk = packed.packed
+    assert packed.routing is None and pk.routing.dtype == np.uint8
+    assert pk.routing.shape == pk.tokens.shape + routing.shape[2:]
+    assert not pk.routing[pk.segment_ids == 0].any()
+    rows = pk.rows_per_slot
+    flat = pk.routing.reshape((pk.head_index.shape[0], rows * 64) + routing.shape[2:])  # [S, Rs·L, M, k]
+    for i, t in zip(*np.nonzero(mask)):
+      s = pk.slot[i]
+      column = pk.head_index[s, pk.unpack_index[i, t]]
+      np.testing.assert_array_equal(flat[s, column], routing[i, p + t], err_msg=f"{sharing} ({i}, {t})")
+  with pytest.raises(ValueError, match="already packed"):
+    check_routing(train.pack_batch(batch._replace(routing=None), row_length=64)._replace(routing=routing), b, 16)
+
+
 def test_record_routing_needs_a_moe_model():
   cfg = models.config_from_hf({**tiny_moe_config("qwen3_moe"), "model_type": "qwen3"})
   dense = models.build_model(cfg, rngs=nnx.Rngs(0))

@@ -1,6 +1,7 @@
 """Exact resume of a mixture-of-experts run (issue 27): ``python scripts/train.py`` in child processes
 with the arithmetic task's synthetic model as a 4-expert top-2 Qwen3-MoE and routing replay on (the
-default ``rollout.routing_replay: rollout``).
+default ``rollout.routing_replay: rollout``), its sequences packed as prefix trees (``step.packing``,
+``step.prefix_sharing: tree``: the replayed experts travel in the packed layout).
 
 4 steps straight == 2 steps, stop, resume to 4 in the same directory: identical metrics records
 (``moe/...`` router metrics included) and bit-identical final parameters. The runs share a persistent
@@ -35,7 +36,8 @@ def _moe_args():
     "--eval.every": str(STEPS // 2),  # a run also evaluates at its last step
   }
   args = [over.get(ARGS[i - 1], a) if i else a for i, a in enumerate(ARGS)]
-  return args + ["--step.router-aux-loss", "0.001"]  # routing replay: the default for a MoE policy
+  # routing replay (the default for a MoE policy) through packed prefix trees: the packed layout carries the experts
+  return args + ["--step.router-aux-loss", "0.001", "--step.packing", "96", "--step.prefix-sharing", "tree"]
 
 
 MOE_ARGS = _moe_args()

@@ -50,8 +50,8 @@ class Batch(NamedTuple):
     routing: ``int[B, P + T, M, k]`` the experts each of the M sparse layers of a mixture of experts
       used for each token of ``[prompt ‖ completion]`` when sampling (``Rollout.routing``, any integer
       dtype), or None. Given, the step's and the reference pass's forwards use exactly these experts
-      (routing replay, ``jaxgrpo.models.moe``); None: each forward routes by its own top-k. Not with
-      packing (ValueError).
+      (routing replay, ``jaxgrpo.models.moe``); None: each forward routes by its own top-k. Packing moves
+      it into the packed layout (``packed.routing``; this field is then None).
     packed: the sequences packed for the step's slots (``jaxgrpo.step.packing.PackedSlots``,
       :func:`~jaxgrpo.step.batch_packing.pack_batch`), or None. Only the model's forward/backward reads it; every other quantity
       stays on the ``[B, T]`` fields. A step with ``TrainConfig.packing`` packs a batch without it.
@@ -202,7 +202,7 @@ def check_policy_mask(batch: Batch) -> None:
 
 
 def check_routing(batch: Batch, b: int, t: int) -> None:
-  """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay), not with a packed batch."""
+  """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay); a packed batch carries it in ``packed.routing``."""
   r = batch.routing
   if r is None:
     return
@@ -214,8 +214,8 @@ def check_routing(batch: Batch, b: int, t: int) -> None:
     raise TypeError(f"batch.routing must hold integer expert ids; got dtype {r.dtype}")
   if batch.packed is not None:
     raise ValueError(
-      "batch.routing (routing replay) is not supported with packing (TrainConfig.packing): train unpacked or "
-      "drop the routing (rollout.routing_replay: none)"
+      "batch.routing is set on a batch that is already packed: a packed batch replays the routing of its packed "
+      "layout (batch.packed.routing); pack the batch with its routing (step.pack / pack_batch move it there)"
     )
 
 
@@ -250,7 +250,9 @@ def abstract_batch(batch: Batch, names, sharding) -> Batch:
   sds = lambda x, dtype: jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
   fields = {n: sds(getattr(batch, n), _DTYPES[FIELDS[n][1]]) for n in names if getattr(batch, n) is not None}
   if batch.packed is not None:
-    fields["packed"] = jax.tree.map(lambda x: sds(x, jnp.int32), batch.packed)
+    fields["packed"] = jax.tree.map(lambda x: sds(x, jnp.int32), batch.packed._replace(routing=None))
+    if batch.packed.routing is not None:
+      fields["packed"] = fields["packed"]._replace(routing=sds(batch.packed.routing, batch.packed.routing.dtype))
   if batch.routing is not None:
     fields["routing"] = sds(batch.routing, batch.routing.dtype)
   return batch._replace(**fields)
@@ -267,8 +269,13 @@ def host_values(x) -> np.ndarray | None:
 
 
 def place_packed(batch: Batch, sharding) -> Batch:
-  """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``)."""
+  """``batch.packed`` as ``int32`` arrays on ``sharding`` (leading axes over ``data × fsdp``); its ``routing``
+  keeps its compact dtype (``jaxgrpo.models.moe.replay_dtype``), as ``batch.routing`` does."""
   if batch.packed is None:
     return batch
   as_int32 = lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.int32 else jnp.asarray(x, jnp.int32)
-  return batch._replace(packed=jax.device_put(jax.tree.map(as_int32, batch.packed), sharding))
+  packed = jax.tree.map(as_int32, batch.packed._replace(routing=None))
+  if batch.packed.routing is not None:
+    routing = batch.packed.routing
+    packed = packed._replace(routing=routing if isinstance(routing, jax.Array) else np.asarray(routing))
+  return batch._replace(packed=jax.device_put(packed, sharding))

@@ -80,7 +80,9 @@ def pack_batch(
 
   Every ``[B, ...]`` field stays as it is: advantages, λ process sets, FRPO's future-KL and the loss's
   aggregation are computed on them exactly as without packing; only the model's forward/backward
-  reads the packed rows, and its log-probs come back in the ``[B, T]`` layout.
+  reads the packed rows, and its log-probs come back in the ``[B, T]`` layout. The one exception is
+  ``routing`` (a mixture of experts' routing replay), which only the forward reads: it moves into the
+  packed layout (``packed.routing``, each token's experts with its token) and ``batch.routing`` becomes None.
 
   Args:
     batch: a :class:`Batch` whose values are on this host (NumPy, or fully addressable arrays).
@@ -98,6 +100,9 @@ def pack_batch(
   fields = [host_values(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
   if any(x is None for x in fields):
     raise ValueError("pack_batch packs on the host: the batch's tokens and masks must be NumPy or fully addressable")
+  routing = None if batch.routing is None else host_values(batch.routing)
+  if batch.routing is not None and routing is None:
+    raise ValueError("pack_batch packs on the host: batch.routing must be NumPy or fully addressable")
   b = fields[2].shape[0] if fields[2].ndim == 2 else 0
   contiguous = sharing != "none"  # the step's split with prefix sharing (jaxgrpo.step.terms.contiguous_split)
   slot = batch_slots(b, shards=shards, mini_batches=mini_batches, micro_batches=micro_batches, contiguous=contiguous)
@@ -109,8 +114,9 @@ def pack_batch(
     rows=rows,
     head_length=head_length,
     sharing=sharing,
+    routing=routing,
   )
-  return batch._replace(packed=packed)
+  return batch._replace(packed=packed, routing=None)
 
 
 def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
@@ -148,6 +154,7 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
     and shapes["unpack_index"] == (b, t)
     and shapes["slot"] == (b,)
     and shapes["kv_end"] == ((rows_total, length) if tree else ())
+    and (packed.routing is None or shapes["routing"][:2] == (rows_total, length) and len(shapes["routing"]) == 4)
   )
   if not ok:
     rows_wanted = "Rs" if tc.packing_rows is None else tc.packing_rows
@@ -155,11 +162,14 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
       f"batch.packed does not fit this step: expected {num_slots} slots (data×fsdp {shards} × M·K {splits}) of "
       f"{rows_wanted} rows of L={tc.packing} tokens, i.e. tokens/segment_ids/positions [{num_slots}·{rows_wanted}, "
       f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}], kv_end "
-      f"{'as tokens' if tree else 'None'} (prefix_sharing={getattr(tc, 'prefix_sharing', 'none')!r}); got {shapes}. "
+      f"{'as tokens' if tree else 'None'} (prefix_sharing={getattr(tc, 'prefix_sharing', 'none')!r}), routing None or "
+      f"[{num_slots}·{rows_wanted}, {tc.packing}, M, k]; got {shapes}. "
       "Pack the batch with step.pack (or train.pack_batch with the step's settings), after bucketing"
     )
   for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot") + ("kv_end",) * tree:
     _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
+  if packed.routing is not None and not np.issubdtype(np.dtype(packed.routing.dtype), np.integer):
+    raise TypeError(f"batch.packed.routing must hold integer expert ids; got dtype {packed.routing.dtype}")
   # host arrays only (a placed batch was packed by pack_batch, not re-read from the devices every step)
   slot, index, mask = (x if isinstance(x, np.ndarray) else None for x in (packed.slot, packed.unpack_index, batch.mask))
   split = dict(mini_batches=tc.mini_batches, micro_batches=tc.micro_batches, contiguous=tree)  # splits = M·K

@@ -86,7 +86,8 @@ class Teacher(NamedTuple):
   devices: TeacherDevices | None = None
 
   def _run(self, batch: Batch):
-    batch = batch._replace(routing=None)
+    packed = None if batch.packed is None else batch.packed._replace(routing=None)  # the student's experts
+    batch = batch._replace(routing=None, packed=packed)
     if self.devices is None:
       return self.fn(self.params, batch)
     return self.devices.back(self.fn(self.params, self.devices.there(batch)))
@@ -308,9 +309,13 @@ def place(
   placed = shd.place_batch(batch._replace(packed=None), mesh, rules, process_local=process_local)
   if batch.packed is None:
     return placed
-  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis
-  place_one = lambda x: shd.place_batch(np.asarray(x, np.int32), mesh, rules, process_local=process_local)
-  return placed._replace(packed=jax.tree.map(place_one, batch.packed))
+  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis (int32; the
+  # routing in its compact dtype)
+  place_one = lambda x, dtype=np.int32: shd.place_batch(np.asarray(x, dtype), mesh, rules, process_local=process_local)
+  packed = jax.tree.map(place_one, batch.packed._replace(routing=None))
+  if batch.packed.routing is not None:
+    packed = packed._replace(routing=place_one(batch.packed.routing, np.asarray(batch.packed.routing).dtype))
+  return placed._replace(packed=packed)
 
 
 def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batch:

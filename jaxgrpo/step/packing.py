@@ -312,6 +312,11 @@ class PackedSlots(NamedTuple):
     kv_end: None, or with prefix sharing ``int32[S·Rs, L]``: the end (exclusive column) of each key's subtree
       in its row, the mask's bound (query c sees key j of its segment iff ``j <= c < kv_end[j]``); positions are
       then depths, and ``(b, t)`` of sequences sharing a completion token share its head entry.
+    routing: None, or a mixture of experts' recorded routing in the packed layout, ``int[S·Rs, L, M, k]`` (the
+      dtype given to :func:`pack_slots`): the experts each sparse layer used for the token at each column when it
+      was sampled (``Rollout.routing`` moved with its token; expert 0 on padding), replayed by the packed forward.
+      A token that prefix sharing lays out once for several sequences takes the routing of the sequence that laid
+      it out (the same token in the same context: the same experts, up to ties).
   """
 
   tokens: np.ndarray
@@ -321,6 +326,7 @@ class PackedSlots(NamedTuple):
   unpack_index: np.ndarray
   slot: np.ndarray
   kv_end: np.ndarray | None = None
+  routing: np.ndarray | None = None
 
   @property
   def rows_per_slot(self) -> int:
@@ -348,6 +354,7 @@ def pack_slots(
   rows: int | None = None,
   head_length: int | None = None,
   sharing: str = "none",
+  routing=None,
 ) -> PackedSlots:
   """Pack each slot's sequences (real prompt tokens, then real completion tokens) into its own rows of
   ``row_length`` tokens by first-fit decreasing (:func:`first_fit_decreasing`, per slot).
@@ -369,13 +376,15 @@ def pack_slots(
     sharing: ``"none"`` (each sequence whole), ``"prompt"`` or ``"tree"``: each slot's sequences as prefix
       trees (``jaxgrpo.step.prefix_tree.build_trees``; a tree is placed whole, like a sequence, and fills
       ``kv_end``).
+    routing: None, or ``int[B, P + T, M, k]`` the experts recorded for every token of ``[prompt ‖ completion]``
+      (``Rollout.routing``, routing replay): moved with the tokens into :attr:`PackedSlots.routing`.
 
   Returns:
     A :class:`PackedSlots`.
 
   Raises:
     ValueError: what :func:`pack` raises, a slot out of range, more rows or head entries needed than
-      ``rows`` / ``rows·head_length`` (naming the slot). TypeError: wrong dtypes.
+      ``rows`` / ``rows·head_length`` (naming the slot), ``routing`` of another shape. TypeError: wrong dtypes.
   """
   L = _positive_int("row_length", row_length)
   S = _positive_int("num_slots", num_slots)
@@ -388,8 +397,12 @@ def pack_slots(
     raise ValueError(f"`slot` values must be in [0, num_slots={S}); got values in [{slot.min()}, {slot.max()}]")
   if sharing not in SHARING:
     raise ValueError(f"`sharing` must be one of {SHARING}; got {sharing!r}")
+  routing = _check_routing(routing, prompt_tokens.shape, completions.shape[1])
   if sharing != "none":
-    return _pack_tree_slots(prompt_tokens, completions, p_len, c_len, seqs, slot, S, L, rows, head_length, sharing)
+    packed, source = _pack_tree_slots(
+      prompt_tokens, completions, p_len, c_len, seqs, slot, S, L, rows, head_length, sharing
+    )
+    return packed._replace(routing=_packed_routing(routing, source))
   n = p_len + c_len
   bins = np.zeros(seqs.size, np.int64)
   offs = np.zeros(seqs.size, np.int64)
@@ -400,9 +413,39 @@ def pack_slots(
     used[s] = bins[mine].max() + 1 if mine.size else 0
   Rs = _slot_rows(rows, used, L)
   packed = _fill_rows(prompt_tokens, completions, p_len, c_len, seqs, slot[seqs] * Rs + bins, offs, S * Rs, L)
-  return _with_head_buffer(
+  slots = _with_head_buffer(
     packed.tokens, packed.segment_ids, packed.positions, packed.unpack_index, slot, S, head_length
   )
+  if routing is None:
+    return slots
+  source = np.full(packed.tokens.shape, -1, np.int64)
+  width = prompt_tokens.shape[1] + completions.shape[1]
+  for b in seqs:  # sequence b's n_b tokens from (row[b], offset[b]): its columns P - p_b, ..., P + c_b - 1
+    r, o, n_b = int(packed.row[b]), int(packed.offset[b]), int(n[b])
+    source[r, o : o + n_b] = b * width + prompt_tokens.shape[1] - p_len[b] + np.arange(n_b)
+  return slots._replace(routing=_packed_routing(routing, source))
+
+
+def _check_routing(routing, prompt_shape: tuple, t: int):
+  """``routing`` as NumPy ``int[B, P + T, M, k]`` (None stays None); ValueError/TypeError naming it otherwise."""
+  if routing is None:
+    return None
+  routing = np.asarray(routing)
+  b, p = prompt_shape
+  if routing.ndim != 4 or routing.shape[:2] != (b, p + t):
+    raise ValueError(f"`routing` must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {routing.shape}")
+  if not np.issubdtype(routing.dtype, np.integer):
+    raise TypeError(f"`routing` must hold integer expert ids; got dtype {routing.dtype}")
+  return routing
+
+
+def _packed_routing(routing, source: np.ndarray):
+  """``routing[B, P + T, M, k]`` gathered to the packed columns ``source int[R, L]`` (flat ``b·(P + T) + j``, -1 on
+  padding: expert 0 there); None without routing."""
+  if routing is None:
+    return None
+  flat = routing.reshape((-1,) + routing.shape[2:])
+  return np.where((source >= 0)[..., None, None], flat[np.maximum(source, 0)], 0).astype(routing.dtype)
 
 
 def _with_head_buffer(tokens, segment_ids, positions, targets, slot, S: int, head_length, kv_end=None) -> PackedSlots:
@@ -448,15 +491,18 @@ def _pack_tree_slots(prompt_tokens, completions, p_len, c_len, seqs, slot, S, L,
   Rs = _slot_rows(rows, used, L)
   tokens, segment_ids, positions, kv_end = (np.zeros((S * Rs, L), np.int32) for _ in range(4))
   targets = np.full((B, T), -1, np.int64)
+  source = np.full((S * Rs, L), -1, np.int64)  # flat b·(P + T) + j of the sequence token each column holds
   for s, (mine, trees, bins, offs) in enumerate(per_slot):
     for i in np.lexsort((offs, bins)):  # row by row, left to right: segment ids 1, 2, ...
       tree, r, o = trees[i], s * Rs + int(bins[i]), int(offs[i])
       cols = slice(o, o + tree.tokens.size)
       tokens[r, cols], positions[r, cols], kv_end[r, cols] = tree.tokens, tree.depth, o + tree.end
       segment_ids[r, cols] = segment_ids[r].max() + 1
+      owner = mine[tree.owner]
+      source[r, cols] = owner * (P + T) + P - p_len[owner] + tree.depth
       for k, target in zip(tree.members, tree.targets):
         targets[mine[k], : target.size] = r * L + o + target
-  return _with_head_buffer(tokens, segment_ids, positions, targets, slot, S, head_length, kv_end)
+  return _with_head_buffer(tokens, segment_ids, positions, targets, slot, S, head_length, kv_end), source
 
 
 def _slot_rows(rows: int | None, used: np.ndarray, L: int) -> int:

@@ -48,6 +48,9 @@ class Tree(NamedTuple):
     members: ``int[m]`` the sequences of the tree (indices into :func:`build_trees`' lists).
     targets: list of m ``int32[c_k]`` arrays: the column of member k's completion token t (its log-prob's target;
       the column before it holds its parent or a copy of it).
+    owner: ``int[n]`` the sequence (index into :func:`build_trees`' lists) that laid each column out: the column
+      holds that sequence's token at ``depth`` (per-token data of the sequences, e.g. a mixture of experts'
+      recorded routing, is taken from it).
   """
 
   tokens: np.ndarray
@@ -56,6 +59,7 @@ class Tree(NamedTuple):
   end: np.ndarray
   members: np.ndarray
   targets: list
+  owner: np.ndarray
 
 
 def subtree_ends(parent) -> np.ndarray:
@@ -90,7 +94,7 @@ class _Builder:
   """The tree being laid out: its columns and the previous member's chain (column per depth)."""
 
   def __init__(self):
-    self.tokens, self.depth, self.parent = [], [], []
+    self.tokens, self.depth, self.parent, self.owner = [], [], [], []
     self.members, self.targets = [], []
     self.chain = self.first = None  # previous member: attention chain and first-laid-out column, per depth
 
@@ -109,14 +113,16 @@ class _Builder:
     if shared:
       chain[:shared], first[:shared] = self.chain[:shared], self.first[:shared]
     if 0 < shared < seq.size and self.size() - 1 != self.chain[shared - 1]:  # a copy of the branch point
-      chain[shared - 1] = self._column(seq[shared - 1], shared - 1, self.chain[shared - 2] if shared > 1 else -1)
+      parent = self.chain[shared - 2] if shared > 1 else -1
+      chain[shared - 1] = self._column(index, seq[shared - 1], shared - 1, parent)
     for d in range(shared, seq.size):
-      chain[d] = first[d] = self._column(seq[d], d, chain[d - 1] if d else -1)
+      chain[d] = first[d] = self._column(index, seq[d], d, chain[d - 1] if d else -1)
     self.chain, self.first = chain, first
     self.members.append(index)
     self.targets.append(first[prompt:].astype(np.int32))
 
-  def _column(self, token, depth: int, parent: int) -> int:
+  def _column(self, owner: int, token, depth: int, parent: int) -> int:
+    self.owner.append(owner)
     self.tokens.append(int(token))
     self.depth.append(depth)
     self.parent.append(int(parent))
@@ -131,6 +137,7 @@ class _Builder:
       end=subtree_ends(parent),
       members=np.asarray(self.members, np.int64),
       targets=self.targets,
+      owner=np.asarray(self.owner, np.int64),
     )
 
 

@@ -124,12 +124,15 @@ def _model_inputs(batch: Batch) -> dict:
 
 
 def slot_inputs(packed: PackedSlots) -> dict:
-  """The packed rows and head buffers (split by slot, :func:`split_slots`); prefix-shared rows add ``kv_end``."""
+  """The packed rows and head buffers (split by slot, :func:`split_slots`); prefix-shared rows add ``kv_end``, a
+  mixture of experts' routing replay the packed ``routing``."""
   inputs = dict(
     tokens=packed.tokens, positions=packed.positions, segment_ids=packed.segment_ids, head_index=packed.head_index
   )
   if packed.kv_end is not None:  # TrainConfig.prefix_sharing: the trees' mask
     inputs["kv_end"] = packed.kv_end
+  if packed.routing is not None:  # routing replay: the sampler's experts at each packed column [R, L, M, k]
+    inputs["routing"] = packed.routing
   return inputs
 
 

@@ -682,8 +682,12 @@ def make_reference_fn(
     for name, x in packed_rows.items():  # [M·K, blocks·X, ...]: slot j of every device shard
       mbs[name] = jax.lax.with_sharding_constraint(split_slots(x, blocks, 1, slots), rows_sh)[0]
     if top_k is None:
-      logp = jax.lax.map(lambda mb: micro_log_probs(model, mb, tc, blocks, False)[0], mbs)  # [M·K, R, T]
-      return from_slots(logp)
+
+      def one(mb):
+        with moe.routing_scope(replay=mb.get("routing")):  # MoE: the rollout's experts, packed, if given
+          return micro_log_probs(model, mb, tc, blocks, False)[0]
+
+      return from_slots(jax.lax.map(one, mbs))  # [M·K, R, T] -> [B, T]
     teach = lambda mb: _packed_top_k(model, mb, tc, blocks, top_k)
     return jax.tree.map(from_slots, jax.lax.map(teach, mbs))  # [B, T, ...] each
 
