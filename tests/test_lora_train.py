@@ -162,7 +162,7 @@ def test_frozen_base_is_an_argument_not_a_copy_in_the_compiled_step():
   assert ma.temp_size_in_bytes < 0.25 * frozen_bytes, (ma.temp_size_in_bytes, frozen_bytes)
 
 
-def test_dropout_needs_a_key_and_an_unpacked_batch():
+def test_dropout_needs_a_key_and_a_packed_batch_its_rows():
   """Errors at trace time, nothing compiled (that the key is used: the micro-batch test)."""
   model = _lora_model(dropout=0.3, layers=1)
   step, state = _step(model, opt=optax.sgd(LR))
@@ -171,8 +171,70 @@ def test_dropout_needs_a_key_and_an_unpacked_batch():
   with pytest.raises(TypeError, match="dropout_key must be a typed PRNG key"):
     _step(model, opt=optax.sgd(LR), dropout_key=jnp.zeros(3, jnp.uint32))
   step, state = _step(model, opt=optax.sgd(LR), dropout_key=jax.random.key(0), packing=16)
-  with pytest.raises(ValueError, match=r"dropout 0.3 and the batch is packed .*lora.dropout: 0"):
-    step(state, _batch())
+  packed = step.pack(_batch())
+  with pytest.raises(ValueError, match=r"dropout 0.3 and batch.packed has no row_in_slot .*step.pack"):
+    step(state, packed._replace(packed=packed.packed._replace(row_in_slot=None)))
+
+
+def _two_updates(packing, micro, key=3, dropout=0.3):
+  model = _lora_model(dropout=dropout, layers=1)
+  init = flat_params(nnx.state(model, nnx.LoRAParam))
+  step, state = _step(model, opt=optax.sgd(LR, momentum=0.9), micro=micro, dropout_key=jax.random.key(key),
+                      packing=packing)  # fmt: skip
+  for _ in range(2):
+    state, metrics = step(state, _batch())
+  return np.concatenate([(flat_params(state.params)[k] - init[k]).ravel() for k in sorted(init)]), metrics
+
+
+@pytest.mark.slow
+def test_packed_step_with_dropout_equals_the_unpacked_step():
+  """LoRA adapter dropout composes with packing: each token's mask comes from its sequence's row key and its
+  position (``jaxgrpo.models.log_probs.token_dropout_keys``), wherever the token sits, so two updates of the packed
+  step (2 micro-batches) equal the unpacked step's with the same run key — and differ from the updates without
+  dropout and with another key (the masks reach the adapters)."""
+  unpacked, m_unpacked = _two_updates(None, 2)
+  packed, m_packed = _two_updates(32, 2)
+  assert np.abs(unpacked).max() > 1e-3
+  assert np.abs(packed - unpacked).max() <= 1e-5 * np.abs(unpacked).max()
+  assert float(m_packed["loss"]) == pytest.approx(float(m_unpacked["loss"]), rel=1e-5, abs=1e-7)
+  assert np.abs(_two_updates(32, 2, dropout=0.0)[0] - unpacked).max() > 1e-2 * np.abs(unpacked).max()
+  assert np.abs(_two_updates(32, 2, key=4)[0] - unpacked).max() > 1e-2 * np.abs(unpacked).max()
+
+
+@pytest.mark.parametrize("sharing", ["prompt", "tree"])
+def test_prefix_trees_share_the_dropout_masks_of_the_tokens_they_share(sharing):
+  """With prefix sharing a shared token is computed once, with the mask of the sequence that laid it out. When the
+  sequences of a group have one row key, the row-wise forward draws those same masks for the tokens they share
+  (same key, same position), so the packed trees' log-probs and adapter gradients equal the row-wise ones."""
+  from jaxgrpo.models.log_probs import completion_log_probs, packed_log_probs
+
+  model = _lora_model(dropout=0.3, layers=1)
+  batch = _batch()
+  b = np.shape(batch.completions)[0]
+  keys = jax.random.split(jax.random.key(5), b // G)[np.repeat(np.arange(b // G), G)]  # one key per group
+  pk = train.pack_batch(batch, row_length=32, sharing=sharing).packed
+  cols = [jnp.asarray(x) for x in (batch.prompt_tokens, batch.prompt_mask, batch.completions, batch.mask)]
+  w = jnp.asarray(np.random.default_rng(0).standard_normal(np.shape(batch.completions)), jnp.float32)
+  adapters, rest = nnx.state(model, nnx.LoRAParam, ...)
+  graphdef = nnx.graphdef(model)
+
+  def rowwise(a):
+    return completion_log_probs(nnx.merge(graphdef, a, rest), *cols, dropout_key=keys)[0]
+
+  def tree(a):
+    args = [jnp.asarray(x) for x in (pk.tokens, pk.positions, pk.segment_ids, pk.head_index, pk.unpack_index)]
+    m = nnx.merge(graphdef, a, rest)
+    return packed_log_probs(m, *args, kv_end=jnp.asarray(pk.kv_end), dropout_key=keys, row_in_slot=pk.row_in_slot)[0]
+
+  mask = np.asarray(batch.mask)
+  want, got = (np.asarray(jax.jit(f)(adapters)) for f in (rowwise, tree))
+  np.testing.assert_allclose(got[mask], want[mask], atol=2e-5)
+  plain = np.asarray(completion_log_probs(model, *cols)[0])
+  assert np.abs(plain - want)[mask].max() > 1e-3  # dropout is on
+  grad = lambda f: flat_params(jax.jit(jax.grad(lambda a: jnp.sum(f(a) * w)))(adapters))
+  g_want, g_got = grad(rowwise), grad(tree)
+  for k in g_want:
+    np.testing.assert_allclose(g_got[k], g_want[k], atol=1e-5 * np.abs(g_want[k]).max() + 1e-7, err_msg=k)
 
 
 @pytest.mark.slow
@@ -430,11 +492,11 @@ def test_lora_section_is_validated_at_load_time_and_the_ready_configs_load():
     ({"lora": {"rank": "x"}}, TypeError, r"config field `lora.rank`: expected int; got 'x' \(str\)"),
     ({"lora": {"quantize": "int3"}}, ValueError, r"quantize must be None or one of"),
     ({"rollout.merge_lora": True}, ValueError, r"`rollout.merge_lora` is true but there is no `lora` section"),
-    ({"lora": {"dropout": 0.1}, "step.packing": 64}, ValueError, r"`lora.dropout`=0.1 with `step.packing`=64"),
   ]
   for over, err, match in bad:
     with pytest.raises(err, match=match):
       specs.load_config(None, over)
+  assert specs.load_config(None, {"lora": {"dropout": 0.1}, "step.packing": 64}).lora.dropout == 0.1  # composes
   configs = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "configs")
   demo = specs.load_config(os.path.join(configs, "demo_lora.yaml"), {"lora.quantize": "int8"})
   plain = specs.load_config(os.path.join(configs, "demo.yaml"), {})

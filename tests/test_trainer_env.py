@@ -95,7 +95,7 @@ def dataclass_replace(cfg, *, steps, out):
 def test_env_run_with_lora_and_packing(tmp_path):
   cfg = tiny(
     **ENV,
-    **{"run.steps": 2, "run.out": str(tmp_path), "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}, "step.packing": 128},
+    **{"run.steps": 2, "run.out": str(tmp_path), "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}, "step.packing": 128},
   )
   records = Trainer(cfg, log=None).run(handle_signals=False)
   assert [r["step"] for r in records if "loss" in r] == [1, 2]

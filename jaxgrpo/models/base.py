@@ -244,16 +244,20 @@ def check_scan_layers(value) -> bool:
   return value
 
 
-def _check_dropout_key(key, batch: int) -> jax.Array:
-  """A typed key of shape () or [batch] (raw uint32 [2] / [batch, 2] keys are wrapped)."""
+def _check_dropout_key(key, tokens_shape: tuple) -> jax.Array:
+  """A typed key of shape (), [B] or [B, S] (``tokens_shape``; raw uint32 [2] / [B, 2] keys are wrapped)."""
   if not isinstance(key, jax.Array):
     raise TypeError(f"dropout_key must be a jax PRNG key array, got {type(key).__name__}")
   if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2:
       raise TypeError(f"dropout_key must be a typed PRNG key or raw uint32 [2] / [B, 2]; got {key.dtype}{key.shape}")
     key = jax.random.wrap_key_data(key)
-  if key.shape not in ((), (batch,)):
-    raise ValueError(f"dropout_key must be one key or one per row (shape ({batch},)); got shape {key.shape}")
+  batch = tokens_shape[0]
+  if key.shape not in ((), (batch,), tuple(tokens_shape)):
+    raise ValueError(
+      f"dropout_key must be one key, one per row (shape ({batch},)) or one per token (shape {tuple(tokens_shape)}); "
+      f"got shape {key.shape}"
+    )
   return key
 
 
@@ -348,10 +352,11 @@ class CausalLM(nnx.Module):
         ``cache.index + S <= cache.max_len``; the write is not bounds-checked under jit). A per-row cache
         (``init_cache(..., per_row=True)``, ``index int32[B]``) writes row b at ``[index[b], index[b] + S)``
         and advances ``index[b]`` by the row's real tokens: ``attention_mask`` must then be right-padded.
-      dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only: one key, or
+      dropout_key: PRNG key for LoRA adapter dropout (``layers.LoRA``), training only: one key,
         one key per row (``key[B]``, typed, or raw ``uint32[B, 2]``) for masks independent of the
-        batch split; None (the default: sampling, reference and evaluation passes) applies no
-        dropout. Ignored by a model without adapters or with dropout 0.
+        batch split, or one typed key per token (``key[B, S]``: masks independent of where the token
+        sits, the packed rows' form); None (the default: sampling, reference and evaluation passes)
+        applies no dropout. Ignored by a model without adapters or with dropout 0.
       kv_end: int [B, S] with ``segment_ids``: packed prefix trees (``jaxgrpo.step.prefix_tree``, each segment a
         forest in pre-order, positions = depths); query i also needs ``i < kv_end[j]`` (key j's subtree ends
         there), so a token attends exactly to its ancestors and itself. None: plain segments.
@@ -388,7 +393,7 @@ class CausalLM(nnx.Module):
       attention_mask = attention_mask.astype(bool)
       segment_ids = attention_mask.astype(jnp.int32)  # one segment per row: real tokens are segment 1
     if dropout_key is not None:
-      dropout_key = _check_dropout_key(dropout_key, tokens.shape[0])
+      dropout_key = _check_dropout_key(dropout_key, tokens.shape)
     if cache is not None:
       if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")

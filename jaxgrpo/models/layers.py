@@ -280,9 +280,11 @@ class LoRA(nnx.Module):
   adapter's input only, and only when a ``dropout_key`` is given; its mask is drawn from
   ``fold_in(key, stream)``, ``stream`` being this adapter's index in the model, so every adapter has
   its own mask and a given key always gives the same masks. ``dropout_key`` is one typed key (one
-  mask for the whole input) or a key per batch row (``key[B]``: row b's mask comes from
+  mask for the whole input), a key per batch row (``key[B]``: row b's mask comes from
   ``fold_in(key[b], stream)`` alone, so it does not depend on how rows are split into micro-batches
-  or over devices).
+  or over devices) or a key per token (``key[B, S]``: token (b, s)'s mask over its features comes from
+  ``fold_in(key[b, s], stream)`` alone, so it does not depend on where the token sits: packed rows,
+  ``jaxgrpo.models.log_probs.token_dropout_keys``).
   ``enabled`` (static) False: the adapter is skipped (``Δy = 0``), see ``lora.reference_model``.
 
   In a scanned layer stack (``scan_layers=True``) one ``LoRA`` holds the adapters of every layer
@@ -316,9 +318,9 @@ class LoRA(nnx.Module):
         stream = stream + layer * self.layer_stride
       if dropout_key.ndim == 0:
         keep = jax.random.bernoulli(jax.random.fold_in(dropout_key, stream), p_keep, x.shape)
-      else:  # one key per row of x [B, ...]
-        row = lambda k: jax.random.bernoulli(jax.random.fold_in(k, stream), p_keep, x.shape[1:])
-        keep = jax.vmap(row)(dropout_key)
+      else:  # one key per row of x [B, ...], or per token [B, S, ...]
+        one = lambda k: jax.random.bernoulli(jax.random.fold_in(k, stream), p_keep, x.shape[dropout_key.ndim :])
+        keep = jax.vmap(one)(dropout_key) if dropout_key.ndim == 1 else jax.vmap(jax.vmap(one))(dropout_key)
       x = jnp.where(keep, x / p_keep, jnp.zeros((), x.dtype)).astype(x.dtype)
     h = dense(x, self.a[...].astype(dtype), contract=self.a.ndim - 1)  # [..., r]
     return dense(h, self.b[...].astype(dtype)) * jnp.asarray(self.scale, dtype)

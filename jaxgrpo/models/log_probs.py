@@ -41,6 +41,7 @@ __all__ = [
   "log_probs",
   "logprob_temperature",
   "packed_log_probs",
+  "token_dropout_keys",
   "token_log_probs",
 ]
 
@@ -517,8 +518,10 @@ def completion_log_probs(
     with_entropy: also return the entropy of the temperature-scaled policy (no gradient, unless
       ``entropy_grad``: an entropy bonus in the loss).
     entropy_grad: differentiate the entropy too (requires ``with_entropy``).
-    dropout_key: LoRA adapter dropout (training only; the model's ``dropout_key``): one key, or one
-      key per row (``key[B]`` typed, or raw ``uint32[B, 2]``). None: no dropout.
+    dropout_key: LoRA adapter dropout (training only): one key (one mask for the whole input), or one
+      key per row (``key[B]`` typed, or raw ``uint32[B, 2]``), each token's mask then drawn from its row's key
+      and its position (:func:`token_dropout_keys`: the masks a packed layout gives the same sequence). None:
+      no dropout.
     forward_mode: plain autodiff, ``jax.jvp``-able (as :func:`log_probs`).
     topk_ids: ``int[B, T, k]``: also the log-probs at these ids (:func:`chunked_topk_log_probs`, from the same
       forward: a distillation student at its teacher's top-k ids).
@@ -533,8 +536,10 @@ def completion_log_probs(
   p = prompt_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completions], axis=1).astype(jnp.int32)  # [B, P+T]
   attn = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+  positions = positions_from_mask(attn)
   with _forward_mode(forward_mode):
-    hidden, _ = model(tokens, positions_from_mask(attn), attention_mask=attn, dropout_key=dropout_key)
+    dropout_key = _row_keys_to_tokens(dropout_key, positions)
+    hidden, _ = model(tokens, positions, attention_mask=attn, dropout_key=dropout_key)
     h = hidden[:, p - 1 : -1]  # position p-1+t predicts completions[:, t]
     logp, ent = chunked_log_probs(
       model,
@@ -555,6 +560,32 @@ def completion_log_probs(
   if topk_ids is not None or top_k is not None:
     return logp, ent, extra
   return logp, ent
+
+
+def token_dropout_keys(row_keys: jax.Array, positions: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+  """Per-token LoRA dropout keys ``key[N, S]`` from per-row keys: token ``(n, s)`` gets
+  ``fold_in(row_keys[rows[n, s]], positions[n, s])`` — the key of its sequence's row and its position in that
+  sequence — so a sequence's masks are the same wherever its tokens sit (left-padded rows, packed rows, prefix
+  trees; ``layers.LoRA`` draws each token's mask from its own key).
+
+  Args:
+    row_keys: ``key[B]`` typed (or raw ``uint32[B, 2]``): one per sequence row.
+    positions: ``int[N, S]`` each token's position in its sequence.
+    rows: ``int[N, S]`` the row of ``row_keys`` each token belongs to (packed rows); None: row n (``N = B``).
+  """
+  if not jax.dtypes.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
+    row_keys = jax.random.wrap_key_data(row_keys)
+  keys = row_keys[:, None] if rows is None else row_keys[jnp.clip(rows, 0, row_keys.shape[0] - 1)]
+  keys = jnp.broadcast_to(keys, positions.shape)
+  return jax.vmap(jax.vmap(jax.random.fold_in))(keys, positions.astype(jnp.uint32))
+
+
+def _row_keys_to_tokens(dropout_key, positions):
+  """``completion_log_probs``' ``dropout_key``: one key stays one key; per-row keys become per-token keys."""
+  if dropout_key is None or dropout_key.ndim == 0:
+    return dropout_key
+  typed = jax.dtypes.issubdtype(dropout_key.dtype, jax.dtypes.prng_key)
+  return token_dropout_keys(dropout_key, positions) if typed or dropout_key.ndim == 2 else dropout_key
 
 
 def _check_packed_args(tokens, positions, segment_ids, head_index, unpack_index, blocks) -> tuple[int, int]:
@@ -599,6 +630,8 @@ def packed_log_probs(
   kv_end: jax.Array | None = None,
   topk_ids: jax.Array | None = None,
   top_k: int | None = None,
+  dropout_key: jax.Array | None = None,
+  row_in_slot: jax.Array | None = None,
 ) -> tuple:
   """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
   ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.step.packing.PackedSlots``.
@@ -639,6 +672,12 @@ def packed_log_probs(
       context's), :func:`chunked_topk_log_probs` over the head buffer, then gathered back like ``logp``.
     top_k: k (a distillation teacher): also the k most likely ids and their log-probs at every head entry
       (:func:`chunked_top_k`), gathered back to ``[B, T, k]``.
+    dropout_key: LoRA adapter dropout (training only): ``key[B]`` one per sequence row (rows
+      ``[k·B/blocks, (k+1)·B/blocks)`` are block k's), with ``row_in_slot``; each token's mask is drawn from its
+      sequence's key and its position (:func:`token_dropout_keys`), the masks :func:`completion_log_probs` gives
+      the same sequence unpacked. None: no dropout.
+    row_in_slot: ``int[R, L]`` the row (within its block's ``B/blocks``) of the sequence that laid out each
+      column (``jaxgrpo.step.packing.PackedSlots.row_in_slot``); needed with ``dropout_key``.
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1; with ``topk_ids`` a
@@ -649,6 +688,8 @@ def packed_log_probs(
   r, length = tokens.shape
   tokens = tokens.astype(jnp.int32)
   tree = {} if kv_end is None else {"kv_end": kv_end}
+  if dropout_key is not None:
+    tree["dropout_key"] = _packed_dropout_keys(dropout_key, positions, row_in_slot, blocks, unpack_index.shape[0])
   hidden, _ = model(tokens, positions, segment_ids=segment_ids, **tree)  # [R, L, D]
   d = hidden.shape[-1]
   head_index = head_index.astype(jnp.int32)
@@ -683,6 +724,22 @@ def packed_log_probs(
   if top_k is not None:
     return (*out, jax.tree.map(unpack, chunked_top_k(model, head.reshape(blocks * rb, h, d), top_k, **kw)))
   return out
+
+
+def _packed_dropout_keys(row_keys, positions, row_in_slot, blocks: int, b: int):
+  """Per-token keys ``key[R, L]`` of packed rows from the rows' keys ``key[B]``: block k's columns take the keys of
+  block k's rows (a batched gather over the block axis: nothing crosses devices)."""
+  if row_in_slot is None:
+    raise ValueError("packed_log_probs: `dropout_key` needs `row_in_slot` (PackedSlots.row_in_slot, pack_slots)")
+  if row_in_slot.shape != positions.shape:
+    raise ValueError(f"`row_in_slot` shape {row_in_slot.shape} != tokens shape {positions.shape}")
+  if not jax.dtypes.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
+    row_keys = jax.random.wrap_key_data(row_keys)
+  if row_keys.shape != (b,):
+    raise ValueError(f"`dropout_key` must be one key per sequence row (shape ({b},)); got shape {row_keys.shape}")
+  split = lambda x: x.reshape((blocks, x.shape[0] // blocks) + x.shape[1:])
+  keys = jax.vmap(token_dropout_keys)(split(row_keys), split(positions), split(row_in_slot))
+  return keys.reshape(positions.shape)
 
 
 def _to_head(x, index, real, blocks: int, entries: int):

@@ -664,11 +664,6 @@ class TrainerConfig:
       )
     if self.rollout.merge_lora and self.lora is None:
       raise ValueError("`rollout.merge_lora` is true but there is no `lora` section: there are no adapters to merge")
-    if self.lora is not None and self.lora.dropout > 0 and self.step.packing is not None:
-      raise ValueError(
-        f"`lora.dropout`={self.lora.dropout} with `step.packing`={self.step.packing}: adapter dropout is not "
-        "supported with packing (its masks are drawn per unpacked row); set `lora.dropout: 0` or unset `step.packing`"
-      )
     if self.rollout.quantize != "none" and self.objective.importance_correction is None:
       warnings.warn(
         f"`rollout.quantize`={self.rollout.quantize!r} without `objective.importance_correction`: the groups are "

@@ -155,6 +155,7 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
     and shapes["slot"] == (b,)
     and shapes["kv_end"] == ((rows_total, length) if tree else ())
     and (packed.routing is None or shapes["routing"][:2] == (rows_total, length) and len(shapes["routing"]) == 4)
+    and shapes["row_in_slot"] in ((), (rows_total, length))
   )
   if not ok:
     rows_wanted = "Rs" if tc.packing_rows is None else tc.packing_rows
@@ -163,10 +164,11 @@ def check_packing(batch: Batch, tc, shards: int, splits: int) -> None:
       f"{rows_wanted} rows of L={tc.packing} tokens, i.e. tokens/segment_ids/positions [{num_slots}·{rows_wanted}, "
       f"{tc.packing}], head_index [{num_slots}, {rows_wanted}·H], unpack_index [{b}, {t}], slot [{b}], kv_end "
       f"{'as tokens' if tree else 'None'} (prefix_sharing={getattr(tc, 'prefix_sharing', 'none')!r}), routing None or "
-      f"[{num_slots}·{rows_wanted}, {tc.packing}, M, k]; got {shapes}. "
+      f"[{num_slots}·{rows_wanted}, {tc.packing}, M, k], row_in_slot None or as tokens; got {shapes}. "
       "Pack the batch with step.pack (or train.pack_batch with the step's settings), after bucketing"
     )
-  for name in ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot") + ("kv_end",) * tree:
+  names = ("tokens", "segment_ids", "positions", "head_index", "unpack_index", "slot") + ("kv_end",) * tree
+  for name in names + ("row_in_slot",) * (packed.row_in_slot is not None):
     _checks.check_int(getattr(packed, name), f"batch.packed.{name}", "int32")
   if packed.routing is not None and not np.issubdtype(np.dtype(packed.routing.dtype), np.integer):
     raise TypeError(f"batch.packed.routing must hold integer expert ids; got dtype {packed.routing.dtype}")

@@ -317,6 +317,11 @@ class PackedSlots(NamedTuple):
       was sampled (``Rollout.routing`` moved with its token; expert 0 on padding), replayed by the packed forward.
       A token that prefix sharing lays out once for several sequences takes the routing of the sequence that laid
       it out (the same token in the same context: the same experts, up to ties).
+    row_in_slot: ``int32[S·Rs, L]`` (filled by :func:`pack_slots`; None in a layout built by hand): for each column,
+      the rank of the sequence that laid it out among its slot's rows in increasing row order — its row in the
+      micro-batch's rows of its device shard, as ``jaxgrpo.step.terms.split_micro`` lays out the step's row
+      fields — 0 on padding. The packed forward takes each token's LoRA dropout key from that row
+      (``jaxgrpo.models.log_probs.token_dropout_keys``).
   """
 
   tokens: np.ndarray
@@ -327,6 +332,7 @@ class PackedSlots(NamedTuple):
   slot: np.ndarray
   kv_end: np.ndarray | None = None
   routing: np.ndarray | None = None
+  row_in_slot: np.ndarray | None = None
 
   @property
   def rows_per_slot(self) -> int:
@@ -398,11 +404,16 @@ def pack_slots(
   if sharing not in SHARING:
     raise ValueError(f"`sharing` must be one of {SHARING}; got {sharing!r}")
   routing = _check_routing(routing, prompt_tokens.shape, completions.shape[1])
+  rank = np.zeros(B, np.int64)  # each row's rank among its slot's rows (increasing row order)
+  for s in range(S):
+    mine = np.flatnonzero(slot == s)
+    rank[mine] = np.arange(mine.size)
+  width = prompt_tokens.shape[1] + completions.shape[1]
   if sharing != "none":
     packed, source = _pack_tree_slots(
       prompt_tokens, completions, p_len, c_len, seqs, slot, S, L, rows, head_length, sharing
     )
-    return packed._replace(routing=_packed_routing(routing, source))
+    return _with_sources(packed, source, width, rank, routing)
   n = p_len + c_len
   bins = np.zeros(seqs.size, np.int64)
   offs = np.zeros(seqs.size, np.int64)
@@ -416,14 +427,18 @@ def pack_slots(
   slots = _with_head_buffer(
     packed.tokens, packed.segment_ids, packed.positions, packed.unpack_index, slot, S, head_length
   )
-  if routing is None:
-    return slots
   source = np.full(packed.tokens.shape, -1, np.int64)
-  width = prompt_tokens.shape[1] + completions.shape[1]
   for b in seqs:  # sequence b's n_b tokens from (row[b], offset[b]): its columns P - p_b, ..., P + c_b - 1
     r, o, n_b = int(packed.row[b]), int(packed.offset[b]), int(n[b])
     source[r, o : o + n_b] = b * width + prompt_tokens.shape[1] - p_len[b] + np.arange(n_b)
-  return slots._replace(routing=_packed_routing(routing, source))
+  return _with_sources(slots, source, width, rank, routing)
+
+
+def _with_sources(slots: PackedSlots, source: np.ndarray, width: int, rank: np.ndarray, routing) -> PackedSlots:
+  """``slots`` with the data of the sequence token each column holds (``source``: flat ``b·width + j`` into the
+  rollout's ``[B, P + T]``, -1 on padding): ``row_in_slot`` (``rank[b]``) and, with ``routing``, the packed routing."""
+  row_in_slot = np.where(source >= 0, rank[np.maximum(source, 0) // width], 0).astype(np.int32)
+  return slots._replace(routing=_packed_routing(routing, source), row_in_slot=row_in_slot)
 
 
 def _check_routing(routing, prompt_shape: tuple, t: int):

@@ -133,6 +133,8 @@ def slot_inputs(packed: PackedSlots) -> dict:
     inputs["kv_end"] = packed.kv_end
   if packed.routing is not None:  # routing replay: the sampler's experts at each packed column [R, L, M, k]
     inputs["routing"] = packed.routing
+  if packed.row_in_slot is not None:  # LoRA dropout: each column's sequence row (its dropout key)
+    inputs["row_in_slot"] = packed.row_in_slot
   return inputs
 
 
@@ -146,9 +148,10 @@ def micro_log_probs(
   kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
   if topk_ids is not None:
     kw["topk_ids"] = topk_ids
-  if "head_index" in mb:  # no adapter dropout here: _check_dropout refuses it with packing
+  if "head_index" in mb:  # adapter dropout: each token's key from its sequence's row key and its position
     args = (mb["tokens"], mb["positions"], mb["segment_ids"], mb["head_index"], mb["unpack_index"])
-    return packed_log_probs(model, *args, blocks=blocks, kv_end=mb.get("kv_end"), **kw)
+    dropout = dict(dropout_key=mb.get("dropout_key"), row_in_slot=mb.get("row_in_slot"))
+    return packed_log_probs(model, *args, blocks=blocks, kv_end=mb.get("kv_end"), **dropout, **kw)
   args = (mb["prompt_tokens"], mb["prompt_mask"], mb["completions"], mb["mask"])
   return completion_log_probs(model, *args, dropout_key=mb.get("dropout_key"), **kw)
 
@@ -329,20 +332,19 @@ def _row_dropout_keys(run_key, step, passes: int, b: int) -> jax.Array:
   return jax.vmap(per_pass)(jnp.arange(passes, dtype=jnp.uint32))
 
 
-def _check_dropout(spec: StepSpec, model, packed: bool) -> None:
-  """Trace-time: adapters with dropout > 0 need the step's ``dropout_key`` (no silent no-dropout) and
-  an unpacked batch (the per-row masks are drawn in the ``[prompt ‖ completion]`` row layout)."""
+def _check_dropout(spec: StepSpec, model, mb: dict) -> None:
+  """Trace-time: adapters with dropout > 0 need the step's ``dropout_key`` (no silent no-dropout) and, packed,
+  each column's sequence row (``PackedSlots.row_in_slot``, which ``pack_slots`` fills) to draw its key from."""
   rate = lora.adapter_dropout(model)
   if rate > 0 and spec.dropout_key is None:
     raise ValueError(
       f"the model's LoRA adapters have dropout {rate} but make_train_step got no dropout_key: pass "
       "dropout_key=jax.random.key(seed) (or build the adapters with dropout=0)"
     )
-  if rate > 0 and packed:
+  if rate > 0 and "head_index" in mb and "row_in_slot" not in mb:
     raise ValueError(
-      f"the model's LoRA adapters have dropout {rate} and the batch is packed (TrainConfig.packing): adapter "
-      "dropout is not supported with packing (its masks are drawn per unpacked row); build the adapters with "
-      "dropout=0 (lora.dropout: 0) or train unpacked"
+      f"the model's LoRA adapters have dropout {rate} and batch.packed has no row_in_slot (each column's "
+      "sequence row, whose dropout key it takes): pack the batch with step.pack / pack_batch"
     )
 
 
@@ -489,7 +491,7 @@ def micro_terms(spec: StepSpec, frozen, hyper, params, mb: dict, scale):
   """
   config, tc = spec.config, spec.tc
   model = merge_model(spec.graphdef, params, frozen)
-  _check_dropout(spec, model, packed="head_index" in mb)
+  _check_dropout(spec, model, mb)
   wants_entropy = needs_entropy(config, spec.objective_fn)
   with moe.routing_scope(replay=mb.get("routing")) as scope:  # MoE: replay the rollout's experts if given
     out = micro_log_probs(

@@ -354,6 +354,8 @@ class TrainStep:
     batch = self.pack(batch)
     self.check_batch(batch)
     batch = batch._replace(temperature=None)  # checked: one compiled program whatever the batch carries
+    if self.dropout_key is None and batch.packed is not None and batch.packed.row_in_slot is not None:
+      batch = batch._replace(packed=batch.packed._replace(row_in_slot=None))  # no dropout keys to take from rows
     if not self.reads_ref_logp and batch.ref_logp is not None:
       batch = batch._replace(ref_logp=None)  # not used: keep one compiled program
     if not reads_behavior(self.config) and batch.behavior_logp is not None:
@@ -715,6 +717,8 @@ def make_reference_fn(
       )
     check_packing(batch, tc, blocks, slots)
     check_routing(batch, b, np.shape(batch.completions)[1])
+    if batch.packed is not None and batch.packed.row_in_slot is not None:  # no dropout here: one program
+      batch = batch._replace(packed=batch.packed._replace(row_in_slot=None))
     return batch
 
   def program(placed: Batch):
