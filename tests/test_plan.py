@@ -12,6 +12,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from helpers import ROOT, cli_env, ensure_side_venv, train_main_here
 
@@ -89,6 +90,18 @@ def cpu_plans(tmp_path_factory):
   if r.returncode:
     pytest.fail(f"tests/plan_here.py exited with {r.returncode}:\n{r.stderr[-6000:]}")
   return {k: SimpleNamespace(**v) for k, v in json.loads((d / "out.json").read_text()).items()} | {"dir": d}
+
+
+def test_the_planned_batch_holds_the_recorded_experts_in_the_samplers_dtype():
+  """Routing replay's ``[B, P + T, M, k]`` record is planned in the compact dtype the sampler records
+  (``moe.replay_dtype``: uint8 up to 256 experts, int16 above), so its argument bytes are a run's (int32: 4x)."""
+  from jaxgrpo.plan.programs import RunShape, _host_batch
+
+  shape = RunShape(prompts=2, group=4, prompt_len=16, new_tokens=8, completion_len=8)
+  for experts, dtype in ((128, np.uint8), (512, np.int16)):
+    routing = _host_batch(shape, 64, (3, 8, experts)).routing
+    assert routing.shape == (8, 24, 3, 8) and routing.dtype == dtype, (experts, routing.dtype)
+  assert _host_batch(shape, 64, None).routing is None
 
 
 @pytest.mark.parametrize(

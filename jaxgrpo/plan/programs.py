@@ -185,10 +185,11 @@ def abstract_reward_model(spec, mesh):
   return model
 
 
-def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None, distill=None) -> train.Batch:
+def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int, int] | None, distill=None) -> train.Batch:
   """A NumPy batch of the run's largest shapes (one full-length completion per group: the top bucket); with a
   distillation config (``GRPOConfig.distill``) the teacher's fields the step reads (``teacher_logp``, and the
-  top-k forms' ``[B, T, k]`` ids and log-probs)."""
+  top-k forms' ``[B, T, k]`` ids and log-probs); with ``routing`` = ``(M, k, E)`` the recorded experts
+  ``[B, P + T, M, k]`` in the sampler's compact dtype (``moe.replay_dtype(E)``: their bytes as a run has them)."""
   rng = np.random.default_rng(0)
   b, g, p, t = shape.rows, shape.group, shape.prompt_len, shape.completion_len
   lens = rng.integers(max(1, t // 2), t + 1, b)
@@ -200,7 +201,8 @@ def _host_batch(shape: RunShape, vocab: int, routing: tuple[int, int] | None, di
   batch = train.Batch(prompts, np.ones((b, p), bool), comp, mask, old, np.repeat(np.arange(b // g), g).astype(np.int32),
                       rng.integers(0, 2, b).astype(np.float32), old)  # fmt: skip
   if routing is not None:
-    batch = batch._replace(routing=np.zeros((b, p + t) + routing, np.int32))
+    m, k, e = routing
+    batch = batch._replace(routing=np.zeros((b, p + t, m, k), moe.replay_dtype(e)))
   if distill is not None:
     batch = batch._replace(teacher_logp=old)
     if not distill.sampled:
@@ -246,7 +248,7 @@ class RunPrograms:
     self.sample_graphdef = nnx.graphdef(model)
     replay = cfg.rollout.routing_replay == "rollout" and moe.is_moe(model)
     n_moe = sum(model_config.is_moe_layer(i) for i in range(model_config.num_layers)) if replay else 0
-    self._routing = (n_moe, model_config.num_experts_per_tok) if replay else None
+    self._routing = (n_moe, model_config.num_experts_per_tok, model_config.num_experts) if replay else None
     self.names = ("step", "sampler")
     self.names += ("reference",) if self.step.reads_ref_logp else ()
     # the learner recomputes old_logp for an engine whose log-probs are not the policy's (its class says so)
