@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxgrpo import _checks
 from jaxgrpo.models.log_probs import Temperature
-from jaxgrpo.step.packing import PackedSlots
+from jaxgrpo.step.packing import PackedSlots, check_routing_array
 
 __all__ = ["Batch"]
 
@@ -203,15 +203,9 @@ def check_policy_mask(batch: Batch) -> None:
 
 def check_routing(batch: Batch, b: int, t: int) -> None:
   """``batch.routing``: ``int[B, P + T, M, k]`` (routing replay); a packed batch carries it in ``packed.routing``."""
-  r = batch.routing
-  if r is None:
+  if batch.routing is None:
     return
-  p = np.shape(batch.prompt_tokens)[1]
-  shape = np.shape(r)
-  if len(shape) != 4 or shape[:2] != (b, p + t):
-    raise ValueError(f"batch.routing must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {shape}")
-  if not np.issubdtype(np.dtype(r.dtype), np.integer):
-    raise TypeError(f"batch.routing must hold integer expert ids; got dtype {r.dtype}")
+  check_routing_array(batch.routing, b, np.shape(batch.prompt_tokens)[1], t, "batch.routing")
   if batch.packed is not None:
     raise ValueError(
       "batch.routing is set on a batch that is already packed: a packed batch replays the routing of its packed "
@@ -250,9 +244,7 @@ def abstract_batch(batch: Batch, names, sharding) -> Batch:
   sds = lambda x, dtype: jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
   fields = {n: sds(getattr(batch, n), _DTYPES[FIELDS[n][1]]) for n in names if getattr(batch, n) is not None}
   if batch.packed is not None:
-    fields["packed"] = jax.tree.map(lambda x: sds(x, jnp.int32), batch.packed._replace(routing=None))
-    if batch.packed.routing is not None:
-      fields["packed"] = fields["packed"]._replace(routing=sds(batch.packed.routing, batch.packed.routing.dtype))
+    fields["packed"] = batch.packed.map_arrays(sds)
   if batch.routing is not None:
     fields["routing"] = sds(batch.routing, batch.routing.dtype)
   return batch._replace(**fields)
@@ -273,9 +265,7 @@ def place_packed(batch: Batch, sharding) -> Batch:
   keeps its compact dtype (``jaxgrpo.models.moe.replay_dtype``), as ``batch.routing`` does."""
   if batch.packed is None:
     return batch
-  as_int32 = lambda x: x if isinstance(x, jax.Array) and x.dtype == jnp.int32 else jnp.asarray(x, jnp.int32)
-  packed = jax.tree.map(as_int32, batch.packed._replace(routing=None))
-  if batch.packed.routing is not None:
-    routing = batch.packed.routing
-    packed = packed._replace(routing=routing if isinstance(routing, jax.Array) else np.asarray(routing))
-  return batch._replace(packed=jax.device_put(packed, sharding))
+  as_dtype = lambda x, dtype: (
+    (x if x.dtype == dtype else x.astype(dtype)) if isinstance(x, jax.Array) else np.asarray(x, dtype)
+  )
+  return batch._replace(packed=jax.device_put(batch.packed.map_arrays(as_dtype), sharding))

@@ -309,13 +309,9 @@ def place(
   placed = shd.place_batch(batch._replace(packed=None), mesh, rules, process_local=process_local)
   if batch.packed is None:
     return placed
-  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis (int32; the
-  # routing in its compact dtype)
-  place_one = lambda x, dtype=np.int32: shd.place_batch(np.asarray(x, dtype), mesh, rules, process_local=process_local)
-  packed = jax.tree.map(place_one, batch.packed._replace(routing=None))
-  if batch.packed.routing is not None:
-    packed = packed._replace(routing=place_one(batch.packed.routing, np.asarray(batch.packed.routing).dtype))
-  return placed._replace(packed=packed)
+  # packed arrays: rows, slots or sequences first; each over data × fsdp on its own leading axis, in the step's dtype
+  place_one = lambda x, dtype: shd.place_batch(np.asarray(x, dtype), mesh, rules, process_local=process_local)
+  return placed._replace(packed=batch.packed.map_arrays(place_one))
 
 
 def _pack(batch: Batch, tc: TrainConfig, mesh: Mesh, rules, multi: bool) -> Batch:

@@ -44,6 +44,7 @@ __all__ = [
   "HEAD_FRACTIONS",
   "PackedBatch",
   "PackedSlots",
+  "check_routing_array",
   "first_fit_decreasing",
   "micro_batch_of",
   "pack",
@@ -339,6 +340,13 @@ class PackedSlots(NamedTuple):
     """Rs."""
     return self.tokens.shape[0] // self.head_index.shape[0]
 
+  def map_arrays(self, fn) -> "PackedSlots":
+    """``fn(x, dtype)`` over the arrays (None fields stay None), ``dtype`` each one's dtype in the step: ``int32``
+    for the index maps, the routing's own compact dtype (``jaxgrpo.models.moe.replay_dtype``) for ``routing``.
+    How the step's placement and abstract inputs are made from a layout."""
+    out = jax.tree.map(lambda x: fn(x, jnp.int32), self._replace(routing=None))
+    return out if self.routing is None else out._replace(routing=fn(self.routing, self.routing.dtype))
+
   @property
   def row_length(self) -> int:
     """L."""
@@ -403,7 +411,9 @@ def pack_slots(
     raise ValueError(f"`slot` values must be in [0, num_slots={S}); got values in [{slot.min()}, {slot.max()}]")
   if sharing not in SHARING:
     raise ValueError(f"`sharing` must be one of {SHARING}; got {sharing!r}")
-  routing = _check_routing(routing, prompt_tokens.shape, completions.shape[1])
+  if routing is not None:
+    routing = np.asarray(routing)
+    check_routing_array(routing, *prompt_tokens.shape, completions.shape[1], "`routing`")
   rank = np.zeros(B, np.int64)  # each row's rank among its slot's rows (increasing row order)
   for s in range(S):
     mine = np.flatnonzero(slot == s)
@@ -441,17 +451,14 @@ def _with_sources(slots: PackedSlots, source: np.ndarray, width: int, rank: np.n
   return slots._replace(routing=_packed_routing(routing, source), row_in_slot=row_in_slot)
 
 
-def _check_routing(routing, prompt_shape: tuple, t: int):
-  """``routing`` as NumPy ``int[B, P + T, M, k]`` (None stays None); ValueError/TypeError naming it otherwise."""
-  if routing is None:
-    return None
-  routing = np.asarray(routing)
-  b, p = prompt_shape
-  if routing.ndim != 4 or routing.shape[:2] != (b, p + t):
-    raise ValueError(f"`routing` must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {routing.shape}")
-  if not np.issubdtype(routing.dtype, np.integer):
-    raise TypeError(f"`routing` must hold integer expert ids; got dtype {routing.dtype}")
-  return routing
+def check_routing_array(routing, b: int, p: int, t: int, name: str) -> None:
+  """ValueError/TypeError naming ``name`` unless ``routing`` (NumPy, a ``jax.Array`` or a ``ShapeDtypeStruct``: only
+  its shape and dtype are read) is ``int[B, P + T, M, k]``, a mixture of experts' recorded routing."""
+  shape = np.shape(routing)
+  if len(shape) != 4 or shape[:2] != (b, p + t):
+    raise ValueError(f"{name} must be int[B, P + T, M, k] = [{b}, {p + t}, M, k]; got shape {shape}")
+  if not np.issubdtype(np.dtype(routing.dtype), np.integer):
+    raise TypeError(f"{name} must hold integer expert ids; got dtype {routing.dtype}")
 
 
 def _packed_routing(routing, source: np.ndarray):
