@@ -490,3 +490,21 @@ def test_bench_lora_smoke(capsys):
   assert res["qlora"]["param_bytes"] < res["lora"]["param_bytes"]
   assert res["lora"]["decode_merged_tokens_per_s"] > 0 and res["qlora"]["merge_s"] >= 0
   assert "opt state" in capsys.readouterr().out
+
+
+def test_token_dropout_keys_fold_each_rows_key_with_the_tokens_position():
+  """``token_dropout_keys``: token (n, s) gets ``fold_in(row_keys[rows[n, s]], positions[n, s])``, one fold at a
+  time in Python here; without ``rows`` row n's key; raw ``uint32[B, 2]`` keys are wrapped."""
+  from jaxgrpo.models.log_probs import token_dropout_keys
+
+  row_keys = jax.random.split(jax.random.key(3), 4)
+  positions = np.array([[0, 1, 2], [5, 0, 1]], np.int32)
+  rows = np.array([[3, 3, 0], [1, 2, 2]], np.int32)
+  data = lambda k: np.asarray(jax.random.key_data(k))
+  got = data(token_dropout_keys(row_keys, jnp.asarray(positions), jnp.asarray(rows)))
+  for n in range(2):
+    for s in range(3):
+      want = data(jax.random.fold_in(row_keys[rows[n, s]], int(positions[n, s])))
+      np.testing.assert_array_equal(got[n, s], want, err_msg=f"({n}, {s})")
+  by_row = data(token_dropout_keys(jax.random.key_data(row_keys[:2]), jnp.asarray(positions)))
+  np.testing.assert_array_equal(by_row[1, 0], data(jax.random.fold_in(row_keys[1], 5)))
