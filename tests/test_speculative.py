@@ -108,6 +108,30 @@ def test_greedy_is_plain_greedy_decoding(peaked, eos_ids, budget, k, drafter):
     assert int(stats.verify_steps) < budget - 1
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_stats_count_only_the_counted_prompts(peaked, drafter):
+  """``counted``: the drafted and accepted tokens are those of the counted prompts' rows, each prompt's equal to a
+  call on that prompt alone (greedy: a row's tokens and drafts do not depend on the other rows), so a caller's
+  padding prompts (a collective round's) leave the acceptance as the real rows' own."""
+  prompts, mask = _prompts()
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=12, pad_id=PAD)
+  spec = SpeculativeConfig(num_draft=3, ngram=1)
+  draft = _model(61, 5.0, seed=4) if drafter == "model" else None
+  run = lambda p, m, **kw: generate_speculative(
+    peaked, p, m, sampling, key=jax.random.key(0), temperature=0.0, speculative=spec, draft_model=draft, **kw
+  )[1]
+  alone = [run(prompts[i : i + 1], mask[i : i + 1]) for i in range(3)]
+  assert all(int(s.drafted) > 0 for s in alone) and sum(int(s.accepted) for s in alone) > 0
+  for counted in ([True, True, True], [True, False, True], [False, True, False]):
+    got = run(prompts, mask, counted=np.array(counted))
+    want = [sum(int(getattr(s, f)) for s, c in zip(alone, counted) if c) for f in ("drafted", "accepted")]
+    assert [int(got.drafted), int(got.accepted)] == want, (counted, got, want)
+  assert tuple(map(int, run(prompts, mask))) == tuple(map(int, run(prompts, mask, counted=np.ones(3, bool))))
+  for bad in (np.ones(2, bool), np.ones(3, np.int32)):
+    with pytest.raises(ValueError, match=r"`counted` must be bool\[3\] \(one flag per prompt"):
+      run(prompts, mask, counted=bad)
+
+
 def test_stop_tokens_budget_and_ragged_rows(peaked):
   """Sampled rows: every row ends at its first stop token (kept, masked in) or at T, padding after it; rows of
   different prompt lengths finish at different lengths."""

@@ -283,6 +283,7 @@ def generate_speculative(
   temperature: float = 1.0,
   speculative: SpeculativeConfig | None = None,
   draft_model: nnx.Module | None = None,
+  counted=None,
 ) -> tuple[_sampling.Rollout, SpeculativeStats]:
   """``jaxgrpo.rollout.sampling.generate`` by speculative decoding with prompt-lookup drafts, or with ``draft_model``
   (a smaller decoder of the same tokenizer: k tokens drawn from its own sampling distribution q under the same
@@ -297,11 +298,13 @@ def generate_speculative(
   the rejected drafts' routes dropped (:func:`_routed_verify_step`); a row's last token is never fed (0), as in
   ``generate``. The draft model's routes are never recorded. A target whose parameters sit on a mesh of other
   devices than the draft's (several processes: always) gets the draft replicated on that mesh
-  (:func:`draft_on_mesh`).
+  (:func:`draft_on_mesh`). ``counted``: ``bool[B]``, the prompts whose G rows the returned ``drafted`` and
+  ``accepted`` count (default every prompt): a caller's padding prompts (a collective round's,
+  ``jaxgrpo.rollout.engines.collective``) are sampled but do not dilute the acceptance it logs.
 
   Raises:
     ValueError / TypeError (one line, before tracing): as ``generate``; a ``draft_model`` of another vocabulary
-    size.
+    size; ``counted`` not ``bool[B]``.
   """
   spec = speculative or SpeculativeConfig()
   if not isinstance(spec, SpeculativeConfig):
@@ -311,6 +314,7 @@ def generate_speculative(
     sampling, temperature=temperature, vocab_size=model.config.vocab_size, where="generate_speculative"
   )
   key = _checks.check_prng_key(key)
+  counted = _check_counted(counted, prompt_tokens.shape[0])
   graphdef, state = _sampling.split_sampled(
     sampling.model_to_sample(model), prompt_tokens.shape, policy, "generate_speculative"
   )
@@ -319,10 +323,23 @@ def generate_speculative(
   draft = None if draft_model is None else nnx.split(draft_model)
   with target_platform(state):
     rollout, stats = _speculative_jit(
-      graphdef, state, draft and draft[0], draft and draft[1], prompt_tokens, prompt_mask, key,
+      graphdef, state, draft and draft[0], draft and draft[1], prompt_tokens, prompt_mask, key, counted,
       policy=policy, num_draft=spec.num_draft, ngram=spec.ngram,
     )  # fmt: skip
   return rollout._replace(temperature=Temperature(policy.temperature)), stats
+
+
+def _check_counted(counted, batch: int):
+  """``counted`` as ``bool[B]`` (None: every prompt); ValueError in one line for another shape or dtype."""
+  if counted is None:
+    return jnp.ones((batch,), bool)
+  shape, dtype = getattr(counted, "shape", None), getattr(counted, "dtype", None)
+  if shape != (batch,) or dtype != jnp.bool_:
+    raise ValueError(
+      f"`counted` must be bool[{batch}] (one flag per prompt: whose rows the stats count); got "
+      f"{dtype}{list(shape) if shape is not None else type(counted).__name__}"
+    )
+  return counted
 
 
 def check_draft_model(draft_model, model, prompt_shape, policy):
@@ -479,9 +496,10 @@ def _draft_tokens(draft, cache, last, pos, active, uniforms, policy, suppressed)
 
 @functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("policy", "num_draft", "ngram"))
 def _speculative_jit(
-  graphdef, state, draft_graphdef, draft_state, prompt_tokens, prompt_mask, key, *, policy, num_draft, ngram
+  graphdef, state, draft_graphdef, draft_state, prompt_tokens, prompt_mask, key, counted, *, policy, num_draft, ngram
 ):
-  """``generate_speculative``'s program (``draft_graphdef`` None: prompt-lookup drafts)."""
+  """``generate_speculative``'s program (``draft_graphdef`` None: prompt-lookup drafts; ``counted bool[B]``: the
+  prompts whose rows the stats count)."""
   g, t_max, pad_id, k = policy.num_samples, policy.max_new_tokens, policy.pad_id, num_draft
   model = nnx.merge(graphdef, state)
   model = _models.to_loop_layers(model) if getattr(model, "scan_layers", False) else model
@@ -500,6 +518,7 @@ def _speculative_jit(
   else:
     draft_cache = cache.index  # a placeholder carry
   prompt_len = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), g)  # [N]
+  counted = jnp.repeat(counted, g)  # [N]
   ctx_prompt, ctx_prompt_ok = jnp.repeat(prompt_tokens, g, axis=0), jnp.repeat(prompt_mask, g, axis=0)
   suppressed = _sampling.suppressed_mask(policy.suppress_ids, first_logits.shape[-1])
   max_pos = model.config.max_position_embeddings - 1
@@ -546,8 +565,8 @@ def _speculative_jit(
       draft_cache = rewind(draft_cache, index)
     new_last = jnp.take_along_axis(run, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
     last = jnp.where(count > 0, new_last, last)
-    drafted = drafted + jnp.sum(jnp.where(active, k, 0))
-    accepted_total = accepted_total + jnp.sum(jnp.where(active, acc, 0))
+    drafted = drafted + jnp.sum(jnp.where(active & counted, k, 0))
+    accepted_total = accepted_total + jnp.sum(jnp.where(active & counted, acc, 0))
     lengths = lengths + count
     return step + 1, cache, tokens, logps, new_done, lengths, last, drafted, accepted_total, draft_cache, routes
 

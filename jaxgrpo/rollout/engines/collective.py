@@ -27,8 +27,9 @@ read once when the sampler is made (one per rollout) from a switch whose state i
 ``generate_speculative`` — prompt lookup, or the switch's draft model, which ``generate_speculative`` replicates
 on every device of the mesh (``jaxgrpo.rollout.speculative.draft_on_mesh``) — and every policy token's
 recorded log-prob stays the target's (exact speculative decoding). Each round's statistics (verify steps,
-drafted, accepted) are the global program's, the same scalars on every process, and are summed over the
-rollout's rounds, padding rows included (as the single-process re-prefill path counts its bucket copies).
+drafted, accepted) are the global program's, the same scalars on every process, counted over the processes'
+own rows only (``generate_speculative``'s ``counted``: a padding row drafts from a pad token), and are summed over
+the rollout's rounds.
 
 **One decision on every process.** :meth:`CollectiveSampler.finish` (after the rollout: :meth:`drain`, then
 one small all-gather) makes the rollout one call of the switch with numbers agreed by all processes: the
@@ -127,17 +128,19 @@ class CollectiveSampler(BuiltinEngine):
       tokens = np.full((per, width), sampling.pad_id, np.int32)
       mask = np.zeros((per, width), bool)
       mask[:, -1] = True  # padding rows: one real (pad) token each; their samples are dropped
+      real = np.zeros((per,), bool)  # the rows a speculative round's stats count
       own = request is not None and request[2] == settings
       if own:
         n, w = request[0].shape
         tokens[:n] = sampling.pad_id
         mask[:n] = False
         tokens[:n, width - w :], mask[:n, width - w :] = request[0], request[1]
+        real[:n] = True
       if jax.process_count() > 1:
-        tokens, mask = shd.place_batch((tokens, mask), self.mesh, process_local=True)
+        tokens, mask, real = shd.place_batch((tokens, mask, real), self.mesh, process_local=True)
       key = jax.random.fold_in(self.key, self.rounds)
       t0 = time.perf_counter()
-      rollout = self._sample(tokens, mask, sampling, key, json.loads(settings)["temperature"])
+      rollout = self._sample(tokens, mask, real, sampling, key, json.loads(settings)["temperature"])
       rows = distributed.process_rows(rollout._replace(num_steps=None), self.mesh)
       self.seconds += time.perf_counter() - t0
       if own:
@@ -146,13 +149,14 @@ class CollectiveSampler(BuiltinEngine):
         result = jax.tree.map(lambda x, n=n: x if x is None or x.shape[0] == n else x[:n], rows)
     return result
 
-  def _sample(self, tokens, mask, sampling, key, temperature):
-    """One round's program: ``generate``, or ``generate_speculative`` of :attr:`mode` (its stats summed)."""
+  def _sample(self, tokens, mask, real, sampling, key, temperature):
+    """One round's program: ``generate``, or ``generate_speculative`` of :attr:`mode` (its stats summed over the
+    ``real`` rows, the processes' requests: padding rows draw from a pad token and would skew the acceptance)."""
     if self.mode == "plain":
       return generate(self.model, tokens, mask, sampling, key=key, temperature=temperature)
     rollout, stats = generate_speculative(
       self.model, tokens, mask, sampling, key=key, temperature=temperature, speculative=self.switch.config,
-      draft_model=self.switch.draft_model,
+      draft_model=self.switch.draft_model, counted=real,
     )  # fmt: skip
     self.stats += np.asarray(jax.device_get(tuple(stats)), np.int64)  # scalars: replicated on every process
     return rollout

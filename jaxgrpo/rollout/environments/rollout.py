@@ -717,7 +717,7 @@ def sample_turn(
   if engine is None and speculative is not None:
     out, st = generate_speculative(
       model, ctx, ctx_mask, turn_sampling, key=turn_key, temperature=temperature, speculative=speculative[0],
-      draft_model=speculative[1],
+      draft_model=speculative[1], counted=np.arange(len(rows_padded)) < len(rows_now),
     )  # fmt: skip
     stats += np.asarray(jax.device_get(tuple(st)), np.int64)
   elif engine is None:
