@@ -43,6 +43,10 @@ __all__ = [
   "TreeSegments",
   "IMPLEMENTATIONS",
   "AUTO_MIN_LENGTH",
+  "DECODE_BLOCKED_FROM",
+  "DECODE_MAX_BLOCKS",
+  "decode_attention_blocks",
+  "decode_block",
   "check_implementation",
   "context_implementation",
   "resolve_implementation",
@@ -58,6 +62,10 @@ IMPLEMENTATIONS = ("auto", "dense") + tuple(i for i in kernels.IMPLEMENTATIONS i
 # ``auto``: dense below this many query rows, the platform's kernel from it on. The crossover measured on this CPU
 # (BENCHMARKS.md, "Attention in the model": one layer's forward + backward, dense vs blockwise, 256 to 2k tokens).
 AUTO_MIN_LENGTH = 512
+# Decoding over a cache of at least this many slots reads only its filled part, in at most DECODE_MAX_BLOCKS blocks
+# (decode_attention_blocks; not with attention="dense"). BENCHMARKS.md, "Decode attention over the filled slots".
+DECODE_BLOCKED_FROM = 1024
+DECODE_MAX_BLOCKS = 8
 _PLATFORM_ONLY = {kernel: platform for platform, kernel in kernels.FUSED.items()}  # splash: tpu, cudnn: gpu
 
 
@@ -108,6 +116,59 @@ def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
     if isinstance(module, Attention):
       module.implementation = implementation
   return model
+
+
+def decode_block(implementation: str, slots: int) -> int:
+  """The block of cache slots a decode step reads at a time over a cache of ``slots`` slots, or 0: read the whole
+  cache (``dense``, or a cache shorter than :data:`DECODE_BLOCKED_FROM` slots, where one pass is cheaper than a
+  loop). Otherwise ``ceil(slots / DECODE_MAX_BLOCKS)`` rounded up to a multiple of 128: at most
+  :data:`DECODE_MAX_BLOCKS` iterations of :func:`decode_attention_blocks` per layer and step."""
+  if implementation == "dense" or slots < DECODE_BLOCKED_FROM:
+    return 0
+  return -(-slots // (DECODE_MAX_BLOCKS * 128)) * 128
+
+
+def decode_attention_blocks(qt, keys, values, mask, bound, *, block: int, scale: float) -> jax.Array:
+  """Decode attention that reads only the cache's filled part: the slots ``[0, bound)``, in blocks of ``block``.
+
+  A static-shape cache of T slots holds ``bound`` ≤ T written slots at a decode step (the prompt and the tokens so
+  far); attending over all T (the dense path) reads every empty slot too — half the cache on average over a
+  rollout, most of a decode step's memory traffic at long lengths. Here block i covers slots
+  ``[i·C, (i+1)·C)`` for ``i < ceil(bound / C)`` (a loop with a data-dependent trip count; the last block's
+  window is shifted to end at T and its slots before ``i·C`` masked), with the online softmax in float32:
+  ``m ← max(m, max_j s_j)``, ``l ← l·e^{m_old−m} + Σ_j e^{s_j−m}``, ``acc ← acc·e^{m_old−m} + Σ_j e^{s_j−m}·v_j``,
+  out = acc / l — the softmax of the dense path, summed in another order (float32: ~1e-7 apart).
+
+  Args:
+    qt: ``f32[B, N, G, S, K]`` queries (kv head, group, query row); keys ``[B, N, K, T]``, values
+      ``[B, N, T, K]`` (the cache's layouts); mask ``bool[B, S, T]``: query s may attend slot t (every slot
+      ``>= bound`` must be False); bound: ``int32[]``; block: C (static, ≤ T); scale: the scores' factor.
+
+  Returns:
+    ``f32[B, N, G, S, K]``.
+  """
+  f32 = lambda x: x.astype(jnp.float32)
+  T = keys.shape[-1]
+  head = qt.shape[:-1]  # B, N, G, S
+
+  def body(i, carry):
+    m, l, acc = carry
+    lo = i * block
+    start = jnp.minimum(lo, T - block)
+    kc = jax.lax.dynamic_slice_in_dim(keys, start, block, axis=3)  # [B,N,K,C]
+    vc = jax.lax.dynamic_slice_in_dim(values, start, block, axis=2)  # [B,N,C,K]
+    ok = jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2) & (start + jnp.arange(block) >= lo)
+    s = jnp.sum(qt[..., None] * f32(kc)[:, :, None, None], axis=-2) * scale  # [B,N,G,S,C]
+    s = jnp.where(ok[:, None, None], s, _NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.sum(p[..., None] * f32(vc)[:, :, None, None], axis=-2)
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc
+
+  init = (jnp.full(head, _NEG_INF, jnp.float32), jnp.zeros(head, jnp.float32), jnp.zeros_like(qt))
+  _, l, acc = jax.lax.fori_loop(0, (bound + block - 1) // block, body, init)
+  return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
 class TreeSegments(NamedTuple):
@@ -281,7 +342,9 @@ class Attention(nnx.Module):
   (static, :func:`set_attention`): ``dense`` materialises the ``[B,N,G,S,T]`` scores; ``blockwise`` / ``splash`` /
   ``cudnn`` run the kernels of ``jaxgrpo.parallel.attention`` (memory linear in the length) without a cache and
   blockwise attention for a prefill into one; ``auto`` (default) is dense below ``AUTO_MIN_LENGTH`` query rows
-  (:func:`resolve_implementation`). Decoding (a few query rows) and forward-mode autodiff are always dense. Under a
+  (:func:`resolve_implementation`). Decoding (a few query rows) and forward-mode autodiff are always dense, except
+  that a decode step over a cache of ``DECODE_BLOCKED_FROM`` slots or more reads only the cache's filled slots, in
+  blocks (:func:`decode_attention_blocks`; every choice but ``dense``). Under a
   context mesh with a ``context`` axis > 1 (context parallelism), ``auto`` and ``blockwise`` run ring attention
   over it (:func:`context_implementation`, ``jaxgrpo.parallel.ring_attention.context_attention``).
   With a context mesh, q and the attention output are constrained to ``QUERY_AXES``, k and v to
@@ -414,6 +477,12 @@ class Attention(nnx.Module):
       mask = (k_slot[None, None, :] <= q_slot[:, :, None]) & key_ok  # [B,S,T]
     q = q.reshape(B, S, N, G, K)
     f32 = lambda x: x.astype(jnp.float32)
+    block = decode_block(self.implementation, values.shape[2]) if small and not forward_mode_active() else 0
+    if block:  # a long cache: read only its filled slots, in blocks (decode_attention_blocks)
+      qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))  # [B,N,G,S,K]
+      out = decode_attention_blocks(qt, keys, values, mask, jnp.max(q_slot) + 1, block=block, scale=K**-0.5)
+      out = jnp.transpose(out.astype(self.dtype), (0, 3, 1, 2, 4)).reshape(B, S, H, K)
+      return self._output(out, kw), new_kv
     if small:
       qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))  # [B,N,G,S,K]
       scores = jnp.sum(qt[..., None] * f32(keys)[:, :, None, None], axis=-2)  # [B,N,G,S,T]
