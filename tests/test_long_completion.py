@@ -77,14 +77,31 @@ def test_the_attention_line_names_packed_rows_and_per_batch_episodes():
 
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   packed = load_config(CONFIG, {"step.packing": 2048})
-  assert assemble.attention_line(packed, mesh, 64).endswith("-> blockwise in the train step (2048 positions a row)")
+  assert assemble.attention_line(packed, mesh, 64).endswith(
+    "-> blockwise in the train step (2048 positions a row); the sampler's decode reads the filled part of its "
+    "4159-slot KV cache, in blocks of 640"
+  )  # 64 + 4,096 - 1 slots: decode_block's ceil(4159 / 8) rounded up to 128
   small = load_config(None, {"rollout.max_new_tokens": 20})
-  assert assemble.attention_line(small, mesh, 64).endswith(f"-> dense in the train step ({64 + 20} positions a row)")
-  assert assemble.attention_line(small, mesh, None).endswith(
-    "chosen per batch by its row length (episodes' prompts vary)"
+  assert assemble.attention_line(small, mesh, 64).endswith(
+    f"-> dense in the train step ({64 + 20} positions a row); the sampler's decode reads its whole {64 + 19}-slot "
+    "KV cache (under 1024 slots)"
   )
+  assert assemble.attention_line(small, mesh, None).endswith(
+    "chosen per batch by its row length (episodes' prompts vary); the sampler's decode reads only the filled slots "
+    "of a KV cache of 1024 slots or more"
+  )
+  spec = load_config(CONFIG, {"rollout.speculative": "ngram", "rollout.speculative_tokens": 3})
+  assert assemble.attention_line(spec, mesh, 64).endswith("its 4162-slot KV cache, in blocks of 640")
+  dense = load_config(CONFIG, {"model.attention": "dense"})
+  assert assemble.attention_line(dense, mesh, 64).endswith(
+    "; the sampler's decode reads its whole KV cache (attention 'dense')"
+  )
+  other = load_config(CONFIG, {"rollout.engine": "vllm", "devices.mesh": ""})
+  assert "sampler" not in assemble.attention_line(other, mesh, 64)
   # an env run's trajectories are env.max_tokens wide; rollout.max_new_tokens (1,024 by default) is not used there
   # (before: the line named 48 + 1,024 positions and "blockwise", while the step ran dense rows of 48 + 64)
   env = load_config(os.path.join(ROOT, "scripts", "configs", "demo_env.yaml"), {"env.max_tokens": 64})
   assert env.rollout.max_new_tokens != 64
-  assert assemble.attention_line(env, mesh, 48).endswith("-> dense in the train step (112 positions a row)")
+  assert "-> dense in the train step (112 positions a row); the sampler's decode reads only the filled slots" in (
+    assemble.attention_line(env, mesh, 48)
+  )

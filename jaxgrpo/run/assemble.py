@@ -24,7 +24,7 @@ from jaxgrpo.loop.partial.schedule import PartialRollouts
 from jaxgrpo.loop.schedule import Learner, Synchronous
 from jaxgrpo.loop.source import RolloutSource, Turns
 from jaxgrpo.models import backend, load_hf, load_tokenizer, moe
-from jaxgrpo.models.attention import context_implementation, resolve_implementation
+from jaxgrpo.models.attention import DECODE_BLOCKED_FROM, context_implementation, decode_block, resolve_implementation
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.parallel.target import platform_of
 from jaxgrpo.rewards import judge, remote, reward_model
@@ -292,7 +292,12 @@ def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None) -> st
   ``prompt_len +`` the completion width (``rollout.max_new_tokens``; with ``env``, ``env.max_tokens``: a
   trajectory's tokens), on the platform of ``mesh``'s devices; ring attention over a ``context`` axis
   (``models.attention.context_implementation``). ``prompt_len`` None (multi-turn episodes, whose prompt width is
-  known per batch) without packing: the line says the choice is made per batch."""
+  known per batch) without packing: the line says the choice is made per batch. With the built-in sampler
+  (``rollout.engine: jax``) it ends with what a decode step reads of the KV cache (:func:`decode_phrase`)."""
+  return _train_step_attention(cfg, mesh, prompt_len) + decode_phrase(cfg, prompt_len)
+
+
+def _train_step_attention(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None) -> str:
   name = f"attention: model.attention={cfg.model.attention!r}"
   ring = context_implementation(cfg.model.attention, shd.context_size(mesh))
   if ring is not None:
@@ -303,6 +308,25 @@ def attention_line(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None) -> st
     return f"{name} in the train step: chosen per batch by its row length (episodes' prompts vary)"
   impl = resolve_implementation(cfg.model.attention, rows, platform_of(mesh))
   return f"{name} -> {impl} in the train step ({rows} positions a row)"
+
+
+def decode_phrase(cfg: TrainerConfig, prompt_len: int | None) -> str:
+  """What the built-in sampler's decode step reads of its KV cache (``models.attention.decode_block``): the
+  filled slots in blocks from ``DECODE_BLOCKED_FROM`` slots on, else the whole cache; for a single-turn rollout of
+  ``prompt_len + rollout.max_new_tokens - 1`` slots (``+ rollout.speculative_tokens`` when speculating) the
+  numbers; a multi-turn run's or an unknown prompt width's cache is sized per call. Empty for another engine."""
+  if cfg.rollout.engine != "jax":
+    return ""
+  if cfg.model.attention == "dense":
+    return "; the sampler's decode reads its whole KV cache (attention 'dense')"
+  if cfg.env is not None or prompt_len is None:
+    return f"; the sampler's decode reads only the filled slots of a KV cache of {DECODE_BLOCKED_FROM} slots or more"
+  slots = prompt_len + cfg.rollout.max_new_tokens - 1
+  slots += cfg.rollout.speculative_tokens if cfg.rollout.speculative != "off" else 0
+  block = decode_block(cfg.model.attention, slots)
+  if not block:
+    return f"; the sampler's decode reads its whole {slots}-slot KV cache (under {DECODE_BLOCKED_FROM} slots)"
+  return f"; the sampler's decode reads the filled part of its {slots}-slot KV cache, in blocks of {block}"
 
 
 def precision_line(cfg: TrainerConfig, mesh: Mesh) -> str | None:
