@@ -1,7 +1,8 @@
 """Decode attention over a long cache reads only the filled slots (``jaxgrpo.models.attention.decode_attention_blocks``,
 docs/sampling.md "Long rollouts"): the blocks against NumPy's softmax attention written from the formula, and the
-samplers over a cache of more than ``DECODE_BLOCKED_FROM`` slots against a teacher-forced dense pass, the whole-cache
-program and one device (a mesh over 8 virtual devices)."""
+samplers over a cache of more than ``DECODE_BLOCKED_FROM`` slots — ``generate``, speculative verify steps, the slot
+refill's and the multi-turn sampler's per-row caches — against a teacher-forced dense pass, the whole-cache program and
+one device (a mesh over 8 virtual devices)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from helpers import ref_logits, run_child
 
 from jaxgrpo import models
 from jaxgrpo.models import attention
+from jaxgrpo.rollout.conversation import ConversationSampler
+from jaxgrpo.rollout.refill import generate_refill
 from jaxgrpo.rollout.sampling import SamplingConfig, SamplingPolicy, generate, lower_generate
 from jaxgrpo.rollout.speculative import SpeculativeConfig, generate_speculative
 
@@ -148,6 +151,63 @@ def test_bench_decode_attention_smoke():
   whole, filled = bench.slots_read(8, 1020, 256)
   want = np.mean([min(-(-(8 + t) // 256) * 256, 1027) for t in range(1, 1020)])
   assert whole == 1027 and filled == pytest.approx(want) and filled < 0.7 * whole
+
+
+def test_slot_refill_over_a_long_cache_keeps_each_rows_log_probs():
+  """The refill pool's per-row cache (slots at different fills; a newcomer starts low while the other slot is far
+  along), blocked: each row is ``generate``'s row cut at its budget (tokens up to a first differing draw, log-probs
+  1e-5) and every log-prob the teacher-forced pass's."""
+  prompts = np.array([[0, 0, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], np.int32)
+  mask = prompts > 0
+  sampling = SamplingConfig(num_samples=2, max_new_tokens=1020, pad_id=0)
+  budgets = np.array([300, 1020, 640, 1020], np.int32)
+  model = _model("auto")
+  refill = generate_refill(
+    model, prompts, mask, sampling, key=jax.random.key(5), num_slots=2, refill_every=40, budgets=budgets
+  )
+  plain = generate(model, prompts, mask, sampling, key=jax.random.key(5))
+  assert attention.decode_block("auto", 6 + 1020 - 1) == 256
+  lengths = np.asarray(refill.mask).sum(1)
+  np.testing.assert_array_equal(lengths, budgets)  # no stop id: every row runs to its budget
+  np.testing.assert_allclose(np.asarray(refill.log_probs), _teacher_forced(_model("dense"), refill), atol=1e-5)
+  a, d = np.asarray(refill.completions), np.asarray(plain.completions)
+  same = np.cumprod(a == d, axis=1).astype(bool) & np.asarray(refill.mask)
+  assert same.sum() > 0.9 * lengths.sum(), same.sum(1)
+  assert np.abs(np.asarray(refill.log_probs) - np.asarray(plain.log_probs))[same].max() <= 1e-5
+
+
+def test_a_multi_turn_cache_over_a_long_conversation_keeps_the_log_probs():
+  """The multi-turn sampler's per-row cache kept across turns (1,100 slots, blocks of 256): two turns of up to 500
+  tokens with an observation appended between them; every sampled token's log-prob equals a teacher-forced dense
+  pass over the whole conversation (1e-5)."""
+  model = _model("auto")
+  rows = [list(p) for p in ([3, 4, 5, 6, 7], [9, 10, 11]) for _ in range(2)]  # N = 2 prompts x G = 2
+  conv = ConversationSampler(model, [list(r) for r in rows], SamplingConfig(num_samples=2, pad_id=0), max_len=1100)
+  assert attention.decode_block("auto", 1100) == 256
+  sampled = [[] for _ in rows]  # (position in the conversation, log-prob) of every sampled token
+  for turn in range(2):
+    appended = {i: [20 + i, 21, 22] for i in range(4)} if turn else None
+    if appended:
+      for i, ids in appended.items():
+        rows[i] += ids
+    out = conv.turn([(jax.random.key(turn), [0, 1, 2, 3])], max_new_tokens=500, appended=appended)
+    for i, (tokens, logps) in out.items():
+      sampled[i] += [(len(rows[i]) + j, float(lp)) for j, lp in enumerate(logps)]
+      rows[i] += [int(t) for t in tokens]
+  assert min(len(r) for r in rows) > 1000  # past the first blocks: the later turn reads 4 blocks
+  width = max(map(len, rows))
+  tokens = np.zeros((4, width), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, : len(r)] = r
+  mask = np.arange(width)[None] < np.array([len(r) for r in rows])[:, None]
+  positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
+  dense = _model("dense")
+  logits = np.asarray(ref_logits(dense, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)), np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  for i, pairs in enumerate(sampled):
+    want = [logp[i, k - 1, tokens[i, k]] for k, _ in pairs]
+    np.testing.assert_allclose([lp for _, lp in pairs], want, atol=1e-5, err_msg=f"row {i}")
 
 
 _SHARDED = r"""
