@@ -127,7 +127,10 @@ def test_stats_count_only_the_counted_prompts(peaked, drafter):
     want = [sum(int(getattr(s, f)) for s, c in zip(alone, counted) if c) for f in ("drafted", "accepted")]
     assert [int(got.drafted), int(got.accepted)] == want, (counted, got, want)
   assert tuple(map(int, run(prompts, mask))) == tuple(map(int, run(prompts, mask, counted=np.ones(3, bool))))
-  for bad in (np.ones(2, bool), np.ones(3, np.int32)):
+  assert tuple(map(int, run(prompts, mask, counted=[True, False, True]))) == tuple(
+    map(int, run(prompts, mask, counted=np.array([True, False, True])))
+  )  # a list is read as an array
+  for bad in (np.ones(2, bool), np.ones(3, np.int32), [1, 0, 1]):
     with pytest.raises(ValueError, match=r"`counted` must be bool\[3\] \(one flag per prompt"):
       run(prompts, mask, counted=bad)
 

@@ -333,11 +333,12 @@ def _check_counted(counted, batch: int):
   """``counted`` as ``bool[B]`` (None: every prompt); ValueError in one line for another shape or dtype."""
   if counted is None:
     return jnp.ones((batch,), bool)
-  shape, dtype = getattr(counted, "shape", None), getattr(counted, "dtype", None)
-  if shape != (batch,) or dtype != jnp.bool_:
+  if not isinstance(counted, jax.Array):
+    counted = np.asarray(counted)
+  if counted.shape != (batch,) or counted.dtype != np.bool_:
     raise ValueError(
       f"`counted` must be bool[{batch}] (one flag per prompt: whose rows the stats count); got "
-      f"{dtype}{list(shape) if shape is not None else type(counted).__name__}"
+      f"{counted.dtype}{list(counted.shape)}"
     )
   return counted
 
