@@ -4,7 +4,7 @@
 # and 1.7B-shaped random models in bf16 — train-step MFU against the chip's bf16 peak, decode tokens/s against the
 # HBM roofline, one whole GRPO iteration; results as OUT/res/accel_<shape>.json), then the binary-tree reproduction (default policy, then the paper's
 # gpt2-small policy), the built-in engine against transformers' generate, layers as a scan at depth 28, the train
-# step, MoE, LoRA/QLoRA and the sampler — each step under its own time limit, in priority order, until a global
+# step, MoE, LoRA/QLoRA, the sampler and its decode over the filled KV cache — each step under its own time limit, in priority order, until a global
 # deadline; one log and one tarball of JSON results under OUT.
 #
 # Usage (on a machine with one GPU and JAX's CUDA build; python3 is its interpreter):
@@ -88,6 +88,8 @@ step lora 90 "$PY" scripts/bench_lora.py --steps 3
 step lora_adapters 200 "$PY" scripts/bench_lora.py --steps 3 --modes lora,qlora
 step moe 50 "$PY" scripts/bench_moe.py --repeats 3 --skip-mismatch
 step sampler 50 "$PY" scripts/bench_sampler.py --repeats 3
+# the decode loop over the filled KV-cache slots against the whole cache, 64 rows x (64 + 4,096) tokens
+step decode_blocks 90 "$PY" scripts/bench_decode_attention.py --prompts 8 --samples 8 --rounds 3
 step binary_tree_gpt2_small_more 120 "$PY" scripts/binary_tree.py --policy gpt2-small --seeds 2 --seed-offset 2 \
   --no-plot --quiet --out "$OUT/res/bt_gpt2_small_2"
 tar czf "$OUT/results.tgz" -C "$OUT" res && rm -rf "$OUT/res"
