@@ -476,32 +476,40 @@ class Attention(nnx.Module):
     else:
       mask = (k_slot[None, None, :] <= q_slot[:, :, None]) & key_ok  # [B,S,T]
     q = q.reshape(B, S, N, G, K)
-    f32 = lambda x: x.astype(jnp.float32)
-    block = decode_block(self.implementation, values.shape[2]) if small and not forward_mode_active() else 0
-    if block:  # a long cache: read only its filled slots, in blocks (decode_attention_blocks)
-      qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))  # [B,N,G,S,K]
-      out = decode_attention_blocks(qt, keys, values, mask, jnp.max(q_slot) + 1, block=block, scale=K**-0.5)
-      out = jnp.transpose(out.astype(self.dtype), (0, 3, 1, 2, 4)).reshape(B, S, H, K)
-      return self._output(out, kw), new_kv
     if small:
-      qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))  # [B,N,G,S,K]
-      scores = jnp.sum(qt[..., None] * f32(keys)[:, :, None, None], axis=-2)  # [B,N,G,S,T]
-    else:
-      scores = jnp.einsum(
-        "bsngk,btnk->bngst",
-        *f32_operands_on_cpu(q, keys.astype(self.dtype), preferred_element_type=jnp.float32),
-        preferred_element_type=jnp.float32,
-      )
-    scores = jnp.where(mask[:, None, None], scores * (K**-0.5), _NEG_INF)
-    probs = (jax.nn.softmax(scores, axis=-1) if forward_mode_active() else _attention_softmax(scores)).astype(
-      self.dtype
+      return self._output(self._decode(q, keys, values, mask, q_slot), kw), new_kv
+    scores = jnp.einsum(
+      "bsngk,btnk->bngst",
+      *f32_operands_on_cpu(q, keys.astype(self.dtype), preferred_element_type=jnp.float32),
+      preferred_element_type=jnp.float32,
     )
-    if small:
-      out = jnp.sum(f32(probs)[..., None] * f32(values)[:, :, None, None], axis=-2).astype(self.dtype)
-      out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, K)  # [B,N,G,S,K] -> [B,S,H,K]
-    else:
-      out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
+    probs = self._probs(scores, mask)
+    out = jnp.einsum("bngst,btnk->bsngk", probs, values.astype(self.dtype)).reshape(B, S, H, K)
     return self._output(out, kw), new_kv
+
+  def _probs(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """``softmax(scores / √K)`` over the keys where ``mask [B, S, T]`` (``_NEG_INF`` elsewhere), in the compute
+    dtype: ``scores`` float32 ``[B, N, G, S, T]``."""
+    scores = jnp.where(mask[:, None, None], scores * (self.head_dim**-0.5), _NEG_INF)
+    return (jax.nn.softmax(scores, axis=-1) if forward_mode_active() else _attention_softmax(scores)).astype(self.dtype)
+
+  def _decode(self, q, keys, values, mask, q_slot) -> jax.Array:
+    """A decode step's attention (``S·G <= _SMALL_QUERY_ROWS`` query rows per kv head): a broadcast
+    multiply-and-reduce over the cache in float32 (the B·N tiny matmuls are slow as a batched dot on CPU). q
+    ``[B, S, N, G, K]``; keys ``[B, N, K, T]``, values ``[B, N, T, K]`` (the cache's layouts); mask ``bool[B, S,
+    T]``; q_slot: the queries' slots (``[1, S]`` or ``[B, S]``). Over a cache of ``DECODE_BLOCKED_FROM`` slots or
+    more (:func:`decode_block`; not in forward-mode autodiff) only its filled blocks are read
+    (:func:`decode_attention_blocks`), else every slot. Returns ``[B, S, H, K]`` in the compute dtype."""
+    B, S, N, G, K = q.shape
+    f32 = lambda x: x.astype(jnp.float32)
+    qt = f32(jnp.transpose(q, (0, 2, 3, 1, 4)))  # [B,N,G,S,K]
+    block = 0 if forward_mode_active() else decode_block(self.implementation, values.shape[2])
+    if block:
+      out = decode_attention_blocks(qt, keys, values, mask, jnp.max(q_slot) + 1, block=block, scale=K**-0.5)
+    else:
+      probs = self._probs(jnp.sum(qt[..., None] * f32(keys)[:, :, None, None], axis=-2), mask)  # [B,N,G,S,T]
+      out = jnp.sum(f32(probs)[..., None] * f32(values)[:, :, None, None], axis=-2)
+    return jnp.transpose(out.astype(self.dtype), (0, 3, 1, 2, 4)).reshape(B, S, N * G, K)  # -> [B,S,H,K]
 
   def _output(self, out: jax.Array, kw: dict) -> jax.Array:
     """The output projection of the attention output ``out [B,S,H,K]``: ``[B,S,D]``."""
