@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ref_logits, run_child
+from helpers import ref_log_probs, run_child
+from test_speculative import _teacher_forced as teacher_forced  # float64 log-softmax of a cache-free forward
 
 from jaxgrpo import models
 from jaxgrpo.models import attention
@@ -70,19 +71,6 @@ def _model(implementation: str) -> nnx.Module:
   return models.set_attention(model, implementation)
 
 
-def _teacher_forced(model, rollout):
-  """log_softmax(logits)[token] of every completion token from one cache-free forward with dense attention."""
-  tokens = np.concatenate([np.asarray(rollout.prompt_tokens), np.asarray(rollout.completions)], 1)
-  mask = np.concatenate([np.asarray(rollout.prompt_mask), np.asarray(rollout.mask)], 1)
-  positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
-  logits = np.asarray(ref_logits(model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)), np.float64)
-  logp = logits - logits.max(-1, keepdims=True)
-  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-  p_len, t_len = rollout.prompt_tokens.shape[1], rollout.completions.shape[1]
-  out = np.take_along_axis(logp[:, p_len - 1 : p_len - 1 + t_len], tokens[:, p_len:, None], -1)[..., 0]
-  return np.where(np.asarray(rollout.mask), out, 0.0)
-
-
 @pytest.fixture(scope="module")
 def long_rollouts():
   """``generate`` over a cache of 24 + 1,016 - 1 = 1,039 slots (blocks of 256) and over the same cache read whole
@@ -94,7 +82,7 @@ def long_rollouts():
   out = {}
   for impl in ("auto", "dense"):
     out[impl] = generate(_model(impl), prompts, mask, sampling, key=jax.random.key(1))
-  out["teacher"] = _teacher_forced(_model("dense"), out["auto"])
+  out["teacher"] = teacher_forced(_model("dense"), out["auto"], 1.0)
   policy = SamplingPolicy.from_config(sampling, temperature=1.0, vocab_size=61)
   for impl in ("auto", "dense"):  # the decode loop's programs: one block loop per layer inside it, or none
     text = lower_generate(_model(impl), prompts, mask, policy, key=jax.random.key(1)).as_text()
@@ -133,7 +121,7 @@ def test_speculative_decoding_over_a_long_cache_keeps_greedy_and_its_log_probs()
   )  # fmt: skip
   assert int(stats.accepted) > 0 and attention.decode_block("auto", 8 + 1020 - 1 + 3) > 0
   np.testing.assert_array_equal(np.asarray(spec.completions), np.asarray(plain.completions))
-  np.testing.assert_allclose(np.asarray(spec.log_probs), _teacher_forced(_model("dense"), spec), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(spec.log_probs), teacher_forced(_model("dense"), spec, 1.0), atol=1e-5)
 
 
 def test_bench_decode_attention_smoke():
@@ -169,7 +157,7 @@ def test_slot_refill_over_a_long_cache_keeps_each_rows_log_probs():
   assert attention.decode_block("auto", 6 + 1020 - 1) == 256
   lengths = np.asarray(refill.mask).sum(1)
   np.testing.assert_array_equal(lengths, budgets)  # no stop id: every row runs to its budget
-  np.testing.assert_allclose(np.asarray(refill.log_probs), _teacher_forced(_model("dense"), refill), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(refill.log_probs), teacher_forced(_model("dense"), refill, 1.0), atol=1e-5)
   a, d = np.asarray(refill.completions), np.asarray(plain.completions)
   same = np.cumprod(a == d, axis=1).astype(bool) & np.asarray(refill.mask)
   assert same.sum() > 0.9 * lengths.sum(), same.sum(1)
@@ -200,13 +188,9 @@ def test_a_multi_turn_cache_over_a_long_conversation_keeps_the_log_probs():
   for i, r in enumerate(rows):
     tokens[i, : len(r)] = r
   mask = np.arange(width)[None] < np.array([len(r) for r in rows])[:, None]
-  positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
-  dense = _model("dense")
-  logits = np.asarray(ref_logits(dense, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)), np.float64)
-  logp = logits - logits.max(-1, keepdims=True)
-  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  logp = np.asarray(ref_log_probs(_model("dense"), jnp.asarray(tokens), jnp.asarray(mask)))  # [N, L]: token k's
   for i, pairs in enumerate(sampled):
-    want = [logp[i, k - 1, tokens[i, k]] for k, _ in pairs]
+    want = [logp[i, k] for k, _ in pairs]
     np.testing.assert_allclose([lp for _, lp in pairs], want, atol=1e-5, err_msg=f"row {i}")
 
 
