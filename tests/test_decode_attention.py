@@ -52,6 +52,25 @@ def test_blocks_equal_softmax_attention_over_the_filled_slots(bound, block):
   np.testing.assert_allclose(np.asarray(got), _numpy_attention(qt, keys, values, mask, K**-0.5), atol=2e-6)
 
 
+def test_bad_arguments_are_refused_in_one_line_naming_them():
+  qt, keys = jnp.zeros((1, 2, 2, 1, 8)), jnp.zeros((1, 2, 8, 300))
+  values, mask = jnp.zeros((1, 2, 300, 8)), jnp.ones((1, 1, 300), bool)
+  run = lambda **kw: attention.decode_attention_blocks(
+    **{"qt": qt, "keys": keys, "values": values, "mask": mask, "bound": jnp.int32(5), "block": 128, "scale": 1.0, **kw}
+  )
+  assert run().shape == qt.shape
+  with pytest.raises(ValueError, match=r"`qt` must be \[B, N, G, S, K\]; got shape \(1, 2, 8\)$"):
+    run(qt=jnp.zeros((1, 2, 8)))
+  with pytest.raises(ValueError, match=r"`values` must be \[B, N, T, K\] = \[1, 2, 300, 8\] for `qt`"):
+    run(values=jnp.zeros((1, 2, 8, 300)))
+  with pytest.raises(ValueError, match=r"`mask` must be \[B, S, T\] = \[1, 1, 300\]"):
+    run(mask=jnp.ones((1, 300), bool))
+  with pytest.raises(ValueError, match=r"`block` must be an int in \[1, T = 300\]; got 512$"):
+    run(block=512)
+  with pytest.raises(ValueError, match=r"`attention` must be one of"):
+    attention.decode_block("flash", 4096)
+
+
 def test_the_block_is_chosen_by_the_cache_length_and_the_implementation():
   assert attention.decode_block("auto", attention.DECODE_BLOCKED_FROM - 1) == 0  # short caches: one dense pass
   assert attention.decode_block("dense", 40_000) == 0

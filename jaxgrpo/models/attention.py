@@ -123,6 +123,7 @@ def decode_block(implementation: str, slots: int) -> int:
   cache (``dense``, or a cache shorter than :data:`DECODE_BLOCKED_FROM` slots, where one pass is cheaper than a
   loop). Otherwise ``ceil(slots / DECODE_MAX_BLOCKS)`` rounded up to a multiple of 128: at most
   :data:`DECODE_MAX_BLOCKS` iterations of :func:`decode_attention_blocks` per layer and step."""
+  check_implementation(implementation)
   if implementation == "dense" or slots < DECODE_BLOCKED_FROM:
     return 0
   return -(-slots // (DECODE_MAX_BLOCKS * 128)) * 128
@@ -137,7 +138,9 @@ def decode_attention_blocks(qt, keys, values, mask, bound, *, block: int, scale:
   ``[i·C, (i+1)·C)`` for ``i < ceil(bound / C)`` (a loop with a data-dependent trip count; the last block's
   window is shifted to end at T and its slots before ``i·C`` masked), with the online softmax in float32:
   ``m ← max(m, max_j s_j)``, ``l ← l·e^{m_old−m} + Σ_j e^{s_j−m}``, ``acc ← acc·e^{m_old−m} + Σ_j e^{s_j−m}·v_j``,
-  out = acc / l — the softmax of the dense path, summed in another order (float32: ~1e-7 apart).
+  out = acc / l — the softmax of the dense path, summed in another order (float32: ~1e-7 apart). The online
+  normaliser is Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018), as FlashAttention
+  (Dao et al., 2022) uses it over key blocks; decoding over key blocks is "Flash-Decoding" (Dao et al., 2023).
 
   Args:
     qt: ``f32[B, N, G, S, K]`` queries (kv head, group, query row); keys ``[B, N, K, T]``, values
@@ -146,8 +149,12 @@ def decode_attention_blocks(qt, keys, values, mask, bound, *, block: int, scale:
 
   Returns:
     ``f32[B, N, G, S, K]``.
+
+  Raises:
+    ValueError (one line, before tracing the loop): shapes that do not fit together, or ``block`` not in ``[1, T]``.
   """
   f32 = lambda x: x.astype(jnp.float32)
+  _check_decode_blocks(qt, keys, values, mask, block)
   T = keys.shape[-1]
   head = qt.shape[:-1]  # B, N, G, S
 
@@ -169,6 +176,26 @@ def decode_attention_blocks(qt, keys, values, mask, bound, *, block: int, scale:
   init = (jnp.full(head, _NEG_INF, jnp.float32), jnp.zeros(head, jnp.float32), jnp.zeros_like(qt))
   _, l, acc = jax.lax.fori_loop(0, (bound + block - 1) // block, body, init)
   return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _check_decode_blocks(qt, keys, values, mask, block) -> None:
+  """:func:`decode_attention_blocks`' arguments fit together (ValueError in one line naming the argument)."""
+  for name, x, rank, axes in (("qt", qt, 5, "[B, N, G, S, K]"), ("keys", keys, 4, "[B, N, K, T]")):
+    if len(x.shape) != rank:
+      raise ValueError(f"decode_attention_blocks: `{name}` must be {axes}; got shape {tuple(x.shape)}")
+  (B, N, _, S, K), T = qt.shape, keys.shape[3]
+  for name, x, want, axes in (
+    ("keys", keys, (B, N, K, T), "[B, N, K, T]"),
+    ("values", values, (B, N, T, K), "[B, N, T, K]"),
+    ("mask", mask, (B, S, T), "[B, S, T]"),
+  ):
+    if tuple(x.shape) != want:
+      raise ValueError(
+        f"decode_attention_blocks: `{name}` must be {axes} = {list(want)} for `qt` {tuple(qt.shape)}; got shape "
+        f"{tuple(x.shape)}"
+      )
+  if not isinstance(block, int) or not 1 <= block <= T:
+    raise ValueError(f"decode_attention_blocks: `block` must be an int in [1, T = {T}]; got {block!r}")
 
 
 class TreeSegments(NamedTuple):
