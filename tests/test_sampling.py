@@ -28,6 +28,7 @@ from jaxgrpo.rollout.sampling import (
   Rollout,
   SamplingConfig,
   SamplingPolicy,
+  cache_slots,
   filter_logits,
   generate,
   sample_categorical,
@@ -633,3 +634,18 @@ def test_bench_sampler_smoke(capsys):
   )
   assert res["tokens"] == 16 and res["ours_tps"] > 0 and res["hf_tps"] > 0
   assert "ratio (ours / transformers)" in capsys.readouterr().out
+
+
+def test_the_samplers_caches_hold_prompt_and_budget_less_the_last_token_plus_the_drafts():
+  """``cache_slots``: P + T - 1 (+ k drafts); ``generate``'s program allocates exactly that many slots: its values
+  ``[N, kv heads, P + T - 1, head_dim]``."""
+  assert cache_slots(5, 8) == 12 and cache_slots(5, 8, 3) == 15 and cache_slots(1, 1) == 1
+  cfg = models.Qwen3Config(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                           intermediate_size=32)  # fmt: skip
+  prompts = jnp.ones((1, 5), jnp.int32)
+  policy = SamplingPolicy.from_config(SamplingConfig(num_samples=2, max_new_tokens=8), temperature=1.0, vocab_size=32)
+  text = sampling.lower_generate(models.build_model(cfg, rngs=nnx.Rngs(0)), prompts, prompts > 0, policy,
+                                 key=jax.random.key(0)).as_text()  # fmt: skip
+  # the values' layout [N, kv heads, slots, head_dim]: the cache's slots, and the S = 1 new token's of each step
+  slots = {int(m) for m in re.findall(r"tensor<2x1x(\d+)x8xf32>", text)}
+  assert max(slots) == cache_slots(5, 8), slots

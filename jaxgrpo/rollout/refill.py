@@ -120,7 +120,7 @@ def generate_refill(
       )
     row_budget = row_budget.astype(np.int32)
   slots = min(slots, n)
-  max_len = prompt_len + t_max - 1
+  max_len = _sampling.cache_slots(prompt_len, t_max)
 
   host_tokens, host_mask = (np.asarray(x) for x in jax.device_get((prompt_tokens, prompt_mask)))
   real = host_mask.sum(axis=1)  # real prompt tokens of each prompt

@@ -44,6 +44,7 @@ __all__ = [
   "Rollout",
   "SamplingConfig",
   "SamplingPolicy",
+  "cache_slots",
   "categorical_from_uniform",
   "check_sampling",
   "filter_logits",
@@ -138,6 +139,13 @@ class SamplingConfig:
         "(None is for multi-turn sampling only)"
       )
     return self.max_new_tokens
+
+
+def cache_slots(prompt_len: int, max_new_tokens: int, num_draft: int = 0) -> int:
+  """The KV-cache slots a sampler needs for ``prompt_len`` prompt slots and ``max_new_tokens`` new tokens:
+  ``P + T - 1`` (the last sampled token is never fed back), ``+ k`` when speculating with k drafted tokens (a verify
+  step may write k slots past the last kept one). Every built-in sampler sizes its cache by it."""
+  return prompt_len + max_new_tokens - 1 + num_draft
 
 
 def check_sampling(sampling, where: str) -> SamplingConfig:
@@ -730,8 +738,7 @@ def _generate_jit(graphdef, state, prompt_tokens, prompt_mask, key, *, policy: S
   # Prefill: B rows, once per prompt. The last prompt column is real (left padding), so its
   # hidden state gives the logits of the first completion token.
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)  # [B, P]
-  # The last sampled token is never fed back, so P + T - 1 slots suffice.
-  cache = model.init_cache(batch, prompt_len + max_new_tokens - 1)
+  cache = model.init_cache(batch, cache_slots(prompt_len, max_new_tokens))
   with _moe.routing_scope() as scope:
     hidden, cache = model(prompt_tokens, positions, attention_mask=prompt_mask, cache=cache)
   routes = None

@@ -508,7 +508,7 @@ def _speculative_jit(
   n_rows = batch * g
   rows = jnp.arange(n_rows)
   positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32) - 1, 0)
-  slots = p_len + t_max - 1 + k  # a verify step may write k slots past the last kept
+  slots = _sampling.cache_slots(p_len, t_max, k)
   hidden, cache, prompt_routes = _prefill(model, prompt_tokens, prompt_mask, positions, slots, g, policy.record_routing)
   first_logits = model.logits(hidden, out_dtype=jnp.float32)  # [N, V]
   draft = None

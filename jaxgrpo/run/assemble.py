@@ -33,7 +33,7 @@ from jaxgrpo.rollout.engines import logprobs_are_policy
 from jaxgrpo.rollout.engines import registry as engine_registry
 from jaxgrpo.rollout.engines.builtin import BuiltinEngine
 from jaxgrpo.rollout.environments import spec as env_spec
-from jaxgrpo.rollout.sampling import SamplingConfig
+from jaxgrpo.rollout.sampling import SamplingConfig, cache_slots
 from jaxgrpo.run import builders
 from jaxgrpo.run.composition import PARTIAL_ROUTING_REPLAY_ERROR, check_composition
 from jaxgrpo.run.spec_schema import RewardSourceSpec
@@ -313,16 +313,16 @@ def _train_step_attention(cfg: TrainerConfig, mesh: Mesh, prompt_len: int | None
 def decode_phrase(cfg: TrainerConfig, prompt_len: int | None) -> str:
   """What the built-in sampler's decode step reads of its KV cache (``models.attention.decode_block``): the
   filled slots in blocks from ``DECODE_BLOCKED_FROM`` slots on, else the whole cache; for a single-turn rollout of
-  ``prompt_len + rollout.max_new_tokens - 1`` slots (``+ rollout.speculative_tokens`` when speculating) the
-  numbers; a multi-turn run's or an unknown prompt width's cache is sized per call. Empty for another engine."""
+  ``jaxgrpo.rollout.sampling.cache_slots`` slots (with ``rollout.speculative_tokens`` for drafts when speculating)
+  the numbers; a multi-turn run's or an unknown prompt width's cache is sized per call. Empty for another engine."""
   if cfg.rollout.engine != "jax":
     return ""
   if cfg.model.attention == "dense":
     return "; the sampler's decode reads its whole KV cache (attention 'dense')"
   if cfg.env is not None or prompt_len is None:
     return f"; the sampler's decode reads only the filled slots of a KV cache of {DECODE_BLOCKED_FROM} slots or more"
-  slots = prompt_len + cfg.rollout.max_new_tokens - 1
-  slots += cfg.rollout.speculative_tokens if cfg.rollout.speculative != "off" else 0
+  k = cfg.rollout.speculative_tokens if cfg.rollout.speculative != "off" else 0
+  slots = cache_slots(prompt_len, cfg.rollout.max_new_tokens, k)
   block = decode_block(cfg.model.attention, slots)
   if not block:
     return f"; the sampler's decode reads its whole {slots}-slot KV cache (under {DECODE_BLOCKED_FROM} slots)"

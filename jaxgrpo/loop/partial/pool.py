@@ -163,8 +163,9 @@ class RowPool:
     self.prompt_len, self.slots, self.every, self.refill = prompt_len, num_slots, refill_every, refill
     self.budget_of = budget_of
     self.speculative = speculative
-    # a verify step writes k slots past the last kept one
-    self.max_len = prompt_len + self.t_max - 1 + (0 if speculative is None else speculative.config.num_draft)
+    self.max_len = _sampling.cache_slots(
+      prompt_len, self.t_max, 0 if speculative is None else speculative.config.num_draft
+    )
     self._policy = None  # the SamplingPolicy, resolved against the model's vocabulary at the first run
     self.reset()
 

@@ -53,7 +53,7 @@ from jaxgrpo.rollout.conversation import ConversationSampler
 from jaxgrpo.rollout.environments.base import StepResult
 from jaxgrpo.rollout.environments.chat import ChatFormat
 from jaxgrpo.rollout.environments.tools import TOOL_CALL_END
-from jaxgrpo.rollout.sampling import SamplingPolicy, generate
+from jaxgrpo.rollout.sampling import SamplingPolicy, cache_slots, generate
 from jaxgrpo.rollout.speculative import SpeculativeStats, generate_speculative
 
 __all__ = [
@@ -581,7 +581,7 @@ def sample_multiturn(
   if kv_cache and engine is None and len(suppress) == 1:
     # every token of a trajectory after the prompt fits: p_max + t_max tokens, the last never fed
     conv = ConversationSampler(
-      model, prompts, sampling, max_len=p_max + t_max - 1, temperature=temperature, suppress_eos=stops[0],
+      model, prompts, sampling, max_len=cache_slots(p_max, t_max), temperature=temperature, suppress_eos=stops[0],
       speculative=None if spec is None else spec[0], draft_model=None if spec is None else spec[1],
     )  # fmt: skip
 
