@@ -69,9 +69,9 @@ def _reference(w, h, tgt, c_logp, c_ent, *, tied, dtype, temperature, entropy_gr
   return jnp.sum(c_logp * logp) + jnp.sum(c_ent * ent_term), (logp, ent)
 
 
-def _library(graphdef, name, state, h, tgt, c_logp, c_ent, *, temperature, chunk_size, entropy_grad):
+def _library(graphdef, name, state, h, tgt, c_logp, c_ent, *, temperature, chunk_size, entropy_grad, keep=False):
   """Loss, (logp, entropy) and gradients w.r.t. (head weight ``state[name]``, hidden) through
-  ``chunked_log_probs`` (traced: call inside ``jax.jit``)."""
+  ``chunked_log_probs`` (traced: call inside ``jax.jit``); ``keep``: its ``keep_logits``."""
 
   def loss(st, h):
     logp, ent = chunked_log_probs(
@@ -82,6 +82,7 @@ def _library(graphdef, name, state, h, tgt, c_logp, c_ent, *, temperature, chunk
       chunk_size=chunk_size,
       with_entropy=True,
       entropy_grad=entropy_grad,
+      keep_logits=keep,
     )
     return jnp.sum(c_logp * logp) + jnp.sum(c_ent * ent), (logp, ent)
 
@@ -129,10 +130,25 @@ def test_head_log_probs_equal_full_logits_autodiff_and_the_checkpoint_path(
     value, (logp, ent), (dw, dh) = _library(graphdef, name, state, h, tgt, c_logp, c_ent, **kw)
     with mock.patch.object(_log_probs, "_uses_head_kernel", lambda m: False):  # the previous path
       _, (logp_old, ent_old), (dw_old, dh_old) = _library(graphdef, name, state, h, tgt, c_logp, c_ent, **kw)
+      _, (logp_ck, ent_ck), (dw_ck, dh_ck) = _library(graphdef, name, state, h, tgt, c_logp, c_ent, keep=True, **kw)
+    _, (logp_k, ent_k), (dw_k, dh_k) = _library(graphdef, name, state, h, tgt, c_logp, c_ent, keep=True, **kw)
     ref = jax.value_and_grad(functools.partial(_reference, **ref_kw), argnums=(0, 1), has_aux=True)
     (_, (logp_ref, ent_ref)), (dw_ref, dh_ref) = ref(state[name][...], h, tgt, c_logp, c_ent)
-    assert dh.dtype == dh_old.dtype == h.dtype and dw.dtype == dw_old.dtype == jnp.float32
-    return value, {
+    assert dh.dtype == dh_old.dtype == dh_k.dtype == h.dtype and dw.dtype == dw_old.dtype == jnp.float32
+    kept = {  # keep_logits: the forward's logits instead of the recompute, in the kernel and in plain autodiff
+      f"{what} ({path}, logits kept)": _rel_err(x, ref)
+      for path, (lp, en, dw_x, dh_x) in (
+        ("kernel", (logp_k, ent_k, dw_k, dh_k)),
+        ("autodiff", (logp_ck, ent_ck, dw_ck, dh_ck)),
+      )
+      for what, x, ref in (
+        ("logp vs full logits", lp, logp_ref),
+        ("entropy vs full logits", en, ent_ref),
+        ("d hidden vs full-logits autodiff", dh_x, dh_ref),
+        ("d head weight vs full-logits autodiff", dw_x, dw_ref),
+      )
+    }
+    return value, kept | {
       "logp vs checkpoint path": _rel_err(logp, logp_old),
       "entropy vs checkpoint path": _rel_err(ent, ent_old),
       "logp vs full logits": _rel_err(logp, logp_ref),
@@ -150,6 +166,36 @@ def test_head_log_probs_equal_full_logits_autodiff_and_the_checkpoint_path(
   for what, err in errs.items():
     rtol = 1e-6 if what.startswith(("logp", "entropy")) else 1e-5 if dtype == jnp.float32 else 1e-2
     assert float(err) <= rtol, f"{what}: max |Δ| / max |ref| = {float(err):.2e} > {rtol:.0e}"
+
+
+@pytest.mark.parametrize("chunk_size", [4, 5])
+def test_kept_logits_skip_the_recompute_matmul(chunk_size):
+  """``keep_logits`` (``TrainConfig.head_logits: keep``): the compiled gradient of the chunked head has one head
+  matmul less, ``2·B·C·V·D`` FLOPs (XLA's count of the chunk loop's body, which it counts once), and the kept
+  float32 logits are the price. (Unchunked, XLA already merges the recompute with the forward's identical product.)"""
+  model = _model(True, jnp.float32)
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(3)
+  h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  tgt = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  c = jnp.asarray(rng.standard_normal((B, T)), jnp.float32)
+
+  def flops(keep):
+    kw = dict(temperature=1.0, chunk_size=chunk_size, entropy_grad=False, keep=keep)
+    fn = jax.jit(lambda st, h: _library(graphdef, "embed_tokens", st, h, tgt, c, 0 * c, **kw)[2])
+    analysis = fn.lower(state, h).compile().cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+  saved = flops(False) - flops(True)
+  assert saved == pytest.approx(2 * B * chunk_size * V * D, rel=1e-3), saved
+
+
+def test_train_config_head_logits_is_checked():
+  from jaxgrpo.step.train import TrainConfig
+
+  assert TrainConfig().head_logits == "recompute" and TrainConfig(head_logits="keep").head_logits == "keep"
+  with pytest.raises(ValueError, match="`head_logits` must be one of 'recompute', 'keep'; got 'store'"):
+    TrainConfig(head_logits="store")
 
 
 @pytest.mark.parametrize("tied", [True, False])

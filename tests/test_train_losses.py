@@ -131,12 +131,12 @@ def reference_update(model, batch, config):
 
 
 @functools.lru_cache(maxsize=None)
-def _step(name, micro):
+def _step(name, micro, head_logits="recompute"):
   config = preset(name, **CASES[name])
   mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
   opt = optax.sgd(LR)
   graphdef, state, shardings = train.init_train_state(tiny_model(layers=1), opt, mesh)
-  tc = train.TrainConfig(micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5)
+  tc = train.TrainConfig(micro_batches=micro, max_grad_norm=CLIP, group_size=G, chunk_size=5, head_logits=head_logits)
   return (
     config,
     mesh,
@@ -145,8 +145,8 @@ def _step(name, micro):
   )
 
 
-def _run(name, micro, batch):
-  config, mesh, opt, step = _step(name, micro)
+def _run(name, micro, batch, head_logits="recompute"):
+  config, mesh, opt, step = _step(name, micro, head_logits)
   _, state, _ = train.init_train_state(tiny_model(layers=1), opt, mesh)
   state, metrics = step(state, batch)
   return flat_params(state.params), {k: float(v) for k, v in metrics.items()}
@@ -178,6 +178,25 @@ def test_preset_equals_the_formula_and_micro_batches_change_nothing(name):
   u1, u4 = _update(one, init), _update(four, init)
   assert np.abs(u4 - u1).max() <= 1e-5 * np.abs(u1).max()
   assert np.linalg.norm(u4 - u1) <= 1e-5 * np.linalg.norm(u1)
+
+
+def test_kept_head_logits_give_the_formulas_update():
+  """``TrainConfig(head_logits="keep")``: the chunks' logits kept for the backward pass instead of recomputed give
+  the update of the loss written from the formula on full logits (an entropy bonus too: ``gspo_token``), as the
+  recompute does, with 1 and 2 micro-batches."""
+  name, batch = "gspo_token", _batch()
+  want, want_loss = reference_update(tiny_model(layers=1), batch, preset(name, **CASES[name]))
+  for micro in (1, 2):
+    got, metrics = _run(name, micro, batch, head_logits="keep")
+    assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"{name} {k} K={micro}")
+  # and the step's program does skip the recompute: one chunk's head matmul less (XLA counts a loop body once)
+  _, mesh, opt, _ = _step(name, 1)
+  _, state, _ = train.init_train_state(tiny_model(layers=1), opt, mesh)
+  flops = {h: _step(name, 1, h)[3].lower(state, batch).compile().cost_analysis() for h in ("recompute", "keep")}
+  flops = {h: (a[0] if isinstance(a, list) else a)["flops"] for h, a in flops.items()}
+  assert flops["keep"] < flops["recompute"], flops
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxgrpo import _checks
 from jaxgrpo.models.base import CausalLM, head_logits, positions_from_mask
 from jaxgrpo.models.layers import forward_mode_active, forward_mode_autodiff
 from jaxgrpo.parallel.target import current_platform
@@ -120,6 +121,7 @@ def head_log_probs(
   temperature: float | jax.Array = 1.0,
   with_entropy: bool = False,
   entropy_grad: bool = False,
+  keep_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs of ``targets`` (and the entropy) under the LM head ``w``, with a hand-written gradient.
 
@@ -131,7 +133,9 @@ def head_log_probs(
 
   The forward pass keeps only ``lse`` (and the entropy) per position; the backward pass recomputes
   ``z`` (one matmul) and forms the logits' cotangent in one elementwise pass from the saved ``lse``
-  (no second max / sum over the vocabulary, no scatter)::
+  (no second max / sum over the vocabulary, no scatter). With ``keep_logits`` the forward pass keeps ``z``
+  itself instead (``[B, C, V]`` float32 until the backward pass) and the backward pass skips the recompute: one
+  head matmul less for ``B·C·V·4`` bytes more (``TrainConfig.head_logits``)::
 
       ∂logp/∂z_v    = [v = target] - p_v
       ∂entropy/∂z_v = -p_v · (z_v - (lse - entropy))        (only with ``entropy_grad``)
@@ -147,6 +151,7 @@ def head_log_probs(
     temperature: positive scalar dividing the logits (no gradient).
     with_entropy: also return the entropy (static).
     entropy_grad: differentiate the entropy too (static; requires ``with_entropy``).
+    keep_logits: keep the chunk's logits for the backward pass instead of recomputing them (static).
 
   Returns:
     ``(logp f32[B, C], entropy f32[B, C] or None)``.
@@ -164,17 +169,18 @@ def head_log_probs(
     raise ValueError(f"`temperature` must be > 0; got {temperature}")
   if entropy_grad and not with_entropy:
     raise ValueError("`entropy_grad=True` needs `with_entropy=True`")
-  static = (bool(tied), jnp.dtype(dtype), bool(with_entropy), bool(entropy_grad))
+  _checks.check_python_bool(keep_logits, "keep_logits")
+  static = (bool(tied), jnp.dtype(dtype), bool(with_entropy), bool(entropy_grad), keep_logits)
   return _head_log_probs(static, w, hidden, targets.astype(jnp.int32), jnp.asarray(temperature, jnp.float32))
 
 
 def _head_forward(static, w, h, tgt, temperature):
-  tied, dtype, with_entropy, _ = static
+  tied, dtype, with_entropy, _, _ = static
   z = head_logits(w, h, tied=tied, dtype=dtype, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
   lse = jax.nn.logsumexp(z, axis=-1)
   logp = jnp.take_along_axis(z, tgt[..., None], axis=-1)[..., 0] - lse
   ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1) if with_entropy else None  # H = lse - Σ p·z
-  return (logp, ent), lse
+  return (logp, ent), lse, z
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -183,16 +189,17 @@ def _head_log_probs(static, w, h, tgt, temperature):
 
 
 def _head_log_probs_fwd(static, w, h, tgt, temperature):
-  (logp, ent), lse = _head_forward(static, w, h, tgt, temperature)
-  return (logp, ent), (w, h, tgt, temperature, lse, ent)
+  (logp, ent), lse, z = _head_forward(static, w, h, tgt, temperature)
+  return (logp, ent), (w, h, tgt, temperature, lse, ent, z if static[4] else None)
 
 
 def _head_log_probs_bwd(static, residuals, cotangents):
-  tied, dtype, _, entropy_grad = static
-  w, h, tgt, temperature, lse, ent = residuals
+  tied, dtype, _, entropy_grad, _ = static
+  w, h, tgt, temperature, lse, ent, kept = residuals
   g_logp, g_ent = cotangents
   logits, head_vjp = jax.vjp(lambda w, h: head_logits(w, h, tied=tied, dtype=dtype, out_dtype=jnp.float32), w, h)
-  z = logits / temperature
+  # the kept logits (keep_logits): the vjp's own forward matmul then has no use, and XLA drops it as dead code
+  z = logits / temperature if kept is None else kept
   p = jnp.exp(z - lse[..., None])
   target = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == tgt[..., None]
   dz = jnp.where(target, g_logp[..., None], 0.0) - g_logp[..., None] * p
@@ -260,6 +267,7 @@ def chunked_log_probs(
   with_entropy: bool = False,
   entropy_grad: bool = False,
   forward_mode: bool = False,
+  keep_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Log-probs of ``targets`` and (optionally) the policy entropy, chunked over positions.
 
@@ -286,6 +294,8 @@ def chunked_log_probs(
     entropy_grad: differentiate the entropy too (requires ``with_entropy``).
     forward_mode: the chunk under ``jax.checkpoint`` (plain autodiff, forward mode included) also
       for a ``CausalLM``, instead of :func:`head_log_probs`'s reverse-only gradient (module docstring).
+    keep_logits: every chunk's logits kept for the backward pass instead of recomputed (``[B, T, V]`` float32
+      in all, one head matmul less per chunk; :func:`head_log_probs`, or autodiff without ``jax.checkpoint``).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``; padding positions are not masked here.
@@ -299,6 +309,7 @@ def chunked_log_probs(
   _check_chunk_size(chunk_size)
   if entropy_grad and not with_entropy:
     raise ValueError("`entropy_grad=True` needs `with_entropy=True`")
+  _checks.check_python_bool(keep_logits, "keep_logits")
   b, t, d = hidden.shape
   targets = targets.astype(jnp.int32)
 
@@ -307,13 +318,12 @@ def chunked_log_probs(
 
     def chunk(args):
       h, tgt = args  # [B, C, D], [B, C]
-      kw = dict(tied=tied, dtype=dtype, temperature=temperature, with_entropy=with_entropy)
+      kw = dict(tied=tied, dtype=dtype, temperature=temperature, with_entropy=with_entropy, keep_logits=keep_logits)
       logp, ent = head_log_probs(w, h, tgt, entropy_grad=entropy_grad, **kw)
       return logp, ent if ent is None or entropy_grad else jax.lax.stop_gradient(ent)
 
-  else:  # any model with `logits`: autodiff, the chunk's logits recomputed under jax.checkpoint
+  else:  # any model with `logits`: autodiff, the chunk's logits recomputed under jax.checkpoint (unless kept)
 
-    @jax.checkpoint
     def chunk(args):
       h, tgt = args  # [B, C, D], [B, C]
       logits = model.logits(h, out_dtype=jnp.float32) / temperature  # [B, C, V] f32
@@ -324,6 +334,8 @@ def chunked_log_probs(
       sl, slse = (logits, lse) if entropy_grad else (jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse))
       ent = slse - jnp.sum(jnp.exp(sl - slse[..., None]) * sl, axis=-1)  # H = lse - Σ p·z
       return logp, ent
+
+    chunk = chunk if keep_logits else jax.checkpoint(chunk)
 
   if chunk_size is None or chunk_size >= t:
     return chunk((hidden, targets))
@@ -362,7 +374,13 @@ def _chunk_logits(model, h, temperature):
 
 
 def chunked_topk_log_probs(
-  model, hidden: jax.Array, ids: jax.Array, *, temperature: float = 1.0, chunk_size: int | None = 256
+  model,
+  hidden: jax.Array,
+  ids: jax.Array,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int | None = 256,
+  keep_logits: bool = False,
 ) -> jax.Array:
   """The log-probs of k given ids per position, ``log_softmax(logits(hidden) / temperature)[ids]``, chunked
   over positions like :func:`chunked_log_probs` (the ``f32[B, C, V]`` logits of one chunk at a time, recomputed
@@ -371,6 +389,7 @@ def chunked_topk_log_probs(
 
   Args:
     model: a model with ``logits(hidden, out_dtype=...)``; ``hidden``: ``[B, T, D]``; ``ids``: ``int[B, T, k]``.
+    keep_logits: the chunks' logits kept for the backward pass (plain autodiff) instead of recomputed.
 
   Returns:
     ``f32[B, T, k]``.
@@ -378,14 +397,14 @@ def chunked_topk_log_probs(
   if ids.ndim != 3 or ids.shape[:2] != hidden.shape[:2]:
     raise ValueError(f"`ids` must be int[B, T, k] with [B, T] = {hidden.shape[:2]}; got shape {ids.shape}")
   _check_chunk_size(chunk_size)
+  _checks.check_python_bool(keep_logits, "keep_logits")
 
-  @jax.checkpoint
   def chunk(h, i):
     z = _chunk_logits(model, h, temperature)
     lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
     return jnp.take_along_axis(z, i.astype(jnp.int32), axis=-1) - lse
 
-  return _over_chunks(chunk, hidden, ids, chunk_size)
+  return _over_chunks(chunk if keep_logits else jax.checkpoint(chunk), hidden, ids, chunk_size)
 
 
 def chunked_top_k(
@@ -499,6 +518,7 @@ def completion_log_probs(
   forward_mode: bool = False,
   topk_ids: jax.Array | None = None,
   top_k: int | None = None,
+  keep_logits: bool = False,
 ) -> tuple:
   """Log-probs (and optionally entropies) of the completion tokens given their prompts.
 
@@ -526,6 +546,8 @@ def completion_log_probs(
     topk_ids: ``int[B, T, k]``: also the log-probs at these ids (:func:`chunked_topk_log_probs`, from the same
       forward: a distillation student at its teacher's top-k ids).
     top_k: k: also the k most likely ids and their log-probs (:func:`chunked_top_k`: a distillation teacher).
+    keep_logits: the head's chunks keep their logits for the backward pass instead of recomputing them
+      (:func:`chunked_log_probs`; ``TrainConfig.head_logits: keep``).
 
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``mask`` is False; with ``topk_ids`` a third
@@ -549,10 +571,11 @@ def completion_log_probs(
       chunk_size=chunk_size,
       with_entropy=with_entropy,
       entropy_grad=entropy_grad,
+      keep_logits=keep_logits,
     )
     kw = dict(temperature=temperature, chunk_size=chunk_size)
     if topk_ids is not None:
-      extra = chunked_topk_log_probs(model, h, topk_ids, **kw)
+      extra = chunked_topk_log_probs(model, h, topk_ids, keep_logits=keep_logits, **kw)
     elif top_k is not None:
       extra = chunked_top_k(model, h, top_k, **kw)
   logp = jnp.where(mask, logp, 0.0)
@@ -632,6 +655,7 @@ def packed_log_probs(
   top_k: int | None = None,
   dropout_key: jax.Array | None = None,
   row_in_slot: jax.Array | None = None,
+  keep_logits: bool = False,
 ) -> tuple:
   """Log-probs (and optionally entropies) of the completion tokens of packed rows, in the rollout's
   ``[B, T]`` completion layout: :func:`completion_log_probs` for ``jaxgrpo.step.packing.PackedSlots``.
@@ -679,6 +703,8 @@ def packed_log_probs(
     row_in_slot: ``int[R, L]`` the row (within its block's ``B/blocks``) of the sequence that laid out each
       column (``jaxgrpo.step.packing.PackedSlots.row_in_slot``); needed with ``dropout_key``.
 
+    keep_logits: the head's chunks keep their logits for the backward pass (as :func:`completion_log_probs`).
+
   Returns:
     ``(logp f32[B, T], entropy f32[B, T] or None)``, both 0 where ``unpack_index`` is -1; with ``topk_ids`` a
     third entry ``f32[B, T, k]``, with ``top_k`` a third entry ``(ids int32[B, T, k], logp f32[B, T, k])``
@@ -705,6 +731,7 @@ def packed_log_probs(
     chunk_size=chunk_size,
     with_entropy=with_entropy,
     entropy_grad=entropy_grad,
+    keep_logits=keep_logits,
   )
   b, t = unpack_index.shape
   index = unpack_index.astype(jnp.int32).reshape(blocks, (b // blocks) * t)
@@ -720,7 +747,8 @@ def packed_log_probs(
   kw = dict(temperature=temperature, chunk_size=chunk_size)
   if topk_ids is not None:
     ids = _to_head(topk_ids, index, real, blocks, rb * h).reshape(blocks * rb, h, -1)
-    return (*out, unpack(chunked_topk_log_probs(model, head.reshape(blocks * rb, h, d), ids, **kw)))
+    topk = chunked_topk_log_probs(model, head.reshape(blocks * rb, h, d), ids, keep_logits=keep_logits, **kw)
+    return (*out, unpack(topk))
   if top_k is not None:
     return (*out, jax.tree.map(unpack, chunked_top_k(model, head.reshape(blocks * rb, h, d), top_k, **kw)))
   return out

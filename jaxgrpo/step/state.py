@@ -20,6 +20,8 @@ from jaxgrpo.models.base import freeze_rules
 from jaxgrpo.parallel import sharding as shd
 from jaxgrpo.step.prefix_tree import SHARING
 
+HEAD_LOGITS = ("recompute", "keep")  # TrainConfig.head_logits: how the head's logits reach the backward pass
+
 __all__ = ["TrainConfig", "TrainState", "init_train_state"]
 
 
@@ -72,6 +74,12 @@ class TrainConfig:
     chunk_size: positions per chunk of the float32 logits (None: unchunked). A chunk holds
       ``rows per micro-batch × chunk_size × V`` float32 logits: aim for a few thousand tokens (64 rows ×
       32 positions at V = 32000 is 262 MB; larger chunks were slower, BENCHMARKS.md "Peers", run C).
+    head_logits: ``"recompute"`` (default) or ``"keep"``: how the LM head's float32 logits reach the backward
+      pass of the loss. ``recompute`` keeps one logsumexp per position and recomputes each chunk's logits (one
+      head matmul more: a quarter of the head's work in the step); ``keep`` holds every chunk's logits of a
+      micro-batch until its backward pass, ``rows per micro-batch × completion positions × V × 4`` bytes more,
+      and skips that matmul. Same values and gradients. ``keep`` pays where the step is bound by arithmetic and
+      that memory is free (a CPU; small vocabularies); at users' sizes on accelerators the logits do not fit.
     group_size: G, the largest group (bounds ``process_set_sizes``' work; None: B, always correct).
     tree_stats: compute the process-tree statistics for presets without λ weights too (the λ presets
       always report them: they come free from the weights).
@@ -102,6 +110,7 @@ class TrainConfig:
   max_grad_norm: float | None = 1.0
   temperature: float = 1.0
   chunk_size: int | None = 256
+  head_logits: str = "recompute"
   group_size: int | None = None
   tree_stats: bool = False
   entropy: bool = True
@@ -127,6 +136,7 @@ class TrainConfig:
     for name in ("router_aux_loss", "router_z_loss"):
       c.check_python_float(getattr(self, name), name, at_least=0.0, hint="MoE router loss coefficient")
     c.check_choice(self.prefix_sharing, SHARING, "prefix_sharing")
+    c.check_choice(self.head_logits, HEAD_LOGITS, "head_logits")
     if self.packing is None and self.prefix_sharing != "none":
       raise ValueError(
         f"`prefix_sharing`={self.prefix_sharing!r} needs `packing` (the row length L: the trees are packed rows); "

@@ -146,6 +146,7 @@ def micro_log_probs(
   has a gradient only with ``entropy_grad`` (an entropy bonus in the loss). ``topk_ids`` ``int[R, T, k]``
   (packed or not): a third entry, the log-probs at those ids ``f32[R, T, k]`` from the same forward."""
   kw = dict(temperature=tc.temperature, chunk_size=tc.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+  kw["keep_logits"] = tc.head_logits == "keep"
   if topk_ids is not None:
     kw["topk_ids"] = topk_ids
   if "head_index" in mb:  # adapter dropout: each token's key from its sequence's row key and its position

@@ -9,8 +9,9 @@ stop), one warm-up (compile) then REPEATS timed calls.
 iter: one full GRPO iteration = rollout (as above) + reward (host) + reference log-probs (β=0.04)
 + one AdamW update of the jitted train step (the preset of the 4th argument, default grpo, with
 seq-mean-token-mean aggregation as Tunix's default and TRL's loss_type="grpo", k3 KL, 2 micro-batches
-of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); one warm-up iteration then REPEATS
-timed ones. The iteration is the library's public one,
+of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); the head's logits kept for the backward pass
+(``TrainConfig.head_logits``, ``PEERS_HEAD_LOGITS``: ``keep``, the default here, or ``recompute``, the
+library's default; recorded in the RESULT); one warm-up iteration then REPEATS timed ones. The iteration is the library's public one,
 `jaxgrpo.loop.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
 """
 
@@ -72,8 +73,13 @@ def main():
     mesh = shd.make_mesh("data=1", devices=jax.devices()[:1])
     opt = optax.adamw(common.LR)
     rows = common.PROMPTS * common.SAMPLES
+    res["head_logits"] = os.environ.get("PEERS_HEAD_LOGITS", "keep")
     tc = train.TrainConfig(
-      micro_batches=rows // common.MICRO, chunk_size=common.CHUNK, group_size=common.SAMPLES, entropy=False
+      micro_batches=rows // common.MICRO,
+      chunk_size=common.CHUNK,
+      group_size=common.SAMPLES,
+      entropy=False,
+      head_logits=res["head_logits"],
     )
     graphdef, state, shardings = train.init_train_state(model, opt, mesh)
     step = train.make_train_step(graphdef, opt, config, mesh=mesh, shardings=shardings, train_config=tc)
