@@ -237,6 +237,24 @@ def test_gpu_target_is_an_estimate():
   assert any("estimated by formula" in n for n in p.notes)
 
 
+def test_gpu_estimate_counts_the_kept_head_logits():
+  """``step.head_logits: keep`` holds every chunk's float32 logits of a micro-batch until its backward pass: the
+  step's estimated temporaries grow by ``R·(T − chunk)·V·4`` (R rows per GPU and micro-batch, T completion tokens)."""
+  import dataclasses
+
+  from jaxgrpo.plan.programs import run_shape
+  from jaxgrpo.run import specs
+
+  cfg = specs.load_config(POD, {})
+  kept = dataclasses.replace(cfg, step=dataclasses.replace(cfg.step, head_logits="keep"))
+  target = plan.parse_target("h100-8")
+  base, more = (plan.plan_run(c, target, log=None).programs[0] for c in (cfg, kept))
+  s, tc = run_shape(cfg), cfg.train_config()
+  rows = s.rows / 8 / tc.mini_batches / tc.micro_batches
+  v = more.temp_bytes - base.temp_bytes
+  assert v == pytest.approx(rows * (s.completion_len - tc.chunk_size) * 151936 * 4, rel=1e-6), v
+
+
 def test_gpu_estimate_with_a_teacher_counts_its_weights_and_its_pass():
   """scripts/configs/pod_distill.yaml (Qwen3-1.7B student, Qwen3-8B teacher, sampled form) on h100-8: a third
   program ``teacher`` whose argument is the 8B's bf16 weights over 8 GPUs (counted here from the published shape),

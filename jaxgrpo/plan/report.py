@@ -457,7 +457,8 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   ``target.devices_total`` GPUs: the train state (parameters and AdamW's two moments in ``param_dtype``, plus a
   gradient accumulator) / devices; the reference copy (β > 0); activations of one micro-batch with the model's
   remat (full: each layer's input, ``L·R·S·D`` in ``dtype``; otherwise ~``14·L·R·S·D``) plus one layer's
-  attention scores ``R·H·S²`` float32 (the attention materialises them) and a logits chunk ``R·chunk·V`` float32;
+  attention scores ``R·H·S²`` float32 (the attention materialises them) and a logits chunk ``R·chunk·V`` float32
+  (``step.head_logits: keep``: every chunk's, ``R·T·V``);
   the sampler: the weights in ``dtype`` (all of them: FSDP gathers each layer), its KV cache and ``B·V`` logits;
   a distillation teacher (``objective.distill``): :func:`_gpu_teacher`, its weights resident beside both.
   ``devices.rollout`` / ``devices.teacher`` (:func:`_gpu_split`): the sampler and the teacher over their own GPUs
@@ -473,7 +474,8 @@ def estimate_gpu(cfg, target: Target, model_config, name: str) -> RunPlan:
   seq = s.prompt_len + s.completion_len
   per_layer = (1 if str(cfg.model.remat) in ("full", "True") else 14) * rows * seq * mc.hidden_size * cb
   scores = rows * mc.num_heads * seq * seq * 4
-  logits = rows * (tc.chunk_size or seq) * mc.vocab_size * 4
+  held = s.completion_len if tc.head_logits == "keep" else (tc.chunk_size or seq)  # keep: all chunks until backward
+  logits = rows * held * mc.vocab_size * 4
   acts = mc.num_layers * per_layer + scores + logits + param_bytes  # + the gradient accumulator
   step = ProgramPlan("step", tc.micro_batches, other_resident_bytes=int(ref), verdict="estimated")
   step.argument_bytes = step.output_bytes = step.alias_bytes = int(state)
