@@ -702,7 +702,6 @@ def packed_log_probs(
       the same sequence unpacked. None: no dropout.
     row_in_slot: ``int[R, L]`` the row (within its block's ``B/blocks``) of the sequence that laid out each
       column (``jaxgrpo.step.packing.PackedSlots.row_in_slot``); needed with ``dropout_key``.
-
     keep_logits: the head's chunks keep their logits for the backward pass (as :func:`completion_log_probs`).
 
   Returns:

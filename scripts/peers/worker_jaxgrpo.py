@@ -9,10 +9,10 @@ stop), one warm-up (compile) then REPEATS timed calls.
 iter: one full GRPO iteration = rollout (as above) + reward (host) + reference log-probs (β=0.04)
 + one AdamW update of the jitted train step (the preset of the 4th argument, default grpo, with
 seq-mean-token-mean aggregation as Tunix's default and TRL's loss_type="grpo", k3 KL, 2 micro-batches
-of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); the head's logits kept for the backward pass
-(``TrainConfig.head_logits``, ``PEERS_HEAD_LOGITS``: ``keep``, the default here, or ``recompute``, the
-library's default; recorded in the RESULT); one warm-up iteration then REPEATS timed ones. The iteration is the library's public one,
-`jaxgrpo.loop.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
+of 64 rows; `common.jaxgrpo_preset` records it in the RESULT); the head's logits kept for the backward
+pass (``TrainConfig.head_logits``, ``PEERS_HEAD_LOGITS``: ``keep``, the default here, or ``recompute``, the
+library's default; recorded in the RESULT); one warm-up iteration then REPEATS timed ones. The iteration is
+the library's public one, `jaxgrpo.loop.iteration.grpo_iteration` (no bucketing: the completions keep their 128 columns).
 """
 
 from __future__ import annotations
